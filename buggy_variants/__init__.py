@@ -1,0 +1,193 @@
+"""The catalog of silent attention mistakes: `VARIANTS[id]` is one bug, its lesson and its layer.
+
+Every layer is `correct.MultiHeadAttention` with one step overridden (see `_catalog.py`). Each entry says
+what goes wrong and why nothing crashes (`explanation`), what can be measured (`symptom`), the one-line
+repair (`fix`), which `diagnostics` detectors catch it (`expected_detectors`), and the conditions under
+which the bug is observable at all (`detectable_when`, a sentence and a predicate on a `Setting`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _catalog as c
+from ._registry import Observable, Setting, Variant
+
+_ALWAYS = Observable("always", lambda s: True)
+
+
+def _entries() -> list[Variant]:
+    return [
+        Variant(
+            id="missing_scale", title="Missing 1/sqrt(d_k) scale", cls=c.MissingScale, step="scale",
+            explanation="Dot products of d_k-wide vectors have variance ~d_k, so without the 1/sqrt(d_k) the "
+            "logits grow with the head width and the softmax saturates: attention becomes nearly one-hot and its "
+            "gradients vanish. Shapes, row sums and masks all stay right, so nothing fails; the model just "
+            "trains worse, more so for wider heads.",
+            symptom="The temperature the softmax sees is sqrt(d_k) times too sharp; weight entropy collapses as d_k grows.",
+            fix="return scores / math.sqrt(self.head_dim)",
+            detectable_when=Observable("d_k > 1 (the scale is then 1) and some query may attend two or more keys "
+                                       "(one logit's softmax is 1 at any temperature)",
+                                       lambda s: s.d_k > 1 and s.has_choice),
+            expected_detectors=("softmax_saturation",),
+        ),
+        Variant(
+            id="scaled_by_d_model", title="Scaled by sqrt(d_model) instead of sqrt(d_k)", cls=c.ScaledByDModel,
+            step="scale",
+            explanation="Dividing by the width of the whole model rather than of one head makes every logit "
+            "sqrt(H) times too small: attention is too flat and barely depends on the content. Reported in "
+            "karpathy/ng-video-lecture PR #6 and lucidrains/vit-pytorch#65.",
+            symptom="The softmax temperature is sqrt(num_heads) times too flat.",
+            fix="return scores / math.sqrt(self.head_dim)",
+            detectable_when=Observable("num_heads > 1 (with one head d_model = d_k) and some query may attend two "
+                                       "or more keys", lambda s: s.num_heads > 1 and s.has_choice),
+            expected_detectors=("softmax_saturation",),
+        ),
+        Variant(
+            id="no_softmax", title="No softmax", cls=c.NoSoftmax, step="softmax",
+            explanation="The raw logits are used as weights: they can be negative, rows do not sum to 1, and the "
+            "output is no longer an average of the values, so its scale drifts with the sequence length. It "
+            "still trains after a fashion, which is why it goes unnoticed.",
+            symptom="Weights are negative and rows do not sum to 1; with a mask, -inf reaches the output.",
+            fix="return _sdpa.safe_softmax(scores)",
+            detectable_when=_ALWAYS,
+        ),
+        Variant(
+            id="mask_after_softmax", title="Mask applied after the softmax", cls=c.MaskAfterSoftmax,
+            step="mask_then_softmax",
+            explanation="Normalising first and zeroing the blocked weights afterwards leaves the kept weights "
+            "summing to less than 1, and the blocked keys still shape them through the normaliser: change a "
+            "padded key and every output moves.",
+            symptom="Rows with a blocked key sum to < 1; outputs depend on keys that are masked out.",
+            fix="return self.softmax(self.mask(scores, mask))",
+            detectable_when=Observable("some query row has both blocked and allowed keys",
+                                       lambda s: s.has_partly_masked_row),
+        ),
+        Variant(
+            id="missing_causal_mask", title="Causal decoder without its causal mask", cls=c.MissingCausalMask,
+            step="mask", layer_kwargs={"causal": True},
+            explanation="The layer promises causality but never applies its mask, so every token sees the "
+            "future. Training loss looks excellent (the model copies the next token) and generation is garbage.",
+            symptom="Changing only tokens after t changes the outputs at and before t.",
+            fix="apply causal_mask(Tq, Tk, align='bottom_right') before the user's mask",
+            detectable_when=Observable("the causal mask blocks a key the user's mask allows (T > 1)",
+                                       lambda s: bool((s.allowed(align=None) & ~s.allowed()).any())),
+        ),
+        Variant(
+            id="swapped_self_cross", title="Self- and cross-attention inputs swapped", cls=c.SwappedSelfCross,
+            step="project",
+            explanation="A cross-attention layer must take its queries from the decoder stream and its keys and "
+            "values from the encoder memory. Swapped, the output has one row per memory token and mixes decoder "
+            "rows; when the two lengths happen to match, nothing even fails.",
+            symptom="Output length is Tk instead of Tq; each output row depends on every query row.",
+            fix="return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)",
+            detectable_when=Observable("query and memory are different tensors, and Tq != Tk (the output has the "
+                                       "wrong length) or some query may attend a key",
+                                       lambda s: not s.self_attention and (s.t_q != s.t_k or s.attends_anything)),
+        ),
+        Variant(
+            id="non_contiguous_view", title="view() after transpose() without .contiguous()",
+            cls=c.NonContiguousView, step="merge_heads",
+            explanation="transpose() returns a strided view; view() cannot merge the head and width dimensions "
+            "of it and raises. It works on the degenerate shapes where the merged dimensions are still "
+            "laid out in order: one head (H = 1), one query (Tq = 1) or one-wide heads (d_k = 1); size-1 "
+            "dimensions have no stride to get wrong. So it passes a test on tiny inputs or during one-token "
+            "decoding, then crashes in training.",
+            symptom="RuntimeError 'view size is not compatible with input tensor's size and stride' when H, Tq, d_k > 1.",
+            fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
+            detectable_when=Observable("num_heads > 1, Tq > 1 and d_k > 1 (H = 1, Tq = 1 or d_k = 1 happen to work)",
+                                       lambda s: s.num_heads > 1 and s.t_q > 1 and s.d_k > 1),
+        ),
+        Variant(
+            id="softmax_wrong_dim", title="Softmax over the wrong axis", cls=c.SoftmaxWrongDim, step="softmax",
+            explanation="softmax(dim=-2) normalises over queries, not keys: each key's column sums to 1, query "
+            "rows do not, and a query's weights depend on every other query. Reported in PetrochukM/PyTorch-NLP#2.",
+            symptom="Weight rows do not sum to 1; an output row changes when another query changes.",
+            fix="return _sdpa.safe_softmax(scores)",
+            detectable_when=Observable("unless the allowed (query, key) pairs match one to one: every key allowed "
+                                       "to exactly one query, every query at most one key (e.g. Tq = Tk = 1)",
+                                       lambda s: not _one_to_one(s.allowed())),
+        ),
+        Variant(
+            id="heads_merged_without_transpose", title="Heads merged without their transpose",
+            cls=c.HeadsMergedWithoutTranspose, step="merge_heads",
+            explanation="reshape() of (B, H, T, d_k) straight to (B, T, D) lays head h's positions side by side, "
+            "so output row t is built from other positions and other heads. Shapes are right and it still "
+            "trains. Reported in reczoo/FuxiCTR#30 and jsbaan/transformer-from-scratch PR #6.",
+            symptom="Output row t depends on queries at other positions; a causal layer leaks the future.",
+            fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
+            detectable_when=Observable("num_heads > 1 and Tq > 1", lambda s: s.num_heads > 1 and s.t_q > 1),
+        ),
+        Variant(
+            id="mask_polarity_inverted", title="Boolean mask polarity inverted", cls=c.MaskPolarityInverted,
+            step="mask",
+            explanation="nn.MultiheadAttention reads True as 'blocked', F.scaled_dot_product_attention as 'may "
+            "attend'. Mixing the two attends exactly to the padding (or the future) and ignores the real tokens. "
+            "Reported in pytorch/pytorch#170400 and rasbt/LLMs-from-scratch#1061.",
+            symptom="Outputs change when masked keys change, and ignore the keys that are allowed.",
+            fix="return _sdpa.apply_mask(scores, mask, fill=fill)",
+            detectable_when=Observable("a boolean mask is passed", lambda s: s.mask is not None),
+        ),
+        Variant(
+            id="causal_mask_misaligned", title="Causal mask aligned top-left when decoding with a cache",
+            cls=c.CausalMaskMisaligned, step="mask", layer_kwargs={"causal": True},
+            explanation="With a KV cache the queries are the *last* Tq positions. A top-left causal mask (what "
+            "is_causal=True builds in torch) lets query i see keys <= i, so a new token sees only the start of "
+            "the context. Full-sequence training (Tq = Tk) is unaffected, so it hides until generation. "
+            "pytorch/pytorch#108108; flash-attention switched to bottom-right in v2.1.",
+            symptom="With Tq < Tk the newest query ignores the newest keys, itself included.",
+            fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
+            detectable_when=Observable("Tq != Tk (where the two alignments differ on keys the user allows)",
+                                       lambda s: bool((s.allowed(align="top_left") != s.allowed()).any())),
+        ),
+        Variant(
+            id="causal_diagonal_masked", title="Causal mask that also blocks the diagonal",
+            cls=c.CausalDiagonalMasked, step="mask", layer_kwargs={"causal": True},
+            explanation="triu(diagonal=0) instead of triu(diagonal=1) blocks each token from itself: the first "
+            "token sees nothing (NaN, or zeros with a safe softmax) and every token predicts from strictly "
+            "earlier ones. Reported in pbloem/former#10.",
+            symptom="A query's output does not depend on the key at its own position.",
+            fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
+            detectable_when=Observable("the user's mask allows some query its own position",
+                                       lambda s: bool((s.allowed() != _without_diagonal(s)).any())),
+        ),
+        Variant(
+            id="dropout_in_eval", title="Attention dropout left on in eval mode", cls=c.DropoutInEval,
+            step="dropout", layer_kwargs={"dropout": 0.1},
+            explanation="Dropout on the weights must be a no-op after model.eval(). Forcing training=True (or "
+            "passing dropout_p to fused SDPA without a self.training check) makes inference random and rescales "
+            "the kept weights. pytorch/pytorch#124464, pytorch-image-models PR #1978.",
+            symptom="Two eval-mode calls on the same input differ; weight rows do not sum to 1.",
+            fix="return F.dropout(weights, p=self.dropout_p, training=self.training)",
+            detectable_when=Observable("dropout > 0, the layer is in eval mode, and some query may attend a key",
+                                       lambda s: s.dropout > 0 and not s.training and s.attends_anything),
+        ),
+        Variant(
+            id="fully_masked_row_nan", title="Fully masked row gives NaN", cls=c.FullyMaskedRowNaN,
+            step="softmax", expected_severity="warn",
+            explanation="softmax of a row whose every key is -inf is 0/0 = NaN, which then spreads through the "
+            "output projection into the loss and the gradients (pytorch/pytorch#41508). torch's SDPA returns "
+            "zeros for such rows; many correct layers (nn.MultiheadAttention with weights) still give NaN, "
+            "so this is a warning, not a failure.",
+            symptom="NaN in the rows of queries that may attend no key.",
+            fix="return _sdpa.safe_softmax(scores)",
+            detectable_when=Observable("some query row has every key blocked", lambda s: s.has_fully_masked_row),
+        ),
+    ]
+
+
+def _one_to_one(allowed: torch.Tensor) -> bool:
+    """Normalising over keys and over queries agree only when the allowed pairs form a partial matching."""
+    return bool((allowed.sum(dim=-2) == 1).all() and (allowed.sum(dim=-1) <= 1).all())
+
+
+def _without_diagonal(s: Setting) -> torch.Tensor:
+    """`s.allowed()` less each query's own position (i, i + Tk - Tq), as triu(diagonal=0) blocks it."""
+    i = torch.arange(s.t_q).unsqueeze(-1)  # (Tq, 1)
+    j = torch.arange(s.t_k)  # (Tk,)
+    return s.allowed() & (j != i + s.t_k - s.t_q)  # (Tq, Tk)
+
+
+VARIANTS: dict[str, Variant] = {v.id: v for v in _entries()}
+
+__all__ = ["Observable", "Setting", "VARIANTS", "Variant"]

@@ -1,0 +1,101 @@
+"""What a catalog entry is: the broken layer, the lesson, and when the bug can be seen at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from correct import MultiHeadAttention, causal_mask
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One call of a layer, as far as observability depends on it.
+
+    `mask` is the mask passed to `forward` (bool, True = may attend, broadcastable to (B, H, Tq, Tk)) or None;
+    `self_attention` says whether query, key and value are one tensor.
+    """
+
+    d_model: int
+    num_heads: int
+    t_q: int
+    t_k: int
+    mask: Tensor | None = None
+    self_attention: bool = True
+    causal: bool = False
+    dropout: float = 0.0
+    training: bool = False
+
+    @property
+    def d_k(self) -> int:
+        return self.d_model // self.num_heads
+
+    def allowed(self, *, align: str | None = "bottom_right", user_mask: bool = True) -> Tensor:
+        """Boolean (..., Tq, Tk): which keys each query may attend, from the causal mask (if the layer is
+        causal and `align` is given) and the user's mask (if `user_mask`)."""
+        allowed = torch.ones(self.t_q, self.t_k, dtype=torch.bool)
+        if self.causal and align is not None:
+            allowed = allowed & causal_mask(self.t_q, self.t_k, align=align)
+        if user_mask and self.mask is not None:
+            allowed = allowed & self.mask.to("cpu")
+        return allowed
+
+    @property
+    def has_fully_masked_row(self) -> bool:
+        return bool((~self.allowed().any(dim=-1)).any())
+
+    @property
+    def has_choice(self) -> bool:
+        """Some query may attend two or more keys; with one key per row the softmax is 1 whatever the logits."""
+        return bool((self.allowed().sum(dim=-1) >= 2).any())
+
+    @property
+    def attends_anything(self) -> bool:
+        return bool(self.allowed().any())
+
+    @property
+    def has_partly_masked_row(self) -> bool:
+        allowed = self.allowed()
+        return bool((allowed.any(dim=-1) & ~allowed.all(dim=-1)).any())
+
+
+@dataclass(frozen=True)
+class Observable:
+    """When a bug shows at all: a sentence for people and the same condition as a predicate for tests."""
+
+    text: str
+    holds: Callable[[Setting], bool]
+
+    def __call__(self, setting: Setting) -> bool:
+        return bool(self.holds(setting))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A registry entry, like a linter rule: what is wrong, why it is silent, what to write instead."""
+
+    id: str
+    title: str
+    cls: type[MultiHeadAttention]
+    step: str  # the one method of MultiHeadAttention that the variant overrides
+    explanation: str
+    symptom: str
+    fix: str
+    detectable_when: Observable
+    expected_detectors: tuple[str, ...] = ()
+    expected_severity: str = "fail"  # the verdict its expected detectors give ("warn" only for NaN rows)
+    layer_kwargs: dict = field(default_factory=dict)  # e.g. causal=True for the decoder bugs
+
+    def build(self, d_model: int, num_heads: int, **kw) -> MultiHeadAttention:
+        """The broken layer, configured like `reference(d_model, num_heads, **kw)`."""
+        return self.cls(d_model, num_heads, **{**self.layer_kwargs, **kw})
+
+    def reference(self, d_model: int, num_heads: int, **kw) -> MultiHeadAttention:
+        """The correct layer with the same configuration (load the variant's state_dict to share weights)."""
+        return MultiHeadAttention(d_model, num_heads, **{**self.layer_kwargs, **kw})

@@ -1,0 +1,32 @@
+"""Shared test set-up: Hypothesis profiles and the one `device` fixture that CUDA runs go through.
+
+Profiles: `default` (fast, for every run), `thorough` (deep: `pytest --hypothesis-profile=thorough`).
+Under CI (the CI environment variable set) the default profile is derandomized so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(
+    deadline=None,
+    # `device` is a parameter, not state: reusing it across examples is safe.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("default", max_examples=20, derandomize=bool(os.environ.get("CI")), **_COMMON)
+settings.register_profile("thorough", max_examples=400, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+DEVICES = ["cpu", "cuda"]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Every device-aware test runs once per device; CUDA skips with a reason where no GPU is present."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA not available: no GPU on this machine (torch.cuda.is_available() is False)")
+    return torch.device(request.param)

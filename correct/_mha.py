@@ -1,0 +1,122 @@
+"""Multi-head attention as a sequence of small, named, overridable steps.
+
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O,
+    head_h = Attention(Q W_Q^h, K W_K^h, V W_V^h)                (Vaswani et al. 2017, section 3.2.2)
+
+`forward` reads top to bottom as the formula. Each step is a method, so a broken variant in
+`buggy_variants` overrides exactly one of them and its diff against this file *is* the bug.
+
+Legend:  B = batch, Tq / Tk = query / key length, D = d_model, H = heads, d_k = D // H.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _sdpa
+from ._errors import expect
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with a fused QKV projection; `forward` returns `(out, weights)`.
+
+    `causal=True` makes it a decoder self-attention layer: query i may attend keys j <= i + (Tk - Tq)
+    (bottom-right alignment, right for cached decoding). `mask` follows torch's SDPA: True = may attend.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, bias: bool = True, dropout: float = 0.0,
+                 causal: bool = False):
+        super().__init__()
+        expect(num_heads >= 1 and d_model >= 1, "d_model >= 1 and num_heads >= 1",
+               f"d_model={d_model}, num_heads={num_heads}", "pass positive sizes")
+        divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
+        expect(d_model % num_heads == 0, "d_model divisible by num_heads",
+               f"d_model={d_model}, num_heads={num_heads}", f"choose num_heads in {{{', '.join(map(str, divisors))}}}")
+        expect(0.0 <= dropout < 1.0, "0 <= dropout < 1", f"dropout={dropout}", "pass a probability below 1")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.dropout_p, self.causal = dropout, causal
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)  # W_Q, W_K, W_V stacked: one matmul for self-attention
+        self.out = nn.Linear(d_model, d_model, bias=bias)  # W_O
+
+    # ---- the steps, in the order forward calls them -------------------------------------------------
+    def project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        D = self.d_model
+        if query is key and key is value:  # self-attention: one fused matmul
+            return self.qkv(query).split(D, dim=-1)  # (B, T, 3D) -> 3 x (B, T, D)
+        w, b = self.qkv.weight, self.qkv.bias  # (3D, D), (3D,)
+        b_q, b_k, b_v = (None, None, None) if b is None else b.split(D)
+        w_q, w_k, w_v = w.split(D)  # 3 x (D, D)
+        return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)  # (B, Tq, D), (B, Tk, D), (B, Tk, D)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, T, D) -> (B, H, T, d_k)
+
+    def score(self, q: Tensor, k: Tensor) -> Tensor:
+        return _sdpa.scores(q, k)  # (B, H, Tq, d_k) x (B, H, d_k, Tk) -> (B, H, Tq, Tk)
+
+    def scale(self, scores: Tensor) -> Tensor:
+        return scores / math.sqrt(self.head_dim)  # per-head width: keeps logits' variance ~1 as d_k grows
+
+    def mask(self, scores: Tensor, mask: Tensor | None, *, fill: float = -math.inf) -> Tensor:
+        if self.causal:
+            t_q, t_k = scores.shape[-2:]
+            causal = _sdpa.causal_mask(t_q, t_k, align="bottom_right", device=scores.device)  # (Tq, Tk)
+            scores = _sdpa.apply_mask(scores, causal, fill=fill)
+        return _sdpa.apply_mask(scores, mask, fill=fill)  # (B, H, Tq, Tk)
+
+    def softmax(self, scores: Tensor) -> Tensor:
+        return _sdpa.safe_softmax(scores)  # (B, H, Tq, Tk), rows sum to 1 over keys (0 if fully masked)
+
+    def mask_then_softmax(self, scores: Tensor, mask: Tensor | None) -> Tensor:
+        # Order matters: masked logits must be -inf *before* normalising, so the kept weights sum to 1.
+        return self.softmax(self.mask(scores, mask))  # (B, H, Tq, Tk)
+
+    def dropout(self, weights: Tensor) -> Tensor:
+        return F.dropout(weights, p=self.dropout_p, training=self.training)  # identity in eval mode
+
+    def weight_values(self, weights: Tensor, v: Tensor) -> Tensor:
+        return _sdpa.weight_values(weights, v)  # (B, H, Tq, Tk) x (B, H, Tk, d_k) -> (B, H, Tq, d_k)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        B, H, T, d_k = x.shape
+        return x.transpose(1, 2).contiguous().view(B, T, H * d_k)  # (B, H, T, d_k) -> (B, T, H, d_k) -> (B, T, D)
+
+    def output_projection(self, x: Tensor) -> Tensor:
+        return self.out(x)  # (B, Tq, D)
+
+    # ---- the formula ---------------------------------------------------------------------------------
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """query `(B, Tq, D)`, key and value `(B, Tk, D)` (default: query). Returns out `(B, Tq, D)` and
+        the attention weights `(B, H, Tq, Tk)` after dropout, i.e. the weights that were used."""
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value, mask)
+
+        q, k, v = self.project(query, key, value)  # (B, Tq, D), (B, Tk, D), (B, Tk, D)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, T, d_k)
+        scores = self.scale(self.score(q, k))  # (B, H, Tq, Tk)
+        weights = self.dropout(self.mask_then_softmax(scores, mask))  # (B, H, Tq, Tk)
+        out = self.merge_heads(self.weight_values(weights, v))  # (B, H, Tq, d_k) -> (B, Tq, D)
+        return self.output_projection(out), weights.to(query.dtype)
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> None:
+        D = self.d_model
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            expect(isinstance(x, Tensor) and x.dim() == 3, f"{name} of shape (B, T, d_model={D})",
+                   f"{name}.shape={tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}",
+                   "add the batch dimension with x.unsqueeze(0)" if isinstance(x, Tensor) and x.dim() == 2
+                   else "pass a 3-D tensor (batch, sequence, features)")
+            expect(x.size(-1) == D, f"{name} with last dimension d_model={D}", f"{name}.shape={tuple(x.shape)}",
+                   f"project the input to width {D} or build the layer with d_model={x.size(-1)}")
+        expect(query.size(0) == key.size(0) == value.size(0), "query, key and value with one batch size",
+               f"{query.size(0)}, {key.size(0)}, {value.size(0)}", "stack the same batch for all three")
+        expect(key.size(1) == value.size(1), "key and value of one length Tk",
+               f"key Tk={key.size(1)}, value Tk={value.size(1)}", "pass one value per key")
+        B, t_q, t_k = query.size(0), query.size(1), key.size(1)
+        _sdpa.check_mask(mask, torch.Size((B, self.num_heads, t_q, t_k)))
