@@ -1,0 +1,204 @@
+"""Look inside a layer without touching its code: a TorchDispatchMode records the softmax inputs and
+outputs, the matmuls, fused SDPA calls and multiplications by constants, at the aten level, so it sees
+the same operations whether the layer calls `torch.matmul`, `@`, `torch.bmm`, `torch.baddbmm`, `einsum`,
+`F.softmax`, `Tensor.softmax` or `F.scaled_dot_product_attention`, and inside composite functions such as
+`F.multi_head_attention_forward`.
+
+From that record, `applied_scales()` estimates the factor the layer really multiplies q·k by before the
+softmax. The estimate uses differences between the two halves of the probe batch, so any additive term
+that does not depend on the content (masks, ALiBi and relative-position biases) cancels out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Ops whose output carries the same values as their first input (a view or a copy of it).
+_CARRY = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+    aten.transpose.int, aten.permute.default, aten.expand.default, aten.t.default, aten._to_copy.default,
+    aten.contiguous.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
+    aten.repeat_interleave.self_int, aten.repeat.default,
+}
+_SCALE_BY = {aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar}
+_DIVIDE_BY = {aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar}
+_MATMULS = {aten.bmm.default, aten.mm.default}
+_SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
+
+
+def _key(t: Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _constant(x) -> float | None:
+    """A Python number or a one-element tensor: a factor that is the same for every element."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, Tensor) and x.numel() == 1:
+        return float(x.detach().reshape(()).item())
+    return None
+
+
+@dataclass
+class SoftmaxCall:
+    input: Tensor
+    output: Tensor
+    dim: int
+
+
+@dataclass
+class Matmul:
+    out: Tensor
+    a: Tensor
+    b: Tensor
+    factor: float  # alpha of baddbmm, times the constants a and b were multiplied by
+
+
+@dataclass
+class FusedAttention:
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    scale: float  # the scale the kernel applies, times the constants q and k were multiplied by
+    attn_mask: Tensor | None
+    is_causal: bool
+
+
+@dataclass
+class Record:
+    """What one forward pass did, in order."""
+
+    softmaxes: list[SoftmaxCall] = field(default_factory=list)
+    matmuls: list[Matmul] = field(default_factory=list)
+    fused: list[FusedAttention] = field(default_factory=list)
+    order: list[object] = field(default_factory=list)
+
+
+class Observer(TorchDispatchMode):
+    """Records attention-relevant aten calls into `self.record` while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.record = Record()
+        self._factors: dict[int, float] = {}  # storage -> constant the values were multiplied by
+        self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
+
+    def _factor(self, t) -> float:
+        return self._factors.get(_key(t), 1.0) if isinstance(t, Tensor) else 1.0
+
+    def _set_factor(self, t, factor: float) -> None:
+        if isinstance(t, Tensor) and factor != 1.0:
+            self._factors[_key(t)] = factor
+            self._keep.append(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        name = str(func)
+        try:
+            self._note(func, name, packet, args, kwargs, out)
+        except Exception:  # observing must never break the layer under audit
+            pass
+        return out
+
+    def _note(self, func, name, packet, args, kwargs, out):
+        rec = self.record
+        if func in _CARRY and isinstance(args[0], Tensor):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for o in outs:
+                self._set_factor(o, self._factor(args[0]))
+        elif func in _SCALE_BY or func in _DIVIDE_BY:
+            a, b = args[0], args[1]
+            c_b, c_a = _constant(b), _constant(a) if isinstance(a, Tensor) and a.numel() == 1 else None
+            if c_b is not None and isinstance(a, Tensor) and a.numel() > 1:
+                c = c_b if func in _SCALE_BY else (1.0 / c_b if c_b else math.inf)
+                self._set_factor(out, self._factor(a) * c)
+            elif c_a is not None and func in _SCALE_BY and isinstance(b, Tensor):
+                self._set_factor(out, self._factor(b) * c_a)
+        elif func is aten.copy_.default:
+            self._set_factor(args[0], self._factor(args[1]))
+        elif func in _MATMULS:
+            a, b = args[0], args[1]
+            m = Matmul(out.detach(), a.detach(), b.detach(), self._factor(a) * self._factor(b))
+            rec.matmuls.append(m)
+            rec.order.append(m)
+        elif func is aten.baddbmm.default:
+            a, b = args[1], args[2]
+            alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))
+            m = Matmul(out.detach(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b))
+            rec.matmuls.append(m)
+            rec.order.append(m)
+        elif func in _SOFTMAX:
+            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]))
+            rec.softmaxes.append(s)
+            rec.order.append(s)
+        elif "scaled_dot_product" in name and "backward" not in name:
+            q, k, v = args[0], args[1], args[2]
+            scale = kwargs.get("scale")
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+            mask = kwargs.get("attn_mask")
+            if mask is None:
+                mask = next((a for a in args[3:] if isinstance(a, Tensor)), None)
+            is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
+            f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
+                               None if mask is None else mask.detach(), is_causal)
+            rec.fused.append(f)
+            rec.order.append(f)
+
+
+@dataclass(frozen=True)
+class ScaleEstimate:
+    applied: float  # the factor q·k is multiplied by before the softmax
+    d_k: int  # the width of the dot products
+    source: str  # how it was found
+    fit: float  # relative residual of the fit (0 = exact)
+
+
+def applied_scales(record: Record) -> list[ScaleEstimate]:
+    """One estimate per softmax that normalises a matmul's output, and one per fused attention call."""
+    estimates = [ScaleEstimate(f.scale, int(f.q.shape[-1]), "fused scaled_dot_product_attention", 0.0)
+                 for f in record.fused]
+    for i, event in enumerate(record.order):
+        if not isinstance(event, SoftmaxCall):
+            continue
+        earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
+        for m in reversed(earlier):
+            fitted = _fit_scale(event.input, m.out)
+            if fitted is not None:
+                s, residual = fitted
+                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
+                                               residual))
+                break
+    return estimates
+
+
+def _fit_scale(scores: Tensor, products: Tensor) -> tuple[float, float] | None:
+    """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves."""
+    s = scores.detach().double().reshape(-1)
+    p = products.detach().double().reshape(-1)
+    half = s.numel() // 2
+    if half == 0 or s.numel() % 2:
+        return None
+    ds, dp = s[:half] - s[half:], p[:half] - p[half:]
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (s[:half].abs() < 1e30) & (s[half:].abs() < 1e30)
+    ds, dp = ds[ok], dp[ok]
+    denom = float((dp * dp).sum())
+    if ds.numel() < 2 or denom == 0.0:
+        return None
+    scale = float((ds * dp).sum()) / denom
+    residual = float((ds - scale * dp).norm() / ds.norm().clamp_min(1e-300))
+    if residual > 0.05:  # not the matmul that produced these logits
+        return None
+    return scale, residual
