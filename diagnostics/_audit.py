@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._detectors import DETECTORS
+from ._detectors import DETECTORS, _weights_from
 from ._errors import expect
 from ._probe import Probe
 from ._result import DetectorResult
@@ -32,6 +32,8 @@ class AuditReport:
     forward_passes: int
     seconds: float
     settings: dict = field(default_factory=dict)
+    weights: torch.Tensor | None = field(default=None, repr=False)  # (B, [H,] Tq, Tk) of the standard probe
+    weights_source: str = ""  # "returned weights" or "observed softmax output (dim=...)"
 
     @property
     def passed(self) -> bool:
@@ -66,6 +68,12 @@ class AuditReport:
         __tracebackhide__ = True
         if not self.passed:
             raise AttentionAuditError(str(self))
+
+    def to_html(self, path) -> None:
+        """Write a self-contained HTML page: findings, evidence, fixes, and heatmaps of the weights."""
+        from ._html import write_report_html
+
+        write_report_html(self, path)
 
     def to_dict(self) -> dict:
         return {
@@ -127,7 +135,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                            need_weights=need_weights)
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len or 16, seed=seed)
     started = time.perf_counter()
-    results = []
+    results: list[DetectorResult] = []
     with _untouched(layer, subject.device):
         for n, det_id in enumerate(chosen):
             if progress is not None:
@@ -137,11 +145,14 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             except Exception as error:  # a detector that cannot cope must not crash the audit
                 results.append(DetectorResult(det_id, "skip", f"not measured: the detector could not handle this "
                                               f"layer ({type(error).__name__}: {error})"))
+        base = probe.base()
+    weights, source = _weights_from(base, probe.t, probe.t) if base.ok else (None, "")
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
                        dtype=dtype_name(subject.dtype), device=str(subject.device), forward_passes=probe.passes,
                        seconds=time.perf_counter() - started,
                        settings={"form": subject.form, "d_model": subject.d_model, "num_heads": subject.num_heads,
-                                 "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask})
+                                 "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask},
+                       weights=None if weights is None else weights.cpu(), weights_source=source)
 
 
 def assert_attention_ok(layer, **kwargs) -> AuditReport:
