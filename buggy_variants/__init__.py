@@ -51,6 +51,7 @@ def _entries() -> list[Variant]:
             symptom="Weights are negative and rows do not sum to 1; with a mask, -inf reaches the output.",
             fix="return _sdpa.safe_softmax(scores)",
             detectable_when=_ALWAYS,
+            expected_detectors=("weight_row_sums", "output_variance", "mask_honoured", "fully_masked_rows"),
         ),
         Variant(
             id="mask_after_softmax", title="Mask applied after the softmax", cls=c.MaskAfterSoftmax,
@@ -62,6 +63,7 @@ def _entries() -> list[Variant]:
             fix="return self.softmax(self.mask(scores, mask))",
             detectable_when=Observable("some query row has both blocked and allowed keys",
                                        lambda s: s.has_partly_masked_row),
+            expected_detectors=("weight_row_sums", "mask_honoured"),
         ),
         Variant(
             id="missing_causal_mask", title="Causal decoder without its causal mask", cls=c.MissingCausalMask,
@@ -72,6 +74,7 @@ def _entries() -> list[Variant]:
             fix="apply causal_mask(Tq, Tk, align='bottom_right') before the user's mask",
             detectable_when=Observable("the causal mask blocks a key the user's mask allows (T > 1)",
                                        lambda s: bool((s.allowed(align=None) & ~s.allowed()).any())),
+            expected_detectors=("future_leakage",),
         ),
         Variant(
             id="swapped_self_cross", title="Self- and cross-attention inputs swapped", cls=c.SwappedSelfCross,
@@ -84,6 +87,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("query and memory are different tensors, and Tq != Tk (the output has the "
                                        "wrong length) or some query may attend a key",
                                        lambda s: not s.self_attention and (s.t_q != s.t_k or s.attends_anything)),
+            expected_detectors=("output_shape", "query_locality"),
         ),
         Variant(
             id="non_contiguous_view", title="view() after transpose() without .contiguous()",
@@ -97,6 +101,7 @@ def _entries() -> list[Variant]:
             fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
             detectable_when=Observable("num_heads > 1, Tq > 1 and d_k > 1 (H = 1, Tq = 1 or d_k = 1 happen to work)",
                                        lambda s: s.num_heads > 1 and s.t_q > 1 and s.d_k > 1),
+            expected_detectors=("runs",),
         ),
         Variant(
             id="softmax_wrong_dim", title="Softmax over the wrong axis", cls=c.SoftmaxWrongDim, step="softmax",
@@ -107,6 +112,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("unless the allowed (query, key) pairs match one to one: every key allowed "
                                        "to exactly one query, every query at most one key (e.g. Tq = Tk = 1)",
                                        lambda s: not _one_to_one(s.allowed())),
+            expected_detectors=("weight_row_sums", "output_variance", "query_locality", "mask_honoured"),
         ),
         Variant(
             id="heads_merged_without_transpose", title="Heads merged without their transpose",
@@ -117,6 +123,7 @@ def _entries() -> list[Variant]:
             symptom="Output row t depends on queries at other positions; a causal layer leaks the future.",
             fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
             detectable_when=Observable("num_heads > 1 and Tq > 1", lambda s: s.num_heads > 1 and s.t_q > 1),
+            expected_detectors=("output_variance", "query_locality", "mask_honoured"),
         ),
         Variant(
             id="mask_polarity_inverted", title="Boolean mask polarity inverted", cls=c.MaskPolarityInverted,
@@ -127,6 +134,7 @@ def _entries() -> list[Variant]:
             symptom="Outputs change when masked keys change, and ignore the keys that are allowed.",
             fix="return _sdpa.apply_mask(scores, mask, fill=fill)",
             detectable_when=Observable("a boolean mask is passed", lambda s: s.mask is not None),
+            expected_detectors=("mask_honoured",),
         ),
         Variant(
             id="causal_mask_misaligned", title="Causal mask aligned top-left when decoding with a cache",
@@ -139,6 +147,7 @@ def _entries() -> list[Variant]:
             fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
             detectable_when=Observable("Tq != Tk (where the two alignments differ on keys the user allows)",
                                        lambda s: bool((s.allowed(align="top_left") != s.allowed()).any())),
+            expected_detectors=("causal_alignment",),
         ),
         Variant(
             id="causal_diagonal_masked", title="Causal mask that also blocks the diagonal",
@@ -150,6 +159,7 @@ def _entries() -> list[Variant]:
             fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
             detectable_when=Observable("the user's mask allows some query its own position",
                                        lambda s: bool((s.allowed() != _without_diagonal(s)).any())),
+            expected_detectors=("weight_row_sums", "output_variance", "causal_alignment"),
         ),
         Variant(
             id="dropout_in_eval", title="Attention dropout left on in eval mode", cls=c.DropoutInEval,
@@ -161,6 +171,8 @@ def _entries() -> list[Variant]:
             fix="return F.dropout(weights, p=self.dropout_p, training=self.training)",
             detectable_when=Observable("dropout > 0, the layer is in eval mode, and some query may attend a key",
                                        lambda s: s.dropout > 0 and not s.training and s.attends_anything),
+            expected_detectors=("weight_row_sums", "output_variance", "query_locality", "mask_honoured",
+                                "eval_determinism"),
         ),
         Variant(
             id="fully_masked_row_nan", title="Fully masked row gives NaN", cls=c.FullyMaskedRowNaN,
@@ -172,6 +184,7 @@ def _entries() -> list[Variant]:
             symptom="NaN in the rows of queries that may attend no key.",
             fix="return _sdpa.safe_softmax(scores)",
             detectable_when=Observable("some query row has every key blocked", lambda s: s.has_fully_masked_row),
+            expected_detectors=("fully_masked_rows",),
         ),
     ]
 

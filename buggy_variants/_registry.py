@@ -89,7 +89,9 @@ class Variant:
     fix: str
     detectable_when: Observable
     expected_detectors: tuple[str, ...] = ()
-    expected_severity: str = "fail"  # the verdict its expected detectors give ("warn" only for NaN rows)
+    # The audit's outcome: "fail" (report.passed is False) or "warn" (it passes with a warning: NaN on a row
+    # with no key to attend, which correct layers such as nn.MultiheadAttention also give).
+    expected_severity: str = "fail"
     layer_kwargs: dict = field(default_factory=dict)  # e.g. causal=True for the decoder bugs
 
     def build(self, d_model: int, num_heads: int, **kw) -> MultiHeadAttention:

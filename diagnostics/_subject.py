@@ -14,6 +14,7 @@ Time runs along dimension `time_dim` of inputs and outputs: 2 for functions, 1 f
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ class Subject:
         raise NotImplementedError
 
     def describe(self) -> str:
-        name = getattr(self.layer, "__qualname__", None) or type(self.layer).__qualname__
+        name = (getattr(self.layer, "audit_name", None)  # adapters name the layer they wrap
+                or getattr(self.layer, "__qualname__", None) or type(self.layer).__qualname__)
         return f"{name} ({self.form}, d_model={self.d_model}, num_heads={self.num_heads})"
 
 
@@ -83,11 +85,21 @@ def _unpack(result) -> Output:
     return Output(out.detach(), None if weights is None else weights.detach())
 
 
-def _mask_param(fn) -> str | None:
+def _parameter_names(fn) -> list[str] | None:
+    """Parameter names from the signature; for builtins without one (torch's C functions), from the
+    first line of the docstring, e.g. 'scaled_dot_product_attention(query, key, value, attn_mask=None, ...)'."""
     try:
-        params = inspect.signature(fn).parameters
+        return list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return None
+        head = (getattr(fn, "__doc__", None) or "").strip().split("\n\n")[0]  # may wrap over lines
+        match = re.match(r"^[\w.]+\(([^)]*)\)", head)
+        if not match:
+            return None
+        return [p.split("=")[0].strip().lstrip("*") for p in match.group(1).split(",") if p.strip()]
+
+
+def _mask_param(fn) -> str | None:
+    params = _parameter_names(fn) or []
     return next((n for n in MASK_NAMES if n in params), None)
 
 

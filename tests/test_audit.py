@@ -1,0 +1,151 @@
+"""audit() as a tool: it never crashes on a broken layer, leaves everything as it found it, explains
+misuse, and costs a constant number of forward passes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from buggy_variants import VARIANTS
+from correct import MultiHeadAttention
+from diagnostics import AttentionAuditError, AuditUsageError, audit
+
+
+class Counting(MultiHeadAttention):
+    """A correct layer that also counts its calls in a buffer (state the audit must restore)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, query, key=None, value=None, mask=None):
+        self.calls += 1
+        return super().forward(query, key, value, mask)
+
+
+def test_audit_leaves_layer_rng_and_grads_untouched():
+    torch.manual_seed(0)
+    layer = Counting(16, 2, dropout=0.1).train()
+    layer.out.weight.grad = torch.ones_like(layer.out.weight)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    rng = torch.get_rng_state()
+    report = audit(layer)
+    assert report.passed, str(report)
+    assert layer.training and all(m.training for m in layer.modules())
+    after = layer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "parameters or buffers changed"
+    assert int(layer.calls) == 0, "a buffer the forward pass updates was not restored"
+    assert torch.equal(layer.out.weight.grad, torch.ones_like(layer.out.weight)) and layer.qkv.weight.grad is None
+    assert torch.equal(torch.get_rng_state(), rng), "the global RNG state moved"
+
+
+def test_audit_restores_eval_mode_too():
+    layer = MultiHeadAttention(16, 2).eval()
+    audit(layer)
+    assert not layer.training
+
+
+class Raises(nn.Module):
+    d_model = 8
+
+    def forward(self, x):
+        raise ValueError("boom")
+
+
+class ReturnsNone(nn.Module):
+    d_model = 8
+
+    def forward(self, x):
+        return None
+
+
+class WrongShape(nn.Module):
+    d_model = 8
+
+    def forward(self, x):
+        return x[:, :1]
+
+
+class ReturnsNaN(nn.Module):
+    d_model = 8
+
+    def forward(self, x):
+        return x * float("nan")
+
+
+@pytest.mark.parametrize("layer, detector, words", [
+    (Raises(), "runs", "ValueError: boom"),
+    (ReturnsNone(), "runs", "returned NoneType"),
+    (WrongShape(), "output_shape", "expected (2, 16, 8)"),
+    (ReturnsNaN(), "finite_output", "NaN/inf"),
+])
+def test_a_broken_layer_is_a_finding_never_a_crash(layer, detector, words):
+    report = audit(layer)
+    assert not report.passed
+    result = report.result(detector)
+    assert result.verdict == "fail" and words in result.evidence, str(report)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: audit(42), "an attention layer"),
+    (lambda: audit(nn.Linear(4, 4)), "pass d_model=... to audit()"),
+    (lambda: audit(lambda q, k: q), "a function f(q, k, v, mask=None)"),
+    (lambda: audit(MultiHeadAttention(8, 2), seq_len=0), "seq_len >= 1"),
+    (lambda: audit(MultiHeadAttention(8, 2), scale=-1.0), "a positive scale"),
+    (lambda: audit(MultiHeadAttention(8, 2), detectors=["nope"]), "detector ids from"),
+])
+def test_misuse_says_what_was_expected_seen_and_the_fix(call, words):
+    with pytest.raises(AuditUsageError) as info:
+        call()
+    text = str(info.value)
+    assert words in text and text.startswith("expected ") and "; got " in text and "Fix: " in text
+
+
+def test_cost_is_a_constant_number_of_forward_passes():
+    layer = MultiHeadAttention(16, 2, causal=True)
+    passes = {t: audit(layer, causal=True, seq_len=t).forward_passes for t in (4, 32, 96)}
+    assert len(set(passes.values())) == 1, passes
+    assert passes[4] <= 16
+
+
+def test_report_reads_and_raises():
+    good = audit(MultiHeadAttention(16, 2))
+    text = str(good)
+    assert "PASSED" in text and all(d in text for d in diagnostics.DETECTORS)
+    good.raise_for_findings()
+    assert diagnostics.assert_attention_ok(MultiHeadAttention(16, 2)).passed
+    bad = audit(VARIANTS["missing_causal_mask"].build(16, 2), causal=True)
+    with pytest.raises(AttentionAuditError, match="FAIL future_leakage"):
+        bad.raise_for_findings()
+    finding = bad.findings[0]
+    assert (finding.detector, finding.severity) == ("future_leakage", "fail") and finding.fix and finding.evidence
+    assert json.loads(json.dumps(bad.to_dict()))["passed"] is False
+
+
+def test_evidence_reads_like_assert_close():
+    report = audit(VARIANTS["missing_causal_mask"].build(16, 2), causal=True)
+    evidence = report.result("future_leakage").evidence
+    pattern = (r"\d+ / \d+ past outputs changed \(\d+\.\d%\); greatest change [\d.e+-]+ at \(b=\d+, t=\d+\) "
+               r"when only t>=\d+ was perturbed \(up to 1e-05 allowed for float32\)")
+    assert re.fullmatch(pattern, evidence), evidence
+
+
+def test_registry_and_public_surface_agree():
+    assert diagnostics.__all__ == sorted(diagnostics.__all__, key=lambda n: (not n.isupper(), n))
+    for det_id, det in diagnostics.DETECTORS.items():
+        assert det.id == det_id and det.description and det.targets and det.fix and callable(det.check)
+    for variant in VARIANTS.values():
+        assert set(variant.expected_detectors) <= set(diagnostics.DETECTORS)
+
+
+def test_diagnostics_never_imports_the_catalog():
+    import pathlib
+
+    for path in pathlib.Path(diagnostics.__file__).parent.glob("*.py"):
+        imports = re.findall(r"^\s*(?:from|import)\s+(buggy_variants|correct)\b", path.read_text(), re.M)
+        assert not imports, f"{path.name} imports {imports}: detectors must not know any implementation"

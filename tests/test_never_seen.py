@@ -1,0 +1,351 @@
+"""Layers written unlike `correct/`: the audit must classify them by their properties alone.
+
+Correct ones use einsum, fused SDPA, a chunked online softmax, nanoGPT's fused projection and tril buffer,
+rotary embeddings, ALiBi, QK-norm, grouped-query heads, timm's q-side scaling, a declared scale of 1,
+additive float masks, and half precision. Broken ones make mistakes the catalog does not contain, or the
+catalog's mistakes written another way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+
+# ---- correct, unlike the reference -------------------------------------------------------------------
+
+
+def einsum_attention(q, k, v, mask=None):
+    """(B, H, T, d) einsum attention with a bool mask, True = may attend."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v), weights
+
+
+def chunked_online_attention(q, k, v, mask=None, chunk=3):
+    """Flash-style: keys in chunks, a running max and running sum, no (Tq, Tk) weights kept."""
+    scale = q.shape[-1] ** -0.5
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)  # running max (B, H, Tq, 1)
+    l = torch.zeros_like(m)  # running normaliser  # noqa: E741
+    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)  # (B, H, Tq, d_v)
+    for start in range(0, k.shape[-2], chunk):
+        s = (q @ k[..., start:start + chunk, :].transpose(-2, -1)) * scale  # (B, H, Tq, c)
+        if mask is not None:
+            s = s.masked_fill(~mask[..., start:start + chunk], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - safe)
+        correction = torch.exp(m - safe)
+        l = l * correction + p.sum(-1, keepdim=True)  # noqa: E741
+        acc = acc * correction + p @ v[..., start:start + chunk, :]
+        m = m_new
+    return acc / l.clamp_min(1e-30)
+
+
+class FusedSDPA(nn.Module):
+    """Separate q/k/v projections and torch's fused kernel; returns the output only."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, query, key, value, attn_mask=None):
+        B, Tq, D = query.shape
+        split = lambda x: x.view(B, x.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731  (B, H, T, d)
+        out = F.scaled_dot_product_attention(split(self.q(query)), split(self.k(key)), split(self.v(value)),
+                                             attn_mask=attn_mask)
+        return self.o(out.transpose(1, 2).reshape(B, Tq, D))
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: fused c_attn, a tril buffer, forward(x)."""
+
+    def __init__(self, n_embd, n_head, block_size=64):
+        super().__init__()
+        self.n_embd, self.n_head = n_embd, n_head
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+def _rotate(x, positions):
+    """Rotary embedding, half-split pairing: (B, H, T, d) rotated by position."""
+    d = x.shape[-1] // 2 * 2
+    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = positions.double().unsqueeze(-1) * freqs  # (T, d/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2, rest = x[..., : d // 2], x[..., d // 2: d], x[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+class RotaryCausal(nn.Module):
+    """RoPE on q and k, then torch's fused causal SDPA: not permutation- or shift-invariant, and correct."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads, self.is_causal = d_model, num_heads, True
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+        pos = torch.arange(T)
+        y = F.scaled_dot_product_attention(_rotate(q, pos), _rotate(k, pos), v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class ALiBiCausal(nn.Module):
+    """ALiBi: a per-head linear distance penalty added to the scores, causal, weights returned."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads, self.causal = d_model, num_heads, True
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, num_heads + 1) / num_heads))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        bias = -self.slopes.view(-1, 1, 1) * (i - j).abs()  # (H, T, T)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias
+        allowed = j <= i if mask is None else (j <= i) & mask
+        w = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(B, T, D)), w
+
+
+class QKNormGQA(nn.Module):
+    """QK-norm (per-head LayerNorm of q and k) and grouped-query attention with repeat_interleave."""
+
+    def __init__(self, d_model, num_heads, kv_heads=2):
+        super().__init__()
+        self.d_model, self.num_heads, self.kv_heads = d_model, num_heads, kv_heads
+        self.d = d_model // num_heads
+        self.q, self.o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * kv_heads * self.d)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.d), nn.LayerNorm(self.d)
+
+    def forward(self, query, key, value, mask=None):
+        B, Tq, D = query.shape
+        Tk = key.shape[1]
+        q = self.q_norm(self.q(query).view(B, Tq, self.num_heads, self.d).transpose(1, 2))  # (B, H, Tq, d)
+        k, _ = self.kv(key).split(self.kv_heads * self.d, -1)
+        _, v = self.kv(value).split(self.kv_heads * self.d, -1)
+        k = self.k_norm(k.view(B, Tk, self.kv_heads, self.d).transpose(1, 2))  # (B, Hkv, Tk, d)
+        v = v.view(B, Tk, self.kv_heads, self.d).transpose(1, 2)
+        group = self.num_heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, d)
+        w = (q @ k.transpose(-2, -1) / math.sqrt(self.d))
+        if mask is not None:
+            w = w.masked_fill(~mask, float("-inf"))
+        w = w.softmax(-1).nan_to_num(0.0)
+        return self.o((w @ v).transpose(1, 2).reshape(B, Tq, D)), w
+
+
+class TimmStyle(nn.Module):
+    """timm's non-fused path: q multiplied by the scale *before* the matmul; forward(x, attn_mask=None)."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.dim, self.num_heads, self.scale = dim, num_heads, (dim // num_heads) ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q = q * self.scale
+        attn = q @ k.transpose(-2, -1)
+        if attn_mask is not None:
+            attn = attn.masked_fill(~attn_mask, float("-inf"))
+        attn = attn.softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class UnscaledT5Style(nn.Module):
+    """T5 folds the scale into initialisation: no 1/sqrt(d_k) at all; correct when declared (scale=1)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.o = nn.Linear(d_model, 3 * d_model, bias=False), nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+        scores = torch.matmul(q, k.transpose(3, 2))
+        if mask is not None:
+            scores = scores + torch.zeros_like(scores).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        w = F.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.o(torch.matmul(w, v).transpose(1, 2).reshape(B, T, D)), w
+
+
+CORRECT = {
+    "einsum function": lambda: (einsum_attention, {}),
+    "chunked online softmax": lambda: (chunked_online_attention, {}),
+    "chunked online softmax, causal by mask": lambda: (chunked_online_attention, dict(causal=True)),
+    "torch F.scaled_dot_product_attention": lambda: (F.scaled_dot_product_attention, {}),
+    "torch F.scaled_dot_product_attention, causal by mask": lambda: (F.scaled_dot_product_attention, dict(causal=True)),
+    "fused SDPA module": lambda: (FusedSDPA(24, 3), {}),
+    "fused SDPA module, causal by mask": lambda: (FusedSDPA(24, 3), dict(causal=True)),
+    "nanoGPT CausalSelfAttention": lambda: (NanoGPTAttention(24, 3), dict(causal=True)),
+    "rotary + fused causal": lambda: (RotaryCausal(24, 4), dict(causal=True)),
+    "ALiBi causal": lambda: (ALiBiCausal(24, 4), dict(causal=True)),
+    "QK-norm + grouped-query": lambda: (QKNormGQA(32, 4), {}),
+    "timm-style q * scale": lambda: (TimmStyle(24, 3), {}),
+    "T5-style, scale=1 declared": lambda: (UnscaledT5Style(24, 3), dict(scale=1.0)),
+    "nn.MultiheadAttention": lambda: (nn.MultiheadAttention(24, 3, batch_first=True), {}),
+    "nn.MultiheadAttention, seq-first, causal by mask": lambda: (nn.MultiheadAttention(24, 3), dict(causal=True)),
+    "reference in bfloat16": lambda: (__import__("correct").MultiHeadAttention(32, 4).to(torch.bfloat16), {}),
+    "reference in float16, causal": lambda: (__import__("correct").MultiHeadAttention(32, 4, causal=True).half(),
+                                             dict(causal=True)),
+    "reference in float64": lambda: (__import__("correct").MultiHeadAttention(32, 4).double(), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_correct_layers_never_seen_before_pass(name):
+    torch.manual_seed(0)
+    layer, kw = CORRECT[name]()
+    report = diagnostics.audit(layer, **kw)
+    assert report.passed, str(report)
+    # the only finding a correct layer may get: NaN on a row with no key (nn.MultiheadAttention's behaviour)
+    assert set(report.fired()) <= {"fully_masked_rows"}, str(report)
+    assert "could not handle" not in str(report)
+
+
+# ---- broken, unlike the catalog ----------------------------------------------------------------------
+
+
+def einsum_without_scale(q, k, v, mask=None):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k)  # no 1/sqrt(d)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
+
+
+class LeakBehindCleanWeights(nn.Module):
+    """Returns causal weights that look right, but computes the output from unmasked ones (an inspection
+    path that differs from the fast path, as in transformers PR #30652)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.inner = NanoGPTAttention(d_model, num_heads)
+        self.d_model, self.num_heads, self.causal = d_model, num_heads, True
+
+    def forward(self, x):
+        a = self.inner
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, a.n_head, -1).transpose(1, 2) for t in a.c_attn(x).split(C, 2))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        shown = scores.masked_fill(a.bias[:, :, :T, :T] == 0, float("-inf")).softmax(-1)
+        used = scores.softmax(-1)  # the mask never reaches the values
+        return a.c_proj((used @ v).transpose(1, 2).reshape(B, T, C)), shown
+
+
+def online_softmax_without_rescale(q, k, v, mask=None, chunk=3):
+    """The chunked kernel above, forgetting to rescale the accumulated sum when the running max grows."""
+    scale = q.shape[-1] ** -0.5
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)
+    l = torch.zeros_like(m)  # noqa: E741
+    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+    for start in range(0, k.shape[-2], chunk):
+        s = (q @ k[..., start:start + chunk, :].transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[..., start:start + chunk], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - safe)
+        l = l + p.sum(-1, keepdim=True)  # noqa: E741  (missing: * exp(m - m_new))
+        acc = acc * torch.exp(m - safe) + p @ v[..., start:start + chunk, :]
+        m = m_new
+    return acc / l.clamp_min(1e-30)
+
+
+def transposed_padding_mask(q, k, v, mask=None):
+    """Reads the mask as (Tk, Tq): square masks broadcast silently, so padding masks rows, not keys."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask.transpose(-2, -1), float("-inf"))
+    return scores.softmax(-1).nan_to_num(0.0) @ v
+
+
+def naive_exp_half(q, k, v, mask=None):
+    """exp(s) / sum exp(s) without subtracting the row max, no scale, in float16: overflows to inf/inf."""
+    s = q @ k.transpose(-2, -1)
+    p = torch.exp(s)
+    if mask is not None:
+        p = p * mask
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+class HeadsSplitWithoutTranspose(nn.Module):
+    """view(B, H, T, d) straight from (B, T, D): each 'head' holds a slice of positions."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, query, key, value, mask=None):
+        B, Tq, D = query.shape
+        w = self.qkv.weight.split(D)
+        b = self.qkv.bias.split(D)
+        q, k, v = (F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), w, b))
+        q, k, v = (x.reshape(B, self.num_heads, x.shape[1], -1) for x in (q, k, v))  # no transpose
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(out.transpose(1, 2).reshape(B, Tq, D))
+
+
+BROKEN = {
+    "einsum without scale": (lambda: (einsum_without_scale, dict(d_model=64, num_heads=2)), {"softmax_saturation"}),
+    "leak behind clean weights": (lambda: (LeakBehindCleanWeights(24, 3), dict(causal=True)), {"future_leakage"}),
+    "online softmax without rescale": (lambda: (online_softmax_without_rescale, {}), {"output_variance"}),
+    "padding mask read transposed": (lambda: (transposed_padding_mask, {}), {"mask_honoured"}),
+    "naive exp in float16": (lambda: (naive_exp_half, dict(d_model=128, num_heads=2, dtype=torch.float16)),
+                             {"finite_output"}),
+    "heads split without transpose": (lambda: (HeadsSplitWithoutTranspose(24, 3), {}), {"query_locality"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_layers_never_seen_before_are_caught(name):
+    make, must_fire = BROKEN[name]
+    torch.manual_seed(0)
+    layer, kw = make()
+    report = diagnostics.audit(layer, **kw)
+    assert not report.passed, str(report)
+    assert must_fire <= {d for d, v in report.fired().items() if v == "fail"}, str(report)
+
+
+def test_leak_behind_clean_weights_shows_clean_weights():
+    """The weights it returns pass every weight check: only the output-based probe sees the leak."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(LeakBehindCleanWeights(24, 3), causal=True)
+    assert report.result("weight_row_sums").verdict == "pass"
+    assert report.result("future_leakage").verdict == "fail"
+
+
+def test_declared_scale_is_what_the_temperature_is_judged_against():
+    torch.manual_seed(0)
+    layer = UnscaledT5Style(24, 3)
+    assert diagnostics.audit(layer, scale=1.0).result("softmax_saturation").verdict == "pass"
+    undeclared = diagnostics.audit(layer).result("softmax_saturation")
+    assert undeclared.verdict == "fail" and "too sharp" in undeclared.message
