@@ -36,8 +36,10 @@ def _per_position(x: Tensor) -> Tensor:
 
 def _change(new: Tensor, old: Tensor) -> Tensor:
     """Per-position relative change: |new - old| / max(1, max|old|), NaN where either is not finite."""
-    scale = old[torch.isfinite(old)].abs().max().clamp_min(1.0) if torch.isfinite(old).any() else 1.0
-    diff = (new.double() - old.double()).abs() / float(scale)
+    wide = torch.float64 if old.dtype == torch.float64 else torch.float32
+    finite = old[torch.isfinite(old)]
+    scale = float(finite.abs().max().clamp_min(1.0)) if finite.numel() else 1.0
+    diff = (new.to(wide) - old.to(wide)).abs() / scale
     return _per_position(diff.nan_to_num(nan=math.inf))
 
 
@@ -168,7 +170,10 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
     det = "weight_row_sums"
     if s.takes_mask:  # blocked keys are where a mask applied after the softmax shows
         q, k, v = probe.streams(70, B, T)
-        call = probe.call(q, k, v, probe.allowed(B, T, T, probe.padding(B, T, T)), observe=True)
+        allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+        call = probe.call(q, k, v, allowed)
+        if call.ok and call.output.weights is None:  # look inside only when the layer returns no weights
+            call = probe.call(q, k, v, allowed, observe=True)
     else:
         call = probe.base()
     if not call.ok:
@@ -258,8 +263,9 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
 def _entropy_text(call: Call) -> str:
     if call.record is None or not call.record.softmaxes:
         return ""
-    w = call.record.softmaxes[-1].output.double()
-    ent = -(w * w.clamp_min(1e-300).log()).sum(-1)
+    w = call.record.softmaxes[-1].output.float()
+    w = w.reshape(-1, w.shape[-1])[:4096]  # a sample of rows
+    ent = -(w * w.clamp_min(1e-30).log()).sum(-1)
     return f"; mean weight entropy {float(ent.mean()):.3g} nats (uniform over {w.shape[-1]} keys: {math.log(w.shape[-1]):.3g})"
 
 
@@ -529,26 +535,33 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
             q = k[:, T - t_q:].clone()
         newest = torch.arange(T) == T - 1
         gen = probe.generator(133)
-        draws = 3  # a masked key moves nothing, exactly; a visible one moves the output for some draw
-        ks = [k] + [perturb(k, newest, s.time_dim, gen) for _ in range(draws)]
-        vs = ks if v is k else [v] + [perturb(v, newest, s.time_dim, gen) for _ in range(draws)]
+        # A blocked key moves nothing. A visible one moves the output, and a large change of it in both
+        # directions makes one draw's logit dominate, so a correct layer moves far above rounding noise.
+        k_new = perturb(k, newest, s.time_dim, gen)
+        v_new = k_new if v is k else perturb(v, newest, s.time_dim, gen)
+        gains = (1.0, 100.0, -100.0)
+        ks = [k] + [k + c * (k_new - k) for c in gains]
+        vs = ks if v is k else [v] + [v + c * (v_new - v) for c in gains]
         K = batched(*ks)
         V = K if v is k else batched(*vs)
-        call = probe.call(batched(*[q] * (draws + 1)), K, V, probe.allowed((draws + 1) * B, t_q, T))
+        n = len(ks)
+        call = probe.call(batched(*[q] * n), K, V, probe.allowed(n * B, t_q, T))
         if not call.ok:
             return _failed_call(det, call)
-        chunks = _split(call.output.out, draws + 1)
+        chunks = _split(call.output.out, n)
         change = torch.stack([_change(new, chunks[0]) for new in chunks[1:]]).amax(0)  # (B, [H,] Tq)
         last = change[..., -1]  # the newest query, at position T - 1
-        if bool((last == 0).any()):
+        tol = tolerance(UNCHANGED, s.dtype)
+        if bool((last <= tol).any()):
             return _result(det, "fail", "the newest query does not see the newest key (causal mask misaligned "
-                           "or blocking the diagonal)", value=float(last.min()), threshold=0.0,
+                           "or blocking the diagonal)", value=float(last.min()), threshold=tol,
                            evidence=f"with {t_q} queries at positions {T - t_q}..{T - 1} over {T} keys, changing "
-                                    f"key {T - 1} ({draws} random draws) left the output of query {T - 1} exactly "
-                                    f"unchanged in {int((last == 0).sum())} / {last.numel()} rows: query i must see "
-                                    f"keys <= i + Tk - Tq, its own position included")
+                                    f"key {T - 1} (by up to 100x, both signs) moved the output of query {T - 1} by "
+                                    f"at most {float(last.min()):.3g} in some row (more than {tol:.0e} expected for "
+                                    f"{dtype_name(s.dtype)}): query i must see keys <= i + Tk - Tq, its own "
+                                    f"position included")
         return _result(det, "pass", f"the newest of {t_q} queries sees the newest of {T} keys (bottom-right)",
-                       value=float(last.min()), threshold=0.0)
+                       value=float(last.min()), threshold=tol)
     base = probe.base()
     if not base.ok:
         return _failed_call(det, base)

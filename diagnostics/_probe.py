@@ -121,7 +121,8 @@ def batched(*tensors: Tensor) -> Tensor:
 def perturb(x: Tensor, positions: Tensor, time_dim: int, gen: torch.Generator) -> Tensor:
     """A copy of `x` with new random values where `positions` is True, the same elsewhere. `positions`
     is bool over time, (T,), or over batch and time, (B, T)."""
-    noise = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(device=x.device, dtype=x.dtype)
+    draw = torch.float64 if x.dtype == torch.float64 else torch.float32
+    noise = torch.randn(x.shape, generator=gen, dtype=draw).to(device=x.device, dtype=x.dtype)
     shape = [1] * x.dim()
     shape[time_dim] = x.shape[time_dim]
     if positions.dim() == 2:

@@ -50,9 +50,11 @@ class Subject:
         self.device, self.dtype = device, dtype
 
     def make(self, gen: torch.Generator, batch: int, t: int, *, heads: int | None = None) -> Tensor:
-        """One standard-normal input stream in the layer's layout, drawn from `gen` on the CPU."""
+        """One standard-normal input stream in the layer's layout, drawn from `gen` on the CPU (in float64
+        for float64 layers, float32 otherwise), so every device draws the same numbers."""
         shape = self.shape(batch, t, heads=heads)
-        return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=self.device, dtype=self.dtype)
+        draw = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return torch.randn(shape, generator=gen, dtype=draw).to(device=self.device, dtype=self.dtype)
 
     def shape(self, batch: int, t: int, *, heads: int | None = None) -> tuple[int, ...]:
         return (batch, t, self.d_model)

@@ -1,0 +1,69 @@
+"""How far correct layers stay from each detector's threshold, per dtype (the margins in _thresholds.py).
+
+    python benchmarks/margins.py [--seeds 50] [--seq-len 16]
+
+Audits correct layers (the reference, causal and not; torch's F.scaled_dot_product_attention; and
+nn.MultiheadAttention) over many seeds in float64, float32, bfloat16 and float16 on the CPU, and prints,
+for each detector with a tolerance, the largest value a correct layer produced, the threshold, and the
+margin (threshold / largest). For softmax_saturation the value is |applied / expected scale - 1|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import diagnostics  # noqa: E402
+from correct import MultiHeadAttention  # noqa: E402
+from diagnostics._thresholds import SCALE_RATIO  # noqa: E402
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+TOLERANCE_DETECTORS = ("weight_row_sums", "output_variance", "query_locality", "mask_honoured", "future_leakage",
+                       "eval_determinism", "softmax_saturation")
+
+
+def layers(dtype):
+    yield "reference", MultiHeadAttention(32, 4).to(dtype), {}
+    yield "reference causal", MultiHeadAttention(32, 4, causal=True).to(dtype), dict(causal=True)
+    yield "F.scaled_dot_product_attention", F.scaled_dot_product_attention, dict(dtype=dtype, causal=True)
+    yield "nn.MultiheadAttention", torch.nn.MultiheadAttention(32, 4, batch_first=True).to(dtype), {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=50)
+    parser.add_argument("--seq-len", type=int, default=16)
+    args = parser.parse_args()
+    worst = defaultdict(float)  # (detector, dtype) -> largest value seen on a correct layer
+    threshold = {}
+    failures = []
+    for dtype in DTYPES:
+        for seed in range(args.seeds):
+            torch.manual_seed(seed)
+            for name, layer, kw in layers(dtype):
+                report = diagnostics.audit(layer, seq_len=args.seq_len, seed=seed, **kw)
+                if not report.passed:
+                    failures.append(f"{name} {dtype} seed {seed}: {[f.detector for f in report.findings]}")
+                for r in report.results:
+                    if r.detector in TOLERANCE_DETECTORS and r.value is not None and r.verdict != "skip":
+                        value = abs(r.value - 1) if r.detector == "softmax_saturation" else r.value
+                        key = (r.detector, str(dtype).replace("torch.", ""))
+                        worst[key] = max(worst[key], value)
+                        threshold[key] = SCALE_RATIO - 1 if r.detector == "softmax_saturation" else r.threshold
+    print(f"{'detector':<20} {'dtype':<9} {'threshold':>10} {'largest correct':>16} {'margin':>9}")
+    for (det, dt), value in sorted(worst.items()):
+        margin = "exact" if value == 0 else f"{threshold[(det, dt)] / value:.0f}x"
+        print(f"{det:<20} {dt:<9} {threshold[(det, dt)]:>10.1e} {value:>16.2e} {margin:>9}")
+    print(f"\ncorrect layers failing an audit: {len(failures)}")
+    for line in failures[:20]:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
