@@ -63,3 +63,32 @@ def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
     report = _audit(layer, cfg, causal=layer.causal)
     assert report.passed, str(report)
     assert not report.findings, str(report)
+
+
+def _correct_layer(kind: str, cfg, dtype, device):
+    d_model = cfg["heads"] * cfg["head_dim"]
+    if kind == "torch_sdpa":
+        return F.scaled_dot_product_attention, dict(num_heads=cfg["heads"], d_model=d_model, dtype=dtype,
+                                                    device=device)
+    if kind == "torch_mha":
+        layer = torch.nn.MultiheadAttention(d_model, cfg["heads"], batch_first=bool(cfg["seed"] % 2))
+        return layer.to(device=device, dtype=dtype), {}
+    return correct.MultiHeadAttention(d_model, cfg["heads"], causal=cfg["causal"]).to(device=device, dtype=dtype), {}
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", ["reference", "torch_sdpa", "torch_mha"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(cfg=audit_configs(), causal=st.booleans())
+def test_correct_layers_fail_no_detector(kind, dtype, cfg, causal, device):
+    """The reference, torch's SDPA and nn.MultiheadAttention over drawn sizes, seeds, causality, dtypes and
+    devices (the audit draws its masks from the seed: padding, causal, a row with no key)."""
+    cfg = {**cfg, "causal": causal}
+    torch.manual_seed(cfg["seed"])
+    layer, kw = _correct_layer(kind, cfg, dtype, device)
+    report = _audit(layer, cfg, causal=causal, **kw)
+    assert report.passed, str(report)
+    allowed_warnings = {"fully_masked_rows"} if kind == "torch_mha" else set()  # its NaN rows, by design
+    assert set(report.fired()) <= allowed_warnings, str(report)
