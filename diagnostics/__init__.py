@@ -9,6 +9,7 @@
 fix. `diagnostics` knows no implementation: it never imports `buggy_variants`.
 """
 
+from . import adapters
 from ._audit import AttentionAuditError, AuditReport, assert_attention_ok, audit
 from ._detectors import DETECTORS
 from ._errors import AuditUsageError
@@ -22,6 +23,7 @@ __all__ = [
     "Detector",
     "DetectorResult",
     "Finding",
+    "adapters",
     "assert_attention_ok",
     "audit",
 ]

@@ -1,0 +1,186 @@
+"""`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer from the command line.
+
+    attention-audit mymodule:layer [--causal] [--seq-len N] [--json] [--html PATH]
+
+`obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
+factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch
+directory. Exit status: 0 the audit passed (warnings allowed), 1 a detector failed, 2 the audit could not
+be set up (module not importable, object not found, not an attention layer, a signature it cannot call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+
+from torch import nn
+
+from ._errors import AuditUsageError, expect
+
+EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
+
+
+def _import(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise AuditUsageError(f"expected an importable module {module_name!r}; got ModuleNotFoundError: {error}. "
+                                  "Fix: run from the directory that holds it, or install its package") from None
+        raise AuditUsageError(f"expected module {module_name!r} to import; it raised ModuleNotFoundError: "
+                              f"{error}. Fix: install what it imports") from error
+    except Exception as error:  # the user's module failed at import: a usage error, not a finding
+        raise AuditUsageError(f"expected module {module_name!r} to import; it raised {type(error).__name__}: "
+                              f"{error}. Fix: make `python -c 'import {module_name}'` work first") from error
+
+
+def resolve(spec: str):
+    """'pkg.module:obj' (obj may be dotted, e.g. 'Model.attention') -> the object it names, unchanged."""
+    module_name, sep, attr = spec.partition(":")
+    expect(bool(sep and module_name and attr), "a target of the form pkg.module:object", repr(spec),
+           "name the object after a colon, e.g. mymodule:layer")
+    obj = _import(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(obj) if not n.startswith("_"))[:12]
+            raise AuditUsageError(f"expected {module_name} to define {attr!r}; got no attribute {part!r} "
+                                  f"(it has: {', '.join(names) or 'nothing public'}). Fix: check the name")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _required_positional(fn) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None  # a builtin: no signature to read
+    return sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def load_layer(spec: str):
+    """The layer a target names: the object itself if it is a layer (an nn.Module, or a function of
+    q, k, v); an instance if it is a class (built with no arguments); the result if it is a factory
+    (a function called with no arguments). Raises `AuditUsageError` with a one-line message."""
+    obj = resolve(spec)
+    expect(callable(obj), "an attention layer, a class or a zero-argument factory",
+           f"{spec} = {type(obj).__name__} {obj!r:.60}", "point at the layer object, its class or a factory")
+    if isinstance(obj, type):
+        try:
+            return obj()
+        except Exception as error:
+            raise AuditUsageError(f"expected class {spec} to build with no arguments; got {type(error).__name__}: "
+                                  f"{error}. Fix: add a factory, e.g. def make_layer(): return "
+                                  f"{obj.__name__}(d_model=64, num_heads=4), and audit module:make_layer") from error
+    if isinstance(obj, nn.Module):
+        return obj
+    if _required_positional(obj) == 0:  # a factory
+        try:
+            layer = obj()
+        except Exception as error:
+            raise AuditUsageError(f"expected factory {spec}() to return a layer; it raised {type(error).__name__}: "
+                                  f"{error}. Fix: make it callable with no arguments") from error
+        expect(callable(layer) and not isinstance(layer, type),
+               "the factory to return a layer (a module or a function)", f"{spec}() returned {type(layer).__name__}",
+               "return the layer instance")
+        return layer
+    return obj  # an attention function f(q, k, v, mask=None)
+
+
+def _jsonable(value):
+    """JSON has no inf or NaN: write them as the strings "inf", "-inf" and "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _progress(stream, *, seq_len: int):
+    """A progress callback for audit(): a self-updating line on a terminal, plain lines for long audits
+    written to a file, nothing otherwise."""
+    tty = stream.isatty()
+    if not tty and seq_len < LONG_SEQ_LEN:
+        return None, lambda: None
+
+    def report(detector: str, index: int, total: int) -> None:
+        if tty:
+            stream.write(f"\r\x1b[Kauditing [{index + 1}/{total}] {detector}")
+        else:
+            stream.write(f"attention-audit: [{index + 1}/{total}] {detector}\n")
+        stream.flush()
+
+    def done() -> None:
+        if tty:
+            stream.write("\r\x1b[K")
+            stream.flush()
+
+    return report, done
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Audit an attention layer for silent mistakes (missing scale, leaking causal "
+                               "mask, mask ignored, ...). Exit status: 0 passed, 1 findings, 2 usage error.")
+    p.add_argument("target", metavar="MODULE:OBJECT",
+                   help="the layer: pkg.module:obj, where obj is a layer, a class built with no arguments, or a "
+                        "zero-argument factory (the current directory is importable)")
+    p.add_argument("--causal", action="store_true", help="the layer promises causality: audit for future leakage")
+    p.add_argument("--seq-len", type=int, metavar="N", help="probe length (default 16; use your context length)")
+    p.add_argument("--d-model", type=int, metavar="D", help="model width, where the layer has no d_model attribute")
+    p.add_argument("--num-heads", type=int, metavar="H", help="number of heads, where the layer does not say")
+    p.add_argument("--scale", type=float, help="the softmax scale the layer declares, if not 1/sqrt(d_k)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH")
+    return p
+
+
+def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int:
+    args = _parser(prog).parse_args(argv)
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # `mymodule:layer` from a scratch directory
+
+    def usage(message: str) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+    if args.seq_len is not None and args.seq_len < 1:
+        return usage(f"expected --seq-len >= 1; got {args.seq_len}. Fix: pass your context length, e.g. 128")
+    if args.html and importlib.util.find_spec("diagnostics._html") is None:
+        return usage("expected HTML reports (diagnostics._html) in this version of diagnostics; it is not "
+                     "there. Fix: drop --html, or use --json")
+    from ._audit import audit
+
+    try:
+        layer = load_layer(args.target)
+        report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
+        try:
+            report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
+                           num_heads=args.num_heads, scale=args.scale, progress=report_progress)
+        finally:
+            done()
+    except AuditUsageError as error:
+        return usage(str(error))
+    if args.json:
+        print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
+    else:
+        print(report)
+    if args.html:
+        try:
+            report.to_html(args.html)
+        except ImportError as error:
+            return usage(f"expected to write an HTML report; got {type(error).__name__}: {error}. Fix: drop --html")
+        print(f"{prog}: wrote {args.html}", file=sys.stderr)
+    return EXIT_PASSED if report.passed else EXIT_FINDINGS
+
+
+__all__ = ["EXIT_FINDINGS", "EXIT_PASSED", "EXIT_USAGE", "load_layer", "main", "resolve"]

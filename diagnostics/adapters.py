@@ -1,0 +1,212 @@
+"""Adapters: call layers from torch, timm and Hugging Face transformers the way `audit()` expects.
+
+The audit passes masks in one convention, torch SDPA's: bool `(B, 1, Tq, Tk)`, True = may attend. A
+library layer may name its mask argument differently, take it in another convention, or need arguments
+its parent model would build (rotary position embeddings). An adapter translates, and nothing else: it
+never changes what the layer computes, and no detector is loosened for a library.
+
+    | layer                                   | mask argument       | convention                               |
+    |-----------------------------------------|---------------------|------------------------------------------|
+    | F.scaled_dot_product_attention, timm    | attn_mask           | "allowed": bool, True = may attend       |
+    | nn.MultiheadAttention, nn.Transformer*  | attn_mask, src_mask | "mha_blocked": (B*H, Tq, Tk), True = blocked |
+    | Hugging Face, attn_implementation eager | attention_mask      | "additive": 0 keep, finfo.min block      |
+    | Hugging Face, attn_implementation sdpa  | attention_mask      | "allowed" (what the parent model passes) |
+
+    from diagnostics import adapters, audit
+
+    audit(adapters.huggingface(llama_attention, rotary=rotary_embedding), causal=True)  # as LlamaModel calls it
+    audit(adapters.huggingface(llama_attention, rotary=rotary_embedding, pass_mask=False), causal=True)  # alone
+    audit(adapters.self_attention(encoder_layer, mask_arg="src_mask", convention="mha_blocked", d_model=64,
+                                  num_heads=4))
+    audit(adapters.mha_key_padding(nn.MultiheadAttention(64, 4)))  # padding through key_padding_mask
+
+A layer that relies on its parent model to build the causal mask (every Hugging Face decoder attention in
+eager mode) is not causal on its own: audited alone, `pass_mask=False`, it is reported as leaking, which
+is true of the layer; audited with `pass_mask=True` it gets the causal mask its model would pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ._errors import expect
+
+CONVENTIONS = ("allowed", "blocked", "additive", "mha_blocked")
+
+
+def convert_mask(allowed: Tensor, convention: str, *, dtype: torch.dtype = torch.float32,
+                 num_heads: int = 1) -> Tensor:
+    """Our mask, bool (B, 1, Tq, Tk) True = may attend, in a library's convention:
+
+    - "allowed":     as is (torch SDPA, timm, Hugging Face sdpa);
+    - "blocked":     bool (B, 1, Tq, Tk), True = blocked;
+    - "additive":    float of `dtype`, 0 where attending is allowed, torch.finfo(dtype).min where blocked
+                     (Hugging Face eager: a finite fill, so a fully blocked row gives uniform weights, not NaN);
+    - "mha_blocked": bool (B * num_heads, Tq, Tk), True = blocked (nn.MultiheadAttention's `attn_mask`,
+                     nn.TransformerEncoderLayer's `src_mask`), which take no (B, 1, Tq, Tk) masks.
+    """
+    expect(convention in CONVENTIONS, f"a mask convention from {CONVENTIONS}", repr(convention),
+           'use "allowed" (True = may attend), "blocked" (True = blocked), "additive" (0 / large negative) '
+           'or "mha_blocked" (nn.MultiheadAttention)')
+    if convention == "allowed":
+        return allowed
+    if convention == "blocked":
+        return ~allowed
+    if convention == "mha_blocked":
+        return (~allowed[:, 0]).repeat_interleave(num_heads, dim=0)  # (B*H, Tq, Tk)
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return blocked.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def function(fn: Callable, *, mask_arg: str = "attn_mask", convention: str = "allowed", **fixed) -> Callable:
+    """`f(q, k, v, mask=None)` calling `fn(q, k, v, **{mask_arg: mask in convention}, **fixed)`.
+
+    For attention functions whose mask argument is named or encoded differently from the audit's
+    (`mask`, `attn_mask` or `attention_mask`, bool True = may attend), e.g. an additive float mask:
+    `adapters.function(my_attention, mask_arg="bias", convention="additive")`.
+    `fixed`: further keyword arguments passed on every call, e.g. `scale=0.5`.
+    """
+    expect(callable(fn), "a function f(q, k, v, ...)", type(fn).__name__, "pass the function itself")
+    convert_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), convention)  # validates the convention
+
+    def adapted(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None):
+        kwargs = dict(fixed)
+        if mask is not None:
+            kwargs[mask_arg] = convert_mask(mask, convention, dtype=q.dtype, num_heads=q.shape[1])
+        return fn(q, k, v, **kwargs)
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    adapted.__qualname__ = adapted.__name__ = f"{name} [{mask_arg}: {convention}]"
+    return adapted
+
+
+class SelfAttention(nn.Module):
+    """A self-attention module `m(x, <mask_arg>=..., **extra)` seen by the audit as `m(x, mask=None)`.
+
+    `mask_arg=None` calls the layer alone, `m(x)`, with no mask ever: what the layer does on its own.
+    `extra(x)` returns further keyword arguments for each call (rotary position embeddings, say).
+    The wrapped layer is a submodule, so the audit's eval mode and restoration of state reach it.
+    """
+
+    def __init__(self, layer: nn.Module, *, mask_arg: str | None = "attn_mask", convention: str = "allowed",
+                 d_model: int, num_heads: int = 1, extra: Callable[[Tensor], dict] | None = None,
+                 name: str | None = None, **fixed):
+        super().__init__()
+        expect(isinstance(layer, nn.Module), "an nn.Module", type(layer).__name__,
+               "wrap functions with adapters.function(...)")
+        convert_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), convention)  # validates the convention
+        self.layer, self.mask_arg, self.convention = layer, mask_arg, convention
+        self.d_model, self.num_heads = d_model, num_heads
+        self.extra, self.fixed = extra, fixed
+        self.audit_name = name or f"{type(layer).__qualname__} [{mask_arg or 'no mask'}: {convention}]"
+
+    def forward(self, x: Tensor, mask: Tensor | None = None):
+        kwargs = dict(self.fixed)
+        if self.extra is not None:
+            kwargs.update(self.extra(x))
+        if mask is not None and self.mask_arg is not None:
+            kwargs[self.mask_arg] = convert_mask(mask, self.convention, dtype=x.dtype, num_heads=self.num_heads)
+        return self.layer(x, **kwargs)
+
+
+class _Alone(SelfAttention):
+    """`SelfAttention` with `mask_arg=None`: its forward takes no mask, so the audit passes none."""
+
+    def forward(self, x: Tensor):
+        return super().forward(x)
+
+
+def self_attention(layer: nn.Module, *, mask_arg: str | None = "attn_mask", convention: str = "allowed",
+                   d_model: int, num_heads: int = 1, extra: Callable[[Tensor], dict] | None = None,
+                   name: str | None = None, **fixed) -> SelfAttention:
+    """Wrap a self-attention module whose mask argument is named `mask_arg` and encoded in `convention`.
+
+        adapters.self_attention(nn.TransformerEncoderLayer(32, 4, batch_first=True), mask_arg="src_mask",
+                                convention="mha_blocked", d_model=32, num_heads=4)
+
+    `mask_arg=None`: the layer alone, never given a mask (`m(x)`); `fixed`: keyword arguments for every call.
+    """
+    cls = SelfAttention if mask_arg is not None else _Alone
+    return cls(layer, mask_arg=mask_arg, convention=convention, d_model=d_model, num_heads=num_heads,
+               extra=extra, name=name, **fixed)
+
+
+class KeyPaddingMHA(nn.Module):
+    """nn.MultiheadAttention given the audit's mask through `key_padding_mask` where it can be.
+
+    Keys that no query of a batch row may attend go to `key_padding_mask` (B, Tk), True = padding; what
+    key padding cannot express (a causal pattern, a single blocked query) goes to `attn_mask`
+    (B*H, Tq, Tk), True = blocked. Both are torch's conventions, the opposite of SDPA's.
+    """
+
+    def __init__(self, mha: nn.MultiheadAttention, *, need_weights: bool = True):
+        super().__init__()
+        expect(isinstance(mha, nn.MultiheadAttention), "a torch.nn.MultiheadAttention", type(mha).__name__,
+               "use adapters.self_attention(...) for other modules")
+        self.mha, self.need_weights = mha, need_weights
+        self.embed_dim, self.num_heads = mha.embed_dim, mha.num_heads
+        self.audit_name = "MultiheadAttention [key_padding_mask + attn_mask: blocked]"
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None):
+        padding = attn_mask = None
+        if mask is not None:
+            blocked = ~mask[:, 0]  # (B, Tq, Tk), True = blocked
+            padding = blocked.all(dim=1)  # (B, Tk): keys no query may attend
+            rest = blocked & ~padding.unsqueeze(1)  # (B, Tq, Tk): what key padding does not cover
+            if rest.any():
+                attn_mask = rest.repeat_interleave(self.mha.num_heads, dim=0)  # (B*H, Tq, Tk)
+        if not self.mha.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (T, B, D)
+        out, weights = self.mha(query, key, value, key_padding_mask=padding, attn_mask=attn_mask,
+                                need_weights=self.need_weights, average_attn_weights=False)
+        if not self.mha.batch_first:
+            out = out.transpose(0, 1)  # (B, Tq, D)
+        return out, weights
+
+
+def mha_key_padding(mha: nn.MultiheadAttention, *, need_weights: bool = True) -> KeyPaddingMHA:
+    """Audit nn.MultiheadAttention through its `key_padding_mask` argument (see `KeyPaddingMHA`)."""
+    return KeyPaddingMHA(mha, need_weights=need_weights)
+
+
+def huggingface(module: nn.Module, *, rotary: nn.Module | None = None, pass_mask: bool = True) -> SelfAttention:
+    """A Hugging Face transformers self-attention module (BertSelfAttention, GPT2Attention, LlamaAttention
+    and their kin), called as its parent model calls it.
+
+    - Masks go to `attention_mask` in the form the parent model builds: an additive float mask (0 keep,
+      torch.finfo(dtype).min block) for `attn_implementation="eager"`, a bool mask (True = keep) for "sdpa".
+      Other implementations are refused: their masks differ again.
+    - `rotary`: the model's rotary embedding (e.g. `LlamaRotaryEmbedding(config)`), called as
+      `rotary(x, position_ids)` with positions 0..T-1 to supply `position_embeddings=(cos, sin)`.
+    - `pass_mask=False`: the layer alone, called with no mask at all. In eager mode no HF attention builds
+      a causal mask itself (its model does), so a decoder layer audited alone as causal leaks the future.
+    """
+    config = getattr(module, "config", None)
+    expect(config is not None and hasattr(config, "hidden_size"),
+           "a Hugging Face attention module with a .config (hidden_size, num_attention_heads)",
+           type(module).__name__, "pass the attention submodule itself, e.g. model.h[0].attn")
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    expect(implementation in ("eager", "sdpa"), 'attn_implementation "eager" or "sdpa"', repr(implementation),
+           'build the config with attn_implementation="eager" (weights returned) or "sdpa"')
+    convention = "additive" if implementation == "eager" else "allowed"
+    extra = None
+    if rotary is not None:
+        def extra(x: Tensor) -> dict:
+            B, T = x.shape[:2]  # batch, sequence length
+            positions = torch.arange(T, device=x.device).expand(B, T)  # (B, T)
+            return {"position_embeddings": rotary(x, positions)}  # (cos, sin), each (B, T, head_dim)
+
+    wrapper = self_attention(module, mask_arg="attention_mask" if pass_mask else None, convention=convention,
+                             d_model=config.hidden_size, num_heads=config.num_attention_heads, extra=extra,
+                             name=f"{type(module).__qualname__} [{implementation}, "
+                                  f"{'attention_mask: ' + convention if pass_mask else 'alone, no mask'}]")
+    if rotary is not None:
+        wrapper.rotary = rotary  # a submodule: moved, restored and put in eval mode with the layer
+    return wrapper
+
+
+__all__ = ["CONVENTIONS", "KeyPaddingMHA", "SelfAttention", "convert_mask", "function", "huggingface",
+           "mha_key_padding", "self_attention"]

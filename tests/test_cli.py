@@ -1,0 +1,262 @@
+"""The command line, `attention-audit module:obj` and `python -m diagnostics`, on a user's own layers in a
+scratch directory: exit 0 clean, 1 findings, 2 usage errors with a one-line message; --json parses."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import diagnostics
+from diagnostics import DETECTORS, _cli
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+# A user's own module: an einsum attention, correct and without the scale, as a layer, a class and factories.
+LAYERS = '''
+import math
+import torch
+from torch import nn
+
+
+class EinsumAttention(nn.Module):
+    def __init__(self, d_model=32, num_heads=4, scaled=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.scaled = d_model, num_heads, scaled
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
+        if self.scaled:
+            scores = scores / math.sqrt(D // self.num_heads)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
+
+
+class Unmasked(EinsumAttention):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def attention(q, k, v, mask=None):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def two_arguments(q, k):
+    return q
+
+
+class NeedsArguments(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+
+
+correct = EinsumAttention()
+not_a_layer = 3
+
+
+def unscaled():
+    return EinsumAttention(scaled=False)
+
+
+def failing_factory():
+    raise RuntimeError("no GPU here")
+'''
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A directory holding the user's module `userlayers.py` (and one that fails to import)."""
+    path = tmp_path_factory.mktemp("scratch")
+    (path / "userlayers.py").write_text(LAYERS)
+    (path / "badimport.py").write_text("import torch\nraise ValueError('config file missing')\n")
+    return path
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "attention-audit"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "diagnostics"]
+
+
+@pytest.fixture(scope="module")
+def runs(scratch) -> dict[str, subprocess.CompletedProcess]:
+    """The command run for real, in the scratch directory, the three runs side by side (each pays for a
+    fresh Python importing torch): a correct layer as JSON, a broken one, and a name that does not exist.
+    One thread each: three processes on a small machine, and layers far too small to gain from more."""
+    argvs = {
+        "correct_json": _command() + ["userlayers:correct", "--json"],
+        "broken": [sys.executable, "-m", "diagnostics", "userlayers:unscaled"],
+        "missing": _command() + ["userlayers:does_not_exist"],
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = {name: subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for name, argv in argvs.items()}
+    done = {}
+    for name, process in started.items():
+        out, err = process.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(argvs[name], process.returncode, out, err)
+    return done
+
+
+def test_command_exits_0_on_a_correct_layer_and_json_parses(runs):
+    run = runs["correct_json"]
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["passed"] is True
+    assert [r["detector"] for r in report["results"]] == list(DETECTORS)
+    assert report["layer"].startswith("EinsumAttention (self_module, d_model=32, num_heads=4)")
+
+
+def test_command_exits_1_on_a_broken_layer_and_prints_the_table(runs):
+    run = runs["broken"]
+    assert run.returncode == 1, run.stderr
+    assert run.stdout.startswith("attention audit of EinsumAttention (self_module, d_model=32, num_heads=4): FAILED")
+    assert re.search(r"^  softmax_saturation +FAIL  softmax is 2\.83x too sharp", run.stdout, re.M)
+    assert "fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)" in run.stdout
+
+
+def test_command_exits_2_with_one_line_for_a_name_that_does_not_exist(runs):
+    run = runs["missing"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr.count("\n") == 1
+    assert "error: expected userlayers to define 'does_not_exist'; got no attribute 'does_not_exist'" in run.stderr
+
+
+def test_console_script_is_installed():
+    try:
+        distribution = importlib.metadata.distribution("attention-mistakes")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the package is not installed here: pip install -e \".[test]\" adds the command")
+    scripts = {ep.name: ep.value for ep in distribution.entry_points if ep.group == "console_scripts"}
+    assert scripts == {"attention-audit": "diagnostics._cli:main"}
+    assert _command()[0].endswith("attention-audit")  # the runs above used it
+
+
+# ---- the same entry point in-process: every path through it, at the audit's own cost --------------------
+
+
+@pytest.fixture
+def in_scratch(scratch, monkeypatch):
+    """Run `_cli.main` as if from the scratch directory; sys.path and the user's modules are put back after."""
+    monkeypatch.chdir(scratch)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("userlayers", "badimport"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield
+    for name in ("userlayers", "badimport"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("target, causal, status", [
+    ("userlayers:correct", False, 0),  # a layer
+    ("userlayers:EinsumAttention", True, 0),  # a class, built with no arguments; causal through its mask
+    ("userlayers:unscaled", False, 1),  # a zero-argument factory
+    ("userlayers:attention", True, 0),  # an attention function f(q, k, v, mask=None)
+    ("userlayers:Unmasked", True, 1),  # takes no mask and is not causal: leaks
+])
+def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, status):
+    assert _cli.main([target] + (["--causal"] if causal else [])) == status
+    out = capsys.readouterr().out
+    assert out.startswith("attention audit of ") and ("PASSED" if status == 0 else "FAILED") in out.splitlines()[0]
+    if target == "userlayers:Unmasked":
+        assert re.search(r"^  future_leakage +FAIL  outputs depend on future tokens", out, re.M)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["userlayers"], "expected a target of the form pkg.module:object; got 'userlayers'"),
+    (["no_such_module:layer"], "expected an importable module 'no_such_module'"),
+    (["badimport:layer"], "expected module 'badimport' to import; it raised ValueError: config file missing"),
+    (["userlayers:not_a_layer"], "expected an attention layer, a class or a zero-argument factory; got "
+                                 "userlayers:not_a_layer = int 3"),
+    (["userlayers:NeedsArguments"], "expected class userlayers:NeedsArguments to build with no arguments"),
+    (["userlayers:failing_factory"], "expected factory userlayers:failing_factory() to return a layer; it raised "
+                                     "RuntimeError: no GPU here"),
+    (["userlayers:two_arguments"], "expected a function f(q, k, v, mask=None) on (B, H, T, d) tensors; got a "
+                                   "function of 2 positional argument(s)"),
+    (["userlayers:correct", "--seq-len", "0"], "expected --seq-len >= 1; got 0"),
+])
+def test_usage_errors_exit_2_with_one_line_saying_what_was_expected(in_scratch, capsys, argv, words):
+    assert _cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("attention-audit: error: ")
+    assert words in captured.err and "Fix: " in captured.err
+
+
+def test_html_report_or_a_usage_error_where_the_html_writer_is_absent(in_scratch, capsys, scratch):
+    page = scratch / "report.html"
+    status = _cli.main(["userlayers:correct", "--html", str(page)])
+    captured = capsys.readouterr()
+    try:
+        import diagnostics._html  # noqa: F401  (written separately; absent in some versions)
+    except ImportError:
+        assert status == 2 and captured.out == ""
+        assert "expected HTML reports (diagnostics._html)" in captured.err
+    else:
+        assert status == 0 and page.exists() and f"wrote {page}" in captured.err
+
+
+class _Terminal:
+    def __init__(self, tty: bool):
+        self.tty, self.written = tty, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.written.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty, seq_len, shown", [(True, 16, "line"), (False, 16, None), (False, 32, "lines")])
+def test_progress_on_a_terminal_or_for_long_audits_only(in_scratch, capsys, monkeypatch, tty, seq_len, shown):
+    monkeypatch.setattr(_cli, "LONG_SEQ_LEN", 32)
+    stderr = _Terminal(tty)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert _cli.main(["userlayers:correct", "--seq-len", str(seq_len)]) == 0
+    text = "".join(stderr.written)
+    if shown is None:
+        assert text == ""
+    elif shown == "line":  # one self-updating line, erased at the end
+        assert text.count(f"[{len(DETECTORS)}/{len(DETECTORS)}] eval_determinism") == 1 and text.endswith("\r\x1b[K")
+    else:
+        total = len(DETECTORS)
+        assert text.splitlines() == [f"attention-audit: [{i + 1}/{total}] {d}" for i, d in enumerate(DETECTORS)]
+
+
+def test_json_writes_non_finite_numbers_as_strings():
+    assert _cli._jsonable({"a": [math.inf, -math.inf, math.nan, 1.5, "x"]}) == {"a": ["inf", "-inf", "nan", 1.5, "x"]}
+
+
+def test_targets_resolve_dotted_attributes_inside_the_module():
+    assert _cli.resolve("torch.nn.functional:scaled_dot_product_attention") is \
+        torch.nn.functional.scaled_dot_product_attention
+    assert _cli.resolve("diagnostics:AuditReport.to_dict") is diagnostics.AuditReport.to_dict
+
+
+# ---- the README's example ---------------------------------------------------------------------------------
+
+
+def _readme_section_blocks(title: str) -> list[str]:
+    section = README.read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_readme_audit_your_own_layer_example_runs(capsys):
+    example = _readme_section_blocks("Audit your own layer")[0]
+    exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
+    assert "attention audit of MyAttention" in capsys.readouterr().out

@@ -1,0 +1,179 @@
+"""The pytest plugin, run by pytester in a scratch directory holding a user's own layers: one test per
+detector for `--attention-audit=module:obj`, failures with evidence and fix, and the `attention_audit` fixture."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import diagnostics
+from diagnostics import DETECTORS
+
+pytest_plugins = ["pytester"]
+
+# The plugin by name (also fine where its entry point loaded it); in-process runs see this package already
+# imported, which pytest reports when its entry point asks to rewrite its asserts: not the subject here.
+PLUGIN = ("-p", "diagnostics.pytest_plugin", "-W", "ignore::pytest.PytestAssertRewriteWarning")
+
+# A user's own module: a correct attention, the same without the scale, and one that ignores causality.
+LAYERS = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model=32, num_heads=4, scaled=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.scaled = d_model, num_heads, scaled
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
+        if self.scaled:
+            scores = scores / math.sqrt(D // self.num_heads)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
+
+
+class NoMask(Attention):
+    def forward(self, x):  # takes no mask: causal only if it builds its own, which it does not
+        return super().forward(x)
+
+
+correct = Attention()
+
+
+def broken():
+    return Attention(scaled=False)
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _audit_imports_loaded():
+    """The first audit in a process imports torch's compiler stack (for its dispatch mode; ~800 modules,
+    about 2 s). pytester's in-process runs drop the modules imported during a run, so load them once here."""
+    diagnostics.audit(torch.nn.functional.scaled_dot_product_attention, seq_len=2)
+
+
+@pytest.fixture
+def scratch(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(mylayers=LAYERS)
+    return pytester
+
+
+def test_correct_layer_passes_one_test_per_detector(scratch):
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "-v", "-rs")
+    assert result.ret == pytest.ExitCode.OK
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(DETECTORS)
+    assert "failed" not in outcomes
+    for detector in DETECTORS:
+        result.stdout.fnmatch_lines([f"attention-audit::{detector}[[]mylayers:correct[]] *"])
+    # not causal: the causal detectors skip, saying how to enable them
+    result.stdout.fnmatch_lines(["*SKIPPED*future_leakage: not measured: the layer is not audited as causal*"])
+
+
+def test_broken_layer_fails_its_detector_with_evidence_and_fix(scratch):
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:broken")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1, passed=8, skipped=3, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*attention audit of mylayers:broken: softmax_saturation*",
+        "FAIL softmax_saturation: softmax is 2.83x too sharp*",
+        "  layer:    Attention (self_module, d_model=32, num_heads=4)*",
+        "  evidence: q·k is multiplied by 1 before the softmax*expected 0.3536*",
+        "  fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)*",
+        "FAILED attention-audit::softmax_saturation[[]mylayers:broken[]]*",
+    ])
+
+
+def test_causal_option_catches_a_layer_that_leaks_the_future(scratch):
+    leaking = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:NoMask", "--attention-causal")
+    assert leaking.ret == pytest.ExitCode.TESTS_FAILED
+    leaking.stdout.fnmatch_lines(["FAIL future_leakage: outputs depend on future tokens",
+                                  "  evidence: * past outputs changed*"])
+    masked = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:Attention", "--attention-causal")
+    assert masked.ret == pytest.ExitCode.OK  # the audit passes it causal masks
+
+
+def test_warning_passes_with_an_attention_audit_warning(scratch):
+    # masked_fill(-inf) then softmax: a query with no key to attend gets NaN, which warns, not fails
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "-k", "fully_masked_rows")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, deselected=len(DETECTORS) - 1, warnings=1)
+    result.stdout.fnmatch_lines(["*mylayers.py:*: AttentionAuditWarning: *fully_masked_rows: a query whose every "
+                                 "key is masked gets NaN*"])
+
+
+def test_a_target_that_cannot_be_loaded_is_a_collection_error(scratch):
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:does_not_exist")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["--attention-audit=mylayers:does_not_exist: expected mylayers to define "
+                                 "'does_not_exist'; got no attribute*Fix: check the name"])
+    missing = scratch.runpytest(*PLUGIN, "--attention-audit=no_such_module:layer")
+    assert missing.ret == pytest.ExitCode.INTERRUPTED
+    missing.stdout.fnmatch_lines(["*expected an importable module 'no_such_module'*"])
+    too_short = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-seq-len=0")
+    assert too_short.ret == pytest.ExitCode.INTERRUPTED
+    too_short.stdout.fnmatch_lines(["--attention-seq-len: expected a length >= 1; got 0.*"])
+
+
+def test_audit_items_join_the_users_own_tests(scratch):
+    scratch.makepyfile(test_mine="def test_mine():\n    assert True\n")
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-audit=mylayers:broken")
+    result.assert_outcomes(passed=1 + 9 + 8, failed=1, skipped=6, warnings=2)
+
+
+def test_fixture_returns_the_report_and_fails_with_it(scratch):
+    scratch.makepyfile(test_uses_fixture='''
+        import mylayers
+
+        def test_correct(attention_audit):
+            report = attention_audit(mylayers.correct, causal=True)
+            assert report.passed and report.causal
+
+        def test_broken(attention_audit):
+            attention_audit(mylayers.broken())
+    ''')
+    result = scratch.runpytest(*PLUGIN)
+    result.assert_outcomes(passed=1, failed=1, warnings=2)
+    result.stdout.fnmatch_lines([
+        "*test_broken*",
+        "attention audit of Attention (self_module, d_model=32, num_heads=4): FAILED*",
+        "FAIL softmax_saturation: softmax is 2.83x too sharp*",
+        "  fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)*",
+    ])
+    assert "def check(" not in result.stdout.str()  # the user's failure, not the plugin's frames
+
+
+def test_options_have_their_own_group(scratch):
+    result = scratch.runpytest(*PLUGIN, "--help")
+    result.stdout.fnmatch_lines(["audit attention layers for silent mistakes*", "*--attention-audit=MODULE:OBJECT*",
+                                 "*--attention-causal*", "*--attention-seq-len=N*"])
+
+
+def test_the_plugin_is_installed_as_a_pytest11_entry_point():
+    try:
+        distribution = importlib.metadata.distribution("attention-mistakes")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the package is not installed here: pip install -e \".[test]\" registers the plugin")
+    names = {ep.name: ep.value for ep in distribution.entry_points if ep.group == "pytest11"}
+    assert names == {"diagnostics.pytest_plugin": "diagnostics.pytest_plugin"}
+
+
+def test_readme_fixture_example_runs_on_the_readme_layer(pytester):
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("## Audit your own layer\n", 1)[1].split("\n## ", 1)[0]
+    layer, test_file = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    assert "class MyAttention" in layer and test_file.startswith("# test_my_attention.py")
+    pytester.makepyfile(mymodule=layer, test_my_attention=test_file)
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(passed=1, warnings=1)  # the README says: it warns of NaN on a fully masked row
