@@ -171,8 +171,8 @@ def _entries() -> list[Variant]:
             fix="return F.dropout(weights, p=self.dropout_p, training=self.training)",
             detectable_when=Observable("dropout > 0, the layer is in eval mode, and some query may attend a key",
                                        lambda s: s.dropout > 0 and not s.training and s.attends_anything),
-            expected_detectors=("weight_row_sums", "output_variance", "query_locality", "mask_honoured",
-                                "eval_determinism"),
+            expected_detectors=("weight_row_sums",),  # the 1/(1-p) rescaling, even when nothing is dropped
+            also_detected_by=("output_variance", "query_locality", "mask_honoured", "eval_determinism"),
         ),
         Variant(
             id="fully_masked_row_nan", title="Fully masked row gives NaN", cls=c.FullyMaskedRowNaN,

@@ -88,7 +88,10 @@ class Variant:
     symptom: str
     fix: str
     detectable_when: Observable
-    expected_detectors: tuple[str, ...] = ()
+    expected_detectors: tuple[str, ...] = ()  # fire wherever `detectable_when` holds
+    # Fire too in the kill matrix (d_model=32, 4 heads, seq_len 16), but not at every observable
+    # configuration: e.g. dropout may happen to keep every weight of a tiny probe.
+    also_detected_by: tuple[str, ...] = ()
     # The audit's outcome: "fail" (report.passed is False) or "warn" (it passes with a warning: NaN on a row
     # with no key to attend, which correct layers such as nn.MultiheadAttention also give).
     expected_severity: str = "fail"
