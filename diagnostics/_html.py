@@ -1,0 +1,230 @@
+"""HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector
+results, and `write_report_html` behind `AuditReport.to_html`.
+
+Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline
+SVG, no scripts, no images, nothing fetched. The test suite's teaching report (tests/conftest.py) builds on
+the same pieces, so a user's audit page and the catalog's report look and read alike.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+import torch
+
+# Scoped under `.am` so that the rules do not leak into a host page (pytest-html's report has its own CSS).
+STYLE = """
+.am { color: #1a1a1a; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
+      max-width: 1180px; }
+.am h1 { font-size: 24px; margin: 0.4em 0; }
+.am h2 { font-size: 19px; margin: 1.4em 0 0.4em; color: #1a1a1a; }
+.am h3 { font-size: 17px; margin: 0 0 0.4em; color: #1a1a1a; }
+.am h4 { font-size: 14px; margin: 1.1em 0 0.3em; color: #333; }
+.am p { color: #1a1a1a; margin: 0.35em 0; }
+.am a { color: #0b5cad; }
+.am code, .am pre { font: 12.5px/1.4 ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; }
+.am pre { background: #f6f8fa; border: 1px solid #d8dee4; border-radius: 4px; padding: 8px 10px;
+          overflow-x: auto; margin: 0.3em 0; color: #1a1a1a; }
+.am .meta, .am .margin { color: #555; }
+.am .margin { font-size: 12px; }
+.am table.results { border-collapse: collapse; width: 100%; margin: 0.3em 0; }
+.am table.results th, .am table.results td { border: 1px solid #d8dee4; padding: 4px 6px; text-align: left;
+                                             vertical-align: top; color: #1a1a1a; }
+.am table.results th { background: #f0f3f6; }
+.am table.results td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+.am .verdict { display: inline-block; min-width: 3.2em; text-align: center; border-radius: 3px;
+               padding: 0 4px; font-weight: 600; font-size: 12px; }
+.am .v-fail { background: #d73a49; color: #fff; }
+.am .v-warn { background: #f0b400; color: #1a1a1a; }
+.am .v-pass { background: #dcefdc; color: #1e5e1e; }
+.am .v-skip { background: #eceff1; color: #555; }
+.am .finding { border-left: 4px solid #d73a49; background: #fdf3f4; padding: 6px 10px; margin: 0.5em 0; }
+.am .finding.warn { border-left-color: #f0b400; background: #fffaf0; }
+.am figure { display: inline-block; margin: 0 24px 8px 0; vertical-align: top; }
+.am figcaption { font-size: 13px; color: #333; margin-bottom: 2px; }
+.am svg.heatmap text { font-family: system-ui, Helvetica, Arial, sans-serif; fill: #333; }
+"""
+
+# Colour ramps (ColorBrewer "Blues" / "Reds", light to dark): positive weights blue, negative ones red. An
+# exact 0 (a masked key) is pure white, one step lighter than the ramp starts, so masks stay visible.
+_BLUES = ((0xf7, 0xfb, 0xff), (0xde, 0xeb, 0xf7), (0xc6, 0xdb, 0xef), (0x9e, 0xca, 0xe1), (0x6b, 0xae, 0xd6),
+          (0x42, 0x92, 0xc6), (0x21, 0x71, 0xb5), (0x08, 0x51, 0x9c), (0x08, 0x30, 0x6b))
+_REDS = ((0xff, 0xf5, 0xf0), (0xfe, 0xe0, 0xd2), (0xfc, 0xbb, 0xa1), (0xfc, 0x92, 0x72), (0xfb, 0x6a, 0x4a),
+         (0xef, 0x3b, 0x2c), (0xcb, 0x18, 0x1d), (0xa5, 0x0f, 0x15), (0x67, 0x00, 0x0d))
+ZERO_COLOUR = "#ffffff"
+NONFINITE_COLOUR = "#e7298a"  # magenta: in neither ramp, so a NaN row cannot pass for a large weight
+MAX_CELLS = 64  # larger maps are cropped to their first 64 queries and keys: beyond that a cell is < 4 px
+
+
+def escape(value) -> str:
+    """`value` as text safe inside HTML elements and attribute values."""
+    return html.escape(str(value), quote=True)
+
+
+def number(x: float | None) -> str:
+    """A measured value or threshold as a reader wants it: 4 significant digits, "—" when not measured."""
+    if x is None:
+        return "—"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def verdict_badge(verdict: str) -> str:
+    return f'<span class="verdict v-{escape(verdict)}">{escape(verdict)}</span>'
+
+
+def first_map(weights: torch.Tensor) -> torch.Tensor:
+    """The (Tq, Tk) map of batch 0 (and head 0) from weights shaped (B, [H,] Tq, Tk)."""
+    w = weights.detach().to("cpu", torch.float64)
+    while w.dim() > 2:
+        w = w[0]
+    return w
+
+
+def colour(value: float, vmax: float) -> str:
+    """Hex colour of one weight on a scale that saturates at |value| = vmax (see the ramps above)."""
+    if not math.isfinite(value):
+        return NONFINITE_COLOUR
+    if value == 0:
+        return ZERO_COLOUR
+    ramp = _BLUES if value > 0 else _REDS
+    t = min(abs(value) / vmax, 1.0) * (len(ramp) - 1)
+    i = min(int(t), len(ramp) - 2)
+    f = t - i
+    rgb = (round(a + (b - a) * f) for a, b in zip(ramp[i], ramp[i + 1]))
+    return "#" + "".join(f"{c:02x}" for c in rgb)
+
+
+def scale_max(*maps: torch.Tensor) -> float:
+    """The largest finite |weight| of the maps: one colour scale for maps that are compared side by side."""
+    finite = [m[torch.isfinite(m)].abs() for m in maps]
+    return max([float(f.max()) for f in finite if f.numel()] + [1e-12])
+
+
+def heatmap_svg(weights: torch.Tensor, *, vmax: float | None = None, label: str = "attention weights") -> str:
+    """An inline SVG heatmap of a (Tq, Tk) map: rows are queries, columns keys, a colour bar underneath.
+
+    Each cell carries a tooltip with its value. `vmax` fixes the colour scale (pass the same to maps that
+    are compared); by default it is the map's largest finite |weight|.
+    """
+    m = weights.detach().to("cpu", torch.float64)
+    t_q, t_k = m.shape
+    cropped = max(t_q, t_k) > MAX_CELLS
+    m = m[:MAX_CELLS, :MAX_CELLS]
+    rows, cols = m.shape
+    vmax = scale_max(m) if vmax is None else vmax
+    cell = max(4, min(18, 288 // max(rows, cols)))
+    gap = 1 if cell >= 8 else 0  # a white grid between cells large enough to keep one
+    left, top = 48, 36  # room for the "query" / "key" labels and the tick labels
+    width, height = cols * cell, rows * cell
+    step = 1
+    while step * cell < 20:  # tick labels at least 20 px apart, room for two digits
+        step *= 2
+
+    parts = [f'<text x="{left + width / 2}" y="12" text-anchor="middle" font-size="12" font-weight="600">key</text>',
+             f'<text x="12" y="{top + height / 2}" text-anchor="middle" font-size="12" font-weight="600" '
+             f'transform="rotate(-90 12 {top + height / 2})">query</text>']
+    for j in range(0, cols, step):
+        parts.append(f'<text x="{left + j * cell + cell / 2}" y="{top - 6}" text-anchor="middle" '
+                     f'font-size="10">{j}</text>')
+    for i in range(0, rows, step):
+        parts.append(f'<text x="{left - 5}" y="{top + i * cell + cell / 2 + 3.5}" text-anchor="end" '
+                     f'font-size="10">{i}</text>')
+    parts.append(f'<rect x="{left - gap}" y="{top - gap}" width="{width + gap}" height="{height + gap}" '
+                 f'fill="#d0d7de"/>')  # the grid colour shows through the gaps
+    for i, row in enumerate(m.tolist()):
+        for j, value in enumerate(row):
+            parts.append(f'<rect x="{left + j * cell}" y="{top + i * cell}" width="{cell - gap}" '
+                         f'height="{cell - gap}" fill="{colour(value, vmax)}"><title>query {i}, key {j}: '
+                         f'{value:.4g}</title></rect>')
+
+    # The colour bar: 0 to vmax in blue, and -vmax to 0 in red when the map has negative weights.
+    negative = bool((m[torch.isfinite(m)] < 0).any())
+    bar_y, bar_w = top + height + 14, max(width, 200)
+    lo = -vmax if negative else 0.0
+    steps = 40
+    for s in range(steps):
+        v = lo + (vmax - lo) * (s + 0.5) / steps
+        parts.append(f'<rect x="{left + s * bar_w / steps:.1f}" y="{bar_y}" width="{bar_w / steps + 0.5:.1f}" '
+                     f'height="10" fill="{colour(v, vmax)}"/>')
+    parts.append(f'<text x="{left}" y="{bar_y + 22}" font-size="10">{lo:.3g}</text>')
+    if negative:
+        parts.append(f'<text x="{left + bar_w / 2}" y="{bar_y + 22}" font-size="10" text-anchor="middle">0</text>')
+    parts.append(f'<text x="{left + bar_w}" y="{bar_y + 22}" font-size="10" text-anchor="end">{vmax:.3g}</text>')
+
+    # Swatches for the two colours that are off the bar, and a note when the map was cropped.
+    legend_y = bar_y + 30
+    notes = [(ZERO_COLOUR, "exactly 0")] if bool((m == 0).any()) else []
+    if not bool(torch.isfinite(m).all()):
+        notes.append((NONFINITE_COLOUR, "NaN or inf"))
+    x = left
+    for fill, text in notes:
+        parts.append(f'<rect x="{x}" y="{legend_y}" width="10" height="10" fill="{fill}" stroke="#888"/>'
+                     f'<text x="{x + 14}" y="{legend_y + 9}" font-size="10">{text}</text>')
+        x += 24 + 6 * len(text)
+    total_h = legend_y + (16 if notes else 0)
+    total_w = left + bar_w + 12
+    if cropped:
+        note = f"showing the first {rows} of {t_q} queries and {cols} of {t_k} keys"
+        parts.append(f'<text x="{left}" y="{total_h + 10}" font-size="10">{note}</text>')
+        total_h += 16
+        total_w = max(total_w, left + 6 * len(note))
+    return (f'<svg class="heatmap" width="{total_w}" height="{total_h}" '
+            f'viewBox="0 0 {total_w} {total_h}" role="img" aria-label="{escape(label)}" '
+            f'shape-rendering="crispEdges">' + "".join(parts) + "</svg>")
+
+
+def results_table(results) -> str:
+    """The detector readings: verdict, message, measured value against its threshold, evidence and fix."""
+    rows = []
+    for r in results:
+        fix = f"<code>{escape(r.fix)}</code>" if r.fix and r.fired else ""
+        # The margin says how far correct layers stay from the threshold: small print under the evidence.
+        margin = f'<div class="margin">{escape(r.margin)}</div>' if r.margin else ""
+        rows.append(f'<tr><td><code>{escape(r.detector)}</code></td><td>{verdict_badge(r.verdict)}</td>'
+                    f'<td>{escape(r.message)}</td><td class="num">{number(r.value)}</td>'
+                    f'<td class="num">{number(r.threshold)}</td><td>{escape(r.evidence)}{margin}</td>'
+                    f'<td>{fix}</td></tr>')
+    return ('<table class="results"><thead><tr><th>detector</th><th>verdict</th><th>reading</th><th>value</th>'
+            '<th>threshold</th><th>evidence</th><th>fix</th></tr></thead><tbody>' + "".join(rows) +
+            "</tbody></table>")
+
+
+def finding_html(r) -> str:
+    """One warn/fail result as a block: what fired, the evidence, and what to write instead."""
+    return (f'<div class="finding {escape(r.verdict)}"><p>{verdict_badge(r.verdict)} <code>{escape(r.detector)}'
+            f'</code>: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
+            f'<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
+
+
+def write_report_html(report, path) -> None:
+    """Write `report` (an AuditReport) to `path` as one self-contained HTML page."""
+    verdict = "PASSED" if report.passed else "FAILED"
+    settings = ", ".join(f"{k}={v}" for k, v in report.settings.items())
+    findings = report.findings
+    if report.weights is None:
+        weights = ("<p>No weights to show: the layer returned none and no softmax output could be observed on "
+                   "the standard probe.</p>")
+    else:
+        heads = "batch 0, head 0" if report.weights.dim() == 4 else "batch 0"
+        weights = (f'<figure><figcaption>{heads} of the standard probe ({escape(report.weights_source)}), '
+                   f'shape {tuple(report.weights.shape)}</figcaption>{heatmap_svg(first_map(report.weights))}'
+                   f'</figure>')
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>attention audit of {escape(report.layer)}: {verdict}</title>
+<style>{STYLE}
+body {{ margin: 24px; }}</style></head>
+<body class="am">
+<h1>Attention audit of {escape(report.layer)}: {verdict}</h1>
+<p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
+{escape(report.device)}, {report.forward_passes} forward passes, {report.seconds:.2f} s; {escape(settings)}</p>
+<h2>Findings</h2>
+{"".join(finding_html(r) for r in findings) or "<p>No findings: every detector passed or was skipped.</p>"}
+<h2>Attention weights</h2>
+{weights}
+<h2>All detector results</h2>
+{results_table(report.results)}
+</body></html>
+"""
+    Path(path).write_text(page, encoding="utf-8")
