@@ -70,6 +70,11 @@ def _result(det: str, verdict: str, message: str, **kw) -> DetectorResult:
                           **kw)
 
 
+def _judge(det: str, failed: bool, fail_message: str, pass_message: str, **kw) -> DetectorResult:
+    """The common ending: fail with one message or pass with the other, the same measurements either way."""
+    return _result(det, "fail" if failed else "pass", fail_message if failed else pass_message, **kw)
+
+
 def _skip(det: str, reason: str) -> DetectorResult:
     return DetectorResult(det, "skip", f"not measured: {reason}")
 
@@ -360,11 +365,9 @@ def check_query_locality(probe: Probe) -> DetectorResult:
     others = _time_index(change) != p
     bad, worst, text = _count_changed(change, others, tolerance(UNCHANGED, s.dtype), probe,
                                       "other output rows", f"when only query t={p} changed")
-    if bad:
-        return _result(det, "fail", "an output row depends on other queries than its own",
-                       value=worst, threshold=tolerance(UNCHANGED, s.dtype), evidence=text)
-    return _result(det, "pass", "each output row depends only on its own query", value=worst,
-                   threshold=tolerance(UNCHANGED, s.dtype), evidence=text)
+    return _judge(det, bad > 0, "an output row depends on other queries than its own",
+                  "each output row depends only on its own query", value=worst,
+                  threshold=tolerance(UNCHANGED, s.dtype), evidence=text)
 
 
 def check_mask_honoured(probe: Probe) -> DetectorResult:
@@ -428,11 +431,9 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     bad = [(label, b, w, t) for label, b, w, t in reports if b]
     evidence = "; ".join(f"{label} mask: {t}" for label, _, _, t in reports)
     worst = max(w for _, _, w, _ in reports)
-    if bad:
-        return _result(det, "fail", "outputs depend on keys the mask blocks (" + ", ".join(b[0] for b in bad) + ")",
-                       value=worst, threshold=tol, evidence=evidence)
-    return _result(det, "pass", "keys the mask blocks have no effect (padding and causal masks)",
-                   value=worst, threshold=tol, evidence=evidence)
+    return _judge(det, bool(bad), "outputs depend on keys the mask blocks (" + ", ".join(b[0] for b in bad) + ")",
+                  "keys the mask blocks have no effect (padding and causal masks)",
+                  value=worst, threshold=tol, evidence=evidence)
 
 
 def check_fully_masked_rows(probe: Probe) -> DetectorResult:
@@ -513,10 +514,9 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
     where = _where(idx[1:], _names(probe, change.dim() - 1))
     text = (f"{bad} / {total} past outputs changed ({100 * bad / max(total, 1):.1f}%); greatest change "
             f"{worst:.3g} at {where} when only t>={cut + 1} was perturbed ({_allowed_text(tol, s.dtype)})")
-    if bad:
-        return _result(det, "fail", "outputs depend on future tokens", value=worst, threshold=tol, evidence=text)
-    return _result(det, "pass", f"no output moved when only later tokens changed (cuts at t={cuts})",
-                   value=worst, threshold=tol, evidence=text)
+    return _judge(det, bad > 0, "outputs depend on future tokens",
+                  f"no output moved when only later tokens changed (cuts at t={cuts})",
+                  value=worst, threshold=tol, evidence=text)
 
 
 def check_causal_alignment(probe: Probe) -> DetectorResult:
@@ -590,10 +590,8 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     everywhere = torch.ones_like(change, dtype=torch.bool)
     bad, worst, text = _count_changed(change, everywhere, tol, probe, "outputs", "between two eval-mode calls "
                                       "on the same input")
-    if bad:
-        return _result(det, "fail", "two eval-mode calls on the same input differ (randomness left on)",
-                       value=worst, threshold=tol, evidence=text)
-    return _result(det, "pass", "eval-mode calls are deterministic", value=worst, threshold=tol, evidence=text)
+    return _judge(det, bad > 0, "two eval-mode calls on the same input differ (randomness left on)",
+                  "eval-mode calls are deterministic", value=worst, threshold=tol, evidence=text)
 
 
 # ---- the registry ----------------------------------------------------------------------------------
