@@ -10,7 +10,16 @@
         ...
 
 Hypothesis draws the small things (sizes, a mask kind, a seed); the tensors are made from the seed, so
-examples shrink well and a failure replays exactly. Requires the `hypothesis` package (extra `test`).
+examples shrink well and a failure replays exactly. `attention_configs()` draws layer configurations to
+build and audit your own layer across sizes:
+
+    @given(cfg=attention_configs(causal=True))
+    def test_my_layer_passes_the_audit(cfg):
+        torch.manual_seed(cfg.seed)
+        diagnostics.assert_attention_ok(MyAttention(cfg.d_model, cfg.num_heads), causal=True,
+                                        seq_len=cfg.seq_len, seed=cfg.seed)
+
+Requires the `hypothesis` package (extra `test`).
 """
 
 from __future__ import annotations
@@ -83,6 +92,37 @@ class AttentionCase:
         return m.contiguous().to(device)
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    """A layer configuration to build and audit: `MyAttention(cfg.d_model, cfg.num_heads)`, then
+    `diagnostics.audit(layer, causal=cfg.causal, seq_len=cfg.seq_len, seed=cfg.seed)`."""
+
+    d_model: int
+    num_heads: int
+    seq_len: int
+    causal: bool
+    seed: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@st.composite
+def attention_configs(draw, *, max_heads: int = 4, max_head_dim: int = 16, max_seq_len: int = 32,
+                      causal: bool | None = None) -> AttentionConfig:
+    """Draw an `AttentionConfig`: heads, a head width (1 and odd sizes included), so d_model = heads * width;
+    a probe length >= 2; causal or not (fixed when `causal` is given); a seed."""
+    heads = draw(st.integers(1, max_heads))
+    return AttentionConfig(
+        d_model=heads * draw(st.integers(1, max_head_dim)),
+        num_heads=heads,
+        seq_len=draw(st.integers(2, max_seq_len)),
+        causal=draw(st.booleans()) if causal is None else causal,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
 @st.composite
 def attention_cases(draw, *, max_batch: int = 3, max_heads: int = 3, max_len: int = 16, max_head_dim: int = 16,
                     mask_kinds: tuple[str, ...] = MASK_KINDS, same_length: bool = False) -> AttentionCase:
@@ -101,4 +141,4 @@ def attention_cases(draw, *, max_batch: int = 3, max_heads: int = 3, max_len: in
     )
 
 
-__all__ = ["MASK_KINDS", "AttentionCase", "attention_cases"]
+__all__ = ["MASK_KINDS", "AttentionCase", "AttentionConfig", "attention_cases", "attention_configs"]

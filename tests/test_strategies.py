@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from diagnostics.strategies import MASK_KINDS, AttentionCase, attention_cases
+from diagnostics.strategies import MASK_KINDS, AttentionCase, attention_cases, attention_configs
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -109,3 +109,22 @@ def test_readme_documents_every_mask_kind_and_its_example_runs():
     assert header == "mask_kind" and documented == list(MASK_KINDS)
     example = next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "attention_cases" in b)
     exec(compile(example, str(README), "exec"), {"__name__": "readme_strategies_example"})
+
+
+@given(cfg=attention_configs(max_heads=3, max_head_dim=5, max_seq_len=7))
+def test_attention_configs_stay_within_bounds(cfg):
+    assert 1 <= cfg.num_heads <= 3 and cfg.d_model % cfg.num_heads == 0 and 1 <= cfg.head_dim <= 5
+    assert 2 <= cfg.seq_len <= 7 and isinstance(cfg.causal, bool)
+
+
+@given(cfg=attention_configs(max_head_dim=4, max_seq_len=8, causal=True))
+def test_attention_configs_drive_an_audit_of_a_layer(cfg):
+    """The documented use: a correct causal layer passes at every drawn configuration."""
+    import diagnostics
+    from correct import MultiHeadAttention
+
+    assert cfg.causal
+    torch.manual_seed(cfg.seed)
+    report = diagnostics.assert_attention_ok(MultiHeadAttention(cfg.d_model, cfg.num_heads, causal=True),
+                                             causal=True, seq_len=cfg.seq_len, seed=cfg.seed)
+    assert report.seq_len == cfg.seq_len
