@@ -293,22 +293,22 @@ def check_output_variance(probe: Probe) -> DetectorResult:
     else:
         token = probe.make(81, B, 1)  # (B, 1, D)
         same = token.expand(B, T, s.d_model).contiguous()  # (B, T, D): T identical tokens
-        single = probe.call(token, token, token, probe.allowed(B, 1, 1))
         if s.separate_kv and not probe.causal:  # queries differ, memory is T copies of one token
             query = probe.make(82, B, T)
             call = probe.call(query, same, same, probe.allowed(B, T, T))
-            reference = probe.call(query, token, token, probe.allowed(B, T, 1))
+            # one query over that one token: every output row must equal its output (Tq = 1 also keeps
+            # a wrong head merge from disguising the reference)
+            reference = probe.call(query[:, :1].clone(), token, token, probe.allowed(B, 1, 1))
         else:
-            call, reference = probe.call(same, same, same, probe.allowed(B, T, T)), single
+            call = probe.call(same, same, same, probe.allowed(B, T, T))
+            reference = probe.call(token, token, token, probe.allowed(B, 1, 1))  # that one token alone
         for c in (call, reference):
             if not c.ok:
                 return _failed_call(det, c)
-        if reference.output.out.shape[-1] != call.output.out.shape[-1] or call.output.out.dim() != 3:
-            return _skip(det, "output shapes do not allow the comparison")
-        expected = reference.output.out[:, -1:].expand_as(call.output.out) if reference.output.out.shape[1] in (1, call.output.out.shape[1]) else None
-        if expected is None or expected.shape != call.output.out.shape:
-            return _skip(det, "output shapes do not allow the comparison")
-        change = _change(call.output.out, expected)
+        got, ref = call.output.out, reference.output.out
+        if got.dim() != 3 or ref.dim() != 3 or ref.shape[1] != 1 or ref.shape[::2] != got.shape[::2]:
+            return _skip(det, f"output shapes {tuple(got.shape)} and {tuple(ref.shape)} do not allow the comparison")
+        change = _change(got, ref.expand_as(got))
         what = "output rows differ from the output for that one token"
     everywhere = torch.ones_like(change, dtype=torch.bool)
     bad, worst, text = _count_changed(change, everywhere, tol, probe, what,
