@@ -88,11 +88,16 @@ class AuditReport:
 
 @contextlib.contextmanager
 def _untouched(layer, device):
-    """Eval mode during the audit; afterwards: training flags, parameters, buffers, .grad and RNG restored."""
+    """Eval mode during the audit; afterwards training flags, every parameter and buffer (persistent or
+    not, even if the layer replaced it), every .grad and the global RNG state are as they were."""
     modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
     modes = [m.training for m in modules]
-    state = {k: v.detach().clone() for k, v in layer.state_dict(keep_vars=True).items()} if modules else {}
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in layer.named_parameters()} if modules else {}
+    # (module, registry, name, the original tensor object, a copy of its values)
+    slots = [(m, registry, name, t, t.detach().clone())
+             for m in modules for registry in (m._parameters, m._buffers)
+             for name, t in registry.items() if t is not None]
+    grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
+             if registry is not None and isinstance(t, nn.Parameter)]
     cuda = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         try:
@@ -102,13 +107,13 @@ def _untouched(layer, device):
         finally:
             for m, mode in zip(modules, modes):
                 m.train(mode)
-            if modules:
-                with torch.no_grad():
-                    for k, v in layer.state_dict(keep_vars=True).items():
-                        if k in state and not torch.equal(v.detach(), state[k]):
-                            v.detach().copy_(state[k])
-                for n, p in layer.named_parameters():
-                    p.grad = grads.get(n)
+            with torch.no_grad():
+                for m, registry, name, original, values in slots:
+                    registry[name] = original  # a buffer the layer reassigned (a growing cache) goes back
+                    if not torch.equal(original.detach(), values):
+                        original.detach().copy_(values)
+            for t, grad in grads:
+                t.grad = grad
 
 
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,

@@ -26,7 +26,8 @@ _CARRY = {
     aten.transpose.int, aten.permute.default, aten.expand.default, aten.t.default, aten._to_copy.default,
     aten.contiguous.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
     aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
-    aten.repeat_interleave.self_int, aten.repeat.default,
+    aten.repeat_interleave.self_int, aten.repeat.default, aten.unbind.int, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unsafe_split.Tensor, aten._reshape_alias.default,
 }
 _SCALE_BY = {aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar}
 _DIVIDE_BY = {aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar}
@@ -35,8 +36,9 @@ _SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
 
 
 def _key(t: Tensor):
+    """This view of the memory: a factor applied in place to one slice (q of a packed qkv) is not k's."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride())
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -91,7 +93,7 @@ class Observer(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.record = Record()
-        self._factors: dict[int, float] = {}  # storage -> constant the values were multiplied by
+        self._factors: dict[tuple, float] = {}  # (address, shape, stride) -> constant the values were multiplied by
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
 
     def _factor(self, t) -> float:
@@ -175,7 +177,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             continue
         earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
         for m in reversed(earlier):
-            fitted = _fit_scale(event.input, m.out)
+            fitted = _fit_scale(event.input, m.out, event.output)
             if fitted is not None:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
@@ -187,16 +189,18 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
 _FIT_SAMPLES = 1 << 16
 
 
-def _fit_scale(scores: Tensor, products: Tensor) -> tuple[float, float] | None:
-    """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves."""
-    s, p = scores.detach().reshape(-1), products.detach().reshape(-1)
+def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
+    """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves.
+    Only entries the softmax gave weight in both halves count: masked ones (-inf, or a large negative fill
+    such as float16's -65504, where the logits are pure rounding) say nothing about the scale."""
+    s, p, w = scores.detach().reshape(-1), products.detach().reshape(-1), weights.detach().reshape(-1)
     half = s.numel() // 2
     if half == 0 or s.numel() % 2:
         return None
     step = max(1, half // _FIT_SAMPLES)  # a strided sample is plenty for one number, and keeps T=1024 cheap
     s0, s1, p0, p1 = (x.double() for x in (s[:half:step], s[half::step], p[:half:step], p[half::step]))
     ds, dp = s0 - s1, p0 - p1
-    ok = torch.isfinite(ds) & torch.isfinite(dp) & (s0.abs() < 1e30) & (s1.abs() < 1e30)
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
     ds, dp = ds[ok], dp[ok]
     denom = float((dp * dp).sum())
     if ds.numel() < 2 or denom == 0.0:

@@ -71,19 +71,20 @@ class Subject:
         return f"{name} ({self.form}, d_model={self.d_model}, num_heads={self.num_heads})"
 
 
-def _unpack(result) -> Output:
-    """`out` or `(out, weights, ...)`; anything else is a finding."""
-    weights = None
+def _unpack(result, query: Tensor, key: Tensor, time_dim: int) -> Output:
+    """`out` or `(out, weights, ...)`; anything else is a finding. Of the other returned tensors, the
+    weights are the one shaped like them, (B, [H,] Tq, Tk): a returned (k, v) cache or a bias is not."""
     if isinstance(result, (tuple, list)):
         if not result:
             raise LayerReturnedNothingUsable("returned an empty tuple")
-        out = result[0]
-        if len(result) > 1 and isinstance(result[1], Tensor) and result[1].dim() >= 2:
-            weights = result[1]
+        out, rest = result[0], result[1:]
     else:
-        out = result
+        out, rest = result, ()
     if not isinstance(out, Tensor):
         raise LayerReturnedNothingUsable(f"returned {type(out).__name__}, expected a tensor or (tensor, weights)")
+    batch, t_q, t_k = query.shape[0], query.shape[time_dim], key.shape[time_dim]
+    weights = next((w for w in rest if isinstance(w, Tensor) and w.is_floating_point() and w.dim() in (3, 4)
+                    and w.shape[0] == batch and tuple(w.shape[-2:]) == (t_q, t_k)), None)
     return Output(out.detach(), None if weights is None else weights.detach())
 
 
@@ -121,8 +122,9 @@ class FunctionSubject(Subject):
 
     def __call__(self, query, key, value, allowed):
         if allowed is None or not self.takes_mask:
-            return _unpack(self.layer(query, key, value))
-        return _unpack(self.layer(query, key, value, **{self.mask_name: allowed.unsqueeze(1)}))  # (B, 1, Tq, Tk)
+            return _unpack(self.layer(query, key, value), query, key, self.time_dim)
+        return _unpack(self.layer(query, key, value, **{self.mask_name: allowed.unsqueeze(1)}),  # (B, 1, Tq, Tk)
+                       query, key, self.time_dim)
 
 
 class QKVModuleSubject(Subject):
@@ -136,8 +138,9 @@ class QKVModuleSubject(Subject):
 
     def __call__(self, query, key, value, allowed):
         if allowed is None or not self.takes_mask:
-            return _unpack(self.layer(query, key, value))
-        return _unpack(self.layer(query, key, value, **{self.mask_name: allowed.unsqueeze(1)}))  # (B, 1, Tq, Tk)
+            return _unpack(self.layer(query, key, value), query, key, self.time_dim)
+        return _unpack(self.layer(query, key, value, **{self.mask_name: allowed.unsqueeze(1)}),  # (B, 1, Tq, Tk)
+                       query, key, self.time_dim)
 
 
 class SelfModuleSubject(QKVModuleSubject):
@@ -147,8 +150,8 @@ class SelfModuleSubject(QKVModuleSubject):
         if not (query is key and key is value):
             raise AuditUsageError("internal: a self-attention module takes one input stream")
         if allowed is None or not self.takes_mask:
-            return _unpack(self.layer(query))
-        return _unpack(self.layer(query, **{self.mask_name: allowed.unsqueeze(1)}))
+            return _unpack(self.layer(query), query, key, self.time_dim)
+        return _unpack(self.layer(query, **{self.mask_name: allowed.unsqueeze(1)}), query, key, self.time_dim)
 
 
 class TorchMHASubject(Subject):
@@ -159,6 +162,8 @@ class TorchMHASubject(Subject):
     def __init__(self, layer: nn.MultiheadAttention, *, need_weights: bool = True, **kw):
         super().__init__(layer, **kw)
         self.need_weights = need_weights
+        # add_bias_kv / add_zero_attn append a key of their own that no mask and no input reaches
+        self.extra_keys = layer.bias_k is not None or layer.add_zero_attn
 
     def __call__(self, query, key, value, allowed):
         mha: nn.MultiheadAttention = self.layer
@@ -194,20 +199,38 @@ def _positional(fn) -> list[inspect.Parameter]:
     return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def _module_device_dtype(layer: nn.Module, device, dtype):
+    """The device and dtype most of the module's floating-point parameters have (a float32 norm weight in
+    a bfloat16 layer does not decide); a conflicting `device=` or `dtype=` is misuse, not a finding."""
+    params = [p for p in layer.parameters() if p.is_floating_point()]
+    if not params:
+        return torch.device(device or "cpu"), dtype or torch.float32
+    counts: dict = {}
+    for p in params:
+        counts[(p.device, p.dtype)] = counts.get((p.device, p.dtype), 0) + p.numel()
+    own_device, own_dtype = max(counts, key=counts.get)
+    expect(dtype is None or dtype == own_dtype, f"dtype={own_dtype} (the layer's parameters)", f"dtype={dtype}",
+           f"convert the layer first (layer.to({dtype})) or leave dtype out")
+    expect(device is None or torch.device(device) == own_device, f"device={own_device} (the layer's parameters)",
+           f"device={device}", "move the layer first (layer.to(device)) or leave device out")
+    return own_device, own_dtype
+
+
 def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None,
                  need_weights: bool = True) -> Subject:
     """Recognise the layer's form and sizes; raise `AuditUsageError` when it cannot be called."""
     expect(callable(layer), "an attention layer: a function f(q, k, v, mask=None) or an nn.Module",
            f"{type(layer).__name__}", "pass the layer object itself (an instance, not a string)")
     if isinstance(layer, nn.MultiheadAttention):
-        ref = layer.in_proj_weight if layer.in_proj_weight is not None else layer.q_proj_weight
+        expect(layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim,
+               "nn.MultiheadAttention with kdim == vdim == embed_dim",
+               f"embed_dim={layer.embed_dim}, kdim={layer.kdim}, vdim={layer.vdim}",
+               "wrap it in a module whose key/value inputs are embed_dim wide (e.g. a Linear in front)")
+        device, dtype = _module_device_dtype(layer, device, dtype)
         return TorchMHASubject(layer, d_model=layer.embed_dim, num_heads=layer.num_heads,
-                               head_dim=layer.head_dim, device=device or ref.device, dtype=dtype or ref.dtype,
-                               need_weights=need_weights)
+                               head_dim=layer.head_dim, device=device, dtype=dtype, need_weights=need_weights)
     if isinstance(layer, nn.Module):
-        first = next(iter(layer.parameters()), None)
-        device = device or (first.device if first is not None else torch.device("cpu"))
-        dtype = dtype or (first.dtype if first is not None else torch.float32)
+        device, dtype = _module_device_dtype(layer, device, dtype)
         d_model, num_heads = _attr(layer, D_MODEL_NAMES, d_model), _attr(layer, HEAD_NAMES, num_heads)
         expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
                f"{type(layer).__name__} with none of them", "pass d_model=... to audit()")

@@ -17,14 +17,19 @@ from diagnostics import AttentionAuditError, AuditUsageError, audit
 
 
 class Counting(MultiHeadAttention):
-    """A correct layer that also counts its calls in a buffer (state the audit must restore)."""
+    """A correct layer with state the audit must restore: a call counter (persistent buffer), a
+    non-persistent counter, and a cache the forward pass replaces with a tensor of another shape."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("hidden_calls", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("cache", torch.zeros(4))
 
     def forward(self, query, key=None, value=None, mask=None):
         self.calls += 1
+        self.hidden_calls += 1
+        self.cache = torch.zeros(query.shape[1])  # a position cache that grows with the sequence
         return super().forward(query, key, value, mask)
 
 
@@ -40,6 +45,8 @@ def test_audit_leaves_layer_rng_and_grads_untouched():
     after = layer.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "parameters or buffers changed"
     assert int(layer.calls) == 0, "a buffer the forward pass updates was not restored"
+    assert int(layer.hidden_calls) == 0, "a non-persistent buffer was not restored"
+    assert layer.cache.shape == (4,), "a buffer the forward pass replaced was not put back"
     assert torch.equal(layer.out.weight.grad, torch.ones_like(layer.out.weight)) and layer.qkv.weight.grad is None
     assert torch.equal(torch.get_rng_state(), rng), "the global RNG state moved"
 
@@ -98,6 +105,8 @@ def test_a_broken_layer_is_a_finding_never_a_crash(layer, detector, words):
     (lambda: audit(MultiHeadAttention(8, 2), seq_len=0), "seq_len >= 1"),
     (lambda: audit(MultiHeadAttention(8, 2), scale=-1.0), "a positive scale"),
     (lambda: audit(MultiHeadAttention(8, 2), detectors=["nope"]), "detector ids from"),
+    (lambda: audit(nn.MultiheadAttention(8, 2, kdim=4, vdim=4)), "kdim == vdim == embed_dim"),
+    (lambda: audit(MultiHeadAttention(8, 2), dtype=torch.float16), "dtype=torch.float32 (the layer's parameters)"),
 ])
 def test_misuse_says_what_was_expected_seen_and_the_fix(call, words):
     with pytest.raises(AuditUsageError) as info:

@@ -32,9 +32,9 @@ def einsum_attention(q, k, v, mask=None):
 def chunked_online_attention(q, k, v, mask=None, chunk=3):
     """Flash-style: keys in chunks, a running max and running sum, no (Tq, Tk) weights kept."""
     scale = q.shape[-1] ** -0.5
-    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)  # running max (B, H, Tq, 1)
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)  # running max (B, H, Tq, 1)
     l = torch.zeros_like(m)  # running normaliser  # noqa: E741
-    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)  # (B, H, Tq, d_v)
+    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)  # (B, H, Tq, d_v)
     for start in range(0, k.shape[-2], chunk):
         s = (q @ k[..., start:start + chunk, :].transpose(-2, -1)) * scale  # (B, H, Tq, c)
         if mask is not None:
@@ -88,7 +88,7 @@ class NanoGPTAttention(nn.Module):
 def _rotate(x, positions):
     """Rotary embedding, half-split pairing: (B, H, T, d) rotated by position."""
     d = x.shape[-1] // 2 * 2
-    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
     angles = positions.double().unsqueeze(-1) * freqs  # (T, d/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2, rest = x[..., : d // 2], x[..., d // 2: d], x[..., d:]
@@ -106,7 +106,7 @@ class RotaryCausal(nn.Module):
     def forward(self, x):
         B, T, D = x.shape
         q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=x.device)
         y = F.scaled_dot_product_attention(_rotate(q, pos), _rotate(k, pos), v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
@@ -123,7 +123,7 @@ class ALiBiCausal(nn.Module):
     def forward(self, x, mask=None):
         B, T, D = x.shape
         q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
-        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        i, j = torch.arange(T, device=x.device).unsqueeze(-1), torch.arange(T, device=x.device)
         bias = -self.slopes.view(-1, 1, 1) * (i - j).abs()  # (H, T, T)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias
         allowed = j <= i if mask is None else (j <= i) & mask
@@ -197,7 +197,49 @@ class UnscaledT5Style(nn.Module):
         return self.o(torch.matmul(w, v).transpose(1, 2).reshape(B, T, D)), w
 
 
+class PackedInPlaceScale(nn.Module):
+    """Scales the q slice of a packed (3, B, H, T, d) projection in place: k, in the same storage, is not scaled.
+    Also returns its (k, v) cache, shaped (2, B, H, T, d), beside the output and the weights."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).contiguous()
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q.mul_(q.shape[-1] ** -0.5)
+        w = q @ k.transpose(-2, -1)
+        if mask is not None:
+            w = w.masked_fill(~mask, float("-inf"))
+        w = w.softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(B, T, D)), w, torch.stack((k, v))
+
+
+class NormInFloat32(nn.Module):
+    """A bfloat16 layer that keeps its (small) LayerNorm in float32, as mixed-precision code does."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.norm = nn.LayerNorm(d_model)
+        self.attn = __import__("correct").MultiHeadAttention(d_model, num_heads).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.attn(self.norm(x.float()).to(torch.bfloat16))
+
+
 CORRECT = {
+    "packed q scaled in place, returns its kv cache": lambda: (PackedInPlaceScale(64, 4), dict(seq_len=16)),
+    "nn.MultiheadAttention with add_bias_kv": lambda: (nn.MultiheadAttention(24, 3, add_bias_kv=True,
+                                                                              batch_first=True), {}),
+    "nn.MultiheadAttention with add_zero_attn": lambda: (nn.MultiheadAttention(24, 3, add_zero_attn=True,
+                                                                               batch_first=True), {}),
+    "bfloat16 layer with a float32 norm": lambda: (NormInFloat32(32, 4), {}),
+    "T5-style in float16 with additive finfo.min masks, causal": lambda: (UnscaledT5Style(24, 3).half(),
+                                                                          dict(scale=1.0, causal=True)),
     "einsum function": lambda: (einsum_attention, {}),
     "chunked online softmax": lambda: (chunked_online_attention, {}),
     "chunked online softmax, causal by mask": lambda: (chunked_online_attention, dict(causal=True)),
@@ -220,10 +262,16 @@ CORRECT = {
 }
 
 
+def _on(device, layer, kw):
+    if isinstance(layer, nn.Module):
+        return layer.to(device), kw
+    return layer, {**kw, "device": device}
+
+
 @pytest.mark.parametrize("name", sorted(CORRECT))
-def test_correct_layers_never_seen_before_pass(name):
+def test_correct_layers_never_seen_before_pass(name, device):
     torch.manual_seed(0)
-    layer, kw = CORRECT[name]()
+    layer, kw = _on(device, *CORRECT[name]())
     report = diagnostics.audit(layer, **kw)
     assert report.passed, str(report)
     # the only finding a correct layer may get: NaN on a row with no key (nn.MultiheadAttention's behaviour)
@@ -263,9 +311,9 @@ class LeakBehindCleanWeights(nn.Module):
 def online_softmax_without_rescale(q, k, v, mask=None, chunk=3):
     """The chunked kernel above, forgetting to rescale the accumulated sum when the running max grows."""
     scale = q.shape[-1] ** -0.5
-    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
     l = torch.zeros_like(m)  # noqa: E741
-    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+    acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     for start in range(0, k.shape[-2], chunk):
         s = (q @ k[..., start:start + chunk, :].transpose(-2, -1)) * scale
         if mask is not None:
@@ -314,25 +362,40 @@ class HeadsSplitWithoutTranspose(nn.Module):
         return self.out(out.transpose(1, 2).reshape(B, Tq, D))
 
 
+# name: (broken layer and audit options, detectors that must fail, its correct twin audited the same way)
 BROKEN = {
-    "einsum without scale": (lambda: (einsum_without_scale, dict(d_model=64, num_heads=2)), {"softmax_saturation"}),
-    "leak behind clean weights": (lambda: (LeakBehindCleanWeights(24, 3), dict(causal=True)), {"future_leakage"}),
-    "online softmax without rescale": (lambda: (online_softmax_without_rescale, {}), {"output_variance"}),
-    "padding mask read transposed": (lambda: (transposed_padding_mask, {}), {"mask_honoured"}),
+    "einsum without scale": (lambda: (einsum_without_scale, dict(d_model=64, num_heads=2)), {"softmax_saturation"},
+                             lambda: einsum_attention),
+    "leak behind clean weights": (lambda: (LeakBehindCleanWeights(24, 3), dict(causal=True)), {"future_leakage"},
+                                  lambda: NanoGPTAttention(24, 3)),
+    "online softmax without rescale": (lambda: (online_softmax_without_rescale, {}), {"output_variance"},
+                                       lambda: chunked_online_attention),
+    "padding mask read transposed": (lambda: (transposed_padding_mask, {}), {"mask_honoured"},
+                                     lambda: einsum_attention),
     "naive exp in float16": (lambda: (naive_exp_half, dict(d_model=128, num_heads=2, dtype=torch.float16)),
-                             {"finite_output"}),
-    "heads split without transpose": (lambda: (HeadsSplitWithoutTranspose(24, 3), {}), {"query_locality"}),
+                             {"finite_output"}, lambda: F.scaled_dot_product_attention),
+    "heads split without transpose": (lambda: (HeadsSplitWithoutTranspose(24, 3), {}), {"query_locality"},
+                                      lambda: FusedSDPA(24, 3)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_layers_never_seen_before_are_caught(name):
-    make, must_fire = BROKEN[name]
+    make, must_fire, _ = BROKEN[name]
     torch.manual_seed(0)
     layer, kw = make()
     report = diagnostics.audit(layer, **kw)
     assert not report.passed, str(report)
     assert must_fire <= {d for d, v in report.fired().items() if v == "fail"}, str(report)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_the_correct_twin_of_each_broken_layer_passes_with_the_same_options(name):
+    make, must_fire, make_twin = BROKEN[name]
+    torch.manual_seed(0)
+    _, kw = make()
+    report = diagnostics.audit(make_twin(), **kw)
+    assert report.passed and not (must_fire & set(report.fired())), str(report)
 
 
 def test_leak_behind_clean_weights_shows_clean_weights():
@@ -349,3 +412,19 @@ def test_declared_scale_is_what_the_temperature_is_judged_against():
     assert diagnostics.audit(layer, scale=1.0).result("softmax_saturation").verdict == "pass"
     undeclared = diagnostics.audit(layer).result("softmax_saturation")
     assert undeclared.verdict == "fail" and "too sharp" in undeclared.message
+
+
+def test_temperature_is_measured_through_float16_additive_masks():
+    """Masked logits at float16's -65504 are rounding noise; the fit must use only the attended ones."""
+    torch.manual_seed(0)
+    layer = UnscaledT5Style(24, 3).half()
+    declared = diagnostics.audit(layer, scale=1.0, causal=True).result("softmax_saturation")
+    assert declared.verdict == "pass", declared.message
+    assert diagnostics.audit(layer, causal=True).result("softmax_saturation").verdict == "fail"
+
+
+def test_weights_are_told_apart_from_a_returned_cache():
+    torch.manual_seed(0)
+    report = diagnostics.audit(PackedInPlaceScale(64, 4), seq_len=16)  # head_dim 16 == seq_len
+    assert report.weights_source == "returned weights" and report.weights.shape == (2, 4, 16, 16)
+    assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation").evidence
