@@ -136,11 +136,7 @@ class QKVModuleSubject(Subject):
         self.takes_mask = self.mask_name is not None
         self.builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
 
-    def __call__(self, query, key, value, allowed):
-        if allowed is None or not self.takes_mask:
-            return _unpack(self.layer(query, key, value), query, key, self.time_dim)
-        return _unpack(self.layer(query, key, value, **{self.mask_name: allowed.unsqueeze(1)}),  # (B, 1, Tq, Tk)
-                       query, key, self.time_dim)
+    __call__ = FunctionSubject.__call__  # the same call: three inputs, our mask under its own name
 
 
 class SelfModuleSubject(QKVModuleSubject):
