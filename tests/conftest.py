@@ -36,6 +36,32 @@ def _audit_catalog() -> dict[str, diagnostics.AuditReport]:
     return audits
 
 
+# A user's own attention module, as the command-line and plugin tests write it into a scratch directory:
+# correct as built, without the 1/sqrt(d_k) when scaled=False. Each test module appends its own variations.
+USER_ATTENTION_SOURCE = '''
+import math
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model=32, num_heads=4, scaled=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.scaled = d_model, num_heads, scaled
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
+        if self.scaled:
+            scores = scores / math.sqrt(D // self.num_heads)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
+
+'''
+
 @pytest.fixture(scope="session")
 def catalog_audits() -> dict[str, diagnostics.AuditReport]:
     """{variant id: audit of its layer}, each built with torch.manual_seed(0), audited as it promises

@@ -16,32 +16,17 @@ import pytest
 import torch
 
 import diagnostics
+from conftest import USER_ATTENTION_SOURCE
 from diagnostics import DETECTORS, _cli
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 # A user's own module: an einsum attention, correct and without the scale, as a layer, a class and factories.
-LAYERS = '''
-import math
-import torch
-from torch import nn
+LAYERS = USER_ATTENTION_SOURCE + '''
 
 
-class EinsumAttention(nn.Module):
-    def __init__(self, d_model=32, num_heads=4, scaled=True):
-        super().__init__()
-        self.d_model, self.num_heads, self.scaled = d_model, num_heads, scaled
-        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-
-    def forward(self, x, mask=None):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
-        if self.scaled:
-            scores = scores / math.sqrt(D // self.num_heads)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
+class EinsumAttention(Attention):  # the name these tests audit it by
+    pass
 
 
 class Unmasked(EinsumAttention):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import diagnostics
+from conftest import USER_ATTENTION_SOURCE
 from diagnostics import DETECTORS
 
 pytest_plugins = ["pytester"]
@@ -20,28 +21,7 @@ pytest_plugins = ["pytester"]
 PLUGIN = ("-p", "diagnostics.pytest_plugin", "-W", "ignore::pytest.PytestAssertRewriteWarning")
 
 # A user's own module: a correct attention, the same without the scale, and one that ignores causality.
-LAYERS = '''
-import math
-import torch
-from torch import nn
-
-
-class Attention(nn.Module):
-    def __init__(self, d_model=32, num_heads=4, scaled=True):
-        super().__init__()
-        self.d_model, self.num_heads, self.scaled = d_model, num_heads, scaled
-        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-
-    def forward(self, x, mask=None):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
-        if self.scaled:
-            scores = scores / math.sqrt(D // self.num_heads)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
-
+LAYERS = USER_ATTENTION_SOURCE + '''
 
 class NoMask(Attention):
     def forward(self, x):  # takes no mask: causal only if it builds its own, which it does not
