@@ -20,19 +20,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
+def _ops(*names: str) -> frozenset:
+    """The aten overloads named "op.overload" that this torch has, skipping the others: `_safe_softmax`
+    (what SDPA's math path calls for masked rows) appeared in torch 2.5, and an op a build lacks is one no
+    layer can call. (Older torch raises RuntimeError, not AttributeError, for an unknown op.)"""
+    found = set()
+    for name in names:
+        op, overload = name.split(".")
+        try:
+            found.add(getattr(getattr(aten, op), overload))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
 # Ops whose output carries the same values as their first input (a view or a copy of it).
-_CARRY = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-    aten.transpose.int, aten.permute.default, aten.expand.default, aten.t.default, aten._to_copy.default,
-    aten.contiguous.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-    aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
-    aten.repeat_interleave.self_int, aten.repeat.default, aten.unbind.int, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unsafe_split.Tensor, aten._reshape_alias.default,
-}
-_SCALE_BY = {aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar}
-_DIVIDE_BY = {aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar}
-_MATMULS = {aten.bmm.default, aten.mm.default}
-_SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
+_CARRY = _ops(
+    "view.default", "_unsafe_view.default", "reshape.default", "clone.default", "transpose.int", "permute.default",
+    "expand.default", "t.default", "_to_copy.default", "contiguous.default", "unsqueeze.default", "squeeze.dim",
+    "squeeze.default", "slice.Tensor", "select.int", "alias.default", "detach.default",
+    "repeat_interleave.self_int", "repeat.default", "unbind.int", "split.Tensor", "split_with_sizes.default",
+    "unsafe_split.Tensor", "_reshape_alias.default",
+)
+_SCALE_BY = _ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scalar")
+_DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
+_MATMULS = _ops("bmm.default", "mm.default")
+_SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 
 
 def _key(t: Tensor):
