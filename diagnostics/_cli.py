@@ -5,7 +5,11 @@
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch
 directory. Exit status: 0 the audit passed (warnings allowed), 1 a detector failed, 2 the audit could not
-be set up (module not importable, object not found, not an attention layer, a signature it cannot call).
+be set up (module not importable, object not found, not an attention layer, a signature it cannot call, an
+option that does not fit the layer, an --html path whose directory does not exist).
+
+Output piped into a reader that stops early (`attention-audit m:layer | head -2`) ends quietly: the rest
+of the report goes to /dev/null, as the Python docs advise for SIGPIPE, and the exit status is the audit's.
 """
 
 from __future__ import annotations
@@ -18,13 +22,23 @@ import json
 import math
 import os
 import sys
-
-from torch import nn
+import warnings
+from pathlib import Path
 
 from ._errors import AuditUsageError, expect
 
 EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+# audit() parameters as this command spells them, for messages that name an option
+OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
+           "scale": "--scale", "require": "--require", "strict": "--strict"}
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
+
+
+def quiet_numpy_warning() -> None:
+    """Torch built without NumPy beside it (the README's CPU set-up: `pip install torch==2.13.0`, no numpy)
+    warns "Failed to initialize NumPy" when it is imported; diagnostics never uses NumPy, so in the
+    command's own process that one warning is noise. Must run before torch is imported."""
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 
 def _import(module_name: str):
@@ -68,6 +82,8 @@ def load_layer(spec: str):
     """The layer a target names: the object itself if it is a layer (an nn.Module, or a function of
     q, k, v); an instance if it is a class (built with no arguments); the result if it is a factory
     (a function called with no arguments). Raises `AuditUsageError` with a one-line message."""
+    from torch import nn
+
     obj = resolve(spec)
     expect(callable(obj), "an attention layer, a class or a zero-argument factory",
            f"{spec} = {type(obj).__name__} {obj!r:.60}", "point at the layer object, its class or a factory")
@@ -143,7 +159,24 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _html_path_problem(path: str) -> str | None:
+    """Why a report could not be written to `path`, checked before the audit runs; None if it can."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        return (f"expected --html {path} in an existing directory; got no directory {str(folder)!r}. "
+                f"Fix: create it first (mkdir -p {folder}) or write the report elsewhere")
+    if target.is_dir():
+        return (f"expected --html to name a file; got the directory {path!r}. "
+                f"Fix: add a file name, e.g. {target / 'audit.html'}")
+    if not os.access(folder, os.W_OK):
+        return (f"expected --html {path} in a writable directory; got {str(folder)!r}, read-only. "
+                "Fix: write the report elsewhere")
+    return None
+
+
 def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int:
+    quiet_numpy_warning()  # before the first import of torch, which the layer's module may do too
     args = _parser(prog).parse_args(argv)
     cwd = os.getcwd()
     if cwd not in sys.path:
@@ -155,13 +188,22 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
 
     if args.seq_len is not None and args.seq_len < 1:
         return usage(f"expected --seq-len >= 1; got {args.seq_len}. Fix: pass your context length, e.g. 128")
-    if args.html and importlib.util.find_spec("diagnostics._html") is None:
-        return usage("expected HTML reports (diagnostics._html) in this version of diagnostics; it is not "
-                     "there. Fix: drop --html, or use --json")
+    if args.html:
+        if importlib.util.find_spec("diagnostics._html") is None:
+            return usage("expected HTML reports (diagnostics._html) in this version of diagnostics; it is not "
+                         "there. Fix: drop --html, or use --json")
+        problem = _html_path_problem(args.html)
+        if problem:
+            return usage(problem)  # now, not after an audit whose report could not be saved
     from ._audit import audit
+    from ._subject import check_seq_len, make_subject
 
     try:
         layer = load_layer(args.target)
+        # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
+        # usage errors, worded with this command's flags
+        check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, options=OPTIONS),
+                      args.seq_len, options=OPTIONS)
         report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
         try:
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
@@ -170,17 +212,29 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
             done()
     except AuditUsageError as error:
         return usage(str(error))
-    if args.json:
-        print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
-    else:
-        print(report)
+    status = EXIT_PASSED if report.passed else EXIT_FINDINGS
+    try:
+        if args.json:
+            print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
+        else:
+            print(report)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): send the rest to /dev/null so that the flush at exit does not
+        # raise again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     if args.html:
         try:
             report.to_html(args.html)
         except ImportError as error:
             return usage(f"expected to write an HTML report; got {type(error).__name__}: {error}. Fix: drop --html")
+        except OSError as error:
+            return usage(f"expected to write the HTML report to {args.html}; got {type(error).__name__}: {error}. "
+                         "Fix: write it elsewhere")
         print(f"{prog}: wrote {args.html}", file=sys.stderr)
-    return EXIT_PASSED if report.passed else EXIT_FINDINGS
+    return status
 
 
-__all__ = ["EXIT_FINDINGS", "EXIT_PASSED", "EXIT_USAGE", "load_layer", "main", "resolve"]
+__all__ = ["EXIT_FINDINGS", "EXIT_PASSED", "EXIT_USAGE", "load_layer", "main", "quiet_numpy_warning",
+           "resolve"]
