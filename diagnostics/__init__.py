@@ -7,13 +7,29 @@
 
 `DETECTORS` is the registry: each entry has an id, the property it checks, the mistakes it targets and the
 fix. `diagnostics` knows no implementation: it never imports `buggy_variants`.
+
+The public names are loaded on first use (PEP 562), so that `import diagnostics` alone, which pytest does for
+the plugin this package installs, costs no import of torch.
 """
 
-from . import adapters
-from ._audit import AttentionAuditError, AuditReport, assert_attention_ok, audit
-from ._detectors import DETECTORS
-from ._errors import AuditUsageError
-from ._result import Detector, DetectorResult, Finding
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the private module that defines it
+_WHERE = {
+    "DETECTORS": "._detectors",
+    "AttentionAuditError": "._audit",
+    "AuditReport": "._audit",
+    "AuditUsageError": "._errors",
+    "Detector": "._result",
+    "DetectorResult": "._result",
+    "Finding": "._result",
+    "adapters": None,  # a submodule
+    "assert_attention_ok": "._audit",
+    "audit": "._audit",
+}
 
 __all__ = [
     "DETECTORS",
@@ -27,3 +43,25 @@ __all__ = [
     "assert_attention_ok",
     "audit",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")
+    module = _WHERE[name]
+    value = (importlib.import_module(f".{name}", __name__) if module is None
+             else getattr(importlib.import_module(module, __name__), name))
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
+    from . import adapters
+    from ._audit import AttentionAuditError, AuditReport, assert_attention_ok, audit
+    from ._detectors import DETECTORS
+    from ._errors import AuditUsageError
+    from ._result import Detector, DetectorResult, Finding

@@ -10,6 +10,8 @@ collection error. For your own tests, the fixture `attention_audit(layer, **audi
 `AuditReport` and fails the test with the report when a detector fails.
 
 Installed with the package (entry point `pytest11`); elsewhere enable it with `-p diagnostics.pytest_plugin`.
+Loading it costs next to nothing: torch and the audit are imported only when `--attention-audit` is given or
+a test requests the `attention_audit` fixture (`python benchmarks/plugin_overhead.py` measures it).
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ import sys
 import warnings
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import pytest
 
-from ._audit import AuditReport, audit
-from ._cli import load_layer
-from ._detectors import DETECTORS
-from ._errors import AuditUsageError
-from ._result import DetectorResult
-from ._subject import make_subject
+if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, the audit needs torch
+    from ._audit import AuditReport
+    from ._result import DetectorResult
+
+
+# audit() parameters as this plugin's options spell them, for messages that name an option
+OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
+           "strict": "--attention-strict"}
 
 
 class AttentionAuditWarning(UserWarning):
@@ -39,6 +45,16 @@ class DetectorFailed(Exception):
     def __init__(self, result: DetectorResult, report: AuditReport):
         super().__init__(result.message)
         self.result, self.report = result, report
+
+
+def _import_torch_quietly() -> None:
+    """Import torch (once) without the "Failed to initialize NumPy" warning a torch without NumPy beside it
+    gives at import (see `_cli.quiet_numpy_warning`); later imports of it, by the user's module, are silent."""
+    from ._cli import quiet_numpy_warning
+
+    with warnings.catch_warnings():
+        quiet_numpy_warning()
+        import torch  # noqa: F401
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,6 +78,9 @@ def attention_audit():
     """`attention_audit(layer, causal=..., seq_len=..., ...)`: run `diagnostics.audit` with these options,
     fail the test showing the report if a detector fails, warn (AttentionAuditWarning) for each warning,
     and return the `AuditReport`."""
+
+    _import_torch_quietly()
+    from ._audit import audit
 
     def check(layer, **options) -> AuditReport:
         __tracebackhide__ = True
@@ -110,13 +129,20 @@ class AuditTarget(pytest.File):
         self._report: AuditReport | None = None
 
     def collect(self):
+        _import_torch_quietly()
+        from ._cli import load_layer
+        from ._detectors import DETECTORS
+        from ._errors import AuditUsageError
+        from ._subject import check_seq_len, make_subject
+
         seq_len = self.config.option.attention_seq_len
         if seq_len is not None and seq_len < 1:
             raise self.CollectError(f"--attention-seq-len: expected a length >= 1; got {seq_len}. Fix: pass your "
                                     f"context length, e.g. --attention-seq-len=128")
         try:
             self.layer = load_layer(self.spec)
-            make_subject(self.layer)  # cannot be called as an attention layer: say so now, not per detector
+            # cannot be called as an attention layer, or not at this length: say so now, not per detector
+            check_seq_len(make_subject(self.layer, options=OPTIONS), seq_len, options=OPTIONS)
         except AuditUsageError as error:
             raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
         self.source = _source(self.layer) or self.source
@@ -125,6 +151,8 @@ class AuditTarget(pytest.File):
 
     def report(self) -> AuditReport:
         if self._report is None:
+            from ._audit import audit
+
             options = self.config.option
             self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len)
         return self._report
@@ -149,6 +177,8 @@ class AuditItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, DetectorFailed):
+            from ._detectors import DETECTORS
+
             r, report = excinfo.value.result, excinfo.value.report
             return "\n".join([
                 f"FAIL {r.detector}: {r.message}",
