@@ -49,7 +49,7 @@ def _entries() -> list[Variant]:
             "output is no longer an average of the values, so its scale drifts with the sequence length. It "
             "still trains after a fashion, which is why it goes unnoticed.",
             symptom="Weights are negative and rows do not sum to 1; with a mask, -inf reaches the output.",
-            fix="return _sdpa.safe_softmax(scores)",
+            fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
             detectable_when=_ALWAYS,
             expected_detectors=("weight_row_sums", "output_variance", "mask_honoured", "fully_masked_rows"),
         ),
@@ -71,7 +71,7 @@ def _entries() -> list[Variant]:
             explanation="The layer promises causality but never applies its mask, so every token sees the "
             "future. Training loss looks excellent (the model copies the next token) and generation is garbage.",
             symptom="Changing only tokens after t changes the outputs at and before t.",
-            fix="apply causal_mask(Tq, Tk, align='bottom_right') before the user's mask",
+            fix="apply correct.causal_mask(Tq, Tk, align='bottom_right') before the user's mask",
             detectable_when=Observable("the causal mask blocks a key the user's mask allows (T > 1)",
                                        lambda s: bool((s.allowed(align=None) & ~s.allowed()).any())),
             expected_detectors=("future_leakage",),
@@ -109,7 +109,7 @@ def _entries() -> list[Variant]:
             explanation="softmax(dim=-2) normalises over queries, not keys: each key's column sums to 1, query "
             "rows do not, and a query's weights depend on every other query. Reported in PetrochukM/PyTorch-NLP#2.",
             symptom="Weight rows do not sum to 1; an output row changes when another query changes.",
-            fix="return _sdpa.safe_softmax(scores)",
+            fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
             detectable_when=Observable("unless the allowed (query, key) pairs match one to one: every key allowed "
                                        "to exactly one query, every query at most one key (e.g. Tq = Tk = 1)",
                                        lambda s: not _one_to_one(s.allowed())),
@@ -134,7 +134,7 @@ def _entries() -> list[Variant]:
             "attend'. Mixing the two attends exactly to the padding (or the future) and ignores the real tokens. "
             "Reported in pytorch/pytorch#170400 and rasbt/LLMs-from-scratch#1061.",
             symptom="Outputs change when masked keys change, and ignore the keys that are allowed.",
-            fix="return _sdpa.apply_mask(scores, mask, fill=fill)",
+            fix="return scores if mask is None else scores.masked_fill(~mask, fill)",
             detectable_when=Observable("a boolean mask is passed", lambda s: s.mask is not None),
             expected_detectors=("mask_honoured",),
         ),
@@ -146,7 +146,7 @@ def _entries() -> list[Variant]:
             "the context. Full-sequence training (Tq = Tk) is unaffected, so it hides until generation. "
             "pytorch/pytorch#108108; flash-attention switched to bottom-right in v2.1.",
             symptom="With Tq < Tk the newest query ignores the newest keys, itself included.",
-            fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
+            fix="causal = correct.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
             detectable_when=Observable("Tq != Tk (where the two alignments differ on keys the user allows)",
                                        lambda s: bool((s.allowed(align="top_left") != s.allowed()).any())),
             expected_detectors=("causal_alignment",),
@@ -158,7 +158,7 @@ def _entries() -> list[Variant]:
             "token sees nothing (NaN, or zeros with a safe softmax) and every token predicts from strictly "
             "earlier ones. Reported in pbloem/former#10.",
             symptom="A query's output does not depend on the key at its own position.",
-            fix="causal = _sdpa.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
+            fix="causal = correct.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
             detectable_when=Observable("the user's mask allows some query its own position",
                                        lambda s: bool((s.allowed() != _without_diagonal(s)).any())),
             expected_detectors=("weight_row_sums", "output_variance", "causal_alignment"),
@@ -184,7 +184,7 @@ def _entries() -> list[Variant]:
             "zeros for such rows; many correct layers (nn.MultiheadAttention with weights) still give NaN, "
             "so this is a warning, not a failure.",
             symptom="NaN in the rows of queries that may attend no key.",
-            fix="return _sdpa.safe_softmax(scores)",
+            fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
             detectable_when=Observable("some query row has every key blocked", lambda s: s.has_fully_masked_row),
             expected_detectors=("fully_masked_rows",),
         ),

@@ -1,44 +1,19 @@
-"""Fixtures shared by the test modules: the audits of the catalog, computed once per session; and the
-teaching report that `pytest --html=report.html --self-contained-html` (pytest-html) writes.
+"""Fixtures shared by the test modules, and the hook that adds the teaching report to `pytest --html`.
 
-The teaching report puts, above pytest-html's results table, the kill matrix (variants x detectors) and one
-section per variant: its lesson, the diff of its one overridden step against the reference, heatmaps of
-the reference's and the variant's attention weights on the same input, the detector readings and the fix.
-Its hooks are registered only when pytest-html writes a report, so a plain `pytest` run does no extra work.
+Nothing here is imported by the tests (`from conftest import ...` breaks under `--import-mode=importlib`):
+shared values are fixtures, or live in importable modules (`buggy_variants.teaching_report.KILL_MATRIX_SIZE`).
+The teaching report itself is `buggy_variants/teaching_report.py`.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import textwrap
-from dataclasses import dataclass
-
 import pytest
-import torch
 
-import buggy_variants
-import diagnostics
-from correct import MultiHeadAttention
-from diagnostics import _html
-from diagnostics._html import escape
-
-KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
-
-
-def _audit_catalog() -> dict[str, diagnostics.AuditReport]:
-    """What `catalog_audits` returns, also callable outside a test (the teaching report's fallback)."""
-    audits = {}
-    for vid, variant in buggy_variants.VARIANTS.items():
-        torch.manual_seed(0)
-        layer = variant.build(**KILL_MATRIX_SIZE)
-        audits[vid] = diagnostics.audit(layer, causal=layer.causal)
-    return audits
-
+from buggy_variants import teaching_report
 
 # A user's own attention module, as the command-line and plugin tests write it into a scratch directory:
 # correct as built, without the 1/sqrt(d_k) when scaled=False. Each test module appends its own variations.
-USER_ATTENTION_SOURCE = '''
+_USER_ATTENTION_SOURCE = '''
 import math
 import torch
 from torch import nn
@@ -62,310 +37,27 @@ class Attention(nn.Module):
 
 '''
 
+
 @pytest.fixture(scope="session")
-def catalog_audits() -> dict[str, diagnostics.AuditReport]:
-    """{variant id: audit of its layer}, each built with torch.manual_seed(0), audited as it promises
-    (causal layers with causal=True). Used by the kill matrix and by the teaching report."""
-    return _audit_catalog()
+def user_attention_source() -> str:
+    """Source of a module `Attention(d_model=32, num_heads=4, scaled=True)`, forward(x, mask=None): a user's own
+    layer for the command-line and plugin tests to write into a scratch directory and extend."""
+    return _USER_ATTENTION_SOURCE
 
 
 @pytest.fixture(scope="session")
-def teaching_report(catalog_audits) -> str:
+def catalog_audits():
+    """{variant id: audit of its layer}, each built with torch.manual_seed(0) at
+    `teaching_report.KILL_MATRIX_SIZE`, audited as it promises (causal layers with causal=True). Used by the
+    kill matrix and by the teaching report."""
+    return teaching_report.audit_catalog()
+
+
+@pytest.fixture(scope="session")
+def teaching_report_html(catalog_audits) -> str:
     """The teaching report's HTML for the whole catalog, as `pytest --html` puts it above the results."""
-    return teaching_html(catalog_audits)
-
-
-# ---- the teaching report ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Scene:
-    """One way of calling a layer for the heatmaps. A variant is shown in the first scene of its kind
-    (causal or not) where its `detectable_when` holds: in any other its weights would match the reference's."""
-
-    text: str
-    t_q: int
-    t_k: int
-    query_from: str = "tokens"  # "tokens": self-attention; "last": the last Tq tokens (KV cache); "decoder"
-    padded: int = 0  # trailing positions that are padding: no query attends them, and they attend nothing
-
-    def mask(self) -> torch.Tensor | None:
-        """Bool (Tq, Tk), True = may attend, or None."""
-        if not self.padded:
-            return None
-        keep_q = torch.arange(self.t_q) < self.t_q - self.padded  # (Tq,)
-        keep_k = torch.arange(self.t_k) < self.t_k - self.padded  # (Tk,)
-        return keep_q[:, None] & keep_k[None, :]  # (Tq, Tk)
-
-    def setting(self, layer) -> buggy_variants.Setting:
-        return buggy_variants.Setting(d_model=layer.d_model, num_heads=layer.num_heads, t_q=self.t_q, t_k=self.t_k,
-                                      mask=self.mask(), self_attention=self.query_from == "tokens",
-                                      causal=layer.causal, dropout=layer.dropout_p)
-
-    def inputs(self, d_model: int):
-        """query, key, value (B=1, T, D) and the mask (1, 1, Tq, Tk) or None, the same on every call."""
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(1, self.t_k, d_model, generator=g)  # (B, Tk, D): the tokens, or the encoder memory
-        query = {"tokens": x, "last": x[:, -self.t_q:],
-                 "decoder": torch.randn(1, self.t_q, d_model, generator=g)}[self.query_from]
-        mask = self.mask()
-        return query, x, x, None if mask is None else mask[None, None]
-
-
-_SCENES = {
-    False: (_Scene("self-attention over 16 tokens, no mask", 16, 16),
-            _Scene("self-attention over 16 tokens whose last 4 are padding (bool mask, True = may attend: no "
-                   "query attends a padded key, and padded queries may attend nothing)", 16, 16, padded=4),
-            _Scene("cross-attention: 10 decoder queries over a 16-token encoder memory", 10, 16, "decoder")),
-    True: (_Scene("causal self-attention over 16 tokens", 16, 16),
-           _Scene("causal decoding with a KV cache: the last 8 of 16 tokens query all 16 keys", 8, 16, "last")),
-}
-
-
-@dataclass
-class _Pair:
-    """The reference's and the variant's weights, batch 0 and head 0, on one scene's input."""
-
-    scene: _Scene
-    reference: torch.Tensor  # (Tq, Tk)
-    variant: torch.Tensor | None  # None when the variant raised
-    error: str = ""
-    output_difference: float | None = None  # max |out_variant - out_reference| where both are finite
-    nonfinite_outputs: int = 0  # output rows of batch 0 with a NaN or inf
-
-
-def _weights_pair(variant: buggy_variants.Variant) -> _Pair:
-    """Build the variant and the reference with one state_dict and run both, in eval mode, on one input."""
-    with torch.random.fork_rng():  # the suite's global RNG is left as it was
-        torch.manual_seed(0)
-        layer = variant.build(**KILL_MATRIX_SIZE).eval()
-        reference = variant.reference(**KILL_MATRIX_SIZE).eval()
-        reference.load_state_dict(layer.state_dict())
-        scenes = _SCENES[layer.causal]
-        scene = next((s for s in scenes if variant.detectable_when(s.setting(layer))), scenes[0])
-        query, key, value, mask = scene.inputs(layer.d_model)
-        with torch.no_grad():
-            torch.manual_seed(0)
-            ref_out, ref_weights = reference(query, key, value, mask=mask)
-            torch.manual_seed(0)  # the same dropout draws, for the variant that keeps dropout on in eval
-            try:
-                out, weights = layer(query, key, value, mask=mask)
-            except Exception as error:  # a variant that crashes is the lesson, not a failure of the report
-                return _Pair(scene, _html.first_map(ref_weights), None, f"{type(error).__name__}: {error}")
-    pair = _Pair(scene, _html.first_map(ref_weights), _html.first_map(weights),
-                 nonfinite_outputs=int((~torch.isfinite(out[0])).any(dim=-1).sum()))
-    if out.shape == ref_out.shape:
-        both = torch.isfinite(out) & torch.isfinite(ref_out)
-        pair.output_difference = (out - ref_out).abs()[both].max().item()
-    return pair
-
-
-def _row_sums(w: torch.Tensor) -> str:
-    sums = w.sum(dim=-1)  # (Tq,)
-    finite = sums[torch.isfinite(sums)]
-    text = f"rows sum to {finite.min().item():.3g} … {finite.max().item():.3g}" if finite.numel() else "no row sums"
-    nonfinite = sums.numel() - finite.numel()
-    return text + (f", {nonfinite} rows NaN or inf" if nonfinite else "")
-
-
-def _weights_html(pair: _Pair) -> str:
-    """The two heatmaps on one colour scale, and a sentence on how far the variant is from the reference."""
-    maps = [pair.reference] + ([] if pair.variant is None else [pair.variant])
-    vmax = _html.scale_max(*maps)
-    figures = [f'<figure><figcaption><b>reference</b> {tuple(pair.reference.shape)}, {_row_sums(pair.reference)}'
-               f'</figcaption>{_html.heatmap_svg(pair.reference, vmax=vmax, label="reference weights")}</figure>']
-    if pair.variant is None:
-        figures.append(f'<figure class="error-note"><figcaption><b>variant</b>: raised instead of returning '
-                       f'weights</figcaption><pre>{escape(pair.error)}</pre></figure>')
-        comparison = "The variant never gets as far as returning weights: the error is the symptom."
-    else:
-        figures.append(f'<figure><figcaption><b>variant</b> {tuple(pair.variant.shape)}, {_row_sums(pair.variant)}'
-                       f'</figcaption>{_html.heatmap_svg(pair.variant, vmax=vmax, label="variant weights")}</figure>')
-        comparison = _comparison(pair)
-    return (f'<p class="meta">Batch 0, head 0, on one input: {escape(pair.scene.text)}. One colour scale for both '
-            f'maps; hover a cell for its value.</p>{"".join(figures)}<p>{comparison}</p>')
-
-
-def _comparison(pair: _Pair) -> str:
-    if pair.variant.shape != pair.reference.shape:
-        return (f"The weights have different shapes: ({pair.reference.shape[0]} queries × {pair.reference.shape[1]} "
-                f"keys) in the reference, {tuple(pair.variant.shape)} in the variant.")
-    difference = (pair.variant - pair.reference).abs()
-    nonfinite = int((~torch.isfinite(pair.variant)).sum())
-    outputs = ("the outputs have different shapes" if pair.output_difference is None
-               else f"the outputs differ by up to {pair.output_difference:.3g}")
-    if nonfinite:
-        return (f"{nonfinite} of the variant's weights are NaN or inf, and so are {pair.nonfinite_outputs} of its "
-                f"{pair.variant.shape[0]} output rows; elsewhere {outputs}.")
-    if difference.max().item() == 0:
-        return f"The weights are identical: this mistake acts after them, and {outputs}."
-    return f"The weights differ by up to {difference.max().item():.3g}; {outputs}."
-
-
-def _diff_html(variant: buggy_variants.Variant) -> str:
-    """The unified diff of the variant's overridden method against the reference's, whole methods shown."""
-    step = variant.step
-    before = textwrap.dedent(inspect.getsource(getattr(MultiHeadAttention, step))).splitlines()
-    after = textwrap.dedent(inspect.getsource(getattr(variant.cls, step))).splitlines()
-    lines = difflib.unified_diff(before, after, f"correct: MultiHeadAttention.{step}",
-                                 f"buggy_variants: {variant.cls.__name__}.{step}",
-                                 n=len(before) + len(after), lineterm="")
-    kinds = {"+": "add", "-": "del", "@": "hunk", " ": "ctx"}
-    spans = [f'<span class="{"file" if i < 2 else kinds[line[:1]]}">{escape(line)}</span>'
-             for i, line in enumerate(lines)]
-    return f'<pre class="diff">{"".join(spans)}</pre>'
-
-
-def _readings_html(report: diagnostics.AuditReport) -> str:
-    """The detectors that fired, in full; the others folded away, still one click from the reader."""
-    quiet = [r for r in report.results if not r.fired]
-    fired = _html.results_table(report.findings) if report.findings else "<p>No detector fired.</p>"
-    return (f'<p class="meta">{escape(report.layer)}, audited {"as causal, " if report.causal else ""}'
-            f"at seq_len={report.seq_len} ({report.forward_passes} forward passes)</p>{fired}"
-            f"<details><summary>The other {len(quiet)} detectors (pass or skip)</summary>"
-            f"{_html.results_table(quiet)}</details>")
-
-
-def _section_html(variant: buggy_variants.Variant, report: diagnostics.AuditReport) -> str:
-    return f"""<section class="variant" id="variant-{escape(variant.id)}">
-<h3>{escape(variant.title)} <code>{escape(variant.id)}</code></h3>
-<p>{escape(variant.explanation)}</p>
-<p><b>Symptom:</b> {escape(variant.symptom)}</p>
-<p><b>Observable when:</b> {escape(variant.detectable_when)}</p>
-<h4>The mistake: <code>{escape(variant.cls.__name__)}.{escape(variant.step)}</code> against the reference</h4>
-{_diff_html(variant)}
-<h4>Attention weights</h4>
-{_weights_html(_weights_pair(variant))}
-<h4>Detector readings</h4>
-{_readings_html(report)}
-<h4>The fix</h4>
-<pre class="fix">{escape(variant.fix)}</pre>
-<p><a href="#kill-matrix">↑ back to the kill matrix</a></p>
-</section>"""
-
-
-def _kill_matrix_html(audits: dict[str, diagnostics.AuditReport]) -> str:
-    """Variants x detectors: each cell the detector's verdict on that variant, its expected catches outlined."""
-    detectors = list(dict.fromkeys(r.detector for report in audits.values() for r in report.results))
-    described = {d.id: d.description for d in diagnostics.DETECTORS.values()}
-    head = "".join(f'<th class="det" title="{escape(described.get(d, ""))}"><span>{escape(d)}</span></th>'
-                   for d in detectors)
-    rows = []
-    for vid, report in audits.items():
-        expected = buggy_variants.VARIANTS[vid].expected_detectors
-        verdicts = {r.detector: r for r in report.results}
-        cells = []
-        for d in detectors:
-            r = verdicts.get(d)
-            verdict = r.verdict if r else "skip"
-            outline = (" expected" if r and r.fired else " missed") if d in expected else ""
-            cells.append(f'<td class="k-{verdict}{outline}" title="{escape(r.message if r else "not run")}">'
-                         f"{verdict}</td>")
-        caught = "yes" if report.findings else "no"
-        rows.append(f'<tr><th class="vid"><a href="#variant-{escape(vid)}">{escape(vid)}</a></th>{"".join(cells)}'
-                    f'<td class="caught-{caught}">{caught}</td></tr>')
-    caught = sum(bool(report.findings) for report in audits.values())
-    return f"""<table class="kill-matrix">
-<thead><tr><th class="vid">variant</th>{head}<th class="det"><span>caught</span></th></tr></thead>
-<tbody>{"".join(rows)}</tbody></table>
-<p class="meta">{caught} of {len(audits)} variants caught by at least one detector. Cells: the detector's verdict
-(<span class="k-fail">fail</span> <span class="k-warn">warn</span> <span class="k-pass">pass</span>
-<span class="k-skip">skip</span>); <span class="k-fail expected">outlined</span>: a detector the catalog expects
-to catch the variant (<code>expected_detectors</code>), <span class="k-pass missed">dashed</span> if it did not.
-Hover a cell for the reading, a detector for what it checks.</p>"""
-
-
-# Rules only the teaching report needs; the shared ones come from diagnostics._html.STYLE.
-_TEACHING_STYLE = """
-.am.teaching { margin: 8px 0 28px; }
-.am .kill-matrix { border-collapse: collapse; font-size: 13px; }
-.am .kill-matrix th, .am .kill-matrix td { border: 1px solid #d8dee4; padding: 3px 6px; text-align: center;
-                                           color: #1a1a1a; }
-.am .kill-matrix th.vid { text-align: left; font-weight: normal; white-space: nowrap; vertical-align: bottom; }
-.am .kill-matrix th.det { vertical-align: bottom; padding: 6px 2px; }
-.am .kill-matrix th.det span { writing-mode: vertical-rl; transform: rotate(180deg); white-space: nowrap;
-                                font-weight: 600; }
-.am .k-fail { background: #d73a49; color: #fff !important; }
-.am .k-warn { background: #f0b400; }
-.am .k-pass { background: #e8f3e8; color: #4d7a4d !important; }
-.am .k-skip { background: #f3f4f6; color: #8a8f96 !important; }
-.am .expected { outline: 3px solid #1a1a1a; outline-offset: -3px; font-weight: 700; }
-.am .missed { outline: 2px dashed #d73a49; outline-offset: -3px; }
-.am .caught-yes { font-weight: 700; }
-.am .caught-no { background: #d73a49; color: #fff !important; font-weight: 700; }
-.am p .k-fail, .am p .k-warn, .am p .k-pass, .am p .k-skip { padding: 0 4px; border-radius: 2px; }
-.am section.variant { border-top: 2px solid #d8dee4; padding-top: 14px; margin-top: 26px; }
-.am pre.diff span { display: block; }
-.am pre.diff .file { color: #555; font-weight: 600; }
-.am pre.diff .hunk { color: #6f42c1; }
-.am pre.diff .add { background: #e6ffec; color: #116329; }
-.am pre.diff .del { background: #ffebe9; color: #82071e; }
-.am pre.fix { background: #e6ffec; border-color: #a6dcb4; }
-.am .error-note pre { background: #ffebe9; border-color: #f5b5b0; max-width: 520px; white-space: pre-wrap; }
-.am details summary { cursor: pointer; color: #0b5cad; margin: 0.4em 0; }
-"""
-
-
-def teaching_html(audits: dict[str, diagnostics.AuditReport]) -> str:
-    """The kill matrix and one section per audited variant, as one self-contained HTML fragment."""
-    variants = [buggy_variants.VARIANTS[vid] for vid in audits]
-    size = ", ".join(f"{k}={v}" for k, v in KILL_MATRIX_SIZE.items())
-    return f"""<div class="am teaching" id="teaching-report"><style>{_html.STYLE}{_TEACHING_STYLE}</style>
-<h2>Teaching report: every mistake in the catalog, its evidence and its fix</h2>
-<p>Each section below is one broken variant from <code>buggy_variants</code>: the reference attention with one step
-changed. It shows the lesson, the diff of that step against <code>correct.MultiHeadAttention</code>, the attention
-weights of both layers on one input, what the detectors of <code>diagnostics</code> measured, and the one-line fix.
-Every layer is built with {size} and <code>torch.manual_seed(0)</code>, and audited as it promises
-(causal layers with <code>causal=True</code>). The table of test results follows the last section
-(<a href="#results-table">jump to it</a>).</p>
-<h3 id="kill-matrix">Kill matrix: which detector catches which mistake</h3>
-{_kill_matrix_html(audits)}
-{"".join(_section_html(v, audits[v.id]) for v in variants)}
-</div>"""
-
-
-class _TeachingReportPlugin:
-    """pytest-html hooks: the variant and detector columns, and the teaching report above the results.
-
-    Registered by `pytest_configure` only when pytest-html writes a report: its hooks exist only then."""
-
-    def __init__(self):
-        self.audits: dict[str, diagnostics.AuditReport] | None = None
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_fixture_setup(self, fixturedef, request):
-        """Keep the session's catalog audits (whoever provides the fixture) so the report reuses them."""
-        value = yield
-        if fixturedef.argname == "catalog_audits":
-            self.audits = value
-        return value
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        """Tests parametrised by `vid` (and `detector`) say which variant (and detector) they are about."""
-        report = yield
-        params = item.callspec.params if hasattr(item, "callspec") else {}
-        report.variant, report.detector = str(params.get("vid", "")), str(params.get("detector", ""))
-        return report
-
-    def pytest_html_report_title(self, report):
-        report.title = "attention-mistakes: the test suite and its teaching report"
-
-    def pytest_html_results_table_header(self, cells):
-        cells[2:2] = ['<th class="sortable" data-column-type="variant">Variant</th>',
-                      '<th class="sortable" data-column-type="detector">Detector</th>']
-
-    def pytest_html_results_table_row(self, report, cells):
-        vid, detector = getattr(report, "variant", ""), getattr(report, "detector", "")
-        variant = escape(vid)
-        if vid in buggy_variants.VARIANTS:
-            variant = f'<a href="#variant-{variant}">{variant}</a>'
-        cells[2:2] = [f'<td class="col-variant">{variant}</td>', f'<td class="col-detector">{escape(detector)}</td>']
-
-    def pytest_html_results_summary(self, prefix, summary, postfix, session):
-        # A run that never asked for the audits (e.g. `pytest tests/test_correct.py --html=...`) computes them here.
-        prefix.append(teaching_html(self.audits if self.audits is not None else _audit_catalog()))
+    return teaching_report.teaching_html(catalog_audits)
 
 
 def pytest_configure(config):
-    if config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None):
-        config.pluginmanager.register(_TeachingReportPlugin(), "teaching-report")
+    teaching_report.register(config)

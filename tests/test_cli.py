@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import diagnostics
-from conftest import USER_ATTENTION_SOURCE
 from diagnostics import DETECTORS, _cli
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
-# A user's own module: an einsum attention, correct and without the scale, as a layer, a class and factories.
-LAYERS = USER_ATTENTION_SOURCE + '''
+# A user's own module (after conftest's `user_attention_source`): an einsum attention, correct and without the
+# scale, as a layer, a class and factories.
+LAYERS = '''
 
 
 class EinsumAttention(Attention):  # the name these tests audit it by
@@ -57,14 +57,22 @@ def unscaled():
 
 def failing_factory():
     raise RuntimeError("no GPU here")
+
+
+class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
+    def __init__(self, block_size=8):
+        super().__init__()
+        causal = torch.tril(torch.ones(block_size, block_size))  # (T, T)
+        self.register_buffer("bias", causal.view(1, 1, block_size, block_size))
+
 '''
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Path:
+def scratch(tmp_path_factory, user_attention_source) -> Path:
     """A directory holding the user's module `userlayers.py` (and one that fails to import)."""
     path = tmp_path_factory.mktemp("scratch")
-    (path / "userlayers.py").write_text(LAYERS)
+    (path / "userlayers.py").write_text(user_attention_source + LAYERS)
     (path / "badimport.py").write_text("import torch\nraise ValueError('config file missing')\n")
     return path
 
@@ -76,20 +84,28 @@ def _command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(scratch) -> dict[str, subprocess.CompletedProcess]:
-    """The command run for real, in the scratch directory, the three runs side by side (each pays for a
-    fresh Python importing torch): a correct layer as JSON, a broken one, and a name that does not exist.
-    One thread each: three processes on a small machine, and layers far too small to gain from more."""
+    """The command run for real, in the scratch directory, the runs side by side (each pays for a fresh
+    Python importing torch): a correct layer as JSON, a broken one, a name that does not exist, and a
+    correct layer whose reader closes the pipe before the report is written (`| head` stopping early).
+    One thread each: several processes on a small machine, and layers far too small to gain from more."""
     argvs = {
         "correct_json": _command() + ["userlayers:correct", "--json"],
         "broken": [sys.executable, "-m", "diagnostics", "userlayers:unscaled"],
         "missing": _command() + ["userlayers:does_not_exist"],
+        "closed_pipe": _command() + ["userlayers:correct"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)  # the command's own warnings, as a user sees them
     started = {name: subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True) for name, argv in argvs.items()}
+    started["closed_pipe"].stdout.close()  # the reader is gone long before the audit (seconds away) prints
     done = {}
     for name, process in started.items():
-        out, err = process.communicate(timeout=300)
+        if name == "closed_pipe":
+            out, err = "", process.stderr.read()
+            process.wait(timeout=300)
+        else:
+            out, err = process.communicate(timeout=300)
         done[name] = subprocess.CompletedProcess(argvs[name], process.returncode, out, err)
     return done
 
@@ -117,6 +133,20 @@ def test_command_exits_2_with_one_line_for_a_name_that_does_not_exist(runs):
     assert run.stdout == ""
     assert run.stderr.count("\n") == 1
     assert "error: expected userlayers to define 'does_not_exist'; got no attribute 'does_not_exist'" in run.stderr
+
+
+def test_command_prints_no_numpy_warning_where_numpy_is_absent(runs):
+    """The README's CPU set-up installs torch without NumPy, and torch warns about it at import: the command
+    silences that one warning (this venv has no NumPy, as the README's set-up; elsewhere there is nothing to
+    silence and the test still holds)."""
+    for name, run in runs.items():
+        assert "NumPy" not in run.stderr and "Warning" not in run.stderr, (name, run.stderr)
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(runs):
+    run = runs["closed_pipe"]
+    assert "BrokenPipeError" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == 0  # the audit's own status: it passed, only the reader stopped
 
 
 def test_console_script_is_installed():
@@ -171,6 +201,16 @@ def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, statu
     (["userlayers:two_arguments"], "expected a function f(q, k, v, mask=None) on (B, H, T, d) tensors; got a "
                                    "function of 2 positional argument(s)"),
     (["userlayers:correct", "--seq-len", "0"], "expected --seq-len >= 1; got 0"),
+    (["userlayers:correct", "--num-heads", "5"], "expected d_model divisible by num_heads (a head takes d_model / "
+                                                 "num_heads of the width); got d_model=32 and num_heads=5"),
+    (["userlayers:correct", "--num-heads", "0"], "expected num_heads >= 1; got --num-heads 0"),
+    (["userlayers:EinsumAttention", "--d-model", "30"], "expected d_model to match the width of the layer's "
+                                                        "projections (nn.Linear in_features [32]); got --d-model 30. "
+                                                        "Fix: pass the layer's width, --d-model 32"),
+    (["userlayers:Block"], "expected seq_len <= 8, the longest sequence the layer takes (the (1, 1, 8, 8) buffer "
+                           "bias); got --seq-len 16 (the default). Fix: pass --seq-len 8 or less"),
+    (["userlayers:Block", "--seq-len", "9"], "got --seq-len 9. Fix: pass --seq-len 8 or less"),
+    (["userlayers:attention", "--d-model", "32", "--num-heads", "3"], "got d_model=32 and num_heads=3"),
 ])
 def test_usage_errors_exit_2_with_one_line_saying_what_was_expected(in_scratch, capsys, argv, words):
     assert _cli.main(argv) == 2
@@ -191,6 +231,24 @@ def test_html_report_or_a_usage_error_where_the_html_writer_is_absent(in_scratch
         assert "expected HTML reports (diagnostics._html)" in captured.err
     else:
         assert status == 0 and page.exists() and f"wrote {page}" in captured.err
+
+
+def test_html_path_in_a_missing_directory_is_a_usage_error_before_the_audit(in_scratch, capsys, monkeypatch):
+    def no_audit(*args, **kwargs):
+        raise AssertionError("the audit ran although its report could not be written")
+
+    monkeypatch.setattr("diagnostics._audit.audit", no_audit)
+    assert _cli.main(["userlayers:correct", "--html", "/no/such/dir/a.html"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("attention-audit: error: expected --html /no/such/dir/a.html in an existing "
+                                   "directory; got no directory '/no/such/dir'. Fix: create it first")
+
+
+def test_a_layer_that_fits_its_block_size_is_audited(in_scratch, capsys):
+    """The twin of the block_size usage error: at the length the layer takes, the audit runs."""
+    assert _cli.main(["userlayers:Block", "--seq-len", "8"]) == 0
+    assert "PASSED (seq_len=8" in capsys.readouterr().out
 
 
 class _Terminal:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import diagnostics
-from conftest import USER_ATTENTION_SOURCE
 from diagnostics import DETECTORS
 
 pytest_plugins = ["pytester"]
@@ -20,8 +19,9 @@ pytest_plugins = ["pytester"]
 # imported, which pytest reports when its entry point asks to rewrite its asserts: not the subject here.
 PLUGIN = ("-p", "diagnostics.pytest_plugin", "-W", "ignore::pytest.PytestAssertRewriteWarning")
 
-# A user's own module: a correct attention, the same without the scale, and one that ignores causality.
-LAYERS = USER_ATTENTION_SOURCE + '''
+# A user's own module (after conftest's `user_attention_source`): a correct attention, the same without the
+# scale, and one that ignores causality.
+LAYERS = '''
 
 class NoMask(Attention):
     def forward(self, x):  # takes no mask: causal only if it builds its own, which it does not
@@ -33,6 +33,13 @@ correct = Attention()
 
 def broken():
     return Attention(scaled=False)
+
+
+class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
+    def __init__(self, block_size=8):
+        super().__init__()
+        causal = torch.tril(torch.ones(block_size, block_size))  # (T, T)
+        self.register_buffer("bias", causal.view(1, 1, block_size, block_size))
 '''
 
 
@@ -44,8 +51,8 @@ def _audit_imports_loaded():
 
 
 @pytest.fixture
-def scratch(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makepyfile(mylayers=LAYERS)
+def scratch(pytester: pytest.Pytester, user_attention_source) -> pytest.Pytester:
+    pytester.makepyfile(mylayers=user_attention_source + LAYERS)
     return pytester
 
 
@@ -104,6 +111,11 @@ def test_a_target_that_cannot_be_loaded_is_a_collection_error(scratch):
     too_short = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-seq-len=0")
     assert too_short.ret == pytest.ExitCode.INTERRUPTED
     too_short.stdout.fnmatch_lines(["--attention-seq-len: expected a length >= 1; got 0.*"])
+    too_long = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:Block", "--attention-seq-len=9")
+    assert too_long.ret == pytest.ExitCode.INTERRUPTED
+    too_long.stdout.fnmatch_lines(["--attention-audit=mylayers:Block: expected seq_len <= 8, the longest sequence "
+                                   "the layer takes (the (1, 1, 8, 8) buffer bias); got --attention-seq-len 9. "
+                                   "Fix: pass --attention-seq-len 8 or less"])
 
 
 def test_audit_items_join_the_users_own_tests(scratch):
@@ -147,6 +159,20 @@ def test_the_plugin_is_installed_as_a_pytest11_entry_point():
         pytest.skip("the package is not installed here: pip install -e \".[test]\" registers the plugin")
     names = {ep.name: ep.value for ep in distribution.entry_points if ep.group == "pytest11"}
     assert names == {"diagnostics.pytest_plugin": "diagnostics.pytest_plugin"}
+
+
+def test_loading_the_plugin_imports_no_torch(pytester):
+    """The entry point loads the plugin into every pytest run wherever the package is installed: a run that
+    uses neither its options nor its fixture must not pay for importing torch (over a second)."""
+    pytester.makepyfile(test_light="""
+        import sys
+
+        def test_torch_not_imported():
+            assert "diagnostics.pytest_plugin" in sys.modules
+            assert "torch" not in sys.modules, "the plugin imported torch"
+    """)
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
 
 
 def test_readme_fixture_example_runs_on_the_readme_layer(pytester):

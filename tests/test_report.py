@@ -4,6 +4,7 @@ diff and two heatmaps, the kill matrix, extra table columns) and `AuditReport.to
 from __future__ import annotations
 
 import json
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import diagnostics
+import correct
 from buggy_variants import VARIANTS
 from correct import MultiHeadAttention
 
@@ -93,8 +95,9 @@ class Page(HTMLParser):
             self._error += data
 
 
-def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fix(teaching_report, catalog_audits):
-    page = Page(teaching_report)
+def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fix(teaching_report_html,
+                                                                                   catalog_audits):
+    page = Page(teaching_report_html)
     assert set(page.sections) == {f"variant-{vid}" for vid in VARIANTS}
     for vid, variant in VARIANTS.items():
         section = page.sections[f"variant-{vid}"]
@@ -110,8 +113,9 @@ def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fi
             assert finding.detector in text and " ".join(finding.evidence.split()) in text, (vid, finding.detector)
 
 
-def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict(teaching_report, catalog_audits):
-    page = Page(teaching_report)
+def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict(teaching_report_html,
+                                                                                  catalog_audits):
+    page = Page(teaching_report_html)
     assert page.matrix_detectors == [*diagnostics.DETECTORS, "caught"]
     assert list(page.matrix_rows) == list(VARIANTS)
     for vid, verdicts in page.matrix_rows.items():
@@ -120,12 +124,37 @@ def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict
     assert section_links == {f"#{sid}" for sid in page.sections}
 
 
-def test_the_teaching_report_opens_offline(teaching_report):
-    page = Page(teaching_report)
+def test_the_teaching_report_opens_offline(teaching_report_html):
+    page = Page(teaching_report_html)
     assert page.external == [] and page.scripts == 0
     assert not [link for link in page.links if not link.startswith("#")], "every link stays in the page"
     ids = {value for tag, name, value in page.attributes if name == "id"} | {"results-table"}  # pytest-html's
     assert {link.removeprefix("#") for link in page.links} <= ids, "every link has its target"
+
+
+PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*(?=\.)|(?<=\.)_[A-Za-z]\w*")  # `_sdpa.x`, `obj._helper`: not for a student
+
+
+def _private_names(fix: str) -> list[str]:
+    """What a fix line calls that a student cannot import: private modules and helpers, and `correct.x` for
+    an x that `correct` does not export."""
+    private = PRIVATE.findall(fix)
+    missing = [f"correct.{name}" for name in re.findall(r"\bcorrect\.(\w+)", fix) if name not in correct.__all__]
+    return private + missing
+
+
+@pytest.mark.parametrize("vid", list(VARIANTS))
+def test_every_fix_uses_only_public_importable_code(vid):
+    fix = VARIANTS[vid].fix
+    assert not _private_names(fix), f"{vid}: {fix!r} names {_private_names(fix)}"
+
+
+def test_the_private_name_check_sees_private_helpers():
+    """The twin: the same check flags the fixes the report used to show."""
+    assert _private_names("return _sdpa.safe_softmax(scores)") == ["_sdpa"]
+    assert _private_names("causal = correct._sdpa.causal_mask(t_q, t_k)") == ["_sdpa", "correct._sdpa"]
+    assert _private_names("causal = correct.safe_softmax(scores)") == ["correct.safe_softmax"]
+    assert _private_names("return torch.softmax(scores, dim=-1).masked_fill(m, 0.0)") == []
 
 
 def test_the_offline_check_sees_what_a_browser_would_fetch():
@@ -184,8 +213,17 @@ def test_unrelated():
 """
 
 
+# What a project's conftest needs for the teaching report: the suite's own conftest does the same.
+INNER_CONFTEST = """
+from buggy_variants import teaching_report
+
+def pytest_configure(config):
+    teaching_report.register(config)
+"""
+
+
 def _run_inner(pytester, *args):
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makeconftest(INNER_CONFTEST)
     pytester.makepyfile(test_inner=INNER_TESTS)
     return pytester.runpytest(*args)
 
@@ -199,6 +237,10 @@ def test_pytest_html_report_has_variant_and_detector_columns_and_the_teaching_re
     assert set(page.sections) == {"variant-missing_scale", "variant-non_contiguous_view"}
     assert list(page.matrix_rows) == ["missing_scale", "non_contiguous_view"]
     assert page.external == [], "nothing fetched: no <script src>, no <link href>, no remote src"
+    # a reader sees pytest-html's totals first, then the teaching report, then the results table
+    totals = text.index('<p class="run-count">')
+    assert re.search(r'<span class="passed">2 Passed,</span>', text[totals:text.index('id="teaching-report"')])
+    assert totals < text.index('id="teaching-report"') < text.index('<table id="results-table">')
 
     head = text[text.index('<thead id="results-table-head">'):]
     assert head.index(">Variant</th>") < head.index(">Detector</th>") < head.index(">Duration</th>")
