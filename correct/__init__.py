@@ -5,6 +5,7 @@ Checked by `tests/test_correct.py` against `torch.nn.functional.scaled_dot_produ
 """
 
 from ._errors import AttentionUsageError
+from ._init import gpt2_init_
 from ._mha import MultiHeadAttention
 from ._positional import sinusoidal_positional_encoding
 from ._sdpa import causal_mask, scaled_dot_product_attention
@@ -13,6 +14,7 @@ __all__ = [
     "AttentionUsageError",
     "MultiHeadAttention",
     "causal_mask",
+    "gpt2_init_",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",
 ]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from ._detectors import DETECTORS, _weights_from
-from ._errors import expect
+from . import _core
+from ._core import BlindProbe
+from ._detectors import DETECTORS, runs_verdict
+from ._errors import AuditUsageError, expect
 from ._probe import Probe
+from ._registry import phrase
 from ._result import DetectorResult
 from ._subject import make_subject
 from ._thresholds import dtype_name
@@ -19,6 +22,13 @@ from ._thresholds import dtype_name
 
 class AttentionAuditError(AssertionError):
     """Raised by `raise_for_findings()` / `assert_attention_ok()`: the layer failed a detector."""
+
+
+CORE = ("weight_row_sums", "softmax_saturation")
+"""The attention itself: the weights are a distribution, at the right temperature. An audit that measured
+neither (no softmax or fused attention seen, no weights returned) is inconclusive, never passed."""
+
+STATUSES = ("passed", "failed", "inconclusive")
 
 
 @dataclass
@@ -34,37 +44,52 @@ class AuditReport:
     settings: dict = field(default_factory=dict)
     weights: torch.Tensor | None = field(default=None, repr=False)  # (B, [H,] Tq, Tk) of the standard probe
     weights_source: str = ""  # "returned weights" or "observed softmax output (dim=...)"
+    status: str = "passed"  # "passed" | "failed" | "inconclusive"
+    status_reason: str = ""
 
     @property
     def passed(self) -> bool:
-        """False exactly when some detector fails (warnings do not fail an audit)."""
-        return not any(r.verdict == "fail" for r in self.results)
+        """True only when no detector failed and the core properties were measured (status "passed");
+        warnings do not fail an audit, an inconclusive one is not passed."""
+        return self.status == "passed"
 
     @property
     def findings(self) -> list[DetectorResult]:
         return [r for r in self.results if r.fired]
 
     def result(self, detector: str) -> DetectorResult:
-        return next(r for r in self.results if r.detector == detector)
+        """The result of one detector; a clear error if it was not part of this audit."""
+        for r in self.results:
+            if r.detector == detector:
+                return r
+        raise AuditUsageError(f"expected the id of a detector this audit ran ({', '.join(r.detector for r in self.results) or 'none'}); "
+                              f"got {detector!r}. Fix: run it (detectors=[..., {detector!r}]) or check the spelling")
 
     def fired(self) -> dict[str, str]:
         """{detector id: verdict} for the detectors that warned or failed."""
         return {r.detector: r.verdict for r in self.findings}
 
     def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED"
-        head = (f"attention audit of {self.layer}: {verdict} "
+        head = (f"attention audit of {self.layer}: {self.status.upper()} "
                 f"({'causal, ' if self.causal else ''}seq_len={self.seq_len}, {self.dtype} on {self.device}, "
                 f"{self.forward_passes} forward passes, {self.seconds:.2f} s)")
-        width = max(len(r.detector) for r in self.results)
-        lines = [head, ""] + [f"  {r.detector:<{width}}  {r.verdict.upper():<4}  {r.message}" for r in self.results]
-        for r in self.findings:
-            lines += ["", f"{r.verdict.upper()} {r.detector}: {r.message}", f"  evidence: {r.evidence}",
-                      f"  fix:      {r.fix}"]
+        lines = [head]
+        if self.status_reason:
+            lines.append(f"  {self.status_reason}")
+        if self.results:
+            width = max(len(r.detector) for r in self.results)
+            lines += [""] + [f"  {r.detector:<{width}}  {r.verdict.upper():<5}  {r.message}" for r in self.results]
+        for r in self.results:
+            if r.fired or r.verdict == "error":
+                lines += ["", f"{r.verdict.upper()} {r.detector}: {r.message}"]
+                if r.evidence:
+                    lines.append(f"  evidence: {r.evidence}")
+                if r.fix and r.verdict != "error":
+                    lines.append(f"  fix:      {r.fix}")
         return "\n".join(lines)
 
     def raise_for_findings(self) -> None:
-        """Raise `AttentionAuditError` with the report if any detector failed."""
+        """Raise `AttentionAuditError` with the report unless the audit passed (failed or inconclusive)."""
         __tracebackhide__ = True
         if not self.passed:
             raise AttentionAuditError(str(self))
@@ -77,9 +102,9 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         return {
-            "layer": self.layer, "passed": self.passed, "causal": self.causal, "seq_len": self.seq_len,
-            "dtype": self.dtype, "device": self.device, "forward_passes": self.forward_passes,
-            "seconds": round(self.seconds, 4),
+            "layer": self.layer, "status": self.status, "status_reason": self.status_reason, "passed": self.passed,
+            "causal": self.causal, "seq_len": self.seq_len, "dtype": self.dtype, "device": self.device,
+            "forward_passes": self.forward_passes, "seconds": round(self.seconds, 4),
             "results": [{"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
                          "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix}
                         for r in self.results],
@@ -118,8 +143,10 @@ def _untouched(layer, device):
 
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
-          need_weights: bool = True, detectors: list[str] | None = None, progress=None) -> AuditReport:
-    """Run the detectors on `layer` and return an `AuditReport`.
+          need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
+          strict: bool = False, progress=None, _options: dict | None = None) -> AuditReport:
+    """Run the detectors on `layer` and return an `AuditReport` whose `status` is "passed", "failed" or
+    "inconclusive" (the core properties, weight row sums and softmax temperature, were not measured).
 
     `layer`: a function f(q, k, v, mask=None) on (B, H, T, d) tensors; a module m(query, key, value,
     mask=None) or m(x[, mask]) on (B, T, D); or torch.nn.MultiheadAttention. Outputs may be `out` or
@@ -127,37 +154,107 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     `causal=True`: the layer promises causality; a layer that takes a mask (and has no truthy `causal` /
     `is_causal` attribute saying it builds its own) is given causal masks. `scale`: the softmax scale the
     layer declares, if not 1/sqrt(d_k). `seq_len`: probe length (default 16; audit at your context
-    length). `progress`: optional callable(detector_id, index, total) for long audits.
+    length). `require`: detector ids that must measure the layer: a skip of one of them is a failure.
+    `strict=True`: every detector that applies to the layer must measure it (a "not measured" skip fails;
+    one whose needs do not hold, e.g. future_leakage without causal=True, stays a skip). `progress`:
+    optional callable(detector_id, index, total) for long audits. `_options`: for front ends, how the user
+    spells each option ({"causal": "--causal"}), used in the messages.
     """
-    expect(seq_len is None or (isinstance(seq_len, int) and seq_len >= 1), "seq_len >= 1", f"seq_len={seq_len!r}",
-           "pass the context length you train with, e.g. seq_len=128")
-    expect(scale is None or (isinstance(scale, (int, float)) and scale > 0), "a positive scale or None",
-           f"scale={scale!r}", "pass the factor your layer multiplies q·k by, e.g. scale=1.0")
-    chosen = list(DETECTORS) if detectors is None else detectors
-    unknown = [d for d in chosen if d not in DETECTORS]
+    expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1),
+           "an int seq_len >= 1", f"seq_len={seq_len!r}", "pass the context length you train with, e.g. seq_len=128")
+    expect(scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0),
+           "a positive scale or None", f"scale={scale!r}", "pass the factor your layer multiplies q·k by, e.g. scale=1.0")
+    expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
+           "detectors: a list of detector ids", f"detectors={detectors!r}", f"e.g. detectors={list(DETECTORS)[:2]}")
+    chosen = list(DETECTORS) if detectors is None else list(detectors)
+    required = list(require or [])
+    unknown = [d for d in chosen + required if d not in DETECTORS]
     expect(not unknown, f"detector ids from {sorted(DETECTORS)}", f"{unknown}", "check the spelling")
+    not_chosen = [d for d in required if d not in chosen]
+    expect(not not_chosen, "required detectors among those run", f"require={not_chosen} not in detectors",
+           "add them to detectors=[...] or drop them from require")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
                            need_weights=need_weights)
-    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len or 16, seed=seed)
+    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len or 16, seed=seed, options=_options)
     started = time.perf_counter()
-    results: list[DetectorResult] = []
+    measured: dict[str, DetectorResult] = {}
     with _untouched(layer, subject.device):
         for n, det_id in enumerate(chosen):
             if progress is not None:
                 progress(det_id, n, len(chosen))
-            try:
-                results.append(DETECTORS[det_id].check(probe))
-            except Exception as error:  # a detector that cannot cope must not crash the audit
-                results.append(DetectorResult(det_id, "skip", f"not measured: the detector could not handle this "
-                                              f"layer ({type(error).__name__}: {error})"))
+            probe.detector = det_id
+            measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
         base = probe.base()
-    weights, source = _weights_from(base, probe.t, probe.t) if base.ok else (None, "")
+    if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
+        # settled last: besides its own probes, it reports every other detector's probe that raised
+        measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
+    results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
+    status, reason = _status(results, probe, base, _options)
+    weights, source = probe.weights(base) if base.ok else (None, "")
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
                        dtype=dtype_name(subject.dtype), device=str(subject.device), forward_passes=probe.passes,
                        seconds=time.perf_counter() - started,
                        settings={"form": subject.form, "d_model": subject.d_model, "num_heads": subject.num_heads,
                                  "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask},
-                       weights=None if weights is None else weights.cpu(), weights_source=source)
+                       weights=None if weights is None else weights.detach().cpu(), weights_source=source,
+                       status=status, status_reason=reason)
+
+
+NOT_APPLICABLE = "not applicable: "
+
+
+def _run_one(det, probe: Probe, options: dict | None) -> DetectorResult:
+    """One detector's result, with the probes it made. Its needs first; a blind probe is a skip that says
+    so (and raises under ATTENTION_AUDIT_STRICT_PROBES=1, as in this project's tests); a crash of the
+    detector itself is an `error`, never an ordinary skip."""
+    need = det.unmet(probe)
+    if need is not None:
+        return DetectorResult(det.id, "skip", NOT_APPLICABLE + phrase(need.unmet, options))
+    try:
+        result = det.check(probe)
+    except BlindProbe as blind:
+        if _core.STRICT_PROBES:
+            raise
+        result = DetectorResult(det.id, "skip", f"not measured: the probe's own control failed ({blind}): a bug "
+                                                f"in diagnostics, please report it")
+    except Exception as error:  # a detector that cannot cope must not crash the audit, nor pass it
+        result = DetectorResult(det.id, "error", f"the detector crashed: {type(error).__name__}: {error}",
+                                evidence="an internal error of diagnostics, not a finding about the layer; "
+                                         "please report it with the layer that triggers it")
+    return replace(result, message=phrase(result.message, options), probes=tuple(probe.shapes.get(det.id, ())))
+
+
+def _settled(result: DetectorResult, required: bool, strict: bool, options: dict | None) -> DetectorResult:
+    """A skip becomes a failure where the user demanded a measurement."""
+    if result.verdict != "skip":
+        return result
+    applicable = not result.message.startswith(NOT_APPLICABLE)
+    if required or (strict and applicable):
+        why = phrase("{require}" if required else "{strict}", options)
+        return replace(result, verdict="fail", message=f"required but {result.message}",
+                       evidence=f"{why} demands that {result.detector} measures the layer",
+                       fix="make the layer measurable by this detector (see the message), or drop the requirement")
+    return result
+
+
+def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple[str, str]:
+    if any(r.verdict == "fail" for r in results):
+        failed = [r.detector for r in results if r.verdict == "fail"]
+        return "failed", f"failed: {', '.join(failed)}"
+    if not results:
+        return "inconclusive", "inconclusive: no detector was run"
+    errors = [r.detector for r in results if r.verdict == "error"]
+    if errors:
+        return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"
+    if not any(r.measured for r in results):
+        return "inconclusive", "inconclusive: no detector could measure the layer (every one skipped)"
+    core = [r for r in results if r.detector in CORE]
+    unmeasured = [r for r in core if not r.measured]
+    if unmeasured:
+        why = "; ".join(f"{r.detector}: {r.message}" for r in unmeasured)
+        return "inconclusive", (f"inconclusive: the attention itself was not measured ({why}). Return the weights "
+                                f"as (out, weights), or use a softmax or torch's scaled_dot_product_attention")
+    return "passed", ""
 
 
 def assert_attention_ok(layer, **kwargs) -> AuditReport:

@@ -1,8 +1,10 @@
 """The detectors: one property of every correct attention layer each, measured from outside the layer
 (and, where outside is blind, from the operations it was observed to run).
 
-Each check takes a `Probe` and returns a `DetectorResult`. None of them knows any implementation: they
-ask what every softmax attention must satisfy, whatever its code.
+Each check takes a `Probe` and returns a `DetectorResult`; `@detector` registers it with what it needs of
+the layer (`audit()` checks the needs before calling it). None of them knows any implementation: they ask
+what every softmax attention must satisfy, whatever its code. The invariance checks ("this change must not
+move those outputs") all go through the perturb-and-compare core in `_core.py`.
 """
 
 from __future__ import annotations
@@ -12,58 +14,15 @@ import math
 import torch
 from torch import Tensor
 
+from ._core import Case, Comparison, Inputs, allowed_text, compare, held, not_run, perturbed, relative_change, skip
 from ._observe import applied_scales
-from ._probe import Call, Probe, batched, perturb
-from ._result import Detector, DetectorResult
+from ._probe import Call, Probe
+from ._registry import CAUSAL, DETECTORS, LONG, SEPARATE_QUERY, TAKES_MASK, detector
+from ._result import DetectorResult
 from ._thresholds import (MEASURED_ROW_SUM, MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, UNCHANGED, dtype_name,
                           tolerance)
 
-# ---- evidence helpers ------------------------------------------------------------------------------
-
-
-def _where(index: tuple[int, ...], names: tuple[str, ...]) -> str:
-    return "(" + ", ".join(f"{n}={i}" for n, i in zip(names, index)) + ")"
-
-
-def _names(probe: Probe, ndim: int) -> tuple[str, ...]:
-    """Index names for per-position tensors: (b, t) for modules, (b, h, t) for functions."""
-    return ("b", "t") if ndim == 2 else ("b", "h", "t") if ndim == 3 else tuple(f"i{k}" for k in range(ndim))
-
-
-def _per_position(x: Tensor) -> Tensor:
-    """Collapse the feature dimension: (B, T, D) -> (B, T); (B, H, T, d) -> (B, H, T)."""
-    return x.amax(dim=-1)
-
-
-def _change(new: Tensor, old: Tensor) -> Tensor:
-    """Per-position relative change: |new - old| / max(1, max|old|), NaN where either is not finite."""
-    wide = torch.float64 if old.dtype == torch.float64 else torch.float32
-    finite = old[torch.isfinite(old)]
-    scale = float(finite.abs().max().clamp_min(1.0)) if finite.numel() else 1.0
-    diff = (new.to(wide) - old.to(wide)).abs() / scale
-    return _per_position(diff.nan_to_num(nan=math.inf))
-
-
-def _allowed_text(tol: float, dtype) -> str:
-    return f"up to {tol:.0e} allowed for {dtype_name(dtype)}"
-
-
-def _count_changed(change: Tensor, must_hold: Tensor, tol: float, probe: Probe, what: str, when: str):
-    """Evidence for 'these positions must not move': (n_changed, worst, text)."""
-    must_hold = must_hold.expand_as(change)
-    checked = change[must_hold]
-    total = int(must_hold.sum())
-    bad = int((checked > tol).sum())
-    if total == 0:
-        return 0, 0.0, "no positions to check"
-    worst_value = float(checked.max())
-    masked = torch.where(must_hold, change, torch.full_like(change, -1.0))
-    idx = tuple(int(i) for i in torch.unravel_index(masked.argmax(), change.shape))
-    where = _where(idx, _names(probe, change.dim()))
-    worst = "inf (non-finite)" if math.isinf(worst_value) else f"{worst_value:.3g}"
-    text = (f"{bad} / {total} {what} changed ({100 * bad / total:.1f}%); greatest change {worst} at {where} "
-            f"{when} ({_allowed_text(tol, probe.subject.dtype)})")
-    return bad, worst_value, text
+# ---- shared endings --------------------------------------------------------------------------------
 
 
 def _result(det: str, verdict: str, message: str, **kw) -> DetectorResult:
@@ -76,120 +35,153 @@ def _judge(det: str, failed: bool, fail_message: str, pass_message: str, **kw) -
     return _result(det, "fail" if failed else "pass", fail_message if failed else pass_message, **kw)
 
 
-def _skip(det: str, reason: str) -> DetectorResult:
-    return DetectorResult(det, "skip", f"not measured: {reason}")
+def _judge_held(det: str, comparison: Comparison | DetectorResult, probe: Probe, *, what: str, fail_message: str,
+                pass_message: str) -> DetectorResult:
+    """The ending of every invariance check: fail if a held row moved; not measured if the layer did not
+    respond even where a correct layer must; else pass."""
+    if isinstance(comparison, DetectorResult):
+        return comparison
+    bad, worst, text, unresponsive = held(comparison, probe, what=what)
+    if not bad and unresponsive:
+        return skip(det, f"the output did not respond to the perturbation ({unresponsive}), so its not moving "
+                         f"where it must not proves nothing")
+    return _judge(det, bad > 0, fail_message, pass_message, value=worst, threshold=comparison.tol, evidence=text)
 
 
-def _failed_call(det: str, call: Call) -> DetectorResult:
-    return _skip(det, f"the layer did not run on this probe ({call.describe_error()}); see `runs`")
+GAINS = (1.0, 100.0)  # how hard a perturbation pushes: as drawn, and 100x (see `perturbed`)
 
 
-def _split(x: Tensor, parts: int) -> list[Tensor]:
-    return list(x.chunk(parts, dim=0))
-
-
-def _time_index(per_position: Tensor) -> Tensor:
-    """Time index of a per-position tensor (time is its last dimension)."""
-    return torch.arange(per_position.shape[-1], device=per_position.device)
+def _rows(batch: int, t: int, where: Tensor) -> Tensor:
+    """Bool (T,) or (B, T) -> (B, T)."""
+    return where.expand(batch, t).clone() if where.dim() == 1 else where
 
 
 # ---- the checks ------------------------------------------------------------------------------------
 
 
+@detector("runs", "runs on every input shape the audit uses: the standard probe, B=1, T=1, H=1 (functions), "
+          "non-contiguous inputs, Tq != Tk (cross-attention forms) and a mask (layers that take one)",
+          targets=("view after transpose without .contiguous()", "shape assumptions"),
+          fix="make the layer shape-agnostic: .contiguous() before .view(), or use .reshape()")
 def check_runs(probe: Probe) -> DetectorResult:
+    """Its own probes, one per input shape. `audit()` calls `runs_verdict` again once every detector has
+    run, so that any other detector's probe that raised is reported here too: no failed call is dropped."""
     s, B, T = probe.subject, probe.BATCH, probe.t
-    cases: list[tuple[str, Call]] = [("the standard probe (B=2, T=%d)" % T, probe.base())]
+    probe.base()
 
-    def run(label, batch, t_q, t_k=None, **kw):
-        q, k, v = probe.streams(40 + len(cases), batch, t_q, t_k, **kw)
-        cases.append((label, probe.call(q, k, v, probe.allowed(batch, t_q, t_k or t_q))))
+    def run(label, batch, t_q, t_k=None, extra=None, **kw):
+        q, k, v = probe.streams(batch, t_q, t_k, **kw)
+        probe.call(q, k, v, probe.allowed(batch, t_q, t_k or t_q, extra), label=label)
 
     run("B=1", 1, T)
     run("T=1", B, 1)
     if s.form == "function":
         run("H=1", B, T, heads=1)
-    # non-contiguous inputs: the same values laid out transposed in memory
-    q, k, v = probe.streams(50, B, T)
+    if s.separate_kv:
+        run(f"Tq={T}, Tk={T + 3}", B, T, T + 3, cross=True)
+    if s.takes_mask:
+        run("a padding mask", B, T, extra=probe.padding(B, T, T))
+    q, k, v = probe.streams(B, T)  # non-contiguous: the same values laid out transposed in memory
     nc = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
     nc = [nc[0]] * 3 if q is k else nc
-    cases.append(("non-contiguous inputs", probe.call(*nc, probe.allowed(B, T, T))))
-    failed = [(label, c) for label, c in cases if not c.ok]
+    probe.call(*nc, probe.allowed(B, T, T), label="non-contiguous inputs")
+    return runs_verdict(probe)
+
+
+def runs_verdict(probe: Probe) -> DetectorResult:
+    """`runs` judged on every call of the audit so far: its own, and every other detector's that raised."""
+    det = "runs"
+    own = probe.shapes[det]
+    failed = _unique([(d, shape) for d, shape in probe.raised if d == det]
+                     + [(d, shape) for d, shape in probe.raised if d != det])
+    n_calls = sum(len(v) for v in probe.shapes.values())
     if failed:
-        listed = "; ".join(f"{label}: {c.describe_error()}" for label, c in failed)
-        return _result("runs", "fail", f"the layer raised on {len(failed)} / {len(cases)} probes",
-                       value=float(len(failed)), threshold=0.0, evidence=listed,
-                       fix=DETECTORS["runs"].fix)
-    return _result("runs", "pass", f"ran on all {len(cases)} probes ({', '.join(l for l, _ in cases)})",
-                   value=0.0, threshold=0.0)
+        listed = "; ".join(f"{shape.label}{'' if d in (det, 'base') else f' ({d})'}: {shape.raised}"
+                           for d, shape in failed)
+        return _result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
+                       value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in all)")
+    return _result(det, "pass", f"ran on all {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
+                                f"every other detector's probe", value=0.0, threshold=0.0)
 
 
+def _unique(failed):
+    seen, out = set(), []
+    for d, shape in failed:
+        if id(shape) not in seen:
+            seen.add(id(shape))
+            out.append((d, shape))
+    return out
+
+
+@detector("output_shape", "output is (B, Tq, D), also when the memory length Tk differs from Tq",
+          targets=("self/cross-attention inputs swapped",),
+          fix="queries come from the decoder stream (query), keys and values from the memory")
 def check_output_shape(probe: Probe) -> DetectorResult:
-    s, B, T = probe.subject, probe.BATCH, probe.t
+    det, s, B, T = "output_shape", probe.subject, probe.BATCH, probe.t
     base = probe.base()
     if not base.ok:
-        return _failed_call("output_shape", base)
+        return not_run(det, base)
     checks = [("the standard probe", base, s.expected_out_shape(B, T))]
+    unmeasured = ""
     if s.separate_kv:
         t_k = T + 3  # Tq != Tk: a cross-attention (or cached-decoding) call
-        q, k, v = probe.streams(60, B, T, t_k, cross=True)
-        call = probe.call(q, k, v, probe.allowed(B, T, t_k))
+        q, k, v = probe.streams(B, T, t_k, cross=True)
+        call = probe.call(q, k, v, probe.allowed(B, T, t_k), label=f"query length {T}, memory length {t_k}")
         if call.ok:
             checks.append((f"query length {T}, memory length {t_k}", call, s.expected_out_shape(B, T)))
+        else:
+            unmeasured = f"query length {T}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
     wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
-        return _result("output_shape", "fail", "the output has the wrong shape", evidence=text)
-    return _result("output_shape", "pass", "output shape is (B, Tq, ...) " + ", ".join(
+        return _result(det, "fail", "the output has the wrong shape", evidence=text)
+    if unmeasured:
+        return skip(det, unmeasured)
+    return _result(det, "pass", "output shape is (B, Tq, ...) " + ", ".join(
         f"{tuple(c.output.out.shape)}" for _, c, _ in checks))
 
 
+@detector("finite_output", "no NaN or inf on ordinary inputs", targets=("no softmax with -inf masks", "overflow"),
+          fix="normalise with a softmax over keys; use a dtype-safe fill value")
 def check_finite_output(probe: Probe) -> DetectorResult:
-    base = probe.base()
+    det, base = "finite_output", probe.base()
     if not base.ok:
-        return _failed_call("finite_output", base)
+        return not_run(det, base)
     out = base.output.out
     bad = ~torch.isfinite(out)
     if bad.any():
         idx = tuple(int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], out.shape))
-        return _result("finite_output", "fail", "the output has NaN or inf on an ordinary input",
+        return _result(det, "fail", "the output has NaN or inf on an ordinary input",
                        value=float(bad.sum()), threshold=0.0,
                        evidence=f"{int(bad.sum())} / {out.numel()} output values are NaN/inf; first at {idx}")
-    return _result("finite_output", "pass", f"all {out.numel()} outputs are finite", value=0.0, threshold=0.0)
+    return _result(det, "pass", f"all {out.numel()} outputs are finite", value=0.0, threshold=0.0)
 
 
-def _weights_from(call: Call, t_q: int, t_k: int) -> tuple[Tensor | None, str]:
-    """The attention weights: returned by the layer, else the last observed softmax over (Tq, Tk) scores."""
-    if call.output is not None and call.output.weights is not None:
-        w = call.output.weights
-        if tuple(w.shape[-2:]) == (t_q, t_k):
-            return w, "returned weights"
-    if call.record is not None:
-        for sm in reversed(call.record.softmaxes):
-            if tuple(sm.output.shape[-2:]) == (t_q, t_k):
-                return sm.output, f"observed softmax output (dim={sm.dim})"
-    return None, ""
-
-
+@detector("weight_row_sums", "weights are non-negative and each row sums to 1 over keys",
+          targets=("no softmax", "softmax over the wrong axis", "mask after softmax", "dropout in eval"),
+          fix="weights = softmax(masked scores, dim=-1)")
 def check_weight_row_sums(probe: Probe) -> DetectorResult:
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    det = "weight_row_sums"
+    det, s, B, T = "weight_row_sums", probe.subject, probe.BATCH, probe.t
     if s.takes_mask:  # blocked keys are where a mask applied after the softmax shows
-        q, k, v = probe.streams(70, B, T)
+        q, k, v = probe.streams(B, T)
         allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
-        call = probe.call(q, k, v, allowed)
-        if call.ok and call.output.weights is None:  # look inside only when the layer returns no weights
-            call = probe.call(q, k, v, allowed, observe=True)
+        call = probe.call(q, k, v, allowed, label="a padding mask", observe=True)
     else:
         call = probe.base()
     if not call.ok:
-        return _failed_call(det, call)
-    weights, source = _weights_from(call, T, T)
+        return not_run(det, call)
+    weights, source = probe.weights(call)
     if weights is None:
-        return _skip(det, "the layer returns no (..., Tq, Tk) weights and no softmax over them was observed")
-    if weights.numel() % (B * T * T):
-        return _skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
-    w = weights.double().reshape(B, -1, T, T)  # (B, heads or 1, Tq, Tk)
-    allowed = call.allowed if call.allowed is not None else torch.ones(B, T, T, dtype=torch.bool)
+        call = probe.base()
+        weights, source = probe.recovered_weights()
+    if weights is None:
+        return skip(det, "the layer returns no (..., Tq, Tk) weights, no softmax over them and no fused attention "
+                         "call was observed (a function that accepts values of another width is read through v = I)")
+    t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
+    if weights.numel() % (B * T * t_k):
+        return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
+    w = weights.double().reshape(B, -1, T, t_k)  # (B, heads or 1, Tq, Tk)
+    allowed = call.allowed if call.allowed is not None else torch.ones(B, T, t_k, dtype=torch.bool)
     nonempty = allowed.to(w.device).any(-1).unsqueeze(1)  # (B, 1, Tq): rows with a key to attend
     tol = tolerance(ROW_SUM, s.dtype)
     sums = w.sum(-1)  # (B, heads, Tq)
@@ -205,16 +197,29 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
         if bad_rows:
             idx = tuple(int(i) for i in torch.unravel_index(torch.where(rows, dev, -1.0).argmax(), dev.shape))
             parts.append(f"{bad_rows} / {total} weight rows ({100 * bad_rows / total:.1f}%) do not sum to 1 over "
-                         f"keys; worst row {_where(idx, names)} sums to {float(sums[idx]):.4g} "
-                         f"(|sum - 1| {_allowed_text(tol, s.dtype)})")
+                         f"keys; worst row {_at(idx, names)} sums to {_number(float(sums[idx]))} "
+                         f"(|sum - 1| up to {tol:.2g} allowed for {dtype_name(s.dtype)})")
         if negative.any():
             idx = tuple(int(i) for i in torch.unravel_index(w.argmin(), w.shape))
-            parts.append(f"{int(negative.sum())} weights are negative, the least {float(w.min()):.3g} at "
-                         f"{_where(idx, names + ('k',))}")
+            parts.append(f"{int(negative.sum())} weights are negative, the least {_number(float(w.min()))} at "
+                         f"{_at(idx, names + ('k',))}")
         return _result(det, "fail", f"attention weights are not a distribution over keys ({source})",
                        value=worst, threshold=tol, evidence="; ".join(parts))
     return _result(det, "pass", f"all {total} weight rows sum to 1 and no weight is negative ({source})",
                    value=worst, threshold=tol, margin=_row_sum_margin(s.dtype))
+
+
+def _at(index: tuple[int, ...], names: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f"{n}={i}" for n, i in zip(names, index)) + ")"
+
+
+def _number(x: float) -> str:
+    """A reading as a person writes it: inf and NaN by name, not 1.798e+308."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x) or abs(x) > 1e300:
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.4g}"
 
 
 def _row_sum_margin(dtype) -> str:
@@ -222,15 +227,13 @@ def _row_sum_margin(dtype) -> str:
     return f"correct layers measured <= {measured:.1e} at {dtype_name(dtype)}" if measured is not None else ""
 
 
-def _log_weight_scale(call: Call, probe: Probe) -> list[tuple[float, int]]:
-    """For a function returning weights: fit log w = s * (q . k) + c per row; returns [(s, d_k)]."""
-    w = call.output.weights
-    q, k = call.query, call.key
-    if w is None or q.dim() != 4 or tuple(w.shape) != (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float, int]]:
+    """Fit log w = s * (q . k) + c per row for (B, H, Tq, Tk) weights of (B, H, T, d) q and k: [(s, d_k)]."""
+    if q.dim() != 4 or tuple(weights.shape) != (q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
         return []
-    qk = (q.double() @ k.double().transpose(-2, -1))  # (B, H, Tq, Tk)
-    logw = w.double().log()
-    ok = torch.isfinite(logw) & (w > 0)
+    qk = q.double() @ k.double().transpose(-2, -1)  # (B, H, Tq, Tk)
+    logw = weights.double().log()
+    ok = torch.isfinite(logw) & (weights > 0)
     if ok.sum() < 4:
         return []
     n = ok.sum(-1, keepdim=True).clamp_min(1)
@@ -240,26 +243,31 @@ def _log_weight_scale(call: Call, probe: Probe) -> list[tuple[float, int]]:
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
+@detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale",
+          targets=("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
+          fix="scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  (d_k: the width of one head)")
 def check_softmax_saturation(probe: Probe) -> DetectorResult:
-    det = "softmax_saturation"
-    base = probe.base()
+    det, base = "softmax_saturation", probe.base()
     if not base.ok:
-        return _failed_call(det, base)
+        return not_run(det, base)
     estimates = [(e.applied, e.d_k, e.source) for e in applied_scales(base.record)] if base.record else []
     if not estimates and probe.subject.form == "function":
-        estimates = [(s, d, "log-weights vs q·k of the returned weights") for s, d in _log_weight_scale(base, probe)]
+        weights, source = ((base.output.weights, "returned weights") if base.output.weights is not None
+                           else probe.recovered_weights())
+        if weights is not None:
+            estimates = [(s, d, f"log-weights vs q·k of the {source}")
+                         for s, d in _log_weight_scale(weights, base.query, base.key)]
     if not estimates:
-        return _skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
+        return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
     rows = []
     for applied, d_k, source in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
-        ratio = applied / expected if expected else math.inf
-        rows.append((ratio, applied, expected, d_k, source))
+        rows.append((applied / expected, applied, expected, d_k, source))
     ratio, applied, expected, d_k, source = max(rows, key=lambda r: abs(math.log(abs(r[0]) or 1e-300)))
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
-    entropy = _entropy_text(base)
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
-                f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f}){entropy}")
+                f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
+                f"{_entropy_text(base)}")
     if ratio > SCALE_RATIO:
         return _result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are not scaled by {declared}",
                        value=ratio, threshold=SCALE_RATIO, evidence=evidence)
@@ -280,56 +288,65 @@ def _entropy_text(call: Call) -> str:
     return f"; mean weight entropy {float(ent.mean()):.3g} nats (uniform over {w.shape[-1]} keys: {math.log(w.shape[-1]):.3g})"
 
 
+@detector("output_variance", "the output is a convex combination of the values: identical value rows come out "
+          "unchanged and outputs stay within the values' range",
+          targets=("no softmax", "softmax over the wrong axis", "dropout in eval", "heads merged without transpose"),
+          fix="normalise the weights over keys before weighting the values, and merge heads with "
+              "x.transpose(1, 2).reshape(B, T, D)")
 def check_output_variance(probe: Probe) -> DetectorResult:
-    """A convex combination of values: identical value rows come out unchanged, outputs stay within the values."""
-    det = "output_variance"
-    s, B, T = probe.subject, probe.BATCH, probe.t
+    det, s, B, T = "output_variance", probe.subject, probe.BATCH, probe.t
     tol = max(tolerance(UNCHANGED, s.dtype), tolerance(ROW_SUM, s.dtype))
     if s.form == "function":
-        q, k, _ = probe.streams(80, B, T, cross=True)
-        row = probe.make(83, B, 1)  # (B, H, 1, d)
+        q, k, _ = probe.streams(B, T, cross=True)
+        row = probe.make(B, 1)  # (B, H, 1, d)
         v = row.expand_as(k).contiguous()  # (B, H, T, d): every value row identical
-        call = probe.call(q, k, v, probe.allowed(B, T, T))
+        call = probe.call(q, k, v, probe.allowed(B, T, T), label="identical value rows")
         if not call.ok:
-            return _failed_call(det, call)
-        expected = row.expand_as(call.output.out) if call.output.out.shape == q.shape else None
-        if expected is None:
-            return _skip(det, f"output shape {tuple(call.output.out.shape)} is not the query's")
-        change = _change(call.output.out, expected)
+            return not_run(det, call)
+        if call.output.out.shape != q.shape:
+            return skip(det, f"output shape {tuple(call.output.out.shape)} is not the query's")
+        got, expected = call.output.out, row.expand_as(call.output.out)
         what = "output rows differ from the one value row"
     elif getattr(s, "extra_keys", False):
-        return _skip(det, "the layer appends a learned or zero key (add_bias_kv / add_zero_attn) that identical "
-                          "inputs do not reach, so outputs legitimately depend on how many tokens there are")
+        return skip(det, "the layer appends a learned or zero key (add_bias_kv / add_zero_attn) that identical "
+                         "inputs do not reach, so outputs legitimately depend on how many tokens there are")
     else:
-        token = probe.make(81, B, 1)  # (B, 1, D)
+        token = probe.make(B, 1)  # (B, 1, D)
         same = token.expand(B, T, s.d_model).contiguous()  # (B, T, D): T identical tokens
         if s.separate_kv and not probe.causal:  # queries differ, memory is T copies of one token
-            query = probe.make(82, B, T)
-            call = probe.call(query, same, same, probe.allowed(B, T, T))
+            query = probe.make(B, T)
+            call = probe.call(query, same, same, probe.allowed(B, T, T), label="a memory of identical tokens")
             # one query over that one token: every output row must equal its output (Tq = 1 also keeps
             # a wrong head merge from disguising the reference)
-            reference = probe.call(query[:, :1].clone(), token, token, probe.allowed(B, 1, 1))
+            reference = probe.call(query[:, :1].clone(), token, token, probe.allowed(B, 1, 1),
+                                   label="one query over that one token")
         else:
-            call = probe.call(same, same, same, probe.allowed(B, T, T))
-            reference = probe.call(token, token, token, probe.allowed(B, 1, 1))  # that one token alone
+            call = probe.call(same, same, same, probe.allowed(B, T, T), label="identical tokens")
+            reference = probe.call(token, token, token, probe.allowed(B, 1, 1), label="that one token alone")
         for c in (call, reference):
             if not c.ok:
-                return _failed_call(det, c)
+                return not_run(det, c)
         got, ref = call.output.out, reference.output.out
         if got.dim() != 3 or ref.dim() != 3 or ref.shape[1] != 1 or ref.shape[::2] != got.shape[::2]:
-            return _skip(det, f"output shapes {tuple(got.shape)} and {tuple(ref.shape)} do not allow the comparison")
-        change = _change(got, ref.expand_as(got))
+            return skip(det, f"output shapes {tuple(got.shape)} and {tuple(ref.shape)} do not allow the comparison")
+        expected = ref.expand_as(got)
         what = "output rows differ from the output for that one token"
-    everywhere = torch.ones_like(change, dtype=torch.bool)
-    bad, worst, text = _count_changed(change, everywhere, tol, probe, what,
-                                      "when every value row is the same vector")
+    change = relative_change(got, expected)
+    if change is None:
+        return skip(det, "the expected output is zero everywhere, so a difference cannot be measured against it")
+    bad = int((change > tol).sum())
+    worst = float(change.max())
+    idx = tuple(int(i) for i in torch.unravel_index(change.argmax(), change.shape))
+    shown = "inf (non-finite)" if math.isinf(worst) else f"{worst:.3g}"
+    text = (f"{bad} / {change.numel()} {what} ({100 * bad / change.numel():.1f}%) when every value row is the same "
+            f"vector; greatest difference {shown} at {_at(idx, ('b', 't') if change.dim() == 2 else ('b', 'h', 't'))} "
+            f"(up to {tol:.2g} of the output's RMS allowed for {dtype_name(s.dtype)})")
     if bad:
-        return _result(det, "fail", "the output is not a convex combination of the values (weights do not sum to 1)",
-                       value=worst, threshold=tol, evidence=text)
+        return _result(det, "fail", "the output is not a convex combination of the values: identical value rows "
+                       "do not come out unchanged", value=worst, threshold=tol, evidence=text)
     bound = _bound_check(probe, tol) if s.form == "function" else None
-    if bound is not None:
-        return bound
-    return _result(det, "pass", "identical value rows come out unchanged", value=worst, threshold=tol, evidence=text)
+    return bound or _result(det, "pass", "identical value rows come out unchanged", value=worst, threshold=tol,
+                            evidence=text)
 
 
 def _bound_check(probe: Probe, tol: float) -> DetectorResult | None:
@@ -351,115 +368,79 @@ def _bound_check(probe: Probe, tol: float) -> DetectorResult | None:
     return None
 
 
+@detector("query_locality", "each output row depends only on its own query row",
+          targets=("self/cross-attention inputs swapped", "heads merged without transpose", "softmax over queries"),
+          fix="take Q from the query stream; merge heads with x.transpose(1, 2).reshape(B, T, D)",
+          needs=(SEPARATE_QUERY, LONG))
 def check_query_locality(probe: Probe) -> DetectorResult:
-    det = "query_locality"
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    if not s.separate_kv:
-        return _skip(det, "the layer takes one input stream; a query cannot change without its key")
-    if T < 2:
-        return _skip(det, "needs seq_len >= 2")
-    q, k, v = probe.streams(90, B, T, cross=True)
+    det, s, B, T = "query_locality", probe.subject, probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T, cross=True)
+    base = Inputs(q, k, v)
     p = T // 2
     moved = torch.arange(T) == p
-    q2 = perturb(q, moved, s.time_dim, probe.generator(91))
-    K = batched(k, k)
-    V = K if v is k else batched(v, v)
-    call = probe.call(batched(q, q2), K, V, probe.allowed(2 * B, T, T))
-    if not call.ok:
-        return _failed_call(det, call)
-    out = call.output.out
-    if out.shape[0] != 2 * B or out.dim() < 3 or out.shape[-2 if s.form == "function" else 1] != T:
-        return _skip(det, f"output shape {tuple(out.shape)} has no row per query (see output_shape)")
-    old, new = _split(out, 2)
-    change = _change(new, old)
-    others = _time_index(change) != p
-    bad, worst, text = _count_changed(change, others, tolerance(UNCHANGED, s.dtype), probe,
-                                      "other output rows", f"when only query t={p} changed")
-    return _judge(det, bad > 0, "an output row depends on other queries than its own",
-                  "each output row depends only on its own query", value=worst,
-                  threshold=tolerance(UNCHANGED, s.dtype), evidence=text)
+    # gain 100 as well as 1: the other rows' weights do not depend on query p in a correct layer, however
+    # hard it is pushed; in a layer that mixes queries, a large change shows even where logits are tiny
+    cases = [Case(x, hold=_rows(B, T, ~moved), move=_rows(B, T, moved), when=f"when only query t={p} changed "
+                  f"(x{gain:g})") for gain, x in zip(GAINS, perturbed(probe, base, moved, ("query",), gains=GAINS))]
+    comparison = compare(probe, base, cases, label=f"query t={p} changed")
+    return _judge_held(det, comparison, probe, what="other output rows",
+                       fail_message="an output row depends on other queries than its own",
+                       pass_message="each output row depends only on its own query")
 
 
+@detector("mask_honoured", "changing a key the mask blocks changes nothing (padding and causal masks)",
+          targets=("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped"),
+          fix="apply the mask to the scores before the softmax: scores.masked_fill(~allowed, -inf)",
+          needs=(TAKES_MASK, LONG))
 def check_mask_honoured(probe: Probe) -> DetectorResult:
-    det = "mask_honoured"
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    if not s.takes_mask:
-        return _skip(det, "the layer takes no mask argument")
-    if T < 2:
-        return _skip(det, "needs seq_len >= 2")
-    pad = probe.padding(B, T, T)  # (B, Tq, Tk)
+    det, B, T = "mask_honoured", probe.BATCH, probe.t
     i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
     cut = (T - 1) // 2
-    causal = (j <= i).expand(B, T, T)  # (B, Tq, Tk)
-    padded_keys = ~pad[:, 0, :]  # (B, Tk): the keys the padding mask blocks
-    future_keys = (j > cut).expand(B, T)  # (B, Tk): keys after the cut, blocked for rows <= cut
-    q, k, v = probe.streams(100, B, T)
-    one_stream = q is k
-    gen = probe.generator(101)
-
-    def changed(x, keys):
-        return perturb(x, keys, s.time_dim, gen)
-
-    variants = []  # (inputs, mask, keys perturbed)
-    for mask, keys in ((pad, padded_keys), (causal, future_keys)):
-        if one_stream:
-            x2 = changed(q, keys)
-            variants.append(((q, q, q), mask, keys))
-            variants.append(((x2, x2, x2), mask, keys))
-        else:
-            k2 = changed(k, keys)
-            v2 = k2 if v is k else changed(v, keys)
-            variants.append(((q, k, v), mask, keys))
-            variants.append(((q, k2, v2), mask, keys))
-    Q = batched(*(x[0] for x, _, _ in variants))
-    K = Q if one_stream else batched(*(x[1] for x, _, _ in variants))
-    V = K if (one_stream or v is k) else batched(*(x[2] for x, _, _ in variants))
-    extra = batched(*(m for _, m, _ in variants))
-    allowed = probe.allowed(len(variants) * B, T, T, extra)
-    call = probe.call(Q, K, V, allowed)
-    if not call.ok:
-        return _failed_call(det, call)
-    out = call.output.out
-    if out.shape[0] != len(variants) * B:
-        return _skip(det, f"output shape {tuple(out.shape)} does not keep the batch")
-    chunks = _split(out, len(variants))
-    allowed_chunks = _split(allowed.cpu(), len(variants))
-    tol = tolerance(UNCHANGED, s.dtype)
-    reports = []
-    for n, (label, when) in enumerate((("padding", "when only padded keys changed"),
-                                        ("causal", f"when only keys after t={cut} changed"))):
-        old, new = chunks[2 * n], chunks[2 * n + 1]
-        keys = variants[2 * n][2]  # (B, Tk)
-        a = allowed_chunks[2 * n]  # (B, Tq, Tk)
+    pad = probe.padding(B, T, T)  # (B, Tq, Tk)
+    scenarios = (("padding", pad, ~pad[:, 0, :], "when only padded keys changed"),  # (B, Tk): the blocked keys
+                 ("causal", (j <= i).expand(B, T, T), (j > cut).expand(B, T), f"when only keys after t={cut} changed"))
+    results = []
+    for name, mask, keys, when in scenarios:
+        q, k, v = probe.streams(B, T)
+        base = Inputs(q, k, v, mask)
+        allowed = probe.allowed(B, T, T, mask).cpu()  # what the layer is given, causal included
         # rows that must not move: they may attend some key, and none of the changed ones
-        hold = a.any(-1) & ~(a & keys.unsqueeze(1)).any(-1)  # (B, Tq)
-        if one_stream:
+        hold = allowed.any(-1) & ~(allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq)
+        sees = (allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq): rows a correct layer moves
+        if base.one_stream:
             hold &= ~keys  # in self-attention the changed positions are also changed queries
-        change = _change(new, old)
-        hold = hold.to(change.device).view(B, *([1] * (change.dim() - 2)), T)
-        reports.append((label, *_count_changed(change, hold, tol, probe, "outputs", when)))
-    bad = [(label, b, w, t) for label, b, w, t in reports if b]
-    evidence = "; ".join(f"{label} mask: {t}" for label, _, _, t in reports)
-    worst = max(w for _, _, w, _ in reports)
-    return _judge(det, bool(bad), "outputs depend on keys the mask blocks (" + ", ".join(b[0] for b in bad) + ")",
+            sees |= keys & allowed.any(-1)
+        cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
+                 for gain, x in zip(GAINS, perturbed(probe, base, keys, ("key", "value"), gains=GAINS))]
+        comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
+        if isinstance(comparison, DetectorResult):
+            return comparison
+        results.append((name, comparison))
+    readings = [(name, *held(c, probe, what="outputs")) for name, c in results]
+    bad = [name for name, b, _, _, _ in readings if b]
+    if not bad and all(silent for _, _, _, _, silent in readings):
+        return skip(det, "the output did not respond to changed keys anywhere, so its not moving where the mask "
+                         "blocks them proves nothing")
+    return _judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
                   "keys the mask blocks have no effect (padding and causal masks)",
-                  value=worst, threshold=tol, evidence=evidence)
+                  value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
+                  evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings))
 
 
+@detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",
+          targets=("plain softmax over an all -inf row",),
+          fix="zero the weights of rows with no allowed key (torch's SDPA does), or never build such rows",
+          needs=(TAKES_MASK,))
 def check_fully_masked_rows(probe: Probe) -> DetectorResult:
-    det = "fully_masked_rows"
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    if not s.takes_mask:
-        return _skip(det, "the layer takes no mask argument")
+    det, B, T = "fully_masked_rows", probe.BATCH, probe.t
     r = T // 2
     extra = torch.ones(B, T, T, dtype=torch.bool)
     extra[0, r, :] = False  # batch 0, query r may attend nothing
-    q, k, v = probe.streams(110, B, T)
-    call = probe.call(q, k, v, probe.allowed(B, T, T, extra))
+    q, k, v = probe.streams(B, T)
+    call = probe.call(q, k, v, probe.allowed(B, T, T, extra), label="a query with no key to attend")
     if not call.ok:
-        return _failed_call(det, call)
-    out = call.output.out
-    finite = _per_position(torch.isfinite(out).to(torch.int8)).bool()  # (B, T) or (B, H, T)
+        return not_run(det, call)
+    finite = torch.isfinite(call.output.out).all(-1)  # (B, T) or (B, H, T)
     empty = torch.zeros_like(finite)
     empty[0, ..., r] = True
     if (~finite & ~empty).any():
@@ -471,112 +452,43 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
         return _result(det, "warn", "a query whose every key is masked gets NaN (torch's SDPA gives zeros)",
                        value=1.0, threshold=0.0,
                        evidence=f"output at (b=0, t={r}) is NaN/inf when that query may attend no key; it will "
-                                f"poison the loss and the gradients unless such rows are dropped",
-                       fix=DETECTORS[det].fix)
+                                f"poison the loss and the gradients unless such rows are dropped")
     return _result(det, "pass", "a query with no key to attend gives a finite output", value=0.0, threshold=0.0)
 
 
+@detector("future_leakage", "for a causal layer, changing tokens after t leaves outputs at and before t unchanged",
+          targets=("missing causal mask", "heads merged without transpose in a decoder"),
+          fix="mask scores with causal_mask(Tq, Tk, align='bottom_right') before the softmax",
+          needs=(CAUSAL, LONG))
 def check_future_leakage(probe: Probe) -> DetectorResult:
-    det = "future_leakage"
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    if not probe.causal:
-        return _skip(det, "the layer is not audited as causal (pass causal=True)")
-    if T < 2:
-        return _skip(det, "needs seq_len >= 2")
+    det, s, B, T = "future_leakage", probe.subject, probe.BATCH, probe.t
     cuts = sorted({0, T // 3, (2 * T) // 3, T - 2})
-    q, k, v = probe.streams(120, B, T, cross=s.form == "function")
-    one_stream = q is k
-    gen = probe.generator(121)
-    qs, ks, vs = [q], [k], [v]
-    for c in cuts:
-        later = torch.arange(T) > c
-        if one_stream:
-            x = perturb(q, later, s.time_dim, gen)
-            qs.append(x), ks.append(x), vs.append(x)
-        else:
-            qs.append(perturb(q, later, s.time_dim, gen))
-            ks.append(perturb(k, later, s.time_dim, gen))
-            vs.append(perturb(v, later, s.time_dim, gen))
-    Q = batched(*qs)
-    K, V = (Q, Q) if one_stream else (batched(*ks), batched(*vs))
-    n = len(qs)
-    call = probe.call(Q, K, V, probe.allowed(n * B, T, T))
-    if not call.ok:
-        return _failed_call(det, call)
-    out = call.output.out
-    if out.shape[0] != n * B:
-        return _skip(det, f"output shape {tuple(out.shape)} does not keep the batch")
-    chunks = _split(out, n)
-    changes, holds = [], []
-    for c, new in zip(cuts, chunks[1:]):
-        change = _change(new, chunks[0])
-        changes.append(change)
-        holds.append(_time_index(change) <= c)
-    change = torch.stack(changes)  # (cuts, B, [H,] T)
-    hold = torch.stack([h.expand_as(changes[0]) for h in holds])
-    tol = tolerance(UNCHANGED, s.dtype)
-    total = int(hold.sum())
-    checked = change[hold]
-    bad = int((checked > tol).sum())
-    worst = float(checked.max()) if total else 0.0
-    idx = tuple(int(i) for i in torch.unravel_index(torch.where(hold, change, -1.0).argmax(), change.shape))
-    cut = cuts[idx[0]]
-    where = _where(idx[1:], _names(probe, change.dim() - 1))
-    text = (f"{bad} / {total} past outputs changed ({100 * bad / max(total, 1):.1f}%); greatest change "
-            f"{worst:.3g} at {where} when only t>={cut + 1} was perturbed ({_allowed_text(tol, s.dtype)})")
-    return _judge(det, bad > 0, "outputs depend on future tokens",
-                  f"no output moved when only later tokens changed (cuts at t={cuts})",
-                  value=worst, threshold=tol, evidence=text)
+    base = Inputs(*probe.streams(B, T, cross=s.form == "function"))
+    t = torch.arange(T)
+    cases = [Case(x, hold=_rows(B, T, t <= c), move=_rows(B, T, t > c),
+                  when=f"when only t>={c + 1} was perturbed (x{gain:g})")
+             for c in cuts for gain, x in zip(GAINS, perturbed(probe, base, t > c, ("query", "key", "value"), gains=GAINS))]
+    comparison = compare(probe, base, cases, label=f"tokens after t in {cuts} changed")
+    return _judge_held(det, comparison, probe, what="past outputs", fail_message="outputs depend on future tokens",
+                       pass_message=f"no output moved when only later tokens changed (cuts at t={cuts})")
 
 
+@detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "
+          "alignment for cached decoding, diagonal included)",
+          targets=("top-left causal mask with a KV cache", "causal mask blocking the diagonal"),
+          fix="allow keys j <= i + (Tk - Tq): causal_mask(Tq, Tk, align='bottom_right'), i.e. "
+              "triu(diagonal=1 + Tk - Tq)",
+          needs=(CAUSAL,))
 def check_causal_alignment(probe: Probe) -> DetectorResult:
-    det = "causal_alignment"
-    s, B, T = probe.subject, probe.BATCH, probe.t
-    if not probe.causal:
-        return _skip(det, "the layer is not audited as causal (pass causal=True)")
+    det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t
     if s.separate_kv:
-        t_q = max(1, T // 2)  # cached decoding: the last t_q positions query all T keys
-        if s.form == "function":
-            q = probe.make(130, B, t_q)
-            k, v = probe.make(131, B, T), probe.make(132, B, T)
-        else:
-            k = v = probe.make(131, B, T)
-            q = k[:, T - t_q:].clone()
-        newest = torch.arange(T) == T - 1
-        gen = probe.generator(133)
-        # A blocked key moves nothing. A visible one moves the output, and a large change of it in both
-        # directions makes one draw's logit dominate, so a correct layer moves far above rounding noise.
-        k_new = perturb(k, newest, s.time_dim, gen)
-        v_new = k_new if v is k else perturb(v, newest, s.time_dim, gen)
-        gains = (1.0, 100.0, -100.0)
-        ks = [k] + [k + c * (k_new - k) for c in gains]
-        vs = ks if v is k else [v] + [v + c * (v_new - v) for c in gains]
-        K = batched(*ks)
-        V = K if v is k else batched(*vs)
-        n = len(ks)
-        call = probe.call(batched(*[q] * n), K, V, probe.allowed(n * B, t_q, T))
-        if not call.ok:
-            return _failed_call(det, call)
-        chunks = _split(call.output.out, n)
-        change = torch.stack([_change(new, chunks[0]) for new in chunks[1:]]).amax(0)  # (B, [H,] Tq)
-        last = change[..., -1]  # the newest query, at position T - 1
-        tol = tolerance(UNCHANGED, s.dtype)
-        if bool((last <= tol).any()):
-            return _result(det, "fail", "the newest query does not see the newest key (causal mask misaligned "
-                           "or blocking the diagonal)", value=float(last.min()), threshold=tol,
-                           evidence=f"with {t_q} queries at positions {T - t_q}..{T - 1} over {T} keys, changing "
-                                    f"key {T - 1} (by up to 100x, both signs) moved the output of query {T - 1} by "
-                                    f"at most {float(last.min()):.3g} in some row (more than {tol:.0e} expected for "
-                                    f"{dtype_name(s.dtype)}): query i must see keys <= i + Tk - Tq, its own "
-                                    f"position included")
-        return _result(det, "pass", f"the newest of {t_q} queries sees the newest of {T} keys (bottom-right)",
-                       value=float(last.min()), threshold=tol)
+        return _newest_key_seen(probe)
     base = probe.base()
     if not base.ok:
-        return _failed_call(det, base)
-    weights, source = _weights_from(base, T, T)
+        return not_run(det, base)
+    weights, source = probe.weights(base)
     if weights is None:
-        return _skip(det, "one input stream and no weights: a key cannot change without its query")
+        return skip(det, "one input stream and no weights: a key cannot change without its query")
     diag = weights.double().diagonal(dim1=-2, dim2=-1)  # (..., T): each query's weight on its own position
     if bool((diag <= 0).any()):
         idx = tuple(int(i) for i in torch.unravel_index(diag.argmin(), diag.shape))
@@ -587,65 +499,61 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
                    threshold=0.0)
 
 
+def _newest_key_seen(probe: Probe) -> DetectorResult:
+    """Cached decoding: the last Tq positions query all T keys; changing key T-1 must move query T-1."""
+    det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t
+    t_q = max(1, T // 2)
+    if s.form == "function":
+        q = probe.make(B, t_q)
+        k, v = probe.make(B, T), probe.make(B, T)
+    else:
+        k = v = probe.make(B, T)
+        q = k[:, T - t_q:].clone()
+    base = Inputs(q, k, v)
+    newest = torch.arange(T) == T - 1
+    # A blocked key moves nothing. A visible one moves the output, and a large change of it in both
+    # directions makes one draw's logit dominate, so a correct layer moves far above rounding noise.
+    gains = (1.0, 100.0, -100.0)
+    cases = [Case(x, hold=torch.zeros(B, t_q, dtype=torch.bool), when=f"key {T - 1} x{gain:g}")
+             for gain, x in zip(gains, perturbed(probe, base, newest, ("key", "value"), gains=gains))]
+    comparison = compare(probe, base, cases, label=f"{t_q} newest queries over {T} keys, key {T - 1} changed")
+    if isinstance(comparison, DetectorResult):
+        return comparison
+    change = torch.stack(comparison.changes).amax(0)  # (B, [H,] Tq): the most any gain moved each row
+    last = change[..., -1]  # the newest query, at position T - 1
+    tol = comparison.tol
+    if bool((last <= tol).any()):
+        return _result(det, "fail", "the newest query does not see the newest key (causal mask misaligned "
+                       "or blocking the diagonal)", value=float(last.min()), threshold=tol,
+                       evidence=f"with {t_q} queries at positions {T - t_q}..{T - 1} over {T} keys, changing "
+                                f"key {T - 1} (by up to 100x, both signs) moved the output of query {T - 1} by "
+                                f"at most {float(last.min()):.3g} of the outputs' RMS about their mean in some row (more than "
+                                f"{tol:.2g} expected for {dtype_name(s.dtype)}): query i must see keys "
+                                f"<= i + Tk - Tq, its own position included")
+    return _result(det, "pass", f"the newest of {t_q} queries sees the newest of {T} keys (bottom-right)",
+                   value=float(last.min()), threshold=tol)
+
+
+@detector("eval_determinism", "two eval-mode calls on the same input give the same output",
+          targets=("dropout left on in eval mode",), fix="F.dropout(weights, p, training=self.training)")
 def check_eval_determinism(probe: Probe) -> DetectorResult:
-    det = "eval_determinism"
-    base = probe.base()
+    det, base = "eval_determinism", probe.base()
     if not base.ok:
-        return _failed_call(det, base)
-    again = probe.call(base.query, base.key, base.value, base.allowed)
+        return not_run(det, base)
+    again = probe.call(base.query, base.key, base.value, base.allowed, label="the standard probe, again")
     if not again.ok:
-        return _failed_call(det, again)
-    tol = tolerance(UNCHANGED, probe.subject.dtype)
-    change = _change(again.output.out, base.output.out)
-    everywhere = torch.ones_like(change, dtype=torch.bool)
-    bad, worst, text = _count_changed(change, everywhere, tol, probe, "outputs", "between two eval-mode calls "
-                                      "on the same input")
+        return not_run(det, again)
+    B, t_q = base.query.shape[0], base.query.shape[probe.subject.time_dim]
+    change = relative_change(again.output.out, base.output.out, centred=True)
+    if change is None:
+        return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
+    everywhere = torch.ones(B, t_q, dtype=torch.bool)
+    comparison = Comparison([Case(Inputs(base.query, base.key, base.value), everywhere,
+                                  "between two eval-mode calls on the same input")], [change],
+                            tolerance(UNCHANGED, probe.subject.dtype), again)
+    bad, worst, text, _ = held(comparison, probe, what="outputs")
     return _judge(det, bad > 0, "two eval-mode calls on the same input differ (randomness left on)",
-                  "eval-mode calls are deterministic", value=worst, threshold=tol, evidence=text)
+                  "eval-mode calls are deterministic", value=worst, threshold=comparison.tol, evidence=text)
 
 
-# ---- the registry ----------------------------------------------------------------------------------
-
-DETECTORS: dict[str, Detector] = {d.id: d for d in [
-    Detector("runs", "runs on the standard probe, B=1, T=1, H=1 (functions) and non-contiguous inputs",
-             ("view after transpose without .contiguous()", "shape assumptions"),
-             "make the layer shape-agnostic: .contiguous() before .view(), or use .reshape()", check_runs),
-    Detector("output_shape", "output is (B, Tq, D), also when the memory length Tk differs from Tq",
-             ("self/cross-attention inputs swapped",),
-             "queries come from the decoder stream (query), keys and values from the memory", check_output_shape),
-    Detector("finite_output", "no NaN or inf on ordinary inputs", ("no softmax with -inf masks", "overflow"),
-             "normalise with a softmax over keys; use a dtype-safe fill value", check_finite_output),
-    Detector("weight_row_sums", "weights are non-negative and each row sums to 1 over keys",
-             ("no softmax", "softmax over the wrong axis", "mask after softmax", "dropout in eval"),
-             "weights = softmax(masked scores, dim=-1)", check_weight_row_sums),
-    Detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale",
-             ("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
-             "scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  (d_k: the width of one head)",
-             check_softmax_saturation),
-    Detector("output_variance", "the output is a convex combination of the values: identical value rows come out "
-             "unchanged and outputs stay within the values' range",
-             ("no softmax", "softmax over the wrong axis", "dropout in eval"),
-             "normalise the weights over keys before weighting the values", check_output_variance),
-    Detector("query_locality", "each output row depends only on its own query row",
-             ("self/cross-attention inputs swapped", "heads merged without transpose", "softmax over queries"),
-             "take Q from the query stream; merge heads with x.transpose(1, 2).reshape(B, T, D)",
-             check_query_locality, needs="a separate query input"),
-    Detector("mask_honoured", "changing a key the mask blocks changes nothing (padding and causal masks)",
-             ("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped"),
-             "apply the mask to the scores before the softmax: scores.masked_fill(~allowed, -inf)",
-             check_mask_honoured, needs="a mask argument"),
-    Detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",
-             ("plain softmax over an all -inf row",), "zero the weights of rows with no allowed key "
-             "(torch's SDPA does), or never build such rows", check_fully_masked_rows, needs="a mask argument"),
-    Detector("future_leakage", "for a causal layer, changing tokens after t leaves outputs at and before t unchanged",
-             ("missing causal mask", "heads merged without transpose in a decoder"),
-             "mask scores with causal_mask(Tq, Tk, align='bottom_right') before the softmax",
-             check_future_leakage, needs="causal=True"),
-    Detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "
-             "alignment for cached decoding, diagonal included)",
-             ("top-left causal mask with a KV cache", "causal mask blocking the diagonal"),
-             "allow keys j <= i + (Tk - Tq): causal_mask(Tq, Tk, align='bottom_right'), i.e. triu(diagonal=1 + Tk - Tq)",
-             check_causal_alignment, needs="causal=True"),
-    Detector("eval_determinism", "two eval-mode calls on the same input give the same output",
-             ("dropout left on in eval mode",), "F.dropout(weights, p, training=self.training)", check_eval_determinism),
-]}
+__all__ = ["DETECTORS"]

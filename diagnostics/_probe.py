@@ -1,17 +1,26 @@
-"""The probing session: inputs from a private generator, masks in one convention, calls that never raise.
+"""The probing session: inputs from private generators, masks in one convention, calls that never raise.
 
-Every detector asks the `Probe` for inputs and calls; the probe counts forward passes (the audit's cost
-is a constant number of them, independent of the sequence length) and caches the standard run.
+Every detector asks the `Probe` for inputs and calls. The probe
+- allocates the random streams itself (`generator()`): a fresh seed per request, derived from the audit's
+  seed, the detector asking and a counter, so no two probes share a draw by accident;
+- counts forward passes (the audit's cost is a constant number of them, independent of the sequence length);
+- logs every call under the detector that made it (`shapes`), so that each result can say what its probes
+  showed the layer, and every call that raised (`raised`), so that `runs` reports all of them;
+- caches the standard run, and finds the attention weights of a call however the layer exposes them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ._observe import Observer, Record
+from ._result import ProbeShape
 from ._subject import Output, Subject
 
 
@@ -26,6 +35,7 @@ class Call:
     output: Output | None
     error: BaseException | None
     record: Record | None = None
+    label: str = ""
 
     @property
     def ok(self) -> bool:
@@ -39,33 +49,44 @@ class Call:
 class Probe:
     BATCH = 2
 
-    def __init__(self, subject: Subject, *, causal: bool, scale: float | None, seq_len: int, seed: int):
+    def __init__(self, subject: Subject, *, causal: bool, scale: float | None, seq_len: int, seed: int,
+                 options: dict | None = None):
         self.subject, self.causal, self.scale, self.seed = subject, causal, scale, seed
         self.t = seq_len
+        self.options = options or {}  # how the user spells audit options in this front end
         self.passes = 0
         # A layer that takes a mask and does not declare its own causality is made causal by the mask.
         self.pass_causal_mask = causal and subject.takes_mask and not subject.builtin_causal
+        self.detector = "audit"  # the detector now probing; audit() sets it
+        self.shapes: dict[str, list[ProbeShape]] = defaultdict(list)  # detector -> the calls it made
+        self.raised: list[tuple[str, ProbeShape]] = []  # (detector, call) for every call that raised
+        self._draws: dict[str, int] = defaultdict(int)
         self._base: Call | None = None
+        self._recovered: tuple[Tensor | None, str] | None = None
 
     # ---- inputs ----------------------------------------------------------------------------------------
-    def generator(self, salt: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed * 7919 + salt)
+    def generator(self) -> torch.Generator:
+        """A generator no other request of this audit shares: seeded from (seed, detector, n-th request)."""
+        n = self._draws[self.detector]
+        self._draws[self.detector] += 1
+        digest = hashlib.blake2b(f"{self.seed}/{self.detector}/{n}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
-    def make(self, salt: int, batch: int, t: int, **kw) -> Tensor:
-        return self.subject.make(self.generator(salt), batch, t, **kw)
+    def make(self, batch: int, t: int, **kw) -> Tensor:
+        return self.subject.make(self.generator(), batch, t, **kw)
 
-    def streams(self, salt: int, batch: int, t_q: int, t_k: int | None = None, *, cross: bool | None = None,
+    def streams(self, batch: int, t_q: int, t_k: int | None = None, *, cross: bool | None = None,
                 **kw) -> tuple[Tensor, Tensor, Tensor]:
         """(query, key, value). Self forms and causal audits get one stream (x, x, x); otherwise the query
         is a separate tensor from the memory, which is both key and value (a function gets three)."""
         t_k = t_q if t_k is None else t_k
         cross = (self.subject.separate_kv and not self.causal) if cross is None else cross
         if not cross:
-            x = self.make(salt, batch, t_q, **kw)
+            x = self.make(batch, t_q, **kw)
             return x, x, x
-        q = self.make(salt, batch, t_q, **kw)
-        k = self.make(salt + 1, batch, t_k, **kw)
-        v = self.make(salt + 2, batch, t_k, **kw) if self.subject.form == "function" else k
+        q = self.make(batch, t_q, **kw)
+        k = self.make(batch, t_k, **kw)
+        v = self.make(batch, t_k, **kw) if self.subject.form == "function" else k
         return q, k, v
 
     def allowed(self, batch: int, t_q: int, t_k: int, extra: Tensor | None = None) -> Tensor | None:
@@ -81,15 +102,16 @@ class Probe:
 
     def padding(self, batch: int, t_q: int, t_k: int) -> Tensor:
         """(B, Tq, Tk): batch row b keeps its first `lengths[b]` keys, at least one, at most Tk - 1."""
-        g = self.generator(97)
-        lengths = torch.randint(max(1, t_k // 2), max(t_k, 2), (batch,), generator=g).clamp(max=max(t_k - 1, 1))
+        lengths = torch.randint(max(1, t_k // 2), max(t_k, 2), (batch,), generator=self.generator())
+        lengths = lengths.clamp(max=max(t_k - 1, 1))
         return (torch.arange(t_k) < lengths.view(batch, 1, 1)).expand(batch, t_q, t_k).clone()
 
     # ---- calls -----------------------------------------------------------------------------------------
     def call(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None = None, *,
-             observe: bool = False) -> Call:
-        """Call the layer; exceptions become part of the `Call`. With `observe`, record its internals
-        (under grad mode, so that torch's fused inference fast paths, which hide them, are not taken)."""
+             label: str = "", observe: bool = False) -> Call:
+        """Call the layer; exceptions become part of the `Call`, and every call is logged under the
+        detector that made it. With `observe`, record its internals (under grad mode, so that torch's
+        fused inference fast paths, which hide them, are not taken)."""
         self.passes += 1
         record = None
         try:
@@ -101,31 +123,92 @@ class Probe:
             else:
                 with torch.no_grad():
                     output = self.subject(query, key, value, allowed)
-            return Call(query, key, value, allowed, output, None, record)
+            call = Call(query, key, value, allowed, output, None, record, label)
         except Exception as error:  # a broken layer is a finding, never a crash of the audit
-            return Call(query, key, value, allowed, None, error, record)
+            call = Call(query, key, value, allowed, None, error, record, label)
+        self._log(call)
+        return call
+
+    def _log(self, call: Call) -> None:
+        t = self.subject.time_dim
+        shape = ProbeShape(call.label or "a probe", call.query.shape[0], call.query.shape[t], call.key.shape[t],
+                           None if call.allowed is None else call.allowed.cpu(),
+                           call.query is call.key and call.key is call.value,
+                           "" if call.ok else call.describe_error())
+        if not any(s is shape for s in self.shapes[self.detector]):
+            self.shapes[self.detector].append(shape)
+        if not call.ok:
+            self.raised.append((self.detector, shape))
 
     def base(self) -> Call:
-        """The standard run: batch 2, seq_len tokens, no mask beyond the causal one; observed."""
+        """The standard run: batch 2, seq_len tokens, no mask beyond the causal one; observed. Shared by
+        the detectors that use it, and logged under each of them."""
         if self._base is None:
-            q, k, v = self.streams(0, self.BATCH, self.t)
-            self._base = self.call(q, k, v, self.allowed(self.BATCH, self.t, self.t), observe=True)
+            asking, self.detector = self.detector, "base"
+            q, k, v = self.streams(self.BATCH, self.t)
+            self._base = self.call(q, k, v, self.allowed(self.BATCH, self.t, self.t),
+                                   label=f"the standard probe (B={self.BATCH}, T={self.t})", observe=True)
+            self.detector = asking
+        base_shape = self.shapes["base"][0]
+        if self.detector != "base" and base_shape not in self.shapes[self.detector]:
+            self.shapes[self.detector].append(base_shape)
+            if not self._base.ok:
+                self.raised.append((self.detector, base_shape))
         return self._base
 
+    # ---- attention weights -----------------------------------------------------------------------------
+    def weights(self, call: Call) -> tuple[Tensor | None, str]:
+        """The attention weights of `call`, (B, [H,] Tq, Tk + the keys a layer appends of its own): returned by the layer; else the last observed
+        softmax over (Tq, Tk) scores; else recomputed from the inputs of an observed fused attention call."""
+        t = self.subject.time_dim
+        t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
+        if call.output is not None and call.output.weights is not None:
+            return call.output.weights, "returned weights"
+        if call.record is not None:
+            for sm in reversed(call.record.softmaxes):
+                if tuple(sm.output.shape[-2:]) == (t_q, t_k):
+                    return sm.output, f"observed softmax output (dim={sm.dim})"
+            for f in reversed(call.record.fused):
+                if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
+                    return fused_weights(f), "weights of the observed fused attention call (recomputed from its inputs)"
+        return None, ""
 
-def batched(*tensors: Tensor) -> Tensor:
-    """Stack probe variants along the batch so that one forward pass evaluates all of them."""
-    return torch.cat(tensors, dim=0)
+    def recovered_weights(self) -> tuple[Tensor | None, str]:
+        """For a function f(q, k, v) that exposes no weights: call it with the identity as values
+        (v[j] = e_j, d_v = Tk), so that its output *is* its weights. None if the function refuses."""
+        if self.subject.form != "function":
+            return None, ""
+        if self._recovered is None:
+            base, B, T = self.base(), self.BATCH, self.t
+            eye = torch.eye(T, dtype=self.subject.dtype, device=self.subject.device)  # (Tk, Tk)
+            v = eye.expand(B, base.key.shape[1], T, T).contiguous()  # (B, H, Tk, d_v = Tk)
+            asking, self.detector = self.detector, "base"
+            call = self.call(base.query, base.key, v, base.allowed, label="the standard probe with identity values")
+            self.detector = asking
+            ok = call.ok and tuple(call.output.out.shape) == tuple(base.query.shape[:-1]) + (T,)
+            self._recovered = ((call.output.out, "weights read through identity values (v = I)") if ok
+                               else (None, ""))
+        return self._recovered
 
 
-def perturb(x: Tensor, positions: Tensor, time_dim: int, gen: torch.Generator) -> Tensor:
-    """A copy of `x` with new random values where `positions` is True, the same elsewhere. `positions`
-    is bool over time, (T,), or over batch and time, (B, T)."""
-    draw = torch.float64 if x.dtype == torch.float64 else torch.float32
-    noise = torch.randn(x.shape, generator=gen, dtype=draw).to(device=x.device, dtype=x.dtype)
-    shape = [1] * x.dim()
-    shape[time_dim] = x.shape[time_dim]
-    if positions.dim() == 2:
-        shape[0] = x.shape[0]
-    where = positions.to(x.device).view(shape)
-    return torch.where(where, noise, x)
+def appended_keys(layer) -> int:
+    """Keys a layer appends of its own, which no input reaches: nn.MultiheadAttention's add_bias_kv and
+    add_zero_attn add one each."""
+    if isinstance(layer, torch.nn.MultiheadAttention):
+        return int(layer.bias_k is not None) + int(bool(layer.add_zero_attn))
+    return 0
+
+
+def fused_weights(f) -> Tensor:
+    """softmax(q k^T * scale + mask) of an observed fused call, in float64: (B, H, Tq, Tk)."""
+    q, k = f.q.double(), f.k.double()
+    if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * f.scale  # (B, H, Tq, Tk)
+    if f.attn_mask is not None:
+        m = f.attn_mask
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.double()
+    if f.is_causal:
+        t_q, t_k = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1), -math.inf)
+    return scores.softmax(-1).nan_to_num(0.0)  # a row with no key: zeros, as torch's kernels give

@@ -1,11 +1,28 @@
-"""What a detector returns, and the registry entry that describes a detector."""
+"""What a detector returns: one honest verdict, with what was measured and on which probes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
-VERDICTS = ("pass", "warn", "fail", "skip")
+from ._registry import Detector
+
+VERDICTS = ("pass", "warn", "fail", "skip", "error")
+"""`skip`: the detector measured nothing (its message says why); `error`: the detector itself crashed, a bug
+in diagnostics, which makes the audit inconclusive rather than passed."""
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """One call the detector made, as far as whether a bug can show on it depends: the sizes, the mask
+    passed (bool (B, Tq, Tk), True = may attend, or None), and whether query, key and value were one tensor."""
+
+    label: str
+    batch: int
+    t_q: int
+    t_k: int
+    allowed: object = field(default=None, compare=False, repr=False)  # Tensor | None, on the CPU
+    self_attention: bool = True
+    raised: str = ""  # the layer's exception on this call, if it raised
 
 
 @dataclass(frozen=True)
@@ -14,7 +31,8 @@ class DetectorResult:
 
     `value` is the measured quantity, `threshold` the most a correct layer may show, `margin` how far
     correct layers measured stay from it at this dtype, `evidence` the assert_close-style details
-    (count, fraction, worst case and where, what was allowed), `fix` what to change when it fires.
+    (count, fraction, worst case and where, what was allowed), `fix` what to change when it fires, and
+    `probes` the calls it made (sizes and masks), so that tests can tell which bugs it could have seen.
     """
 
     detector: str
@@ -26,6 +44,7 @@ class DetectorResult:
     evidence: str = ""
     fix: str = ""
     extras: dict = field(default_factory=dict, compare=False, repr=False)  # e.g. weights for reports
+    probes: tuple[ProbeShape, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def severity(self) -> str:
@@ -35,17 +54,12 @@ class DetectorResult:
     def fired(self) -> bool:
         return self.verdict in ("warn", "fail")
 
+    @property
+    def measured(self) -> bool:
+        """True when the detector reached a verdict on the layer (pass, warn or fail)."""
+        return self.verdict in ("pass", "warn", "fail")
+
 
 Finding = DetectorResult  # a result whose verdict is warn or fail
 
-
-@dataclass(frozen=True)
-class Detector:
-    """A registry entry: the property it checks, the mistakes it targets, and the check itself."""
-
-    id: str
-    description: str
-    targets: tuple[str, ...]
-    fix: str
-    check: Callable = field(repr=False)
-    needs: str = "any attention layer"
+__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape"]

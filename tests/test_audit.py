@@ -119,7 +119,7 @@ def test_cost_is_a_constant_number_of_forward_passes():
     layer = MultiHeadAttention(16, 2, causal=True)
     passes = {t: audit(layer, causal=True, seq_len=t).forward_passes for t in (4, 32, 96)}
     assert len(set(passes.values())) == 1, passes
-    assert passes[4] <= 16
+    assert passes[4] <= 40  # the budget: within 40 forward passes (benchmarks/audit_cost.py)
 
 
 def test_report_reads_and_raises():
@@ -140,7 +140,8 @@ def test_evidence_reads_like_assert_close():
     report = audit(VARIANTS["missing_causal_mask"].build(16, 2), causal=True)
     evidence = report.result("future_leakage").evidence
     pattern = (r"\d+ / \d+ past outputs changed \(\d+\.\d%\); greatest change [\d.e+-]+ at \(b=\d+, t=\d+\) "
-               r"when only t>=\d+ was perturbed \(up to 1e-05 allowed for float32\)")
+               r"when only t>=\d+ was perturbed \(x[\d.]+\) \(up to 1e-05 of the outputs' RMS about their mean "
+               r"allowed for float32\)")
     assert re.fullmatch(pattern, evidence), evidence
 
 

@@ -1,5 +1,11 @@
 """The kill matrix: which detector catches which variant, asserted cell by cell against the catalog's
-documented `expected_detectors`, with the twin cell for the correct layer built the same way."""
+documented `expected_detectors`, with the twin cell for the correct layer built the same way.
+
+The documented matrix (the teaching report's) is float32 at torch's default initialisation, and must match
+exactly. In the five other settings people train in, {float32, bfloat16, float16} x {default, GPT-2's
+std-0.02 initialisation}, every expected detector fires, nothing outside `expected_detectors +
+also_detected_by` fires, and the correct twin fires nothing.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,20 @@ import torch
 
 import diagnostics
 from buggy_variants import VARIANTS
-from conftest import KILL_MATRIX_SIZE
+from buggy_variants.teaching_report import KILL_MATRIX_SIZE
+from correct import gpt2_init_
 
 CELLS = [(vid, det) for vid in sorted(VARIANTS) for det in diagnostics.DETECTORS]
+SETTINGS = [(dtype, init) for dtype in (torch.float32, torch.bfloat16, torch.float16) for init in ("default", "gpt2")]
+SETTING_IDS = [f"{str(d).replace('torch.', '')}-{i}" for d, i in SETTINGS]
+
+
+def build(make, dtype, init):
+    torch.manual_seed(0)
+    layer = make(**KILL_MATRIX_SIZE)
+    if init == "gpt2":
+        gpt2_init_(layer)
+    return layer.to(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +35,7 @@ def reference_audits() -> dict[str, diagnostics.AuditReport]:
     """{variant id: audit of the *correct* layer configured like that variant}."""
     audits = {}
     for vid, variant in VARIANTS.items():
-        torch.manual_seed(0)
-        layer = variant.reference(**KILL_MATRIX_SIZE)
+        layer = build(variant.reference, torch.float32, "default")
         audits[vid] = diagnostics.audit(layer, causal=layer.causal)
     return audits
 
@@ -49,6 +65,30 @@ def test_audit_outcome_matches_the_catalog(vid, catalog_audits):
     assert report.passed == (VARIANTS[vid].expected_severity == "warn"), str(report)
     variant = VARIANTS[vid]
     assert set(report.fired()) == set(variant.expected_detectors + variant.also_detected_by), str(report)
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("vid", sorted(VARIANTS))
+def test_kill_matrix_holds_in_every_dtype_and_initialisation(vid, dtype, init):
+    variant = VARIANTS[vid]
+    layer = build(variant.build, dtype, init)
+    report = diagnostics.audit(layer, causal=layer.causal)
+    fired = set(report.fired())
+    missing = set(variant.expected_detectors) - fired
+    assert not missing, f"{vid} ({dtype}, {init} init): {sorted(missing)} did not fire\n{report}"
+    unexpected = fired - set(variant.expected_detectors + variant.also_detected_by)
+    assert not unexpected, f"{vid} ({dtype}, {init} init): {sorted(unexpected)} fired unexpectedly\n{report}"
+    assert report.status == ("passed" if variant.expected_severity == "warn" else "failed"), str(report)
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("vid", sorted(VARIANTS))
+def test_twin_reference_passes_in_every_dtype_and_initialisation(vid, dtype, init):
+    """The twin of the test above: the correct layer, built, initialised and audited the same way."""
+    layer = build(VARIANTS[vid].reference, dtype, init)
+    report = diagnostics.audit(layer, causal=layer.causal)
+    assert report.status == "passed" and not report.findings, str(report)
+    assert all(r.measured for r in report.results if not r.message.startswith("not applicable")), str(report)
 
 
 def test_every_detector_catches_something_and_every_variant_is_caught():

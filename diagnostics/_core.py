@@ -1,0 +1,244 @@
+"""Perturb and compare: the one pipeline every invariance detector uses.
+
+A detector states a property as "when these inputs change, these outputs must not move": future tokens
+and causal outputs, blocked keys and every output, one query and the other rows. It builds the perturbed
+inputs with `perturbed()`, which proves that the perturbation changed exactly what it claims (the probe's
+own negative control), and hands baseline and perturbations to `compare()`, which calls the layer once on
+all of them stacked along the batch, splits the output, measures each position's change relative to the
+output's own scale, and words the evidence. The comparison also checks the other direction where it can:
+outputs that a correct layer must move (the perturbed query's own row, rows that see the changed keys) did
+move, so a layer whose output does not respond at all is "not measured", never "passed".
+
+Change is measured relative to the outputs' RMS (the larger of the two, over finite values, centred on
+each feature's mean so that an output bias does not inflate it): |new - old| / rms, the largest over
+features. An absolute measure (or one floored at 1) lets a bug through when outputs are small,
+as they are at the std-0.02 initialisation of GPT-2 and nanoGPT (outputs ~4e-3); a per-row measure divides
+by zero on rows that are legitimately zero (a query with no key under torch's SDPA). NaN at the same place
+in both runs is no change; NaN appearing or disappearing is an infinite one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._probe import Call, Probe
+from ._result import DetectorResult
+from ._thresholds import UNCHANGED, dtype_name, tolerance
+
+STRICT_PROBES = os.environ.get("ATTENTION_AUDIT_STRICT_PROBES") == "1"
+"""Set (the test suite does) to make a blind probe raise instead of skipping: a blind probe is a bug in
+diagnostics, never in the layer under audit."""
+
+
+class BlindProbe(Exception):
+    """A perturbation did not change what it claims to change: the detector could not have seen anything."""
+
+
+@dataclass
+class Inputs:
+    """One set of layer inputs: query, key, value (one tensor for a single stream) and the extra mask,
+    bool (B, Tq, Tk), True = may attend, beyond the causal mask the probe adds itself."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    extra: Tensor | None = None
+
+    @property
+    def one_stream(self) -> bool:
+        return self.query is self.key and self.key is self.value
+
+
+@dataclass
+class Case:
+    """A perturbation of the baseline, and what a correct layer does with it.
+
+    `hold`: bool (B, Tq), the output rows that must not move; `move`: bool (B, Tq) or None, rows that a
+    correct layer does move (the positive control); `when`: how the evidence names the perturbation."""
+
+    inputs: Inputs
+    hold: Tensor
+    when: str
+    move: Tensor | None = None
+
+
+def _rows_changed(new: Tensor, old: Tensor, time_dim: int, tol: float) -> Tensor:
+    """(B, T): positions where some feature of `new` differs from `old` by more than `tol` of their RMS."""
+    change = relative_change(new, old, centred=True)  # per position, time last
+    if change is None:
+        return torch.zeros(new.shape[0], new.shape[time_dim], dtype=torch.bool)
+    change = change.cpu()
+    return (change > tol).reshape(change.shape[0], -1, change.shape[-1]).any(1)  # fold heads
+
+
+def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str, ...], *,
+              gains: tuple[float, ...] = (1.0,)) -> list[Inputs]:
+    """Copies of `base` with new random values at `positions` (bool (T,) or (B, T)) of the named streams
+    ("query", "key", "value"; a single-stream input changes as one): x + gain * (draw - x), one copy per
+    gain. A large gain makes the changed logits large whatever the initialisation, so that a weight that
+    must not matter is pushed hard. Raises `BlindProbe` unless every claimed position changed by far more
+    than rounding and nothing else changed."""
+    s = probe.subject
+    gen = probe.generator()
+    B = base.query.shape[0]
+
+    def redraw(x: Tensor) -> Tensor:
+        t = x.shape[s.time_dim]
+        where = positions if positions.dim() == 2 else positions.expand(B, t)  # (B, T)
+        draw = torch.float64 if x.dtype == torch.float64 else torch.float32
+        noise = torch.randn(x.shape, generator=gen, dtype=draw).to(device=x.device, dtype=x.dtype)
+        shape = [1] * x.dim()
+        shape[0], shape[s.time_dim] = B, t
+        # a fresh draw can land next to the old value (at d = 1, |new - old| < 0.2 one time in ten): such
+        # positions move by 2 in every feature instead, so that each claimed position changes for sure
+        close = (noise.double() - x.double()).abs().amax(-1, keepdim=True) < 1.0
+        noise = torch.where(close, x + 2 * torch.where(noise >= x, 1, -1).to(x.dtype), noise)
+        copies = []
+        for gain in gains:
+            new = torch.where(where.to(x.device).view(shape), x + gain * (noise - x), x)
+            # the negative control: the claimed positions moved (each by far more than rounding), no other did
+            moved = _rows_changed(new, x, s.time_dim, 10 * tolerance(UNCHANGED, x.dtype))
+            still = ~_rows_changed(new, x, s.time_dim, 0.0)
+            if not bool(moved[where].all()) or not bool(still[~where].all()):
+                raise BlindProbe(f"{probe.detector}: the perturbation of {int(where.sum())} positions changed "
+                                 f"{int(moved[where].sum())} of them and {int((~still[~where]).sum())} others")
+            copies.append(new)
+        return copies
+
+    if base.one_stream:
+        xs = redraw(base.query) if streams else [base.query] * len(gains)
+        return [Inputs(x, x, x, base.extra) for x in xs]
+    n = len(gains)
+    qs = redraw(base.query) if "query" in streams else [base.query] * n
+    ks = redraw(base.key) if "key" in streams else [base.key] * n
+    if base.value is base.key:
+        vs = ks
+    else:
+        vs = redraw(base.value) if "value" in streams else [base.value] * n
+    return [Inputs(q, k, v, base.extra) for q, k, v in zip(qs, ks, vs)]
+
+
+def _rms(x: Tensor, centred: bool = False) -> float:
+    """RMS of the finite values; `centred`: of their deviation from each feature's mean over batch and
+    positions, so that a constant offset (an output bias) does not hide how much the output varies."""
+    if centred:
+        finite = torch.isfinite(x)
+        n = finite.flatten(0, -2).sum(0).clamp_min(1)  # (features,)
+        mean = torch.where(finite, x, 0).flatten(0, -2).sum(0) / n
+        x = torch.where(finite, x - mean, torch.nan)
+    finite = x[torch.isfinite(x)]
+    return float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+
+
+def relative_change(new: Tensor, old: Tensor, *, centred: bool = False) -> Tensor | None:
+    """Per position (features folded): max |new - old| / RMS, where RMS is the larger of the two outputs'
+    (finite values), in float64 for float64 layers and float32 otherwise. NaN (or the same inf) in both is
+    no change; non-finite in one only is inf. None when neither has a finite non-zero value to measure
+    against. `centred` measures against how much the outputs vary (see `_rms`): for comparisons of
+    random inputs, whose outputs vary from row to row; not for an expected output that is constant."""
+    wide = torch.float64 if old.dtype == torch.float64 else torch.float32
+    new, old = new.to(wide), old.to(wide)
+    # the larger: a baseline of zeros against a moved output still counts
+    scale = max(_rms(old, centred), _rms(new, centred)) or max(_rms(old), _rms(new))
+    if not scale > 0:
+        return None
+    same = (new == old) | (torch.isnan(new) & torch.isnan(old))
+    diff = torch.where(same, torch.zeros_like(old), (new - old).abs() / scale).nan_to_num(nan=math.inf)
+    return diff.amax(dim=-1)
+
+
+@dataclass
+class Comparison:
+    """The measured changes of one `compare()`: per case, (B, [H,] Tq) relative changes and the rows held."""
+
+    cases: list[Case]
+    changes: list[Tensor]
+    tol: float
+    call: Call
+
+
+def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Comparison | DetectorResult:
+    """One call on [baseline, *perturbations] stacked along the batch; the changes of each against the
+    baseline. A `DetectorResult` (skip) instead when the layer raised or its output cannot be compared."""
+    s, det = probe.subject, probe.detector
+    B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
+    everything = [base] + [c.inputs for c in cases]
+    n = len(everything)
+    Q = torch.cat([x.query for x in everything])
+    K = Q if base.one_stream else torch.cat([x.key for x in everything])
+    V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in everything])
+    extra = None if base.extra is None else torch.cat([x.extra for x in everything])
+    call = probe.call(Q, K, V, probe.allowed(n * B, t_q, t_k, extra), label=label)
+    if not call.ok:
+        return not_run(det, call)
+    out = call.output.out
+    per_row = out.dim() >= 3 and out.shape[0] == n * B and out.shape[-2 if s.form == "function" else 1] == t_q
+    if not per_row:
+        return skip(det, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
+    chunks = out.chunk(n)
+    changes = []
+    for chunk in chunks[1:]:
+        change = relative_change(chunk, chunks[0], centred=True)
+        if change is None:
+            return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
+                             "measured against it")
+        changes.append(change)
+    return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call)
+
+
+def _expand(rows: Tensor, like: Tensor) -> Tensor:
+    """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq)."""
+    rows = rows.to(like.device)
+    return rows.view(rows.shape[0], *([1] * (like.dim() - 2)), rows.shape[-1]).expand_as(like)
+
+
+def where_text(index: tuple[int, ...], ndim: int) -> str:
+    names = ("b", "t") if ndim == 2 else ("b", "h", "t") if ndim == 3 else tuple(f"i{k}" for k in range(ndim))
+    return "(" + ", ".join(f"{n}={i}" for n, i in zip(names, index)) + ")"
+
+
+def allowed_text(tol: float, dtype) -> str:
+    return f"up to {tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(dtype)}"
+
+
+def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float, str, str]:
+    """The verdict material for 'the held rows must not move': (bad count, worst change, evidence,
+    unresponsive) where `unresponsive` is non-empty when some case's `move` rows did not move at all."""
+    tol = comparison.tol
+    total = bad = 0
+    worst, worst_at = 0.0, None
+    silent = []
+    for case, change in zip(comparison.cases, comparison.changes):
+        hold = _expand(case.hold, change)
+        checked = change[hold]
+        total += int(hold.sum())
+        bad += int((checked > tol).sum())
+        if checked.numel() and (worst_at is None or float(checked.max()) > worst):
+            masked = torch.where(hold, change, torch.full_like(change, -1.0))
+            index = tuple(int(i) for i in torch.unravel_index(masked.argmax(), change.shape))
+            worst, worst_at = float(checked.max()), (index, change.dim(), case.when)
+        if case.move is not None and bool(case.move.any()):
+            moved = change[_expand(case.move, change)]
+            if not bool((moved > tol).any()):
+                silent.append(case.when)
+    if total == 0:
+        return 0, 0.0, "no output rows to check", ""
+    at = f" at {where_text(worst_at[0], worst_at[1])} {worst_at[2]}" if worst_at else ""
+    shown = "inf (non-finite)" if math.isinf(worst) else f"{worst:.3g}"
+    text = (f"{bad} / {total} {what} changed ({100 * bad / total:.1f}%); greatest change {shown}{at} "
+            f"({allowed_text(tol, probe.subject.dtype)})")
+    unresponsive = ("; ".join(silent) + ": no output moved, not even the rows a correct layer moves") if silent else ""
+    return bad, worst, text, unresponsive
+
+
+def skip(det: str, reason: str) -> DetectorResult:
+    return DetectorResult(det, "skip", f"not measured: {reason}")
+
+
+def not_run(det: str, call: Call) -> DetectorResult:
+    return skip(det, f"the layer raised on this detector's probe ({call.describe_error()}); see `runs`")
