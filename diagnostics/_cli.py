@@ -1,12 +1,18 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer from the command line.
 
-    attention-audit mymodule:layer [--causal] [--seq-len N] [--json] [--html PATH]
+    attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch
-directory. Exit status: 0 the audit passed (warnings allowed), 1 a detector failed, 2 the audit could not
-be set up (module not importable, object not found, not an attention layer, a signature it cannot call, an
-option that does not fit the layer, an --html path whose directory does not exist).
+directory. Exit status:
+
+    0  passed: no detector failed and the core attention properties were measured (warnings allowed)
+    1  failed: a detector failed (with --require / --strict, also a skip they turn into a failure)
+    2  usage: the audit could not be set up (module not importable, object not found, not an attention
+       layer, a signature it cannot call, an option that does not fit the layer, an --html path whose
+       directory does not exist); one line on stderr says what was expected
+    3  inconclusive: nothing failed, but the audit could not measure the attention itself (no softmax or
+       fused attention observed and no weights returned), or a detector crashed; the report says why
 
 Output piped into a reader that stops early (`attention-audit m:layer | head -2`) ends quietly: the rest
 of the report goes to /dev/null, as the Python docs advise for SIGPIPE, and the exit status is the audit's.
@@ -27,7 +33,8 @@ from pathlib import Path
 
 from ._errors import AuditUsageError, expect
 
-EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
+EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": EXIT_INCONCLUSIVE}
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict"}
@@ -145,7 +152,8 @@ def _progress(stream, *, seq_len: int):
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Audit an attention layer for silent mistakes (missing scale, leaking causal "
-                               "mask, mask ignored, ...). Exit status: 0 passed, 1 findings, 2 usage error.")
+                               "mask, mask ignored, ...). Exit status: 0 passed, 1 failed, 2 usage error, "
+                               "3 inconclusive (the attention itself could not be measured).")
     p.add_argument("target", metavar="MODULE:OBJECT",
                    help="the layer: pkg.module:obj, where obj is a layer, a class built with no arguments, or a "
                         "zero-argument factory (the current directory is importable)")
@@ -154,7 +162,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, metavar="D", help="model width, where the layer has no d_model attribute")
     p.add_argument("--num-heads", type=int, metavar="H", help="number of heads, where the layer does not say")
     p.add_argument("--scale", type=float, help="the softmax scale the layer declares, if not 1/sqrt(d_k)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--require", action="append", default=[], metavar="DET",
+                   help="a detector that must measure the layer: its skip fails the audit (repeat for several)")
+    p.add_argument("--strict", action="store_true",
+                   help="every detector that applies to the layer must measure it: a 'not measured' skip fails")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON instead of a table (with \"status\" and \"status_reason\")")
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH")
     return p
 
@@ -207,12 +220,13 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
         report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
         try:
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
-                           num_heads=args.num_heads, scale=args.scale, progress=report_progress)
+                           num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
+                           progress=report_progress, _options=OPTIONS)
         finally:
             done()
     except AuditUsageError as error:
         return usage(str(error))
-    status = EXIT_PASSED if report.passed else EXIT_FINDINGS
+    status = EXIT_STATUS[report.status]
     try:
         if args.json:
             print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
@@ -236,5 +250,5 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
     return status
 
 
-__all__ = ["EXIT_FINDINGS", "EXIT_PASSED", "EXIT_USAGE", "load_layer", "main", "quiet_numpy_warning",
-           "resolve"]
+__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "OPTIONS", "load_layer",
+           "main", "quiet_numpy_warning", "resolve"]

@@ -1,13 +1,17 @@
 """pytest plugin: audit your own attention layer as part of your test run.
 
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
+           [--attention-require=DET]... [--attention-strict]
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
 detector fails its test and shows the evidence and the fix; a warning passes with an
-`AttentionAuditWarning`; a detector that cannot measure this layer skips with its reason. `obj` is a layer,
-a class built with no arguments, or a zero-argument factory; a target that cannot be loaded is a
-collection error. For your own tests, the fixture `attention_audit(layer, **audit_options)` returns the
-`AuditReport` and fails the test with the report when a detector fails.
+`AttentionAuditWarning`; a detector that cannot measure this layer skips with its reason (fails, if
+`--attention-require` names it or `--attention-strict` is given); a detector that crashed fails with the
+internal error. One more test per target, `audit_status[mymodule:layer]`, fails when the audit is
+inconclusive: nothing failed, but it could not measure the attention itself. `obj` is a layer, a class
+built with no arguments, or a zero-argument factory; a target that cannot be loaded is a collection error.
+For your own tests, the fixture `attention_audit(layer, **audit_options)` returns the `AuditReport` and
+fails the test with the report unless the audit passed (failed or inconclusive).
 
 Installed with the package (entry point `pytest11`); elsewhere enable it with `-p diagnostics.pytest_plugin`.
 Loading it costs next to nothing: torch and the audit are imported only when `--attention-audit` is given or
@@ -40,7 +44,8 @@ class AttentionAuditWarning(UserWarning):
 
 
 class DetectorFailed(Exception):
-    """Raised by an audit item whose detector failed; `repr_failure` shows the evidence and the fix."""
+    """Raised by an audit item whose detector failed (or crashed: verdict "error"); `repr_failure` shows the
+    evidence and the fix."""
 
     def __init__(self, result: DetectorResult, report: AuditReport):
         super().__init__(result.message)
@@ -66,6 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the audited layers promise causality: also check future leakage and causal alignment")
     group.addoption("--attention-seq-len", type=int, default=None, metavar="N",
                     help="probe length for --attention-audit (default 16; use your context length)")
+    group.addoption("--attention-require", action="append", default=[], metavar="DET",
+                    help="a detector that must measure the audited layers: its skip fails (repeat for several)")
+    group.addoption("--attention-strict", action="store_true", default=False,
+                    help="every detector that applies to the audited layers must measure them: a 'not measured' "
+                         "skip fails")
 
 
 def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarning:
@@ -75,9 +85,10 @@ def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarni
 
 @pytest.fixture
 def attention_audit():
-    """`attention_audit(layer, causal=..., seq_len=..., ...)`: run `diagnostics.audit` with these options,
-    fail the test showing the report if a detector fails, warn (AttentionAuditWarning) for each warning,
-    and return the `AuditReport`."""
+    """`attention_audit(layer, causal=..., seq_len=..., require=..., strict=..., ...)`: run `diagnostics.audit`
+    with these options, warn (AttentionAuditWarning) for each warning, and return the `AuditReport`. The test
+    fails, showing the report, unless the audit passed: when a detector failed, and also when the audit is
+    inconclusive (it could not measure the attention itself, or a detector crashed)."""
 
     _import_torch_quietly()
     from ._audit import audit
@@ -131,7 +142,7 @@ class AuditTarget(pytest.File):
     def collect(self):
         _import_torch_quietly()
         from ._cli import load_layer
-        from ._detectors import DETECTORS
+        from . import DETECTORS
         from ._errors import AuditUsageError
         from ._subject import check_seq_len, make_subject
 
@@ -139,6 +150,10 @@ class AuditTarget(pytest.File):
         if seq_len is not None and seq_len < 1:
             raise self.CollectError(f"--attention-seq-len: expected a length >= 1; got {seq_len}. Fix: pass your "
                                     f"context length, e.g. --attention-seq-len=128")
+        unknown = [d for d in self.config.option.attention_require if d not in DETECTORS]
+        if unknown:
+            raise self.CollectError(f"--attention-require: expected detector ids from {', '.join(DETECTORS)}; got "
+                                    f"{', '.join(unknown)}. Fix: check the spelling")
         try:
             self.layer = load_layer(self.spec)
             # cannot be called as an attention layer, or not at this length: say so now, not per detector
@@ -148,13 +163,16 @@ class AuditTarget(pytest.File):
         self.source = _source(self.layer) or self.source
         for detector in DETECTORS:
             yield AuditItem.from_parent(self, name=f"{detector}[{self.spec}]", detector=detector)
+        yield AuditStatusItem.from_parent(self, name=f"audit_status[{self.spec}]")
 
     def report(self) -> AuditReport:
         if self._report is None:
             from ._audit import audit
 
             options = self.config.option
-            self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len)
+            self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len,
+                                 require=options.attention_require, strict=options.attention_strict,
+                                 _options=OPTIONS)
         return self._report
 
 
@@ -168,7 +186,7 @@ class AuditItem(pytest.Item):
     def runtest(self) -> None:
         report = self.parent.report()
         result = report.result(self.detector)
-        if result.verdict == "fail":
+        if result.verdict in ("fail", "error"):
             raise DetectorFailed(result, report)
         if result.verdict == "warn":
             self.warn(_warning(report, result))
@@ -177,17 +195,16 @@ class AuditItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, DetectorFailed):
-            from ._detectors import DETECTORS
+            from . import DETECTORS
 
             r, report = excinfo.value.result, excinfo.value.report
-            return "\n".join([
-                f"FAIL {r.detector}: {r.message}",
-                f"  layer:    {report.layer} ({'causal, ' if report.causal else ''}seq_len={report.seq_len}, "
-                f"{report.dtype} on {report.device})",
-                f"  checks:   {DETECTORS[r.detector].description}",
-                f"  evidence: {r.evidence}",
-                f"  fix:      {r.fix}",
-            ])
+            lines = [f"{r.verdict.upper()} {r.detector}: {r.message}", f"  layer:    {_settings(report)}",
+                     f"  checks:   {DETECTORS[r.detector].description}"]
+            if r.evidence:
+                lines.append(f"  evidence: {r.evidence}")
+            if r.fix and r.verdict != "error":  # a crash of the detector has no fix on the layer's side
+                lines.append(f"  fix:      {r.fix}")
+            return "\n".join(lines)
         return super().repr_failure(excinfo, style=style)
 
     def reportinfo(self):
@@ -195,4 +212,38 @@ class AuditItem(pytest.Item):
         return path, line, f"attention audit of {self.parent.spec}: {self.detector}"
 
 
-__all__ = ["AttentionAuditWarning", "AuditItem", "AuditTarget", "attention_audit"]
+class AuditStatusItem(pytest.Item):
+    """The audit's overall outcome: fails when it is inconclusive (nothing failed, but the attention itself
+    was not measured, or a detector crashed); a failed audit fails through its detectors' own items."""
+
+    def runtest(self) -> None:
+        report = self.parent.report()
+        if report.status == "inconclusive":
+            raise AuditInconclusive(report)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, AuditInconclusive):
+            report = excinfo.value.report
+            return "\n".join([f"INCONCLUSIVE {report.layer}", f"  {report.status_reason}",
+                              f"  layer:    {_settings(report)}"])
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        path, line = self.parent.source
+        return path, line, f"attention audit of {self.parent.spec}: status"
+
+
+class AuditInconclusive(Exception):
+    """Raised by `audit_status[...]` when the audit could not conclude; `repr_failure` shows why."""
+
+    def __init__(self, report: AuditReport):
+        super().__init__(report.status_reason)
+        self.report = report
+
+
+def _settings(report: AuditReport) -> str:
+    return (f"{report.layer} ({'causal, ' if report.causal else ''}seq_len={report.seq_len}, {report.dtype} on "
+            f"{report.device})")
+
+
+__all__ = ["AttentionAuditWarning", "AuditItem", "AuditStatusItem", "AuditTarget", "attention_audit"]

@@ -1,5 +1,6 @@
 """The command line, `attention-audit module:obj` and `python -m diagnostics`, on a user's own layers in a
-scratch directory: exit 0 clean, 1 findings, 2 usage errors with a one-line message; --json parses."""
+scratch directory: exit 0 passed, 1 failed, 2 usage errors with a one-line message, 3 inconclusive; --json
+parses."""
 
 from __future__ import annotations
 
@@ -59,6 +60,18 @@ def failing_factory():
     raise RuntimeError("no GPU here")
 
 
+class LinearOnly(nn.Module):  # no attention at all: nothing the audit needs can be measured
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads, self.proj = 32, 4, nn.Linear(32, 32)
+
+    def forward(self, x, mask=None):
+        return self.proj(x)
+
+
+linear_only = LinearOnly()
+
+
 class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
     def __init__(self, block_size=8):
         super().__init__()
@@ -114,7 +127,7 @@ def test_command_exits_0_on_a_correct_layer_and_json_parses(runs):
     run = runs["correct_json"]
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
-    assert report["passed"] is True
+    assert report["passed"] is True and report["status"] == "passed" and report["status_reason"] == ""
     assert [r["detector"] for r in report["results"]] == list(DETECTORS)
     assert report["layer"].startswith("EinsumAttention (self_module, d_model=32, num_heads=4)")
 
@@ -123,7 +136,7 @@ def test_command_exits_1_on_a_broken_layer_and_prints_the_table(runs):
     run = runs["broken"]
     assert run.returncode == 1, run.stderr
     assert run.stdout.startswith("attention audit of EinsumAttention (self_module, d_model=32, num_heads=4): FAILED")
-    assert re.search(r"^  softmax_saturation +FAIL  softmax is 2\.83x too sharp", run.stdout, re.M)
+    assert re.search(r"^  softmax_saturation +FAIL +softmax is 2\.83x too sharp", run.stdout, re.M)
     assert "fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)" in run.stdout
 
 
@@ -186,7 +199,7 @@ def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, statu
     out = capsys.readouterr().out
     assert out.startswith("attention audit of ") and ("PASSED" if status == 0 else "FAILED") in out.splitlines()[0]
     if target == "userlayers:Unmasked":
-        assert re.search(r"^  future_leakage +FAIL  outputs depend on future tokens", out, re.M)
+        assert re.search(r"^  future_leakage +FAIL +outputs depend on future tokens", out, re.M)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -245,6 +258,49 @@ def test_html_path_in_a_missing_directory_is_a_usage_error_before_the_audit(in_s
                                    "directory; got no directory '/no/such/dir'. Fix: create it first")
 
 
+def test_an_audit_that_measured_nothing_exits_3_and_says_why(in_scratch, capsys):
+    assert _cli.main(["userlayers:linear_only"]) == _cli.EXIT_INCONCLUSIVE == 3
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("attention audit of LinearOnly") and "INCONCLUSIVE" in out.splitlines()[0]
+    assert "inconclusive: the attention itself was not measured" in out
+
+
+def test_strict_and_require_turn_skips_into_failures(in_scratch, capsys):
+    assert _cli.main(["userlayers:linear_only", "--strict"]) == 1  # its "not measured" skips now fail
+    assert re.search(r"^  weight_row_sums +FAIL +required but not measured", capsys.readouterr().out, re.M)
+    assert _cli.main(["userlayers:correct", "--require", "future_leakage", "--require", "causal_alignment"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^  future_leakage +FAIL +required but not applicable", out, re.M)
+    assert "evidence: --require demands that causal_alignment measures the layer" in out
+    assert _cli.main(["userlayers:correct", "--require", "no_such_detector"]) == 2
+    assert "no_such_detector" in capsys.readouterr().err
+
+
+def test_messages_name_the_commands_own_options(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "--json"]) == 0
+    results = {r["detector"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert results["future_leakage"]["verdict"] == "skip"
+    message = results["future_leakage"]["message"]
+    assert "--causal" in message and "causal=True" not in message, message
+
+
+def test_json_carries_the_status_and_its_reason(in_scratch, capsys):
+    assert _cli.main(["userlayers:linear_only", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "inconclusive" and report["passed"] is False
+    assert report["status_reason"].startswith("inconclusive: the attention itself was not measured")
+
+
+def test_help_documents_every_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        _cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 passed, 1 failed, 2 usage error, 3 inconclusive" in text
+    assert "--require DET" in text and "--strict" in text
+    for status in ("0  passed", "1  failed", "2  usage", "3  inconclusive"):
+        assert status in _cli.__doc__
+
+
 def test_a_layer_that_fits_its_block_size_is_audited(in_scratch, capsys):
     """The twin of the block_size usage error: at the length the layer takes, the audit runs."""
     assert _cli.main(["userlayers:Block", "--seq-len", "8"]) == 0
@@ -275,10 +331,12 @@ def test_progress_on_a_terminal_or_for_long_audits_only(in_scratch, capsys, monk
     if shown is None:
         assert text == ""
     elif shown == "line":  # one self-updating line, erased at the end
-        assert text.count(f"[{len(DETECTORS)}/{len(DETECTORS)}] eval_determinism") == 1 and text.endswith("\r\x1b[K")
-    else:
+        assert text.count(f"[{len(DETECTORS)}/{len(DETECTORS)}] ") == 1 and text.endswith("\r\x1b[K")
+    else:  # a line per detector, numbered in the order they run
         total = len(DETECTORS)
-        assert text.splitlines() == [f"attention-audit: [{i + 1}/{total}] {d}" for i, d in enumerate(DETECTORS)]
+        lines = text.splitlines()
+        assert [line.split("] ")[0] for line in lines] == [f"attention-audit: [{i + 1}/{total}" for i in range(total)]
+        assert sorted(line.split("] ")[1] for line in lines) == sorted(DETECTORS)
 
 
 def test_json_writes_non_finite_numbers_as_strings():

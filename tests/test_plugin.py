@@ -1,5 +1,6 @@
 """The pytest plugin, run by pytester in a scratch directory holding a user's own layers: one test per
-detector for `--attention-audit=module:obj`, failures with evidence and fix, and the `attention_audit` fixture."""
+detector for `--attention-audit=module:obj` and one for the audit's status, failures with evidence and fix,
+inconclusive audits, --attention-require / --attention-strict, and the `attention_audit` fixture."""
 
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def broken():
     return Attention(scaled=False)
 
 
+class LinearOnly(nn.Module):  # no attention at all: nothing the audit needs can be measured
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads, self.proj = 32, 4, nn.Linear(32, 32)
+
+    def forward(self, x, mask=None):
+        return self.proj(x)
+
+
+linear_only = LinearOnly()
+
+
 class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
     def __init__(self, block_size=8):
         super().__init__()
@@ -60,18 +73,20 @@ def test_correct_layer_passes_one_test_per_detector(scratch):
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "-v", "-rs")
     assert result.ret == pytest.ExitCode.OK
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(DETECTORS)
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(DETECTORS) + 1  # and audit_status
     assert "failed" not in outcomes
     for detector in DETECTORS:
         result.stdout.fnmatch_lines([f"attention-audit::{detector}[[]mylayers:correct[]] *"])
-    # not causal: the causal detectors skip, saying how to enable them
-    result.stdout.fnmatch_lines(["*SKIPPED*future_leakage: not measured: the layer is not audited as causal*"])
+    result.stdout.fnmatch_lines(["attention-audit::audit_status[[]mylayers:correct[]] PASSED*"])
+    # not causal: the causal detectors skip, saying how to enable them with this plugin's own option
+    result.stdout.fnmatch_lines(["*SKIPPED*future_leakage: not applicable: the layer is not audited as causal "
+                                 "(pass --attention-causal if it promises causality)*"])
 
 
 def test_broken_layer_fails_its_detector_with_evidence_and_fix(scratch):
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:broken")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(failed=1, passed=8, skipped=3, warnings=1)
+    result.assert_outcomes(failed=1, passed=8 + 1, skipped=3, warnings=1)  # + 1: audit_status, conclusive
     result.stdout.fnmatch_lines([
         "*attention audit of mylayers:broken: softmax_saturation*",
         "FAIL softmax_saturation: softmax is 2.83x too sharp*",
@@ -95,7 +110,7 @@ def test_warning_passes_with_an_attention_audit_warning(scratch):
     # masked_fill(-inf) then softmax: a query with no key to attend gets NaN, which warns, not fails
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "-k", "fully_masked_rows")
     assert result.ret == pytest.ExitCode.OK
-    result.assert_outcomes(passed=1, deselected=len(DETECTORS) - 1, warnings=1)
+    result.assert_outcomes(passed=1, deselected=len(DETECTORS), warnings=1)  # the others and audit_status
     result.stdout.fnmatch_lines(["*mylayers.py:*: AttentionAuditWarning: *fully_masked_rows: a query whose every "
                                  "key is masked gets NaN*"])
 
@@ -118,10 +133,63 @@ def test_a_target_that_cannot_be_loaded_is_a_collection_error(scratch):
                                    "Fix: pass --attention-seq-len 8 or less"])
 
 
+def test_an_inconclusive_audit_fails_its_status_test_with_the_reason(scratch):
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:linear_only")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert result.parseoutcomes()["failed"] == 1
+    result.stdout.fnmatch_lines(["*attention audit of mylayers:linear_only: status*",
+                                 "INCONCLUSIVE LinearOnly (self_module, d_model=32, num_heads=4)",
+                                 "  inconclusive: the attention itself was not measured*",
+                                 "FAILED attention-audit::audit_status[[]mylayers:linear_only[]]*"])
+
+
+def test_strict_and_require_turn_skips_into_failures(scratch):
+    strict = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:linear_only", "--attention-strict")
+    strict.stdout.fnmatch_lines(["FAIL weight_row_sums: required but not measured*",
+                                 "*evidence: --attention-strict demands that weight_row_sums measures the layer*"])
+    assert "FAILED attention-audit::audit_status" not in strict.stdout.str()  # failed, so no longer inconclusive
+    required = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-require=future_leakage")
+    required.assert_outcomes(failed=1, passed=9 + 1, skipped=2, warnings=1)
+    required.stdout.fnmatch_lines(["FAIL future_leakage: required but not applicable*",
+                                   "*evidence: --attention-require demands that future_leakage measures the layer*"])
+    unknown = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-require=no_such")
+    assert unknown.ret == pytest.ExitCode.INTERRUPTED
+    unknown.stdout.fnmatch_lines(["--attention-require: expected detector ids from *; got no_such. Fix: *"])
+
+
+def test_a_detector_that_crashes_fails_its_test_with_the_internal_error(scratch):
+    scratch.makeconftest("""
+        import dataclasses
+
+        from diagnostics import DETECTORS
+
+        saved = DETECTORS["eval_determinism"]
+
+
+        def crash(probe):
+            raise RuntimeError("a bug inside the detector")
+
+
+        def pytest_configure(config):
+            DETECTORS["eval_determinism"] = dataclasses.replace(saved, check=crash)
+
+
+        def pytest_unconfigure(config):
+            DETECTORS["eval_determinism"] = saved
+    """)
+    result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct")
+    result.stdout.fnmatch_lines(["ERROR eval_determinism: the detector crashed: RuntimeError: a bug inside the "
+                                 "detector",
+                                 "*evidence: an internal error of diagnostics*",
+                                 "FAILED attention-audit::eval_determinism[[]mylayers:correct[]]*",
+                                 "FAILED attention-audit::audit_status[[]mylayers:correct[]]*"])
+    assert result.parseoutcomes()["failed"] == 2
+
+
 def test_audit_items_join_the_users_own_tests(scratch):
     scratch.makepyfile(test_mine="def test_mine():\n    assert True\n")
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-audit=mylayers:broken")
-    result.assert_outcomes(passed=1 + 9 + 8, failed=1, skipped=6, warnings=2)
+    result.assert_outcomes(passed=1 + 10 + 9, failed=1, skipped=6, warnings=2)
 
 
 def test_fixture_returns_the_report_and_fails_with_it(scratch):
@@ -134,9 +202,13 @@ def test_fixture_returns_the_report_and_fails_with_it(scratch):
 
         def test_broken(attention_audit):
             attention_audit(mylayers.broken())
+
+        def test_inconclusive(attention_audit):
+            attention_audit(mylayers.linear_only)
     ''')
     result = scratch.runpytest(*PLUGIN)
-    result.assert_outcomes(passed=1, failed=1, warnings=2)
+    result.assert_outcomes(passed=1, failed=2, warnings=2)
+    result.stdout.fnmatch_lines(["*test_inconclusive*", "attention audit of LinearOnly*: INCONCLUSIVE*"])
     result.stdout.fnmatch_lines([
         "*test_broken*",
         "attention audit of Attention (self_module, d_model=32, num_heads=4): FAILED*",
@@ -149,7 +221,8 @@ def test_fixture_returns_the_report_and_fails_with_it(scratch):
 def test_options_have_their_own_group(scratch):
     result = scratch.runpytest(*PLUGIN, "--help")
     result.stdout.fnmatch_lines(["audit attention layers for silent mistakes*", "*--attention-audit=MODULE:OBJECT*",
-                                 "*--attention-causal*", "*--attention-seq-len=N*"])
+                                 "*--attention-causal*", "*--attention-seq-len=N*", "*--attention-require=DET*",
+                                 "*--attention-strict*"])
 
 
 def test_the_plugin_is_installed_as_a_pytest11_entry_point():
