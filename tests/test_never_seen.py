@@ -362,6 +362,47 @@ class HeadsSplitWithoutTranspose(nn.Module):
         return self.out(out.transpose(1, 2).reshape(B, Tq, D))
 
 
+def contrast_sharpened_attention(q, k, v, mask=None, strength=2.0):
+    """Pushes the output away from the plain mean of the (allowed) values, to 'sharpen' it:
+    out = w @ v + strength * (w @ v - mean v). Identical values still come out unchanged and the softmax it
+    runs is a distribution, but the effective weights (1 + strength) w - strength / Tk go negative, so the
+    output leaves the values' range. Caught only by output_variance's value-range check (`_bound_check`)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
+    w = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    mean = allowed.to(v.dtype) / allowed.sum(-1, keepdim=True).clamp_min(1)  # uniform over the allowed keys
+    return w @ v + strength * (w @ v - mean @ v)
+
+
+def negative_weight_attention(q, k, v, mask=None, delta=1e-3):
+    """Moves each row's least-attended (allowed) key's weight, and `delta` more, onto its most-attended key:
+    rows still sum to 1 and the output stays within the values' range, but one weight per row is -delta
+    (ten times float32's allowance). Caught only by weight_row_sums' negative-weight check."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    w = scores.softmax(-1).nan_to_num(0.0)
+    most = w.argmax(-1, keepdim=True)  # (B, H, Tq, 1)
+    least = torch.where(w > 0, w, torch.inf).argmin(-1, keepdim=True)  # masked keys keep their zero
+    shift = torch.where(w.gather(-1, least) > 0, w.gather(-1, least) + delta, 0)  # a zero-sum move per row
+    w = w.scatter_add(-1, most, shift).scatter_add(-1, least, -shift)
+    return w @ v, w
+
+
+class DiagonalBlockedFirstRowKept(NanoGPTAttention):
+    """nanoGPT with tril(diagonal=-1), each token blocked from itself, and position 0 let through to its own
+    key so that no row is empty (the NaN 'fixed'). Nothing leaks from the future, identical tokens still
+    give identical outputs and every row is a distribution, so only causal_alignment's diagonal branch (one
+    stream, weights observed) sees it. With a safe softmax instead (row 0 all zeros), weight_row_sums and
+    output_variance would fire too."""
+
+    def __init__(self, n_embd, n_head, block_size=64):
+        super().__init__(n_embd, n_head, block_size)
+        allowed = torch.tril(torch.ones(block_size, block_size), diagonal=-1)  # j < i: the diagonal blocked
+        allowed[0, 0] = 1
+        self.bias.copy_(allowed.view(1, 1, block_size, block_size))
+
+
 # name: (broken layer and audit options, detectors that must fail, its correct twin audited the same way)
 BROKEN = {
     "einsum without scale": (lambda: (einsum_without_scale, dict(d_model=64, num_heads=2)), {"softmax_saturation"},
@@ -376,6 +417,14 @@ BROKEN = {
                              {"finite_output"}, lambda: F.scaled_dot_product_attention),
     "heads split without transpose": (lambda: (HeadsSplitWithoutTranspose(24, 3), {}), {"query_locality"},
                                       lambda: FusedSDPA(24, 3)),
+    # each caught by one branch only (see BRANCH_ONLY below)
+    "output pushed out of the values' range": (lambda: (contrast_sharpened_attention, {}), {"output_variance"},
+                                               lambda: einsum_attention),
+    "negative weights summing to 1": (lambda: (negative_weight_attention, {}), {"weight_row_sums"},
+                                      lambda: einsum_attention),
+    "causal mask blocking the diagonal, first row kept": (lambda: (DiagonalBlockedFirstRowKept(24, 3),
+                                                                   dict(causal=True)), {"causal_alignment"},
+                                                          lambda: NanoGPTAttention(24, 3)),
 }
 
 
@@ -396,6 +445,31 @@ def test_the_correct_twin_of_each_broken_layer_passes_with_the_same_options(name
     _, kw = make()
     report = diagnostics.audit(make_twin(), **kw)
     assert report.passed and not (must_fire & set(report.fired())), str(report)
+
+
+# name in BROKEN: (the one detector that fails, the message of the branch that must catch it)
+BRANCH_ONLY = {
+    "output pushed out of the values' range": ("output_variance", "outputs leave the range of the values"),
+    "negative weights summing to 1": ("weight_row_sums", "attention weights are not a distribution"),
+    "causal mask blocking the diagonal, first row kept": ("causal_alignment",
+                                                          "a query gives zero weight to its own position"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BRANCH_ONLY))
+def test_branches_no_catalog_entry_reaches_catch_their_layer_alone(name):
+    """The value-range check of output_variance, the negative-weight check of weight_row_sums and the
+    diagonal branch of causal_alignment: each is the only thing that fails its layer."""
+    make, _, _ = BROKEN[name]
+    detector, message = BRANCH_ONLY[name]
+    torch.manual_seed(0)
+    layer, kw = make()
+    report = diagnostics.audit(layer, **kw)
+    assert report.fired() == {detector: "fail"}, str(report)
+    result = report.result(detector)
+    assert result.message.startswith(message), result.message
+    if detector == "weight_row_sums":  # the rows sum to 1: only the negative weights are reported
+        assert "negative" in result.evidence and "do not sum to 1" not in result.evidence, result.evidence
 
 
 def test_leak_behind_clean_weights_shows_clean_weights():
