@@ -25,6 +25,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # tests it raises (for users it is a visible skip). Set before diagnostics is imported.
 os.environ.setdefault("ATTENTION_AUDIT_STRICT_PROBES", "1")
 
+# The suite's tensors are tiny: intra-op threads only add hand-off cost (a 2x2x4x4 softmax took 320 us with two
+# threads on a busy 2-core machine, 2.6 us with one), so the tests run torch single-threaded.
+torch.set_num_threads(1)
+
 DEVICES = ["cpu", "cuda"]
 
 

@@ -48,7 +48,12 @@ def _judge_held(det: str, comparison: Comparison | DetectorResult, probe: Probe,
     return _judge(det, bad > 0, fail_message, pass_message, value=worst, threshold=comparison.tol, evidence=text)
 
 
-GAINS = (1.0, 100.0)  # how hard a perturbation pushes: as drawn, and 100x (see `perturbed`)
+def _gains(probe: Probe) -> tuple[float, ...]:
+    """How hard a perturbation pushes (see `perturbed`): as drawn, 100x and, where the dtype's range allows
+    (float16 overflows at 65504), 1000x: at GPT-2's std-0.02 initialisation and d_k = 1, a 100x key moves a
+    logit by ~0.04, too little to show in bfloat16."""
+    return (1.0, 100.0) if probe.subject.dtype == torch.float16 else (1.0, 100.0, 1000.0)
+
 
 
 def _rows(batch: int, t: int, where: Tensor) -> Tensor:
@@ -311,7 +316,9 @@ def check_output_variance(probe: Probe) -> DetectorResult:
         return skip(det, "the layer appends a learned or zero key (add_bias_kv / add_zero_attn) that identical "
                          "inputs do not reach, so outputs legitimately depend on how many tokens there are")
     else:
-        token = probe.make(B, 1)  # (B, 1, D)
+        # a token 10x the usual size: logits grow 100x, so weights that are not normalised (which scale the
+        # output with the token count) show even where the initialisation keeps logits tiny
+        token = 10 * probe.make(B, 1)  # (B, 1, D)
         same = token.expand(B, T, s.d_model).contiguous()  # (B, T, D): T identical tokens
         if s.separate_kv and not probe.causal:  # queries differ, memory is T copies of one token
             query = probe.make(B, T)
@@ -381,7 +388,7 @@ def check_query_locality(probe: Probe) -> DetectorResult:
     # gain 100 as well as 1: the other rows' weights do not depend on query p in a correct layer, however
     # hard it is pushed; in a layer that mixes queries, a large change shows even where logits are tiny
     cases = [Case(x, hold=_rows(B, T, ~moved), move=_rows(B, T, moved), when=f"when only query t={p} changed "
-                  f"(x{gain:g})") for gain, x in zip(GAINS, perturbed(probe, base, moved, ("query",), gains=GAINS))]
+                  f"(x{gain:g})") for gain, x in zip(_gains(probe), perturbed(probe, base, moved, ("query",), gains=_gains(probe)))]
     comparison = compare(probe, base, cases, label=f"query t={p} changed")
     return _judge_held(det, comparison, probe, what="other output rows",
                        fail_message="an output row depends on other queries than its own",
@@ -411,7 +418,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             hold &= ~keys  # in self-attention the changed positions are also changed queries
             sees |= keys & allowed.any(-1)
         cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
-                 for gain, x in zip(GAINS, perturbed(probe, base, keys, ("key", "value"), gains=GAINS))]
+                 for gain, x in zip(_gains(probe), perturbed(probe, base, keys, ("key", "value"), gains=_gains(probe)))]
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
         if isinstance(comparison, DetectorResult):
             return comparison
@@ -467,7 +474,8 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
     t = torch.arange(T)
     cases = [Case(x, hold=_rows(B, T, t <= c), move=_rows(B, T, t > c),
                   when=f"when only t>={c + 1} was perturbed (x{gain:g})")
-             for c in cuts for gain, x in zip(GAINS, perturbed(probe, base, t > c, ("query", "key", "value"), gains=GAINS))]
+             for c in cuts
+             for gain, x in zip(_gains(probe), perturbed(probe, base, t > c, ("query", "key", "value"), gains=_gains(probe)))]
     comparison = compare(probe, base, cases, label=f"tokens after t in {cuts} changed")
     return _judge_held(det, comparison, probe, what="past outputs", fail_message="outputs depend on future tokens",
                        pass_message=f"no output moved when only later tokens changed (cuts at t={cuts})")
@@ -540,7 +548,10 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     det, base = "eval_determinism", probe.base()
     if not base.ok:
         return not_run(det, base)
-    again = probe.call(base.query, base.key, base.value, base.allowed, label="the standard probe, again")
+    # observed like the standard probe, so that both calls take the same path (nn.MultiheadAttention has a
+    # fused fast path for inference without grad, which rounds differently in float16)
+    again = probe.call(base.query, base.key, base.value, base.allowed, label="the standard probe, again",
+                       observe=True)
     if not again.ok:
         return not_run(det, again)
     B, t_q = base.query.shape[0], base.query.shape[probe.subject.time_dim]
