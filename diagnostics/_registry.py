@@ -81,10 +81,13 @@ def phrase(text: str, options: dict | None = None) -> str:
     return text
 
 
-def markdown_table() -> str:
-    """The README's detector table, generated from the registry."""
-    lines = ["| detector | property every correct attention has | needs | catches |", "|---|---|---|---|"]
+def markdown_table(caught: dict[str, str] | None = None) -> str:
+    """The README's detector table, generated from the registry. `caught`: {detector id: text} for an extra
+    column (the README lists the catalog entries each detector catches; diagnostics does not know them)."""
+    head = "| detector | property every correct attention has | needs | targets |"
+    lines = [head + (" catches (catalog) |" if caught else ""), "|---|---|---|---|" + ("---|" if caught else "")]
     for d in DETECTORS.values():
-        needs = ", ".join(phrase(n.text, {"causal": "`causal=True`"}) for n in d.needs) or "-"
-        lines.append(f"| `{d.id}` | {d.description} | {needs} | {'; '.join(d.targets)} |")
+        needs = ", ".join(phrase(n.text, {"causal": "causal=True"}) for n in d.needs) or "any attention layer"
+        row = f"| `{d.id}` | {d.description} | {needs} | {'; '.join(d.targets)} |"
+        lines.append(row + (f" {caught.get(d.id, '-')} |" if caught else ""))
     return "\n".join(lines)
