@@ -11,9 +11,6 @@ import pytest
 
 from buggy_variants import teaching_report
 
-# Transitional, for test_kill_matrix.py until it imports this from buggy_variants.teaching_report: remove then.
-KILL_MATRIX_SIZE = teaching_report.KILL_MATRIX_SIZE
-
 # A user's own attention module, as the command-line and plugin tests write it into a scratch directory:
 # correct as built, without the 1/sqrt(d_k) when scaled=False. Each test module appends its own variations.
 _USER_ATTENTION_SOURCE = '''
