@@ -37,9 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--causal", action="store_true", help="audit a causal layer (adds future_leakage and "
+                                                              "causal_alignment, the most expensive probes)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    layer = MultiHeadAttention(512, 8).eval()
+    layer = MultiHeadAttention(512, 8, causal=args.causal).eval()
     diagnostics.audit(MultiHeadAttention(16, 2))  # warm-up: first use of the observer imports torch internals
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
           f"threads={torch.get_num_threads()}")
@@ -50,7 +52,9 @@ def main() -> None:
             layer(x)  # warm-up
             forward = median_seconds(lambda: layer(x), max(args.repeats, 5))
         reports = []
-        audit = median_seconds(lambda: reports.append(diagnostics.audit(layer, seq_len=t)), args.repeats)
+        audit = median_seconds(lambda: reports.append(diagnostics.audit(layer, seq_len=t,
+                                                                                         causal=args.causal)),
+                               args.repeats)
         assert reports[-1].passed, str(reports[-1])
         print(f"{t:>7}  {forward:>11.4f}  {audit:>9.3f}  {audit / forward:>15.1f}  {reports[-1].forward_passes:>5}")
 

@@ -9,8 +9,8 @@ output's own scale, and words the evidence. The comparison also checks the other
 outputs that a correct layer must move (the perturbed query's own row, rows that see the changed keys) did
 move, so a layer whose output does not respond at all is "not measured", never "passed".
 
-Change is measured relative to the outputs' RMS (the larger of the two, over finite values, centred on
-each feature's mean so that an output bias does not inflate it): |new - old| / rms, the largest over
+Change is measured relative to the baseline output's RMS (over finite values, centred on each feature's
+mean so that an output bias does not inflate it): |new - old| / rms, the largest over
 features. An absolute measure (or one floored at 1) lets a bug through when outputs are small,
 as they are at the std-0.02 initialisation of GPT-2 and nanoGPT (outputs ~4e-3); a per-row measure divides
 by zero on rows that are legitimately zero (a query with no key under torch's SDPA). NaN at the same place
@@ -136,15 +136,16 @@ def _rms(x: Tensor, centred: bool = False) -> float:
 
 
 def relative_change(new: Tensor, old: Tensor, *, centred: bool = False) -> Tensor | None:
-    """Per position (features folded): max |new - old| / RMS, where RMS is the larger of the two outputs'
-    (finite values), in float64 for float64 layers and float32 otherwise. NaN (or the same inf) in both is
+    """Per position (features folded): max |new - old| / RMS, where RMS is the baseline's (finite values;
+    the new output's where the baseline is zero), in float64 for float64 layers and float32 otherwise. NaN (or the same inf) in both is
     no change; non-finite in one only is inf. None when neither has a finite non-zero value to measure
     against. `centred` measures against how much the outputs vary (see `_rms`): for comparisons of
     random inputs, whose outputs vary from row to row; not for an expected output that is constant."""
     wide = torch.float64 if old.dtype == torch.float64 else torch.float32
     new, old = new.to(wide), old.to(wide)
-    # the larger: a baseline of zeros against a moved output still counts
-    scale = max(_rms(old, centred), _rms(new, centred)) or max(_rms(old), _rms(new))
+    # the baseline's scale (a perturbation pushed 1000x must not loosen the tolerance of the rows it may not
+    # move); the new output's only where the baseline is zero, so that zeros against a moved output still count
+    scale = _rms(old, centred) or _rms(old) or _rms(new, centred) or _rms(new)
     if not scale > 0:
         return None
     same = (new == old) | (torch.isnan(new) & torch.isnan(old))

@@ -29,9 +29,12 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def audit_configs(draw):
     """Sizes the audit probes at (heads, head width with 1 and odd included, probe length), a seed, and the
     setting the layer runs in: dtype and initialisation (torch's default, or GPT-2's std 0.02)."""
-    return dict(heads=draw(st.integers(1, 4)), head_dim=draw(st.integers(1, 6)), seq_len=draw(st.integers(2, 10)),
-                seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from(DTYPES)),
-                init=draw(st.sampled_from(["default", "gpt2"])))
+    dtype, init = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(["default", "gpt2"]))
+    # float16 at GPT-2's scale: below d_model 8, products of 0.02- and 0.004-sized weights underflow float16
+    # and the layer's output is (nearly) all zeros, so no bug is observable in its outputs at all
+    tiny = dtype == torch.float16 and init == "gpt2"
+    return dict(heads=draw(st.integers(2 if tiny else 1, 4)), head_dim=draw(st.integers(4 if tiny else 1, 6)),
+                seq_len=draw(st.integers(2, 10)), seed=draw(st.integers(0, 2**16)), dtype=dtype, init=init)
 
 
 def _build(make, cfg):
