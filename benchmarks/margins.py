@@ -3,7 +3,8 @@
     python benchmarks/margins.py [--seeds 50] [--seq-len 16]
 
 Audits correct layers (the reference, causal and not; torch's F.scaled_dot_product_attention; and
-nn.MultiheadAttention) over many seeds in float64, float32, bfloat16 and float16 on the CPU, and prints,
+nn.MultiheadAttention) over many seeds in float64, float32, bfloat16 and float16 on the CPU, at torch's
+default initialisation and at GPT-2's (std 0.02, `correct.gpt2_init_`), and prints,
 for each detector with a tolerance, the largest value a correct layer produced, the threshold, and the
 margin (threshold / largest). For softmax_saturation the value is |applied / expected scale - 1|.
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import diagnostics  # noqa: E402
-from correct import MultiHeadAttention  # noqa: E402
+from correct import MultiHeadAttention, gpt2_init_  # noqa: E402
 from diagnostics._thresholds import SCALE_RATIO  # noqa: E402
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -28,11 +29,13 @@ TOLERANCE_DETECTORS = ("weight_row_sums", "output_variance", "query_locality", "
                        "eval_determinism", "softmax_saturation")
 
 
-def layers(dtype):
-    yield "reference", MultiHeadAttention(32, 4).to(dtype), {}
-    yield "reference causal", MultiHeadAttention(32, 4, causal=True).to(dtype), dict(causal=True)
+def layers(dtype, seed):
+    for init in ("default", "gpt2"):
+        prepare = (lambda m: gpt2_init_(m, seed=seed).to(dtype)) if init == "gpt2" else (lambda m: m.to(dtype))
+        yield f"reference ({init})", prepare(MultiHeadAttention(32, 4)), {}
+        yield f"reference causal ({init})", prepare(MultiHeadAttention(32, 4, causal=True)), dict(causal=True)
+        yield f"nn.MultiheadAttention ({init})", prepare(torch.nn.MultiheadAttention(32, 4, batch_first=True)), {}
     yield "F.scaled_dot_product_attention", F.scaled_dot_product_attention, dict(dtype=dtype, causal=True)
-    yield "nn.MultiheadAttention", torch.nn.MultiheadAttention(32, 4, batch_first=True).to(dtype), {}
 
 
 def main() -> None:
@@ -46,7 +49,7 @@ def main() -> None:
     for dtype in DTYPES:
         for seed in range(args.seeds):
             torch.manual_seed(seed)
-            for name, layer, kw in layers(dtype):
+            for name, layer, kw in layers(dtype, seed):
                 report = diagnostics.audit(layer, seq_len=args.seq_len, seed=seed, **kw)
                 if not report.passed:
                     failures.append(f"{name} {dtype} seed {seed}: {[f.detector for f in report.findings]}")

@@ -16,7 +16,7 @@ from ._errors import AuditUsageError, expect
 from ._probe import Probe
 from ._registry import phrase
 from ._result import DetectorResult
-from ._subject import make_subject
+from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
 
 
@@ -174,8 +174,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     expect(not not_chosen, "required detectors among those run", f"require={not_chosen} not in detectors",
            "add them to detectors=[...] or drop them from require")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
-                           need_weights=need_weights)
-    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len or 16, seed=seed, options=_options)
+                           need_weights=need_weights, options=_options)
+    seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
+    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options)
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
     with _untouched(layer, subject.device):

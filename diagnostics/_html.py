@@ -2,7 +2,7 @@
 results, and `write_report_html` behind `AuditReport.to_html`.
 
 Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline
-SVG, no scripts, no images, nothing fetched. The test suite's teaching report (tests/conftest.py) builds on
+SVG, no scripts, no images, nothing fetched. The test suite's teaching report (buggy_variants/teaching_report.py) builds on
 the same pieces, so a user's audit page and the catalog's report look and read alike.
 """
 
