@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import correct
@@ -22,6 +22,8 @@ from buggy_variants import VARIANTS, Setting
 from correct import gpt2_init_
 
 IDS = sorted(VARIANTS)
+# 14 variants x 2 twins: half the profile's examples each keeps the default run fast (10 each; 200 thorough)
+HALF = settings(max_examples=max(1, settings().max_examples // 2))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -65,6 +67,7 @@ def observable(variant, result, layer) -> bool:
 
 
 @pytest.mark.parametrize("vid", IDS)
+@HALF
 @given(cfg=audit_configs())
 def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg):
     variant = VARIANTS[vid]
@@ -82,6 +85,7 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
 
 
 @pytest.mark.parametrize("vid", IDS)
+@HALF
 @given(cfg=audit_configs())
 def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
     """The twin: the correct layer, built, initialised and audited exactly like the variant above."""
