@@ -403,6 +403,15 @@ class DiagonalBlockedFirstRowKept(NanoGPTAttention):
         self.bias.copy_(allowed.view(1, 1, block_size, block_size))
 
 
+class SeesOneTokenAhead(NanoGPTAttention):
+    """nanoGPT with tril(diagonal=1): each query also sees the very next token, an off-by-one causal mask.
+    Only the token right after each cut moves past outputs, so future_leakage must hold row c itself."""
+
+    def __init__(self, n_embd, n_head, block_size=64):
+        super().__init__(n_embd, n_head, block_size)
+        self.bias.copy_(torch.tril(torch.ones(block_size, block_size), diagonal=1).view(1, 1, block_size, block_size))  # BUG
+
+
 # name: (broken layer and audit options, detectors that must fail, its correct twin audited the same way)
 BROKEN = {
     "einsum without scale": (lambda: (einsum_without_scale, dict(d_model=64, num_heads=2)), {"softmax_saturation"},
@@ -417,6 +426,8 @@ BROKEN = {
                              {"finite_output"}, lambda: F.scaled_dot_product_attention),
     "heads split without transpose": (lambda: (HeadsSplitWithoutTranspose(24, 3), {}), {"query_locality"},
                                       lambda: FusedSDPA(24, 3)),
+    "causal mask one token too wide": (lambda: (SeesOneTokenAhead(24, 3), dict(causal=True)), {"future_leakage"},
+                                       lambda: NanoGPTAttention(24, 3)),
     # each caught by one branch only (see BRANCH_ONLY below)
     "output pushed out of the values' range": (lambda: (contrast_sharpened_attention, {}), {"output_variance"},
                                                lambda: einsum_attention),
