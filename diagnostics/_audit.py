@@ -144,7 +144,8 @@ def _untouched(layer, device):
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
           need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
-          strict: bool = False, progress=None, _options: dict | None = None) -> AuditReport:
+          strict: bool = False, progress=None, mask: str | None = None, layout: str | None = None,
+          _options: dict | None = None) -> AuditReport:
     """Run the detectors on `layer` and return an `AuditReport` whose `status` is "passed", "failed" or
     "inconclusive" (the core properties, weight row sums and softmax temperature, were not measured).
 
@@ -158,7 +159,10 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     `strict=True`: every detector that applies to the layer must measure it (a "not measured" skip fails;
     one whose needs do not hold, e.g. future_leakage without causal=True, stays a skip). `progress`:
     optional callable(detector_id, index, total) for long audits. `_options`: for front ends, how the user
-    spells each option ({"causal": "--causal"}), used in the messages.
+    spells each option ({"causal": "--causal"}), used in the messages. `mask`: the convention the layer
+    takes its mask in, "allowed" (bool, True = may attend; the default), "blocked" (bool, True = blocked),
+    "additive" (float, 0 keep, large negative block) or "key_padding" ((B, Tk) bool, True = padding); library
+    layers' own conventions are known. `layout`: a function's tensors, "bhtd" (default) or "bthd".
     """
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1),
            "an int seq_len >= 1", f"seq_len={seq_len!r}", "pass the context length you train with, e.g. seq_len=128")
@@ -174,7 +178,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     expect(not not_chosen, "required detectors among those run", f"require={not_chosen} not in detectors",
            "add them to detectors=[...] or drop them from require")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
-                           need_weights=need_weights, options=_options)
+                           need_weights=need_weights, mask=mask, layout=layout, options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options)
     started = time.perf_counter()

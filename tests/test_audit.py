@@ -100,12 +100,13 @@ def test_a_broken_layer_is_a_finding_never_a_crash(layer, detector, words):
 
 @pytest.mark.parametrize("call, words", [
     (lambda: audit(42), "an attention layer"),
-    (lambda: audit(nn.Linear(4, 4)), "pass d_model=... to audit()"),
+    (lambda: audit(nn.Identity()), "pass d_model=... to audit()"),
     (lambda: audit(lambda q, k: q), "a function f(q, k, v, mask=None)"),
     (lambda: audit(MultiHeadAttention(8, 2), seq_len=0), "seq_len >= 1"),
     (lambda: audit(MultiHeadAttention(8, 2), scale=-1.0), "a positive scale"),
     (lambda: audit(MultiHeadAttention(8, 2), detectors=["nope"]), "detector ids from"),
-    (lambda: audit(nn.MultiheadAttention(8, 2, kdim=4, vdim=4)), "kdim == vdim == embed_dim"),
+    (lambda: audit(nn.MultiheadAttention(8, 2), mask="additive"), "no mask convention for nn.MultiheadAttention"),
+    (lambda: audit(MultiHeadAttention(8, 2), mask="inverted"), "expected mask one of allowed, blocked"),
     (lambda: audit(MultiHeadAttention(8, 2), dtype=torch.float16), "dtype=torch.float32 (the layer's parameters)"),
 ])
 def test_misuse_says_what_was_expected_seen_and_the_fix(call, words):
