@@ -77,6 +77,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("the causal mask blocks a key the user's mask allows (T > 1)",
                                        lambda s: bool((s.allowed(align=None) & ~s.allowed()).any())),
             expected_detectors=("future_leakage",),
+            also_detected_by=("gradients",),  # the future leaks through the backward pass too
         ),
         Variant(
             id="swapped_self_cross", title="Self- and cross-attention inputs swapped", cls=c.SwappedSelfCross,
@@ -89,7 +90,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("query and memory are different tensors, and Tq != Tk (the output has the "
                                        "wrong length) or some query may attend a key",
                                        lambda s: not s.self_attention and (s.t_q != s.t_k or s.attends_anything)),
-            expected_detectors=("output_shape", "query_locality"),
+            expected_detectors=("output_shape", "query_locality", "keys_matter"),  # the value input is never read
             # outputs mix the query rows, not the memory's values; and a changed padded key is now a query,
             # whose output row moves although the mask blocks it
             also_detected_by=("output_variance", "mask_honoured"),
@@ -158,7 +159,7 @@ def _entries() -> list[Variant]:
             fix="causal = correct.causal_mask(t_q, t_k, align='bottom_right', device=scores.device)",
             detectable_when=Observable("Tq != Tk (where the two alignments differ on keys the user allows)",
                                        lambda s: bool((s.allowed(align="top_left") != s.allowed()).any())),
-            expected_detectors=("causal_alignment",),
+            expected_detectors=("causal_alignment", "decode_consistency"),
         ),
         Variant(
             id="causal_diagonal_masked", title="Causal mask that also blocks the diagonal",
@@ -171,6 +172,8 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("the user's mask allows some query its own position",
                                        lambda s: bool((s.allowed() != _without_diagonal(s)).any())),
             expected_detectors=("weight_row_sums", "output_variance", "causal_alignment"),
+            # with Tk = 2 each query keeps one key, so the output no longer depends on the keys at all
+            detected_at_other_sizes_by=("keys_matter",),
         ),
         Variant(
             id="dropout_in_eval", title="Attention dropout left on in eval mode", cls=c.DropoutInEval,
@@ -196,6 +199,79 @@ def _entries() -> list[Variant]:
             fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
             detectable_when=Observable("some query row has every key blocked", lambda s: s.has_fully_masked_row),
             expected_detectors=("fully_masked_rows",),
+        ),
+        # ---- chapter 2: batches stay apart, keys matter, decoding equals the full pass, causal under
+        # padding, the temperature actually used, gradients (issue 9)
+        Variant(
+            id="heads_merged_sequence_first", title="Heads merged in sequence-first order",
+            cls=c.HeadsMergedSequenceFirst, step="merge_heads",
+            explanation="permute(2, 0, 1, 3) is the (T, B, H, d_k) layout of seq-first code; reshaping it to "
+            "(B, T, D) interleaves the batch with time, so a sequence's output rows come from other sequences of "
+            "the batch. With batch size 1, the way single examples are usually tried, it is exactly right "
+            "(llama.cpp #249 and transformers' test_batching_equivalence exist for this family).",
+            symptom="A sequence's output changes when another sequence of the same batch changes.",
+            fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
+            detectable_when=Observable("two or more sequences in the batch and Tq > 1",
+                                       lambda s: s.batch > 1 and s.t_q > 1),
+            expected_detectors=("batch_independence",),
+            # rows then carry other positions' and other sequences' outputs: what stacking probes along the
+            # batch or moving one position shows, at most sizes
+            also_detected_by=("query_locality", "output_variance", "mask_honoured"),
+            # probes stacked along the batch are mixed with each other: any stacked comparison may fire
+            detected_at_other_sizes_by=("keys_matter", "future_leakage", "decode_consistency", "causal_alignment",
+                                        "eval_determinism", "gradients"),
+        ),
+        Variant(
+            id="keys_from_query_stream", title="Keys projected from the query stream", cls=c.KeysFromQueryStream,
+            step="project",
+            explanation="In cross-attention the keys must come from the memory; projecting them from the query "
+            "stream makes every query score itself against the decoder tokens while the values come from the "
+            "memory. Weights still sum to 1 and outputs stay convex; with Tq = Tk it runs silently.",
+            symptom="The output does not change when the key input changes.",
+            fix="return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)",
+            detectable_when=Observable("cross-attention (query and memory differ), and Tq != Tk (it raises) or some "
+                                       "query may attend two keys (one key's weight is 1 whatever the scores)",
+                                       lambda s: not s.self_attention and (s.t_q != s.t_k or s.has_choice)),
+            expected_detectors=("keys_matter",),
+            also_detected_by=("runs", "query_locality"),  # with Tq != Tk the scores and the values disagree: it raises
+        ),
+        Variant(
+            id="padding_mask_replaces_causal", title="Padding mask replaces the causal mask",
+            cls=c.PaddingMaskReplacesCausal, step="mask", layer_kwargs={"causal": True},
+            explanation="A decoder that builds its causal mask only when the caller passes no mask is causal in "
+            "every maskless test and leaks the future as soon as a padding mask is passed, which is how it is "
+            "trained on batches of unequal lengths.",
+            symptom="With a padding mask, outputs depend on later tokens.",
+            fix="if self.causal:",
+            detectable_when=Observable("a mask is passed that allows some query a later key",
+                                       lambda s: s.mask is not None and bool(
+                                           (s.allowed(align=None) & ~s.allowed(user_mask=False)).any())),
+            expected_detectors=("future_leakage",),
+        ),
+        Variant(
+            id="double_softmax", title="Softmax applied twice", cls=c.DoubleSoftmax, step="softmax",
+            explanation="A helper that already returns probabilities, normalised again: the second softmax of "
+            "numbers in [0, 1] is nearly uniform. Rows still sum to 1 and outputs stay convex, so only the "
+            "temperature of the weights that multiply the values shows it; masked keys (weight 0) get e^0 "
+            "weight back.",
+            symptom="The weights used are far flatter than softmax(q·k / sqrt(d_k)); masked keys get weight.",
+            fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
+            detectable_when=Observable("Tk >= 2, or a query with no key (the second softmax makes its zeros uniform)",
+                                       lambda s: s.t_k >= 2 or s.has_fully_masked_row),
+            expected_detectors=("softmax_saturation",),
+            also_detected_by=("mask_honoured",),  # masked keys get e^0 weight back
+        ),
+        Variant(
+            id="detached_softmax", title="Attention weights detached from the graph", cls=c.DetachedSoftmax,
+            step="softmax",
+            explanation="A .detach() (or a torch.no_grad() block) around the weights keeps the forward pass "
+            "exact and stops every gradient through q and k: W_Q and W_K never learn, the model trains as a "
+            "bag of values, and no forward test can tell.",
+            symptom="Autograd's gradient disagrees with finite differences of the layer.",
+            fix="return torch.softmax(scores, dim=-1).masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)",
+            detectable_when=Observable("gradients are taken and some query may attend two or more keys",
+                                       lambda s: s.backward and s.has_choice),
+            expected_detectors=("gradients",),
         ),
     ]
 

@@ -104,3 +104,42 @@ class FullyMaskedRowNaN(MultiHeadAttention):
     def softmax(self, scores: Tensor) -> Tensor:
         return torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk); an all -inf row is 0/0 = NaN
 
+
+
+# ---- properties the first chapter's detectors did not ask (issue 9) -------------------------------------
+
+
+class HeadsMergedSequenceFirst(MultiHeadAttention):
+    def merge_heads(self, x: Tensor) -> Tensor:
+        B, H, T, d_k = x.shape
+        return x.permute(2, 0, 1, 3).reshape(B, T, H * d_k)  # (B, H, T, d_k) -> (T, B, H, d_k) -> "(B, T, D)": batch and time interleaved
+
+
+class KeysFromQueryStream(MultiHeadAttention):
+    def project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        D = self.d_model
+        if query is key and key is value:  # self-attention: one fused matmul
+            return self.qkv(query).split(D, dim=-1)  # (B, T, 3D) -> 3 x (B, T, D)
+        w, b = self.qkv.weight, self.qkv.bias  # (3D, D), (3D,)
+        b_q, b_k, b_v = (None, None, None) if b is None else b.split(D)
+        w_q, w_k, w_v = w.split(D)  # 3 x (D, D)
+        return F.linear(query, w_q, b_q), F.linear(query, w_k, b_k), F.linear(value, w_v, b_v)  # keys from the query stream
+
+
+class PaddingMaskReplacesCausal(MultiHeadAttention):
+    def mask(self, scores: Tensor, mask: Tensor | None, *, fill: float = -math.inf) -> Tensor:
+        if self.causal and mask is None:  # the causal mask is built only when the caller passes none
+            t_q, t_k = scores.shape[-2:]
+            causal = _sdpa.causal_mask(t_q, t_k, align="bottom_right", device=scores.device)  # (Tq, Tk)
+            scores = _sdpa.apply_mask(scores, causal, fill=fill)
+        return _sdpa.apply_mask(scores, mask, fill=fill)  # (B, H, Tq, Tk)
+
+
+class DoubleSoftmax(MultiHeadAttention):
+    def softmax(self, scores: Tensor) -> Tensor:
+        return _sdpa.safe_softmax(_sdpa.safe_softmax(scores))  # (B, H, Tq, Tk), a softmax of probabilities
+
+
+class DetachedSoftmax(MultiHeadAttention):
+    def softmax(self, scores: Tensor) -> Tensor:
+        return _sdpa.safe_softmax(scores).detach()  # (B, H, Tq, Tk), no gradient reaches q and k

@@ -16,7 +16,8 @@ class Setting:
     """One call of a layer, as far as observability depends on it.
 
     `mask` is the mask passed to `forward` (bool, True = may attend, broadcastable to (B, H, Tq, Tk)) or None;
-    `self_attention` says whether query, key and value are one tensor.
+    `self_attention` says whether query, key and value are one tensor; `batch` how many sequences the call
+    has; `backward` whether gradients were taken (a bug that only changes gradients shows nowhere else).
     """
 
     d_model: int
@@ -28,6 +29,8 @@ class Setting:
     causal: bool = False
     dropout: float = 0.0
     training: bool = False
+    batch: int = 1  # sequences in the call (a bug that mixes them needs two)
+    backward: bool = False  # the call's gradients are compared too, not only its output
 
     @property
     def d_k(self) -> int:
@@ -92,6 +95,9 @@ class Variant:
     # Fire too in the kill matrix (d_model=32, 4 heads, seq_len 16), but not at every observable
     # configuration: e.g. dropout may happen to keep every weight of a tiny probe.
     also_detected_by: tuple[str, ...] = ()
+    # Fire at some other observable sizes, not in the kill matrix: e.g. with Tk = 2 a causal mask that blocks
+    # the diagonal leaves one key per query, and the output stops depending on the keys at all.
+    detected_at_other_sizes_by: tuple[str, ...] = ()
     # The audit's outcome: "fail" (report.passed is False) or "warn" (it passes with a warning: NaN on a row
     # with no key to attend, which correct layers such as nn.MultiheadAttention also give).
     expected_severity: str = "fail"

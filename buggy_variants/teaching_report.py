@@ -80,9 +80,12 @@ _SCENES = {
     False: (_Scene("self-attention over 16 tokens, no mask", 16, 16),
             _Scene("self-attention over 16 tokens whose last 4 are padding (bool mask, True = may attend: no "
                    "query attends a padded key, and padded queries may attend nothing)", 16, 16, padded=4),
-            _Scene("cross-attention: 10 decoder queries over a 16-token encoder memory", 10, 16, "decoder")),
+            _Scene("cross-attention: 10 decoder queries over a 16-token encoder memory", 10, 16, "decoder"),
+            _Scene("cross-attention: 16 decoder queries over a 16-token encoder memory", 16, 16, "decoder")),
     True: (_Scene("causal self-attention over 16 tokens", 16, 16),
-           _Scene("causal decoding with a KV cache: the last 8 of 16 tokens query all 16 keys", 8, 16, "last")),
+           _Scene("causal decoding with a KV cache: the last 8 of 16 tokens query all 16 keys", 8, 16, "last"),
+           _Scene("causal self-attention over 16 tokens whose last 4 are padding (a padding mask passed)", 16, 16,
+                  padded=4)),
 }
 
 
@@ -98,6 +101,16 @@ class _Pair:
     nonfinite_outputs: int = 0  # output rows of batch 0 with a NaN or inf
 
 
+def _runs(layer, scene) -> bool:
+    query, key, value, mask = scene.inputs(layer.d_model)
+    try:
+        with torch.no_grad():
+            layer(query, key, value, mask=mask)
+        return True
+    except Exception:
+        return False
+
+
 def _weights_pair(variant: Variant) -> _Pair:
     """Build the variant and the reference with one state_dict and run both, in eval mode, on one input."""
     with torch.random.fork_rng():  # the suite's global RNG is left as it was
@@ -106,7 +119,8 @@ def _weights_pair(variant: Variant) -> _Pair:
         reference = variant.reference(**KILL_MATRIX_SIZE).eval()
         reference.load_state_dict(layer.state_dict())
         scenes = _SCENES[layer.causal]
-        scene = next((s for s in scenes if variant.detectable_when(s.setting(layer))), scenes[0])
+        shown = [s for s in scenes if variant.detectable_when(s.setting(layer))] or [scenes[0]]
+        scene = next((s for s in shown if _runs(layer, s)), shown[0])  # one it runs on, if there is one
         query, key, value, mask = scene.inputs(layer.d_model)
         with torch.no_grad():
             torch.manual_seed(0)

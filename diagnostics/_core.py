@@ -135,7 +135,7 @@ def _rms(x: Tensor, centred: bool = False) -> float:
     return float(finite.square().mean().sqrt()) if finite.numel() else 0.0
 
 
-def relative_change(new: Tensor, old: Tensor, *, centred: bool = False) -> Tensor | None:
+def relative_change(new: Tensor, old: Tensor, *, centred: bool = False, scale_of: Tensor | None = None) -> Tensor | None:
     """Per position (features folded): max |new - old| / RMS, where RMS is the baseline's (finite values;
     the new output's where the baseline is zero), in float64 for float64 layers and float32 otherwise. NaN (or the same inf) in both is
     no change; non-finite in one only is inf. None when neither has a finite non-zero value to measure
@@ -145,7 +145,11 @@ def relative_change(new: Tensor, old: Tensor, *, centred: bool = False) -> Tenso
     new, old = new.to(wide), old.to(wide)
     # the baseline's scale (a perturbation pushed 1000x must not loosen the tolerance of the rows it may not
     # move); the new output's only where the baseline is zero, so that zeros against a moved output still count
-    scale = _rms(old, centred) or _rms(old) or _rms(new, centred) or _rms(new)
+    if scale_of is not None:  # a larger output the compared rows belong to (a few rows' RMS is noisy)
+        old_scale = scale_of.to(wide)
+        scale = _rms(old_scale, centred) or _rms(old_scale)
+    else:
+        scale = _rms(old, centred) or _rms(old) or _rms(new, centred) or _rms(new)
     if not scale > 0:
         return None
     same = (new == old) | (torch.isnan(new) & torch.isnan(old))

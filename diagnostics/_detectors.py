@@ -18,7 +18,7 @@ from ._core import Case, Comparison, Inputs, allowed_text, compare, held, not_ru
 from ._observe import applied_scales
 from ._probe import Call, Probe
 from ._registry import CAUSAL, DETECTORS, LONG, SEPARATE_QUERY, TAKES_MASK, detector
-from ._result import DetectorResult
+from ._result import DetectorResult, ProbeShape
 from ._thresholds import (MEASURED_ROW_SUM, MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, UNCHANGED, dtype_name,
                           tolerance)
 
@@ -464,22 +464,44 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     return _result(det, "pass", "a query with no key to attend gives a finite output", value=0.0, threshold=0.0)
 
 
-@detector("future_leakage", "for a causal layer, changing tokens after t leaves outputs at and before t unchanged",
-          targets=("missing causal mask", "heads merged without transpose in a decoder"),
+@detector("future_leakage", "for a causal layer, changing tokens after t leaves outputs at and before t unchanged, "
+          "with no mask and with a padding mask",
+          targets=("missing causal mask", "heads merged without transpose in a decoder",
+                   "padding mask replacing (or ORed with) the causal mask"),
           fix="mask scores with causal_mask(Tq, Tk, align='bottom_right') before the softmax",
           needs=(CAUSAL, LONG))
 def check_future_leakage(probe: Probe) -> DetectorResult:
+    """With no mask, and (for layers that take one) with a padding mask too: a decoder that builds its own
+    causal mask and lets the user's padding mask replace it (or ORs them) is causal only in the first."""
     det, s, B, T = "future_leakage", probe.subject, probe.BATCH, probe.t
     cuts = sorted({0, T // 3, (2 * T) // 3, T - 2})
-    base = Inputs(*probe.streams(B, T, cross=s.form == "function"))
     t = torch.arange(T)
-    cases = [Case(x, hold=_rows(B, T, t <= c), move=_rows(B, T, t > c),
-                  when=f"when only t>={c + 1} was perturbed (x{gain:g})")
-             for c in cuts
-             for gain, x in zip(_gains(probe), perturbed(probe, base, t > c, ("query", "key", "value"), gains=_gains(probe)))]
-    comparison = compare(probe, base, cases, label=f"tokens after t in {cuts} changed")
-    return _judge_held(det, comparison, probe, what="past outputs", fail_message="outputs depend on future tokens",
-                       pass_message=f"no output moved when only later tokens changed (cuts at t={cuts})")
+    scenarios = [("no mask", None)]
+    if s.takes_mask:
+        pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
+        scenarios.append(("a padding mask", pad | (t.view(1, 1, T) <= 0)))  # key 0 always kept
+    readings = []
+    for name, extra in scenarios:
+        base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
+        allowed = probe.allowed(B, T, T, extra)
+        attends = torch.ones(B, T, dtype=torch.bool) if allowed is None else allowed.cpu().any(-1)
+        cases = [Case(x, hold=_rows(B, T, t <= c) & attends, move=_rows(B, T, t > c) & attends,
+                      when=f"when only t>={c + 1} was perturbed (x{gain:g}, {name})")
+                 for c in cuts
+                 for gain, x in zip(_gains(probe), perturbed(probe, base, t > c, ("query", "key", "value"),
+                                                             gains=_gains(probe)))]
+        comparison = compare(probe, base, cases, label=f"tokens after t in {cuts} changed, {name}")
+        if isinstance(comparison, DetectorResult):
+            return comparison
+        readings.append((name, comparison, *held(comparison, probe, what="past outputs")))
+    bad = [name for name, _, b, _, _, _ in readings if b]
+    if not bad and all(silent for *_, silent in readings):
+        return skip(det, "the output did not respond to later tokens at all, so its not moving proves nothing")
+    return _judge(det, bool(bad), "outputs depend on future tokens" + (f" (with {', '.join(bad)})" if bad else ""),
+                  f"no output moved when only later tokens changed (cuts at t={cuts}; "
+                  f"{' and '.join(n for n, *_ in readings)})",
+                  value=max(w for _, _, _, w, _, _ in readings), threshold=readings[0][1].tol,
+                  evidence="; ".join(f"{name}: {text}" for name, _, _, _, text, _ in readings))
 
 
 @detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "
@@ -569,3 +591,278 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
 
 
 __all__ = ["DETECTORS"]
+
+
+@detector("batch_independence", "each sequence's output depends on that sequence only: changing another "
+          "sequence of the batch, in a separate call, moves nothing",
+          targets=("batch and sequence axes mixed (permute or transpose over dim 0)", "normalisation over the batch",
+                   "a mask or cache broadcast across sequences"),
+          fix="keep the batch axis apart: merge heads with x.transpose(1, 2).reshape(B, T, D), reduce over "
+              "dim=-1, never over dim 0")
+def check_batch_independence(probe: Probe) -> DetectorResult:
+    """Two separate calls, so that a layer that mixes the batch is not compared with itself mixed the same way
+    (every other invariance check stacks its probes along the batch of one call)."""
+    det, s, B, T = "batch_independence", probe.subject, probe.BATCH, probe.t
+    base = Inputs(*probe.streams(B, T))
+    other = torch.zeros(B, T, dtype=torch.bool)
+    other[1:] = True  # every position of every sequence but the first
+    [changed] = perturbed(probe, base, other, ("query", "key", "value"))
+    allowed = probe.allowed(B, T, T)
+    calls = []
+    for x, label in ((base, "a batch of 2"), (base, "the same batch again"), (changed, "the same batch, sequence 1 changed")):
+        torch.manual_seed(probe.seed)  # one draw of any randomness for all three (the audit restores the RNG)
+        calls.append(probe.call(x.query, x.key, x.value, allowed, label=label))
+    for c in calls:
+        if not c.ok:
+            return not_run(det, c)
+    old, again, new = (c.output.out for c in calls)
+    if old.shape != new.shape or old.shape[0] != B:
+        return skip(det, f"the output {tuple(old.shape)} does not keep the batch")
+    if not torch.equal(old.nan_to_num(), again.nan_to_num()):  # randomness would read as mixing: not ours to judge
+        return skip(det, "two calls on the same batch differ, so a change between calls cannot be attributed to "
+                         "the other sequence (see eval_determinism)")
+    change = relative_change(new, old, centred=True)
+    if change is None:
+        return skip(det, "the output is zero or non-finite everywhere, so a change cannot be measured")
+    first = torch.zeros(B, T, dtype=torch.bool)
+    first[0] = True
+    comparison = Comparison([Case(changed, hold=first, move=~first, when="when only sequence 1 changed (a "
+                                  "separate call)")], [change], tolerance(UNCHANGED, s.dtype), calls[2])
+    return _judge_held(det, comparison, probe, what="outputs of sequence 0",
+                       fail_message="a sequence's output depends on another sequence of the batch",
+                       pass_message="each sequence's output depends on that sequence only")
+
+
+@detector("keys_matter", "the output depends on the keys and on the values: changing either input alone "
+          "moves it", targets=("q @ v^T instead of q @ k^T", "keys or values projected from the wrong stream"),
+          fix="scores = q @ k.transpose(-2, -1) with k = W_k(key); out = weights @ v with v = W_v(value)",
+          needs=(SEPARATE_QUERY, LONG))  # with one key per query, the weights are 1 whatever the keys
+def check_keys_matter(probe: Probe) -> DetectorResult:
+    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
+    q = probe.make(B, T)
+    k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
+    base = Inputs(q, k, v)
+    everywhere = torch.ones(T, dtype=torch.bool)
+    nothing = torch.zeros(B, T, dtype=torch.bool)
+    # the keys act only through the softmax: at d_k = 1 and std-0.02 initialisation a 1000x key moved a
+    # bfloat16 layer's output by exactly 0 (below its rounding), so keys are pushed 10000x outside float16
+    gains = {"key": (100.0,) if s.dtype == torch.float16 else (1e4,), "value": _gains(probe)}
+    cases = [Case(x, hold=nothing, when=f"when only the {stream} changed")
+             for stream in ("key", "value") for x in perturbed(probe, base, everywhere, (stream,), gains=gains[stream])]
+    comparison = compare(probe, base, cases, label="keys, then values, changed alone")
+    if isinstance(comparison, DetectorResult):
+        return comparison
+    moved = [float(c.max()) for c in comparison.changes]  # the most any output moved, per stream
+    # moved at all: a layer that ignores an input computes the same numbers and moves by exactly 0, while a
+    # correct layer at d_k = 1 and std-0.02 initialisation in bfloat16 moved by as little as 0.5% of its RMS
+    tol = 0.0
+    dead = [stream for stream, m in zip(("key", "value"), moved) if not m > tol]
+    evidence = "; ".join(f"changing every {stream} (x{gains[stream][0]:g}) moved the output by at most "
+                         f"{m:.3g} of its RMS" for stream, m in zip(("key", "value"), moved))
+    return _judge(det, bool(dead), f"the output does not depend on the {' or the '.join(d + 's' for d in dead)}",
+                  "the output depends on the keys and on the values", value=min(moved), threshold=tol,
+                  evidence=f"{evidence} (any change expected; a layer that ignores the input moves by exactly 0)")
+
+
+@detector("decode_consistency", "for a causal layer, the last Tq queries over all Tk keys give exactly the last "
+          "Tq rows of the full pass (decoding with a cache equals the full pass), for Tq = 1, 3 and an uneven split",
+          targets=("causal mask top-left or dropped once queries are fewer than keys",
+                   "positions of new queries not offset by the cache length"),
+          fix="build the causal mask bottom-right (causal_mask(Tq, Tk, align='bottom_right')) and offset the "
+              "positions of new queries by the number of cached tokens",
+          needs=(CAUSAL, SEPARATE_QUERY, LONG))
+def check_decode_consistency(probe: Probe) -> DetectorResult:
+    det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
+    if s.form == "function":
+        q, k, v = probe.make(B, T), probe.make(B, T), probe.make(B, T)
+    else:
+        q = k = v = probe.make(B, T)
+    full = probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
+    if not full.ok:
+        return not_run(det, full)
+    t = s.time_dim
+    splits = [min(n, T - 1) for n in (1, 3, T - T // 3)]  # three calls at every length: a constant cost
+    readings, worst = [], 0.0
+    # the same rows from matmuls of other shapes: summed in another order, so rounding may differ (nn.MHA in
+    # float32 measured 1.5e-5); the row-sum tolerance is that of a recomputation
+    tol = tolerance(ROW_SUM, s.dtype)
+    for n in splits:
+        tail = q.narrow(t, T - n, n).clone()
+        part = probe.call(tail, k, v, probe.allowed(B, n, T), label=f"the last {n} queries over {T} keys")
+        if not part.ok:
+            return not_run(det, part)
+        expected = full.output.out.narrow(t, T - n, n)
+        if part.output.out.shape != expected.shape:
+            return skip(det, f"the output {tuple(part.output.out.shape)} has no row per query (see output_shape)")
+        change = relative_change(part.output.out, expected, centred=True, scale_of=full.output.out)
+        if change is None:
+            return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
+        bad = int((change > tol).sum())
+        worst = max(worst, float(change.max()))
+        readings.append((n, bad, change.numel(), float(change.max())))
+    failed = [r for r in readings if r[1]]
+    evidence = "; ".join(f"last {n} of {T} queries: {bad} / {total} rows differ from the full pass, by up to "
+                         f"{m:.3g}" for n, bad, total, m in readings) + f" ({allowed_text(tol, s.dtype)})"
+    return _judge(det, bool(failed), "decoding the last queries over all keys differs from the full pass",
+                  f"the last Tq queries over all keys reproduce the full pass (Tq = {splits})", value=worst,
+                  threshold=tol, evidence=evidence)
+
+
+GRADIENT_AGREEMENT = 1e-6
+"""|autograd - finite difference| / (|grad| |direction|) for the directional derivative of (out ** 2).sum() in
+float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5). Correct layers: see
+benchmarks/margins.py."""
+
+
+def _float64_twin(probe: Probe):
+    """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
+    import copy
+
+    from ._subject import make_subject
+
+    s = probe.subject
+    layer = s.layer if s.form == "function" else copy.deepcopy(s.layer).to(torch.float64)
+    return make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64)
+
+
+def _graph_call(sub, q, k, v, allowed) -> Tensor:
+    """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
+    like the subject's output."""
+    captured = []
+    if isinstance(sub.layer, torch.nn.Module):
+        handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            handle.remove()
+    else:
+        fn = sub.layer
+        sub.layer = lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1]
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            sub.layer = fn
+    raw = captured[-1] if captured else None
+    raw = raw[0] if isinstance(raw, (tuple, list)) else raw
+    def same(x):
+        return x.shape == shown.shape and torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
+
+    if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
+        raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
+    if not isinstance(raw, Tensor) or not same(raw):
+        raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
+    return raw
+
+
+@detector("gradients", "gradients are right: autograd's directional derivative of (out ** 2).sum() matches finite "
+          "differences in float64, and for a causal layer no gradient flows from outputs to earlier positions' "
+          "future inputs", targets=("detached softmax or attention under torch.no_grad()",
+                                    "a custom autograd.Function with a wrong backward", "a backward that lets the future in"),
+          fix="compute attention with autograd on (no .detach(), no torch.no_grad()); check a custom backward with "
+              "torch.autograd.gradcheck")
+def check_gradients(probe: Probe) -> DetectorResult:
+    det, s = "gradients", probe.subject
+    B, T = probe.BATCH, min(probe.t, 6)  # gradient bugs do not need long sequences; keeps the cost constant
+    try:
+        sub = _float64_twin(probe)
+    except Exception as error:  # a layer that cannot be copied or converted: say so
+        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+    gen = probe.generator()
+    cross = s.separate_kv and not probe.causal
+    draw = lambda: sub.make(gen, B, T)  # noqa: E731
+    if s.form == "function":
+        inputs = [draw(), draw(), draw()]
+    elif cross:
+        inputs = [draw(), draw()]
+    else:
+        inputs = [draw()]
+    inputs = [x.requires_grad_(True) for x in inputs]
+    qkv = (lambda xs: (xs[0], xs[1], xs[2]) if len(xs) == 3 else (xs[0], xs[1], xs[1]) if len(xs) == 2
+           else (xs[0], xs[0], xs[0]))
+    allowed = probe.allowed(B, T, T)
+    params = [p for p in (sub.layer.parameters() if isinstance(sub.layer, torch.nn.Module) else []) if p.requires_grad]
+    probe.passes += 7  # forward + backward (counted as two), four forwards for the finite differences, causal: +3
+    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T})", B, T, T,
+                                        None if allowed is None else allowed.cpu(), len(inputs) == 1,
+                                        backward=True))
+    try:
+        torch.manual_seed(probe.seed)  # every call draws the same randomness (the audit restores the RNG)
+        with torch.enable_grad():
+            out = _graph_call(sub, *qkv(inputs), allowed)
+    except Exception as error:
+        return skip(det, f"the layer raised on its float64 copy ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:160] if str(error) else ''}); see `runs`")
+    try:
+        with torch.enable_grad():
+            if out.grad_fn is None:
+                if params:
+                    return _result(det, "fail", "no gradient reaches the output: attention runs without autograd",
+                                   value=0.0, threshold=0.0, evidence=f"the output has no grad_fn although the layer "
+                                   f"has {len(params)} trainable parameters (torch.no_grad() or .detach() inside)")
+                return DetectorResult(det, "skip", "not applicable: the layer has no trainable parameters and no "
+                                                   "differentiable path")
+            grads = torch.autograd.grad((out ** 2).sum(), inputs, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return _result(det, "fail", "gradients are NaN or inf on an ordinary input", value=math.inf,
+                           threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs")
+        u = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs]
+
+        def loss_at(eps: float) -> float:
+            # under grad mode, like the autograd call: torch's layers take fused fast paths without it
+            torch.manual_seed(probe.seed)
+            with torch.enable_grad():
+                return float((sub(*qkv([(x + eps * d).detach() for x, d in zip(inputs, u)]), allowed).out ** 2).sum())
+
+        def central(eps: float) -> float:
+            return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+
+        # Richardson extrapolation of two central differences: error O(eps^4), so that a sharp softmax (an
+        # unscaled T5-style layer: 1.6e-3 off with one difference at eps 1e-5) is measured to ~1e-10
+        eps = 1e-4
+        coarse, fine = central(eps), central(eps / 2)
+        fd = (4 * fine - coarse) / 3
+        ad = float(sum((g * d).sum() for g, d in zip(grads, u)))
+        # relative to |grad| |u|, the most the directional derivative can be (it may be small by cancellation)
+        scale = max(math.sqrt(float(sum((g * g).sum() for g in grads)) * float(sum((d * d).sum() for d in u))), 1e-300)
+        rel = abs(fd - ad) / scale
+        # a layer that computes inside in float32 (a softmax upcast to float32 is common) makes the finite
+        # differences themselves noisy: their own spread over two step sizes bounds what can be judged
+        limit = max(GRADIENT_AGREEMENT, 10 * abs(fine - coarse) / scale)
+        evidence = (f"along a random direction of the inputs, autograd gives {ad:.6g} and extrapolated central "
+                    f"differences {fd:.6g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
+                    f"allowed: {GRADIENT_AGREEMENT:.0e}, or 10x the finite differences' own spread)")
+        if rel > limit:
+            return _result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "
+                           "(a detached or hand-written backward)", value=rel, threshold=limit,
+                           evidence=evidence)
+        if probe.causal and T >= 2:
+            leak = _future_gradient(sub, inputs, qkv, allowed)
+            if leak:
+                return _result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
+                               "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence)
+    except Exception as error:  # the layer raised on float64 or in backward: a finding about its gradients
+        return _result(det, "fail", f"the backward pass (or the float64 copy) raised: {type(error).__name__}",
+                       value=None, evidence=str(error).splitlines()[0][:200] if str(error) else "",
+                       fix="make the layer differentiable in float64 (the check that catches wrong backwards)")
+    return _result(det, "pass", "gradients agree with finite differences" + (" and do not flow from the past to "
+                   "the future" if probe.causal else ""), value=rel, threshold=limit, evidence=evidence)
+
+
+def _future_gradient(sub, inputs, qkv, allowed) -> str:
+    """'' if outputs up to the middle send no gradient to later inputs, else the evidence."""
+    t_dim = sub.time_dim
+    T = inputs[0].shape[t_dim]
+    c = (T - 1) // 2
+    torch.manual_seed(0)
+    with torch.enable_grad():
+        out = _graph_call(sub, *qkv(inputs), allowed)
+        grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+    for name, x, g in zip(("query", "key", "value") if len(inputs) == 3 else ("input",), inputs, grads):
+        if g is None:
+            continue
+        later = g.narrow(t_dim, c + 1, T - c - 1).abs().max()
+        if float(later) > 1e-12 * max(float(g.abs().max()), 1e-300):
+            return (f"(out[:, :{c + 1}] ** 2).sum() has gradient up to {float(later):.3g} w.r.t. {name} positions "
+                    f"after t={c} (must be exactly 0)")
+    return ""

@@ -195,8 +195,48 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
                                                residual))
+                used = _weights_used(record.order[i + 1:], event.output)
+                if used is not None:  # something happened to the weights between the softmax and the values
+                    again = _fit_log_weights(used, m.out)
+                    if again is not None:
+                        estimates.append(ScaleEstimate(again[0] * m.factor, int(m.a.shape[-1]),
+                                                       "log of the weights that multiply the values vs q·k",
+                                                       again[1]))
                 break
     return estimates
+
+
+def _weights_used(later: list, weights: Tensor) -> Tensor | None:
+    """The operand of the first later matmul that multiplies (Tq, Tk) weights like these by the values, when
+    it is not the softmax output itself (a second softmax, a renormalisation): None otherwise."""
+    for m in later:
+        if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-1] == weights.shape[-1]:
+            used = m.a.reshape(weights.shape)
+            same = torch.equal(used, weights.to(used.dtype))
+            return None if same else used
+    return None
+
+
+def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | None:
+    """s in log w = s * (q·k) + c_row + bias, fitted on the differences between the two batch halves (the
+    content-independent bias cancels) centred per row (the row's normaliser cancels), over entries with
+    weight in both halves. A dropout mask leaves it unchanged; a second softmax flattens it."""
+    w, p = used.detach().double(), products.detach().double().reshape(used.shape)
+    half = w.shape[0] // 2
+    if half == 0 or w.shape[0] % 2 or w.numel() > 4 * _FIT_SAMPLES * 16:
+        return None
+    ok = (w[:half] > 0) & (w[half:] > 0) & torch.isfinite(w[:half]) & torch.isfinite(w[half:])
+    dl = torch.where(ok, w[:half].clamp_min(1e-300).log() - w[half:].clamp_min(1e-300).log(), 0.0)
+    dp = torch.where(ok, p[:half] - p[half:], 0.0)
+    n = ok.sum(-1, keepdim=True).clamp_min(1)
+    dl = torch.where(ok, dl - dl.sum(-1, keepdim=True) / n, 0.0)
+    dp = torch.where(ok, dp - dp.sum(-1, keepdim=True) / n, 0.0)
+    denom = float((dp * dp).sum())
+    if int(ok.sum()) < 4 or denom == 0.0:
+        return None
+    scale = float((dl * dp).sum()) / denom
+    residual = float((dl - scale * dp).norm() / dl.norm().clamp_min(1e-300))
+    return scale, residual
 
 
 _FIT_SAMPLES = 1 << 16

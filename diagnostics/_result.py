@@ -23,6 +23,7 @@ class ProbeShape:
     allowed: object = field(default=None, compare=False, repr=False)  # Tensor | None, on the CPU
     self_attention: bool = True
     raised: str = ""  # the layer's exception on this call, if it raised
+    backward: bool = False  # gradients were taken through this call
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,10 @@ def test_report_reads_and_raises():
 def test_evidence_reads_like_assert_close():
     report = audit(VARIANTS["missing_causal_mask"].build(16, 2), causal=True)
     evidence = report.result("future_leakage").evidence
-    pattern = (r"\d+ / \d+ past outputs changed \(\d+\.\d%\); greatest change [\d.e+-]+ at \(b=\d+, t=\d+\) "
-               r"when only t>=\d+ was perturbed \(x[\d.]+\) \(up to 1e-05 of the outputs' RMS about their mean "
-               r"allowed for float32\)")
+    one = (r"\d+ / \d+ past outputs changed \(\d+\.\d%\); greatest change [\d.e+-]+ at \(b=\d+, t=\d+\) "
+           r"when only t>=\d+ was perturbed \(x[\d.]+, {mask}\) \(up to 1e-05 of the outputs' RMS about their mean "
+           r"allowed for float32\)")
+    pattern = "no mask: " + one.format(mask="no mask") + "; a padding mask: " + one.format(mask="a padding mask")
     assert re.fullmatch(pattern, evidence), evidence
 
 
@@ -151,7 +152,8 @@ def test_registry_and_public_surface_agree():
     for det_id, det in diagnostics.DETECTORS.items():
         assert det.id == det_id and det.description and det.targets and det.fix and callable(det.check)
     for variant in VARIANTS.values():
-        assert set(variant.expected_detectors + variant.also_detected_by) <= set(diagnostics.DETECTORS)
+        named = variant.expected_detectors + variant.also_detected_by + variant.detected_at_other_sizes_by
+        assert set(named) <= set(diagnostics.DETECTORS)
 
 
 def test_diagnostics_never_imports_the_catalog():

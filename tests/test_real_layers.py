@@ -123,7 +123,7 @@ def test_function_adapter_names_and_encodes_the_mask_argument():
     seen = {}
 
     def additive_attention(q, k, v, bias=None, scale=None):  # a float mask, added to the scores
-        seen.update(bias=bias, scale=scale)
+        seen.update(bias=bias, scale=scale, q=q)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
     adapted = adapters.function(additive_attention, mask_arg="bias", convention="additive", scale=0.25)
@@ -131,7 +131,8 @@ def test_function_adapter_names_and_encodes_the_mask_argument():
     assert report.layer.startswith("test_function_adapter_names_and_encodes_the_mask_argument.<locals>."
                                    "additive_attention [bias: additive] (function")
     assert_clean(report, measured=CORE + CAUSAL + ("mask_honoured", "fully_masked_rows"))
-    assert seen["bias"].dtype == torch.float32 and seen["scale"] == 0.25
+    # the mask in the inputs' dtype (the gradient check's last call runs a float64 copy)
+    assert seen["bias"].dtype == seen["q"].dtype and seen["scale"] == 0.25
 
 
 # ---- torch ------------------------------------------------------------------------------------------------
@@ -209,7 +210,8 @@ def test_scaled_dot_product_attention_as_a_function(sdpa):
 
 def test_scaled_dot_product_attention_is_causal_aligns_top_left():
     report = audit(functools.partial(F.scaled_dot_product_attention, is_causal=True), causal=True)
-    assert report.fired() == {"causal_alignment": "fail"}
+    # decoding the last queries over all keys differs from the full pass: the same top-left alignment
+    assert report.fired() == {"causal_alignment": "fail", "decode_consistency": "fail"}
     assert report.result("future_leakage").verdict == "pass"
     # true of torch: with 2 queries over 4 keys the last query (position 3) does not see key 3
     q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
