@@ -76,12 +76,18 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
     report = _audit(layer, cfg, causal=layer.causal)
     fired = report.fired()
     seen_by = {r.detector for r in report.results if observable(variant, r, layer)}
-    missing = [d for d in variant.expected_detectors if d in seen_by and d not in fired]
+    # a detector whose positive control found the output unresponsive (a d_model-1 layer whose changes vanish
+    # in bfloat16 rounding) says "not measured", never "pass": that is not a miss, while the audit fails
+    unresponsive = {r.detector for r in report.results if r.verdict == "skip" and "did not respond" in r.message}
+    missing = [d for d in variant.expected_detectors if d in seen_by and d not in fired and d not in unresponsive]
     assert not missing, f"{vid}: {missing} could see the bug and did not fire ({cfg})\n{report}"
     if not seen_by:  # no probe could tell this layer from the reference: the audit must not either
         assert report.passed and not fired, f"{vid} is not observable on any probe, yet ({cfg})\n{report}"
     elif seen_by & set(variant.expected_detectors):  # caught, so the audit's outcome is the catalog's
-        assert report.status == ("passed" if variant.expected_severity == "warn" else "failed"), f"({cfg})\n{report}"
+        outcome = "passed" if variant.expected_severity == "warn" else "failed"
+        if cfg["dtype"] == torch.bfloat16 and report.fired() == {"fully_masked_rows": "fail"}:
+            outcome = "failed"  # torch's bfloat16 nn.Linear on CPU spreads a NaN row to its neighbour: see below
+        assert report.status == outcome, f"({cfg})\n{report}"
     allowed = variant.expected_detectors + variant.also_detected_by + variant.detected_at_other_sizes_by
     assert set(fired) <= set(allowed), f"({cfg})\n{report}"
 
@@ -124,3 +130,15 @@ def test_correct_layers_fail_no_detector(kind, cfg, causal, device):
     assert report.passed, f"({cfg})\n{report}"
     allowed_warnings = {"fully_masked_rows"} if kind == "torch_mha" else set()  # its NaN rows, by design
     assert set(report.fired()) <= allowed_warnings, f"({cfg})\n{report}"
+
+
+def test_torch_bfloat16_linear_on_cpu_spreads_a_nan_row_to_its_neighbour():
+    """Why a NaN row can become two in bfloat16: a fact of torch's CPU kernel (oneDNN), not of the catalog. If
+    this starts failing, torch changed, and the exception in the test above can go."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 15).bfloat16()
+    x[0, 5] = float("nan")
+    rows = torch.isnan(torch.nn.Linear(15, 15).bfloat16()(x)).any(-1)[0]
+    if not bool(rows[4]):
+        pytest.skip("this torch build keeps the NaN in its row")
+    assert rows.tolist() == [False] * 4 + [True, True] + [False] * 4
