@@ -26,7 +26,10 @@ from diagnostics._thresholds import SCALE_RATIO  # noqa: E402
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 TOLERANCE_DETECTORS = ("weight_row_sums", "output_variance", "query_locality", "mask_honoured", "future_leakage",
-                       "eval_determinism", "softmax_saturation")
+                       "eval_determinism", "softmax_saturation", "batch_independence", "decode_consistency",
+                       "gradients")
+# "must move" detectors: correct layers must stay *above* the threshold; the smallest value is their margin
+MUST_MOVE = ("keys_matter",)
 
 
 def layers(dtype, seed):
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     args = parser.parse_args()
     worst = defaultdict(float)  # (detector, dtype) -> largest value seen on a correct layer
+    lowest = {}  # (detector, dtype) -> smallest value of a must-move detector on a correct layer
     threshold = {}
     failures = []
     for dtype in DTYPES:
@@ -54,6 +58,9 @@ def main() -> None:
                 if not report.passed:
                     failures.append(f"{name} {dtype} seed {seed}: {[f.detector for f in report.findings]}")
                 for r in report.results:
+                    if r.detector in MUST_MOVE and r.value is not None and r.verdict != "skip":
+                        key = (r.detector, str(dtype).replace("torch.", ""))
+                        lowest[key] = min(lowest.get(key, float("inf")), r.value)
                     if r.detector in TOLERANCE_DETECTORS and r.value is not None and r.verdict != "skip":
                         value = abs(r.value - 1) if r.detector == "softmax_saturation" else r.value
                         key = (r.detector, str(dtype).replace("torch.", ""))
@@ -63,6 +70,8 @@ def main() -> None:
     for (det, dt), value in sorted(worst.items()):
         margin = "exact" if value == 0 else f"{threshold[(det, dt)] / value:.0f}x"
         print(f"{det:<20} {dt:<9} {threshold[(det, dt)]:>10.1e} {value:>16.2e} {margin:>9}")
+    for (det, dt), value in sorted(lowest.items()):
+        print(f"{det:<20} {dt:<9} {'> 0':>10} {value:>16.2e} {'(smallest: must move)':>9}")
     print(f"\ncorrect layers failing an audit: {len(failures)}")
     for line in failures[:20]:
         print("  " + line)

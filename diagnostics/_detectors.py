@@ -673,10 +673,12 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
           needs=(CAUSAL, SEPARATE_QUERY, LONG))
 def check_decode_consistency(probe: Probe) -> DetectorResult:
     det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
+    # tokens 10x the usual size: logits 100x, so that a position or mask error shows even where the
+    # initialisation keeps logits tiny (GPT-2's std 0.02), far above the rounding of a recomputation
     if s.form == "function":
-        q, k, v = probe.make(B, T), probe.make(B, T), probe.make(B, T)
+        q, k, v = 10 * probe.make(B, T), 10 * probe.make(B, T), 10 * probe.make(B, T)
     else:
-        q = k = v = probe.make(B, T)
+        q = k = v = 10 * probe.make(B, T)
     full = probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
     if not full.ok:
         return not_run(det, full)

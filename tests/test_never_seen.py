@@ -513,3 +513,157 @@ def test_weights_are_told_apart_from_a_returned_cache():
     report = diagnostics.audit(PackedInPlaceScale(64, 4), seq_len=16)  # head_dim 16 == seq_len
     assert report.weights_source == "returned weights" and report.weights.shape == (2, 4, 16, 16)
     assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation").evidence
+
+
+# ---- the second chapter's families (issue 9): broken and correct twins, unlike the reference -----------------
+# Each family is caught in float32 and bfloat16, at torch's default and at GPT-2's std-0.02 initialisation
+# (modules); each twin passes with the same options in the same settings.
+
+
+def keys_centred_over_the_batch(q, k, v, mask=None):
+    """A BatchNorm-like centring of the keys over dim 0, the batch: each sequence now depends on the others."""
+    k = k - k.mean(dim=0, keepdim=True)  # BUG
+    return einsum_attention(q, k, v, mask)
+
+
+def scores_from_the_values(q, k, v, mask=None):
+    """q @ v^T where q @ k^T was meant: weights still sum to 1, the keys are never read."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, v) / math.sqrt(q.shape[-1])  # BUG
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v), weights
+
+
+def softmax_twice(q, k, v, mask=None):
+    """A helper returned probabilities; the caller normalised them again."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probabilities = scores.softmax(dim=-1).nan_to_num(0.0)
+    weights = probabilities.softmax(dim=-1)  # BUG
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v)
+
+
+class _Softmax(torch.autograd.Function):
+    """A hand-written softmax over the last dim; `exact=False` is the classic wrong backward (the Jacobian
+    taken as the identity)."""
+
+    @staticmethod
+    def forward(ctx, scores, exact):
+        w = scores.softmax(dim=-1)
+        ctx.save_for_backward(w)
+        ctx.exact = exact
+        return w
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        if not ctx.exact:
+            return grad, None  # BUG
+        return w * (grad - (grad * w).sum(-1, keepdim=True)), None
+
+
+def custom_softmax_attention(q, k, v, mask=None, exact=True):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.einsum("bhqk,bhkd->bhqd", _Softmax.apply(scores, exact), v)
+
+
+def custom_softmax_wrong_backward(q, k, v, mask=None):
+    return custom_softmax_attention(q, k, v, mask, exact=False)
+
+
+class RotaryDecoder(nn.Module):
+    """Causal, with separate (query, key, value) inputs as in cached decoding, rotary positions and torch's
+    fused SDPA: the queries are the last Tq of Tk positions. `offset=False` rotates them as positions 0..Tq-1."""
+
+    causal = True
+
+    def __init__(self, d_model, num_heads, offset=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.offset = d_model, num_heads, offset
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, query, key, value, mask=None):
+        B, Tq, D = query.shape
+        Tk, H = key.shape[1], self.num_heads
+        q = self.q(query).view(B, Tq, H, -1).transpose(1, 2)  # (B, H, Tq, d)
+        k = self.k(key).view(B, Tk, H, -1).transpose(1, 2)  # (B, H, Tk, d)
+        v = self.v(value).view(B, Tk, H, -1).transpose(1, 2)
+        positions = torch.arange(Tk - Tq, Tk) if self.offset else torch.arange(Tq)  # BUG when not offset
+        q, k = _rotate(q, positions.to(q.device)), _rotate(k, torch.arange(Tk, device=k.device))
+        allowed = __import__("correct").causal_mask(Tq, Tk, align="bottom_right", device=q.device)  # (Tq, Tk)
+        allowed = allowed if mask is None else allowed & mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, Tq, d)
+        return self.o(out.transpose(1, 2).reshape(B, Tq, D))
+
+
+class PaddingOrCausal(NanoGPTAttention):
+    """nanoGPT that takes a padding mask and combines it with its causal mask; `combine` is how."""
+
+    causal = True
+
+    def __init__(self, n_embd, n_head, combine="and"):
+        super().__init__(n_embd, n_head)
+        self.combine = combine
+
+    def forward(self, x, mask=None):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        causal = self.bias[:, :, :T, :T] == 1  # (1, 1, T, T)
+        if mask is None:
+            allowed = causal
+        elif self.combine == "or":
+            allowed = causal | mask  # BUG: a key the padding mask allows is seen, future or not
+        else:
+            allowed = causal & mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+# name: (broken layer and audit options, detector that must fail, its correct twin)
+SECOND_CHAPTER = {
+    "keys centred over the batch": (lambda: (keys_centred_over_the_batch, {}), "batch_independence",
+                                    lambda: einsum_attention),
+    "scores from the values": (lambda: (scores_from_the_values, {}), "keys_matter", lambda: einsum_attention),
+    "softmax applied twice": (lambda: (softmax_twice, {}), "softmax_saturation", lambda: einsum_attention),
+    "hand-written softmax with an identity backward": (lambda: (custom_softmax_wrong_backward, {}), "gradients",
+                                                       lambda: custom_softmax_attention),
+    "rotary decoder, queries not offset by the cache": (lambda: (RotaryDecoder(24, 3, offset=False), dict(causal=True)),
+                                                        "decode_consistency", lambda: RotaryDecoder(24, 3)),
+    "padding mask ORed with the causal mask": (lambda: (PaddingOrCausal(24, 3, combine="or"), dict(causal=True)),
+                                               "future_leakage", lambda: PaddingOrCausal(24, 3)),
+}
+SCALES = [(dtype, init) for dtype in (torch.float32, torch.bfloat16) for init in ("default", "gpt2")]
+
+
+def _in_setting(layer, kw, dtype, init):
+    if isinstance(layer, nn.Module):
+        if init == "gpt2":
+            __import__("correct").gpt2_init_(layer)
+        return layer.to(dtype), kw
+    return layer, {**kw, "dtype": dtype}
+
+
+@pytest.mark.parametrize("dtype, init", SCALES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("name", sorted(SECOND_CHAPTER))
+def test_second_chapter_families_are_caught_unlike_the_reference(name, dtype, init):
+    make, detector, _ = SECOND_CHAPTER[name]
+    torch.manual_seed(0)
+    layer, kw = _in_setting(*make(), dtype, init)
+    report = diagnostics.audit(layer, **kw)
+    assert report.result(detector).verdict == "fail", str(report)
+    assert not report.passed
+
+
+@pytest.mark.parametrize("dtype, init", SCALES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("name", sorted(SECOND_CHAPTER))
+def test_second_chapter_twins_pass_in_the_same_settings(name, dtype, init):
+    make, detector, make_twin = SECOND_CHAPTER[name]
+    torch.manual_seed(0)
+    _, kw = make()
+    layer, kw = _in_setting(make_twin(), kw, dtype, init)
+    report = diagnostics.audit(layer, **kw)
+    assert report.passed and set(report.fired()) <= {"fully_masked_rows"}, str(report)
