@@ -1,6 +1,7 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer from the command line.
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
+                    [--mask CONVENTION] [--layout bhtd|bthd]
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch
@@ -37,7 +38,7 @@ EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": EXIT_INCONCLUSIVE}
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
-           "scale": "--scale", "require": "--require", "strict": "--strict"}
+           "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout"}
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
@@ -166,6 +167,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="a detector that must measure the layer: its skip fails the audit (repeat for several)")
     p.add_argument("--strict", action="store_true",
                    help="every detector that applies to the layer must measure it: a 'not measured' skip fails")
+    p.add_argument("--mask", choices=("allowed", "blocked", "additive", "key_padding"),
+                   help="how the layer takes its mask: allowed (bool, True = may attend; the default), blocked "
+                        "(True = blocked), additive (0 keep, large negative block), key_padding ((B, Tk), True = pad)")
+    p.add_argument("--layout", choices=("bhtd", "bthd"),
+                   help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON instead of a table (with \"status\" and \"status_reason\")")
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH")
@@ -215,13 +221,13 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
         layer = load_layer(args.target)
         # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
         # usage errors, worded with this command's flags
-        check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, options=OPTIONS),
-                      args.seq_len, options=OPTIONS)
+        check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
+                                   layout=args.layout, options=OPTIONS), args.seq_len, options=OPTIONS)
         report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
         try:
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
                            num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
-                           progress=report_progress, _options=OPTIONS)
+                           mask=args.mask, layout=args.layout, progress=report_progress, _options=OPTIONS)
         finally:
             done()
     except AuditUsageError as error:

@@ -75,6 +75,7 @@ class Subject:
     form: str
     takes_mask: bool
     separate_kv: bool  # query and key/value may differ (cross-attention, Tq != Tk)
+    separate_value: bool = True  # the value is an input of its own (False: one memory stream is key and value)
     builtin_causal: bool  # the layer declares that it builds its own causal mask
     time_dim: int
     convention: str = "allowed"  # how the layer takes its mask (see adapters.convert_mask, and "key_padding")
@@ -290,6 +291,7 @@ class ModuleSubject(Subject):
         super().__init__(layer, **kw)
         self.sig, self.form, self.mask_names = sig, form, mask_names
         self.separate_kv = form != "self_module"
+        self.separate_value = form == "qkv_module"
         self.takes_mask = bool(mask_names)
         self.convention, self.convention_declared = convention, declared
         self.builtin_causal, self.extra, self.notes = builtin_causal, extra, notes

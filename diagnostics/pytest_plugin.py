@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 
 # audit() parameters as this plugin's options spell them, for messages that name an option
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
-           "strict": "--attention-strict"}
+           "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout"}
 
 
 class AttentionAuditWarning(UserWarning):
@@ -76,6 +76,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attention-strict", action="store_true", default=False,
                     help="every detector that applies to the audited layers must measure them: a 'not measured' "
                          "skip fails")
+    group.addoption("--attention-mask-convention", default=None, metavar="CONVENTION",
+                    choices=("allowed", "blocked", "additive", "key_padding"),
+                    help="how the audited layers take their mask: allowed (bool, True = may attend; the default), "
+                         "blocked, additive or key_padding")
+    group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd"),
+                    help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
 
 
 def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarning:
@@ -157,7 +163,9 @@ class AuditTarget(pytest.File):
         try:
             self.layer = load_layer(self.spec)
             # cannot be called as an attention layer, or not at this length: say so now, not per detector
-            check_seq_len(make_subject(self.layer, options=OPTIONS), seq_len, options=OPTIONS)
+            options = self.config.option
+            check_seq_len(make_subject(self.layer, mask=options.attention_mask_convention,
+                                       layout=options.attention_layout, options=OPTIONS), seq_len, options=OPTIONS)
         except AuditUsageError as error:
             raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
         self.source = _source(self.layer) or self.source
@@ -172,6 +180,7 @@ class AuditTarget(pytest.File):
             options = self.config.option
             self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len,
                                  require=options.attention_require, strict=options.attention_strict,
+                                 mask=options.attention_mask_convention, layout=options.attention_layout,
                                  _options=OPTIONS)
         return self._report
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from diagnostics import AuditUsageError, audit
 from diagnostics._subject import make_subject, mask_convention_hint
 
+pytest_plugins = ["pytester"]
 D, H = 32, 4  # d_model, heads
 CORE = ("runs", "output_shape", "finite_output", "softmax_saturation", "output_variance", "eval_determinism")
 
@@ -302,3 +303,44 @@ def test_sizes_are_inferred_where_no_attribute_names_the_width():
     assert subject.d_model == D and subject.num_heads == 1
     assert "num_heads=1 assumed" in subject.describe() and "num_heads=4" in subject.describe()
     assert_clean(audit(TimmLike(), causal=True), measured=CORE + ("future_leakage",), warns=("fully_masked_rows",))
+
+
+# ---- the same declarations from the command line and the pytest plugin ------------------------------------
+
+FLASH_MODULE = '''
+import math
+import torch
+
+
+def flash(q, k, v, mask=None):  # (B, T, H, d); mask additive, (B, 1, Tq, Tk)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+'''
+
+
+def test_cli_takes_mask_and_layout(tmp_path, monkeypatch, capsys):
+    from diagnostics import _cli
+
+    (tmp_path / "flashmod.py").write_text(FLASH_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cli.main(["flashmod:flash", "--causal", "--layout", "bthd", "--mask", "additive"]) == 0
+    assert "layout=bthd" in capsys.readouterr().out
+    assert _cli.main(["flashmod:flash", "--causal", "--mask", "additive"]) == 1  # (B, H, T, d) assumed: wrong
+    capsys.readouterr()
+    assert _cli.main(["flashmod:flash", "--causal", "--layout", "bthd"]) == 1  # a bool mask added: not masked
+    assert "future_leakage" in capsys.readouterr().out
+
+
+def test_plugin_takes_mask_and_layout(pytester):
+    pytester.makepyfile(flashmod=FLASH_MODULE)
+    pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    pytester.syspathinsert()
+    args = ["-p", "diagnostics.pytest_plugin", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:randomly",
+            "--attention-audit=flashmod:flash", "--attention-causal"]
+    result = pytester.runpytest(*args, "--attention-layout=bthd", "--attention-mask-convention=additive")
+    assert result.ret == 0, result.stdout.str()
+    assert pytester.runpytest(*args).ret == 1  # undeclared: findings
