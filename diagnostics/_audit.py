@@ -181,6 +181,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                            need_weights=need_weights, mask=mask, layout=layout, options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options)
+    probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
     with _untouched(layer, subject.device):

@@ -146,13 +146,14 @@ class Observer(TorchDispatchMode):
             self._set_factor(args[0], self._factor(args[1]))
         elif func in _MATMULS:
             a, b = args[0], args[1]
-            m = Matmul(out.detach(), a.detach(), b.detach(), self._factor(a) * self._factor(b))
+            # a copy: a layer may scale the scores in place afterwards (Falcon's `scores /= sqrt(d)`)
+            m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b))
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func is aten.baddbmm.default:
             a, b = args[1], args[2]
             alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))
-            m = Matmul(out.detach(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b))
+            m = Matmul(out.detach().clone(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b))
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:

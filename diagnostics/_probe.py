@@ -58,6 +58,7 @@ class Probe:
         # A layer that takes a mask and does not declare its own causality is made causal by the mask.
         self.pass_causal_mask = causal and subject.takes_mask and not subject.builtin_causal
         self.detector = "audit"  # the detector now probing; audit() sets it
+        self.chosen: tuple[str, ...] = ()  # the detectors this audit runs
         self.shapes: dict[str, list[ProbeShape]] = defaultdict(list)  # detector -> the calls it made
         self.raised: list[tuple[str, ProbeShape]] = []  # (detector, call) for every call that raised
         self._draws: dict[str, int] = defaultdict(int)
