@@ -229,9 +229,10 @@ def _entries() -> list[Variant]:
             "memory. Weights still sum to 1 and outputs stay convex; with Tq = Tk it runs silently.",
             symptom="The output does not change when the key input changes.",
             fix="return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)",
-            detectable_when=Observable("cross-attention (query and memory differ), and Tq != Tk (it raises) or some "
-                                       "query may attend two keys (one key's weight is 1 whatever the scores)",
-                                       lambda s: not s.self_attention and (s.t_q != s.t_k or s.has_choice)),
+            detectable_when=Observable("cross-attention (query and memory differ), and some query may attend two "
+                                       "keys (one key's weight is 1 whatever the scores), or 1 != Tq != Tk (it raises; "
+                                       "with Tq = 1 the one score broadcasts over the keys)",
+                                       lambda s: not s.self_attention and (s.has_choice or s.t_q not in (1, s.t_k))),
             expected_detectors=("keys_matter",),
             also_detected_by=("runs", "query_locality"),  # with Tq != Tk the scores and the values disagree: it raises
         ),

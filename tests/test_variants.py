@@ -69,6 +69,7 @@ def _run(layer, case, self_attention, query, memory, mask):
 @example(drawn=(AttentionCase(2, 1, 4, 4, 5, 5, "none", 0), True, False))  # H = 1: view happens to work
 @example(drawn=(AttentionCase(2, 3, 4, 4, 1, 6, "none", 0), False, False))  # Tq = 1: one decoding step
 @example(drawn=(AttentionCase(1, 2, 1, 1, 4, 4, "none", 0), True, False))  # d_k = 1: no scale to miss, view works
+@example(drawn=(AttentionCase(1, 1, 1, 1, 1, 2, "padding", 0), False, False))  # Tq = 1: one score broadcast over keys
 def test_variant_differs_from_reference_exactly_when_detectable(vid, drawn):
     case, self_attention, training = drawn
     variant = VARIANTS[vid]
