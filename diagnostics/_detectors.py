@@ -835,7 +835,15 @@ def check_gradients(probe: Probe) -> DetectorResult:
             return _result(det, "fail", "gradients are NaN or inf on an ordinary input", value=math.inf,
                            threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs or "
                                                    "parameters")
-        u = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs + params]
+        # inputs: Gaussian draws; parameters (a million entries for a 512-wide layer, where Gaussian draws cost
+        # more than the whole check): a low-discrepancy sequence, frac(n * golden ratio) - 1/2, offset by a draw
+        start = float(torch.rand((), generator=gen))
+        u = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs]
+        n = 0
+        for p in params:
+            index = torch.arange(n, n + p.numel(), dtype=torch.float64, device=p.device)
+            u.append((index.mul_(0.6180339887498949).add_(start).frac_().sub_(0.5)).view(p.shape))
+            n += p.numel()
         u_in, u_par = u[:len(inputs)], u[len(inputs):]
         originals = [p.detach().clone() for p in params]
 
@@ -872,7 +880,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
             # differences themselves noisy: two extrapolations from different step sizes disagree by that noise
             fd_fine = (4 * central(eps / 4) - fine) / 3
             limit = max(GRADIENT_AGREEMENT, 30 * abs(fd_fine - fd) / scale)
-        evidence = (f"along a random direction of the inputs and parameters, autograd gives {ad:.6g} and extrapolated central "
+        evidence = (f"along a pseudo-random direction of the inputs and parameters, autograd gives {ad:.6g} and extrapolated central "
                     f"differences {fd:.6g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
                     f"allowed: {GRADIENT_AGREEMENT:.0e}, or 30x the finite differences' own noise)")
         if rel > limit:
