@@ -35,13 +35,33 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         return self.out(torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(B, T, D))
 
+
+class LinearOnly(nn.Module):  # no attention at all: nothing the audit needs can be measured
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads, self.proj = 32, 4, nn.Linear(32, 32)
+
+    def forward(self, x, mask=None):
+        return self.proj(x)
+
+
+linear_only = LinearOnly()
+
+
+class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
+    def __init__(self, block_size=8):
+        super().__init__()
+        causal = torch.tril(torch.ones(block_size, block_size))  # (T, T)
+        self.register_buffer("bias", causal.view(1, 1, block_size, block_size))
+
 '''
 
 
 @pytest.fixture(scope="session")
 def user_attention_source() -> str:
     """Source of a module `Attention(d_model=32, num_heads=4, scaled=True)`, forward(x, mask=None): a user's own
-    layer for the command-line and plugin tests to write into a scratch directory and extend."""
+    layer for the command-line and plugin tests to write into a scratch directory and extend; also
+    `linear_only` (no attention at all) and `Block` (a registered causal mask as long as its context)."""
     return _USER_ATTENTION_SOURCE
 
 

@@ -60,24 +60,6 @@ def failing_factory():
     raise RuntimeError("no GPU here")
 
 
-class LinearOnly(nn.Module):  # no attention at all: nothing the audit needs can be measured
-    def __init__(self):
-        super().__init__()
-        self.d_model, self.num_heads, self.proj = 32, 4, nn.Linear(32, 32)
-
-    def forward(self, x, mask=None):
-        return self.proj(x)
-
-
-linear_only = LinearOnly()
-
-
-class Block(Attention):  # nanoGPT's way: a registered causal mask as long as the context
-    def __init__(self, block_size=8):
-        super().__init__()
-        causal = torch.tril(torch.ones(block_size, block_size))  # (T, T)
-        self.register_buffer("bias", causal.view(1, 1, block_size, block_size))
-
 '''
 
 
