@@ -18,6 +18,7 @@ from ._registry import phrase
 from ._result import DetectorResult
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
+from ._where import localise
 
 
 class AttentionAuditError(AssertionError):
@@ -84,6 +85,7 @@ class AuditReport:
                 lines += ["", f"{r.verdict.upper()} {r.detector}: {r.message}"]
                 if r.evidence:
                     lines.append(f"  evidence: {r.evidence}")
+                lines += [f"  {'where:' if n == 0 else '':<9} {site.describe()}" for n, site in enumerate(r.where)]
                 if r.fix and r.verdict != "error":
                     lines.append(f"  fix:      {r.fix}")
         return "\n".join(lines)
@@ -106,7 +108,8 @@ class AuditReport:
             "causal": self.causal, "seq_len": self.seq_len, "dtype": self.dtype, "device": self.device,
             "forward_passes": self.forward_passes, "seconds": round(self.seconds, 4),
             "results": [{"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
-                         "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix}
+                         "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix,
+                         "where": [site.to_dict() for site in r.where]}
                         for r in self.results],
         }
 
@@ -190,10 +193,11 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
+        measured = localise(probe, measured)  # findings only: a passing audit makes no call here
         base = probe.base()
     if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
         # settled last: besides its own probes, it reports every other detector's probe that raised
-        measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
+        measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes, where=measured["runs"].where)
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
     status, reason = _status(results, probe, base, _options)
     weights, source = probe.weights(base) if base.ok else (None, "")

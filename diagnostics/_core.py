@@ -166,6 +166,7 @@ class Comparison:
     changes: list[Tensor]
     tol: float
     call: Call
+    base: Inputs | None = None  # the baseline the cases were compared with (None: the cases' own inputs)
 
 
 def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Comparison | DetectorResult:
@@ -194,7 +195,7 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Com
             return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
                              "measured against it")
         changes.append(change)
-    return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call)
+    return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call, base)
 
 
 def _expand(rows: Tensor, like: Tensor) -> Tensor:
@@ -215,6 +216,9 @@ def allowed_text(tol: float, dtype) -> str:
 def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float, str, str]:
     """The verdict material for 'the held rows must not move': (bad count, worst change, evidence,
     unresponsive) where `unresponsive` is non-empty when some case's `move` rows did not move at all."""
+    from ._where import note_comparison
+
+    note_comparison(probe, comparison)  # kept for pointing at the line, should the detector fail
     tol = comparison.tol
     total = bad = 0
     worst, worst_at = 0.0, None

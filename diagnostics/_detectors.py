@@ -640,7 +640,7 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     first = torch.zeros(B, T, dtype=torch.bool)
     first[0] = True
     comparison = Comparison([Case(changed, hold=first, move=~first, when="when only sequence 1 changed (a "
-                                  "separate call)")], [change], tolerance(UNCHANGED, s.dtype), calls[2])
+                                  "separate call)")], [change], tolerance(UNCHANGED, s.dtype), calls[2], base)
     return _judge_held(det, comparison, probe, what="outputs of sequence 0",
                        fail_message="a sequence's output depends on another sequence of the batch",
                        pass_message="each sequence's output depends on that sequence only")

@@ -12,6 +12,9 @@ that does not depend on the content (masks, ALiBi and relative-position biases) 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +51,56 @@ _MATMULS = _ops("bmm.default", "mm.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 
 
+RECORD_SITES = True
+"""Record where in the user's code each observed op ran (a few frame hops per softmax, matmul, fused call or
+scaling; the text of the line is read only when a finding is shown). benchmarks/audit_cost.py --no-sites
+turns it off to measure what it costs."""
+
+_TORCH_DIR = os.path.normcase(os.path.dirname(torch.__file__)) + os.sep
+_OWN_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB = os.path.normcase(sysconfig.get_paths().get("stdlib", "") or "") + os.sep
+_OBSERVERS = ("_observe.py", "_where.py")  # this package's modules whose frames sit between an op and its caller
+_KIND: dict = {}  # code object -> 0 user, 1 torch / standard library, 2 diagnostics
+
+
+def _kind(code) -> int:
+    kind = _KIND.get(code)
+    if kind is None:
+        name = os.path.normcase(code.co_filename)
+        if name.startswith(_OWN_DIR):
+            kind = 2
+        elif (name.startswith(_TORCH_DIR) or (_STDLIB != os.sep and name.startswith(_STDLIB)
+                                                      and "site-packages" not in name) or name.startswith("<frozen")):
+            kind = 1
+        else:
+            kind = 0
+        _KIND[code] = kind
+    return kind
+
+
+def user_frames(frame=None, limit: int = 6) -> tuple:
+    """((code, lineno), ...) of the user's frames around an op, innermost first. Walking out from `frame`
+    (default: the caller's): the observers' own frames first, then torch's and the standard
+    library's, then the user's, through torch's (nn.Module.__call__), until the first frame of this package
+    (the audit calling the layer). An op that this package itself ran (converting a mask) has no user frame:
+    (). Code objects and line numbers only: the text is read when a finding is rendered."""
+    f = sys._getframe(1) if frame is None else frame
+    out = []
+    while f is not None and (_kind(f.f_code) == 1 or (_kind(f.f_code) == 2 and
+                                                      os.path.basename(f.f_code.co_filename) in _OBSERVERS)):
+        f = f.f_back  # the observers' own frames, and torch's around them
+    while f is not None:
+        kind = _kind(f.f_code)
+        if kind == 0:
+            out.append((f.f_code, f.f_lineno))
+            if len(out) >= limit:
+                break
+        elif kind == 2:
+            break
+        f = f.f_back
+    return tuple(out)
+
+
 def _key(t: Tensor):
     """This view of the memory: a factor applied in place to one slice (q of a packed qkv) is not k's."""
     try:
@@ -70,6 +123,7 @@ class SoftmaxCall:
     input: Tensor
     output: Tensor
     dim: int
+    frames: tuple = ()  # user_frames() where it ran
 
 
 @dataclass
@@ -78,6 +132,7 @@ class Matmul:
     a: Tensor
     b: Tensor
     factor: float  # alpha of baddbmm, times the constants a and b were multiplied by
+    frames: tuple = ()
 
 
 @dataclass
@@ -88,6 +143,17 @@ class FusedAttention:
     scale: float  # the scale the kernel applies, times the constants q and k were multiplied by
     attn_mask: Tensor | None
     is_causal: bool
+    frames: tuple = ()
+
+
+@dataclass
+class Scaling:
+    """A multiplication or division of a tensor by one constant (`factor`: what the values were multiplied by)."""
+
+    op: str
+    factor: float
+    shape: tuple
+    frames: tuple = ()
 
 
 @dataclass
@@ -117,6 +183,14 @@ class Observer(TorchDispatchMode):
             self._factors[_key(t)] = factor
             self._keep.append(t)
 
+    def _frames(self) -> tuple:
+        return user_frames(sys._getframe(3)) if RECORD_SITES else ()  # above _frames, _note, __torch_dispatch__
+
+    def _scaled(self, func, factor: float, t: Tensor) -> None:
+        if t.dim() >= 2:  # scores and projections, not a scalar's arithmetic
+            event = Scaling(str(func.overloadpacket), factor, tuple(t.shape), self._frames())
+            self.record.order.append(event)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -140,24 +214,27 @@ class Observer(TorchDispatchMode):
             if c_b is not None and isinstance(a, Tensor) and a.numel() > 1:
                 c = c_b if func in _SCALE_BY else (1.0 / c_b if c_b else math.inf)
                 self._set_factor(out, self._factor(a) * c)
+                self._scaled(func, c, a)
             elif c_a is not None and func in _SCALE_BY and isinstance(b, Tensor):
                 self._set_factor(out, self._factor(b) * c_a)
+                self._scaled(func, c_a, b)
         elif func is aten.copy_.default:
             self._set_factor(args[0], self._factor(args[1]))
         elif func in _MATMULS:
             a, b = args[0], args[1]
             # a copy: a layer may scale the scores in place afterwards (Falcon's `scores /= sqrt(d)`)
-            m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b))
+            m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b), self._frames())
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func is aten.baddbmm.default:
             a, b = args[1], args[2]
             alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))
-            m = Matmul(out.detach().clone(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b))
+            m = Matmul(out.detach().clone(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b),
+                       self._frames())
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:
-            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]))
+            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames())
             rec.softmaxes.append(s)
             rec.order.append(s)
         elif "scaled_dot_product" in name and "backward" not in name:
@@ -169,7 +246,7 @@ class Observer(TorchDispatchMode):
                 mask = next((a for a in args[3:] if isinstance(a, Tensor)), None)
             is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
             f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
-                               None if mask is None else mask.detach(), is_causal)
+                               None if mask is None else mask.detach(), is_causal, self._frames())
             rec.fused.append(f)
             rec.order.append(f)
 
@@ -180,11 +257,16 @@ class ScaleEstimate:
     d_k: int  # the width of the dot products
     source: str  # how it was found
     fit: float  # relative residual of the fit (0 = exact)
+    # what it was read from (the events of the record), for pointing at the line
+    matmul: Matmul | None = field(default=None, compare=False, repr=False)
+    softmax: SoftmaxCall | None = field(default=None, compare=False, repr=False)
+    fused: FusedAttention | None = field(default=None, compare=False, repr=False)
+    used_by: Matmul | None = field(default=None, compare=False, repr=False)  # weights @ values, when not the softmax's
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
     """One estimate per softmax that normalises a matmul's output, and one per fused attention call."""
-    estimates = [ScaleEstimate(f.scale, int(f.q.shape[-1]), "fused scaled_dot_product_attention", 0.0)
+    estimates = [ScaleEstimate(f.scale, int(f.q.shape[-1]), "fused scaled_dot_product_attention", 0.0, fused=f)
                  for f in record.fused]
     for i, event in enumerate(record.order):
         if not isinstance(event, SoftmaxCall):
@@ -195,26 +277,27 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             if fitted is not None:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
-                                               residual))
-                used = _weights_used(record.order[i + 1:], event.output)
-                if used is not None:  # something happened to the weights between the softmax and the values
+                                               residual, matmul=m, softmax=event))
+                found = _weights_used(record.order[i + 1:], event.output)
+                if found is not None:  # something happened to the weights between the softmax and the values
+                    used, by = found
                     again = _fit_log_weights(used, m.out)
                     if again is not None:
                         estimates.append(ScaleEstimate(again[0] * m.factor, int(m.a.shape[-1]),
                                                        "log of the weights that multiply the values vs q·k",
-                                                       again[1]))
+                                                       again[1], matmul=m, softmax=event, used_by=by))
                 break
     return estimates
 
 
-def _weights_used(later: list, weights: Tensor) -> Tensor | None:
-    """The operand of the first later matmul that multiplies (Tq, Tk) weights like these by the values, when
-    it is not the softmax output itself (a second softmax, a renormalisation): None otherwise."""
+def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
+    """The operand of the first later matmul that multiplies (Tq, Tk) weights like these by the values, and
+    that matmul, when the operand is not the softmax output itself (a second softmax, a renormalisation)."""
     for m in later:
         if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-1] == weights.shape[-1]:
             used = m.a.reshape(weights.shape)
             same = torch.equal(used, weights.to(used.dtype))
-            return None if same else used
+            return None if same else (used, m)
     return None
 
 

@@ -27,13 +27,59 @@ class ProbeShape:
 
 
 @dataclass(frozen=True)
+class Site:
+    """Where in the user's code a finding points: the first frame outside torch and diagnostics when the
+    operation `op` ran (an aten op such as "aten.softmax", or "returned its input unchanged" for a function
+    that should have done a step and did none). `note` says why this site; `callers` are the user frames
+    that called it, innermost first, as (file, line, function): a helper's line is read with its caller."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+    op: str
+    note: str = field(default="", compare=False)
+    callers: tuple[tuple[str, int, str], ...] = field(default=(), compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def describe(self, *, short: bool = False) -> str:
+        """`file:line in function: code  [op; note]`, with the first caller when it helps."""
+        from os.path import relpath
+
+        try:
+            shown = relpath(self.file)
+            shown = self.file if shown.startswith("..") else shown
+        except ValueError:  # another drive on Windows
+            shown = self.file
+        text = f"{shown}:{self.line} in {self.function}: {self.code}"
+        why = "; ".join(x for x in (self.op, self.note) if x)
+        if why and not short:
+            text += f"  [{why}]"
+        if self.callers and not short:
+            f, n, fn = self.callers[0]
+            try:
+                f = relpath(f) if not relpath(f).startswith("..") else f
+            except ValueError:
+                pass
+            text += f" (called from {f}:{n} in {fn})"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "line": self.line, "function": self.function, "code": self.code, "op": self.op,
+                "note": self.note, "callers": [list(c) for c in self.callers]}
+
+
+@dataclass(frozen=True)
 class DetectorResult:
     """One detector's honest verdict on one layer.
 
     `value` is the measured quantity, `threshold` the most a correct layer may show, `margin` how far
     correct layers measured stay from it at this dtype, `evidence` the assert_close-style details
     (count, fraction, worst case and where, what was allowed), `fix` what to change when it fires, and
-    `probes` the calls it made (sizes and masks), so that tests can tell which bugs it could have seen.
+    `probes` the calls it made (sizes and masks), so that tests can tell which bugs it could have seen, and
+    `where` the lines of the user's code the finding points at, most likely first (empty when it cannot tell).
     """
 
     detector: str
@@ -46,6 +92,7 @@ class DetectorResult:
     fix: str = ""
     extras: dict = field(default_factory=dict, compare=False, repr=False)  # e.g. weights for reports
     probes: tuple[ProbeShape, ...] = field(default=(), compare=False, repr=False)
+    where: tuple[Site, ...] = field(default=(), compare=False)  # the user's code lines, most likely first
 
     @property
     def severity(self) -> str:
@@ -63,4 +110,4 @@ class DetectorResult:
 
 Finding = DetectorResult  # a result whose verdict is warn or fail
 
-__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape"]
+__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape", "Site"]
