@@ -427,9 +427,15 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
     rows = declared.any(-1, keepdim=True)  # queries with some key to attend
     sites: list[Site] = []
 
-    def made_by(i):
-        p = None if i is None else trace.ops[i]
-        p = _through_carries(trace, p)
+    def made_by(i, user_of=None):
+        """The user op that built a mask: back through carries and through what the masking op's own line
+        did to it (torch's SDPA turns a bool mask into an additive one on the caller's line)."""
+        p = _through_carries(trace, None if i is None else trace.ops[i])
+        steps = 0
+        while p is not None and user_of is not None and p.frames[:1] == user_of.frames[:1] and steps < 32:
+            prev = next((trace.producer[x] for x in p.in_ids if x in trace.producer), None)
+            p = _through_carries(trace, None if prev is None else trace.ops[prev])
+            steps += 1
         return p if _user(p) else None
 
     # a mask applied after the softmax (a fill on rows that still have keys to attend)
@@ -454,7 +460,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             b, i, j = (int(x) for x in wrong.nonzero()[0])
             note = (f"blocks {n} of the {total} (query, key) pairs the declared mask allows, e.g. query {i} -> key "
                     f"{j} in sequence {b}")
-            maker = made_by(made)
+            maker = made_by(made, op)
             sites += [_op_site(maker, "builds the mask used below") if maker is not None and
                       maker.frames[0] != op.frames[0] else None, _op_site(op, note)]
     union = torch.zeros_like(declared)
@@ -468,7 +474,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
                 f"{' (a future key)' if j > i + t_k - t_q else ''}")
         if before_ops:
             for op, f, made in before_ops:
-                maker = made_by(made)
+                maker = made_by(made, op)
                 sites += [_op_site(maker, f"builds the mask that {what}") if maker is not None and
                           maker.frames[0] != op.frames[0] else None, _op_site(op, f"the mask applied here {what}")]
         else:
@@ -686,13 +692,11 @@ def stream_sites(trace: Trace, subject) -> list[Site]:
         if stream in got or not got:
             continue
         reader = _first_reader(trace, tensor_id)
-        user_op = anchor if reader is None else reader
         wrong = "/".join(sorted(got))
         sites += [_op_site(reader, f"{what} {_short(anchor)} comes from the {wrong} input here, not from the {stream} "
                                    f"input"), _op_site(anchor, f"{what.split(' of')[0]} here depend on the {wrong} "
                                                                 f"input, not on the {stream} input")
                   if reader is None or reader.frames[:1] != anchor.frames[:1] else None]
-        del user_op
     return [s for s in sites if s is not None]
 
 
@@ -708,10 +712,6 @@ def _first_reader(trace: Trace, tensor_id: int) -> Op | None:
         op = None if prev is None else trace.ops[prev]
         seen += 1
     return None
-
-
-def _fresh(probe, B, T, *, cross=None):
-    return probe.streams(B, T, cross=cross)
 
 
 def _base_trace(probe) -> Trace:
@@ -749,7 +749,7 @@ def _scale_sites(probe) -> list[Site]:
         return _unique([_op_site(maker, f"the weights that multiply the values are made here from the softmax at "
                                         f"{_short(soft_op) if soft_op else '?'}: their temperature is {r:.3g}x "
                                         f"the expected one"), _op_site(soft_op, "the softmax of q·k")])
-    i_mm, i_soft = rec.order.index(worst.matmul), rec.order.index(worst.softmax)
+    i_soft = rec.order.index(worst.softmax)
     prev_soft = max([j for j, e in enumerate(rec.order[:i_soft]) if isinstance(e, (SoftmaxCall, Fused))] or [-1])
     scalings = [e for e in rec.order[prev_soft + 1:i_soft] if isinstance(e, Scaling)]
     if scalings:
@@ -761,10 +761,6 @@ def _scale_sites(probe) -> list[Site]:
                    + [_op_site(mm_op, f"{said}: no scaling op between this q·k and the softmax at "
                                       f"{_short(soft_op) if soft_op else '?'}; the scale belongs here"),
                       _op_site(soft_op, said)])
-    del i_mm
-
-
-_DIM_NAMES = {"queries": None}
 
 
 def _dim_meaning(shape, dim: int, probe) -> str:
@@ -850,7 +846,8 @@ def _weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, 
 
 def _variance_sites(probe) -> list[Site]:
     """output_variance: on its own probe (identical value rows), what made the weights; else, with identical
-    tokens, the first op after the weights·values product whose output is not the same at every position."""
+    tokens, the first op after the weights·values product whose output is not the same at every position; for
+    a function, the first op whose (B, H, Tq, d_v) output leaves the range of the values."""
     s, B, T = probe.subject, probe.BATCH, probe.t
     if s.form == "function":
         q, k, _ = probe.streams(B, T, cross=True)
@@ -881,6 +878,29 @@ def _variance_sites(probe) -> list[Site]:
             if out.shape[a] == T and bool(_moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any()):
                 return [_op_site(op, "every token is the same, yet this op's output differs between positions: it "
                                      "mixes positions with another axis (heads)")]
+    return []
+
+
+def _out_of_range(probe) -> list[Site]:
+    """The first op whose output, shaped like the output, leaves [min, max] of the values feature by feature."""
+    base = probe.base()
+    if not base.ok:
+        return []
+    trace = _base_trace(probe)
+    v = base.value.double().cpu()  # (B, H, Tk, d_v)
+    hi, lo = v.amax(-2, keepdim=True), v.amin(-2, keepdim=True)
+    spread = (hi - lo).clamp_min(1e-12)
+    tol = max(tolerance(UNCHANGED, probe.subject.dtype), tolerance(ROW_SUM, probe.subject.dtype))
+    shape = tuple(base.output.out.shape)
+    for op in trace.ops:
+        out = op.outs[0] if op.outs else None
+        if (not op.frames or out is None or tuple(out.shape) != shape or not out.is_floating_point()
+                or "value" not in op.sources):
+            continue
+        o = out.double().cpu()
+        if bool(((torch.maximum(o - hi, lo - o) / spread) > tol).any()):
+            return [_op_site(op, "the first op whose output leaves the range of the values: not a weighted "
+                                 "average of them")]
     return []
 
 
@@ -1012,6 +1032,16 @@ def _traceback_frames(tb) -> tuple:
     return tuple(out[:6])
 
 
+def _in_custom_function(frame) -> bool:
+    """Inside an autograd.Function's forward, which runs without grad by design."""
+    while frame is not None:
+        if frame.f_code.co_name in ("apply", "forward") and frame.f_code.co_filename.endswith(
+                ("autograd/function.py", "autograd\\function.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _GradientCut(torch.overrides.TorchFunctionMode):
     """Above autograd: the first torch call whose floating output does not require grad while a floating
     input does (a .detach(), a block under torch.no_grad(), .data), with the user's frames."""
@@ -1023,7 +1053,7 @@ class _GradientCut(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.cut:
+        if not self.cut and (torch.is_grad_enabled() or not _in_custom_function(sys._getframe(1))):
             try:
                 ins = [x for a in list(args) + list(kwargs.values()) for x in _tensors(a)]
                 outs = list(_tensors(out))
@@ -1087,7 +1117,7 @@ def _output_shape_sites(probe) -> list[Site]:
     return stream_sites(trace, s)
 
 
-def _locate(probe, det: str) -> list[Site]:
+def _locate(probe, det: str, result: DetectorResult) -> list[Site]:
     if det in ("future_leakage", "mask_honoured"):
         return _invariance(probe, det, use_masks=True)
     if det in ("query_locality", "batch_independence", "eval_determinism"):
@@ -1110,8 +1140,8 @@ def _locate(probe, det: str) -> list[Site]:
         return _gradient_sites(probe)
     if det == "output_shape":
         return _output_shape_sites(probe)
-    if det == "output_variance":
-        return _variance_sites(probe)
+    if det == "output_variance":  # the value-range check of functions, or the identical-values one
+        return _out_of_range(probe) if result.message.startswith("outputs leave the range") else _variance_sites(probe)
     return []
 
 
@@ -1126,7 +1156,7 @@ def localise(probe, measured: dict[str, DetectorResult]) -> dict[str, DetectorRe
             probe.detector = f"where/{det}"
             try:
                 with torch.random.fork_rng(devices=[]):
-                    sites = _unique(_locate(probe, det))
+                    sites = _unique(_locate(probe, det, result))
             except Exception:  # pointing at the line must never cost the audit its verdict
                 sites = ()
             if sites:

@@ -283,7 +283,7 @@ def test_correct_layers_never_seen_before_pass(name, device):
 
 
 def einsum_without_scale(q, k, v, mask=None):
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k)  # no 1/sqrt(d)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k)  # BUG: no 1/sqrt(d)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
@@ -304,7 +304,7 @@ class LeakBehindCleanWeights(nn.Module):
         q, k, v = (t.view(B, T, a.n_head, -1).transpose(1, 2) for t in a.c_attn(x).split(C, 2))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         shown = scores.masked_fill(a.bias[:, :, :T, :T] == 0, float("-inf")).softmax(-1)
-        used = scores.softmax(-1)  # the mask never reaches the values
+        used = scores.softmax(-1)  # BUG: the mask never reaches the values
         return a.c_proj((used @ v).transpose(1, 2).reshape(B, T, C)), shown
 
 
@@ -321,7 +321,7 @@ def online_softmax_without_rescale(q, k, v, mask=None, chunk=3):
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - safe)
-        l = l + p.sum(-1, keepdim=True)  # noqa: E741  (missing: * exp(m - m_new))
+        l = l + p.sum(-1, keepdim=True)  # BUG (missing: * exp(m - m_new))  # noqa: E741
         acc = acc * torch.exp(m - safe) + p @ v[..., start:start + chunk, :]
         m = m_new
     return acc / l.clamp_min(1e-30)
@@ -331,14 +331,14 @@ def transposed_padding_mask(q, k, v, mask=None):
     """Reads the mask as (Tk, Tq): square masks broadcast silently, so padding masks rows, not keys."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if mask is not None:
-        scores = scores.masked_fill(~mask.transpose(-2, -1), float("-inf"))
+        scores = scores.masked_fill(~mask.transpose(-2, -1), float("-inf"))  # BUG
     return scores.softmax(-1).nan_to_num(0.0) @ v
 
 
 def naive_exp_half(q, k, v, mask=None):
     """exp(s) / sum exp(s) without subtracting the row max, no scale, in float16: overflows to inf/inf."""
     s = q @ k.transpose(-2, -1)
-    p = torch.exp(s)
+    p = torch.exp(s)  # BUG
     if mask is not None:
         p = p * mask
     return (p / p.sum(-1, keepdim=True)) @ v
@@ -357,7 +357,7 @@ class HeadsSplitWithoutTranspose(nn.Module):
         w = self.qkv.weight.split(D)
         b = self.qkv.bias.split(D)
         q, k, v = (F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), w, b))
-        q, k, v = (x.reshape(B, self.num_heads, x.shape[1], -1) for x in (q, k, v))  # no transpose
+        q, k, v = (x.reshape(B, self.num_heads, x.shape[1], -1) for x in (q, k, v))  # BUG: no transpose
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(out.transpose(1, 2).reshape(B, Tq, D))
 
@@ -371,7 +371,7 @@ def contrast_sharpened_attention(q, k, v, mask=None, strength=2.0):
     allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
     w = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
     mean = allowed.to(v.dtype) / allowed.sum(-1, keepdim=True).clamp_min(1)  # uniform over the allowed keys
-    return w @ v + strength * (w @ v - mean @ v)
+    return w @ v + strength * (w @ v - mean @ v)  # BUG
 
 
 def negative_weight_attention(q, k, v, mask=None, delta=1e-3):
@@ -385,7 +385,7 @@ def negative_weight_attention(q, k, v, mask=None, delta=1e-3):
     most = w.argmax(-1, keepdim=True)  # (B, H, Tq, 1)
     least = torch.where(w > 0, w, torch.inf).argmin(-1, keepdim=True)  # masked keys keep their zero
     shift = torch.where(w.gather(-1, least) > 0, w.gather(-1, least) + delta, 0)  # a zero-sum move per row
-    w = w.scatter_add(-1, most, shift).scatter_add(-1, least, -shift)
+    w = w.scatter_add(-1, most, shift).scatter_add(-1, least, -shift)  # BUG
     return w @ v, w
 
 
@@ -398,7 +398,7 @@ class DiagonalBlockedFirstRowKept(NanoGPTAttention):
 
     def __init__(self, n_embd, n_head, block_size=64):
         super().__init__(n_embd, n_head, block_size)
-        allowed = torch.tril(torch.ones(block_size, block_size), diagonal=-1)  # j < i: the diagonal blocked
+        allowed = torch.tril(torch.ones(block_size, block_size), diagonal=-1)  # BUG: j < i, the diagonal blocked
         allowed[0, 0] = 1
         self.bias.copy_(allowed.view(1, 1, block_size, block_size))
 
