@@ -26,22 +26,28 @@ _WHERE = {
     "Detector": "._result",
     "DetectorResult": "._result",
     "Finding": "._result",
+    "MODEL_DETECTORS": "._model",
+    "ModelReport": "._model",
     "adapters": None,  # a submodule
     "assert_attention_ok": "._audit",
     "audit": "._audit",
+    "audit_model": "._model",
 }
 
 __all__ = [
     "DETECTORS",
+    "MODEL_DETECTORS",
     "AttentionAuditError",
     "AuditReport",
     "AuditUsageError",
     "Detector",
     "DetectorResult",
     "Finding",
+    "ModelReport",
     "adapters",
     "assert_attention_ok",
     "audit",
+    "audit_model",
 ]
 
 
@@ -64,4 +70,5 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from ._audit import AttentionAuditError, AuditReport, assert_attention_ok, audit
     from ._detectors import DETECTORS
     from ._errors import AuditUsageError
+    from ._model import MODEL_DETECTORS, ModelReport, audit_model
     from ._result import Detector, DetectorResult, Finding
