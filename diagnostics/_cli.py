@@ -155,9 +155,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog, description="Audit an attention layer for silent mistakes (missing scale, leaking causal "
                                "mask, mask ignored, ...). Exit status: 0 passed, 1 failed, 2 usage error, "
                                "3 inconclusive (the attention itself could not be measured).")
-    p.add_argument("target", metavar="MODULE:OBJECT",
+    p.add_argument("target", metavar="MODULE:OBJECT", nargs="?",
                    help="the layer: pkg.module:obj, where obj is a layer, a class built with no arguments, or a "
                         "zero-argument factory (the current directory is importable)")
+    p.add_argument("--model", metavar="MODULE:OBJECT",
+                   help="audit a whole model instead: every attention layer in place, and the model-level checks "
+                        "(causality, cache, padding, batch, backend, gradients); with --causal, --seq-len, --json, --html")
     p.add_argument("--causal", action="store_true", help="the layer promises causality: audit for future leakage")
     p.add_argument("--seq-len", type=int, metavar="N", help="probe length (default 16; use your context length)")
     p.add_argument("--d-model", type=int, metavar="D", help="model width, where the layer has no d_model attribute")
@@ -214,6 +217,13 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
         problem = _html_path_problem(args.html)
         if problem:
             return usage(problem)  # now, not after an audit whose report could not be saved
+    if args.model is not None:
+        from ._model_cli import run
+
+        return run(args, prog, usage)
+    if args.target is None:
+        return usage("expected a target MODULE:OBJECT (a layer), or --model MODULE:OBJECT (a model). "
+                     "Fix: e.g. attention-audit mymodule:layer")
     from ._audit import audit
     from ._subject import check_seq_len, make_subject
 

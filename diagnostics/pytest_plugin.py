@@ -67,6 +67,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attention-audit", action="append", default=[], metavar="MODULE:OBJECT",
                     help="add one test per detector auditing this layer: pkg.module:obj, a layer, a class built "
                          "with no arguments or a zero-argument factory (repeat for several layers)")
+    group.addoption("--attention-audit-model", action="append", default=[], metavar="MODULE:OBJECT",
+                    help="add tests auditing a whole model: one per model-level check and one per attention layer "
+                         "found (pkg.module:obj, a model, a class or a zero-argument factory; repeatable)")
     group.addoption("--attention-causal", action="store_true", default=False,
                     help="the audited layers promise causality: also check future leakage and causal alignment")
     group.addoption("--attention-seq-len", type=int, default=None, metavar="N",
@@ -114,8 +117,8 @@ def attention_audit():
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect, so that they select among the audit's tests too
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    specs = config.getoption("attention_audit")
-    if not specs:
+    specs, models = config.getoption("attention_audit"), config.getoption("attention_audit_model")
+    if not specs and not models:
         return
     here = str(config.invocation_params.dir)
     if here not in sys.path:
@@ -123,6 +126,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for spec in specs:
         target = AuditTarget.from_parent(session, path=config.rootpath / "attention-audit", spec=spec)
         items.extend(session.genitems(target))
+    if models:
+        _import_torch_quietly()
+        from ._model_plugin import ModelAuditTarget
+
+        for spec in models:
+            target = ModelAuditTarget.from_parent(session, path=config.rootpath / "attention-audit-model", spec=spec)
+            items.extend(session.genitems(target))
 
 
 def _source(layer) -> tuple[Path, int] | None:

@@ -28,6 +28,7 @@ from buggy_variants._registry import Setting
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest_plugins = ["pytester"]
 README = Path(__file__).resolve().parent.parent / "README.md"
 T = 16
 
@@ -505,3 +506,46 @@ def test_readme_has_the_architectures_x_bugs_table():
 
 if __name__ == "__main__":
     print(architecture_table())
+
+
+# ---- command line and pytest plugin --------------------------------------------------------------------------
+
+MODELS_SOURCE = '''
+import torch
+from buggy_variants import VARIANTS
+from buggy_variants.teaching_model import TinyGPT, inject
+
+
+def good():
+    torch.manual_seed(0)
+    return TinyGPT(n_layer=2)
+
+
+def bad():
+    torch.manual_seed(0)
+    return inject(TinyGPT(n_layer=2), 1, VARIANTS["missing_scale"])
+'''
+
+
+def test_command_line_audits_a_model_with_the_layer_exit_codes(tmp_path, monkeypatch, capsys):
+    from diagnostics._cli import main
+
+    (tmp_path / "mymodels.py").write_text(MODELS_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--model", "mymodels:good"]) == 0
+    assert capsys.readouterr().out.startswith("model audit of TinyGPT: PASSED")
+    assert main(["--model", "mymodels:bad", "--json"]) == 1
+    assert '"layer": "h.1.attn"' in capsys.readouterr().out
+    assert main(["--model", "mymodels:good", "--mask", "additive"]) == 2  # a layer option: usage error
+    assert "expected only --causal, --seq-len, --json and --html with --model" in capsys.readouterr().err
+    assert main(["--model", "mymodels:missing"]) == 2
+    assert main([]) == 2  # neither a layer nor a model
+
+
+def test_pytest_plugin_adds_a_test_per_model_check_and_per_layer(pytester):
+    pytester.makepyfile(mymodels=MODELS_SOURCE, test_nothing="def test_nothing():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "diagnostics.pytest_plugin", "--attention-audit-model=mymodels:bad",
+                                          "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=7, failed=1, skipped=4)
+    result.stdout.fnmatch_lines(["*FAILED*layer?h.1.attn??mymodels:bad?*"])

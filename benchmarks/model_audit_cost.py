@@ -1,0 +1,104 @@
+"""Cost of `diagnostics.audit_model` against depth: model forwards, layer calls and seconds.
+
+    python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 1]
+
+Builds a GPT-2 config (transformers, sdpa) of each depth at the given width, 4 heads per 64 features, and audits
+it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. Prints a
+table, and per model-level detector its measured value against its threshold (the parity detectors' margins).
+Timing lives here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import diagnostics  # noqa: E402
+
+
+_ops = None
+
+
+def _transformers():
+    """transformers, or None. PyPI's CUDA torchvision cannot load beside a CPU torch ("torchvision::nms does not
+    exist"): declare its operators and import again, as tests/test_real_layers.py does."""
+    global _ops
+    try:
+        import torchvision  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    except RuntimeError:
+        _ops = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            _ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+    try:
+        import transformers
+
+        return transformers
+    except Exception:
+        return None
+
+
+def build(depth: int, width: int, seq_len: int):
+    tf = _transformers()
+    torch.manual_seed(0)
+    if tf is not None:
+        config = tf.GPT2Config(vocab_size=1024, n_embd=width, n_layer=depth, n_head=max(1, width // 64),
+                               n_positions=max(seq_len, 128), bos_token_id=0, eos_token_id=0,
+                               attn_implementation="sdpa")
+        return tf.GPT2LMHeadModel(config), "GPT-2 (transformers, sdpa)"
+    from buggy_variants.teaching_model import ProtocolGPT
+
+    return ProtocolGPT(vocab_size=1024, n_layer=depth, d_model=width, num_heads=max(1, width // 64),
+                       block_size=max(seq_len, 128)), "ProtocolGPT (no transformers)"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 12])
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    diagnostics.audit_model(build(1, 64, 16)[0], seq_len=16)  # imports and warm-up, not timed
+    print("| depth | model | model forwards | layer calls | one forward (s) | audit (s) | status |")
+    print("|---|---|---|---|---|---|---|")
+    last = None
+    for depth in args.depths:
+        model, kind = build(depth, args.width, args.seq_len)
+        ids = torch.randint(1024, (2, args.seq_len), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            start = time.perf_counter()
+            model(ids[:1])
+            forward = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            report = diagnostics.audit_model(model, ids)
+            times.append(time.perf_counter() - start)
+        print(f"| {depth} | {kind} | {report.model_forwards} | {report.layer_calls} | {forward:.3f} | "
+              f"{min(times):.2f} | {report.status} |")
+        last = report
+    print("\nmodel-level detectors of the deepest model (value against threshold):")
+    for r in last.results:
+        margin = f" (margin {r.threshold / r.value:.3g}x)" if r.value and r.threshold else ""
+        print(f"  {r.detector}: {r.verdict} {r.value} / {r.threshold}{margin}")
+    for name, reading in last.readings.get("cache_parity", {}).items():
+        print(f"  cache_parity {name} {reading['plan']}: error {reading['error']:.3g}, allowed {reading['allowed']:.3g}")
+
+
+if __name__ == "__main__":
+    main()
