@@ -193,7 +193,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
-        measured = localise(probe, measured)  # findings only: a passing audit makes no call here
+        measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()
     if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
         # settled last: besides its own probes, it reports every other detector's probe that raised

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._registry import Detector
@@ -71,6 +72,42 @@ class Site:
                 "note": self.note, "callers": [list(c) for c in self.callers]}
 
 
+class Sites(Sequence):
+    """The sites of a finding, most likely first: a read-only sequence (index it, iterate it, compare it with a
+    tuple), found the first time it is read. Pointing at the line re-runs the finding's probe under a tracer;
+    a report nobody reads the sites of (a test that only checks verdicts) never pays for it."""
+
+    def __init__(self, sites=(), resolve=None):
+        self._sites, self._resolve = (None, resolve) if resolve is not None else (tuple(sites), None)
+
+    def _get(self) -> tuple:
+        if self._sites is None:
+            resolve, self._resolve = self._resolve, None
+            try:
+                self._sites = tuple(resolve())
+            except Exception:  # pointing at the line must never break reading a report
+                self._sites = ()
+        return self._sites
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other) -> bool:
+        return self._get() == (tuple(other) if isinstance(other, (Sites, tuple, list)) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get()) if self._sites is not None else "Sites(<not read yet>)"
+
+
 @dataclass(frozen=True)
 class DetectorResult:
     """One detector's honest verdict on one layer.
@@ -92,7 +129,7 @@ class DetectorResult:
     fix: str = ""
     extras: dict = field(default_factory=dict, compare=False, repr=False)  # e.g. weights for reports
     probes: tuple[ProbeShape, ...] = field(default=(), compare=False, repr=False)
-    where: tuple[Site, ...] = field(default=(), compare=False)  # the user's code lines, most likely first
+    where: Sequence[Site] = field(default=(), compare=False)  # the user's code lines, most likely first (Sites)
 
     @property
     def severity(self) -> str:
@@ -110,4 +147,4 @@ class DetectorResult:
 
 Finding = DetectorResult  # a result whose verdict is warn or fail
 
-__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape", "Site"]
+__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape", "Site", "Sites"]

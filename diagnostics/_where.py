@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import os
 import re
 import sys
 import weakref
@@ -43,8 +44,11 @@ from torch import Tensor
 
 from ._observe import FusedAttention as Fused
 from ._observe import Observer, Scaling, SoftmaxCall, _kind, applied_scales, user_frames
-from ._result import DetectorResult, Site
+from ._result import DetectorResult, Site, Sites
 from ._thresholds import ROW_SUM, UNCHANGED, tolerance
+
+ENABLED = os.environ.get("ATTENTION_AUDIT_WHERE", "1") != "0"
+"""ATTENTION_AUDIT_WHERE=0 skips pointing at lines (findings then have no `where`): for timing what it costs."""
 
 MAX_KEPT = 1 << 22
 """Op outputs larger than this many elements are not kept by a trace (a long audit's (T, T) scores); the
@@ -1145,23 +1149,31 @@ def _locate(probe, det: str, result: DetectorResult) -> list[Site]:
     return []
 
 
-def localise(probe, measured: dict[str, DetectorResult]) -> dict[str, DetectorResult]:
-    """Each failed or warned result with `where` filled (the layer's RNG and mode are the audit's to restore)."""
+def localise(probe, measured: dict[str, DetectorResult], layer=None, device=None) -> dict[str, DetectorResult]:
+    """Each failed or warned result with `where` to be found when first read (a `Sites`): then the finding's
+    probe runs again under a tracer, with `layer` in eval mode and its parameters, buffers, grads and the RNG
+    restored afterwards, as during the audit. A passing audit makes no call; a report whose sites nobody reads
+    makes none either."""
     out = dict(measured)
+    if not ENABLED:
+        _NOTED.pop(probe, None)
+        return out
+    for det, result in measured.items():
+        if result.verdict in ("fail", "warn"):
+            out[det] = replace(result, where=Sites(resolve=lambda det=det, result=result:
+                                                   _resolve(probe, det, result, layer, device)))
+    return out
+
+
+def _resolve(probe, det: str, result: DetectorResult, layer, device) -> tuple[Site, ...]:
+    from ._audit import _untouched
+
     asking = probe.detector
     try:
-        for det, result in measured.items():
-            if result.verdict not in ("fail", "warn"):
-                continue
+        with _untouched(layer, device if device is not None else probe.subject.device):
             probe.detector = f"where/{det}"
-            try:
-                with torch.random.fork_rng(devices=[]):
-                    sites = _unique(_locate(probe, det, result))
-            except Exception:  # pointing at the line must never cost the audit its verdict
-                sites = ()
-            if sites:
-                out[det] = replace(result, where=sites)
+            return _unique(_locate(probe, det, result))
+    except Exception:  # pointing at the line must never cost the report its verdicts
+        return ()
     finally:
         probe.detector = asking
-        _NOTED.pop(probe, None)
-    return out
