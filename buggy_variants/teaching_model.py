@@ -188,3 +188,108 @@ class ProtocolGPT(nn.Module):
             x = block(x, position_ids, attention_mask, None if cache is None else cache[n])
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         return (logits, cache) if use_cache else logits
+
+
+# ---- the teaching report's model chapter -----------------------------------------------------------------------
+
+CHAPTER_BUG = ("missing_causal_mask", 1)  # the catalog variant, and the block whose attention it replaces
+
+
+def chapter_reports(variants: dict) -> dict:
+    """The audits the chapter shows: TinyGPT clean and with the chapter's bug in one layer; ProtocolGPT (rotary)
+    clean and with its rotary positions not offset by the cache in one layer."""
+    import diagnostics
+
+    vid, layer = CHAPTER_BUG
+    torch.manual_seed(0)
+    clean = TinyGPT()
+    torch.manual_seed(0)
+    broken = inject(TinyGPT(), layer, variants[vid])
+    torch.manual_seed(0)
+    cache_clean = ProtocolGPT(rotary=True)
+    torch.manual_seed(0)
+    cache_broken = ProtocolGPT(rotary=True, layer_bugs={layer: "rotary_no_offset"})
+    return {name: diagnostics.audit_model(model) for name, model in
+            (("clean", clean), ("broken", broken), ("cache_clean", cache_clean), ("cache_broken", cache_broken))}
+
+
+def reach_svg(readings: dict, *, label: str) -> str:
+    """A bar per layer: how many past positions (<= the cut) a change after the cut reaches in that layer's output."""
+    reach, positions = readings["reach"], readings["positions"]
+    width, bar, gap, height = 360, 22, 8, 120
+    rows = []
+    for n, (path, moved) in enumerate(reach.items()):
+        y = 10 + n * (bar + gap)
+        w = 0 if not positions else (width - 160) * moved / positions
+        colour = "#d73a49" if moved else "#4d7a4d"
+        rows.append(f'<text x="0" y="{y + 15}" font-size="12" font-family="monospace">{path}</text>'
+                    f'<rect x="110" y="{y}" width="{max(w, 1):.1f}" height="{bar}" fill="{colour}"/>'
+                    f'<text x="{116 + w:.1f}" y="{y + 15}" font-size="12">{moved} / {positions}</text>')
+    height = 10 + len(reach) * (bar + gap)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{label}" width="{width}" '
+            f'height="{height}">{"".join(rows)}</svg>')
+
+
+def _layer_table(report) -> str:
+    from diagnostics._html import escape
+
+    rows = "".join(
+        f"<tr><td><code>{escape(p)}</code></td><td class='k-{'pass' if rep.status == 'passed' else 'fail'}'>"
+        f"{escape(rep.status)}</td><td>{escape(', '.join(r.detector for r in rep.results if r.fired) or '-')}</td></tr>"
+        for p, rep in report.layers.items())
+    model = "".join(
+        f"<tr><td>{escape(r.detector)}</td><td class='k-{escape(r.verdict)}'>{escape(r.verdict)}</td>"
+        f"<td>{escape(report.result_layers.get(r.detector) or '')}</td><td>{escape(r.message)}</td></tr>"
+        for r in report.results)
+    return (f"<table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>layer (in place)</th><th>status</th><th>fired</th></tr>{rows}</table>"
+            f"<p></p><table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>model-level</th><th>verdict</th><th>at</th><th>message</th></tr>"
+            f"{model}</table>")
+
+
+def _cache_table(clean, broken) -> str:
+    from diagnostics._html import escape
+
+    rows = []
+    for name, good in clean.readings.get("cache_parity", {}).items():
+        bad = broken.readings.get("cache_parity", {}).get(name)
+        rows.append(f"<tr><td>{escape(name)} {good['plan']}</td><td>{good['error']:.2g}</td>"
+                    f"<td>{'-' if bad is None else format(bad['error'], '.2g')}</td><td>{good['allowed']:.2g}</td></tr>")
+    return ("<table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>schedule (prefill, steps)</th><th>correct: error</th>"
+            "<th>rotary not offset: error</th><th>allowed</th></tr>" + "".join(rows) + "</table>")
+
+
+def model_chapter_html(variants: dict) -> str:
+    """The model chapter: a tiny GPT with one catalog bug in one layer, audited as a whole."""
+    from diagnostics._html import escape
+
+    reports = chapter_reports(variants)
+    vid, layer = CHAPTER_BUG
+    broken, clean = reports["broken"], reports["clean"]
+    first = broken.result_layers.get("prefix_causality")
+    return f"""<section class="model-chapter" id="model-chapter">
+<h3>Model chapter: one broken layer inside a whole model</h3>
+<p>A nanoGPT-style <code>TinyGPT</code> (3 blocks, d_model 32, 4 heads) whose block {layer} attention is the catalog's
+<code>{escape(vid)}</code>, audited with <code>diagnostics.audit_model(model)</code>: every attention module is found,
+audited in place with the arguments the model passes it, and the model-level checks run on its logits.
+Status: <b>{escape(broken.status)}</b> ({escape(broken.status_reason)}); the twin with the reference attention in
+every block: <b>{escape(clean.status)}</b>.</p>
+{_layer_table(broken)}
+<h4>How far a future change reaches, layer by layer</h4>
+<p>Tokens after position {broken.readings['prefix_reach']['cut']} are changed; each bar counts the positions at or
+before it whose output moved at that layer. The first layer with a bar is where the leak starts
+(<code>{escape(first or '-')}</code>); the layers after it inherit it.</p>
+<figure>{reach_svg(broken.readings['prefix_reach'], label='future reach per layer, broken model')}
+<figcaption>with <code>{escape(vid)}</code> in block {layer}</figcaption></figure>
+<figure>{reach_svg(clean.readings['prefix_reach'], label='future reach per layer, correct model')}
+<figcaption>the correct twin</figcaption></figure>
+<h4>Cache parity, side by side</h4>
+<p>A decoder with rotary positions and a cache (<code>ProtocolGPT</code>), correct and with block {layer}'s rotary
+positions not offset by the cache length: the full forward against prefill plus steps of 1, 3 and an uneven
+split, error relative to the logits' RMS against a float64 copy of the model.</p>
+{_cache_table(reports['cache_clean'], reports['cache_broken'])}
+<p>The broken model is localised to <code>{escape(reports['cache_broken'].result_layers.get('cache_parity') or '-')}</code>.</p>
+</section>"""
+
+
+__all__ = ["LAYER_BUGS", "MODEL_BUGS", "ProtocolGPT", "TinyGPT", "chapter_reports", "inject", "model_chapter_html",
+           "reach_svg"]

@@ -27,6 +27,7 @@ from diagnostics._html import escape
 
 from . import VARIANTS
 from ._registry import Setting, Variant
+from .teaching_model import model_chapter_html
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
 
@@ -299,6 +300,7 @@ Every layer is built with {size} and <code>torch.manual_seed(0)</code>, and audi
 <h3 id="kill-matrix">Kill matrix: which detector catches which mistake</h3>
 {_kill_matrix_html(audits)}
 {"".join(_section_html(v, audits[v.id]) for v in variants)}
+{model_chapter_html(VARIANTS)}
 </div>"""
 
 

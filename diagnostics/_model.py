@@ -876,18 +876,6 @@ def _first_layer(order: list[str], taps_a: LayerTap, taps_b: LayerTap, select, t
     return first, moved
 
 
-def _call_order(modules: dict, runner: Runner, seq: Tensor) -> list[str]:
-    order = []
-    handles = [m.register_forward_pre_hook(lambda m, a, p=p: order.append(p) if p not in order else None)
-               for p, m in modules.items()]
-    try:
-        runner(seq)
-    finally:
-        for h in handles:
-            h.remove()
-    return order
-
-
 def check_prefix_causality(ctx) -> DetectorResult:
     det, runner = "prefix_causality", ctx.runner
     seq = runner.inputs[:1]
@@ -1306,6 +1294,7 @@ class _Context:
     layer_calls: int = 0
     _twin: object = None
     _twin_failed: bool = False
+    _golden_seen: list = field(default_factory=list)  # [(inputs, options, output)]: one float64 forward per input
 
     def golden(self, seq: Tensor, **kw) -> Tensor | None:
         """The float64 copy's output on the same inputs, or None where no copy can be made."""
@@ -1318,11 +1307,16 @@ class _Context:
                 self._twin_failed = True
         if self._twin is None:
             return None
+        for seen, options, out in self._golden_seen:
+            if seen.shape == seq.shape and torch.equal(seen, seq) and options.keys() == kw.keys() and \
+                    all(torch.equal(options[k], kw[k]) for k in kw):
+                return out
         try:
             out, _ = self.runner(seq, model=self._twin, **kw)
-            return out
         except Exception:
             return None
+        self._golden_seen.append((seq, kw, out))
+        return out
 
 
 def _infer_causal(model, causal, runner) -> tuple[bool, str]:
@@ -1448,7 +1442,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                                    + (f" (inside {run_layer})" if run_layer else ""), evidence="; ".join(runs_msgs)))
         else:
             results.append(_result("model_runs", "pass", "the model runs on the example and its prefix"))
-        order = _call_order(modules, runner, runner.inputs[:1]) if modules and not runs_msgs else list(modules)
+        order = [p for p in long_calls if p in modules]  # the capture's hooks fired in call order
         order += [p for p in modules if p not in order]
         ctx = _Context(model, runner, causal_, seed, dtype, modules, wrappers, time_dims, order)
         if run_layer:

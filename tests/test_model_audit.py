@@ -549,3 +549,15 @@ def test_pytest_plugin_adds_a_test_per_model_check_and_per_layer(pytester):
                                           "-p", "no:cacheprovider")
     result.assert_outcomes(passed=7, failed=1, skipped=4)
     result.stdout.fnmatch_lines(["*FAILED*layer?h.1.attn??mymodels:bad?*"])
+
+
+def test_teaching_report_has_the_model_chapter_with_its_reach_chart_and_cache_readings():
+    from buggy_variants.teaching_model import CHAPTER_BUG, model_chapter_html
+
+    page = model_chapter_html(VARIANTS)
+    vid, layer = CHAPTER_BUG
+    assert f"<code>{vid}</code>" in page and 'id="model-chapter"' in page
+    assert page.count("<svg") == 2 and "<script" not in page and "http" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")  # inline, offline
+    assert f"(<code>h.{layer}.attn</code>); the layers after it inherit it" in page  # where the leak starts
+    assert "steps of 1" in page and "uneven" in page and f"localised to <code>h.{layer}.attn</code>" in page
