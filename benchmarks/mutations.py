@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
 FILES = ("_detectors.py", "_core.py", "_thresholds.py")
-FUNCTION_PREFIXES = ("check_", "_judge", "held", "relative_change", "_rows_changed", "perturbed", "_bound_check",
+FUNCTION_PREFIXES = ("check_", "_judge", "held", "relative_change", "_position_change", "perturbed", "_bound_check",
                      "_newest_key_seen", "runs_verdict")
 THRESHOLD_TABLES = ("UNCHANGED", "ROW_SUM", "SCALE_RATIO")
 TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
@@ -82,9 +82,6 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "_detectors.py:check_future_leakage:L476:Gt->GtE": (
         "move=_rows(B, T, t > c)", "row c joins the rows that must move, but it is also held: if it moves the "
         "verdict is fail either way, and the positive control is read only when no held row moved"),
-    "_core.py:_rows_changed:L76:any->all": (
-        ".any(1)  # fold heads", "its one caller, perturbed(), changes every head of a claimed position (each by "
-        ">= gain in some feature) and no head elsewhere, so 'some head' and 'every head' agree"),
     "_core.py:perturbed:L99:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
     "_core.py:perturbed:L100:GtE->Gt": ("noise >= x", _DRAW_EDGE),
 }

@@ -67,14 +67,14 @@ class Case:
     move: Tensor | None = None
 
 
-def _rows_changed(new: Tensor, old: Tensor, time_dim: int, tol: float) -> Tensor:
-    """(B, T): positions where some feature of `new` differs from `old` by more than `tol` of old's RMS (the
+def _position_change(new: Tensor, old: Tensor) -> Tensor:
+    """(B, T): the greatest |new - old| over each position's features (and heads), in units of old's RMS (the
     probe's inputs: standard normal draws, finite, so no centring or NaN care is needed; kept cheap)."""
     wide = torch.float64 if old.dtype == torch.float64 else torch.float32
-    diff = (new.to(wide) - old.to(wide)).abs().amax(-1)  # per position, time last
-    scale = float(old.to(wide).square().mean().sqrt()) or 1.0
-    moved = (diff > tol * scale).cpu()
-    return moved.reshape(moved.shape[0], -1, moved.shape[-1]).any(1)  # fold heads
+    old = old.to(wide)
+    diff = (new.to(wide) - old).abs().amax(-1)  # per position, time last
+    diff = diff / (float(old.square().mean().sqrt()) or 1.0)
+    return diff.reshape(diff.shape[0], -1, diff.shape[-1]).amax(1).cpu()  # fold heads
 
 
 def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str, ...], *,
@@ -97,14 +97,14 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
         shape[0], shape[s.time_dim] = B, t
         # a fresh draw can land next to the old value (at d = 1, |new - old| < 0.2 one time in ten): such
         # positions move by 2 in every feature instead, so that each claimed position changes for sure
-        close = (noise.double() - x.double()).abs().amax(-1, keepdim=True) < 1.0
+        close = (noise.to(draw) - x.to(draw)).abs().amax(-1, keepdim=True) < 1.0
         noise = torch.where(close, x + 2 * torch.where(noise >= x, 1, -1).to(x.dtype), noise)
         copies = []
         for gain in gains:
             new = torch.where(where.to(x.device).view(shape), x + gain * (noise - x), x)
             # the negative control: the claimed positions moved (each by far more than rounding), no other did
-            moved = _rows_changed(new, x, s.time_dim, 10 * tolerance(UNCHANGED, x.dtype))
-            still = ~_rows_changed(new, x, s.time_dim, 0.0)
+            change = _position_change(new, x)
+            moved, still = change > 10 * tolerance(UNCHANGED, x.dtype), change == 0
             if not bool(moved[where].all()) or not bool(still[~where].all()):
                 raise BlindProbe(f"{probe.detector}: the perturbation of {int(where.sum())} positions changed "
                                  f"{int(moved[where].sum())} of them and {int((~still[~where]).sum())} others")
@@ -127,6 +127,10 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
 def _rms(x: Tensor, centred: bool = False) -> float:
     """RMS of the finite values; `centred`: of their deviation from each feature's mean over batch and
     positions, so that a constant offset (an output bias) does not hide how much the output varies."""
+    if x.numel():  # the common case, every value finite, in one or two kernels
+        fast = float((x.flatten(0, -2).var(0, unbiased=False) if centred else x.square()).mean().sqrt())
+        if math.isfinite(fast):
+            return fast
     if centred:
         finite = torch.isfinite(x)
         n = finite.flatten(0, -2).sum(0).clamp_min(1)  # (features,)
@@ -136,26 +140,43 @@ def _rms(x: Tensor, centred: bool = False) -> float:
     return float(finite.square().mean().sqrt()) if finite.numel() else 0.0
 
 
-def relative_change(new: Tensor, old: Tensor, *, centred: bool = False, scale_of: Tensor | None = None) -> Tensor | None:
+def relative_change(new: Tensor, old: Tensor, *, centred: bool = False, scale_of: Tensor | None = None,
+                    scale: float | None = None) -> Tensor | None:
     """Per position (features folded): max |new - old| / RMS, where RMS is the baseline's (finite values;
     the new output's where the baseline is zero), in float64 for float64 layers and float32 otherwise. NaN (or the same inf) in both is
     no change; non-finite in one only is inf. None when neither has a finite non-zero value to measure
     against. `centred` measures against how much the outputs vary (see `_rms`): for comparisons of
-    random inputs, whose outputs vary from row to row; not for an expected output that is constant."""
+    random inputs, whose outputs vary from row to row; not for an expected output that is constant. `scale`:
+    the baseline's, already measured (`baseline_scale`), when one baseline is compared with several outputs."""
     wide = torch.float64 if old.dtype == torch.float64 else torch.float32
     new, old = new.to(wide), old.to(wide)
     # the baseline's scale (a perturbation pushed 1000x must not loosen the tolerance of the rows it may not
     # move); the new output's only where the baseline is zero, so that zeros against a moved output still count
-    if scale_of is not None:  # a larger output the compared rows belong to (a few rows' RMS is noisy)
-        old_scale = scale_of.to(wide)
-        scale = _rms(old_scale, centred) or _rms(old_scale)
-    else:
-        scale = _rms(old, centred) or _rms(old) or _rms(new, centred) or _rms(new)
+    if scale is None:
+        scale = baseline_scale(old, new, centred=centred, scale_of=scale_of)
     if not scale > 0:
         return None
+    fast = (new - old).abs().amax(dim=-1)  # NaN or inf wherever either is not finite
+    if bool(torch.isfinite(fast).all()):  # the common case
+        return fast / scale
     same = (new == old) | (torch.isnan(new) & torch.isnan(old))
     diff = torch.where(same, torch.zeros_like(old), (new - old).abs() / scale).nan_to_num(nan=math.inf)
     return diff.amax(dim=-1)
+
+
+def baseline_scale(old: Tensor, new: Tensor | None = None, *, centred: bool = False,
+                   scale_of: Tensor | None = None) -> float:
+    """The RMS a change against `old` is measured in (see `relative_change`); 0.0 when there is none."""
+    wide = torch.float64 if old.dtype == torch.float64 else torch.float32
+    if scale_of is not None:  # a larger output the compared rows belong to (a few rows' RMS is noisy)
+        old_scale = scale_of.to(wide)
+        return _rms(old_scale, centred) or _rms(old_scale)
+    old = old.to(wide)
+    scale = _rms(old, centred) or _rms(old)
+    if not scale and new is not None:
+        new = new.to(wide)
+        scale = _rms(new, centred) or _rms(new)
+    return scale
 
 
 @dataclass
@@ -189,8 +210,9 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Com
         return skip(det, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
     chunks = out.chunk(n)
     changes = []
+    scale = baseline_scale(chunks[0], centred=True) or None  # once for all the perturbations
     for chunk in chunks[1:]:
-        change = relative_change(chunk, chunks[0], centred=True)
+        change = relative_change(chunk, chunks[0], centred=True, scale=scale)
         if change is None:
             return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
                              "measured against it")

@@ -14,7 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._core import Case, Comparison, Inputs, allowed_text, compare, held, not_run, perturbed, relative_change, skip
+from ._core import (Case, Comparison, Inputs, _expand, allowed_text, compare, held, not_run, perturbed, relative_change,
+                    skip)
 from ._observe import applied_scales
 from ._probe import Call, Probe
 from ._registry import CAUSAL, DETECTORS, LONG, SEPARATE_QUERY, TAKES_MASK, detector
@@ -488,22 +489,30 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
     det, s, B, T = "future_leakage", probe.subject, probe.BATCH, probe.t
     cuts = sorted({0, T // 2, T - 2})
     t = torch.arange(T)
-    scenarios = [("no mask", None, cuts)]
+    # each copy of the batch cuts its sequences at their own t (sequence b of copy n at cuts[(n * B + b) %
+    # len(cuts)]): every cut is measured, in as few copies as the batch allows
+    packed = [[cuts[(n * B + b) % len(cuts)] for b in range(B)] for n in range(-(-len(cuts) // B))]
+    scenarios = [("no mask", None, packed)]
     if s.takes_mask:
         pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
         # one cut, at 0: every sequence keeps at least its first two keys once T >= 4, so key 1 is visible
-        scenarios.append(("a padding mask", pad | (t.view(1, 1, T) <= 0), [0]))  # key 0 always kept
+        scenarios.append(("a padding mask", pad | (t.view(1, 1, T) <= 0), [[0] * B]))  # key 0 always kept
     readings = []
-    for name, extra, cuts in scenarios:
+    for name, extra, copies in scenarios:
         base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
         allowed = probe.allowed(B, T, T, extra)
         attends = torch.ones(B, T, dtype=torch.bool) if allowed is None else allowed.cpu().any(-1)
-        cases = [Case(x, hold=_rows(B, T, t <= c) & attends, move=_rows(B, T, t > c) & attends,
-                      when=f"when only t>={c + 1} was perturbed (x{gain:g}, {name})")
-                 for c in cuts
-                 for gain, x in zip(_gains(probe), perturbed(probe, base, t > c, ("query", "key", "value"),
-                                                             gains=_gains(probe)))]
-        comparison = compare(probe, base, cases, label=f"tokens after t in {cuts} changed, {name}")
+        cases = []
+        for at in copies:
+            after = t.view(1, T) > torch.tensor(at).view(B, 1)  # (B, T): the perturbed positions of each sequence
+            shown = (f"t>={at[0] + 1} was" if len(set(at)) == 1 else
+                     " and ".join(f"t>={c + 1} of sequence {b}" for b, c in enumerate(at)) + " were")
+            cases += [Case(x, hold=~after & attends, move=after & attends,
+                           when=f"when only {shown} perturbed (x{gain:g}, {name})")
+                      for gain, x in zip(_gains(probe), perturbed(probe, base, after, ("query", "key", "value"),
+                                                                  gains=_gains(probe)))]
+        shown = sorted({c for at in copies for c in at})
+        comparison = compare(probe, base, cases, label=f"tokens after t in {shown} changed, {name}")
         if isinstance(comparison, DetectorResult):
             return comparison
         readings.append((name, comparison, *held(comparison, probe, what="past outputs")))
@@ -511,7 +520,7 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
     if not bad and all(silent for *_, silent in readings):
         return skip(det, "the output did not respond to later tokens at all, so its not moving proves nothing")
     return _judge(det, bool(bad), "outputs depend on future tokens" + (f" (with {', '.join(bad)})" if bad else ""),
-                  f"no output moved when only later tokens changed (cuts at t={scenarios[0][2]}; "
+                  f"no output moved when only later tokens changed (cuts at t={cuts}; "
                   f"{' and '.join(n for n, *_ in readings)})",
                   value=max(w for _, _, _, w, _, _ in readings), threshold=readings[0][1].tol,
                   evidence="; ".join(f"{name}: {text}" for name, _, _, _, text, _ in readings))
@@ -621,26 +630,35 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     other[1:] = True  # every position of every sequence but the first
     [changed] = perturbed(probe, base, other, ("query", "key", "value"))
     allowed = probe.allowed(B, T, T)
-    calls = []
-    for x, label in ((base, "a batch of 2"), (base, "the same batch again"), (changed, "the same batch, sequence 1 changed")):
-        torch.manual_seed(probe.seed)  # one draw of any randomness for all three (the audit restores the RNG)
-        calls.append(probe.call(x.query, x.key, x.value, allowed, label=label))
+
+    def call(x: Inputs, label: str):
+        torch.manual_seed(probe.seed)  # one draw of any randomness for every call (the audit restores the RNG)
+        return probe.call(x.query, x.key, x.value, allowed, label=label)
+
+    calls = [call(base, "a batch of 2"), call(changed, "the same batch, sequence 1 changed")]
     for c in calls:
         if not c.ok:
             return not_run(det, c)
-    old, again, new = (c.output.out for c in calls)
+    old, new = (c.output.out for c in calls)
     if old.shape != new.shape or old.shape[0] != B:
         return skip(det, f"the output {tuple(old.shape)} does not keep the batch")
-    if not torch.equal(old.nan_to_num(), again.nan_to_num()):  # randomness would read as mixing: not ours to judge
-        return skip(det, "two calls on the same batch differ, so a change between calls cannot be attributed to "
-                         "the other sequence (see eval_determinism)")
     change = relative_change(new, old, centred=True)
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere, so a change cannot be measured")
     first = torch.zeros(B, T, dtype=torch.bool)
     first[0] = True
+    tol = tolerance(UNCHANGED, s.dtype)
+    if bool((change[_expand(first, change)] > tol).any()):
+        # sequence 0 moved: mixing, or randomness that one seed does not pin down, which would read as mixing
+        # and is not ours to judge; a third call on the same batch tells them apart (only a moved layer pays it)
+        again = call(base, "the same batch again")
+        if not again.ok:
+            return not_run(det, again)
+        if not torch.equal(old.nan_to_num(), again.output.out.nan_to_num()):
+            return skip(det, "two calls on the same batch differ, so a change between calls cannot be attributed "
+                             "to the other sequence (see eval_determinism)")
     comparison = Comparison([Case(changed, hold=first, move=~first, when="when only sequence 1 changed (a "
-                                  "separate call)")], [change], tolerance(UNCHANGED, s.dtype), calls[2], base)
+                                  "separate call)")], [change], tol, calls[1], base)
     return _judge_held(det, comparison, probe, what="outputs of sequence 0",
                        fail_message="a sequence's output depends on another sequence of the batch",
                        pass_message="each sequence's output depends on that sequence only")
@@ -655,7 +673,6 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
     q = probe.make(B, T)
     k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
     base = Inputs(q, k, v)
-    everywhere = torch.ones(T, dtype=torch.bool)
     nothing = torch.zeros(B, T, dtype=torch.bool)
     # the keys act only through the softmax: at d_k = 1 and std-0.02 initialisation a 1000x key moved a
     # bfloat16 layer's output by exactly 0 (below its rounding), so keys are pushed 10000x outside float16
@@ -664,18 +681,29 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
     streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
     if streams == ("key",):
         base = Inputs(q, k, k)
-    cases = [Case(x, hold=nothing, when=f"when only the {stream} changed")
-             for stream in streams for x in perturbed(probe, base, everywhere, (stream,), gains=gains[stream])]
-    comparison = compare(probe, base, cases, label="keys, then values, changed alone")
+    # one copy of the batch: the keys of sequence 0 changed, and (where values are an input of their own) the
+    # values of sequence 1 (batch_independence checks that sequences do not mix; each row is read alone)
+    rows = {stream: torch.zeros(B, T, dtype=torch.bool) for stream in streams}
+    for b, stream in enumerate(streams):
+        rows[stream][b::len(streams)] = True
+    [keyed] = perturbed(probe, base, rows["key"], ("key",), gains=gains["key"])
+    changed = keyed
+    if "value" in streams:
+        [valued] = perturbed(probe, base, rows["value"], ("value",), gains=gains["value"])
+        changed = Inputs(q, keyed.key, valued.value)
+    cases = [Case(changed, hold=nothing, when="when only the keys of sequence 0" + (
+                  " and the values of sequence 1" if "value" in streams else "") + " changed")]
+    comparison = compare(probe, base, cases, label="keys (sequence 0), values (sequence 1) changed alone")
     if isinstance(comparison, DetectorResult):
         return comparison
-    moved = [float(c.max()) for c in comparison.changes]  # the most any output moved, per stream
+    change = comparison.changes[0]  # (B, [H,] Tq)
+    moved = [float(change[rows[stream][:, 0]].max()) for stream in streams]  # the most its rows moved, per stream
     # moved at all: a layer that ignores an input computes the same numbers and moves by exactly 0, while a
     # correct layer at d_k = 1 and std-0.02 initialisation in bfloat16 moved by as little as 0.5% of its RMS
     tol = 0.0
     dead = [stream for stream, m in zip(streams, moved) if not m > tol]
-    evidence = "; ".join(f"changing every {stream} (x{gains[stream][0]:g}) moved the output by at most "
-                         f"{m:.3g} of its RMS" for stream, m in zip(streams, moved))
+    evidence = "; ".join(f"changing every {stream} of sequence {b} (x{gains[stream][0]:g}) moved its output by at "
+                         f"most {m:.3g} of the RMS" for b, (stream, m) in enumerate(zip(streams, moved)))
     return _judge(det, bool(dead), f"the output does not depend on the {' or the '.join(d + 's' for d in dead)}",
                   "the output depends on the keys and on the values", value=min(moved), threshold=tol,
                   evidence=f"{evidence} (any change expected; a layer that ignores the input moves by exactly 0)")
@@ -727,6 +755,9 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
                   threshold=tol, evidence=evidence)
 
 
+PARAMETER_ENTRIES = 512
+"""The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
+
 GRADIENT_AGREEMENT = 1e-8
 """|autograd - finite difference| / (|grad| |direction|) for the directional derivative of (out ** 2).sum() in
 float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5: ~1e-12 on smooth float64 layers).
@@ -769,7 +800,11 @@ def _graph_call(sub, q, k, v, allowed) -> Tensor:
     raw = captured[-1] if captured else None
     raw = raw[0] if isinstance(raw, (tuple, list)) else raw
     def same(x):
-        return x.shape == shown.shape and torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
+        if x.shape != shown.shape:
+            return False
+        if x.data_ptr() == shown.data_ptr() and x.stride() == shown.stride() and x.dtype == shown.dtype:
+            return True  # the returned tensor itself (detached)
+        return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
 
     if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
         raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
@@ -831,36 +866,42 @@ def check_gradients(probe: Probe) -> DetectorResult:
             # logits are tiny (std-0.02 weights), but everything from W_Q's and W_K's
             grads = torch.autograd.grad((out ** 2).sum(), inputs + params, allow_unused=True)
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, grads)]
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        # finite everywhere iff the sum of squares is (float64: no overflow below 1e154), one pass each
+        if not math.isfinite(float(sum(g.square().sum() for g in grads))):
             return _result(det, "fail", "gradients are NaN or inf on an ordinary input", value=math.inf,
                            threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs or "
                                                    "parameters")
-        # inputs: Gaussian draws; parameters (a million entries for a 512-wide layer, where Gaussian draws cost
-        # more than the whole check): a low-discrepancy sequence, frac(n * golden ratio) - 1/2, offset by a draw
-        start = float(torch.rand((), generator=gen))
-        u = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs]
-        n = 0
+        # inputs: Gaussian draws over every entry; parameters: Gaussian draws at up to PARAMETER_ENTRIES entries
+        # of each tensor, at pseudo-random places (a million-entry direction costs more than the whole check,
+        # and a detached or wrong backward is wrong at almost every entry of the weights it misses)
+        u_in = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs]
+        picks = []  # per parameter: (flat indices, direction there)
+        with torch.no_grad():
+            for p in params:
+                if not p.is_contiguous():  # the float64 copy's own tensor: entries addressable through a flat view
+                    p.data = p.data.contiguous()
         for p in params:
-            index = torch.arange(n, n + p.numel(), dtype=torch.float64, device=p.device)
-            u.append((index.mul_(0.6180339887498949).add_(start).frac_().sub_(0.5)).view(p.shape))
-            n += p.numel()
-        u_in, u_par = u[:len(inputs)], u[len(inputs):]
-        originals = [p.detach().clone() for p in params]
+            k = min(p.numel(), PARAMETER_ENTRIES)
+            # a low-discrepancy sequence of places (a permutation of a million entries costs more than the check)
+            spread = torch.arange(k, dtype=torch.float64).mul_(0.6180339887498949).add_(float(torch.rand((), generator=gen)))
+            index = spread.frac_().mul_(p.numel()).long().unique() if k < p.numel() else torch.arange(k)
+            picks.append((index.to(p.device), torch.randn(len(index), generator=gen, dtype=torch.float64).to(p.device)))
+        originals = [p.detach().reshape(-1)[i].clone() for p, (i, _) in zip(params, picks)]
 
         def loss_at(eps: float) -> float:
             # under grad mode, like the autograd call: torch's layers take fused fast paths without it
             torch.manual_seed(probe.seed)
             with torch.no_grad():
-                for p, p0, d in zip(params, originals, u_par):
-                    p.copy_(p0 + eps * d)  # the float64 copy's own parameters, never the user's
+                for p, p0, (i, d) in zip(params, originals, picks):
+                    p.view(-1)[i] = p0 + eps * d  # the float64 copy's own parameters, never the user's
             try:
                 with torch.enable_grad():
                     out = sub(*qkv([(x + eps * d).detach() for x, d in zip(inputs, u_in)]), allowed).out
                 return float((out ** 2).sum())
             finally:
                 with torch.no_grad():
-                    for p, p0 in zip(params, originals):
-                        p.copy_(p0)
+                    for p, p0, (i, _) in zip(params, originals, picks):
+                        p.view(-1)[i] = p0
 
         def central(eps: float) -> float:
             return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
@@ -870,9 +911,13 @@ def check_gradients(probe: Probe) -> DetectorResult:
         eps = 1e-4
         coarse, fine = central(eps), central(eps / 2)
         fd = (4 * fine - coarse) / 3
-        ad = float(sum((g * d).sum() for g, d in zip(grads, u)))
-        # relative to |grad| |u|, the most the directional derivative can be (it may be small by cancellation)
-        scale = max(math.sqrt(float(sum((g * g).sum() for g in grads)) * float(sum((d * d).sum() for d in u))), 1e-300)
+        # the gradient along the direction: every entry of the inputs', the picked entries of the parameters'
+        g_dir = grads[:len(inputs)] + [g.reshape(-1)[i] for g, (i, _) in zip(grads[len(inputs):], picks)]
+        u = u_in + [d for _, d in picks]
+        ad = float(sum((g * d).sum() for g, d in zip(g_dir, u)))
+        # relative to |grad| |u| on the direction's support, the most the directional derivative can be (it may
+        # be small by cancellation)
+        scale = max(math.sqrt(float(sum((g * g).sum() for g in g_dir)) * float(sum((d * d).sum() for d in u))), 1e-300)
         rel = abs(fd - ad) / scale
         limit = GRADIENT_AGREEMENT
         if rel > limit:

@@ -153,8 +153,8 @@ def test_a_perturbation_that_changes_nothing_is_a_blind_probe():
 
 def test_a_blind_probe_is_a_visible_skip_for_users(monkeypatch):
     monkeypatch.setattr(_core, "STRICT_PROBES", False)
-    monkeypatch.setattr(_core, "_rows_changed", lambda new, old, time_dim, tol: torch.zeros(
-        new.shape[0], new.shape[time_dim], dtype=torch.bool))  # as if no perturbation ever bit
+    monkeypatch.setattr(_core, "_position_change", lambda new, old: torch.zeros(
+        new.shape[0], new.shape[-2]))  # as if no perturbation ever bit
     report = diagnostics.audit(MultiHeadAttention(8, 2), causal=True)
     blind = report.result("future_leakage")
     assert blind.verdict == "skip" and "the probe's own control failed" in blind.message, str(report)
