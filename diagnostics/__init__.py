@@ -28,6 +28,7 @@ _WHERE = {
     "Finding": "._result",
     "MODEL_DETECTORS": "._model",
     "ModelReport": "._model",
+    "Site": "._result",
     "adapters": None,  # a submodule
     "assert_attention_ok": "._audit",
     "audit": "._audit",
@@ -44,6 +45,7 @@ __all__ = [
     "DetectorResult",
     "Finding",
     "ModelReport",
+    "Site",
     "adapters",
     "assert_attention_ok",
     "audit",
@@ -71,4 +73,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from ._detectors import DETECTORS
     from ._errors import AuditUsageError
     from ._model import MODEL_DETECTORS, ModelReport, audit_model
-    from ._result import Detector, DetectorResult, Finding
+    from ._result import Detector, DetectorResult, Finding, Site
