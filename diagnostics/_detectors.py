@@ -632,7 +632,7 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     allowed = probe.allowed(B, T, T)
 
     def call(x: Inputs, label: str):
-        torch.manual_seed(probe.seed)  # one draw of any randomness for every call (the audit restores the RNG)
+        probe.seed_layer_rng()  # one draw of any randomness for every call (the audit restores the RNG)
         return probe.call(x.query, x.key, x.value, allowed, label=label)
 
     calls = [call(base, "a batch of 2"), call(changed, "the same batch, sequence 1 changed")]
@@ -846,7 +846,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
                                         None if allowed is None else allowed.cpu(), len(inputs) == 1,
                                         backward=True))
     try:
-        torch.manual_seed(probe.seed)  # every call draws the same randomness (the audit restores the RNG)
+        probe.seed_layer_rng()  # every call draws the same randomness (the audit restores the RNG)
         with torch.enable_grad():
             out = _graph_call(sub, *qkv(inputs), allowed)
     except Exception as error:
@@ -890,7 +890,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
 
         def loss_at(eps: float) -> float:
             # under grad mode, like the autograd call: torch's layers take fused fast paths without it
-            torch.manual_seed(probe.seed)
+            probe.seed_layer_rng()
             with torch.no_grad():
                 for p, p0, (i, d) in zip(params, originals, picks):
                     p.view(-1)[i] = p0 + eps * d  # the float64 copy's own parameters, never the user's
@@ -933,7 +933,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
                            "(a detached or hand-written backward)", value=rel, threshold=limit,
                            evidence=evidence)
         if probe.causal and T >= 2:
-            leak = _future_gradient(sub, inputs, qkv, allowed)
+            leak = _future_gradient(probe, sub, inputs, qkv, allowed)
             if leak:
                 return _result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence)
@@ -945,12 +945,12 @@ def check_gradients(probe: Probe) -> DetectorResult:
                    "the future" if probe.causal else ""), value=rel, threshold=limit, evidence=evidence)
 
 
-def _future_gradient(sub, inputs, qkv, allowed) -> str:
+def _future_gradient(probe: Probe, sub, inputs, qkv, allowed) -> str:
     """'' if outputs up to the middle send no gradient to later inputs, else the evidence."""
     t_dim = sub.time_dim
     T = inputs[0].shape[t_dim]
     c = (T - 1) // 2
-    torch.manual_seed(0)
+    probe.seed_layer_rng(0)
     with torch.enable_grad():
         out = _graph_call(sub, *qkv(inputs), allowed)
         grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
