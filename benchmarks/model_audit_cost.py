@@ -1,11 +1,15 @@
 """Cost of `diagnostics.audit_model` against depth: model forwards, layer calls and seconds.
 
     python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 1]
+    python benchmarks/model_audit_cost.py --margins [--seeds 3]
 
 Builds a GPT-2 config (transformers, sdpa) of each depth at the given width, 4 heads per 64 features, and audits
 it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. Prints a
 table, and per model-level detector its measured value against its threshold (the parity detectors' margins).
-Timing lives here, never in tests.
+Timing lives here, never in tests. `--margins` audits correct models instead (TinyGPT, ProtocolGPT learned and
+rotary with a window, torch's TransformerEncoder; with transformers, tiny GPT-2, Llama, Mistral, Qwen2, Gemma,
+Phi-3, BERT, T5, BART, ViT in eager and sdpa mode) over several seeds and prints, per parity detector, the largest
+value / threshold a correct model reached (the inverse of the margin).
 """
 
 from __future__ import annotations
@@ -65,13 +69,53 @@ def build(depth: int, width: int, seq_len: int):
                        block_size=max(seq_len, 128)), "ProtocolGPT (no transformers)"
 
 
+def margins(seeds: int) -> None:
+    from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
+
+    zoo = {"TinyGPT": lambda: TinyGPT(), "ProtocolGPT": lambda: ProtocolGPT(),
+           "ProtocolGPT rotary window 5": lambda: ProtocolGPT(rotary=True, sliding_window=5),
+           "TransformerEncoder": lambda: torch.nn.TransformerEncoder(
+               torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2, enable_nested_tensor=False)}
+    tf = _transformers()
+    if tf is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from test_model_audit import HF, hf_model
+
+        for name in HF:
+            for impl in ("eager", "sdpa"):
+                zoo[f"{name} {impl}"] = (lambda n=name, i=impl: hf_model(tf, n, i))
+    worst: dict = {}
+    failed = []
+    for seed in range(seeds):
+        for name, make in zoo.items():
+            torch.manual_seed(seed)
+            report = diagnostics.audit_model(make(), seed=seed)
+            if report.status != "passed":
+                failed.append(f"{name} seed {seed}: {report.status_reason}")
+            for r in report.results:
+                if r.value is not None and r.threshold:
+                    ratio = r.value / r.threshold
+                    if ratio >= worst.get(r.detector, (-1.0,))[0]:
+                        worst[r.detector] = (ratio, r.value, r.threshold, f"{name} seed {seed}")
+    print(f"{len(zoo)} correct models x {seeds} seeds")
+    for det, (ratio, value, threshold, where) in sorted(worst.items()):
+        print(f"  {det}: largest value / threshold {ratio:.3g} ({value:.3g} against {threshold:.3g}, {where})")
+    print(f"  audits not passed: {len(failed)}")
+    for line in failed:
+        print(f"    {line}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--margins", action="store_true")
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 12])
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args()
+    if args.margins:
+        return margins(args.seeds)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     diagnostics.audit_model(build(1, 64, 16)[0], seq_len=16)  # imports and warm-up, not timed
     print("| depth | model | model forwards | layer calls | one forward (s) | audit (s) | status |")

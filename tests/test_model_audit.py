@@ -361,11 +361,34 @@ def _known_false_gradients(tf, name, impl, report) -> bool:
             and all(report.layers[layer].result("gradients").value < 1e-6 for layer, _ in fired))
 
 
+_MEMO: dict = {}
+
+
+def hf_report(tf, name: str, impl: str):
+    """The audit of a tiny Hugging Face model, once per session (the tests and the README table share it)."""
+    if (name, impl) not in _MEMO:
+        _MEMO[name, impl] = audit(hf_model(tf, name, impl))
+    return _MEMO[name, impl]
+
+
+def hf_bug_report(tf, name: str, bug: str):
+    """The audit of the model with `bug` injected through AttentionInterface into one layer, and that layer."""
+    if (name, bug) not in _MEMO:
+        clean = hf_report(tf, name, "sdpa")
+        path = list(clean.layers)[1] if name != "bart" else "model.decoder.layers.0.self_attn"
+        target: list = []
+        _register(tf, f"test_{bug}", _interface_bug(bug, target))
+        model = hf_model(tf, name, f"test_{bug}")
+        target.append(dict(model.named_modules())[path])
+        _MEMO[name, bug] = (audit(model), path)
+    return _MEMO[name, bug]
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", HF)
 def test_hugging_face_model_audits_clean(name, impl):
     tf = _need("transformers")
-    report = audit(hf_model(tf, name, impl))
+    report = hf_report(tf, name, impl)
     assert report.layers and all(f.how.startswith("Hugging Face attention class") for f in report.found)
     assert report.causal == (name in CAUSAL_HF)
     assert report.passed or _known_false_gradients(tf, name, impl, report), str(report)
@@ -409,14 +432,9 @@ def test_bug_injected_through_attention_interface_is_caught_in_its_layer(name, b
     tf = _need("transformers")
     if bug == "missing_causal_mask" and name not in CAUSAL_HF:
         pytest.skip("an encoder has no causal mask to drop")
-    clean = audit(hf_model(tf, name, "sdpa"))
+    clean = hf_report(tf, name, "sdpa")
     assert clean.passed, str(clean)  # the twin
-    target_path = list(clean.layers)[1] if name != "bart" else "model.decoder.layers.0.self_attn"
-    target: list = []
-    _register(tf, f"test_{bug}", _interface_bug(bug, target))
-    model = hf_model(tf, name, f"test_{bug}")
-    target.append(dict(model.named_modules())[target_path])
-    report = audit(model)
+    report, target_path = hf_bug_report(tf, name, bug)
     assert report.status == "failed", str(report)
     layers = {layer for layer, _ in located(report)}
     assert target_path in layers and layers <= {target_path, None}, str(report)
@@ -475,19 +493,14 @@ def architecture_table() -> str:
     except pytest.skip.Exception:
         return "\n".join(rows)
     for name in HF:
-        clean = audit(hf_model(tf, name, "sdpa"))
+        clean = hf_report(tf, name, "sdpa")
         cells = []
         for bug in ("missing_scale", "missing_causal_mask"):
             if name == "t5" or (bug == "missing_causal_mask" and name not in CAUSAL_HF):
                 cells.append("n/a")
                 continue
-            target: list = []
-            _register(tf, f"test_{bug}", _interface_bug(bug, target))
-            model = hf_model(tf, name, f"test_{bug}")
-            path = list(clean.layers)[1] if name != "bart" else "model.decoder.layers.0.self_attn"
-            target.append(dict(model.named_modules())[path])
-            cells.append(_cell(audit(model)))
-        row(f"HF `{type(hf_model(tf, name, 'sdpa')).__name__}` (sdpa)", _cell(clean), *cells)
+            cells.append(_cell(hf_bug_report(tf, name, bug)[0]))
+        row(f"HF `{clean.model}` (sdpa)", _cell(clean), *cells)
     try:
         timm = _need("timm")
     except pytest.skip.Exception:
@@ -561,3 +574,18 @@ def test_teaching_report_has_the_model_chapter_with_its_reach_chart_and_cache_re
         'xmlns="http://www.w3.org/2000/svg"', "")  # inline, offline
     assert f"(<code>h.{layer}.attn</code>); the layers after it inherit it" in page  # where the leak starts
     assert "steps of 1" in page and "uneven" in page and f"localised to <code>h.{layer}.attn</code>" in page
+
+
+def test_chosen_detectors_run_alone_and_an_unmeasured_causality_is_not_passed():
+    only = audit(protocol_gpt(), detectors=["cache_parity", "padding_invariance"])
+    assert only.passed and not only.layers
+    assert [r.detector for r in only.results] == ["model_runs", "cache_parity", "padding_invariance"]
+    skipped = audit(TinyGPT(), detectors=["cache_parity"])  # TinyGPT takes no cache: nothing measured
+    assert skipped.status == "inconclusive" and "every one skipped" in skipped.status_reason
+
+    class Constant(TinyGPT):  # causal by construction and by claim, but every output is the same
+        def forward(self, input_ids):
+            return super().forward(torch.zeros_like(input_ids))
+
+    report = audit(Constant(), detectors=["prefix_causality"])
+    assert report.result("prefix_causality").verdict == "skip" and report.status == "inconclusive"
