@@ -16,6 +16,7 @@ import difflib
 import inspect
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,18 +182,45 @@ def _comparison(pair: _Pair) -> str:
     return f"The weights differ by up to {difference.max().item():.3g}; {outputs}."
 
 
-def _diff_html(variant: Variant) -> str:
-    """The unified diff of the variant's overridden method against the reference's, whole methods shown."""
+def _diff_html(variant: Variant, report: diagnostics.AuditReport | None = None) -> str:
+    """The unified diff of the variant's overridden method against the reference's, whole methods shown; the
+    lines the audit's findings point at (their first site, or the caller's line of an op in a helper) are
+    highlighted, with the detectors that point there."""
     step = variant.step
     before = textwrap.dedent(inspect.getsource(getattr(MultiHeadAttention, step))).splitlines()
-    after = textwrap.dedent(inspect.getsource(getattr(variant.cls, step))).splitlines()
+    source, start = inspect.getsourcelines(getattr(variant.cls, step))
+    after = textwrap.dedent("".join(source)).splitlines()
+    hits = _hit_lines(variant, report, start, len(source)) if report is not None else {}
     lines = difflib.unified_diff(before, after, f"correct: MultiHeadAttention.{step}",
                                  f"buggy_variants: {variant.cls.__name__}.{step}",
                                  n=len(before) + len(after), lineterm="")
     kinds = {"+": "add", "-": "del", "@": "hunk", " ": "ctx"}
-    spans = [f'<span class="{"file" if i < 2 else kinds[line[:1]]}">{escape(line)}</span>'
-             for i, line in enumerate(lines)]
+    spans, at = [], 0  # at: the index of the next line of the variant's method
+    for i, line in enumerate(lines):
+        kind = "file" if i < 2 else kinds[line[:1]]
+        title = ""
+        if kind in ("add", "ctx"):
+            if at + start in hits:
+                kind += " hit"
+                title = f' title="the audit points here: {escape(", ".join(hits[at + start]))}"'
+            at += 1
+        spans.append(f'<span class="{kind}"{title}>{escape(line)}</span>')
     return f'<pre class="diff">{"".join(spans)}</pre>'
+
+
+def _hit_lines(variant: Variant, report: diagnostics.AuditReport, start: int, count: int) -> dict[int, list[str]]:
+    """{line of the variant's method: detectors whose first site is that line, or is called from it}."""
+    path = Path(inspect.getsourcefile(variant.cls)).resolve()
+    hits: dict[int, list[str]] = {}
+    for result in report.findings:
+        if not result.where:
+            continue
+        first = result.where[0]
+        for file, line in [(first.file, first.line)] + [(f, n) for f, n, _ in first.callers]:
+            if Path(file).resolve() == path and start <= line < start + count:
+                hits.setdefault(line, []).append(result.detector)
+                break
+    return hits
 
 
 def _readings_html(report: diagnostics.AuditReport) -> str:
@@ -212,7 +240,7 @@ def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
 <p><b>Symptom:</b> {escape(variant.symptom)}</p>
 <p><b>Observable when:</b> {escape(variant.detectable_when)}</p>
 <h4>The mistake: <code>{escape(variant.cls.__name__)}.{escape(variant.step)}</code> against the reference</h4>
-{_diff_html(variant)}
+{_diff_html(variant, report)}
 <h4>Attention weights</h4>
 {_weights_html(_weights_pair(variant))}
 <h4>Detector readings</h4>
@@ -279,6 +307,8 @@ _TEACHING_STYLE = """
 .am pre.diff .hunk { color: #6f42c1; }
 .am pre.diff .add { background: #e6ffec; color: #116329; }
 .am pre.diff .del { background: #ffebe9; color: #82071e; }
+.am pre.diff .hit { outline: 2px solid #d73a49; outline-offset: -1px; font-weight: 600; }
+.am pre.diff .hit::after { content: "  \2190 the audit points here"; color: #d73a49; font-weight: 400; }
 .am pre.fix { background: #e6ffec; border-color: #a6dcb4; }
 .am .error-note pre { background: #ffebe9; border-color: #f5b5b0; max-width: 520px; white-space: pre-wrap; }
 .am details summary { cursor: pointer; color: #0b5cad; margin: 0.4em 0; }

@@ -90,6 +90,17 @@ class AuditReport:
                     lines.append(f"  fix:      {r.fix}")
         return "\n".join(lines)
 
+    def annotations(self) -> list[str]:
+        """One `file:line: error|warning|note: detector: message` line per site of each finding, the format
+        editors and CI annotate: the first site of a finding carries its message, the others their reason."""
+        lines = []
+        for r in self.findings:
+            for n, site in enumerate(r.where):
+                kind = ("error" if r.verdict == "fail" else "warning") if n == 0 else "note"
+                text = r.message if n == 0 else "; ".join(x for x in (site.op, site.note) if x)
+                lines.append(f"{site.path}:{site.line}: {kind}: {r.detector}: {text}")
+        return lines
+
     def raise_for_findings(self) -> None:
         """Raise `AttentionAuditError` with the report unless the audit passed (failed or inconclusive)."""
         __tracebackhide__ = True

@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
             print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
         else:
             print(report)
+            if report.findings and report.annotations():  # file:line: lines, for editors and CI annotations
+                print("\n" + "\n".join(report.annotations()))
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader stopped early (`| head`): send the rest to /dev/null so that the flush at exit does not

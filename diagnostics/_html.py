@@ -44,6 +44,9 @@ STYLE = """
 .am .finding.warn { border-left-color: #f0b400; background: #fffaf0; }
 .am figure { display: inline-block; margin: 0 24px 8px 0; vertical-align: top; }
 .am figcaption { font-size: 13px; color: #333; margin-bottom: 2px; }
+.am ol.where { margin: 0.2em 0 0.4em; padding-left: 1.6em; }
+.am ol.where pre { margin: 0.1em 0; }
+.am .hit { background: #fff1a8; outline: 2px solid #d73a49; }
 .am svg.heatmap text { font-family: system-ui, Helvetica, Arial, sans-serif; fill: #333; }
 """
 
@@ -182,6 +185,9 @@ def results_table(results) -> str:
         fix = f"<code>{escape(r.fix)}</code>" if r.fix and r.fired else ""
         # The margin says how far correct layers stay from the threshold: small print under the evidence.
         margin = f'<div class="margin">{escape(r.margin)}</div>' if r.margin else ""
+        if r.fired and r.where:  # the first site; the finding's block (finding_html) lists them all
+            margin += (f'<div class="margin">where: <code>{escape(r.where[0].path)}:{r.where[0].line}</code> '
+                       f'<code>{escape(r.where[0].code)}</code></div>')
         rows.append(f'<tr><td><code>{escape(r.detector)}</code></td><td>{verdict_badge(r.verdict)}</td>'
                     f'<td>{escape(r.message)}</td><td class="num">{number(r.value)}</td>'
                     f'<td class="num">{number(r.threshold)}</td><td>{escape(r.evidence)}{margin}</td>'
@@ -191,11 +197,25 @@ def results_table(results) -> str:
             "</tbody></table>")
 
 
+def where_html(sites) -> str:
+    """The sites of a finding, most likely first: `file:line in function`, the line's code, and why."""
+    if not sites:
+        return ""
+    items = []
+    for site in sites:
+        why = "; ".join(x for x in (site.op, site.note) if x)
+        called = (f' <span class="margin">(called from {escape(site.callers[0][0].rsplit("/", 1)[-1])}:'
+                  f'{site.callers[0][1]} in {escape(site.callers[0][2])})</span>' if site.callers else "")
+        items.append(f'<li><code class="site">{escape(site.path)}:{site.line}</code> in <code>{escape(site.function)}'
+                     f'</code>{called}<pre>{escape(site.code)}</pre><span class="margin">{escape(why)}</span></li>')
+    return f'<p><b>Where:</b></p><ol class="where">{"".join(items)}</ol>'
+
+
 def finding_html(r) -> str:
-    """One warn/fail result as a block: what fired, the evidence, and what to write instead."""
+    """One warn/fail result as a block: what fired, the evidence, where in the code, and what to write instead."""
     return (f'<div class="finding {escape(r.verdict)}"><p>{verdict_badge(r.verdict)} <code>{escape(r.detector)}'
             f'</code>: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
-            f'<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
+            f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
 
 
 def write_report_html(report, path) -> None:

@@ -27,6 +27,16 @@ class ProbeShape:
     backward: bool = False  # gradients were taken through this call
 
 
+def _shown(file: str) -> str:
+    from os.path import relpath
+
+    try:
+        shown = relpath(file)
+    except ValueError:  # another drive on Windows
+        return file
+    return file if shown.startswith("..") else shown
+
+
 @dataclass(frozen=True)
 class Site:
     """Where in the user's code a finding points: the first frame outside torch and diagnostics when the
@@ -45,26 +55,20 @@ class Site:
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
 
-    def describe(self, *, short: bool = False) -> str:
-        """`file:line in function: code  [op; note]`, with the first caller when it helps."""
-        from os.path import relpath
+    @property
+    def path(self) -> str:
+        """The file relative to the working directory when it lies below it (as editors and CI resolve it)."""
+        return _shown(self.file)
 
-        try:
-            shown = relpath(self.file)
-            shown = self.file if shown.startswith("..") else shown
-        except ValueError:  # another drive on Windows
-            shown = self.file
-        text = f"{shown}:{self.line} in {self.function}: {self.code}"
+    def describe(self, *, short: bool = False) -> str:
+        """`file:line in function: code  [op; note] (called from file:line in function)`."""
+        text = f"{self.path}:{self.line} in {self.function}: {self.code}"
         why = "; ".join(x for x in (self.op, self.note) if x)
         if why and not short:
             text += f"  [{why}]"
         if self.callers and not short:
             f, n, fn = self.callers[0]
-            try:
-                f = relpath(f) if not relpath(f).startswith("..") else f
-            except ValueError:
-                pass
-            text += f" (called from {f}:{n} in {fn})"
+            text += f" (called from {_shown(f)}:{n} in {fn})"
         return text
 
     def to_dict(self) -> dict:

@@ -1121,6 +1121,12 @@ def _output_shape_sites(probe) -> list[Site]:
     return stream_sites(trace, s)
 
 
+LOCATED = frozenset({"future_leakage", "mask_honoured", "query_locality", "batch_independence", "eval_determinism",
+                     "softmax_saturation", "weight_row_sums", "finite_output", "fully_masked_rows", "keys_matter",
+                     "decode_consistency", "causal_alignment", "runs", "gradients", "output_shape", "output_variance"})
+"""The detectors whose findings this module can point at the line (the others' `where` stays empty)."""
+
+
 def _locate(probe, det: str, result: DetectorResult) -> list[Site]:
     if det in ("future_leakage", "mask_honoured"):
         return _invariance(probe, det, use_masks=True)

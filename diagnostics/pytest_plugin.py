@@ -88,8 +88,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarning:
+    where = f"; where: {result.where[0].describe(short=True)}" if result.where else ""
     return AttentionAuditWarning(f"{report.layer}: {result.detector}: {result.message}; evidence: "
-                                 f"{result.evidence}; fix: {result.fix}")
+                                 f"{result.evidence}{where}; fix: {result.fix}")
 
 
 @pytest.fixture
@@ -221,6 +222,7 @@ class AuditItem(pytest.Item):
                      f"  checks:   {DETECTORS[r.detector].description}"]
             if r.evidence:
                 lines.append(f"  evidence: {r.evidence}")
+            lines += [f"  {'where:' if n == 0 else '':<9} {site.describe()}" for n, site in enumerate(r.where)]
             if r.fix and r.verdict != "error":  # a crash of the detector has no fix on the layer's side
                 lines.append(f"  fix:      {r.fix}")
             return "\n".join(lines)
