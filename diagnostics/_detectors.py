@@ -18,7 +18,7 @@ from ._core import (Case, Comparison, Inputs, _expand, allowed_text, compare, he
                     skip)
 from ._observe import applied_scales
 from ._probe import Call, Probe
-from ._registry import CAUSAL, DETECTORS, LONG, SEPARATE_QUERY, TAKES_MASK, detector
+from ._registry import CAUSAL, DETECTORS, HAS_CACHE, LONG, SEPARATE_QUERY, TAKES_MASK, detector
 from ._result import DetectorResult, ProbeShape
 from ._thresholds import (MEASURED_ROW_SUM, MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, UNCHANGED, dtype_name,
                           tolerance)
@@ -709,6 +709,36 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
                   evidence=f"{evidence} (any change expected; a layer that ignores the input moves by exactly 0)")
 
 
+DECODE_SPREAD = 2.0
+"""The spread (std over a row's keys) of the logits the decoding checks aim for by scaling their tokens."""
+
+
+def _decode_gain(probe: Probe) -> float:
+    """The factor, 1 to 10, by which the decoding checks scale their tokens so that the logits spread by about
+    DECODE_SPREAD over each row's keys: at GPT-2's std-0.02 initialisation attention is nearly uniform, and a
+    position or mask error shows only once tokens are ~10x larger; at torch's default initialisation 10x
+    makes attention one-hot, where half precision's rounding of a logit moves the output as much as a bug
+    (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
+    standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed."""
+    base = probe.base()
+    weights = probe.weights(base)[0] if base.ok else None
+    if weights is None:
+        return 10.0
+    w = weights.detach().double().flatten(0, -2)  # (rows, Tk)
+    seen = w > 0
+    n = seen.sum(-1)
+    logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
+    mean = logits.sum(-1) / n.clamp_min(1)
+    var = (torch.where(seen, logits - mean.unsqueeze(-1), torch.zeros_like(w)) ** 2).sum(-1) / (n - 1).clamp_min(1)
+    rows = n >= 2
+    if not bool(rows.any()):
+        return 10.0
+    spread = float(var[rows].sqrt().median())
+    if not math.isfinite(spread) or spread <= 0:
+        return 10.0
+    return min(10.0, max(1.0, math.sqrt(DECODE_SPREAD / spread)))  # logits grow as the square of the tokens
+
+
 @detector("decode_consistency", "for a causal layer, the last Tq queries over all Tk keys give exactly the last "
           "Tq rows of the full pass (decoding with a cache equals the full pass), for Tq = 1, 3 and an uneven split",
           targets=("causal mask top-left or dropped once queries are fewer than keys",
@@ -718,12 +748,11 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
           needs=(CAUSAL, SEPARATE_QUERY, LONG))
 def check_decode_consistency(probe: Probe) -> DetectorResult:
     det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
-    # tokens 10x the usual size: logits 100x, so that a position or mask error shows even where the
-    # initialisation keeps logits tiny (GPT-2's std 0.02), far above the rounding of a recomputation
+    g = _decode_gain(probe)  # attention neither uniform (std-0.02 weights) nor one-hot (rounding-bound)
     if s.form == "function":
-        q, k, v = 10 * probe.make(B, T), 10 * probe.make(B, T), 10 * probe.make(B, T)
+        q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
     else:
-        q = k = v = 10 * probe.make(B, T)
+        q = k = v = g * probe.make(B, T)
     full = probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
     if not full.ok:
         return not_run(det, full)
@@ -753,6 +782,148 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
     return _judge(det, bool(failed), "decoding the last queries over all keys differs from the full pass",
                   f"the last Tq queries over all keys reproduce the full pass (Tq = {splits})", value=worst,
                   threshold=tol, evidence=evidence)
+
+
+def _split_cache(result, batch: int, t_q: int, t_k: int):
+    """(out, cache) from what a cached call returned: `out`, or `(out, cache[, weights])` in any order after
+    `out`; the cache is the first returned thing that is not the weights (None: nothing returned)."""
+    if isinstance(result, Tensor):
+        return result, None
+    if not (isinstance(result, (tuple, list)) and result and isinstance(result[0], Tensor)):
+        return None, None
+
+    def weights_like(r) -> bool:
+        return (isinstance(r, Tensor) and r.is_floating_point() and r.dim() in (3, 4) and r.shape[0] == batch
+                and tuple(r.shape[-2:]) == (t_q, t_k))
+
+    caches = [r for r in result[1:] if r is not None and not isinstance(r, bool) and not weights_like(r)]
+    return result[0], caches[0] if caches else None
+
+
+CACHE_NOISE_FACTOR = 4.0
+"""How far beyond the recomputation noise (no-cache rows computed twice) a cached decode may differ. Measured:
+see benchmarks/margins.py."""
+
+
+def _cache_plan(T: int) -> list[int]:
+    """Token counts of the cached calls: a prefill of half, steps of 1, 1 and 3, then the uneven remainder."""
+    plan, rest = [max(1, T // 2)], T - max(1, T // 2)
+    for n in (1, 1, 3):
+        if rest:
+            plan.append(min(n, rest))
+            rest -= plan[-1]
+    return plan + ([rest] if rest else [])
+
+
+@detector("cache_decoding", "for a causal layer with a cache of its own, prefilling half the tokens and decoding "
+          "the rest through that cache (steps of 1, 1, 3 and the remainder) gives the rows of the full pass",
+          targets=("rotary positions of new tokens not offset by the cache length",
+                   "the causal mask dropped or misaligned once a cache is attached",
+                   "a cache that loses or repeats keys"),
+          fix="offset the positions of new tokens by the cache length, mask new tokens bottom-right against cached "
+              "and new keys (causal_mask(Tq, Tk, align='bottom_right')), and append every new key and value",
+          needs=(CAUSAL, LONG, HAS_CACHE))
+def check_cache_decoding(probe: Probe) -> DetectorResult:
+    """Drives the layer's own cache: the cache argument left at None with use_cache=True must return a cache
+    (fed back on the next call), or a dict passed in must be filled (passed again). Calls the layer raises on
+    are the audit guessing a protocol wrong, so they skip with the error, never fail `runs`; a layer that
+    refuses several new tokens at once is decoded one token at a time there, and the report says so."""
+    det, s, B, T = "cache_decoding", probe.subject, probe.BATCH, probe.t
+    name = s.cache_name
+    if probe.pass_causal_mask and s.convention == "key_padding":
+        return skip(det, "the layer's mask is a key-padding mask, which cannot carry the causal mask of several "
+                         "new tokens")
+    x = _decode_gain(probe) * probe.make(B, T)  # as in decode_consistency
+    full = probe.call(x, x, x, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
+    if not full.ok:
+        return not_run(det, full)
+    expected = full.output.out
+    if expected.shape[:2] != (B, T):
+        return skip(det, f"the output {tuple(expected.shape)} has no row per token (see output_shape)")
+
+    def cached(start: int, n: int, cache):
+        chunk = x[:, start:start + n]
+        allowed = probe.allowed(B, n, start + n)
+        probe.passes += 1
+        probe.shapes[det].append(ProbeShape(f"{n} new tokens over a cache of {start}", B, n, start + n,
+                                            None if allowed is None else allowed.cpu(), True))
+        with torch.no_grad():
+            result = s.call_cached(chunk, allowed, cache)
+        out, returned = _split_cache(result, B, n, start + n)
+        if out is None or tuple(out.shape[:2]) != (B, n):
+            raise ValueError(f"returned {type(result).__name__} with no (B, {n}, D) output first")
+        return out.detach(), returned
+
+    outs, notes, start = [], [], 0
+    try:
+        plan = _cache_plan(T)
+        out, cache = cached(0, plan[0], None)
+        if cache is None:  # no cache returned: a container the layer fills, passed in
+            cache = {}
+            out, _ = cached(0, plan[0], cache)
+            if not cache:
+                return skip(det, f"called with {name}=None (and use_cache=True where it takes it) the layer returned "
+                                 f"no cache, and it did not fill a dict passed as {name}: the audit cannot drive "
+                                 f"its cache (an object of its own type, or a cache kept inside the module)")
+        filled = isinstance(cache, dict)
+        outs.append(out)
+        start = plan[0]
+        for n in plan[1:]:
+            try:
+                out, returned = cached(start, n, cache)
+                got = [out]
+            except Exception as error:
+                if n == 1:
+                    raise
+                notes.append(f"it raised on {n} new tokens at once ({type(error).__name__}), so those were "
+                             f"decoded one at a time")
+                got = []
+                for at in range(start, start + n):
+                    out, returned = cached(at, 1, cache)
+                    got.append(out)
+                    cache = cache if filled else returned
+            else:
+                cache = cache if filled else returned
+            if cache is None:
+                return skip(det, f"the layer stopped returning a cache after {start} tokens")
+            outs += got
+            start += n
+    except Exception as error:
+        text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        return skip(det, f"decoding through {name} raised after {start} tokens ({type(error).__name__}: {text}); "
+                         f"the audit passes {name}=None, then what the layer returned (or a dict it fills)")
+    got = torch.cat(outs, dim=1)
+    change = relative_change(got, expected, centred=True, scale_of=expected)
+    if change is None:
+        return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
+    # the same rows computed twice without a cache (the first half alone, and within the full pass) differ by
+    # the rounding of a recomputation, which sharp attention in half precision amplifies: a cached decode
+    # must agree as well as that, within CACHE_NOISE_FACTOR
+    P = plan[0]
+    first = x[:, :P]
+    prefix = probe.call(first, first, first, probe.allowed(B, P, P), label=f"the first {P} tokens, no cache")
+    if not prefix.ok:
+        return not_run(det, prefix)
+    noise = relative_change(prefix.output.out, expected[:, :P], centred=True, scale_of=expected)
+    noise = 0.0 if noise is None else float(noise.max())
+    tol = max(tolerance(ROW_SUM, s.dtype), CACHE_NOISE_FACTOR * noise)
+    readings, at = [], 0
+    for i, n in enumerate(plan):
+        part = change[:, at:at + n]
+        what = f"prefill of {n}" if i == 0 else f"{n} new token{'s' if n > 1 else ''} at t={at}"
+        readings.append((what, int((part > tol).sum()), part.numel(), float(part.max())))
+        at += n
+    bad = [r for r in readings if r[1]]
+    how = "a dict it fills" if filled else "the cache it returns"
+    evidence = (f"through {name} ({how}): " + "; ".join(f"{what}: {b} / {total} rows differ from the full pass by up "
+                                                           f"to {m:.3g}" for what, b, total, m in readings)
+                + f" (up to {tol:.2g} of the outputs' RMS about their mean allowed: {tolerance(ROW_SUM, s.dtype):.2g} "
+                  f"for {dtype_name(s.dtype)}, or {CACHE_NOISE_FACTOR:g}x the {noise:.2g} by which the first {P} "
+                  f"tokens alone differ from the full pass without a cache)" + "".join(f"; {note}" for note in notes))
+    return _judge(det, bool(bad), "decoding through the layer's cache differs from the full pass (from the "
+                  f"{bad[0][0] if bad else ''})",
+                  f"decoding through the layer's cache ({'+'.join(map(str, plan))} tokens) gives the full pass",
+                  value=float(change.max()), threshold=tol, evidence=evidence)
 
 
 PARAMETER_ENTRIES = 512

@@ -49,6 +49,8 @@ LEAVE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "c
                "output_attentions", "output_hidden_states", "return_dict", "head_mask", "layer_head_mask",
                "cache_position", "position_ids", "need_weights", "average_attn_weights", "is_causal",
                "query_length", "position_bias", "alibi", "layer_idx", "sliding_window")
+# a cache of past keys and values, in the order one is chosen (see ModuleSubject.cache_name)
+CACHE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "cache", "past")
 MASK_CONVENTIONS = ("allowed", "blocked", "additive", "key_padding")
 LAYOUTS = ("bhtd", "bthd")
 D_MODEL_NAMES = ("d_model", "embed_dim", "hidden_size", "n_embd", "dim", "model_dim")
@@ -299,6 +301,28 @@ class ModuleSubject(Subject):
     def _call(self, query, key, value, allowed):
         if self.form == "self_module" and not (query is key and key is value):
             raise AuditUsageError("internal: a self-attention module takes one input stream")
+        return self.layer(**self._kwargs(query, key, value, allowed))
+
+    @property
+    def cache_name(self) -> str | None:
+        """The parameter through which forward takes a cache of past keys and values, where the audit can
+        drive it: a self-attention module of the user's own (Hugging Face layers keep theirs in the model's
+        Cache object: `audit_model` checks cache parity there)."""
+        if self.form != "self_module" or self.extra is not None or _is_huggingface(self.layer):
+            return None
+        names = _parameter_names(self.layer.forward) or []
+        return next((n for n in CACHE_NAMES if n in names), None)
+
+    def call_cached(self, query: Tensor, allowed: Tensor | None, cache):
+        """Call with `cache` as the cache argument (and use_cache=True where forward takes that flag); the
+        layer's raw result."""
+        kwargs = self._kwargs(query, query, query, allowed)
+        kwargs[self.cache_name] = cache
+        if "use_cache" in (_parameter_names(self.layer.forward) or []):
+            kwargs["use_cache"] = True
+        return self.layer(**kwargs)
+
+    def _kwargs(self, query, key, value, allowed) -> dict:
         kwargs = dict(self.sig.fixed)
         if self.extra is not None:
             kwargs.update(self.extra(query))
@@ -312,7 +336,7 @@ class ModuleSubject(Subject):
         mask = None if allowed is None or not self.takes_mask else self._mask(allowed)
         for name in self.mask_names:
             kwargs[name] = mask
-        return self.layer(**kwargs)
+        return kwargs
 
 
 class TorchMHASubject(Subject):

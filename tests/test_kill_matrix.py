@@ -95,5 +95,8 @@ def test_every_detector_catches_something_and_every_variant_is_caught():
     caught_by = {d for v in VARIANTS.values() for d in v.expected_detectors + v.also_detected_by}
     # finite_output catches no catalog entry (they all keep finite logits on ordinary inputs); it is
     # exercised by the never-seen float16 softmax without max-subtraction in tests/test_never_seen.py.
-    assert caught_by | {"finite_output"} == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
+    # cache_decoding needs a self-attention module with a cache of its own, which the reference (query, key,
+    # value) layer is not: it is exercised by the never-seen CachedRotary layers in tests/test_never_seen.py.
+    unexercised = {"finite_output", "cache_decoding"}
+    assert caught_by | unexercised == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
     assert all(v.expected_detectors for v in VARIANTS.values())

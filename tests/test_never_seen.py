@@ -623,6 +623,39 @@ class PaddingOrCausal(NanoGPTAttention):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+class CachedRotary(nn.Module):
+    """A decoder with a KV cache of its own, as tutorials write one: forward(x, kv_cache=None, use_cache=False)
+    returns (out, (k, v)) when use_cache; rotary positions continue from the cache length, and new tokens are
+    masked bottom-right against cached and new keys. `bug` names one step done wrong."""
+
+    causal = True
+
+    def __init__(self, d_model, num_heads, bug=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = d_model, num_heads, bug
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, kv_cache=None, use_cache=False):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))  # (B, H, T, d)
+        past = 0 if kv_cache is None else kv_cache[0].shape[2]
+        positions = torch.arange(past, past + T, device=x.device)
+        if self.bug == "positions":
+            positions = torch.arange(T, device=x.device)  # BUG: new tokens rotated as if at 0..T-1
+        q, k = _rotate(q, positions), _rotate(k, positions)
+        if kv_cache is not None:
+            k, v = torch.cat([kv_cache[0], k], dim=2), torch.cat([kv_cache[1], v], dim=2)  # (B, H, Tk, d)
+        allowed = __import__("correct").causal_mask(T, k.shape[2], align="bottom_right", device=x.device)
+        if self.bug == "mask" and kv_cache is not None:
+            allowed = None  # BUG: once a cache is attached, the new tokens see each other's future
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = self.out(y.transpose(1, 2).reshape(B, T, D))
+        cache = (k, v)
+        if self.bug == "first key" and kv_cache is None:
+            cache = (k[:, :, 1:], v[:, :, 1:])  # BUG: the prefill's first key and value never reach the cache
+        return (out, cache) if use_cache else out
+
+
 # name: (broken layer and audit options, detector that must fail, its correct twin)
 SECOND_CHAPTER = {
     "keys centred over the batch": (lambda: (keys_centred_over_the_batch, {}), "batch_independence",
@@ -635,6 +668,12 @@ SECOND_CHAPTER = {
                                                         "decode_consistency", lambda: RotaryDecoder(24, 3)),
     "padding mask ORed with the causal mask": (lambda: (PaddingOrCausal(24, 3, combine="or"), dict(causal=True)),
                                                "future_leakage", lambda: PaddingOrCausal(24, 3)),
+    "own cache, rotary positions restart at 0": (lambda: (CachedRotary(24, 3, bug="positions"), dict(causal=True)),
+                                                 "cache_decoding", lambda: CachedRotary(24, 3)),
+    "own cache, causal mask dropped with a cache": (lambda: (CachedRotary(24, 3, bug="mask"), dict(causal=True)),
+                                                    "cache_decoding", lambda: CachedRotary(24, 3)),
+    "own cache, first key never cached": (lambda: (CachedRotary(24, 3, bug="first key"), dict(causal=True)),
+                                          "cache_decoding", lambda: CachedRotary(24, 3)),
 }
 SCALES = [(dtype, init) for dtype in (torch.float32, torch.bfloat16) for init in ("default", "gpt2")]
 

@@ -68,7 +68,7 @@ def test_correct_layer_passes_one_test_per_detector(scratch):
 def test_broken_layer_fails_its_detector_with_evidence_and_fix(scratch):
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:broken")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(failed=1, passed=10 + 1, skipped=5, warnings=1)  # + 1: audit_status, conclusive
+    result.assert_outcomes(failed=1, passed=10 + 1, skipped=6, warnings=1)  # + 1: audit_status, conclusive
     result.stdout.fnmatch_lines([
         "*attention audit of mylayers:broken: softmax_saturation*",
         "FAIL softmax_saturation: softmax is 2.83x too sharp*",
@@ -131,7 +131,7 @@ def test_strict_and_require_turn_skips_into_failures(scratch):
                                  "*evidence: --attention-strict demands that weight_row_sums measures the layer*"])
     assert "FAILED attention-audit::audit_status" not in strict.stdout.str()  # failed, so no longer inconclusive
     required = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-require=future_leakage")
-    required.assert_outcomes(failed=1, passed=11 + 1, skipped=4, warnings=1)
+    required.assert_outcomes(failed=1, passed=11 + 1, skipped=5, warnings=1)
     required.stdout.fnmatch_lines(["FAIL future_leakage: required but not applicable*",
                                    "*evidence: --attention-require demands that future_leakage measures the layer*"])
     unknown = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-require=no_such")
@@ -171,7 +171,7 @@ def test_a_detector_that_crashes_fails_its_test_with_the_internal_error(scratch)
 def test_audit_items_join_the_users_own_tests(scratch):
     scratch.makepyfile(test_mine="def test_mine():\n    assert True\n")
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-audit=mylayers:broken")
-    result.assert_outcomes(passed=1 + 12 + 11, failed=1, skipped=10, warnings=2)
+    result.assert_outcomes(passed=1 + 12 + 11, failed=1, skipped=12, warnings=2)
 
 
 def test_fixture_returns_the_report_and_fails_with_it(scratch):
