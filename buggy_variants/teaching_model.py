@@ -230,6 +230,9 @@ def reach_svg(readings: dict, *, label: str) -> str:
             f'height="{height}">{"".join(rows)}</svg>')
 
 
+_TABLE = "border='1' style='border-collapse:collapse;font-size:13px'"
+
+
 def _layer_table(report) -> str:
     from diagnostics._html import escape
 
@@ -241,8 +244,9 @@ def _layer_table(report) -> str:
         f"<tr><td>{escape(r.detector)}</td><td class='k-{escape(r.verdict)}'>{escape(r.verdict)}</td>"
         f"<td>{escape(report.result_layers.get(r.detector) or '')}</td><td>{escape(r.message)}</td></tr>"
         for r in report.results)
-    return (f"<table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>layer (in place)</th><th>status</th><th>fired</th></tr>{rows}</table>"
-            f"<p></p><table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>model-level</th><th>verdict</th><th>at</th><th>message</th></tr>"
+    return (f"<table class='model-table' {_TABLE}><tr><th>layer (in place)</th><th>status</th><th>fired</th></tr>"
+            f"{rows}</table><p></p><table class='model-table' {_TABLE}><tr><th>model-level</th><th>verdict</th>"
+            f"<th>at</th><th>message</th></tr>"
             f"{model}</table>")
 
 
@@ -254,7 +258,7 @@ def _cache_table(clean, broken) -> str:
         bad = broken.readings.get("cache_parity", {}).get(name)
         rows.append(f"<tr><td>{escape(name)} {good['plan']}</td><td>{good['error']:.2g}</td>"
                     f"<td>{'-' if bad is None else format(bad['error'], '.2g')}</td><td>{good['allowed']:.2g}</td></tr>")
-    return ("<table class='model-table' border='1' style='border-collapse:collapse;font-size:13px'><tr><th>schedule (prefill, steps)</th><th>correct: error</th>"
+    return (f"<table class='model-table' {_TABLE}><tr><th>schedule (prefill, steps)</th><th>correct: error</th>"
             "<th>rotary not offset: error</th><th>allowed</th></tr>" + "".join(rows) + "</table>")
 
 

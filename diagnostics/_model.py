@@ -400,7 +400,6 @@ class Runner:
             h, w = (size, size) if isinstance(size, int) else tuple(size)
             channels = getattr(config, "num_channels", 3) if config is not None else 3
             name = "pixel_values" if config is not None else first
-            self.main_is_image = True
             return name, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         expect(emb is not None, "example=..., or a model whose inputs can be built (a Hugging Face config, an "
@@ -436,8 +435,6 @@ class Runner:
             kwargs["use_cache"] = bool(use_cache)
         if past is not None:
             kwargs[self.cache_name] = past
-        if self.hf and seq.is_floating_point() and model is not self.model:
-            pass
         if isinstance(model, nn.TransformerDecoder) or isinstance(model, nn.TransformerEncoder):
             kwargs = {k: (v.to(_float_dtype(model)) if isinstance(v, Tensor) and v.is_floating_point() and
                           k not in ("src_key_padding_mask", "tgt_key_padding_mask") else v) for k, v in kwargs.items()}
@@ -528,9 +525,12 @@ def _observe_attention(runner: Runner) -> tuple[dict, str | None]:
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     error, raised_in = None, None
+    seq = runner.inputs[:1]
+    if runner.sequence and seq.shape[1] > 8:
+        seq = seq[:, :8]  # finding needs the ops, not the length: the observer records every one of them
     try:
         with observer:
-            runner(runner.inputs[:1], grad=True)
+            runner(seq, grad=True)
     except Exception as exc:  # a model that raises is a finding, reported by model_runs
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         # the modules whose forward did not return: the innermost one with parameters is where it raised
@@ -1347,8 +1347,9 @@ def _status(results, layers, found, *, layers_chosen: bool = True, causal: bool 
     failed = [r.detector for r in results if r.verdict == "fail"]
     failed_layers = [p for p, rep in layers.items() if rep.status == "failed"]
     if failed or failed_layers:
-        return "failed", "failed: " + ", ".join(failed + [f"{p} ({', '.join(r.detector for r in rep.results if r.verdict == 'fail')})"
-                                                           for p, rep in layers.items() if rep.status == "failed"])
+        per_layer = [f"{p} ({', '.join(r.detector for r in rep.results if r.verdict == 'fail')})"
+                     for p, rep in layers.items() if rep.status == "failed"]
+        return "failed", "failed: " + ", ".join(failed + per_layer)
     if not found:
         return "inconclusive", ("inconclusive: no attention module was found (no torch, timm or Hugging Face attention "
                                 "class, and no softmax over (Tq, Tk) scores or fused attention observed)")
@@ -1477,7 +1478,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             ctx.layer_calls += rep.forward_passes
         if not runs_msgs:
             applicable = {
-                "prefix_causality": (causal_ and runner.sequence, "not applicable: the model is not causal (pass causal=True if it is)"
+                "prefix_causality": (causal_ and runner.sequence,
+                                     "not applicable: the model is not causal (pass causal=True if it is)"
                                      if not causal_ else "not applicable: the input is not a sequence"),
                 "cache_parity": (runner.sequence, "not applicable: the input is not a sequence"),
                 "padding_invariance": (runner.sequence, "not applicable: the input is not a sequence"),
