@@ -5,8 +5,9 @@
 Each broken layer there marks its buggy line with a `# BUG` comment. For each one, the layer is audited as
 its test audits it, and the first site (`result.where[0]`) of every detector the test requires to fail is
 compared with that line: "exact" when it is the `# BUG` line, "elsewhere" when it names another line,
-"none" when the audit could not tell. `--settings` also runs the second chapter at bfloat16 and GPT-2's
-initialisation, as its tests do.
+"none" when the audit could not tell (or no localisation exists for that detector). `--settings` also runs
+the second chapter at bfloat16 and GPT-2's initialisation, as its tests do. The last line times the audits
+and, apart, reading the sites of every finding (each read re-runs that finding's probe under a tracer).
 
 `--cost`: the audit's cost with and without recording sites (diagnostics._observe.RECORD_SITES), the
 reference MultiHeadAttention(512, 8) as in benchmarks/audit_cost.py, runs interleaved, medians reported.
@@ -53,11 +54,16 @@ def localisation(settings: bool) -> None:
 
     bugs = bug_lines(ns)
     tally = {"exact": 0, "elsewhere": 0, "none": 0}
-    rows = []
+    rows, audit_s, where_s = [], 0.0, 0.0
     for name, setting, make, must in cases(settings):
         torch.manual_seed(0)
         layer, kw = make()
+        start = time.perf_counter()
         report = diagnostics.audit(layer, **kw)
+        middle = time.perf_counter()
+        for result in report.findings:  # sites are found when first read: read them all, and time it
+            len(result.where)
+        audit_s, where_s = audit_s + middle - start, where_s + time.perf_counter() - middle
         outcome, shown = "exact", []
         for det in sorted(must):
             result = report.result(det)
@@ -77,6 +83,7 @@ def localisation(settings: bool) -> None:
     total = sum(tally.values())
     print(f"\nlocalised exactly: {tally['exact']} / {total} ({100 * tally['exact'] / total:.0f}%); another line: "
           f"{tally['elsewhere']}; no site: {tally['none']}")
+    print(f"time: audits {audit_s:.2f} s; reading the sites of all their findings {where_s:.2f} s more")
 
 
 def cost(lengths: list[int], repeats: int, causal: bool) -> None:
