@@ -1,7 +1,8 @@
 """Point at the line: for each finding, the places in the user's code where the mistake is.
 
-A passing audit pays nothing here. After the detectors have run, each one that failed (or warned) gets its
-sites from one more call of the layer, or one pair of calls, under a `Tracer`: every aten op the layer runs,
+A passing audit pays nothing here. Each result that failed (or warned) gets a `Sites` whose sites are found
+the first time someone reads them (a report printed, a test looking at `where`; a test that checks verdicts
+only never pays): one more call of the layer, or one pair of calls, under a `Tracer`: every aten op it runs,
 with the user's frames where it ran (the first frames outside torch and diagnostics), its outputs, which
 probe inputs it depends on, and the user functions that returned a tensor they were given unchanged (a step
 that did nothing). What is reported depends on the property:
@@ -649,7 +650,8 @@ def _invariance(probe, det: str, use_masks: bool) -> list[Site]:
             if not sites:
                 b = trace_call(s, case.inputs.query, case.inputs.key, case.inputs.value,
                                _allowed_for(probe, case.inputs, B, t_q, t_k), seed=seed)
-                P = torch.ones(B, t_q, dtype=torch.bool) if det == "eval_determinism" else _held_positions(probe, base, case)
+                P = (torch.ones(B, t_q, dtype=torch.bool) if det == "eval_determinism"
+                     else _held_positions(probe, base, case))
                 op = first_moved(a, b, P, tol)
                 if op is not None:
                     sites.append(_op_site(op, _moved_note(det)))
@@ -667,41 +669,37 @@ def _moved_note(det: str) -> str:
 
 
 def stream_sites(trace: Trace, subject) -> list[Site]:
-    """A q·k or weights·v operand that does not depend on the input stream it should (cross-attention)."""
-    t_ops = trace.ops
-    soft = next((op for op in t_ops if op.short in _SOFTMAXES), None)
-    pairs = []  # (operand tensor id, stream it must come from, what)
+    """A q·k or weights·v operand that does not depend on the input stream it should (cross-attention): the
+    op that read the wrong input on its way there, then the product."""
+    value = "value" if getattr(subject, "separate_value", True) else "key"
+    checks = []  # (operand tensor id, the input it must come from, what it is, the product)
     fused = _fused_ops(trace)
+    soft = next((op for op in trace.ops if op.short in _SOFTMAXES), None)
     if fused:
         f = fused[0]
-        pairs += [(f.in_ids[0], "query", "the queries of"), (f.in_ids[1], "key", "the keys of"),
-                  (f.in_ids[2], "value" if getattr(subject, "separate_value", True) else "key", "the values of")]
-        anchor = f
+        checks = [(f.in_ids[0], "query", "the queries", f), (f.in_ids[1], "key", "the keys", f),
+                  (f.in_ids[2], value, "the values", f)]
     elif soft is not None:
         qk = _qk_matmul(trace, soft.index)
-        wv = next((op for op in t_ops[soft.index + 1:] if op.short in _MATMULS and soft.index in _ancestors(trace, op)),
-                  None)
         if qk is None:
             return []
-        pairs += [(qk.in_ids[-2], "query", "the left operand of q·k at"), (qk.in_ids[-1], "key", "the right operand of q·k at")]
+        checks = [(qk.in_ids[-2], "query", "the queries (left operand of q·k)", qk),
+                  (qk.in_ids[-1], "key", "the keys (right operand of q·k)", qk)]
+        wv = next((op for op in trace.ops[soft.index + 1:]
+                   if op.short in _MATMULS and soft.index in _ancestors(trace, op)), None)
         if wv is not None:
-            pairs.append((wv.in_ids[-1], "value" if getattr(subject, "separate_value", True) else "key",
-                          "the values weighted at"))
-        anchor = qk
-    else:
-        return []
+            checks.append((wv.in_ids[-1], value, "the values (right operand of weights·values)", wv))
     sites = []
-    for tensor_id, stream, what in pairs:
+    for tensor_id, stream, what, product in checks:
         got = trace.sources.get(tensor_id, frozenset())
         if stream in got or not got:
             continue
-        reader = _first_reader(trace, tensor_id)
         wrong = "/".join(sorted(got))
-        sites += [_op_site(reader, f"{what} {_short(anchor)} comes from the {wrong} input here, not from the {stream} "
-                                   f"input"), _op_site(anchor, f"{what.split(' of')[0]} here depend on the {wrong} "
-                                                                f"input, not on the {stream} input")
-                  if reader is None or reader.frames[:1] != anchor.frames[:1] else None]
-    return [s for s in sites if s is not None]
+        reader = _first_reader(trace, tensor_id)
+        sites += [_op_site(reader, f"{what} at {_short(product)} are computed here from the {wrong} input, not "
+                                   f"from the {stream} input"),
+                  _op_site(product, f"{what} of this product depend on the {wrong} input, not on the {stream} input")]
+    return [x for x in sites if x is not None]
 
 
 def _first_reader(trace: Trace, tensor_id: int) -> Op | None:
