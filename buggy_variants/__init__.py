@@ -66,6 +66,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("some query row has both blocked and allowed keys",
                                        lambda s: s.has_partly_masked_row),
             expected_detectors=("weight_row_sums", "mask_honoured"),
+            also_detected_by=("gradients",),  # the normaliser sends gradient to the masked keys
         ),
         Variant(
             id="missing_causal_mask", title="Causal decoder without its causal mask", cls=c.MissingCausalMask,
@@ -93,7 +94,7 @@ def _entries() -> list[Variant]:
             expected_detectors=("output_shape", "query_locality", "keys_matter"),  # the value input is never read
             # outputs mix the query rows, not the memory's values; and a changed padded key is now a query,
             # whose output row moves although the mask blocks it
-            also_detected_by=("output_variance", "mask_honoured"),
+            also_detected_by=("output_variance", "mask_honoured", "gradients"),  # the mask reaches the wrong keys
         ),
         Variant(
             id="non_contiguous_view", title="view() after transpose() without .contiguous()",
@@ -147,6 +148,7 @@ def _entries() -> list[Variant]:
             fix="return scores if mask is None else scores.masked_fill(~mask, fill)",
             detectable_when=Observable("a boolean mask is passed", lambda s: s.mask is not None),
             expected_detectors=("mask_honoured",),
+            also_detected_by=("gradients",),  # the blocked keys are the attended ones, gradient and all
         ),
         Variant(
             id="causal_mask_misaligned", title="Causal mask aligned top-left when decoding with a cache",
@@ -260,7 +262,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("Tk >= 2, or a query with no key (the second softmax makes its zeros uniform)",
                                        lambda s: s.t_k >= 2 or s.has_fully_masked_row),
             expected_detectors=("softmax_saturation",),
-            also_detected_by=("mask_honoured",),  # masked keys get e^0 weight back
+            also_detected_by=("mask_honoured", "gradients"),  # masked keys get e^0 weight back, and gradient
         ),
         Variant(
             id="detached_softmax", title="Attention weights detached from the graph", cls=c.DetachedSoftmax,

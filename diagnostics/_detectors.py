@@ -258,24 +258,24 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     det, base = "softmax_saturation", probe.base()
     if not base.ok:
         return not_run(det, base)
-    estimates = [(e.applied, e.d_k, e.source) for e in applied_scales(base.record)] if base.record else []
+    estimates = [(e.applied, e.d_k, e.source, e) for e in applied_scales(base.record)] if base.record else []
     if not estimates and probe.subject.form == "function":
         weights, source = ((base.output.weights, "returned weights") if base.output.weights is not None
                            else probe.recovered_weights())
         if weights is not None:
-            estimates = [(s, d, f"log-weights vs q·k of the {source}")
+            estimates = [(s, d, f"log-weights vs q·k of the {source}", None)
                          for s, d in _log_weight_scale(weights, base.query, base.key)]
     if not estimates:
         return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
     rows = []
-    for applied, d_k, source in estimates:
+    for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
-        rows.append((applied / expected, applied, expected, d_k, source))
-    ratio, applied, expected, d_k, source = max(rows, key=lambda r: abs(math.log(abs(r[0]) or 1e-300)))
+        rows.append((applied / expected, applied, expected, d_k, source, estimate))
+    ratio, applied, expected, d_k, source, estimate = max(rows, key=lambda r: abs(math.log(abs(r[0]) or 1e-300)))
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
-                f"{_entropy_text(base)}")
+                f"{_entropy_text(base, ratio, expected, estimate)}")
     if ratio > SCALE_RATIO:
         return _result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are not scaled by {declared}",
                        value=ratio, threshold=SCALE_RATIO, evidence=evidence)
@@ -287,13 +287,30 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
 
 
-def _entropy_text(call: Call) -> str:
+def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:
+    """The mean entropy of the weights the layer used (its last softmax), and of the weights a correct scale
+    gives: softmax(expected * q·k) over the keys the layer gave weight, from the observed q·k matmul; without
+    one, softmax(log w / ratio) (log w is the scaled logits shifted per row: exact for one softmax)."""
     if call.record is None or not call.record.softmaxes:
         return ""
-    w = call.record.softmaxes[-1].output.float()
-    w = w.reshape(-1, w.shape[-1])[:4096]  # a sample of rows
-    ent = -(w * w.clamp_min(1e-30).log()).sum(-1)
-    return f"; mean weight entropy {float(ent.mean()):.3g} nats (uniform over {w.shape[-1]} keys: {math.log(w.shape[-1]):.3g})"
+    w = call.record.softmaxes[-1].output.double()
+    flat = w.reshape(-1, w.shape[-1])
+    keep = (flat.sum(-1) > 0.5) & torch.isfinite(flat).all(-1)  # rows that attend somewhere
+    if not bool(keep.any()):
+        return ""
+
+    def entropy(p: Tensor) -> float:
+        return float(-(p * p.clamp_min(1e-300).log()).sum(-1)[keep].mean())
+
+    text = f"; mean weight entropy {entropy(flat):.3g} nats"
+    m = getattr(estimate, "matmul", None)
+    if m is not None and m.out.numel() == w.numel() and m.factor:
+        qk = m.out.double().reshape(flat.shape) / m.factor  # (rows, Tk)
+        logits = torch.where(flat > 0, expected * qk, torch.full_like(qk, -math.inf))
+        text += f", {entropy(torch.softmax(logits, -1).nan_to_num(0.0)):.3g} at the expected scale"
+    elif math.isfinite(ratio) and ratio > 0:
+        text += f", {entropy(torch.softmax(flat.clamp_min(1e-300).log() / ratio, -1)):.3g} at the expected scale"
+    return text + f" (uniform over {w.shape[-1]} keys: {math.log(w.shape[-1]):.3g})"
 
 
 @detector("output_variance", "the output is a convex combination of the values: identical value rows come out "
@@ -1108,12 +1125,50 @@ def check_gradients(probe: Probe) -> DetectorResult:
             if leak:
                 return _result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence)
+        checked = ""
+        if s.takes_mask and len(inputs) >= 2 and T >= 2:  # keys apart from queries: masked keys can be told apart
+            leak, checked = _masked_key_gradient(probe, sub, inputs, qkv)
+            if leak:
+                return _result(det, "fail", "masked keys receive gradient: the mask is applied after the softmax "
+                               "normalised over them, or not at all", value=1.0, threshold=0.0,
+                               evidence=leak + "; " + evidence)
+        evidence += checked
     except Exception as error:  # the layer raised on float64 or in backward: a finding about its gradients
         return _result(det, "fail", f"the backward pass (or the float64 copy) raised: {type(error).__name__}",
                        value=None, evidence=str(error).splitlines()[0][:200] if str(error) else "",
                        fix="make the layer differentiable in float64 (the check that catches wrong backwards)")
     return _result(det, "pass", "gradients agree with finite differences" + (" and do not flow from the past to "
                    "the future" if probe.causal else ""), value=rel, threshold=limit, evidence=evidence)
+
+
+def _masked_key_gradient(probe: Probe, sub, inputs, qkv) -> tuple[str, str]:
+    """('', what was checked) if keys and values a padding mask blocks for every query get exactly zero
+    gradient from every output; else (the evidence, '')."""
+    t_dim = sub.time_dim
+    B, T = inputs[0].shape[0], inputs[1].shape[t_dim]
+    allowed = probe.allowed(B, inputs[0].shape[t_dim], T, probe.padding(B, inputs[0].shape[t_dim], T))
+    blocked = ~allowed.cpu().any(1)  # (B, Tk): keys no query may attend
+    if not bool(blocked.any()):
+        return "", ""
+    probe.passes += 3  # a forward and a backward
+    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy, a padding mask, backward to the keys (B={B}, "
+                                                   f"T={T})", B, inputs[0].shape[t_dim], T, allowed.cpu(), False,
+                                                   backward=True))
+    probe.seed_layer_rng(0)
+    with torch.enable_grad():
+        out = _graph_call(sub, *qkv(inputs), allowed)
+        grads = torch.autograd.grad((out ** 2).sum(), inputs[1:], allow_unused=True)
+    for name, g in zip(("key", "value") if len(inputs) == 3 else ("key/value input",), grads):
+        if g is None:
+            continue
+        rows = blocked.to(g.device).view(B, *([1] * (t_dim - 1)), T)  # (B, [1,] Tk)
+        at = g.movedim(t_dim, -2).abs().amax(-1) if g.dim() > t_dim + 1 else g.abs()  # (B, [H,] Tk)
+        at = at.reshape(B, -1, T).amax(1)  # (B, Tk)
+        worst = float(at[blocked.to(g.device)].max())
+        if worst > 1e-12 * max(float(g.abs().max()), 1e-300):
+            return (f"(out ** 2).sum() has gradient up to {worst:.3g} w.r.t. {name} positions a padding mask blocks "
+                    f"for every query ({int(blocked.sum())} of them; must be exactly 0)"), ""
+    return "", f"; {int(blocked.sum())} keys a padding mask blocks get exactly zero gradient"
 
 
 def _future_gradient(probe: Probe, sub, inputs, qkv, allowed) -> str:
