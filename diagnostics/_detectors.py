@@ -1002,9 +1002,10 @@ def _graph_call(sub, q, k, v, allowed) -> Tensor:
 
 
 @detector("gradients", "gradients are right: autograd's directional derivative of (out ** 2).sum() matches finite "
-          "differences in float64, and for a causal layer no gradient flows from outputs to earlier positions' "
-          "future inputs", targets=("detached softmax or attention under torch.no_grad()",
-                                    "a custom autograd.Function with a wrong backward", "a backward that lets the future in"),
+          "differences in float64; for a causal layer no gradient flows from outputs to earlier positions' future "
+          "inputs, and keys a padding mask blocks get none",
+          targets=("detached softmax or attention under torch.no_grad()", "a custom autograd.Function with a wrong "
+                   "backward", "a backward that lets the future in", "gradient reaching masked keys"),
           fix="compute attention with autograd on (no .detach(), no torch.no_grad()); check a custom backward with "
               "torch.autograd.gradcheck")
 def check_gradients(probe: Probe) -> DetectorResult:
