@@ -129,6 +129,7 @@ class Trace:
     sources: dict = field(default_factory=dict)  # id(tensor) -> frozenset of probe inputs
     event_op: dict = field(default_factory=dict)  # id(observer event) -> op index
     inputs: dict = field(default_factory=dict)  # id(tensor) -> "query" | "key" | "value"
+    buffers: dict = field(default_factory=dict)  # id(tensor) -> name, the layer's buffers and parameters
     record: object = None
     output: object = None
     error: BaseException | None = None
@@ -214,6 +215,9 @@ def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0) -> 
         t.sources[id(x)] = t.sources.get(id(x), frozenset()) | {name}
         t.inputs.setdefault(id(x), name)
     t.alive += [query, key, value]
+    layer = getattr(subject, "layer", None)
+    if isinstance(layer, torch.nn.Module):
+        t.buffers = {id(b): name for name, b in list(layer.named_buffers()) + list(layer.named_parameters())}
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -419,23 +423,23 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             mask = op.kwargs.get("attn_mask")
             if mask is None:
                 mask = next((x for x in op.args[3:] if isinstance(x, Tensor)), None)
-            made = trace.producer.get(op.in_ids[3]) if mask is not None and len(op.in_ids) > 3 else None
+            mask_id = op.in_ids[3] if mask is not None and len(op.in_ids) > 3 else None
             if f is not None and (_per_batch(f, B)) is not None:
-                masking.append((op, _per_batch(f, B), made, True))
+                masking.append((op, _per_batch(f, B), mask_id, True))
             continue
         got = _fill_pattern(op, t_q, t_k)
         if got is None:
             continue
         per = _per_batch(got[0], B)
         if per is not None:
-            masking.append((op, per, trace.producer.get(got[1]) if got[1] is not None else None, op.index < end))
+            masking.append((op, per, got[1], op.index < end))
     rows = declared.any(-1, keepdim=True)  # queries with some key to attend
     sites: list[Site] = []
 
-    def made_by(i, user_of=None):
+    def made_by(mask_id, user_of=None):
         """The user op that built a mask: back through carries and through what the masking op's own line
         did to it (torch's SDPA turns a bool mask into an additive one on the caller's line)."""
-        p = _through_carries(trace, None if i is None else trace.ops[i])
+        p = _through_carries(trace, _producer(trace, mask_id) if mask_id is not None else None)
         steps = 0
         while p is not None and user_of is not None and p.frames[:1] == user_of.frames[:1] and steps < 32:
             prev = next((trace.producer[x] for x in p.in_ids if x in trace.producer), None)
@@ -466,6 +470,8 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             note = (f"blocks {n} of the {total} (query, key) pairs the declared mask allows, e.g. query {i} -> key "
                     f"{j} in sequence {b}")
             maker = made_by(made, op)
+            buffer = _buffer_behind(trace, made)
+            note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
             sites += [_op_site(maker, "builds the mask used below") if maker is not None and
                       maker.frames[0] != op.frames[0] else None, _op_site(op, note)]
     union = torch.zeros_like(declared)
@@ -480,8 +486,11 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
         if before_ops:
             for op, f, made in before_ops:
                 maker = made_by(made, op)
+                buffer = _buffer_behind(trace, made)
+                from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
                 sites += [_op_site(maker, f"builds the mask that {what}") if maker is not None and
-                          maker.frames[0] != op.frames[0] else None, _op_site(op, f"the mask applied here {what}")]
+                          maker.frames[0] != op.frames[0] else None,
+                          _op_site(op, f"the mask applied here {what}{from_buffer}")]
         else:
             matmul = _qk_matmul(trace, end)
             start = matmul.index if matmul is not None else 0
@@ -489,6 +498,23 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             sites += [_op_site(soft, f"no masking op reaches this softmax: it {what}"),
                       _op_site(matmul, "the scores that should be masked before the softmax")]
     return [s for s in sites if s is not None]
+
+
+def _buffer_behind(trace: Trace, tensor_id: int | None) -> str:
+    """The name of the layer's buffer a mask was computed from (nanoGPT's `bias`), if any: built before the
+    call, so no traced op shows where; the note says which to read."""
+    todo, seen = [tensor_id], 0
+    while todo and seen < 64:
+        i = todo.pop()
+        seen += 1
+        if i is None:
+            continue
+        if i in trace.buffers:
+            return trace.buffers[i]
+        p = trace.producer.get(i)
+        if p is not None:
+            todo.extend(trace.ops[p].in_ids)
+    return ""
 
 
 def _short(op: Op) -> str:
