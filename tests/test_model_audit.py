@@ -375,10 +375,9 @@ def hf_bug_report(tf, name: str, bug: str):
     if (name, bug) not in _MEMO:
         clean = hf_report(tf, name, "sdpa")
         path = list(clean.layers)[1] if name != "bart" else "model.decoder.layers.0.self_attn"
-        target: list = []
-        _register(tf, f"test_{bug}", _interface_bug(bug, target))
+        _register(tf, f"test_{bug}", _interface_bug(bug))
         model = hf_model(tf, name, f"test_{bug}")
-        target.append(dict(model.named_modules())[path])
+        dict(model.named_modules())[path]._test_bug = bug
         _MEMO[name, bug] = (audit(model), path)
     return _MEMO[name, bug]
 
@@ -407,22 +406,27 @@ def _register(tf, name: str, fn):
     AttentionMaskInterface.register(name, sdpa_mask)  # the model builds sdpa's masks for it
 
 
-def _interface_bug(kind: str, target: list):
+def _interface_bug(kind: str):
+    """An attention function for transformers' AttentionInterface: sdpa's, with `kind` in the modules marked
+    `_test_bug = kind` (a mark that copies of the module keep, as they keep a bug in code)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kw):
-        if module is target[0]:
+        if getattr(module, "_test_bug", None) == kind:
             if kind == "missing_scale":
                 scaling = 1.0
             elif kind == "missing_causal_mask":
                 attention_mask, kw["is_causal"] = None, False
                 module = copy.copy(module)
                 module.is_causal = False
+            elif kind == "detached_scores":  # the forward is exact; no gradient reaches W_Q and W_K
+                query, key = query.detach(), key.detach()
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
     return attention
 
 
-INTERFACE_BUGS = {"missing_scale": "softmax_saturation", "missing_causal_mask": "prefix_causality"}
+INTERFACE_BUGS = {"missing_scale": "softmax_saturation", "missing_causal_mask": "prefix_causality",
+                  "detached_scores": "gradients"}
 
 
 @pytest.mark.parametrize("bug", sorted(INTERFACE_BUGS))
@@ -475,18 +479,19 @@ def _cell(report, *, expect_layer=None) -> str:
 def architecture_table() -> str:
     """Rows: architectures; columns: clean, and each bug injected into one layer (or the model)."""
     rows = ["| architecture | clean | missing scale (one layer) | causal mask dropped (one layer) | "
-            "model-level bug |", "|---|---|---|---|---|"]
+            "gradient cut in attention (one layer) | model-level bug |", "|---|---|---|---|---|---|"]
 
-    def row(name, clean, scale, causal, model_bug="n/a"):
-        rows.append(f"| {name} | {clean} | {scale} | {causal} | {model_bug} |")
+    def row(name, clean, scale, causal, detached, model_bug="n/a"):
+        rows.append(f"| {name} | {clean} | {scale} | {causal} | {detached} | {model_bug} |")
 
     row("nanoGPT-style `TinyGPT` (catalog variant in `h.1.attn`)", _cell(audit(tiny_gpt())),
-        _cell(audit(inject(tiny_gpt(), 1, VARIANTS["missing_scale"]))),
-        _cell(audit(inject(tiny_gpt(), 1, VARIANTS["missing_causal_mask"]))))
+        *(_cell(audit(inject(tiny_gpt(), 1, VARIANTS[vid])))
+          for vid in ("missing_scale", "missing_causal_mask", "detached_softmax")))
     for bug, (options, _, _) in sorted(MODEL_BUGS.items()):
-        row(f"`ProtocolGPT`: {bug}", _cell(audit(protocol_gpt(**_twin_options(options)))), "n/a", "n/a",
+        row(f"`ProtocolGPT`: {bug}", _cell(audit(protocol_gpt(**_twin_options(options)))), "n/a", "n/a", "n/a",
             _cell(audit(protocol_gpt(**options))))
-    row("torch `nn.TransformerEncoder` (causal mask passed)", _cell(audit(_encoder(), causal=True)), "n/a", "n/a")
+    row("torch `nn.TransformerEncoder` (causal mask passed)", _cell(audit(_encoder(), causal=True)), "n/a", "n/a",
+        "n/a")
     try:
         tf = _need("transformers")
     except pytest.skip.Exception:
@@ -494,7 +499,7 @@ def architecture_table() -> str:
     for name in HF:
         clean = hf_report(tf, name, "sdpa")
         cells = []
-        for bug in ("missing_scale", "missing_causal_mask"):
+        for bug in ("missing_scale", "missing_causal_mask", "detached_scores"):
             if name == "t5" or (bug == "missing_causal_mask" and name not in CAUSAL_HF):
                 cells.append("n/a")
                 continue
@@ -506,7 +511,7 @@ def architecture_table() -> str:
         return "\n".join(rows)
     broken = _vit(timm)
     broken.blocks[1].attn.fused_attn, broken.blocks[1].attn.scale = False, 1.0
-    row("timm `VisionTransformer`", _cell(audit(_vit(timm))), _cell(audit(broken)), "n/a")
+    row("timm `VisionTransformer`", _cell(audit(_vit(timm))), _cell(audit(broken)), "n/a", "n/a")
     return "\n".join(rows)
 
 
