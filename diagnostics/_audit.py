@@ -18,7 +18,7 @@ from ._registry import phrase
 from ._result import DetectorResult
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
-from ._where import localise
+from ._where import localise, release
 
 
 class AttentionAuditError(AssertionError):
@@ -212,6 +212,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
     status, reason = _status(results, probe, base, _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
+    release(probe)  # a report kept for its findings' sites keeps the probe, not the standard probe's record
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
                        dtype=dtype_name(subject.dtype), device=str(subject.device), forward_passes=probe.passes,
                        seconds=time.perf_counter() - started,

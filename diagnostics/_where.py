@@ -1195,6 +1195,14 @@ def localise(probe, measured: dict[str, DetectorResult], layer=None, device=None
     return out
 
 
+def release(probe) -> None:
+    """Once the report has its weights: drop the standard probe's observed record (copies of (B, H, T, T)
+    scores and weights), which the sites, found later by fresh traces, never need."""
+    base = getattr(probe, "_base", None)
+    if base is not None:
+        base.record = None
+
+
 def _resolve(probe, det: str, result: DetectorResult, layer, device) -> tuple[Site, ...]:
     from ._audit import _untouched
 
