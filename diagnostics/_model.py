@@ -1343,7 +1343,8 @@ def _infer_causal(model, causal, runner) -> tuple[bool, str]:
     return False, "assumed: nothing says the model is causal; pass causal=True if it is"
 
 
-def _status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False) -> tuple[str, str]:
+def _status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
+            unaudited: tuple = ()) -> tuple[str, str]:
     failed = [r.detector for r in results if r.verdict == "fail"]
     failed_layers = [p for p, rep in layers.items() if rep.status == "failed"]
     if failed or failed_layers:
@@ -1353,6 +1354,8 @@ def _status(results, layers, found, *, layers_chosen: bool = True, causal: bool 
     if not found:
         return "inconclusive", ("inconclusive: no attention module was found (no torch, timm or Hugging Face attention "
                                 "class, and no softmax over (Tq, Tk) scores or fused attention observed)")
+    if unaudited and layers_chosen:
+        return "inconclusive", f"inconclusive: {', '.join(unaudited)} could not be audited in place (see the notes)"
     if not layers and layers_chosen:
         return "inconclusive", "inconclusive: no attention module was audited"
     if not layers_chosen and not any(r.measured for r in results if r.detector != "model_runs"):
@@ -1507,7 +1510,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     if implementation is not None and getattr(config, "_attn_implementation", None) != implementation:
         config._attn_implementation = implementation
     results = [r for r in results if r.detector in chosen or r.detector == "model_runs"]
-    status, reason = _status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen), causal=causal_)
+    unaudited = tuple(f.path for f in found if f.called and f.path not in layers)
+    status, reason = _status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen), causal=causal_,
+                             unaudited=unaudited)
     if not T and wrappers:
         T = next(iter(wrappers.values())).block_size  # images: the tokens the attention layers see
     return ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,

@@ -593,3 +593,29 @@ def test_chosen_detectors_run_alone_and_an_unmeasured_causality_is_not_passed():
 
     report = audit(Constant(), detectors=["prefix_causality"])
     assert report.result("prefix_causality").verdict == "skip" and report.status == "inconclusive"
+
+
+def test_an_attention_module_that_cannot_be_audited_in_place_makes_the_audit_inconclusive():
+    class FlatAttention(nn.Module):  # takes (B*T, D) rows and the batch size: no (B, T, D) input to replace
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, rows, batch):
+            q, k, v = self.qkv(rows).view(batch, -1, 3, 32).unbind(2)  # (B, T, D) each
+            weights = (q @ k.transpose(-2, -1) / 32 ** 0.5).softmax(-1)  # (B, T, T)
+            return (weights @ v).reshape(-1, 32)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.attn, self.head = nn.Embedding(64, 32), FlatAttention(), nn.Linear(32, 64)
+
+        def forward(self, input_ids):
+            B, T = input_ids.shape
+            return self.head(self.attn(self.wte(input_ids).reshape(B * T, 32), B).view(B, T, 32))
+
+    report = audit(Model())
+    assert [f.path for f in report.found] == ["attn"] and not report.layers
+    assert report.status == "inconclusive" and "attn could not be audited in place" in report.status_reason
+    assert any("expected attn (FlatAttention) to take its hidden states as a (B, T, D) tensor" in n for n in report.notes)
