@@ -1136,6 +1136,20 @@ def _gradient_sites(probe) -> list[Site]:
     return []
 
 
+def _mask_gradient_sites(probe, *, padding: bool) -> list[Site]:
+    """Gradient reaching keys a mask blocks (or the future): the masks on a call like the check's, else what
+    made the weights (a second softmax gives blocked keys weight back)."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T)
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T) if padding and s.takes_mask else None)
+    trace = trace_call(s, q, k, v, allowed, seed=probe.seed)
+    if trace.output is None:
+        return []
+    declared = _declared(probe, B, T, T, allowed)
+    return (mask_sites(trace, declared, B, T, T) or (stream_sites(trace, s) if q is not k else [])
+            or weights_origin(probe, trace, allowed, T, T))
+
+
 def _output_shape_sites(probe) -> list[Site]:
     s, B, T = probe.subject, probe.BATCH, probe.t
     if not s.separate_kv:
@@ -1171,6 +1185,8 @@ def _locate(probe, det: str, result: DetectorResult) -> list[Site]:
     if det == "runs":
         return _runs_sites(probe)
     if det == "gradients":
+        if result.message.startswith(("masked keys receive gradient", "the gradient lets the future in")):
+            return _mask_gradient_sites(probe, padding=result.message.startswith("masked"))
         return _gradient_sites(probe)
     if det == "output_shape":
         return _output_shape_sites(probe)
