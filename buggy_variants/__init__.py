@@ -276,6 +276,20 @@ def _entries() -> list[Variant]:
                                        lambda s: s.backward and s.has_choice),
             expected_detectors=("gradients",),
         ),
+        Variant(
+            id="rotary_not_offset", title="Rotary positions of new queries not offset by the cache",
+            cls=c.RotaryNotOffset, step="positions", layer_kwargs={"causal": True, "rotary": True},
+            explanation="With a KV cache of Tk - Tq tokens, the new queries sit at positions Tk - Tq .. Tk - 1. "
+            "Rotating them as 0 .. Tq - 1 (the positions of the chunk itself) shifts every query-key distance "
+            "by the cache length: training and the prefill (Tq = Tk) are exact, and every decoding step after "
+            "them attends as if the new token stood at the start. executorch PR #2010, moeut PR #6, "
+            "LLMs-from-scratch PR #697.",
+            symptom="Decoding the last Tq queries over all Tk keys differs from the last rows of the full pass.",
+            fix="return torch.arange(t_k - t_q, t_k, device=device), torch.arange(t_k, device=device)",
+            detectable_when=Observable("Tq != Tk, and d_k >= 2 (a rotary pair to turn)",
+                                       lambda s: s.t_q != s.t_k and s.d_k >= 2),
+            expected_detectors=("decode_consistency",),
+        ),
     ]
 
 

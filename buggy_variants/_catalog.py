@@ -143,3 +143,8 @@ class DoubleSoftmax(MultiHeadAttention):
 class DetachedSoftmax(MultiHeadAttention):
     def softmax(self, scores: Tensor) -> Tensor:
         return _sdpa.safe_softmax(scores).detach()  # (B, H, Tq, Tk), no gradient reaches q and k
+
+
+class RotaryNotOffset(MultiHeadAttention):
+    def positions(self, t_q: int, t_k: int, device=None) -> tuple[Tensor, Tensor]:
+        return torch.arange(t_q, device=device), torch.arange(t_k, device=device)  # new queries rotated as 0..Tq-1

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _sdpa
+from . import _positional, _sdpa
 from ._errors import expect
 
 
@@ -26,10 +26,12 @@ class MultiHeadAttention(nn.Module):
 
     `causal=True` makes it a decoder self-attention layer: query i may attend keys j <= i + (Tk - Tq)
     (bottom-right alignment, right for cached decoding). `mask` follows torch's SDPA: True = may attend.
+    `rotary=True` rotates q and k by their positions (RoPE, Su et al. 2021), the queries being the last Tq of
+    the Tk positions, as in cached decoding: then scores depend on positions only through j - i.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, bias: bool = True, dropout: float = 0.0,
-                 causal: bool = False):
+                 causal: bool = False, rotary: bool = False):
         super().__init__()
         expect(num_heads >= 1 and d_model >= 1, "d_model >= 1 and num_heads >= 1",
                f"d_model={d_model}, num_heads={num_heads}", "pass positive sizes")
@@ -38,7 +40,7 @@ class MultiHeadAttention(nn.Module):
                f"d_model={d_model}, num_heads={num_heads}", f"choose num_heads in {{{', '.join(map(str, divisors))}}}")
         expect(0.0 <= dropout < 1.0, "0 <= dropout < 1", f"dropout={dropout}", "pass a probability below 1")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
-        self.dropout_p, self.causal = dropout, causal
+        self.dropout_p, self.causal, self.rotary = dropout, causal, rotary
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)  # W_Q, W_K, W_V stacked: one matmul for self-attention
         self.out = nn.Linear(d_model, d_model, bias=bias)  # W_O
 
@@ -55,6 +57,13 @@ class MultiHeadAttention(nn.Module):
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, T, D) -> (B, H, T, d_k)
+
+    def positions(self, t_q: int, t_k: int, device=None) -> tuple[Tensor, Tensor]:
+        # the keys are positions 0..Tk-1 and the queries the last Tq of them (a KV cache holds Tk - Tq)
+        return torch.arange(t_k - t_q, t_k, device=device), torch.arange(t_k, device=device)  # (Tq,), (Tk,)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        return _positional.rotary(x, positions)  # (B, H, T, d_k): pairs (i, i + d_k/2) turned by position
 
     def score(self, q: Tensor, k: Tensor) -> Tensor:
         return _sdpa.scores(q, k)  # (B, H, Tq, d_k) x (B, H, d_k, Tk) -> (B, H, Tq, Tk)
@@ -100,6 +109,9 @@ class MultiHeadAttention(nn.Module):
 
         q, k, v = self.project(query, key, value)  # (B, Tq, D), (B, Tk, D), (B, Tk, D)
         q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, T, d_k)
+        if self.rotary:
+            pos_q, pos_k = self.positions(q.shape[-2], k.shape[-2], device=q.device)  # (Tq,), (Tk,)
+            q, k = self.rotate(q, pos_q), self.rotate(k, pos_k)  # (B, H, T, d_k)
         scores = self.scale(self.score(q, k))  # (B, H, Tq, Tk)
         weights = self.dropout(self.mask_then_softmax(scores, mask))  # (B, H, Tq, Tk)
         out = self.merge_heads(self.weight_values(weights, v))  # (B, H, Tq, d_k) -> (B, Tq, D)

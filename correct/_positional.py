@@ -1,7 +1,11 @@
-"""Sinusoidal positional encoding (Vaswani et al. 2017, section 3.5).
+"""Positions: the sinusoidal encoding (Vaswani et al. 2017, section 3.5) added to token embeddings,
 
     PE[t, 2i]   = sin(t / 10000^(2i / D))
     PE[t, 2i+1] = cos(t / 10000^(2i / D))
+
+and rotary embeddings (RoPE, Su et al. 2021) applied to queries and keys inside attention: the pair
+(x_i, x_{i + d/2}) of a vector at position t is turned by the angle t / 10000^(2i / d) (half-split pairing,
+as in GPT-NeoX and Hugging Face's Llama), so that q_m . k_n depends on m - n only.
 """
 
 from __future__ import annotations
@@ -25,3 +29,17 @@ def sinusoidal_positional_encoding(seq_len: int, d_model: int, *, device=None, d
     pe[:, 0::2] = torch.sin(angle)  # ceil(D/2) sine columns
     pe[:, 1::2] = torch.cos(angle[:, : d_model // 2])  # floor(D/2) cosine columns: one fewer when D is odd
     return pe.to(dtype)
+
+
+def rotary(x: Tensor, positions: Tensor, *, base: float = 10000.0) -> Tensor:
+    """`x` (..., T, d) turned by `positions` (T,): pairs (i, i + d/2), angle positions / base^(2i / d). An odd
+    last feature is left as it is. Angles in float64, so that large positions stay accurate."""
+    expect(positions.dim() == 1 and positions.numel() == x.shape[-2], f"positions of shape ({x.shape[-2]},)",
+           f"positions.shape={tuple(positions.shape)}", "pass one position per token")
+    half = x.shape[-1] // 2
+    freqs = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / (2 * half)) if half else \
+        torch.zeros(0, dtype=torch.float64, device=x.device)  # (d/2,)
+    angles = positions.to(x.device, torch.float64).unsqueeze(-1) * freqs  # (T, d/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)  # (..., T, d)

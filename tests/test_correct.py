@@ -106,6 +106,41 @@ def test_multi_head_attention_matches_torch(case, bias, self_attention, device):
     torch.testing.assert_close(out.masked_fill(empty_rows, 0), their_out.masked_fill(empty_rows, 0), atol=1e-12, rtol=1e-12)
 
 
+def _complex_rotary(x, positions):
+    """RoPE written another way: each half-split pair (x_i, x_{i + d/2}) as one complex number, times e^{i t theta_i}."""
+    half = x.shape[-1] // 2
+    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)  # (d/2,)
+    z = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.polar(torch.ones(1, dtype=torch.float64),
+                                                                          positions.double().unsqueeze(-1) * theta)
+    return torch.cat([z.real, z.imag, x[..., 2 * half:]], dim=-1)
+
+
+@given(case=attention_cases(max_head_dim=8, mask_kinds=("none",)), causal=st.booleans())
+def test_rotary_multi_head_attention_is_rope_then_torchs_sdpa(case, causal):
+    """In float64: the same projections, q and k rotated by complex multiplication, queries at the last Tq of
+    Tk positions, torch's SDPA (bottom-right causal mask); and decoding the last rows over all keys gives the
+    full pass's last rows."""
+    torch.manual_seed(case.seed)
+    ours = MultiHeadAttention(case.d_model, case.heads, causal=causal, rotary=True).double().eval()
+    query, memory = case.inputs(dtype=torch.float64)  # (B, Tq, D), (B, Tk, D)
+    out, _ = ours(query, memory, memory)
+    split = lambda x: x.view(x.shape[0], x.shape[1], case.heads, -1).transpose(1, 2)  # noqa: E731  (B, H, T, d_k)
+    q, k, v = (split(t) for t in ours.project(query, memory, memory))
+    t_q, t_k = case.t_q, case.t_k
+    q = _complex_rotary(q, torch.arange(t_k - t_q, t_k))
+    k = _complex_rotary(k, torch.arange(t_k))
+    mask = causal_mask(t_q, t_k, align="bottom_right") if causal else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, Tq, d_k)
+    empty = None if mask is None else ~mask.any(-1)  # (Tq,): rows torch gives NaN, we give zeros
+    expected = ours.out(expected.nan_to_num(0.0).transpose(1, 2).reshape(query.shape))
+    if empty is not None:
+        expected[:, empty] = ours.out.bias
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    tail = max(1, t_q // 2)
+    part, _ = ours(query[:, -tail:], memory, memory)  # the last queries, as a decoding step sees them
+    torch.testing.assert_close(part, out[:, -tail:], atol=1e-12, rtol=1e-12)
+
+
 def test_causal_mask_alignments():
     torch.testing.assert_close(causal_mask(4, 4), torch.ones(4, 4).tril().bool())
     torch.testing.assert_close(causal_mask(4, 4, align="bottom_right"), causal_mask(4, 4))
