@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from ._core import relative_change
 from ._observe import FusedAttention as Fused
 from ._observe import Observer, Scaling, SoftmaxCall, _kind, applied_scales, user_frames
 from ._result import DetectorResult, Site, Sites
@@ -208,8 +209,9 @@ class Tracer(Observer):
         return super().__exit__(*exc)
 
 
-def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0) -> Trace:
-    """Call the subject once under a Tracer (grad mode on, as observed calls are); never raises."""
+def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, call=None) -> Trace:
+    """Call the subject once under a Tracer (grad mode on, as observed calls are); never raises. `call`: a
+    function of no argument to run instead of `subject(query, key, value, allowed)`."""
     t = Trace()
     for name, x in (("query", query), ("key", key), ("value", value)):
         t.sources[id(x)] = t.sources.get(id(x), frozenset()) | {name}
@@ -222,7 +224,7 @@ def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0) -> 
         torch.manual_seed(seed)
     try:
         with torch.enable_grad(), Tracer(t):
-            t.output = subject(query, key, value, allowed)
+            t.output = subject(query, key, value, allowed) if call is None else call()
     except Exception as error:
         t.error = error
     return t
@@ -419,6 +421,9 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
         if not op.frames:
             continue
         if "scaled_dot_product" in op.name and "backward" not in op.name:
+            q_len, k_len = op.args[0].shape[-2], op.args[1].shape[-2]
+            if (q_len, k_len) != (t_q, t_k):  # not these queries over these keys (a cache lost a key)
+                continue
             f = _fused_pattern(op, t_q, t_k)
             mask = op.kwargs.get("attn_mask")
             if mask is None:
@@ -578,11 +583,22 @@ def _moved(new: Tensor, old: Tensor, tol: float) -> Tensor:
     return ~same & ~((n - o).abs() <= tol * (scale or 1.0))
 
 
+def _aligned(a: Trace, b: Trace) -> list[tuple[Op, Op]]:
+    """Pairs of ops of two calls that ran the same op from the same line, in order (a cached call runs ops the
+    full pass does not: the concatenation with the cache)."""
+    import difflib
+
+    key = lambda op: (op.name, op.frames[0][0].co_filename if op.frames else "", op.frames[0][1] if op.frames else 0)  # noqa: E731
+    matcher = difflib.SequenceMatcher(None, [key(x) for x in a.ops], [key(y) for y in b.ops], autojunk=False)
+    return [(a.ops[i + k], b.ops[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
+
+
 def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int | None = None) -> Op | None:
     """The first op of `b` (with a user frame) whose output differs from `a`'s where it must not. `P`: held
     positions (B, T) for the position rule; `tail`: b is the last `tail` queries of a (decoding), compared
-    with a's last rows."""
-    for x, y in zip(a.ops, b.ops):
+    with a's last rows, the ops of the two calls paired by what they ran and where."""
+    pairs = _aligned(a, b) if tail is not None else zip(a.ops, b.ops)
+    for x, y in pairs:
         if x.name != y.name:
             return None  # the two calls took different paths from here on
         if not y.frames or y.short in _UNINITIALISED:
@@ -1005,6 +1021,82 @@ def _decode_sites(probe) -> list[Site]:
     return []
 
 
+def _cache_sites(probe) -> list[Site]:
+    """cache_decoding: replays the detector's plan (prefill, then steps through the layer's own cache); at the
+    first step whose rows differ from the full pass over the same tokens, its masks, else the first op whose
+    output for the new tokens differs from the same rows of that full pass."""
+    from ._detectors import _cache_plan, _decode_gain, _split_cache
+
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    x = _decode_gain(probe) * probe.make(B, T)
+    tol = tolerance(ROW_SUM, s.dtype)
+    cache, filled, start = None, False, 0
+    for n in _cache_plan(T):
+        chunk, allowed = x[:, start:start + n], probe.allowed(B, n, start + n)
+        step = trace_call(s, chunk, chunk, chunk, allowed, seed=probe.seed,
+                          call=lambda: s.call_cached(chunk, allowed, cache))
+        if step.output is None:
+            return []
+        out, returned = _split_cache(step.output, B, n, start + n)
+        if start == 0 and returned is None and not filled:  # a container the layer fills, passed in
+            cache, filled = {}, True
+            step = trace_call(s, chunk, chunk, chunk, allowed, seed=probe.seed,
+                              call=lambda: s.call_cached(chunk, allowed, cache))
+            out, returned = _split_cache(step.output, B, n, start + n)
+        if out is None:
+            return []
+        whole = x[:, :start + n]
+        full = trace_call(s, whole, whole, whole, probe.allowed(B, start + n, start + n), seed=probe.seed)
+        if full.output is None:
+            return []
+        change = relative_change(out, full.output.out[:, start:], centred=True, scale_of=full.output.out)
+        if change is not None and bool((change > tol).any()):
+            sites = mask_sites(step, _declared(probe, B, n, start + n, allowed), B, n, start + n)
+            op = None if sites else first_moved(full, step, None, tol, tail=n)
+            return sites or ([_op_site(op, f"the first op whose output for the {n} new tokens differs from the "
+                                           f"same rows of the full pass over {start + n} tokens")] if op else [])
+        cache = cache if filled else returned
+        if cache is None:
+            return []
+        if start == 0:  # the prefill's cache must hold n positions: told by a prefill one token longer
+            longer = _cache_of(s, x[:, :n + 1], probe.allowed(B, n + 1, n + 1), filled)
+            short = _cache_short(step, cache, longer, n)
+            if short:
+                return short
+        start += n
+    return []
+
+
+def _cache_of(s, x: Tensor, allowed, filled: bool):
+    from ._detectors import _split_cache
+
+    try:
+        with torch.no_grad():
+            cache = {} if filled else None
+            result = s.call_cached(x, allowed, cache)
+        return cache if filled else _split_cache(result, x.shape[0], x.shape[1], x.shape[1])[1]
+    except Exception:
+        return None
+
+
+def _cache_short(trace: Trace, cache, longer, tokens: int) -> list[Site]:
+    """A cache tensor whose position axis (the one a prefill one token longer makes one longer) does not hold
+    `tokens` positions (a key dropped or repeated): the op that made it."""
+    def flat(c):
+        return [y for item in (c.values() if isinstance(c, dict) else [c]) for y in _tensors(item)]
+
+    mine, other = flat(cache), flat(longer) if longer is not None else []
+    for x, y in zip(mine, other):
+        if x.dim() != y.dim():
+            continue
+        axes = [a for a in range(x.dim()) if y.shape[a] == x.shape[a] + 1]
+        made = _producer(trace, id(x))
+        if len(axes) == 1 and x.shape[axes[0]] != tokens and made is not None and made.frames:
+            return [_op_site(made, f"the cache returned after {tokens} tokens holds {x.shape[axes[0]]} positions "
+                                   f"along dim {axes[0]} {tuple(x.shape)}")]
+    return []
+
+
 def _alignment_sites(probe) -> list[Site]:
     s, B, T = probe.subject, probe.BATCH, probe.t
     if s.separate_kv:
@@ -1161,7 +1253,8 @@ def _output_shape_sites(probe) -> list[Site]:
 
 LOCATED = frozenset({"future_leakage", "mask_honoured", "query_locality", "batch_independence", "eval_determinism",
                      "softmax_saturation", "weight_row_sums", "finite_output", "fully_masked_rows", "keys_matter",
-                     "decode_consistency", "causal_alignment", "runs", "gradients", "output_shape", "output_variance"})
+                     "decode_consistency", "causal_alignment", "runs", "gradients", "output_shape", "output_variance",
+                     "cache_decoding"})
 """The detectors whose findings this module can point at the line (the others' `where` stays empty)."""
 
 
@@ -1182,6 +1275,8 @@ def _locate(probe, det: str, result: DetectorResult) -> list[Site]:
         return _decode_sites(probe)
     if det == "causal_alignment":
         return _alignment_sites(probe)
+    if det == "cache_decoding":
+        return _cache_sites(probe)
     if det == "runs":
         return _runs_sites(probe)
     if det == "gradients":

@@ -109,12 +109,14 @@ BUG_LINES = {n for n, line in enumerate(Path(never_seen.__file__).read_text().sp
 NEVER_SEEN = {name: (make, set(must), twin) for name, (make, must, twin) in never_seen.BROKEN.items()}
 NEVER_SEEN.update({name: (make, {det}, twin) for name, (make, det, twin) in never_seen.SECOND_CHAPTER.items()})
 # Not localised to the `# BUG` line, and why (benchmarks/localisation.py counts them as misses):
-KNOWN_MISSES = {
+KNOWN_MISSES = {  # name: the op the first site names instead (a part of its name), or None for no site
     # the mask is a buffer built in __init__; the audit sees the masked_fill that applies it, in forward
     "causal mask one token too wide": "masked_fill",
     "causal mask blocking the diagonal, first row kept": "masked_fill",
     # the missing rescale of the running sum leaves no op that moves where it must not
     "online softmax without rescale": None,
+    # `allowed = None` runs no op: the site is the fused call two lines below, which gets no mask
+    "own cache, causal mask dropped with a cache": "scaled_dot_product",
 }
 DEFAULT_RUN = ("einsum without scale", "padding mask read transposed", "keys centred over the batch",
                "causal mask one token too wide")
@@ -135,7 +137,7 @@ def test_never_seen_layers_point_at_their_bug_line(name):
         where = report.result(det).where
         if name in KNOWN_MISSES:  # pinned as it is, so that a change of either kind is seen
             expected = KNOWN_MISSES[name]
-            assert (where[0].op.split(".")[1] if where else None) == expected, (name, where)
+            assert (expected in where[0].op) if where and expected else (not where and expected is None), (name, where)
             assert not where or where[0].line not in BUG_LINES
             continue
         assert where, f"{name}: {det} has no site"
