@@ -79,10 +79,12 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
-def inject(model: TinyGPT, layer: int, variant) -> TinyGPT:
-    """Swap the attention of block `layer` for the catalog variant's layer, with the same weights."""
+def inject(model: TinyGPT, layer: int, variant, *, reference: bool = False) -> TinyGPT:
+    """Swap the attention of block `layer` for the catalog variant's layer, with the same weights; with
+    `reference=True`, for its correct twin (the reference configured like the variant, e.g. with rotary positions)."""
     old = model.h[layer].attn
-    new = variant.build(old.d_model, old.num_heads, causal=True)
+    build = variant.reference if reference else variant.build
+    new = build(old.d_model, old.num_heads, causal=True)
     new.load_state_dict(old.state_dict())
     model.h[layer].attn = new
     return model
