@@ -878,6 +878,14 @@ def _first_layer(order: list[str], taps_a: LayerTap, taps_b: LayerTap, select, t
     return first, moved
 
 
+_NO_POSITIONS = ("not applicable: the model's output {shape} has no sequence dimension (one output per position "
+                 "is what this check compares)")
+
+
+def _per_position(out: Tensor, T: int) -> bool:
+    return out.dim() >= 2 and out.shape[1] == T
+
+
 def check_prefix_causality(ctx) -> DetectorResult:
     det, runner = "prefix_causality", ctx.runner
     seq = runner.inputs[:1]
@@ -895,6 +903,8 @@ def check_prefix_causality(ctx) -> DetectorResult:
     batch = torch.cat(rows)  # (1 + cuts, T)
     with LayerTap(ctx.modules, ctx.time_dims) as taps:
         out, _ = runner(batch)
+    if not _per_position(out, T):
+        return _skip(det, _NO_POSITIONS.format(shape=tuple(out.shape)))
     base, tol = out[:1], tolerance(UNCHANGED, ctx.dtype)
     scale = _rms(base) or 1.0
     worst, where, moved_own, reach = 0.0, None, True, {}
@@ -970,6 +980,8 @@ def check_cache_parity(ctx) -> DetectorResult:
         return _skip(det, "not applicable: seq_len < 4")
     with LayerTap(ctx.modules, ctx.time_dims) as full_taps:
         full, _ = runner(seq)
+    if not _per_position(full, T):
+        return _skip(det, _NO_POSITIONS.format(shape=tuple(full.shape)))
     golden = Golden(ctx.golden(seq), full, ctx.dtype)
     readings, failed, texts = {}, [], []
     first = None
@@ -1023,6 +1035,8 @@ def check_padding_invariance(ctx) -> DetectorResult:
     gen = torch.Generator().manual_seed(ctx.seed + 23)
     with LayerTap(ctx.modules, ctx.time_dims) as ref_taps:
         ref, _ = runner(real)
+    if not _per_position(ref, L):
+        return _skip(det, _NO_POSITIONS.format(shape=tuple(ref.shape)))
     golden = Golden(ctx.golden(real), ref, ctx.dtype)
     pads = torch.cat([_pad_tokens(runner, (1, P) + tuple(seq.shape[2:]), gen) for _ in range(2)])  # two contents
     mask = torch.cat([torch.ones(2, L, dtype=torch.long), torch.zeros(2, P, dtype=torch.long)], 1).to(seq.device)
@@ -1149,8 +1163,8 @@ def check_gradient_flow(ctx) -> DetectorResult:
     emb = _input_embedding(ctx.model) if runner.tokens else None
     leaf = {}
 
-    def hook(m, args, out):
-        if isinstance(out, Tensor) and out.is_floating_point():
+    def hook(m, args, out):  # the token embeddings (B, T, D) as a leaf: gradients w.r.t. each position
+        if isinstance(out, Tensor) and out.is_floating_point() and out.shape[:2] == seq.shape[:2]:
             x = out.detach().requires_grad_(True)
             leaf["x"] = x
             return x

@@ -602,8 +602,11 @@ def test_teaching_report_has_the_model_chapter_with_its_reach_chart_and_cache_re
 
 
 def test_chosen_detectors_run_alone_and_an_unmeasured_causality_is_not_passed():
-    only = audit(protocol_gpt(), detectors=["cache_parity", "padding_invariance"])
+    stages = []
+    only = audit(protocol_gpt(), detectors=["cache_parity", "padding_invariance"],
+                 progress=lambda stage, i, n: stages.append((stage, i, n)))
     assert only.passed and not only.layers
+    assert stages == [("discover", 0, 1), ("cache_parity", 0, 2), ("padding_invariance", 1, 2)]
     assert [r.detector for r in only.results] == ["model_runs", "cache_parity", "padding_invariance"]
     skipped = audit(TinyGPT(), detectors=["cache_parity"])  # TinyGPT takes no cache: nothing measured
     assert skipped.status == "inconclusive" and "every one skipped" in skipped.status_reason
@@ -640,3 +643,15 @@ def test_an_attention_module_that_cannot_be_audited_in_place_makes_the_audit_inc
     assert [f.path for f in report.found] == ["attn"] and not report.layers
     assert report.status == "inconclusive" and "attn could not be audited in place" in report.status_reason
     assert any("expected attn (FlatAttention) to take its hidden states as a (B, T, D) tensor" in n for n in report.notes)
+
+
+def test_a_classifier_without_per_position_outputs_skips_the_sequence_checks_with_the_reason():
+    class Classifier(TinyGPT):  # one output per sequence: nothing per position to compare
+        def forward(self, input_ids):
+            return super().forward(input_ids)[:, -1]  # (B, vocab)
+
+    report = audit(Classifier())
+    assert report.result("prefix_causality").verdict == "skip"
+    assert "has no sequence dimension" in report.result("prefix_causality").message
+    assert report.status == "inconclusive"  # a causal model whose causality was not measured
+    assert all(rep.passed for rep in report.layers.values())  # its layers, in place, are measured all the same
