@@ -54,6 +54,7 @@ def _entries() -> list[Variant]:
             # mask_honoured does not credit it: -inf logits times the values make every masked probe's output
             # NaN, so no change can be measured there (the NaN itself is fully_masked_rows' finding)
             expected_detectors=("weight_row_sums", "output_variance", "fully_masked_rows"),
+            also_detected_by=("gradients",),  # with a padding mask the output is -inf @ v: NaN, gradients too
         ),
         Variant(
             id="mask_after_softmax", title="Mask applied after the softmax", cls=c.MaskAfterSoftmax,
@@ -124,8 +125,9 @@ def _entries() -> list[Variant]:
             # uniform, and in bfloat16 another query moves a row by about 1% of the output's RMS (below the
             # 1.6% allowed); output_variance is weak where the output projection is tiny (d_model = 1).
             # mask_honoured does not credit it: a key blocked for every query is an all -inf column, whose
-            # softmax over queries is NaN everywhere, so no change can be measured.
-            also_detected_by=("query_locality", "output_variance"),
+            # softmax over queries is NaN everywhere, so no change can be measured; for the same reason the
+            # gradient check's padding mask makes its output NaN.
+            also_detected_by=("query_locality", "output_variance", "gradients"),
         ),
         Variant(
             id="heads_merged_without_transpose", title="Heads merged without their transpose",

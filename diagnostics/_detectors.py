@@ -1027,11 +1027,15 @@ def check_gradients(probe: Probe) -> DetectorResult:
     inputs = [x.requires_grad_(True) for x in inputs]
     qkv = (lambda xs: (xs[0], xs[1], xs[2]) if len(xs) == 3 else (xs[0], xs[1], xs[1]) if len(xs) == 2
            else (xs[0], xs[0], xs[0]))
-    allowed = probe.allowed(B, T, T)
+    # where keys are an input apart from the queries, a padding mask: keys it blocks for every query must get
+    # exactly zero gradient, read from the same backward pass
+    padded = s.takes_mask and len(inputs) >= 2 and T >= 2
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T) if padded else None)
     params = [p for p in (sub.layer.parameters() if isinstance(sub.layer, torch.nn.Module) else []) if p.requires_grad]
     probe.passes += 7  # forward + backward (counted as two), four forwards for the finite differences (six when
     # they disagree), causal: +3
-    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T})", B, T, T,
+    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T}"
+                                        f"{', a padding mask' if padded else ''})", B, T, T,
                                         None if allowed is None else allowed.cpu(), len(inputs) == 1,
                                         backward=True))
     try:
@@ -1057,7 +1061,13 @@ def check_gradients(probe: Probe) -> DetectorResult:
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, grads)]
         # finite everywhere iff the sum of squares is (float64: no overflow below 1e154), one pass each
         if not math.isfinite(float(sum(g.square().sum() for g in grads))):
-            return _result(det, "fail", "gradients are NaN or inf on an ordinary input", value=math.inf,
+            given = " with a padding mask" if padded else ""
+            if not bool(torch.isfinite(out).all()):
+                return _result(det, "fail", f"the output is NaN or inf on an ordinary input{given}, and so are its "
+                               "gradients", value=math.inf, threshold=0.0,
+                               evidence=f"float64 copy, B={B}, T={T}{given}: {int((~torch.isfinite(out)).sum())} "
+                                        f"non-finite output values")
+            return _result(det, "fail", f"gradients are NaN or inf on an ordinary input{given}", value=math.inf,
                            threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs or "
                                                    "parameters")
         # inputs: Gaussian draws over every entry; parameters: Gaussian draws at up to PARAMETER_ENTRIES entries
@@ -1127,8 +1137,8 @@ def check_gradients(probe: Probe) -> DetectorResult:
                 return _result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence)
         checked = ""
-        if s.takes_mask and len(inputs) >= 2 and T >= 2:  # keys apart from queries: masked keys can be told apart
-            leak, checked = _masked_key_gradient(probe, sub, inputs, qkv)
+        if padded:
+            leak, checked = _masked_key_gradient(sub, inputs, grads[1:len(inputs)], allowed)
             if leak:
                 return _result(det, "fail", "masked keys receive gradient: the mask is applied after the softmax "
                                "normalised over them, or not at all", value=1.0, threshold=0.0,
@@ -1142,27 +1152,15 @@ def check_gradients(probe: Probe) -> DetectorResult:
                    "the future" if probe.causal else ""), value=rel, threshold=limit, evidence=evidence)
 
 
-def _masked_key_gradient(probe: Probe, sub, inputs, qkv) -> tuple[str, str]:
-    """('', what was checked) if keys and values a padding mask blocks for every query get exactly zero
-    gradient from every output; else (the evidence, '')."""
+def _masked_key_gradient(sub, inputs, grads, allowed) -> tuple[str, str]:
+    """('', what was checked) if the key and value inputs got exactly zero gradient at the keys `allowed` blocks
+    for every query; else (the evidence, '')."""
     t_dim = sub.time_dim
-    B, T = inputs[0].shape[0], inputs[1].shape[t_dim]
-    allowed = probe.allowed(B, inputs[0].shape[t_dim], T, probe.padding(B, inputs[0].shape[t_dim], T))
+    B, T = inputs[1].shape[0], inputs[1].shape[t_dim]
     blocked = ~allowed.cpu().any(1)  # (B, Tk): keys no query may attend
     if not bool(blocked.any()):
         return "", ""
-    probe.passes += 3  # a forward and a backward
-    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy, a padding mask, backward to the keys (B={B}, "
-                                                   f"T={T})", B, inputs[0].shape[t_dim], T, allowed.cpu(), False,
-                                                   backward=True))
-    probe.seed_layer_rng(0)
-    with torch.enable_grad():
-        out = _graph_call(sub, *qkv(inputs), allowed)
-        grads = torch.autograd.grad((out ** 2).sum(), inputs[1:], allow_unused=True)
     for name, g in zip(("key", "value") if len(inputs) == 3 else ("key/value input",), grads):
-        if g is None:
-            continue
-        rows = blocked.to(g.device).view(B, *([1] * (t_dim - 1)), T)  # (B, [1,] Tk)
         at = g.movedim(t_dim, -2).abs().amax(-1) if g.dim() > t_dim + 1 else g.abs()  # (B, [H,] Tk)
         at = at.reshape(B, -1, T).amax(1)  # (B, Tk)
         worst = float(at[blocked.to(g.device)].max())
