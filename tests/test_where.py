@@ -10,6 +10,7 @@ checks float32 at torch's initialisation and a subset of the never-seen layers; 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import math
@@ -22,7 +23,6 @@ from hypothesis import settings
 
 import correct
 import diagnostics
-import test_never_seen as never_seen
 from buggy_variants import VARIANTS
 from buggy_variants.teaching_report import KILL_MATRIX_SIZE
 from diagnostics import Site
@@ -30,6 +30,20 @@ from diagnostics._observe import Matmul, Observer, Scaling, SoftmaxCall
 from diagnostics._where import LOCATED
 
 pytest_plugins = ["pytester"]
+
+
+def _never_seen():
+    """tests/test_never_seen.py's layers, loaded from its path (tests import nothing from each other by name, so
+    that the suite also runs under --import-mode=importlib)."""
+    path = Path(__file__).with_name("test_never_seen.py")
+    spec = importlib.util.spec_from_file_location("never_seen_layers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+never_seen = _never_seen()
 
 
 def thorough() -> bool:
