@@ -140,6 +140,38 @@ def _weights_pair(variant: Variant) -> _Pair:
     return pair
 
 
+def _decode_html(variant: Variant) -> str:
+    """For a decoding bug: the full pass's last rows next to the same rows decoded (the last Tq queries over all
+    Tk keys, as with a KV cache), in the reference and in the variant, one state_dict for both. '' otherwise."""
+    if "decode_consistency" not in variant.expected_detectors:
+        return ""
+    with torch.random.fork_rng():  # the suite's global RNG is left as it was
+        torch.manual_seed(0)
+        layer = variant.build(**KILL_MATRIX_SIZE).eval()
+        reference = variant.reference(**KILL_MATRIX_SIZE).eval()
+        reference.load_state_dict(layer.state_dict())
+        x = torch.randn(1, 16, layer.d_model, generator=torch.Generator().manual_seed(0))  # (B, T, D)
+        rows, shown = [], []
+        with torch.no_grad():
+            for name, model in (("reference", reference), ("variant", layer)):
+                full = model(x)[0]  # (1, 16, D)
+                for n in (1, 3, 11):
+                    step = model(x[:, -n:], x, x)[0]  # (1, n, D): the last n queries over all 16 keys
+                    rows.append((name, n, float((step - full[:, -n:]).abs().max())))
+                    if n == 1:
+                        shown.append((name, full[0, -1, :4].tolist(), step[0, -1, :4].tolist()))
+    table = "".join(f"<tr><td>{name}</td><td>last {n} of 16</td><td>{difference:.3g}</td></tr>"
+                    for name, n, difference in rows)
+    numbers = lambda v: ", ".join(f"{x:+.3f}" for x in v)  # noqa: E731
+    newest = "".join(f"<tr><td>{name}</td><td><code>{numbers(full)}</code></td><td><code>{numbers(step)}</code>"
+                     f"</td></tr>" for name, full, step in shown)
+    return (f'<h4>Full pass against cached decoding</h4><p class="meta">16 tokens, batch 0. Decoding runs the last '
+            f'Tq queries over all 16 keys, as a KV cache does; its rows must be the full pass\'s last rows.</p>'
+            f'<table class="decode"><tr><th>layer</th><th>queries</th><th>max |decoded - full pass|</th></tr>{table}'
+            f'</table><table class="decode"><tr><th>newest token, first 4 features</th><th>full pass</th>'
+            f'<th>decoded alone (Tq = 1)</th></tr>{newest}</table>')
+
+
 def _row_sums(w: torch.Tensor) -> str:
     sums = w.sum(dim=-1)  # (Tq,)
     finite = sums[torch.isfinite(sums)]
@@ -243,6 +275,7 @@ def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
 {_diff_html(variant, report)}
 <h4>Attention weights</h4>
 {_weights_html(_weights_pair(variant))}
+{_decode_html(variant)}
 <h4>Detector readings</h4>
 {_readings_html(report)}
 <h4>The fix</h4>

@@ -113,6 +113,24 @@ def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fi
             assert finding.detector in text and " ".join(finding.evidence.split()) in text, (vid, finding.detector)
 
 
+def test_decoding_variants_show_the_full_pass_and_cached_decoding_side_by_side(teaching_report_html):
+    """The reference's decoded rows are its full pass's (to rounding); the variant's are not: read from the page
+    (its text, table cells joined)."""
+    page = Page(teaching_report_html)
+    decoding = [vid for vid, v in VARIANTS.items() if "decode_consistency" in v.expected_detectors]
+    assert decoding, "the catalog has decoding variants"
+    for vid, variant in VARIANTS.items():
+        text = " ".join(page.sections[f"variant-{vid}"]["text"].split())
+        if vid not in decoding:
+            assert "Full pass against cached decoding" not in text, vid
+            continue
+        assert "Full pass against cached decoding" in text, vid
+        readings = {(who, n): float(d) for who, n, d in re.findall(r"(reference|variant)\s*last (\d+) of 16\s*([\d.e+-]+)", text)}
+        assert {n for _, n in readings} == {"1", "3", "11"}, (vid, readings)
+        assert all(d <= 1e-5 for (who, _), d in readings.items() if who == "reference"), (vid, readings)
+        assert max(d for (who, _), d in readings.items() if who == "variant") > 1e-2, (vid, readings)
+
+
 def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict(teaching_report_html,
                                                                                   catalog_audits):
     page = Page(teaching_report_html)
