@@ -655,3 +655,13 @@ def test_a_classifier_without_per_position_outputs_skips_the_sequence_checks_wit
     assert "has no sequence dimension" in report.result("prefix_causality").message
     assert report.status == "inconclusive"  # a causal model whose causality was not measured
     assert all(rep.passed for rep in report.layers.values())  # its layers, in place, are measured all the same
+
+
+def test_readme_example_runs_as_written(tmp_path, monkeypatch):
+    _need("transformers")
+    section = README.read_text().split("## Audit a whole model\n", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)  # it writes model.html
+    torch.manual_seed(0)
+    exec(compile(example, str(README), "exec"), {"__name__": "readme_model_example"})
+    assert (tmp_path / "model.html").exists()
