@@ -835,6 +835,7 @@ class LayerTap:
         self.modules, self.time_dims = modules, time_dims
         self.outputs: dict = {p: [] for p in modules}
         self.handles = []
+        self.finished: list[str] = []  # the order in which the modules first returned
 
     def __enter__(self):
         for p, m in self.modules.items():
@@ -842,6 +843,8 @@ class LayerTap:
                 t = _first_tensor(out)
                 if t is not None and t.dim() == 3:
                     self.outputs[p].append((t.transpose(0, 1) if self.time_dims.get(p) == 0 else t).detach())
+                    if p not in self.finished:
+                        self.finished.append(p)
             self.handles.append(m.register_forward_hook(hook))
         return self
 
@@ -886,6 +889,37 @@ def _per_position(out: Tensor, T: int) -> bool:
     return out.dim() >= 2 and out.shape[1] == T
 
 
+def _blocks(model: nn.Module, modules: dict) -> dict:
+    """{path: block module} for the blocks that hold the attention modules: the deepest ancestor of each that
+    is an item of an nn.ModuleList or nn.Sequential (`h.1` for `h.1.attn`). Each has `.attention`, the paths
+    of the attention modules inside it."""
+    named = dict(model.named_modules())
+    found: dict = {}
+    for p in modules:
+        parts = p.split(".")
+        for n in range(len(parts) - 1, 0, -1):
+            parent, path = ".".join(parts[:n - 1]), ".".join(parts[:n])
+            holder = named.get(parent) if parent else model
+            if isinstance(holder, (nn.ModuleList, nn.Sequential)) and path in named and path not in modules:
+                found.setdefault(path, []).append(p)
+                break
+    blocks = {}
+    for path, inside in found.items():
+        block = named[path]
+        blocks[path] = _Tagged(block, inside)
+    return blocks
+
+
+class _Tagged:
+    """A block and the attention modules inside it; LayerTap hooks `.register_forward_hook` of the block."""
+
+    def __init__(self, module: nn.Module, attention: list):
+        self.module, self.attention = module, attention
+
+    def register_forward_hook(self, hook):
+        return self.module.register_forward_hook(hook)
+
+
 def check_prefix_causality(ctx) -> DetectorResult:
     det, runner = "prefix_causality", ctx.runner
     seq = runner.inputs[:1]
@@ -901,7 +935,8 @@ def check_prefix_causality(ctx) -> DetectorResult:
         row[:, c + 1:] = other[:, c + 1:]
         rows.append(row)
     batch = torch.cat(rows)  # (1 + cuts, T)
-    with LayerTap(ctx.modules, ctx.time_dims) as taps:
+    blocks = _blocks(ctx.model, ctx.modules)  # a leak outside attention (an MLP, a norm over time) shows there
+    with LayerTap({**ctx.modules, **blocks}, ctx.time_dims) as taps:
         out, _ = runner(batch)
     if not _per_position(out, T):
         return _skip(det, _NO_POSITIONS.format(shape=tuple(out.shape)))
@@ -918,10 +953,11 @@ def check_prefix_causality(ctx) -> DetectorResult:
         if float(past.max()) > worst:
             worst, where = float(past.max()), (c, int(past.argmax()))
         moved_own = moved_own and bool((change[c + 1:] > tol).any())
-    # per layer: how many past positions a change after the middle cut reaches
+    # per layer: how many past positions a change after the middle cut reaches; the first module to return a
+    # moved past position (attention modules and their blocks, in the order they finished) is where it starts
     c = cuts[len(cuts) // 2]
-    first = None
-    for p in ctx.order:
+    first, block_reach = None, {}
+    for p in taps.finished:
         layer_out = taps.joined(p)
         if layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T:
             continue
@@ -929,19 +965,25 @@ def check_prefix_causality(ctx) -> DetectorResult:
         s = _rms(ref) or 1.0
         i = cuts.index(c) + 1
         ch = (layer_out[i:i + 1].double() - ref.double()).abs().nan_to_num(nan=math.inf).amax(-1)[0] / s
-        reach[p] = int((ch[:c + 1] > tol).sum())
-        if first is None and reach[p] > 0:
+        (block_reach if p in blocks else reach)[p] = int((ch[:c + 1] > tol).sum())
+        if first is None and int((ch[:c + 1] > tol).sum()) > 0:
             first = p
         for j, cj in enumerate(cuts, start=1):
             chj = (layer_out[j:j + 1].double() - ref.double()).abs().nan_to_num(nan=math.inf).amax(-1)[0] / s
             if first is None and bool((chj[:cj + 1] > tol).any()):
                 first = p
-    ctx.readings["prefix_reach"] = {"cut": c, "positions": c + 1, "reach": reach}
+    ctx.readings["prefix_reach"] = {"cut": c, "positions": c + 1, "reach": reach, "blocks": block_reach}
     if bad:
+        where_text = ""
+        if first in blocks:
+            where_text = (f"; the change first appears at the output of {first}, whose attention "
+                          f"({', '.join(blocks[first].attention)}) did not move: the leak is outside attention")
+        elif first:
+            where_text = f"; the change first appears at {first}"
         if first:
             ctx.result_layers[det] = first
         return _result(det, "fail", f"outputs see the future: changing tokens after t moves outputs at or before t"
-                       + (f"; the change first appears at {first}" if first else ""), value=worst, threshold=tol,
+                       + where_text, value=worst, threshold=tol,
                        evidence=f"{bad} / {total} past outputs changed; greatest change {worst:.3g} of the outputs' "
                                 f"RMS at t={where[1]} when only t>{where[0]} was changed (up to {tol:.0e} allowed for "
                                 f"{dtype_name(ctx.dtype)}); past positions reached per layer (cut {c}): "

@@ -665,3 +665,18 @@ def test_readme_example_runs_as_written(tmp_path, monkeypatch):
     torch.manual_seed(0)
     exec(compile(example, str(README), "exec"), {"__name__": "readme_model_example"})
     assert (tmp_path / "model.html").exists()
+
+
+def test_a_leak_outside_attention_is_localised_to_its_block_and_the_attention_layers_pass():
+    class MeanOverTime(nn.Module):  # a "norm" with statistics over the whole sequence: the future leaks in
+        def forward(self, x):
+            return x - x.mean(dim=1, keepdim=True)
+
+    model = tiny_gpt()
+    model.h[1].mlp = nn.Sequential(MeanOverTime(), model.h[1].mlp)
+    report = audit(model)
+    assert report.result("prefix_causality").verdict == "fail"
+    assert report.result_layers["prefix_causality"] == "h.1"
+    assert "whose attention (h.1.attn) did not move: the leak is outside attention" in report.result("prefix_causality").message
+    assert all(rep.passed for rep in report.layers.values())  # the attention layers themselves are causal
+    assert report.readings["prefix_reach"]["reach"]["h.1.attn"] == 0 and report.readings["prefix_reach"]["blocks"]["h.1"] > 0
