@@ -751,11 +751,24 @@ def _first_reader(trace: Trace, tensor_id: int) -> Op | None:
     while op is not None and seen < 256:
         direct = [i for i in op.in_ids if i in trace.inputs]
         if direct and op.frames:
-            return op
+            return _computing(trace, op)
         prev = next((trace.producer.get(i) for i in op.in_ids if trace.sources.get(i)), None)
         op = None if prev is None else trace.ops[prev]
         seen += 1
     return None
+
+
+def _computing(trace: Trace, op: Op) -> Op:
+    """From a view of an input to the op of the same line that computes with it (F.linear: view, then addmm),
+    so that the site names the computation."""
+    outs, at = set(op.out_ids), op
+    for later in trace.ops[op.index + 1:op.index + 16]:
+        if later.frames[:1] != op.frames[:1] or not outs & set(later.in_ids):
+            continue
+        if later.short not in _CARRIES:
+            return later
+        outs |= set(later.out_ids)
+    return at
 
 
 def _base_trace(probe) -> Trace:
