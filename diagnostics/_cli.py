@@ -2,6 +2,7 @@
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
                     [--mask CONVENTION] [--layout bhtd|bthd]
+    attention-audit --model mymodule:make_model [--causal] [--seq-len N] [--json] [--html PATH]   (_model_cli.py)
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch

@@ -2,6 +2,7 @@
 
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
            [--attention-require=DET]... [--attention-strict]
+    pytest --attention-audit-model=mymodule:make_model   (a whole model: see _model_plugin.py)
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
 detector fails its test and shows the evidence and the fix; a warning passes with an
