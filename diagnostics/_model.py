@@ -92,6 +92,9 @@ HIDDEN_NAMES = ("hidden_states", "x", "query", "q", "tgt", "src", "inputs", "inp
 CACHE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "cache", "past")
 MAIN_INPUT_NAMES = ("input_ids", "idx", "tokens", "ids", "x", "src", "tgt", "inputs_embeds", "pixel_values",
                     "input", "inputs")
+# An example's entries aligned with the tested sequence: the checks cut and pad the sequence, and build these
+ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_attention_mask", "decoder_position_ids",
+                 "cache_position")
 CONTEXT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "context_length")
 
 
@@ -321,6 +324,7 @@ class Runner:
         self.hf = _is_hf(model)
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self.fixed: dict = {}
+        self.dropped: list[str] = []  # the example's per-position entries, which the checks build themselves
         self.main, inputs = self._example(example, seq_len, seed)
         self.inputs = inputs  # (B, T[, D]) or images
         self.sequence = self.main not in ("pixel_values",) and inputs.dim() in (2, 3) and (
@@ -368,7 +372,10 @@ class Runner:
             main = next((n for n in ("decoder_input_ids",) if n in example and self.encoder_decoder), None) or \
                 next((n for n in MAIN_INPUT_NAMES if n in example), None) or next(iter(example))
             for name, value in example.items():
-                if name != main:
+                aligned = name in ALIGNED_NAMES and (name.startswith("decoder_") or main != "decoder_input_ids")
+                if aligned:  # per position of the tested sequence: the audit builds the ones each check needs
+                    self.dropped.append(name)
+                elif name != main:
                     self.fixed[name] = value
             expect(isinstance(example[main], Tensor), f"a tensor for {main!r}", type(example[main]).__name__,
                    "pass token ids (B, T) or embeddings (B, T, D)")
@@ -409,8 +416,7 @@ class Runner:
         return first, torch.randint(emb.num_embeddings, (2, T), generator=gen).to(device)
 
     def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-                 past=None, use_cache: bool | None = None, fixed_rows: Tensor | None = None, grad: bool = False,
-                 model: nn.Module | None = None):
+                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None):
         """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling."""
         model = model or self.model
         kwargs = {}
@@ -1496,6 +1502,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     results: list[DetectorResult] = []
     layers: dict = {}
     notes: list[str] = []
+    if runner.dropped:
+        notes.append(f"the example's {', '.join(runner.dropped)} not passed: each check builds the masks and positions "
+                     f"it needs (token_type_ids: the model's default)")
 
     def tick(stage, i, n):
         if progress is not None:

@@ -680,3 +680,11 @@ def test_a_leak_outside_attention_is_localised_to_its_block_and_the_attention_la
     assert "whose attention (h.1.attn) did not move: the leak is outside attention" in report.result("prefix_causality").message
     assert all(rep.passed for rep in report.layers.values())  # the attention layers themselves are causal
     assert report.readings["prefix_reach"]["reach"]["h.1.attn"] == 0 and report.readings["prefix_reach"]["blocks"]["h.1"] > 0
+
+
+def test_an_example_dict_with_its_own_mask_is_audited_with_the_masks_each_check_builds():
+    ids = torch.randint(64, (2, T), generator=torch.Generator().manual_seed(3))
+    report = audit(protocol_gpt(), example={"input_ids": ids, "attention_mask": torch.ones(2, T, dtype=torch.long)})
+    assert report.passed, str(report)
+    assert report.result("padding_invariance").verdict == report.result("cache_parity").verdict == "pass"
+    assert any("attention_mask not passed" in note for note in report.notes)
