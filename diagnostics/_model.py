@@ -545,6 +545,13 @@ def _observe_attention(runner: Runner) -> tuple[dict, str | None]:
     finally:
         for h in handles:
             h.remove()
+    if error is not None:
+        try:  # the model, or the observer? Without the observer, a model that runs was not the one that raised
+            runner(seq, grad=True)
+        except Exception:
+            pass
+        else:
+            return {}, None, None, f"observing the forward failed ({error}): modules found by class only"
     candidates = [p for p, (s, f) in counts.items()
                   if (s or f) and p and any(True for _ in named[p].parameters())]
     found = {}
@@ -552,7 +559,7 @@ def _observe_attention(runner: Runner) -> tuple[dict, str | None]:
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
-    return found, error, raised_in
+    return found, error, raised_in, None
 
 
 def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
@@ -1512,7 +1519,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
 
     with _untouched(model, _device_dtype(model)[0]):
         tick("discover", 0, 1)
-        observed, error, raised_in = _observe_attention(runner)
+        observed, error, raised_in, observe_note = _observe_attention(runner)
+        if observe_note:
+            notes.append(observe_note)
         found = find_attention(model, observed)
         named = dict(model.named_modules())
         modules = {f.path: named[f.path] for f in found}
@@ -1566,6 +1575,10 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                 rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale)
             except AuditUsageError as exc:
                 notes.append(f"{p} not audited in place: {exc}")
+                continue
+            except Exception as exc:  # an internal error of diagnostics: the layer stays unaudited (inconclusive)
+                notes.append(f"{p} not audited in place: the audit raised {type(exc).__name__}: {exc} (an internal "
+                             f"error of diagnostics; please report it)")
                 continue
             layers[p] = rep
             ctx.layer_calls += rep.forward_passes
