@@ -859,13 +859,13 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
         return skip(det, f"the output {tuple(expected.shape)} has no row per token (see output_shape)")
 
     def cached(start: int, n: int, cache):
-        chunk = x[:, start:start + n]
+        chunk = x[:, start:start + n].contiguous()  # (B, n, D): a slice of time is not contiguous (see `runs`)
         allowed = probe.allowed(B, n, start + n)
         probe.passes += 1
         probe.shapes[det].append(ProbeShape(f"{n} new tokens over a cache of {start}", B, n, start + n,
                                             None if allowed is None else allowed.cpu(), True))
         with torch.no_grad():
-            result = s.call_cached(chunk, allowed, cache)
+            result = s.call_cached(chunk, allowed, cache, start=start)
         out, returned = _split_cache(result, B, n, start + n)
         if out is None or tuple(out.shape[:2]) != (B, n):
             raise ValueError(f"returned {type(result).__name__} with no (B, {n}, D) output first")
@@ -874,15 +874,21 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
     outs, notes, start = [], [], 0
     try:
         plan = _cache_plan(T)
-        out, cache = cached(0, plan[0], None)
-        if cache is None:  # no cache returned: a container the layer fills, passed in
-            cache = {}
+        library = s.new_cache()  # a Hugging Face layer's: an empty DynamicCache it fills
+        if library is not None:
+            cache, how = library, f"a {type(library).__name__} it fills"
             out, _ = cached(0, plan[0], cache)
-            if not cache:
-                return skip(det, f"called with {name}=None (and use_cache=True where it takes it) the layer returned "
-                                 f"no cache, and it did not fill a dict passed as {name}: the audit cannot drive "
-                                 f"its cache (an object of its own type, or a cache kept inside the module)")
-        filled = isinstance(cache, dict)
+        else:
+            out, cache = cached(0, plan[0], None)
+            how = "the cache it returns"
+            if cache is None:  # no cache returned: a container the layer fills, passed in
+                cache, how = {}, "a dict it fills"
+                out, _ = cached(0, plan[0], cache)
+                if not cache:
+                    return skip(det, f"called with {name}=None (and use_cache=True where it takes it) the layer "
+                                     f"returned no cache, and it did not fill a dict passed as {name}: the audit cannot "
+                                     f"drive its cache (an object of its own type, or a cache kept inside the module)")
+        filled = how != "the cache it returns"
         outs.append(out)
         start = plan[0]
         for n in plan[1:]:
@@ -917,7 +923,7 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
     # the rounding of a recomputation, which sharp attention in half precision amplifies: a cached decode
     # must agree as well as that, within CACHE_NOISE_FACTOR
     P = plan[0]
-    first = x[:, :P]
+    first = x[:, :P].contiguous()
     prefix = probe.call(first, first, first, probe.allowed(B, P, P), label=f"the first {P} tokens, no cache")
     if not prefix.ok:
         return not_run(det, prefix)
@@ -931,7 +937,6 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
         readings.append((what, int((part > tol).sum()), part.numel(), float(part.max())))
         at += n
     bad = [r for r in readings if r[1]]
-    how = "a dict it fills" if filled else "the cache it returns"
     evidence = (f"through {name} ({how}): " + "; ".join(f"{what}: {b} / {total} rows differ from the full pass by up "
                                                            f"to {m:.3g}" for what, b, total, m in readings)
                 + f" (up to {tol:.2g} of the outputs' RMS about their mean allowed: {tolerance(ROW_SUM, s.dtype):.2g} "

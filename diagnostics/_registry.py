@@ -37,8 +37,8 @@ SEPARATE_QUERY = Need("a separate query input", lambda p: p.subject.separate_kv,
 LONG = Need("seq_len >= 2", lambda p: p.t >= 2, "needs a probe length of 2 or more ({seq_len} 2 or more)")
 HAS_CACHE = Need("a cache argument", lambda p: getattr(p.subject, "cache_name", None) is not None,
                  "the layer takes no cache of its own that the audit can drive (a self-attention module's "
-                 "past_key_value(s), layer_past, kv_cache, cache or past argument; a Hugging Face layer's cache "
-                 "is the model's: see audit_model)")
+                 "past_key_value(s), layer_past, kv_cache, cache or past argument; a Hugging Face layer's needs "
+                 "its layer_idx)")
 
 
 @dataclass(frozen=True)

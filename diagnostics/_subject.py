@@ -25,6 +25,7 @@ Time runs along dimension `time_dim` of inputs and outputs: 2 for functions, 1 f
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import sys
@@ -306,26 +307,36 @@ class ModuleSubject(Subject):
     @property
     def cache_name(self) -> str | None:
         """The parameter through which forward takes a cache of past keys and values, where the audit can
-        drive it: a self-attention module of the user's own (Hugging Face layers keep theirs in the model's
-        Cache object: `audit_model` checks cache parity there)."""
-        if self.form != "self_module" or self.extra is not None or _is_huggingface(self.layer):
+        drive it: a self-attention module's (a Hugging Face layer's only with its `layer_idx`, which its
+        Cache object files keys under)."""
+        if self.form != "self_module":
+            return None
+        hf = _is_huggingface(self.layer)
+        if (hf and getattr(self.layer, "layer_idx", None) is None) or (self.extra is not None and not hf):
             return None
         names = _parameter_names(self.layer.forward) or []
         return next((n for n in CACHE_NAMES if n in names), None)
 
-    def call_cached(self, query: Tensor, allowed: Tensor | None, cache):
-        """Call with `cache` as the cache argument (and use_cache=True where forward takes that flag); the
-        layer's raw result."""
-        kwargs = self._kwargs(query, query, query, allowed)
+    def new_cache(self):
+        """An empty cache of the layer's library to pass on every call (transformers' DynamicCache for a Hugging
+        Face layer, which files keys under the layer's `layer_idx`), or None: the layer makes its own."""
+        if not _is_huggingface(self.layer):
+            return None
+        return importlib.import_module("transformers.cache_utils").DynamicCache()
+
+    def call_cached(self, query: Tensor, allowed: Tensor | None, cache, *, start: int = 0):
+        """Call with `cache` as the cache argument (and use_cache=True where forward takes that flag), the
+        tokens of `query` at positions start, start + 1, ...; the layer's raw result."""
+        kwargs = self._kwargs(query, query, query, allowed, start=start)
         kwargs[self.cache_name] = cache
         if "use_cache" in (_parameter_names(self.layer.forward) or []):
             kwargs["use_cache"] = True
         return self.layer(**kwargs)
 
-    def _kwargs(self, query, key, value, allowed) -> dict:
+    def _kwargs(self, query, key, value, allowed, *, start: int = 0) -> dict:
         kwargs = dict(self.sig.fixed)
         if self.extra is not None:
-            kwargs.update(self.extra(query))
+            kwargs.update(self.extra(query, start))
         kwargs[self.sig.query] = query
         if self.form == "qkv_module":
             kwargs[self.sig.key], kwargs[self.sig.value] = key, value
@@ -549,9 +560,9 @@ def _huggingface_rotary(layer, device):
 
 
 def _rotary_extra(rotary):
-    def extra(x: Tensor) -> dict:
+    def extra(x: Tensor, start: int = 0) -> dict:
         B, T = x.shape[:2]  # batch, sequence length
-        positions = torch.arange(T, device=x.device).expand(B, T)  # (B, T)
+        positions = torch.arange(start, start + T, device=x.device).expand(B, T)  # (B, T)
         return {"position_embeddings": rotary(x, positions)}  # (cos, sin), each (B, T, head_dim)
     return extra
 

@@ -525,6 +525,41 @@ def test_zoo(transformers, z, implementation):
         assert "q·k is multiplied by 1 before the softmax" in unscaled.result("softmax_saturation").evidence
 
 
+CACHED = [z for z in ZOO if z.causal and z.cls != "GPTNeoSelfAttention"]  # GPT-Neo's layer takes no cache
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("z", CACHED, ids=_zoo_id)
+def test_decoder_layers_decode_through_their_own_cache(transformers, z, implementation):
+    """A causal Hugging Face layer with a `layer_idx` is prefilled and decoded through a DynamicCache it fills,
+    its rotary positions offset by what the cache holds, and gives the full pass's rows."""
+    layer = build_zoo_layer(transformers, z, implementation)
+    result = audit(layer, causal=True, scale=z.scale, detectors=["cache_decoding"]).result("cache_decoding")
+    assert result.verdict == "pass" and "DynamicCache it fills" in result.evidence, result
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_layer_that_drops_its_mask_once_the_cache_holds_keys_fails_cache_decoding(transformers, implementation):
+    """The twin of the Llama row above: the same weights, the mask dropped whenever the cache is not empty (then
+    sdpa's is_causal aligns top-left, and eager attends every new token's future)."""
+    z = next(z for z in ZOO if z.cls == "LlamaAttention")
+    layer = build_zoo_layer(transformers, z, implementation)
+
+    broken = build_zoo_layer(transformers, z, implementation)  # the same weights, still a LlamaAttention
+    original = broken.forward
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        if cache is not None and cache.get_seq_length(broken.layer_idx) > 0:
+            attention_mask = None  # BUG: the causal mask is dropped once the cache holds keys
+        return original(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+
+    broken.forward = forward  # patched on the instance, as a user's monkeypatch would be
+    report = audit(broken, causal=True)
+    assert report.result("cache_decoding").verdict == "fail", str(report)
+    assert "3 new tokens" in report.result("cache_decoding").message, str(report)  # the first chunk of several
+    assert not audit(layer, causal=True).fired(), "the correct twin"
+
+
 def zoo_table() -> str:
     """The README's table of Hugging Face layers, from ZOO: what `test_zoo` audits and expects."""
     rows = ["| model | layer | role | audit | result (eager and sdpa) |", "|---|---|---|---|---|"]
