@@ -111,6 +111,9 @@ class Sites(Sequence):
     def __repr__(self) -> str:
         return repr(self._get()) if self._sites is not None else "Sites(<not read yet>)"
 
+    def __reduce__(self):  # pickled as the sites themselves (the layer does not travel)
+        return Sites, (self._get(),)
+
 
 @dataclass(frozen=True)
 class DetectorResult:

@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import json
 import math
+import pickle
 import sys
 from pathlib import Path
 
@@ -221,6 +222,7 @@ def test_a_report_shows_its_sites_in_text_and_json():
     shown = json.loads(json.dumps(report.to_dict()))
     where = next(r for r in shown["results"] if r["detector"] == "softmax_saturation")["where"]
     assert where[0]["line"] == line and where[0]["op"] == "aten.bmm" and where[0]["file"].endswith("test_where.py")
+    assert pickle.loads(pickle.dumps(report)).result("softmax_saturation").where == result.where  # as the sites
     twin = diagnostics.audit(scaled_attention, d_model=64, num_heads=2)
     assert twin.passed and all(r["where"] == [] for r in twin.to_dict()["results"])
 
