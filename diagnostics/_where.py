@@ -546,19 +546,21 @@ def _held_elements(shape: tuple, P: Tensor) -> Tensor | None:
         return values.reshape(view)
 
     held = torch.ones(shape, dtype=torch.bool)
-    if dims[0] == B * T and T > 1 and B > 1:
+    if dims[0] == B * T and T > 1 and B > 1:  # (B*T, D): a linear layer's flattened input or output
         return held & place(P.reshape(-1), (0,))
     if dims[0] == B or (nd >= 3 and dims[0] % B == 0 and dims[0] != T):
+        # (B, ...) or batch-major (B*H, T, ...) as bmm sees heads; every other axis of length T is a position
         k, batch_axis = dims[0] // B, 0
         per = P.repeat_interleave(k, 0)  # (B*k, T)
         time_axes = [a for a in range(1, nd) if dims[a] == T]
-    elif nd >= 2 and dims[0] == T and dims[1] % B == 0 and dims[1] != T:
+    elif nd >= 2 and dims[0] == T and dims[1] % B == 0 and dims[1] != T:  # sequence first: (T, B[*H], ...)
         k, batch_axis = dims[1] // B, 1
         per = P.repeat_interleave(k, 0)
         time_axes = [0] + [a for a in range(2, nd) if dims[a] == T]
-    else:
+    else:  # no batch axis to read (a mean over the batch): hold only positions held in every sequence
         batch_axis, per = None, None
         time_axes = [a for a in range(nd) if dims[a] == T]
+    # an axis of length T that is not a position (d_k == T) only holds fewer elements: never a false "moved"
     if not time_axes:
         if batch_axis is None:
             return None
