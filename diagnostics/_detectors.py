@@ -287,14 +287,18 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
 
 
+ENTROPY_ROWS = 512
+"""Rows of weights the entropies are averaged over (the first ones: batch 0, head 0 first)."""
+
+
 def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:
     """The mean entropy of the weights the layer used (its last softmax), and of the weights a correct scale
     gives: softmax(expected * q·k) over the keys the layer gave weight, from the observed q·k matmul; without
     one, softmax(log w / ratio) (log w is the scaled logits shifted per row: exact for one softmax)."""
     if call.record is None or not call.record.softmaxes:
         return ""
-    w = call.record.softmaxes[-1].output.double()
-    flat = w.reshape(-1, w.shape[-1])
+    w = call.record.softmaxes[-1].output
+    flat = w.reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double()  # a sample of rows: a mean needs no more
     keep = (flat.sum(-1) > 0.5) & torch.isfinite(flat).all(-1)  # rows that attend somewhere
     if not bool(keep.any()):
         return ""
@@ -305,7 +309,7 @@ def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:
     text = f"; mean weight entropy {entropy(flat):.3g} nats"
     m = getattr(estimate, "matmul", None)
     if m is not None and m.out.numel() == w.numel() and m.factor:
-        qk = m.out.double().reshape(flat.shape) / m.factor  # (rows, Tk)
+        qk = m.out.reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double() / m.factor  # (rows, Tk)
         logits = torch.where(flat > 0, expected * qk, torch.full_like(qk, -math.inf))
         text += f", {entropy(torch.softmax(logits, -1).nan_to_num(0.0)):.3g} at the expected scale"
     elif math.isfinite(ratio) and ratio > 0:
@@ -741,7 +745,7 @@ def _decode_gain(probe: Probe) -> float:
     weights = probe.weights(base)[0] if base.ok else None
     if weights is None:
         return 10.0
-    w = weights.detach().double().flatten(0, -2)  # (rows, Tk)
+    w = weights.detach().flatten(0, -2)[:ENTROPY_ROWS].double()  # (rows, Tk): a sample, as for the entropy
     seen = w > 0
     n = seen.sum(-1)
     logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
