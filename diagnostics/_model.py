@@ -1290,14 +1290,17 @@ def check_gradient_flow(ctx) -> DetectorResult:
 
 
 def _declared_window(module: nn.Module) -> int | None:
-    for holder in (module, getattr(module, "config", None)):
-        for name in ("sliding_window", "window_size", "window"):
-            value = getattr(holder, name, None) if holder is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                if holder is not module and getattr(holder, "use_sliding_window", True) is False:
-                    return None
-                return value
-    return None
+    """The sliding window a layer declares: its own `sliding_window` attribute where it has one (None there: a
+    full-attention layer, as in Gemma 2's alternating layers), else its config's (unless `use_sliding_window`
+    is False, Qwen2's switch)."""
+    if hasattr(module, "sliding_window"):
+        value = module.sliding_window
+    else:
+        config = getattr(module, "config", None)
+        value = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            value = None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_sliding_window(ctx) -> DetectorResult:
