@@ -4,9 +4,12 @@
 
 For the reference MultiHeadAttention(512, 8) at each probe length, times forward passes (batch 2, the
 audit's probe batch, under torch.no_grad()) and whole audits, interleaved so that both see the same load,
-and prints the fastest and the median of each, their ratios, and the number of layer calls the audit made.
+and prints the fastest and the median of each, their ratios, the number of layer calls the audit made, and
+the work of those calls in forward-pass equivalents: each call's multiply-adds (projections of Tq queries and
+Tk keys and values, Tq x Tk scores and weighted values) over those of one batch-2 forward at seq_len, a call
+whose inputs require gradients counted three times (forward and backward, the backward as two).
 On a shared machine the fastest runs are the closest to the work itself; the medians show the spread.
-Target (issues 3, 8 and 9): ratio <= 40 at every length, the 1024 audit under 10 s on 2 cores.
+Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,6 +27,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import diagnostics  # noqa: E402
 from correct import MultiHeadAttention  # noqa: E402
+
+
+def multiply_adds(batch: int, t_q: int, t_k: int, d: int) -> int:
+    """One MultiHeadAttention(d) call: W_Q and W_O on Tq tokens, W_K and W_V on Tk, q.k and weights @ v."""
+    return batch * (2 * t_q * d * d + 2 * t_k * d * d + 2 * t_q * t_k * d)
+
+
+def work_of_calls(layer, audit) -> float:
+    """Run `audit()` with a hook on `layer` (the gradient check's float64 copy inherits it): its calls' work in
+    batch-2 forward passes at the length of the first call."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        key = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("key", query)
+        key = query if key is None else key
+        grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (query, key))
+        calls.append((query.shape[0], query.shape[1], key.shape[1], 3 if grad else 1))
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        audit()
+    finally:
+        handle.remove()
+    d = layer.d_model
+    return calls, d
 
 
 def seconds(fn) -> float:
@@ -47,7 +76,8 @@ def main() -> None:
     diagnostics.audit(MultiHeadAttention(16, 2))  # warm-up: first use of the observer imports torch internals
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
           f"threads={torch.get_num_threads()}, {'causal' if args.causal else 'not causal'}")
-    print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>15}  {'calls':>5}")
+    print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>15}  {'calls':>5}  "
+          f"{'work (forward passes)':>21}")
     print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median':>15}")
     for t in args.lengths:
         x = torch.randn(2, t, 512)
@@ -61,8 +91,10 @@ def main() -> None:
         assert reports[-1].passed, str(reports[-1])
         fast_f, mid_f = min(forwards), statistics.median(forwards)
         fast_a, mid_a = min(audits), statistics.median(audits)
+        calls, d = work_of_calls(layer, lambda: diagnostics.audit(layer, seq_len=t, causal=args.causal))
+        work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in calls) / multiply_adds(2, t, t, d)
         print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
-              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[-1].forward_passes:>5}")
+              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[-1].forward_passes:>5}  {work:>21.1f}")
 
 
 if __name__ == "__main__":
