@@ -688,3 +688,17 @@ def test_an_example_dict_with_its_own_mask_is_audited_with_the_masks_each_check_
     assert report.passed, str(report)
     assert report.result("padding_invariance").verdict == report.result("cache_parity").verdict == "pass"
     assert any("attention_mask not passed" in note for note in report.notes)
+
+
+def test_gemma2_alternating_layers_have_their_sliding_window_checked_where_they_declare_one():
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(hidden_size=32, num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                                 attn_logit_softcapping=None, final_logit_softcapping=None, **COMMON))
+    windows = {p: m.sliding_window for p, m in model.named_modules() if p.endswith("self_attn")}
+    assert windows == {"model.layers.0.self_attn": 5, "model.layers.1.self_attn": None}  # sliding, then full
+    report = audit(model)
+    assert report.passed, str(report)
+    window = report.result("sliding_window")
+    assert window.verdict == "pass" and "model.layers.0.self_attn: window 5 exact" in window.evidence
+    assert "model.layers.1.self_attn" not in window.evidence
