@@ -650,10 +650,6 @@ def _declared(probe, B: int, t_q: int, t_k: int, allowed: Tensor | None) -> Tens
     return out
 
 
-def _allowed_for(probe, inputs, B: int, t_q: int, t_k: int):
-    return probe.allowed(B, t_q, t_k, inputs.extra)
-
-
 def _held_positions(probe, base, case) -> Tensor:
     s = probe.subject
     t = s.time_dim
@@ -672,6 +668,8 @@ def _held_positions(probe, base, case) -> Tensor:
 
 
 def _invariance(probe, det: str, use_masks: bool) -> list[Site]:
+    """The first case of the detector's comparisons in which a held row moved: its masks (`use_masks`), or its
+    input streams (query locality of a cross-attention), else baseline and case traced side by side."""
     noted = [c for d, c in _NOTED.get(probe, []) if d == det]
     for comparison in noted:
         tol = comparison.tol
@@ -684,7 +682,7 @@ def _invariance(probe, det: str, use_masks: bool) -> list[Site]:
             s = probe.subject
             B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
             seed = None if det == "eval_determinism" else probe.seed
-            allowed = _allowed_for(probe, base, B, t_q, t_k)
+            allowed = probe.allowed(B, t_q, t_k, base.extra)
             a = trace_call(s, base.query, base.key, base.value, allowed, seed=seed)
             sites: list[Site] = []
             if use_masks:
@@ -693,7 +691,7 @@ def _invariance(probe, det: str, use_masks: bool) -> list[Site]:
                 sites += stream_sites(a, s)
             if not sites:
                 b = trace_call(s, case.inputs.query, case.inputs.key, case.inputs.value,
-                               _allowed_for(probe, case.inputs, B, t_q, t_k), seed=seed)
+                               probe.allowed(B, t_q, t_k, case.inputs.extra), seed=seed)
                 P = (torch.ones(B, t_q, dtype=torch.bool) if det == "eval_determinism"
                      else _held_positions(probe, base, case))
                 op = first_moved(a, b, P, tol)
