@@ -76,14 +76,14 @@ def test_tiny_gpt_audits_clean_with_every_layer_found_and_measured(clean_gpt_rep
     assert set(reach["reach"]) == set(report.layers) and not any(reach["reach"].values())
 
 
-IN_MODEL = Setting(32, 4, T, T, mask=None, self_attention=True, causal=True, batch=2, backward=True)
+MATRIX = dict(n_layer=2, block_size=8)  # the catalog matrix: the bug in the last block, 8 tokens (cheap)
 
 
 def _observable_in_model(variant) -> bool:
     """Whether the bug can show inside TinyGPT: causal self-attention, no mask, T queries over T keys, eval mode."""
-    kw = variant.layer_kwargs
-    setting = Setting(32, 4, T, T, mask=None, self_attention=True, causal=True, batch=2, backward=True,
-                      dropout=kw.get("dropout", 0.0))
+    t = MATRIX["block_size"]
+    setting = Setting(32, 4, t, t, mask=None, self_attention=True, causal=True, batch=2, backward=True,
+                      dropout=variant.layer_kwargs.get("dropout", 0.0))
     return variant.detectable_when(setting)
 
 
@@ -95,22 +95,23 @@ def _reference_twin(variant):
     configuration."""
     key = tuple(sorted(variant.layer_kwargs.items()))
     if key not in _REFERENCE_TWINS:
-        _REFERENCE_TWINS[key] = audit(inject(tiny_gpt(), 1, variant, reference=True))
+        _REFERENCE_TWINS[key] = audit(inject(tiny_gpt(**MATRIX), 1, variant, reference=True))
     return _REFERENCE_TWINS[key]
 
 
 @pytest.mark.parametrize("vid", sorted(VARIANTS))
 def test_catalog_variant_in_one_layer_is_caught_there_or_changes_nothing(vid):
     variant = VARIANTS[vid]
-    report = audit(inject(tiny_gpt(), 1, variant))
+    report = audit(inject(tiny_gpt(**MATRIX), 1, variant))
     if _observable_in_model(variant):
         assert report.status == "failed", str(report)
         layers = {layer for layer, _ in located(report)}
         assert "h.1.attn" in layers and layers <= {"h.1.attn", None}, str(report)  # localised to the layer
     else:  # a bug that needs masks, cross-attention or Tq != Tk computes the reference here: passing is right
-        ids = torch.randint(64, (2, T))
+        ids = torch.randint(64, (2, MATRIX["block_size"]))
         with torch.no_grad():
-            same = torch.equal(inject(tiny_gpt(), 1, variant)(ids), inject(tiny_gpt(), 1, variant, reference=True)(ids))
+            same = torch.equal(inject(tiny_gpt(**MATRIX), 1, variant)(ids),
+                               inject(tiny_gpt(**MATRIX), 1, variant, reference=True)(ids))
         assert same and report.passed, str(report)
     twin = _reference_twin(variant)  # the same model, weights and inputs, with the correct layer
     assert twin.passed, str(twin)
