@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import (Case, Comparison, Inputs, _expand, allowed_text, compare, held, not_run, perturbed, relative_change,
                     skip)
@@ -978,8 +979,31 @@ def _float64_twin(probe: Probe):
     from ._subject import MASK_CONVENTIONS
 
     declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
-    return make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
+    twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
                         mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
+    call = twin._call
+
+    def in_float64(*args):
+        with _KeepFloat64():
+            return call(*args)
+
+    twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
+    return twin
+
+
+class _KeepFloat64(TorchDispatchMode):
+    """Casts from float64 down to a lower precision stay float64: a layer that computes its softmax in float32
+    on purpose (Hugging Face's eager Llama and Gemma: softmax(..., dtype=torch.float32)) would otherwise add
+    float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure
+    that noise (2.5e-7 of |grad| |direction| measured on a correct eager Llama layer) instead of the gradient."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if (func is torch.ops.aten._to_copy.default and args and isinstance(args[0], Tensor)
+                and args[0].dtype == torch.float64 and kwargs.get("dtype") in (torch.float32, torch.float16,
+                                                                                torch.bfloat16)):
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
 
 
 def _graph_call(sub, q, k, v, allowed) -> Tensor:
