@@ -12,7 +12,6 @@ prints the README's architectures x bugs table; a test keeps the README equal to
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 import sys
 from pathlib import Path
