@@ -981,11 +981,15 @@ def _float64_twin(probe: Probe):
     declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
     twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
                         mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
-    call = twin._call
+    call, casts = twin._call, []
 
     def in_float64(*args):
-        with _KeepFloat64():
+        if casts and not any(casts):  # the first call cast nothing down: no need to watch every op
             return call(*args)
+        with _KeepFloat64() as mode:
+            result = call(*args)
+        casts.append(mode.kept)
+        return result
 
     twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
     return twin
@@ -997,12 +1001,15 @@ class _KeepFloat64(TorchDispatchMode):
     float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure
     that noise (2.5e-7 of |grad| |direction| measured on a correct eager Llama layer) instead of the gradient."""
 
+    kept = 0  # casts kept at float64
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if (func is torch.ops.aten._to_copy.default and args and isinstance(args[0], Tensor)
                 and args[0].dtype == torch.float64 and kwargs.get("dtype") in (torch.float32, torch.float16,
                                                                                 torch.bfloat16)):
             kwargs["dtype"] = torch.float64
+            self.kept += 1
         return func(*args, **kwargs)
 
 
