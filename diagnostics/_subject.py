@@ -567,6 +567,63 @@ def _rotary_extra(rotary):
     return extra
 
 
+TRIAL_TOKENS = 4
+
+
+def _trial(layer: nn.Module, width: int, device, dtype):
+    """One call of forward on (1, TRIAL_TOKENS, width) tokens, by keyword, observed, with the layer's state and
+    the RNG restored: (the output, the record), or None when it raises or returns no tensor first."""
+    from ._audit import _untouched  # _audit imports this module
+    from ._observe import Observer
+
+    try:
+        sig = read_signature(layer)
+        x = torch.randn(1, TRIAL_TOKENS, width, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        kwargs = dict(sig.fixed)
+        kwargs[sig.query] = x
+        for name in (sig.key, sig.value):
+            if name is not None:
+                kwargs[name] = x
+        if sig.memory is not None and sig.memory in kwargs:
+            kwargs[sig.memory] = x
+        observer = Observer()
+        with _untouched(layer, device), torch.no_grad(), observer:
+            out = layer(**kwargs)
+    except Exception:  # noqa: BLE001 - a width the layer does not take: the caller tries the next
+        return None
+    out = out[0] if isinstance(out, (tuple, list)) and out else out
+    return (out, observer.record) if isinstance(out, Tensor) else None
+
+
+def _trial_width(layer: nn.Module, device, dtype) -> int | None:
+    """The width the layer takes and returns, (1, T, D) -> (1, T, D), tried among its parameters' sizes (the most
+    common first): for a module that keeps its weights as bare nn.Parameter and names no width."""
+    sizes = Counter(n for p in layer.parameters() for n in p.shape if n > 1)
+    for width, _ in sizes.most_common(8):
+        tried = _trial(layer, width, device, dtype)
+        if tried is not None and tuple(tried[0].shape) == (1, TRIAL_TOKENS, width):
+            return width
+    return None
+
+
+def _trial_heads(layer: nn.Module, d_model: int, device, dtype) -> int | None:
+    """The number of heads a trial call's attention runs with: the head axis of its fused attention's q
+    (B, H, T, d) or of its softmax over (B, H, T, T) scores (B*H rows of (T, T) ones), when they all agree."""
+    tried = _trial(layer, d_model, device, dtype)
+    if tried is None:
+        return None
+    record, T = tried[1], TRIAL_TOKENS
+    seen = {f.q.shape[1] for f in record.fused if f.q.dim() == 4 and f.q.shape[0] == 1}
+    for sm in record.softmaxes:
+        shape = tuple(sm.output.shape)
+        if shape[-2:] == (T, T) and len(shape) == 4 and shape[0] == 1:
+            seen.add(shape[1])
+        elif shape[-2:] == (T, T) and len(shape) == 3:
+            seen.add(shape[0])
+    heads = seen.pop() if len(seen) == 1 else None
+    return heads if heads and d_model % heads == 0 else None
+
+
 def _first_linear_width(layer: nn.Module) -> int | None:
     return next((m.in_features for m in layer.modules() if isinstance(m, nn.Linear) and m.in_features > 0), None)
 
@@ -647,6 +704,10 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     if d_model is None:  # no attribute names the width: from the heads' sizes, else the first projection
         head_dim = _attr(layer, ("head_dim", "head_size", "attention_head_size"), None)
         d_model = found_heads * head_dim if found_heads and head_dim else _first_linear_width(layer)
+    if d_model is None and not hf and not torch_layer:  # bare nn.Parameter weights: a trial call
+        d_model = _trial_width(layer, device, dtype)
+        if d_model is not None:
+            notes.append(f"d_model={d_model} found by a trial call (the width it takes and returns)")
     expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
            f"{type(layer).__name__} with none of them", "pass d_model=... to audit()"
            if not options or "d_model" not in options else f"pass {options['d_model']} D")
@@ -657,9 +718,13 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
            _spell("d_model", d_model, options) if given_d_model is not None
            else f"d_model={d_model} read from the layer's attributes",
            f"pass the layer's width, {_spell('d_model', widths[0], options)}" if widths else "")
+    if found_heads is None and not hf and not torch_layer:
+        found_heads = _trial_heads(layer, d_model, device, dtype)
+        if found_heads is not None:
+            notes.append(f"num_heads={found_heads} read from a trial call (the head axis of its attention)")
     if found_heads is None:
-        notes.append(f"num_heads=1 assumed: nothing on the layer names it ({_spell('num_heads', 4, options)} "
-                     f"declares 4)")
+        notes.append(f"num_heads=1 assumed: nothing on the layer names it, and a trial call did not show it "
+                     f"({_spell('num_heads', 4, options)} declares 4)")
     num_heads = found_heads or 1
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     sig = read_signature(layer, library=hf)

@@ -289,7 +289,7 @@ class TimmLike(nn.Module):
 def test_sizes_are_inferred_where_no_attribute_names_the_width():
     assert make_subject(TimmLike()).d_model == D  # num_heads * head_dim
 
-    class Bare(TimmLike):  # no size attribute at all: the first projection's width, one head assumed
+    class Bare(TimmLike):  # no size attribute at all: the first projection's width, the heads from a trial call
         def __init__(self):
             super().__init__()
             self.heads_ = self.num_heads
@@ -300,8 +300,24 @@ def test_sizes_are_inferred_where_no_attribute_names_the_width():
             return super().forward(x, attn_mask)
 
     subject = make_subject(Bare())
-    assert subject.d_model == D and subject.num_heads == 1
-    assert "num_heads=1 assumed" in subject.describe() and "num_heads=4" in subject.describe()
+    assert subject.d_model == D and subject.num_heads == 4
+    assert "num_heads=4 read from a trial call" in subject.describe()
+    assert not hasattr(Bare(), "num_heads"), "the trial call's state is undone"
+
+    class Flattened(nn.Module):  # bare weights, one softmax over (B, H*T, T) scores: no head axis to read
+        def __init__(self):
+            super().__init__()
+            self.w_qkv, self.w_o = nn.Parameter(torch.randn(D, 3 * D) / 6), nn.Parameter(torch.randn(D, D) / 6)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = (t.view(B, T, 4, -1).transpose(1, 2) for t in (x @ self.w_qkv).split(D, -1))
+            w = (q @ k.transpose(-2, -1) / (D // 4) ** 0.5).reshape(B, 4 * T, T).softmax(-1).view(B, 4, T, T)
+            return (w @ v).transpose(1, 2).reshape(B, T, D) @ self.w_o
+
+    subject = make_subject(Flattened())
+    assert subject.d_model == D and "d_model=32 found by a trial call" in subject.describe()
+    assert subject.num_heads == 1 and "num_heads=1 assumed" in subject.describe() and "num_heads=4" in subject.describe()
     assert_clean(audit(TimmLike(), causal=True), measured=CORE + ("future_leakage",), warns=("fully_masked_rows",))
 
 
