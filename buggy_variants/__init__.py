@@ -288,8 +288,9 @@ def _entries() -> list[Variant]:
             "LLMs-from-scratch PR #697.",
             symptom="Decoding the last Tq queries over all Tk keys differs from the last rows of the full pass.",
             fix="return torch.arange(t_k - t_q, t_k, device=device), torch.arange(t_k, device=device)",
-            detectable_when=Observable("Tq != Tk, and d_k >= 2 (a rotary pair to turn)",
-                                       lambda s: s.t_q != s.t_k and s.d_k >= 2),
+            detectable_when=Observable("Tq != Tk, d_k >= 2 (a rotary pair to turn) and some query may attend two "
+                                       "or more keys (one key takes all the weight at any position)",
+                                       lambda s: s.t_q != s.t_k and s.d_k >= 2 and s.has_choice),
             expected_detectors=("decode_consistency",),
         ),
     ]

@@ -19,7 +19,7 @@ from ._core import (Case, Comparison, Inputs, _expand, allowed_text, compare, he
                     skip)
 from ._observe import applied_scales
 from ._probe import Call, Probe
-from ._registry import CAUSAL, DETECTORS, HAS_CACHE, LONG, SEPARATE_QUERY, TAKES_MASK, detector
+from ._registry import CAUSAL, DETECTORS, HAS_CACHE, LONG, LONGER, SEPARATE_QUERY, TAKES_MASK, detector
 from ._result import DetectorResult, ProbeShape
 from ._thresholds import (MEASURED_ROW_SUM, MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, UNCHANGED, dtype_name,
                           tolerance)
@@ -691,6 +691,10 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
                        pass_message="each sequence's output depends on that sequence only")
 
 
+PACKED_KEYS = 8
+"""From this many positions keys_matter changes keys and values in different sequences of one copy."""
+
+
 @detector("keys_matter", "the output depends on the keys and on the values: changing either input alone "
           "moves it", targets=("q @ v^T instead of q @ k^T", "keys or values projected from the wrong stream"),
           fix="scores = q @ k.transpose(-2, -1) with k = W_k(key); out = weights @ v with v = W_v(value)",
@@ -708,29 +712,36 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
     streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
     if streams == ("key",):
         base = Inputs(q, k, k)
-    # one copy of the batch: the keys of sequence 0 changed, and (where values are an input of their own) the
-    # values of sequence 1 (batch_independence checks that sequences do not mix; each row is read alone)
-    rows = {stream: torch.zeros(B, T, dtype=torch.bool) for stream in streams}
-    for b, stream in enumerate(streams):
-        rows[stream][b::len(streams)] = True
-    [keyed] = perturbed(probe, base, rows["key"], ("key",), gains=gains["key"])
-    changed = keyed
-    if "value" in streams:
-        [valued] = perturbed(probe, base, rows["value"], ("value",), gains=gains["value"])
-        changed = Inputs(q, keyed.key, valued.value)
-    cases = [Case(changed, hold=nothing, when="when only the keys of sequence 0" + (
-                  " and the values of sequence 1" if "value" in streams else "") + " changed")]
-    comparison = compare(probe, base, cases, label="keys (sequence 0), values (sequence 1) changed alone")
+    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and (where values
+    # are an input of their own) the values of sequence 1 (batch_independence checks that sequences do not mix;
+    # each row is read alone); with fewer, one copy per stream, every sequence changed: at seq_len 2 a correct
+    # bfloat16 layer's one sequence moved by exactly 0 when only its keys changed
+    packed = T >= PACKED_KEYS and B >= len(streams)
+    rows = {stream: torch.zeros(B, T, dtype=torch.bool) if packed else torch.ones(B, T, dtype=torch.bool)
+            for stream in streams}
+    if packed:
+        for b, stream in enumerate(streams):
+            rows[stream][b::len(streams)] = True
+    changed = {stream: perturbed(probe, base, rows[stream], (stream,), gains=gains[stream])[0] for stream in streams}
+    if packed and "value" in streams:
+        cases = [Case(Inputs(q, changed["key"].key, changed["value"].value), hold=nothing,
+                      when="when only the keys of sequence 0 and the values of sequence 1 changed")]
+    else:
+        cases = [Case(changed[stream], hold=nothing, when=f"when only the {stream}s changed") for stream in streams]
+    comparison = compare(probe, base, cases, label="keys, values changed alone")
     if isinstance(comparison, DetectorResult):
         return comparison
-    change = comparison.changes[0]  # (B, [H,] Tq)
-    moved = [float(change[rows[stream][:, 0]].max()) for stream in streams]  # the most its rows moved, per stream
+    if packed:  # (B, [H,] Tq): the most each stream's rows moved
+        moved = [float(comparison.changes[0][rows[stream][:, 0]].max()) for stream in streams]
+    else:
+        moved = [float(c.max()) for c in comparison.changes]
     # moved at all: a layer that ignores an input computes the same numbers and moves by exactly 0, while a
     # correct layer at d_k = 1 and std-0.02 initialisation in bfloat16 moved by as little as 0.5% of its RMS
     tol = 0.0
     dead = [stream for stream, m in zip(streams, moved) if not m > tol]
-    evidence = "; ".join(f"changing every {stream} of sequence {b} (x{gains[stream][0]:g}) moved its output by at "
-                         f"most {m:.3g} of the RMS" for b, (stream, m) in enumerate(zip(streams, moved)))
+    evidence = "; ".join(f"changing every {stream}" + (f" of sequence {b}" if packed else "") +
+                         f" (x{gains[stream][0]:g}) moved the output by at most {m:.3g} of its RMS"
+                         for b, (stream, m) in enumerate(zip(streams, moved)))
     return _judge(det, bool(dead), f"the output does not depend on the {' or the '.join(d + 's' for d in dead)}",
                   "the output depends on the keys and on the values", value=min(moved), threshold=tol,
                   evidence=f"{evidence} (any change expected; a layer that ignores the input moves by exactly 0)")
@@ -738,15 +749,18 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
 
 DECODE_SPREAD = 2.0
 """The spread (std over a row's keys) of the logits the decoding checks aim for by scaling their tokens."""
+DECODE_GAIN_CAP = 100.0
+"""The largest factor: a 2-wide head at std-0.02 initialisation spreads its logits by ~0.06 even at 10x."""
 
 
 def _decode_gain(probe: Probe) -> float:
-    """The factor, 1 to 10, by which the decoding checks scale their tokens so that the logits spread by about
+    """The factor, 1 to DECODE_GAIN_CAP, by which the decoding checks scale their tokens so that the logits spread by about
     DECODE_SPREAD over each row's keys: at GPT-2's std-0.02 initialisation attention is nearly uniform, and a
     position or mask error shows only once tokens are ~10x larger; at torch's default initialisation 10x
     makes attention one-hot, where half precision's rounding of a logit moves the output as much as a bug
     (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
-    standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed."""
+    standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed, the
+    cap where they are uniform to their rounding."""
     base = probe.base()
     weights = probe.weights(base)[0] if base.ok else None
     if weights is None:
@@ -755,15 +769,26 @@ def _decode_gain(probe: Probe) -> float:
     seen = w > 0
     n = seen.sum(-1)
     logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
+    # the softmax's own input where it was observed: weights rounded to half precision are 0.5 / 0.5 for
+    # logits 0.01 apart, whose spread they would read as 0
+    sm = next((sm for sm in reversed(base.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
+        if base.record is not None else None
+    if sm is not None:
+        raw = sm.input.detach().reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double()
+        seen = seen & torch.isfinite(raw)
+        n = seen.sum(-1)
+        logits = torch.where(seen, raw, torch.zeros_like(raw))
     mean = logits.sum(-1) / n.clamp_min(1)
     var = (torch.where(seen, logits - mean.unsqueeze(-1), torch.zeros_like(w)) ** 2).sum(-1) / (n - 1).clamp_min(1)
     rows = n >= 2
     if not bool(rows.any()):
         return 10.0
     spread = float(var[rows].sqrt().median())
-    if not math.isfinite(spread) or spread <= 0:
+    if not math.isfinite(spread):
         return 10.0
-    return min(10.0, max(1.0, math.sqrt(DECODE_SPREAD / spread)))  # logits grow as the square of the tokens
+    if spread <= 0:  # uniform to the weights' rounding: as hard as allowed
+        return DECODE_GAIN_CAP
+    return min(DECODE_GAIN_CAP, max(1.0, math.sqrt(DECODE_SPREAD / spread)))  # logits grow as the square of the tokens
 
 
 @detector("decode_consistency", "for a causal layer, the last Tq queries over all Tk keys give exactly the last "
@@ -772,7 +797,7 @@ def _decode_gain(probe: Probe) -> float:
                    "positions of new queries not offset by the cache length"),
           fix="build the causal mask bottom-right (causal_mask(Tq, Tk, align='bottom_right')) and offset the "
               "positions of new queries by the number of cached tokens",
-          needs=(CAUSAL, SEPARATE_QUERY, LONG))
+          needs=(CAUSAL, SEPARATE_QUERY, LONGER))
 def check_decode_consistency(probe: Probe) -> DetectorResult:
     det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
     g = _decode_gain(probe)  # attention neither uniform (std-0.02 weights) nor one-hot (rounding-bound)
@@ -961,11 +986,12 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
 PARAMETER_ENTRIES = 512
 """The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
 
-GRADIENT_AGREEMENT = 1e-8
+GRADIENT_AGREEMENT = 1e-9
 """|autograd - finite difference| / (|grad| |direction|) for the directional derivative of (out ** 2).sum() in
-float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5: ~1e-12 on smooth float64 layers).
-A detached softmax at GPT-2's std-0.02 initialisation measured 2.8e-7: its q and k gradients are small there.
-Correct layers: see benchmarks/margins.py."""
+float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5: ~1e-12 on smooth float64 layers;
+correct layers measured at most 5.7e-13, benchmarks/margins.py). A detached softmax at GPT-2's std-0.02
+initialisation measured 2.8e-7 at d_model 32, and 5.7e-9 at d_model 1 with two tokens: its q and k gradients
+are small there."""
 
 
 def _float64_twin(probe: Probe):
@@ -1074,8 +1100,9 @@ def check_gradients(probe: Probe) -> DetectorResult:
            else (xs[0], xs[0], xs[0]))
     # where keys are an input apart from the queries, a padding mask: keys it blocks for every query must get
     # exactly zero gradient, read from the same backward pass
-    padded = s.takes_mask and len(inputs) >= 2 and T >= 2
-    allowed = probe.allowed(B, T, T, probe.padding(B, T, T) if padded else None)
+    # (only the last key, from T >= 3: every query keeps a choice of keys, which a detached softmax needs to show)
+    padded = s.takes_mask and len(inputs) >= 2 and T >= 3
+    allowed = probe.allowed(B, T, T, (torch.arange(T) < T - 1).expand(B, T, T) if padded else None)
     params = [p for p in (sub.layer.parameters() if isinstance(sub.layer, torch.nn.Module) else []) if p.requires_grad]
     probe.passes += 7  # forward + backward (counted as two), four forwards for the finite differences (six when
     # they disagree), causal: +3

@@ -35,6 +35,9 @@ CAUSAL = Need("{causal}", lambda p: p.causal,
 SEPARATE_QUERY = Need("a separate query input", lambda p: p.subject.separate_kv,
                       "the layer takes one input stream, so a query cannot change without its key")
 LONG = Need("seq_len >= 2", lambda p: p.t >= 2, "needs a probe length of 2 or more ({seq_len} 2 or more)")
+LONGER = Need("seq_len >= 3", lambda p: p.t >= 3,
+              "needs a probe length of 3 or more ({seq_len} 3 or more): with 2 tokens a decoded query sees two keys, "
+              "whose weights half precision may round alike at any position")
 HAS_CACHE = Need("a cache argument", lambda p: getattr(p.subject, "cache_name", None) is not None,
                  "the layer takes no cache of its own that the audit can drive (a self-attention module's "
                  "past_key_value(s), layer_past, kv_cache, cache or past argument; a Hugging Face layer's needs "
