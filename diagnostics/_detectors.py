@@ -467,12 +467,51 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         # name, annotation or default says (never judged from the layer's behaviour: an inverted mask must fail)
         from ._subject import mask_convention_hint
 
-        hint = mask_convention_hint(probe.subject, probe.options)
+        hint = mask_convention_hint(probe.subject, probe.options) or _adds_its_mask(probe)
         if hint:
             result = DetectorResult(det, "fail", f"{result.message}; {hint}", value=result.value,
                                     threshold=result.threshold, evidence=result.evidence,
                                     fix=f"{hint}; {result.fix}")
     return result
+
+
+def _adds_its_mask(probe: Probe) -> str | None:
+    """For a mask_honoured failure of a module given bool masks by default: whether it adds its mask to the
+    scores (a bool mask then shifts allowed logits by the constant 1, and blocks nothing). Told by its output
+    being the same when the same mask comes as 0./1. floats: a layer that blocks with a bool mask cannot take a
+    float one alike (masked_fill needs bools; a multiplication would zero, not shift). Two calls, only on a
+    failure; never a verdict: the finding stays, with the convention to declare if that is the layer's."""
+    s = probe.subject
+    if s.convention_declared or s.convention != "allowed" or not hasattr(s, "_kwargs") or not s.mask_names:
+        return None
+    B, T = probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T)
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+    outputs = []
+    try:
+        for cast in (False, True):
+            kwargs = s._kwargs(q, k, v, allowed)
+            if cast:
+                for name in s.mask_names:
+                    kwargs[name] = kwargs[name].to(s.dtype)  # True -> 1.0, False -> 0.0
+            probe.passes += 1
+            with torch.no_grad():
+                result = s.layer(**kwargs)
+            outputs.append(result[0] if isinstance(result, (tuple, list)) else result)
+    except Exception:  # noqa: BLE001 - a layer that refuses float masks does not add them
+        return None
+    bool_out, float_out = outputs
+    if not (isinstance(bool_out, Tensor) and isinstance(float_out, Tensor)) or bool_out.shape != float_out.shape:
+        return None
+    change = relative_change(float_out, bool_out, centred=True)
+    if change is None or not bool(torch.isfinite(bool_out).all()) or float(change.max()) > tolerance(UNCHANGED, s.dtype):
+        return None
+    from ._subject import HINTS, _spell
+
+    return (f"the layer adds its mask to the scores: the bool mask passed as 0./1. floats gives the same output "
+            f"(up to {float(change.max()):.2g} of its RMS), so True shifts the allowed logits by 1 and blocks "
+            f"nothing; if its mask is additive ({HINTS['additive']}), audit with "
+            f"{_spell('mask', 'additive', probe.options)}")
 
 
 @detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",

@@ -199,6 +199,31 @@ def test_a_declared_convention_passes_the_correct_layer_and_not_its_inverted_twi
     assert "mask_honoured" in audit(broken(), mask=convention).fired()
 
 
+class AddsMaskUnderAGenericName(Heads):
+    def forward(self, x, mask=None):  # additive, though nothing in its signature says so
+        return self.attend(x, None if mask is None else mask.float())
+
+
+class BlocksWhereAllowed(Heads):
+    def forward(self, x, mask=None):  # bool with its polarity inverted: a bug, not a convention
+        return self.attend(x, None if mask is None else allowed_bias(~mask))
+
+
+def test_a_layer_that_adds_its_bool_mask_is_told_to_declare_additive_and_an_inverted_one_is_not():
+    """Nothing in `mask`'s signature suggests a convention; the behaviour does, as a hint only: the bool mask
+    and the same mask as 0./1. floats give the same output (it is added to the scores). The finding stays; an
+    inverted bool mask, which cannot take floats alike, gets no such hint and still fails."""
+    torch.manual_seed(0)
+    adds = audit(AddsMaskUnderAGenericName()).result("mask_honoured")
+    assert adds.verdict == "fail" and "the layer adds its mask to the scores" in adds.message
+    assert "audit with mask='additive'" in adds.fix
+    torch.manual_seed(0)
+    assert "mask_honoured" not in audit(AddsMaskUnderAGenericName(), mask="additive").fired()  # declared: passes
+    torch.manual_seed(0)
+    inverted = audit(BlocksWhereAllowed()).result("mask_honoured")
+    assert inverted.verdict == "fail" and "adds its mask" not in inverted.message
+
+
 def test_undeclared_the_mask_finding_comes_with_the_convention_to_declare():
     """Undeclared, the correct additive and key-padding layers are given bool (B, 1, Tq, Tk) masks: the
     audit reports it (mask_honoured, or runs where the mask cannot be broadcast), and the hint, read from
