@@ -298,6 +298,7 @@ class ModuleSubject(Subject):
         self.takes_mask = bool(mask_names)
         self.convention, self.convention_declared = convention, declared
         self.builtin_causal, self.extra, self.notes = builtin_causal, extra, notes
+        self.fixed_memory = isinstance(layer, nn.TransformerDecoderLayer)  # an encoder's output, not the queries
 
     def _call(self, query, key, value, allowed):
         if self.form == "self_module" and not (query is key and key is value):
@@ -342,8 +343,8 @@ class ModuleSubject(Subject):
             kwargs[self.sig.key], kwargs[self.sig.value] = key, value
         elif self.form == "cross_module":
             kwargs[self.sig.memory] = key
-        elif self.sig.memory is not None and self.sig.memory in kwargs:  # a required memory: the same stream
-            kwargs[self.sig.memory] = query
+        elif self.sig.memory is not None and self.sig.memory in kwargs:  # a required memory
+            kwargs[self.sig.memory] = _encoder_output(query) if self.fixed_memory else query
         mask = None if allowed is None or not self.takes_mask else self._mask(allowed)
         for name in self.mask_names:
             kwargs[name] = mask
@@ -567,6 +568,16 @@ def _rotary_extra(rotary):
     return extra
 
 
+MEMORY_TOKENS = 5
+
+
+def _encoder_output(query: Tensor) -> Tensor:
+    """The memory a whole Transformer decoder layer attends: MEMORY_TOKENS standard-normal tokens, the same for
+    every call and every sequence of the batch (so that stacked probes and separate calls compare alike)."""
+    memory = torch.randn(1, MEMORY_TOKENS, query.shape[-1], generator=torch.Generator().manual_seed(0))
+    return memory.to(query.device, query.dtype).expand(query.shape[0], -1, -1)  # (B, Tm, D)
+
+
 TRIAL_TOKENS = 4
 
 
@@ -731,11 +742,12 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
     convention, declared, extra = mask or "allowed", mask is not None, None
     if isinstance(layer, nn.TransformerDecoderLayer):
-        # the whole layer: self-attention over tgt, cross-attention over memory; memory is the same stream
+        # the whole layer: self-attention over tgt (the probed stream, its mask tgt_mask), cross-attention over
+        # memory, a fixed encoder output that no probe changes and no mask covers, as in a real decoder
         form = "self_module"
-        mask_names = ("tgt_mask", "memory_mask") if mask != "key_padding" else \
-            ("tgt_key_padding_mask", "memory_key_padding_mask")
+        mask_names = ("tgt_mask",) if mask != "key_padding" else ("tgt_key_padding_mask",)
         convention, declared = mask or "mha_blocked", True
+        notes.append(f"memory: a fixed encoder output of {MEMORY_TOKENS} tokens")
     elif isinstance(layer, nn.TransformerEncoderLayer):
         form = "self_module"
         mask_names = ("src_key_padding_mask",) if mask == "key_padding" else ("src_mask",)

@@ -109,13 +109,30 @@ def test_the_twin_that_ignores_its_mask_still_fails():
 
 
 def test_nn_transformer_decoder_layer_audits_as_a_whole():
-    """tgt is the query stream; memory is the same stream (cross-attention over it), tgt_mask and
-    memory_mask both take the mask, in torch's convention (True = blocked, per head)."""
+    """tgt is the query stream, its mask tgt_mask in torch's convention (True = blocked, per head); memory is a
+    fixed encoder output, unmasked, as in a real decoder."""
     torch.manual_seed(0)
     decoder = nn.TransformerDecoderLayer(D, H, dim_feedforward=64, batch_first=True)
     report = audit(decoder, causal=True)
     assert report.settings["form"] == "self_module" and report.result("runs").verdict == "pass"
+    assert "memory: a fixed encoder output" in report.layer
     assert_clean(report, measured=CORE + ("mask_honoured", "future_leakage"), warns=("fully_masked_rows",))
+
+
+class CrossAttendsTheTarget(nn.TransformerDecoderLayer):
+    def _mha_block(self, x, mem, attn_mask, key_padding_mask, is_causal=False):
+        return super()._mha_block(x, x, attn_mask, key_padding_mask, is_causal)  # BUG: the target, not the memory
+
+
+def test_a_decoder_layer_whose_cross_attention_reads_the_target_leaks_the_future():
+    """Its cross-attention, unmasked as a memory's is, attends the target instead: later tokens leak. (With the
+    memory the same stream as the target and masked causally like it, as audits did before, it passed.)"""
+    torch.manual_seed(0)
+    broken = CrossAttendsTheTarget(D, H, dim_feedforward=64, batch_first=True)
+    assert audit(broken, causal=True).result("future_leakage").verdict == "fail"
+    correct = nn.TransformerDecoderLayer(D, H, dim_feedforward=64, batch_first=True)
+    correct.load_state_dict(broken.state_dict())  # the twin: the same weights
+    assert audit(correct, causal=True).result("future_leakage").verdict == "pass"
 
 
 def test_nn_transformer_encoder_layer_audits_as_a_whole():
