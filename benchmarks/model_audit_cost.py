@@ -1,7 +1,7 @@
 """Cost of `diagnostics.audit_model` against depth: model forwards, layer calls and seconds.
 
     python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 1]
-    python benchmarks/model_audit_cost.py --margins [--seeds 3]
+    python benchmarks/model_audit_cost.py --margins [--seeds 3] [--dtype bfloat16]
 
 Builds a GPT-2 config (transformers, sdpa) of each depth at the given width, 4 heads per 64 features, and audits
 it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. Prints a
@@ -9,7 +9,9 @@ table, and per model-level detector its measured value against its threshold (th
 Timing lives here, never in tests. `--margins` audits correct models instead (TinyGPT, ProtocolGPT learned and
 rotary with a window, torch's TransformerEncoder; with transformers, tiny GPT-2, Llama, Mistral, Qwen2, Gemma,
 Phi-3, BERT, T5, BART, ViT in eager and sdpa mode) over several seeds and prints, per parity detector, the largest
-value / threshold a correct model reached (the inverse of the margin).
+value / threshold a correct model reached (the inverse of the margin), and for the float64-golden parity checks
+the largest error of the tested path divided by the same-dtype full pass's own error (what FUDGE must exceed);
+`--dtype` converts each model first (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def build(depth: int, width: int, seq_len: int):
                        block_size=max(seq_len, 128)), "ProtocolGPT (no transformers)"
 
 
-def margins(seeds: int) -> None:
+def margins(seeds: int, dtype: torch.dtype = torch.float32) -> None:
     from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
+    from diagnostics._model import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR
 
     zoo = {"TinyGPT": lambda: TinyGPT(), "ProtocolGPT": lambda: ProtocolGPT(),
            "ProtocolGPT rotary window 5": lambda: ProtocolGPT(rotary=True, sliding_window=5),
@@ -85,11 +88,13 @@ def margins(seeds: int) -> None:
             for impl in ("eager", "sdpa"):
                 zoo[f"{name} {impl}"] = (lambda n=name, i=impl: hf_model(tf, n, i))
     worst: dict = {}
+    own: dict = {}  # parity detector: largest error / the same-dtype full pass's own error against float64
     failed = []
+    floor = GOLDEN_FLOOR[dtype]
     for seed in range(seeds):
         for name, make in zoo.items():
             torch.manual_seed(seed)
-            report = diagnostics.audit_model(make(), seed=seed)
+            report = diagnostics.audit_model(make().to(dtype), seed=seed)
             if report.status != "passed":
                 failed.append(f"{name} seed {seed}: {report.status_reason}")
             for r in report.results:
@@ -97,25 +102,36 @@ def margins(seeds: int) -> None:
                     ratio = r.value / r.threshold
                     if ratio >= worst.get(r.detector, (-1.0,))[0]:
                         worst[r.detector] = (ratio, r.value, r.threshold, f"{name} seed {seed}")
-    print(f"{len(zoo)} correct models x {seeds} seeds")
+                    if r.detector in PARITY and r.threshold > floor:  # threshold = FUDGE x own error + floor
+                        err_ref = (r.threshold - floor) / FUDGE_BY_DTYPE.get(dtype, FUDGE)
+                        if r.value / err_ref >= own.get(r.detector, (-1.0,))[0]:
+                            own[r.detector] = (r.value / err_ref, r.value, err_ref, f"{name} seed {seed}")
+    print(f"{len(zoo)} correct models x {seeds} seeds, {dtype}")
     for det, (ratio, value, threshold, where) in sorted(worst.items()):
         print(f"  {det}: largest value / threshold {ratio:.3g} ({value:.3g} against {threshold:.3g}, {where})")
+    for det, (ratio, value, err_ref, where) in sorted(own.items()):
+        print(f"  {det}: largest error / the full pass's own error {ratio:.3g} ({value:.3g} against "
+              f"{err_ref:.3g}, {where})")
     print(f"  audits not passed: {len(failed)}")
     for line in failed:
         print(f"    {line}")
+
+
+PARITY = ("cache_parity", "padding_invariance", "batch_invariance", "backend_parity")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--margins", action="store_true")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 12])
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args()
     if args.margins:
-        return margins(args.seeds)
+        return margins(args.seeds, getattr(torch, args.dtype))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     diagnostics.audit_model(build(1, 64, 16)[0], seq_len=16)  # imports and warm-up, not timed
     print("| depth | model | model forwards | layer calls | one forward (s) | audit (s) | status |")
