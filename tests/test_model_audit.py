@@ -527,8 +527,8 @@ def hf_bug_report(tf, name: str, bug: str):
     return _MEMO[name, bug]
 
 
-# In a whole model a layer detector that needs masks, cached decoding or a second batch row skips in place; the
-# model-level check that measures the same property there is its stand-in (the catalog's detector -> the model's).
+# In a whole model a layer detector that passes masks of its own or needs a cache skips in place, and some bugs
+# show only with the model's padding or cache: the model-level check of the same property counts (catalog -> model).
 IN_MODEL = {"mask_honoured": ("padding_invariance",), "decode_consistency": ("cache_parity",),
             "causal_alignment": ("cache_parity",), "future_leakage": ("prefix_causality", "padding_invariance"),
             "fully_masked_rows": ("finite_output",)}
