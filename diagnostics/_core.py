@@ -96,9 +96,13 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
         shape = [1] * x.dim()
         shape[0], shape[s.time_dim] = B, t
         # a fresh draw can land next to the old value (at d = 1, |new - old| < 0.2 one time in ten): such
-        # positions move by 2 in every feature instead, so that each claimed position changes for sure
-        close = (noise.to(draw) - x.to(draw)).abs().amax(-1, keepdim=True) < 1.0
-        noise = torch.where(close, x + 2 * torch.where(noise >= x, 1, -1).to(x.dtype), noise)
+        # positions move by 1 more in every feature, away from the old value, so that each claimed position
+        # changes for sure and positions still differ from each other (a fixed +-2 made them all alike after
+        # a large gain: equal keys, equal logits, and a correct layer that seemed to ignore its keys)
+        delta = noise.to(draw) - x.to(draw)
+        close = delta.abs().amax(-1, keepdim=True) < 1.0
+        away = torch.where(delta >= 0, 1.0, -1.0).to(draw)
+        noise = torch.where(close, (x.to(draw) + delta + away).to(x.dtype), noise)
         copies = []
         for gain in gains:
             new = torch.where(where.to(x.device).view(shape), x + gain * (noise - x), x)
