@@ -243,14 +243,21 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
             done()
     except AuditUsageError as error:
         return usage(str(error))
+    return emit(report, args, prog, usage)
+
+
+def emit(report, args, prog: str, usage) -> int:
+    """Print a layer's or a model's report (`--json`, else the text and any `file:line:` annotations), write
+    `--html`, and return the exit status: what `main()` and its `--model` branch end with."""
     status = EXIT_STATUS[report.status]
     try:
         if args.json:
             print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
         else:
             print(report)
-            if report.findings and report.annotations():  # file:line: lines, for editors and CI annotations
-                print("\n" + "\n".join(report.annotations()))
+            annotations = report.annotations() if report.findings and hasattr(report, "annotations") else []
+            if annotations:  # file:line: lines, for editors and CI annotations
+                print("\n" + "\n".join(annotations))
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader stopped early (`| head`): send the rest to /dev/null so that the flush at exit does not
@@ -269,5 +276,5 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
     return status
 
 
-__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "OPTIONS", "load_layer",
-           "main", "quiet_numpy_warning", "resolve"]
+__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "OPTIONS", "emit",
+           "load_layer", "main", "quiet_numpy_warning", "resolve"]

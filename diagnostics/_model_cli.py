@@ -7,8 +7,6 @@ layers: 0 passed, 1 failed, 2 usage error, 3 inconclusive.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from ._errors import AuditUsageError, expect
@@ -41,7 +39,7 @@ def load_model(spec: str):
 
 def run(args, prog: str, usage) -> int:
     """The `--model` branch of `attention-audit`'s main()."""
-    from ._cli import EXIT_STATUS, _jsonable
+    from ._cli import emit
     from ._model import audit_model
 
     given = [f"--{name.replace('_', '-')}" for name in LAYER_ONLY if getattr(args, name, None) is not None]
@@ -65,23 +63,7 @@ def run(args, prog: str, usage) -> int:
             sys.stderr.write("\r\x1b[K")
     except AuditUsageError as error:
         return usage(str(error))
-    try:
-        if args.json:
-            print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
-        else:
-            print(report)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    if args.html:
-        try:
-            report.to_html(args.html)
-        except OSError as error:
-            return usage(f"expected to write the HTML report to {args.html}; got {type(error).__name__}: {error}. "
-                         "Fix: write it elsewhere")
-        print(f"{prog}: wrote {args.html}", file=sys.stderr)
-    return EXIT_STATUS[report.status]
+    return emit(report, args, prog, usage)
 
 
 __all__ = ["load_model", "run"]

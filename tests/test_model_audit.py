@@ -305,25 +305,18 @@ def test_report_prints_serialises_and_writes_html(tmp_path, clean_gpt_report):
 # ---- Hugging Face and timm (extras run) ------------------------------------------------------------------------
 
 
-_torchvision_ops = None
-
-
 def _import_torchvision() -> None:
-    """As tests/test_real_layers.py: PyPI's CUDA torchvision cannot load its extension beside the CPU torch."""
-    global _torchvision_ops
-    try:
-        import torchvision  # noqa: F401
-    except ModuleNotFoundError:
-        return
-    except RuntimeError as error:
-        if "torchvision::nms does not exist" not in str(error):
-            raise
-        _torchvision_ops = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            _torchvision_ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        import torchvision  # noqa: F401
+    """tests/test_real_layers.py's `_import_torchvision` (PyPI's CUDA torchvision cannot load its extension
+    beside the CPU torch), loaded from its path once: tests import nothing from each other by name, so that the
+    suite also runs under --import-mode=importlib."""
+    if "real_layers_tests" not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("real_layers_tests", Path(__file__).with_name("test_real_layers.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    sys.modules["real_layers_tests"]._import_torchvision()
 
 
 def _need(name: str):
