@@ -163,3 +163,21 @@ def test_diagnostics_never_imports_the_catalog():
     for path in pathlib.Path(diagnostics.__file__).parent.glob("*.py"):
         imports = re.findall(r"^\s*(?:from|import)\s+(buggy_variants|correct)\b", path.read_text(), re.M)
         assert not imports, f"{path.name} imports {imports}: detectors must not know any implementation"
+
+
+@pytest.mark.parametrize("seed", [28, 183, 365])  # the seeds a fixed +-2 redraw and 10000x keys failed on
+def test_keys_matter_on_a_correct_bfloat16_layer_whose_keys_barely_act_and_not_on_its_keyless_twin(seed):
+    """d_model 1, two tokens, GPT-2's initialisation, bfloat16: W_Q draws ~0.001, so keys move the output by
+    rounding-sized amounts. The correct layer must pass keys_matter; the same weights with keys projected from
+    the query stream (the catalog's keys_from_query_stream) ignore the key input and must fail it."""
+    from correct import gpt2_init_
+
+    results = []
+    for make in (MultiHeadAttention, VARIANTS["keys_from_query_stream"].cls):
+        torch.manual_seed(seed)
+        layer = make(1, 1, causal=True)
+        gpt2_init_(layer, seed=seed)
+        results.append(audit(layer.to(torch.bfloat16), seq_len=2, seed=seed, causal=True).result("keys_matter"))
+    correct_result, keyless = results
+    assert correct_result.verdict == "pass", correct_result.evidence
+    assert keyless.verdict == "fail" and "changing every key" in keyless.evidence, keyless.evidence
