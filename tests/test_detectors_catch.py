@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import correct
@@ -26,6 +26,10 @@ IDS = sorted(VARIANTS)
 # under the thorough profile); the kill matrix covers every variant in every dtype and initialisation anyway
 HALF = settings(max_examples=max(1, settings().max_examples // 3))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The draw CI's derandomized run hit: swapped_self_cross passed keys_matter because a row's rounding depends on
+# its place in the batch (2.8e-7 of the outputs' RMS), which a "moved at all" threshold of 0 read as the values
+# mattering. Pinned for every variant and for the reference twin alike.
+SWAPPED_DRAW = dict(heads=3, head_dim=3, seq_len=9, seed=0, dtype=torch.float32, init="default")
 
 
 @st.composite
@@ -71,6 +75,7 @@ def observable(variant, result, layer) -> bool:
 @pytest.mark.parametrize("vid", IDS)
 @HALF
 @given(cfg=audit_configs())
+@example(cfg=SWAPPED_DRAW)
 def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg):
     variant = VARIANTS[vid]
     layer = _build(variant.build, cfg)
@@ -96,6 +101,7 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
 @pytest.mark.parametrize("vid", IDS)
 @HALF
 @given(cfg=audit_configs())
+@example(cfg=SWAPPED_DRAW)
 def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
     """The twin: the correct layer, built, initialised and audited exactly like the variant above."""
     variant = VARIANTS[vid]
