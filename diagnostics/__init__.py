@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 # public name -> the private module that defines it
 _WHERE = {
-    "DETECTORS": "._detectors",
-    "AttentionAuditError": "._audit",
-    "AuditReport": "._audit",
+    "DETECTORS": ".detectors",
+    "AttentionAuditError": "._report",
+    "AuditReport": "._report",
     "AuditUsageError": "._errors",
-    "Detector": "._result",
+    "Detector": "._registry",
     "DetectorResult": "._result",
     "Finding": "._result",
     "MODEL_DETECTORS": "._model",
@@ -69,8 +69,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from . import adapters
-    from ._audit import AttentionAuditError, AuditReport, assert_attention_ok, audit
-    from ._detectors import DETECTORS
+    from ._audit import assert_attention_ok, audit
     from ._errors import AuditUsageError
     from ._model import MODEL_DETECTORS, ModelReport, audit_model
-    from ._result import Detector, DetectorResult, Finding, Site
+    from ._registry import Detector
+    from ._report import AttentionAuditError, AuditReport
+    from ._result import DetectorResult, Finding, Site
+    from .detectors import DETECTORS

@@ -2,157 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
 
-from . import _core
-from ._core import BlindProbe
-from ._detectors import DETECTORS, runs_verdict
-from ._errors import AuditUsageError, expect
+
+from . import detectors  # noqa: F401  (registers the layer detectors)
+from ._errors import expect
+from ._guard import untouched
 from ._probe import Probe
-from ._registry import phrase
+from ._registry import DETECTORS, NOT_APPLICABLE, phrase, run
+from ._report import CORE, AuditReport
 from ._result import DetectorResult
+from .detectors.runs import runs_verdict
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
 from ._where import localise, release
-
-
-class AttentionAuditError(AssertionError):
-    """Raised by `raise_for_findings()` / `assert_attention_ok()`: the layer failed a detector."""
-
-
-CORE = ("weight_row_sums", "softmax_saturation")
-"""The attention itself: the weights are a distribution, at the right temperature. An audit that measured
-neither (no softmax or fused attention seen, no weights returned) is inconclusive, never passed."""
-
-STATUSES = ("passed", "failed", "inconclusive")
-
-
-@dataclass
-class AuditReport:
-    layer: str
-    results: list[DetectorResult]
-    causal: bool
-    seq_len: int
-    dtype: str
-    device: str
-    forward_passes: int
-    seconds: float
-    settings: dict = field(default_factory=dict)
-    weights: torch.Tensor | None = field(default=None, repr=False)  # (B, [H,] Tq, Tk) of the standard probe
-    weights_source: str = ""  # "returned weights" or "observed softmax output (dim=...)"
-    status: str = "passed"  # "passed" | "failed" | "inconclusive"
-    status_reason: str = ""
-
-    @property
-    def passed(self) -> bool:
-        """True only when no detector failed and the core properties were measured (status "passed");
-        warnings do not fail an audit, an inconclusive one is not passed."""
-        return self.status == "passed"
-
-    @property
-    def findings(self) -> list[DetectorResult]:
-        return [r for r in self.results if r.fired]
-
-    def result(self, detector: str) -> DetectorResult:
-        """The result of one detector; a clear error if it was not part of this audit."""
-        for r in self.results:
-            if r.detector == detector:
-                return r
-        raise AuditUsageError(f"expected the id of a detector this audit ran ({', '.join(r.detector for r in self.results) or 'none'}); "
-                              f"got {detector!r}. Fix: run it (detectors=[..., {detector!r}]) or check the spelling")
-
-    def fired(self) -> dict[str, str]:
-        """{detector id: verdict} for the detectors that warned or failed."""
-        return {r.detector: r.verdict for r in self.findings}
-
-    def __str__(self) -> str:
-        head = (f"attention audit of {self.layer}: {self.status.upper()} "
-                f"({'causal, ' if self.causal else ''}seq_len={self.seq_len}, {self.dtype} on {self.device}, "
-                f"{self.forward_passes} forward passes, {self.seconds:.2f} s)")
-        lines = [head]
-        if self.status_reason:
-            lines.append(f"  {self.status_reason}")
-        if self.results:
-            width = max(len(r.detector) for r in self.results)
-            lines += [""] + [f"  {r.detector:<{width}}  {r.verdict.upper():<5}  {r.message}" for r in self.results]
-        for r in self.results:
-            if r.fired or r.verdict == "error":
-                lines += ["", f"{r.verdict.upper()} {r.detector}: {r.message}"]
-                if r.evidence:
-                    lines.append(f"  evidence: {r.evidence}")
-                lines += [f"  {'where:' if n == 0 else '':<9} {site.describe()}" for n, site in enumerate(r.where)]
-                if r.fix and r.verdict != "error":
-                    lines.append(f"  fix:      {r.fix}")
-        return "\n".join(lines)
-
-    def annotations(self) -> list[str]:
-        """One `file:line: error|warning|note: detector: message` line per site of each finding, the format
-        editors and CI annotate: the first site of a finding carries its message, the others their reason."""
-        lines = []
-        for r in self.findings:
-            for n, site in enumerate(r.where):
-                kind = ("error" if r.verdict == "fail" else "warning") if n == 0 else "note"
-                text = r.message if n == 0 else "; ".join(x for x in (site.op, site.note) if x)
-                lines.append(f"{site.path}:{site.line}: {kind}: {r.detector}: {text}")
-        return lines
-
-    def raise_for_findings(self) -> None:
-        """Raise `AttentionAuditError` with the report unless the audit passed (failed or inconclusive)."""
-        __tracebackhide__ = True
-        if not self.passed:
-            raise AttentionAuditError(str(self))
-
-    def to_html(self, path) -> None:
-        """Write a self-contained HTML page: findings, evidence, fixes, and heatmaps of the weights."""
-        from ._html import write_report_html
-
-        write_report_html(self, path)
-
-    def to_dict(self) -> dict:
-        return {
-            "layer": self.layer, "status": self.status, "status_reason": self.status_reason, "passed": self.passed,
-            "causal": self.causal, "seq_len": self.seq_len, "dtype": self.dtype, "device": self.device,
-            "forward_passes": self.forward_passes, "seconds": round(self.seconds, 4),
-            "results": [{"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
-                         "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix,
-                         "where": [site.to_dict() for site in r.where]}
-                        for r in self.results],
-        }
-
-
-@contextlib.contextmanager
-def _untouched(layer, device):
-    """Eval mode during the audit; afterwards training flags, every parameter and buffer (persistent or
-    not, even if the layer replaced it), every .grad and the global RNG state are as they were."""
-    modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
-    modes = [m.training for m in modules]
-    # (module, registry, name, the original tensor object, a copy of its values)
-    slots = [(m, registry, name, t, t.detach().clone())
-             for m in modules for registry in (m._parameters, m._buffers)
-             for name, t in registry.items() if t is not None]
-    grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
-             if registry is not None and isinstance(t, nn.Parameter)]
-    cuda = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            if modules:
-                layer.eval()
-            yield
-        finally:
-            for m, mode in zip(modules, modes):
-                m.train(mode)
-            with torch.no_grad():
-                for m, registry, name, original, values in slots:
-                    registry[name] = original  # a buffer the layer reassigned (a growing cache) goes back
-                    if not torch.equal(original.detach(), values):
-                        original.detach().copy_(values)
-            for t, grad in grads:
-                t.grad = grad
 
 
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
@@ -198,7 +64,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
-    with _untouched(layer, subject.device):
+    with untouched(layer, subject.device):
         for n, det_id in enumerate(chosen):
             if progress is not None:
                 progress(det_id, n, len(chosen))
@@ -222,28 +88,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                        status=status, status_reason=reason)
 
 
-NOT_APPLICABLE = "not applicable: "
-
-
 def _run_one(det, probe: Probe, options: dict | None) -> DetectorResult:
-    """One detector's result, with the probes it made. Its needs first; a blind probe is a skip that says
-    so (and raises under ATTENTION_AUDIT_STRICT_PROBES=1, as in this project's tests); a crash of the
-    detector itself is an `error`, never an ordinary skip."""
-    need = det.unmet(probe)
-    if need is not None:
-        return DetectorResult(det.id, "skip", NOT_APPLICABLE + phrase(need.unmet, options))
-    try:
-        result = det.check(probe)
-    except BlindProbe as blind:
-        if _core.STRICT_PROBES:
-            raise
-        result = DetectorResult(det.id, "skip", f"not measured: the probe's own control failed ({blind}): a bug "
-                                                f"in diagnostics, please report it")
-    except Exception as error:  # a detector that cannot cope must not crash the audit, nor pass it
-        result = DetectorResult(det.id, "error", f"the detector crashed: {type(error).__name__}: {error}",
-                                evidence="an internal error of diagnostics, not a finding about the layer; "
-                                         "please report it with the layer that triggers it")
-    return replace(result, message=phrase(result.message, options), probes=tuple(probe.shapes.get(det.id, ())))
+    """One detector's result (the registry's `run`), with the probes it made."""
+    return replace(run(det, probe, options), probes=tuple(probe.shapes.get(det.id, ())))
 
 
 def _settled(result: DetectorResult, required: bool, strict: bool, options: dict | None) -> DetectorResult:

@@ -20,24 +20,15 @@ in both runs is no change; NaN appearing or disappearing is an infinite one.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ._errors import BlindProbe
 from ._probe import Call, Probe
 from ._result import DetectorResult
 from ._thresholds import UNCHANGED, dtype_name, tolerance
-
-STRICT_PROBES = os.environ.get("ATTENTION_AUDIT_STRICT_PROBES") == "1"
-"""Set (the test suite does) to make a blind probe raise instead of skipping: a blind probe is a bug in
-diagnostics, never in the layer under audit."""
-
-
-class BlindProbe(Exception):
-    """A perturbation did not change what it claims to change: the detector could not have seen anything."""
-
 
 @dataclass
 class Inputs:

@@ -1,6 +1,12 @@
-"""The one error type `diagnostics` raises for misuse of its API (never for a broken layer: that is a finding)."""
+"""The one error type `diagnostics` raises for misuse of its API (never for a broken layer: that is a finding),
+and `BlindProbe`, the signal of a probe that did not bite (a bug of diagnostics)."""
 
 from __future__ import annotations
+
+
+class BlindProbe(Exception):
+    """A probe whose own control failed: the perturbation did not change what it claims. A bug in
+    diagnostics, never a finding about the layer."""
 
 
 class AuditUsageError(TypeError):

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import AuditUsageError, expect
+from ._guard import untouched
 from ._result import DetectorResult
 from ._thresholds import UNCHANGED, dtype_name, tolerance
 
@@ -1494,7 +1495,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     `model.causal`), else the report says it assumed non-causal. `seq_len`: the audit's length (default: the
     example's, else min(16, the model's context)). `detectors`: ids from `MODEL_DETECTORS` and the layer
     detectors (`DETECTORS`); None runs all. `progress`: callable(stage, index, total)."""
-    from ._audit import _untouched, audit
+    from ._audit import audit
     from ._detectors import DETECTORS
 
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
@@ -1533,7 +1534,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         if progress is not None:
             progress(stage, i, n)
 
-    with _untouched(model, _device_dtype(model)[0]):
+    with untouched(model, _device_dtype(model)[0]):
         tick("discover", 0, 1)
         observed, error, raised_in, observe_note = _observe_attention(runner)
         if observe_note:

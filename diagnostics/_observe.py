@@ -12,14 +12,14 @@ that does not depend on the content (masks, ALiBi and relative-position biases) 
 from __future__ import annotations
 
 import math
-import os
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._frames import user_frames
 
 aten = torch.ops.aten
 
@@ -55,51 +55,6 @@ RECORD_SITES = True
 """Record where in the user's code each observed op ran (a few frame hops per softmax, matmul, fused call or
 scaling; the text of the line is read only when a finding is shown). benchmarks/audit_cost.py --no-sites
 turns it off to measure what it costs."""
-
-_TORCH_DIR = os.path.normcase(os.path.dirname(torch.__file__)) + os.sep
-_OWN_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_STDLIB = os.path.normcase(sysconfig.get_paths().get("stdlib", "") or "") + os.sep
-_OBSERVERS = ("_observe.py", "_where.py")  # this package's modules whose frames sit between an op and its caller
-_KIND: dict = {}  # code object -> 0 user, 1 torch / standard library, 2 diagnostics
-
-
-def _kind(code) -> int:
-    kind = _KIND.get(code)
-    if kind is None:
-        name = os.path.normcase(code.co_filename)
-        if name.startswith(_OWN_DIR):
-            kind = 2
-        elif (name.startswith(_TORCH_DIR) or (_STDLIB != os.sep and name.startswith(_STDLIB)
-                                                      and "site-packages" not in name) or name.startswith("<frozen")):
-            kind = 1
-        else:
-            kind = 0
-        _KIND[code] = kind
-    return kind
-
-
-def user_frames(frame=None, limit: int = 6) -> tuple:
-    """((code, lineno), ...) of the user's frames around an op, innermost first. Walking out from `frame`
-    (default: the caller's): the observers' own frames first, then torch's and the standard
-    library's, then the user's, through torch's (nn.Module.__call__), until the first frame of this package
-    (the audit calling the layer). An op that this package itself ran (converting a mask) has no user frame:
-    (). Code objects and line numbers only: the text is read when a finding is rendered."""
-    f = sys._getframe(1) if frame is None else frame
-    out = []
-    while f is not None and (_kind(f.f_code) == 1 or (_kind(f.f_code) == 2 and
-                                                      os.path.basename(f.f_code.co_filename) in _OBSERVERS)):
-        f = f.f_back  # the observers' own frames, and torch's around them
-    while f is not None:
-        kind = _kind(f.f_code)
-        if kind == 0:
-            out.append((f.f_code, f.f_lineno))
-            if len(out) >= limit:
-                break
-        elif kind == 2:
-            break
-        f = f.f_back
-    return tuple(out)
-
 
 def _key(t: Tensor):
     """This view of the memory: a factor applied in place to one slice (q of a packed qkv) is not k's."""
@@ -347,3 +302,18 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float
     if residual > 0.05:  # not the matmul that produced these logits
         return None
     return scale, residual
+
+
+def fused_weights(f) -> Tensor:
+    """softmax(q k^T * scale + mask) of an observed fused call, in float64: (B, H, Tq, Tk)."""
+    q, k = f.q.double(), f.k.double()
+    if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * f.scale  # (B, H, Tq, Tk)
+    if f.attn_mask is not None:
+        m = f.attn_mask
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.double()
+    if f.is_causal:
+        t_q, t_k = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1), -math.inf)
+    return scores.softmax(-1).nan_to_num(0.0)  # a row with no key: zeros, as torch's kernels give

@@ -12,14 +12,13 @@ Every detector asks the `Probe` for inputs and calls. The probe
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._observe import Observer, Record
+from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import Output, Subject
 
@@ -212,18 +211,3 @@ def appended_keys(layer) -> int:
     if isinstance(layer, torch.nn.MultiheadAttention):
         return int(layer.bias_k is not None) + int(bool(layer.add_zero_attn))
     return 0
-
-
-def fused_weights(f) -> Tensor:
-    """softmax(q k^T * scale + mask) of an observed fused call, in float64: (B, H, Tq, Tk)."""
-    q, k = f.q.double(), f.k.double()
-    if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scores = q @ k.transpose(-2, -1) * f.scale  # (B, H, Tq, Tk)
-    if f.attn_mask is not None:
-        m = f.attn_mask
-        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.double()
-    if f.is_causal:
-        t_q, t_k = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1), -math.inf)
-    return scores.softmax(-1).nan_to_num(0.0)  # a row with no key: zeros, as torch's kernels give

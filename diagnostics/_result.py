@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ._registry import Detector
 
 VERDICTS = ("pass", "warn", "fail", "skip", "error")
 """`skip`: the detector measured nothing (its message says why); `error`: the detector itself crashed, a bug
@@ -137,6 +136,9 @@ class DetectorResult:
     extras: dict = field(default_factory=dict, compare=False, repr=False)  # e.g. weights for reports
     probes: tuple[ProbeShape, ...] = field(default=(), compare=False, repr=False)
     where: Sequence[Site] = field(default=(), compare=False)  # the user's code lines, most likely first (Sites)
+    layer: str | None = None  # in a model audit: the module path of the layer it is about; None: the model
+    # what failed, as data, for the localiser to replay: the inputs and calls the verdict was computed on
+    replay: object = field(default=None, compare=False, repr=False)
 
     @property
     def severity(self) -> str:
@@ -154,4 +156,4 @@ class DetectorResult:
 
 Finding = DetectorResult  # a result whose verdict is warn or fail
 
-__all__ = ["VERDICTS", "Detector", "DetectorResult", "Finding", "ProbeShape", "Site", "Sites"]
+__all__ = ["VERDICTS", "DetectorResult", "Finding", "ProbeShape", "Site", "Sites"]

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import AuditUsageError, expect
+from ._guard import untouched
 from .adapters import convert_mask
 
 QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h")
@@ -168,7 +169,7 @@ def _observed_weights(record, t_q: int, t_k: int) -> Tensor | None:
             return sm.output
     for f in reversed(record.fused):
         if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
-            from ._probe import fused_weights  # _probe imports this module
+            from ._observe import fused_weights  # torch's dispatch machinery, loaded only where it is used
 
             return fused_weights(f)
     return None
@@ -584,7 +585,6 @@ TRIAL_TOKENS = 4
 def _trial(layer: nn.Module, width: int, device, dtype):
     """One call of forward on (1, TRIAL_TOKENS, width) tokens, by keyword, observed, with the layer's state and
     the RNG restored: (the output, the record), or None when it raises or returns no tensor first."""
-    from ._audit import _untouched  # _audit imports this module
     from ._observe import Observer
 
     try:
@@ -598,7 +598,7 @@ def _trial(layer: nn.Module, width: int, device, dtype):
         if sig.memory is not None and sig.memory in kwargs:
             kwargs[sig.memory] = x
         observer = Observer()
-        with _untouched(layer, device), torch.no_grad(), observer:
+        with untouched(layer, device), torch.no_grad(), observer:
             out = layer(**kwargs)
     except Exception:  # noqa: BLE001 - a width the layer does not take: the caller tries the next
         return None

@@ -44,8 +44,10 @@ import torch
 from torch import Tensor
 
 from ._core import relative_change
+from ._guard import untouched
 from ._observe import FusedAttention as Fused
-from ._observe import Observer, Scaling, SoftmaxCall, _kind, applied_scales, user_frames
+from ._frames import frame_kind, traceback_frames, user_frames
+from ._observe import Observer, Scaling, SoftmaxCall, applied_scales
 from ._result import DetectorResult, Site, Sites
 from ._thresholds import ROW_SUM, UNCHANGED, tolerance
 
@@ -186,7 +188,7 @@ class Tracer(Observer):
     # user functions that hand back a tensor they were given, untouched
     def _profile(self, frame, event, arg):
         if event == "call":
-            if _kind(frame.f_code) == 0:
+            if frame_kind(frame.f_code) == 0:
                 code = frame.f_code
                 names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
                 ids = {id(v) for n in names for v in (frame.f_locals.get(n),) if isinstance(v, Tensor)}
@@ -1143,26 +1145,11 @@ def _runs_sites(probe) -> list[Site]:
             with torch.no_grad():
                 s(q, k, v, allowed)
         except Exception as error:
-            frames = _traceback_frames(error.__traceback__)
+            frames = traceback_frames(error.__traceback__)
             if frames:
                 return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
                              if str(error).strip() else "")]
     return []
-
-
-def _traceback_frames(tb) -> tuple:
-    chain = []
-    while tb is not None:
-        chain.append((tb.tb_frame.f_code, tb.tb_lineno))
-        tb = tb.tb_next
-    out = []
-    for code, line in reversed(chain):  # innermost first
-        kind = _kind(code)
-        if kind == 0:
-            out.append((code, line))
-        elif kind == 2 and out:
-            break
-    return tuple(out[:6])
 
 
 def _in_custom_function(frame) -> bool:
@@ -1216,7 +1203,7 @@ def _gradient_sites(probe) -> list[Site]:
     called = []
 
     def profile(frame, event, arg):
-        if event == "return" and _kind(frame.f_code) == 0:
+        if event == "return" and frame_kind(frame.f_code) == 0:
             called.append(user_frames(frame))
 
     try:
@@ -1328,11 +1315,9 @@ def release(probe) -> None:
 
 
 def _resolve(probe, det: str, result: DetectorResult, layer, device) -> tuple[Site, ...]:
-    from ._audit import _untouched
-
     asking = probe.detector
     try:
-        with _untouched(layer, device if device is not None else probe.subject.device):
+        with untouched(layer, device if device is not None else probe.subject.device):
             probe.detector = f"where/{det}"
             return _unique(_locate(probe, det, result))
     except Exception:  # pointing at the line must never cost the report its verdicts

@@ -143,13 +143,13 @@ def test_a_detector_that_crashes_fails_its_test_with_the_internal_error(scratch)
     scratch.makeconftest("""
         import dataclasses
 
-        from diagnostics import DETECTORS
+        from diagnostics import DETECTORS, _core
 
         saved = DETECTORS["eval_determinism"]
 
 
-        def crash(probe):
-            raise RuntimeError("a bug inside the detector")
+        def crash(probe):  # raises inside diagnostics' own code: an error, not a finding about the layer
+            return _core.baseline_scale(None)
 
 
         def pytest_configure(config):
@@ -160,8 +160,7 @@ def test_a_detector_that_crashes_fails_its_test_with_the_internal_error(scratch)
             DETECTORS["eval_determinism"] = saved
     """)
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct")
-    result.stdout.fnmatch_lines(["ERROR eval_determinism: the detector crashed: RuntimeError: a bug inside the "
-                                 "detector",
+    result.stdout.fnmatch_lines(["ERROR eval_determinism: the detector crashed: AttributeError: *",
                                  "*evidence: an internal error of diagnostics*",
                                  "FAILED attention-audit::eval_determinism[[]mylayers:correct[]]*",
                                  "FAILED attention-audit::audit_status[[]mylayers:correct[]]*"])

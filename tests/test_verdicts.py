@@ -15,7 +15,8 @@ import diagnostics
 from buggy_variants import VARIANTS
 from correct import MultiHeadAttention, gpt2_init_
 from diagnostics import _core, _registry
-from diagnostics._core import BlindProbe, Inputs, perturbed, relative_change
+from diagnostics._core import Inputs, perturbed, relative_change
+from diagnostics._errors import BlindProbe
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 
@@ -152,7 +153,7 @@ def test_a_perturbation_that_changes_nothing_is_a_blind_probe():
 
 
 def test_a_blind_probe_is_a_visible_skip_for_users(monkeypatch):
-    monkeypatch.setattr(_core, "STRICT_PROBES", False)
+    monkeypatch.setattr(_registry, "STRICT_PROBES", False)
     monkeypatch.setattr(_core, "_position_change", lambda new, old: torch.zeros(
         new.shape[0], new.shape[-2]))  # as if no perturbation ever bit
     report = diagnostics.audit(MultiHeadAttention(8, 2), causal=True)
@@ -171,14 +172,34 @@ def test_salts_are_allocated_by_the_probe_never_shared():
 def test_a_detector_that_crashes_is_an_error_and_the_audit_inconclusive(monkeypatch):
     det = diagnostics.DETECTORS["query_locality"]
 
-    def crash(probe):
-        raise ZeroDivisionError("a bug in the detector")
+    def crash(probe):  # an exception raised inside diagnostics' own code (here _core), not in the layer's
+        return _core.baseline_scale(None)
 
     monkeypatch.setitem(diagnostics.DETECTORS, "query_locality", _registry.Detector(
         det.id, det.description, det.targets, det.fix, crash, det.needs))
     report = diagnostics.audit(MultiHeadAttention(8, 2))
     assert report.result("query_locality").verdict == "error"
     assert report.status == "inconclusive" and "crashed" in report.status_reason, str(report)
+
+
+def test_an_exception_the_layer_raises_inside_a_detector_is_a_finding_about_the_layer(monkeypatch):
+    """The crash rule's other side: the same registry entry, but the exception comes from the layer's own code
+    (called directly by the check, as the gradient check calls its float64 copy): a failure, not an error."""
+    det = diagnostics.DETECTORS["query_locality"]
+
+    class Raises(MultiHeadAttention):
+        def forward(self, *args, **kwargs):
+            raise ZeroDivisionError("the layer's own bug")
+
+    def calls_the_layer(probe):
+        return Raises(8, 2)(torch.zeros(1, 2, 8))
+
+    monkeypatch.setitem(diagnostics.DETECTORS, "query_locality", _registry.Detector(
+        det.id, det.description, det.targets, det.fix, calls_the_layer, det.needs, unlocated="a test"))
+    report = diagnostics.audit(MultiHeadAttention(8, 2))
+    result = report.result("query_locality")
+    assert result.verdict == "fail" and "ZeroDivisionError: the layer's own bug" in result.message, str(report)
+    assert report.status == "failed", str(report)
 
 
 def test_require_and_strict_turn_skips_into_failures():

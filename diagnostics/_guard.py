@@ -1,0 +1,43 @@
+"""The state guard every floor uses: whatever diagnostics does to a layer or a model, it leaves it as it was.
+
+`untouched(layer, device)` runs the body in eval mode and afterwards restores training flags, every parameter
+and buffer (persistent or not, even one the layer replaced), every `.grad` and the global RNG state. The
+layer audit, its trial calls, localisation's replays and the model audit all run inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def untouched(layer, device):
+    """Eval mode during the body; afterwards training flags, every parameter and buffer (persistent or
+    not, even if the layer replaced it), every .grad and the global RNG state are as they were."""
+    modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
+    modes = [m.training for m in modules]
+    # (module, registry, name, the original tensor object, a copy of its values)
+    slots = [(m, registry, name, t, t.detach().clone())
+             for m in modules for registry in (m._parameters, m._buffers)
+             for name, t in registry.items() if t is not None]
+    grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
+             if registry is not None and isinstance(t, nn.Parameter)]
+    cuda = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            if modules:
+                layer.eval()
+            yield
+        finally:
+            for m, mode in zip(modules, modes):
+                m.train(mode)
+            with torch.no_grad():
+                for m, registry, name, original, values in slots:
+                    registry[name] = original  # a buffer the layer reassigned (a growing cache) goes back
+                    if not torch.equal(original.detach(), values):
+                        original.detach().copy_(values)
+            for t, grad in grads:
+                t.grad = grad

@@ -1,0 +1,1 @@
+from .._detectors import runs_verdict  # noqa: F401  (temporary, during the move)
