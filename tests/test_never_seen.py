@@ -439,6 +439,36 @@ BROKEN = {
 }
 
 
+def _broken_and_twin(make, make_twin):
+    """The broken layer (with its audit options) and its correct twin, each built from seed 0: where both
+    are modules with the same parameters, the twin is the same layer with the bug taken out, not later draws."""
+    torch.manual_seed(0)
+    layer, kw = make()
+    torch.manual_seed(0)
+    return layer, kw, make_twin()
+
+
+def _same_weights(layer, twin) -> bool | None:
+    """True or False where both are modules with the same parameter names and shapes; None otherwise."""
+    if not (isinstance(layer, nn.Module) and isinstance(twin, nn.Module)):
+        return None
+    mine, theirs = layer.state_dict(), twin.state_dict()
+    if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+        return None
+    return all(torch.equal(mine[k], theirs[k]) for k in mine if mine[k].is_floating_point()
+               and k in dict(layer.named_parameters()))
+
+
+def test_twins_are_built_from_the_broken_layers_seed():
+    """Every broken module with a like-shaped correct twin shares its weights: the twin tests compare the
+    same layer with and without its bug."""
+    pairs = {**{n: (m, t) for n, (m, _, t) in BROKEN.items()}, **{n: (m, t) for n, (m, _, t) in SECOND_CHAPTER.items()}}
+    same = {name: _same_weights(*_broken_and_twin(make, make_twin)[::2]) for name, (make, make_twin) in pairs.items()}
+    compared = {name: ok for name, ok in same.items() if ok is not None}
+    assert compared, "no broken module has a like-shaped twin: the check compared nothing"
+    assert all(compared.values()), f"twins with other weights than their broken layer: {compared}"
+
+
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_layers_never_seen_before_are_caught(name):
     make, must_fire, _ = BROKEN[name]
@@ -452,9 +482,8 @@ def test_broken_layers_never_seen_before_are_caught(name):
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_the_correct_twin_of_each_broken_layer_passes_with_the_same_options(name):
     make, must_fire, make_twin = BROKEN[name]
-    torch.manual_seed(0)
-    _, kw = make()
-    report = diagnostics.audit(make_twin(), **kw)
+    _, kw, twin = _broken_and_twin(make, make_twin)
+    report = diagnostics.audit(twin, **kw)
     assert report.passed and not (must_fire & set(report.fired())), str(report)
 
 
@@ -701,8 +730,7 @@ def test_second_chapter_families_are_caught_unlike_the_reference(name, dtype, in
 @pytest.mark.parametrize("name", sorted(SECOND_CHAPTER))
 def test_second_chapter_twins_pass_in_the_same_settings(name, dtype, init):
     make, detector, make_twin = SECOND_CHAPTER[name]
-    torch.manual_seed(0)
-    _, kw = make()
-    layer, kw = _in_setting(make_twin(), kw, dtype, init)
+    _, kw, twin = _broken_and_twin(make, make_twin)
+    layer, kw = _in_setting(twin, kw, dtype, init)
     report = diagnostics.audit(layer, **kw)
     assert report.passed and set(report.fired()) <= {"fully_masked_rows"}, str(report)
