@@ -473,9 +473,11 @@ ZOO = [
     Zoo("clip", "CLIPAttention", "CLIPTextConfig", dict(_SIZES, bos_token_id=0, eos_token_id=0)),
     Zoo("siglip", "SiglipAttention", "SiglipTextConfig", _SIZES),
 ]
-# Falcon in eager mode divides its scores in place (`attention_scores /= math.sqrt(head_dim)`) after the
-# matmul; the observer reads the matmul's output after that division, so it sees a scale of 1
-FALSE_FINDINGS: dict = {}  # (class, implementation) -> a detector known to be wrong about it; none today
+# (class, implementation) -> detectors known to fail falsely on it (a fault of the observer, not of the layer),
+# none today. Such a row is still audited, and test_zoo asserts that exactly these fire on it, so that a fix
+# shows as a failure that removes the entry. (Falcon in eager mode, which divides its scores in place after the
+# matmul, `attention_scores /= math.sqrt(head_dim)`, was one: its eager row is audited and asserted clean.)
+FALSE_FINDINGS: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def _zoo_id(z: Zoo) -> str:
@@ -504,16 +506,15 @@ def build_zoo_layer(transformers, z: Zoo, implementation: str):
 @pytest.mark.parametrize("z", ZOO, ids=_zoo_id)
 def test_zoo(transformers, z, implementation):
     layer = build_zoo_layer(transformers, z, implementation)
-    false = FALSE_FINDINGS.get((z.cls, implementation))
-    if false:
-        pytest.xfail(f"a false {false} finding of the observer, not of the layer (see FALSE_FINDINGS)")
+    false = FALSE_FINDINGS.get((z.cls, implementation), ())  # audited all the same: exactly these fire
     report = audit(layer, causal=z.causal, scale=z.scale)
     fired = report.fired()
-    assert fired == {d: "fail" for d in z.fired}, str(report)
+    assert fired == {d: "fail" for d in (*z.fired, *false)}, str(report)
     assert report.status == ("failed" if report.fired() else "passed"), str(report)
     for detector in ("softmax_saturation", "output_variance", "mask_honoured", "eval_determinism") + \
             (("future_leakage",) if z.causal else ()) + (("query_locality",) if z.role == "cross-attention" else ()):
-        assert report.result(detector).verdict == "pass", str(report)
+        if detector not in false:
+            assert report.result(detector).verdict == "pass", str(report)
     if "runs" in z.fired:  # true of the layer: a non-contiguous (B, T, D) input raises in its Conv1D's view
         assert "non-contiguous inputs: RuntimeError: view size is not compatible" in report.result("runs").evidence
         x = torch.randn(2, T, D).transpose(-1, -2).contiguous().transpose(-1, -2)
