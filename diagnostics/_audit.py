@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import torch
-
-
-from . import detectors  # noqa: F401  (registers the layer detectors)
 from ._errors import expect
 from ._guard import untouched
 from ._probe import Probe
-from ._registry import DETECTORS, NOT_APPLICABLE, phrase, run
+from ._registry import NOT_APPLICABLE, phrase, run
 from ._report import CORE, AuditReport
-from ._result import DetectorResult
-from .detectors.runs import runs_verdict
+from ._result import DetectorResult, Sites
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
-from ._where import localise, release
+from ._tracing import unique
+from .detectors import DETECTORS
+from .detectors.runs import runs_verdict
 
 
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
@@ -70,11 +68,11 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
+        if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
+            # settled last: besides its own probes, it reports every other detector's probe that raised
+            measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()
-    if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
-        # settled last: besides its own probes, it reports every other detector's probe that raised
-        measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes, where=measured["runs"].where)
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
     status, reason = _status(results, probe, base, _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
@@ -86,6 +84,40 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                                  "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask},
                        weights=None if weights is None else weights.detach().cpu(), weights_source=source,
                        status=status, status_reason=reason)
+
+
+LOCALISE = os.environ.get("ATTENTION_AUDIT_WHERE", "1") != "0"
+"""ATTENTION_AUDIT_WHERE=0 skips pointing at lines (findings then have no `where`): for timing what it costs."""
+
+
+def localise(probe: Probe, measured: dict[str, DetectorResult], layer, device) -> dict[str, DetectorResult]:
+    """Each failed or warned result with `where` to be found when first read (a `Sites`): then its detector's
+    localiser replays the result's own evidence (`replay`: the inputs and calls its verdict was computed on) under
+    a tracer, with `layer` in eval mode and its parameters, buffers, grads and the RNG restored afterwards, as
+    during the audit. A passing audit makes no call; a report whose sites nobody reads makes none either."""
+    if not LOCALISE:
+        return measured
+    out = dict(measured)
+    for det_id, result in measured.items():
+        locate = DETECTORS[det_id].locate if det_id in DETECTORS else None
+        if result.verdict in ("fail", "warn") and locate is not None:
+            out[det_id] = replace(result, where=Sites(resolve=lambda locate=locate, result=result:
+                                                      _sites(probe, locate, result, layer, device)))
+    return out
+
+
+def _sites(probe: Probe, locate, result: DetectorResult, layer, device) -> tuple:
+    try:
+        with untouched(layer, device):
+            return unique(locate(probe, result))
+    except Exception:  # pointing at the line must never cost the report its verdicts
+        return ()
+
+
+def release(probe: Probe) -> None:
+    """Once the report has its weights: drop the standard probe's observed record (copies of (B, H, T, T)
+    scores and weights), which the sites, found later by fresh traces, never need."""
+    probe.release()
 
 
 def _run_one(det, probe: Probe, options: dict | None) -> DetectorResult:

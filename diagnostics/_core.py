@@ -215,7 +215,7 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Com
     return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call, base)
 
 
-def _expand(rows: Tensor, like: Tensor) -> Tensor:
+def expand_rows(rows: Tensor, like: Tensor) -> Tensor:
     """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq)."""
     rows = rows.to(like.device)
     return rows.view(rows.shape[0], *([1] * (like.dim() - 2)), rows.shape[-1]).expand_as(like)
@@ -233,15 +233,12 @@ def allowed_text(tol: float, dtype) -> str:
 def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float, str, str]:
     """The verdict material for 'the held rows must not move': (bad count, worst change, evidence,
     unresponsive) where `unresponsive` is non-empty when some case's `move` rows did not move at all."""
-    from ._where import note_comparison
-
-    note_comparison(probe, comparison)  # kept for pointing at the line, should the detector fail
     tol = comparison.tol
     total = bad = 0
     worst, worst_at = 0.0, None
     silent = []
     for case, change in zip(comparison.cases, comparison.changes):
-        hold = _expand(case.hold, change)
+        hold = expand_rows(case.hold, change)
         checked = change[hold]
         total += int(hold.sum())
         bad += int((checked > tol).sum())
@@ -250,7 +247,7 @@ def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float
             index = tuple(int(i) for i in torch.unravel_index(masked.argmax(), change.shape))
             worst, worst_at = float(checked.max()), (index, change.dim(), case.when)
         if case.move is not None and bool(case.move.any()):
-            moved = change[_expand(case.move, change)]
+            moved = change[expand_rows(case.move, change)]
             if not bool((moved > tol).any()):
                 silent.append(case.when)
     if total == 0:

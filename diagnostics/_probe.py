@@ -60,6 +60,7 @@ class Probe:
         self.chosen: tuple[str, ...] = ()  # the detectors this audit runs
         self.shapes: dict[str, list[ProbeShape]] = defaultdict(list)  # detector -> the calls it made
         self.raised: list[tuple[str, ProbeShape]] = []  # (detector, call) for every call that raised
+        self.failed_calls: list[Call] = []  # those calls themselves, for `runs` to replay where it points
         self._draws: dict[str, int] = defaultdict(int)
         self._base: Call | None = None
         self._recovered: tuple[Tensor | None, str] | None = None
@@ -153,6 +154,7 @@ class Probe:
             self.shapes[self.detector].append(shape)
         if not call.ok:
             self.raised.append((self.detector, shape))
+            self.failed_calls.append(call)
 
     def base(self) -> Call:
         """The standard run: batch 2, seq_len tokens, no mask beyond the causal one; observed. Shared by
@@ -169,6 +171,11 @@ class Probe:
             if not self._base.ok:
                 self.raised.append((self.detector, base_shape))
         return self._base
+
+    def release(self) -> None:
+        """Drop the standard probe's observed record (copies of (B, H, T, T) scores and weights)."""
+        if self._base is not None:
+            self._base.record = None
 
     # ---- attention weights -----------------------------------------------------------------------------
     def weights(self, call: Call) -> tuple[Tensor | None, str]:

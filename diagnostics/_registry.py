@@ -85,7 +85,7 @@ def detector(id: str, description: str, *, targets: tuple[str, ...] = (), fix: s
     `(context, result) -> [Site]` (or, where it has none, `unlocated`: why)."""
     if scope not in REGISTRIES:
         raise ValueError(f"scope must be one of {sorted(REGISTRIES)}, not {scope!r}")
-    if locate is None and not unlocated and scope == "model" and False:  # MOVE-IN-PROGRESS: enforced once moved
+    if locate is None and not unlocated:
         raise ValueError(f"detector {id!r}: give locate= (where its findings point) or unlocated= (why none)")
 
     def register(check: Callable) -> Callable:

@@ -140,6 +140,9 @@ class DetectorResult:
     # what failed, as data, for the localiser to replay: the inputs and calls the verdict was computed on
     replay: object = field(default=None, compare=False, repr=False)
 
+    def __getstate__(self) -> dict:  # a pickled result keeps its verdict and sites, not the replayed inputs
+        return {**self.__dict__, "replay": None}
+
     @property
     def severity(self) -> str:
         return self.verdict

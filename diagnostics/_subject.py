@@ -426,7 +426,7 @@ def _module_device_dtype(layer: nn.Module, device, dtype):
     return own_device, own_dtype
 
 
-def _spell(name: str, value, options: dict | None) -> str:
+def spell(name: str, value, options: dict | None) -> str:
     """An option as the user wrote it: `d_model=30` for audit(), `--d-model 30` on the command line."""
     flag = (options or {}).get(name)
     return f"{name}={value!r}" if flag is None else f"{flag} {value}"
@@ -434,9 +434,9 @@ def _spell(name: str, value, options: dict | None) -> str:
 
 def _check_size(name: str, value, options: dict | None) -> None:
     expect(value is None or (isinstance(value, int) and not isinstance(value, bool)), f"{name} an int or None",
-           f"{_spell(name, value, options)} ({type(value).__name__})",
-           f"pass a whole number, e.g. {_spell(name, 32, options)}")
-    expect(value is None or value >= 1, f"{name} >= 1", _spell(name, value, options),
+           f"{spell(name, value, options)} ({type(value).__name__})",
+           f"pass a whole number, e.g. {spell(name, 32, options)}")
+    expect(value is None or value >= 1, f"{name} >= 1", spell(name, value, options),
            "pass the layer's size, or leave it out to read it from the layer")
 
 
@@ -457,14 +457,14 @@ def _check_device(device, options: dict | None):
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise AuditUsageError(f"expected a torch device; got {_spell('device', device, options)} ({error}). "
+        raise AuditUsageError(f"expected a torch device; got {spell('device', device, options)} ({error}). "
                               "Fix: pass e.g. device=\"cpu\" or device=\"cuda\"") from None
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError, AttributeError) as error:  # torch asserts for CUDA on a CPU-only build
         available = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         raise AuditUsageError(f"expected a device this torch can use ({', '.join(available)}); got "
-                              f"{_spell('device', str(device), options)}, which fails: {str(error).splitlines()[0]}. "
+                              f"{spell('device', str(device), options)}, which fails: {str(error).splitlines()[0]}. "
                               "Fix: leave device out, or install a torch built for it") from None
     return device
 
@@ -656,19 +656,19 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
     expect(dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
            "dtype a floating-point torch.dtype or None", f"dtype={dtype!r}", "pass e.g. dtype=torch.float32")
     expect(mask is None or mask in MASK_CONVENTIONS, f"mask one of {', '.join(MASK_CONVENTIONS)}",
-           _spell("mask", mask, options), 'pass "allowed" (bool, True = may attend), "blocked" (bool, True = '
+           spell("mask", mask, options), 'pass "allowed" (bool, True = may attend), "blocked" (bool, True = '
            'blocked), "additive" (float, 0 keep / large negative block) or "key_padding" ((B, Tk) bool, True = '
            'padding)')
-    expect(layout is None or layout in LAYOUTS, f"layout one of {', '.join(LAYOUTS)}", _spell("layout", layout, options),
+    expect(layout is None or layout in LAYOUTS, f"layout one of {', '.join(LAYOUTS)}", spell("layout", layout, options),
            'pass "bhtd" for (B, H, T, d) tensors or "bthd" for (B, T, H, d) (flash-attn\'s)')
     device = _check_device(device, options)
     if isinstance(layer, nn.MultiheadAttention):
         expect(mask is None, "no mask convention for nn.MultiheadAttention (its own is known)",
-               _spell("mask", mask, options), "leave mask out; to pass padding through key_padding_mask, audit "
+               spell("mask", mask, options), "leave mask out; to pass padding through key_padding_mask, audit "
                                               "adapters.mha_key_padding(mha)")
         for name, given, own in (("d_model", d_model, layer.embed_dim), ("num_heads", num_heads, layer.num_heads)):
             expect(given is None or given == own, f"{name}={own}, as the nn.MultiheadAttention has it",
-                   _spell(name, given, options), f"leave {name} out: it is read from the layer")
+                   spell(name, given, options), f"leave {name} out: it is read from the layer")
         device, dtype = _module_device_dtype(layer, device, dtype)
         return TorchMHASubject(layer, d_model=layer.embed_dim, num_heads=layer.num_heads,
                                head_dim=layer.head_dim, device=device, dtype=dtype, need_weights=need_weights)
@@ -703,7 +703,7 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
 
 
 def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask, layout, options) -> Subject:
-    expect(layout is None, "no layout for a module (its inputs are (B, T, D))", _spell("layout", layout, options),
+    expect(layout is None, "no layout for a module (its inputs are (B, T, D))", spell("layout", layout, options),
            "leave layout out; it describes functions on per-head tensors")
     device, dtype = _module_device_dtype(layer, device, dtype)
     notes: list[str] = []
@@ -726,16 +726,16 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     # A width its projections do not take (`--d-model 30` on a 32-wide layer) would fail every probe
     expect(not widths or d_model in widths, f"d_model to match the width of the layer's projections "
            f"(nn.Linear in_features {sorted(widths)})",
-           _spell("d_model", d_model, options) if given_d_model is not None
+           spell("d_model", d_model, options) if given_d_model is not None
            else f"d_model={d_model} read from the layer's attributes",
-           f"pass the layer's width, {_spell('d_model', widths[0], options)}" if widths else "")
+           f"pass the layer's width, {spell('d_model', widths[0], options)}" if widths else "")
     if found_heads is None and not hf and not torch_layer:
         found_heads = _trial_heads(layer, d_model, device, dtype)
         if found_heads is not None:
             notes.append(f"num_heads={found_heads} read from a trial call (the head axis of its attention)")
     if found_heads is None:
         notes.append(f"num_heads=1 assumed: nothing on the layer names it, and a trial call did not show it "
-                     f"({_spell('num_heads', 4, options)} declares 4)")
+                     f"({spell('num_heads', 4, options)} declares 4)")
     num_heads = found_heads or 1
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     sig = read_signature(layer, library=hf)
@@ -814,7 +814,7 @@ def mask_convention_hint(subject: Subject, options: dict | None = None) -> str |
     else:
         return None
     return (f"the mask may be in another convention: {why} ({HINTS[convention]}); if so, audit with "
-            f"{_spell('mask', convention, options)}, else the layer ignores or misapplies the mask")
+            f"{spell('mask', convention, options)}, else the layer ignores or misapplies the mask")
 
 
 def context_length(layer) -> tuple[int, str] | None:
@@ -842,16 +842,16 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
     """The probe length for this subject: `seq_len` (None: the default, 16) checked to be an int >= 1 and no
     longer than the context the layer declares (see `context_length`). Raises `AuditUsageError` otherwise."""
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool)), "seq_len an int or None",
-           f"{_spell('seq_len', seq_len, options)} ({type(seq_len).__name__})",
+           f"{spell('seq_len', seq_len, options)} ({type(seq_len).__name__})",
            "pass the context length you train with, e.g. seq_len=128")
-    expect(seq_len is None or seq_len >= 1, "seq_len >= 1", _spell("seq_len", seq_len, options),
+    expect(seq_len is None or seq_len >= 1, "seq_len >= 1", spell("seq_len", seq_len, options),
            "pass the context length you train with, e.g. seq_len=128")
     length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     limit = context_length(subject.layer)
     if limit is not None and length > limit[0]:
-        seen = _spell("seq_len", length, options) + (" (the default)" if seq_len is None else "")
+        seen = spell("seq_len", length, options) + (" (the default)" if seq_len is None else "")
         raise AuditUsageError(f"expected seq_len <= {limit[0]}, the longest sequence the layer takes "
-                              f"({limit[1]}); got {seen}. Fix: pass {_spell('seq_len', limit[0], options)} or less")
+                              f"({limit[1]}); got {seen}. Fix: pass {spell('seq_len', limit[0], options)} or less")
     return length
 
 

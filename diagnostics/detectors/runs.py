@@ -1,1 +1,83 @@
-from .._detectors import runs_verdict  # noqa: F401  (temporary, during the move)
+"""`runs`: the layer runs on every input shape the audit uses; its findings point at the user's line in the
+exception's traceback."""
+
+from __future__ import annotations
+
+import torch
+
+from .._frames import traceback_frames
+from .._probe import Probe
+from .._registry import detector
+from .._result import DetectorResult, Site
+from .._tracing import site
+from ._common import result
+
+
+def runs_sites(probe, result: DetectorResult) -> list[Site]:
+    """The user's line in the traceback of the first failed call, replayed on its very inputs."""
+    for call in result.replay or ():
+        try:
+            with torch.no_grad():
+                probe.subject(call.query, call.key, call.value, call.allowed)
+        except Exception as error:
+            frames = traceback_frames(error.__traceback__)
+            if frames:
+                return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
+                             if str(error).strip() else "")]
+    return []
+
+
+@detector("runs", "runs on every input shape the audit uses: the standard probe, B=1, T=1, H=1 (functions), "
+          "non-contiguous inputs, Tq != Tk (cross-attention forms) and a mask (layers that take one)",
+          targets=("view after transpose without .contiguous()", "shape assumptions"),
+          fix="make the layer shape-agnostic: .contiguous() before .view(), or use .reshape()", locate=runs_sites)
+def check_runs(probe: Probe) -> DetectorResult:
+    """Its own probes, one per input shape. `audit()` calls `runs_verdict` again once every detector has
+    run, so that any other detector's probe that raised is reported here too: no failed call is dropped."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    probe.base()
+
+    def run(label, batch, t_q, t_k=None, extra=None, **kw):
+        q, k, v = probe.streams(batch, t_q, t_k, **kw)
+        probe.call(q, k, v, probe.allowed(batch, t_q, t_k or t_q, extra), label=label)
+
+    run("B=1", 1, T)
+    run("T=1", B, 1)
+    if s.form == "function":
+        run("H=1", B, T, heads=1)
+    # shapes another chosen detector calls anyway are not called twice: their raises reach runs_verdict
+    if s.separate_kv and "output_shape" not in probe.chosen:
+        run(f"Tq={T}, Tk={T + 3}", B, T, T + 3, cross=True)
+    if s.takes_mask and "weight_row_sums" not in probe.chosen:
+        run("a padding mask", B, T, extra=probe.padding(B, T, T))
+    q, k, v = probe.streams(B, T)  # non-contiguous: the same values laid out transposed in memory
+    nc = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
+    nc = [nc[0]] * 3 if q is k else nc
+    probe.call(*nc, probe.allowed(B, T, T), label="non-contiguous inputs")
+    return runs_verdict(probe)
+
+
+def runs_verdict(probe: Probe) -> DetectorResult:
+    """`runs` judged on every call of the audit so far: its own, and every other detector's that raised."""
+    det = "runs"
+    own = probe.shapes[det]
+    failed = unique([(d, shape) for d, shape in probe.raised if d == det]
+                     + [(d, shape) for d, shape in probe.raised if d != det])
+    n_calls = sum(len(v) for v in probe.shapes.values())
+    if failed:
+        listed = "; ".join(f"{shape.label}{'' if d in (det, 'base') else f' ({d})'}: {shape.raised}"
+                           for d, shape in failed)
+        return result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
+                       value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in all)",
+                       replay=tuple(probe.failed_calls))
+    return result(det, "pass", f"ran on its {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
+                                f"every other detector's probe ({n_calls} calls in all)", value=0.0, threshold=0.0)
+
+
+def unique(failed):
+    seen, out = set(), []
+    for d, shape in failed:
+        if id(shape) not in seen:
+            seen.add(id(shape))
+            out.append((d, shape))
+    return out

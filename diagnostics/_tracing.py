@@ -1,0 +1,783 @@
+"""Generic tracing: run one call of a layer under a `Tracer` and read where things happened, in the user's code.
+
+A `Trace` holds every aten op the call ran, with the user's frames where it ran (the first frames outside torch
+and diagnostics), its outputs, which probe inputs it depends on, and the user functions that returned a tensor
+they were given unchanged (a step that did nothing). On a trace (or a pair of traces):
+
+- `mask_sites`: the masking ops on (Tq, Tk) scores (masked_fill, where, an additive mask, a multiplication by a
+  bool mask, a fused call's attn_mask and is_causal) against what the audit declared blocked: an op that blocks
+  allowed keys, masks that leave blocked keys open (then the op that built the mask, and the masking op), a mask
+  applied after the softmax; no masking op at all: the function that returned the scores unchanged.
+- `first_moved`: baseline and perturbed call side by side, the first op, in execution order, whose output moves
+  where it must not: where a leak enters, whatever the code looks like. An output element "must not move" when
+  every position it is indexed by (batch, query, key) is one whose inputs did not change and whose output must
+  hold; axes are told by their sizes.
+- `stream_sites`: a q·k or weights·v operand that does not come from the input it should, and the op that read
+  the wrong one.
+- `weights_origin`: what made the weights (a softmax over the wrong dim, a mask or dropout after the softmax,
+  no softmax at all).
+- `GradientCut`: the first torch call whose output leaves the autograd graph.
+
+This module knows no detector: each detector's localiser (in `diagnostics/detectors/`) replays the very inputs
+its verdict was computed on and reads the trace with these functions. Nothing here knows the catalog or any
+implementation: only aten ops, their shapes and the declared mask.
+"""
+
+from __future__ import annotations
+
+import difflib
+import linecache
+import re
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._frames import frame_kind, user_frames
+from ._observe import Observer
+from ._result import Site
+
+MAX_KEPT = 1 << 22
+"""Op outputs larger than this many elements are not kept by a trace (a long audit's (T, T) scores); the
+comparisons skip them."""
+
+
+# ---- sites -----------------------------------------------------------------------------------------------
+
+
+def text(file: str, line: int) -> str:
+    return linecache.getline(file, line).strip()
+
+
+def site(frames: tuple, op: str, note: str = "") -> Site | None:
+    """A `Site` from user_frames() ((code, lineno), ...), innermost first; None when there is none."""
+    if not frames:
+        return None
+    code, line = frames[0]
+    callers = tuple((c.co_filename, n, getattr(c, "co_qualname", c.co_name)) for c, n in frames[1:])
+    return Site(code.co_filename, int(line), getattr(code, "co_qualname", code.co_name), text(code.co_filename, line),
+                op, note, callers)
+
+
+def unique(sites) -> tuple[Site, ...]:
+    out, seen = [], set()
+    for s in sites:
+        if s is not None and (s.file, s.line) not in seen:
+            seen.add((s.file, s.line))
+            out.append(s)
+    return tuple(out)
+
+
+# ---- tracing ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    index: int
+    name: str  # e.g. "aten.masked_fill.Scalar"
+    args: tuple  # tensors detached (not copied), other values as they were
+    kwargs: dict
+    outs: tuple  # copies of the outputs at the time (None where too large or not a tensor)
+    out_ids: tuple
+    in_ids: tuple
+    frames: tuple
+    sources: frozenset  # which probe inputs ("query", "key", "value") it depends on
+
+    @property
+    def short(self) -> str:
+        return self.name.replace("aten.", "").split(".")[0]
+
+
+@dataclass
+class Unchanged:
+    """A user function that returned one of its tensor arguments as it was: a step that did nothing."""
+
+    at: int  # the number of ops recorded before it returned
+    frames: tuple
+    function: str
+    tensor: int  # id of the tensor
+    called: int = 0  # the order it was called in (an outer function before the helper it delegates to)
+
+
+@dataclass
+class Trace:
+    ops: list[Op] = field(default_factory=list)
+    unchanged: list[Unchanged] = field(default_factory=list)
+    producer: dict = field(default_factory=dict)  # id(tensor) -> index of the op that last wrote it
+    sources: dict = field(default_factory=dict)  # id(tensor) -> frozenset of probe inputs
+    event_op: dict = field(default_factory=dict)  # id(observer event) -> op index
+    inputs: dict = field(default_factory=dict)  # id(tensor) -> "query" | "key" | "value"
+    buffers: dict = field(default_factory=dict)  # id(tensor) -> name, the layer's buffers and parameters
+    record: object = None
+    output: object = None
+    error: BaseException | None = None
+    alive: list = field(default_factory=list)
+
+
+def tensors(x):
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from tensors(y)
+
+
+class Tracer(Observer):
+    """The observer, plus every op with its outputs, frames and dependence on the probe inputs."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+        trace.record = self.record
+        self._params: dict = {}
+        self._calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = len(self.record.order)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        try:
+            self._op(func, args, kwargs, out, before)
+        except Exception:  # tracing must never break the layer
+            pass
+        return out
+
+    def _op(self, func, args, kwargs, out, before):
+        t = self.trace
+        index = len(t.ops)
+        for event in self.record.order[before:]:
+            t.event_op[id(event)] = index
+        ins = [x for a in list(args) + list(kwargs.values()) for x in tensors(a)]
+        sources = frozenset().union(*(t.sources.get(id(x), frozenset()) for x in ins)) if ins else frozenset()
+        outs = list(tensors(out))
+        kept = tuple(o.detach().clone() if o.numel() <= MAX_KEPT else None for o in outs)
+        for o in outs:
+            t.producer[id(o)] = index
+            t.sources[id(o)] = sources | t.sources.get(id(o), frozenset())
+            t.alive.append(o)
+        t.alive.extend(ins)
+        t.ops.append(Op(index, str(func), tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs),
+                        kept, tuple(id(o) for o in outs), tuple(id(x) for x in ins),
+                        user_frames(sys._getframe(2)), sources))
+
+    # user functions that hand back a tensor they were given, untouched
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            if frame_kind(frame.f_code) == 0:
+                code = frame.f_code
+                names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+                ids = {id(v) for n in names for v in (frame.f_locals.get(n),) if isinstance(v, Tensor)}
+                if ids:
+                    self._calls += 1
+                    self._params[id(frame)] = (ids, self._calls)
+        elif event == "return":
+            ids, called = self._params.pop(id(frame), (None, 0))
+            if ids and isinstance(arg, Tensor) and id(arg) in ids:
+                self.trace.unchanged.append(Unchanged(len(self.trace.ops), user_frames(frame), frame.f_code.co_name,
+                                                      id(arg), called))
+
+    def __enter__(self):
+        self._old_profile = sys.getprofile()
+        sys.setprofile(self._profile)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._old_profile)
+        return super().__exit__(*exc)
+
+
+def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, call=None) -> Trace:
+    """Call the subject once under a Tracer (grad mode on, as observed calls are); never raises. `call`: a
+    function of no argument to run instead of `subject(query, key, value, allowed)`."""
+    t = Trace()
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        t.sources[id(x)] = t.sources.get(id(x), frozenset()) | {name}
+        t.inputs.setdefault(id(x), name)
+    t.alive += [query, key, value]
+    layer = getattr(subject, "layer", None)
+    if isinstance(layer, torch.nn.Module):
+        t.buffers = {id(b): name for name, b in list(layer.named_buffers()) + list(layer.named_parameters())}
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        with torch.enable_grad(), Tracer(t):
+            t.output = subject(query, key, value, allowed) if call is None else call()
+    except Exception as error:
+        t.error = error
+    return t
+
+
+# ---- helpers on a trace ----------------------------------------------------------------------------------
+
+CARRIES = {"view", "_unsafe_view", "reshape", "clone", "transpose", "permute", "expand", "t", "_to_copy",
+            "contiguous", "unsqueeze", "squeeze", "slice", "select", "alias", "detach", "_reshape_alias", "to",
+            "lift_fresh", "copy_", "nan_to_num", "type_as"}
+MATMULS = {"bmm", "mm", "baddbmm", "matmul"}
+SOFTMAXES = {"_softmax", "_safe_softmax"}
+UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}  # memory, not values
+
+
+def producer(trace: Trace, tensor_id: int) -> Op | None:
+    i = trace.producer.get(tensor_id)
+    return None if i is None else trace.ops[i]
+
+
+def through_carries(trace: Trace, op: Op | None) -> Op | None:
+    """Back from `op` through views, copies and casts to the op that computed the values."""
+    seen = 0
+    while op is not None and op.short in CARRIES and op.in_ids and seen < 64:
+        src = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+        if src in trace.inputs:
+            return op
+        prev = producer(trace, src)
+        if prev is None:
+            return op
+        op, seen = prev, seen + 1
+    return op
+
+
+def past_zeroing(trace: Trace, op: Op | None) -> Op | None:
+    """A fill after a softmax that only zeroes rows the softmax left without weight (NaN rows of a query with
+    no key: a safe softmax) is part of that softmax: return the softmax."""
+    if op is None or op.short not in ("masked_fill", "masked_fill_", "where") or not op.in_ids:
+        return op
+    soft = through_carries(trace, producer(trace, op.in_ids[0]))
+    if soft is None or soft.short not in SOFTMAXES or not soft.outs or soft.outs[0] is None:
+        return op
+    out = soft.outs[0]
+    got = fill_pattern(op, *out.shape[-2:]) if out.dim() >= 2 else None
+    if got is None or got[0].shape != out.shape or bool((got[0] & (out > 0)).any()):
+        return op
+    return soft
+
+
+def ancestors(trace: Trace, op: Op, limit: int = 4096) -> set[int]:
+    """Indices of the ops whose outputs `op` depends on."""
+    out, todo = set(), list(op.in_ids)
+    while todo and len(out) < limit:
+        p = trace.producer.get(todo.pop())
+        if p is not None and p not in out and p < op.index:
+            out.add(p)
+            todo.extend(trace.ops[p].in_ids)
+    return out
+
+
+def user(op: Op | None) -> bool:
+    return op is not None and bool(op.frames)
+
+
+def op_site(op: Op | None, note: str = "", label: str | None = None) -> Site | None:
+    if op is None:
+        return None
+    return site(op.frames, label or op.name.replace(".default", ""), note)
+
+
+def event_op(trace: Trace, event) -> Op | None:
+    i = trace.event_op.get(id(event))
+    return None if i is None else trace.ops[i]
+
+
+def first_softmax(trace: Trace, t_q: int, t_k: int) -> Op | None:
+    for op in trace.ops:
+        if op.short in SOFTMAXES and op.outs and op.outs[0] is not None and tuple(op.outs[0].shape[-2:]) == (t_q, t_k):
+            return op
+    for op in trace.ops:
+        if op.short in SOFTMAXES:
+            return op
+    return None
+
+
+def fused_ops(trace: Trace) -> list[Op]:
+    return [op for op in trace.ops if "scaled_dot_product" in op.name and "backward" not in op.name]
+
+
+def qk_matmul(trace: Trace, before: int) -> Op | None:
+    """The last matmul before op index `before` (the scores a softmax normalises)."""
+    for op in reversed(trace.ops[:before]):
+        if op.short in MATMULS:
+            return op
+    return None
+
+
+def did_nothing(trace: Trace, start: int, end: int, words: tuple[str, ...]) -> list[Site]:
+    """Sites of user functions that returned their tensor unchanged between ops `start` and `end`, those named
+    like the missing step first (`words`), each in the order they returned."""
+    found = sorted((u for u in trace.unchanged if start <= u.at <= end and u.frames), key=lambda u: u.called)
+    pattern = re.compile("|".join(words), re.I) if words else None
+    # the closest name first (`mask` before `apply_mask`), then the order they were called in
+    named = sorted((u for u in found if pattern and pattern.search(u.function)),
+                   key=lambda u: (len(u.function) - len(pattern.search(u.function).group()), u.called))
+    rest = [u for u in found if u not in named]
+    return [site(u.frames, "returned its input unchanged", f"{u.function}() hands back the tensor it was given: "
+                 f"the step its name promises does nothing here") for u in named] + \
+           [site(u.frames, "returned its input unchanged", f"{u.function}() hands back the tensor it was given")
+            for u in rest]
+
+
+# ---- masks -----------------------------------------------------------------------------------------------
+
+
+def fill_pattern(op: Op, t_q: int, t_k: int) -> tuple[Tensor, int | None] | None:
+    """(bool filled, index of the mask tensor's producer) of a masking op on (..., Tq, Tk) scores."""
+    name, a = op.short, op.args
+    out = op.outs[0] if op.outs else None
+    if out is None or out.dim() < 2 or tuple(out.shape[-2:]) != (t_q, t_k):
+        return None
+    mask_arg = None
+    if name in ("masked_fill", "masked_fill_") and len(a) >= 2 and isinstance(a[1], Tensor):
+        filled, mask_arg = a[1], a[1]
+    elif name == "where" and len(a) >= 3 and isinstance(a[0], Tensor) and a[0].dtype == torch.bool:
+        x, y = a[1], a[2]
+        big = lambda z: not isinstance(z, Tensor) or z.numel() == 1 or z.numel() < out.numel()  # noqa: E731
+        if big(y) and not big(x):
+            filled = ~a[0]
+        elif big(x) and not big(y):
+            filled = a[0]
+        else:
+            return None
+        mask_arg = a[0]
+    elif name in ("add", "add_") and len(a) >= 2 and all(isinstance(z, Tensor) for z in a[:2]):
+        lows = [z for z in a[:2] if z.is_floating_point() and z.numel() > 1 and bool((z <= -1e4).any())]
+        if not lows:
+            return None
+        filled, mask_arg = lows[0] <= -1e4, lows[0]
+    elif name in ("mul", "mul_") and len(a) >= 2 and all(isinstance(z, Tensor) for z in a[:2]):
+        bools = [z for z in a[:2] if z.dtype == torch.bool]
+        if not bools:
+            return None
+        filled, mask_arg = ~bools[0], bools[0]
+    else:
+        return None
+    try:
+        filled = filled.to(torch.bool).expand(out.shape)
+    except RuntimeError:
+        return None
+    tensors = [x for x in op.args if isinstance(x, Tensor)]
+    at = next((n for n, x in enumerate(tensors) if x is mask_arg), None)
+    return filled, (op.in_ids[at] if at is not None and at < len(op.in_ids) else None)
+
+
+def fused_pattern(op: Op, t_q: int, t_k: int) -> Tensor | None:
+    a, kw = op.args, op.kwargs
+    q = a[0]
+    shape = tuple(q.shape[:-2]) + (t_q, t_k)
+    mask = kw.get("attn_mask")
+    if mask is None:
+        mask = next((x for x in a[3:] if isinstance(x, Tensor)), None)
+    causal = bool(kw.get("is_causal", next((x for x in a[3:] if isinstance(x, bool)), False)))
+    filled = torch.zeros(shape, dtype=torch.bool)
+    if mask is not None:
+        m = mask.cpu()
+        filled = filled | (~m if m.dtype == torch.bool else m <= -1e4)
+    if causal:
+        i, j = torch.arange(t_q).unsqueeze(-1), torch.arange(t_k)
+        filled = filled | (j > i)
+    return filled.expand(shape)
+
+
+def per_batch(filled: Tensor, B: int) -> Tensor | None:
+    """(..., Tq, Tk) -> (B, Tq, Tk): a key is filled for a query of sequence b if it is in some head."""
+    f = filled.cpu()
+    if f.dim() == 2:
+        return f.expand(B, *f.shape)
+    lead = f.shape[0]
+    if lead == 1:
+        return f.reshape(1, -1, *f.shape[-2:]).any(1).expand(B, *f.shape[-2:])
+    if lead % B:
+        return None
+    return f.reshape(B, -1, *f.shape[-2:]).any(1)
+
+
+def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> list[Site]:
+    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree."""
+    declared = declared.cpu()
+    soft = first_softmax(trace, t_q, t_k)
+    end = soft.index if soft is not None else len(trace.ops)
+    masking = []  # (op, filled (B, Tq, Tk), mask producer index, before the softmax)
+    for op in trace.ops:
+        if not op.frames:
+            continue
+        if "scaled_dot_product" in op.name and "backward" not in op.name:
+            q_len, k_len = op.args[0].shape[-2], op.args[1].shape[-2]
+            if (q_len, k_len) != (t_q, t_k):  # not these queries over these keys (a cache lost a key)
+                continue
+            f = fused_pattern(op, t_q, t_k)
+            mask = op.kwargs.get("attn_mask")
+            if mask is None:
+                mask = next((x for x in op.args[3:] if isinstance(x, Tensor)), None)
+            mask_id = op.in_ids[3] if mask is not None and len(op.in_ids) > 3 else None
+            if f is not None and (per_batch(f, B)) is not None:
+                masking.append((op, per_batch(f, B), mask_id, True))
+            continue
+        got = fill_pattern(op, t_q, t_k)
+        if got is None:
+            continue
+        per = per_batch(got[0], B)
+        if per is not None:
+            masking.append((op, per, got[1], op.index < end))
+    rows = declared.any(-1, keepdim=True)  # queries with some key to attend
+    sites: list[Site] = []
+
+    def made_by(mask_id, user_of=None):
+        """The user op that built a mask: back through carries and through what the masking op's own line
+        did to it (torch's SDPA turns a bool mask into an additive one on the caller's line)."""
+        p = through_carries(trace, producer(trace, mask_id) if mask_id is not None else None)
+        steps = 0
+        while p is not None and user_of is not None and p.frames[:1] == user_of.frames[:1] and steps < 32:
+            prev = next((trace.producer[x] for x in p.in_ids if x in trace.producer), None)
+            p = through_carries(trace, None if prev is None else trace.ops[prev])
+            steps += 1
+        return p if user(p) else None
+
+    # a mask applied after the softmax (a fill on rows that still have keys to attend)
+    weighted = soft.outs[0] > 0 if soft is not None and soft.outs and soft.outs[0] is not None else None
+    if soft is not None and weighted is not None:
+        for op, f, made, before in masking:
+            full = fill_pattern(op, t_q, t_k)
+            # zeroing weights the softmax gave (not the NaN rows of a query with no key, which a safe softmax zeroes)
+            hits = (full is not None and full[0].shape == weighted.shape and bool((full[0] & weighted).any()))
+            if not before and hits and soft.index in ancestors(trace, op):
+                sites += [op_site(op, f"the mask is applied after the softmax at {short(soft)}: the kept weights "
+                                       f"no longer sum to 1, and blocked keys still shape them through the "
+                                       f"normaliser"), op_site(soft, "the softmax the mask should come before")]
+        if sites:
+            return sites
+    before_ops = [(op, f, made) for op, f, made, before in masking if before]
+    # an op that blocks keys the declared mask allows
+    for op, f, made in before_ops:
+        wrong = f & declared
+        if bool(wrong.any()):
+            n, total = int(wrong.sum()), int(declared.sum())
+            b, i, j = (int(x) for x in wrong.nonzero()[0])
+            note = (f"blocks {n} of the {total} (query, key) pairs the declared mask allows, e.g. query {i} -> key "
+                    f"{j} in sequence {b}")
+            maker = made_by(made, op)
+            buffer = buffer_behind(trace, made)
+            note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
+            sites += [op_site(maker, "builds the mask used below") if maker is not None and
+                      maker.frames[0] != op.frames[0] else None, op_site(op, note)]
+    union = torch.zeros_like(declared)
+    for _, f, _ in before_ops:
+        union |= f
+    missing = ~declared & ~union & rows
+    if bool(missing.any()):
+        n = int(missing.sum())
+        b, i, j = (int(x) for x in missing.nonzero()[0])
+        what = (f"leaves {n} blocked (query, key) pairs open, e.g. query {i} -> key {j} in sequence {b}"
+                f"{' (a future key)' if j > i + t_k - t_q else ''}")
+        if before_ops:
+            for op, f, made in before_ops:
+                maker = made_by(made, op)
+                buffer = buffer_behind(trace, made)
+                from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
+                sites += [op_site(maker, f"builds the mask that {what}") if maker is not None and
+                          maker.frames[0] != op.frames[0] else None,
+                          op_site(op, f"the mask applied here {what}{from_buffer}")]
+        else:
+            matmul = qk_matmul(trace, end)
+            start = matmul.index if matmul is not None else 0
+            sites += did_nothing(trace, start, end, ("mask", "causal"))
+            sites += [op_site(soft, f"no masking op reaches this softmax: it {what}"),
+                      op_site(matmul, "the scores that should be masked before the softmax")]
+    return [s for s in sites if s is not None]
+
+
+def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
+    """The name of the layer's buffer a mask was computed from (nanoGPT's `bias`), if any: built before the
+    call, so no traced op shows where; the note says which to read."""
+    todo, seen = [tensor_id], 0
+    while todo and seen < 64:
+        i = todo.pop()
+        seen += 1
+        if i is None:
+            continue
+        if i in trace.buffers:
+            return trace.buffers[i]
+        p = trace.producer.get(i)
+        if p is not None:
+            todo.extend(trace.ops[p].in_ids)
+    return ""
+
+
+def short(op: Op) -> str:
+    s = op_site(op)
+    return f"{s.file.rsplit('/', 1)[-1]}:{s.line}" if s else op.name
+
+
+# ---- differential ----------------------------------------------------------------------------------------
+
+
+def held_elements(shape: tuple, P: Tensor) -> Tensor | None:
+    """Bool `shape`: elements every position index of which is held (P: bool (B, T)); None when no axis can
+    be read as a position."""
+    B, T = P.shape
+    dims = list(shape)
+    if not dims:
+        return None
+    nd = len(dims)
+
+    def place(values: Tensor, axes: tuple[int, ...]) -> Tensor:
+        view = [1] * nd
+        for a, n in zip(axes, values.shape):
+            view[a] = n
+        return values.reshape(view)
+
+    held = torch.ones(shape, dtype=torch.bool)
+    if dims[0] == B * T and T > 1 and B > 1:  # (B*T, D): a linear layer's flattened input or output
+        return held & place(P.reshape(-1), (0,))
+    if dims[0] == B or (nd >= 3 and dims[0] % B == 0 and dims[0] != T):
+        # (B, ...) or batch-major (B*H, T, ...) as bmm sees heads; every other axis of length T is a position
+        k, batch_axis = dims[0] // B, 0
+        per = P.repeat_interleave(k, 0)  # (B*k, T)
+        time_axes = [a for a in range(1, nd) if dims[a] == T]
+    elif nd >= 2 and dims[0] == T and dims[1] % B == 0 and dims[1] != T:  # sequence first: (T, B[*H], ...)
+        k, batch_axis = dims[1] // B, 1
+        per = P.repeat_interleave(k, 0)
+        time_axes = [0] + [a for a in range(2, nd) if dims[a] == T]
+    else:  # no batch axis to read (a mean over the batch): hold only positions held in every sequence
+        batch_axis, per = None, None
+        time_axes = [a for a in range(nd) if dims[a] == T]
+    # an axis of length T that is not a position (d_k == T) only holds fewer elements: never a false "moved"
+    if not time_axes:
+        if batch_axis is None:
+            return None
+        return held & place(per.all(-1), (batch_axis,))
+    for a in time_axes:
+        if batch_axis is None:
+            held = held & place(P.all(0), (a,))
+        elif batch_axis < a:
+            held = held & place(per, (batch_axis, a))
+        else:
+            held = held & place(per.transpose(0, 1), (a, batch_axis))
+    return held
+
+
+def moved(new: Tensor, old: Tensor, tol: float) -> Tensor:
+    if not (old.is_floating_point() or old.is_complex()):
+        return (new != old).cpu()
+    o, n = old.double().cpu(), new.double().cpu()
+    finite = o[torch.isfinite(o)]
+    scale = float(finite.square().mean().sqrt()) if finite.numel() else 1.0
+    same = (n == o) | (torch.isnan(n) & torch.isnan(o))
+    return ~same & ~((n - o).abs() <= tol * (scale or 1.0))
+
+
+def aligned(a: Trace, b: Trace) -> list[tuple[Op, Op]]:
+    """Pairs of ops of two calls that ran the same op from the same line, in order (a cached call runs ops the
+    full pass does not: the concatenation with the cache)."""
+    key = lambda op: (op.name, op.frames[0][0].co_filename if op.frames else "", op.frames[0][1] if op.frames else 0)  # noqa: E731
+    matcher = difflib.SequenceMatcher(None, [key(x) for x in a.ops], [key(y) for y in b.ops], autojunk=False)
+    return [(a.ops[i + k], b.ops[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
+
+
+def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int | None = None) -> Op | None:
+    """The first op of `b` (with a user frame) whose output differs from `a`'s where it must not. `P`: held
+    positions (B, T) for the position rule; `tail`: b is the last `tail` queries of a (decoding), compared
+    with a's last rows, the ops of the two calls paired by what they ran and where."""
+    pairs = aligned(a, b) if tail is not None else zip(a.ops, b.ops)
+    for x, y in pairs:
+        if x.name != y.name:
+            return None  # the two calls took different paths from here on
+        if not y.frames or y.short in UNINITIALISED:
+            continue
+        for ox, oy in zip(x.outs, y.outs):
+            if ox is None or oy is None:
+                continue
+            if tail is not None:
+                ox = last_rows(ox, oy.shape, tail)
+                if ox is None:
+                    continue
+                if bool(moved(oy, ox, tol).any()):
+                    return y
+                continue
+            if ox.shape != oy.shape:
+                continue
+            held = held_elements(tuple(oy.shape), P)
+            if held is None:
+                continue
+            if bool((moved(oy, ox, tol) & held).any()):
+                return y
+    return None
+
+
+def last_rows(full: Tensor, shape: torch.Size, n: int) -> Tensor | None:
+    """`full` cut to `shape` by keeping the last `n` entries of the axes where only the length differs."""
+    if full.dim() != len(shape):
+        return None
+    out = full
+    for a, (f, s) in enumerate(zip(full.shape, shape)):
+        if f != s:
+            if s != n or f < n:
+                return None
+            out = out.narrow(a, f - n, n)
+    return out
+
+
+def declared_mask(probe, B: int, t_q: int, t_k: int, allowed: Tensor | None) -> Tensor:
+    """What the audit declares: the mask passed (True = may attend) and, for a causal audit, bottom-right causal."""
+    out = torch.ones(B, t_q, t_k, dtype=torch.bool) if allowed is None else allowed.cpu().bool().expand(B, t_q, t_k)
+    if probe.causal:
+        i, j = torch.arange(t_q).unsqueeze(-1), torch.arange(t_k)
+        out = out & (j <= i + t_k - t_q)
+    return out
+
+
+def stream_sites(trace: Trace, subject) -> list[Site]:
+    """A q·k or weights·v operand that does not depend on the input stream it should (cross-attention): the
+    op that read the wrong input on its way there, then the product."""
+    value = "value" if getattr(subject, "separate_value", True) else "key"
+    checks = []  # (operand tensor id, the input it must come from, what it is, the product)
+    fused = fused_ops(trace)
+    soft = next((op for op in trace.ops if op.short in SOFTMAXES), None)
+    if fused:
+        f = fused[0]
+        checks = [(f.in_ids[0], "query", "the queries", f), (f.in_ids[1], "key", "the keys", f),
+                  (f.in_ids[2], value, "the values", f)]
+    elif soft is not None:
+        qk = qk_matmul(trace, soft.index)
+        if qk is None:
+            return []
+        checks = [(qk.in_ids[-2], "query", "the queries (left operand of q·k)", qk),
+                  (qk.in_ids[-1], "key", "the keys (right operand of q·k)", qk)]
+        wv = next((op for op in trace.ops[soft.index + 1:]
+                   if op.short in MATMULS and soft.index in ancestors(trace, op)), None)
+        if wv is not None:
+            checks.append((wv.in_ids[-1], value, "the values (right operand of weights·values)", wv))
+    sites = []
+    for tensor_id, stream, what, product in checks:
+        got = trace.sources.get(tensor_id, frozenset())
+        if stream in got or not got:
+            continue
+        wrong = "/".join(sorted(got))
+        reader = first_reader(trace, tensor_id)
+        sites += [op_site(reader, f"{what} at {short(product)} are computed here from the {wrong} input, not "
+                                   f"from the {stream} input"),
+                  op_site(product, f"{what} of this product depend on the {wrong} input, not on the {stream} input")]
+    return [x for x in sites if x is not None]
+
+
+def first_reader(trace: Trace, tensor_id: int) -> Op | None:
+    """Back from a tensor to the user op that read a probe input directly on the way to it."""
+    op = producer(trace, tensor_id)
+    seen = 0
+    while op is not None and seen < 256:
+        direct = [i for i in op.in_ids if i in trace.inputs]
+        if direct and op.frames:
+            return computing(trace, op)
+        prev = next((trace.producer.get(i) for i in op.in_ids if trace.sources.get(i)), None)
+        op = None if prev is None else trace.ops[prev]
+        seen += 1
+    return None
+
+
+def computing(trace: Trace, op: Op) -> Op:
+    """From a view of an input to the op of the same line that computes with it (F.linear: view, then addmm),
+    so that the site names the computation."""
+    outs, at = set(op.out_ids), op
+    for later in trace.ops[op.index + 1:op.index + 16]:
+        if later.frames[:1] != op.frames[:1] or not outs & set(later.in_ids):
+            continue
+        if later.short not in CARRIES:
+            return later
+        outs |= set(later.out_ids)
+    return at
+
+
+def dim_meaning(shape, dim: int, probe) -> str:
+    n = shape[dim]
+    nd = len(shape)
+    dim = dim % nd
+    if dim == nd - 1:
+        return "keys"
+    if dim == nd - 2:
+        return "queries"
+    if dim == 0:
+        return "batch"
+    if probe.subject.num_heads and n == probe.subject.num_heads:
+        return "heads"
+    return "not keys"
+
+
+def weights_origin(probe, trace: Trace, allowed, t_q: int, t_k: int, *, plain: bool = True) -> list[Site]:
+    """What made the weights of a traced call: a softmax over the wrong dim, a mask or dropout after the
+    softmax, masks that disagree with the declared one, no softmax at all. `plain`: also point at a correct
+    softmax when nothing else is found."""
+    B = probe.BATCH
+    made = None
+    if trace.output is not None and trace.output.weights is not None:
+        made = past_zeroing(trace, through_carries(trace, producer(trace, id(trace.output.weights))))
+    if made is None:
+        soft = [op for op in trace.ops if op.short in SOFTMAXES and op.outs and op.outs[0] is not None
+                and tuple(op.outs[0].shape[-2:]) == (t_q, t_k)]
+        made = soft[-1] if soft else None
+    if made is None:
+        mats = [op for op in trace.ops if op.short in MATMULS and op.args and isinstance(op.args[-2], Tensor)
+                and tuple(op.args[-2].shape[-2:]) == (t_q, t_k)]
+        made = past_zeroing(trace, through_carries(trace, producer(trace, mats[-1].in_ids[-2]))) if mats else None
+    if made is None or not made.frames:
+        fused = fused_ops(trace)
+        return [op_site(fused[0], "the fused attention whose weights these are")] if fused and plain else []
+    return weights_made_by(probe, trace, made, declared_mask(probe, B, t_q, t_k, allowed), t_q, t_k, plain=plain)
+
+
+def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t_k: int, *,
+                     plain: bool = True) -> list[Site]:
+    B = probe.BATCH
+    if made.short in SOFTMAXES:
+        dim = int(made.args[1]) if len(made.args) > 1 else -1
+        shape = tuple(made.outs[0].shape) if made.outs and made.outs[0] is not None else ()
+        if shape and dim % len(shape) != len(shape) - 1:
+            meaning = dim_meaning(shape, dim, probe)
+            return [op_site(made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys "
+                                   f"are dim -1 (size {shape[-1]})")]
+        masks = mask_sites(trace, declared, B, t_q, t_k)
+        return masks or ([op_site(made, "the softmax that makes the weights")] if plain else [])
+    soft_before = [i for i in ancestors(trace, made) if trace.ops[i].short in SOFTMAXES]
+    if soft_before:
+        soft = trace.ops[max(soft_before)]
+        masks = mask_sites(trace, declared, B, t_q, t_k)
+        if masks:
+            return masks
+        what = ("dropout is active in eval mode: it zeroes weights and rescales the rest by 1/(1-p)"
+                if "dropout" in made.name or "bernoulli" in made.name else
+                f"changes the weights after the softmax at {short(soft)}")
+        return [op_site(made, what), op_site(soft, "the softmax the weights came from")]
+    matmul = next((trace.ops[i] for i in sorted(ancestors(trace, made), reverse=True)
+                   if trace.ops[i].short in MATMULS), None)
+    start = matmul.index if matmul is not None else 0
+    return list(unique(did_nothing(trace, start, made.index + 1, ("softmax", "normal", "prob"))
+                        + [op_site(made, "the weights come from here, and no softmax is on their way from q·k")]))
+
+
+def in_custom_function(frame) -> bool:
+    """Inside an autograd.Function's forward, which runs without grad by design."""
+    while frame is not None:
+        if frame.f_code.co_name in ("apply", "forward") and frame.f_code.co_filename.endswith(
+                ("autograd/function.py", "autograd\\function.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class GradientCut(torch.overrides.TorchFunctionMode):
+    """Above autograd: the first torch call whose floating output does not require grad while a floating
+    input does (a .detach(), a block under torch.no_grad(), .data), with the user's frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.cut: tuple = ()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.cut and (torch.is_grad_enabled() or not in_custom_function(sys._getframe(1))):
+            try:
+                ins = [x for a in list(args) + list(kwargs.values()) for x in tensors(a)]
+                outs = list(tensors(out))
+                if (any(x.requires_grad and x.is_floating_point() for x in ins)
+                        and any(o.is_floating_point() and not o.requires_grad for o in outs)):
+                    self.cut = user_frames(sys._getframe(1))
+            except Exception:
+                pass
+        return out

@@ -1,0 +1,118 @@
+"""What the detector modules share: the common endings of a verdict, the perturbation gains, and the
+localiser of the invariance checks, which replays the comparison a verdict was computed on."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._core import Comparison, expand_rows, held, skip
+from .._probe import Probe
+from .._registry import DETECTORS
+from .._result import DetectorResult, Site
+from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, stream_sites, trace_call
+
+# ---- shared endings --------------------------------------------------------------------------------
+
+
+def result(det: str, verdict: str, message: str, **kw) -> DetectorResult:
+    return DetectorResult(det, verdict, message, fix=kw.pop("fix", DETECTORS[det].fix if det in DETECTORS else ""),
+                          **kw)
+
+
+def judge(det: str, failed: bool, fail_message: str, pass_message: str, **kw) -> DetectorResult:
+    """The common ending: fail with one message or pass with the other, the same measurements either way."""
+    return result(det, "fail" if failed else "pass", fail_message if failed else pass_message, **kw)
+
+
+def judge_held(det: str, comparison: Comparison | DetectorResult, probe: Probe, *, what: str, fail_message: str,
+                pass_message: str) -> DetectorResult:
+    """The ending of every invariance check: fail if a held row moved; not measured if the layer did not
+    respond even where a correct layer must; else pass."""
+    if isinstance(comparison, DetectorResult):
+        return comparison
+    bad, worst, text, unresponsive = held(comparison, probe, what=what)
+    if not bad and unresponsive:
+        return skip(det, f"the output did not respond to the perturbation ({unresponsive}), so its not moving "
+                         f"where it must not proves nothing")
+    return judge(det, bad > 0, fail_message, pass_message, value=worst, threshold=comparison.tol, evidence=text,
+                 replay=(comparison,))
+
+
+def perturbation_gains(probe: Probe) -> tuple[float, ...]:
+    """How hard a perturbation pushes (see `perturbed`): 1000x a fresh draw, 100x in float16 (whose range
+    ends at 65504). Rows that must not move do not move however hard the rest is pushed, while a bug that
+    acts through the weights shows even where the initialisation keeps logits tiny: at GPT-2's std 0.02 and
+    d_k = 1, a 100x key moves a logit by ~0.04, too little to show in bfloat16."""
+    return (100.0,) if probe.subject.dtype == torch.float16 else (1000.0,)
+
+
+
+def rows(batch: int, t: int, where: Tensor) -> Tensor:
+    """Bool (T,) or (B, T) -> (B, T)."""
+    return where.expand(batch, t).clone() if where.dim() == 1 else where
+
+
+def held_positions(probe, base, case) -> Tensor:
+    s = probe.subject
+    t = s.time_dim
+
+    def changed(x, y):
+        if x is y:
+            return torch.zeros(x.shape[0], x.shape[t], dtype=torch.bool)
+        d = (x != y)
+        d = d.reshape(*d.shape[:t + 1], -1).any(-1)  # fold features
+        return d.reshape(d.shape[0], -1, d.shape[-1]).any(1).cpu()  # fold heads: (B, T)
+
+    moved = changed(base.query, case.inputs.query)
+    if base.key.shape == base.query.shape:
+        moved = moved | changed(base.key, case.inputs.key) | changed(base.value, case.inputs.value)
+    return case.hold.cpu() & ~moved
+
+
+def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: bool = False, streams: bool = False,
+                     same_input: bool = False) -> list[Site]:
+    """Where a 'held rows must not move' check failed, from the comparisons its verdict was computed on
+    (`result.replay`): the first case in which a held row moved, replayed on its very inputs: the masks of the
+    baseline call (`use_masks`), or its input streams (`streams`: query locality of a cross-attention), else
+    baseline and case traced side by side and the first op whose output moves where it must not (`note` says
+    so). `same_input`: the case is the baseline again (eval determinism): the layer's RNG is left unseeded and
+    every row is held."""
+    for comparison in result.replay or ():
+        tol = comparison.tol
+        for case, change in zip(comparison.cases, comparison.changes):
+            if not bool((change[expand_rows(case.hold, change)] > tol).any()):
+                continue
+            base = comparison.base if comparison.base is not None else case.inputs
+            s = probe.subject
+            B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
+            seed = None if same_input else probe.seed
+            allowed = probe.allowed(B, t_q, t_k, base.extra)
+            a = trace_call(s, base.query, base.key, base.value, allowed, seed=seed)
+            sites: list[Site] = []
+            if use_masks:
+                sites += mask_sites(a, declared_mask(probe, B, t_q, t_k, allowed), B, t_q, t_k)
+            if not sites and streams and not base.one_stream:
+                sites += stream_sites(a, s)
+            if not sites:
+                b = trace_call(s, case.inputs.query, case.inputs.key, case.inputs.value,
+                               probe.allowed(B, t_q, t_k, case.inputs.extra), seed=seed)
+                P = torch.ones(B, t_q, dtype=torch.bool) if same_input else held_positions(probe, base, case)
+                op = first_moved(a, b, P, tol)
+                if op is not None:
+                    sites.append(op_site(op, note))
+            return sites
+    return []
+
+
+def invariance_locator(note: str, **how):
+    """The `locate=` of an invariance check: `invariance_sites` with this detector's note and options."""
+    def locate(probe, result: DetectorResult) -> list[Site]:
+        return invariance_sites(probe, result, note=note, **how)
+
+    return locate
+
+
+def base_trace(probe) -> Trace:
+    base = probe.base()
+    return trace_call(probe.subject, base.query, base.key, base.value, base.allowed, seed=probe.seed)

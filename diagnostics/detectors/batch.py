@@ -1,0 +1,62 @@
+"""`batch_independence`: each sequence's output depends on that sequence only."""
+
+from __future__ import annotations
+
+import torch
+
+from .._core import Case, Comparison, Inputs, expand_rows, not_run, perturbed, relative_change, skip
+from .._probe import Probe
+from .._registry import detector
+from .._result import DetectorResult
+from .._thresholds import UNCHANGED, tolerance
+from ._common import invariance_locator, judge_held
+
+
+@detector("batch_independence", "each sequence's output depends on that sequence only: changing another "
+          "sequence of the batch, in a separate call, moves nothing",
+          targets=("batch and sequence axes mixed (permute or transpose over dim 0)", "normalisation over the batch",
+                   "a mask or cache broadcast across sequences"),
+          fix="keep the batch axis apart: merge heads with x.transpose(1, 2).reshape(B, T, D), reduce over "
+              "dim=-1, never over dim 0",
+          locate=invariance_locator("the first op whose output for one sequence moves when only another changes"))
+def check_batch_independence(probe: Probe) -> DetectorResult:
+    """Two separate calls, so that a layer that mixes the batch is not compared with itself mixed the same way
+    (every other invariance check stacks its probes along the batch of one call)."""
+    det, s, B, T = "batch_independence", probe.subject, probe.BATCH, probe.t
+    base = Inputs(*probe.streams(B, T))
+    other = torch.zeros(B, T, dtype=torch.bool)
+    other[1:] = True  # every position of every sequence but the first
+    [changed] = perturbed(probe, base, other, ("query", "key", "value"))
+    allowed = probe.allowed(B, T, T)
+
+    def call(x: Inputs, label: str):
+        probe.seed_layer_rng()  # one draw of any randomness for every call (the audit restores the RNG)
+        return probe.call(x.query, x.key, x.value, allowed, label=label)
+
+    calls = [call(base, "a batch of 2"), call(changed, "the same batch, sequence 1 changed")]
+    for c in calls:
+        if not c.ok:
+            return not_run(det, c)
+    old, new = (c.output.out for c in calls)
+    if old.shape != new.shape or old.shape[0] != B:
+        return skip(det, f"the output {tuple(old.shape)} does not keep the batch")
+    change = relative_change(new, old, centred=True)
+    if change is None:
+        return skip(det, "the output is zero or non-finite everywhere, so a change cannot be measured")
+    first = torch.zeros(B, T, dtype=torch.bool)
+    first[0] = True
+    tol = tolerance(UNCHANGED, s.dtype)
+    if bool((change[expand_rows(first, change)] > tol).any()):
+        # sequence 0 moved: mixing, or randomness that one seed does not pin down, which would read as mixing
+        # and is not ours to judge; a third call on the same batch tells them apart (only a moved layer pays it)
+        again = call(base, "the same batch again")
+        if not again.ok:
+            return not_run(det, again)
+        if not torch.equal(old.nan_to_num(), again.output.out.nan_to_num()):
+            return skip(det, "two calls on the same batch differ, so a change between calls cannot be attributed "
+                             "to the other sequence (see eval_determinism)")
+    comparison = Comparison([Case(changed, hold=first, move=~first, when="when only sequence 1 changed (a "
+                                  "separate call)")], [change], tol, calls[1], base)
+    return judge_held(det, comparison, probe, what="outputs of sequence 0",
+                       fail_message="a sequence's output depends on another sequence of the batch",
+                       pass_message="each sequence's output depends on that sequence only")

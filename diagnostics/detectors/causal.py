@@ -1,0 +1,141 @@
+"""`future_leakage` and `causal_alignment`: a causal layer sees no later token, and its newest query sees the
+newest key (bottom-right alignment)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._core import Case, Inputs, compare, held, not_run, perturbed, skip
+from .._probe import Probe
+from .._registry import CAUSAL, LONG, detector
+from .._result import DetectorResult, Site
+from .._thresholds import dtype_name
+from .._tracing import declared_mask, mask_sites, trace_call
+from ._common import invariance_locator, judge, perturbation_gains, result
+
+
+def alignment_sites(probe, result: DetectorResult) -> list[Site]:
+    """The masks of the very call the alignment was judged on (`result.replay`: its inputs) against the declared
+    bottom-right causal mask."""
+    inputs = result.replay
+    if inputs is None:
+        return []
+    s = probe.subject
+    B, t_q, t_k = inputs.query.shape[0], inputs.query.shape[s.time_dim], inputs.key.shape[s.time_dim]
+    allowed = probe.allowed(B, t_q, t_k)
+    trace = trace_call(s, inputs.query, inputs.key, inputs.value, allowed, seed=probe.seed)
+    return mask_sites(trace, declared_mask(probe, B, t_q, t_k, allowed), B, t_q, t_k)
+
+
+@detector("future_leakage", "for a causal layer, changing tokens after t leaves outputs at and before t unchanged, "
+          "with no mask and with a padding mask",
+          targets=("missing causal mask", "heads merged without transpose in a decoder",
+                   "padding mask replacing (or ORed with) the causal mask"),
+          fix="mask scores with causal_mask(Tq, Tk, align='bottom_right') before the softmax",
+          needs=(CAUSAL, LONG),
+          locate=invariance_locator("the first op whose output at past positions moves when only later tokens change",
+                                    use_masks=True))
+def check_future_leakage(probe: Probe) -> DetectorResult:
+    """With no mask, and (for layers that take one) with a padding mask too: a decoder that builds its own
+    causal mask and lets the user's padding mask replace it (or ORs them) is causal only in the first."""
+    det, s, B, T = "future_leakage", probe.subject, probe.BATCH, probe.t
+    cuts = sorted({0, T // 2, T - 2})
+    t = torch.arange(T)
+    # each copy of the batch cuts its sequences at their own t (sequence b of copy n at cuts[(n * B + b) %
+    # len(cuts)]): every cut is measured, in as few copies as the batch allows
+    packed = [[cuts[(n * B + b) % len(cuts)] for b in range(B)] for n in range(-(-len(cuts) // B))]
+    scenarios = [("no mask", None, packed)]
+    if s.takes_mask:
+        pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
+        # one cut, at 0: every sequence keeps at least its first two keys once T >= 4, so key 1 is visible
+        scenarios.append(("a padding mask", pad | (t.view(1, 1, T) <= 0), [[0] * B]))  # key 0 always kept
+    readings = []
+    for name, extra, copies in scenarios:
+        base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
+        allowed = probe.allowed(B, T, T, extra)
+        attends = torch.ones(B, T, dtype=torch.bool) if allowed is None else allowed.cpu().any(-1)
+        cases = []
+        for at in copies:
+            after = t.view(1, T) > torch.tensor(at).view(B, 1)  # (B, T): the perturbed positions of each sequence
+            shown = (f"t>={at[0] + 1} was" if len(set(at)) == 1 else
+                     " and ".join(f"t>={c + 1} of sequence {b}" for b, c in enumerate(at)) + " were")
+            cases += [Case(x, hold=~after & attends, move=after & attends,
+                           when=f"when only {shown} perturbed (x{gain:g}, {name})")
+                      for gain, x in zip(perturbation_gains(probe), perturbed(probe, base, after, ("query", "key", "value"),
+                                                                  gains=perturbation_gains(probe)))]
+        shown = sorted({c for at in copies for c in at})
+        comparison = compare(probe, base, cases, label=f"tokens after t in {shown} changed, {name}")
+        if isinstance(comparison, DetectorResult):
+            return comparison
+        readings.append((name, comparison, *held(comparison, probe, what="past outputs")))
+    bad = [name for name, _, b, _, _, _ in readings if b]
+    if not bad and all(silent for *_, silent in readings):
+        return skip(det, "the output did not respond to later tokens at all, so its not moving proves nothing")
+    return judge(det, bool(bad), "outputs depend on future tokens" + (f" (with {', '.join(bad)})" if bad else ""),
+                  f"no output moved when only later tokens changed (cuts at t={cuts}; "
+                  f"{' and '.join(n for n, *_ in readings)})",
+                  value=max(w for _, _, _, w, _, _ in readings), threshold=readings[0][1].tol,
+                  evidence="; ".join(f"{name}: {text}" for name, _, _, _, text, _ in readings),
+                  replay=tuple(c for _, c, *_ in readings))
+
+
+@detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "
+          "alignment for cached decoding, diagonal included)",
+          targets=("top-left causal mask with a KV cache", "causal mask blocking the diagonal"),
+          fix="allow keys j <= i + (Tk - Tq): causal_mask(Tq, Tk, align='bottom_right'), i.e. "
+              "triu(diagonal=1 + Tk - Tq)",
+          needs=(CAUSAL,), locate=alignment_sites)
+def check_causal_alignment(probe: Probe) -> DetectorResult:
+    det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t
+    if s.separate_kv:
+        return _newest_key_seen(probe)
+    base = probe.base()
+    if not base.ok:
+        return not_run(det, base)
+    weights, source = probe.weights(base)
+    if weights is None:
+        return skip(det, "one input stream and no weights: a key cannot change without its query")
+    diag = weights.double().diagonal(dim1=-2, dim2=-1)  # (..., T): each query's weight on its own position
+    if bool((diag <= 0).any()):
+        idx = tuple(int(i) for i in torch.unravel_index(diag.argmin(), diag.shape))
+        return result(det, "fail", "a query gives zero weight to its own position", value=float(diag.min()),
+                       threshold=0.0, evidence=f"{int((diag <= 0).sum())} / {diag.numel()} queries give their own "
+                                               f"position weight 0, e.g. at {idx} ({source})",
+                       replay=Inputs(base.query, base.key, base.value))
+    return result(det, "pass", f"every query attends its own position ({source})", value=float(diag.min()),
+                   threshold=0.0)
+
+
+def _newest_key_seen(probe: Probe) -> DetectorResult:
+    """Cached decoding: the last Tq positions query all T keys; changing key T-1 must move query T-1."""
+    det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t
+    t_q = max(1, min(T // 2, 8))  # several queries (a layer may special-case one), the newest read; capped: cost
+    if s.form == "function":
+        q = probe.make(B, t_q)
+        k, v = probe.make(B, T), probe.make(B, T)
+    else:
+        k = v = probe.make(B, T)
+        q = k[:, T - t_q:].clone()
+    base = Inputs(q, k, v)
+    newest = torch.arange(T) == T - 1
+    # A blocked key moves nothing. A visible one moves the output, and a large change of it in both
+    # directions makes one draw's logit dominate, so a correct layer moves far above rounding noise.
+    gains = (1.0, 100.0, -100.0)
+    cases = [Case(x, hold=torch.zeros(B, t_q, dtype=torch.bool), when=f"key {T - 1} x{gain:g}")
+             for gain, x in zip(gains, perturbed(probe, base, newest, ("key", "value"), gains=gains))]
+    comparison = compare(probe, base, cases, label=f"{t_q} newest queries over {T} keys, key {T - 1} changed")
+    if isinstance(comparison, DetectorResult):
+        return comparison
+    change = torch.stack(comparison.changes).amax(0)  # (B, [H,] Tq): the most any gain moved each row
+    last = change[..., -1]  # the newest query, at position T - 1
+    tol = comparison.tol
+    if bool((last <= tol).any()):
+        return result(det, "fail", "the newest query does not see the newest key (causal mask misaligned "
+                       "or blocking the diagonal)", value=float(last.min()), threshold=tol,
+                       evidence=f"with {t_q} queries at positions {T - t_q}..{T - 1} over {T} keys, changing "
+                                f"key {T - 1} (by up to 100x, both signs) moved the output of query {T - 1} by "
+                                f"at most {float(last.min()):.3g} of the outputs' RMS about their mean in some row (more than "
+                                f"{tol:.2g} expected for {dtype_name(s.dtype)}): query i must see keys "
+                                f"<= i + Tk - Tq, its own position included", replay=base)
+    return result(det, "pass", f"the newest of {t_q} queries sees the newest of {T} keys (bottom-right)",
+                   value=float(last.min()), threshold=tol)

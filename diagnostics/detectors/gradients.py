@@ -1,0 +1,369 @@
+"""`gradients`: autograd's directional derivative matches finite differences on a float64 copy, and masked
+or future keys receive no gradient."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._core import skip
+from .._frames import frame_kind, user_frames
+from .._probe import Probe
+from .._registry import detector
+from .._result import DetectorResult, ProbeShape, Site
+from .._subject import MASK_CONVENTIONS, make_subject
+from .._tracing import GradientCut, declared_mask, mask_sites, site, stream_sites, trace_call, weights_origin
+from ._common import result
+
+PARAMETER_ENTRIES = 512
+"""The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
+
+GRADIENT_AGREEMENT = 1e-9
+"""|autograd - finite difference| / (|grad| |direction|) for the directional derivative of (out ** 2).sum() in
+float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5: ~1e-12 on smooth float64 layers;
+correct layers measured at most 5.7e-13, benchmarks/margins.py). A detached softmax at GPT-2's std-0.02
+initialisation measured 2.8e-7 at d_model 32, and 5.7e-9 at d_model 1 with two tokens: its q and k gradients
+are small there."""
+
+
+def _float64_twin(probe: Probe):
+    """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
+    s = probe.subject
+    layer = s.layer if s.form == "function" else copy.deepcopy(s.layer).to(torch.float64)
+    declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
+    twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
+                        mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
+    call, casts = twin._call, []
+
+    def in_float64(*args):
+        if casts and not any(casts):  # the first call cast nothing down: no need to watch every op
+            return call(*args)
+        with _KeepFloat64() as mode:
+            result = call(*args)
+        casts.append(mode.kept)
+        return result
+
+    twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
+    return twin
+
+
+class _KeepFloat64(TorchDispatchMode):
+    """Casts from float64 down to a lower precision stay float64: a layer that computes its softmax in float32
+    on purpose (Hugging Face's eager Llama and Gemma: softmax(..., dtype=torch.float32)) would otherwise add
+    float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure
+    that noise (2.5e-7 of |grad| |direction| measured on a correct eager Llama layer) instead of the gradient."""
+
+    kept = 0  # casts kept at float64
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if (func is torch.ops.aten._to_copy.default and args and isinstance(args[0], Tensor)
+                and args[0].dtype == torch.float64 and kwargs.get("dtype") in (torch.float32, torch.float16,
+                                                                                torch.bfloat16)):
+            kwargs["dtype"] = torch.float64
+            self.kept += 1
+        return func(*args, **kwargs)
+
+
+def _graph_call(sub, q, k, v, allowed) -> Tensor:
+    """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
+    like the subject's output."""
+    captured = []
+    if isinstance(sub.layer, torch.nn.Module):
+        handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            handle.remove()
+    else:
+        fn = sub.layer
+        sub.layer = lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1]
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            sub.layer = fn
+    raw = captured[-1] if captured else None
+    raw = raw[0] if isinstance(raw, (tuple, list)) else raw
+    def same(x):
+        if x.shape != shown.shape:
+            return False
+        if x.data_ptr() == shown.data_ptr() and x.stride() == shown.stride() and x.dtype == shown.dtype:
+            return True  # the returned tensor itself (detached)
+        return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
+
+    if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
+        raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
+    if not isinstance(raw, Tensor) or not same(raw):
+        raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
+    return raw
+
+
+@dataclass(frozen=True)
+class GradientReplay:
+    """What the gradient verdict was computed on: the float64 copy, its very inputs and mask, and what failed:
+    `through_masks` when gradient reached keys the mask (or causality) blocks, else the backward itself."""
+
+    twin: object  # the float64 copy of the subject
+    inputs: tuple  # the float64 inputs (query[, key[, value]]), detached
+    allowed: Tensor | None
+    through_masks: bool = False
+
+
+def _pack(xs):
+    """(query, key, value) from the gradient check's one, two or three inputs."""
+    return (xs[0], xs[1], xs[2]) if len(xs) == 3 else (xs[0], xs[1], xs[1]) if len(xs) == 2 else (xs[0], xs[0], xs[0])
+
+
+def gradient_sites(probe, result: DetectorResult) -> list[Site]:
+    replay = result.replay
+    if replay is None:
+        return []
+    return mask_gradient_sites(probe, replay) if replay.through_masks else backward_sites(probe, replay)
+
+
+def backward_sites(probe, replay: GradientReplay) -> list[Site]:
+    """On the float64 copy and the very inputs the check used: a `.detach()` (or no_grad block) on the way, else a
+    hand-written backward that ran."""
+    sub = replay.twin
+    inputs = [x.detach().clone().requires_grad_(True) for x in replay.inputs]
+    probe.seed_layer_rng()
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "return" and frame_kind(frame.f_code) == 0:
+            called.append(user_frames(frame))
+
+    try:
+        with torch.enable_grad():
+            cut = GradientCut()
+            with cut:
+                out = _graph_call(sub, *_pack(inputs), replay.allowed)
+            if cut.cut:
+                return [site(cut.cut, "detached", "the output of this call does not require grad though its input "
+                                                  "does: no gradient flows back through here")]
+            old = sys.getprofile()
+            sys.setprofile(profile)
+            try:
+                torch.autograd.grad((out ** 2).sum(), inputs, allow_unused=True)
+            finally:
+                sys.setprofile(old)
+    except Exception:
+        return []
+    hand = [f for f in called if f]
+    if hand:
+        return [site(hand[0], "backward", "a hand-written backward ran here: check it with torch.autograd.gradcheck")]
+    return []
+
+
+def mask_gradient_sites(probe, replay: GradientReplay) -> list[Site]:
+    """Gradient reaching keys a mask blocks (or the future): on the check's very inputs (in the layer's own
+    dtype) and mask, the masks, else the streams, else what made the weights (a second softmax gives blocked keys
+    weight back)."""
+    s = probe.subject
+    q, k, v = _pack([x.detach().to(s.dtype) for x in replay.inputs])
+    B, T, t_k = q.shape[0], q.shape[s.time_dim], k.shape[s.time_dim]
+    allowed = replay.allowed
+    trace = trace_call(s, q, k, v, allowed, seed=probe.seed)
+    if trace.output is None:
+        return []
+    declared = declared_mask(probe, B, T, t_k, allowed)
+    return (mask_sites(trace, declared, B, T, t_k) or (stream_sites(trace, s) if q is not k else [])
+            or weights_origin(probe, trace, allowed, T, t_k))
+
+
+@detector("gradients", "gradients are right: autograd's directional derivative of (out ** 2).sum() matches finite "
+          "differences in float64; for a causal layer no gradient flows from outputs to earlier positions' future "
+          "inputs, and keys a padding mask blocks get none",
+          targets=("detached softmax or attention under torch.no_grad()", "a custom autograd.Function with a wrong "
+                   "backward", "a backward that lets the future in", "gradient reaching masked keys"),
+          fix="compute attention with autograd on (no .detach(), no torch.no_grad()); check a custom backward with "
+              "torch.autograd.gradcheck", locate=gradient_sites)
+def check_gradients(probe: Probe) -> DetectorResult:
+    det, s = "gradients", probe.subject
+    B, T = probe.BATCH, min(probe.t, 6)  # gradient bugs do not need long sequences; keeps the cost constant
+    try:
+        sub = _float64_twin(probe)
+    except Exception as error:  # a layer that cannot be copied or converted: say so
+        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+    gen = probe.generator()
+    cross = s.separate_kv and not probe.causal
+    draw = lambda: sub.make(gen, B, T)  # noqa: E731
+    if s.form == "function":
+        inputs = [draw(), draw(), draw()]
+    elif cross:
+        inputs = [draw(), draw()]
+    else:
+        inputs = [draw()]
+    inputs = [x.requires_grad_(True) for x in inputs]
+    qkv = _pack
+    # where keys are an input apart from the queries, a padding mask: keys it blocks for every query must get
+    # exactly zero gradient, read from the same backward pass
+    # (only the last key, from T >= 3: every query keeps a choice of keys, which a detached softmax needs to show)
+    padded = s.takes_mask and len(inputs) >= 2 and T >= 3
+    allowed = probe.allowed(B, T, T, (torch.arange(T) < T - 1).expand(B, T, T) if padded else None)
+    def replay(through_masks: bool = False) -> GradientReplay:
+        return GradientReplay(sub, tuple(x.detach() for x in inputs), allowed, through_masks)
+
+    params = [p for p in (sub.layer.parameters() if isinstance(sub.layer, torch.nn.Module) else []) if p.requires_grad]
+    probe.passes += 7  # forward + backward (counted as two), four forwards for the finite differences (six when
+    # they disagree), causal: +3
+    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T}"
+                                        f"{', a padding mask' if padded else ''})", B, T, T,
+                                        None if allowed is None else allowed.cpu(), len(inputs) == 1,
+                                        backward=True))
+    try:
+        probe.seed_layer_rng()  # every call draws the same randomness (the audit restores the RNG)
+        with torch.enable_grad():
+            out = _graph_call(sub, *qkv(inputs), allowed)
+    except Exception as error:
+        return skip(det, f"the layer does not run as a float64 copy ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:160] if str(error) else ''}), and finite differences need "
+                         f"float64; if it raises in its own dtype too, see `runs`")
+    try:
+        with torch.enable_grad():
+            if out.grad_fn is None:
+                if params:
+                    return result(det, "fail", "no gradient reaches the output: attention runs without autograd",
+                                   value=0.0, threshold=0.0, evidence=f"the output has no grad_fn although the layer "
+                                   f"has {len(params)} trainable parameters (torch.no_grad() or .detach() inside)", replay=replay())
+                return DetectorResult(det, "skip", "not applicable: the layer has no trainable parameters and no "
+                                                   "differentiable path")
+            # inputs and parameters: a detached softmax hides little from the inputs' gradient of a layer whose
+            # logits are tiny (std-0.02 weights), but everything from W_Q's and W_K's
+            grads = torch.autograd.grad((out ** 2).sum(), inputs + params, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, grads)]
+        # finite everywhere iff the sum of squares is (float64: no overflow below 1e154), one pass each
+        if not math.isfinite(float(sum(g.square().sum() for g in grads))):
+            given = " with a padding mask" if padded else ""
+            if not bool(torch.isfinite(out).all()):
+                return result(det, "fail", f"the output is NaN or inf on an ordinary input{given}, and so are its "
+                               "gradients", value=math.inf, threshold=0.0,
+                               evidence=f"float64 copy, B={B}, T={T}{given}: {int((~torch.isfinite(out)).sum())} "
+                                        f"non-finite output values", replay=replay())
+            return result(det, "fail", f"gradients are NaN or inf on an ordinary input{given}", value=math.inf,
+                           threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs or "
+                                                   "parameters", replay=replay())
+        # inputs: Gaussian draws over every entry; parameters: Gaussian draws at up to PARAMETER_ENTRIES entries
+        # of each tensor, at pseudo-random places (a million-entry direction costs more than the whole check,
+        # and a detached or wrong backward is wrong at almost every entry of the weights it misses)
+        u_in = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in inputs]
+        picks = []  # per parameter: (flat indices, direction there)
+        with torch.no_grad():
+            for p in params:
+                if not p.is_contiguous():  # the float64 copy's own tensor: entries addressable through a flat view
+                    p.data = p.data.contiguous()
+        for p in params:
+            k = min(p.numel(), PARAMETER_ENTRIES)
+            # a low-discrepancy sequence of places (a permutation of a million entries costs more than the check)
+            spread = torch.arange(k, dtype=torch.float64).mul_(0.6180339887498949).add_(float(torch.rand((), generator=gen)))
+            index = spread.frac_().mul_(p.numel()).long().unique() if k < p.numel() else torch.arange(k)
+            picks.append((index.to(p.device), torch.randn(len(index), generator=gen, dtype=torch.float64).to(p.device)))
+        originals = [p.detach().reshape(-1)[i].clone() for p, (i, _) in zip(params, picks)]
+
+        def loss_at(eps: float) -> float:
+            # under grad mode, like the autograd call: torch's layers take fused fast paths without it
+            probe.seed_layer_rng()
+            with torch.no_grad():
+                for p, p0, (i, d) in zip(params, originals, picks):
+                    p.view(-1)[i] = p0 + eps * d  # the float64 copy's own parameters, never the user's
+            try:
+                with torch.enable_grad():
+                    out = sub(*qkv([(x + eps * d).detach() for x, d in zip(inputs, u_in)]), allowed).out
+                return float((out ** 2).sum())
+            finally:
+                with torch.no_grad():
+                    for p, p0, (i, _) in zip(params, originals, picks):
+                        p.view(-1)[i] = p0
+
+        def central(eps: float) -> float:
+            return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+
+        # Richardson extrapolation of two central differences: error O(eps^4), so that a sharp softmax (an
+        # unscaled T5-style layer: 1.6e-3 off with one difference at eps 1e-5) is measured to ~1e-10
+        eps = 1e-4
+        coarse, fine = central(eps), central(eps / 2)
+        fd = (4 * fine - coarse) / 3
+        # the gradient along the direction: every entry of the inputs', the picked entries of the parameters'
+        g_dir = grads[:len(inputs)] + [g.reshape(-1)[i] for g, (i, _) in zip(grads[len(inputs):], picks)]
+        u = u_in + [d for _, d in picks]
+        ad = float(sum((g * d).sum() for g, d in zip(g_dir, u)))
+        # relative to |grad| |u| on the direction's support, the most the directional derivative can be (it may
+        # be small by cancellation)
+        scale = max(math.sqrt(float(sum((g * g).sum() for g in g_dir)) * float(sum((d * d).sum() for d in u))), 1e-300)
+        rel = abs(fd - ad) / scale
+        limit = GRADIENT_AGREEMENT
+        if rel > limit:
+            # a layer that computes inside in float32 (a softmax upcast to float32 is common) makes the finite
+            # differences themselves noisy: two extrapolations from different step sizes disagree by that noise
+            fd_fine = (4 * central(eps / 4) - fine) / 3
+            limit = max(GRADIENT_AGREEMENT, 30 * abs(fd_fine - fd) / scale)
+        evidence = (f"along a pseudo-random direction of the inputs and parameters, autograd gives {ad:.6g} and extrapolated central "
+                    f"differences {fd:.6g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
+                    f"allowed: {GRADIENT_AGREEMENT:.0e}, or 30x the finite differences' own noise)")
+        if rel > limit:
+            return result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "
+                           "(a detached or hand-written backward)", value=rel, threshold=limit,
+                           evidence=evidence, replay=replay())
+        if probe.causal and T >= 2:
+            leak = _future_gradient(probe, sub, inputs, qkv, allowed)
+            if leak:
+                return result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
+                               "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence,
+                              replay=replay(through_masks=True))
+        checked = ""
+        if padded:
+            leak, checked = _masked_key_gradient(sub, inputs, grads[1:len(inputs)], allowed)
+            if leak:
+                return result(det, "fail", "masked keys receive gradient: the mask is applied after the softmax "
+                               "normalised over them, or not at all", value=1.0, threshold=0.0,
+                              evidence=leak + "; " + evidence, replay=replay(through_masks=True))
+        evidence += checked
+    except Exception as error:  # the layer raised on float64 or in backward: a finding about its gradients
+        return result(det, "fail", f"the backward pass (or the float64 copy) raised: {type(error).__name__}",
+                       value=None, evidence=str(error).splitlines()[0][:200] if str(error) else "",
+                       fix="make the layer differentiable in float64 (the check that catches wrong backwards)", replay=replay())
+    return result(det, "pass", "gradients agree with finite differences" + (" and do not flow from the past to "
+                   "the future" if probe.causal else ""), value=rel, threshold=limit, evidence=evidence)
+
+
+def _masked_key_gradient(sub, inputs, grads, allowed) -> tuple[str, str]:
+    """('', what was checked) if the key and value inputs got exactly zero gradient at the keys `allowed` blocks
+    for every query; else (the evidence, '')."""
+    t_dim = sub.time_dim
+    B, T = inputs[1].shape[0], inputs[1].shape[t_dim]
+    blocked = ~allowed.cpu().any(1)  # (B, Tk): keys no query may attend
+    if not bool(blocked.any()):
+        return "", ""
+    for name, g in zip(("key", "value") if len(inputs) == 3 else ("key/value input",), grads):
+        at = g.movedim(t_dim, -2).abs().amax(-1) if g.dim() > t_dim + 1 else g.abs()  # (B, [H,] Tk)
+        at = at.reshape(B, -1, T).amax(1)  # (B, Tk)
+        worst = float(at[blocked.to(g.device)].max())
+        if worst > 1e-12 * max(float(g.abs().max()), 1e-300):
+            return (f"(out ** 2).sum() has gradient up to {worst:.3g} w.r.t. {name} positions a padding mask blocks "
+                    f"for every query ({int(blocked.sum())} of them; must be exactly 0)"), ""
+    return "", f"; {int(blocked.sum())} keys a padding mask blocks get exactly zero gradient"
+
+
+def _future_gradient(probe: Probe, sub, inputs, qkv, allowed) -> str:
+    """'' if outputs up to the middle send no gradient to later inputs, else the evidence."""
+    t_dim = sub.time_dim
+    T = inputs[0].shape[t_dim]
+    c = (T - 1) // 2
+    probe.seed_layer_rng(0)
+    with torch.enable_grad():
+        out = _graph_call(sub, *qkv(inputs), allowed)
+        grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+    for name, x, g in zip(("query", "key", "value") if len(inputs) == 3 else ("input",), inputs, grads):
+        if g is None:
+            continue
+        later = g.narrow(t_dim, c + 1, T - c - 1).abs().max()
+        if float(later) > 1e-12 * max(float(g.abs().max()), 1e-300):
+            return (f"(out[:, :{c + 1}] ** 2).sum() has gradient up to {float(later):.3g} w.r.t. {name} positions "
+                    f"after t={c} (must be exactly 0)")
+    return ""

@@ -1,0 +1,114 @@
+"""`keys_matter`: the output depends on the keys and on the values."""
+
+from __future__ import annotations
+
+import torch
+
+from .._core import Case, Inputs, baseline_scale, compare, perturbed, relative_change, skip
+from .._probe import Probe
+from .._registry import LONG, SEPARATE_QUERY, detector
+from .._result import DetectorResult, Site
+from .._tracing import stream_sites, trace_call
+from ._common import judge, perturbation_gains
+
+
+def keys_sites(probe, result: DetectorResult) -> list[Site]:
+    """On the baseline of the draw that showed an input ignored (`result.replay`): the q·k or weights·v operand
+    computed from the wrong input stream."""
+    base = result.replay
+    if base is None:
+        return []
+    s = probe.subject
+    B, T = base.query.shape[0], base.query.shape[s.time_dim]
+    trace = trace_call(s, base.query, base.key, base.value, probe.allowed(B, T, T), seed=probe.seed)
+    return stream_sites(trace, s)
+
+
+PACKED_KEYS = 8
+"""From this many positions keys_matter changes keys and values in different sequences of one copy."""
+
+
+@detector("keys_matter", "the output depends on the keys and on the values: changing either input alone "
+          "moves it", targets=("q @ v^T instead of q @ k^T", "keys or values projected from the wrong stream"),
+          fix="scores = q @ k.transpose(-2, -1) with k = W_k(key); out = weights @ v with v = W_v(value)",
+          needs=(SEPARATE_QUERY, LONG), locate=keys_sites)  # with one key per query, the weights are 1 whatever the keys
+def check_keys_matter(probe: Probe) -> DetectorResult:
+    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
+    # the keys act only through the softmax: at d_k = 1 and std-0.02 initialisation a bfloat16 layer whose W_Q
+    # drew 0.0012 moved its output by exactly 0 (below its rounding) for keys pushed 10000x (15 of 400 seeds),
+    # so keys are pushed a million-fold outside float16 (whose range ends at 65504)
+    gains = {"key": (100.0,) if s.dtype == torch.float16 else (1e6,), "value": perturbation_gains(probe)}
+    # a cross-attention module takes one memory stream: its value cannot change without its key
+    streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
+    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and (where values
+    # are an input of their own) the values of sequence 1 (batch_independence checks that sequences do not mix;
+    # each row is read alone); with fewer, one copy per stream, every sequence changed: at seq_len 2 a correct
+    # bfloat16 layer's one sequence moved by exactly 0 when only its keys changed
+    packed = T >= PACKED_KEYS and B >= len(streams)
+    rows = {stream: torch.zeros(B, T, dtype=torch.bool) if packed else torch.ones(B, T, dtype=torch.bool)
+            for stream in streams}
+    if packed:
+        for b, stream in enumerate(streams):
+            rows[stream][b::len(streams)] = True
+    nothing = torch.zeros(B, T, dtype=torch.bool)
+
+    baselines: list[Inputs] = []  # each draw's baseline: the localiser replays the last
+
+    def attempt() -> list[float] | DetectorResult:
+        q = probe.make(B, T)
+        k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
+        base = Inputs(q, k, v) if "value" in streams else Inputs(q, k, k)
+        baselines.append(base)
+        changed = {stream: perturbed(probe, base, rows[stream], (stream,), gains=gains[stream])[0]
+                   for stream in streams}
+        if packed and "value" in streams:
+            cases = [Case(Inputs(q, changed["key"].key, changed["value"].value), hold=nothing,
+                          when="when only the keys of sequence 0 and the values of sequence 1 changed")]
+        else:
+            cases = [Case(changed[stream], hold=nothing, when=f"when only the {stream}s changed") for stream in streams]
+        comparison = compare(probe, base, cases, label="keys, values changed alone")
+        if isinstance(comparison, DetectorResult):
+            return comparison
+        # "moved" is measured against a null twin of the same call (the baseline stacked as often, nothing
+        # changed), not against the baseline rows: CPU kernels round a row by its place in the batch (a layer
+        # that ignores its values moved sequence 1 by 2.8e-7 of its RMS, against the baseline in rows 0-1, from
+        # rows 2-3 of the same call), while the same inputs in the same place give the same numbers exactly
+        null = compare(probe, base, [Case(base, hold=nothing, when="nothing changed")] * len(cases),
+                       label="keys, values: the same call with nothing changed")
+        if isinstance(null, DetectorResult):
+            return null
+        n = len(cases) + 1
+        real, twin = comparison.call.output.out.chunk(n), null.call.output.out.chunk(n)
+        scale = baseline_scale(real[0], centred=True) or None
+        changes = [relative_change(a, b, centred=True, scale=scale) for a, b in zip(real[1:], twin[1:])]
+        if any(c is None for c in changes):
+            return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
+                             "measured against it")
+        if packed:  # (B, [H,] Tq): the most each stream's rows moved
+            return [float(changes[0][rows[stream][:, 0]].max()) for stream in streams]
+        return [float(c.max()) for c in changes]
+
+    # moved at all: a layer that ignores an input computes the same numbers and moves by exactly 0 on every
+    # draw, while a correct layer at d_k = 1 and std-0.02 initialisation in bfloat16 moved by as little as 0.5%
+    # of its RMS, and by exactly 0 on one draw in a few hundred (keys that round alike, a query near 0): an input
+    # that did not move the output is drawn again, up to KEY_DRAWS times in all
+    tol, moved, draws = 0.0, None, 0
+    while draws < KEY_DRAWS and (moved is None or not all(m > tol for m in moved)):
+        reading = attempt()
+        if isinstance(reading, DetectorResult):
+            return reading
+        moved = reading if moved is None else [max(a, b) for a, b in zip(moved, reading)]
+        draws += 1
+    dead = [stream for stream, m in zip(streams, moved) if not m > tol]
+    evidence = "; ".join(f"changing every {stream}" + (f" of sequence {b}" if packed else "") +
+                         f" (x{gains[stream][0]:g}) moved the output by at most {m:.3g} of its RMS"
+                         for b, (stream, m) in enumerate(zip(streams, moved)))
+    drawn = f", over {draws} independent draws" if draws > 1 else ""
+    return judge(det, bool(dead), f"the output does not depend on the {' or the '.join(d + 's' for d in dead)}",
+                  "the output depends on the keys and on the values", value=min(moved), threshold=tol,
+                  evidence=f"{evidence}{drawn} (any change expected; a layer that ignores the input moves by exactly 0)",
+                 replay=baselines[-1])
+
+
+KEY_DRAWS = 3
+"""Independent draws keys_matter makes before an input that never moved the output is called ignored."""

@@ -1,0 +1,49 @@
+"""`output_shape`: the output is (B, Tq, D), also when the memory length differs from the query length."""
+
+from __future__ import annotations
+
+from .._core import not_run, skip
+from .._probe import Probe
+from .._registry import detector
+from .._result import DetectorResult, Site
+from .._tracing import stream_sites, trace_call
+from ._common import result
+
+
+def output_shape_sites(probe, result: DetectorResult) -> list[Site]:
+    """On the call whose output had the wrong shape: an operand of q·k or weights·v from the wrong stream."""
+    for call in result.replay or ():
+        if call.query is not call.key:
+            return stream_sites(trace_call(probe.subject, call.query, call.key, call.value, call.allowed,
+                                           seed=probe.seed), probe.subject)
+    return []
+
+
+@detector("output_shape", "output is (B, Tq, D), also when the memory length Tk differs from Tq",
+          targets=("self/cross-attention inputs swapped",),
+          fix="queries come from the decoder stream (query), keys and values from the memory",
+          locate=output_shape_sites)
+def check_output_shape(probe: Probe) -> DetectorResult:
+    det, s, B, T = "output_shape", probe.subject, probe.BATCH, probe.t
+    base = probe.base()
+    if not base.ok:
+        return not_run(det, base)
+    checks = [("the standard probe", base, s.expected_out_shape(B, T))]
+    unmeasured = ""
+    if s.separate_kv:
+        t_k = T + 3  # Tq != Tk: a cross-attention (or cached-decoding) call
+        q, k, v = probe.streams(B, T, t_k, cross=True)
+        call = probe.call(q, k, v, probe.allowed(B, T, t_k), label=f"query length {T}, memory length {t_k}")
+        if call.ok:
+            checks.append((f"query length {T}, memory length {t_k}", call, s.expected_out_shape(B, T)))
+        else:
+            unmeasured = f"query length {T}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
+    wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]
+    if wrong:
+        text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
+        return result(det, "fail", "the output has the wrong shape", evidence=text,
+                      replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want))
+    if unmeasured:
+        return skip(det, unmeasured)
+    return result(det, "pass", "output shape is (B, Tq, ...) " + ", ".join(
+        f"{tuple(c.output.out.shape)}" for _, c, _ in checks))

@@ -1,0 +1,98 @@
+"""`weight_row_sums`: the weights are non-negative and each row sums to 1 over the keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._core import not_run, skip
+from .._probe import Probe
+from .._registry import detector
+from .._result import DetectorResult, Site
+from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
+from .._tracing import trace_call, weights_origin
+from ._common import result
+
+
+def weights_sites(probe, result: DetectorResult) -> list[Site]:
+    """What made the weights of the very call they were read from (`result.replay`)."""
+    call = result.replay
+    if call is None:
+        return []
+    s = probe.subject
+    trace = trace_call(s, call.query, call.key, call.value, call.allowed, seed=probe.seed)
+    if trace.output is None:
+        return []
+    t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    return weights_origin(probe, trace, call.allowed, t_q, t_k)
+
+
+@detector("weight_row_sums", "weights are non-negative and each row sums to 1 over keys",
+          targets=("no softmax", "softmax over the wrong axis", "mask after softmax", "dropout in eval"),
+          fix="weights = softmax(masked scores, dim=-1)", locate=weights_sites)
+def check_weight_row_sums(probe: Probe) -> DetectorResult:
+    det, s, B, T = "weight_row_sums", probe.subject, probe.BATCH, probe.t
+    if s.takes_mask:  # blocked keys are where a mask applied after the softmax shows
+        q, k, v = probe.streams(B, T)
+        allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+        call = probe.call(q, k, v, allowed, label="a padding mask", observe=True)
+    else:
+        call = probe.base()
+    if not call.ok:
+        return not_run(det, call)
+    weights, source = probe.weights(call)
+    if weights is None:
+        call = probe.base()
+        weights, source = probe.recovered_weights()
+    if weights is None:
+        return skip(det, "the layer returns no (..., Tq, Tk) weights, no softmax over them and no fused attention "
+                         "call was observed (a function that accepts values of another width is read through v = I)")
+    t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
+    if weights.numel() % (B * T * t_k):
+        return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
+    w = weights.double().reshape(B, -1, T, t_k)  # (B, heads or 1, Tq, Tk)
+    allowed = call.allowed if call.allowed is not None else torch.ones(B, T, t_k, dtype=torch.bool)
+    nonempty = allowed.to(w.device).any(-1).unsqueeze(1)  # (B, 1, Tq): rows with a key to attend
+    tol = tolerance(ROW_SUM, s.dtype)
+    sums = w.sum(-1)  # (B, heads, Tq)
+    dev = (sums - 1).abs().nan_to_num(nan=math.inf)
+    rows = nonempty.expand_as(dev)
+    bad_rows = int((dev[rows] > tol).sum())
+    negative = w < -tol
+    total = int(rows.sum())
+    worst = float(dev[rows].max()) if total else 0.0
+    names = ("b", "h", "q") if w.shape[1] > 1 else ("b", "_", "q")
+    if bad_rows or negative.any():
+        parts = []
+        if bad_rows:
+            idx = tuple(int(i) for i in torch.unravel_index(torch.where(rows, dev, -1.0).argmax(), dev.shape))
+            parts.append(f"{bad_rows} / {total} weight rows ({100 * bad_rows / total:.1f}%) do not sum to 1 over "
+                         f"keys; worst row {at_text(idx, names)} sums to {number_text(float(sums[idx]))} "
+                         f"(|sum - 1| up to {tol:.2g} allowed for {dtype_name(s.dtype)})")
+        if negative.any():
+            idx = tuple(int(i) for i in torch.unravel_index(w.argmin(), w.shape))
+            parts.append(f"{int(negative.sum())} weights are negative, the least {number_text(float(w.min()))} at "
+                         f"{at_text(idx, names + ('k',))}")
+        return result(det, "fail", f"attention weights are not a distribution over keys ({source})",
+                       value=worst, threshold=tol, evidence="; ".join(parts), replay=call)
+    return result(det, "pass", f"all {total} weight rows sum to 1 and no weight is negative ({source})",
+                   value=worst, threshold=tol, margin=_row_sum_margin(s.dtype))
+
+
+def at_text(index: tuple[int, ...], names: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f"{n}={i}" for n, i in zip(names, index)) + ")"
+
+
+def number_text(x: float) -> str:
+    """A reading as a person writes it: inf and NaN by name, not 1.798e+308."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x) or abs(x) > 1e300:
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.4g}"
+
+
+def _row_sum_margin(dtype) -> str:
+    measured = MEASURED_ROW_SUM.get(dtype)
+    return f"correct layers measured <= {measured:.1e} at {dtype_name(dtype)}" if measured is not None else ""
