@@ -73,7 +73,7 @@ def build(depth: int, width: int, seq_len: int):
 
 def margins(seeds: int, dtype: torch.dtype = torch.float32) -> None:
     from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
-    from diagnostics._model import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR
+    from diagnostics.model import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR
 
     zoo = {"TinyGPT": lambda: TinyGPT(), "ProtocolGPT": lambda: ProtocolGPT(),
            "ProtocolGPT rotary window 5": lambda: ProtocolGPT(rotary=True, sliding_window=5),

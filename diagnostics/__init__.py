@@ -26,13 +26,13 @@ _WHERE = {
     "Detector": "._registry",
     "DetectorResult": "._result",
     "Finding": "._result",
-    "MODEL_DETECTORS": "._model",
-    "ModelReport": "._model",
+    "MODEL_DETECTORS": ".model",
+    "ModelReport": ".model",
     "Site": "._result",
     "adapters": None,  # a submodule
     "assert_attention_ok": "._audit",
     "audit": "._audit",
-    "audit_model": "._model",
+    "audit_model": ".model",
 }
 
 __all__ = [
@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from . import adapters
     from ._audit import assert_attention_ok, audit
     from ._errors import AuditUsageError
-    from ._model import MODEL_DETECTORS, ModelReport, audit_model
+    from .model import MODEL_DETECTORS, ModelReport, audit_model
     from ._registry import Detector
     from ._report import AttentionAuditError, AuditReport
     from ._result import DetectorResult, Finding, Site

@@ -1,12 +1,13 @@
-"""`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer from the command line.
+"""`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer or a whole model from the command line.
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
                     [--mask CONVENTION] [--layout bhtd|bthd]
-    attention-audit --model mymodule:make_model [--causal] [--seq-len N] [--json] [--html PATH]   (_model_cli.py)
+    attention-audit --model mymodule:make_model [--causal] [--seq-len N] [--json] [--html PATH]
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
-factory called with none. The current directory is importable, so `mymodule:layer` works from a scratch
-directory. Exit status:
+factory called with none; with `--model`, a model (an nn.Module), a class or a factory. The current directory
+is importable, so `mymodule:layer` works from a scratch directory. A model's causality is inferred unless
+`--causal` is given (the report says how). Exit status, for layers and models alike:
 
     0  passed: no detector failed and the core attention properties were measured (warnings allowed)
     1  failed: a detector failed (with --require / --strict, also a skip they turn into a failure)
@@ -23,99 +24,25 @@ of the report goes to /dev/null, as the Python docs advise for SIGPIPE, and the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
-import inspect
 import json
 import math
 import os
 import sys
-import warnings
 from pathlib import Path
 
-from ._errors import AuditUsageError, expect
+from ._errors import AuditUsageError
+from ._load import importable_from, load_layer, load_model, quiet_numpy_warning, resolve
 
 EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": EXIT_INCONCLUSIVE}
+"""A report's status (a layer's or a model's) as the exit status; 2, a usage error, has no report."""
+
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout"}
+LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout")  # options of a layer audit, not of a model's
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
-
-
-def quiet_numpy_warning() -> None:
-    """Torch built without NumPy beside it (the README's CPU set-up: `pip install torch==2.13.0`, no numpy)
-    warns "Failed to initialize NumPy" when it is imported; diagnostics never uses NumPy, so in the
-    command's own process that one warning is noise. Must run before torch is imported."""
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-
-
-def _import(module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise AuditUsageError(f"expected an importable module {module_name!r}; got ModuleNotFoundError: {error}. "
-                                  "Fix: run from the directory that holds it, or install its package") from None
-        raise AuditUsageError(f"expected module {module_name!r} to import; it raised ModuleNotFoundError: "
-                              f"{error}. Fix: install what it imports") from error
-    except Exception as error:  # the user's module failed at import: a usage error, not a finding
-        raise AuditUsageError(f"expected module {module_name!r} to import; it raised {type(error).__name__}: "
-                              f"{error}. Fix: make `python -c 'import {module_name}'` work first") from error
-
-
-def resolve(spec: str):
-    """'pkg.module:obj' (obj may be dotted, e.g. 'Model.attention') -> the object it names, unchanged."""
-    module_name, sep, attr = spec.partition(":")
-    expect(bool(sep and module_name and attr), "a target of the form pkg.module:object", repr(spec),
-           "name the object after a colon, e.g. mymodule:layer")
-    obj = _import(module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = sorted(n for n in dir(obj) if not n.startswith("_"))[:12]
-            raise AuditUsageError(f"expected {module_name} to define {attr!r}; got no attribute {part!r} "
-                                  f"(it has: {', '.join(names) or 'nothing public'}). Fix: check the name")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _required_positional(fn) -> int | None:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None  # a builtin: no signature to read
-    return sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
-def load_layer(spec: str):
-    """The layer a target names: the object itself if it is a layer (an nn.Module, or a function of
-    q, k, v); an instance if it is a class (built with no arguments); the result if it is a factory
-    (a function called with no arguments). Raises `AuditUsageError` with a one-line message."""
-    from torch import nn
-
-    obj = resolve(spec)
-    expect(callable(obj), "an attention layer, a class or a zero-argument factory",
-           f"{spec} = {type(obj).__name__} {obj!r:.60}", "point at the layer object, its class or a factory")
-    if isinstance(obj, type):
-        try:
-            return obj()
-        except Exception as error:
-            raise AuditUsageError(f"expected class {spec} to build with no arguments; got {type(error).__name__}: "
-                                  f"{error}. Fix: add a factory, e.g. def make_layer(): return "
-                                  f"{obj.__name__}(d_model=64, num_heads=4), and audit module:make_layer") from error
-    if isinstance(obj, nn.Module):
-        return obj
-    if _required_positional(obj) == 0:  # a factory
-        try:
-            layer = obj()
-        except Exception as error:
-            raise AuditUsageError(f"expected factory {spec}() to return a layer; it raised {type(error).__name__}: "
-                                  f"{error}. Fix: make it callable with no arguments") from error
-        expect(callable(layer) and not isinstance(layer, type),
-               "the factory to return a layer (a module or a function)", f"{spec}() returned {type(layer).__name__}",
-               "return the layer instance")
-        return layer
-    return obj  # an attention function f(q, k, v, mask=None)
 
 
 def _jsonable(value):
@@ -201,9 +128,7 @@ def _html_path_problem(path: str) -> str | None:
 def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int:
     quiet_numpy_warning()  # before the first import of torch, which the layer's module may do too
     args = _parser(prog).parse_args(argv)
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)  # `mymodule:layer` from a scratch directory
+    importable_from(os.getcwd())  # `mymodule:layer` from a scratch directory
 
     def usage(message: str) -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
@@ -219,12 +144,11 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
         if problem:
             return usage(problem)  # now, not after an audit whose report could not be saved
     if args.model is not None:
-        from ._model_cli import run
-
-        return run(args, prog, usage)
+        return audit_model_command(args, prog, usage)
     if args.target is None:
         return usage("expected a target MODULE:OBJECT (a layer), or --model MODULE:OBJECT (a model). "
                      "Fix: e.g. attention-audit mymodule:layer")
+    # imported here, not at the top: they import torch, which must come after quiet_numpy_warning()
     from ._audit import audit
     from ._subject import check_seq_len, make_subject
 
@@ -246,16 +170,45 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
     return emit(report, args, prog, usage)
 
 
+def audit_model_command(args, prog: str, usage) -> int:
+    """The `--model` branch of main(): options that belong to a layer audit are usage errors."""
+    given = [f"--{name.replace('_', '-')}" for name in LAYER_ONLY if getattr(args, name, None) is not None]
+    given += ["--require"] if args.require else []
+    given += ["--strict"] if args.strict else []
+    if args.target is not None:
+        return usage(f"expected either MODULE:OBJECT (a layer) or --model MODULE:OBJECT; got both "
+                     f"({args.target} and --model {args.model}). Fix: drop one")
+    if given:
+        return usage(f"expected only --causal, --seq-len, --json and --html with --model; got {', '.join(given)}. "
+                     f"Fix: drop them (the model's own call sets them for each layer)")
+    from .model import audit_model  # here, not at the top: it imports torch, after quiet_numpy_warning()
+
+    try:
+        model = load_model(args.model)
+        progress = None
+        if sys.stderr.isatty():
+            def progress(stage, index, total):
+                sys.stderr.write(f"\r\x1b[Kauditing {stage}")
+                sys.stderr.flush()
+        report = audit_model(model, causal=True if args.causal else None, seq_len=args.seq_len, progress=progress,
+                             _options=OPTIONS)
+        if progress is not None:
+            sys.stderr.write("\r\x1b[K")
+    except AuditUsageError as error:
+        return usage(str(error))
+    return emit(report, args, prog, usage)
+
+
 def emit(report, args, prog: str, usage) -> int:
     """Print a layer's or a model's report (`--json`, else the text and any `file:line:` annotations), write
-    `--html`, and return the exit status: what `main()` and its `--model` branch end with."""
+    `--html`, and return the exit status: what both branches of `main()` end with."""
     status = EXIT_STATUS[report.status]
     try:
         if args.json:
             print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
         else:
             print(report)
-            annotations = report.annotations() if report.findings and hasattr(report, "annotations") else []
+            annotations = report.annotations()
             if annotations:  # file:line: lines, for editors and CI annotations
                 print("\n" + "\n".join(annotations))
         sys.stdout.flush()
@@ -276,5 +229,5 @@ def emit(report, args, prog: str, usage) -> int:
     return status
 
 
-__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "OPTIONS", "emit",
-           "load_layer", "main", "quiet_numpy_warning", "resolve"]
+__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "LAYER_ONLY", "OPTIONS",
+           "audit_model_command", "emit", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve"]

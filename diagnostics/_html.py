@@ -1,5 +1,5 @@
 """HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector
-results, and `write_report_html` behind `AuditReport.to_html`.
+results, `write_report_html` behind `AuditReport.to_html` and `model_report_html` behind `ModelReport.to_html`.
 
 Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline
 SVG, no scripts, no images, nothing fetched. The test suite's teaching report (buggy_variants/teaching_report.py) builds on
@@ -178,8 +178,9 @@ def heatmap_svg(weights: torch.Tensor, *, vmax: float | None = None, label: str 
             f'shape-rendering="crispEdges">' + "".join(parts) + "</svg>")
 
 
-def results_table(results) -> str:
-    """The detector readings: verdict, message, measured value against its threshold, evidence and fix."""
+def results_table(results, *, layers: bool = False) -> str:
+    """The detector readings: verdict, message, measured value against its threshold, evidence and fix;
+    `layers`: with a column for the layer each result names (a model audit's)."""
     rows = []
     for r in results:
         fix = f"<code>{escape(r.fix)}</code>" if r.fix and r.fired else ""
@@ -188,13 +189,14 @@ def results_table(results) -> str:
         if r.fired and r.where:  # the first site; the finding's block (finding_html) lists them all
             margin += (f'<div class="margin">where: <code>{escape(r.where[0].path)}:{r.where[0].line}</code> '
                        f'<code>{escape(r.where[0].code)}</code></div>')
-        rows.append(f'<tr><td><code>{escape(r.detector)}</code></td><td>{verdict_badge(r.verdict)}</td>'
+        layer = f'<td><code>{escape(r.layer or "")}</code></td>' if layers else ""
+        rows.append(f'<tr><td><code>{escape(r.detector)}</code></td><td>{verdict_badge(r.verdict)}</td>{layer}'
                     f'<td>{escape(r.message)}</td><td class="num">{number(r.value)}</td>'
                     f'<td class="num">{number(r.threshold)}</td><td>{escape(r.evidence)}{margin}</td>'
                     f'<td>{fix}</td></tr>')
-    return ('<table class="results"><thead><tr><th>detector</th><th>verdict</th><th>reading</th><th>value</th>'
-            '<th>threshold</th><th>evidence</th><th>fix</th></tr></thead><tbody>' + "".join(rows) +
-            "</tbody></table>")
+    return ('<table class="results"><thead><tr><th>detector</th><th>verdict</th>' + ("<th>layer</th>" if layers else "")
+            + '<th>reading</th><th>value</th><th>threshold</th><th>evidence</th><th>fix</th></tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table>")
 
 
 def where_html(sites) -> str:
@@ -213,8 +215,9 @@ def where_html(sites) -> str:
 
 def finding_html(r) -> str:
     """One warn/fail result as a block: what fired, the evidence, where in the code, and what to write instead."""
+    at = f' at <code>{escape(r.layer)}</code>' if r.layer else ""
     return (f'<div class="finding {escape(r.verdict)}"><p>{verdict_badge(r.verdict)} <code>{escape(r.detector)}'
-            f'</code>: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
+            f'</code>{at}: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
             f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
 
 
@@ -248,3 +251,46 @@ body {{ margin: 24px; }}</style></head>
 </body></html>
 """
     Path(path).write_text(page, encoding="utf-8")
+
+
+STATUS_LOOK = {"passed": "pass", "failed": "fail", "inconclusive": "warn"}  # a status in its verdict's colours
+
+
+def status_badge(status: str) -> str:
+    return f'<span class="verdict v-{STATUS_LOOK.get(status, "skip")}">{escape(status)}</span>'
+
+
+def model_report_html(report, *, standalone: bool = True) -> str:
+    """A model audit (a `ModelReport`) as HTML: status, the attention modules found, the model-level results
+    with the layer each names, the layers audited in place, and every finding with its sites. `standalone`:
+    a whole page; else the body, for a host page that has `STYLE`."""
+    found = "".join(f"<tr><td><code>{escape(f.path)}</code></td><td>{escape(f.cls)}</td><td>{escape(f.how)}"
+                    f"{'' if f.called else '; not called by the forward: not audited'}</td></tr>" for f in report.found)
+    layers = "".join(
+        f"<tr><td><code>{escape(p)}</code></td><td>{status_badge(rep.status)}</td><td>"
+        f"{escape(', '.join(f'{r.detector} {r.verdict}' for r in rep.results if r.fired or r.verdict == 'error'))}"
+        f"</td></tr>" for p, rep in report.layers.items())
+    findings = "".join(finding_html(r) for r in report.findings)
+    notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes)
+    body = (f'<h1>Model audit of {escape(report.model)}: {escape(report.status.upper())}</h1>'
+            f'<p>{escape(report.status_reason)}</p>'
+            f'<p class="meta">{"causal" if report.causal else "not causal"} ({escape(report.causal_source)}), '
+            f'seq_len {report.seq_len}, {escape(report.dtype)}, {report.model_forwards} model forwards + '
+            f'{report.layer_calls} layer calls, {report.seconds:.2f} s</p>'
+            + (f"<ul class='meta'>{notes}</ul>" if notes else "") +
+            f'<h2>Findings</h2>{findings or "<p>No findings: every detector passed or was skipped.</p>"}'
+            f'<h2>Attention modules found</h2><table class="results"><thead><tr><th>module</th><th>class</th>'
+            f'<th>how</th></tr></thead><tbody>{found or "<tr><td colspan=3>none</td></tr>"}</tbody></table>'
+            f'<h2>Model-level detectors</h2>{results_table(report.results, layers=True)}'
+            f'<h2>Layers, audited in place</h2><table class="results"><thead><tr><th>layer</th><th>status</th>'
+            f'<th>findings</th></tr></thead><tbody>{layers}</tbody></table>')
+    if not standalone:
+        return body
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>model audit of '
+            f'{escape(report.model)}: {escape(report.status.upper())}</title><style>{STYLE}\nbody {{ margin: 24px; }}'
+            f'</style></head>\n<body class="am">{body}</body></html>\n')
+
+
+def write_model_report_html(report, path) -> None:
+    """Write `report` (a ModelReport) to `path` as one self-contained HTML page."""
+    Path(path).write_text(model_report_html(report), encoding="utf-8")

@@ -1,5 +1,8 @@
-"""What an audit returns: the report of a layer (`AuditReport`) and how it reads as text, JSON, editor
-annotations and HTML. The model audit's report (`ModelReport`) renders through the same functions."""
+"""What an audit returns: the report of a layer (`AuditReport`) and how a report reads as text, JSON, editor
+annotations, HTML and an exit status. The model audit's report (`diagnostics.model.ModelReport`) renders its
+results through the same functions: `result_rows`, `finding_lines`, `result_dict`, `annotation_lines`,
+and `Report`, the behaviour both share. (A status as an exit status is `_cli.EXIT_STATUS`, which the command
+reads before torch is imported.)"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._errors import AuditUsageError
+from ._html import write_report_html
 from ._result import DetectorResult
 
 
@@ -22,8 +26,88 @@ neither (no softmax or fused attention seen, no weights returned) is inconclusiv
 STATUSES = ("passed", "failed", "inconclusive")
 
 
+def result_rows(results, *, indent: str = "  ") -> list[str]:
+    """One line per result: `detector  VERDICT  message`, aligned, and `[at layer]` where it names one."""
+    width = max((len(r.detector) for r in results), default=0)
+    return [f"{indent}{r.detector:<{width}}  {r.verdict.upper():<5}  {r.message}" + (f"  [at {r.layer}]" if r.layer else "")
+            for r in results]
+
+
+def labelled(label: str, text: str) -> str:
+    """`  label:    text`, the labels of a finding's block aligned."""
+    return f"  {label + ':' if label else '':<9} {text}"
+
+
+def finding_lines(r: DetectorResult, *, about: tuple = ()) -> list[str]:
+    """A finding's block: `VERDICT detector[ at layer]: message`, then `about` ((label, text) pairs), the
+    evidence, its sites (`where:`), and the fix (none for a crash of diagnostics, which the user cannot fix)."""
+    at = f" at {r.layer}" if r.layer else ""
+    lines = [f"{r.verdict.upper()} {r.detector}{at}: {r.message}"] + [labelled(k, v) for k, v in about]
+    if r.evidence:
+        lines.append(labelled("evidence", r.evidence))
+    lines += [labelled("where" if n == 0 else "", site.describe()) for n, site in enumerate(r.where)]
+    if r.fix and r.verdict != "error":
+        lines.append(labelled("fix", r.fix))
+    return lines
+
+
+def result_dict(r: DetectorResult) -> dict:
+    """A result as JSON-ready data (the sites read, so that they travel)."""
+    return {"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
+            "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix,
+            "where": [site.to_dict() for site in r.where]}
+
+
+def annotation_lines(findings) -> list[str]:
+    """One `file:line: error|warning|note: detector: message` line per site of each finding, the format
+    editors and CI annotate: the first site of a finding carries its message, the others their reason."""
+    lines = []
+    for r in findings:
+        at = f" (at {r.layer})" if r.layer else ""
+        for n, site in enumerate(r.where):
+            kind = ("error" if r.verdict == "fail" else "warning") if n == 0 else "note"
+            text = r.message + at if n == 0 else "; ".join(x for x in (site.op, site.note) if x)
+            lines.append(f"{site.path}:{site.line}: {kind}: {r.detector}: {text}")
+    return lines
+
+
+def find_result(results, detector: str, fix: str) -> DetectorResult:
+    """The result of `detector` among `results`; a clear error (with `fix`) if it is not there."""
+    for r in results:
+        if r.detector == detector:
+            return r
+    raise AuditUsageError(f"expected the id of a detector this audit ran ({', '.join(r.detector for r in results) or 'none'}); "
+                          f"got {detector!r}. Fix: {fix}")
+
+
+class Report:
+    """What a layer's and a model's report share: the status, the findings, and raising unless it passed."""
+
+    failure: type = AssertionError  # what raise_for_findings raises
+    status: str
+
+    @property
+    def passed(self) -> bool:
+        """True only when no detector failed and the core properties were measured (status "passed");
+        warnings do not fail an audit, an inconclusive one is not passed."""
+        return self.status == "passed"
+
+    def annotations(self) -> list[str]:
+        """`file:line: error|warning|note: detector: message` lines for the findings' sites (`annotation_lines`)."""
+        return annotation_lines(self.findings)
+
+    def raise_for_findings(self) -> None:
+        """Raise `failure` with the report unless the audit passed (failed or inconclusive)."""
+        __tracebackhide__ = True
+        if not self.passed:
+            raise self.failure(str(self))
+
+
 @dataclass
-class AuditReport:
+class AuditReport(Report):
+    """A layer's audit: every detector's result, the status and why, and the standard probe's weights."""
+
+    failure = AttentionAuditError
     layer: str
     results: list[DetectorResult]
     causal: bool
@@ -39,22 +123,12 @@ class AuditReport:
     status_reason: str = ""
 
     @property
-    def passed(self) -> bool:
-        """True only when no detector failed and the core properties were measured (status "passed");
-        warnings do not fail an audit, an inconclusive one is not passed."""
-        return self.status == "passed"
-
-    @property
     def findings(self) -> list[DetectorResult]:
         return [r for r in self.results if r.fired]
 
     def result(self, detector: str) -> DetectorResult:
         """The result of one detector; a clear error if it was not part of this audit."""
-        for r in self.results:
-            if r.detector == detector:
-                return r
-        raise AuditUsageError(f"expected the id of a detector this audit ran ({', '.join(r.detector for r in self.results) or 'none'}); "
-                              f"got {detector!r}. Fix: run it (detectors=[..., {detector!r}]) or check the spelling")
+        return find_result(self.results, detector, f"run it (detectors=[..., {detector!r}]) or check the spelling")
 
     def fired(self) -> dict[str, str]:
         """{detector id: verdict} for the detectors that warned or failed."""
@@ -68,39 +142,14 @@ class AuditReport:
         if self.status_reason:
             lines.append(f"  {self.status_reason}")
         if self.results:
-            width = max(len(r.detector) for r in self.results)
-            lines += [""] + [f"  {r.detector:<{width}}  {r.verdict.upper():<5}  {r.message}" for r in self.results]
+            lines += [""] + result_rows(self.results)
         for r in self.results:
             if r.fired or r.verdict == "error":
-                lines += ["", f"{r.verdict.upper()} {r.detector}: {r.message}"]
-                if r.evidence:
-                    lines.append(f"  evidence: {r.evidence}")
-                lines += [f"  {'where:' if n == 0 else '':<9} {site.describe()}" for n, site in enumerate(r.where)]
-                if r.fix and r.verdict != "error":
-                    lines.append(f"  fix:      {r.fix}")
+                lines += [""] + finding_lines(r)
         return "\n".join(lines)
-
-    def annotations(self) -> list[str]:
-        """One `file:line: error|warning|note: detector: message` line per site of each finding, the format
-        editors and CI annotate: the first site of a finding carries its message, the others their reason."""
-        lines = []
-        for r in self.findings:
-            for n, site in enumerate(r.where):
-                kind = ("error" if r.verdict == "fail" else "warning") if n == 0 else "note"
-                text = r.message if n == 0 else "; ".join(x for x in (site.op, site.note) if x)
-                lines.append(f"{site.path}:{site.line}: {kind}: {r.detector}: {text}")
-        return lines
-
-    def raise_for_findings(self) -> None:
-        """Raise `AttentionAuditError` with the report unless the audit passed (failed or inconclusive)."""
-        __tracebackhide__ = True
-        if not self.passed:
-            raise AttentionAuditError(str(self))
 
     def to_html(self, path) -> None:
         """Write a self-contained HTML page: findings, evidence, fixes, and heatmaps of the weights."""
-        from ._html import write_report_html
-
         write_report_html(self, path)
 
     def to_dict(self) -> dict:
@@ -108,8 +157,9 @@ class AuditReport:
             "layer": self.layer, "status": self.status, "status_reason": self.status_reason, "passed": self.passed,
             "causal": self.causal, "seq_len": self.seq_len, "dtype": self.dtype, "device": self.device,
             "forward_passes": self.forward_passes, "seconds": round(self.seconds, 4),
-            "results": [{"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
-                         "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix,
-                         "where": [site.to_dict() for site in r.where]}
-                        for r in self.results],
+            "results": [result_dict(r) for r in self.results],
         }
+
+
+__all__ = ["CORE", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines", "find_result", "finding_lines",
+           "labelled", "result_dict", "result_rows"]

@@ -2,7 +2,7 @@
 
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
            [--attention-require=DET]... [--attention-strict]
-    pytest --attention-audit-model=mymodule:make_model   (a whole model: see _model_plugin.py)
+    pytest --attention-audit-model=mymodule:make_model   (a whole model: see diagnostics/model/_plugin.py)
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
 detector fails its test and shows the evidence and the fix; a warning passes with an
@@ -22,7 +22,6 @@ a test requests the `attention_audit` fixture (`python benchmarks/plugin_overhea
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,8 +29,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from ._errors import AuditUsageError
+from ._load import importable_from, load_layer, quiet_numpy_warning
+
 if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, the audit needs torch
-    from ._audit import AuditReport
+    from ._report import AuditReport
     from ._result import DetectorResult
 
 
@@ -55,9 +57,7 @@ class DetectorFailed(Exception):
 
 def _import_torch_quietly() -> None:
     """Import torch (once) without the "Failed to initialize NumPy" warning a torch without NumPy beside it
-    gives at import (see `_cli.quiet_numpy_warning`); later imports of it, by the user's module, are silent."""
-    from ._cli import quiet_numpy_warning
-
+    gives at import (see `_load.quiet_numpy_warning`); later imports of it, by the user's module, are silent."""
     with warnings.catch_warnings():
         quiet_numpy_warning()
         import torch  # noqa: F401
@@ -122,15 +122,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     specs, models = config.getoption("attention_audit"), config.getoption("attention_audit_model")
     if not specs and not models:
         return
-    here = str(config.invocation_params.dir)
-    if here not in sys.path:
-        sys.path.insert(0, here)  # `mymodule:layer` from the directory pytest runs in
+    importable_from(config.invocation_params.dir)  # `mymodule:layer` from the directory pytest runs in
     for spec in specs:
         target = AuditTarget.from_parent(session, path=config.rootpath / "attention-audit", spec=spec)
         items.extend(session.genitems(target))
     if models:
         _import_torch_quietly()
-        from ._model_plugin import ModelAuditTarget
+        from .model._plugin import ModelAuditTarget  # here: it imports torch and the audit
 
         for spec in models:
             target = ModelAuditTarget.from_parent(session, path=config.rootpath / "attention-audit-model", spec=spec)
@@ -159,9 +157,7 @@ class AuditTarget(pytest.File):
 
     def collect(self):
         _import_torch_quietly()
-        from ._cli import load_layer
-        from . import DETECTORS
-        from ._errors import AuditUsageError
+        from . import DETECTORS  # here, not at the top: they import torch
         from ._subject import check_seq_len, make_subject
 
         seq_len = self.config.option.attention_seq_len
@@ -216,17 +212,12 @@ class AuditItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, DetectorFailed):
-            from . import DETECTORS
+            from . import DETECTORS  # here, not at the top: they import torch
+            from ._report import finding_lines
 
             r, report = excinfo.value.result, excinfo.value.report
-            lines = [f"{r.verdict.upper()} {r.detector}: {r.message}", f"  layer:    {_settings(report)}",
-                     f"  checks:   {DETECTORS[r.detector].description}"]
-            if r.evidence:
-                lines.append(f"  evidence: {r.evidence}")
-            lines += [f"  {'where:' if n == 0 else '':<9} {site.describe()}" for n, site in enumerate(r.where)]
-            if r.fix and r.verdict != "error":  # a crash of the detector has no fix on the layer's side
-                lines.append(f"  fix:      {r.fix}")
-            return "\n".join(lines)
+            about = (("layer", _settings(report)), ("checks", DETECTORS[r.detector].description))
+            return "\n".join(finding_lines(r, about=about))
         return super().repr_failure(excinfo, style=style)
 
     def reportinfo(self):

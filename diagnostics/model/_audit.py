@@ -1,0 +1,221 @@
+"""audit_model(): every attention layer of a model audited in place, plus the properties only a model has.
+
+1. **Find** the attention modules (`_find`): by class, or by the softmax over (Tq, Tk) scores or fused SDPA call
+   they run in one observed forward.
+2. **Capture** what the model really passes each of them, at the audit's length T and at T - 1, and audit each
+   with `diagnostics.audit()` through an in-place wrapper (`_inplace`): the model's call is the convention.
+3. **Model-level detectors** (`MODEL_DETECTORS`, one module per family in this package), on the model's own
+   outputs, each run by the registry's `run()` with its needs and the one crash rule: an exception raised in the
+   user's model is a finding about it, one raised in diagnostics' own code an `error` that makes the audit
+   inconclusive. Parity tolerances: `_tolerance`.
+
+The model, its modes, parameters, buffers, gradients, attention implementation and the global RNG are left as
+they were (`_guard.untouched`). A model that raises on the audit's inputs is a finding (`model_runs`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch import nn
+
+from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
+from .._audit import audit
+from .._errors import AuditUsageError, expect
+from .._guard import untouched
+from .._registry import DETECTORS, MODEL_DETECTORS, run
+from .._result import DetectorResult
+from .._thresholds import dtype_name
+# the model-level detectors register as they are imported, in the order they run and are reported
+from . import runs  # noqa: I001
+from . import causality, cache, padding, backends, gradients, window  # noqa: F401, I001
+from ._context import ModelContext
+from ._find import FoundModule, find_attention, observe_attention
+from ._inplace import build_in_place, capture_calls, declared_scale
+from ._report import ModelReport
+from ._runner import Runner, device_dtype, float_dtype, model_context
+
+
+def infer_causal(model, causal, runner) -> tuple[bool, str]:
+    """Whether the model is causal, and how that was decided (as given, inferred from what, or assumed not)."""
+    if causal is not None:
+        expect(isinstance(causal, bool), "causal=True, False or None", f"causal={causal!r}", "pass a bool")
+        return causal, "as given"
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if re.search(r"CausalLM|LMHeadModel", name):
+        return True, f"inferred: {name} is a causal LM"
+    if config is not None and getattr(config, "is_decoder", False):
+        return True, "inferred: config.is_decoder"
+    if runner.encoder_decoder:
+        return True, "inferred: an encoder-decoder, whose decoder is causal (the decoder inputs are what changes)"
+    for attr in ("causal", "is_causal"):
+        if getattr(model, attr, None) is True:
+            return True, f"inferred: model.{attr} is True"
+    return False, "assumed: nothing says the model is causal; pass causal=True if it is"
+
+
+def model_status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
+                 unaudited: tuple = ()) -> tuple[str, str]:
+    """("passed" | "failed" | "inconclusive", why)."""
+    failed = [r.detector for r in results if r.verdict == "fail"]
+    failed_layers = [p for p, rep in layers.items() if rep.status == "failed"]
+    if failed or failed_layers:
+        per_layer = [f"{p} ({', '.join(r.detector for r in rep.results if r.verdict == 'fail')})"
+                     for p, rep in layers.items() if rep.status == "failed"]
+        return "failed", "failed: " + ", ".join(failed + per_layer)
+    if not found:
+        return "inconclusive", ("inconclusive: no attention module was found (no torch, timm or Hugging Face attention "
+                                "class, and no softmax over (Tq, Tk) scores or fused attention observed)")
+    if unaudited and layers_chosen:
+        return "inconclusive", f"inconclusive: {', '.join(unaudited)} could not be audited in place (see the notes)"
+    if not layers and layers_chosen:
+        return "inconclusive", "inconclusive: no attention module was audited"
+    if not layers_chosen and not any(r.measured for r in results if r.detector != runs.ID):
+        return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
+    errors = [r.detector for r in results if r.verdict == "error"]
+    if errors:
+        return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"
+    open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive"]
+    if open_layers:
+        return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured"
+    prefix = next((r for r in results if r.detector == causality.ID), None)
+    if causal and prefix is not None and not prefix.measured:
+        return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"
+    return "passed", ""
+
+
+def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
+                detectors: list[str] | None = None, progress=None, _options: dict | None = None) -> ModelReport:
+    """Audit a whole model: find its attention modules, audit each in place with the arguments the model passes
+    it, and run the model-level detectors (`MODEL_DETECTORS`). Returns a `ModelReport` (status "passed",
+    "failed" or "inconclusive"; `findings` each with `.layer`, the module path, or None for the model).
+
+    `example`: token ids (B, T), embeddings (B, T, D), or a dict of the model's inputs; None builds one from the
+    model (a Hugging Face config's `vocab_size` or image size, an nn.Embedding, torch's transformer stacks).
+    `causal`: None infers it (a causal-LM class, `config.is_decoder`, an encoder-decoder's decoder, a truthy
+    `model.causal`), else the report says it assumed non-causal. `seq_len`: the audit's length (default: the
+    example's, else min(16, the model's context)). `detectors`: ids from `MODEL_DETECTORS` and the layer
+    detectors (`DETECTORS`); None runs all. `progress`: callable(stage, index, total). `_options`: for front
+    ends, how the user spells each option ({"causal": "--causal"}), used in the messages."""
+    expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
+           "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
+    expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
+           "seq_len an int >= 2 or None", f"seq_len={seq_len!r}", "pass e.g. seq_len=16")
+    expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
+           "detectors: a list of detector ids", f"detectors={detectors!r}", "e.g. detectors=['prefix_causality']")
+    known = set(MODEL_DETECTORS) | set(DETECTORS)
+    unknown = [d for d in (detectors or []) if d not in known]
+    expect(not unknown, f"detector ids from {sorted(known)}", f"{unknown}", "check the spelling")
+    chosen = set(known if detectors is None else detectors)
+    started = time.perf_counter()
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None) if config is not None else None
+    context = model_context(model)
+    if seq_len is not None and context is not None:
+        expect(seq_len <= context, f"seq_len <= {context}, the model's context", f"seq_len={seq_len}",
+               f"pass seq_len={context} or less")
+    runner = Runner(model, example, seq_len=seq_len, seed=seed)
+    if seq_len is not None and runner.sequence and example is not None and runner.inputs.shape[1] != seq_len:
+        runner.inputs = runner.inputs[:, :seq_len]
+    T = runner.inputs.shape[1] if runner.sequence else 0
+    expect(not runner.sequence or T >= 2, "an example of at least 2 positions", f"length {T}", "pass a longer example")
+    causal_, source = infer_causal(model, causal, runner)
+    runner.pass_causal = causal_ and runner.causal_mask_name is not None
+    dtype = float_dtype(model)
+    results: list[DetectorResult] = []
+    layers: dict = {}
+    notes: list[str] = []
+    if runner.dropped:
+        notes.append(f"the example's {', '.join(runner.dropped)} not passed: each check builds the masks and positions "
+                     f"it needs (token_type_ids: the model's default)")
+
+    def tick(stage, i, n):
+        if progress is not None:
+            progress(stage, i, n)
+
+    with untouched(model, device_dtype(model)[0]):
+        tick("discover", 0, 1)
+        observed, error, raised_in, observe_note = observe_attention(runner)
+        if observe_note:
+            notes.append(observe_note)
+        found = find_attention(model, observed)
+        named = dict(model.named_modules())
+        modules = {f.path: named[f.path] for f in found}
+        runs_msgs, run_layer = [], None
+        if error:
+            if raised_in is not None:
+                run_layer = next((p for p in modules if raised_in == p or raised_in.startswith(p + ".")), raised_in)
+                error = f"raised inside {run_layer} ({type(named[run_layer]).__name__}): {error}"
+            runs_msgs.append(f"the example: {error}")
+        long_calls, error = capture_calls(runner, modules, runner.inputs[:1]) if modules else ({}, None)
+        if error and not runs_msgs:
+            runs_msgs.append(f"the example: {error}")
+        short_calls = {}
+        if runner.sequence and T >= 3 and modules:
+            short_calls, error = capture_calls(runner, modules, runner.inputs[:1, :T - 1])
+            if error:
+                runs_msgs.append(f"the example's first {T - 1} positions: {error}")
+        found = [FoundModule(f.path, f.cls, f.how, f.path in long_calls) for f in found]
+        # every module the forward calls is watched by the model-level checks, whether or not it can be audited
+        # in place: a layer left out would pass its leak on to the next one, which would take the blame
+        modules = {p: m for p, m in modules.items() if p in long_calls}
+        wrappers, time_dims = {}, {}
+        for p, m in modules.items():
+            try:
+                wrappers[p] = build_in_place(p, m, long_calls[p], short_calls.get(p))
+                time_dims[p] = wrappers[p].hidden_time_dim
+                if wrappers[p].note and wrappers[p].note not in notes:
+                    notes.append(wrappers[p].note)
+            except (AuditUsageError, TypeError) as exc:
+                notes.append(f"{p} not audited in place: {exc}")
+        order = [p for p in long_calls if p in modules]  # the capture's hooks fired in call order
+        ctx = ModelContext(model, runner, causal_, seed, dtype, modules, wrappers, time_dims, order, runs=runs_msgs,
+                           raised_in=run_layer)
+        results.append(run(MODEL_DETECTORS[runs.ID], ctx, _options, subject="model"))
+        layer_ids = [d for d in DETECTORS if d in chosen]
+        in_place = [p for p in order if p in wrappers]
+        for i, p in enumerate(in_place):
+            if not layer_ids:
+                break
+            tick(f"layer {p}", i, len(in_place))
+            w = wrappers[p]
+            layer_causal = causal_ and w.is_self_attention() and (not runner.encoder_decoder or ".decoder." in f".{p}.")
+            scale, said = declared_scale(w.inner)
+            if said and said not in notes and "scaling" not in said:
+                notes.append(said)
+            try:
+                rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale)
+            except AuditUsageError as exc:
+                notes.append(f"{p} not audited in place: {exc}")
+                continue
+            except Exception as exc:  # an internal error of diagnostics: the layer stays unaudited (inconclusive)
+                notes.append(f"{p} not audited in place: the audit raised {type(exc).__name__}: {exc} (an internal "
+                             f"error of diagnostics; please report it)")
+                continue
+            layers[p] = rep
+            ctx.layer_calls += rep.forward_passes
+        if not runs_msgs:
+            ids = [d for d in MODEL_DETECTORS if d in chosen and d != runs.ID]
+            for i, d in enumerate(ids):
+                tick(d, i, len(ids))
+                torch.manual_seed(seed)
+                results.append(run(MODEL_DETECTORS[d], ctx, _options, subject="model"))
+        readings, layer_calls = ctx.readings, ctx.layer_calls
+    if implementation is not None and getattr(config, "_attn_implementation", None) != implementation:
+        config._attn_implementation = implementation
+    results = [r for r in results if r.detector in chosen or r.detector == runs.ID]
+    unaudited = tuple(f.path for f in found if f.called and f.path not in layers)
+    status, reason = model_status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen),
+                                  causal=causal_, unaudited=unaudited)
+    if not T and wrappers:
+        T = next(iter(wrappers.values())).block_size  # images: the tokens the attention layers see
+    return ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,
+                       causal_source=source, seq_len=T, dtype=dtype_name(dtype), found=found, layers=layers,
+                       results=results, readings=readings, model_forwards=runner.forwards, layer_calls=layer_calls,
+                       seconds=time.perf_counter() - started, notes=notes)
+
+
+__all__ = ["audit_model", "infer_causal", "model_status"]

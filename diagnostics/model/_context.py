@@ -1,0 +1,75 @@
+"""What the model-level detectors are judged on: `ModelContext` (the model, how it is called, its attention
+modules and their in-place wrappers, the float64 copy parity checks compare with), and the `Need`s a model
+detector declares on it, which `_registry.run()` evaluates before calling the check.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .._registry import Need
+from ._runner import Runner
+
+
+@dataclass
+class ModelContext:
+    model: nn.Module
+    runner: Runner
+    causal: bool
+    seed: int
+    dtype: torch.dtype
+    modules: dict  # {path: module} of every attention module the forward calls, in place or not
+    wrappers: dict  # {path: InPlace} of those that could be wrapped for an in-place audit
+    time_dims: dict  # {path: the sequence dimension of the module's hidden states} (0: sequence-first)
+    order: list  # the modules' paths in call order
+    runs: list = field(default_factory=list)  # why the model did not run on the audit's inputs (model_runs)
+    raised_in: str | None = None  # the attention module the model raised inside, if it did
+    readings: dict = field(default_factory=dict)  # per-detector numbers for reports (reach per layer, cache errors)
+    layer_calls: int = 0
+    full: tuple | None = None  # (inputs, output) of the plain full forward, shared by the checks
+    _twin: object = None
+    _twin_failed: bool = False
+    _golden_seen: list = field(default_factory=list)  # [(inputs, options, output)]: one float64 forward per input
+
+    @property
+    def T(self) -> int:
+        """The audit's sequence length (0 where the input is no sequence)."""
+        return self.runner.inputs.shape[1] if self.runner.sequence else 0
+
+    def golden(self, seq: Tensor, **kw) -> Tensor | None:
+        """The float64 copy's output on the same inputs, or None where no copy can be made."""
+        if self.dtype == torch.float64:
+            return None
+        if self._twin is None and not self._twin_failed:
+            try:
+                self._twin = copy.deepcopy(self.model).to(torch.float64).eval()
+            except Exception:  # a model that cannot be copied: parity against the same-dtype pass
+                self._twin_failed = True
+        if self._twin is None:
+            return None
+        for seen, options, out in self._golden_seen:
+            if seen.shape == seq.shape and torch.equal(seen, seq) and options.keys() == kw.keys() and \
+                    all(torch.equal(options[k], kw[k]) for k in kw):
+                return out
+        try:
+            out, _ = self.runner(seq, model=self._twin, **kw)
+        except Exception:  # the float64 copy does not run: parity against the same-dtype pass
+            return None
+        self._golden_seen.append((seq, kw, out))
+        return out
+
+
+SEQUENCE = Need("a sequence input", lambda c: c.runner.sequence, "the input is not a sequence")
+CAUSAL_MODEL = Need("{causal}", lambda c: c.causal, "the model is not causal (pass {causal} if it is)")
+
+
+def at_least(n: int) -> Need:
+    """The audit's sequence is `n` positions or longer."""
+    return Need(f"seq_len >= {n}", lambda c: c.T >= n, f"seq_len < {n}")
+
+
+__all__ = ["CAUSAL_MODEL", "SEQUENCE", "ModelContext", "at_least"]

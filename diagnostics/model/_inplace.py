@@ -1,0 +1,273 @@
+"""Auditing a model's attention module in place: capture what the model really passes it, and wrap it as a
+`forward(x)` layer that `audit()` takes.
+
+The model is run at the audit's length T and at T - 1 (forward pre-hooks with kwargs): the arguments whose sizes
+follow the sequence (masks, rotary tables, position biases) are those that change, and are cut to the prefix a
+probe needs. `InPlace.forward(x)` replaces only the hidden-state input (and key / value where the model passed
+that same tensor), keeps the model's masks, position embeddings and other arguments, and calls the module the
+way the model called it: the same arguments positional, the same by keyword. The model's call is the convention.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from .._errors import AuditUsageError
+from .._subject import CACHE_NAMES, HEAD_NAMES, KEY_NAMES, MEMORY_NAMES, QUERY_NAMES, VALUE_NAMES
+from ._runner import Runner, first_tensor
+
+VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One call of a module during a model forward: its arguments as passed, and copies of them taken before
+    the call (a module may change its inputs in place)."""
+
+    args: tuple
+    kwargs: dict
+    args_copy: tuple
+    kwargs_copy: dict
+
+
+def _clone(x):
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if isinstance(x, tuple):
+        return tuple(_clone(v) for v in x)
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str | None]:
+    """{path: CapturedCall} of the first call of each module in one forward of `seq`, in call order, and the
+    model's error if it raised."""
+    calls: dict = {}
+    handles = []
+
+    def hook_for(path):
+        def hook(m, args, kwargs):
+            if path not in calls:
+                calls[path] = CapturedCall(args, kwargs, _clone(args), _clone(kwargs))
+        return hook
+
+    for path, m in modules.items():
+        handles.append(m.register_forward_pre_hook(hook_for(path), with_kwargs=True))
+    error = None
+    try:
+        runner(seq, grad=True)  # grad mode: torch's fused inference fast paths would bypass the modules
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        for h in handles:
+            h.remove()
+    return calls, error
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature the module's forward is called with. A forward patched on the instance without
+    `functools.wraps` reads `(*args, **kwargs)`, which names no hidden-state input: the class's own forward,
+    which the patch stands in for, names them."""
+    sig = inspect.signature(module.forward)
+    if any(p.kind not in VARIADIC for p in sig.parameters.values()):
+        return sig
+    try:
+        own = inspect.signature(type(module).forward.__get__(module))  # bound: without self
+    except (AttributeError, TypeError, ValueError):
+        return sig
+    return own if any(p.kind not in VARIADIC for p in own.parameters.values()) else sig
+
+
+def _passed_positionally(sig: inspect.Signature, count: int) -> frozenset:
+    """The names of the parameters that `count` positional arguments fill (the *args name, if they reach it)."""
+    names = []
+    for p in sig.parameters.values():
+        if len(names) >= count:
+            break
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL):
+            names.append(p.name)
+            if p.kind == p.VAR_POSITIONAL:
+                break
+    return frozenset(names)
+
+
+def _leaves(x, path=()):
+    if isinstance(x, Tensor):
+        yield path, x
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, path + (i,))
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, path + (k,))
+
+
+def _get(x, path):
+    for p in path:
+        try:
+            x = x[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return x
+
+
+class InPlace(nn.Module):
+    """`forward(x)`: the wrapped module called as its model called it, with only the hidden-state input (and key /
+    value where the model passed that same tensor) replaced by x (B, t, D), t <= the captured length; the
+    model's other arguments cut to the first t positions along their sequence dimensions and repeated along
+    the batch. Audited by `audit()` like any self-attention module."""
+
+    def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
+                 same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
+                 num_heads: int | None, note: str = ""):
+        super().__init__()
+        self.inner = module
+        self.audit_name = f"{path} ({type(module).__name__}, in place)"
+        self.signature, self.call_arguments, self.hidden_name, self.same_as_hidden = sig, arguments, hidden, same
+        self.positional = positional  # the names the model passed positionally
+        self.time_dims, self.hidden_time_dim = time_dims, hidden_time_dim
+        self.contiguous_input = arguments[hidden].is_contiguous()
+        self.captured_dtype = arguments[hidden].dtype
+        self.d_model = int(arguments[hidden].shape[-1])
+        self.block_size = length
+        if num_heads:
+            self.num_heads = num_heads
+        self.note = note
+
+    def _adapt(self, value, path, t: int, batch: int, dtype):
+        if isinstance(value, Tensor):
+            dims = self.time_dims.get(path, ())
+            for d in dims:
+                value = value.narrow(d, 0, min(t, value.shape[d]))
+            if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims:
+                value = value.expand(batch, *value.shape[1:])
+            if value.is_floating_point() and value.dtype != dtype and value.dtype == self.captured_dtype:
+                value = value.to(dtype)
+            return value
+        if isinstance(value, tuple):
+            return tuple(self._adapt(v, path + (i,), t, batch, dtype) for i, v in enumerate(value))
+        if isinstance(value, list):
+            return [self._adapt(v, path + (i,), t, batch, dtype) for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return {k: self._adapt(v, path + (k,), t, batch, dtype) for k, v in value.items()}
+        return value
+
+    def forward(self, x):
+        B, t = x.shape[0], x.shape[1]  # batch, sequence length
+        h = x.transpose(0, 1) if self.hidden_time_dim == 0 else x  # the module's own layout
+        if self.contiguous_input:  # as the model passes it: GPT-2's Conv1D views its input, harmless in the model
+            h = h.contiguous()
+        args, kwargs = [], {}
+        for name, value in self.call_arguments.items():
+            if name == self.hidden_name or name in self.same_as_hidden:
+                value = h
+            elif name in CACHE_NAMES:
+                value = None  # a cache would grow from call to call
+            else:
+                value = self._adapt(value, (name,), t, B, x.dtype)
+            kind = self.signature.parameters[name].kind
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                args.extend(value)
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(value)
+            elif name in self.positional:  # positional where the model passed it so (a patched forward may not
+                args.append(value)         # take by position what its signature would bind)
+            else:
+                kwargs[name] = value
+        result = self.inner(*args, **kwargs)
+        # the output alone: what else a module returns (T5's position bias, a cache) could pass for weights;
+        # the weights are read from the observed softmax or fused attention
+        out = first_tensor(result)
+        if out is None:
+            return result  # not an attention output: the audit says so
+        return out.transpose(0, 1) if self.hidden_time_dim == 0 else out
+
+    def is_self_attention(self) -> bool:
+        """No key/value/memory stream other than the hidden states."""
+        return not any(name in KEY_NAMES + VALUE_NAMES + MEMORY_NAMES and isinstance(value, Tensor)
+                       and name not in self.same_as_hidden for name, value in self.call_arguments.items())
+
+
+def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None) -> InPlace:
+    """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims)."""
+    sig = forward_signature(module)
+    bound = sig.bind(*long_call.args_copy, **long_call.kwargs_copy)
+    raw = sig.bind(*long_call.args, **long_call.kwargs).arguments
+    arguments = dict(bound.arguments)
+    hidden = next((n for n in QUERY_NAMES if isinstance(arguments.get(n), Tensor)
+                   and arguments[n].is_floating_point() and arguments[n].dim() == 3), None)
+    if hidden is None:
+        hidden = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
+                       and v.dim() == 3), None)
+    if hidden is None:
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
+                              f"tensor; got arguments {sorted(arguments)}")
+    same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
+    short = None
+    if short_call is not None:
+        try:
+            short = dict(sig.bind(*short_call.args_copy, **short_call.kwargs_copy).arguments)
+        except TypeError:
+            short = None
+    H = arguments[hidden]
+    note = ""
+    if short is not None and isinstance(short.get(hidden), Tensor) and short[hidden].shape != H.shape:
+        changed = [d for d in range(H.dim()) if H.shape[d] != short[hidden].shape[d]]
+        hidden_time_dim = changed[0]
+        T = H.shape[hidden_time_dim]
+        time_dims = {}
+        for name, value in arguments.items():
+            for leaf, tensor in _leaves(value, (name,)):
+                other = _get(short, leaf)
+                if isinstance(other, Tensor) and other.dim() == tensor.dim():
+                    dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T and other.shape[d] == T - 1)
+                    if dims:
+                        time_dims[leaf] = dims
+    else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
+        hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
+        T = H.shape[hidden_time_dim]
+        time_dims = {}
+        for name, value in arguments.items():
+            if name == hidden:
+                continue
+            for leaf, tensor in _leaves(value, (name,)):
+                dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T)
+                if dims:
+                    time_dims[leaf] = dims
+        note = "fixed-length input: arguments' sequence dimensions taken to be those of the hidden states' length"
+    heads = None
+    for holder in (module, getattr(module, "config", None)):
+        for name in HEAD_NAMES:
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and heads is None:
+                heads = value
+    D = H.shape[-1]
+    if heads is not None and D % heads:
+        heads = None
+    positional = _passed_positionally(sig, len(long_call.args))
+    return InPlace(module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads,
+                   note)
+
+
+UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transformers")  # q·k multiplied by 1
+
+
+def declared_scale(module: nn.Module) -> tuple[float | None, str]:
+    """The softmax scale a module declares: its `scaling` attribute (Hugging Face's), or 1 for the families
+    that fold the scale into their initialisation (T5) or use none (GPT-Neo); None: 1/sqrt(d_k)."""
+    value = getattr(module, "scaling", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value), f"scale {float(value):.4g} from {type(module).__name__}.scaling"
+    family = getattr(getattr(module, "config", None), "model_type", None)
+    if family in UNSCALED_FAMILIES:
+        return 1.0, f"scale 1 ({family} multiplies q·k by nothing)"
+    return None, ""
+
+
+__all__ = ["CapturedCall", "InPlace", "build_in_place", "capture_calls", "declared_scale", "forward_signature"]

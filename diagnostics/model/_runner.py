@@ -1,0 +1,243 @@
+"""Calling the model: `Runner` calls it by keyword with a main sequence input (token ids or embeddings, (B, T[, D]))
+and the options its forward takes, in Hugging Face's keyword protocol, and counts the forwards.
+
+Plain (non-Hugging Face) models take part in padding, position and cache checks through the same protocol:
+`forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False)` with
+`attention_mask` (B, T) 1 = real token, returning logits, or `(logits, cache)` when `use_cache=True`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from .._errors import expect
+from .._subject import CONTEXT_NAMES
+
+MAIN_INPUT_NAMES = ("input_ids", "idx", "tokens", "ids", "x", "src", "tgt", "inputs_embeds", "pixel_values",
+                    "input", "inputs")
+# An example's entries aligned with the tested sequence: the checks cut and pad the sequence, and build these
+ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_attention_mask", "decoder_position_ids",
+                 "cache_position")
+
+
+def first_tensor(x):
+    if isinstance(x, Tensor):
+        return x
+    for name in ("logits", "last_hidden_state", "prediction_logits"):
+        value = getattr(x, name, None)
+        if isinstance(value, Tensor):
+            return value
+    if isinstance(x, dict):
+        for value in x.values():
+            if isinstance(value, Tensor):
+                return value
+    if isinstance(x, (tuple, list)):
+        for value in x:
+            if isinstance(value, Tensor):
+                return value
+    return None
+
+
+def cache_of(x):
+    for name in ("cache", "past_key_values"):  # transformers 5 names it `cache`, earlier versions past_key_values
+        value = x.get(name) if isinstance(x, dict) else getattr(x, name, None)
+        if value is not None and not isinstance(value, Tensor):
+            return value
+    if isinstance(x, (tuple, list)) and len(x) >= 2 and not isinstance(x[1], Tensor):
+        return x[1]
+    return None
+
+
+def is_hf(model) -> bool:
+    return type(model).__module__.startswith("transformers.") and getattr(model, "config", None) is not None
+
+
+def model_context(model) -> int | None:
+    found = []
+    for holder in (model, getattr(model, "config", None)):
+        for name in CONTEXT_NAMES:
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append(value)
+    return min(found) if found else None
+
+
+class Runner:
+    """Calls the model by keyword with a main sequence input (token ids or embeddings, (B, T[, D])) and the
+    options its forward takes; counts the forwards; returns the output tensor (logits or hidden states)."""
+
+    def __init__(self, model: nn.Module, example, *, seq_len: int | None, seed: int):
+        self.model = model
+        try:
+            self.params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self.params = {}
+        self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in self.params.values())
+        self.forwards = 0
+        self.hf = is_hf(model)
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        self.fixed: dict = {}
+        self.dropped: list[str] = []  # the example's per-position entries, which the checks build themselves
+        self.main, inputs = self._example(example, seq_len, seed)
+        self.inputs = inputs  # (B, T[, D]) or images
+        self.sequence = self.main not in ("pixel_values",) and inputs.dim() in (2, 3) and (
+            inputs.dim() == 2 or inputs.is_floating_point())
+        self.tokens = not inputs.is_floating_point()
+        self.vocab = self._vocab()
+        torch_kind = isinstance(model, (nn.TransformerEncoder, nn.TransformerDecoder))
+        self.causal_mask_name = None
+        if torch_kind:
+            self.causal_mask_name = "mask" if isinstance(model, nn.TransformerEncoder) else "tgt_mask"
+        self.padding_name = ("decoder_attention_mask" if self.main == "decoder_input_ids" and
+                             self.takes("decoder_attention_mask") else
+                             "attention_mask" if self.takes("attention_mask") and self.main != "decoder_input_ids" else
+                             "src_key_padding_mask" if isinstance(model, nn.TransformerEncoder) else
+                             "tgt_key_padding_mask" if isinstance(model, nn.TransformerDecoder) else None)
+        self.takes_positions = self.takes("position_ids") and self.main != "decoder_input_ids"
+        self.cache_name = next((n for n in ("cache", "past_key_values") if self.takes(n)), None)
+        self.takes_cache = self.cache_name is not None and (self.takes("use_cache") or self.hf)
+        self.pass_causal = False  # set by audit_model: torch's stacks get the causal mask from the caller
+
+    def takes(self, name: str) -> bool:
+        return name in self.params
+
+    def _vocab(self) -> int | None:
+        if not self.tokens:
+            return None
+        config = getattr(self.model, "config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            return vocab
+        emb = next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
+        return emb.num_embeddings if emb is not None else int(self.inputs.max()) + 1
+
+    def _example(self, example, seq_len, seed):
+        model = self.model
+        gen = torch.Generator().manual_seed(seed + 1000003)
+        names = [n for n in self.params if self.params[n].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                                          inspect.Parameter.VAR_POSITIONAL)]
+        first = names[0] if names else "input_ids"
+        device, dtype = device_dtype(model)
+        if isinstance(example, Tensor):
+            return first, example.to(device)
+        if isinstance(example, dict):
+            expect(example, "a non-empty dict of the model's inputs", "{}", "pass e.g. {'input_ids': ids}")
+            main = next((n for n in ("decoder_input_ids",) if n in example and self.encoder_decoder), None) or \
+                next((n for n in MAIN_INPUT_NAMES if n in example), None) or next(iter(example))
+            for name, value in example.items():
+                aligned = name in ALIGNED_NAMES and (name.startswith("decoder_") or main != "decoder_input_ids")
+                if aligned:  # per position of the tested sequence: the audit builds the ones each check needs
+                    self.dropped.append(name)
+                elif name != main:
+                    self.fixed[name] = value
+            expect(isinstance(example[main], Tensor), f"a tensor for {main!r}", type(example[main]).__name__,
+                   "pass token ids (B, T) or embeddings (B, T, D)")
+            return main, example[main].to(device)
+        expect(example is None, "example: token ids (B, T), embeddings (B, T, D) or a dict of the model's inputs",
+               type(example).__name__, "pass e.g. example=torch.randint(vocab_size, (2, 16))")
+        config = getattr(model, "config", None)
+        T = seq_len or min(16, model_context(model) or 16)
+        if isinstance(model, (nn.TransformerEncoder, nn.TransformerDecoder)):
+            D = model.layers[0].self_attn.embed_dim
+            first_layer = model.layers[0]
+            shape = (2, T, D) if first_layer.self_attn.batch_first else (T, 2, D)
+            expect(first_layer.self_attn.batch_first, "torch transformer layers built with batch_first=True",
+                   "batch_first=False", "build the layers with batch_first=True, or pass example= and audit "
+                                        "through a module of your own that takes (B, T, D)")
+            if isinstance(model, nn.TransformerDecoder):
+                self.fixed["memory"] = torch.randn(2, T, D, generator=gen).to(device, dtype)
+            return first, torch.randn(*shape, generator=gen).to(device, dtype)
+        if config is not None and getattr(config, "vocab_size", None) and not hasattr(config, "image_size"):
+            ids = torch.randint(config.vocab_size, (2, T), generator=gen).to(device)
+            if self.encoder_decoder:
+                self.fixed["input_ids"] = torch.randint(config.vocab_size, (2, T), generator=gen).to(device)
+                return "decoder_input_ids", ids
+            return "input_ids", ids
+        size = getattr(config, "image_size", None) if config is not None else None
+        if size is None and type(model).__module__.startswith("timm."):
+            size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+        if size is not None:
+            h, w = (size, size) if isinstance(size, int) else tuple(size)
+            channels = getattr(config, "num_channels", 3) if config is not None else 3
+            name = "pixel_values" if config is not None else first
+            return name, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        expect(emb is not None, "example=..., or a model whose inputs can be built (a Hugging Face config, an "
+               "nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision model)",
+               f"{type(model).__name__} with none of these", "pass example=torch.randint(vocab, (2, 16)) or a dict "
+               "of the model's inputs")
+        return first, torch.randint(emb.num_embeddings, (2, T), generator=gen).to(device)
+
+    def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None):
+        """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling."""
+        model = model or self.model
+        kwargs = {}
+        for name, value in self.fixed.items():
+            if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] >= 1:
+                # the example's first row for every sequence: rows compared with each other share it
+                value = value[:1].expand(seq.shape[0], *value.shape[1:])
+            kwargs[name] = value
+        kwargs[self.main] = seq
+        if attention_mask is not None:
+            if self.padding_name in ("attention_mask", "decoder_attention_mask"):
+                kwargs[self.padding_name] = attention_mask
+            else:
+                kwargs[self.padding_name] = attention_mask == 0  # torch's: True = padding
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if self.pass_causal and self.causal_mask_name:
+            T = seq.shape[1]
+            kwargs[self.causal_mask_name] = nn.Transformer.generate_square_subsequent_mask(T, device=seq.device,
+                                                                                            dtype=float_dtype(model))
+        if self.takes("use_cache") or self.takes_kwargs and self.hf:
+            kwargs["use_cache"] = bool(use_cache)
+        if past is not None:
+            kwargs[self.cache_name] = past
+        if isinstance(model, nn.TransformerDecoder) or isinstance(model, nn.TransformerEncoder):
+            kwargs = {k: (v.to(float_dtype(model)) if isinstance(v, Tensor) and v.is_floating_point() and
+                          k not in ("src_key_padding_mask", "tgt_key_padding_mask") else v) for k, v in kwargs.items()}
+        elif seq.is_floating_point():
+            kwargs[self.main] = seq.to(float_dtype(model))
+        self.forwards += 1
+        ctx = torch.enable_grad() if grad else torch.no_grad()
+        with ctx:
+            result = model(**kwargs)
+        out = first_tensor(result)
+        if out is None:
+            raise TypeError(f"the model returned {type(result).__name__} with no tensor in it")
+        return out, (cache_of(result) if use_cache else None)
+
+    def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
+        """Every position changed: another token (ids), or a fresh draw pushed 1000x (embeddings)."""
+        if self.tokens:
+            shift = torch.randint(1, max(self.vocab, 2), seq.shape, generator=gen).to(seq.device)
+            return (seq + shift) % self.vocab
+        return torch.randn(seq.shape, generator=gen, dtype=torch.float32).to(seq.device, seq.dtype) * 1000
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    return device_dtype(model)[1]
+
+
+def device_dtype(model: nn.Module):
+    counts: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[(p.device, p.dtype)] = counts.get((p.device, p.dtype), 0) + p.numel()
+    if not counts:
+        return torch.device("cpu"), torch.float32
+    return max(counts, key=counts.get)
+
+
+def pad_tokens(runner: Runner, shape, gen) -> Tensor:
+    if runner.tokens:
+        return torch.randint(max(runner.vocab, 1), shape, generator=gen).to(runner.inputs.device)
+    return torch.randn(shape, generator=gen).to(runner.inputs.device, runner.inputs.dtype)
+
+
+__all__ = ["ALIGNED_NAMES", "MAIN_INPUT_NAMES", "Runner", "cache_of", "device_dtype", "first_tensor", "float_dtype",
+           "is_hf", "model_context", "pad_tokens"]

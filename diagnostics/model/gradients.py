@@ -1,0 +1,97 @@
+"""gradient_flow: every attention parameter gets a finite non-zero gradient of (out ** 2).sum(); for a causal
+model, no output sends gradient to later input embeddings (taken as a leaf at the token embedding's output)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .._registry import Need, detector
+from .._result import DetectorResult
+from ._context import ModelContext
+
+ID = "gradient_flow"
+FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
+       "backward path")
+
+
+def trainable(ctx: ModelContext) -> list:
+    """[(name, parameter)] of the attention modules' trainable parameters."""
+    return [(f"{p}.{n}", w) for p, m in ctx.modules.items() for n, w in m.named_parameters() if w.requires_grad]
+
+
+TRAINABLE = Need("trainable attention parameters", lambda c: bool(trainable(c)),
+                 "the attention modules have no trainable parameters")
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's token embedding: `get_input_embeddings()` (Hugging Face's), else its first nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+            if isinstance(emb, nn.Module):
+                return emb
+        except Exception:  # a model whose getter is not implemented: look for an nn.Embedding instead
+            pass
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+@detector(ID, "every attention parameter gets a finite non-zero gradient; for a causal model, no output sends "
+              "gradient to later input embeddings", fix=FIX, needs=(TRAINABLE,), scope="model",
+          unlocated="names the first attention layer with a parameter that gets no gradient (its `layer`), whose "
+                    "own in-place audit (gradients) points at the line")
+def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
+    runner = ctx.runner
+    params = trainable(ctx)
+    seq = runner.inputs[:1]
+    emb = input_embedding(ctx.model) if runner.tokens else None
+    leaf = {}
+
+    def hook(m, args, out):  # the token embeddings (B, T, D) as a leaf: gradients w.r.t. each position
+        if isinstance(out, Tensor) and out.is_floating_point() and out.shape[:2] == seq.shape[:2]:
+            x = out.detach().requires_grad_(True)
+            leaf["x"] = x
+            return x
+        return None
+
+    handle = emb.register_forward_hook(hook) if emb is not None else None
+    try:
+        if emb is None and seq.is_floating_point():
+            seq = seq.detach().clone().requires_grad_(True)
+            leaf["x"] = seq
+        torch.manual_seed(ctx.seed)
+        out, _ = runner(seq, grad=True)
+        grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params], allow_unused=True,
+                                    retain_graph=True)
+        missing = [n for (n, _), g in zip(params, grads) if g is None or not bool(g.abs().sum() > 0)]
+        nonfinite = [n for (n, _), g in zip(params, grads) if g is not None and not bool(torch.isfinite(g).all())]
+        leak = ""
+        if ctx.causal and "x" in leaf and runner.sequence and out.shape[1] == seq.shape[1] and seq.shape[1] >= 2:
+            T = seq.shape[1]
+            c = (T - 1) // 2
+            g = torch.autograd.grad((out[:, :c + 1].float() ** 2).sum(), leaf["x"], allow_unused=True)[0]
+            if g is not None:
+                later = float(g[:, c + 1:].abs().max())
+                if later > 1e-12 * max(float(g.abs().max()), 1e-300):
+                    leak = (f"(out[:, :{c + 1}] ** 2).sum() has gradient up to {later:.3g} w.r.t. input embeddings "
+                            f"after t={c} (must be exactly 0)")
+    finally:
+        if handle is not None:
+            handle.remove()
+    if nonfinite:
+        return DetectorResult(ID, "fail", "attention parameters get non-finite gradients",
+                              evidence=", ".join(nonfinite[:6]), fix=FIX)
+    if missing:
+        owners = sorted({n.rsplit(".", 1)[0] for n in missing})
+        layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
+        return DetectorResult(ID, "fail", f"{len(missing)} of {len(params)} attention parameters get no gradient",
+                              value=float(len(missing)), threshold=0.0, fix=FIX, layer=layer,
+                              evidence=f"zero or missing gradient of (out ** 2).sum(): {', '.join(missing[:8])}"
+                                       f"{' ...' if len(missing) > 8 else ''} (in {', '.join(owners[:4])})")
+    if leak:
+        return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
+                                          "inputs", evidence=leak, fix=FIX)
+    return DetectorResult(ID, "pass", f"all {len(params)} attention parameters get finite non-zero gradients"
+                          + (" and no output sends gradient to later input embeddings" if ctx.causal and "x" in leaf
+                             else ""))

@@ -1,0 +1,121 @@
+"""Other tokens in the batch change nothing at a sequence's real tokens:
+
+- padding_invariance: right padding (with two pad contents), and left padding with the position ids it needs,
+  leave the outputs at real tokens unchanged; localised to the first attention layer whose outputs at the real
+  tokens moved.
+- batch_invariance: a sequence alone gives what it gives inside a batch of sequences of other lengths.
+
+Both within the float64-golden tolerance (`_tolerance.Golden`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._registry import Need, detector
+from .._result import DetectorResult
+from .._thresholds import tolerance
+from ._context import SEQUENCE, ModelContext, at_least
+from ._runner import pad_tokens
+from ._taps import NO_POSITIONS, LayerTap, first_layer, per_position
+from ._tolerance import GOLDEN_FLOOR, Golden
+
+PADDING_FIX = ("combine the padding mask with the causal mask (AND), and derive position ids from the attention "
+               "mask under left padding: position_ids = attention_mask.cumsum(-1) - 1")
+BATCH_FIX = ("make each sequence's computation independent of the others (masks and positions per row, no "
+             "statistics over the batch)")
+TAKES_PADDING = Need("an attention_mask", lambda c: c.runner.padding_name is not None,
+                     "the model's forward takes no attention_mask (padding mask)")
+
+
+@detector("padding_invariance", "right padding, and left padding with the position ids it needs, leave the outputs "
+                                "at real tokens unchanged, whatever the padded tokens contain", fix=PADDING_FIX,
+          needs=(SEQUENCE, TAKES_PADDING, at_least(3)), scope="model",
+          unlocated="names the first attention layer whose outputs at real tokens moved (its `layer`), whose own "
+                    "in-place audit points at the line")
+def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
+    det, runner = "padding_invariance", ctx.runner
+    seq = runner.inputs[:1]
+    T = seq.shape[1]
+    P = max(1, T // 4)
+    L = T - P
+    real = seq[:, :L]
+    gen = torch.Generator().manual_seed(ctx.seed + 23)
+    with LayerTap(ctx.modules, ctx.time_dims) as ref_taps:
+        ref, _ = runner(real)
+    if not per_position(ref, L):
+        return DetectorResult(det, "skip", NO_POSITIONS.format(shape=tuple(ref.shape)))
+    golden = Golden(ctx.golden(real), ref, ctx.dtype)
+    pads = torch.cat([pad_tokens(runner, (1, P) + tuple(seq.shape[2:]), gen) for _ in range(2)])  # two contents
+    ones, zeros = torch.ones(1, L, dtype=torch.long), torch.zeros(1, P, dtype=torch.long)
+    # rows: right padding with either pad contents; left padding with the position ids it needs (one call)
+    rows = [torch.cat([real, pads[:1]], 1), torch.cat([real, pads[1:]], 1)]
+    masks = [torch.cat([ones, zeros], 1)] * 2
+    left = runner.takes_positions
+    if left:
+        rows.append(torch.cat([pads[:1], real], 1))
+        masks.append(torch.cat([zeros, ones], 1))
+    mask = torch.cat(masks).to(seq.device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0) if left else None  # real tokens at 0 .. L-1 in every row
+    with LayerTap(ctx.modules, ctx.time_dims) as taps:
+        out, _ = runner(torch.cat(rows), attention_mask=mask, position_ids=positions)
+    cases = [(0, slice(0, L), "right padding, pad contents 1"), (1, slice(0, L), "right padding, pad contents 2")]
+    if left:
+        cases.append((2, slice(P, T), "left padding with position_ids = cumsum(mask) - 1"))
+    texts, failed, first, worst = [], [], None, (0.0, 1.0)
+    for row, where, label in cases:
+        ok, err, allowed, text = golden.judge(out[row:row + 1, where], label)
+        worst = max(worst, (err, allowed), key=lambda e: e[0] / e[1])
+        texts.append(text)
+        if not ok:
+            failed.append(label.split()[0])
+            first = first or first_layer(ctx.order, ref_taps, taps, lambda x: x[:, :L],
+                                         tolerance(GOLDEN_FLOOR, ctx.dtype),
+                                         select_b=lambda x, r=row, w=where: x[r:r + 1, w])[0]
+    if not left:
+        texts.append("left padding not checked: the forward takes no position_ids, so left-padded tokens would sit "
+                     "at other positions")
+    if failed:
+        return DetectorResult(det, "fail", f"padding changes the outputs at real tokens "
+                                           f"({', '.join(sorted(set(failed)))} padding)"
+                                           + (f"; first at {first}" if first else ""),
+                              value=worst[0], threshold=worst[1], evidence="; ".join(texts), fix=PADDING_FIX,
+                              layer=first)
+    return DetectorResult(det, "pass", f"outputs at the {L} real tokens unchanged by {P} padding tokens (right, two "
+                                       f"contents{', and left' if left else ''})", value=worst[0], threshold=worst[1],
+                          evidence="; ".join(texts))
+
+
+@detector("batch_invariance", "a sequence alone gives what it gives inside a batch of sequences of other lengths",
+          fix=BATCH_FIX, scope="model",
+          unlocated="compares the model's outputs only; which layer mixes the batch is not traced")
+def check_batch_invariance(ctx: ModelContext) -> DetectorResult:
+    det, runner = "batch_invariance", ctx.runner
+    seq = runner.inputs[:1]
+    gen = torch.Generator().manual_seed(ctx.seed + 31)
+    if ctx.full is not None and torch.equal(ctx.full[0], seq):
+        alone = ctx.full[1]  # the same forward, already made by cache_parity
+    else:
+        alone, _ = runner(seq)
+    golden = Golden(ctx.golden(seq), alone, ctx.dtype)
+    if runner.sequence and runner.padding_name is not None and seq.shape[1] >= 3:
+        T = seq.shape[1]
+        others = runner.other_tokens(torch.cat([seq, seq]), gen)
+        batch = torch.cat([others[:1], seq, others[1:]])
+        mask = torch.ones(3, T, dtype=torch.long)
+        mask[0, T - T // 3:] = 0  # rows of other lengths around it
+        mask[2, T - 1:] = 0
+        out, _ = runner(batch, attention_mask=mask.to(seq.device))
+        how = "between two sequences of other lengths (right-padded)"
+    else:
+        others = runner.other_tokens(torch.cat([seq, seq]), gen) if runner.sequence else \
+            torch.randn(torch.cat([seq, seq]).shape, generator=gen).to(seq.device, seq.dtype)
+        batch = torch.cat([others[:1], seq, others[1:]])
+        out, _ = runner(batch)
+        how = "between two other inputs"
+    ok, err, allowed, text = golden.judge(out[1:2], f"the sequence {how}")
+    if not ok:
+        return DetectorResult(det, "fail", "a sequence's output depends on the other sequences of its batch",
+                              value=err, threshold=allowed, evidence=text, fix=BATCH_FIX)
+    return DetectorResult(det, "pass", f"a sequence alone gives its output {how}", value=err, threshold=allowed,
+                          evidence=text)

@@ -1,0 +1,24 @@
+"""model_runs: the model runs on the audit's inputs. Settled while the audit captures each attention module's
+call (the example and its prefix); a model that raises there is a finding, localised to the attention module it
+raised inside, and the other model-level detectors do not run."""
+
+from __future__ import annotations
+
+from .._registry import detector
+from .._result import DetectorResult
+from ._context import ModelContext
+
+ID = "model_runs"
+FIX = "make the model accept the inputs shown (or pass example= in the form it takes)"
+
+
+@detector(ID, "the model runs on the audit's inputs (the example, its prefixes, the padded and cached calls)",
+          fix=FIX, scope="model",
+          unlocated="names the attention module the model raised inside (its `layer`); the line is in the "
+                    "exception its evidence quotes")
+def check_model_runs(ctx: ModelContext) -> DetectorResult:
+    if ctx.runs:
+        inside = f" (inside {ctx.raised_in})" if ctx.raised_in else ""
+        return DetectorResult(ID, "fail", "the model raised on the audit's inputs" + inside,
+                              evidence="; ".join(ctx.runs), fix=FIX, layer=ctx.raised_in)
+    return DetectorResult(ID, "pass", "the model runs on the example and its prefix")
