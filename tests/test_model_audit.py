@@ -13,6 +13,7 @@ prints the README's architectures x bugs table; a test keeps the README equal to
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 from pathlib import Path
@@ -896,3 +897,131 @@ def test_gemma2_alternating_layers_have_their_sliding_window_checked_where_they_
     window = report.result("sliding_window")
     assert window.verdict == "pass" and "model.layers.0.self_attn: window 5 exact" in window.evidence
     assert "model.layers.1.self_attn" not in window.evidence
+
+
+# ---- the model wing's registry and crash rule; patched forwards (issue 18, items 1 and 2) ----------------------
+
+
+def test_model_detectors_register_in_the_one_registry_with_where_they_point():
+    from diagnostics import model
+    from diagnostics._registry import MODEL_DETECTORS
+
+    assert model.MODEL_DETECTORS is MODEL_DETECTORS is diagnostics.MODEL_DETECTORS
+    assert list(MODEL_DETECTORS) == ["model_runs", "prefix_causality", "cache_parity", "padding_invariance",
+                                     "batch_invariance", "backend_parity", "gradient_flow", "sliding_window"]
+    for det in MODEL_DETECTORS.values():
+        assert det.scope == "model" and det.fix and det.description
+        assert det.locate is not None or det.unlocated, det.id
+    assert model.__all__ == sorted(model.__all__)
+
+
+class KeywordAttention(nn.Module):
+    """Causal self-attention called the Hugging Face way, `attn(hidden_states, attention_mask=mask)`, with a
+    (B, T) padding mask, 1 = real token."""
+
+    def __init__(self, d_model: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, D = hidden_states.shape  # batch, sequence length, d_model
+        H, d = self.num_heads, D // self.num_heads
+        q, k, v = (t.view(B, T, H, d).transpose(1, 2) for t in self.qkv(hidden_states).split(D, -1))  # (B, H, T, d)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=hidden_states.device).tril()  # (T, T)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+        scores = (q @ k.transpose(-2, -1) / d ** 0.5).masked_fill(~allowed, float("-inf"))  # (B, H, T, T)
+        y = scores.softmax(-1) @ v  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class KeywordBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.attn = nn.LayerNorm(32), KeywordAttention()
+
+    def forward(self, x, attention_mask=None):
+        return x + self.attn(self.ln(x), attention_mask=attention_mask)
+
+
+class KeywordGPT(nn.Module):
+    causal = True
+
+    def __init__(self, n_layer: int = 3):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(64, 32), nn.Embedding(32, 32)
+        self.h = nn.ModuleList(KeywordBlock() for _ in range(n_layer))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.h:
+            x = block(x, attention_mask=attention_mask)
+        return self.head(x)
+
+
+def keyword_gpt() -> KeywordGPT:
+    torch.manual_seed(0)
+    return KeywordGPT()
+
+
+def test_a_forward_patched_without_wraps_is_audited_and_its_leak_blamed_on_it_not_the_next_layer():
+    def patched(model, leak: bool):
+        attn = model.h[1].attn
+        inner = attn.forward
+
+        def forward(*args, **kwargs):  # no functools.wraps: its signature is (*args, **kwargs)
+            out = inner(*args, **kwargs)
+            return out + out.mean(dim=1, keepdim=True) if leak else out  # the mean over time: the future leaks in
+        attn.forward = forward
+        return model
+
+    report = audit(patched(keyword_gpt(), leak=True))
+    assert list(report.layers) == ["h.0.attn", "h.1.attn", "h.2.attn"], str(report)  # layer 1 audited in place
+    assert report.result_layers["prefix_causality"] == "h.1.attn", str(report)
+    assert {layer for layer, _ in located(report)} <= {"h.1.attn", None}, str(report)
+    assert ("h.1.attn", "future_leakage") in located(report)
+    assert set(report.readings["prefix_reach"]["reach"]) == {"h.0.attn", "h.1.attn", "h.2.attn"}
+    twin = audit(patched(keyword_gpt(), leak=False))  # the same patch, passing through
+    assert twin.passed and list(twin.layers) == ["h.0.attn", "h.1.attn", "h.2.attn"], str(twin)
+
+
+def test_a_forward_patched_with_wraps_is_called_by_keyword_as_the_model_calls_it():
+    model = keyword_gpt()
+    attn = model.h[1].attn
+    inner = attn.forward
+
+    @functools.wraps(inner)  # its signature reads (hidden_states, attention_mask=None); it takes the mask by keyword
+    def forward(*args, attention_mask=None, **kwargs):
+        return inner(*args, attention_mask=attention_mask, **kwargs)
+    attn.forward = forward
+
+    report = audit(model)
+    assert report.passed, str(report)
+    assert report.layers["h.1.attn"].result("runs").verdict == "pass"  # no "multiple values for attention_mask"
+    assert report.result("padding_invariance").verdict == "pass"
+    assert audit(keyword_gpt()).passed  # the unpatched twin
+
+
+def test_the_crash_rule_the_models_exception_is_a_finding_ours_an_error(monkeypatch):
+    class NoPadding(KeywordGPT):
+        def forward(self, input_ids, attention_mask=None):
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("padding is not supported")  # the user's model raises on the padded probe
+            return super().forward(input_ids, attention_mask)
+
+    torch.manual_seed(0)
+    report = audit(NoPadding(), detectors=["padding_invariance"])
+    result = report.result("padding_invariance")
+    assert result.verdict == "fail" and report.status == "failed", str(report)
+    assert "the model raised on this detector's probe (ValueError: padding is not supported)" in result.message
+
+    from diagnostics.model import padding
+    from diagnostics.model._runner import device_dtype
+
+    monkeypatch.setattr(padding, "pad_tokens", device_dtype)  # a bug in diagnostics: called with the wrong arguments
+    report = audit(keyword_gpt(), detectors=["padding_invariance"])
+    result = report.result("padding_invariance")
+    assert result.verdict == "error" and "the detector crashed: TypeError" in result.message, str(report)
+    assert report.status == "inconclusive" and "padding_invariance crashed" in report.status_reason
