@@ -73,11 +73,11 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", f"inconclusive: {', '.join(unaudited)} could not be audited in place (see the notes)"
     if not layers and layers_chosen:
         return "inconclusive", "inconclusive: no attention module was audited"
-    if not layers_chosen and not any(r.measured for r in results if r.detector != runs.ID):
-        return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
     errors = [r.detector for r in results if r.verdict == "error"]
     if errors:
         return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"
+    if not layers_chosen and not any(r.measured for r in results if r.detector != runs.ID):
+        return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
     open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive"]
     if open_layers:
         return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured"
