@@ -3,13 +3,17 @@ localiser of the invariance checks, which replays the comparison a verdict was c
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Comparison, expand_rows, held, skip
 from .._probe import Probe
 from .._registry import DETECTORS
 from .._result import DetectorResult, Site
+from .._subject import MASK_CONVENTIONS, make_subject
 from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, stream_sites, trace_call
 
 # ---- shared endings --------------------------------------------------------------------------------
@@ -116,3 +120,78 @@ def invariance_locator(note: str, **how):
 def base_trace(probe) -> Trace:
     base = probe.base()
     return trace_call(probe.subject, base.query, base.key, base.value, base.allowed, seed=probe.seed)
+
+
+# ---- a float64 copy with its autograd graph (the gradient checks) ----------------------------------------
+
+
+def float64_twin(probe: Probe):
+    """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
+    s = probe.subject
+    layer = s.layer if s.form == "function" else copy.deepcopy(s.layer).to(torch.float64)
+    declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
+    twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
+                        mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
+    call, casts = twin._call, []
+
+    def in_float64(*args):
+        if casts and not any(casts):  # the first call cast nothing down: no need to watch every op
+            return call(*args)
+        with KeepFloat64() as mode:
+            result = call(*args)
+        casts.append(mode.kept)
+        return result
+
+    twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
+    return twin
+
+
+class KeepFloat64(TorchDispatchMode):
+    """Casts from float64 down to a lower precision stay float64: a layer that computes its softmax in float32
+    on purpose (Hugging Face's eager Llama and Gemma: softmax(..., dtype=torch.float32)) would otherwise add
+    float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure
+    that noise (2.5e-7 of |grad| |direction| measured on a correct eager Llama layer) instead of the gradient."""
+
+    kept = 0  # casts kept at float64
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if (func is torch.ops.aten._to_copy.default and args and isinstance(args[0], Tensor)
+                and args[0].dtype == torch.float64 and kwargs.get("dtype") in (torch.float32, torch.float16,
+                                                                                torch.bfloat16)):
+            kwargs["dtype"] = torch.float64
+            self.kept += 1
+        return func(*args, **kwargs)
+
+
+def graph_call(sub, q, k, v, allowed) -> Tensor:
+    """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
+    like the subject's output."""
+    captured = []
+    if isinstance(sub.layer, torch.nn.Module):
+        handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            handle.remove()
+    else:
+        fn = sub.layer
+        sub.layer = lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1]
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            sub.layer = fn
+    raw = captured[-1] if captured else None
+    raw = raw[0] if isinstance(raw, (tuple, list)) else raw
+    def same(x):
+        if x.shape != shown.shape:
+            return False
+        if x.data_ptr() == shown.data_ptr() and x.stride() == shown.stride() and x.dtype == shown.dtype:
+            return True  # the returned tensor itself (detached)
+        return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
+
+    if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
+        raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
+    if not isinstance(raw, Tensor) or not same(raw):
+        raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
+    return raw

@@ -3,23 +3,20 @@ or future keys receive no gradient."""
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import skip
 from .._frames import frame_kind, user_frames
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
-from .._subject import MASK_CONVENTIONS, make_subject
 from .._tracing import GradientCut, declared_mask, mask_sites, site, stream_sites, trace_call, weights_origin
-from ._common import result
+from ._common import float64_twin, graph_call, result
 
 PARAMETER_ENTRIES = 512
 """The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
@@ -30,78 +27,6 @@ float64 (Richardson-extrapolated central differences at eps 1e-4 and 5e-5: ~1e-1
 correct layers measured at most 5.7e-13, benchmarks/margins.py). A detached softmax at GPT-2's std-0.02
 initialisation measured 2.8e-7 at d_model 32, and 5.7e-9 at d_model 1 with two tokens: its q and k gradients
 are small there."""
-
-
-def _float64_twin(probe: Probe):
-    """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
-    s = probe.subject
-    layer = s.layer if s.form == "function" else copy.deepcopy(s.layer).to(torch.float64)
-    declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
-    twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
-                        mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
-    call, casts = twin._call, []
-
-    def in_float64(*args):
-        if casts and not any(casts):  # the first call cast nothing down: no need to watch every op
-            return call(*args)
-        with _KeepFloat64() as mode:
-            result = call(*args)
-        casts.append(mode.kept)
-        return result
-
-    twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
-    return twin
-
-
-class _KeepFloat64(TorchDispatchMode):
-    """Casts from float64 down to a lower precision stay float64: a layer that computes its softmax in float32
-    on purpose (Hugging Face's eager Llama and Gemma: softmax(..., dtype=torch.float32)) would otherwise add
-    float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure
-    that noise (2.5e-7 of |grad| |direction| measured on a correct eager Llama layer) instead of the gradient."""
-
-    kept = 0  # casts kept at float64
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if (func is torch.ops.aten._to_copy.default and args and isinstance(args[0], Tensor)
-                and args[0].dtype == torch.float64 and kwargs.get("dtype") in (torch.float32, torch.float16,
-                                                                                torch.bfloat16)):
-            kwargs["dtype"] = torch.float64
-            self.kept += 1
-        return func(*args, **kwargs)
-
-
-def _graph_call(sub, q, k, v, allowed) -> Tensor:
-    """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
-    like the subject's output."""
-    captured = []
-    if isinstance(sub.layer, torch.nn.Module):
-        handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
-        try:
-            shown = sub(q, k, v, allowed).out
-        finally:
-            handle.remove()
-    else:
-        fn = sub.layer
-        sub.layer = lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1]
-        try:
-            shown = sub(q, k, v, allowed).out
-        finally:
-            sub.layer = fn
-    raw = captured[-1] if captured else None
-    raw = raw[0] if isinstance(raw, (tuple, list)) else raw
-    def same(x):
-        if x.shape != shown.shape:
-            return False
-        if x.data_ptr() == shown.data_ptr() and x.stride() == shown.stride() and x.dtype == shown.dtype:
-            return True  # the returned tensor itself (detached)
-        return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
-
-    if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
-        raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
-    if not isinstance(raw, Tensor) or not same(raw):
-        raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
-    return raw
 
 
 @dataclass(frozen=True)
@@ -143,7 +68,7 @@ def backward_sites(probe, replay: GradientReplay) -> list[Site]:
         with torch.enable_grad():
             cut = GradientCut()
             with cut:
-                out = _graph_call(sub, *_pack(inputs), replay.allowed)
+                out = graph_call(sub, *_pack(inputs), replay.allowed)
             if cut.cut:
                 return [site(cut.cut, "detached", "the output of this call does not require grad though its input "
                                                   "does: no gradient flows back through here")]
@@ -188,7 +113,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
     det, s = "gradients", probe.subject
     B, T = probe.BATCH, min(probe.t, 6)  # gradient bugs do not need long sequences; keeps the cost constant
     try:
-        sub = _float64_twin(probe)
+        sub = float64_twin(probe)
     except Exception as error:  # a layer that cannot be copied or converted: say so
         return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
     gen = probe.generator()
@@ -220,7 +145,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
     try:
         probe.seed_layer_rng()  # every call draws the same randomness (the audit restores the RNG)
         with torch.enable_grad():
-            out = _graph_call(sub, *qkv(inputs), allowed)
+            out = graph_call(sub, *qkv(inputs), allowed)
     except Exception as error:
         return skip(det, f"the layer does not run as a float64 copy ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:160] if str(error) else ''}), and finite differences need "
@@ -357,7 +282,7 @@ def _future_gradient(probe: Probe, sub, inputs, qkv, allowed) -> str:
     c = (T - 1) // 2
     probe.seed_layer_rng(0)
     with torch.enable_grad():
-        out = _graph_call(sub, *qkv(inputs), allowed)
+        out = graph_call(sub, *qkv(inputs), allowed)
         grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
     for name, x, g in zip(("query", "key", "value") if len(inputs) == 3 else ("input",), inputs, grads):
         if g is None:
