@@ -343,3 +343,36 @@ def test_readme_audit_your_own_layer_example_runs(capsys):
     example = _readme_section_blocks("Audit your own layer")[0]
     exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
     assert "attention audit of MyAttention" in capsys.readouterr().out
+
+
+# ---- one loader and one command for layers and models ------------------------------------------------------
+
+
+MODELS = '''
+import torch
+from buggy_variants import VARIANTS
+from buggy_variants.teaching_model import TinyGPT, inject
+
+
+def unscaled_model():
+    torch.manual_seed(0)
+    return inject(TinyGPT(n_layer=2), 1, VARIANTS["missing_scale"])
+'''
+
+
+def test_the_command_and_both_plugins_load_targets_through_one_loader():
+    from diagnostics import _load, pytest_plugin
+    from diagnostics.model import _plugin
+
+    assert _cli.resolve is _load.resolve and _cli.load_layer is _load.load_layer
+    assert pytest_plugin.load_layer is _load.load_layer and _plugin.load_model is _cli.load_model is _load.load_model
+
+
+def test_a_models_findings_are_printed_with_their_sites_as_file_line_annotations(in_scratch, capsys):
+    Path("usermodels.py").write_text(MODELS)
+    assert _cli.main(["--model", "usermodels:unscaled_model"]) == _cli.EXIT_FINDINGS
+    out = capsys.readouterr().out
+    assert "FAIL softmax_saturation at h.1.attn: " in out
+    # the scratch directory is the working directory: the catalog's file is shown by its absolute path
+    assert re.search(r"^  where: +\S*buggy_variants/_catalog\.py:\d+ in MissingScale\.scale", out, re.M), out
+    assert re.search(r"^\S*buggy_variants/_catalog\.py:\d+: error: softmax_saturation: .* \(at h\.1\.attn\)$", out, re.M), out
