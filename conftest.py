@@ -1,7 +1,10 @@
 """Shared test set-up: Hypothesis profiles and the one `device` fixture that CUDA runs go through.
 
-Profiles: `default` (fast, for every run), `thorough` (deep: `pytest --hypothesis-profile=thorough`).
-Under CI (the CI environment variable set) the default profile is derandomized so runs are reproducible.
+Profiles: `default` (fast, for every run), `thorough` (deep: `pytest --hypothesis-profile=thorough`), and
+`explore` (3x the default's examples, never derandomized, no example database: `.ci/run` runs it with a
+`--hypothesis-seed` read from the commit, so each commit draws other inputs and any failure replays from the
+seed it prints). Under CI (the CI environment variable set) the default profile is derandomized so runs are
+reproducible.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ _COMMON = dict(
 )
 settings.register_profile("default", max_examples=20, derandomize=bool(os.environ.get("CI")), **_COMMON)
 settings.register_profile("thorough", max_examples=400, **_COMMON)
+settings.register_profile("explore", max_examples=60, derandomize=False, database=None, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # A probe whose perturbation did not change what it claims is a bug in diagnostics: in this project's own

@@ -1,14 +1,20 @@
-"""The set-up as a new user meets it: CI runs the README's own commands first, the minimum torch stated in
-the README is the one pyproject declares, and the tests run under `--import-mode=importlib` (nothing is
-imported from a conftest)."""
+"""The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
+the `real` extra as the README gives it; where that extra is installed, transformers' Llama classes and timm
+import in a fresh interpreter (no workaround of the tests' own); the minimum torch stated in the README is the
+one pyproject declares, and the tests run under `--import-mode=importlib` (nothing is imported from a
+conftest)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -34,9 +40,57 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     first = next(i for i, command in enumerate(ci) if command.startswith("pip "))
     assert ci[first:first + len(readme)] == readme, "the README's set-up, exactly, before anything else is installed"
     assert "venv" in " ".join(ci[:first]), "in a fresh virtual environment"
-    extras = ci[first + len(readme):]
-    assert extras == ["pip install torch==2.13.0 torchvision==0.28.0", 'pip install -e ".[test,real]"', "pytest"]
+    rest = ci[first + len(readme):]
+    at = next(i for i, command in enumerate(rest) if command.startswith("pip "))
+    explore, extras = rest[:at], rest[at:]
+    assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
+    runs = [command for command in explore if "pytest" in command]
+    assert any("--hypothesis-profile=explore" in c and '--hypothesis-seed="$seed"' in c for c in runs), explore
+    assert any(c.startswith("ATTENTION_TESTS_EVERY_SITE=1 ") and "tests/test_where.py" in c for c in runs), explore
+    assert any(c.startswith("seed=") and "git rev-parse" in c for c in explore), "the seed comes from the commit"
+
+
+# The torch and torchvision that load together on a CPU (see the README): PyPI's torchvision 0.28.0 cannot load
+# its extension beside torch 2.13.0's CPU build, and transformers then fails to import.
+REAL_PAIR = "torch==2.14.1 torchvision==0.29.1"
+
+
+def test_the_explore_profile_draws_more_and_other_examples_than_the_default():
+    explore, default = settings.get_profile("explore"), settings.get_profile("default")
+    assert explore.max_examples > default.max_examples
+    assert not explore.derandomize and explore.database is None  # the seed alone decides, and nothing is kept
+
+
+FRESH_IMPORT = """
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=2, intermediate_size=64, vocab_size=64))
+assert isinstance(model.model.layers[0].self_attn, LlamaAttention)
+print("transformers", type(model.model.layers[0].self_attn).__name__)
+try:
+    import timm
+except ModuleNotFoundError:
+    print("no timm")
+else:
+    print("timm", type(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0)).__name__)
+"""
+
+
+def test_the_real_extra_imports_transformers_llama_classes_in_a_fresh_interpreter():
+    """In a fresh interpreter, as a user's script meets them (the tests' own torchvision workaround is not
+    loaded there): where the extra is installed, transformers' Llama classes build a model, and timm's too."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip(f'the real extra is not installed: pip install {REAL_PAIR}, then pip install -e ".[test,real]"')
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", FRESH_IMPORT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "transformers LlamaAttention", done.stdout
+    timm_installed = importlib.util.find_spec("timm") is not None
+    assert lines[1] == ("timm VisionTransformer" if timm_installed else "no timm"), done.stdout
 
 
 def test_the_readme_states_the_minimum_torch_that_pyproject_declares():
