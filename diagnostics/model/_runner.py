@@ -24,6 +24,8 @@ ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_at
 
 
 def first_tensor(x):
+    """The output tensor of whatever a model or module returns: a tensor, logits / last_hidden_state on a
+    model output, or the first tensor of a dict, tuple or list; None if there is none."""
     if isinstance(x, Tensor):
         return x
     for name in ("logits", "last_hidden_state", "prediction_logits"):
@@ -42,6 +44,7 @@ def first_tensor(x):
 
 
 def cache_of(x):
+    """The cache a model returned with use_cache=True (a Cache object, or the second item of a tuple)."""
     for name in ("cache", "past_key_values"):  # transformers 5 names it `cache`, earlier versions past_key_values
         value = x.get(name) if isinstance(x, dict) else getattr(x, name, None)
         if value is not None and not isinstance(value, Tensor):
@@ -52,10 +55,12 @@ def cache_of(x):
 
 
 def is_hf(model) -> bool:
+    """A Hugging Face model: its class comes from transformers and it has a config."""
     return type(model).__module__.startswith("transformers.") and getattr(model, "config", None) is not None
 
 
 def model_context(model) -> int | None:
+    """The shortest context the model or its config declares (`_subject.CONTEXT_NAMES`), or None."""
     found = []
     for holder in (model, getattr(model, "config", None)):
         for name in CONTEXT_NAMES:
@@ -220,10 +225,12 @@ class Runner:
 
 
 def float_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype most of the model's parameters have."""
     return device_dtype(model)[1]
 
 
 def device_dtype(model: nn.Module):
+    """(device, dtype) of most of the model's floating parameters (by element count); CPU float32 if none."""
     counts: dict = {}
     for p in model.parameters():
         if p.is_floating_point():
@@ -234,6 +241,7 @@ def device_dtype(model: nn.Module):
 
 
 def pad_tokens(runner: Runner, shape, gen) -> Tensor:
+    """Tokens (or embeddings) of `shape` to pad a sequence with, drawn from `gen`."""
     if runner.tokens:
         return torch.randint(max(runner.vocab, 1), shape, generator=gen).to(runner.inputs.device)
     return torch.randn(shape, generator=gen).to(runner.inputs.device, runner.inputs.dtype)
