@@ -21,7 +21,8 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _commands(text: str) -> list[str]:
-    """Shell lines without comments and blank lines."""
+    """Shell lines without comments and blank lines, a line continued with a backslash read as one."""
+    text = re.sub(r"\\\n\s*", " ", text)
     lines = (re.sub(r"(^|\s+)#.*$", "", line).strip() for line in text.splitlines())
     return [line for line in lines if line]
 

@@ -6,7 +6,8 @@ helper of `correct/_sdpa.py`). The never-seen broken layers of tests/test_never_
 `# BUG`: the first site must be that line. Correct layers get no finding and no site. The default run
 checks float32 at torch's initialisation and a subset of the never-seen layers; the thorough profile
 (`pytest --hypothesis-profile=thorough`) checks every setting the catalog is tested at and every layer, and so
-does `ATTENTION_TESTS_EVERY_SITE=1 pytest tests/test_where.py`, which `.ci/run` runs (71 passed, none skipped, in 14 s with `CI=1` on 2 shared cores).
+does `ATTENTION_TESTS_EVERY_SITE=1 pytest tests/test_where.py`, which `.ci/run` runs (71 passed, none skipped,
+in 14 s with `CI=1` on 2 shared cores).
 """
 
 from __future__ import annotations
