@@ -25,7 +25,7 @@ from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
 from .._audit import audit
 from .._errors import AuditUsageError, expect
 from .._guard import untouched
-from .._registry import DETECTORS, MODEL_DETECTORS, run
+from .._registry import DETECTORS, MODEL_DETECTORS, phrase, run
 from .._result import DetectorResult
 from .._thresholds import dtype_name
 # the model-level detectors register as they are imported, in the order they run and are reported
@@ -38,7 +38,7 @@ from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
 
 
-def infer_causal(model, causal, runner) -> tuple[bool, str]:
+def infer_causal(model, causal, runner, options: dict | None = None) -> tuple[bool, str]:
     """Whether the model is causal, and how that was decided (as given, inferred from what, or assumed not)."""
     if causal is not None:
         expect(isinstance(causal, bool), "causal=True, False or None", f"causal={causal!r}", "pass a bool")
@@ -54,7 +54,7 @@ def infer_causal(model, causal, runner) -> tuple[bool, str]:
     for attr in ("causal", "is_causal"):
         if getattr(model, attr, None) is True:
             return True, f"inferred: model.{attr} is True"
-    return False, "assumed: nothing says the model is causal; pass causal=True if it is"
+    return False, phrase("assumed: nothing says the model is causal; pass {causal} if it is", options)
 
 
 def model_status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
@@ -122,7 +122,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         runner.inputs = runner.inputs[:, :seq_len]
     T = runner.inputs.shape[1] if runner.sequence else 0
     expect(not runner.sequence or T >= 2, "an example of at least 2 positions", f"length {T}", "pass a longer example")
-    causal_, source = infer_causal(model, causal, runner)
+    causal_, source = infer_causal(model, causal, runner, _options)
     runner.pass_causal = causal_ and runner.causal_mask_name is not None
     dtype = float_dtype(model)
     results: list[DetectorResult] = []
