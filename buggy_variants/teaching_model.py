@@ -229,39 +229,63 @@ def reach_svg(readings: dict, *, label: str) -> str:
                     f'<text x="{116 + w:.1f}" y="{y + 15}" font-size="12">{moved} / {positions}</text>')
     height = 10 + len(reach) * (bar + gap)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{label}" width="{width}" '
-            f'height="{height}">{"".join(rows)}</svg>')
+            f'height="{height}" viewBox="0 0 {width} {height}">{"".join(rows)}</svg>')
 
 
-_TABLE = "border='1' style='border-collapse:collapse;font-size:13px'"
+def wide_table(header, rows) -> str:
+    """A table in the report's one style (the shared `results` table, `compact`: as wide as its content), in its
+    own box that scrolls sideways when the window is narrower. `header`: the column titles; `rows`: each a
+    sequence of cells, already HTML."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return (f'<div class="wide"><table class="results compact"><thead><tr>{head}</tr></thead><tbody>{body}</tbody>'
+            f"</table></div>")
+
+
+def _badge(verdict: str, text: str = "") -> str:
+    """The shared verdict badge (diagnostics' `verdict_badge`: the same classes, so the same look), reading `text`
+    (the verdict itself by default)."""
+    return f'<span class="verdict v-{verdict}">{text or verdict}</span>'
+
+
+# A plain model's cache skip reads "see the module docstring for plain models": a reader of the report has no
+# docstring at hand, so the chapter says what that docstring says.
+_DOCSTRING_POINTER = "see the module docstring for plain models"
+_PROTOCOL = ("a plain model takes part when its forward accepts (input_ids, attention_mask=None, position_ids=None, "
+             "past_key_values=None, use_cache=False) and returns (logits, cache) with use_cache=True")
+
+
+_STATUS_BADGE = {"passed": "pass", "failed": "fail"}  # an inconclusive layer measured too little: grey, as a skip
 
 
 def _layer_table(report) -> str:
     from diagnostics._html import escape
 
-    rows = "".join(
-        f"<tr><td><code>{escape(p)}</code></td><td class='k-{'pass' if rep.status == 'passed' else 'fail'}'>"
-        f"{escape(rep.status)}</td><td>{escape(', '.join(r.detector for r in rep.results if r.fired) or '-')}</td></tr>"
-        for p, rep in report.layers.items())
-    model = "".join(
-        f"<tr><td>{escape(r.detector)}</td><td class='k-{escape(r.verdict)}'>{escape(r.verdict)}</td>"
-        f"<td>{escape(report.result_layers.get(r.detector) or '')}</td><td>{escape(r.message)}</td></tr>"
-        for r in report.results)
-    return (f"<table class='model-table' {_TABLE}><tr><th>layer (in place)</th><th>status</th><th>fired</th></tr>"
-            f"{rows}</table><p></p><table class='model-table' {_TABLE}><tr><th>model-level</th><th>verdict</th>"
-            f"<th>at</th><th>message</th></tr>"
-            f"{model}</table>")
+    layers = wide_table(("layer (audited in place)", "status", "detectors that fired"), [
+        (f"<code>{escape(p)}</code>", _badge(_STATUS_BADGE.get(rep.status, "skip"), escape(rep.status)),
+         escape(", ".join(r.detector for r in rep.results if r.fired) or "-"))
+        for p, rep in report.layers.items()])
+    model = wide_table(("model-level detector", "verdict", "first layer", "reading"), [
+        (f"<code>{escape(r.detector)}</code>", _badge(escape(r.verdict)),
+         escape(report.result_layers.get(r.detector) or "-"), escape(r.message.replace(_DOCSTRING_POINTER, _PROTOCOL)))
+        for r in report.results])
+    return layers + model
 
 
 def _cache_table(clean, broken) -> str:
     from diagnostics._html import escape
 
-    rows = []
-    for name, good in clean.readings.get("cache_parity", {}).items():
-        bad = broken.readings.get("cache_parity", {}).get(name)
-        rows.append(f"<tr><td>{escape(name)} {good['plan']}</td><td>{good['error']:.2g}</td>"
-                    f"<td>{'-' if bad is None else format(bad['error'], '.2g')}</td><td>{good['allowed']:.2g}</td></tr>")
-    return (f"<table class='model-table' {_TABLE}><tr><th>schedule (prefill, steps)</th><th>correct: error</th>"
-            "<th>rotary not offset: error</th><th>allowed</th></tr>" + "".join(rows) + "</table>")
+    def cell(reading) -> str:
+        if reading is None:
+            return "-"
+        verdict = "pass" if reading["error"] <= reading["allowed"] else "fail"  # the audit's own rule (its parity judge)
+        return (f"{_badge(verdict)} <span class='num'>{reading['error']:.2g}</span> (allowed "
+                f"<span class='num'>{reading['allowed']:.2g}</span>)")
+
+    broken_readings = broken.readings.get("cache_parity", {})
+    return wide_table(("schedule (prefill, steps)", "correct: error", "rotary not offset: error"), [
+        (f"{escape(name)} <code>{escape(good['plan'])}</code>", cell(good), cell(broken_readings.get(name)))
+        for name, good in clean.readings.get("cache_parity", {}).items()])
 
 
 def model_chapter_html(variants: dict) -> str:
@@ -298,4 +322,4 @@ split, error relative to the logits' RMS against a float64 copy of the model.</p
 
 
 __all__ = ["LAYER_BUGS", "MODEL_BUGS", "ProtocolGPT", "TinyGPT", "chapter_reports", "inject", "model_chapter_html",
-           "reach_svg"]
+           "reach_svg", "wide_table"]

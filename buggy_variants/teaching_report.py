@@ -3,8 +3,10 @@
 Above pytest-html's table of results (and below its pass/fail totals): the kill matrix (variants x
 detectors) and one section per variant with its lesson, the diff of its one overridden step against the
 reference, heatmaps of the reference's and the variant's attention weights on the same input, the detector
-readings and the fix. The test suite's conftest calls `register(config)` from `pytest_configure`; the hooks
-are registered only when pytest-html writes a report, so a plain `pytest` does no extra work.
+readings and the fix; then the model chapter (`teaching_model`). One table style throughout, and a page that fits
+a 700 px window as well as a projector (`_TEACHING_STYLE`). The test suite's conftest calls `register(config)` from
+`pytest_configure`; the hooks are registered only when pytest-html writes a report, so a plain `pytest` does no
+extra work.
 
 This module imports both the catalog and `diagnostics` (which never imports the catalog) and needs pytest;
 `buggy_variants` itself does not import it.
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import linecache
+import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +32,7 @@ from diagnostics._html import escape
 
 from . import VARIANTS
 from ._registry import Setting, Variant
-from .teaching_model import model_chapter_html
+from .teaching_model import model_chapter_html, wide_table
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
 
@@ -160,16 +164,15 @@ def _decode_html(variant: Variant) -> str:
                     rows.append((name, n, float((step - full[:, -n:]).abs().max())))
                     if n == 1:
                         shown.append((name, full[0, -1, :4].tolist(), step[0, -1, :4].tolist()))
-    table = "".join(f"<tr><td>{name}</td><td>last {n} of 16</td><td>{difference:.3g}</td></tr>"
-                    for name, n, difference in rows)
     numbers = lambda v: ", ".join(f"{x:+.3f}" for x in v)  # noqa: E731
-    newest = "".join(f"<tr><td>{name}</td><td><code>{numbers(full)}</code></td><td><code>{numbers(step)}</code>"
-                     f"</td></tr>" for name, full, step in shown)
+    parity = wide_table(("layer", "queries", "max |decoded - full pass|"),
+                        [(name, f"last {n} of 16", f"{difference:.3g}") for name, n, difference in rows])
+    newest = wide_table(("newest token, first 4 features", "full pass", "decoded alone (Tq = 1)"),
+                        [(name, f"<code>{numbers(full)}</code>", f"<code>{numbers(step)}</code>")
+                         for name, full, step in shown])
     return (f'<h4>Full pass against cached decoding</h4><p class="meta">16 tokens, batch 0. Decoding runs the last '
             f'Tq queries over all 16 keys, as a KV cache does; its rows must be the full pass\'s last rows.</p>'
-            f'<table class="decode"><tr><th>layer</th><th>queries</th><th>max |decoded - full pass|</th></tr>{table}'
-            f'</table><table class="decode"><tr><th>newest token, first 4 features</th><th>full pass</th>'
-            f'<th>decoded alone (Tq = 1)</th></tr>{newest}</table>')
+            f'{parity}{newest}')
 
 
 def _row_sums(w: torch.Tensor) -> str:
@@ -214,15 +217,45 @@ def _comparison(pair: _Pair) -> str:
     return f"The weights differ by up to {difference.max().item():.3g}; {outputs}."
 
 
+def _method_lines(variant: Variant) -> tuple[Path, int, list[str]]:
+    """The file of the variant's overridden method, its first line and its source lines."""
+    source, start = inspect.getsourcelines(getattr(variant.cls, variant.step))
+    return Path(inspect.getsourcefile(variant.cls)).resolve(), start, source
+
+
+def _shown_site(variant: Variant, result):
+    """Where a finding points in the variant's section: its first site when that line is in the variant's method;
+    when the first site is in a helper the method calls (`correct/_sdpa.py`'s mask builder, say), the method's line
+    that calls it, with the helper's line as the note. None when neither is in the method. The diff highlights
+    this line and the readings cite it: one answer for both."""
+    if not result.where:
+        return None
+    path, start, source = _method_lines(variant)
+    first = result.where[0]
+    frames = [(first.file, first.line, first.function)] + list(first.callers)
+    for k, (file, line, function) in enumerate(frames):
+        if Path(file).resolve() == path and start <= line < start + len(source):
+            if k == 0:
+                return first
+            inner = f"{first.op} ran in {first.function} at {first.path}:{first.line}"
+            return replace(first, file=file, line=line, function=function,
+                           code=linecache.getline(file, line).strip() or first.code,
+                           note="; ".join(x for x in (inner, first.note) if x), callers=tuple(frames[k + 1:]))
+    return None
+
+
 def _diff_html(variant: Variant, report: diagnostics.AuditReport | None = None) -> str:
     """The unified diff of the variant's overridden method against the reference's, whole methods shown; the
-    lines the audit's findings point at (their first site, or the caller's line of an op in a helper) are
-    highlighted, with the detectors that point there."""
+    lines the audit's findings point at (`_shown_site`) are highlighted, with the detectors that point there."""
     step = variant.step
     before = textwrap.dedent(inspect.getsource(getattr(MultiHeadAttention, step))).splitlines()
-    source, start = inspect.getsourcelines(getattr(variant.cls, step))
+    _, start, source = _method_lines(variant)
     after = textwrap.dedent("".join(source)).splitlines()
-    hits = _hit_lines(variant, report, start, len(source)) if report is not None else {}
+    hits: dict[int, list[str]] = {}  # line of the variant's method -> the detectors that point there
+    for result in report.findings if report is not None else ():
+        site = _shown_site(variant, result)
+        if site is not None:
+            hits.setdefault(site.line, []).append(result.detector)
     lines = difflib.unified_diff(before, after, f"correct: MultiHeadAttention.{step}",
                                  f"buggy_variants: {variant.cls.__name__}.{step}",
                                  n=len(before) + len(after), lineterm="")
@@ -240,29 +273,57 @@ def _diff_html(variant: Variant, report: diagnostics.AuditReport | None = None) 
     return f'<pre class="diff">{"".join(spans)}</pre>'
 
 
-def _hit_lines(variant: Variant, report: diagnostics.AuditReport, start: int, count: int) -> dict[int, list[str]]:
-    """{line of the variant's method: detectors whose first site is that line, or is called from it}."""
-    path = Path(inspect.getsourcefile(variant.cls)).resolve()
-    hits: dict[int, list[str]] = {}
-    for result in report.findings:
-        if not result.where:
-            continue
-        first = result.where[0]
-        for file, line in [(first.file, first.line)] + [(f, n) for f, n, _ in first.callers]:
-            if Path(file).resolve() == path and start <= line < start + count:
-                hits.setdefault(line, []).append(result.detector)
-                break
-    return hits
+_PROBE_RAISED = re.compile(r"(?P<label>[^;:]+): (?P<raised>.+)")  # one "label: exception" item of `runs`' evidence
 
 
-def _readings_html(report: diagnostics.AuditReport) -> str:
+def fold_repeats(evidence: str) -> str:
+    """`runs`-style evidence with one exception repeated (`a: E; b: E; c: F (20 calls in all)`) folded to
+    `raised on 2 probes: E (the probes: a; b); c: F (20 calls in all)`, so that a reader sees the exception once;
+    evidence with nothing repeated is returned as it is."""
+    items = evidence.split("; ")
+    tail = ""
+    last = re.fullmatch(r"(.*?)( \(\d+ calls in all\))", items[-1])
+    if last:  # the count of calls closes the last item
+        items[-1], tail = last.groups()
+    parsed = [_PROBE_RAISED.fullmatch(item) for item in items]
+    raised = [m["raised"] for m in parsed if m]
+    if not raised:
+        return evidence
+    common = max(dict.fromkeys(raised), key=raised.count)  # the most repeated, the first of equals
+    n = raised.count(common)
+    if n < 2:
+        return evidence
+    labels = [m["label"] for m in parsed if m and m["raised"] == common]
+    folded = f"raised on {n} probes: {common} (the probes: {'; '.join(labels)})"
+    out, placed = [], False
+    for item, m in zip(items, parsed):
+        if m and m["raised"] == common:
+            if not placed:
+                out.append(folded)
+                placed = True
+        else:
+            out.append(item)
+    return "; ".join(out) + tail
+
+
+def _shown_result(variant: Variant, result):
+    """A result as the section shows it: repeated exceptions folded, and a finding's first site the line of the
+    variant's method that the diff highlights (`_shown_site`), its other sites after it."""
+    site = _shown_site(variant, result) if result.fired else None
+    where = result.where if site is None or site == result.where[0] else (site, *result.where)
+    return replace(result, evidence=fold_repeats(result.evidence), where=where)
+
+
+def _readings_html(variant: Variant, report: diagnostics.AuditReport) -> str:
     """The detectors that fired, in full; the others folded away, still one click from the reader."""
-    quiet = [r for r in report.results if not r.fired]
-    fired = _html.results_table(report.findings) if report.findings else "<p>No detector fired.</p>"
+    quiet = [_shown_result(variant, r) for r in report.results if not r.fired]
+    findings = [_shown_result(variant, r) for r in report.findings]
+    fired = (f'<div class="wide readings">{_html.results_table(findings)}</div>' if findings
+             else "<p>No detector fired.</p>")
     return (f'<p class="meta">{escape(report.layer)}, audited {"as causal, " if report.causal else ""}'
             f"at seq_len={report.seq_len} ({report.forward_passes} forward passes)</p>{fired}"
             f"<details><summary>The other {len(quiet)} detectors (pass or skip)</summary>"
-            f"{_html.results_table(quiet)}</details>")
+            f'<div class="wide readings">{_html.results_table(quiet)}</div></details>')
 
 
 def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
@@ -277,7 +338,7 @@ def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
 {_weights_html(_weights_pair(variant))}
 {_decode_html(variant)}
 <h4>Detector readings</h4>
-{_readings_html(report)}
+{_readings_html(variant, report)}
 <h4>The fix</h4>
 <pre class="fix">{escape(variant.fix)}</pre>
 <p><a href="#kill-matrix">↑ back to the kill matrix</a></p>
@@ -305,9 +366,9 @@ def _kill_matrix_html(audits: dict[str, diagnostics.AuditReport]) -> str:
         rows.append(f'<tr><th class="vid"><a href="#variant-{escape(vid)}">{escape(vid)}</a></th>{"".join(cells)}'
                     f'<td class="caught-{caught}">{caught}</td></tr>')
     caught = sum(bool(report.findings) for report in audits.values())
-    return f"""<table class="kill-matrix">
+    return f"""<div class="wide"><table class="kill-matrix">
 <thead><tr><th class="vid">variant</th>{head}<th class="det"><span>caught</span></th></tr></thead>
-<tbody>{"".join(rows)}</tbody></table>
+<tbody>{"".join(rows)}</tbody></table></div>
 <p class="meta">{caught} of {len(audits)} variants caught by at least one detector. Cells: the detector's verdict
 (<span class="k-fail">fail</span> <span class="k-warn">warn</span> <span class="k-pass">pass</span>
 <span class="k-skip">skip</span>); <span class="k-fail expected">outlined</span>: a detector the catalog expects
@@ -315,13 +376,39 @@ to catch the variant (<code>expected_detectors</code>), <span class="k-pass miss
 Hover a cell for the reading, a detector for what it checks.</p>"""
 
 
-# Rules only the teaching report needs; the shared ones come from diagnostics._html.STYLE.
+# The columns of the readings table (diagnostics._html.results_table), in order: in a narrow window each reading is a
+# card whose values are labelled with these names.
+_READING_COLUMNS = ("detector", "verdict", "reading", "value", "threshold", "evidence", "fix")
+
+# Rules only the teaching report needs; the shared ones come from diagnostics._html.STYLE. The report is read on a
+# laptop, a projector and a narrow window: the text scales with the window (13 px at 700 px, 16 px from about
+# 1240 px), wide tables scroll sideways inside their own box (.wide), and the report never grows wider than the
+# window, even where the host page (pytest-html's body, min-width 800px) does.
 _TEACHING_STYLE = """
-.am.teaching { margin: 8px 0 28px; }
-.am .kill-matrix { border-collapse: collapse; font-size: 13px; }
-.am .kill-matrix th, .am .kill-matrix td { border: 1px solid #d8dee4; padding: 3px 6px; text-align: center;
+.am.teaching { margin: 8px 0 28px; max-width: min(1180px, calc(100vw - 24px)); box-sizing: border-box;
+               font-size: clamp(13px, 0.55vw + 9.2px, 16px); overflow-wrap: break-word; }
+.am.teaching h2 { font-size: 1.4em; }
+.am.teaching h3 { font-size: 1.2em; }
+.am.teaching h4 { font-size: 1em; }
+.am.teaching pre, .am.teaching code { font-size: 0.9em; }
+.am.teaching pre code, .am.teaching table code { font-size: 1em; }
+.am.teaching figcaption { font-size: 0.93em; }
+.am.teaching figure { max-width: 100%; }
+.am.teaching svg { max-width: 100%; height: auto; }
+.am .wide { max-width: 100%; overflow-x: auto; margin: 0.3em 0; }
+.am table.results.compact { width: auto; }
+.am span.num { white-space: nowrap; font-variant-numeric: tabular-nums; }
+/* the readings' evidence (column 6) may break a long path, so that the table fits the window */
+.am.teaching .readings td:nth-child(6) { overflow-wrap: anywhere; }
+/* the reading, the evidence and the fix share the room left by the short columns, the evidence the most */
+.am.teaching .readings td:nth-child(3) { width: 17%; }
+.am.teaching .readings td:nth-child(6) { width: 38%; }
+/* 18 columns: the matrix grows more slowly than the text, so that it fits a 1024 px projector without scrolling */
+.am .kill-matrix { border-collapse: collapse; font-size: clamp(12px, 0.3vw + 9.5px, 14px); }
+.am .kill-matrix th, .am .kill-matrix td { border: 1px solid #d8dee4; padding: 3px 4px; text-align: center;
                                            color: #1a1a1a; }
-.am .kill-matrix th.vid { text-align: left; font-weight: normal; white-space: nowrap; vertical-align: bottom; }
+.am .kill-matrix th.vid { text-align: left; font-weight: normal; white-space: nowrap; vertical-align: bottom;
+                         position: sticky; left: 0; background: #fff; }  /* the names stay while the box scrolls */
 .am .kill-matrix th.det { vertical-align: bottom; padding: 6px 2px; }
 .am .kill-matrix th.det span { writing-mode: vertical-rl; transform: rotate(180deg); white-space: nowrap;
                                 font-weight: 600; }
@@ -334,17 +421,33 @@ _TEACHING_STYLE = """
 .am .caught-yes { font-weight: 700; }
 .am .caught-no { background: #d73a49; color: #fff !important; font-weight: 700; }
 .am p .k-fail, .am p .k-warn, .am p .k-pass, .am p .k-skip { padding: 0 4px; border-radius: 2px; }
-.am section.variant { border-top: 2px solid #d8dee4; padding-top: 14px; margin-top: 26px; }
+.am p .expected, .am p .missed { outline-offset: 1px; }  /* in the legend the outline goes round the word */
+.am section.variant, .am section.model-chapter { border-top: 2px solid #d8dee4; padding-top: 14px; margin-top: 26px; }
 .am pre.diff span { display: block; }
 .am pre.diff .file { color: #555; font-weight: 600; }
 .am pre.diff .hunk { color: #6f42c1; }
 .am pre.diff .add { background: #e6ffec; color: #116329; }
 .am pre.diff .del { background: #ffebe9; color: #82071e; }
 .am pre.diff .hit { outline: 2px solid #d73a49; outline-offset: -1px; font-weight: 600; }
-.am pre.diff .hit::after { content: "  \2190 the audit points here"; color: #d73a49; font-weight: 400; }
+.am pre.diff .hit::after { content: "  \\2190  the audit points here"; color: #d73a49; font-weight: 400; }
 .am pre.fix { background: #e6ffec; border-color: #a6dcb4; }
-.am .error-note pre { background: #ffebe9; border-color: #f5b5b0; max-width: 520px; white-space: pre-wrap; }
+.am .error-note pre { background: #ffebe9; border-color: #f5b5b0; max-width: min(520px, 100%); white-space: pre-wrap; }
 .am details summary { cursor: pointer; color: #0b5cad; margin: 0.4em 0; }
+@media (max-width: 760px) {  /* a narrow window: tighter cells rather than a table that scrolls */
+  .am.teaching table.results th, .am.teaching table.results td { padding: 3px 4px; }
+  .am .kill-matrix th, .am .kill-matrix td { padding: 2px 3px; }
+  /* seven columns do not fit: each reading becomes a card (detector, verdict, reading; then its labelled values) */
+  .am.teaching .readings table, .am.teaching .readings tbody { display: block; }
+  .am.teaching .readings thead { display: none; }
+  .am.teaching .readings tr { display: grid; grid-template-columns: auto auto 1fr; column-gap: 6px;
+                              border-top: 1px solid #d8dee4; padding: 4px 0; }
+  .am.teaching .readings td, .am.teaching .readings td:nth-child(n) { border: none; padding: 1px 4px; width: auto; }
+  .am.teaching .readings td:nth-child(4) { grid-column: 1; }
+  .am.teaching .readings td:nth-child(5) { grid-column: 2 / -1; }
+  .am.teaching .readings td:nth-child(n+6) { grid-column: 1 / -1; }
+  .am.teaching .readings td:empty { display: none; }
+""" + "".join(f'  .am.teaching .readings td:nth-child({i}):not(:empty)::before {{ content: "{name}: "; color: #555; }}\n'
+              for i, name in enumerate(_READING_COLUMNS[3:], 4)) + """}  /* labels for all but the card's first line */
 """
 
 
@@ -418,4 +521,4 @@ def register(config: pytest.Config) -> None:
         config.pluginmanager.register(TeachingReportPlugin(), "teaching-report")
 
 
-__all__ = ["KILL_MATRIX_SIZE", "TeachingReportPlugin", "audit_catalog", "register", "teaching_html"]
+__all__ = ["KILL_MATRIX_SIZE", "TeachingReportPlugin", "audit_catalog", "fold_repeats", "register", "teaching_html"]

@@ -3,7 +3,10 @@ diff and two heatmaps, the kill matrix, extra table columns) and `AuditReport.to
 
 from __future__ import annotations
 
+import html
+import inspect
 import json
+import linecache
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -13,7 +16,7 @@ import torch
 
 import diagnostics
 import correct
-from buggy_variants import VARIANTS
+from buggy_variants import VARIANTS, teaching_report
 from correct import MultiHeadAttention
 
 pytest_plugins = ["pytester"]
@@ -110,7 +113,8 @@ def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fi
         text = " ".join(section["text"].split())
         assert variant.fix in text and variant.title in text, vid
         for finding in catalog_audits[vid].findings:
-            assert finding.detector in text and " ".join(finding.evidence.split()) in text, (vid, finding.detector)
+            evidence = teaching_report.fold_repeats(finding.evidence)
+            assert finding.detector in text and " ".join(evidence.split()) in text, (vid, finding.detector)
 
 
 def test_decoding_variants_show_the_full_pass_and_cached_decoding_side_by_side(teaching_report_html):
@@ -180,6 +184,213 @@ def test_the_offline_check_sees_what_a_browser_would_fetch():
     page = Page('<script src="app.js"></script><link href="https://cdn.example/s.css" rel="stylesheet">'
                 '<img src="//example.org/x.png"><a href="https://example.org">a link is not a fetch</a>')
     assert [tag for tag, _, _ in page.external] == ["script", "link", "img"]
+
+
+# ---- the teaching report as a reader sees it: its marks, its one style, its citations, a narrow window ----------
+
+
+def _style(page: str) -> str:
+    return "".join(re.findall(r"<style[^>]*>(.*?)</style>", page, re.S))
+
+
+def _rule(style: str, selector: str) -> str:
+    """The declarations of the rule whose selector list is exactly `selector`, '' when there is none."""
+    for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", style):
+        if selector in [s.strip() for s in selectors.split(",")]:
+            return body
+    return ""
+
+
+def _css_string(value: str) -> str:
+    """A CSS string's text: `\2190 ` is U+2190 (one whitespace after a hex escape belongs to it)."""
+    return re.sub(r"\\([0-9a-fA-F]{1,6})[ \t\n]?|\\(.)", lambda m: chr(int(m[1], 16)) if m[1] else m[2], value)
+
+
+def _block(page: str, element_id: str) -> str:
+    """The HTML of the <section> with this id."""
+    start = page.index(f'id="{element_id}"')
+    return page[start:page.index("</section>", start)]
+
+
+def _text(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+READING = re.compile(r'<tr><td><code>([^<]+)</code></td><td><span class="verdict v-\w+">\w+</span></td>'
+                     r"<td>.*?</td><td class=\"num\">.*?</td><td class=\"num\">.*?</td><td>(.*?)</td><td>.*?</td></tr>")
+CITED = re.compile(r'where: <code>([^<]*):(\d+)</code> <code>([^<]*)</code>')
+HIGHLIGHT = re.compile(r'<span class="(?:add|ctx) hit" title="the audit points here: ([^"]*)">([^<]*)</span>')
+
+
+def test_the_css_string_reader_reads_escapes():
+    """The twin of the arrow test: the reader decodes what a browser decodes, and shows the old bug as a bug."""
+    assert _css_string(r"  \2190  the audit") == "  ← the audit"
+    assert _css_string(r'a \"b\" \2190') == 'a "b" ←'
+    old = "  \x02190 the audit"  # the old style wrote "\2190" in a plain Python string, where "\2" is \x02
+    assert not _css_string(old).strip().startswith("←")
+
+
+def test_highlighted_diff_lines_end_with_an_arrow_and_the_page_has_no_control_characters(teaching_report_html):
+    content = re.search(r'content:\s*"((?:[^"\\]|\\.)*)"', _rule(_style(teaching_report_html), ".am pre.diff .hit::after"))
+    assert content, "a highlighted line says that the audit points there"
+    assert _css_string(content[1]).strip().startswith("← the audit points here"), _css_string(content[1])
+    control = re.findall(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", teaching_report_html)
+    assert not control, f"control characters in the page: {sorted(set(control))}"
+
+
+def test_the_readings_cite_the_line_the_diff_highlights(teaching_report_html, catalog_audits):
+    """Where the diff highlights a line for a detector, that detector's reading cites that very line (file, number,
+    code), also when the op ran in a helper the variant's line calls (a mask builder in `correct`)."""
+    highlighted, through_helper = 0, []
+    for vid, variant in VARIANTS.items():
+        section = _block(teaching_report_html, f"variant-{vid}")
+        cited = {det: CITED.search(evidence) for det, evidence in READING.findall(section)}
+        source = Path(inspect.getsourcefile(variant.cls)).resolve()
+        for detectors, line in HIGHLIGHT.findall(section):
+            code = " ".join(html.unescape(line)[1:].split())  # the diff's line, its +/space marker dropped
+            for detector in detectors.split(", "):
+                where = cited.get(detector)
+                assert where, f"{vid}: {detector} is highlighted in the diff but its reading cites no line"
+                path, number, cited_code = where[1], int(where[2]), " ".join(html.unescape(where[3]).split())
+                assert Path(path).resolve() == source, f"{vid}: {detector} cites {path}, the diff shows {source.name}"
+                assert cited_code == code, f"{vid}: {detector} cites {cited_code!r}, the diff highlights {code!r}"
+                assert " ".join(linecache.getline(str(source), number).split()) == code, (vid, detector, number)
+                highlighted += 1
+                first = catalog_audits[vid].result(detector).where[0]
+                if Path(first.file).resolve() != source:
+                    through_helper.append(vid)
+    assert highlighted, "some diff line is highlighted"
+    assert through_helper, "some highlighted line is the caller of a helper where the op ran"
+
+
+def test_fold_repeats_folds_one_repeated_exception_and_keeps_the_rest():
+    evidence = "a: E: x; b (det): E: x; c: F: y (5 calls in all)"
+    assert (teaching_report.fold_repeats(evidence) ==
+            "raised on 2 probes: E: x (the probes: a; b (det)); c: F: y (5 calls in all)")
+    once = "a: E: x; c: F: y (2 calls in all)"
+    assert teaching_report.fold_repeats(once) == once
+    assert teaching_report.fold_repeats("12 / 60 rows changed") == "12 / 60 rows changed"
+
+
+def test_a_layer_that_raises_everywhere_quotes_its_exception_once(teaching_report_html, catalog_audits):
+    for vid in RAISES:
+        section = _block(teaching_report_html, f"variant-{vid}")
+        error = _text(re.search(r'class="error-note">.*?<pre>(.*?)</pre>', section, re.S)[1])  # in the heatmap's place
+        runs = catalog_audits[vid].result("runs")
+        evidence = _text(dict(READING.findall(section))["runs"])
+        assert evidence.count(error) == 1, f"{vid}: the exception is quoted {evidence.count(error)} times"
+        assert f"raised on {int(runs.value)} probes: {error}" in evidence, evidence
+
+
+def _tables(fragment: str) -> list[tuple[dict, list[str]]]:
+    """Every <table>: its attributes and the classes of the elements around it, innermost first."""
+
+    class Tables(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.found = [], []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "table":
+                self.found.append((attrs, [c for _, cls in reversed(self.stack) for c in cls]))
+            if tag not in ("br", "img", "input", "meta", "link", "col", "rect", "path", "hr"):
+                self.stack.append((tag, (attrs.get("class") or "").split()))
+
+        def handle_endtag(self, tag):
+            while self.stack:
+                if self.stack.pop()[0] == tag:
+                    break
+
+    parser = Tables()
+    parser.feed(fragment)
+    return parser.found
+
+
+def test_every_table_of_the_teaching_report_has_the_one_style(teaching_report_html):
+    """The kill matrix has its own grid; every other table (readings, decoding, the model chapter's) is the shared
+    `results` table, styled by the page's rules and not by attributes of its own."""
+    style = _style(teaching_report_html)
+    tables = _tables(teaching_report_html[teaching_report_html.index('id="teaching-report"'):])
+    chapter = _tables(_block(teaching_report_html, "model-chapter"))
+    assert len(tables) > len(chapter) > 0, "the sections and the model chapter have tables"
+    for attrs, _ in tables:
+        classes = (attrs.get("class") or "").split()
+        assert not {"style", "border"} & set(attrs), f"a table styled apart: {attrs}"
+        assert "kill-matrix" in classes or "results" in classes, f"a table outside the report's style: {attrs}"
+        assert all(re.search(rf"\.{c}\b", style) for c in classes), f"a table class no rule styles: {classes}"
+
+
+def test_the_model_chapter_spells_out_what_it_refers_to(teaching_report_html):
+    chapter = _block(teaching_report_html, "model-chapter")
+    assert "docstring" not in _text(chapter), "the reader of a report has no docstring at hand"
+    row = next(r for r in re.findall(r"<tr>.*?</tr>", chapter) if "<code>cache_parity</code>" in r)
+    if "skip" in row:  # TinyGPT takes no cache: the reading says what a model needs to take part
+        assert all(word in _text(row) for word in ("input_ids", "past_key_values", "use_cache")), _text(row)
+
+
+def test_cache_parity_rows_carry_pass_and_fail_marks_that_agree_with_the_numbers(teaching_report_html):
+    chapter = _block(teaching_report_html, "model-chapter")
+    table = chapter[chapter.index("Cache parity"):]
+    marks = {"pass": 0, "fail": 0}
+    rows = re.findall(r"<tr>(.*?)</tr>", table)[1:]  # below its header
+    assert rows, "the cache-parity table has rows"
+    for row in rows:
+        cells = re.findall(r"<td>(.*?)</td>", row)[1:]  # the correct model's, then the broken one's
+        assert len(cells) == 2, row
+        for cell in cells:
+            verdict = re.search(r'class="verdict v-(pass|fail)"', cell)
+            error, allowed = map(float, re.search(r"([\d.e+-]+) \(allowed ([\d.e+-]+) ?\)", _text(cell)).groups())
+            assert verdict, f"no pass/fail mark: {_text(cell)}"
+            assert (verdict[1] == "pass") == (error <= allowed), _text(cell)
+            marks[verdict[1]] += 1
+    assert marks["pass"] and marks["fail"], f"the correct decoder passes and the broken one fails somewhere: {marks}"
+
+
+def _clamp_at(expression: str, width: float) -> float:
+    """The px value of a CSS clamp(min, preferred, max) whose terms are sums of px and vw, at a window width."""
+    def value(term: str) -> float:
+        return sum(float(n) * (width / 100 if unit == "vw" else 1)
+                   for n, unit in re.findall(r"([\d.]+)\s*(px|vw)", term))
+    low, preferred, high = (value(t) for t in expression.split(","))
+    return min(max(preferred, low), high)
+
+
+def test_the_teaching_report_fits_a_narrow_window(teaching_report_html):
+    """Below pytest-html's 800 px the report stays inside the window: it is never wider than the window, wide
+    tables scroll inside their own box, pictures shrink, and the text scales with the window."""
+    style = _style(teaching_report_html)
+    report = _rule(style, ".am.teaching")
+    assert re.search(r"max-width:[^;]*100vw", report), f"the report may grow wider than the window: {report!r}"
+    assert re.search(r"overflow-x:\s*auto", _rule(style, ".am .wide")), "wide tables scroll in a box of their own"
+    fragment = teaching_report_html[teaching_report_html.index('id="teaching-report"'):]
+    for attrs, around in _tables(fragment):
+        assert "wide" in around, f"a table outside a scrolling box: {attrs}"
+    assert re.search(r"max-width:\s*100%", _rule(style, ".am.teaching svg")), "pictures shrink to the window"
+    svgs = re.findall(r"<svg[^>]*>", fragment)
+    assert svgs and all("viewBox=" in svg for svg in svgs), "a picture without a viewBox cannot shrink"
+    size = re.search(r"font-size:\s*clamp\(([^)]*)\)", report)
+    assert size, "the text size follows the window"
+    narrow, wide = _clamp_at(size[1], 700), _clamp_at(size[1], 1400)
+    assert 12 <= narrow < wide <= 18, (narrow, wide)
+
+
+def test_in_a_narrow_window_each_reading_is_a_card_labelled_with_the_table_s_column_names(teaching_report_html):
+    """Seven columns do not fit 700 px: below the breakpoint each reading is a card, its cells labelled with the
+    names of the readings table's own header (read from the page, so a reordered table fails here)."""
+    style = _style(teaching_report_html)
+    media = re.search(r"@media \(max-width: (\d+)px\) \{(.*?)\n\}", style, re.S)
+    assert media and int(media[1]) >= 700, "a narrow-window layout that applies at 700 px"
+    fragment = teaching_report_html[teaching_report_html.index('id="teaching-report"'):]
+    header = re.search(r'<div class="wide readings"><table class="results"><thead><tr>(.*?)</tr>', fragment)
+    assert header, "the readings tables sit in a .readings box"
+    names = [_text(th) for th in re.findall(r"<th>(.*?)</th>", header[1])]
+    assert len(names) > 3, names
+    assert re.search(r"\.readings thead \{ display: none", media[2]), "the cards replace the header row"
+    for i, name in enumerate(names[3:], 4):  # the first three make the card's first line, unlabelled
+        assert re.search(rf'\.readings td:nth-child\({i}\)[^{{]*::before \{{ content: "{name}: "', media[2]), (i, name)
+    readings = fragment.count('<table class="results"><thead><tr><th>detector</th>')
+    assert readings == fragment.count('<div class="wide readings"><table class="results">'), "every readings table"
 
 
 def test_audit_report_to_html_of_a_correct_layer_shows_its_weights_and_every_detector(tmp_path):
