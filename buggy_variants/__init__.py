@@ -176,8 +176,9 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("the user's mask allows some query its own position",
                                        lambda s: bool((s.allowed() != _without_diagonal(s)).any())),
             expected_detectors=("weight_row_sums", "output_variance", "causal_alignment"),
-            # with Tk = 2 each query keeps one key, so the output no longer depends on the keys at all
-            detected_at_other_sizes_by=("keys_matter",),
+            # with Tk = 2 each query keeps one key, so the output no longer depends on the keys at all, nor on
+            # the query and key projections (their gradients are exactly zero)
+            detected_at_other_sizes_by=("keys_matter", "parameters_used"),
         ),
         Variant(
             id="dropout_in_eval", title="Attention dropout left on in eval mode", cls=c.DropoutInEval,

@@ -97,6 +97,9 @@ def test_every_detector_catches_something_and_every_variant_is_caught():
     # exercised by the never-seen float16 softmax without max-subtraction in tests/test_never_seen.py.
     # cache_decoding needs a self-attention module with a cache of its own, which the reference (query, key,
     # value) layer is not: it is exercised by the never-seen CachedRotary layers in tests/test_never_seen.py.
-    unexercised = {"finite_output", "cache_decoding"}
+    # parameters_used catches no catalog entry: every variant keeps each weight in use (a detached softmax's q and
+    # k weights get no gradient, but the forward still reads them: that is the gradients detector's finding); it is
+    # exercised by the unused projections of tests/test_parameters.py.
+    unexercised = {"finite_output", "cache_decoding", "parameters_used"}
     assert caught_by | unexercised == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
     assert all(v.expected_detectors for v in VARIANTS.values())

@@ -17,9 +17,22 @@ import torch
 from torch import nn
 
 import diagnostics
-import test_never_seen as never_seen
 from buggy_variants import VARIANTS
 from diagnostics import _audit, _probe, _subject
+
+
+def _sibling(name: str):
+    """A test module of this folder, loaded from its file (the suite also runs under --import-mode=importlib)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"replay_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+never_seen, parameters_tests = _sibling("test_never_seen"), _sibling("test_parameters")
 
 
 class NaNOnOrdinaryInput(nn.Module):
@@ -64,6 +77,7 @@ FAILING = {  # detector: a layer that fails it (and the audit's options)
     "decode_consistency": variant("rotary_not_offset"),
     "cache_decoding": lambda: (never_seen.CachedRotary(24, 3, bug="mask"), dict(causal=True)),
     "gradients": variant("detached_softmax"),
+    "parameters_used": lambda: (parameters_tests.SeparateProjections(bug="values from keys"), {}),
 }
 
 

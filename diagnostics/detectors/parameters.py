@@ -1,0 +1,278 @@
+"""`parameters_used`: every weight tensor the layer owns moves its output, measured exactly with autograd.
+
+On a float64 copy of the layer and the standard probe's sizes, one backward pass of `(out * r).sum()` (r a random
+cotangent) gives every parameter its gradient. A parameter the output depends on gets a non-zero gradient on
+random inputs; one it does not depend on gets exactly zero: not small, zero, because no path of the graph reaches
+it (or every path multiplies it by a structural zero). So the verdict is exact at every dtype: a tensor whose
+gradient is zero everywhere, everywhere off its diagonal (an einsum that reads only `W[i, i]`), or on whole
+rows of a weight (output features computed and dropped) is a finding, naming the parameter.
+
+A zero gradient is then confirmed by the forward pass itself: the zero-gradient entries are changed at random
+and the output compared. If it moves, the output does depend on them and their gradient is cut on its way (a
+`.detach()`: the `gradients` detector's finding, named in the evidence here); if it does not, they are unused.
+
+One parameter is legitimately inert: the key bias. It adds `q_i · b_k` to every score of row i, a constant over
+the keys, which the softmax removes exactly. Its gradient is rounding noise in float64, rarely exactly zero, so
+it is not flagged; where a parameter's gradient is exactly zero, the check asks the same question directly
+(perturb it, and see whether the scores reaching the softmax move by a per-row constant only) and explains it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .._core import skip
+from .._observe import Observer
+from .._probe import Probe
+from .._registry import LONG, Need, detector
+from .._result import DetectorResult, ProbeShape, Site
+from .._tracing import MATMULS, computing, op_site, producer, trace_call
+from ._common import float64_twin, graph_call, result
+
+OWNS_PARAMETERS = Need("a module with trainable parameters",
+                       lambda p: isinstance(p.subject.layer, nn.Module)
+                       and any(t.requires_grad for t in p.subject.layer.parameters()),
+                       "the layer owns no trainable parameters (a function, or a module without weights)")
+
+FORWARD_MOVES = 1e-9
+"""How much (relative to the outputs' RMS, float64) changing a zero-gradient part must move the output to count
+as the output depending on it. Unused weights measured exactly 0; a weight behind a .detach() moves it by O(1);
+a key bias by rounding, below 1e-15 (it is then explained by the shift test below)."""
+
+SHIFT_INERT = 1e-9
+"""How constant over the keys a parameter's change of the scores must be (max spread over a row / largest change)
+to count as a per-row shift the softmax ignores. float64: a key bias measured 0 to 1e-16; any weight that acts
+through the keys spreads its change over them by the order of the change itself."""
+
+
+@dataclass(frozen=True)
+class ParameterReplay:
+    """What the verdict was computed on: the float64 inputs and mask, and the parameters found unused."""
+
+    inputs: tuple  # (query[, key[, value]]) in float64, detached
+    allowed: Tensor | None
+    unused: tuple[tuple[str, str], ...]  # (parameter name, where its gradient is zero)
+
+
+def _pack(xs):
+    return (xs[0], xs[1], xs[2]) if len(xs) == 3 else (xs[0], xs[1], xs[1]) if len(xs) == 2 else (xs[0], xs[0], xs[0])
+
+
+def _runs(flags: Tensor) -> str:
+    """'3-5, 9' for the True entries of a 1-D bool tensor."""
+    idx = [int(i) for i in flags.nonzero().flatten()]
+    spans, start = [], None
+    for a, b in zip([None] + idx, idx + [None]):
+        if start is None:
+            start = b
+        elif b is None or b != a + 1:
+            spans.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(spans)
+
+
+def structural_zeros(grad: Tensor | None) -> str:
+    """Where a gradient is exactly zero in a way no correct use of the tensor gives: '' when it is not."""
+    if grad is None or not bool(grad.ne(0).any()):
+        return "everywhere"
+    if grad.dim() == 2 and grad.shape[0] == grad.shape[1] > 1:
+        off = grad.clone()
+        off.fill_diagonal_(0)
+        if not bool(off.ne(0).any()):
+            return "everywhere off its diagonal"
+    if grad.dim() == 2 and grad.shape[0] > 1:
+        dead = ~grad.ne(0).any(1)  # output features none of whose weights reach the output
+        if bool(dead.any()):
+            return f"on rows {_runs(dead)} of {grad.shape[0]} (output features that reach nothing)"
+    return ""
+
+
+def _zero_part(grad: Tensor | None, param: Tensor) -> Tensor:
+    """The entries of `param` whose gradient is exactly zero."""
+    return torch.ones_like(param, dtype=torch.bool) if grad is None else grad.eq(0)
+
+
+def _forward_moves(sub, name: str, part: Tensor, qkv, allowed, out: Tensor, gen: torch.Generator) -> float:
+    """How much the output moves (relative to its RMS) when the entries `part` of the parameter change at random;
+    the parameter is restored afterwards."""
+    param = dict(sub.layer.named_parameters())[name]
+    saved = param.detach().clone()
+    noise = torch.randn(param.shape, generator=gen, dtype=param.dtype).to(param.device)
+    with torch.no_grad():
+        param.add_(torch.where(part, noise, torch.zeros_like(noise)))
+        try:
+            moved = sub(*qkv, allowed).out
+        finally:
+            param.copy_(saved)
+    scale = float(out.detach().square().mean().sqrt()) or 1.0
+    return float((moved - out.detach()).abs().max()) / scale
+
+
+def _scores(sub, qkv, allowed) -> list[Tensor]:
+    """The scores that reach each softmax (or fused attention) of one observed call, in float64."""
+    observer = Observer()
+    with torch.no_grad(), observer:
+        sub(*qkv, allowed)
+    rec = observer.record
+    out = [sm.input.double() for sm in rec.softmaxes]
+    out += [(f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale for f in rec.fused]
+    return out
+
+
+def _shift_inert(sub, name: str, qkv, allowed, gen: torch.Generator) -> bool:
+    """True when changing the parameter shifts every row of the scores by a constant only (the softmax removes
+    it exactly): the key bias. The parameter is restored afterwards."""
+    param = dict(sub.layer.named_parameters())[name]
+    before = _scores(sub, qkv, allowed)
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype).to(param.device))
+    try:
+        after = _scores(sub, qkv, allowed)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    if not before or len(before) != len(after):
+        return False
+    moved = False
+    for old, new in zip(before, after):
+        if old.shape != new.shape:
+            return False
+        both = torch.isfinite(old) & torch.isfinite(new)  # blocked scores (-inf) are not compared
+        delta = torch.where(both, new - old, torch.nan)
+        size = float(delta.nan_to_num(0).abs().max())
+        if size == 0:
+            continue
+        moved = True
+        spread = (delta.nan_to_num(-math.inf).amax(-1) - delta.nan_to_num(math.inf).amin(-1))
+        spread = spread[torch.isfinite(spread)]
+        if spread.numel() and float(spread.max()) > SHIFT_INERT * size:
+            return False
+    return moved
+
+
+_VIEWS = {"transpose", "t", "permute", "expand", "view", "_unsafe_view", "reshape", "clone", "contiguous", "alias"}
+
+
+def _root(trace, tensor_id: int) -> int:
+    """Back through views of the same values (not slices of them) to the tensor they show."""
+    for _ in range(64):
+        op = producer(trace, tensor_id)
+        if op is None or op.short not in _VIEWS or not op.in_ids:
+            return tensor_id
+        tensor_id = op.in_ids[0]
+    return tensor_id
+
+
+def _self_products(trace) -> list:
+    """Matmuls of the user's code whose two operands show the same tensor (q @ q.T where q @ k.T belongs)."""
+    return [op for op in trace.ops if op.short in MATMULS and op.frames and len(op.in_ids) >= 2
+            and _root(trace, op.in_ids[-2]) == _root(trace, op.in_ids[-1])]
+
+
+def parameter_sites(probe, result: DetectorResult) -> list[Site]:
+    """For each unused parameter: the first op of the user's code that reads it (a diagonal taken, a slice
+    dropped), else the line that reads a same-shaped sibling where it belongs (values from the key projection)."""
+    replay = result.replay
+    if replay is None or not isinstance(probe.subject.layer, nn.Module):
+        return []
+    s = probe.subject
+    q, k, v = _pack([x.to(s.dtype) for x in replay.inputs])
+    trace = trace_call(s, q, k, v, replay.allowed, seed=probe.seed)
+    params = dict(s.layer.named_parameters())
+    sites = []
+    for name, where in replay.unused:
+        tensor = params.get(name)
+        if tensor is None:
+            continue
+        readers = [op for op in trace.ops if id(tensor) in op.in_ids and op.frames]
+        if readers:
+            sites.append(op_site(computing(trace, readers[0]), f"reads {name}, whose gradient is zero {where}"))
+            if where.startswith("on rows"):  # the rows that are used: often one slice read in place of another
+                sites += [op_site(op, f"both operands of this product are the same tensor: the rows of {name} "
+                                      f"meant for one of them reach nothing") for op in _self_products(trace)[:1]]
+            continue
+        siblings = {id(t): n for n, t in params.items() if n != name and t.shape == tensor.shape}
+        reads = [(op, siblings[i]) for op in trace.ops if op.frames for i in op.in_ids if i in siblings]
+        counted: dict[str, list] = {}
+        for op, sibling in reads:
+            counted.setdefault(sibling, []).append(op)
+        twice = [(sib, ops) for sib, ops in counted.items() if len({o.frames[0] for o in ops}) > 1]
+        if twice:
+            sibling, ops = twice[0]
+            sites.append(op_site(computing(trace, ops[-1]),
+                                 f"{name} is never read; {sibling}, shaped like it, is read here a second time"))
+    return [x for x in sites if x is not None]
+
+
+@detector("parameters_used", "every weight tensor the layer owns moves the output: autograd gives each a non-zero "
+          "gradient, also off the diagonal of a square weight and on every row of a projection",
+          targets=("a projection computed and never used (values from the key projection: W_v unused)",
+                   "keys from the query projection in one-stream self-attention (W_k unused)",
+                   "an einsum that reads only the diagonal of W_O"),
+          fix="use every projection for its stream: q = W_q(query), k = W_k(key), v = W_v(value), and the full "
+              "output projection (x @ W_O.T, not its diagonal)",
+          needs=(OWNS_PARAMETERS, LONG), locate=parameter_sites)  # one key: the softmax ignores q and k
+def check_parameters_used(probe: Probe) -> DetectorResult:
+    det, s = "parameters_used", probe.subject
+    B, T = probe.BATCH, probe.t
+    try:
+        sub = float64_twin(probe)
+    except Exception as error:  # a layer that cannot be copied or converted: say so
+        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+    gen = probe.generator()
+    cross = s.separate_kv and not probe.causal
+    # inputs that require grad too: gradients are taken through this call (the probe's record says so)
+    inputs = [sub.make(gen, B, T).requires_grad_(True) for _ in range(2 if cross else 1)]
+    allowed = probe.allowed(B, T, T)
+    params = {n: p for n, p in sub.layer.named_parameters() if p.requires_grad}
+    probe.passes += 3  # forward and backward (two)
+    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T})", B, T, T,
+                                        None if allowed is None else allowed.cpu(), len(inputs) == 1, backward=True))
+    try:
+        probe.seed_layer_rng()
+        with torch.enable_grad():
+            out = graph_call(sub, *_pack(inputs), allowed)
+            cotangent = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
+            grads = torch.autograd.grad((out * cotangent).sum(), list(params.values()), allow_unused=True)
+    except Exception as error:
+        return skip(det, f"the layer does not run with autograd as a float64 copy ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:160] if str(error) else ''}); see `gradients`")
+    if not bool(torch.isfinite(out).all()):
+        return skip(det, "the output is not finite on an ordinary input, so its gradients say nothing (see "
+                         "finite_output)")
+    grad_of = dict(zip(params, grads))
+    zero = {name: structural_zeros(g) for name, g in grad_of.items()}
+    zero = {name: where for name, where in zero.items() if where}
+    cut, explained, unused, moved_by = [], [], [], {}
+    for name, where in zero.items():
+        part = _zero_part(grad_of[name], params[name])
+        moved_by[name] = _forward_moves(sub, name, part, _pack(inputs), allowed, out, gen)
+        if moved_by[name] > FORWARD_MOVES:
+            cut.append(name)  # the output depends on it: its gradient is cut (the gradients detector's finding)
+        elif where == "everywhere" and _shift_inert(sub, name, _pack(inputs), allowed, gen):
+            explained.append(name)
+        else:
+            unused.append((name, where))
+    note = (f"; {', '.join(explained)}: zero gradient, and changing it shifts every row of the scores by a "
+            f"constant, which the softmax removes exactly (a key bias is inert by design)" if explained else "")
+    if cut:
+        note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
+                 f"{'them' if len(cut) > 1 else 'it'} no gradient: it is cut on its way (see gradients)")
+    checked = f"{len(params)} parameter tensors ({sum(p.numel() for p in params.values())} weights)"
+    if unused:
+        listed = "; ".join(f"{name} {tuple(params[name].shape)}: gradient exactly 0 {where}" for name, where in unused)
+        named = ", ".join(n if w == "everywhere" else f"{n} ({w.split(' (')[0]})" for n, w in unused)
+        return result(det, "fail", f"the output does not depend on {named}",
+                      value=max(moved_by[n] for n, _ in unused), threshold=FORWARD_MOVES,
+                      evidence=f"{listed}; changing those entries at random moved the output by at most "
+                               f"{max(moved_by[n] for n, _ in unused):.2g} of its RMS (more than {FORWARD_MOVES:.0e} "
+                               f"would show a use; of {checked}){note}",
+                      replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
+    return result(det, "pass", f"every parameter moves the output ({checked})", value=None, threshold=FORWARD_MOVES,
+                  evidence=f"every gradient of (out * r).sum() is non-zero, off the diagonal and on every row, or its "
+                           f"zero part moves the output{note}")

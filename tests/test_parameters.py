@@ -1,0 +1,148 @@
+"""`parameters_used`: the three misses of "the world's attention layers" class 10, written in this project's own
+code, each caught with the parameter named and the line pointed at, and its correct twin (the same class and
+weights, the step done right) passing, at every dtype and initialisation of the kill matrix.
+
+The verdict is exact: an unused weight gets a gradient of exactly 0 and changing it moves the output by exactly 0
+(measured below: the margin is not a ratio but zero against non-zero); a used one gets a non-zero gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+from correct import gpt2_init_
+from diagnostics.detectors import parameters
+
+
+class SeparateProjections(nn.Module):
+    """q, k, v and output projections of their own, SDPA in between. `bug`: "values from keys" (W_v unused),
+    "diagonal output" (an einsum that reads only W_O's diagonal)."""
+
+    def __init__(self, d_model=16, num_heads=2, bug=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = d_model, num_heads, bug
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        split = lambda t: t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2)  # noqa: E731
+        q, k = split(self.q_proj(x)), split(self.k_proj(x))
+        v = split(self.k_proj(x)) if self.bug == "values from keys" else split(self.v_proj(x))  # BUG line 1
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, D)
+        if self.bug == "diagonal output":
+            return torch.einsum("btd,dd->btd", y, self.o_proj.weight) + self.o_proj.bias  # BUG line 2
+        return self.o_proj(y)
+
+
+class FusedQKV(nn.Module):
+    """One fused qkv projection, self-attention. `bug` "keys from queries": k taken from the query third, so the
+    key rows of the fused weight reach nothing."""
+
+    def __init__(self, d_model=16, num_heads=2, bug=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = d_model, num_heads, bug
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        if self.bug == "keys from queries":
+            k = q  # BUG line 3
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+MISSES = {  # bug: (class, the parameter the finding names, where its gradient is zero)
+    "values from keys": (SeparateProjections, "v_proj.weight", "everywhere"),
+    "diagonal output": (SeparateProjections, "o_proj.weight", "off its diagonal"),
+    "keys from queries": (FusedQKV, "qkv.weight", "on rows 16-31"),
+}
+SETTINGS = [(dtype, init) for dtype in (torch.float32, torch.bfloat16, torch.float16) for init in ("default", "gpt2")]
+
+
+def build(cls, bug, dtype, init, seed=0):
+    torch.manual_seed(seed)
+    layer = cls(bug=bug)
+    if init == "gpt2":
+        gpt2_init_(layer, seed=seed)
+    return layer.to(dtype)
+
+
+def bug_line(bug: str) -> int:
+    marker = {"values from keys": "# BUG line 1", "diagonal output": "# BUG line 2", "keys from queries": "# BUG line 3"}
+    lines = open(__file__).read().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if marker[bug] in line)
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("bug", sorted(MISSES))
+def test_an_unused_weight_is_caught_named_and_located(bug, dtype, init):
+    cls, name, where = MISSES[bug]
+    report = diagnostics.audit(build(cls, bug, dtype, init))
+    result = report.result("parameters_used")
+    assert result.verdict == "fail" and name in result.message, str(report)
+    assert where in result.evidence and result.value == 0.0, result.evidence  # exactly zero: the margin is exact
+    # the bug's line, or (where the bug is a Python rebinding, `k = q`, which runs no op) the product just after it
+    lines = [site.line for site in result.where if site.file == __file__]
+    assert lines and min(abs(n - bug_line(bug) - 0.5) for n in lines) <= 0.5, [s.describe() for s in result.where]
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("bug", sorted(MISSES))
+def test_the_correct_twin_uses_every_weight(bug, dtype, init):
+    """The same class, seed and setting, the step done right: every parameter moves the output."""
+    cls, _, _ = MISSES[bug]
+    report = diagnostics.audit(build(cls, None, dtype, init))
+    assert report.result("parameters_used").verdict == "pass", str(report)
+    assert report.passed, str(report)
+
+
+def test_a_detached_weight_is_used_by_the_forward_and_left_to_the_gradient_check():
+    """A zero gradient is confirmed by the forward pass: behind a .detach() the output still depends on the
+    weight, so this detector does not call it unused; it names the cut, and `gradients` fails."""
+
+    class Detached(FusedQKV):
+        def forward(self, x, mask=None):
+            B, T, D = x.shape
+            q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+            w = (q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)).softmax(-1).detach()
+            return self.out((w @ v).transpose(1, 2).reshape(B, T, D))
+
+    torch.manual_seed(0)
+    report = diagnostics.audit(Detached())
+    result = report.result("parameters_used")
+    assert result.verdict == "pass" and "cut on its way (see gradients)" in result.evidence, result.evidence
+    assert report.result("gradients").verdict == "fail", str(report)
+
+
+def test_the_key_bias_is_inert_by_shift_and_a_key_weight_is_not():
+    """The explanation the detector gives a zero-gradient key bias, measured directly: changing b_k shifts every
+    row of the scores by a constant (q_i . b_k), changing W_k does not."""
+    torch.manual_seed(0)
+    probe_layer = SeparateProjections().double()
+    subject = diagnostics._subject.make_subject(probe_layer, dtype=torch.float64)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    assert parameters._shift_inert(subject, "k_proj.bias", (x, x, x), None, gen)
+    assert not parameters._shift_inert(subject, "k_proj.weight", (x, x, x), None, gen)
+    assert not parameters._shift_inert(subject, "q_proj.bias", (x, x, x), None, gen)
+
+
+def test_structural_zeros_are_read_from_the_gradient_alone():
+    eye = torch.eye(3)
+    assert parameters.structural_zeros(None) == "everywhere"
+    assert parameters.structural_zeros(torch.zeros(3, 3)) == "everywhere"
+    assert parameters.structural_zeros(eye) == "everywhere off its diagonal"
+    rows = torch.ones(6, 3)
+    rows[2:4] = 0
+    assert parameters.structural_zeros(rows).startswith("on rows 2-3 of 6")
+    assert parameters.structural_zeros(torch.ones(3, 3)) == ""
+    assert parameters.structural_zeros(torch.tensor([0.0, 1.0])) == ""  # one zero entry of a bias is no finding
