@@ -2,12 +2,14 @@
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
                     [--mask CONVENTION] [--layout bhtd|bthd]
-    attention-audit --model mymodule:make_model [--causal] [--seq-len N] [--json] [--html PATH]
+    attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--json]
+                    [--html PATH]
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none; with `--model`, a model (an nn.Module), a class or a factory. The current directory
 is importable, so `mymodule:layer` works from a scratch directory. A model's causality is inferred unless
-`--causal` is given (the report says how). Exit status, for layers and models alike:
+`--causal` is given (the report says how); `--example` names its inputs (token ids (B, T), embeddings, a dict
+of its inputs, or a zero-argument factory of one) where they cannot be built from the model. Exit status, for layers and models alike:
 
     0  passed: no detector failed and the core attention properties were measured (warnings allowed)
     1  failed: a detector failed (with --require / --strict, also a skip they turn into a failure)
@@ -32,7 +34,7 @@ import sys
 from pathlib import Path
 
 from ._errors import AuditUsageError
-from ._load import importable_from, load_layer, load_model, quiet_numpy_warning, resolve
+from ._load import importable_from, load_example, load_layer, load_model, quiet_numpy_warning, resolve
 
 EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": EXIT_INCONCLUSIVE}
@@ -40,7 +42,8 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
-           "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout"}
+           "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
+           "example": "--example MODULE:OBJECT naming "}
 LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout")  # options of a layer audit, not of a model's
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
@@ -88,7 +91,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "zero-argument factory (the current directory is importable)")
     p.add_argument("--model", metavar="MODULE:OBJECT",
                    help="audit a whole model instead: every attention layer in place, and the model-level checks "
-                        "(causality, cache, padding, batch, backend, gradients); with --causal, --seq-len, --json, --html")
+                        "(causality, cache, padding, batch, backend, gradients); with --example, --causal, --seq-len, "
+                        "--json, --html")
+    p.add_argument("--example", metavar="MODULE:OBJECT",
+                   help="with --model: the model's inputs (token ids (B, T), embeddings (B, T, D) or a dict of its "
+                        "inputs, or a zero-argument factory of one), where they cannot be built from the model")
     p.add_argument("--causal", action="store_true", help="the layer promises causality: audit for future leakage")
     p.add_argument("--seq-len", type=int, metavar="N", help="probe length (default 16; use your context length)")
     p.add_argument("--d-model", type=int, metavar="D", help="model width, where the layer has no d_model attribute")
@@ -148,6 +155,9 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
     if args.target is None:
         return usage("expected a target MODULE:OBJECT (a layer), or --model MODULE:OBJECT (a model). "
                      "Fix: e.g. attention-audit mymodule:layer")
+    if args.example is not None:
+        return usage(f"expected --example with --model (a model's inputs); got it with the layer {args.target}. "
+                     "Fix: drop --example (a layer audit draws its own inputs)")
     # imported here, not at the top: they import torch, which must come after quiet_numpy_warning()
     from ._audit import audit
     from ._subject import check_seq_len, make_subject
@@ -179,19 +189,21 @@ def audit_model_command(args, prog: str, usage) -> int:
         return usage(f"expected either MODULE:OBJECT (a layer) or --model MODULE:OBJECT; got both "
                      f"({args.target} and --model {args.model}). Fix: drop one")
     if given:
-        return usage(f"expected only --causal, --seq-len, --json and --html with --model; got {', '.join(given)}. "
+        return usage(f"expected only --example, --causal, --seq-len, --json and --html with --model; got "
+                     f"{', '.join(given)}. "
                      f"Fix: drop them (the model's own call sets them for each layer)")
     from .model import audit_model  # here, not at the top: it imports torch, after quiet_numpy_warning()
 
     try:
         model = load_model(args.model)
+        example = load_example(args.example) if args.example is not None else None
         progress = None
         if sys.stderr.isatty():
             def progress(stage, index, total):
                 sys.stderr.write(f"\r\x1b[Kauditing {stage}")
                 sys.stderr.flush()
-        report = audit_model(model, causal=True if args.causal else None, seq_len=args.seq_len, progress=progress,
-                             _options=OPTIONS)
+        report = audit_model(model, example, causal=True if args.causal else None, seq_len=args.seq_len,
+                             progress=progress, _options=OPTIONS)
         if progress is not None:
             sys.stderr.write("\r\x1b[K")
     except AuditUsageError as error:
@@ -230,4 +242,4 @@ def emit(report, args, prog: str, usage) -> int:
 
 
 __all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "LAYER_ONLY", "OPTIONS",
-           "audit_model_command", "emit", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve"]
+           "audit_model_command", "emit", "load_example", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve"]

@@ -1,7 +1,8 @@
 """Loading what a front end names: `pkg.module:obj` targets for the command line and both pytest plugins.
 
-`resolve()` finds the object, `load_layer()` and `load_model()` turn it into what an audit takes (the object
-itself, an instance of a class built with no arguments, or what a zero-argument factory returns). Every
+`resolve()` finds the object, `load_layer()`, `load_model()` and `load_example()` turn it into what an audit
+takes (the object itself, an instance of a class built with no arguments, or what a zero-argument factory
+returns). Every
 failure is an `AuditUsageError` with a one-line message. A ground-floor module: it imports no other part of
 diagnostics but its error type, and torch only when a target is loaded (the pytest plugin imports this module
 in every run, where torch must not be imported).
@@ -122,4 +123,19 @@ def load_model(spec: str):
     return model
 
 
-__all__ = ["import_target_module", "importable_from", "load_layer", "load_model", "quiet_numpy_warning", "resolve"]
+def load_example(spec: str):
+    """A model audit's example a target names: the object itself (token ids, embeddings or a dict of the model's
+    inputs), or what a zero-argument factory returns; `audit_model` checks what it is."""
+    obj = resolve(spec)
+    if not callable(obj) or isinstance(obj, dict):
+        return obj
+    try:
+        return obj()
+    except Exception as error:
+        raise AuditUsageError(f"expected {spec}() to return the model's example with no arguments; it raised "
+                              f"{type(error).__name__}: {error}. Fix: e.g. def ids(): return torch.randint(vocab, "
+                              f"(2, 16)), and pass --example module:ids") from error
+
+
+__all__ = ["import_target_module", "importable_from", "load_example", "load_layer", "load_model",
+           "quiet_numpy_warning", "resolve"]

@@ -357,6 +357,20 @@ from buggy_variants.teaching_model import TinyGPT, inject
 def unscaled_model():
     torch.manual_seed(0)
     return inject(TinyGPT(n_layer=2), 1, VARIANTS["missing_scale"])
+
+
+class Mixer(torch.nn.Module):  # takes embeddings, and has no nn.Embedding to draw token ids for
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def embeddings():
+    return torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))  # (B, T, D)
 '''
 
 
@@ -376,3 +390,16 @@ def test_a_models_findings_are_printed_with_their_sites_as_file_line_annotations
     # the scratch directory is the working directory: the catalog's file is shown by its absolute path
     assert re.search(r"^  where: +\S*buggy_variants/_catalog\.py:\d+ in MissingScale\.scale", out, re.M), out
     assert re.search(r"^\S*buggy_variants/_catalog\.py:\d+: error: softmax_saturation: .* \(at h\.1\.attn\)$", out, re.M), out
+
+
+def test_a_models_example_is_named_on_the_command_line_with_example(in_scratch, capsys):
+    Path("usermodels.py").write_text(MODELS)
+    assert _cli.main(["--model", "usermodels:Mixer"]) == _cli.EXIT_USAGE  # nothing to build its inputs from
+    err = capsys.readouterr().err
+    assert "expected --example MODULE:OBJECT naming ..., or a model whose inputs can be built" in err
+    assert "Fix: pass --example MODULE:OBJECT naming torch.randint(vocab, (2, 16))" in err and "example=" not in err
+    assert _cli.main(["--model", "usermodels:Mixer", "--example", "usermodels:embeddings"]) == _cli.EXIT_PASSED
+    out = capsys.readouterr().out
+    assert out.startswith("model audit of Mixer: PASSED") and "seq_len=8" in out.splitlines()[0]
+    assert _cli.main(["userlayers:correct", "--example", "usermodels:embeddings"]) == _cli.EXIT_USAGE
+    assert "expected --example with --model" in capsys.readouterr().err

@@ -771,7 +771,7 @@ def test_command_line_audits_a_model_with_the_layer_exit_codes(tmp_path, monkeyp
     assert main(["--model", "mymodels:bad", "--json"]) == 1
     assert '"layer": "h.1.attn"' in capsys.readouterr().out
     assert main(["--model", "mymodels:good", "--mask", "additive"]) == 2  # a layer option: usage error
-    assert "expected only --causal, --seq-len, --json and --html with --model" in capsys.readouterr().err
+    assert "expected only --example, --causal, --seq-len, --json and --html with --model" in capsys.readouterr().err
     assert main(["--model", "mymodels:missing"]) == 2
     assert main([]) == 2  # neither a layer nor a model
 

@@ -117,7 +117,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     if seq_len is not None and context is not None:
         expect(seq_len <= context, f"seq_len <= {context}, the model's context", f"seq_len={seq_len}",
                f"pass seq_len={context} or less")
-    runner = Runner(model, example, seq_len=seq_len, seed=seed)
+    runner = Runner(model, example, seq_len=seq_len, seed=seed, options=_options)
     if seq_len is not None and runner.sequence and example is not None and runner.inputs.shape[1] != seq_len:
         runner.inputs = runner.inputs[:, :seq_len]
     T = runner.inputs.shape[1] if runner.sequence else 0

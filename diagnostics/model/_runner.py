@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import expect
+from .._registry import phrase
 from .._subject import CONTEXT_NAMES
 
 MAIN_INPUT_NAMES = ("input_ids", "idx", "tokens", "ids", "x", "src", "tgt", "inputs_embeds", "pixel_values",
@@ -74,8 +75,9 @@ class Runner:
     """Calls the model by keyword with a main sequence input (token ids or embeddings, (B, T[, D])) and the
     options its forward takes; counts the forwards; returns the output tensor (logits or hidden states)."""
 
-    def __init__(self, model: nn.Module, example, *, seq_len: int | None, seed: int):
+    def __init__(self, model: nn.Module, example, *, seq_len: int | None, seed: int, options: dict | None = None):
         self.model = model
+        self.options = {"example": "example=", **(options or {})}  # how the front end spells example=
         try:
             self.params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -142,7 +144,7 @@ class Runner:
                    "pass token ids (B, T) or embeddings (B, T, D)")
             return main, example[main].to(device)
         expect(example is None, "example: token ids (B, T), embeddings (B, T, D) or a dict of the model's inputs",
-               type(example).__name__, "pass e.g. example=torch.randint(vocab_size, (2, 16))")
+               type(example).__name__, phrase("pass e.g. {example}torch.randint(vocab_size, (2, 16))", self.options))
         config = getattr(model, "config", None)
         T = seq_len or min(16, model_context(model) or 16)
         if isinstance(model, (nn.TransformerEncoder, nn.TransformerDecoder)):
@@ -150,8 +152,8 @@ class Runner:
             first_layer = model.layers[0]
             shape = (2, T, D) if first_layer.self_attn.batch_first else (T, 2, D)
             expect(first_layer.self_attn.batch_first, "torch transformer layers built with batch_first=True",
-                   "batch_first=False", "build the layers with batch_first=True, or pass example= and audit "
-                                        "through a module of your own that takes (B, T, D)")
+                   "batch_first=False", phrase("build the layers with batch_first=True, or pass {example}... and "
+                                               "audit through a module of your own that takes (B, T, D)", self.options))
             if isinstance(model, nn.TransformerDecoder):
                 self.fixed["memory"] = torch.randn(2, T, D, generator=gen).to(device, dtype)
             return first, torch.randn(*shape, generator=gen).to(device, dtype)
@@ -170,10 +172,11 @@ class Runner:
             name = "pixel_values" if config is not None else first
             return name, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        expect(emb is not None, "example=..., or a model whose inputs can be built (a Hugging Face config, an "
-               "nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision model)",
-               f"{type(model).__name__} with none of these", "pass example=torch.randint(vocab, (2, 16)) or a dict "
-               "of the model's inputs")
+        expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face config, "
+                                       "an nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision "
+                                       "model)", self.options),
+               f"{type(model).__name__} with none of these", phrase("pass {example}torch.randint(vocab, (2, 16)) or a "
+                                                                    "dict of the model's inputs", self.options))
         return first, torch.randint(emb.num_embeddings, (2, T), generator=gen).to(device)
 
     def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,

@@ -4,21 +4,21 @@ raised inside, and the other model-level detectors do not run."""
 
 from __future__ import annotations
 
-from .._registry import detector
+from .._registry import detector, phrase
 from .._result import DetectorResult
 from ._context import ModelContext
 
 ID = "model_runs"
-FIX = "make the model accept the inputs shown (or pass example= in the form it takes)"
+FIX = "make the model accept the inputs shown (or pass {example}... in the form it takes)"  # {example}: as spelled
 
 
 @detector(ID, "the model runs on the audit's inputs (the example, its prefixes, the padded and cached calls)",
-          fix=FIX, scope="model",
+          fix=phrase(FIX, {"example": "example="}), scope="model",
           unlocated="names the attention module the model raised inside (its `layer`); the line is in the "
                     "exception its evidence quotes")
 def check_model_runs(ctx: ModelContext) -> DetectorResult:
     if ctx.runs:
         inside = f" (inside {ctx.raised_in})" if ctx.raised_in else ""
         return DetectorResult(ID, "fail", "the model raised on the audit's inputs" + inside,
-                              evidence="; ".join(ctx.runs), fix=FIX, layer=ctx.raised_in)
+                              evidence="; ".join(ctx.runs), fix=phrase(FIX, ctx.runner.options), layer=ctx.raised_in)
     return DetectorResult(ID, "pass", "the model runs on the example and its prefix")
