@@ -286,6 +286,21 @@ def test_misuse_is_an_error_that_says_what_was_expected():
         diagnostics.audit_model(tiny_gpt(), detectors=["cache_parity", "no_such_check"])
 
 
+@pytest.mark.parametrize("make", [lambda: nn.MultiheadAttention(32, 4, batch_first=True), lambda: KeywordAttention()],
+                         ids=["torch MultiheadAttention", "own attention module"])
+def test_a_bare_attention_layer_is_misuse_that_says_to_audit_it_as_a_layer(make):
+    torch.manual_seed(0)
+    layer = make()
+    # was: an inconclusive model audit that said "no attention module was found" (issue 18, item 10)
+    with pytest.raises(diagnostics.AuditUsageError, match=r"expected a whole model with attention layers in it; "
+                                                          r"got \w+, which is one attention layer itself .*"
+                                                          r"Fix: audit it as one layer: diagnostics.audit\(layer\)"):
+        diagnostics.audit_model(layer, example=torch.randn(2, 8, 32))
+    if isinstance(layer, KeywordAttention):  # the same layer inside a model: found and audited in place
+        report = diagnostics.audit_model(nn.Sequential(layer), example=torch.randn(2, 8, 32))
+        assert [f.path for f in report.found] == list(report.layers) == ["0"], str(report)
+
+
 def test_report_prints_serialises_and_writes_html(tmp_path, clean_gpt_report):
     bad = audit(inject(tiny_gpt(), 1, VARIANTS["missing_scale"]))
     text = str(bad)

@@ -32,7 +32,7 @@ from .._thresholds import dtype_name
 from . import runs  # noqa: I001
 from . import causality, cache, padding, backends, gradients, window  # noqa: F401, I001
 from ._context import ModelContext
-from ._find import FoundModule, find_attention, observe_attention
+from ._find import FoundModule, class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
@@ -138,10 +138,16 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
 
     with untouched(model, device_dtype(model)[0]):
         tick("discover", 0, 1)
-        observed, error, raised_in, observe_note = observe_attention(runner)
-        if observe_note:
-            notes.append(observe_note)
-        found = find_attention(model, observed)
+        observed = observe_attention(runner)
+        error, raised_in = observed.error, observed.raised_in
+        if observed.note:
+            notes.append(observed.note)
+        found = find_attention(model, observed.found)
+        expect(found or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
+               "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
+               "its own forward runs a softmax over (Tq, Tk) scores or fused attention") + ")",
+               "audit it as one layer: diagnostics.audit(layer), attention-audit MODULE:OBJECT (without --model) or "
+               "pytest --attention-audit=MODULE:OBJECT")
         named = dict(model.named_modules())
         modules = {f.path: named[f.path] for f in found}
         runs_msgs, run_layer = [], None

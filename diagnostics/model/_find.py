@@ -42,10 +42,22 @@ def innermost(paths: list[str]) -> list[str]:
     return [p for p in paths if not any(q != p and q.startswith(p + ".") for q in paths)]
 
 
-def observe_attention(runner: Runner) -> tuple[dict, str | None, str | None, str | None]:
-    """{module path: how} for modules running a softmax over (.., Tq, Tk) scores or a fused SDPA call in one
-    observed forward (innermost modules with parameters); the model's error if it raised, the module it raised
-    in, and a note where observing failed although the model runs."""
+@dataclass(frozen=True)
+class Observation:
+    """What one observed forward showed: {module path: how} of the modules running a softmax over (.., Tq, Tk)
+    scores or a fused SDPA call (innermost modules with parameters); the model's error if it raised and the
+    module it raised in; a note where observing failed although the model runs; and whether the model's own
+    forward ran such attention (`model_attends`: the model may be one attention layer itself)."""
+
+    found: dict
+    error: str | None = None
+    raised_in: str | None = None
+    note: str | None = None
+    model_attends: bool = False
+
+
+def observe_attention(runner: Runner) -> Observation:
+    """One forward of the example's first sequence (at most 8 positions) under the observer."""
     model = runner.model
     counts: dict = {}
     stack: list = []
@@ -91,7 +103,7 @@ def observe_attention(runner: Runner) -> tuple[dict, str | None, str | None, str
         except Exception:
             pass
         else:
-            return {}, None, None, f"observing the forward failed ({error}): modules found by class only"
+            return Observation({}, note=f"observing the forward failed ({error}): modules found by class only")
     candidates = [p for p, (s, f) in counts.items()
                   if (s or f) and p and any(True for _ in named[p].parameters())]
     found = {}
@@ -99,7 +111,7 @@ def observe_attention(runner: Runner) -> tuple[dict, str | None, str | None, str
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
-    return found, error, raised_in, None
+    return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))))
 
 
 def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
@@ -121,4 +133,5 @@ def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
     return [FoundModule(p, type(named[p]).__name__, found[p], True) for p in sorted(found, key=order.index)]
 
 
-__all__ = ["TORCH_ATTENTION", "FoundModule", "class_kind", "find_attention", "innermost", "observe_attention"]
+__all__ = ["TORCH_ATTENTION", "FoundModule", "Observation", "class_kind", "find_attention", "innermost",
+           "observe_attention"]
