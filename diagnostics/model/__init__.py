@@ -9,12 +9,24 @@ layer detectors, on a `ModelContext`.
     runs.py causality.py cache.py padding.py backends.py gradients.py window.py   the model-level detectors
     _audit.py      audit_model()                        _report.py   ModelReport
     _plugin.py     the pytest plugin's model targets (imported by diagnostics.pytest_plugin, not here)
+
+`MODULES` lists the model detector modules: importing this package imports them in that order, which is the
+order the detectors run and are reported in (`model_runs` first: the others run only on a model that runs). A
+new model detector is a new module here and its name in `MODULES`.
 """
 
-from .._registry import MODEL_DETECTORS
-from ._audit import audit_model
-from ._report import ModelAuditError, ModelReport
-from ._tolerance import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR
+from importlib import import_module
 
-__all__ = ["FUDGE", "FUDGE_BY_DTYPE", "GOLDEN_FLOOR", "MODEL_DETECTORS", "ModelAuditError", "ModelReport",
+from .._registry import MODEL_DETECTORS
+
+MODULES = ("runs", "causality", "cache", "padding", "backends", "gradients", "window")
+
+for _name in MODULES:
+    import_module(f"{__name__}.{_name}")
+
+from ._audit import audit_model  # noqa: E402  (after its detectors are registered)
+from ._report import ModelAuditError, ModelReport  # noqa: E402
+from ._tolerance import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR  # noqa: E402
+
+__all__ = ["FUDGE", "FUDGE_BY_DTYPE", "GOLDEN_FLOOR", "MODEL_DETECTORS", "MODULES", "ModelAuditError", "ModelReport",
            "audit_model"]

@@ -28,9 +28,7 @@ from .._guard import untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, phrase, run
 from .._result import DetectorResult
 from .._thresholds import dtype_name
-# the model-level detectors register as they are imported, in the order they run and are reported
-from . import runs  # noqa: I001
-from . import causality, cache, padding, backends, gradients, window  # noqa: F401, I001
+from . import causality, runs  # registered (with the others) by the package's MODULES, in their order
 from ._context import ModelContext
 from ._find import FoundModule, class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
