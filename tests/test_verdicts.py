@@ -3,8 +3,10 @@ nothing is inconclusive, NaN is compared honestly, and bugs show at the scales p
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,13 +273,46 @@ def test_the_first_release_misses_are_caught_at_gpt2_scale(vid, detector, dtype)
     assert diagnostics.audit(twin, causal=twin.causal).passed
 
 
-def test_every_result_lists_the_probes_it_made():
-    report = diagnostics.audit(MultiHeadAttention(8, 2), causal=True)
+def _detectors_catch():
+    """tests/test_detectors_catch.py's call recorder, loaded from its path (tests import nothing from each other
+    by name, so that the suite also runs under --import-mode=importlib)."""
+    path = Path(__file__).with_name("test_detectors_catch.py")
+    spec = importlib.util.spec_from_file_location("detectors_catch_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _probe_key(p) -> tuple:
+    """A reported probe as the recorder keys a call: sizes, one stream or three, the mask passed (B, Tq, Tk)."""
+    return (p.batch, p.t_q, p.t_k, p.self_attention, None if p.allowed is None else tuple(p.allowed.flatten().tolist()))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_result_lists_the_probes_it_made(causal):
+    """Checked against the calls the layer really received (a forward hook, attributed to the detector running
+    at the time): every probe a detector lists was made, with that mask, and every call a detector made itself
+    is listed (a detector may list the standard probe it reads without calling the layer again)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2)
+    calls = []
+    remove, progress = _detectors_catch().record_calls(layer, calls)
+    try:
+        report = diagnostics.audit(layer, causal=causal, progress=progress)
+    finally:
+        remove()
+    made = {c.key for c in calls}
     for r in report.results:
-        if r.measured:
-            assert r.probes, r.detector
-    leak = report.result("future_leakage").probes
-    assert leak and all(p.self_attention and p.t_q == p.t_k == 16 for p in leak)
+        if not r.measured:
+            continue
+        listed = {_probe_key(p) for p in r.probes}
+        own = {c.key for c in calls if c.detector == r.detector}
+        assert listed and listed <= made, f"{r.detector} lists probes never made: {sorted(listed - made)}"
+        assert own <= listed, f"{r.detector} made calls it does not list: {sorted(own - listed)}"
+    if causal:
+        leak = report.result("future_leakage").probes
+        assert leak and all(p.self_attention and p.t_q == p.t_k == 16 for p in leak)
 
 
 def catalog_column() -> dict[str, str]:
