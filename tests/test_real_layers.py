@@ -39,12 +39,13 @@ _torchvision_ops = None  # keeps the operator declarations below alive
 def _import_torchvision() -> None:
     """Import torchvision, which timm needs and transformers imports whenever it is installed.
 
-    PyPI's torchvision 0.28.0 is a CUDA build: its extension (_C.so) cannot load beside the CPU build of
-    torch 2.13.0, and `import torchvision` then fails in torchvision/_meta_registrations.py with
-    "operator torchvision::nms does not exist", registering fake kernels for operators the extension would
-    have defined. Only there, declare those operators' schemas and import again: the import succeeds, and
-    torchvision's compiled operators (nms, roi_align, ...) stay unusable; no attention layer calls them.
-    Where torchvision loads normally this does nothing."""
+    Set up as the README says (torch 2.14.1 with torchvision 0.29.1) torchvision loads, and this does nothing;
+    tests/test_setup.py checks that transformers and timm import there without it. Kept for an environment
+    set up the old way: PyPI's torchvision 0.28.0 is a CUDA build whose extension (_C.so) cannot load beside
+    the CPU build of torch 2.13.0, and `import torchvision` then fails in torchvision/_meta_registrations.py
+    with "operator torchvision::nms does not exist", registering fake kernels for operators the extension
+    would have defined. Only there, declare those operators' schemas and import again: the import succeeds,
+    and torchvision's compiled operators (nms, roi_align, ...) stay unusable; no attention layer calls them."""
     global _torchvision_ops
     try:
         import torchvision  # noqa: F401
