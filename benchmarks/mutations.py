@@ -1,37 +1,48 @@
-"""Mutation benchmark for the detectors: flip each comparison and threshold, see whether the tests notice.
+"""Mutation score of `diagnostics`: weaken one comparison, threshold or guard at a time, see whether the tests notice.
 
-    python benchmarks/mutations.py                   # every mutant, one at a time
-    python benchmarks/mutations.py --list            # the mutants, with the line each one changes
-    python benchmarks/mutations.py --only _bound_check --jobs 2 --json /tmp/mutations.json
-    python benchmarks/mutations.py --limit 20        # the first 20, in the fixed order of --list
+    python benchmarks/mutations.py                    # the stratified sample (the README's figure), one job
+    python benchmarks/mutations.py --list             # every mutant, with the line it changes, and exit
+    python benchmarks/mutations.py --all --jobs 2     # every mutant, not a sample
+    python benchmarks/mutations.py --only keys.py --json /tmp/mutations.json
     python benchmarks/mutations.py --survivors-of /tmp/mutations.json   # after adding tests: rerun survivors
 
-Mutants (stdlib `ast`, applied as edits of the source text so that line numbers and comments stay put):
-- every comparison `>`/`>=`/`<`/`<=`/`==`/`!=` in the check code: `>`<->`>=`, `<`<->`<=`, `>`<->`<`
-  (`>=`<->`<=`), `==`<->`!=`;
-- `not x` -> `x` and `~x` -> `x` (the tensor `not`), and `any`<->`all` (the builtins and tensor methods);
-- every numeric threshold in `diagnostics/_thresholds.py` (the UNCHANGED and ROW_SUM tables, SCALE_RATIO)
-  multiplied by 10 and by 0.1. The MEASURED_* tables are not thresholds (they are only quoted in the
-  margin text of a result) and are left alone.
-The check code is the functions of `diagnostics/_detectors.py` and `diagnostics/_core.py` whose names start
-with one of FUNCTION_PREFIXES (nested functions count as their enclosing one). Ids read
-`_detectors.py:check_future_leakage:L470:Gt->GtE`; a second mutant of the same kind on one line gets `#2`.
+Why our own mutator: mutmut 3.8.1 (tried here, installed into the venv) rewrites every function of the whole
+package into trampolines (its `paths_to_mutate` is deprecated, `source_paths` takes the package) and generated
+639 mutants for `_core.py` alone (268 lines: every string and number), more than two minutes of CPU before the
+first test on 2 shared cores; at ~10 s a test run the package's ~10^4 mutants would take more than a day. It
+also mutates function bodies only: the thresholds of `_thresholds.py` and the detectors' module constants, the
+very numbers issue 20 is about, are never mutated. cosmic-ray enumerates the same kind of set.
 
-Each mutant is written into a private copy of the package tree (diagnostics/, correct/, buggy_variants/,
-tests/, conftest.py, pyproject.toml; one copy per job, no bytecode written, so a same-size edit is never
-hidden by a stale .pyc), and TEST_COMMAND runs there in a subprocess with CI=1, HYPOTHESIS_PROFILE=default
-and OMP_NUM_THREADS=1 (on 2 shared cores, torch's thread pool makes that run 7x slower: 91 s against 13 s).
-Before any mutant, a canary test checks that pytest in that copy imports `diagnostics` (and _detectors,
-_core, _thresholds) from the copy, not from the repository or the editable install, and the unmutated copy
-must pass. A mutant is *killed* when the tests fail, *error* when they cannot even be collected (an import
-error: counted as killed, listed apart), *timeout* when they run past --timeout (counted as killed, listed
-apart), and *survived* when they pass. The score is killed / total; a mutant leaves the denominator only when
-EQUIVALENT below names it, with the reason, after it was checked by hand to change no behaviour.
+Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers and comments stay put):
+- `compare`: every `>`/`>=`/`<`/`<=`/`==`/`!=`: `>`<->`>=`, `<`<->`<=`, `>`<->`<` (`>=`<->`<=`), `==`<->`!=`;
+- `boolop`: `and`<->`or`; `not`: `not x` -> `x` and `~x` -> `x` (the tensor `not`); `any`<->`all`;
+- `constant`: every number of a module-level UPPER_CASE constant (a threshold, a gain, a tolerance table, the
+  model wing's FUDGE) x10 and x0.1 (ints: x10 and //10), and every float literal in a check's code (the
+  perturbation gains, the decode gain's 10.0, the 30x noise factor) likewise; the `MEASURED_*` tables are only
+  quoted in margin text and are left alone;
+- `guard`: `if <test>:` whose body returns a skip (`skip(...)`, `not_run(...)`, `DetectorResult(..., "skip",
+  ...)`) -> `if (False):` (the guard never fires);
+- `verdict`: the string "fail" -> "pass" where a check builds a result.
+Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
+`_thresholds.py` and the model wing's detectors and tolerance (`diagnostics/model/{cache,causality,padding,
+window,backends,gradients,runs,_tolerance}.py`). Left out, by design: the localisers (functions named `*_sites`,
+`*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
+`benchmarks/localisation.py`, and functions that only word evidence (`*_text`); a mutant there changes no verdict.
 
-Cost (2 shared cores, one job): ~13 s per surviving mutant (tests and start-up); killed ones stop at the
-first failure (-x), 5-20 s. The full run of 146 mutants took 27 minutes at commit 28e27ce (2 cores shared
-with other work, --jobs 1). After adding tests, `--survivors-of` reruns only the earlier survivors, matched
-by their line's text, so that moved lines still match.
+Sampling (the default; `--all` runs every mutant): every `constant` mutant of a module-level constant (the
+thresholds: the point of issue 20), plus per module a sample of SAMPLE_PER_MODULE of its other mutants, drawn
+with random.Random(f"{SEED}:{module}") after sorting by id, so the sample is stratified per module and the same
+on every run of the same code. The run prints the sample's size per module.
+
+Each mutant is written into a private copy of the tree made with copytree under the system temp dir (one copy per
+job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the repository's files are never
+touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests of that
+module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
+Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
+selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
+(counted as killed, listed apart), *timeout* past --timeout (counted as killed, listed apart), *survived* when they
+pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
+with the reason, after it was checked by hand to change no verdict.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import ast
 import json
 import os
 import queue
+import random
 import re
 import shutil
 import subprocess
@@ -48,42 +60,69 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
-FILES = ("_detectors.py", "_core.py", "_thresholds.py")
-FUNCTION_PREFIXES = ("check_", "_judge", "held", "relative_change", "_position_change", "perturbed", "_bound_check",
-                     "_newest_key_seen", "runs_verdict")
-THRESHOLD_TABLES = ("UNCHANGED", "ROW_SUM", "SCALE_RATIO")
-TEST_COMMAND = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                "tests/test_kill_matrix.py", "tests/test_never_seen.py", "tests/test_audit.py"]
+MODEL_FILES = ("cache.py", "causality.py", "padding.py", "window.py", "backends.py", "gradients.py", "runs.py",
+               "_tolerance.py")
+
+
+def _files() -> tuple[str, ...]:
+    detectors = sorted(p.name for p in (ROOT / PACKAGE / "detectors").glob("*.py") if p.name != "__init__.py")
+    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in detectors)
+            + tuple(f"model/{n}" for n in MODEL_FILES))
+
+
+FILES = _files()
+NOT_VERDICT = re.compile(r"sites|locat|_text$|^_root$|^_self_products$|^_cache_short$|^_cache_of$|^held_positions$"
+                         r"|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$|^KeepFloat64")
+"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring)."""
+MEASURED = re.compile(r"^MEASURED_")
+SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
+"""Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
+SAMPLE_PER_MODULE = 3
+SEED = 20
+FAST = ["tests/test_thresholds.py", "tests/test_error_paths.py"]
+TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
+    "model/": FAST + ["tests/test_model_audit.py"],
+    "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
+    "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
+}
 COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml")
 
-# Mutants checked by hand to change no behaviour: id -> (text its line must contain, why it is equivalent).
-# A mark whose line no longer contains that text is ignored (with a warning), so a stale mark cannot hide a
-# new mutant. Keep this short and honest: a mutant that only changes the wording of evidence is NOT
-# equivalent (the tests could check the wording), it is a gap.
-_TOLERANCE_EDGE = ("equivalent in practice: `>` and `>=` differ only where a measured float equals a positive float "
-                   "tolerance exactly; float32/16 readings never equal 1e-4 etc. (not representable), float64 ones "
-                   "would need an exact hit")
-_DRAW_EDGE = "equivalent in practice: differs only where two independent continuous random draws are exactly equal"
+
+def tests_for(file: str) -> list[str]:
+    return next(t for prefix, t in TESTS.items() if file.startswith(prefix))
+
+
+# Mutants checked by hand to change no verdict: id -> (text its line must contain, why it is equivalent). A mark
+# whose line no longer contains that text is ignored (with a warning), so a stale mark cannot hide a new mutant.
+# Keep this short and honest: a mutant that only changes what a finding says is not marked; it is a gap.
+_TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
+                   "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
+_DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
 EQUIVALENT: dict[str, tuple[str, str]] = {
-    "_detectors.py:check_weight_row_sums:L196:Gt->GtE": ("(dev[rows] > tol)", _TOLERANCE_EDGE),
-    "_detectors.py:check_weight_row_sums:L197:Lt->LtE": ("w < -tol", _TOLERANCE_EDGE),
-    "_detectors.py:check_output_variance:L345:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
-    "_detectors.py:_bound_check:L369:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
-    "_detectors.py:_bound_check:L370:Gt->GtE": ("(excess > tol).sum()", _TOLERANCE_EDGE),
-    "_detectors.py:_newest_key_seen:L534:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
-    "_core.py:held:L221:Gt->GtE": ("(checked > tol)", _TOLERANCE_EDGE),
-    "_core.py:held:L228:Gt->GtE": ("(moved > tol)", _TOLERANCE_EDGE),
-    "_detectors.py:check_future_leakage:L476:Gt->GtE": (
-        "move=_rows(B, T, t > c)", "row c joins the rows that must move, but it is also held: if it moves the "
-        "verdict is fail either way, and the positive control is read only when no held row moved"),
-    "_core.py:perturbed:L99:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
-    "_core.py:perturbed:L100:GtE->Gt": ("noise >= x", _DRAW_EDGE),
+    "_core.py:held:L*:Gt->GtE": ("(checked > tol)", _TOLERANCE_EDGE),
+    "_core.py:held:L*:Gt->GtE#2": ("(moved > tol)", _TOLERANCE_EDGE),
+    "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
+    "_core.py:perturbed:L*:GtE->Gt": ("delta >= 0", _DRAW_EDGE),
+    "detectors/weights.py:check_weight_row_sums:L*:Gt->GtE": ("(dev[rows] > tol)", _TOLERANCE_EDGE),
+    "detectors/weights.py:check_weight_row_sums:L*:Lt->LtE": ("w < -tol", _TOLERANCE_EDGE),
+    "detectors/temperature.py:check_softmax_saturation:L*:Gt->GtE": ("ratio > SCALE_RATIO", _TOLERANCE_EDGE),
+    "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
+    "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/variance.py:_bound_check:L*:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
+    "detectors/variance.py:_bound_check:L*:Gt->GtE#2": ("(excess > tol).sum()", _TOLERANCE_EDGE),
+    "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
+    "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change) > tol", _TOLERANCE_EDGE),
+    "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),
+    "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
+    "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
+    "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
@@ -92,6 +131,7 @@ SWAPS = {  # ast operator -> the mutants made of it
 }
 SYMBOL = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
 OPERATOR = re.compile(rb">=|<=|==|!=|>|<")
+SKIP_MAKERS = ("skip", "not_run")
 
 
 @dataclass
@@ -100,11 +140,13 @@ class Mutant:
     file: str
     function: str
     line: int
+    kind: str  # compare | boolop | not | anyall | constant | guard | verdict
     mutation: str
     code: str  # the line it changes, as written
-    start: int = field(repr=False)  # byte offsets of the replaced span in the file
-    end: int = field(repr=False)
-    replacement: str = field(repr=False)
+    threshold: bool = False  # a module-level constant (always in the sample)
+    start: int = field(default=0, repr=False)  # byte offsets of the replaced span in the file
+    end: int = field(default=0, repr=False)
+    replacement: str = field(default="", repr=False)
 
 
 @dataclass
@@ -131,47 +173,84 @@ class _Source:
     def offset(self, line: int, col: int) -> int:
         return self.starts[line - 1] + col
 
+    def span(self, node: ast.AST) -> tuple[int, int]:
+        return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
+
     def line(self, n: int) -> str:
         return self.lines[n - 1].decode().rstrip("\n")
 
 
-def _targets(tree: ast.Module, filename: str):
-    """(enclosing name, node) for every node the mutators look at, in source order."""
+def _constants(node: ast.AST):
+    """The numbers of a constant's value (a number, or a dict / tuple of them), not its keys."""
+    if isinstance(node, ast.Dict):
+        for v in node.values:
+            yield from _constants(v)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        for v in node.elts:
+            yield from _constants(v)
+    elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        yield node
+
+
+def _targets(tree: ast.Module):
+    """(enclosing function or constant name, node, is a module constant) for every node the mutators look at."""
     for top in tree.body:
-        if filename == "_thresholds.py":
-            if isinstance(top, (ast.Assign, ast.AnnAssign)):
-                names = [t.id for t in (top.targets if isinstance(top, ast.Assign) else [top.target])
-                         if isinstance(t, ast.Name)]
-                if any(n in THRESHOLD_TABLES for n in names):
-                    for node in ast.walk(top.value):
-                        yield names[0], node
-        elif isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and top.name.startswith(FUNCTION_PREFIXES):
-            for node in ast.walk(top):
-                yield top.name, node
+        if isinstance(top, (ast.Assign, ast.AnnAssign)):
+            names = [t.id for t in (top.targets if isinstance(top, ast.Assign) else [top.target])
+                     if isinstance(t, ast.Name)]
+            if names and names[0].isupper() and not MEASURED.match(names[0]) and top.value is not None:
+                for node in _constants(top.value):
+                    yield names[0], node, names[0] not in SIZES
+            continue
+        functions = []
+        if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions = [top]
+        elif isinstance(top, ast.ClassDef):
+            functions = [f for f in top.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for fn in functions:
+            if NOT_VERDICT.search(fn.name) or (isinstance(top, ast.ClassDef) and NOT_VERDICT.search(top.name)):
+                continue
+            for node in ast.walk(fn):
+                yield fn.name, node, False
 
 
-def _number(x: float) -> str:
-    return f"{x:.6g}"
+def _scaled(value, factor: int):
+    if isinstance(value, int):
+        return value * 10 if factor > 0 else value // 10
+    return value * 10 if factor > 0 else value * 0.1
+
+
+def _returns_skip(body: list[ast.stmt]) -> bool:
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return False
+    call = body[0].value
+    name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
+    if name in SKIP_MAKERS:
+        return True
+    return name == "DetectorResult" and len(call.args) >= 2 and isinstance(call.args[1], ast.Constant) \
+        and call.args[1].value == "skip"
 
 
 def mutants_of(filename: str) -> list[Mutant]:
     path = ROOT / PACKAGE / filename
     src = _Source(path)
     tree = ast.parse(src.data, filename=str(path))
-    found = []  # (line, col, order, function, mutation, start, end, replacement)
+    found = []  # (start, order, function, kind, mutation, end, replacement, threshold)
 
-    def add(function, node, order, mutation, start, end, replacement):
-        found.append((node.lineno, node.col_offset, order, function, mutation, start, end, replacement))
+    def add(function, order, kind, mutation, start, end, replacement, threshold=False):
+        found.append((start, order, function, kind, mutation, end, replacement, threshold))
 
-    for function, node in _targets(tree, filename):
-        if filename == "_thresholds.py":
-            if isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool):
-                start = src.offset(node.lineno, node.col_offset)
-                end = src.offset(node.end_lineno, node.end_col_offset)
-                for order, (factor, word) in enumerate(((10, "x10"), (0.1, "x0.1"))):
-                    add(function, node, order, word, start, end, _number(node.value * factor))
-            continue
-        if isinstance(node, ast.Compare):
+    for function, node, module_constant in _targets(tree):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool):
+            if not module_constant and function not in SIZES and (type(node.value) is not float or node.value == 0.0):
+                continue  # in code: float literals only (ints are indices, sizes and dims)
+            start, end = src.span(node)
+            for order, (factor, word) in enumerate(((1, "x10"), (-1, "x0.1"))):
+                new = _scaled(node.value, factor)
+                if new != node.value:
+                    add(function, order, "constant", word, start, end, f"{new:.6g}" if isinstance(new, float)
+                        else str(new), module_constant)
+        elif isinstance(node, ast.Compare):
             left = node.left
             for i, (op, right) in enumerate(zip(node.ops, node.comparators)):
                 if type(op) in SWAPS:
@@ -181,36 +260,52 @@ def mutants_of(filename: str) -> list[Mutant]:
                     if m is None or m.group().decode() != SYMBOL[type(op)]:
                         raise RuntimeError(f"{filename}:{node.lineno}: operator {SYMBOL[type(op)]} not found")
                     for order, new in enumerate(SWAPS[type(op)]):
-                        add(function, node, 10 * i + order, f"{type(op).__name__}->{new.__name__}", m.start(), m.end(),
-                            SYMBOL[new])
+                        add(function, 10 * i + order, "compare", f"{type(op).__name__}->{new.__name__}", m.start(),
+                            m.end(), SYMBOL[new])
                 left = right
+        elif isinstance(node, ast.BoolOp):
+            word, other = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
+            for a, b in zip(node.values, node.values[1:]):
+                lo = src.offset(a.end_lineno, a.end_col_offset)
+                hi = src.offset(b.lineno, b.col_offset)
+                m = re.compile(rb"\b" + word.encode() + rb"\b").search(src.data, lo, hi)
+                if m is not None:
+                    add(function, 0, "boolop", f"{word}->{other}", m.start(), m.end(), other)
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.Invert)):
             start = src.offset(node.lineno, node.col_offset)
             end = src.offset(node.operand.lineno, node.operand.col_offset)
             word = "not" if isinstance(node.op, ast.Not) else "~"
-            add(function, node, 0, f"drop-{word}", start, end, "")
+            kept = src.data[start + len(word):end].decode()  # a parenthesis before the operand stays
+            add(function, 0, "not", f"drop-{word}", start, end, kept)
+        elif isinstance(node, ast.If) and _returns_skip(node.body):
+            start, end = src.span(node.test)
+            lines = src.data.count(b"\n", start, end)
+            add(function, 0, "guard", "guard-never", start, end, "(False" + "\n" * lines + ")")
+        elif isinstance(node, ast.Constant) and node.value == "fail":
+            start, end = src.span(node)
+            add(function, 0, "verdict", "fail->pass", start, end, '"pass"')
         elif isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Attribute) and func.attr in ("any", "all"):
                 end = src.offset(func.end_lineno, func.end_col_offset)
                 start = end - len(func.attr)
             elif isinstance(func, ast.Name) and func.id in ("any", "all"):
-                start = src.offset(func.lineno, func.col_offset)
-                end = src.offset(func.end_lineno, func.end_col_offset)
+                start, end = src.span(func)
             else:
                 continue
             name = src.data[start:end].decode()
-            other = "all" if name == "any" else "any"
-            add(function, node, 0, f"{name}->{other}", start, end, other)
+            add(function, 0, "anyall", f"{name}->{'all' if name == 'any' else 'any'}", start, end,
+                "all" if name == "any" else "any")
 
-    found.sort(key=lambda f: (f[5], f[2]))  # by position in the file, then by mutator
+    found.sort(key=lambda f: (f[0], f[1]))  # by position in the file, then by mutator
     out, seen = [], defaultdict(int)
-    for line_no, _, _, function, mutation, start, end, replacement in found:
+    for start, _, function, kind, mutation, end, replacement, threshold in found:
         line = src.data.count(b"\n", 0, start) + 1
         base = f"{filename}:{function}:L{line}:{mutation}"
         seen[base] += 1
         mid = base if seen[base] == 1 else f"{base}#{seen[base]}"
-        out.append(Mutant(mid, filename, function, line, mutation, src.line(line).strip(), start, end, replacement))
+        out.append(Mutant(mid, filename, function, line, kind, mutation, src.line(line).strip(), threshold, start, end,
+                          replacement))
     return out
 
 
@@ -218,10 +313,25 @@ def all_mutants() -> list[Mutant]:
     return [m for f in FILES for m in mutants_of(f)]
 
 
+def sample(mutants: list[Mutant], per_module: int) -> list[Mutant]:
+    """Every module-constant mutant, plus `per_module` of each module's others (seeded per module)."""
+    by_file = defaultdict(list)
+    for m in mutants:
+        by_file[m.file].append(m)
+    chosen = []
+    for f, ms in by_file.items():
+        rest = sorted((m for m in ms if not m.threshold), key=lambda m: m.id)
+        picked = set(id(m) for m in random.Random(f"{SEED}:{f}").sample(rest, min(per_module, len(rest))))
+        chosen += [m for m in ms if m.threshold or id(m) in picked]
+    return chosen
+
+
 def mutated_source(m: Mutant) -> bytes:
     data = (ROOT / PACKAGE / m.file).read_bytes()
     new = data[:m.start] + m.replacement.encode() + data[m.end:]
     compile(new, m.file, "exec")  # a mutant must be valid Python: the mutators only swap tokens
+    if new.count(b"\n") != data.count(b"\n"):
+        raise RuntimeError(f"{m.id}: the mutant moved lines")
     return new
 
 
@@ -229,14 +339,15 @@ def mutated_source(m: Mutant) -> bytes:
 
 
 CANARY = '''
-import os
-import diagnostics, diagnostics._core, diagnostics._detectors, diagnostics._thresholds
+import os, sys
+import diagnostics, diagnostics._core, diagnostics._thresholds, diagnostics.detectors, diagnostics.model
 
 
 def test_the_copy_is_what_is_imported():
     root = os.path.realpath(os.environ["MUTATION_COPY"])
-    for mod in (diagnostics, diagnostics._core, diagnostics._detectors, diagnostics._thresholds):
-        assert os.path.realpath(mod.__file__).startswith(root + os.sep), mod.__file__
+    for name, mod in list(sys.modules.items()):
+        if name == "diagnostics" or name.startswith("diagnostics."):
+            assert os.path.realpath(mod.__file__).startswith(root + os.sep), mod.__file__
 '''
 
 
@@ -259,9 +370,13 @@ def make_copy(parent: Path, n: int) -> Path:
     return copy
 
 
-def _run(copy: Path, command: list[str], timeout: float) -> tuple[int | None, str, float]:
+def command(tests: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+
+
+def _run(copy: Path, cmd: list[str], timeout: float) -> tuple[int | None, str, float]:
     began = time.monotonic()
-    proc = subprocess.Popen(command, cwd=copy, env=_environment(copy), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=copy, env=_environment(copy), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -272,20 +387,25 @@ def _run(copy: Path, command: list[str], timeout: float) -> tuple[int | None, st
         return None, out.decode(errors="replace"), time.monotonic() - began
 
 
-def check_copy(copy: Path, timeout: float) -> float:
-    """The canary (the copy is what pytest imports), then the unmutated tests must pass; their time."""
+def check_copy(copy: Path, selections: list[tuple[str, ...]], log) -> dict[tuple[str, ...], float]:
+    """The canary (the copy is what pytest imports), then each unmutated test selection must pass; their times."""
     canary = copy / "tests" / "test_mutation_canary.py"
     canary.write_text(CANARY)
     try:
-        rc, out, _ = _run(copy, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(canary)], timeout)
+        rc, out, _ = _run(copy, command([str(canary)]), 600)
     finally:
         canary.unlink()
     if rc != 0:
         sys.exit(f"the canary failed: pytest in {copy} does not import the copy of {PACKAGE}\n{out[-3000:]}")
-    rc, out, seconds = _run(copy, TEST_COMMAND, timeout)
-    if rc != 0:
-        sys.exit(f"the unmutated tests do not pass in {copy} (rc={rc}); fix them first\n{out[-3000:]}")
-    return seconds
+    times = {}
+    for tests in selections:
+        rc, out, seconds = _run(copy, command(list(tests)), 900)
+        if rc != 0:
+            sys.exit(f"the unmutated tests {' '.join(tests)} do not pass in {copy} (rc={rc}); fix them first\n"
+                     f"{out[-3000:]}")
+        times[tests] = seconds
+        log(f"unmutated: {' '.join(tests)} pass in {seconds:.1f} s")
+    return times
 
 
 def classify(rc: int | None, out: str) -> tuple[str, str]:
@@ -300,17 +420,16 @@ def classify(rc: int | None, out: str) -> tuple[str, str]:
     return "killed", failed.group(1) if failed else "tests failed"
 
 
-def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) -> tuple[list[Outcome], float]:
+def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) -> list[Outcome]:
     sources = {m.id: mutated_source(m) for m in mutants}  # all of them valid before anything runs
+    selections = sorted({tuple(tests_for(m.file)) for m in mutants})
     parent = Path(tempfile.mkdtemp(prefix="mutations-"))
     try:
         copies = [make_copy(parent, n) for n in range(jobs)]
-        baseline = check_copy(copies[0], timeout or 600)
-        for c in copies[1:]:
-            check_copy(c, timeout or 600)
-        limit = timeout or max(60.0, 4 * baseline)
-        log(f"baseline: the unmutated tests pass in {baseline:.1f} s; timeout per mutant {limit:.0f} s; "
-            f"{len(mutants)} mutants, {jobs} job(s)")
+        times = check_copy(copies[0], selections, log)
+        limits = {t: timeout or max(60.0, 3 * s) for t, s in times.items()}
+        log(f"{len(mutants)} mutants, {jobs} job(s); timeout per mutant: "
+            + ", ".join(f"{v:.0f} s ({k[-1]})" for k, v in limits.items()))
         todo: queue.Queue = queue.Queue()
         for m in mutants:
             todo.put(m)
@@ -326,8 +445,9 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) ->
                 target = copy / PACKAGE / m.file
                 original = target.read_bytes()
                 target.write_bytes(sources[m.id])
+                tests = tuple(tests_for(m.file))
                 try:
-                    rc, out, seconds = _run(copy, TEST_COMMAND, limit)
+                    rc, out, seconds = _run(copy, command(list(tests)), limits[tests])
                 finally:
                     target.write_bytes(original)
                 status, detail = classify(rc, out)
@@ -340,7 +460,7 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) ->
             t.start()
         for t in threads:
             t.join()
-        return [results[m.id] for m in mutants], baseline
+        return [results[m.id] for m in mutants]
     finally:
         shutil.rmtree(parent, ignore_errors=True)
 
@@ -348,30 +468,35 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) ->
 # ---- the report ------------------------------------------------------------------------------------
 
 
+def _unlined(mutant_id: str) -> str:
+    return re.sub(r":L\d+:", ":L*:", mutant_id)
+
+
 def equivalents(mutants: list[Mutant], log) -> dict[str, str]:
-    by_id = {m.id: m for m in mutants}
     marked = {}
-    for mid, (text, reason) in EQUIVALENT.items():
-        m = by_id.get(mid)
-        if m is None:
-            continue  # not in this selection (or gone)
-        if text not in m.code:
-            log(f"warning: EQUIVALENT mark for {mid} ignored: its line is now `{m.code}`")
+    for m in mutants:
+        mark = EQUIVALENT.get(_unlined(m.id))
+        if mark is None:
             continue
-        marked[mid] = reason
+        text, reason = mark
+        if text not in m.code:
+            log(f"warning: EQUIVALENT mark for {m.id} ignored: its line is now `{m.code}`")
+            continue
+        marked[m.id] = reason
     return marked
 
 
 def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str]) -> tuple[str, dict]:
     status = {o.id: o.status for o in outcomes}
-    rows = defaultdict(lambda: [0, 0])
+    rows = defaultdict(lambda: [0, 0, 0])
     for m in mutants:
-        row = rows[(m.file, m.function)]
+        row = rows[m.file]
         row[1] += 1
         row[0] += status[m.id] != "survived"
-    lines = [f"{'file':14s} {'function':24s} killed / total"]
-    for (f, fn), (k, t) in rows.items():
-        lines.append(f"{f:14s} {fn:24s} {k:3d} / {t:3d}")
+        row[2] += status[m.id] == "survived" and m.id in marked
+    lines = [f"{'module':28s} killed / non-equivalent (equivalent)"]
+    for f, (k, t, e) in rows.items():
+        lines.append(f"{f:28s} {k:3d} / {t - e:3d}" + (f"  ({e})" if e else ""))
     by_id = {m.id: m for m in mutants}
     survivors = [o for o in outcomes if o.status == "survived"]
     lines.append("")
@@ -386,12 +511,15 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
             lines.append(f"{kind} (counted as killed): " + ", ".join(o.id for o in listed))
     killed = sum(o.status != "survived" for o in outcomes)
     total = len(outcomes)
-    counted = total - sum(1 for o in survivors if o.id in marked)
+    equivalent = sum(1 for o in survivors if o.id in marked)
+    counted = total - equivalent
     score = killed / counted if counted else float("nan")
+    kinds = Counter(by_id[o.id].kind for o in outcomes)
     lines.append("")
-    lines.append(f"mutation score: {killed} / {counted} killed = {100 * score:.1f}%"
-                 + (f" ({total - counted} marked equivalent and excluded; {killed} / {total} = "
-                    f"{100 * killed / total:.1f}% with them)" if counted != total else ""))
+    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status != 'survived')}"
+                                         f"/{n}" for k, n in sorted(kinds.items())))
+    lines.append(f"mutation score: {killed} / {counted} non-equivalent mutants killed = {100 * score:.1f}%"
+                 + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else ""))
     summary = dict(killed=killed, total=total, equivalent=sorted(o.id for o in survivors if o.id in marked),
                    score=score, counts={s: sum(o.status == s for o in outcomes)
                                         for s in ("killed", "error", "timeout", "survived")})
@@ -399,9 +527,8 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
 
 
 def _key(mutant_id: str, code: str) -> str:
-    """A mutant named without its line number: file, function, mutation (and #n), and the line's code
-    (without a trailing comment, which a re-measured threshold's note may have changed)."""
-    return re.sub(r":L\d+:", ":", mutant_id) + " | " + re.sub(r"\s+#.*$", "", code)
+    """A mutant named without its line number, with its line's code (without a trailing comment)."""
+    return _unlined(mutant_id) + " | " + re.sub(r"\s+#.*$", "", code)
 
 
 def _git(*args: str) -> str:
@@ -414,30 +541,39 @@ def _git(*args: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
-    parser.add_argument("--limit", type=int, help="only the first N mutants (after --only), in --list order")
+    parser.add_argument("--all", action="store_true", help="every mutant, not the stratified sample")
+    parser.add_argument("--per-module", type=int, default=SAMPLE_PER_MODULE,
+                        help=f"sampled mutants per module besides its constants (default {SAMPLE_PER_MODULE})")
     parser.add_argument("--only", action="append", help="only mutants whose id contains this text (repeatable: any)")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this earlier --json output (after tests were added)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
-    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 4x the unmutated run, >= 60)")
+    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--json", type=Path, help="write every outcome and the score to this file")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
-    mutants = all_mutants()
+    everything = all_mutants()
+    mutants = everything if (args.all or args.list or args.survivors_of) else sample(everything, args.per_module)
     if args.survivors_of:
         earlier = json.loads(args.survivors_of.read_text())
         alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] == "survived"}
         mutants = [m for m in mutants if _key(m.id, m.code) in alive]  # matched by code: lines may have moved
     if args.only:
         mutants = [m for m in mutants if any(text in m.id for text in args.only)]
-    if args.limit is not None:
-        mutants = mutants[:args.limit]
+    per_file = Counter(m.file for m in mutants)
+    of_file = Counter(m.file for m in everything)
+    how = ("every mutant" if (args.all or args.list) else
+           f"earlier survivors" if args.survivors_of else
+           f"stratified sample: every module-constant mutant plus {args.per_module} others per module, "
+           f"random.Random('{SEED}:<module>')")
+    sampled = f"{len(mutants)} of {len(everything)} mutants ({how}): " + ", ".join(
+        f"{f} {n}/{of_file[f]}" for f, n in per_file.items())
     if args.list:
         for m in mutants:
-            print(f"{m.id}\n    {m.code}")
-        print(f"{len(mutants)} mutants")
+            print(f"{m.id}  [{m.kind}{', constant' if m.threshold else ''}]\n    {m.code}")
+        print(sampled)
         return 0
     if not mutants:
         parser.error("no mutant matches")
@@ -447,19 +583,21 @@ def main(argv: list[str] | None = None) -> int:
 
     commit, dirty = _git("rev-parse", "HEAD"), _git("diff", "--stat", "--", PACKAGE)
     log(f"commit {commit}" + (f"; uncommitted changes in {PACKAGE}/:\n{dirty}" if dirty else f"; {PACKAGE}/ clean"))
+    log(sampled)
     began = time.monotonic()
-    outcomes, baseline = run_mutants(mutants, args.jobs, args.timeout, log)
+    outcomes = run_mutants(mutants, args.jobs, args.timeout, log)
     elapsed = time.monotonic() - began
     marked = equivalents(mutants, log)
     table, summary = report(mutants, outcomes, marked)
     print("\n" + table)
+    print(sampled)
     print(f"ran in {elapsed / 60:.1f} min with {args.jobs} job(s); command: python benchmarks/mutations.py"
           + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])))
     if args.json:
         by_id = {m.id: m for m in mutants}
         args.json.write_text(json.dumps(dict(
-            commit=commit, uncommitted=dirty, test_command=" ".join(TEST_COMMAND[1:]), jobs=args.jobs,
-            seconds=round(elapsed, 1), baseline_seconds=round(baseline, 1), **summary,
+            commit=commit, uncommitted=dirty, tests={k: v for k, v in TESTS.items()}, jobs=args.jobs,
+            seconds=round(elapsed, 1), sampled=sampled, **summary,
             equivalent_reasons={i: r for i, r in marked.items()},
             mutants=[{**{k: v for k, v in asdict(by_id[o.id]).items() if k not in ("start", "end", "replacement")},
                       **asdict(o)} for o in outcomes]), indent=1))

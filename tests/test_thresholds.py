@@ -1,0 +1,376 @@
+"""Tests that sit on the thresholds: for each tolerance and gain, a layer just inside it passes and one just
+outside fails, on the same inputs, so that loosening (or tightening) any constant tenfold fails a test here.
+
+The layers are the reference computation with one number changed: row sums off by a chosen epsilon, a softmax
+temperature off by a chosen ratio, a second call off by a chosen fraction of the outputs' RMS, a leak that opens
+only past a chosen push, a backward off by a chosen factor. "Just inside" and "just outside" are INSIDE and
+OUTSIDE times the constant (or the reading a constant multiplies, measured here by the test itself), so that
+10x either way crosses a twin's verdict. The constants are quoted from the source as literals on purpose: a test
+that read them from the module would follow a mutated constant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+from diagnostics.detectors.decoding import _decode_gain
+from diagnostics.model import _tolerance
+from diagnostics.model.cache import schedules
+
+INSIDE, OUTSIDE = 0.25, 4.0  # how far from a threshold the twins sit: 10x either way crosses one of them
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+ROW_SUM = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+UNCHANGED = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+GOLDEN_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+SCALE_RATIO = 1.25
+GRADIENT_AGREEMENT = 1e-9
+CACHE_NOISE_FACTOR = 4.0
+FORWARD_MOVES = 1e-9
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+def centred_rms(x: torch.Tensor) -> float:
+    """The outputs' RMS about each feature's mean, computed here independently of diagnostics."""
+    x = x.double().flatten(0, -2)
+    return float((x - x.mean(0)).square().mean().sqrt())
+
+
+def attention(q, k, v, mask=None, *, row_sum=1.0, ratio=1.0):
+    """Scaled dot-product attention on (B, H, T, d) returning (out, weights); `row_sum` scales the weights (rows
+    then sum to it), `ratio` multiplies the logits (the softmax's temperature is off by that factor)."""
+    scores = q @ k.transpose(-2, -1) * (ratio / math.sqrt(q.shape[-1]))  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1) * row_sum
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+def with_(**changed):
+    return lambda q, k, v, mask=None: attention(q, k, v, mask, **changed)
+
+
+# ---- ROW_SUM per dtype: weight_row_sums and output_variance --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_sums_off_by_a_quarter_of_the_tolerance_pass_and_by_four_times_it_fail(dtype):
+    tol = ROW_SUM[dtype]
+    inside = verdict(with_(row_sum=1 + INSIDE * tol), "weight_row_sums", dtype=dtype)
+    outside = verdict(with_(row_sum=1 + OUTSIDE * tol), "weight_row_sums", dtype=dtype)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail", outside
+    assert outside.threshold == pytest.approx(tol)
+    # the reading is the epsilon the layer was given (its weights' own rounding aside)
+    assert outside.value == pytest.approx(OUTSIDE * tol, rel=0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_outputs_off_by_a_quarter_of_the_row_sum_tolerance_pass_output_variance_and_by_four_times_fail(dtype):
+    """Identical value rows come out scaled by the row sum: the change is the epsilon times |v| / RMS(v), at
+    least the epsilon (the largest feature is at least the RMS), at most sqrt(d) times it; the inside twin
+    is placed at INSIDE / sqrt(d) so that even the largest feature stays inside."""
+    tol, d = ROW_SUM[dtype], 8  # the function form's head width at the audit's default d_model 16, 2 heads
+    inside = verdict(with_(row_sum=1 + INSIDE * tol / math.sqrt(d)), "output_variance", dtype=dtype)
+    outside = verdict(with_(row_sum=1 + OUTSIDE * tol), "output_variance", dtype=dtype)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail", outside
+
+
+# ---- SCALE_RATIO: softmax_saturation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [1.15, 1 / 1.15, 1.4, 1 / 1.4], ids=["1.15", "1/1.15", "1.4", "1/1.4"])
+def test_a_temperature_off_by_15_percent_passes_and_one_off_by_40_percent_fails(ratio):
+    """The smallest bug softmax_saturation must catch is sqrt(2) = 1.41 (a missing scale at d_k = 2); 1.15 is
+    a correct layer's worth of slack, 1.4 is that bug: both sides of SCALE_RATIO = 1.25, tenfold either way
+    crosses one."""
+    result = verdict(with_(ratio=ratio), "softmax_saturation")
+    inside = 1 / SCALE_RATIO < ratio < SCALE_RATIO
+    assert result.verdict == ("pass" if inside else "fail"), result
+    assert result.value == pytest.approx(ratio, rel=1e-3)  # the fit reads the ratio the layer was given
+
+
+# ---- UNCHANGED per dtype: eval_determinism ---------------------------------------------------------
+
+
+class SecondCallOff:
+    """The reference, except that every second call moves one output value by `fraction` of the outputs' RMS
+    about their mean (randomness left on, at a chosen size)."""
+
+    def __init__(self, fraction: float):
+        self.fraction, self.calls = fraction, 0
+
+    def __call__(self, q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        self.calls += 1
+        if self.calls % 2 == 0:
+            wide = out.double()
+            wide[0, 0, 0, 0] += self.fraction * centred_rms(wide)
+            out = wide.to(out.dtype)
+        return out, weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_second_call_off_by_a_quarter_of_unchanged_passes_eval_determinism_and_by_four_times_fails(dtype):
+    """One rounding of the moved value is at most half an ulp of a value below 4: inside it reads at most
+    INSIDE x tol + 2 ulp / RMS, still inside at every dtype; outside at least OUTSIDE x tol - that."""
+    tol = UNCHANGED[dtype]
+    inside = verdict(SecondCallOff(INSIDE * tol), "eval_determinism", dtype=dtype)
+    outside = verdict(SecondCallOff(OUTSIDE * tol), "eval_determinism", dtype=dtype)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail", outside
+    assert outside.threshold == pytest.approx(tol)
+
+
+# ---- the perturbation gains: query_locality ------------------------------------------------------
+
+
+def leaks_past(threshold: float):
+    """The reference, except that every output moves once some position's query averages more than `threshold`
+    in absolute value: a leak between rows that only a hard push opens (a gate on an overflow, a clamp)."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        opened = (q.abs().float().mean(-1).amax(-1) - threshold).clamp_min(0)  # (B, H)
+        return out + opened[..., None, None].to(out.dtype), weights
+
+    return layer
+
+
+@pytest.mark.parametrize("dtype, gain", [(torch.float32, 1000.0), (torch.float16, 100.0)], ids=str)
+def test_a_leak_that_opens_only_past_a_third_of_the_push_is_caught_and_one_past_three_times_it_is_not(dtype, gain):
+    """query_locality pushes one query to `gain` times a fresh draw (|x + g (n - x)| averages 1.13 g over the
+    features): a gate at 0.3 g opens, one at 3 g stays shut (the reference then), so a gain 10x smaller misses
+    the first and one 10x larger opens the second."""
+    caught = verdict(leaks_past(0.3 * gain), "query_locality", dtype=dtype)
+    shut = verdict(leaks_past(3 * gain), "query_locality", dtype=dtype)
+    assert caught.verdict == "fail", caught
+    assert shut.verdict == "pass", shut
+    assert f"x{gain:g}" in caught.evidence
+
+
+# ---- GRADIENT_AGREEMENT: gradients -------------------------------------------------------------
+
+
+class ScaledBackward(torch.autograd.Function):
+    """The identity forward; the backward multiplies the gradient by `factor` (a hand-written backward off by
+    a chosen relative error)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def backward_off_by(error: float):
+    def layer(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return ScaledBackward.apply(out, 1.0 + error), weights
+
+    return layer
+
+
+def test_a_backward_off_by_a_quarter_of_the_agreement_passes_and_by_four_times_it_fails():
+    """The disagreement gradients reads is linear in the backward's error (a fixed direction, float64): it is
+    measured at a large error, then the twins are placed at INSIDE and OUTSIDE x GRADIENT_AGREEMENT."""
+    calibration = verdict(backward_off_by(1e-3), "gradients")
+    assert calibration.verdict == "fail", calibration
+    per_unit = calibration.value / 1e-3
+    correct = verdict(backward_off_by(0.0), "gradients")
+    inside = verdict(backward_off_by(INSIDE * GRADIENT_AGREEMENT / per_unit), "gradients")
+    outside = verdict(backward_off_by(OUTSIDE * GRADIENT_AGREEMENT / per_unit), "gradients")
+    assert correct.verdict == "pass" and correct.value < INSIDE * GRADIENT_AGREEMENT, correct
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail", outside
+    assert outside.value == pytest.approx(OUTSIDE * GRADIENT_AGREEMENT, rel=0.2)
+
+
+# ---- the decode gain: its square root, its cap ------------------------------------------------------
+
+
+def spread_logits(spread: float):
+    """A causal function whose logits (what reaches the softmax) have exactly `spread` as each row's standard
+    deviation over its keys, whatever q and k: fixed draws, standardised per row."""
+
+    def layer(q, k, v, mask=None):
+        B, H, T, _ = q.shape
+        z = torch.randn(B, H, T, k.shape[-2], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        z = (z - z.mean(-1, keepdim=True)) / z.std(-1, keepdim=True)  # each row: mean 0, std 1
+        scores = (spread * z).to(q.dtype)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return weights @ v, weights
+
+    return layer
+
+
+def gain_for(spread: float) -> float:
+    probe = Probe(make_subject(spread_logits(spread), d_model=16, num_heads=2), causal=False, scale=None, seq_len=16,
+                  seed=0)
+    return _decode_gain(probe)
+
+
+@pytest.mark.parametrize("spread", [0.02, 0.5, 2e-5, 8.0], ids=str)
+def test_the_decode_gain_is_the_square_root_of_the_wanted_spread_over_the_seen_one_between_1_and_100(spread):
+    """Logits grow as the square of the tokens: sqrt(2 / spread), capped at 100 (a spread of 2e-5 asks 316) and
+    at least 1 (a spread of 8 asks 0.5)."""
+    assert gain_for(spread) == pytest.approx(min(100.0, max(1.0, math.sqrt(2.0 / spread))), rel=1e-6)
+
+
+def test_uniform_weights_get_the_cap_and_a_layer_without_weights_gets_10():
+    assert gain_for(0.0) == 100.0
+    def linear_attention(q, k, v, mask=None):  # no softmax, no weights returned: nothing to read a spread from
+        return (q @ k.transpose(-2, -1) / q.shape[-2]) @ v
+
+    probe = Probe(make_subject(linear_attention, d_model=16, num_heads=2), causal=False, scale=None, seq_len=16,
+                  seed=0)
+    assert _decode_gain(probe) == 10.0
+
+
+# ---- CACHE_NOISE_FACTOR: cache_decoding -------------------------------------------------------------
+
+
+class LengthDependentDecoder(nn.Module):
+    """A causal single-head decoder with a cache of its own (forward(x, kv_cache=None, use_cache=False) returns
+    (out, (k, v)) when use_cache), whose outputs carry `per_token` times the length of the call (no cache) or of
+    SEQ_LEN (with a cache): its first half alone differs from the full pass by a chosen recomputation noise,
+    while its cached steps add `cache_error` on top."""
+
+    causal = True
+    SEQ_LEN = 16
+
+    def __init__(self, per_token=0.0, cache_error=0.0, d_model=8):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, 1
+        self.per_token, self.cache_error = per_token, cache_error
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        torch.manual_seed(0)
+        self.qkv.reset_parameters()
+
+    def forward(self, x, kv_cache=None, use_cache=False):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, -1)  # (B, T, D) each
+        if kv_cache is not None:
+            k, v = torch.cat([kv_cache[0], k], 1), torch.cat([kv_cache[1], v], 1)  # (B, Tk, D)
+        t_k = k.shape[1]
+        allowed = torch.ones(T, t_k, dtype=torch.bool).tril(t_k - T)  # bottom-right: query i sees j <= i + Tk - T
+        scores = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))  # (B, T, Tk)
+        out = scores.softmax(-1) @ v
+        out = out + self.per_token * (T if kv_cache is None else self.SEQ_LEN) + \
+            (self.cache_error if kv_cache is not None else 0.0)
+        return (out, (k, v)) if use_cache else out
+
+
+def test_a_cache_off_by_twice_the_recomputation_noise_passes_and_by_six_times_it_fails():
+    """With a noise above the row-sum tolerance, the allowed difference is CACHE_NOISE_FACTOR x the noise, which
+    this test measures itself on the very tokens the detector decoded (its replay): the prefill of 8 alone
+    against the full pass."""
+    base = verdict(LengthDependentDecoder(per_token=1e-3), "cache_decoding", causal=True)
+    assert base.verdict == "pass", base
+    x = base.replay  # (B, T, D): the tokens cache_decoding decoded
+    layer = LengthDependentDecoder(per_token=1e-3)
+    with torch.no_grad():
+        full, prefix = layer(x), layer(x[:, :8])
+    rms = centred_rms(full)
+    noise = float((prefix - full[:, :8]).abs().max()) / rms
+    assert noise > 10 * ROW_SUM[torch.float32]  # the factor, not the row-sum floor, sets the tolerance
+    assert base.threshold == pytest.approx(CACHE_NOISE_FACTOR * noise, rel=1e-3)
+    inside = verdict(LengthDependentDecoder(1e-3, cache_error=0.5 * CACHE_NOISE_FACTOR * noise * rms),
+                     "cache_decoding", causal=True)
+    outside = verdict(LengthDependentDecoder(1e-3, cache_error=1.5 * CACHE_NOISE_FACTOR * noise * rms),
+                      "cache_decoding", causal=True)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail", outside
+
+
+# ---- the model wing: FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR, relative errors ---------------------------
+
+
+def golden_case(reference_error: float, test_error: float, dtype, *, scale: float = 1.0, golden: bool = True):
+    """A float64 'golden' output, a reference off it by `reference_error` and a tested path off by `test_error`
+    (both relative to the golden output's RMS, at one position), all times `scale`."""
+    g = torch.randn(1, 6, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * scale
+    rms = float(g.square().mean().sqrt())
+
+    def off(e):
+        x = g.clone()
+        x[0, 2, 3] += e * rms
+        return x
+
+    judged = _tolerance.Golden(g if golden else None, off(reference_error) if golden else g, dtype)
+    return judged.judge(off(test_error) if golden else off(test_error), "the tested path")
+
+
+FUDGE = {torch.float32: 10.0, torch.float16: 10.0, torch.bfloat16: 2.0}
+
+
+@pytest.mark.parametrize("dtype", list(FUDGE), ids=str)
+def test_a_tested_path_within_the_fudge_times_the_reference_error_passes_and_past_it_fails(dtype):
+    """A reference error 100x the floor, so that the fudge (10, bfloat16's 2) decides: half of it passes, twice
+    fails; tenfold either way (of FUDGE or FUDGE_BY_DTYPE) crosses one."""
+    ref = 100 * GOLDEN_FLOOR[dtype]
+    fudge = FUDGE[dtype]
+    inside = golden_case(ref, 0.5 * fudge * ref, dtype)
+    outside = golden_case(ref, 2 * fudge * ref, dtype)
+    assert inside[0] and not outside[0], (inside, outside)
+    assert outside[2] == pytest.approx(fudge * ref + GOLDEN_FLOOR[dtype], rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_a_float64_copy_the_floor_alone_is_allowed(dtype):
+    floor = GOLDEN_FLOOR[dtype]
+    inside = golden_case(0.0, INSIDE * floor, dtype, golden=False)
+    outside = golden_case(0.0, OUTSIDE * floor, dtype, golden=False)
+    assert inside[0] and not outside[0], (inside, outside)
+    assert inside[2] == floor
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3], ids=str)
+def test_model_parity_errors_are_relative_to_the_outputs_rms(scale):
+    """The same relative errors at std-0.02-like (1e-3) and large (1e3) outputs: the same verdicts and readings.
+    An absolute error would pass everything at 1e-3 and fail everything at 1e3."""
+    dtype, ref = torch.float32, 100 * GOLDEN_FLOOR[torch.float32]
+    inside = golden_case(ref, 5 * ref, dtype, scale=scale)
+    outside = golden_case(ref, 20 * ref, dtype, scale=scale)
+    assert inside[0] and not outside[0], (inside, outside)
+    assert outside[1] == pytest.approx(20 * ref, rel=1e-6)
+
+
+def test_a_zero_output_is_measured_against_1_not_divided_by_zero():
+    zero = torch.zeros(1, 4, 3, dtype=torch.float64)
+    assert _tolerance.scale_of(zero) == 1.0
+    moved = zero.clone()
+    moved[0, 1, 2] = 3e-6
+    assert _tolerance.worst_change(moved, zero, _tolerance.scale_of(zero)) == pytest.approx(3e-6)
+
+
+# ---- cache_parity's schedules: the short-T prefill -------------------------------------------------
+
+
+@pytest.mark.parametrize("T", range(4, 12))
+def test_cache_parity_schedules_cover_every_token_and_keep_six_steps_from_t7_three_below(T):
+    plans = schedules(T)
+    steps = 6 if T >= 7 else 3  # tokens decoded one at a time after the prefill
+    assert plans["steps of 1"] == [T - steps] + [1] * steps
+    assert ("steps of 3" in plans) == (T >= 7)
+    if T >= 7:
+        assert plans["steps of 3"] == [T - 6, 3, 3]
+    assert ("uneven" in plans) == (T >= 5)
+    for name, plan in plans.items():
+        assert sum(plan) == T and min(plan) >= 1, (name, plan)
