@@ -71,6 +71,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
         if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
             # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
+        measured = consequences(measured)
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
@@ -84,6 +85,18 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                                  "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask},
                        weights=None if weights is None else weights.detach().cpu(), weights_source=source,
                        status=status, status_reason=reason)
+
+
+def consequences(measured: dict[str, DetectorResult]) -> dict[str, DetectorResult]:
+    """A finding that follows from another (its evidence names the detectors whose failure explains it, as
+    `replay.consequence_of`) says so, and its fix points at the first cause."""
+    out = dict(measured)
+    for det_id, result in measured.items():
+        causes = [c for c in getattr(result.replay, "consequence_of", ()) if c in measured and measured[c].verdict == "fail"]
+        if result.fired and causes:
+            out[det_id] = replace(result, message=f"{result.message} (a consequence of {', '.join(causes)})",
+                                  fix=f"fix {causes[0]} first: this finding follows from it ({measured[causes[0]].fix})")
+    return out
 
 
 LOCALISE = os.environ.get("ATTENTION_AUDIT_WHERE", "1") != "0"

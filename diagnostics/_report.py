@@ -46,15 +46,18 @@ def finding_lines(r: DetectorResult, *, about: tuple = ()) -> list[str]:
     if r.evidence:
         lines.append(labelled("evidence", r.evidence))
     lines += [labelled("where" if n == 0 else "", site.describe()) for n, site in enumerate(r.where)]
-    if r.fix and r.verdict != "error":
-        lines.append(labelled("fix", r.fix))
+    fix, general = r.remedy if r.fired else ("", True)
+    if fix:
+        lines.append(labelled("fix", fix + (" (the detector's general fix: the audit did not pin down the cause)"
+                                            if general else "")))
     return lines
 
 
 def result_dict(r: DetectorResult) -> dict:
     """A result as JSON-ready data (the sites read, so that they travel)."""
     return {"detector": r.detector, "verdict": r.verdict, "message": r.message, "value": r.value,
-            "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence, "fix": r.fix,
+            "threshold": r.threshold, "margin": r.margin, "evidence": r.evidence,
+            "fix": r.remedy[0] if r.fired else "", "fix_is_general": r.remedy[1] if r.fired else None,
             "where": [site.to_dict() for site in r.where]}
 
 

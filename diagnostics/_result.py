@@ -50,6 +50,7 @@ class Site:
     op: str
     note: str = field(default="", compare=False)
     callers: tuple[tuple[str, int, str], ...] = field(default=(), compare=False, repr=False)
+    fix: str = field(default="", compare=False)  # the fix of the cause seen here, in the user's terms ("" if none)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
@@ -72,7 +73,7 @@ class Site:
 
     def to_dict(self) -> dict:
         return {"file": self.file, "line": self.line, "function": self.function, "code": self.code, "op": self.op,
-                "note": self.note, "callers": [list(c) for c in self.callers]}
+                "note": self.note, "callers": [list(c) for c in self.callers], "fix": self.fix}
 
 
 class Sites(Sequence):
@@ -146,6 +147,13 @@ class DetectorResult:
     @property
     def severity(self) -> str:
         return self.verdict
+
+    @property
+    def remedy(self) -> tuple[str, bool]:
+        """(the fix to show, whether it is the detector's general one): the fix of the cause localisation found
+        at the finding's sites (the op there and what it did), else the detector's general fix."""
+        cause = next((site.fix for site in self.where if site.fix), "")
+        return (cause, False) if cause else (self.fix, True)
 
     @property
     def fired(self) -> bool:

@@ -29,7 +29,7 @@ import difflib
 import linecache
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -50,14 +50,15 @@ def text(file: str, line: int) -> str:
     return linecache.getline(file, line).strip()
 
 
-def site(frames: tuple, op: str, note: str = "") -> Site | None:
-    """A `Site` from user_frames() ((code, lineno), ...), innermost first; None when there is none."""
+def site(frames: tuple, op: str, note: str = "", fix: str = "") -> Site | None:
+    """A `Site` from user_frames() ((code, lineno), ...), innermost first; None when there is none. `fix`: what
+    to write instead, when what the op did names the cause."""
     if not frames:
         return None
     code, line = frames[0]
     callers = tuple((c.co_filename, n, getattr(c, "co_qualname", c.co_name)) for c, n in frames[1:])
     return Site(code.co_filename, int(line), getattr(code, "co_qualname", code.co_name), text(code.co_filename, line),
-                op, note, callers)
+                op, note, callers, fix)
 
 
 def unique(sites) -> tuple[Site, ...]:
@@ -267,10 +268,10 @@ def user(op: Op | None) -> bool:
     return op is not None and bool(op.frames)
 
 
-def op_site(op: Op | None, note: str = "", label: str | None = None) -> Site | None:
+def op_site(op: Op | None, note: str = "", label: str | None = None, fix: str = "") -> Site | None:
     if op is None:
         return None
-    return site(op.frames, label or op.name.replace(".default", ""), note)
+    return site(op.frames, label or op.name.replace(".default", ""), note, fix)
 
 
 def event_op(trace: Trace, event) -> Op | None:
@@ -389,6 +390,59 @@ def per_batch(filled: Tensor, B: int) -> Tensor | None:
     return f.reshape(B, -1, *f.shape[-2:]).any(1)
 
 
+# ---- fixes named by what a masking op did ------------------------------------------------------------------
+
+FUTURE = "torch.ones(Tq, Tk, dtype=torch.bool, device=scores.device).triu(1 + Tk - Tq)"
+MASK_FIX = "apply the mask to the scores before the softmax: scores = scores.masked_fill(~allowed, float('-inf'))"
+CAUSAL_FIX = (f"mask the future before the softmax: scores = scores.masked_fill({FUTURE}, float('-inf')) (True marks "
+              f"key j > i + Tk - Tq)")
+AFTER_SOFTMAX_FIX = ("mask the scores before the softmax, not the weights after it: weights = "
+                     "scores.masked_fill(~allowed, float('-inf')).softmax(-1)")
+COMBINE_FIX = ("combine the masks instead of letting one replace the other: allowed = causal & padding (both True = "
+               "may attend), then mask the scores with ~allowed")
+
+
+def blocking_fix(blocked: Tensor, declared: Tensor, t_q: int, t_k: int) -> str:
+    """The fix for masking that blocks (query, key) pairs which may be attended, read from the pattern it blocks:
+    an inverted mask, a causal mask that blocks the diagonal, one aligned top-left, one that blocks the past, or
+    (none of these) the general rule. `blocked` and `declared` (True = may attend) are (B, Tq, Tk)."""
+    rows = declared.any(-1, keepdim=True).expand_as(declared)
+    if bool((blocked[rows] == declared[rows]).all()):
+        return ("the mask's meaning is inverted: True marks the keys that may be attended, so block where it is "
+                "False: scores.masked_fill(~mask, float('-inf'))")
+    i, j = torch.arange(t_q).unsqueeze(-1), torch.arange(t_k)
+    shift = t_k - t_q
+    own = (j > i + shift).expand_as(blocked) & declared
+    if bool(own.any()) and bool(((blocked & declared) == own).all()):
+        return ("the layer masks the future itself: if it is meant to be causal, audit it as causal (causal=True, "
+                "--causal); if not, remove its causal mask")
+    for pattern, fix in (
+            (j >= i + shift, "a query may attend its own position: block the keys after it, "
+                             "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), not triu(Tk - Tq)"),
+            (j > i, "align the causal mask bottom-right when Tq != Tk (cached decoding): the blocked keys are "
+                    "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), query i sees keys j <= i + Tk - Tq"),
+            (j < i + shift, "the mask blocks the past instead of the future: the allowed keys are the lower "
+                            "triangle, torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq) (tril, not triu)")):
+        wrong = pattern.expand_as(declared) & declared  # the pairs this mistake blocks that may be attended
+        if bool(wrong.any()) and bool(((blocked & declared) == wrong).all()):
+            return fix
+    return "block only the keys the mask marks as not allowed (and, for a causal layer, the future)"
+
+
+def merge_fix(op: Op | None, num_heads: int | None) -> str:
+    """The fix for an op that mixes positions with heads: a reshape or view of (B, H, T, d) straight to
+    (B, T, H * d)."""
+    if op is None or op.short not in ("view", "_unsafe_view", "reshape") or not op.args:
+        return ""
+    x = op.args[0]
+    if not isinstance(x, Tensor) or x.dim() != 4 or not op.outs or op.outs[0] is None or op.outs[0].dim() != 3:
+        return ""
+    if num_heads and x.shape[1] != num_heads:
+        return ""
+    return ("move the heads next to their features before merging them: y.transpose(1, 2).reshape(B, T, H * d), "
+            "not y.reshape(B, T, H * d) of the (B, H, T, d) tensor")
+
+
 def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> list[Site]:
     """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree."""
     declared = declared.cpu()
@@ -440,7 +494,8 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             if not before and hits and soft.index in ancestors(trace, op):
                 sites += [op_site(op, f"the mask is applied after the softmax at {short(soft)}: the kept weights "
                                        f"no longer sum to 1, and blocked keys still shape them through the "
-                                       f"normaliser"), op_site(soft, "the softmax the mask should come before")]
+                                       f"normaliser", fix=AFTER_SOFTMAX_FIX),
+                          op_site(soft, "the softmax the mask should come before")]
         if sites:
             return sites
     before_ops = [(op, f, made) for op, f, made, before in masking if before]
@@ -450,13 +505,14 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
         if bool(wrong.any()):
             n, total = int(wrong.sum()), int(declared.sum())
             b, i, j = (int(x) for x in wrong.nonzero()[0])
-            note = (f"blocks {n} of the {total} (query, key) pairs the declared mask allows, e.g. query {i} -> key "
-                    f"{j} in sequence {b}")
+            note = (f"blocks {n} of the {total} (query, key) pairs that may be attended (by the mask passed and "
+                    f"causality), e.g. query {i} -> key {j} in sequence {b}")
             maker = made_by(made, op)
             buffer = buffer_behind(trace, made)
             note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
-            sites += [op_site(maker, "builds the mask used below") if maker is not None and
-                      maker.frames[0] != op.frames[0] else None, op_site(op, note)]
+            fix = blocking_fix(f, declared, t_q, t_k)
+            sites += [op_site(maker, "builds the mask used below", fix=fix) if maker is not None and
+                      maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
     union = torch.zeros_like(declared)
     for _, f, _ in before_ops:
         union |= f
@@ -464,22 +520,26 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
     if bool(missing.any()):
         n = int(missing.sum())
         b, i, j = (int(x) for x in missing.nonzero()[0])
+        future = j > i + t_k - t_q
         what = (f"leaves {n} blocked (query, key) pairs open, e.g. query {i} -> key {j} in sequence {b}"
-                f"{' (a future key)' if j > i + t_k - t_q else ''}")
+                f"{' (a future key)' if future else ''}")
         if before_ops:
             for op, f, made in before_ops:
                 maker = made_by(made, op)
                 buffer = buffer_behind(trace, made)
                 from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
-                sites += [op_site(maker, f"builds the mask that {what}") if maker is not None and
+                fix = blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any()) else (
+                    COMBINE_FIX if future else "block every key the mask marks as not allowed, before the softmax")
+                sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
                           maker.frames[0] != op.frames[0] else None,
-                          op_site(op, f"the mask applied here {what}{from_buffer}")]
+                          op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix)]
         else:
             matmul = qk_matmul(trace, end)
             start = matmul.index if matmul is not None else 0
-            sites += did_nothing(trace, start, end, ("mask", "causal"))
-            sites += [op_site(soft, f"no masking op reaches this softmax: it {what}"),
-                      op_site(matmul, "the scores that should be masked before the softmax")]
+            fix = CAUSAL_FIX if future else MASK_FIX
+            sites += [replace(x, fix=fix) for x in did_nothing(trace, start, end, ("mask", "causal"))]
+            sites += [op_site(soft, f"no masking op reaches this softmax: it {what}", fix=fix),
+                      op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
 
 
@@ -651,9 +711,12 @@ def stream_sites(trace: Trace, subject) -> list[Site]:
             continue
         wrong = "/".join(sorted(got))
         reader = first_reader(trace, tensor_id)
+        fix = (f"compute {what.split(' (')[0]} from the {stream} input (in cross-attention the queries come from "
+               f"the decoder stream, the keys and values from the memory)")
         sites += [op_site(reader, f"{what} at {short(product)} are computed here from the {wrong} input, not "
-                                   f"from the {stream} input"),
-                  op_site(product, f"{what} of this product depend on the {wrong} input, not on the {stream} input")]
+                                   f"from the {stream} input", fix=fix),
+                  op_site(product, f"{what} of this product depend on the {wrong} input, not on the {stream} input",
+                          fix=fix)]
     return [x for x in sites if x is not None]
 
 
@@ -730,7 +793,8 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
         if shape and dim % len(shape) != len(shape) - 1:
             meaning = dim_meaning(shape, dim, probe)
             return [op_site(made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys "
-                                   f"are dim -1 (size {shape[-1]})")]
+                                   f"are dim -1 (size {shape[-1]})",
+                            fix="normalise over the keys, the last dim of the (..., Tq, Tk) scores: softmax(dim=-1)")]
         masks = mask_sites(trace, declared, B, t_q, t_k)
         return masks or ([op_site(made, "the softmax that makes the weights")] if plain else [])
     soft_before = [i for i in ancestors(trace, made) if trace.ops[i].short in SOFTMAXES]
@@ -739,15 +803,23 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
         masks = mask_sites(trace, declared, B, t_q, t_k)
         if masks:
             return masks
-        what = ("dropout is active in eval mode: it zeroes weights and rescales the rest by 1/(1-p)"
-                if "dropout" in made.name or "bernoulli" in made.name else
+        # a random mask drawn between the softmax and the weights, and multiplied in (F.dropout: bernoulli_, div_)
+        dropout = any(("dropout" in op.name or "bernoulli" in op.name) and set(op.in_ids + op.out_ids) & set(made.in_ids)
+                      for op in trace.ops[soft.index:made.index + 1])
+        what = ("dropout is active in eval mode: it zeroes weights and rescales the rest by 1/(1-p)" if dropout else
                 f"changes the weights after the softmax at {short(soft)}")
-        return [op_site(made, what), op_site(soft, "the softmax the weights came from")]
+        fix = ("let dropout follow the mode: F.dropout(weights, p, training=self.training), or an nn.Dropout "
+               "module, which eval() turns off" if dropout else
+               "use the softmax's output as the weights: do not rescale, mask or normalise them again after it")
+        return [op_site(made, what, fix=fix), op_site(soft, "the softmax the weights came from")]
     matmul = next((trace.ops[i] for i in sorted(ancestors(trace, made), reverse=True)
                    if trace.ops[i].short in MATMULS), None)
     start = matmul.index if matmul is not None else 0
-    return list(unique(did_nothing(trace, start, made.index + 1, ("softmax", "normal", "prob"))
-                        + [op_site(made, "the weights come from here, and no softmax is on their way from q·k")]))
+    fix = "normalise the scores over the keys: weights = scores.softmax(dim=-1)"
+    return list(unique([replace(x, fix=fix) for x in did_nothing(trace, start, made.index + 1,
+                                                                 ("softmax", "normal", "prob"))]
+                       + [op_site(made, "the weights come from here, and no softmax is on their way from q·k",
+                                  fix=fix)]))
 
 
 def in_custom_function(frame) -> bool:

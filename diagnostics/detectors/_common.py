@@ -14,7 +14,7 @@ from .._probe import Probe
 from .._registry import DETECTORS
 from .._result import DetectorResult, Site
 from .._subject import MASK_CONVENTIONS, make_subject
-from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, stream_sites, trace_call
+from .._tracing import Trace, declared_mask, first_moved, mask_sites, merge_fix, op_site, stream_sites, trace_call
 
 # ---- shared endings --------------------------------------------------------------------------------
 
@@ -104,7 +104,7 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
                 P = torch.ones(B, t_q, dtype=torch.bool) if same_input else held_positions(probe, base, case)
                 op = first_moved(a, b, P, tol)
                 if op is not None:
-                    sites.append(op_site(op, note))
+                    sites.append(op_site(op, note, fix=merge_fix(op, s.num_heads)))
             return sites
     return []
 

@@ -31,7 +31,8 @@ def alignment_sites(probe, result: DetectorResult) -> list[Site]:
           "with no mask and with a padding mask",
           targets=("missing causal mask", "heads merged without transpose in a decoder",
                    "padding mask replacing (or ORed with) the causal mask"),
-          fix="mask scores with causal_mask(Tq, Tk, align='bottom_right') before the softmax",
+          fix="mask the future before the softmax: scores.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), float('-inf')) "
+              "(True marks key j > i + Tk - Tq: the future, aligned bottom-right)",
           needs=(CAUSAL, LONG),
           locate=invariance_locator("the first op whose output at past positions moves when only later tokens change",
                                     use_masks=True))
@@ -82,8 +83,8 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
 @detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "
           "alignment for cached decoding, diagonal included)",
           targets=("top-left causal mask with a KV cache", "causal mask blocking the diagonal"),
-          fix="allow keys j <= i + (Tk - Tq): causal_mask(Tq, Tk, align='bottom_right'), i.e. "
-              "triu(diagonal=1 + Tk - Tq)",
+          fix="allow keys j <= i + (Tk - Tq), the query's own position included: block "
+              "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq)",
           needs=(CAUSAL,), locate=alignment_sites)
 def check_causal_alignment(probe: Probe) -> DetectorResult:
     det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t

@@ -92,6 +92,10 @@ def _cache_plan(T: int) -> list[int]:
     return plan + ([rest] if rest else [])
 
 
+POSITIONS_FIX = ("give the new queries their true positions: offset them by the number of keys before them "
+                 "(Tk - Tq, the cache length): positions = torch.arange(Tk - Tq, Tk) for rotary or position embeddings")
+
+
 def decode_sites(probe, result: DetectorResult) -> list[Site]:
     """On the very tokens the verdict was computed on (`result.replay`: the full pass's inputs): for each split,
     the masks of the partial call, else the first op whose output for the last n queries differs from the same
@@ -116,9 +120,9 @@ def decode_sites(probe, result: DetectorResult) -> list[Site]:
         if sites:
             return sites
         op = first_moved(full, part, None, tol, tail=n)
-        if op is not None:
+        if op is not None:  # the masks agree, so what differs is where the queries are: their positions
             return [op_site(op, f"the first op whose output for the last {n} queries differs from the same rows of "
-                                 f"the full pass")]
+                                 f"the full pass", fix=POSITIONS_FIX)]
     return []
 
 
@@ -161,7 +165,8 @@ def cache_sites(probe, result: DetectorResult) -> list[Site]:
             sites = mask_sites(step, declared_mask(probe, B, n, start + n, allowed), B, n, start + n)
             op = None if sites else first_moved(full, step, None, tol, tail=n)
             return sites or ([op_site(op, f"the first op whose output for the {n} new tokens differs from the "
-                                           f"same rows of the full pass over {start + n} tokens")] if op else [])
+                                           f"same rows of the full pass over {start + n} tokens",
+                                      fix=POSITIONS_FIX)] if op else [])
         cache = cache if filled else returned
         if cache is None:
             return []
@@ -206,7 +211,7 @@ def _cache_short(trace: Trace, cache, longer, tokens: int) -> list[Site]:
           "Tq rows of the full pass (decoding with a cache equals the full pass), for Tq = 1, 3 and an uneven split",
           targets=("causal mask top-left or dropped once queries are fewer than keys",
                    "positions of new queries not offset by the cache length"),
-          fix="build the causal mask bottom-right (causal_mask(Tq, Tk, align='bottom_right')) and offset the "
+          fix="build the causal mask bottom-right (torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq) marks the blocked keys) and offset the "
               "positions of new queries by the number of cached tokens",
           needs=(CAUSAL, SEPARATE_QUERY, LONGER), locate=decode_sites)
 def check_decode_consistency(probe: Probe) -> DetectorResult:
@@ -253,7 +258,7 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
                    "the causal mask dropped or misaligned once a cache is attached",
                    "a cache that loses or repeats keys"),
           fix="offset the positions of new tokens by the cache length, mask new tokens bottom-right against cached "
-              "and new keys (causal_mask(Tq, Tk, align='bottom_right')), and append every new key and value",
+              "and new keys (torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq) marks the blocked ones), and append every new key and value",
           needs=(CAUSAL, LONG, HAS_CACHE), locate=cache_sites)
 def check_cache_decoding(probe: Probe) -> DetectorResult:
     """Drives the layer's own cache: the cache argument left at None with use_cache=True must return a cache

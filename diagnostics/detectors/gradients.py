@@ -39,6 +39,12 @@ class GradientReplay:
     allowed: Tensor | None
     through_masks: bool = False
 
+    @property
+    def consequence_of(self) -> tuple[str, ...]:
+        """Detectors whose failure explains this one: gradient that reaches blocked keys follows from a forward
+        that lets them in (fix that first)."""
+        return ("future_leakage", "mask_honoured") if self.through_masks else ()
+
 
 def _pack(xs):
     """(query, key, value) from the gradient check's one, two or three inputs."""
@@ -71,7 +77,9 @@ def backward_sites(probe, replay: GradientReplay) -> list[Site]:
                 out = graph_call(sub, *_pack(inputs), replay.allowed)
             if cut.cut:
                 return [site(cut.cut, "detached", "the output of this call does not require grad though its input "
-                                                  "does: no gradient flows back through here")]
+                                                  "does: no gradient flows back through here",
+                             "remove the .detach() (or the torch.no_grad() block, or the .data) here: the weights "
+                             "before it need their gradient")]
             old = sys.getprofile()
             sys.setprofile(profile)
             try:
@@ -82,7 +90,9 @@ def backward_sites(probe, replay: GradientReplay) -> list[Site]:
         return []
     hand = [f for f in called if f]
     if hand:
-        return [site(hand[0], "backward", "a hand-written backward ran here: check it with torch.autograd.gradcheck")]
+        return [site(hand[0], "backward", "a hand-written backward ran here: check it with torch.autograd.gradcheck",
+                     "fix this backward to return the true derivative (torch.autograd.gradcheck(fn, float64 inputs) "
+                     "checks it), or drop the autograd.Function and let autograd differentiate the forward")]
     return []
 
 

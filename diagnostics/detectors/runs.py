@@ -3,6 +3,8 @@ exception's traceback."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .._frames import traceback_frames
@@ -23,8 +25,36 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
             frames = traceback_frames(error.__traceback__)
             if frames:
                 return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
-                             if str(error).strip() else "")]
+                             if str(error).strip() else "", exception_fix(error))]
     return []
+
+
+VIEW = re.compile(r"view size is not compatible|use \.reshape\(\.\.\.\) instead|is not contiguous", re.I)
+ARGUMENT = re.compile(r"missing \d+ required (positional|keyword)|unexpected keyword argument|got multiple values "
+                      r"for argument|takes \d+ positional arguments? but \d+ (was|were) given", re.I)
+SHAPES = re.compile(r"must match the size|size of tensor a \(\d+\) must match|shape .* is invalid|cannot be "
+                    r"broadcast|mat1 and mat2 shapes|expected .* shape|The shape of the .*mask", re.I)
+
+
+def exception_fix(error: BaseException) -> str:
+    """The fix named by what the layer raised: a view of non-contiguous memory, a call whose arguments the layer
+    does not take (declare how it is called), a mask of a shape it does not take (declare its convention), or,
+    when none of these, no particular fix."""
+    text = str(error)
+    if VIEW.search(text):
+        return ("call .contiguous() before .view(), or use .reshape(): after a transpose the memory is not laid "
+                "out as the view needs")
+    if isinstance(error, TypeError) and ARGUMENT.search(text):
+        return ("the layer is not called the way the audit calls it: wrap it in a function or module that takes "
+                "(query, key, value, mask) or (x, mask) and calls your layer as it expects")
+    if "mask" in text.lower() and SHAPES.search(text) or "attn_mask" in text:
+        return ("the layer takes its mask in another shape or meaning: declare its convention (mask='blocked', "
+                "'additive' or 'key_padding'; --mask on the command line), or wrap the layer to convert the "
+                "(B, 1, Tq, Tk) bool mask, True = may attend")
+    if SHAPES.search(text):
+        return ("make the layer shape-agnostic: read B, T and D from its input (B, T, D = x.shape), not from "
+                "constants, and let the query and memory lengths differ")
+    return ""
 
 
 @detector("runs", "runs on every input shape the audit uses: the standard probe, B=1, T=1, H=1 (functions), "

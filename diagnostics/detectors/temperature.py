@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -29,6 +30,27 @@ from .._tracing import (
 from ._common import result
 
 
+def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
+              declared: bool = False) -> str:
+    """The fix named by the factor q·k really reaches the softmax with: none, 1/sqrt(d_model), the scale twice or
+    inverted; else the factor to use."""
+    def near(x: float, y: float) -> bool:
+        return abs(math.log(abs(x) / y)) < math.log(SCALE_RATIO) if x and y > 0 else False
+
+    want = "the declared scale" if declared else f"1/sqrt(d_k) = 1/sqrt({d_k})"
+    if near(applied, 1.0):
+        return (f"scores = q @ k.transpose(-2, -1) / math.sqrt(d_k) before the softmax (d_k = {d_k}, the width of one "
+                f"head): the scores reach it unscaled")
+    if d_model and d_model != d_k and near(applied, 1.0 / math.sqrt(d_model)):
+        heads = f" = sqrt(d_model / num_heads) = sqrt({d_model} / {num_heads})" if num_heads else ""
+        return (f"divide by sqrt(d_k), the width of one head{heads}, not by sqrt(d_model) = sqrt({d_model})")
+    if near(applied, expected ** 2):
+        return f"scale once: the scores are multiplied by {want} twice"
+    if near(applied, 1.0 / expected):
+        return f"divide by sqrt(d_k), do not multiply by it: scores = q @ k.transpose(-2, -1) / math.sqrt({d_k})"
+    return f"multiply q·k by {expected:.4g} ({want}) before the softmax, once"
+
+
 def scale_sites(probe, result: DetectorResult) -> list[Site]:
     """On the very call the temperature was read from (`result.replay`): the q·k matmul, the softmax it feeds and
     the scaling ops on the way, or, when there is none, where the scale belongs."""
@@ -49,30 +71,34 @@ def scale_sites(probe, result: DetectorResult) -> list[Site]:
     r, expected = ratio(worst)
     said = f"q·k reaches the softmax multiplied by {worst.applied:.4g}; expected {expected:.4g}"
     said += "" if probe.scale is not None else f" = 1/sqrt({worst.d_k})"
+    fix = scale_fix(worst.applied, expected, worst.d_k, probe.subject.d_model, probe.subject.num_heads,
+                    declared=probe.scale is not None)
     if worst.fused is not None:
         op = event_op(trace, worst.fused)
         scalings = [e for e in rec.order[:rec.order.index(worst.fused)] if isinstance(e, Scaling)]
-        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}") for e in scalings]
-                       + [op_site(op, said)])
+        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}", fix) for e in scalings]
+                      + [op_site(op, said, fix=fix)])
     soft_op, mm_op = event_op(trace, worst.softmax), event_op(trace, worst.matmul)
     if worst.used_by is not None:  # the weights that multiply the values are not the softmax's output
         wv = event_op(trace, worst.used_by)
         maker = None if wv is None else past_zeroing(trace, through_carries(trace, producer(trace, wv.in_ids[0])))
         return unique([op_site(maker, f"the weights that multiply the values are made here from the softmax at "
                                         f"{short(soft_op) if soft_op else '?'}: their temperature is {r:.3g}x "
-                                        f"the expected one"), op_site(soft_op, "the softmax of q·k")])
+                                        f"the expected one", fix="use the softmax's output as the weights: a "
+                                        "second softmax (or power) of them changes their temperature"),
+                       op_site(soft_op, "the softmax of q·k")])
     i_soft = rec.order.index(worst.softmax)
     prev_soft = max([j for j, e in enumerate(rec.order[:i_soft]) if isinstance(e, (SoftmaxCall, Fused))] or [-1])
     scalings = [e for e in rec.order[prev_soft + 1:i_soft] if isinstance(e, Scaling)]
     if scalings:
-        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}") for e in scalings]
-                       + [op_site(mm_op, said), op_site(soft_op, said)])
+        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}", fix) for e in scalings]
+                      + [op_site(mm_op, said, fix=fix), op_site(soft_op, said, fix=fix)])
     start = mm_op.index if mm_op is not None else 0
     end = soft_op.index if soft_op is not None else len(trace.ops)
-    return unique(did_nothing(trace, start, end, ("scale", "temperature", "sqrt"))
-                   + [op_site(mm_op, f"{said}: no scaling op between this q·k and the softmax at "
-                                      f"{short(soft_op) if soft_op else '?'}; the scale belongs here"),
-                      op_site(soft_op, said)])
+    return unique([replace(x, fix=fix) for x in did_nothing(trace, start, end, ("scale", "temperature", "sqrt"))]
+                  + [op_site(mm_op, f"{said}: no scaling op between this q·k and the softmax at "
+                                    f"{short(soft_op) if soft_op else '?'}; the scale belongs here", fix=fix),
+                     op_site(soft_op, said, fix=fix)])
 
 
 def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float, int]]:
@@ -117,10 +143,12 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
     if ratio > SCALE_RATIO:
-        return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are not scaled by {declared}",
+        return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
+                                   f"(not divided enough)",
                        value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base)
     if ratio < 1 / SCALE_RATIO:
-        return result(det, "fail", f"softmax is {1 / ratio:.2f}x too flat: logits are scaled by more than {declared}",
+        return result(det, "fail", f"softmax is {1 / ratio:.2f}x too flat: logits are multiplied by less than "
+                                   f"{declared} (divided too much)",
                        value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base)
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,

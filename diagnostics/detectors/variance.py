@@ -12,7 +12,7 @@ from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
-from .._tracing import MATMULS, SOFTMAXES, ancestors, moved, op_site, trace_call, weights_origin
+from .._tracing import MATMULS, SOFTMAXES, ancestors, merge_fix, moved, op_site, trace_call, weights_origin
 from ._common import result
 from .weights import at_text
 
@@ -60,7 +60,9 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
         for a in range(1, out.dim()):
             if out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any()):
                 return [op_site(op, "every token is the same, yet this op's output differs between positions: it "
-                                     "mixes positions with another axis (heads)")]
+                                     "mixes positions with another axis (heads)",
+                                fix=merge_fix(op, s.num_heads) or "merge the heads with y.transpose(1, 2).reshape(B, "
+                                                                  "T, H * d): keep positions apart from heads")]
     return []
 
 
