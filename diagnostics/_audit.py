@@ -17,13 +17,14 @@ from ._thresholds import dtype_name
 from ._tracing import unique
 from .detectors import DETECTORS
 from .detectors.runs import runs_verdict
+from .patterns import as_pattern
 
 
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
           need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
           strict: bool = False, progress=None, mask: str | None = None, layout: str | None = None,
-          _options: dict | None = None) -> AuditReport:
+          pattern=None, _options: dict | None = None) -> AuditReport:
     """Run the detectors on `layer` and return an `AuditReport` whose `status` is "passed", "failed" or
     "inconclusive" (the core properties, weight row sums and softmax temperature, were not measured).
 
@@ -41,6 +42,10 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     takes its mask in, "allowed" (bool, True = may attend; the default), "blocked" (bool, True = blocked),
     "additive" (float, 0 keep, large negative block) or "key_padding" ((B, Tk) bool, True = padding); library
     layers' own conventions are known. `layout`: a function's tensors, "bhtd" (default) or "bthd".
+    `pattern`: the attention pattern the layer promises, a `diagnostics.patterns` pattern (`sliding_window(W)`,
+    `chunked(C)`, `prefix_lm(P)`, `document(ids)`, combined with & and |) or a mask_mod(b, h, q_idx, kv_idx);
+    a layer that takes a mask is given the pattern's mask, and `attention_pattern` measures which keys each
+    output row depends on against it.
     """
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1),
            "an int seq_len >= 1", f"seq_len={seq_len!r}", "pass the context length you train with, e.g. seq_len=128")
@@ -52,13 +57,16 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     required = list(require or [])
     unknown = [d for d in chosen + required if d not in DETECTORS]
     expect(not unknown, f"detector ids from {sorted(DETECTORS)}", f"{unknown}", "check the spelling")
+    expect(pattern is None or callable(pattern), "pattern: a diagnostics.patterns pattern or a mask_mod",
+           f"pattern={pattern!r}", "pass e.g. pattern=diagnostics.patterns.sliding_window(4)")
+    pattern = None if pattern is None else as_pattern(pattern)
     not_chosen = [d for d in required if d not in chosen]
     expect(not not_chosen, "required detectors among those run", f"require={not_chosen} not in detectors",
            "add them to detectors=[...] or drop them from require")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
                            need_weights=need_weights, mask=mask, layout=layout, options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
-    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options)
+    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern)
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}

@@ -102,6 +102,20 @@ class FusedAttention:
 
 
 @dataclass
+class FlexCall:
+    """A `flex_attention` call (the higher-order operator under `torch.nn.attention.flex_attention`): its
+    inputs, its `score_mod` and its block mask's `mask_mod` as the program wrote them."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    scale: float
+    score_mod: object
+    mask_mod: object
+    frames: tuple = ()
+
+
+@dataclass
 class Scaling:
     """A multiplication or division of a tensor by one constant (`factor`: what the values were multiplied by)."""
 
@@ -118,17 +132,35 @@ class Record:
     softmaxes: list[SoftmaxCall] = field(default_factory=list)
     matmuls: list[Matmul] = field(default_factory=list)
     fused: list[FusedAttention] = field(default_factory=list)
+    flex: list[FlexCall] = field(default_factory=list)
     order: list[object] = field(default_factory=list)
 
 
+try:  # torch's flex_attention higher-order operator, its eager implementation, and the module that calls it
+    import torch.nn.attention.flex_attention as _flex_module
+    from torch._higher_order_ops.flex_attention import flex_attention as FLEX, sdpa_dense as FLEX_EAGER
+except ImportError:  # a torch without FlexAttention: no layer can call it
+    _flex_module, FLEX, FLEX_EAGER = None, None, None
+
+
 class Observer(TorchDispatchMode):
-    """Records attention-relevant aten calls into `self.record` while active."""
+    """Records attention-relevant aten calls into `self.record` while active.
+
+    FlexAttention: a dispatch mode sees `flex_attention` as a higher-order operator, which raises in a mode
+    that does not declare `supports_higher_order_operators`; and the eager `flex_attention` compiles its call
+    with dynamo, which refuses to run under a user dispatch mode. So while observing, the eager path is taken
+    uncompiled (torch's own debugging switch, restored on exit), the operator is recorded (`FlexCall`) and its
+    eager implementation runs under this mode, so that its scores, softmax and matmuls are observed like any
+    other layer's. Other higher-order operators run unobserved."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
         self.record = Record()
         self._factors: dict[tuple, float] = {}  # (address, shape, stride) -> constant the values were multiplied by
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
+        self._flex_compile: list[bool] = []  # the eager flex_attention's compile switch as each entry found it
 
     def _factor(self, t) -> float:
         return self._factors.get(_key(t), 1.0) if isinstance(t, Tensor) else 1.0
@@ -146,8 +178,25 @@ class Observer(TorchDispatchMode):
             event = Scaling(str(func.overloadpacket), factor, tuple(t.shape), self._frames())
             self.record.order.append(event)
 
+    def __enter__(self):
+        # a stack: the mode is entered again, nested, around each flex_attention's eager implementation
+        self._flex_compile.append(_uncompiled_flex(True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _uncompiled_flex(self._flex_compile.pop())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            if func is FLEX and FLEX is not None:
+                self._note_flex(args, kwargs)
+                with self:  # the eager implementation's ops, observed (the mode is popped while it dispatches)
+                    return FLEX_EAGER(*args, **kwargs)
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         name = str(func)
@@ -156,6 +205,17 @@ class Observer(TorchDispatchMode):
         except Exception:  # observing must never break the layer under audit
             pass
         return out
+
+    def _note_flex(self, args, kwargs):
+        try:
+            q, k, v, score_mod, block_mask, scale = args[:6]
+            mask_mod = block_mask[-1] if isinstance(block_mask, tuple) and block_mask else None
+            f = FlexCall(q.detach(), k.detach(), v.detach(), float(scale) * self._factor(q) * self._factor(k),
+                         score_mod, mask_mod, user_frames(sys._getframe(2)) if RECORD_SITES else ())
+            self.record.flex.append(f)
+            self.record.order.append(f)
+        except Exception:  # observing must never break the layer under audit
+            pass
 
     def _note(self, func, name, packet, args, kwargs, out):
         rec = self.record
@@ -204,6 +264,14 @@ class Observer(TorchDispatchMode):
                                None if mask is None else mask.detach(), is_causal, self._frames())
             rec.fused.append(f)
             rec.order.append(f)
+
+
+def _uncompiled_flex(on: bool) -> bool:
+    """Set torch's switch that makes eager flex_attention skip its dynamo compilation; return the old value."""
+    old = getattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+    if hasattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"):
+        _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = on
+    return old
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from torch import Tensor
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import Output, Subject
+from .patterns import Pattern
 
 
 @dataclass
@@ -49,8 +50,12 @@ class Probe:
     BATCH = 2
 
     def __init__(self, subject: Subject, *, causal: bool, scale: float | None, seq_len: int, seed: int,
-                 options: dict | None = None):
+                 options: dict | None = None, pattern: Pattern | None = None):
         self.subject, self.causal, self.scale, self.seed = subject, causal, scale, seed
+        # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one,
+        # else the layer's own promise
+        self.pattern = pattern
+        self.pass_pattern_mask = pattern is not None and subject.takes_mask
         self.t = seq_len
         self.options = options or {}  # how the user spells audit options in this front end
         self.passes = 0
@@ -106,8 +111,12 @@ class Probe:
 
     def allowed(self, batch: int, t_q: int, t_k: int, extra: Tensor | None = None) -> Tensor | None:
         """The mask to pass, (B, Tq, Tk) True = may attend: `extra` and, when the audit makes the layer
-        causal through its mask, the bottom-right causal mask."""
+        causal through its mask, the bottom-right causal mask; the declared pattern's mask, bottom-right too,
+        for a layer that takes a mask."""
         mask = extra
+        if self.pass_pattern_mask:
+            declared = self.pattern.allowed(batch, t_q, t_k)  # (B, Tq, Tk)
+            mask = declared if mask is None else mask.cpu() & declared
         if self.pass_causal_mask:
             i = torch.arange(t_q).unsqueeze(-1)  # (Tq, 1)
             j = torch.arange(t_k)  # (Tk,)

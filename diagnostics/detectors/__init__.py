@@ -11,7 +11,7 @@ from importlib import import_module
 from .._registry import DETECTORS
 
 MODULES = ("runs", "shape", "finite", "weights", "temperature", "variance", "locality", "masking", "causal",
-           "determinism", "batch", "keys", "decoding", "gradients", "parameters")
+           "determinism", "batch", "keys", "decoding", "gradients", "parameters", "pattern")
 
 for _name in MODULES:
     import_module(f"{__name__}.{_name}")

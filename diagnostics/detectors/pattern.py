@@ -1,0 +1,329 @@
+"""`attention_pattern`: for a declared pattern (`diagnostics.patterns`), each output row depends on exactly the
+keys the pattern allows: dependence where it blocks is leakage, no dependence where it allows is over-masking.
+
+The dependency pattern is measured by perturbing keys (and their values) and reading which output rows move,
+packed two ways so that the cost does not grow with one call per key:
+- by residue class: test r perturbs every key j with j % p == r, p = (the widest row of the pattern) + 2, so
+  a row of a banded pattern (a window of W, a chunk of C) meets at most one key it may see in each test, and
+  the keys one step outside its band on either side (the off-by-one of a window or a chunk boundary) are in
+  tests where it sees nothing: a row that moves there leaks, a row that does not move where its one allowed
+  key was perturbed ignores that key. p is capped at `MAX_TESTS`: wider rows (causal at long T) meet several
+  allowed keys per test and are confirmed per group;
+- across the batch: the p tests are p copies of the probe batch stacked in one call (split to bound memory),
+  each sequence judged against its own row of the pattern (document ids and prefix lengths per sequence).
+A leaking test is then bisected to the one key that moves the row. A FlexAttention program's own `mask_mod`
+is also compared point by point with the declared pattern on the probe's sizes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._core import Case, Inputs, compare, perturbed, skip
+from .._probe import Probe
+from .._registry import LONG, Need, detector
+from .._result import DetectorResult, Site
+from .._thresholds import dtype_name
+from .._tracing import first_moved, mask_sites, op_site, site, text, trace_call
+from ._common import perturbation_gains, result
+
+PATTERN = Need("pattern=", lambda p: getattr(p, "pattern", None) is not None,
+               "no attention pattern is declared (pass pattern=, e.g. diagnostics.patterns.sliding_window(4))")
+
+MAX_TESTS = 32
+"""At most this many residue classes (copies of the probe batch): rows of the pattern wider than 30 keys are
+confirmed per group of keys, not key by key (causal beyond T = 30)."""
+MAX_SCORES = 1 << 24
+"""Stacked copies per call are limited so that a call's (rows, heads, T, T) scores stay under this many elements."""
+
+
+@dataclass
+class PatternEvidence:
+    """What the verdict was computed on, for the localiser: the baseline, the perturbed copy in which a held row
+    moved (`case`, `hold`: (B, T) rows that must not move, `moved`: the perturbed positions), the first
+    over-masked cell, and a FlexAttention mask_mod that disagrees with the pattern at `point` (b, h, q, kv)."""
+
+    base: Inputs | None = None
+    case: Inputs | None = None
+    hold: Tensor | None = None
+    moved: Tensor | None = None
+    tol: float = 0.0
+    over: tuple[int, int, int] | None = None
+    mask_mod: object = None
+    point: tuple[int, int, int, int] | None = None
+    flex_frames: tuple = ()
+
+
+def _streams(probe: Probe) -> tuple[str, ...]:
+    return ("query", "key", "value") if not probe.subject.separate_kv else ("key", "value")
+
+
+def _fold(change: Tensor) -> Tensor:
+    """(B, [H,] Tq) -> (B, Tq): the most any head moved."""
+    return change.amax(1) if change.dim() == 3 else change
+
+
+def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str) -> tuple[list[Tensor], float, list] | DetectorResult:
+    """Each of `sets` (bool (B, T): the keys perturbed in each sequence) as one stacked copy of `base`; the moved
+    rows (B, Tq) of each, the tolerance, and the perturbed inputs."""
+    s, B, T = probe.subject, base.query.shape[0], base.query.shape[probe.subject.time_dim]
+    heads = s.num_heads or 1
+    per_call = max(1, MAX_SCORES // max(1, B * heads * T * T) - 1)  # copies besides the baseline
+    gains = perturbation_gains(probe)
+    moved, inputs, tol = [], [], 0.0
+    for start in range(0, len(sets), per_call):
+        chunk = sets[start:start + per_call]
+        cases = []
+        for where in chunk:
+            x = perturbed(probe, base, where, _streams(probe), gains=gains)[0]
+            cases.append(Case(x, hold=torch.zeros(B, T, dtype=torch.bool), when=""))
+            inputs.append(x)
+        comparison = compare(probe, base, cases, label=label)
+        if isinstance(comparison, DetectorResult):
+            return comparison
+        tol = comparison.tol
+        moved += [_fold(c).cpu() > tol for c in comparison.changes]
+    return moved, tol, inputs
+
+
+def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
+    """A FlexAttention program's own mask_mod against the declared pattern, point by point on the standard
+    probe's sizes: the first (b, h, q, kv) where they differ, or None."""
+    base = probe.base()
+    if base.record is None or not base.record.flex:
+        return None
+    for f in base.record.flex:
+        if f.mask_mod is None or getattr(f.mask_mod, "__name__", "") == "noop_mask":
+            continue
+        B, H, t_q, t_k = f.q.shape[0], f.q.shape[1], f.q.shape[-2], f.k.shape[-2]
+        b = torch.arange(B).view(B, 1, 1, 1)
+        h = torch.arange(H).view(1, H, 1, 1)
+        q = torch.arange(t_q).view(1, 1, t_q, 1)  # flex's q_idx: 0..Tq-1, the probe's Tq == Tk
+        kv = torch.arange(t_k).view(1, 1, 1, t_k)
+        with torch.no_grad():
+            program = f.mask_mod(b, h, q, kv).expand(B, H, t_q, t_k).cpu()  # (B, H, Tq, Tk)
+        declared = probe.pattern.allowed(B, t_q, t_k, heads=H)  # (B, H, Tq, Tk)
+        if declared.dim() == 3:
+            declared = declared.unsqueeze(1)
+        differ = program != declared
+        if bool(differ.any()):
+            point = tuple(int(i) for i in differ.nonzero()[0])
+            return PatternEvidence(mask_mod=f.mask_mod, point=point, flex_frames=f.frames,
+                                   over=(int(differ.sum()), int(differ[0, 0].sum()), t_q * t_k))
+    return None
+
+
+def _bisect(probe: Probe, base: Inputs, b: int, i: int, keys: Tensor, T: int) -> tuple[int | None, Inputs | None]:
+    """The one key among `keys` (bool (T,), all blocked for row i of sequence b) that moves that row, by halving."""
+    B = base.query.shape[0]
+    found, last = None, None
+    while int(keys.sum()) > 1:
+        idx = keys.nonzero().flatten()
+        halves = [idx[: len(idx) // 2], idx[len(idx) // 2:]]
+        sets = []
+        for half in halves:
+            where = torch.zeros(B, T, dtype=torch.bool)
+            where[b, half] = True
+            sets.append(where)
+        ran = _run(probe, base, sets, label=f"bisecting the keys that move query {i} of sequence {b}")
+        if isinstance(ran, DetectorResult):
+            return None, None
+        moved, _, inputs = ran
+        hit = next((n for n, m in enumerate(moved) if bool(m[b, i])), None)
+        if hit is None:
+            return None, None  # the group moved the row and neither half does: keys that leak only together
+        keys = torch.zeros(T, dtype=torch.bool)
+        keys[halves[hit]] = True
+        last = inputs[hit]
+    if int(keys.sum()) == 1:
+        found = int(keys.nonzero()[0])
+        if last is None:  # the class held one blocked key already
+            return found, None
+    return found, last
+
+
+@dataclass
+class Reading:
+    """The measured pattern of one probe: per cell of (B, Tq, Tk), whether it was measured alone (`alone`: the
+    test held no other key of that row's pattern), in a group, or not at all, and what was seen."""
+
+    depends: Tensor  # bool (B, T, T): the row moved in a test where this was its only allowed key
+    ignored: Tensor  # bool (B, T, T): the row did not move in a test that perturbed this key
+    group: Tensor  # bool (B, T, T): allowed keys confirmed only as part of a moving group
+    leaks: list  # (b, i, r): row i of sequence b moved in test r, where it may see none of the keys perturbed
+    unmeasured: Tensor  # bool (B, T, T): cells no test could read (a one-stream layer's own position)
+
+
+def _read(declared: Tensor, classes: list[Tensor], moved: list[Tensor], one_stream: bool) -> Reading:
+    B, T, _ = declared.shape
+    depends = torch.zeros(B, T, T, dtype=torch.bool)
+    ignored, group, unmeasured = depends.clone(), depends.clone(), depends.clone()
+    leaks = []
+    for r, (keys, m) in enumerate(zip(classes, moved)):
+        # a one-stream layer's perturbed token is also a perturbed query, whose own row moves whatever it
+        # depends on: those rows read nothing in this test
+        readable = ~keys if one_stream else torch.ones(T, dtype=torch.bool)  # (Tq,)
+        seen = (readable.view(T, 1) & keys.view(1, T)).expand(B, T, T)  # (B, Tq, Tk): cells this test reads
+        unmeasured |= (~readable.view(T, 1) & keys.view(1, T)).expand(B, T, T)
+        allowed_here = (declared & seen).sum(-1, keepdim=True)  # (B, Tq, 1): allowed keys each row meets
+        mv = m.view(B, T, 1)
+        ignored |= seen & ~mv
+        depends |= seen & declared & mv & (allowed_here == 1)
+        group |= seen & declared & mv & (allowed_here > 1)
+        leaking = m & (allowed_here[..., 0] == 0) & readable.view(1, T)  # (B, Tq): moved, may see none of them
+        leaks += [(b, i, r) for b, i in leaking.nonzero().tolist()]
+    unmeasured &= ~(depends | ignored | group)
+    return Reading(depends, ignored, group, leaks, unmeasured)
+
+
+def _cells(mask: Tensor, limit: int = 3) -> str:
+    """A few (b, q, kv) cells of a bool (B, Tq, Tk) mask, in order."""
+    shown = [f"query {i} -> key {j} in sequence {b}" for b, i, j in mask.nonzero()[:limit].tolist()]
+    return "; ".join(shown) + (" ..." if int(mask.sum()) > limit else "")
+
+
+def mask_mod_site(mask_mod, frames: tuple, note: str) -> list[Site]:
+    """The line of a FlexAttention program's mask_mod (its `return`, or the lambda), and the flex_attention call."""
+    sites = []
+    fn = getattr(mask_mod, "mask_mod", mask_mod)  # a diagnostics Pattern passed as the mask_mod
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        file = inspect.getsourcefile(fn) or ""
+        offset = next((n for n, line in enumerate(lines) if "return" in line or "lambda" in line), 0)
+        line = first + offset
+        sites.append(Site(file, line, getattr(fn, "__qualname__", getattr(fn, "__name__", "mask_mod")), text(file, line),
+                          "mask_mod", note))
+    except (OSError, TypeError):  # built in, or defined where no source is kept
+        pass
+    call = site(frames, "flex_attention", "the FlexAttention call that uses this mask_mod")
+    return sites + ([call] if call is not None else [])
+
+
+def pattern_sites(probe, result: DetectorResult) -> list[Site]:
+    """Replays the evidence (`result.replay`): a mask_mod that disagrees with the pattern is its own line; a leak
+    is the masking ops of the baseline call against the pattern, else the first op whose output moves at the
+    held rows in the very copy where they moved; over-masking is the masking op that blocks an allowed key."""
+    ev = result.replay
+    if not isinstance(ev, PatternEvidence):
+        return []
+    if ev.mask_mod is not None:
+        b, h, q, kv = ev.point
+        return mask_mod_site(ev.mask_mod, ev.flex_frames, f"mask_mod(b={b}, h={h}, q_idx={q}, kv_idx={kv}) "
+                                                           f"differs from the declared {probe.pattern}")
+    s, base = probe.subject, ev.base
+    B, T = base.query.shape[0], base.query.shape[s.time_dim]
+    allowed = probe.allowed(B, T, T)
+    declared = probe.pattern.allowed(B, T, T) & (torch.ones(B, T, T, dtype=torch.bool) if allowed is None
+                                                 else allowed.cpu().bool().expand(B, T, T))
+    a = trace_call(s, base.query, base.key, base.value, allowed, seed=probe.seed)
+    sites = mask_sites(a, declared, B, T, T)
+    if sites or ev.case is None:
+        return sites
+    c = trace_call(s, ev.case.query, ev.case.key, ev.case.value, allowed, seed=probe.seed)
+    op = first_moved(a, c, ev.hold & ~ev.moved, ev.tol)
+    return [op_site(op, "the first op whose output at rows the pattern holds moves when only keys it blocks "
+                        "changed")] if op is not None else []
+
+
+@detector("attention_pattern", "for a declared pattern, each output row depends on exactly the keys the pattern "
+          "allows (leakage where it blocks, over-masking where it allows), measured by perturbing keys",
+          targets=("sliding window one too long or too short", "window applied on both sides",
+                   "chunk boundary one off", "documents leaking into each other", "causal prefix",
+                   "FlexAttention mask_mod not the pattern meant"),
+          fix="build the mask from the declared pattern: mask = pattern.allowed(B, Tq, Tk) (or pass the pattern "
+              "itself as FlexAttention's mask_mod)",
+          needs=(PATTERN, LONG), locate=pattern_sites)
+def check_attention_pattern(probe: Probe) -> DetectorResult:
+    det, s, B, T = "attention_pattern", probe.subject, probe.BATCH, probe.t
+    pattern, one = probe.pattern, not s.separate_kv
+    flex = _mask_mod_disagrees(probe)
+    base = Inputs(*probe.streams(B, T, cross=s.separate_kv))
+    declared = pattern.allowed(B, T, T)  # (B, Tq, Tk)
+    passed = probe.allowed(B, T, T)
+    if passed is not None:  # what the layer may see: the pattern, and the mask it is given
+        declared = declared & passed.cpu().bool().expand(B, T, T)
+    lo = torch.where(declared, torch.arange(T), T).amin(-1)
+    hi = torch.where(declared, torch.arange(T), -1).amax(-1)
+    span = int((hi - lo).clamp_min(0).max()) + 1  # the widest row, in positions
+    p = min(T, span + 2, MAX_TESTS)
+    classes = [torch.arange(T) % p == r for r in range(p)]  # (T,) each
+    ran = _run(probe, base, [c.expand(B, T) for c in classes],
+               label=f"keys j % {p} == r changed, one class per copy ({pattern})")
+    if isinstance(ran, DetectorResult):
+        return ran
+    moved, tol, inputs = ran
+    if not any(bool(m.any()) for m in moved):
+        return skip(det, "the output did not respond to any key, so its not moving where the pattern blocks "
+                         "proves nothing")
+    reading = _read(declared, classes, moved, one)
+    over = declared & reading.ignored
+    dt = dtype_name(s.dtype)
+    # a leak: bisect the first leaking test down to the one key that moves the row
+    leak_text, ev = "", PatternEvidence(base=base, tol=tol)
+    if reading.leaks:
+        b, i, r = reading.leaks[0]
+        blocked = classes[r] & ~declared[b, i]
+        key, case = _bisect(probe, base, b, i, blocked, T)
+        hold = torch.zeros(B, T, dtype=torch.bool)
+        if case is None:
+            case = inputs[r]
+            sets = classes[r].expand(B, T)
+            # rows of the copy that meet no allowed key (their perturbed keys all blocked), and are not perturbed
+            meets = (declared & sets.view(B, 1, T)).any(-1)
+            hold = ~meets & ~(sets if one else torch.zeros(B, T, dtype=torch.bool))
+            moved_at = sets.clone()
+        else:
+            hold[b] = ~declared[b, :, key]
+            if one:
+                hold[b, key] = False
+            moved_at = torch.zeros(B, T, dtype=torch.bool)
+            moved_at[b, key] = True
+        ev = PatternEvidence(base=base, case=case, hold=hold, moved=moved_at, tol=tol)
+        rows = len({(b2, i2) for b2, i2, _ in reading.leaks})
+        where = f"key {key}" if key is not None else f"keys j % {p} == {r}"
+        leak_text = (f"query {i} of sequence {b} moved when only {where} changed, which {pattern} blocks for it; "
+                     f"{rows} / {int(declared.new_ones(B, T).sum())} rows depend on keys the pattern blocks "
+                     f"(more than {tol:.2g} of the outputs' RMS about their mean, for {dt})")
+    over_text = ""
+    if bool(over.any()):
+        b, i, j = (int(x) for x in over.nonzero()[0])
+        if ev.over is None and not reading.leaks:
+            ev = PatternEvidence(base=base, tol=tol, over=(b, i, j))
+        over_text = (f"{int(over.sum())} / {int(declared.sum())} (query, key) pairs that {pattern} allows move no "
+                     f"output, e.g. {_cells(over)} (the row moved by at most {tol:.2g} of the outputs' RMS about "
+                     f"their mean, {dt})")
+    alone, grouped = int((declared & reading.depends).sum()), int((declared & reading.group).sum())
+    blocked_zero = int((~declared & reading.ignored).sum())
+    unmeasured = int(reading.unmeasured.sum())
+    measured = (f"{p} tests (keys j % {p} == r, r < {p}) on {B} sequences of {T}: {alone} allowed pairs seen "
+                f"moving alone, {grouped} in a moving group, {int(over.sum())} not moving; {blocked_zero} blocked "
+                f"pairs measured unmoved" + (f"; {unmeasured} pairs not measurable (a one-stream layer's own "
+                                            f"position moves with its query)" if unmeasured else ""))
+    if flex is not None:
+        b, h, q, kv = flex.point
+        n, first_head, total = flex.over
+        program = bool(flex.mask_mod(*(torch.tensor(x) for x in flex.point)))
+        flex.base = base
+        return result(det, "fail", f"the FlexAttention program's mask_mod differs from the declared {pattern}",
+                      value=float(n), threshold=0.0,
+                      evidence=f"first at (b={b}, h={h}, q_idx={q}, kv_idx={kv}): the mask_mod "
+                               f"{'allows' if program else 'blocks'} it, the pattern "
+                               f"{'blocks' if program else 'allows'} it; {first_head} / {total} points differ in "
+                               f"(b=0, h=0), {n} in all; measured: "
+                               + "; ".join(x for x in (leak_text, over_text, measured) if x),
+                      fix=f"make the mask_mod return exactly the declared pattern (or pass the pattern itself as "
+                          f"the mask_mod: create_block_mask({pattern.name}, ...)", replay=flex)
+    if leak_text or over_text:
+        both = leak_text and over_text
+        message = ("outputs depend on keys the declared pattern blocks (leakage) and ignore keys it allows "
+                   "(over-masking)" if both else
+                   "outputs depend on keys the declared pattern blocks (leakage)" if leak_text else
+                   "outputs ignore keys the declared pattern allows (over-masking)")
+        return result(det, "fail", f"{message}: {pattern}", value=float(len(reading.leaks) + int(over.sum())),
+                      threshold=0.0, evidence="; ".join(x for x in (leak_text, over_text, measured) if x), replay=ev)
+    return result(det, "pass", f"every output row depends on exactly the keys {pattern} allows", value=0.0,
+                  threshold=0.0, evidence=measured)

@@ -1,0 +1,286 @@
+"""Declared attention patterns (issue 19): every named pattern in correct form passes `attention_pattern` through
+the reference given the pattern's mask, an SDPA function given it, and a FlexAttention program, at float32 and
+bfloat16 and both inits; each broken twin (written here as layers that build their own mask: the catalog has no
+pattern variants yet) fails with the leakage or over-masking finding, localised at the line that builds its mask;
+a FlexAttention mask_mod off by one against sliding_window(W) is caught at its own line, one equal to it passes.
+
+FlexAttention's first call on the CPU is slow (~2-4 s, block-mask creation and the eager path's first run), so
+its programs share one module-scoped warm-up."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import diagnostics
+from correct import MultiHeadAttention, gpt2_init_, mask_from_mod
+from diagnostics.patterns import Pattern, as_pattern, causal, chunked, document, prefix_lm, sliding_window
+
+T, D, H = 16, 16, 2
+DOCS = [0] * 5 + [1] * 6 + [2] * 5
+NAMED = {
+    "causal": causal(),
+    "sliding_window": sliding_window(4),
+    "chunked": chunked(4),
+    "prefix_lm": prefix_lm(5),
+    "document": document(DOCS),
+    "document & causal": document(DOCS) & causal(),
+    "window | prefix": sliding_window(3) | prefix_lm(2),
+}
+DOC_IDS = torch.tensor(DOCS)
+DTYPES = [torch.float32, torch.bfloat16]
+INITS = ["default", "gpt2"]
+
+
+def verdict(report, det="attention_pattern"):
+    return next(r for r in report.results if r.detector == det)
+
+
+def reference(init: str, dtype) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D, H)
+    if init == "gpt2":
+        gpt2_init_(layer)
+    return layer.to(dtype)
+
+
+def sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# ---- the pattern itself ------------------------------------------------------------------------------------
+
+
+def test_sliding_window_counts_w_keys_including_its_own():
+    allowed = sliding_window(4).allowed(1, 8, 8)[0]  # (Tq, Tk)
+    assert allowed.sum(-1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4]
+    assert allowed[7].nonzero().flatten().tolist() == [4, 5, 6, 7]  # q - W < kv <= q
+
+
+def test_allowed_is_bottom_right_like_the_audits_causal_mask():
+    assert torch.equal(causal().allowed(2, 3, 5), torch.ones(5, 5, dtype=torch.bool).tril()[2:].expand(2, 3, 5))
+
+
+def test_combinators_and_a_bare_mask_mod():
+    w, p = sliding_window(2), prefix_lm(3)
+    assert torch.equal((w | p).allowed(1, 6, 6), w.allowed(1, 6, 6) | p.allowed(1, 6, 6))
+    assert torch.equal((w & (lambda b, h, q, kv: kv > 0)).allowed(1, 6, 6), w.allowed(1, 6, 6) & (torch.arange(6) > 0))
+    assert as_pattern(lambda b, h, q, kv: kv <= q).allowed(1, 4, 4).sum() == 10
+
+
+def test_per_sequence_data():
+    mask = document(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])).allowed(4, 4, 4)
+    assert torch.equal(mask[0], mask[2]) and not torch.equal(mask[0], mask[1])  # row b % 2
+    assert prefix_lm(torch.tensor([1, 3])).allowed(2, 4, 4)[:, 0].sum(-1).tolist() == [1, 3]
+
+
+def test_reference_mask_builder_agrees_with_the_pattern():
+    for pattern in NAMED.values():
+        assert torch.equal(mask_from_mod(pattern.mask_mod, 6, 9, batch=2)[:, 0], pattern.allowed(2, 6, 9))
+
+
+def test_misuse_is_refused():
+    with pytest.raises(diagnostics.AuditUsageError):
+        sliding_window(0)
+    with pytest.raises(diagnostics.AuditUsageError):
+        diagnostics.audit(sdpa, d_model=D, num_heads=H, pattern="sliding")
+    with pytest.raises(diagnostics.AuditUsageError):
+        Pattern(lambda b, h, q, kv: 1, "int").allowed(1, 2, 2)
+
+
+def test_without_a_pattern_the_detector_does_not_apply():
+    r = verdict(diagnostics.audit(sdpa, d_model=D, num_heads=H, detectors=["attention_pattern"]))
+    assert r.verdict == "skip" and "pattern=" in r.message
+
+
+# ---- correct forms pass ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("init", INITS)
+def test_reference_given_the_patterns_mask_passes(name, dtype, init):
+    report = diagnostics.audit(reference(init, dtype), pattern=NAMED[name], seq_len=T)
+    r = verdict(report)
+    assert r.verdict == "pass", (r.message, r.evidence)
+    assert "0 not moving" in r.evidence
+    assert report.status == "passed", report.status_reason
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sdpa_given_the_patterns_mask_passes(name, dtype):
+    r = verdict(diagnostics.audit(sdpa, d_model=D, num_heads=H, dtype=dtype, pattern=NAMED[name], seq_len=T,
+                                  detectors=["attention_pattern"]))
+    assert r.verdict == "pass", (r.message, r.evidence)
+
+
+# ---- broken twins fail, localised ------------------------------------------------------------------------------
+
+WINDOW = 4
+TWINS = {  # name: (the layer's own mask_mod, the finding)
+    "window one too long (q - kv <= W)": (lambda b, h, q, kv: (kv <= q) & (q - kv <= WINDOW), "leakage"),
+    "window one too short (q - kv < W - 1)": (lambda b, h, q, kv: (kv <= q) & (q - kv < WINDOW - 1), "over-masking"),
+    "window on both sides (|q - kv| < W)": (lambda b, h, q, kv: (q - kv).abs() < WINDOW, "leakage"),
+}
+PATTERN_TWINS = {  # name: (declared, the layer's own mask_mod, the finding)
+    "chunk boundary one late": (chunked(4), lambda b, h, q, kv: (kv <= q) & ((q - 1) // 4 == (kv - 1) // 4), "leakage"),
+    "documents leaking (causal only)": (document(DOCS) & causal(), lambda b, h, q, kv: kv <= q, "leakage"),
+    # each document's first key compared under the previous position's id: blocked from its own document
+    "document blocked from itself": (document(DOCS), lambda b, h, q, kv: DOC_IDS[q] == DOC_IDS[(kv - 1).clamp(min=0)],
+                                     "over-masking"),
+    "causal prefix": (prefix_lm(5), lambda b, h, q, kv: kv <= q, "over-masking"),
+}
+
+
+class OwnMask(MultiHeadAttention):
+    """A self-attention layer that builds its pattern itself (the audit's declaration is its promise)."""
+
+    def __init__(self, mask_mod):
+        super().__init__(D, H)
+        self.mask_mod = mask_mod
+
+    def mask(self, scores, mask, *, fill=-math.inf):
+        own = mask_from_mod(self.mask_mod, *scores.shape[-2:], device=scores.device)[0, 0]  # (Tq, Tk)
+        return super().mask(scores, own, fill=fill)
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def own_function(mask_mod):
+    def attend(q, k, v):
+        allowed = mask_from_mod(mask_mod, q.shape[-2], k.shape[-2])  # (1, 1, Tq, Tk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    return attend
+
+
+def all_twins():
+    for name, (mod, finding) in TWINS.items():
+        yield name, sliding_window(WINDOW), mod, finding
+    for name, (pattern, mod, finding) in PATTERN_TWINS.items():
+        yield name, pattern, mod, finding
+
+
+@pytest.mark.parametrize("name,pattern,mod,finding", list(all_twins()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("form", ["self module", "function"])
+def test_broken_twin_fails_with_its_finding_localised(name, pattern, mod, finding, form):
+    layer = OwnMask(mod) if form == "self module" else own_function(mod)
+    kw = {} if form == "self module" else {"d_model": D, "num_heads": H}
+    r = verdict(diagnostics.audit(layer, pattern=pattern, seq_len=T, detectors=["attention_pattern"], **kw))
+    assert r.verdict == "fail" and f"({finding})" in r.message, (r.message, r.evidence)
+    assert any(s.file == __file__ and "lambda" in s.code for s in r.where), [str(s) for s in r.where]
+    twin = OwnMask(pattern.mask_mod) if form == "self module" else own_function(pattern.mask_mod)
+    ok = verdict(diagnostics.audit(twin, pattern=pattern, seq_len=T, detectors=["attention_pattern"], **kw))
+    assert ok.verdict == "pass", (ok.message, ok.evidence)
+
+
+def test_a_blocked_diagonal_is_over_masking_where_it_can_be_measured():
+    """A function's keys change without its queries, so its diagonal is measured (a one-stream layer's is not:
+    its token is its query, and the evidence counts those pairs as not measurable)."""
+    r = verdict(diagnostics.audit(own_function(lambda b, h, q, kv: (kv != q) & (kv <= q) | (q == 0) & (kv == 0)),
+                                  d_model=D, num_heads=H, pattern=causal(), seq_len=T, detectors=["attention_pattern"]))
+    assert r.verdict == "fail" and "(over-masking)" in r.message and "query 1 -> key 1" in r.evidence, r.evidence
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("init", INITS)
+def test_off_by_one_twins_at_every_dtype_and_init(dtype, init):
+    for mod, finding in TWINS.values():
+        layer = OwnMask(mod)
+        if init == "gpt2":
+            gpt2_init_(layer)
+        r = verdict(diagnostics.audit(layer.to(dtype), pattern=sliding_window(WINDOW), seq_len=T,
+                                      detectors=["attention_pattern"]))
+        assert r.verdict == "fail" and f"({finding})" in r.message, (r.message, r.evidence)
+
+
+# ---- FlexAttention programs ----------------------------------------------------------------------------------
+
+flex_attention = pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def flex_program(mask_mod):
+    def program(q, k, v, mask=None):
+        mod = mask_mod
+        if mask is not None:  # the audit's mask, (B, 1, Tq, Tk): honoured with the program's own
+            mod = flex_attention.and_masks(mask_mod, lambda b, h, q_idx, kv_idx: mask[b, 0, q_idx, kv_idx])
+        block = flex_attention.create_block_mask(mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        return flex_attention.flex_attention(q, k, v, block_mask=block)
+
+    return program
+
+
+def window_off_by_one(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WINDOW)  # W + 1 keys: the off-by-one
+
+
+def window_right(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOW)
+
+
+@pytest.fixture(scope="module")
+def warm_flex():
+    """FlexAttention's first eager call (the slow one), once for the module."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.randn(2, H, T, D // H)
+        flex_program(window_right)(q, q, q)
+        yield
+
+
+def no_mask(mask_mod):
+    program = flex_program(mask_mod)
+    return lambda q, k, v: program(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flex_program_equal_to_the_pattern_passes(warm_flex, dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diagnostics.audit(no_mask(window_right), d_model=D, num_heads=H, dtype=dtype, seq_len=T,
+                                   pattern=sliding_window(WINDOW))
+    r = verdict(report)
+    assert r.verdict == "pass", (r.message, r.evidence)
+    assert not [x.detector for x in report.results if x.verdict in ("fail", "error")], report
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "chunked", "document & causal", "prefix_lm"])
+def test_flex_program_of_each_pattern_passes(warm_flex, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = verdict(diagnostics.audit(flex_program(NAMED[name]), d_model=D, num_heads=H, seq_len=T,
+                                      pattern=NAMED[name], detectors=["attention_pattern"]))
+    assert r.verdict == "pass", (r.message, r.evidence)
+
+
+def test_flex_mask_mod_off_by_one_is_caught_at_its_line(warm_flex):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = verdict(diagnostics.audit(no_mask(window_off_by_one), d_model=D, num_heads=H, seq_len=T,
+                                      pattern=sliding_window(WINDOW), detectors=["attention_pattern"]))
+    assert r.verdict == "fail" and "mask_mod" in r.message
+    assert "(b=0, h=0, q_idx=4, kv_idx=0)" in r.evidence and "allows it" in r.evidence, r.evidence
+    line = window_off_by_one.__code__.co_firstlineno + 1
+    assert (r.where[0].file, r.where[0].line) == (__file__, line), [str(s) for s in r.where]
+    assert "q_idx - kv_idx <= WINDOW" in r.where[0].code
+
+
+class MixesRows(OwnMask):
+    """A correct window, then each row mixed with the previous one: a leak no mask shows."""
+
+    def forward(self, x):
+        out, weights = super().forward(x)
+        return out + out.roll(1, dims=1), weights  # row i takes row i - 1's window: one key more
+
+
+def test_a_leak_past_a_correct_mask_points_at_the_op_where_it_enters():
+    r = verdict(diagnostics.audit(MixesRows(window_right), pattern=sliding_window(WINDOW), seq_len=T,
+                                  detectors=["attention_pattern"]))
+    assert r.verdict == "fail" and "(leakage)" in r.message, r.evidence
+    assert r.where and "roll" in r.where[0].code, [f"{s}: {s.code}" for s in r.where]
