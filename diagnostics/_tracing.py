@@ -404,43 +404,75 @@ COMBINE_FIX = ("combine the masks instead of letting one replace the other: allo
 
 def blocking_fix(blocked: Tensor, declared: Tensor, t_q: int, t_k: int) -> str:
     """The fix for masking that blocks (query, key) pairs which may be attended, read from the pattern it blocks:
-    an inverted mask, a causal mask that blocks the diagonal, one aligned top-left, one that blocks the past, or
-    (none of these) the general rule. `blocked` and `declared` (True = may attend) are (B, Tq, Tk)."""
+    an inverted or transposed mask, the layer's own causal mask in an audit not told it is causal, a causal mask
+    that blocks the diagonal, one aligned top-left, one that blocks the past, or (none of these) the general rule.
+    `blocked` and `declared` (True = may attend) are (B, Tq, Tk)."""
     rows = declared.any(-1, keepdim=True).expand_as(declared)
     if bool((blocked[rows] == declared[rows]).all()):
         return ("the mask's meaning is inverted: True marks the keys that may be attended, so block where it is "
                 "False: scores.masked_fill(~mask, float('-inf'))")
+    if t_q == t_k and bool((blocked == ~declared.transpose(-1, -2)).all()):
+        return ("the mask is read transposed: mask[b, i, j] says whether query i may attend key j; a (B, Tk) padding "
+                "mask broadcasts over the queries as mask[:, None, :], not mask[:, :, None]")
     i, j = torch.arange(t_q).unsqueeze(-1), torch.arange(t_k)
     shift = t_k - t_q
+    wrong = blocked & declared  # the pairs blocked that may be attended
     own = (j > i + shift).expand_as(blocked) & declared
-    if bool(own.any()) and bool(((blocked & declared) == own).all()):
+    if bool(own.any()) and bool((wrong == own).all()):
         return ("the layer masks the future itself: if it is meant to be causal, audit it as causal (causal=True, "
                 "--causal); if not, remove its causal mask")
     for pattern, fix in (
-            (j >= i + shift, "a query may attend its own position: block the keys after it, "
+            (j == i + shift, "a query may attend its own position: block the keys after it, "
                              "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), not triu(Tk - Tq)"),
-            (j > i, "align the causal mask bottom-right when Tq != Tk (cached decoding): the blocked keys are "
-                    "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), query i sees keys j <= i + Tk - Tq"),
+            ((j > i) & (shift > 0), "align the causal mask bottom-right when Tq != Tk (cached decoding): the blocked "
+                                    "keys are torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), query i sees "
+                                    "keys j <= i + Tk - Tq"),
             (j < i + shift, "the mask blocks the past instead of the future: the allowed keys are the lower "
                             "triangle, torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq) (tril, not triu)")):
-        wrong = pattern.expand_as(declared) & declared  # the pairs this mistake blocks that may be attended
-        if bool(wrong.any()) and bool(((blocked & declared) == wrong).all()):
+        mistake = pattern.expand_as(declared) & declared  # what this mistake may block of what is allowed
+        if bool(wrong.any()) and not bool((wrong & ~mistake).any()):  # it blocks nothing else that is allowed
             return fix
     return "block only the keys the mask marks as not allowed (and, for a causal layer, the future)"
 
 
+def opening_fix(blocked: Tensor, declared: Tensor, t_q: int, t_k: int) -> str:
+    """The fix for masking that leaves blocked pairs open (and blocks nothing allowed): nothing blocked at all, a
+    causal mask k tokens too wide, a mask that blocks the padding but not the future (one replacing the other), or
+    the general rule."""
+    i, j = torch.arange(t_q).unsqueeze(-1), torch.arange(t_k)
+    shift = t_k - t_q
+    future = (j > i + shift).expand_as(declared)
+    if not bool(blocked.any()):
+        return CAUSAL_FIX if bool((future & ~declared).any()) else MASK_FIX
+    for extra in range(1, t_k):
+        wide = (j > i + shift + extra).expand_as(declared)
+        if bool(wide.any()) and bool((blocked & future == wide).all()):
+            return (f"the causal mask lets each query see {extra} future key{'s' if extra > 1 else ''}: block every "
+                    f"key after its own position, torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq), not "
+                    f"triu({1 + extra} + Tk - Tq)")
+    if not bool((blocked & future).any()) and bool((future & ~declared).any()):
+        return COMBINE_FIX
+    if bool((blocked & future).any()) and bool((future & ~blocked).any()):  # the future blocked only in part
+        return ("combine the masks with AND, not OR: a key may be attended only where every mask allows it "
+                "(allowed = causal & padding); with OR a query sees the future wherever the padding allows it")
+    return "block every key the mask marks as not allowed, before the softmax"
+
+
 def merge_fix(op: Op | None, num_heads: int | None) -> str:
-    """The fix for an op that mixes positions with heads: a reshape or view of (B, H, T, d) straight to
-    (B, T, H * d)."""
-    if op is None or op.short not in ("view", "_unsafe_view", "reshape") or not op.args:
+    """The fix for a view or reshape that mixes positions with heads: (B, H, T, d) merged straight to
+    (B, T, H * d), or (B, T, D) split straight to (B, H, T, d)."""
+    if op is None or op.short not in ("view", "_unsafe_view", "reshape") or not op.args or not op.outs:
         return ""
-    x = op.args[0]
-    if not isinstance(x, Tensor) or x.dim() != 4 or not op.outs or op.outs[0] is None or op.outs[0].dim() != 3:
+    x, out = op.args[0], op.outs[0]
+    if not isinstance(x, Tensor) or out is None:
         return ""
-    if num_heads and x.shape[1] != num_heads:
-        return ""
-    return ("move the heads next to their features before merging them: y.transpose(1, 2).reshape(B, T, H * d), "
-            "not y.reshape(B, T, H * d) of the (B, H, T, d) tensor")
+    if x.dim() == 4 and out.dim() == 3 and (not num_heads or x.shape[1] == num_heads):
+        return ("move the heads next to their features before merging them: y.transpose(1, 2).reshape(B, T, H * d), "
+                "not y.reshape(B, T, H * d) of the (B, H, T, d) tensor")
+    if x.dim() == 3 and out.dim() == 4 and (not num_heads or out.shape[1] == num_heads) and out.shape[2] == x.shape[1]:
+        return ("split the heads off the features, then move them: x.view(B, T, H, d).transpose(1, 2), not "
+                "x.view(B, H, T, d) of the (B, T, D) tensor")
+    return ""
 
 
 def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> list[Site]:
@@ -528,8 +560,8 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
                 maker = made_by(made, op)
                 buffer = buffer_behind(trace, made)
                 from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
-                fix = blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any()) else (
-                    COMBINE_FIX if future else "block every key the mask marks as not allowed, before the softmax")
+                fix = (blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any())
+                       else opening_fix(union, declared, t_q, t_k))
                 sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
                           maker.frames[0] != op.frames[0] else None,
                           op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix)]

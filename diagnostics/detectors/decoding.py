@@ -203,7 +203,9 @@ def _cache_short(trace: Trace, cache, longer, tokens: int) -> list[Site]:
         made = producer(trace, id(x))
         if len(axes) == 1 and x.shape[axes[0]] != tokens and made is not None and made.frames:
             return [op_site(made, f"the cache returned after {tokens} tokens holds {x.shape[axes[0]]} positions "
-                                   f"along dim {axes[0]} {tuple(x.shape)}")]
+                                   f"along dim {axes[0]} {tuple(x.shape)}",
+                            fix=f"keep every key and value in the cache: after {tokens} tokens it holds {tokens} "
+                                f"positions (append the new ones to the past along dim {axes[0]}, drop none)")]
     return []
 
 

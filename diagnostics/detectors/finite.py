@@ -50,7 +50,9 @@ def nonfinite_sites(probe, result: DetectorResult, *, fills: frozenset = FILLS) 
                    and op.short not in fills)
         if nan_new or inf_new:
             what = "NaN" if nan_new else "inf"
-            here = op_site(op, f"the first op whose output has {what} where its inputs had none")
+            fix = ("subtract each row's maximum before the exponential (scores - scores.amax(-1, keepdim=True)), or "
+                   "use torch.softmax, which does" if op.short == "exp" else "")
+            here = op_site(op, f"the first op whose output has {what} where its inputs had none", fix=fix)
             if op.short in MATMULS:  # infinite weights times values: what made those weights?
                 weights = next((i for i, a in zip(op.in_ids, op.args) if isinstance(a, Tensor)
                                 and a.is_floating_point() and bool(torch.isinf(a).any())), None)

@@ -60,7 +60,8 @@ def exception_fix(error: BaseException) -> str:
 @detector("runs", "runs on every input shape the audit uses: the standard probe, B=1, T=1, H=1 (functions), "
           "non-contiguous inputs, Tq != Tk (cross-attention forms) and a mask (layers that take one)",
           targets=("view after transpose without .contiguous()", "shape assumptions"),
-          fix="make the layer shape-agnostic: .contiguous() before .view(), or use .reshape()", locate=runs_sites)
+          fix="make the layer run on every input the audit passes: the exception and the line it points at say what "
+              "it could not do", locate=runs_sites)
 def check_runs(probe: Probe) -> DetectorResult:
     """Its own probes, one per input shape. `audit()` calls `runs_verdict` again once every detector has
     run, so that any other detector's probe that raised is reported here too: no failed call is dropped."""
