@@ -55,6 +55,8 @@ class PatternEvidence:
     over: tuple[int, int, int] | None = None
     mask_mod: object = None
     point: tuple[int, int, int, int] | None = None
+    differ: tuple[int, int, int] = (0, 0, 0)  # points that differ in all, in (b=0, h=0), and (b=0, h=0)'s total
+    allows: bool = False  # what the mask_mod says at `point`
     flex_frames: tuple = ()
 
 
@@ -92,7 +94,8 @@ def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str) -> tuple[li
 
 def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
     """A FlexAttention program's own mask_mod against the declared pattern, point by point on the standard
-    probe's sizes: the first (b, h, q, kv) where they differ, or None."""
+    probe's sizes: the first (b, h, q, kv) where they differ, or None. (The mask_mod is the program's: one that
+    raises here raised in the program's own call first, a finding of `runs`.)"""
     base = probe.base()
     if base.record is None or not base.record.flex:
         return None
@@ -112,8 +115,8 @@ def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
         differ = program != declared
         if bool(differ.any()):
             point = tuple(int(i) for i in differ.nonzero()[0])
-            return PatternEvidence(mask_mod=f.mask_mod, point=point, flex_frames=f.frames,
-                                   over=(int(differ.sum()), int(differ[0, 0].sum()), t_q * t_k))
+            return PatternEvidence(mask_mod=f.mask_mod, point=point, flex_frames=f.frames, allows=bool(program[point]),
+                                   differ=(int(differ.sum()), int(differ[0, 0].sum()), t_q * t_k))
     return None
 
 
@@ -305,8 +308,8 @@ def check_attention_pattern(probe: Probe) -> DetectorResult:
                                             f"position moves with its query)" if unmeasured else ""))
     if flex is not None:
         b, h, q, kv = flex.point
-        n, first_head, total = flex.over
-        program = bool(flex.mask_mod(*(torch.tensor(x) for x in flex.point)))
+        n, first_head, total = flex.differ
+        program = flex.allows
         flex.base = base
         return result(det, "fail", f"the FlexAttention program's mask_mod differs from the declared {pattern}",
                       value=float(n), threshold=0.0,
