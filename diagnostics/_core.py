@@ -30,6 +30,7 @@ from ._probe import Call, Probe
 from ._result import DetectorResult
 from ._thresholds import UNCHANGED, dtype_name, tolerance
 
+
 @dataclass
 class Inputs:
     """One set of layer inputs: query, key, value (one tensor for a single stream) and the extra mask,
@@ -215,6 +216,16 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Com
     return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call, base)
 
 
+def unravel(flat, shape) -> tuple[int, ...]:
+    """`torch.unravel_index` of one flat index, in Python: torch's version calls torch._check, whose first use
+    imports torch.fx.experimental.symbolic_shapes and sympy (~0.3 s, ~480 modules) on an audit's first finding."""
+    flat, index = int(flat), []
+    for n in reversed(tuple(shape)):
+        flat, i = divmod(flat, n)
+        index.append(i)
+    return tuple(reversed(index))
+
+
 def expand_rows(rows: Tensor, like: Tensor) -> Tensor:
     """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq)."""
     rows = rows.to(like.device)
@@ -244,7 +255,7 @@ def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float
         bad += int((checked > tol).sum())
         if checked.numel() and (worst_at is None or float(checked.max()) > worst):
             masked = torch.where(hold, change, torch.full_like(change, -1.0))
-            index = tuple(int(i) for i in torch.unravel_index(masked.argmax(), change.shape))
+            index = unravel(masked.argmax(), change.shape)
             worst, worst_at = float(checked.max()), (index, change.dim(), case.when)
         if case.move is not None and bool(case.move.any()):
             moved = change[expand_rows(case.move, change)]

@@ -7,9 +7,9 @@ import copy
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Comparison, expand_rows, held, skip
+from .._observe import Mode
 from .._probe import Probe
 from .._registry import DETECTORS
 from .._result import DetectorResult, Site
@@ -146,7 +146,7 @@ def float64_twin(probe: Probe):
     return twin
 
 
-class KeepFloat64(TorchDispatchMode):
+class KeepFloat64(Mode):
     """Casts from float64 down to a lower precision stay float64: a layer that computes its softmax in float32
     on purpose (Hugging Face's eager Llama and Gemma: softmax(..., dtype=torch.float32)) would otherwise add
     float32 rounding to the float64 copy, and the finite differences, which divide by the step, would measure

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._core import Case, Inputs, compare, held, not_run, perturbed, skip
+from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unravel
 from .._probe import Probe
 from .._registry import CAUSAL, LONG, detector
 from .._result import DetectorResult, Site
@@ -87,7 +87,7 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
               "torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq)",
           needs=(CAUSAL,), locate=alignment_sites)
 def check_causal_alignment(probe: Probe) -> DetectorResult:
-    det, s, B, T = "causal_alignment", probe.subject, probe.BATCH, probe.t
+    det, s = "causal_alignment", probe.subject
     if s.separate_kv:
         return _newest_key_seen(probe)
     base = probe.base()
@@ -98,7 +98,7 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
         return skip(det, "one input stream and no weights: a key cannot change without its query")
     diag = weights.double().diagonal(dim1=-2, dim2=-1)  # (..., T): each query's weight on its own position
     if bool((diag <= 0).any()):
-        idx = tuple(int(i) for i in torch.unravel_index(diag.argmin(), diag.shape))
+        idx = unravel(diag.argmin(), diag.shape)
         return result(det, "fail", "a query gives zero weight to its own position", value=float(diag.min()),
                        threshold=0.0, evidence=f"{int((diag <= 0).sum())} / {diag.numel()} queries give their own "
                                                f"position weight 0, e.g. at {idx} ({source})",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._core import not_run
+from .._core import not_run, unravel
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -74,7 +74,7 @@ def check_finite_output(probe: Probe) -> DetectorResult:
     out = base.output.out
     bad = ~torch.isfinite(out)
     if bad.any():
-        idx = tuple(int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], out.shape))
+        idx = unravel(bad.flatten().nonzero()[0, 0], out.shape)
         return result(det, "fail", "the output has NaN or inf on an ordinary input",
                        value=float(bad.sum()), threshold=0.0,
                        evidence=f"{int(bad.sum())} / {out.numel()} output values are NaN/inf; first at {idx}",

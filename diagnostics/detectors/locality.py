@@ -18,7 +18,7 @@ from ._common import invariance_locator, judge_held, perturbation_gains, rows
           locate=invariance_locator("the first op whose output at other positions moves when one query changes",
                                     streams=True))
 def check_query_locality(probe: Probe) -> DetectorResult:
-    det, s, B, T = "query_locality", probe.subject, probe.BATCH, probe.t
+    det, B, T = "query_locality", probe.BATCH, probe.t
     q, k, v = probe.streams(B, T, cross=True)
     base = Inputs(q, k, v)
     p = T // 2

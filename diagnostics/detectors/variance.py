@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._core import not_run, relative_change, skip
+from .._core import not_run, relative_change, skip, unravel
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -37,7 +37,7 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
     """On the identical-values probe: what made the weights; else (modules, identical tokens) the first op after
     the weights·values product whose output is not the same at every position."""
     s = probe.subject
-    B, T, t_k = call.query.shape[0], call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    T, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
     allowed = call.allowed
     trace = trace_call(s, call.query, call.key, call.value, allowed, seed=probe.seed)
     if s.form == "function":
@@ -138,7 +138,7 @@ def check_output_variance(probe: Probe) -> DetectorResult:
         return skip(det, "the expected output is zero everywhere, so a difference cannot be measured against it")
     bad = int((change > tol).sum())
     worst = float(change.max())
-    idx = tuple(int(i) for i in torch.unravel_index(change.argmax(), change.shape))
+    idx = unravel(change.argmax(), change.shape)
     shown = "inf (non-finite)" if math.isinf(worst) else f"{worst:.3g}"
     text = (f"{bad} / {change.numel()} {what} ({100 * bad / change.numel():.1f}%) when every value row is the same "
             f"vector; greatest difference {shown} at {at_text(idx, ('b', 't') if change.dim() == 2 else ('b', 'h', 't'))} "
@@ -163,7 +163,7 @@ def _bound_check(probe: Probe, tol: float) -> DetectorResult | None:
     excess = (torch.maximum(out - hi, lo - out) / spread).clamp_min(0).nan_to_num(nan=math.inf)  # (B, H, Tq, d_v)
     if (excess > tol).any():
         n = int((excess > tol).sum())
-        idx = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+        idx = unravel(excess.argmax(), excess.shape)
         return result("output_variance", "fail", "outputs leave the range of the values",
                        value=float(excess.max()), threshold=tol,
                        evidence=f"{n} / {excess.numel()} output features lie outside [min, max] of the values by up "

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .._core import not_run, skip
+from .._core import not_run, skip, unravel
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -66,12 +66,12 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
     if bad_rows or negative.any():
         parts = []
         if bad_rows:
-            idx = tuple(int(i) for i in torch.unravel_index(torch.where(rows, dev, -1.0).argmax(), dev.shape))
+            idx = unravel(torch.where(rows, dev, -1.0).argmax(), dev.shape)
             parts.append(f"{bad_rows} / {total} weight rows ({100 * bad_rows / total:.1f}%) do not sum to 1 over "
                          f"keys; worst row {at_text(idx, names)} sums to {number_text(float(sums[idx]))} "
                          f"(|sum - 1| up to {tol:.2g} allowed for {dtype_name(s.dtype)})")
         if negative.any():
-            idx = tuple(int(i) for i in torch.unravel_index(w.argmin(), w.shape))
+            idx = unravel(w.argmin(), w.shape)
             parts.append(f"{int(negative.sum())} weights are negative, the least {number_text(float(w.min()))} at "
                          f"{at_text(idx, names + ('k',))}")
         return result(det, "fail", f"attention weights are not a distribution over keys ({source})",
