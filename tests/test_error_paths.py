@@ -1,0 +1,427 @@
+"""Skipped is not passed, and a crash is not a skip: for every detector, a layer that raises inside that
+detector's own probe (and nowhere else) and a layer that does not respond, each with its exact verdict and
+reason; the crash rule (the user's exception is a finding, ours an error); the NaN-spreading branch of
+fully_masked_rows; relative_change against a zero scale.
+
+Each raising layer is the reference except on the calls `when` picks out (the detector's own probe shape,
+read from the calls a passing audit makes: a stacked batch, Tq != Tk, a padding mask, a float64 copy, the
+n-th call), so every other call of the audit still runs and the skip is that detector's guard, no other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._core import relative_change
+from diagnostics._registry import Detector, run
+from diagnostics.detectors import weights as weights_module
+
+RAISED = "the layer's own error"
+NOT_RUN = f"not measured: the layer raised on this detector's probe (ValueError: {RAISED}); see `runs`"
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention on (B, H, T, d) with a plain softmax, returning (out, weights)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights
+
+
+class RaisesWhen:
+    """The reference, raising ValueError(RAISED) on the calls `when(call_number, q, k, v, mask)` picks."""
+
+    def __init__(self, when):
+        self.when, self.calls = when, 0
+
+    def __call__(self, q, k, v, mask=None):
+        self.calls += 1
+        if self.when(self.calls, q, k, v, mask):
+            raise ValueError(RAISED)
+        return attention(q, k, v, mask)
+
+
+def result_of(layer, detector: str, **kw):
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+STACKED = lambda n, q, k, v, m: q.shape[0] > 2  # noqa: E731 - compare() stacks baseline and perturbations
+CROSS = lambda n, q, k, v, m: q.shape[-2] != k.shape[-2]  # noqa: E731
+PADDED = lambda n, q, k, v, m: m is not None and not bool(m.all())  # noqa: E731
+IDENTICAL_VALUES = lambda n, q, k, v, m: bool((v == v[..., :1, :]).all())  # noqa: E731
+NO_KEY = lambda n, q, k, v, m: m is not None and bool((~m).all(-1).any())  # noqa: E731
+FLOAT64 = lambda n, q, k, v, m: q.dtype == torch.float64  # noqa: E731
+ALWAYS = lambda n, q, k, v, m: True  # noqa: E731
+SECOND = lambda n, q, k, v, m: n == 2  # noqa: E731
+
+# detector: (when its own probe is called, audit options)
+OWN_PROBE = {
+    "output_shape": (CROSS, {}),
+    "finite_output": (ALWAYS, {}),
+    "weight_row_sums": (PADDED, {}),
+    "softmax_saturation": (ALWAYS, {}),
+    "output_variance": (IDENTICAL_VALUES, {}),
+    "query_locality": (STACKED, {}),
+    "mask_honoured": (STACKED, {}),
+    "fully_masked_rows": (NO_KEY, {}),
+    "future_leakage": (STACKED, {"causal": True}),
+    "causal_alignment": (CROSS, {"causal": True}),
+    "eval_determinism": (SECOND, {}),
+    "batch_independence": (SECOND, {}),
+    "keys_matter": (STACKED, {}),
+    "decode_consistency": (CROSS, {"causal": True}),
+}
+
+
+@pytest.mark.parametrize("detector", list(OWN_PROBE))
+def test_a_layer_that_raises_on_the_detectors_own_probe_is_not_measured_and_says_so(detector):
+    when, options = OWN_PROBE[detector]
+    layer = RaisesWhen(when)
+    result = result_of(layer, detector, **options)
+    if detector == "output_shape":  # its standard probe ran: the other shape is named
+        assert result.verdict == "skip", result
+        assert result.message == (f"not measured: query length 16, memory length 19: the layer raised (ValueError: "
+                                  f"{RAISED}); see `runs`")
+    else:
+        assert (result.verdict, result.message) == ("skip", NOT_RUN), result
+    twin = result_of(attention, detector, **options)  # the same inputs, nothing raised: measured
+    assert twin.verdict in ("pass", "warn"), twin
+
+
+def test_the_raising_probes_are_the_detectors_own_and_no_other():
+    """Each `when` above fires on a call a passing audit of that detector makes: the raising layer's
+    predicate, replayed over the calls of the reference's audit, picks at least one of them and not all."""
+    for detector, (when, options) in OWN_PROBE.items():
+        seen = []
+
+        def recording(q, k, v, mask=None):
+            seen.append((q, k, v, mask))
+            return attention(q, k, v, mask)
+
+        diagnostics.audit(recording, detectors=[detector], **options)
+        picked = [when(n, *call) for n, call in enumerate(seen, start=1)]
+        assert any(picked), detector
+        assert not all(picked) or when is ALWAYS, detector
+
+
+def test_runs_fails_naming_the_shape_the_layer_raised_on():
+    layer = RaisesWhen(lambda n, q, k, v, m: q.shape[0] == 1)
+    result = result_of(layer, "runs")
+    assert result.verdict == "fail" and result.message == "the layer raised on 1 of the audit's probes", result
+    assert result.evidence.startswith(f"B=1: ValueError: {RAISED}")
+    assert result_of(attention, "runs").verdict == "pass"
+
+
+def test_gradients_and_parameters_used_skip_a_layer_that_does_not_run_in_float64():
+    result = result_of(RaisesWhen(FLOAT64), "gradients")
+    assert result.verdict == "skip", result
+    assert result.message.startswith(f"not measured: the layer does not run as a float64 copy (ValueError: {RAISED})")
+    module = Float64Refused(16, 2)
+    used = result_of(module, "parameters_used")
+    assert used.verdict == "skip", used
+    assert used.message.startswith("not measured: the layer does not run with autograd as a float64 copy "
+                                   f"(ValueError: {RAISED})")
+    assert result_of(Float64Refused(16, 2, refuse=False), "parameters_used").verdict == "pass"
+
+
+class RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError(RAISED)
+
+
+def test_a_backward_that_raises_is_a_gradients_finding():
+    result = result_of(lambda q, k, v, mask=None: (RaisingBackward.apply(attention(q, k, v, mask)[0]),), "gradients")
+    assert (result.verdict, result.message) == ("fail", "the backward pass (or the float64 copy) raised: ValueError")
+    assert result.evidence == RAISED
+
+
+class Float64Refused(nn.Module):
+    """One-stream self-attention module (forward(x, mask=None)); `refuse`: raises on float64 inputs."""
+
+    def __init__(self, d_model, num_heads, refuse=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.refuse = d_model, num_heads, refuse
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        if self.refuse and x.dtype == torch.float64:
+            raise ValueError(RAISED)
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        out, _ = attention(q, k, v, mask)
+        return self.out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d) -> (B, T, D)
+
+
+class RaisingSelfAttention(Float64Refused):
+    """Causal one-stream module that raises on the calls `when(call_number)` picks."""
+
+    causal = True
+
+    def __init__(self, when):
+        super().__init__(16, 2, refuse=False)
+        self.when, self.calls = when, 0
+
+    def forward(self, x, mask=None):
+        self.calls += 1
+        if self.when(self.calls):
+            raise ValueError(RAISED)
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        return super().forward(x, causal if mask is None else mask & causal)
+
+
+def test_causal_alignment_of_a_one_stream_layer_that_raises_is_not_measured():
+    result = result_of(RaisingSelfAttention(lambda n: True), "causal_alignment", causal=True)
+    assert (result.verdict, result.message) == ("skip", NOT_RUN), result
+    assert result_of(RaisingSelfAttention(lambda n: False), "causal_alignment", causal=True).verdict == "pass"
+
+
+# ---- batch_independence: the third call, and randomness between calls --------------------------------
+
+
+class MixesTheBatch:
+    """Adds `mix` x the batch's mean to every sequence (mixing); raises on call `raise_on`; `noise`: adds a fresh
+    draw of that size on every call (randomness one seed does not pin down)."""
+
+    def __init__(self, mix=1.0, raise_on=None, noise=0.0):
+        self.mix, self.raise_on, self.noise, self.calls = mix, raise_on, noise, 0
+
+    def __call__(self, q, k, v, mask=None):
+        self.calls += 1
+        if self.calls == self.raise_on:
+            raise ValueError(RAISED)
+        out, weights = attention(q, k, v, mask)
+        out = out + self.mix * out.mean(0, keepdim=True) + self.noise * torch.randn(out.shape)
+        return out, weights
+
+
+def test_batch_independence_third_call_raising_is_not_measured_and_a_mixing_layer_fails():
+    result = result_of(MixesTheBatch(raise_on=3), "batch_independence")
+    assert (result.verdict, result.message) == ("skip", NOT_RUN), result
+    mixing = result_of(MixesTheBatch(), "batch_independence")
+    assert mixing.verdict == "fail", mixing
+
+
+def test_batch_independence_does_not_call_randomness_between_calls_mixing():
+    class Unseeded(MixesTheBatch):
+        def __call__(self, q, k, v, mask=None):
+            out, weights = attention(q, k, v, mask)
+            return out + 1e-2 * torch.randn(out.shape, generator=self.gen), weights
+
+    layer = Unseeded(mix=0.0)
+    layer.gen = torch.Generator().manual_seed(0)  # a generator of its own: the audit's seeding does not reach it
+    result = result_of(layer, "batch_independence")
+    assert result.verdict == "skip", result
+    assert result.message == ("not measured: two calls on the same batch differ, so a change between calls cannot "
+                              "be attributed to the other sequence (see eval_determinism)")
+
+
+# ---- layers that do not respond ----------------------------------------------------------------------
+
+
+def constant(q, k, v, mask=None):
+    """An output that depends on nothing: a fixed vector at every position."""
+    bias = torch.linspace(-1.0, 1.0, q.shape[-1], dtype=q.dtype)
+    return bias.expand(*q.shape[:-1], q.shape[-1]).clone()
+
+
+class ConstantModule(nn.Module):
+    """One-stream module forward(x, mask=None) whose output is a fixed vector at every position."""
+
+    def __init__(self, d_model=16, num_heads=2):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+
+    def forward(self, x, mask=None):
+        return constant(x, x, x, mask)
+
+
+UNRESPONSIVE = {  # detector: (audit options, the skip's reason)
+    "query_locality": ({}, "not measured: the output did not respond to the perturbation ("),
+    "future_leakage": ({"causal": True}, "not measured: the output did not respond to later tokens at all, so its "
+                                         "not moving proves nothing"),
+    "batch_independence": ({}, "not measured: the output did not respond to the perturbation ("),
+}
+
+
+@pytest.mark.parametrize("detector", list(UNRESPONSIVE))
+def test_a_layer_that_does_not_respond_is_not_measured_not_passed(detector):
+    options, reason = UNRESPONSIVE[detector]
+    result = result_of(constant, detector, **options)
+    assert result.verdict == "skip" and result.message.startswith(reason), result
+    assert result_of(attention, detector, **options).verdict == "pass"
+
+
+def test_mask_honoured_of_a_one_stream_layer_that_does_not_respond_is_not_measured():
+    """One stream: the changed keys are changed queries too, so both scenarios have rows a correct layer moves.
+    (A function or cross-attention layer that does not respond passes instead: its padding scenario has no such
+    rows, and the skip needs every scenario silent; see the report of issue 20's mutation run.)"""
+    result = result_of(ConstantModule(), "mask_honoured")
+    assert (result.verdict, result.message) == ("skip", "not measured: the output did not respond to changed keys "
+                                                        "anywhere, so its not moving where the mask blocks them proves "
+                                                        "nothing"), result
+    assert result_of(Float64Refused(16, 2, refuse=False), "mask_honoured").verdict == "pass"
+
+
+def test_keys_matter_fails_a_layer_that_reads_neither_keys_nor_values():
+    result = result_of(constant, "keys_matter")
+    assert (result.verdict, result.message) == ("fail", "the output does not depend on the keys or the values")
+    assert result.value == 0.0
+    assert result_of(attention, "keys_matter").verdict == "pass"
+
+
+def zero(q, k, v, mask=None):
+    return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("detector, reason", [
+    ("query_locality", "the output is zero or non-finite everywhere on this probe, so a change cannot be measured "
+                       "against it"),
+    ("keys_matter", "the output is zero or non-finite everywhere on this probe, so a change cannot be measured "
+                    "against it"),
+    ("eval_determinism", "the output is zero or non-finite everywhere, so a difference cannot be measured"),
+    ("batch_independence", "the output is zero or non-finite everywhere, so a change cannot be measured"),
+])
+def test_an_output_that_is_zero_everywhere_is_not_measured(detector, reason):
+    result = result_of(zero, detector)
+    assert (result.verdict, result.message) == ("skip", f"not measured: {reason}"), result
+
+
+def test_gradients_of_a_function_without_a_differentiable_path_are_not_applicable():
+    result = result_of(constant, "gradients")
+    assert (result.verdict, result.message) == ("skip", "not applicable: the layer has no trainable parameters and "
+                                                        "no differentiable path"), result
+
+
+class NoGrad(Float64Refused):
+    def forward(self, x, mask=None):
+        with torch.no_grad():
+            return super().forward(x, mask)
+
+
+def test_a_module_run_without_autograd_fails_gradients():
+    result = result_of(NoGrad(16, 2, refuse=False), "gradients")
+    assert (result.verdict, result.message) == ("fail", "no gradient reaches the output: attention runs without "
+                                                        "autograd"), result
+    assert result_of(Float64Refused(16, 2, refuse=False), "gradients").verdict == "pass"
+
+
+# ---- cache_decoding's skips ---------------------------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    """A causal single-head decoder with a cache of its own: forward(x, kv_cache=None, use_cache=False) returns
+    (out, (k, v)) when use_cache. `raise_cached`: raises once a cache is passed; `no_cache`: returns none."""
+
+    causal = True
+
+    def __init__(self, raise_cached=False, no_cache=False, d_model=8):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, 1
+        self.raise_cached, self.no_cache = raise_cached, no_cache
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+
+    def forward(self, x, kv_cache=None, use_cache=False):
+        if not isinstance(kv_cache, tuple):  # None, or a dict the audit passes to be filled: not filled here
+            kv_cache = None
+        if self.raise_cached and kv_cache is not None:
+            raise ValueError(RAISED)
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, -1)  # (B, T, D) each
+        if kv_cache is not None:
+            k, v = torch.cat([kv_cache[0], k], 1), torch.cat([kv_cache[1], v], 1)  # (B, Tk, D)
+        t_k = k.shape[1]
+        allowed = torch.ones(T, t_k, dtype=torch.bool).tril(t_k - T)  # bottom-right
+        out = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        return (out, None if self.no_cache else (k, v)) if use_cache else out
+
+
+def test_cache_decoding_that_raises_once_a_cache_is_passed_is_not_measured():
+    result = result_of(Decoder(raise_cached=True), "cache_decoding", causal=True)
+    assert result.verdict == "skip", result
+    assert result.message == (f"not measured: decoding through kv_cache raised after 8 tokens (ValueError: {RAISED}); "
+                              f"the audit passes kv_cache=None, then what the layer returned (or a dict it fills)")
+    assert result_of(Decoder(), "cache_decoding", causal=True).verdict == "pass"
+
+
+def test_cache_decoding_of_a_layer_that_returns_no_cache_and_fills_no_dict_is_not_measured():
+    result = result_of(Decoder(no_cache=True), "cache_decoding", causal=True)
+    assert result.verdict == "skip", result
+    assert result.message.startswith("not measured: called with kv_cache=None (and use_cache=True where it takes it) "
+                                     "the layer returned no cache, and it did not fill a dict passed as kv_cache")
+
+
+# ---- fully_masked_rows: the NaN that stays, and the NaN that spreads ----------------------------------
+
+
+def spreading(q, k, v, mask=None):
+    """A plain softmax (a row with no key is NaN), then every query of a sequence mixed in at weight 0: 0 x NaN
+    is NaN, so the one empty row poisons its whole sequence."""
+    out, weights = attention(q, k, v, mask)
+    return out + 0.0 * out.sum(-2, keepdim=True), weights
+
+
+def safe(q, k, v, mask=None):
+    out, weights = attention(q, k, v, mask)
+    return out.nan_to_num(0.0), weights.nan_to_num(0.0)
+
+
+def test_fully_masked_rows_fails_nan_that_spreads_warns_nan_that_stays_and_passes_zeros():
+    T, H = 16, 2  # the audit's defaults: seq_len 16, the function form's 2 heads
+    spread = result_of(spreading, "fully_masked_rows")
+    assert (spread.verdict, spread.message) == ("fail", "NaN spreads beyond the query whose every key is masked")
+    assert spread.value == H * T - H  # every row of sequence 0 (each head) but the empty query's own
+    stays = result_of(attention, "fully_masked_rows")
+    assert (stays.verdict, stays.message) == ("warn", "a query whose every key is masked gets NaN (torch's SDPA gives "
+                                                      "zeros)")
+    assert result_of(safe, "fully_masked_rows").verdict == "pass"
+
+
+def test_fully_masked_rows_that_raises_on_its_empty_row_is_not_measured():
+    result = result_of(RaisesWhen(NO_KEY), "fully_masked_rows")
+    assert (result.verdict, result.message) == ("skip", NOT_RUN)
+
+
+# ---- the crash rule ---------------------------------------------------------------------------------
+
+
+def users_code(probe):
+    raise ValueError("raised in the user's code")
+
+
+def test_an_exception_raised_in_the_users_code_is_a_finding_one_raised_in_ours_is_an_error(monkeypatch):
+    det = Detector("crash_probe", "raises", (), "fix", users_code, (), None, "not located", "layer")
+    found = run(det, object())  # a check with no needs is called on any context
+    assert (found.verdict, found.message) == ("fail", "the layer raised on this detector's probe (ValueError: raised "
+                                                      "in the user's code)")
+    monkeypatch.setattr(weights_module, "ROW_SUM", {})  # tolerance() then raises KeyError inside diagnostics
+    result = result_of(attention, "weight_row_sums")
+    assert result.verdict == "error" and result.message.startswith("the detector crashed: KeyError"), result
+    assert "an internal error of diagnostics" in result.evidence
+
+
+# ---- relative_change against a zero scale -------------------------------------------------------------
+
+
+def test_relative_change_against_a_zero_scale_is_none_not_a_division_by_zero():
+    zeros = torch.zeros(2, 4, 3)
+    assert relative_change(zeros, zeros) is None
+    assert relative_change(zeros + 1.0, zeros, scale=0.0) is None
+    moved = zeros.clone()
+    moved[0, 1, 2] = 2.0
+    change = relative_change(moved, zeros)  # the baseline is zero: measured against the new output's RMS
+    rms = float(moved.square().mean().sqrt())
+    assert change is not None and torch.isfinite(change).all()
+    assert float(change.max()) == pytest.approx(2.0 / rms)
+    assert float(change[0, 1]) == pytest.approx(2.0 / rms) and float(change.sum()) == pytest.approx(2.0 / rms)
