@@ -1,6 +1,7 @@
 """The audit's cost in forward passes of the audited layer, measured in one run.
 
     python benchmarks/audit_cost.py [--lengths 16 128 1024] [--repeats 5] [--causal] [--threads N]
+                                    [--pattern sliding_window:128 | chunked:C | prefix_lm:P | causal]
 
 For the reference MultiHeadAttention(512, 8) at each probe length, times forward passes (batch 2, the
 audit's probe batch, under torch.no_grad()) and whole audits, interleaved so that both see the same load,
@@ -10,6 +11,8 @@ Tk keys and values, Tq x Tk scores and weighted values) over those of one batch-
 whose inputs require gradients counted three times (forward and backward, the backward as two).
 On a shared machine the fastest runs are the closest to the work itself; the medians show the spread.
 Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores.
+`--pattern`: audit with a declared pattern (diagnostics.patterns; the layer is given its mask), which adds
+attention_pattern (issue 19): one batch copy per residue class of keys, p = the widest row + 2, at most 32.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import diagnostics  # noqa: E402
+from diagnostics import patterns  # noqa: E402
 from correct import MultiHeadAttention  # noqa: E402
 
 
@@ -68,14 +72,21 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true", help="audit a causal layer (adds future_leakage, "
                                                               "causal_alignment and decode_consistency)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--pattern", default=None, help="a declared pattern, NAME[:N] of diagnostics.patterns, "
+                                                        "e.g. sliding_window:128")
     args = parser.parse_args()
+    pattern = None
+    if args.pattern:
+        name, _, n = args.pattern.partition(":")
+        pattern = getattr(patterns, name)(*([int(n)] if n else []))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layer = MultiHeadAttention(512, 8, causal=args.causal).eval()
     diagnostics.audit(MultiHeadAttention(16, 2))  # warm-up: first use of the observer imports torch internals
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-          f"threads={torch.get_num_threads()}, {'causal' if args.causal else 'not causal'}")
+          f"threads={torch.get_num_threads()}, {'causal' if args.causal else 'not causal'}"
+          f"{f', pattern={pattern}' if pattern is not None else ''}")
     print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>15}  {'calls':>5}  "
           f"{'work (forward passes)':>21}")
     print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median':>15}")
@@ -87,11 +98,13 @@ def main() -> None:
         for _ in range(args.repeats):
             with torch.no_grad():
                 forwards += [seconds(lambda: layer(x)) for _ in range(10)]
-            audits.append(seconds(lambda: reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal))))
+            audits.append(seconds(lambda: reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal,
+                                                                                   pattern=pattern))))
         assert reports[-1].passed, str(reports[-1])
         fast_f, mid_f = min(forwards), statistics.median(forwards)
         fast_a, mid_a = min(audits), statistics.median(audits)
-        calls, d = work_of_calls(layer, lambda: diagnostics.audit(layer, seq_len=t, causal=args.causal))
+        calls, d = work_of_calls(layer, lambda: diagnostics.audit(layer, seq_len=t, causal=args.causal,
+                                                                  pattern=pattern))
         work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in calls) / multiply_adds(2, t, t, d)
         print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
               f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[-1].forward_passes:>5}  {work:>21.1f}")

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._core import Case, Inputs, compare, perturbed, skip
+from .._core import Inputs, baseline_scale, not_run, perturbed, relative_change, skip
 from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, Site
-from .._thresholds import dtype_name
+from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import first_moved, mask_sites, op_site, site, text, trace_call
 from ._common import perturbation_gains, result
 
@@ -69,27 +69,47 @@ def _fold(change: Tensor) -> Tensor:
     return change.amax(1) if change.dim() == 3 else change
 
 
-def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str) -> tuple[list[Tensor], float, list] | DetectorResult:
-    """Each of `sets` (bool (B, T): the keys perturbed in each sequence) as one stacked copy of `base`; the moved
-    rows (B, Tq) of each, the tolerance, and the perturbed inputs."""
-    s, B, T = probe.subject, base.query.shape[0], base.query.shape[probe.subject.time_dim]
+def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str,
+         reference: Tensor | None = None) -> tuple[list[Tensor], float, list, Tensor] | DetectorResult:
+    """Each of `sets` (bool (B, T): the keys perturbed in each sequence) as one copy of `base`, the copies stacked
+    along the batch (in as few calls as `MAX_SCORES` allows) and measured against one baseline call (`reference`:
+    its output, when already made): the moved rows (B, Tq) of each, the tolerance, the perturbed inputs and the
+    baseline's output. A baseline in a call of its own differs from the same rows of a stacked call by at most a
+    rounding (the tolerance is 2.5 or more roundings at every dtype)."""
+    det, s = probe.detector, probe.subject
+    B, T = base.query.shape[0], base.query.shape[s.time_dim]
     heads = s.num_heads or 1
-    per_call = max(1, MAX_SCORES // max(1, B * heads * T * T) - 1)  # copies besides the baseline
+    per_call = max(1, MAX_SCORES // max(1, B * heads * T * T))
     gains = perturbation_gains(probe)
-    moved, inputs, tol = [], [], 0.0
+    tol = tolerance(UNCHANGED, s.dtype)
+    if reference is None:
+        first = probe.call(base.query, base.key, base.value, probe.allowed(B, T, T), label=f"{label}: the baseline")
+        if not first.ok:
+            return not_run(det, first)
+        reference = first.output.out
+        per_row = reference.dim() >= 3 and reference.shape[0] == B and reference.shape[s.time_dim] == T
+        if not per_row:
+            return skip(det, f"the output {tuple(reference.shape)} has no row per query and batch element "
+                             f"(see output_shape)")
+    scale = baseline_scale(reference, centred=True)
+    if not scale > 0:
+        return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
+                         "measured against it")
+    moved, inputs = [], []
     for start in range(0, len(sets), per_call):
-        chunk = sets[start:start + per_call]
-        cases = []
-        for where in chunk:
-            x = perturbed(probe, base, where, _streams(probe), gains=gains)[0]
-            cases.append(Case(x, hold=torch.zeros(B, T, dtype=torch.bool), when=""))
-            inputs.append(x)
-        comparison = compare(probe, base, cases, label=label)
-        if isinstance(comparison, DetectorResult):
-            return comparison
-        tol = comparison.tol
-        moved += [_fold(c).cpu() > tol for c in comparison.changes]
-    return moved, tol, inputs
+        xs = [perturbed(probe, base, where, _streams(probe), gains=gains)[0] for where in sets[start:start + per_call]]
+        n = len(xs)
+        Q = torch.cat([x.query for x in xs])
+        K = Q if base.one_stream else torch.cat([x.key for x in xs])
+        V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in xs])
+        call = probe.call(Q, K, V, probe.allowed(n * B, T, T), label=label)
+        if not call.ok:
+            return not_run(det, call)
+        for out in call.output.out.chunk(n):
+            change = relative_change(out, reference, centred=True, scale=scale)
+            moved.append(_fold(change).cpu() > tol)
+        inputs += xs
+    return moved, tol, inputs, reference
 
 
 def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
@@ -120,7 +140,8 @@ def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
     return None
 
 
-def _bisect(probe: Probe, base: Inputs, b: int, i: int, keys: Tensor, T: int) -> tuple[int | None, Inputs | None]:
+def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int, keys: Tensor,
+            T: int) -> tuple[int | None, Inputs | None]:
     """The one key among `keys` (bool (T,), all blocked for row i of sequence b) that moves that row, by halving."""
     B = base.query.shape[0]
     found, last = None, None
@@ -132,10 +153,10 @@ def _bisect(probe: Probe, base: Inputs, b: int, i: int, keys: Tensor, T: int) ->
             where = torch.zeros(B, T, dtype=torch.bool)
             where[b, half] = True
             sets.append(where)
-        ran = _run(probe, base, sets, label=f"bisecting the keys that move query {i} of sequence {b}")
+        ran = _run(probe, base, sets, f"bisecting the keys that move query {i} of sequence {b}", reference)
         if isinstance(ran, DetectorResult):
             return None, None
-        moved, _, inputs = ran
+        moved, _, inputs, _ = ran
         hit = next((n for n, m in enumerate(moved) if bool(m[b, i])), None)
         if hit is None:
             return None, None  # the group moved the row and neither half does: keys that leak only together
@@ -254,11 +275,11 @@ def check_attention_pattern(probe: Probe) -> DetectorResult:
     span = int((hi - lo).clamp_min(0).max()) + 1  # the widest row, in positions
     p = min(T, span + 2, MAX_TESTS)
     classes = [torch.arange(T) % p == r for r in range(p)]  # (T,) each
-    ran = _run(probe, base, [c.expand(B, T) for c in classes],
-               label=f"keys j % {p} == r changed, one class per copy ({pattern})")
+    ran = _run(probe, base, [c.expand(B, T) for c in classes], f"keys j % {p} == r changed, one class per copy "
+                                                                f"({pattern})")
     if isinstance(ran, DetectorResult):
         return ran
-    moved, tol, inputs = ran
+    moved, tol, inputs, reference = ran
     if not any(bool(m.any()) for m in moved):
         return skip(det, "the output did not respond to any key, so its not moving where the pattern blocks "
                          "proves nothing")
@@ -270,7 +291,7 @@ def check_attention_pattern(probe: Probe) -> DetectorResult:
     if reading.leaks:
         b, i, r = reading.leaks[0]
         blocked = classes[r] & ~declared[b, i]
-        key, case = _bisect(probe, base, b, i, blocked, T)
+        key, case = _bisect(probe, base, reference, b, i, blocked, T)
         hold = torch.zeros(B, T, dtype=torch.bool)
         if case is None:
             case = inputs[r]
