@@ -34,9 +34,10 @@ thresholds: the point of issue 20), plus per module a sample of SAMPLE_PER_MODUL
 with random.Random(f"{SEED}:{module}") after sorting by id, so the sample is stratified per module and the same
 on every run of the same code. The run prints the sample's size per module.
 
-Each mutant is written into a private copy of the tree made with copytree under the system temp dir (one copy per
-job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the repository's files are never
-touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests of that
+Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default
+HEAD, so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system
+temp dir (one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the
+repository's files are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests of that
 module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
 Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
 selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
@@ -70,8 +71,18 @@ MODEL_FILES = ("cache.py", "causality.py", "padding.py", "window.py", "backends.
                "_tolerance.py")
 
 
+REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
+"""The commit whose tree is mutated and tested (others' uncommitted edits in the checkout are not measured)."""
+
+
+def _committed(path: str) -> bytes:
+    return subprocess.run(["git", "show", f"{REVISION}:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
+
+
 def _files() -> tuple[str, ...]:
-    detectors = sorted(p.name for p in (ROOT / PACKAGE / "detectors").glob("*.py") if p.name != "__init__.py")
+    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/detectors/"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    detectors = sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
     return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in detectors)
             + tuple(f"model/{n}" for n in MODEL_FILES))
 
@@ -91,7 +102,7 @@ TESTS = {  # module -> the test files run against its mutants, the fast ones fir
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
 }
-COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml")
+COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md")
 
 
 def tests_for(file: str) -> list[str]:
@@ -163,8 +174,8 @@ class Outcome:
 class _Source:
     """A file's text with (line, col) -> byte offset; ast's col_offset counts UTF-8 bytes."""
 
-    def __init__(self, path: Path):
-        self.data = path.read_bytes()
+    def __init__(self, data: bytes):
+        self.data = data
         self.lines = self.data.splitlines(keepends=True)
         self.starts = [0]
         for line in self.lines:
@@ -232,9 +243,8 @@ def _returns_skip(body: list[ast.stmt]) -> bool:
 
 
 def mutants_of(filename: str) -> list[Mutant]:
-    path = ROOT / PACKAGE / filename
-    src = _Source(path)
-    tree = ast.parse(src.data, filename=str(path))
+    src = _Source(_committed(f"{PACKAGE}/{filename}"))
+    tree = ast.parse(src.data, filename=filename)
     found = []  # (start, order, function, kind, mutation, end, replacement, threshold)
 
     def add(function, order, kind, mutation, start, end, replacement, threshold=False):
@@ -327,7 +337,7 @@ def sample(mutants: list[Mutant], per_module: int) -> list[Mutant]:
 
 
 def mutated_source(m: Mutant) -> bytes:
-    data = (ROOT / PACKAGE / m.file).read_bytes()
+    data = _committed(f"{PACKAGE}/{m.file}")
     new = data[:m.start] + m.replacement.encode() + data[m.end:]
     compile(new, m.file, "exec")  # a mutant must be valid Python: the mutators only swap tokens
     if new.count(b"\n") != data.count(b"\n"):
@@ -359,14 +369,11 @@ def _environment(copy: Path) -> dict[str, str]:
 
 
 def make_copy(parent: Path, n: int) -> Path:
+    """The committed tree (REVISION) of COPIED, unpacked with `git archive` into a fresh folder."""
     copy = parent / f"job{n}"
-    for name in COPIED:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, copy / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            copy.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, copy / name)
+    copy.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", REVISION, *COPIED], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(copy)], input=archive, check=True)
     return copy
 
 
@@ -581,8 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(text, flush=True)
 
-    commit, dirty = _git("rev-parse", "HEAD"), _git("diff", "--stat", "--", PACKAGE)
-    log(f"commit {commit}" + (f"; uncommitted changes in {PACKAGE}/:\n{dirty}" if dirty else f"; {PACKAGE}/ clean"))
+    commit = _git("rev-parse", REVISION)
+    log(f"commit {commit} (the committed tree is mutated and tested, not the checkout)")
     log(sampled)
     began = time.monotonic()
     outcomes = run_mutants(mutants, args.jobs, args.timeout, log)
@@ -596,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         by_id = {m.id: m for m in mutants}
         args.json.write_text(json.dumps(dict(
-            commit=commit, uncommitted=dirty, tests={k: v for k, v in TESTS.items()}, jobs=args.jobs,
+            commit=commit, tests={k: v for k, v in TESTS.items()}, jobs=args.jobs,
             seconds=round(elapsed, 1), sampled=sampled, **summary,
             equivalent_reasons={i: r for i, r in marked.items()},
             mutants=[{**{k: v for k, v in asdict(by_id[o.id]).items() if k not in ("start", "end", "replacement")},
