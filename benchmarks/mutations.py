@@ -100,6 +100,7 @@ FAST = ["tests/test_thresholds.py", "tests/test_error_paths.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
     "model/": FAST + ["tests/test_model_audit.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
+    "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
 }
 COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md")

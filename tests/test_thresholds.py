@@ -20,7 +20,7 @@ from torch import nn
 import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
-from diagnostics.detectors.decoding import _decode_gain
+from diagnostics.detectors._common import logit_gain
 from diagnostics.model import _tolerance
 from diagnostics.model.cache import schedules
 
@@ -223,7 +223,7 @@ def spread_logits(spread: float):
 def gain_for(spread: float) -> float:
     probe = Probe(make_subject(spread_logits(spread), d_model=16, num_heads=2), causal=False, scale=None, seq_len=16,
                   seed=0)
-    return _decode_gain(probe)
+    return logit_gain(probe)
 
 
 @pytest.mark.parametrize("spread", [0.02, 0.5, 2e-5, 8.0], ids=str)
@@ -240,7 +240,7 @@ def test_uniform_weights_get_the_cap_and_a_layer_without_weights_gets_10():
 
     probe = Probe(make_subject(linear_attention, d_model=16, num_heads=2), causal=False, scale=None, seq_len=16,
                   seed=0)
-    assert _decode_gain(probe) == 10.0
+    assert logit_gain(probe) == 10.0
 
 
 # ---- CACHE_NOISE_FACTOR: cache_decoding -------------------------------------------------------------
@@ -374,3 +374,94 @@ def test_cache_parity_schedules_cover_every_token_and_keep_six_steps_from_t7_thr
     assert ("uneven" in plans) == (T >= 5)
     for name, plan in plans.items():
         assert sum(plan) == T and min(plan) >= 1, (name, plan)
+
+
+# ---- KEY_DRAWS: keys_matter's redraws ------------------------------------------------------------------
+
+
+class ValuesReadFromAttempt:
+    """The reference, except that the values are ignored (the keys stand in for them) on keys_matter's first
+    `blind` attempts: each attempt is two stacked calls (the changed inputs, and the null twin)."""
+
+    def __init__(self, blind: int):
+        self.blind, self.stacked = blind, 0
+
+    def __call__(self, q, k, v, mask=None):
+        if q.shape[0] > 2:  # a stacked call of keys_matter
+            self.stacked += 1
+            if self.stacked <= 2 * self.blind:
+                v = k
+        return attention(q, k, v, mask)
+
+
+def test_keys_matter_draws_three_times_before_calling_an_input_ignored():
+    """Values read from the third draw on: passed (over 3 draws); from the fourth: the values are ignored on all
+    KEY_DRAWS = 3 draws, a finding. Tenfold fewer draws (0) measures nothing, tenfold more passes the second."""
+    third = verdict(ValuesReadFromAttempt(blind=2), "keys_matter")
+    fourth = verdict(ValuesReadFromAttempt(blind=3), "keys_matter")
+    assert third.verdict == "pass" and "over 3 independent draws" in third.evidence, third
+    assert (fourth.verdict, fourth.message) == ("fail", "the output does not depend on the values"), fourth
+    assert "over 3 independent draws" in fourth.evidence
+
+
+# ---- FORWARD_MOVES and SHIFT_INERT: parameters_used ------------------------------------------------------
+
+
+class WithInertParameter(nn.Module):
+    """One-stream self-attention (forward(x, mask=None)) with one extra parameter that autograd never sees
+    (read through .detach(), so its gradient is exactly zero): `through="output"` adds `size` x (x . p) to the
+    output (the output does depend on p, by a chosen amount); `through="scores"` adds p x (SHIFT + spread x j / T)
+    to the scores of key j (a per-row shift, which the softmax removes, plus a chosen spread over the keys)."""
+
+    SHIFT = 0.025
+
+    def __init__(self, through: str, size: float, d_model=16, num_heads=2):
+        super().__init__()
+        self.d_model, self.num_heads, self.through, self.size = d_model, num_heads, through, size
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.p = nn.Parameter(torch.randn(d_model if through == "output" else 1))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if self.through == "scores":
+            j = torch.arange(T, dtype=x.dtype) / T
+            scores = scores + self.p.detach() * (self.SHIFT + self.size * j)  # the same for every row
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        if self.through == "output":
+            out = out + self.size * (x @ self.p.detach()).unsqueeze(-1)
+        return out
+
+
+def test_a_detached_parameter_that_moves_the_output_by_4x_forward_moves_is_used_and_by_a_quarter_unused():
+    """How far the output moves with the parameter is linear in `size` (float64 copy, fixed draws): measured at
+    a tiny size (a finding, whose value is that move), then the twins are placed at INSIDE and OUTSIDE x
+    FORWARD_MOVES. Moved more: the output depends on it, its gradient is cut (the gradients detector's
+    finding), so parameters_used passes; moved less: unused."""
+    calibration = verdict(WithInertParameter("output", 1e-13), "parameters_used")
+    assert calibration.verdict == "fail", calibration
+    per_unit = calibration.value / 1e-13
+    used = verdict(WithInertParameter("output", OUTSIDE * FORWARD_MOVES / per_unit), "parameters_used")
+    unused = verdict(WithInertParameter("output", INSIDE * FORWARD_MOVES / per_unit), "parameters_used")
+    assert used.verdict == "pass" and "p: the output depends on it" in used.evidence, used
+    assert (unused.verdict, unused.message) == ("fail", "the output does not depend on p"), unused
+    assert unused.value == pytest.approx(INSIDE * FORWARD_MOVES, rel=1e-3)
+
+
+SHIFT_INERT = 1e-9
+
+
+def test_a_score_shift_constant_over_keys_to_a_quarter_of_shift_inert_is_explained_and_one_4x_off_is_not():
+    """The change of the scores is p x (SHIFT + spread x j / T): its spread over a row divided by its largest
+    value is spread / (SHIFT + spread), so the twins sit at INSIDE and OUTSIDE x SHIFT_INERT of that ratio (and
+    move the output by far less than FORWARD_MOVES, so that the shift test decides)."""
+    shift = WithInertParameter.SHIFT
+    inert = verdict(WithInertParameter("scores", INSIDE * SHIFT_INERT * shift), "parameters_used")
+    spread = verdict(WithInertParameter("scores", OUTSIDE * SHIFT_INERT * shift), "parameters_used")
+    assert inert.verdict == "pass" and "p: zero gradient, and changing it shifts every row" in inert.evidence, inert
+    assert (spread.verdict, spread.message) == ("fail", "the output does not depend on p"), spread
+    assert spread.value < INSIDE * FORWARD_MOVES  # the forward pass did not decide it
