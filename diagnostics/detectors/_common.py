@@ -4,6 +4,7 @@ localiser of the invariance checks, which replays the comparison a verdict was c
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import Tensor
@@ -195,3 +196,55 @@ def graph_call(sub, q, k, v, allowed) -> Tensor:
     if not isinstance(raw, Tensor) or not same(raw):
         raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
     return raw
+
+
+# ---- tokens scaled to a softmax that is neither uniform nor one-hot (the decoding and gradient checks) ----
+
+ENTROPY_ROWS = 512
+"""Rows of weights a mean or median over rows reads (the first ones: batch 0, head 0 first): the entropies of the
+temperature check and the logit spread of the gain."""
+
+
+LOGIT_SPREAD = 2.0
+"""The spread (std over a row's keys) of the logits the decoding checks aim for by scaling their tokens."""
+LOGIT_GAIN_CAP = 100.0
+"""The largest factor: a 2-wide head at std-0.02 initialisation spreads its logits by ~0.06 even at 10x."""
+
+
+def logit_gain(probe: Probe) -> float:
+    """The factor, 1 to LOGIT_GAIN_CAP, by which the decoding and gradient checks scale their tokens so that the logits
+    spread by about
+    LOGIT_SPREAD over each row's keys: at GPT-2's std-0.02 initialisation attention is nearly uniform, and a
+    position or mask error shows only once tokens are ~10x larger; at torch's default initialisation 10x
+    makes attention one-hot, where half precision's rounding of a logit moves the output as much as a bug
+    (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
+    standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed, the
+    cap where they are uniform to their rounding."""
+    base = probe.base()
+    weights = probe.weights(base)[0] if base.ok else None
+    if weights is None:
+        return 10.0
+    w = weights.detach().flatten(0, -2)[:ENTROPY_ROWS].double()  # (rows, Tk): a sample, as for the entropy
+    seen = w > 0
+    n = seen.sum(-1)
+    logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
+    # the softmax's own input where it was observed: weights rounded to half precision are 0.5 / 0.5 for
+    # logits 0.01 apart, whose spread they would read as 0
+    sm = next((sm for sm in reversed(base.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
+        if base.record is not None else None
+    if sm is not None:
+        raw = sm.input.detach().reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double()
+        seen = seen & torch.isfinite(raw)
+        n = seen.sum(-1)
+        logits = torch.where(seen, raw, torch.zeros_like(raw))
+    mean = logits.sum(-1) / n.clamp_min(1)
+    var = (torch.where(seen, logits - mean.unsqueeze(-1), torch.zeros_like(w)) ** 2).sum(-1) / (n - 1).clamp_min(1)
+    rows = n >= 2
+    if not bool(rows.any()):
+        return 10.0
+    spread = float(var[rows].sqrt().median())
+    if not math.isfinite(spread):
+        return 10.0
+    if spread <= 0:  # uniform to the weights' rounding: as hard as allowed
+        return LOGIT_GAIN_CAP
+    return min(LOGIT_GAIN_CAP, max(1.0, math.sqrt(LOGIT_SPREAD / spread)))  # logits grow as the square of the tokens

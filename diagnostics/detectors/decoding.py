@@ -3,8 +3,6 @@ layer's own cache, give the full pass's rows."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -14,51 +12,7 @@ from .._registry import CAUSAL, HAS_CACHE, LONG, LONGER, SEPARATE_QUERY, detecto
 from .._result import DetectorResult, ProbeShape, Site
 from .._thresholds import ROW_SUM, dtype_name, tolerance
 from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, producer, tensors, trace_call
-from ._common import judge
-from .temperature import ENTROPY_ROWS
-
-DECODE_SPREAD = 2.0
-"""The spread (std over a row's keys) of the logits the decoding checks aim for by scaling their tokens."""
-DECODE_GAIN_CAP = 100.0
-"""The largest factor: a 2-wide head at std-0.02 initialisation spreads its logits by ~0.06 even at 10x."""
-
-
-def _decode_gain(probe: Probe) -> float:
-    """The factor, 1 to DECODE_GAIN_CAP, by which the decoding checks scale their tokens so that the logits spread by about
-    DECODE_SPREAD over each row's keys: at GPT-2's std-0.02 initialisation attention is nearly uniform, and a
-    position or mask error shows only once tokens are ~10x larger; at torch's default initialisation 10x
-    makes attention one-hot, where half precision's rounding of a logit moves the output as much as a bug
-    (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
-    standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed, the
-    cap where they are uniform to their rounding."""
-    base = probe.base()
-    weights = probe.weights(base)[0] if base.ok else None
-    if weights is None:
-        return 10.0
-    w = weights.detach().flatten(0, -2)[:ENTROPY_ROWS].double()  # (rows, Tk): a sample, as for the entropy
-    seen = w > 0
-    n = seen.sum(-1)
-    logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
-    # the softmax's own input where it was observed: weights rounded to half precision are 0.5 / 0.5 for
-    # logits 0.01 apart, whose spread they would read as 0
-    sm = next((sm for sm in reversed(base.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
-        if base.record is not None else None
-    if sm is not None:
-        raw = sm.input.detach().reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double()
-        seen = seen & torch.isfinite(raw)
-        n = seen.sum(-1)
-        logits = torch.where(seen, raw, torch.zeros_like(raw))
-    mean = logits.sum(-1) / n.clamp_min(1)
-    var = (torch.where(seen, logits - mean.unsqueeze(-1), torch.zeros_like(w)) ** 2).sum(-1) / (n - 1).clamp_min(1)
-    rows = n >= 2
-    if not bool(rows.any()):
-        return 10.0
-    spread = float(var[rows].sqrt().median())
-    if not math.isfinite(spread):
-        return 10.0
-    if spread <= 0:  # uniform to the weights' rounding: as hard as allowed
-        return DECODE_GAIN_CAP
-    return min(DECODE_GAIN_CAP, max(1.0, math.sqrt(DECODE_SPREAD / spread)))  # logits grow as the square of the tokens
+from ._common import judge, logit_gain
 
 
 def _split_cache(result, batch: int, t_q: int, t_k: int):
@@ -218,7 +172,7 @@ def _cache_short(trace: Trace, cache, longer, tokens: int) -> list[Site]:
           needs=(CAUSAL, SEPARATE_QUERY, LONGER), locate=decode_sites)
 def check_decode_consistency(probe: Probe) -> DetectorResult:
     det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
-    g = _decode_gain(probe)  # attention neither uniform (std-0.02 weights) nor one-hot (rounding-bound)
+    g = logit_gain(probe)  # attention neither uniform (std-0.02 weights) nor one-hot (rounding-bound)
     if s.form == "function":
         q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
     else:
@@ -272,7 +226,7 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
     if probe.pass_causal_mask and s.convention == "key_padding":
         return skip(det, "the layer's mask is a key-padding mask, which cannot carry the causal mask of several "
                          "new tokens")
-    x = _decode_gain(probe) * probe.make(B, T)  # as in decode_consistency
+    x = logit_gain(probe) * probe.make(B, T)  # as in decode_consistency
     full = probe.call(x, x, x, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
     if not full.ok:
         return not_run(det, full)

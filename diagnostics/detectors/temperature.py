@@ -27,7 +27,7 @@ from .._tracing import (
     trace_call,
     unique,
 )
-from ._common import result
+from ._common import ENTROPY_ROWS, result
 
 
 def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
@@ -153,10 +153,6 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
-
-
-ENTROPY_ROWS = 512
-"""Rows of weights the entropies are averaged over (the first ones: batch 0, head 0 first)."""
 
 
 def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:
