@@ -47,7 +47,9 @@ _CARRY = _ops(
 )
 _SCALE_BY = _ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scalar")
 _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
-_MATMULS = _ops("bmm.default", "mm.default")
+# matmul itself only where it is not decomposed before a dispatch mode sees it: inside flex_attention's eager
+# implementation, which runs below autograd
+_MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 
 
@@ -178,7 +180,7 @@ class Observer(Mode):
         self.record = Record()
         self._factors: dict[tuple, float] = {}  # (address, shape, stride) -> constant the values were multiplied by
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
-        self._flex_compile: list[bool] = []  # the eager flex_attention's compile switch as each entry found it
+        self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
 
     def _factor(self, t) -> float:
         return self._factors.get(_key(t), 1.0) if isinstance(t, Tensor) else 1.0
@@ -284,12 +286,26 @@ class Observer(Mode):
             rec.order.append(f)
 
 
-def _uncompiled_flex(on: bool) -> bool:
-    """Set torch's switch that makes eager flex_attention skip its dynamo compilation; return the old value."""
-    old = getattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+def _uncompiled_flex(state):
+    """Set eager flex_attention's switches for an observed call, returning the old ones (pass them back to restore):
+    torch's own switch that skips its dynamo compilation, and its device check, which refuses inputs that require
+    grad on the CPU (FlexAttention has no CPU backward). An observed call runs in grad mode only so that torch's
+    fused inference paths are not taken, and never runs backward: the check is lifted while observing, so that a
+    module with trainable weights that calls flex_attention can be observed on the CPU."""
+    if _flex_module is None:
+        return state
+    old = (getattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False),
+           getattr(_flex_module, "_validate_device", None))
+    compile_off, check = (True, _no_device_check) if state is True else state
     if hasattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"):
-        _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = on
+        _flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = compile_off
+    if old[1] is not None and check is not None:
+        _flex_module._validate_device = check
     return old
+
+
+def _no_device_check(query: Tensor, key: Tensor, value: Tensor) -> None:
+    return None
 
 
 @dataclass(frozen=True)

@@ -284,3 +284,50 @@ def test_a_leak_past_a_correct_mask_points_at_the_op_where_it_enters():
                                   detectors=["attention_pattern"]))
     assert r.verdict == "fail" and "(leakage)" in r.message, r.evidence
     assert r.where and "roll" in r.where[0].code, [f"{s}: {s.code}" for s in r.where]
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - 0.5 * (h + 1) * (q_idx - kv_idx)  # a per-head distance bias (ALiBi): no effect on the pattern
+
+
+def test_flex_program_with_a_score_mod_is_measured_like_any(warm_flex):
+    def program(q, k, v):
+        block = flex_attention.create_block_mask(window_right, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        return flex_attention.flex_attention(q, k, v, block_mask=block, score_mod=alibi)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diagnostics.audit(program, d_model=D, num_heads=H, seq_len=T, pattern=sliding_window(WINDOW))
+    assert verdict(report).verdict == "pass", verdict(report).evidence
+    # the observer sees the operator's own scores and softmax: the temperature is measured, the bias cancels
+    assert verdict(report, "softmax_saturation").verdict == "pass", verdict(report, "softmax_saturation")
+    assert not [x.detector for x in report.results if x.verdict in ("fail", "error")], report
+
+
+class FlexModule(torch.nn.Module):
+    """A self-attention module that calls flex_attention with trainable projections (inputs that require grad,
+    which FlexAttention refuses on the CPU outside the observer)."""
+
+    def __init__(self, mask_mod):
+        super().__init__()
+        self.qkv, self.out, self.mask_mod = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D), mask_mod
+
+    def forward(self, x):
+        B, t, _ = x.shape
+        q, k, v = self.qkv(x).view(B, t, 3, H, D // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d)
+        block = flex_attention.create_block_mask(self.mask_mod, None, None, t, t, device=x.device)
+        out = flex_attention.flex_attention(q, k, v, block_mask=block)  # (B, H, T, d)
+        return self.out(out.transpose(1, 2).reshape(B, t, D))
+
+
+def test_a_module_that_calls_flex_is_audited(warm_flex):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diagnostics.audit(FlexModule(window_right), pattern=sliding_window(WINDOW), seq_len=T)
+        broken = verdict(diagnostics.audit(FlexModule(window_off_by_one), pattern=sliding_window(WINDOW), seq_len=T,
+                                           detectors=["attention_pattern"]))
+    assert report.status == "passed", report
+    assert verdict(report, "softmax_saturation").verdict == "pass"  # the operator's q·k and softmax observed
+    assert "backward on CPU" in verdict(report, "gradients").message  # FlexAttention has none there: not measured
+    assert broken.verdict == "fail" and "mask_mod" in broken.message
+    assert broken.where[0].line == window_off_by_one.__code__.co_firstlineno + 1
