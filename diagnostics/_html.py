@@ -224,7 +224,11 @@ def finding_html(r) -> str:
 def write_report_html(report, path) -> None:
     """Write `report` (an AuditReport) to `path` as one self-contained HTML page."""
     verdict = "PASSED" if report.passed else "FAILED"
-    settings = ", ".join(f"{k}={v}" for k, v in report.settings.items())
+    # form, d_model and num_heads are in the title (report.layer); what the audit did with the mask, in words
+    takes_mask = report.settings.get("takes_mask")
+    mask = "" if takes_mask is None else "; the layer takes a mask" if takes_mask else "; the layer takes no mask"
+    if report.settings.get("pass_causal_mask"):
+        mask += ", and the audit passed it a causal mask"
     findings = report.findings
     if report.weights is None:
         weights = ("<p>No weights to show: the layer returned none and no softmax output could be observed on "
@@ -241,7 +245,7 @@ body {{ margin: 24px; }}</style></head>
 <body class="am">
 <h1>Attention audit of {escape(report.layer)}: {verdict}</h1>
 <p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
-{escape(report.device)}, {report.forward_passes} forward passes, {report.seconds:.2f} s; {escape(settings)}</p>
+{escape(report.device)}, {report.forward_passes} forward passes, {report.seconds:.2f} s{escape(mask)}</p>
 <h2>Findings</h2>
 {"".join(finding_html(r) for r in findings) or "<p>No findings: every detector passed or was skipped.</p>"}
 <h2>Attention weights</h2>

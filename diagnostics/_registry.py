@@ -120,7 +120,7 @@ def run(det: Detector, context, options: dict | None = None, *, subject: str = "
                                                 f"in diagnostics, please report it")
     except Exception as error:  # a detector that cannot cope must not crash the audit, nor pass it
         result = crashed(det, error, subject=subject)
-    return replace(result, message=phrase(result.message, options))
+    return replace(result, message=phrase(result.message, options), fix=phrase(result.fix, options))
 
 
 def crashed(det: Detector, error: BaseException, *, subject: str = "layer") -> DetectorResult:
@@ -136,7 +136,7 @@ def crashed(det: Detector, error: BaseException, *, subject: str = "layer") -> D
 
 
 DEFAULT_OPTIONS = {"causal": "causal=True", "seq_len": "seq_len=", "scale": "scale=", "d_model": "d_model=",
-                   "num_heads": "num_heads=", "require": "require=", "strict": "strict=True"}
+                   "example": "example=", "num_heads": "num_heads=", "require": "require=", "strict": "strict=True"}
 
 
 def phrase(text: str, options: dict | None = None) -> str:

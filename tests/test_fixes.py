@@ -164,3 +164,10 @@ def test_runs_fix_follows_the_exception_not_the_detector():
     assert result.verdict == "fail" and general and ".contiguous()" not in fix and "exception" in fix, fix
     view = _variant_report("non_contiguous_view").result("runs")
     assert not view.remedy[1] and ".contiguous() before .view()" in view.remedy[0]
+
+
+def test_runs_quotes_an_exception_raised_on_many_probes_once():
+    runs = _variant_report("non_contiguous_view").result("runs")
+    error = "view size is not compatible"
+    assert runs.evidence.count(error) == 1 and f"raised on {int(runs.value)} probes: RuntimeError: {error}" in \
+        runs.evidence, runs.evidence

@@ -405,6 +405,8 @@ def test_audit_report_to_html_of_a_correct_layer_shows_its_weights_and_every_det
     for detector in diagnostics.DETECTORS:
         assert f"<code>{detector}</code>" in text, detector
     assert page.external == [] and page.scripts == 0 and page.links == []
+    # the subtitle says what the audit did in words, not internal fields (issue 18, item 8)
+    assert not re.search(r"\b(form|takes_mask|pass_causal_mask)=", text) and "the layer takes a mask" in text
 
 
 def test_audit_report_to_html_of_a_layer_that_raises_shows_the_finding_and_no_heatmap(tmp_path, catalog_audits):

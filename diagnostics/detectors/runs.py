@@ -96,8 +96,12 @@ def runs_verdict(probe: Probe) -> DetectorResult:
                      + [(d, shape) for d, shape in probe.raised if d != det])
     n_calls = sum(len(v) for v in probe.shapes.values())
     if failed:
-        listed = "; ".join(f"{shape.label}{'' if d in (det, 'base') else f' ({d})'}: {shape.raised}"
-                           for d, shape in failed)
+        by_error: dict[str, list[str]] = {}  # one exception raised on many probes is quoted once
+        for d, shape in failed:
+            by_error.setdefault(shape.raised, []).append(f"{shape.label}{'' if d in (det, 'base') else f' ({d})'}")
+        listed = "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
+                           f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
+                           for error, labels in by_error.items())
         return result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
                        value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in all)",
                        replay=tuple(probe.failed_calls))

@@ -77,7 +77,7 @@ class Runner:
 
     def __init__(self, model: nn.Module, example, *, seq_len: int | None, seed: int, options: dict | None = None):
         self.model = model
-        self.options = {"example": "example=", **(options or {})}  # how the front end spells example=
+        self.options = dict(options or {})  # how the front end spells its options (phrase() knows example=)
         try:
             self.params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
