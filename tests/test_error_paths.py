@@ -425,3 +425,26 @@ def test_relative_change_against_a_zero_scale_is_none_not_a_division_by_zero():
     assert change is not None and torch.isfinite(change).all()
     assert float(change.max()) == pytest.approx(2.0 / rms)
     assert float(change[0, 1]) == pytest.approx(2.0 / rms) and float(change.sum()) == pytest.approx(2.0 / rms)
+
+
+# ---- a layer that raises on every call ------------------------------------------------------------------
+
+MEASURED_ON_A_CAUSAL_FUNCTION = ["output_shape", "finite_output", "weight_row_sums", "softmax_saturation",
+                                 "output_variance", "query_locality", "mask_honoured", "fully_masked_rows",
+                                 "future_leakage", "causal_alignment", "eval_determinism", "batch_independence",
+                                 "keys_matter", "decode_consistency"]
+
+
+def test_a_layer_that_raises_on_every_call_fails_runs_and_every_other_detector_says_it_measured_nothing():
+    """Each detector's first call is its guard's: the standard probe (finite_output, softmax_saturation,
+    eval_determinism, causal_alignment, decode_consistency's gain), or its own probe."""
+    report = diagnostics.audit(RaisesWhen(ALWAYS), causal=True)
+    assert report.result("runs").verdict == "fail"
+    for detector in MEASURED_ON_A_CAUSAL_FUNCTION:
+        result = report.result(detector)
+        assert (result.verdict, result.message) == ("skip", NOT_RUN), (detector, result)
+    assert report.result("gradients").message.startswith("not measured: the layer does not run as a float64 copy")
+    others = [r for r in report.results if r.detector not in MEASURED_ON_A_CAUSAL_FUNCTION + ["runs", "gradients"]]
+    assert all(r.verdict == "skip" and r.message.startswith("not applicable: ") for r in others), others
+    twin = diagnostics.audit(attention, causal=True)
+    assert all(twin.result(d).verdict in ("pass", "warn") for d in MEASURED_ON_A_CAUSAL_FUNCTION), str(twin)

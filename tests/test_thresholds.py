@@ -402,6 +402,8 @@ def test_keys_matter_draws_three_times_before_calling_an_input_ignored():
     assert third.verdict == "pass" and "over 3 independent draws" in third.evidence, third
     assert (fourth.verdict, fourth.message) == ("fail", "the output does not depend on the values"), fourth
     assert "over 3 independent draws" in fourth.evidence
+    once = verdict(attention, "keys_matter")  # the reference moves on the first draw: no redraw
+    assert once.verdict == "pass" and "independent draws" not in once.evidence, once
 
 
 # ---- FORWARD_MOVES and SHIFT_INERT: parameters_used ------------------------------------------------------
@@ -465,3 +467,98 @@ def test_a_score_shift_constant_over_keys_to_a_quarter_of_shift_inert_is_explain
     assert inert.verdict == "pass" and "p: zero gradient, and changing it shifts every row" in inert.evidence, inert
     assert (spread.verdict, spread.message) == ("fail", "the output does not depend on p"), spread
     assert spread.value < INSIDE * FORWARD_MOVES  # the forward pass did not decide it
+
+
+# ---- the probes' own shape: which query query_locality moves, which key causal_alignment changes ------------
+
+
+def one_way_leak(q, k, v, mask=None):
+    """The reference, except that every other row reads the middle query (T // 2) at 1e-2: a leak out of one
+    row only, which moving that very query shows and moving all the others does not."""
+    out, weights = attention(q, k, v, mask)
+    p = q.shape[-2] // 2
+    leak = torch.ones(q.shape[-2], 1, dtype=q.dtype)
+    leak[p] = 0.0
+    return out + 1e-2 * leak * q[..., p:p + 1, :], weights
+
+
+def test_query_locality_moves_the_middle_query_and_holds_every_other_row():
+    caught = verdict(one_way_leak, "query_locality")
+    assert caught.verdict == "fail" and "when only query t=8 changed" in caught.evidence, caught
+    assert verdict(attention, "query_locality").verdict == "pass"
+
+
+def top_left(q, k, v, mask=None):
+    """Causal attention with the mask aligned top-left (query i sees keys j <= i): right while Tq == Tk, wrong
+    once queries are the last Tq of Tk positions (cached decoding); the audit's causal mask is ignored."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    allowed = torch.ones(t_q, t_k, dtype=torch.bool).tril()  # top-left
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return weights @ v, weights
+
+
+def bottom_right(q, k, v, mask=None):
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)  # bottom-right
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return weights @ v, weights
+
+
+def test_causal_alignment_fails_a_top_left_mask_and_passes_bottom_right():
+    caught = verdict(top_left, "causal_alignment", causal=True)
+    assert (caught.verdict, caught.message) == ("fail", "the newest query does not see the newest key (causal mask "
+                                                        "misaligned or blocking the diagonal)"), caught
+    assert caught.value <= caught.threshold == UNCHANGED[torch.float32]
+    right = verdict(bottom_right, "causal_alignment", causal=True)
+    assert right.verdict == "pass" and right.value > right.threshold, right
+
+
+def test_gradients_of_a_layer_audited_causal_that_reads_the_future_fail_on_the_future_gradient():
+    """Its gradient is right (finite differences agree): what fails is that past outputs send gradient to later
+    inputs."""
+    leak = verdict(lambda q, k, v, mask=None: attention(q, k, v), "gradients", causal=True)  # the mask ignored
+    assert leak.verdict == "fail" and leak.message == ("the gradient lets the future in: past outputs send gradient "
+                                                       "to later inputs"), leak
+    assert verdict(with_(), "gradients", causal=True).verdict == "pass"  # the audit's causal mask applied
+
+
+# ---- mask_honoured's hint: a layer that adds its mask ---------------------------------------------------
+
+
+class MaskedSelfAttention(nn.Module):
+    """forward(x, mask=None): `how` = "adds" adds the mask to the scores (a bool mask then shifts allowed logits
+    by 1), "bool ignored" ignores bool masks and adds float ones x 100, "blocks" masks with masked_fill."""
+
+    def __init__(self, how, d_model=16, num_heads=2):
+        super().__init__()
+        self.d_model, self.num_heads, self.how = d_model, num_heads, how
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if mask is not None:
+            if self.how == "adds":
+                scores = scores + mask
+            elif self.how == "bool ignored":
+                scores = scores if mask.dtype == torch.bool else scores + 100 * mask
+            else:
+                scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+HINT = "the layer adds its mask to the scores"
+
+
+def test_mask_honoured_says_a_layer_adds_its_mask_only_when_it_does_and_its_convention_is_not_declared():
+    adds = verdict(MaskedSelfAttention("adds"), "mask_honoured")
+    assert adds.verdict == "fail" and HINT in adds.message, adds
+    declared = verdict(MaskedSelfAttention("adds"), "mask_honoured", mask="allowed")
+    assert declared.verdict == "fail" and HINT not in declared.message, declared
+    other = verdict(MaskedSelfAttention("bool ignored"), "mask_honoured")  # float masks act otherwise: no hint
+    assert other.verdict == "fail" and HINT not in other.message, other
+    assert verdict(MaskedSelfAttention("blocks"), "mask_honoured").verdict == "pass"
