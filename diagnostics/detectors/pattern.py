@@ -13,6 +13,12 @@ packed two ways so that the cost does not grow with one call per key:
   each sequence judged against its own row of the pattern (document ids and prefix lengths per sequence).
 A leaking test is then bisected to the one key that moves the row. A FlexAttention program's own `mask_mod`
 is also compared point by point with the declared pattern on the probe's sizes.
+
+What it cannot see: a one-stream layer (m(x)) changes a query with its key, so the cells (i, j) with
+j % p == i % p, the diagonal among them, are not measurable there (the evidence counts them); a row that meets
+several allowed keys in one test (wider than MAX_TESTS - 2) is confirmed per group, so one ignored key inside
+such a row shows only if it is the row's only key in that test; a leak in a test where the row also meets an
+allowed key is read as that key's dependence.
 """
 
 from __future__ import annotations
@@ -172,8 +178,8 @@ def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int, keys:
 
 @dataclass
 class Reading:
-    """The measured pattern of one probe: per cell of (B, Tq, Tk), whether it was measured alone (`alone`: the
-    test held no other key of that row's pattern), in a group, or not at all, and what was seen."""
+    """The measured pattern of one probe, per cell of (B, Tq, Tk): seen moving its row alone (the only key of the
+    row's pattern in its test), as part of a moving group, not moving, or not measurable."""
 
     depends: Tensor  # bool (B, T, T): the row moved in a test where this was its only allowed key
     ignored: Tensor  # bool (B, T, T): the row did not move in a test that perturbed this key
