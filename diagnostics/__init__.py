@@ -30,6 +30,7 @@ _WHERE = {
     "ModelReport": ".model",
     "Site": "._result",
     "adapters": None,  # a submodule
+    "patterns": None,  # a submodule: declared attention patterns
     "assert_attention_ok": "._audit",
     "audit": "._audit",
     "audit_model": ".model",
@@ -50,6 +51,7 @@ __all__ = [
     "assert_attention_ok",
     "audit",
     "audit_model",
+    "patterns",
 ]
 
 
@@ -68,7 +70,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
-    from . import adapters
+    from . import adapters, patterns
     from ._audit import assert_attention_ok, audit
     from ._errors import AuditUsageError
     from .model import MODEL_DETECTORS, ModelReport, audit_model

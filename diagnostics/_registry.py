@@ -136,7 +136,8 @@ def crashed(det: Detector, error: BaseException, *, subject: str = "layer") -> D
 
 
 DEFAULT_OPTIONS = {"causal": "causal=True", "seq_len": "seq_len=", "scale": "scale=", "d_model": "d_model=",
-                   "example": "example=", "num_heads": "num_heads=", "require": "require=", "strict": "strict=True"}
+                   "example": "example=", "num_heads": "num_heads=", "pattern": "pattern=", "require": "require=",
+                   "strict": "strict=True"}
 
 
 def phrase(text: str, options: dict | None = None) -> str:

@@ -100,6 +100,9 @@ def test_every_detector_catches_something_and_every_variant_is_caught():
     # parameters_used catches no catalog entry: every variant keeps each weight in use (a detached softmax's q and
     # k weights get no gradient, but the forward still reads them: that is the gradients detector's finding); it is
     # exercised by the unused projections of tests/test_parameters.py.
-    unexercised = {"finite_output", "cache_decoding", "parameters_used"}
+    # attention_pattern needs a declared pattern, which no catalog variant has (tests/test_patterns.py exercises it);
+    # undeclared_causality only warns, about layers audited as not causal that mask by position themselves
+    # (tests/test_causality_hint.py).
+    unexercised = {"finite_output", "cache_decoding", "parameters_used", "attention_pattern", "undeclared_causality"}
     assert caught_by | unexercised == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
     assert all(v.expected_detectors for v in VARIANTS.values())

@@ -7,7 +7,7 @@ import torch
 
 from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unravel
 from .._probe import Probe
-from .._registry import CAUSAL, LONG, detector
+from .._registry import CAUSAL, LONG, Need, detector
 from .._result import DetectorResult, Site
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
@@ -140,3 +140,57 @@ def _newest_key_seen(probe: Probe) -> DetectorResult:
                                 f"<= i + Tk - Tq, its own position included", replay=base)
     return result(det, "pass", f"the newest of {t_q} queries sees the newest of {T} keys (bottom-right)",
                    value=float(last.min()), threshold=tol)
+
+
+NOT_CAUSAL = Need("not {causal}", lambda p: not p.causal and p.pattern is None,
+                  "the layer is audited as causal (or with a declared pattern), whose detectors judge its mask")
+
+
+def own_mask_sites(probe, result: DetectorResult) -> list[Site]:
+    """The masking op of the standard probe that blocks keys by position, judged as if nothing were blocked."""
+    base = result.replay
+    if base is None or not base.ok:
+        return []
+    s = probe.subject
+    B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
+    trace = trace_call(s, base.query, base.key, base.value, base.allowed, seed=probe.seed)
+    return mask_sites(trace, torch.ones(B, t_q, t_k, dtype=torch.bool), B, t_q, t_k)
+
+
+@detector("undeclared_causality", "a layer audited as not causal blocks no key by its position on its own: one whose "
+          "weights are exactly zero on one side of the diagonal masks the future (or the past) and should be "
+          "audited as causal", targets=("a causal layer audited without causal=True (its causality unchecked)",
+                                        "an anti-causal mask (blocking the past)"),
+          fix="audit the layer as causal ({causal}) if it is meant to be; if not, remove the mask it builds itself",
+          needs=(NOT_CAUSAL, LONG), locate=own_mask_sites)
+def check_undeclared_causality(probe: Probe) -> DetectorResult:
+    """A hint, never a failure: the weights of the standard probe (which passes no mask) are read for a triangle
+    of exact zeros. Exact zeros on a whole triangle are a mask: no softmax of finite scores gives them."""
+    det, base = "undeclared_causality", probe.base()
+    if not base.ok:
+        return not_run(det, base)
+    weights, source = probe.weights(base)
+    T = probe.t
+    if weights is None or tuple(weights.shape[-2:]) != (T, T):
+        return skip(det, "no (Tq, Tk) weights were returned or observed, so a mask of the layer's own cannot be seen")
+    w = weights.detach().reshape(-1, T, T)
+    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+    future, past = (j > i).to(w.device), (j < i).to(w.device)
+    zero = w == 0
+    blocks = [name for name, side in (("future", future), ("past", past)) if bool(zero[:, side].all())]
+    if blocks:
+        side = blocks[0]
+        what = ("it masks the future itself: a causal layer, whose causality this audit does not check" if side ==
+                "future" else "it masks the past: no causal layer does that (a triu where tril belongs?)")
+        return result(det, "warn", f"every weight {'above' if side == 'future' else 'below'} the diagonal is exactly 0 "
+                                   f"though no mask was passed: {what}",
+                      value=1.0, threshold=0.0, replay=base,
+                      evidence=f"the standard probe ({source}): all {int((future if side == 'future' else past).sum())} "
+                               f"(query, key) pairs with the key {'after' if side == 'future' else 'before'} the "
+                               f"query get weight 0 in all {w.shape[0]} rows of weights",
+                      fix=("audit it as causal ({causal}): future_leakage, causal_alignment and the decoding checks "
+                           "then measure its mask" if side == "future" else
+                           "block the future, not the past: the allowed keys are torch.ones(T, T, dtype=torch.bool)"
+                           ".tril(), or audit it as causal ({causal}) to have its mask judged"))
+    return result(det, "pass", "no key is blocked by its position: the layer attends both ways, as audited",
+                  value=0.0, threshold=0.0)

@@ -37,8 +37,8 @@ from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import first_moved, mask_sites, op_site, site, text, trace_call
 from ._common import perturbation_gains, result
 
-PATTERN = Need("pattern=", lambda p: getattr(p, "pattern", None) is not None,
-               "no attention pattern is declared (pass pattern=, e.g. diagnostics.patterns.sliding_window(4))")
+PATTERN = Need("{pattern}", lambda p: getattr(p, "pattern", None) is not None,
+               "no attention pattern is declared (pass {pattern}, e.g. diagnostics.patterns.sliding_window(4))")
 
 MAX_TESTS = 32
 """At most this many residue classes (copies of the probe batch): rows of the pattern wider than 30 keys are

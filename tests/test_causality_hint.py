@@ -1,0 +1,76 @@
+"""A layer that masks by position on its own, audited without `causal=True`, gets a warning that says so and how
+to audit it (issue 18, item 5): before, it passed silently, its causality never checked. A hint, never a failure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from correct import MultiHeadAttention
+
+
+class OwnTriangle(nn.Module):
+    """nanoGPT-style: a registered triangle masks the scores. `keep="lower"` is causal; `keep="upper"` masks the
+    past instead (torch.triu where torch.tril belongs)."""
+
+    def __init__(self, d_model=16, num_heads=2, keep="lower", block_size=32):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        ones = torch.ones(block_size, block_size)
+        self.register_buffer("bias", (ones.tril() if keep == "lower" else ones.triu()).view(1, 1, block_size,
+                                                                                             block_size))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D // self.num_heads)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))  # the layer's own mask
+        return self.out((att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def _layer(**kw):
+    torch.manual_seed(0)
+    return OwnTriangle(**kw)
+
+
+def test_a_causal_layer_audited_without_causal_warns_and_names_the_option():
+    report = diagnostics.audit(_layer())
+    hint = report.result("undeclared_causality")
+    assert hint.verdict == "warn" and "masks the future itself" in hint.message, str(report)
+    assert report.passed, str(report)  # a hint: the audit still passes
+    fix, general = hint.remedy
+    assert not general and "causal=True" in fix and hint.where[0].code.startswith("att = att.masked_fill"), fix
+
+
+def test_the_same_layer_audited_as_causal_gets_no_hint_and_passes():
+    report = diagnostics.audit(_layer(), causal=True)
+    assert report.result("undeclared_causality").verdict == "skip" and report.passed, str(report)
+    assert report.result("future_leakage").verdict == "pass"
+
+
+def test_an_anti_causal_mask_is_named_as_masking_the_past():
+    report = diagnostics.audit(_layer(keep="upper"))
+    hint = report.result("undeclared_causality")
+    assert hint.verdict == "warn" and "masks the past" in hint.message, str(report)
+    causal = diagnostics.audit(_layer(keep="upper"), causal=True)  # told the truth, the mask fails
+    assert causal.result("future_leakage").verdict == "fail", str(causal)
+
+
+@pytest.mark.parametrize("make", [lambda: MultiHeadAttention(16, 2), lambda: nn.MultiheadAttention(16, 2, batch_first=True)],
+                         ids=["reference", "torch_mha"])
+def test_a_layer_that_attends_both_ways_gets_no_hint(make):
+    torch.manual_seed(0)
+    report = diagnostics.audit(make())
+    assert report.result("undeclared_causality").verdict == "pass", str(report)
+
+
+def test_the_command_line_spells_the_option_as_its_flag():
+    """The fix is phrased in the front end's words: `--causal` from the command line, `causal=True` in Python."""
+    cli = diagnostics.audit(_layer(), _options={"causal": "--causal"}).result("undeclared_causality")
+    python = diagnostics.audit(_layer()).result("undeclared_causality")
+    assert "--causal" in cli.fix and "{causal}" not in cli.fix and "causal=True" in python.fix
