@@ -27,7 +27,8 @@ Mutated code: every function (and method) of every detector module (`diagnostics
 `_thresholds.py` and the model wing's detectors and tolerance (`diagnostics/model/{cache,causality,padding,
 window,backends,gradients,runs,_tolerance}.py`). Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
-`benchmarks/localisation.py`, and functions that only word evidence (`*_text`); a mutant there changes no verdict.
+`benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
+mutant there changes no verdict.
 
 Sampling (the default; `--all` runs every mutant): every `constant` mutant of a module-level constant (the
 thresholds: the point of issue 20), plus per module a sample of SAMPLE_PER_MODULE of its other mutants, drawn
@@ -88,7 +89,7 @@ def _files() -> tuple[str, ...]:
 
 
 FILES = _files()
-NOT_VERDICT = re.compile(r"sites|locat|_text$|^_root$|^_self_products$|^_cache_short$|^_cache_of$|^held_positions$"
+NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$|^held_positions$"
                          r"|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$|^KeepFloat64")
 """Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring)."""
 MEASURED = re.compile(r"^MEASURED_")
@@ -135,6 +136,21 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
+    "model/window.py:check_sliding_window:L*:Gt->GtE": ("(outside > tol).nonzero()", _TOLERANCE_EDGE),
+    "model/cache.py:schedules:L*:Gt->GtE": (
+        "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
+        "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
+    "model/_tolerance.py:worst_change:L*:and->or": (
+        "if change is not None and change.numel()", "relative_change returns None only for a scale <= 0, and scale_of "
+        "is never 0 (1 for all-zero outputs); new.numel() > 0 was checked above, so change.numel() > 0: both "
+        "operands are always true"),
+    "detectors/variance.py:_bound_check:L*:x10": (
+        "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
+        "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
+    "detectors/gradients.py:check_gradients:L*:x0.1": (
+        "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
+        "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
+        "and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step unused)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

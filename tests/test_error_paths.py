@@ -448,3 +448,208 @@ def test_a_layer_that_raises_on_every_call_fails_runs_and_every_other_detector_s
     assert all(r.verdict == "skip" and r.message.startswith("not applicable: ") for r in others), others
     twin = diagnostics.audit(attention, causal=True)
     assert all(twin.result(d).verdict in ("pass", "warn") for d in MEASURED_ON_A_CAUSAL_FUNCTION), str(twin)
+
+
+# ---- the other skips and edges of single detectors ----------------------------------------------------
+
+
+class OddDecoder(Decoder):
+    """Decoder whose full pass has no row per token (`rows`: returns its output transposed), or which refuses
+    several new tokens at once through its cache (`one_at_a_time`), as some decoders do."""
+
+    def __init__(self, rows=True, one_at_a_time=False):
+        super().__init__()
+        self.rows, self.one_at_a_time = rows, one_at_a_time
+
+    def forward(self, x, kv_cache=None, use_cache=False):
+        if self.one_at_a_time and isinstance(kv_cache, tuple) and x.shape[1] > 1:
+            raise ValueError("one new token at a time")
+        result = super().forward(x, kv_cache, use_cache)
+        return result if self.rows or use_cache else result.transpose(1, 2)
+
+
+def test_cache_decoding_skips_a_full_pass_without_a_row_per_token_and_decodes_refused_steps_one_at_a_time():
+    no_rows = result_of(OddDecoder(rows=False), "cache_decoding", causal=True)
+    assert (no_rows.verdict, no_rows.message) == ("skip", "not measured: the output (2, 8, 16) has no row per token "
+                                                          "(see output_shape)"), no_rows
+    stepwise = result_of(OddDecoder(one_at_a_time=True), "cache_decoding", causal=True)
+    assert stepwise.verdict == "pass", stepwise
+    assert "it raised on 3 new tokens at once (ValueError), so those were decoded one at a time" in stepwise.evidence
+
+
+def ignores_the_mask(q, k, v, mask=None):
+    return attention(q, k, v)
+
+
+def test_gradients_fail_a_layer_whose_masked_keys_receive_gradient():
+    leak = result_of(ignores_the_mask, "gradients")
+    assert (leak.verdict, leak.message) == ("fail", "masked keys receive gradient: the mask is applied after the "
+                                                    "softmax normalised over them, or not at all"), leak
+    assert result_of(attention, "gradients").verdict == "pass"
+
+
+@pytest.mark.parametrize("T", [7, 8])
+def test_keys_matter_packs_keys_and_values_into_one_copy_from_8_positions(T):
+    result = result_of(attention, "keys_matter", seq_len=T)
+    packed = T >= 8  # PACKED_KEYS
+    assert result.verdict == "pass", result
+    assert ("changing every key of sequence 0" in result.evidence) == packed, result.evidence
+    assert ("changing every value of sequence 1" in result.evidence) == packed
+
+
+def test_runs_probes_only_the_shapes_no_other_chosen_detector_probes():
+    """Alone, runs calls Tq != Tk (a function has separate streams) and a padding mask itself; in a full audit
+    output_shape and weight_row_sums call those, and runs does not call them twice."""
+    alone = result_of(attention, "runs")
+    assert alone.message.startswith("ran on its 7 shapes (the standard probe (B=2, T=16), B=1, T=1, H=1, Tq=16, "
+                                    "Tk=19, a padding mask, non-contiguous inputs)"), alone
+    full = diagnostics.audit(attention).result("runs")
+    assert full.message.startswith("ran on its 5 shapes (the standard probe (B=2, T=16), B=1, T=1, H=1, "
+                                   "non-contiguous inputs)"), full
+    module = result_of(Float64Refused(16, 2, refuse=False), "runs")  # one stream: no Tq != Tk
+    assert "Tq=" not in module.message and module.verdict == "pass", module
+
+
+def keys_as_queries(q, k, v, mask=None):
+    """Queries and keys swapped (the queries serve as values too): the output has a row per key."""
+    return attention(k, q, q)
+
+
+def test_output_shape_replays_exactly_the_calls_whose_output_had_the_wrong_shape():
+    result = result_of(keys_as_queries, "output_shape")
+    assert result.verdict == "fail", result
+    assert [tuple(c.key.shape) for c in result.replay] == [(2, 2, 19, 8)]  # the Tq != Tk call, not the standard
+
+
+def hand_softmax(q, k, v, mask=None, *, heads_averaged=False):
+    """A softmax written out (exp / sum, which the audit does not observe as a softmax); returns its weights per
+    head, or averaged over heads ((B, Tq, Tk), which cannot be fitted against each head's q and k)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    e = (scores - scores.amax(-1, keepdim=True)).exp()
+    weights = e / e.sum(-1, keepdim=True)
+    return weights @ v, weights.mean(1) if heads_averaged else weights
+
+
+def test_softmax_saturation_fits_returned_weights_per_head_and_skips_weights_of_another_shape():
+    fitted = result_of(hand_softmax, "softmax_saturation")
+    assert fitted.verdict == "pass" and fitted.value == pytest.approx(1.0, abs=1e-3), fitted
+    averaged = result_of(lambda q, k, v, mask=None: hand_softmax(q, k, v, heads_averaged=True), "softmax_saturation")
+    assert (averaged.verdict, averaged.message) == ("skip", "not measured: no softmax over q·k and no fused attention "
+                                                            "call was observed, and no weights to fit"), averaged
+
+
+def negative_weights(q, k, v, mask=None):
+    """Weights 2 softmax - 1 / Tk: rows still sum to 1 (identical values come out unchanged), but some weights
+    are negative, so outputs leave the range of the values."""
+    out, weights = attention(q, k, v, mask)
+    weights = 2 * weights - 1.0 / weights.shape[-1]
+    return weights @ v, weights
+
+
+def test_output_variance_fails_outputs_outside_the_range_of_the_values_that_identical_rows_miss():
+    result = result_of(negative_weights, "output_variance")
+    assert (result.verdict, result.message) == ("fail", "outputs leave the range of the values"), result
+    assert result_of(attention, "output_variance").verdict == "pass"
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_weight_row_sums_names_the_head_axis_only_where_there_are_heads(heads):
+    off = lambda q, k, v, mask=None: (lambda out, w: (out * 1.01, w * 1.01))(*attention(q, k, v, mask))  # noqa: E731
+    result = diagnostics.audit(off, detectors=["weight_row_sums"], d_model=8 * heads, num_heads=heads)
+    evidence = result.result("weight_row_sums").evidence
+    assert ("worst row (b=" in evidence) and ((", h=" in evidence) == (heads > 1)) and ((", _=0" in evidence)
+                                                                                        == (heads == 1)), evidence
+
+
+# ---- the model wing's skips and findings -------------------------------------------------------------------
+
+
+def protocol_gpt(**kw):
+    from buggy_variants.teaching_model import ProtocolGPT
+
+    torch.manual_seed(0)
+    return ProtocolGPT(n_layer=2, **kw)
+
+
+def model_result(model, detector: str, **kw):
+    return diagnostics.audit_model(model, detectors=[detector], **kw).result(detector)
+
+
+def test_sliding_window_off_by_one_fails_at_the_first_position_past_the_window_and_a_wide_window_is_not_measured():
+    w = 5
+    wider = model_result(protocol_gpt(sliding_window=w, layer_bugs={1: "window_off_by_one"}), "sliding_window")
+    assert wider.verdict == "fail" and wider.layer == "h.1.attn", wider
+    assert f"changing position 0 moved the output at t={w}" in wider.evidence  # t - s = w: just past the window
+    assert model_result(protocol_gpt(sliding_window=w), "sliding_window").verdict == "pass"
+    wide = model_result(protocol_gpt(sliding_window=40), "sliding_window")
+    assert (wide.verdict, wide.message) == ("skip", "not measured: h.0.attn: window 40 >= seq_len 16, not measured; "
+                                                    "h.1.attn: window 40 >= seq_len 16, not measured"), wide
+
+
+def test_declared_window_reads_a_positive_int_only():
+    from diagnostics.model.window import declared_window
+
+    def module(**attrs):
+        m = nn.Module()
+        for name, value in attrs.items():
+            setattr(m, name, value)
+        return m
+
+    config = type("Config", (), {"sliding_window": 4, "use_sliding_window": False})
+    assert [declared_window(module(sliding_window=v)) for v in (3, 1, 0, -2, True, None, 2.0)] == \
+        [3, 1, None, None, None, None, None]
+    assert declared_window(module(config=config)) is None  # Qwen2's switch off
+    config.use_sliding_window = True
+    assert declared_window(module(config=config)) == 4
+
+
+class DetachedOut(nn.Linear):
+    """An output projection whose weight autograd never sees."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight.detach(), self.bias)
+
+
+def test_gradient_flow_names_every_parameter_without_gradient_and_the_first_layer_holding_one():
+    model = protocol_gpt()
+    layers = [block.attn for block in model.h]
+    for attn in layers:
+        detached = DetachedOut(attn.out.in_features, attn.out.out_features)
+        detached.load_state_dict(attn.out.state_dict())
+        attn.out = detached
+    total = sum(len(list(attn.parameters())) for attn in layers)
+    result = model_result(model, "gradient_flow")
+    assert (result.verdict, result.message) == ("fail", f"{len(layers)} of {total} attention parameters get no "
+                                                        f"gradient"), result
+    assert result.layer == "h.0.attn"
+    assert model_result(protocol_gpt(), "gradient_flow").verdict == "pass"
+
+
+def test_batch_invariance_pads_the_other_sequences_where_the_model_takes_a_mask():
+    result = model_result(protocol_gpt(), "batch_invariance")
+    assert (result.verdict, result.message) == ("pass", "a sequence alone gives its output between two sequences of "
+                                                        "other lengths (right-padded)"), result
+
+
+class CacheAddsAPosition(nn.Module):
+    """ProtocolGPT whose cached calls return one position more than they were given (a stale token left in)."""
+
+    causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.inner = protocol_gpt()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        out = self.inner(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        if use_cache and past_key_values and past_key_values[0]:
+            logits, cache = out
+            return torch.cat([logits[:, :1], logits], 1), cache
+        return out
+
+
+def test_cache_parity_fails_cached_outputs_of_another_shape():
+    result = model_result(CacheAddsAPosition(), "cache_parity")
+    assert result.verdict == "fail" and result.message.startswith("cached decoding returns (1, "), result
+    assert "where the full pass returns (1, 16, 64)" in result.message
+    assert model_result(protocol_gpt(), "cache_parity").verdict == "pass"
