@@ -1,6 +1,6 @@
 """The audit's cost in forward passes of the audited layer, measured in one run.
 
-    python benchmarks/audit_cost.py [--lengths 16 128 1024] [--repeats 5] [--causal] [--threads N]
+    python benchmarks/audit_cost.py [--lengths 16 128 1024] [--repeats 5] [--causal] [--threads N] [--per-detector]
                                     [--pattern sliding_window:128 | chunked:C | prefix_lm:P | causal]
 
 For the reference MultiHeadAttention(512, 8) at each probe length, times forward passes (batch 2, the
@@ -59,6 +59,42 @@ def work_of_calls(layer, audit) -> float:
     return calls, d
 
 
+def per_detector(layer, **options) -> list[tuple[str, int, float, float]]:
+    """One audit, timed and counted per detector (the progress callback marks where each starts): [(detector,
+    layer calls, their work in batch-2 forward passes, wall-clock seconds)]; "the rest" is what follows the last
+    detector (settling `runs`, the report)."""
+    calls: dict[str, list] = {}
+    wall: dict[str, float] = {}
+    now = {"det": "setup", "since": time.perf_counter()}
+
+    def progress(det, index, total):
+        t = time.perf_counter()
+        wall[now["det"]] = wall.get(now["det"], 0.0) + t - now["since"]
+        now.update(det=det, since=t)
+
+    def hook(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        key = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("key", query)
+        key = query if key is None else key
+        grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (query, key))
+        calls.setdefault(now["det"], []).append((query.shape[0], query.shape[1], key.shape[1], 3 if grad else 1))
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        diagnostics.audit(layer, progress=progress, **options)
+    finally:
+        handle.remove()
+    t = time.perf_counter()
+    wall[now["det"]] = wall.get(now["det"], 0.0) + t - now["since"]
+    T, d = options["seq_len"], layer.d_model
+    rows = []
+    for det in wall:
+        made = calls.get(det, [])
+        work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in made) / multiply_adds(2, T, T, d)
+        rows.append((det, len(made), work, wall[det]))
+    return rows
+
+
 def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -72,6 +108,8 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true", help="audit a causal layer (adds future_leakage, "
                                                               "causal_alignment and decode_consistency)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--per-detector", action="store_true", help="after each length, one audit timed and counted "
+                                                                    "per detector")
     parser.add_argument("--pattern", default=None, help="a declared pattern, NAME[:N] of diagnostics.patterns, "
                                                         "e.g. sliding_window:128")
     args = parser.parse_args()
@@ -108,6 +146,12 @@ def main() -> None:
         work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in calls) / multiply_adds(2, t, t, d)
         print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
               f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[-1].forward_passes:>5}  {work:>21.1f}")
+        if args.per_detector:
+            rows = per_detector(layer, seq_len=t, causal=args.causal, pattern=pattern)
+            total = sum(r[3] for r in rows) or 1.0
+            print(f"{'':>9}{'detector':<22}{'calls':>6}{'work (fp)':>11}{'wall (s)':>10}{'share':>7}  (one audit)")
+            for det, n, w, sec in rows:
+                print(f"{'':>9}{det:<22}{n:>6}{w:>11.1f}{sec:>10.3f}{100 * sec / total:>6.1f}%")
 
 
 if __name__ == "__main__":
