@@ -102,6 +102,7 @@ TESTS = {  # module -> the test files run against its mutants, the fast ones fir
     "model/": FAST + ["tests/test_model_audit.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
+    "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
 }
 COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md")
@@ -340,7 +341,7 @@ def all_mutants() -> list[Mutant]:
     return [m for f in FILES for m in mutants_of(f)]
 
 
-def sample(mutants: list[Mutant], per_module: int) -> list[Mutant]:
+def sample(mutants: list[Mutant], per_module: int, seed: int = SEED) -> list[Mutant]:
     """Every module-constant mutant, plus `per_module` of each module's others (seeded per module)."""
     by_file = defaultdict(list)
     for m in mutants:
@@ -348,7 +349,7 @@ def sample(mutants: list[Mutant], per_module: int) -> list[Mutant]:
     chosen = []
     for f, ms in by_file.items():
         rest = sorted((m for m in ms if not m.threshold), key=lambda m: m.id)
-        picked = set(id(m) for m in random.Random(f"{SEED}:{f}").sample(rest, min(per_module, len(rest))))
+        picked = set(id(m) for m in random.Random(f"{seed}:{f}").sample(rest, min(per_module, len(rest))))
         chosen += [m for m in ms if m.threshold or id(m) in picked]
     return chosen
 
@@ -568,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="every mutant, not the stratified sample")
     parser.add_argument("--per-module", type=int, default=SAMPLE_PER_MODULE,
                         help=f"sampled mutants per module besides its constants (default {SAMPLE_PER_MODULE})")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"the sample's seed (default {SEED})")
     parser.add_argument("--only", action="append", help="only mutants whose id contains this text (repeatable: any)")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this earlier --json output (after tests were added)")
@@ -579,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
     everything = all_mutants()
-    mutants = everything if (args.all or args.list or args.survivors_of) else sample(everything, args.per_module)
+    chosen = args.all or args.list or args.survivors_of
+    mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:
         earlier = json.loads(args.survivors_of.read_text())
         alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] == "survived"}
@@ -591,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     how = ("every mutant" if (args.all or args.list) else
            f"earlier survivors" if args.survivors_of else
            f"stratified sample: every module-constant mutant plus {args.per_module} others per module, "
-           f"random.Random('{SEED}:<module>')")
+           f"random.Random('{args.seed}:<module>')")
     sampled = f"{len(mutants)} of {len(everything)} mutants ({how}): " + ", ".join(
         f"{f} {n}/{of_file[f]}" for f, n in per_file.items())
     if args.list:

@@ -653,3 +653,25 @@ def test_cache_parity_fails_cached_outputs_of_another_shape():
     assert result.verdict == "fail" and result.message.startswith("cached decoding returns (1, "), result
     assert "where the full pass returns (1, 16, 64)" in result.message
     assert model_result(protocol_gpt(), "cache_parity").verdict == "pass"
+
+
+def test_eval_determinism_whose_standard_probe_raised_is_not_measured_though_the_second_call_runs():
+    """The first call (the standard probe) raises and the second would run: the verdict comes from the guard on
+    the standard probe, not from comparing with an output that does not exist."""
+    result = result_of(RaisesWhen(lambda n, q, k, v, m: n == 1), "eval_determinism")
+    assert (result.verdict, result.message) == ("skip", NOT_RUN), result
+
+
+def rows_per_key_when_decoding(q, k, v, mask=None):
+    """Causal attention whose output has a row per key once queries are fewer than keys (queries and keys
+    swapped there)."""
+    if q.shape[-2] == k.shape[-2]:
+        return attention(q, k, v, mask)
+    return attention(k, q, q)
+
+
+def test_decode_consistency_skips_partial_calls_without_a_row_per_query():
+    result = result_of(rows_per_key_when_decoding, "decode_consistency", causal=True)
+    assert (result.verdict, result.message) == ("skip", "not measured: the output (2, 2, 16, 8) has no row per query "
+                                                        "(see output_shape)"), result
+    assert result_of(attention, "decode_consistency", causal=True).verdict == "pass"
