@@ -529,7 +529,9 @@ def test_gradients_of_a_layer_audited_causal_that_reads_the_future_fail_on_the_f
 
 class MaskedSelfAttention(nn.Module):
     """forward(x, mask=None): `how` = "adds" adds the mask to the scores (a bool mask then shifts allowed logits
-    by 1), "bool ignored" ignores bool masks and adds float ones x 100, "blocks" masks with masked_fill."""
+    by 1), "bool ignored" ignores bool masks and adds float ones x 100, "blocks" masks with masked_fill; "adds, NaN":
+    adds it, and its first output value is NaN whatever the inputs; "adds, float shape": adds it, and given a float
+    mask returns one position fewer."""
 
     def __init__(self, how, d_model=16, num_heads=2):
         super().__init__()
@@ -542,13 +544,19 @@ class MaskedSelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
         if mask is not None:
-            if self.how == "adds":
+            if self.how.startswith("adds"):
                 scores = scores + mask
             elif self.how == "bool ignored":
                 scores = scores if mask.dtype == torch.bool else scores + 100 * mask
             else:
                 scores = scores.masked_fill(~mask, float("-inf"))
-        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        if self.how == "adds, NaN":
+            out = out.clone()
+            out[:, 0, 0] = float("nan")
+        if self.how == "adds, float shape" and mask is not None and mask.dtype != torch.bool:
+            out = out[:, :-1]
+        return out
 
 
 HINT = "the layer adds its mask to the scores"
@@ -562,3 +570,6 @@ def test_mask_honoured_says_a_layer_adds_its_mask_only_when_it_does_and_its_conv
     other = verdict(MaskedSelfAttention("bool ignored"), "mask_honoured")  # float masks act otherwise: no hint
     assert other.verdict == "fail" and HINT not in other.message, other
     assert verdict(MaskedSelfAttention("blocks"), "mask_honoured").verdict == "pass"
+    for how in ("adds, NaN", "adds, float shape"):  # outputs the two masks cannot be compared on: no hint
+        unsure = verdict(MaskedSelfAttention(how), "mask_honoured")
+        assert unsure.verdict == "fail" and HINT not in unsure.message, (how, unsure)
