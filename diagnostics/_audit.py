@@ -47,6 +47,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     a layer that takes a mask is given the pattern's mask, and `attention_pattern` measures which keys each
     output row depends on against it.
     """
+    expect(isinstance(causal, bool), "causal=True or causal=False", f"causal={causal!r}",
+           "pass a bool: causal=True if the layer promises causality")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1),
            "an int seq_len >= 1", f"seq_len={seq_len!r}", "pass the context length you train with, e.g. seq_len=128")
     expect(scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0),

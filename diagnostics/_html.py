@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ._errors import AuditUsageError
+
 # Scoped under `.am` so that the rules do not leak into a host page (pytest-html's report has its own CSS).
 STYLE = """
 .am { color: #1a1a1a; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
@@ -221,6 +223,19 @@ def finding_html(r) -> str:
             f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
 
 
+def write_page(path, page: str) -> None:
+    """Write an HTML page; a path that cannot be written is a usage error that says why and what to do."""
+    target = Path(path)
+    try:
+        target.write_text(page, encoding="utf-8")
+    except OSError as error:
+        folder = target.parent
+        why = ("its folder does not exist" if not folder.exists() else
+               f"{type(error).__name__}: {error.strerror or error}")
+        raise AuditUsageError(f"expected a path the HTML report can be written to; got {str(path)!r} ({why}). Fix: "
+                              f"create {str(folder)!r} first, or pass a path in a folder you can write to") from None
+
+
 def write_report_html(report, path) -> None:
     """Write `report` (an AuditReport) to `path` as one self-contained HTML page."""
     verdict = "PASSED" if report.passed else "FAILED"
@@ -254,7 +269,7 @@ body {{ margin: 24px; }}</style></head>
 {results_table(report.results)}
 </body></html>
 """
-    Path(path).write_text(page, encoding="utf-8")
+    write_page(path, page)
 
 
 STATUS_LOOK = {"passed": "pass", "failed": "fail", "inconclusive": "warn"}  # a status in its verdict's colours
@@ -297,4 +312,4 @@ def model_report_html(report, *, standalone: bool = True) -> str:
 
 def write_model_report_html(report, path) -> None:
     """Write `report` (a ModelReport) to `path` as one self-contained HTML page."""
-    Path(path).write_text(model_report_html(report), encoding="utf-8")
+    write_page(path, model_report_html(report))

@@ -124,8 +124,10 @@ class Subject:
     def describe(self) -> str:
         name = (getattr(self.layer, "audit_name", None)  # adapters name the layer they wrap
                 or getattr(self.layer, "__qualname__", None) or type(self.layer).__qualname__)
-        said = "".join(f", {note}" for note in self.notes)
-        return f"{name} ({self.form}, d_model={self.d_model}, num_heads={self.num_heads}{said})"
+        # a size a note already gives (how it was found: "num_heads=1 assumed: ...") is said once, in the note
+        sizes = [f"{field}={value}" for field, value in (("d_model", self.d_model), ("num_heads", self.num_heads))
+                 if not any(note.startswith(f"{field}=") for note in self.notes)]
+        return f"{name} ({', '.join([self.form, *sizes, *self.notes])})"
 
 
 def _same_for_every_query(allowed: Tensor) -> bool:

@@ -193,6 +193,8 @@ def graph_call(sub, q, k, v, allowed) -> Tensor:
 
     if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
         raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
+    elif isinstance(raw, Tensor) and not same(raw) and raw.dim() == 4 and same(raw.transpose(1, 2)):
+        raw = raw.transpose(1, 2)  # a function in layout "bthd": (B, T, H, d), read back as (B, H, T, d)
     if not isinstance(raw, Tensor) or not same(raw):
         raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
     return raw

@@ -245,8 +245,10 @@ def check_gradients(probe: Probe) -> DetectorResult:
             # differences themselves noisy: two extrapolations from different step sizes disagree by that noise
             fd_fine = (4 * central(eps / 4) - fine) / 3
             limit = max(GRADIENT_AGREEMENT, 30 * abs(fd_fine - fd) / scale)
-        evidence = (f"along a pseudo-random direction of the inputs and parameters, autograd gives {ad:.6g} and extrapolated central "
-                    f"differences {fd:.6g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
+        # enough digits that two numbers which disagree are printed differently (6 made a failure read like a pass)
+        digits = max(6, min(17, 2 - math.floor(math.log10(rel))) if rel > 0 else 6)
+        evidence = (f"along a pseudo-random direction of the inputs and parameters, autograd gives {ad:.{digits}g} and "
+                    f"extrapolated central differences {fd:.{digits}g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
                     f"allowed: {GRADIENT_AGREEMENT:.0e}, or 30x the finite differences' own noise)")
         if rel > limit:
             return result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "

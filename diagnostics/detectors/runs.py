@@ -24,8 +24,16 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
         except Exception as error:
             frames = traceback_frames(error.__traceback__)
             if frames:
+                fix = exception_fix(error)
+                t = call.query.shape[probe.subject.time_dim]
+                short_ran = any(shape.label == "T=1" and not shape.raised for shape in probe.shapes.get("runs", ()))
+                if short_ran and t > 1 and SHAPES.search(str(error)):  # a length the layer cannot take
+                    seq_len = probe.options.get("seq_len", "seq_len=")
+                    fix = (f"the layer runs on 1 token but not on {t}: it has a maximum length below {t} (a buffer "
+                           f"of fixed size?); audit it at most at its context length ({seq_len}N), or make its "
+                           f"buffers follow the input length")
                 return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
-                             if str(error).strip() else "", exception_fix(error))]
+                             if str(error).strip() else "", fix)]
     return []
 
 

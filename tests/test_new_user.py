@@ -1,0 +1,139 @@
+"""What a new user hit (issue 18, items 4, 9 and 10), each with the case that failed before: a `layout="bthd"`
+function without a gradient check, wording that misled, and errors caught late or not at all."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+from buggy_variants import VARIANTS
+from correct import gpt2_init_
+
+
+def flash_style(q, k, v, mask=None):
+    """flash-attn's layout: (B, T, H, d) in and out, SDPA inside."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def flash_style_detached(q, k, v, mask=None):
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1).detach() @ v).transpose(1, 2)
+
+
+def test_a_bthd_function_gets_its_gradient_check():
+    report = diagnostics.audit(flash_style, layout="bthd", strict=True)
+    assert report.result("gradients").verdict == "pass" and report.passed, str(report)
+
+
+def test_a_bthd_function_with_a_detached_softmax_fails_it():
+    result = diagnostics.audit(flash_style_detached, layout="bthd").result("gradients")
+    assert result.verdict == "fail" and "disagrees" in result.message, result
+
+
+def test_a_failing_gradient_check_prints_numbers_that_differ():
+    torch.manual_seed(0)
+    layer = VARIANTS["detached_softmax"].build(4, 2)
+    gpt2_init_(layer)
+    result = diagnostics.audit(layer, seq_len=4).result("gradients")
+    assert result.verdict == "fail"
+    ad, fd = (part.split(" and")[0].split(":")[0] for part in result.evidence.split("gives ")[1].split("differences "))
+    assert ad.strip() != fd.strip(), result.evidence
+
+
+def test_a_size_found_by_a_trial_or_assumed_is_said_once():
+    class Bare(nn.Module):  # no attribute names its sizes
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+        def forward(self, x):
+            return ((x @ self.w) @ x.transpose(-2, -1) / math.sqrt(8)).softmax(-1) @ x
+
+    described = diagnostics.audit(Bare()).layer
+    assert described.count("d_model=") == 1 and described.count("num_heads=") == 1, described
+
+
+def test_too_flat_says_the_logits_are_divided_too_much():
+    class Overscaled(nn.Module):  # divides by d_k instead of sqrt(d_k): scaled by too little
+        def __init__(self):
+            super().__init__()
+            self.d_model, self.num_heads = 32, 2
+            self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x):
+            B, T, D = x.shape
+            q, k, v = self.qkv(x).view(B, T, 3, 2, 16).permute(2, 0, 3, 1, 4)
+            return self.out(((q @ k.transpose(-2, -1) / 16).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+    torch.manual_seed(0)
+    result = diagnostics.audit(Overscaled()).result("softmax_saturation")
+    assert result.verdict == "fail" and "too flat" in result.message and "divided too much" in result.message
+    assert "more than" not in result.message, result.message
+
+
+def test_to_html_into_a_missing_folder_is_a_usage_error(tmp_path):
+    report = diagnostics.audit(flash_style, layout="bthd")
+    with pytest.raises(diagnostics.AuditUsageError, match="folder does not exist.*create"):
+        report.to_html(tmp_path / "missing" / "x.html")
+
+
+@pytest.mark.parametrize("causal", ["yes", 1, None])
+def test_causal_must_be_a_bool(causal):
+    with pytest.raises(diagnostics.AuditUsageError, match="causal=True or causal=False"):
+        diagnostics.audit(flash_style, layout="bthd", causal=causal)
+
+
+class FixedBuffer(nn.Module):
+    """A causal mask buffer of 8 positions, sliced to the input, and no attribute saying the context is 8."""
+
+    causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads = 16, 2
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.register_buffer("tri", torch.ones(8, 8).tril())
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(self.tri[:T, :T] == 0, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_seq_len_past_a_hidden_context_says_so_and_within_it_the_layer_passes():
+    torch.manual_seed(0)
+    runs = diagnostics.audit(FixedBuffer(), causal=True, seq_len=16).result("runs")
+    fix, general = runs.remedy
+    assert runs.verdict == "fail" and not general and "maximum length below 16" in fix, fix
+    torch.manual_seed(0)
+    assert diagnostics.audit(FixedBuffer(), causal=True, seq_len=8).passed
+
+
+def test_an_html_report_that_cannot_be_written_leaves_the_audits_status(tmp_path, monkeypatch, capsys):
+    """The command checks --html before the audit; should writing fail after it anyway, the exit status is still
+    the audit's (here 1, failed), and stderr says the page was not written."""
+    from diagnostics import _cli
+    from diagnostics._report import AuditReport
+
+    (tmp_path / "mylayer.py").write_text("from test_new_user import FixedBuffer as broken\n")
+
+    def refuse(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(AuditReport, "to_html", refuse)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    status = _cli.main(["mylayer:broken", "--causal", "--seq-len", "16", "--html", str(tmp_path / "r.html")])
+    err = capsys.readouterr().err
+    assert status == 1 and "HTML report was not written" in err and "No space left" in err, err
