@@ -604,17 +604,24 @@ def test_declared_window_reads_a_positive_int_only():
 
 
 class DetachedOut(nn.Linear):
-    """An output projection whose weight autograd never sees."""
+    """An output projection whose weight autograd never sees (its gradient: None)."""
 
     def forward(self, x):
         return nn.functional.linear(x, self.weight.detach(), self.bias)
 
 
+class ZeroedOut(nn.Linear):
+    """An output projection whose weight's gradient is a tensor of exact zeros (read times 0, plus a copy)."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight.detach() + 0.0 * self.weight, self.bias)
+
+
 def test_gradient_flow_names_every_parameter_without_gradient_and_the_first_layer_holding_one():
     model = protocol_gpt()
     layers = [block.attn for block in model.h]
-    for attn in layers:
-        detached = DetachedOut(attn.out.in_features, attn.out.out_features)
+    for attn, kind in zip(layers, (DetachedOut, ZeroedOut)):
+        detached = kind(attn.out.in_features, attn.out.out_features)
         detached.load_state_dict(attn.out.state_dict())
         attn.out = detached
     total = sum(len(list(attn.parameters())) for attn in layers)
@@ -675,3 +682,40 @@ def test_decode_consistency_skips_partial_calls_without_a_row_per_query():
     assert (result.verdict, result.message) == ("skip", "not measured: the output (2, 2, 16, 8) has no row per query "
                                                         "(see output_shape)"), result
     assert result_of(attention, "decode_consistency", causal=True).verdict == "pass"
+
+
+class _Config:
+    _attn_implementation = "eager"
+
+
+def switchable(broken: bool):
+    """ProtocolGPT posing as a Hugging Face model (its class's module, a config with _attn_implementation, and
+    set_attn_implementation), so that backend_parity runs without transformers; `broken`: its sdpa path scales
+    the logits by 1.01."""
+    from buggy_variants.teaching_model import ProtocolGPT
+
+    class Switchable(ProtocolGPT):
+        def __init__(self):
+            torch.manual_seed(0)
+            super().__init__(n_layer=2)
+            self.config, self.broken = _Config(), broken
+
+        def set_attn_implementation(self, name):
+            self.config = _Config()
+            self.config._attn_implementation = name
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+            out = super().forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+            return out * 1.01 if self.broken and self.config._attn_implementation == "sdpa" else out
+
+    Switchable.__module__ = "transformers.models.switchable.modeling_switchable"
+    return Switchable()
+
+
+def test_backend_parity_fails_implementations_that_disagree_and_passes_ones_that_agree():
+    broken = model_result(switchable(True), "backend_parity")
+    assert (broken.verdict, broken.message) == ("fail", "attention implementations disagree: sdpa against eager")
+    assert broken.value > broken.threshold
+    same = model_result(switchable(False), "backend_parity")
+    assert (same.verdict, same.message) == ("pass", "eager and sdpa agree"), same
+    assert same.value <= same.threshold
