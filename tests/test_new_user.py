@@ -137,3 +137,13 @@ def test_an_html_report_that_cannot_be_written_leaves_the_audits_status(tmp_path
     status = _cli.main(["mylayer:broken", "--causal", "--seq-len", "16", "--html", str(tmp_path / "r.html")])
     err = capsys.readouterr().err
     assert status == 1 and "HTML report was not written" in err and "No space left" in err, err
+
+
+@pytest.mark.parametrize("seq_len", [12, 16])  # 16: the head width, which the old site search mistook for positions
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_merge_without_transpose_is_located_at_the_reshape_whatever_the_sizes(seq_len, causal):
+    torch.manual_seed(0)
+    report = diagnostics.audit(VARIANTS["heads_merged_without_transpose"].build(64, 4), seq_len=seq_len, causal=causal)
+    for det in ("query_locality", "output_variance", "mask_honoured"):
+        site = report.result(det).where[0]
+        assert site.function.endswith("merge_heads") and "reshape" in site.code, (det, site.describe())

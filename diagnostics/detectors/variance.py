@@ -57,7 +57,7 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
         out = op.outs[0] if op.outs else None
         if not op.frames or out is None or not out.is_floating_point():
             continue
-        for a in range(1, out.dim()):
+        for a in range(1, out.dim() - 1):  # position axes: not the batch, not the features (last, of any size)
             if out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any()):
                 return [op_site(op, "every token is the same, yet this op's output differs between positions: it "
                                      "mixes positions with another axis (heads)",
