@@ -203,15 +203,17 @@ def test_a_backward_off_by_a_quarter_of_the_agreement_passes_and_by_four_times_i
 # ---- the decode gain: its square root, its cap ------------------------------------------------------
 
 
-def spread_logits(spread: float):
-    """A causal function whose logits (what reaches the softmax) have exactly `spread` as each row's standard
-    deviation over its keys, whatever q and k: fixed draws, standardised per row."""
+def spread_logits(spread):
+    """A function whose logits (what reaches the softmax) have exactly `spread` as each row's standard deviation
+    over its keys, whatever q and k: fixed draws, standardised per row. `spread`: a number, or a function of the
+    row's index in the flattened (B, H, Tq) rows."""
 
     def layer(q, k, v, mask=None):
         B, H, T, _ = q.shape
         z = torch.randn(B, H, T, k.shape[-2], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         z = (z - z.mean(-1, keepdim=True)) / z.std(-1, keepdim=True)  # each row: mean 0, std 1
-        scores = (spread * z).to(q.dtype)
+        rows = torch.arange(B * H * T, dtype=torch.float64).view(B, H, T, 1)
+        scores = ((spread(rows) if callable(spread) else spread) * z).to(q.dtype)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(-1)
@@ -220,10 +222,24 @@ def spread_logits(spread: float):
     return layer
 
 
-def gain_for(spread: float) -> float:
-    probe = Probe(make_subject(spread_logits(spread), d_model=16, num_heads=2), causal=False, scale=None, seq_len=16,
-                  seed=0)
+def gain_for(spread, dtype=torch.float32) -> float:
+    probe = Probe(make_subject(spread_logits(spread), d_model=16, num_heads=2, dtype=dtype), causal=False, scale=None,
+                  seq_len=16, seed=0)
     return logit_gain(probe)
+
+
+def test_the_decode_gain_reads_the_softmaxs_input_where_rounded_weights_would_hide_the_spread():
+    """bfloat16 weights of logits 0.01 apart round to a few values (their log's spread is not 0.01); the softmax's
+    own input, observed, still has it."""
+    assert gain_for(0.01, torch.bfloat16) == pytest.approx(math.sqrt(2.0 / 0.01), rel=0.03)
+
+
+def test_the_decode_gain_is_the_median_spread_over_every_row_of_the_probe():
+    """Rows spread 0.01 x (1 + row): the 64 rows of the standard probe (B 2 x H 2 x T 16, fewer than the 512 read)
+    have the median spread 0.01 x (1 + 31) (torch's median of an even count: the lower middle value)."""
+    rows = 2 * 2 * 16
+    median = 0.01 * (1 + (rows // 2 - 1))
+    assert gain_for(lambda r: 0.01 * (1 + r)) == pytest.approx(math.sqrt(2.0 / median), rel=1e-6)
 
 
 @pytest.mark.parametrize("spread", [0.02, 0.5, 2e-5, 8.0], ids=str)
