@@ -127,7 +127,10 @@ def test_gradients_and_parameters_used_skip_a_layer_that_does_not_run_in_float64
     assert used.verdict == "skip", used
     assert used.message.startswith("not measured: the layer does not run with autograd as a float64 copy "
                                    f"(ValueError: {RAISED})")
-    assert result_of(Float64Refused(16, 2, refuse=False), "parameters_used").verdict == "pass"
+    used = result_of(Float64Refused(16, 2, refuse=False), "parameters_used", seq_len=32)
+    assert used.verdict == "pass", used
+    # its probe length is its own (8 tokens: every query has a choice of keys), not the audit's seq_len
+    assert [(p.t_q, p.t_k) for p in used.probes] == [(8, 8)], used.probes
 
 
 class RaisingBackward(torch.autograd.Function):
@@ -485,6 +488,7 @@ def test_gradients_fail_a_layer_whose_masked_keys_receive_gradient():
     leak = result_of(ignores_the_mask, "gradients")
     assert (leak.verdict, leak.message) == ("fail", "masked keys receive gradient: the mask is applied after the "
                                                     "softmax normalised over them, or not at all"), leak
+    assert (leak.value, leak.threshold) == (1.0, 0.0)  # a found / not-found reading: 1 found, none allowed
     assert result_of(attention, "gradients").verdict == "pass"
 
 

@@ -537,6 +537,7 @@ def test_gradients_of_a_layer_audited_causal_that_reads_the_future_fail_on_the_f
     leak = verdict(lambda q, k, v, mask=None: attention(q, k, v), "gradients", causal=True)  # the mask ignored
     assert leak.verdict == "fail" and leak.message == ("the gradient lets the future in: past outputs send gradient "
                                                        "to later inputs"), leak
+    assert (leak.value, leak.threshold) == (1.0, 0.0)  # a found / not-found reading: 1 found, none allowed
     assert verdict(with_(), "gradients", causal=True).verdict == "pass"  # the audit's causal mask applied
 
 
