@@ -590,3 +590,43 @@ def test_mask_honoured_says_a_layer_adds_its_mask_only_when_it_does_and_its_conv
     for how in ("adds, NaN", "adds, float shape"):  # outputs the two masks cannot be compared on: no hint
         unsure = verdict(MaskedSelfAttention(how), "mask_honoured")
         assert unsure.verdict == "fail" and HINT not in unsure.message, (how, unsure)
+
+
+# ---- keys_matter's ROUNDING_BOUND: when a null twin call is needed ---------------------------------------
+
+
+class FaintValues:
+    """The reference with values read at a chosen strength (out = w @ (k + faint x v)), counting keys_matter's
+    stacked calls."""
+
+    def __init__(self, faint: float):
+        self.faint, self.stacked = faint, 0
+
+    def __call__(self, q, k, v, mask=None):
+        self.stacked += q.shape[0] > 2
+        return attention(q, k, k + self.faint * v, mask)
+
+
+def test_keys_matter_calls_its_null_twin_only_below_ten_times_the_unchanged_tolerance():
+    """A stream that moved the output by more than ROUNDING_BOUND (10) x UNCHANGED needs no null twin: values read
+    at a strength that moves the output by 30x pass in one stacked call, at 3x in two (the twin tells rounding
+    from a real move). The move is linear in the strength: measured at a large one first."""
+    tol, bound = UNCHANGED[torch.float32], 10.0
+    calibration = FaintValues(1e-2)
+    measured = verdict(calibration, "keys_matter")
+    per_unit = measured.value / 1e-2  # the values' move: the smaller of the two streams'
+    plain, faint = FaintValues(3 * bound * tol / per_unit), FaintValues(0.3 * bound * tol / per_unit)
+    assert verdict(plain, "keys_matter").verdict == "pass" and plain.stacked == 1
+    assert verdict(faint, "keys_matter").verdict == "pass" and faint.stacked == 2
+
+
+def masks_the_future_itself(q, k, v, mask=None):
+    return bottom_right(q, k, v)
+
+
+def test_undeclared_causality_warns_that_a_layer_audited_as_not_causal_masks_the_future():
+    hint = verdict(masks_the_future_itself, "undeclared_causality")
+    assert hint.verdict == "warn" and hint.message == ("every weight above the diagonal is exactly 0 though no mask "
+                                                       "was passed: it masks the future itself: a causal layer, whose "
+                                                       "causality this audit does not check"), hint
+    assert verdict(attention, "undeclared_causality").verdict == "pass"
