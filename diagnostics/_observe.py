@@ -138,11 +138,25 @@ class Record:
     order: list[object] = field(default_factory=list)
 
 
-try:  # torch's flex_attention higher-order operator, its eager implementation, and the module that calls it
-    import torch.nn.attention.flex_attention as _flex_module
-    from torch._higher_order_ops.flex_attention import flex_attention as FLEX, sdpa_dense as FLEX_EAGER
-except ImportError:  # a torch without FlexAttention: no layer can call it
-    _flex_module, FLEX, FLEX_EAGER = None, None, None
+_FLEX: tuple = ()
+
+
+def flex_ops() -> tuple:
+    """(the module that calls it, torch's flex_attention higher-order operator, its eager implementation), or
+    Nones: read only once something has imported torch.nn.attention.flex_attention (a layer that calls it has),
+    because importing it loads torch.fx's symbolic shapes and sympy (~0.3 s) on torch 2.14; a torch without
+    FlexAttention has no layer that can call it."""
+    global _FLEX
+    if not _FLEX:
+        if "torch.nn.attention.flex_attention" not in sys.modules:
+            return None, None, None
+        try:
+            import torch.nn.attention.flex_attention as module
+            from torch._higher_order_ops.flex_attention import flex_attention, sdpa_dense
+            _FLEX = (module, flex_attention, sdpa_dense)
+        except ImportError:
+            _FLEX = (None, None, None)
+    return _FLEX
 
 
 class Mode(TorchDispatchMode):
@@ -212,10 +226,11 @@ class Observer(Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
-            if func is FLEX and FLEX is not None:
+            _, flex, eager = flex_ops()
+            if flex is not None and func is flex:
                 self._note_flex(args, kwargs)
                 with self:  # the eager implementation's ops, observed (the mode is popped while it dispatches)
-                    return FLEX_EAGER(*args, **kwargs)
+                    return eager(*args, **kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
@@ -292,8 +307,9 @@ def _uncompiled_flex(state):
     grad on the CPU (FlexAttention has no CPU backward). An observed call runs in grad mode only so that torch's
     fused inference paths are not taken, and never runs backward: the check is lifted while observing, so that a
     module with trainable weights that calls flex_attention can be observed on the CPU."""
-    if _flex_module is None:
-        return state
+    _flex_module = flex_ops()[0]
+    if _flex_module is None or state is None:  # nothing set on entry, so nothing to restore on exit
+        return None
     old = (getattr(_flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False),
            getattr(_flex_module, "_validate_device", None))
     compile_off, check = (True, _no_device_check) if state is True else state

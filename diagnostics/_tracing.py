@@ -855,10 +855,17 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
 
 
 def in_custom_function(frame) -> bool:
-    """Inside an autograd.Function's forward, which runs without grad by design."""
+    """Inside an autograd.Function's forward, which runs without grad by design: a `forward` whose first argument
+    is the function's context (torch 2.14 calls it from C++, with no Python `apply` frame above it), or, on older
+    torch, below `Function.apply` in autograd/function.py."""
+    context = torch.autograd.function.FunctionCtx
     while frame is not None:
-        if frame.f_code.co_name in ("apply", "forward") and frame.f_code.co_filename.endswith(
+        code = frame.f_code
+        if code.co_name in ("apply", "forward") and code.co_filename.endswith(
                 ("autograd/function.py", "autograd\\function.py")):
+            return True
+        if code.co_name == "forward" and code.co_argcount and isinstance(frame.f_locals.get(code.co_varnames[0]),
+                                                                          context):
             return True
         frame = frame.f_back
     return False

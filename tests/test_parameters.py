@@ -146,3 +146,28 @@ def test_structural_zeros_are_read_from_the_gradient_alone():
     assert parameters.structural_zeros(rows).startswith("on rows 2-3 of 6")
     assert parameters.structural_zeros(torch.ones(3, 3)) == ""
     assert parameters.structural_zeros(torch.tensor([0.0, 1.0])) == ""  # one zero entry of a bias is no finding
+    assert parameters.structural_zeros(rows, table=True) == ""  # a lookup table's rows are entries, not features
+    assert parameters.structural_zeros(torch.zeros(6, 3), table=True) == "everywhere"
+
+
+def test_a_lookup_table_the_probe_reaches_in_part_is_no_finding():
+    """T5's relative position buckets: an nn.Embedding of which a short probe reads some rows only."""
+
+    class Buckets(SeparateProjections):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Embedding(32, self.num_heads)  # rows: buckets of (key - query), most unused at T = 8
+
+        def forward(self, x, mask=None):
+            B, T, D = x.shape
+            split = lambda t: t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2)  # noqa: E731
+            q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+            rel = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-15, 15) + 16  # (T, T) buckets
+            scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads) + self.bias(rel).permute(2, 0, 1)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+    torch.manual_seed(0)
+    report = diagnostics.audit(Buckets())
+    assert report.result("parameters_used").verdict == "pass", str(report)

@@ -79,10 +79,14 @@ def _runs(flags: Tensor) -> str:
     return ", ".join(spans)
 
 
-def structural_zeros(grad: Tensor | None) -> str:
-    """Where a gradient is exactly zero in a way no correct use of the tensor gives: '' when it is not."""
+def structural_zeros(grad: Tensor | None, *, table: bool = False) -> str:
+    """Where a gradient is exactly zero in a way no correct use of the tensor gives: '' when it is not. `table`: a
+    lookup table (an nn.Embedding's weight, such as T5's relative position buckets), whose rows are entries a short
+    probe need not reach, not output features: only a table never read at all is a finding."""
     if grad is None or not bool(grad.ne(0).any()):
         return "everywhere"
+    if table:
+        return ""
     if grad.dim() == 2 and grad.shape[0] == grad.shape[1] > 1:
         off = grad.clone()
         off.fill_diagonal_(0)
@@ -252,7 +256,9 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
         return skip(det, "the output is not finite on an ordinary input, so its gradients say nothing (see "
                          "finite_output)")
     grad_of = dict(zip(params, grads))
-    zero = {name: structural_zeros(g) for name, g in grad_of.items()}
+    tables = {f"{owner}.{n}" if owner else n for owner, m in sub.layer.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for n, _ in m.named_parameters(recurse=False)}
+    zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_of.items()}
     zero = {name: where for name, where in zero.items() if where}
     cut, explained, unused, moved_by = [], [], [], {}
     for name, where in zero.items():
