@@ -229,9 +229,9 @@ def gain_for(spread, dtype=torch.float32) -> float:
 
 
 def test_the_decode_gain_reads_the_softmaxs_input_where_rounded_weights_would_hide_the_spread():
-    """bfloat16 weights of logits 0.01 apart round to a few values (their log's spread is not 0.01); the softmax's
-    own input, observed, still has it."""
-    assert gain_for(0.01, torch.bfloat16) == pytest.approx(math.sqrt(2.0 / 0.01), rel=0.03)
+    """bfloat16 weights of logits 1e-3 apart (1/16 x (1 +- 1e-3), within one rounding of 1/16) all round alike: their
+    log's spread is 0, which would ask the cap; the softmax's own input, observed, still spreads by 1e-3."""
+    assert gain_for(1e-3, torch.bfloat16) == pytest.approx(math.sqrt(2.0 / 1e-3), rel=0.03)
 
 
 def test_the_decode_gain_is_the_median_spread_over_every_row_of_the_probe():
