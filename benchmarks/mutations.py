@@ -45,6 +45,11 @@ selection must pass unmutated. A mutant is *killed* when the tests fail, *error*
 (counted as killed, listed apart), *timeout* past --timeout (counted as killed, listed apart), *survived* when they
 pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
 with the reason, after it was checked by hand to change no verdict.
+
+Cost (2 cores shared with other work, one job): 5-11 s a mutant (the selections take 5-18 s unmutated; a killed
+mutant stops at its first failing test); the default sample of about 125 mutants runs in 10-12 minutes, every
+mutant (`--all`, about 770) in about an hour and a half. After adding tests, `--survivors-of` reruns only the
+earlier survivors, matched by their line's code, so that moved lines still match.
 """
 
 from __future__ import annotations
