@@ -260,7 +260,7 @@ body {{ margin: 24px; }}</style></head>
 <body class="am">
 <h1>Attention audit of {escape(report.layer)}: {verdict}</h1>
 <p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
-{escape(report.device)}, {report.forward_passes} forward passes, {report.seconds:.2f} s{escape(mask)}</p>
+{escape(report.device)}, {report.forward_passes} forward passes of work, {report.seconds:.2f} s{escape(mask)}</p>
 <h2>Findings</h2>
 {"".join(finding_html(r) for r in findings) or "<p>No findings: every detector passed or was skipped.</p>"}
 <h2>Attention weights</h2>

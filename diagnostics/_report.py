@@ -140,7 +140,7 @@ class AuditReport(Report):
     def __str__(self) -> str:
         head = (f"attention audit of {self.layer}: {self.status.upper()} "
                 f"({'causal, ' if self.causal else ''}seq_len={self.seq_len}, {self.dtype} on {self.device}, "
-                f"{self.forward_passes} forward passes, {self.seconds:.2f} s)")
+                f"{self.forward_passes} forward passes of work, {self.seconds:.2f} s)")
         lines = [head]
         if self.status_reason:
             lines.append(f"  {self.status_reason}")

@@ -147,3 +147,12 @@ def test_the_merge_without_transpose_is_located_at_the_reshape_whatever_the_size
     for det in ("query_locality", "output_variance", "mask_honoured"):
         site = report.result(det).where[0]
         assert site.function.endswith("merge_heads") and "reshape" in site.code, (det, site.describe())
+
+
+def test_the_header_counts_work_and_runs_counts_calls_and_each_says_which():
+    """The header's number (forward passes of work: a backward counts two) and runs' (calls of the layer) differ
+    by design; each now names what it counts."""
+    report = diagnostics.audit(flash_style, layout="bthd")
+    header, runs = str(report).splitlines()[0], report.result("runs").message
+    assert f"{report.forward_passes} forward passes of work" in header, header
+    assert "calls in all" in runs, runs
