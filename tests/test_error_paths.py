@@ -267,14 +267,23 @@ def test_a_layer_that_does_not_respond_is_not_measured_not_passed(detector):
 
 
 def test_mask_honoured_of_a_one_stream_layer_that_does_not_respond_is_not_measured():
-    """One stream: the changed keys are changed queries too, so both scenarios have rows a correct layer moves.
-    (A function or cross-attention layer that does not respond passes instead: its padding scenario has no such
-    rows, and the skip needs every scenario silent; see the report of issue 20's mutation run.)"""
+    """One stream: the changed keys are changed queries too, so both scenarios have rows a correct layer moves,
+    and both stay silent."""
     result = result_of(ConstantModule(), "mask_honoured")
     assert (result.verdict, result.message) == ("skip", "not measured: the output did not respond to changed keys "
-                                                        "anywhere, so its not moving where the mask blocks them proves "
-                                                        "nothing"), result
+                                                        "with the padding and causal mask (not even the rows a correct "
+                                                        "layer moves), so its not moving where the mask blocks them "
+                                                        "proves nothing"), result
     assert result_of(Float64Refused(16, 2, refuse=False), "mask_honoured").verdict == "pass"
+
+
+def test_mask_honoured_of_a_function_that_does_not_respond_is_not_measured():
+    """A function's padding scenario has no rows a correct layer must move, so it is never silent; its causal
+    scenario is. One silent scenario is enough to prove nothing (the mutation run found the skip could not fire
+    here when it needed every scenario silent: a constant function passed)."""
+    result = result_of(constant, "mask_honoured")
+    assert result.verdict == "skip" and "with the causal mask" in result.message, result
+    assert result_of(attention, "mask_honoured").verdict == "pass"
 
 
 def test_keys_matter_fails_a_layer_that_reads_neither_keys_nor_values():
