@@ -11,10 +11,11 @@ import os
 import sys
 import sysconfig
 
-_TORCH_DIR = os.path.normcase(os.path.dirname(importlib.util.find_spec("torch").origin)) + os.sep
+_TORCH_SPEC = importlib.util.find_spec("torch")  # found without importing torch (a torch-less process reads this too)
+_TORCH_DIR = os.path.normcase(os.path.dirname(_TORCH_SPEC.origin)) + os.sep if _TORCH_SPEC else "\0"
 _OWN_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB = os.path.normcase(sysconfig.get_paths().get("stdlib", "") or "") + os.sep
-_OBSERVERS = ("_observe.py", "_tracing.py", "_where.py")  # this package's modules whose frames sit between an op and its caller
+_OBSERVERS = ("_observe.py", "_tracing.py")  # this package's modules whose frames sit between an op and its caller
 _KIND: dict = {}  # code object -> 0 user, 1 torch / standard library, 2 diagnostics
 
 
