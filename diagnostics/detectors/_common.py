@@ -126,6 +126,14 @@ def base_trace(probe) -> Trace:
 # ---- a float64 copy with its autograd graph (the gradient checks) ----------------------------------------
 
 
+def float64_copy_or_skip(probe: Probe, det: str):
+    """The float64 subject a gradient-taking check runs on, or that check's skip saying why none could be made."""
+    try:
+        return float64_twin(probe)
+    except Exception as error:  # a layer that cannot be copied or converted: say so
+        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+
+
 def float64_twin(probe: Probe):
     """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
     s = probe.subject

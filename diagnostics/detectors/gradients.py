@@ -16,7 +16,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import GradientCut, declared_mask, mask_sites, site, stream_sites, trace_call, weights_origin
-from ._common import float64_twin, graph_call, logit_gain, result
+from ._common import float64_copy_or_skip, graph_call, logit_gain, result
 
 PARAMETER_ENTRIES = 512
 """The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
@@ -124,10 +124,9 @@ def mask_gradient_sites(probe, replay: GradientReplay) -> list[Site]:
 def check_gradients(probe: Probe) -> DetectorResult:
     det, s = "gradients", probe.subject
     B, T = probe.BATCH, min(probe.t, 6)  # gradient bugs do not need long sequences; keeps the cost constant
-    try:
-        sub = float64_twin(probe)
-    except Exception as error:  # a layer that cannot be copied or converted: say so
-        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+    sub = float64_copy_or_skip(probe, det)
+    if isinstance(sub, DetectorResult):
+        return sub
     gen = probe.generator()
     cross = s.separate_kv and not probe.causal
     # tokens scaled so that the softmax is neither uniform nor one-hot: at GPT-2's std-0.02 initialisation and

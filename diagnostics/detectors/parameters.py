@@ -31,7 +31,7 @@ from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
-from ._common import float64_twin, graph_call, result
+from ._common import float64_copy_or_skip, graph_call, result
 
 OWNS_PARAMETERS = Need("a module with trainable parameters",
                        lambda p: isinstance(p.subject.layer, nn.Module)
@@ -230,10 +230,9 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     # structural zeros do not depend on the length: a short probe costs a constant (the float64 forward and backward
     # at seq_len 1024 were 16% of the audit's time), as the gradient check's 6 tokens do
     B, T = probe.BATCH, min(probe.t, PARAMETER_TOKENS)
-    try:
-        sub = float64_twin(probe)
-    except Exception as error:  # a layer that cannot be copied or converted: say so
-        return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
+    sub = float64_copy_or_skip(probe, det)
+    if isinstance(sub, DetectorResult):
+        return sub
     gen = probe.generator()
     cross = s.separate_kv and not probe.causal
     # inputs that require grad too: gradients are taken through this call (the probe's record says so)
