@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import diagnostics
-from correct import MultiHeadAttention
+from correct import MultiHeadAttention, gpt2_init_
 
 
 class OwnTriangle(nn.Module):
@@ -33,13 +33,20 @@ class OwnTriangle(nn.Module):
         return self.out((att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
 
 
-def _layer(**kw):
+def _layer(dtype=torch.float32, init="default", **kw):
     torch.manual_seed(0)
-    return OwnTriangle(**kw)
+    layer = OwnTriangle(**kw)
+    if init == "gpt2":
+        gpt2_init_(layer, seed=0)
+    return layer.to(dtype)
 
 
-def test_a_causal_layer_audited_without_causal_warns_and_names_the_option():
-    report = diagnostics.audit(_layer())
+SETTINGS = [(dtype, init) for dtype in (torch.float32, torch.bfloat16) for init in ("default", "gpt2")]
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=lambda x: str(x).replace("torch.", ""))
+def test_a_causal_layer_audited_without_causal_warns_and_names_the_option(dtype, init):
+    report = diagnostics.audit(_layer(dtype, init))
     hint = report.result("undeclared_causality")
     assert hint.verdict == "warn" and "masks the future itself" in hint.message, str(report)
     assert report.passed, str(report)  # a hint: the audit still passes
@@ -47,8 +54,9 @@ def test_a_causal_layer_audited_without_causal_warns_and_names_the_option():
     assert not general and "causal=True" in fix and hint.where[0].code.startswith("att = att.masked_fill"), fix
 
 
-def test_the_same_layer_audited_as_causal_gets_no_hint_and_passes():
-    report = diagnostics.audit(_layer(), causal=True)
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=lambda x: str(x).replace("torch.", ""))
+def test_the_same_layer_audited_as_causal_gets_no_hint_and_passes(dtype, init):
+    report = diagnostics.audit(_layer(dtype, init), causal=True)
     assert report.result("undeclared_causality").verdict == "skip" and report.passed, str(report)
     assert report.result("future_leakage").verdict == "pass"
 
@@ -63,9 +71,13 @@ def test_an_anti_causal_mask_is_named_as_masking_the_past():
 
 @pytest.mark.parametrize("make", [lambda: MultiHeadAttention(16, 2), lambda: nn.MultiheadAttention(16, 2, batch_first=True)],
                          ids=["reference", "torch_mha"])
-def test_a_layer_that_attends_both_ways_gets_no_hint(make):
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=lambda x: str(x).replace("torch.", ""))
+def test_a_layer_that_attends_both_ways_gets_no_hint(make, dtype, init):
     torch.manual_seed(0)
-    report = diagnostics.audit(make())
+    layer = make()
+    if init == "gpt2":
+        gpt2_init_(layer, seed=0)
+    report = diagnostics.audit(layer.to(dtype))
     assert report.result("undeclared_causality").verdict == "pass", str(report)
 
 
