@@ -87,7 +87,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
     status, reason = _status(results, probe, base, _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
-    release(probe)  # a report kept for its findings' sites keeps the probe, not the standard probe's record
+    probe.release()  # a report kept for its findings' sites keeps the probe, not the standard probe's record
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
                        dtype=dtype_name(subject.dtype), device=str(subject.device), forward_passes=probe.passes,
                        seconds=time.perf_counter() - started,
@@ -135,12 +135,6 @@ def _sites(probe: Probe, locate, result: DetectorResult, layer, device) -> tuple
             return unique(locate(probe, result))
     except Exception:  # pointing at the line must never cost the report its verdicts
         return ()
-
-
-def release(probe: Probe) -> None:
-    """Once the report has its weights: drop the standard probe's observed record (copies of (B, H, T, T)
-    scores and weights), which the sites, found later by fresh traces, never need."""
-    probe.release()
 
 
 def _run_one(det, probe: Probe, options: dict | None) -> DetectorResult:

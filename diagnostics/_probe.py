@@ -182,7 +182,8 @@ class Probe:
         return self._base
 
     def release(self) -> None:
-        """Drop the standard probe's observed record (copies of (B, H, T, T) scores and weights)."""
+        """Drop the standard probe's observed record (copies of (B, H, T, T) scores and weights) once the report has
+        its weights: the sites, found later by fresh traces of each finding's own inputs, never need it."""
         if self._base is not None:
             self._base.record = None
 
