@@ -11,7 +11,8 @@ from importlib import import_module
 from .._registry import DETECTORS
 
 MODULES = ("runs", "shape", "finite", "weights", "temperature", "variance", "locality", "masking", "causal",
-           "determinism", "batch", "keys", "decoding", "gradients", "parameters", "pattern")
+           "determinism", "batch", "keys", "decoding", "gradients", "parameters", "positions",
+           "pattern")
 
 for _name in MODULES:
     import_module(f"{__name__}.{_name}")

@@ -1,0 +1,371 @@
+"""`relative_positions`: a layer whose positions are relative (rotary, ALiBi, T5's buckets) gives its tokens the
+same outputs when every position is shifted by the same offset.
+
+Applicability is measured, never assumed. One stacked call holds the probe tokens, the same tokens with the keys'
+positions permuted (all but the newest one reversed; in one-stream self-attention the queries move with them),
+and the probe tokens again. A layer without a positional mechanism is equivariant to that permutation: every
+output row that sees the same keys is unchanged, and the detector is not applicable. The third copy is the
+randomness control: two copies of one input in one call that differ mean randomness the shift would be read
+through (dropout left on), and nothing is measured.
+
+The shift: P tokens before the probe's, which every real query is blocked from by the mask (left padding; the
+padding queries attend the padding keys too, so no row is fully blocked), else, for a Hugging Face layer whose
+rotary positions the audit builds, positions P, P + 1, ... through its own position argument with an empty cache.
+The real tokens' outputs must equal the unshifted ones. A layer for which neither is possible (no mask argument,
+no positions the audit can drive) is a visible skip saying what would make it measurable.
+
+What breaks shift invariance legitimately, and how each is told apart:
+- positions absolute by design (learned or sinusoidal absolute embeddings added inside the layer): declared, the
+  detector is not applicable (`positions="absolute"`, or a `position_embedding_type` of "absolute" on the layer
+  or its config, Hugging Face's name); undeclared, the failure names that declaration;
+- a declared attention pattern that depends on absolute positions (chunked blocks): compared at this shift, and
+  not applicable where the pattern's mask moves with the shift (a sliding window does not);
+- the layer's own causal mask from a fixed buffer: bottom-right over P + T tokens, so the real block is the same;
+  a context the layer declares bounds P + T (`context_length`);
+- dropout in training mode: the audit runs in eval mode, and randomness left on is the control above;
+- length-dependent rotary scaling (dynamic NTK, LongRoPE's factors past a length): P + T stays within the
+  probe's own length bound, below any length such a rule switches at in the suite; beyond it, audit with a
+  seq_len that keeps P + T below the switch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._core import baseline_scale, not_run, relative_change, skip, unravel, where_text
+from .._probe import Probe
+from .._registry import NOT_APPLICABLE, Need, detector
+from .._result import DetectorResult, ProbeShape, Site
+from .._subject import context_length
+from .._thresholds import UNCHANGED, dtype_name, tolerance
+from .._tracing import (
+    SOFTMAXES,
+    Op,
+    fused_ops,
+    last_rows,
+    moved,
+    op_site,
+    producer,
+    through_carries,
+    trace_call,
+    user,
+)
+from ._common import logit_gain, result
+
+DET = "relative_positions"
+
+SHIFT_TOKENS = 5
+"""P, the shift: odd and not a power of two, so that no block size or period of a positional rule is a multiple of it
+by accident (chunked blocks of 2, 4, 8; a rotary frequency whose period divides P)."""
+
+POSITION_TOKENS = 12
+"""The probe length of the shift (the audit's seq_len, capped): the shifted call has P + T tokens, its cost
+independent of seq_len."""
+
+SHIFT_MOVES = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,  # correct layers measured 1.9e-6 (margin 10.7x); the broken rotaries at least 2.1
+    torch.float16: 4e-2,  # measured 9.5e-3 (margin 4.2x); broken at least 2.1 (52x over)
+    torch.bfloat16: 0.3,  # measured 9.8e-2 (margin 3.1x); broken at least 2.1 (7x over)
+}
+"""How far (relative to the outputs' RMS about their mean, the largest over features) a real token's output may
+move when every position is shifted: rounding only, since the compared rows see the same keys at the same
+distances, but the angles of a rotary embedding are computed (and rounded, cos and sin to the layer's dtype) at
+other positions. Measured with `python tests/test_relative_positions.py` (5 seeds x default and std-0.02
+initialisation x causal and not: our rotary of both pairings, ALiBi and T5-bias layers, and the two broken
+rotaries); the Hugging Face rotary and T5 layers of tests/test_real_layers.py stay below it too (measured there,
+see that test's comment)."""
+
+PERMUTATION_MOVES = UNCHANGED
+"""How far the permutation of the keys' positions may move an output of a layer without positions (only the order of
+the sums changes): the "unchanged" tolerance. A reading above it only means the shift is measured: a layer without
+positions then passes it, so a low bar costs one call, never a false finding."""
+
+
+def shift_tolerance(dtype) -> float:
+    return SHIFT_MOVES.get(dtype, SHIFT_MOVES[torch.float32])
+
+
+ENOUGH_TOKENS = Need("seq_len >= 3", lambda p: p.t >= 3,
+                     "needs a probe length of 3 or more ({seq_len} 3 or more): the keys' positions are permuted "
+                     "around the newest one, which takes two others")
+
+
+@dataclass(frozen=True)
+class ShiftReplay:
+    """What the verdict was computed on: the unshifted call and the shifted one (its inputs, mask and method)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    allowed: Tensor | None
+    shifted: tuple  # (query, key, value) with the P padding tokens first ("positions": the probe's own)
+    shifted_allowed: Tensor | None
+    shift: int
+    method: str  # "padding" or "positions"
+    tol: float
+
+
+def declared_positions(probe: Probe) -> tuple[str | None, str]:
+    """('absolute' | 'relative' | None, where it was declared): audit's `positions=` (set on the probe), else the
+    layer's or its config's `position_embedding_type` (Hugging Face's name: "absolute", "relative_key", "rotary")."""
+    given = getattr(probe, "positions", None)
+    if given is not None:
+        return str(given), f'positions="{given}"'
+    layer = probe.subject.layer
+    for holder, name in ((layer, "the layer's"), (getattr(layer, "config", None), "its config's")):
+        value = getattr(holder, "position_embedding_type", None) if holder is not None else None
+        if isinstance(value, str):
+            kind = "absolute" if value == "absolute" else "relative"
+            return kind, f'{name} position_embedding_type="{value}"'
+    return None, ""
+
+
+def _cat_time(s, pad: Tensor, x: Tensor) -> Tensor:
+    return torch.cat([pad, x], dim=s.time_dim).contiguous()
+
+
+def _rows(s, out: Tensor, start: int, n: int) -> Tensor:
+    return out.narrow(s.time_dim, start, n)
+
+
+def _shift_mask(probe: Probe, B: int, P: int, T: int) -> Tensor:
+    """(B, P + T, P + T), True = may attend: every real query blocked from the padding keys; the padding queries
+    see every key (causally: the padding keys before them), so that no row is fully blocked. For a key-padding layer
+    audited as not causal, one row for every query (the padding keys blocked for all)."""
+    n = P + T
+    i, j = torch.arange(n).unsqueeze(-1), torch.arange(n)
+    real_keys = (j >= P).expand(n, n)
+    if probe.subject.convention == "key_padding" and not probe.causal:
+        mask = real_keys
+    else:
+        mask = real_keys | (i < P)
+    return mask.expand(B, n, n).clone()
+
+
+def _pattern_moves(probe: Probe, B: int, P: int, T: int) -> bool:
+    """Whether the declared pattern's mask over the real tokens changes when they are shifted by P."""
+    if probe.pattern is None:
+        return False
+    shifted = probe.pattern.allowed(B, P + T, P + T)[:, P:, P:]
+    return not torch.equal(shifted.cpu(), probe.pattern.allowed(B, T, T).cpu())
+
+
+@detector(DET, "for a layer whose positions are relative (rotary, ALiBi, T5 buckets), shifting every position by the "
+          "same offset leaves the real tokens' outputs unchanged",
+          targets=("rotary pairs rotated in one layout, their cos/sin table laid out in the other",
+                   "rotary applied over the head axis of a (B, T, H, d) tensor",
+                   "a position bias of absolute, not relative, positions"),
+          fix="let positions reach the scores only through j - i: rotate q and k with the same pairing as the cos/sin "
+              "table (interleaved pairs (2m, 2m+1) with freqs.repeat_interleave(2), half-split pairs (m, m + d/2) with "
+              "torch.cat([freqs, freqs])), along the time axis; if the layer's positions are absolute by design "
+              "(position embeddings added inside it), declare positions=\"absolute\"",
+          needs=(ENOUGH_TOKENS,), locate=lambda probe, result: shift_sites(probe, result))
+def check_relative_positions(probe: Probe) -> DetectorResult:
+    s, B = probe.subject, probe.BATCH
+    T = min(probe.t, POSITION_TOKENS)
+    P = SHIFT_TOKENS
+    limit = context_length(s.layer)
+    if limit is not None and T + P > limit[0]:
+        P = max(0, limit[0] - T)
+        if P < 1:
+            T, P = limit[0] - 1, 1
+    if T < 3:
+        return skip(DET, f"the layer's context ({limit[1] if limit else '?'}) leaves no room to shift 3 tokens")
+    tol = shift_tolerance(s.dtype)
+    gain = logit_gain(probe)  # tokens whose logits spread (std-0.02 initialisation gives near-uniform attention)
+    cross = s.separate_kv and not probe.causal
+    q, k, v = (gain * x for x in probe.streams(B, T, cross=cross))
+    if not cross:
+        k = v = q
+    one = q is k
+    t = s.time_dim
+    # the keys' positions permuted: all but the newest reversed (the newest query sees every key, causal or not)
+    perm = torch.cat([torch.arange(T - 2, -1, -1), torch.tensor([T - 1])]).to(q.device)
+    inverse = torch.argsort(perm)
+    pq = q.index_select(t, perm) if one else q
+    pk = k.index_select(t, perm)
+    pv = pk if (one or v is k) else v.index_select(t, perm)
+    everything = [(q, k, v), (pq, pk, pv), (q, k, v)]
+    Q = torch.cat([x[0] for x in everything])
+    K = Q if one else torch.cat([x[1] for x in everything])
+    V = K if (one or v is k) else torch.cat([x[2] for x in everything])
+    extra = torch.ones(3 * B, T, T, dtype=torch.bool) if s.takes_mask else None
+    stacked = probe.call(Q, K, V, probe.allowed(3 * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)")
+    if not stacked.ok:
+        return not_run(DET, stacked)
+    out = stacked.output.out
+    if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[t] != T:
+        return skip(DET, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
+    base_out, perm_out, again = out.chunk(3)
+    scale = baseline_scale(base_out, centred=True)
+    if not scale > 0:
+        return skip(DET, "the output is zero or non-finite everywhere, so a change cannot be measured against it")
+    noise = relative_change(again, base_out, centred=True, scale=scale)
+    if noise is not None and float(noise.max()) > tol:
+        return skip(DET, f"two copies of the same input in one call differ by {float(noise.max()):.3g} of the outputs' "
+                         f"RMS (randomness left on: see eval_determinism), so a shift cannot be told from it")
+    # rows that see the same keys after the permutation: every row of a non-causal layer (its queries put back in
+    # order where they moved too), the newest one only of a causal layer
+    back = perm_out.index_select(t, inverse) if one else perm_out
+    rows = torch.arange(T) if not probe.causal else torch.tensor([T - 1])
+    permuted = relative_change(_pick(s, back, rows), _pick(s, base_out, rows), centred=True, scale=scale)
+    uses = float(permuted.max()) if permuted is not None else 0.0
+    which = "every query" if not probe.causal else f"query {T - 1}, which sees every key"
+    bar = tolerance(PERMUTATION_MOVES, s.dtype)
+    if uses <= bar:
+        return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the layer has no positional mechanism (none that shows "
+                              f"above {dtype_name(s.dtype)} rounding): permuting the keys' positions moved the output of "
+                              f"{which} by {uses:.3g} of the outputs' RMS at most (up to {bar:.2g} is rounding)")
+    kind, where = declared_positions(probe)
+    if kind == "absolute":
+        return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the layer's positions are absolute by design ({where})")
+    if _pattern_moves(probe, B, P, T):
+        return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the declared attention pattern depends on absolute "
+                              f"positions: its mask over the real tokens changes when they are shifted by {P}")
+    seen = f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS: the layer uses positions"
+    base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
+    if s.takes_mask:
+        pads = [gain * x for x in probe.streams(B, P, cross=cross)]
+        sq = _cat_time(s, pads[0], q)
+        if one:
+            sk = sv = sq
+        else:
+            sk = _cat_time(s, pads[1], k)
+            sv = sk if v is k else _cat_time(s, pads[2], v)
+        shifted_allowed = probe.allowed(B, P + T, P + T, _shift_mask(probe, B, P, T))
+        call = probe.call(sq, sk, sv, shifted_allowed, label=f"{P} padding tokens before {T}, blocked by the mask")
+        if not call.ok:
+            return not_run(DET, call)
+        got, method = call.output.out, "padding"
+        how = f"{P} padding tokens before them, which the mask blocks for every real query"
+        shifted = (sq, sk, sv)
+    elif _drives_positions(s):
+        shifted_allowed = base_allowed
+        try:
+            got = _at_positions(probe, q, base_allowed, P)
+        except Exception as error:  # noqa: BLE001 - the layer's own failure on its position argument: say so
+            return skip(DET, f"calling the layer at positions {P}.. raised ({type(error).__name__}: "
+                             f"{str(error).strip()[:160]}); see `runs`")
+        method, shifted = "positions", (q, q, q)
+        how = f"positions {P}..{P + T - 1} given through the layer's position embeddings, with an empty cache"
+    else:
+        return skip(DET, f"{seen}, but no shift of its positions is possible: the layer takes no mask (left padding "
+                         f"needs one to block the padding) and no positions the audit can drive. Give forward a mask "
+                         f"argument (forward(x, mask=None)), or audit it through a wrapper that passes "
+                         f"positions offset by P, to make it measurable")
+    real = _rows(s, got, P, T) if method == "padding" else got
+    if tuple(real.shape) != tuple(base_out.shape):
+        return skip(DET, f"the shifted call's output {tuple(got.shape)} does not match the unshifted {tuple(base_out.shape)}")
+    change = relative_change(real, base_out, centred=True, scale=scale)
+    if change is None:
+        return skip(DET, "the shifted output is zero or non-finite everywhere, so a change cannot be measured")
+    bad = change > tol
+    worst = float(change.max())
+    at = where_text(unravel(change.argmax(), change.shape), change.dim())
+    evidence = (f"{int(bad.sum())} / {bad.numel()} outputs of the real tokens changed ({100 * float(bad.float().mean()):.1f}%) "
+                f"when every position was shifted by {P} ({how}); greatest change {worst:.3g} at {at} (up to "
+                f"{tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(s.dtype)}); {seen}")
+    replay = ShiftReplay(q, k, v, base_allowed, shifted, shifted_allowed, P, method, tol)
+    if bool(bad.any()):
+        declared = f"; {where} says they are relative" if kind == "relative" else ""
+        return result(DET, "fail", f"the outputs depend on absolute positions: shifting every position by {P} moves "
+                                   f"them{declared}", value=worst, threshold=tol, evidence=evidence, replay=replay)
+    return result(DET, "pass", f"shifting every position by {P} ({method}) leaves the real tokens' outputs unchanged: "
+                               f"positions are relative", value=worst, threshold=tol, evidence=evidence)
+
+
+def _pick(s, out: Tensor, rows: Tensor) -> Tensor:
+    return out.index_select(s.time_dim, rows.to(out.device))
+
+
+def _drives_positions(s) -> bool:
+    """A Hugging Face self-attention layer whose rotary position embeddings the audit builds, with a cache: its
+    positions can be offset through `call_cached(..., start=)` on an empty cache."""
+    return getattr(s, "extra", None) is not None and getattr(s, "cache_name", None) is not None and \
+        s.new_cache() is not None
+
+
+def _at_positions(probe: Probe, x: Tensor, allowed, P: int) -> Tensor:
+    s, B, T = probe.subject, x.shape[0], x.shape[1]
+    probe.passes += 1
+    probe.shapes[DET].append(ProbeShape(f"{T} tokens at positions {P}..{P + T - 1}", B, T, T,
+                                        None if allowed is None else allowed.cpu(), True))
+    with torch.no_grad():
+        raw = s.call_cached(x, allowed, s.new_cache(), start=P)
+    out = raw[0] if isinstance(raw, (tuple, list)) else raw
+    if not isinstance(out, Tensor):
+        raise TypeError(f"returned {type(raw).__name__} with no output first")
+    return out.detach()
+
+
+# ---- where ----------------------------------------------------------------------------------------------------
+
+
+def _score_like(op: Op, n: int) -> bool:
+    return any(o is not None and o.dim() >= 2 and tuple(o.shape[-2:]) == (n, n) for o in op.outs)
+
+
+def shift_sites(probe, result: DetectorResult) -> list[Site]:
+    """The shifted and the unshifted call (`result.replay`) traced side by side: the first op over (query, key)
+    pairs (scores, a bias added to them, the weights) or the first fused attention whose rows for the real tokens
+    differ; then, for a product, the op that made each operand (the rotation of q or k, most likely the mistake)."""
+    r = result.replay
+    if not isinstance(r, ShiftReplay):
+        return []
+    s = probe.subject
+    T, P = r.query.shape[s.time_dim], r.shift
+    a = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    if r.method == "padding":
+        n = P + T
+        b = trace_call(s, *r.shifted, r.shifted_allowed, seed=probe.seed)
+    else:
+        n = T
+        b = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed,
+                       call=lambda: s.call_cached(r.query, r.allowed, s.new_cache(), start=P))
+    if a.output is None or b.output is None:
+        return []
+    fused = {id(op) for op in fused_ops(b)}
+    first = None
+    for x, y in zip(a.ops, b.ops):  # the same program on other lengths: ops in the same order
+        if x.name != y.name:
+            break
+        if not y.sources or not (id(y) in fused or _score_like(y, n) or y.short in SOFTMAXES):
+            continue
+        for ox, oy in zip(x.outs, y.outs):
+            if ox is None or oy is None:
+                continue
+            cut = last_rows(oy, ox.shape, T) if r.method == "padding" else oy
+            if cut is not None and cut.shape == ox.shape and bool(moved(cut, ox, r.tol).any()):
+                first = y
+                break
+        if first is not None:
+            break
+    if first is None:
+        return []
+    note = (f"the first op over (query, key) pairs whose values for the real tokens change when every position is "
+            f"shifted by {P}: the scores depend on absolute positions")
+    product = first if first.short in PRODUCTS or id(first) in fused else next(
+        (made for made in (through_carries(b, producer(b, i)) for i in first.in_ids)
+         if made is not None and made.short in PRODUCTS), None)
+    sites = []
+    for tensor_id in (product.in_ids[:2] if product is not None else ()):
+        made = through_carries(b, producer(b, tensor_id))
+        if made is not None and user(made) and made is not product and made.short not in PRODUCTS:
+            sites.append(op_site(made, f"makes an operand of the (query, key) product that changes with the shift "
+                                       f"({made.short}): a rotation there that depends on absolute positions (rotary "
+                                       f"pairs and their cos/sin table in two layouts, or turned over another axis "
+                                       f"than time)", fix=ROTATION_FIX))
+    sites.append(op_site(first, note))
+    return [site for site in sites if site is not None]
+
+
+PRODUCTS = {"bmm", "mm", "matmul", "baddbmm", "einsum"}
+ROTATION_FIX = ("rotate pairs in the layout of the cos/sin table (interleaved (2m, 2m+1) with freqs.repeat_interleave(2), "
+                "half-split (m, m + d/2) with torch.cat([freqs, freqs])), along the time axis of q and k")
+
+
+__all__ = ["SHIFT_MOVES", "SHIFT_TOKENS", "check_relative_positions", "declared_positions"]

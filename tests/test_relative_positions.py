@@ -1,0 +1,244 @@
+"""`relative_positions`: the two rotary mistakes of "the world's attention layers" class 10, written in this
+project's own code, each caught and located, and its correct twin (the same class, seed and weights, the step done
+right) passing on the same inputs; correct rotary (both pairings), ALiBi and T5-bucket layers pass; a layer without
+positions is not applicable; absolute positions inside the layer fail undeclared and are not applicable declared; a
+rotary layer with no mask argument is a visible skip that says what would make it measurable.
+
+Every layer here works on (B, T, H, d) internally, as flash-attn-style code does, so that "the head axis" is a real
+axis next to the time axis.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from correct import gpt2_init_
+from diagnostics.detectors import positions
+
+DET = "relative_positions"
+
+
+def frequencies(d: int) -> torch.Tensor:
+    return 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)  # (d/2,)
+
+
+def rotate(x: torch.Tensor, pairing: str, bug: str | None) -> torch.Tensor:
+    """x (B, T, H, d) turned by its position along T. `pairing`: "half" (pairs (m, m + d/2)) or "interleaved"
+    (pairs (2m, 2m+1)); the cos/sin table is laid out to match, except under the bugs."""
+    T, d = x.shape[1], x.shape[-1]  # x: (B, T, H, d)
+    angles = torch.arange(T, dtype=torch.float32).unsqueeze(-1) * frequencies(d)  # (T, d/2)
+    if pairing == "interleaved" and bug != "table half-split":
+        table = angles.repeat_interleave(2, dim=-1)  # (T, d): (θ0, θ0, θ1, θ1, ...), one angle per pair
+    else:
+        table = torch.cat([angles, angles], dim=-1)  # (T, d): (θ0, θ1, ..., θ0, θ1, ...)  # BUG table half-split
+    cos, sin = table.cos()[:, None, :].to(x.dtype), table.sin()[:, None, :].to(x.dtype)  # (T, 1, d)
+    if bug == "head axis":
+        x1, x2 = x.chunk(2, dim=2)  # BUG head axis: pairs made across heads, (B, T, H/2, d) each
+        turned = torch.cat([-x2, x1], dim=2)
+    elif pairing == "interleaved":
+        turned = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)  # (-x1, x0, -x3, x2, ...)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        turned = torch.cat([-x2, x1], dim=-1)
+    return x * cos + turned * sin
+
+
+class PositionalAttention(nn.Module):
+    """Multi-head self-attention on (B, T, D) with positions inside: `kind` "rotary" (with `pairing`), "alibi"
+    (-slope_h * |i - j| added to the scores), "t5" (a learned bias per bucket of j - i) or "absolute" (a learned
+    embedding added to the input, absolute by design), or None. `bug`: "table half-split" (interleaved pairs, a
+    half-split cos/sin table) or "head axis" (pairs made over the head axis). `mask`: bool (B, 1, T, T), True = may
+    attend."""
+
+    def __init__(self, d_model=16, num_heads=2, kind="rotary", pairing="half", bug=None, takes_mask=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.kind, self.pairing, self.bug = d_model, num_heads, kind, pairing, bug
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        if kind == "t5":
+            self.buckets = nn.Embedding(2 * 15 + 1, num_heads)  # j - i clamped to [-15, 15]
+        if kind == "absolute":
+            self.position = nn.Embedding(64, d_model)
+        if not takes_mask:
+            self.forward = self.forward_without_mask
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        if self.kind == "absolute":
+            x = x + self.position(torch.arange(T, device=x.device))  # (B, T, D): position t's own vector
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)  # (B, T, H, d) each
+        if self.kind == "rotary":
+            q, k = rotate(q, self.pairing, self.bug), rotate(k, self.pairing, self.bug)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)  # (B, H, T, T)
+        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        if self.kind == "alibi":
+            slopes = 2.0 ** (-8.0 * torch.arange(1, self.num_heads + 1) / self.num_heads)  # (H,)
+            scores = scores - slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
+        if self.kind == "t5":
+            scores = scores + self.buckets((j - i).clamp(-15, 15) + 15).permute(2, 0, 1)  # (H, T, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        y = scores.softmax(-1) @ v  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+    def forward_without_mask(self, x):
+        return PositionalAttention.forward(self, x)
+
+
+def build(dtype=torch.float32, init="default", seed=0, **kw) -> PositionalAttention:
+    torch.manual_seed(seed)
+    layer = PositionalAttention(**kw)
+    if init == "gpt2":
+        gpt2_init_(layer, seed=seed)
+    return layer.to(dtype)
+
+
+SETTINGS = [(dtype, init) for dtype in (torch.float32, torch.bfloat16) for init in ("default", "gpt2")]
+BUGS = {"table half-split": {"pairing": "interleaved"}, "head axis": {"pairing": "half"}}
+
+
+def ids(x):
+    return str(x).replace("torch.", "")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_a_rotary_mistake_is_caught(bug, dtype, init, causal):
+    report = diagnostics.audit(build(dtype, init, bug=bug, **BUGS[bug]), causal=causal, detectors=[DET])
+    result = report.result(DET)
+    assert result.verdict == "fail" and "absolute positions" in result.message, str(report)
+    assert result.value > 3 * result.threshold, result.evidence  # far past rounding (see MEASURED for the margins)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_its_correct_twin_passes(bug, dtype, init, causal):
+    """The same class, pairing, seed and setting, the rotation done right: the same inputs, a pass."""
+    report = diagnostics.audit(build(dtype, init, **BUGS[bug]), causal=causal, detectors=[DET])
+    assert report.result(DET).verdict == "pass", str(report)
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_the_finding_points_at_the_rotation(bug):
+    result = diagnostics.audit(build(bug=bug, **BUGS[bug]), detectors=[DET]).result(DET)
+    lines = [site.line for site in result.where if site.file == __file__]
+    source, first = inspect.getsourcelines(rotate)
+    rotation = range(first, first + len(source))
+    assert lines and lines[0] in rotation, [s.describe() for s in result.where]
+
+
+CORRECT = {"rotary, half-split": {"kind": "rotary"}, "rotary, interleaved": {"kind": "rotary", "pairing": "interleaved"},
+           "alibi": {"kind": "alibi"}, "t5 buckets": {"kind": "t5"}}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_relative_layers_pass(name, dtype, init, causal):
+    report = diagnostics.audit(build(dtype, init, **CORRECT[name]), causal=causal, detectors=[DET])
+    assert report.result(DET).verdict == "pass", str(report)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_relative_layers_audit_clean(name):
+    report = diagnostics.audit(build(**CORRECT[name]), causal=True)
+    assert report.passed and report.result(DET).verdict == "pass", str(report)
+
+
+def test_a_layer_without_positions_is_not_applicable():
+    report = diagnostics.audit(build(kind=None))
+    result = report.result(DET)
+    assert result.verdict == "skip" and result.message.startswith("not applicable: the layer has no positional"), \
+        result.message
+    assert report.passed and diagnostics.audit(build(kind=None), strict=True).result(DET).verdict == "skip"
+
+
+def test_absolute_positions_fail_undeclared_and_are_not_applicable_declared():
+    layer = build(kind="absolute")
+    result = diagnostics.audit(layer, detectors=[DET]).result(DET)
+    assert result.verdict == "fail" and 'positions="absolute"' in result.fix, str(result)
+    layer.position_embedding_type = "absolute"  # Hugging Face's name for the declaration
+    declared = diagnostics.audit(layer, detectors=[DET]).result(DET)
+    assert declared.verdict == "skip" and "absolute by design" in declared.message, declared.message
+
+
+def test_a_rotary_layer_without_a_mask_is_a_visible_skip():
+    result = diagnostics.audit(build(takes_mask=False), detectors=[DET]).result(DET)
+    assert result.verdict == "skip" and not result.message.startswith("not applicable"), result.message
+    assert "no shift of its positions is possible" in result.message and "mask argument" in result.message
+
+
+def test_randomness_left_on_is_not_read_as_a_position():
+    class Noisy(PositionalAttention):
+        def forward(self, x, mask=None):
+            out = super().forward(x, mask)
+            return torch.nn.functional.dropout(out, 0.5, training=True)  # left on in eval mode
+
+    torch.manual_seed(0)
+    result = diagnostics.audit(Noisy(), detectors=[DET]).result(DET)
+    assert result.verdict == "skip" and "randomness" in result.message, result.message
+
+
+def test_the_audit_costs_two_calls_more_with_positions_and_one_without():
+    def passes(layer):
+        return diagnostics.audit(layer, detectors=["softmax_saturation"]).forward_passes, \
+            diagnostics.audit(layer, detectors=["softmax_saturation", DET]).forward_passes
+
+    plain, more = passes(build(kind="rotary"))
+    assert more - plain == 2
+    plain, more = passes(build(kind=None))
+    assert more - plain == 1
+
+
+# ---- margins: measured on the correct layers and the broken ones, every setting --------------------------------
+
+MEASURED = {  # dtype: (largest reading of a correct layer, smallest of a broken one), `python <this file>`
+    torch.float32: (1.86e-6, 2.1),
+    torch.bfloat16: (9.81e-2, 2.1),
+    torch.float16: (9.49e-3, 2.1),
+}
+
+
+def measure_margins(seeds=range(5), dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    """{dtype: (largest correct reading, smallest broken reading)} over seeds, both inits, causal and not."""
+    out = {}
+    for dtype in dtypes:
+        good, bad = 0.0, math.inf
+        for seed in seeds:
+            for init in ("default", "gpt2"):
+                for causal in (False, True):
+                    for kw in CORRECT.values():
+                        r = diagnostics.audit(build(dtype, init, seed, **kw), causal=causal, detectors=[DET],
+                                              seed=seed).result(DET)
+                        good = max(good, r.value if r.value is not None else math.inf)
+                    for bug, kw in BUGS.items():
+                        r = diagnostics.audit(build(dtype, init, seed, bug=bug, **kw), causal=causal, detectors=[DET],
+                                              seed=seed).result(DET)
+                        bad = min(bad, r.value if r.value is not None else 0.0)
+        out[dtype] = (good, bad)
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("ATTENTION_TESTS_EVERY_SITE") != "1",
+                    reason="the margins' measurement (5 seeds x 2 inits x 3 dtypes, ~40 s): ATTENTION_TESTS_EVERY_SITE=1")
+def test_the_measured_margins_hold():
+    for dtype, (good, bad) in measure_margins().items():
+        tol = positions.shift_tolerance(dtype)
+        assert good < tol < bad, (dtype, good, tol, bad)
+        assert good <= 1.5 * MEASURED[dtype][0] and bad >= MEASURED[dtype][1] / 1.5, (dtype, good, bad, MEASURED[dtype])
+
+
+if __name__ == "__main__":
+    for dtype, (good, bad) in measure_margins().items():
+        tol = positions.shift_tolerance(dtype)
+        print(f"{dtype}: correct at most {good:.3g} (margin {tol / good if good else math.inf:.3g}x), "
+              f"broken at least {bad:.3g} ({bad / tol:.3g}x the threshold {tol:.2g})")
