@@ -185,7 +185,8 @@ def main(argv=None) -> None:
     print(table(outcomes, args.verbose))
     print()
     print(totals(outcomes))
-    command = "python benchmarks/real_bugs.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python benchmarks/real_bugs.py", *given])
     print(f"`{command}`: {len(outcomes)} pairs, {2 * len(outcomes)} audits in {took:.1f} s "
           f"(torch {torch.__version__}, 1 thread)")
 
