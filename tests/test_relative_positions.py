@@ -82,7 +82,8 @@ class PositionalAttention(nn.Module):
             slopes = 2.0 ** (-8.0 * torch.arange(1, self.num_heads + 1) / self.num_heads)  # (H,)
             scores = scores - slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
         if self.kind == "t5":
-            scores = scores + self.buckets((j - i).clamp(-15, 15) + 15).permute(2, 0, 1)  # (H, T, T)
+            bucket = j.clamp(max=15) + 15 if self.bug == "key position" else (j - i).clamp(-15, 15) + 15  # BUG key position
+            scores = scores + self.buckets(bucket.expand(T, T)).permute(2, 0, 1)  # (H, T, T)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         y = scores.softmax(-1) @ v  # (B, H, T, d)
@@ -154,6 +155,16 @@ def test_relative_layers_audit_clean(name):
     assert report.passed and report.result(DET).verdict == "pass", str(report)
 
 
+@pytest.mark.parametrize("bug", [None, "key position"])
+def test_a_bias_by_absolute_key_position_fails_and_by_distance_passes(bug):
+    """T5-style buckets of the key's own position instead of j - i: the same class, seed and inputs."""
+    result = diagnostics.audit(build(kind="t5", bug=bug), detectors=[DET]).result(DET)
+    assert result.verdict == ("fail" if bug else "pass"), str(result)
+    if bug:
+        site = result.where[0]  # the line that adds the bias to the scores, with the bias's own fix
+        assert site.file == __file__ and "self.buckets" in site.code and "j - i" in result.remedy[0], site.describe()
+
+
 def test_a_layer_without_positions_is_not_applicable():
     report = diagnostics.audit(build(kind=None))
     result = report.result(DET)
@@ -165,7 +176,7 @@ def test_a_layer_without_positions_is_not_applicable():
 def test_absolute_positions_fail_undeclared_and_are_not_applicable_declared():
     layer = build(kind="absolute")
     result = diagnostics.audit(layer, detectors=[DET]).result(DET)
-    assert result.verdict == "fail" and 'positions="absolute"' in result.fix, str(result)
+    assert result.verdict == "fail" and 'positions="absolute"' in result.remedy[0], str(result)
     layer.position_embedding_type = "absolute"  # Hugging Face's name for the declaration
     declared = diagnostics.audit(layer, detectors=[DET]).result(DET)
     assert declared.verdict == "skip" and "absolute by design" in declared.message, declared.message

@@ -351,18 +351,24 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     product = first if first.short in PRODUCTS or id(first) in fused else next(
         (made for made in (through_carries(b, producer(b, i)) for i in first.in_ids)
          if made is not None and made.short in PRODUCTS), None)
+    rotary = any(op.short in ("sin", "cos") for op in b.ops)  # a rotary table computed in the call
     sites = []
     for tensor_id in (product.in_ids[:2] if product is not None else ()):
         made = through_carries(b, producer(b, tensor_id))
         if made is not None and user(made) and made is not product and made.short not in PRODUCTS:
+            why = ("a rotation that depends on absolute positions (rotary pairs and their cos/sin table in two "
+                   "layouts, or turned over another axis than time)" if rotary else
+                   "absolute positions reach it (a position embedding added on the way?)")
             sites.append(op_site(made, f"makes an operand of the (query, key) product that changes with the shift "
-                                       f"({made.short}): a rotation there that depends on absolute positions (rotary "
-                                       f"pairs and their cos/sin table in two layouts, or turned over another axis "
-                                       f"than time)", fix=ROTATION_FIX))
-    sites.append(op_site(first, note))
+                                       f"({made.short}): {why}", fix=ROTATION_FIX if rotary else EMBEDDING_FIX))
+    sites.append(op_site(first, note, fix="" if product is not None else BIAS_FIX))
     return [site for site in sites if site is not None]
 
 
+EMBEDDING_FIX = ("positions added to the tokens inside the layer are absolute: use rotary or a bias of j - i instead, or, "
+                 "if absolute positions are meant, declare positions=\"absolute\"")
+BIAS_FIX = ("index the position bias by the distance j - i (ALiBi: -slope * |i - j|; T5: a bucket of j - i), not by the "
+            "query's or the key's own position")
 PRODUCTS = {"bmm", "mm", "matmul", "baddbmm", "einsum"}
 ROTATION_FIX = ("rotate pairs in the layout of the cos/sin table (interleaved (2m, 2m+1) with freqs.repeat_interleave(2), "
                 "half-split (m, m + d/2) with torch.cat([freqs, freqs])), along the time axis of q and k")
