@@ -30,11 +30,11 @@ def frequencies(d: int) -> torch.Tensor:
     return 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)  # (d/2,)
 
 
-def rotate(x: torch.Tensor, pairing: str, bug: str | None) -> torch.Tensor:
+def rotate(x: torch.Tensor, pairing: str, bug: str | None, start: int = 0) -> torch.Tensor:
     """x (B, T, H, d) turned by its position along T. `pairing`: "half" (pairs (m, m + d/2)) or "interleaved"
-    (pairs (2m, 2m+1)); the cos/sin table is laid out to match, except under the bugs."""
+    (pairs (2m, 2m+1)); the cos/sin table is laid out to match, except under the bugs. Positions start at `start`."""
     T, d = x.shape[1], x.shape[-1]  # x: (B, T, H, d)
-    angles = torch.arange(T, dtype=torch.float32).unsqueeze(-1) * frequencies(d)  # (T, d/2)
+    angles = torch.arange(start, start + T, dtype=torch.float32).unsqueeze(-1) * frequencies(d)  # (T, d/2)
     if pairing == "interleaved" and bug != "table half-split":
         table = angles.repeat_interleave(2, dim=-1)  # (T, d): (θ0, θ0, θ1, θ1, ...), one angle per pair
     else:
@@ -136,6 +136,27 @@ def test_the_finding_points_at_the_rotation(bug):
     source, first = inspect.getsourcelines(rotate)
     rotation = range(first, first + len(source))
     assert lines and lines[0] in rotation, [s.describe() for s in result.where]
+
+
+def flash_style(bug=None):
+    """A function on (B, T, H, d) tensors (flash-attn's layout, audited with layout="bthd") that rotates q and k
+    itself, half-split pairs, over the head axis under `bug`; the queries are the last Tq of the Tk positions."""
+    def attention(q, k, v, mask=None):
+        d, t_q, t_k = q.shape[-1], q.shape[1], k.shape[1]
+        q, k = rotate(q, "half", bug, start=t_k - t_q), rotate(k, "half", bug)  # (B, T, H, d)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)  # (B, Tq, H, d)
+    return attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bug", [None, "head axis"])
+def test_a_function_on_bthd_tensors_rotated_over_its_head_axis_fails_and_its_twin_passes(bug, causal):
+    report = diagnostics.audit(flash_style(bug), layout="bthd", causal=causal, num_heads=2, d_model=16)
+    assert report.result(DET).verdict == ("fail" if bug else "pass"), str(report)
+    assert report.passed == (bug is None), str(report)
 
 
 CORRECT = {"rotary, half-split": {"kind": "rotary"}, "rotary, interleaved": {"kind": "rotary", "pairing": "interleaved"},
