@@ -456,7 +456,11 @@ def test_a_layer_that_raises_on_every_call_fails_runs_and_every_other_detector_s
         result = report.result(detector)
         assert (result.verdict, result.message) == ("skip", NOT_RUN), (detector, result)
     assert report.result("gradients").message.startswith("not measured: the layer does not run as a float64 copy")
-    others = [r for r in report.results if r.detector not in MEASURED_ON_A_CAUSAL_FUNCTION + ["runs", "gradients"]]
+    # relative_positions' guard is its own probe (the keys' positions permuted): not run, like those above; the
+    # twin below has no positions, so there it is not applicable
+    assert (report.result("relative_positions").verdict, report.result("relative_positions").message) == ("skip", NOT_RUN)
+    others = [r for r in report.results
+              if r.detector not in MEASURED_ON_A_CAUSAL_FUNCTION + ["runs", "gradients", "relative_positions"]]
     assert all(r.verdict == "skip" and r.message.startswith("not applicable: ") for r in others), others
     twin = diagnostics.audit(attention, causal=True)
     assert all(twin.result(d).verdict in ("pass", "warn") for d in MEASURED_ON_A_CAUSAL_FUNCTION), str(twin)

@@ -33,6 +33,7 @@ def _sibling(name: str):
 
 
 never_seen, parameters_tests = _sibling("test_never_seen"), _sibling("test_parameters")
+positions_tests = _sibling("test_relative_positions")
 
 
 class NaNOnOrdinaryInput(nn.Module):
@@ -78,6 +79,7 @@ FAILING = {  # detector: a layer that fails it (and the audit's options)
     "cache_decoding": lambda: (never_seen.CachedRotary(24, 3, bug="mask"), dict(causal=True)),
     "gradients": variant("detached_softmax"),
     "parameters_used": lambda: (parameters_tests.SeparateProjections(bug="values from keys"), {}),
+    "relative_positions": lambda: (positions_tests.build(bug="head axis"), {}),
 }
 
 
