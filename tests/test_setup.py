@@ -1,8 +1,8 @@
 """The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
-the `real` extra as the README gives it; where that extra is installed, transformers' Llama classes and timm
-import in a fresh interpreter (no workaround of the tests' own); the minimum torch stated in the README is the
-one pyproject declares, and the tests run under `--import-mode=importlib` (nothing is imported from a
-conftest)."""
+the `real` extra as the README gives it, then the `zoo` extra (pinned) and tests/test_zoo.py; where the real extra
+is installed, transformers' Llama classes and timm import in a fresh interpreter (no workaround of the tests' own);
+the minimum torch stated in the README is the one pyproject declares, and the tests run under
+`--import-mode=importlib` (nothing is imported from a conftest)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     rest = ci[first + len(readme):]
     at = next(i for i, command in enumerate(rest) if command.startswith("pip "))
     explore, extras = rest[:at], rest[at:]
-    assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest"]
+    assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest", ZOO_INSTALL,
+                      "pytest tests/test_zoo.py"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
     runs = [command for command in explore if "pytest" in command]
     assert any("--hypothesis-profile=explore" in c and '--hypothesis-seed="$seed"' in c for c in runs), explore
@@ -55,6 +56,19 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
 # The torch and torchvision that load together on a CPU (see the README): PyPI's torchvision 0.28.0 cannot load
 # its extension beside torch 2.13.0's CPU build, and transformers then fails to import.
 REAL_PAIR = "torch==2.14.1 torchvision==0.29.1"
+# The library zoo (tests/test_zoo.py) on top of the real extra; its skips name this command.
+ZOO_INSTALL = 'pip install -e ".[test,real,zoo]"'
+
+
+def test_the_zoo_extra_pins_each_library_and_its_skip_says_how_to_install_it():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    zoo = re.search(r"^zoo = \[(.*?)\]", pyproject, re.S | re.M).group(1)
+    pins = re.findall(r'"([\w.-]+)==([\w.]+)"', zoo)
+    assert [name for name, _ in pins] == ["x-transformers", "vit-pytorch", "openai-whisper", "open-clip-torch",
+                                          "diffusers"], zoo
+    assert len(pins) == zoo.count('"') // 2, f"every library pinned exactly: {zoo}"
+    test_zoo = (ROOT / "tests" / "test_zoo.py").read_text(encoding="utf-8")
+    assert f"pip install {REAL_PAIR}, then {ZOO_INSTALL}" in test_zoo, "the zoo's skips say how to install it"
 
 
 def test_the_explore_profile_draws_more_and_other_examples_than_the_default():
