@@ -45,8 +45,10 @@ INSTALL = 'pip install torch==2.14.1 torchvision==0.29.1, then pip install -e ".
 MEASURED = ("runs", "output_shape", "finite_output", "weight_row_sums", "softmax_saturation", "output_variance",
             "eval_determinism", "batch_independence")
 CAUSAL = ("future_leakage", "causal_alignment")
-# the keywords of audit() a report may tell a user to declare, read from the findings' fixes
-DECLARABLE = ("causal", "mask", "scale", "layout", "num_heads", "d_model", "seq_len", "positions", "need_weights")
+# the keywords of audit() a report may tell a user to declare, read from the findings' fixes; `call=` is named with
+# an example (a lambda), which the user writes for their layer: the case gives that function
+DECLARABLE = ("causal", "cross", "mask", "scale", "layout", "num_heads", "d_model", "seq_len", "positions",
+              "need_weights")
 _LITERAL = r"""'[^']*'|"[^"]*"|True|False|-?\d+(?:\.\d+)?(?:e-?\d+)?"""
 
 
@@ -55,21 +57,32 @@ _LITERAL = r"""'[^']*'|"[^"]*"|True|False|-?\d+(?:\.\d+)?(?:e-?\d+)?"""
 
 def declarations_named(report) -> dict[str, Any]:
     """The declarations the report tells its user to make: `keyword=literal` for an audit() keyword in the fix (or
-    the status reason) of a finding, e.g. 'audit with mask='additive'' or 'audit it as causal (causal=True)'."""
+    the status reason) of a finding, e.g. 'audit with mask='additive'' or 'audit it as causal (causal=True)', and
+    `call` (as CALL) where it suggests declaring the call. A keyword named twice: the first, as a user reads it."""
     texts = [r.fix or "" for r in report.findings] + [report.status_reason or ""]
     named = {}
     for text in texts:
         for keyword, value in re.findall(rf"\b({'|'.join(DECLARABLE)})=({_LITERAL})", text):
-            named[keyword] = ast.literal_eval(value)
+            named.setdefault(keyword, ast.literal_eval(value))
+        if re.search(r"\bcall=", text):
+            named.setdefault("call", CALL)
     return named
 
 
+CALL = "call=<the user's function>"
+
+
+def _as_named(declare: dict) -> dict:
+    """A case's declaration as the report names it: a declared call is named as CALL."""
+    return {k: CALL if k == "call" else v for k, v in declare.items()}
+
+
 def assert_passes(report, *, causal: bool):
-    """No detector fails or warns; the core detectors (and the causal ones for a causal audit) measured and
-    passed, so that the verdict is not clean by skipping."""
+    """No detector fails or warns; the core detectors (the causal ones for a causal audit, mask_honoured for a
+    layer that takes a mask) measured and passed, so that the verdict is not clean by skipping."""
     __tracebackhide__ = True
     assert report.passed and not report.fired(), str(report)
-    measured = MEASURED + (CAUSAL if causal else ())
+    measured = MEASURED + (CAUSAL if causal else ()) + (("mask_honoured",) if report.settings["takes_mask"] else ())
     not_passed = {d: report.result(d).verdict for d in measured if report.result(d).verdict != "pass"}
     assert not not_passed, f"expected these detectors to measure and pass: {not_passed}\n{report}"
 
@@ -216,8 +229,9 @@ KEY_KEEP = ("its mask is (B, Tk) with True = keep: the audit's 4-D mask crashes 
             "and the runs fix does not name mask=\"key_keep\" (mask conventions, runs' fix)")
 XT_CAUSAL = Layer(XT, "Attention(causal=True)", lambda: xt_attention(causal=True),
                   declare={"causal": True, "mask": "key_keep"}, **both(KEY_KEEP))
+XT_ATTENTION = Layer(XT, "Attention", xt_attention, declare={"mask": "key_keep"}, **both(KEY_KEEP))
 XT_LAYERS = [
-    Layer(XT, "Attention", xt_attention, declare={"mask": "key_keep"}, **both(KEY_KEEP)),
+    XT_ATTENTION,
     XT_CAUSAL,
     Layer(XT, "Attention(causal=True, flash=True)", lambda: xt_attention(causal=True, flash=True),
           declare={"causal": True, "mask": "key_keep"}, **both(KEY_KEEP)),
@@ -234,6 +248,18 @@ XT_LAYERS = [
 XT_NOT_YET = "audited as its twin is, with mask=\"key_keep\", which the audit does not accept yet (mask conventions)"
 
 
+def xt_inverted_mask():
+    from x_transformers.x_transformers import Attention
+
+    class InvertedKeyMask(Attention):
+        """A caller's mistake: the (B, Tk) key mask inverted on its way in (a key-padding mask passed as key-keep)."""
+
+        def forward(self, x, mask=None):
+            return super().forward(x, mask=None if mask is None else ~mask)
+
+    return InvertedKeyMask
+
+
 def _no_causal_mask(i, j, device=None):
     return torch.zeros(i, j, dtype=torch.bool, device=device)  # (Tq, Tk): nothing blocked
 
@@ -248,6 +274,10 @@ XT_BUGS = [
         gap=XT_NOT_YET),
     Bug(XT_CAUSAL, "heads merged without transpose", setting(merge_heads=ReshapeHeadsWithoutTranspose()),
         ("output_variance", "future_leakage", "query_locality", "mask_honoured"), gap=XT_NOT_YET),
+    Bug(XT_ATTENTION, "key mask inverted on its way in", retype(xt_inverted_mask), ("mask_honoured",),
+        gap="x-transformers zeroes the outputs at masked query positions: inverted, every real row is 0 and "
+        "mask_honoured skips ('the output is zero everywhere on this probe'), so the audit passes a layer whose real "
+        "tokens all output 0 (mask_honoured)"),
 ]
 
 
@@ -314,20 +344,36 @@ def whisper_mask_not_passed_on():
     return MaskNotPassedOn
 
 
+def whisper_unmasked(layer, x):
+    """How Whisper's encoder calls its blocks: no mask (its SDPA path reads any mask as is_causal=True)."""
+    return layer(x)
+
+
+def whisper_cross(layer, query, memory):
+    """How Whisper's decoder calls its cross-attention: the encoder's output as `xa`, no mask."""
+    return layer(query, xa=memory)
+
+
 MASK_AS_FLAG = ("its SDPA path reads any mask as is_causal=True (the mask's values are never used): the left padding "
-                "of relative_positions is attended, and the shift is blamed on absolute positions; mask_honoured's "
-                "right padding cannot tell (relative_positions, or mask_honoured with left padding)")
+                "of relative_positions is attended and the shift is blamed on absolute positions, where the report "
+                "should say that the mask is only a flag and name call= without it (relative_positions, mask_honoured)")
 WHISPER_DECODER = Layer(WHISPER, "MultiHeadAttention, decoder self-attention", whisper_attention,
                         use={"causal": True})
 WHISPER_LAYERS = [
     WHISPER_DECODER,
-    Layer(WHISPER, "MultiHeadAttention, encoder self-attention", whisper_attention, **both(MASK_AS_FLAG)),
+    Layer(WHISPER, "MultiHeadAttention, encoder self-attention", whisper_attention, declare={"call": whisper_unmasked},
+          **both(MASK_AS_FLAG)),
+    Layer(WHISPER, "MultiHeadAttention, cross-attention (memory xa)", whisper_attention,
+          declare={"call": whisper_cross},
+          **both("its memory is named `xa`, which the audit cannot know: it is audited as self-attention, fails "
+                 "relative_positions as the encoder's does, and no finding names call= (declared inputs)")),
     Layer(WHISPER, "MultiHeadAttention, eager path (disable_sdpa), decoder", whisper_attention, use={"causal": True},
           declare={"mask": "additive"}, context=whisper_eager,
           passes_gap="its eager path returns (out, qk), qk the scaled logits: read as the weights they fail "
                      "weight_row_sums and causal_alignment (weights are a distribution before they are read)"),
     Layer(WHISPER, "ResidualAttentionBlock, decoder", whisper_block, use={"causal": True}),
-    Layer(WHISPER, "ResidualAttentionBlock, encoder", whisper_block, **both(MASK_AS_FLAG)),
+    Layer(WHISPER, "ResidualAttentionBlock, encoder", whisper_block, declare={"call": whisper_unmasked},
+          **both(MASK_AS_FLAG)),
 ]
 WHISPER_BUGS = [
     Bug(WHISPER_DECODER, "causal mask not passed on (mask=None to qkv_attention)", retype(whisper_mask_not_passed_on),
@@ -484,8 +530,8 @@ def _audit(case: Layer, declared: tuple):
 
 def names_its_declaration(case: Layer):
     report = _first_audit(case)
-    named = declarations_named(report)
-    assert named == case.declare, f"the report names {named or 'nothing'}, not {case.declare or 'nothing'}\n{report}"
+    named, expected = declarations_named(report), _as_named(case.declare)
+    assert named == expected, f"the report names {named or 'nothing'}, not {expected or 'nothing'}\n{report}"
 
 
 def passes_with_it(case: Layer):
