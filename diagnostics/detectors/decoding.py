@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .._core import allowed_text, not_run, relative_change, skip
 from .._probe import Probe
-from .._registry import CAUSAL, HAS_CACHE, LONG, LONGER, SEPARATE_QUERY, detector
+from .._registry import CAUSAL, HAS_CACHE, LONG, LONGER, SEPARATE_QUERY, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._thresholds import ROW_SUM, dtype_name, tolerance
 from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, producer, tensors, trace_call
@@ -36,14 +36,65 @@ CACHE_NOISE_FACTOR = 4.0
 see benchmarks/margins.py."""
 
 
-def _cache_plan(T: int) -> list[int]:
-    """Token counts of the cached calls: a prefill of half, steps of 1, 1 and 3, then the uneven remainder."""
+def _cache_plan(T: int, band: int | None = None) -> list[int]:
+    """Token counts of the cached calls: a prefill of half, steps of 1, 1 and 3, then the uneven remainder. Under
+    a declared pattern whose rows span `band` < T - 1 positions (a sliding window W, a chunk C): a prefill of
+    W - 1, then the tokens at t = W - 1, W, 2W - 1 and 2W decoded alone (the cache fills to the window, then
+    passes it: a cache of W slots rolls over at t = W and again at 2W), the tokens between them as one call of
+    several, and the remainder in one call."""
+    if band is not None and band < T - 1:
+        W = band
+        plan, at = [max(1, W - 1)], max(1, W - 1)
+        for t in sorted({W - 1, W, 2 * W - 1, 2 * W}):
+            if t < at or t >= T:
+                continue
+            if t > at:
+                plan.append(t - at)  # several new tokens at once over a cache that holds the window already
+                at = t
+            plan.append(1)
+            at += 1
+        return plan + ([T - at] if at < T else [])
     plan, rest = [max(1, T // 2)], T - max(1, T // 2)
     for n in (1, 1, 3):
         if rest:
             plan.append(min(n, rest))
             rest -= plan[-1]
     return plan + ([rest] if rest else [])
+
+
+def pattern_band(probe, T: int) -> int | None:
+    """The widest row of the declared pattern on T positions (W of sliding_window(W), C of chunked(C)): the span
+    the cached-decoding plan steps across one token at a time; None without a pattern."""
+    pattern = getattr(probe, "pattern", None)
+    if pattern is None or T < 2:
+        return None
+    allowed = pattern.allowed(probe.BATCH, T, T)  # (B, Tq, Tk)
+    lo = torch.where(allowed, torch.arange(T), T).amin(-1)
+    hi = torch.where(allowed, torch.arange(T), -1).amax(-1)
+    return int((hi - lo).clamp_min(0).max()) + 1
+
+
+def causal_pattern(probe) -> bool:
+    """A declared pattern that blocks every future key (sliding_window, chunked, document & causal, ...): a layer
+    that keeps it can decode through a cache."""
+    pattern = getattr(probe, "pattern", None)
+    if pattern is None:
+        return False
+    T = max(probe.t, 2)
+    return not bool(pattern.allowed(probe.BATCH, T, T).triu(1).any())
+
+
+CAUSAL_OR_PATTERN = Need("{causal}, or {pattern} blocking the future", lambda p: p.causal or causal_pattern(p),
+                         "the layer is not audited as causal (pass {causal} if it promises causality, or a {pattern} "
+                         "that blocks the future, e.g. diagnostics.patterns.sliding_window(4))")
+
+
+def _declared(probe, B: int, t_q: int, t_k: int, allowed) -> torch.Tensor:
+    """What the audit declares for these queries over these keys: the mask passed, causal for a causal audit, and
+    the declared pattern, bottom-right (a layer given no mask keeps its pattern itself)."""
+    declared = declared_mask(probe, B, t_q, t_k, allowed)
+    pattern = getattr(probe, "pattern", None)
+    return declared if pattern is None else declared & pattern.allowed(B, t_q, t_k)
 
 
 POSITIONS_FIX = ("give the new queries their true positions: offset them by the number of keys before them "
@@ -70,7 +121,7 @@ def decode_sites(probe, result: DetectorResult) -> list[Site]:
         part = trace_call(s, tail, k, v, probe.allowed(B, n, T), seed=probe.seed)
         if part.output is None or part.output.out.shape != full.output.out.narrow(t, T - n, n).shape:
             continue
-        sites = mask_sites(part, declared_mask(probe, B, n, T, probe.allowed(B, n, T)), B, n, T)
+        sites = mask_sites(part, _declared(probe, B, n, T, probe.allowed(B, n, T)), B, n, T)
         if sites:
             return sites
         op = first_moved(full, part, None, tol, tail=n)
@@ -96,7 +147,7 @@ def cache_sites(probe, result: DetectorResult) -> list[Site]:
     s, B, T = probe.subject, x.shape[0], x.shape[1]
     tol = tolerance(ROW_SUM, s.dtype)
     cache, filled, start = None, False, 0
-    for n in _cache_plan(T):
+    for n in _cache_plan(T, pattern_band(probe, T)):
         chunk, allowed = x[:, start:start + n], probe.allowed(B, n, start + n)
         step = trace_call(s, chunk, chunk, chunk, allowed, seed=probe.seed,
                           call=lambda: s.call_cached(chunk, allowed, cache))
@@ -116,7 +167,7 @@ def cache_sites(probe, result: DetectorResult) -> list[Site]:
             return []
         change = relative_change(out, full.output.out[:, start:], centred=True, scale_of=full.output.out)
         if change is not None and bool((change > tol).any()):
-            sites = mask_sites(step, declared_mask(probe, B, n, start + n, allowed), B, n, start + n)
+            sites = mask_sites(step, _declared(probe, B, n, start + n, allowed), B, n, start + n)
             op = None if sites else first_moved(full, step, None, tol, tail=n)
             return sites or ([op_site(op, f"the first op whose output for the {n} new tokens differs from the "
                                            f"same rows of the full pass over {start + n} tokens",
@@ -208,14 +259,19 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
                   threshold=tol, evidence=evidence, replay=full)
 
 
-@detector("cache_decoding", "for a causal layer with a cache of its own, prefilling half the tokens and decoding "
-          "the rest through that cache (steps of 1, 1, 3 and the remainder) gives the rows of the full pass",
+@detector("cache_decoding", "for a causal layer (or one with a causal declared pattern) with a cache of its own, "
+          "prefilling and decoding the rest through that cache gives the rows of the full pass: half the tokens, then "
+          "steps of 1, 1, 3 and the remainder; under a sliding window W (or chunk), single tokens where the cache "
+          "fills past W and rolls over (t = W - 1, W, 2W - 1, 2W)",
           targets=("rotary positions of new tokens not offset by the cache length",
                    "the causal mask dropped or misaligned once a cache is attached",
-                   "a cache that loses or repeats keys"),
+                   "a cache that loses or repeats keys",
+                   "the sliding window (or chunk) dropped, or rolled over late, once a cache holds keys"),
           fix="offset the positions of new tokens by the cache length, mask new tokens bottom-right against cached "
-              "and new keys (torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq) marks the blocked ones), and append every new key and value",
-          needs=(CAUSAL, LONG, HAS_CACHE), locate=cache_sites)
+              "and new keys (torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq) marks the blocked ones), and append every new key and value; "
+              "under a sliding window W, keep the window when the cache holds keys: a new token at position p sees the "
+              "keys p - W < j <= p, so a cache keeps the last W - 1 keys before it appends the new ones",
+          needs=(CAUSAL_OR_PATTERN, LONG, HAS_CACHE), locate=cache_sites)
 def check_cache_decoding(probe: Probe) -> DetectorResult:
     """Drives the layer's own cache: the cache argument left at None with use_cache=True must return a cache
     (fed back on the next call), or a dict passed in must be filled (passed again). Calls the layer raises on
@@ -223,7 +279,7 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
     refuses several new tokens at once is decoded one token at a time there, and the report says so."""
     det, s, B, T = "cache_decoding", probe.subject, probe.BATCH, probe.t
     name = s.cache_name
-    if probe.pass_causal_mask and s.convention == "key_padding":
+    if (probe.pass_causal_mask or probe.pass_pattern_mask) and s.convention == "key_padding":
         return skip(det, "the layer's mask is a key-padding mask, which cannot carry the causal mask of several "
                          "new tokens")
     x = logit_gain(probe) * probe.make(B, T)  # as in decode_consistency
@@ -248,8 +304,9 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
         return out.detach(), returned
 
     outs, notes, start = [], [], 0
+    band = pattern_band(probe, T)
     try:
-        plan = _cache_plan(T)
+        plan = _cache_plan(T, band)
         library = s.new_cache()  # a Hugging Face layer's: an empty DynamicCache it fills
         if library is not None:
             cache, how = library, f"a {type(library).__name__} it fills"
@@ -313,12 +370,28 @@ def check_cache_decoding(probe: Probe) -> DetectorResult:
         readings.append((what, int((part > tol).sum()), part.numel(), float(part.max())))
         at += n
     bad = [r for r in readings if r[1]]
-    evidence = (f"through {name} ({how}): " + "; ".join(f"{what}: {b} / {total} rows differ from the full pass by up "
-                                                           f"to {m:.3g}" for what, b, total, m in readings)
+    named = "" if probe.pattern is None else f" under {probe.pattern}"
+    under = named
+    if probe.pattern is not None:
+        if band is not None and band < T - 1:
+            singles, at = [], plan[0]
+            for n in plan[1:]:
+                singles += [at] if n == 1 else []
+                at += n
+            rolls = [t for t in (band, 2 * band) if t < T]
+            under += (f" (the pattern's rows span {band} positions: single tokens at t={', '.join(map(str, singles))}, "
+                      f"where the cache fills to {band} and where a cache of {band} slots rolls over, t="
+                      + " and ".join(map(str, rolls))
+                      + ("" if 2 * band < T else f"; its second roll-over, t={2 * band}, is past seq_len {T}: pass "
+                                                  f"seq_len >= {2 * band + 1} to decode it") + ")")
+        else:
+            under += f" (its rows span {band} of {T} positions: no window the cache can pass at this length)"
+    evidence = (f"through {name} ({how}){under}: " + "; ".join(f"{what}: {b} / {total} rows differ from the full pass "
+                                                              f"by up to {m:.3g}" for what, b, total, m in readings)
                 + f" (up to {tol:.2g} of the outputs' RMS about their mean allowed: {tolerance(ROW_SUM, s.dtype):.2g} "
                   f"for {dtype_name(s.dtype)}, or {CACHE_NOISE_FACTOR:g}x the {noise:.2g} by which the first {P} "
                   f"tokens alone differ from the full pass without a cache)" + "".join(f"; {note}" for note in notes))
-    return judge(det, bool(bad), "decoding through the layer's cache differs from the full pass (from the "
-                  f"{bad[0][0] if bad else ''})",
-                  f"decoding through the layer's cache ({'+'.join(map(str, plan))} tokens) gives the full pass",
-                  value=float(change.max()), threshold=tol, evidence=evidence, replay=x)
+    return judge(det, bool(bad), f"decoding through the layer's cache{named} differs from the full "
+                  f"pass (from the {bad[0][0] if bad else ''})",
+                  f"decoding through the layer's cache ({'+'.join(map(str, plan))} tokens){named} gives "
+                  f"the full pass", value=float(change.max()), threshold=tol, evidence=evidence, replay=x)
