@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
@@ -121,12 +122,13 @@ def test_catalog_variant_in_one_layer_is_caught_there_or_changes_nothing(vid):
 # ---- model-level bugs, in one layer or in the model ----------------------------------------------------------
 
 
-MODEL_BUGS = {  # name: (ProtocolGPT options, detector that must catch it, the layer it must be localised to)
+MODEL_BUGS = {  # name: (ProtocolGPT options, detector(s) that must catch it, the layer it must be localised to)
     "cache drops the causal mask at prefill": (dict(layer_bugs={1: "prefill_unmasked"}), "cache_parity", "h.1.attn"),
     "rotary positions not offset by the cache": (dict(rotary=True, layer_bugs={1: "rotary_no_offset"}),
                                                  "cache_parity", "h.1.attn"),
-    "sliding window off by one": (dict(sliding_window=5, layer_bugs={1: "window_off_by_one"}), "sliding_window",
-                                  "h.1.attn"),
+    # the layer declares its window: the model-level check, and the layer's own audit in place under it
+    "sliding window off by one": (dict(sliding_window=5, layer_bugs={1: "window_off_by_one"}),
+                                  ("sliding_window", "attention_pattern"), "h.1.attn"),
     "position ids not offset under left padding": (dict(model_bug="positions_ignore_padding"), "padding_invariance",
                                                    "h.0.attn"),  # positions enter before the first layer
 }
@@ -149,13 +151,14 @@ def _twin_report(**options):
 
 @pytest.mark.parametrize("name", sorted(MODEL_BUGS))
 def test_model_level_bug_is_caught_and_localised_and_its_twin_passes(name):
-    options, detector, layer = MODEL_BUGS[name]
+    options, detectors, layer = MODEL_BUGS[name]
+    detectors = (detectors,) if isinstance(detectors, str) else detectors
     report = audit(protocol_gpt(**options))
     assert report.status == "failed", str(report)
-    assert located(report) == {(layer, detector)}, str(report)
+    assert located(report) == {(layer, d) for d in detectors}, str(report)
     twin = _twin_report(**_twin_options(options))
     assert twin.passed, str(twin)
-    assert twin.result(detector).verdict == "pass"  # measured, not skipped
+    assert twin.result(detectors[0]).verdict == "pass"  # measured, not skipped
 
 
 def test_cache_parity_reads_every_schedule_and_the_prefill_bug_shows_at_prefill():
@@ -230,6 +233,79 @@ def test_torch_transformer_decoder_audits_clean_with_its_cross_attention_found()
     assert set(report.layers) == {"layers.0.self_attn", "layers.0.multihead_attn", "layers.1.self_attn",
                                   "layers.1.multihead_attn"}
     assert report.layers["layers.0.self_attn"].causal and not report.layers["layers.0.multihead_attn"].causal
+
+
+# ---- cross-attention in place: the memory is the one the model passed (issue 17, class 11) ----------------------
+
+
+class CrossAttention(nn.Module):
+    """Cross-attention called the Hugging Face way, `attn(hidden_states, key_value_states)`: queries from the
+    decoder stream, keys and values from the memory. `bug` names one step done wrong."""
+
+    def __init__(self, bug: str | None = None, d_model: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.bug, self.num_heads = bug, num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, hidden_states, key_value_states):
+        B, t, D = hidden_states.shape  # batch, decoder positions, d_model
+        H, d = self.num_heads, D // self.num_heads
+        source = key_value_states
+        if self.bug == "memory dropped":
+            source = hidden_states  # BUG: keys and values from the decoder stream, the encoder output unused
+        s = source.shape[1]  # memory positions
+        q = self.q(hidden_states).view(B, t, H, d).transpose(1, 2)  # (B, H, t, d)
+        k, v = (proj(source).view(B, s, H, d).transpose(1, 2) for proj in (self.k, self.v))  # (B, H, s, d)
+        scale = 1.0 if self.bug == "no scale" else d ** -0.5  # BUG (no scale): q·k multiplied by 1
+        y = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, H, t, d)
+        return self.o(y.transpose(1, 2).reshape(B, t, D))
+
+
+class Captioner(nn.Module):
+    """A one-block decoder over a fixed memory (an image encoder's output, learned here): causal self-attention,
+    then cross-attention to the memory of 6 positions."""
+
+    causal = True
+
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe = nn.Embedding(64, 32), nn.Embedding(T, 32)
+        self.memory = nn.Parameter(torch.randn(1, 6, 32))
+        self.ln_1, self.ln_2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.self_attn, self.cross_attn = KeywordAttention(), CrossAttention(bug)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids):
+        B, t = input_ids.shape
+        x = self.wte(input_ids) + self.wpe(torch.arange(t))  # (B, t, D)
+        x = x + self.self_attn(self.ln_1(x))
+        x = x + self.cross_attn(self.ln_2(x), self.memory.expand(B, -1, -1))
+        return self.head(x)
+
+
+CROSS_MEASURED = ("query_locality", "keys_matter", "softmax_saturation", "batch_independence")
+
+
+def test_cross_attention_is_audited_in_place_with_the_memory_the_model_passed():
+    report = audit(Captioner())
+    assert report.passed, str(report)
+    cross = report.layers["cross_attn"]
+    assert "memory key_value_states" in cross.layer and "cross_module" in cross.layer, cross.layer
+    # the memory is probed: the checks a one-stream wrapper had to skip are measured
+    assert {r.detector for r in cross.results if r.verdict == "pass"} >= set(CROSS_MEASURED), str(cross)
+
+
+@pytest.mark.parametrize("bug,caught", [("memory dropped", {"keys_matter", "query_locality"}),
+                                        ("no scale", {"softmax_saturation"})])
+def test_a_broken_cross_attention_fails_in_place_and_its_twin_passes(bug, caught):
+    """Dropping the memory (keys and values from the decoder stream) was seen before only at model level (the
+    decoder then sees its future, prefix_causality); in place the cross-attention's own audit now fails."""
+    report = audit(Captioner(bug))
+    at_cross = {d for layer, d in located(report) if layer == "cross_attn"}
+    assert caught <= at_cross, str(report)
+    assert {layer for layer, _ in located(report)} <= {"cross_attn", None}, str(report)  # the self-attention passes
+    assert audit(Captioner()).passed
 
 
 # ---- honest verdicts, an untouched model, misuse ---------------------------------------------------------------
@@ -374,6 +450,11 @@ def hf_model(tf, name: str, impl: str):
             vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
             attn_implementation=impl))
+    if name == "marian":  # its decoder has a token embedding of its own (not in HF: the README's rows)
+        return tf.MarianMTModel(tf.MarianConfig(
+            vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            pad_token_id=0, decoder_start_token_id=0, attn_implementation=impl))
     if name == "vit":
         return tf.ViTModel(tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=64, image_size=16, patch_size=4, attn_implementation=impl))
@@ -408,6 +489,39 @@ def test_hugging_face_model_audits_clean(name, impl):
         assert {"prefix_causality", "cache_parity", "padding_invariance"} <= measured
     if name == "mistral":
         assert report.result("sliding_window").verdict == "pass"
+
+
+def test_encoder_decoder_cross_attention_is_measured_in_place_with_the_encoder_output_as_memory():
+    tf = _need("transformers")
+    for name, path in (("bart", "model.decoder.layers.0.encoder_attn"), ("t5", "decoder.block.1.layer.1.EncDecAttention"),
+                       ("marian", "model.decoder.layers.0.encoder_attn")):
+        report = hf_report(tf, name, "sdpa")
+        # Marian: gradient_flow took the encoder's embedding for the decoder's (its decoder has its own), and
+        # failed the model: every decoder output sees every encoder position
+        assert report.passed, str(report)
+        cross = report.layers[path]
+        assert "cross_module" in cross.layer, cross.layer
+        assert {r.detector for r in cross.results if r.verdict == "pass"} >= set(CROSS_MEASURED), str(cross)
+
+
+def test_bart_cross_attention_with_its_memory_dropped_fails_in_place():
+    """BART's encoder_attn patched on the instance to take its keys and values from the decoder stream (the encoder
+    output it is passed ignored): its in-place audit fails with the cause at the layer; before the memory was
+    probed it passed there, and only the model's prefix_causality saw the decoder's future leak in."""
+    tf = _need("transformers")
+    model = hf_model(tf, "bart", "sdpa")
+    attn = model.model.decoder.layers[0].encoder_attn
+    original = attn.forward
+
+    def forward(hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+        return original(hidden_states, None, None, None, **kwargs)  # BUG: the memory dropped
+
+    attn.forward = forward
+    report = audit(model, seq_len=BUG_SEQ_LEN)
+    path = "model.decoder.layers.0.encoder_attn"
+    assert {"keys_matter", "query_locality"} <= {d for layer, d in located(report) if layer == path}, str(report)
+    assert report.layers[path].result("query_locality").where, str(report.layers[path])
+    assert hf_bug_report(tf, "bart", "reference")[0].passed
 
 
 def _register(tf, name: str, fn):
@@ -661,7 +775,8 @@ SHORT = {  # the table's abbreviations of the detectors (its legend lists them)
     "future_leakage": "leak", "causal_alignment": "align", "eval_determinism": "eval", "gradients": "grad",
     "batch_independence": "batch", "prefix_causality": "PREFIX", "cache_parity": "CACHE",
     "padding_invariance": "PAD", "batch_invariance": "BATCH", "gradient_flow": "GRADFLOW",
-    "sliding_window": "WINDOW", "backend_parity": "BACKEND", "model_runs": "RUNS"}
+    "sliding_window": "WINDOW", "backend_parity": "BACKEND", "model_runs": "RUNS", "attention_pattern": "pattern",
+    "packed_documents": "PACKED"}
 _REASONS: list = []  # the n/a reasons, numbered in the order the table meets them
 
 
@@ -934,7 +1049,8 @@ def test_model_detectors_register_in_the_one_registry_with_where_they_point():
 
     assert model.MODEL_DETECTORS is MODEL_DETECTORS is diagnostics.MODEL_DETECTORS
     assert list(MODEL_DETECTORS) == ["model_runs", "prefix_causality", "cache_parity", "padding_invariance",
-                                     "batch_invariance", "backend_parity", "gradient_flow", "sliding_window"]
+                                     "batch_invariance", "backend_parity", "gradient_flow", "sliding_window",
+                                     "packed_documents"]
     for det in MODEL_DETECTORS.values():
         assert det.scope == "model" and det.fix and det.description
         assert det.locate is not None or det.unlocated, det.id

@@ -1,12 +1,13 @@
 """The model audit, a wing of its own: `audit_model(model)` audits every attention layer of a model in place and
 runs the properties only a model has (`MODEL_DETECTORS`: prefix causality, cache parity, padding and batch
-invariance, backend parity, gradient flow, sliding windows), registered with the same `@detector` as the
-layer detectors, on a `ModelContext`.
+invariance, backend parity, gradient flow, sliding windows and chunks, packed documents), registered with the
+same `@detector` as the layer detectors, on a `ModelContext`.
 
     _find.py       finding the attention modules        _inplace.py  capturing their calls, the in-place wrapper
     _runner.py     calling the model (keyword protocol) _tolerance.py parity tolerances (float64 golden rule)
     _context.py    what the detectors are judged on     _taps.py     layer outputs, and where a change starts
-    runs.py causality.py cache.py padding.py backends.py gradients.py window.py   the model-level detectors
+    runs.py causality.py cache.py padding.py backends.py gradients.py window.py packing.py
+                   the model-level detectors
     _audit.py      audit_model()                        _report.py   ModelReport
     _plugin.py     the pytest plugin's model targets (imported by diagnostics.pytest_plugin, not here)
 
@@ -19,7 +20,7 @@ from importlib import import_module
 
 from .._registry import MODEL_DETECTORS
 
-MODULES = ("runs", "causality", "cache", "padding", "backends", "gradients", "window")
+MODULES = ("runs", "causality", "cache", "padding", "backends", "gradients", "window", "packing")
 
 for _name in MODULES:
     import_module(f"{__name__}.{_name}")

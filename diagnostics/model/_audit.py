@@ -28,7 +28,7 @@ from .._guard import untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, phrase, run
 from .._result import DetectorResult
 from .._thresholds import dtype_name
-from . import causality, runs  # registered (with the others) by the package's MODULES, in their order
+from . import causality, runs, window  # registered (with the others) by the package's MODULES, in their order
 from ._context import ModelContext
 from ._find import FoundModule, class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
@@ -86,7 +86,8 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
 
 
 def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
-                detectors: list[str] | None = None, progress=None, _options: dict | None = None) -> ModelReport:
+                detectors: list[str] | None = None, progress=None, packed: bool | None = None,
+                _options: dict | None = None) -> ModelReport:
     """Audit a whole model: find its attention modules, audit each in place with the arguments the model passes
     it, and run the model-level detectors (`MODEL_DETECTORS`). Returns a `ModelReport` (status "passed",
     "failed" or "inconclusive"; `findings` each with `.layer`, the module path, or None for the model).
@@ -96,12 +97,17 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     `causal`: None infers it (a causal-LM class, `config.is_decoder`, an encoder-decoder's decoder, a truthy
     `model.causal`), else the report says it assumed non-causal. `seq_len`: the audit's length (default: the
     example's, else min(16, the model's context)). `detectors`: ids from `MODEL_DETECTORS` and the layer
-    detectors (`DETECTORS`); None runs all. `progress`: callable(stage, index, total). `_options`: for front
+    detectors (`DETECTORS`); None runs all. `progress`: callable(stage, index, total). `packed`: True if the
+    model keeps documents packed into one sequence apart by their position ids (restarting at each document),
+    False not to check it, None to check where transformers builds the model's packed-sequence mask
+    (`packed_documents`). `_options`: for front
     ends, how the user spells each option ({"causal": "--causal"}), used in the messages."""
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
            "seq_len an int >= 2 or None", f"seq_len={seq_len!r}", "pass e.g. seq_len=16")
+    expect(packed is None or isinstance(packed, bool), "packed=True, False or None", f"packed={packed!r}",
+           "pass packed=True if the model keeps packed documents apart by their position ids")
     expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
            "detectors: a list of detector ids", f"detectors={detectors!r}", "e.g. detectors=['prefix_causality']")
     known = set(MODEL_DETECTORS) | set(DETECTORS)
@@ -177,10 +183,13 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                 notes.append(f"{p} not audited in place: {exc}")
         order = [p for p in long_calls if p in modules]  # the capture's hooks fired in call order
         ctx = ModelContext(model, runner, causal_, seed, dtype, modules, wrappers, time_dims, order, runs=runs_msgs,
-                           raised_in=run_layer)
+                           raised_in=run_layer, packed=packed)
         results.append(run(MODEL_DETECTORS[runs.ID], ctx, _options, subject="model"))
         layer_ids = [d for d in DETECTORS if d in chosen]
         in_place = [p for p in order if p in wrappers]
+        # a layer that declares a window or a chunk (window.declared_pattern) is audited under it in place, so that
+        # attention_pattern measures it key by key and points at the line
+        declared = window.patterns(ctx)
         for i, p in enumerate(in_place):
             if not layer_ids:
                 break
@@ -191,7 +200,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             if said and said not in notes and "scaling" not in said:
                 notes.append(said)
             try:
-                rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale)
+                rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale,
+                            pattern=declared[p].pattern if p in declared else None)
             except AuditUsageError as exc:
                 notes.append(f"{p} not audited in place: {exc}")
                 continue

@@ -30,6 +30,7 @@ class ModelContext:
     raised_in: str | None = None  # the attention module the model raised inside, if it did
     readings: dict = field(default_factory=dict)  # per-detector numbers for reports (reach per layer, cache errors)
     layer_calls: int = 0
+    packed: bool | None = None  # audit_model's `packed`: the model separates packed documents (None: watch for it)
     full: tuple | None = None  # (inputs, output) of the plain full forward, shared by the checks
     _twin: object = None
     _twin_failed: bool = False

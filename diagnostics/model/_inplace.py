@@ -6,6 +6,11 @@ follow the sequence (masks, rotary tables, position biases) are those that chang
 probe needs. `InPlace.forward(x)` replaces only the hidden-state input (and key / value where the model passed
 that same tensor), keeps the model's masks, position embeddings and other arguments, and calls the module the
 way the model called it: the same arguments positional, the same by keyword. The model's call is the convention.
+
+A cross-attention (a memory passed beside the hidden states: BART's, Marian's and Whisper's `key_value_states`,
+T5's, an nn.MultiheadAttention given another stream as key and value) is wrapped as `InPlaceCross.forward(x,
+memory)`: the memory the model passed (the encoder output) is what the probes replace, and the arguments whose
+last dimension follows its length (the encoder's padding mask, a position bias) are cut to the probe's memory.
 """
 
 from __future__ import annotations
@@ -158,15 +163,24 @@ class InPlace(nn.Module):
             return {k: self._adapt(v, path + (k,), t, batch, dtype) for k, v in value.items()}
         return value
 
+    def _layout(self, x: Tensor) -> Tensor:
+        """(B, t, D) in the module's own layout, contiguous where the model passed its input so (GPT-2's Conv1D
+        views its input, harmless in the model)."""
+        h = x.transpose(0, 1) if self.hidden_time_dim == 0 else x
+        return h.contiguous() if self.contiguous_input else h
+
     def forward(self, x):
+        h = self._layout(x)
+        return self._invoke(x, {n: h for n in (self.hidden_name, *self.same_as_hidden)})
+
+    def _invoke(self, x: Tensor, streams: dict):
+        """Call the module with `streams` ({argument: tensor}) in place of what the model passed there, the other
+        arguments adapted to x's length and batch; its output, batch-first."""
         B, t = x.shape[0], x.shape[1]  # batch, sequence length
-        h = x.transpose(0, 1) if self.hidden_time_dim == 0 else x  # the module's own layout
-        if self.contiguous_input:  # as the model passes it: GPT-2's Conv1D views its input, harmless in the model
-            h = h.contiguous()
         args, kwargs = [], {}
         for name, value in self.call_arguments.items():
-            if name == self.hidden_name or name in self.same_as_hidden:
-                value = h
+            if name in streams:
+                value = streams[name]
             elif name in CACHE_NAMES:
                 value = None  # a cache would grow from call to call
             else:
@@ -192,6 +206,42 @@ class InPlace(nn.Module):
         """No key/value/memory stream other than the hidden states."""
         return not any(name in KEY_NAMES + VALUE_NAMES + MEMORY_NAMES and isinstance(value, Tensor)
                        and name not in self.same_as_hidden for name, value in self.call_arguments.items())
+
+
+class InPlaceCross(InPlace):
+    """`forward(x, memory)`: a cross-attention module called as its model called it, with the hidden states replaced
+    by x (B, t, D) and the memory the model passed (and every argument that was that same tensor: a key and a
+    value) by `memory` (B, s, D); arguments whose last dimension has the memory's length are cut to s (or, where
+    they are constant along it, extended). Audited by `audit()` as a cross-attention module."""
+
+    def __init__(self, *args, memory: str, same_as_memory: tuple[str, ...], memory_dims: frozenset, **kw):
+        super().__init__(*args, **kw)
+        self.memory_name, self.same_as_memory, self.memory_dims = memory, same_as_memory, memory_dims
+        self.memory_length = int(self.call_arguments[memory].shape[self.hidden_time_dim])
+        self._memory_now = self.memory_length  # the memory length of the call in progress
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, memory {memory})")
+
+    def _fit(self, value: Tensor, s: int) -> Tensor:
+        """`value` with its last dimension (the memory's length) made s long."""
+        n = value.shape[-1]
+        if s <= n:
+            return value.narrow(-1, 0, s)
+        if bool((value == value[..., :1]).all()):  # constant along the memory: any length has the same entries
+            return value[..., :1].expand(*value.shape[:-1], s)
+        raise AuditUsageError(f"expected a memory of at most {n} positions for {self.audit_name}, whose "
+                              f"{self.memory_name}-length arguments vary along it; got {s}")
+
+    def _adapt(self, value, path, t: int, batch: int, dtype):
+        value = super()._adapt(value, path, t, batch, dtype)
+        if isinstance(value, Tensor) and path in self.memory_dims:
+            value = self._fit(value, self._memory_now)
+        return value
+
+    def forward(self, x, memory):
+        h, m = self._layout(x), self._layout(memory)
+        self._memory_now = memory.shape[1]
+        return self._invoke(x, {**{n: h for n in (self.hidden_name, *self.same_as_hidden)},
+                                **{n: m for n in (self.memory_name, *self.same_as_memory)}})
 
 
 def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None) -> InPlace:
@@ -251,8 +301,37 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if heads is not None and D % heads:
         heads = None
     positional = _passed_positionally(sig, len(long_call.args))
-    return InPlace(module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads,
-                   note)
+    built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note)
+    memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
+    if memory is None:
+        return InPlace(*built)
+    name, same_as_memory = memory
+    length = arguments[name].shape[hidden_time_dim]
+    streams = {hidden, *same, name, *same_as_memory}
+    memory_dims = frozenset(leaf for n, value in arguments.items() if n not in streams and n not in CACHE_NAMES
+                            for leaf, tensor in _leaves(value, (n,))
+                            if tensor.dim() >= 1 and tensor.shape[-1] == length
+                            and tensor.dim() - 1 not in time_dims.get(leaf, ()))
+    return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
+
+
+def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):
+    """(the memory's argument, the others that were that same tensor) of a cross-attention call: a (B, s, D)
+    float tensor under a memory or key name, other than the hidden states, with the hidden states' batch and
+    width; None for self-attention (or keys and values from two different streams)."""
+    H = arguments[hidden]
+    batch_dim = 1 - time_dim
+    for name in MEMORY_NAMES + KEY_NAMES:
+        value = arguments.get(name)
+        if name == hidden or name in same or not isinstance(value, Tensor) or not value.is_floating_point() or \
+                value.dim() != 3 or value.shape[-1] != H.shape[-1] or value.shape[batch_dim] != H.shape[batch_dim]:
+            continue
+        also = tuple(n for n, v in raw.items() if n != name and v is raw[name])
+        values = [n for n in VALUE_NAMES if isinstance(arguments.get(n), Tensor)]
+        if any(n not in also for n in values):  # a value stream of its own: not one memory
+            return None
+        return name, also
+    return None
 
 
 UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transformers")  # q·k multiplied by 1
@@ -270,4 +349,4 @@ def declared_scale(module: nn.Module) -> tuple[float | None, str]:
     return None, ""
 
 
-__all__ = ["CapturedCall", "InPlace", "build_in_place", "capture_calls", "declared_scale", "forward_signature"]
+__all__ = ["CapturedCall", "InPlace", "InPlaceCross", "build_in_place", "capture_calls", "declared_scale", "forward_signature"]

@@ -24,8 +24,20 @@ TRAINABLE = Need("trainable attention parameters", lambda c: bool(trainable(c)),
                  "the attention modules have no trainable parameters")
 
 
-def input_embedding(model: nn.Module) -> nn.Module | None:
-    """The model's token embedding: `get_input_embeddings()` (Hugging Face's), else its first nn.Embedding."""
+def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | None:
+    """The model's token embedding: `get_input_embeddings()` (Hugging Face's), else its first nn.Embedding. With
+    `decoder`, an encoder-decoder's decoder's own (Marian's decoder has an embedding of its own: the model's is
+    the encoder's, whose every position the decoder sees through cross-attention)."""
+    if decoder:
+        get_decoder = getattr(model, "get_decoder", None)
+        try:
+            inner = get_decoder() if callable(get_decoder) else None
+        except Exception:  # a getter that is not implemented: the model's own embedding
+            inner = None
+        if isinstance(inner, nn.Module) and inner is not model:
+            found = input_embedding(inner)
+            if found is not None:
+                return found
     getter = getattr(model, "get_input_embeddings", None)
     if callable(getter):
         try:
@@ -45,7 +57,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     runner = ctx.runner
     params = trainable(ctx)
     seq = runner.inputs[:1]
-    emb = input_embedding(ctx.model) if runner.tokens else None
+    emb = input_embedding(ctx.model, decoder=runner.encoder_decoder) if runner.tokens else None
     leaf = {}
 
     def hook(m, args, out):  # the token embeddings (B, T, D) as a leaf: gradients w.r.t. each position

@@ -1,10 +1,30 @@
-"""sliding_window: a layer that declares a sliding window w sees exactly the last w positions. In place, per
-layer that declares one (an attribute `sliding_window`, or its config's): with the hidden state changed at
-position s only, outputs at t >= s + w must not move, and t = s + w - 1 must."""
+"""sliding_window: each attention layer keeps the pattern it declares, a sliding window or a chunk, read from the
+layer or its config (`declared_pattern`), in place: with the hidden state changed at one position s only, the
+outputs the pattern blocks for key s must not move, and the farthest output it allows must.
+
+Where a layer declares its pattern, first match wins:
+- a `diagnostics.patterns.Pattern` the module carries as `attention_pattern` (a layer of one's own);
+- its config's `layer_types[layer_idx]` (Gemma 2/3, Qwen2, Llama 4, ...): "sliding_attention" is
+  `sliding_window(config.sliding_window)`, "chunked_attention" `chunked(config.attention_chunk_size)`, any other
+  type (full attention) none;
+- its own `sliding_window` attribute (None there: a full-attention layer, as in Gemma 2's alternating layers);
+- its config's `sliding_window` (unless `use_sliding_window` is False, Qwen2's switch), else its
+  `attention_chunk_size`.
+A config with `use_bidirectional_attention` (Gemma 3's window on both sides of the query) declares no causal
+pattern: its layers are not checked here.
+Hugging Face counts `sliding_window` as we do, W keys including the query's own (`diagnostics.patterns`):
+transformers 5.24 masking_utils.py line 97, `sliding_window_overlay`, keeps `kv_idx > q_idx - sliding_window`
+under the causal mask, and modeling_flash_attention_utils.py line 692 passes flash-attention
+`window_size=(sliding_window - 1, sliding_window - 1)`.
+
+The probe columns: s = 0, and s = band - 1 (the last position of the first window or chunk, where a chunk
+boundary one late leaks into the next chunk) where the sequence holds the rows after it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,26 +32,90 @@ from torch import nn
 from .._registry import Need, detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
+from ..patterns import Pattern, chunked, sliding_window
 from ._context import SEQUENCE, ModelContext
 from ._runner import device_dtype, first_tensor
 from ._taps import moved
 
 ID = "sliding_window"
-FIX = "allow keys j with i - w < j <= i: mask (i - j) >= w, not > w"
+FIX = ("build the layer's mask from its declared pattern: a window w allows keys j with i - w < j <= i (mask "
+       "(i - j) >= w, not > w); a chunk of c allows j <= i with i // c == j // c")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """The pattern a layer declares, where it says so, and its span (the window w or chunk c)."""
+
+    pattern: Pattern
+    source: str
+    band: int
+
+    @property
+    def kind(self) -> str:
+        """"window", "chunk", or "" for a pattern of the layer's own."""
+        name = self.pattern.name
+        return "window" if name.startswith("sliding_window(") else "chunk" if name.startswith("chunked(") else ""
+
+    @property
+    def label(self) -> str:
+        """"window 5", "chunk 4", or the pattern's name."""
+        return f"{self.kind} {self.band}" if self.kind else self.pattern.name
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def declared_pattern(module: nn.Module) -> Declared | None:
+    """The window or chunk a layer declares (see the module docstring for where it is read), or None."""
+    own = getattr(module, "attention_pattern", None)
+    if isinstance(own, Pattern):
+        band = _span(own)
+        return Declared(own, f"{type(module).__name__}.attention_pattern", band) if band else None
+    config = getattr(module, "config", None)
+    if getattr(config, "use_bidirectional_attention", False) is True:
+        return None  # Gemma 3's embedding variant: a window on both sides of the query, not a causal pattern
+    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        kind, where = types[idx], f"config.layer_types[{idx}] = {types[idx]!r}"
+        if kind == "sliding_attention" and _positive_int(getattr(config, "sliding_window", None)):
+            w = config.sliding_window
+            return Declared(sliding_window(w), f"{where}, config.sliding_window = {w}", w)
+        if kind == "chunked_attention" and _positive_int(getattr(config, "attention_chunk_size", None)):
+            c = config.attention_chunk_size
+            return Declared(chunked(c), f"{where}, config.attention_chunk_size = {c}", c)
+        return None
+    if hasattr(module, "sliding_window"):
+        w = _positive_int(module.sliding_window)
+        return Declared(sliding_window(w), f"{type(module).__name__}.sliding_window = {w}", w) if w else None
+    if config is None:
+        return None
+    w = _positive_int(getattr(config, "sliding_window", None))
+    if w and getattr(config, "use_sliding_window", True) is not False:
+        return Declared(sliding_window(w), f"config.sliding_window = {w}", w)
+    c = _positive_int(getattr(config, "attention_chunk_size", None))
+    return Declared(chunked(c), f"config.attention_chunk_size = {c}", c) if c else None
+
+
+def _span(pattern: Pattern, T: int = 64) -> int | None:
+    """The widest row of a causal pattern on T positions, if narrower than T (a window or chunk), else None."""
+    allowed = pattern.allowed(1, T, T)[0]  # (Tq, Tk)
+    if bool(allowed.triu(1).any()):
+        return None
+    lo = torch.where(allowed, torch.arange(T), T).amin(-1)
+    span = int((torch.arange(T) - lo).clamp_min(0).max()) + 1
+    return span if span < T else None
 
 
 def declared_window(module: nn.Module) -> int | None:
-    """The sliding window a layer declares: its own `sliding_window` attribute where it has one (None there: a
-    full-attention layer, as in Gemma 2's alternating layers), else its config's (unless `use_sliding_window`
-    is False, Qwen2's switch)."""
-    if hasattr(module, "sliding_window"):
-        value = module.sliding_window
-    else:
-        config = getattr(module, "config", None)
-        value = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            value = None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """The sliding window w a layer declares (None for a chunk, or no pattern)."""
+    d = declared_pattern(module)
+    return d.band if d is not None and d.kind == "window" else None
+
+
+def patterns(ctx: ModelContext) -> dict:
+    """{path: Declared} of the attention layers that declare a window or a chunk."""
+    return {p: d for p, d in ((p, declared_pattern(m)) for p, m in ctx.modules.items()) if d is not None}
 
 
 def windows(ctx: ModelContext) -> dict:
@@ -39,8 +123,9 @@ def windows(ctx: ModelContext) -> dict:
     return {p: w for p, w in ((p, declared_window(m)) for p, m in ctx.modules.items()) if w is not None}
 
 
-DECLARES_WINDOW = Need("a layer that declares a sliding window", lambda c: bool(windows(c)),
-                       "no attention layer declares a sliding window")
+DECLARES_WINDOW = Need("a layer that declares a sliding window or chunk", lambda c: bool(patterns(c)),
+                       "no attention layer declares a sliding window or a chunk (an `attention_pattern`, "
+                       "`sliding_window`, `attention_chunk_size` or `layer_types` on the layer or its config)")
 
 
 @contextlib.contextmanager
@@ -54,50 +139,74 @@ def _eval(module: nn.Module):
             m.train(mode)
 
 
-@detector(ID, "a layer that declares a sliding window w sees exactly the last w positions", fix=FIX,
-          needs=(SEQUENCE, DECLARES_WINDOW), scope="model",
+def _column(wrapper, s: int, T: int, x, gen, tol, declared: Declared, path: str, ctx) -> tuple[str, str | None]:
+    """Position s changed alone: (what was measured, the finding or None)."""
+    device, dtype = x.device, x.dtype
+    y = x.clone()
+    y[:, s] = torch.randn(wrapper.d_model, generator=gen).to(device, dtype) * 1000
+    with torch.no_grad(), _eval(wrapper):
+        a, b = first_tensor(wrapper(x)), first_tensor(wrapper(y))
+    ctx.layer_calls += 2
+    change = moved(b, a)[0]  # (T,)
+    allows = declared.pattern.allowed(1, T, T)[0, :, s]  # (Tq,): the outputs that may see key s
+    name = declared.pattern.name
+    leaked = (~allows & (change > tol)).nonzero().flatten()
+    if len(leaked):
+        t = int(leaked[0])
+        return "", (f"{path} declares {name} ({declared.source}), yet changing position {s} moved the output at "
+                    f"t={t} by {float(change[t]):.3g} of the RMS, which {name} blocks from key {s} "
+                    f"({len(leaked)} such outputs; up to {tol:.0e} allowed): the pattern is wider than declared")
+    edge = int(allows.nonzero().flatten().max())
+    if not float(change[edge]) > tol:
+        return "", (f"{path} declares {name} ({declared.source}), yet changing position {s} did not move the output "
+                    f"at t={edge} ({float(change[edge]):.3g}), the farthest {name} allows to see key {s}: the pattern "
+                    f"is narrower than declared")
+    return f"s={s}: t={s}..{edge} moved, the {int((~allows).sum())} others not", None
+
+
+@detector(ID, "a layer that declares a sliding window w (or a chunk c) in itself or its config sees exactly its last w "
+          "positions (its chunk)", fix=FIX, needs=(SEQUENCE, DECLARES_WINDOW), scope="model",
           unlocated="names the layer whose window is not the declared width (its `layer`); the window's mask is "
                     "not traced to a line")
 def check_sliding_window(ctx: ModelContext) -> DetectorResult:
-    checked, bad = [], []
-    for p, w in windows(ctx).items():
+    checked, bad, exact = [], [], 0
+    for p, declared in patterns(ctx).items():
         wrapper = ctx.wrappers.get(p)
         if wrapper is None:
             continue
-        T = wrapper.block_size
+        T, w = wrapper.block_size, declared.band
         if T < w + 1:
-            checked.append(f"{p}: window {w} >= seq_len {T}, not measured")
+            checked.append(f"{p}: {declared.label}" + ("" if declared.kind else f" spans {w}")
+                           + f" >= seq_len {T}, not measured")
             continue
-        s = 0
         gen = torch.Generator().manual_seed(ctx.seed + 41)
         device, dtype = device_dtype(wrapper.inner)
         x = torch.randn(1, T, wrapper.d_model, generator=gen).to(device, dtype)
-        y = x.clone()
-        y[:, s] = torch.randn(wrapper.d_model, generator=gen).to(device, dtype) * 1000
-        try:
-            with torch.no_grad(), _eval(wrapper):
-                a, b = first_tensor(wrapper(x)), first_tensor(wrapper(y))
-        except Exception as exc:  # the layer raised on the probe: reported, the other layers still checked
-            checked.append(f"{p}: raised {type(exc).__name__}")
-            continue
-        ctx.layer_calls += 2
-        change = moved(b, a)[0]  # (T,)
         tol = tolerance(UNCHANGED, dtype)
-        outside = change[s + w:]
-        edge = float(change[s + w - 1])
-        if bool((outside > tol).any()):
-            t = int((outside > tol).nonzero()[0]) + s + w
-            bad.append((p, f"{p} declares sliding_window={w}, yet changing position {s} moved the output at t={t} "
-                           f"by {float(outside.max()):.3g} of the RMS (t - s >= w must not move; up to {tol:.0e})"))
-        elif not edge > tol:
-            bad.append((p, f"{p} declares sliding_window={w}, yet changing position {s} did not move the output at "
-                           f"t={s + w - 1} ({edge:.3g}): the window is narrower than declared"))
+        readings, finding = [], None
+        for s in sorted({0, w - 1}):
+            if s > 0 and s + w >= T:  # no row past this column's window in the sequence
+                continue
+            try:
+                reading, finding = _column(wrapper, s, T, x, gen, tol, declared, p, ctx)
+            except Exception as exc:  # the layer raised on the probe: reported, the other layers still checked
+                readings.append(f"raised {type(exc).__name__}")
+                break
+            if finding:
+                break
+            readings.append(reading)
+        if finding:
+            bad.append((p, finding))
+        elif readings and not readings[-1].startswith("raised"):
+            exact += 1
+            checked.append(f"{p}: {declared.label} exact ({declared.source}; " + "; ".join(readings) + ")")
         else:
-            checked.append(f"{p}: window {w} exact")
+            checked.append(f"{p}: " + "; ".join(readings))
     if bad:
-        return DetectorResult(ID, "fail", f"a sliding window is not the declared width ({', '.join(p for p, _ in bad)})",
+        return DetectorResult(ID, "fail", f"a layer's window or chunk is not the one it declares "
+                                          f"({', '.join(p for p, _ in bad)})",
                               evidence="; ".join(t for _, t in bad), fix=FIX, layer=bad[0][0])
-    if not any("exact" in c for c in checked):
+    if not exact:
         return DetectorResult(ID, "skip", "not measured: " + "; ".join(checked))
-    return DetectorResult(ID, "pass", f"every declared sliding window is exact ({len(checked)} layers)",
+    return DetectorResult(ID, "pass", f"every declared window and chunk is exact ({exact} layers)",
                           evidence="; ".join(checked))

@@ -1,0 +1,138 @@
+"""packed_documents: documents packed into one sequence, their position ids restarting at each document's start,
+do not see each other: changing one document's tokens moves its own outputs and no other document's.
+
+One batched forward of the packed example (three documents, position ids 0.. per document, no attention mask, as
+packed training passes them) and of copies with one document's tokens replaced. The attention modules are tapped:
+the first (in the order they returned) whose outputs in another document moved is where the leak starts.
+
+Where a model separates packed documents at all:
+- `audit_model(model, packed=True)`: the model says so (its attention builds a block-diagonal mask from the
+  position ids); `packed=False` does not check;
+- `packed=None` (the default): a Hugging Face model whose mask transformers builds with its packed-sequence mask
+  (`masking_utils.packed_sequence_mask_function`, applied by `create_causal_mask` and its sliding and chunked
+  kin when position ids restart and no attention mask or cache is passed), watched during the forward. Any other
+  model skips, saying why: nothing says its attention separates documents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from .._registry import Need, detector
+from .._result import DetectorResult
+from .._thresholds import UNCHANGED, dtype_name, tolerance
+from ._context import SEQUENCE, ModelContext, at_least
+from ._taps import NO_POSITIONS, LayerTap, moved, per_position
+
+ID = "packed_documents"
+FIX = ("mask attention block-diagonal over the packed documents, causal inside each: document ids from where the "
+       "position ids restart, doc = (position_ids == 0).cumsum(-1), and a query attends a key only when "
+       "doc[q] == doc[kv] (with transformers, pass position_ids and no attention_mask, or a 4-D block-diagonal "
+       "mask)")
+TAKES_POSITIONS = Need("position_ids", lambda c: c.runner.takes_positions,
+                       "the model's forward takes no position_ids, through which packed documents restart")
+NOT_ASKED = Need("packed is not False", lambda c: c.packed is not False, "packed=False: not checked")
+
+
+def documents(T: int) -> list[tuple[int, int]]:
+    """Three documents over T positions, as (start, end): T // 3, T // 3 and the rest."""
+    a = T // 3
+    return [(0, a), (a, 2 * a), (2 * a, T)]
+
+
+@contextlib.contextmanager
+def _watch_packed_mask():
+    """Whether transformers applied its packed-sequence mask during the block: a list that fills when it does."""
+    used: list = []
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "packed_sequence_mask_function", None) if masking is not None else None
+    if original is None:
+        yield None
+        return
+
+    def watched(packed_sequence_mask):
+        used.append(packed_sequence_mask)
+        return original(packed_sequence_mask)
+
+    masking.packed_sequence_mask_function = watched
+    try:
+        yield used
+    finally:
+        masking.packed_sequence_mask_function = original
+
+
+@detector(ID, "documents packed into one sequence (position ids restarting at each) do not see each other: "
+              "changing one document moves its own outputs only; the first layer a change crosses into another "
+              "document is reported", fix=FIX, needs=(SEQUENCE, TAKES_POSITIONS, at_least(6), NOT_ASKED),
+          scope="model",
+          unlocated="names the first attention layer whose outputs in another document moved (its `layer`); the "
+                    "mask is not traced to a line")
+def check_packed_documents(ctx: ModelContext) -> DetectorResult:
+    runner = ctx.runner
+    seq = runner.inputs[:1]
+    T = seq.shape[1]
+    docs = documents(T)
+    positions = torch.cat([torch.arange(e - s) for s, e in docs]).view(1, T).to(seq.device)  # (1, T)
+    gen = torch.Generator().manual_seed(ctx.seed + 53)
+    other = runner.other_tokens(seq, gen)
+    rows = [seq]
+    for s, e in docs:
+        row = seq.clone()
+        row[:, s:e] = other[:, s:e]
+        rows.append(row)
+    batch = torch.cat(rows)  # (1 + documents, T)
+    with LayerTap(ctx.modules, ctx.time_dims) as taps, _watch_packed_mask() as used:
+        out, _ = runner(batch, position_ids=positions.expand(batch.shape[0], T))
+    if not per_position(out, T):
+        return DetectorResult(ID, "skip", NO_POSITIONS.format(shape=tuple(out.shape)))
+    spans = ", ".join(f"{s}..{e - 1}" for s, e in docs)
+    if ctx.packed is None and not used:
+        why = ("transformers did not apply its packed-sequence mask in this model's forward (masking_utils."
+               "packed_sequence_mask_function unused: a bidirectional mask, a mask the model builds itself, or an "
+               "attention implementation without mask functions)" if runner.hf else
+               "nothing says the model's attention separates documents packed in one sequence")
+        return DetectorResult(ID, "skip", f"not measured: {why}; pass packed=True to audit_model if its attention "
+                                          f"keeps packed documents apart by their position ids")
+    base, tol = out[:1], tolerance(UNCHANGED, ctx.dtype)
+    crossings, own_moved, worst = [], True, 0.0
+    for i, (s, e) in enumerate(docs, start=1):
+        change = moved(out[i:i + 1], base)[0]  # (T,)
+        own_moved = own_moved and bool((change[s:e] > tol).any())
+        outside = change.clone()
+        outside[s:e] = 0
+        if bool((outside > tol).any()):
+            t = int((outside > tol).nonzero()[0])
+            worst = max(worst, float(outside.max()))
+            crossings.append((i - 1, s, e, t, float(change[t]), int((outside > tol).sum())))
+    first = None
+    if crossings:
+        d, s, e = crossings[0][:3]
+        for p in taps.finished:
+            layer_out = taps.joined(p)
+            if layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T:
+                continue
+            ch = moved(layer_out[d + 1:d + 2], layer_out[:1])[0]  # (T,)
+            ch[s:e] = 0
+            if bool((ch > tol).any()):
+                first = p
+                break
+    how = "as declared (packed=True)" if ctx.packed else "transformers applied its packed-sequence mask"
+    if crossings:
+        d, s, e, t, by, n = crossings[0]
+        at = f"; the change first crosses at {first}" if first else ""
+        return DetectorResult(ID, "fail", "packed documents see each other: changing one document moves another's "
+                                          "outputs" + at, value=worst, threshold=tol, fix=FIX, layer=first,
+                              evidence=f"documents at {spans} (position ids restarting at each, no attention mask; "
+                                       f"{how}): changing document {d} (t={s}..{e - 1}) moved {n} outputs of other "
+                                       f"documents, first t={t} by {by:.3g} of the outputs' RMS (up to {tol:.0e} "
+                                       f"allowed for {dtype_name(ctx.dtype)}); "
+                                       + "; ".join(f"document {c[0]}: {c[5]} outside outputs moved"
+                                                   for c in crossings))
+    if not own_moved:
+        return DetectorResult(ID, "skip", "not measured: changing a document's tokens did not move its own outputs")
+    return DetectorResult(ID, "pass", f"packed documents ({spans}) see only themselves", value=0.0, threshold=tol,
+                          evidence=f"{how}; each document changed alone moved its own outputs and none of the "
+                                   f"others' (up to {tol:.0e} allowed for {dtype_name(ctx.dtype)})")
