@@ -2,6 +2,7 @@
 
     python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 1]
     python benchmarks/model_audit_cost.py --margins [--seeds 3] [--dtype bfloat16]
+    python benchmarks/model_audit_cost.py --families [--repeats 3]
 
 Builds a GPT-2 config (transformers, sdpa) of each depth at the given width, 4 heads per 64 features, and audits
 it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. Prints a
@@ -11,7 +12,10 @@ rotary with a window, torch's TransformerEncoder; with transformers, tiny GPT-2,
 Phi-3, BERT, T5, BART, ViT in eager and sdpa mode) over several seeds and prints, per parity detector, the largest
 value / threshold a correct model reached (the inverse of the margin), and for the float64-golden parity checks
 the largest error of the tested path divided by the same-dtype full pass's own error (what FUDGE must exceed);
-`--dtype` converts each model first (bfloat16, float16).
+`--dtype` converts each model first (bfloat16, float16). `--families` audits the tiny Hugging Face models whose
+attention has a pattern or a memory (Mistral's sliding window, Gemma 2's alternating layers, Llama's packed
+documents, BART's and T5's cross-attention; the tests' configs, seq_len 16) and prints the same columns, with the
+verdicts of the checks they exercise.
 """
 
 from __future__ import annotations
@@ -120,6 +124,41 @@ def margins(seeds: int, dtype: torch.dtype = torch.float32) -> None:
 PARITY = ("cache_parity", "padding_invariance", "batch_invariance", "backend_parity")
 
 
+def families(repeats: int) -> None:
+    tf = _transformers()
+    if tf is None:
+        print("--families needs transformers: pip install -e \".[real]\"")
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_model_audit import COMMON, hf_model
+
+    def gemma2():
+        torch.manual_seed(0)
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(hidden_size=32, num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                                    attn_logit_softcapping=None, final_logit_softcapping=None,
+                                                    attn_implementation="eager", **COMMON))
+
+    zoo = {"Mistral (window 5, sdpa)": lambda: hf_model(tf, "mistral", "sdpa"), "Gemma 2 (alternating, eager)": gemma2,
+           "Llama (sdpa)": lambda: hf_model(tf, "llama", "sdpa"), "BART (sdpa)": lambda: hf_model(tf, "bart", "sdpa"),
+           "T5 (sdpa)": lambda: hf_model(tf, "t5", "sdpa")}
+    diagnostics.audit_model(zoo["Llama (sdpa)"]())  # imports and warm-up, not timed
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; audit (s): median of {repeats}")
+    print("| model | model forwards | layer calls | audit (s) | status | sliding_window | packed_documents | "
+          "cross-attention in place |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, make in zoo.items():
+        model, times = make(), []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            report = diagnostics.audit_model(model)
+            times.append(time.perf_counter() - start)
+        verdict = {r.detector: r.verdict for r in report.results}
+        cross = [p for p, rep in report.layers.items() if "cross_module" in rep.layer]
+        print(f"| {name} | {report.model_forwards} | {report.layer_calls} | {sorted(times)[len(times) // 2]:.2f} | "
+              f"{report.status} | {verdict.get('sliding_window', '-')} | {verdict.get('packed_documents', '-')} | "
+              f"{len(cross)} layers |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--margins", action="store_true")
@@ -129,9 +168,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--families", action="store_true")
     args = p.parse_args()
     if args.margins:
         return margins(args.seeds, getattr(torch, args.dtype))
+    if args.families:
+        return families(args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     diagnostics.audit_model(build(1, 64, 16)[0], seq_len=16)  # imports and warm-up, not timed
     print("| depth | model | model forwards | layer calls | one forward (s) | audit (s) | status |")
