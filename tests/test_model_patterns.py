@@ -64,6 +64,10 @@ def test_the_declared_pattern_is_read_from_layer_types_the_layer_or_its_config()
     assert own.label == "chunk 4" and own.source == "Module.attention_pattern"
     assert declared_window(_module(attention_pattern=chunked(4))) is None  # a chunk is not a window
     assert declared_pattern(_module(attention_pattern=sliding_window(2) | chunked(4))).band == 4
+    bare = declared_pattern(_module(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv < 3)))  # a mask_mod
+    assert bare.band == 3 and bare.kind == "" and bare.label == "<lambda>"
+    assert declared_pattern(_module(attention_pattern=lambda b, h, q, kv: kv >= 0)) is None  # not causal: unchecked
+    assert declared_pattern(_module(attention_pattern=lambda x: x.mean())) is None  # no mask_mod: nothing declared
 
 
 # ---- our own models: a chunked decoder, packed documents --------------------------------------------------------

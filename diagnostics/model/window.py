@@ -3,7 +3,8 @@ layer or its config (`declared_pattern`), in place: with the hidden state change
 outputs the pattern blocks for key s must not move, and the farthest output it allows must.
 
 Where a layer declares its pattern, first match wins:
-- a `diagnostics.patterns.Pattern` the module carries as `attention_pattern` (a layer of one's own);
+- a `diagnostics.patterns.Pattern` (or a bare `mask_mod(b, h, q_idx, kv_idx)`) the module carries as
+  `attention_pattern` (a layer of one's own);
 - its config's `layer_types[layer_idx]` (Gemma 2/3, Qwen2, Llama 4, ...): "sliding_attention" is
   `sliding_window(config.sliding_window)`, "chunked_attention" `chunked(config.attention_chunk_size)`, any other
   type (full attention) none;
@@ -32,7 +33,7 @@ from torch import nn
 from .._registry import Need, detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
-from ..patterns import Pattern, chunked, sliding_window
+from ..patterns import Pattern, as_pattern, chunked, sliding_window
 from ._context import SEQUENCE, ModelContext
 from ._runner import device_dtype, first_tensor
 from ._taps import moved
@@ -69,8 +70,12 @@ def _positive_int(value) -> int | None:
 def declared_pattern(module: nn.Module) -> Declared | None:
     """The window or chunk a layer declares (see the module docstring for where it is read), or None."""
     own = getattr(module, "attention_pattern", None)
-    if isinstance(own, Pattern):
-        band = _span(own)
+    if own is not None and callable(own):  # a Pattern, or a bare mask_mod(b, h, q_idx, kv_idx)
+        own = as_pattern(own)
+        try:
+            band = _span(own)
+        except Exception:  # the layer's own callable, not a mask_mod of index tensors: no pattern to read
+            band = None
         return Declared(own, f"{type(module).__name__}.attention_pattern", band) if band else None
     config = getattr(module, "config", None)
     if getattr(config, "use_bidirectional_attention", False) is True:
