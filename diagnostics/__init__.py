@@ -26,6 +26,7 @@ _WHERE = {
     "Detector": "._registry",
     "DetectorResult": "._result",
     "Finding": "._result",
+    "MaskConvention": "._masks",
     "MODEL_DETECTORS": ".model",
     "ModelReport": ".model",
     "Site": "._result",
@@ -45,6 +46,7 @@ __all__ = [
     "Detector",
     "DetectorResult",
     "Finding",
+    "MaskConvention",
     "ModelReport",
     "Site",
     "adapters",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from . import adapters, patterns
     from ._audit import assert_attention_ok, audit
     from ._errors import AuditUsageError
+    from ._masks import MaskConvention
     from .model import MODEL_DETECTORS, ModelReport, audit_model
     from ._registry import Detector
     from ._report import AttentionAuditError, AuditReport

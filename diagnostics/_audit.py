@@ -23,8 +23,9 @@ from .patterns import as_pattern
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
           need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
-          strict: bool = False, progress=None, mask: str | None = None, layout: str | None = None,
-          pattern=None, _options: dict | None = None) -> AuditReport:
+          strict: bool = False, progress=None, mask=None, layout: str | None = None,
+          pattern=None, call=None, cross: bool = False, positions: str | None = None,
+          _options: dict | None = None) -> AuditReport:
     """Run the detectors on `layer` and return an `AuditReport` whose `status` is "passed", "failed" or
     "inconclusive" (the core properties, weight row sums and softmax temperature, were not measured).
 
@@ -39,13 +40,23 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     one whose needs do not hold, e.g. future_leakage without causal=True, stays a skip). `progress`:
     optional callable(detector_id, index, total) for long audits. `_options`: for front ends, how the user
     spells each option ({"causal": "--causal"}), used in the messages. `mask`: the convention the layer
-    takes its mask in, "allowed" (bool, True = may attend; the default), "blocked" (bool, True = blocked),
-    "additive" (float, 0 keep, large negative block) or "key_padding" ((B, Tk) bool, True = padding); library
-    layers' own conventions are known. `layout`: a function's tensors, "bhtd" (default) or "bthd".
+    takes its mask in, a meaning and a shape (`diagnostics.MaskConvention`, or its spelling): "allowed" (bool
+    (B, 1, Tq, Tk), True = may attend; the default), "blocked" (True = blocked), "additive" (float, 0 keep, large
+    negative block), "key_padding" ((B, Tk) bool, True = padding), "key_keep" ((B, Tk), True = keep), or
+    MEANING:SHAPE such as "additive:B,Tq,Tk", "blocked:B*H,Tq,Tk", "allowed:Tq,Tk"; library layers' own
+    conventions are known, and so is one the layer states (a `key_padding_mask` parameter, its docstring).
+    `layout`: a function's tensors, "bhtd" (default) or "bthd". `call`: how to call a layer whose inputs have
+    names the audit cannot know, `call(layer, x[, mask])` (self-attention), `call(layer, query, memory[, mask])`
+    (cross-attention) or `call(layer, query, key, value[, mask])`, e.g. `call=lambda layer, x, memory, mask:
+    layer(x, xa=memory, mask=mask)`; for a function, `call(f, q, k, v[, mask])`. `cross=True`: the layer is
+    cross-attention, so a raise when the memory's length differs from the query's is a failure; otherwise a layer
+    that runs with Tq = Tk and raises only with Tq != Tk is audited as self-attention only (those probes skip,
+    saying so).
     `pattern`: the attention pattern the layer promises, a `diagnostics.patterns` pattern (`sliding_window(W)`,
     `chunked(C)`, `prefix_lm(P)`, `document(ids)`, combined with & and |) or a mask_mod(b, h, q_idx, kv_idx);
     a layer that takes a mask is given the pattern's mask, and `attention_pattern` measures which keys each
-    output row depends on against it.
+    output row depends on against it. `positions`: "absolute" for a layer that adds absolute position embeddings
+    itself (then `relative_positions` does not apply), "relative" to say that its positions are meant to be relative.
     """
     expect(isinstance(causal, bool), "causal=True or causal=False", f"causal={causal!r}",
            "pass a bool: causal=True if the layer promises causality")
@@ -62,13 +73,19 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     expect(pattern is None or callable(pattern), "pattern: a diagnostics.patterns pattern or a mask_mod",
            f"pattern={pattern!r}", "pass e.g. pattern=diagnostics.patterns.sliding_window(4)")
     pattern = None if pattern is None else as_pattern(pattern)
+    expect(positions in (None, "relative", "absolute"), 'positions "absolute", "relative" or None',
+           f"positions={positions!r}", 'pass positions="absolute" for a layer that adds absolute position embeddings itself')
     not_chosen = [d for d in required if d not in chosen]
     expect(not not_chosen, "required detectors among those run", f"require={not_chosen} not in detectors",
            "add them to detectors=[...] or drop them from require")
+    expect(isinstance(cross, bool), "cross=True or cross=False", f"cross={cross!r}",
+           "pass cross=True if the layer is cross-attention (its memory may be longer or shorter than the query)")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
-                           need_weights=need_weights, mask=mask, layout=layout, options=_options)
+                           need_weights=need_weights, mask=mask, layout=layout, call=call, options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
-    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern)
+    probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
+                  cross=cross)
+    probe.positions = positions  # read by detectors/positions.declared_positions
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}

@@ -1,7 +1,7 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer or a whole model from the command line.
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
-                    [--mask CONVENTION] [--layout bhtd|bthd]
+                    [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN] [--call MODULE:FUNCTION] [--cross]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--json]
                     [--html PATH]
 
@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 
 from ._errors import AuditUsageError
-from ._load import importable_from, load_example, load_layer, load_model, quiet_numpy_warning, resolve
+from ._load import (importable_from, load_call, load_example, load_layer, load_model, load_pattern, quiet_numpy_warning,
+                    resolve)
 
 EXIT_PASSED, EXIT_FINDINGS, EXIT_USAGE, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": EXIT_INCONCLUSIVE}
@@ -43,8 +44,8 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
-           "example": "--example MODULE:OBJECT naming "}
-LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout")  # options of a layer audit, not of a model's
+           "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross"}
+LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call")  # a layer audit's, not a model's
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
@@ -105,9 +106,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="a detector that must measure the layer: its skip fails the audit (repeat for several)")
     p.add_argument("--strict", action="store_true",
                    help="every detector that applies to the layer must measure it: a 'not measured' skip fails")
-    p.add_argument("--mask", choices=("allowed", "blocked", "additive", "key_padding"),
-                   help="how the layer takes its mask: allowed (bool, True = may attend; the default), blocked "
-                        "(True = blocked), additive (0 keep, large negative block), key_padding ((B, Tk), True = pad)")
+    p.add_argument("--mask", metavar="CONVENTION",
+                   help="how the layer takes its mask: allowed (bool (B, 1, Tq, Tk), True = may attend; the default), "
+                        "blocked (True = blocked), additive (0 keep, large negative block), key_padding ((B, Tk), "
+                        "True = pad), key_keep ((B, Tk), True = keep), mha_blocked, or MEANING:SHAPE, e.g. "
+                        "additive:B,Tq,Tk (shapes B,1,Tq,Tk B,Tq,Tk B*H,Tq,Tk Tq,Tk B,Tk)")
+    p.add_argument("--pattern", metavar="PATTERN",
+                   help="the attention pattern the layer promises: causal, sliding_window(W), chunked(C), "
+                        "prefix_lm(P), document([ids]), combined with & and |, e.g. \"sliding_window(4)\"")
+    p.add_argument("--call", metavar="MODULE:FUNCTION",
+                   help="how to call the layer, where its inputs have names the audit cannot know: a function "
+                        "call(layer, x, mask), call(layer, query, memory, mask) or call(layer, query, key, value, mask)")
+    p.add_argument("--cross", action="store_true",
+                   help="the layer is cross-attention: a raise when the memory's length differs from the query's "
+                        "fails (otherwise such a layer is audited as self-attention only)")
     p.add_argument("--layout", choices=("bhtd", "bthd"),
                    help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
     p.add_argument("--json", action="store_true",
@@ -166,15 +178,18 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
 
     try:
         layer = load_layer(args.target)
+        pattern = load_pattern(args.pattern) if args.pattern is not None else None
+        call = load_call(args.call) if args.call is not None else None
         # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
         # usage errors, worded with this command's flags
         check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
-                                   layout=args.layout, options=OPTIONS), args.seq_len, options=OPTIONS)
+                                   layout=args.layout, call=call, options=OPTIONS), args.seq_len, options=OPTIONS)
         report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
         try:
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
                            num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
-                           mask=args.mask, layout=args.layout, progress=report_progress, _options=OPTIONS)
+                           mask=args.mask, layout=args.layout, pattern=pattern, call=call, cross=args.cross,
+                           progress=report_progress, _options=OPTIONS)
         finally:
             done()
     except AuditUsageError as error:
@@ -187,6 +202,7 @@ def audit_model_command(args, prog: str, usage) -> int:
     given = [f"--{name.replace('_', '-')}" for name in LAYER_ONLY if getattr(args, name, None) is not None]
     given += ["--require"] if args.require else []
     given += ["--strict"] if args.strict else []
+    given += ["--cross"] if args.cross else []
     if args.target is not None:
         return usage(f"expected either MODULE:OBJECT (a layer) or --model MODULE:OBJECT; got both "
                      f"({args.target} and --model {args.model}). Fix: drop one")

@@ -2,10 +2,11 @@
 
 `resolve()` finds the object, `load_layer()`, `load_model()` and `load_example()` turn it into what an audit
 takes (the object itself, an instance of a class built with no arguments, or what a zero-argument factory
-returns). Every
-failure is an `AuditUsageError` with a one-line message. A ground-floor module: it imports no other part of
-diagnostics but its error type, and torch only when a target is loaded (the pytest plugin imports this module
-in every run, where torch must not be imported).
+returns). `load_pattern()` reads a declared attention pattern written in a front end's option
+(`--pattern "sliding_window(4) & causal"`) by a small grammar, never `eval`. Every failure is an
+`AuditUsageError` with a one-line message. A ground-floor module: it imports no other part of diagnostics but
+its error type and, when a pattern is read, diagnostics.patterns; torch only when a target or a pattern is loaded
+(the pytest plugin imports this module in every run, where torch must not be imported).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
 import warnings
 
@@ -137,5 +139,119 @@ def load_example(spec: str):
                               f"(2, 16)), and pass --example module:ids") from error
 
 
-__all__ = ["import_target_module", "importable_from", "load_example", "load_layer", "load_model",
-           "quiet_numpy_warning", "resolve"]
+def load_call(spec: str, *, spelled: str = "--call"):
+    """The function a front end's `--call MODULE:FUNCTION` names: how to call a layer (see audit's `call=`)."""
+    call = resolve(spec)
+    expect(callable(call) and not isinstance(call, type), f"{spelled} to name a function call(layer, x, mask)",
+           f"{spec} = {type(call).__name__}", "define def call(layer, x, memory, mask): return layer(x, xa=memory, "
+           f"mask=mask) in a module and pass {spelled} module:call")
+    return call
+
+
+PATTERN_NAMES = ("causal", "sliding_window", "chunked", "prefix_lm", "document")
+"""The named patterns of diagnostics.patterns a front end may write (`--pattern "sliding_window(4) & causal"`)."""
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_]\w*)|(?P<int>-?\d+)|(?P<op>[()\[\],&|]))")
+
+
+def load_pattern(text: str, *, spelled: str = "--pattern"):
+    """The `diagnostics.patterns` pattern a front end's option writes: named patterns (PATTERN_NAMES) with integer
+    arguments or lists of them (`document([0, 0, 1, 1])`, `prefix_lm([3, 5])`), combined with `&` and `|` and
+    grouped with parentheses, `&` binding tighter. Parsed by a small grammar, never evaluated: anything else is
+    an `AuditUsageError` saying where. Imports torch (the patterns build tensors)."""
+    tokens, at = [], 0
+    while at < len(text):
+        if text[at:].strip() == "":
+            break
+        found = _TOKEN.match(text, at)
+        if found is None:
+            _pattern_error(text, at, "a character the grammar does not take", spelled)
+        tokens.append((found.lastgroup, found.group(found.lastgroup), found.start(found.lastgroup)))
+        at = found.end()
+    tokens.append(("end", "", len(text)))
+    position = [0]
+
+    def peek():
+        return tokens[position[0]]
+
+    def take(kind=None, value=None):
+        token = tokens[position[0]]
+        if (kind and token[0] != kind) or (value and token[1] != value):
+            wanted = value or {"name": "a pattern name", "int": "a number"}.get(kind, kind)
+            _pattern_error(text, token[2], f"expected {wanted!r}, found {token[1] or 'the end'!r}", spelled)
+        position[0] += 1
+        return token
+
+    def either():  # a | b | ...
+        left = both()
+        while peek()[1] == "|":
+            take()
+            left = left | both()
+        return left
+
+    def both():  # a & b & ...
+        left = single()
+        while peek()[1] == "&":
+            take()
+            left = left & single()
+        return left
+
+    def single():
+        if peek()[1] == "(":
+            take()
+            inner = either()
+            take("op", ")")
+            return inner
+        kind, name, where = take("name")
+        if name not in PATTERN_NAMES:
+            _pattern_error(text, where, f"unknown pattern {name!r}", spelled)
+        args = []
+        if peek()[1] == "(":
+            take()
+            while peek()[1] != ")":
+                args.append(argument())
+                if peek()[1] != ")":
+                    take("op", ",")
+            take("op", ")")
+        return build(name, args, where)
+
+    def argument():
+        if peek()[1] == "[":
+            take()
+            items = []
+            while peek()[1] != "]":
+                items.append(argument())
+                if peek()[1] != "]":
+                    take("op", ",")
+            take("op", "]")
+            return items
+        return int(take("int")[1])
+
+    def build(name, args, where):
+        import torch
+
+        from . import patterns
+
+        arity = {"causal": 0}.get(name, 1)
+        if len(args) != arity:
+            _pattern_error(text, where, f"{name} takes {arity} argument{'s' if arity != 1 else ''}, got {len(args)}",
+                           spelled)
+        made = [torch.tensor(a) if isinstance(a, list) else a for a in args]
+        try:
+            return getattr(patterns, name)(*made)
+        except (AuditUsageError, ValueError, TypeError, RuntimeError) as error:
+            _pattern_error(text, where, f"{name}: {str(error).split('. Fix:')[0]}", spelled)
+
+    pattern = either()
+    take("end")
+    return pattern
+
+
+def _pattern_error(text: str, at: int, problem: str, spelled: str):
+    raise AuditUsageError(f"expected {spelled} to name patterns ({', '.join(PATTERN_NAMES)}) with integer arguments, "
+                          f"combined with & and |; got {text!r}, where at character {at}: {problem}. Fix: e.g. "
+                          f"{spelled} \"sliding_window(4)\" or \"chunked(8) | prefix_lm(3)\" or \"document([0, 0, 1, 1]) & "
+                          f"causal\"")
+
+
+__all__ = ["PATTERN_NAMES", "import_target_module", "importable_from", "load_call", "load_example", "load_layer",
+           "load_model", "load_pattern", "quiet_numpy_warning", "resolve"]

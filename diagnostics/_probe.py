@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
-from ._subject import Output, Subject
+from ._subject import Output, Subject, not_weights
 from .patterns import Pattern
 
 
@@ -36,6 +36,7 @@ class Call:
     error: BaseException | None
     record: Record | None = None
     label: str = ""
+    self_only: bool = False  # it raised only because Tq != Tk, on a layer not declared cross-attention (see Probe)
 
     @property
     def ok(self) -> bool:
@@ -50,12 +51,17 @@ class Probe:
     BATCH = 2
 
     def __init__(self, subject: Subject, *, causal: bool, scale: float | None, seq_len: int, seed: int,
-                 options: dict | None = None, pattern: Pattern | None = None):
+                 options: dict | None = None, pattern: Pattern | None = None, cross: bool = False):
         self.subject, self.causal, self.scale, self.seed = subject, causal, scale, seed
-        # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one,
-        # else the layer's own promise
+        # declared cross-attention (`cross=True`, or a layer whose signature names a memory): a call that raises at
+        # Tq != Tk is a `runs` failure. Otherwise a layer that runs at Tq = Tk and raises only at Tq != Tk is taken
+        # for what it is, self-attention only: its cross-length probes are skips that say so (`self_only`)
+        self.cross = cross or subject.cross_declared
+        self.self_only: Call | None = None  # the first cross-length call that raised on such a layer
+        # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
+        # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
         self.pattern = pattern
-        self.pass_pattern_mask = pattern is not None and subject.takes_mask
+        self.pass_pattern_mask = pattern is not None and subject.takes_mask and not subject.builtin_pattern
         self.t = seq_len
         self.options = options or {}  # how the user spells audit options in this front end
         self.passes = 0
@@ -69,6 +75,7 @@ class Probe:
         self._draws: dict[str, int] = defaultdict(int)
         self._base: Call | None = None
         self._recovered: tuple[Tensor | None, str] | None = None
+        self.mask_hints: dict = {}  # what diagnostics._mask_hints found, kept for the audit's second reading
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def generator(self) -> torch.Generator:
@@ -150,8 +157,31 @@ class Probe:
             call = Call(query, key, value, allowed, output, None, record, label)
         except Exception as error:  # a broken layer is a finding, never a crash of the audit
             call = Call(query, key, value, allowed, None, error, record, label)
+            call.self_only = self._only_self_attention(call)
         self._log(call)
         return call
+
+    def _only_self_attention(self, call: Call) -> bool:
+        """A call that raised with Tq != Tk on a layer not declared cross-attention, which runs the standard probe
+        (Tq = Tk): a self-attention layer that takes q, k and v separately but needs equal lengths (windowed
+        attention, a causal buffer of fixed length). Its cross-length probes are skipped, visibly, not failed."""
+        t = self.subject.time_dim
+        if self.cross or call.query.shape[t] == call.key.shape[t] or self.detector == "base":
+            return False
+        if not self.base().ok:
+            return False
+        self.self_only = self.self_only or call
+        return True
+
+    def self_only_text(self) -> str:
+        """The skip's words for a cross-length probe of a self-attention-only layer."""
+        call = self.self_only
+        t = self.subject.time_dim
+        shape = f"Tq={call.query.shape[t]}, Tk={call.key.shape[t]}" if call is not None else "Tq != Tk"
+        error = f" ({call.describe_error()})" if call is not None else ""
+        cross = self.options.get("cross", "cross=True")
+        return (f"self-attention only: the layer runs with Tq = Tk but raised with {shape}{error}; declare {cross} "
+                f"to audit it as cross-attention")
 
     def _log(self, call: Call) -> None:
         t = self.subject.time_dim
@@ -161,7 +191,7 @@ class Probe:
                            "" if call.ok else call.describe_error())
         if not any(s is shape for s in self.shapes[self.detector]):
             self.shapes[self.detector].append(shape)
-        if not call.ok:
+        if not call.ok and not call.self_only:
             self.raised.append((self.detector, shape))
             self.failed_calls.append(call)
 
@@ -189,12 +219,35 @@ class Probe:
 
     # ---- attention weights -----------------------------------------------------------------------------
     def weights(self, call: Call) -> tuple[Tensor | None, str]:
-        """The attention weights of `call`, (B, [H,] Tq, Tk + the keys a layer appends of its own): returned by the layer; else the last observed
-        softmax over (Tq, Tk) scores; else recomputed from the inputs of an observed fused attention call."""
+        """The attention weights of `call`, (B, [H,] Tq, Tk + the keys a layer appends of its own): returned by the
+        layer, if what it returns is a distribution's candidate (see `_subject.not_weights`: a tensor with
+        negative entries beside an observed softmax is its scores, not its weights); else the last observed
+        softmax over (Tq, Tk) scores; else recomputed from the inputs of an observed fused attention call. The
+        source says which was read, and why a returned tensor was not."""
+        observed, source = self._observed(call)
+        returned = call.output.weights if call.output is not None else None
+        if returned is not None:
+            why = not_weights(returned, observed) if call.record is not None else self.returned_not_weights()
+            if why is None:
+                return returned, "returned weights"
+            if observed is None:
+                return None, ""
+            return observed, f"{source}; {why}, so the weights were read from the softmax"
+        return observed, source
+
+    def returned_not_weights(self) -> str | None:
+        """Why the second output of the standard probe is not the layer's weights (None: it may be), for calls
+        not observed, which have no softmax of their own to compare with."""
+        base = self.base()
+        if base.ok and base.output.weights is not None and base.record is not None:
+            observed, _ = self._observed(base)
+            return not_weights(base.output.weights, observed)
+        return None
+
+    def _observed(self, call: Call) -> tuple[Tensor | None, str]:
+        """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's."""
         t = self.subject.time_dim
         t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
-        if call.output is not None and call.output.weights is not None:
-            return call.output.weights, "returned weights"
         if call.record is not None:
             for sm in reversed(call.record.softmaxes):
                 if tuple(sm.output.shape[-2:]) == (t_q, t_k):

@@ -13,18 +13,24 @@ A module's inputs are recognised by the names of its forward's parameters, never
 query stream (`x`, `hidden_states`, `query`, ...), key and value, a memory (`key_value_states`, `memory`,
 ...), masks (`mask`, `attn_mask`, `attention_mask`, `src_mask`, ...), and parameters left at their
 defaults (caches, `use_cache`, `output_attentions`, ...). It is called by keyword. A parameter with no
-default that none of these names is misuse, named in the message.
+default that none of these names is misuse, named in the message, which suggests declaring the call:
+`call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)` (the call's own parameters say the form:
+(layer, x[, mask]) self-attention, (layer, query, memory[, mask]) cross-attention, (layer, query, key,
+value[, mask]) separate keys and values).
 
-The mask reaches the layer in the convention it takes: declared (`mask="allowed" | "blocked" | "additive" |
-"key_padding"`), or known for the library the layer comes from (torch's transformer layers: True = blocked,
-per head; Hugging Face: additive in eager mode, bool in sdpa mode). The convention is never guessed from what
-the layer does with a mask: an inverted mask must stay a finding.
+The mask reaches the layer in the convention it takes (diagnostics._masks: a meaning and a shape): declared
+(`mask="additive:B,Tq,Tk"`, `mask="key_padding"`, a `MaskConvention`), known for the library the layer comes
+from (torch's transformer layers: True = blocked, per head; Hugging Face: additive in eager mode, bool in sdpa
+mode), or stated by the layer itself (a parameter named `*key_padding_mask*`, or its docstring: "True for
+positions to mask"). The convention is never chosen from what the layer does with a mask: an inverted mask must
+stay a finding (what the layer does is only ever a hint, in the finding: see diagnostics._mask_hints).
 
 Time runs along dimension `time_dim` of inputs and outputs: 2 for functions, 1 for modules.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import re
@@ -37,7 +43,8 @@ from torch import Tensor, nn
 
 from ._errors import AuditUsageError, expect
 from ._guard import untouched
-from .adapters import convert_mask
+from ._masks import (SHORTCUTS, MaskConvention, convert_mask, expressible, known_convention, mask_convention,
+                     stated_in_text)
 
 QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h")
 KEY_NAMES = ("key", "k", "keys")
@@ -53,11 +60,13 @@ LEAVE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "c
                "query_length", "position_bias", "alibi", "layer_idx", "sliding_window")
 # a cache of past keys and values, in the order one is chosen (see ModuleSubject.cache_name)
 CACHE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "cache", "past")
-MASK_CONVENTIONS = ("allowed", "blocked", "additive", "key_padding")
 LAYOUTS = ("bhtd", "bthd")
 D_MODEL_NAMES = ("d_model", "embed_dim", "hidden_size", "n_embd", "dim", "model_dim")
 HEAD_NAMES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
 CAUSAL_NAMES = ("causal", "is_causal")
+# Attributes of a layer that builds its own attention pattern (a window, chunks, a prefix, documents, a mask_mod):
+# one that is not None says so, as a truthy `causal` does for the causal mask.
+PATTERN_NAMES = ("window", "sliding_window", "chunk", "attention_chunk_size", "prefix", "documents", "mask_mod")
 # The longest sequence a layer declares it takes (nanoGPT's block_size, Hugging Face's config names).
 CONTEXT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_seq_length",
                  "context_length")
@@ -81,15 +90,40 @@ class Subject:
     separate_kv: bool  # query and key/value may differ (cross-attention, Tq != Tk)
     separate_value: bool = True  # the value is an input of its own (False: one memory stream is key and value)
     builtin_causal: bool  # the layer declares that it builds its own causal mask
+    builtin_pattern: bool = False  # the layer declares that it builds its own attention pattern (a window, ...)
     time_dim: int
-    convention: str = "allowed"  # how the layer takes its mask (see adapters.convert_mask, and "key_padding")
-    convention_declared: bool = False  # by the user (mask=...) or known for the layer's library
+    mask_convention: MaskConvention = SHORTCUTS["allowed"]  # how the layer takes its mask (diagnostics._masks)
+    # who chose it: "default" (nothing said), "user" (mask=...), "library" (torch's and Hugging Face's layers) or
+    # "layer" (what the layer states: its mask parameter's name, its docstring); `convention_why` says how
+    convention_by: str = "default"
+    convention_why: str = ""
+    call = None  # a declared call(layer, *streams, mask) (see make_subject), or None: called by its signature
     mask_names: tuple[str, ...] = ()  # the parameters that receive the mask
     notes: tuple[str, ...] = ()  # what the audit assumed, said in the report's first line
 
     def __init__(self, layer, *, d_model: int, num_heads: int, head_dim: int, device, dtype):
         self.layer, self.d_model, self.num_heads, self.head_dim = layer, d_model, num_heads, head_dim
         self.device, self.dtype = device, dtype
+
+    @property
+    def convention(self) -> str:
+        """The mask convention's spelling: its shortcut ("key_padding") or MEANING:SHAPE ("additive:B,Tq,Tk")."""
+        return str(self.mask_convention)
+
+    @property
+    def cross_declared(self) -> bool:
+        """The layer says it attends a memory, so a raise at Tq != Tk is a failure, never 'self-attention only': a
+        memory parameter (or a declared call with one), torch's MultiheadAttention, key and value parameters that
+        may be left out (self-attention when omitted, a memory when given: the reference's forward(query,
+        key=None, value=None)), an `is_cross_attention` flag or a class named for cross-attention."""
+        sig = getattr(self, "sig", None)
+        return (self.form in ("cross_module", "torch_mha") or bool(sig is not None and sig.optional_memory)
+                or getattr(self.layer, "is_cross_attention", False) is True or "Cross" in type(self.layer).__name__)
+
+    def declarations(self) -> dict:
+        """The make_subject() arguments that rebuild this subject on a copy of its layer (the float64 twin)."""
+        return {"mask": self.mask_convention if self.convention_by == "user" else None,
+                "layout": getattr(self, "layout", None), "call": self.call}
 
     def make(self, gen: torch.Generator, batch: int, t: int, *, heads: int | None = None) -> Tensor:
         """One standard-normal input stream in the layer's layout, drawn from `gen` on the CPU (in float64
@@ -105,21 +139,28 @@ class Subject:
         return (batch, t_q, self.d_model)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Output:
-        """Call the layer with `allowed` (B, Tq, Tk) in its convention. A key-padding layer takes one mask
-        for every query; a mask that differs between queries reaches it one query at a time (each batch row
-        repeated once per query, in one call), and each query's output row is read from its own copy."""
-        if allowed is not None and self.convention == "key_padding" and not _same_for_every_query(allowed):
-            return _per_query(self._call, query, key, value, allowed, self.time_dim)
+        """Call the layer with `allowed` (B, Tq, Tk) in its convention. A mask its convention cannot hold at once
+        reaches it in parts, in one batched call: a (B, Tk) key mask that differs between queries one query at a
+        time (each batch row repeated once per query, each query's output row read from its own copy), a
+        (Tq, Tk) mask that differs between batch rows one batch row at a time."""
+        if allowed is not None and self.takes_mask and not expressible(allowed, self.mask_convention):
+            if self.mask_convention.per_key:
+                return _per_query(self._call, query, key, value, allowed, self.time_dim)
+            return _per_batch(self._call, query, key, value, allowed, self.time_dim)
         return _unpack(self._call(query, key, value, allowed), query, key, self.time_dim)
 
     def _call(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None):
         raise NotImplementedError
 
-    def _mask(self, allowed: Tensor) -> Tensor:
-        """`allowed` (B, Tq, Tk), True = may attend, in the layer's convention."""
-        if self.convention == "key_padding":
-            return ~allowed[:, 0, :]  # (B, Tk), True = padding: the same for every query here
-        return convert_mask(allowed.unsqueeze(1), self.convention, dtype=self.dtype, num_heads=self.num_heads)
+    def _mask(self, allowed: Tensor, heads: int | None = None) -> Tensor:
+        """`allowed` (B, Tq, Tk), True = may attend, in the layer's convention (`heads`: for a B*H shape)."""
+        return convert_mask(allowed, self.mask_convention, dtype=self.dtype, num_heads=heads or self.num_heads)
+
+    def with_convention(self, convention: MaskConvention) -> "Subject":
+        """A copy of this subject that gives the layer its mask in `convention` (for hints: never the audit's)."""
+        other = copy.copy(self)
+        other.mask_convention, other.convention_by = convention, "hint"
+        return other
 
     def describe(self) -> str:
         name = (getattr(self.layer, "audit_name", None)  # adapters name the layer they wrap
@@ -128,10 +169,6 @@ class Subject:
         sizes = [f"{field}={value}" for field, value in (("d_model", self.d_model), ("num_heads", self.num_heads))
                  if not any(note.startswith(f"{field}=") for note in self.notes)]
         return f"{name} ({', '.join([self.form, *sizes, *self.notes])})"
-
-
-def _same_for_every_query(allowed: Tensor) -> bool:
-    return bool((allowed == allowed[:, :1, :]).all())
 
 
 def _per_query(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, time_dim: int) -> Output:
@@ -148,12 +185,7 @@ def _per_query(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor,
 
     rows = allowed.reshape(B * Tq, 1, Tk).expand(B * Tq, Tq, Tk)  # copy (b, q): query q's row for every query
     q, k, v = repeat(query), repeat(key), repeat(value)
-    from ._observe import Observer  # torch's dispatch machinery, loaded only for this
-
-    observer = Observer()  # the weights, if the layer returns none: each copy's softmax holds its own row
-    with observer:
-        got = _unpack(call(q, k, v, rows), q, k, time_dim)
-    weights = got.weights if got.weights is not None else _observed_weights(observer.record, Tq, Tk)
+    got, weights = _observed_call(call, q, k, v, rows, time_dim, Tq, Tk)
 
     def own_rows(t: Tensor, dim: int) -> Tensor:  # (B*Tq, .., Tq@dim, ..) -> (B, .., Tq@dim, ..)
         t = t.reshape(B, Tq, *t.shape[1:])
@@ -162,6 +194,59 @@ def _per_query(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor,
     out = own_rows(got.out, time_dim)
     ok = weights is not None and weights.dim() in (3, 4) and weights.shape[0] == B * Tq
     return Output(out, own_rows(weights.detach(), weights.dim() - 2) if ok else None)
+
+
+def _per_batch(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, time_dim: int) -> Output:
+    """Each batch row called alone with its own (Tq, Tk) mask, the outputs (and weights) stacked again."""
+    B, Tq, Tk = allowed.shape  # batch, queries, keys
+    outs, weights = [], []
+    for b in range(B):
+        rows = {}
+
+        def row(x):  # one slice per stream, so that one stream stays one tensor (x, x, x)
+            if id(x) not in rows:
+                rows[id(x)] = x[b:b + 1]
+            return rows[id(x)]
+
+        got, w = _observed_call(call, row(query), row(key), row(value), allowed[b:b + 1], time_dim, Tq, Tk)
+        outs.append(got.out)
+        weights.append(w)
+    same = all(w is not None and w.shape == weights[0].shape for w in weights)
+    return Output(torch.cat(outs), torch.cat([w.detach() for w in weights]) if same else None)
+
+
+def _observed_call(call, q, k, v, allowed, time_dim: int, t_q: int, t_k: int) -> tuple[Output, Tensor | None]:
+    """One call, observed: its output and its weights (returned if they are weights, else its softmax's)."""
+    from ._observe import Observer  # torch's dispatch machinery, loaded only for this
+
+    observer = Observer()
+    with observer:
+        got = _unpack(call(q, k, v, allowed), q, k, time_dim)
+    observed = _observed_weights(observer.record, t_q, t_k)
+    weights = got.weights if got.weights is not None and not_weights(got.weights, observed) is None else observed
+    return got, weights
+
+
+def not_weights(returned: Tensor, observed: Tensor | None) -> str | None:
+    """Why a (..., Tq, Tk) tensor a layer returns beside its output is not its attention weights, or None if it
+    may be: it has negative entries (no distribution has; scores and logits do) while the same call shows a
+    softmax over (Tq, Tk) (or a fused attention) to read the weights from instead. Wrong weights that are
+    non-negative (a mask applied after the softmax, dropout in eval, a softmax over queries) stay the weights,
+    and so does a tensor with negative entries where no softmax was observed (no softmax at all): those fail
+    weight_row_sums, as they should. Never: 'its rows do not sum to 1', which is the bug that detector finds."""
+    if observed is None or not returned.is_floating_point():
+        return None
+    least = float(returned.detach().nan_to_num(nan=0.0).min()) if returned.numel() else 0.0
+    if least >= -NOT_A_DISTRIBUTION:
+        return None
+    return (f"the layer's second output has negative entries (the least {least:.3g}), so it is not a distribution "
+            f"over keys (scores or logits?)")
+
+
+NOT_A_DISTRIBUTION = 1e-2
+"""A returned tensor more negative than this anywhere is not attention weights. Weights computed in bfloat16 round
+to >= 0 (softmax outputs are never negative, and rounding keeps the sign); a negative entry of -1e-2 is a score,
+not a rounding error (logits on the standard probe are O(1): the least is about -3 for q·k/sqrt(d) at d=8)."""
 
 
 def _observed_weights(record, t_q: int, t_k: int) -> Tensor | None:
@@ -211,13 +296,13 @@ def _is_mask_name(name: str) -> bool:
     return name in MASK_NAMES or name.endswith("_key_padding_mask")
 
 
-def _choose_mask(names, convention: str | None, *, cross: bool = False) -> str | None:
-    """The mask parameter to give the audit's mask: a key-padding one where that convention is declared,
+def _choose_mask(names, convention: MaskConvention | None, *, cross: bool = False) -> str | None:
+    """The mask parameter to give the audit's mask: a key-padding one where a (B, Tk) convention is declared,
     the memory's mask in a cross-attention, else the first of MASK_NAMES the layer has."""
     masks = [n for n in names if _is_mask_name(n)]
     if not masks:
         return None
-    if convention == "key_padding":
+    if convention is not None and convention.per_key:
         padding = [n for n in masks if "key_padding" in n]
         if padding:
             return padding[0]
@@ -232,13 +317,17 @@ class FunctionSubject(Subject):
 
     form, separate_kv, builtin_causal, time_dim = "function", True, False, 2
 
-    def __init__(self, layer, *, mask_name: str | None, convention: str | None, layout: str, **kw):
+    def __init__(self, layer, *, mask_name: str | None, convention: MaskConvention, by: str, why: str = "",
+                 layout: str, call=None, **kw):
         super().__init__(layer, **kw)
-        self.mask_name, self.layout = mask_name, layout
+        self.mask_name, self.layout, self.call = mask_name, layout, call
         self.takes_mask = mask_name is not None
         self.mask_names = (mask_name,) if mask_name else ()
-        self.convention, self.convention_declared = convention or "allowed", convention is not None
-        self.notes = (f"layout={layout}",) if layout != "bhtd" else ()
+        self.mask_convention, self.convention_by, self.convention_why = convention, by, why
+        notes = [f"layout={layout}"] if layout != "bhtd" else []
+        notes += [convention_note(mask_name, convention, by, why)] if mask_name and by != "default" else []
+        notes += ["called through the declared call"] if call is not None else []
+        self.notes = tuple(n for n in notes if n)
 
     def shape(self, batch, t, *, heads=None):
         return (batch, heads or self.num_heads, t, self.head_dim)
@@ -247,12 +336,14 @@ class FunctionSubject(Subject):
         return (batch, heads or self.num_heads, t_q, self.head_dim)
 
     def _call(self, query, key, value, allowed):
+        heads = query.shape[1]  # (B, H, T, d): the probe's own head count (runs calls H=1 too)
+        mask = None if allowed is None or not self.takes_mask else self._mask(allowed, heads)
         if self.layout == "bthd":
             query, key, value = (_swap_time_heads(x) for x in (query, key, value))  # (B, T, H, d)
-        if allowed is None or not self.takes_mask:
-            result = self.layer(query, key, value)
-        else:
-            result = self.layer(query, key, value, **{self.mask_name: self._mask(allowed)})
+        if self.call is not None:  # a declared call gets its mask parameter always, None for no mask
+            result = self.call(self.layer, query, key, value, **({self.mask_name: mask} if self.takes_mask else {}))
+        else:  # the layer itself only where there is a mask: its own default otherwise
+            result = self.layer(query, key, value, **({} if mask is None else {self.mask_name: mask}))
         if self.layout == "bthd":
             result = _swap_result(result)  # (B, H, T, d)
         return result
@@ -284,6 +375,7 @@ class Signature:
     masks: tuple[str, ...] = ()  # every mask parameter
     fixed: dict = field(default_factory=dict)  # parameters given a value on every call (None for required ones)
     rotary: bool = False  # position_embeddings=(cos, sin) must be supplied
+    optional_memory: bool = False  # key and value (or the memory) may be left out: self-attention, else a memory
 
 
 class ModuleSubject(Subject):
@@ -292,20 +384,26 @@ class ModuleSubject(Subject):
 
     time_dim = 1
 
-    def __init__(self, layer, *, sig: Signature, form: str, mask_names: tuple[str, ...], convention: str,
-                 declared: bool, builtin_causal: bool, extra=None, notes: tuple[str, ...] = (), **kw):
+    def __init__(self, layer, *, sig: Signature, form: str, mask_names: tuple[str, ...], convention: MaskConvention,
+                 by: str, why: str = "", builtin_causal: bool, builtin_pattern: bool = False, extra=None, call=None,
+                 notes: tuple[str, ...] = (), **kw):
         super().__init__(layer, **kw)
-        self.sig, self.form, self.mask_names = sig, form, mask_names
+        self.sig, self.form, self.mask_names, self.call = sig, form, mask_names, call
         self.separate_kv = form != "self_module"
         self.separate_value = form == "qkv_module"
         self.takes_mask = bool(mask_names)
-        self.convention, self.convention_declared = convention, declared
+        self.mask_convention, self.convention_by, self.convention_why = convention, by, why
         self.builtin_causal, self.extra, self.notes = builtin_causal, extra, notes
+        self.builtin_pattern = builtin_pattern
         self.fixed_memory = isinstance(layer, nn.TransformerDecoderLayer)  # an encoder's output, not the queries
 
     def _call(self, query, key, value, allowed):
         if self.form == "self_module" and not (query is key and key is value):
             raise AuditUsageError("internal: a self-attention module takes one input stream")
+        if self.call is not None:  # the declared call: its streams by form, the mask under the call's own name
+            streams = {"self_module": (query,), "cross_module": (query, key)}.get(self.form, (query, key, value))
+            mask = {self.mask_names[0]: None if allowed is None else self._mask(allowed)} if self.takes_mask else {}
+            return self.call(self.layer, *streams, **mask)
         return self.layer(**self._kwargs(query, key, value, allowed))
 
     @property
@@ -313,7 +411,7 @@ class ModuleSubject(Subject):
         """The parameter through which forward takes a cache of past keys and values, where the audit can
         drive it: a self-attention module's (a Hugging Face layer's only with its `layer_idx`, which its
         Cache object files keys under)."""
-        if self.form != "self_module":
+        if self.form != "self_module" or self.call is not None:
             return None
         hf = _is_huggingface(self.layer)
         if (hf and getattr(self.layer, "layer_idx", None) is None) or (self.extra is not None and not hf):
@@ -360,12 +458,11 @@ class TorchMHASubject(Subject):
     per-position map, so what changes at a position still changes there and nowhere else."""
 
     form, separate_kv, takes_mask, builtin_causal, time_dim = "torch_mha", True, True, False, 1
-    convention_declared = True
+    mask_convention, convention_by = SHORTCUTS["mha_blocked"], "library"
 
     def __init__(self, layer: nn.MultiheadAttention, *, need_weights: bool = True, **kw):
         super().__init__(layer, **kw)
         self.need_weights = need_weights
-        self.convention = "mha_blocked"
         self.mask_names = ("attn_mask",)
         # add_bias_kv / add_zero_attn append a key of their own that no mask and no input reaches
         self.extra_keys = layer.bias_k is not None or layer.add_zero_attn
@@ -492,9 +589,10 @@ def _first(params, names) -> str | None:
     return next((p.name for p in params if p.name in names), None)
 
 
-def read_signature(layer: nn.Module, *, library: bool = False) -> Signature:
+def read_signature(layer: nn.Module, *, library: bool = False, options: dict | None = None) -> Signature:
     """Which of forward's parameters takes what, by name. `library`: a Hugging Face layer, whose
-    `position_embeddings` the audit builds from its model family's rotary class."""
+    `position_embeddings` the audit builds from its model family's rotary class. A required parameter of no
+    known name is misuse; the message suggests declaring the call (`call=`), which passes it."""
     params = _forward_parameters(layer)
     query, key, value = _first(params, QUERY_NAMES), _first(params, KEY_NAMES), _first(params, VALUE_NAMES)
     memory = _first(params, MEMORY_NAMES)
@@ -517,15 +615,32 @@ def read_signature(layer: nn.Module, *, library: bool = False) -> Signature:
         query = unknown.pop(0).name  # one unnamed input stream: the query
     shown = f"forward{inspect.signature(layer.forward)}"
     expect(query is not None, "forward(query, key, value, mask=None) or forward(x, mask=None)", shown,
-           "wrap the layer in a function f(q, k, v, mask=None)")
+           f"declare how to call it, {_call_example(options, 'layer(x, mask=mask)')}, or wrap the layer in a "
+           f"function f(q, k, v, mask=None)")
     if unknown:
         name = unknown[0].name
+        # a second input stream (a memory named `xa`, `y`) or something else the layer needs (`rel_pos`)
+        stream = unknown[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        example = (_call_example(options, f"layer({query}, {name}=memory, mask=mask)", memory=True) if stream
+                   else _call_example(options, f"layer({query}, {name}=..., mask=mask)"))
         raise AuditUsageError(
             f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
-            f"or hidden_states, key and value, a memory, a mask); got `{name}` in {shown}. Fix: wrap the layer "
-            f"so that it gets {name}, e.g. adapters.self_attention(layer, mask_arg=..., d_model=..., "
-            f"num_heads=..., {name}=...), or a module whose forward(x, mask=None) calls it with {name}")
-    return Signature(query, key, value, memory, masks, fixed, rotary)
+            f"or hidden_states, key and value, a memory, a mask); got `{name}` in {shown}. Fix: declare how to call "
+            f"the layer, {example}; or wrap the layer so that it gets {name}, e.g. a module whose forward(x, "
+            f"mask=None) calls it with {name}")
+    optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
+    optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
+    return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory)
+
+
+def _call_example(options: dict | None, body: str, *, memory: bool = False) -> str:
+    """How the front end declares a call: `call=lambda layer, x, memory, mask: ...` in Python, a function named by
+    `--call MODULE:FUNCTION` on the command line."""
+    params = "layer, x, memory, mask" if memory else "layer, x, mask"
+    flag = (options or {}).get("call")
+    if flag is None:
+        return f"e.g. call=lambda {params}: {body}"
+    return f"e.g. {flag} mymodule:call with def call({params}): return {body}"
 
 
 def _is_huggingface(layer) -> bool:
@@ -584,45 +699,51 @@ def _encoder_output(query: Tensor) -> Tensor:
 TRIAL_TOKENS = 4
 
 
-def _trial(layer: nn.Module, width: int, device, dtype):
-    """One call of forward on (1, TRIAL_TOKENS, width) tokens, by keyword, observed, with the layer's state and
-    the RNG restored: (the output, the record), or None when it raises or returns no tensor first."""
+def _trial(layer: nn.Module, width: int, device, dtype, call=None):
+    """One call of forward on (1, TRIAL_TOKENS, width) tokens, by keyword (or through the declared `call`, every
+    stream the same tokens, no mask), observed, with the layer's state and the RNG restored: (the output, the
+    record), or None when it raises or returns no tensor first."""
     from ._observe import Observer
 
     try:
-        sig = read_signature(layer)
         x = torch.randn(1, TRIAL_TOKENS, width, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        kwargs = dict(sig.fixed)
-        kwargs[sig.query] = x
-        for name in (sig.key, sig.value):
-            if name is not None:
-                kwargs[name] = x
-        if sig.memory is not None and sig.memory in kwargs:
-            kwargs[sig.memory] = x
+        if call is not None:
+            streams = call_form(call)[2]
+            invoke = lambda: call(layer, *([x] * streams))  # noqa: E731
+        else:
+            sig = read_signature(layer)
+            kwargs = dict(sig.fixed)
+            kwargs[sig.query] = x
+            for name in (sig.key, sig.value):
+                if name is not None:
+                    kwargs[name] = x
+            if sig.memory is not None and sig.memory in kwargs:
+                kwargs[sig.memory] = x
+            invoke = lambda: layer(**kwargs)  # noqa: E731
         observer = Observer()
         with untouched(layer, device), torch.no_grad(), observer:
-            out = layer(**kwargs)
+            out = invoke()
     except Exception:  # noqa: BLE001 - a width the layer does not take: the caller tries the next
         return None
     out = out[0] if isinstance(out, (tuple, list)) and out else out
     return (out, observer.record) if isinstance(out, Tensor) else None
 
 
-def _trial_width(layer: nn.Module, device, dtype) -> int | None:
+def _trial_width(layer: nn.Module, device, dtype, call=None) -> int | None:
     """The width the layer takes and returns, (1, T, D) -> (1, T, D), tried among its parameters' sizes (the most
     common first): for a module that keeps its weights as bare nn.Parameter and names no width."""
     sizes = Counter(n for p in layer.parameters() for n in p.shape if n > 1)
     for width, _ in sizes.most_common(8):
-        tried = _trial(layer, width, device, dtype)
+        tried = _trial(layer, width, device, dtype, call)
         if tried is not None and tuple(tried[0].shape) == (1, TRIAL_TOKENS, width):
             return width
     return None
 
 
-def _trial_heads(layer: nn.Module, d_model: int, device, dtype) -> int | None:
+def _trial_heads(layer: nn.Module, d_model: int, device, dtype, call=None) -> int | None:
     """The number of heads a trial call's attention runs with: the head axis of its fused attention's q
     (B, H, T, d) or of its softmax over (B, H, T, T) scores (B*H rows of (T, T) ones), when they all agree."""
-    tried = _trial(layer, d_model, device, dtype)
+    tried = _trial(layer, d_model, device, dtype, call)
     if tried is None:
         return None
     record, T = tried[1], TRIAL_TOKENS
@@ -642,12 +763,14 @@ def _first_linear_width(layer: nn.Module) -> int | None:
 
 
 def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None, need_weights: bool = True,
-                 mask: str | None = None, layout: str | None = None, options: dict | None = None) -> Subject:
+                 mask=None, layout: str | None = None, call=None, options: dict | None = None) -> Subject:
     """Recognise the layer's form and sizes; raise `AuditUsageError` when it cannot be called, or when an
     option is not of the right kind or does not fit the layer. `mask`: the convention the layer takes its
-    mask in (MASK_CONVENTIONS; default: the library's, else "allowed"); `layout`: a function's, "bhtd"
-    (default) or "bthd". `options` maps audit() parameter names to the way the caller's front end spells
-    them (e.g. {"d_model": "--d-model"}), for the messages."""
+    mask in (a MaskConvention or its spelling, see diagnostics._masks; default: the library's, else what the
+    layer states, else "allowed"); `layout`: a function's, "bhtd" (default) or "bthd"; `call`: how to call the
+    layer, call(layer, x[, mask]), call(layer, query, memory[, mask]) or call(layer, query, key, value[, mask])
+    for a module, call(layer, q, k, v[, mask]) for a function. `options` maps audit() parameter names to the way
+    the caller's front end spells them (e.g. {"d_model": "--d-model"}), for the messages."""
     expect(not isinstance(layer, type), "an attention layer instance",
            f"the class {getattr(layer, '__qualname__', layer)}",
            f"pass an instance, e.g. {getattr(layer, '__name__', 'Layer')}(...)")
@@ -657,17 +780,18 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
     _check_size("num_heads", num_heads, options)
     expect(dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),
            "dtype a floating-point torch.dtype or None", f"dtype={dtype!r}", "pass e.g. dtype=torch.float32")
-    expect(mask is None or mask in MASK_CONVENTIONS, f"mask one of {', '.join(MASK_CONVENTIONS)}",
-           spell("mask", mask, options), 'pass "allowed" (bool, True = may attend), "blocked" (bool, True = '
-           'blocked), "additive" (float, 0 keep / large negative block) or "key_padding" ((B, Tk) bool, True = '
-           'padding)')
+    mask = None if mask is None else mask_convention(mask, spelled=(options or {}).get("mask", "mask="))
+    expect(call is None or callable(call), "call a function call(layer, x, mask) (see audit's docstring)",
+           spell("call", call, options), "pass e.g. call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)")
     expect(layout is None or layout in LAYOUTS, f"layout one of {', '.join(LAYOUTS)}", spell("layout", layout, options),
            'pass "bhtd" for (B, H, T, d) tensors or "bthd" for (B, T, H, d) (flash-attn\'s)')
     device = _check_device(device, options)
     if isinstance(layer, nn.MultiheadAttention):
-        expect(mask is None, "no mask convention for nn.MultiheadAttention (its own is known)",
-               spell("mask", mask, options), "leave mask out; to pass padding through key_padding_mask, audit "
-                                              "adapters.mha_key_padding(mha)")
+        expect(mask in (None, SHORTCUTS["mha_blocked"]), "no mask convention for nn.MultiheadAttention (its own is "
+               "known)", spell("mask", mask, options), "leave mask out; to pass padding through key_padding_mask, "
+                                                       "audit adapters.mha_key_padding(mha)")
+        expect(call is None, "no call for nn.MultiheadAttention (the audit calls it as torch documents it)",
+               spell("call", call, options), "leave call out")
         for name, given, own in (("d_model", d_model, layer.embed_dim), ("num_heads", num_heads, layer.num_heads)):
             expect(given is None or given == own, f"{name}={own}, as the nn.MultiheadAttention has it",
                    spell(name, given, options), f"leave {name} out: it is read from the layer")
@@ -676,13 +800,18 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
                                head_dim=layer.head_dim, device=device, dtype=dtype, need_weights=need_weights)
     if isinstance(layer, nn.Module):
         return _module_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype, mask=mask,
-                               layout=layout, options=options)
+                               layout=layout, call=call, options=options)
     try:
         params = [p for p in inspect.signature(layer).parameters.values()
                   if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except (TypeError, ValueError):
         params = None  # a builtin: assume f(q, k, v, ...) and read the mask's name from its docstring
-    if params is not None:
+    if call is not None:  # the declared call says how: (layer, q, k, v[, mask])
+        form, mask_param, streams = call_form(call, options)
+        expect(streams == 3, "for a function, call(layer, q, k, v[, mask])", f"call{_shown_signature(call)}",
+               "pass e.g. call=lambda f, q, k, v, mask: f(q, k, v, bias=mask)")
+        names = [mask_param] if mask_param else []
+    elif params is not None:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         expect(len(positional) >= 3, "a function f(q, k, v, mask=None) on (B, H, T, d) tensors",
                f"a function of {len(positional)} positional argument(s)", "wrap it as lambda q, k, v, mask=None: ...")
@@ -699,26 +828,36 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
     if d_model is not None:
         _check_heads(d_model, num_heads, "the probe gives each head d_model / num_heads", options)
     head_dim = (d_model // num_heads) if d_model else 8
-    return FunctionSubject(layer, mask_name=_choose_mask(names, mask), convention=mask, layout=layout or "bhtd",
+    mask_name = _choose_mask(names, mask)
+    convention, by, why = _convention(layer, layer, mask_name, mask)
+    return FunctionSubject(layer, mask_name=mask_name, convention=convention, by=by, why=why, layout=layout or "bhtd",
+                           call=call,
                            d_model=head_dim * num_heads, num_heads=num_heads, head_dim=head_dim,
                            device=device or torch.device("cpu"), dtype=dtype or torch.float32)
 
 
-def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask, layout, options) -> Subject:
+def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask: MaskConvention | None, layout,
+                    call, options) -> Subject:
     expect(layout is None, "no layout for a module (its inputs are (B, T, D))", spell("layout", layout, options),
            "leave layout out; it describes functions on per-head tensors")
     device, dtype = _module_device_dtype(layer, device, dtype)
     notes: list[str] = []
     hf = _is_huggingface(layer)
     torch_layer = isinstance(layer, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+    expect(call is None or not (hf or torch_layer), "no call for a torch or Hugging Face layer (the audit calls it "
+           "as its library does)", spell("call", call, options), "leave call out")
+    declared_call = call_form(call, options) if call is not None else None
     sized = layer.self_attn if torch_layer else layer  # torch's layers keep their sizes on self_attn
+    inner = _inner_mha(layer) if not torch_layer else None  # a block around nn.MultiheadAttention: its sizes
     given_d_model = d_model
     d_model, found_heads = _attr(sized, D_MODEL_NAMES, d_model), _attr(sized, HEAD_NAMES, num_heads)
+    if d_model is None and inner is not None:
+        d_model = inner[1].embed_dim
     if d_model is None:  # no attribute names the width: from the heads' sizes, else the first projection
         head_dim = _attr(layer, ("head_dim", "head_size", "attention_head_size"), None)
         d_model = found_heads * head_dim if found_heads and head_dim else _first_linear_width(layer)
     if d_model is None and not hf and not torch_layer:  # bare nn.Parameter weights: a trial call
-        d_model = _trial_width(layer, device, dtype)
+        d_model = _trial_width(layer, device, dtype, declared_call and call)
         if d_model is not None:
             notes.append(f"d_model={d_model} found by a trial call (the width it takes and returns)")
     expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
@@ -731,8 +870,11 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
            spell("d_model", d_model, options) if given_d_model is not None
            else f"d_model={d_model} read from the layer's attributes",
            f"pass the layer's width, {spell('d_model', widths[0], options)}" if widths else "")
+    if found_heads is None and inner is not None and inner[1].embed_dim == d_model:
+        found_heads = inner[1].num_heads  # the layer's own statement, before any trial call
+        notes.append(f"num_heads={found_heads} read from its nn.MultiheadAttention `{inner[0]}`")
     if found_heads is None and not hf and not torch_layer:
-        found_heads = _trial_heads(layer, d_model, device, dtype)
+        found_heads = _trial_heads(layer, d_model, device, dtype, declared_call and call)
         if found_heads is not None:
             notes.append(f"num_heads={found_heads} read from a trial call (the head axis of its attention)")
     if found_heads is None:
@@ -740,61 +882,136 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
                      f"({spell('num_heads', 4, options)} declares 4)")
     num_heads = found_heads or 1
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
-    sig = read_signature(layer, library=hf)
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
-    convention, declared, extra = mask or "allowed", mask is not None, None
-    if isinstance(layer, nn.TransformerDecoderLayer):
-        # the whole layer: self-attention over tgt (the probed stream, its mask tgt_mask), cross-attention over
-        # memory, a fixed encoder output that no probe changes and no mask covers, as in a real decoder
-        form = "self_module"
-        mask_names = ("tgt_mask",) if mask != "key_padding" else ("tgt_key_padding_mask",)
-        convention, declared = mask or "mha_blocked", True
-        notes.append(f"memory: a fixed encoder output of {MEMORY_TOKENS} tokens")
-    elif isinstance(layer, nn.TransformerEncoderLayer):
-        form = "self_module"
-        mask_names = ("src_key_padding_mask",) if mask == "key_padding" else ("src_mask",)
-        convention, declared = mask or "mha_blocked", True
+    builtin_pattern = any(getattr(layer, n, None) is not None for n in PATTERN_NAMES)
+    extra = None
+    if declared_call is not None:  # the call says the form and the mask's name; the forward is not read
+        form, mask_param, _ = declared_call
+        sig, mask_names = Signature(query="x"), (mask_param,) if mask_param else ()
+        convention, by, why = _convention(layer, layer.forward, None, mask)
+        notes.append("called through the declared call")
     else:
-        if sig.key is not None and sig.value is not None:
-            form = "qkv_module"
-        elif sig.memory is not None and (sig.memory in sig.fixed or getattr(layer, "is_cross_attention", False) is True
-                                         or "Cross" in type(layer).__name__):
-            form = "cross_module"
-        else:
+        sig = read_signature(layer, library=hf, options=options)
+        if isinstance(layer, nn.TransformerDecoderLayer):
+            # the whole layer: self-attention over tgt (the probed stream, its mask tgt_mask), cross-attention over
+            # memory, a fixed encoder output that no probe changes and no mask covers, as in a real decoder
             form = "self_module"
-        chosen = _choose_mask(sig.masks, mask, cross=form == "cross_module")
-        mask_names = (chosen,) if chosen else ()
+            mask_names = ("tgt_key_padding_mask",) if mask is not None and mask.per_key else ("tgt_mask",)
+            notes.append(f"memory: a fixed encoder output of {MEMORY_TOKENS} tokens")
+        elif isinstance(layer, nn.TransformerEncoderLayer):
+            form = "self_module"
+            mask_names = ("src_key_padding_mask",) if mask is not None and mask.per_key else ("src_mask",)
+        else:
+            if sig.key is not None and sig.value is not None:
+                form = "qkv_module"
+            elif sig.memory is not None and (sig.memory in sig.fixed or getattr(layer, "is_cross_attention", False)
+                                             is True or "Cross" in type(layer).__name__):
+                form = "cross_module"
+            else:
+                form = "self_module"
+            chosen = _choose_mask(sig.masks, mask, cross=form == "cross_module")
+            mask_names = (chosen,) if chosen else ()
+        if torch_layer:
+            convention, by, why = (mask, "user", "") if mask is not None else (SHORTCUTS["mha_blocked"], "library", "")
+        elif hf and mask is None:
+            convention, by, why = mask_convention(_huggingface_convention(layer)), "library", ""
+        else:
+            convention, by, why = _convention(layer, layer.forward, mask_names[0] if mask_names else None, mask)
     if hf:
         builtin_causal = False  # its model builds the causal mask; `is_causal` tells the model, not the layer
-        if mask is None:
-            convention, declared = _huggingface_convention(layer), True
+        builtin_pattern = False  # and the sliding window's mask: `sliding_window` tells the model, not the layer
         if sig.rotary:
             rotary = _huggingface_rotary(layer, device)
             expect(rotary is not None, f"a rotary embedding class in {type(layer).__module__} built from the config",
                    "none that builds", "audit adapters.huggingface(layer, rotary=YourRotaryEmbedding(config))")
             extra = _rotary_extra(rotary)
             notes.append(f"position_embeddings from {type(rotary).__name__}")
-    if mask_names and convention != "allowed" and not torch_layer:
-        notes.append(f"{mask_names[0]}: {convention}")
-    return ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, declared=declared,
-                         builtin_causal=builtin_causal, extra=extra, notes=tuple(notes), d_model=d_model,
-                         num_heads=num_heads, head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
+    if mask_names and not torch_layer and (by != "default"):
+        notes.append(convention_note(mask_names[0], convention, by, why))
+    return ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
+                         builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
+                         notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
+                         head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
 
 
-HINTS = {
-    "additive": "float, 0 where attending is allowed and a large negative number where blocked",
-    "key_padding": "bool (B, Tk), True = a padding key",
-    "blocked": "bool, True = blocked",
-}
+def convention_note(name: str, convention: MaskConvention, by: str, why: str) -> str:
+    """The report's first line on the mask: `mask: additive:B,Tq,Tk`, with what says so when the layer does.
+    Nothing for the default (bool (B, 1, Tq, Tk), True = may attend), nor where a library or the layer says that."""
+    if by == "default" or (by in ("library", "layer") and str(convention) == "allowed"):
+        return ""
+    return f"{name}: {convention}" + (f" ({why})" if by == "layer" and why else "")
 
 
-def mask_convention_hint(subject: Subject, options: dict | None = None) -> str | None:
-    """For a `mask_honoured` failure: the convention the layer's mask looks like it takes, from its
-    parameter's name, annotation or default (never from what the layer did with the audit's mask), or None
-    where nothing suggests one or the convention was declared. E.g. 'the layer's `attention_mask` may be
-    additive (...): if it is, audit with mask="additive".'"""
-    if subject.convention_declared or not subject.takes_mask or not subject.mask_names:
+def _convention(layer, fn, mask_name: str | None, declared: MaskConvention | None) -> tuple[MaskConvention, str, str]:
+    """(convention, who chose it, why): the user's declaration; else what the layer states for its mask parameter
+    (see `stated_convention`); else the default, bool (B, 1, Tq, Tk), True = may attend."""
+    if declared is not None:
+        return declared, "user", ""
+    stated = stated_convention(layer, fn, mask_name) if mask_name else None
+    if stated is not None:
+        return stated[0], "layer", stated[1]
+    return SHORTCUTS["allowed"], "default", ""
+
+
+def stated_convention(layer, fn, mask_name: str) -> tuple[MaskConvention, str] | None:
+    """The convention the layer itself states for its mask parameter `mask_name`, and where it says so:
+    a library class whose convention is documented (`_masks.KNOWN_LAYERS`); a parameter named `*key_padding_mask`
+    (torch's name for a (B, Tk) mask, True = padding); or its docstring (forward's, else the class's), read by
+    `_masks.stated_in_text` ("True for positions to mask", "additive", "(batch, src_len)"). Never what the layer
+    does with a mask."""
+    known = known_convention(layer, mask_name)
+    if known is not None:
+        return known, f"documented for {type(layer).__name__}"
+    if "key_padding" in mask_name:
+        return SHORTCUTS["key_padding"], "its name is torch's for a (B, Tk) mask, True = padding"
+    for doc in (inspect.getdoc(fn), inspect.getdoc(type(layer)) if isinstance(layer, nn.Module) else None):
+        stated = stated_in_text(doc, mask_name)
+        if stated is not None:
+            return stated
+    return None
+
+
+def _inner_mha(layer: nn.Module) -> tuple[str, nn.MultiheadAttention] | None:
+    """The nn.MultiheadAttention a block wraps: (its name, it), where the block holds one (or several alike)."""
+    found = [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.MultiheadAttention) and name]
+    if not found or len({(m.embed_dim, m.num_heads) for _, m in found}) != 1:
         return None
+    return found[0]
+
+
+def call_form(call, options: dict | None = None) -> tuple[str, str | None, int]:
+    """(form, the mask parameter's name or None, the number of streams) of a declared call, read from its
+    parameters: (layer, x[, mask]) a self-attention module, (layer, query, memory[, mask]) a cross-attention one,
+    (layer, query, key, value[, mask]) separate key and value (and a function's q, k, v). The mask is the parameter
+    named like one (mask, attn_mask, ...)."""
+    try:
+        params = [p for p in inspect.signature(call).parameters.values() if p.kind in (p.POSITIONAL_ONLY,
+                                                                                       p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = None
+    names = [p.name for p in params or []]
+    mask_param = next((n for n in names[1:] if _is_mask_name(n)), None)
+    streams = len([n for n in names[1:] if n != mask_param])
+    expect(params is not None and 1 <= streams <= 3, "call(layer, x[, mask]), call(layer, query, memory[, mask]) or "
+           "call(layer, query, key, value[, mask])", f"{spell('call', call, options)} with parameters {names}",
+           "pass e.g. call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)")
+    return {1: "self_module", 2: "cross_module", 3: "qkv_module"}[streams], mask_param, streams
+
+
+def _shown_signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
+    """Conventions the layer's mask parameter suggests without stating them, most telling first, each with what
+    suggests it: its name (`*padding*`; torch's `src_mask`, True = blocked; Hugging Face's additive
+    `attention_mask`), its annotation or default (a float: additive), an nn.MultiheadAttention it wraps (torch's
+    conventions). Hints only: the audit never gives the layer its mask in one of these unless it is declared."""
+    if not subject.takes_mask or not subject.mask_names:
+        return []
     name = subject.mask_names[0]
     fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
     try:
@@ -803,20 +1020,52 @@ def mask_convention_hint(subject: Subject, options: dict | None = None) -> str |
         param = None
     annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
     default = None if param is None else param.default
+    found = []
     if "padding" in name:
-        convention, why = "key_padding", f"its name, `{name}`, says key padding"
-    elif name in ("src_mask", "tgt_mask", "memory_mask"):
-        convention, why = "blocked", f"`{name}` is torch's name for a mask with True = blocked"
-    elif isinstance(default, Tensor) and default.is_floating_point():
-        convention, why = "additive", f"the default of `{name}` is a float tensor"
-    elif "float" in annotation.lower():
-        convention, why = "additive", f"`{name}` is annotated {annotation}"
-    elif name == "attention_mask":
-        convention, why = "additive", "`attention_mask` is additive in Hugging Face-style layers"
-    else:
+        found.append((SHORTCUTS["key_padding"], f"its name, `{name}`, says key padding"))
+    if name in ("src_mask", "tgt_mask", "memory_mask"):
+        found.append((SHORTCUTS["blocked"], f"`{name}` is torch's name for a mask with True = blocked"))
+    if isinstance(default, Tensor) and default.is_floating_point():
+        found.append((SHORTCUTS["additive"], f"the default of `{name}` is a float tensor"))
+    if "float" in annotation.lower():
+        found.append((SHORTCUTS["additive"], f"`{name}` is annotated {annotation}"))
+    if name == "attention_mask":
+        found.append((SHORTCUTS["additive"], "`attention_mask` is additive in Hugging Face-style layers"))
+    inner = _inner_mha(subject.layer) if isinstance(subject.layer, nn.Module) else None
+    if inner is not None:
+        why = (f"it wraps nn.MultiheadAttention `{inner[0]}`, whose attn_mask is (B*H, Tq, Tk) or (Tq, Tk), bool "
+               f"True = blocked or float additive")
+        found += [(MaskConvention(meaning, shape), why) for meaning in ("blocked", "additive")
+                  for shape in ("B*H,Tq,Tk", "Tq,Tk")]
+    return [(c, why) for c, why in found if c != subject.mask_convention]
+
+
+def mask_convention_hint(subject: Subject, options: dict | None = None) -> str | None:
+    """For a mask finding (mask_honoured, runs): what the layer says or suggests about its mask's convention,
+    never what it did with the audit's mask; None where the user or the library declared it, or nothing
+    suggests one. Where the layer stated it (its parameter's name, its docstring), the finding says what the
+    audit read and how to declare another; otherwise the first suggestion (see `suggested_conventions`), e.g.
+    'the mask may be in another convention: `attention_mask` is additive in ... ; if so, audit with
+    mask='additive''."""
+    if subject.convention_by in ("user", "library") or not subject.takes_mask or not subject.mask_names:
         return None
-    return (f"the mask may be in another convention: {why} ({HINTS[convention]}); if so, audit with "
-            f"{spell('mask', convention, options)}, else the layer ignores or misapplies the mask")
+    name = subject.mask_names[0]
+    if subject.convention_by == "layer":
+        return (f"the audit gave `{name}` as {subject.mask_convention} ({subject.mask_convention.describe()}), as "
+                f"{subject.convention_why}; if the layer takes another convention, declare it, e.g. "
+                f"{spell('mask', _other(subject.mask_convention), options)}")
+    suggestions = suggested_conventions(subject)
+    if not suggestions:
+        return None
+    convention, why = suggestions[0]
+    return (f"the mask may be in another convention: {why} ({convention.describe()}); if so, audit with "
+            f"{spell('mask', str(convention), options)}, else the layer ignores or misapplies the mask")
+
+
+def _other(convention: MaskConvention) -> str:
+    """The opposite meaning in the same shape: what to declare when a stated convention was misread."""
+    meaning = {"allowed": "blocked", "blocked": "allowed", "additive": "allowed"}[convention.meaning]
+    return str(MaskConvention(meaning, convention.shape))
 
 
 def context_length(layer) -> tuple[int, str] | None:
@@ -857,5 +1106,6 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
     return length
 
 
-__all__ = ["LAYOUTS", "MASK_CONVENTIONS", "AuditUsageError", "LayerReturnedNothingUsable", "Output", "Signature",
-           "Subject", "check_seq_len", "context_length", "make_subject", "mask_convention_hint", "read_signature"]
+__all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
+           "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
+           "mask_convention_hint", "not_weights", "read_signature", "stated_convention", "suggested_conventions"]

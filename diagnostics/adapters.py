@@ -33,32 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import expect
+from ._masks import SHORTCUTS, MaskConvention, convert_mask, mask_convention
 
-CONVENTIONS = ("allowed", "blocked", "additive", "mha_blocked")
-
-
-def convert_mask(allowed: Tensor, convention: str, *, dtype: torch.dtype = torch.float32,
-                 num_heads: int = 1) -> Tensor:
-    """Our mask, bool (B, 1, Tq, Tk) True = may attend, in a library's convention:
-
-    - "allowed":     as is (torch SDPA, timm, Hugging Face sdpa);
-    - "blocked":     bool (B, 1, Tq, Tk), True = blocked;
-    - "additive":    float of `dtype`, 0 where attending is allowed, torch.finfo(dtype).min where blocked
-                     (Hugging Face eager: a finite fill, so a fully blocked row gives uniform weights, not NaN);
-    - "mha_blocked": bool (B * num_heads, Tq, Tk), True = blocked (nn.MultiheadAttention's `attn_mask`,
-                     nn.TransformerEncoderLayer's `src_mask`), which take no (B, 1, Tq, Tk) masks.
-    """
-    expect(convention in CONVENTIONS, f"a mask convention from {CONVENTIONS}", repr(convention),
-           'use "allowed" (True = may attend), "blocked" (True = blocked), "additive" (0 / large negative) '
-           'or "mha_blocked" (nn.MultiheadAttention)')
-    if convention == "allowed":
-        return allowed
-    if convention == "blocked":
-        return ~allowed
-    if convention == "mha_blocked":
-        return (~allowed[:, 0]).repeat_interleave(num_heads, dim=0)  # (B*H, Tq, Tk)
-    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return blocked.masked_fill(~allowed, torch.finfo(dtype).min)
+CONVENTIONS = tuple(SHORTCUTS)
+"""The shortcut spellings of mask conventions; any `MaskConvention` or MEANING:SHAPE (`additive:B,Tq,Tk`) works too
+(`diagnostics._masks`, where `convert_mask` lives: the one conversion the audit and these adapters share)."""
 
 
 def function(fn: Callable, *, mask_arg: str = "attn_mask", convention: str = "allowed", **fixed) -> Callable:
@@ -70,7 +49,7 @@ def function(fn: Callable, *, mask_arg: str = "attn_mask", convention: str = "al
     `fixed`: further keyword arguments passed on every call, e.g. `scale=0.5`.
     """
     expect(callable(fn), "a function f(q, k, v, ...)", type(fn).__name__, "pass the function itself")
-    convert_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), convention)  # validates the convention
+    mask_convention(convention, spelled="convention=")  # validates the convention
 
     def adapted(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None):
         kwargs = dict(fixed)
@@ -97,7 +76,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         expect(isinstance(layer, nn.Module), "an nn.Module", type(layer).__name__,
                "wrap functions with adapters.function(...)")
-        convert_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), convention)  # validates the convention
+        mask_convention(convention, spelled="convention=")  # validates the convention
         self.layer, self.mask_arg, self.convention = layer, mask_arg, convention
         self.d_model, self.num_heads = d_model, num_heads
         self.extra, self.fixed = extra, fixed
@@ -208,5 +187,5 @@ def huggingface(module: nn.Module, *, rotary: nn.Module | None = None, pass_mask
     return wrapper
 
 
-__all__ = ["CONVENTIONS", "KeyPaddingMHA", "SelfAttention", "convert_mask", "function", "huggingface",
-           "mha_key_padding", "self_attention"]
+__all__ = ["CONVENTIONS", "KeyPaddingMHA", "MaskConvention", "SelfAttention", "convert_mask", "function", "huggingface",
+           "mask_convention", "mha_key_padding", "self_attention"]

@@ -1,7 +1,9 @@
 """pytest plugin: audit your own attention layer as part of your test run.
 
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
-           [--attention-require=DET]... [--attention-strict]
+           [--attention-require=DET]... [--attention-strict] [--attention-mask-convention=CONVENTION]
+           [--attention-layout=bhtd|bthd] [--attention-pattern=PATTERN] [--attention-call=MODULE:FUNCTION]
+           [--attention-cross]
     pytest --attention-audit-model=mymodule:make_model   (a whole model: see diagnostics/model/_plugin.py)
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ._errors import AuditUsageError
-from ._load import importable_from, load_layer, quiet_numpy_warning
+from ._load import importable_from, load_call, load_layer, load_pattern, quiet_numpy_warning
 
 if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, the audit needs torch
     from ._report import AuditReport
@@ -39,7 +41,8 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 
 # audit() parameters as this plugin's options spell them, for messages that name an option
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
-           "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout"}
+           "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
+           "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross"}
 
 
 class AttentionAuditWarning(UserWarning):
@@ -81,9 +84,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="every detector that applies to the audited layers must measure them: a 'not measured' "
                          "skip fails")
     group.addoption("--attention-mask-convention", default=None, metavar="CONVENTION",
-                    choices=("allowed", "blocked", "additive", "key_padding"),
-                    help="how the audited layers take their mask: allowed (bool, True = may attend; the default), "
-                         "blocked, additive or key_padding")
+                    help="how the audited layers take their mask: allowed (bool (B, 1, Tq, Tk), True = may attend; the "
+                         "default), blocked, additive, key_padding, key_keep, mha_blocked, or MEANING:SHAPE such as "
+                         "additive:B,Tq,Tk")
+    group.addoption("--attention-pattern", default=None, metavar="PATTERN",
+                    help="the attention pattern the audited layers promise, e.g. \"sliding_window(4)\" (causal, "
+                         "sliding_window, chunked, prefix_lm, document, combined with & and |)")
+    group.addoption("--attention-call", default=None, metavar="MODULE:FUNCTION",
+                    help="how to call the audited layers: a function call(layer, x, mask), call(layer, query, memory, "
+                         "mask) or call(layer, query, key, value, mask)")
+    group.addoption("--attention-cross", action="store_true", default=False,
+                    help="the audited layers are cross-attention: a raise at Tq != Tk fails")
     group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd"),
                     help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
 
@@ -151,7 +162,7 @@ class AuditTarget(pytest.File):
     def __init__(self, *, spec: str, **kwargs):
         super().__init__(**kwargs)
         self.spec = spec
-        self.layer = None
+        self.layer = self.pattern = self.call = None
         self.source: tuple[Path, int] = (self.path, 0)  # where the layer is defined, once loaded
         self._report: AuditReport | None = None
 
@@ -170,9 +181,13 @@ class AuditTarget(pytest.File):
                                     f"{', '.join(unknown)}. Fix: check the spelling")
         try:
             self.layer = load_layer(self.spec)
-            # cannot be called as an attention layer, or not at this length: say so now, not per detector
             options = self.config.option
-            check_seq_len(make_subject(self.layer, mask=options.attention_mask_convention,
+            self.pattern = (load_pattern(options.attention_pattern, spelled=OPTIONS["pattern"])
+                            if options.attention_pattern is not None else None)
+            self.call = (load_call(options.attention_call, spelled=OPTIONS["call"])
+                         if options.attention_call is not None else None)
+            # cannot be called as an attention layer, or not at this length: say so now, not per detector
+            check_seq_len(make_subject(self.layer, mask=options.attention_mask_convention, call=self.call,
                                        layout=options.attention_layout, options=OPTIONS), seq_len, options=OPTIONS)
         except AuditUsageError as error:
             raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
@@ -189,6 +204,7 @@ class AuditTarget(pytest.File):
             self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len,
                                  require=options.attention_require, strict=options.attention_strict,
                                  mask=options.attention_mask_convention, layout=options.attention_layout,
+                                 pattern=self.pattern, call=self.call, cross=options.attention_cross,
                                  _options=OPTIONS)
         return self._report
 

@@ -106,7 +106,10 @@ def test_a_broken_layer_is_a_finding_never_a_crash(layer, detector, words):
     (lambda: audit(MultiHeadAttention(8, 2), scale=-1.0), "a positive scale"),
     (lambda: audit(MultiHeadAttention(8, 2), detectors=["nope"]), "detector ids from"),
     (lambda: audit(nn.MultiheadAttention(8, 2), mask="additive"), "no mask convention for nn.MultiheadAttention"),
-    (lambda: audit(MultiHeadAttention(8, 2), mask="inverted"), "expected mask one of allowed, blocked"),
+    (lambda: audit(MultiHeadAttention(8, 2), mask="inverted"), "expected a mask convention from the shortcuts allowed, "
+                                                               "blocked"),
+    (lambda: audit(MultiHeadAttention(8, 2), cross="yes"), "expected cross=True or cross=False"),
+    (lambda: audit(MultiHeadAttention(8, 2), call="layer(x)"), "expected call a function call(layer, x, mask)"),
     (lambda: audit(MultiHeadAttention(8, 2), dtype=torch.float16), "dtype=torch.float32 (the layer's parameters)"),
 ])
 def test_misuse_says_what_was_expected_seen_and_the_fix(call, words):

@@ -403,3 +403,81 @@ def test_a_models_example_is_named_on_the_command_line_with_example(in_scratch, 
     assert out.startswith("model audit of Mixer: PASSED") and "seq_len=8" in out.splitlines()[0]
     assert _cli.main(["userlayers:correct", "--example", "usermodels:embeddings"]) == _cli.EXIT_USAGE
     assert "expected --example with --model" in capsys.readouterr().err
+
+
+# ---- declarations on the command line: --mask MEANING:SHAPE, --pattern, --call, --cross ---------------------------
+
+DECLARED = '''
+import torch
+import torch.nn.functional as F
+
+
+def windowed(q, k, v, width=4):  # a causal sliding window of `width` keys, the query's own included; no mask
+    i = torch.arange(q.shape[-2]).unsqueeze(-1) + k.shape[-2] - q.shape[-2]  # (Tq, 1): absolute positions
+    j = torch.arange(k.shape[-2])  # (Tk,)
+    own = (j <= i) & (i - j < width)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=own)
+
+
+def windowed_5(q, k, v):  # BUG: one key too many
+    return windowed(q, k, v, width=5)
+
+
+def per_query_additive(q, k, v, mask=None):  # mask: additive (B, Tq, Tk), no head axis
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
+
+
+def needs_bias(q, k, v, bias):  # its additive mask under a name the audit cannot know, and required
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def call_with_bias(f, q, k, v, mask):
+    return f(q, k, v, bias=mask)
+
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def declared(tmp_path, monkeypatch):
+    (tmp_path / "declaredlayers.py").write_text(DECLARED)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "declaredlayers", raising=False)
+    yield
+    sys.modules.pop("declaredlayers", None)
+
+
+def test_the_command_takes_a_pattern_a_mask_shape_and_a_call(declared, capsys):
+    assert _cli.main(["declaredlayers:windowed", "--pattern", "sliding_window(4)"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    assert _cli.main(["declaredlayers:windowed_5", "--pattern", "sliding_window(4)"]) == 1  # the twin: W + 1 keys
+    assert "attention_pattern" in capsys.readouterr().out
+    assert _cli.main(["declaredlayers:per_query_additive", "--mask", "additive:B,Tq,Tk"]) == 0
+    capsys.readouterr()
+    assert _cli.main(["declaredlayers:per_query_additive", "--mask", "additive"]) == 1  # a (B, 1, Tq, Tk) mask
+    capsys.readouterr()
+    assert _cli.main(["declaredlayers:needs_bias", "--call", "declaredlayers:call_with_bias", "--mask",
+                      "additive"]) == 0
+    assert "called through the declared call" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["declaredlayers:windowed", "--pattern", "sliding_window(4"], "expected --pattern to name patterns (causal, "
+                                                                  "sliding_window, chunked, prefix_lm, document)"),
+    (["declaredlayers:windowed", "--pattern", "__import__('os').system('true')"], "a character the grammar does "
+                                                                                 "not take"),
+    (["declaredlayers:windowed", "--pattern", "window(4)"], "unknown pattern 'window'"),
+    (["declaredlayers:windowed", "--mask", "additive:B,T"], "expected a mask convention from the shortcuts allowed, "
+                                                            "blocked, additive, key_padding, key_keep, mha_blocked, "
+                                                            "or MEANING:SHAPE"),
+    (["declaredlayers:needs_bias"], "got `bias` with no default"),
+    (["declaredlayers:needs_bias", "--call", "declaredlayers:not_callable"], "expected --call to name a function"),
+    (["--model", "declaredlayers:windowed", "--cross"], "expected only --example, --causal, --seq-len, --json and "
+                                                        "--html with --model; got --cross"),
+])
+def test_a_declaration_that_does_not_parse_is_a_usage_error(declared, capsys, argv, words):
+    assert _cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and words in captured.err, captured.err

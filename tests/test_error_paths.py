@@ -62,7 +62,7 @@ SECOND = lambda n, q, k, v, m: n == 2  # noqa: E731
 
 # detector: (when its own probe is called, audit options)
 OWN_PROBE = {
-    "output_shape": (CROSS, {}),
+    "output_shape": (CROSS, {"cross": True}),  # declared: a layer not declared cross is audited as self-only
     "finite_output": (ALWAYS, {}),
     "weight_row_sums": (PADDED, {}),
     "softmax_saturation": (ALWAYS, {}),

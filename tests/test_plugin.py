@@ -261,3 +261,48 @@ def test_readme_fixture_example_runs_on_the_readme_layer(pytester):
     pytester.makepyfile(mymodule=layer, test_my_attention=test_file)
     result = pytester.runpytest(*PLUGIN)
     result.assert_outcomes(passed=1, warnings=1)  # the README says: it warns of NaN on a fully masked row
+
+
+DECLARED = '''
+import torch
+import torch.nn.functional as F
+
+
+def windowed(q, k, v, width=4):  # a causal sliding window of `width` keys, the query's own included; no mask
+    i = torch.arange(q.shape[-2]).unsqueeze(-1) + k.shape[-2] - q.shape[-2]  # (Tq, 1)
+    j = torch.arange(k.shape[-2])  # (Tk,)
+    own = (j <= i) & (i - j < width)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=own)
+
+
+def windowed_5(q, k, v):  # BUG: one key too many
+    return windowed(q, k, v, width=5)
+
+
+def per_query_additive(q, k, v, mask=None):  # mask: additive (B, Tq, Tk), no head axis
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
+'''
+
+
+def test_the_plugin_takes_a_pattern_and_a_mask_shape_and_refuses_what_does_not_parse(pytester):
+    pytester.makepyfile(declaredlayers=DECLARED)
+    pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    pytester.syspathinsert()
+    args = [*PLUGIN, "-p", "no:randomly"]
+    windowed = pytester.runpytest(*args, "--attention-audit=declaredlayers:windowed",
+                                  "--attention-pattern=sliding_window(4)")
+    assert windowed.ret == 0, windowed.stdout.str()
+    twin = pytester.runpytest(*args, "--attention-audit=declaredlayers:windowed_5", "--attention-pattern=sliding_window(4)")
+    assert twin.ret == pytest.ExitCode.TESTS_FAILED
+    twin.stdout.fnmatch_lines(["*attention_pattern*declaredlayers:windowed_5*"])
+    shaped = pytester.runpytest(*args, "--attention-audit=declaredlayers:per_query_additive",
+                                "--attention-mask-convention=additive:B,Tq,Tk")
+    assert shaped.ret == 0, shaped.stdout.str()
+    bad = pytester.runpytest(*args, "--attention-audit=declaredlayers:windowed", "--attention-pattern=sliding_window(")
+    assert bad.ret == pytest.ExitCode.INTERRUPTED
+    bad.stdout.fnmatch_lines(["*expected --attention-pattern to name patterns*"])
+    bad_mask = pytester.runpytest(*args, "--attention-audit=declaredlayers:windowed",
+                                  "--attention-mask-convention=sideways")
+    assert bad_mask.ret == pytest.ExitCode.INTERRUPTED
+    bad_mask.stdout.fnmatch_lines(["*expected a mask convention from the shortcuts*got --attention-mask-convention "
+                                   "sideways*"])

@@ -167,8 +167,9 @@ def test_an_unknown_required_parameter_is_misuse_naming_it():
     with pytest.raises(AuditUsageError) as raised:
         audit(NeedsPositions())
     message = str(raised.value)
-    assert "`rel_pos`" in message and "Fix: wrap the layer so that it gets rel_pos" in message
-    assert len(message.splitlines()) == 1
+    assert "`rel_pos`" in message and "Fix: declare how to call the layer, e.g. call=lambda layer, x, memory, mask: " \
+                                      "layer(x, rel_pos=memory, mask=mask)" in message
+    assert "or wrap the layer so that it gets rel_pos" in message and len(message.splitlines()) == 1
 
     def fn(q, k, v, bias, mask=None):
         return attend(q, k, v, None)
@@ -242,16 +243,22 @@ def test_a_layer_that_adds_its_bool_mask_is_told_to_declare_additive_and_an_inve
 
 
 def test_undeclared_the_mask_finding_comes_with_the_convention_to_declare():
-    """Undeclared, the correct additive and key-padding layers are given bool (B, 1, Tq, Tk) masks: the
-    audit reports it (mask_honoured, or runs where the mask cannot be broadcast), and the hint, read from
-    the parameter's name (not from what the layer did), names the convention to declare."""
+    """Undeclared, the correct additive layer is given bool (B, 1, Tq, Tk) masks: the audit reports it
+    (mask_honoured), and the hint, read from the parameter's name (not from what the layer did), names the
+    convention to declare. A parameter named `key_padding_mask` states its convention, torch's (B, Tk), True =
+    padding: the audit gives it that, and the layer passes with no declaration; the hint then says what was read,
+    and what to declare if the layer reads it otherwise."""
     torch.manual_seed(0)
     report = audit(AdditiveMask())
     assert "mask_honoured" in report.fired()
     hint = mask_convention_hint(make_subject(AdditiveMask()))
     assert 'audit with mask=\'additive\'' in hint and "attention_mask" in hint
+    torch.manual_seed(0)
+    assert_clean(audit(KeyPadding()), measured=CORE + ("mask_honoured",), warns=("fully_masked_rows",))
     hint = mask_convention_hint(make_subject(KeyPadding()), options={"mask": "--mask"})
-    assert "audit with --mask key_padding" in hint
+    assert "the audit gave `key_padding_mask` as key_padding" in hint and "--mask key_keep" in hint
+    torch.manual_seed(0)
+    assert "mask_honoured" in audit(KeyPaddingInverted()).fired()  # recognised, never chosen: the inverted fails
     assert mask_convention_hint(make_subject(KeyPadding(), mask="key_padding")) is None  # declared
     assert mask_convention_hint(make_subject(KVCache())) is None  # `mask`: nothing suggests another
 

@@ -14,7 +14,7 @@ from .._observe import Mode
 from .._probe import Probe
 from .._registry import DETECTORS
 from .._result import DetectorResult, Site
-from .._subject import MASK_CONVENTIONS, make_subject
+from .._subject import make_subject
 from .._tracing import Trace, declared_mask, first_moved, mask_sites, merge_fix, op_site, stream_sites, trace_call
 
 # ---- shared endings --------------------------------------------------------------------------------
@@ -138,9 +138,8 @@ def float64_twin(probe: Probe):
     """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
     s = probe.subject
     layer = s.layer if s.form == "function" else copy.deepcopy(s.layer).to(torch.float64)
-    declared = getattr(s, "convention", None) if getattr(s, "convention_declared", False) else None
     twin = make_subject(layer, d_model=s.d_model, num_heads=s.num_heads, device=s.device, dtype=torch.float64,
-                        mask=declared if declared in MASK_CONVENTIONS else None, layout=getattr(s, "layout", None))
+                        **s.declarations())  # the user's mask convention, layout and call, as declared
     call, casts = twin._call, []
 
     def in_float64(*args):

@@ -4,15 +4,13 @@ allowed gives a finite output."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from .._core import Case, Inputs, compare, held, not_run, perturbed, relative_change, skip
+from .._core import Case, Inputs, compare, held, not_run, perturbed, skip
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult
-from .._subject import HINTS, mask_convention_hint, spell
-from .._thresholds import UNCHANGED, tolerance
 from ._common import invariance_locator, judge, perturbation_gains, result
+from ._mask_hints import convention_hint
 from .finite import ROW_FILLS, nonfinite_sites
 
 
@@ -63,51 +61,15 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
                     replay=tuple(c for _, c in results))
     if result.verdict == "fail":
-        # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's
-        # name, annotation or default says (never judged from the layer's behaviour: an inverted mask must fail)
-        hint = mask_convention_hint(probe.subject, probe.options) or _adds_its_mask(probe)
+        # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
+        # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
+        # must fail
+        hint = convention_hint(probe)
         if hint:
             result = DetectorResult(det, "fail", f"{result.message}; {hint}", value=result.value,
                                     threshold=result.threshold, evidence=result.evidence,
                                     fix=f"{hint}; {result.fix}", replay=result.replay)
     return result
-
-
-def _adds_its_mask(probe: Probe) -> str | None:
-    """For a mask_honoured failure of a module given bool masks by default: whether it adds its mask to the
-    scores (a bool mask then shifts allowed logits by the constant 1, and blocks nothing). Told by its output
-    being the same when the same mask comes as 0./1. floats: a layer that blocks with a bool mask cannot take a
-    float one alike (masked_fill needs bools; a multiplication would zero, not shift). Two calls, only on a
-    failure; never a verdict: the finding stays, with the convention to declare if that is the layer's."""
-    s = probe.subject
-    if s.convention_declared or s.convention != "allowed" or not hasattr(s, "_kwargs") or not s.mask_names:
-        return None
-    B, T = probe.BATCH, probe.t
-    q, k, v = probe.streams(B, T)
-    allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
-    outputs = []
-    try:
-        for cast in (False, True):
-            kwargs = s._kwargs(q, k, v, allowed)
-            if cast:
-                for name in s.mask_names:
-                    kwargs[name] = kwargs[name].to(s.dtype)  # True -> 1.0, False -> 0.0
-            probe.passes += 1
-            with torch.no_grad():
-                result = s.layer(**kwargs)
-            outputs.append(result[0] if isinstance(result, (tuple, list)) else result)
-    except Exception:  # noqa: BLE001 - a layer that refuses float masks does not add them
-        return None
-    bool_out, float_out = outputs
-    if not (isinstance(bool_out, Tensor) and isinstance(float_out, Tensor)) or bool_out.shape != float_out.shape:
-        return None
-    change = relative_change(float_out, bool_out, centred=True)
-    if change is None or not bool(torch.isfinite(bool_out).all()) or float(change.max()) > tolerance(UNCHANGED, s.dtype):
-        return None
-    return (f"the layer adds its mask to the scores: the bool mask passed as 0./1. floats gives the same output "
-            f"(up to {float(change.max()):.2g} of its RMS), so True shifts the allowed logits by 1 and blocks "
-            f"nothing; if its mask is additive ({HINTS['additive']}), audit with "
-            f"{spell('mask', 'additive', probe.options)}")
 
 
 @detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",

@@ -4,6 +4,7 @@ exception's traceback."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
@@ -13,6 +14,7 @@ from .._registry import detector
 from .._result import DetectorResult, Site
 from .._tracing import site
 from ._common import result
+from ._mask_hints import convention_hint
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
@@ -37,9 +39,12 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
     return []
 
 
+MASKY = re.compile(r"mask|must match the size|cannot be broadcast|shape .* is invalid|expand", re.I)
 VIEW = re.compile(r"view size is not compatible|use \.reshape\(\.\.\.\) instead|is not contiguous", re.I)
 ARGUMENT = re.compile(r"missing \d+ required (positional|keyword)|unexpected keyword argument|got multiple values "
                       r"for argument|takes \d+ positional arguments? but \d+ (was|were) given", re.I)
+REQUIRED = re.compile(r"must (?:provide|pass|give|supply)|(?:input|argument) is required|is required but|"
+                      r"missing (?:input|argument)", re.I)
 SHAPES = re.compile(r"must match the size|size of tensor a \(\d+\) must match|shape .* is invalid|cannot be "
                     r"broadcast|mat1 and mat2 shapes|expected .* shape|The shape of the .*mask", re.I)
 
@@ -52,9 +57,10 @@ def exception_fix(error: BaseException) -> str:
     if VIEW.search(text):
         return ("call .contiguous() before .view(), or use .reshape(): after a transpose the memory is not laid "
                 "out as the view needs")
-    if isinstance(error, TypeError) and ARGUMENT.search(text):
-        return ("the layer is not called the way the audit calls it: wrap it in a function or module that takes "
-                "(query, key, value, mask) or (x, mask) and calls your layer as it expects")
+    if isinstance(error, TypeError) and ARGUMENT.search(text) or REQUIRED.search(text):
+        return ("the layer is not called the way the audit calls it: declare how to call it, e.g. call=lambda layer, "
+                "x, memory, mask: layer(x, y=memory, mask=mask) (--call MODULE:FUNCTION on the command line), or wrap "
+                "it in a function or module that takes (query, key, value, mask) or (x, mask)")
     if "mask" in text.lower() and SHAPES.search(text) or "attn_mask" in text:
         return ("the layer takes its mask in another shape or meaning: declare its convention (mask='blocked', "
                 "'additive' or 'key_padding'; --mask on the command line), or wrap the layer to convert the "
@@ -97,9 +103,13 @@ def check_runs(probe: Probe) -> DetectorResult:
 
 
 def runs_verdict(probe: Probe) -> DetectorResult:
-    """`runs` judged on every call of the audit so far: its own, and every other detector's that raised."""
+    """`runs` judged on every call of the audit so far: its own, and every other detector's that raised. A call
+    that raised only because Tq != Tk, on a layer not declared cross-attention, is no failure (see
+    `Probe.self_only`): the verdict says those probes were skipped. Where calls with a mask raised, the fix
+    adds which mask convention the layer states, suggests or honours (a hint: see `_mask_hints`)."""
     det = "runs"
     own = probe.shapes[det]
+    self_only = f"; {probe.self_only_text()}, so the probes with Tq != Tk were skipped" if probe.self_only else ""
     failed = unique([(d, shape) for d, shape in probe.raised if d == det]
                      + [(d, shape) for d, shape in probe.raised if d != det])
     n_calls = sum(len(v) for v in probe.shapes.values())
@@ -110,11 +120,28 @@ def runs_verdict(probe: Probe) -> DetectorResult:
         listed = "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
-        return result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
-                       value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in all)",
-                       replay=tuple(probe.failed_calls))
+        failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
+                               value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in "
+                                                                                 f"all){self_only}",
+                               replay=tuple(probe.failed_calls))
+        hint = _mask_hint(probe)
+        return replace(failed_result, fix=f"{hint}; {failed_result.fix}") if hint else failed_result
     return result(det, "pass", f"ran on its {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
-                                f"every other detector's probe ({n_calls} calls in all)", value=0.0, threshold=0.0)
+                                f"every other detector's probe ({n_calls} calls in all){self_only}", value=0.0,
+                  threshold=0.0)
+
+
+def _mask_hint(probe: Probe) -> str | None:
+    """For calls that raised with a mask while the layer runs without one (a (B, 1, Tq, Tk) mask given to a layer
+    that takes (B, Tk) or (Tq, Tk)): the convention hint of the mask finding; None otherwise."""
+    masked = [c for c in probe.failed_calls if c.allowed is not None]
+    if not masked or not probe.subject.takes_mask:
+        return None
+    unmasked_ran = any(not s.raised and s.allowed is None for shapes in probe.shapes.values() for s in shapes)
+    about_mask = any(MASKY.search(str(c.error)) for c in masked)
+    if not (unmasked_ran or about_mask):
+        return None
+    return convention_hint(probe)
 
 
 def unique(failed):

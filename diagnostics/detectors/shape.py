@@ -36,6 +36,8 @@ def check_output_shape(probe: Probe) -> DetectorResult:
         call = probe.call(q, k, v, probe.allowed(B, T, t_k), label=f"query length {T}, memory length {t_k}")
         if call.ok:
             checks.append((f"query length {T}, memory length {t_k}", call, s.expected_out_shape(B, T)))
+        elif call.self_only:  # raised only because Tq != Tk, on a layer not declared cross-attention
+            unmeasured = probe.self_only_text()
         else:
             unmeasured = f"query length {T}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
     wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]

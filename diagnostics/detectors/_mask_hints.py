@@ -1,0 +1,155 @@
+"""Which mask convention a layer behaves as if it took: words for a finding, never a choice of the audit.
+
+When a layer that takes a mask fails on it (`mask_honoured`, or `runs` when a mask of the audit's shape makes it
+raise) and nobody declared its convention, the finding says which conventions would fit: first what the layer
+says or suggests (`_subject.mask_convention_hint`: its parameter's name, annotation, default, docstring), then
+what it does. `honoured_conventions` gives the layer the same padding mask in each other convention (a meaning
+and a shape, diagnostics._masks) and reads whether it then honours it: changing the keys that mask blocks moves
+no output row, and changing a key it allows moves the rows that see it. The audit's verdict stays the one it
+reached with the declared (or default) convention: a layer whose mask polarity is inverted by mistake behaves
+exactly like a correct one that takes True = blocked, so behaviour can only ever be a hint, worded as one.
+
+The search makes one call per convention tried, only for a finding, and stops at the first that is honoured.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .._core import Inputs, baseline_scale, perturbed, relative_change
+from .._masks import MEANINGS, SHAPES, SHORTCUTS, MaskConvention
+from .._probe import Probe
+from .._subject import mask_convention_hint, spell, suggested_conventions
+from .._thresholds import UNCHANGED, tolerance
+from ._common import perturbation_gains
+
+MOVED = 0.5  # of the rows that see a changed allowed key, the share that must move for a convention to count
+
+
+def candidates(probe: Probe) -> list[MaskConvention]:
+    """Every other convention, those the layer's parameter suggests first, then meanings and shapes in order."""
+    s = probe.subject
+    found = [c for c, _ in suggested_conventions(s)]
+    found += [MaskConvention(m, shape) for m in MEANINGS for shape in SHAPES]
+    out = []
+    for c in found:
+        if c != s.mask_convention and c not in out:
+            out.append(c)
+    return out
+
+
+def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
+    """[(convention, evidence)] for the first other convention in which the layer honours a padding mask, or []
+    (also where the convention was declared by the user or is the library's: nothing to hint). Cached on the
+    probe: `runs` is judged twice."""
+    s = probe.subject
+    if "honoured" in probe.mask_hints:
+        return probe.mask_hints["honoured"]
+    found: list[tuple[MaskConvention, str]] = []
+    probe.mask_hints["honoured"] = found
+    if s.convention_by in ("user", "library") or not s.takes_mask or probe.t < 2:
+        return found
+    B, T = probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T)
+    pad = probe.padding(B, T, T)  # (B, Tq, Tk): the same keys blocked for every query of a batch row
+    blocked = ~pad[:, 0, :]  # (B, Tk)
+    base = Inputs(q, k, v, pad)
+    gains = perturbation_gains(probe)[:1]
+    moved_blocked = perturbed(probe, base, blocked, ("key", "value"), gains=gains)[0]
+    first = torch.arange(T) == 0  # key 0: allowed by every padding row (and by the causal mask)
+    moved_allowed = perturbed(probe, base, first, ("key", "value"), gains=gains)[0]
+    stacked = [base, moved_blocked, moved_allowed]
+    Q = torch.cat([x.query for x in stacked])
+    K = Q if base.one_stream else torch.cat([x.key for x in stacked])
+    V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in stacked])
+    allowed = probe.allowed(3 * B, T, T, pad.repeat(3, 1, 1))  # causal included where the audit passes it
+    seen = allowed[:B].cpu()  # (B, Tq, Tk): what one copy allows
+    hold = seen.any(-1) & ~(seen & blocked.unsqueeze(1)).any(-1)  # rows that see none of the changed keys
+    if base.one_stream:
+        hold &= ~blocked
+    sees_first = seen[:, :, 0]  # (B, Tq): rows a correct layer moves when key 0 changes
+    tol = tolerance(UNCHANGED, s.dtype)
+    for convention in candidates(probe):
+        other = s.with_convention(convention)
+        probe.passes += 1
+        try:
+            with torch.no_grad():
+                out = other(Q, K, V, allowed).out
+        except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
+            continue
+        if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[s.time_dim] != T:
+            continue
+        chunks = out.chunk(3)
+        scale = baseline_scale(chunks[0], centred=True) or None
+        changes = [relative_change(c, chunks[0], centred=True, scale=scale) for c in chunks[1:]]
+        if any(c is None for c in changes):
+            continue
+        held_change, moved_change = (c.reshape(B, -1, T).amax(1).cpu() for c in changes)  # (B, Tq), heads folded
+        worst = float(held_change[hold].max()) if bool(hold.any()) else 0.0
+        moved = moved_change[sees_first] > tol
+        if worst <= tol and bool(moved.any()) and float(moved.float().mean()) >= MOVED:
+            found.append((convention, f"changing the keys it blocks moved no output row (greatest change {worst:.2g} "
+                                      f"of the outputs' RMS, up to {tol:.2g} allowed) and changing a key it allows "
+                                      f"moved {int(moved.sum())} of {moved.numel()} rows that see it"))
+            break
+    return found
+
+
+def adds_bool_mask(probe: Probe) -> bool:
+    """Whether the layer adds its bool mask to the scores: its output is the same when the same mask comes as 0./1.
+    floats (a layer that blocks with a bool mask cannot take a float one alike: masked_fill needs bools, and a
+    multiplication would zero, not shift). Two calls, for the words of a hint only."""
+    s = probe.subject
+    if s.mask_convention.meaning == "additive" or not s.takes_mask:
+        return False
+    as_float = copy.copy(s)
+    as_float._mask = lambda allowed, heads=None: s._mask(allowed, heads).to(s.dtype)  # True -> 1.0, False -> 0.0
+    B, T = probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T)
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+    try:
+        with torch.no_grad():
+            outputs = [subject(q, k, v, allowed).out for subject in (s, as_float)]
+    except Exception:  # noqa: BLE001 - a layer that refuses float masks does not add them
+        return False
+    finally:
+        probe.passes += 2
+    bool_out, float_out = outputs
+    if bool_out.shape != float_out.shape or not bool(torch.isfinite(bool_out).all()):
+        return False
+    change = relative_change(float_out, bool_out, centred=True)
+    return change is not None and float(change.max()) <= tolerance(UNCHANGED, s.dtype)
+
+
+def convention_hint(probe: Probe) -> str | None:
+    """The words a mask finding adds: the conventions the layer says, suggests or behaves as if it took, with
+    what to declare if one of them is the layer's; None where nothing points at one (or it was declared)."""
+    s, options = probe.subject, probe.options
+    said = mask_convention_hint(s, options)
+    found = honoured_conventions(probe)
+    if not found:
+        return said
+    convention, evidence = found[0]
+    declare = spell("mask", str(convention), options)
+    if convention.meaning == "additive" and convention.shape == s.mask_convention.shape and adds_bool_mask(probe):
+        what = (f"the layer adds its mask to the scores: the bool mask passed as 0./1. floats gives the same output, "
+                f"so True shifts the allowed logits by 1 and blocks nothing, and given as additive floats "
+                f"({convention.describe()}) the mask is honoured ({evidence})")
+    else:
+        what = f"given its mask as {convention} ({convention.describe()}), the layer honours it ({evidence})"
+    if s.convention_by == "layer":
+        hint = (f"{what}, yet the layer states {s.mask_convention} ({s.convention_why}): either that statement is "
+                f"wrong, and {declare} declares what it does, or the layer misreads its own mask")
+    else:
+        hint = f"{what}; if that is its convention, audit with {declare}"
+        if {s.mask_convention.meaning, convention.meaning} == {"allowed", "blocked"}:
+            meant = SHORTCUTS[s.mask_convention.meaning].describe()
+            hint += f"; if it is meant to take {meant}, its mask's polarity is inverted (~mask was meant)"
+    # what its name or docstring suggested was tried first (see `candidates`): a suggestion it does not honour is
+    # not repeated beside the one it does
+    return hint
+
+
+__all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_conventions"]
