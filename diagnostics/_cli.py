@@ -2,6 +2,7 @@
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
                     [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN] [--call MODULE:FUNCTION] [--cross]
+                    [--positions relative|absolute]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--json]
                     [--html PATH]
 
@@ -44,8 +45,9 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 # audit() parameters as this command spells them, for messages that name an option
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
-           "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross"}
-LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call")  # a layer audit's, not a model's
+           "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross",
+           "positions": "--positions"}
+LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions")  # a layer audit's, not a model's
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
@@ -120,6 +122,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cross", action="store_true",
                    help="the layer is cross-attention: a raise when the memory's length differs from the query's "
                         "fails (otherwise such a layer is audited as self-attention only)")
+    p.add_argument("--positions", choices=("relative", "absolute"),
+                   help="absolute: the layer adds absolute position embeddings itself (relative_positions then does "
+                        "not apply); relative: its positions are meant to be relative")
     p.add_argument("--layout", choices=("bhtd", "bthd"),
                    help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
     p.add_argument("--json", action="store_true",
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
                            num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
                            mask=args.mask, layout=args.layout, pattern=pattern, call=call, cross=args.cross,
-                           progress=report_progress, _options=OPTIONS)
+                           positions=args.positions, progress=report_progress, _options=OPTIONS)
         finally:
             done()
     except AuditUsageError as error:

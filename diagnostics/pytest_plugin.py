@@ -3,7 +3,7 @@
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
            [--attention-require=DET]... [--attention-strict] [--attention-mask-convention=CONVENTION]
            [--attention-layout=bhtd|bthd] [--attention-pattern=PATTERN] [--attention-call=MODULE:FUNCTION]
-           [--attention-cross]
+           [--attention-cross] [--attention-positions=relative|absolute]
     pytest --attention-audit-model=mymodule:make_model   (a whole model: see diagnostics/model/_plugin.py)
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 # audit() parameters as this plugin's options spell them, for messages that name an option
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
            "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
-           "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross"}
+           "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross",
+           "positions": "--attention-positions"}
 
 
 class AttentionAuditWarning(UserWarning):
@@ -95,6 +96,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "mask) or call(layer, query, key, value, mask)")
     group.addoption("--attention-cross", action="store_true", default=False,
                     help="the audited layers are cross-attention: a raise at Tq != Tk fails")
+    group.addoption("--attention-positions", default=None, metavar="POSITIONS", choices=("relative", "absolute"),
+                    help="absolute: the audited layers add absolute position embeddings themselves (relative_positions "
+                         "does not apply); relative: their positions are meant to be relative")
     group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd"),
                     help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
 
@@ -205,7 +209,7 @@ class AuditTarget(pytest.File):
                                  require=options.attention_require, strict=options.attention_strict,
                                  mask=options.attention_mask_convention, layout=options.attention_layout,
                                  pattern=self.pattern, call=self.call, cross=options.attention_cross,
-                                 _options=OPTIONS)
+                                 positions=options.attention_positions, _options=OPTIONS)
         return self._report
 
 

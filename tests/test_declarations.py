@@ -10,12 +10,14 @@ layer does with its mask: what it does is a hint in the finding, and an inverted
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from diagnostics import AuditUsageError, MaskConvention, audit
+from diagnostics._declarations import declarations_table
 from diagnostics._masks import SHORTCUTS, convert_mask, mask_convention, stated_in_text
 from diagnostics._subject import make_subject
 
@@ -436,3 +438,9 @@ def test_a_call_of_another_form_is_a_usage_error():
         make_subject(NamedMemory(), call=lambda layer: layer)
     with pytest.raises(AuditUsageError, match=r"for a function, call\(layer, q, k, v\[, mask\]\)"):
         make_subject(lambda q, k, v: q, call=lambda f, x, mask: f(x, x, x))
+
+
+def test_readme_declarations_table_is_the_code():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert declarations_table() in readme, ("regenerate the README's declarations table: python -c 'from "
+                                            "diagnostics._declarations import declarations_table as t; print(t())'")
