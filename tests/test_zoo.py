@@ -170,11 +170,6 @@ class ReshapeHeadsWithoutTranspose(nn.Module):
         return x.reshape(B, T, H * d_k)
 
 
-def both(gap: str) -> dict:
-    """The same gap for both checks of a layer: its report does not name the declaration, nor does it pass."""
-    return {"names_gap": gap, "passes_gap": gap}
-
-
 def setting(path: str = "", **attributes) -> Callable[[nn.Module], nn.Module]:
     """An injection: set attributes on the layer's sub-module at `path` ("" for the layer itself)."""
 
@@ -225,27 +220,29 @@ def xt_attention(**options):
     return Attention(D, heads=H, dim_head=d_k, **options)
 
 
-KEY_KEEP = ("its mask is (B, Tk) with True = keep: the audit's 4-D mask crashes in einops' 'b j -> b 1 1 j', "
-            "and the runs fix does not name mask=\"key_keep\" (mask conventions, runs' fix)")
+ZEROED_ROWS = ("mask_honoured skips: x-transformers zeroes the outputs at masked query positions, so the negative "
+               "control of its padding scenario (the padded rows, whose own tokens changed) never moves and the check "
+               "proves nothing (mask_honoured: a control from a changed key that the mask allows)")
 XT_CAUSAL = Layer(XT, "Attention(causal=True)", lambda: xt_attention(causal=True),
-                  declare={"causal": True, "mask": "key_keep"}, **both(KEY_KEEP))
-XT_ATTENTION = Layer(XT, "Attention", xt_attention, declare={"mask": "key_keep"}, **both(KEY_KEEP))
+                  declare={"causal": True, "mask": "key_keep"}, passes_gap=ZEROED_ROWS)
+XT_ATTENTION = Layer(XT, "Attention", xt_attention, declare={"mask": "key_keep"}, passes_gap=ZEROED_ROWS)
 XT_LAYERS = [
     XT_ATTENTION,
     XT_CAUSAL,
     Layer(XT, "Attention(causal=True, flash=True)", lambda: xt_attention(causal=True, flash=True),
-          declare={"causal": True, "mask": "key_keep"}, **both(KEY_KEEP)),
+          declare={"causal": True, "mask": "key_keep"}, passes_gap=ZEROED_ROWS),
     Layer(XT, "Attention(num_mem_kv=4)", lambda: xt_attention(num_mem_kv=4), declare={"mask": "key_keep"},
-          **both(KEY_KEEP + "; 4 learned memory key/values are prepended to every sequence (learned slots)")),
+          passes_gap="4 learned memory key/values are prepended to every sequence: the softmax runs over 20 keys, "
+                     "weight_row_sums finds no (..., Tq, Tk) weights and the audit is inconclusive (learned slots); "
+                     "and " + ZEROED_ROWS),
     Layer(XT, "Attention(qk_norm=True)", lambda: xt_attention(qk_norm=True),
           declare={"mask": "key_keep", "scale": 10.0},
-          **both(KEY_KEEP + "; l2-normalised q and k with a fixed scale of 10 (qk_norm_scale): softmax_saturation "
-          "reports '28.3x too sharp' and its fix does not name scale=10.0")),
+          names_gap="q and k are l2-normalised and scored with a fixed scale of 10 (qk_norm_scale): softmax_saturation "
+                    "reports q·k multiplied by 10 and its fix does not name scale=10.0 (temperature)",
+          passes_gap=ZEROED_ROWS),
     Layer(XT, "Attention(dim_context=32) with context", lambda: xt_attention(dim_context=D),
-          declare={"mask": "key_keep"},
-          **both(KEY_KEEP + "; with a context the key mask is `context_mask` and `mask` is ignored")),
+          declare={"mask": "key_keep"}, passes_gap=ZEROED_ROWS),
 ]
-XT_NOT_YET = "audited as its twin is, with mask=\"key_keep\", which the audit does not accept yet (mask conventions)"
 
 
 def xt_inverted_mask():
@@ -265,19 +262,15 @@ def _no_causal_mask(i, j, device=None):
 
 
 XT_BUGS = [
-    Bug(XT_CAUSAL, "scale dropped (Attend.scale = 1)", setting("attend", scale=1.0), ("softmax_saturation",),
-        gap=XT_NOT_YET),
+    Bug(XT_CAUSAL, "scale dropped (Attend.scale = 1)", setting("attend", scale=1.0), ("softmax_saturation",)),
     Bug(XT_CAUSAL, "softmax over the queries (dim=-2)",
-        setting("attend", attn_fn=functools.partial(F.softmax, dim=-2, dtype=torch.float32)), ("weight_row_sums",),
-        gap=XT_NOT_YET),
-    Bug(XT_CAUSAL, "causal mask dropped", setting("attend", create_causal_mask=_no_causal_mask), ("future_leakage",),
-        gap=XT_NOT_YET),
+        setting("attend", attn_fn=functools.partial(F.softmax, dim=-2, dtype=torch.float32)), ("weight_row_sums",)),
+    Bug(XT_CAUSAL, "causal mask dropped", setting("attend", create_causal_mask=_no_causal_mask), ("future_leakage",)),
     Bug(XT_CAUSAL, "heads merged without transpose", setting(merge_heads=ReshapeHeadsWithoutTranspose()),
-        ("output_variance", "future_leakage", "query_locality", "mask_honoured"), gap=XT_NOT_YET),
+        ("output_variance", "future_leakage", "query_locality", "mask_honoured")),
     Bug(XT_ATTENTION, "key mask inverted on its way in", retype(xt_inverted_mask), ("mask_honoured",),
-        gap="x-transformers zeroes the outputs at masked query positions: inverted, every real row is 0 and "
-        "mask_honoured skips ('the output is zero everywhere on this probe'), so the audit passes a layer whose real "
-        "tokens all output 0 (mask_honoured)"),
+        gap="inverted, x-transformers zeroes every real row, and mask_honoured skips ('the output is zero everywhere "
+            "on this probe'): the audit passes a layer whose real tokens all output 0 (mask_honoured)"),
 ]
 
 
@@ -300,7 +293,7 @@ VIT_LAYERS = [
     Layer(VIT, "simple_vit_with_qk_norm.Attention", lambda: vit_attention("simple_vit_with_qk_norm"),
           declare={"scale": 1.0}, names_gap=QK_RMSNORM),
     Layer(VIT, "na_vit.Attention", lambda: vit_attention("na_vit"), declare={"mask": "key_keep", "scale": 1.0},
-          **both(KEY_KEEP + "; " + QK_RMSNORM)),
+          names_gap=QK_RMSNORM),
 ]
 VIT_BUGS = [
     Bug(VIT_ATTENTION, "scale dropped (self.scale = 1)", setting(scale=1.0), ("softmax_saturation",)),
@@ -355,25 +348,23 @@ def whisper_cross(layer, query, memory):
 
 
 MASK_AS_FLAG = ("its SDPA path reads any mask as is_causal=True (the mask's values are never used): the left padding "
-                "of relative_positions is attended and the shift is blamed on absolute positions, where the report "
-                "should say that the mask is only a flag and name call= without it (relative_positions, mask_honoured)")
+                "of relative_positions is attended, and the finding names positions=\"absolute\" where it should say "
+                "that the mask is only a flag and name call= without it (relative_positions)")
 WHISPER_DECODER = Layer(WHISPER, "MultiHeadAttention, decoder self-attention", whisper_attention,
                         use={"causal": True})
 WHISPER_LAYERS = [
     WHISPER_DECODER,
     Layer(WHISPER, "MultiHeadAttention, encoder self-attention", whisper_attention, declare={"call": whisper_unmasked},
-          **both(MASK_AS_FLAG)),
+          names_gap=MASK_AS_FLAG),
     Layer(WHISPER, "MultiHeadAttention, cross-attention (memory xa)", whisper_attention,
           declare={"call": whisper_cross},
-          **both("its memory is named `xa`, which the audit cannot know: it is audited as self-attention, fails "
-                 "relative_positions as the encoder's does, and no finding names call= (declared inputs)")),
+          names_gap="its memory is named `xa` (optional): audited as self-attention it fails relative_positions as the "
+                    "encoder's does, and no finding names call= (relative_positions; declared inputs)"),
     Layer(WHISPER, "MultiHeadAttention, eager path (disable_sdpa), decoder", whisper_attention, use={"causal": True},
-          declare={"mask": "additive"}, context=whisper_eager,
-          passes_gap="its eager path returns (out, qk), qk the scaled logits: read as the weights they fail "
-                     "weight_row_sums and causal_alignment (weights are a distribution before they are read)"),
+          declare={"mask": "additive"}, context=whisper_eager),
     Layer(WHISPER, "ResidualAttentionBlock, decoder", whisper_block, use={"causal": True}),
     Layer(WHISPER, "ResidualAttentionBlock, encoder", whisper_block, declare={"call": whisper_unmasked},
-          **both(MASK_AS_FLAG)),
+          names_gap=MASK_AS_FLAG),
 ]
 WHISPER_BUGS = [
     Bug(WHISPER_DECODER, "causal mask not passed on (mask=None to qkv_attention)", retype(whisper_mask_not_passed_on),
@@ -412,22 +403,16 @@ def open_clip_inverted_mask():
     return InvertedMask
 
 
-BLOCKED_HINT = ("a bool attn_mask is True = blocked (masked_fill(attn_mask, -inf)): mask_honoured fails with no "
-                "hint to declare mask=\"blocked\" (mask convention hint)")
-OPEN_CLIP_ATTENTION = Layer(OPEN_CLIP, "Attention", open_clip_attention, declare={"mask": "blocked"},
-                            names_gap=BLOCKED_HINT)
+OPEN_CLIP_ATTENTION = Layer(OPEN_CLIP, "Attention", open_clip_attention, declare={"mask": "blocked"})
 OPEN_CLIP_LAYERS = [
     OPEN_CLIP_ATTENTION,
-    Layer(OPEN_CLIP, "Attention(qk_norm=True)", lambda: open_clip_attention(qk_norm=True), declare={"mask": "blocked"},
-          names_gap=BLOCKED_HINT),
+    Layer(OPEN_CLIP, "Attention(qk_norm=True)", lambda: open_clip_attention(qk_norm=True), declare={"mask": "blocked"}),
     Layer(OPEN_CLIP, "Attention(scale_heads=True)", lambda: open_clip_attention(scale_heads=True),
-          declare={"mask": "blocked"}, names_gap=BLOCKED_HINT),
-    Layer(OPEN_CLIP, "CustomResidualAttentionBlock", lambda: open_clip_block(True), declare={"mask": "blocked"},
-          names_gap=BLOCKED_HINT),
+          declare={"mask": "blocked"}),
+    Layer(OPEN_CLIP, "CustomResidualAttentionBlock", lambda: open_clip_block(True), declare={"mask": "blocked"}),
+    # its attention() casts any mask to the input's dtype before nn.MultiheadAttention: a bool one becomes 0./1.
     Layer(OPEN_CLIP, "ResidualAttentionBlock (nn.MultiheadAttention inside)", lambda: open_clip_block(False),
-          declare={"mask": "blocked:B*H,Tq,Tk"},
-          **both("its nn.MultiheadAttention takes a (Tq, Tk) or (B*H, Tq, Tk) mask, True = blocked: the 4-D mask "
-                 "raises in torch and the runs fix does not name the convention (mask conventions, runs' fix)")),
+          declare={"mask": "additive:B*H,Tq,Tk"}),
 ]
 OPEN_CLIP_BUGS = [
     Bug(OPEN_CLIP_ATTENTION, "scale dropped (q multiplied by sqrt(d_k) at ln_q)", setting(ln_q=Scale(math.sqrt(d_k))),
@@ -473,33 +458,25 @@ def _diffusers_subclasses() -> dict[str, type]:
     return {"get_attention_scores": SoftmaxOverQueries, "batch_to_head_dim": MergeWithoutPermute}
 
 
-ADDITIVE_3D = ("AttnProcessor adds the mask with baddbmm, so it takes a (B, Tq, Tk) additive mask (repeated per head): "
-               "the 4-D bool mask raises in baddbmm and the runs fix does not name mask=\"additive:B,Tq,Tk\" "
-               "(mask conventions, runs' fix)")
-DIFFUSERS_NOT_YET = ("audited as its twin is, with mask=\"additive:B,Tq,Tk\", which the audit does not accept yet "
-                     "(mask conventions)")
 DIFFUSERS_SDPA = Layer(DIFFUSERS, "Attention + AttnProcessor2_0", lambda: diffusers_attention("AttnProcessor2_0"))
 DIFFUSERS_PLAIN = Layer(DIFFUSERS, "Attention + AttnProcessor", lambda: diffusers_attention("AttnProcessor"),
-                        declare={"mask": "additive:B,Tq,Tk"}, **both(ADDITIVE_3D))
+                        declare={"mask": "additive:B,Tq,Tk"})
 DIFFUSERS_LAYERS = [
     DIFFUSERS_SDPA,
     DIFFUSERS_PLAIN,
     Layer(DIFFUSERS, "Attention(cross_attention_dim=32) + AttnProcessor2_0",
           lambda: diffusers_attention("AttnProcessor2_0", cross_attention_dim=D)),
     Layer(DIFFUSERS, "Attention(cross_attention_dim=32) + AttnProcessor",
-          lambda: diffusers_attention("AttnProcessor", cross_attention_dim=D), declare={"mask": "additive:B,Tq,Tk"},
-          **both(ADDITIVE_3D)),
+          lambda: diffusers_attention("AttnProcessor", cross_attention_dim=D), declare={"mask": "additive:B,Tq,Tk"}),
     Layer(DIFFUSERS, "Attention(qk_norm='layer_norm') + AttnProcessor2_0",
           lambda: diffusers_attention("AttnProcessor2_0", qk_norm="layer_norm")),
 ]
 DIFFUSERS_BUGS = [
-    Bug(DIFFUSERS_PLAIN, "scale dropped (attn.scale = 1)", setting(scale=1.0), ("softmax_saturation",),
-        gap=DIFFUSERS_NOT_YET),
+    Bug(DIFFUSERS_PLAIN, "scale dropped (attn.scale = 1)", setting(scale=1.0), ("softmax_saturation",)),
     Bug(DIFFUSERS_PLAIN, "softmax over the queries (get_attention_scores)",
-        retype(diffusers_subclass("get_attention_scores")), ("weight_row_sums",), gap=DIFFUSERS_NOT_YET),
+        retype(diffusers_subclass("get_attention_scores")), ("weight_row_sums",)),
     Bug(DIFFUSERS_PLAIN, "heads merged without permute (batch_to_head_dim)",
-        retype(diffusers_subclass("batch_to_head_dim")), ("output_variance", "query_locality", "mask_honoured"),
-        gap=DIFFUSERS_NOT_YET),
+        retype(diffusers_subclass("batch_to_head_dim")), ("output_variance", "query_locality", "mask_honoured")),
     Bug(DIFFUSERS_SDPA, "scale dropped (q multiplied by sqrt(d_k) at norm_q)", setting(norm_q=Scale(math.sqrt(d_k))),
         ("softmax_saturation",)),
     Bug(DIFFUSERS_SDPA, "heads merged without transpose", before("to_out.0", MergeWithoutTranspose),
