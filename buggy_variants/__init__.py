@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from diagnostics import patterns
+
 from . import _catalog as c
-from ._registry import Observable, Setting, Variant
+from ._registry import Observable, Setting, Variant, promised_pattern
 
 _ALWAYS = Observable("always", lambda s: True)
+
+# The patterns of chapter 3, at the kill matrix's sequence length (16): a window of W keys, chunks of C
+# positions, a prefix of P positions, and three packed documents. (Not C = 4: query_locality perturbs query 8,
+# which would then start a chunk and attend itself alone, so its output could not depend on its query.)
+W, C, P = 4, 5, 5
+DOCS = torch.tensor([0] * 5 + [1] * 6 + [2] * 5)
 
 
 def _entries() -> list[Variant]:
@@ -294,6 +302,111 @@ def _entries() -> list[Variant]:
                                        lambda s: s.t_q != s.t_k and s.d_k >= 2 and s.has_choice),
             expected_detectors=("decode_consistency",),
         ),
+        # ---- chapter 3: attention patterns beyond causal, audited with the pattern they promise (issue 19)
+        Variant(
+            id="window_one_too_long", title="Sliding window one key too long", cls=c.WindowOneTooLong,
+            step="within_window", layer_kwargs={"sliding_window": W}, pattern=patterns.sliding_window(W),
+            explanation="A window of W keys means the query's own key and the W - 1 before it (Mistral's and "
+            "Gemma's convention). Counting W keys *back* (q - kv <= W, or a mask built with triu(diagonal=-W)) "
+            "lets every query see W + 1: nothing crashes, training is slightly different from the model it is "
+            "meant to match, and a cache sized for W keys disagrees with the full pass (cf. mlx-lm PR #390, "
+            "window vs window + 1; NeMo PR #9672, Gemma 2's window off by one).",
+            symptom="A query's output depends on the key exactly W positions back, which the window blocks.",
+            fix="return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window)",
+            detectable_when=Observable(f"a query at position q >= W (W = {W}) whose key q - W the caller's mask "
+                                       "allows", lambda s: _differs(s, _window(W + 1))),
+            expected_detectors=("attention_pattern",),
+        ),
+        Variant(
+            id="window_one_too_short", title="Sliding window one key too short", cls=c.WindowOneTooShort,
+            step="within_window", layer_kwargs={"sliding_window": W}, pattern=patterns.sliding_window(W),
+            explanation="Converting between 'W keys including the query's own' and 'W keys back' twice (q - kv "
+            "< W - 1) leaves W - 1 keys: the oldest key of every full window is never seen. Nothing leaks, so "
+            "no leakage test can find it; the model just has less context than it was designed for.",
+            symptom="A query's output does not depend on the key W - 1 positions back, which the window allows.",
+            fix="return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window)",
+            detectable_when=Observable(f"a query at position q >= W - 1 (W = {W}) whose key q - W + 1 the caller's "
+                                       "mask allows", lambda s: _differs(s, _window(W - 1))),
+            expected_detectors=("attention_pattern",),
+            also_detected_by=("weight_row_sums",),  # a row whose keys the padding probe leaves it attends none
+        ),
+        Variant(
+            id="window_on_both_sides", title="Sliding window applied on both sides", cls=c.WindowOnBothSides,
+            step="within_window", layer_kwargs={"sliding_window": W}, pattern=patterns.sliding_window(W),
+            explanation="|q - kv| < W is a local window for an encoder; in a decoder it lets each query see the "
+            "W - 1 keys after it as well (flash-attention's window_size=(W, W) attends 2W + 1 keys). The causal "
+            "mask was meant to come from the window, so the future leaks: training loss drops, generation fails.",
+            symptom="Changing a token changes the outputs of the W - 1 tokens before it.",
+            fix="return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window)",
+            detectable_when=Observable("a query whose next key (within W - 1 positions after it) the caller's mask "
+                                       "allows", lambda s: _differs(s, lambda b, h, q, kv: (q - kv).abs() < W)),
+            expected_detectors=("attention_pattern",),
+        ),
+        Variant(
+            id="chunk_boundary_one_late", title="Chunk boundaries one position late", cls=c.ChunkBoundaryOneLate,
+            step="within_chunk", layer_kwargs={"attention_chunk_size": C}, pattern=patterns.chunked(C),
+            explanation="Chunked attention (Llama 4) lets a query see the keys of its own chunk of C positions, up "
+            "to itself. Chunk ids computed from 1-based positions ((q - 1) // C) move every boundary one late: the "
+            "first query of each chunk sees the previous chunk, and its first key is cut off from the rest of "
+            "its own. Both are silent, and invisible at sequences shorter than C.",
+            symptom="The first query of a chunk depends on keys of the previous chunk; the first key of a chunk is "
+                    "ignored by the queries after it.",
+            fix="return (kv_idx <= q_idx) & (q_idx // C == kv_idx // C)",
+            detectable_when=Observable(f"a query and a key on either side of a chunk boundary (C = {C}) that the "
+                                       "caller's mask allows",
+                                       lambda s: _differs(s, lambda b, h, q, kv: (kv <= q) & ((q - 1) // C ==
+                                                                                             (kv - 1) // C))),
+            expected_detectors=("attention_pattern",),
+            # a row whose keys the padding probe leaves it attends none, where the padding ends at a boundary; at
+            # T = 2 each query keeps its own key alone, so the output no longer depends on the keys (nor W_K)
+            detected_at_other_sizes_by=("weight_row_sums", "keys_matter", "parameters_used"),
+        ),
+        Variant(
+            id="documents_not_masked", title="Packed documents attend to each other", cls=c.DocumentsNotMasked,
+            step="same_document", layer_kwargs={"documents": DOCS}, pattern=patterns.document(DOCS),
+            explanation="Packing several documents (or images, as NaViT does) into one sequence needs a "
+            "block-diagonal mask, or cu_seqlens for a varlen kernel; resetting the position ids at each document "
+            "start is not enough. A mask that ignores the document ids lets every document attend to the others "
+            "packed beside it: the model learns from unrelated text, and its outputs for one document depend "
+            "on what it was packed with.",
+            symptom="A token's output changes when a token of another document in the same sequence changes.",
+            fix="return ids[row, q_idx.clamp(max=last)] == ids[row, kv_idx.clamp(max=last)]",
+            detectable_when=Observable("a query and a key of another document that the caller's mask allows",
+                                       lambda s: _differs(s, lambda b, h, q, kv: kv >= 0)),
+            expected_detectors=("attention_pattern",),
+        ),
+        Variant(
+            id="causal_prefix", title="Prefix-LM prefix made causal", cls=c.CausalPrefix, step="prefix_lm",
+            layer_kwargs={"prefix": P}, pattern=patterns.prefix_lm(P),
+            explanation="In a prefix-LM (T5's prefix-LM, PaliGemma) the prefix (the image, the prompt) is read "
+            "bidirectionally and the rest causally. A causal mask applied on top of the prefix mask undoes it: "
+            "each prefix token sees only the ones before it, the model runs as a plain decoder, and nothing "
+            "leaks, so no causality test fails.",
+            symptom="A prefix token's output does not depend on the later prefix tokens.",
+            fix="return (kv_idx <= q_idx) | (kv_idx < self.prefix)",
+            detectable_when=Observable(f"a query inside the prefix (P = {P}) and a later prefix key that the "
+                                       "caller's mask allows", lambda s: _differs(s, lambda b, h, q, kv: kv <= q)),
+            expected_detectors=("attention_pattern",),
+        ),
+        Variant(
+            id="window_dropped_with_cache", title="Sliding window dropped once a cache holds keys",
+            # a causal decoder with a window: the decoding detectors judge causal layers
+            cls=c.WindowDroppedWithCache, step="pattern_mask", layer_kwargs={"causal": True, "sliding_window": W},
+            pattern=patterns.sliding_window(W),
+            explanation="The window's mask is built for the prompt (Tq = Tk) and skipped when the queries are "
+            "fewer than the keys, as in decoding with a KV cache: each new token then attends to every cached "
+            "key. Training and the prefill are exact; generation past W tokens drifts (cf. nanochat #452, the "
+            "single-token path ignores the window; sglang PR #4823, the window never passed).",
+            symptom="Decoding the last Tq queries over all Tk keys differs from the last rows of the full pass.",
+            fix="return mask_from_mod(self.pattern, t_q, t_k, batch=batch, device=device)",
+            detectable_when=Observable(f"Tq < Tk, and a query at position q >= W (W = {W}) has a key older than its "
+                                       "window that the caller's mask allows",
+                                       lambda s: s.t_q < s.t_k and _differs(s, lambda b, h, q, kv: kv >= 0)),
+            # the pattern measured while decoding (the last Tq queries over all Tk keys) shows the leak at any size;
+            # comparing the decoded rows with the full pass (decode_consistency) shows it where the keys beyond
+            # the window carry weight enough to move a row past rounding: not at every size in bfloat16
+            expected_detectors=("attention_pattern",), also_detected_by=("decode_consistency",),
+        ),
     ]
 
 
@@ -309,6 +422,16 @@ def _without_diagonal(s: Setting) -> torch.Tensor:
     return s.allowed() & (j != i + s.t_k - s.t_q)  # (Tq, Tk)
 
 
+def _window(width: int):
+    """A sliding window of `width` keys, the query's own included, as a mask_mod."""
+    return lambda b, h, q, kv: (kv <= q) & (q - kv < width)
+
+
+def _differs(s: Setting, pattern) -> bool:
+    """With `pattern` in place of the layer's own, some query of this call would attend other keys."""
+    return bool((s.allowed(pattern=pattern) != s.allowed()).any())
+
+
 VARIANTS: dict[str, Variant] = {v.id: v for v in _entries()}
 
-__all__ = ["Observable", "Setting", "VARIANTS", "Variant"]
+__all__ = ["Observable", "Setting", "VARIANTS", "Variant", "promised_pattern"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from correct import MultiHeadAttention
+from correct import MultiHeadAttention, mask_from_mod
 from correct import _sdpa
 
 
@@ -148,3 +148,45 @@ class DetachedSoftmax(MultiHeadAttention):
 class RotaryNotOffset(MultiHeadAttention):
     def positions(self, t_q: int, t_k: int, device=None) -> tuple[Tensor, Tensor]:
         return torch.arange(t_q, device=device), torch.arange(t_k, device=device)  # new queries rotated as 0..Tq-1
+
+
+# ---- attention patterns beyond causal (issue 19) --------------------------------------------------------
+
+
+class WindowOneTooLong(MultiHeadAttention):
+    def within_window(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= self.sliding_window)  # W + 1 keys: the window counted W *back*
+
+
+class WindowOneTooShort(MultiHeadAttention):
+    def within_window(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window - 1)  # W - 1 keys: the query's own counted twice
+
+
+class WindowOnBothSides(MultiHeadAttention):
+    def within_window(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx - kv_idx).abs() < self.sliding_window  # |q - kv| < W: W - 1 future keys as well
+
+
+class ChunkBoundaryOneLate(MultiHeadAttention):
+    def within_chunk(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        C = self.attention_chunk_size
+        return (kv_idx <= q_idx) & ((q_idx - 1) // C == (kv_idx - 1) // C)  # 1-based: chunks start one late
+
+
+class DocumentsNotMasked(MultiHeadAttention):
+    def same_document(self, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx >= 0  # the document ids are never read: every packed document sees the others
+
+
+class CausalPrefix(MultiHeadAttention):
+    def prefix_lm(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ((kv_idx <= q_idx) | (kv_idx < self.prefix)) & (kv_idx <= q_idx)  # causal on top: no prefix
+
+
+class WindowDroppedWithCache(MultiHeadAttention):
+    def pattern_mask(self, t_q: int, t_k: int, *, batch: int = 1, device=None) -> Tensor | None:
+        if (self.sliding_window, self.attention_chunk_size, self.prefix, self.documents) == (None,) * 4:
+            return None  # no pattern of its own: the causal mask and the caller's mask only
+        pattern = self.pattern if t_k <= t_q else (lambda b, h, q, kv: kv <= q)  # a cache: causal, no window
+        return mask_from_mod(pattern, t_q, t_k, batch=batch, device=device)  # (B, 1, Tq, Tk), queries bottom-right

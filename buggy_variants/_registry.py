@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from correct import MultiHeadAttention, causal_mask
+from correct import MultiHeadAttention, causal_mask, mask_from_mod
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,9 @@ class Setting:
 
     `mask` is the mask passed to `forward` (bool, True = may attend, broadcastable to (B, H, Tq, Tk)) or None;
     `self_attention` says whether query, key and value are one tensor; `batch` how many sequences the call
-    has; `backward` whether gradients were taken (a bug that only changes gradients shows nowhere else).
+    has; `backward` whether gradients were taken (a bug that only changes gradients shows nowhere else);
+    `pattern` the layer's own pattern, a mask_mod(b, h, q_idx, kv_idx) over absolute positions (the queries the
+    last Tq of the Tk), or None (see `promised_pattern`).
     """
 
     d_model: int
@@ -31,17 +33,23 @@ class Setting:
     training: bool = False
     batch: int = 1  # sequences in the call (a bug that mixes them needs two)
     backward: bool = False  # the call's gradients are compared too, not only its output
+    pattern: Callable | None = None  # the layer's own mask_mod (a window, chunks, a prefix, documents)
 
     @property
     def d_k(self) -> int:
         return self.d_model // self.num_heads
 
-    def allowed(self, *, align: str | None = "bottom_right", user_mask: bool = True) -> Tensor:
+    def allowed(self, *, align: str | None = "bottom_right", user_mask: bool = True,
+                pattern: Callable | None = None) -> Tensor:
         """Boolean (..., Tq, Tk): which keys each query may attend, from the causal mask (if the layer is
-        causal and `align` is given) and the user's mask (if `user_mask`)."""
+        causal and `align` is given), the layer's own pattern (`pattern` in its place if given) and the user's
+        mask (if `user_mask`)."""
         allowed = torch.ones(self.t_q, self.t_k, dtype=torch.bool)
         if self.causal and align is not None:
             allowed = allowed & causal_mask(self.t_q, self.t_k, align=align)
+        pattern = self.pattern if pattern is None else pattern
+        if pattern is not None:
+            allowed = allowed & mask_from_mod(pattern, self.t_q, self.t_k, batch=self.batch)  # (B, 1, Tq, Tk)
         if user_mask and self.mask is not None:
             allowed = allowed & self.mask.to("cpu")
         return allowed
@@ -63,6 +71,16 @@ class Setting:
     def has_partly_masked_row(self) -> bool:
         allowed = self.allowed()
         return bool((allowed.any(dim=-1) & ~allowed.all(dim=-1)).any())
+
+
+def promised_pattern(layer: MultiHeadAttention) -> Callable | None:
+    """The pattern the layer's configuration promises (its window, chunk, prefix, documents) as the reference builds
+    it, a mask_mod over absolute positions; None when it has none. A variant's own steps are not consulted: they may
+    be the bug."""
+    reference = MultiHeadAttention(1, 1, sliding_window=layer.sliding_window,
+                                   attention_chunk_size=layer.attention_chunk_size, prefix=layer.prefix,
+                                   documents=layer.documents)
+    return reference.pattern if reference.pattern_mask(1, 1) is not None else None
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,14 @@ class Variant:
     # with no key to attend, which correct layers such as nn.MultiheadAttention also give).
     expected_severity: str = "fail"
     layer_kwargs: dict = field(default_factory=dict)  # e.g. causal=True for the decoder bugs
+    # The attention pattern the layer promises (a diagnostics.patterns pattern), which the audit is told with
+    # `pattern=`; None: the causal flag says it all.
+    pattern: object = None
+
+    def audit_kwargs(self, layer: MultiHeadAttention) -> dict:
+        """How the variant (and its reference twin) is audited: as it promises, causal layers with causal=True and
+        a layer with a pattern of its own with `pattern=` that pattern."""
+        return {"causal": layer.causal} | ({} if self.pattern is None else {"pattern": self.pattern})
 
     def build(self, d_model: int, num_heads: int, **kw) -> MultiHeadAttention:
         """The broken layer, configured like `reference(d_model, num_heads, **kw)`."""

@@ -29,9 +29,10 @@ import diagnostics
 from correct import MultiHeadAttention
 from diagnostics import _html
 from diagnostics._html import escape
+from diagnostics._result import DependencyMap
 
 from . import VARIANTS
-from ._registry import Setting, Variant
+from ._registry import Setting, Variant, promised_pattern
 from .teaching_model import model_chapter_html, wide_table
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
@@ -39,12 +40,13 @@ KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kil
 
 def audit_catalog() -> dict[str, diagnostics.AuditReport]:
     """{variant id: audit of its layer}, each built at KILL_MATRIX_SIZE with torch.manual_seed(0), audited as
-    it promises (causal layers with causal=True): the suite's `catalog_audits`, also the report's fallback."""
+    it promises (causal layers with causal=True, a layer with a pattern of its own with `pattern=`): the suite's
+    `catalog_audits`, also the report's fallback."""
     audits = {}
     for vid, variant in VARIANTS.items():
         torch.manual_seed(0)
         layer = variant.build(**KILL_MATRIX_SIZE)
-        audits[vid] = diagnostics.audit(layer, causal=layer.causal)
+        audits[vid] = diagnostics.audit(layer, **variant.audit_kwargs(layer))
     return audits
 
 
@@ -70,7 +72,7 @@ class _Scene:
     def setting(self, layer) -> Setting:
         return Setting(d_model=layer.d_model, num_heads=layer.num_heads, t_q=self.t_q, t_k=self.t_k,
                                       mask=self.mask(), self_attention=self.query_from == "tokens",
-                                      causal=layer.causal, dropout=layer.dropout_p)
+                                      causal=layer.causal, dropout=layer.dropout_p, pattern=promised_pattern(layer))
 
     def inputs(self, d_model: int):
         """query, key, value (B=1, T, D) and the mask (1, 1, Tq, Tk) or None, the same on every call."""
@@ -320,10 +322,25 @@ def _readings_html(variant: Variant, report: diagnostics.AuditReport) -> str:
     findings = [_shown_result(variant, r) for r in report.findings]
     fired = (f'<div class="wide readings">{_html.results_table(findings)}</div>' if findings
              else "<p>No detector fired.</p>")
-    return (f'<p class="meta">{escape(report.layer)}, audited {"as causal, " if report.causal else ""}'
+    declared = f"with pattern={escape(variant.pattern)}, " if variant.pattern is not None else ""
+    return (f'<p class="meta">{escape(report.layer)}, audited {"as causal, " if report.causal else ""}{declared}'
             f"at seq_len={report.seq_len} ({report.forward_passes} forward passes)</p>{fired}"
             f"<details><summary>The other {len(quiet)} detectors (pass or skip)</summary>"
             f'<div class="wide readings">{_html.results_table(quiet)}</div></details>')
+
+
+def _pattern_html(report: diagnostics.AuditReport) -> str:
+    """For a variant audited with a pattern: the finding's picture, the declared pattern beside the dependency
+    pattern measured key by key, the cells that differ outlined. '' for the others."""
+    findings = [r for r in report.findings if isinstance(r.extras.get("dependency_map"), DependencyMap)]
+    if not findings:
+        return ""
+    m = findings[0].extras["dependency_map"]
+    return (f'<h4>The pattern, declared and measured</h4><p class="meta">What <code>{escape(findings[0].detector)}'
+            f'</code> measured: each key changed alone, and the rows that moved. Where the two grids differ, a '
+            f'<span class="k-fail">red</span> cell is a key the pattern blocks that the output depends on (leakage), '
+            f'an <span class="k-warn">amber</span> one a key it allows that the output ignores (over-masking). Hover '
+            f'a cell for its reading.</p><div class="wide">{_html.dependency_html(m)}</div>')
 
 
 def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
@@ -337,6 +354,7 @@ def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
 <h4>Attention weights</h4>
 {_weights_html(_weights_pair(variant))}
 {_decode_html(variant)}
+{_pattern_html(report)}
 <h4>Detector readings</h4>
 {_readings_html(variant, report)}
 <h4>The fix</h4>
@@ -461,7 +479,8 @@ def teaching_html(audits: dict[str, diagnostics.AuditReport]) -> str:
 changed. It shows the lesson, the diff of that step against <code>correct.MultiHeadAttention</code>, the attention
 weights of both layers on one input, what the detectors of <code>diagnostics</code> measured, and the one-line fix.
 Every layer is built with {size} and <code>torch.manual_seed(0)</code>, and audited as it promises
-(causal layers with <code>causal=True</code>). The table of test results follows the last section
+(causal layers with <code>causal=True</code>, a layer with a window, chunks, a prefix or documents of its own with
+that <code>pattern=</code>). The table of test results follows the last section
 (<a href="#results-table">jump to it</a>).</p>
 <h3 id="kill-matrix">Kill matrix: which detector catches which mistake</h3>
 {_kill_matrix_html(audits)}

@@ -6,6 +6,14 @@
 `forward` reads top to bottom as the formula. Each step is a method, so a broken variant in
 `buggy_variants` overrides exactly one of them and its diff against this file *is* the bug.
 
+Attention patterns beyond causal are FlexAttention-style mask_mods over absolute positions, one small step
+each, and-ed by `pattern` (the mask_mod of the whole layer) and turned into a mask by `pattern_mask`:
+
+    sliding window of W keys   kv <= q and q - kv < W     (Mistral, Gemma 2: the query's own key included)
+    chunks of C positions      kv <= q and q // C == kv // C       (Llama 4's chunked attention)
+    prefix of P positions      kv <= q or kv < P          (prefix-LM: T5, PaliGemma; the prefix sees itself)
+    packed documents           ids[q] == ids[kv]          (block-diagonal; with causal=True, causal inside)
+
 Legend:  B = batch, Tq / Tk = query / key length, D = d_model, H = heads, d_k = D // H.
 """
 
@@ -19,6 +27,7 @@ from torch import Tensor, nn
 
 from . import _positional, _sdpa
 from ._errors import expect
+from ._patterns import mask_from_mod
 
 
 class MultiHeadAttention(nn.Module):
@@ -28,10 +37,15 @@ class MultiHeadAttention(nn.Module):
     (bottom-right alignment, right for cached decoding). `mask` follows torch's SDPA: True = may attend.
     `rotary=True` rotates q and k by their positions (RoPE, Su et al. 2021), the queries being the last Tq of
     the Tk positions, as in cached decoding: then scores depend on positions only through j - i.
+    `sliding_window`, `attention_chunk_size` (Hugging Face's names: Mistral's, Llama 4's), `prefix` and `documents`
+    (ids per position, (T,) or (B, T); positions past the end belong to the last document) give the layer its own
+    pattern (see the module docstring), on top of the causal mask
+    and the caller's mask: each key must be allowed by all of them.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, bias: bool = True, dropout: float = 0.0,
-                 causal: bool = False, rotary: bool = False):
+                 causal: bool = False, rotary: bool = False, sliding_window: int | None = None,
+                 attention_chunk_size: int | None = None, prefix: int | None = None, documents: Tensor | None = None):
         super().__init__()
         expect(num_heads >= 1 and d_model >= 1, "d_model >= 1 and num_heads >= 1",
                f"d_model={d_model}, num_heads={num_heads}", "pass positive sizes")
@@ -40,7 +54,20 @@ class MultiHeadAttention(nn.Module):
                f"d_model={d_model}, num_heads={num_heads}", f"choose num_heads in {{{', '.join(map(str, divisors))}}}")
         expect(0.0 <= dropout < 1.0, "0 <= dropout < 1", f"dropout={dropout}", "pass a probability below 1")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        for name, n in (("sliding_window", sliding_window), ("attention_chunk_size", attention_chunk_size),
+                        ("prefix", prefix)):
+            expect(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+                   f"{name}: an int >= 1 or None", f"{name}={n!r}", f"pass the number of positions, e.g. {name}=4")
+        if documents is not None:
+            documents = torch.as_tensor(documents)
+            expect(documents.dim() in (1, 2) and documents.numel() >= 1 and not documents.is_floating_point(),
+                   "documents: integer ids per position, (T,) or (B, T)",
+                   f"shape {tuple(documents.shape)}, dtype {documents.dtype}",
+                   "pass e.g. torch.tensor([0, 0, 1, 1, 1])")
+            documents = documents.view(-1, documents.shape[-1]).clone()  # (B_docs, L); a plain attribute: not a weight
         self.dropout_p, self.causal, self.rotary = dropout, causal, rotary
+        self.sliding_window, self.attention_chunk_size = sliding_window, attention_chunk_size
+        self.prefix, self.documents = prefix, documents
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)  # W_Q, W_K, W_V stacked: one matmul for self-attention
         self.out = nn.Linear(d_model, d_model, bias=bias)  # W_O
 
@@ -64,6 +91,43 @@ class MultiHeadAttention(nn.Module):
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         return _positional.rotary(x, positions)  # (B, H, T, d_k): pairs (i, i + d_k/2) turned by position
+
+    # The layer's own pattern: mask_mods over absolute positions, index tensors that broadcast (FlexAttention's
+    # signature, evaluated on the whole grid at once); the queries are the last Tq of the Tk positions.
+    def within_window(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window)  # W keys, the query's own included
+
+    def within_chunk(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        C = self.attention_chunk_size
+        return (kv_idx <= q_idx) & (q_idx // C == kv_idx // C)  # causal inside the query's chunk of C positions
+
+    def prefix_lm(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)  # causal, and the prefix sees all of itself
+
+    def same_document(self, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        ids, last = self.documents.to(q_idx.device), self.documents.shape[-1] - 1  # (B_docs, L)
+        row = b % ids.shape[0]  # sequence b of a batch reads row b % B_docs
+        return ids[row, q_idx.clamp(max=last)] == ids[row, kv_idx.clamp(max=last)]  # a query sees its own document only
+
+    def pattern(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        parts = []  # each configured pattern as a bool tensor that broadcasts to (B, H, Tq, Tk)
+        if self.sliding_window is not None:
+            parts.append(self.within_window(q_idx, kv_idx))
+        if self.attention_chunk_size is not None:
+            parts.append(self.within_chunk(q_idx, kv_idx))
+        if self.prefix is not None:
+            parts.append(self.prefix_lm(q_idx, kv_idx))
+        if self.documents is not None:
+            parts.append(self.same_document(b, q_idx, kv_idx))
+        allowed = parts[0] if parts else torch.ones((), dtype=torch.bool, device=q_idx.device)
+        for part in parts[1:]:
+            allowed = allowed & part  # a key must be allowed by every configured pattern
+        return allowed
+
+    def pattern_mask(self, t_q: int, t_k: int, *, batch: int = 1, device=None) -> Tensor | None:
+        if (self.sliding_window, self.attention_chunk_size, self.prefix, self.documents) == (None,) * 4:
+            return None  # no pattern of its own: the causal mask and the caller's mask only
+        return mask_from_mod(self.pattern, t_q, t_k, batch=batch, device=device)  # (B, 1, Tq, Tk), queries bottom-right
 
     def score(self, q: Tensor, k: Tensor) -> Tensor:
         return _sdpa.scores(q, k)  # (B, H, Tq, d_k) x (B, H, d_k, Tk) -> (B, H, Tq, Tk)
@@ -113,6 +177,8 @@ class MultiHeadAttention(nn.Module):
             pos_q, pos_k = self.positions(q.shape[-2], k.shape[-2], device=q.device)  # (Tq,), (Tk,)
             q, k = self.rotate(q, pos_q), self.rotate(k, pos_k)  # (B, H, T, d_k)
         scores = self.scale(self.score(q, k))  # (B, H, Tq, Tk)
+        own = self.pattern_mask(q.shape[-2], k.shape[-2], batch=q.shape[0], device=q.device)  # (B, 1, Tq, Tk) or None
+        scores = _sdpa.apply_mask(scores, own)  # -inf where its pattern blocks; the causal and caller's masks block more
         weights = self.dropout(self.mask_then_softmax(scores, mask))  # (B, H, Tq, Tk)
         out = self.merge_heads(self.weight_values(weights, v))  # (B, H, Tq, d_k) -> (B, Tq, D)
         return self.output_projection(out), weights.to(query.dtype)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ._errors import AuditUsageError
+from ._result import DependencyMap
 
 # Scoped under `.am` so that the rules do not leak into a host page (pytest-html's report has its own CSS).
 STYLE = """
@@ -49,7 +50,7 @@ STYLE = """
 .am ol.where { margin: 0.2em 0 0.4em; padding-left: 1.6em; }
 .am ol.where pre { margin: 0.1em 0; }
 .am .hit { background: #fff1a8; outline: 2px solid #d73a49; }
-.am svg.heatmap text { font-family: system-ui, Helvetica, Arial, sans-serif; fill: #333; }
+.am svg.heatmap text, .am svg.pattern text { font-family: system-ui, Helvetica, Arial, sans-serif; fill: #333; }
 """
 
 # Colour ramps (ColorBrewer "Blues" / "Reds", light to dark): positive weights blue, negative ones red. An
@@ -180,12 +181,80 @@ def heatmap_svg(weights: torch.Tensor, *, vmax: float | None = None, label: str 
             f'shape-rendering="crispEdges">' + "".join(parts) + "</svg>")
 
 
+# A finding's picture (a DependencyMap): the declared pattern beside the measured one. Allowed and seen in the
+# heatmaps' blue, blocked white; the cells that differ in the verdicts' colours, red for a leak (seen although
+# blocked) and amber for over-masking (allowed but unseen), outlined in both grids; grey where nothing could be
+# measured.
+CELL_COLOURS = {"seen": "#4292c6", "blocked": "#ffffff", "leak": "#d73a49", "over": "#f0b400", "unmeasured": "#d0d7de"}
+CELL_LABELS = {"seen": "allowed, seen", "blocked": "blocked, unseen", "leak": "blocked but seen (leak)",
+               "over": "allowed but unseen (over-masked)", "unmeasured": "not measurable"}
+
+
+def dependency_svg(m) -> str:
+    """An inline SVG of a DependencyMap: the declared grid and the measured grid side by side (rows are queries,
+    columns keys), the cells where they differ coloured and outlined in both, each cell with a tooltip, a legend
+    with the count of each kind underneath."""
+    kinds = m.kinds()
+    n_q, n_k = len(kinds), len(kinds[0]) if kinds else 0
+    cell = max(6, min(16, 256 // max(n_q, n_k, 1)))  # a little smaller than the heatmaps': two grids side by side
+    left, top, gap = 34, 44, 28  # room for the query labels, the titles and key labels, and between the grids
+    width, height = n_k * cell, n_q * cell
+    step = 1
+    while step * cell < 16:
+        step *= 2
+    parts = []
+    for g, title in enumerate(("declared", "measured")):
+        x0 = left + g * (width + gap)
+        parts.append(f'<text x="{x0 + width / 2}" y="12" text-anchor="middle" font-size="12" font-weight="600">'
+                     f'{title}</text>')
+        for j in range(0, n_k, step):
+            parts.append(f'<text x="{x0 + j * cell + cell / 2}" y="{top - 6}" text-anchor="middle" font-size="9">'
+                         f'{m.k0 + j}</text>')
+        parts.append(f'<rect x="{x0 - 1}" y="{top - 1}" width="{width + 1}" height="{height + 1}" fill="#d0d7de"/>')
+        for i, (allowed, row) in enumerate(zip(m.declared.tolist(), kinds)):
+            for j, (a, kind) in enumerate(zip(allowed, row)):
+                differs = kind in ("leak", "over")
+                fill = CELL_COLOURS["seen" if a else "blocked"] if g == 0 else CELL_COLOURS[kind]
+                outline = ' stroke="#1a1a1a" stroke-width="1.5"' if differs else ""
+                tip = (f"query {m.q0 + i}, key {m.k0 + j}: {m.pattern} {'allows' if a else 'blocks'} it; "
+                       f"measured: {CELL_LABELS[kind]}")
+                parts.append(f'<rect x="{x0 + j * cell}" y="{top + i * cell}" width="{cell - 1}" height="{cell - 1}" '
+                             f'fill="{fill}"{outline}><title>{escape(tip)}</title></rect>')
+    for i in range(0, n_q, step):
+        parts.append(f'<text x="{left - 5}" y="{top + i * cell + cell / 2 + 3}" text-anchor="end" font-size="9">'
+                     f'{m.q0 + i}</text>')
+    parts.append(f'<text x="{left + width / 2}" y="26" text-anchor="middle" font-size="10">key</text>'
+                 f'<text x="10" y="{top + height / 2}" text-anchor="middle" font-size="10" '
+                 f'transform="rotate(-90 10 {top + height / 2})">query</text>')
+    counts = m.counts()
+    shown = [k for k in CELL_COLOURS if counts[k] or k in ("seen", "blocked")]
+    y = top + height + 14
+    for n, kind in enumerate(shown):
+        ly = y + 15 * n
+        parts.append(f'<rect x="{left}" y="{ly}" width="10" height="10" fill="{CELL_COLOURS[kind]}" stroke="#888"/>'
+                     f'<text x="{left + 15}" y="{ly + 9}" font-size="10">{escape(CELL_LABELS[kind])}: {counts[kind]}'
+                     f'</text>')
+    total_w = max(left + 2 * width + gap + 8, left + 230)
+    total_h = y + 15 * len(shown)
+    label = f"{m.pattern} declared beside the measured dependency pattern"
+    return (f'<svg class="pattern" width="{total_w}" height="{total_h}" viewBox="0 0 {total_w} {total_h}" '
+            f'role="img" aria-label="{escape(label)}" shape-rendering="crispEdges">' + "".join(parts) + "</svg>")
+
+
+def dependency_html(m) -> str:
+    """A DependencyMap as a figure: the SVG and a caption that says what was measured."""
+    n_q, n_k = m.declared.shape
+    return (f'<figure class="pattern"><figcaption>{escape(m.pattern)}: declared, and measured in sequence '
+            f'{m.sequence} ({escape(m.how)}), queries {m.q0}..{m.q0 + n_q - 1} down, keys {m.k0}..{m.k0 + n_k - 1} '
+            f'across</figcaption>{dependency_svg(m)}</figure>')
+
+
 def results_table(results, *, layers: bool = False) -> str:
     """The detector readings: verdict, message, measured value against its threshold, evidence and fix;
     `layers`: with a column for the layer each result names (a model audit's)."""
     rows = []
     for r in results:
-        fix = f"<code>{escape(r.fix)}</code>" if r.fix and r.fired else ""
+        fix = f"<code>{escape(r.remedy[0])}</code>" if r.fired and r.remedy[0] else ""  # the cause's fix, if found
         # The margin says how far correct layers stay from the threshold: small print under the evidence.
         margin = f'<div class="margin">{escape(r.margin)}</div>' if r.margin else ""
         if r.fired and r.where:  # the first site; the finding's block (finding_html) lists them all
@@ -218,9 +287,11 @@ def where_html(sites) -> str:
 def finding_html(r) -> str:
     """One warn/fail result as a block: what fired, the evidence, where in the code, and what to write instead."""
     at = f' at <code>{escape(r.layer)}</code>' if r.layer else ""
+    picture = r.extras.get("dependency_map")
     return (f'<div class="finding {escape(r.verdict)}"><p>{verdict_badge(r.verdict)} <code>{escape(r.detector)}'
             f'</code>{at}: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
-            f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.fix) or "—"}</code></p></div>')
+            f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.remedy[0] if r.fired else r.fix) or "—"}</code></p>'
+            f'{dependency_html(picture) if isinstance(picture, DependencyMap) else ""}</div>')
 
 
 def write_page(path, page: str) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from ._errors import AuditUsageError
 from ._html import write_report_html
-from ._result import DetectorResult
+from ._result import DependencyMap, DetectorResult
 
 
 class AttentionAuditError(AssertionError):
@@ -38,6 +38,32 @@ def labelled(label: str, text: str) -> str:
     return f"  {label + ':' if label else '':<9} {text}"
 
 
+CELL_CHARS = {"seen": "#", "blocked": ".", "leak": "L", "over": "O", "unmeasured": "?"}
+CELL_WORDS = {"seen": "allowed, seen", "blocked": "blocked, unseen", "leak": "blocked but seen (leak)",
+              "over": "allowed but unseen (over-masked)", "unmeasured": "not measurable"}
+
+
+def dependency_lines(m: DependencyMap) -> list[str]:
+    """A finding's picture as text: the declared pattern ('#' allowed, '.' blocked) beside the measured one, one
+    character per (query, key) cell (CELL_CHARS), rows labelled with their query, a ruler of the keys' last digits,
+    and a legend of the kinds present."""
+    kinds = m.kinds()
+    n_q, n_k = len(kinds), len(kinds[0]) if kinds else 0
+    ruler = "".join(str((m.k0 + j) % 10) for j in range(n_k))
+    lines = [labelled("pattern", f"{m.pattern} declared, beside what was measured in sequence {m.sequence} "
+                                 f"({m.how}): queries {m.q0}..{m.q0 + n_q - 1} down, keys {m.k0}..{m.k0 + n_k - 1} "
+                                 f"across"),
+             labelled("", f"    {'declared':<{n_k}}  measured"), labelled("", f"    {ruler}  {ruler}")]
+    for i, (allowed, row) in enumerate(zip(m.declared.tolist(), kinds)):
+        lines.append(labelled("", f"{m.q0 + i:>3} {''.join('#' if a else '.' for a in allowed)}  "
+                                  f"{''.join(CELL_CHARS[k] for k in row)}"))
+    counts = m.counts()
+    legend = [f"{CELL_CHARS[k]} {CELL_WORDS[k]}" + (f" ({counts[k]})" if k in ("leak", "over") else "")
+              for k in CELL_CHARS if counts[k] or k in ("seen", "blocked")]
+    lines.append(labelled("", "   ".join(legend)))
+    return lines
+
+
 def finding_lines(r: DetectorResult, *, about: tuple = ()) -> list[str]:
     """A finding's block: `VERDICT detector[ at layer]: message`, then `about` ((label, text) pairs), the
     evidence, its sites (`where:`), and the fix (none for a crash of diagnostics, which the user cannot fix)."""
@@ -50,6 +76,9 @@ def finding_lines(r: DetectorResult, *, about: tuple = ()) -> list[str]:
     if fix:
         lines.append(labelled("fix", fix + (" (the detector's general fix: the audit did not pin down the cause)"
                                             if general else "")))
+    picture = r.extras.get("dependency_map")
+    if isinstance(picture, DependencyMap):
+        lines += dependency_lines(picture)
     return lines
 
 
@@ -164,5 +193,5 @@ class AuditReport(Report):
         }
 
 
-__all__ = ["CORE", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines", "find_result", "finding_lines",
-           "labelled", "result_dict", "result_rows"]
+__all__ = ["CELL_CHARS", "CELL_WORDS", "CORE", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines",
+           "dependency_lines", "find_result", "finding_lines", "labelled", "result_dict", "result_rows"]

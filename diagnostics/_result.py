@@ -115,6 +115,46 @@ class Sites(Sequence):
         return Sites, (self._get(),)
 
 
+CELL_KINDS = ("seen", "blocked", "leak", "over", "unmeasured")
+"""What a cell of a `DependencyMap` is: allowed and seen (the row moved when the key alone changed), blocked and
+unseen, seen although blocked (leakage), allowed but unseen (over-masking), or not measurable."""
+
+
+@dataclass(frozen=True)
+class DependencyMap:
+    """The measured dependency pattern of one sequence beside the declared one, for the reports' picture: for each
+    query row i (from `q0`) and key column j (from `k0`) of a `T`-position probe, whether the pattern allows the key
+    (`declared`), whether the row moved when that key alone changed (`moved`), and whether that could be measured
+    at all (`measurable`: a one-stream layer's own position changes its query too). Bool tensors (rows, keys)."""
+
+    pattern: str
+    sequence: int
+    t: int
+    q0: int
+    k0: int
+    declared: object  # Tensor, bool (rows, keys)
+    moved: object  # Tensor, bool (rows, keys)
+    measurable: object  # Tensor, bool (rows, keys)
+    how: str = ""
+
+    def kinds(self) -> list[list[str]]:
+        """Each cell's kind (one of CELL_KINDS), row by row: the one reading both reports draw."""
+        def kind(allowed: bool, moved: bool, measurable: bool) -> str:
+            if not measurable:
+                return "unmeasured"
+            if allowed:
+                return "seen" if moved else "over"
+            return "leak" if moved else "blocked"
+
+        return [[kind(*cell) for cell in zip(*row)]
+                for row in zip(self.declared.tolist(), self.moved.tolist(), self.measurable.tolist())]
+
+    def counts(self) -> dict[str, int]:
+        """{kind: cells of that kind}, every kind of CELL_KINDS present (0 where none)."""
+        flat = [k for row in self.kinds() for k in row]
+        return {kind: flat.count(kind) for kind in CELL_KINDS}
+
+
 @dataclass(frozen=True)
 class DetectorResult:
     """One detector's honest verdict on one layer.
@@ -167,4 +207,4 @@ class DetectorResult:
 
 Finding = DetectorResult  # a result whose verdict is warn or fail
 
-__all__ = ["VERDICTS", "DetectorResult", "Finding", "ProbeShape", "Site", "Sites"]
+__all__ = ["CELL_KINDS", "VERDICTS", "DependencyMap", "DetectorResult", "Finding", "ProbeShape", "Site", "Sites"]

@@ -30,23 +30,28 @@ from ._errors import expect
 
 class Pattern:
     """A named `mask_mod`. Call it like one; `allowed(B, Tq, Tk)` builds the bool (B, Tq, Tk) mask, True = may
-    attend; `&` and `|` combine patterns (or a pattern and a bare `mask_mod`)."""
+    attend; `&` and `|` combine patterns (or a pattern and a bare `mask_mod`). `rule`: the mask_mod as one line of
+    code over `q_idx` and `kv_idx` (absolute positions), for fixes to quote; None for a bare mask_mod."""
 
-    def __init__(self, mask_mod: Callable, name: str):
+    def __init__(self, mask_mod: Callable, name: str, rule: str | None = None):
         expect(callable(mask_mod), "a mask_mod(b, h, q_idx, kv_idx) -> bool tensor", f"{mask_mod!r}",
                "pass e.g. lambda b, h, q, kv: kv <= q, or a named pattern such as sliding_window(4)")
-        self.mask_mod, self.name = mask_mod, name
+        self.mask_mod, self.name, self.rule = mask_mod, name, rule
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     def __and__(self, other) -> "Pattern":
-        a, o = self.mask_mod, as_pattern(other).mask_mod
-        return Pattern(lambda b, h, q, kv: a(b, h, q, kv) & o(b, h, q, kv), f"({self.name} & {as_pattern(other).name})")
+        other = as_pattern(other)
+        a, o = self.mask_mod, other.mask_mod
+        return Pattern(lambda b, h, q, kv: a(b, h, q, kv) & o(b, h, q, kv), f"({self.name} & {other.name})",
+                       _joined(self, other, "&"))
 
     def __or__(self, other) -> "Pattern":
-        a, o = self.mask_mod, as_pattern(other).mask_mod
-        return Pattern(lambda b, h, q, kv: a(b, h, q, kv) | o(b, h, q, kv), f"({self.name} | {as_pattern(other).name})")
+        other = as_pattern(other)
+        a, o = self.mask_mod, other.mask_mod
+        return Pattern(lambda b, h, q, kv: a(b, h, q, kv) | o(b, h, q, kv), f"({self.name} | {other.name})",
+                       _joined(self, other, "|"))
 
     __rand__, __ror__ = __and__, __or__
 
@@ -68,6 +73,10 @@ class Pattern:
         return (out[:, 0] if heads == 1 else out).clone()
 
 
+def _joined(a: Pattern, b: Pattern, op: str) -> str | None:
+    return None if a.rule is None or b.rule is None else f"({a.rule}) {op} ({b.rule})"
+
+
 def as_pattern(x) -> Pattern:
     """A `Pattern` as it is, a bare mask_mod named after its function."""
     if isinstance(x, Pattern):
@@ -84,20 +93,22 @@ def _positive(name: str, n) -> int:
 
 
 def causal() -> Pattern:
-    return Pattern(lambda b, h, q, kv: kv <= q, "causal()")
+    return Pattern(lambda b, h, q, kv: kv <= q, "causal()", "kv_idx <= q_idx")
 
 
 def sliding_window(W: int) -> Pattern:
     """W keys including the query's own: q - W < kv <= q. (A layer that counts W keys *back*, q - W <= kv,
     sees W + 1; one that stops at q - W + 1 < kv sees W - 1.)"""
     W = _positive("W", W)
-    return Pattern(lambda b, h, q, kv: (kv <= q) & (q - kv < W), f"sliding_window({W})")
+    return Pattern(lambda b, h, q, kv: (kv <= q) & (q - kv < W), f"sliding_window({W})",
+                   f"(kv_idx <= q_idx) & (q_idx - kv_idx < {W})")
 
 
 def chunked(C: int) -> Pattern:
     """Causal inside chunks of C positions: keys of the query's own chunk, up to the query."""
     C = _positive("C", C)
-    return Pattern(lambda b, h, q, kv: (kv <= q) & (q // C == kv // C), f"chunked({C})")
+    return Pattern(lambda b, h, q, kv: (kv <= q) & (q // C == kv // C), f"chunked({C})",
+                   f"(kv_idx <= q_idx) & (q_idx // {C} == kv_idx // {C})")
 
 
 def prefix_lm(P) -> Pattern:
@@ -111,9 +122,9 @@ def prefix_lm(P) -> Pattern:
         def prefix(b, h, q, kv):
             return (kv <= q) | (kv < lengths.to(b.device)[b % lengths.numel()])
 
-        return Pattern(prefix, f"prefix_lm({lengths.tolist()})")
+        return Pattern(prefix, f"prefix_lm({lengths.tolist()})", "(kv_idx <= q_idx) | (kv_idx < prefix_length[b])")
     P = _positive("P", P)
-    return Pattern(lambda b, h, q, kv: (kv <= q) | (kv < P), f"prefix_lm({P})")
+    return Pattern(lambda b, h, q, kv: (kv <= q) | (kv < P), f"prefix_lm({P})", f"(kv_idx <= q_idx) | (kv_idx < {P})")
 
 
 def document(ids) -> Pattern:
@@ -133,7 +144,7 @@ def document(ids) -> Pattern:
         return t[rows, q.clamp(max=L - 1)] == t[rows, kv.clamp(max=L - 1)]
 
     shown = table[0].tolist() if n == 1 else table.tolist()
-    return Pattern(same_document, f"document({shown})")
+    return Pattern(same_document, f"document({shown})", "document_id[b, q_idx] == document_id[b, kv_idx]")
 
 
 __all__ = ["Pattern", "as_pattern", "causal", "chunked", "document", "prefix_lm", "sliding_window"]

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import correct
 import diagnostics
-from buggy_variants import VARIANTS, Setting
+from buggy_variants import VARIANTS, Setting, promised_pattern
 from correct import gpt2_init_
 
 IDS = sorted(VARIANTS)
@@ -74,7 +74,7 @@ def settings_seen(result: diagnostics.DetectorResult, layer) -> list[Setting]:
         for mask in masks:
             seen.append(Setting(layer.d_model, layer.num_heads, shape.t_q, shape.t_k, mask=mask,
                                 self_attention=shape.self_attention, causal=layer.causal, dropout=layer.dropout_p,
-                                batch=shape.batch, backward=shape.backward))
+                                batch=shape.batch, backward=shape.backward, pattern=promised_pattern(layer)))
     return seen
 
 
@@ -113,7 +113,8 @@ def record_calls(layer, calls: list[Call]):
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         one = key is query and value is query
         settings = tuple(Setting(module.d_model, module.num_heads, t_q, t_k, mask=row, self_attention=one,
-                                 causal=module.causal, dropout=module.dropout_p, batch=B, backward=backward)
+                                 causal=module.causal, dropout=module.dropout_p, batch=B, backward=backward,
+                                 pattern=promised_pattern(module))
                          for row in rows)
         shown = None if allowed is None else tuple(allowed.flatten().tolist())
         calls.append(Call(running[0], settings, (B, t_q, t_k, one, shown)))
@@ -162,14 +163,14 @@ def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
     return worst, compared
 
 
-def recorded_audit(make, cfg):
-    """Build the layer as `_build` does and audit it with every call recorded: (layer, report, {detector: the
-    calls made while it ran}, the standard probe's batch)."""
+def recorded_audit(make, cfg, variant):
+    """Build the layer as `_build` does and audit it as `variant` promises, with every call recorded: (layer,
+    report, {detector: the calls made while it ran}, the standard probe's batch)."""
     layer = _build(make, cfg)
     calls: list[Call] = []
     remove, progress = record_calls(layer, calls)
     try:
-        report = _audit(layer, cfg, causal=layer.causal, progress=progress)
+        report = _audit(layer, cfg, **variant.audit_kwargs(layer), progress=progress)
     finally:
         remove()
     by_detector = {r.detector: [c for c in calls if c.detector == r.detector] for r in report.results}
@@ -183,7 +184,7 @@ def recorded_audit(make, cfg):
 @example(cfg=DETACHED_DRAW)
 def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg):
     variant = VARIANTS[vid]
-    layer, report, by_detector, batch = recorded_audit(variant.build, cfg)
+    layer, report, by_detector, batch = recorded_audit(variant.build, cfg, variant)
     fired = report.fired()
     made = {(s.batch, s.t_q, s.t_k, s.self_attention, s.backward)
             for calls in by_detector.values() for c in calls for s in c.settings}
@@ -225,7 +226,7 @@ def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
     """The twin: the correct layer, built, initialised and audited exactly like the variant above."""
     variant = VARIANTS[vid]
     layer = _build(variant.reference, cfg)
-    report = _audit(layer, cfg, causal=layer.causal)
+    report = _audit(layer, cfg, **variant.audit_kwargs(layer))
     assert report.passed, f"({cfg})\n{report}"
     assert not report.findings, f"({cfg})\n{report}"
 
@@ -239,14 +240,14 @@ def test_the_did_not_respond_measurement_confirms_a_true_excuse_and_rejects_a_fa
     """Both sides of the excuse's own measurement, on the detector's recorded calls: where future_leakage says
     the output did not respond, its perturbed copies are measured within rounding of the baseline; the correct
     causal layer at the catalog's usual size responds, and the same measurement says so (far past rounding)."""
-    allowed = RESPONSE * ROUNDING[torch.float32]
-    _, report, by_detector, batch = recorded_audit(VARIANTS["causal_diagonal_masked"].build, UNRESPONSIVE_DRAW)
+    allowed, diagonal = RESPONSE * ROUNDING[torch.float32], VARIANTS["causal_diagonal_masked"]
+    _, report, by_detector, batch = recorded_audit(diagonal.build, UNRESPONSIVE_DRAW, diagonal)
     result = report.result("future_leakage")
     assert result.verdict == "skip" and "did not respond" in result.message, result
     change, compared = did_not_move(by_detector["future_leakage"], batch)
     assert compared >= 1 and change <= allowed, (change, compared)
     responsive = dict(UNRESPONSIVE_DRAW, heads=2, head_dim=4, seq_len=8)
-    _, twin, by_detector, batch = recorded_audit(VARIANTS["causal_diagonal_masked"].reference, responsive)
+    _, twin, by_detector, batch = recorded_audit(diagonal.reference, responsive, diagonal)
     assert twin.result("future_leakage").verdict == "pass", twin
     change, compared = did_not_move(by_detector["future_leakage"], batch)
     assert compared >= 1 and change > 1000 * allowed, (change, compared)

@@ -49,6 +49,14 @@ CATALOG = {
     "double_softmax": {"softmax_saturation": "second softmax"},
     "detached_softmax": {"gradients": "remove the .detach()"},
     "rotary_not_offset": {"decode_consistency": "true positions"},
+    # chapter 3: attention_pattern's fix quotes the declared pattern's rule (diagnostics.patterns, `Pattern.rule`)
+    "window_one_too_long": {"attention_pattern": "(q_idx - kv_idx < 4)"},
+    "window_one_too_short": {"attention_pattern": "(q_idx - kv_idx < 4)"},
+    "window_on_both_sides": {"attention_pattern": "(kv_idx <= q_idx) & (q_idx - kv_idx < 4)"},
+    "chunk_boundary_one_late": {"attention_pattern": "(q_idx // 5 == kv_idx // 5)"},
+    "documents_not_masked": {"attention_pattern": "document_id[b, q_idx] == document_id[b, kv_idx]"},
+    "causal_prefix": {"attention_pattern": "(kv_idx <= q_idx) | (kv_idx < 5)"},
+    "window_dropped_with_cache": {"attention_pattern": "(kv_idx <= q_idx) & (q_idx - kv_idx < 4)"},
 }
 # variants whose cause the audit does not pin down: the detector's general fix, marked as such
 GENERAL = {
@@ -80,7 +88,7 @@ NEVER_SEEN_GENERAL = {"leak behind clean weights", "online softmax without resca
 def _variant_report(vid):
     torch.manual_seed(0)
     layer = VARIANTS[vid].build(32, 4)
-    return diagnostics.audit(layer, causal=layer.causal)
+    return diagnostics.audit(layer, **VARIANTS[vid].audit_kwargs(layer))
 
 
 def test_the_tables_cover_the_catalog_and_the_never_seen_layers():

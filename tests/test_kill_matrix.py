@@ -36,7 +36,7 @@ def reference_audits() -> dict[str, diagnostics.AuditReport]:
     audits = {}
     for vid, variant in VARIANTS.items():
         layer = build(variant.reference, torch.float32, "default")
-        audits[vid] = diagnostics.audit(layer, causal=layer.causal)
+        audits[vid] = diagnostics.audit(layer, **variant.audit_kwargs(layer))
     return audits
 
 
@@ -72,13 +72,43 @@ def test_audit_outcome_matches_the_catalog(vid, catalog_audits):
 def test_kill_matrix_holds_in_every_dtype_and_initialisation(vid, dtype, init):
     variant = VARIANTS[vid]
     layer = build(variant.build, dtype, init)
-    report = diagnostics.audit(layer, causal=layer.causal)
+    report = diagnostics.audit(layer, **variant.audit_kwargs(layer))
     fired = set(report.fired())
     missing = set(variant.expected_detectors) - fired
     assert not missing, f"{vid} ({dtype}, {init} init): {sorted(missing)} did not fire\n{report}"
     unexpected = fired - set(variant.expected_detectors + variant.also_detected_by)
     assert not unexpected, f"{vid} ({dtype}, {init} init): {sorted(unexpected)} fired unexpectedly\n{report}"
     assert report.status == ("passed" if variant.expected_severity == "warn" else "failed"), str(report)
+    if vid in PATTERN_FINDINGS:
+        assert_pattern_finding(report, vid)
+
+
+# The pattern variants (chapter 3): the finding attention_pattern makes, and the cells of its picture that show it
+PATTERN_FINDINGS = {
+    "window_one_too_long": ("leakage",), "window_one_too_short": ("over-masking",),
+    "window_on_both_sides": ("leakage",), "chunk_boundary_one_late": ("leakage", "over-masking"),
+    "documents_not_masked": ("leakage",), "causal_prefix": ("over-masking",),
+    "window_dropped_with_cache": ("leakage",),  # while decoding: the last Tq positions querying all Tk keys
+}
+CELLS_OF = {"leakage": "leak", "over-masking": "over"}
+
+
+def assert_pattern_finding(report, vid):
+    """attention_pattern's message names each finding of the variant, and its picture (the measured dependency
+    pattern beside the declared one) shows cells of that kind and no other difference."""
+    __tracebackhide__ = True
+    result = report.result("attention_pattern")
+    for finding in PATTERN_FINDINGS[vid]:
+        assert f"({finding})" in result.message, (vid, result.message)
+    picture = result.extras.get("dependency_map")
+    assert picture is not None, f"{vid}: no picture\n{report}"
+    counts = picture.counts()
+    shown = {kind for kind in ("leak", "over") if counts[kind]}
+    assert shown == {CELLS_OF[f] for f in PATTERN_FINDINGS[vid]}, (vid, counts)
+
+
+def test_every_pattern_variant_has_its_finding_named():
+    assert {vid for vid, v in VARIANTS.items() if "attention_pattern" in v.expected_detectors} == set(PATTERN_FINDINGS)
 
 
 @pytest.mark.parametrize("dtype, init", SETTINGS, ids=SETTING_IDS)
@@ -86,7 +116,7 @@ def test_kill_matrix_holds_in_every_dtype_and_initialisation(vid, dtype, init):
 def test_twin_reference_passes_in_every_dtype_and_initialisation(vid, dtype, init):
     """The twin of the test above: the correct layer, built, initialised and audited the same way."""
     layer = build(VARIANTS[vid].reference, dtype, init)
-    report = diagnostics.audit(layer, causal=layer.causal)
+    report = diagnostics.audit(layer, **VARIANTS[vid].audit_kwargs(layer))
     assert report.status == "passed" and not report.findings, str(report)
     assert all(r.measured for r in report.results if not r.message.startswith("not applicable")), str(report)
 
@@ -100,9 +130,10 @@ def test_every_detector_catches_something_and_every_variant_is_caught():
     # parameters_used catches no catalog entry: every variant keeps each weight in use (a detached softmax's q and
     # k weights get no gradient, but the forward still reads them: that is the gradients detector's finding); it is
     # exercised by the unused projections of tests/test_parameters.py.
-    # attention_pattern needs a declared pattern, which no catalog variant has (tests/test_patterns.py exercises it);
+    # relative_positions catches no catalog entry (the reference's rotary is relative, and no variant breaks it): its
+    # rotary mistakes are the layers of tests/test_relative_positions.py.
     # undeclared_causality only warns, about layers audited as not causal that mask by position themselves
     # (tests/test_causality_hint.py).
-    unexercised = {"finite_output", "cache_decoding", "parameters_used", "attention_pattern", "undeclared_causality"}
+    unexercised = {"finite_output", "cache_decoding", "parameters_used", "relative_positions", "undeclared_causality"}
     assert caught_by | unexercised == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
     assert all(v.expected_detectors for v in VARIANTS.values())

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import diagnostics
+import correct
 from correct import MultiHeadAttention, gpt2_init_, mask_from_mod
 from diagnostics.patterns import Pattern, as_pattern, causal, chunked, document, prefix_lm, sliding_window
 
@@ -116,6 +117,90 @@ def test_reference_given_the_patterns_mask_passes(name, dtype, init):
 def test_sdpa_given_the_patterns_mask_passes(name, dtype):
     r = verdict(diagnostics.audit(sdpa, d_model=D, num_heads=H, dtype=dtype, pattern=NAMED[name], seq_len=T,
                                   detectors=["attention_pattern"]))
+    assert r.verdict == "pass", (r.message, r.evidence)
+
+
+# ---- the reference keeps a pattern of its own ------------------------------------------------------------------
+
+OWN = {  # the reference's configuration: the pattern it promises
+    "window": ({"sliding_window": 4}, sliding_window(4)),
+    "chunk": ({"attention_chunk_size": 5}, chunked(5)),
+    "prefix": ({"prefix": 5}, prefix_lm(5)),
+    "documents": ({"documents": DOC_IDS}, document(DOCS)),
+    "documents, causal": ({"documents": DOC_IDS, "causal": True}, document(DOCS) & causal()),
+    "window, causal": ({"sliding_window": 4, "causal": True}, sliding_window(4)),
+}
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_the_reference_builds_its_own_pattern_as_the_declared_one_states_it(name):
+    kw, pattern = OWN[name]
+    layer = MultiHeadAttention(D, H, **kw)
+    for t_q, t_k in ((T, T), (5, T), (1, 7)):  # the full pass, and decoding: the last Tq of the Tk positions
+        own = layer.pattern_mask(t_q, t_k, batch=3)[:, 0]  # (B, Tq, Tk)
+        if layer.causal:
+            own = own & correct.causal_mask(t_q, t_k, align="bottom_right")
+        assert torch.equal(own, pattern.allowed(3, t_q, t_k)), (name, t_q, t_k)
+    assert MultiHeadAttention(D, H).pattern_mask(T, T) is None
+
+
+@pytest.mark.parametrize("name", OWN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("init", INITS)
+def test_a_reference_that_keeps_its_pattern_passes_audited_with_it(name, dtype, init):
+    kw, pattern = OWN[name]
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D, H, **kw)
+    if init == "gpt2":
+        gpt2_init_(layer)
+    report = diagnostics.audit(layer.to(dtype), pattern=pattern, causal=layer.causal, seq_len=T)
+    r = verdict(report)
+    assert r.verdict == "pass" and "0 not moving" in r.evidence, (r.message, r.evidence)
+    assert ("while decoding" in r.message) == layer.causal  # a decoder is measured decoding too
+    assert report.status == "passed" and not report.findings, report
+
+
+class Recorder(MultiHeadAttention):
+    """The reference, keeping the masks the audit gives it."""
+
+    def forward(self, query, key=None, value=None, mask=None):
+        self.given.append(mask)
+        return super().forward(query, key, value, mask)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_layer_that_keeps_its_pattern_itself_is_not_given_the_declared_mask(own):
+    """As a truthy `causal` keeps the audit's causal mask away, a `sliding_window` (`attention_chunk_size`, `prefix`,
+    `documents`) keeps the pattern's: else a layer that builds its pattern wrong would be rescued by the audit's own mask."""
+    layer = Recorder(D, H, sliding_window=4 if own else None)
+    layer.given = []
+    diagnostics.audit(layer, pattern=sliding_window(4), seq_len=T, detectors=["attention_pattern"])
+    assert layer.given and all((m is None) == own for m in layer.given)
+
+
+def test_a_window_dropped_once_a_cache_holds_keys_leaks_while_decoding_and_only_then():
+    """Measured decoding (the last Tq queries over all Tk keys) under causal=True; the full pass alone passes it."""
+    class DroppedWithCache(MultiHeadAttention):
+        def pattern_mask(self, t_q, t_k, *, batch=1, device=None):
+            return super().pattern_mask(t_q, t_k, batch=batch, device=device) if t_q == t_k else None
+
+    layer = DroppedWithCache(D, H, sliding_window=4, causal=True)
+    r = verdict(diagnostics.audit(layer, pattern=sliding_window(4), causal=True, seq_len=T,
+                                  detectors=["attention_pattern"]))
+    assert r.verdict == "fail" and "(leakage)" in r.message and "decoding with a cache of 11" in r.message, r.message
+    assert "query 11 of sequence 0 moved when only key" in r.evidence, r.evidence
+    picture = r.extras["dependency_map"]
+    assert picture.q0 == 11 and picture.declared.shape == (5, T)  # the decoded rows: positions 11..15
+    full = verdict(diagnostics.audit(layer, pattern=sliding_window(4), seq_len=T, detectors=["attention_pattern"]))
+    assert full.verdict == "pass" and "while decoding" not in full.message, full.message  # not a decoder: not asked
+
+
+def test_an_ignored_key_is_confirmed_both_ways_before_it_is_over_masking():
+    """A tiny layer in bfloat16 whose output bias swamps a key that only lost its weight: the key pushed the other
+    way takes the weight, and the row moves. The correct layer passes; it once failed with over-masking."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(1, 1, prefix=5).to(torch.bfloat16)
+    r = verdict(diagnostics.audit(layer, pattern=prefix_lm(5), seq_len=4, seed=0, detectors=["attention_pattern"]))
     assert r.verdict == "pass", (r.message, r.evidence)
 
 
@@ -353,3 +438,27 @@ def test_a_flex_module_at_every_dtype_and_init(warm_flex, uncompiled, dtype, ini
         r = verdict(diagnostics.audit(layer.to(dtype), pattern=sliding_window(WINDOW), seq_len=T,
                                       detectors=["attention_pattern"]))
     assert r.verdict == "pass" and "0 not moving" in r.evidence, (r.message, r.evidence)
+
+
+# ---- a Hugging Face sliding-window layer (the real extra) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_hugging_face_mistral_sliding_layer_passes_audited_with_its_window(dtype):
+    """Mistral's attention as a layer, audited with the window its config declares: its mask comes from the model
+    (Hugging Face builds the sliding-window mask there, `sliding_window` W keys including the query's own), so the
+    audit passes it the declared pattern's mask and measures the layer under it. A window patched off by one lives
+    in the model's mask, not in the layer: the model audit's sliding-window check is where that fails."""
+    mistral = pytest.importorskip("transformers.models.mistral.modeling_mistral",
+                                  reason="transformers is not installed (the real extra: pip install -e '.[real]')")
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, intermediate_size=2 * D,
+                           num_hidden_layers=1, sliding_window=4, vocab_size=32)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = mistral.MistralAttention(config, 0).to(dtype)
+    report = diagnostics.audit(layer, pattern=sliding_window(config.sliding_window), causal=True, seq_len=T)
+    r = verdict(report)
+    assert r.verdict == "pass" and "0 not moving" in r.evidence, (r.message, r.evidence)
+    assert report.status == "passed", report

@@ -418,6 +418,88 @@ def test_audit_report_to_html_of_a_layer_that_raises_shows_the_finding_and_no_he
     assert "FAILED" in text and 'class="finding fail"' in text and "view size is not compatible" in text
 
 
+# ---- the picture of a pattern finding: the declared pattern beside the measured one -----------------------------
+
+PATTERN_VARIANTS = sorted(vid for vid, v in VARIANTS.items() if v.pattern is not None)
+
+
+def test_a_pattern_finding_shows_the_declared_and_measured_grids_in_the_text_report(catalog_audits):
+    text = str(catalog_audits["window_one_too_long"])
+    lines = text.splitlines()
+    at = next(n for n, line in enumerate(lines) if line.startswith("  pattern:  sliding_window(4) declared"))
+    assert lines[at + 1].split() == ["declared", "measured"]
+    assert lines[at + 2].split() == ["0123456789012345"] * 2  # a ruler of the keys' last digits over each grid
+    rows = {int(line.split()[0]): line.split()[1:] for line in lines[at + 3:at + 19]}
+    assert rows[0] == ["#...............", "#..............."]
+    assert rows[4] == [".####...........", "L####..........."]  # the key 4 back: blocked, and seen
+    assert rows[15] == ["............####", "...........L####"]
+    assert "L blocked but seen (leak) (12)" in lines[at + 19] and "O " not in lines[at + 19]
+
+
+def test_the_picture_of_over_masking_marks_the_allowed_keys_no_row_moved_for(catalog_audits):
+    picture = catalog_audits["causal_prefix"].result("attention_pattern").extras["dependency_map"]
+    kinds = picture.kinds()
+    # prefix_lm(5): queries 0..3 may see the later prefix keys, and the causal prefix ignores them
+    assert [kinds[0][j] for j in range(5)] == ["seen", "over", "over", "over", "over"]
+    assert kinds[4][:5] == ["seen"] * 5 and picture.counts()["leak"] == 0
+    assert picture.counts()["over"] == 4 + 3 + 2 + 1  # the upper triangle of the prefix
+    assert "O allowed but unseen (over-masked) (10)" in str(catalog_audits["causal_prefix"])
+
+
+def test_a_picture_cell_is_read_from_three_facts():
+    """The one reading both reports draw (`DependencyMap.kinds`), on a hand-made map with every kind."""
+    t = lambda rows: torch.tensor(rows, dtype=torch.bool)  # noqa: E731
+    m = diagnostics._result.DependencyMap("p", 0, 3, 0, 0, declared=t([[1, 0, 1]]), moved=t([[1, 1, 0]]),
+                                          measurable=t([[1, 1, 1]]))
+    assert m.kinds() == [["seen", "leak", "over"]]
+    m = diagnostics._result.DependencyMap("p", 0, 2, 0, 0, declared=t([[0, 1]]), moved=t([[0, 0]]),
+                                          measurable=t([[1, 0]]))
+    assert m.kinds() == [["blocked", "unmeasured"]] and m.counts()["unmeasured"] == 1
+
+
+def test_a_passing_pattern_audit_draws_no_picture():
+    torch.manual_seed(0)
+    layer = VARIANTS["window_one_too_long"].reference(32, 4)
+    report = diagnostics.audit(layer, **VARIANTS["window_one_too_long"].audit_kwargs(layer))
+    assert report.passed and all("dependency_map" not in r.extras for r in report.results)
+    assert "pattern:" not in str(report)
+
+
+def test_audit_report_to_html_draws_the_pattern_finding_as_svg_offline(tmp_path, catalog_audits):
+    report = catalog_audits["chunk_boundary_one_late"]
+    path = tmp_path / "audit.html"
+    report.to_html(path)
+    text = path.read_text(encoding="utf-8")
+    page = Page(text)
+    assert text.count('<svg class="pattern"') == 1 and page.external == [] and page.scripts == 0
+    svg = text[text.index('<svg class="pattern"'):]
+    svg = svg[:svg.index("</svg>")]
+    counts = report.result("attention_pattern").extras["dependency_map"].counts()
+    # the measured grid colours each differing cell, and both grids outline it
+    assert svg.count('fill="#d73a49" stroke="#1a1a1a"') == counts["leak"] > 0
+    assert svg.count('fill="#f0b400" stroke="#1a1a1a"') == counts["over"] > 0
+    assert svg.count('stroke="#1a1a1a"') == 2 * (counts["leak"] + counts["over"])
+    # chunks start one late: query 5, the first of the second chunk, still sees keys 1..4
+    assert "query 5, key 1: chunked(5) blocks it; measured: blocked but seen (leak)" in svg
+    assert "blocked but seen (leak): " in svg and "allowed but unseen (over-masked): " in svg  # the legend
+
+
+@pytest.mark.parametrize("vid", PATTERN_VARIANTS)
+def test_each_pattern_variant_s_section_shows_its_picture(vid, teaching_report_html):
+    page = Page(teaching_report_html)
+    section = page.sections[f"variant-{vid}"]["text"]
+    assert "The pattern, declared and measured" in section and f"pattern={VARIANTS[vid].pattern}" in section
+    start = teaching_report_html.index(f'id="variant-{vid}"')
+    end = teaching_report_html.index("</section>", start)
+    assert teaching_report_html.count('<svg class="pattern"', start, end) == 1
+
+
+def test_only_the_pattern_variants_have_a_picture(teaching_report_html):
+    sections = re.split(r'<section class="variant" id="variant-', teaching_report_html)[1:]
+    drawn = {chunk.split('"', 1)[0] for chunk in sections if '<svg class="pattern"' in chunk.split("</section>")[0]}
+    assert drawn == set(PATTERN_VARIANTS)
+
+
 INNER_TESTS = """
 import pytest
 import torch

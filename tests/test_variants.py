@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import buggy_variants
-from buggy_variants import VARIANTS, Setting
+from buggy_variants import VARIANTS, Setting, promised_pattern
 from correct import MultiHeadAttention
 from diagnostics.strategies import MASK_KINDS, AttentionCase, attention_cases
 
@@ -80,7 +80,8 @@ def test_variant_differs_from_reference_exactly_when_detectable(vid, drawn):
     query, memory = case.inputs(dtype=torch.float64)
     mask = case.mask()  # (B, 1, Tq, Tk) bool or None
     setting = Setting(case.d_model, case.heads, case.t_q, case.t_k, mask=mask, self_attention=self_attention,
-                      causal=reference.causal, dropout=reference.dropout_p, training=training, batch=case.batch)
+                      causal=reference.causal, dropout=reference.dropout_p, training=training, batch=case.batch,
+                      pattern=promised_pattern(reference))
 
     expected_out = _run(reference, case, self_attention, query, memory, mask)
     got = _run(broken, case, self_attention, query, memory, mask)

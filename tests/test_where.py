@@ -119,12 +119,12 @@ def test_every_setting_of_the_kill_matrix_points_into_the_method(dtype, init):
         if init == "gpt2":
             correct.gpt2_init_(layer)
         layer = layer.to(dtype)
-        assert_in_method(diagnostics.audit(layer, causal=layer.causal), vid)
+        assert_in_method(diagnostics.audit(layer, **variant.audit_kwargs(layer)), vid)
         torch.manual_seed(0)
         twin = variant.reference(**KILL_MATRIX_SIZE)
         if init == "gpt2":
             correct.gpt2_init_(twin)
-        report = diagnostics.audit(twin.to(dtype), causal=twin.causal)
+        report = diagnostics.audit(twin.to(dtype), **variant.audit_kwargs(twin))
         assert not report.findings and all(r.where == () for r in report.results), str(report)
 
 

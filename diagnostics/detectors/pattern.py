@@ -19,12 +19,16 @@ j % p == i % p, the diagonal among them, are not measurable there (the evidence 
 several allowed keys in one test (wider than MAX_TESTS - 2) is confirmed per group, so one ignored key inside
 such a row shows only if it is the row's only key in that test; a leak in a test where the row also meets an
 allowed key is read as that key's dependence.
+
+Audited as causal (`causal=True`, a decoder), a layer that takes a separate query is also measured decoding: the
+last Tq = T // 3 positions as queries over all T keys, as with a cache of T - Tq keys, where the pattern (bottom-
+right, on absolute positions) must hold too: a window dropped once a cache holds keys leaks there.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -32,7 +36,7 @@ from torch import Tensor
 from .._core import Inputs, baseline_scale, not_run, perturbed, relative_change, skip
 from .._probe import Probe
 from .._registry import LONG, Need, detector
-from .._result import DetectorResult, Site
+from .._result import DependencyMap, DetectorResult, Site
 from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import first_moved, mask_sites, op_site, site, text, trace_call
 from ._common import perturbation_gains, result
@@ -45,13 +49,19 @@ MAX_TESTS = 32
 confirmed per group of keys, not key by key (causal beyond T = 30)."""
 MAX_SCORES = 1 << 24
 """Stacked copies per call are limited so that a call's (rows, heads, T, T) scores stay under this many elements."""
+PICTURE_CELLS = 32
+"""A finding's picture (`DependencyMap`) is measured key by key on at most this many keys and rows around its first
+cell: one copy of the probe batch per key, so at most 32 copies more, and only when the detector fails."""
+DECODE_SHARE = 3
+"""The decoding measurement's queries are the last T // DECODE_SHARE positions (at least 1): an uneven split."""
 
 
 @dataclass
 class PatternEvidence:
-    """What the verdict was computed on, for the localiser: the baseline, the perturbed copy in which a held row
-    moved (`case`, `hold`: (B, T) rows that must not move, `moved`: the perturbed positions), the first
-    over-masked cell, and a FlexAttention mask_mod that disagrees with the pattern at `point` (b, h, q, kv)."""
+    """What the verdict was computed on, for the localiser: the baseline (its queries the last Tq of the Tk
+    positions), the perturbed copy in which a held row moved (`case`, `hold`: (B, Tq) rows that must not move,
+    `moved`: the perturbed key positions (B, Tk)), the first over-masked cell, and a FlexAttention mask_mod that
+    disagrees with the pattern at `point` (b, h, q, kv)."""
 
     base: Inputs | None = None
     case: Inputs | None = None
@@ -64,6 +74,7 @@ class PatternEvidence:
     differ: tuple[int, int, int] = (0, 0, 0)  # points that differ in all, in (b=0, h=0), and (b=0, h=0)'s total
     allows: bool = False  # what the mask_mod says at `point`
     flex_frames: tuple = ()
+    fix: str = ""  # the fix of a mask found at the sites: the declared pattern's own rule, and what differs
 
 
 def _streams(probe: Probe) -> tuple[str, ...]:
@@ -75,25 +86,42 @@ def _fold(change: Tensor) -> Tensor:
     return change.amax(1) if change.dim() == 3 else change
 
 
-def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str,
-         reference: Tensor | None = None) -> tuple[list[Tensor], float, list, Tensor] | DetectorResult:
-    """Each of `sets` (bool (B, T): the keys perturbed in each sequence) as one copy of `base`, the copies stacked
+def _sizes(probe: Probe, base: Inputs) -> tuple[int, int, int]:
+    """(B, Tq, Tk) of a probe's inputs."""
+    t = probe.subject.time_dim
+    return base.query.shape[0], base.query.shape[t], base.key.shape[t]
+
+
+def _declared(probe: Probe, B: int, t_q: int, t_k: int) -> Tensor:
+    """What the layer may see, bool (B, Tq, Tk): the declared pattern (bottom-right), and the mask it is given."""
+    declared = probe.pattern.allowed(B, t_q, t_k)  # (B, Tq, Tk)
+    passed = probe.allowed(B, t_q, t_k)
+    return declared if passed is None else declared & passed.cpu().bool().expand(B, t_q, t_k)
+
+
+def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str, reference: Tensor | None = None, *,
+         both_ways: bool = False) -> tuple[list[Tensor], float, list, Tensor] | DetectorResult:
+    """Each of `sets` (bool (B, Tk): the keys perturbed in each sequence) as one copy of `base`, the copies stacked
     along the batch (in as few calls as `MAX_SCORES` allows) and measured against one baseline call (`reference`:
     its output, when already made): the moved rows (B, Tq) of each, the tolerance, the perturbed inputs and the
     baseline's output. A baseline in a call of its own differs from the same rows of a stacked call by at most a
-    rounding (the tolerance is 2.5 or more roundings at every dtype)."""
+    rounding (the tolerance is 2.5 or more roundings at every dtype). `both_ways`: each set as two copies, the one
+    draw pushed one way and the opposite way (a key pushed to a very negative logit only loses its weight; pushed
+    the other way it takes it all)."""
     det, s = probe.detector, probe.subject
-    B, T = base.query.shape[0], base.query.shape[s.time_dim]
+    B, t_q, t_k = _sizes(probe, base)
     heads = s.num_heads or 1
-    per_call = max(1, MAX_SCORES // max(1, B * heads * T * T))
+    per_call = max(1, MAX_SCORES // max(1, B * heads * t_q * t_k))
     gains = perturbation_gains(probe)
+    gains = gains + tuple(-g for g in gains) if both_ways else gains
     tol = tolerance(UNCHANGED, s.dtype)
     if reference is None:
-        first = probe.call(base.query, base.key, base.value, probe.allowed(B, T, T), label=f"{label}: the baseline")
+        first = probe.call(base.query, base.key, base.value, probe.allowed(B, t_q, t_k),
+                           label=f"{label}: the baseline")
         if not first.ok:
             return not_run(det, first)
         reference = first.output.out
-        per_row = reference.dim() >= 3 and reference.shape[0] == B and reference.shape[s.time_dim] == T
+        per_row = reference.dim() >= 3 and reference.shape[0] == B and reference.shape[s.time_dim] == t_q
         if not per_row:
             return skip(det, f"the output {tuple(reference.shape)} has no row per query and batch element "
                              f"(see output_shape)")
@@ -102,13 +130,14 @@ def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str,
         return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
                          "measured against it")
     moved, inputs = [], []
-    for start in range(0, len(sets), per_call):
-        xs = [perturbed(probe, base, where, _streams(probe), gains=gains)[0] for where in sets[start:start + per_call]]
+    for start in range(0, len(sets), max(1, per_call // len(gains))):
+        chunk = sets[start:start + max(1, per_call // len(gains))]
+        xs = [x for where in chunk for x in perturbed(probe, base, where, _streams(probe), gains=gains)]
         n = len(xs)
         Q = torch.cat([x.query for x in xs])
         K = Q if base.one_stream else torch.cat([x.key for x in xs])
         V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in xs])
-        call = probe.call(Q, K, V, probe.allowed(n * B, T, T), label=label)
+        call = probe.call(Q, K, V, probe.allowed(n * B, t_q, t_k), label=label)
         if not call.ok:
             return not_run(det, call)
         for out in call.output.out.chunk(n):
@@ -116,6 +145,31 @@ def _run(probe: Probe, base: Inputs, sets: list[Tensor], label: str,
             moved.append(_fold(change).cpu() > tol)
         inputs += xs
     return moved, tol, inputs, reference
+
+
+def _confirmed(probe: Probe, base: Inputs, reference: Tensor, ignored: Tensor, pattern) -> Tensor:
+    """The allowed (b, i, j) cells whose row did not move, measured again: each suspect key changed alone, with a
+    draw of its own pushed both ways. A row that ignores a key it may see ignores it whatever the change; one whose
+    change was lost in rounding (d_model 1 in bfloat16, where the output bias swamps a key that only lost its
+    weight) moves now. Over-masking is where no draw moved the row."""
+    if not bool(ignored.any()):
+        return ignored
+    B, t_k = ignored.shape[0], ignored.shape[-1]
+    suspects = ignored.any(dim=1)  # (B, Tk): keys some row of that sequence ignored
+    keys = suspects.any(dim=0).nonzero().flatten().tolist()
+    sets = []
+    for j in keys:
+        where = torch.zeros(B, t_k, dtype=torch.bool)
+        where[:, j] = suspects[:, j]
+        sets.append(where)
+    ran = _run(probe, base, sets, f"the keys no row moved for, each changed alone again, both ways ({pattern})",
+               reference, both_ways=True)
+    if isinstance(ran, DetectorResult):  # the verdict keeps the first reading
+        return ignored
+    still, moved = ignored.clone(), ran[0]
+    for n, j in enumerate(keys):  # (B, Tq) each: the rows that moved when key j alone was pushed one way, the other
+        still[:, :, j] &= ~(moved[2 * n] | moved[2 * n + 1])
+    return still
 
 
 def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
@@ -146,17 +200,17 @@ def _mask_mod_disagrees(probe: Probe) -> PatternEvidence | None:
     return None
 
 
-def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int, keys: Tensor,
-            T: int) -> tuple[int | None, Inputs | None]:
-    """The one key among `keys` (bool (T,), all blocked for row i of sequence b) that moves that row, by halving."""
-    B = base.query.shape[0]
+def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int,
+            keys: Tensor) -> tuple[int | None, Inputs | None]:
+    """The one key among `keys` (bool (Tk,), all blocked for row i of sequence b) that moves that row, by halving."""
+    B, _, t_k = _sizes(probe, base)
     found, last = None, None
     while int(keys.sum()) > 1:
         idx = keys.nonzero().flatten()
         halves = [idx[: len(idx) // 2], idx[len(idx) // 2:]]
         sets = []
         for half in halves:
-            where = torch.zeros(B, T, dtype=torch.bool)
+            where = torch.zeros(B, t_k, dtype=torch.bool)
             where[b, half] = True
             sets.append(where)
         ran = _run(probe, base, sets, f"bisecting the keys that move query {i} of sequence {b}", reference)
@@ -166,7 +220,7 @@ def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int, keys:
         hit = next((n for n, m in enumerate(moved) if bool(m[b, i])), None)
         if hit is None:
             return None, None  # the group moved the row and neither half does: keys that leak only together
-        keys = torch.zeros(T, dtype=torch.bool)
+        keys = torch.zeros(t_k, dtype=torch.bool)
         keys[halves[hit]] = True
         last = inputs[hit]
     if int(keys.sum()) == 1:
@@ -181,38 +235,38 @@ class Reading:
     """The measured pattern of one probe, per cell of (B, Tq, Tk): seen moving its row alone (the only key of the
     row's pattern in its test), as part of a moving group, not moving, or not measurable."""
 
-    depends: Tensor  # bool (B, T, T): the row moved in a test where this was its only allowed key
-    ignored: Tensor  # bool (B, T, T): the row did not move in a test that perturbed this key
-    group: Tensor  # bool (B, T, T): allowed keys confirmed only as part of a moving group
+    depends: Tensor  # bool (B, Tq, Tk): the row moved in a test where this was its only allowed key
+    ignored: Tensor  # bool (B, Tq, Tk): the row did not move in a test that perturbed this key
+    group: Tensor  # bool (B, Tq, Tk): allowed keys confirmed only as part of a moving group
     leaks: list  # (b, i, r): row i of sequence b moved in test r, where it may see none of the keys perturbed
-    unmeasured: Tensor  # bool (B, T, T): cells no test could read (a one-stream layer's own position)
+    unmeasured: Tensor  # bool (B, Tq, Tk): cells no test could read (a one-stream layer's own position)
 
 
 def _read(declared: Tensor, classes: list[Tensor], moved: list[Tensor], one_stream: bool) -> Reading:
-    B, T, _ = declared.shape
-    depends = torch.zeros(B, T, T, dtype=torch.bool)
+    B, t_q, t_k = declared.shape
+    depends = torch.zeros(B, t_q, t_k, dtype=torch.bool)
     ignored, group, unmeasured = depends.clone(), depends.clone(), depends.clone()
     leaks = []
     for r, (keys, m) in enumerate(zip(classes, moved)):
-        # a one-stream layer's perturbed token is also a perturbed query, whose own row moves whatever it
-        # depends on: those rows read nothing in this test
-        readable = ~keys if one_stream else torch.ones(T, dtype=torch.bool)  # (Tq,)
-        seen = (readable.view(T, 1) & keys.view(1, T)).expand(B, T, T)  # (B, Tq, Tk): cells this test reads
-        unmeasured |= (~readable.view(T, 1) & keys.view(1, T)).expand(B, T, T)
+        # a one-stream layer's perturbed token is also a perturbed query (Tq == Tk), whose own row moves whatever
+        # it depends on: those rows read nothing in this test
+        readable = ~keys if one_stream else torch.ones(t_q, dtype=torch.bool)  # (Tq,)
+        seen = (readable.view(t_q, 1) & keys.view(1, t_k)).expand(B, t_q, t_k)  # (B, Tq, Tk): cells this test reads
+        unmeasured |= (~readable.view(t_q, 1) & keys.view(1, t_k)).expand(B, t_q, t_k)
         allowed_here = (declared & seen).sum(-1, keepdim=True)  # (B, Tq, 1): allowed keys each row meets
-        mv = m.view(B, T, 1)
+        mv = m.view(B, t_q, 1)
         ignored |= seen & ~mv
         depends |= seen & declared & mv & (allowed_here == 1)
         group |= seen & declared & mv & (allowed_here > 1)
-        leaking = m & (allowed_here[..., 0] == 0) & readable.view(1, T)  # (B, Tq): moved, may see none of them
+        leaking = m & (allowed_here[..., 0] == 0) & readable.view(1, t_q)  # (B, Tq): moved, may see none of them
         leaks += [(b, i, r) for b, i in leaking.nonzero().tolist()]
     unmeasured &= ~(depends | ignored | group)
     return Reading(depends, ignored, group, leaks, unmeasured)
 
 
-def _cells(mask: Tensor, limit: int = 3) -> str:
-    """A few (b, q, kv) cells of a bool (B, Tq, Tk) mask, in order."""
-    shown = [f"query {i} -> key {j} in sequence {b}" for b, i, j in mask.nonzero()[:limit].tolist()]
+def _cells(mask: Tensor, offset: int = 0, limit: int = 3) -> str:
+    """A few (b, q, kv) cells of a bool (B, Tq, Tk) mask, in order; queries at their positions (index + offset)."""
+    shown = [f"query {i + offset} -> key {j} in sequence {b}" for b, i, j in mask.nonzero()[:limit].tolist()]
     return "; ".join(shown) + (" ..." if int(mask.sum()) > limit else "")
 
 
@@ -245,115 +299,219 @@ def pattern_sites(probe, result: DetectorResult) -> list[Site]:
         return mask_mod_site(ev.mask_mod, ev.flex_frames, f"mask_mod(b={b}, h={h}, q_idx={q}, kv_idx={kv}) "
                                                            f"differs from the declared {probe.pattern}")
     s, base = probe.subject, ev.base
-    B, T = base.query.shape[0], base.query.shape[s.time_dim]
-    allowed = probe.allowed(B, T, T)
-    declared = probe.pattern.allowed(B, T, T) & (torch.ones(B, T, T, dtype=torch.bool) if allowed is None
-                                                 else allowed.cpu().bool().expand(B, T, T))
+    B, t_q, t_k = _sizes(probe, base)
+    allowed = probe.allowed(B, t_q, t_k)
     a = trace_call(s, base.query, base.key, base.value, allowed, seed=probe.seed)
-    sites = mask_sites(a, declared, B, T, T)
+    sites = [replace(x, fix=ev.fix) if ev.fix else x
+             for x in mask_sites(a, _declared(probe, B, t_q, t_k), B, t_q, t_k)]
     if sites or ev.case is None:
         return sites
     c = trace_call(s, ev.case.query, ev.case.key, ev.case.value, allowed, seed=probe.seed)
-    op = first_moved(a, c, ev.hold & ~ev.moved, ev.tol)
+    op = first_moved(a, c, ev.hold & ~ev.moved if base.one_stream else ev.hold, ev.tol)  # held, not perturbed
     return [op_site(op, "the first op whose output at rows the pattern holds moves when only keys it blocks "
                         "changed")] if op is not None else []
 
 
+def dependency_map(probe: Probe, base: Inputs, reference: Tensor, declared: Tensor, cell: tuple[int, int, int],
+                   label: str, how: str) -> DependencyMap | None:
+    """The finding's picture: sequence b's rows and keys around `cell` (b, i, j), at most PICTURE_CELLS of each, each
+    key perturbed alone (one copy of the probe batch per key, stacked as the tests are) and the rows that move read.
+    None where a call fails: the verdict stands without its picture."""
+    b, i, j = cell
+    B, t_q, t_k = declared.shape
+    n_q, n_k = min(t_q, PICTURE_CELLS), min(t_k, PICTURE_CELLS)
+    q0, k0 = min(max(i - n_q // 2, 0), t_q - n_q), min(max(j - n_k // 2, 0), t_k - n_k)
+    sets = []
+    for key in range(k0, k0 + n_k):
+        where = torch.zeros(B, t_k, dtype=torch.bool)
+        where[b, key] = True
+        sets.append(where)
+    ran = _run(probe, base, sets, label, reference)
+    if isinstance(ran, DetectorResult):
+        return None
+    moved = torch.stack([m[b, q0:q0 + n_q] for m in ran[0]], dim=-1)  # (rows, keys): row i moved when key j changed
+    offset = t_k - t_q  # the queries are the last Tq positions
+    rows, keys = torch.arange(q0, q0 + n_q).view(n_q, 1) + offset, torch.arange(k0, k0 + n_k).view(1, n_k)
+    # a one-stream layer's token is its query too: its own row moves whatever the key does
+    measurable = (rows != keys) if base.one_stream else torch.ones(n_q, n_k, dtype=torch.bool)
+    return DependencyMap(pattern=str(probe.pattern), sequence=b, t=t_k, q0=q0 + offset, k0=k0,
+                         declared=declared[b, q0:q0 + n_q, k0:k0 + n_k].clone(), moved=moved & measurable,
+                         measurable=measurable, how=how)
+
+
+def pattern_fix(pattern, leak: tuple[int, int, int] | None, over: tuple[int, int, int] | None, offset: int = 0) -> str:
+    """The fix of a mask that differs from the declared pattern: what it lets through or blocks (queries at their
+    positions, index + `offset`), and the pattern's own rule to build it from."""
+    said = []
+    if leak is not None:
+        said.append(f"lets query {leak[1] + offset} see key {leak[2]} ({pattern} blocks it)")
+    if over is not None:
+        said.append(f"blocks query {over[1] + offset} from key {over[2]} ({pattern} allows it)")
+    rule = (f"allowed = {pattern.rule} (q_idx, kv_idx: absolute positions)" if pattern.rule is not None
+            else f"allowed = the declared mask_mod {pattern.name}(b, h, q_idx, kv_idx)")
+    return (f"the mask built here {' and '.join(said)}: build it as {pattern} states it, {rule}, or pass the "
+            f"pattern itself as FlexAttention's mask_mod")
+
+
 @detector("attention_pattern", "for a declared pattern, each output row depends on exactly the keys the pattern "
-          "allows (leakage where it blocks, over-masking where it allows), measured by perturbing keys",
+          "allows (leakage where it blocks, over-masking where it allows), measured by perturbing keys; for a causal "
+          "layer also while decoding (the last T // 3 queries over all T keys)",
           targets=("sliding window one too long or too short", "window applied on both sides",
                    "chunk boundary one off", "documents leaking into each other", "causal prefix",
-                   "FlexAttention mask_mod not the pattern meant"),
+                   "window dropped once a cache holds keys", "FlexAttention mask_mod not the pattern meant"),
           fix="build the mask from the declared pattern: mask = pattern.allowed(B, Tq, Tk) (or pass the pattern "
               "itself as FlexAttention's mask_mod)",
           needs=(PATTERN, LONG), locate=pattern_sites)
 def check_attention_pattern(probe: Probe) -> DetectorResult:
     det, s, B, T = "attention_pattern", probe.subject, probe.BATCH, probe.t
-    pattern, one = probe.pattern, not s.separate_kv
     flex = _mask_mod_disagrees(probe)
-    base = Inputs(*probe.streams(B, T, cross=s.separate_kv))
-    declared = pattern.allowed(B, T, T)  # (B, Tq, Tk)
-    passed = probe.allowed(B, T, T)
-    if passed is not None:  # what the layer may see: the pattern, and the mask it is given
-        declared = declared & passed.cpu().bool().expand(B, T, T)
-    lo = torch.where(declared, torch.arange(T), T).amin(-1)
-    hi = torch.where(declared, torch.arange(T), -1).amax(-1)
+    full = _measure(probe, Inputs(*probe.streams(B, T, cross=s.separate_kv)), "")
+    if isinstance(full, DetectorResult) or full.failed or flex is not None or not (probe.causal and s.separate_kv):
+        return _verdict(probe, full, flex)
+    # a decoder: the pattern holds while decoding too, the last Tq positions querying all T keys (a cache of T - Tq)
+    t_q = max(1, T // DECODE_SHARE)
+    q, k, v = probe.streams(B, T, cross=True)
+    decoding = _measure(probe, Inputs(q.narrow(s.time_dim, T - t_q, t_q).contiguous(), k, v, None),
+                        f" when the last {t_q} of {T} positions query all {T} keys "
+                        f"(decoding with a cache of {T - t_q})")
+    if isinstance(decoding, DetectorResult) or not decoding.failed:  # the full pass's verdict, with both measured
+        return _verdict(probe, full, None, also=decoding if not isinstance(decoding, DetectorResult) else None)
+    return _verdict(probe, decoding, None, also=full)
+
+
+@dataclass
+class Measured:
+    """One measurement of the dependency pattern (the full pass, or decoding): what `_verdict` words and returns."""
+
+    when: str  # "" for the full pass, else the decoding shape in words
+    leak_text: str
+    over_text: str
+    measured: str  # what was measured, for the evidence
+    value: float
+    evidence: PatternEvidence
+    picture: DependencyMap | None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.leak_text or self.over_text)
+
+
+def _measure(probe: Probe, base: Inputs, when: str) -> Measured | DetectorResult:
+    """The dependency pattern of `base`'s queries over its keys, judged against the declared pattern: leaks
+    bisected to their key, over-masking confirmed, the first finding's picture measured key by key."""
+    det, s, pattern = "attention_pattern", probe.subject, probe.pattern
+    B, t_q, t_k = _sizes(probe, base)
+    one = base.one_stream
+    declared = _declared(probe, B, t_q, t_k)
+    lo = torch.where(declared, torch.arange(t_k), t_k).amin(-1)
+    hi = torch.where(declared, torch.arange(t_k), -1).amax(-1)
     span = int((hi - lo).clamp_min(0).max()) + 1  # the widest row, in positions
-    p = min(T, span + 2, MAX_TESTS)
-    classes = [torch.arange(T) % p == r for r in range(p)]  # (T,) each
-    ran = _run(probe, base, [c.expand(B, T) for c in classes], f"keys j % {p} == r changed, one class per copy "
-                                                                f"({pattern})")
+    p = min(t_k, span + 2, MAX_TESTS)
+    classes = [torch.arange(t_k) % p == r for r in range(p)]  # (Tk,) each
+    ran = _run(probe, base, [c.expand(B, t_k) for c in classes], f"keys j % {p} == r changed, one class per copy "
+                                                                  f"({pattern}){when}")
     if isinstance(ran, DetectorResult):
         return ran
     moved, tol, inputs, reference = ran
     if not any(bool(m.any()) for m in moved):
-        return skip(det, "the output did not respond to any key, so its not moving where the pattern blocks "
-                         "proves nothing")
+        return skip(det, f"the output did not respond to any key{when}, so its not moving where the pattern blocks "
+                         f"proves nothing")
     reading = _read(declared, classes, moved, one)
-    over = declared & reading.ignored
-    dt = dtype_name(s.dtype)
+    over = _confirmed(probe, base, reference, declared & reading.ignored, pattern)
+    dt, offset = dtype_name(s.dtype), t_k - t_q  # query i is at position i + offset
     # a leak: bisect the first leaking test down to the one key that moves the row
-    leak_text, ev = "", PatternEvidence(base=base, tol=tol)
+    leak_text, ev, leak_cell, over_cell = "", PatternEvidence(base=base, tol=tol), None, None
     if reading.leaks:
         b, i, r = reading.leaks[0]
         blocked = classes[r] & ~declared[b, i]
-        key, case = _bisect(probe, base, reference, b, i, blocked, T)
-        hold = torch.zeros(B, T, dtype=torch.bool)
+        key, case = _bisect(probe, base, reference, b, i, blocked)
+        hold = torch.zeros(B, t_q, dtype=torch.bool)
         if case is None:
             case = inputs[r]
-            sets = classes[r].expand(B, T)
+            sets = classes[r].expand(B, t_k)
             # rows of the copy that meet no allowed key (their perturbed keys all blocked), and are not perturbed
-            meets = (declared & sets.view(B, 1, T)).any(-1)
-            hold = ~meets & ~(sets if one else torch.zeros(B, T, dtype=torch.bool))
+            meets = (declared & sets.view(B, 1, t_k)).any(-1)
+            hold = ~meets & ~(sets if one else torch.zeros(B, t_q, dtype=torch.bool))
             moved_at = sets.clone()
         else:
             hold[b] = ~declared[b, :, key]
             if one:
                 hold[b, key] = False
-            moved_at = torch.zeros(B, T, dtype=torch.bool)
+            moved_at = torch.zeros(B, t_k, dtype=torch.bool)
             moved_at[b, key] = True
         ev = PatternEvidence(base=base, case=case, hold=hold, moved=moved_at, tol=tol)
         rows = len({(b2, i2) for b2, i2, _ in reading.leaks})
         where = f"key {key}" if key is not None else f"keys j % {p} == {r}"
-        leak_text = (f"query {i} of sequence {b} moved when only {where} changed, which {pattern} blocks for it; "
-                     f"{rows} / {int(declared.new_ones(B, T).sum())} rows depend on keys the pattern blocks "
-                     f"(more than {tol:.2g} of the outputs' RMS about their mean, for {dt})")
+        leak_cell = (b, i, key if key is not None else int(blocked.nonzero()[0]))
+        leak_text = (f"query {i + offset} of sequence {b} moved when only {where} changed, which {pattern} blocks for "
+                     f"it; {rows} / {B * t_q} rows depend on keys the pattern blocks (more than {tol:.2g} of the "
+                     f"outputs' RMS about their mean, for {dt})")
     over_text = ""
     if bool(over.any()):
         b, i, j = (int(x) for x in over.nonzero()[0])
-        if ev.over is None and not reading.leaks:
+        over_cell = (b, i, j)
+        if not reading.leaks:
             ev = PatternEvidence(base=base, tol=tol, over=(b, i, j))
         over_text = (f"{int(over.sum())} / {int(declared.sum())} (query, key) pairs that {pattern} allows move no "
-                     f"output, e.g. {_cells(over)} (the row moved by at most {tol:.2g} of the outputs' RMS about "
-                     f"their mean, {dt})")
+                     f"output, e.g. {_cells(over, offset)} (the row moved by at most {tol:.2g} of the outputs' RMS "
+                     f"about their mean, {dt}, the key pushed both ways)")
     alone, grouped = int((declared & reading.depends).sum()), int((declared & reading.group).sum())
     blocked_zero = int((~declared & reading.ignored).sum())
     unmeasured = int(reading.unmeasured.sum())
-    measured = (f"{p} tests (keys j % {p} == r, r < {p}) on {B} sequences of {T}: {alone} allowed pairs seen "
-                f"moving alone, {grouped} in a moving group, {int(over.sum())} not moving; {blocked_zero} blocked "
-                f"pairs measured unmoved" + (f"; {unmeasured} pairs not measurable (a one-stream layer's own "
-                                            f"position moves with its query)" if unmeasured else ""))
+    shape = f"{B} sequences of {t_k}" if t_q == t_k else f"{B} sequences, the last {t_q} of {t_k} positions querying"
+    measured = (f"{p} tests (keys j % {p} == r, r < {p}) on {shape}: {alone} allowed pairs seen moving alone, "
+                f"{grouped} in a moving group, {int(over.sum())} not moving; {blocked_zero} blocked pairs measured "
+                f"unmoved" + (f"; {unmeasured} pairs not measurable (a one-stream layer's own position moves with "
+                              f"its query)" if unmeasured else ""))
+    ev.fix = pattern_fix(pattern, leak_cell, over_cell, offset) if leak_cell or over_cell else ""
+    first = leak_cell or over_cell
+    picture = None
+    if first is not None:  # a finding: its picture, measured key by key around its first cell
+        how = f"each key of sequence {first[0]} changed alone" + (
+            f", the last {t_q} of {t_k} positions querying (decoding)" if t_q != t_k else "")
+        picture = dependency_map(probe, base, reference, declared, first,
+                                 f"each key changed alone, for the picture of the finding ({pattern}){when}", how)
+    return Measured(when, leak_text, over_text, measured, float(len(reading.leaks) + int(over.sum())), ev, picture)
+
+
+def _verdict(probe: Probe, m: Measured | DetectorResult, flex: PatternEvidence | None, *,
+             also: Measured | None = None) -> DetectorResult:
+    """The result: a FlexAttention mask_mod that disagrees with the pattern first, else the measurement's leakage
+    and over-masking, else a pass that says what was measured (`also`: the other measurement, named in the
+    evidence)."""
+    det, pattern = "attention_pattern", probe.pattern
+    if isinstance(m, DetectorResult) and flex is None:
+        return m
+    measured = m if isinstance(m, Measured) else None
+    told = "; ".join(x.measured for x in (measured, also) if x is not None)
     if flex is not None:
         b, h, q, kv = flex.point
         n, first_head, total = flex.differ
         program = flex.allows
-        flex.base = base
+        flex.base = measured.evidence.base if measured is not None else None
+        found = "; ".join(x for x in (measured.leak_text, measured.over_text) if x) if measured is not None else ""
         return result(det, "fail", f"the FlexAttention program's mask_mod differs from the declared {pattern}",
                       value=float(n), threshold=0.0,
                       evidence=f"first at (b={b}, h={h}, q_idx={q}, kv_idx={kv}): the mask_mod "
                                f"{'allows' if program else 'blocks'} it, the pattern "
                                f"{'blocks' if program else 'allows'} it; {first_head} / {total} points differ in "
-                               f"(b=0, h=0), {n} in all; measured: "
-                               + "; ".join(x for x in (leak_text, over_text, measured) if x),
+                               f"(b=0, h=0), {n} in all; measured: " + "; ".join(x for x in (found, told) if x),
                       fix=f"make the mask_mod return exactly the declared pattern (or pass the pattern itself as "
-                          f"the mask_mod: create_block_mask({pattern.name}, ...)", replay=flex)
-    if leak_text or over_text:
-        both = leak_text and over_text
+                          f"the mask_mod: create_block_mask({pattern.name}, ...))", replay=flex,
+                      extras=_picture(measured))
+    if measured.failed:
+        both = measured.leak_text and measured.over_text
         message = ("outputs depend on keys the declared pattern blocks (leakage) and ignore keys it allows "
                    "(over-masking)" if both else
-                   "outputs depend on keys the declared pattern blocks (leakage)" if leak_text else
+                   "outputs depend on keys the declared pattern blocks (leakage)" if measured.leak_text else
                    "outputs ignore keys the declared pattern allows (over-masking)")
-        return result(det, "fail", f"{message}: {pattern}", value=float(len(reading.leaks) + int(over.sum())),
-                      threshold=0.0, evidence="; ".join(x for x in (leak_text, over_text, measured) if x), replay=ev)
-    return result(det, "pass", f"every output row depends on exactly the keys {pattern} allows", value=0.0,
-                  threshold=0.0, evidence=measured)
+        return result(det, "fail", f"{message}: {pattern}{measured.when}", value=measured.value, threshold=0.0,
+                      evidence="; ".join(x for x in (measured.leak_text, measured.over_text, told) if x),
+                      replay=measured.evidence, extras=_picture(measured))
+    decoded = " (and while decoding)" if also is not None else ""
+    return result(det, "pass", f"every output row depends on exactly the keys {pattern} allows{decoded}", value=0.0,
+                  threshold=0.0, evidence=told)
+
+
+def _picture(m: Measured | None) -> dict:
+    return {"dependency_map": m.picture} if m is not None and m.picture is not None else {}
