@@ -494,18 +494,24 @@ def _widen(x: Tensor, width: int) -> Tensor:
 
 
 def _attr(layer, names, given):
+    return _read_attr(layer, names, given)[0]
+
+
+def _read_attr(layer, names, given) -> tuple[int | None, str]:
+    """A size and where it was read, for the report's first line: "declared", "its `embed_dim`", "its config's
+    `hidden_size`", or "" when nothing names it."""
     if given is not None:
-        return given
+        return given, "declared"
     for n in names:
         value = getattr(layer, n, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+            return value, f"its `{n}`"
     config = getattr(layer, "config", None)  # Hugging Face layers keep sizes on their config
     for n in names:
         value = getattr(config, n, None) if config is not None else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+            return value, f"its config's `{n}`"
+    return None, ""
 
 
 def _module_device_dtype(layer: nn.Module, device, dtype):
@@ -850,12 +856,18 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     sized = layer.self_attn if torch_layer else layer  # torch's layers keep their sizes on self_attn
     inner = _inner_mha(layer) if not torch_layer else None  # a block around nn.MultiheadAttention: its sizes
     given_d_model = d_model
-    d_model, found_heads = _attr(sized, D_MODEL_NAMES, d_model), _attr(sized, HEAD_NAMES, num_heads)
+    (d_model, width_read), (found_heads, heads_read) = (_read_attr(sized, D_MODEL_NAMES, d_model),
+                                                        _read_attr(sized, HEAD_NAMES, num_heads))
+    if torch_layer:
+        width_read, heads_read = (r.replace("its ", "its self_attn's ", 1) for r in (width_read, heads_read))
     if d_model is None and inner is not None:
-        d_model = inner[1].embed_dim
+        d_model, width_read = inner[1].embed_dim, f"its nn.MultiheadAttention `{inner[0]}`"
     if d_model is None:  # no attribute names the width: from the heads' sizes, else the first projection
-        head_dim = _attr(layer, ("head_dim", "head_size", "attention_head_size"), None)
-        d_model = found_heads * head_dim if found_heads and head_dim else _first_linear_width(layer)
+        head_dim, head_dim_read = _read_attr(layer, ("head_dim", "head_size", "attention_head_size"), None)
+        if found_heads and head_dim:
+            d_model, width_read = found_heads * head_dim, f"num_heads x {head_dim_read.removeprefix('its ')}"
+        else:
+            d_model, width_read = _first_linear_width(layer), "its first projection's in_features"
     if d_model is None and not hf and not torch_layer:  # bare nn.Parameter weights: a trial call
         d_model = _trial_width(layer, device, dtype, declared_call and call)
         if d_model is not None:
@@ -881,6 +893,10 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
         notes.append(f"num_heads=1 assumed: nothing on the layer names it, and a trial call did not show it "
                      f"({spell('num_heads', 4, options)} declares 4)")
     num_heads = found_heads or 1
+    # how each size was read, said once on the report's first line (a size a note gives is said in its note)
+    notes[:0] = [f"{field}={value} from {how}" for field, value, how in
+                 (("d_model", d_model, width_read), ("num_heads", found_heads, heads_read))
+                 if how and how != "declared" and not any(n.startswith(f"{field}=") for n in notes)]
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
     builtin_pattern = any(getattr(layer, n, None) is not None for n in PATTERN_NAMES)

@@ -140,7 +140,7 @@ def test_nn_transformer_encoder_layer_audits_as_a_whole():
     encoder = nn.TransformerEncoderLayer(D, H, dim_feedforward=64, batch_first=True)
     report = audit(encoder, causal=True)  # the causal mask goes to src_mask
     assert_clean(report, measured=CORE + ("mask_honoured", "future_leakage"), warns=("fully_masked_rows",))
-    assert "d_model=32, num_heads=4" in report.layer  # read from its self_attn
+    assert "d_model=32 from its self_attn's `embed_dim`, num_heads=4 from its self_attn's `num_heads`" in report.layer
 
 
 def test_decoder_layer_without_its_mask_leaks():
@@ -409,3 +409,38 @@ def test_plugin_takes_mask_and_layout(pytester):
     result = pytester.runpytest(*args, "--attention-layout=bthd", "--attention-mask-convention=additive")
     assert result.ret == 0, result.stdout.str()
     assert pytester.runpytest(*args).ret == 1  # undeclared: findings
+
+
+class _SizedBy(nn.Module):
+    """A correct self-attention whose sizes are stated in one of the ways the audit reads (issue 18, item 9)."""
+
+    def __init__(self, how: str, d_model: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.h = num_heads
+        if how == "attributes":
+            self.embed_dim, self.num_heads = d_model, num_heads
+        elif how == "heads and head width":
+            self.n_head, self.head_dim = num_heads, d_model // num_heads
+        elif how == "config":
+            self.config = type("Config", (), {"hidden_size": d_model, "num_attention_heads": num_heads})()
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("how, first_line", [
+    ("attributes", "d_model=32 from its `embed_dim`, num_heads=4 from its `num_heads`"),
+    ("heads and head width", "d_model=32 from num_heads x `head_dim`, num_heads=4 from its `n_head`"),
+    ("config", "d_model=32 from its config's `hidden_size`, num_heads=4 from its config's `num_attention_heads`"),
+    ("nothing", "d_model=32 from its first projection's in_features, num_heads=4 read from a trial call"),
+])
+def test_the_reports_first_line_says_how_each_size_was_read(how, first_line):
+    report = audit(_SizedBy(how), detectors=["runs", "output_shape"])
+    assert first_line in str(report).splitlines()[0], str(report).splitlines()[0]
+    # declared sizes are said plainly, with no source: the user knows where they came from
+    declared = audit(_SizedBy(how), d_model=32, num_heads=4, detectors=["runs", "output_shape"])
+    assert "(self_module, d_model=32, num_heads=4)" in str(declared).splitlines()[0], str(declared).splitlines()[0]
