@@ -468,7 +468,7 @@ def _measure(probe: Probe, base: Inputs, when: str) -> Measured | DetectorResult
     picture = None
     if first is not None:  # a finding: its picture, measured key by key around its first cell
         how = f"each key of sequence {first[0]} changed alone" + (
-            f", the last {t_q} of {t_k} positions querying (decoding)" if t_q != t_k else "")
+            f"; the last {t_q} of {t_k} positions querying, as in decoding" if t_q != t_k else "")
         picture = dependency_map(probe, base, reference, declared, first,
                                  f"each key changed alone, for the picture of the finding ({pattern}){when}", how)
     return Measured(when, leak_text, over_text, measured, float(len(reading.leaks) + int(over.sum())), ev, picture)
