@@ -44,7 +44,13 @@ _CARRY = _ops(
     "squeeze.default", "slice.Tensor", "select.int", "alias.default", "detach.default",
     "repeat_interleave.self_int", "repeat.default", "unbind.int", "split.Tensor", "split_with_sizes.default",
     "unsafe_split.Tensor", "_reshape_alias.default",
+    # and the steps of a rotary embedding that move or negate values (rotate_half, LLaMA's complex pairs)
+    "neg.default", "view_as_complex.default", "view_as_real.default", "index_select.default", "gather.default",
+    "roll.default", "flip.default", "narrow.default", "flatten.using_ints", "unflatten.int", "movedim.int",
 )
+# Ops that keep a factor their inputs carry when every tensor input carries the same one: with the products by a
+# tensor (below), a rotary embedding applied after q was scaled (x * cos + rotate_half(x) * sin) keeps q's scale.
+_KEEP_COMMON = _ops("add.Tensor", "add_.Tensor", "sub.Tensor", "sub_.Tensor", "cat.default", "stack.default")
 _SCALE_BY = _ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scalar")
 _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
 # matmul itself only where it is not decomposed before a dispatch mode sees it: inside flex_attention's eager
@@ -52,6 +58,12 @@ _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
 _MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 
+
+_UNIFORM_MAX = 1 << 16
+"""The largest tensor a product is checked for holding one value throughout (a gain at its initial value)."""
+
+_UNKNOWN_HOPS = 16
+"""How many ops past a scaled tensor its descendants are still marked as of unknown factor (a norm is a few)."""
 
 RECORD_SITES = True
 """Record where in the user's code each observed op ran (a few frame hops per softmax, matmul, fused call or
@@ -77,10 +89,22 @@ def _constant(x) -> float | None:
 
 @dataclass
 class SoftmaxCall:
+    """A softmax, as (..., Tq, Tk) scores and weights (see `orient`); `dim`: the axis it normalised, in that view
+    (-1: the keys); `layout`: how the layer laid the scores out, where that was not (..., Tq, Tk)."""
+
     input: Tensor
     output: Tensor
     dim: int
     frames: tuple = ()  # user_frames() where it ran
+    layout: str = ""
+    laid_out: tuple = ()  # the permutation of the layer's axes that gave this view (empty: none)
+    # the scores before the layer subtracted each row's maximum (`s - s.amax(-1, keepdim=True)`, which the softmax
+    # ignores): in half precision the shifted logits of a near-uniform row round to one value
+    unshifted: Tensor | None = field(default=None, repr=False)
+
+    def as_computed(self, t: Tensor) -> Tensor:
+        """`t` (the input or the output) with its axes as the layer laid them out."""
+        return t.permute([self.laid_out.index(a) for a in range(t.dim())]) if self.laid_out else t
 
 
 @dataclass
@@ -101,6 +125,7 @@ class FusedAttention:
     attn_mask: Tensor | None
     is_causal: bool
     frames: tuple = ()
+    out: Tensor | None = field(default=None, repr=False)  # the attention's output, (..., Tq, d_v)
 
 
 @dataclass
@@ -193,16 +218,70 @@ class Observer(Mode):
         super().__init__()
         self.record = Record()
         self._factors: dict[tuple, float] = {}  # (address, shape, stride) -> constant the values were multiplied by
+        # tensors computed from a scaled one by an op that does not keep its scale (a norm, a power): how many such
+        # ops away; their factor is unknown, and a product with one of them keeps none (q_scaled / |q_scaled|)
+        self._unknown: dict[tuple, int] = {}
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
+        self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
 
     def _factor(self, t) -> float:
+        """The constant `t`'s values were multiplied by since the last projection (1.0 where unknown)."""
         return self._factors.get(_key(t), 1.0) if isinstance(t, Tensor) else 1.0
 
-    def _set_factor(self, t, factor: float) -> None:
-        if isinstance(t, Tensor) and factor != 1.0:
-            self._factors[_key(t)] = factor
+    def _known(self, t) -> float | None:
+        """`t`'s factor, None where it is unknown (computed from a scaled tensor by an op that loses the scale)."""
+        if not isinstance(t, Tensor):
+            return 1.0
+        key = _key(t)
+        return None if key in self._unknown else self._factors.get(key, 1.0)
+
+    def _set_factor(self, t, factor: float | None, hops: int = 0) -> None:
+        """Record `t`'s factor; None: unknown, `hops` ops away from a scaled tensor."""
+        if not isinstance(t, Tensor):
+            return
+        key = _key(t)
+        if factor is None:
+            if hops <= _UNKNOWN_HOPS:
+                self._unknown[key] = hops
+            self._factors.pop(key, None)
+            return
+        self._unknown.pop(key, None)
+        if factor == 1.0:
+            self._factors.pop(key, None)  # a new tensor at a reused address: not the old one's factor
+        else:
+            self._factors[key] = factor
             self._keep.append(t)
+
+    def _gain(self, t: Tensor) -> float | None:
+        """What multiplying by the tensor `t` multiplies the other operand's factor by: its factor where it carries one;
+        for one that carries none, its value where every element has the same (a learned gain still at its initial
+        1/scale, vit-pytorch's QK RMSNorm), else 1 where it is a table computed without gradients (a rotary
+        embedding's cos and sin), and None (unknown) for a learned or computed gain of many values."""
+        key = _key(t)
+        if key in self._factors or key in self._unknown:
+            return self._known(t)
+        flat = t.detach().reshape(-1)
+        if 0 < flat.numel() <= _UNIFORM_MAX and bool((flat == flat[0]).all()):
+            return float(flat[0])
+        return None if t.requires_grad else 1.0
+
+    def _fresh(self, outs) -> None:
+        """Outputs of a product, a softmax or a fused call: a new start, whatever a freed tensor at their address had."""
+        if self._factors or self._unknown:
+            for o in outs:
+                if isinstance(o, Tensor):
+                    self._set_factor(o, 1.0)
+
+    def _hops(self, tensors) -> int | None:
+        """How far the nearest scaled or unknown input is (0: one carries a factor itself); None: none is."""
+        near = None
+        for t in tensors:
+            key = _key(t)
+            h = 0 if key in self._factors else self._unknown.get(key)
+            if h is not None and (near is None or h < near):
+                near = h
+        return near
 
     def _frames(self) -> tuple:
         return user_frames(sys._getframe(3)) if RECORD_SITES else ()  # above _frames, _note, __torch_dispatch__
@@ -222,6 +301,11 @@ class Observer(Mode):
             return super().__exit__(*exc)
         finally:
             _uncompiled_flex(self._flex_compile.pop())
+            if not self._flex_compile:  # the outermost exit: the whole call is recorded
+                try:
+                    orient(self.record)
+                except Exception:  # observing must never break the audit
+                    pass
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -254,10 +338,14 @@ class Observer(Mode):
 
     def _note(self, func, name, packet, args, kwargs, out):
         rec = self.record
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
+            self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same
+            self._keep.append(out)
         if func in _CARRY and isinstance(args[0], Tensor):
-            outs = out if isinstance(out, (tuple, list)) else (out,)
+            f = self._known(args[0])
             for o in outs:
-                self._set_factor(o, self._factor(args[0]))
+                self._set_factor(o, f, self._unknown.get(_key(args[0]), 0))
         elif func in _SCALE_BY or func in _DIVIDE_BY:
             a, b = args[0], args[1]
             c_b, c_a = _constant(b), _constant(a) if isinstance(a, Tensor) and a.numel() == 1 else None
@@ -268,12 +356,27 @@ class Observer(Mode):
             elif c_a is not None and func in _SCALE_BY and isinstance(b, Tensor):
                 self._set_factor(out, self._factor(b) * c_a)
                 self._scaled(func, c_a, b)
+            elif isinstance(a, Tensor) and isinstance(b, Tensor) and (self._factors or self._unknown):
+                near = self._hops((a, b))  # None: neither carries a factor (nor an unknown one)
+                fa, fb = (self._gain(x) if near is not None else 1.0 for x in (a, b))
+                f = None if fa is None or fb is None else fa * fb if func in _SCALE_BY else (fa / fb if fb else None)
+                self._set_factor(out, f, (near or 0) + 1)
+        elif func in _KEEP_COMMON and (self._factors or self._unknown):
+            ins = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
+            alpha = kwargs.get("alpha", args[2] if len(args) > 2 and not isinstance(args[2], Tensor) else 1)
+            common = {self._known(x) for x in ins}
+            whole = all(x.numel() > 1 for x in ins) and (alpha == 1 or packet not in (aten.add, aten.add_, aten.sub,
+                                                                                        aten.sub_))
+            f = common.pop() if len(common) == 1 and whole else None
+            for o in outs:
+                self._set_factor(o, f, (self._hops(ins) or 0) + 1)
         elif func is aten.copy_.default:
-            self._set_factor(args[0], self._factor(args[1]))
+            self._set_factor(args[0], self._known(args[1]), self._unknown.get(_key(args[1]), 0))
         elif func in _MATMULS:
             a, b = args[0], args[1]
             # a copy: a layer may scale the scores in place afterwards (Falcon's `scores /= sqrt(d)`)
             m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b), self._frames())
+            self._fresh(outs)
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func is aten.baddbmm.default:
@@ -281,10 +384,13 @@ class Observer(Mode):
             alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))
             m = Matmul(out.detach().clone(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b),
                        self._frames())
+            self._fresh(outs)
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:
-            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames())
+            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
+                            unshifted=self._shifted.get(_key(args[0])))
+            self._fresh(outs)
             rec.softmaxes.append(s)
             rec.order.append(s)
         elif "scaled_dot_product" in name and "backward" not in name:
@@ -296,9 +402,123 @@ class Observer(Mode):
                 mask = next((a for a in args[3:] if isinstance(a, Tensor)), None)
             is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
             f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
-                               None if mask is None else mask.detach(), is_causal, self._frames())
+                               None if mask is None else mask.detach(), is_causal, self._frames(),
+                               outs[0].detach() if isinstance(outs[0], Tensor) else None)
+            self._fresh(outs)
             rec.fused.append(f)
             rec.order.append(f)
+        elif self._factors or self._unknown:  # any other op: what it computes from a scaled tensor has no known factor
+            ins = [x for a in list(args) + list(kwargs.values())
+                   for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
+            near = self._hops(ins)
+            for o in outs:
+                if isinstance(o, Tensor):
+                    self._set_factor(o, None if near is not None else 1.0, (near or 0) + 1)
+
+
+def _row_constant(a, b) -> bool:
+    """`b` holds one number per row of `a` (..., n): what a stable softmax subtracts."""
+    return (isinstance(a, Tensor) and a.dim() >= 2 and a.shape[-1] > 1 and b.dim() == a.dim() and b.shape[-1] == 1
+            and b.shape[:-1] == a.shape[:-1])
+
+
+def orient(record: Record) -> None:
+    """Lay out every softmax over a non-last axis as (..., Tq, Tk) scores, heads and batch first, so that what reads
+    the weights finds them by their sizes whatever the layer's layout ((B, Tq, Tk, H) with softmax(dim=2), keys
+    first): the keys are the axis the weights are summed over with the values (the next product that reads them),
+    else the softmax's own axis where the q·k product's sizes say so; the queries are the scores' other axis. Where
+    Tq = Tk and no product tells, the queries are the earlier of the two axes (every einsum layout writes them
+    first). A softmax over the queries stays one: its `dim` is then -2."""
+    for i, sm in enumerate(record.order):
+        if not isinstance(sm, SoftmaxCall) or sm.layout:
+            continue
+        nd = sm.input.dim()
+        d = sm.dim % nd if nd else 0
+        if nd < 3:
+            continue
+        if d == nd - 1:  # the usual layout, unless the values are summed over another axis (keys first, over queries)
+            if sm.output.numel() > _ORIENT_LAST_MAX:
+                continue
+            k = _summed_with_values(record.order[i + 1:], sm.output)
+            if k is None or k == d or sm.output.shape[k] != sm.output.shape[d]:
+                continue
+        axes = _query_key_axes(record, i, sm, d)
+        if axes is None:
+            continue
+        q, k = axes
+        perm = [a for a in range(nd) if a not in (q, k)] + [q, k]
+        if perm == list(range(nd)):  # already (..., Tq, Tk): a softmax over another axis of them stays as it was
+            continue
+        shape = tuple(sm.input.shape)
+        sm.layout = (f"softmax over dim {d} of {shape}: read as (..., Tq, Tk) with the queries from dim {q} and "
+                     f"the keys from dim {k}")
+        sm.input, sm.output, sm.dim = sm.input.permute(perm), sm.output.permute(perm), perm.index(d) - nd
+        if sm.unshifted is not None:
+            sm.unshifted = sm.unshifted.permute(perm)
+        sm.laid_out = tuple(perm)
+
+
+_ORIENT_LAST_MAX = 1 << 22
+"""Weights larger than this (a long audit's (B, H, T, T)) laid out with the softmax's axis last are taken as (..., Tq, Tk)
+without asking the values product (a keys-first layout shows at the standard probe's length)."""
+
+
+def _query_key_axes(record: Record, i: int, sm: SoftmaxCall, d: int) -> tuple[int, int] | None:
+    shape = tuple(sm.output.shape)
+    k = _summed_with_values(record.order[i + 1:], sm.output)
+    scores = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
+                   and m.out.numel() == sm.input.numel() and m.out.dim() >= 2), None)
+    rows, cols = (tuple(scores.out.shape[-2:]) if scores is not None else (None, None))
+    if k is None:
+        if scores is not None and rows != cols and shape[d] in (rows, cols):
+            size = cols  # q·k: the keys are the product's columns
+            k = d if shape[d] == size else next((a for a in reversed(range(1, len(shape))) if shape[a] == size), None)
+        elif sum(n == shape[d] for n in shape[1:]) == 2:  # two axes of this size: queries first
+            k = max(a for a in range(1, len(shape)) if shape[a] == shape[d])
+        if k is None:
+            return None
+    other = (rows if cols == shape[k] else cols) if scores is not None and shape[k] in (rows, cols) else shape[k]
+    candidates = [a for a in range(1, len(shape)) if a != k and shape[a] == other]
+    if not candidates:
+        return None
+    before = [a for a in candidates if a < k]
+    return (before[-1] if before else candidates[0]), k
+
+
+def _summed_with_values(later: list, weights: Tensor) -> int | None:
+    """The axis of `weights` that the first later product reading them sums over (the keys), told by the sums along
+    it: a product's operand holds the same numbers, so its sums over the contracted axis are the weights' sums over
+    one of their axes, in some order. None when no product reads them as they are."""
+    for m in later:
+        if not isinstance(m, Matmul):
+            continue
+        for operand, contracted in ((m.a, -1), (m.b, -2)):
+            if operand.numel() != weights.numel() or operand.dim() < 2:
+                continue
+            n = operand.shape[contracted]
+            wide = torch.float64 if weights.dtype == torch.float64 else torch.float32
+            want = operand.to(wide).nan_to_num(0.0).sum(contracted).flatten().sort().values
+            w = weights.to(wide).nan_to_num(0.0)  # a row of no key: NaN, zeroed before it reaches the values
+            scale = float(want.abs().mean()) or 1.0
+            gaps = {a: float((w.sum(a).flatten().sort().values - want).abs().max()) / scale
+                    for a in range(w.dim()) if w.shape[a] == n}
+            if not gaps:
+                continue
+            best = min(gaps, key=gaps.get)
+            others = [g for a, g in gaps.items() if a != best]
+            # the same numbers summed in another order differ by rounding only (<= 1e-6 relative measured in float32);
+            # near-uniform weights (GPT-2's init) sum to ~1 over either axis, so the other axis must be 10x further
+            if gaps[best] <= _SAME_SUMS and all(g > 10 * max(gaps[best], 1e-7) for g in others):
+                return best
+        return None
+    return None
+
+
+_SAME_SUMS = 1e-4
+"""The largest relative difference between the sorted sums of the weights along an axis and those of a product's
+operand over its contracted axis for them to be the same numbers. Measured (tests/test_observed_conventions.py's
+heads-last and keys-first layers and their twins, float32 and bfloat16, default and std-0.02 init, 5 seeds): the
+contracted axis <= 3.6e-7 (margin 280x), the other axis >= 4.2e-3 (near-uniform weights at std 0.02)."""
 
 
 def _uncompiled_flex(state):
@@ -345,8 +565,20 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
         if not isinstance(event, SoftmaxCall):
             continue
         earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
-        for m in reversed(earlier):
-            fitted = _fit_scale(event.input, m.out, event.output)
+        # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
+        beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]
+        scores = event.input if event.unshifted is None else event.unshifted
+        for m in earlier[::-1] + beside[::-1]:
+            same = m.out.numel() == event.input.numel()
+            fitted = (_fit_scale if same else _fit_beside)(scores, m.out, event.output)
+            if fitted is None and event.laid_out:  # the product's elements in the order the layer laid out the scores
+                fitted = _fit_scale(event.as_computed(scores), m.out, event.as_computed(event.output))
+            heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
+            for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
+                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
+                                               f"head {h} of {len(heads)}", residual, matmul=m, softmax=event))
+            if heads:
+                break
             if fitted is not None:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
@@ -361,6 +593,33 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                        again[1], matmul=m, softmax=event, used_by=by))
                 break
     return estimates
+
+
+def _fit_per_head(scores: Tensor, products: Tensor, weights: Tensor) -> list[tuple[float, float]]:
+    """`_fit_scale` per head, when one factor does not fit them all: (B*H, Tq, Tk) products (batch first, as bmm sees
+    the heads) against scores of as many elements. [] unless every head fits."""
+    if products.dim() != 3 or products.shape[0] % 2 or products.shape[0] < 4:
+        return []
+    n = products.shape[0] // 2  # heads: the probe's batch is 2
+    per = lambda t: t.detach().reshape(2, n, -1, products.shape[-1])  # noqa: E731  (batch, head, Tq, Tk)
+    s, p, w = per(scores), per(products), per(weights)
+    fits = [_fit_scale(s[:, h], p[:, h], w[:, h]) for h in range(n)]
+    return fits if all(f is not None for f in fits) else []
+
+
+def _fit_beside(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
+    """`_fit_scale` of (..., Tq, Tk + n) scores whose first or last Tk columns a (..., Tq, Tk) product fills: the layer's
+    own n logits (attention sinks) stand beside the products."""
+    if scores.dim() < 2 or products.dim() < 2 or scores.shape[-2] != products.shape[-2]:
+        return None
+    t_k, wide = products.shape[-1], scores.shape[-1]
+    if not t_k < wide or scores.numel() // wide != products.numel() // t_k:
+        return None
+    for cut in (slice(0, t_k), slice(wide - t_k, wide)):
+        fitted = _fit_scale(scores[..., cut], products, weights[..., cut])
+        if fitted is not None:
+            return fitted
+    return None
 
 
 def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
@@ -417,9 +676,87 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float
         return None
     scale = float((ds * dp).sum()) / denom
     residual = float((ds - scale * dp).norm() / ds.norm().clamp_min(1e-300))
-    if residual > 0.05:  # not the matmul that produced these logits
-        return None
+    if residual > 0.05:  # a shift of each row (scores - their max, which the softmax ignores), or another matmul
+        return _fit_scale_rows(scores, products, weights)
     return scale, residual
+
+
+def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
+    """`_fit_scale` with a bias of each row's own as well: the differences between the batch halves centred per row
+    over the entries with weight in both (a stable softmax's `scores - scores.amax(-1)` shifts each row)."""
+    t_k = scores.shape[-1] if scores.dim() else 0
+    if t_k < 2 or products.numel() != scores.numel():
+        return None
+    s, p, w = (x.detach().reshape(-1, t_k) for x in (scores, products, weights))
+    half = s.shape[0] // 2
+    if half == 0 or s.shape[0] % 2:
+        return None
+    step = max(1, half * t_k // _FIT_SAMPLES)  # a sample of rows
+    s0, s1, p0, p1 = (x.double() for x in (s[:half:step], s[half::step], p[:half:step], p[half::step]))
+    ds, dp = s0 - s1, p0 - p1
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
+    n = ok.sum(-1, keepdim=True).clamp_min(1)
+    ds = torch.where(ok, ds - torch.where(ok, ds, 0.0).sum(-1, keepdim=True) / n, 0.0)
+    dp = torch.where(ok, dp - torch.where(ok, dp, 0.0).sum(-1, keepdim=True) / n, 0.0)
+    denom = float((dp * dp).sum())
+    if int(ok.sum()) < 4 or denom == 0.0:
+        return None
+    scale = float((ds * dp).sum()) / denom
+    residual = float((ds - scale * dp).norm() / ds.norm().clamp_min(1e-300))
+    return (scale, residual) if residual <= 0.05 else None
+
+
+@dataclass(frozen=True)
+class LearnedKeys:
+    """Keys a layer adds of its own to every sequence, which no input reaches: memory key/value slots, attention
+    sinks (a learned logit column that takes weight and brings no value), a bias_kv or zero key. Seen as more keys
+    at the softmax (or a fused call) than the input has."""
+
+    keys: int  # keys beyond the input's Tk
+    values: int  # of those, how many bring a value of their own (a sink brings none)
+    softmax: SoftmaxCall | None = field(default=None, compare=False, repr=False)
+    fused: FusedAttention | None = field(default=None, compare=False, repr=False)
+    product: Matmul | None = field(default=None, compare=False, repr=False)  # weights · values, when seen
+    weights_operand: int = 0  # which operand of `product` holds the weights: 0 (a, summed over its last axis), 1 (b)
+
+    def describe(self) -> str:
+        sinks = self.keys - self.values
+        parts = ([f"{self.values} learned key/value slot{'s' if self.values != 1 else ''}"] if self.values else []) + \
+                ([f"{sinks} attention sink{'s' if sinks != 1 else ''} (a learned logit that takes weight and brings no "
+                  f"value)"] if sinks else [])
+        return " and ".join(parts)
+
+
+def learned_keys(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
+    """The layer's own keys beyond the input's `t_k`, read from its last softmax over (Tq, Tk + n) scores and the
+    product that sums its weights with the values (or from a fused call's keys); None when it adds none."""
+    for i in reversed(range(len(record.order))):
+        sm = record.order[i]
+        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 2 and sm.output.shape[-2] == t_q \
+                and sm.output.shape[-1] > t_k:
+            n = sm.output.shape[-1] - t_k
+            product, operand = _values_product(record.order[i + 1:], sm.output, t_q, t_k, n)
+            if product is None:
+                return LearnedKeys(n, n, softmax=sm)
+            width = (product.a.shape[-1] if operand == 0 else product.b.shape[-2]) - t_k
+            return LearnedKeys(n, max(0, min(n, width)), softmax=sm, product=product, weights_operand=operand)
+    for f in reversed(record.fused):
+        if f.q.shape[-2] == t_q and f.k.shape[-2] > t_k:
+            return LearnedKeys(f.k.shape[-2] - t_k, f.k.shape[-2] - t_k, fused=f)
+    return None
+
+
+def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int) -> tuple[Matmul | None, int]:
+    """The first later product that sums (Tq, Tk + m) weights, m <= n, with values: (it, the weights' operand)."""
+    rows = weights.numel() // weights.shape[-1]  # every (batch, head, query)
+    for m in later:
+        if not isinstance(m, Matmul):
+            continue
+        for operand, (x, contracted, query_axis) in enumerate(((m.a, -1, -2), (m.b, -2, -1))):
+            if x.dim() >= 2 and x.shape[query_axis] == t_q and t_k <= x.shape[contracted] <= t_k + n \
+                    and x.numel() // x.shape[contracted] == rows:
+                return m, operand
+    return None, 0
 
 
 def fused_weights(f) -> Tensor:

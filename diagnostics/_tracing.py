@@ -289,6 +289,15 @@ def first_softmax(trace: Trace, t_q: int, t_k: int) -> Op | None:
     return None
 
 
+def softmax_call(trace: Trace, op: Op):
+    """The observer's record of a traced softmax op (its scores read as (..., Tq, Tk)), or None."""
+    record = trace.record
+    for sm in getattr(record, "softmaxes", ()):
+        if trace.event_op.get(id(sm)) == op.index:
+            return sm
+    return None
+
+
 def fused_ops(trace: Trace) -> list[Op]:
     return [op for op in trace.ops if "scaled_dot_product" in op.name and "backward" not in op.name]
 
@@ -314,6 +323,59 @@ def did_nothing(trace: Trace, start: int, end: int, words: tuple[str, ...]) -> l
                  f"the step its name promises does nothing here") for u in named] + \
            [site(u.frames, "returned its input unchanged", f"{u.function}() hands back the tensor it was given")
             for u in rest]
+
+
+# ---- blocks: a residual (and a norm) around the attention ----------------------------------------------------
+
+
+@dataclass
+class Residual:
+    """The add of a block's input to its attention's output (`inner`, as it was before the add)."""
+
+    add: Op
+    inner: Tensor
+    norm: Op | None  # the normalisation that reads the sum, if one does
+
+
+def carries_input(trace: Trace, tensor_id: int, name: str) -> bool:
+    """True when the tensor is the probe input `name` itself, or a view, copy or cast of it."""
+    for _ in range(64):
+        if trace.inputs.get(tensor_id) == name:
+            return True
+        op = producer(trace, tensor_id)
+        if op is None or op.short not in CARRIES or not op.in_ids:
+            return False
+        tensor_id = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+    return False
+
+
+def value_before(trace: Trace, tensor_id: int, index: int) -> Tensor | None:
+    """What the tensor held before op `index` (an in-place add writes into its operand)."""
+    for op in reversed(trace.ops[:index]):
+        if tensor_id in op.out_ids:
+            return op.outs[op.out_ids.index(tensor_id)]
+    return None
+
+
+def residual_add(trace: Trace, shape: tuple) -> Residual | None:
+    """The last add, shaped like the output, of the query input (through views and copies) to a tensor computed
+    from it and the keys (the attention's output): a block's residual, with the norm that reads the sum, if any."""
+    for op in reversed(trace.ops):
+        if op.short not in ("add", "add_") or len(op.in_ids) < 2 or not op.outs or op.outs[0] is None \
+                or tuple(op.outs[0].shape) != tuple(shape):
+            continue
+        ids = list(op.in_ids[:2])
+        skip = [i for i in ids if carries_input(trace, i, "query")]
+        if len(skip) != 1:
+            continue
+        other = ids[1 - ids.index(skip[0])]
+        inner = value_before(trace, other, op.index)
+        if inner is None or not ({"key", "value"} & trace.sources.get(other, frozenset())):
+            continue
+        norm = next((later for later in trace.ops[op.index + 1:] if "norm" in later.short
+                     and set(op.out_ids) & set(later.in_ids)), None)
+        return Residual(op, inner, norm)
+    return None
 
 
 # ---- masks -----------------------------------------------------------------------------------------------
@@ -597,6 +659,17 @@ def short(op: Op) -> str:
     return f"{s.file.rsplit('/', 1)[-1]}:{s.line}" if s else op.name
 
 
+def short_frames(frames: tuple) -> str:
+    """file:line of an observed event's innermost user frame ("" when none was recorded)."""
+    s = site(frames, "")
+    return f"{s.file.rsplit('/', 1)[-1]}:{s.line}" if s else ""
+
+
+def op_name(op: Op) -> str:
+    """The op as a person names it: "native_layer_norm" -> "layer_norm"."""
+    return op.short.replace("native_", "")
+
+
 # ---- differential ----------------------------------------------------------------------------------------
 
 
@@ -822,6 +895,16 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
     if made.short in SOFTMAXES:
         dim = int(made.args[1]) if len(made.args) > 1 else -1
         shape = tuple(made.outs[0].shape) if made.outs and made.outs[0] is not None else ()
+        seen = softmax_call(trace, made)
+        if seen is not None and seen.laid_out:  # scores laid out otherwise than (..., Tq, Tk): the observer read them
+            q_axis, k_axis = seen.laid_out[-2:]
+            if seen.dim == -1:
+                masks = mask_sites(trace, declared, B, t_q, t_k)
+                return masks or ([op_site(made, f"the softmax that makes the weights ({seen.layout})")] if plain else [])
+            return [op_site(made, f"normalises over dim {dim % len(shape)} of {shape}, the queries (size "
+                                   f"{shape[q_axis]}); the keys are dim {k_axis} (size {shape[k_axis]}), the axis the "
+                                   f"weights are summed over with the values",
+                            fix=f"normalise over the keys: softmax(dim={k_axis}) for scores laid out as {shape}")]
         if shape and dim % len(shape) != len(shape) - 1:
             meaning = dim_meaning(shape, dim, probe)
             return [op_site(made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys "

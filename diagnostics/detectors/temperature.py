@@ -14,7 +14,7 @@ from .._observe import Scaling, SoftmaxCall, applied_scales
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
-from .._thresholds import MEASURED_SCALE_ERROR, SCALE_RATIO
+from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
     did_nothing,
     event_op,
@@ -142,17 +142,41 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
+    own = _own_temperature_fix(estimate, applied, d_k, probe) if abs(math.log(abs(ratio) or 1e-300)) > \
+        math.log(SCALE_RATIO) else None
+    extra = {"fix": own[1]} if own else {}
+    evidence += f"; {own[0]}" if own else ""
     if ratio > SCALE_RATIO:
         return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
                                    f"(not divided enough)",
-                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base)
+                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, **extra)
     if ratio < 1 / SCALE_RATIO:
         return result(det, "fail", f"softmax is {1 / ratio:.2f}x too flat: logits are multiplied by less than "
                                    f"{declared} (divided too much)",
-                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base)
+                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, **extra)
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _own_temperature_fix(estimate, applied: float, d_k: int, probe: Probe) -> tuple[str, str] | None:
+    """(what was seen, the fix) where q and k reach q·k normalised, every query row and every key row of one norm
+    (QK-norm scored with a temperature of the layer's own, cosine attention): the scale may be the layer's by design,
+    so the fix offers to declare the factor observed, or else to scale by 1/sqrt(d_k). None otherwise."""
+    m = getattr(estimate, "matmul", None)
+    if m is None or probe.scale is not None or m.a.dim() < 2 or m.b.dim() < 2:
+        return None
+    norms = [m.a.double().norm(dim=-1), m.b.double().norm(dim=-2)]  # the queries' rows, the keys' (columns of k^T)
+    apart = tolerance(ROW_SUM, probe.subject.dtype)  # an RMS or L2 norm with a uniform gain: equal to rounding
+    if not all(n.numel() and float(n.min()) > 0 and float(n.max() / n.min()) < 1 + apart for n in norms):
+        return None
+    seen = (f"q and k reach q·k normalised (every query's norm {float(norms[0].mean()):.3g}, every key's "
+            f"{float(norms[1].mean()):.3g})")
+    factor = float(f"{applied:.4g}")
+    return seen, (f"{seen}: if the layer means to score them with its own temperature, declare it: "
+                  f"scale={factor!r} (the factor q·k is multiplied by); if not, multiply q·k by 1/sqrt(d_k) = "
+                  f"1/sqrt({d_k}) before the softmax")
+
 
 
 def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:

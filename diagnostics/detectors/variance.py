@@ -1,4 +1,6 @@
-"""`output_variance`: the output is a convex combination of the values."""
+"""`output_variance`: the output is a convex combination of the values; for a layer with keys of its own (memory
+slots, attention sinks, a bias key), of the values and those keys' values; for a block (a residual and a norm around
+the attention), judged on the attention's own output inside it."""
 
 from __future__ import annotations
 
@@ -8,11 +10,25 @@ from dataclasses import dataclass
 import torch
 
 from .._core import not_run, relative_change, skip, unravel
+from .._observe import LearnedKeys, learned_keys
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
-from .._tracing import MATMULS, SOFTMAXES, ancestors, merge_fix, moved, op_site, trace_call, weights_origin
+from .._tracing import (
+    MATMULS,
+    SOFTMAXES,
+    ancestors,
+    merge_fix,
+    moved,
+    op_name,
+    op_site,
+    residual_add,
+    short,
+    short_frames,
+    trace_call,
+    weights_origin,
+)
 from ._common import result
 from .weights import at_text
 
@@ -107,9 +123,6 @@ def check_output_variance(probe: Probe) -> DetectorResult:
             return skip(det, f"output shape {tuple(call.output.out.shape)} is not the query's")
         got, expected = call.output.out, row.expand_as(call.output.out)
         what = "output rows differ from the one value row"
-    elif getattr(s, "extra_keys", False):
-        return skip(det, "the layer appends a learned or zero key (add_bias_kv / add_zero_attn) that identical "
-                         "inputs do not reach, so outputs legitimately depend on how many tokens there are")
     else:
         # a token 10x the usual size: logits grow 100x, so weights that are not normalised (which scale the
         # output with the token count) show even where the initialisation keeps logits tiny
@@ -143,6 +156,11 @@ def check_output_variance(probe: Probe) -> DetectorResult:
     text = (f"{bad} / {change.numel()} {what} ({100 * bad / change.numel():.1f}%) when every value row is the same "
             f"vector; greatest difference {shown} at {at_text(idx, ('b', 't') if change.dim() == 2 else ('b', 'h', 't'))} "
             f"(up to {tol:.2g} of the output's RMS allowed for {dtype_name(s.dtype)})")
+    # keys of the layer's own (seen on the standard probe), or a residual around the attention: judged inside
+    if s.form != "function" and (bad or _has_learned_keys(probe)):
+        inside = _judged_inside(probe, call, reference, tol)
+        if inside is not None:
+            return inside
     if bad:
         return result(det, "fail", "the output is not a convex combination of the values: identical value rows "
                        "do not come out unchanged", value=worst, threshold=tol, evidence=text,
@@ -150,6 +168,123 @@ def check_output_variance(probe: Probe) -> DetectorResult:
     bound = _bound_check(probe, tol) if s.form == "function" else None
     return bound or result(det, "pass", "identical value rows come out unchanged", value=worst, threshold=tol,
                             evidence=text)
+
+
+def _has_learned_keys(probe: Probe) -> bool:
+    """The standard probe's record shows keys the layer adds of its own (whose share the identical-values probe
+    cannot hold still, however small it happens to be)."""
+    base = probe.base()
+    return base.ok and base.record is not None and learned_keys(base.record, probe.t, probe.t) is not None
+
+
+def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> DetectorResult | None:
+    """The verdict on what the layer computes inside, where its output legitimately differs between identical value
+    rows: keys of its own (memory slots, sinks, a bias_kv), whose share of the weight depends on the queries and on
+    how many tokens there are, judged on the product of the weights and the values; or a residual (and a norm) around
+    the attention, whose output carries each query, judged on the attention's own output, the operand of the
+    residual add. None when neither is there (the output's verdict stands)."""
+    s = probe.subject
+    t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    probe.passes += 1
+    trace = trace_call(s, call.query, call.key, call.value, call.allowed, seed=probe.seed)
+    if trace.error is not None or trace.record is None:
+        return None
+    keys = learned_keys(trace.record, t_q, t_k)
+    if keys is not None:
+        return _judged_with_learned_keys(keys, t_q, t_k, tol, s.dtype, call)
+    block = residual_add(trace, tuple(call.output.out.shape))
+    if block is None:
+        return None
+    probe.passes += 1
+    again = trace_call(s, reference.query, reference.key, reference.value, reference.allowed, seed=probe.seed)
+    alone = residual_add(again, tuple(reference.output.out.shape)) if again.error is None else None
+    if alone is None or alone.inner.shape[::2] != block.inner.shape[::2]:
+        return None
+    got, expected = block.inner, alone.inner.expand_as(block.inner)
+    change = relative_change(got, expected)
+    if change is None:
+        return None
+    bad, worst = int((change > tol).sum()), float(change.max())
+    idx = unravel(change.argmax(), change.shape)
+    around = (f"{op_name(block.norm)}(query + attention)" if block.norm is not None else "query + attention")
+    where = short(block.add) + (f", normalised at {short(block.norm)}" if block.norm is not None else "")
+    text = (f"the layer is a block: its output is {around} (the residual add at {where}), so the output carries each "
+            f"query; judged on the attention's own output, the operand of that add: {bad} / {change.numel()} of its "
+            f"rows differ from its row for one query over that one token ({100 * bad / change.numel():.1f}%) when "
+            f"every value row is the same vector; greatest difference {worst:.3g} at {at_text(idx, ('b', 't'))} (up "
+            f"to {tol:.2g} of its RMS allowed for {dtype_name(s.dtype)})")
+    if bad:
+        return result("output_variance", "fail", "the attention inside the block does not output a convex "
+                      "combination of the values: identical value rows do not come out unchanged", value=worst,
+                      threshold=tol, evidence=text, replay=VarianceReplay(call))
+    return result("output_variance", "pass", "identical value rows come out unchanged from the attention inside the "
+                  "block (judged before its residual and norm)", value=worst, threshold=tol, evidence=text)
+
+
+def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float, dtype, call: Call) -> DetectorResult:
+    """A layer with keys of its own: the weights that multiply the values must be the softmax's, over the input's
+    keys and the learned ones (a sink's column takes weight and multiplies no value), and each output of that product
+    (or of the fused call) must lie within the range of the values it combines, with zero for a sink: a convex
+    combination. Correct layers measured 0 (float32 and bfloat16, default and std-0.02 init; the weights are the
+    softmax's very numbers); dropout in eval moves a row of weights by >= 0.30 in all, 10x bfloat16's allowance."""
+    det = "output_variance"
+    found = f"{keys.describe()} found: the scores have {t_k + keys.keys} keys for the input's {t_k}"
+    if keys.softmax is not None and keys.softmax.dim not in (-1, keys.softmax.output.dim() - 1):
+        return result(det, "fail", "the output is not a convex combination of the values and the learned slots: the "
+                      "softmax does not normalise over the keys", evidence=f"{found}; the softmax normalises dim "
+                      f"{keys.softmax.dim} of the (..., Tq, Tk + {keys.keys}) scores, not the keys (dim -1)",
+                      replay=VarianceReplay(call))
+    if keys.fused is not None:  # the kernel's own weights: only its output can be judged
+        f = keys.fused
+        if f.out is None:
+            return skip(det, f"{found}, at a fused attention call whose output was not observed")
+        v, out, width = f.v.double(), f.out.double(), f.v.shape[-2]
+        v, out = v.reshape(-1, width, v.shape[-1]), out.reshape(-1, t_q, out.shape[-1])  # (N, K, d), (N, Tq, d)
+        text, gap = f"{found}; judged on the output of the fused attention call", None
+    elif keys.product is None:
+        return skip(det, f"{found}, but no product of their weights with the values was observed")
+    else:
+        m = keys.product
+        if keys.weights_operand == 0:  # (N, Tq, K) @ (N, K, d)
+            w, v, out = m.a.double(), m.b.double(), m.out.double()
+        else:  # values first: (N, d, K) @ (N, K, Tq)
+            w, v, out = (x.double().transpose(-2, -1) for x in (m.b, m.a, m.out))
+        width = w.shape[-1]
+        weights = keys.softmax.output.double().reshape(-1, t_q, keys.softmax.output.shape[-1])  # (N, Tq, Tk + n)
+        w, v, out = w.reshape(-1, t_q, width), v.reshape(-1, width, v.shape[-1]), out.reshape(-1, t_q, out.shape[-1])
+        if w.shape[0] != weights.shape[0]:
+            return skip(det, f"{found}, but the softmax's weights {tuple(keys.softmax.output.shape)} and those of the "
+                             f"product {tuple(m.a.shape)} do not pair up")
+        # the softmax's columns the product reads, its first or last `width` (the learned keys first or last): how
+        # far apart the two rows are as distributions (the sum of |difference|, which the row-sum allowance bounds)
+        gap = min(float((w - weights[..., cut]).abs().sum(-1).nan_to_num(math.inf).max())
+                  for cut in (slice(0, width), slice(weights.shape[-1] - width, weights.shape[-1])))
+        at = f" at {short_frames(m.frames)}" if m.frames else ""
+        text = f"{found}; judged on the product of the weights and the values{at}"
+        if gap > tol:
+            return result(det, "fail", "the weights that multiply the values are not the softmax's over the keys and "
+                          "the learned slots", value=gap, threshold=tol,
+                          evidence=f"{text}: a row of its weights differs from the softmax's by {gap:.3g} in all (the "
+                                   f"sum of |difference| over the keys; up to {tol:.2g} allowed for "
+                                   f"{dtype_name(dtype)})", replay=VarianceReplay(call))
+    sink = keys.values < keys.keys
+    if sink:  # a sink's weight multiplies nothing: zero is one of the combined vectors
+        v = torch.cat([v, torch.zeros_like(v[:, :1])], 1)
+    hi, lo = v.amax(-2, keepdim=True), v.amin(-2, keepdim=True)  # (N, 1, d)
+    # in units of the values' RMS (of each head): a feature in which the slots and the values nearly agree has a range
+    # too narrow to measure rounding against (float32 measured 2e-5 of it at the fused kernel's output)
+    unit = v.square().mean((-2, -1), keepdim=True).sqrt().clamp_min(1e-30)  # (N, 1, 1)
+    excess = (torch.maximum(out - hi, lo - out) / unit).clamp_min(0).nan_to_num(nan=math.inf)  # (N, Tq, d)
+    worst, bad = float(excess.max()), int((excess > tol).sum())
+    text += ((f": its weights are the softmax's ({gap:.2g} apart in a row at most); " if gap is not None else ": ")
+             + f"{bad} / {excess.numel()} of its outputs lie outside the range of the {width} value rows"
+               f"{' and zero' if sink else ''} they combine, by up to {worst:.3g} of the values' RMS (up to {tol:.2g} "
+               f"allowed for {dtype_name(dtype)})")
+    if bad:
+        return result(det, "fail", "the output is not a convex combination of the values and the learned slots",
+                      value=worst, threshold=tol, evidence=text, replay=VarianceReplay(call))
+    return result(det, "pass", f"the output is a convex combination of the values and the layer's {keys.describe()}",
+                  value=worst, threshold=tol, evidence=text)
 
 
 def _bound_check(probe: Probe, tol: float) -> DetectorResult | None:

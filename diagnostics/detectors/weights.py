@@ -7,6 +7,7 @@ import math
 import torch
 
 from .._core import not_run, skip, unravel
+from .._observe import fused_weights, learned_keys
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -42,6 +43,12 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
     if not call.ok:
         return not_run(det, call)
     weights, source = probe.weights(call)
+    keys = learned_keys(call.record, T, T) if weights is None and call.record is not None else None
+    if keys is not None:  # memory slots, sinks, a bias key: a distribution over Tk + n keys
+        weights, source = ((keys.softmax.output, "observed softmax output") if keys.softmax is not None else
+                           (fused_weights(keys.fused), "weights of the observed fused attention call (recomputed "
+                                                       "from its inputs)"))
+        source += f", over the {T} keys and {keys.describe()}"
     if weights is None:
         call = probe.base()
         weights, source = probe.recovered_weights()
