@@ -60,6 +60,8 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
     w = weights.double().reshape(B, -1, T, t_k)  # (B, heads or 1, Tq, Tk)
     allowed = call.allowed if call.allowed is not None else torch.ones(B, T, t_k, dtype=torch.bool)
+    if probe.pattern is not None and t_k == T:  # a layer that keeps its declared pattern itself is not given it
+        allowed = allowed.cpu() & probe.pattern.allowed(B, T, T)
     nonempty = allowed.to(w.device).any(-1).unsqueeze(1)  # (B, 1, Tq): rows with a key to attend
     tol = tolerance(ROW_SUM, s.dtype)
     sums = w.sum(-1)  # (B, heads, Tq)
