@@ -25,7 +25,7 @@ from torch import nn
 
 import diagnostics
 from buggy_variants import VARIANTS
-from buggy_variants._registry import Setting
+from buggy_variants._registry import Setting, promised_pattern
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,7 +85,8 @@ def _observable_in_model(variant) -> bool:
     """Whether the bug can show inside TinyGPT: causal self-attention, no mask, T queries over T keys, eval mode."""
     t = MATRIX["block_size"]
     setting = Setting(32, 4, t, t, mask=None, self_attention=True, causal=True, batch=2, backward=True,
-                      dropout=variant.layer_kwargs.get("dropout", 0.0))
+                      dropout=variant.layer_kwargs.get("dropout", 0.0),
+                      pattern=promised_pattern(variant.reference(32, 4, causal=True)))
     return variant.detectable_when(setting)
 
 
@@ -104,6 +105,10 @@ def _reference_twin(variant):
 @pytest.mark.parametrize("vid", sorted(VARIANTS))
 def test_catalog_variant_in_one_layer_is_caught_there_or_changes_nothing(vid):
     variant = VARIANTS[vid]
+    if variant.layer_kwargs.get("documents") is not None:
+        pytest.skip("the documents are the layer's own constructor argument, which no model input states: the model "
+                    "audit's packed_documents reads documents from position ids that restart, and TinyGPT takes none "
+                    "(the layer audit under pattern=document(ids) catches it: tests/test_kill_matrix.py)")
     report = _variant_report(vid)
     if _observable_in_model(variant):
         assert report.status == "failed", str(report)

@@ -92,7 +92,13 @@ def declared_pattern(module: nn.Module) -> Declared | None:
         return None
     if hasattr(module, "sliding_window"):
         w = _positive_int(module.sliding_window)
-        return Declared(sliding_window(w), f"{type(module).__name__}.sliding_window = {w}", w) if w else None
+        if w:
+            return Declared(sliding_window(w), f"{type(module).__name__}.sliding_window = {w}", w)
+    c = _positive_int(getattr(module, "attention_chunk_size", None))
+    if c:
+        return Declared(chunked(c), f"{type(module).__name__}.attention_chunk_size = {c}", c)
+    if hasattr(module, "sliding_window"):
+        return None
     if config is None:
         return None
     w = _positive_int(getattr(config, "sliding_window", None))
