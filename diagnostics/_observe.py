@@ -59,9 +59,6 @@ _MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 
 
-_UNIFORM_MAX = 1 << 16
-"""The largest tensor a product is checked for holding one value throughout (a gain at its initial value)."""
-
 _UNKNOWN_HOPS = 16
 """How many ops past a scaled tensor its descendants are still marked as of unknown factor (a norm is a few)."""
 
@@ -254,16 +251,13 @@ class Observer(Mode):
             self._keep.append(t)
 
     def _gain(self, t: Tensor) -> float | None:
-        """What multiplying by the tensor `t` multiplies the other operand's factor by: its factor where it carries one;
-        for one that carries none, its value where every element has the same (a learned gain still at its initial
-        1/scale, vit-pytorch's QK RMSNorm), else 1 where it is a table computed without gradients (a rotary
-        embedding's cos and sin), and None (unknown) for a learned or computed gain of many values."""
+        """What multiplying by the tensor `t` multiplies the other operand's factor by: its own factor where it carries
+        one; 1 for a table computed without gradients (a rotary embedding's cos and sin); None (unknown) for a learned
+        or computed gain (a norm's weight, even one still at a single value: vit-pytorch's QK RMSNorm, whose sqrt(d)
+        and gain make the norm, and whose scores are then scaled by the declared factor alone)."""
         key = _key(t)
         if key in self._factors or key in self._unknown:
             return self._known(t)
-        flat = t.detach().reshape(-1)
-        if 0 < flat.numel() <= _UNIFORM_MAX and bool((flat == flat[0]).all()):
-            return float(flat[0])
         return None if t.requires_grad else 1.0
 
     def _fresh(self, outs) -> None:
