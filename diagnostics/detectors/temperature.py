@@ -163,10 +163,15 @@ def _own_temperature_fix(estimate, applied: float, d_k: int, probe: Probe) -> tu
     """(what was seen, the fix) where q and k reach q·k normalised, every query row and every key row of one norm
     (QK-norm scored with a temperature of the layer's own, cosine attention): the scale may be the layer's by design,
     so the fix offers to declare the factor observed, or else to scale by 1/sqrt(d_k). None otherwise."""
-    m = getattr(estimate, "matmul", None)
-    if m is None or probe.scale is not None or m.a.dim() < 2 or m.b.dim() < 2:
+    m, f = getattr(estimate, "matmul", None), getattr(estimate, "fused", None)
+    if probe.scale is not None:
         return None
-    norms = [m.a.double().norm(dim=-1), m.b.double().norm(dim=-2)]  # the queries' rows, the keys' (columns of k^T)
+    if m is not None and m.a.dim() >= 2 and m.b.dim() >= 2:
+        norms = [m.a.double().norm(dim=-1), m.b.double().norm(dim=-2)]  # the queries' rows, the keys' (columns of k^T)
+    elif f is not None:
+        norms = [f.q.double().norm(dim=-1), f.k.double().norm(dim=-1)]  # what the fused call was given
+    else:
+        return None
     apart = tolerance(ROW_SUM, probe.subject.dtype)  # an RMS or L2 norm with a uniform gain: equal to rounding
     if not all(n.numel() and float(n.min()) > 0 and float(n.max() / n.min()) < 1 + apart for n in norms):
         return None
