@@ -47,6 +47,7 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest", ZOO_INSTALL,
                       "pytest tests/test_zoo.py"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
+    assert ZOO_INSTALL in README, "the zoo extra as the README gives it"
     runs = [command for command in explore if "pytest" in command]
     assert any("--hypothesis-profile=explore" in c and '--hypothesis-seed="$seed"' in c for c in runs), explore
     assert any(c.startswith("ATTENTION_TESTS_EVERY_SITE=1 ") and "tests/test_where.py" in c for c in runs), explore
