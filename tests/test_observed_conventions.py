@@ -399,9 +399,9 @@ def _build(make, dtype=torch.float32, init="default"):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_correct_layer_in_its_own_convention_passes_the_whole_audit(name):
+def test_correct_layer_in_its_own_convention_passes_the_whole_audit(name, device):
     make, kw, _ = CASES[name]
-    report = diagnostics.audit(_build(make), **kw)
+    report = diagnostics.audit(_build(make).to(device), **kw)
     assert report.passed and not report.fired(), str(report)
 
 
@@ -418,6 +418,13 @@ def test_correct_layer_keeps_its_properties_at_every_dtype_and_init(name, dtype,
 def test_broken_twin_fails_the_detector_that_owns_its_property(twin, dtype, init):
     make, detector, kw = TWINS[twin]
     report = diagnostics.audit(_build(make, dtype, init), detectors=sorted(OWNED), **kw)
+    assert report.result(detector).verdict == "fail", str(report)
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_broken_twin_fails_on_every_device(twin, device):
+    make, detector, kw = TWINS[twin]
+    report = diagnostics.audit(_build(make).to(device), detectors=sorted(OWNED), **kw)
     assert report.result(detector).verdict == "fail", str(report)
 
 
