@@ -768,7 +768,8 @@ BUGS: list[RealBug] = [
          _pair(CachedDecoderAttention, RotaryNotOffset, "positions", rotary=True), CAUSAL),
     _bug("rotary_over_heads", "https://github.com/mlfoundations/open_lm/issues/4",
          "rotary embeddings are applied to (B, T, H, d) tensors along their axis -2, the heads, not the sequence",
-         _pair(HeadsLastRotaryAttention, RotaryOverHeads, "rotate"), CAUSAL),
+         _pair(HeadsLastRotaryAttention, RotaryOverHeads, "rotate"),
+         {"causal": True, "positions": "relative"}),  # a rotary layer's author promises relative positions
     _bug("alibi_sign_flipped", "https://github.com/meta-pytorch/attention-gym/pull/86",
          "the ALiBi bias uses q_idx - kv_idx, rewarding distant keys, instead of kv_idx - q_idx",
          _pair(AlibiCausalAttention, AlibiSignFlipped, "bias"), CAUSAL, cheap=True),

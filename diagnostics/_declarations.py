@@ -45,6 +45,8 @@ def declarations() -> list[Declaration]:
         Declaration("promises causality (a decoder)", "causal", "causal=True", None),
         Declaration(f"promises an attention pattern ({', '.join(PATTERN_NAMES)}, combined with & and \\|)", "pattern",
                     "pattern=patterns.sliding_window(4)", '"sliding_window(4)"'),
+        Declaration("promises relative positions (rotary, ALiBi, a relative bias): a layer left with none fails",
+                    "positions", 'positions="relative"', "relative"),
         Declaration("adds absolute position embeddings itself (not rotary, ALiBi or a relative bias)", "positions",
                     'positions="absolute"', "absolute"),
         Declaration("multiplies q·k by another scale than 1/sqrt(d_k)", "scale", "scale=1.0", "1.0"),

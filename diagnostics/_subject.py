@@ -876,8 +876,10 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
            f"{type(layer).__name__} with none of them", "pass d_model=... to audit()"
            if not options or "d_model" not in options else f"pass {options['d_model']} D")
     widths = _linear_widths(layer)
-    # A width its projections do not take (`--d-model 30` on a 32-wide layer) would fail every probe
-    expect(not widths or d_model in widths, f"d_model to match the width of the layer's projections "
+    # A width its projections neither take nor return (`--d-model 30` on a 32-wide layer) would fail every probe;
+    # one they only return is a layer without a query projection whose output projection reads [context; query]
+    returned = {m.out_features for m in layer.modules() if isinstance(m, nn.Linear)}
+    expect(not widths or d_model in widths or d_model in returned, f"d_model to match the width of the layer's projections "
            f"(nn.Linear in_features {sorted(widths)})",
            spell("d_model", d_model, options) if given_d_model is not None
            else f"d_model={d_model} read from the layer's attributes",

@@ -54,19 +54,15 @@ MISSES = {
                           "instead of failing finite_output for rows that had keys to attend",
     "fully_masked_row_nan": "NaN for a query whose every key is blocked is only a fully_masked_rows warning, since "
                             "torch's own nn.MultiheadAttention does the same; nothing lets a user require zeros",
-    "rotary_over_heads": "rotating every head's q and k by the head's index cancels in q·k, leaving a position-free "
-                         "layer, which is legitimate unless the audit can be told (or observe) that the layer "
-                         "promises positions",
     "alibi_sign_flipped": "no detector checks that a distance bias decays with distance: a bias that rewards far "
                           "keys is still relative, causal and normalised",
-    "softmax_over_batch": "the audit refuses the layer (usage error): its output projection takes [mix; query] of "
-                          "width 2 * d_model, which the size check reads as the layer's width even with d_model given",
 }
 
 # Fixed halves the audit does not pass today, and why.
 FALSE_FINDINGS = {
-    "softmax_over_batch": "the audit refuses the correct layer too (usage error): a projection of width "
-                          "2 * d_model over [mix; query] is read as the layer's width, even with d_model=32 declared",
+    "softmax_over_batch": "output_variance fails the correct layer: its output projection reads [context; query] "
+                          "(Luong's attentional state), so the output is not a combination of the values, and no "
+                          "declaration says where the attention's own output is",
 }
 
 

@@ -195,6 +195,23 @@ def test_a_layer_without_positions_is_not_applicable():
     assert report.passed and diagnostics.audit(build(kind=None), strict=True).result(DET).verdict == "skip"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_declared_relative_positions_that_the_layer_lost_fail_and_its_rotary_twin_passes(causal):
+    # a rotation that cancels in q·k (open_lm#4: rotary applied over the head axis of every head alike) leaves the
+    # layer with no positions: legitimate undeclared, a finding once positions="relative" says they are promised
+    lost = diagnostics.audit(build(kind=None), positions="relative", causal=causal, detectors=[DET]).result(DET)
+    assert lost.verdict == "fail" and 'positions="relative" is declared' in lost.message, lost.message
+    assert "sequence axis" in lost.fix, lost.fix
+    twin = diagnostics.audit(build(kind="rotary"), positions="relative", causal=causal, detectors=[DET]).result(DET)
+    assert twin.verdict == "pass", twin.message
+
+
+def test_declared_relative_positions_in_bfloat16_below_rounding_are_a_visible_skip_not_a_finding():
+    result = diagnostics.audit(build(torch.bfloat16, kind=None), positions="relative", detectors=[DET]).result(DET)
+    assert result.verdict == "skip" and result.message.startswith("not measured:") and "float32" in result.message, \
+        result.message
+
+
 def test_absolute_positions_fail_undeclared_and_are_not_applicable_declared():
     layer = build(kind="absolute")
     result = diagnostics.audit(layer, detectors=[DET]).result(DET)

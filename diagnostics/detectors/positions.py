@@ -216,6 +216,19 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     uses = float(permuted.max()) if permuted is not None else 0.0
     which = "every query" if not probe.causal else f"query {T - 1}, which sees every key"
     bar = tolerance(PERMUTATION_MOVES, s.dtype)
+    if uses <= bar and getattr(probe, "positions", None) == "relative":
+        # the user promised positions (rotary, ALiBi, a relative bias): a layer with none has lost them, e.g. a
+        # rotation applied over the head axis, which cancels in q·k; only where rounding cannot hide them
+        if s.dtype in (torch.float32, torch.float64):
+            return result(DET, "fail", 'positions="relative" is declared, but the outputs do not depend on positions '
+                                       "at all: the rotation or bias is lost", value=uses, threshold=bar,
+                          evidence=f"permuting the keys' positions moved the output of {which} by {uses:.3g} of the "
+                                   f"outputs' RMS at most (up to {bar:.2g} is rounding); a layer that uses positions "
+                                   f"moves it", fix="apply the rotation over each head's feature pairs, by each token's "
+                                   "position along the sequence axis (not the head axis), before q·k")
+        return skip(DET, f'not measured: positions="relative" is declared, but permuting the keys moved the output '
+                         f"by {uses:.3g} at most, within {dtype_name(s.dtype)} rounding ({bar:.2g}): audit in float32 "
+                         f"to tell a lost rotation from rounding")
     if uses <= bar:
         return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the layer has no positional mechanism (none that shows "
                               f"above {dtype_name(s.dtype)} rounding): permuting the keys' positions moved the output of "
