@@ -279,9 +279,6 @@ def vit_attention(module: str, **options):
     return importlib.import_module(f"vit_pytorch.{module}").Attention(D, heads=H, dim_head=d_k, **options)
 
 
-RMS_AT_SQRT_D = ("q and k RMS-normalised to norm sqrt(d_k) (gain 1) and scored with scale=1. in SDPA: undeclared, "
-                 "softmax_saturation reads 'q·k multiplied by 1' (ratio 2.83) and its fix names no scale=; declared "
-                 "scale=1.0, it reads 'multiplied by 8' and fails (temperature: the two readings disagree)")
 VIT_ATTENTION = Layer(VIT, "vit.Attention", lambda: vit_attention("vit"))
 VIT_LAYERS = [
     VIT_ATTENTION,
@@ -289,8 +286,7 @@ VIT_LAYERS = [
     Layer(VIT, "cross_vit.Attention", lambda: vit_attention("cross_vit")),
     Layer(VIT, "simple_vit_with_qk_norm.Attention", lambda: vit_attention("simple_vit_with_qk_norm"),
           declare={"scale": 1.0}),
-    Layer(VIT, "na_vit.Attention", lambda: vit_attention("na_vit"), declare={"mask": "key_keep", "scale": 1.0},
-          names_gap=RMS_AT_SQRT_D, passes_gap=RMS_AT_SQRT_D),
+    Layer(VIT, "na_vit.Attention", lambda: vit_attention("na_vit"), declare={"mask": "key_keep", "scale": 1.0}),
 ]
 VIT_BUGS = [
     Bug(VIT_ATTENTION, "scale dropped (self.scale = 1)", setting(scale=1.0), ("softmax_saturation",)),
