@@ -168,7 +168,12 @@ class Subject:
         # a size a note already gives (how it was found: "num_heads=1 assumed: ...") is said once, in the note
         sizes = [f"{field}={value}" for field, value in (("d_model", self.d_model), ("num_heads", self.num_heads))
                  if not any(note.startswith(f"{field}=") for note in self.notes)]
-        return f"{name} ({', '.join([self.form, *sizes, *self.notes])})"
+        return f"{name} ({', '.join([FORM_WORDS.get(self.form, self.form), *sizes, *self.notes])})"
+
+
+# how each form of target is named to users (the form itself is the audit's internal name)
+FORM_WORDS = {"function": "a function of q, k, v", "self_module": "a module given one stream",
+              "cross_module": "a module given queries and a memory", "qkv_module": "a module given query, key and value"}
 
 
 def _per_query(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, time_dim: int) -> Output:

@@ -111,13 +111,13 @@ def test_command_exits_0_on_a_correct_layer_and_json_parses(runs):
     report = json.loads(run.stdout)
     assert report["passed"] is True and report["status"] == "passed" and report["status_reason"] == ""
     assert [r["detector"] for r in report["results"]] == list(DETECTORS)
-    assert report["layer"].startswith("EinsumAttention (self_module, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)")
+    assert report["layer"].startswith("EinsumAttention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)")
 
 
 def test_command_exits_1_on_a_broken_layer_and_prints_the_table(runs):
     run = runs["broken"]
     assert run.returncode == 1, run.stderr
-    assert run.stdout.startswith("attention audit of EinsumAttention (self_module, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`): FAILED")
+    assert run.stdout.startswith("attention audit of EinsumAttention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`): FAILED")
     assert re.search(r"^  softmax_saturation +FAIL +softmax is 2\.83x too sharp", run.stdout, re.M)
     assert "fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)" in run.stdout
 

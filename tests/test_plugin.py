@@ -91,7 +91,7 @@ def test_broken_layer_fails_its_detector_with_evidence_and_fix(scratch, user_att
     result.stdout.fnmatch_lines([
         "*attention audit of mylayers:broken: softmax_saturation*",
         "FAIL softmax_saturation: softmax is 2.83x too sharp*",
-        "  layer:    Attention (self_module, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)*",
+        "  layer:    Attention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)*",
         "  evidence: q·k is multiplied by 1 before the softmax*expected 0.3536*",
         "  fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)*",
         "FAILED attention-audit::softmax_saturation[[]mylayers:broken[]]*",
@@ -139,7 +139,7 @@ def test_an_inconclusive_audit_fails_its_status_test_with_the_reason(scratch):
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert result.parseoutcomes()["failed"] == 1
     result.stdout.fnmatch_lines(["*attention audit of mylayers:linear_only: status*",
-                                 "INCONCLUSIVE LinearOnly (self_module, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)",
+                                 "INCONCLUSIVE LinearOnly (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)",
                                  "  inconclusive: the attention itself was not measured*",
                                  "FAILED attention-audit::audit_status[[]mylayers:linear_only[]]*"])
 
@@ -216,7 +216,7 @@ def test_fixture_returns_the_report_and_fails_with_it(scratch):
     result.stdout.fnmatch_lines(["*test_inconclusive*", "attention audit of LinearOnly*: INCONCLUSIVE*"])
     result.stdout.fnmatch_lines([
         "*test_broken*",
-        "attention audit of Attention (self_module, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`): FAILED*",
+        "attention audit of Attention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`): FAILED*",
         "FAIL softmax_saturation: softmax is 2.83x too sharp*",
         "  fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)*",
     ])

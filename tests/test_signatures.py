@@ -443,4 +443,4 @@ def test_the_reports_first_line_says_how_each_size_was_read(how, first_line):
     assert first_line in str(report).splitlines()[0], str(report).splitlines()[0]
     # declared sizes are said plainly, with no source: the user knows where they came from
     declared = audit(_SizedBy(how), d_model=32, num_heads=4, detectors=["runs", "output_shape"])
-    assert "(self_module, d_model=32, num_heads=4)" in str(declared).splitlines()[0], str(declared).splitlines()[0]
+    assert "(a module given one stream, d_model=32, num_heads=4)" in str(declared).splitlines()[0], str(declared).splitlines()[0]
