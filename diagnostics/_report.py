@@ -6,6 +6,7 @@ reads before torch is imported.)"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -26,10 +27,26 @@ neither (no softmax or fused attention seen, no weights returned) is inconclusiv
 STATUSES = ("passed", "failed", "inconclusive")
 
 
+# "(RuntimeError: view size is not compatible (at least one dimension ...)...)": an exception quoted in a message,
+# one level of parentheses inside it
+QUOTED_EXCEPTION = re.compile(r"\((\w+(?:Error|Exception)): (?:[^()]|\([^()]*\))*\)")
+
+
 def result_rows(results, *, indent: str = "  ") -> list[str]:
-    """One line per result: `detector  VERDICT  message`, aligned, and `[at layer]` where it names one."""
+    """One line per result: `detector  VERDICT  message`, aligned, and `[at layer]` where it names one. An
+    exception quoted again (the layer raised it on several detectors' probes) is named, not repeated."""
     width = max((len(r.detector) for r in results), default=0)
-    return [f"{indent}{r.detector:<{width}}  {r.verdict.upper():<5}  {r.message}" + (f"  [at {r.layer}]" if r.layer else "")
+    seen: dict[str, str] = {}  # quoted exception -> the detector whose line quoted it first
+
+    def fold(match, detector: str) -> str:
+        quoted = match.group(0)
+        if seen.setdefault(quoted, detector) == detector:
+            return quoted
+        return f"({match.group(1)}, the one quoted at {seen[quoted]})"
+
+    return [f"{indent}{r.detector:<{width}}  {r.verdict.upper():<5}  "
+            + QUOTED_EXCEPTION.sub(lambda m, d=r.detector: fold(m, d), r.message)
+            + (f"  [at {r.layer}]" if r.layer else "")
             for r in results]
 
 
