@@ -238,7 +238,8 @@ def logit_gain(probe: Probe) -> float:
     (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
     standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed, the
     cap where they are uniform to their rounding. Computed once per audit (several detectors ask; a localiser's
-    replay after `Probe.release` dropped the standard probe's record gets the gain the audit used)."""
+    replay after `Probe.release` dropped the standard probe's record gets exactly the gain the audit used, where
+    reading it again from the weights alone differs in the last float32 digits)."""
     if "logit_gain" not in probe.memo:
         probe.memo["logit_gain"] = _logit_gain(probe)
     return probe.memo["logit_gain"]
