@@ -7,6 +7,7 @@
   the newest key is caught, the reference passes, on the same sizes.
 - logit_gain is read once per audit from the standard probe and kept (Probe.memo): a replay after the record is
   released gets the audit's gain.
+- the audit runs with denormal floats flushed to zero (slow on x86, read by no threshold) and restores the setting.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 
 import diagnostics
 from correct import MultiHeadAttention, _sdpa
+from diagnostics._guard import flushing_denormals
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
@@ -130,3 +132,31 @@ def test_logit_gain_is_read_once_and_kept_past_the_release_of_the_standard_probe
     assert probe.base().record is None
     again = logit_gain(probe)
     assert again == pytest.approx(first, rel=1e-5) and again != first, (again, first)
+
+
+class SeesFlushing(MultiHeadAttention):
+    """The reference, noting on each call whether its thread flushes denormal floats to zero."""
+
+    seen: list
+
+    def forward(self, query, key=None, value=None, mask=None):
+        self.seen.append(flushing_denormals())
+        return super().forward(query, key, value, mask)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_the_audit_flushes_denormals_while_it_runs_and_restores_the_threads_setting(before):
+    if not torch.set_flush_denormal(before):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        layer = SeesFlushing(16, 2, causal=True)
+        layer.seen = []
+        assert flushing_denormals() == before
+        layer(torch.randn(1, 3, 16))  # the negative control: outside an audit the layer sees the thread's setting
+        assert layer.seen == [before]
+        report = diagnostics.audit(layer, causal=True, seq_len=8)
+        assert report.passed, report
+        assert len(layer.seen) > 10 and all(layer.seen[1:]), layer.seen
+        assert flushing_denormals() == before  # the user's setting, as it was
+    finally:
+        torch.set_flush_denormal(False)
