@@ -15,7 +15,9 @@ audits alike: on a machine others load, the ratio of CPU times moves far less th
 audit's threads cannot wait for cores). `--per-detector` splits each detector's time into what its layer calls
 took (the layer's forward, from a pre-hook to a hook, the float64 copy's calls included: it inherits the hooks)
 and the rest, the audit's own time outside the layer (drawing, comparing, observing is inside: it runs in the call).
-Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores.
+Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores; issue 21:
+a warm causal audit within 30 forward passes at seq_len 128 (stretch 20), within 20 at 1024 (stretch 12) and
+under 6 s there.
 `--pattern`: audit with a declared pattern (diagnostics.patterns; the layer is given its mask), which adds
 attention_pattern (issue 19): one batch copy per residue class of keys, p = the widest row + 2, at most 32.
 """
