@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 
 from ._errors import expect
-from ._guard import untouched
+from ._guard import denormals_flushed, untouched
 from ._probe import Probe
 from ._registry import NOT_APPLICABLE, phrase, run
 from ._report import CORE, AuditReport
@@ -89,7 +89,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
-    with untouched(layer, subject.device):
+    with untouched(layer, subject.device), denormals_flushed():
         for n, det_id in enumerate(chosen):
             if progress is not None:
                 progress(det_id, n, len(chosen))
@@ -150,7 +150,7 @@ def _sites(probe: Probe, locate, result: DetectorResult, layer, device) -> tuple
     try:
         with untouched(layer, device):
             return unique(locate(probe, result))
-    except Exception:  # pointing at the line must never cost the report its verdicts
+    except Exception:  # noqa: BLE001 -- pointing at the line must never cost the report its verdicts
         return ()
 
 

@@ -93,8 +93,9 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
         # a large gain: equal keys, equal logits, and a correct layer that seemed to ignore its keys)
         delta = noise.to(draw) - x.to(draw)
         close = delta.abs().amax(-1, keepdim=True) < 1.0
-        away = torch.where(delta >= 0, 1.0, -1.0).to(draw)
-        noise = torch.where(close, (x.to(draw) + delta + away).to(x.dtype), noise)
+        if bool(close.any()):  # only at small widths (every feature within 1 of the old value): at d = 512, never
+            away = (delta >= 0).to(draw) * 2 - 1  # +-1 (a `where` of two Python numbers ran 0.5 ms at (2, 128, 512))
+            noise = torch.where(close, (x.to(draw) + delta + away).to(x.dtype), noise)
         copies = []
         for gain in gains:
             new = torch.where(where.to(x.device).view(shape), x + gain * (noise - x), x)
@@ -123,8 +124,11 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
 def _rms(x: Tensor, centred: bool = False) -> float:
     """RMS of the finite values; `centred`: of their deviation from each feature's mean over batch and
     positions, so that a constant offset (an output bias) does not hide how much the output varies."""
-    if x.numel():  # the common case, every value finite, in one or two kernels
-        fast = float((x.flatten(0, -2).var(0, unbiased=False) if centred else x.square()).mean().sqrt())
+    if x.numel():  # the common case, every value finite, in a few kernels
+        # centred: two passes, the deviations from each feature's mean squared (as accurate as `var`, whose
+        # reduction over the leading axis of (N, features) ran 10x slower on CPU: 0.8 ms against 0.08 at (2, 128, 512))
+        rows = x.flatten(0, -2)  # (N, features)
+        fast = float(((rows - rows.mean(0)) if centred else x).square().mean().sqrt())
         if math.isfinite(fast):
             return fast
     if centred:

@@ -76,6 +76,7 @@ class Probe:
         self._base: Call | None = None
         self._recovered: tuple[Tensor | None, str] | None = None
         self.mask_hints: dict = {}  # what diagnostics._mask_hints found, kept for the audit's second reading
+        self.memo: dict = {}  # values read from the standard probe that several detectors ask for (logit_gain)
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def generator(self) -> torch.Generator:
@@ -155,7 +156,7 @@ class Probe:
                 with torch.no_grad():
                     output = self.subject(query, key, value, allowed)
             call = Call(query, key, value, allowed, output, None, record, label)
-        except Exception as error:  # a broken layer is a finding, never a crash of the audit
+        except Exception as error:  # noqa: BLE001 -- a broken layer is a finding, never a crash of the audit
             call = Call(query, key, value, allowed, None, error, record, label)
             call.self_only = self._only_self_attention(call)
         self._log(call)

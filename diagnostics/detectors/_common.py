@@ -15,7 +15,16 @@ from .._probe import Probe
 from .._registry import DETECTORS
 from .._result import DetectorResult, Site
 from .._subject import make_subject
-from .._tracing import Trace, declared_mask, first_moved, mask_sites, merge_fix, op_site, stream_sites, trace_call
+from .._tracing import (
+    Trace,
+    declared_mask,
+    first_moved,
+    mask_sites,
+    merge_fix,
+    op_site,
+    stream_sites,
+    trace_call,
+)
 
 # ---- shared endings --------------------------------------------------------------------------------
 
@@ -130,7 +139,7 @@ def float64_copy_or_skip(probe: Probe, det: str):
     """The float64 subject a gradient-taking check runs on, or that check's skip saying why none could be made."""
     try:
         return float64_twin(probe)
-    except Exception as error:  # a layer that cannot be copied or converted: say so
+    except Exception as error:  # noqa: BLE001 -- a layer that cannot be copied or converted: say so
         return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
 
 
@@ -228,7 +237,15 @@ def logit_gain(probe: Probe) -> float:
     makes attention one-hot, where half precision's rounding of a logit moves the output as much as a bug
     (bfloat16 measured 0.08 of the RMS between two correct computations). The spread is read from the
     standard probe's weights (a softmax's log is its logits, shifted per row); 10 where none are exposed, the
-    cap where they are uniform to their rounding."""
+    cap where they are uniform to their rounding. Computed once per audit (several detectors ask; a localiser's
+    replay after `Probe.release` dropped the standard probe's record gets exactly the gain the audit used, where
+    reading it again from the weights alone differs in the last float32 digits)."""
+    if "logit_gain" not in probe.memo:
+        probe.memo["logit_gain"] = _logit_gain(probe)
+    return probe.memo["logit_gain"]
+
+
+def _logit_gain(probe: Probe) -> float:
     base = probe.base()
     weights = probe.weights(base)[0] if base.ok else None
     if weights is None:
