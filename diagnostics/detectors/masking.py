@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from .._core import Case, Inputs, compare, held, not_run, perturbed, skip
+from .._core import (
+    Case,
+    Inputs,
+    allowed_text,
+    compare,
+    expand_rows,
+    held,
+    not_run,
+    perturbed,
+    skip,
+)
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult
@@ -31,7 +41,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         # a causal mask passed to a layer audited as causal blocks what the layer's own causality (or the causal
         # mask the audit passes) blocks already: that probe is future_leakage's, which runs on such layers
         scenarios = scenarios[:1]
-    results = []
+    results, unmeasured = [], None
     for name, mask, keys, when in scenarios:
         q, k, v = probe.streams(B, T)
         base = Inputs(q, k, v, mask)
@@ -42,34 +52,81 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         if base.one_stream:
             hold &= ~keys  # in self-attention the changed positions are also changed queries
             sees |= keys & allowed.any(-1)
+        gains = perturbation_gains(probe)
         cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
-                 for gain, x in zip(perturbation_gains(probe), perturbed(probe, base, keys, ("key", "value"), gains=perturbation_gains(probe)))]
+                 for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
+        # the negative control that does not rest on the blocked rows (a layer may zero the outputs of masked
+        # queries, as x-transformers does): key 0, which every scenario's mask allows, changed alone must move the
+        # rows that may attend it (not counting its own query in one stream); its hold is empty, so held() and
+        # the localiser pass over it
+        first = torch.zeros(B, T, dtype=torch.bool)
+        first[:, 0] = True
+        attends = allowed[..., 0].clone()  # (B, Tq)
+        if base.one_stream:
+            attends[:, 0] = False
+        cases.append(Case(perturbed(probe, base, first, ("key", "value"), gains=gains[:1])[0],
+                          hold=torch.zeros(B, T, dtype=torch.bool), when=f"when only key 0, which the mask allows, "
+                                                                          f"changed (x{gains[0]:g})"))
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
-        if isinstance(comparison, DetectorResult):
-            return comparison
-        results.append((name, comparison))
-    readings = [(name, *held(c, probe, what="outputs")) for name, c in results]
+        if isinstance(comparison, DetectorResult):  # not measured with this mask: a finding with another stands
+            unmeasured = unmeasured or comparison
+            continue
+        results.append((name, comparison, allowed_key_reading(comparison, attends, probe.subject.dtype)))
+    if not results:
+        return unmeasured
+    readings = [(name, *held(c, probe, what="outputs")) for name, c, _ in results]
     bad = [name for name, b, _, _, _ in readings if b]
-    if not bad and any(silent for _, _, _, _, silent in readings):  # one scenario that did not respond proves nothing
-        silent = [name for name, _, _, _, quiet in readings if quiet]
+    # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
+    # (it may hold every blocked row still, by zeroing the very rows it should keep)
+    backwards = [(name, text) for name, _, (moved, responds, text) in results if responds and not moved]
+    if not bad and backwards:
+        return result(det, "fail", f"keys the mask allows have no effect on the queries that may attend them "
+                                   f"({', '.join(n for n, _ in backwards)} mask), while the output responds to other "
+                                   f"changes: the mask works the wrong way round",
+                      value=0.0, threshold=results[0][1].tol, evidence="; ".join(f"{n} mask: {t}" for n, t in backwards),
+                      fix=_with_hint(probe, "pass the mask as the layer reads it (True = may attend, or declare its "
+                                            "convention), so that the keys it allows are the ones attended"))
+    # one scenario that did not respond proves nothing: neither the rows a correct layer moves when blocked keys
+    # change, nor those that may attend key 0
+    silent = [name for (name, _, _, _, quiet), (_, _, (moved, _, _)) in zip(readings, results) if quiet and not moved]
+    if not bad and unmeasured:
+        return unmeasured
+    if not bad and silent:
         return skip(det, f"the output did not respond to changed keys with the {' and '.join(silent)} mask (not even "
                          f"the rows a correct layer moves), so its not moving where the mask blocks them proves nothing")
-    result = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
-                    f"keys the mask blocks have no effect ({' and '.join(name for name, _ in results)} "
+    found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
+                    f"keys the mask blocks have no effect ({' and '.join(name for name, _, _ in results)} "
                     f"mask{'s' if len(results) > 1 else ''})",
                     value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
-                    replay=tuple(c for _, c in results))
-    if result.verdict == "fail":
+                    replay=tuple(c for _, c, _ in results))
+    if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
         # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
         # must fail
         hint = convention_hint(probe)
         if hint:
-            result = DetectorResult(det, "fail", f"{result.message}; {hint}", value=result.value,
-                                    threshold=result.threshold, evidence=result.evidence,
-                                    fix=f"{hint}; {result.fix}", replay=result.replay)
-    return result
+            found = DetectorResult(det, "fail", f"{found.message}; {hint}", value=found.value,
+                                   threshold=found.threshold, evidence=found.evidence,
+                                   fix=f"{hint}; {found.fix}", replay=found.replay)
+    return found
+
+
+def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, bool, str]:
+    """The control case (the last): (did a row that may attend key 0 move, did any row of any case move, evidence)."""
+    tol, change = comparison.tol, comparison.changes[-1]
+    rows = change[expand_rows(attends, change)]
+    moved = bool((rows > tol).any()) if rows.numel() else True  # no row to move proves nothing either way
+    responds = any(bool((c > tol).any()) for c in comparison.changes)
+    worst = float(rows.max()) if rows.numel() else 0.0
+    text = (f"{int((rows > tol).sum())} / {rows.numel()} outputs that may attend key 0 moved when only key 0 changed; "
+            f"greatest change {worst:.3g} ({allowed_text(tol, dtype)})")
+    return moved, responds, text
+
+
+def _with_hint(probe: Probe, fix: str) -> str:
+    hint = convention_hint(probe)
+    return f"{hint}; {fix}" if hint else fix
 
 
 @detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",
