@@ -68,7 +68,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
                           hold=torch.zeros(B, T, dtype=torch.bool), when=f"when only key 0, which the mask allows, "
                                                                           f"changed (x{gains[0]:g})"))
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
-        if isinstance(comparison, DetectorResult):  # not measured with this mask: a finding with another stands
+        if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
             continue
         results.append((name, comparison, allowed_key_reading(comparison, attends, probe.subject.dtype)))
@@ -89,7 +89,10 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     # one scenario that did not respond proves nothing: neither the rows a correct layer moves when blocked keys
     # change, nor those that may attend key 0
     silent = [name for (name, _, _, _, quiet), (_, _, (moved, _, _)) in zip(readings, results) if quiet and not moved]
-    if not bad and unmeasured:
+    # a mask whose probe could not be compared (the output zero or non-finite everywhere) leaves the detector not
+    # measured, as the hold rows of the others may be the same non-finite values (-inf logits times the values);
+    # only the backwards finding above stands beside it, read from rows that did not move at all
+    if unmeasured:
         return unmeasured
     if not bad and silent:
         return skip(det, f"the output did not respond to changed keys with the {' and '.join(silent)} mask (not even "
@@ -113,9 +116,13 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
 
 
 def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, bool, str]:
-    """The control case (the last): (did a row that may attend key 0 move, did any row of any case move, evidence)."""
+    """The control case (the last): (did a row that may attend key 0 move, did any row of any case move, evidence).
+    No finite row that may attend key 0: nothing to prove either way, read as moved."""
     tol, change = comparison.tol, comparison.changes[-1]
-    rows = change[expand_rows(attends, change)]
+    # rows whose baseline is NaN or inf cannot show a move (the same inf again is no change): not counted
+    baseline = comparison.call.output.out.chunk(len(comparison.changes) + 1)[0]
+    finite = torch.isfinite(baseline).all(-1).to(change.device)  # change's shape: (B, [H,] Tq)
+    rows = change[expand_rows(attends, change) & finite]
     moved = bool((rows > tol).any()) if rows.numel() else True  # no row to move proves nothing either way
     responds = any(bool((c > tol).any()) for c in comparison.changes)
     worst = float(rows.max()) if rows.numel() else 0.0
