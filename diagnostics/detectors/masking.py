@@ -15,6 +15,8 @@ from .._core import (
     not_run,
     perturbed,
     skip,
+    unravel,
+    where_text,
 )
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
@@ -136,8 +138,9 @@ def _with_hint(probe: Probe, fix: str) -> str:
     return f"{hint}; {fix}" if hint else fix
 
 
-@detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",
-          targets=("plain softmax over an all -inf row",),
+@detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN), and NaN "
+          "never reaches a query that has keys to attend",
+          targets=("plain softmax over an all -inf row", "a -inf mask applied after the softmax"),
           fix="zero the weights of rows with no allowed key (torch's SDPA does), or never build such rows",
           needs=(TAKES_MASK,), locate=lambda probe, result: nonfinite_sites(probe, result, fills=ROW_FILLS))
 def check_fully_masked_rows(probe: Probe) -> DetectorResult:
@@ -145,22 +148,32 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     r = T // 2
     extra = torch.ones(B, T, T, dtype=torch.bool)
     extra[0, r, :] = False  # batch 0, query r may attend nothing
+    if T >= 2:
+        # and every other query has a blocked key beside the ones it may attend: a -inf fill that reaches the
+        # output (a mask applied after the softmax, no softmax at all) makes NaN in rows that have keys to attend
+        extra[..., T - 1] = False
     q, k, v = probe.streams(B, T)
-    call = probe.call(q, k, v, probe.allowed(B, T, T, extra), label="a query with no key to attend")
+    allowed = probe.allowed(B, T, T, extra)
+    call = probe.call(q, k, v, allowed, label="a query with no key to attend")
     if not call.ok:
         return not_run(det, call)
     finite = torch.isfinite(call.output.out).all(-1)  # (B, T) or (B, H, T)
-    empty = torch.zeros_like(finite)
-    empty[0, ..., r] = True
+    empty = expand_rows(~allowed.cpu().any(-1), finite)  # rows with no key to attend, the causal mask's included
     if (~finite & ~empty).any():
         n = int((~finite & ~empty).sum())
-        return result(det, "fail", "NaN spreads beyond the query whose every key is masked",
+        first = unravel((~finite & ~empty).flatten().nonzero()[0, 0], finite.shape)
+        return result(det, "fail", "NaN reaches queries that have keys to attend, not only the query whose every key "
+                                   "is masked",
                        value=float(n), threshold=0.0,
-                       evidence=f"{n} output rows other than (b=0, t={r}) are NaN/inf when only that query has no key",
-                       replay=call)
+                       evidence=f"{n} output rows that have keys to attend are NaN/inf, first at "
+                                f"{where_text(first, finite.dim())}, when query (b=0, t={r}) has no key and the others "
+                                f"have key {T - 1} blocked", replay=call,
+                       fix="apply the mask to the scores before the softmax (scores.masked_fill(~allowed, -inf), "
+                           "then softmax): a -inf that reaches the weights or the output is NaN there")
     if (~finite & empty).any():
         return result(det, "warn", "a query whose every key is masked gets NaN (torch's SDPA gives zeros)",
                        value=1.0, threshold=0.0,
                        evidence=f"output at (b=0, t={r}) is NaN/inf when that query may attend no key; it will "
                                 f"poison the loss and the gradients unless such rows are dropped", replay=call)
-    return result(det, "pass", "a query with no key to attend gives a finite output", value=0.0, threshold=0.0)
+    return result(det, "pass", "a query with no key to attend gives a finite output, and every other query too",
+                  value=0.0, threshold=0.0)
