@@ -227,6 +227,30 @@ def test_a_rotary_layer_without_a_mask_is_a_visible_skip():
     assert "no shift of its positions is possible" in result.message and "mask argument" in result.message
 
 
+class MaskAsFlag(PositionalAttention):
+    """Whisper's SDPA path: any mask given makes the layer causal, its values never read (a flag, not a mask)."""
+
+    def forward(self, x, mask=None):
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()  # (Tq, Tk), True = may attend
+        return super().forward(x, None if mask is None else causal.expand(x.shape[0], 1, T, T))
+
+
+def test_a_mask_read_as_a_flag_names_the_call_without_it_and_that_call_passes():
+    """Audited as a user first does, the left padding is attended (the mask's values are never read): the finding
+    says the mask is a flag and names call= without it, not positions="absolute"; audited through that call, the
+    same layer passes (its positions cannot be shifted without a mask: a visible skip). A layer that applies its mask and has absolute positions is not read as a flag."""
+    torch.manual_seed(0)
+    result = diagnostics.audit(MaskAsFlag(), detectors=[DET]).result(DET)
+    assert result.verdict == "fail" and "only as a flag" in result.message, result
+    assert "call=" in result.fix and "positions=" not in result.fix, result.fix
+    torch.manual_seed(0)
+    unmasked = diagnostics.audit(MaskAsFlag(), call=lambda layer, x: layer(x))
+    assert unmasked.passed and not unmasked.fired(), str(unmasked)  # positions: a visible skip without a mask
+    absolute = diagnostics.audit(build(kind="absolute"), detectors=[DET]).result(DET)
+    assert absolute.verdict == "fail" and "flag" not in absolute.message, absolute
+
+
 def test_randomness_left_on_is_not_read_as_a_position():
     class Noisy(PositionalAttention):
         def forward(self, x, mask=None):

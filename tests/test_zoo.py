@@ -334,24 +334,17 @@ def whisper_cross(layer, query, memory):
     return layer(query, xa=memory)
 
 
-MASK_AS_FLAG = ("its SDPA path reads any mask as is_causal=True (the mask's values are never used): the left padding "
-                "of relative_positions is attended, and the finding names positions=\"absolute\" where it should say "
-                "that the mask is only a flag and name call= without it (relative_positions)")
 WHISPER_DECODER = Layer(WHISPER, "MultiHeadAttention, decoder self-attention", whisper_attention,
                         use={"causal": True})
 WHISPER_LAYERS = [
     WHISPER_DECODER,
-    Layer(WHISPER, "MultiHeadAttention, encoder self-attention", whisper_attention, declare={"call": whisper_unmasked},
-          names_gap=MASK_AS_FLAG),
+    Layer(WHISPER, "MultiHeadAttention, encoder self-attention", whisper_attention, declare={"call": whisper_unmasked}),
     Layer(WHISPER, "MultiHeadAttention, cross-attention (memory xa)", whisper_attention,
-          declare={"call": whisper_cross},
-          names_gap="its memory is named `xa` (optional): audited as self-attention it fails relative_positions as the "
-                    "encoder's does, and no finding names call= (relative_positions; declared inputs)"),
+          declare={"call": whisper_cross}),
     Layer(WHISPER, "MultiHeadAttention, eager path (disable_sdpa), decoder", whisper_attention, use={"causal": True},
           declare={"mask": "additive"}, context=whisper_eager),
     Layer(WHISPER, "ResidualAttentionBlock, decoder", whisper_block, use={"causal": True}),
-    Layer(WHISPER, "ResidualAttentionBlock, encoder", whisper_block, declare={"call": whisper_unmasked},
-          names_gap=MASK_AS_FLAG),
+    Layer(WHISPER, "ResidualAttentionBlock, encoder", whisper_block, declare={"call": whisper_unmasked}),
 ]
 WHISPER_BUGS = [
     Bug(WHISPER_DECODER, "causal mask not passed on (mask=None to qkv_attention)", retype(whisper_mask_not_passed_on),

@@ -283,12 +283,41 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                 f"when every position was shifted by {P} ({how}); greatest change {worst:.3g} at {at} (up to "
                 f"{tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(s.dtype)}); {seen}")
     replay = ShiftReplay(q, k, v, base_allowed, shifted, shifted_allowed, P, method, tol)
+    if bool(bad.any()) and method == "padding":
+        flag = _mask_is_a_flag(probe, shifted, shifted_allowed, got, P, T, tol)
+        if flag:
+            return result(DET, "fail", "the left padding, which the mask blocks, moves the real tokens' outputs: the "
+                                       "layer reads its mask only as a flag (its values change nothing)",
+                          value=worst, threshold=tol, evidence=f"{evidence}; {flag}", replay=replay,
+                          fix="if the layer's model calls it without a mask (an encoder), audit it that way: declare "
+                              "the call, e.g. call=lambda layer, x: layer(x); else apply the mask's values to the "
+                              "scores (scores.masked_fill(~allowed, -inf)) rather than reading it as a switch")
     if bool(bad.any()):
         declared = f"; {where} says they are relative" if kind == "relative" else ""
         return result(DET, "fail", f"the outputs depend on absolute positions: shifting every position by {P} moves "
                                    f"them{declared}", value=worst, threshold=tol, evidence=evidence, replay=replay)
     return result(DET, "pass", f"shifting every position by {P} ({method}) leaves the real tokens' outputs unchanged: "
                                f"positions are relative", value=worst, threshold=tol, evidence=evidence)
+
+
+def _mask_is_a_flag(probe: Probe, shifted, shifted_allowed, got: Tensor, P: int, T: int, tol: float) -> str:
+    """After the left padding moved the real tokens: the same call with nothing blocked beyond what the audit itself
+    passes (causal, a pattern) instead of the padding's mask. The same outputs (within `tol`): the layer never read
+    which keys the mask blocks, only that a mask was given; its evidence then, else ''. One call, on failure only."""
+    B = shifted[0].shape[0]
+    if shifted_allowed is None:
+        return ""
+    opened = probe.allowed(B, P + T, P + T, torch.ones(B, P + T, P + T, dtype=torch.bool))
+    if bool((opened.cpu() == shifted_allowed.cpu()).all()):
+        return ""
+    call = probe.call(*shifted, opened, label=f"{P} padding tokens before {T}, the mask blocking none of them")
+    if not call.ok or tuple(call.output.out.shape) != tuple(got.shape):
+        return ""
+    change = relative_change(call.output.out, got, centred=True)
+    if change is None or float(change.max()) > tol:
+        return ""
+    return (f"with a mask that blocks none of the padding the outputs were the same (greatest change "
+            f"{float(change.max()):.3g} of the outputs' RMS)")
 
 
 def _pick(s, out: Tensor, rows: Tensor) -> Tensor:
