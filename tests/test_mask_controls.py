@@ -80,4 +80,5 @@ def test_nan_in_rows_with_keys_to_attend_fails_and_nan_in_the_empty_row_only_war
     if where == "before":
         assert result.verdict == "warn", result  # only the query with no key: NaN from the softmax of -inf
     else:
-        assert result.verdict == "fail" and "keys to attend" in result.message, result
+        assert result.verdict == "fail" and "spreads beyond" in result.message, result
+        assert "keys to attend are NaN" in result.evidence, result.evidence

@@ -148,10 +148,12 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     r = T // 2
     extra = torch.ones(B, T, T, dtype=torch.bool)
     extra[0, r, :] = False  # batch 0, query r may attend nothing
-    if T >= 2:
-        # and every other query has a blocked key beside the ones it may attend: a -inf fill that reaches the
-        # output (a mask applied after the softmax, no softmax at all) makes NaN in rows that have keys to attend
-        extra[..., T - 1] = False
+    if T >= 3:
+        # and every query before the last has a blocked key beside the ones it may attend: a -inf fill that reaches
+        # the output (a mask applied after the softmax, no softmax at all) makes NaN in rows that have keys to
+        # attend; the last query keeps that key, so that no key is blocked for every query (a softmax over the
+        # queries then has no all -inf column: that is weight_row_sums' finding, not this one)
+        extra[:, :T - 1, T - 1] = False
     q, k, v = probe.streams(B, T)
     allowed = probe.allowed(B, T, T, extra)
     call = probe.call(q, k, v, allowed, label="a query with no key to attend")
@@ -162,14 +164,15 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     if (~finite & ~empty).any():
         n = int((~finite & ~empty).sum())
         first = unravel((~finite & ~empty).flatten().nonzero()[0, 0], finite.shape)
-        return result(det, "fail", "NaN reaches queries that have keys to attend, not only the query whose every key "
-                                   "is masked",
+        blocked = f" and the queries before t={T - 1} have key {T - 1} blocked" if T >= 3 else ""
+        return result(det, "fail", "NaN spreads beyond the query whose every key is masked",
                        value=float(n), threshold=0.0,
                        evidence=f"{n} output rows that have keys to attend are NaN/inf, first at "
-                                f"{where_text(first, finite.dim())}, when query (b=0, t={r}) has no key and the others "
-                                f"have key {T - 1} blocked", replay=call,
-                       fix="apply the mask to the scores before the softmax (scores.masked_fill(~allowed, -inf), "
-                           "then softmax): a -inf that reaches the weights or the output is NaN there")
+                                f"{where_text(first, finite.dim())}, when only query (b=0, t={r}) has no key{blocked}",
+                       replay=call,
+                       fix="keep NaN out of rows that have keys: apply the mask to the scores before the softmax "
+                           "(scores.masked_fill(~allowed, -inf), then softmax; a -inf that reaches the weights or the "
+                           "output is NaN there), and zero the weights of rows with no allowed key (torch's SDPA does)")
     if (~finite & empty).any():
         return result(det, "warn", "a query whose every key is masked gets NaN (torch's SDPA gives zeros)",
                        value=1.0, threshold=0.0,
