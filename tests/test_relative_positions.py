@@ -81,7 +81,8 @@ class PositionalAttention(nn.Module):
         i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
         if self.kind == "alibi":
             slopes = 2.0 ** (-8.0 * torch.arange(1, self.num_heads + 1) / self.num_heads)  # (H,)
-            scores = scores - slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
+            sign = -1 if self.bug == "alibi sign" else 1  # BUG alibi sign: far keys rewarded
+            scores = scores - sign * slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
         if self.kind == "t5":
             bucket = j.clamp(max=15) + 15 if self.bug == "key position" else (j - i).clamp(-15, 15) + 15  # BUG key position
             scores = scores + self.buckets(bucket.expand(T, T)).permute(2, 0, 1)  # (H, T, T)
@@ -185,6 +186,20 @@ def test_a_bias_by_absolute_key_position_fails_and_by_distance_passes(bug):
     if bug:
         site = result.where[0]  # the line that adds the bias to the scores, with the bias's own fix
         assert site.file == __file__ and "self.buckets" in site.code and "j - i" in result.remedy[0], site.describe()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("bug", [None, "alibi sign"], ids=["correct", "sign flipped"])
+def test_an_alibi_bias_that_rewards_distance_fails_and_its_twin_passes(bug, dtype, init, causal):
+    """ALiBi's slopes with the wrong sign (attention-gym#86): still relative, so the shift cannot see it; on identical
+    tokens the scores are a line in |i - j| whose slope must be negative in every head."""
+    result = diagnostics.audit(build(dtype, init, kind="alibi", bug=bug), detectors=[DET], causal=causal).result(DET)
+    if bug is None:
+        assert result.verdict == "pass", result
+    else:
+        assert result.verdict == "fail" and "rewards distance" in result.message, result
+        assert "slope * (j - i)" in result.fix, result.fix
 
 
 def test_a_layer_without_positions_is_not_applicable():

@@ -189,18 +189,23 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     pq = q.index_select(t, perm) if one else q
     pk = k.index_select(t, perm)
     pv = pk if (one or v is k) else v.index_select(t, perm)
-    everything = [(q, k, v), (pq, pk, pv), (q, k, v)]
+    # a fourth copy: every token the first one, so that the scores differ only by what positions add to them
+    first = tuple(x.narrow(t, 0, 1).expand_as(x).contiguous() for x in (q, k, v))
+    same = (first[0], first[0], first[0]) if one else (first[0], first[1], first[1] if v is k else first[2])
+    everything = [(q, k, v), (pq, pk, pv), (q, k, v), same]
     Q = torch.cat([x[0] for x in everything])
     K = Q if one else torch.cat([x[1] for x in everything])
     V = K if (one or v is k) else torch.cat([x[2] for x in everything])
-    extra = torch.ones(3 * B, T, T, dtype=torch.bool) if s.takes_mask else None
-    stacked = probe.call(Q, K, V, probe.allowed(3 * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)")
+    n = len(everything)
+    extra = torch.ones(n * B, T, T, dtype=torch.bool) if s.takes_mask else None
+    stacked = probe.call(Q, K, V, probe.allowed(n * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)",
+                         observe=True)
     if not stacked.ok:
         return not_run(DET, stacked)
     out = stacked.output.out
-    if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[t] != T:
+    if out.dim() < 3 or out.shape[0] != n * B or out.shape[t] != T:
         return skip(DET, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
-    base_out, perm_out, again = out.chunk(3)
+    base_out, perm_out, again, _ = out.chunk(n)
     scale = baseline_scale(base_out, centred=True)
     if not scale > 0:
         return skip(DET, "the output is zero or non-finite everywhere, so a change cannot be measured against it")
@@ -240,6 +245,13 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the declared attention pattern depends on absolute "
                               f"positions: its mask over the real tokens changes when they are shifted by {P}")
     seen = f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS: the layer uses positions"
+    rewarded = distance_reward(stacked.record, n, B, T, s.dtype)
+    if rewarded:
+        return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
+                                   "distance to the key, so far keys win over near ones",
+                      value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
+                      fix="make the bias penalise distance: ALiBi adds -slope * |i - j| (slope > 0), i.e. "
+                          "slope * (j - i) for the past keys j <= i, not slope * (i - j)")
     base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
     if s.takes_mask:
         pads = [gain * x for x in probe.streams(B, P, cross=cross)]
@@ -298,6 +310,75 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                                    f"them{declared}", value=worst, threshold=tol, evidence=evidence, replay=replay)
     return result(DET, "pass", f"shifting every position by {P} ({method}) leaves the real tokens' outputs unchanged: "
                                f"positions are relative", value=worst, threshold=tol, evidence=evidence)
+
+
+DISTANCE_LINEAR = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,  # ALiBi measured <= 2.9e-7 of the scores' spread; rotary >= 0.69, T5 >= 0.94
+    torch.float16: 5e-2,  # ALiBi measured <= 1.4e-2 (margin 3.7x); rotary >= 0.69 (14x over)
+    torch.bfloat16: 0.3,  # ALiBi measured <= 0.116 (margin 2.6x: a bias added in bfloat16); rotary >= 0.69 (2.3x)
+}
+"""How exactly (largest residual over the largest centred score) the scores of identical tokens must follow a
+straight line in the distance |i - j|, per head, for the bias to be read as ALiBi's and its slope's sign judged.
+Rotary (cosines of the distance) and T5 (a learned value per bucket) are far from a line and are not judged.
+Measured on tests/test_relative_positions.py's ALiBi, rotary and T5 layers, 3 seeds x default
+and std-0.02 initialisation x causal and not, at float32, bfloat16 and float16 (108 audits), and the real-bug
+benchmark's SDPA ALiBi pair (residual <= 1.3e-7 at every dtype: its bias is added in float32)."""
+
+
+def _scores_seen(record, n: int, B: int, T: int) -> Tensor | None:
+    """The last copy's scores (B, heads, T, T) in float64, -inf where blocked, from the record's first softmax over
+    (T, T) of the stacked batch, or its first fused attention (q·k times its scale, plus a float mask)."""
+    if record is None:
+        return None
+    for sm in record.softmaxes:
+        x = sm.input
+        if x.dim() >= 3 and tuple(x.shape[-2:]) == (T, T) and x.shape[0] == n * B:
+            return x[(n - 1) * B:].double().reshape(B, -1, T, T)
+    for f in record.fused:
+        if f.q.shape[0] != n * B or f.q.shape[-2] != T or f.k.shape[-2] != T or f.q.shape[:-2] != f.k.shape[:-2]:
+            continue
+        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, T, T)
+        if f.attn_mask is not None:
+            m = f.attn_mask.expand_as(x) if f.attn_mask.dim() <= x.dim() else None
+            if m is None:
+                return None
+            x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
+        if f.is_causal:
+            x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
+        return x[(n - 1) * B:].reshape(B, -1, T, T)
+    return None
+
+
+def distance_reward(record, n: int, B: int, T: int, dtype) -> tuple[float, str] | None:
+    """(the largest slope, evidence) when the scores of identical tokens are a straight line in |i - j| for every
+    head, with a slope > 0 for some (the bias grows with distance: ALiBi's sign flipped); None otherwise."""
+    scores = _scores_seen(record, n, B, T)
+    if scores is None:
+        return None
+    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+    dist = (i - j).abs().double().to(scores.device).expand_as(scores)  # (B, H, T, T)
+    seen = torch.isfinite(scores)
+    count = seen.sum(-1, keepdim=True)
+    if not bool((count >= 2).any()):
+        return None
+    zero = torch.zeros_like(scores)
+    mean = lambda x: torch.where(seen, x, zero).sum(-1, keepdim=True) / count.clamp(min=1)
+    sc = torch.where(seen, scores - mean(scores), zero)  # per row, centred over the keys it sees
+    dc = torch.where(seen, dist - mean(dist), zero)
+    slope = (sc * dc).sum((0, 2, 3)) / (dc * dc).sum((0, 2, 3)).clamp(min=1e-300)  # (H,)
+    residual = sc - slope.view(1, -1, 1, 1) * dc
+    spread = float(sc.abs().max())
+    if not spread > 0 or float(residual.abs().max()) > DISTANCE_LINEAR.get(dtype, 1e-3) * spread:
+        return None  # not a straight line in the distance (rotary, T5 buckets, content): not ALiBi's to judge
+    if not bool((slope > 0).any()):
+        return None
+    worst = int(slope.argmax())
+    return float(slope.max()), (f"on {T} identical tokens the scores are a straight line in the distance |i - j| "
+                                f"(residual {float(residual.abs().max()) / spread:.2g} of their spread) with slope "
+                                f"{float(slope[worst]):+.3g} per token in head {worst} (slopes per head: "
+                                f"{', '.join(f'{float(x):+.3g}' for x in slope)}); a bias that penalises distance "
+                                f"has every slope < 0")
 
 
 def _mask_is_a_flag(probe: Probe, shifted, shifted_allowed, got: Tensor, P: int, T: int, tol: float) -> str:
