@@ -525,3 +525,32 @@ def test_a_method_named_like_a_pattern_is_no_declared_pattern():
     # read as a layer that builds its own window, it got no window mask and failed attention_pattern
     report = diagnostics.audit(WindowStep(), causal=True, pattern=diagnostics.patterns.sliding_window(4))
     assert report.passed and report.result("attention_pattern").verdict == "pass", str(report)
+
+
+# ---- an output projection that reads [context; query] (Luong et al. 2015) ---------------------------------------
+
+
+class LuongAttention(nn.Module):
+    """Global dot attention over a memory, attentional state tanh(W_c [c_t; h_t]): the output carries each query, so
+    the convex-combination property is judged on the context c_t, before the concatenation. `bug`: "no softmax"
+    (the raw scores weight the memory)."""
+
+    def __init__(self, d_model=16, bug=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = d_model, 1, bug
+        self.linear_out = nn.Linear(2 * d_model, d_model, bias=False)
+
+    def forward(self, query, memory):
+        scores = query @ memory.transpose(1, 2)  # (B, Tq, D) x (B, D, Tk) -> (B, Tq, Tk)
+        weights = scores if self.bug == "no softmax" else scores.softmax(-1)
+        context = weights @ memory  # (B, Tq, D)
+        return torch.tanh(self.linear_out(torch.cat([context, query], dim=-1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("bug", [None, "no softmax"], ids=["correct", "no softmax"])
+def test_an_output_that_reads_context_and_query_is_judged_on_the_context(bug, dtype):
+    torch.manual_seed(0)
+    result = diagnostics.audit(LuongAttention(bug=bug).to(dtype), scale=1.0).result("output_variance")
+    assert "[attention; query]" in result.evidence, result.evidence
+    assert result.verdict == ("pass" if bug is None else "fail"), result
