@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,9 @@ def test_an_alibi_bias_that_rewards_distance_fails_and_its_twin_passes(bug, dtyp
     else:
         assert result.verdict == "fail" and "rewards distance" in result.message, result
         assert "slope * (j - i)" in result.fix, result.fix
+        marker = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BUG alibi sign" in line)
+        lines = [site.line for site in result.where if site.file == __file__]
+        assert lines and min(abs(n - marker) for n in lines) <= 1, [site.describe() for site in result.where]
 
 
 def test_a_layer_without_positions_is_not_applicable():

@@ -95,6 +95,16 @@ ENOUGH_TOKENS = Need("seq_len >= 3", lambda p: p.t >= 3,
 
 
 @dataclass(frozen=True)
+class DistanceReplay:
+    """The identical tokens the distance reading was made on (one copy of the stacked call), and their mask."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    allowed: Tensor | None
+
+
+@dataclass(frozen=True)
 class ShiftReplay:
     """What the verdict was computed on: the unshifted call and the shifted one (its inputs, mask and method)."""
 
@@ -250,8 +260,8 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
                                    "distance to the key, so far keys win over near ones",
                       value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
-                      fix="make the bias penalise distance: ALiBi adds -slope * |i - j| (slope > 0), i.e. "
-                          "slope * (j - i) for the past keys j <= i, not slope * (i - j)")
+                      fix=f"make the bias penalise distance: {BIAS_SIGN_FIX}",
+                      replay=DistanceReplay(*same, probe.allowed(B, T, T, extra[:B] if extra is not None else None)))
     base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
     if s.takes_mask:
         pads = [gain * x for x in probe.streams(B, P, cross=cross)]
@@ -437,6 +447,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     pairs (scores, a bias added to them, the weights) or the first fused attention whose rows for the real tokens
     differ; then, for a product, the op that made each operand (the rotation of q or k, most likely the mistake)."""
     r = result.replay
+    if isinstance(r, DistanceReplay):
+        return distance_sites(probe, r)
     if not isinstance(r, ShiftReplay):
         return []
     s = probe.subject
@@ -488,6 +500,24 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     return [site for site in sites if site is not None]
 
 
+def distance_sites(probe, r: DistanceReplay) -> list[Site]:
+    """On the identical tokens the verdict read: the first op of the user's code that makes a (.., Tq, Tk) tensor
+    from positions alone (no probe input reaches it: the distances, or the bias made of them), then the one that
+    adds such a tensor to the scores."""
+    s = probe.subject
+    T = r.query.shape[s.time_dim]
+    trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    made = [op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
+            and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and op.short not in ("ones", "tril",
+                                                                                                     "triu", "full")]
+    if not made:
+        return []
+    sites = [op_site(made[0], "makes the positions' (query, key) term from positions alone: its sign decides whether "
+                              "distance is penalised or rewarded", fix=BIAS_SIGN_FIX)]
+    return [site for site in sites if site is not None]
+
+
+BIAS_SIGN_FIX = "ALiBi adds -slope * |i - j| (slope > 0): slope * (j - i) for the past keys j <= i, not slope * (i - j)"
 EMBEDDING_FIX = ("positions added to the tokens inside the layer are absolute: use rotary or a bias of j - i instead, or, "
                  "if absolute positions are meant, declare positions=\"absolute\"")
 BIAS_FIX = ("index the position bias by the distance j - i (ALiBi: -slope * |i - j|; T5: a bucket of j - i), not by the "
