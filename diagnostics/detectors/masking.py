@@ -76,7 +76,8 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
             continue
-        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (True, True, "")
+        # no control (the causal scenario): it proves nothing either way, and never says the mask works backwards
+        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (None, False, "")
         results.append((name, comparison, reading))
     if not results:
         return unmeasured
@@ -84,7 +85,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     bad = [name for name, b, _, _, _ in readings if b]
     # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
     # (it may hold every blocked row still, by zeroing the very rows it should keep)
-    backwards = [(name, text) for name, _, (moved, responds, text) in results if responds and not moved]
+    backwards = [(name, text) for name, _, (moved, responds, text) in results if responds and moved is False]
     if not bad and backwards:
         return result(det, "fail", f"keys the mask allows have no effect on the queries that may attend them "
                                    f"({', '.join(n for n, _ in backwards)} mask), while the output responds to other "
