@@ -43,8 +43,15 @@ from torch import Tensor, nn
 
 from ._errors import AuditUsageError, expect
 from ._guard import untouched
-from ._masks import (SHORTCUTS, MaskConvention, convert_mask, expressible, known_convention, mask_convention,
-                     stated_in_text)
+from ._masks import (
+    SHORTCUTS,
+    MaskConvention,
+    convert_mask,
+    expressible,
+    known_convention,
+    mask_convention,
+    stated_in_text,
+)
 
 QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h")
 KEY_NAMES = ("key", "k", "keys")
@@ -72,6 +79,14 @@ CONTEXT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx"
                  "context_length")
 MASK_BUFFER_NAMES = ("bias", "mask", "causal_mask", "attn_mask")  # a precomputed (.., N, N) causal mask
 DEFAULT_SEQ_LEN = 16
+
+
+def declares_pattern(layer) -> bool:
+    """The layer builds its own attention pattern: one of PATTERN_NAMES holds a setting (a width, a size, a flag).
+    A method (or a module) of that name is a step of the layer's code (`def sliding_window(self, scores)`), not a
+    declaration; only `mask_mod` is a function by nature (flex attention's), and counts whether stored or defined."""
+    return any(getattr(layer, name, None) is not None and (name == "mask_mod" or not callable(getattr(layer, name)))
+               for name in PATTERN_NAMES)
 
 
 class LayerReturnedNothingUsable(Exception):
@@ -156,7 +171,7 @@ class Subject:
         """`allowed` (B, Tq, Tk), True = may attend, in the layer's convention (`heads`: for a B*H shape)."""
         return convert_mask(allowed, self.mask_convention, dtype=self.dtype, num_heads=heads or self.num_heads)
 
-    def with_convention(self, convention: MaskConvention) -> "Subject":
+    def with_convention(self, convention: MaskConvention) -> Subject:
         """A copy of this subject that gives the layer its mask in `convention` (for hints: never the audit's)."""
         other = copy.copy(self)
         other.mask_convention, other.convention_by = convention, "hint"
@@ -208,7 +223,7 @@ def _per_batch(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor,
     for b in range(B):
         rows = {}
 
-        def row(x):  # one slice per stream, so that one stream stays one tensor (x, x, x)
+        def row(x, rows=rows, b=b):  # one slice per stream, so that one stream stays one tensor (x, x, x)
             if id(x) not in rows:
                 rows[id(x)] = x[b:b + 1]
             return rows[id(x)]
@@ -261,7 +276,9 @@ def _observed_weights(record, t_q: int, t_k: int) -> Tensor | None:
             return sm.output
     for f in reversed(record.fused):
         if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
-            from ._observe import fused_weights  # torch's dispatch machinery, loaded only where it is used
+            from ._observe import (
+                fused_weights,  # torch's dispatch machinery, loaded only where it is used
+            )
 
             return fused_weights(f)
     return None
@@ -472,8 +489,8 @@ class TorchMHASubject(Subject):
         # add_bias_kv / add_zero_attn append a key of their own that no mask and no input reaches
         self.extra_keys = layer.bias_k is not None or layer.add_zero_attn
         if layer.kdim != layer.embed_dim or layer.vdim != layer.embed_dim:
-            self.notes = (f"kdim={layer.kdim}, vdim={layer.vdim}: keys and values are the key stream repeated "
-                          f"to that width",)
+            self.notes = ((f"kdim={layer.kdim}, vdim={layer.vdim}: keys and values are the key stream repeated "
+                           f"to that width"),)
 
     def __call__(self, query, key, value, allowed):  # its weights have a key more with add_bias_kv: kept as they are
         mha: nn.MultiheadAttention = self.layer
@@ -684,7 +701,7 @@ def _huggingface_rotary(layer, device):
     for cls in classes:
         try:
             return cls(config=layer.config).to(device)
-        except Exception:  # noqa: BLE001 - another family's signature: try the next
+        except Exception:  # noqa: BLE001, S112 - another family's signature: try the next
             continue
     return None
 
@@ -720,7 +737,7 @@ def _trial(layer: nn.Module, width: int, device, dtype, call=None):
         x = torch.randn(1, TRIAL_TOKENS, width, generator=torch.Generator().manual_seed(0)).to(device, dtype)
         if call is not None:
             streams = call_form(call)[2]
-            invoke = lambda: call(layer, *([x] * streams))  # noqa: E731
+            invoke = lambda: call(layer, *([x] * streams))
         else:
             sig = read_signature(layer)
             kwargs = dict(sig.fixed)
@@ -730,7 +747,7 @@ def _trial(layer: nn.Module, width: int, device, dtype, call=None):
                     kwargs[name] = x
             if sig.memory is not None and sig.memory in kwargs:
                 kwargs[sig.memory] = x
-            invoke = lambda: layer(**kwargs)  # noqa: E731
+            invoke = lambda: layer(**kwargs)
         observer = Observer()
         with untouched(layer, device), torch.no_grad(), observer:
             out = invoke()
@@ -818,7 +835,7 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
     except (TypeError, ValueError):
         params = None  # a builtin: assume f(q, k, v, ...) and read the mask's name from its docstring
     if call is not None:  # the declared call says how: (layer, q, k, v[, mask])
-        form, mask_param, streams = call_form(call, options)
+        _, mask_param, streams = call_form(call, options)
         expect(streams == 3, "for a function, call(layer, q, k, v[, mask])", f"call{_shown_signature(call)}",
                "pass e.g. call=lambda f, q, k, v, mask: f(q, k, v, bias=mask)")
         names = [mask_param] if mask_param else []
@@ -906,7 +923,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
                  if how and how != "declared" and not any(n.startswith(f"{field}=") for n in notes)]
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
-    builtin_pattern = any(getattr(layer, n, None) is not None for n in PATTERN_NAMES)
+    builtin_pattern = declares_pattern(layer)
     extra = None
     if declared_call is not None:  # the call says the form and the mask's name; the forward is not read
         form, mask_param, _ = declared_call

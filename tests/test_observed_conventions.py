@@ -189,7 +189,7 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x, memory, mask=None):
         B, Tq, D = x.shape
-        split = lambda t: t.view(B, t.shape[1], self.num_heads, -1).transpose(1, 2)  # noqa: E731  (B, H, T, d)
+        split = lambda t: t.view(B, t.shape[1], self.num_heads, -1).transpose(1, 2)
         k, v = self.kv(self.norm(memory)).split(D, -1)
         y = F.scaled_dot_product_attention(split(self.q(self.norm(x))), split(k), split(v), attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, Tq, D) if self.merge == "transpose" else y.reshape(B, Tq, D)
@@ -248,7 +248,7 @@ class FusedOverHeadsAsBatch(nn.Module):
     def forward(self, x, mask=None):
         B, T, D = x.shape
         H = self.num_heads
-        fold = lambda t: t.view(B, T, H, -1).transpose(1, 2).reshape(B * H, T, -1)  # noqa: E731  (B*H, T, d)
+        fold = lambda t: t.view(B, T, H, -1).transpose(1, 2).reshape(B * H, T, -1)
         q, k, v = (fold(t) for t in self.qkv(x).split(D, -1))
         mask = None if mask is None else mask.expand(B, H, T, T).reshape(B * H, T, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B*H, T, d)
@@ -279,7 +279,7 @@ class LearnedKeysAttention(nn.Module):
     def forward(self, query, key, value, mask=None):
         B, Tq, D = query.shape
         H = self.num_heads
-        split = lambda t: t.view(B, t.shape[1], H, -1).transpose(1, 2)  # noqa: E731  (B, H, T, d)
+        split = lambda t: t.view(B, t.shape[1], H, -1).transpose(1, 2)
         q, k, v = split(self.q(query)), split(self.k(key)), split(self.v(value))
         if self.kind != "sink":
             n = self.mem_k.shape[1]
@@ -483,3 +483,74 @@ def test_normalised_q_and_k_with_a_temperature_of_their_own_are_told_to_declare_
     assert result.verdict == "fail" and "scale=4.0" in result.fix and "normalised" in result.fix, result.fix
     report = diagnostics.audit(layer, scale=4.0)
     assert report.passed and not report.fired(), str(report)
+
+
+# ---- a pattern is declared by a setting, not by a method's name ------------------------------------------------
+
+
+class WindowStep(nn.Module):
+    """Full attention whose code has a step named like a pattern setting: `sliding_window` is a method here (it
+    clips nothing: a hook a subclass may override), so the layer builds no pattern of its own."""
+
+    def __init__(self, d_model=16, num_heads=2, window=None):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        if window is not None:
+            self.window = window  # a setting: the layer says it builds a window of its own
+
+    def sliding_window(self, mask):
+        return mask
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        mask = None if mask is None else self.sliding_window(mask)  # (B, 1, Tq, Tk), True = may attend
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d_k)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_method_named_like_a_pattern_is_no_declared_pattern():
+    """The subject reads a pattern the layer builds from a setting (`window = 4`, a flex `mask_mod`), never from
+    a method of that name: with a method only, the audit's declared pattern is passed to the layer as its mask."""
+    from diagnostics._subject import declares_pattern
+
+    torch.manual_seed(0)
+    assert not declares_pattern(WindowStep())
+    assert declares_pattern(WindowStep(window=4))
+    flex = WindowStep()
+    flex.mask_mod = lambda b, h, q, kv: q >= kv  # flex attention's mask function, stored on the layer
+    assert declares_pattern(flex)
+    assert diagnostics.audit(WindowStep()).passed
+    # read as a layer that builds its own window, it got no window mask and failed attention_pattern
+    report = diagnostics.audit(WindowStep(), causal=True, pattern=diagnostics.patterns.sliding_window(4))
+    assert report.passed and report.result("attention_pattern").verdict == "pass", str(report)
+
+
+# ---- an output projection that reads [context; query] (Luong et al. 2015) ---------------------------------------
+
+
+class LuongAttention(nn.Module):
+    """Global dot attention over a memory, attentional state tanh(W_c [c_t; h_t]): the output carries each query, so
+    the convex-combination property is judged on the context c_t, before the concatenation. `bug`: "no softmax"
+    (the raw scores weight the memory)."""
+
+    def __init__(self, d_model=16, bug=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = d_model, 1, bug
+        self.linear_out = nn.Linear(2 * d_model, d_model, bias=False)
+
+    def forward(self, query, memory):
+        scores = query @ memory.transpose(1, 2)  # (B, Tq, D) x (B, D, Tk) -> (B, Tq, Tk)
+        weights = scores if self.bug == "no softmax" else scores.softmax(-1)
+        context = weights @ memory  # (B, Tq, D)
+        return torch.tanh(self.linear_out(torch.cat([context, query], dim=-1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("bug", [None, "no softmax"], ids=["correct", "no softmax"])
+def test_an_output_that_reads_context_and_query_is_judged_on_the_context(bug, dtype):
+    torch.manual_seed(0)
+    result = diagnostics.audit(LuongAttention(bug=bug).to(dtype), scale=1.0).result("output_variance")
+    assert "[attention; query]" in result.evidence, result.evidence
+    assert result.verdict == ("pass" if bug is None else "fail"), result

@@ -174,6 +174,28 @@ def test_a_lookup_table_the_probe_reaches_in_part_is_no_finding():
     assert report.result("parameters_used").verdict == "pass", str(report)
 
 
+class WithEmptyParameter(SeparateProjections):
+    """A correct layer that owns a parameter with no element (a slot table sized by a config that asks for none,
+    as `num_mem_kv=0` would give): nothing in it can be unused."""
+
+    def __init__(self, bug=None):
+        super().__init__(bug=bug)
+        self.memory = nn.Parameter(torch.empty(0, self.d_model))  # (slots=0, D)
+
+
+@pytest.mark.parametrize("bug", [None, "values from keys"])
+def test_an_empty_parameter_is_no_finding_and_an_unused_one_beside_it_is(bug):
+    """The same class and seed: with every step right it passes (the empty parameter is not called unused); with
+    W_v unused it fails, naming v_proj.weight and not the empty one."""
+    torch.manual_seed(0)
+    result = diagnostics.audit(WithEmptyParameter(bug=bug)).result("parameters_used")
+    if bug is None:
+        assert result.verdict == "pass", result
+    else:
+        assert result.verdict == "fail" and "v_proj.weight" in result.message, result
+        assert "memory" not in result.message, result
+
+
 # ---- real layers in half precision (the `real` extra): no weight read as unused --------------------------------
 
 HALF_PRECISION = {  # class: (module, config class, config, constructor keywords, causal, scale)

@@ -49,21 +49,13 @@ UNLESS_EVERY_PAIR = f"audited under --hypothesis-profile=thorough or {EVERY_SITE
 
 # Buggy halves the audit does not fail today, and what it lacks to see each (one sentence).
 MISSES = {
-    "mask_after_softmax": "a mask applied with -inf after the softmax makes every masked row NaN, which the audit "
-                          "only warns about as fully_masked_rows (and mask_honoured skips: 'non-finite everywhere') "
-                          "instead of failing finite_output for rows that had keys to attend",
     "fully_masked_row_nan": "NaN for a query whose every key is blocked is only a fully_masked_rows warning, since "
                             "torch's own nn.MultiheadAttention does the same; nothing lets a user require zeros",
-    "alibi_sign_flipped": "no detector checks that a distance bias decays with distance: a bias that rewards far "
-                          "keys is still relative, causal and normalised",
 }
 
-# Fixed halves the audit does not pass today, and why.
-FALSE_FINDINGS = {
-    "softmax_over_batch": "output_variance fails the correct layer: its output projection reads [context; query] "
-                          "(Luong's attentional state), so the output is not a combination of the values, and no "
-                          "declaration says where the attention's own output is",
-}
+# Fixed halves the audit does not pass today, and why (none: softmax_over_batch's Luong output projection, which reads
+# [context; query], is judged on the attention's own output before the concatenation).
+FALSE_FINDINGS: dict[str, str] = {}
 
 
 def _params(expected: dict, *, audited: bool):

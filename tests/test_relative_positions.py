@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ class PositionalAttention(nn.Module):
         i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
         if self.kind == "alibi":
             slopes = 2.0 ** (-8.0 * torch.arange(1, self.num_heads + 1) / self.num_heads)  # (H,)
-            scores = scores - slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
+            sign = -1 if self.bug == "alibi sign" else 1  # BUG alibi sign: far keys rewarded
+            scores = scores - sign * slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
         if self.kind == "t5":
             bucket = j.clamp(max=15) + 15 if self.bug == "key position" else (j - i).clamp(-15, 15) + 15  # BUG key position
             scores = scores + self.buckets(bucket.expand(T, T)).permute(2, 0, 1)  # (H, T, T)
@@ -187,6 +189,23 @@ def test_a_bias_by_absolute_key_position_fails_and_by_distance_passes(bug):
         assert site.file == __file__ and "self.buckets" in site.code and "j - i" in result.remedy[0], site.describe()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("bug", [None, "alibi sign"], ids=["correct", "sign flipped"])
+def test_an_alibi_bias_that_rewards_distance_fails_and_its_twin_passes(bug, dtype, init, causal):
+    """ALiBi's slopes with the wrong sign (attention-gym#86): still relative, so the shift cannot see it; on identical
+    tokens the scores are a line in |i - j| whose slope must be negative in every head."""
+    result = diagnostics.audit(build(dtype, init, kind="alibi", bug=bug), detectors=[DET], causal=causal).result(DET)
+    if bug is None:
+        assert result.verdict == "pass", result
+    else:
+        assert result.verdict == "fail" and "rewards distance" in result.message, result
+        assert "slope * (j - i)" in result.fix, result.fix
+        marker = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BUG alibi sign" in line)
+        lines = [site.line for site in result.where if site.file == __file__]
+        assert lines and min(abs(n - marker) for n in lines) <= 1, [site.describe() for site in result.where]
+
+
 def test_a_layer_without_positions_is_not_applicable():
     report = diagnostics.audit(build(kind=None))
     result = report.result(DET)
@@ -225,6 +244,30 @@ def test_a_rotary_layer_without_a_mask_is_a_visible_skip():
     result = diagnostics.audit(build(takes_mask=False), detectors=[DET]).result(DET)
     assert result.verdict == "skip" and not result.message.startswith("not applicable"), result.message
     assert "no shift of its positions is possible" in result.message and "mask argument" in result.message
+
+
+class MaskAsFlag(PositionalAttention):
+    """Whisper's SDPA path: any mask given makes the layer causal, its values never read (a flag, not a mask)."""
+
+    def forward(self, x, mask=None):
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()  # (Tq, Tk), True = may attend
+        return super().forward(x, None if mask is None else causal.expand(x.shape[0], 1, T, T))
+
+
+def test_a_mask_read_as_a_flag_names_the_call_without_it_and_that_call_passes():
+    """Audited as a user first does, the left padding is attended (the mask's values are never read): the finding
+    says the mask is a flag and names call= without it, not positions="absolute"; audited through that call, the
+    same layer passes (its positions cannot be shifted without a mask: a visible skip). A layer that applies its mask and has absolute positions is not read as a flag."""
+    torch.manual_seed(0)
+    result = diagnostics.audit(MaskAsFlag(), detectors=[DET]).result(DET)
+    assert result.verdict == "fail" and "only as a flag" in result.message, result
+    assert "call=" in result.fix and "positions=" not in result.fix, result.fix
+    torch.manual_seed(0)
+    unmasked = diagnostics.audit(MaskAsFlag(), call=lambda layer, x: layer(x))
+    assert unmasked.passed and not unmasked.fired(), str(unmasked)  # positions: a visible skip without a mask
+    absolute = diagnostics.audit(build(kind="absolute"), detectors=[DET]).result(DET)
+    assert absolute.verdict == "fail" and "flag" not in absolute.message, absolute
 
 
 def test_randomness_left_on_is_not_read_as_a_position():

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from .._core import Case, Inputs, compare, held, not_run, perturbed, skip
+from .._core import (
+    Case,
+    Inputs,
+    allowed_text,
+    compare,
+    expand_rows,
+    held,
+    not_run,
+    perturbed,
+    skip,
+    unravel,
+    where_text,
+)
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult
@@ -31,7 +43,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         # a causal mask passed to a layer audited as causal blocks what the layer's own causality (or the causal
         # mask the audit passes) blocks already: that probe is future_leakage's, which runs on such layers
         scenarios = scenarios[:1]
-    results = []
+    results, unmeasured = [], None
     for name, mask, keys, when in scenarios:
         q, k, v = probe.streams(B, T)
         base = Inputs(q, k, v, mask)
@@ -42,38 +54,98 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         if base.one_stream:
             hold &= ~keys  # in self-attention the changed positions are also changed queries
             sees |= keys & allowed.any(-1)
+        gains = perturbation_gains(probe)
         cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
-                 for gain, x in zip(perturbation_gains(probe), perturbed(probe, base, keys, ("key", "value"), gains=perturbation_gains(probe)))]
+                 for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
+        control = name == "padding"
+        if control:
+            # the padding scenario's negative control that does not rest on the blocked rows (a layer may zero the
+            # outputs of masked queries, as x-transformers does, and in one stream the padded keys are those
+            # queries): key 0, which the mask allows, changed alone must move the rows that may attend it (not its
+            # own query in one stream); its hold is empty, so held() and the localiser pass over it. The causal
+            # scenario needs none: the rows after the cut attend the changed keys and are never masked queries
+            first = torch.zeros(B, T, dtype=torch.bool)
+            first[:, 0] = True
+            attends = allowed[..., 0].clone()  # (B, Tq)
+            if base.one_stream:
+                attends[:, 0] = False
+            cases.append(Case(perturbed(probe, base, first, ("key", "value"), gains=gains[:1])[0],
+                              hold=torch.zeros(B, T, dtype=torch.bool),
+                              when=f"when only key 0, which the mask allows, changed (x{gains[0]:g})"))
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
-        if isinstance(comparison, DetectorResult):
-            return comparison
-        results.append((name, comparison))
-    readings = [(name, *held(c, probe, what="outputs")) for name, c in results]
+        if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
+            unmeasured = unmeasured or comparison
+            continue
+        # no control (the causal scenario): it proves nothing either way, and never says the mask works backwards
+        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (None, False, "")
+        results.append((name, comparison, reading))
+    if not results:
+        return unmeasured
+    readings = [(name, *held(c, probe, what="outputs")) for name, c, _ in results]
     bad = [name for name, b, _, _, _ in readings if b]
-    if not bad and any(silent for _, _, _, _, silent in readings):  # one scenario that did not respond proves nothing
-        silent = [name for name, _, _, _, quiet in readings if quiet]
+    # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
+    # (it may hold every blocked row still, by zeroing the very rows it should keep)
+    backwards = [(name, text) for name, _, (moved, responds, text) in results if responds and moved is False]
+    if not bad and backwards:
+        return result(det, "fail", f"keys the mask allows have no effect on the queries that may attend them "
+                                   f"({', '.join(n for n, _ in backwards)} mask), while the output responds to other "
+                                   f"changes: the mask works the wrong way round",
+                      value=0.0, threshold=results[0][1].tol, evidence="; ".join(f"{n} mask: {t}" for n, t in backwards),
+                      fix=_with_hint(probe, "pass the mask as the layer reads it (True = may attend, or declare its "
+                                            "convention), so that the keys it allows are the ones attended"))
+    # one scenario that did not respond proves nothing: neither the rows a correct layer moves when blocked keys
+    # change, nor those that may attend key 0
+    silent = [name for (name, _, _, _, quiet), (_, _, (moved, _, _)) in zip(readings, results) if quiet and not moved]
+    # a mask whose probe could not be compared (the output zero or non-finite everywhere) leaves the detector not
+    # measured, as the hold rows of the others may be the same non-finite values (-inf logits times the values);
+    # only the backwards finding above stands beside it, read from rows that did not move at all
+    if unmeasured:
+        return unmeasured
+    if not bad and silent:
         return skip(det, f"the output did not respond to changed keys with the {' and '.join(silent)} mask (not even "
                          f"the rows a correct layer moves), so its not moving where the mask blocks them proves nothing")
-    result = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
-                    f"keys the mask blocks have no effect ({' and '.join(name for name, _ in results)} "
+    found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
+                    f"keys the mask blocks have no effect ({' and '.join(name for name, _, _ in results)} "
                     f"mask{'s' if len(results) > 1 else ''})",
                     value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
-                    replay=tuple(c for _, c in results))
-    if result.verdict == "fail":
+                    replay=tuple(c for _, c, _ in results))
+    if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
         # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
         # must fail
         hint = convention_hint(probe)
         if hint:
-            result = DetectorResult(det, "fail", f"{result.message}; {hint}", value=result.value,
-                                    threshold=result.threshold, evidence=result.evidence,
-                                    fix=f"{hint}; {result.fix}", replay=result.replay)
-    return result
+            found = DetectorResult(det, "fail", f"{found.message}; {hint}", value=found.value,
+                                   threshold=found.threshold, evidence=found.evidence,
+                                   fix=f"{hint}; {found.fix}", replay=found.replay)
+    return found
 
 
-@detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN)",
-          targets=("plain softmax over an all -inf row",),
+def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, bool, str]:
+    """The control case (the last): (did a row that may attend key 0 move, did any row of any case move, evidence).
+    No finite row that may attend key 0: nothing to prove either way, read as moved."""
+    tol, change = comparison.tol, comparison.changes[-1]
+    # rows whose baseline is NaN or inf cannot show a move (the same inf again is no change): not counted
+    baseline = comparison.call.output.out.chunk(len(comparison.changes) + 1)[0]
+    finite = torch.isfinite(baseline).all(-1).to(change.device)  # change's shape: (B, [H,] Tq)
+    rows = change[expand_rows(attends, change) & finite]
+    moved = bool((rows > tol).any()) if rows.numel() else True  # no row to move proves nothing either way
+    responds = any(bool((c > tol).any()) for c in comparison.changes)
+    worst = float(rows.max()) if rows.numel() else 0.0
+    text = (f"{int((rows > tol).sum())} / {rows.numel()} outputs that may attend key 0 moved when only key 0 changed; "
+            f"greatest change {worst:.3g} ({allowed_text(tol, dtype)})")
+    return moved, responds, text
+
+
+def _with_hint(probe: Probe, fix: str) -> str:
+    hint = convention_hint(probe)
+    return f"{hint}; {fix}" if hint else fix
+
+
+@detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN), and NaN "
+          "never reaches a query that has keys to attend",
+          targets=("plain softmax over an all -inf row", "a -inf mask applied after the softmax"),
           fix="zero the weights of rows with no allowed key (torch's SDPA does), or never build such rows",
           needs=(TAKES_MASK,), locate=lambda probe, result: nonfinite_sites(probe, result, fills=ROW_FILLS))
 def check_fully_masked_rows(probe: Probe) -> DetectorResult:
@@ -81,22 +153,35 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     r = T // 2
     extra = torch.ones(B, T, T, dtype=torch.bool)
     extra[0, r, :] = False  # batch 0, query r may attend nothing
+    if T >= 3:
+        # and every query before the last has a blocked key beside the ones it may attend: a -inf fill that reaches
+        # the output (a mask applied after the softmax, no softmax at all) makes NaN in rows that have keys to
+        # attend; the last query keeps that key, so that no key is blocked for every query (a softmax over the
+        # queries then has no all -inf column: that is weight_row_sums' finding, not this one)
+        extra[:, :T - 1, T - 1] = False
     q, k, v = probe.streams(B, T)
-    call = probe.call(q, k, v, probe.allowed(B, T, T, extra), label="a query with no key to attend")
+    allowed = probe.allowed(B, T, T, extra)
+    call = probe.call(q, k, v, allowed, label="a query with no key to attend")
     if not call.ok:
         return not_run(det, call)
     finite = torch.isfinite(call.output.out).all(-1)  # (B, T) or (B, H, T)
-    empty = torch.zeros_like(finite)
-    empty[0, ..., r] = True
+    empty = expand_rows(~allowed.cpu().any(-1), finite)  # rows with no key to attend, the causal mask's included
     if (~finite & ~empty).any():
         n = int((~finite & ~empty).sum())
+        first = unravel((~finite & ~empty).flatten().nonzero()[0, 0], finite.shape)
+        blocked = f" and the queries before t={T - 1} have key {T - 1} blocked" if T >= 3 else ""
         return result(det, "fail", "NaN spreads beyond the query whose every key is masked",
                        value=float(n), threshold=0.0,
-                       evidence=f"{n} output rows other than (b=0, t={r}) are NaN/inf when only that query has no key",
-                       replay=call)
+                       evidence=f"{n} output rows that have keys to attend are NaN/inf, first at "
+                                f"{where_text(first, finite.dim())}, when only query (b=0, t={r}) has no key{blocked}",
+                       replay=call,
+                       fix="keep NaN out of rows that have keys: apply the mask to the scores before the softmax "
+                           "(scores.masked_fill(~allowed, -inf), then softmax; a -inf that reaches the weights or the "
+                           "output is NaN there), and zero the weights of rows with no allowed key (torch's SDPA does)")
     if (~finite & empty).any():
         return result(det, "warn", "a query whose every key is masked gets NaN (torch's SDPA gives zeros)",
                        value=1.0, threshold=0.0,
                        evidence=f"output at (b=0, t={r}) is NaN/inf when that query may attend no key; it will "
                                 f"poison the loss and the gradients unless such rows are dropped", replay=call)
-    return result(det, "pass", "a query with no key to attend gives a finite output", value=0.0, threshold=0.0)
+    return result(det, "pass", "a query with no key to attend gives a finite output, and every other query too",
+                  value=0.0, threshold=0.0)

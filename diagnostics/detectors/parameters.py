@@ -248,7 +248,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             out = graph_call(sub, *_pack(inputs), allowed)
             cotangent = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
             grads = torch.autograd.grad((out * cotangent).sum(), list(params.values()), allow_unused=True)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - the layer's own failure under autograd: a skip that says so
         return skip(det, f"the layer does not run with autograd as a float64 copy ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:160] if str(error) else ''}); see `gradients`")
     if not bool(torch.isfinite(out).all()):
@@ -257,7 +257,8 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     grad_of = dict(zip(params, grads))
     tables = {f"{owner}.{n}" if owner else n for owner, m in sub.layer.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for n, _ in m.named_parameters(recurse=False)}
-    zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_of.items()}
+    # an empty parameter (a bias of zero features, a table of no entries) has no entry to use or to leave unused
+    zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_of.items() if params[name].numel()}
     zero = {name: where for name, where in zero.items() if where}
     cut, explained, unused, moved_by = [], [], [], {}
     for name, where in zero.items():

@@ -95,6 +95,16 @@ ENOUGH_TOKENS = Need("seq_len >= 3", lambda p: p.t >= 3,
 
 
 @dataclass(frozen=True)
+class DistanceReplay:
+    """The identical tokens the distance reading was made on (one copy of the stacked call), and their mask."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    allowed: Tensor | None
+
+
+@dataclass(frozen=True)
 class ShiftReplay:
     """What the verdict was computed on: the unshifted call and the shifted one (its inputs, mask and method)."""
 
@@ -155,10 +165,11 @@ def _pattern_moves(probe: Probe, B: int, P: int, T: int) -> bool:
 
 
 @detector(DET, "for a layer whose positions are relative (rotary, ALiBi, T5 buckets), shifting every position by the "
-          "same offset leaves the real tokens' outputs unchanged",
+          "same offset leaves the real tokens' outputs unchanged, and a linear distance bias penalises distance",
           targets=("rotary pairs rotated in one layout, their cos/sin table laid out in the other",
                    "rotary applied over the head axis of a (B, T, H, d) tensor",
-                   "a position bias of absolute, not relative, positions"),
+                   "a position bias of absolute, not relative, positions",
+                   "ALiBi slopes with the wrong sign (far keys rewarded)"),
           fix="let positions reach the scores only through j - i: rotate q and k with the same pairing as the cos/sin "
               "table (interleaved pairs (2m, 2m+1) with freqs.repeat_interleave(2), half-split pairs (m, m + d/2) with "
               "torch.cat([freqs, freqs])), along the time axis; if the layer's positions are absolute by design "
@@ -189,18 +200,23 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     pq = q.index_select(t, perm) if one else q
     pk = k.index_select(t, perm)
     pv = pk if (one or v is k) else v.index_select(t, perm)
-    everything = [(q, k, v), (pq, pk, pv), (q, k, v)]
+    # a fourth copy: every token the first one, so that the scores differ only by what positions add to them
+    first = tuple(x.narrow(t, 0, 1).expand_as(x).contiguous() for x in (q, k, v))
+    same = (first[0], first[0], first[0]) if one else (first[0], first[1], first[1] if v is k else first[2])
+    everything = [(q, k, v), (pq, pk, pv), (q, k, v), same]
     Q = torch.cat([x[0] for x in everything])
     K = Q if one else torch.cat([x[1] for x in everything])
     V = K if (one or v is k) else torch.cat([x[2] for x in everything])
-    extra = torch.ones(3 * B, T, T, dtype=torch.bool) if s.takes_mask else None
-    stacked = probe.call(Q, K, V, probe.allowed(3 * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)")
+    n = len(everything)
+    extra = torch.ones(n * B, T, T, dtype=torch.bool) if s.takes_mask else None
+    stacked = probe.call(Q, K, V, probe.allowed(n * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)",
+                         observe=True)
     if not stacked.ok:
         return not_run(DET, stacked)
     out = stacked.output.out
-    if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[t] != T:
+    if out.dim() < 3 or out.shape[0] != n * B or out.shape[t] != T:
         return skip(DET, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
-    base_out, perm_out, again = out.chunk(3)
+    base_out, perm_out, again, _ = out.chunk(n)
     scale = baseline_scale(base_out, centred=True)
     if not scale > 0:
         return skip(DET, "the output is zero or non-finite everywhere, so a change cannot be measured against it")
@@ -240,6 +256,13 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the declared attention pattern depends on absolute "
                               f"positions: its mask over the real tokens changes when they are shifted by {P}")
     seen = f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS: the layer uses positions"
+    rewarded = distance_reward(stacked.record, n, B, T, s.dtype)
+    if rewarded:
+        return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
+                                   "distance to the key, so far keys win over near ones",
+                      value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
+                      fix=f"make the bias penalise distance: {BIAS_SIGN_FIX}",
+                      replay=DistanceReplay(*same, probe.allowed(B, T, T, extra[:B] if extra is not None else None)))
     base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
     if s.takes_mask:
         pads = [gain * x for x in probe.streams(B, P, cross=cross)]
@@ -283,12 +306,110 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                 f"when every position was shifted by {P} ({how}); greatest change {worst:.3g} at {at} (up to "
                 f"{tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(s.dtype)}); {seen}")
     replay = ShiftReplay(q, k, v, base_allowed, shifted, shifted_allowed, P, method, tol)
+    if bool(bad.any()) and method == "padding":
+        flag = _mask_is_a_flag(probe, shifted, shifted_allowed, got, P, T, tol)
+        if flag:
+            return result(DET, "fail", "the left padding, which the mask blocks, moves the real tokens' outputs: the "
+                                       "layer reads its mask only as a flag (its values change nothing)",
+                          value=worst, threshold=tol, evidence=f"{evidence}; {flag}", replay=replay,
+                          fix="if the layer's model calls it without a mask (an encoder), audit it that way: declare "
+                              "the call, e.g. call=lambda layer, x: layer(x); else apply the mask's values to the "
+                              "scores (scores.masked_fill(~allowed, -inf)) rather than reading it as a switch")
     if bool(bad.any()):
         declared = f"; {where} says they are relative" if kind == "relative" else ""
         return result(DET, "fail", f"the outputs depend on absolute positions: shifting every position by {P} moves "
                                    f"them{declared}", value=worst, threshold=tol, evidence=evidence, replay=replay)
     return result(DET, "pass", f"shifting every position by {P} ({method}) leaves the real tokens' outputs unchanged: "
                                f"positions are relative", value=worst, threshold=tol, evidence=evidence)
+
+
+DISTANCE_LINEAR = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,  # ALiBi measured <= 2.9e-7 of the scores' spread; rotary >= 0.69, T5 >= 0.94
+    torch.float16: 5e-2,  # ALiBi measured <= 1.4e-2 (margin 3.7x); rotary >= 0.69 (14x over)
+    torch.bfloat16: 0.3,  # ALiBi measured <= 0.116 (margin 2.6x: a bias added in bfloat16); rotary >= 0.69 (2.3x)
+}
+"""How exactly (largest residual over the largest centred score) the scores of identical tokens must follow a
+straight line in the distance |i - j|, per head, for the bias to be read as ALiBi's and its slope's sign judged.
+Rotary (cosines of the distance) and T5 (a learned value per bucket) are far from a line and are not judged.
+Measured on tests/test_relative_positions.py's ALiBi, rotary and T5 layers, 3 seeds x default
+and std-0.02 initialisation x causal and not, at float32, bfloat16 and float16 (108 audits), and the real-bug
+benchmark's SDPA ALiBi pair (residual <= 1.3e-7 at every dtype: its bias is added in float32)."""
+
+
+def _scores_seen(record, n: int, B: int, T: int) -> Tensor | None:
+    """The last copy's scores (B, heads, T, T) in float64, -inf where blocked, from the record's first softmax over
+    (T, T) of the stacked batch, or its first fused attention (q·k times its scale, plus a float mask)."""
+    if record is None:
+        return None
+    for sm in record.softmaxes:
+        x = sm.input
+        if x.dim() >= 3 and tuple(x.shape[-2:]) == (T, T) and x.shape[0] == n * B:
+            return x[(n - 1) * B:].double().reshape(B, -1, T, T)
+    for f in record.fused:
+        if f.q.shape[0] != n * B or f.q.shape[-2] != T or f.k.shape[-2] != T or f.q.shape[:-2] != f.k.shape[:-2]:
+            continue
+        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, T, T)
+        if f.attn_mask is not None:
+            m = f.attn_mask.expand_as(x) if f.attn_mask.dim() <= x.dim() else None
+            if m is None:
+                return None
+            x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
+        if f.is_causal:
+            x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
+        return x[(n - 1) * B:].reshape(B, -1, T, T)
+    return None
+
+
+def distance_reward(record, n: int, B: int, T: int, dtype) -> tuple[float, str] | None:
+    """(the largest slope, evidence) when the scores of identical tokens are a straight line in |i - j| for every
+    head, with a slope > 0 for some (the bias grows with distance: ALiBi's sign flipped); None otherwise."""
+    scores = _scores_seen(record, n, B, T)
+    if scores is None:
+        return None
+    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+    dist = (i - j).abs().double().to(scores.device).expand_as(scores)  # (B, H, T, T)
+    seen = torch.isfinite(scores)
+    count = seen.sum(-1, keepdim=True)
+    if not bool((count >= 2).any()):
+        return None
+    zero = torch.zeros_like(scores)
+    mean = lambda x: torch.where(seen, x, zero).sum(-1, keepdim=True) / count.clamp(min=1)
+    sc = torch.where(seen, scores - mean(scores), zero)  # per row, centred over the keys it sees
+    dc = torch.where(seen, dist - mean(dist), zero)
+    slope = (sc * dc).sum((0, 2, 3)) / (dc * dc).sum((0, 2, 3)).clamp(min=1e-300)  # (H,)
+    residual = sc - slope.view(1, -1, 1, 1) * dc
+    spread = float(sc.abs().max())
+    if not spread > 0 or float(residual.abs().max()) > DISTANCE_LINEAR.get(dtype, 1e-3) * spread:
+        return None  # not a straight line in the distance (rotary, T5 buckets, content): not ALiBi's to judge
+    if not bool((slope > 0).any()):
+        return None
+    worst = int(slope.argmax())
+    return float(slope.max()), (f"on {T} identical tokens the scores are a straight line in the distance |i - j| "
+                                f"(residual {float(residual.abs().max()) / spread:.2g} of their spread) with slope "
+                                f"{float(slope[worst]):+.3g} per token in head {worst} (slopes per head: "
+                                f"{', '.join(f'{float(x):+.3g}' for x in slope)}); a bias that penalises distance "
+                                f"has every slope < 0")
+
+
+def _mask_is_a_flag(probe: Probe, shifted, shifted_allowed, got: Tensor, P: int, T: int, tol: float) -> str:
+    """After the left padding moved the real tokens: the same call with nothing blocked beyond what the audit itself
+    passes (causal, a pattern) instead of the padding's mask. The same outputs (within `tol`): the layer never read
+    which keys the mask blocks, only that a mask was given; its evidence then, else ''. One call, on failure only."""
+    B = shifted[0].shape[0]
+    if shifted_allowed is None:
+        return ""
+    opened = probe.allowed(B, P + T, P + T, torch.ones(B, P + T, P + T, dtype=torch.bool))
+    if bool((opened.cpu() == shifted_allowed.cpu()).all()):
+        return ""
+    call = probe.call(*shifted, opened, label=f"{P} padding tokens before {T}, the mask blocking none of them")
+    if not call.ok or tuple(call.output.out.shape) != tuple(got.shape):
+        return ""
+    change = relative_change(call.output.out, got, centred=True)
+    if change is None or float(change.max()) > tol:
+        return ""
+    return (f"with a mask that blocks none of the padding the outputs were the same (greatest change "
+            f"{float(change.max()):.3g} of the outputs' RMS)")
 
 
 def _pick(s, out: Tensor, rows: Tensor) -> Tensor:
@@ -327,6 +448,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     pairs (scores, a bias added to them, the weights) or the first fused attention whose rows for the real tokens
     differ; then, for a product, the op that made each operand (the rotation of q or k, most likely the mistake)."""
     r = result.replay
+    if isinstance(r, DistanceReplay):
+        return distance_sites(probe, r)
     if not isinstance(r, ShiftReplay):
         return []
     s = probe.subject
@@ -378,6 +501,24 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     return [site for site in sites if site is not None]
 
 
+def distance_sites(probe, r: DistanceReplay) -> list[Site]:
+    """On the identical tokens the verdict read: the first op of the user's code that makes a (.., Tq, Tk) tensor
+    from positions alone (no probe input reaches it: the distances, or the bias made of them), then the one that
+    adds such a tensor to the scores."""
+    s = probe.subject
+    T = r.query.shape[s.time_dim]
+    trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    made = [op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
+            and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and op.short not in ("ones", "tril",
+                                                                                                     "triu", "full")]
+    if not made:
+        return []
+    sites = [op_site(made[0], "makes the positions' (query, key) term from positions alone: its sign decides whether "
+                              "distance is penalised or rewarded", fix=BIAS_SIGN_FIX)]
+    return [site for site in sites if site is not None]
+
+
+BIAS_SIGN_FIX = "ALiBi adds -slope * |i - j| (slope > 0): slope * (j - i) for the past keys j <= i, not slope * (i - j)"
 EMBEDDING_FIX = ("positions added to the tokens inside the layer are absolute: use rotary or a bias of j - i instead, or, "
                  "if absolute positions are meant, declare positions=\"absolute\"")
 BIAS_FIX = ("index the position bias by the distance j - i (ALiBi: -slope * |i - j|; T5: a bucket of j - i), not by the "

@@ -18,7 +18,9 @@ from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
 from .._tracing import (
     MATMULS,
     SOFTMAXES,
+    Residual,
     ancestors,
+    carries_input,
     merge_fix,
     moved,
     op_name,
@@ -27,6 +29,7 @@ from .._tracing import (
     short,
     short_frames,
     trace_call,
+    value_before,
     weights_origin,
 )
 from ._common import result
@@ -193,12 +196,17 @@ def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> Det
     if keys is not None:
         return _judged_with_learned_keys(keys, t_q, t_k, tol, s.dtype, call)
     block = residual_add(trace, tuple(call.output.out.shape))
+    concat = block is None
+    if concat:  # no residual: an output projection that reads [attention; query] (Luong's)
+        block = query_concat(trace)
     if block is None:
         return None
     probe.passes += 1
     again = trace_call(s, reference.query, reference.key, reference.value, reference.allowed, seed=probe.seed)
-    alone = residual_add(again, tuple(reference.output.out.shape)) if again.error is None else None
-    if alone is None or alone.inner.shape[::2] != block.inner.shape[::2]:
+    alone = None
+    if again.error is None:
+        alone = query_concat(again) if concat else residual_add(again, tuple(reference.output.out.shape))
+    if alone is None or alone.inner.dim() != block.inner.dim() or alone.inner.shape[::2] != block.inner.shape[::2]:
         return None
     got, expected = block.inner, alone.inner.expand_as(block.inner)
     change = relative_change(got, expected)
@@ -206,19 +214,48 @@ def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> Det
         return None
     bad, worst = int((change > tol).sum()), float(change.max())
     idx = unravel(change.argmax(), change.shape)
-    around = (f"{op_name(block.norm)}(query + attention)" if block.norm is not None else "query + attention")
-    where = short(block.add) + (f", normalised at {short(block.norm)}" if block.norm is not None else "")
-    text = (f"the layer is a block: its output is {around} (the residual add at {where}), so the output carries each "
-            f"query; judged on the attention's own output, the operand of that add: {bad} / {change.numel()} of its "
+    if concat:
+        shape = (f"the layer's output is computed from [attention; query] (the concatenation at {short(block.add)}), "
+                 f"so it carries each query; judged on the attention's own output, the operand of that concatenation")
+    else:
+        around = (f"{op_name(block.norm)}(query + attention)" if block.norm is not None else "query + attention")
+        where = short(block.add) + (f", normalised at {short(block.norm)}" if block.norm is not None else "")
+        shape = (f"the layer is a block: its output is {around} (the residual add at {where}), so the output carries "
+                 f"each query; judged on the attention's own output, the operand of that add")
+    text = (f"{shape}: {bad} / {change.numel()} of its "
             f"rows differ from its row for one query over that one token ({100 * bad / change.numel():.1f}%) when "
             f"every value row is the same vector; greatest difference {worst:.3g} at {at_text(idx, ('b', 't'))} (up "
             f"to {tol:.2g} of its RMS allowed for {dtype_name(s.dtype)})")
+    inside = "before the output reads the query" if concat else "inside the block"
     if bad:
-        return result("output_variance", "fail", "the attention inside the block does not output a convex "
-                      "combination of the values: identical value rows do not come out unchanged", value=worst,
+        return result("output_variance", "fail", f"the attention {inside} does not output a convex combination of "
+                      "the values: identical value rows do not come out unchanged", value=worst,
                       threshold=tol, evidence=text, replay=VarianceReplay(call))
-    return result("output_variance", "pass", "identical value rows come out unchanged from the attention inside the "
-                  "block (judged before its residual and norm)", value=worst, threshold=tol, evidence=text)
+    judged = "judged before the concatenation with the query" if concat else "judged before its residual and norm"
+    return result("output_variance", "pass", f"identical value rows come out unchanged from the attention {inside} "
+                  f"({judged})", value=worst, threshold=tol, evidence=text)
+
+
+def query_concat(trace) -> Residual | None:
+    """The last concatenation, along the features, of the query input (through views and copies) and a tensor
+    computed from the keys: the attention's output beside its query, as an output projection that reads
+    [context; query] takes it (Luong et al. 2015, `tanh(W_c [c_t; h_t])`). As `residual_add`'s record: the cat as
+    the add, the attention's output as the inner operand."""
+    for op in reversed(trace.ops):
+        if op.short != "cat" or len(op.in_ids) != 2 or not op.outs or op.outs[0] is None:
+            continue
+        dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+        if dim not in (-1, op.outs[0].dim() - 1):
+            continue
+        ids = list(op.in_ids)
+        query = [i for i in ids if carries_input(trace, i, "query")]
+        if len(query) != 1:
+            continue
+        other = ids[1 - ids.index(query[0])]
+        inner = value_before(trace, other, op.index)
+        if inner is not None and {"key", "value"} & trace.sources.get(other, frozenset()):
+            return Residual(op, inner, None)
+    return None
 
 
 def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float, dtype, call: Call) -> DetectorResult:
