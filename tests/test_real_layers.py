@@ -131,7 +131,7 @@ def test_function_adapter_names_and_encodes_the_mask_argument():
     adapted = adapters.function(additive_attention, mask_arg="bias", convention="additive", scale=0.25)
     report = audit(adapted, causal=True, scale=0.25)
     assert report.layer.startswith("test_function_adapter_names_and_encodes_the_mask_argument.<locals>."
-                                   "additive_attention [bias: additive] (function")
+                                   "additive_attention [bias: additive] (a function of q, k, v")
     assert_clean(report, measured=CORE + CAUSAL + ("mask_honoured", "fully_masked_rows"))
     # the mask in the inputs' dtype (the gradient check's last call runs a float64 copy)
     assert seen["bias"].dtype == seen["q"].dtype and seen["scale"] == 0.25
