@@ -82,3 +82,33 @@ def test_nan_in_rows_with_keys_to_attend_fails_and_nan_in_the_empty_row_only_war
     else:
         assert result.verdict == "fail" and "spreads beyond" in result.message, result
         assert "keys to attend are NaN" in result.evidence, result.evidence
+
+
+class PerToken(nn.Module):
+    """Each output from its own token only, the mask taken and ignored (`mixes=False`); its twin (`mixes=True`)
+    is self-attention under the same (B, Tk) key-keep mask."""
+
+    def __init__(self, d_model=16, num_heads=2, mixes=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.mixes = d_model, num_heads, mixes
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        if not self.mixes:
+            return self.out(x)
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        keep = None if mask is None else mask[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("mixes", [True, False], ids=["attention", "per-token"])
+def test_a_layer_that_mixes_no_tokens_is_not_measured_and_never_read_as_a_backwards_mask(mixes):
+    """A per-token layer moves no row that may attend key 0 when key 0 changes, as an inverted mask does; but no
+    changed key moves any other query at all, so the mask is not measured (neither passed nor backwards)."""
+    torch.manual_seed(0)
+    result = diagnostics.audit(PerToken(mixes=mixes), mask="key_keep").result("mask_honoured")
+    if mixes:
+        assert result.verdict == "pass", result
+    else:
+        assert result.verdict == "skip" and "mixes no tokens" in result.message, result

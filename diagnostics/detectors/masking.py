@@ -55,9 +55,22 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             hold &= ~keys  # in self-attention the changed positions are also changed queries
             sees |= keys & allowed.any(-1)
         gains = perturbation_gains(probe)
+        none = torch.zeros(B, T, dtype=torch.bool)
         cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
                  for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
+        # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query
+        owns = [keys if base.one_stream else none] * len(cases)
         control = name == "padding"
+        if control and base.one_stream:
+            # one blocked key changed alone (the last, padded in every batch row): the other padded queries that
+            # attend it (a mask inverted on its way in) show that the layer mixes tokens when the allowed-key
+            # control below does not, and a layer that mixes none (each output its own token's) is told apart
+            last = none.clone()
+            last[:, T - 1] = True
+            cases.append(Case(perturbed(probe, base, last, ("key", "value"), gains=gains[:1])[0],
+                              hold=hold,  # the blocked keys' hold: key T-1 is one of them
+                              when=f"when only key {T - 1}, which the mask blocks, changed (x{gains[0]:g})"))
+            owns.append(last)
         if control:
             # the padding scenario's negative control that does not rest on the blocked rows (a layer may zero the
             # outputs of masked queries, as x-transformers does, and in one stream the padded keys are those
@@ -72,20 +85,21 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             cases.append(Case(perturbed(probe, base, first, ("key", "value"), gains=gains[:1])[0],
                               hold=torch.zeros(B, T, dtype=torch.bool),
                               when=f"when only key 0, which the mask allows, changed (x{gains[0]:g})"))
+            owns.append(first if base.one_stream else none)
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
         if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
             continue
         # no control (the causal scenario): it proves nothing either way, and never says the mask works backwards
-        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (None, False, "")
-        results.append((name, comparison, reading))
+        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (None, "")
+        results.append((name, comparison, reading, crosses(comparison, owns)))
     if not results:
         return unmeasured
-    readings = [(name, *held(c, probe, what="outputs")) for name, c, _ in results]
+    readings = [(name, *held(c, probe, what="outputs")) for name, c, _, _ in results]
     bad = [name for name, b, _, _, _ in readings if b]
     # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
     # (it may hold every blocked row still, by zeroing the very rows it should keep)
-    backwards = [(name, text) for name, _, (moved, responds, text) in results if responds and moved is False]
+    backwards = [(name, text) for name, _, (moved, text), cross in results if cross and moved is False]
     if not bad and backwards:
         return result(det, "fail", f"keys the mask allows have no effect on the queries that may attend them "
                                    f"({', '.join(n for n, _ in backwards)} mask), while the output responds to other "
@@ -95,7 +109,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
                                             "convention), so that the keys it allows are the ones attended"))
     # one scenario that did not respond proves nothing: neither the rows a correct layer moves when blocked keys
     # change, nor those that may attend key 0
-    silent = [name for (name, _, _, _, quiet), (_, _, (moved, _, _)) in zip(readings, results) if quiet and not moved]
+    silent = [name for (name, _, _, _, quiet), (_, _, (moved, _), _) in zip(readings, results) if quiet and not moved]
     # a mask whose probe could not be compared (the output zero or non-finite everywhere) leaves the detector not
     # measured, as the hold rows of the others may be the same non-finite values (-inf logits times the values);
     # only the backwards finding above stands beside it, read from rows that did not move at all
@@ -104,12 +118,15 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     if not bad and silent:
         return skip(det, f"the output did not respond to changed keys with the {' and '.join(silent)} mask (not even "
                          f"the rows a correct layer moves), so its not moving where the mask blocks them proves nothing")
+    if not bad and base.one_stream and not any(cross for *_, cross in results):
+        return skip(det, "no changed key moved any other query's output (each output moves with its own token "
+                         "only): the layer mixes no tokens, so the mask has nothing to block")
     found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
-                    f"keys the mask blocks have no effect ({' and '.join(name for name, _, _ in results)} "
+                    f"keys the mask blocks have no effect ({' and '.join(name for name, *_ in results)} "
                     f"mask{'s' if len(results) > 1 else ''})",
                     value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
-                    replay=tuple(c for _, c, _ in results))
+                    replay=tuple(c for _, c, *_ in results))
     if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
         # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
@@ -122,20 +139,25 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     return found
 
 
-def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, bool, str]:
-    """The control case (the last): (did a row that may attend key 0 move, did any row of any case move, evidence).
-    No finite row that may attend key 0: nothing to prove either way, read as moved."""
+def crosses(comparison, owns) -> bool:
+    """Did some case move an output row other than those whose own token it changed (`owns`, per case)?"""
+    return any(bool(((change > comparison.tol) & ~expand_rows(own, change)).any())
+               for change, own in zip(comparison.changes, owns))
+
+
+def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, str]:
+    """The control case (the last): (did a row that may attend key 0 move, evidence). No finite row that may
+    attend key 0: nothing to prove either way, read as moved."""
     tol, change = comparison.tol, comparison.changes[-1]
     # rows whose baseline is NaN or inf cannot show a move (the same inf again is no change): not counted
     baseline = comparison.call.output.out.chunk(len(comparison.changes) + 1)[0]
     finite = torch.isfinite(baseline).all(-1).to(change.device)  # change's shape: (B, [H,] Tq)
     rows = change[expand_rows(attends, change) & finite]
     moved = bool((rows > tol).any()) if rows.numel() else True  # no row to move proves nothing either way
-    responds = any(bool((c > tol).any()) for c in comparison.changes)
     worst = float(rows.max()) if rows.numel() else 0.0
     text = (f"{int((rows > tol).sum())} / {rows.numel()} outputs that may attend key 0 moved when only key 0 changed; "
             f"greatest change {worst:.3g} ({allowed_text(tol, dtype)})")
-    return moved, responds, text
+    return moved, text
 
 
 def _with_hint(probe: Probe, fix: str) -> str:
