@@ -61,31 +61,25 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query
         owns = [keys if base.one_stream else none] * len(cases)
         control = name == "padding"
-        if control and base.one_stream:
-            # one blocked key changed alone (the last, padded in every batch row): the other padded queries that
-            # attend it (a mask inverted on its way in) show that the layer mixes tokens when the allowed-key
-            # control below does not, and a layer that mixes none (each output its own token's) is told apart
-            last = none.clone()
-            last[:, T - 1] = True
-            cases.append(Case(perturbed(probe, base, last, ("key", "value"), gains=gains[:1])[0],
-                              hold=hold,  # the blocked keys' hold: key T-1 is one of them
-                              when=f"when only key {T - 1}, which the mask blocks, changed (x{gains[0]:g})"))
-            owns.append(last)
         if control:
             # the padding scenario's negative control that does not rest on the blocked rows (a layer may zero the
             # outputs of masked queries, as x-transformers does, and in one stream the padded keys are those
             # queries): key 0, which the mask allows, changed alone must move the rows that may attend it (not its
-            # own query in one stream); its hold is empty, so held() and the localiser pass over it. The causal
-            # scenario needs none: the rows after the cut attend the changed keys and are never masked queries
-            first = torch.zeros(B, T, dtype=torch.bool)
-            first[:, 0] = True
+            # own query, nor the padded queries, in one stream); its hold is empty, so held() and the localiser pass over it. The causal
+            # scenario needs none: the rows after the cut attend the changed keys and are never masked queries.
+            # In one stream the last key (padded in every batch row) changes with it: the other padded queries
+            # that attend it (a mask inverted on its way in) show that the layer mixes tokens where key 0 moves
+            # nothing, so a layer that mixes none (each output its own token's) is told apart
+            changed = none.clone()
+            changed[:, 0] = True
             attends = allowed[..., 0].clone()  # (B, Tq)
-            if base.one_stream:
-                attends[:, 0] = False
-            cases.append(Case(perturbed(probe, base, first, ("key", "value"), gains=gains[:1])[0],
-                              hold=torch.zeros(B, T, dtype=torch.bool),
-                              when=f"when only key 0, which the mask allows, changed (x{gains[0]:g})"))
-            owns.append(first if base.one_stream else none)
+            if base.one_stream:  # not read there: the changed queries, and the padded ones (key T-1 may reach them)
+                changed[:, T - 1] = True
+                attends &= ~changed & ~keys
+            also = f" and key {T - 1}, which it blocks," if base.one_stream else ""
+            cases.append(Case(perturbed(probe, base, changed, ("key", "value"), gains=gains[:1])[0],
+                              hold=none, when=f"when only key 0, which the mask allows,{also} changed (x{gains[0]:g})"))
+            owns.append(changed if base.one_stream else none)
         comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
         if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
