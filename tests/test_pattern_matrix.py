@@ -158,9 +158,16 @@ except ImportError:
 
 
 def flex_program(mask_mod):
-    """A FlexAttention program whose block mask is `mask_mod` (no mask argument: the pattern is its own)."""
+    """A FlexAttention program whose block mask is `mask_mod` (no mask argument: the pattern is its own). FlexAttention
+    numbers the queries from 0; a decoder's Tq new queries are the last of the Tk positions, so they are offset."""
     def program(q, k, v):
-        block = flex_attention.create_block_mask(mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        t_q, t_k = q.shape[-2], k.shape[-2]
+        offset = t_k - t_q  # the cache length: queries at absolute positions offset..t_k-1 (bottom-right)
+
+        def bottom_right(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx + offset, kv_idx)
+
+        block = flex_attention.create_block_mask(bottom_right, None, None, t_q, t_k, device=q.device)
         return flex_attention.flex_attention(q, k, v, block_mask=block)
 
     return program
@@ -187,9 +194,16 @@ def monkeypatch_module():
     mp.undo()
 
 
+def blocks_the_future(pattern: Pattern) -> bool:
+    """A decoder's pattern: audited with causal=True too, so that decoding (the last Tq queries over all Tk keys) is
+    measured as well (future_leakage, causal_alignment, decode_consistency, attention_pattern while decoding)."""
+    return not bool(pattern.allowed(1, T, T).triu(1).any())
+
+
 def torch_audit(backend: str, pattern: Pattern, handed: Pattern | None, dtype, init: str, **kw):
-    """Audit `backend` declared with `pattern`; `handed`: the pattern its mask is built from instead (None: the
-    audit's mask, or for FlexAttention the declared pattern's own mask_mod)."""
+    """Audit `backend` declared with `pattern` (and causal=True where it blocks the future); `handed`: the pattern its
+    mask is built from instead (None: the audit's mask, or for FlexAttention the declared pattern's own mask_mod)."""
+    kw.setdefault("causal", blocks_the_future(pattern))
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FlexAttention's eager path warns that it is unfused
@@ -223,10 +237,193 @@ def test_torch_cell_passes_and_its_off_by_one_twin_fails(request, name, backend,
     case = CASES[name]
     if backend == "flex":
         request.getfixturevalue("flex")
-    assert_whole_audit_passes(torch_audit(backend, case.pattern, None, dtype, init))
+    report = torch_audit(backend, case.pattern, None, dtype, init)
+    assert_whole_audit_passes(report)
+    if blocks_the_future(case.pattern):  # a decoder: measured decoding too, not skipped
+        assert "while decoding" in verdict(report).message, verdict(report).message
+        assert verdict(report, "decode_consistency").verdict == "pass", str(verdict(report, "decode_consistency"))
     twin = torch_audit(backend, case.pattern, case.broken, dtype, init, detectors=["attention_pattern"])
     # FlexAttention's mask_mod is compared with the declared one point by point: the finding is that comparison's
     assert_twin_fails(twin, None if backend == "flex" else case.finding)
     if backend != "flex":  # the wrapper that hands the twin its mask, handed the declared pattern: a pass
         control = torch_audit(backend, case.pattern, case.pattern, dtype, init, detectors=["attention_pattern"])
         assert verdict(control).verdict == "pass", (verdict(control).message, verdict(control).evidence)
+
+
+# ---- Hugging Face layers (the real extra) ------------------------------------------------------------------------
+
+
+def _transformers():
+    if "real_layers_tests" not in sys.modules:  # its torchvision guard, loaded by path (tests import no test module)
+        spec = importlib.util.spec_from_file_location("real_layers_tests", Path(__file__).with_name("test_real_layers.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    sys.modules["real_layers_tests"]._import_torchvision()
+    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+
+
+def document_positions(ids: list[int], t: int) -> torch.Tensor:
+    """(t,) position ids restarting at each document, as a packed batch gives them (positions past the ids belong
+    to the last document, as diagnostics.patterns.document has it)."""
+    ids = torch.tensor(ids + [ids[-1]] * max(0, t - len(ids)))[:t]  # (t,)
+    start = torch.cat([torch.ones(1, dtype=torch.bool), ids[1:] != ids[:-1]])  # a document begins here
+    first = torch.where(start, torch.arange(t), 0).cummax(0).values  # (t,): where each position's document began
+    return torch.arange(t) - first
+
+
+class AsItsModelCalls(nn.Module):
+    """A Hugging Face attention layer called as its decoder model calls it: rotary positions, and the mask from
+    transformers' own builder (`masking_utils.<builder>`, which reads the config), given what the model gives it:
+    position ids (restarting at each of `documents` when packed) and `block_sequence_ids` (PaliGemma's
+    `where(token_type_ids == 0, 0, -1)` for a prefix of `prefix` tokens). No cache: the pattern's own audit."""
+
+    def __init__(self, attention: nn.Module, rotary: nn.Module, config, builder: str, *, documents=None,
+                 prefix: int | None = None, pass_positions: bool = True):
+        super().__init__()
+        self.attn, self.rotary, self.config = attention, rotary, config
+        self._mask = getattr(importlib.import_module("transformers.masking_utils"), builder)
+        self.documents, self.prefix, self.pass_positions = documents, prefix, pass_positions
+
+    def mask(self, hidden_states, past_key_values, positions):
+        kw = {}
+        if self.prefix is not None:
+            B, t = positions.shape
+            token_type_ids = (torch.arange(t, device=positions.device) >= self.prefix).long().expand(B, t)
+            kw["block_sequence_ids"] = torch.where(token_type_ids == 0, 0, -1)  # as PaliGemmaModel builds them
+        if self._mask.__name__ == "create_bidirectional_mask":
+            return self._mask(self.config, hidden_states, None, past_key_values, **kw)
+        return self._mask(self.config, hidden_states, None, past_key_values,
+                          position_ids=positions if self.pass_positions else None, **kw)
+
+    def attend(self, hidden_states, past_key_values=None):
+        B, t, _ = hidden_states.shape  # batch, new tokens
+        past = 0 if past_key_values is None else past_key_values.get_seq_length(0)
+        if self.documents is not None:
+            positions = document_positions(self.documents, t).to(hidden_states.device).expand(B, t)  # (B, t)
+        else:
+            positions = (past + torch.arange(t, device=hidden_states.device)).expand(B, t)  # (B, t)
+        mask = self.mask(hidden_states, past_key_values, positions)
+        out, _ = self.attn(hidden_states, self.rotary(hidden_states, positions), mask, past_key_values)
+        return out
+
+    def forward(self, hidden_states):
+        return self.attend(hidden_states)
+
+
+class Cached(AsItsModelCalls):
+    """The same, with transformers' own cache built from the config (a sliding layer keeps the last W - 1 keys, a
+    chunked one its chunk): the audit also decodes through it (cache_decoding)."""
+
+    def forward(self, hidden_states, past_key_values=None, use_cache=False):
+        if use_cache and past_key_values is None:
+            past_key_values = importlib.import_module("transformers").DynamicCache(config=self.config)
+        out = self.attend(hidden_states, past_key_values)
+        return (out, past_key_values) if use_cache else out
+
+
+@dataclass(frozen=True)
+class HF:
+    """A Hugging Face layer that implements a pattern: its family, attention implementation, config, mask builder,
+    and the twin's change (`broken`: config fields, or the wrapper's own options), described in `bug`."""
+
+    family: str
+    impl: str
+    builder: str
+    bug: str
+    config: dict = field(default_factory=dict)
+    wrapper: dict = field(default_factory=dict)
+    broken_config: dict = field(default_factory=dict)
+    broken_wrapper: dict = field(default_factory=dict)
+    cached: bool = True
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}-{self.impl}"
+
+
+FAMILIES = {  # family: (module, config, attention, rotary, extra config)
+    "llama": ("llama", "LlamaConfig", "LlamaAttention", "LlamaRotaryEmbedding", {}),
+    "mistral": ("mistral", "MistralConfig", "MistralAttention", "MistralRotaryEmbedding", {}),
+    "gemma": ("gemma", "GemmaConfig", "GemmaAttention", "GemmaRotaryEmbedding", dict(head_dim=D // H)),
+    "gemma2": ("gemma2", "Gemma2Config", "Gemma2Attention", "Gemma2RotaryEmbedding",
+               dict(head_dim=D // H, query_pre_attn_scalar=D // H, attn_logit_softcapping=None,
+                    final_logit_softcapping=None)),
+    "llama4": ("llama4", "Llama4TextConfig", "Llama4TextAttention", "Llama4TextRotaryEmbedding",
+               dict(head_dim=D // H, intermediate_size_mlp=64, no_rope_layers=[1], use_qk_norm=False,
+                    attn_temperature_tuning=False)),
+}
+SIZES = dict(hidden_size=D, num_attention_heads=H, num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+             max_position_embeddings=64, num_hidden_layers=1)
+SLIDING = "create_sliding_window_causal_mask"
+HF_LAYERS = {  # pattern: the layers that implement it, the first in the default run
+    # eager: under sdpa the bidirectional builder returns no mask and the layer's own is_causal makes it causal anyway
+    "causal": [HF("llama", "eager", "create_causal_mask", "the encoder's mask builder, create_bidirectional_mask",
+                  broken_wrapper=dict(builder="create_bidirectional_mask"))],
+    "sliding_window": [HF(f, impl, SLIDING, f"config.sliding_window = {W + 1}", config=dict(sliding_window=W),
+                          broken_config=dict(sliding_window=W + 1))
+                       for f, impl in (("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"))],
+    "chunked": [HF("llama4", "sdpa", "create_chunked_causal_mask", f"config.attention_chunk_size = {C + 1}",
+                   config=dict(attention_chunk_size=C), broken_config=dict(attention_chunk_size=C + 1))],
+    "prefix_lm": [HF("gemma", "sdpa", "create_causal_mask", f"token_type_ids marking a prefix of {P - 1}",
+                     wrapper=dict(prefix=P), broken_wrapper=dict(prefix=P - 1), cached=False)],
+    "document & causal": [HF("llama", "sdpa", "create_causal_mask", "the position ids not passed to the mask builder",
+                             wrapper=dict(documents=DOCS), broken_wrapper=dict(pass_positions=False), cached=False)],
+    "sliding_window & document": [HF("mistral", "sdpa", SLIDING, "the position ids not passed to the mask builder",
+                                     config=dict(sliding_window=W), wrapper=dict(documents=DOCS),
+                                     broken_wrapper=dict(pass_positions=False), cached=False)],
+    "sliding_window | prefix": [HF("mistral", "sdpa", SLIDING, f"token_type_ids marking a block of {P - 1}",
+                                   config=dict(sliding_window=W), wrapper=dict(prefix=P),
+                                   broken_wrapper=dict(prefix=P - 1), cached=False)],
+}
+NO_HF_LAYER = {"document": "transformers' bidirectional mask builder has no packed-sequence mask"}
+assert set(HF_LAYERS) | set(NO_HF_LAYER) == set(CASES)
+
+
+def hf_layer(tf, spec: HF, *, broken: bool, dtype, init: str) -> AsItsModelCalls:
+    """The layer of `spec` (its twin when `broken`), on the same weights either way."""
+    module, config_name, attention, rotary, extra = FAMILIES[spec.family]
+    module = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(tf, config_name)(**SIZES, **extra, **spec.config, attn_implementation=spec.impl)
+    torch.manual_seed(0)
+    layer = getattr(module, attention)(config, layer_idx=0)
+    if broken:
+        config = copy.deepcopy(config)  # the library untouched: a copy of the config, the same weights
+        for name, value in spec.broken_config.items():
+            setattr(config, name, value)
+        layer.config = config
+    wrapper = {**dict(builder=spec.builder), **spec.wrapper, **(spec.broken_wrapper if broken else {})}
+    cls = Cached if spec.cached else AsItsModelCalls
+    wrapped = cls(layer, getattr(module, rotary)(config), config, **wrapper)
+    return initialised(wrapped, init, dtype).eval()
+
+
+def hf_cells():
+    """(name, spec, dtype, init): the default run keeps each pattern's first layer at one dtype and init, rotating."""
+    for i, name in enumerate(HF_LAYERS):
+        for j, spec in enumerate(HF_LAYERS[name]):
+            for dtype in DTYPES:
+                for init in INITS:
+                    default = j == 0 and (dtype, init) == (DTYPES[(i + 1) % 2], INITS[(i // 2) % 2])
+                    yield pytest.param(name, spec, dtype, init, marks=() if default else (pytest.mark.slow,),
+                                       id=f"{name}-{spec.id}-{str(dtype)[6:]}-{init}")
+
+
+@pytest.mark.parametrize("name,spec,dtype,init", list(hf_cells()))
+def test_hugging_face_cell_passes_and_its_off_by_one_twin_fails(name, spec, dtype, init):
+    tf = _transformers()
+    case = CASES[name]
+    layer = hf_layer(tf, spec, broken=False, dtype=dtype, init=init)
+    report = diagnostics.audit(layer, pattern=case.pattern, causal=blocks_the_future(case.pattern), seq_len=T)
+    assert_whole_audit_passes(report)
+    if blocks_the_future(case.pattern):  # a decoder: its future measured too (one stream: no decoding without a cache)
+        assert verdict(report, "future_leakage").verdict == "pass", str(verdict(report, "future_leakage"))
+    if spec.cached:  # transformers' own cache, decoded through under the pattern
+        assert verdict(report, "cache_decoding").verdict == "pass", str(verdict(report, "cache_decoding"))
+    twin = hf_layer(tf, spec, broken=True, dtype=dtype, init=init)
+    assert_twin_fails(diagnostics.audit(twin, pattern=case.pattern, causal=blocks_the_future(case.pattern), seq_len=T,
+                                        detectors=["attention_pattern"]), case.finding)
+
+
+def test_every_pattern_without_a_hugging_face_layer_says_why():
+    assert NO_HF_LAYER == {"document": NO_HF_LAYER["document"]}  # the docstring's table names the same one
