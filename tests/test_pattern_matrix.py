@@ -3,41 +3,47 @@ way of building it, and the same cell with the pattern off by one fails `attenti
 inputs.
 
     patterns   causal, sliding_window(4), chunked(4), prefix_lm(5), document(ids), document(ids) & causal,
-               sliding_window(4) & document(ids), sliding_window(4) | prefix block (positions 0..4 bidirectional)
+               sliding_window(4) & document(ids), sliding_window(4) | prefix_block(5) (positions 0..4 bidirectional)
     backends   the reference (correct.MultiHeadAttention) given the pattern's mask by the audit; an SDPA function
-               given it; a FlexAttention program whose block mask is the pattern's own mask_mod; a Hugging Face
-               attention layer called as its model calls it, its mask built by transformers' own mask builder
+               given it; a FlexAttention program whose block mask is the pattern's own mask_mod (its queries offset
+               to the last Tq positions, as a decoder needs); a Hugging Face attention layer called as its model calls
+               it, its mask built by transformers' own mask builder
     dtypes     float32, bfloat16
     inits      torch's default, GPT-2's std 0.02 (correct.gpt2_init_)
 
 A correct cell asserts the whole audit passed with the pattern declared: no finding, and `attention_pattern` measured
-(a pass, not a skip). Its twin: the mask the reference and the SDPA function are handed is built from the off-by-one
-pattern (a caller whose mask builder is off by one; the same wrapper handed the right pattern passes), the
+(a pass, not a skip). A pattern that blocks the future is a decoder's: audited with causal=True as well, so decoding is
+measured too (decode_consistency and attention_pattern over the last Tq queries; future_leakage for the Hugging Face
+layers, which take one stream). Its twin: the mask the reference and the SDPA function are handed is built from the
+off-by-one pattern (a caller whose mask builder is off by one; the same wrapper handed the right pattern passes), the
 FlexAttention program's mask_mod is the off-by-one one, and the Hugging Face layer's config (or the inputs its mask
 builder reads) is off by one while the declared pattern stays; each fails `attention_pattern`.
 
 Which Hugging Face layer implements which pattern (transformers 5.24; its mask builders in `masking_utils`, as the
 model's forward calls them; the attention layer itself only applies the mask it is given):
 
-    causal                        LlamaAttention + create_causal_mask          twin: create_bidirectional_mask (leakage)
+    causal                        LlamaAttention (eager) + create_causal_mask   twin: the encoder's builder,
+                                  create_bidirectional_mask (leakage). Under sdpa that builder returns no mask and
+                                  the layer's own is_causal keeps it causal: no bug to catch there
     sliding_window(4)             MistralAttention (sdpa, eager), Gemma2Attention (eager) +
                                   create_sliding_window_causal_mask, config.sliding_window = 4   twin: 5 (leakage)
     chunked(4)                    Llama4TextAttention + create_chunked_causal_mask, config.attention_chunk_size = 4
-                                                                               twin: 5 (leakage)
+                                                                                twin: 5 (leakage)
     prefix_lm(5)                  GemmaAttention + create_causal_mask with PaliGemma's block_sequence_ids
-                                  (token_type_ids == 0 marks the prefix)       twin: a prefix of 4 (over-masking)
+                                  (where(token_type_ids == 0, 0, -1))           twin: a prefix of 4 (over-masking)
     document(ids) & causal        LlamaAttention + create_causal_mask given position ids that restart at each
                                   document (transformers' packed-sequence mask) twin: no position ids (leakage)
     sliding_window(4) & document  MistralAttention + create_sliding_window_causal_mask, packed the same way
-                                                                               twin: no position ids (leakage)
+                                                                                twin: no position ids (leakage)
     sliding_window(4) | prefix    MistralAttention + create_sliding_window_causal_mask with block_sequence_ids (the
-                                  mechanism Gemma 3 uses for bidirectional image blocks)   twin: a block of 4
+    _block(5)                     mechanism Gemma 3 uses for bidirectional image blocks)   twin: a block of 4
     document(ids)                 none: transformers' bidirectional mask builder has no packed-sequence mask
 
-The full matrix is marked `slow` (run it with `pytest --slow`); the default run keeps one torch cell and one Hugging
-Face cell per pattern (the dtype, init and torch backend rotating over the patterns). Hugging Face cells skip where
-transformers is absent (the real extra: pip install -e ".[real]"); FlexAttention's first eager call takes seconds, so
-its programs share one warm-up.
+The sliding and chunked layers also decode through transformers' own cache (cache_decoding passes). The full matrix
+(96 torch cells, 36 Hugging Face cells) is marked `slow` (`pytest --slow`, or `-m slow`); the default run keeps one
+torch cell and one Hugging Face cell per pattern (the dtype, init and torch backend rotating over the patterns).
+Hugging Face cells skip where transformers is absent (the real extra: pip install -e ".[real]"); FlexAttention's first
+eager call takes seconds, so its programs share one warm-up.
 """
 
 from __future__ import annotations
@@ -250,6 +256,22 @@ def test_torch_cell_passes_and_its_off_by_one_twin_fails(request, name, backend,
         assert verdict(control).verdict == "pass", (verdict(control).message, verdict(control).evidence)
 
 
+def test_a_flex_program_that_numbers_its_queries_from_zero_fails_as_a_decoder_only(flex):
+    """FlexAttention's q_idx counts the Tq queries from 0: without the offset, the last queries of a decoder over all
+    keys are masked as the first positions (top-left). As a full pass it is the pattern; as a decoder it fails."""
+    def top_left(q, k, v):
+        block = flex.create_block_mask(sliding_window(W).mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device)
+        return flex.flex_attention(q, k, v, block_mask=block)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        decoder = diagnostics.audit(top_left, d_model=D, num_heads=H, seq_len=T, pattern=sliding_window(W), causal=True)
+        full = diagnostics.audit(top_left, d_model=D, num_heads=H, seq_len=T, pattern=sliding_window(W))
+    assert verdict(decoder, "decode_consistency").verdict == "fail", str(decoder)
+    assert verdict(decoder).verdict == "fail" and "decoding with a cache of" in verdict(decoder).message, verdict(decoder)
+    assert_whole_audit_passes(full)
+
+
 # ---- Hugging Face layers (the real extra) ------------------------------------------------------------------------
 
 
@@ -424,6 +446,3 @@ def test_hugging_face_cell_passes_and_its_off_by_one_twin_fails(name, spec, dtyp
     assert_twin_fails(diagnostics.audit(twin, pattern=case.pattern, causal=blocks_the_future(case.pattern), seq_len=T,
                                         detectors=["attention_pattern"]), case.finding)
 
-
-def test_every_pattern_without_a_hugging_face_layer_says_why():
-    assert NO_HF_LAYER == {"document": NO_HF_LAYER["document"]}  # the docstring's table names the same one
