@@ -5,6 +5,9 @@ Profiles: `default` (fast, for every run), `thorough` (deep: `pytest --hypothesi
 `--hypothesis-seed` read from the commit, so each commit draws other inputs and any failure replays from the
 seed it prints). Under CI (the CI environment variable set) the default profile is derandomized so runs are
 reproducible.
+
+Tests marked `slow` (the full declared-pattern matrix, tests/test_pattern_matrix.py) skip, visibly and with the
+reason, unless pytest runs with `--slow` or selects them with `-m slow`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,23 @@ os.environ.setdefault("ATTENTION_AUDIT_STRICT_PROBES", "1")
 # threads on a busy 2-core machine, 2.6 us with one), so the tests run torch single-threaded.
 if torch is not None:
     torch.set_num_threads(1)
+
+SLOW_REASON = "slow: run with --slow (CI runs them in its slow step)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (the full declared-pattern matrix)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or "slow" in (config.getoption("markexpr") or ""):
+        return  # asked for: `-m slow` selects them, `-m "not slow"` deselects them before they could skip
+    skip = pytest.mark.skip(reason=SLOW_REASON)
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
 
 DEVICES = ["cpu", "cuda"]
 
