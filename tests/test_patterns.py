@@ -319,7 +319,8 @@ def assert_window_finding(r, W: int, by: int):
     __tracebackhide__ = True
     if by > 0:
         assert r.verdict == "fail" and "(leakage)" in r.message, (r.message, r.evidence)
-        q, kv = map(int, re.search(r"query (\d+) of sequence \d moved when only key (\d+) changed", r.evidence).groups())
+        found = re.search(r"query (\d+) of sequence \d moved when only key (\d+) changed", r.evidence)
+        q, kv = map(int, found.groups())
         assert q - kv == W, r.evidence
     else:
         assert r.verdict == "fail" and "(over-masking)" in r.message, (r.message, r.evidence)

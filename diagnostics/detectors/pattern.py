@@ -1,24 +1,33 @@
 """`attention_pattern`: for a declared pattern (`diagnostics.patterns`), each output row depends on exactly the
 keys the pattern allows: dependence where it blocks is leakage, no dependence where it allows is over-masking.
 
-The dependency pattern is measured by perturbing keys (and their values) and reading which output rows move,
-packed two ways so that the cost does not grow with one call per key:
-- by residue class: test r perturbs every key j with j % p == r, p = (the widest row of the pattern) + 2, so
-  a row of a banded pattern (a window of W, a chunk of C) meets at most one key it may see in each test, and
-  the keys one step outside its band on either side (the off-by-one of a window or a chunk boundary) are in
-  tests where it sees nothing: a row that moves there leaks, a row that does not move where its one allowed
-  key was perturbed ignores that key. p is capped at `MAX_TESTS`: wider rows (causal at long T) meet several
-  allowed keys per test and are confirmed per group;
-- across the batch: the p tests are p copies of the probe batch stacked in one call (split to bound memory),
-  each sequence judged against its own row of the pattern (document ids and prefix lengths per sequence).
-A leaking test is then bisected to the one key that moves the row. A FlexAttention program's own `mask_mod`
-is also compared point by point with the declared pattern on the probe's sizes.
+The dependency pattern is measured by perturbing keys (and their values) and reading which output rows move, in a
+fixed number of copies of the probe batch whatever the pattern's width (`MAX_COPIES` for the full pass,
+`DECODE_COPIES` while decoding), stacked along the batch in one call (split to bound memory), each sequence judged
+against its own row of the pattern (document ids and prefix lengths per sequence):
+- by residue class: a copy perturbs, in each sequence, the keys j with j % p == r, p = (the widest row of the
+  pattern) + 2, at most Tk (a class of one key). A row then meets at most one key it may see in each copy: a row
+  that moves reads that key alone, one that does not move reads it ignored; and the keys one step outside a band
+  (the off-by-one of a window or a chunk boundary) fall in copies where the row meets no allowed key at all, so a
+  row that moves there leaks;
+- which classes: all p when p <= the budget, so that every (query, key) pair is read in every sequence (a window
+  of up to 7 keys, chunks of 7); otherwise the budget's worth per sequence, those that read the most edge pairs
+  (`_edges`: at each end of each run of keys a row may see, the key inside and the one just outside; for a window
+  of W, keys q - W and q - W + 1, q and q + 1; for chunks, each chunk's first key and the one before it), the
+  second sequence taking the classes the first did not. A class reads an edge pair at about Tk / p rows: at T =
+  128, a window of 16 has every edge read at about 7 rows per class, a window of 100 at one or two.
+A leaking copy is then bisected to the one key that moves the row, and a row that ignored an allowed key is
+measured again with that key alone, pushed both ways, before it is over-masking. A FlexAttention program's own
+`mask_mod` is also compared point by point with the declared pattern on the probe's sizes.
 
-What it cannot see: a one-stream layer (m(x)) changes a query with its key, so the cells (i, j) with
-j % p == i % p, the diagonal among them, are not measurable there (the evidence counts them); a row that meets
-several allowed keys in one test (wider than MAX_TESTS - 2) is confirmed per group, so one ignored key inside
-such a row shows only if it is the row's only key in that test; a leak in a test where the row also meets an
-allowed key is read as that key's dependence.
+What it cannot see: with more classes than copies (a row wider than 7 keys), only the chosen classes are read: a
+pair whose key is in a class not chosen for that sequence is not measured, so a bug at a few rows that the chosen
+edge pairs miss (one document boundary among many, one ignored key inside a wide band, a leak far from any edge)
+can pass; a bug the same at every row (a window or chunk one off, a window on both sides, a mask aligned top-left)
+shows at the rows that are read. The evidence counts the edge, allowed and blocked pairs read. A leak in a copy
+where the row also meets an allowed key is read as that key's dependence. A one-stream layer (m(x)) changes a
+query with its key, so the pairs (i, j) with j % p == i % p, the diagonal among them, are not measurable there (the
+evidence counts them).
 
 Audited as causal (`causal=True`, a decoder), a layer that takes a separate query is also measured decoding: the
 last Tq = T // 3 positions as queries over all T keys, as with a cache of T - Tq keys, where the pattern (bottom-
@@ -510,8 +519,8 @@ def _measure(probe: Probe, base: Inputs, when: str, budget: int) -> Measured | D
         where = f"key {key}" if key is not None else f"keys j % {p} == {int(tests.residue[c, b])}"
         leak_cell = (b, i, key if key is not None else int(blocked.nonzero()[0]))
         leak_text = (f"query {i + offset} of sequence {b} moved when only {where} changed, which {pattern} blocks for "
-                     f"it; {rows} / {B * t_q} rows depend on keys the pattern blocks (more than {tol:.2g} of the "
-                     f"outputs' RMS about their mean, for {dt})")
+                     f"it; {rows} / {B * t_q} rows seen depending on keys the pattern blocks (more than {tol:.2g} of "
+                     f"the outputs' RMS about their mean, for {dt})")
     over_text = ""
     if bool(over.any()):
         b, i, j = (int(x) for x in over.nonzero()[0])
