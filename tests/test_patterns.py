@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import warnings
 
 import pytest
@@ -514,7 +515,9 @@ def score_window(n: int):
 
 
 def test_a_wide_window_in_a_flex_score_mod_off_by_one_fails_and_its_twin_passes(warm_flex, uncompiled):
-    W = 100
+    """Also: localising a FlexAttention program's finding (its ops traced) leaves the process's profile function as it
+    was (FlexAttention enters the tracing mode again inside its call; it once left the tracer installed)."""
+    W, profile = 100, sys.getprofile()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         audit = lambda n: verdict(diagnostics.audit(score_window(n), d_model=D, num_heads=H, seq_len=WIDE_T,
@@ -524,6 +527,7 @@ def test_a_wide_window_in_a_flex_score_mod_off_by_one_fails_and_its_twin_passes(
     for by, r in results.items():
         assert_window_finding(r, W, by)
         assert any(s.file == __file__ and "q_idx - kv_idx < n" in s.code for s in r.where), [str(s) for s in r.where]
+    assert sys.getprofile() is profile
 
 
 # ---- a Hugging Face sliding-window layer (the real extra) ------------------------------------------------------
