@@ -54,14 +54,18 @@ PATTERN = Need("{pattern}", lambda p: getattr(p, "pattern", None) is not None,
                "no attention pattern is declared (pass {pattern}, e.g. diagnostics.patterns.sliding_window(4))")
 
 MAX_COPIES = 9
-"""The full pass perturbs at most this many copies of the probe batch (~1 forward pass each, whatever the window):
-a pattern whose widest row is at most 7 keys (p = 9 classes) is read pair by pair in every sequence; a wider one
-reads 9 classes per sequence, the two sequences different ones (18 classes in all), chosen for the edge pairs they
-read. Measured (benchmarks/audit_cost.py, MultiHeadAttention(512, 8)): ADD FIGURES."""
+"""The full pass perturbs at most this many copies of the probe batch (about one forward pass each, whatever the
+pattern's width): a pattern whose widest row is at most 7 keys (p <= 9 classes: the windows, chunks and documents of
+the catalog and tests at T = 16) is read pair by pair in every sequence; a wider one reads 9 classes per sequence,
+the two sequences different ones (18 in all), chosen for the edge pairs they read. Measured (benchmarks/
+audit_cost.py --cpu --causal, MultiHeadAttention(512, 8)): with sliding_window(16) or (128) the whole audit does
+1.45x the causal audit's work at T = 128 and 1.47x at 1024 (38.5 / 36.1 forward passes against 26.6 / 24.6); one
+copy per residue class, up to 32, did 2.16x and 3.0x."""
 DECODE_COPIES = 2
 """The decoding measurement (a causal layer with a separate query) perturbs at most this many copies of its inputs
-(the last T // DECODE_SHARE queries over all T keys, ~0.5-0.7 of a forward pass each): 2 classes per sequence, for
-the edge pairs they read, where a mask aligned top-left or a window dropped with a cache shows."""
+(the last T // DECODE_SHARE queries over all T keys, 0.5-0.7 of a forward pass each), 2 classes per sequence chosen
+as the full pass's are: a mask aligned top-left, or a window dropped once a cache holds keys, differs at every
+decoded row, so a few rows read suffice."""
 MAX_SCORES = 1 << 24
 """Stacked copies per call are limited so that a call's (rows, heads, T, T) scores stay under this many elements."""
 PICTURE_CELLS = 32
