@@ -260,10 +260,11 @@ class Tests:
     keys: list  # bool (B, Tk) per copy: the keys it perturbs in each sequence
     edges: int  # the pattern's edge pairs (`_edges`) that a copy can read
     edges_read: int  # of them, those the chosen copies read
+    every: bool  # every class in every sequence: each (query, key) pair read
 
     def __str__(self) -> str:
         n, p = len(self.keys), self.p
-        chosen = (f"every class r < {p}" if n == p and bool((self.residue == torch.arange(p).view(p, 1)).all())
+        chosen = (f"every class r < {p}" if self.every
                   else f"{n} of the {p} classes r per sequence, chosen for the edge pairs they read")
         return (f"{n} copies, each sequence's keys j % {p} == r changed ({chosen}; {self.edges_read} / {self.edges} "
                 f"edge pairs read)")
@@ -310,7 +311,7 @@ def _tests(declared: Tensor, budget: int, one_stream: bool) -> Tests:
             chosen[:, b] = torch.tensor(order[:budget])
             read[b] = readable[b] & torch.isin(residue, chosen[:, b]).view(1, t_k)
     keys = [residue.view(1, t_k) == chosen[c].view(B, 1) for c in range(chosen.shape[0])]  # (B, Tk) each
-    return Tests(p, chosen, keys, int(readable.sum()), int(read.sum()))
+    return Tests(p, chosen, keys, int(readable.sum()), int(read.sum()), every=p <= budget)
 
 
 @dataclass
