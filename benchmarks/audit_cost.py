@@ -22,10 +22,12 @@ under 6 s there.
 attention_pattern (issue 19): at most 9 copies of the probe batch (its MAX_COPIES) and, for a causal layer, 2 copies
 of the decoding inputs (DECODE_COPIES), whatever the pattern's width; the last two columns are the audit's work and
 its fastest time over those of the same audit without the pattern (the causal audit, with --causal), timed
-interleaved with it. Issue 19: the cost of a declared-pattern audit, bounded whatever W. Measured at 216f0b6 with
---cpu --repeats 1 (2 shared cores): causal audit 26.6 / 24.6 forward passes at T = 128 / 1024; with
-sliding_window(16) 38.5 / 36.1 (1.45x / 1.47x; before, one copy per residue class up to 32: 57.5 / 53.1, 2.16x),
-with sliding_window(128) 38.5 / 36.1 (before 80.3 / 74.1, 3.0x).
+interleaved with it. Issue 19: the cost of a declared-pattern audit, bounded whatever W. Measured at d2f6d27 with
+--cpu --repeats 3 (2 cores shared with other work), work in forward passes at T = 128 / 1024: the causal audit
+26.6 / 24.6; with sliding_window(16) 38.5 / 36.1 (1.45x / 1.47x; fastest CPU time 1.5-1.6x at 128, 1.3-1.9x at
+1024 between runs), with sliding_window(128) the same 38.5 / 36.1; not causal, with sliding_window(16) 29.4 / 28.6
+(1.52x / 1.54x the plain audit). Before (one copy per residue class, at most 32): 57.5 / 53.1 with
+sliding_window(16) (2.16x), 80.3 / 74.1 with sliding_window(128) (3.0x), 38.4 / 37.6 not causal (2.0x).
 """
 
 from __future__ import annotations
