@@ -19,7 +19,15 @@ Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit
 a warm causal audit within 30 forward passes at seq_len 128 (stretch 20), within 20 at 1024 (stretch 12) and
 under 6 s there.
 `--pattern`: audit with a declared pattern (diagnostics.patterns; the layer is given its mask), which adds
-attention_pattern (issue 19): one batch copy per residue class of keys, p = the widest row + 2, at most 32.
+attention_pattern (issue 19): at most 9 copies of the probe batch (its MAX_COPIES) and, for a causal layer, 2 copies
+of the decoding inputs (DECODE_COPIES), whatever the pattern's width; the last two columns are the audit's work and
+its fastest time over those of the same audit without the pattern (the causal audit, with --causal), timed
+interleaved with it. Issue 19: the cost of a declared-pattern audit, bounded whatever W. Measured at d2f6d27 with
+--cpu --repeats 3 (2 cores shared with other work), work in forward passes at T = 128 / 1024: the causal audit
+26.6 / 24.6; with sliding_window(16) 38.5 / 36.1 (1.45x / 1.47x; fastest CPU time 1.5-1.6x at 128, 1.3-1.9x at
+1024 between runs), with sliding_window(128) the same 38.5 / 36.1; not causal, with sliding_window(16) 29.4 / 28.6
+(1.52x / 1.54x the plain audit). Before (one copy per residue class, at most 32): 57.5 / 53.1 with
+sliding_window(16) (2.16x), 80.3 / 74.1 with sliding_window(128) (3.0x), 38.4 / 37.6 not causal (2.0x).
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ def multiply_adds(batch: int, t_q: int, t_k: int, d: int) -> int:
     return batch * (2 * t_q * d * d + 2 * t_k * d * d + 2 * t_q * t_k * d)
 
 
-def work_of_calls(layer, audit) -> float:
-    """Run `audit()` with a hook on `layer` (the gradient check's float64 copy inherits it): its calls' work in
-    batch-2 forward passes at the length of the first call."""
+def work_of_calls(layer, audit) -> tuple[list, int]:
+    """Run `audit()` with a hook on `layer` (the gradient check's float64 copy inherits it): its calls, (batch, Tq,
+    Tk, 3 with gradients else 1) each, and the layer's d_model."""
     calls = []
 
     def hook(module, args, kwargs):
@@ -64,6 +72,11 @@ def work_of_calls(layer, audit) -> float:
         handle.remove()
     d = layer.d_model
     return calls, d
+
+
+def forward_passes(calls, d: int, t: int) -> float:
+    """The work of `calls` ((batch, Tq, Tk, weight) each) in batch-2 forward passes at seq_len t."""
+    return sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in calls) / multiply_adds(2, t, t, d)
 
 
 def per_detector(layer, clock=time.perf_counter, **options) -> list[tuple[str, int, float, float, float]]:
@@ -110,8 +123,7 @@ def per_detector(layer, clock=time.perf_counter, **options) -> list[tuple[str, i
     rows = []
     for det, spent in wall.items():
         made = calls.get(det, [])
-        work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in made) / multiply_adds(2, T, T, d)
-        rows.append((det, len(made), work, spent, inside.get(det, 0.0)))
+        rows.append((det, len(made), forward_passes(made, d, T), spent, inside.get(det, 0.0)))
     return rows
 
 
@@ -157,29 +169,37 @@ def main() -> None:
           f"threads={torch.get_num_threads()}, {'causal' if args.causal else 'not causal'}, "
           f"{'CPU time' if args.cpu else 'wall clock'}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
           f"{f', pattern={pattern}' if pattern is not None else ''}")
+    plain = "causal" if args.causal else "plain"  # the same audit without the pattern
     print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>15}  {'calls':>5}  "
-          f"{'work (forward passes)':>21}")
-    print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median':>15}")
+          f"{'work (forward passes)':>21}" + (f"  {f'/ {plain} audit':>17}" if pattern is not None else ""))
+    print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median':>15}" +
+          (f"  {'':>5}  {'':>21}  {'work  fastest':>17}" if pattern is not None else ""))
     for t in args.lengths:
         x = torch.randn(2, t, 512)
-        forwards, audits, reports = [], [], []
+        forwards, audits, plains, reports = [], [], [], []
         with torch.no_grad():
             layer(x)  # warm-up
-        def one_audit(t=t, reports=reports):
+        def one_audit(t=t, reports=reports, pattern=pattern):
             reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal, pattern=pattern))
 
         for _ in range(args.repeats):
             with torch.no_grad():
                 forwards += [seconds(lambda x=x: layer(x)) for _ in range(10)]
             audits.append(seconds(one_audit))
-        assert reports[-1].passed, str(reports[-1])
+            if pattern is not None:  # interleaved, so that both see the same load
+                plains.append(seconds(lambda t=t: one_audit(t, pattern=None)))
+        assert all(r.passed for r in reports), str(next(r for r in reports if not r.passed))
         fast_f, mid_f = min(forwards), statistics.median(forwards)
         fast_a, mid_a = min(audits), statistics.median(audits)
         calls, d = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal,
                                                                       pattern=pattern))
-        work = sum(k * multiply_adds(b, t_q, t_k, d) for b, t_q, t_k, k in calls) / multiply_adds(2, t, t, d)
+        work = forward_passes(calls, d, t)
+        ratio = ""
+        if pattern is not None:
+            plain_calls, _ = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal))
+            ratio = f"  {work / forward_passes(plain_calls, d, t):>5.2f}x {fast_a / min(plains):>9.2f}x"
         print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
-              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[-1].forward_passes:>5}  {work:>21.1f}")
+              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[0].forward_passes:>5}  {work:>21.1f}{ratio}")
         if args.per_detector:
             runs = [per_detector(layer, clock=CLOCK, seq_len=t, causal=args.causal, pattern=pattern)
                     for _ in range(args.detector_repeats)]

@@ -133,6 +133,7 @@ class Tracer(Observer):
         trace.record = self.record
         self._params: dict = {}
         self._calls = 0
+        self._old_profiles: list = []  # the profile each (re-)entry replaced, restored as it exits
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -179,12 +180,14 @@ class Tracer(Observer):
                                                       id(arg), called))
 
     def __enter__(self):
-        self._old_profile = sys.getprofile()
+        # a stack: FlexAttention's eager path enters the current mode again inside the call, and one saved profile
+        # would then be our own, left installed after the trace (every later call of the process profiled)
+        self._old_profiles.append(sys.getprofile())
         sys.setprofile(self._profile)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        sys.setprofile(self._old_profile)
+        sys.setprofile(self._old_profiles.pop())
         return super().__exit__(*exc)
 
 

@@ -3,6 +3,8 @@ the reference given the pattern's mask, an SDPA function given it, and a FlexAtt
 bfloat16 and both inits; each broken twin (written here as layers that build their own mask: the catalog has no
 pattern variants yet) fails with the leakage or over-masking finding, localised at the line that builds its mask;
 a FlexAttention mask_mod off by one against sliding_window(W) is caught at its own line, one equal to it passes.
+Wide windows (W = 40 and 100 at T = 128, wider than the old cap of 32 copies allowed) one key too long or too short
+fail at the window's end, each beside its correct twin: the reference, a function, a FlexAttention score_mod.
 
 FlexAttention's first call on the CPU is slow (~2-4 s, block-mask creation and the eager path's first run), so
 its programs share one module-scoped warm-up."""
@@ -10,6 +12,8 @@ its programs share one module-scoped warm-up."""
 from __future__ import annotations
 
 import math
+import re
+import sys
 import warnings
 
 import pytest
@@ -188,7 +192,8 @@ def test_a_window_dropped_once_a_cache_holds_keys_leaks_while_decoding_and_only_
     r = verdict(diagnostics.audit(layer, pattern=sliding_window(4), causal=True, seq_len=T,
                                   detectors=["attention_pattern"]))
     assert r.verdict == "fail" and "(leakage)" in r.message and "decoding with a cache of 11" in r.message, r.message
-    assert "query 11 of sequence 0 moved when only key" in r.evidence, r.evidence
+    # a decoded row (positions 11..15), whichever of them the decoding copies read first
+    assert re.search(r"query 1[1-5] of sequence [01] moved when only key", r.evidence), r.evidence
     picture = r.extras["dependency_map"]
     assert picture.q0 == 11 and picture.declared.shape == (5, T)  # the decoded rows: positions 11..15
     full = verdict(diagnostics.audit(layer, pattern=sliding_window(4), seq_len=T, detectors=["attention_pattern"]))
@@ -283,6 +288,66 @@ def test_off_by_one_twins_at_every_dtype_and_init(dtype, init):
         r = verdict(diagnostics.audit(layer.to(dtype), pattern=sliding_window(WINDOW), seq_len=T,
                                       detectors=["attention_pattern"]))
         assert r.verdict == "fail" and f"({finding})" in r.message, (r.message, r.evidence)
+
+
+# ---- wide windows: off by one at either end, where a window of W ends --------------------------------------------
+# One copy per residue class mod p, p capped at 32, met several allowed keys per row wherever a row was wider than
+# 30 keys: W = 40 and W = 100 at T = 128 passed one key too many or too few. The copies are now chosen for the pairs
+# at each end of the window (key q - W outside it, q - W + 1 inside), whatever W is.
+
+WIDE_T = 128
+
+
+class WindowOf(MultiHeadAttention):
+    """The reference with its window's comparison `by` keys off: W + by keys, the query's own included."""
+
+    def __init__(self, W: int, by: int = 0):
+        super().__init__(D, H, sliding_window=W)
+        self.by = by
+
+    def within_window(self, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.sliding_window + self.by)
+
+
+def window_of(n: int):
+    """A mask_mod of n keys, the query's own included."""
+    return lambda b, h, q, kv: (kv <= q) & (q - kv < n)
+
+
+def assert_window_finding(r, W: int, by: int):
+    """The finding of a window of W + by keys declared as W: leakage at key q - W (the first key past the window),
+    over-masking at key q - W + 1 (its last)."""
+    __tracebackhide__ = True
+    if by > 0:
+        assert r.verdict == "fail" and "(leakage)" in r.message, (r.message, r.evidence)
+        found = re.search(r"query (\d+) of sequence \d moved when only key (\d+) changed", r.evidence)
+        q, kv = map(int, found.groups())
+        assert q - kv == W, r.evidence
+    else:
+        assert r.verdict == "fail" and "(over-masking)" in r.message, (r.message, r.evidence)
+        cells = re.findall(r"query (\d+) -> key (\d+) in sequence", r.evidence)
+        assert cells and all(int(q) - int(kv) == W - 1 for q, kv in cells), r.evidence
+
+
+@pytest.mark.parametrize("W", [40, 100])
+@pytest.mark.parametrize("by", [1, -1], ids=["W + 1 keys", "W - 1 keys"])
+@pytest.mark.parametrize("form", ["reference", "function"])
+def test_a_wide_window_off_by_one_fails_at_its_end_and_its_twin_passes(W, by, form):
+    """The reference with its window moved by one key, and a function that builds its mask with mask_from_mod from
+    a mask_mod of W +- 1 keys; each beside its correct twin on the same weights and probe."""
+    def build(n_more):
+        torch.manual_seed(0)
+        return WindowOf(W, n_more) if form == "reference" else own_function(window_of(W + n_more))
+
+    kw = {} if form == "reference" else {"d_model": D, "num_heads": H}
+    audit = lambda layer: verdict(diagnostics.audit(layer, pattern=sliding_window(W), seq_len=WIDE_T,
+                                                    detectors=["attention_pattern"], **kw))
+    r = audit(build(by))
+    assert_window_finding(r, W, by)
+    line = "q_idx - kv_idx < self.sliding_window + self.by" if form == "reference" else "(q - kv < n)"
+    assert any(s.file == __file__ and line in s.code for s in r.where), [f"{s}: {s.code}" for s in r.where]
+    ok = audit(build(0))
+    assert ok.verdict == "pass" and "0 not moving" in ok.evidence, (ok.message, ok.evidence)
 
 
 # ---- FlexAttention programs ----------------------------------------------------------------------------------
@@ -438,6 +503,31 @@ def test_a_flex_module_at_every_dtype_and_init(warm_flex, uncompiled, dtype, ini
         r = verdict(diagnostics.audit(layer.to(dtype), pattern=sliding_window(WINDOW), seq_len=T,
                                       detectors=["attention_pattern"]))
     assert r.verdict == "pass" and "0 not moving" in r.evidence, (r.message, r.evidence)
+
+
+def score_window(n: int):
+    """A FlexAttention program whose window of n keys is a score_mod (no mask_mod to compare with the pattern: only
+    the measured dependency shows it)."""
+    def window(score, b, h, q_idx, kv_idx):
+        return torch.where((kv_idx <= q_idx) & (q_idx - kv_idx < n), score, -math.inf)
+
+    return lambda q, k, v: flex_attention.flex_attention(q, k, v, score_mod=window)
+
+
+def test_a_wide_window_in_a_flex_score_mod_off_by_one_fails_and_its_twin_passes(warm_flex, uncompiled):
+    """Also: localising a FlexAttention program's finding (its ops traced) leaves the process's profile function as it
+    was (FlexAttention enters the tracing mode again inside its call; it once left the tracer installed)."""
+    W, profile = 100, sys.getprofile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        audit = lambda n: verdict(diagnostics.audit(score_window(n), d_model=D, num_heads=H, seq_len=WIDE_T,
+                                                    pattern=sliding_window(W), detectors=["attention_pattern"]))
+        ok, results = audit(W), {by: audit(W + by) for by in (1, -1)}
+    assert ok.verdict == "pass" and "0 not moving" in ok.evidence, (ok.message, ok.evidence)
+    for by, r in results.items():
+        assert_window_finding(r, W, by)
+        assert any(s.file == __file__ and "q_idx - kv_idx < n" in s.code for s in r.where), [str(s) for s in r.where]
+    assert sys.getprofile() is profile
 
 
 # ---- a Hugging Face sliding-window layer (the real extra) ------------------------------------------------------

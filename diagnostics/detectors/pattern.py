@@ -1,24 +1,33 @@
 """`attention_pattern`: for a declared pattern (`diagnostics.patterns`), each output row depends on exactly the
 keys the pattern allows: dependence where it blocks is leakage, no dependence where it allows is over-masking.
 
-The dependency pattern is measured by perturbing keys (and their values) and reading which output rows move,
-packed two ways so that the cost does not grow with one call per key:
-- by residue class: test r perturbs every key j with j % p == r, p = (the widest row of the pattern) + 2, so
-  a row of a banded pattern (a window of W, a chunk of C) meets at most one key it may see in each test, and
-  the keys one step outside its band on either side (the off-by-one of a window or a chunk boundary) are in
-  tests where it sees nothing: a row that moves there leaks, a row that does not move where its one allowed
-  key was perturbed ignores that key. p is capped at `MAX_TESTS`: wider rows (causal at long T) meet several
-  allowed keys per test and are confirmed per group;
-- across the batch: the p tests are p copies of the probe batch stacked in one call (split to bound memory),
-  each sequence judged against its own row of the pattern (document ids and prefix lengths per sequence).
-A leaking test is then bisected to the one key that moves the row. A FlexAttention program's own `mask_mod`
-is also compared point by point with the declared pattern on the probe's sizes.
+The dependency pattern is measured by perturbing keys (and their values) and reading which output rows move, in a
+fixed number of copies of the probe batch whatever the pattern's width (`MAX_COPIES` for the full pass,
+`DECODE_COPIES` while decoding), stacked along the batch in one call (split to bound memory), each sequence judged
+against its own row of the pattern (document ids and prefix lengths per sequence):
+- by residue class: a copy perturbs, in each sequence, the keys j with j % p == r, p = (the widest row of the
+  pattern) + 2, at most Tk (a class of one key). A row then meets at most one key it may see in each copy: a row
+  that moves reads that key alone, one that does not move reads it ignored; and the keys one step outside a band
+  (the off-by-one of a window or a chunk boundary) fall in copies where the row meets no allowed key at all, so a
+  row that moves there leaks;
+- which classes: all p when p <= the budget, so that every (query, key) pair is read in every sequence (a window
+  of up to 7 keys, chunks of 7); otherwise the budget's worth per sequence, those that read the most edge pairs
+  (`_edges`: at each end of each run of keys a row may see, the key inside and the one just outside; for a window
+  of W, keys q - W and q - W + 1, q and q + 1; for chunks, each chunk's first key and the one before it), the
+  second sequence taking the classes the first did not. A class reads an edge pair at about Tk / p rows: at T =
+  128, a window of 16 has every edge read at about 7 rows per class, a window of 100 at one or two.
+A leaking copy is then bisected to the one key that moves the row, and a row that ignored an allowed key is
+measured again with that key alone, pushed both ways, before it is over-masking. A FlexAttention program's own
+`mask_mod` is also compared point by point with the declared pattern on the probe's sizes.
 
-What it cannot see: a one-stream layer (m(x)) changes a query with its key, so the cells (i, j) with
-j % p == i % p, the diagonal among them, are not measurable there (the evidence counts them); a row that meets
-several allowed keys in one test (wider than MAX_TESTS - 2) is confirmed per group, so one ignored key inside
-such a row shows only if it is the row's only key in that test; a leak in a test where the row also meets an
-allowed key is read as that key's dependence.
+What it cannot see: with more classes than copies (a row wider than 7 keys), only the chosen classes are read: a
+pair whose key is in a class not chosen for that sequence is not measured, so a bug at a few rows that the chosen
+edge pairs miss (one document boundary among many, one ignored key inside a wide band, a leak far from any edge)
+can pass; a bug the same at every row (a window or chunk one off, a window on both sides, a mask aligned top-left)
+shows at the rows that are read. The evidence counts the edge, allowed and blocked pairs read. A leak in a copy
+where the row also meets an allowed key is read as that key's dependence. A one-stream layer (m(x)) changes a
+query with its key, so the pairs (i, j) with j % p == i % p, the diagonal among them, are not measurable there (the
+evidence counts them).
 
 Audited as causal (`causal=True`, a decoder), a layer that takes a separate query is also measured decoding: the
 last Tq = T // 3 positions as queries over all T keys, as with a cache of T - Tq keys, where the pattern (bottom-
@@ -44,9 +53,19 @@ from ._common import perturbation_gains, result
 PATTERN = Need("{pattern}", lambda p: getattr(p, "pattern", None) is not None,
                "no attention pattern is declared (pass {pattern}, e.g. diagnostics.patterns.sliding_window(4))")
 
-MAX_TESTS = 32
-"""At most this many residue classes (copies of the probe batch): rows of the pattern wider than 30 keys are
-confirmed per group of keys, not key by key (causal beyond T = 30)."""
+MAX_COPIES = 9
+"""The full pass perturbs at most this many copies of the probe batch (about one forward pass each, whatever the
+pattern's width): a pattern whose widest row is at most 7 keys (p <= 9 classes: the windows, chunks and documents of
+the catalog and tests at T = 16) is read pair by pair in every sequence; a wider one reads 9 classes per sequence,
+the two sequences different ones (18 in all), chosen for the edge pairs they read. Measured (benchmarks/
+audit_cost.py --cpu --causal, MultiHeadAttention(512, 8)): with sliding_window(16) or (128) the whole audit does
+1.45x the causal audit's work at T = 128 and 1.47x at 1024 (38.5 / 36.1 forward passes against 26.6 / 24.6); one
+copy per residue class, up to 32, did 2.16x and 3.0x."""
+DECODE_COPIES = 2
+"""The decoding measurement (a causal layer with a separate query) perturbs at most this many copies of its inputs
+(the last T // DECODE_SHARE queries over all T keys, 0.5-0.7 of a forward pass each), 2 classes per sequence chosen
+as the full pass's are: a mask aligned top-left, or a window dropped once a cache holds keys, differs at every
+decoded row, so a few rows read suffice."""
 MAX_SCORES = 1 << 24
 """Stacked copies per call are limited so that a call's (rows, heads, T, T) scores stay under this many elements."""
 PICTURE_CELLS = 32
@@ -231,37 +250,100 @@ def _bisect(probe: Probe, base: Inputs, reference: Tensor, b: int, i: int,
 
 
 @dataclass
+class Tests:
+    """The copies one measurement perturbs: copy c changes, in sequence b, the keys j with j % p == residue[c, b].
+    p is the widest row of the pattern + 2, so that a row meets at most one key it may see in each copy, and the
+    keys one step outside its band on either side are in copies where it meets none."""
+
+    p: int
+    residue: Tensor  # long (copies, B)
+    keys: list  # bool (B, Tk) per copy: the keys it perturbs in each sequence
+    edges: int  # the pattern's edge pairs (`_edges`) that a copy can read
+    edges_read: int  # of them, those the chosen copies read
+    every: bool  # every class in every sequence: each (query, key) pair read
+
+    def __str__(self) -> str:
+        n, p = len(self.keys), self.p
+        chosen = (f"every class r < {p}" if self.every
+                  else f"{n} of the {p} classes r per sequence, chosen for the edge pairs they read")
+        return (f"{n} copies, each sequence's keys j % {p} == r changed ({chosen}; {self.edges_read} / {self.edges} "
+                f"edge pairs read)")
+
+
+def _edges(declared: Tensor) -> Tensor:
+    """Bool (B, Tq, Tk): the pairs at each end of each run of keys a row may see, one step inside and one step
+    outside (a window of W: keys q - W and q - W + 1, q and q + 1; a chunk's first key and the one before it), where
+    a window one too long or short, a chunk boundary one off, or a misaligned mask first differs."""
+    before = torch.cat([declared[..., :1], declared[..., :-1]], dim=-1)  # (B, Tq, Tk): the key to the left
+    after = torch.cat([declared[..., 1:], declared[..., -1:]], dim=-1)  # the key to the right
+    return (declared != before) | (declared != after)
+
+
+def _tests(declared: Tensor, budget: int, one_stream: bool) -> Tests:
+    """At most `budget` copies: every residue class mod p when there are no more, else `budget` classes per
+    sequence, those that read the most edge pairs (`_edges`) not already read at the same (query, key) in an earlier
+    sequence, so that sequences of one pattern read different classes. A class reads an edge pair inside the row
+    (the row's only allowed key in that class) and one outside it where the row meets no allowed key in the class;
+    a one-stream layer's row reads nothing in its own class (its token changes too)."""
+    B, t_q, t_k = declared.shape
+    lo = torch.where(declared, torch.arange(t_k), t_k).amin(-1)
+    hi = torch.where(declared, torch.arange(t_k), -1).amax(-1)
+    span = int((hi - lo).clamp_min(0).max()) + 1  # the widest row, in positions
+    p = min(t_k, span + 2)
+    residue = torch.arange(t_k) % p  # (Tk,)
+    meets = torch.zeros(B, t_q, p).index_add_(2, residue, declared.float())  # (B, Tq, p): allowed keys per class
+    clean = meets.index_select(2, residue) == 0  # (B, Tq, Tk): the row meets no allowed key in key j's class
+    readable = _edges(declared) & (declared | clean)
+    if one_stream:  # Tq == Tk: query i is token i
+        readable &= residue.view(1, t_q, 1) != residue.view(1, 1, t_k)
+    if p <= budget:
+        chosen = torch.arange(p).view(p, 1).expand(p, B)
+        read = readable
+    else:
+        chosen = torch.zeros(budget, B, dtype=torch.long)
+        read = torch.zeros_like(readable)
+        for b in range(B):
+            new = readable[b] & ~read.any(0)  # (Tq, Tk)
+            # new pairs first; among classes with as many, those with more pairs read at all; then the lower class
+            gain = (torch.zeros(p).index_add_(0, residue, new.sum(0).float()) * (t_q * t_k + 1)
+                    + torch.zeros(p).index_add_(0, residue, readable[b].sum(0).float()))
+            order = sorted(range(p), key=lambda r: (-float(gain[r]), r))
+            chosen[:, b] = torch.tensor(order[:budget])
+            read[b] = readable[b] & torch.isin(residue, chosen[:, b]).view(1, t_k)
+    keys = [residue.view(1, t_k) == chosen[c].view(B, 1) for c in range(chosen.shape[0])]  # (B, Tk) each
+    return Tests(p, chosen, keys, int(readable.sum()), int(read.sum()), every=p <= budget)
+
+
+@dataclass
 class Reading:
-    """The measured pattern of one probe, per cell of (B, Tq, Tk): seen moving its row alone (the only key of the
-    row's pattern in its test), as part of a moving group, not moving, or not measurable."""
+    """The measured pattern of one probe, per cell of (B, Tq, Tk): seen moving its row (the only key of the row's
+    pattern in its copy), not moving, or not measurable."""
 
-    depends: Tensor  # bool (B, Tq, Tk): the row moved in a test where this was its only allowed key
-    ignored: Tensor  # bool (B, Tq, Tk): the row did not move in a test that perturbed this key
-    group: Tensor  # bool (B, Tq, Tk): allowed keys confirmed only as part of a moving group
-    leaks: list  # (b, i, r): row i of sequence b moved in test r, where it may see none of the keys perturbed
-    unmeasured: Tensor  # bool (B, Tq, Tk): cells no test could read (a one-stream layer's own position)
+    depends: Tensor  # bool (B, Tq, Tk): the row moved in a copy where this was its only allowed key
+    ignored: Tensor  # bool (B, Tq, Tk): the row did not move in a copy that perturbed this key
+    leaks: list  # (b, i, c): row i of sequence b moved in copy c, where it may see none of the keys perturbed
+    unmeasured: Tensor  # bool (B, Tq, Tk): cells no copy could read (a one-stream layer's own class)
 
 
-def _read(declared: Tensor, classes: list[Tensor], moved: list[Tensor], one_stream: bool) -> Reading:
+def _read(declared: Tensor, tests: Tests, moved: list[Tensor], one_stream: bool) -> Reading:
     B, t_q, t_k = declared.shape
     depends = torch.zeros(B, t_q, t_k, dtype=torch.bool)
-    ignored, group, unmeasured = depends.clone(), depends.clone(), depends.clone()
+    ignored, unmeasured = depends.clone(), depends.clone()
     leaks = []
-    for r, (keys, m) in enumerate(zip(classes, moved)):
+    for c, (keys, m) in enumerate(zip(tests.keys, moved)):
         # a one-stream layer's perturbed token is also a perturbed query (Tq == Tk), whose own row moves whatever
-        # it depends on: those rows read nothing in this test
-        readable = ~keys if one_stream else torch.ones(t_q, dtype=torch.bool)  # (Tq,)
-        seen = (readable.view(t_q, 1) & keys.view(1, t_k)).expand(B, t_q, t_k)  # (B, Tq, Tk): cells this test reads
-        unmeasured |= (~readable.view(t_q, 1) & keys.view(1, t_k)).expand(B, t_q, t_k)
-        allowed_here = (declared & seen).sum(-1, keepdim=True)  # (B, Tq, 1): allowed keys each row meets
+        # it depends on: those rows read nothing in this copy
+        readable = ~keys if one_stream else torch.ones(B, t_q, dtype=torch.bool)  # (B, Tq)
+        seen = readable.view(B, t_q, 1) & keys.view(B, 1, t_k)  # (B, Tq, Tk): cells this copy reads
+        unmeasured |= ~readable.view(B, t_q, 1) & keys.view(B, 1, t_k)
+        allowed_here = (declared & seen).any(-1)  # (B, Tq): the row meets an allowed key (one at most, by p)
         mv = m.view(B, t_q, 1)
         ignored |= seen & ~mv
-        depends |= seen & declared & mv & (allowed_here == 1)
-        group |= seen & declared & mv & (allowed_here > 1)
-        leaking = m & (allowed_here[..., 0] == 0) & readable.view(1, t_q)  # (B, Tq): moved, may see none of them
-        leaks += [(b, i, r) for b, i in leaking.nonzero().tolist()]
-    unmeasured &= ~(depends | ignored | group)
-    return Reading(depends, ignored, group, leaks, unmeasured)
+        depends |= seen & declared & mv
+        leaking = m & ~allowed_here & readable  # (B, Tq): moved, may see none of them
+        leaks += [(b, i, c) for b, i in leaking.nonzero().tolist()]
+    unmeasured &= ~(depends | ignored)
+    return Reading(depends, ignored, leaks, unmeasured)
 
 
 def _cells(mask: Tensor, offset: int = 0, limit: int = 3) -> str:
@@ -365,7 +447,7 @@ def pattern_fix(pattern, leak: tuple[int, int, int] | None, over: tuple[int, int
 def check_attention_pattern(probe: Probe) -> DetectorResult:
     det, s, B, T = "attention_pattern", probe.subject, probe.BATCH, probe.t
     flex = _mask_mod_disagrees(probe)
-    full = _measure(probe, Inputs(*probe.streams(B, T, cross=s.separate_kv)), "")
+    full = _measure(probe, Inputs(*probe.streams(B, T, cross=s.separate_kv)), "", MAX_COPIES)
     if isinstance(full, DetectorResult) or full.failed or flex is not None or not (probe.causal and s.separate_kv):
         return _verdict(probe, full, flex)
     # a decoder: the pattern holds while decoding too, the last Tq positions querying all T keys (a cache of T - Tq)
@@ -373,7 +455,7 @@ def check_attention_pattern(probe: Probe) -> DetectorResult:
     q, k, v = probe.streams(B, T, cross=True)
     decoding = _measure(probe, Inputs(q.narrow(s.time_dim, T - t_q, t_q).contiguous(), k, v, None),
                         f" when the last {t_q} of {T} positions query all {T} keys "
-                        f"(decoding with a cache of {T - t_q})")
+                        f"(decoding with a cache of {T - t_q})", DECODE_COPIES)
     if isinstance(decoding, DetectorResult) or not decoding.failed:  # the full pass's verdict, with both measured
         return _verdict(probe, full, None, also=decoding if not isinstance(decoding, DetectorResult) else None)
     return _verdict(probe, decoding, None, also=full)
@@ -396,39 +478,37 @@ class Measured:
         return bool(self.leak_text or self.over_text)
 
 
-def _measure(probe: Probe, base: Inputs, when: str) -> Measured | DetectorResult:
-    """The dependency pattern of `base`'s queries over its keys, judged against the declared pattern: leaks
-    bisected to their key, over-masking confirmed, the first finding's picture measured key by key."""
+def _measure(probe: Probe, base: Inputs, when: str, budget: int) -> Measured | DetectorResult:
+    """The dependency pattern of `base`'s queries over its keys in at most `budget` copies (`_tests`), judged
+    against the declared pattern: leaks bisected to their key, over-masking confirmed, the first finding's picture
+    measured key by key."""
     det, s, pattern = "attention_pattern", probe.subject, probe.pattern
     B, t_q, t_k = _sizes(probe, base)
     one = base.one_stream
     declared = _declared(probe, B, t_q, t_k)
-    lo = torch.where(declared, torch.arange(t_k), t_k).amin(-1)
-    hi = torch.where(declared, torch.arange(t_k), -1).amax(-1)
-    span = int((hi - lo).clamp_min(0).max()) + 1  # the widest row, in positions
-    p = min(t_k, span + 2, MAX_TESTS)
-    classes = [torch.arange(t_k) % p == r for r in range(p)]  # (Tk,) each
-    ran = _run(probe, base, [c.expand(B, t_k) for c in classes], f"keys j % {p} == r changed, one class per copy "
-                                                                  f"({pattern}){when}")
+    tests = _tests(declared, budget, one)
+    p = tests.p
+    ran = _run(probe, base, tests.keys, f"keys j % {p} == r changed, one class r per copy and sequence "
+                                        f"({pattern}){when}")
     if isinstance(ran, DetectorResult):
         return ran
     moved, tol, inputs, reference = ran
     if not any(bool(m.any()) for m in moved):
         return skip(det, f"the output did not respond to any key{when}, so its not moving where the pattern blocks "
                          f"proves nothing")
-    reading = _read(declared, classes, moved, one)
+    reading = _read(declared, tests, moved, one)
     over = _confirmed(probe, base, reference, declared & reading.ignored, pattern)
     dt, offset = dtype_name(s.dtype), t_k - t_q  # query i is at position i + offset
     # a leak: bisect the first leaking test down to the one key that moves the row
     leak_text, ev, leak_cell, over_cell = "", PatternEvidence(base=base, tol=tol), None, None
     if reading.leaks:
-        b, i, r = reading.leaks[0]
-        blocked = classes[r] & ~declared[b, i]
+        b, i, c = reading.leaks[0]
+        blocked = tests.keys[c][b] & ~declared[b, i]
         key, case = _bisect(probe, base, reference, b, i, blocked)
         hold = torch.zeros(B, t_q, dtype=torch.bool)
         if case is None:
-            case = inputs[r]
-            sets = classes[r].expand(B, t_k)
+            case = inputs[c]
+            sets = tests.keys[c]
             # rows of the copy that meet no allowed key (their perturbed keys all blocked), and are not perturbed
             meets = (declared & sets.view(B, 1, t_k)).any(-1)
             hold = ~meets & ~(sets if one else torch.zeros(B, t_q, dtype=torch.bool))
@@ -441,11 +521,11 @@ def _measure(probe: Probe, base: Inputs, when: str) -> Measured | DetectorResult
             moved_at[b, key] = True
         ev = PatternEvidence(base=base, case=case, hold=hold, moved=moved_at, tol=tol)
         rows = len({(b2, i2) for b2, i2, _ in reading.leaks})
-        where = f"key {key}" if key is not None else f"keys j % {p} == {r}"
+        where = f"key {key}" if key is not None else f"keys j % {p} == {int(tests.residue[c, b])}"
         leak_cell = (b, i, key if key is not None else int(blocked.nonzero()[0]))
         leak_text = (f"query {i + offset} of sequence {b} moved when only {where} changed, which {pattern} blocks for "
-                     f"it; {rows} / {B * t_q} rows depend on keys the pattern blocks (more than {tol:.2g} of the "
-                     f"outputs' RMS about their mean, for {dt})")
+                     f"it; {rows} / {B * t_q} rows seen depending on keys the pattern blocks (more than {tol:.2g} of "
+                     f"the outputs' RMS about their mean, for {dt})")
     over_text = ""
     if bool(over.any()):
         b, i, j = (int(x) for x in over.nonzero()[0])
@@ -455,12 +535,11 @@ def _measure(probe: Probe, base: Inputs, when: str) -> Measured | DetectorResult
         over_text = (f"{int(over.sum())} / {int(declared.sum())} (query, key) pairs that {pattern} allows move no "
                      f"output, e.g. {_cells(over, offset)} (the row moved by at most {tol:.2g} of the outputs' RMS "
                      f"about their mean, {dt}, the key pushed both ways)")
-    alone, grouped = int((declared & reading.depends).sum()), int((declared & reading.group).sum())
-    blocked_zero = int((~declared & reading.ignored).sum())
+    alone, blocked_zero = int((declared & reading.depends).sum()), int((~declared & reading.ignored).sum())
     unmeasured = int(reading.unmeasured.sum())
     shape = f"{B} sequences of {t_k}" if t_q == t_k else f"{B} sequences, the last {t_q} of {t_k} positions querying"
-    measured = (f"{p} tests (keys j % {p} == r, r < {p}) on {shape}: {alone} allowed pairs seen moving alone, "
-                f"{grouped} in a moving group, {int(over.sum())} not moving; {blocked_zero} blocked pairs measured "
+    measured = (f"{tests} on {shape}: {alone} / {int(declared.sum())} allowed pairs seen moving their row, "
+                f"{int(over.sum())} not moving; {blocked_zero} / {int((~declared).sum())} blocked pairs measured "
                 f"unmoved" + (f"; {unmeasured} pairs not measurable (a one-stream layer's own position moves with "
                               f"its query)" if unmeasured else ""))
     ev.fix = pattern_fix(pattern, leak_cell, over_cell, offset) if leak_cell or over_cell else ""
