@@ -1,13 +1,21 @@
 """Cost of `diagnostics.audit_model` against depth: model forwards, layer calls and seconds.
 
-    python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 1]
+    python benchmarks/model_audit_cost.py [--depths 1 2 4 8 12] [--width 256] [--seq-len 128] [--repeats 3]
+                                          [--threads N] [--stages]
     python benchmarks/model_audit_cost.py --margins [--seeds 3] [--dtype bfloat16]
     python benchmarks/model_audit_cost.py --families [--repeats 3]
 
 Builds a GPT-2 config (transformers, sdpa) of each depth at the given width, 4 heads per 64 features, and audits
-it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. Prints a
-table, and per model-level detector its measured value against its threshold (the parity detectors' margins).
-Timing lives here, never in tests. `--margins` audits correct models instead (TinyGPT, ProtocolGPT learned and
+it; without transformers, the plain `ProtocolGPT` of `buggy_variants.teaching_model` of the same sizes. The token
+ids are (2, seq_len): the audit runs at seq_len. Before any timing, a 1-layer model of the same width is audited at
+the same seq_len (imports, kernels and allocator warmed for these shapes, not timed). Each depth's first audit is
+timed on its own ("first": what a user running one audit waits, with the model's copies made for the first time),
+then `--repeats` more, of which the fastest and the median wall seconds and the median CPU seconds of this process (`time.process_time`, all threads summed) are printed, with the load average
+before and after. `--threads N` sets torch's intra-op threads first; on 2 cores shared with other jobs, 2 threads
+wait for each other (OpenMP) and 1 thread is the steadier figure. `--stages` prints where the deepest model's last
+audit spent its time (discovery, each layer's in-place audit, each model-level detector), read from the audit's
+`progress` callback. Prints, per model-level detector, its measured value against its threshold (the parity
+detectors' margins). Timing lives here, never in tests. `--margins` audits correct models instead (TinyGPT, ProtocolGPT learned and
 rotary with a window, torch's TransformerEncoder; with transformers, tiny GPT-2, Llama, Mistral, Qwen2, Gemma,
 Phi-3, BERT, T5, BART, ViT in eager and sdpa mode) over several seeds and prints, per parity detector, the largest
 value / threshold a correct model reached (the inverse of the margin), and for the float64-golden parity checks
@@ -159,6 +167,32 @@ def families(repeats: int) -> None:
               f"{len(cross)} layers |")
 
 
+def _ids(seq_len: int):
+    return torch.randint(1024, (2, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _timed(model, ids, stages: dict | None = None):
+    """((wall s, CPU s), report) of one audit; with `stages`, the wall seconds from each progress tick to the next
+    (or the audit's end) are stored under the tick's stage, the last audit's overwriting the earlier ones'."""
+    ticks = []
+    progress = (lambda stage, i, n: ticks.append((stage, time.perf_counter()))) if stages is not None else None
+    wall, cpu = time.perf_counter(), time.process_time()
+    report = diagnostics.audit_model(model, ids, progress=progress)
+    end = time.perf_counter()
+    for (stage, t0), (_, t1) in zip(ticks, ticks[1:] + [(None, end)]):
+        stages[stage] = t1 - t0
+    return (end - wall, time.process_time() - cpu), report
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--margins", action="store_true")
@@ -167,33 +201,50 @@ def main() -> None:
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 12])
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (default: torch's own)")
+    p.add_argument("--stages", action="store_true", help="where the deepest model's last audit spent its time")
     p.add_argument("--families", action="store_true")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: pass 1 or more (the fastest and the median are of these runs)")
     if args.margins:
         return margins(args.seeds, getattr(torch, args.dtype))
     if args.families:
         return families(args.repeats)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    diagnostics.audit_model(build(1, 64, 16)[0], seq_len=16)  # imports and warm-up, not timed
-    print("| depth | model | model forwards | layer calls | one forward (s) | audit (s) | status |")
-    print("|---|---|---|---|---|---|---|")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {_load()}")
+    diagnostics.audit_model(build(1, args.width, args.seq_len)[0], _ids(args.seq_len))  # warm-up, not timed
+    print("| depth | model | model forwards | layer calls | one forward (s) | first audit (s) | fastest (s) | "
+          "median (s) | CPU median (s) | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     last = None
     for depth in args.depths:
         model, kind = build(depth, args.width, args.seq_len)
-        ids = torch.randint(1024, (2, args.seq_len), generator=torch.Generator().manual_seed(0))
+        ids = _ids(args.seq_len)
         with torch.no_grad():
             start = time.perf_counter()
             model(ids[:1])
             forward = time.perf_counter() - start
-        times = []
+        first, _ = _timed(model, ids)
+        walls, cpus, stages = [], [], {}
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            report = diagnostics.audit_model(model, ids)
-            times.append(time.perf_counter() - start)
-        print(f"| {depth} | {kind} | {report.model_forwards} | {report.layer_calls} | {forward:.3f} | "
-              f"{min(times):.2f} | {report.status} |")
+            (wall, cpu), report = _timed(model, ids, stages if depth == args.depths[-1] else None)
+            walls.append(wall)
+            cpus.append(cpu)
+        print(f"| {depth} | {kind} | {report.model_forwards} | {report.layer_calls} | {forward:.3f} | {first[0]:.2f} | "
+              f"{min(walls):.2f} | {_median(walls):.2f} | {_median(cpus):.2f} | {report.status} |")
         last = report
+    print(f"load average after: {_load()}")
+    if args.stages:
+        print(f"\nwhere the {args.depths[-1]}-layer model's last audit spent its time (wall s):")
+        layers = sum(v for k, v in stages.items() if k.startswith("layer "))
+        n = sum(1 for k in stages if k.startswith("layer "))
+        for name, seconds in stages.items():
+            if not name.startswith("layer "):
+                print(f"  {name}: {seconds:.3f}")
+        print(f"  in-place layer audits: {layers:.3f} ({n} layers, {layers / max(n, 1):.3f} each)")
     print("\nmodel-level detectors of the deepest model (value against threshold):")
     for r in last.results:
         margin = f" (margin {r.threshold / r.value:.3g}x)" if r.value and r.threshold else ""
