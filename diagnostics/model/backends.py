@@ -3,13 +3,11 @@ positions of a batch with a right-padded row, within the float64-golden toleranc
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .._registry import Need, detector
 from .._result import DetectorResult
-from ._context import ModelContext
+from ._context import ModelContext, model_copy
 from ._tolerance import Golden
 
 ID = "backend_parity"
@@ -34,7 +32,7 @@ def check_backend_parity(ctx: ModelContext) -> DetectorResult:
     current = implementation(ctx)
     other = "sdpa" if current == "eager" else "eager"
     try:
-        twin = copy.deepcopy(model)
+        twin = model_copy(model)  # its own config to switch; the model's parameters, not a copy of them
         twin.set_attn_implementation(other)
     except Exception as exc:  # transformers refuses the switch for this model: nothing to compare
         return DetectorResult(ID, "skip", f"not applicable: the model does not switch to {other} "
