@@ -335,6 +335,26 @@ def test_the_model_its_rng_and_its_gradients_are_left_exactly_as_they_were():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_the_models_copies_hold_what_a_deep_copy_holds_without_copying_what_they_need_not():
+    from diagnostics.model._context import model_copy
+
+    model = tiny_gpt()
+    model.lm_head.weight = model.wte.weight  # tied, as GPT-2's lm_head and wte are
+    model.register_buffer("gain", torch.ones(3))
+    golden, expected = model_copy(model, dtype=torch.float64), copy.deepcopy(model).to(torch.float64)
+    got, want = golden.state_dict(keep_vars=True), expected.state_dict(keep_vars=True)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert (got[k].dtype, type(got[k]), got[k].requires_grad) == (v.dtype, type(v), v.requires_grad), k
+        assert torch.equal(got[k], v), k
+    assert golden.lm_head.weight is golden.wte.weight  # still tied
+    assert not {p.data_ptr() for p in golden.parameters()} & {p.data_ptr() for p in model.parameters()}
+    twin = model_copy(model)  # backend_parity's: the model's own parameters, its own modules and buffers
+    assert all(a is b for a, b in zip(twin.parameters(), model.parameters()))
+    assert twin.gain is not model.gain and torch.equal(twin.gain, model.gain)
+    assert twin.h[0] is not model.h[0]
+
+
 def test_a_model_without_attention_is_inconclusive_not_passed():
     class Bag(nn.Module):
         def __init__(self):
