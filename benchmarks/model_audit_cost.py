@@ -161,7 +161,8 @@ def families(repeats: int) -> None:
             report = diagnostics.audit_model(model)
             times.append(time.perf_counter() - start)
         verdict = {r.detector: r.verdict for r in report.results}
-        cross = [p for p, rep in report.layers.items() if "cross_module" in rep.layer]
+        # InPlaceCross names its memory in the layer's name ("..., in place, memory key_value_states)")
+        cross = [p for p, rep in report.layers.items() if "in place, memory " in rep.layer]
         print(f"| {name} | {report.model_forwards} | {report.layer_calls} | {sorted(times)[len(times) // 2]:.2f} | "
               f"{report.status} | {verdict.get('sliding_window', '-')} | {verdict.get('packed_documents', '-')} | "
               f"{len(cross)} layers |")
@@ -208,12 +209,12 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: pass 1 or more (the fastest and the median are of these runs)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.margins:
         return margins(args.seeds, getattr(torch, args.dtype))
     if args.families:
         return families(args.repeats)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {_load()}")
     diagnostics.audit_model(build(1, args.width, args.seq_len)[0], _ids(args.seq_len))  # warm-up, not timed
     print("| depth | model | model forwards | layer calls | one forward (s) | first audit (s) | fastest (s) | "
