@@ -1,0 +1,82 @@
+"""Stacked probes: one call of the layer on a baseline and the perturbations of several detectors, each detector's
+cases in copies of the batch of their own, so that the baseline (a forward pass of work per comparison) is paid
+once. query_locality and keys_matter share the baseline with separate query, key and value streams; mask_honoured
+and future_leakage that with a padding mask.
+
+A detector reads the same numbers whichever detectors run: a stack's recipe is fixed (its baseline, then every
+registered detector's cases, in the order the detector modules register them), drawn from the stack's own random
+stream and called once per audit (`Probe.shared`), also when only one of its readers is chosen. What a detector
+reads is a `Comparison` of its own cases against the shared baseline: its verdict, its evidence and its localiser
+see only those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .._core import Case, Comparison, Inputs, compare
+from .._probe import Probe
+from .._result import DetectorResult
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A stacked probe: `baseline(probe) -> Inputs` and, per detector, `cases(probe, base) -> (cases, label)`."""
+
+    name: str
+    baseline: Callable = field(repr=False)
+    cases: dict[str, Callable] = field(default_factory=dict, repr=False)
+
+
+def stack(name: str, baseline: Callable) -> Stack:
+    return Stack(name, baseline)
+
+
+def stacked_cases(into: Stack, det: str):
+    """Register the decorated `(probe, base) -> (list[Case], label)` as `det`'s part of the stack `into`."""
+    def register(builder: Callable) -> Callable:
+        if det in into.cases:
+            raise ValueError(f"{det!r} has cases in the stack {into.name!r} already")
+        into.cases[det] = builder
+        return builder
+
+    return register
+
+
+def stacked(probe: Probe, of: Stack, det: str) -> Comparison | DetectorResult:
+    """`det`'s cases compared with the stack's baseline, from the one call of the stack (made on first use); the
+    skip every reader gets when that call raised or cannot be compared."""
+    whole, parts = probe.shared(of.name, lambda: _call(probe, of))
+    if isinstance(whole, DetectorResult):
+        return replace(whole, detector=det)
+    start, stop = parts[det]
+    return replace(whole, cases=whole.cases[start:stop], changes=whole.changes[start:stop], first=1 + start,
+                   copies=len(whole.cases) + 1)
+
+
+def _call(probe: Probe, of: Stack) -> tuple[Comparison | DetectorResult, dict[str, tuple[int, int]]]:
+    base: Inputs = of.baseline(probe)
+    cases: list[Case] = []
+    parts: dict[str, tuple[int, int]] = {}
+    labels = []
+    for det, builder in of.cases.items():
+        mine, label = builder(probe, base)
+        parts[det] = (len(cases), len(cases) + len(mine))
+        cases += mine
+        labels.append(label)
+    readers = tuple((det, 1 + start, 1 + stop) for det, (start, stop) in parts.items())
+    return compare(probe, base, cases, label="; ".join(label for label in labels if label), parts=readers), parts
+
+
+def separate_streams(probe: Probe) -> Inputs:
+    """Query, key and value drawn apart (key and value one stream where the layer takes one memory)."""
+    B, T = probe.BATCH, probe.t
+    q = probe.make(B, T)
+    k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
+    return Inputs(q, k, v) if getattr(probe.subject, "separate_value", True) else Inputs(q, k, k)
+
+
+SEPARATE_STREAMS = stack("separate streams", separate_streams)
+"""query_locality's and keys_matter's: one query changed; the keys of one sequence and the values of another."""
+
