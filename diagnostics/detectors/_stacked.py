@@ -80,3 +80,16 @@ def separate_streams(probe: Probe) -> Inputs:
 SEPARATE_STREAMS = stack("separate streams", separate_streams)
 """query_locality's and keys_matter's: one query changed; the keys of one sequence and the values of another."""
 
+
+
+def padded(probe: Probe) -> Inputs:
+    """A padding mask (trailing keys blocked for every query, key 0 always kept: see `Probe.padding`) on the streams of
+    `Probe.streams` (one stream for self forms and causal audits)."""
+    B, T = probe.BATCH, probe.t
+    pad = probe.padding(B, T, T)  # (B, Tq, Tk)
+    return Inputs(*probe.streams(B, T), pad)
+
+
+PADDED = stack("padding mask", padded)
+"""mask_honoured's padding scenario (its padded keys changed, and key 0 alone) and, for a causal audit, future_leakage's
+cut at 0 under a padding mask."""
