@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .._core import Case, Comparison, Inputs, compare
-from .._probe import Probe
+from .._core import Case, Comparison, Inputs, compared, stacked_call
+from .._probe import Call, Probe
 from .._result import DetectorResult
+from .._subject import Output
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def stacked_cases(into: Stack, det: str):
 def stacked(probe: Probe, of: Stack, det: str) -> Comparison | DetectorResult:
     """`det`'s cases compared with the stack's baseline, from the one call of the stack (made on first use); the
     skip every reader gets when that call raised or cannot be compared."""
-    whole, parts = probe.shared(of.name, lambda: _call(probe, of))
+    _, _, whole, parts = probe.shared(of.name, lambda: _call(probe, of))
     if isinstance(whole, DetectorResult):
         return replace(whole, detector=det)
     start, stop = parts[det]
@@ -55,7 +56,24 @@ def stacked(probe: Probe, of: Stack, det: str) -> Comparison | DetectorResult:
                    copies=len(whole.cases) + 1)
 
 
-def _call(probe: Probe, of: Stack) -> tuple[Comparison | DetectorResult, dict[str, tuple[int, int]]]:
+def stacked_baseline(probe: Probe, of: Stack) -> Call:
+    """The stack's call as far as its baseline goes (copy 0 of the batch: its inputs, mask and output), for a reader
+    with no cases of its own; the call itself where it raised."""
+    base, call, _, _ = probe.shared(of.name, lambda: _call(probe, of))
+    if not call.ok:
+        return call
+    copies = call.output.out.shape[0] // base.query.shape[0]
+    weights = call.output.weights
+    if weights is not None and weights.dim() and weights.shape[0] % copies == 0:
+        weights = weights.chunk(copies)[0]
+    elif weights is not None:
+        weights = None  # not split along the batch: not this copy's
+    B, t_q, t_k = base.query.shape[0], base.query.shape[probe.subject.time_dim], base.key.shape[probe.subject.time_dim]
+    return Call(base.query, base.key, base.value, probe.allowed(B, t_q, t_k, base.extra),
+                Output(call.output.out.chunk(copies)[0], weights), None, label=call.label, parts=call.parts)
+
+
+def _call(probe: Probe, of: Stack) -> tuple[Inputs, Call, Comparison | DetectorResult, dict[str, tuple[int, int]]]:
     base: Inputs = of.baseline(probe)
     cases: list[Case] = []
     parts: dict[str, tuple[int, int]] = {}
@@ -66,7 +84,8 @@ def _call(probe: Probe, of: Stack) -> tuple[Comparison | DetectorResult, dict[st
         cases += mine
         labels.append(label)
     readers = tuple((det, 1 + start, 1 + stop) for det, (start, stop) in parts.items())
-    return compare(probe, base, cases, label="; ".join(label for label in labels if label), parts=readers), parts
+    call = stacked_call(probe, base, cases, label="; ".join(label for label in labels if label), parts=readers)
+    return base, call, compared(probe, call, base, cases), parts
 
 
 def separate_streams(probe: Probe) -> Inputs:

@@ -174,7 +174,10 @@ def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, co
 
 @stacked_cases(PADDED, "mask_honoured")
 def padded_key_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
-    """The padding scenario: the padded keys changed, and key 0 alone (the control)."""
+    """The padding scenario: the padded keys changed, and key 0 alone (the control); none where mask_honoured does
+    not apply (one token: weight_row_sums reads the stack's baseline alone)."""
+    if probe.t < 2 or not probe.subject.takes_mask:
+        return [], ""
     return blocked_key_cases(probe, base, ~base.extra[:, 0, :], PADDED_KEYS, control=True), \
         "padding mask, blocked keys changed"
 
