@@ -168,6 +168,11 @@ def read_by(report, by_detector: dict[str, list[Call]], det: str, batch: int) ->
     read, `ProbeShape.parts`) counts for each of its readers, whichever made it, with only the baseline's copy and
     that reader's own copies of the batch."""
     calls = list(by_detector[det])
+    # the standard probe, made by the first detector that asks for it (runs, in a full audit) and read by others
+    standard = next((c for r in report.results for c in by_detector[r.detector][:1]), None)
+    if standard is not None and all(c is not standard for c in calls) and any(
+            shape.label.startswith("the standard probe (") for shape in report.result(det).probes):
+        calls.insert(0, standard)
     for shape in report.result(det).probes:
         mine = [(first, stop) for reader, first, stop in shape.parts if reader == det]
         if not mine:
