@@ -206,7 +206,6 @@ class Probe:
         if self._base is None:
             asking, self.detector = self.detector, "base"
             q, k, v = self.streams(self.BATCH, self.t)
-            self.seed_layer_rng()  # a layer's randomness draws as in batch_independence's call that it is compared with
             self._base = self.call(q, k, v, self.allowed(self.BATCH, self.t, self.t),
                                    label=f"the standard probe (B={self.BATCH}, T={self.t})", observe=True)
             self.detector = asking

@@ -1,7 +1,8 @@
-"""Stacked probes: one call of the layer on a baseline and the perturbations of several detectors, each detector's
+"""Probes several detectors read. Stacked probes: one call of the layer on a baseline and the perturbations of several detectors, each detector's
 cases in copies of the batch of their own, so that the baseline (a forward pass of work per comparison) is paid
 once. query_locality and keys_matter share the baseline with separate query, key and value streams; mask_honoured
-and future_leakage that with a padding mask.
+and future_leakage that with a padding mask (weight_row_sums reads its baseline's weights). And decode_consistency's
+calls, whose last (the newest queries over every key) is output_shape's call with Tq != Tk for a causal layer.
 
 A detector reads the same numbers whichever detectors run: a stack's recipe is fixed (its baseline, then every
 registered detector's cases, in the order the detector modules register them), drawn from the stack's own random
@@ -19,6 +20,7 @@ from .._core import Case, Comparison, Inputs, compared, stacked_call
 from .._probe import Call, Probe
 from .._result import DetectorResult
 from .._subject import Output
+from ._common import logit_gain
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,32 @@ def padded(probe: Probe) -> Inputs:
 PADDED = stack("padding mask", padded)
 """mask_honoured's padding scenario (its padded keys changed, and key 0 alone) and, for a causal audit, future_leakage's
 cut at 0 under a padding mask."""
+
+
+def decode_splits(T: int) -> list[int]:
+    """How many of the last queries each partial call of decode_consistency takes: three calls at every length."""
+    return [min(n, T - 1) for n in (1, 3, T - T // 3)]
+
+
+def decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
+    """decode_consistency's calls, made once per audit: [(T, the full pass over T tokens), then (n, the last n queries
+    over all T keys) for each split], up to the first that raises. The tokens are scaled by `logit_gain`, so that
+    attention is neither uniform (std-0.02 weights) nor one-hot (rounding-bound)."""
+    return probe.shared("decoding", lambda: _decoding_calls(probe))
+
+
+def _decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    g = logit_gain(probe)
+    if s.form == "function":
+        q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
+    else:
+        q = k = v = g * probe.make(B, T)
+    calls = [(T, probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens"))]
+    t = s.time_dim
+    for n in decode_splits(T) if calls[0][1].ok else ():
+        tail = q.narrow(t, T - n, n).clone()
+        calls.append((n, probe.call(tail, k, v, probe.allowed(B, n, T), label=f"the last {n} queries over {T} keys")))
+        if not calls[-1][1].ok:
+            break
+    return calls
