@@ -204,11 +204,12 @@ class Probe:
         """The standard run: batch 2, seq_len tokens, no mask beyond the causal one; observed. Shared by
         the detectors that use it, and logged under each of them."""
         if self._base is None:
-            asking, self.detector = self.detector, "base"
+            # drawn as "base" also when first asked for inside a shared probe, whose draws are seeded from its name
+            (asking, self.detector), (stream, self._stream) = (self.detector, "base"), (self._stream, None)
             q, k, v = self.streams(self.BATCH, self.t)
             self._base = self.call(q, k, v, self.allowed(self.BATCH, self.t, self.t),
                                    label=f"the standard probe (B={self.BATCH}, T={self.t})", observe=True)
-            self.detector = asking
+            self.detector, self._stream = asking, stream
         base_shape = self.shapes["base"][0]
         if self.detector != "base" and base_shape not in self.shapes[self.detector]:
             self.shapes[self.detector].append(base_shape)
