@@ -33,10 +33,12 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     [changed] = perturbed(probe, base, other, ("query", "key", "value"))
 
     def call(x: Inputs, label: str):
-        # observed as the standard probe is, so that both take the same path (nn.MultiheadAttention's inference fast
-        # path rounds differently); seeded: one draw of any randomness for every call (the audit restores the RNG)
+        # seeded: one draw of any randomness for every call (the audit restores the RNG). Not observed: where the
+        # standard probe (observed, under grad mode) took another path (nn.MultiheadAttention's inference fast path
+        # rounds differently) and sequence 0 moves by that rounding, the seeded twin below is a plain call too, and
+        # the changed call is judged against it
         probe.seed_layer_rng()
-        return probe.call(x.query, x.key, x.value, standard.allowed, label=label, observe=True)
+        return probe.call(x.query, x.key, x.value, standard.allowed, label=label)
 
     changed_call = call(changed, "the standard probe, sequence 1 changed")
     if not changed_call.ok:
@@ -51,10 +53,11 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     first[0] = True
     tol = tolerance(UNCHANGED, s.dtype)
     if bool((change[expand_rows(first, change)] > tol).any()):
-        # sequence 0 moved: mixing, or randomness, which would read as mixing and is not ours to judge. The same
-        # batch again, seeded as the changed call was (only a moved layer pays it): the same numbers as the standard
-        # probe, a deterministic layer that mixes; other numbers, randomness, and then the changed call is judged
-        # against this seeded twin, and a second twin tells randomness that one seed pins down from what it does not
+        # sequence 0 moved: mixing, or randomness (or the other path's rounding), which would read as mixing and is
+        # not ours to judge. The same batch again, seeded and called as the changed call was (only a moved layer pays
+        # it): the same numbers as the standard probe, a deterministic layer that mixes; other numbers, and the
+        # changed call is judged against this twin, and a second twin tells randomness that one seed pins down from
+        # what it does not
         again = call(base, "the standard probe again, seeded")
         if not again.ok:
             return not_run(det, again)
