@@ -14,7 +14,11 @@ On a shared machine the fastest runs are the closest to the work itself; the med
 audits alike: on a machine others load, the ratio of CPU times moves far less than that of wall clocks (the
 audit's threads cannot wait for cores). `--per-detector` splits each detector's time into what its layer calls
 took (the layer's forward, from a pre-hook to a hook, the float64 copy's calls included: it inherits the hooks)
-and the rest, the audit's own time outside the layer (drawing, comparing, observing is inside: it runs in the call).
+and the rest, the audit's own time outside the layer (drawing, comparing, backward passes; observing is inside: it
+runs in the call). A call several detectors read (the standard probe, a stacked probe of diagnostics/detectors/
+_stacked.py, decode_consistency's calls, which output_shape reads too, the float64 copy) counts to the detector that
+made it, the first of its readers to run: weight_row_sums makes the padding stack (mask_honoured's and future_leakage's
+cases), query_locality the one with separate streams (keys_matter's too), output_shape decode_consistency's calls.
 Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores; issue 21:
 a warm causal audit within 30 forward passes at seq_len 128 (stretch 20), within 20 at 1024 (stretch 12) and
 under 6 s there.
@@ -82,7 +86,8 @@ def forward_passes(calls, d: int, t: int) -> float:
 def per_detector(layer, clock=time.perf_counter, **options) -> list[tuple[str, int, float, float, float]]:
     """One audit, timed and counted per detector (the progress callback marks where each starts): [(detector,
     layer calls, their work in batch-2 forward passes, seconds, of which inside the layer's calls)]; "setup" is
-    what precedes the first detector; what follows the last one (settling `runs`, the report) counts to the last."""
+    what precedes the first detector; what follows the last one (settling `runs`, the report) counts to the last; a
+    call several detectors read counts to the one that made it."""
     calls: dict[str, list] = {}
     wall: dict[str, float] = {}
     inside: dict[str, float] = {}

@@ -188,12 +188,32 @@ class Comparison:
     tol: float
     call: Call
     base: Inputs | None = None  # the baseline the cases were compared with (None: the cases' own inputs)
+    # where the cases are in the call's output, in copies of the batch: cases[i] in copy first + i of `copies`
+    # (0: len(cases) + 1, the baseline in copy 0 and the cases after it; a stacked probe's call holds others' too)
+    first: int = 1
+    copies: int = 0
+
+    def outputs(self) -> tuple:
+        """The call's output split into its copies of the batch: the baseline's first."""
+        return self.call.output.out.chunk(self.copies or len(self.cases) + 1)
+
+    def baseline_output(self):
+        return self.outputs()[0]
+
+    def case_output(self, i: int):
+        return self.outputs()[self.first + i]
 
 
-def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Comparison | DetectorResult:
+def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str, parts: tuple = ()) -> Comparison | DetectorResult:
     """One call on [baseline, *perturbations] stacked along the batch; the changes of each against the
-    baseline. A `DetectorResult` (skip) instead when the layer raised or its output cannot be compared."""
-    s, det = probe.subject, probe.detector
+    baseline. A `DetectorResult` (skip) instead when the layer raised or its output cannot be compared.
+    `parts`: the call's readers, for a stacked probe (see `ProbeShape.parts`)."""
+    return compared(probe, stacked_call(probe, base, cases, label=label, parts=parts), base, cases)
+
+
+def stacked_call(probe: Probe, base: Inputs, cases: list[Case], *, label: str, parts: tuple = ()) -> Call:
+    """The call of `compare`: baseline and cases stacked along the batch, each with its own extra mask."""
+    s = probe.subject
     B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
     everything = [base] + [c.inputs for c in cases]
     n = len(everything)
@@ -201,7 +221,14 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str) -> Com
     K = Q if base.one_stream else torch.cat([x.key for x in everything])
     V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in everything])
     extra = None if base.extra is None else torch.cat([x.extra for x in everything])
-    call = probe.call(Q, K, V, probe.allowed(n * B, t_q, t_k, extra), label=label)
+    return probe.call(Q, K, V, probe.allowed(n * B, t_q, t_k, extra), label=label, parts=parts)
+
+
+def compared(probe: Probe, call: Call, base: Inputs, cases: list[Case]) -> Comparison | DetectorResult:
+    """The changes of `stacked_call`'s cases against its baseline."""
+    s, det = probe.subject, probe.detector
+    B, t_q = base.query.shape[0], base.query.shape[s.time_dim]
+    n = len(cases) + 1
     if not call.ok:
         return not_run(det, call)
     out = call.output.out

@@ -37,6 +37,7 @@ class Call:
     record: Record | None = None
     label: str = ""
     self_only: bool = False  # it raised only because Tq != Tk, on a layer not declared cross-attention (see Probe)
+    parts: tuple = ()  # a stacked probe's readers and their copies of the batch (see ProbeShape.parts)
 
     @property
     def ok(self) -> bool:
@@ -77,13 +78,16 @@ class Probe:
         self._recovered: tuple[Tensor | None, str] | None = None
         self.mask_hints: dict = {}  # what diagnostics._mask_hints found, kept for the audit's second reading
         self.memo: dict = {}  # values read from the standard probe that several detectors ask for (logit_gain)
+        self._shared: dict[str, tuple] = {}  # name -> (what `shared` made or the exception it raised, its calls)
+        self._stream: str | None = None  # the name draws are seeded from while `shared` makes a probe
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def generator(self) -> torch.Generator:
         """A generator no other request of this audit shares: seeded from (seed, detector, n-th request)."""
-        n = self._draws[self.detector]
-        self._draws[self.detector] += 1
-        digest = hashlib.blake2b(f"{self.seed}/{self.detector}/{n}".encode(), digest_size=8).digest()
+        asking = self._stream or self.detector
+        n = self._draws[asking]
+        self._draws[asking] += 1
+        digest = hashlib.blake2b(f"{self.seed}/{asking}/{n}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def seed_layer_rng(self, seed: int | None = None) -> None:
@@ -140,7 +144,7 @@ class Probe:
 
     # ---- calls -----------------------------------------------------------------------------------------
     def call(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None = None, *,
-             label: str = "", observe: bool = False) -> Call:
+             label: str = "", observe: bool = False, parts: tuple = ()) -> Call:
         """Call the layer; exceptions become part of the `Call`, and every call is logged under the
         detector that made it. With `observe`, record its internals (under grad mode, so that torch's
         fused inference fast paths, which hide them, are not taken)."""
@@ -155,9 +159,9 @@ class Probe:
             else:
                 with torch.no_grad():
                     output = self.subject(query, key, value, allowed)
-            call = Call(query, key, value, allowed, output, None, record, label)
+            call = Call(query, key, value, allowed, output, None, record, label, parts=parts)
         except Exception as error:  # noqa: BLE001 -- a broken layer is a finding, never a crash of the audit
-            call = Call(query, key, value, allowed, None, error, record, label)
+            call = Call(query, key, value, allowed, None, error, record, label, parts=parts)
             call.self_only = self._only_self_attention(call)
         self._log(call)
         return call
@@ -189,7 +193,7 @@ class Probe:
         shape = ProbeShape(call.label or "a probe", call.query.shape[0], call.query.shape[t], call.key.shape[t],
                            None if call.allowed is None else call.allowed.cpu(),
                            call.query is call.key and call.key is call.value,
-                           "" if call.ok else call.describe_error())
+                           "" if call.ok else call.describe_error(), parts=call.parts)
         if not any(s is shape for s in self.shapes[self.detector]):
             self.shapes[self.detector].append(shape)
         if not call.ok and not call.self_only:
@@ -200,17 +204,45 @@ class Probe:
         """The standard run: batch 2, seq_len tokens, no mask beyond the causal one; observed. Shared by
         the detectors that use it, and logged under each of them."""
         if self._base is None:
-            asking, self.detector = self.detector, "base"
+            # drawn as "base" also when first asked for inside a shared probe, whose draws are seeded from its name
+            (asking, self.detector), (stream, self._stream) = (self.detector, "base"), (self._stream, None)
             q, k, v = self.streams(self.BATCH, self.t)
             self._base = self.call(q, k, v, self.allowed(self.BATCH, self.t, self.t),
                                    label=f"the standard probe (B={self.BATCH}, T={self.t})", observe=True)
-            self.detector = asking
+            self.detector, self._stream = asking, stream
         base_shape = self.shapes["base"][0]
         if self.detector != "base" and base_shape not in self.shapes[self.detector]:
             self.shapes[self.detector].append(base_shape)
             if not self._base.ok:
                 self.raised.append((self.detector, base_shape))
         return self._base
+
+    def shared(self, name: str, make):
+        """What `make()` returns (calls and what was read from them), made once per audit for every detector that
+        asks: its draws are seeded from `name`, not from the detector asking, so that each reads the same numbers
+        whichever detectors run and whichever asks first (`audit(detectors=[...])`); its calls are logged under
+        each. An exception `make` raised is raised again to each."""
+        if name not in self._shared:
+            shapes, raised = len(self.shapes[self.detector]), len(self.raised)
+            outer, self._stream = self._stream, name
+            try:
+                made, error = make(), None
+            except Exception as caught:  # noqa: BLE001 -- raised again below, to every detector that asks
+                made, error = None, caught
+            finally:
+                self._stream = outer
+            counted = {id(shape) for _, shape in self.raised[raised:]}
+            self._shared[name] = (made, error, [(shape, id(shape) in counted)
+                                                for shape in self.shapes[self.detector][shapes:]])
+        made, error, calls = self._shared[name]
+        for shape, counted in calls:
+            if not any(s is shape for s in self.shapes[self.detector]):
+                self.shapes[self.detector].append(shape)
+                if counted:
+                    self.raised.append((self.detector, shape))
+        if error is not None:
+            raise error
+        return made
 
     def release(self) -> None:
         """Drop the standard probe's observed record (copies of (B, H, T, T) scores and weights) once the report has

@@ -24,6 +24,9 @@ class ProbeShape:
     self_attention: bool = True
     raised: str = ""  # the layer's exception on this call, if it raised
     backward: bool = False  # gradients were taken through this call
+    # a call several detectors read (a stacked probe): (detector, first copy, stop copy) of the batch copies each
+    # compares with copy 0, the shared baseline
+    parts: tuple[tuple[str, int, int], ...] = field(default=(), compare=False)
 
 
 def _shown(file: str) -> str:

@@ -163,6 +163,34 @@ def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
     return worst, compared
 
 
+def read_by(report, by_detector: dict[str, list[Call]], det: str, batch: int) -> list[Call]:
+    """The calls behind `det`'s reading: those made while it ran, where a stacked probe (a call several detectors
+    read, `ProbeShape.parts`) counts for each of its readers, whichever made it, with only the baseline's copy and
+    that reader's own copies of the batch."""
+    calls = list(by_detector[det])
+    # the standard probe, made by the first detector that asks for it (runs, in a full audit) and read by others
+    standard = next((c for r in report.results for c in by_detector[r.detector][:1]), None)
+    if standard is not None and all(c is not standard for c in calls) and any(
+            shape.label.startswith("the standard probe (") for shape in report.result(det).probes):
+        calls.insert(0, standard)
+    for shape in report.result(det).probes:
+        mine = [(first, stop) for reader, first, stop in shape.parts if reader == det]
+        if not mine:
+            continue
+        readers = {reader for reader, _, _ in shape.parts}
+        maker = next(r.detector for r in report.results if r.detector in readers)  # the first to run makes it
+        shown = None if shape.allowed is None else tuple(shape.allowed.flatten().tolist())
+        made = [c for c in by_detector[maker]
+                if c.key == (shape.batch, shape.t_q, shape.t_k, shape.self_attention, shown)]
+        calls = [c for c in calls if all(c is not m for m in made)]
+        copies = [0, *range(*mine[0])]
+        for c in made:
+            settings = tuple(s for n in copies for s in c.settings[n * batch:(n + 1) * batch])
+            out = None if c.out is None else torch.cat([c.out.split(batch)[n] for n in copies])
+            calls.append(Call(c.detector, settings, c.key, out))
+    return calls
+
+
 def recorded_audit(make, cfg, variant):
     """Build the layer as `_build` does and audit it as `variant` promises, with every call recorded: (layer,
     report, {detector: the calls made while it ran}, the standard probe's batch)."""
@@ -198,7 +226,7 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
     # excuse holds only where its own calls' outputs are measured not to have moved
     unresponsive = {r.detector for r in report.results if r.verdict == "skip" and "did not respond" in r.message}
     for det in unresponsive:
-        change, compared = did_not_move(by_detector[det], batch)
+        change, compared = did_not_move(read_by(report, by_detector, det, batch), batch)
         allowed = RESPONSE * ROUNDING[cfg["dtype"]]
         assert compared and change <= allowed, (
             f"{vid}: {det} says the output did not respond; its {compared} perturbed copies moved by up to "
@@ -244,12 +272,12 @@ def test_the_did_not_respond_measurement_confirms_a_true_excuse_and_rejects_a_fa
     _, report, by_detector, batch = recorded_audit(diagonal.build, UNRESPONSIVE_DRAW, diagonal)
     result = report.result("future_leakage")
     assert result.verdict == "skip" and "did not respond" in result.message, result
-    change, compared = did_not_move(by_detector["future_leakage"], batch)
+    change, compared = did_not_move(read_by(report, by_detector, "future_leakage", batch), batch)
     assert compared >= 1 and change <= allowed, (change, compared)
     responsive = dict(UNRESPONSIVE_DRAW, heads=2, head_dim=4, seq_len=8)
     _, twin, by_detector, batch = recorded_audit(diagonal.reference, responsive, diagonal)
     assert twin.result("future_leakage").verdict == "pass", twin
-    change, compared = did_not_move(by_detector["future_leakage"], batch)
+    change, compared = did_not_move(read_by(report, by_detector, "future_leakage", batch), batch)
     assert compared >= 1 and change > 1000 * allowed, (change, compared)
 
 

@@ -136,9 +136,11 @@ def base_trace(probe) -> Trace:
 
 
 def float64_copy_or_skip(probe: Probe, det: str):
-    """The float64 subject a gradient-taking check runs on, or that check's skip saying why none could be made."""
+    """The float64 subject a gradient-taking check runs on, or that check's skip saying why none could be made. One
+    copy per audit, made when first asked for (gradients and parameters_used read it; each leaves its parameters as
+    it found them, bit for bit)."""
     try:
-        return float64_twin(probe)
+        return probe.shared("float64 copy", lambda: float64_twin(probe))
     except Exception as error:  # noqa: BLE001 -- a layer that cannot be copied or converted: say so
         return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
 

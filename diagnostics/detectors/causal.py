@@ -12,6 +12,7 @@ from .._result import DetectorResult, Site
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
 from ._common import invariance_locator, judge, perturbation_gains, result
+from ._stacked import PADDED, stacked, stacked_cases
 
 
 def alignment_sites(probe, result: DetectorResult) -> list[Site]:
@@ -52,25 +53,20 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
     packed = [[unmasked[(n * B + b) % len(unmasked)] for b in range(B)] for n in range(-(-len(unmasked) // B))]
     scenarios = [("no mask", None, packed)]
     if s.takes_mask:
-        pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
         # one cut, at 0: every sequence keeps at least its first two keys once T >= 4, so key 1 is visible
-        scenarios.append(("a padding mask", pad | (t.view(1, 1, T) <= 0), [[0] * B]))  # key 0 always kept
+        scenarios.append(("a padding mask", PADDED, [[0] * B]))
     readings = []
     for name, extra, copies in scenarios:
-        base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
-        allowed = probe.allowed(B, T, T, extra)
-        attends = torch.ones(B, T, dtype=torch.bool) if allowed is None else allowed.cpu().any(-1)
-        cases = []
-        for at in copies:
-            after = t.view(1, T) > torch.tensor(at).view(B, 1)  # (B, T): the perturbed positions of each sequence
-            shown = (f"t>={at[0] + 1} was" if len(set(at)) == 1 else
-                     " and ".join(f"t>={c + 1} of sequence {b}" for b, c in enumerate(at)) + " were")
-            cases += [Case(x, hold=~after & attends, move=after & attends,
-                           when=f"when only {shown} perturbed (x{gain:g}, {name})")
-                      for gain, x in zip(perturbation_gains(probe), perturbed(probe, base, after, ("query", "key", "value"),
-                                                                  gains=perturbation_gains(probe)))]
-        shown = sorted({c for at in copies for c in at})
-        comparison = compare(probe, base, cases, label=f"tokens after t in {shown} changed, {name}")
+        if extra is PADDED and s.form != "function":  # in the call of mask_honoured's padding scenario
+            comparison = stacked(probe, PADDED, det)
+        else:
+            if extra is PADDED:
+                pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
+                extra = pad | (t.view(1, 1, T) <= 0)  # key 0 always kept
+            base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
+            shown = sorted({c for at in copies for c in at})
+            comparison = compare(probe, base, cut_cases(probe, base, copies, name),
+                                 label=f"tokens after t in {shown} changed, {name}")
         if isinstance(comparison, DetectorResult):
             return comparison
         readings.append((name, comparison, *held(comparison, probe, what="past outputs")))
@@ -83,6 +79,34 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
                   value=max(w for _, _, _, w, _, _ in readings), threshold=readings[0][1].tol,
                   evidence="; ".join(f"{name}: {text}" for name, _, _, _, text, _ in readings),
                   replay=tuple(c for _, c, *_ in readings))
+
+
+def cut_cases(probe: Probe, base: Inputs, copies: list[list[int]], name: str) -> list[Case]:
+    """One copy of the batch per entry of `copies`, sequence b cut at its own t (`copies[n][b]`): every token after
+    it perturbed, the outputs up to it held."""
+    B, T = probe.BATCH, probe.t
+    t = torch.arange(T)
+    allowed = probe.allowed(B, T, T, base.extra)
+    attends = torch.ones(B, T, dtype=torch.bool) if allowed is None else allowed.cpu().any(-1)
+    cases = []
+    for at in copies:
+        after = t.view(1, T) > torch.tensor(at).view(B, 1)  # (B, T): the perturbed positions of each sequence
+        shown = (f"t>={at[0] + 1} was" if len(set(at)) == 1 else
+                 " and ".join(f"t>={c + 1} of sequence {b}" for b, c in enumerate(at)) + " were")
+        gains = perturbation_gains(probe)
+        cases += [Case(x, hold=~after & attends, move=after & attends,
+                       when=f"when only {shown} perturbed (x{gain:g}, {name})")
+                  for gain, x in zip(gains, perturbed(probe, base, after, ("query", "key", "value"), gains=gains))]
+    return cases
+
+
+@stacked_cases(PADDED, "future_leakage")
+def padded_cut_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
+    """A causal audit's cut at 0 under the padding mask, on the stack's streams (one, as future_leakage draws them
+    for every form but a function, which it probes in three streams of its own call)."""
+    if not probe.causal or probe.t < 2 or probe.subject.form == "function":
+        return [], ""
+    return cut_cases(probe, base, [[0] * probe.BATCH], "a padding mask"), "tokens after t in [0] changed, a padding mask"
 
 
 @detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "

@@ -11,8 +11,18 @@ from .._probe import Probe
 from .._registry import CAUSAL, HAS_CACHE, LONG, LONGER, SEPARATE_QUERY, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._thresholds import ROW_SUM, dtype_name, tolerance
-from .._tracing import Trace, declared_mask, first_moved, mask_sites, op_site, producer, tensors, trace_call
+from .._tracing import (
+    Trace,
+    declared_mask,
+    first_moved,
+    mask_sites,
+    op_site,
+    producer,
+    tensors,
+    trace_call,
+)
 from ._common import judge, logit_gain
+from ._stacked import decode_splits, decoding_calls
 
 
 def _split_cache(result, batch: int, t_q: int, t_k: int):
@@ -131,11 +141,6 @@ def decode_sites(probe, result: DetectorResult) -> list[Site]:
     return []
 
 
-def decode_splits(T: int) -> list[int]:
-    """How many of the last queries each partial call of decode_consistency takes: three calls at every length."""
-    return [min(n, T - 1) for n in (1, 3, T - T // 3)]
-
-
 def cache_sites(probe, result: DetectorResult) -> list[Site]:
     """cache_decoding: replays the detector's plan (prefill, then steps through the layer's own cache) on the very
     tokens it decoded (`result.replay`); at the first step whose rows differ from the full pass over the same
@@ -222,13 +227,8 @@ def _cache_short(trace: Trace, cache, longer, tokens: int) -> list[Site]:
               "positions of new queries by the number of cached tokens",
           needs=(CAUSAL, SEPARATE_QUERY, LONGER), locate=decode_sites)
 def check_decode_consistency(probe: Probe) -> DetectorResult:
-    det, s, B, T = "decode_consistency", probe.subject, probe.BATCH, probe.t
-    g = logit_gain(probe)  # attention neither uniform (std-0.02 weights) nor one-hot (rounding-bound)
-    if s.form == "function":
-        q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
-    else:
-        q = k = v = g * probe.make(B, T)
-    full = probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens")
+    det, s, T = "decode_consistency", probe.subject, probe.t
+    (_, full), *parts = decoding_calls(probe)  # output_shape reads the last partial call
     if not full.ok:
         return not_run(det, full)
     t = s.time_dim
@@ -237,9 +237,7 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
     # the same rows from matmuls of other shapes: summed in another order, so rounding may differ (nn.MHA in
     # float32 measured 1.5e-5); the row-sum tolerance is that of a recomputation
     tol = tolerance(ROW_SUM, s.dtype)
-    for n in splits:
-        tail = q.narrow(t, T - n, n).clone()
-        part = probe.call(tail, k, v, probe.allowed(B, n, T), label=f"the last {n} queries over {T} keys")
+    for n, part in parts:
         if not part.ok:
             return not_run(det, part)
         expected = full.output.out.narrow(t, T - n, n)

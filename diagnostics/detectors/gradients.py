@@ -179,8 +179,10 @@ def check_gradients(probe: Probe) -> DetectorResult:
             # logits are tiny (std-0.02 weights), but everything from W_Q's and W_K's
             grads = torch.autograd.grad((out ** 2).sum(), inputs + params, allow_unused=True)
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, grads)]
-        # finite everywhere iff the sum of squares is (float64: no overflow below 1e154), one pass each
-        if not math.isfinite(float(sum(g.square().sum() for g in grads))):
+        # finite everywhere iff the sum is (a NaN or inf entry makes it NaN or inf; float64 finite values overflow
+        # only past 1e308), one pass each and no temporary: squaring first allocated 13 MB of float64 per audit of
+        # a 512-wide layer, 2.6 ms of its 20
+        if not math.isfinite(float(sum(g.sum() for g in grads))):
             given = " with a padding mask" if padded else ""
             if not bool(torch.isfinite(out).all()):
                 return result(det, "fail", f"the output is NaN or inf on an ordinary input{given}, and so are its "

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from .._core import Case, Inputs, baseline_scale, compare, perturbed, relative_change, skip
+from .._core import (
+    Case,
+    Inputs,
+    baseline_scale,
+    compare,
+    perturbed,
+    relative_change,
+    skip,
+)
 from .._probe import Probe
 from .._registry import LONG, SEPARATE_QUERY, detector
 from .._result import DetectorResult, Site
 from .._tracing import stream_sites, trace_call
 from ._common import judge, perturbation_gains
+from ._stacked import SEPARATE_STREAMS, separate_streams, stacked, stacked_cases
 
 
 def keys_sites(probe, result: DetectorResult) -> list[Site]:
@@ -39,42 +48,23 @@ PACKED_KEYS = 8
           fix="scores = q @ k.transpose(-2, -1) with k = W_k(key); out = weights @ v with v = W_v(value)",
           needs=(SEPARATE_QUERY, LONG), locate=keys_sites)  # with one key per query, the weights are 1 whatever the keys
 def check_keys_matter(probe: Probe) -> DetectorResult:
-    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
-    # the keys act only through the softmax: at d_k = 1 and std-0.02 initialisation a bfloat16 layer whose W_Q
-    # drew 0.0012 moved its output by exactly 0 (below its rounding) for keys pushed 10000x (15 of 400 seeds),
-    # so keys are pushed a million-fold outside float16 (whose range ends at 65504)
-    gains = {"key": (100.0,) if s.dtype == torch.float16 else (1e6,), "value": perturbation_gains(probe)}
-    # a cross-attention module takes one memory stream: its value cannot change without its key
-    streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
-    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and (where values
-    # are an input of their own) the values of sequence 1 (batch_independence checks that sequences do not mix;
-    # each row is read alone); with fewer, one copy per stream, every sequence changed: at seq_len 2 a correct
-    # bfloat16 layer's one sequence moved by exactly 0 when only its keys changed
-    packed = T >= PACKED_KEYS and B >= len(streams)
-    rows = {stream: torch.zeros(B, T, dtype=torch.bool) if packed else torch.ones(B, T, dtype=torch.bool)
-            for stream in streams}
-    if packed:
-        for b, stream in enumerate(streams):
-            rows[stream][b::len(streams)] = True
+    det, B, T = "keys_matter", probe.BATCH, probe.t
+    streams, gains, rows, packed = _plan(probe)
     nothing = torch.zeros(B, T, dtype=torch.bool)
-
     baselines: list[Inputs] = []  # each draw's baseline: the localiser replays the last
 
-    def attempt() -> list[float] | DetectorResult:
-        q = probe.make(B, T)
-        k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
-        base = Inputs(q, k, v) if "value" in streams else Inputs(q, k, k)
-        baselines.append(base)
-        changed = {stream: perturbed(probe, base, rows[stream], (stream,), gains=gains[stream])[0]
-                   for stream in streams}
-        if packed and "value" in streams:
-            cases = [Case(Inputs(q, changed["key"].key, changed["value"].value), hold=nothing,
-                          when="when only the keys of sequence 0 and the values of sequence 1 changed")]
+    def attempt(draw: int) -> list[float] | DetectorResult:
+        if draw == 0:  # the first draw: the call query_locality stacks its case in too
+            comparison = stacked(probe, SEPARATE_STREAMS, det)
         else:
-            cases = [Case(changed[stream], hold=nothing, when=f"when only the {stream}s changed") for stream in streams]
-        comparison = compare(probe, base, cases, label="keys, values changed alone")
+            base = separate_streams(probe)
+            cases, label = key_cases(probe, base)
+            comparison = compare(probe, base, cases, label=label)
         if isinstance(comparison, DetectorResult):
             return comparison
+        base = comparison.base
+        baselines.append(base)
+
         def most(changes):  # per stream, the most its rows moved
             if packed:  # (B, [H,] Tq): each stream changed its own sequences
                 return [float(changes[0][rows[stream][:, 0]].max()) for stream in streams]
@@ -88,14 +78,15 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
         # changed), not against the baseline rows: CPU kernels round a row by its place in the batch (a layer
         # that ignores its values moved sequence 1 by 2.8e-7 of its RMS, against the baseline in rows 0-1, from
         # rows 2-3 of the same call), while the same inputs in the same place give the same numbers exactly
-        null = compare(probe, base, [Case(base, hold=nothing, when="nothing changed")] * len(cases),
+        copies = comparison.copies or len(comparison.cases) + 1
+        null = compare(probe, base, [Case(base, hold=nothing, when="nothing changed")] * (copies - 1),
                        label="keys, values: the same call with nothing changed")
         if isinstance(null, DetectorResult):
             return null
-        n = len(cases) + 1
-        real, twin = comparison.call.output.out.chunk(n), null.call.output.out.chunk(n)
-        scale = baseline_scale(real[0], centred=True) or None
-        changes = [relative_change(a, b, centred=True, scale=scale) for a, b in zip(real[1:], twin[1:])]
+        twin = null.call.output.out.chunk(copies)
+        scale = baseline_scale(comparison.baseline_output(), centred=True) or None
+        changes = [relative_change(comparison.case_output(i), twin[comparison.first + i], centred=True, scale=scale)
+                   for i in range(len(comparison.cases))]
         if any(c is None for c in changes):
             return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be "
                              "measured against it")
@@ -107,7 +98,7 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
     # that did not move the output is drawn again, up to KEY_DRAWS times in all
     tol, moved, draws = 0.0, None, 0
     while draws < KEY_DRAWS and (moved is None or not all(m > tol for m in moved)):
-        reading = attempt()
+        reading = attempt(draws)
         if isinstance(reading, DetectorResult):
             return reading
         moved = reading if moved is None else [max(a, b) for a, b in zip(moved, reading)]
@@ -125,3 +116,39 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
 
 KEY_DRAWS = 3
 """Independent draws keys_matter makes before an input that never moved the output is called ignored."""
+
+
+def _plan(probe: Probe) -> tuple[tuple[str, ...], dict, dict, bool]:
+    """(the streams changed, their gains, the rows each changes (B, T), packed: in one copy of the batch)."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    # the keys act only through the softmax: at d_k = 1 and std-0.02 initialisation a bfloat16 layer whose W_Q
+    # drew 0.0012 moved its output by exactly 0 (below its rounding) for keys pushed 10000x (15 of 400 seeds),
+    # so keys are pushed a million-fold outside float16 (whose range ends at 65504)
+    gains = {"key": (100.0,) if s.dtype == torch.float16 else (1e6,), "value": perturbation_gains(probe)}
+    # a cross-attention module takes one memory stream: its value cannot change without its key
+    streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
+    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and (where values
+    # are an input of their own) the values of sequence 1 (batch_independence checks that sequences do not mix;
+    # each row is read alone); with fewer, one copy per stream, every sequence changed: at seq_len 2 a correct
+    # bfloat16 layer's one sequence moved by exactly 0 when only its keys changed
+    packed = T >= PACKED_KEYS and B >= len(streams)
+    rows = {stream: torch.zeros(B, T, dtype=torch.bool) if packed else torch.ones(B, T, dtype=torch.bool)
+            for stream in streams}
+    if packed:
+        for b, stream in enumerate(streams):
+            rows[stream][b::len(streams)] = True
+    return streams, gains, rows, packed
+
+
+@stacked_cases(SEPARATE_STREAMS, "keys_matter")
+def key_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
+    """The keys and the values changed alone: in one copy of the batch, or one copy each (see `_plan`)."""
+    streams, gains, rows, packed = _plan(probe)
+    nothing = torch.zeros(probe.BATCH, probe.t, dtype=torch.bool)
+    changed = {stream: perturbed(probe, base, rows[stream], (stream,), gains=gains[stream])[0] for stream in streams}
+    if packed and "value" in streams:
+        cases = [Case(Inputs(base.query, changed["key"].key, changed["value"].value), hold=nothing,
+                      when="when only the keys of sequence 0 and the values of sequence 1 changed")]
+    else:
+        cases = [Case(changed[stream], hold=nothing, when=f"when only the {stream}s changed") for stream in streams]
+    return cases, "keys, values changed alone"

@@ -3,7 +3,10 @@ allowed gives a finite output."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from .._core import (
     Case,
@@ -23,6 +26,7 @@ from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult
 from ._common import invariance_locator, judge, perturbation_gains, result
 from ._mask_hints import convention_hint
+from ._stacked import PADDED, stacked, stacked_cases
 from .finite import ROW_FILLS, nonfinite_sites
 
 
@@ -36,56 +40,35 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     det, B, T = "mask_honoured", probe.BATCH, probe.t
     i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
     cut = (T - 1) // 2
-    pad = probe.padding(B, T, T)  # (B, Tq, Tk)
-    scenarios = (("padding", pad, ~pad[:, 0, :], "when only padded keys changed"),  # (B, Tk): the blocked keys
+    # the padding scenario's mask is the stack's: trailing keys blocked for every query (see Probe.padding)
+    scenarios = (("padding", None, None, PADDED_KEYS),
                  ("causal", (j <= i).expand(B, T, T), (j > cut).expand(B, T), f"when only keys after t={cut} changed"))
     if probe.causal:
         # a causal mask passed to a layer audited as causal blocks what the layer's own causality (or the causal
         # mask the audit passes) blocks already: that probe is future_leakage's, which runs on such layers
         scenarios = scenarios[:1]
-    results, unmeasured = [], None
+    results, unmeasured, base = [], None, None
     for name, mask, keys, when in scenarios:
-        q, k, v = probe.streams(B, T)
-        base = Inputs(q, k, v, mask)
-        allowed = probe.allowed(B, T, T, mask).cpu()  # what the layer is given, causal included
-        # rows that must not move: they may attend some key, and none of the changed ones
-        hold = allowed.any(-1) & ~(allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq)
-        sees = (allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq): rows a correct layer moves
-        if base.one_stream:
-            hold &= ~keys  # in self-attention the changed positions are also changed queries
-            sees |= keys & allowed.any(-1)
-        gains = perturbation_gains(probe)
-        none = torch.zeros(B, T, dtype=torch.bool)
-        cases = [Case(x, hold=hold, move=sees, when=f"{when} (x{gain:g})")
-                 for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
-        # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query
-        owns = [keys if base.one_stream else none] * len(cases)
         control = name == "padding"
-        if control:
-            # the padding scenario's negative control that does not rest on the blocked rows (a layer may zero the
-            # outputs of masked queries, as x-transformers does, and in one stream the padded keys are those
-            # queries): key 0, which the mask allows, changed alone must move the rows that may attend it (not its
-            # own query, nor the padded queries, in one stream); its hold is empty, so held() and the localiser pass over it. The causal
-            # scenario needs none: the rows after the cut attend the changed keys and are never masked queries.
-            # In one stream the last key (padded in every batch row) changes with it: the other padded queries
-            # that attend it (a mask inverted on its way in) show that the layer mixes tokens where key 0 moves
-            # nothing, so a layer that mixes none (each output its own token's) is told apart
-            changed = none.clone()
-            changed[:, 0] = True
-            attends = allowed[..., 0].clone()  # (B, Tq)
-            if base.one_stream:  # not read there: the changed queries, and the padded ones (key T-1 may reach them)
-                changed[:, T - 1] = True
-                attends &= ~changed & ~keys
-            also = f" and key {T - 1}, which it blocks," if base.one_stream else ""
-            cases.append(Case(perturbed(probe, base, changed, ("key", "value"), gains=gains[:1])[0],
-                              hold=none, when=f"when only key 0, which the mask allows,{also} changed (x{gains[0]:g})"))
-            owns.append(changed if base.one_stream else none)
-        comparison = compare(probe, base, cases, label=f"{name} mask, blocked keys changed")
+        if control:  # one call with future_leakage's padded cut (detectors/_stacked.py)
+            comparison = stacked(probe, PADDED, det)
+        else:
+            base = Inputs(*probe.streams(B, T), mask)
+            comparison = compare(probe, base, blocked_key_cases(probe, base, keys, when, control=False),
+                                 label=f"{name} mask, blocked keys changed")
         if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
             continue
+        base = comparison.base
+        keys = ~base.extra[:, 0, :] if control else keys  # (B, Tk): the blocked keys
+        rows = _rows(probe, base, keys)
+        # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query
+        none = torch.zeros(B, T, dtype=torch.bool)
+        owns = [keys if base.one_stream else none] * len(perturbation_gains(probe))
+        if control:
+            owns.append(rows.changed if base.one_stream else none)
         # no control (the causal scenario): it proves nothing either way, and never says the mask works backwards
-        reading = allowed_key_reading(comparison, attends, probe.subject.dtype) if control else (None, "")
+        reading = allowed_key_reading(comparison, rows.attends, probe.subject.dtype) if control else (None, "")
         results.append((name, comparison, reading, crosses(comparison, owns)))
     if not results:
         return unmeasured
@@ -133,6 +116,72 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     return found
 
 
+PADDED_KEYS = "when only padded keys changed"
+
+
+@dataclass
+class _Rows:
+    """A scenario's rows, (B, Tq): held (they may attend some key and none of the changed ones), seen (a correct
+    layer moves them), and for the padding scenario's control the positions it changes and the rows that attend
+    key 0."""
+
+    hold: Tensor
+    sees: Tensor
+    changed: Tensor
+    attends: Tensor
+
+
+def _rows(probe: Probe, base: Inputs, keys: Tensor) -> _Rows:
+    B, T = probe.BATCH, probe.t
+    allowed = probe.allowed(B, T, T, base.extra).cpu()  # what the layer is given, causal included
+    # rows that must not move: they may attend some key, and none of the changed ones
+    hold = allowed.any(-1) & ~(allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq)
+    sees = (allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq): rows a correct layer moves
+    if base.one_stream:
+        hold &= ~keys  # in self-attention the changed positions are also changed queries
+        sees |= keys & allowed.any(-1)
+    # the padding scenario's negative control that does not rest on the blocked rows (a layer may zero the
+    # outputs of masked queries, as x-transformers does, and in one stream the padded keys are those
+    # queries): key 0, which the mask allows, changed alone must move the rows that may attend it (not its
+    # own query, nor the padded queries, in one stream); its hold is empty, so held() and the localiser pass over it. The causal
+    # scenario needs none: the rows after the cut attend the changed keys and are never masked queries.
+    # In one stream the last key (padded in every batch row) changes with it: the other padded queries
+    # that attend it (a mask inverted on its way in) show that the layer mixes tokens where key 0 moves
+    # nothing, so a layer that mixes none (each output its own token's) is told apart
+    changed = torch.zeros(B, T, dtype=torch.bool)
+    changed[:, 0] = True
+    attends = allowed[..., 0].clone()  # (B, Tq)
+    if base.one_stream:  # not read there: the changed queries, and the padded ones (key T-1 may reach them)
+        changed[:, T - 1] = True
+        attends &= ~changed & ~keys
+    return _Rows(hold, sees, changed, attends)
+
+
+def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, control: bool) -> list[Case]:
+    """The keys `keys` (B, Tk) blocks changed, and with `control` (the padding scenario) key 0 changed alone."""
+    B, T = probe.BATCH, probe.t
+    rows = _rows(probe, base, keys)
+    gains = perturbation_gains(probe)
+    none = torch.zeros(B, T, dtype=torch.bool)
+    cases = [Case(x, hold=rows.hold, move=rows.sees, when=f"{when} (x{gain:g})")
+             for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
+    if control:
+        also = f" and key {T - 1}, which it blocks," if base.one_stream else ""
+        cases.append(Case(perturbed(probe, base, rows.changed, ("key", "value"), gains=gains[:1])[0],
+                          hold=none, when=f"when only key 0, which the mask allows,{also} changed (x{gains[0]:g})"))
+    return cases
+
+
+@stacked_cases(PADDED, "mask_honoured")
+def padded_key_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
+    """The padding scenario: the padded keys changed, and key 0 alone (the control); none where mask_honoured does
+    not apply (one token: weight_row_sums reads the stack's baseline alone)."""
+    if probe.t < 2 or not probe.subject.takes_mask:
+        return [], ""
+    return blocked_key_cases(probe, base, ~base.extra[:, 0, :], PADDED_KEYS, control=True), \
+        "padding mask, blocked keys changed"
+
+
 def crosses(comparison, owns) -> bool:
     """Did some case move an output row other than those whose own token it changed (`owns`, per case)?"""
     return any(bool(((change > comparison.tol) & ~expand_rows(own, change)).any())
@@ -144,7 +193,7 @@ def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, str]:
     attend key 0: nothing to prove either way, read as moved."""
     tol, change = comparison.tol, comparison.changes[-1]
     # rows whose baseline is NaN or inf cannot show a move (the same inf again is no change): not counted
-    baseline = comparison.call.output.out.chunk(len(comparison.changes) + 1)[0]
+    baseline = comparison.baseline_output()
     finite = torch.isfinite(baseline).all(-1).to(change.device)  # change's shape: (B, [H,] Tq)
     rows = change[expand_rows(attends, change) & finite]
     moved = bool((rows > tol).any()) if rows.numel() else True  # no row to move proves nothing either way

@@ -83,17 +83,16 @@ def structural_zeros(grad: Tensor | None, *, table: bool = False) -> str:
     """Where a gradient is exactly zero in a way no correct use of the tensor gives: '' when it is not. `table`: a
     lookup table (an nn.Embedding's weight, such as T5's relative position buckets), whose rows are entries a short
     probe need not reach, not output features: only a table never read at all is a finding."""
-    if grad is None or not bool(grad.ne(0).any()):
+    nonzero = None if grad is None else grad.ne(0)  # one pass over the gradient, read three ways
+    if nonzero is None or not bool(nonzero.any()):
         return "everywhere"
     if table:
         return ""
     if grad.dim() == 2 and grad.shape[0] == grad.shape[1] > 1:
-        off = grad.clone()
-        off.fill_diagonal_(0)
-        if not bool(off.ne(0).any()):
+        if int(nonzero.sum()) == int(nonzero.diagonal().sum()):
             return "everywhere off its diagonal"
     if grad.dim() == 2 and grad.shape[0] > 1:
-        dead = ~grad.ne(0).any(1)  # output features none of whose weights reach the output
+        dead = ~nonzero.any(1)  # output features none of whose weights reach the output
         if bool(dead.any()):
             return f"on rows {_runs(dead)} of {grad.shape[0]} (output features that reach nothing)"
     return ""

@@ -8,6 +8,7 @@ from .._registry import detector
 from .._result import DetectorResult, Site
 from .._tracing import stream_sites, trace_call
 from ._common import result
+from ._stacked import decoding_calls
 
 
 def output_shape_sites(probe, result: DetectorResult) -> list[Site]:
@@ -31,15 +32,22 @@ def check_output_shape(probe: Probe) -> DetectorResult:
     checks = [("the standard probe", base, s.expected_out_shape(B, T))]
     unmeasured = ""
     if s.separate_kv:
-        t_k = T + 3  # Tq != Tk: a cross-attention (or cached-decoding) call
-        q, k, v = probe.streams(B, T, t_k, cross=True)
-        call = probe.call(q, k, v, probe.allowed(B, T, t_k), label=f"query length {T}, memory length {t_k}")
+        # Tq != Tk: a cross-attention (or cached-decoding) call. For a causal layer that decode_consistency probes
+        # (seq_len >= 3) its last call, the newest queries over every key; otherwise a memory 3 tokens longer
+        decoded = decoding_calls(probe) if probe.causal and T >= 3 else []
+        if len(decoded) > 1:
+            t_q, call = decoded[-1]
+            t_k = T
+        else:
+            t_q, t_k = T, T + 3
+            q, k, v = probe.streams(B, T, t_k, cross=True)
+            call = probe.call(q, k, v, probe.allowed(B, T, t_k), label=f"query length {T}, memory length {t_k}")
         if call.ok:
-            checks.append((f"query length {T}, memory length {t_k}", call, s.expected_out_shape(B, T)))
+            checks.append((f"query length {t_q}, memory length {t_k}", call, s.expected_out_shape(B, t_q)))
         elif call.self_only:  # raised only because Tq != Tk, on a layer not declared cross-attention
             unmeasured = probe.self_only_text()
         else:
-            unmeasured = f"query length {T}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
+            unmeasured = f"query length {t_q}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
     wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)

@@ -14,6 +14,7 @@ from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
 from .._tracing import trace_call, weights_origin
 from ._common import result
+from ._stacked import PADDED, stacked_baseline, stacked_cases
 
 
 def weights_sites(probe, result: DetectorResult) -> list[Site]:
@@ -35,9 +36,7 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
 def check_weight_row_sums(probe: Probe) -> DetectorResult:
     det, s, B, T = "weight_row_sums", probe.subject, probe.BATCH, probe.t
     if s.takes_mask:  # blocked keys are where a mask applied after the softmax shows
-        q, k, v = probe.streams(B, T)
-        allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
-        call = probe.call(q, k, v, allowed, label="a padding mask", observe=True)
+        call = padded_call(probe)
     else:
         call = probe.base()
     if not call.ok:
@@ -87,6 +86,26 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                        value=worst, threshold=tol, evidence="; ".join(parts), replay=call)
     return result(det, "pass", f"all {total} weight rows sum to 1 and no weight is negative ({source})",
                    value=worst, threshold=tol, margin=_row_sum_margin(s.dtype))
+
+
+@stacked_cases(PADDED, "weight_row_sums")
+def _reads_the_baseline(probe: Probe, base) -> tuple[list, str]:
+    return [], ""  # the baseline copy only: its weights under the padding mask
+
+
+def padded_call(probe: Probe):
+    """A call with a padding mask: where the standard probe shows that the layer returns its weights, the baseline
+    copy of the stacked padding probe (mask_honoured's call), whose returned weights are read; otherwise a call of
+    its own, observed, so that the weights can be read from its softmax (or recognised as what it returns)."""
+    B, T = probe.BATCH, probe.t
+    base = probe.base()
+    if base.ok and base.output.weights is not None and probe.returned_not_weights() is None:
+        call = stacked_baseline(probe, PADDED)
+        if not call.ok or call.output.weights is not None:
+            return call
+    q, k, v = probe.streams(B, T)
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+    return probe.call(q, k, v, allowed, label="a padding mask", observe=True)
 
 
 def at_text(index: tuple[int, ...], names: tuple[str, ...]) -> str:

@@ -1,0 +1,145 @@
+"""Probes several detectors read. Stacked probes: one call of the layer on a baseline and the perturbations of several detectors, each detector's
+cases in copies of the batch of their own, so that the baseline (a forward pass of work per comparison) is paid
+once. query_locality and keys_matter share the baseline with separate query, key and value streams; mask_honoured
+and future_leakage that with a padding mask (weight_row_sums reads its baseline's weights). And decode_consistency's
+calls, whose last (the newest queries over every key) is output_shape's call with Tq != Tk for a causal layer.
+
+A detector reads the same numbers whichever detectors run: a stack's recipe is fixed (its baseline, then every
+registered detector's cases, in the order the detector modules register them), drawn from the stack's own random
+stream and called once per audit (`Probe.shared`), also when only one of its readers is chosen. What a detector
+reads is a `Comparison` of its own cases against the shared baseline: its verdict, its evidence and its localiser
+see only those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .._core import Case, Comparison, Inputs, compared, stacked_call
+from .._probe import Call, Probe
+from .._result import DetectorResult
+from .._subject import Output
+from ._common import logit_gain
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A stacked probe: `baseline(probe) -> Inputs` and, per detector, `cases(probe, base) -> (cases, label)`."""
+
+    name: str
+    baseline: Callable = field(repr=False)
+    cases: dict[str, Callable] = field(default_factory=dict, repr=False)
+
+
+def stack(name: str, baseline: Callable) -> Stack:
+    return Stack(name, baseline)
+
+
+def stacked_cases(into: Stack, det: str):
+    """Register the decorated `(probe, base) -> (list[Case], label)` as `det`'s part of the stack `into`."""
+    def register(builder: Callable) -> Callable:
+        if det in into.cases:
+            raise ValueError(f"{det!r} has cases in the stack {into.name!r} already")
+        into.cases[det] = builder
+        return builder
+
+    return register
+
+
+def stacked(probe: Probe, of: Stack, det: str) -> Comparison | DetectorResult:
+    """`det`'s cases compared with the stack's baseline, from the one call of the stack (made on first use); the
+    skip every reader gets when that call raised or cannot be compared."""
+    _, _, whole, parts = probe.shared(of.name, lambda: _call(probe, of))
+    if isinstance(whole, DetectorResult):
+        return replace(whole, detector=det)
+    start, stop = parts[det]
+    return replace(whole, cases=whole.cases[start:stop], changes=whole.changes[start:stop], first=1 + start,
+                   copies=len(whole.cases) + 1)
+
+
+def stacked_baseline(probe: Probe, of: Stack) -> Call:
+    """The stack's call as far as its baseline goes (copy 0 of the batch: its inputs, mask and output), for a reader
+    with no cases of its own; the call itself where it raised."""
+    base, call, _, _ = probe.shared(of.name, lambda: _call(probe, of))
+    if not call.ok:
+        return call
+    copies = call.output.out.shape[0] // base.query.shape[0]
+    weights = call.output.weights
+    if weights is not None and weights.dim() and weights.shape[0] % copies == 0:
+        weights = weights.chunk(copies)[0]
+    elif weights is not None:
+        weights = None  # not split along the batch: not this copy's
+    B, t_q, t_k = base.query.shape[0], base.query.shape[probe.subject.time_dim], base.key.shape[probe.subject.time_dim]
+    return Call(base.query, base.key, base.value, probe.allowed(B, t_q, t_k, base.extra),
+                Output(call.output.out.chunk(copies)[0], weights), None, label=call.label, parts=call.parts)
+
+
+def _call(probe: Probe, of: Stack) -> tuple[Inputs, Call, Comparison | DetectorResult, dict[str, tuple[int, int]]]:
+    base: Inputs = of.baseline(probe)
+    cases: list[Case] = []
+    parts: dict[str, tuple[int, int]] = {}
+    labels = []
+    for det, builder in of.cases.items():
+        mine, label = builder(probe, base)
+        parts[det] = (len(cases), len(cases) + len(mine))
+        cases += mine
+        labels.append(label)
+    readers = tuple((det, 1 + start, 1 + stop) for det, (start, stop) in parts.items())
+    call = stacked_call(probe, base, cases, label="; ".join(label for label in labels if label), parts=readers)
+    return base, call, compared(probe, call, base, cases), parts
+
+
+def separate_streams(probe: Probe) -> Inputs:
+    """Query, key and value drawn apart (key and value one stream where the layer takes one memory)."""
+    B, T = probe.BATCH, probe.t
+    q = probe.make(B, T)
+    k, v = probe.make(B, T), probe.make(B, T)  # key and value inputs apart, even for modules
+    return Inputs(q, k, v) if getattr(probe.subject, "separate_value", True) else Inputs(q, k, k)
+
+
+SEPARATE_STREAMS = stack("separate streams", separate_streams)
+"""query_locality's and keys_matter's: one query changed; the keys of one sequence and the values of another."""
+
+
+
+def padded(probe: Probe) -> Inputs:
+    """A padding mask (trailing keys blocked for every query, key 0 always kept: see `Probe.padding`) on the streams of
+    `Probe.streams` (one stream for self forms and causal audits)."""
+    B, T = probe.BATCH, probe.t
+    pad = probe.padding(B, T, T)  # (B, Tq, Tk)
+    return Inputs(*probe.streams(B, T), pad)
+
+
+PADDED = stack("padding mask", padded)
+"""mask_honoured's padding scenario (its padded keys changed, and key 0 alone) and, for a causal audit, future_leakage's
+cut at 0 under a padding mask."""
+
+
+def decode_splits(T: int) -> list[int]:
+    """How many of the last queries each partial call of decode_consistency takes: three calls at every length."""
+    return [min(n, T - 1) for n in (1, 3, T - T // 3)]
+
+
+def decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
+    """decode_consistency's calls, made once per audit: [(T, the full pass over T tokens), then (n, the last n queries
+    over all T keys) for each split], up to the first that raises. The tokens are scaled by `logit_gain`, so that
+    attention is neither uniform (std-0.02 weights) nor one-hot (rounding-bound)."""
+    return probe.shared("decoding", lambda: _decoding_calls(probe))
+
+
+def _decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    g = logit_gain(probe)
+    if s.form == "function":
+        q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
+    else:
+        q = k = v = g * probe.make(B, T)
+    calls = [(T, probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens"))]
+    t = s.time_dim
+    for n in decode_splits(T) if calls[0][1].ok else ():
+        tail = q.narrow(t, T - n, n).clone()
+        calls.append((n, probe.call(tail, k, v, probe.allowed(B, n, T), label=f"the last {n} queries over {T} keys")))
+        if not calls[-1][1].ok:
+            break
+    return calls
