@@ -40,6 +40,10 @@ SWAPPED_DRAW = dict(heads=3, head_dim=3, seq_len=9, seed=0, dtype=torch.float32,
 # moved the gradient by 7.4e-10 of it, under the 1e-9 allowed; the gradient probe now scales its tokens to a
 # logit spread of ~2 (detectors/_common.logit_gain), as the decoding checks do.
 DETACHED_DRAW = dict(heads=1, head_dim=1, seq_len=3, seed=0, dtype=torch.float32, init="gpt2")
+# Another: dropout left on over 32 weights dropped the same ones in relative_positions' two in-call copies (about
+# one draw in 600), and the shift, read through the randomness, failed the layer's positions; a finding now repeats
+# the shifted call first.
+DROPOUT_DRAW = dict(heads=1, head_dim=3, seq_len=4, seed=5, dtype=torch.float32, init="gpt2")
 
 
 @st.composite
@@ -210,6 +214,7 @@ def recorded_audit(make, cfg, variant):
 @given(cfg=audit_configs())
 @example(cfg=SWAPPED_DRAW)
 @example(cfg=DETACHED_DRAW)
+@example(cfg=DROPOUT_DRAW)
 def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg):
     variant = VARIANTS[vid]
     layer, report, by_detector, batch = recorded_audit(variant.build, cfg, variant)
@@ -250,6 +255,7 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
 @given(cfg=audit_configs())
 @example(cfg=SWAPPED_DRAW)
 @example(cfg=DETACHED_DRAW)
+@example(cfg=DROPOUT_DRAW)
 def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
     """The twin: the correct layer, built, initialised and audited exactly like the variant above."""
     variant = VARIANTS[vid]
