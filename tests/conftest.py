@@ -7,6 +7,10 @@ The teaching report itself is `buggy_variants/teaching_report.py`.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
 try:  # the catalog imports torch; without it only the structural tests (test_architecture.py) can run
@@ -87,3 +91,16 @@ def teaching_report_html(catalog_audits) -> str:
 def pytest_configure(config):
     if teaching_report is not None:
         teaching_report.register(config)
+
+
+@pytest.fixture
+def hf_transformers():
+    """transformers, imported after test_real_layers' torchvision guard (loaded by path: tests import no test
+    module); the test skips, saying how to install it, where the real extra is absent."""
+    if "real_layers_tests" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("real_layers_tests", Path(__file__).with_name("test_real_layers.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    sys.modules["real_layers_tests"]._import_torchvision()
+    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")

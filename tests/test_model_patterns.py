@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -178,14 +176,6 @@ def test_without_a_declaration_a_model_of_its_own_is_not_checked_and_says_why(pa
 # ---- Hugging Face (real extra) ----------------------------------------------------------------------------------
 
 
-def _transformers():
-    if "real_layers_tests" not in sys.modules:  # its torchvision guard, loaded by path (tests import no test module)
-        spec = importlib.util.spec_from_file_location("real_layers_tests", Path(__file__).with_name("test_real_layers.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    sys.modules["real_layers_tests"]._import_torchvision()
-    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
 
 
 W = 4
@@ -250,8 +240,8 @@ def patched_window(layer: AsItsModelCalls, window: int) -> AsItsModelCalls:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family,impl", CASES)
-def test_a_hugging_face_sliding_layer_passes_under_its_window_and_fails_it_off_by_one(family, impl, dtype):
-    tf = _transformers()
+def test_a_hugging_face_sliding_layer_passes_under_its_window_and_fails_it_off_by_one(family, impl, dtype, hf_transformers):
+    tf = hf_transformers
     layer = hf_sliding_layer(tf, family, impl, dtype=dtype)
     report = diagnostics.audit(layer, pattern=sliding_window(W), seq_len=T)
     assert report.status == "passed", str(report)
@@ -277,8 +267,8 @@ class ShortCache(AsItsModelCalls):
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_a_hugging_face_sliding_cache_one_key_short_fails_cache_decoding_where_it_fills(impl):
-    tf = _transformers()
+def test_a_hugging_face_sliding_cache_one_key_short_fails_cache_decoding_where_it_fills(impl, hf_transformers):
+    tf = hf_transformers
     layer = hf_sliding_layer(tf, "mistral", impl)
     broken = copy.deepcopy(layer)
     broken.__class__ = ShortCache
@@ -290,10 +280,10 @@ def test_a_hugging_face_sliding_cache_one_key_short_fails_cache_decoding_where_i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_a_hugging_face_sliding_layer_through_the_adapter_honours_the_windows_mask(impl, dtype):
+def test_a_hugging_face_sliding_layer_through_the_adapter_honours_the_windows_mask(impl, dtype, hf_transformers):
     """Through `adapters.huggingface` the audit gives the layer the pattern's mask, as its model would: the layer
     honours it (the window itself is the model's mask builder's, checked above and in the model)."""
-    tf = _transformers()
+    tf = hf_transformers
     layer = hf_sliding_layer(tf, "mistral", impl, dtype=dtype)
     adapted = diagnostics.adapters.huggingface(layer.attn, rotary=layer.rotary)
     r = diagnostics.audit(adapted, pattern=sliding_window(W), seq_len=T, detectors=["attention_pattern"])
@@ -310,11 +300,11 @@ def hf_model(tf, family: str, *, window: int = 5):
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_its_sliding_layers(family, monkeypatch):
+def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_its_sliding_layers(family, monkeypatch, hf_transformers):
     """The model's own mask builder patched (in the model's module, for this test only) to build the window one
     wider than the config it reads says: every sliding layer sees one key too many, and the audit, reading the
     declared window from the config, names them; the unpatched model passes."""
-    tf = _transformers()
+    tf = hf_transformers
     chosen = ["sliding_window", "attention_pattern", "future_leakage"]  # the full-attention layers measured too
     good = audit(hf_model(tf, family), detectors=chosen)
     assert good.passed and good.result("sliding_window").verdict == "pass", str(good)
@@ -335,8 +325,8 @@ def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_it
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_hugging_face_packed_documents_pass_and_a_mask_that_ignores_the_restarts_fails(family, monkeypatch):
-    tf = _transformers()
+def test_hugging_face_packed_documents_pass_and_a_mask_that_ignores_the_restarts_fails(family, monkeypatch, hf_transformers):
+    tf = hf_transformers
     good = audit(hf_model(tf, family), detectors=["packed_documents"]).result("packed_documents")
     assert good.verdict == "pass" and "transformers applied its packed-sequence mask" in good.evidence, good
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")

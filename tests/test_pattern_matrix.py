@@ -51,10 +51,8 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -275,14 +273,6 @@ def test_a_flex_program_that_numbers_its_queries_from_zero_fails_as_a_decoder_on
 # ---- Hugging Face layers (the real extra) ------------------------------------------------------------------------
 
 
-def _transformers():
-    if "real_layers_tests" not in sys.modules:  # its torchvision guard, loaded by path (tests import no test module)
-        spec = importlib.util.spec_from_file_location("real_layers_tests", Path(__file__).with_name("test_real_layers.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    sys.modules["real_layers_tests"]._import_torchvision()
-    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
 
 
 def document_positions(ids: list[int], t: int) -> torch.Tensor:
@@ -432,8 +422,8 @@ def hf_cells():
 
 
 @pytest.mark.parametrize("name,spec,dtype,init", list(hf_cells()))
-def test_hugging_face_cell_passes_and_its_off_by_one_twin_fails(name, spec, dtype, init):
-    tf = _transformers()
+def test_hugging_face_cell_passes_and_its_off_by_one_twin_fails(name, spec, dtype, init, hf_transformers):
+    tf = hf_transformers
     case = CASES[name]
     layer = hf_layer(tf, spec, broken=False, dtype=dtype, init=init)
     report = diagnostics.audit(layer, pattern=case.pattern, causal=blocks_the_future(case.pattern), seq_len=T)
