@@ -247,6 +247,17 @@ def compared(probe: Probe, call: Call, base: Inputs, cases: list[Case]) -> Compa
     return Comparison(cases, changes, tolerance(UNCHANGED, s.dtype), call, base)
 
 
+def transposed_layout(x: Tensor) -> Tensor:
+    """The same values laid out transposed in memory, not contiguous: a `.view()` that assumes the standard layout
+    (a view after a transpose, without `.contiguous()`) raises on it."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+NON_CONTIGUOUS = "non-contiguous inputs"
+"""The label of a probe whose inputs are laid out so: runs' own, or in a full audit output_variance's identical
+tokens."""
+
+
 def unravel(flat, shape) -> tuple[int, ...]:
     """`torch.unravel_index` of one flat index, in Python: torch's version calls torch._check, whose first use
     imports torch.fx.experimental.symbolic_shapes and sympy (~0.3 s, ~480 modules) on an audit's first finding."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import diagnostics
+from correct import MultiHeadAttention
 from diagnostics._core import relative_change
 from diagnostics._registry import Detector, run
 from diagnostics.detectors import weights as weights_module
@@ -59,6 +60,7 @@ NO_KEY = lambda n, q, k, v, m: m is not None and bool((~m).all(-1).any())  # noq
 FLOAT64 = lambda n, q, k, v, m: q.dtype == torch.float64  # noqa: E731
 ALWAYS = lambda n, q, k, v, m: True  # noqa: E731
 SECOND = lambda n, q, k, v, m: n == 2  # noqa: E731
+AFTER_FIRST = lambda n, q, k, v, m: n > 1  # noqa: E731
 
 # detector: (when its own probe is called, audit options)
 OWN_PROBE = {
@@ -72,7 +74,8 @@ OWN_PROBE = {
     "fully_masked_rows": (NO_KEY, {}),
     "future_leakage": (STACKED, {"causal": True}),
     "causal_alignment": (CROSS, {"causal": True}),
-    "eval_determinism": (SECOND, {}),
+    # its own probe: batch_independence's call, and where that raised, the standard probe again
+    "eval_determinism": (AFTER_FIRST, {}),
     "batch_independence": (SECOND, {}),
     "keys_matter": (STACKED, {}),
     "decode_consistency": (CROSS, {"causal": True}),
@@ -515,14 +518,17 @@ def test_keys_matter_packs_keys_and_values_into_one_copy_from_8_positions(T):
 
 
 def test_runs_probes_only_the_shapes_no_other_chosen_detector_probes():
-    """Alone, runs calls Tq != Tk (a function has separate streams) and a padding mask itself; in a full audit
-    output_shape and weight_row_sums call those, and runs does not call them twice."""
+    """Alone, runs calls Tq != Tk (a function has separate streams), a padding mask and non-contiguous inputs itself;
+    in a full audit output_shape, weight_row_sums and output_variance call those, and runs does not call them twice."""
     alone = result_of(attention, "runs")
     assert alone.message.startswith("ran on its 7 shapes (the standard probe (B=2, T=16), B=1, T=1, H=1, Tq=16, "
                                     "Tk=19, a padding mask, non-contiguous inputs)"), alone
     full = diagnostics.audit(attention).result("runs")
-    assert full.message.startswith("ran on its 5 shapes (the standard probe (B=2, T=16), B=1, T=1, H=1, "
-                                   "non-contiguous inputs)"), full
+    assert full.message.startswith("ran on its 4 shapes (the standard probe (B=2, T=16), B=1, T=1, H=1) and on every "
+                                   "other detector's probe ("), full
+    # non-contiguous inputs: output_variance's identical values are laid out so
+    assert "calls in all; non-contiguous inputs in output_variance's (identical value rows, non-contiguous inputs))" \
+        in full.message, full
     module = result_of(Float64Refused(16, 2, refuse=False), "runs")  # one stream: no Tq != Tk
     assert "Tq=" not in module.message and module.verdict == "pass", module
 
@@ -736,3 +742,36 @@ def test_backend_parity_fails_implementations_that_disagree_and_passes_ones_that
     same = model_result(switchable(False), "backend_parity")
     assert (same.verdict, same.message) == ("pass", "eager and sdpa agree"), same
     assert same.value <= same.threshold
+
+
+class ViewsItsInput(torch.nn.Module):
+    """The reference behind a projection that flattens its input with `.view` (GPT-2's Conv1D does `x.view(-1, D)`):
+    correct on contiguous inputs, raising on others; `reshape=True` is its fix."""
+
+    def __init__(self, reshape: bool):
+        super().__init__()
+        self.reshape = reshape
+        self.attention = MultiHeadAttention(16, 2)
+
+    def forward(self, query, key, value, mask=None):
+        flat = query.reshape(-1, 16) if self.reshape else query.view(-1, 16)  # (B * T, D)
+        return self.attention(flat.view_as(query), key, value, mask)
+
+
+def test_a_layer_that_views_its_input_fails_runs_on_output_variances_non_contiguous_probe_and_is_still_measured():
+    """In a full audit the non-contiguous probe is output_variance's call on identical tokens: the layer that raises
+    there fails `runs` (its evidence names the probe), and output_variance measures it on the standard layout."""
+    torch.manual_seed(0)
+    broken = diagnostics.audit(ViewsItsInput(reshape=False).eval())
+    runs = broken.result("runs")
+    assert runs.verdict == "fail", runs
+    assert runs.evidence.startswith("a memory of identical tokens, non-contiguous inputs (output_variance): RuntimeError: "
+                                    "view size is not compatible"), runs.evidence
+    assert broken.result("output_variance").verdict == "pass", broken.result("output_variance")
+    assert set(broken.fired()) == {"runs"}, broken.fired()
+    torch.manual_seed(0)
+    fixed = diagnostics.audit(ViewsItsInput(reshape=True).eval())  # the same weights, reshape: every layout
+    assert fixed.passed, fixed
+    assert "non-contiguous inputs in output_variance's" in fixed.result("runs").message
+    alone = diagnostics.audit(ViewsItsInput(reshape=False).eval(), detectors=["runs"]).result("runs")
+    assert alone.verdict == "fail" and alone.evidence.startswith("non-contiguous inputs: RuntimeError: view size"), alone

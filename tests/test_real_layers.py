@@ -311,8 +311,9 @@ def test_gpt2_attention_with_the_mask_gpt2model_builds(transformers, implementat
     # One true finding: GPT2's Conv1D projections do x.view(-1, D), which raises on a non-contiguous input
     # (GPT2Model always passes contiguous hidden states, so it is harmless there).
     assert report.fired() == {"runs": "fail"}
-    assert re.fullmatch(r"non-contiguous inputs: RuntimeError: view size is not compatible .*",
-                        report.result("runs").evidence)
+    # the non-contiguous probe of a full audit: output_variance's identical tokens, laid out transposed
+    assert re.fullmatch(r"identical tokens, non-contiguous inputs \(output_variance\): RuntimeError: view size is not "
+                        r"compatible .*", report.result("runs").evidence)
     x = torch.randn(2, T, D).transpose(-1, -2).contiguous().transpose(-1, -2)  # (B, T, D), not contiguous
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         layer(x)
@@ -517,7 +518,8 @@ def test_zoo(transformers, z, implementation):
         if detector not in false:
             assert report.result(detector).verdict == "pass", str(report)
     if "runs" in z.fired:  # true of the layer: a non-contiguous (B, T, D) input raises in its Conv1D's view
-        assert "non-contiguous inputs: RuntimeError: view size is not compatible" in report.result("runs").evidence
+        assert "non-contiguous inputs (output_variance): RuntimeError: view size is not compatible" in \
+            report.result("runs").evidence
         x = torch.randn(2, T, D).transpose(-1, -2).contiguous().transpose(-1, -2)
         with pytest.raises(RuntimeError, match="view size is not compatible"):
             layer(x, encoder_hidden_states=x) if z.role == "cross-attention" else layer(x)

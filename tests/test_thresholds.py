@@ -105,8 +105,9 @@ def test_a_temperature_off_by_15_percent_passes_and_one_off_by_40_percent_fails(
 
 
 class SecondCallOff:
-    """The reference, except that every second call moves one output value by `fraction` of the outputs' RMS
-    about their mean (randomness left on, at a chosen size)."""
+    """The reference, except that every call after the first moves one output value (of sequence 0) by `fraction` of
+    the outputs' RMS about their mean (randomness left on, at a chosen size: eval_determinism reads its second
+    call, batch_independence's, and where that moved, a third)."""
 
     def __init__(self, fraction: float):
         self.fraction, self.calls = fraction, 0
@@ -114,7 +115,7 @@ class SecondCallOff:
     def __call__(self, q, k, v, mask=None):
         out, weights = attention(q, k, v, mask)
         self.calls += 1
-        if self.calls % 2 == 0:
+        if self.calls > 1:
             wide = out.double()
             wide[0, 0, 0, 0] += self.fraction * centred_rms(wide)
             out = wide.to(out.dtype)

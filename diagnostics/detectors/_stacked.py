@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .._core import Case, Comparison, Inputs, compared, stacked_call
+import torch
+
+from .._core import Case, Comparison, Inputs, compared, perturbed, stacked_call
 from .._probe import Call, Probe
 from .._result import DetectorResult
 from .._subject import Output
@@ -143,3 +145,31 @@ def _decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
         if not calls[-1][1].ok:
             break
     return calls
+
+
+def other_sequence_changed(probe: Probe) -> tuple[Inputs, Call]:
+    """batch_independence's call, which eval_determinism reads too: the standard probe's batch with sequence 1 changed
+    (every position of every stream), in a call of its own (`seeded_call`), and its inputs. Made once per audit; the
+    standard probe must have run."""
+    return probe.shared("sequence 1 changed", lambda: _other_sequence_changed(probe))
+
+
+def _other_sequence_changed(probe: Probe) -> tuple[Inputs, Call]:
+    standard = probe.base()
+    base = Inputs(standard.query, standard.key, standard.value)
+    other = torch.zeros(probe.BATCH, probe.t, dtype=torch.bool)
+    other[1:] = True  # every position of every sequence but the first
+    [changed] = perturbed(probe, base, other, ("query", "key", "value"))
+    return changed, seeded_call(probe, changed, standard.allowed, "the standard probe, sequence 1 changed")
+
+
+def seeded_call(probe: Probe, x: Inputs, allowed, label: str) -> Call:
+    """A plain call with the layer's randomness seeded from the audit's own seed for these calls, one draw for every
+    call so seeded (the audit restores the RNG). Not `Probe.seed`: a user who seeded torch with it just before the
+    audit (seed 0 is both defaults) would give the unseeded standard probe the same draw, and randomness would hide."""
+    probe.seed_layer_rng(SEEDED_CALLS ^ probe.seed)
+    return probe.call(x.query, x.key, x.value, allowed, label=label)
+
+
+SEEDED_CALLS = 0x5EED_CA11_0F_5EC5
+"""Mixed into the audit's seed for `seeded_call`: a seed nobody passes to torch.manual_seed by hand."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .._core import Case, Comparison, Inputs, expand_rows, not_run, perturbed, relative_change, skip
+from .._core import Case, Comparison, Inputs, expand_rows, not_run, relative_change, skip
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
 from ._common import invariance_locator, judge_held
+from ._stacked import other_sequence_changed, seeded_call
 
 
 @detector("batch_independence", "each sequence's output depends on that sequence only: changing another "
@@ -28,19 +29,14 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     if not standard.ok:
         return not_run(det, standard)
     base = Inputs(standard.query, standard.key, standard.value)
-    other = torch.zeros(B, T, dtype=torch.bool)
-    other[1:] = True  # every position of every sequence but the first
-    [changed] = perturbed(probe, base, other, ("query", "key", "value"))
+    # seeded (one draw of any randomness for every seeded call) and not observed: where the standard probe (observed,
+    # under grad mode) took another path (nn.MultiheadAttention's inference fast path rounds differently) and sequence
+    # 0 moves by that rounding, the seeded twin below is a plain call too, and the changed call is judged against it
+    changed, changed_call = other_sequence_changed(probe)
 
     def call(x: Inputs, label: str):
-        # seeded: one draw of any randomness for every call (the audit restores the RNG). Not observed: where the
-        # standard probe (observed, under grad mode) took another path (nn.MultiheadAttention's inference fast path
-        # rounds differently) and sequence 0 moves by that rounding, the seeded twin below is a plain call too, and
-        # the changed call is judged against it
-        probe.seed_layer_rng()
-        return probe.call(x.query, x.key, x.value, standard.allowed, label=label)
+        return seeded_call(probe, x, standard.allowed, label)
 
-    changed_call = call(changed, "the standard probe, sequence 1 changed")
     if not changed_call.ok:
         return not_run(det, changed_call)
     old, new = standard.output.out, changed_call.output.out
