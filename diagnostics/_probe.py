@@ -271,11 +271,13 @@ class Probe:
     def returned_not_weights(self) -> str | None:
         """Why the second output of the standard probe is not the layer's weights (None: it may be), for calls
         not observed, which have no softmax of their own to compare with."""
-        base = self.base()
-        if base.ok and base.output.weights is not None and base.record is not None:
-            observed, _ = self._observed(base)
-            return not_weights(base.output.weights, observed)
-        return None
+        if "returned_not_weights" not in self.memo:  # read once: a pass over (B, H, T, T) weights
+            base, why = self.base(), None
+            if base.ok and base.output.weights is not None and base.record is not None:
+                observed, _ = self._observed(base)
+                why = not_weights(base.output.weights, observed)
+            self.memo["returned_not_weights"] = why
+        return self.memo["returned_not_weights"]
 
     def _observed(self, call: Call) -> tuple[Tensor | None, str]:
         """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import math
 import re
 import sys
 from collections import Counter
@@ -256,7 +257,9 @@ def not_weights(returned: Tensor, observed: Tensor | None) -> str | None:
     weight_row_sums, as they should. Never: 'its rows do not sum to 1', which is the bug that detector finds."""
     if observed is None or not returned.is_floating_point():
         return None
-    least = float(returned.detach().nan_to_num(nan=0.0).min()) if returned.numel() else 0.0
+    least = float(returned.detach().min()) if returned.numel() else 0.0  # no copy: NaN only where there is one
+    if math.isnan(least):
+        least = float(returned.detach().nan_to_num(nan=0.0).min())
     if least >= -NOT_A_DISTRIBUTION:
         return None
     return (f"the layer's second output has negative entries (the least {least:.3g}), so it is not a distribution "
