@@ -83,22 +83,23 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
     def redraw(x: Tensor) -> Tensor:
         t = x.shape[s.time_dim]
         where = positions if positions.dim() == 2 else positions.expand(B, t)  # (B, T)
+        at = where.to(x.device)
         draw = torch.float64 if x.dtype == torch.float64 else torch.float32
-        noise = torch.randn(x.shape, generator=gen, dtype=draw).to(device=x.device, dtype=x.dtype)
-        shape = [1] * x.dim()
-        shape[0], shape[s.time_dim] = B, t
+        old = x.movedim(s.time_dim, 1)[at]  # (n, ...): the claimed positions only, drawn at those alone
+        noise = torch.randn(old.shape, generator=gen, dtype=draw).to(device=x.device, dtype=x.dtype)
         # a fresh draw can land next to the old value (at d = 1, |new - old| < 0.2 one time in ten): such
         # positions move by 1 more in every feature, away from the old value, so that each claimed position
         # changes for sure and positions still differ from each other (a fixed +-2 made them all alike after
         # a large gain: equal keys, equal logits, and a correct layer that seemed to ignore its keys)
-        delta = noise.to(draw) - x.to(draw)
+        delta = noise.to(draw) - old.to(draw)
         close = delta.abs().amax(-1, keepdim=True) < 1.0
         if bool(close.any()):  # only at small widths (every feature within 1 of the old value): at d = 512, never
             away = (delta >= 0).to(draw) * 2 - 1  # +-1 (a `where` of two Python numbers ran 0.5 ms at (2, 128, 512))
-            noise = torch.where(close, (x.to(draw) + delta + away).to(x.dtype), noise)
+            noise = torch.where(close, (old.to(draw) + delta + away).to(x.dtype), noise)
         copies = []
         for gain in gains:
-            new = torch.where(where.to(x.device).view(shape), x + gain * (noise - x), x)
+            new = x.clone()
+            new.movedim(s.time_dim, 1)[at] = old + gain * (noise - old)  # written through the view
             # the negative control: the claimed positions moved (each by far more than rounding), no other did
             change = _position_change(new, x)
             moved, still = change > 10 * tolerance(UNCHANGED, x.dtype), change == 0
