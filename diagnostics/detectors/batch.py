@@ -9,7 +9,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
-from ._common import invariance_locator, judge_held
+from ._common import invariance_locator, judge_held, perturbation_gains
 from ._stacked import other_sequence_changed, seeded_call
 
 
@@ -69,8 +69,8 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
                 if not torch.equal(old.nan_to_num(), twin.output.out.nan_to_num()):
                     return skip(det, "two calls on the same batch differ, so a change between calls cannot be "
                                      "attributed to the other sequence (see eval_determinism)")
-    comparison = Comparison([Case(changed, hold=first, move=~first, when="when only sequence 1 changed (a "
-                                  "separate call)")], [change], tol, changed_call, base)
+    comparison = Comparison([Case(changed, hold=first, move=~first, when=f"when only sequence 1 changed "
+                                  f"(x{perturbation_gains(probe)[0]:g}, a separate call)")], [change], tol, changed_call, base)
     return judge_held(det, comparison, probe, what="outputs of sequence 0",
                        fail_message="a sequence's output depends on another sequence of the batch",
                        pass_message="each sequence's output depends on that sequence only")
