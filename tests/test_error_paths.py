@@ -129,8 +129,9 @@ def test_gradients_and_parameters_used_skip_a_layer_that_does_not_run_in_float64
                                    f"(ValueError: {RAISED})")
     used = result_of(Float64Refused(16, 2, refuse=False), "parameters_used", seq_len=32)
     assert used.verdict == "pass", used
-    # its probe length is its own (8 tokens: every query has a choice of keys), not the audit's seq_len
-    assert [(p.t_q, p.t_k) for p in used.probes] == [(8, 8)], used.probes
+    # its probe length is the gradient checks' own (6 tokens: one forward and backward for both), not the audit's
+    # seq_len; the standard probe it lists gives the tokens' gain (logit_gain)
+    assert [(p.t_q, p.t_k, p.backward) for p in used.probes] == [(32, 32, False), (6, 6, True)], used.probes
 
 
 class RaisingBackward(torch.autograd.Function):
