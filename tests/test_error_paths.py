@@ -150,6 +150,31 @@ def test_a_backward_that_raises_is_a_gradients_finding():
     assert result.evidence == RAISED
 
 
+class BackwardOnce(torch.autograd.Function):
+    """The identity, with a correct backward that frees what it kept: it cannot run twice on one graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x.shape
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        del ctx.kept  # AttributeError the second time
+        return grad
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["walked twice", "a backward that runs once"])
+def test_the_future_gradient_of_a_backward_that_runs_once_is_read_from_a_fresh_graph(once):
+    """A causal audit's second backward (outputs up to the middle) walks the graph the first kept; where the layer's
+    backward cannot run twice, a fresh forward gives it one, so a correct layer passes either way, and the check
+    still reads it (a backward that lets the future in fails through the same path: test_thresholds)."""
+    wrap = BackwardOnce.apply if once else (lambda x: x)
+    result = result_of(lambda q, k, v, mask=None: (wrap(attention(q, k, v, mask)[0]),), "gradients", causal=True)
+    assert (result.verdict, result.message) == ("pass", "gradients agree with finite differences and do not flow "
+                                                        "from the past to the future"), result
+
+
 class Float64Refused(nn.Module):
     """One-stream self-attention module (forward(x, mask=None)); `refuse`: raises on float64 inputs."""
 

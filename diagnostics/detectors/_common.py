@@ -175,6 +175,7 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
     memo = {}
     for p in layer.parameters():
         if type(p).__deepcopy__ is torch.nn.Parameter.__deepcopy__ and p.is_floating_point():
+            # copy=True: a float64 layer's own tensor would come back, and the checks change the copy in place
             memo[id(p)] = type(p)(p.detach().to(torch.float64, copy=True), p.requires_grad)
     return copy.deepcopy(layer, memo).to(torch.float64)
 
