@@ -2,11 +2,13 @@
 
 On a float64 copy of the layer, the backward pass of `(out ** 2).sum()` that the `gradients` check takes (one for
 both: `_common.gradient_probe`, batch 2, 6 tokens) gives every parameter its gradient. A parameter the output
-depends on gets a non-zero gradient on random inputs (the cotangent, 2 * out, is as random as they are); one it does
-not depend on gets exactly zero: not small, zero, because no path of the graph reaches it (or every path multiplies
-it by a structural zero). So the verdict is exact at every dtype: a tensor whose
-gradient is zero everywhere, everywhere off its diagonal (an einsum that reads only `W[i, i]`), or on whole
-rows of a weight (output features computed and dropped) is a finding, naming the parameter.
+depends on gets a non-zero gradient on random inputs (the cotangent, 2 * out, has no zero entry on them); one it
+does not depend on gets exactly zero: not small, zero, because no path of the graph reaches it (or every path
+multiplies it by a structural zero). So the verdict is exact at every dtype: a tensor whose gradient is zero
+everywhere, everywhere off its diagonal (an einsum that reads only `W[i, i]`), or on whole rows of a weight (output
+features computed and dropped) is a finding, naming the parameter. Where that probe carries a padding mask (keys an
+input apart from the queries), this check takes a forward and backward of its own without it (see
+`check_parameters_used`).
 
 A zero gradient is then confirmed by the forward pass itself: the zero-gradient entries are changed at random
 and the output compared. If it moves, the output does depend on them and their gradient is cut on its way (a
