@@ -132,8 +132,9 @@ def test_gradients_and_parameters_used_skip_a_layer_that_does_not_run_in_float64
                                    f"(ValueError: {RAISED})")
     used = result_of(Float64Refused(16, 2, refuse=False), "parameters_used", seq_len=32)
     assert used.verdict == "pass", used
-    # its probe length is its own (8 tokens: every query has a choice of keys), not the audit's seq_len
-    assert [(p.t_q, p.t_k) for p in used.probes] == [(8, 8)], used.probes
+    # its probe length is the gradient checks' own (6 tokens: one forward and backward for both), not the audit's
+    # seq_len; the standard probe it lists gives the tokens' gain (logit_gain)
+    assert [(p.t_q, p.t_k, p.backward) for p in used.probes] == [(32, 32, False), (6, 6, True)], used.probes
 
 
 class RaisingBackward(torch.autograd.Function):
@@ -150,6 +151,31 @@ def test_a_backward_that_raises_is_a_gradients_finding():
     result = result_of(lambda q, k, v, mask=None: (RaisingBackward.apply(attention(q, k, v, mask)[0]),), "gradients")
     assert (result.verdict, result.message) == ("fail", "the backward pass (or the float64 copy) raised: ValueError")
     assert result.evidence == RAISED
+
+
+class BackwardOnce(torch.autograd.Function):
+    """The identity, with a correct backward that frees what it kept: it cannot run twice on one graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x.shape
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        del ctx.kept  # AttributeError the second time
+        return grad
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["walked twice", "a backward that runs once"])
+def test_the_future_gradient_of_a_backward_that_runs_once_is_read_from_a_fresh_graph(once):
+    """A causal audit's second backward (outputs up to the middle) walks the graph the first kept; where the layer's
+    backward cannot run twice, a fresh forward gives it one, so a correct layer passes either way, and the check
+    still reads it (a backward that lets the future in fails through the same path: test_thresholds)."""
+    wrap = BackwardOnce.apply if once else (lambda x: x)
+    result = result_of(lambda q, k, v, mask=None: (wrap(attention(q, k, v, mask)[0]),), "gradients", causal=True)
+    assert (result.verdict, result.message) == ("pass", "gradients agree with finite differences and do not flow "
+                                                        "from the past to the future"), result
 
 
 class Float64Refused(nn.Module):

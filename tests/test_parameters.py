@@ -124,6 +124,25 @@ def test_a_detached_weight_is_used_by_the_forward_and_left_to_the_gradient_check
     assert report.result("gradients").verdict == "fail", str(report)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "with keys apart (a padding mask)"])
+def test_the_gradient_checks_backward_is_read_here_and_one_of_its_own_taken_only_without_its_padding(causal):
+    """One float64 forward and backward for gradients and parameters_used: this check adds no call of its own,
+    except where the gradient check's probe carries a padding mask (keys an input apart from the queries), which a
+    mask bug could use to starve a projection (test_kill_matrix's mask_polarity_inverted): there it takes its own
+    forward and backward (3 passes) without that mask."""
+    from correct import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, causal=causal).eval()
+    alone = diagnostics.audit(layer, causal=causal, detectors=["gradients"])
+    both = diagnostics.audit(layer, causal=causal, detectors=["gradients", "parameters_used"])
+    assert both.result("parameters_used").verdict == "pass", both
+    assert both.forward_passes - alone.forward_passes == (0 if causal else 3)
+    backward = [p for p in both.result("parameters_used").probes if p.backward]
+    assert backward[-1].label.endswith("T=6)") and ("padding" in backward[0].label) != causal, backward
+    assert causal or backward[-1].allowed is None, backward[-1]  # its own: nothing blocked
+
+
 def test_the_key_bias_is_inert_by_shift_and_a_key_weight_is_not():
     """The explanation the detector gives a zero-gradient key bias, measured directly: changing b_k shifts every
     row of the scores by a constant (q_i . b_k), changing W_k does not."""

@@ -58,3 +58,30 @@ def test_a_stacked_call_names_each_reader_and_its_copies():
     assert stack.parts[0][1:] == (1, 1)  # weight_row_sums reads the baseline copy only
     assert stack.batch == 2 * (1 + sum(stop - first for _, first, stop in stack.parts))
     assert any(p is stack for p in report.result("future_leakage").probes)
+
+
+class Tied(torch.nn.Module):
+    """Two projections that share one weight (tied), and a buffer: what a copy must keep as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+        self.a.bias.requires_grad_(False)
+        self.register_buffer("table", torch.arange(4.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_float64_copy_is_the_layer_in_float64_never_its_storage(dtype):
+    """The copy the gradient checks change in place (finite differences move its parameters): its own storage at
+    every dtype, a float64 layer's too (where converting would hand back the same tensor), ties kept, values,
+    requires_grad and buffers as the layer has them."""
+    from diagnostics.detectors._common import float64_copy
+
+    layer = Tied().to(dtype)
+    twin = float64_copy(layer)
+    assert twin.b.weight is twin.a.weight  # tied weights stay one tensor
+    for (name, p), (_, q) in zip(layer.named_parameters(), twin.named_parameters()):
+        assert q.dtype == torch.float64 and q.data_ptr() != p.data_ptr() and q.requires_grad == p.requires_grad, name
+        assert torch.equal(q, p.double()), name
+    assert twin.table.dtype == torch.float64 and twin.table.data_ptr() != layer.table.data_ptr()

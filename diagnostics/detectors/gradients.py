@@ -14,9 +14,9 @@ from .._core import skip
 from .._frames import frame_kind, user_frames
 from .._probe import Probe
 from .._registry import detector
-from .._result import DetectorResult, ProbeShape, Site
+from .._result import DetectorResult, Site
 from .._tracing import GradientCut, declared_mask, mask_sites, site, stream_sites, trace_call, weights_origin
-from ._common import float64_copy_or_skip, graph_call, logit_gain, result
+from ._common import float64_copy_or_skip, gradient_probe, graph_call, pack, result
 
 PARAMETER_ENTRIES = 512
 """The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
@@ -48,11 +48,6 @@ class GradientReplay:
         return ("future_leakage", "mask_honoured") if self.through_masks else ()
 
 
-def _pack(xs):
-    """(query, key, value) from the gradient check's one, two or three inputs."""
-    return (xs[0], xs[1], xs[2]) if len(xs) == 3 else (xs[0], xs[1], xs[1]) if len(xs) == 2 else (xs[0], xs[0], xs[0])
-
-
 def gradient_sites(probe, result: DetectorResult) -> list[Site]:
     replay = result.replay
     if replay is None:
@@ -76,7 +71,7 @@ def backward_sites(probe, replay: GradientReplay) -> list[Site]:
         with torch.enable_grad():
             cut = GradientCut()
             with cut:
-                out = graph_call(sub, *_pack(inputs), replay.allowed)
+                out = graph_call(sub, *pack(inputs), replay.allowed)
             if cut.cut:
                 return [site(cut.cut, "detached", "the output of this call does not require grad though its input "
                                                   "does: no gradient flows back through here",
@@ -103,7 +98,7 @@ def mask_gradient_sites(probe, replay: GradientReplay) -> list[Site]:
     dtype) and mask, the masks, else the streams, else what made the weights (a second softmax gives blocked keys
     weight back)."""
     s = probe.subject
-    q, k, v = _pack([x.detach().to(s.dtype) for x in replay.inputs])
+    q, k, v = pack([x.detach().to(s.dtype) for x in replay.inputs])
     B, T, t_k = q.shape[0], q.shape[s.time_dim], k.shape[s.time_dim]
     allowed = replay.allowed
     trace = trace_call(s, q, k, v, allowed, seed=probe.seed)
@@ -122,63 +117,37 @@ def mask_gradient_sites(probe, replay: GradientReplay) -> list[Site]:
           fix="compute attention with autograd on (no .detach(), no torch.no_grad()); check a custom backward with "
               "torch.autograd.gradcheck", locate=gradient_sites)
 def check_gradients(probe: Probe) -> DetectorResult:
-    det, s = "gradients", probe.subject
-    B, T = probe.BATCH, min(probe.t, 6)  # gradient bugs do not need long sequences; keeps the cost constant
+    det = "gradients"
     sub = float64_copy_or_skip(probe, det)
     if isinstance(sub, DetectorResult):
         return sub
-    gen = probe.generator()
-    cross = s.separate_kv and not probe.causal
-    # tokens scaled so that the softmax is neither uniform nor one-hot: at GPT-2's std-0.02 initialisation and
-    # d_model 1 the logits are tiny and a detached softmax changed the directional derivative by 4.6e-10 of it,
-    # under GRADIENT_AGREEMENT (10 of 12 seeds caught); at the gain, by 3.8e-8 or more (12 of 12), while correct
-    # layers stayed at 2.1e-11 (seeds 0-5, T 3 and 5, gpt2 init)
-    g = logit_gain(probe)
-    draw = lambda: g * sub.make(gen, B, T)  # noqa: E731
-    if s.form == "function":
-        inputs = [draw(), draw(), draw()]
-    elif cross:
-        inputs = [draw(), draw()]
-    else:
-        inputs = [draw()]
-    inputs = [x.requires_grad_(True) for x in inputs]
-    qkv = _pack
-    # where keys are an input apart from the queries, a padding mask: keys it blocks for every query must get
-    # exactly zero gradient, read from the same backward pass
-    # (only the last key, from T >= 3: every query keeps a choice of keys, which a detached softmax needs to show)
-    padded = s.takes_mask and len(inputs) >= 2 and T >= 3
-    allowed = probe.allowed(B, T, T, (torch.arange(T) < T - 1).expand(B, T, T) if padded else None)
-    def replay(through_masks: bool = False) -> GradientReplay:
-        return GradientReplay(sub, tuple(x.detach() for x in inputs), allowed, through_masks)
-
-    params = [p for p in (sub.layer.parameters() if isinstance(sub.layer, torch.nn.Module) else []) if p.requires_grad]
-    probe.passes += 7  # forward + backward (counted as two), four forwards for the finite differences (six when
-    # they disagree), causal: +3
-    probe.shapes[det].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T}"
-                                        f"{', a padding mask' if padded else ''})", B, T, T,
-                                        None if allowed is None else allowed.cpu(), len(inputs) == 1,
-                                        backward=True))
-    try:
-        probe.seed_layer_rng()  # every call draws the same randomness (the audit restores the RNG)
-        with torch.enable_grad():
-            out = graph_call(sub, *qkv(inputs), allowed)
-    except Exception as error:
+    made = gradient_probe(probe, sub)  # the forward and backward parameters_used reads too
+    if made.failed == "forward":
+        error = made.error
         return skip(det, f"the layer does not run as a float64 copy ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:160] if str(error) else ''}), and finite differences need "
                          f"float64; if it raises in its own dtype too, see `runs`")
+    inputs, allowed, padded, out = list(made.inputs), made.allowed, made.padded, made.out
+    B, T = inputs[0].shape[0], inputs[0].shape[sub.time_dim]
+    gen = probe.generator()
+    qkv = pack
+
+    def replay(through_masks: bool = False) -> GradientReplay:
+        return GradientReplay(sub, tuple(x.detach() for x in inputs), allowed, through_masks)
+
+    params = [p for _, p in made.params]
+    probe.passes += 4  # four forwards for the finite differences (six when they disagree)
     try:
-        with torch.enable_grad():
-            if out.grad_fn is None:
-                if params:
-                    return result(det, "fail", "no gradient reaches the output: attention runs without autograd",
-                                   value=0.0, threshold=0.0, evidence=f"the output has no grad_fn although the layer "
-                                   f"has {len(params)} trainable parameters (torch.no_grad() or .detach() inside)", replay=replay())
-                return DetectorResult(det, "skip", "not applicable: the layer has no trainable parameters and no "
-                                                   "differentiable path")
-            # inputs and parameters: a detached softmax hides little from the inputs' gradient of a layer whose
-            # logits are tiny (std-0.02 weights), but everything from W_Q's and W_K's
-            grads = torch.autograd.grad((out ** 2).sum(), inputs + params, allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, grads)]
+        if out.grad_fn is None:
+            if params:
+                return result(det, "fail", "no gradient reaches the output: attention runs without autograd",
+                               value=0.0, threshold=0.0, evidence=f"the output has no grad_fn although the layer "
+                               f"has {len(params)} trainable parameters (torch.no_grad() or .detach() inside)", replay=replay())
+            return DetectorResult(det, "skip", "not applicable: the layer has no trainable parameters and no "
+                                               "differentiable path")
+        if made.failed == "backward":
+            raise made.error
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs + params, made.grads)]
         # finite everywhere iff the sum is (a NaN or inf entry makes it NaN or inf; float64 finite values overflow
         # only past 1e308), one pass each and no temporary: squaring first allocated 13 MB of float64 per audit of
         # a 512-wide layer, 2.6 ms of its 20
@@ -192,6 +161,9 @@ def check_gradients(probe: Probe) -> DetectorResult:
             return result(det, "fail", f"gradients are NaN or inf on an ordinary input{given}", value=math.inf,
                            threshold=0.0, evidence="(out ** 2).sum() has a non-finite gradient w.r.t. the inputs or "
                                                    "parameters", replay=replay())
+        # causal: the second backward, through the graph the first one kept, before the finite differences change
+        # the parameters in place (autograd refuses a graph whose saved tensors have changed); judged after them
+        leak = _future_gradient(probe, sub, inputs, qkv, allowed, out) if probe.causal and T >= 2 else ""
         # inputs: Gaussian draws over every entry; parameters: Gaussian draws at up to PARAMETER_ENTRIES entries
         # of each tensor, at pseudo-random places (a million-entry direction costs more than the whole check,
         # and a detached or wrong backward is wrong at almost every entry of the weights it misses)
@@ -255,9 +227,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
             return result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "
                            "(a detached or hand-written backward)", value=rel, threshold=limit,
                            evidence=evidence, replay=replay())
-        if probe.causal and T >= 2:
-            leak = _future_gradient(probe, sub, inputs, qkv, allowed)
-            if leak:
+        if leak:
                 return result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence,
                               replay=replay(through_masks=True))
@@ -295,15 +265,23 @@ def _masked_key_gradient(sub, inputs, grads, allowed) -> tuple[str, str]:
     return "", f"; {int(blocked.sum())} keys a padding mask blocks get exactly zero gradient"
 
 
-def _future_gradient(probe: Probe, sub, inputs, qkv, allowed) -> str:
-    """'' if outputs up to the middle send no gradient to later inputs, else the evidence."""
+def _future_gradient(probe: Probe, sub, inputs, qkv, allowed, out: Tensor) -> str:
+    """'' if outputs up to the middle send no gradient to later inputs, else the evidence. Through the graph of
+    `out` that the first backward kept; a backward that cannot run twice on one graph (one that frees what it saved)
+    gets a forward of its own."""
     t_dim = sub.time_dim
     T = inputs[0].shape[t_dim]
     c = (T - 1) // 2
-    probe.seed_layer_rng(0)
-    with torch.enable_grad():
-        out = graph_call(sub, *qkv(inputs), allowed)
-        grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+    probe.passes += 2  # a backward
+    try:
+        with torch.enable_grad():
+            grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+    except Exception:  # noqa: BLE001 -- not this graph, then: a fresh one, whose own failure is a finding
+        probe.passes += 1
+        probe.seed_layer_rng()
+        with torch.enable_grad():
+            out = graph_call(sub, *qkv(inputs), allowed)
+            grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
     for name, x, g in zip(("query", "key", "value") if len(inputs) == 3 else ("input",), inputs, grads):
         if g is None:
             continue

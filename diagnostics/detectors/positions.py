@@ -14,6 +14,11 @@ rotary positions the audit builds, positions P, P + 1, ... through its own posit
 The real tokens' outputs must equal the unshifted ones. A layer for which neither is possible (no mask argument,
 no positions the audit can drive) is a visible skip saying what would make it measurable.
 
+The shifted call carries B more rows, identical tokens shifted alike, and is the one observed: on them the scores
+differ only by what positions add, which tells ALiBi's sign (a bias linear in the distance must fall with it). The
+permuted call is not observed, so a layer without positions pays no observer (a layer that can be shifted by
+neither method gets a call of the identical tokens alone).
+
 What breaks shift invariance legitimately, and how each is told apart:
 - positions absolute by design (learned or sinusoidal absolute embeddings added inside the layer): declared, the
   detector is not applicable (`positions="absolute"`, or a `position_embedding_type` of "absolute" on the layer
@@ -30,12 +35,14 @@ What breaks shift invariance legitimately, and how each is told apart:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._core import baseline_scale, not_run, relative_change, skip, unravel, where_text
+from .._observe import Observer
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
@@ -134,6 +141,24 @@ def declared_positions(probe: Probe) -> tuple[str | None, str]:
     return None, ""
 
 
+def _identical(s, q: Tensor, k: Tensor, v: Tensor, n: int) -> tuple:
+    """(query, key, value) of `n` tokens, every one the first of q's (k's, v's), one tensor where q is k (is v)."""
+    t = s.time_dim
+    alike = lambda x: x.narrow(t, 0, 1).expand(*x.shape[:t], n, *x.shape[t + 1:]).contiguous()  # noqa: E731
+    if q is k:
+        return (alike(q),) * 3
+    key = alike(k)
+    return alike(q), key, key if v is k else alike(v)
+
+
+def _stack(*calls) -> tuple:
+    """The (query, key, value) of several calls stacked along the batch, one tensor wherever each call had one."""
+    q = torch.cat([c[0] for c in calls])
+    k = q if all(c[1] is c[0] for c in calls) else torch.cat([c[1] for c in calls])
+    v = k if all(c[2] is c[1] for c in calls) else torch.cat([c[2] for c in calls])
+    return q, k, v
+
+
 def _cat_time(s, pad: Tensor, x: Tensor) -> Tensor:
     return torch.cat([pad, x], dim=s.time_dim).contiguous()
 
@@ -200,23 +225,22 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     pq = q.index_select(t, perm) if one else q
     pk = k.index_select(t, perm)
     pv = pk if (one or v is k) else v.index_select(t, perm)
-    # a fourth copy: every token the first one, so that the scores differ only by what positions add to them
-    first = tuple(x.narrow(t, 0, 1).expand_as(x).contiguous() for x in (q, k, v))
-    same = (first[0], first[0], first[0]) if one else (first[0], first[1], first[1] if v is k else first[2])
-    everything = [(q, k, v), (pq, pk, pv), (q, k, v), same]
+    everything = [(q, k, v), (pq, pk, pv), (q, k, v)]
     Q = torch.cat([x[0] for x in everything])
     K = Q if one else torch.cat([x[1] for x in everything])
     V = K if (one or v is k) else torch.cat([x[2] for x in everything])
     n = len(everything)
     extra = torch.ones(n * B, T, T, dtype=torch.bool) if s.takes_mask else None
-    stacked = probe.call(Q, K, V, probe.allowed(n * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)",
-                         observe=True)
+    # not observed: a layer without positions (the common case) needs no scores, and the distance reading below
+    # observes the shifted call, made anyway (MultiHeadAttention(512, 8) at seq_len 128, one thread: 8 ms -> 4 for
+    # this detector, 0.4 of a forward pass; a rotary layer's, its shifted call observed instead, 12 -> 13 to 14 ms)
+    stacked = probe.call(Q, K, V, probe.allowed(n * B, T, T, extra), label=f"keys' positions permuted ({T} tokens)")
     if not stacked.ok:
         return not_run(DET, stacked)
     out = stacked.output.out
     if out.dim() < 3 or out.shape[0] != n * B or out.shape[t] != T:
         return skip(DET, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
-    base_out, perm_out, again, _ = out.chunk(n)
+    base_out, perm_out, again = out.chunk(n)
     scale = baseline_scale(base_out, centred=True)
     if not scale > 0:
         return skip(DET, "the output is zero or non-finite everywhere, so a change cannot be measured against it")
@@ -256,14 +280,11 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         return DetectorResult(DET, "skip", NOT_APPLICABLE + f"the declared attention pattern depends on absolute "
                               f"positions: its mask over the real tokens changes when they are shifted by {P}")
     seen = f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS: the layer uses positions"
-    rewarded = distance_reward(stacked.record, n, B, T, s.dtype)
-    if rewarded:
-        return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
-                                   "distance to the key, so far keys win over near ones",
-                      value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
-                      fix=f"make the bias penalise distance: {BIAS_SIGN_FIX}",
-                      replay=DistanceReplay(*same, probe.allowed(B, T, T, extra[:B] if extra is not None else None)))
+    # identical tokens (every one the first), so that the scores differ only by what positions add to them: B more
+    # rows of the shifted call, shifted alike, and read over the real tokens (positions P.., the same distances)
+    same, twins = _identical(s, q, k, v, T), _identical(s, q, k, v, P + T)
     base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
+    record, copies, skipped, call, error = None, 1, 0, None, None
     if s.takes_mask:
         pads = [gain * x for x in probe.streams(B, P, cross=cross)]
         sq = _cat_time(s, pads[0], q)
@@ -272,27 +293,47 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         else:
             sk = _cat_time(s, pads[1], k)
             sv = sk if v is k else _cat_time(s, pads[2], v)
-        shifted_allowed = probe.allowed(B, P + T, P + T, _shift_mask(probe, B, P, T))
-        call = probe.call(sq, sk, sv, shifted_allowed, label=f"{P} padding tokens before {T}, blocked by the mask")
-        if not call.ok:
-            return not_run(DET, call)
-        got, method = call.output.out, "padding"
-        how = f"{P} padding tokens before them, which the mask blocks for every real query"
         shifted = (sq, sk, sv)
+        shifted_allowed = probe.allowed(B, P + T, P + T, _shift_mask(probe, B, P, T))
+        both = _stack(shifted, twins)
+        call = probe.call(*both, probe.allowed(2 * B, P + T, P + T, _shift_mask(probe, 2 * B, P, T)),
+                          label=f"{P} padding tokens before {T}, blocked by the mask (and {T} identical tokens)",
+                          observe=True)
+        if call.ok and call.output.out.shape[0] == 2 * B:
+            got, record, copies, skipped = call.output.out[:B], call.record, 2, P
+        method = "padding"
+        how = f"{P} padding tokens before them, which the mask blocks for every real query"
     elif _drives_positions(s):
-        shifted_allowed = base_allowed
+        shifted_allowed, shifted, method = base_allowed, (q, q, q), "positions"
         try:
-            got = _at_positions(probe, q, base_allowed, P)
-        except Exception as error:  # noqa: BLE001 - the layer's own failure on its position argument: say so
-            return skip(DET, f"calling the layer at positions {P}.. raised ({type(error).__name__}: "
-                             f"{str(error).strip()[:160]}); see `runs`")
-        method, shifted = "positions", (q, q, q)
+            got, record = _at_positions(probe, q, base_allowed, P, alike=same[0])
+            copies = 2
+        except Exception as raised:  # noqa: BLE001 - the layer's own failure on its position argument: said below
+            error = raised
         how = f"positions {P}..{P + T - 1} given through the layer's position embeddings, with an empty cache"
-    else:
+    if record is None:  # no shifted call carried the identical tokens (none is possible, or it raised): alone
+        alone = probe.call(*same, base_allowed, label=f"{T} identical tokens", observe=True)
+        record, copies, skipped = (alone.record if alone.ok else None), 1, 0
+    rewarded = distance_reward(record, copies, B, T, s.dtype, skip=skipped)
+    if rewarded:
+        return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
+                                   "distance to the key, so far keys win over near ones",
+                      value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
+                      fix=f"make the bias penalise distance: {BIAS_SIGN_FIX}",
+                      replay=DistanceReplay(*same, base_allowed))
+    if call is not None and not call.ok:
+        return not_run(DET, call)
+    if error is not None:
+        return skip(DET, f"calling the layer at positions {P}.. raised ({type(error).__name__}: "
+                         f"{str(error).strip()[:160]}); see `runs`")
+    if call is None and not _drives_positions(s):
         return skip(DET, f"{seen}, but no shift of its positions is possible: the layer takes no mask (left padding "
                          f"needs one to block the padding) and no positions the audit can drive. Give forward a mask "
                          f"argument (forward(x, mask=None)), or audit it through a wrapper that passes "
                          f"positions offset by P, to make it measurable")
+    if call is not None and call.output.out.shape[0] != 2 * B:
+        return skip(DET, f"the shifted call's output {tuple(call.output.out.shape)} has no row per batch element (see "
+                         f"output_shape)")
     real = _rows(s, got, P, T) if method == "padding" else got
     if tuple(real.shape) != tuple(base_out.shape):
         return skip(DET, f"the shifted call's output {tuple(got.shape)} does not match the unshifted {tuple(base_out.shape)}")
@@ -349,34 +390,37 @@ and std-0.02 initialisation x causal and not, at float32, bfloat16 and float16 (
 benchmark's SDPA ALiBi pair (residual <= 1.3e-7 at every dtype: its bias is added in float32)."""
 
 
-def _scores_seen(record, n: int, B: int, T: int) -> Tensor | None:
+def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> Tensor | None:
     """The last copy's scores (B, heads, T, T) in float64, -inf where blocked, from the record's first softmax over
-    (T, T) of the stacked batch, or its first fused attention (q·k times its scale, plus a float mask)."""
+    (skip + T, skip + T) of the stacked batch, or its first fused attention (q·k times its scale, plus a float mask);
+    over the last T queries and keys (the first `skip` are padding)."""
     if record is None:
         return None
+    N = skip + T
     for sm in record.softmaxes:
         x = sm.input
-        if x.dim() >= 3 and tuple(x.shape[-2:]) == (T, T) and x.shape[0] == n * B:
-            return x[(n - 1) * B:].double().reshape(B, -1, T, T)
+        if x.dim() >= 3 and tuple(x.shape[-2:]) == (N, N) and x.shape[0] == n * B:
+            return x[(n - 1) * B:, ..., skip:, skip:].double().reshape(B, -1, T, T)
     for f in record.fused:
-        if f.q.shape[0] != n * B or f.q.shape[-2] != T or f.k.shape[-2] != T or f.q.shape[:-2] != f.k.shape[:-2]:
+        if f.q.shape[0] != n * B or f.q.shape[-2] != N or f.k.shape[-2] != N or f.q.shape[:-2] != f.k.shape[:-2]:
             continue
-        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, T, T)
+        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, N, N)
         if f.attn_mask is not None:
             m = f.attn_mask.expand_as(x) if f.attn_mask.dim() <= x.dim() else None
             if m is None:
                 return None
             x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
         if f.is_causal:
-            x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
-        return x[(n - 1) * B:].reshape(B, -1, T, T)
+            x = x.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
+        return x[(n - 1) * B:, ..., skip:, skip:].reshape(B, -1, T, T)
     return None
 
 
-def distance_reward(record, n: int, B: int, T: int, dtype) -> tuple[float, str] | None:
+def distance_reward(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[float, str] | None:
     """(the largest slope, evidence) when the scores of identical tokens are a straight line in |i - j| for every
-    head, with a slope > 0 for some (the bias grows with distance: ALiBi's sign flipped); None otherwise."""
-    scores = _scores_seen(record, n, B, T)
+    head, with a slope > 0 for some (the bias grows with distance: ALiBi's sign flipped); None otherwise. The tokens
+    are the last copy of `n` in the call `record` observed, after `skip` padding tokens the mask blocks for them."""
+    scores = _scores_seen(record, n, B, T, skip)
     if scores is None:
         return None
     i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
@@ -435,17 +479,27 @@ def _drives_positions(s) -> bool:
         s.new_cache() is not None
 
 
-def _at_positions(probe: Probe, x: Tensor, allowed, P: int) -> Tensor:
+def _at_positions(probe: Probe, x: Tensor, allowed, P: int, *, alike: Tensor | None = None):
+    """The layer's output on `x` at positions P, P + 1, ..., with an empty cache. With `alike` (identical tokens):
+    those as B more rows of the call, observed: (the output on x, the record)."""
     s, B, T = probe.subject, x.shape[0], x.shape[1]
     probe.passes += 1
-    probe.shapes[DET].append(ProbeShape(f"{T} tokens at positions {P}..{P + T - 1}", B, T, T,
-                                        None if allowed is None else allowed.cpu(), True))
-    with torch.no_grad():
+    if alike is not None:
+        x, allowed = torch.cat([x, alike]), None if allowed is None else torch.cat([allowed, allowed])
+    probe.shapes[DET].append(ProbeShape(f"{T} tokens at positions {P}..{P + T - 1}"
+                                        f"{f' (and {T} identical tokens)' if alike is not None else ''}", x.shape[0],
+                                        T, T, None if allowed is None else allowed.cpu(), True))
+    observer = Observer() if alike is not None else contextlib.nullcontext()
+    with (torch.enable_grad() if alike is not None else torch.no_grad()), observer:
         raw = s.call_cached(x, allowed, s.new_cache(), start=P)
     out = raw[0] if isinstance(raw, (tuple, list)) else raw
     if not isinstance(out, Tensor):
         raise TypeError(f"returned {type(raw).__name__} with no output first")
-    return out.detach()
+    if alike is None:
+        return out.detach()
+    if out.shape[0] != 2 * B:
+        raise ValueError(f"returned {tuple(out.shape)} for a batch of {2 * B}")
+    return out.detach()[:B], observer.record
 
 
 # ---- where ----------------------------------------------------------------------------------------------------
