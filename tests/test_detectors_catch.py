@@ -90,12 +90,15 @@ def observable(variant, result, layer) -> bool:
 class Call:
     """One call the layer really received: which detector was running, the call as catalog `Setting`s (one per
     batch row), the key its sizes and mask make (calls that differ only in their inputs' values share it), and
-    the output it gave (None if it raised)."""
+    the output it gave (None if it raised). `stacked`: a reader's part of a stacked probe (its baseline copy first),
+    whose copies are compared with that baseline only: another call of the same sizes and mask (the standard probe,
+    which the DECODING stack reads for its gain) has other inputs."""
 
     detector: str | None
     settings: tuple[Setting, ...]
     key: tuple
     out: torch.Tensor | None = None
+    stacked: bool = False
 
 
 def record_calls(layer, calls: list[Call]):
@@ -143,8 +146,9 @@ RESPONSE = 16
 def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
     """The direct measurement behind a "did not respond" skip. A detector calls the layer on a baseline and on
     perturbed copies of it, `batch` sequences each, stacked along the batch of one call or in calls of their
-    own: every copy's output is compared with the first copy's of the same sizes and mask. Returns (the
-    greatest change, relative to the RMS of that first output about its mean; the number of copies compared)."""
+    own: every copy's output is compared with the first copy's of the same sizes and mask (of the same call, for a
+    stacked probe's part). Returns (the greatest change, relative to the RMS of that first output about its mean;
+    the number of copies compared)."""
     first: dict[tuple, tuple[torch.Tensor, float]] = {}
     worst, compared = 0.0, 0
     for call in calls:
@@ -153,7 +157,8 @@ def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
             continue
         for n, out in enumerate(call.out.split(batch)):
             rows = call.settings[n * batch:(n + 1) * batch]
-            key = (call.key[1:4], tuple(None if s.mask is None else tuple(s.mask.flatten().tolist()) for s in rows))
+            key = (id(call) if call.stacked else None, call.key[1:4],
+                   tuple(None if s.mask is None else tuple(s.mask.flatten().tolist()) for s in rows))
             if key not in first:
                 finite = torch.isfinite(out)
                 scale = float((out[finite] - out[finite].mean()).pow(2).mean().sqrt()) if finite.any() else 0.0
@@ -169,8 +174,9 @@ def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
 
 def read_by(report, by_detector: dict[str, list[Call]], det: str, batch: int) -> list[Call]:
     """The calls behind `det`'s reading: those made while it ran, where a stacked probe (a call several detectors
-    read, `ProbeShape.parts`) counts for each of its readers, whichever made it, with only the baseline's copy and
-    that reader's own copies of the batch."""
+    read, `ProbeShape.parts`) counts for each of its readers, whichever made it (the first detector to run that
+    reports it: output_shape makes decode_consistency's full pass, which future_leakage reads), with only the
+    baseline's copy and that reader's own copies of the batch."""
     calls = list(by_detector[det])
     # the standard probe, made by the first detector that asks for it (runs, in a full audit) and read by others
     standard = next((c for r in report.results for c in by_detector[r.detector][:1]), None)
@@ -181,8 +187,7 @@ def read_by(report, by_detector: dict[str, list[Call]], det: str, batch: int) ->
         mine = [(first, stop) for reader, first, stop in shape.parts if reader == det]
         if not mine:
             continue
-        readers = {reader for reader, _, _ in shape.parts}
-        maker = next(r.detector for r in report.results if r.detector in readers)  # the first to run makes it
+        maker = next(r.detector for r in report.results if any(p is shape for p in r.probes))  # the first to ask
         shown = None if shape.allowed is None else tuple(shape.allowed.flatten().tolist())
         made = [c for c in by_detector[maker]
                 if c.key == (shape.batch, shape.t_q, shape.t_k, shape.self_attention, shown)]
@@ -191,7 +196,7 @@ def read_by(report, by_detector: dict[str, list[Call]], det: str, batch: int) ->
         for c in made:
             settings = tuple(s for n in copies for s in c.settings[n * batch:(n + 1) * batch])
             out = None if c.out is None else torch.cat([c.out.split(batch)[n] for n in copies])
-            calls.append(Call(c.detector, settings, c.key, out))
+            calls.append(Call(c.detector, settings, c.key, out, stacked=True))
     return calls
 
 
@@ -283,7 +288,7 @@ def test_the_did_not_respond_measurement_confirms_a_true_excuse_and_rejects_a_fa
     responsive = dict(UNRESPONSIVE_DRAW, heads=2, head_dim=4, seq_len=8)
     _, twin, by_detector, batch = recorded_audit(diagonal.reference, responsive, diagonal)
     assert twin.result("future_leakage").verdict == "pass", twin
-    change, compared = did_not_move(read_by(report, by_detector, "future_leakage", batch), batch)
+    change, compared = did_not_move(read_by(twin, by_detector, "future_leakage", batch), batch)
     assert compared >= 1 and change > 1000 * allowed, (change, compared)
 
 

@@ -173,9 +173,11 @@ def test_the_decoding_sites_use_the_gain_of_the_check_not_a_fixed_ten(calls):
     assert list(result.where)
     traced = next(q for phase, q in calls["calls"] if phase == "where")
     assert torch.equal(traced, result.replay.query)
-    # the check's calls are made by the first of their readers (output_shape reads the last for a causal layer)
+    # the check's calls are made by the first of their readers (output_shape reads the last for a causal layer); the
+    # full pass is copy 0 of a stacked call (future_leakage's cuts after it, pushed 1000x)
     fresh = next(q for phase, q in calls["calls"] if phase in ("output_shape", "decode_consistency"))
-    assert float(traced.abs().mean()) == pytest.approx(float(fresh.abs().mean()))
+    assert fresh.shape[0] > traced.shape[0]
+    assert float(traced.abs().mean()) == pytest.approx(float(fresh[:traced.shape[0]].abs().mean()))
 
 
 def test_the_alignment_sites_take_as_many_queries_as_the_check(calls):

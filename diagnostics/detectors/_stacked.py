@@ -1,8 +1,11 @@
 """Probes several detectors read. Stacked probes: one call of the layer on a baseline and the perturbations of several detectors, each detector's
 cases in copies of the batch of their own, so that the baseline (a forward pass of work per comparison) is paid
 once. query_locality and keys_matter share the baseline with separate query, key and value streams; mask_honoured
-and future_leakage that with a padding mask (weight_row_sums reads its baseline's weights). And decode_consistency's
-calls, whose last (the newest queries over every key) is output_shape's call with Tq != Tk for a causal layer.
+and future_leakage that with a padding mask (weight_row_sums reads its baseline's weights); decode_consistency's
+full pass is the baseline of future_leakage's cuts without a mask. And decode_consistency's partial calls after
+it, whose last (the newest queries over every key) is output_shape's call with Tq != Tk for a causal layer. And
+batch_independence's call with sequence 1 changed, whose sequence 0 (the standard probe's input in a second call) is
+eval_determinism's first reading.
 
 A detector reads the same numbers whichever detectors run: a stack's recipe is fixed (its baseline, then every
 registered detector's cases, in the order the detector modules register them), drawn from the stack's own random
@@ -27,15 +30,18 @@ from ._common import logit_gain, perturbation_gains
 
 @dataclass(frozen=True)
 class Stack:
-    """A stacked probe: `baseline(probe) -> Inputs` and, per detector, `cases(probe, base) -> (cases, label)`."""
+    """A stacked probe: `baseline(probe) -> Inputs` and, per detector, `cases(probe, base) -> (cases, label)`;
+    `label(probe) -> str`, what the baseline copy is where a reader reads it as a probe of its own (the call's label
+    names it first)."""
 
     name: str
     baseline: Callable = field(repr=False)
     cases: dict[str, Callable] = field(default_factory=dict, repr=False)
+    label: Callable | None = field(default=None, repr=False)
 
 
-def stack(name: str, baseline: Callable) -> Stack:
-    return Stack(name, baseline)
+def stack(name: str, baseline: Callable, *, label: Callable | None = None) -> Stack:
+    return Stack(name, baseline, label=label)
 
 
 def stacked_cases(into: Stack, det: str):
@@ -52,36 +58,57 @@ def stacked_cases(into: Stack, det: str):
 def stacked(probe: Probe, of: Stack, det: str) -> Comparison | DetectorResult:
     """`det`'s cases compared with the stack's baseline, from the one call of the stack (made on first use); the
     skip every reader gets when that call raised or cannot be compared."""
-    _, _, whole, parts = probe.shared(of.name, lambda: _call(probe, of))
+    made = _made(probe, of)
+    whole = made.whole
     if isinstance(whole, DetectorResult):
         return replace(whole, detector=det)
-    start, stop = parts[det]
+    start, stop = made.parts[det]
     return replace(whole, cases=whole.cases[start:stop], changes=whole.changes[start:stop], first=1 + start,
-                   copies=len(whole.cases) + 1)
+                   copies=made.copies)
 
 
 def stacked_baseline(probe: Probe, of: Stack) -> Call:
     """The stack's call as far as its baseline goes (copy 0 of the batch: its inputs, mask and output), for a reader
-    with no cases of its own; the call itself where it raised."""
-    base, call, _, _ = probe.shared(of.name, lambda: _call(probe, of))
+    with no cases of its own; the call itself where it raised. An output not split along the stacked batch is left
+    whole (copy 0's part cannot be told): its shape says so to the reader."""
+    made = _made(probe, of)
+    base, call, copies = made.base, made.call, made.copies
     if not call.ok:
         return call
-    copies = call.output.out.shape[0] // base.query.shape[0]
-    weights = call.output.weights
+    B = base.query.shape[0]
+    out, weights = call.output.out, call.output.weights
+    if out.dim() and out.shape[0] % copies == 0:
+        out = out.chunk(copies)[0]
     if weights is not None and weights.dim() and weights.shape[0] % copies == 0:
         weights = weights.chunk(copies)[0]
     elif weights is not None:
         weights = None  # not split along the batch: not this copy's
-    B, t_q, t_k = base.query.shape[0], base.query.shape[probe.subject.time_dim], base.key.shape[probe.subject.time_dim]
-    return Call(base.query, base.key, base.value, probe.allowed(B, t_q, t_k, base.extra),
-                Output(call.output.out.chunk(copies)[0], weights), None, label=call.label, parts=call.parts)
+    t_q, t_k = base.query.shape[probe.subject.time_dim], base.key.shape[probe.subject.time_dim]
+    return Call(base.query, base.key, base.value, probe.allowed(B, t_q, t_k, base.extra), Output(out, weights), None,
+                label=call.label, parts=call.parts)
 
 
-def _call(probe: Probe, of: Stack) -> tuple[Inputs, Call, Comparison | DetectorResult, dict[str, tuple[int, int]]]:
+@dataclass
+class _Made:
+    """The one call of a stack: its baseline, the call, every case compared with the baseline (or the skip), where
+    each reader's cases are (their indices among the cases), and the copies of the batch the call holds."""
+
+    base: Inputs
+    call: Call
+    whole: Comparison | DetectorResult
+    parts: dict[str, tuple[int, int]]
+    copies: int
+
+
+def _made(probe: Probe, of: Stack) -> _Made:
+    return probe.shared(of.name, lambda: _call(probe, of))
+
+
+def _call(probe: Probe, of: Stack) -> _Made:
     base: Inputs = of.baseline(probe)
     cases: list[Case] = []
     parts: dict[str, tuple[int, int]] = {}
-    labels = []
+    labels = [of.label(probe)] if of.label is not None else []
     for det, builder in of.cases.items():
         mine, label = builder(probe, base)
         parts[det] = (len(cases), len(cases) + len(mine))
@@ -89,7 +116,7 @@ def _call(probe: Probe, of: Stack) -> tuple[Inputs, Call, Comparison | DetectorR
         labels.append(label)
     readers = tuple((det, 1 + start, 1 + stop) for det, (start, stop) in parts.items())
     call = stacked_call(probe, base, cases, label="; ".join(label for label in labels if label), parts=readers)
-    return base, call, compared(probe, call, base, cases), parts
+    return _Made(base, call, compared(probe, call, base, cases), parts, 1 + len(cases))
 
 
 def separate_streams(probe: Probe) -> Inputs:
@@ -123,23 +150,43 @@ def decode_splits(T: int) -> list[int]:
     return [min(n, T - 1) for n in (1, 3, T - T // 3)]
 
 
+def decoding_inputs(probe: Probe) -> Inputs:
+    """decode_consistency's tokens: scaled by `logit_gain`, so that attention is neither uniform (std-0.02 weights)
+    nor one-hot (rounding-bound); one stream for modules (a causal audit's self-attention), three for a function
+    (as `Probe.streams` draws them for it with cross=True). Unscaled below 3 tokens, where no decoding check reads
+    them (LONGER) and future_leakage's one perturbed position is its only response: a query over two keys scaled to
+    a logit spread of ~2 may give its own key ~1% of its weight, and the perturbation may then take the rest, its
+    output staying within rounding. Measured on the reference, a one-stream wrapper of it, nn.MultiheadAttention and
+    F.scaled_dot_product_attention (1-8 heads of width 1-64, float32, bfloat16 and float16, torch's and GPT-2's init,
+    seeds 0-5): scaled, 34 of 888 at T = 2 did not respond (none unscaled), and none of 1776 at T = 3 and 4."""
+    B, T = probe.BATCH, probe.t
+    g = logit_gain(probe) if T >= 3 else 1.0
+    if probe.subject.form == "function":
+        return Inputs(g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T))
+    x = g * probe.make(B, T)
+    return Inputs(x, x, x)
+
+
+DECODING = stack("decoding's full pass", decoding_inputs, label=lambda probe: f"the full pass, {probe.t} tokens")
+"""decode_consistency's full pass (copy 0: the rows its partial calls must give; their keys and values) and, for a
+causal audit, future_leakage's cuts without a mask. Made for causal audits only (all its readers need one)."""
+
+
 def decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
-    """decode_consistency's calls, made once per audit: [(T, the full pass over T tokens), then (n, the last n queries
-    over all T keys) for each split], up to the first that raises. The tokens are scaled by `logit_gain`, so that
-    attention is neither uniform (std-0.02 weights) nor one-hot (rounding-bound)."""
+    """decode_consistency's calls, made once per audit: [(T, the full pass over T tokens: the baseline copy of the
+    DECODING stack), then (n, the last n queries over all T keys) for each split], up to the first that raises. The
+    partial calls need a query apart from its keys (a layer given one stream has none): none on such a layer, nor
+    below 3 tokens (decode_consistency's LONGER)."""
     return probe.shared("decoding", lambda: _decoding_calls(probe))
 
 
 def _decoding_calls(probe: Probe) -> list[tuple[int, Call]]:
     s, B, T = probe.subject, probe.BATCH, probe.t
-    g = logit_gain(probe)
-    if s.form == "function":
-        q, k, v = g * probe.make(B, T), g * probe.make(B, T), g * probe.make(B, T)
-    else:
-        q = k = v = g * probe.make(B, T)
-    calls = [(T, probe.call(q, k, v, probe.allowed(B, T, T), label=f"the full pass, {T} tokens"))]
+    full = stacked_baseline(probe, DECODING)
+    calls = [(T, full)]
+    q, k, v = full.query, full.key, full.value
     t = s.time_dim
-    for n in decode_splits(T) if calls[0][1].ok else ():
+    for n in decode_splits(T) if full.ok and s.separate_kv and T >= 3 else ():
         tail = q.narrow(t, T - n, n).clone()
         calls.append((n, probe.call(tail, k, v, probe.allowed(B, n, T), label=f"the last {n} queries over {T} keys")))
         if not calls[-1][1].ok:

@@ -12,7 +12,7 @@ from .._result import DetectorResult, Site
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
 from ._common import invariance_locator, judge, perturbation_gains, result
-from ._stacked import PADDED, stacked, stacked_cases
+from ._stacked import DECODING, PADDED, stacked, stacked_cases
 
 
 def alignment_sites(probe, result: DetectorResult) -> list[Site]:
@@ -39,34 +39,16 @@ def alignment_sites(probe, result: DetectorResult) -> list[Site]:
                                     use_masks=True))
 def check_future_leakage(probe: Probe) -> DetectorResult:
     """With no mask, and (for layers that take one) with a padding mask too: a decoder that builds its own
-    causal mask and lets the user's padding mask replace it (or ORs them) is causal only in the first."""
-    det, s, B, T = "future_leakage", probe.subject, probe.BATCH, probe.t
-    cuts = sorted({0, T // 2, T - 2})
-    t = torch.arange(T)
-    # a layer that takes a mask is cut at 0 with a padding mask too (below), which holds row 0 against every later
-    # token as the unmasked cut at 0 does: the unmasked copies then measure the other cuts, one copy of the batch
-    # fewer where that saves one (B = 2: cuts T // 2 and T - 2 in one copy, not three cuts in two)
-    unmasked = [c for c in cuts if c != 0] if s.takes_mask and T >= 4 else cuts
-    unmasked = unmasked if -(-len(unmasked) // B) < -(-len(cuts) // B) else cuts
-    # each copy of the batch cuts its sequences at their own t (sequence b of copy n at cuts[(n * B + b) %
-    # len(cuts)]): every cut is measured, in as few copies as the batch allows
-    packed = [[unmasked[(n * B + b) % len(unmasked)] for b in range(B)] for n in range(-(-len(unmasked) // B))]
-    scenarios = [("no mask", None, packed)]
-    if s.takes_mask:
-        # one cut, at 0: every sequence keeps at least its first two keys once T >= 4, so key 1 is visible
-        scenarios.append(("a padding mask", PADDED, [[0] * B]))
+    causal mask and lets the user's padding mask replace it (or ORs them) is causal only in the first. Without a
+    mask, the cuts are cases of the DECODING stack (decode_consistency's full pass is their baseline); with a
+    padding mask, of the PADDED stack (mask_honoured's padding scenario), for a function in a call of its own."""
+    det, cuts = "future_leakage", future_cuts(probe.t)
+    scenarios = [("no mask", lambda: stacked(probe, DECODING, det))]
+    if probe.subject.takes_mask:
+        scenarios.append(("a padding mask", lambda: _padded(probe)))
     readings = []
-    for name, extra, copies in scenarios:
-        if extra is PADDED and s.form != "function":  # in the call of mask_honoured's padding scenario
-            comparison = stacked(probe, PADDED, det)
-        else:
-            if extra is PADDED:
-                pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
-                extra = pad | (t.view(1, 1, T) <= 0)  # key 0 always kept
-            base = Inputs(*probe.streams(B, T, cross=s.form == "function"), extra)
-            shown = sorted({c for at in copies for c in at})
-            comparison = compare(probe, base, cut_cases(probe, base, copies, name),
-                                 label=f"tokens after t in {shown} changed, {name}")
+    for name, read in scenarios:
+        comparison = read()
         if isinstance(comparison, DetectorResult):
             return comparison
         readings.append((name, comparison, *held(comparison, probe, what="past outputs")))
@@ -79,6 +61,41 @@ def check_future_leakage(probe: Probe) -> DetectorResult:
                   value=max(w for _, _, _, w, _, _ in readings), threshold=readings[0][1].tol,
                   evidence="; ".join(f"{name}: {text}" for name, _, _, _, text, _ in readings),
                   replay=tuple(c for _, c, *_ in readings))
+
+
+def _padded(probe: Probe):
+    """The cut at 0 under a padding mask: in the call of mask_honoured's padding scenario, or for a function (which
+    future_leakage probes in three streams) in a call of its own. One cut, at 0: every sequence keeps at least its
+    first two keys once T >= 4, so key 1 is visible."""
+    B, T = probe.BATCH, probe.t
+    if probe.subject.form != "function":
+        return stacked(probe, PADDED, "future_leakage")
+    pad = probe.padding(B, T, T)  # (B, Tq, Tk): trailing keys blocked for every query
+    base = Inputs(*probe.streams(B, T, cross=True), pad | (torch.arange(T).view(1, 1, T) <= 0))  # key 0 always kept
+    return compare(probe, base, cut_cases(probe, base, [[0] * B], "a padding mask"),
+                   label="tokens after t in [0] changed, a padding mask")
+
+
+def future_cuts(T: int) -> list[int]:
+    """Where future_leakage cuts (the outputs up to t held, every token after t perturbed): 0, T // 2 and T - 2, each
+    with a token after it (at T = 2, T // 2 has none: 0 alone, in every sequence, so that two rows, not one, show
+    the output responding to the perturbed token)."""
+    return sorted({c for c in (0, T // 2, T - 2) if c < T - 1})
+
+
+def unmasked_copies(probe: Probe) -> list[list[int]]:
+    """The cuts without a mask, one list per copy of the batch (sequence b of copy n cut at `copies[n][b]`): every
+    cut of `future_cuts` measured, in as few copies as the batch allows."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    cuts = future_cuts(T)
+    # a layer that takes a mask is cut at 0 with a padding mask too, which holds row 0 against every later token as
+    # the unmasked cut at 0 does: the unmasked copies then measure the other cuts, one copy of the batch fewer where
+    # that saves one (B = 2: cuts T // 2 and T - 2 in one copy, not three cuts in two)
+    unmasked = [c for c in cuts if c != 0] if s.takes_mask and T >= 4 else cuts
+    unmasked = unmasked if -(-len(unmasked) // B) < -(-len(cuts) // B) else cuts
+    # each copy of the batch cuts its sequences at their own t (sequence b of copy n at unmasked[(n * B + b) %
+    # len(unmasked)])
+    return [[unmasked[(n * B + b) % len(unmasked)] for b in range(B)] for n in range(-(-len(unmasked) // B))]
 
 
 def cut_cases(probe: Probe, base: Inputs, copies: list[list[int]], name: str) -> list[Case]:
@@ -107,6 +124,21 @@ def padded_cut_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
     if not probe.causal or probe.t < 2 or probe.subject.form == "function":
         return [], ""
     return cut_cases(probe, base, [[0] * probe.BATCH], "a padding mask"), "tokens after t in [0] changed, a padding mask"
+
+
+@stacked_cases(DECODING, "future_leakage")
+def unmasked_cut_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
+    """A causal audit's cuts without a mask, on decode_consistency's tokens (`decoding_inputs`: scaled by logit_gain,
+    and pushed as hard on top). Measured against the unscaled tokens of a call of its own (missing_causal_mask and a
+    one-stream layer without its causal mask, 1-8 heads of width 1-64, T = 3-16, float32, bfloat16 and float16,
+    torch's and GPT-2's init, seeds 0-1: 592 leaks): every leak still caught, about the same share of past outputs
+    moved (98.5-100%), the greatest move 2-4x smaller (median) and at least 2.46 of the outputs' RMS (150x bfloat16's
+    tolerance; 1.44 before). At T = 2 the tokens are unscaled (see `decoding_inputs`)."""
+    if not probe.causal or probe.t < 2:
+        return [], ""
+    copies = unmasked_copies(probe)
+    shown = sorted({c for at in copies for c in at})
+    return cut_cases(probe, base, copies, "no mask"), f"tokens after t in {shown} changed, no mask"
 
 
 @detector("causal_alignment", "for a causal layer, the newest query sees the newest key (bottom-right "

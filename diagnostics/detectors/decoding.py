@@ -22,7 +22,7 @@ from .._tracing import (
     trace_call,
 )
 from ._common import judge, logit_gain
-from ._stacked import decode_splits, decoding_calls
+from ._stacked import DECODING, decode_splits, decoding_calls, stacked_cases
 
 
 def _split_cache(result, batch: int, t_q: int, t_k: int):
@@ -112,7 +112,8 @@ POSITIONS_FIX = ("give the new queries their true positions: offset them by the 
 
 
 def decode_sites(probe, result: DetectorResult) -> list[Site]:
-    """On the very tokens the verdict was computed on (`result.replay`: the full pass's inputs): for each split,
+    """On the very tokens the verdict was computed on (`result.replay`: the full pass's inputs, copy 0 of the DECODING
+    stack's call, traced alone): for each split,
     the masks of the partial call, else the first op whose output for the last n queries differs from the same
     rows of the full pass."""
     full_call = result.replay
@@ -255,6 +256,11 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
     return judge(det, bool(failed), "decoding the last queries over all keys differs from the full pass",
                   f"the last Tq queries over all keys reproduce the full pass (Tq = {splits})", value=worst,
                   threshold=tol, evidence=evidence, replay=full)
+
+
+@stacked_cases(DECODING, "decode_consistency")
+def _reads_the_full_pass(probe: Probe, base) -> tuple[list, str]:
+    return [], ""  # the baseline copy only: the full pass whose last rows the partial calls must give
 
 
 @detector("cache_decoding", "for a causal layer (or one with a causal declared pattern) with a cache of its own, "
