@@ -16,9 +16,12 @@ audit's threads cannot wait for cores). `--per-detector` splits each detector's 
 took (the layer's forward, from a pre-hook to a hook, the float64 copy's calls included: it inherits the hooks)
 and the rest, the audit's own time outside the layer (drawing, comparing, backward passes; observing is inside: it
 runs in the call). A call several detectors read (the standard probe, a stacked probe of diagnostics/detectors/
-_stacked.py, decode_consistency's calls, which output_shape reads too, the float64 copy) counts to the detector that
-made it, the first of its readers to run: weight_row_sums makes the padding stack (mask_honoured's and future_leakage's
-cases), query_locality the one with separate streams (keys_matter's too), output_shape decode_consistency's calls.
+_stacked.py, decode_consistency's calls, which output_shape reads too, batch_independence's call, the float64 gradient
+probe) counts to the detector that made it, the first of its readers to run: weight_row_sums makes the padding stack
+(mask_honoured's and future_leakage's cases), query_locality the one with separate streams (keys_matter's too),
+output_shape decode_consistency's calls (the full pass holds future_leakage's cuts without a mask), eval_determinism
+batch_independence's call, gradients the float64 probe parameters_used reads; output_variance's call on identical
+tokens is runs' non-contiguous probe.
 Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores; issue 21:
 a warm causal audit within 30 forward passes at seq_len 128 (stretch 20), within 20 at 1024 (stretch 12) and
 under 6 s there.
