@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import sys
 import torch
@@ -26,15 +28,29 @@ print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._in
 """
 
 
-def test_a_fresh_process_audits_and_localises_without_importing_dynamo_or_sympy():
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def listings() -> dict[str, subprocess.CompletedProcess]:
+    """The script run in two fresh processes side by side (each pays for importing torch, the control for
+    torch._dynamo too): as written, and the negative control, which imports torch._dynamo first."""
+    scripts = {"fresh": SCRIPT, "dynamo imported": SCRIPT.replace("import torch\n", "import torch\nimport torch._dynamo\n", 1)}
+    assert scripts["dynamo imported"] != SCRIPT
+    started = {name: subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for name, script in scripts.items()}
+    done = {}
+    for name, process in started.items():
+        out, err = process.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return done
+
+
+def test_a_fresh_process_audits_and_localises_without_importing_dynamo_or_sympy(listings):
+    run = listings["fresh"]
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
 
 
-def test_the_check_sees_dynamo_when_something_imports_it():
+def test_the_check_sees_dynamo_when_something_imports_it(listings):
     """The negative control: the same listing after an explicit import of torch._dynamo names it."""
-    script = SCRIPT.replace("import torch\n", "import torch\nimport torch._dynamo\n", 1)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = listings["dynamo imported"]
     assert run.returncode == 0, run.stderr
     assert "torch._dynamo" in run.stdout

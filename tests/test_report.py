@@ -98,9 +98,13 @@ class Page(HTMLParser):
             self._error += data
 
 
-def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fix(teaching_report_html,
-                                                                                   catalog_audits):
-    page = Page(teaching_report_html)
+@pytest.fixture(scope="module", name="page")
+def teaching_page(teaching_report_html) -> Page:
+    """`page`: the teaching report parsed once: the tests only read it (parsing the whole catalog's page took 1.2 s)."""
+    return Page(teaching_report_html)
+
+
+def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fix(catalog_audits, page):
     assert set(page.sections) == {f"variant-{vid}" for vid in VARIANTS}
     for vid, variant in VARIANTS.items():
         section = page.sections[f"variant-{vid}"]
@@ -117,10 +121,9 @@ def test_every_variant_has_a_section_with_its_diff_both_heatmaps_readings_and_fi
             assert finding.detector in text and " ".join(evidence.split()) in text, (vid, finding.detector)
 
 
-def test_decoding_variants_show_the_full_pass_and_cached_decoding_side_by_side(teaching_report_html):
+def test_decoding_variants_show_the_full_pass_and_cached_decoding_side_by_side(page):
     """The reference's decoded rows are its full pass's (to rounding); the variant's are not: read from the page
     (its text, table cells joined)."""
-    page = Page(teaching_report_html)
     decoding = [vid for vid, v in VARIANTS.items() if "decode_consistency" in v.expected_detectors]
     assert decoding, "the catalog has decoding variants"
     for vid, variant in VARIANTS.items():
@@ -135,9 +138,7 @@ def test_decoding_variants_show_the_full_pass_and_cached_decoding_side_by_side(t
         assert max(d for (who, _), d in readings.items() if who == "variant") > 1e-2, (vid, readings)
 
 
-def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict(teaching_report_html,
-                                                                                  catalog_audits):
-    page = Page(teaching_report_html)
+def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict(catalog_audits, page):
     assert page.matrix_detectors == [*diagnostics.DETECTORS, "caught"]
     assert list(page.matrix_rows) == list(VARIANTS)
     for vid, verdicts in page.matrix_rows.items():
@@ -146,8 +147,7 @@ def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict
     assert section_links == {f"#{sid}" for sid in page.sections}
 
 
-def test_the_teaching_report_opens_offline(teaching_report_html):
-    page = Page(teaching_report_html)
+def test_the_teaching_report_opens_offline(page):
     assert page.external == [] and page.scripts == 0
     assert not [link for link in page.links if not link.startswith("#")], "every link stays in the page"
     ids = {value for tag, name, value in page.attributes if name == "id"} | {"results-table"}  # pytest-html's
@@ -485,8 +485,7 @@ def test_audit_report_to_html_draws_the_pattern_finding_as_svg_offline(tmp_path,
 
 
 @pytest.mark.parametrize("vid", PATTERN_VARIANTS)
-def test_each_pattern_variant_s_section_shows_its_picture(vid, teaching_report_html):
-    page = Page(teaching_report_html)
+def test_each_pattern_variant_s_section_shows_its_picture(vid, teaching_report_html, page):
     section = page.sections[f"variant-{vid}"]["text"]
     assert "The pattern, declared and measured" in section and f"pattern={VARIANTS[vid].pattern}" in section
     start = teaching_report_html.index(f'id="variant-{vid}"')
