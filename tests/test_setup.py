@@ -1,8 +1,8 @@
 """The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
 the `real` extra as the README gives it, then the `zoo` extra (pinned) and tests/test_zoo.py; where the real extra
 is installed, transformers' Llama classes and timm import in a fresh interpreter (no workaround of the tests' own);
-the minimum torch stated in the README is the one pyproject declares, and the tests run under
-`--import-mode=importlib` (nothing is imported from a conftest)."""
+the minimum torch stated in the README is the one pyproject declares, no README paragraph appears twice, and the
+tests run under `--import-mode=importlib` (nothing is imported from a conftest)."""
 
 from __future__ import annotations
 
@@ -114,6 +114,24 @@ def test_the_readme_states_the_minimum_torch_that_pyproject_declares():
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     minimum = re.search(r'dependencies = \["torch>=([\d.]+)"\]', pyproject).group(1)
     assert f"**Supported torch: {minimum} and later** (`pyproject.toml` says `torch>={minimum}`)" in README
+
+
+def repeated_paragraphs(text: str) -> list[str]:
+    """The paragraphs (blank-line separated, over 80 characters) that appear more than once, in order."""
+    seen, repeated = set(), []
+    for paragraph in (p.strip() for p in text.split("\n\n")):
+        if len(paragraph) > 80 and paragraph in seen and paragraph not in repeated:
+            repeated.append(paragraph)
+        seen.add(paragraph)
+    return repeated
+
+
+def test_no_paragraph_of_the_readme_appears_twice():
+    """An edit that pastes a section's new version beside its old one leaves two sets of figures (the cost section
+    once did: one commit's numbers, then an older one's); the check itself sees a doubled paragraph."""
+    assert repeated_paragraphs(README) == []
+    first = next(p.strip() for p in README.split("\n\n") if len(p.strip()) > 80)
+    assert repeated_paragraphs(README + "\n\n" + first + "\n") == [first]
 
 
 def test_tests_run_under_import_mode_importlib():
