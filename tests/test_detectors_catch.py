@@ -261,11 +261,16 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
 @example(cfg=SWAPPED_DRAW)
 @example(cfg=DETACHED_DRAW)
 @example(cfg=DROPOUT_DRAW)
-def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg):
-    """The twin: the correct layer, built, initialised and audited exactly like the variant above."""
+def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg, reference_audit):
+    """The twin: the correct layer, built, initialised and audited exactly like the variant above (once per
+    reference configuration and draw: variants sharing their reference share the explicit examples' audits)."""
     variant = VARIANTS[vid]
-    layer = _build(variant.reference, cfg)
-    report = _audit(layer, cfg, **variant.audit_kwargs(layer))
+
+    def audit():
+        layer = _build(variant.reference, cfg)
+        return _audit(layer, cfg, **variant.audit_kwargs(layer))
+
+    report = reference_audit(variant, ("drawn", tuple(sorted((k, str(v)) for k, v in cfg.items()))), audit)
     assert report.passed, f"({cfg})\n{report}"
     assert not report.findings, f"({cfg})\n{report}"
 

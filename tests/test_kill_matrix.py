@@ -30,14 +30,22 @@ def build(make, dtype, init):
     return layer.to(dtype)
 
 
+def twin_audit(reference_audit, vid, dtype, init) -> diagnostics.AuditReport:
+    """The audit of the *correct* layer configured like variant `vid`, built like its cell (`build`) and audited as
+    the variant promises; once per reference configuration (conftest's `reference_audit`)."""
+    variant = VARIANTS[vid]
+
+    def audit():
+        layer = build(variant.reference, dtype, init)
+        return diagnostics.audit(layer, **variant.audit_kwargs(layer))
+
+    return reference_audit(variant, ("kill matrix", str(dtype), init), audit)
+
+
 @pytest.fixture(scope="module")
-def reference_audits() -> dict[str, diagnostics.AuditReport]:
-    """{variant id: audit of the *correct* layer configured like that variant}."""
-    audits = {}
-    for vid, variant in VARIANTS.items():
-        layer = build(variant.reference, torch.float32, "default")
-        audits[vid] = diagnostics.audit(layer, **variant.audit_kwargs(layer))
-    return audits
+def reference_audits(reference_audit) -> dict[str, diagnostics.AuditReport]:
+    """{variant id: audit of the *correct* layer configured like that variant}, float32 and torch's init."""
+    return {vid: twin_audit(reference_audit, vid, torch.float32, "default") for vid in VARIANTS}
 
 
 @pytest.mark.parametrize("vid, detector", CELLS)
@@ -113,10 +121,9 @@ def test_every_pattern_variant_has_its_finding_named():
 
 @pytest.mark.parametrize("dtype, init", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("vid", sorted(VARIANTS))
-def test_twin_reference_passes_in_every_dtype_and_initialisation(vid, dtype, init):
+def test_twin_reference_passes_in_every_dtype_and_initialisation(vid, dtype, init, reference_audit):
     """The twin of the test above: the correct layer, built, initialised and audited the same way."""
-    layer = build(VARIANTS[vid].reference, dtype, init)
-    report = diagnostics.audit(layer, **VARIANTS[vid].audit_kwargs(layer))
+    report = twin_audit(reference_audit, vid, dtype, init)
     assert report.status == "passed" and not report.findings, str(report)
     assert all(r.measured for r in report.results if not r.message.startswith("not applicable")), str(report)
 
