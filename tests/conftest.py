@@ -83,7 +83,9 @@ def reference_audit():
     reports: dict = {}
 
     def once(variant, recipe, audit):
-        key = (repr(sorted(variant.layer_kwargs.items())), repr(variant.pattern), recipe)
+        config = tuple((name, tuple(value.flatten().tolist()) if hasattr(value, "flatten") else value)
+                       for name, value in sorted(variant.layer_kwargs.items()))  # a tensor by its values, in full
+        key = (config, repr(variant.pattern), recipe)
         if key not in reports:
             reports[key] = audit()
         return reports[key]
