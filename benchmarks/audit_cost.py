@@ -74,7 +74,8 @@ t1 = time.perf_counter()
 sys.path.insert(0, {root!r})
 if {threads!r}:
     torch.set_num_threads({threads!r})
-sys.pycache_prefix, sys.dont_write_bytecode = {prefix!r}, {dont_write!r}  # this package's bytecode only: torch's is read
+# this package's bytecode only: torch's was read as installed
+sys.pycache_prefix, sys.dont_write_bytecode = {prefix!r}, {dont_write!r}
 import diagnostics
 from correct import MultiHeadAttention
 torch.manual_seed(0)

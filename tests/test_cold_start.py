@@ -32,7 +32,8 @@ print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._in
 def listings() -> dict[str, subprocess.CompletedProcess]:
     """The script run in two fresh processes side by side (each pays for importing torch, the control for
     torch._dynamo too): as written, and the negative control, which imports torch._dynamo first."""
-    scripts = {"fresh": SCRIPT, "dynamo imported": SCRIPT.replace("import torch\n", "import torch\nimport torch._dynamo\n", 1)}
+    control = SCRIPT.replace("import torch\n", "import torch\nimport torch._dynamo\n", 1)
+    scripts = {"fresh": SCRIPT, "dynamo imported": control}
     assert scripts["dynamo imported"] != SCRIPT
     started = {name: subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True) for name, script in scripts.items()}
