@@ -228,9 +228,9 @@ def check_gradients(probe: Probe) -> DetectorResult:
                            "(a detached or hand-written backward)", value=rel, threshold=limit,
                            evidence=evidence, replay=replay())
         if leak:
-                return result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
-                               "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence,
-                              replay=replay(through_masks=True))
+            return result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
+                          "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence,
+                          replay=replay(through_masks=True))
         checked = ""
         if padded:
             leak, checked = _masked_key_gradient(sub, inputs, grads[1:len(inputs)], allowed)
