@@ -134,6 +134,7 @@ def test_no_paragraph_of_the_readme_appears_twice():
     assert repeated_paragraphs(README + "\n\n" + first + "\n") == [first]
 
 
+@pytest.mark.slow  # a second pytest process that collects the whole suite again: 10 s of the default run's 160
 def test_tests_run_under_import_mode_importlib():
     """`from conftest import ...` fails under importlib mode: the shared values are fixtures now. Collects
     every test module and runs a quick test of a few."""
