@@ -6,8 +6,15 @@ Profiles: `default` (fast, for every run), `thorough` (deep: `pytest --hypothesi
 seed it prints). Under CI (the CI environment variable set) the default profile is derandomized so runs are
 reproducible.
 
-Tests marked `slow` (the full declared-pattern matrix, tests/test_pattern_matrix.py) skip, visibly and with the
-reason, unless pytest runs with `--slow` or selects them with `-m slow`.
+Tests marked `slow` skip, visibly and with the reason, unless pytest runs with `--slow` or selects them with
+`-m slow` (CI's slow step): the full declared-pattern matrix (tests/test_pattern_matrix.py), four of the kill
+matrix's six dtype x initialisation settings, the importlib run of tests/test_setup.py, the fresh processes of
+tests/test_cold_start.py, the teaching report written under pytest-xdist, and the one-process rule below.
+
+The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
+`-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half
+the time), unless it asks for workers (`-n auto`). Without pytest-xdist, or with `-p no:xdist`, the suite runs in
+one process. The header says which.
 """
 
 from __future__ import annotations
@@ -46,9 +53,42 @@ if torch is not None:
 SLOW_REASON = "slow: run with --slow (CI runs them in its slow step)"
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser, pluginmanager):
     parser.addoption("--slow", action="store_true", default=False,
-                     help="also run the tests marked slow (the full declared-pattern matrix)")
+                     help="also run the tests marked slow (the full declared-pattern matrix and more: conftest.py)")
+    if not pluginmanager.has_plugin("xdist"):
+        # pyproject's addopts ask pytest-xdist for a worker per core (`--numprocesses=auto --dist=loadscope`);
+        # where it is not installed, or blocked with `-p no:xdist`, the options are taken and ignored, and the
+        # header says so
+        for option in ("--numprocesses", "--dist"):
+            parser.addoption(option, default=None,
+                             help="pytest-xdist is not loaded: ignored, the suite runs in one process")
+
+
+def _names_tests(config) -> bool:
+    """The command line names test files or tests (not a directory), and asks for no workers itself."""
+    typed = config.invocation_params.args
+    asked = any(arg.startswith(("-n", "--numprocesses", "--tx", "--dist")) for arg in typed)
+    return (not asked and config.args_source == pytest.Config.ArgsSource.ARGS
+            and not any((config.invocation_params.dir / arg.split("::")[0]).is_dir() for arg in config.args))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own (trylast) configure starts the workers
+def pytest_configure(config):
+    """The whole suite, or a directory of it, runs on a worker per core; a command line that names test files or
+    tests runs them in one process, which starts in half the time (one file: 5.7 s against 12.2 s on 2 cores),
+    unless it asks for workers itself (`-n auto`)."""
+    if config.pluginmanager.has_plugin("xdist") and _names_tests(config):
+        config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
+
+
+def pytest_report_header(config):
+    if not config.pluginmanager.has_plugin("xdist"):
+        return ["one process: pytest-xdist is not loaded (pip install -e '.[test]' brings it; with it the suite "
+                "runs a worker per core)"]
+    if _names_tests(config):
+        return ["one process: the command line names test files or tests (-n auto spreads them over the cores)"]
+    return []
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ Torch wraps a TorchDispatchMode's `__torch_dispatch__` in `torch._disable_dynamo
 import sympy through torch.fx's symbolic shapes. The audit's observers opt out (diagnostics._observe.Mode) and its
 index arithmetic is plain Python, so a fresh process that audits a correct layer and a broken one, and reads the
 broken one's sites, imports neither. Timings live in benchmarks/audit_cost.py; this checks the cause, not a clock.
+Marked `slow` (CI's slow step, `pytest --slow`): its two fresh processes took 5-8 s of the default run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import sys

@@ -564,6 +564,26 @@ def test_pytest_html_report_has_variant_and_detector_columns_and_the_teaching_re
     assert '<td class="col-variant"></td><td class="col-detector"></td>' in rows["test_inner.py::test_unrelated"]
 
 
+@pytest.mark.slow  # two worker processes, each importing torch: about 10 s
+def test_under_pytest_xdist_the_report_keeps_its_columns_and_the_controller_audits_the_catalog(pytester):
+    """The suite runs a worker per core. The report is written by xdist's controller, which runs no fixture: the
+    Variant and Detector cells travel with each test's report, and the teaching report audits the whole catalog
+    itself (the two-variant `catalog_audits` of the inner session ran in the workers)."""
+    pytest.importorskip("pytest_html", reason="pytest-html is not installed: pip install -e '.[test]'")
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed: pip install -e '.[test]'")
+    result = _run_inner(pytester, "--html=report.html", "--self-contained-html", "--numprocesses=2")
+    result.assert_outcomes(passed=2, failed=1)
+    assert "2 workers" in result.stdout.str()
+    text = (pytester.path / "report.html").read_text(encoding="utf-8")
+    page = Page(text)
+    assert set(page.sections) == {f"variant-{vid}" for vid in VARIANTS}
+    blob = next(value for tag, name, value in page.attributes if name == "data-jsonblob")
+    rows = {nodeid: "".join(runs[0]["resultsTableRow"]) for nodeid, runs in json.loads(blob)["tests"].items()}
+    caught = rows["test_inner.py::test_caught[softmax_saturation-missing_scale]"]
+    assert '<td class="col-variant"><a href="#variant-missing_scale">missing_scale</a></td>' in caught
+    assert '<td class="col-detector">softmax_saturation</td>' in caught
+
+
 def test_without_pytest_html_the_suite_runs_and_writes_no_report(pytester):
     result = _run_inner(pytester, "-p", "no:html")
     result.assert_outcomes(passed=2, failed=1)

@@ -1,8 +1,9 @@
 """The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
 the `real` extra as the README gives it, then the `zoo` extra (pinned) and tests/test_zoo.py; where the real extra
 is installed, transformers' Llama classes and timm import in a fresh interpreter (no workaround of the tests' own);
-the minimum torch stated in the README is the one pyproject declares, no README paragraph appears twice, and the
-tests run under `--import-mode=importlib` (nothing is imported from a conftest)."""
+the minimum torch stated in the README is the one pyproject declares, no README paragraph appears twice, the
+tests run under `--import-mode=importlib` (nothing is imported from a conftest), and a command line that names a
+test file runs in one process rather than on pytest-xdist's workers."""
 
 from __future__ import annotations
 
@@ -142,8 +143,29 @@ def test_tests_run_under_import_mode_importlib():
              "or options_have_their_own_group")
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     done = subprocess.run([sys.executable, "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider", "-q",
+                           "-p", "no:xdist",  # five tests: one process, not a worker per core
                            "tests", "-k", quick],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", done.stdout).group(1))
     assert passed >= 5 and "error" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+@pytest.mark.slow  # three pytest processes side by side, each importing torch: about 10 s
+def test_a_named_file_runs_in_one_process_unless_workers_are_asked_for():
+    """pyproject's addopts start a worker per core (pytest-xdist); a command line that names a test file runs it in
+    one process, and says so, unless it asks for workers itself; `-p no:xdist` runs in one process and says so."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed: pip install -e '.[test]'")
+    one = ["tests/test_setup.py", "-k", "explore_profile"]
+    argvs = {"named": one, "asked": ["-n", "2", *one], "blocked": ["-p", "no:xdist", *one]}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    started = {name: subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for name, argv in argvs.items()}
+    out = {name: process.communicate(timeout=300)[0] for name, process in started.items()}
+    assert all(process.returncode == 0 for process in started.values()), out
+    assert "one process: the command line names test files or tests" in out["named"], out["named"]
+    assert "workers" not in out["named"], out["named"]
+    assert "created: 2/2 workers" in out["asked"] and "one process" not in out["asked"], out["asked"]
+    assert "one process: pytest-xdist is not loaded" in out["blocked"], out["blocked"]
+    assert all("1 passed" in text for text in out.values()), out
