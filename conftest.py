@@ -22,33 +22,54 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
-
-try:  # every test but the structural ones (tests/test_architecture.py, which read the source) needs torch
-    import torch
-except ImportError:
-    torch = None
-
-_COMMON = dict(
-    deadline=None,
-    # `device` is a parameter, not state: reusing it across examples is safe.
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
-# default: 10 examples per property keeps the whole run near a minute on 2 cores (20 cost about 12 s more in one
-# run); CI's explore step draws 60 others per commit, and `thorough` 400
-settings.register_profile("default", max_examples=10, derandomize=bool(os.environ.get("CI")), **_COMMON)
-settings.register_profile("thorough", max_examples=400, **_COMMON)
-settings.register_profile("explore", max_examples=60, derandomize=False, database=None, **_COMMON)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # A probe whose perturbation did not change what it claims is a bug in diagnostics: in this project's own
 # tests it raises (for users it is a visible skip). Set before diagnostics is imported.
 os.environ.setdefault("ATTENTION_AUDIT_STRICT_PROBES", "1")
 
-# The suite's tensors are tiny: intra-op threads only add hand-off cost (a 2x2x4x4 softmax took 320 us with two
-# threads on a busy 2-core machine, 2.6 us with one), so the tests run torch single-threaded.
-if torch is not None:
+
+def _load_profiles() -> None:
+    """Register the Hypothesis profiles and load the one asked for (HYPOTHESIS_PROFILE, else `default`); pytest's
+    `--hypothesis-profile` then picks among them."""
+    from hypothesis import HealthCheck, settings
+
+    common = dict(
+        deadline=None,
+        # `device` is a parameter, not state: reusing it across examples is safe.
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
+    # default: 10 examples per property keeps the whole run near a minute on 2 cores (20 cost about 12 s more in
+    # one run); CI's explore step draws 60 others per commit, and `thorough` 400
+    settings.register_profile("default", max_examples=10, derandomize=bool(os.environ.get("CI")), **common)
+    settings.register_profile("thorough", max_examples=400, **common)
+    settings.register_profile("explore", max_examples=60, derandomize=False, database=None, **common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _single_threaded_torch() -> None:
+    """The suite's tensors are tiny: intra-op threads only add hand-off cost (a 2x2x4x4 softmax took 320 us with
+    two threads on a busy 2-core machine, 2.6 us with one), so the tests run torch single-threaded. Every test but
+    the structural ones (tests/test_architecture.py, which read the source) needs torch; without it they skip."""
+    try:
+        import torch
+    except ImportError:
+        return
     torch.set_num_threads(1)
+
+
+def _distributes(config) -> bool:
+    """This process is pytest-xdist's controller: it hands the tests to its workers and runs none itself, so it needs
+    neither torch nor the catalog (2-3 s of its start-up, before the first worker starts)."""
+    return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+            and bool(config.getoption("tx", None)) and not config.getoption("collectonly"))
+
+
+def _asks_hypothesis(config) -> bool:
+    """A `--hypothesis-*` option is on the command line: Hypothesis's own plugin then loads a profile, in the
+    controller too."""
+    return any(value not in (None, False) for name, value in vars(config.option).items()
+               if name.startswith("hypothesis_"))
+
 
 SLOW_REASON = "slow: run with --slow (CI runs them in its slow step)"
 
@@ -80,6 +101,11 @@ def pytest_configure(config):
     unless it asks for workers itself (`-n auto`)."""
     if config.pluginmanager.has_plugin("xdist") and _names_tests(config):
         config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
+    # before any test module is imported (their @settings read the profile); the controller only when asked
+    if not _distributes(config) or _asks_hypothesis(config):
+        _load_profiles()
+    if not _distributes(config):
+        _single_threaded_torch()
 
 
 def pytest_report_header(config):
@@ -106,8 +132,7 @@ DEVICES = ["cpu", "cuda"]
 @pytest.fixture(params=DEVICES)
 def device(request):
     """Every device-aware test runs once per device; CUDA skips with a reason where no GPU is present."""
-    if torch is None:
-        pytest.skip("torch is not installed: pip install torch==2.13.0")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0")
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA not available: no GPU on this machine (torch.cuda.is_available() is False)")
     return torch.device(request.param)

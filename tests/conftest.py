@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 
-try:  # the catalog imports torch; without it only the structural tests (test_architecture.py) can run
-    from buggy_variants import teaching_report
-except ImportError:
-    teaching_report = None
+
+def _teaching_report():
+    """`buggy_variants.teaching_report`, imported when first needed: it imports torch and the catalog, which
+    pytest-xdist's controller needs only to write a report (`--html`). None without torch: then only the
+    structural tests (test_architecture.py) can run."""
+    try:
+        from buggy_variants import teaching_report
+    except ImportError:
+        return None
+    return teaching_report
+
 
 # A user's own attention module, as the command-line and plugin tests write it into a scratch directory:
 # correct as built, without the 1/sqrt(d_k) when scaled=False. Each test module appends its own variations.
@@ -98,6 +105,7 @@ def catalog_audits():
     """{variant id: audit of its layer}, each built with torch.manual_seed(0) at
     `teaching_report.KILL_MATRIX_SIZE`, audited as it promises (causal layers with causal=True). Used by the
     kill matrix and by the teaching report."""
+    teaching_report = _teaching_report()
     if teaching_report is None:
         pytest.skip("torch is not installed: pip install torch==2.13.0")
     return teaching_report.audit_catalog()
@@ -106,12 +114,14 @@ def catalog_audits():
 @pytest.fixture(scope="session")
 def teaching_report_html(catalog_audits) -> str:
     """The teaching report's HTML for the whole catalog, as `pytest --html` puts it above the results."""
-    return teaching_report.teaching_html(catalog_audits)
+    return _teaching_report().teaching_html(catalog_audits)
 
 
 def pytest_configure(config):
-    if teaching_report is not None:
-        teaching_report.register(config)
+    if config.getoption("htmlpath", None):  # pytest-html writes a report: the teaching report joins it
+        teaching_report = _teaching_report()
+        if teaching_report is not None:
+            teaching_report.register(config)
 
 
 @pytest.fixture
