@@ -19,6 +19,7 @@ one process. The header says which.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -107,6 +108,15 @@ def pytest_configure(config):
     if not _distributes(config):
         _single_threaded_torch()
 
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A pytest-xdist worker is about to exit: its interpreter would first walk every object it holds for cycles
+    (torch's alone make that 0.55 s of a 0.75 s `python -c "import torch"`), the controller waiting. Freezing them
+    leaves the walk nothing to do (0.2 s). Only in workers: a process that runs pytest.main() goes on after it."""
+    if hasattr(config, "workerinput"):
+        gc.freeze()
 
 def pytest_report_header(config):
     if not config.pluginmanager.has_plugin("xdist"):
