@@ -85,20 +85,14 @@ NEVER_SEEN_GENERAL = {"leak behind clean weights", "online softmax without resca
                       "output pushed out of the values' range", "keys centred over the batch"}
 
 
-def _variant_report(vid):
-    torch.manual_seed(0)
-    layer = VARIANTS[vid].build(32, 4)
-    return diagnostics.audit(layer, **VARIANTS[vid].audit_kwargs(layer))
-
-
 def test_the_tables_cover_the_catalog_and_the_never_seen_layers():
     assert set(CATALOG) | set(GENERAL) == set(VARIANTS)
     assert set(NEVER_SEEN) | NEVER_SEEN_GENERAL == set(never_seen.BROKEN) | set(never_seen.SECOND_CHAPTER)
 
 
 @pytest.mark.parametrize("vid", sorted(CATALOG))
-def test_the_fix_of_each_catalog_variant_names_its_cause(vid):
-    report = _variant_report(vid)
+def test_the_fix_of_each_catalog_variant_names_its_cause(vid, catalog_audits):
+    report = catalog_audits[vid]  # built with torch.manual_seed(0) at d_model 32, 4 heads, audited as it promises
     for det, words in CATALOG[vid].items():
         result = report.result(det)
         fix, general = result.remedy
@@ -108,8 +102,8 @@ def test_the_fix_of_each_catalog_variant_names_its_cause(vid):
 
 
 @pytest.mark.parametrize("vid", sorted(GENERAL))
-def test_a_cause_not_pinned_down_shows_the_general_fix_marked_as_such(vid):
-    report = _variant_report(vid)
+def test_a_cause_not_pinned_down_shows_the_general_fix_marked_as_such(vid, catalog_audits):
+    report = catalog_audits[vid]
     result = report.result(GENERAL[vid])
     fix, general = result.remedy
     assert result.fired and general and fix == diagnostics.DETECTORS[GENERAL[vid]].fix, fix
@@ -154,7 +148,7 @@ def test_passing_detectors_carry_no_fix_in_json():
     assert any(r["fix"] for r in rows if r["verdict"] == "fail")
 
 
-def test_runs_fix_follows_the_exception_not_the_detector():
+def test_runs_fix_follows_the_exception_not_the_detector(catalog_audits):
     """A view error gets .contiguous(); an arbitrary exception gets no view advice, only the general fix (marked),
     which sends the user to the exception."""
     from torch import nn
@@ -170,12 +164,12 @@ def test_runs_fix_follows_the_exception_not_the_detector():
     result = diagnostics.audit(Boom()).result("runs")
     fix, general = result.remedy
     assert result.verdict == "fail" and general and ".contiguous()" not in fix and "exception" in fix, fix
-    view = _variant_report("non_contiguous_view").result("runs")
+    view = catalog_audits["non_contiguous_view"].result("runs")
     assert not view.remedy[1] and ".contiguous() before .view()" in view.remedy[0]
 
 
-def test_runs_quotes_an_exception_raised_on_many_probes_once():
-    runs = _variant_report("non_contiguous_view").result("runs")
+def test_runs_quotes_an_exception_raised_on_many_probes_once(catalog_audits):
+    runs = catalog_audits["non_contiguous_view"].result("runs")
     error = "view size is not compatible"
     assert runs.evidence.count(error) == 1 and f"raised on {int(runs.value)} probes: RuntimeError: {error}" in \
         runs.evidence, runs.evidence
