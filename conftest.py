@@ -9,12 +9,15 @@ reproducible.
 Tests marked `slow` skip, visibly and with the reason, unless pytest runs with `--slow` or selects them with
 `-m slow` (CI's slow step): the full declared-pattern matrix (tests/test_pattern_matrix.py), four of the kill
 matrix's six dtype x initialisation settings, the importlib run of tests/test_setup.py, the fresh processes of
-tests/test_cold_start.py, the teaching report written under pytest-xdist, and the one-process rule below.
+tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, and the
+controller's light start with the catalog's readers on one worker (tests/test_setup.py).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half
 the time), unless it asks for workers (`-n auto`). Without pytest-xdist, or with `-p no:xdist`, the suite runs in
-one process. The header says which.
+one process. The header says which. xdist's controller runs no test: it imports neither torch nor Hypothesis (unless
+a `--hypothesis-*` option or `-v` asks), so the workers start 2-3 s sooner; tests/conftest.py keeps the test
+modules that read the catalog's session audits on one worker.
 """
 
 from __future__ import annotations
@@ -66,10 +69,10 @@ def _distributes(config) -> bool:
 
 
 def _asks_hypothesis(config) -> bool:
-    """A `--hypothesis-*` option is on the command line: Hypothesis's own plugin then loads a profile, in the
-    controller too."""
-    return any(value not in (None, False) for name, value in vars(config.option).items()
-               if name.startswith("hypothesis_"))
+    """A `--hypothesis-*` option is on the command line, or `-v`: Hypothesis's own plugin then loads a profile, or
+    names the one loaded in the header, in the controller too."""
+    return config.option.verbose >= 1 or any(value not in (None, False) for name, value in vars(config.option).items()
+                                             if name.startswith("hypothesis_"))
 
 
 SLOW_REASON = "slow: run with --slow (CI runs them in its slow step)"

@@ -7,6 +7,7 @@ test file runs in one process rather than on pytest-xdist's workers."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -169,3 +170,43 @@ def test_a_named_file_runs_in_one_process_unless_workers_are_asked_for():
     assert "created: 2/2 workers" in out["asked"] and "one process" not in out["asked"], out["asked"]
     assert "one process: pytest-xdist is not loaded" in out["blocked"], out["blocked"]
     assert all("1 passed" in text for text in out.values()), out
+
+
+_CONTROLLER_PROBE = '''
+import sys
+
+RAN_ON = {}
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # pytest-xdist's controller: the worker that sent the report
+    if node is not None and report.when == "call":
+        RAN_ON.setdefault(report.nodeid.split("::")[0], set()).add(node.gateway.id)
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):
+        imported = [name for name in ("torch", "hypothesis", "buggy_variants") if name in sys.modules]
+        print("controller imported:", ", ".join(imported) or "none of torch, hypothesis, buggy_variants")
+        print("ran on:", sorted((path, sorted(workers)) for path, workers in RAN_ON.items()))
+'''
+
+
+@pytest.mark.slow  # a pytest run on two workers, each importing torch: about 10 s
+def test_the_controller_imports_no_torch_and_the_catalogs_readers_share_a_worker(tmp_path):
+    """Under pytest-xdist the controller only hands out tests: it imports neither torch, nor Hypothesis (no
+    --hypothesis option is given), nor the catalog. Test modules that read the catalog's session audits
+    (tests/conftest.py's SHARED_AUDITS) run on one worker, so the catalog is audited once per run."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed: pip install -e '.[test]'")
+    (tmp_path / "controller_probe.py").write_text(_CONTROLLER_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    cheap = "test_the_tables_cover or test_no_registered_fix or test_the_observer_records or test_ops_the_audit_runs"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "controller_probe", "-n", "2",
+                           "-s", "tests/test_fixes.py", "tests/test_where.py", "-k", cheap],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "controller imported: none of torch, hypothesis, buggy_variants" in done.stdout, done.stdout[-3000:]
+    ran_on = ast.literal_eval(re.search(r"^ran on: (.*)$", done.stdout, re.M).group(1))  # [(path, [worker, ...]), ...]
+    assert [path for path, _ in ran_on] == ["tests/test_fixes.py", "tests/test_where.py"], ran_on
+    assert len({worker for _, workers in ran_on for worker in workers}) == 1, ran_on

@@ -30,6 +30,7 @@ import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants.teaching_report import KILL_MATRIX_SIZE
 from diagnostics import Site
+from diagnostics._core import relative_change
 from diagnostics._observe import Matmul, Observer, Scaling, SoftmaxCall
 
 pytest_plugins = ["pytester"]
@@ -216,7 +217,7 @@ def test_ops_the_audit_runs_itself_have_no_user_frame():
     """Converting a mask, cutting the output: ops of diagnostics, never a site."""
     new, old = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     with Observer() as observer:
-        diagnostics._core.relative_change(new, old)  # divides (2, 3) changes by the RMS: a Scaling event
+        relative_change(new, old)  # divides (2, 3) changes by the RMS: a Scaling event
     assert observer.record.order and all(e.frames == () for e in observer.record.order)
 
 
