@@ -4,6 +4,8 @@ parses."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib.metadata
 import json
 import math
@@ -142,6 +144,17 @@ def test_a_reader_that_stops_early_gets_no_traceback(runs):
     run = runs["closed_pipe"]
     assert "BrokenPipeError" not in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert run.returncode == 0  # the audit's own status: it passed, only the reader stopped
+
+
+def test_only_the_command_itself_freezes_the_collector_at_exit(in_scratch, monkeypatch, capsys):
+    """The command (argv read from sys.argv) skips the interpreter's last walk over every object for cycles by
+    freezing them at exit; a caller that passes argv keeps its collector as it was."""
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *a, **k: registered.append(fn))
+    assert _cli.main(["userlayers:correct"]) == 0 and registered == []
+    monkeypatch.setattr(sys, "argv", ["attention-audit", "userlayers:correct"])
+    assert _cli.main() == 0 and registered == [gc.freeze]
+    capsys.readouterr()
 
 
 def test_console_script_is_installed():
