@@ -63,7 +63,8 @@ def _single_threaded_torch() -> None:
 
 def _distributes(config) -> bool:
     """This process is pytest-xdist's controller: it hands the tests to its workers and runs none itself, so it needs
-    neither torch nor the catalog (2-3 s of its start-up, before the first worker starts)."""
+    neither torch nor the catalog (2-3 s of its start-up, before the first worker starts), unless it writes the
+    teaching report (`--html`: it audits the catalog itself, single-threaded like the workers)."""
     return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
             and bool(config.getoption("tx", None)) and not config.getoption("collectonly"))
 
@@ -108,7 +109,7 @@ def pytest_configure(config):
     # before any test module is imported (their @settings read the profile); the controller only when asked
     if not _distributes(config) or _asks_hypothesis(config):
         _load_profiles()
-    if not _distributes(config):
+    if not _distributes(config) or config.getoption("htmlpath", None):  # the controller audits the catalog for --html
         _single_threaded_torch()
 
 
