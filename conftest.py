@@ -106,12 +106,12 @@ def pytest_configure(config):
     unless it asks for workers itself (`-n auto`)."""
     if config.pluginmanager.has_plugin("xdist") and _names_tests(config):
         config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
+    runs_tests = not _distributes(config)
     # before any test module is imported (their @settings read the profile); the controller only when asked
-    if not _distributes(config) or _asks_hypothesis(config):
+    if runs_tests or _asks_hypothesis(config):
         _load_profiles()
-    if not _distributes(config) or config.getoption("htmlpath", None):  # the controller audits the catalog for --html
+    if runs_tests or config.getoption("htmlpath", None):  # the controller audits the catalog for --html
         _single_threaded_torch()
-
 
 
 @pytest.hookimpl(trylast=True)
@@ -121,6 +121,7 @@ def pytest_unconfigure(config):
     leaves the walk nothing to do (0.2 s). Only in workers: a process that runs pytest.main() goes on after it."""
     if hasattr(config, "workerinput"):
         gc.freeze()
+
 
 def pytest_report_header(config):
     if not config.pluginmanager.has_plugin("xdist"):

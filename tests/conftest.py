@@ -104,7 +104,7 @@ def reference_audit():
 def catalog_audits():
     """{variant id: audit of its layer}, each built with torch.manual_seed(0) at
     `teaching_report.KILL_MATRIX_SIZE`, audited as it promises (causal layers with causal=True). Used by the
-    kill matrix and by the teaching report."""
+    kill matrix, the fix tests and the teaching report."""
     teaching_report = _teaching_report()
     if teaching_report is None:
         pytest.skip("torch is not installed: pip install torch==2.13.0")
