@@ -81,14 +81,13 @@ def _command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(scratch) -> dict[str, subprocess.CompletedProcess]:
-    """The command run for real, in the scratch directory, the runs side by side (each pays for a fresh
-    Python importing torch): a correct layer as JSON, a broken one, a name that does not exist, and a
-    correct layer whose reader closes the pipe before the report is written (`| head` stopping early).
-    One thread each: several processes on a small machine, and layers far too small to gain from more."""
+    """The command run for real, in the scratch directory, the two runs side by side (each pays for a fresh
+    Python importing torch, 3 s of CPU on this project's 2-core machine): `python -m diagnostics` on a broken
+    layer, and the installed command on a correct one whose reader closes the pipe before the report is written
+    (`| head` stopping early). What needs no process of its own (the JSON, a usage error's exit 2 and its one
+    line) runs in-process below, through the same `main`. One thread each: layers far too small to gain from more."""
     argvs = {
-        "correct_json": _command() + ["userlayers:correct", "--json"],
         "broken": [sys.executable, "-m", "diagnostics", "userlayers:unscaled"],
-        "missing": _command() + ["userlayers:does_not_exist"],
         "closed_pipe": _command() + ["userlayers:correct"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -107,10 +106,9 @@ def runs(scratch) -> dict[str, subprocess.CompletedProcess]:
     return done
 
 
-def test_command_exits_0_on_a_correct_layer_and_json_parses(runs):
-    run = runs["correct_json"]
-    assert run.returncode == 0, run.stderr
-    report = json.loads(run.stdout)
+def test_command_exits_0_on_a_correct_layer_and_json_parses(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["passed"] is True and report["status"] == "passed" and report["status_reason"] == ""
     assert [r["detector"] for r in report["results"]] == list(DETECTORS)
     assert report["layer"].startswith("EinsumAttention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)")
@@ -122,14 +120,6 @@ def test_command_exits_1_on_a_broken_layer_and_prints_the_table(runs):
     assert run.stdout.startswith("attention audit of EinsumAttention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`): FAILED")
     assert re.search(r"^  softmax_saturation +FAIL +softmax is 2\.83x too sharp", run.stdout, re.M)
     assert "fix:      scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)" in run.stdout
-
-
-def test_command_exits_2_with_one_line_for_a_name_that_does_not_exist(runs):
-    run = runs["missing"]
-    assert run.returncode == 2
-    assert run.stdout == ""
-    assert run.stderr.count("\n") == 1
-    assert "error: expected userlayers to define 'does_not_exist'; got no attribute 'does_not_exist'" in run.stderr
 
 
 def test_command_prints_no_numpy_warning_where_numpy_is_absent(runs):
@@ -164,7 +154,7 @@ def test_console_script_is_installed():
         pytest.skip("the package is not installed here: pip install -e \".[test]\" adds the command")
     scripts = {ep.name: ep.value for ep in distribution.entry_points if ep.group == "console_scripts"}
     assert scripts == {"attention-audit": "diagnostics._cli:main"}
-    assert _command()[0].endswith("attention-audit")  # the runs above used it
+    assert _command()[0].endswith("attention-audit")  # the closed-pipe run above used it
 
 
 # ---- the same entry point in-process: every path through it, at the audit's own cost --------------------
@@ -199,6 +189,7 @@ def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, statu
 
 @pytest.mark.parametrize("argv, words", [
     (["userlayers"], "expected a target of the form pkg.module:object; got 'userlayers'"),
+    (["userlayers:does_not_exist"], "expected userlayers to define 'does_not_exist'; got no attribute 'does_not_exist'"),
     (["no_such_module:layer"], "expected an importable module 'no_such_module'"),
     (["badimport:layer"], "expected module 'badimport' to import; it raised ValueError: config file missing"),
     (["userlayers:not_a_layer"], "expected an attention layer, a class or a zero-argument factory; got "
