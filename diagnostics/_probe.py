@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import Output, Subject, not_weights
@@ -92,17 +93,8 @@ class Probe:
 
     def seed_layer_rng(self, seed: int | None = None) -> None:
         """Seed the global generators the layer's own randomness (dropout) draws from, so that calls meant to be
-        alike draw alike (audit() restores them afterwards). `torch.manual_seed` would also queue a seed for
-        every device type, at ~0.15 ms a call with a stack trace kept for CUDA: here only the CPU generator and
-        the layer's own device are seeded."""
-        seed = self.seed if seed is None else seed
-        torch.random.default_generator.manual_seed(seed)
-        device = torch.device(self.subject.device)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-        elif device.type != "cpu":
-            torch.manual_seed(seed)
+        alike draw alike (audit() restores them afterwards): the CPU's and the layer's device's (`seed_rng`)."""
+        seed_rng(self.seed if seed is None else seed, self.subject.device)
 
     def make(self, batch: int, t: int, **kw) -> Tensor:
         return self.subject.make(self.generator(), batch, t, **kw)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ._frames import frame_kind, user_frames
+from ._guard import seed_rng
 from ._observe import Observer
 from ._result import Site
 
@@ -203,7 +204,7 @@ def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, cal
     if isinstance(layer, torch.nn.Module):
         t.buffers = {id(b): name for name, b in list(layer.named_buffers()) + list(layer.named_parameters())}
     if seed is not None:
-        torch.manual_seed(seed)
+        seed_rng(seed, getattr(subject, "device", "cpu"))
     try:
         with torch.enable_grad(), Tracer(t):
             t.output = subject(query, key, value, allowed) if call is None else call()

@@ -18,6 +18,7 @@ import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants.teaching_report import KILL_MATRIX_SIZE
 from correct import gpt2_init_
+from diagnostics._guard import seed_rng
 
 CELLS = [(vid, det) for vid in sorted(VARIANTS) for det in diagnostics.DETECTORS]
 DOCUMENTED, TRAINING = (torch.float32, "default"), (torch.bfloat16, "gpt2")  # the two settings of the default run
@@ -27,7 +28,7 @@ SETTINGS = [pytest.param(dtype, init, id=f"{str(dtype).replace('torch.', '')}-{i
 
 
 def build(make, dtype, init):
-    torch.manual_seed(0)
+    seed_rng(0)
     layer = make(**KILL_MATRIX_SIZE)
     if init == "gpt2":
         gpt2_init_(layer)

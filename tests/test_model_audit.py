@@ -27,6 +27,7 @@ import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants._registry import Setting, promised_pattern
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
+from diagnostics._guard import seed_rng
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest_plugins = ["pytester"]
@@ -35,7 +36,7 @@ T = 16
 
 
 def audit(model, **kw):
-    torch.manual_seed(1)  # the audit's verdicts do not depend on the global RNG; the models' draws do
+    seed_rng(1)  # the audit's verdicts do not depend on the global RNG; the models' draws do
     return diagnostics.audit_model(model, **kw)
 
 
@@ -45,12 +46,12 @@ def located(report) -> set:
 
 
 def tiny_gpt(seed: int = 0, **kw) -> TinyGPT:
-    torch.manual_seed(seed)
+    seed_rng(seed)
     return TinyGPT(**kw)
 
 
 def protocol_gpt(seed: int = 0, **kw) -> ProtocolGPT:
-    torch.manual_seed(seed)
+    seed_rng(seed)
     return ProtocolGPT(**kw)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
+from diagnostics._guard import seed_rng
 
 # ---- correct, unlike the reference -------------------------------------------------------------------
 
@@ -270,7 +271,7 @@ def _on(device, layer, kw):
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
 def test_correct_layers_never_seen_before_pass(name, device):
-    torch.manual_seed(0)
+    seed_rng(0)
     layer, kw = _on(device, *CORRECT[name]())
     report = diagnostics.audit(layer, **kw)
     assert report.passed, str(report)
@@ -442,9 +443,9 @@ BROKEN = {
 def _broken_and_twin(make, make_twin):
     """The broken layer (with its audit options) and its correct twin, each built from seed 0: where both
     are modules with the same parameters, the twin is the same layer with the bug taken out, not later draws."""
-    torch.manual_seed(0)
+    seed_rng(0)
     layer, kw = make()
-    torch.manual_seed(0)
+    seed_rng(0)
     return layer, kw, make_twin()
 
 
@@ -719,7 +720,7 @@ def _in_setting(layer, kw, dtype, init):
 @pytest.mark.parametrize("name", sorted(SECOND_CHAPTER))
 def test_second_chapter_families_are_caught_unlike_the_reference(name, dtype, init):
     make, detector, _ = SECOND_CHAPTER[name]
-    torch.manual_seed(0)
+    seed_rng(0)
     layer, kw = _in_setting(*make(), dtype, init)
     report = diagnostics.audit(layer, **kw)
     assert report.result(detector).verdict == "fail", str(report)

@@ -36,6 +36,7 @@ from torch import nn
 
 import diagnostics
 from correct import gpt2_init_
+from diagnostics._guard import seed_rng
 
 # ---- class 2: the temperature wherever it is applied -----------------------------------------------------------
 
@@ -391,7 +392,7 @@ SETTINGS = [(torch.float32, "default"), (torch.float32, "gpt2"), (torch.bfloat16
 
 
 def _build(make, dtype=torch.float32, init="default"):
-    torch.manual_seed(0)
+    seed_rng(0)
     layer = make()
     if init == "gpt2":
         gpt2_init_(layer, seed=0)

@@ -18,6 +18,7 @@ from torch import nn
 
 import diagnostics
 from correct import gpt2_init_
+from diagnostics._guard import seed_rng
 from diagnostics.detectors import parameters
 
 
@@ -70,7 +71,7 @@ SETTINGS = [(dtype, init) for dtype in (torch.float32, torch.bfloat16, torch.flo
 
 
 def build(cls, bug, dtype, init, seed=0):
-    torch.manual_seed(seed)
+    seed_rng(seed)
     layer = cls(bug=bug)
     if init == "gpt2":
         gpt2_init_(layer, seed=seed)

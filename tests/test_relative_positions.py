@@ -22,6 +22,7 @@ from torch import nn
 
 import diagnostics
 from correct import gpt2_init_
+from diagnostics._guard import seed_rng
 from diagnostics.detectors import positions
 
 DET = "relative_positions"
@@ -97,7 +98,7 @@ class PositionalAttention(nn.Module):
 
 
 def build(dtype=torch.float32, init="default", seed=0, **kw) -> PositionalAttention:
-    torch.manual_seed(seed)
+    seed_rng(seed)
     layer = PositionalAttention(**kw)
     if init == "gpt2":
         gpt2_init_(layer, seed=seed)

@@ -24,7 +24,7 @@ from torch import nn
 from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
 from .._audit import audit
 from .._errors import AuditUsageError, expect
-from .._guard import untouched
+from .._guard import seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, phrase, run
 from .._result import DetectorResult
 from .._thresholds import dtype_name
@@ -140,7 +140,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         if progress is not None:
             progress(stage, i, n)
 
-    with untouched(model, device_dtype(model)[0]):
+    device = device_dtype(model)[0]
+    with untouched(model, device):
         tick("discover", 0, 1)
         observed = observe_attention(runner)
         error, raised_in = observed.error, observed.raised_in
@@ -215,7 +216,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             ids = [d for d in MODEL_DETECTORS if d in chosen and d != runs.ID]
             for i, d in enumerate(ids):
                 tick(d, i, len(ids))
-                torch.manual_seed(seed)
+                seed_rng(seed, device)
                 results.append(run(MODEL_DETECTORS[d], ctx, _options, subject="model"))
         readings, layer_calls = ctx.readings, ctx.layer_calls
     if implementation is not None and getattr(config, "_attn_implementation", None) != implementation:

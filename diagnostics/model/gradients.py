@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._guard import seed_rng
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
+from ._runner import device_dtype
 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
@@ -72,7 +74,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         if emb is None and seq.is_floating_point():
             seq = seq.detach().clone().requires_grad_(True)
             leaf["x"] = seq
-        torch.manual_seed(ctx.seed)
+        seed_rng(ctx.seed, device_dtype(ctx.model)[0])
         out, _ = runner(seq, grad=True)
         grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params], allow_unused=True,
                                     retain_graph=True)
