@@ -47,13 +47,15 @@ def untouched(layer, device):
 def seed_rng(seed: int, device="cpu") -> None:
     """Seed the global generators a layer's own randomness (dropout) draws from: the CPU's, and that of the layer's
     device. `torch.manual_seed` seeds every device type and, where CUDA is not initialised (any CPU-only machine),
-    queues the seed for CUDA, XPU and MTIA with a formatted stack trace each: 0.5-2 ms a call, growing with the
-    caller's stack (under pytest and Hypothesis, 6.3 s of this project's suite in 3,900 calls)."""
+    queues the seed for CUDA, XPU and MTIA with a formatted stack trace each: 0.26 ms a call from a shallow stack,
+    1.4 ms from 60 frames deeper (this function: 0.006 and 0.010 ms), 6.3 s of this project's suite in 3,900 calls
+    (on 2 slow cores, where `import torch` took 2.8 s)."""
     torch.random.default_generator.manual_seed(seed)
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.manual_seed_all(seed)  # CUDA is initialised (the layer is there): seeded now, every GPU
-    elif kind != "cpu":
+    device = torch.device(device)
+    if device.type == "cuda":  # that GPU alone: `untouched` restores the generators of the CPU and the layer's device
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
         torch.manual_seed(seed)
 
 
