@@ -8,7 +8,8 @@ reproducible.
 
 Tests marked `slow` skip, visibly and with the reason, unless pytest runs with `--slow` or selects them with
 `-m slow` (CI's slow step): the full declared-pattern matrix (tests/test_pattern_matrix.py), four of the kill
-matrix's six dtype x initialisation settings, the importlib run of tests/test_setup.py, the fresh processes of
+matrix's six dtype x initialisation settings, the whole audit of a FlexAttention program on torch's compiling path
+(tests/test_patterns.py), the importlib run of tests/test_setup.py, the fresh processes of
 tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, and the
 controller's light start with the catalog's readers on one worker (tests/test_setup.py).
 

@@ -67,6 +67,17 @@ RECORD_SITES = True
 scaling; the text of the line is read only when a finding is shown). benchmarks/audit_cost.py --no-sites
 turns it off to measure what it costs."""
 
+_OP_NAMES: dict = {}
+
+
+def dispatch_name(func) -> str:
+    """`str(func)` of an op ("aten.bmm.default"), formatted once per op: an observed call asks for every op it runs."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func)
+    return name
+
+
 def _key(t: Tensor):
     """This view of the memory: a factor applied in place to one slice (q of a packed qkv) is not k's."""
     try:
@@ -312,7 +323,7 @@ class Observer(Mode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        name = str(func)
+        name = dispatch_name(func)
         try:
             self._note(func, name, packet, args, kwargs, out)
         except Exception:  # observing must never break the layer under audit

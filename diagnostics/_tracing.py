@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ._frames import frame_kind, user_frames
 from ._guard import seed_rng
-from ._observe import Observer
+from ._observe import Observer, dispatch_name
 from ._result import Site
 
 MAX_KEPT = 1 << 22
@@ -160,7 +160,7 @@ class Tracer(Observer):
             t.sources[id(o)] = sources | t.sources.get(id(o), frozenset())
             t.alive.append(o)
         t.alive.extend(ins)
-        t.ops.append(Op(index, str(func), tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs),
+        t.ops.append(Op(index, dispatch_name(func), tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs),
                         kept, tuple(id(o) for o in outs), tuple(id(x) for x in ins),
                         user_frames(sys._getframe(2)), sources))
 

@@ -397,6 +397,7 @@ def no_mask(mask_mod):
     return lambda q, k, v: program(q, k, v)
 
 
+@pytest.mark.slow  # FlexAttention's default path compiles at each new shape: 2.5 s, the default run's dearest test
 def test_flex_program_equal_to_the_pattern_passes_the_whole_audit(warm_flex):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
