@@ -103,7 +103,7 @@ def perturbed(probe: Probe, base: Inputs, positions: Tensor, streams: tuple[str,
             # the negative control: the claimed positions moved (each by far more than rounding), no other did
             change = _position_change(new, x)
             moved, still = change > 10 * tolerance(UNCHANGED, x.dtype), change == 0
-            if not bool(moved[where].all()) or not bool(still[~where].all()):
+            if not bool((moved | ~where).all() & (still | where).all()):  # no boolean indexing: no nonzero() to sync
                 raise BlindProbe(f"{probe.detector}: the perturbation of {int(where.sum())} positions changed "
                                  f"{int(moved[where].sum())} of them and {int((~still[~where]).sum())} others")
             copies.append(new)
