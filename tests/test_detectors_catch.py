@@ -14,7 +14,8 @@ calls with the same sizes and mask gave outputs within one rounding step of each
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,6 +146,21 @@ ROUNDING = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0
 RESPONSE = 16
 
 
+def under_rounding(variant, cfg, result: diagnostics.DetectorResult) -> bool:
+    """In bfloat16 or float16 a bug's effect on a detector's own reading can be smaller than the dtype's rounding:
+    heads merged without transpose at d_k = 1 and GPT-2's init (an exploring CI seed's draw, UNDER_ROUNDING_DRAW)
+    moved another row by 0.31% of the outputs' RMS, under one bfloat16 rounding step (0.39%). Such a pass is excused
+    only where it is measured to be that: the detector's reading is under one rounding step of the dtype, and the same
+    build in float32, audited by that detector alone, fires it."""
+    if cfg["dtype"] == torch.float32 or result.verdict != "pass" or result.value is None:
+        return False
+    if not result.value <= ROUNDING[cfg["dtype"]]:
+        return False
+    wide = dict(cfg, dtype=torch.float32)
+    layer = _build(variant.build, wide)
+    return result.detector in _audit(layer, wide, **variant.audit_kwargs(layer), detectors=[result.detector]).fired()
+
+
 def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
     """The direct measurement behind a "did not respond" skip. A detector calls the layer on a baseline and on
     perturbed copies of it, `batch` sequences each, stacked along the batch of one call or in calls of their
@@ -244,6 +260,7 @@ def test_audit_catches_each_variant_exactly_where_its_probes_can_see_it(vid, cfg
             f"{vid}: {det} says the output did not respond; its {compared} perturbed copies moved by up to "
             f"{change:.3g} of the baseline's RMS (rounding: up to {allowed:.2g}) ({cfg})\n{report}")
     missing = [d for d in variant.expected_detectors if d in seen_by and d not in fired and d not in unresponsive]
+    missing = [d for d in missing if not under_rounding(variant, cfg, report.result(d))]
     assert not missing, f"{vid}: {missing} could see the bug and did not fire ({cfg})\n{report}"
     if not seen_by:  # no probe could tell this layer from the reference: the audit must not either
         assert report.passed and not fired, f"{vid} is not observable on any probe, yet ({cfg})\n{report}"
@@ -275,6 +292,37 @@ def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg, re
     report = reference_audit(variant, ("drawn", tuple(sorted((k, str(v)) for k, v in cfg.items()))), audit)
     assert report.passed, f"({cfg})\n{report}"
     assert not report.findings, f"({cfg})\n{report}"
+
+
+# Two draws an exploring CI seed hit (--hypothesis-seed=3501970516, from commit d0bbd45), each run here for the one
+# variant it failed (pinned for every variant, they would cost the default run 108 audits): heads merged without
+# transpose in bfloat16, whose effect on query_locality's reading is under one rounding step (`under_rounding`), and
+# dropout left on, which zeroed the one weight above the diagonal in both rows of the standard probe, so that
+# undeclared_causality read a causal mask (it now reads the same input again in a second call).
+UNDER_ROUNDING_DRAW = dict(heads=3, head_dim=1, seq_len=2, seed=37742, dtype=torch.bfloat16, init="gpt2")
+RANDOM_ZEROS_DRAW = dict(heads=1, head_dim=1, seq_len=2, seed=37742, dtype=torch.float32, init="default")
+
+
+@pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
+                                      ("dropout_in_eval", RANDOM_ZEROS_DRAW)], ids=["under_rounding", "random_zeros"])
+def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
+    test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
+    test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)
+
+
+def test_a_pass_under_rounding_is_excused_only_where_measured():
+    """Both sides of the excuse, on UNDER_ROUNDING_DRAW: the variant's bfloat16 reading is under one rounding step and
+    its float32 build fires, so it is excused; the reference built the same way does not fire in float32, and a
+    reading above one rounding step is never excused."""
+    variant = VARIANTS["heads_merged_without_transpose"]
+    layer = _build(variant.build, UNDER_ROUNDING_DRAW)
+    audited = _audit(layer, UNDER_ROUNDING_DRAW, **variant.audit_kwargs(layer), detectors=["query_locality"])
+    result = audited.result("query_locality")
+    assert result.verdict == "pass" and 0 < result.value <= ROUNDING[torch.bfloat16], result
+    assert under_rounding(variant, UNDER_ROUNDING_DRAW, result)
+    reference = SimpleNamespace(build=variant.reference, audit_kwargs=variant.audit_kwargs)
+    assert not under_rounding(reference, UNDER_ROUNDING_DRAW, result)
+    assert not under_rounding(variant, UNDER_ROUNDING_DRAW, replace(result, value=2 * ROUNDING[torch.bfloat16]))
 
 
 # A draw where future_leakage found the layer unresponsive (one head of width 1, two tokens: the causal mask
