@@ -274,6 +274,9 @@ def _entries() -> list[Variant]:
                                        lambda s: s.t_k >= 2 or s.has_fully_masked_row),
             expected_detectors=("softmax_saturation",),
             also_detected_by=("mask_honoured", "gradients"),  # masked keys get e^0 weight back, and gradient
+            # in bfloat16, where permuting the keys moves the outputs by rounding above the bar, the shift is measured
+            # and its masked padding leaks (a consequence of mask_honoured; an exploring CI seed's draw, 3333)
+            detected_at_other_sizes_by=("relative_positions",),
         ),
         Variant(
             id="detached_softmax", title="Attention weights detached from the graph", cls=c.DetachedSoftmax,

@@ -299,15 +299,26 @@ def test_reference_passes_every_detector_on_the_same_configurations(vid, cfg, re
 # transpose in bfloat16, whose effect on query_locality's reading is under one rounding step (`under_rounding`), and
 # dropout left on, which zeroed the one weight above the diagonal in both rows of the standard probe, so that
 # undeclared_causality read a causal mask (it now reads the same input again in a second call).
+# Two more from seed 3333: a double softmax in bfloat16 whose keys' permutation moved the outputs by rounding just
+# above the bar (0.0167 against 0.016), so that the shift was measured and its masked padding leaked
+# (relative_positions, a consequence of mask_honoured); and nn.MultiheadAttention in bfloat16, whose NaN row for a
+# query with no key its out_proj's kernel spread to another row (NAN_SPREAD_DRAW, in the next test).
 UNDER_ROUNDING_DRAW = dict(heads=3, head_dim=1, seq_len=2, seed=37742, dtype=torch.bfloat16, init="gpt2")
 RANDOM_ZEROS_DRAW = dict(heads=1, head_dim=1, seq_len=2, seed=37742, dtype=torch.float32, init="default")
+LEAKED_SHIFT_DRAW = dict(heads=4, head_dim=6, seq_len=8, seed=251, dtype=torch.bfloat16, init="gpt2")
+NAN_SPREAD_DRAW = dict(heads=3, head_dim=5, seq_len=10, seed=0, dtype=torch.bfloat16, init="default")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
-                                      ("dropout_in_eval", RANDOM_ZEROS_DRAW)], ids=["under_rounding", "random_zeros"])
+                                      ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW)],
+                         ids=["under_rounding", "random_zeros", "leaked_shift"])
 def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
     test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)
+
+
+def test_the_correct_layer_draw_an_exploring_seed_hit_passes_or_fails_only_by_torchs_kernel():
+    test_correct_layers_fail_no_detector.hypothesis.inner_test("torch_mha", NAN_SPREAD_DRAW, False, torch.device("cpu"))
 
 
 def test_a_pass_under_rounding_is_excused_only_where_measured():
@@ -370,6 +381,9 @@ def test_correct_layers_fail_no_detector(kind, cfg, causal, device):
     seed_rng(cfg["seed"])
     layer, kw = _correct_layer(kind, cfg, cfg["dtype"], device)
     report = _audit(layer, cfg, causal=causal, **kw)
+    if (kind == "torch_mha" and cfg["dtype"] == torch.bfloat16 and report.fired() == {"fully_masked_rows": "fail"}
+            and linear_spreads_a_nan_row(layer, cfg["seq_len"])):
+        return  # measured here: its out_proj's bfloat16 kernel spreads its NaN row (by design) to another row, as above
     assert report.passed, f"({cfg})\n{report}"
     allowed_warnings = {"fully_masked_rows"} if kind == "torch_mha" else set()  # its NaN rows, by design
     assert set(report.fired()) <= allowed_warnings, f"({cfg})\n{report}"

@@ -125,6 +125,12 @@ class ShiftReplay:
     method: str  # "padding" or "positions"
     tol: float
 
+    @property
+    def consequence_of(self) -> tuple[str, ...]:
+        """Detectors whose failure explains this one: padding that the mask blocks yet moves the real tokens follows
+        from a layer that lets blocked keys in (a second softmax gives them weight back): fix that first."""
+        return ("mask_honoured",) if self.method == "padding" else ()
+
 
 def declared_positions(probe: Probe) -> tuple[str | None, str]:
     """('absolute' | 'relative' | None, where it was declared): audit's `positions=` (set on the probe), else the
