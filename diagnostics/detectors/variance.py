@@ -15,7 +15,7 @@ from .._observe import LearnedKeys, learned_keys
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
-from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
+from .._thresholds import CONVEX, UNCHANGED, dtype_name, tolerance
 from .._tracing import (
     MATMULS,
     SOFTMAXES,
@@ -94,7 +94,7 @@ def out_of_range_sites(probe, base: Call) -> list[Site]:
     v = base.value.double().cpu()  # (B, H, Tk, d_v)
     hi, lo = v.amax(-2, keepdim=True), v.amin(-2, keepdim=True)
     spread = (hi - lo).clamp_min(1e-12)
-    tol = max(tolerance(UNCHANGED, probe.subject.dtype), tolerance(ROW_SUM, probe.subject.dtype))
+    tol = tolerance(CONVEX, probe.subject.dtype)
     shape = tuple(base.output.out.shape)
     for op in trace.ops:
         out = op.outs[0] if op.outs else None
@@ -115,7 +115,7 @@ def out_of_range_sites(probe, base: Call) -> list[Site]:
               "x.transpose(1, 2).reshape(B, T, D)", locate=variance_sites)
 def check_output_variance(probe: Probe) -> DetectorResult:
     det, s, B, T = "output_variance", probe.subject, probe.BATCH, probe.t
-    tol = max(tolerance(UNCHANGED, s.dtype), tolerance(ROW_SUM, s.dtype))
+    tol = tolerance(CONVEX, s.dtype)
     if s.form == "function":
         q, k, _ = probe.streams(B, T, cross=True)
         row = probe.make(B, 1)  # (B, H, 1, d)
