@@ -36,9 +36,9 @@ ROW_SUM = {
 # relative to the output's RMS (the row-sum bound, as the deviation is the row-sum error times the value), except in
 # bfloat16, where the two calls' different shapes round apart: at small widths (an ad-hoc grid in issue 21's sixth
 # round: 1-3 heads of width 1-6, seq_len 2-8, 4 seeds, both inits; 768 correct layers, the reference and
-# nn.MultiheadAttention) correct layers measured up to 0.0289, and 0.0333 on a draw of an exploring CI seed (1010), over ROW_SUM's
-# 0.03; the variants output_variance must catch measured 0.165 at least on the same grid (no softmax, d_model 1).
-# float16 measured up to 2.5e-3 there (margin 2x).
+# nn.MultiheadAttention) correct layers measured up to 0.0289, and 0.0333 on a draw of an exploring CI seed (1010),
+# over ROW_SUM's 0.03; the variants output_variance must catch measured 0.165 at least on the same grid (no softmax,
+# d_model 1). float16 measured up to 2.5e-3 there (margin 2x).
 CONVEX = {
     torch.float64: 1e-9,
     torch.float32: 1e-4,

@@ -25,12 +25,21 @@ class OwnTriangle(nn.Module):
         self.register_buffer("bias", (ones.tril() if keep == "lower" else ones.triu()).view(1, 1, block_size,
                                                                                              block_size))
 
-    def forward(self, x):
+    def scores(self, x):
+        """(B, H, T, T) scaled scores and (B, H, T, d) values."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(D // self.num_heads)
+        return (q @ k.transpose(-2, -1)) / math.sqrt(D // self.num_heads), v
+
+    def merge(self, att, v):
+        B, H, T, d = v.shape
+        return self.out((att @ v).transpose(1, 2).reshape(B, T, H * d))
+
+    def forward(self, x):
+        att, v = self.scores(x)
+        T = x.shape[1]
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))  # the layer's own mask
-        return self.out((att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        return self.merge(att.softmax(-1), v)
 
 
 def _layer(dtype=torch.float32, init="default", **kw):
@@ -93,22 +102,19 @@ class RandomZeros(OwnTriangle):
     dropout_in_eval, written here as a user would)."""
 
     def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        att = torch.nn.functional.dropout(((q @ k.transpose(-2, -1)) / math.sqrt(D // self.num_heads)).softmax(-1),
-                                          p=0.5, training=True)
-        return self.out((att @ v).transpose(1, 2).reshape(B, T, D)), att
+        att, v = self.scores(x)
+        att = torch.nn.functional.dropout(att.softmax(-1), p=0.5, training=True)
+        return self.merge(att, v), att
 
 
 class ReturnedTriangle(OwnTriangle):
     """The twin: the layer's own causal mask, its weights returned like RandomZeros'."""
 
     def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        att = ((q @ k.transpose(-2, -1)) / math.sqrt(D // self.num_heads))
+        att, v = self.scores(x)
+        T = x.shape[1]
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, -1e4).softmax(-1)  # a finite fill: exactly 0 all the same
-        return self.out((att @ v).transpose(1, 2).reshape(B, T, D)), att
+        return self.merge(att, v), att
 
 
 def _zeroed_by_chance(seeds=range(200)):

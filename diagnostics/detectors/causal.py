@@ -254,7 +254,6 @@ def check_undeclared_causality(probe: Probe) -> DetectorResult:
         zero = weights.detach().reshape(-1, T, T) == 0
         return [name for name, side in sides if bool(zero[:, side.to(zero.device)].all())]
 
-    w = weights.reshape(-1, T, T)
     blocks = zero_sides(weights)
     again = ""
     if blocks:
@@ -278,7 +277,7 @@ def check_undeclared_causality(probe: Probe) -> DetectorResult:
                       value=1.0, threshold=0.0, replay=base,
                       evidence=f"the standard probe ({source}): all {int(dict(sides)[side].sum())} "
                                f"(query, key) pairs with the key {'after' if side == 'future' else 'before'} the "
-                               f"query get weight 0 in all {w.shape[0]} rows of weights{again}",
+                               f"query get weight 0 in all {weights.reshape(-1, T, T).shape[0]} rows of weights{again}",
                       fix=("audit it as causal ({causal}): future_leakage, causal_alignment and the decoding checks "
                            "then measure its mask" if side == "future" else
                            "block the future, not the past: the allowed keys are torch.ones(T, T, dtype=torch.bool)"
