@@ -10,8 +10,9 @@ Tests marked `slow` skip, visibly and with the reason, unless pytest runs with `
 `-m slow` (CI's slow step): the full declared-pattern matrix (tests/test_pattern_matrix.py), four of the kill
 matrix's six dtype x initialisation settings, the whole audit of a FlexAttention program on torch's compiling path
 (tests/test_patterns.py), the importlib run of tests/test_setup.py, the fresh processes of
-tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, and the
-controller's light start with the catalog's readers on one worker (tests/test_setup.py).
+tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, the
+controller's light start with the catalog's readers on one worker, and the cycle collector's settings given back to a
+caller of pytest.main() (tests/test_setup.py).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half
@@ -103,8 +104,8 @@ def _names_tests(config) -> bool:
 GC_THRESHOLD = (50_000, 20, 10)
 """The cycle collector's thresholds in a process that runs tests (Python's: 700, 10, 10), from its configuration on,
 so that importing torch and collecting are covered too. The suite allocates fast and keeps little: at Python's, a
-worker of the default run made 3,400-3,700 collections, 5.6-7.2% of its CPU; at these, with the freeze after
-collection, about 25 (`python benchmarks/suite_time.py --gc`, which prints them with the peak memory, unchanged)."""
+worker of the default run made 3,400-3,700 collections, 5.5-7.2% of its CPU; at these, with the freeze after
+collection, 64-65, 1.5-1.8% (`python benchmarks/suite_time.py --gc`, which prints them with the peak memory, unchanged)."""
 _GC_BEFORE = pytest.StashKey[tuple]()  # the thresholds to give back at the end
 
 

@@ -22,6 +22,7 @@ Prints a row per suite run (round, tree, wall seconds, pytest's own seconds and 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import statistics
@@ -29,12 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
-
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ passed.*?) in (?P<seconds>[\d.]+)s", re.M)
@@ -48,7 +44,8 @@ def run_suite(tree: Path, pytest_args: list[str], gc_share: bool = False) -> dic
     plugin: list[str] = []
     if gc_share:
         paths.append(str(Path(__file__).resolve().parent))
-        env["ATTENTION_GC_SHARE"] = tempfile.mkstemp(prefix="gc_share_", suffix=".txt")[1]
+        handle, env["ATTENTION_GC_SHARE"] = tempfile.mkstemp(prefix="gc_share_", suffix=".txt")
+        os.close(handle)  # the plugin appends to it by name
         plugin = ["-p", "_gc_share"]
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--vs {tree}: expected a checkout of this project (a diagnostics/ folder there), found none")
     names = {HERE: "this tree", **({trees[1]: f"--vs {args.vs}"} if len(trees) > 1 else {})}
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {load}; pytest -q -p no:cacheprovider "
+    print(f"torch {importlib.metadata.version('torch')}, {os.cpu_count()} CPUs, load {load}; pytest -q -p no:cacheprovider "
           f"{' '.join(pytest_args)} with CI=1")
     print(f"{'round':>5}  {'tree':<24} {'wall (s)':>8} {'pytest (s)':>10}  counts")
     rows: list[tuple[int, Path, dict]] = []

@@ -210,3 +210,43 @@ def test_the_controller_imports_no_torch_and_the_catalogs_readers_share_a_worker
     ran_on = ast.literal_eval(re.search(r"^ran on: (.*)$", done.stdout, re.M).group(1))  # [(path, [worker, ...]), ...]
     assert [path for path, _ in ran_on] == ["tests/test_fixes.py", "tests/test_where.py"], ran_on
     assert len({worker for _, workers in ran_on for worker in workers}) == 1, ran_on
+
+
+_GC_PROBE = '''
+import gc
+
+SEEN = []
+
+
+def pytest_runtest_call(item):
+    SEEN.append((gc.get_threshold(), gc.get_freeze_count() > 0))
+'''
+
+_GC_RUN = '''
+import gc, sys
+import pytest
+import gc_probe
+gc.set_threshold(1234, 11, 12)
+code = pytest.main(["-p", "no:cacheprovider", "-p", "gc_probe", "-q", "tests/test_setup.py", "-k", "explore_profile"])
+print("during:", gc_probe.SEEN)
+print("after:", (gc.get_threshold(), gc.get_freeze_count()))
+sys.exit(code)
+'''
+
+
+@pytest.mark.slow  # a pytest run inside a fresh interpreter: about 5 s
+def test_tests_run_with_the_collectors_thresholds_and_a_caller_of_pytest_main_gets_its_own_back(tmp_path):
+    """conftest.py runs tests with the cycle collector at `GC_THRESHOLD` and what collection made frozen; a process
+    that calls pytest.main() and goes on finds its own thresholds again and nothing left frozen."""
+    tree = ast.parse((ROOT / "conftest.py").read_text())  # read, not imported (importlib mode: tests import no conftest)
+    GC_THRESHOLD = next(ast.literal_eval(node.value) for node in tree.body
+                        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "GC_THRESHOLD")
+    (tmp_path / "gc_probe.py").write_text(_GC_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _GC_RUN], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    during = ast.literal_eval(re.search(r"^during: (.*)$", done.stdout, re.M).group(1))
+    assert during == [(GC_THRESHOLD, True)], done.stdout[-2000:]
+    assert re.search(r"^after: (.*)$", done.stdout, re.M).group(1) == "((1234, 11, 12), 0)", done.stdout[-2000:]
