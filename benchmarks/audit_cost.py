@@ -10,7 +10,12 @@ and prints the fastest and the median of each, their ratios, the number of layer
 the work of those calls in forward-pass equivalents: each call's multiply-adds (projections of Tq queries and
 Tk keys and values, Tq x Tk scores and weighted values) over those of one batch-2 forward at seq_len, a call
 whose inputs require gradients counted three times (forward and backward, the backward as two).
-On a shared machine the fastest runs are the closest to the work itself; the medians show the spread.
+On a shared machine the fastest runs are the closest to the work itself; the medians show the spread. *Paired*:
+the median over the audits of each audit's time over the median of the twenty forwards around it (ten before, ten
+after), the figure a burst of others' load moves least: a burst that slows the audits' neighbours slows them too,
+where the fastest forward (one quiet moment) and the median forward (slowed by bursts the audits may have missed)
+need not match the audits' own conditions (in one run at 128 the forward took 6.0 ms fastest and 19.9 ms median:
+33.1 forward passes fastest, 21.7 median).
 `--cpu`: one thread, and CPU time of this process (time.process_time) instead of wall clock, for forwards and
 audits alike: on a machine others load, the ratio of CPU times moves far less than that of wall clocks (the
 audit's threads cannot wait for cores). `--per-detector` splits each detector's time into what its layer calls
@@ -256,9 +261,9 @@ def main() -> None:
           f"{'CPU time' if args.cpu else 'wall clock'}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
           f"{f', pattern={pattern}' if pattern is not None else ''}")
     plain = "causal" if args.causal else "plain"  # the same audit without the pattern
-    print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>15}  {'calls':>5}  "
+    print(f"{'seq_len':>7}  {'forward (ms)':>15}  {'audit (s)':>13}  {'audit / forward':>22}  {'calls':>5}  "
           f"{'work (forward passes)':>21}" + (f"  {f'/ {plain} audit':>17}" if pattern is not None else ""))
-    print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median':>15}" +
+    print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median paired':>22}" +
           (f"  {'':>5}  {'':>21}  {'work  fastest':>17}" if pattern is not None else ""))
     for t in args.lengths:
         x = torch.randn(2, t, 512)
@@ -268,15 +273,22 @@ def main() -> None:
         def one_audit(t=t, reports=reports, pattern=pattern):
             reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal, pattern=pattern))
 
+        blocks = []  # ten forwards before each audit, and ten after the last
         for _ in range(args.repeats):
             with torch.no_grad():
-                forwards += [seconds(lambda x=x: layer(x)) for _ in range(10)]
+                blocks.append([seconds(lambda x=x: layer(x)) for _ in range(10)])
             audits.append(seconds(one_audit))
             if pattern is not None:  # interleaved, so that both see the same load
                 plains.append(seconds(lambda t=t: one_audit(t, pattern=None)))
+        with torch.no_grad():
+            blocks.append([seconds(lambda x=x: layer(x)) for _ in range(10)])
         assert all(r.passed for r in reports), str(next(r for r in reports if not r.passed))
+        forwards = [f for block in blocks for f in block]
         fast_f, mid_f = min(forwards), statistics.median(forwards)
         fast_a, mid_a = min(audits), statistics.median(audits)
+        # each audit over the median of the twenty forwards around it (the block before and the block after): the
+        # machine's drift and bursts move both alike, where the fastest of one and the median of the other need not
+        paired = statistics.median(a / statistics.median(blocks[i] + blocks[i + 1]) for i, a in enumerate(audits))
         calls, d = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal,
                                                                       pattern=pattern))
         work = forward_passes(calls, d, t)
@@ -285,7 +297,8 @@ def main() -> None:
             plain_calls, _ = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal))
             ratio = f"  {work / forward_passes(plain_calls, d, t):>5.2f}x {fast_a / min(plains):>9.2f}x"
         print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
-              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f}  {reports[0].forward_passes:>5}  {work:>21.1f}{ratio}")
+              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f} {paired:>6.1f}  {reports[0].forward_passes:>5}  "
+              f"{work:>21.1f}{ratio}")
         if args.per_detector:
             runs = [per_detector(layer, clock=CLOCK, seq_len=t, causal=args.causal, pattern=pattern)
                     for _ in range(args.detector_repeats)]
