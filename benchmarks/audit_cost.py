@@ -3,6 +3,7 @@
     python benchmarks/audit_cost.py [--lengths 16 128 1024] [--repeats 5] [--causal] [--threads N] [--per-detector]
                                     [--pattern sliding_window:128 | chunked:C | prefix_lm:P | causal] [--cpu]
                                     [--cold N]   (--cold N --lengths: the cold figures alone)
+                                    [--vs OTHER_TREE [--rounds 4]] [--json]
 
 For the reference MultiHeadAttention(512, 8) at each probe length, times forward passes (batch 2, the
 audit's probe batch, under torch.no_grad()) and whole audits, interleaved so that both see the same load,
@@ -38,6 +39,12 @@ Target (issue 21): the first audit under 0.5 s after `import torch` (stretch 0.3
 Target (issues 3, 8 and 9): <= 40 forward passes at every length, the 1024 audit under 10 s on 2 cores; issue 21:
 a warm causal audit within 30 forward passes at seq_len 128 (stretch 20), within 20 at 1024 (stretch 12) and
 under 6 s there.
+`--vs OTHER_TREE`: a change's effect on the warm figures, this checkout against another (a `git archive` of the
+commit before, say), each measured by this script in `--rounds` fresh processes, alternating A B, B A, ...: per
+length, each process's paired ratio, calls and work, and the median of the rounds' ratios (the other tree's code is
+imported through AUDIT_COST_TREE, which also names the tree a plain run measures). Two processes of one tree differ by
+up to 5-6%: four rounds of the same code against itself gave 0.991x (0.967-1.060) at 128, causal, 15 audits a process.
+`--json`: the table's rows as JSON lines (what `--vs` reads).
 `--pattern`: audit with a declared pattern (diagnostics.patterns; the layer is given its mask), which adds
 attention_pattern (issue 19): at most 9 copies of the probe batch (its MAX_COPIES) and, for a causal layer, 2 copies
 of the decoding inputs (DECODE_COPIES), whatever the pattern's width; the last two columns are the audit's work and
@@ -65,7 +72,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(os.environ.get("AUDIT_COST_TREE") or Path(__file__).resolve().parents[1])
+"""The checkout whose diagnostics and reference layer are measured: this one, or `--vs`'s in a child process."""
+sys.path.insert(0, str(ROOT))
 import diagnostics
 from correct import MultiHeadAttention
 from diagnostics import patterns
@@ -102,7 +111,7 @@ def cold(runs: int, threads: int | None) -> None:
     cached and compiled from source (each in a bytecode directory of its own, `sys.pycache_prefix`, so that whatever
     the checkout's __pycache__ holds, and PYTHONDONTWRITEBYTECODE, change neither row; torch's own bytecode is read
     as installed)."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(ROOT)
     with tempfile.TemporaryDirectory() as cached, tempfile.TemporaryDirectory() as empty:
         settings = [("this package's bytecode cached (an installed package; any run after the first)", cached, False),
                     ("compiled from source in every process (no bytecode cache: PYTHONDONTWRITEBYTECODE, as this "
@@ -130,6 +139,42 @@ def cold(runs: int, threads: int | None) -> None:
             print(f"  {pair('torch'):>13}  {pair('setup'):>15}  {pair('first'):>13}  {pair('warm'):>13}  "
                   f"{ratio:>11.1f}x  {rows[0]['imported']:>8}  {'yes' if any(r['dynamo'] for r in rows) else 'no':>6}"
                   f"  {label}")
+
+
+def versus(args) -> None:
+    """`--vs OTHER_TREE`: this tree's warm figures against another checkout's, each in `--rounds` fresh processes of
+    this script (`--json`, with the other's diagnostics and reference layer imported through AUDIT_COST_TREE, run
+    from its own directory), alternating A B, B A, ...: per length, each process's paired ratio, its calls and work,
+    and the median of the rounds' ratios of this tree's paired figure over the other's. Each figure is already a
+    ratio to its own process's forwards, so the pairing cancels what the machine's speed does between rounds."""
+    here, other = ROOT.resolve(), args.vs.resolve()
+    if not (other / "diagnostics").is_dir():
+        raise SystemExit(f"--vs {args.vs}: expected a checkout of this project (a diagnostics/ folder there), found none")
+    flags = ["--json", "--repeats", str(args.repeats), "--lengths", *map(str, args.lengths)]
+    flags += ["--causal"] * args.causal + ["--cpu"] * args.cpu
+    flags += ["--threads", str(args.threads)] if args.threads else []
+    flags += ["--pattern", args.pattern] if args.pattern else []
+    rows: dict[Path, list[dict]] = {here: [], other: []}  # per tree, per round: {seq_len: the row}
+    for r in range(args.rounds):
+        for tree in (here, other) if r % 2 == 0 else (other, here):
+            done = subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).resolve()), *flags], cwd=tree,
+                                  env=dict(os.environ, AUDIT_COST_TREE=str(tree)), capture_output=True, text=True,
+                                  timeout=3600)
+            if done.returncode != 0:
+                raise SystemExit(f"the process measuring {tree} failed:\n{done.stderr[-2000:]}")
+            lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+            rows[tree].append({row["seq_len"]: row for row in lines})
+    print(f"this tree {here} against --vs {other}: {args.rounds} processes each, alternating; "
+          f"{'causal' if args.causal else 'not causal'}, {'CPU time' if args.cpu else 'wall clock'}, "
+          f"{args.repeats} audits a process; paired ratios in forward passes")
+    for t in args.lengths:
+        mine, theirs = ([round_[t] for round_ in rows[tree]] for tree in (here, other))
+        ratios = [a["paired"] / b["paired"] for a, b in zip(mine, theirs)]
+        for name, runs in (("this tree", mine), ("--vs", theirs)):
+            paired = " ".join(f"{r['paired']:5.1f}" for r in runs)
+            print(f"{t:>7}  {name:<9}  paired {paired}  calls {runs[0]['calls']}  work {runs[0]['work']:.1f}")
+        print(f"{t:>7}  this tree / --vs: {statistics.median(ratios):.3f}x, median of {len(ratios)} rounds "
+              f"({min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def multiply_adds(batch: int, t_q: int, t_k: int, d: int) -> int:
@@ -238,7 +283,14 @@ def main() -> None:
                                                                         "fastest of each figure shown")
     parser.add_argument("--cold", type=int, default=0, metavar="N", help="first, the cold start in N fresh processes "
                                                                          "(see the module docstring)")
+    parser.add_argument("--vs", type=Path, default=None, metavar="OTHER_TREE",
+                        help="this tree's warm figures against another checkout's, in alternating fresh processes")
+    parser.add_argument("--rounds", type=int, default=4, help="--vs: processes per tree (A B, B A, ...)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per length instead of the table")
     args = parser.parse_args()
+    if args.vs is not None:
+        versus(args)
+        return
     if args.cold:
         cold(args.cold, args.threads)
         if not args.lengths:
@@ -256,6 +308,13 @@ def main() -> None:
     torch.manual_seed(0)
     layer = MultiHeadAttention(512, 8, causal=args.causal).eval()
     diagnostics.audit(MultiHeadAttention(16, 2))  # warm-up: first use of the observer imports torch internals
+    if not args.json:
+        header(args, pattern)
+    for t in args.lengths:
+        measure(args, layer, t, pattern)
+
+
+def header(args, pattern) -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
           f"threads={torch.get_num_threads()}, {'causal' if args.causal else 'not causal'}, "
           f"{'CPU time' if args.cpu else 'wall clock'}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
@@ -265,56 +324,63 @@ def main() -> None:
           f"{'work (forward passes)':>21}" + (f"  {f'/ {plain} audit':>17}" if pattern is not None else ""))
     print(f"{'':>7}  {'fastest median':>15}  {'fastest median':>13}  {'fastest median paired':>22}" +
           (f"  {'':>5}  {'':>21}  {'work  fastest':>17}" if pattern is not None else ""))
-    for t in args.lengths:
-        x = torch.randn(2, t, 512)
-        forwards, audits, plains, reports = [], [], [], []
-        with torch.no_grad():
-            layer(x)  # warm-up
-        def one_audit(t=t, reports=reports, pattern=pattern):
-            reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal, pattern=pattern))
 
-        blocks = []  # ten forwards before each audit, and ten after the last
-        for _ in range(args.repeats):
-            with torch.no_grad():
-                blocks.append([seconds(lambda x=x: layer(x)) for _ in range(10)])
-            audits.append(seconds(one_audit))
-            if pattern is not None:  # interleaved, so that both see the same load
-                plains.append(seconds(lambda t=t: one_audit(t, pattern=None)))
+
+def measure(args, layer, t: int, pattern) -> None:
+    """One length's row of the table (one JSON line with `--json`), and with `--per-detector` its detectors'."""
+    x = torch.randn(2, t, 512)
+    forwards, audits, plains, reports = [], [], [], []
+    with torch.no_grad():
+        layer(x)  # warm-up
+    def one_audit(t=t, reports=reports, pattern=pattern):
+        reports.append(diagnostics.audit(layer, seq_len=t, causal=args.causal, pattern=pattern))
+
+    blocks = []  # ten forwards before each audit, and ten after the last
+    for _ in range(args.repeats):
         with torch.no_grad():
             blocks.append([seconds(lambda x=x: layer(x)) for _ in range(10)])
-        assert all(r.passed for r in reports), str(next(r for r in reports if not r.passed))
-        forwards = [f for block in blocks for f in block]
-        fast_f, mid_f = min(forwards), statistics.median(forwards)
-        fast_a, mid_a = min(audits), statistics.median(audits)
-        # each audit over the median of the twenty forwards around it (the block before and the block after): the
-        # machine's drift and bursts move both alike, where the fastest of one and the median of the other need not
-        paired = statistics.median(a / statistics.median(blocks[i] + blocks[i + 1]) for i, a in enumerate(audits))
-        calls, d = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal,
-                                                                      pattern=pattern))
-        work = forward_passes(calls, d, t)
-        ratio = ""
-        if pattern is not None:
-            plain_calls, _ = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal))
-            ratio = f"  {work / forward_passes(plain_calls, d, t):>5.2f}x {fast_a / min(plains):>9.2f}x"
-        print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
-              f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f} {paired:>6.1f}  {reports[0].forward_passes:>5}  "
-              f"{work:>21.1f}{ratio}")
-        if args.per_detector:
-            runs = [per_detector(layer, clock=CLOCK, seq_len=t, causal=args.causal, pattern=pattern)
-                    for _ in range(args.detector_repeats)]
-            # per detector, the fastest of the audits (calls and work are the same in each)
-            rows = [(det, n, w, min(r[i][3] for r in runs), min(r[i][4] for r in runs))
-                    for i, (det, n, w, _, _) in enumerate(runs[0])]
-            total = sum(r[3] for r in rows) or 1.0
-            inside = sum(r[4] for r in rows)
-            print(f"{'':>9}{'detector':<22}{'calls':>6}{'work (fp)':>11}{'time (s)':>10}{'share':>7}"
-                  f"{'time (fp)':>10}{'outside (fp)':>13}  (fastest of {args.detector_repeats} audits)")
-            for det, n, w, sec, ins in rows:
-                print(f"{'':>9}{det:<22}{n:>6}{w:>11.1f}{sec:>10.3f}{100 * sec / total:>6.1f}%"
-                      f"{sec / fast_f:>10.1f}{(sec - ins) / fast_f:>13.1f}")
-            print(f"{'':>9}{'sum':<22}{sum(r[1] for r in rows):>6}{sum(r[2] for r in rows):>11.1f}{total:>10.3f}"
-                  f"{'':>7}{total / fast_f:>10.1f}{(total - inside) / fast_f:>13.1f}  (outside the layer: "
-                  f"{100 * (total - inside) / total:.0f}%)")
+        audits.append(seconds(one_audit))
+        if pattern is not None:  # interleaved, so that both see the same load
+            plains.append(seconds(lambda t=t: one_audit(t, pattern=None)))
+    with torch.no_grad():
+        blocks.append([seconds(lambda x=x: layer(x)) for _ in range(10)])
+    assert all(r.passed for r in reports), str(next(r for r in reports if not r.passed))
+    forwards = [f for block in blocks for f in block]
+    fast_f, mid_f = min(forwards), statistics.median(forwards)
+    fast_a, mid_a = min(audits), statistics.median(audits)
+    # each audit over the median of the twenty forwards around it (the block before and the block after): the
+    # machine's drift and bursts move both alike, where the fastest of one and the median of the other need not
+    paired = statistics.median(a / statistics.median(blocks[i] + blocks[i + 1]) for i, a in enumerate(audits))
+    calls, d = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal,
+                                                                  pattern=pattern))
+    work = forward_passes(calls, d, t)
+    if args.json:  # for --vs: what the table's row says, as numbers
+        print(json.dumps(dict(seq_len=t, forward_fastest=fast_f, forward_median=mid_f, audit_fastest=fast_a,
+                              audit_median=mid_a, paired=paired, calls=reports[0].forward_passes, work=work)))
+        return
+    ratio = ""
+    if pattern is not None:
+        plain_calls, _ = work_of_calls(layer, lambda t=t: diagnostics.audit(layer, seq_len=t, causal=args.causal))
+        ratio = f"  {work / forward_passes(plain_calls, d, t):>5.2f}x {fast_a / min(plains):>9.2f}x"
+    print(f"{t:>7}  {1e3 * fast_f:>7.2f} {1e3 * mid_f:>7.2f}  {fast_a:>6.3f} {mid_a:>6.3f}  "
+          f"{fast_a / fast_f:>7.1f} {mid_a / mid_f:>7.1f} {paired:>6.1f}  {reports[0].forward_passes:>5}  "
+          f"{work:>21.1f}{ratio}")
+    if args.per_detector:
+        runs = [per_detector(layer, clock=CLOCK, seq_len=t, causal=args.causal, pattern=pattern)
+                for _ in range(args.detector_repeats)]
+        # per detector, the fastest of the audits (calls and work are the same in each)
+        rows = [(det, n, w, min(r[i][3] for r in runs), min(r[i][4] for r in runs))
+                for i, (det, n, w, _, _) in enumerate(runs[0])]
+        total = sum(r[3] for r in rows) or 1.0
+        inside = sum(r[4] for r in rows)
+        print(f"{'':>9}{'detector':<22}{'calls':>6}{'work (fp)':>11}{'time (s)':>10}{'share':>7}"
+              f"{'time (fp)':>10}{'outside (fp)':>13}  (fastest of {args.detector_repeats} audits)")
+        for det, n, w, sec, ins in rows:
+            print(f"{'':>9}{det:<22}{n:>6}{w:>11.1f}{sec:>10.3f}{100 * sec / total:>6.1f}%"
+                  f"{sec / fast_f:>10.1f}{(sec - ins) / fast_f:>13.1f}")
+        print(f"{'':>9}{'sum':<22}{sum(r[1] for r in rows):>6}{sum(r[2] for r in rows):>11.1f}{total:>10.3f}"
+              f"{'':>7}{total / fast_f:>10.1f}{(total - inside) / fast_f:>13.1f}  (outside the layer: "
+              f"{100 * (total - inside) / total:.0f}%)")
 
 
 if __name__ == "__main__":
