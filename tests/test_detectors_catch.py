@@ -28,6 +28,7 @@ import diagnostics
 from buggy_variants import VARIANTS, Setting, promised_pattern
 from correct import gpt2_init_
 from diagnostics._guard import seed_rng
+from diagnostics._thresholds import CONVEX
 
 IDS = sorted(VARIANTS)
 # 27 variants x 2 twins: a third of the profile's examples each keeps the default run fast (3 each besides the
@@ -310,6 +311,10 @@ NAN_SPREAD_DRAW = dict(heads=3, head_dim=5, seq_len=10, seed=0, dtype=torch.bflo
 # And from seed 1010: the reference in bfloat16 at d_model 4, whose identical tokens came out 0.0333 of the RMS from
 # that one token alone, over output_variance's old bound (0.03); its own bfloat16 bound is now measured (CONVEX)
 ROUNDED_APART_DRAW = dict(heads=1, head_dim=4, seq_len=2, seed=1694, dtype=torch.bfloat16, init="default")
+# And from seed 2805262714 (commit a734e97): the reference in bfloat16 at d_model 2, whose output projection nearly
+# cancels, so that one rounding step of the merged heads came out 0.0675 of the output's RMS, over CONVEX's 0.06; a
+# reading over the bound in a low precision is now judged again on the float64 copy, where rounding is gone
+CANCELLED_DRAW = dict(heads=1, head_dim=2, seq_len=2, seed=5687, dtype=torch.bfloat16, init="default")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
@@ -320,10 +325,31 @@ def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg,
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)
 
 
-@pytest.mark.parametrize("kind, cfg", [("torch_mha", NAN_SPREAD_DRAW), ("reference", ROUNDED_APART_DRAW)],
-                         ids=["nan_spread", "rounded_apart"])
+@pytest.mark.parametrize("kind, cfg", [("torch_mha", NAN_SPREAD_DRAW), ("reference", ROUNDED_APART_DRAW),
+                                       ("reference", CANCELLED_DRAW)],
+                         ids=["nan_spread", "rounded_apart", "cancelled"])
 def test_the_correct_layer_draws_an_exploring_seed_hit_pass_or_fail_only_by_torchs_kernel(kind, cfg):
     test_correct_layers_fail_no_detector.hypothesis.inner_test(kind, cfg, False, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("vid", ["no_softmax", "dropout_in_eval"])
+def test_output_variance_takes_a_low_precision_reading_for_rounding_only_where_the_float64_copy_agrees(vid):
+    """Both sides of the float64 replay: on CANCELLED_DRAW the reference's bfloat16 reading is over the bound and its
+    float64 copy measures it exact, so it passes as rounding; a layer without a softmax, and a dropout left on (on
+    ROUNDED_APART_DRAW, whose seeded draw drops a weight; the replay drops the same one), fail there with their float64
+    reading given, however they round."""
+    variant = VARIANTS[vid]
+    cfg = CANCELLED_DRAW if vid == "no_softmax" else ROUNDED_APART_DRAW
+    reference = _build(variant.reference, CANCELLED_DRAW)
+    passed = _audit(reference, CANCELLED_DRAW, detectors=["output_variance"]).result("output_variance")
+    assert passed.verdict == "pass" and passed.value <= CONVEX[torch.float32], passed
+    assert "float64 copy" in passed.evidence and "rounding" in passed.evidence
+    assert float(passed.evidence.split("greatest difference ")[1].split()[0]) > CONVEX[torch.bfloat16], passed
+    layer = _build(variant.build, cfg)
+    failed = _audit(layer, cfg, **variant.audit_kwargs(layer), detectors=["output_variance"]).result("output_variance")
+    assert failed.verdict == "fail" and failed.value > CONVEX[torch.bfloat16], failed
+    exact = float(failed.evidence.split("a float64 copy of the layer on the same inputs measured ")[1].split(":")[0])
+    assert exact > CONVEX[torch.bfloat16], failed
 
 
 def test_a_pass_under_rounding_is_excused_only_where_measured():
