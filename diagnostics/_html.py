@@ -303,8 +303,10 @@ def write_page(path, page: str) -> None:
         folder = target.parent
         why = ("its folder does not exist" if not folder.exists() else
                f"{type(error).__name__}: {error.strerror or error}")
-        raise AuditUsageError(f"expected a path the HTML report can be written to; got {str(path)!r} ({why}). Fix: "
-                              f"create {str(folder)!r} first, or pass a path in a folder you can write to") from None
+        fix = (f"create {str(folder)!r} first, or pass a path in a folder you can write to" if not folder.exists()
+               else "pass a path in a folder you can write to")
+        raise AuditUsageError(f"expected a path the HTML report can be written to; got {str(path)!r} ({why}). "
+                              f"Fix: {fix}") from None
 
 
 def write_report_html(report, path) -> None:
