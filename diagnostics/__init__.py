@@ -18,6 +18,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ._load import quiet_numpy_warning
+
+# A torch without NumPy beside it (the README's CPU set-up) warns "Failed to initialize NumPy" when it is imported;
+# this package never uses NumPy. Silenced from here on, for this one message, whoever imports torch next (the
+# user's module, the plugin's targets, the audit); a torch imported before this package has warned already.
+quiet_numpy_warning()
+
 # public name -> the private module that defines it
 _WHERE = {
     "DETECTORS": ".detectors",

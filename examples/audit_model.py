@@ -1,9 +1,8 @@
 """Audit a whole model: `python examples/audit_model.py`. A nanoGPT-style GPT whose block 1 forgets its causal
 mask; the audit fails and names that block (about 5 s)."""
 
+import diagnostics  # before torch: it silences torch's "Failed to initialize NumPy" where NumPy is absent
 import torch
-
-import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants.teaching_model import TinyGPT, inject
 

@@ -156,3 +156,46 @@ def test_the_header_counts_work_and_runs_counts_calls_and_each_says_which():
     header, runs = str(report).splitlines()[0], report.result("runs").message
     assert f"{report.forward_passes} forward passes of work" in header, header
     assert "calls in all" in runs, runs
+
+
+# ---- examples/ (issue 35): each script runs as a user runs it, and the README shows the same code -------------
+
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples"
+
+
+def _readme_block_after(heading: str) -> str:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_model_example_is_examples_audit_model():
+    script = (EXAMPLES / "audit_model.py").read_text()
+    assert _readme_block_after("Audit a whole model") == script[script.index("import diagnostics"):]
+
+
+@pytest.mark.slow  # four fresh processes, each importing torch, and a model audit: about 15 s on 2 cores
+def test_every_example_runs_as_a_user_runs_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = str(EXAMPLES.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_ADDOPTS", None)
+    commands = {
+        "audit_layer.py": [sys.executable, str(EXAMPLES / "audit_layer.py")],
+        "audit_model.py": [sys.executable, str(EXAMPLES / "audit_model.py")],
+        "html_report.py": [sys.executable, str(EXAMPLES / "html_report.py"), str(tmp_path / "audit.html")],
+        "test_my_attention.py": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                 "--rootdir", str(EXAMPLES), str(EXAMPLES / "test_my_attention.py")],
+    }
+    assert sorted(commands) == sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "my_attention.py")
+    started = {name: subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for name, argv in commands.items()}
+    out = {name: process.communicate(timeout=300)[0] for name, process in started.items()}
+    assert all(process.returncode == 0 for process in started.values()), out
+    assert "PASSED" in out["audit_layer.py"] and "FAILED" in out["audit_model.py"], out
+    assert (tmp_path / "audit.html").stat().st_size > 1000 and "1 passed" in out["test_my_attention.py"], out
+    assert not any("Failed to initialize NumPy" in text for text in out.values()), out

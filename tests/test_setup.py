@@ -287,3 +287,48 @@ def test_tests_run_with_the_collectors_thresholds_and_a_caller_of_pytest_main_ge
     during = ast.literal_eval(re.search(r"^during: (.*)$", done.stdout, re.M).group(1))
     assert during == [(GC_THRESHOLD, True)], done.stdout[-2000:]
     assert re.search(r"^after: (.*)$", done.stdout, re.M).group(1) == "((1234, 11, 12), 0)", done.stdout[-2000:]
+
+
+def test_the_license_is_the_mit_text_that_pyproject_names():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^license = \{ text = "MIT" \}', pyproject, re.M)
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.startswith("MIT License\n") and "WITHOUT WARRANTY OF ANY KIND" in text
+
+
+def test_the_version_comes_from_the_installed_metadata_else_from_pyproject(monkeypatch):
+    import importlib.metadata as metadata
+
+    import diagnostics
+
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert diagnostics.__version__ == metadata.version("attention-mistakes")
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert diagnostics._version() == f"{declared}+source"  # a source tree that pip never installed
+
+
+def test_py_typed_ships_as_package_data():
+    """PEP 561: the marker, and pyproject's package data that puts it into the wheel (the slow test builds one)."""
+    assert (ROOT / "diagnostics" / "py.typed").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^\[tool\.setuptools\.package-data\]\ndiagnostics = \["py\.typed"\]', pyproject, re.M)
+
+
+@pytest.mark.slow  # pip builds a wheel: 7 s
+def test_the_wheel_holds_py_typed_and_the_license(tmp_path):
+    import shutil
+    import zipfile
+
+    tree = tmp_path / "tree"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "wheel"), str(tree)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel, = (tmp_path / "wheel").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "diagnostics/py.typed" in names and any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
