@@ -110,7 +110,8 @@ TESTS = {  # module -> the test files run against its mutants, the fast ones fir
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
 }
-COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md")
+COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md",
+          "docs")  # tests/test_verdicts.py and others read the pages under docs/
 
 
 def tests_for(file: str) -> list[str]:

@@ -6,7 +6,10 @@ reference, heatmaps of the reference's and the variant's attention weights on th
 readings and the fix; then the model chapter (`teaching_model`). One table style throughout, and a page that fits
 a 700 px window as well as a projector (`_TEACHING_STYLE`). The test suite's conftest calls `register(config)` from
 `pytest_configure`; the hooks are registered only when pytest-html writes a report, so a plain `pytest` does no
-extra work.
+extra work. Once pytest-html has written the page, `finish_page` adds to its head what its template lacks
+(`PAGE_HEAD`): a viewport, so that a phone lays it out at its own width; pytest-html's results filtered to failures
+and collapsed on opening (its 905 grey "Skipped" rows came first, and rendering every row was most of the page's
+render time); a title, totals and results table that wrap or scroll inside a narrow window.
 
 This module imports both the catalog and `diagnostics` (which never imports the catalog) and needs pytest;
 `buggy_variants` itself does not import it.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import linecache
+import os
 import re
 import textwrap
 from dataclasses import dataclass, replace
@@ -489,13 +493,45 @@ that <code>pattern=</code>). The table of test results follows the last section
 </div>"""
 
 
+# pytest-html's results open filtered to what needs reading (its own `?visible=` and `?collapsed=` parameters, which
+# a link or its checkboxes still override); set before its script reads them, at the end of the page
+FAILURES_FIRST = """<script>(function () {
+  var url = new URL(window.location.href);
+  if (url.searchParams.has("visible")) { return; }
+  url.searchParams.set("visible", "failed,error,xpassed,rerun");
+  if (!url.searchParams.has("collapsed")) { url.searchParams.set("collapsed", "all"); }
+  try { window.history.replaceState(null, "", url.href); } catch (e) { /* a browser that refuses: every row */ }
+})();</script>"""
+
+# after pytest-html's own styles: what its stylesheet does not do in a narrow window
+NARROW_STYLE = """<style>
+body { min-width: 0; }  /* pytest-html's 800 px made a 420 px window scroll sideways for everything */
+h1#title { overflow-wrap: anywhere; font-size: clamp(18px, 2.4vw + 8px, 24px); }
+.summary__data, .controls, .filters { flex-wrap: wrap; gap: 4px 10px; }
+#results-table { display: block; overflow-x: auto; max-width: 100%; }
+#results-table td { overflow-wrap: anywhere; }
+.am .kill-matrix th.vid { position: sticky; left: 0; background: #fff; z-index: 1; }
+</style>"""
+
+PAGE_HEAD = ('<meta name="viewport" content="width=device-width, initial-scale=1">' + FAILURES_FIRST + NARROW_STYLE)
+
+
+def finish_page(page: str) -> str:
+    """pytest-html's page with `PAGE_HEAD` at the end of its head (after its styles, before its script)."""
+    if "</head>" not in page or 'name="viewport"' in page:
+        return page  # not pytest-html's page, or already finished
+    return page.replace("</head>", PAGE_HEAD + "</head>", 1)
+
+
 class TeachingReportPlugin:
-    """pytest-html hooks: the variant and detector columns, and the teaching report above the results.
+    """pytest-html hooks: the variant and detector columns, the teaching report above the results, and the page's
+    head finished once it is written.
 
     Registered by `register(config)` only when pytest-html writes a report: its hooks exist only then."""
 
-    def __init__(self):
+    def __init__(self, path: Path | None = None):
         self.audits: dict[str, diagnostics.AuditReport] | None = None
+        self.path = path  # where pytest-html writes the page
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
@@ -533,11 +569,23 @@ class TeachingReportPlugin:
         # computes them here.
         postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog()))
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionfinish(self, session):
+        """After pytest-html's own (trylast) has written the page: finish its head."""
+        result = yield
+        if self.path is not None and self.path.is_file():
+            self.path.write_text(finish_page(self.path.read_text(encoding="utf-8")), encoding="utf-8")
+        return result
+
 
 def register(config: pytest.Config) -> None:
     """From `pytest_configure`: add the report's hooks when pytest-html is about to write a report."""
-    if config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None):
-        config.pluginmanager.register(TeachingReportPlugin(), "teaching-report")
+    path = config.getoption("htmlpath", None)
+    if config.pluginmanager.hasplugin("html") and path:
+        # the page's path as pytest-html resolves it (its BaseReport), from the directory pytest started in
+        config.pluginmanager.register(TeachingReportPlugin(Path.cwd() / Path(os.path.expandvars(path)).expanduser()),
+                                      "teaching-report")
 
 
-__all__ = ["KILL_MATRIX_SIZE", "TeachingReportPlugin", "audit_catalog", "fold_repeats", "register", "teaching_html"]
+__all__ = ["KILL_MATRIX_SIZE", "PAGE_HEAD", "TeachingReportPlugin", "audit_catalog", "finish_page", "fold_repeats",
+           "register", "teaching_html"]

@@ -9,13 +9,21 @@
 fix. `diagnostics` knows no implementation: it never imports `buggy_variants`.
 
 The public names are loaded on first use (PEP 562), so that `import diagnostics` alone, which pytest does for
-the plugin this package installs, costs no import of torch.
+the plugin this package installs, costs no import of torch. `diagnostics.__version__` is the installed
+distribution's version (`attention-mistakes`), read from its metadata on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
+
+from ._load import quiet_numpy_warning
+
+# A torch without NumPy beside it (the README's CPU set-up) warns "Failed to initialize NumPy" when it is imported;
+# this package never uses NumPy. Silenced from here on, for this one message, whoever imports torch next (the
+# user's module, the plugin's targets, the audit); a torch imported before this package has warned already.
+quiet_numpy_warning()
 
 # public name -> the private module that defines it
 _WHERE = {
@@ -57,7 +65,24 @@ __all__ = [
 ]
 
 
+def _version() -> str:
+    """The version pip installed; from a source tree that was never installed, pyproject.toml's beside it."""
+    from importlib import metadata
+    from pathlib import Path
+    import re
+
+    try:
+        return metadata.version("attention-mistakes")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return f"{found.group(1)}+source" if found else "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":
+        globals()[name] = value = _version()  # read once
+        return value
     if name not in _WHERE:
         raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")
     module = _WHERE[name]

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from ._errors import expect
 from ._guard import denormals_flushed, untouched
+from ._memory import check_memory
 from ._probe import Probe
 from ._registry import NOT_APPLICABLE, phrase, run
 from ._report import CORE, AuditReport
@@ -83,6 +84,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
                            need_weights=need_weights, mask=mask, layout=layout, call=call, options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
+    check_memory(subject, seq_len, options=_options)  # refused before anything runs if it would not fit
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
                   cross=cross)
     probe.positions = positions  # read by detectors/positions.declared_positions

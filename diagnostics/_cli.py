@@ -2,9 +2,11 @@
 
     attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
                     [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN] [--call MODULE:FUNCTION] [--cross]
-                    [--positions relative|absolute]
-    attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--json]
-                    [--html PATH]
+                    [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
+                    [--detectors DET[,DET...]]
+    attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--seed N]
+                    [--detectors DET[,DET...]] [--json] [--html PATH]
+    attention-audit --version
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
 factory called with none; with `--model`, a model (an nn.Module), a class or a factory. The current directory
@@ -20,6 +22,7 @@ of its inputs, or a zero-argument factory of one) where they cannot be built fro
     3  inconclusive: nothing failed, but the audit could not measure the attention itself (no softmax or
        fused attention observed and no weights returned), or a detector crashed; the report says why
 
+Ctrl-C ends the command with one line on stderr and exit status 130 (128 + SIGINT), as shells do.
 Output piped into a reader that stops early (`attention-audit m:layer | head -2`) ends quietly: the rest
 of the report goes to /dev/null, as the Python docs advise for SIGPIPE, and the exit status is the audit's.
 """
@@ -48,8 +51,12 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
            "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross",
-           "positions": "--positions"}
-LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions")  # a layer audit's, not a model's
+           "positions": "--positions", "dtype": "--dtype", "device": "--device", "seed": "--seed",
+           "detectors": "--detectors"}
+LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions", "dtype",
+              "device")  # a layer audit's, not a model's
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+DTYPES = ("float32", "float64", "float16", "bfloat16")  # --dtype's choices, torch's names  # a layer audit's, not a model's
 LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
@@ -132,11 +139,42 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON instead of a table (with \"status\" and \"status_reason\")")
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="audit in this dtype (a module is converted to it first; default: the layer's own, else float32)")
+    p.add_argument("--device", metavar="DEVICE",
+                   help="audit on this device, e.g. cuda (a module is moved there first; default: the layer's own)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="the seed of the audit's own random draws (default 0)")
+    p.add_argument("--detectors", action="append", metavar="DET[,DET...]",
+                   help="run only these detectors (repeatable, or comma-separated); default: all that apply")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return p
 
 
+def _version() -> str:
+    from . import __version__  # the package's, read from the installed metadata
+    return __version__
+
+
+def _detectors(given: list[str] | None) -> list[str] | None:
+    """--detectors a,b --detectors c -> ["a", "b", "c"]; None when not given (every detector)."""
+    return None if given is None else [name.strip() for item in given for name in item.split(",") if name.strip()]
+
+
+def _shadowed_note(prog: str, directory: str) -> str | None:
+    """One line when `directory` holds a module or package named like this one (a user's diagnostics.py): the
+    command uses its own package, and a module of the user's that imports `diagnostics` gets this one."""
+    ours = Path(__file__).resolve().parent
+    for candidate in (Path(directory) / "diagnostics.py", Path(directory) / "diagnostics"):
+        if candidate.exists() and candidate.resolve() != ours:
+            return (f"{prog}: note: {candidate} is shadowed by this tool's package ({ours}) while the command runs: "
+                    "`import diagnostics` in your modules gets the tool's; rename yours to use both")
+    return None
+
+
 def _html_path_problem(path: str) -> str | None:
-    """Why a report could not be written to `path`, checked before the audit runs; None if it can."""
+    """Why a report could not be written to `path`, checked before the audit runs; None if it can. The folder's
+    permission bits are not enough (root passes `os.access` on /sys, where no file can be made): a file that does
+    not exist yet is created and removed again."""
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
@@ -145,15 +183,30 @@ def _html_path_problem(path: str) -> str | None:
     if target.is_dir():
         return (f"expected --html to name a file; got the directory {path!r}. "
                 f"Fix: add a file name, e.g. {target / 'audit.html'}")
-    if target.exists() and not os.access(target, os.W_OK):
-        return (f"expected --html {path} to be writable; got a read-only file. Fix: write the report elsewhere")
-    if not os.access(folder, os.W_OK):
-        return (f"expected --html {path} in a writable directory; got {str(folder)!r}, read-only. "
-                "Fix: write the report elsewhere")
+    if target.exists():
+        if not os.access(target, os.W_OK):
+            return f"expected --html {path} to be writable; got a read-only file. Fix: write the report elsewhere"
+        return None
+    try:
+        with open(target, "x", encoding="utf-8"):
+            pass
+        target.unlink()
+    except OSError as error:
+        return (f"expected --html {path} in a directory where files can be written; got {str(folder)!r}, where "
+                f"creating one fails ({type(error).__name__}: {error.strerror or error}). "
+                "Fix: write the report elsewhere, e.g. --html audit.html")
     return None
 
 
 def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int:
+    try:
+        return _main(argv, prog=prog)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)  # one line, not the traceback of wherever the audit was
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None, *, prog: str) -> int:
     quiet_numpy_warning()  # before the first import of torch, which the layer's module may do too
     if argv is None:  # the command itself (attention-audit, python -m diagnostics): the process exits after this
         # at exit the interpreter would walk every object torch and the audit made, looking for cycles (0.3 s of
@@ -162,6 +215,9 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
         atexit.register(gc.freeze)
     args = _parser(prog).parse_args(argv)
     importable_from(os.getcwd())  # `mymodule:layer` from a scratch directory
+    note = _shadowed_note(prog, os.getcwd())
+    if note:
+        print(note, file=sys.stderr)
 
     def usage(message: str) -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
@@ -189,7 +245,7 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
     from ._subject import check_seq_len, make_subject
 
     try:
-        layer = load_layer(args.target)
+        layer = _converted(load_layer(args.target), device=args.device, dtype=args.dtype)
         pattern = load_pattern(args.pattern) if args.pattern is not None else None
         call = load_call(args.call) if args.call is not None else None
         # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
@@ -201,12 +257,32 @@ def main(argv: list[str] | None = None, *, prog: str = "attention-audit") -> int
             report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
                            num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
                            mask=args.mask, layout=args.layout, pattern=pattern, call=call, cross=args.cross,
-                           positions=args.positions, progress=report_progress, _options=OPTIONS)
+                           positions=args.positions, dtype=_dtype(args.dtype), device=args.device, seed=args.seed,
+                           detectors=_detectors(args.detectors), progress=report_progress, _options=OPTIONS)
         finally:
             done()
     except AuditUsageError as error:
         return usage(str(error))
     return emit(report, args, prog, usage)
+
+
+def _dtype(name: str | None):
+    import torch  # after quiet_numpy_warning(), as every import of torch here
+    return None if name is None else getattr(torch, name)
+
+
+def _converted(layer, *, device: str | None, dtype: str | None):
+    """A module loaded for this command, moved to --device and converted to --dtype, as `audit()` asks of a module
+    whose parameters are elsewhere (the command built it, so nobody else holds it); a function is left as it is."""
+    import torch
+    if isinstance(layer, torch.nn.Module) and (device is not None or dtype is not None):
+        try:
+            return layer.to(device=device, dtype=_dtype(dtype))
+        except (RuntimeError, TypeError) as error:  # an unknown or absent device
+            raise AuditUsageError(f"expected --device {device} to be a device this torch can use; got "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0]}. Fix: --device cpu, or "
+                                  "leave it out") from None
+    return layer
 
 
 def audit_model_command(args, prog: str, usage) -> int:
@@ -219,7 +295,8 @@ def audit_model_command(args, prog: str, usage) -> int:
         return usage(f"expected either MODULE:OBJECT (a layer) or --model MODULE:OBJECT; got both "
                      f"({args.target} and --model {args.model}). Fix: drop one")
     if given:
-        return usage(f"expected only --example, --causal, --seq-len, --json and --html with --model; got "
+        return usage(f"expected only --example, --causal, --seq-len, --seed, --detectors, --json and --html with "
+                     f"--model; got "
                      f"{', '.join(given)}. "
                      f"Fix: drop them (the model's own call sets them for each layer)")
     from .model import audit_model  # here, not at the top: it imports torch, after quiet_numpy_warning()
@@ -233,7 +310,8 @@ def audit_model_command(args, prog: str, usage) -> int:
                 sys.stderr.write(f"\r\x1b[Kauditing {stage}")
                 sys.stderr.flush()
         report = audit_model(model, example, causal=True if args.causal else None, seq_len=args.seq_len,
-                             progress=progress, _options=OPTIONS)
+                             seed=args.seed, detectors=_detectors(args.detectors), progress=progress,
+                             _options=OPTIONS)
         if progress is not None:
             sys.stderr.write("\r\x1b[K")
     except AuditUsageError as error:
@@ -266,10 +344,11 @@ def emit(report, args, prog: str, usage) -> int:
             report.to_html(args.html)
         except (ImportError, OSError, AuditUsageError) as error:
             print(f"{prog}: the audit ran (status above), but its HTML report was not written: {error}", file=sys.stderr)
-            return status
+            return status or EXIT_USAGE  # a passed audit whose asked-for report is missing does not exit 0
         print(f"{prog}: wrote {args.html}", file=sys.stderr)
     return status
 
 
-__all__ = ["EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE", "LAYER_ONLY", "OPTIONS",
-           "audit_model_command", "emit", "load_example", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve"]
+__all__ = ["DTYPES", "EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE",
+           "LAYER_ONLY", "OPTIONS", "audit_model_command", "emit", "load_example", "load_layer", "load_model", "main",
+           "quiet_numpy_warning", "resolve"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -67,6 +68,14 @@ MAX_CELLS = 64  # larger maps are cropped to their first 64 queries and keys: be
 def escape(value) -> str:
     """`value` as text safe inside HTML elements and attribute values."""
     return html.escape(str(value), quote=True)
+
+
+VIEWPORT = '<meta name="viewport" content="width=device-width, initial-scale=1">'  # a phone lays it out at its width
+
+
+def prose(value) -> str:
+    """`value` escaped, with its `backticked` spans (as the reports' messages quote code) set as <code>."""
+    return re.sub(r"`([^`\n]+)`", r"<code>\1</code>", escape(value))
 
 
 def number(x: float | None) -> str:
@@ -262,8 +271,8 @@ def results_table(results, *, layers: bool = False) -> str:
                        f'<code>{escape(r.where[0].code)}</code></div>')
         layer = f'<td><code>{escape(r.layer or "")}</code></td>' if layers else ""
         rows.append(f'<tr><td><code>{escape(r.detector)}</code></td><td>{verdict_badge(r.verdict)}</td>{layer}'
-                    f'<td>{escape(r.message)}</td><td class="num">{number(r.value)}</td>'
-                    f'<td class="num">{number(r.threshold)}</td><td>{escape(r.evidence)}{margin}</td>'
+                    f'<td>{prose(r.message)}</td><td class="num">{number(r.value)}</td>'
+                    f'<td class="num">{number(r.threshold)}</td><td>{prose(r.evidence)}{margin}</td>'
                     f'<td>{fix}</td></tr>')
     return ('<table class="results"><thead><tr><th>detector</th><th>verdict</th>' + ("<th>layer</th>" if layers else "")
             + '<th>reading</th><th>value</th><th>threshold</th><th>evidence</th><th>fix</th></tr></thead><tbody>'
@@ -289,7 +298,7 @@ def finding_html(r) -> str:
     at = f' at <code>{escape(r.layer)}</code>' if r.layer else ""
     picture = r.extras.get("dependency_map")
     return (f'<div class="finding {escape(r.verdict)}"><p>{verdict_badge(r.verdict)} <code>{escape(r.detector)}'
-            f'</code>{at}: {escape(r.message)}</p><p><b>Evidence:</b> {escape(r.evidence) or "—"}</p>'
+            f'</code>{at}: {prose(r.message)}</p><p><b>Evidence:</b> {prose(r.evidence) or "—"}</p>'
             f'{where_html(r.where)}<p><b>Fix:</b> <code>{escape(r.remedy[0] if r.fired else r.fix) or "—"}</code></p>'
             f'{dependency_html(picture) if isinstance(picture, DependencyMap) else ""}</div>')
 
@@ -303,8 +312,10 @@ def write_page(path, page: str) -> None:
         folder = target.parent
         why = ("its folder does not exist" if not folder.exists() else
                f"{type(error).__name__}: {error.strerror or error}")
-        raise AuditUsageError(f"expected a path the HTML report can be written to; got {str(path)!r} ({why}). Fix: "
-                              f"create {str(folder)!r} first, or pass a path in a folder you can write to") from None
+        fix = (f"create {str(folder)!r} first, or pass a path in a folder you can write to" if not folder.exists()
+               else "pass a path in a folder you can write to")
+        raise AuditUsageError(f"expected a path the HTML report can be written to; got {str(path)!r} ({why}). "
+                              f"Fix: {fix}") from None
 
 
 def write_report_html(report, path) -> None:
@@ -325,11 +336,11 @@ def write_report_html(report, path) -> None:
                    f'shape {tuple(report.weights.shape)}</figcaption>{heatmap_svg(first_map(report.weights))}'
                    f'</figure>')
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>attention audit of {escape(report.layer)}: {verdict}</title>
+<html lang="en"><head><meta charset="utf-8">{VIEWPORT}<title>attention audit of {escape(report.layer)}: {verdict}</title>
 <style>{STYLE}
 body {{ margin: 24px; }}</style></head>
 <body class="am">
-<h1>Attention audit of {escape(report.layer)}: {verdict}</h1>
+<h1>Attention audit of {prose(report.layer)}: {verdict}</h1>
 <p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
 {escape(report.device)}, {report.forward_passes} forward passes of work, {report.seconds:.2f} s{escape(mask)}</p>
 <h2>Findings</h2>
@@ -361,9 +372,9 @@ def model_report_html(report, *, standalone: bool = True) -> str:
         f"{escape(', '.join(f'{r.detector} {r.verdict}' for r in rep.results if r.fired or r.verdict == 'error'))}"
         f"</td></tr>" for p, rep in report.layers.items())
     findings = "".join(finding_html(r) for r in report.findings)
-    notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes)
+    notes = "".join(f"<li>{prose(n)}</li>" for n in report.notes)
     body = (f'<h1>Model audit of {escape(report.model)}: {escape(report.status.upper())}</h1>'
-            f'<p>{escape(report.status_reason)}</p>'
+            f'<p>{prose(report.status_reason)}</p>'
             f'<p class="meta">{"causal" if report.causal else "not causal"} ({escape(report.causal_source)}), '
             f'seq_len {report.seq_len}, {escape(report.dtype)}, {report.model_forwards} model forwards + '
             f'{report.layer_calls} layer calls, {report.seconds:.2f} s</p>'
@@ -376,7 +387,7 @@ def model_report_html(report, *, standalone: bool = True) -> str:
             f'<th>findings</th></tr></thead><tbody>{layers}</tbody></table>')
     if not standalone:
         return body
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>model audit of '
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">{VIEWPORT}<title>model audit of '
             f'{escape(report.model)}: {escape(report.status.upper())}</title><style>{STYLE}\nbody {{ margin: 24px; }}'
             f'</style></head>\n<body class="am">{body}</body></html>\n')
 

@@ -478,10 +478,94 @@ def test_the_command_takes_a_pattern_a_mask_shape_and_a_call(declared, capsys):
                                                             "or MEANING:SHAPE"),
     (["declaredlayers:needs_bias"], "got `bias` with no default"),
     (["declaredlayers:needs_bias", "--call", "declaredlayers:not_callable"], "expected --call to name a function"),
-    (["--model", "declaredlayers:windowed", "--cross"], "expected only --example, --causal, --seq-len, --json and "
-                                                        "--html with --model; got --cross"),
+    (["--model", "declaredlayers:windowed", "--cross"], "expected only --example, --causal, --seq-len, --seed, "
+                                                        "--detectors, --json and --html with --model; got --cross"),
 ])
 def test_a_declaration_that_does_not_parse_is_a_usage_error(declared, capsys, argv, words):
     assert _cli.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+# ---- first contact (issue 35): the version, Ctrl-C, an unwritable --html, the API's options, a shadowing module ----
+
+
+def test_version_is_the_packages_and_the_command_prints_it(capsys):
+    assert diagnostics.__version__ == importlib.metadata.version("attention-mistakes")
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"attention-audit {diagnostics.__version__}\n"
+
+
+def test_ctrl_c_ends_the_command_with_one_line_and_exit_130(in_scratch, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("diagnostics._audit.audit", interrupted)
+    assert _cli.main(["userlayers:correct"]) == _cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "attention-audit: interrupted\n"
+
+
+def test_html_into_a_folder_where_no_file_can_be_made_is_a_usage_error_before_the_audit(in_scratch, capsys, monkeypatch,
+                                                                                        tmp_path):
+    """Root passes `os.access` on /sys, where creating a file fails all the same: the check creates one. The message
+    does not ask to create a folder that exists."""
+    def no_audit(*args, **kwargs):
+        raise AssertionError("the audit ran although its report could not be written")
+
+    def refuse(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(13, "Permission denied")
+        return opened(path, *args, **kwargs)
+
+    opened = open
+    monkeypatch.setattr("diagnostics._audit.audit", no_audit)
+    monkeypatch.setattr("builtins.open", refuse)
+    assert _cli.main(["userlayers:correct", "--html", str(tmp_path / "a.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "create" not in err.split("Fix:")[1], err
+    assert f"got {str(tmp_path)!r}, where creating one fails (PermissionError: Permission denied)" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_passed_audit_whose_html_is_not_written_does_not_exit_0(in_scratch, capsys, monkeypatch, tmp_path):
+    def refuse(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("diagnostics._report.AuditReport.to_html", refuse)
+    assert _cli.main(["userlayers:correct", "--html", str(tmp_path / "a.html")]) == _cli.EXIT_USAGE
+    assert "HTML report was not written" in capsys.readouterr().err
+
+
+def test_dtype_device_seed_and_detectors_reach_the_audit_as_the_python_api_spells_them(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "--dtype", "bfloat16", "--device", "cpu", "--seed", "3",
+                      "--detectors", "softmax_saturation,future_leakage", "--detectors", "runs", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["dtype"], report["device"]) == ("bfloat16", "cpu"), report
+    assert [r["detector"] for r in report["results"]] == ["softmax_saturation", "future_leakage", "runs"]  # as given
+    assert _cli.main(["userlayers:correct", "--detectors", "no_such_detector"]) == 2
+    assert "got ['no_such_detector']" in capsys.readouterr().err
+    assert _cli.main(["userlayers:correct", "--device", "nowhere"]) == 2
+    assert capsys.readouterr().err.startswith("attention-audit: error: expected --device nowhere to be a device")
+
+
+def test_a_users_diagnostics_module_in_the_directory_is_named_in_one_line_and_the_command_uses_its_own(
+        in_scratch, capsys, scratch, monkeypatch, tmp_path):
+    (tmp_path / "diagnostics.py").write_text("raise SystemExit('the user\\'s diagnostics.py was imported')\n")
+    (tmp_path / "userlayers.py").write_text((scratch / "userlayers.py").read_text()
+                                            + "\nimport diagnostics\nAUDIT = diagnostics.audit\n")
+    monkeypatch.chdir(tmp_path)
+    assert _cli.main(["userlayers:correct", "--detectors", "runs"]) == 0
+    note, = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"attention-audit: note: {tmp_path / 'diagnostics.py'} is shadowed by this tool's package")
+    assert sys.modules["userlayers"].AUDIT is diagnostics.audit
+    # the installed command, from that directory: its own package (no torch is imported for --version)
+    done = subprocess.run(_command() + ["--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("attention-audit ") and not done.stderr, done
+
+
+def test_the_readme_layer_is_the_examples_layer():
+    """The README's first example and examples/my_attention.py are one layer: the class, line for line."""
+    example = (README.parent / "examples" / "my_attention.py").read_text()
+    layer = example[example.index("class MyAttention"):]
+    assert layer in _readme_section_blocks("Audit your own layer")[0]

@@ -7,7 +7,7 @@ torch's nn.TransformerEncoder and nn.TransformerDecoder. Extras run (transformer
 tiny Hugging Face models built from configs and timm's VisionTransformer, clean and with each catalog bug that
 can live in an attention function injected into one layer: through transformers' AttentionInterface (T5 included),
 or in timm by swapping one block's attention for a broken copy. `python tests/test_model_audit.py`
-prints the README's architectures x bugs table; a test keeps the README equal to it.
+prints docs/auditing-a-model.md's architectures x bugs table; a test keeps that page equal to it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from diagnostics._guard import seed_rng
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest_plugins = ["pytester"]
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "auditing-a-model.md"  # the page on auditing a model
 T = 16
 
 
@@ -888,7 +888,7 @@ def model_bug_table() -> str:
 def test_readme_has_the_architectures_x_bugs_table():
     _need("transformers")
     _need("timm")
-    text = README.read_text()
+    text = DOC.read_text()
     assert architecture_table() in text, "run `python tests/test_model_audit.py` and paste its tables"
     assert model_bug_table() in text, "run `python tests/test_model_audit.py` and paste its tables"
 
@@ -927,7 +927,7 @@ def test_command_line_audits_a_model_with_the_layer_exit_codes(tmp_path, monkeyp
     assert main(["--model", "mymodels:bad", "--json"]) == 1
     assert '"layer": "h.1.attn"' in capsys.readouterr().out
     assert main(["--model", "mymodels:good", "--mask", "additive"]) == 2  # a layer option: usage error
-    assert "expected only --example, --causal, --seq-len, --json and --html with --model" in capsys.readouterr().err
+    assert "expected only --example, --causal, --seq-len, --seed, --detectors, --json and --html with --model" in capsys.readouterr().err
     assert main(["--model", "mymodels:missing"]) == 2
     assert main([]) == 2  # neither a layer nor a model
 
@@ -1021,11 +1021,11 @@ def test_a_classifier_without_per_position_outputs_skips_the_sequence_checks_wit
 
 def test_readme_example_runs_as_written(tmp_path, monkeypatch):
     _need("transformers")
-    section = README.read_text().split("## Audit a whole model\n", 1)[1].split("\n## ", 1)[0]
+    section = DOC.read_text().split("## Audit a whole model\n", 1)[1].split("\n## ", 1)[0]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)  # it writes model.html
     torch.manual_seed(0)
-    exec(compile(example, str(README), "exec"), {"__name__": "readme_model_example"})
+    exec(compile(example, str(DOC), "exec"), {"__name__": "readme_model_example"})
     assert (tmp_path / "model.html").exists()
 
 

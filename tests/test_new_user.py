@@ -156,3 +156,98 @@ def test_the_header_counts_work_and_runs_counts_calls_and_each_says_which():
     header, runs = str(report).splitlines()[0], report.result("runs").message
     assert f"{report.forward_passes} forward passes of work" in header, header
     assert "calls in all" in runs, runs
+
+
+# ---- examples/ (issue 35): each script runs as a user runs it, and the README shows the same code -------------
+
+EXAMPLES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples"
+
+
+def _readme_block_after(heading: str) -> str:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_model_example_is_examples_audit_model():
+    script = (EXAMPLES / "audit_model.py").read_text()
+    assert _readme_block_after("Audit a whole model") == script[script.index("import diagnostics"):]
+
+
+@pytest.mark.slow  # four fresh processes, each importing torch, and a model audit: about 15 s on 2 cores
+def test_every_example_runs_as_a_user_runs_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = str(EXAMPLES.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_ADDOPTS", None)
+    commands = {
+        "audit_layer.py": [sys.executable, str(EXAMPLES / "audit_layer.py")],
+        "audit_model.py": [sys.executable, str(EXAMPLES / "audit_model.py")],
+        "html_report.py": [sys.executable, str(EXAMPLES / "html_report.py"), str(tmp_path / "audit.html")],
+        "test_my_attention.py": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                 "--rootdir", str(EXAMPLES), str(EXAMPLES / "test_my_attention.py")],
+    }
+    assert sorted(commands) == sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "my_attention.py")
+    started = {name: subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for name, argv in commands.items()}
+    out = {name: process.communicate(timeout=300)[0] for name, process in started.items()}
+    assert all(process.returncode == 0 for process in started.values()), out
+    assert "PASSED" in out["audit_layer.py"] and "FAILED" in out["audit_model.py"], out
+    assert (tmp_path / "audit.html").stat().st_size > 1000 and "1 passed" in out["test_my_attention.py"], out
+    assert not any("Failed to initialize NumPy" in text for text in out.values()), out
+
+
+# ---- the memory guard (issue 35): an audit that would not fit is refused before it runs, with what would fit ----
+
+
+def sdpa_function(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_an_audit_far_past_the_memory_is_refused_before_it_runs_with_the_length_that_fits(monkeypatch):
+    """`audit(fn, seq_len=100000)` once grew to 20 GB and was killed: now the estimate (4.7 TB) is refused at once."""
+    from diagnostics import _memory
+
+    monkeypatch.setenv(_memory.ENV, "2G")  # the same answer on every machine
+    with pytest.raises(diagnostics.AuditUsageError) as refused:
+        diagnostics.audit(sdpa_function, seq_len=100000)
+    message = str(refused.value)
+    fits = _memory.longest_that_fits(2 * 2 ** 30, num_heads=2, dtype=torch.float32)
+    assert message.startswith(f"expected an audit that fits in memory ({_memory.ENV}=2G: 2 GB); got seq_len=100000, "
+                              "estimated at 4.66 TB"), message
+    assert f"Fix: seq_len={fits} or less" in message and 2000 < fits < 3000, message
+    assert _memory.estimate(seq_len=fits, num_heads=2, dtype=torch.float32) <= 2 * 2 ** 30
+    assert _memory.estimate(seq_len=fits + 1, num_heads=2, dtype=torch.float32) > 2 * 2 ** 30
+
+
+def test_an_audit_within_the_memory_runs_and_the_cap_is_read_in_the_users_units(monkeypatch):
+    from diagnostics import _memory
+
+    monkeypatch.setenv(_memory.ENV, "200M")
+    fits = _memory.longest_that_fits(200 * 2 ** 20, num_heads=2, dtype=torch.float32)
+    report = diagnostics.audit(sdpa_function, seq_len=fits, detectors=["output_shape"])  # not refused: it runs
+    assert report.result("output_shape").verdict == "pass" and report.seq_len == fits
+    with pytest.raises(diagnostics.AuditUsageError, match=f"Fix: seq_len={fits} or less"):
+        diagnostics.audit(sdpa_function, seq_len=fits + 1, detectors=["output_shape"])
+    assert [_memory.parse_size(s) for s in ("8G", "500M", "1.5g", "123456", "2 GiB")] == [
+        8 * 2 ** 30, 500 * 2 ** 20, int(1.5 * 2 ** 30), 123456, 2 * 2 ** 30]
+    monkeypatch.setenv(_memory.ENV, "lots")
+    with pytest.raises(diagnostics.AuditUsageError, match="expected ATTENTION_AUDIT_MEMORY to be a size such as 8G"):
+        diagnostics.audit(sdpa_function)
+
+
+def test_the_command_spells_the_memory_fix_as_an_option(tmp_path, monkeypatch, capsys):
+    from diagnostics import _cli, _memory
+
+    (tmp_path / "fnlayer.py").write_text("from test_new_user import sdpa_function as layer\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    monkeypatch.setenv(_memory.ENV, "200M")
+    assert _cli.main(["fnlayer:layer", "--seq-len", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "got --seq-len 100000" in err and "Fix: --seq-len " in err, err

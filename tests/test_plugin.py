@@ -258,7 +258,7 @@ def test_readme_fixture_example_runs_on_the_readme_layer(pytester):
     section = readme.read_text().split("## Audit your own layer\n", 1)[1].split("\n## ", 1)[0]
     layer, test_file = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
     assert "class MyAttention" in layer and test_file.startswith("# test_my_attention.py")
-    pytester.makepyfile(mymodule=layer, test_my_attention=test_file)
+    pytester.makepyfile(my_attention=layer, test_my_attention=test_file)
     result = pytester.runpytest(*PLUGIN)
     result.assert_outcomes(passed=1, warnings=1)  # the README says: it warns of NaN on a fully masked row
 

@@ -4,7 +4,7 @@ Every layer is tiny and randomly initialised, built from a config; nothing is do
 conventions (masks that block where ours allow, additive masks, rotary embeddings, the causal mask a
 parent model builds) are handled by `diagnostics.adapters`, never by a detector. Where the audit does
 report something on a real layer, the test checks it against the layer itself: each such finding is a
-fact about that layer (see the README, "Audit your own layer"). timm and transformers tests skip where the
+fact about that layer (see docs/auditing-a-layer.md). timm and transformers tests skip where the
 packages are absent (`pip install -e ".[real]"`).
 """
 
@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from configs: nothing may 
 
 D, H, T = 32, 4, 16  # d_model, heads, the audit's default probe length
 ROW = T // 2  # the query the fully_masked_rows detector blocks entirely (batch row 0)
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "auditing-a-layer.md"  # the page that shows these layers
 CORE = ("runs", "output_shape", "finite_output", "softmax_saturation", "output_variance", "eval_determinism")
 CAUSAL = ("future_leakage", "causal_alignment")
 
@@ -396,9 +396,9 @@ def test_adapter_passes_the_mask_the_parent_model_builds(transformers, model, im
 
 
 def test_readme_example_audits_llama_attention_alone_and_in_its_model(transformers, capsys):
-    section = README.read_text().split("## Audit your own layer\n", 1)[1].split("\n## ", 1)[0]
+    section = DOC.read_text().split("## Layers from torch, timm and Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
     example = next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "LlamaAttention" in b)
-    exec(compile(example, str(README), "exec"), {"__name__": "readme_real_layers_example"})
+    exec(compile(example, str(DOC), "exec"), {"__name__": "readme_real_layers_example"})
 
 
 # ---- the zoo: every attention class transformers builds from a tiny config, audited with no adapter ----------
@@ -565,7 +565,7 @@ def test_a_layer_that_drops_its_mask_once_the_cache_holds_keys_fails_cache_decod
 
 
 def zoo_table() -> str:
-    """The README's table of Hugging Face layers, from ZOO: what `test_zoo` audits and expects."""
+    """docs/auditing-a-layer.md's table of Hugging Face layers, from ZOO: what `test_zoo` audits and expects."""
     rows = ["| model | layer | role | audit | result (eager and sdpa) |", "|---|---|---|---|---|"]
     for z in ZOO:
         result = "clean" if not z.fired else ", ".join(f"`{d}` fails (true: see below)" for d in z.fired)
@@ -574,7 +574,7 @@ def zoo_table() -> str:
 
 
 def test_readme_zoo_table_is_the_tests_table():
-    assert zoo_table() in README.read_text(), "regenerate with: python tests/test_real_layers.py"
+    assert zoo_table() in DOC.read_text(), "regenerate with: python tests/test_real_layers.py"
 
 
 if __name__ == "__main__":

@@ -405,6 +405,10 @@ def test_audit_report_to_html_of_a_correct_layer_shows_its_weights_and_every_det
     for detector in diagnostics.DETECTORS:
         assert f"<code>{detector}</code>" in text, detector
     assert page.external == [] and page.scripts == 0 and page.links == []
+    # a phone lays it out at its own width, and the messages' `code` is set as code, not raw backticks (issue 35)
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in text
+    title = re.search(r"<h1>(.*?)</h1>", text).group(1)
+    assert "<code>d_model</code>" in title and "`" not in title, title
     # the subtitle says what the audit did in words, not internal fields (issue 18, item 8)
     assert not re.search(r"\b(form|takes_mask|pass_causal_mask)=", text) and "the layer takes a mask" in text
 
@@ -562,6 +566,20 @@ def test_pytest_html_report_has_variant_and_detector_columns_and_the_teaching_re
     assert '<td class="col-variant"><a href="#variant-missing_scale">missing_scale</a></td>' in caught
     assert '<td class="col-detector">softmax_saturation</td>' in caught
     assert '<td class="col-variant"></td><td class="col-detector"></td>' in rows["test_inner.py::test_unrelated"]
+    # the head finished after pytest-html wrote it (issue 35): a viewport, failures first, a narrow window's rules
+    head = text[:text.index("</head>")]
+    assert head.count('<meta name="viewport" content="width=device-width, initial-scale=1">') == 1
+    assert head.rindex("<style") > head.index("min-width: 800px"), "after pytest-html's styles, to override them"
+    assert 'url.searchParams.set("visible", "failed,error,xpassed,rerun")' in head
+
+
+def test_finishing_the_page_adds_its_head_once_and_leaves_other_pages_alone():
+    page = '<html><head><style>body { min-width: 800px; }</style></head><body><table id="results-table"></table></body>'
+    finished = teaching_report.finish_page(page)
+    assert finished == page.replace("</head>", teaching_report.PAGE_HEAD + "</head>")
+    assert teaching_report.finish_page(finished) == finished  # once
+    assert teaching_report.finish_page("<p>no head</p>") == "<p>no head</p>"
+    assert "body { min-width: 0; }" in teaching_report.PAGE_HEAD and '"collapsed", "all"' in teaching_report.PAGE_HEAD
 
 
 @pytest.mark.slow  # two worker processes, each importing torch: about 10 s

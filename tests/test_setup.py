@@ -1,7 +1,8 @@
 """The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
 the `real` extra as the README gives it, then the `zoo` extra (pinned) and tests/test_zoo.py; where the real extra
 is installed, transformers' Llama classes and timm import in a fresh interpreter (no workaround of the tests' own);
-the minimum torch stated in the README is the one pyproject declares, no README paragraph appears twice, the
+the minimum torch stated in the README is the one pyproject declares, no paragraph of the README and the docs/
+pages appears twice, their links resolve, the README stays a guide of a few hundred lines, the
 tests run under `--import-mode=importlib` (nothing is imported from a conftest), and a command line that names a
 test file runs in one process rather than on pytest-xdist's workers."""
 
@@ -20,6 +21,7 @@ from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = sorted((ROOT / "docs").glob("*.md"))  # the pages the README links, by task
 
 
 def _commands(text: str) -> list[str]:
@@ -128,12 +130,47 @@ def repeated_paragraphs(text: str) -> list[str]:
     return repeated
 
 
-def test_no_paragraph_of_the_readme_appears_twice():
+def test_no_paragraph_of_the_readme_or_the_docs_appears_twice():
     """An edit that pastes a section's new version beside its old one leaves two sets of figures (the cost section
-    once did: one commit's numbers, then an older one's); the check itself sees a doubled paragraph."""
-    assert repeated_paragraphs(README) == []
+    once did: one commit's numbers, then an older one's), and a paragraph moved to docs/ must not stay behind in the
+    README; the check itself sees a doubled paragraph."""
+    pages = [README, *(page.read_text(encoding="utf-8") for page in DOCS)]
+    assert repeated_paragraphs("\n\n".join(pages)) == []
     first = next(p.strip() for p in README.split("\n\n") if len(p.strip()) > 80)
     assert repeated_paragraphs(README + "\n\n" + first + "\n") == [first]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of a markdown page whose file, or whose #anchor in that file, does not exist."""
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text(encoding="utf-8")):
+        if "://" in target:
+            continue
+        linked = (page.parent / target) if target else page
+        if not linked.exists():
+            broken.append(f"{target}#{anchor}" if anchor else target)
+        elif anchor and linked.is_file():
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(encoding="utf-8"), re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(f"{target}#{anchor}")
+    return broken
+
+
+def test_the_readme_is_a_guide_and_every_docs_page_is_linked_and_links_resolve(tmp_path):
+    assert len(README.splitlines()) < 400, "a guide of a few hundred lines: move details to a page under docs/"
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    for page in DOCS:
+        assert page.name == "index.md" or f"]({page.name})" in index, f"docs/index.md links {page.name}"
+    for page in [ROOT / "README.md", *DOCS]:
+        assert broken_links(page) == [], page.name
+    broken = tmp_path / "page.md"  # the check itself sees a missing file and a missing anchor
+    broken.write_text("# Title\n\n[a](missing.md) [b](#title) [c](#nowhere) [d](https://example.com)\n")
+    assert broken_links(broken) == ["missing.md", "#nowhere"]
 
 
 @pytest.mark.slow  # a second pytest process that collects the whole suite again: 10 s of the default run's 160
@@ -250,3 +287,48 @@ def test_tests_run_with_the_collectors_thresholds_and_a_caller_of_pytest_main_ge
     during = ast.literal_eval(re.search(r"^during: (.*)$", done.stdout, re.M).group(1))
     assert during == [(GC_THRESHOLD, True)], done.stdout[-2000:]
     assert re.search(r"^after: (.*)$", done.stdout, re.M).group(1) == "((1234, 11, 12), 0)", done.stdout[-2000:]
+
+
+def test_the_license_is_the_mit_text_that_pyproject_names():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^license = \{ text = "MIT" \}', pyproject, re.M)
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.startswith("MIT License\n") and "WITHOUT WARRANTY OF ANY KIND" in text
+
+
+def test_the_version_comes_from_the_installed_metadata_else_from_pyproject(monkeypatch):
+    import importlib.metadata as metadata
+
+    import diagnostics
+
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert diagnostics.__version__ == metadata.version("attention-mistakes")
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert diagnostics._version() == f"{declared}+source"  # a source tree that pip never installed
+
+
+def test_py_typed_ships_as_package_data():
+    """PEP 561: the marker, and pyproject's package data that puts it into the wheel (the slow test builds one)."""
+    assert (ROOT / "diagnostics" / "py.typed").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^\[tool\.setuptools\.package-data\]\ndiagnostics = \["py\.typed"\]', pyproject, re.M)
+
+
+@pytest.mark.slow  # pip builds a wheel: 7 s
+def test_the_wheel_holds_py_typed_and_the_license(tmp_path):
+    import shutil
+    import zipfile
+
+    tree = tmp_path / "tree"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path / "wheel"), str(tree)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel, = (tmp_path / "wheel").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "diagnostics/py.typed" in names and any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
