@@ -1,0 +1,75 @@
+"""One comparison every parity check makes: the sharded answer to a job at each world size against the unsharded
+layer's, by the float64-golden rule, with the evidence in the project's words (count, fraction, worst token and the
+rank that holds it, what was allowed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._result import DetectorResult
+from ..model._tolerance import scale_of
+
+
+@dataclass(frozen=True)
+class Parity:
+    """One world size's comparison: whether it held, the error and what was allowed (relative to the outputs' RMS),
+    the test and target (float64), and the evidence sentence."""
+
+    W: int
+    ok: bool
+    error: float
+    allowed: float
+    test: Tensor
+    target: Tensor
+    evidence: str
+
+
+def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), what: str = "outputs") -> Parity:
+    ref = ctx.reference(job, W)
+    test = test[rows]
+    golden = None if ref.golden is None else ref.golden[rows]
+    ok, err, allowed, _ = type(ref)(golden, ref.same[rows], ref.dtype).judge(test, f"{W} ranks")
+    target = (golden if golden is not None else ref.same[rows]).double()
+    scale = scale_of(target)
+    per_token = (test.double() - target).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale  # (B, T)
+    bad = per_token > allowed
+    flat = int(per_token.argmax())
+    b, t = divmod(flat, per_token.shape[1])
+    owner = int(ctx.owners(per_token.shape[1], W)[t])
+    evidence = (f"{W} ranks: {int(bad.sum())} / {bad.numel()} {what} off ({100 * float(bad.float().mean()):.1f}%); "
+                f"greatest error {err:.3g} of the {what}' RMS at (b={b}, t={t}), a token of rank {owner} "
+                + (f"(allowed {allowed:.2g}: 10 x the unsharded layer's own error against its float64 copy + a floor)"
+                   if golden is not None else f"(allowed {allowed:.0e} in float64)"))
+    return Parity(W, ok, err, allowed, test.double(), target, evidence)
+
+
+def unmeasured(ctx, job: str) -> list[str]:
+    """Why `job` has no answer at some world sizes: the failure that stopped it there."""
+    notes = []
+    for W in ctx.world_sizes:
+        if ctx.answers(W, job) is None:
+            f = ctx.failure(W, job)
+            notes.append(f"{W} ranks: not measured ({f.describe() if f else 'an earlier job stopped the group'})")
+    return notes
+
+
+def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, fail_text: str, fix: str,
+            cause=None) -> DetectorResult:
+    """The result over every world size: fail if any failed (the worst first), skip if none was measured."""
+    if not passes:
+        return DetectorResult(det, "skip", "not measured: " + "; ".join(notes))
+    failed = [p for p in passes if not p.ok]
+    worst = max(failed or passes, key=lambda p: p.error / (p.allowed or 1.0))
+    evidence = "; ".join([p.evidence for p in sorted(passes, key=lambda p: p.ok)] + notes)
+    if failed:
+        message = fail_text + (f": {cause.text}" if cause is not None else "")
+        return DetectorResult(det, "fail", message, value=worst.error, threshold=worst.allowed, evidence=evidence,
+                              fix=cause.fix if cause is not None else fix)
+    return DetectorResult(det, "pass", ok_text + f" (at {', '.join(str(p.W) for p in passes)} ranks)",
+                          value=worst.error, threshold=worst.allowed, evidence=evidence)
+
+
+__all__ = ["Parity", "parity", "unmeasured", "verdict"]

@@ -1,0 +1,50 @@
+"""sharded_large_logits: with every weight scaled up (logits of several hundred, past float32's exp range), the
+float32 sharded output still equals the unsharded one. A log-sum-exp merge that exponentiates the partial
+normalisers instead of their differences overflows there: rows become NaN or 0 only with large logits."""
+
+from __future__ import annotations
+
+import torch
+
+from .._registry import detector
+from .._result import DetectorResult
+from ._causes import Cause
+from ._context import FORWARD, LARGE, LOGIT_SCALE, ShardedContext
+from ._judge import parity, unmeasured, verdict
+
+ID = "sharded_large_logits"
+FIX = ("merge the partial results in log space: new = logaddexp(lse, part_lse); out = out * exp(lse - new) + "
+       "part * exp(part_lse - new) (each factor the exp of a difference <= 0)")
+
+
+@detector(ID, f"with every weight scaled by {LOGIT_SCALE:g} (float32 logits in the hundreds), the sharded output still "
+              "equals the unsharded output", fix=FIX, scope="sharded", targets=("log-sum-exp merge overflowing",),
+          unlocated="names the rows that became NaN or 0; the layer runs in other processes")
+def check_large_logits(ctx: ShardedContext) -> DetectorResult:
+    measured, notes, cause = [], unmeasured(ctx, LARGE), None
+    for W in ctx.world_sizes:
+        if ctx.answers(W, LARGE) is None:
+            continue
+        try:
+            test = ctx.gathered(W, LARGE)
+        except ValueError:
+            continue  # sharded_output reports shards that do not fit
+        p = parity(ctx, LARGE, W, test)
+        measured.append(p)
+        if not p.ok and cause is None:
+            cause = _overflow(ctx, W, p)
+    return verdict(ID, measured, notes, ok_text=f"the sharded output holds with weights x{LOGIT_SCALE:g} in float32",
+                   fail_text="with large logits the sharded output differs from the unsharded output", fix=FIX,
+                   cause=cause)
+
+
+def _overflow(ctx: ShardedContext, W: int, p) -> Cause:
+    rows = p.test.abs().amax(dim=-1)  # (B, T)
+    dead = ~torch.isfinite(p.test).all(dim=-1) | (rows <= 1e-6 * p.target.abs().amax(dim=-1))  # NaN/inf or 0
+    ordinary = ctx.answers(W, FORWARD) is not None and parity(ctx, FORWARD, W, ctx.gathered(W, FORWARD),
+                                                              rows=slice(0, ctx.batch)).ok
+    where = "only with large logits" if ordinary else "(the output differs at ordinary logits too: see sharded_output)"
+    if bool(dead.any()):
+        return Cause(f"{int(dead.sum())} / {dead.numel()} output rows became NaN, inf or 0 {where}: the log-sum-exp "
+                      f"merge overflows", FIX)
+    return Cause(f"the rows stay finite but drift {where}: a merge that loses precision when logits are large", FIX)
