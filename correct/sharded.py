@@ -59,14 +59,15 @@ class _RingShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group, direction: int) -> Tensor:
         ctx.group, ctx.direction = group, direction
-        return _shift(x, group, direction)
+        return send_round(x, group, direction)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _shift(grad, ctx.group, -ctx.direction), None, None  # back to the rank it came from
+        return send_round(grad, ctx.group, -ctx.direction), None, None  # back to the rank it came from
 
 
-def _shift(x: Tensor, group, direction: int) -> Tensor:
+def send_round(x: Tensor, group, direction: int) -> Tensor:
+    """Send x to rank r+direction and return what rank r-direction sent (no autograd: see `ring_shift`)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     x = x.contiguous()
     received = torch.empty_like(x)
@@ -77,7 +78,7 @@ def _shift(x: Tensor, group, direction: int) -> Tensor:
     return received
 
 
-def ring_shift(x: Tensor, group) -> Tensor:
+def ringsend_round(x: Tensor, group) -> Tensor:
     """x of rank r-1 (autograd: the gradient goes back to r-1)."""
     return _RingShift.apply(x, group, 1)
 
@@ -234,7 +235,7 @@ class RingAttention(_Sharded):
         return positions  # the shard's global positions: the causal mask must know where the shard's queries sit
 
     def pass_on(self, x: Tensor) -> Tensor:
-        return ring_shift(x, self.group)  # from rank r-1; its gradient goes back to r-1
+        return ringsend_round(x, self.group)  # from rank r-1; its gradient goes back to r-1
 
     def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
         # the online softmax: rescale both partial results to the joint normaliser, in log space (no exp of a
@@ -367,4 +368,4 @@ def shard_order(layout: str, t: int, world_size: int) -> Tensor:
 
 __all__ = ["LAYOUTS", "HeadParallelAttention", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
            "check_equal_shards", "copy_to_ranks", "gather_sequence", "reduce_from_ranks", "ring_shift",
-           "scatter_sequence", "shard_order", "shard_positions"]
+           "scatter_sequence", "send_round", "shard_order", "shard_positions"]
