@@ -46,7 +46,8 @@ class Job:
 class RankFailure:
     """A rank that did not finish a job: it raised (`kind` "raised", with the exception and the innermost frame
     outside torch), hung past the deadline ("hung"), or exited without a word ("exited", with its exit code); or it
-    was stopped because another rank failed first ("stopped")."""
+    lost its peers, its collective failing because another rank had failed ("lost": gloo's "connection closed",
+    "timed out"), or was stopped for that reason before it said anything ("stopped")."""
 
     rank: int
     job: str
@@ -55,8 +56,19 @@ class RankFailure:
 
     def describe(self) -> str:
         what = {"raised": f"raised {self.error}", "hung": f"did not answer within the timeout ({self.error})",
-                "exited": f"exited ({self.error}) without reporting", "stopped": "was stopped after another rank failed"}
+                "exited": f"exited ({self.error}) without reporting", "stopped": "was stopped after another rank failed",
+                "lost": f"lost its peers ({self.error})"}
         return f"rank {self.rank} {what[self.kind]} in job {self.job!r}"
+
+    @property
+    def primary(self) -> bool:
+        """The rank's own failure, not a consequence of another's."""
+        return self.kind in ("raised", "exited", "hung")
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Socket Timeout",
+             "Broken pipe")
+"""Words of gloo's errors when a collective's peer is gone or silent: the consequence of another rank's failure."""
 
 
 @dataclass
@@ -164,7 +176,11 @@ def run_group(world_size: int, jobs: list[Job], *, timeout: float) -> Session:
 
 
 def _collect(session: Session, processes: list, readers: dict, jobs: list[Job], started: float, timeout: float) -> None:
-    W, deadline = session.world_size, started + timeout
+    """Read the ranks' messages until every rank finished or failed; a rank's own failure (raised, exited) gives the
+    others 0.3 s to report theirs, then they are stopped; a rank silent past the patience has hung."""
+    W = session.world_size
+    patience = timeout + 2.0  # past the ranks' own collective timeout, so that a waiting peer reports first
+    deadline = started + patience  # moved on by every message: a hang is a rank silent for that long
     current = {r: "start" for r in range(W)}  # the job each rank is in
     done: dict[str, dict[int, object]] = {}
     ready, finished, open_readers = set(), set(), dict(readers)
@@ -184,6 +200,8 @@ def _collect(session: Session, processes: list, readers: dict, jobs: list[Job], 
                 except (EOFError, OSError):
                     del open_readers[ready_one]
                     continue
+                if kind in ("ready", "start", "done"):  # progress
+                    deadline = time.perf_counter() + patience
                 if kind == "ready":
                     ready.add(rank)
                     if len(ready) == W:
@@ -195,9 +213,12 @@ def _collect(session: Session, processes: list, readers: dict, jobs: list[Job], 
                 elif kind == "finished":
                     finished.add(rank)
                 elif kind == "raised":
-                    session.failures.append(RankFailure(rank, job, "raised", rest[0]))
+                    lost = any(words in rest[0] for words in PEER_LOST)
+                    session.failures.append(RankFailure(rank, job, "lost" if lost else "raised",
+                                                        rest[0].split(". ")[0] if lost else rest[0]))
                     finished.add(rank)
-                    failed_at = failed_at or time.perf_counter()
+                    if not lost:  # a lost peer waits for the rank that failed (or the deadline) to show itself
+                        failed_at = failed_at or time.perf_counter()
             else:
                 rank = sentinels[ready_one]
                 if rank not in finished and not any(f.rank == rank for f in session.failures):
@@ -205,6 +226,7 @@ def _collect(session: Session, processes: list, readers: dict, jobs: list[Job], 
                     reader = next((c for c, r in open_readers.items() if r == rank), None)
                     if reader is not None and reader.poll(0):
                         continue
+                    processes[rank].join(0.5)
                     code = processes[rank].exitcode
                     session.failures.append(RankFailure(rank, current[rank], "exited", f"exit code {code}"))
                     finished.add(rank)
@@ -212,9 +234,9 @@ def _collect(session: Session, processes: list, readers: dict, jobs: list[Job], 
     timed_out = time.perf_counter() >= deadline
     for rank in range(W):
         if rank not in finished:
-            kind = "hung" if timed_out and not session.failures else "stopped"
-            session.failures.append(RankFailure(rank, current[rank], kind, f"{timeout:g} s"))
-    session.failures.sort(key=lambda f: ({"raised": 0, "exited": 1, "hung": 2, "stopped": 3}[f.kind], f.rank))
+            kind = "hung" if timed_out and not any(f.primary for f in session.failures) else "stopped"
+            session.failures.append(RankFailure(rank, current[rank], kind, f"silent for {patience:g} s"))
+    session.failures.sort(key=lambda f: ({"raised": 0, "exited": 1, "hung": 2, "lost": 3, "stopped": 4}[f.kind], f.rank))
     for job in jobs:  # the jobs every rank finished, in order
         if len(done.get(job.name, {})) == W:
             session.results[job.name] = [done[job.name][r] for r in range(W)]
