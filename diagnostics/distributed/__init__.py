@@ -12,22 +12,36 @@ judges it against its unsharded self with the detectors registered here (`SHARDE
     _audit.py     audit_sharded()                         _report.py   ShardedReport
     pytest_plugin.py  the `sharded_audit` fixture         __main__.py  `python -m diagnostics.distributed`
 
-`MODULES` lists the detector modules, in the order the detectors run and are reported.
+`MODULES` lists the detector modules, in the order the detectors run and are reported. The public names load on first
+use (PEP 562), the detector modules with them, so that loading the pytest plugin of this wing imports no torch.
 """
 
-from importlib import import_module
+from __future__ import annotations
 
-from .._registry import SHARDED_DETECTORS
+import importlib
 
 MODULES = ("runs", "output", "agreement", "causality", "logits", "lengths", "heads", "gradients")
 
-for _name in MODULES:
-    import_module(f"{__name__}.{_name}")
-
-from ._audit import audit_sharded  # noqa: E402  (after its detectors are registered)
-from ._ranks import TEMP_PREFIX, distributed_available  # noqa: E402
-from ._report import ShardedAuditError, ShardedReport  # noqa: E402
-from .layouts import LAYOUTS, shard_positions  # noqa: E402
+# public name -> the module that defines it
+_WHERE = {"LAYOUTS": ".layouts", "SHARDED_DETECTORS": "../_registry", "ShardedAuditError": "._report",
+          "ShardedReport": "._report", "TEMP_PREFIX": "._ranks", "audit_sharded": "._audit",
+          "distributed_available": "._ranks", "shard_positions": ".layouts"}
 
 __all__ = ["LAYOUTS", "MODULES", "SHARDED_DETECTORS", "ShardedAuditError", "ShardedReport", "TEMP_PREFIX",
            "audit_sharded", "distributed_available", "shard_positions"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module("._audit", __name__)  # which registers the detectors before anything reads them
+    if name == "SHARDED_DETECTORS":
+        from .._registry import SHARDED_DETECTORS as value
+    else:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 from dataclasses import replace
 
@@ -11,13 +12,16 @@ from torch import nn
 
 from .._errors import expect
 from .._guard import untouched
-from .._registry import phrase, run
-from .._registry import SHARDED_DETECTORS
+from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
+from . import MODULES
 from ._context import BACKWARD, FORWARD, JOBS, LARGE, LOGIT_SCALE, UNEVEN, Reference, ShardedContext
 from ._ranks import Job, distributed_available, run_group
 from ._report import ShardedReport
 from .layouts import LAYOUTS, shard_positions
+
+for _name in MODULES:  # the detectors register as their modules load, in this order
+    importlib.import_module(f"{__package__}.{_name}")
 
 TAKES = ("shard", "full")
 CORE = ("sharded_output",)  # an audit that did not measure it is inconclusive, never passed
