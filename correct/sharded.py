@@ -190,10 +190,10 @@ def gather_sequence(x: Tensor, group) -> Tensor:
     return _GatherSequence.apply(x, group)
 
 
-def check_equal_shards(t_r: int, group) -> None:
+def check_equal_shards(t_r: int, group, device=None) -> None:
     """Every rank holds as many tokens: refuse otherwise, on every rank alike (the ring and the all-to-all exchange
     equal blocks; an uneven one would fail in the transport or, worse, read past a shard)."""
-    lengths = torch.zeros(dist.get_world_size(group), dtype=torch.long)
+    lengths = torch.zeros(dist.get_world_size(group), dtype=torch.long, device=device)  # NCCL: on the rank's GPU
     lengths[dist.get_rank(group)] = t_r
     dist.all_reduce(lengths, group=group)
     seen = lengths.tolist()
@@ -245,7 +245,7 @@ class RingAttention(_Sharded):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         layer = self.layer
-        check_equal_shards(x.shape[1], self.group)
+        check_equal_shards(x.shape[1], self.group, x.device)
         q, k, v = layer.project(x, x, x)  # (B, T_r, D) each
         q, k, v = layer.split_heads(q), layer.split_heads(k), layer.split_heads(v)  # (B, H, T_r, d_k)
         q_pos = self.query_positions(positions)  # (T_r,)
@@ -284,7 +284,7 @@ class UlyssesAttention(_Sharded):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         layer = self.layer
-        check_equal_shards(x.shape[1], self.group)
+        check_equal_shards(x.shape[1], self.group, x.device)
         q, k, v = layer.project(x, x, x)  # (B, T_r, D) each
         q, k, v = layer.split_heads(q), layer.split_heads(k), layer.split_heads(v)  # (B, H, T_r, d_k)
         q, k, v = self.heads_out(q), self.heads_out(k), self.heads_out(v)  # (B, H_r, T, d_k)
@@ -327,7 +327,7 @@ class HeadParallelAttention(_Sharded):
         qkv = torch.nn.functional.linear(x, self.qkv_weight, self.qkv_bias)  # (B, T, 3 D/W)
         H_r, d_k = layer.num_heads // self.world_size, layer.head_dim
         q, k, v = (t.view(B, T, H_r, d_k).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (B, H_r, T, d_k)
-        positions = torch.arange(T)
+        positions = torch.arange(T, device=x.device)
         out, _ = self.attend(q, k, v, positions, positions)  # (B, H_r, T, d_k)
         return self.output_projection(layer.merge_heads(out))  # (B, T, D/W) -> (B, T, D)
 
@@ -349,11 +349,12 @@ class SequenceParallel(nn.Module):
         expect(T % pieces == 0, f"a length divisible by {pieces} ({self.layout} over {W} ranks)", f"T={T}",
                f"pad the sequence to a multiple of {pieces} and mask the padding")
         order = shard_order(self.layout, T, W)  # (T,): slot i of the ranks' shards, end to end, holds order[i]
+        order = order.to(x.device)
         return scatter_sequence(x, order, self.group), order.view(W, -1)[self.rank]  # (B, T_r, D), (T_r,)
 
     def gather(self, out: Tensor, order: Tensor) -> Tensor:
         gathered = gather_sequence(out, self.group)  # (B, T, D) in the ranks' order
-        return gathered[:, order.argsort()]  # back to positions 0..T-1
+        return gathered[:, order.argsort().to(gathered.device)]  # back to positions 0..T-1
 
     def forward(self, x: Tensor) -> Tensor:
         shard, positions = self.split(x)  # (B, T_r, D), (T_r,)

@@ -81,10 +81,10 @@ def children() -> list[int]:
     return found
 
 
-def audit_form(name: str, *, causal: bool, dtype=torch.float32, world_sizes=(2,)):
+def audit_form(name: str, *, causal: bool, dtype=torch.float32, world_sizes=(2,), device="cpu"):
     factory, options = FORMS[name]
     return audit_sharded(reference_layer(causal), factory, causal=causal, dtype=dtype, world_sizes=world_sizes,
-                         **options)
+                         device=device, **options)
 
 
 # ---- correct forms -------------------------------------------------------------------------------------------------
@@ -107,6 +107,16 @@ def test_every_correct_form_passes_at_2_and_4_ranks(name, causal, dtype):
     report = audit_form(name, causal=causal, dtype=dtype, world_sizes=(2, 4))
     assert report.status == "passed", str(report)
     assert not report.findings, str(report)
+
+
+def test_the_ranks_run_on_gpus_with_nccl_where_there_are_two(device):
+    """The NCCL path: rank r on GPU r, the references on the CPU (written, not yet run here: no GPU was lent)."""
+    if device.type == "cuda":
+        ok, why = distributed_available("cuda", 2)
+        if not ok:
+            pytest.skip(why)
+    report = audit_form("ring_zigzag", causal=True, device=device.type)
+    assert report.status == "passed", str(report)
 
 
 def test_the_reference_and_the_audit_cut_sequences_alike():

@@ -30,7 +30,8 @@ CORE = ("sharded_output",)  # an audit that did not measure it is inconclusive, 
 def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool = False, takes: str = "shard",
                   layout: str = "contiguous", seq_len: int = 16, batch: int = 2, num_heads: int | None = None,
                   dtype: torch.dtype | None = None, seed: int = 0, timeout: float = 30.0,
-                  detectors: list[str] | None = None, call=None, check_unsharded: bool = False) -> ShardedReport:
+                  detectors: list[str] | None = None, call=None, check_unsharded: bool = False,
+                  device: str = "cpu") -> ShardedReport:
     """Audit `sharded`, a layer split across processes, against `layer`, its unsharded self.
 
     `layer`: the unsharded module, `layer(x)` on (B, T, D) returning the output (or a tuple whose first item it is).
@@ -43,10 +44,9 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     `timeout` seconds, and reports a rank that raises, hangs or exits, naming it. `causal`: the layer promises
     causality. `dtype`: the dtype to audit in (default: the layer's); float64 is judged exactly, others against a
     float64 copy. `check_unsharded=True` also runs `diagnostics.audit()` on the unsharded layer (`report.unsharded`),
-    so a disagreement says which side is wrong.
+    so a disagreement says which side is wrong. `device="cuda"`: the ranks run on GPUs 0..W-1 with NCCL (the
+    references stay on the CPU; see docs/sharded.md).
     """
-    ok, why = distributed_available()
-    expect(ok, "torch.distributed with the gloo backend, and fork", why, "install a torch build with distributed")
     expect(isinstance(layer, nn.Module), "layer: the unsharded nn.Module", type(layer).__name__,
            "pass the module the sharded form must agree with")
     expect(callable(sharded), "sharded: a factory (layer, rank, world_size, group) -> module", repr(sharded),
@@ -54,6 +54,11 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     world_sizes = tuple(world_sizes)
     expect(world_sizes and all(isinstance(w, int) and not isinstance(w, bool) and w >= 2 for w in world_sizes),
            "world sizes: ints >= 2", f"world_sizes={world_sizes!r}", "pass e.g. world_sizes=(2, 4)")
+    expect(device in ("cpu", "cuda"), 'device "cpu" or "cuda"', f"device={device!r}", 'pass device="cuda" for NCCL')
+    for W in (world_sizes if device == "cuda" else (2,)):
+        ok, why = distributed_available(device, W)
+        expect(ok, f"torch.distributed able to run {W} ranks on {device}", why,
+               "install a torch build with distributed" if device == "cpu" else "see the reason")
     expect(takes in TAKES, f"takes in {TAKES}", f"takes={takes!r}",
            'takes="shard" if the sharded layer takes its own shard and positions, "full" for the whole sequence')
     expect(layout in LAYOUTS, f"layout in {LAYOUTS}", f"layout={layout!r}", "pass layout='contiguous'")
@@ -71,9 +76,10 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     with untouched(layer, torch.device("cpu")):
         ctx = _context(layer, world_sizes=world_sizes, causal=causal, takes=takes, layout=layout, seq_len=seq_len,
                        batch=batch, num_heads=num_heads, dtype=dtype, seed=seed)
+        ctx.device = device
         jobs = {W: _jobs(ctx, sharded, W, call) for W in world_sizes}
         for W in world_sizes:
-            _run(ctx, W, jobs[W], timeout)
+            _run(ctx, W, jobs[W], timeout, device)
         results = [_settled(run(SHARDED_DETECTORS[d], ctx, subject="sharded layer")) for d in chosen]
         unsharded = None
         if check_unsharded:
@@ -182,42 +188,43 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     the unsharded layer (the audit dtype's, the scaled float32 one) and calls it on its part of the input."""
     built: dict = {}  # per process after the fork: {which copy: the sharded module}
 
+    def on(rank: int):  # the rank's device: its own GPU under NCCL
+        return torch.device("cuda", rank) if ctx.device == "cuda" else torch.device("cpu")
+
     def module(which: str, rank: int, group) -> nn.Module:
         if which not in built:
             source = ctx.layer if which == "main" else ctx.large_layer
-            m = sharded(copy.deepcopy(source), rank, W, group)
+            m = sharded(copy.deepcopy(source).to(on(rank)), rank, W, group)
             built[which] = m.eval() if isinstance(m, nn.Module) else m
         return built[which]
 
-    def invoke(m, x, rank):
+    def invoke(m, x, rank, positions=None):
+        x = x.to(on(rank))
         if ctx.takes == "full":
             out = call(m, x) if call is not None else m(x)
         else:
-            positions = shard_positions(ctx.layout, x.shape[1], rank, W)
-            x = x[:, positions]
+            if positions is None:
+                positions = shard_positions(ctx.layout, x.shape[1], rank, W).to(on(rank))
+                x = x[:, positions]
             out = call(m, x, positions) if call is not None else m(x, positions)
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def forward(job: str, which: str, x_of):
         def run_job(rank, world_size, group):
             with torch.no_grad():
-                return invoke(module(which, rank, group), x_of(), rank).detach()
+                return invoke(module(which, rank, group), x_of(), rank).detach().cpu()
         return Job(job, run_job)
 
     def backward(rank, world_size, group):
         m, x = module("main", rank, group), ctx.inputs[BACKWARD]
         cot = ctx.inputs["cotangent"]
-        if ctx.takes == "full":
-            leaf = x.detach().clone().requires_grad_(True)
-            out = invoke(m, leaf, rank)
-            (out * cot.to(out.dtype)).sum().backward()
-            return leaf.grad.detach()
-        positions = shard_positions(ctx.layout, x.shape[1], rank, W)
-        leaf = x[:, positions].detach().clone().requires_grad_(True)
-        out = call(m, leaf, positions) if call is not None else m(leaf, positions)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        (out * cot[:, positions].to(out.dtype)).sum().backward()
-        return leaf.grad.detach()
+        positions = torch.arange(x.shape[1])
+        if ctx.takes == "shard":
+            positions = shard_positions(ctx.layout, x.shape[1], rank, W)
+        leaf = x[:, positions].to(on(rank)).requires_grad_(True)  # the whole input, or the rank's shard
+        out = invoke(m, leaf, rank, positions.to(on(rank)) if ctx.takes == "shard" else None)
+        (out * cot[:, positions].to(out)).sum().backward()
+        return leaf.grad.detach().cpu()
 
     jobs = {FORWARD: forward(FORWARD, "main", lambda: ctx.inputs[FORWARD]), BACKWARD: Job(BACKWARD, backward),
             LARGE: forward(LARGE, "large", lambda: ctx.inputs[LARGE]),
@@ -225,13 +232,13 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     return [jobs[j] for j in JOBS]
 
 
-def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float) -> None:
+def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float, device: str) -> None:
     """Every job at world size W; a job whose rank raised or exited ends that group, and the jobs after it run in a
     fresh one (a group is dead after one rank raises); after a hang, nothing more is started."""
     ctx.outputs[W], ctx.failures[W], ctx.groups[W] = {}, [], []
     remaining = list(jobs)
     while remaining:
-        session = run_group(W, remaining, timeout=timeout)
+        session = run_group(W, remaining, timeout=timeout, device=device)
         ctx.groups[W].append(session)
         ctx.outputs[W].update(session.results)
         ctx.failures[W] += session.failures

@@ -72,6 +72,7 @@ class ShardedContext:
     groups: dict = field(default_factory=dict)  # {W: [Session]} the groups started, for timings
     readings: dict = field(default_factory=dict)
     large_layer: nn.Module | None = None  # the float32 copy with every weight scaled by LOGIT_SCALE
+    device: str = "cpu"  # where the ranks run: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)
 
     def failure(self, W: int, job: str):
         """The first failure at world size W in `job` (None if it ran everywhere)."""

@@ -87,10 +87,19 @@ class Session:
         return self.failures[0].job if self.failures else None
 
 
-def distributed_available() -> tuple[bool, str]:
-    """(whether this torch can run the audit's groups, why not)."""
+def distributed_available(device: str = "cpu", world_size: int = 2) -> tuple[bool, str]:
+    """(whether this torch can run the audit's groups on `device`, why not)."""
     import torch.distributed as dist
 
+    if device == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+            return False, (f"{world_size} ranks on CUDA need {world_size} GPUs (NCCL puts one rank on each); "
+                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} available")
+        if not dist.is_nccl_available():
+            return False, "torch.distributed has no NCCL backend in this build of torch"
+        if torch.cuda.is_initialized():
+            return False, ("CUDA is already initialised in this process, and a forked child cannot use it: run the "
+                           "audit before anything touches CUDA (the audit computes its references on the CPU)")
     if not dist.is_available():
         return False, "torch.distributed is not available in this build of torch"
     if not dist.is_gloo_available():
@@ -115,7 +124,8 @@ def _user_frame(error: BaseException) -> str:
     return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
 
 
-def _child(rank: int, world_size: int, store_path: str, jobs: list[Job], writer, timeout_s: float) -> None:
+def _child(rank: int, world_size: int, store_path: str, jobs: list[Job], writer, timeout_s: float,
+           device: str) -> None:
     torch.set_num_threads(1)  # before any torch op: a forked child hangs in its parent's OpenMP pool otherwise
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the ranks
     _die_with_parent()
@@ -126,8 +136,14 @@ def _child(rank: int, world_size: int, store_path: str, jobs: list[Job], writer,
 
     job = "start"
     try:
+        backend = "gloo"
+        if device == "cuda":  # one GPU a rank, NCCL between them (the parent never touched CUDA: see run_group)
+            torch.cuda.set_device(rank)
+            torch.backends.cuda.matmul.allow_tf32 = False  # the references are computed without TF32
+            torch.backends.cudnn.allow_tf32 = False
+            backend = "nccl"
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         send("ready", "")
         for job_ in jobs:
@@ -146,9 +162,9 @@ def _child(rank: int, world_size: int, store_path: str, jobs: list[Job], writer,
         os._exit(0)  # no atexit of the parent's (pytest's, the group's) may run in a fork
 
 
-def run_group(world_size: int, jobs: list[Job], *, timeout: float) -> Session:
-    """Run `jobs` on `world_size` forked ranks; never hangs past `timeout` seconds (start-up included) and leaves
-    no process and no file behind, Ctrl-C included."""
+def run_group(world_size: int, jobs: list[Job], *, timeout: float, device: str = "cpu") -> Session:
+    """Run `jobs` on `world_size` forked ranks (gloo on the CPU; `device="cuda"`: NCCL, rank r on GPU r); a rank silent
+    for `timeout` + 2 s has hung; leaves no process and no file behind, Ctrl-C included."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
@@ -160,7 +176,7 @@ def run_group(world_size: int, jobs: list[Job], *, timeout: float) -> Session:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)
             p = context.Process(target=_child, args=(rank, world_size, os.path.join(folder, "store"), jobs, writer,
-                                                     timeout), daemon=True, name=f"attention-sharded-rank{rank}")
+                                                     timeout, device), daemon=True, name=f"attention-sharded-rank{rank}")
             p.start()
             writer.close()
             processes.append(p)
