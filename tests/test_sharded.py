@@ -68,6 +68,13 @@ def leftovers() -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*"))
 
 
+@pytest.fixture
+def own_tempdir(tmp_path, monkeypatch):
+    """The groups' folders made in this test's own folder: other processes' audits cannot mix in."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
 def children() -> list[int]:
     """This process's live child processes (read from /proc: multiprocessing knows only those it started)."""
     me, found = os.getpid(), []
@@ -199,8 +206,7 @@ class Faulty(nn.Module):
 @pytest.mark.parametrize("how, expected", [("raise", "rank 1 raised RuntimeError: rank one breaks on purpose"),
                                            ("exit", "rank 1 exited (exit code 3)"),
                                            ("hang", "rank 1 did not answer within the timeout")])
-def test_a_failing_rank_is_named_within_the_timeout_and_nothing_is_left_behind(how, expected):
-    before = set(leftovers())
+def test_a_failing_rank_is_named_within_the_timeout_and_nothing_is_left_behind(how, expected, own_tempdir):
     started = time.perf_counter()
     report = audit_sharded(reference_layer(False), lambda layer, rank, world_size, group, how=how:
                            Faulty(cs.RingAttention(layer, group), rank, how), world_sizes=(2,), timeout=1.0)
@@ -210,15 +216,14 @@ def test_a_failing_rank_is_named_within_the_timeout_and_nothing_is_left_behind(h
     assert "in job 'forward'" in result.message
     assert report.status == "failed"
     assert took < 1.0 + 2.0 + 6.0  # the patience (timeout + 2 s), plus the groups of the jobs after a raise
-    assert set(leftovers()) == before and not children()
+    assert not leftovers() and not children()
 
 
-def test_the_twin_of_the_failing_ranks_runs_through():
-    before = set(leftovers())
+def test_the_twin_of_the_failing_ranks_runs_through(own_tempdir):
     report = audit_sharded(reference_layer(False), lambda layer, rank, world_size, group:
                            Faulty(cs.RingAttention(layer, group), rank, "none"), world_sizes=(2,), timeout=1.0)
     assert report.result("sharded_runs").verdict == "pass" and report.status == "passed", str(report)
-    assert set(leftovers()) == before and not children()
+    assert not leftovers() and not children()
 
 
 @pytest.mark.slow
@@ -239,9 +244,10 @@ def test_ctrl_c_ends_every_rank_and_removes_the_folder(tmp_path):
         print("started", flush=True)
         audit_sharded(MultiHeadAttention(32, 8), hang, world_sizes=(2,), timeout=60)
     """))
-    before = set(leftovers())
+    own = tmp_path / "tmp"
+    own.mkdir()
     proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(own)}, text=True)
     deadline = time.time() + 60
     while len(os.listdir(pids)) < 2 and time.time() < deadline:
         time.sleep(0.1)
@@ -253,7 +259,7 @@ def test_ctrl_c_ends_every_rank_and_removes_the_folder(tmp_path):
     for pid in map(int, os.listdir(pids)):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert set(leftovers()) == before
+    assert not list(own.iterdir())  # the group's folder removed
 
 
 # ---- the audit's own rules --------------------------------------------------------------------------------------
@@ -296,12 +302,14 @@ def test_every_sharded_detector_says_where_it_points():
     assert all(d.scope == "sharded" and (d.locate is not None or d.unlocated) for d in SHARDED_DETECTORS.values())
 
 
-def test_the_report_reads_as_text_and_json():
-    report = audit_form("ring", causal=False)
+def test_the_report_reads_as_text_and_json_with_the_unsharded_layers_own_audit():
+    factory, _ = FORMS["ring"]
+    report = audit_sharded(reference_layer(False), factory, world_sizes=(2,), check_unsharded=True)
     text = str(report)
     assert text.startswith("sharded audit of MultiHeadAttention: PASSED") and "sharded_output" in text
+    assert "the unsharded layer's own audit: PASSED" in text
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["status"] == "passed" and data["world_sizes"] == [2]
+    assert data["status"] == "passed" and data["world_sizes"] == [2] and data["unsharded"]["status"] == "passed"
     assert len(data["groups"]["2"]) == 1  # one group ran every check
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from .._result import DetectorResult
-from ..model._tolerance import scale_of
+from .._thresholds import tolerance
+from ..model._tolerance import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR, scale_of
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,18 @@ class Parity:
     evidence: str
 
 
-def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), what: str = "outputs") -> Parity:
+def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), what: str = "outputs",
+           fudge: float | None = None) -> Parity:
+    """`fudge`: the multiple of the unsharded layer's own error allowed, where a check needs its own (measured)."""
     ref = ctx.reference(job, W)
     test = test[rows]
     golden = None if ref.golden is None else ref.golden[rows]
     ok, err, allowed, _ = type(ref)(golden, ref.same[rows], ref.dtype).judge(test, f"{W} ranks")
+    rule = FUDGE_BY_DTYPE.get(ref.dtype, FUDGE)
+    if fudge is not None and golden is not None:  # the same rule, another multiple: floor + fudge x own error
+        floor = tolerance(GOLDEN_FLOOR, ref.dtype)
+        allowed = floor + (allowed - floor) * fudge / rule
+        ok, rule = err <= allowed, fudge
     target = (golden if golden is not None else ref.same[rows]).double()
     scale = scale_of(target)
     per_token = (test.double() - target).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale  # (B, T)
@@ -41,7 +49,8 @@ def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), wh
     owner = int(ctx.owners(per_token.shape[1], W)[t])
     evidence = (f"{W} ranks: {int(bad.sum())} / {bad.numel()} {what} off ({100 * float(bad.float().mean()):.1f}%); "
                 f"greatest error {err:.3g} of the {what}' RMS at (b={b}, t={t}), a token of rank {owner} "
-                + (f"(allowed {allowed:.2g}: 10 x the unsharded layer's own error against its float64 copy + a floor)"
+                + (f"(allowed {allowed:.2g}: {rule:g} x the unsharded layer's own error against its float64 copy + a "
+                   f"floor)"
                    if golden is not None else f"(allowed {allowed:.0e} in float64)"))
     return Parity(W, ok, err, allowed, test.double(), target, evidence)
 

@@ -13,6 +13,11 @@ from ._context import FORWARD, LARGE, LOGIT_SCALE, ShardedContext
 from ._judge import parity, unmeasured, verdict
 
 ID = "sharded_large_logits"
+# `python benchmarks/sharded_cost.py --margins` (ring, Ulysses, head parallel; causal and not; 5 seeds; 2 and 4 ranks;
+# float32): at logits in the hundreds the correct forms' error reached 3.6 x the unsharded layer's own (ring, not
+# causal, seed 4), so the model audit's 10 x left a margin of 2.8x only; 30 x leaves 7.4x (2.21e-5 against 1.63e-4). The overflowing merge
+# gives NaN or 0 rows (an error of inf or ~1), which no multiple hides.
+LARGE_FUDGE = 30.0
 FIX = ("merge the partial results in log space: new = logaddexp(lse, part_lse); out = out * exp(lse - new) + "
        "part * exp(part_lse - new) (each factor the exp of a difference <= 0)")
 
@@ -29,7 +34,7 @@ def check_large_logits(ctx: ShardedContext) -> DetectorResult:
             test = ctx.gathered(W, LARGE)
         except ValueError:
             continue  # sharded_output reports shards that do not fit
-        p = parity(ctx, LARGE, W, test)
+        p = parity(ctx, LARGE, W, test, fudge=LARGE_FUDGE)
         measured.append(p)
         if not p.ok and cause is None:
             cause = _overflow(ctx, W, p)
