@@ -360,3 +360,46 @@ def test_the_command_line_audits_a_sharded_layer(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "passed"
+
+
+# ---- torch's own tensor parallelism (DTensor plans) -----------------------------------------------------------------
+class SeparateQKV(nn.Module):
+    """Llama-style attention, q, k, v and o projections apart; the heads are read from the projections' widths, so a
+    rank holding a column shard of q, k and v runs its own heads (what torchtitan's plans rely on)."""
+
+    def __init__(self, d_model: int = 32, num_heads: int = 8, fused: bool = False):
+        super().__init__()
+        self.num_heads, self.head_dim, self.fused = num_heads, d_model // num_heads, fused
+        if fused:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        parts = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
+        q, k, v = (p.view(B, T, -1, self.head_dim).transpose(1, 2) for p in parts)  # (B, H_r, T, d_k)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def dtensor_plan(layer, rank, world_size, group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    columns = ["qkv"] if layer.fused else ["q", "k", "v"]
+    plan = {**{name: ColwiseParallel() for name in columns}, "o": RowwiseParallel()}
+    return parallelize_module(layer, DeviceMesh("cpu", list(range(world_size))), plan)
+
+
+@pytest.mark.slow  # DTensor's first use costs 2-13 s in each rank
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_qkv", "fused_qkv"])
+def test_torch_tensor_parallel_plans_separate_qkv_pass_and_a_fused_qkv_cut_in_rows_fails(fused):
+    torch.manual_seed(0)
+    report = audit_sharded(SeparateQKV(fused=fused), dtensor_plan, takes="full", causal=True, world_sizes=(2,),
+                           dtype=torch.float32)
+    if fused:  # ColwiseParallel cuts the stacked [W_Q; W_K; W_V] in contiguous rows: rank 0 gets queries only
+        assert report.result("sharded_output").verdict == "fail", str(report)
+    else:
+        assert report.status == "passed", str(report)

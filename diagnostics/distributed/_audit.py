@@ -183,6 +183,14 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     return ctx
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A plain CPU copy of a rank's answer: a DTensor's local output may be an async collective's result that is only
+    waited for when an op reads it (the copy does), and must not be pickled before."""
+    if hasattr(x, "to_local"):  # a DTensor returned as it is: its whole value, gathered
+        x = x.full_tensor()
+    return x.detach().clone().cpu()
+
+
 def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     """The jobs of world size W, as closures the forked ranks run: each builds its sharded layer once per copy of
     the unsharded layer (the audit dtype's, the scaled float32 one) and calls it on its part of the input."""
@@ -212,7 +220,7 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     def forward(job: str, which: str, x_of):
         def run_job(rank, world_size, group):
             with torch.no_grad():
-                return invoke(module(which, rank, group), x_of(), rank).detach().cpu()
+                return _plain(invoke(module(which, rank, group), x_of(), rank))
         return Job(job, run_job)
 
     def backward(rank, world_size, group):
@@ -224,7 +232,7 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
         leaf = x[:, positions].to(on(rank)).requires_grad_(True)  # the whole input, or the rank's shard
         out = invoke(m, leaf, rank, positions.to(on(rank)) if ctx.takes == "shard" else None)
         (out * cot[:, positions].to(out)).sum().backward()
-        return leaf.grad.detach().cpu()
+        return _plain(leaf.grad)
 
     jobs = {FORWARD: forward(FORWARD, "main", lambda: ctx.inputs[FORWARD]), BACKWARD: Job(BACKWARD, backward),
             LARGE: forward(LARGE, "large", lambda: ctx.inputs[LARGE]),
