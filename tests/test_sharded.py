@@ -116,6 +116,24 @@ def test_every_correct_form_passes_at_2_and_4_ranks(name, causal, dtype):
     assert not report.findings, str(report)
 
 
+class Disagreeing(cs.HeadParallelAttention):
+    """Rank r's output nudged by r x 1e-3 of a unit: what a replica drawing from its own stream returns."""
+
+    def forward(self, x):
+        return super().forward(x) + 1e-3 * self.rank
+
+
+@pytest.mark.parametrize("disagree", [False, True], ids=["twin", "nudged"])
+def test_ranks_that_return_different_wholes_are_caught_beside_their_twin(disagree):
+    cls = Disagreeing if disagree else cs.HeadParallelAttention
+    report = audit_sharded(reference_layer(False), lambda layer, rank, world_size, group: cls(layer, group),
+                           takes="full", world_sizes=(2,), detectors=["sharded_runs", "sharded_ranks_agree"])
+    result = report.result("sharded_ranks_agree")
+    assert result.verdict == ("fail" if disagree else "pass"), str(report)
+    if disagree:
+        assert "rank 1 at 2 ranks" in result.message
+
+
 def test_the_ranks_run_on_gpus_with_nccl_where_there_are_two(device):
     """The NCCL path: rank r on GPU r, the references on the CPU (written, not yet run here: no GPU was lent)."""
     if device.type == "cuda":
