@@ -134,6 +134,20 @@ def test_ranks_that_return_different_wholes_are_caught_beside_their_twin(disagre
         assert "rank 1 at 2 ranks" in result.message
 
 
+class Truncating(cs.HeadParallelAttention):
+    """Returns the first half of the sequence only: a shape, not a value, gone wrong."""
+
+    def forward(self, x):
+        return super().forward(x)[:, : x.shape[1] // 2]
+
+
+def test_an_output_of_the_wrong_shape_is_a_finding_not_a_crash():
+    report = audit_sharded(reference_layer(False), lambda layer, rank, world_size, group: Truncating(layer, group),
+                           takes="full", world_sizes=(2,), detectors=["sharded_runs", "sharded_output"])
+    result = report.result("sharded_output")
+    assert result.verdict == "fail" and "returned shape (2, 8, 32)" in result.message, str(report)
+
+
 def test_the_ranks_run_on_gpus_with_nccl_where_there_are_two(device):
     """The NCCL path: rank r on GPU r, the references on the CPU (written, not yet run here: no GPU was lent)."""
     if device.type == "cuda":

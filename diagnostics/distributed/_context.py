@@ -94,7 +94,11 @@ class ShardedContext:
         (takes="shard"), or rank `rank`'s whole output (takes="full"). ValueError with the shapes when a rank's
         answer does not fit."""
         answers = self.answers(W, job)
+        expected = tuple(self.reference(job, W).same.shape)
         if self.takes == "full":
+            if tuple(answers[rank].shape) != expected:
+                raise ValueError(f"rank {rank} returned shape {tuple(answers[rank].shape)} for the whole sequence; "
+                                 f"expected {expected} like the unsharded layer's")
             return answers[rank]
         t = self.job_input(job, W).shape[1]
         first = answers[0]
@@ -106,6 +110,9 @@ class ShardedContext:
                 raise ValueError(f"rank {r} returned shape {tuple(part.shape)} for its shard of {len(positions)} "
                                  f"tokens; expected ({first.shape[0]}, {len(positions)}, ...) like rank 0's")
             whole[:, positions] = part
+        if tuple(whole.shape) != expected:
+            raise ValueError(f"the gathered shards have shape {tuple(whole.shape)}; expected {expected} like the "
+                             f"unsharded layer's")
         return whole
 
     def owners(self, t: int, W: int) -> Tensor:

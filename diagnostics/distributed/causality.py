@@ -22,14 +22,15 @@ FIX = ("mask each rank's queries against the keys' global positions (the shard's
 def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
     tol, B = tolerance(UNCHANGED, ctx.dtype), ctx.batch
     bad = total = 0
-    worst, where, moved_own, lines = 0.0, None, True, []
+    worst, where, moved_own, lines, unfit = 0.0, None, True, [], []
     for W in ctx.world_sizes:
         if ctx.answers(W, FORWARD) is None:
             continue
         try:
             out = ctx.gathered(W, FORWARD).double()  # (B * (1 + cuts), T, D)
         except ValueError:
-            continue  # sharded_output reports shards that do not fit
+            unfit.append(f"{W} ranks: not measured (the ranks' outputs do not fit together: see sharded_output)")
+            continue
         base = out[:B]
         scale = scale_of(base)
         owner = ctx.owners(out.shape[1], W)
@@ -46,7 +47,7 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
             moved_own = moved_own and bool((change[:, c + 1:] > tol).any())
         bad += bad_here
         lines.append(f"{W} ranks: {bad_here} past outputs moved")
-    notes = unmeasured(ctx, FORWARD)
+    notes = unmeasured(ctx, FORWARD) + unfit
     if not lines:
         return DetectorResult(ID, "skip", "not measured: " + "; ".join(notes))
     if bad:

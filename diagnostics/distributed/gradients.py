@@ -27,6 +27,7 @@ def check_sharded_gradients(ctx: ShardedContext) -> DetectorResult:
         try:
             test = ctx.gathered(W, BACKWARD)
         except ValueError:
+            notes.append(f"{W} ranks: not measured (the ranks' answers do not fit together: see sharded_output)")
             continue
         p = parity(ctx, BACKWARD, W, test, what="gradients")
         measured.append(p)
