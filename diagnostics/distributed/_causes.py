@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ._judge import token_errors
 from .layouts import ranks_order
 
 
@@ -39,10 +40,6 @@ def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: f
         if cause is not None:
             return cause
     return differing_ranks(ctx, W, test, target, allowed, scale)
-
-
-def _token_errors(test: Tensor, target: Tensor, scale: float) -> Tensor:
-    return (test - target).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale  # (B, T)
 
 
 def constant_offset(ctx, W, test, target, x, allowed, scale) -> Cause | None:
@@ -137,7 +134,7 @@ def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
 
 
 def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:
-    errors = _token_errors(test, target, scale).amax(dim=0)  # (T,)
+    errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
     owner = ctx.owners(test.shape[1], W)
     worst = [float(errors[owner == r].max()) for r in range(W)]
     if worst[0] <= allowed and all(w > allowed for w in worst[1:]):
@@ -149,7 +146,7 @@ def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:
 
 
 def differing_ranks(ctx, W, test, target, allowed, scale) -> Cause:
-    errors = _token_errors(test, target, scale).amax(dim=0)  # (T,)
+    errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
     owner = ctx.owners(test.shape[1], W)
     bad = [r for r in range(W) if float(errors[owner == r].max()) > allowed]
     return Cause(f"the tokens of rank{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad))} of {W} differ",

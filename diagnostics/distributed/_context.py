@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .._core import relative_change
 from .._registry import Need
 from ..model._tolerance import Golden, scale_of
 from .layouts import rank_of_positions, shard_positions
@@ -42,14 +41,6 @@ class Reference:
         """The model audit's rule (`Golden`): the sharded answer's error against the float64 copy may be 10 x the
         unsharded layer's own in this dtype, plus a floor."""
         return Golden(self.golden, self.same, self.dtype).judge(test, where)
-
-    @property
-    def target(self) -> Tensor:
-        return (self.golden if self.golden is not None else self.same).double()
-
-    def per_token(self, test: Tensor) -> Tensor:
-        """(B, T) each token's greatest change against the target, relative to the target's RMS."""
-        return relative_change(test.double(), self.target, scale=scale_of(self.target))
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .._result import DetectorResult
@@ -28,6 +27,11 @@ class Parity:
     evidence: str
 
 
+def token_errors(test: Tensor, target: Tensor, scale: float) -> Tensor:
+    """(B, T) each token's greatest change against `target`, relative to `scale` (the outputs' RMS); NaN is inf."""
+    return (test.double() - target.double()).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale
+
+
 def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), what: str = "outputs",
            fudge: float | None = None) -> Parity:
     """`fudge`: the multiple of the unsharded layer's own error allowed, where a check needs its own (measured)."""
@@ -42,7 +46,7 @@ def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), wh
         ok, rule = err <= allowed, fudge
     target = (golden if golden is not None else ref.same[rows]).double()
     scale = scale_of(target)
-    per_token = (test.double() - target).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale  # (B, T)
+    per_token = token_errors(test, target, scale)  # (B, T)
     bad = per_token > allowed
     flat = int(per_token.argmax())
     b, t = divmod(flat, per_token.shape[1])

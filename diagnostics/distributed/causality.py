@@ -9,7 +9,7 @@ from .._result import DetectorResult
 from .._thresholds import UNCHANGED, dtype_name, tolerance
 from ..model._tolerance import scale_of
 from ._context import CAUSAL_SHARDED, FORWARD, ShardedContext
-from ._judge import unmeasured
+from ._judge import token_errors, unmeasured
 
 ID = "sharded_causality"
 FIX = ("mask each rank's queries against the keys' global positions (the shard's offset in the sequence, which "
@@ -36,7 +36,7 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
         owner = ctx.owners(out.shape[1], W)
         bad_here = 0
         for i, c in enumerate(ctx.cuts, start=1):
-            change = (out[i * B:(i + 1) * B] - base).abs().amax(dim=-1).nan_to_num(nan=float("inf")) / scale  # (B, T)
+            change = token_errors(out[i * B:(i + 1) * B], base, scale)  # (B, T)
             past = change[:, :c + 1]
             total += past.numel()
             bad_here += int((past > tol).sum())
