@@ -11,6 +11,7 @@ from torch import Tensor
 from .._result import DetectorResult
 from .._thresholds import tolerance
 from ..model._tolerance import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR, scale_of
+from ._context import FORWARD
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,35 @@ def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), wh
     return Parity(W, ok, err, allowed, test.double(), target, evidence)
 
 
+def judged(ctx, job: str, *, rows: slice = slice(None), what: str = "outputs",
+           fudge: float | None = None) -> tuple[list[Parity], list[str], list[str]]:
+    """Every world size's parity on `job`: (the comparisons made, why some world sizes have none, the errors of
+    answers that do not fit together, which `sharded_output` reports)."""
+    measured, unfit = [], []
+    for W in ctx.world_sizes:
+        if ctx.answers(W, job) is None:
+            continue
+        try:
+            test = ctx.gathered(W, job)  # rank 0's whole answer where each returns one: sharded_ranks_agree
+        except ValueError as error:
+            unfit.append(f"{W} ranks: {error}")
+            continue
+        measured.append(parity(ctx, job, W, test, rows=rows, what=what, fudge=fudge))
+    notes = unmeasured(ctx, job) + [f"{text.split(':')[0]}: not measured (the ranks' answers do not fit together: "
+                                    f"see sharded_output)" for text in unfit]
+    return measured, notes, unfit
+
+
+def forward_holds(ctx, W: int) -> bool:
+    """The plain forward at world size W ran and matched: a later check's difference is its own."""
+    if ctx.answers(W, FORWARD) is None:
+        return False
+    try:
+        return parity(ctx, FORWARD, W, ctx.gathered(W, FORWARD), rows=slice(0, ctx.batch)).ok
+    except ValueError:
+        return False
+
+
 def unmeasured(ctx, job: str) -> list[str]:
     """Why `job` has no answer at some world sizes: the failure that stopped it there."""
     notes = []
@@ -85,4 +115,4 @@ def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, f
                           value=worst.error, threshold=worst.allowed, evidence=evidence)
 
 
-__all__ = ["Parity", "parity", "unmeasured", "verdict"]
+__all__ = ["Parity", "forward_holds", "judged", "parity", "token_errors", "unmeasured", "verdict"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 from .._registry import detector
 from .._result import DetectorResult
 from ._causes import Cause
-from ._context import BACKWARD, FORWARD, ShardedContext
-from ._judge import parity, unmeasured, verdict
+from ._context import BACKWARD, ShardedContext
+from ._judge import forward_holds, judged, verdict
 
 ID = "sharded_gradients"
 FIX = ("give each collective its adjoint in the backward: a ring shift's gradient goes back to the rank the tensor "
@@ -20,23 +20,12 @@ FIX = ("give each collective its adjoint in the backward: a ring shift's gradien
           scope="sharded", targets=("key/value gradients from the wrong ring step",),
           unlocated="names the ranks whose tokens' gradients differ; the backward runs in other processes")
 def check_sharded_gradients(ctx: ShardedContext) -> DetectorResult:
-    measured, notes, cause = [], unmeasured(ctx, BACKWARD), None
-    for W in ctx.world_sizes:
-        if ctx.answers(W, BACKWARD) is None:
-            continue
-        try:
-            test = ctx.gathered(W, BACKWARD)
-        except ValueError:
-            notes.append(f"{W} ranks: not measured (the ranks' answers do not fit together: see sharded_output)")
-            continue
-        p = parity(ctx, BACKWARD, W, test, what="gradients")
-        measured.append(p)
-        if not p.ok and cause is None and ctx.answers(W, FORWARD) is not None:
-            forward_ok = parity(ctx, FORWARD, W, ctx.gathered(W, FORWARD), rows=slice(0, ctx.batch)).ok
-            if forward_ok:
-                cause = Cause("the forward matches and the backward does not: a backward-only bug (a key/value "
-                               "gradient returned to the wrong rank, a collective's backward that is not its adjoint)",
-                               FIX)
+    measured, notes, _ = judged(ctx, BACKWARD, what="gradients")
+    failed = next((p for p in measured if not p.ok), None)
+    cause = None
+    if failed is not None and forward_holds(ctx, failed.W):
+        cause = Cause("the forward matches and the backward does not: a backward-only bug (a key/value gradient "
+                      "returned to the wrong rank, a collective's backward that is not its adjoint)", FIX)
     return verdict(ID, measured, notes, ok_text="the input's gradient equals the unsharded layer's",
                    fail_text="the input's gradient through the sharded layer differs from the unsharded layer's",
                    fix=FIX, cause=cause)

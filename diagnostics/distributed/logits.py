@@ -9,8 +9,8 @@ import torch
 from .._registry import detector
 from .._result import DetectorResult
 from ._causes import Cause
-from ._context import FORWARD, LARGE, LOGIT_SCALE, ShardedContext
-from ._judge import parity, unmeasured, verdict
+from ._context import LARGE, LOGIT_SCALE, ShardedContext
+from ._judge import forward_holds, judged, verdict
 
 ID = "sharded_large_logits"
 # `python benchmarks/sharded_cost.py --margins` (ring, Ulysses, head parallel; causal and not; 5 seeds; 2 and 4 ranks;
@@ -26,30 +26,18 @@ FIX = ("merge the partial results in log space: new = logaddexp(lse, part_lse); 
               "equals the unsharded output", fix=FIX, scope="sharded", targets=("log-sum-exp merge overflowing",),
           unlocated="names the rows that became NaN or 0; the layer runs in other processes")
 def check_large_logits(ctx: ShardedContext) -> DetectorResult:
-    measured, notes, cause = [], unmeasured(ctx, LARGE), None
-    for W in ctx.world_sizes:
-        if ctx.answers(W, LARGE) is None:
-            continue
-        try:
-            test = ctx.gathered(W, LARGE)
-        except ValueError:
-            notes.append(f"{W} ranks: not measured (the ranks' answers do not fit together: see sharded_output)")
-            continue
-        p = parity(ctx, LARGE, W, test, fudge=LARGE_FUDGE)
-        measured.append(p)
-        if not p.ok and cause is None:
-            cause = _overflow(ctx, W, p)
+    measured, notes, _ = judged(ctx, LARGE, fudge=LARGE_FUDGE)
+    failed = next((p for p in measured if not p.ok), None)
+    cause = None if failed is None else _overflow(ctx, failed)
     return verdict(ID, measured, notes, ok_text=f"the sharded output holds with weights x{LOGIT_SCALE:g} in float32",
                    fail_text="with large logits the sharded output differs from the unsharded output", fix=FIX,
                    cause=cause)
 
 
-def _overflow(ctx: ShardedContext, W: int, p) -> Cause:
+def _overflow(ctx: ShardedContext, p) -> Cause:
     rows = p.test.abs().amax(dim=-1)  # (B, T)
     dead = ~torch.isfinite(p.test).all(dim=-1) | (rows <= 1e-6 * p.target.abs().amax(dim=-1))  # NaN/inf or 0
-    ordinary = ctx.answers(W, FORWARD) is not None and parity(ctx, FORWARD, W, ctx.gathered(W, FORWARD),
-                                                              rows=slice(0, ctx.batch)).ok
-    where = "only with large logits" if ordinary else "(the output differs at ordinary logits too: see sharded_output)"
+    where = "only with large logits" if forward_holds(ctx, p.W) else "(the output differs at ordinary logits too: see sharded_output)"
     if bool(dead.any()):
         return Cause(f"{int(dead.sum())} / {dead.numel()} output rows became NaN, inf or 0 {where}: the log-sum-exp "
                       f"merge overflows", FIX)

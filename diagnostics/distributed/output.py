@@ -8,7 +8,7 @@ from .._registry import detector
 from .._result import DetectorResult
 from ._causes import named_cause
 from ._context import FORWARD, ShardedContext
-from ._judge import parity, unmeasured, verdict
+from ._judge import judged, verdict
 
 ID = "sharded_output"
 FIX = "compare the sharded layer with the unsharded one step by step on the ranks whose tokens differ"
@@ -20,21 +20,16 @@ FIX = "compare the sharded layer with the unsharded one step by step on the rank
           unlocated="names the cause and the ranks whose tokens differ; the sharded layer runs in other processes, "
                     "where no tracer follows it")
 def check_sharded_output(ctx: ShardedContext) -> DetectorResult:
-    measured, notes, cause = [], unmeasured(ctx, FORWARD), None
     rows = slice(0, ctx.batch)  # the example; the copies after it are the causality check's
-    for W in ctx.world_sizes:
-        if ctx.answers(W, FORWARD) is None:
-            continue
-        try:
-            test = ctx.gathered(W, FORWARD)  # rank 0's whole output where each returns one: sharded_ranks_agree
-        except ValueError as error:
-            return DetectorResult(ID, "fail", f"the ranks' outputs do not fit together at {W} ranks: {error}",
-                                  evidence=str(error), fix="return the output of the rank's own shard, "
-                                                           "(B, T_r, D) for a shard of T_r tokens")
-        p = parity(ctx, FORWARD, W, test, rows=rows)
-        measured.append(p)
-        if not p.ok and cause is None:
-            cause = named_cause(ctx, W, p.test, p.target, ctx.job_input(FORWARD, W)[rows], p.allowed,
-                                float(p.target.square().mean().sqrt()) or 1.0)
+    measured, notes, unfit = judged(ctx, FORWARD, rows=rows)
+    if unfit:
+        return DetectorResult(ID, "fail", f"the ranks' outputs do not fit together at {unfit[0]}",
+                              evidence="; ".join(unfit), fix="return the output of the rank's own shard, (B, T_r, D) "
+                                                              "for a shard of T_r tokens, or the whole (B, T, D)")
+    failed = next((p for p in measured if not p.ok), None)
+    cause = None
+    if failed is not None:
+        cause = named_cause(ctx, failed.W, failed.test, failed.target, ctx.job_input(FORWARD, failed.W)[rows],
+                            failed.allowed, float(failed.target.square().mean().sqrt()) or 1.0)
     return verdict(ID, measured, notes, ok_text="the sharded output equals the unsharded output",
                    fail_text="the sharded output differs from the unsharded output", fix=FIX, cause=cause)
