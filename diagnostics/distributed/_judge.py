@@ -74,7 +74,7 @@ def judged(ctx, job: str, *, rows: slice = slice(None), what: str = "outputs",
             unfit.append(f"{W} ranks: {error}")
             continue
         measured.append(parity(ctx, job, W, test, rows=rows, what=what, fudge=fudge))
-    notes = unmeasured(ctx, job) + [f"{text.split(':')[0]}: not measured (the ranks' answers do not fit together: "
+    notes = unmeasured(ctx, job) + [f"not measured at {text.split(':')[0]} (the ranks' answers do not fit together: "
                                     f"see sharded_output)" for text in unfit]
     return measured, notes, unfit
 
@@ -95,7 +95,7 @@ def unmeasured(ctx, job: str) -> list[str]:
     for W in ctx.world_sizes:
         if ctx.answers(W, job) is None:
             f = ctx.failure(W, job)
-            notes.append(f"{W} ranks: not measured ({f.describe() if f else 'an earlier job stopped the group'})")
+            notes.append(f"not measured at {W} ranks ({f.describe() if f else 'an earlier job stopped the group'})")
     return notes
 
 
@@ -103,7 +103,7 @@ def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, f
             cause=None) -> DetectorResult:
     """The result over every world size: fail if any failed (the worst first), skip if none was measured."""
     if not passes:
-        return DetectorResult(det, "skip", "not measured: " + "; ".join(notes))
+        return DetectorResult(det, "skip", "; ".join(notes) or "not measured")
     failed = [p for p in passes if not p.ok]
     worst = max(failed or passes, key=lambda p: p.error / (p.allowed or 1.0))
     evidence = "; ".join([p.evidence for p in sorted(passes, key=lambda p: p.ok)] + notes)

@@ -35,7 +35,7 @@ def check_ranks_agree(ctx: ShardedContext) -> DetectorResult:
                         f"outputs' RMS)" if changes else ""))
     notes = unmeasured(ctx, FORWARD)
     if not lines:
-        return DetectorResult(ID, "skip", "not measured: " + "; ".join(notes))
+        return DetectorResult(ID, "skip", "; ".join(notes) or "not measured")
     evidence = "; ".join(lines + notes) + f" (up to {tol:.0e} allowed for {dtype_name(ctx.dtype)})"
     if bad:
         return DetectorResult(ID, "fail", "the ranks return different outputs: " +

@@ -29,7 +29,7 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
         try:
             out = ctx.gathered(W, FORWARD).double()  # (B * (1 + cuts), T, D)
         except ValueError:
-            unfit.append(f"{W} ranks: not measured (the ranks' outputs do not fit together: see sharded_output)")
+            unfit.append(f"not measured at {W} ranks (the ranks' outputs do not fit together: see sharded_output)")
             continue
         base = out[:B]
         scale = scale_of(base)
@@ -49,7 +49,7 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
         lines.append(f"{W} ranks: {bad_here} past outputs moved")
     notes = unmeasured(ctx, FORWARD) + unfit
     if not lines:
-        return DetectorResult(ID, "skip", "not measured: " + "; ".join(notes))
+        return DetectorResult(ID, "skip", "; ".join(notes) or "not measured")
     if bad:
         W, c, b, t, rank = where
         return DetectorResult(ID, "fail", f"outputs see the future under sharding: at {W} ranks, changing the tokens "

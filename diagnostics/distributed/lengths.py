@@ -31,7 +31,7 @@ def check_sharded_lengths(ctx: ShardedContext) -> DetectorResult:
                 lines.append(f"{W} ranks, length {t}: {failure.describe()}")
             continue
         if ctx.answers(W, UNEVEN) is None:
-            lines.append(f"{W} ranks, length {t}: not measured (an earlier job stopped the group)")
+            lines.append(f"not measured at {W} ranks, length {t} (an earlier job stopped the group)")
             continue
         try:
             p = parity(ctx, UNEVEN, W, ctx.gathered(W, UNEVEN))
@@ -46,7 +46,7 @@ def check_sharded_lengths(ctx: ShardedContext) -> DetectorResult:
         return DetectorResult(ID, "fail", f"a length the world size does not divide gives a wrong output without an "
                                           f"error (at {', '.join(map(str, wrong))} ranks)", evidence=evidence, fix=FIX)
     if not refused and not handled:
-        return DetectorResult(ID, "skip", "not measured: " + evidence)
+        return DetectorResult(ID, "skip", evidence)
     how = " and ".join(x for x in (f"refused at {', '.join(map(str, refused))} ranks" if refused else "",
                                    f"handled exactly at {', '.join(map(str, handled))} ranks" if handled else "") if x)
     return DetectorResult(ID, "pass", f"a length the world size does not divide is {how}", evidence=evidence)
