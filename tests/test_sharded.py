@@ -386,7 +386,7 @@ def test_the_command_line_audits_a_sharded_layer(tmp_path):
         def make_ring(layer, rank, world_size, group):
             return RingAttention(layer, group)
     """))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # mine.py is found in the working directory, as attention-audit finds it
     done = subprocess.run([sys.executable, "-m", "diagnostics.distributed", "mine:make_layer", "mine:make_ring",
                            "--causal", "--layout", "zigzag", "--world-sizes", "2", "--json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .._cli import EXIT_STATUS, EXIT_USAGE
@@ -39,10 +40,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    from .._load import importable_from, load_layer, quiet_numpy_warning, resolve
+
+    quiet_numpy_warning()  # before torch loads: this project does not use NumPy
+    importable_from(os.getcwd())  # `mymodule:make_layer` from a scratch directory, as attention-audit reads it
     try:
         import torch
 
-        from .._load import load_layer, resolve
         from . import audit_sharded
 
         report = audit_sharded(load_layer(args.layer), resolve(args.sharded), world_sizes=tuple(args.world_sizes),
