@@ -317,6 +317,19 @@ def test_misuse_is_refused_with_expected_seen_and_fix(options, words):
         audit_sharded(reference_layer(False), FORMS["ring"][0], **options)
 
 
+def test_an_unsharded_layer_that_cannot_run_is_a_usage_error_saying_so():
+    class NeedsMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, mask):
+            return self.proj(x)
+
+    with pytest.raises(AuditUsageError, match=r"expected the unsharded layer to run as layer\(x\) on x of shape"):
+        audit_sharded(NeedsMask(), FORMS["ring"][0])
+
+
 def _heads_context(num_heads, world_sizes):
     return ShardedContext(layer=None, golden_layer=None, takes="shard", layout="contiguous", causal=False,
                           dtype=torch.float32, num_heads=num_heads, world_sizes=world_sizes, seq_len=16, batch=2,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .._errors import expect
+from .._errors import AuditUsageError, expect
 from .._guard import untouched
 from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
@@ -140,8 +140,17 @@ def _scaled(layer: nn.Module, factor: float, dtype: torch.dtype) -> nn.Module:
 
 
 def _reference(job_fn, layer: nn.Module, golden: nn.Module | None, dtype, *args) -> Reference:
-    same = job_fn(layer, *args)
-    gold = None if golden is None else job_fn(golden, *(a.double() for a in args))
+    """The unsharded layer's answer (and its float64 copy's): the yardstick, so a layer that cannot give one is a usage
+    error, not a finding about the sharded form."""
+    try:
+        same = job_fn(layer, *args)
+        gold = None if golden is None else job_fn(golden, *(a.double() for a in args))
+    except Exception as error:
+        shape = tuple(args[0].shape)
+        raise AuditUsageError(f"expected the unsharded layer to run as layer(x) on x of shape {shape} (B, T, D) "
+                              f"and return the output or (output, ...); it raised {type(error).__name__}: "
+                              f"{str(error)[:200]}. Fix: pass the unsharded self-attention module the sharded form "
+                              f"was cut from (causal ones build their own mask)") from error
     return Reference(gold, same, dtype)
 
 
@@ -172,8 +181,8 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     ctx.references = {FORWARD: _reference(_forward_all, main, golden, dtype, stacked),
                       BACKWARD: _reference(_gradient, main, golden, dtype, x, cotangent)}
     ctx.large_layer = _scaled(layer, LOGIT_SCALE, torch.float32)
-    ctx.references[LARGE] = Reference(_forward_all(_scaled(layer, LOGIT_SCALE, torch.float64), x.double()),
-                                      _forward_all(ctx.large_layer, x.float()), torch.float32)
+    ctx.references[LARGE] = _reference(_forward_all, ctx.large_layer, _scaled(layer, LOGIT_SCALE, torch.float64),
+                                       torch.float32, x.float())
     uneven, refs = {}, {}
     for W in world_sizes:
         t = next(n for n in range(T + 1, T + 4 * W) if n % W)  # the next length W does not divide
