@@ -98,6 +98,15 @@ class BiasOnEveryRank(HeadParallelAttention):
         return reduce_from_ranks(partial, self.group)  # (B, T, D)
 
 
+class DropoutStreamPerRank(HeadParallelAttention):
+    def replicated_dropout(self, out: Tensor) -> Tensor:
+        if not self.training or self.output_dropout == 0.0:
+            return out
+        stream = torch.Generator(device=out.device).manual_seed(torch.initial_seed() + self.rank)  # one a rank
+        keep = torch.rand(out.shape, generator=stream, device=out.device) >= self.output_dropout  # (B, T, D)
+        return out * keep / (1.0 - self.output_dropout)  # each rank its own mask on the output they share
+
+
 class FusedQKVContiguousRows(HeadParallelAttention):
     def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         D, W, r = self.layer.d_model, self.world_size, self.rank
@@ -136,12 +145,13 @@ class ShardedVariant:
     audit_kwargs: dict = field(default_factory=dict)  # takes, layout, causal
     reference_cls: type = RingAttention
     inner: type | None = None  # SequenceParallel forms: the shard layer inside
+    form_kwargs: dict = field(default_factory=dict)  # options of both forms (the broken one and its twin)
 
     def _factory(self, cls: type) -> Callable:
         inner, layout = self.inner, self.audit_kwargs.get("layout", "contiguous")
         if inner is not None:
             return lambda layer, rank, world_size, group: cls(inner(layer, group), layout)
-        return lambda layer, rank, world_size, group: cls(layer, group)
+        return lambda layer, rank, world_size, group: cls(layer, group, **self.form_kwargs)
 
     @property
     def build(self) -> Callable:
@@ -244,6 +254,18 @@ def _entries() -> list[ShardedVariant]:
             fix="return out + self.out_bias  # once, after the sum",
             detectable_when=Observable("the output projection has a non-zero bias", lambda s: True),
             expected_detectors=("sharded_output",), cause="bias is added on each of the"),
+        ShardedVariant(
+            id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
+            cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,
+            audit_kwargs=dict(full), form_kwargs={"output_dropout": 0.1},
+            explanation="The dropout after the all-reduce, on an output every rank holds alike, draws from a stream "
+                        "seeded per rank (the model-parallel stream, right for the heads each rank holds alone). "
+                        "Every rank drops other units, so the replicas' activations part from the first training "
+                        "step; in eval mode, where every test runs, nothing differs.",
+            symptom="In train mode, with every rank seeded alike, the ranks return different outputs.",
+            fix="return F.dropout(out, p=self.output_dropout, training=self.training)  # the shared stream",
+            detectable_when=Observable("train mode with dropout > 0 on the replicated output", lambda s: True),
+            expected_detectors=("sharded_train_replicas",), cause="per-rank stream"),
         ShardedVariant(
             id="fused_qkv_contiguous_rows", title="Fused QKV weight cut in contiguous rows", cls=FusedQKVContiguousRows,
             step="shard_qkv", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),

@@ -13,6 +13,7 @@ changes.
     HeadParallelAttention Megatron-LM's tensor parallelism (Shoeybi et al. 2019): rank r owns heads r*H/W.. of the
                           fused QKV projection (column parallel) and the matching columns of the output projection
                           (row parallel); one all-reduce sums the ranks' parts, and the bias is added once, after it.
+                          An optional dropout on the (replicated) output draws from the stream all ranks share.
     SequenceParallel      a full-sequence front for a shard layer: it cuts the sequence in a layout, runs the shard
                           layer, gathers the shards and puts the tokens back in order.
 
@@ -209,6 +210,8 @@ class _Sharded(nn.Module):
         super().__init__()
         expect(isinstance(layer, MultiHeadAttention), "a correct.MultiHeadAttention to shard",
                type(layer).__name__, "build the layer with correct.MultiHeadAttention(d_model, num_heads)")
+        expect(layer.dropout_p == 0.0, "a layer without attention dropout (not written for shards here)",
+               f"dropout={layer.dropout_p}", "build it with dropout=0.0")
         self.layer, self.group = layer, group if group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
 
@@ -297,11 +300,12 @@ class HeadParallelAttention(_Sharded):
     """Tensor parallel by heads (Megatron-LM): `forward(x)` takes the whole sequence `(B, T, D)` on every rank and
     returns the whole output on every rank; rank r computes heads r*H_r .. (r+1)*H_r - 1."""
 
-    def __init__(self, layer: MultiHeadAttention, group=None):
+    def __init__(self, layer: MultiHeadAttention, group=None, *, output_dropout: float = 0.0):
         super().__init__(layer, group)
         H, W, D = layer.num_heads, self.world_size, layer.d_model
         expect(H % W == 0, f"num_heads divisible by the world size {W}", f"num_heads={H}",
                f"use a multiple of {W} heads")
+        self.output_dropout = output_dropout  # on the whole output, which every rank holds alike
         w, b = self.shard_qkv(layer.qkv.weight, layer.qkv.bias)
         self.qkv_weight = nn.Parameter(w.detach().clone())  # (3 D/W, D): my heads' rows of W_Q, W_K, W_V
         self.qkv_bias = None if b is None else nn.Parameter(b.detach().clone())  # (3 D/W,)
@@ -320,6 +324,10 @@ class HeadParallelAttention(_Sharded):
         out = reduce_from_ranks(partial, self.group)  # (B, T, D), the same on every rank
         return out if self.out_bias is None else out + self.out_bias  # once, after the sum
 
+    def replicated_dropout(self, out: Tensor) -> Tensor:
+        # the replicated region draws from the stream every rank shares (seeded alike): the same mask on every rank
+        return torch.nn.functional.dropout(out, p=self.output_dropout, training=self.training)  # (B, T, D)
+
     def forward(self, x: Tensor) -> Tensor:
         layer = self.layer
         B, T, D = x.shape
@@ -329,7 +337,7 @@ class HeadParallelAttention(_Sharded):
         q, k, v = (t.view(B, T, H_r, d_k).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (B, H_r, T, d_k)
         positions = torch.arange(T, device=x.device)
         out, _ = self.attend(q, k, v, positions, positions)  # (B, H_r, T, d_k)
-        return self.output_projection(layer.merge_heads(out))  # (B, T, D/W) -> (B, T, D)
+        return self.replicated_dropout(self.output_projection(layer.merge_heads(out)))  # (B, T, D/W) -> (B, T, D)
 
 
 class SequenceParallel(nn.Module):

@@ -15,7 +15,7 @@ from .._guard import untouched
 from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
 from . import MODULES
-from ._context import BACKWARD, FORWARD, JOBS, LARGE, LOGIT_SCALE, UNEVEN, Reference, ShardedContext
+from ._context import BACKWARD, FORWARD, JOBS, LARGE, LOGIT_SCALE, TRAIN, UNEVEN, Reference, ShardedContext
 from ._ranks import Job, distributed_available, run_group
 from ._report import ShardedReport
 from .layouts import LAYOUTS, shard_positions
@@ -166,7 +166,7 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     T = seq_len
     cuts = tuple(sorted({0, T // 4 - 1, T // 2 - 1, 3 * T // 4 - 1, T - 2} - {-1})) if causal else ()
     ctx = ShardedContext(layer=main, golden_layer=golden, takes=takes, layout=layout, causal=causal, dtype=dtype,
-                         num_heads=heads, world_sizes=world_sizes, seq_len=T, batch=batch, cuts=cuts)
+                         num_heads=heads, world_sizes=world_sizes, seq_len=T, batch=batch, seed=seed, cuts=cuts)
     gen = torch.Generator().manual_seed(seed)
     x = _inputs(gen, (batch, T, d_model), dtype)
     other = _inputs(gen, (batch, T, d_model), dtype)
@@ -243,10 +243,23 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
         (out * cot[:, positions].to(out)).sum().backward()
         return _plain(leaf.grad)
 
+    def train(rank, world_size, group):
+        m, answers = module("main", rank, group), []
+        m.train()
+        try:
+            for seed in (ctx.seed, ctx.seed + 1):
+                torch.manual_seed(seed)  # every rank alike: what a data-parallel replica's training step does
+                with torch.no_grad():
+                    answers.append(_plain(invoke(m, ctx.inputs[BACKWARD], rank)))
+        finally:
+            m.eval()
+        return answers
+
     jobs = {FORWARD: forward(FORWARD, "main", lambda: ctx.inputs[FORWARD]), BACKWARD: Job(BACKWARD, backward),
+            TRAIN: Job(TRAIN, train),
             LARGE: forward(LARGE, "large", lambda: ctx.inputs[LARGE]),
             UNEVEN: forward(UNEVEN, "main", lambda: ctx.inputs[UNEVEN][W])}
-    return [jobs[j] for j in JOBS]
+    return [jobs[j] for j in JOBS if j != TRAIN or ctx.takes == "full"]  # shards have no whole to agree on
 
 
 def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float, device: str) -> None:

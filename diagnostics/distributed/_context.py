@@ -3,8 +3,9 @@ and the audit dtype's) beside what every rank returned at every world size, and 
 declares on it, which `_registry.run()` evaluates before calling the check.
 
 Every check reads the same few jobs the ranks ran (`JOBS`): one forward of a stacked batch (the example, then copies
-with the tokens after each cut replaced), one backward, one forward of a copy with its weights scaled up, one
-forward of a length the world size does not divide.
+with the tokens after each cut replaced), one backward, two forwards in train mode with every rank seeded alike (two
+seeds; only for a layer that returns the whole output on every rank), one forward of a copy with its weights scaled
+up, one forward of a length the world size does not divide.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from .._registry import Need
 from ..model._tolerance import Golden, scale_of
 from .layouts import rank_of_positions, shard_positions
 
-FORWARD, BACKWARD, LARGE, UNEVEN = "forward", "backward", "large_logits", "uneven_length"
-JOBS = (FORWARD, BACKWARD, LARGE, UNEVEN)
+FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN = "forward", "backward", "train_mode", "large_logits", "uneven_length"
+JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN)
 """The jobs every rank runs, in this order (a job that raises ends its group; the next starts a fresh one)."""
 
 LOGIT_SCALE = 32.0
@@ -55,6 +56,7 @@ class ShardedContext:
     world_sizes: tuple[int, ...]
     seq_len: int
     batch: int
+    seed: int
     cuts: tuple[int, ...]  # the forward batch: the example, then a copy per cut with the tokens after it replaced
     inputs: dict = field(default_factory=dict)  # {job: Tensor or {W: Tensor}} the unsharded input of each job
     references: dict = field(default_factory=dict)  # {job: Reference or {W: Reference}}
@@ -123,4 +125,4 @@ KNOWN_HEADS = Need("the number of heads", lambda ctx: ctx.num_heads is not None,
                    "the number of heads is unknown: pass num_heads= (or give the layer a num_heads attribute)")
 
 __all__ = ["BACKWARD", "CAUSAL_SHARDED", "FORWARD", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
-           "Reference", "ShardedContext", "UNEVEN"]
+           "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
