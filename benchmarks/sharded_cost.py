@@ -7,8 +7,8 @@ the same layer.
 The layer is the reference's MultiHeadAttention (causal), its sharded form one of correct/sharded.py's. Each audit
 runs at one world size. Printed per world size, medians over `--repeats` audits (after one untimed warm-up of
 each): the whole sharded audit; the start-up of a group (fork to every rank in the gloo group, the file store
-read); the rest of a group's life over its four checks ("per check in a reused group": the checks every rank runs
-one after the other in one group); and "per check in fresh processes" (a group started for each check: start-up +
+read); the rest of a group's life over its checks ("per check in a reused group": the four or five checks every rank
+runs one after the other in one group); and "per check in fresh processes" (a group started for each check: start-up +
 per check); each as a ratio to the unsharded audit's median. `--margins` audits every correct form in float32 at each
 world size over five seeds and prints each parity check's largest error against what was allowed (the margin of
 the float64-golden rule). The load average is printed before and after: the machine is shared.
@@ -27,13 +27,18 @@ import correct.sharded as cs
 import diagnostics
 from correct import MultiHeadAttention
 from diagnostics.distributed import audit_sharded
+from diagnostics.distributed._context import JOBS
 
 FORMS = {
     "ring": (lambda layer, rank, world_size, group: cs.RingAttention(layer, group), {}),
     "ulysses": (lambda layer, rank, world_size, group: cs.UlyssesAttention(layer, group), {}),
     "head_parallel": (lambda layer, rank, world_size, group: cs.HeadParallelAttention(layer, group), {"takes": "full"}),
 }
-CHECKS = 4  # the jobs every rank runs: forward (with causality's copies), backward, large logits, uneven length
+
+def checks(options: dict) -> int:
+    """The jobs every rank runs: forward (with causality's copies), backward, train mode (whole-output layers only),
+    large logits, uneven length."""
+    return len(JOBS) - (0 if options.get("takes") == "full" else 1)
 
 
 def layer_of(args, seed: int = 0) -> MultiHeadAttention:
@@ -64,7 +69,7 @@ def cost(args) -> None:
             (up, life), = report.groups[W]
             whole.append(report.seconds)
             startup.append(up)
-            per_check.append((life - up) / CHECKS)
+            per_check.append((life - up) / checks(options))
         w, s, c = (statistics.median(x) for x in (whole, startup, per_check))
         print(f"{W:>5}  {w * 1000:>7.0f} ms {w / base:>5.1f}x  {s * 1000:>7.0f} ms {s / base:>5.2f}x  "
               f"{c * 1000:>8.0f} ms {c / base:>5.2f}x  {(s + c) * 1000:>7.0f} ms {(s + c) / base:>5.2f}x")
