@@ -12,8 +12,10 @@ matrix's six dtype x initialisation settings, the whole audit of a FlexAttention
 (tests/test_patterns.py), the importlib run of tests/test_setup.py, the fresh processes of
 tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, the
 controller's light start with the catalog's readers on one worker, the cycle collector's settings given back to a
-caller of pytest.main() and the wheel's contents (tests/test_setup.py), and examples/ run as a user runs them
-(tests/test_new_user.py).
+caller of pytest.main() and the wheel's contents (tests/test_setup.py), examples/ run as a user runs them
+(tests/test_new_user.py), and the sharded audit's full matrix (tests/test_sharded.py: every correct sharded form and
+every broken variant beside its twin at 2 and 4 ranks, Ctrl-C, the command line, torch's DTensor plans; about 2.5
+minutes of forked groups).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half

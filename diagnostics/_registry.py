@@ -5,8 +5,9 @@ the mistakes it targets, the fix, what it needs of the audit (`needs`) and where
               targets=("missing causal mask",), fix="...", needs=(CAUSAL, LONG), locate=_leak_sites)
     def check_future_leakage(probe): ...
 
-Two scopes share one registry design: `DETECTORS` (a layer, judged on a `Probe`) and `MODEL_DETECTORS` (a
-whole model, judged on the model audit's context). `run()` evaluates the `needs` before calling a check; a
+Three scopes share one registry design: `DETECTORS` (a layer, judged on a `Probe`), `MODEL_DETECTORS` (a
+whole model, judged on the model audit's context) and `SHARDED_DETECTORS` (a layer split across processes, judged on
+the sharded audit's context). `run()` evaluates the `needs` before calling a check; a
 need that does not hold is a skip that says why (in the words of the front end in use: `causal=True`,
 `--causal` or `--attention-causal`). One crash rule for both scopes: an exception raised in the user's code
 is a finding about it (fail), one raised in diagnostics' own code is an `error` that makes the audit
@@ -76,7 +77,9 @@ DETECTORS: dict[str, Detector] = {}
 `diagnostics.detectors` is imported)."""
 MODEL_DETECTORS: dict[str, Detector] = {}
 """{id: Detector} of the model audit (filled when `diagnostics.model` is imported)."""
-REGISTRIES = {"layer": DETECTORS, "model": MODEL_DETECTORS}
+SHARDED_DETECTORS: dict[str, Detector] = {}
+"""{id: Detector} of the sharded audit (filled when `diagnostics.distributed` is imported)."""
+REGISTRIES = {"layer": DETECTORS, "model": MODEL_DETECTORS, "sharded": SHARDED_DETECTORS}
 
 
 def detector(id: str, description: str, *, targets: tuple[str, ...] = (), fix: str, needs: tuple[Need, ...] = (),

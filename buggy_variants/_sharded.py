@@ -1,0 +1,283 @@
+"""The sharded chapter: each broken layer is one of `correct/sharded.py`'s forms with exactly one step overridden,
+and `SHARDED_VARIANTS[id]` is its lesson in the catalog's form (explanation, symptom, fix, the detectors expected to
+catch it, when it is observable), with how `diagnostics.distributed.audit_sharded` runs it (`audit_kwargs`).
+
+A registry of its own, not `VARIANTS`: a catalog entry there is a `correct.MultiHeadAttention` with one step
+overridden, which the kill matrix and the teaching report audit in one process with `diagnostics.audit`; these need a
+group of processes and their own audit. Read each class beside the method of the same name in `correct/sharded.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from correct import MultiHeadAttention
+from correct.sharded import (HeadParallelAttention, RingAttention, SequenceParallel, UlyssesAttention, all_to_all,
+                             gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
+
+from ._registry import Observable
+
+
+# ---- the broken steps ---------------------------------------------------------------------------------------------
+class RingCausalOffsetPerRank(RingAttention):
+    def query_positions(self, positions: Tensor) -> Tensor:
+        return torch.arange(len(positions))  # every rank's queries masked as if its shard started at 0
+
+
+class RingMergeOverflows(RingAttention):
+    def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+        # the normalisers exponentiated themselves: exp(lse) is inf in float32 once a logit passes 88.7
+        weight, part_weight = torch.exp(lse), torch.exp(part_lse)  # (B, H, T_r, 1)
+        return (out * weight + part * part_weight) / (weight + part_weight), torch.log(weight + part_weight)
+
+
+class RingMergeWithMax(RingAttention):
+    def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+        new = torch.maximum(lse, part_lse)  # the running max taken for the joint normaliser: weights no longer sum to 1
+        return out * torch.exp(lse - new) + part * torch.exp(part_lse - new), new  # (B, H, T_r, d_k)
+
+
+class _WrongWayBack(torch.autograd.Function):
+    """A ring shift whose backward sends the gradient on round the ring instead of back to where it came from."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return send_round(x, group, 1)  # from rank r-1, as ring_shift
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return send_round(grad, ctx.group, 1), None  # on to r+1, not back to r-1
+
+
+class RingKVGradientWrongStep(RingAttention):
+    def pass_on(self, x: Tensor) -> Tensor:
+        return _WrongWayBack.apply(x, self.group)  # from rank r-1; its gradient goes on to r+1
+
+
+class ZigzagNotUndone(SequenceParallel):
+    def gather(self, out: Tensor, order: Tensor) -> Tensor:
+        return gather_sequence(out, self.group)  # (B, T, D) in the ranks' order, left there
+
+
+class PadsToEvenShards(SequenceParallel):
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, D = x.shape
+        W = self.world_size
+        pieces = 2 * W if self.layout == "zigzag" else W
+        padded = -(-T // pieces) * pieces
+        x = torch.cat([x, x.new_zeros(B, padded - T, D)], dim=1)  # zeros to an even shard, never masked as keys
+        order = shard_order(self.layout, padded, W)  # (T',)
+        return scatter_sequence(x, order, self.group), order.view(W, -1)[self.rank]
+
+    def forward(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        shard, positions = self.split(x)
+        order = shard_order(self.layout, shard.shape[1] * self.world_size, self.world_size)
+        return self.gather(self.inner(shard, positions), order)[:, :T]  # (B, T, D): the padding's rows dropped
+
+
+class UlyssesHeadsReordered(UlyssesAttention):
+    def heads_back(self, x: Tensor) -> Tensor:
+        B, H_r, T, d_k = x.shape
+        W = self.world_size
+        x = x.view(B, H_r, W, T // W, d_k).permute(2, 0, 1, 3, 4)  # (W, B, H_r, T_r, d_k): shard i to rank i
+        x = all_to_all(x, self.group)  # (W, B, H_r, T_r, d_k): head group i, from rank i, of my shard
+        return x.permute(1, 2, 0, 3, 4).reshape(B, W * H_r, T // W, d_k)  # (B, H, T_r, d_k): laid out (H_r, W)
+
+
+class BiasOnEveryRank(HeadParallelAttention):
+    def output_projection(self, x: Tensor) -> Tensor:
+        partial = x @ self.out_weight.T  # (B, T, D/W) x (D/W, D) -> (B, T, D)
+        if self.out_bias is not None:
+            partial = partial + self.out_bias  # on every rank, before the sum: W x the bias
+        return reduce_from_ranks(partial, self.group)  # (B, T, D)
+
+
+class DropoutStreamPerRank(HeadParallelAttention):
+    def replicated_dropout(self, out: Tensor) -> Tensor:
+        if not self.training or self.output_dropout == 0.0:
+            return out
+        stream = torch.Generator(device=out.device).manual_seed(torch.initial_seed() + self.rank)  # one a rank
+        keep = torch.rand(out.shape, generator=stream, device=out.device) >= self.output_dropout  # (B, T, D)
+        return out * keep / (1.0 - self.output_dropout)  # each rank its own mask on the output they share
+
+
+class FusedQKVContiguousRows(HeadParallelAttention):
+    def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        D, W, r = self.layer.d_model, self.world_size, self.rank
+        rows = torch.arange(r * 3 * D // W, (r + 1) * 3 * D // W)  # a contiguous cut of the stack [W_Q; W_K; W_V]
+        return weight[rows], None if bias is None else bias[rows]  # (3 D/W, D), (3 D/W,)
+
+
+# ---- the entries --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardedSetting:
+    """One sharded audit, as far as observability depends on it."""
+
+    world_size: int
+    num_heads: int
+    causal: bool
+    seq_len: int
+    large_logits: bool = True  # the audit scales the weights up (audit_sharded always does)
+
+
+@dataclass(frozen=True)
+class ShardedVariant:
+    """A registry entry like `buggy_variants.Variant`: what is wrong, why it is silent, what to write instead,
+    the sharded detectors expected to fail and the cause their message names; `build(layer, rank, W, group)` is the
+    factory `audit_sharded` takes, `reference` the correct twin's."""
+
+    id: str
+    title: str
+    cls: type
+    step: str
+    explanation: str
+    symptom: str
+    fix: str
+    detectable_when: Observable
+    expected_detectors: tuple[str, ...]
+    cause: str = ""  # a phrase the first expected detector's message names
+    audit_kwargs: dict = field(default_factory=dict)  # takes, layout, causal
+    reference_cls: type = RingAttention
+    inner: type | None = None  # SequenceParallel forms: the shard layer inside
+    form_kwargs: dict = field(default_factory=dict)  # options of both forms (the broken one and its twin)
+
+    def _factory(self, cls: type) -> Callable:
+        inner, layout = self.inner, self.audit_kwargs.get("layout", "contiguous")
+        if inner is not None:
+            return lambda layer, rank, world_size, group: cls(inner(layer, group), layout)
+        return lambda layer, rank, world_size, group: cls(layer, group, **self.form_kwargs)
+
+    @property
+    def build(self) -> Callable:
+        return self._factory(self.cls)
+
+    @property
+    def reference(self) -> Callable:
+        return self._factory(self.reference_cls)
+
+    def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention:
+        """The unsharded layer both are audited against."""
+        torch.manual_seed(seed)
+        return MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+
+
+def _entries() -> list[ShardedVariant]:
+    always = Observable("always", lambda s: True)
+    full, zigzag = {"takes": "full"}, {"layout": "zigzag"}
+    return [
+        ShardedVariant(
+            id="ring_causal_offset_per_rank", title="Causal offsets restart on every rank", cls=RingCausalOffsetPerRank,
+            step="query_positions", reference_cls=RingAttention, audit_kwargs={"causal": True},
+            explanation="Each rank builds its causal mask from local indices 0..T_r-1, as if its shard began the "
+                        "sequence. Rank 0's shard does begin it, so a test of one rank, or of one shard, passes; every "
+                        "later rank's queries are masked against the wrong keys. The same slip reuses the first "
+                        "chunk's RoPE positions on every rank.",
+            symptom="Outputs match the unsharded layer on rank 0's tokens only.",
+            fix="return positions  # the shard's global positions",
+            detectable_when=Observable("causal, contiguous layout", lambda s: s.causal),
+            expected_detectors=("sharded_output",), cause="restart at 0 on every rank"),
+        ShardedVariant(
+            id="ring_merge_overflows", title="Log-sum-exp merge overflows", cls=RingMergeOverflows, step="merge",
+            explanation="The partial results are weighted by exp(lse) instead of exp(lse - new): exact in real "
+                        "arithmetic, and in float32 at ordinary logits, but exp of a logit past 88.7 is inf, and "
+                        "inf / inf is NaN. Trained weights and long contexts reach such logits; a unit test at init "
+                        "does not.",
+            symptom="Rows become NaN (or 0) only when the logits are large.",
+            fix="new = torch.logaddexp(lse, part_lse); return out * exp(lse - new) + part * exp(part_lse - new), new",
+            detectable_when=Observable("float32 logits past 88.7 (the audit scales the weights up)",
+                                       lambda s: s.large_logits),
+            expected_detectors=("sharded_large_logits",), cause="log-sum-exp merge overflows"),
+        ShardedVariant(
+            id="ring_merge_with_max", title="Merge normalised by the running max", cls=RingMergeWithMax, step="merge",
+            explanation="The online softmax's running max and its running log-sum-exp are mixed up: the partial "
+                        "results are rescaled to the larger of the two normalisers instead of their log-sum, so the "
+                        "weights of a row sum to more than 1 once a second block arrives.",
+            symptom="Outputs too large on every rank; a single rank (W=1) is right.",
+            fix="new = torch.logaddexp(lse, part_lse)",
+            detectable_when=always, expected_detectors=("sharded_output",)),
+        ShardedVariant(
+            id="ring_kv_grad_wrong_step", title="Key/value gradient returned to the wrong ring step",
+            cls=RingKVGradientWrongStep, step="pass_on",
+            explanation="The backward of the ring's shift sends each key/value gradient on round the ring instead "
+                        "of back to the rank it came from, so every rank accumulates another rank's key/value "
+                        "gradient. The forward is exact, so every forward test passes.",
+            symptom="The forward matches; the input's gradient does not (backward only).",
+            fix="return send_round(grad, ctx.group, -1), None  # back to the rank it came from",
+            detectable_when=Observable("gradients taken; 3 or more ranks (at 2, r+1 and r-1 are one rank)",
+                                       lambda s: s.world_size >= 3),
+            expected_detectors=("sharded_gradients",), cause="backward-only"),
+        ShardedVariant(
+            id="zigzag_not_undone", title="Zigzag order not undone on the output", cls=ZigzagNotUndone, step="gather",
+            reference_cls=SequenceParallel, inner=RingAttention, audit_kwargs={**full, **zigzag},
+            explanation="The load-balancing order (rank r holds chunks r and 2W-1-r) is applied to the input and the "
+                        "gathered output is returned in the ranks' order. Each token's output is right, so a test that "
+                        "compares sorted rows, or sums, passes.",
+            symptom="The output is the unsharded output with its tokens permuted, in the ranks' order.",
+            fix="return gathered[:, order.argsort()]  # back to positions 0..T-1",
+            detectable_when=always, expected_detectors=("sharded_output",), cause="zigzag order is not undone"),
+        ShardedVariant(
+            id="pads_to_even_shards", title="A length the world size does not divide, padded silently",
+            cls=PadsToEvenShards, step="split", reference_cls=SequenceParallel, inner=RingAttention,
+            audit_kwargs=dict(full),
+            explanation="The sequence is padded with zeros to a multiple of the world size so that the shards are "
+                        "even, and the padding is never masked: every query attends the padding's keys. At lengths "
+                        "the world size divides nothing changes, so the usual tests pass.",
+            symptom="At a length the world size does not divide, every output row is off, and nothing raises.",
+            fix="refuse the length, or mask the padding's keys (and drop its rows)",
+            detectable_when=Observable("not causal (a causal query never sees the padding at the end)",
+                                       lambda s: not s.causal),
+            expected_detectors=("sharded_lengths",)),
+        ShardedVariant(
+            id="ulysses_heads_reordered", title="Heads come back in another order after the all-to-all",
+            cls=UlyssesHeadsReordered, step="heads_back", reference_cls=UlyssesAttention,
+            explanation="After the second all-to-all the received (rank, head of the rank) blocks are laid out as "
+                        "(head of the rank, rank): each head is right, in another head's place, so the output "
+                        "projection mixes them with the wrong weights. With one head a rank the two layouts are the "
+                        "same, which is how the usual test (one head a rank) misses it.",
+            symptom="Outputs differ; read through the output projection, each head's output is another head's.",
+            fix="return x.transpose(0, 1).reshape(B, W * H_r, T // W, d_k)",
+            detectable_when=Observable("two or more heads a rank", lambda s: s.num_heads // s.world_size >= 2),
+            expected_detectors=("sharded_output",), cause="heads come back in another order"),
+        ShardedVariant(
+            id="bias_on_every_rank", title="Output projection's bias added on every rank", cls=BiasOnEveryRank,
+            step="output_projection", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
+            explanation="The row-parallel output projection adds its bias to each rank's partial sum before the "
+                        "all-reduce, so the result carries it W times. With a zero-initialised bias it is invisible "
+                        "until training moves the bias.",
+            symptom="Every output is off by one constant vector, (W - 1) x the output bias.",
+            fix="return out + self.out_bias  # once, after the sum",
+            detectable_when=Observable("the output projection has a non-zero bias", lambda s: True),
+            expected_detectors=("sharded_output",), cause="bias is added on each of the"),
+        ShardedVariant(
+            id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
+            cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,
+            audit_kwargs=dict(full), form_kwargs={"output_dropout": 0.1},
+            explanation="The dropout after the all-reduce, on an output every rank holds alike, draws from a stream "
+                        "seeded per rank (the model-parallel stream, right for the heads each rank holds alone). "
+                        "Every rank drops other units, so the replicas' activations part from the first training "
+                        "step; in eval mode, where every test runs, nothing differs.",
+            symptom="In train mode, with every rank seeded alike, the ranks return different outputs.",
+            fix="return F.dropout(out, p=self.output_dropout, training=self.training)  # the shared stream",
+            detectable_when=Observable("train mode with dropout > 0 on the replicated output", lambda s: True),
+            expected_detectors=("sharded_train_replicas",), cause="per-rank stream"),
+        ShardedVariant(
+            id="fused_qkv_contiguous_rows", title="Fused QKV weight cut in contiguous rows", cls=FusedQKVContiguousRows,
+            step="shard_qkv", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
+            explanation="The stacked [W_Q; W_K; W_V] weight is cut into W contiguous row blocks, so rank 0 gets "
+                        "query rows only and the last rank value rows only, each used as q, k and v of its heads. "
+                        "Shapes fit exactly, so nothing raises.",
+            symptom="Outputs differ at every token on every rank.",
+            fix="cut each of W_Q, W_K, W_V into the rank's heads and stack the three cuts",
+            detectable_when=always, expected_detectors=("sharded_output",)),
+    ]
+
+
+SHARDED_VARIANTS: dict[str, ShardedVariant] = {v.id: v for v in _entries()}
+
+__all__ = ["SHARDED_VARIANTS", "ShardedSetting", "ShardedVariant"]

@@ -1,0 +1,156 @@
+"""Naming the cause of a sharded output that differs, from the evidence only (each reader returns a sentence and a
+fix, or None when its evidence is not there), tried in this order:
+
+    constant offset      the difference is one vector at every token, a whole multiple k of one of the layer's
+                         (D,) biases: that bias added k more times (on each of the k + 1 ranks)
+    token permutation    every output token equals some token of the unsharded output, in another order: the layout's
+                         order when the gather did not undo it
+    head permutation     before the output projection (read through its weights), every head equals some head of the
+                         unsharded layer, in another order: the all-to-all's way back
+    only rank 0 matches  rank 0's tokens right, every other rank's wrong: positions or causal offsets that restart
+                         at 0 on every rank
+and otherwise the ranks whose tokens differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ._judge import token_errors
+from .layouts import ranks_order
+
+
+@dataclass(frozen=True)
+class Cause:
+    text: str
+    fix: str
+
+
+def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: float, scale: float) -> Cause:
+    """The first reader whose evidence holds, else the ranks whose tokens differ. `test` and `target` (B, T, D) in
+    float64; `x` the input they answer; `allowed` the tolerance relative to `scale`."""
+    for reader in (constant_offset, token_permutation, head_permutation, only_rank_zero):
+        try:
+            cause = reader(ctx, W, test, target, x, allowed, scale)
+        except Exception:  # a reader that cannot read this layer says nothing
+            cause = None
+        if cause is not None:
+            return cause
+    return differing_ranks(ctx, W, test, target, allowed, scale)
+
+
+def constant_offset(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    diff = test - target  # (B, T, D)
+    if not bool(torch.isfinite(diff).all()):
+        return None
+    offset = diff.flatten(0, -2).mean(0)  # (D,)
+    if float((diff - offset).abs().max()) / scale > allowed or float(offset.abs().max()) / scale <= allowed:
+        return None  # not one vector at every token, or none at all
+    for name, p in ctx.layer.named_parameters():
+        if not name.endswith("bias") or p.shape != offset.shape:
+            continue
+        bias = p.detach().double()
+        k = float(offset @ bias / (bias @ bias)) if float(bias @ bias) > 0 else 0.0
+        if round(k) >= 1 and abs(k - round(k)) < 1e-3 and float((offset - round(k) * bias).abs().max()) / scale <= allowed:
+            k = round(k)
+            ranks = f"on each of the {W} ranks" if k == W - 1 else f"{k + 1} times"
+            return Cause(f"every output is off by one constant vector, {k} x `{name}`: the bias is added {ranks} "
+                         f"before the sum over ranks",
+                         f"add `{name}` once, after the all-reduce (or on rank 0 only), not on every rank")
+    return Cause(f"every output is off by one constant vector (largest entry {float(offset.abs().max()) / scale:.3g} "
+                 f"of the outputs' RMS), a multiple of none of the layer's biases",
+                 "look for a term added per rank before the all-reduce (a bias, a residual, a norm's shift)")
+
+
+def _matching(test: Tensor, target: Tensor, scale: float, allowed: float) -> Tensor | None:
+    """(N,) for each row of `test` (N, F) the row of `target` it equals, or None unless every row equals one."""
+    distance = torch.cdist(test, target, p=float("inf")) / scale  # (N, N): the greatest entry's difference
+    best = distance.min(dim=1)
+    if not bool((best.values <= allowed).all()):
+        return None
+    return best.indices
+
+
+def token_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    B, T, _ = test.shape
+    perms = [_matching(test[b], target[b], scale, allowed) for b in range(B)]
+    if any(p is None for p in perms) or any(not torch.equal(p, perms[0]) for p in perms):
+        return None
+    perm = perms[0]
+    if torch.equal(perm, torch.arange(T)) or len(set(perm.tolist())) != T:
+        return None
+    moved = [f"{i}<-{int(j)}" for i, j in enumerate(perm) if i != int(j)]
+    if torch.equal(perm, ranks_order(ctx.layout, T, W)):
+        return Cause(f"the tokens come back in the ranks' order, not in the sequence's: the {ctx.layout} order is not "
+                     f"undone on the output (output position <- token: {', '.join(moved[:6])}"
+                     f"{', ...' if len(moved) > 6 else ''})",
+                     "index the gathered output with the inverse of the layout's order (its argsort) before returning it")
+    return Cause(f"the tokens come back permuted ({len(moved)} of {T} moved; output position <- token: "
+                 f"{', '.join(moved[:6])}{', ...' if len(moved) > 6 else ''})",
+                 "undo the order the sequence was cut in when the shards are gathered")
+
+
+def _output_projection(layer: nn.Module, x: Tensor, out: Tensor) -> tuple[nn.Linear, Tensor] | None:
+    """The square Linear whose output is the layer's output, and its input (the merged heads) on `x`."""
+    seen: dict = {}
+    hooks = [m.register_forward_hook(lambda m, args, result: seen.setdefault(m, (args[0], result)))
+             for m in layer.modules() if isinstance(m, nn.Linear) and m.in_features == m.out_features]
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    for m, (inp, result) in seen.items():
+        if result.shape == out.shape and torch.allclose(result.double(), out, rtol=1e-6, atol=1e-9):
+            return m, inp.double()
+    return None
+
+
+def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    H = ctx.num_heads
+    layer = ctx.golden_layer if ctx.golden_layer is not None else ctx.layer
+    found = _output_projection(layer, x.double(), target) if H else None
+    if found is None:
+        return None
+    proj, merged = found  # (B, T, D): the heads, side by side, before the output projection
+    weight = proj.weight.detach().double()  # (D, D)
+    bias = proj.bias.detach().double() if proj.bias is not None else 0.0
+    read = torch.linalg.solve(weight, (test - bias).flatten(0, -2).T).T.view_as(merged)  # undo out = z W^T + b
+    d_k = merged.shape[-1] // H
+    heads = lambda z: z.view(-1, H, d_k).transpose(0, 1).flatten(1)  # (H, B*T*d_k)  # noqa: E731
+    head_scale = float(merged.square().mean().sqrt()) or 1.0
+    perm = _matching(heads(read), heads(merged), head_scale, max(allowed, 1e-6) * 100)
+    if perm is None or torch.equal(perm, torch.arange(H)) or len(set(perm.tolist())) != H:
+        return None
+    moved = [f"{i}<-{int(j)}" for i, j in enumerate(perm) if i != int(j)]
+    return Cause(f"the heads come back in another order after the all-to-all ({len(moved)} of {H} heads moved; slot "
+                 f"<- head: {', '.join(moved[:6])}{', ...' if len(moved) > 6 else ''}): each head is right, its place "
+                 f"is not", "after the all-to-all back, lay the heads out as (rank, head of the rank), the order the "
+                        "first all-to-all sent them in")
+
+
+def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
+    owner = ctx.owners(test.shape[1], W)
+    worst = [float(errors[owner == r].max()) for r in range(W)]
+    if worst[0] <= allowed and all(w > allowed for w in worst[1:]):
+        return Cause(f"the outputs match on rank 0's tokens only (every other rank's are off, by up to "
+                     f"{max(worst[1:]):.3g} of the outputs' RMS): positions or causal offsets restart at 0 on every "
+                     f"rank", "give each rank its shard's global positions (the causal mask and any positional "
+                              "encoding must see where the shard sits in the sequence)")
+    return None
+
+
+def differing_ranks(ctx, W, test, target, allowed, scale) -> Cause:
+    errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
+    owner = ctx.owners(test.shape[1], W)
+    bad = [r for r in range(W) if float(errors[owner == r].max()) > allowed]
+    return Cause(f"the tokens of rank{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad))} of {W} differ",
+                 "compare the sharded layer with the unsharded one step by step on those ranks' tokens")
+
+
+__all__ = ["Cause", "named_cause"]
