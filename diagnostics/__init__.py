@@ -37,12 +37,14 @@ _WHERE = {
     "MaskConvention": "._masks",
     "MODEL_DETECTORS": ".model",
     "ModelReport": ".model",
+    "ShardedReport": ".distributed",
     "Site": "._result",
     "adapters": None,  # a submodule
     "patterns": None,  # a submodule: declared attention patterns
     "assert_attention_ok": "._audit",
     "audit": "._audit",
     "audit_model": ".model",
+    "audit_sharded": ".distributed",
 }
 
 __all__ = [
@@ -56,11 +58,13 @@ __all__ = [
     "Finding",
     "MaskConvention",
     "ModelReport",
+    "ShardedReport",
     "Site",
     "adapters",
     "assert_attention_ok",
     "audit",
     "audit_model",
+    "audit_sharded",
     "patterns",
 ]
 
@@ -106,3 +110,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from ._report import AttentionAuditError, AuditReport
     from ._result import DetectorResult, Finding, Site
     from .detectors import DETECTORS
+    from .distributed import ShardedReport, audit_sharded
