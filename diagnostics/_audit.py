@@ -81,7 +81,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     expect(isinstance(cross, bool), "cross=True or cross=False", f"cross={cross!r}",
            "pass cross=True if the layer is cross-attention (its memory may be longer or shorter than the query)")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
-                           need_weights=need_weights, mask=mask, layout=layout, call=call, options=_options)
+                           need_weights=need_weights, mask=mask, layout=layout, call=call, cross=cross,
+                           options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
                   cross=cross)

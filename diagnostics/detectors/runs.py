@@ -13,6 +13,7 @@ from .._frames import traceback_frames
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
+from .._subject import left_streams, stream_calls
 from .._tracing import site
 from ._common import result
 from ._mask_hints import convention_hint
@@ -27,7 +28,7 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
         except Exception as error:
             frames = traceback_frames(error.__traceback__)
             if frames:
-                fix = exception_fix(error)
+                fix = exception_fix(error, left_streams(probe.subject), probe.options)
                 t = call.query.shape[probe.subject.time_dim]
                 short_ran = any(shape.label == "T=1" and not shape.raised for shape in probe.shapes.get("runs", ()))
                 if short_ran and t > 1 and SHAPES.search(str(error)):  # a length the layer cannot take
@@ -50,15 +51,19 @@ SHAPES = re.compile(r"must match the size|size of tensor a \(\d+\) must match|sh
                     r"broadcast|mat1 and mat2 shapes|expected .* shape|The shape of the .*mask", re.I)
 
 
-def exception_fix(error: BaseException) -> str:
+def exception_fix(error: BaseException, left: list[str] = (), options: dict | None = None) -> str:
     """The fix named by what the layer raised: a view of non-contiguous memory, a call whose arguments the layer
-    does not take (declare how it is called), a mask of a shape it does not take (declare its convention), or,
+    does not take (declare how it is called: where forward has a parameter the audit left at None, `left`, the call
+    that passes it, self-attention first), a mask of a shape it does not take (declare its convention), or,
     when none of these, no particular fix."""
     text = str(error)
     if VIEW.search(text):
         return ("call .contiguous() before .view(), or use .reshape(): after a transpose the memory is not laid "
                 "out as the view needs")
     if isinstance(error, TypeError) and ARGUMENT.search(text) or REQUIRED.search(text):
+        if left:
+            return (f"the layer is not called the way the audit calls it: it left `{left[0]}` at its default, None; "
+                    f"declare how to call it, {stream_calls(left[0], options)}")
         return ("the layer is not called the way the audit calls it: declare how to call it, e.g. call=lambda layer, "
                 "x, memory, mask: layer(x, y=memory, mask=mask) (--call MODULE:FUNCTION on the command line), or wrap "
                 "it in a function or module that takes (query, key, value, mask) or (x, mask)")

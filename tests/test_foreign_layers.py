@@ -1,0 +1,289 @@
+"""Layers written unlike ours, in the styles of the repositories people learn from: upper-case `forward(Q, K, V)`,
+`forward(x, y=None)` that wants its stream twice for self-attention, an optional `context=None`, a forward under
+`torch.utils.checkpoint(use_reentrant=True)`, a forward patched on the instance, FlexAttention on the CPU, an
+`is_causal` flag applied only when no mask is given. Each correct layer audits clean as a user first audits it
+(or with the one declaration its report names first); each broken twin, the same code with one bug, audited the
+same way on the same seed, still fails on the detector its bug breaks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from diagnostics import AuditUsageError, audit
+
+D, H = 32, 4  # d_model, heads
+CORE = ("runs", "output_shape", "finite_output", "softmax_saturation", "output_variance", "eval_determinism")
+
+
+def assert_clean(report, *, measured=()):
+    __tracebackhide__ = True
+    assert report.passed, str(report)
+    assert set(report.fired()) <= {"fully_masked_rows"}, str(report)  # NaN rows of a -inf mask: a warning by design
+    not_passed = {d: report.result(d).verdict for d in measured if report.result(d).verdict != "pass"}
+    assert not not_passed, f"expected these detectors to measure and pass: {not_passed}\n{report}"
+
+
+def audited(make, **kw):
+    torch.manual_seed(0)
+    return audit(make(), **kw)
+
+
+def split(t: Tensor, heads: int) -> Tensor:
+    B, T, C = t.shape  # batch, sequence length, d_model
+    return t.view(B, T, heads, C // heads).transpose(1, 2)  # (B, H, T, d)
+
+
+def merge(t: Tensor) -> Tensor:
+    B, h, T, d = t.shape  # batch, heads, sequence length, head width
+    return t.transpose(1, 2).reshape(B, T, h * d)  # (B, T, D)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float | None = None) -> Tensor:
+    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class SelfAttention(nn.Module):
+    """One fused qkv projection; `attention(x, mask)` is the step each style below wraps differently."""
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.d_model, self.n_heads = d_model, n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def attention(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(attend(q, k, v, mask)))
+
+    def forward(self, x, mask=None):
+        return self.attention(x, mask)
+
+
+# ---- cause 4: the audit's own machinery ---------------------------------------------------------------------
+
+
+class DetachedSoftmax(SelfAttention):
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        w = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1).detach()  # BUG: no gradient to q, k
+        return self.proj(merge(w @ v))
+
+
+class Checkpointed(SelfAttention):
+    """Activation checkpointing the old way (reentrant), which takes .backward() only."""
+
+    def forward(self, x):
+        return checkpoint(self.attention, x, use_reentrant=True)
+
+
+class CheckpointedDetached(Checkpointed, DetachedSoftmax):
+    pass
+
+
+def test_a_reentrant_checkpoint_is_differentiated_through_backward():
+    assert_clean(audited(Checkpointed), measured=CORE + ("gradients", "parameters_used"))
+    assert audited(CheckpointedDetached).result("gradients").verdict == "fail"
+
+
+class Unused(SelfAttention):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, D)  # BUG: built, never called
+
+
+def patched(cls):
+    """A forward patched on the instance, a closure over the original bound method (profilers, adapters, LoRA-style
+    wrappers do this): deepcopy hands functions out as they are."""
+    def make():
+        layer = cls()
+        original = layer.forward
+
+        def forward(x, mask=None):
+            return original(x, mask)
+
+        layer.forward = forward
+        return layer
+    return make
+
+
+def test_a_forward_patched_on_the_instance_runs_on_the_float64_copy():
+    assert_clean(audited(patched(SelfAttention)), measured=CORE + ("gradients", "parameters_used"))
+    unused = audited(patched(Unused)).result("parameters_used")
+    assert unused.verdict == "fail" and "gate.weight" in unused.evidence, unused
+
+
+def test_the_patched_copy_leaves_the_users_layer_alone():
+    torch.manual_seed(0)
+    layer = patched(SelfAttention)()
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    audit(layer, detectors=["gradients", "parameters_used"])
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in layer.named_parameters())
+    assert layer.forward.__closure__[0].cell_contents.__self__ is layer  # the patch still calls the user's layer
+
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+class Flex(SelfAttention):
+    """FlexAttention, uncompiled, on the CPU: it raises on a call that records autograd ("does not support
+    backward on CPU") when its parameters require grad."""
+
+    scale = None
+
+    def forward(self, x):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(flex.flex_attention(q, k, v, scale=self.scale)))
+
+
+class FlexUnscaled(Flex):
+    scale = 1.0  # BUG: no 1/sqrt(d_k)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_on_the_cpu_is_observed_without_autograd():
+    assert_clean(audited(Flex), measured=CORE)
+    assert "softmax_saturation" in audited(FlexUnscaled).fired()
+
+
+def cpu_kernel(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """An attention kernel with no backward on this device, refusing as FlexAttention does on the CPU (which the
+    audit's observer only reaches where flex_attention was imported before the audit began: imported inside the
+    layer's first forward, it raised exactly so)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("this kernel does not support backward on CPU. Please set the input requires_grad "
+                                  "to False or use another device.")
+    return attend(q, k, v, None, scale=scale)
+
+
+class NoBackwardKernel(SelfAttention):
+    scale = None
+
+    def forward(self, x):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(cpu_kernel(q, k, v, self.scale)))
+
+
+class NoBackwardKernelUnscaled(NoBackwardKernel):
+    scale = 1.0  # BUG: no 1/sqrt(d_k)
+
+
+def test_a_kernel_without_a_backward_here_runs_the_probes_that_need_no_gradient():
+    report = audited(NoBackwardKernel)
+    assert_clean(report, measured=CORE)
+    assert report.result("gradients").verdict == "skip" and "NotImplementedError" in report.result("gradients").message
+    assert "softmax_saturation" in audited(NoBackwardKernelUnscaled).fired()
+
+
+# ---- cause 5: calling conventions ---------------------------------------------------------------------------
+
+
+class UpperCase(nn.Module):
+    """The Annotated Transformer / d2l style: forward(Q, K, V, mask=None), projections W_Q, W_K, W_V, W_O."""
+
+    scale = None
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.d_model, self.n_heads = d_model, n_heads
+        self.W_Q, self.W_K, self.W_V, self.W_O = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, Q, K, V, Mask=None):
+        q, k, v = (split(W(t), self.n_heads) for W, t in ((self.W_Q, Q), (self.W_K, K), (self.W_V, V)))
+        return self.W_O(merge(attend(q, k, v, Mask, scale=self.scale)))
+
+
+class UpperCaseUnscaled(UpperCase):
+    scale = 1.0  # BUG: no 1/sqrt(d_k)
+
+
+def test_upper_case_parameters_are_read_as_query_key_value_and_mask():
+    report = audited(UpperCase)
+    assert report.settings["form"] == "qkv_module" and report.settings["takes_mask"], report.settings
+    assert_clean(report, measured=CORE + ("mask_honoured", "keys_matter", "query_locality"))
+    assert "softmax_saturation" in audited(UpperCaseUnscaled).fired()
+
+
+class SecondStream(nn.Module):
+    """forward(x, y): "for self attention, x=y"; queries from x, keys and values from y."""
+
+    scale = None
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.d_model, self.n_heads = d_model, n_heads
+        self.q, self.kv, self.o = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, y, mask=None):
+        q = split(self.q(x), self.n_heads)
+        k, v = (split(t, self.n_heads) for t in self.kv(y).chunk(2, -1))
+        return self.o(merge(attend(q, k, v, mask, scale=self.scale)))
+
+
+class SecondStreamUnscaled(SecondStream):
+    scale = 1.0  # BUG
+
+
+def test_a_required_second_stream_is_offered_the_self_attention_call_first():
+    with pytest.raises(AuditUsageError) as raised:
+        audited(SecondStream)
+    message = str(raised.value)
+    self_call, cross_call = "call=lambda layer, x, mask: layer(x, y=x, mask=mask)", "layer(x, y=memory, mask=mask)"
+    assert self_call in message and cross_call in message and message.index(self_call) < message.index(cross_call)
+    declared = lambda layer, x, mask: layer(x, y=x, mask=mask)  # noqa: E731 -- the call the message names first
+    assert_clean(audited(SecondStream, call=declared, causal=True), measured=CORE + ("mask_honoured", "future_leakage"))
+    assert "softmax_saturation" in audited(SecondStreamUnscaled, call=declared, causal=True).fired()
+
+
+class OptionalContext(SecondStream):
+    """forward(x, context=None): self-attention without a context, cross-attention with one (Stable Diffusion's
+    CrossAttention style)."""
+
+    def forward(self, x, context=None, mask=None):
+        return super().forward(x, x if context is None else context, mask)
+
+
+class ContextIgnored(OptionalContext):
+    def forward(self, x, context=None, mask=None):
+        return SecondStream.forward(self, x, x, mask)  # BUG: the context never reaches the keys
+
+
+def test_cross_true_feeds_an_optional_context():
+    report = audited(OptionalContext, cross=True)
+    assert report.settings["form"] == "cross_module", report.settings
+    assert_clean(report, measured=CORE + ("mask_honoured", "keys_matter", "query_locality"))
+    assert {"keys_matter"} <= set(audited(ContextIgnored, cross=True).fired())
+    assert audited(OptionalContext).settings["form"] == "self_module"  # undeclared: self-attention, as before
+
+
+class FlagWhenUnmasked(SelfAttention):
+    """`is_causal=True`, applied only when no mask is given: a mask passed in carries the causality itself."""
+
+    is_causal = True
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(merge(y))
+
+
+class FlagIgnored(FlagWhenUnmasked):
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))  # BUG: is_causal unread
+
+
+def test_a_causal_flag_applied_only_without_a_mask_gets_causal_masks():
+    assert_clean(audited(FlagWhenUnmasked, causal=True), measured=CORE + ("mask_honoured", "future_leakage"))
+    assert "future_leakage" in audited(FlagIgnored, causal=True).fired()
