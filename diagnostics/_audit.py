@@ -10,7 +10,7 @@ from ._errors import expect
 from ._guard import denormals_flushed, untouched
 from ._probe import Probe
 from ._registry import NOT_APPLICABLE, phrase, run
-from ._report import CORE, AuditReport
+from ._report import CORE, NEEDS_DECLARATION, AuditReport
 from ._result import DetectorResult, Sites
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
@@ -96,7 +96,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
-        if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
+        if measured.get("runs") is not None and (measured["runs"].verdict in ("pass", "fail")
+                                                 or measured["runs"].declaration):
             # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
         measured = consequences(measured)
@@ -179,6 +180,10 @@ def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple
         return "failed", f"failed: {', '.join(failed)}"
     if not results:
         return "inconclusive", "inconclusive: no detector was run"
+    declared = next((r for r in results if r.declaration), None)
+    if declared is not None:  # the layer ran under another convention: not a defect, and nothing failed
+        return "inconclusive", (f"inconclusive, {NEEDS_DECLARATION}: audit with {declared.declaration} "
+                                f"({declared.detector}: {declared.message})")
     errors = [r.detector for r in results if r.verdict == "error"]
     if errors:
         return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._frames import exception_text
 from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
@@ -45,8 +46,7 @@ class Call:
         return self.output is not None
 
     def describe_error(self) -> str:
-        text = str(self.error).strip().splitlines()[0] if str(self.error).strip() else ""
-        return f"{type(self.error).__name__}: {text[:160]}"
+        return exception_text(self.error)
 
 
 class Probe:

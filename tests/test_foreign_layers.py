@@ -287,3 +287,59 @@ class FlagIgnored(FlagWhenUnmasked):
 def test_a_causal_flag_applied_only_without_a_mask_gets_causal_masks():
     assert_clean(audited(FlagWhenUnmasked, causal=True), measured=CORE + ("mask_honoured", "future_leakage"))
     assert "future_leakage" in audited(FlagIgnored, causal=True).fired()
+
+
+# ---- cause 8: a convention mismatch is not a defect ------------------------------------------------------------
+
+
+class KeepPerKey(SelfAttention):
+    """A (B, T) padding mask, True = keep, in a parameter named plainly `mask` and documented nowhere: the audit's
+    (B, 1, Tq, Tk) mask makes it raise."""
+
+    scale = None
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        keep = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, Tk)
+        return self.proj(merge(attend(q, k, v, keep, scale=self.scale)))
+
+
+class KeepPerKeyUnscaled(KeepPerKey):
+    scale = 1.0  # BUG: no 1/sqrt(d_k)
+
+
+def test_a_mask_of_another_shape_needs_a_declaration_and_is_never_failed(tmp_path):
+    report = audited(KeepPerKey)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and report.declaration == "mask='key_keep'", str(report)
+    assert runs.verdict == "skip" and runs.message.startswith("needs a declaration, mask='key_keep'"), runs
+    assert "INCONCLUSIVE (needs a declaration: mask='key_keep')" in str(report).splitlines()[0]
+    assert report.to_dict()["needs_declaration"] == "mask='key_keep'"
+    report.to_html(tmp_path / "report.html")
+    assert "Needs a declaration: audit with <code>mask=&#x27;key_keep&#x27;</code>" in (tmp_path / "report.html").read_text()
+    assert_clean(audited(KeepPerKey, mask="key_keep"), measured=CORE + ("mask_honoured",))  # the one it names
+    # the same undeclared mask on a layer with a bug: the bug fails the audit, the mask does not
+    buggy = audited(KeepPerKeyUnscaled)
+    assert buggy.status == "failed" and "softmax_saturation" in buggy.fired() and "runs" not in buggy.fired()
+
+
+def test_a_layer_that_raises_on_every_mask_still_fails_runs():
+    class Broken(KeepPerKey):
+        def attention(self, x, mask=None):
+            if mask is not None:
+                raise RuntimeError("masks are not supported yet")  # no convention makes it run
+            return super().attention(x)
+
+    report = audited(Broken)
+    assert report.status == "failed" and report.result("runs").verdict == "fail" and not report.declaration
+    assert report.status == audited(Broken, mask="key_keep").status  # declaring a convention does not hide it
+
+
+def test_an_exception_is_quoted_to_the_end_of_a_sentence():
+    from diagnostics._frames import exception_text
+
+    shapes = ("The size of tensor a (16) must match the size of tensor b (2) at non-singleton dimension 3. "
+              "Check the shapes of the mask passed to the layer against the scores, which are (B, H, Tq, Tk) here")
+    assert exception_text(RuntimeError(shapes)) == ("RuntimeError: The size of tensor a (16) must match the size of "
+                                                    "tensor b (2) at non-singleton dimension 3.")
+    assert exception_text(RuntimeError("word " * 60)).endswith("word word ...")

@@ -13,10 +13,10 @@ from .._frames import traceback_frames
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
-from .._subject import left_streams, stream_calls
+from .._subject import left_streams, spell, stream_calls
 from .._tracing import site
 from ._common import result
-from ._mask_hints import convention_hint
+from ._mask_hints import convention_hint, honoured_conventions
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
@@ -127,9 +127,12 @@ def runs_verdict(probe: Probe) -> DetectorResult:
         listed = "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
+        evidence = f"{listed} ({n_calls} calls in all){self_only}"
+        needed = _needed_declaration(probe, evidence)
+        if needed is not None:
+            return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
-                               value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in "
-                                                                                 f"all){self_only}",
+                               value=float(len(failed)), threshold=0.0, evidence=evidence,
                                replay=tuple(probe.failed_calls))
         hint = _mask_hint(probe)
         return replace(failed_result, fix=f"{hint}; {failed_result.fix}") if hint else failed_result
@@ -139,6 +142,32 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"ran on its {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
                                 f"every other detector's probe ({n_calls} calls in all{borrowed}){self_only}",
                   value=0.0, threshold=0.0)
+
+
+def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A convention mismatch, which is no defect: every call that raised was given a mask (in the convention nobody
+    declared: the default or one the layer seemed to state), calls without one ran, and given its mask in another
+    convention the layer runs and honours it (`honoured_conventions`). Then `runs` is a skip naming the declaration,
+    and the audit "needs a declaration" (inconclusive) instead of failing; None otherwise."""
+    s = probe.subject
+    calls = probe.failed_calls
+    if not calls or not s.takes_mask or s.convention_by in ("user", "library") or \
+            any(c.allowed is None for c in calls):
+        return None
+    unmasked_ran = any(not shape.raised and shape.allowed is None for shapes in probe.shapes.values()
+                       for shape in shapes)
+    found = honoured_conventions(probe) if unmasked_ran else []
+    if not found:
+        return None
+    convention, how = found[0]
+    declare = spell("mask", str(convention), probe.options)
+    given = f"{s.mask_convention} ({s.mask_convention.describe()})"
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
+                                  f"mask, as {given}; given its mask as {convention} ({convention.describe()}) it runs "
+                                  f"and honours it",
+                  evidence=f"{evidence}; as {convention}: {how}",
+                  fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
+                  declaration=declare)
 
 
 def _mask_hint(probe: Probe) -> str | None:
