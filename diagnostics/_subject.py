@@ -1108,6 +1108,24 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
     return [(c, why) for c, why in found if c != subject.mask_convention]
 
 
+def stated_bool(subject: Subject) -> str:
+    """What in the layer's own words says its mask is bool (an annotation such as `torch.BoolTensor` or `bool`, or a
+    bool convention its docstring or name states), or "": the words that decide, where what the layer does with its
+    mask reads as a bug in one convention and as correct in another."""
+    if not subject.takes_mask or not subject.mask_names:
+        return ""
+    name = subject.mask_names[0]
+    if subject.convention_by == "layer" and subject.mask_convention.meaning != "additive":
+        return f"the audit read `{name}` as bool because {subject.convention_why}"
+    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        param = None
+    annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
+    return f"`{name}` is annotated {annotation}" if "bool" in annotation.lower() else ""
+
+
 def mask_convention_hint(subject: Subject, options: dict | None = None) -> str | None:
     """For a mask finding (mask_honoured, runs): what the layer says or suggests about its mask's convention,
     never what it did with the audit's mask; None where the user or the library declared it, or nothing
@@ -1176,5 +1194,5 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
-           "left_streams", "mask_convention_hint", "not_weights", "read_signature", "stated_convention", "stream_calls",
+           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_calls",
            "suggested_conventions"]

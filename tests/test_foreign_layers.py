@@ -317,3 +317,33 @@ def test_an_exception_is_quoted_to_the_end_of_a_sentence():
     assert exception_text(RuntimeError(shapes)) == ("RuntimeError: The size of tensor a (16) must match the size of "
                                                     "tensor b (2) at non-singleton dimension 3.")
     assert exception_text(RuntimeError("word " * 60)).endswith("word word ...")
+
+
+# ---- cause 7: a convention hint is never one under which the observed behaviour is the bug -----------------------
+
+
+class AddsBoolMask(SelfAttention):
+    """Annotated bool, turned into 0./1. floats and added to the scores: True shifts the allowed logits by 1 and
+    blocks nothing (the bug); declared additive, it would pass."""
+
+    def attention(self, x, mask: torch.BoolTensor | None = None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores + mask.float()  # BUG: 0./1. added, nothing blocked
+        return self.proj(merge(scores.softmax(-1) @ v))
+
+    def forward(self, x, mask: torch.BoolTensor | None = None):
+        return self.attention(x, mask)
+
+
+class BlocksBoolMask(AddsBoolMask):
+    def forward(self, x, mask: torch.BoolTensor | None = None):
+        return SelfAttention.attention(self, x, mask)  # masked_fill(~mask, -inf): the fix
+
+
+def test_a_bool_annotated_mask_that_is_added_is_never_told_to_declare_additive():
+    finding = audited(AddsBoolMask).result("mask_honoured")
+    assert finding.verdict == "fail" and "audit with mask='additive'" not in finding.fix, finding.fix
+    assert "is annotated" in finding.fix and "masked_fill(~mask" in finding.fix, finding.fix
+    assert_clean(audited(BlocksBoolMask), measured=CORE + ("mask_honoured",))
