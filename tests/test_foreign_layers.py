@@ -347,3 +347,37 @@ def test_a_bool_annotated_mask_that_is_added_is_never_told_to_declare_additive()
     assert finding.verdict == "fail" and "audit with mask='additive'" not in finding.fix, finding.fix
     assert "is annotated" in finding.fix and "masked_fill(~mask" in finding.fix, finding.fix
     assert_clean(audited(BlocksBoolMask), measured=CORE + ("mask_honoured",))
+
+
+class MaskAsKeyBias(SelfAttention):
+    """Reads its mask as one row per key and adds it: broken for the audit's mask in every convention (bool added,
+    additive rows read as keys), and at T = 1 the (B, 1, 1, 1) mask broadcasts, so only T > 1 raises."""
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores + mask.reshape(mask.shape[0], 1, 1, -1).float() * 0  # BUG: the mask blocks nothing
+        return self.proj(merge(scores.softmax(-1) @ v))
+
+
+def test_a_mask_that_raises_only_past_one_token_is_not_called_a_maximum_length():
+    report = audited(MaskAsKeyBias)
+    runs = report.result("runs")
+    assert runs.verdict == "fail" and runs.where, str(report)
+    assert "maximum length" not in runs.remedy[0], runs.remedy  # the standard probe ran at this length
+    assert "maximum length" in audited(LengthLimited).result("runs").remedy[0]  # its twin: a real limit
+
+
+class LengthLimited(SelfAttention):
+    """A buffer of fixed size (4 positions) the scores are added to: a real maximum length, below the probe's 16."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rel", torch.zeros(4, 4))
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        T = x.shape[1]  # sequence length
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.rel[:T, :T]  # (B, H, T, T) + (<=4, <=4)
+        return self.proj(merge(scores.softmax(-1) @ v))

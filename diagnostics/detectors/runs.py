@@ -31,7 +31,11 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                 fix = exception_fix(error, left_streams(probe.subject), probe.options)
                 t = call.query.shape[probe.subject.time_dim]
                 short_ran = any(shape.label == "T=1" and not shape.raised for shape in probe.shapes.get("runs", ()))
-                if short_ran and t > 1 and SHAPES.search(str(error)):  # a length the layer cannot take
+                # a call as long that ran (the standard probe, without a mask) says the length is not the limit: a
+                # mask that broadcasts at T = 1 and not at T is a mask of another shape
+                took_t = any(not shape.raised and shape.t_q >= t and shape.t_k >= call.key.shape[probe.subject.time_dim]
+                             for shapes in probe.shapes.values() for shape in shapes)
+                if short_ran and not took_t and t > 1 and SHAPES.search(str(error)):  # a length it cannot take
                     seq_len = probe.options.get("seq_len", "seq_len=")
                     fix = (f"the layer runs on 1 token but not on {t}: it has a maximum length below {t} (a buffer "
                            f"of fixed size?); audit it at most at its context length ({seq_len}N), or make its "
