@@ -1081,11 +1081,7 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
     if not subject.takes_mask or not subject.mask_names:
         return []
     name = subject.mask_names[0]
-    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
-    try:
-        param = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):
-        param = None
+    param = _mask_parameter(subject)
     annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
     default = None if param is None else param.default
     found = []
@@ -1117,13 +1113,18 @@ def stated_bool(subject: Subject) -> str:
     name = subject.mask_names[0]
     if subject.convention_by == "layer" and subject.mask_convention.meaning != "additive":
         return f"the audit read `{name}` as bool because {subject.convention_why}"
-    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
-    try:
-        param = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):
-        param = None
+    param = _mask_parameter(subject)
     annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
     return f"`{name}` is annotated {annotation}" if "bool" in annotation.lower() else ""
+
+
+def _mask_parameter(subject: Subject) -> inspect.Parameter | None:
+    """The parameter of the layer's forward (or function) that receives the mask, None where none can be read."""
+    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
+    try:
+        return inspect.signature(fn).parameters.get(subject.mask_names[0])
+    except (TypeError, ValueError):
+        return None
 
 
 def mask_convention_hint(subject: Subject, options: dict | None = None) -> str | None:
