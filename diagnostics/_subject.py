@@ -107,6 +107,9 @@ class Subject:
     separate_value: bool = True  # the value is an input of its own (False: one memory stream is key and value)
     builtin_causal: bool  # the layer declares that it builds its own causal mask
     builtin_pattern: bool = False  # the layer declares that it builds its own attention pattern (a window, ...)
+    # its causality is torch's `is_causal` flag, whose contract (SDPA's, nn.MultiheadAttention's) is "attn_mask or
+    # is_causal": a mask given instead carries the causality itself (see `mask_carries_causality`)
+    mask_carries_causality: bool = False
     time_dim: int
     mask_convention: MaskConvention = SHORTCUTS["allowed"]  # how the layer takes its mask (diagnostics._masks)
     # who chose it: "default" (nothing said), "user" (mask=...), "library" (torch's and Hugging Face's layers) or
@@ -951,6 +954,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
     builtin_pattern = declares_pattern(layer)
+    carries = mask_carries_causality(layer)
     extra = None
     if declared_call is not None:  # the call says the form and the mask's name; the forward is not read
         form, mask_param, _ = declared_call
@@ -996,10 +1000,20 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
             notes.append(f"position_embeddings from {type(rotary).__name__}")
     if mask_names and not torch_layer and (by != "default"):
         notes.append(convention_note(mask_names[0], convention, by, why))
-    return ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
-                         builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
-                         notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
-                         head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
+    subject = ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
+                            builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
+                            notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
+                            head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
+    subject.mask_carries_causality = carries and builtin_causal and subject.takes_mask
+    return subject
+
+
+def mask_carries_causality(layer) -> bool:
+    """The layer's causality is a truthy `is_causal` (torch's name, whose contract in SDPA and nn.MultiheadAttention is
+    "attn_mask or is_causal": the flag says the mask is causal, or stands in for one), and no `causal` attribute says
+    it builds its own causal mask whatever it is given: then the mask it takes carries the causality, and a layer that
+    applies the flag only when no mask is given is correct (the audit's masks for it are causal too)."""
+    return getattr(layer, "is_causal", False) is True and getattr(layer, "causal", None) is not True
 
 
 def convention_note(name: str, convention: MaskConvention, by: str, why: str) -> str:

@@ -1,9 +1,9 @@
 """Layers written unlike ours, in the styles of the repositories people learn from: upper-case `forward(Q, K, V)`,
 `forward(x, y=None)` that wants its stream twice for self-attention, an optional `context=None`, a forward under
 `torch.utils.checkpoint(use_reentrant=True)`, a forward patched on the instance, FlexAttention on the CPU, a mask of
-another shape. Each correct layer audits clean as a user first audits it (or with the one declaration its report
-names first); each broken twin, the same code with one bug, audited the same way on the same seed, still fails on
-the detector its bug breaks.
+another shape, torch's `is_causal` flag applied only when no mask is given. Each correct layer audits clean as a
+user first audits it (or with the one declaration its report names first); each broken twin, the same code with one
+bug, audited the same way on the same seed, still fails on the detector its bug breaks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -261,6 +262,47 @@ def test_cross_true_feeds_an_optional_context():
     assert_clean(report, measured=CORE + ("mask_honoured", "keys_matter", "query_locality"))
     assert {"keys_matter"} <= set(audited(ContextIgnored, cross=True).fired())
     assert audited(OptionalContext).settings["form"] == "self_module"  # undeclared: self-attention, as before
+
+
+class FlagWhenUnmasked(SelfAttention):
+    """torch's contract, "attn_mask or is_causal": `is_causal=True` applied only when no mask is given, a mask given
+    instead carrying the causality itself."""
+
+    is_causal = True
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(merge(y))
+
+
+class FlagIgnored(FlagWhenUnmasked):
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))  # BUG: is_causal unread
+
+
+class CausalReplacedByPadding(FlagWhenUnmasked):
+    """The same code under a `causal` flag, which says the layer builds its causal mask whatever it is given: a
+    padding mask then replaces it (the catalog's padding_mask_replaces_causal)."""
+
+    is_causal, causal = False, True
+
+    def attention(self, x, mask=None):
+        self.is_causal = self.causal
+        try:
+            return super().attention(x, mask)
+        finally:
+            self.is_causal = False
+
+
+def test_an_is_causal_flag_applied_only_without_a_mask_gets_causal_masks():
+    assert_clean(audited(FlagWhenUnmasked, causal=True), measured=CORE + ("mask_honoured", "future_leakage"))
+    assert "future_leakage" in audited(FlagIgnored, causal=True).fired()  # the flag itself is still tested
+    assert "future_leakage" in audited(CausalReplacedByPadding, causal=True).fired()
 
 
 # ---- cause 8: a convention mismatch is not a defect ------------------------------------------------------------
