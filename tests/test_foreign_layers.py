@@ -423,3 +423,33 @@ class LengthLimited(SelfAttention):
         T = x.shape[1]  # sequence length
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.rel[:T, :T]  # (B, H, T, T) + (<=4, <=4)
         return self.proj(merge(scores.softmax(-1) @ v))
+
+
+# ---- cause 6: a docstring about the layer's insides, read as its input convention ------------------------------
+
+
+class DocumentsItsBias(KeepPerKey):
+    def attention(self, x, mask=None):
+        """Self-attention.
+
+        Args:
+            x: (B, T, D) tokens.
+            mask: the additive mask (0 / -inf) expanded to (B, H, T, T) and added to the scores.
+        """
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(attend(q, k, v, mask, scale=self.scale)))  # takes bool (B, 1, Tq, Tk): masked_fill
+
+    forward = attention
+
+
+class DocumentsItsBiasUnscaled(DocumentsItsBias):
+    scale = 1.0  # BUG
+
+
+def test_a_docstring_about_the_internal_bias_is_a_declaration_away_never_a_failure():
+    report = audited(DocumentsItsBias)
+    assert "mask: additive (its docstring says" in report.layer  # what it read, and said so
+    assert report.status == "inconclusive" and report.declaration == "mask='allowed'", str(report)
+    assert_clean(audited(DocumentsItsBias, mask="allowed"), measured=CORE + ("mask_honoured",))
+    buggy = audited(DocumentsItsBiasUnscaled)
+    assert buggy.status == "failed" and set(buggy.fired()) == {"softmax_saturation"}, str(buggy)
