@@ -175,12 +175,13 @@ def _settled(result: DetectorResult, required: bool, strict: bool, options: dict
 
 
 def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple[str, str]:
+    declared = next((r for r in results if r.declaration), None)
     if any(r.verdict == "fail" for r in results):
         failed = [r.detector for r in results if r.verdict == "fail"]
-        return "failed", f"failed: {', '.join(failed)}"
+        also = f"; and it {NEEDS_DECLARATION}: audit with {declared.declaration}" if declared is not None else ""
+        return "failed", f"failed: {', '.join(failed)}{also}"
     if not results:
         return "inconclusive", "inconclusive: no detector was run"
-    declared = next((r for r in results if r.declaration), None)
     if declared is not None:  # the layer ran under another convention: not a defect, and nothing failed
         return "inconclusive", (f"inconclusive, {NEEDS_DECLARATION}: audit with {declared.declaration} "
                                 f"({declared.detector}: {declared.message})")

@@ -309,7 +309,7 @@ def write_page(path, page: str) -> None:
 
 def declaration_html(report) -> str:
     """The declaration an inconclusive audit needs, first, with why (its status reason); nothing otherwise."""
-    if not report.declaration:
+    if not report.declaration or report.status != "inconclusive":
         return ""
     return (f'<div class="finding skip"><p>{verdict_badge("skip")} Needs a declaration: audit with '
             f'<code>{escape(report.declaration)}</code></p><p>{escape(report.status_reason)}</p></div>\n')

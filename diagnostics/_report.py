@@ -181,17 +181,15 @@ class AuditReport(Report):
 
     @property
     def declaration(self) -> str:
-        """The declaration the audit needs before it can conclude ("mask='key_padding'"), or "": that of the first
-        result that names one, where nothing failed."""
-        if self.status != "inconclusive":
-            return ""
+        """The declaration the audit needs to measure all it could ("mask='key_padding'"), or "": that of the first
+        result that names one (a failed audit names it too, in its status reason)."""
         return next((r.declaration for r in self.results if r.declaration), "")
 
     @property
     def headline(self) -> str:
         """The status as the reports' first line shows it: `FAILED`, or `INCONCLUSIVE (needs a declaration:
-        mask='key_padding')`."""
-        declaration = self.declaration
+        mask='key_padding')` where that is why it is inconclusive."""
+        declaration = self.declaration if self.status == "inconclusive" else ""
         return self.status.upper() + (f" ({NEEDS_DECLARATION}: {declaration})" if declaration else "")
 
     def result(self, detector: str) -> DetectorResult:

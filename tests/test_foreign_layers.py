@@ -337,6 +337,7 @@ def test_a_mask_of_another_shape_needs_a_declaration_and_is_never_failed(tmp_pat
     # the same undeclared mask on a layer with a bug: the bug fails the audit, the mask does not
     buggy = audited(KeepPerKeyUnscaled)
     assert buggy.status == "failed" and "softmax_saturation" in buggy.fired() and "runs" not in buggy.fired()
+    assert "needs a declaration: audit with mask='key_keep'" in buggy.status_reason  # still named, after the failure
 
 
 def test_a_layer_that_raises_on_every_mask_still_fails_runs():
