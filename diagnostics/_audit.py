@@ -11,7 +11,7 @@ from ._guard import denormals_flushed, untouched
 from ._memory import check_memory
 from ._probe import Probe
 from ._registry import NOT_APPLICABLE, phrase, run
-from ._report import CORE, AuditReport
+from ._report import CORE, NEEDS_DECLARATION, AuditReport
 from ._result import DetectorResult, Sites
 from ._subject import check_seq_len, make_subject
 from ._thresholds import dtype_name
@@ -82,7 +82,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     expect(isinstance(cross, bool), "cross=True or cross=False", f"cross={cross!r}",
            "pass cross=True if the layer is cross-attention (its memory may be longer or shorter than the query)")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
-                           need_weights=need_weights, mask=mask, layout=layout, call=call, options=_options)
+                           need_weights=need_weights, mask=mask, layout=layout, call=call, cross=cross,
+                           options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     check_memory(subject, seq_len, options=_options)  # refused before anything runs if it would not fit
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
@@ -97,7 +98,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
-        if measured.get("runs") is not None and measured["runs"].verdict in ("pass", "fail"):
+        if measured.get("runs") is not None and (measured["runs"].verdict in ("pass", "fail")
+                                                 or measured["runs"].declaration):
             # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
         measured = consequences(measured)
@@ -175,11 +177,16 @@ def _settled(result: DetectorResult, required: bool, strict: bool, options: dict
 
 
 def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple[str, str]:
+    declared = next((r for r in results if r.declaration), None)
     if any(r.verdict == "fail" for r in results):
         failed = [r.detector for r in results if r.verdict == "fail"]
-        return "failed", f"failed: {', '.join(failed)}"
+        also = f"; and it {NEEDS_DECLARATION}: audit with {declared.declaration}" if declared is not None else ""
+        return "failed", f"failed: {', '.join(failed)}{also}"
     if not results:
         return "inconclusive", "inconclusive: no detector was run"
+    if declared is not None:  # the layer ran under another convention: not a defect, and nothing failed
+        return "inconclusive", (f"inconclusive, {NEEDS_DECLARATION}: audit with {declared.declaration} "
+                                f"({declared.detector}: {declared.message})")
     errors = [r.detector for r in results if r.verdict == "error"]
     if errors:
         return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"

@@ -84,3 +84,18 @@ def raised_by_user(error: BaseException) -> bool:
             innermost = kind
         tb = tb.tb_next
     return innermost == 0
+
+
+def exception_text(error: BaseException, limit: int = 160) -> str:
+    """`TypeName: first line of the message`, cut where a sentence (or clause) ends within `limit` characters, else
+    at a word, marked "...": never mid-word. torch puts the shapes in its first sentence and the advice after it."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if len(text) > limit:
+        head = text[:limit + 1]
+        end = max(head.rfind(". "), head.rfind("; "), head.rfind(": "))
+        if end >= limit // 2:
+            text = text[:end + 1]
+        else:
+            space = head.rfind(" ")
+            text = (head[:space].rstrip(",;:") if space > 0 else head[:limit]) + " ..."
+    return f"{type(error).__name__}: {text}"

@@ -318,9 +318,17 @@ def write_page(path, page: str) -> None:
                               f"Fix: {fix}") from None
 
 
+def declaration_html(report) -> str:
+    """The declaration an inconclusive audit needs, first, with why (its status reason); nothing otherwise."""
+    if not report.declaration or report.status != "inconclusive":
+        return ""
+    return (f'<div class="finding skip"><p>{verdict_badge("skip")} Needs a declaration: audit with '
+            f'<code>{escape(report.declaration)}</code></p><p>{escape(report.status_reason)}</p></div>\n')
+
+
 def write_report_html(report, path) -> None:
     """Write `report` (an AuditReport) to `path` as one self-contained HTML page."""
-    verdict = "PASSED" if report.passed else "FAILED"
+    verdict = escape(report.headline)  # PASSED, FAILED, INCONCLUSIVE (needs a declaration: mask='key_padding')
     # form, d_model and num_heads are in the title (report.layer); what the audit did with the mask, in words
     takes_mask = report.settings.get("takes_mask")
     mask = "" if takes_mask is None else "; the layer takes a mask" if takes_mask else "; the layer takes no mask"
@@ -343,7 +351,7 @@ body {{ margin: 24px; }}</style></head>
 <h1>Attention audit of {prose(report.layer)}: {verdict}</h1>
 <p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
 {escape(report.device)}, {report.forward_passes} forward passes of work, {report.seconds:.2f} s{escape(mask)}</p>
-<h2>Findings</h2>
+{declaration_html(report)}<h2>Findings</h2>
 {"".join(finding_html(r) for r in findings) or "<p>No findings: every detector passed or was skipped.</p>"}
 <h2>Attention weights</h2>
 {weights}

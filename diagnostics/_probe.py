@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._frames import exception_text
 from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
@@ -45,8 +46,7 @@ class Call:
         return self.output is not None
 
     def describe_error(self) -> str:
-        text = str(self.error).strip().splitlines()[0] if str(self.error).strip() else ""
-        return f"{type(self.error).__name__}: {text[:160]}"
+        return exception_text(self.error)
 
 
 class Probe:
@@ -69,6 +69,10 @@ class Probe:
         self.passes = 0
         # A layer that takes a mask and does not declare its own causality is made causal by the mask.
         self.pass_causal_mask = causal and subject.takes_mask and not subject.builtin_causal
+        # One whose flag is torch's `is_causal` takes a mask that carries the causality (Subject.mask_carries_causality):
+        # every mask the audit passes it is causal too, where its convention can hold that (a (B, Tk) mask cannot);
+        # its unmasked calls still test the flag itself
+        self.causal_in_masks = (causal and subject.mask_carries_causality and not subject.mask_convention.per_key)
         self.detector = "audit"  # the detector now probing; audit() sets it
         self.chosen: tuple[str, ...] = ()  # the detectors this audit runs
         self.shapes: dict[str, list[ProbeShape]] = defaultdict(list)  # detector -> the calls it made
@@ -121,7 +125,7 @@ class Probe:
         if self.pass_pattern_mask:
             declared = self.pattern.allowed(batch, t_q, t_k)  # (B, Tq, Tk)
             mask = declared if mask is None else mask.cpu() & declared
-        if self.pass_causal_mask:
+        if self.pass_causal_mask or (self.causal_in_masks and mask is not None):
             i = torch.arange(t_q).unsqueeze(-1)  # (Tq, 1)
             j = torch.arange(t_k)  # (Tk,)
             causal = (j <= i + t_k - t_q).expand(batch, t_q, t_k)  # (B, Tq, Tk)
@@ -144,9 +148,18 @@ class Probe:
         record = None
         try:
             if observe:
-                observer = Observer()
-                with torch.enable_grad(), observer:
-                    output = self.subject(query, key, value, allowed)
+                try:
+                    observer = Observer()
+                    with torch.enable_grad(), observer:
+                        output = self.subject(query, key, value, allowed)
+                except NotImplementedError:
+                    # an op whose backward this device lacks (FlexAttention on the CPU, for a layer whose parameters
+                    # require grad) refuses to run while autograd records: this probe needs no gradient, so it is
+                    # observed without (the gradient checks say what the missing backward means for them)
+                    self.passes += 1
+                    observer = Observer()
+                    with torch.no_grad(), observer:
+                        output = self.subject(query, key, value, allowed)
                 record = observer.record
             else:
                 with torch.no_grad():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ._errors import BlindProbe
-from ._frames import raised_by_user
+from ._frames import exception_text, raised_by_user
 from ._result import DetectorResult
 
 
@@ -128,7 +128,7 @@ def run(det: Detector, context, options: dict | None = None, *, subject: str = "
 
 def crashed(det: Detector, error: BaseException, *, subject: str = "layer") -> DetectorResult:
     """The crash rule: the user's exception is a finding about their code, ours is an error of the audit."""
-    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+    text = exception_text(error, 200)
     if raised_by_user(error):
         return DetectorResult(det.id, "fail", f"the {subject} raised on this detector's probe ({text})",
                               evidence=f"raised inside the {subject}'s own code (the innermost frame outside torch)",

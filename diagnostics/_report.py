@@ -25,6 +25,10 @@ CORE = ("weight_row_sums", "softmax_saturation")
 neither (no softmax or fused attention seen, no weights returned) is inconclusive, never passed."""
 
 STATUSES = ("passed", "failed", "inconclusive")
+NEEDS_DECLARATION = "needs a declaration"
+"""An inconclusive audit of a layer that ran under another convention than the audit's, which the audit cannot
+choose for it (a mask of another shape or meaning): its status stays "inconclusive" (the exit status and the
+plugin's `audit_status` item read it so), its reason and headline say this and name the declaration first."""
 
 
 # "(RuntimeError: view size is not compatible (at least one dimension ...)...)": an exception quoted in a message,
@@ -175,6 +179,19 @@ class AuditReport(Report):
     def findings(self) -> list[DetectorResult]:
         return [r for r in self.results if r.fired]
 
+    @property
+    def declaration(self) -> str:
+        """The declaration the audit needs to measure all it could ("mask='key_padding'"), or "": that of the first
+        result that names one (a failed audit names it too, in its status reason)."""
+        return next((r.declaration for r in self.results if r.declaration), "")
+
+    @property
+    def headline(self) -> str:
+        """The status as the reports' first line shows it: `FAILED`, or `INCONCLUSIVE (needs a declaration:
+        mask='key_padding')` where that is why it is inconclusive."""
+        declaration = self.declaration if self.status == "inconclusive" else ""
+        return self.status.upper() + (f" ({NEEDS_DECLARATION}: {declaration})" if declaration else "")
+
     def result(self, detector: str) -> DetectorResult:
         """The result of one detector; a clear error if it was not part of this audit."""
         return find_result(self.results, detector, f"run it (detectors=[..., {detector!r}]) or check the spelling")
@@ -184,7 +201,7 @@ class AuditReport(Report):
         return {r.detector: r.verdict for r in self.findings}
 
     def __str__(self) -> str:
-        head = (f"attention audit of {self.layer}: {self.status.upper()} "
+        head = (f"attention audit of {self.layer}: {self.headline} "
                 f"({'causal, ' if self.causal else ''}seq_len={self.seq_len}, {self.dtype} on {self.device}, "
                 f"{self.forward_passes} forward passes of work, {self.seconds:.2f} s)")
         lines = [head]
@@ -204,11 +221,12 @@ class AuditReport(Report):
     def to_dict(self) -> dict:
         return {
             "layer": self.layer, "status": self.status, "status_reason": self.status_reason, "passed": self.passed,
+            "needs_declaration": self.declaration,
             "causal": self.causal, "seq_len": self.seq_len, "dtype": self.dtype, "device": self.device,
             "forward_passes": self.forward_passes, "seconds": round(self.seconds, 4),
             "results": [result_dict(r) for r in self.results],
         }
 
 
-__all__ = ["CELL_CHARS", "CELL_WORDS", "CORE", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines",
+__all__ = ["CELL_CHARS", "CELL_WORDS", "CORE", "NEEDS_DECLARATION", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines",
            "dependency_lines", "find_result", "finding_lines", "labelled", "result_dict", "result_rows"]

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 
 VERDICTS = ("pass", "warn", "fail", "skip", "error")
-"""`skip`: the detector measured nothing (its message says why); `error`: the detector itself crashed, a bug
-in diagnostics, which makes the audit inconclusive rather than passed."""
+"""`skip`: the detector measured nothing (its message says why; with a `declaration`, the one that would let it
+measure); `error`: the detector itself crashed, a bug in diagnostics, which makes the audit inconclusive rather
+than passed."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,9 @@ class DetectorResult:
     layer: str | None = None  # in a model audit: the module path of the layer it is about; None: the model
     # what failed, as data, for the localiser to replay: the inputs and calls the verdict was computed on
     replay: object = field(default=None, compare=False, repr=False)
+    # what to declare for this detector to measure the layer (an audit option: "mask='key_padding'"), on a skip whose
+    # probes the layer ran under another convention than the audit's: the audit then "needs a declaration", never FAILED
+    declaration: str = ""
 
     def __getstate__(self) -> dict:  # a pickled result keeps its verdict and sites, not the replayed inputs
         return {**self.__dict__, "replay": None}

@@ -107,6 +107,9 @@ class Subject:
     separate_value: bool = True  # the value is an input of its own (False: one memory stream is key and value)
     builtin_causal: bool  # the layer declares that it builds its own causal mask
     builtin_pattern: bool = False  # the layer declares that it builds its own attention pattern (a window, ...)
+    # its causality is torch's `is_causal` flag, whose contract (SDPA's, nn.MultiheadAttention's) is "attn_mask or
+    # is_causal": a mask given instead carries the causality itself (see `mask_carries_causality`)
+    mask_carries_causality: bool = False
     time_dim: int
     mask_convention: MaskConvention = SHORTCUTS["allowed"]  # how the layer takes its mask (diagnostics._masks)
     # who chose it: "default" (nothing said), "user" (mask=...), "library" (torch's and Hugging Face's layers) or
@@ -139,7 +142,7 @@ class Subject:
     def declarations(self) -> dict:
         """The make_subject() arguments that rebuild this subject on a copy of its layer (the float64 twin)."""
         return {"mask": self.mask_convention if self.convention_by == "user" else None,
-                "layout": getattr(self, "layout", None), "call": self.call}
+                "layout": getattr(self, "layout", None), "call": self.call, "cross": self.form == "cross_module"}
 
     def make(self, gen: torch.Generator, batch: int, t: int, *, heads: int | None = None) -> Tensor:
         """One standard-normal input stream in the layer's layout, drawn from `gen` on the CPU (in float64
@@ -318,6 +321,7 @@ def _parameter_names(fn) -> list[str] | None:
 
 
 def _is_mask_name(name: str) -> bool:
+    name = name.lower()  # `Mask`, `attn_Mask`: the names are read in any case, as the streams' are
     return name in MASK_NAMES or name.endswith("_key_padding_mask")
 
 
@@ -328,11 +332,11 @@ def _choose_mask(names, convention: MaskConvention | None, *, cross: bool = Fals
     if not masks:
         return None
     if convention is not None and convention.per_key:
-        padding = [n for n in masks if "key_padding" in n]
+        padding = [n for n in masks if "key_padding" in n.lower()]
         if padding:
             return padding[0]
     order = (("encoder_attention_mask", "memory_mask") if cross else ()) + MASK_NAMES
-    return min(masks, key=lambda n: order.index(n) if n in order else len(order))
+    return min(masks, key=lambda n: order.index(n.lower()) if n.lower() in order else len(order))
 
 
 class FunctionSubject(Subject):
@@ -617,7 +621,8 @@ def _forward_parameters(layer: nn.Module) -> list[inspect.Parameter]:
 
 
 def _first(params, names) -> str | None:
-    return next((p.name for p in params if p.name in names), None)
+    """The first parameter whose name, in any case, is one of `names`: `forward(Q, K, V)` names q, k and v."""
+    return next((p.name for p in params if p.name.lower() in names), None)
 
 
 def read_signature(layer: nn.Module, *, library: bool = False, options: dict | None = None) -> Signature:
@@ -634,7 +639,7 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
             if p.name == memory and p.default is p.empty:
                 fixed[p.name] = None  # a required memory: given on every call (see ModuleSubject._call)
             continue
-        if p.name in LEAVE_NAMES:
+        if p.name.lower() in LEAVE_NAMES:
             if p.default is p.empty:
                 fixed[p.name] = None  # required by the library, None meaning "none"
         elif p.name == "position_embeddings" and library:
@@ -652,8 +657,7 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
         name = unknown[0].name
         # a second input stream (a memory named `xa`, `y`) or something else the layer needs (`rel_pos`)
         stream = unknown[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        example = (_call_example(options, f"layer({query}, {name}=memory, mask=mask)", memory=True) if stream
-                   else _call_example(options, f"layer({query}, {name}=..., mask=mask)"))
+        example = stream_calls(name, options) if stream else _call_example(options, f"layer(x, {name}=..., mask=mask)")
         raise AuditUsageError(
             f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
             f"or hidden_states, key and value, a memory, a mask); got `{name}` in {shown}. Fix: declare how to call "
@@ -662,6 +666,27 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
     optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
     return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory)
+
+
+def stream_calls(name: str, options: dict | None = None) -> str:
+    """How to declare the call of a layer that wants a second stream `name` (`forward(x, y)`, "for self attention,
+    x=y"), self-attention first: the audit cannot tell whether it is the same stream again or a memory."""
+    cross = (options or {}).get("cross", "cross=True")
+    return (f"{_call_example(options, f'layer(x, {name}=x, mask=mask)')} if `{name}` is the same stream again "
+            f"(self-attention), or {_call_example(options, f'layer(x, {name}=memory, mask=mask)', memory=True)} "
+            f"with {cross} if it is a memory")
+
+
+def left_streams(subject: Subject) -> list[str]:
+    """Parameters of a module's forward that the audit left at their default None though they are not among the names
+    it knows (`forward(x, y=None)`): a second stream the layer may need passed even for self-attention."""
+    sig = getattr(subject, "sig", None)
+    if sig is None or subject.call is not None or not isinstance(subject.layer, nn.Module):
+        return []
+    known = {sig.query, sig.key, sig.value, sig.memory, *sig.masks}
+    return [p.name for p in _forward_parameters(subject.layer)
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is None and p.name not in known
+            and p.name.lower() not in LEAVE_NAMES]
 
 
 def _call_example(options: dict | None, body: str, *, memory: bool = False) -> str:
@@ -794,13 +819,15 @@ def _first_linear_width(layer: nn.Module) -> int | None:
 
 
 def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None, need_weights: bool = True,
-                 mask=None, layout: str | None = None, call=None, options: dict | None = None) -> Subject:
+                 mask=None, layout: str | None = None, call=None, cross: bool = False,
+                 options: dict | None = None) -> Subject:
     """Recognise the layer's form and sizes; raise `AuditUsageError` when it cannot be called, or when an
     option is not of the right kind or does not fit the layer. `mask`: the convention the layer takes its
     mask in (a MaskConvention or its spelling, see diagnostics._masks; default: the library's, else what the
     layer states, else "allowed"); `layout`: a function's, "bhtd" (default) or "bthd"; `call`: how to call the
     layer, call(layer, x[, mask]), call(layer, query, memory[, mask]) or call(layer, query, key, value[, mask])
-    for a module, call(layer, q, k, v[, mask]) for a function. `options` maps audit() parameter names to the way
+    for a module, call(layer, q, k, v[, mask]) for a function. `cross`: the layer is declared cross-attention, so a
+    memory parameter it may be called without (`forward(x, context=None)`) is given the memory. `options` maps audit() parameter names to the way
     the caller's front end spells them (e.g. {"d_model": "--d-model"}), for the messages."""
     expect(not isinstance(layer, type), "an attention layer instance",
            f"the class {getattr(layer, '__qualname__', layer)}",
@@ -831,7 +858,7 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
                                head_dim=layer.head_dim, device=device, dtype=dtype, need_weights=need_weights)
     if isinstance(layer, nn.Module):
         return _module_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype, mask=mask,
-                               layout=layout, call=call, options=options)
+                               layout=layout, call=call, cross=cross, options=options)
     try:
         params = [p for p in inspect.signature(layer).parameters.values()
                   if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -868,7 +895,7 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
 
 
 def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask: MaskConvention | None, layout,
-                    call, options) -> Subject:
+                    call, cross: bool = False, options) -> Subject:
     expect(layout is None, "no layout for a module (its inputs are (B, T, D))", spell("layout", layout, options),
            "leave layout out; it describes functions on per-head tensors")
     device, dtype = _module_device_dtype(layer, device, dtype)
@@ -927,6 +954,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
     builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
     builtin_pattern = declares_pattern(layer)
+    carries = mask_carries_causality(layer)
     extra = None
     if declared_call is not None:  # the call says the form and the mask's name; the forward is not read
         form, mask_param, _ = declared_call
@@ -947,8 +975,9 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
         else:
             if sig.key is not None and sig.value is not None:
                 form = "qkv_module"
-            elif sig.memory is not None and (sig.memory in sig.fixed or getattr(layer, "is_cross_attention", False)
-                                             is True or "Cross" in type(layer).__name__):
+            elif sig.memory is not None and (cross or sig.memory in sig.fixed or getattr(layer, "is_cross_attention",
+                                                                                          False) is True
+                                             or "Cross" in type(layer).__name__):
                 form = "cross_module"
             else:
                 form = "self_module"
@@ -971,10 +1000,20 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
             notes.append(f"position_embeddings from {type(rotary).__name__}")
     if mask_names and not torch_layer and (by != "default"):
         notes.append(convention_note(mask_names[0], convention, by, why))
-    return ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
-                         builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
-                         notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
-                         head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
+    subject = ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
+                            builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
+                            notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
+                            head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
+    subject.mask_carries_causality = carries and builtin_causal and subject.takes_mask
+    return subject
+
+
+def mask_carries_causality(layer) -> bool:
+    """The layer's causality is a truthy `is_causal` (torch's name, whose contract in SDPA and nn.MultiheadAttention is
+    "attn_mask or is_causal": the flag says the mask is causal, or stands in for one), and no `causal` attribute says
+    it builds its own causal mask whatever it is given: then the mask it takes carries the causality, and a layer that
+    applies the flag only when no mask is given is correct (the audit's masks for it are causal too)."""
+    return getattr(layer, "is_causal", False) is True and getattr(layer, "causal", None) is not True
 
 
 def convention_note(name: str, convention: MaskConvention, by: str, why: str) -> str:
@@ -1056,11 +1095,7 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
     if not subject.takes_mask or not subject.mask_names:
         return []
     name = subject.mask_names[0]
-    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
-    try:
-        param = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):
-        param = None
+    param = _mask_parameter(subject)
     annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
     default = None if param is None else param.default
     found = []
@@ -1081,6 +1116,29 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
         found += [(MaskConvention(meaning, shape), why) for meaning in ("blocked", "additive")
                   for shape in ("B*H,Tq,Tk", "Tq,Tk")]
     return [(c, why) for c, why in found if c != subject.mask_convention]
+
+
+def stated_bool(subject: Subject) -> str:
+    """What in the layer's own words says its mask is bool (an annotation such as `torch.BoolTensor` or `bool`, or a
+    bool convention its docstring or name states), or "": the words that decide, where what the layer does with its
+    mask reads as a bug in one convention and as correct in another."""
+    if not subject.takes_mask or not subject.mask_names:
+        return ""
+    name = subject.mask_names[0]
+    if subject.convention_by == "layer" and subject.mask_convention.meaning != "additive":
+        return f"the audit read `{name}` as bool because {subject.convention_why}"
+    param = _mask_parameter(subject)
+    annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
+    return f"`{name}` is annotated {annotation}" if "bool" in annotation.lower() else ""
+
+
+def _mask_parameter(subject: Subject) -> inspect.Parameter | None:
+    """The parameter of the layer's forward (or function) that receives the mask, None where none can be read."""
+    fn = subject.layer.forward if isinstance(subject.layer, nn.Module) else subject.layer
+    try:
+        return inspect.signature(fn).parameters.get(subject.mask_names[0])
+    except (TypeError, ValueError):
+        return None
 
 
 def mask_convention_hint(subject: Subject, options: dict | None = None) -> str | None:
@@ -1151,4 +1209,5 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
-           "mask_convention_hint", "not_weights", "read_signature", "stated_convention", "suggested_conventions"]
+           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_calls",
+           "suggested_conventions"]

@@ -167,8 +167,10 @@ def test_an_unknown_required_parameter_is_misuse_naming_it():
     with pytest.raises(AuditUsageError) as raised:
         audit(NeedsPositions())
     message = str(raised.value)
-    assert "`rel_pos`" in message and "Fix: declare how to call the layer, e.g. call=lambda layer, x, memory, mask: " \
-                                      "layer(x, rel_pos=memory, mask=mask)" in message
+    # the same stream again (self-attention) first, a memory second: the audit cannot tell which `rel_pos` is
+    assert "`rel_pos`" in message and "Fix: declare how to call the layer, e.g. call=lambda layer, x, mask: " \
+                                      "layer(x, rel_pos=x, mask=mask) if `rel_pos` is the same stream again" in message
+    assert "call=lambda layer, x, memory, mask: layer(x, rel_pos=memory, mask=mask) with cross=True" in message
     assert "or wrap the layer so that it gets rel_pos" in message and len(message.splitlines()) == 1
 
     def fn(q, k, v, bias, mask=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +178,34 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
         if type(p).__deepcopy__ is torch.nn.Parameter.__deepcopy__ and p.is_floating_point():
             # copy=True: a float64 layer's own tensor would come back, and the checks change the copy in place
             memo[id(p)] = type(p)(p.detach().to(torch.float64, copy=True), p.requires_grad)
-    return copy.deepcopy(layer, memo).to(torch.float64)
+    twin = copy.deepcopy(layer, memo)
+    for module in twin.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, types.FunctionType) and value.__closure__:
+                module.__dict__[name] = _rebound(value, memo)
+    return twin.to(torch.float64)
+
+
+def _rebound(fn: types.FunctionType, memo: dict) -> types.FunctionType:
+    """A function kept on a module instance (a forward patched on it: `layer.forward = wrapper`, a closure over the
+    original bound method or over the layer), re-made on the copy: deepcopy hands functions out as they are, so the
+    copy's forward would call the original layer, whose float32 parameters the copy's gradients never reach. Each
+    closure cell is deep-copied with the copy's memo (a bound method of the layer is bound to its copy, the layer
+    itself becomes the copy; a closure inside the closure is re-made the same way)."""
+    def cell(c):
+        try:
+            value = c.cell_contents
+        except ValueError:  # an empty cell
+            return types.CellType()
+        if isinstance(value, types.FunctionType) and value.__closure__:
+            return types.CellType(_rebound(value, memo))
+        return types.CellType(copy.deepcopy(value, memo))
+
+    made = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                              tuple(cell(c) for c in fn.__closure__))
+    made.__kwdefaults__, made.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    made.__dict__.update(fn.__dict__)
+    return made
 
 
 class KeepFloat64(Mode):
@@ -274,11 +302,28 @@ def _gradient_probe(probe: Probe, sub) -> GradientProbe:
             # inputs and parameters: a detached softmax hides little from the inputs' gradient of a layer whose
             # logits are tiny (std-0.02 weights), but everything from W_Q's and W_K's; a causal audit keeps the
             # graph for gradients' second backward (outputs up to the middle), which then needs no forward of its own
-            grads = torch.autograd.grad((out ** 2).sum(), list(inputs) + [p for _, p in params], allow_unused=True,
-                                        retain_graph=probe.causal and T >= 2)
+            grads = grad_of((out ** 2).sum(), list(inputs) + [p for _, p in params],
+                            retain_graph=probe.causal and T >= 2)
     except Exception as error:  # noqa: BLE001
         return GradientProbe(**made, out=out, grads=None, failed="backward", error=error)
     return GradientProbe(**made, out=out, grads=tuple(grads))
+
+
+def grad_of(loss: Tensor, tensors, *, retain_graph: bool = False) -> tuple:
+    """d loss / d tensors, None for those the loss does not reach (autograd.grad's allow_unused), through
+    `loss.backward()`: a layer checkpointed with `torch.utils.checkpoint(use_reentrant=True)` takes .backward()
+    only (autograd.grad, or backward with `inputs=`, raises there). The tensors' own `.grad` are as before
+    afterwards; other leaves the graph reaches (the float64 copy's, the probe's own inputs) keep what it adds."""
+    tensors = list(tensors)
+    kept = [t.grad for t in tensors]
+    for t in tensors:
+        t.grad = None
+    try:
+        loss.backward(retain_graph=retain_graph)
+        return tuple(t.grad for t in tensors)
+    finally:
+        for t, g in zip(tensors, kept):
+            t.grad = g
 
 
 def graph_call(sub, q, k, v, allowed) -> Tensor:

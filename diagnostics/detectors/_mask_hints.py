@@ -21,7 +21,7 @@ import torch
 from .._core import Inputs, baseline_scale, perturbed, relative_change
 from .._masks import MEANINGS, SHAPES, SHORTCUTS, MaskConvention
 from .._probe import Probe
-from .._subject import mask_convention_hint, spell, suggested_conventions
+from .._subject import mask_convention_hint, spell, stated_bool, suggested_conventions
 from .._thresholds import UNCHANGED, tolerance
 from ._common import perturbation_gains
 
@@ -137,8 +137,16 @@ def convention_hint(probe: Probe) -> str | None:
         what = (f"the layer adds its mask to the scores: the bool mask passed as 0./1. floats gives the same output, "
                 f"so True shifts the allowed logits by 1 and blocks nothing, and given as additive floats "
                 f"({convention.describe()}) the mask is honoured ({evidence})")
-    else:
-        what = f"given its mask as {convention} ({convention.describe()}), the layer honours it ({evidence})"
+        # one behaviour, a bug for a bool mask and correct for an additive one: never suggest the declaration under
+        # which the bug would pass where the layer's own words say bool; where they say nothing, both readings
+        words = stated_bool(s)
+        if words:
+            return (f"{what}; {words}, so adding it is the bug: block with scores.masked_fill(~mask, "
+                    f"float('-inf')) instead of adding the mask")
+        return (f"{what}; the audit cannot tell which is meant: if the layer takes additive floats, audit with "
+                f"{declare}; if it takes bool masks, adding them is the bug: block with scores.masked_fill(~mask, "
+                f"float('-inf'))")
+    what = f"given its mask as {convention} ({convention.describe()}), the layer honours it ({evidence})"
     if s.convention_by == "layer":
         hint = (f"{what}, yet the layer states {s.mask_convention} ({s.convention_why}): either that statement is "
                 f"wrong, and {declare} declares what it does, or the layer misreads its own mask")

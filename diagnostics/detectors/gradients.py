@@ -16,7 +16,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._tracing import GradientCut, declared_mask, mask_sites, site, stream_sites, trace_call, weights_origin
-from ._common import float64_copy_or_skip, gradient_probe, graph_call, pack, result
+from ._common import float64_copy_or_skip, grad_of, gradient_probe, graph_call, pack, result
 
 PARAMETER_ENTRIES = 512
 """The finite differences move at most this many entries of each parameter tensor (all of a smaller one)."""
@@ -80,7 +80,7 @@ def backward_sites(probe, replay: GradientReplay) -> list[Site]:
             old = sys.getprofile()
             sys.setprofile(profile)
             try:
-                torch.autograd.grad((out ** 2).sum(), inputs, allow_unused=True)
+                grad_of((out ** 2).sum(), inputs)
             finally:
                 sys.setprofile(old)
     except Exception:
@@ -275,13 +275,13 @@ def _future_gradient(probe: Probe, sub, inputs, qkv, allowed, out: Tensor) -> st
     probe.passes += 2  # a backward
     try:
         with torch.enable_grad():
-            grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+            grads = grad_of((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs)
     except Exception:  # noqa: BLE001 -- not this graph, then: a fresh one, whose own failure is a finding
         probe.passes += 1
         probe.seed_layer_rng()
         with torch.enable_grad():
             out = graph_call(sub, *qkv(inputs), allowed)
-            grads = torch.autograd.grad((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs, allow_unused=True)
+            grads = grad_of((out.narrow(t_dim, 0, c + 1) ** 2).sum(), inputs)
     for name, x, g in zip(("query", "key", "value") if len(inputs) == 3 else ("input",), inputs, grads):
         if g is None:
             continue

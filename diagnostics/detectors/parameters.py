@@ -34,7 +34,7 @@ from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
-from ._common import GradientProbe, float64_copy_or_skip, gradient_probe, graph_call, pack, result
+from ._common import GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, pack, result
 
 DET = "parameters_used"
 
@@ -175,7 +175,7 @@ def _unpadded(probe: Probe, sub, inputs, params: dict) -> GradientProbe:
         probe.seed_layer_rng()
         with torch.enable_grad():
             out = graph_call(sub, *pack(inputs), allowed)
-            grads = torch.autograd.grad((out ** 2).sum(), list(params.values()), allow_unused=True)
+            grads = grad_of((out ** 2).sum(), list(params.values()))
     except Exception as error:  # noqa: BLE001 - the layer's own failure under autograd: a skip that says so
         return GradientProbe(**made, out=None, grads=None, failed="backward", error=error)
     return GradientProbe(**made, out=out, grads=(None,) * len(inputs) + tuple(grads))
@@ -270,15 +270,15 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                          "finite_output)")
     gen = probe.generator()
     grads = made.grads[len(inputs):]
-    grad_of = dict(zip(params, grads))
+    grad_by_name = dict(zip(params, grads))
     tables = {f"{owner}.{n}" if owner else n for owner, m in sub.layer.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for n, _ in m.named_parameters(recurse=False)}
     # an empty parameter (a bias of zero features, a table of no entries) has no entry to use or to leave unused
-    zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_of.items() if params[name].numel()}
+    zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_by_name.items() if params[name].numel()}
     zero = {name: where for name, where in zero.items() if where}
     cut, explained, unused, moved_by = [], [], [], {}
     for name, where in zero.items():
-        part = _zero_part(grad_of[name], params[name])
+        part = _zero_part(grad_by_name[name], params[name])
         moved_by[name] = _forward_moves(sub, name, part, pack(inputs), allowed, out, gen)
         if moved_by[name] > FORWARD_MOVES:
             cut.append(name)  # the output depends on it: its gradient is cut (the gradients detector's finding)

@@ -13,9 +13,10 @@ from .._frames import traceback_frames
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
+from .._subject import left_streams, spell, stream_calls
 from .._tracing import site
 from ._common import result
-from ._mask_hints import convention_hint
+from ._mask_hints import convention_hint, honoured_conventions
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
@@ -27,10 +28,14 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
         except Exception as error:
             frames = traceback_frames(error.__traceback__)
             if frames:
-                fix = exception_fix(error)
+                fix = exception_fix(error, left_streams(probe.subject), probe.options)
                 t = call.query.shape[probe.subject.time_dim]
                 short_ran = any(shape.label == "T=1" and not shape.raised for shape in probe.shapes.get("runs", ()))
-                if short_ran and t > 1 and SHAPES.search(str(error)):  # a length the layer cannot take
+                # a call as long that ran (the standard probe, without a mask) says the length is not the limit: a
+                # mask that broadcasts at T = 1 and not at T is a mask of another shape
+                took_t = any(not shape.raised and shape.t_q >= t and shape.t_k >= call.key.shape[probe.subject.time_dim]
+                             for shapes in probe.shapes.values() for shape in shapes)
+                if short_ran and not took_t and t > 1 and SHAPES.search(str(error)):  # a length it cannot take
                     seq_len = probe.options.get("seq_len", "seq_len=")
                     fix = (f"the layer runs on 1 token but not on {t}: it has a maximum length below {t} (a buffer "
                            f"of fixed size?); audit it at most at its context length ({seq_len}N), or make its "
@@ -50,15 +55,19 @@ SHAPES = re.compile(r"must match the size|size of tensor a \(\d+\) must match|sh
                     r"broadcast|mat1 and mat2 shapes|expected .* shape|The shape of the .*mask", re.I)
 
 
-def exception_fix(error: BaseException) -> str:
+def exception_fix(error: BaseException, left: list[str] = (), options: dict | None = None) -> str:
     """The fix named by what the layer raised: a view of non-contiguous memory, a call whose arguments the layer
-    does not take (declare how it is called), a mask of a shape it does not take (declare its convention), or,
+    does not take (declare how it is called: where forward has a parameter the audit left at None, `left`, the call
+    that passes it, self-attention first), a mask of a shape it does not take (declare its convention), or,
     when none of these, no particular fix."""
     text = str(error)
     if VIEW.search(text):
         return ("call .contiguous() before .view(), or use .reshape(): after a transpose the memory is not laid "
                 "out as the view needs")
     if isinstance(error, TypeError) and ARGUMENT.search(text) or REQUIRED.search(text):
+        if left:
+            return (f"the layer is not called the way the audit calls it: it left `{left[0]}` at its default, None; "
+                    f"declare how to call it, {stream_calls(left[0], options)}")
         return ("the layer is not called the way the audit calls it: declare how to call it, e.g. call=lambda layer, "
                 "x, memory, mask: layer(x, y=memory, mask=mask) (--call MODULE:FUNCTION on the command line), or wrap "
                 "it in a function or module that takes (query, key, value, mask) or (x, mask)")
@@ -122,9 +131,12 @@ def runs_verdict(probe: Probe) -> DetectorResult:
         listed = "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
+        evidence = f"{listed} ({n_calls} calls in all){self_only}"
+        needed = _needed_declaration(probe, evidence)
+        if needed is not None:
+            return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
-                               value=float(len(failed)), threshold=0.0, evidence=f"{listed} ({n_calls} calls in "
-                                                                                 f"all){self_only}",
+                               value=float(len(failed)), threshold=0.0, evidence=evidence,
                                replay=tuple(probe.failed_calls))
         hint = _mask_hint(probe)
         return replace(failed_result, fix=f"{hint}; {failed_result.fix}") if hint else failed_result
@@ -134,6 +146,32 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"ran on its {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
                                 f"every other detector's probe ({n_calls} calls in all{borrowed}){self_only}",
                   value=0.0, threshold=0.0)
+
+
+def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A convention mismatch, which is no defect: every call that raised was given a mask (in the convention nobody
+    declared: the default or one the layer seemed to state), calls without one ran, and given its mask in another
+    convention the layer runs and honours it (`honoured_conventions`). Then `runs` is a skip naming the declaration,
+    and the audit "needs a declaration" (inconclusive) instead of failing; None otherwise."""
+    s = probe.subject
+    calls = probe.failed_calls
+    if not calls or not s.takes_mask or s.convention_by in ("user", "library") or \
+            any(c.allowed is None for c in calls):
+        return None
+    unmasked_ran = any(not shape.raised and shape.allowed is None for shapes in probe.shapes.values()
+                       for shape in shapes)
+    found = honoured_conventions(probe) if unmasked_ran else []
+    if not found:
+        return None
+    convention, how = found[0]
+    declare = spell("mask", str(convention), probe.options)
+    given = f"{s.mask_convention} ({s.mask_convention.describe()})"
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
+                                  f"mask, as {given}; given its mask as {convention} ({convention.describe()}) it runs "
+                                  f"and honours it",
+                  evidence=f"{evidence}; as {convention}: {how}",
+                  fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
+                  declaration=declare)
 
 
 def _mask_hint(probe: Probe) -> str | None:
