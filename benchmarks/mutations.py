@@ -19,13 +19,17 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
 - `constant`: every number of a module-level UPPER_CASE constant (a threshold, a gain, a tolerance table, the
   model wing's FUDGE) x10 and x0.1 (ints: x10 and //10), and every float literal in a check's code (the
   perturbation gains, the decode gain's 10.0, the 30x noise factor) likewise; the `MEASURED_*` tables are only
-  quoted in margin text and are left alone;
+  quoted in margin text and are left alone, and so is a knob: a constant whose assignment carries the comment
+  `# knob: <why>` on its first line (a seed's salt, a budget of copies that bounds cost and changes no verdict at
+  x10 or x0.1: checked by a run of its mutants before the comment is added). The rule is the comment, read from the
+  source, not a list kept here: `--list` prints each knob with its reason, and `--knobs` mutates them anyway;
 - `guard`: `if <test>:` whose body returns a skip (`skip(...)`, `not_run(...)`, `DetectorResult(..., "skip",
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and tolerance (`diagnostics/model/{cache,causality,padding,
-window,backends,gradients,runs,_tolerance}.py`). Left out, by design: the localisers (functions named `*_sites`,
+`_thresholds.py` and the model wing's detectors and tolerance (every public module of `diagnostics/model/`, and
+`_tolerance.py`), the module lists read from the committed tree, so that a module added later is in the next run
+and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
 `benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
 mutant there changes no verdict.
@@ -73,8 +77,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
-MODEL_FILES = ("cache.py", "causality.py", "padding.py", "window.py", "backends.py", "gradients.py", "runs.py",
-               "_tolerance.py")
+MODEL_SHARED = ("_tolerance.py",)
+"""The model wing's shared judgement, mutated beside its detectors (its other private modules find the layers and run
+the model: a mutant there changes what is audited, measured by the model audit's own tests, not a threshold)."""
 
 
 REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
@@ -85,12 +90,20 @@ def _committed(path: str) -> bytes:
     return subprocess.run(["git", "show", f"{REVISION}:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
 
 
-def _files() -> tuple[str, ...]:
-    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/detectors/"], cwd=ROOT,
+def _listed(folder: str) -> list[str]:
+    """The .py files of a package folder in the committed tree (REVISION), by name, without __init__.py."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/{folder}/"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
-    detectors = sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
-    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in detectors)
-            + tuple(f"model/{n}" for n in MODEL_FILES))
+    return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
+
+
+def _files() -> tuple[str, ...]:
+    """Every detector module (detectors/*.py, the shared probes among them), the model wing's public modules (its
+    detectors) and MODEL_SHARED: read from the committed tree, so that a module added later is mutated and sampled
+    without being listed here."""
+    model = [n for n in _listed("model") if not n.startswith("_") or n in MODEL_SHARED]
+    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
+            + tuple(f"model/{n}" for n in model))
 
 
 FILES = _files()
@@ -102,9 +115,11 @@ SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
 SAMPLE_PER_MODULE = 3
 SEED = 20
-FAST = ["tests/test_thresholds.py", "tests/test_error_paths.py"]
+FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
+    "model/packing.py": FAST + ["tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_model_audit.py"],
+    "detectors/positions.py": FAST + ["tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
@@ -226,12 +241,25 @@ def _constants(node: ast.AST):
         yield node
 
 
-def _targets(tree: ast.Module):
-    """(enclosing function or constant name, node, is a module constant) for every node the mutators look at."""
+KNOB = re.compile(r"#\s*knob:\s*(.+)$")
+"""The comment that marks a module constant as a knob, not a threshold (see the docstring): `# knob: <why>`."""
+
+
+def knob(src: _Source, top: ast.stmt) -> str | None:
+    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or None."""
+    found = KNOB.search(src.line(top.lineno))
+    return found.group(1).strip() if found else None
+
+
+def _targets(tree: ast.Module, src: _Source, knobs: bool = False):
+    """(enclosing function or constant name, node, is a module constant) for every node the mutators look at;
+    `knobs`: the constants marked `# knob:` too."""
     for top in tree.body:
         if isinstance(top, (ast.Assign, ast.AnnAssign)):
             names = [t.id for t in (top.targets if isinstance(top, ast.Assign) else [top.target])
                      if isinstance(t, ast.Name)]
+            if not knobs and knob(src, top) is not None:
+                continue
             if names and names[0].isupper() and not MEASURED.match(names[0]) and top.value is not None:
                 for node in _constants(top.value):
                     yield names[0], node, names[0] not in SIZES
@@ -265,7 +293,18 @@ def _returns_skip(body: list[ast.stmt]) -> bool:
         and call.args[1].value == "skip"
 
 
-def mutants_of(filename: str) -> list[Mutant]:
+def knobs_of(filename: str) -> list[tuple[str, str]]:
+    """[(constant, why)] for the module constants of `filename` marked `# knob:`."""
+    src = _Source(_committed(f"{PACKAGE}/{filename}"))
+    found = []
+    for top in ast.parse(src.data, filename=filename).body:
+        if isinstance(top, (ast.Assign, ast.AnnAssign)) and (why := knob(src, top)) is not None:
+            target = top.targets[0] if isinstance(top, ast.Assign) else top.target
+            found.append((getattr(target, "id", "?"), why))
+    return found
+
+
+def mutants_of(filename: str, knobs: bool = False) -> list[Mutant]:
     src = _Source(_committed(f"{PACKAGE}/{filename}"))
     tree = ast.parse(src.data, filename=filename)
     found = []  # (start, order, function, kind, mutation, end, replacement, threshold)
@@ -273,7 +312,7 @@ def mutants_of(filename: str) -> list[Mutant]:
     def add(function, order, kind, mutation, start, end, replacement, threshold=False):
         found.append((start, order, function, kind, mutation, end, replacement, threshold))
 
-    for function, node, module_constant in _targets(tree):
+    for function, node, module_constant in _targets(tree, src, knobs):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool):
             if not module_constant and function not in SIZES and (type(node.value) is not float or node.value == 0.0):
                 continue  # in code: float literals only (ints are indices, sizes and dims)
@@ -342,8 +381,8 @@ def mutants_of(filename: str) -> list[Mutant]:
     return out
 
 
-def all_mutants() -> list[Mutant]:
-    return [m for f in FILES for m in mutants_of(f)]
+def all_mutants(knobs: bool = False) -> list[Mutant]:
+    return [m for f in FILES for m in mutants_of(f, knobs)]
 
 
 def sample(mutants: list[Mutant], per_module: int, seed: int = SEED) -> list[Mutant]:
@@ -578,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="only mutants whose id contains this text (repeatable: any)")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this earlier --json output (after tests were added)")
+    parser.add_argument("--knobs", action="store_true",
+                        help="mutate the constants marked `# knob:` too (to check that they change no verdict)")
+    parser.add_argument("--tests", nargs="+", metavar="FILE",
+                        help="run these test files (or node ids) against every mutant instead of the module's TESTS "
+                             "selection (while writing a pin: does it kill the mutant?)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--json", type=Path, help="write every outcome and the score to this file")
@@ -585,7 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
-    everything = all_mutants()
+    if args.tests:
+        TESTS.clear()
+        TESTS[""] = list(args.tests)
+    everything = all_mutants(args.knobs)
     chosen = args.all or args.list or args.survivors_of
     mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:
@@ -606,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutants:
             print(f"{m.id}  [{m.kind}{', constant' if m.threshold else ''}]\n    {m.code}")
         print(sampled)
+        knobs = [(f, name, why) for f in FILES for name, why in knobs_of(f)]
+        print(f"knobs ({len(knobs)}, {'mutated' if args.knobs else 'not mutated: --knobs mutates them'}):"
+              + "".join(f"\n  {f}:{name}: {why}" for f, name, why in knobs))
         return 0
     if not mutants:
         parser.error("no mutant matches")
