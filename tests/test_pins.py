@@ -77,26 +77,32 @@ def test_causal_alignment_skips_a_one_stream_layer_without_weights_and_judges_on
     assert seen.verdict == "pass", seen
 
 
-def newest_key_opens_past(threshold: float):
-    """A top-left mask (the newest query does not see the newest key), except that every output moves once the
-    newest key averages more than `threshold` in absolute value: the misalignment shows only to a push that stays
-    below it."""
+def newest_key_opens_past(threshold: float, *, signed: bool = False):
+    """A top-left mask (the newest query does not see the newest key), except that every output moves once the newest
+    key averages more than `threshold` in absolute value, or (`signed`) once the newest query's logit for it exceeds
+    `threshold`: the misalignment shows only to a push that stays below it."""
 
     def layer(q, k, v, mask=None):
         out, weights = attention(q, k, v, allowed=top_left)
-        opened = (k[..., -1, :].abs().float().mean(-1) - threshold).clamp_min(0)  # (B, H)
-        return out + opened[..., None, None].to(out.dtype), weights
+        if signed:
+            reach = (q[..., -1, :].float() * k[..., -1, :].float()).sum(-1) / math.sqrt(q.shape[-1])  # (B, H)
+        else:
+            reach = k[..., -1, :].abs().float().mean(-1)  # (B, H)
+        return out + (reach - threshold).clamp_min(0)[..., None, None].to(out.dtype), weights
 
     return layer
 
 
 def test_causal_alignment_pushes_the_newest_key_100x_both_ways():
-    """NEWEST_KEY_GAINS = (100, -100): a gate at 0.3 x 100 opens (the newest query moves: pass), one at 3 x 100 stays
-    shut (the top-left mask's finding). Tenfold gains open the second, a tenth leaves the first shut."""
-    opens = verdict(newest_key_opens_past(INSIDE * 100), "causal_alignment", causal=True)
-    shut = verdict(newest_key_opens_past(OUTSIDE * 100), "causal_alignment", causal=True)
+    """NEWEST_KEY_GAINS = (100, -100), one copy each of the same draw, so that one of them raises the newest logit:
+    a gate on that logit at 0.3 x 100 opens in every row of the probe (pass; measured: with either gain at 10 it
+    does not, a finding), one at 3 x 100 stays shut; a gate on the key's size at 3 x 100 stays shut too (the
+    top-left mask's finding), where either gain at 1000 opens it."""
+    opens = verdict(newest_key_opens_past(INSIDE * 100, signed=True), "causal_alignment", causal=True)
     assert opens.verdict == "pass", opens
-    assert shut.verdict == "fail" and shut.message.startswith("the newest query does not see the newest key"), shut
+    for shut in (newest_key_opens_past(OUTSIDE * 100, signed=True), newest_key_opens_past(OUTSIDE * 100)):
+        found = verdict(shut, "causal_alignment", causal=True)
+        assert found.verdict == "fail" and found.message.startswith("the newest query does not see the newest"), found
 
 
 # ---- mask_honoured: the guard of a layer that mixes no tokens ------------------------------------------------
@@ -187,3 +193,134 @@ def test_a_stacks_baseline_is_copy_0_of_the_stacked_call_weights_included():
 
     whole = stacked_baseline(probe_of(shared_weights, 8, causal=False), PADDED)
     assert whole.output.out.shape[0] == B and whole.output.weights is None
+
+
+# ---- attention_pattern: its budgets of copies, the decoding branch, one-stream pairs --------------------------
+
+
+def test_the_full_pass_reads_every_class_up_to_9_and_9_classes_above():
+    """MAX_COPIES = 9: sliding_window(7)'s widest row spans 7 keys, p = 7 + 2 = 9 classes, each read in every
+    sequence; sliding_window(8) has p = 10, of which 9 per sequence are read."""
+    narrow = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(7))
+    wide = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(8))
+    assert narrow.verdict == wide.verdict == "pass", (narrow, wide)
+    assert "9 copies, each sequence's keys j % 9 == r changed (every class r < 9;" in narrow.evidence, narrow
+    assert "9 copies, each sequence's keys j % 10 == r changed (9 of the 10 classes r per sequence" in wide.evidence
+
+
+def test_a_decoder_is_measured_decoding_in_2_classes_and_a_bidirectional_layer_is_not():
+    """DECODE_COPIES = 2, and check_attention_pattern's branch: a causal audit of a layer with a separate query
+    measures the last 16 // 3 = 5 queries over 16 keys too, in 2 of the 9 classes (sliding_window(7)); a layer
+    audited as not causal is not measured decoding."""
+    pattern = patterns.sliding_window(7)
+    decoder = verdict(attention, "attention_pattern", pattern=pattern, causal=True)
+    assert decoder.verdict == "pass" and decoder.message.endswith("(and while decoding)"), decoder
+    assert ("2 copies, each sequence's keys j % 9 == r changed (2 of the 9 classes r per sequence" in decoder.evidence
+            and "the last 5 of 16 positions querying" in decoder.evidence), decoder
+    plain = verdict(attention, "attention_pattern", pattern=pattern)
+    assert plain.verdict == "pass" and not plain.message.endswith("(and while decoding)"), plain
+    assert "querying" not in plain.evidence, plain
+
+
+def test_a_decoder_that_fails_the_full_pass_is_judged_on_it():
+    """check_attention_pattern: a finding of the full pass is the verdict (the decoding measurement is not made): a
+    window of 8 keys where 7 are declared leaks at every row, decoding or not."""
+    found = verdict(lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(8)
+                                                         .allowed(1, t_q, t_k)[0]),
+                    "attention_pattern", pattern=patterns.sliding_window(7), causal=True)
+    assert found.verdict == "fail", found
+    assert found.message == "outputs depend on keys the declared pattern blocks (leakage): sliding_window(7)", found
+    assert "querying" not in found.evidence, found
+
+
+def test_a_one_stream_layer_counts_the_pairs_of_its_own_class_as_not_measurable():
+    """_read: a one-stream layer's perturbed token is its query too, so the cells (i, j) with j % p == i % p are read
+    by no copy. sliding_window(7) at T = 16, p = 9: classes 0-6 hold two positions (r and r + 9), 7 and 8 one, so
+    14 rows x 2 + 2 rows x 1 = 30 pairs per sequence, 60 in the probe's 2 sequences."""
+    result = verdict(OneStream(), "attention_pattern", pattern=patterns.sliding_window(7))
+    assert result.verdict == "pass", result
+    assert "; 60 pairs not measurable (a one-stream layer's own position moves with its query)" in result.evidence
+
+
+# ---- the mask hints: MOVED, the guard of honoured_conventions -------------------------------------------------
+
+
+class AddsMask(nn.Module):
+    """forward(x, mask=None): adds its mask to the scores (a float mask of 0 / -inf is honoured, a bool one shifts
+    allowed logits by 1), and blocks key 0 itself for every query from position `reach` on; without a `mask`
+    parameter when `takes_mask=False`."""
+
+    def __init__(self, reach=None, d_model=16, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.reach = d_model, num_heads, reach
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if mask is not None:
+            scores = scores + mask
+        if self.reach is not None:
+            cut = torch.zeros(T, T, dtype=torch.bool)
+            cut[self.reach:, 0] = True  # key 0 blocked for the queries from `reach` on
+            scores = scores.masked_fill(cut, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def hints(layer, *, seq_len=16, **subject):
+    return honoured_conventions(Probe(make_subject(layer, **subject), causal=False, scale=None, seq_len=seq_len,
+                                      seed=0))
+
+
+def test_a_convention_counts_when_changing_an_allowed_key_moves_half_the_rows_that_see_it():
+    """MOVED = 0.5: key 0 read by 8 of 16 queries (half): the additive convention is honoured; by 4 of 16 (a
+    quarter, above a tenth of MOVED): no convention."""
+    half, quarter = hints(AddsMask(reach=8)), hints(AddsMask(reach=4))
+    assert [str(c) for c, _ in half] == ["additive"] and "moved 16 of 32 rows that see it" in half[0][1], half
+    assert quarter == [], quarter
+
+
+def test_no_convention_is_hinted_where_it_was_declared_or_nothing_can_be_read():
+    """honoured_conventions' guard: a convention the user declared, or a probe of one token (no key can be blocked
+    beside key 0): nothing to hint, where the same layer undeclared at 16 tokens is hinted."""
+    assert [str(c) for c, _ in hints(AddsMask())] == ["additive"]
+    assert hints(AddsMask(), mask="allowed") == []
+    assert hints(AddsMask(), seq_len=1) == []
+
+
+# ---- output_variance with keys of the layer's own -----------------------------------------------------------------
+
+
+class MemorySlots(nn.Module):
+    """forward(query, key, value, mask=None): attention over 2 learned key/value slots prepended to the keys;
+    `dim`: the axis the softmax normalises (-1: the keys; -2: the queries, a bug)."""
+
+    def __init__(self, dim=-1, d_model=8, num_heads=2, slots=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.dim = d_model, num_heads, dim
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.mem_k, self.mem_v = (nn.Parameter(torch.randn(num_heads, slots, d_model // num_heads)) for _ in range(2))
+
+    def forward(self, query, key, value, mask=None):
+        B, Tq, D = query.shape
+        H = self.num_heads
+        split = lambda t: t.view(B, t.shape[1], H, -1).transpose(1, 2)  # (B, T, D) -> (B, H, T, d)
+        q, k, v = split(self.q(query)), split(self.k(key)), split(self.v(value))
+        k = torch.cat([self.mem_k.expand(B, -1, -1, -1), k], 2)  # (B, H, n + Tk, d)
+        v = torch.cat([self.mem_v.expand(B, -1, -1, -1), v], 2)
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, n + Tk)
+        if mask is not None:
+            s = s.masked_fill(~nn.functional.pad(mask, (k.shape[-2] - mask.shape[-1], 0), value=True), float("-inf"))
+        return self.o((s.softmax(dim=self.dim) @ v).transpose(1, 2).reshape(B, Tq, D))
+
+
+def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and_passes_it_over_the_keys():
+    """output_variance's learned-keys branch (`_judged_with_learned_keys`): the weights over the input's and the
+    layer's keys must come from a softmax over the keys."""
+    queries = verdict(MemorySlots(dim=-2), "output_variance")
+    assert queries.verdict == "fail" and queries.message.endswith("the softmax does not normalise over the keys"), queries
+    keys = verdict(MemorySlots(dim=-1), "output_variance")
+    assert keys.verdict == "pass", keys
