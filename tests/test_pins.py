@@ -324,3 +324,33 @@ def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and
     assert queries.verdict == "fail" and queries.message.endswith("the softmax does not normalise over the keys"), queries
     keys = verdict(MemorySlots(dim=-1), "output_variance")
     assert keys.verdict == "pass", keys
+
+
+# ---- CONVEX per dtype: output_variance -------------------------------------------------------------------------
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+CONVEX = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 6e-2}
+
+
+def rows_summing_to(total: float):
+    """The reference with every row of weights scaled to sum to `total`: identical value rows come out x `total`."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return out * total, weights * total
+
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_output_variance_allows_a_quarter_of_convex_and_fails_three_times_it(dtype):
+    """The reading is the row-sum error times |v| / RMS(v), between 1 and sqrt(d) = 2.8 times it (d = 8): a layer off by
+    3x CONVEX reads 3-8.5x it (fails, and would pass at 10x CONVEX; its float64 copy reads the same, so the replay
+    does not excuse it), one off by a quarter of it over sqrt(d) stays inside (tests/test_thresholds.py's twin sits
+    on ROW_SUM, over which a tenfold CONVEX passes nothing new)."""
+    tol = CONVEX[dtype]
+    inside = verdict(rows_summing_to(1 + 0.25 * tol / math.sqrt(8)), "output_variance", dtype=dtype)
+    outside = verdict(rows_summing_to(1 + 3 * tol), "output_variance", dtype=dtype)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail" and outside.threshold == pytest.approx(tol), outside
+    assert 3 * tol * 0.9 < outside.value < 10 * tol, outside
