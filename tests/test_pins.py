@@ -8,19 +8,23 @@ pins. Tiny layers and sizes: the file runs in a few seconds, and every mutant's 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 import diagnostics
+from buggy_variants.teaching_model import ProtocolGPT
 from correct import MultiHeadAttention
 from diagnostics import patterns
+from diagnostics._guard import seed_rng
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
 from diagnostics.detectors._mask_hints import honoured_conventions
 from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
+from diagnostics.model.window import declared_pattern
 
 INSIDE, OUTSIDE = 0.3, 3.0  # twins' distance from a gain: 10x either way crosses one of them
 
@@ -354,3 +358,41 @@ def test_output_variance_allows_a_quarter_of_convex_and_fails_three_times_it(dty
     assert inside.verdict == "pass", inside
     assert outside.verdict == "fail" and outside.threshold == pytest.approx(tol), outside
     assert 3 * tol * 0.9 < outside.value < 10 * tol, outside
+
+
+# ---- the model wing: where a layer's window is read ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idx, expected", [
+    (0, ("sliding_window(4)", "config.layer_types[0] = 'sliding_attention', config.sliding_window = 4")),
+    (1, None),  # a full-attention layer of a config that also names a window and a chunk
+    (2, ("chunked(8)", "config.layer_types[2] = 'chunked_attention', config.attention_chunk_size = 8")),
+    (3, ("sliding_window(4)", "config.sliding_window = 4")),  # past the list: the config's own window
+])
+def test_a_layers_pattern_is_read_from_its_own_entry_of_config_layer_types(idx, expected):
+    """declared_pattern: config.layer_types[layer_idx] says which of the config's patterns the layer has, for an
+    index inside the list only."""
+    config = SimpleNamespace(layer_types=["sliding_attention", "full_attention", "chunked_attention"],
+                             sliding_window=4, attention_chunk_size=8)
+    declared = declared_pattern(SimpleNamespace(config=config, layer_idx=idx))
+    assert (None if declared is None else (str(declared.pattern), declared.source)) == expected
+
+
+class CacheDropped(ProtocolGPT):
+    """A decoder with the Hugging Face keyword protocol that, asked for its cache, returns None in its place."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        out = super().forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        return (out[0], None) if use_cache else out
+
+
+@pytest.mark.parametrize("model, expected", [(ProtocolGPT, "pass"), (CacheDropped, "skip")], ids=["cache", "none"])
+def test_cache_parity_is_not_measured_on_a_model_that_returns_no_cache(model, expected):
+    """check_cache_parity's guard: no cache with use_cache=True is a visible skip (its twin, the same decoder with
+    its cache, passes)."""
+    seed_rng(0)
+    found = diagnostics.audit_model(model(n_layer=1, d_model=16, num_heads=2), detectors=["cache_parity"])
+    result = found.result("cache_parity")
+    assert result.verdict == expected, result
+    if expected == "skip":
+        assert result.message == "not measured: the model returned no cache with use_cache=True", result
