@@ -288,8 +288,9 @@ def test_a_convention_counts_when_changing_an_allowed_key_moves_half_the_rows_th
 
 def test_no_convention_is_hinted_where_it_was_declared_or_nothing_can_be_read():
     """honoured_conventions' guard: a convention the user declared, or a probe of one token (no key can be blocked
-    beside key 0): nothing to hint, where the same layer undeclared at 16 tokens is hinted."""
+    beside key 0): nothing to hint, where the same layer undeclared at 16 tokens, or 2, is hinted."""
     assert [str(c) for c, _ in hints(AddsMask())] == ["additive"]
+    assert [str(c) for c, _ in hints(AddsMask(), seq_len=2)] == ["additive"]
     assert hints(AddsMask(), mask="allowed") == []
     assert hints(AddsMask(), seq_len=1) == []
 
@@ -299,12 +300,13 @@ def test_no_convention_is_hinted_where_it_was_declared_or_nothing_can_be_read():
 
 class MemorySlots(nn.Module):
     """forward(query, key, value, mask=None): attention over 2 learned key/value slots prepended to the keys;
-    `dim`: the axis the softmax normalises (-1: the keys; -2: the queries, a bug)."""
+    `dim`: the axis the softmax normalises (-1: the keys; -2: the queries, a bug); `returns_weights`: also return
+    the weights over the input's keys (the slots' columns dropped: rows then sum to less than 1)."""
 
-    def __init__(self, dim=-1, d_model=8, num_heads=2, slots=2):
+    def __init__(self, dim=-1, d_model=8, num_heads=2, slots=2, returns_weights=False):
         super().__init__()
         torch.manual_seed(0)
-        self.d_model, self.num_heads, self.dim = d_model, num_heads, dim
+        self.d_model, self.num_heads, self.dim, self.returns_weights = d_model, num_heads, dim, returns_weights
         self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
         self.mem_k, self.mem_v = (nn.Parameter(torch.randn(num_heads, slots, d_model // num_heads)) for _ in range(2))
 
@@ -318,7 +320,16 @@ class MemorySlots(nn.Module):
         s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, n + Tk)
         if mask is not None:
             s = s.masked_fill(~nn.functional.pad(mask, (k.shape[-2] - mask.shape[-1], 0), value=True), float("-inf"))
-        return self.o((s.softmax(dim=self.dim) @ v).transpose(1, 2).reshape(B, Tq, D))
+        w = s.softmax(dim=self.dim)
+        out = self.o((w @ v).transpose(1, 2).reshape(B, Tq, D))
+        return (out, w[..., -key.shape[1]:]) if self.returns_weights else out  # the input's Tk keys: the last columns
+
+
+class MemorySlotsWithoutMask(MemorySlots):
+    """MemorySlots called as forward(query, key, value): weight_row_sums reads its standard (observed) call."""
+
+    def forward(self, query, key, value):
+        return super().forward(query, key, value)
 
 
 def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and_passes_it_over_the_keys():
@@ -396,3 +407,13 @@ def test_cache_parity_is_not_measured_on_a_model_that_returns_no_cache(model, ex
     assert result.verdict == expected, result
     if expected == "skip":
         assert result.message == "not measured: the model returned no cache with use_cache=True", result
+
+
+def test_weight_row_sums_judges_the_weights_a_layer_returns_before_its_learned_keys():
+    """check_weight_row_sums' first line: the layer's learned keys are read only where it returns no weights. Weights
+    returned over the input's keys alone (the slots' share dropped) are judged as returned: not a distribution; the
+    same layer returning none is judged on its observed softmax over the keys and the slots."""
+    returned = verdict(MemorySlotsWithoutMask(returns_weights=True), "weight_row_sums")
+    assert returned.verdict == "fail" and returned.message.endswith("(returned weights)"), returned
+    observed = verdict(MemorySlotsWithoutMask(), "weight_row_sums")
+    assert observed.verdict == "pass" and "2 learned key/value slots" in observed.message, observed
