@@ -417,3 +417,19 @@ def test_weight_row_sums_judges_the_weights_a_layer_returns_before_its_learned_k
     assert returned.verdict == "fail" and returned.message.endswith("(returned weights)"), returned
     observed = verdict(MemorySlotsWithoutMask(), "weight_row_sums")
     assert observed.verdict == "pass" and "2 learned key/value slots" in observed.message, observed
+
+
+def test_a_window_one_too_short_is_over_masking_and_the_declared_one_is_read_unmoved_where_it_blocks():
+    """_read: a row that does not move when its one allowed key in a copy changed ignores that key (over-masking,
+    once confirmed); rows that do not move where every key changed is blocked count as blocked pairs read unmoved."""
+    short = verdict(lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(6)
+                                                         .allowed(1, t_q, t_k)[0]),
+                    "attention_pattern", pattern=patterns.sliding_window(7))
+    assert short.verdict == "fail", short
+    assert short.message == "outputs ignore keys the declared pattern allows (over-masking): sliding_window(7)", short
+    right = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(7))
+    allowed = [{j for j in range(16) if 0 <= i - j < 7} for i in range(16)]
+    blocked = 2 * sum(16 - len(a) for a in allowed)  # the probe's 2 sequences
+    # read: a blocked key whose class (j % 9) holds none of the row's allowed keys (in its copy the row meets none)
+    read = 2 * sum(j not in a and all(x % 9 != j % 9 for x in a) for a in allowed for j in range(16))
+    assert right.verdict == "pass" and f"{read} / {blocked} blocked pairs measured unmoved" in right.evidence, right
