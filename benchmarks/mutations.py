@@ -138,6 +138,13 @@ def tests_for(file: str) -> list[str]:
 _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
                    "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
+_VALUES_ARE_KEYS = (
+    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, every "
+    "stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated are the "
+    "keys element for element and only the tensor's identity differs. A layer may read that identity (torch's "
+    "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
+    "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
+    "built in the detectors: keys_matter's mixed case is on SEPARATE_STREAMS, whose value is its own)")
 EQUIVALENT: dict[str, tuple[str, str]] = {
     "_core.py:held:L*:Gt->GtE": ("(checked > tol)", _TOLERANCE_EDGE),
     "_core.py:held:L*:Gt->GtE#2": ("(moved > tol)", _TOLERANCE_EDGE),
@@ -151,13 +158,13 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/variance.py:_bound_check:L*:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
     "detectors/variance.py:_bound_check:L*:Gt->GtE#2": ("(excess > tol).sum()", _TOLERANCE_EDGE),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
-    "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change) > tol", _TOLERANCE_EDGE),
+    "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
-    "model/window.py:check_sliding_window:L*:Gt->GtE": ("(outside > tol).nonzero()", _TOLERANCE_EDGE),
+    "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
     "model/cache.py:schedules:L*:Gt->GtE": (
         "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
         "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
@@ -168,6 +175,9 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/variance.py:_bound_check:L*:x10": (
         "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
         "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
+    "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
+    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
+                                                                 _VALUES_ARE_KEYS),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
@@ -542,16 +552,22 @@ def _unlined(mutant_id: str) -> str:
 
 
 def equivalents(mutants: list[Mutant], log) -> dict[str, str]:
-    marked = {}
+    """{mutant id: reason} for the mutants EQUIVALENT marks whose line holds the mark's text. A mark names a mutant
+    without its line number, so the same mutation on several lines of a function shares it: the text picks the line.
+    A mark that matches no line of the mutants run is reported (its code changed: check it again)."""
+    marked, seen, matched = {}, set(), set()
     for m in mutants:
-        mark = EQUIVALENT.get(_unlined(m.id))
+        key = _unlined(m.id)
+        mark = EQUIVALENT.get(key)
         if mark is None:
             continue
+        seen.add(key)
         text, reason = mark
-        if text not in m.code:
-            log(f"warning: EQUIVALENT mark for {m.id} ignored: its line is now `{m.code}`")
-            continue
-        marked[m.id] = reason
+        if text in m.code:
+            marked[m.id] = reason
+            matched.add(key)
+    for key in sorted(seen - matched):
+        log(f"warning: the EQUIVALENT mark {key} matches no line holding `{EQUIVALENT[key][0]}`: ignored")
     return marked
 
 
