@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import diagnostics
-from buggy_variants.teaching_model import ProtocolGPT
+from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
 from correct import MultiHeadAttention
 from diagnostics import patterns
 from diagnostics._guard import seed_rng
@@ -433,3 +433,25 @@ def test_a_window_one_too_short_is_over_masking_and_the_declared_one_is_read_unm
     # read: a blocked key whose class (j % 9) holds none of the row's allowed keys (in its copy the row meets none)
     read = 2 * sum(j not in a and all(x % 9 != j % 9 for x in a) for a in allowed for j in range(16))
     assert right.verdict == "pass" and f"{read} / {blocked} blocked pairs measured unmoved" in right.evidence, right
+
+
+@pytest.mark.parametrize("seq_len, how", [(16, "between two sequences of other lengths (right-padded)"),
+                                          (3, "between two sequences of other lengths (right-padded)"),
+                                          (2, "between two other inputs")], ids=["16", "3", "2"])
+def test_batch_invariance_pads_the_other_sequences_from_3_tokens_where_the_model_takes_a_padding_mask(seq_len, how):
+    """check_batch_invariance: a model that takes an attention mask is measured between right-padded sequences of
+    other lengths from 3 tokens on (one padded token fewer than a third of them, one padded token), between other
+    inputs below that and in a model that takes no mask; the audit of batch_invariance alone makes its own
+    single-sequence forward (cache_parity's is not there to reuse)."""
+    seed_rng(0)
+    report = diagnostics.audit_model(ProtocolGPT(n_layer=1, d_model=16, num_heads=2), seq_len=seq_len,
+                                     detectors=["batch_invariance"])
+    result = report.result("batch_invariance")
+    assert (result.verdict, result.message) == ("pass", f"a sequence alone gives its output {how}"), result
+
+
+def test_batch_invariance_of_a_model_without_a_padding_mask_is_measured_between_other_inputs():
+    seed_rng(0)
+    result = diagnostics.audit_model(TinyGPT(n_layer=1, d_model=16, num_heads=2),
+                                     detectors=["batch_invariance"]).result("batch_invariance")
+    assert (result.verdict, result.message) == ("pass", "a sequence alone gives its output between two other inputs")
