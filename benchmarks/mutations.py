@@ -119,7 +119,7 @@ FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_path
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
     "model/packing.py": FAST + ["tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_model_audit.py"],
-    "detectors/positions.py": FAST + ["tests/test_relative_positions.py"],
+    "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
