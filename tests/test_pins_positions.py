@@ -100,8 +100,8 @@ def bend(curve: float, slope: float) -> float:
 
 
 def curve_for(ratio: float, slope: float) -> float:
-    """The curve whose bend is `ratio` (bisection: the bend grows with the curve)."""
-    lo, hi = 0.0, abs(slope)
+    """The curve whose bend is `ratio` (bisection: the bend grows with the curve, to 0.36 for a parabola alone)."""
+    lo, hi = 0.0, 100 * abs(slope)
     for _ in range(80):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if bend(mid, slope) < ratio else (lo, mid)
@@ -113,10 +113,11 @@ def test_a_rewarding_bias_bent_by_a_quarter_of_distance_linear_is_alibis_and_by_
     """A bias that grows with the distance (slope +0.05), bent by a curve: read as a line (ALiBi's sign flipped, a
     finding) while its bend stays within DISTANCE_LINEAR, and not judged beyond (then a relative bias: the shift
     passes). In half precision the bend is added there only, as rounding would bend it: the float64 copy the
-    finding is read again on stays a line."""
+    finding is read again on stays a line. A parabola bends a line by 0.36 of its spread at most: bfloat16's outside
+    twin sits at 0.35 (1.17x its 0.3; a tenfold 3.0 reads it as a line)."""
     slope, tol = 0.05, DISTANCE_LINEAR[dtype]
     low = dtype in (torch.float16, torch.bfloat16)
     inside = verdict(biased(slope, curve_for(INSIDE * tol, slope), low_precision_only=low), dtype=dtype)
-    outside = verdict(biased(slope, curve_for(OUTSIDE * tol, slope), low_precision_only=low), dtype=dtype)
+    outside = verdict(biased(slope, curve_for(min(OUTSIDE * tol, 0.35), slope), low_precision_only=low), dtype=dtype)
     assert inside.verdict == "fail" and inside.message.startswith("the position bias rewards distance"), inside
     assert outside.verdict == "pass", outside
