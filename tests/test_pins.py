@@ -455,3 +455,46 @@ def test_batch_invariance_of_a_model_without_a_padding_mask_is_measured_between_
     result = diagnostics.audit_model(TinyGPT(n_layer=1, d_model=16, num_heads=2),
                                      detectors=["batch_invariance"]).result("batch_invariance")
     assert (result.verdict, result.message) == ("pass", "a sequence alone gives its output between two other inputs")
+
+
+# ---- cache_decoding: what a cached call returns, the single tokens under a window ------------------------------
+
+
+class CachedDecoder(nn.Module):
+    """A causal decoder (one head) with a cache of its own: forward(x, kv_cache=None, use_cache=False) returns
+    (out, weights, (k, v)) when use_cache (its weights before its cache), else out; `window`: each query sees its
+    last `window` keys (a sliding window, bottom-right)."""
+
+    causal = True
+
+    def __init__(self, window=None, d_model=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.window = d_model, 1, window
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+
+    def forward(self, x, kv_cache=None, use_cache=False):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, -1)  # (B, T, D) each
+        if kv_cache is not None:
+            k, v = torch.cat([kv_cache[0], k], 1), torch.cat([kv_cache[1], v], 1)  # (B, Tk, D)
+        t_k = k.shape[1]
+        i, j = torch.arange(T).view(-1, 1) + t_k - T, torch.arange(t_k)  # absolute positions, bottom-right
+        allowed = (j <= i) & ((i - j < self.window) if self.window else True)
+        weights = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1)
+        out = weights @ v  # (B, T, D)
+        return (out, weights, (k, v)) if use_cache else out
+
+
+def test_cache_decoding_takes_the_cache_after_the_weights_a_layer_returns():
+    """_split_cache: the cache is the first returned thing that is not the weights ((B, Tq, Tk) floats)."""
+    result = verdict(CachedDecoder(), "cache_decoding", causal=True)
+    assert result.verdict == "pass" and "through kv_cache (the cache it returns)" in result.evidence, result
+
+
+def test_cache_decoding_under_a_window_decodes_alone_the_tokens_where_the_cache_fills_and_rolls_over():
+    """Under sliding_window(4) at T = 16: a prefill of 3, then t = 3, 4, 7 and 8 each alone (the cache fills to the
+    window at 4, a cache of 4 slots rolls over at 4 and 8), the tokens between them in calls of several."""
+    result = verdict(CachedDecoder(window=4), "cache_decoding", causal=True, pattern=patterns.sliding_window(4))
+    assert result.verdict == "pass", result
+    assert "single tokens at t=3, 4, 7, 8," in result.evidence, result
