@@ -5,6 +5,7 @@
     python benchmarks/mutations.py --all --jobs 2     # every mutant, not a sample
     python benchmarks/mutations.py --only keys.py --json /tmp/mutations.json
     python benchmarks/mutations.py --survivors-of /tmp/mutations.json   # after adding tests: rerun survivors
+    python benchmarks/mutations.py --changed-since main   # the sample's mutants of the modules a branch changed
 
 Why our own mutator: mutmut 3.8.1 (tried here, installed into the venv) rewrites every function of the whole
 package into trampolines (its `paths_to_mutate` is deprecated, `source_paths` takes the package) and generated
@@ -113,7 +114,7 @@ NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_c
 MEASURED = re.compile(r"^MEASURED_")
 SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
-SAMPLE_PER_MODULE = 3
+SAMPLE_PER_MODULE = 4
 SEED = 20
 FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
@@ -631,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"sampled mutants per module besides its constants (default {SAMPLE_PER_MODULE})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"the sample's seed (default {SEED})")
     parser.add_argument("--only", action="append", help="only mutants whose id contains this text (repeatable: any)")
+    parser.add_argument("--changed-since", metavar="REV",
+                        help="only mutants of the modules whose committed source differs from REV's (git diff REV "
+                             "REVISION): a change's own modules, e.g. --changed-since main")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this earlier --json output (after tests were added)")
     parser.add_argument("--knobs", action="store_true",
@@ -657,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [m for m in mutants if _key(m.id, m.code) in alive]  # matched by code: lines may have moved
     if args.only:
         mutants = [m for m in mutants if any(text in m.id for text in args.only)]
+    if args.changed_since:
+        changed = set(_git("diff", "--name-only", args.changed_since, REVISION, "--", PACKAGE).split())
+        mutants = [m for m in mutants if f"{PACKAGE}/{m.file}" in changed]
     per_file = Counter(m.file for m in mutants)
     of_file = Counter(m.file for m in everything)
     how = ("every mutant" if (args.all or args.list) else
