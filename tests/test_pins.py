@@ -498,3 +498,14 @@ def test_cache_decoding_under_a_window_decodes_alone_the_tokens_where_the_cache_
     result = verdict(CachedDecoder(window=4), "cache_decoding", causal=True, pattern=patterns.sliding_window(4))
     assert result.verdict == "pass", result
     assert "single tokens at t=3, 4, 7, 8," in result.evidence, result
+
+
+# ---- gradients: a disagreement of exactly 0 ---------------------------------------------------------------------
+
+
+def test_gradients_words_an_exact_agreement_of_zero():
+    """check_gradients' digits: a layer whose output is 0 everywhere has gradient 0 and finite differences 0, a
+    disagreement of exactly 0 (whose log10 would raise): a pass that says so; the reference's is above 0."""
+    zero = verdict(lambda q, k, v, mask=None: (0 * attention(q, k, v, mask)[0], None), "gradients")
+    assert zero.verdict == "pass" and zero.value == 0.0 and "disagreement 0 of |grad|" in zero.evidence, zero
+    assert verdict(attention, "gradients").value > 0
