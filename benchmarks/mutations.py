@@ -159,6 +159,8 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/variance.py:_bound_check:L*:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
     "detectors/variance.py:_bound_check:L*:Gt->GtE#2": ("(excess > tol).sum()", _TOLERANCE_EDGE),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
+    "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": ("(rows > tol).sum()", _TOLERANCE_EDGE + " (a count in "
+                                                            "the evidence only)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),

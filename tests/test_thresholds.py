@@ -12,6 +12,7 @@ that read them from the module would follow a mutated constant.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -202,6 +203,9 @@ def test_a_backward_off_by_a_quarter_of_the_agreement_passes_and_by_four_times_i
     assert inside.verdict == "pass", inside
     assert outside.verdict == "fail", outside
     assert outside.value == pytest.approx(OUTSIDE * GRADIENT_AGREEMENT, rel=0.2)
+    # printed with the digits that tell them apart (6 would print a disagreement of 4e-9 as two equal numbers)
+    told = re.search(r"autograd gives (\S+) and extrapolated central differences (\S+):", outside.evidence)
+    assert told and told.group(1) != told.group(2) and len(told.group(1)) > 8, outside.evidence
 
 
 # ---- the decode gain: its square root, its cap ------------------------------------------------------
