@@ -467,10 +467,10 @@ class CachedDecoder(nn.Module):
 
     causal = True
 
-    def __init__(self, window=None, d_model=8):
+    def __init__(self, window=None, d_model=8, nested=False):
         super().__init__()
         torch.manual_seed(0)
-        self.d_model, self.num_heads, self.window = d_model, 1, window
+        self.d_model, self.num_heads, self.window, self.nested = d_model, 1, window, nested
         self.qkv = nn.Linear(d_model, 3 * d_model)
 
     def forward(self, x, kv_cache=None, use_cache=False):
@@ -483,7 +483,16 @@ class CachedDecoder(nn.Module):
         allowed = (j <= i) & ((i - j < self.window) if self.window else True)
         weights = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1)
         out = weights @ v  # (B, T, D)
+        if self.nested and use_cache:
+            return (out,), weights, (k, v)  # its output inside a tuple of its own
         return (out, weights, (k, v)) if use_cache else out
+
+
+def test_cache_decoding_says_a_cached_call_returned_no_output_first():
+    """_split_cache: what a cached call returns must start with the output; a tuple that starts with anything else is
+    read as no output (a skip that says what came back), never taken for it."""
+    result = verdict(CachedDecoder(nested=True), "cache_decoding", causal=True)
+    assert result.verdict == "skip" and "(ValueError: returned tuple with no (B, 8, D) output first)" in result.message
 
 
 def test_cache_decoding_takes_the_cache_after_the_weights_a_layer_returns():
