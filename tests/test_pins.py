@@ -50,6 +50,12 @@ def top_left(t_q, t_k):
     return torch.ones(t_q, t_k, dtype=torch.bool).tril()
 
 
+def windowed(W: int):
+    """The reference under its own sliding window of W keys (whatever mask it is passed)."""
+    return lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(W)
+                                                .allowed(1, t_q, t_k)[0])
+
+
 class OneStream(nn.Module):
     """Self-attention called as m(x, mask=None) (one input stream) over the reference's weights, returning its
     weights; `mixes="mean"`: the running mean of the tokens instead (causal, no softmax, no weights); `mixes=None`: a
@@ -229,9 +235,7 @@ def test_a_decoder_is_measured_decoding_in_2_classes_and_a_bidirectional_layer_i
 def test_a_decoder_that_fails_the_full_pass_is_judged_on_it():
     """check_attention_pattern: a finding of the full pass is the verdict (the decoding measurement is not made): a
     window of 8 keys where 7 are declared leaks at every row, decoding or not."""
-    found = verdict(lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(8)
-                                                         .allowed(1, t_q, t_k)[0]),
-                    "attention_pattern", pattern=patterns.sliding_window(7), causal=True)
+    found = verdict(windowed(8), "attention_pattern", pattern=patterns.sliding_window(7), causal=True)
     assert found.verdict == "fail", found
     assert found.message == "outputs depend on keys the declared pattern blocks (leakage): sliding_window(7)", found
     assert "querying" not in found.evidence, found
@@ -422,9 +426,7 @@ def test_weight_row_sums_judges_the_weights_a_layer_returns_before_its_learned_k
 def test_a_window_one_too_short_is_over_masking_and_the_declared_one_is_read_unmoved_where_it_blocks():
     """_read: a row that does not move when its one allowed key in a copy changed ignores that key (over-masking,
     once confirmed); rows that do not move where every key changed is blocked count as blocked pairs read unmoved."""
-    short = verdict(lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(6)
-                                                         .allowed(1, t_q, t_k)[0]),
-                    "attention_pattern", pattern=patterns.sliding_window(7))
+    short = verdict(windowed(6), "attention_pattern", pattern=patterns.sliding_window(7))
     assert short.verdict == "fail", short
     assert short.message == "outputs ignore keys the declared pattern allows (over-masking): sliding_window(7)", short
     right = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(7))
@@ -518,3 +520,11 @@ def test_gradients_words_an_exact_agreement_of_zero():
     zero = verdict(lambda q, k, v, mask=None: (0 * attention(q, k, v, mask)[0], None), "gradients")
     assert zero.verdict == "pass" and zero.value == 0.0 and "disagreement 0 of |grad|" in zero.evidence, zero
     assert verdict(attention, "gradients").value > 0
+
+
+def test_a_findings_picture_is_32_keys_by_32_rows_around_its_first_cell():
+    """PICTURE_CELLS = 32: at 40 tokens, the picture of a window one too long is measured on 32 of the 40 keys and
+    rows (one copy of the batch per key: its cost bound), where 3.2 would draw 3 and 320 all 40."""
+    found = verdict(windowed(8), "attention_pattern", pattern=patterns.sliding_window(7), seq_len=40)
+    assert found.verdict == "fail", found
+    assert tuple(found.extras["dependency_map"].declared.shape) == (32, 32), found.extras
