@@ -315,11 +315,17 @@ ROUNDED_APART_DRAW = dict(heads=1, head_dim=4, seq_len=2, seed=1694, dtype=torch
 # cancels, so that one rounding step of the merged heads came out 0.0675 of the output's RMS, over CONVEX's 0.06; a
 # reading over the bound in a low precision is now judged again on the float64 copy, where rounding is gone
 CANCELLED_DRAW = dict(heads=1, head_dim=2, seq_len=2, seed=5687, dtype=torch.bfloat16, init="default")
+# And from seed 3514391629: the rotary reference in bfloat16 at head_dim 2 over three tokens, whose identical tokens'
+# scores (cosines of the distance) came within bfloat16's residual bound of a line rising with the distance (0.29
+# against 0.3, slope +2.56), so that relative_positions read a flipped ALiBi; such a line is now read again on the
+# float64 copy, where these scores are no line
+SHIFTED_COSINE_DRAW = dict(heads=2, head_dim=2, seq_len=3, seed=2, dtype=torch.bfloat16, init="default")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
-                                      ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW)],
-                         ids=["under_rounding", "random_zeros", "leaked_shift"])
+                                      ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW),
+                                      ("rotary_not_offset", SHIFTED_COSINE_DRAW)],
+                         ids=["under_rounding", "random_zeros", "leaked_shift", "shifted_cosine"])
 def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
     test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)

@@ -202,6 +202,8 @@ def test_an_alibi_bias_that_rewards_distance_fails_and_its_twin_passes(bug, dtyp
     else:
         assert result.verdict == "fail" and "rewards distance" in result.message, result
         assert "slope * (j - i)" in result.fix, result.fix
+        # below float64 the line is read again on the float64 copy, where a linear bias stays a line
+        assert (dtype == torch.float64) != ("on the float64 copy of the layer" in result.evidence), result.evidence
         marker = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BUG alibi sign" in line)
         lines = [site.line for site in result.where if site.file == __file__]
         assert lines and min(abs(n - marker) for n in lines) <= 1, [site.describe() for site in result.where]

@@ -60,7 +60,7 @@ from .._tracing import (
     trace_call,
     user,
 )
-from ._common import logit_gain, result
+from ._common import float64_copy_or_skip, logit_gain, result
 
 DET = "relative_positions"
 
@@ -321,6 +321,8 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         alone = probe.call(*same, base_allowed, label=f"{T} identical tokens", observe=True)
         record, copies, skipped = (alone.record if alone.ok else None), 1, 0
     rewarded = distance_reward(record, copies, B, T, s.dtype, skip=skipped)
+    if rewarded and s.dtype != torch.float64:
+        rewarded = _rewarded_in_float64(probe, DistanceReplay(*same, base_allowed), rewarded)
     if rewarded:
         return result(DET, "fail", "the position bias rewards distance: on identical tokens the scores grow with the "
                                    "distance to the key, so far keys win over near ones",
@@ -452,6 +454,42 @@ def distance_reward(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> 
                                 f"{float(slope[worst]):+.3g} per token in head {worst} (slopes per head: "
                                 f"{', '.join(f'{float(x):+.3g}' for x in slope)}); a bias that penalises distance "
                                 f"has every slope < 0")
+
+
+def _rewarded_in_float64(probe: Probe, r: DistanceReplay, reading: tuple[float, str]) -> tuple[float, str] | None:
+    """A low-precision reading of a distance-rewarding line, read again on the float64 copy of the layer (the gradient
+    checks' copy, `float64_copy_or_skip`) on the same identical tokens upcast: the reading with both readings in its
+    evidence where the float64 scores are a line too (at float64's DISTANCE_LINEAR) with a slope > 0; None where they
+    are not (the low-precision line was rounding); the reading as it was where no copy runs or the call raises.
+
+    Few distances make a weak line: three tokens give three distances, and bfloat16's residual bound (0.3 of the
+    scores' spread) then lets the cosines of a correct rotary pass for a line. The reference's rotary at head_dim 2,
+    three tokens, bfloat16 (an exploring CI seed's draw, SHIFTED_COSINE_DRAW in the tests): residual 0.29, slope
+    +2.56 in bfloat16; on the float64 copy the same scores are no line. A bias that is linear in the distance stays
+    one in float64 (ALiBi added in float64: residual ~1e-16; added in float32 by the layer: <= 1.3e-7)."""
+    twin = float64_copy_or_skip(probe, probe.detector)
+    if isinstance(twin, DetectorResult):
+        return reading
+    s = probe.subject
+    B, T = r.query.shape[0], r.query.shape[s.time_dim]
+    up: dict[int, Tensor] = {}  # one stream stays one tensor
+
+    def wide(x):
+        return up.setdefault(id(x), x.to(torch.float64))
+
+    probe.passes += 1
+    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy: {T} identical tokens", B, T, T,
+                                                   None if r.allowed is None else r.allowed.cpu(), r.query is r.key))
+    observer = Observer()
+    try:
+        with torch.enable_grad(), observer:
+            twin(wide(r.query), wide(r.key), wide(r.value), r.allowed)
+    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+        return reading
+    again = distance_reward(observer.record, 1, B, T, torch.float64)
+    if again is None:
+        return None
+    return reading[0], f"{reading[1]}; on the float64 copy of the layer: {again[1]}"
 
 
 def _mask_is_a_flag(probe: Probe, shifted, shifted_allowed, got: Tensor, P: int, T: int, tol: float) -> str:
