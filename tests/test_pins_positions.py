@@ -25,16 +25,16 @@ def verdict(layer, **kw):
     return diagnostics.audit(layer, detectors=[DET], **kw).result(DET)
 
 
-def biased(slope=-0.5, curve=0.0, *, low_precision_only=False, drift=0.0, period=None):
+def biased(slope=-0.5, curve=0.0, *, rounding_only=False, drift=0.0, period=None):
     """Attention over (B, H, Tq, d) with the distance bias slope x |i - j| + curve x |i - j|^2 added to the scores
-    (ALiBi's for slope < 0 and curve 0: relative), where `low_precision_only` adds the curve only below float32 (as
+    (ALiBi's for slope < 0 and curve 0: relative), where `rounding_only` adds the curve only below float64 (as
     rounding bends a line: the float64 copy stays one); outputs of the query at index t (of the call) moved by
     `drift` x t, or by cos(2 pi t / `period`) (absolute positions)."""
 
     def layer(q, k, v, mask=None):
         t_q, t_k = q.shape[-2], k.shape[-2]
         d = (torch.arange(t_q).view(-1, 1) - torch.arange(t_k).view(1, -1)).abs().double()  # (Tq, Tk)
-        curved = curve if not low_precision_only or q.dtype in (torch.float16, torch.bfloat16) else 0.0
+        curved = curve if not rounding_only or q.dtype != torch.float64 else 0.0
         bias = (slope * d + curved * d * d).to(q.dtype)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias  # (B, H, Tq, Tk)
         if mask is not None:
@@ -112,12 +112,23 @@ def curve_for(ratio: float, slope: float) -> float:
 def test_a_rewarding_bias_bent_by_a_quarter_of_distance_linear_is_alibis_and_by_four_times_it_is_not(dtype):
     """A bias that grows with the distance (slope +0.05), bent by a curve: read as a line (ALiBi's sign flipped, a
     finding) while its bend stays within DISTANCE_LINEAR, and not judged beyond (then a relative bias: the shift
-    passes). In half precision the bend is added there only, as rounding would bend it: the float64 copy the
-    finding is read again on stays a line. A parabola bends a line by 0.36 of its spread at most: bfloat16's outside
+    passes). Below float64 the bend is added in the layer's dtype only, as rounding would bend it: the float64 copy
+    that a finding there is read again on stays a line. A parabola bends a line by 0.36 of its spread at most: bfloat16's outside
     twin sits at 0.35 (1.17x its 0.3; a tenfold 3.0 reads it as a line)."""
     slope, tol = 0.05, DISTANCE_LINEAR[dtype]
-    low = dtype in (torch.float16, torch.bfloat16)
-    inside = verdict(biased(slope, curve_for(INSIDE * tol, slope), low_precision_only=low), dtype=dtype)
-    outside = verdict(biased(slope, curve_for(min(OUTSIDE * tol, 0.35), slope), low_precision_only=low), dtype=dtype)
+    rounding = dtype != torch.float64
+    inside = verdict(biased(slope, curve_for(INSIDE * tol, slope), rounding_only=rounding), dtype=dtype)
+    outside = verdict(biased(slope, curve_for(min(OUTSIDE * tol, 0.35), slope), rounding_only=rounding), dtype=dtype)
+    if rounding:
+        assert "on the float64 copy of the layer" in inside.evidence, inside  # the replay confirmed the line
     assert inside.verdict == "fail" and inside.message.startswith("the position bias rewards distance"), inside
     assert outside.verdict == "pass", outside
+
+
+def test_a_declared_pattern_of_absolute_blocks_is_not_applicable_and_a_window_is_measured():
+    """The guard on the declared pattern: chunked(4)'s blocks move with a shift of 5 (its mask over the real tokens
+    changes: not applicable, said so), sliding_window(4)'s does not (measured: ALiBi passes)."""
+    chunks = verdict(biased(), pattern=diagnostics.patterns.chunked(4))
+    assert chunks.verdict == "skip" and "the declared attention pattern depends on absolute positions" in chunks.message
+    window = verdict(biased(), pattern=diagnostics.patterns.sliding_window(4))
+    assert window.verdict == "pass", window
