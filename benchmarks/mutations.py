@@ -181,6 +181,9 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
     "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
                                                                  _VALUES_ARE_KEYS),
+    "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
+        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
+        "which it is: `<` and `<=` give the same sizes"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "

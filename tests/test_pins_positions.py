@@ -132,3 +132,16 @@ def test_a_declared_pattern_of_absolute_blocks_is_not_applicable_and_a_window_is
     assert chunks.verdict == "skip" and "the declared attention pattern depends on absolute positions" in chunks.message
     window = verdict(biased(), pattern=diagnostics.patterns.sliding_window(4))
     assert window.verdict == "pass", window
+
+
+def test_a_shifted_call_that_loses_the_batch_is_a_skip_that_says_so():
+    """The guard on the shifted call's batch: a layer that returns one sequence where the shifted call (5 + 12 = 17
+    tokens, 2 x 2 sequences) gave it four is not measured, and says why; the same layer keeping its batch passes."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = biased()(q, k, v, mask)
+        return (out[:1], weights[:1]) if q.shape[-2] == 5 + T else (out, weights)
+
+    lost = verdict(layer)
+    assert lost.verdict == "skip" and "has no row per batch element" in lost.message, lost
+    assert verdict(biased()).verdict == "pass"
