@@ -51,10 +51,16 @@ selection must pass unmutated. A mutant is *killed* when the tests fail, *error*
 pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
 with the reason, after it was checked by hand to change no verdict.
 
-Cost (2 cores shared with other work, one job): 5-11 s a mutant (the selections take 5-18 s unmutated; a killed
-mutant stops at its first failing test); the default sample of about 125 mutants runs in 10-12 minutes, every
-mutant (`--all`, about 770) in about an hour and a half. After adding tests, `--survivors-of` reruns only the
-earlier survivors, matched by their line's code, so that moved lines still match.
+Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
+on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
+test); the default sample (31 modules: 205 of 1252 mutants) ran 201 mutants in about 80 minutes that busy, every
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors,
+matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
+
+Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
+case just inside and one just outside each constant, per dtype), and its author runs
+`python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
+`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs.
 """
 
 from __future__ import annotations
