@@ -528,3 +528,21 @@ def test_a_findings_picture_is_32_keys_by_32_rows_around_its_first_cell():
     found = verdict(windowed(8), "attention_pattern", pattern=patterns.sliding_window(7), seq_len=40)
     assert found.verdict == "fail", found
     assert tuple(found.extras["dependency_map"].declared.shape) == (32, 32), found.extras
+
+
+# ---- output_shape: which call with Tq != Tk it reads ------------------------------------------------------------
+
+
+def rows_per_key(q, k, v, mask=None):
+    """The reference, except that given fewer queries than keys it returns a row per key (its keys as queries)."""
+    return attention(k, k, v) if q.shape[-2] != k.shape[-2] else attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("seq_len, read", [(3, "query length 2, memory length 3: output (2, 2, 3, 8)"),
+                                           (2, "query length 2, memory length 5: output (2, 2, 5, 8)")])
+def test_output_shape_reads_decodings_last_call_from_3_tokens_and_a_longer_memory_below(seq_len, read):
+    """check_output_shape: for a causal layer from 3 tokens on, decode_consistency's last call (the newest 2 of 3
+    queries over every key); below that (no partial calls), a memory 3 tokens longer than the queries."""
+    wrong = verdict(rows_per_key, "output_shape", causal=True, seq_len=seq_len)
+    assert wrong.verdict == "fail" and f"{read}, expected (2, 2, 2, 8)" in wrong.evidence, wrong
+    assert verdict(attention, "output_shape", causal=True, seq_len=seq_len).verdict == "pass"
