@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import diagnostics
-from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
+from buggy_variants import VARIANTS
+from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
 from correct import MultiHeadAttention
 from diagnostics import patterns
 from diagnostics._guard import seed_rng
@@ -546,3 +547,17 @@ def test_output_shape_reads_decodings_last_call_from_3_tokens_and_a_longer_memor
     wrong = verdict(rows_per_key, "output_shape", causal=True, seq_len=seq_len)
     assert wrong.verdict == "fail" and f"{read}, expected (2, 2, 2, 8)" in wrong.evidence, wrong
     assert verdict(attention, "output_shape", causal=True, seq_len=seq_len).verdict == "pass"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["reference", "missing causal mask"])
+def test_gradient_flow_fails_a_model_whose_layer_reads_the_future_and_passes_its_twin(broken):
+    """check_gradient_flow's finding: past outputs send gradient to later inputs in a decoder with one layer's
+    causal mask missing; none in the reference."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
+    if broken:
+        inject(model, 1, VARIANTS["missing_causal_mask"])
+    result = diagnostics.audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == ("fail" if broken else "pass"), result
+    if broken:
+        assert result.message.startswith("the gradient lets the future in"), result
