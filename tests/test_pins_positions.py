@@ -145,3 +145,25 @@ def test_a_shifted_call_that_loses_the_batch_is_a_skip_that_says_so():
     lost = verdict(layer)
     assert lost.verdict == "skip" and "has no row per batch element" in lost.message, lost
     assert verdict(biased()).verdict == "pass"
+
+
+def sdpa_alibi(slope: float):
+    """ALiBi through torch's fused attention: the distance bias slope x |i - j| as its float mask (the passed bool
+    mask folded in as -inf), so the scores are read from the fused call."""
+
+    def layer(q, k, v, mask=None):
+        t_q, t_k = q.shape[-2], k.shape[-2]
+        d = (torch.arange(t_q).view(-1, 1) - torch.arange(t_k).view(1, -1)).abs().to(q.dtype)  # (Tq, Tk)
+        bias = (slope * d).expand(q.shape[0], 1, t_q, t_k)
+        if mask is not None:
+            bias = bias.masked_fill(~mask.view(-1, 1, t_q, t_k), float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    return layer
+
+
+def test_a_flipped_alibi_in_a_fused_call_is_read_from_its_mask_and_the_right_sign_passes():
+    """_scores_seen's fused path: q·k times the call's scale plus its float mask, over the (5 + 12)-token call."""
+    flipped = verdict(sdpa_alibi(+0.5))
+    assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
+    assert verdict(sdpa_alibi(-0.5)).verdict == "pass"
