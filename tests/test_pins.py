@@ -23,7 +23,6 @@ from diagnostics._guard import seed_rng
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
-from diagnostics.detectors._mask_hints import honoured_conventions
 from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
 from diagnostics.model.window import declared_pattern
 
@@ -251,55 +250,6 @@ def test_a_one_stream_layer_counts_the_pairs_of_its_own_class_as_not_measurable(
     assert "; 60 pairs not measurable (a one-stream layer's own position moves with its query)" in result.evidence
 
 
-# ---- the mask hints: MOVED, the guard of honoured_conventions -------------------------------------------------
-
-
-class AddsMask(nn.Module):
-    """forward(x, mask=None): adds its mask to the scores (a float mask of 0 / -inf is honoured, a bool one shifts
-    allowed logits by 1), and blocks key 0 itself for every query from position `reach` on; without a `mask`
-    parameter when `takes_mask=False`."""
-
-    def __init__(self, reach=None, d_model=16, num_heads=2):
-        super().__init__()
-        torch.manual_seed(0)
-        self.d_model, self.num_heads, self.reach = d_model, num_heads, reach
-        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-
-    def forward(self, x, mask=None):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-        if mask is not None:
-            scores = scores + mask
-        if self.reach is not None:
-            cut = torch.zeros(T, T, dtype=torch.bool)
-            cut[self.reach:, 0] = True  # key 0 blocked for the queries from `reach` on
-            scores = scores.masked_fill(cut, float("-inf"))
-        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
-
-
-def hints(layer, *, seq_len=16, **subject):
-    return honoured_conventions(Probe(make_subject(layer, **subject), causal=False, scale=None, seq_len=seq_len,
-                                      seed=0))
-
-
-def test_a_convention_counts_when_changing_an_allowed_key_moves_half_the_rows_that_see_it():
-    """MOVED = 0.5: key 0 read by 8 of 16 queries (half): the additive convention is honoured; by 4 of 16 (a
-    quarter, above a tenth of MOVED): no convention."""
-    half, quarter = hints(AddsMask(reach=8)), hints(AddsMask(reach=4))
-    assert [str(c) for c, _ in half] == ["additive"] and "moved 16 of 32 rows that see it" in half[0][1], half
-    assert quarter == [], quarter
-
-
-def test_no_convention_is_hinted_where_it_was_declared_or_nothing_can_be_read():
-    """honoured_conventions' guard: a convention the user declared, or a probe of one token (no key can be blocked
-    beside key 0): nothing to hint, where the same layer undeclared at 16 tokens, or 2, is hinted."""
-    assert [str(c) for c, _ in hints(AddsMask())] == ["additive"]
-    assert [str(c) for c, _ in hints(AddsMask(), seq_len=2)] == ["additive"]
-    assert hints(AddsMask(), mask="allowed") == []
-    assert hints(AddsMask(), seq_len=1) == []
-
-
 # ---- output_variance with keys of the layer's own -----------------------------------------------------------------
 
 
@@ -458,58 +408,6 @@ def test_batch_invariance_of_a_model_without_a_padding_mask_is_measured_between_
     result = diagnostics.audit_model(TinyGPT(n_layer=1, d_model=16, num_heads=2),
                                      detectors=["batch_invariance"]).result("batch_invariance")
     assert (result.verdict, result.message) == ("pass", "a sequence alone gives its output between two other inputs")
-
-
-# ---- cache_decoding: what a cached call returns, the single tokens under a window ------------------------------
-
-
-class CachedDecoder(nn.Module):
-    """A causal decoder (one head) with a cache of its own: forward(x, kv_cache=None, use_cache=False) returns
-    (out, weights, (k, v)) when use_cache (its weights before its cache), else out; `window`: each query sees its
-    last `window` keys (a sliding window, bottom-right)."""
-
-    causal = True
-
-    def __init__(self, window=None, d_model=8, nested=False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.d_model, self.num_heads, self.window, self.nested = d_model, 1, window, nested
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-
-    def forward(self, x, kv_cache=None, use_cache=False):
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, -1)  # (B, T, D) each
-        if kv_cache is not None:
-            k, v = torch.cat([kv_cache[0], k], 1), torch.cat([kv_cache[1], v], 1)  # (B, Tk, D)
-        t_k = k.shape[1]
-        i, j = torch.arange(T).view(-1, 1) + t_k - T, torch.arange(t_k)  # absolute positions, bottom-right
-        allowed = (j <= i) & ((i - j < self.window) if self.window else True)
-        weights = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1)
-        out = weights @ v  # (B, T, D)
-        if self.nested and use_cache:
-            return (out,), weights, (k, v)  # its output inside a tuple of its own
-        return (out, weights, (k, v)) if use_cache else out
-
-
-def test_cache_decoding_says_a_cached_call_returned_no_output_first():
-    """_split_cache: what a cached call returns must start with the output; a tuple that starts with anything else is
-    read as no output (a skip that says what came back), never taken for it."""
-    result = verdict(CachedDecoder(nested=True), "cache_decoding", causal=True)
-    assert result.verdict == "skip" and "(ValueError: returned tuple with no (B, 8, D) output first)" in result.message
-
-
-def test_cache_decoding_takes_the_cache_after_the_weights_a_layer_returns():
-    """_split_cache: the cache is the first returned thing that is not the weights ((B, Tq, Tk) floats)."""
-    result = verdict(CachedDecoder(), "cache_decoding", causal=True)
-    assert result.verdict == "pass" and "through kv_cache (the cache it returns)" in result.evidence, result
-
-
-def test_cache_decoding_under_a_window_decodes_alone_the_tokens_where_the_cache_fills_and_rolls_over():
-    """Under sliding_window(4) at T = 16: a prefill of 3, then t = 3, 4, 7 and 8 each alone (the cache fills to the
-    window at 4, a cache of 4 slots rolls over at 4 and 8), the tokens between them in calls of several."""
-    result = verdict(CachedDecoder(window=4), "cache_decoding", causal=True, pattern=patterns.sliding_window(4))
-    assert result.verdict == "pass", result
-    assert "single tokens at t=3, 4, 7, 8," in result.evidence, result
 
 
 # ---- gradients: a disagreement of exactly 0 ---------------------------------------------------------------------
