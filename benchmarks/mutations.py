@@ -5,6 +5,7 @@
     python benchmarks/mutations.py --all --jobs 2     # every mutant, not a sample
     python benchmarks/mutations.py --only keys.py --json /tmp/mutations.json
     python benchmarks/mutations.py --survivors-of /tmp/mutations.json   # after adding tests: rerun survivors
+    python benchmarks/mutations.py --changed-since main   # the sample's mutants of the modules a branch changed
 
 Why our own mutator: mutmut 3.8.1 (tried here, installed into the venv) rewrites every function of the whole
 package into trampolines (its `paths_to_mutate` is deprecated, `source_paths` takes the package) and generated
@@ -19,13 +20,17 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
 - `constant`: every number of a module-level UPPER_CASE constant (a threshold, a gain, a tolerance table, the
   model wing's FUDGE) x10 and x0.1 (ints: x10 and //10), and every float literal in a check's code (the
   perturbation gains, the decode gain's 10.0, the 30x noise factor) likewise; the `MEASURED_*` tables are only
-  quoted in margin text and are left alone;
+  quoted in margin text and are left alone, and so is a knob: a constant whose assignment carries the comment
+  `# knob: <why>` on its first line (a seed's salt, a budget of copies that bounds cost and changes no verdict at
+  x10 or x0.1: checked by a run of its mutants before the comment is added). The rule is the comment, read from the
+  source, not a list kept here: `--list` prints each knob with its reason, and `--knobs` mutates them anyway;
 - `guard`: `if <test>:` whose body returns a skip (`skip(...)`, `not_run(...)`, `DetectorResult(..., "skip",
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and tolerance (`diagnostics/model/{cache,causality,padding,
-window,backends,gradients,runs,_tolerance}.py`). Left out, by design: the localisers (functions named `*_sites`,
+`_thresholds.py` and the model wing's detectors and tolerance (every public module of `diagnostics/model/`, and
+`_tolerance.py`), the module lists read from the committed tree, so that a module added later is in the next run
+and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
 `benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
 mutant there changes no verdict.
@@ -46,10 +51,16 @@ selection must pass unmutated. A mutant is *killed* when the tests fail, *error*
 pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
 with the reason, after it was checked by hand to change no verdict.
 
-Cost (2 cores shared with other work, one job): 5-11 s a mutant (the selections take 5-18 s unmutated; a killed
-mutant stops at its first failing test); the default sample of about 125 mutants runs in 10-12 minutes, every
-mutant (`--all`, about 770) in about an hour and a half. After adding tests, `--survivors-of` reruns only the
-earlier survivors, matched by their line's code, so that moved lines still match.
+Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
+on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
+test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors,
+matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
+
+Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
+case just inside and one just outside each constant, per dtype), and its author runs
+`python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
+`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs.
 """
 
 from __future__ import annotations
@@ -73,8 +84,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
-MODEL_FILES = ("cache.py", "causality.py", "padding.py", "window.py", "backends.py", "gradients.py", "runs.py",
-               "_tolerance.py")
+MODEL_SHARED = ("_tolerance.py",)
+"""The model wing's shared judgement, mutated beside its detectors (its other private modules find the layers and run
+the model: a mutant there changes what is audited, measured by the model audit's own tests, not a threshold)."""
 
 
 REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
@@ -85,12 +97,20 @@ def _committed(path: str) -> bytes:
     return subprocess.run(["git", "show", f"{REVISION}:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
 
 
-def _files() -> tuple[str, ...]:
-    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/detectors/"], cwd=ROOT,
+def _listed(folder: str) -> list[str]:
+    """The .py files of a package folder in the committed tree (REVISION), by name, without __init__.py."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/{folder}/"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
-    detectors = sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
-    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in detectors)
-            + tuple(f"model/{n}" for n in MODEL_FILES))
+    return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
+
+
+def _files() -> tuple[str, ...]:
+    """Every detector module (detectors/*.py, the shared probes among them), the model wing's public modules (its
+    detectors) and MODEL_SHARED: read from the committed tree, so that a module added later is mutated and sampled
+    without being listed here."""
+    model = [n for n in _listed("model") if not n.startswith("_") or n in MODEL_SHARED]
+    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
+            + tuple(f"model/{n}" for n in model))
 
 
 FILES = _files()
@@ -100,11 +120,13 @@ NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_c
 MEASURED = re.compile(r"^MEASURED_")
 SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
-SAMPLE_PER_MODULE = 3
+SAMPLE_PER_MODULE = 4
 SEED = 20
-FAST = ["tests/test_thresholds.py", "tests/test_error_paths.py"]
+FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
+    "model/packing.py": FAST + ["tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_model_audit.py"],
+    "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
@@ -124,6 +146,13 @@ def tests_for(file: str) -> list[str]:
 _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
                    "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
+_VALUES_ARE_KEYS = (
+    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, every "
+    "stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated are the "
+    "keys element for element and only the tensor's identity differs. A layer may read that identity (torch's "
+    "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
+    "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
+    "built in the detectors: keys_matter's mixed case is on SEPARATE_STREAMS, whose value is its own)")
 EQUIVALENT: dict[str, tuple[str, str]] = {
     "_core.py:held:L*:Gt->GtE": ("(checked > tol)", _TOLERANCE_EDGE),
     "_core.py:held:L*:Gt->GtE#2": ("(moved > tol)", _TOLERANCE_EDGE),
@@ -137,13 +166,15 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/variance.py:_bound_check:L*:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
     "detectors/variance.py:_bound_check:L*:Gt->GtE#2": ("(excess > tol).sum()", _TOLERANCE_EDGE),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
-    "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change) > tol", _TOLERANCE_EDGE),
+    "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": ("(rows > tol).sum()", _TOLERANCE_EDGE + " (a count in "
+                                                            "the evidence only)"),
+    "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
-    "model/window.py:check_sliding_window:L*:Gt->GtE": ("(outside > tol).nonzero()", _TOLERANCE_EDGE),
+    "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
     "model/cache.py:schedules:L*:Gt->GtE": (
         "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
         "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
@@ -154,6 +185,12 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/variance.py:_bound_check:L*:x10": (
         "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
         "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
+    "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
+    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
+                                                                 _VALUES_ARE_KEYS),
+    "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
+        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
+        "which it is: `<` and `<=` give the same sizes"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
@@ -227,12 +264,25 @@ def _constants(node: ast.AST):
         yield node
 
 
-def _targets(tree: ast.Module):
-    """(enclosing function or constant name, node, is a module constant) for every node the mutators look at."""
+KNOB = re.compile(r"#\s*knob:\s*(.+)$")
+"""The comment that marks a module constant as a knob, not a threshold (see the docstring): `# knob: <why>`."""
+
+
+def knob(src: _Source, top: ast.stmt) -> str | None:
+    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or None."""
+    found = KNOB.search(src.line(top.lineno))
+    return found.group(1).strip() if found else None
+
+
+def _targets(tree: ast.Module, src: _Source, knobs: bool = False):
+    """(enclosing function or constant name, node, is a module constant) for every node the mutators look at;
+    `knobs`: the constants marked `# knob:` too."""
     for top in tree.body:
         if isinstance(top, (ast.Assign, ast.AnnAssign)):
             names = [t.id for t in (top.targets if isinstance(top, ast.Assign) else [top.target])
                      if isinstance(t, ast.Name)]
+            if not knobs and knob(src, top) is not None:
+                continue
             if names and names[0].isupper() and not MEASURED.match(names[0]) and top.value is not None:
                 for node in _constants(top.value):
                     yield names[0], node, names[0] not in SIZES
@@ -266,7 +316,18 @@ def _returns_skip(body: list[ast.stmt]) -> bool:
         and call.args[1].value == "skip"
 
 
-def mutants_of(filename: str) -> list[Mutant]:
+def knobs_of(filename: str) -> list[tuple[str, str]]:
+    """[(constant, why)] for the module constants of `filename` marked `# knob:`."""
+    src = _Source(_committed(f"{PACKAGE}/{filename}"))
+    found = []
+    for top in ast.parse(src.data, filename=filename).body:
+        if isinstance(top, (ast.Assign, ast.AnnAssign)) and (why := knob(src, top)) is not None:
+            target = top.targets[0] if isinstance(top, ast.Assign) else top.target
+            found.append((getattr(target, "id", "?"), why))
+    return found
+
+
+def mutants_of(filename: str, knobs: bool = False) -> list[Mutant]:
     src = _Source(_committed(f"{PACKAGE}/{filename}"))
     tree = ast.parse(src.data, filename=filename)
     found = []  # (start, order, function, kind, mutation, end, replacement, threshold)
@@ -274,7 +335,7 @@ def mutants_of(filename: str) -> list[Mutant]:
     def add(function, order, kind, mutation, start, end, replacement, threshold=False):
         found.append((start, order, function, kind, mutation, end, replacement, threshold))
 
-    for function, node, module_constant in _targets(tree):
+    for function, node, module_constant in _targets(tree, src, knobs):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool):
             if not module_constant and function not in SIZES and (type(node.value) is not float or node.value == 0.0):
                 continue  # in code: float literals only (ints are indices, sizes and dims)
@@ -343,8 +404,8 @@ def mutants_of(filename: str) -> list[Mutant]:
     return out
 
 
-def all_mutants() -> list[Mutant]:
-    return [m for f in FILES for m in mutants_of(f)]
+def all_mutants(knobs: bool = False) -> list[Mutant]:
+    return [m for f in FILES for m in mutants_of(f, knobs)]
 
 
 def sample(mutants: list[Mutant], per_module: int, seed: int = SEED) -> list[Mutant]:
@@ -504,16 +565,22 @@ def _unlined(mutant_id: str) -> str:
 
 
 def equivalents(mutants: list[Mutant], log) -> dict[str, str]:
-    marked = {}
+    """{mutant id: reason} for the mutants EQUIVALENT marks whose line holds the mark's text. A mark names a mutant
+    without its line number, so the same mutation on several lines of a function shares it: the text picks the line.
+    A mark that matches no line of the mutants run is reported (its code changed: check it again)."""
+    marked, seen, matched = {}, set(), set()
     for m in mutants:
-        mark = EQUIVALENT.get(_unlined(m.id))
+        key = _unlined(m.id)
+        mark = EQUIVALENT.get(key)
         if mark is None:
             continue
+        seen.add(key)
         text, reason = mark
-        if text not in m.code:
-            log(f"warning: EQUIVALENT mark for {m.id} ignored: its line is now `{m.code}`")
-            continue
-        marked[m.id] = reason
+        if text in m.code:
+            marked[m.id] = reason
+            matched.add(key)
+    for key in sorted(seen - matched):
+        log(f"warning: the EQUIVALENT mark {key} matches no line holding `{EQUIVALENT[key][0]}`: ignored")
     return marked
 
 
@@ -577,8 +644,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"sampled mutants per module besides its constants (default {SAMPLE_PER_MODULE})")
     parser.add_argument("--seed", type=int, default=SEED, help=f"the sample's seed (default {SEED})")
     parser.add_argument("--only", action="append", help="only mutants whose id contains this text (repeatable: any)")
+    parser.add_argument("--changed-since", metavar="REV",
+                        help="only mutants of the modules whose committed source differs from REV's (git diff REV "
+                             "REVISION): a change's own modules, e.g. --changed-since main")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this earlier --json output (after tests were added)")
+    parser.add_argument("--knobs", action="store_true",
+                        help="mutate the constants marked `# knob:` too (to check that they change no verdict)")
+    parser.add_argument("--tests", nargs="+", metavar="FILE",
+                        help="run these test files (or node ids) against every mutant instead of the module's TESTS "
+                             "selection (while writing a pin: does it kill the mutant?)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--json", type=Path, help="write every outcome and the score to this file")
@@ -586,7 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
-    everything = all_mutants()
+    if args.tests:
+        TESTS.clear()
+        TESTS[""] = list(args.tests)
+    everything = all_mutants(args.knobs)
     chosen = args.all or args.list or args.survivors_of
     mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:
@@ -595,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [m for m in mutants if _key(m.id, m.code) in alive]  # matched by code: lines may have moved
     if args.only:
         mutants = [m for m in mutants if any(text in m.id for text in args.only)]
+    if args.changed_since:
+        changed = set(_git("diff", "--name-only", args.changed_since, REVISION, "--", PACKAGE).split())
+        mutants = [m for m in mutants if f"{PACKAGE}/{m.file}" in changed]
     per_file = Counter(m.file for m in mutants)
     of_file = Counter(m.file for m in everything)
     how = ("every mutant" if (args.all or args.list) else
@@ -607,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutants:
             print(f"{m.id}  [{m.kind}{', constant' if m.threshold else ''}]\n    {m.code}")
         print(sampled)
+        knobs = [(f, name, why) for f in FILES for name, why in knobs_of(f)]
+        print(f"knobs ({len(knobs)}, {'mutated' if args.knobs else 'not mutated: --knobs mutates them'}):"
+              + "".join(f"\n  {f}:{name}: {why}" for f, name, why in knobs))
         return 0
     if not mutants:
         parser.error("no mutant matches")

@@ -12,6 +12,7 @@ that read them from the module would follow a mutated constant.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
+from diagnostics.detectors._mask_hints import honoured_conventions
 from diagnostics.model import _tolerance
 from diagnostics.model.cache import schedules
 
@@ -178,27 +180,33 @@ class ScaledBackward(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def backward_off_by(error: float):
+def backward_off_by(error: float, ratio: float = 1.0):
     def layer(q, k, v, mask=None):
-        out, weights = attention(q, k, v, mask)
+        out, weights = attention(q, k, v, mask, ratio=ratio)
         return ScaledBackward.apply(out, 1.0 + error), weights
 
     return layer
 
 
-def test_a_backward_off_by_a_quarter_of_the_agreement_passes_and_by_four_times_it_fails():
+@pytest.mark.parametrize("ratio", [1.0, 30.0], ids=["scaled", "logits x30"])
+def test_a_backward_off_by_a_quarter_of_the_agreement_passes_and_by_four_times_it_fails(ratio):
     """The disagreement gradients reads is linear in the backward's error (a fixed direction, float64): it is
-    measured at a large error, then the twins are placed at INSIDE and OUTSIDE x GRADIENT_AGREEMENT."""
-    calibration = verdict(backward_off_by(1e-3), "gradients")
+    measured at a large error, then the twins are placed at INSIDE and OUTSIDE x GRADIENT_AGREEMENT. Logits 30x
+    too sharp pin the finite differences' step (eps 1e-4): at 1e-3 their truncation error (6e-10 on the correct
+    layer) raises the noise allowance to 1.7e-8 and the outside twin passes (measured)."""
+    calibration = verdict(backward_off_by(1e-3, ratio), "gradients")
     assert calibration.verdict == "fail", calibration
     per_unit = calibration.value / 1e-3
-    correct = verdict(backward_off_by(0.0), "gradients")
-    inside = verdict(backward_off_by(INSIDE * GRADIENT_AGREEMENT / per_unit), "gradients")
-    outside = verdict(backward_off_by(OUTSIDE * GRADIENT_AGREEMENT / per_unit), "gradients")
+    correct = verdict(backward_off_by(0.0, ratio), "gradients")
+    inside = verdict(backward_off_by(INSIDE * GRADIENT_AGREEMENT / per_unit, ratio), "gradients")
+    outside = verdict(backward_off_by(OUTSIDE * GRADIENT_AGREEMENT / per_unit, ratio), "gradients")
     assert correct.verdict == "pass" and correct.value < INSIDE * GRADIENT_AGREEMENT, correct
     assert inside.verdict == "pass", inside
     assert outside.verdict == "fail", outside
     assert outside.value == pytest.approx(OUTSIDE * GRADIENT_AGREEMENT, rel=0.2)
+    # printed with the digits that tell them apart (6 would print a disagreement of 4e-9 as two equal numbers)
+    told = re.search(r"autograd gives (\S+) and extrapolated central differences (\S+):", outside.evidence)
+    assert told and told.group(1) != told.group(2) and len(told.group(1)) > 8, outside.evidence
 
 
 # ---- the decode gain: its square root, its cap ------------------------------------------------------
@@ -267,15 +275,17 @@ class LengthDependentDecoder(nn.Module):
     """A causal single-head decoder with a cache of its own (forward(x, kv_cache=None, use_cache=False) returns
     (out, (k, v)) when use_cache), whose outputs carry `per_token` times the length of the call (no cache) or of
     SEQ_LEN (with a cache): its first half alone differs from the full pass by a chosen recomputation noise,
-    while its cached steps add `cache_error` on top."""
+    while its cached steps add `cache_error` on top. `window`: each query sees its last `window` keys only;
+    `returns`: what a cached call returns, "cache" ((out, (k, v))), "weights" ((out, weights, (k, v)): its weights
+    before its cache) or "nested" (((out,), weights, (k, v)): its output inside a tuple of its own)."""
 
     causal = True
     SEQ_LEN = 16
 
-    def __init__(self, per_token=0.0, cache_error=0.0, d_model=8):
+    def __init__(self, per_token=0.0, cache_error=0.0, d_model=8, window=None, returns="cache"):
         super().__init__()
         self.d_model, self.num_heads = d_model, 1
-        self.per_token, self.cache_error = per_token, cache_error
+        self.per_token, self.cache_error, self.window, self.returns = per_token, cache_error, window, returns
         self.qkv = nn.Linear(d_model, 3 * d_model)
         torch.manual_seed(0)
         self.qkv.reset_parameters()
@@ -287,11 +297,15 @@ class LengthDependentDecoder(nn.Module):
             k, v = torch.cat([kv_cache[0], k], 1), torch.cat([kv_cache[1], v], 1)  # (B, Tk, D)
         t_k = k.shape[1]
         allowed = torch.ones(T, t_k, dtype=torch.bool).tril(t_k - T)  # bottom-right: query i sees j <= i + Tk - T
-        scores = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))  # (B, T, Tk)
-        out = scores.softmax(-1) @ v
+        if self.window:
+            allowed &= ~torch.ones(T, t_k, dtype=torch.bool).tril(t_k - T - self.window)  # the last `window` keys
+        weights = (q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, T, Tk)
+        out = weights @ v
         out = out + self.per_token * (T if kv_cache is None else self.SEQ_LEN) + \
             (self.cache_error if kv_cache is not None else 0.0)
-        return (out, (k, v)) if use_cache else out
+        if not use_cache:
+            return out
+        return {"cache": (out, (k, v)), "weights": (out, weights, (k, v)), "nested": ((out,), weights, (k, v))}[self.returns]
 
 
 def test_a_cache_off_by_twice_the_recomputation_noise_passes_and_by_six_times_it_fails():
@@ -549,11 +563,12 @@ class MaskedSelfAttention(nn.Module):
     """forward(x, mask=None): `how` = "adds" adds the mask to the scores (a bool mask then shifts allowed logits
     by 1), "bool ignored" ignores bool masks and adds float ones x 100, "blocks" masks with masked_fill; "adds, NaN":
     adds it, and its first output value is NaN whatever the inputs; "adds, float shape": adds it, and given a float
-    mask returns one position fewer."""
+    mask returns one position fewer. `reach`: key 0 is blocked (by the layer itself) for every query from that
+    position on."""
 
-    def __init__(self, how, d_model=16, num_heads=2):
+    def __init__(self, how, d_model=16, num_heads=2, reach=None):
         super().__init__()
-        self.d_model, self.num_heads, self.how = d_model, num_heads, how
+        self.d_model, self.num_heads, self.how, self.reach = d_model, num_heads, how, reach
         torch.manual_seed(0)
         self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
 
@@ -568,6 +583,10 @@ class MaskedSelfAttention(nn.Module):
                 scores = scores if mask.dtype == torch.bool else scores + 100 * mask
             else:
                 scores = scores.masked_fill(~mask, float("-inf"))
+        if self.reach is not None:
+            cut = torch.zeros(T, T, dtype=torch.bool)
+            cut[self.reach:, 0] = True  # key 0 blocked for the queries from `reach` on
+            scores = scores.masked_fill(cut, float("-inf"))
         out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
         if self.how == "adds, NaN":
             out = out.clone()
@@ -591,6 +610,54 @@ def test_mask_honoured_says_a_layer_adds_its_mask_only_when_it_does_and_its_conv
     for how in ("adds, NaN", "adds, float shape"):  # outputs the two masks cannot be compared on: no hint
         unsure = verdict(MaskedSelfAttention(how), "mask_honoured")
         assert unsure.verdict == "fail" and HINT not in unsure.message, (how, unsure)
+
+
+def test_cache_decoding_takes_the_cache_after_the_weights_a_layer_returns():
+    """_split_cache: the cache is the first returned thing that is not the weights ((B, Tq, Tk) floats)."""
+    result = verdict(LengthDependentDecoder(returns="weights"), "cache_decoding", causal=True)
+    assert result.verdict == "pass" and "through kv_cache (the cache it returns)" in result.evidence, result
+
+
+def test_cache_decoding_says_a_cached_call_returned_no_output_first():
+    """_split_cache: what a cached call returns must start with the output; a tuple that starts with anything else is
+    read as no output (a skip that says what came back), never taken for it."""
+    result = verdict(LengthDependentDecoder(returns="nested"), "cache_decoding", causal=True)
+    assert result.verdict == "skip" and "(ValueError: returned tuple with no (B, 8, D) output first)" in result.message
+
+
+def test_cache_decoding_under_a_window_decodes_alone_the_tokens_where_the_cache_fills_and_rolls_over():
+    """Under sliding_window(4) at T = 16: a prefill of 3, then t = 3, 4, 7 and 8 each alone (the cache fills to the
+    window at 4, a cache of 4 slots rolls over at 4 and 8), the tokens between them in calls of several."""
+    result = verdict(LengthDependentDecoder(window=4), "cache_decoding", causal=True,
+                     pattern=diagnostics.patterns.sliding_window(4))
+    assert result.verdict == "pass", result
+    assert "single tokens at t=3, 4, 7, 8," in result.evidence, result
+
+
+# ---- the mask hints' MOVED and guard: which convention a layer behaves as if it took ------------------------------
+
+
+def hints(layer, *, seq_len=16, **subject):
+    return honoured_conventions(Probe(make_subject(layer, **subject), causal=False, scale=None, seq_len=seq_len,
+                                      seed=0))
+
+
+def test_a_convention_counts_when_changing_an_allowed_key_moves_half_the_rows_that_see_it():
+    """MOVED = 0.5: key 0 read by 8 of 16 queries (half): the additive convention is honoured; by 4 of 16 (a
+    quarter, above a tenth of MOVED): no convention."""
+    half, quarter = hints(MaskedSelfAttention("adds", reach=8)), hints(MaskedSelfAttention("adds", reach=4))
+    assert [str(c) for c, _ in half] == ["additive"] and "moved 16 of 32 rows that see it" in half[0][1], half
+    assert quarter == [], quarter
+
+
+def test_no_convention_is_hinted_where_it_was_declared_or_nothing_can_be_read():
+    """honoured_conventions' guard: a convention the user declared, or a probe of one token (no key can be blocked
+    beside key 0): nothing to hint, where the same layer undeclared at 16 tokens, or 2, is hinted."""
+    adds = MaskedSelfAttention("adds")
+    assert [str(c) for c, _ in hints(adds)] == ["additive"]
+    assert [str(c) for c, _ in hints(adds, seq_len=2)] == ["additive"]
+    assert hints(adds, mask="allowed") == []
+    assert hints(adds, seq_len=1) == []
 
 
 # ---- keys_matter's ROUNDING_BOUND: when a null twin call is needed ---------------------------------------

@@ -1,0 +1,461 @@
+"""Pins for the numbers and branches that `benchmarks/mutations.py` found no test depending on (issue 37): for each,
+a case just inside and one just outside, so that the constant tenfold either way, a comparison turned, or a guard
+that never fires fails a test here. As in tests/test_thresholds.py, constants are quoted as literals on purpose (a
+test that read them from the module would follow a mutated constant); each test says which constant or branch it
+pins. Tiny layers and sizes: the file runs in a few seconds, and every mutant's test selection runs it first.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from buggy_variants import VARIANTS
+from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
+from correct import MultiHeadAttention
+from diagnostics import patterns
+from diagnostics._guard import seed_rng
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+from diagnostics.detectors._common import logit_gain
+from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
+from diagnostics.model.window import declared_pattern
+
+INSIDE, OUTSIDE = 0.3, 3.0  # twins' distance from a gain: 10x either way crosses one of them
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+def attention(q, k, v, mask=None, *, allowed=None):
+    """Scaled dot-product attention on (B, H, Tq, d) x (B, H, Tk, d), returning (out, weights); `allowed(Tq, Tk)`,
+    a bool mask of its own, replaces the one passed."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    mask = allowed(q.shape[-2], k.shape[-2]) if allowed is not None else mask
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+def top_left(t_q, t_k):
+    """Query i sees keys j <= i: right while Tq == Tk, wrong for the last Tq of Tk positions (cached decoding)."""
+    return torch.ones(t_q, t_k, dtype=torch.bool).tril()
+
+
+def windowed(W: int):
+    """The reference under its own sliding window of W keys (whatever mask it is passed)."""
+    return lambda q, k, v, mask=None: attention(q, k, v, allowed=lambda t_q, t_k: patterns.sliding_window(W)
+                                                .allowed(1, t_q, t_k)[0])
+
+
+class OneStream(nn.Module):
+    """Self-attention called as m(x, mask=None) (one input stream) over the reference's weights, returning its
+    weights; `mixes="mean"`: the running mean of the tokens instead (causal, no softmax, no weights); `mixes=None`: a
+    projection of each token alone, which takes a mask and mixes no tokens."""
+
+    def __init__(self, d_model=16, num_heads=2, *, mixes="attention"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.mixes = d_model, num_heads, mixes
+        self.attn = MultiHeadAttention(d_model, num_heads)
+
+    def forward(self, x, mask=None):
+        if self.mixes == "attention":
+            return self.attn(x, x, x, mask)
+        if self.mixes == "mean":
+            x = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)  # (B, T, D)
+        return self.attn.out(x)
+
+
+# ---- causal_alignment: the one-stream guard, NEWEST_KEY_GAINS ------------------------------------------------
+
+
+def test_causal_alignment_skips_a_one_stream_layer_without_weights_and_judges_one_with_them():
+    """Pins the `weights is None` guard: one stream and no weights, a key cannot change without its query."""
+    blind = verdict(OneStream(mixes="mean"), "causal_alignment", causal=True)
+    assert (blind.verdict, blind.message) == ("skip", "not measured: one input stream and no weights: a key cannot "
+                                                      "change without its query"), blind
+    seen = verdict(OneStream(), "causal_alignment", causal=True)
+    assert seen.verdict == "pass", seen
+
+
+def newest_key_opens_past(threshold: float, *, signed: bool = False):
+    """A top-left mask (the newest query does not see the newest key), except that every output moves once the newest
+    key averages more than `threshold` in absolute value, or (`signed`) once the newest query's logit for it exceeds
+    `threshold`: the misalignment shows only to a push that stays below it."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = attention(q, k, v, allowed=top_left)
+        if signed:
+            reach = (q[..., -1, :].float() * k[..., -1, :].float()).sum(-1) / math.sqrt(q.shape[-1])  # (B, H)
+        else:
+            reach = k[..., -1, :].abs().float().mean(-1)  # (B, H)
+        return out + (reach - threshold).clamp_min(0)[..., None, None].to(out.dtype), weights
+
+    return layer
+
+
+def test_causal_alignment_pushes_the_newest_key_100x_both_ways():
+    """NEWEST_KEY_GAINS = (100, -100), one copy each of the same draw, so that one of them raises the newest logit:
+    a gate on that logit at 0.3 x 100 opens in every row of the probe (pass; measured: with either gain at 10 it
+    does not, a finding), one at 3 x 100 stays shut; a gate on the key's size at 3 x 100 stays shut too (the
+    top-left mask's finding), where either gain at 1000 opens it."""
+    opens = verdict(newest_key_opens_past(INSIDE * 100, signed=True), "causal_alignment", causal=True)
+    assert opens.verdict == "pass", opens
+    for shut in (newest_key_opens_past(OUTSIDE * 100, signed=True), newest_key_opens_past(OUTSIDE * 100)):
+        found = verdict(shut, "causal_alignment", causal=True)
+        assert found.verdict == "fail" and found.message.startswith("the newest query does not see the newest"), found
+
+
+# ---- mask_honoured: the guard of a layer that mixes no tokens ------------------------------------------------
+
+
+def test_mask_honoured_skips_a_one_stream_layer_that_mixes_no_tokens_and_judges_one_that_does():
+    alone = verdict(OneStream(mixes=None), "mask_honoured")
+    assert alone.verdict == "skip" and "the layer mixes no tokens" in alone.message, alone
+    assert verdict(OneStream(), "mask_honoured").verdict == "pass"
+
+
+# ---- ENTROPY_ROWS: the rows the logit gain reads ------------------------------------------------------------
+
+
+def spread_logits(spread):
+    """A function whose logits have `spread(row)` as the standard deviation over the keys of row `row` (its index in
+    the flattened (B, H, Tq) rows), whatever q and k: fixed draws, standardised per row."""
+
+    def layer(q, k, v, mask=None):
+        B, H, T, _ = q.shape
+        z = torch.randn(B, H, T, k.shape[-2], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        z = (z - z.mean(-1, keepdim=True)) / z.std(-1, keepdim=True)  # each row: mean 0, std 1
+        rows = torch.arange(B * H * T, dtype=torch.float64).view(B, H, T, 1)
+        weights = (spread(rows) * z).to(q.dtype).softmax(-1)
+        return weights @ v, weights
+
+    return layer
+
+
+def test_the_logit_gain_reads_the_first_512_rows():
+    """ENTROPY_ROWS = 512: rows spread 1e-4 x (1 + row), 640 of them (B 2 x H 2 x T 160): the median of the first
+    512 is 1e-4 x 256 (torch's median of an even count: the lower middle), of all 640 it would be 1e-4 x 320, of
+    the first 51 1e-4 x 26."""
+    probe = Probe(make_subject(spread_logits(lambda r: 1e-4 * (1 + r)), d_model=16, num_heads=2), causal=False,
+                  scale=None, seq_len=160, seed=0)
+    assert logit_gain(probe) == pytest.approx(math.sqrt(2.0 / (1e-4 * 256)), rel=1e-6)
+
+
+# ---- the shared probes (_stacked.py) ----------------------------------------------------------------------
+
+
+def faint(q, k, v, mask=None):
+    """The reference with logits spread by about 0.05 (queries x 0.05): the decoding checks' gain is well above 1."""
+    return attention(0.05 * q, k, v, mask)
+
+
+def probe_of(layer, seq_len: int, *, causal: bool = True) -> Probe:
+    return Probe(make_subject(layer, d_model=16, num_heads=2), causal=causal, scale=None, seq_len=seq_len, seed=0)
+
+
+@pytest.mark.parametrize("seq_len", [2, 3, 16])
+def test_decoding_tokens_are_scaled_by_the_logit_gain_from_3_tokens(seq_len):
+    """decoding_inputs: `logit_gain` times the probe's draws from T = 3 on, unscaled at T = 2."""
+    probe = probe_of(faint, seq_len)
+    x = decoding_inputs(probe)
+    g = logit_gain(probe) if seq_len >= 3 else 1.0
+    assert g > 3 if seq_len >= 3 else g == 1.0  # about sqrt(2 / 0.05) = 6.3 (4.2-6.0 here): scaled and unscaled differ
+    again = probe_of(faint, seq_len)
+    B, T = again.BATCH, again.t
+    drawn = [again.make(B, T) for _ in range(3)]  # the draws decoding_inputs scales, in its order
+    for got, want in zip((x.query, x.key, x.value), drawn):
+        torch.testing.assert_close(got, g * want)
+
+
+@pytest.mark.parametrize("seq_len", [2, 3])
+def test_decoding_makes_its_partial_calls_from_3_tokens(seq_len):
+    """_decoding_calls: the full pass, then one call per split (decode_splits(3) = [1, 2, 2]) from T = 3 on; the full
+    pass alone at T = 2."""
+    calls = decoding_calls(probe_of(attention, seq_len))
+    assert [n for n, _ in calls] == ([3, 1, 2, 2] if seq_len == 3 else [2])
+    assert all(c.ok for _, c in calls)
+
+
+def test_a_stacks_baseline_is_copy_0_of_the_stacked_call_weights_included():
+    """stacked_baseline: the output and weights split along the stacked batch, copy 0 kept; weights not split along
+    it are dropped (not this copy's)."""
+    probe = probe_of(attention, 8, causal=False)
+    call = stacked_baseline(probe, PADDED)
+    B = probe.BATCH
+    assert call.output.out.shape[0] == B and call.output.weights is not None and call.output.weights.shape[0] == B
+    out, weights = attention(call.query, call.key, call.value, call.allowed)
+    torch.testing.assert_close(call.output.weights, weights)
+    torch.testing.assert_close(call.output.out, out)
+
+    def shared_weights(q, k, v, mask=None):  # one (H, Tq, Tk) map for the whole batch: not split along it
+        out, w = attention(q, k, v, mask)
+        return out, w[0]
+
+    whole = stacked_baseline(probe_of(shared_weights, 8, causal=False), PADDED)
+    assert whole.output.out.shape[0] == B and whole.output.weights is None
+
+
+# ---- attention_pattern: its budgets of copies, the decoding branch, one-stream pairs --------------------------
+
+
+def test_the_full_pass_reads_every_class_up_to_9_and_9_classes_above():
+    """MAX_COPIES = 9: sliding_window(7)'s widest row spans 7 keys, p = 7 + 2 = 9 classes, each read in every
+    sequence; sliding_window(8) has p = 10, of which 9 per sequence are read."""
+    narrow = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(7))
+    wide = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(8))
+    assert narrow.verdict == wide.verdict == "pass", (narrow, wide)
+    assert "9 copies, each sequence's keys j % 9 == r changed (every class r < 9;" in narrow.evidence, narrow
+    assert "9 copies, each sequence's keys j % 10 == r changed (9 of the 10 classes r per sequence" in wide.evidence
+
+
+def test_a_decoder_is_measured_decoding_in_2_classes_and_a_bidirectional_layer_is_not():
+    """DECODE_COPIES = 2, and check_attention_pattern's branch: a causal audit of a layer with a separate query
+    measures the last 16 // 3 = 5 queries over 16 keys too, in 2 of the 9 classes (sliding_window(7)); a layer
+    audited as not causal is not measured decoding."""
+    pattern = patterns.sliding_window(7)
+    decoder = verdict(attention, "attention_pattern", pattern=pattern, causal=True)
+    assert decoder.verdict == "pass" and decoder.message.endswith("(and while decoding)"), decoder
+    assert ("2 copies, each sequence's keys j % 9 == r changed (2 of the 9 classes r per sequence" in decoder.evidence
+            and "the last 5 of 16 positions querying" in decoder.evidence), decoder
+    plain = verdict(attention, "attention_pattern", pattern=pattern)
+    assert plain.verdict == "pass" and not plain.message.endswith("(and while decoding)"), plain
+    assert "querying" not in plain.evidence, plain
+
+
+def test_a_decoder_that_fails_the_full_pass_is_judged_on_it():
+    """check_attention_pattern: a finding of the full pass is the verdict (the decoding measurement is not made): a
+    window of 8 keys where 7 are declared leaks at every row, decoding or not."""
+    found = verdict(windowed(8), "attention_pattern", pattern=patterns.sliding_window(7), causal=True)
+    assert found.verdict == "fail", found
+    assert found.message == "outputs depend on keys the declared pattern blocks (leakage): sliding_window(7)", found
+    assert "querying" not in found.evidence, found
+
+
+def test_a_one_stream_layer_counts_the_pairs_of_its_own_class_as_not_measurable():
+    """_read: a one-stream layer's perturbed token is its query too, so the cells (i, j) with j % p == i % p are read
+    by no copy. sliding_window(7) at T = 16, p = 9: classes 0-6 hold two positions (r and r + 9), 7 and 8 one, so
+    14 rows x 2 + 2 rows x 1 = 30 pairs per sequence, 60 in the probe's 2 sequences."""
+    result = verdict(OneStream(), "attention_pattern", pattern=patterns.sliding_window(7))
+    assert result.verdict == "pass", result
+    assert "; 60 pairs not measurable (a one-stream layer's own position moves with its query)" in result.evidence
+
+
+# ---- output_variance with keys of the layer's own -----------------------------------------------------------------
+
+
+class MemorySlots(nn.Module):
+    """forward(query, key, value, mask=None): attention over 2 learned key/value slots prepended to the keys;
+    `dim`: the axis the softmax normalises (-1: the keys; -2: the queries, a bug); `returns_weights`: also return
+    the weights over the input's keys (the slots' columns dropped: rows then sum to less than 1)."""
+
+    def __init__(self, dim=-1, d_model=8, num_heads=2, slots=2, returns_weights=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.dim, self.returns_weights = d_model, num_heads, dim, returns_weights
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.mem_k, self.mem_v = (nn.Parameter(torch.randn(num_heads, slots, d_model // num_heads)) for _ in range(2))
+
+    def forward(self, query, key, value, mask=None):
+        B, Tq, D = query.shape
+        H = self.num_heads
+        split = lambda t: t.view(B, t.shape[1], H, -1).transpose(1, 2)  # (B, T, D) -> (B, H, T, d)
+        q, k, v = split(self.q(query)), split(self.k(key)), split(self.v(value))
+        k = torch.cat([self.mem_k.expand(B, -1, -1, -1), k], 2)  # (B, H, n + Tk, d)
+        v = torch.cat([self.mem_v.expand(B, -1, -1, -1), v], 2)
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, n + Tk)
+        if mask is not None:
+            s = s.masked_fill(~nn.functional.pad(mask, (k.shape[-2] - mask.shape[-1], 0), value=True), float("-inf"))
+        w = s.softmax(dim=self.dim)
+        out = self.o((w @ v).transpose(1, 2).reshape(B, Tq, D))
+        return (out, w[..., -key.shape[1]:]) if self.returns_weights else out  # the input's Tk keys: the last columns
+
+
+class MemorySlotsWithoutMask(MemorySlots):
+    """MemorySlots called as forward(query, key, value): weight_row_sums reads its standard (observed) call."""
+
+    def forward(self, query, key, value):
+        return super().forward(query, key, value)
+
+
+def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and_passes_it_over_the_keys():
+    """output_variance's learned-keys branch (`_judged_with_learned_keys`): the weights over the input's and the
+    layer's keys must come from a softmax over the keys."""
+    queries = verdict(MemorySlots(dim=-2), "output_variance")
+    assert queries.verdict == "fail" and queries.message.endswith("the softmax does not normalise over the keys"), queries
+    keys = verdict(MemorySlots(dim=-1), "output_variance")
+    assert keys.verdict == "pass", keys
+
+
+# ---- CONVEX per dtype: output_variance -------------------------------------------------------------------------
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+CONVEX = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 6e-2}
+
+
+def rows_summing_to(total: float):
+    """The reference with every row of weights scaled to sum to `total`: identical value rows come out x `total`."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return out * total, weights * total
+
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_output_variance_allows_a_quarter_of_convex_and_fails_three_times_it(dtype):
+    """The reading is the row-sum error times |v| / RMS(v), between 1 and sqrt(d) = 2.8 times it (d = 8): a layer off by
+    3x CONVEX reads 3-8.5x it (fails, and would pass at 10x CONVEX; its float64 copy reads the same, so the replay
+    does not excuse it), one off by a quarter of it over sqrt(d) stays inside (tests/test_thresholds.py's twin sits
+    on ROW_SUM, over which a tenfold CONVEX passes nothing new)."""
+    tol = CONVEX[dtype]
+    inside = verdict(rows_summing_to(1 + 0.25 * tol / math.sqrt(8)), "output_variance", dtype=dtype)
+    outside = verdict(rows_summing_to(1 + 3 * tol), "output_variance", dtype=dtype)
+    assert inside.verdict == "pass", inside
+    assert outside.verdict == "fail" and outside.threshold == pytest.approx(tol), outside
+    assert 3 * tol * 0.9 < outside.value < 10 * tol, outside
+
+
+# ---- the model wing: where a layer's window is read ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idx, expected", [
+    (0, ("sliding_window(4)", "config.layer_types[0] = 'sliding_attention', config.sliding_window = 4")),
+    (1, None),  # a full-attention layer of a config that also names a window and a chunk
+    (2, ("chunked(8)", "config.layer_types[2] = 'chunked_attention', config.attention_chunk_size = 8")),
+    (3, ("sliding_window(4)", "config.sliding_window = 4")),  # past the list: the config's own window
+])
+def test_a_layers_pattern_is_read_from_its_own_entry_of_config_layer_types(idx, expected):
+    """declared_pattern: config.layer_types[layer_idx] says which of the config's patterns the layer has, for an
+    index inside the list only."""
+    config = SimpleNamespace(layer_types=["sliding_attention", "full_attention", "chunked_attention"],
+                             sliding_window=4, attention_chunk_size=8)
+    declared = declared_pattern(SimpleNamespace(config=config, layer_idx=idx))
+    assert (None if declared is None else (str(declared.pattern), declared.source)) == expected
+
+
+class CacheDropped(ProtocolGPT):
+    """A decoder with the Hugging Face keyword protocol that, asked for its cache, returns None in its place."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        out = super().forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        return (out[0], None) if use_cache else out
+
+
+@pytest.mark.parametrize("model, expected", [(ProtocolGPT, "pass"), (CacheDropped, "skip")], ids=["cache", "none"])
+def test_cache_parity_is_not_measured_on_a_model_that_returns_no_cache(model, expected):
+    """check_cache_parity's guard: no cache with use_cache=True is a visible skip (its twin, the same decoder with
+    its cache, passes)."""
+    seed_rng(0)
+    found = diagnostics.audit_model(model(n_layer=1, d_model=16, num_heads=2), detectors=["cache_parity"])
+    result = found.result("cache_parity")
+    assert result.verdict == expected, result
+    if expected == "skip":
+        assert result.message == "not measured: the model returned no cache with use_cache=True", result
+
+
+def test_weight_row_sums_judges_the_weights_a_layer_returns_before_its_learned_keys():
+    """check_weight_row_sums' first line: the layer's learned keys are read only where it returns no weights. Weights
+    returned over the input's keys alone (the slots' share dropped) are judged as returned: not a distribution; the
+    same layer returning none is judged on its observed softmax over the keys and the slots."""
+    returned = verdict(MemorySlotsWithoutMask(returns_weights=True), "weight_row_sums")
+    assert returned.verdict == "fail" and returned.message.endswith("(returned weights)"), returned
+    observed = verdict(MemorySlotsWithoutMask(), "weight_row_sums")
+    assert observed.verdict == "pass" and "2 learned key/value slots" in observed.message, observed
+
+
+def test_a_window_one_too_short_is_over_masking_and_the_declared_one_is_read_unmoved_where_it_blocks():
+    """_read: a row that does not move when its one allowed key in a copy changed ignores that key (over-masking,
+    once confirmed); rows that do not move where every key changed is blocked count as blocked pairs read unmoved."""
+    short = verdict(windowed(6), "attention_pattern", pattern=patterns.sliding_window(7))
+    assert short.verdict == "fail", short
+    assert short.message == "outputs ignore keys the declared pattern allows (over-masking): sliding_window(7)", short
+    right = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(7))
+    allowed = [{j for j in range(16) if 0 <= i - j < 7} for i in range(16)]
+    blocked = 2 * sum(16 - len(a) for a in allowed)  # the probe's 2 sequences
+    # read: a blocked key whose class (j % 9) holds none of the row's allowed keys (in its copy the row meets none)
+    read = 2 * sum(j not in a and all(x % 9 != j % 9 for x in a) for a in allowed for j in range(16))
+    assert right.verdict == "pass" and f"{read} / {blocked} blocked pairs measured unmoved" in right.evidence, right
+
+
+@pytest.mark.parametrize("seq_len, how", [(16, "between two sequences of other lengths (right-padded)"),
+                                          (3, "between two sequences of other lengths (right-padded)"),
+                                          (2, "between two other inputs")], ids=["16", "3", "2"])
+def test_batch_invariance_pads_the_other_sequences_from_3_tokens_where_the_model_takes_a_padding_mask(seq_len, how):
+    """check_batch_invariance: a model that takes an attention mask is measured between right-padded sequences of
+    other lengths from 3 tokens on (one padded token fewer than a third of them, one padded token), between other
+    inputs below that and in a model that takes no mask; the audit of batch_invariance alone makes its own
+    single-sequence forward (cache_parity's is not there to reuse)."""
+    seed_rng(0)
+    report = diagnostics.audit_model(ProtocolGPT(n_layer=1, d_model=16, num_heads=2), seq_len=seq_len,
+                                     detectors=["batch_invariance"])
+    result = report.result("batch_invariance")
+    assert (result.verdict, result.message) == ("pass", f"a sequence alone gives its output {how}"), result
+
+
+def test_batch_invariance_of_a_model_without_a_padding_mask_is_measured_between_other_inputs():
+    seed_rng(0)
+    result = diagnostics.audit_model(TinyGPT(n_layer=1, d_model=16, num_heads=2),
+                                     detectors=["batch_invariance"]).result("batch_invariance")
+    assert (result.verdict, result.message) == ("pass", "a sequence alone gives its output between two other inputs")
+
+
+# ---- gradients: a disagreement of exactly 0 ---------------------------------------------------------------------
+
+
+def test_gradients_words_an_exact_agreement_of_zero():
+    """check_gradients' digits: a layer whose output is 0 everywhere has gradient 0 and finite differences 0, a
+    disagreement of exactly 0 (whose log10 would raise): a pass that says so; the reference's is above 0."""
+    zero = verdict(lambda q, k, v, mask=None: (0 * attention(q, k, v, mask)[0], None), "gradients")
+    assert zero.verdict == "pass" and zero.value == 0.0 and "disagreement 0 of |grad|" in zero.evidence, zero
+    assert verdict(attention, "gradients").value > 0
+
+
+def test_a_findings_picture_is_32_keys_by_32_rows_around_its_first_cell():
+    """PICTURE_CELLS = 32: at 40 tokens, the picture of a window one too long is measured on 32 of the 40 keys and
+    rows (one copy of the batch per key: its cost bound), where 3.2 would draw 3 and 320 all 40."""
+    found = verdict(windowed(8), "attention_pattern", pattern=patterns.sliding_window(7), seq_len=40)
+    assert found.verdict == "fail", found
+    assert tuple(found.extras["dependency_map"].declared.shape) == (32, 32), found.extras
+
+
+# ---- output_shape: which call with Tq != Tk it reads ------------------------------------------------------------
+
+
+def rows_per_key(q, k, v, mask=None):
+    """The reference, except that given fewer queries than keys it returns a row per key (its keys as queries)."""
+    return attention(k, k, v) if q.shape[-2] != k.shape[-2] else attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("seq_len, read", [(3, "query length 2, memory length 3: output (2, 2, 3, 8)"),
+                                           (2, "query length 2, memory length 5: output (2, 2, 5, 8)")])
+def test_output_shape_reads_decodings_last_call_from_3_tokens_and_a_longer_memory_below(seq_len, read):
+    """check_output_shape: for a causal layer from 3 tokens on, decode_consistency's last call (the newest 2 of 3
+    queries over every key); below that (no partial calls), a memory 3 tokens longer than the queries."""
+    wrong = verdict(rows_per_key, "output_shape", causal=True, seq_len=seq_len)
+    assert wrong.verdict == "fail" and f"{read}, expected (2, 2, 2, 8)" in wrong.evidence, wrong
+    assert verdict(attention, "output_shape", causal=True, seq_len=seq_len).verdict == "pass"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["reference", "missing causal mask"])
+def test_gradient_flow_fails_a_model_whose_layer_reads_the_future_and_passes_its_twin(broken):
+    """check_gradient_flow's finding: past outputs send gradient to later inputs in a decoder with one layer's
+    causal mask missing; none in the reference."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
+    if broken:
+        inject(model, 1, VARIANTS["missing_causal_mask"])
+    result = diagnostics.audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == ("fail" if broken else "pass"), result
+    if broken:
+        assert result.message.startswith("the gradient lets the future in"), result
