@@ -1193,3 +1193,85 @@ def test_the_crash_rule_the_models_exception_is_a_finding_ours_an_error(monkeypa
     result = report.result("padding_invariance")
     assert result.verdict == "error" and "the detector crashed: TypeError" in result.message, str(report)
     assert report.status == "inconclusive" and "padding_invariance crashed" in report.status_reason
+
+
+# ---- causality read from the layers where nothing declares it (issue 35's first contact) ---------------------
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: a registered triangle masks the scores; `diagonal=1` lets each query see the
+    next key (the off-by-one mask, torch.tril(ones, 1) where torch.tril(ones) belongs)."""
+
+    def __init__(self, diagonal: int = 0, n_embd: int = 32, n_head: int = 4, block_size: int = 32):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size), diagonal)[None, None])
+
+    def forward(self, x):
+        B, T, C = x.shape  # batch, sequence length, n_embd
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))  # (B, H, T, d)
+        att = (q @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)  # (B, H, T, T)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(-1)
+        return self.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, diagonal: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), NanoAttention(diagonal), nn.LayerNorm(32)
+        self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's GPT as its users write it: no `causal` attribute, no config, forward(idx, targets) -> (logits,
+    loss). `leaky`: the block whose mask is off by one."""
+
+    def __init__(self, n_layer: int = 4, leaky: int | None = None):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(64, 32), wpe=nn.Embedding(32, 32), ln_f=nn.LayerNorm(32),
+            h=nn.ModuleList(NanoBlock(1 if i == leaky else 0) for i in range(n_layer))))
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def nano_gpt(leaky: int | None = None) -> GPT:
+    torch.manual_seed(0)
+    return GPT(leaky=leaky)
+
+
+def test_a_plain_nanogpt_whose_layers_mask_the_future_is_audited_as_causal():
+    report = audit(nano_gpt())
+    assert report.passed and report.causal, str(report)
+    assert report.causal_source == "measured: 4 of 4 attention layers mask the future themselves"
+    assert report.result("prefix_causality").verdict == "pass"
+
+
+def test_a_nanogpt_with_one_mask_off_by_one_fails_at_that_layer():
+    report = audit(nano_gpt(leaky=2))
+    path = "transformer.h.2.attn"
+    assert report.status == "failed" and report.causal, str(report)
+    assert "3 of 4" in report.causal_source and f"{path} does not" in report.causal_source
+    assert report.result_layers["prefix_causality"] == path, str(report)
+    assert (path, "future_leakage") in located(report)
+    assert {layer for layer, _ in located(report)} <= {path, None}, str(report)
+
+
+def test_an_encoder_whose_layers_do_not_mask_is_still_assumed_not_causal_and_a_declaration_wins():
+    report = audit(_encoder())  # torch's TransformerEncoder: no layer masks the future
+    assert not report.causal and report.causal_source.startswith("assumed"), report.causal_source
+    said = audit(nano_gpt(leaky=2), causal=False)  # told: the layers' masks are not read
+    assert not said.causal and said.causal_source == "as given"
