@@ -550,7 +550,9 @@ def test_bart_cross_attention_with_its_memory_dropped_fails_in_place():
     assert hf_bug_report(tf, "bart", "reference")[0].passed
 
 
-def _register(tf, name: str, fn):
+def register_attention(name: str, fn):
+    """`fn` registered as transformers' attention implementation `name`, with sdpa's masks (benchmarks/sweep.py
+    injects its bugs through it too)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -622,8 +624,8 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     return out.transpose(1, 2).contiguous()  # (B, Tq, H, d)
 
 
-def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                   position_bias=None, **kw):
+def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  position_bias=None, **kw):
     """An attention function for transformers' AttentionInterface: sdpa's, except in the module marked
     `_test_bug = kind` (a mark that copies of the module keep, as they keep a bug in code), which runs `_attend`."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -639,7 +641,7 @@ def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if square and Tk > Tq:
         key, value, Tk = key[:, :, :Tq], value[:, :, :Tq], Tq
         position_bias = None if position_bias is None else position_bias[..., :Tq]
-    allowed = None
+    allowed, kw_bias = None, position_bias
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             allowed = attention_mask
@@ -654,6 +656,8 @@ def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             allowed = allowed & torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
     if kind == "padding_mask_replaces_causal" and attention_mask is not None:  # keep the padded keys only
         allowed = allowed.any(dim=-2, keepdim=True)  # (B, 1, 1, Tk): the keys some query may attend
+    if kind == "mask_ignored":  # the model's mask (causal, padding, window) never applied; a position bias kept
+        allowed, position_bias = None, kw_bias
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _attend(kind, query, key, value, allowed, scale, bias=position_bias, causal=layer_causal,
                    dropout=dropout), None
@@ -669,7 +673,7 @@ def hf_bug_report(tf, name: str, bug: str):
     if (name, bug) not in _MEMO:
         clean = hf_report(tf, name, "sdpa")
         path = HF_TARGET.get(name, list(clean.layers)[1])
-        _register(tf, "test_bugs", _bug_attention)
+        register_attention("test_bugs", bug_attention)
         model = hf_model(tf, name, "test_bugs")
         dict(model.named_modules())[path]._test_bug = bug
         _MEMO[name, bug] = (audit(model, seq_len=BUG_SEQ_LEN), path)
@@ -730,7 +734,7 @@ def test_catalog_bug_injected_through_attention_interface_is_caught_in_its_layer
 
 def test_the_injected_attention_with_nothing_broken_computes_what_sdpa_computes():
     tf = _need("transformers")
-    _register(tf, "test_bugs", _bug_attention)
+    register_attention("test_bugs", bug_attention)
     ids = torch.randint(64, (2, BUG_SEQ_LEN), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, BUG_SEQ_LEN, dtype=torch.long)
     mask[0, :3] = 0  # left padding: the model's own boolean mask reaches the function
