@@ -1279,3 +1279,74 @@ def test_an_encoder_whose_layers_do_not_mask_is_still_assumed_not_causal_and_a_d
     assert not report.causal and report.causal_source.startswith("assumed"), report.causal_source
     said = audit(nano_gpt(leaky=2), causal=False)  # told: the layers' masks are not read
     assert not said.causal and said.causal_source == "as given"
+
+
+# ---- the example a Hugging Face model declares ----------------------------------------------------------------
+
+
+def _llava(tf):
+    """A vision-language decoder: no top-level vocab_size (its text config has one), a vision tower whose position
+    table is the first nn.Embedding, the image token inside the vocabulary."""
+    torch.manual_seed(0)
+    text = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=64, max_position_embeddings=64, pad_token_id=0)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  intermediate_size=64, image_size=16, patch_size=8)
+    return tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision, image_token_id=63,
+                                                           attn_implementation="sdpa"))
+
+
+def test_a_vision_language_decoder_gets_ids_from_its_text_config_and_its_causality_measured():
+    """Before: ids drawn for the vision tower's position table, and the decoder assumed not causal."""
+    tf = _need("transformers")
+    report = audit(_llava(tf))
+    assert report.passed and report.causal, str(report)
+    assert report.causal_source == "measured: 2 of 2 attention layers mask the future themselves", report.causal_source
+    assert report.result("prefix_causality").verdict == "pass" and report.result("cache_parity").verdict == "pass"
+
+
+def test_the_example_draws_no_special_id_and_neither_do_the_probes_replacements():
+    from diagnostics.model._runner import Runner, pad_tokens
+
+    tf = _need("transformers")
+    model = _llava(tf)
+    runner = Runner(model, None, seq_len=16, seed=0)
+    assert runner.main == "input_ids" and runner.vocab == 64 and {0, 63} <= runner.special, runner.special
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.cat([runner.inputs.flatten(), runner.other_tokens(runner.inputs, gen).flatten(),
+                       pad_tokens(runner, (4, 16), gen).flatten()])
+    assert not set(drawn.tolist()) & set(runner.special), sorted(set(drawn.tolist()) & set(runner.special))
+    assert bool((runner.other_tokens(runner.inputs, gen) != runner.inputs).all())  # every position another token
+
+
+def test_a_model_whose_main_input_is_neither_ids_nor_sized_pixels_asks_for_an_example():
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.WhisperModel(tf.WhisperConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                             decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                                             max_target_positions=16, pad_token_id=0, bos_token_id=1,
+                                             eos_token_id=2, decoder_start_token_id=1))
+    with pytest.raises(diagnostics.AuditUsageError) as caught:
+        diagnostics.audit_model(model)
+    assert "whose main input is 'input_features'" in str(caught.value) and "example=" in str(caught.value)
+
+
+def test_padding_compares_explicit_positions_on_both_sides_for_positions_numbered_from_the_padding_index():
+    """RoBERTa numbers its own positions from padding_idx + 1 when given none: the unpadded reference, run without
+    position ids, sat elsewhere than the padded rows given cumsum(mask) - 1, and a correct model "moved"."""
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.RobertaForCausalLM(tf.RobertaConfig(hidden_size=32, is_decoder=True, pad_token_id=1,
+                                                   attn_implementation="sdpa", **COMMON))
+    report = audit(model, detectors=["padding_invariance"])
+    assert report.result("padding_invariance").verdict == "pass", str(report)
+
+
+def test_a_config_that_says_causal_false_makes_an_lm_head_class_a_masked_lm():
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.XLMWithLMHeadModel(tf.XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=4, causal=False,
+                                               max_position_embeddings=64))
+    report = audit(model, detectors=["prefix_causality"])
+    assert not report.causal and report.causal_source == "inferred: config.causal is False", report.causal_source
