@@ -1350,3 +1350,28 @@ def test_a_config_that_says_causal_false_makes_an_lm_head_class_a_masked_lm():
                                                max_position_embeddings=64))
     report = audit(model, detectors=["prefix_causality"])
     assert not report.causal and report.causal_source == "inferred: config.causal is False", report.causal_source
+
+
+class Picky(nn.Module):
+    """Raises on every input: a front end that is not attention (a vision tower handed token ids)."""
+
+    def forward(self, x):
+        raise ValueError("expected pixel values (B, 3, H, W)")
+
+
+def test_a_model_raising_outside_attention_on_the_audits_own_example_is_inconclusive_and_on_the_users_a_finding():
+    class Fronted(KeywordGPT):
+        def __init__(self):
+            super().__init__()
+            self.front = Picky()
+
+        def forward(self, input_ids, attention_mask=None):
+            self.front(input_ids)
+            return super().forward(input_ids, attention_mask)
+
+    torch.manual_seed(0)
+    own = audit(Fronted())
+    assert own.status == "inconclusive" and own.result("model_runs").verdict == "skip", str(own)
+    assert "the example the audit built" in own.status_reason and "pass example=" in own.status_reason
+    users = audit(Fronted(), torch.randint(64, (2, T)))  # the user's own example: the model raising is a finding
+    assert users.status == "failed" and users.result("model_runs").verdict == "fail", str(users)

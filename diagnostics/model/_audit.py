@@ -45,6 +45,9 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         per_layer = [f"{p} ({', '.join(r.detector for r in rep.results if r.verdict == 'fail')})"
                      for p, rep in layers.items() if rep.status == "failed"]
         return "failed", "failed: " + ", ".join(failed + per_layer)
+    ran = next((r for r in results if r.detector == runs.ID), None)
+    if ran is not None and ran.verdict == "skip":
+        return "inconclusive", f"inconclusive: {ran.message} ({ran.evidence})"
     if not found:
         return "inconclusive", ("inconclusive: no attention module was found (no torch, timm or Hugging Face attention "
                                 "class, and no softmax over (Tq, Tk) scores or fused attention observed)")

@@ -89,6 +89,7 @@ class Runner:
         self.fixed: dict = {}
         self.dropped: list[str] = []  # the example's per-position entries, which the checks build themselves
         self.vocab, self.special = 0, frozenset()  # the ids drawn, and the special ids kept out of them
+        self.built_example = example is None  # the audit's own: a model that rejects it says nothing about itself
         self.main, inputs = self._example(example, seq_len, seed)
         self.inputs = inputs  # (B, T[, D]) or images
         self.sequence = self.main not in ("pixel_values",) and inputs.dim() in (2, 3) and (
@@ -197,8 +198,10 @@ class Runner:
             vocab = getattr(text, "vocab_size", None)
             try:
                 emb = model.get_input_embeddings()
-            except (AttributeError, NotImplementedError):  # transformers raises for a class that has no one table
+            except NotImplementedError:  # transformers raises for a class that has no one table
                 emb = None
+            except AttributeError:  # not a PreTrainedModel: its first token table, as for a plain model
+                emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
             if not (isinstance(vocab, int) and vocab > 0) and isinstance(emb, nn.Embedding):
                 vocab = emb.num_embeddings
             if isinstance(emb, nn.Embedding) and isinstance(vocab, int):
