@@ -1373,5 +1373,5 @@ def test_a_model_raising_outside_attention_on_the_audits_own_example_is_inconclu
     own = audit(Fronted())
     assert own.status == "inconclusive" and own.result("model_runs").verdict == "skip", str(own)
     assert "the example the audit built" in own.status_reason and "pass example=" in own.status_reason
-    users = audit(Fronted(), torch.randint(64, (2, T)))  # the user's own example: the model raising is a finding
+    users = audit(Fronted(), example=torch.randint(64, (2, T)))  # the user's own example: the model raising is a finding
     assert users.status == "failed" and users.result("model_runs").verdict == "fail", str(users)
