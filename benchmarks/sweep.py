@@ -151,6 +151,7 @@ def tiny_config(model_type: str, *, decoder: bool = False):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
+    decoder = decoder and hasattr(base, "is_decoder")  # transformers 5 keeps the flag on the configs that read it
     return type(base)(**_shrunk(base), **({"is_decoder": True} if decoder else {}))
 
 
