@@ -299,6 +299,20 @@ def hf_model(tf, family: str, *, window: int = 5):
         hf_config(tf, family, impl, window, layers=2))
 
 
+def widen_window_builder(monkeypatch, module_name: str, builder: str) -> None:
+    """The model's own mask builder patched (in the model's module, for this test only) to build the window one key
+    wider than the config it reads says."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, builder)
+
+    def one_wider(config, *args, **kwargs):
+        wider = copy.copy(config)
+        wider.sliding_window = config.sliding_window + 1  # BUG: the mask one key wider than the config's window
+        return original(wider, *args, **kwargs)
+
+    monkeypatch.setattr(module, builder, one_wider)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_its_sliding_layers(family, monkeypatch, hf_transformers):
     """The model's own mask builder patched (in the model's module, for this test only) to build the window one
@@ -308,15 +322,8 @@ def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_it
     chosen = ["sliding_window", "attention_pattern", "future_leakage"]  # the full-attention layers measured too
     good = audit(hf_model(tf, family), detectors=chosen)
     assert good.passed and good.result("sliding_window").verdict == "pass", str(good)
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    original = module.create_sliding_window_causal_mask
-
-    def one_wider(config, *args, **kwargs):
-        wider = copy.copy(config)
-        wider.sliding_window = config.sliding_window + 1  # BUG: the mask one key wider than the config's window
-        return original(wider, *args, **kwargs)
-
-    monkeypatch.setattr(module, "create_sliding_window_causal_mask", one_wider)
+    widen_window_builder(monkeypatch, f"transformers.models.{family}.modeling_{family}",
+                         "create_sliding_window_causal_mask")
     bad = audit(hf_model(tf, family), detectors=chosen)
     sliding = [p for p, m in hf_model(tf, family).named_modules() if p.endswith("self_attn") and declared_window(m)]
     assert bad.status == "failed" and bad.result("sliding_window").layer == sliding[0], str(bad)
@@ -363,15 +370,8 @@ def test_an_encoders_two_sided_window_passes_and_one_a_key_wider_fails_at_its_la
     result = good.result("sliding_window")
     assert result.verdict == "pass" and "two_sided_window(2) exact" in result.evidence, result
     assert "s=0: t=0..2 moved" in result.evidence and "s=2: t=0..4 moved" in result.evidence, result.evidence
-    module = importlib.import_module("transformers.models.modernbert.modeling_modernbert")
-    original = module.create_bidirectional_sliding_window_mask
-
-    def one_wider(config, *args, **kwargs):
-        wider = copy.copy(config)
-        wider.sliding_window = config.sliding_window + 1  # BUG: the mask one key wider than the config's window
-        return original(wider, *args, **kwargs)
-
-    monkeypatch.setattr(module, "create_bidirectional_sliding_window_mask", one_wider)
+    widen_window_builder(monkeypatch, "transformers.models.modernbert.modeling_modernbert",
+                         "create_bidirectional_sliding_window_mask")
     bad = audit(modernbert(tf))
     assert bad.status == "failed" and bad.result("sliding_window").layer == "layers.1.attn", str(bad)
     assert {layer for layer, _ in located(bad)} == {"layers.1.attn", "layers.2.attn"}, str(bad)
