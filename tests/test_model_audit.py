@@ -1296,12 +1296,12 @@ def _llava(tf):
                                                            attn_implementation="sdpa"))
 
 
-def test_a_vision_language_decoder_gets_ids_from_its_text_config_and_its_causality_measured():
+def test_a_vision_language_decoder_gets_ids_from_its_text_config_and_its_layers_declare_it_causal():
     """Before: ids drawn for the vision tower's position table, and the decoder assumed not causal."""
     tf = _need("transformers")
     report = audit(_llava(tf))
     assert report.passed and report.causal, str(report)
-    assert report.causal_source == "measured: 2 of 2 attention layers mask the future themselves", report.causal_source
+    assert report.causal_source == "inferred: its 2 self-attention layers say is_causal = True", report.causal_source
     assert report.result("prefix_causality").verdict == "pass" and report.result("cache_parity").verdict == "pass"
 
 

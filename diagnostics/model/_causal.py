@@ -5,13 +5,17 @@ Declarations, strongest first: the caller's `causal=`; the config's own flags (`
 `model.causal` / `model.is_causal`; the class's family (`*ForCausalLM`, `*LMHeadModel`); an encoder-decoder, whose
 decoder is causal.
 
-Where nothing declares it (a plain nanoGPT `GPT`, a vision-language `*ForConditionalGeneration`), or where the
-only declaration is the encoder-decoder family, each self-attention layer audited in place is measured on its own
-(`masks_future`): the same random input twice, every position after the middle changed the second time; a layer
-whose past outputs stay put while its later ones move masks the future itself. When most measured layers (of the
-decoder, in an encoder-decoder) do, the model is causal, and a layer that does not is the finding: its own audit,
-as a causal layer, points at the line. An encoder-decoder whose decoder layers do not mask the future (a
-non-autoregressive decoder) is not causal.
+Next, the layers' own declaration (read once they are found): self-attention layers that all say
+`is_causal = True` (Hugging Face's decoder layers: a vision-language model's text decoder) make the model causal.
+An encoder-decoder whose decoder self-attention layers all say `is_causal = False` (a non-autoregressive decoder)
+is not causal: the layers' own declaration overrules the family's. What a layer does never overrules a
+declaration: a bug that drops the causal mask of a one-layer decoder must not make it "not causal".
+
+Where nothing declares it (a plain nanoGPT `GPT`, whose layers carry no `is_causal`), each
+self-attention layer audited in place is measured on its own (`masks_future`): the same random input twice, every
+position after the middle changed the second time; a layer whose past outputs stay put while its later ones move
+masks the future itself. When most measured layers do, the model is causal, and a layer that does not is the
+finding: its own audit, as a causal layer, points at the line.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ CAUSAL_CLASS = re.compile(r"CausalLM|LMHeadModel")
 
 
 def declared_causal(model, causal, runner) -> tuple[bool | None, str]:
-    """(True / False, how it is declared), or (None, "") where nothing says; an encoder-decoder is (True, ...)
-    but open to measurement (`infer_causal`)."""
+    """(True / False, how the model declares it), or (None, "") where nothing does; an encoder-decoder is
+    (True, ...), unless its decoder layers say otherwise (`infer_causal`)."""
     if causal is not None:
         expect(isinstance(causal, bool), "causal=True, False or None", f"causal={causal!r}", "pass a bool")
         return causal, "as given"
@@ -86,19 +90,21 @@ def infer_causal(model, causal, runner, wrappers: dict, *, T: int, dtype, seed: 
     """Whether the model is causal, and how that was decided (as given, declared by what, measured on how many
     layers, or assumed not). `wrappers`: {path: in-place layer}, the self-attention ones measured."""
     said, source = declared_causal(model, causal, runner)
-    if said is not None and not (runner.encoder_decoder and source.startswith("inferred: an encoder-decoder")):
+    if said is not None and runner.encoder_decoder and source.startswith("inferred: an encoder-decoder"):
+        decoder = [w.inner for p, w in wrappers.items() if w.is_self_attention() and ".decoder." in f".{p}."]
+        if decoder and all(getattr(m, "is_causal", None) is False for m in decoder):
+            return False, (f"inferred: an encoder-decoder whose {len(decoder)} decoder self-attention layers say "
+                           f"is_causal = False (a non-autoregressive decoder)")
+    if said is not None:
         return said, source
-    decoder = runner.encoder_decoder
+    own = [w.inner for w in wrappers.values() if w.is_self_attention()]
+    if own and all(getattr(m, "is_causal", None) is True for m in own):
+        return True, f"inferred: its {len(own)} self-attention layers say is_causal = True"
     readings = {p: masks_future(w, T, w.d_model, dtype, seed) for p, w in wrappers.items()
-                if w.is_self_attention() and w.block_size == T and (not decoder or ".decoder." in f".{p}.")}
+                if w.is_self_attention() and w.block_size == T}
     measured = {p: m for p, m in readings.items() if m is not None}
     masking = [p for p, m in measured.items() if m]
-    where = "decoder self-attention layers" if decoder else "attention layers"
-    if decoder:
-        if measured and not masking:
-            return False, (f"measured: an encoder-decoder none of whose {len(measured)} {where} masks the future "
-                           f"(a non-autoregressive decoder)")
-        return said, source
+    where = "attention layers"
     if measured and 2 * len(masking) > len(measured):
         text = f"measured: {len(masking)} of {len(measured)} {where} mask the future themselves"
         if len(masking) < len(measured):
