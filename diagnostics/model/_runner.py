@@ -187,14 +187,17 @@ class Runner:
         return first, self.draw_ids((2, T), gen).to(device)
 
     def _declared_example(self, config, T: int, gen, device, dtype):
-        """The example a Hugging Face model declares it takes: its `main_input_name` (token ids sized by the text
-        config's vocabulary or the input embedding, with no special token among them; pixels sized by the config's
-        or its vision config's image size), else a usage error that asks for one."""
+        """The example a Hugging Face model declares it takes: its `main_input_name` (the forward's first input
+        where that name is not one of them), token ids sized by the text config's vocabulary or the input embedding,
+        with no special token among them, or pixels sized by the image size of the config or a config inside it;
+        else a usage error that asks for one."""
         model = self.model
         main = getattr(model, "main_input_name", "input_ids")
+        named = [n for n, p in self.params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if main not in named and named:  # a class that inherits the default "input_ids" yet takes pixels first
+            main = named[0]
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if main in ("input_ids", "decoder_input_ids") or (main not in ("pixel_values",) and self.takes("input_ids")
-                                                          and main not in self.params):
+        if main in ("input_ids", "decoder_input_ids"):
             vocab = getattr(text, "vocab_size", None)
             try:
                 emb = model.get_input_embeddings()
