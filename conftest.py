@@ -13,7 +13,7 @@ matrix's six dtype x initialisation settings, the whole audit of a FlexAttention
 tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, the
 controller's light start with the catalog's readers on one worker, the cycle collector's settings given back to a
 caller of pytest.main() (tests/test_setup.py), and a fixed sample of transformers' model types through the zoo sweep,
-benchmarks/sweep.py (tests/test_sweep.py, a few minutes).
+benchmarks/sweep.py (tests/test_sweep.py: 57 s on a quiet machine, 4 minutes under load).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half
