@@ -13,9 +13,10 @@ matrix's six dtype x initialisation settings, the whole audit of a FlexAttention
 tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, the
 controller's light start with the catalog's readers on one worker, the cycle collector's settings given back to a
 caller of pytest.main() and the wheel's contents (tests/test_setup.py), examples/ run as a user runs them
-(tests/test_new_user.py), and the sharded audit's full matrix (tests/test_sharded.py: every correct sharded form and
+(tests/test_new_user.py), the sharded audit's full matrix (tests/test_sharded.py: every correct sharded form and
 every broken variant beside its twin at 2 and 4 ranks, Ctrl-C, the command line, torch's DTensor plans; about 2.5
-minutes of forked groups).
+minutes of forked groups), and a fixed sample of transformers' model types through the zoo sweep,
+benchmarks/sweep.py (tests/test_sweep.py: 57 s on a quiet machine, 4 minutes under load).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half

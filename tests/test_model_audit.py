@@ -550,7 +550,9 @@ def test_bart_cross_attention_with_its_memory_dropped_fails_in_place():
     assert hf_bug_report(tf, "bart", "reference")[0].passed
 
 
-def _register(tf, name: str, fn):
+def register_attention(name: str, fn):
+    """`fn` registered as transformers' attention implementation `name`, with sdpa's masks (benchmarks/sweep.py
+    injects its bugs through it too)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -622,8 +624,8 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     return out.transpose(1, 2).contiguous()  # (B, Tq, H, d)
 
 
-def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                   position_bias=None, **kw):
+def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  position_bias=None, **kw):
     """An attention function for transformers' AttentionInterface: sdpa's, except in the module marked
     `_test_bug = kind` (a mark that copies of the module keep, as they keep a bug in code), which runs `_attend`."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -639,7 +641,7 @@ def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if square and Tk > Tq:
         key, value, Tk = key[:, :, :Tq], value[:, :, :Tq], Tq
         position_bias = None if position_bias is None else position_bias[..., :Tq]
-    allowed = None
+    allowed, kw_bias = None, position_bias
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             allowed = attention_mask
@@ -654,6 +656,8 @@ def _bug_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             allowed = allowed & torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
     if kind == "padding_mask_replaces_causal" and attention_mask is not None:  # keep the padded keys only
         allowed = allowed.any(dim=-2, keepdim=True)  # (B, 1, 1, Tk): the keys some query may attend
+    if kind == "mask_ignored":  # the model's mask (causal, padding, window) never applied; a position bias kept
+        allowed, position_bias = None, kw_bias
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _attend(kind, query, key, value, allowed, scale, bias=position_bias, causal=layer_causal,
                    dropout=dropout), None
@@ -669,7 +673,7 @@ def hf_bug_report(tf, name: str, bug: str):
     if (name, bug) not in _MEMO:
         clean = hf_report(tf, name, "sdpa")
         path = HF_TARGET.get(name, list(clean.layers)[1])
-        _register(tf, "test_bugs", _bug_attention)
+        register_attention("test_bugs", bug_attention)
         model = hf_model(tf, name, "test_bugs")
         dict(model.named_modules())[path]._test_bug = bug
         _MEMO[name, bug] = (audit(model, seq_len=BUG_SEQ_LEN), path)
@@ -730,7 +734,7 @@ def test_catalog_bug_injected_through_attention_interface_is_caught_in_its_layer
 
 def test_the_injected_attention_with_nothing_broken_computes_what_sdpa_computes():
     tf = _need("transformers")
-    _register(tf, "test_bugs", _bug_attention)
+    register_attention("test_bugs", bug_attention)
     ids = torch.randint(64, (2, BUG_SEQ_LEN), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, BUG_SEQ_LEN, dtype=torch.long)
     mask[0, :3] = 0  # left padding: the model's own boolean mask reaches the function
@@ -1193,3 +1197,181 @@ def test_the_crash_rule_the_models_exception_is_a_finding_ours_an_error(monkeypa
     result = report.result("padding_invariance")
     assert result.verdict == "error" and "the detector crashed: TypeError" in result.message, str(report)
     assert report.status == "inconclusive" and "padding_invariance crashed" in report.status_reason
+
+
+# ---- causality read from the layers where nothing declares it (issue 35's first contact) ---------------------
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: a registered triangle masks the scores; `diagonal=1` lets each query see the
+    next key (the off-by-one mask, torch.tril(ones, 1) where torch.tril(ones) belongs)."""
+
+    def __init__(self, diagonal: int = 0, n_embd: int = 32, n_head: int = 4, block_size: int = 32):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size), diagonal)[None, None])
+
+    def forward(self, x):
+        B, T, C = x.shape  # batch, sequence length, n_embd
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))  # (B, H, T, d)
+        att = (q @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)  # (B, H, T, T)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(-1)
+        return self.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, diagonal: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), NanoAttention(diagonal), nn.LayerNorm(32)
+        self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's GPT as its users write it: no `causal` attribute, no config, forward(idx, targets) -> (logits,
+    loss). `leaky`: the block whose mask is off by one."""
+
+    def __init__(self, n_layer: int = 4, leaky: int | None = None):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(64, 32), wpe=nn.Embedding(32, 32), ln_f=nn.LayerNorm(32),
+            h=nn.ModuleList(NanoBlock(1 if i == leaky else 0) for i in range(n_layer))))
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def nano_gpt(leaky: int | None = None) -> GPT:
+    torch.manual_seed(0)
+    return GPT(leaky=leaky)
+
+
+def test_a_plain_nanogpt_whose_layers_mask_the_future_is_audited_as_causal():
+    report = audit(nano_gpt())
+    assert report.passed and report.causal, str(report)
+    assert report.causal_source == "measured: 4 of 4 attention layers mask the future themselves"
+    assert report.result("prefix_causality").verdict == "pass"
+
+
+def test_a_nanogpt_with_one_mask_off_by_one_fails_at_that_layer():
+    report = audit(nano_gpt(leaky=2))
+    path = "transformer.h.2.attn"
+    assert report.status == "failed" and report.causal, str(report)
+    assert "3 of 4" in report.causal_source and f"{path} does not" in report.causal_source
+    assert report.result_layers["prefix_causality"] == path, str(report)
+    assert (path, "future_leakage") in located(report)
+    assert {layer for layer, _ in located(report)} <= {path, None}, str(report)
+
+
+def test_an_encoder_whose_layers_do_not_mask_is_still_assumed_not_causal_and_a_declaration_wins():
+    report = audit(_encoder())  # torch's TransformerEncoder: no layer masks the future
+    assert not report.causal and report.causal_source.startswith("assumed"), report.causal_source
+    said = audit(nano_gpt(leaky=2), causal=False)  # told: the layers' masks are not read
+    assert not said.causal and said.causal_source == "as given"
+
+
+# ---- the example a Hugging Face model declares ----------------------------------------------------------------
+
+
+def _llava(tf):
+    """A vision-language decoder: no top-level vocab_size (its text config has one), a vision tower whose position
+    table is the first nn.Embedding, the image token inside the vocabulary."""
+    torch.manual_seed(0)
+    text = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=64, max_position_embeddings=64, pad_token_id=0)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  intermediate_size=64, image_size=16, patch_size=8)
+    return tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision, image_token_id=63,
+                                                           attn_implementation="sdpa"))
+
+
+def test_a_vision_language_decoder_gets_ids_from_its_text_config_and_its_layers_declare_it_causal():
+    """Before: ids drawn for the vision tower's position table, and the decoder assumed not causal."""
+    tf = _need("transformers")
+    report = audit(_llava(tf))
+    assert report.passed and report.causal, str(report)
+    assert report.causal_source == "inferred: its 2 self-attention layers say is_causal = True", report.causal_source
+    assert report.result("prefix_causality").verdict == "pass" and report.result("cache_parity").verdict == "pass"
+
+
+def test_the_example_draws_no_special_id_and_neither_do_the_probes_replacements():
+    from diagnostics.model._runner import Runner, pad_tokens
+
+    tf = _need("transformers")
+    model = _llava(tf)
+    runner = Runner(model, None, seq_len=16, seed=0)
+    assert runner.main == "input_ids" and runner.vocab == 64 and {0, 63} <= runner.special, runner.special
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.cat([runner.inputs.flatten(), runner.other_tokens(runner.inputs, gen).flatten(),
+                       pad_tokens(runner, (4, 16), gen).flatten()])
+    assert not set(drawn.tolist()) & set(runner.special), sorted(set(drawn.tolist()) & set(runner.special))
+    assert bool((runner.other_tokens(runner.inputs, gen) != runner.inputs).all())  # every position another token
+
+
+def test_a_model_whose_main_input_is_neither_ids_nor_sized_pixels_asks_for_an_example():
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.WhisperModel(tf.WhisperConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                             decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                                             max_target_positions=16, pad_token_id=0, bos_token_id=1,
+                                             eos_token_id=2, decoder_start_token_id=1))
+    with pytest.raises(diagnostics.AuditUsageError) as caught:
+        diagnostics.audit_model(model)
+    assert "whose main input is 'input_features'" in str(caught.value) and "example=" in str(caught.value)
+
+
+def test_padding_compares_explicit_positions_on_both_sides_for_positions_numbered_from_the_padding_index():
+    """RoBERTa numbers its own positions from padding_idx + 1 when given none: the unpadded reference, run without
+    position ids, sat elsewhere than the padded rows given cumsum(mask) - 1, and a correct model "moved"."""
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.RobertaForCausalLM(tf.RobertaConfig(hidden_size=32, is_decoder=True, pad_token_id=1,
+                                                   attn_implementation="sdpa", **COMMON))
+    report = audit(model, detectors=["padding_invariance"])
+    assert report.result("padding_invariance").verdict == "pass", str(report)
+
+
+def test_a_config_that_says_causal_false_makes_an_lm_head_class_a_masked_lm():
+    tf = _need("transformers")
+    torch.manual_seed(0)
+    model = tf.XLMWithLMHeadModel(tf.XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=4, causal=False,
+                                               max_position_embeddings=64))
+    report = audit(model, detectors=["prefix_causality"])
+    assert not report.causal and report.causal_source == "inferred: config.causal is False", report.causal_source
+
+
+class Picky(nn.Module):
+    """Raises on every input: a front end that is not attention (a vision tower handed token ids)."""
+
+    def forward(self, x):
+        raise ValueError("expected pixel values (B, 3, H, W)")
+
+
+def test_a_model_raising_outside_attention_on_the_audits_own_example_is_inconclusive_and_on_the_users_a_finding():
+    class Fronted(KeywordGPT):
+        def __init__(self):
+            super().__init__()
+            self.front = Picky()
+
+        def forward(self, input_ids, attention_mask=None):
+            self.front(input_ids)
+            return super().forward(input_ids, attention_mask)
+
+    torch.manual_seed(0)
+    own = audit(Fronted())
+    assert own.status == "inconclusive" and own.result("model_runs").verdict == "skip", str(own)
+    assert "the example the audit built" in own.status_reason and "pass example=" in own.status_reason
+    users = audit(Fronted(), example=torch.randint(64, (2, T)))  # the user's own example: the model raising is a finding
+    assert users.status == "failed" and users.result("model_runs").verdict == "fail", str(users)

@@ -299,6 +299,20 @@ def hf_model(tf, family: str, *, window: int = 5):
         hf_config(tf, family, impl, window, layers=2))
 
 
+def widen_window_builder(monkeypatch, module_name: str, builder: str) -> None:
+    """The model's own mask builder patched (in the model's module, for this test only) to build the window one key
+    wider than the config it reads says."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, builder)
+
+    def one_wider(config, *args, **kwargs):
+        wider = copy.copy(config)
+        wider.sliding_window = config.sliding_window + 1  # BUG: the mask one key wider than the config's window
+        return original(wider, *args, **kwargs)
+
+    monkeypatch.setattr(module, builder, one_wider)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_its_sliding_layers(family, monkeypatch, hf_transformers):
     """The model's own mask builder patched (in the model's module, for this test only) to build the window one
@@ -308,15 +322,8 @@ def test_a_hugging_face_model_whose_mask_builder_is_one_window_wider_fails_at_it
     chosen = ["sliding_window", "attention_pattern", "future_leakage"]  # the full-attention layers measured too
     good = audit(hf_model(tf, family), detectors=chosen)
     assert good.passed and good.result("sliding_window").verdict == "pass", str(good)
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    original = module.create_sliding_window_causal_mask
-
-    def one_wider(config, *args, **kwargs):
-        wider = copy.copy(config)
-        wider.sliding_window = config.sliding_window + 1  # BUG: the mask one key wider than the config's window
-        return original(wider, *args, **kwargs)
-
-    monkeypatch.setattr(module, "create_sliding_window_causal_mask", one_wider)
+    widen_window_builder(monkeypatch, f"transformers.models.{family}.modeling_{family}",
+                         "create_sliding_window_causal_mask")
     bad = audit(hf_model(tf, family), detectors=chosen)
     sliding = [p for p, m in hf_model(tf, family).named_modules() if p.endswith("self_attn") and declared_window(m)]
     assert bad.status == "failed" and bad.result("sliding_window").layer == sliding[0], str(bad)
@@ -343,3 +350,28 @@ def test_hugging_face_packed_documents_pass_and_a_mask_that_ignores_the_restarts
     assert undeclared.verdict == "skip" and "did not apply its packed-sequence mask" in undeclared.message
     leaky = audit(hf_model(tf, family), packed=True, detectors=["packed_documents"]).result("packed_documents")
     assert leaky.verdict == "fail" and leaky.layer == "model.layers.0.self_attn", leaky
+
+
+def modernbert(tf):
+    """ModernBERT's local layers: a window of config.sliding_window on both sides of the query (layers 1 and 2)."""
+    torch.manual_seed(0)
+    return tf.ModernBertModel(tf.ModernBertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        local_attention=4, global_attn_every_n_layers=3, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2, attn_implementation="sdpa"))
+
+
+def test_an_encoders_two_sided_window_passes_and_one_a_key_wider_fails_at_its_layers(monkeypatch, hf_transformers):
+    """A layer that is not causal declares its window on both sides (|i - j| <= 2 here): read as one-sided, every
+    correct local layer of ModernBERT failed `sliding_window`. The mask builder patched one key wider fails there."""
+    tf = hf_transformers
+    good = audit(modernbert(tf))
+    assert good.passed, str(good)
+    result = good.result("sliding_window")
+    assert result.verdict == "pass" and "two_sided_window(2) exact" in result.evidence, result
+    assert "s=0: t=0..2 moved" in result.evidence and "s=2: t=0..4 moved" in result.evidence, result.evidence
+    widen_window_builder(monkeypatch, "transformers.models.modernbert.modeling_modernbert",
+                         "create_bidirectional_sliding_window_mask")
+    bad = audit(modernbert(tf))
+    assert bad.status == "failed" and bad.result("sliding_window").layer == "layers.1.attn", str(bad)
+    assert {layer for layer, _ in located(bad)} == {"layers.1.attn", "layers.2.attn"}, str(bad)

@@ -6,6 +6,7 @@ same `@detector` as the layer detectors, on a `ModelContext`.
     _find.py       finding the attention modules        _inplace.py  capturing their calls, the in-place wrapper
     _runner.py     calling the model (keyword protocol) _tolerance.py parity tolerances (float64 golden rule)
     _context.py    what the detectors are judged on     _taps.py     layer outputs, and where a change starts
+    _causal.py     whether the model is causal: declared, else measured on its layers
     runs.py causality.py cache.py padding.py backends.py gradients.py window.py packing.py
                    the model-level detectors
     _audit.py      audit_model()                        _report.py   ModelReport

@@ -15,7 +15,6 @@ they were (`_guard.untouched`). A model that raises on the audit's inputs is a f
 
 from __future__ import annotations
 
-import re
 import time
 
 import torch
@@ -25,34 +24,16 @@ from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
 from .._audit import audit
 from .._errors import AuditUsageError, expect
 from .._guard import seed_rng, untouched
-from .._registry import DETECTORS, MODEL_DETECTORS, phrase, run
+from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._result import DetectorResult
 from .._thresholds import dtype_name
 from . import causality, runs, window  # registered (with the others) by the package's MODULES, in their order
+from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
 from ._find import FoundModule, class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
-
-
-def infer_causal(model, causal, runner, options: dict | None = None) -> tuple[bool, str]:
-    """Whether the model is causal, and how that was decided (as given, inferred from what, or assumed not)."""
-    if causal is not None:
-        expect(isinstance(causal, bool), "causal=True, False or None", f"causal={causal!r}", "pass a bool")
-        return causal, "as given"
-    name = type(model).__name__
-    config = getattr(model, "config", None)
-    if re.search(r"CausalLM|LMHeadModel", name):
-        return True, f"inferred: {name} is a causal LM"
-    if config is not None and getattr(config, "is_decoder", False):
-        return True, "inferred: config.is_decoder"
-    if runner.encoder_decoder:
-        return True, "inferred: an encoder-decoder, whose decoder is causal (the decoder inputs are what changes)"
-    for attr in ("causal", "is_causal"):
-        if getattr(model, attr, None) is True:
-            return True, f"inferred: model.{attr} is True"
-    return False, phrase("assumed: nothing says the model is causal; pass {causal} if it is", options)
 
 
 def model_status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
@@ -64,6 +45,9 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         per_layer = [f"{p} ({', '.join(r.detector for r in rep.results if r.verdict == 'fail')})"
                      for p, rep in layers.items() if rep.status == "failed"]
         return "failed", "failed: " + ", ".join(failed + per_layer)
+    ran = next((r for r in results if r.detector == runs.ID), None)
+    if ran is not None and ran.verdict == "skip":
+        return "inconclusive", f"inconclusive: {ran.message} ({ran.evidence})"
     if not found:
         return "inconclusive", ("inconclusive: no attention module was found (no torch, timm or Hugging Face attention "
                                 "class, and no softmax over (Tq, Tk) scores or fused attention observed)")
@@ -126,8 +110,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         runner.inputs = runner.inputs[:, :seq_len]
     T = runner.inputs.shape[1] if runner.sequence else 0
     expect(not runner.sequence or T >= 2, "an example of at least 2 positions", f"length {T}", "pass a longer example")
-    causal_, source = infer_causal(model, causal, runner, _options)
-    runner.pass_causal = causal_ and runner.causal_mask_name is not None
+    said, _ = declared_causal(model, causal, runner)  # torch's stacks get the causal mask from the caller
+    runner.pass_causal = bool(said) and runner.causal_mask_name is not None
     dtype = float_dtype(model)
     results: list[DetectorResult] = []
     layers: dict = {}
@@ -183,6 +167,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             except (AuditUsageError, TypeError) as exc:
                 notes.append(f"{p} not audited in place: {exc}")
         order = [p for p in long_calls if p in modules]  # the capture's hooks fired in call order
+        causal_, source = infer_causal(model, causal, runner, wrappers, T=T, dtype=dtype, seed=seed, options=_options)
         ctx = ModelContext(model, runner, causal_, seed, dtype, modules, wrappers, time_dims, order, runs=runs_msgs,
                            raised_in=run_layer, packed=packed)
         results.append(run(MODEL_DETECTORS[runs.ID], ctx, _options, subject="model"))
@@ -233,4 +218,4 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                        seconds=time.perf_counter() - started, notes=notes)
 
 
-__all__ = ["audit_model", "infer_causal", "model_status"]
+__all__ = ["audit_model", "model_status"]

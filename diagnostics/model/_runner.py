@@ -88,6 +88,8 @@ class Runner:
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self.fixed: dict = {}
         self.dropped: list[str] = []  # the example's per-position entries, which the checks build themselves
+        self.vocab, self.special = 0, frozenset()  # the ids drawn, and the special ids kept out of them
+        self.built_example = example is None  # the audit's own: a model that rejects it says nothing about itself
         self.main, inputs = self._example(example, seq_len, seed)
         self.inputs = inputs  # (B, T[, D]) or images
         self.sequence = self.main not in ("pixel_values",) and inputs.dim() in (2, 3) and (
@@ -114,9 +116,14 @@ class Runner:
     def _vocab(self) -> int | None:
         if not self.tokens:
             return None
+        if self.vocab:
+            return self.vocab  # read where the example was built
         config = getattr(self.model, "config", None)
+        if self.hf:
+            self.special = special_ids(config)
+            config = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = getattr(config, "vocab_size", None)
-        if isinstance(vocab, int) and vocab > 0:
+        if isinstance(vocab, int) and vocab > int(self.inputs.max()):
             return vocab
         emb = next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
         return emb.num_embeddings if emb is not None else int(self.inputs.max()) + 1
@@ -157,27 +164,82 @@ class Runner:
             if isinstance(model, nn.TransformerDecoder):
                 self.fixed["memory"] = torch.randn(2, T, D, generator=gen).to(device, dtype)
             return first, torch.randn(*shape, generator=gen).to(device, dtype)
-        if config is not None and getattr(config, "vocab_size", None) and not hasattr(config, "image_size"):
-            ids = torch.randint(config.vocab_size, (2, T), generator=gen).to(device)
-            if self.encoder_decoder:
-                self.fixed["input_ids"] = torch.randint(config.vocab_size, (2, T), generator=gen).to(device)
-                return "decoder_input_ids", ids
-            return "input_ids", ids
+        if self.hf:
+            return self._declared_example(config, T, gen, device, dtype)
+        vocab = getattr(config, "vocab_size", None) if config is not None else None
         size = getattr(config, "image_size", None) if config is not None else None
+        if isinstance(vocab, int) and vocab > 0 and size is None:
+            self.vocab = vocab
+            return first, self.draw_ids((2, T), gen).to(device)
         if size is None and type(model).__module__.startswith("timm."):
             size = getattr(getattr(model, "patch_embed", None), "img_size", None)
         if size is not None:
             h, w = (size, size) if isinstance(size, int) else tuple(size)
             channels = getattr(config, "num_channels", 3) if config is not None else 3
-            name = "pixel_values" if config is not None else first
-            return name, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+            return first, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face config, "
+        expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face model, "
                                        "an nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision "
                                        "model)", self.options),
                f"{type(model).__name__} with none of these", phrase("pass {example}torch.randint(vocab, (2, 16)) or a "
                                                                     "dict of the model's inputs", self.options))
-        return first, torch.randint(emb.num_embeddings, (2, T), generator=gen).to(device)
+        self.vocab = emb.num_embeddings
+        return first, self.draw_ids((2, T), gen).to(device)
+
+    def _declared_example(self, config, T: int, gen, device, dtype):
+        """The example a Hugging Face model declares it takes: its `main_input_name` (the forward's first input
+        where that name is not one of them), token ids sized by the text config's vocabulary or the input embedding,
+        with no special token among them, or pixels sized by the image size of the config or a config inside it;
+        else a usage error that asks for one."""
+        model = self.model
+        main = getattr(model, "main_input_name", "input_ids")
+        named = [n for n, p in self.params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if main not in named and named:  # a class that inherits the default "input_ids" yet takes pixels first
+            main = named[0]
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if main in ("input_ids", "decoder_input_ids"):
+            vocab = getattr(text, "vocab_size", None)
+            try:
+                emb = model.get_input_embeddings()
+            except NotImplementedError:  # transformers raises for a class that has no one table
+                emb = None
+            except AttributeError:  # not a PreTrainedModel: its first token table, as for a plain model
+                emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+            if not (isinstance(vocab, int) and vocab > 0) and isinstance(emb, nn.Embedding):
+                vocab = emb.num_embeddings
+            if isinstance(emb, nn.Embedding) and isinstance(vocab, int):
+                vocab = min(vocab, emb.num_embeddings)
+            if isinstance(vocab, int) and vocab > 0:
+                self.vocab, self.special = vocab, special_ids(config)
+                ids = self.draw_ids((2, T), gen).to(device)
+                if self.encoder_decoder and self.takes("decoder_input_ids"):
+                    self.fixed["input_ids"] = self.draw_ids((2, T), gen).to(device)
+                    return "decoder_input_ids", ids
+                return "input_ids", ids
+        if main == "pixel_values":
+            holder = next((c for c in sub_configs(config) if getattr(c, "image_size", None) is not None), None)
+            if holder is not None:
+                size = holder.image_size
+                h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+                channels = getattr(holder, "num_channels", getattr(config, "num_channels", 3))
+                return "pixel_values", torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+        expect(False, phrase("{example}...: nothing the model declares says what it takes", self.options),
+               f"{type(model).__name__}, whose main input is {main!r}, with no vocabulary (for token ids) or image "
+               "size (for pixels) read from its config", phrase(f"pass {{example}}{{{{{main!r}: ...}}}}, a dict of the model's inputs",
+                                         self.options))
+
+    def draw_ids(self, shape, gen: torch.Generator) -> Tensor:
+        """Token ids of `shape` drawn from the vocabulary without its special ids (padding, begin, end, image,
+        ...: a model may treat them apart, cutting lengths or moving positions)."""
+        allowed = self.allowed_ids()
+        return allowed[torch.randint(len(allowed), shape, generator=gen)]
+
+    def allowed_ids(self) -> Tensor:
+        keep = torch.ones(max(self.vocab, 1), dtype=torch.bool)
+        special = [i for i in self.special if 0 <= i < len(keep)]
+        if len(special) < len(keep):
+            keep[special] = False
+        return keep.nonzero().flatten()
 
     def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                  past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None):
@@ -222,9 +284,37 @@ class Runner:
     def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
         """Every position changed: another token (ids), or a fresh draw pushed 1000x (embeddings)."""
         if self.tokens:
-            shift = torch.randint(1, max(self.vocab, 2), seq.shape, generator=gen).to(seq.device)
-            return (seq + shift) % self.vocab
+            allowed = self.allowed_ids()
+            n = len(allowed)
+            index = torch.full((max(self.vocab, int(seq.max()) + 1),), -1, dtype=torch.long)
+            index[allowed] = torch.arange(n)
+            shift = torch.randint(1, max(n, 2), seq.shape, generator=gen)
+            return allowed[(index[seq.cpu()] + shift) % n].to(seq.device)  # another allowed id at every position
         return torch.randn(seq.shape, generator=gen, dtype=torch.float32).to(seq.device, seq.dtype) * 1000
+
+
+def sub_configs(config) -> list:
+    """A Hugging Face config and the configs inside it (text, vision, backbone, ...), outermost first."""
+    found, todo = [], [config]
+    while todo:
+        c = todo.pop(0)
+        if c is None or any(c is f for f in found):
+            continue
+        found.append(c)
+        todo.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    return found
+
+
+def special_ids(config) -> frozenset:
+    """The special token ids a config and its sub-configs name (`*_token_id`, `*_token_index`, `*_token_ids`)."""
+    found = set()
+    for c in sub_configs(config):
+        for name, value in vars(c).items():
+            if name.endswith(("_id", "_index", "_ids")) and "token" in name:
+                for v in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                        found.add(v)
+    return frozenset(found)
 
 
 def float_dtype(model: nn.Module) -> torch.dtype:
@@ -246,9 +336,10 @@ def device_dtype(model: nn.Module):
 def pad_tokens(runner: Runner, shape, gen) -> Tensor:
     """Tokens (or embeddings) of `shape` to pad a sequence with, drawn from `gen`."""
     if runner.tokens:
-        return torch.randint(max(runner.vocab, 1), shape, generator=gen).to(runner.inputs.device)
+        return runner.draw_ids(shape, gen).to(runner.inputs.device)
     return torch.randn(shape, generator=gen).to(runner.inputs.device, runner.inputs.dtype)
 
 
 __all__ = ["ALIGNED_NAMES", "MAIN_INPUT_NAMES", "Runner", "cache_of", "device_dtype", "first_tensor", "float_dtype",
-           "is_hf", "model_context", "pad_tokens"]
+           "is_hf", "model_context", "pad_tokens", "special_ids",
+           "sub_configs"]

@@ -41,17 +41,20 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
     L = T - P
     real = seq[:, :L]
     gen = torch.Generator().manual_seed(ctx.seed + 23)
+    left = runner.takes_positions
+    # positions given on both sides: a model that numbers its own positions from the ids (RoBERTa's start at
+    # padding_idx + 1) would otherwise sit the unpadded reference elsewhere than the padded rows
+    own = {"position_ids": torch.arange(L, device=seq.device)[None]} if left else {}
     with LayerTap(ctx.modules, ctx.time_dims) as ref_taps:
-        ref, _ = runner(real)
+        ref, _ = runner(real, **own)
     if not per_position(ref, L):
         return DetectorResult(det, "skip", NO_POSITIONS.format(shape=tuple(ref.shape)))
-    golden = Golden(ctx.golden(real), ref, ctx.dtype)
+    golden = Golden(ctx.golden(real, **own), ref, ctx.dtype)
     pads = torch.cat([pad_tokens(runner, (1, P) + tuple(seq.shape[2:]), gen) for _ in range(2)])  # two contents
     ones, zeros = torch.ones(1, L, dtype=torch.long), torch.zeros(1, P, dtype=torch.long)
     # rows: right padding with either pad contents; left padding with the position ids it needs (one call)
     rows = [torch.cat([real, pads[:1]], 1), torch.cat([real, pads[1:]], 1)]
     masks = [torch.cat([ones, zeros], 1)] * 2
-    left = runner.takes_positions
     if left:
         rows.append(torch.cat([pads[:1], real], 1))
         masks.append(torch.cat([zeros, ones], 1))

@@ -1,6 +1,8 @@
 """model_runs: the model runs on the audit's inputs. Settled while the audit captures each attention module's
 call (the example and its prefix); a model that raises there is a finding, localised to the attention module it
-raised inside, and the other model-level detectors do not run."""
+raised inside, and the other model-level detectors do not run. Where the audit built the example itself and the
+model raised outside its attention modules (a vision tower given no pixels, a speech encoder given token ids),
+the example is what is wrong, not the model: nothing is measured, and the message asks for an example."""
 
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ FIX = "make the model accept the inputs shown (or pass {example}... in the form 
           unlocated="names the attention module the model raised inside (its `layer`); the line is in the "
                     "exception its evidence quotes")
 def check_model_runs(ctx: ModelContext) -> DetectorResult:
+    if ctx.runs and ctx.runner.built_example and ctx.raised_in not in ctx.modules:
+        return DetectorResult(ID, "skip", "not measured: the model raised on the example the audit built from what it "
+                                          "declares, outside its attention modules: "
+                                          + phrase("pass {example}... in the form it takes", ctx.runner.options),
+                              evidence="; ".join(ctx.runs))
     if ctx.runs:
         inside = f" (inside {ctx.raised_in})" if ctx.raised_in else ""
         return DetectorResult(ID, "fail", "the model raised on the audit's inputs" + inside,

@@ -11,8 +11,11 @@ Where a layer declares its pattern, first match wins:
 - its own `sliding_window` attribute (None there: a full-attention layer, as in Gemma 2's alternating layers);
 - its config's `sliding_window` (unless `use_sliding_window` is False, Qwen2's switch), else its
   `attention_chunk_size`.
-A config with `use_bidirectional_attention` (Gemma 3's window on both sides of the query) declares no causal
-pattern: its layers are not checked here.
+A layer that says it is not causal (`is_causal = False`, as Hugging Face's encoder layers do: ModernBERT's
+local layers) declares its window on both sides of the query, `two_sided_window(w)`: keys j with |i - j| <= w, as
+transformers' own `sliding_window_bidirectional_overlay` builds it (masking_utils.py line 147). A config with
+`use_bidirectional_attention` (Gemma 3's embedding variant, whose own overlay keeps |i - j| < w, one fewer) declares
+no pattern read here: its layers are not checked.
 Hugging Face counts `sliding_window` as we do, W keys including the query's own (`diagnostics.patterns`):
 transformers 5.24 masking_utils.py line 97, `sliding_window_overlay`, keeps `kv_idx > q_idx - sliding_window`
 under the causal mask, and modeling_flash_attention_utils.py line 692 passes flash-attention
@@ -55,20 +58,37 @@ class Declared:
     def kind(self) -> str:
         """"window", "chunk", or "" for a pattern of the layer's own."""
         name = self.pattern.name
-        return "window" if name.startswith("sliding_window(") else "chunk" if name.startswith("chunked(") else ""
+        return "window" if name.startswith(("sliding_window(", "two_sided_window(")) else \
+            "chunk" if name.startswith("chunked(") else ""
 
     @property
     def label(self) -> str:
         """"window 5", "chunk 4", or the pattern's name."""
-        return f"{self.kind} {self.band}" if self.kind else self.pattern.name
+        return self.pattern.name if self.pattern.name.startswith("two_sided") else \
+            f"{self.kind} {self.band}" if self.kind else self.pattern.name
 
 
 def _positive_int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def two_sided_window(w: int) -> Pattern:
+    """w keys on each side of the query and its own: |q - kv| <= w (an encoder's local attention)."""
+    return Pattern(lambda b, h, q, kv: (q - kv).abs() <= w, f"two_sided_window({w})", f"abs(q_idx - kv_idx) <= {w}")
+
+
 def declared_pattern(module: nn.Module) -> Declared | None:
-    """The window or chunk a layer declares (see the module docstring for where it is read), or None."""
+    """The window or chunk a layer declares (see the module docstring for where it is read), or None; a window of
+    a layer that is not causal (`is_causal = False`) on both sides of the query."""
+    declared = _declared(module)
+    if declared is None or declared.kind != "window" or getattr(module, "is_causal", None) is not False:
+        return declared
+    w = declared.band
+    return Declared(two_sided_window(w), f"{declared.source}, on both sides ({type(module).__name__}.is_causal = "
+                                         f"False)", w + 1)
+
+
+def _declared(module: nn.Module) -> Declared | None:
     own = getattr(module, "attention_pattern", None)
     if own is not None and callable(own):  # a Pattern, or a bare mask_mod(b, h, q_idx, kv_idx)
         own = as_pattern(own)
@@ -167,12 +187,12 @@ def _column(wrapper, s: int, T: int, x, gen, tol, declared: Declared, path: str,
         return "", (f"{path} declares {name} ({declared.source}), yet changing position {s} moved the output at "
                     f"t={t} by {float(change[t]):.3g} of the RMS, which {name} blocks from key {s} "
                     f"({len(leaked)} such outputs; up to {tol:.0e} allowed): the pattern is wider than declared")
-    edge = int(allows.nonzero().flatten().max())
+    first, edge = int(allows.nonzero().flatten().min()), int(allows.nonzero().flatten().max())
     if not float(change[edge]) > tol:
         return "", (f"{path} declares {name} ({declared.source}), yet changing position {s} did not move the output "
                     f"at t={edge} ({float(change[edge]):.3g}), the farthest {name} allows to see key {s}: the pattern "
                     f"is narrower than declared")
-    return f"s={s}: t={s}..{edge} moved, the {int((~allows).sum())} others not", None
+    return f"s={s}: t={first}..{edge} moved, the {int((~allows).sum())} others not", None
 
 
 @detector(ID, "a layer that declares a sliding window w (or a chunk c) in itself or its config sees exactly its last w "

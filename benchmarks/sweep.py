@@ -1,0 +1,380 @@
+"""The model audit on a library's whole population: every model type it builds, audited zero-config.
+
+    python benchmarks/sweep.py transformers [--sample N] [--seed S] [--only TYPE ...] [--limit N]
+                               [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs]
+
+Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
+mappings), builds each from a tiny config (its defaults with every width, depth and head count shrunk: `tiny_config`;
+nothing is downloaded, HF_HUB_OFFLINE=1) and runs `diagnostics.audit_model(model)` with nothing declared. The class
+audited is the type's first of: causal LM, image-text-to-text, seq2seq LM, masked LM, base model. Where the class
+routes its attention through transformers' `AttentionInterface` and its correct audit passed, one layer (the
+second one audited, else the first) is given each of `BUGS` through the explicit attention of
+tests/test_model_audit.py (`bug_attention`): the bug is caught at the right layer when the audit fails and every
+finding with a layer names that one. A mask bug (`MASK_BUGS`) is not applicable where the model masks nothing
+(not causal, no padding mask taken): it changes nothing there, and is not counted.
+
+Each model runs in a forked child with a time limit (`--timeout`, 240 s): a model that hangs or takes the
+machine's memory is a row, not the end of the sweep. Rows are appended to a results file (JSON lines, one per
+model type; default under the temporary directory, named by the library's version) as they finish, so a sweep
+stopped half way resumes where it stopped (`--fresh` starts over). `--sample N` takes N types drawn with
+`--seed` (a fixed sample: the same N types every run); `--only` names types; `--limit` takes the first N.
+
+Prints a row per model (type, class, built, verdict, findings, bugs caught at the right layer, seconds) and the
+rates: built; of the built, passed / failed / inconclusive / usage error / crashed or out of time; bugs caught
+at the right layer over the models whose correct audit passed. A failure of a type in `KNOWN` (a problem of the
+library's own, confirmed outside the audit) is counted apart as an expected failure, with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+BUGS = ("missing_scale", "mask_ignored", "softmax_wrong_dim", "mask_after_softmax")
+MASK_BUGS = ("mask_ignored", "mask_after_softmax")  # nothing to break where the model masks nothing
+CLASS_ROLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+               "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+               "MODEL_MAPPING_NAMES")
+# widths, depths and head counts: a default larger than this is shrunk to it (32 wide, 4 heads of 8, 2 layers)
+TINY = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim"), 32),
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                     "num_decoder_layers", "num_encoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+                     "decoder_attention_heads"), 4),
+    "num_key_value_heads": 2, "head_dim": 8, "d_kv": 8,
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
+                     "moe_intermediate_size", "shared_expert_intermediate_size"), 64),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "image_size": 64,
+}
+LAYER_COUNT = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+TF = "transformers 5.24.0, transformers/models/"
+KNOWN = {  # model type -> why it fails: a problem of the library's own, confirmed outside the audit (issue 33)
+    "swiftformer": f"a softmax over a size-1 axis: every weight is 1 ({TF}swiftformer/modeling_swiftformer.py:183, "
+                   "`scaled_query_weight.softmax(dim=-1)` of `query @ self.w_g`, w_g of shape (dim, 1), line 169)",
+    "mamba": f"a cached step of more than one token restarts the scan: the recurrent state is read only when "
+             f"seq_len == 1 ({TF}mamba/modeling_mamba.py:444)",
+    "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
+                    f"({TF}falcon_mamba/modeling_falcon_mamba.py:482)",
+    "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
+             f"reproduced at the sweep's 16 tokens, inside the window",
+    "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
+                  f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
+}
+
+
+@dataclass
+class Row:
+    model_type: str
+    cls: str = ""
+    built: bool = False
+    verdict: str = ""  # passed, failed, inconclusive, usage error, crashed, timeout, not built
+    why: str = ""
+    findings: list = field(default_factory=list)  # "detector@layer"
+    causal: str = ""
+    bugs: dict = field(default_factory=dict)  # bug -> "caught", "missed: ...", "elsewhere: ..."
+    seconds: float = 0.0
+
+
+# ---- transformers -------------------------------------------------------------------------------------------
+
+
+def transformers_types() -> list[str]:
+    """Every model type with a class in one of transformers' auto model mappings."""
+    from transformers.models.auto import modeling_auto
+
+    types = set()
+    for name in dir(modeling_auto):
+        if name.startswith("MODEL") and name.endswith("_MAPPING_NAMES"):
+            types |= set(getattr(modeling_auto, name))
+    return sorted(types)
+
+
+def model_class(model_type: str):
+    """The class a user would reach for first (`CLASS_ROLES`), else any class of the type."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    for role in CLASS_ROLES:
+        names = getattr(modeling_auto, role, {}).get(model_type)
+        for name in (names,) if isinstance(names, str) else names or ():
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                return cls
+    for name in dir(modeling_auto):  # a type only in a task mapping (a detector, a vocoder)
+        if name.startswith("MODEL") and name.endswith("_MAPPING_NAMES"):
+            names = getattr(modeling_auto, name).get(model_type)
+            for n in (names,) if isinstance(names, str) else names or ():
+                if getattr(transformers, n, None) is not None:
+                    return getattr(transformers, n)
+    raise LookupError(f"no class for {model_type}")
+
+
+def _shrunk(config) -> dict:
+    """The keyword overrides that make `config` tiny, sub-configs (as dicts) included."""
+    from transformers import PreTrainedConfig
+
+    kw = {k: v for k, v in TINY.items() if isinstance(getattr(config, k, None), int)
+          and not isinstance(getattr(config, k), bool) and getattr(config, k) > v
+          and not isinstance(getattr(type(config), k, None), property)}  # derived (Falcon's head_dim): follows
+    for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
+        old = getattr(config, k, None)
+        if k in kw and isinstance(old, int):
+            for name, value in vars(config).items():
+                if isinstance(value, list) and len(value) == old:
+                    kw[name] = value[:kw[k]]
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if isinstance(sub, PreTrainedConfig):
+            kw[name] = {**sub.to_dict(), **_shrunk(sub)}
+    return kw
+
+
+def tiny_config(model_type: str, *, decoder: bool = False):
+    """The type's default config shrunk; `decoder`: with is_decoder=True, as its causal-LM class asks of an
+    encoder's config (BERT's BertLMHeadModel is bidirectional without it)."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    decoder = decoder and hasattr(base, "is_decoder")  # transformers 5 keeps the flag on the configs that read it
+    return type(base)(**_shrunk(base), **({"is_decoder": True} if decoder else {}))
+
+
+def build(model_type: str, impl: str | None = None):
+    import torch
+
+    from transformers.models.auto import modeling_auto
+
+    cls = model_class(model_type)
+    causal_lm = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    config = tiny_config(model_type, decoder=cls.__name__ in ((causal_lm,) if isinstance(causal_lm, str) else
+                                                               causal_lm or ()))
+    torch.manual_seed(0)
+    kw = {"attn_implementation": impl} if impl else {}
+    return cls._from_config(config, **kw).eval()
+
+
+def located(report) -> set:
+    return {(f.layer, f.detector) for f in report.findings}
+
+
+def audit_row(row: Row, model, *, bugs: bool) -> None:
+    import diagnostics
+    from diagnostics import AuditUsageError
+
+    try:
+        report = diagnostics.audit_model(model)
+    except AuditUsageError as exc:
+        row.verdict, row.why = "usage error", str(exc).splitlines()[0][:300]
+        return
+    row.verdict, row.why = report.status, report.status_reason[:300]
+    row.causal = f"{report.causal} ({report.causal_source})"[:200]
+    row.findings = sorted(f"{d}@{layer}" if layer else d for layer, d in located(report))
+    if not bugs or report.status != "passed" or not report.layers:
+        return
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return
+    from test_model_audit import bug_attention, register_attention
+
+    register_attention("sweep_bugs", bug_attention)
+    padding = report.result("padding_invariance")
+    masked = report.causal or (padding is not None and padding.verdict != "skip")  # else a mask bug changes nothing
+    paths = list(report.layers)
+    path = paths[1] if len(paths) > 1 else paths[0]
+    for bug in ("reference", *BUGS):
+        if bug in MASK_BUGS and not masked:
+            row.bugs[bug] = "not applicable: no mask (not causal, no padding mask)"
+            continue
+        broken = build(row.model_type, "sweep_bugs")
+        target = dict(broken.named_modules()).get(path)
+        if target is None:
+            row.bugs[bug] = "no such layer"
+            continue
+        target._test_bug = bug
+        try:
+            rep = diagnostics.audit_model(broken, seq_len=8)
+        except Exception as exc:
+            row.bugs[bug] = f"raised {type(exc).__name__}"
+            continue
+        if bug == "reference":  # the explicit attention with nothing broken must pass, or no bug is judged
+            if rep.status != "passed":
+                row.bugs[bug] = f"reference {rep.status}: {rep.status_reason[:120]}"
+                return
+            continue
+        at = {layer for layer, _ in located(rep)}
+        if rep.status != "failed":
+            row.bugs[bug] = f"missed ({rep.status})"
+        elif path in at and at <= {path, None}:
+            row.bugs[bug] = "caught"
+        else:
+            row.bugs[bug] = "elsewhere: " + ", ".join(sorted(str(a) for a in at))[:120]
+
+
+def run_transformers(model_type: str, *, bugs: bool) -> Row:
+    row = Row(model_type)
+    try:
+        row.cls = model_class(model_type).__name__
+        model = build(model_type)
+    except Exception as exc:
+        row.verdict, row.why = "not built", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return row
+    row.built = True
+    try:
+        audit_row(row, model, bugs=bugs)
+    except Exception as exc:
+        row.verdict = "crashed"
+        row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
+    return row
+
+
+LIBRARIES = {"transformers": (transformers_types, run_transformers)}
+
+
+# ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
+
+
+def in_child(fn, model_type: str, timeout: float, **kw) -> Row:
+    """fn(model_type) in a forked child, its Row back through a file; a child past `timeout` is killed."""
+    started = time.perf_counter()
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    pid = os.fork()
+    if pid == 0:  # the child: one model, then out without running the parent's exit handlers
+        code = 0
+        try:
+            row = fn(model_type, **kw)
+            Path(out).write_text(json.dumps(asdict(row)))
+        except BaseException:
+            code = 1
+        os._exit(code)
+    status = None
+    while time.perf_counter() - started < timeout:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        Path(out).unlink(missing_ok=True)
+        return Row(model_type, verdict="timeout", why=f"over {timeout:.0f} s", seconds=timeout)
+    text = Path(out).read_text() if Path(out).exists() else ""
+    Path(out).unlink(missing_ok=True)
+    if not text:
+        why = f"the child died (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status) else "the child wrote no row"
+        return Row(model_type, verdict="crashed", why=why, seconds=time.perf_counter() - started)
+    row = Row(**json.loads(text))
+    row.seconds = time.perf_counter() - started
+    return row
+
+
+def rates(rows: list[Row]) -> list[str]:
+    n = len(rows)
+    built = [r for r in rows if r.built or r.verdict in ("timeout",)]
+    count = lambda v: sum(r.verdict == v for r in built)  # noqa: E731
+    known = [r for r in built if r.verdict == "failed" and r.model_type in KNOWN]
+    lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"]
+    if built:
+        lines.append("of the built: " + ", ".join(
+            f"{v} {count(v)} ({100 * count(v) / len(built):.0f}%)"
+            for v in ("passed", "failed", "inconclusive", "usage error", "crashed", "timeout") if count(v))
+            + (f"; {len(known)} of the failures expected (KNOWN)" if known else ""))
+    judged = [r for r in built if r.bugs and "reference" not in r.bugs]
+    pairs = [(r, b, v) for r in judged for b, v in r.bugs.items() if not v.startswith("not applicable")]
+    if judged:
+        caught = sum(v == "caught" for _, _, v in pairs)
+        lines.append(f"injected bugs caught at the right layer: {caught} / {len(pairs)} in {len(judged)} models "
+                     f"whose correct audit passed")
+    refused = [r for r in built if "reference" in r.bugs]
+    if refused:
+        lines.append(f"{len(refused)} models' explicit reference attention did not pass (no bug judged): "
+                     + ", ".join(r.model_type for r in refused))
+    seconds = [r.seconds for r in rows]
+    if seconds:
+        lines.append(f"time: {sum(seconds):.0f} s for {n} types, {sum(seconds) / n:.1f} s a type (median "
+                     f"{sorted(seconds)[n // 2]:.1f} s)")
+    return lines
+
+
+def table(rows: list[Row]) -> str:
+    out = [f"{'model type':28} {'class':44} {'verdict':13} {'s':>5}  findings | bugs"]
+    for r in rows:
+        bugs = ""
+        if r.bugs:
+            bugs = " | " + ", ".join(f"{b}: {v}" for b, v in r.bugs.items())
+        detail = ", ".join(r.findings) if r.verdict == "failed" else r.why
+        mark = " (KNOWN: " + KNOWN[r.model_type] + ")" if r.model_type in KNOWN and r.verdict == "failed" else ""
+        out.append(f"{r.model_type:28} {r.cls[:44]:44} {r.verdict:13} {r.seconds:5.1f}  {detail[:160]}{mark}{bugs}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("library", choices=sorted(LIBRARIES))
+    parser.add_argument("--only", nargs="+", default=None, help="these model types")
+    parser.add_argument("--sample", type=int, default=None, help="N model types drawn with --seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="the first N model types")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per model (240)")
+    parser.add_argument("--results", type=Path, default=None, help="the JSON-lines file to append to and resume from")
+    parser.add_argument("--fresh", action="store_true", help="ignore the results file's rows")
+    parser.add_argument("--no-bugs", action="store_true", help="audit the correct models only")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # one thread in every child: forked children share no thread pool
+    enumerate_types, run_one = LIBRARIES[args.library]
+    types = enumerate_types()
+    if args.only:
+        unknown = sorted(set(args.only) - set(types))
+        if unknown:
+            parser.error(f"unknown model types {unknown}; e.g. {types[:5]}")
+        types = [t for t in types if t in args.only]
+    if args.sample:
+        types = sorted(random.Random(args.seed).sample(types, min(args.sample, len(types))))
+    if args.limit:
+        types = types[:args.limit]
+    version = __import__(args.library).__version__
+    results = args.results or Path(tempfile.gettempdir()) / f"sweep-{args.library}-{version}.jsonl"
+    done: dict = {}
+    if results.exists() and not args.fresh:
+        for line in results.read_text().splitlines():
+            row = Row(**json.loads(line))
+            done[row.model_type] = row
+    elif args.fresh:
+        results.unlink(missing_ok=True)
+    print(f"{args.library} {version}, torch {torch.__version__}: {len(types)} model types; results {results} "
+          f"({sum(t in done for t in types)} already there)", flush=True)
+    rows = []
+    for t in types:
+        if t not in done:
+            done[t] = in_child(run_one, t, args.timeout, bugs=not args.no_bugs)
+            with results.open("a") as f:
+                f.write(json.dumps(asdict(done[t])) + "\n")
+            r = done[t]
+            print(f"  {t}: {r.verdict} {r.seconds:.1f} s {r.why[:100]}", flush=True)
+        rows.append(done[t])
+    print(table(rows))
+    print("\n".join(rates(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Whether a model is causal: what it declares, else what its attention layers do.
+
+Declarations, strongest first: the caller's `causal=`; the config's own flags (`is_decoder`, and `causal` /
+`is_causal` given as a bool: a `*WithLMHeadModel` whose config says `causal=False` is a masked LM); a true
+`model.causal` / `model.is_causal`; the class's family (`*ForCausalLM`, `*LMHeadModel`); an encoder-decoder, whose
+decoder is causal.
+
+Next, the layers' own declaration (read once they are found): self-attention layers that all say
+`is_causal = True` (Hugging Face's decoder layers: a vision-language model's text decoder) make the model causal.
+An encoder-decoder whose decoder self-attention layers all say `is_causal = False` (a non-autoregressive decoder)
+is not causal: the layers' own declaration overrules the family's. What a layer does never overrules a
+declaration: a bug that drops the causal mask of a one-layer decoder must not make it "not causal".
+
+Where nothing declares it (a plain nanoGPT `GPT`, whose layers carry no `is_causal`), each
+self-attention layer audited in place is measured on its own (`masks_future`): the same random input twice, every
+position after the middle changed the second time; a layer whose past outputs stay put while its later ones move
+masks the future itself. When most measured layers do, the model is causal, and a layer that does not is the
+finding: its own audit, as a causal layer, points at the line.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .._errors import expect
+from .._guard import seed_rng
+from .._registry import phrase
+from .._thresholds import UNCHANGED, tolerance
+from ._taps import moved
+
+CAUSAL_CLASS = re.compile(r"CausalLM|LMHeadModel")
+
+
+def declared_causal(model, causal, runner) -> tuple[bool | None, str]:
+    """(True / False, how the model declares it), or (None, "") where nothing does; an encoder-decoder is
+    (True, ...), unless its decoder layers say otherwise (`infer_causal`)."""
+    if causal is not None:
+        expect(isinstance(causal, bool), "causal=True, False or None", f"causal={causal!r}", "pass a bool")
+        return causal, "as given"
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "is_decoder", False) is True:
+        return True, "inferred: config.is_decoder"
+    for attr in ("causal", "is_causal"):
+        value = getattr(config, attr, None) if config is not None else None
+        if isinstance(value, bool):
+            return value, f"inferred: config.{attr} is {value}"
+    for attr in ("causal", "is_causal"):
+        if getattr(model, attr, None) is True:
+            return True, f"inferred: model.{attr} is True"
+    name = type(model).__name__
+    if CAUSAL_CLASS.search(name):
+        return True, f"inferred: {name} is a causal LM"
+    if runner.encoder_decoder:
+        return True, "inferred: an encoder-decoder, whose decoder is causal (the decoder inputs are what changes)"
+    return None, ""
+
+
+def masks_future(layer, T: int, D: int, dtype, seed: int) -> bool | None:
+    """Whether a self-attention layer (a `forward(x)` wrapper taking (1, T, D)) masks the future itself: changing
+    every input after the middle leaves the outputs up to it unchanged and moves a later one. None where the later
+    outputs did not move either (nothing measured) or the layer raised."""
+    gen = torch.Generator().manual_seed(seed + 29)
+    x = torch.randn(1, T, D, generator=gen)
+    other = x.clone()
+    c = T // 2
+    other[:, c + 1:] = torch.randn(1, T - c - 1, D, generator=gen)
+    device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+    outs = []
+    try:
+        with torch.no_grad():
+            for inp in (x, other):
+                seed_rng(seed, device)  # the same dropout draws for both
+                out = layer(inp.to(device, dtype))
+                if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[1] != T:
+                    return None
+                outs.append(out.float())
+    except Exception:  # a layer that cannot take the probe tells nothing about its masking
+        return None
+    change = moved(outs[1], outs[0])[0]  # (T,)
+    tol = tolerance(UNCHANGED, dtype)
+    if not bool((change[c + 1:] > tol).any()):
+        return None
+    return not bool((change[:c + 1] > tol).any())
+
+
+def infer_causal(model, causal, runner, wrappers: dict, *, T: int, dtype, seed: int,
+                 options: dict | None = None) -> tuple[bool, str]:
+    """Whether the model is causal, and how that was decided (as given, declared by what, measured on how many
+    layers, or assumed not). `wrappers`: {path: in-place layer}, the self-attention ones measured."""
+    said, source = declared_causal(model, causal, runner)
+    if said is not None and runner.encoder_decoder and source.startswith("inferred: an encoder-decoder"):
+        decoder = [w.inner for p, w in wrappers.items() if w.is_self_attention() and ".decoder." in f".{p}."]
+        if decoder and all(getattr(m, "is_causal", None) is False for m in decoder):
+            return False, (f"inferred: an encoder-decoder whose {len(decoder)} decoder self-attention layers say "
+                           f"is_causal = False (a non-autoregressive decoder)")
+    if said is not None:
+        return said, source
+    own = [w.inner for w in wrappers.values() if w.is_self_attention()]
+    if own and all(getattr(m, "is_causal", None) is True for m in own):
+        return True, f"inferred: its {len(own)} self-attention layers say is_causal = True"
+    readings = {p: masks_future(w, T, w.d_model, dtype, seed) for p, w in wrappers.items()
+                if w.is_self_attention() and w.block_size == T}
+    measured = {p: m for p, m in readings.items() if m is not None}
+    masking = [p for p, m in measured.items() if m]
+    where = "attention layers"
+    if measured and 2 * len(masking) > len(measured):
+        text = f"measured: {len(masking)} of {len(measured)} {where} mask the future themselves"
+        if len(masking) < len(measured):
+            text += f" ({', '.join(p for p in measured if p not in masking)} does not: audited as causal)"
+        return True, text
+    return False, phrase("assumed: nothing says the model is causal; pass {causal} if it is", options)
+
+
+__all__ = ["CAUSAL_CLASS", "declared_causal", "infer_causal", "masks_future"]
