@@ -220,5 +220,5 @@ def seeded_call(probe: Probe, x: Inputs, allowed, label: str) -> Call:
     return probe.call(x.query, x.key, x.value, allowed, label=label)
 
 
-SEEDED_CALLS = 0x5EED_CA11_0F_5EC5
+SEEDED_CALLS = 0x5EED_CA11_0F_5EC5  # knob: a salt for the seeded calls' draw, no threshold (x10, x0.1: no verdict moves)
 """Mixed into the audit's seed for `seeded_call`: a seed nobody passes to torch.manual_seed by hand."""
