@@ -236,7 +236,9 @@ def test_the_plugin_is_installed_as_a_pytest11_entry_point():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("the package is not installed here: pip install -e \".[test]\" registers the plugin")
     names = {ep.name: ep.value for ep in distribution.entry_points if ep.group == "pytest11"}
-    assert names == {"diagnostics.pytest_plugin": "diagnostics.pytest_plugin"}
+    # the layer and model audit's plugin, and the sharded audit's fixture (its own, so that it loads no torch either)
+    assert names == {"diagnostics.pytest_plugin": "diagnostics.pytest_plugin",
+                     "diagnostics.distributed.pytest_plugin": "diagnostics.distributed.pytest_plugin"}
 
 
 def test_loading_the_plugin_imports_no_torch(pytester):
