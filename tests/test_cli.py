@@ -467,6 +467,32 @@ def test_the_command_takes_a_pattern_a_mask_shape_and_a_call(declared, capsys):
     assert "called through the declared call" in capsys.readouterr().out
 
 
+def test_a_skipped_detector_names_a_pattern_as_the_command_takes_it(declared, capsys):
+    """The fix of attention_pattern's and cache_decoding's skip, in the command's spelling (`--pattern "..."`, the
+    grammar quoted for the shell); the twin: audit() itself says it as Python."""
+    assert _cli.main(["declaredlayers:windowed", "--json"]) == 0
+    results = {r["detector"]: r["message"] for r in json.loads(capsys.readouterr().out)["results"]}
+    for detector in ("attention_pattern", "cache_decoding"):
+        assert 'e.g. --pattern "sliding_window(4)")' in results[detector], results[detector]
+        assert "diagnostics.patterns" not in results[detector] and "causal=True" not in results[detector]
+    import declaredlayers
+    said = {r.detector: r.message for r in diagnostics.audit(declaredlayers.windowed).results}
+    for detector in ("attention_pattern", "cache_decoding"):
+        assert "e.g. pattern=diagnostics.patterns.sliding_window(4))" in said[detector], said[detector]
+
+
+def test_a_models_seq_len_past_its_context_is_refused_as_the_command_spells_it(in_scratch, capsys):
+    """TinyGPT's block_size is 32: --seq-len 64 is a usage error whose fix is `--seq-len 32`, not Python's
+    `seq_len=32`; the twin: --seq-len 32 audits the model."""
+    Path("usermodels.py").write_text(MODELS)
+    assert _cli.main(["--model", "usermodels:unscaled_model", "--seq-len", "64"]) == _cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "expected seq_len <= 32, the model's context; got --seq-len 64. Fix: pass --seq-len 32 or less" in err, err
+    assert "seq_len=" not in err
+    assert _cli.main(["--model", "usermodels:unscaled_model", "--seq-len", "32"]) == _cli.EXIT_FINDINGS
+    assert "seq_len=32" in capsys.readouterr().out.splitlines()[0]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["declaredlayers:windowed", "--pattern", "sliding_window(4"], "expected --pattern to name patterns (causal, "
                                                                   "sliding_window, chunked, prefix_lm, document)"),
