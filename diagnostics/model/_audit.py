@@ -90,7 +90,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
-           "seq_len an int >= 2 or None", spell("seq_len", seq_len, _options), f"pass e.g. {spell('seq_len', 16, _options)}")
+           "seq_len an int >= 2 or None", spell("seq_len", seq_len, _options),
+           f"pass e.g. {spell('seq_len', 16, _options)}")
     expect(packed is None or isinstance(packed, bool), "packed=True, False or None", f"packed={packed!r}",
            "pass packed=True if the model keeps packed documents apart by their position ids")
     expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
