@@ -52,6 +52,7 @@ class NeedsArguments(nn.Module):
 
 correct = EinsumAttention()
 not_a_layer = 3
+recurrent = torch.nn.LSTM(8, 8, batch_first=True)  # not attention: a usage error, not a FAILED audit
 
 
 def unscaled():
@@ -195,6 +196,8 @@ def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, statu
     (["userlayers:not_a_layer"], "expected an attention layer, a class or a zero-argument factory; got "
                                  "userlayers:not_a_layer = int 3"),
     (["userlayers:NeedsArguments"], "expected class userlayers:NeedsArguments to build with no arguments"),
+    (["userlayers:recurrent"], "expected an attention layer: a function f(q, k, v, mask=None) or an nn.Module; got "
+                               "torch.nn.LSTM, a recurrent layer"),
     (["userlayers:failing_factory"], "expected factory userlayers:failing_factory() to return a layer; it raised "
                                      "RuntimeError: no GPU here"),
     (["userlayers:two_arguments"], "expected a function f(q, k, v, mask=None) on (B, H, T, d) tensors; got a "
