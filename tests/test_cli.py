@@ -482,6 +482,10 @@ def test_a_skipped_detector_names_a_pattern_as_the_command_takes_it(declared, ca
     said = {r.detector: r.message for r in diagnostics.audit(declaredlayers.windowed).results}
     for detector in ("attention_pattern", "cache_decoding"):
         assert "e.g. pattern=diagnostics.patterns.sliding_window(4))" in said[detector], said[detector]
+    from diagnostics import pytest_plugin  # the plugin's spelling, through the same _options
+    said = {r.detector: r.message for r in diagnostics.audit(declaredlayers.windowed, detectors=["attention_pattern"],
+                                                             _options=pytest_plugin.OPTIONS).results}
+    assert 'e.g. --attention-pattern "sliding_window(4)")' in said["attention_pattern"], said
 
 
 def test_a_models_seq_len_past_its_context_is_refused_as_the_command_spells_it(in_scratch, capsys):
