@@ -67,6 +67,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
            "a positive scale or None", f"scale={scale!r}", "pass the factor your layer multiplies q·k by, e.g. scale=1.0")
     expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
            "detectors: a list of detector ids", f"detectors={detectors!r}", f"e.g. detectors={list(DETECTORS)[:2]}")
+    expect(progress is None or callable(progress), "progress a callable(detector_id, index, total) or None",
+           f"progress={progress!r} ({type(progress).__name__})",
+           'pass a function, e.g. progress=lambda det, i, n: print(f"{i}/{n} {det}"), or leave progress out')
     chosen = list(DETECTORS) if detectors is None else list(detectors)
     required = list(require or [])
     unknown = [d for d in chosen + required if d not in DETECTORS]

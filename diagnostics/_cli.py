@@ -52,7 +52,7 @@ OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
            "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross",
            "positions": "--positions", "dtype": "--dtype", "device": "--device", "seed": "--seed",
-           "detectors": "--detectors"}
+           "detectors": "--detectors", "pattern_example": '--pattern "sliding_window(4)"'}
 LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions", "dtype",
               "device")  # a layer audit's, not a model's
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C

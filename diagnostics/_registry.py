@@ -140,7 +140,8 @@ def crashed(det: Detector, error: BaseException, *, subject: str = "layer") -> D
 
 DEFAULT_OPTIONS = {"causal": "causal=True", "seq_len": "seq_len=", "scale": "scale=", "d_model": "d_model=",
                    "example": "example=", "num_heads": "num_heads=", "pattern": "pattern=", "require": "require=",
-                   "strict": "strict=True"}
+                   "strict": "strict=True", "pattern_example": "pattern=diagnostics.patterns.sliding_window(4)"}
+"""`pattern_example`: a declared pattern written out whole, as this front end takes it (the CLI quotes its grammar)."""
 
 
 def phrase(text: str, options: dict | None = None) -> str:

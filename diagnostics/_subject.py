@@ -553,6 +553,10 @@ def _module_device_dtype(layer: nn.Module, device, dtype):
     for p in params:
         counts[(p.device, p.dtype)] = counts.get((p.device, p.dtype), 0) + p.numel()
     own_device, own_dtype = max(counts, key=counts.get)
+    expect(own_device.type != "meta", "a layer whose parameters hold values (on cpu or cuda)",
+           "its parameters on the meta device (shapes only, no values: nothing to measure)",
+           "materialise it first, e.g. layer.to_empty(device=\"cpu\") then load or initialise its weights "
+           "(layer.load_state_dict(...))")
     expect(dtype is None or dtype == own_dtype, f"dtype={own_dtype} (the layer's parameters)", f"dtype={dtype}",
            f"convert the layer first (layer.to({dtype})) or leave dtype out")
     expect(device is None or torch.device(device) == own_device, f"device={own_device} (the layer's parameters)",
@@ -593,6 +597,9 @@ def _check_device(device, options: dict | None):
     except (RuntimeError, TypeError) as error:
         raise AuditUsageError(f"expected a torch device; got {spell('device', device, options)} ({error}). "
                               "Fix: pass e.g. device=\"cpu\" or device=\"cuda\"") from None
+    expect(device.type != "meta", "a device that holds values (cpu or cuda)",
+           f"{spell('device', str(device), options)} (shapes only, no values: nothing to measure)",
+           f"leave device out, or pass {spell('device', 'cpu', options)}")
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError, AttributeError) as error:  # torch asserts for CUDA on a CPU-only build
@@ -834,6 +841,12 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
            f"pass an instance, e.g. {getattr(layer, '__name__', 'Layer')}(...)")
     expect(callable(layer), "an attention layer: a function f(q, k, v, mask=None) or an nn.Module",
            f"{type(layer).__name__}", "pass the layer object itself (an instance, not a string)")
+    # torch's recurrent layers are known by class, as its attention layers are: they mix tokens through a hidden
+    # state and return (output, h) or (output, (h, c)), so no attention property holds or fails for them
+    expect(not isinstance(layer, nn.RNNBase), "an attention layer: a function f(q, k, v, mask=None) or an nn.Module",
+           f"torch.nn.{type(layer).__name__}, a recurrent layer (it mixes tokens through its hidden state, not by "
+           "attention, and returns (output, hidden state))",
+           "audit the attention layer of your model instead; diagnostics checks attention only")
     _check_size("d_model", d_model, options)
     _check_size("num_heads", num_heads, options)
     expect(dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point),

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
            "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
            "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross",
-           "positions": "--attention-positions"}
+           "positions": "--attention-positions", "pattern_example": '--attention-pattern "sliding_window(4)"'}
 
 
 class AttentionAuditWarning(UserWarning):

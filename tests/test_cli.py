@@ -52,6 +52,7 @@ class NeedsArguments(nn.Module):
 
 correct = EinsumAttention()
 not_a_layer = 3
+recurrent = torch.nn.LSTM(8, 8, batch_first=True)  # not attention: a usage error, not a FAILED audit
 
 
 def unscaled():
@@ -195,6 +196,8 @@ def test_exit_status_follows_the_audit(in_scratch, capsys, target, causal, statu
     (["userlayers:not_a_layer"], "expected an attention layer, a class or a zero-argument factory; got "
                                  "userlayers:not_a_layer = int 3"),
     (["userlayers:NeedsArguments"], "expected class userlayers:NeedsArguments to build with no arguments"),
+    (["userlayers:recurrent"], "expected an attention layer: a function f(q, k, v, mask=None) or an nn.Module; got "
+                               "torch.nn.LSTM, a recurrent layer"),
     (["userlayers:failing_factory"], "expected factory userlayers:failing_factory() to return a layer; it raised "
                                      "RuntimeError: no GPU here"),
     (["userlayers:two_arguments"], "expected a function f(q, k, v, mask=None) on (B, H, T, d) tensors; got a "
@@ -465,6 +468,36 @@ def test_the_command_takes_a_pattern_a_mask_shape_and_a_call(declared, capsys):
     assert _cli.main(["declaredlayers:needs_bias", "--call", "declaredlayers:call_with_bias", "--mask",
                       "additive"]) == 0
     assert "called through the declared call" in capsys.readouterr().out
+
+
+def test_a_skipped_detector_names_a_pattern_as_the_command_takes_it(declared, capsys):
+    """The fix of attention_pattern's and cache_decoding's skip, in the command's spelling (`--pattern "..."`, the
+    grammar quoted for the shell); the twin: audit() itself says it as Python."""
+    assert _cli.main(["declaredlayers:windowed", "--json"]) == 0
+    results = {r["detector"]: r["message"] for r in json.loads(capsys.readouterr().out)["results"]}
+    for detector in ("attention_pattern", "cache_decoding"):
+        assert 'e.g. --pattern "sliding_window(4)")' in results[detector], results[detector]
+        assert "diagnostics.patterns" not in results[detector] and "causal=True" not in results[detector]
+    import declaredlayers
+    said = {r.detector: r.message for r in diagnostics.audit(declaredlayers.windowed).results}
+    for detector in ("attention_pattern", "cache_decoding"):
+        assert "e.g. pattern=diagnostics.patterns.sliding_window(4))" in said[detector], said[detector]
+    from diagnostics import pytest_plugin  # the plugin's spelling, through the same _options
+    said = {r.detector: r.message for r in diagnostics.audit(declaredlayers.windowed, detectors=["attention_pattern"],
+                                                             _options=pytest_plugin.OPTIONS).results}
+    assert 'e.g. --attention-pattern "sliding_window(4)")' in said["attention_pattern"], said
+
+
+def test_a_models_seq_len_past_its_context_is_refused_as_the_command_spells_it(in_scratch, capsys):
+    """TinyGPT's block_size is 32: --seq-len 64 is a usage error whose fix is `--seq-len 32`, not Python's
+    `seq_len=32`; the twin: --seq-len 32 audits the model."""
+    Path("usermodels.py").write_text(MODELS)
+    assert _cli.main(["--model", "usermodels:unscaled_model", "--seq-len", "64"]) == _cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "expected seq_len <= 32, the model's context; got --seq-len 64. Fix: pass --seq-len 32 or less" in err, err
+    assert "seq_len=" not in err
+    assert _cli.main(["--model", "usermodels:unscaled_model", "--seq-len", "32"]) == _cli.EXIT_FINDINGS
+    assert "seq_len=32" in capsys.readouterr().out.splitlines()[0]
 
 
 @pytest.mark.parametrize("argv, words", [

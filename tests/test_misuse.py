@@ -76,6 +76,16 @@ class WithConfig(nn.Module):
                                                             "takes (config.max_position_embeddings=12)"),
     (lambda: check_seq_len(make_subject(sdpa), 2.5), "expected seq_len an int or None; got seq_len=2.5 (float)"),
     (lambda: check_seq_len(make_subject(sdpa), 0), "expected seq_len >= 1; got seq_len=0"),
+    (lambda: make_subject(nn.LSTM(8, 8)), "expected an attention layer: a function f(q, k, v, mask=None) or an "
+                                          "nn.Module; got torch.nn.LSTM, a recurrent layer"),
+    (lambda: make_subject(nn.GRU(8, 8, batch_first=True)), "got torch.nn.GRU, a recurrent layer"),  # was FAILED
+    (lambda: make_subject(nn.MultiheadAttention(32, 4, device="meta")), "expected a layer whose parameters hold "
+                                                                        "values (on cpu or cuda); got its parameters "
+                                                                        "on the meta device"),
+    (lambda: make_subject(sdpa, device="meta"), "expected a device that holds values (cpu or cuda); got "
+                                                "device='meta'"),
+    (lambda: diagnostics.audit(sdpa, progress=5), "expected progress a callable(detector_id, index, total) or None; "
+                                                  "got progress=5 (int)"),
 ])
 def test_misuse_says_what_was_expected_and_the_fix(call, words):
     with pytest.raises(AuditUsageError) as raised:
@@ -102,6 +112,11 @@ def test_what_fits_the_layer_is_accepted():
     """The twins: the same layers, called as they can be, pass validation."""
     assert make_subject(MultiHeadAttention(32, 4), d_model=32, num_heads=4).num_heads == 4
     assert make_subject(sdpa, d_model=33).num_heads == 1  # an odd width gets one head, not a misuse error
+    assert make_subject(nn.MultiheadAttention(32, 4, device="meta").to_empty(device="cpu")).device.type == "cpu"
+    assert make_subject(sdpa, device="cpu").device.type == "cpu"
+    seen = []
+    diagnostics.audit(sdpa, detectors=["runs", "output_shape"], progress=lambda *step: seen.append(step))
+    assert seen == [("runs", 0, 2), ("output_shape", 1, 2)]
     assert check_seq_len(make_subject(NanoGPTAttention()), 8) == 8
     assert check_seq_len(make_subject(MultiHeadAttention(32, 4)), None) == 16
     assert context_length(NanoGPTAttention(block_size=64)) == (64, "the (1, 1, 64, 64) buffer bias")

@@ -95,8 +95,8 @@ def causal_pattern(probe) -> bool:
 
 
 CAUSAL_OR_PATTERN = Need("{causal}, or {pattern} blocking the future", lambda p: p.causal or causal_pattern(p),
-                         "the layer is not audited as causal (pass {causal} if it promises causality, or a {pattern} "
-                         "that blocks the future, e.g. diagnostics.patterns.sliding_window(4))")
+                         "the layer is not audited as causal (pass {causal} if it promises causality, or a pattern that "
+                         "blocks the future, e.g. {pattern_example})")
 
 
 def _declared(probe, B: int, t_q: int, t_k: int, allowed) -> torch.Tensor:

@@ -51,7 +51,7 @@ from .._tracing import first_moved, mask_sites, op_site, site, text, trace_call
 from ._common import perturbation_gains, result
 
 PATTERN = Need("{pattern}", lambda p: getattr(p, "pattern", None) is not None,
-               "no attention pattern is declared (pass {pattern}, e.g. diagnostics.patterns.sliding_window(4))")
+               "no attention pattern is declared (pass e.g. {pattern_example})")
 
 MAX_COPIES = 9
 """The full pass perturbs at most this many copies of the probe batch (about one forward pass each, whatever the

@@ -26,6 +26,7 @@ from .._errors import AuditUsageError, expect
 from .._guard import seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._result import DetectorResult
+from .._subject import spell
 from .._thresholds import dtype_name
 from . import causality, runs, window  # registered (with the others) by the package's MODULES, in their order
 from ._causal import declared_causal, infer_causal
@@ -89,7 +90,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
-           "seq_len an int >= 2 or None", f"seq_len={seq_len!r}", "pass e.g. seq_len=16")
+           "seq_len an int >= 2 or None", spell("seq_len", seq_len, _options),
+           f"pass e.g. {spell('seq_len', 16, _options)}")
     expect(packed is None or isinstance(packed, bool), "packed=True, False or None", f"packed={packed!r}",
            "pass packed=True if the model keeps packed documents apart by their position ids")
     expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
@@ -103,8 +105,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     implementation = getattr(config, "_attn_implementation", None) if config is not None else None
     context = model_context(model)
     if seq_len is not None and context is not None:
-        expect(seq_len <= context, f"seq_len <= {context}, the model's context", f"seq_len={seq_len}",
-               f"pass seq_len={context} or less")
+        expect(seq_len <= context, f"seq_len <= {context}, the model's context", spell("seq_len", seq_len, _options),
+               f"pass {spell('seq_len', context, _options)} or less")
     runner = Runner(model, example, seq_len=seq_len, seed=seed, options=_options)
     if seq_len is not None and runner.sequence and example is not None and runner.inputs.shape[1] != seq_len:
         runner.inputs = runner.inputs[:, :seq_len]
