@@ -250,39 +250,67 @@ LIBRARIES = {"transformers": (transformers_types, run_transformers)}
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
 
 
+class Child:
+    """fn(model_type) in a forked child with one torch thread, its Row back through a file; `poll` gives the Row
+    once the child has finished, died or run past `timeout` (then it is killed), else None."""
+
+    def __init__(self, fn, model_type: str, timeout: float, **kw):
+        self.model_type, self.timeout = model_type, timeout
+        self.started = time.perf_counter()
+        fd, self.out = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: one model, then out without running the parent's exit handlers
+            code = 0
+            try:
+                import torch
+
+                torch.set_num_threads(1)  # children run side by side (--jobs): one core each, no oversubscription
+                row = fn(model_type, **kw)
+                Path(self.out).write_text(json.dumps(asdict(row)))
+            except BaseException:
+                code = 1
+            os._exit(code)
+
+    def poll(self) -> Row | None:
+        done, status = os.waitpid(self.pid, os.WNOHANG)
+        if not done:
+            if time.perf_counter() - self.started < self.timeout:
+                return None
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            Path(self.out).unlink(missing_ok=True)
+            return Row(self.model_type, verdict="timeout", why=f"over {self.timeout:.0f} s", seconds=self.timeout)
+        text = Path(self.out).read_text() if Path(self.out).exists() else ""
+        Path(self.out).unlink(missing_ok=True)
+        seconds = time.perf_counter() - self.started
+        if not text:
+            why = (f"the child died (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status)
+                   else "the child wrote no row")
+            return Row(self.model_type, verdict="crashed", why=why, seconds=seconds)
+        row = Row(**json.loads(text))
+        row.seconds = seconds
+        return row
+
+
 def in_child(fn, model_type: str, timeout: float, **kw) -> Row:
-    """fn(model_type) in a forked child, its Row back through a file; a child past `timeout` is killed."""
-    started = time.perf_counter()
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    pid = os.fork()
-    if pid == 0:  # the child: one model, then out without running the parent's exit handlers
-        code = 0
-        try:
-            row = fn(model_type, **kw)
-            Path(out).write_text(json.dumps(asdict(row)))
-        except BaseException:
-            code = 1
-        os._exit(code)
-    status = None
-    while time.perf_counter() - started < timeout:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        Path(out).unlink(missing_ok=True)
-        return Row(model_type, verdict="timeout", why=f"over {timeout:.0f} s", seconds=timeout)
-    text = Path(out).read_text() if Path(out).exists() else ""
-    Path(out).unlink(missing_ok=True)
-    if not text:
-        why = f"the child died (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status) else "the child wrote no row"
-        return Row(model_type, verdict="crashed", why=why, seconds=time.perf_counter() - started)
-    row = Row(**json.loads(text))
-    row.seconds = time.perf_counter() - started
-    return row
+    """fn(model_type) in a forked child (`Child`), waited for."""
+    return next(run_children(fn, [model_type], timeout, jobs=1, **kw))
+
+
+def run_children(fn, types: list, timeout: float, *, jobs: int, **kw):
+    """Yields each type's Row as it finishes (not in order), at most `jobs` children running at once. The caller,
+    in the parent, is the only one to write them down."""
+    todo, running = list(types), []
+    while todo or running:
+        while todo and len(running) < jobs:
+            running.append(Child(fn, todo.pop(0), timeout, **kw))
+        for child in list(running):
+            row = child.poll()
+            if row is not None:
+                running.remove(child)
+                yield row
+        time.sleep(0.05)
 
 
 def rates(rows: list[Row]) -> list[str]:
@@ -336,10 +364,11 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=None, help="the JSON-lines file to append to and resume from")
     parser.add_argument("--fresh", action="store_true", help="ignore the results file's rows")
     parser.add_argument("--no-bugs", action="store_true", help="audit the correct models only")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="models audited at once, one core each (default: the number of cores)")
     args = parser.parse_args(argv)
     import torch
 
-    torch.set_num_threads(1)  # one thread in every child: forked children share no thread pool
     enumerate_types, run_one = LIBRARIES[args.library]
     types = enumerate_types()
     if args.only:
@@ -362,17 +391,19 @@ def main(argv=None) -> int:
         results.unlink(missing_ok=True)
     print(f"{args.library} {version}, torch {torch.__version__}: {len(types)} model types; results {results} "
           f"({sum(t in done for t in types)} already there)", flush=True)
-    rows = []
-    for t in types:
-        if t not in done:
-            done[t] = in_child(run_one, t, args.timeout, bugs=not args.no_bugs)
-            with results.open("a") as f:
-                f.write(json.dumps(asdict(done[t])) + "\n")
-            r = done[t]
-            print(f"  {t}: {r.verdict} {r.seconds:.1f} s {r.why[:100]}", flush=True)
-        rows.append(done[t])
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    todo = [t for t in types if t not in done]
+    started = time.perf_counter()
+    for r in run_children(run_one, todo, args.timeout, jobs=args.jobs, bugs=not args.no_bugs):
+        done[r.model_type] = r
+        with results.open("a") as f:  # the parent alone writes: one whole line per finished model
+            f.write(json.dumps(asdict(r)) + "\n")
+        print(f"  {r.model_type}: {r.verdict} {r.seconds:.1f} s {r.why[:100]}", flush=True)
+    rows = [done[t] for t in types]
     print(table(rows))
     print("\n".join(rates(rows)))
+    print(f"wall clock: {time.perf_counter() - started:.0f} s for the {len(todo)} types run now, --jobs {args.jobs}")
     return 0
 
 
