@@ -1,7 +1,7 @@
 """The model audit on a library's whole population: every model type it builds, audited zero-config.
 
-    python benchmarks/sweep.py transformers [--sample N] [--seed S] [--only TYPE ...] [--limit N]
-                               [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs]
+    python benchmarks/sweep.py {transformers,timm} [--sample N] [--seed S] [--only TYPE ...] [--limit N]
+                               [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs] [--jobs N]
 
 Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
 mappings), builds each from a tiny config (its defaults with every width, depth and head count shrunk: `tiny_config`;
@@ -13,7 +13,14 @@ tests/test_model_audit.py (`bug_attention`): the bug is caught at the right laye
 finding with a layer names that one. A mask bug (`MASK_BUGS`) is not applicable where the model masks nothing
 (not causal, no padding mask taken): it changes nothing there, and is not counted.
 
-Each model runs in a forked child with a time limit (`--timeout`, 240 s): a model that hangs or takes the
+`timm`: every architecture of timm's `list_models()` whose module defines or imports an attention class (an
+nn.Module named *Attention: read from the source, nothing built to filter), each built with pretrained=False at
+the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way;
+one whose built modules hold no timm attention class is a row "no attention", not counted. No bug is injected
+in timm models yet (no interface like transformers' to route one layer through).
+
+Each model runs in a forked child with a time limit (`--timeout`, 240 s), `--jobs` of them at once (default: the
+number of cores), each on one torch thread; the parent alone writes the results. A model that hangs or takes the
 machine's memory is a row, not the end of the sweep. Rows are appended to a results file (JSON lines, one per
 model type; default under the temporary directory, named by the library's version) as they finish, so a sweep
 stopped half way resumes where it stopped (`--fresh` starts over). `--sample N` takes N types drawn with
@@ -244,7 +251,88 @@ def run_transformers(model_type: str, *, bugs: bool) -> Row:
     return row
 
 
-LIBRARIES = {"transformers": (transformers_types, run_transformers)}
+# ---- timm -----------------------------------------------------------------------------------------------------
+
+# a timm model built small: the first of these whose keywords the model takes (a keyword it does not take is
+# dropped, `timm_build`) and that builds; the last, nothing overridden, is the model's default size
+TIMM_TINY = ({"img_size": 64, "embed_dim": 32, "depth": 2, "num_heads": 4, "num_classes": 10},
+             {"img_size": 64, "num_classes": 10}, {"num_classes": 10}, {})
+
+
+def timm_attention_modules() -> list[str]:
+    """timm's model modules that define or import an attention class (an nn.Module named *Attention, what the
+    audit recognises as timm attention): the rule for "has attention", read from the source, nothing built."""
+    import importlib
+
+    import timm
+    import torch
+
+    names = []
+    for module in timm.list_modules():
+        ns = vars(importlib.import_module(f"timm.models.{module}"))
+        if any(n.endswith("Attention") and isinstance(c, type) and issubclass(c, torch.nn.Module)
+               for n, c in ns.items()):
+            names.append(module)
+    return names
+
+
+def timm_types() -> list[str]:
+    """Every architecture of timm's `list_models()` whose module has an attention class; a model whose built
+    modules turn out to hold none is a row "no attention", not counted as built."""
+    import timm
+
+    return sorted(m for module in timm_attention_modules() for m in timm.list_models(module=module))
+
+
+def timm_build(name: str):
+    """The model at the first of `TIMM_TINY` it builds with, keywords it does not take dropped one by one."""
+    import re
+
+    import timm
+    import torch
+
+    errors = []
+    for overrides in TIMM_TINY:
+        kw = dict(overrides)
+        while True:
+            torch.manual_seed(0)
+            try:
+                return timm.create_model(name, pretrained=False, **kw).eval()
+            except TypeError as exc:
+                unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+                if unexpected and unexpected.group(1) in kw:
+                    del kw[unexpected.group(1)]
+                    continue
+                errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
+            break
+    raise RuntimeError("; ".join(errors[-1:]))
+
+
+def run_timm(name: str, *, bugs: bool) -> Row:
+    from diagnostics.model._find import class_kind
+
+    row = Row(name)
+    try:
+        model = timm_build(name)
+    except Exception as exc:
+        row.verdict, row.why = "not built", str(exc).splitlines()[0][:200] if str(exc) else ""
+        return row
+    row.cls = type(model).__name__
+    if not any(class_kind(m) == "timm attention class" for m in model.modules()):
+        row.verdict, row.why = "no attention", "no timm attention class among its modules"
+        return row
+    row.built = True
+    try:
+        audit_row(row, model, bugs=bugs)  # bugs: injected only through transformers' AttentionInterface
+    except Exception as exc:
+        row.verdict = "crashed"
+        row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
+    return row
+
+
+LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (timm_types, run_timm)}
 
 
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
@@ -314,11 +402,13 @@ def run_children(fn, types: list, timeout: float, *, jobs: int, **kw):
 
 
 def rates(rows: list[Row]) -> list[str]:
-    n = len(rows)
-    built = [r for r in rows if r.built or r.verdict in ("timeout",)]
+    plain = [r for r in rows if r.verdict != "no attention"]  # built, but nothing for the audit: not counted
+    n = len(plain)
+    built = [r for r in plain if r.built or r.verdict in ("timeout",)]
     count = lambda v: sum(r.verdict == v for r in built)  # noqa: E731
     known = [r for r in built if r.verdict == "failed" and r.model_type in KNOWN]
-    lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"]
+    lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"
+             + (f"; {len(rows) - n} more built with no attention module, not counted" if len(rows) > n else "")]
     if built:
         lines.append("of the built: " + ", ".join(
             f"{v} {count(v)} ({100 * count(v) / len(built):.0f}%)"

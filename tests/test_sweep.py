@@ -153,3 +153,17 @@ def test_jobs_below_one_is_a_usage_error(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["json", "--jobs", "0"])
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # imports every timm model module (timm_types): 71 s under load
+def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    vit = sweep.timm_build("vit_tiny_patch16_224")  # every keyword of TIMM_TINY taken
+    assert (vit.embed_dim, len(vit.blocks), vit.blocks[0].attn.num_heads, vit.patch_embed.img_size) == (32, 2, 4, (64, 64))
+    types = sweep.timm_types()
+    assert "vit_tiny_patch16_224" in types and "resnet18" not in types
+    row = sweep.run_timm("resnet18", bugs=False)  # builds (depth, embed_dim, num_heads dropped), holds no attention
+    assert (row.built, row.verdict) == (False, "no attention"), row
+    lines = sweep.rates([row, sweep.Row("vit", built=True, verdict="passed")])
+    assert lines[0] == "1 / 1 built (100%); 1 more built with no attention module, not counted", lines
