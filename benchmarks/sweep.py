@@ -390,15 +390,20 @@ def run_children(fn, types: list, timeout: float, *, jobs: int, **kw):
     """Yields each type's Row as it finishes (not in order), at most `jobs` children running at once. The caller,
     in the parent, is the only one to write them down."""
     todo, running = list(types), []
-    while todo or running:
-        while todo and len(running) < jobs:
-            running.append(Child(fn, todo.pop(0), timeout, **kw))
-        for child in list(running):
-            row = child.poll()
-            if row is not None:
-                running.remove(child)
-                yield row
-        time.sleep(0.05)
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                running.append(Child(fn, todo.pop(0), timeout, **kw))
+            for child in list(running):
+                row = child.poll()
+                if row is not None:
+                    running.remove(child)
+                    yield row
+            time.sleep(0.05)
+    finally:  # the parent stopped early (Ctrl-C, an error): no child left running
+        for child in running:
+            child.timeout = 0
+            child.poll()
 
 
 def rates(rows: list[Row]) -> list[str]:

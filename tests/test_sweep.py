@@ -167,3 +167,13 @@ def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     assert (row.built, row.verdict) == (False, "no attention"), row
     lines = sweep.rates([row, sweep.Row("vit", built=True, verdict="passed")])
     assert lines[0] == "1 / 1 built (100%); 1 more built with no attention module, not counted", lines
+
+
+def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
+    sweep = _sweep()
+    rows = sweep.run_children(_fake_run, ["good", "hangs"], 30, jobs=2, bugs=False)
+    assert next(rows).model_type == "good"
+    hung = next(c for c in rows.gi_frame.f_locals["running"])  # the child still running
+    rows.close()  # as when the parent is interrupted
+    with pytest.raises(ChildProcessError):
+        os.waitpid(hung.pid, os.WNOHANG)  # reaped: killed, not left behind
