@@ -431,8 +431,8 @@ def rates(rows: list[Row]) -> list[str]:
                      + ", ".join(r.model_type for r in refused))
     seconds = [r.seconds for r in rows]
     if seconds:
-        lines.append(f"time: {sum(seconds):.0f} s for {n} types, {sum(seconds) / n:.1f} s a type (median "
-                     f"{sorted(seconds)[n // 2]:.1f} s)")
+        lines.append(f"time: {sum(seconds):.0f} s for {len(rows)} types, {sum(seconds) / len(rows):.1f} s a type "
+                     f"(median {sorted(seconds)[len(rows) // 2]:.1f} s)")
     return lines
 
 
