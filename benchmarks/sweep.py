@@ -1,7 +1,7 @@
 """The model audit on a library's whole population: every model type it builds, audited zero-config.
 
-    python benchmarks/sweep.py transformers [--sample N] [--seed S] [--only TYPE ...] [--limit N]
-                               [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs]
+    python benchmarks/sweep.py {transformers,timm} [--sample N] [--seed S] [--only TYPE ...] [--limit N]
+                               [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs] [--jobs N]
 
 Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
 mappings), builds each from a tiny config (its defaults with every width, depth and head count shrunk: `tiny_config`;
@@ -13,7 +13,14 @@ tests/test_model_audit.py (`bug_attention`): the bug is caught at the right laye
 finding with a layer names that one. A mask bug (`MASK_BUGS`) is not applicable where the model masks nothing
 (not causal, no padding mask taken): it changes nothing there, and is not counted.
 
-Each model runs in a forked child with a time limit (`--timeout`, 240 s): a model that hangs or takes the
+`timm`: every architecture of timm's `list_models()` whose module defines or imports an attention class (an
+nn.Module named *Attention: read from the source, nothing built to filter), each built with pretrained=False at
+the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way;
+one whose built modules hold no timm attention class is a row "no attention", not counted. No bug is injected
+in timm models yet (no interface like transformers' to route one layer through).
+
+Each model runs in a forked child with a time limit (`--timeout`, 240 s), `--jobs` of them at once (default: the
+number of cores), each on one torch thread; the parent alone writes the results. A model that hangs or takes the
 machine's memory is a row, not the end of the sweep. Rows are appended to a results file (JSON lines, one per
 model type; default under the temporary directory, named by the library's version) as they finish, so a sweep
 stopped half way resumes where it stopped (`--fresh` starts over). `--sample N` takes N types drawn with
@@ -244,53 +251,169 @@ def run_transformers(model_type: str, *, bugs: bool) -> Row:
     return row
 
 
-LIBRARIES = {"transformers": (transformers_types, run_transformers)}
+# ---- timm -----------------------------------------------------------------------------------------------------
+
+# a timm model built small: the first of these whose keywords the model takes (a keyword it does not take is
+# dropped, `timm_build`) and that builds; the last, nothing overridden, is the model's default size
+TIMM_TINY = ({"img_size": 64, "embed_dim": 32, "depth": 2, "num_heads": 4, "num_classes": 10},
+             {"img_size": 64, "num_classes": 10}, {"num_classes": 10}, {})
+
+
+def timm_attention_modules() -> list[str]:
+    """timm's model modules that define or import an attention class (an nn.Module named *Attention, what the
+    audit recognises as timm attention): the rule for "has attention", read from the source, nothing built."""
+    import importlib
+
+    import timm
+    import torch
+
+    names = []
+    for module in timm.list_modules():
+        ns = vars(importlib.import_module(f"timm.models.{module}"))
+        if any(n.endswith("Attention") and isinstance(c, type) and issubclass(c, torch.nn.Module)
+               for n, c in ns.items()):
+            names.append(module)
+    return names
+
+
+def timm_types() -> list[str]:
+    """Every architecture of timm's `list_models()` whose module has an attention class; a model whose built
+    modules turn out to hold none is a row "no attention", not counted as built."""
+    import timm
+
+    return sorted(m for module in timm_attention_modules() for m in timm.list_models(module=module))
+
+
+def timm_build(name: str):
+    """The model at the first of `TIMM_TINY` it builds with, keywords it does not take dropped one by one."""
+    import re
+
+    import timm
+    import torch
+
+    errors = []
+    for overrides in TIMM_TINY:
+        kw = dict(overrides)
+        while True:
+            torch.manual_seed(0)
+            try:
+                return timm.create_model(name, pretrained=False, **kw).eval()
+            except TypeError as exc:
+                unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+                if unexpected and unexpected.group(1) in kw:
+                    del kw[unexpected.group(1)]
+                    continue
+                errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
+            break
+    raise RuntimeError("; ".join(errors[-1:]))
+
+
+def run_timm(name: str, *, bugs: bool) -> Row:
+    from diagnostics.model._find import class_kind
+
+    row = Row(name)
+    try:
+        model = timm_build(name)
+    except Exception as exc:
+        row.verdict, row.why = "not built", str(exc).splitlines()[0][:200] if str(exc) else ""
+        return row
+    row.cls = type(model).__name__
+    if not any(class_kind(m) == "timm attention class" for m in model.modules()):
+        row.verdict, row.why = "no attention", "no timm attention class among its modules"
+        return row
+    row.built = True
+    try:
+        audit_row(row, model, bugs=bugs)  # bugs: injected only through transformers' AttentionInterface
+    except Exception as exc:
+        row.verdict = "crashed"
+        row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
+    return row
+
+
+LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (timm_types, run_timm)}
 
 
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
 
 
+class Child:
+    """fn(model_type) in a forked child with one torch thread, its Row back through a file; `poll` gives the Row
+    once the child has finished, died or run past `timeout` (then it is killed), else None."""
+
+    def __init__(self, fn, model_type: str, timeout: float, **kw):
+        self.model_type, self.timeout = model_type, timeout
+        self.started = time.perf_counter()
+        fd, self.out = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: one model, then out without running the parent's exit handlers
+            code = 0
+            try:
+                import torch
+
+                torch.set_num_threads(1)  # children run side by side (--jobs): one core each, no oversubscription
+                row = fn(model_type, **kw)
+                Path(self.out).write_text(json.dumps(asdict(row)))
+            except BaseException:
+                code = 1
+            os._exit(code)
+
+    def poll(self) -> Row | None:
+        done, status = os.waitpid(self.pid, os.WNOHANG)
+        if not done:
+            if time.perf_counter() - self.started < self.timeout:
+                return None
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            Path(self.out).unlink(missing_ok=True)
+            return Row(self.model_type, verdict="timeout", why=f"over {self.timeout:.0f} s", seconds=self.timeout)
+        text = Path(self.out).read_text() if Path(self.out).exists() else ""
+        Path(self.out).unlink(missing_ok=True)
+        seconds = time.perf_counter() - self.started
+        if not text:
+            why = (f"the child died (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status)
+                   else "the child wrote no row")
+            return Row(self.model_type, verdict="crashed", why=why, seconds=seconds)
+        row = Row(**json.loads(text))
+        row.seconds = seconds
+        return row
+
+
 def in_child(fn, model_type: str, timeout: float, **kw) -> Row:
-    """fn(model_type) in a forked child, its Row back through a file; a child past `timeout` is killed."""
-    started = time.perf_counter()
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    pid = os.fork()
-    if pid == 0:  # the child: one model, then out without running the parent's exit handlers
-        code = 0
-        try:
-            row = fn(model_type, **kw)
-            Path(out).write_text(json.dumps(asdict(row)))
-        except BaseException:
-            code = 1
-        os._exit(code)
-    status = None
-    while time.perf_counter() - started < timeout:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        Path(out).unlink(missing_ok=True)
-        return Row(model_type, verdict="timeout", why=f"over {timeout:.0f} s", seconds=timeout)
-    text = Path(out).read_text() if Path(out).exists() else ""
-    Path(out).unlink(missing_ok=True)
-    if not text:
-        why = f"the child died (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status) else "the child wrote no row"
-        return Row(model_type, verdict="crashed", why=why, seconds=time.perf_counter() - started)
-    row = Row(**json.loads(text))
-    row.seconds = time.perf_counter() - started
-    return row
+    """fn(model_type) in a forked child (`Child`), waited for."""
+    return next(run_children(fn, [model_type], timeout, jobs=1, **kw))
+
+
+def run_children(fn, types: list, timeout: float, *, jobs: int, **kw):
+    """Yields each type's Row as it finishes (not in order), at most `jobs` children running at once. The caller,
+    in the parent, is the only one to write them down."""
+    todo, running = list(types), []
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                running.append(Child(fn, todo.pop(0), timeout, **kw))
+            for child in list(running):
+                row = child.poll()
+                if row is not None:
+                    running.remove(child)
+                    yield row
+            time.sleep(0.05)
+    finally:  # the parent stopped early (Ctrl-C, an error): no child left running
+        for child in running:
+            child.timeout = 0
+            child.poll()
 
 
 def rates(rows: list[Row]) -> list[str]:
-    n = len(rows)
-    built = [r for r in rows if r.built or r.verdict in ("timeout",)]
+    plain = [r for r in rows if r.verdict != "no attention"]  # built, but nothing for the audit: not counted
+    n = len(plain)
+    built = [r for r in plain if r.built or r.verdict in ("timeout",)]
     count = lambda v: sum(r.verdict == v for r in built)  # noqa: E731
     known = [r for r in built if r.verdict == "failed" and r.model_type in KNOWN]
-    lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"]
+    lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"
+             + (f"; {len(rows) - n} more built with no attention module, not counted" if len(rows) > n else "")]
     if built:
         lines.append("of the built: " + ", ".join(
             f"{v} {count(v)} ({100 * count(v) / len(built):.0f}%)"
@@ -308,8 +431,8 @@ def rates(rows: list[Row]) -> list[str]:
                      + ", ".join(r.model_type for r in refused))
     seconds = [r.seconds for r in rows]
     if seconds:
-        lines.append(f"time: {sum(seconds):.0f} s for {n} types, {sum(seconds) / n:.1f} s a type (median "
-                     f"{sorted(seconds)[n // 2]:.1f} s)")
+        lines.append(f"time: {sum(seconds):.0f} s for {len(rows)} types, {sum(seconds) / len(rows):.1f} s a type "
+                     f"(median {sorted(seconds)[len(rows) // 2]:.1f} s)")
     return lines
 
 
@@ -336,10 +459,11 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=None, help="the JSON-lines file to append to and resume from")
     parser.add_argument("--fresh", action="store_true", help="ignore the results file's rows")
     parser.add_argument("--no-bugs", action="store_true", help="audit the correct models only")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="models audited at once, one core each (default: the number of cores)")
     args = parser.parse_args(argv)
     import torch
 
-    torch.set_num_threads(1)  # one thread in every child: forked children share no thread pool
     enumerate_types, run_one = LIBRARIES[args.library]
     types = enumerate_types()
     if args.only:
@@ -362,17 +486,19 @@ def main(argv=None) -> int:
         results.unlink(missing_ok=True)
     print(f"{args.library} {version}, torch {torch.__version__}: {len(types)} model types; results {results} "
           f"({sum(t in done for t in types)} already there)", flush=True)
-    rows = []
-    for t in types:
-        if t not in done:
-            done[t] = in_child(run_one, t, args.timeout, bugs=not args.no_bugs)
-            with results.open("a") as f:
-                f.write(json.dumps(asdict(done[t])) + "\n")
-            r = done[t]
-            print(f"  {t}: {r.verdict} {r.seconds:.1f} s {r.why[:100]}", flush=True)
-        rows.append(done[t])
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    todo = [t for t in types if t not in done]
+    started = time.perf_counter()
+    for r in run_children(run_one, todo, args.timeout, jobs=args.jobs, bugs=not args.no_bugs):
+        done[r.model_type] = r
+        with results.open("a") as f:  # the parent alone writes: one whole line per finished model
+            f.write(json.dumps(asdict(r)) + "\n")
+        print(f"  {r.model_type}: {r.verdict} {r.seconds:.1f} s {r.why[:100]}", flush=True)
+    rows = [done[t] for t in types]
     print(table(rows))
     print("\n".join(rates(rows)))
+    print(f"wall clock: {time.perf_counter() - started:.0f} s for the {len(todo)} types run now, --jobs {args.jobs}")
     return 0
 
 

@@ -98,3 +98,82 @@ def test_a_fixed_sample_of_transformers_model_types_through_the_sweep(tmp_path):
     for t in ("gpt2", "llama"):  # every injected bug caught at the layer it was injected into
         assert rows[t].bugs == dict.fromkeys(sweep.BUGS, "caught"), rows[t].bugs
     assert rows["llama"].causal.startswith("True (inferred: LlamaForCausalLM is a causal LM")
+
+
+def _meeting(model_type: str, *, bugs: bool, where: Path):
+    """"a" and "b" each mark that they started and wait (up to 20 s) for the other's mark: both pass only when
+    they run at the same time. Reports the child's torch thread count."""
+    import torch
+
+    sweep = _sweep()
+    (where / model_type).touch()
+    other = where / {"a": "b", "b": "a"}[model_type]
+    deadline = time.monotonic() + 20
+    while not other.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return sweep.Row(model_type, built=True, verdict="passed" if other.exists() else "failed",
+                     why=f"threads {torch.get_num_threads()}")
+
+
+def test_jobs_run_children_side_by_side_each_on_one_thread(tmp_path):
+    sweep = _sweep()
+    rows = {r.model_type: r for r in sweep.run_children(_meeting, ["a", "b"], 30, jobs=2, bugs=False, where=tmp_path)}
+    assert {t: (r.verdict, r.why) for t, r in rows.items()} == dict.fromkeys("ab", ("passed", "threads 1"))
+    one = tmp_path / "one"  # its twin: one at a time, "a" waits for a "b" that has not started, past its limit
+    one.mkdir()
+    rows = {r.model_type: r for r in sweep.run_children(_meeting, ["a", "b"], 1.0, jobs=1, bugs=False, where=one)}
+    assert rows["a"].verdict == "timeout" and rows["b"].verdict == "passed"
+
+
+def test_with_jobs_the_parent_writes_every_row_once_and_a_second_run_resumes(tmp_path, monkeypatch, capsys):
+    sweep = _sweep()
+    types = ["good", "leaky", "dies", "good2", "leaky2"]
+
+    def run(model_type, *, bugs):
+        time.sleep(0.2 * (len(types) - types.index(model_type)) / len(types))  # finish out of order
+        row = _fake_run(model_type.rstrip("2"), bugs=bugs)
+        row.model_type = model_type
+        return row
+
+    monkeypatch.setitem(sweep.LIBRARIES, "json", (lambda: types, run))
+    results = tmp_path / "rows.jsonl"
+    assert sweep.main(["json", "--results", str(results), "--jobs", "3"]) == 0
+    written = [json.loads(line) for line in results.read_text().splitlines()]  # every line whole JSON
+    assert sorted(r["model_type"] for r in written) == sorted(types)
+    out = capsys.readouterr().out
+    table = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in types]
+    assert table[-len(types):] == types, out  # the table in the types' order, whatever order they finished in
+    assert sweep.main(["json", "--results", str(results), "--jobs", "3"]) == 0
+    assert "(5 already there)" in capsys.readouterr().out and len(results.read_text().splitlines()) == 5
+
+
+def test_jobs_below_one_is_a_usage_error(monkeypatch, capsys):
+    sweep = _sweep()
+    monkeypatch.setitem(sweep.LIBRARIES, "json", (lambda: ["good"], _fake_run))
+    with pytest.raises(SystemExit):
+        sweep.main(["json", "--jobs", "0"])
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # imports every timm model module (timm_types): 71 s under load
+def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    vit = sweep.timm_build("vit_tiny_patch16_224")  # every keyword of TIMM_TINY taken
+    assert (vit.embed_dim, len(vit.blocks), vit.blocks[0].attn.num_heads, vit.patch_embed.img_size) == (32, 2, 4, (64, 64))
+    types = sweep.timm_types()
+    assert "vit_tiny_patch16_224" in types and "resnet18" not in types
+    row = sweep.run_timm("resnet18", bugs=False)  # builds (depth, embed_dim, num_heads dropped), holds no attention
+    assert (row.built, row.verdict) == (False, "no attention"), row
+    lines = sweep.rates([row, sweep.Row("vit", built=True, verdict="passed")])
+    assert lines[0] == "1 / 1 built (100%); 1 more built with no attention module, not counted", lines
+
+
+def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
+    sweep = _sweep()
+    rows = sweep.run_children(_fake_run, ["good", "hangs"], 30, jobs=2, bugs=False)
+    assert next(rows).model_type == "good"
+    hung = next(c for c in rows.gi_frame.f_locals["running"])  # the child still running
+    rows.close()  # as when the parent is interrupted
+    with pytest.raises(ChildProcessError):
+        os.waitpid(hung.pid, os.WNOHANG)  # reaped: killed, not left behind
