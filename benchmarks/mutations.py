@@ -28,8 +28,9 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and tolerance (every public module of `diagnostics/model/`, and
-`_tolerance.py`), the module lists read from the committed tree, so that a module added later is in the next run
+`_thresholds.py` and the model wing's detectors and judgements (every public module of `diagnostics/model/`, and
+every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
+`_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
 and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
 `benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
@@ -84,9 +85,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
-MODEL_SHARED = ("_tolerance.py",)
-"""The model wing's shared judgement, mutated beside its detectors (its other private modules find the layers and run
-the model: a mutant there changes what is audited, measured by the model audit's own tests, not a threshold)."""
+JUDGES = re.compile(r"^from \.\._thresholds import [^\n]*\btolerance\b", re.M)
+"""A private module of the model wing holds verdict logic when it judges a measurement against a tolerance: it
+imports `tolerance` from `_thresholds` (`_tolerance.py`: the parity judgement; `_causal.py`: whether a layer masks
+the future, and the majority rule that makes a model causal). The other private modules find the layers, call the
+model and word the report: a mutant there changes what is audited, measured by the model audit's own tests."""
 
 
 REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
@@ -104,11 +107,17 @@ def _listed(folder: str) -> list[str]:
     return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
 
 
+def judges(module: str) -> bool:
+    """Whether a module (relative to the package) imports `tolerance` from `_thresholds` (JUDGES), in the committed
+    tree."""
+    return bool(JUDGES.search(_committed(f"{PACKAGE}/{module}").decode()))
+
+
 def _files() -> tuple[str, ...]:
     """Every detector module (detectors/*.py, the shared probes among them), the model wing's public modules (its
-    detectors) and MODEL_SHARED: read from the committed tree, so that a module added later is mutated and sampled
-    without being listed here."""
-    model = [n for n in _listed("model") if not n.startswith("_") or n in MODEL_SHARED]
+    detectors) and its private ones that judge (JUDGES): read from the committed tree, so that a module added later
+    is mutated and sampled without being listed here."""
+    model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
     return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
