@@ -184,6 +184,11 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
+                                                                   "outputs' change, the earlier ones')"),
+    "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
+        "& (weights > 0)", "a weight of 0 has log -inf and a negative one log NaN, both already dropped by "
+        "torch.isfinite(logw): `weights > 0` and `weights >= 0` keep the same entries"),
     "model/cache.py:schedules:L*:Gt->GtE": (
         "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
         "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
