@@ -184,6 +184,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/causality.py:check_prefix_causality:L*:Gt->Lt#2": (
+        "int((ch[:c + 1] > tol).sum()) > 0", "that line's `first = p` is dead: the loop after it sets `first` on the "
+        "same reading (cut j = cuts.index(c) + 1 is the middle cut c: moved(layer_out[j:j + 1], ref)[0][:c + 1] > "
+        "tol), so a never-true test there leaves `first` as it was (checked by hand)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
