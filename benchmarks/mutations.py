@@ -92,8 +92,10 @@ the future, and the majority rule that makes a model causal). The other private 
 model and word the report: a mutant there changes what is audited, measured by the model audit's own tests."""
 
 
-REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
-"""The commit whose tree is mutated and tested (others' uncommitted edits in the checkout are not measured)."""
+REVISION = subprocess.run(["git", "rev-parse", "--verify", os.environ.get("MUTATION_REVISION", "HEAD") + "^{commit}"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+"""The commit whose tree is mutated and tested (others' uncommitted edits in the checkout are not measured), resolved
+once at start: a commit made while the run lists its mutants cannot slip into its copies."""
 
 
 def _committed(path: str) -> bytes:
