@@ -185,6 +185,9 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
+    "model/window.py:check_sliding_window:L*:Gt->GtE": (
+        "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
+        "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
     "model/causality.py:check_prefix_causality:L*:Gt->Lt#2": (
         "int((ch[:c + 1] > tol).sum()) > 0", "that line's `first = p` is dead: the loop after it sets `first` on the "

@@ -505,6 +505,8 @@ def first_reads_last(x):
     (last_reads_itself, True),  # one later output moving is enough to measure
     (first_reads_last, False),  # one past output moving is enough to see the future read
     (lambda x: (x,), None),  # not a tensor
+    (lambda x: x.sum(), None), (lambda x: x.sum(-1)[0], None),  # fewer than 2 dimensions
+    (lambda x: torch.cat([x, x[:, :1]], 1), None),  # not T positions
 ])
 def test_masks_future_needs_one_later_output_moved_and_no_earlier_one(f, expected):
     """model/_causal.py `masks_future`: its two `.any()`s (any -> all), the comparisons against UNCHANGED, the
@@ -656,3 +658,14 @@ def test_softmax_saturation_judges_the_worst_of_a_layers_softmaxes():
     assert verdict(correct_then_sharpened(1.0), "softmax_saturation").verdict == "pass"
     sharp = verdict(correct_then_sharpened(1.5), "softmax_saturation")
     assert sharp.verdict == "fail" and sharp.value == pytest.approx(1.5, rel=1e-3), sharp
+
+
+@pytest.mark.parametrize("seq_len, second_column", [(10, True), (9, False)])
+def test_sliding_window_reads_column_w_minus_1_where_a_row_past_its_window_exists(seq_len, second_column):
+    """check_sliding_window's `s > 0 and s + w >= T`: beside column 0, column w - 1 is read where a row past its window
+    exists (s + w < T: T = 10 for w = 5), and not where none does (T = 9)."""
+    seed_rng(0)
+    window = diagnostics.audit_model(ProtocolGPT(sliding_window=5), detectors=["sliding_window"],
+                                     seq_len=seq_len).result("sliding_window")
+    assert window.verdict == "pass" and "s=0: t=0..4 moved" in window.evidence, window
+    assert ("s=4: t=4..8 moved" in window.evidence) is second_column, window.evidence
