@@ -28,8 +28,9 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and tolerance (every public module of `diagnostics/model/`, and
-`_tolerance.py`), the module lists read from the committed tree, so that a module added later is in the next run
+`_thresholds.py` and the model wing's detectors and judgements (every public module of `diagnostics/model/`, and
+every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
+`_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
 and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
 `benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
@@ -84,13 +85,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "diagnostics"
-MODEL_SHARED = ("_tolerance.py",)
-"""The model wing's shared judgement, mutated beside its detectors (its other private modules find the layers and run
-the model: a mutant there changes what is audited, measured by the model audit's own tests, not a threshold)."""
+JUDGES = re.compile(r"^from \.\._thresholds import [^\n]*\btolerance\b", re.M)
+"""A private module of the model wing holds verdict logic when it judges a measurement against a tolerance: it
+imports `tolerance` from `_thresholds` (`_tolerance.py`: the parity judgement; `_causal.py`: whether a layer masks
+the future, and the majority rule that makes a model causal). The other private modules find the layers, call the
+model and word the report: a mutant there changes what is audited, measured by the model audit's own tests."""
 
 
-REVISION = os.environ.get("MUTATION_REVISION", "HEAD")
-"""The commit whose tree is mutated and tested (others' uncommitted edits in the checkout are not measured)."""
+REVISION = subprocess.run(["git", "rev-parse", "--verify", os.environ.get("MUTATION_REVISION", "HEAD") + "^{commit}"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+"""The commit whose tree is mutated and tested (others' uncommitted edits in the checkout are not measured), resolved
+once at start: a commit made while the run lists its mutants cannot slip into its copies."""
 
 
 def _committed(path: str) -> bytes:
@@ -104,11 +109,17 @@ def _listed(folder: str) -> list[str]:
     return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
 
 
+def judges(module: str) -> bool:
+    """Whether a module (relative to the package) imports `tolerance` from `_thresholds` (JUDGES), in the committed
+    tree."""
+    return bool(JUDGES.search(_committed(f"{PACKAGE}/{module}").decode()))
+
+
 def _files() -> tuple[str, ...]:
     """Every detector module (detectors/*.py, the shared probes among them), the model wing's public modules (its
-    detectors) and MODEL_SHARED: read from the committed tree, so that a module added later is mutated and sampled
-    without being listed here."""
-    model = [n for n in _listed("model") if not n.startswith("_") or n in MODEL_SHARED]
+    detectors) and its private ones that judge (JUDGES): read from the committed tree, so that a module added later
+    is mutated and sampled without being listed here."""
+    model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
     return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
@@ -174,7 +185,19 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
+    "model/window.py:check_sliding_window:L*:Gt->GtE": (
+        "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
+        "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/causality.py:check_prefix_causality:L*:Gt->Lt#2": (
+        "int((ch[:c + 1] > tol).sum()) > 0", "that line's `first = p` is dead: the loop after it sets `first` on the "
+        "same reading (cut j = cuts.index(c) + 1 is the middle cut c: moved(layer_out[j:j + 1], ref)[0][:c + 1] > "
+        "tol), so a never-true test there leaves `first` as it was (checked by hand)"),
+    "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
+                                                                   "outputs' change, the earlier ones')"),
+    "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
+        "& (weights > 0)", "a weight of 0 has log -inf and a negative one log NaN, both already dropped by "
+        "torch.isfinite(logw): `weights > 0` and `weights >= 0` keep the same entries"),
     "model/cache.py:schedules:L*:Gt->GtE": (
         "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
         "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),

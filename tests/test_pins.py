@@ -24,6 +24,7 @@ from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
 from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
+from diagnostics.model import _causal
 from diagnostics.model.window import declared_pattern
 
 INSIDE, OUTSIDE = 0.3, 3.0  # twins' distance from a gain: 10x either way crosses one of them
@@ -459,3 +460,212 @@ def test_gradient_flow_fails_a_model_whose_layer_reads_the_future_and_passes_its
     assert result.verdict == ("fail" if broken else "pass"), result
     if broken:
         assert result.message.startswith("the gradient lets the future in"), result
+
+
+class Measured(nn.Module):
+    """An in-place wrapper as `infer_causal` reads it (`inner`, `is_self_attention()`, `d_model`, `block_size`)
+    around `f(x)` on (1, T, D); `says`: the wrapped layer's own `is_causal` (None: it carries none)."""
+
+    def __init__(self, f, *, self_attention: bool = True, block_size: int = 8, says=None):
+        super().__init__()
+        self.f, self.self_attention, self.d_model, self.block_size = f, self_attention, 4, block_size
+        self.inner = SimpleNamespace(is_causal=says) if says is not None else SimpleNamespace()
+
+    def is_self_attention(self) -> bool:
+        return self.self_attention
+
+    def forward(self, x):
+        return self.f(x)
+
+
+def prefix_sums(x):
+    return x.cumsum(1)  # position t reads positions <= t: masks the future
+
+
+def whole_mean(x):
+    return x + x.mean(1, keepdim=True)  # every position reads every other: the past moves
+
+
+def last_reads_itself(x):
+    """Position t's own input only at 0..T/2 and at T-1; zero in between: of the later outputs, only the last moves."""
+    keep = torch.ones(x.shape[1], 1)
+    keep[x.shape[1] // 2 + 1:-1] = 0
+    return x * keep
+
+
+def first_reads_last(x):
+    """Each position its own input, position 0 also the last one: of the past outputs, only the first moves."""
+    out = x.clone()
+    out[:, 0] += x[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("f, expected", [
+    (prefix_sums, True), (whole_mean, False), (torch.zeros_like, None),  # zeros: nothing later moved, not measured
+    (last_reads_itself, True),  # one later output moving is enough to measure
+    (first_reads_last, False),  # one past output moving is enough to see the future read
+    (lambda x: (x,), None),  # not a tensor
+    (lambda x: x.sum(), None), (lambda x: x.sum(-1)[0], None),  # fewer than 2 dimensions
+    (lambda x: torch.cat([x, x[:, :1]], 1), None),  # not T positions
+])
+def test_masks_future_needs_one_later_output_moved_and_no_earlier_one(f, expected):
+    """model/_causal.py `masks_future`: its two `.any()`s (any -> all), the comparisons against UNCHANGED, the
+    output-kind guard."""
+    assert _causal.masks_future(Measured(f), 8, 4, torch.float32, 0) is expected
+
+
+RUNNER = SimpleNamespace(encoder_decoder=False)
+
+
+def inferred(wrappers: dict, *, causal=None, model=None, runner=RUNNER):
+    return _causal.infer_causal(model if model is not None else nn.Module(), causal, runner, wrappers, T=8,
+                                dtype=torch.float32, seed=0)
+
+
+def test_a_model_is_causal_when_more_than_half_its_measured_layers_mask_the_future():
+    """model/_causal.py `infer_causal`'s majority rule (`2 * masking > measured`, `masking < measured` naming the
+    layers that do not): 2 of 3 is causal and names the third; 3 of 3 names none; 1 of 2 and 0 of 2 are not."""
+    two_of_three = inferred({"a": Measured(prefix_sums), "b": Measured(prefix_sums), "c": Measured(whole_mean)})
+    assert two_of_three == (True, "measured: 2 of 3 attention layers mask the future themselves (c does not: "
+                                  "audited as causal)")
+    assert inferred({"a": Measured(prefix_sums), "b": Measured(prefix_sums)}) == (
+        True, "measured: 2 of 2 attention layers mask the future themselves")
+    for wrappers in ({"a": Measured(prefix_sums), "b": Measured(whole_mean)},
+                     {"a": Measured(whole_mean), "b": Measured(whole_mean)}):
+        said, how = inferred(wrappers)
+        assert said is False and how.startswith("assumed: nothing says the model is causal"), how
+
+
+def test_only_self_attention_layers_at_the_models_length_are_measured():
+    """`infer_causal`'s `is_self_attention() and block_size == T`: a cross-attention layer and one captured at
+    another length are not measured (here they would outvote the one that is)."""
+    others = {"x": Measured(whole_mean, self_attention=False), "y": Measured(whole_mean, block_size=6)}
+    assert inferred({"a": Measured(prefix_sums), **others})[0] is True
+    assert inferred(others)[0] is False
+
+
+def test_layers_that_all_say_is_causal_make_the_model_causal_and_some_or_none_do_not():
+    """`own and all(is_causal is True)`: every self-attention layer saying so is causal; one of two saying so is
+    not (measured instead); no self-attention layer at all is not."""
+    assert inferred({"a": Measured(whole_mean, says=True), "b": Measured(whole_mean, says=True)}) == (
+        True, "inferred: its 2 self-attention layers say is_causal = True")
+    assert inferred({"a": Measured(whole_mean, says=True), "b": Measured(whole_mean)})[0] is False
+    assert inferred({"x": Measured(prefix_sums, self_attention=False)})[0] is False
+
+
+ENC_DEC = SimpleNamespace(encoder_decoder=True)
+
+
+def test_an_encoder_decoder_is_causal_unless_all_its_decoder_self_attention_layers_say_is_causal_false():
+    """`infer_causal`'s encoder-decoder branch: all decoder layers `is_causal = False` overrule the family; one
+    of two does not; encoder layers saying it do not; nor does it overrule a `causal=` the caller gave."""
+    said = inferred({"model.decoder.0": Measured(prefix_sums, says=False),
+                     "model.decoder.1": Measured(prefix_sums, says=False)}, runner=ENC_DEC)
+    assert said == (False, "inferred: an encoder-decoder whose 2 decoder self-attention layers say is_causal = False "
+                           "(a non-autoregressive decoder)")
+    mixed = {"model.decoder.0": Measured(whole_mean, says=False), "model.decoder.1": Measured(whole_mean)}
+    assert inferred(mixed, runner=ENC_DEC)[0] is True
+    assert inferred({"model.encoder.0": Measured(whole_mean, says=False)}, runner=ENC_DEC)[0] is True
+    decoder_says_no = {"model.decoder.0": Measured(whole_mean, says=False)}
+    assert inferred(decoder_says_no, runner=ENC_DEC, causal=True) == (True, "as given")
+    declares = SimpleNamespace(config=SimpleNamespace(is_decoder=True))  # declared otherwise than by its family
+    assert inferred(decoder_says_no, runner=ENC_DEC, model=declares) == (True, "inferred: config.is_decoder")
+
+
+def test_a_config_that_says_is_decoder_false_declares_nothing():
+    """`declared_causal`'s `config is not None and config.is_decoder is True`."""
+    assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=False)), None, RUNNER) == (None, "")
+    assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=True)), None, RUNNER)[0] is True
+
+
+def one_batch_size(f):
+    """`f` raising on any batch but the audit's own (2): the stacked full pass of decoding raises, nothing else."""
+    def layer(q, k, v, mask=None):
+        if q.shape[0] != Probe.BATCH:
+            raise ValueError("one batch size only")
+        return f(q, k, v, mask)
+    return layer
+
+
+def test_output_shape_of_a_decoder_whose_full_pass_raised_is_read_on_a_memory_3_tokens_longer():
+    """check_output_shape's `len(decoded) > 1`: decoding's calls are only its full pass when that raised; then the
+    shape is still measured, on a memory 3 tokens longer (not skipped on the full pass that raised)."""
+    assert verdict(one_batch_size(attention), "output_shape", causal=True).verdict == "pass"
+    wrong = verdict(one_batch_size(rows_per_key), "output_shape", causal=True)
+    assert wrong.verdict == "fail" and "query length 16, memory length 19" in wrong.evidence, wrong
+
+
+class MaskRaises(nn.Module):
+    """The reference, raising RuntimeError("boom") (no word of masks) when given `key_padding_mask`, or always."""
+
+    def __init__(self, *, always: bool = False):
+        super().__init__()
+        self.d_model, self.num_heads, self.always = 16, 2, always
+        torch.manual_seed(0)
+        self.inner = MultiHeadAttention(16, 2)
+
+    def forward(self, x, key_padding_mask=None):
+        if key_padding_mask is not None or self.always:
+            raise RuntimeError("boom")
+        return self.inner(x)
+
+
+def test_runs_hints_at_the_mask_convention_when_only_calls_with_a_mask_raised():
+    """runs' `_mask_hint`: calls without a mask ran (`not s.raised`), so the convention the audit gave is named in
+    the fix even though the error says nothing of masks; a layer raising on every call gets no such hint."""
+    masked_only = verdict(MaskRaises(), "runs")
+    assert masked_only.verdict == "fail" and masked_only.fix.startswith("the audit gave `key_padding_mask` as "
+                                                                        "key_padding"), masked_only.fix
+    always = verdict(MaskRaises(always=True), "runs")
+    assert always.verdict == "fail" and always.fix.startswith("make the layer run on every input"), always.fix
+
+
+class KeepPerKey(nn.Module):
+    """The reference taking a (B, Tk) keep mask (True = attend) as its undocumented `mask`: the audit's default
+    (B, 1, Tq, Tk) mask makes it raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads = 16, 2
+        torch.manual_seed(0)
+        self.inner = MultiHeadAttention(16, 2)
+
+    def forward(self, x, mask=None):
+        return self.inner(x, mask=None if mask is None else mask[:, None, None, :])
+
+
+def test_runs_names_the_declaration_a_layer_raising_only_on_the_default_mask_needs():
+    """runs' `_needed_declaration`: calls without a mask ran (`not shape.raised`) and the mask in another
+    convention is honoured, so runs is a skip naming it; declared, runs passes."""
+    needed = verdict(KeepPerKey(), "runs")
+    assert needed.verdict == "skip" and needed.message.startswith("needs a declaration, mask='key_keep'"), needed
+    assert verdict(KeepPerKey(), "runs", mask="key_keep").verdict == "pass"
+
+
+def correct_then_sharpened(gain: float):
+    """The reference's attention averaged with a second one whose q·k is scaled by `gain` / sqrt(d_k): two softmaxes,
+    the first one right."""
+    def layer(q, k, v, mask=None):
+        out, _ = attention(q, k, v, mask)
+        weights = (gain * q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1)  # (B, H, Tq, Tk)
+        return (out + weights @ v) / 2
+    return layer
+
+
+def test_softmax_saturation_judges_the_worst_of_a_layers_softmaxes():
+    """check_softmax_saturation's `max(rows, key=|log(|ratio| or 1e-300)|)`: the second softmax 1.5x too sharp
+    (SCALE_RATIO 1.25 exceeded) fails although the first one is right; both right passes."""
+    assert verdict(correct_then_sharpened(1.0), "softmax_saturation").verdict == "pass"
+    sharp = verdict(correct_then_sharpened(1.5), "softmax_saturation")
+    assert sharp.verdict == "fail" and sharp.value == pytest.approx(1.5, rel=1e-3), sharp
+
+
+@pytest.mark.parametrize("seq_len, second_column", [(10, True), (9, False)])
+def test_sliding_window_reads_column_w_minus_1_where_a_row_past_its_window_exists(seq_len, second_column):
+    """check_sliding_window's `s > 0 and s + w >= T`: beside column 0, column w - 1 is read where a row past its window
+    exists (s + w < T: T = 10 for w = 5), and not where none does (T = 9)."""
+    seed_rng(0)
+    window = diagnostics.audit_model(ProtocolGPT(sliding_window=5), detectors=["sliding_window"],
+                                     seq_len=seq_len).result("sliding_window")
+    assert window.verdict == "pass" and "s=0: t=0..4 moved" in window.evidence, window
+    assert ("s=4: t=4..8 moved" in window.evidence) is second_column, window.evidence
