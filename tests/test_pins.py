@@ -506,6 +506,7 @@ def first_reads_last(x):
     (first_reads_last, False),  # one past output moving is enough to see the future read
     (lambda x: (x,), None),  # not a tensor
     (lambda x: x.sum(), None), (lambda x: x.sum(-1)[0], None),  # fewer than 2 dimensions
+    (lambda x: x.cumsum(1).sum(-1), None),  # (1, T): no features to compare per position (it raised IndexError)
     (lambda x: torch.cat([x, x[:, :1]], 1), None),  # not T positions
 ])
 def test_masks_future_needs_one_later_output_moved_and_no_earlier_one(f, expected):

@@ -73,7 +73,7 @@ def masks_future(layer, T: int, D: int, dtype, seed: int) -> bool | None:
             for inp in (x, other):
                 seed_rng(seed, device)  # the same dropout draws for both
                 out = layer(inp.to(device, dtype))
-                if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[1] != T:
+                if not isinstance(out, torch.Tensor) or out.dim() < 3 or out.shape[1] != T:  # (1, T, features)
                     return None
                 outs.append(out.float())
     except Exception:  # a layer that cannot take the probe tells nothing about its masking
