@@ -148,18 +148,34 @@ RESPONSE = 16
 
 
 def under_rounding(variant, cfg, result: diagnostics.DetectorResult) -> bool:
-    """In bfloat16 or float16 a bug's effect on a detector's own reading can be smaller than the dtype's rounding:
-    heads merged without transpose at d_k = 1 and GPT-2's init (an exploring CI seed's draw, UNDER_ROUNDING_DRAW)
-    moved another row by 0.31% of the outputs' RMS, under one bfloat16 rounding step (0.39%). Such a pass is excused
-    only where it is measured to be that: the detector's reading is under one rounding step of the dtype, and the same
-    build in float32, audited by that detector alone, fires it."""
+    """In bfloat16 or float16 a bug's effect on a detector's own reading can be lost in the dtype's rounding. Such a
+    pass is excused only where it is measured to be that, and the same build in float32, audited by that detector
+    alone, fires it; then either
+    - the low-precision reading is under one rounding step: heads merged without transpose at d_k = 1 and GPT-2's
+      init (an exploring CI seed's draw, UNDER_ROUNDING_DRAW) moved another row by 0.31% of the outputs' RMS, under
+      one bfloat16 rounding step (0.39%); or
+    - the bug's whole effect, the float32 reading, is within NEAR_BAR times the detector's own low-precision bar, which
+      is set above that dtype's rounding of correct layers: a mask after the softmax at d_model 1, three tokens and
+      GPT-2's init (NEAR_BAR_DRAW) moved outputs by 0.0236 of their RMS in float32, 1.48x mask_honoured's bfloat16
+      bar (0.016), and read 0.0159 in bfloat16."""
     if cfg["dtype"] == torch.float32 or result.verdict != "pass" or result.value is None:
-        return False
-    if not result.value <= ROUNDING[cfg["dtype"]]:
         return False
     wide = dict(cfg, dtype=torch.float32)
     layer = _build(variant.build, wide)
-    return result.detector in _audit(layer, wide, **variant.audit_kwargs(layer), detectors=[result.detector]).fired()
+    found = _audit(layer, wide, **variant.audit_kwargs(layer), detectors=[result.detector]).result(result.detector)
+    if found.verdict not in ("fail", "warn"):
+        return False
+    if result.value <= ROUNDING[cfg["dtype"]]:
+        return True
+    return (result.threshold is not None and found.value is not None and result.value <= result.threshold
+            and found.value <= NEAR_BAR * result.threshold)
+
+
+NEAR_BAR = 2.0
+"""How near a low-precision bar a bug's float32 effect may be for a miss in that dtype to be excused: the reading of
+a small effect carries the dtype's rounding of the outputs it compares, a few rounding steps of their RMS (NEAR_BAR_DRAW:
+0.0236 in float32 read 0.0159 in bfloat16, two bfloat16 steps lower, under the bar of 0.016), so an effect within
+twice the bar can read on either side of it. Further from the bar a low-precision miss is never excused."""
 
 
 def did_not_move(calls: list[Call], batch: int) -> tuple[float, int]:
@@ -320,12 +336,16 @@ CANCELLED_DRAW = dict(heads=1, head_dim=2, seq_len=2, seed=5687, dtype=torch.bfl
 # against 0.3, slope +2.56), so that relative_positions read a flipped ALiBi; such a line is now read again on the
 # float64 copy, where these scores are no line
 SHIFTED_COSINE_DRAW = dict(heads=2, head_dim=2, seq_len=3, seed=2, dtype=torch.bfloat16, init="default")
+# And from seed 2500120980 (commit 9504d19): a mask after the softmax in bfloat16 at d_model 1 and GPT-2's init, whose
+# effect on mask_honoured's reading (0.0236 of the outputs' RMS in float32) is 1.48x its bfloat16 bar (0.016): it read
+# 0.0159 there and passed, the audit failing the layer by weight_row_sums and gradients (`under_rounding`, NEAR_BAR)
+NEAR_BAR_DRAW = dict(heads=1, head_dim=1, seq_len=3, seed=1052, dtype=torch.bfloat16, init="gpt2")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
                                       ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW),
-                                      ("rotary_not_offset", SHIFTED_COSINE_DRAW)],
-                         ids=["under_rounding", "random_zeros", "leaked_shift", "shifted_cosine"])
+                                      ("rotary_not_offset", SHIFTED_COSINE_DRAW), ("mask_after_softmax", NEAR_BAR_DRAW)],
+                         ids=["under_rounding", "random_zeros", "leaked_shift", "shifted_cosine", "near_bar"])
 def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
     test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)
@@ -359,9 +379,11 @@ def test_output_variance_takes_a_low_precision_reading_for_rounding_only_where_t
 
 
 def test_a_pass_under_rounding_is_excused_only_where_measured():
-    """Both sides of the excuse, on UNDER_ROUNDING_DRAW: the variant's bfloat16 reading is under one rounding step and
-    its float32 build fires, so it is excused; the reference built the same way does not fire in float32, and a
-    reading above one rounding step is never excused."""
+    """Both sides of each excuse. UNDER_ROUNDING_DRAW: the variant's bfloat16 reading is under one rounding step and
+    its float32 build fires, so it is excused; the reference built the same way does not fire in float32. NEAR_BAR_DRAW:
+    the variant's bfloat16 reading is under its bar and its float32 reading (0.0236) within NEAR_BAR of that bar, so
+    it is excused; the same reading is not where the float32 build's effect is far over the bar (default init: 13.0),
+    nor where the low-precision reading is over the bar."""
     variant = VARIANTS["heads_merged_without_transpose"]
     layer = _build(variant.build, UNDER_ROUNDING_DRAW)
     audited = _audit(layer, UNDER_ROUNDING_DRAW, **variant.audit_kwargs(layer), detectors=["query_locality"])
@@ -370,7 +392,15 @@ def test_a_pass_under_rounding_is_excused_only_where_measured():
     assert under_rounding(variant, UNDER_ROUNDING_DRAW, result)
     reference = SimpleNamespace(build=variant.reference, audit_kwargs=variant.audit_kwargs)
     assert not under_rounding(reference, UNDER_ROUNDING_DRAW, result)
-    assert not under_rounding(variant, UNDER_ROUNDING_DRAW, replace(result, value=2 * ROUNDING[torch.bfloat16]))
+
+    variant = VARIANTS["mask_after_softmax"]
+    layer = _build(variant.build, NEAR_BAR_DRAW)
+    audited = _audit(layer, NEAR_BAR_DRAW, **variant.audit_kwargs(layer), detectors=["mask_honoured"])
+    result = audited.result("mask_honoured")
+    assert result.verdict == "pass" and ROUNDING[torch.bfloat16] < result.value <= result.threshold, result
+    assert under_rounding(variant, NEAR_BAR_DRAW, result)
+    assert not under_rounding(variant, dict(NEAR_BAR_DRAW, init="default"), result)
+    assert not under_rounding(variant, NEAR_BAR_DRAW, replace(result, value=2 * result.threshold))
 
 
 # A draw where future_leakage found the layer unresponsive (one head of width 1, two tokens: the causal mask
