@@ -378,6 +378,23 @@ def test_output_variance_takes_a_low_precision_reading_for_rounding_only_where_t
     assert exact > CONVEX[torch.bfloat16], failed
 
 
+# Not yet explained, from seed 1642157220 (commit 61e154a; the same draws fail at 49bf067): one head of width 1 in
+# bfloat16 at torch's default init, three tokens. mask_honoured (its causal scenario) and query_locality say "the output
+# did not respond", while their own calls' perturbed copies moved by 5.3e3 (mask_honoured) and inf (query_locality)
+# times the baseline's RMS about its mean, a baseline whose 12 outputs lie within 1.117-1.141 (one or two bfloat16
+# steps): the test's measure and the detectors' disagree on an almost constant baseline. 13 of 27 variants fail at
+# this seed. Kept as a strict expected failure for one variant, so that the fix (in the detectors' responsiveness
+# reading or in did_not_move) shows here as an unexpected pass.
+ZERO_SPREAD_DRAW = dict(heads=1, head_dim=1, seq_len=3, seed=379, dtype=torch.bfloat16, init="default")
+
+
+@pytest.mark.xfail(strict=True, reason="latent since 49bf067: detectors read 'did not respond' on a baseline whose "
+                                       "spread is one or two bfloat16 steps, while their copies moved (seed 1642157220)")
+def test_a_baseline_of_one_rounding_step_is_read_alike_by_the_detectors_and_the_test():
+    test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test("missing_scale",
+                                                                                             ZERO_SPREAD_DRAW)
+
+
 def test_a_pass_under_rounding_is_excused_only_where_measured():
     """Both sides of each excuse. UNDER_ROUNDING_DRAW: the variant's bfloat16 reading is under one rounding step and
     its float32 build fires, so it is excused; the reference built the same way does not fire in float32. NEAR_BAR_DRAW:
