@@ -200,7 +200,7 @@ def _entries() -> list[ShardedVariant]:
                         "weights of a row sum to more than 1 once a second block arrives.",
             symptom="Outputs too large on every rank; a single rank (W=1) is right.",
             fix="new = torch.logaddexp(lse, part_lse)",
-            detectable_when=always, expected_detectors=("sharded_output",)),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="the weights of a row sum to"),
         ShardedVariant(
             id="ring_kv_grad_wrong_step", title="Key/value gradient returned to the wrong ring step",
             cls=RingKVGradientWrongStep, step="pass_on",
@@ -232,7 +232,7 @@ def _entries() -> list[ShardedVariant]:
             fix="refuse the length, or mask the padding's keys (and drop its rows)",
             detectable_when=Observable("not causal (a causal query never sees the padding at the end)",
                                        lambda s: not s.causal),
-            expected_detectors=("sharded_lengths",)),
+            expected_detectors=("sharded_lengths",), cause="the padding is attended as keys, unmasked"),
         ShardedVariant(
             id="ulysses_heads_reordered", title="Heads come back in another order after the all-to-all",
             cls=UlyssesHeadsReordered, step="heads_back", reference_cls=UlyssesAttention,
@@ -269,12 +269,13 @@ def _entries() -> list[ShardedVariant]:
         ShardedVariant(
             id="fused_qkv_contiguous_rows", title="Fused QKV weight cut in contiguous rows", cls=FusedQKVContiguousRows,
             step="shard_qkv", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
-            explanation="The stacked [W_Q; W_K; W_V] weight is cut into W contiguous row blocks, so rank 0 gets "
-                        "query rows only and the last rank value rows only, each used as q, k and v of its heads. "
+            explanation="The stacked [W_Q; W_K; W_V] weight is cut into W contiguous row blocks, each read in thirds "
+                        "as q, k and v of the rank's heads: at 4 ranks rank 0 gets query rows only and the last rank "
+                        "value rows only. torch's ColwiseParallel on a fused projection makes this cut. "
                         "Shapes fit exactly, so nothing raises.",
             symptom="Outputs differ at every token on every rank.",
             fix="cut each of W_Q, W_K, W_V into the rank's heads and stack the three cuts",
-            detectable_when=always, expected_detectors=("sharded_output",)),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="contiguous row blocks"),
     ]
 
 

@@ -79,7 +79,7 @@ def send_round(x: Tensor, group, direction: int) -> Tensor:
     return received
 
 
-def ringsend_round(x: Tensor, group) -> Tensor:
+def ring_shift(x: Tensor, group) -> Tensor:
     """x of rank r-1 (autograd: the gradient goes back to r-1)."""
     return _RingShift.apply(x, group, 1)
 
@@ -238,7 +238,7 @@ class RingAttention(_Sharded):
         return positions  # the shard's global positions: the causal mask must know where the shard's queries sit
 
     def pass_on(self, x: Tensor) -> Tensor:
-        return ringsend_round(x, self.group)  # from rank r-1; its gradient goes back to r-1
+        return ring_shift(x, self.group)  # from rank r-1; its gradient goes back to r-1
 
     def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
         # the online softmax: rescale both partial results to the joint normaliser, in log space (no exp of a
