@@ -142,6 +142,7 @@ class ShardedVariant:
     detectable_when: Observable
     expected_detectors: tuple[str, ...]
     cause: str = ""  # a phrase the first expected detector's message names
+    also_detected_by: tuple[str, ...] = ()  # fire too in the kill matrix (2 and 4 ranks, seq_len 16, 8 heads)
     audit_kwargs: dict = field(default_factory=dict)  # takes, layout, causal
     reference_cls: type = RingAttention
     inner: type | None = None  # SequenceParallel forms: the shard layer inside
@@ -162,9 +163,14 @@ class ShardedVariant:
         return self._factory(self.reference_cls)
 
     def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention:
-        """The unsharded layer both are audited against."""
+        """The unsharded layer both are audited against: torch's initialisation, with the output bias drawn N(0, 1)
+        as a trained layer's may be (torch's is within 1/sqrt(D), small beside the outputs: a bias added twice must
+        be able to show)."""
         torch.manual_seed(seed)
-        return MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+        layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+        with torch.no_grad():
+            layer.out.bias.normal_()
+        return layer
 
 
 def _entries() -> list[ShardedVariant]:
@@ -181,7 +187,8 @@ def _entries() -> list[ShardedVariant]:
             symptom="Outputs match the unsharded layer on rank 0's tokens only.",
             fix="return positions  # the shard's global positions",
             detectable_when=Observable("causal, contiguous layout", lambda s: s.causal),
-            expected_detectors=("sharded_output",), cause="restart at 0 on every rank"),
+            expected_detectors=("sharded_output",), cause="restart at 0 on every rank",
+            also_detected_by=("sharded_causality", "sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_merge_overflows", title="Log-sum-exp merge overflows", cls=RingMergeOverflows, step="merge",
             explanation="The partial results are weighted by exp(lse) instead of exp(lse - new): exact in real "
@@ -200,7 +207,8 @@ def _entries() -> list[ShardedVariant]:
                         "weights of a row sum to more than 1 once a second block arrives.",
             symptom="Outputs too large on every rank; a single rank (W=1) is right.",
             fix="new = torch.logaddexp(lse, part_lse)",
-            detectable_when=always, expected_detectors=("sharded_output",), cause="the weights of a row sum to"),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="the weights of a row sum to",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_kv_grad_wrong_step", title="Key/value gradient returned to the wrong ring step",
             cls=RingKVGradientWrongStep, step="pass_on",
@@ -220,7 +228,8 @@ def _entries() -> list[ShardedVariant]:
                         "compares sorted rows, or sums, passes.",
             symptom="The output is the unsharded output with its tokens permuted, in the ranks' order.",
             fix="return gathered[:, order.argsort()]  # back to positions 0..T-1",
-            detectable_when=always, expected_detectors=("sharded_output",), cause="zigzag order is not undone"),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="zigzag order is not undone",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="pads_to_even_shards", title="A length the world size does not divide, padded silently",
             cls=PadsToEvenShards, step="split", reference_cls=SequenceParallel, inner=RingAttention,
@@ -243,7 +252,8 @@ def _entries() -> list[ShardedVariant]:
             symptom="Outputs differ; read through the output projection, each head's output is another head's.",
             fix="return x.transpose(0, 1).reshape(B, W * H_r, T // W, d_k)",
             detectable_when=Observable("two or more heads a rank", lambda s: s.num_heads // s.world_size >= 2),
-            expected_detectors=("sharded_output",), cause="heads come back in another order"),
+            expected_detectors=("sharded_output",), cause="heads come back in another order",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="bias_on_every_rank", title="Output projection's bias added on every rank", cls=BiasOnEveryRank,
             step="output_projection", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
@@ -253,7 +263,8 @@ def _entries() -> list[ShardedVariant]:
             symptom="Every output is off by one constant vector, (W - 1) x the output bias.",
             fix="return out + self.out_bias  # once, after the sum",
             detectable_when=Observable("the output projection has a non-zero bias", lambda s: True),
-            expected_detectors=("sharded_output",), cause="bias is added on each of the"),
+            expected_detectors=("sharded_output",), cause="bias is added on each of the",
+            also_detected_by=("sharded_large_logits", "sharded_lengths")),
         ShardedVariant(
             id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
             cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,
@@ -275,7 +286,8 @@ def _entries() -> list[ShardedVariant]:
                         "Shapes fit exactly, so nothing raises.",
             symptom="Outputs differ at every token on every rank.",
             fix="cut each of W_Q, W_K, W_V into the rank's heads and stack the three cuts",
-            detectable_when=always, expected_detectors=("sharded_output",), cause="contiguous row blocks"),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="contiguous row blocks",
+            also_detected_by=("sharded_large_logits", "sharded_lengths", "sharded_gradients")),
     ]
 
 

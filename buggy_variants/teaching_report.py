@@ -38,6 +38,7 @@ from diagnostics._result import DependencyMap
 from . import VARIANTS
 from ._registry import Setting, Variant, promised_pattern
 from .teaching_model import model_chapter_html, wide_table
+from .teaching_sharded import audit_sharded_catalog, sharded_chapter_html
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
 
@@ -473,8 +474,9 @@ _TEACHING_STYLE = """
 """
 
 
-def teaching_html(audits: dict[str, diagnostics.AuditReport]) -> str:
-    """The kill matrix and one section per audited variant, as one self-contained HTML fragment."""
+def teaching_html(audits: dict[str, diagnostics.AuditReport], sharded_audits: dict | None = None) -> str:
+    """The kill matrix and one section per audited variant, as one self-contained HTML fragment; then the model
+    chapter and the sharded chapter (`sharded_audits`: {variant id: ShardedReport}, None to draw it unaudited)."""
     variants = [VARIANTS[vid] for vid in audits]
     size = ", ".join(f"{k}={v}" for k, v in KILL_MATRIX_SIZE.items())
     return f"""<div class="am teaching" id="teaching-report"><style>{_html.STYLE}{_TEACHING_STYLE}</style>
@@ -490,6 +492,7 @@ that <code>pattern=</code>). The table of test results follows the last section
 {_kill_matrix_html(audits)}
 {"".join(_section_html(v, audits[v.id]) for v in variants)}
 {model_chapter_html(VARIANTS)}
+{sharded_chapter_html(sharded_audits)}
 </div>"""
 
 
@@ -567,7 +570,8 @@ class TeachingReportPlugin:
         # After pytest-html's totals and filters (its "prefix" would push them ~19,000 px down the page), before
         # the results table. A run that never asked for the audits (e.g. `pytest tests/test_correct.py --html=...`)
         # computes them here.
-        postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog()))
+        postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog(),
+                                     audit_sharded_catalog()))  # the sharded chapter's groups, after every test
 
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session):
