@@ -22,9 +22,10 @@ import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants._sharded import SHARDED_VARIANTS
 from buggy_variants.teaching_report import KILL_MATRIX_SIZE
-from buggy_variants.teaching_sharded import audit_sharded_variant
+from buggy_variants.teaching_sharded import audit_sharded_variant, sharded_chapter_html
 from correct import gpt2_init_
 from diagnostics._guard import seed_rng
+from diagnostics._html import escape
 from diagnostics.distributed import SHARDED_DETECTORS, distributed_available
 from diagnostics.distributed.pytest_plugin import one_group_at_a_time
 
@@ -210,3 +211,23 @@ def test_every_sharded_detector_catches_something_and_every_sharded_variant_is_c
     assert caught_by | set(SHARDED_UNEXERCISED) == set(SHARDED_DETECTORS), set(SHARDED_DETECTORS) - caught_by
     assert not caught_by & set(SHARDED_UNEXERCISED)
     assert all(v.expected_detectors and v.cause for v in SHARDED_VARIANTS.values())
+
+
+def test_the_teaching_report_has_the_sharded_chapter(teaching_report_html):
+    """Drawn without its audits (the page audits it when pytest-html writes it): every entry's lesson, symptom, fix
+    and the detector expected to catch it."""
+    chapter = teaching_report_html[teaching_report_html.index('id="sharded-chapter"'):]
+    for vid, v in SHARDED_VARIANTS.items():
+        section = chapter[chapter.index(f'id="sharded-{vid}"'):].split("</section>", 1)[0]
+        for text in (v.title, v.symptom, v.fix, v.expected_detectors[0], v.cause):
+            assert escape(text) in section, (vid, text)
+
+
+@pytest.mark.slow
+def test_the_sharded_chapter_shows_the_detector_and_cause_that_caught_each_variant(sharded_audits):
+    chapter = sharded_chapter_html({vid: broken for vid, (broken, _) in sharded_audits.items()})
+    expected = sum(len(v.expected_detectors) for v in SHARDED_VARIANTS.values())
+    assert chapter.count("k-fail expected") == expected and "missed" not in chapter
+    for vid, v in SHARDED_VARIANTS.items():
+        section = chapter[chapter.index(f'id="sharded-{vid}"'):].split("</section>", 1)[0]
+        assert f"<code>{v.expected_detectors[0]}</code>" in section and escape(v.cause) in section, vid
