@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from correct import MultiHeadAttention
-from correct.sharded import (HeadParallelAttention, RingAttention, SequenceParallel, UlyssesAttention, all_to_all,
-                             gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
+from correct.sharded import (HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel, UlyssesAttention,
+                             all_to_all, gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
 
 from ._registry import Observable
 
@@ -107,6 +107,15 @@ class DropoutStreamPerRank(HeadParallelAttention):
         return out * keep / (1.0 - self.output_dropout)  # each rank its own mask on the output they share
 
 
+class DropoutStreamOfItsOwn(HeadParallelAttention):
+    def replicated_dropout(self, out: Tensor) -> Tensor:
+        if not self.training or self.output_dropout == 0.0:
+            return out
+        stream = torch.Generator(device=out.device).manual_seed(torch.initial_seed() + 2718)  # alike on every rank
+        keep = torch.rand(out.shape, generator=stream, device=out.device) >= self.output_dropout  # (B, T, D)
+        return out * keep / (1.0 - self.output_dropout)  # one mask on every rank, not the unsharded layer's
+
+
 class FusedQKVContiguousRows(HeadParallelAttention):
     def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         D, W, r = self.layer.d_model, self.world_size, self.rank
@@ -146,13 +155,15 @@ class ShardedVariant:
     audit_kwargs: dict = field(default_factory=dict)  # takes, layout, causal
     reference_cls: type = RingAttention
     inner: type | None = None  # SequenceParallel forms: the shard layer inside
-    form_kwargs: dict = field(default_factory=dict)  # options of both forms (the broken one and its twin)
+    output_dropout: float = 0.0  # > 0: the unsharded layer is OutputDropout(layer, p), both forms drop their output
 
     def _factory(self, cls: type) -> Callable:
-        inner, layout = self.inner, self.audit_kwargs.get("layout", "contiguous")
+        inner, layout, p = self.inner, self.audit_kwargs.get("layout", "contiguous"), self.output_dropout
         if inner is not None:
             return lambda layer, rank, world_size, group: cls(inner(layer, group), layout)
-        return lambda layer, rank, world_size, group: cls(layer, group, **self.form_kwargs)
+        if p:
+            return lambda layer, rank, world_size, group: cls(layer.layer, group, output_dropout=p)
+        return lambda layer, rank, world_size, group: cls(layer, group)
 
     @property
     def build(self) -> Callable:
@@ -162,7 +173,7 @@ class ShardedVariant:
     def reference(self) -> Callable:
         return self._factory(self.reference_cls)
 
-    def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention:
+    def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention | OutputDropout:
         """The unsharded layer both are audited against: torch's initialisation, with the output bias drawn N(0, 1)
         as a trained layer's may be (torch's is within 1/sqrt(D), small beside the outputs: a bias added twice must
         be able to show)."""
@@ -170,7 +181,7 @@ class ShardedVariant:
         layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
         with torch.no_grad():
             layer.out.bias.normal_()
-        return layer
+        return OutputDropout(layer, self.output_dropout) if self.output_dropout else layer
 
 
 def _entries() -> list[ShardedVariant]:
@@ -268,7 +279,7 @@ def _entries() -> list[ShardedVariant]:
         ShardedVariant(
             id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
             cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,
-            audit_kwargs=dict(full), form_kwargs={"output_dropout": 0.1},
+            audit_kwargs=dict(full), output_dropout=0.1,
             explanation="The dropout after the all-reduce, on an output every rank holds alike, draws from a stream "
                         "seeded per rank (the model-parallel stream, right for the heads each rank holds alone). "
                         "Every rank drops other units, so the replicas' activations part from the first training "
@@ -277,6 +288,21 @@ def _entries() -> list[ShardedVariant]:
             fix="return F.dropout(out, p=self.output_dropout, training=self.training)  # the shared stream",
             detectable_when=Observable("train mode with dropout > 0 on the replicated output", lambda s: True),
             expected_detectors=("sharded_train_replicas",), cause="per-rank stream"),
+        ShardedVariant(
+            id="dropout_stream_of_its_own", title="Replicated dropout drawn from a stream of its own",
+            cls=DropoutStreamOfItsOwn, step="replicated_dropout", reference_cls=HeadParallelAttention,
+            audit_kwargs={**full, "draws_like_unsharded": True}, output_dropout=0.1,
+            explanation="The dropout after the all-reduce draws from a generator of its own, seeded alike on every "
+                        "rank (a model-parallel tracker's offset seed). The ranks agree, so a replica check passes; "
+                        "but the masks are not the ones the unsharded layer draws under the same seed, so a layer that "
+                        "promises a sharded run reproduces a run on one device (to compare the two, or to resume one "
+                        "as the other) parts from it at the first training step.",
+            symptom="In train mode, every rank seeded as the unsharded layer, the ranks agree with each other and "
+                    "not with the unsharded layer; in eval mode nothing differs.",
+            fix="return F.dropout(out, p=self.output_dropout, training=self.training)  # the unsharded layer's stream",
+            detectable_when=Observable("train mode with dropout > 0, the layer promising the unsharded layer's draws",
+                                       lambda s: True),
+            expected_detectors=("sharded_train_draws",), cause="draws from another stream than the unsharded layer's"),
         ShardedVariant(
             id="fused_qkv_contiguous_rows", title="Fused QKV weight cut in contiguous rows", cls=FusedQKVContiguousRows,
             step="shard_qkv", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),

@@ -7,7 +7,7 @@ machine's lock on groups (`one_group_at_a_time`) while it runs, so that two grou
 The default run is a slice at 2 ranks (about 15 s); the full matrix (every correct form at 2 and 4 ranks, causal and
 not, float32 and float64; Ctrl-C and the command line; torch's DTensor plans) is marked slow. Every broken variant of
 the chapter beside its twin at 2 and 4 ranks, with its cause named, is a row of the kill matrix
-(tests/test_kill_matrix.py, slow); the default run here checks seven of them at 2 ranks.
+(tests/test_kill_matrix.py, slow); the default run here checks eight of them at 2 ranks.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def check_variant(vid: str, world_sizes):
 
 
 CHEAP = ["bias_on_every_rank", "zigzag_not_undone", "ring_merge_overflows", "dropout_stream_per_rank",
-         "ring_merge_with_max", "fused_qkv_contiguous_rows", "pads_to_even_shards"]
+         "ring_merge_with_max", "fused_qkv_contiguous_rows", "pads_to_even_shards", "dropout_stream_of_its_own"]
 
 
 def test_every_variant_names_the_cause_its_detector_must_find():
@@ -319,6 +319,7 @@ def test_the_users_layer_stays_untouched():
     ({"takes": "half"}, "takes in"),
     ({"world_sizes": (1,)}, "world sizes: ints >= 2"),
     ({"detectors": ["sharded_nothing"]}, "detector ids"),
+    ({"draws_like_unsharded": "yes"}, "draws_like_unsharded=True or False"),
 ])
 def test_misuse_is_refused_with_expected_seen_and_fix(options, words):
     with pytest.raises(AuditUsageError, match=words):
