@@ -38,7 +38,7 @@ from diagnostics._result import DependencyMap
 from . import VARIANTS
 from ._registry import Setting, Variant, promised_pattern
 from .teaching_model import model_chapter_html, wide_table
-from .teaching_sharded import audit_sharded_catalog, sharded_chapter_html
+from .teaching_sharded import sharded_chapter_html
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
 
@@ -534,6 +534,7 @@ class TeachingReportPlugin:
 
     def __init__(self, path: Path | None = None):
         self.audits: dict[str, diagnostics.AuditReport] | None = None
+        self.sharded_audits: dict | None = None  # {sharded variant id: its ShardedReport}, where the session made them
         self.path = path  # where pytest-html writes the page
 
     @pytest.hookimpl(wrapper=True)
@@ -542,6 +543,8 @@ class TeachingReportPlugin:
         value = yield
         if fixturedef.argname == "catalog_audits":
             self.audits = value
+        if fixturedef.argname == "sharded_audits":  # tests/test_kill_matrix.py's: {id: (variant's, twin's)}
+            self.sharded_audits = {vid: broken for vid, (broken, _) in value.items()}
         return value
 
     @pytest.hookimpl(wrapper=True)
@@ -571,7 +574,7 @@ class TeachingReportPlugin:
         # the results table. A run that never asked for the audits (e.g. `pytest tests/test_correct.py --html=...`)
         # computes them here.
         postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog(),
-                                     audit_sharded_catalog()))  # the sharded chapter's groups, after every test
+                                     self.sharded_audits))  # the kill matrix's sharded rows', where they ran
 
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session):

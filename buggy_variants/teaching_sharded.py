@@ -4,9 +4,11 @@
 and one section per variant with its lesson, symptom, the diff of its one step against the correct form, the
 detector that caught it with the cause it named, and the fix.
 
-Each audit forks groups of ranks (about 1-3 s a variant at 2 and 4 ranks): the teaching report audits the chapter
-only when pytest-html writes the page, after every test ran (`TeachingReportPlugin`); drawn without audits, the
-chapter shows what the catalog expects.
+Each audit forks groups of ranks (about 1-3 s a variant at 2 and 4 ranks), so the teaching report never starts them
+itself: it draws the chapter from the kill matrix's audits where the session made them (`sharded_audits`, the slow
+rows of tests/test_kill_matrix.py, kept by `TeachingReportPlugin` as it keeps the catalog's), and otherwise the lessons
+with the detectors the catalog expects. Its sections and matrix have classes of their own (`sharded-variant`,
+`sharded-matrix`), apart from the catalog's.
 """
 
 from __future__ import annotations
@@ -31,15 +33,6 @@ def audit_sharded_variant(variant: ShardedVariant, *, twin: bool = False, world_
 
     return audit_sharded(variant.layer(), variant.reference if twin else variant.build, world_sizes=world_sizes,
                          dtype=torch.float32, **variant.audit_kwargs)
-
-
-def audit_sharded_catalog(world_sizes=KILL_MATRIX_WORLD_SIZES) -> dict:
-    """{variant id: its ShardedReport}, or {} where torch.distributed cannot fork a gloo group here."""
-    from diagnostics.distributed import distributed_available
-
-    if not distributed_available()[0]:
-        return {}
-    return {vid: audit_sharded_variant(v, world_sizes=world_sizes) for vid, v in SHARDED_VARIANTS.items()}
 
 
 def _step_diff(variant: ShardedVariant) -> str:
@@ -69,7 +62,7 @@ def _caught(variant: ShardedVariant, report) -> str:
 
 
 def _section(variant: ShardedVariant, report) -> str:
-    return f"""<section class="variant" id="sharded-{escape(variant.id)}">
+    return f"""<section class="sharded-variant" id="sharded-{escape(variant.id)}">
 <h3>{escape(variant.title)} <code>{escape(variant.id)}</code></h3>
 <p>{escape(variant.explanation)}</p>
 <p><b>Symptom:</b> {escape(variant.symptom)}</p>
@@ -99,17 +92,17 @@ def _matrix(audits: dict) -> str:
             cells.append(f'<td class="k-{r.verdict if r else "skip"}{outline}" '
                          f'title="{escape(r.message if r else "not run")}">{r.verdict if r else "skip"}</td>')
         rows.append(f'<tr><th class="vid"><a href="#sharded-{escape(vid)}">{escape(vid)}</a></th>{"".join(cells)}</tr>')
-    return (f'<div class="wide"><table class="kill-matrix"><thead><tr><th class="vid">variant</th>{head}</tr></thead>'
+    return (f'<div class="wide"><table class="sharded-matrix"><thead><tr><th class="vid">variant</th>{head}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
 def sharded_chapter_html(audits: dict | None = None) -> str:
     """The chapter: its kill matrix (when audited) and one section per variant. `audits`: {variant id: its
-    ShardedReport} (`audit_sharded_catalog()`); None or {} draws the lessons with the detectors expected."""
+    ShardedReport} (`audit_sharded_variant` of each); None or {} draws the lessons with the detectors expected."""
     audits = audits or {}
-    matrix = (_matrix(audits) if audits else '<p class="meta">Not audited in this run (torch.distributed could not '
-              'fork a gloo group, or the chapter was drawn without its audits): each section names the detector '
-              'the catalog expects.</p>')
+    matrix = (_matrix(audits) if audits else '<p class="meta">Not audited in this run (the kill matrix\'s sharded '
+              'rows, which audit it, are slow: <code>pytest --slow tests/test_kill_matrix.py --html=...</code> draws '
+              'them): each section names the detector the catalog expects and the cause it must name.</p>')
     sizes = ", ".join(map(str, KILL_MATRIX_WORLD_SIZES))
     return f"""<section class="sharded-chapter" id="sharded-chapter">
 <h2>Sharded attention: one layer split across processes</h2>
@@ -123,4 +116,4 @@ None of them raises; each is caught by the detector named, with the cause it rea
 </section>"""
 
 
-__all__ = ["KILL_MATRIX_WORLD_SIZES", "audit_sharded_catalog", "audit_sharded_variant", "sharded_chapter_html"]
+__all__ = ["KILL_MATRIX_WORLD_SIZES", "audit_sharded_variant", "sharded_chapter_html"]

@@ -201,8 +201,8 @@ def contiguous_cut_rows(D: int, W: int) -> Tensor:
 
 def fused_rows_cut(ctx, W, test, target, x, allowed, scale) -> Cause | None:
     layer = ctx.golden_layer if ctx.golden_layer is not None else ctx.layer
-    found = _fused_projection(layer)
-    if found is None or layer is None:
+    found = None if layer is None else _fused_projection(layer)
+    if found is None:
         return None
     name, fused = found
     D = fused.in_features
