@@ -428,7 +428,7 @@ def test_attention_audit_sharded_reaches_the_sharded_command_and_refuses_a_missi
     assert "attention-audit sharded: error:" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["sharded", "--help"])
-    assert done.value.code == 0 and "--world-sizes" in capsys.readouterr().out
+    assert done.value.code == 0 and {"--world-sizes", "--draws-like-unsharded"} <= set(capsys.readouterr().out.split())
 
 
 # ---- torch's own tensor parallelism (DTensor plans) -----------------------------------------------------------------

@@ -36,6 +36,8 @@ def parser(prog: str = "attention-audit sharded") -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float64"), default=None)
     p.add_argument("--timeout", type=float, default=30.0, help="collective timeout in seconds (a rank silent for "
                                                               "this + 2 s has hung)")
+    p.add_argument("--draws-like-unsharded", action="store_true",
+                   help="the layer promises that in train mode it draws what the unsharded layer draws (--takes full)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -56,6 +58,7 @@ def sharded_main(argv, *, prog: str, statuses: dict, usage: int) -> int:
         report = audit_sharded(load_layer(args.layer), resolve(args.sharded), world_sizes=tuple(args.world_sizes),
                                causal=args.causal, takes=args.takes, layout=args.layout, seq_len=args.seq_len,
                                num_heads=args.num_heads, timeout=args.timeout,
+                               draws_like_unsharded=args.draws_like_unsharded,
                                dtype=None if args.dtype is None else getattr(torch, args.dtype))
     except AuditUsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
