@@ -13,9 +13,10 @@ matrix's six dtype x initialisation settings, the whole audit of a FlexAttention
 tests/test_cold_start.py, the teaching report written under pytest-xdist, the one-process rule below, the
 controller's light start with the catalog's readers on one worker, the cycle collector's settings given back to a
 caller of pytest.main() and the wheel's contents (tests/test_setup.py), examples/ run as a user runs them
-(tests/test_new_user.py), the sharded audit's full matrix (tests/test_sharded.py: every correct sharded form and
-every broken variant beside its twin at 2 and 4 ranks, Ctrl-C, the command line, torch's DTensor plans; about 2.5
-minutes of forked groups), and a fixed sample of transformers' model types through the zoo sweep,
+(tests/test_new_user.py), the sharded audit's full matrix (tests/test_sharded.py: every correct sharded form at 2 and
+4 ranks, causal and not, float32 and float64, Ctrl-C, the command line, torch's DTensor plans; about 2 minutes of
+forked groups), the sharded chapter's rows of the kill matrix (tests/test_kill_matrix.py: every broken sharded variant
+beside its twin at 2 and 4 ranks, and the chapter drawn from their audits; 22 audits, 30-50 s), and a fixed sample of transformers' model types through the zoo sweep,
 benchmarks/sweep.py, and a sample of timm's models through it (tests/test_sweep.py: the first 57 s on a quiet
 machine, 4 minutes under load; timm's 71 s under load).
 

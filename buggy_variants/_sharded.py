@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from correct import MultiHeadAttention
-from correct.sharded import (HeadParallelAttention, RingAttention, SequenceParallel, UlyssesAttention, all_to_all,
-                             gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
+from correct.sharded import (HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel, UlyssesAttention,
+                             all_to_all, gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
 
 from ._registry import Observable
 
@@ -107,6 +107,15 @@ class DropoutStreamPerRank(HeadParallelAttention):
         return out * keep / (1.0 - self.output_dropout)  # each rank its own mask on the output they share
 
 
+class DropoutStreamOfItsOwn(HeadParallelAttention):
+    def replicated_dropout(self, out: Tensor) -> Tensor:
+        if not self.training or self.output_dropout == 0.0:
+            return out
+        stream = torch.Generator(device=out.device).manual_seed(torch.initial_seed() + 2718)  # alike on every rank
+        keep = torch.rand(out.shape, generator=stream, device=out.device) >= self.output_dropout  # (B, T, D)
+        return out * keep / (1.0 - self.output_dropout)  # one mask on every rank, not the unsharded layer's
+
+
 class FusedQKVContiguousRows(HeadParallelAttention):
     def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         D, W, r = self.layer.d_model, self.world_size, self.rank
@@ -142,16 +151,19 @@ class ShardedVariant:
     detectable_when: Observable
     expected_detectors: tuple[str, ...]
     cause: str = ""  # a phrase the first expected detector's message names
+    also_detected_by: tuple[str, ...] = ()  # fire too in the kill matrix (2 and 4 ranks, seq_len 16, 8 heads)
     audit_kwargs: dict = field(default_factory=dict)  # takes, layout, causal
     reference_cls: type = RingAttention
     inner: type | None = None  # SequenceParallel forms: the shard layer inside
-    form_kwargs: dict = field(default_factory=dict)  # options of both forms (the broken one and its twin)
+    output_dropout: float = 0.0  # > 0: the unsharded layer is OutputDropout(layer, p), both forms drop their output
 
     def _factory(self, cls: type) -> Callable:
-        inner, layout = self.inner, self.audit_kwargs.get("layout", "contiguous")
+        inner, layout, p = self.inner, self.audit_kwargs.get("layout", "contiguous"), self.output_dropout
         if inner is not None:
             return lambda layer, rank, world_size, group: cls(inner(layer, group), layout)
-        return lambda layer, rank, world_size, group: cls(layer, group, **self.form_kwargs)
+        if p:
+            return lambda layer, rank, world_size, group: cls(layer.layer, group, output_dropout=p)
+        return lambda layer, rank, world_size, group: cls(layer, group)
 
     @property
     def build(self) -> Callable:
@@ -161,10 +173,15 @@ class ShardedVariant:
     def reference(self) -> Callable:
         return self._factory(self.reference_cls)
 
-    def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention:
-        """The unsharded layer both are audited against."""
+    def layer(self, d_model: int = 32, num_heads: int = 8, *, seed: int = 0) -> MultiHeadAttention | OutputDropout:
+        """The unsharded layer both are audited against: torch's initialisation, with the output bias drawn N(0, 1)
+        as a trained layer's may be (torch's is within 1/sqrt(D), small beside the outputs: a bias added twice must
+        be able to show)."""
         torch.manual_seed(seed)
-        return MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+        layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+        with torch.no_grad():
+            layer.out.bias.normal_()
+        return OutputDropout(layer, self.output_dropout) if self.output_dropout else layer
 
 
 def _entries() -> list[ShardedVariant]:
@@ -181,7 +198,8 @@ def _entries() -> list[ShardedVariant]:
             symptom="Outputs match the unsharded layer on rank 0's tokens only.",
             fix="return positions  # the shard's global positions",
             detectable_when=Observable("causal, contiguous layout", lambda s: s.causal),
-            expected_detectors=("sharded_output",), cause="restart at 0 on every rank"),
+            expected_detectors=("sharded_output",), cause="restart at 0 on every rank",
+            also_detected_by=("sharded_causality", "sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_merge_overflows", title="Log-sum-exp merge overflows", cls=RingMergeOverflows, step="merge",
             explanation="The partial results are weighted by exp(lse) instead of exp(lse - new): exact in real "
@@ -200,7 +218,8 @@ def _entries() -> list[ShardedVariant]:
                         "weights of a row sum to more than 1 once a second block arrives.",
             symptom="Outputs too large on every rank; a single rank (W=1) is right.",
             fix="new = torch.logaddexp(lse, part_lse)",
-            detectable_when=always, expected_detectors=("sharded_output",)),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="the weights of a row sum to",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_kv_grad_wrong_step", title="Key/value gradient returned to the wrong ring step",
             cls=RingKVGradientWrongStep, step="pass_on",
@@ -220,7 +239,8 @@ def _entries() -> list[ShardedVariant]:
                         "compares sorted rows, or sums, passes.",
             symptom="The output is the unsharded output with its tokens permuted, in the ranks' order.",
             fix="return gathered[:, order.argsort()]  # back to positions 0..T-1",
-            detectable_when=always, expected_detectors=("sharded_output",), cause="zigzag order is not undone"),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="zigzag order is not undone",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="pads_to_even_shards", title="A length the world size does not divide, padded silently",
             cls=PadsToEvenShards, step="split", reference_cls=SequenceParallel, inner=RingAttention,
@@ -232,7 +252,7 @@ def _entries() -> list[ShardedVariant]:
             fix="refuse the length, or mask the padding's keys (and drop its rows)",
             detectable_when=Observable("not causal (a causal query never sees the padding at the end)",
                                        lambda s: not s.causal),
-            expected_detectors=("sharded_lengths",)),
+            expected_detectors=("sharded_lengths",), cause="the padding is attended as keys, unmasked"),
         ShardedVariant(
             id="ulysses_heads_reordered", title="Heads come back in another order after the all-to-all",
             cls=UlyssesHeadsReordered, step="heads_back", reference_cls=UlyssesAttention,
@@ -243,7 +263,8 @@ def _entries() -> list[ShardedVariant]:
             symptom="Outputs differ; read through the output projection, each head's output is another head's.",
             fix="return x.transpose(0, 1).reshape(B, W * H_r, T // W, d_k)",
             detectable_when=Observable("two or more heads a rank", lambda s: s.num_heads // s.world_size >= 2),
-            expected_detectors=("sharded_output",), cause="heads come back in another order"),
+            expected_detectors=("sharded_output",), cause="heads come back in another order",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="bias_on_every_rank", title="Output projection's bias added on every rank", cls=BiasOnEveryRank,
             step="output_projection", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
@@ -253,11 +274,12 @@ def _entries() -> list[ShardedVariant]:
             symptom="Every output is off by one constant vector, (W - 1) x the output bias.",
             fix="return out + self.out_bias  # once, after the sum",
             detectable_when=Observable("the output projection has a non-zero bias", lambda s: True),
-            expected_detectors=("sharded_output",), cause="bias is added on each of the"),
+            expected_detectors=("sharded_output",), cause="bias is added on each of the",
+            also_detected_by=("sharded_large_logits", "sharded_lengths")),
         ShardedVariant(
             id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
             cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,
-            audit_kwargs=dict(full), form_kwargs={"output_dropout": 0.1},
+            audit_kwargs=dict(full), output_dropout=0.1,
             explanation="The dropout after the all-reduce, on an output every rank holds alike, draws from a stream "
                         "seeded per rank (the model-parallel stream, right for the heads each rank holds alone). "
                         "Every rank drops other units, so the replicas' activations part from the first training "
@@ -267,14 +289,31 @@ def _entries() -> list[ShardedVariant]:
             detectable_when=Observable("train mode with dropout > 0 on the replicated output", lambda s: True),
             expected_detectors=("sharded_train_replicas",), cause="per-rank stream"),
         ShardedVariant(
+            id="dropout_stream_of_its_own", title="Replicated dropout drawn from a stream of its own",
+            cls=DropoutStreamOfItsOwn, step="replicated_dropout", reference_cls=HeadParallelAttention,
+            audit_kwargs={**full, "draws_like_unsharded": True}, output_dropout=0.1,
+            explanation="The dropout after the all-reduce draws from a generator of its own, seeded alike on every "
+                        "rank (a model-parallel tracker's offset seed). The ranks agree, so a replica check passes; "
+                        "but the masks are not the ones the unsharded layer draws under the same seed, so a layer that "
+                        "promises a sharded run reproduces a run on one device (to compare the two, or to resume one "
+                        "as the other) parts from it at the first training step.",
+            symptom="In train mode, every rank seeded as the unsharded layer, the ranks agree with each other and "
+                    "not with the unsharded layer; in eval mode nothing differs.",
+            fix="return F.dropout(out, p=self.output_dropout, training=self.training)  # the unsharded layer's stream",
+            detectable_when=Observable("train mode with dropout > 0, the layer promising the unsharded layer's draws",
+                                       lambda s: True),
+            expected_detectors=("sharded_train_draws",), cause="draws from another stream than the unsharded layer's"),
+        ShardedVariant(
             id="fused_qkv_contiguous_rows", title="Fused QKV weight cut in contiguous rows", cls=FusedQKVContiguousRows,
             step="shard_qkv", reference_cls=HeadParallelAttention, audit_kwargs=dict(full),
-            explanation="The stacked [W_Q; W_K; W_V] weight is cut into W contiguous row blocks, so rank 0 gets "
-                        "query rows only and the last rank value rows only, each used as q, k and v of its heads. "
+            explanation="The stacked [W_Q; W_K; W_V] weight is cut into W contiguous row blocks, each read in thirds "
+                        "as q, k and v of the rank's heads: at 4 ranks rank 0 gets query rows only and the last rank "
+                        "value rows only. torch's ColwiseParallel on a fused projection makes this cut. "
                         "Shapes fit exactly, so nothing raises.",
             symptom="Outputs differ at every token on every rank.",
             fix="cut each of W_Q, W_K, W_V into the rank's heads and stack the three cuts",
-            detectable_when=always, expected_detectors=("sharded_output",)),
+            detectable_when=always, expected_detectors=("sharded_output",), cause="contiguous row blocks",
+            also_detected_by=("sharded_large_logits", "sharded_lengths", "sharded_gradients")),
     ]
 
 

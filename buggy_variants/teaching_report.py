@@ -38,6 +38,7 @@ from diagnostics._result import DependencyMap
 from . import VARIANTS
 from ._registry import Setting, Variant, promised_pattern
 from .teaching_model import model_chapter_html, wide_table
+from .teaching_sharded import sharded_chapter_html
 
 KILL_MATRIX_SIZE = dict(d_model=32, num_heads=4)  # the configuration of the kill matrix and the teaching report
 
@@ -473,8 +474,9 @@ _TEACHING_STYLE = """
 """
 
 
-def teaching_html(audits: dict[str, diagnostics.AuditReport]) -> str:
-    """The kill matrix and one section per audited variant, as one self-contained HTML fragment."""
+def teaching_html(audits: dict[str, diagnostics.AuditReport], sharded_audits: dict | None = None) -> str:
+    """The kill matrix and one section per audited variant, as one self-contained HTML fragment; then the model
+    chapter and the sharded chapter (`sharded_audits`: {variant id: ShardedReport}, None to draw it unaudited)."""
     variants = [VARIANTS[vid] for vid in audits]
     size = ", ".join(f"{k}={v}" for k, v in KILL_MATRIX_SIZE.items())
     return f"""<div class="am teaching" id="teaching-report"><style>{_html.STYLE}{_TEACHING_STYLE}</style>
@@ -490,6 +492,7 @@ that <code>pattern=</code>). The table of test results follows the last section
 {_kill_matrix_html(audits)}
 {"".join(_section_html(v, audits[v.id]) for v in variants)}
 {model_chapter_html(VARIANTS)}
+{sharded_chapter_html(sharded_audits)}
 </div>"""
 
 
@@ -531,6 +534,7 @@ class TeachingReportPlugin:
 
     def __init__(self, path: Path | None = None):
         self.audits: dict[str, diagnostics.AuditReport] | None = None
+        self.sharded_audits: dict | None = None  # {sharded variant id: its ShardedReport}, where the session made them
         self.path = path  # where pytest-html writes the page
 
     @pytest.hookimpl(wrapper=True)
@@ -539,6 +543,8 @@ class TeachingReportPlugin:
         value = yield
         if fixturedef.argname == "catalog_audits":
             self.audits = value
+        if fixturedef.argname == "sharded_audits":  # tests/test_kill_matrix.py's: {id: (variant's, twin's)}
+            self.sharded_audits = {vid: broken for vid, (broken, _) in value.items()}
         return value
 
     @pytest.hookimpl(wrapper=True)
@@ -567,7 +573,8 @@ class TeachingReportPlugin:
         # After pytest-html's totals and filters (its "prefix" would push them ~19,000 px down the page), before
         # the results table. A run that never asked for the audits (e.g. `pytest tests/test_correct.py --html=...`)
         # computes them here.
-        postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog()))
+        postfix.append(teaching_html(self.audits if self.audits is not None else audit_catalog(),
+                                     self.sharded_audits))  # the kill matrix's sharded rows', where they ran
 
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session):

@@ -16,6 +16,8 @@ changes.
                           An optional dropout on the (replicated) output draws from the stream all ranks share.
     SequenceParallel      a full-sequence front for a shard layer: it cuts the sequence in a layout, runs the shard
                           layer, gathers the shards and puts the tokens back in order.
+    OutputDropout         the unsharded layer with dropout on its output: what HeadParallelAttention with
+                          output_dropout draws, mask for mask, under the same seed.
 
 The collectives carry their backward (`ring_shift`, `all_to_all`, `reduce_from_ranks`, `copy_to_ranks`,
 `scatter_sequence`, `gather_sequence`), so each layer's gradients are the unsharded layer's: a backward-only bug
@@ -79,7 +81,7 @@ def send_round(x: Tensor, group, direction: int) -> Tensor:
     return received
 
 
-def ringsend_round(x: Tensor, group) -> Tensor:
+def ring_shift(x: Tensor, group) -> Tensor:
     """x of rank r-1 (autograd: the gradient goes back to r-1)."""
     return _RingShift.apply(x, group, 1)
 
@@ -238,7 +240,7 @@ class RingAttention(_Sharded):
         return positions  # the shard's global positions: the causal mask must know where the shard's queries sit
 
     def pass_on(self, x: Tensor) -> Tensor:
-        return ringsend_round(x, self.group)  # from rank r-1; its gradient goes back to r-1
+        return ring_shift(x, self.group)  # from rank r-1; its gradient goes back to r-1
 
     def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
         # the online softmax: rescale both partial results to the joint normaliser, in log space (no exp of a
@@ -340,6 +342,21 @@ class HeadParallelAttention(_Sharded):
         return self.replicated_dropout(self.output_projection(layer.merge_heads(out)))  # (B, T, D/W) -> (B, T, D)
 
 
+class OutputDropout(nn.Module):
+    """The unsharded layer with dropout on its output (`forward(x)` -> `(B, T, D)`): what
+    `HeadParallelAttention(layer.layer, group, output_dropout=layer.p)` computes draw for draw, each rank seeded as the
+    unsharded layer is, since it draws its mask of the whole output from the stream every rank shares."""
+
+    def __init__(self, layer: MultiHeadAttention, p: float):
+        super().__init__()
+        self.layer, self.p = layer, p
+        self.d_model, self.num_heads = layer.d_model, layer.num_heads  # read by audits, as the layer's own
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.layer(x)  # (B, T, D)
+        return torch.nn.functional.dropout(out, p=self.p, training=self.training)  # (B, T, D)
+
+
 class SequenceParallel(nn.Module):
     """A whole-sequence front for a shard layer (RingAttention, UlyssesAttention): `forward(x)` on `(B, T, D)` on
     every rank cuts the sequence in `layout`, runs `inner(shard, positions)` and returns the whole output, tokens
@@ -375,6 +392,6 @@ def shard_order(layout: str, t: int, world_size: int) -> Tensor:
     return torch.cat([shard_positions(layout, t, r, world_size) for r in range(world_size)])
 
 
-__all__ = ["LAYOUTS", "HeadParallelAttention", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
+__all__ = ["LAYOUTS", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
            "check_equal_shards", "copy_to_ranks", "gather_sequence", "reduce_from_ranks", "ring_shift",
            "scatter_sequence", "send_round", "shard_order", "shard_positions"]

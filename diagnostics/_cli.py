@@ -6,6 +6,8 @@
                     [--detectors DET[,DET...]]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--seed N]
                     [--detectors DET[,DET...]] [--json] [--html PATH]
+    attention-audit sharded mymodule:make_layer mymodule:make_sharded [--world-sizes 2 4] [--causal] ...
+                    (a layer split across processes: diagnostics/distributed/_command.py)
     attention-audit --version
 
 `obj` is a layer (a module or a function f(q, k, v, mask=None)), a class built with no arguments, or a
@@ -213,6 +215,11 @@ def _main(argv: list[str] | None, *, prog: str) -> int:
         # a 3 s command: `farm-bench --vs`, 0.85x wall); frozen, they are skipped. Callers that pass argv are
         # left as they are.
         atexit.register(gc.freeze)
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["sharded"]:  # a layer split across processes: the distributed wing's command and options
+        from .distributed._command import sharded_main
+
+        return sharded_main(given[1:], prog=f"{prog} sharded", statuses=EXIT_STATUS, usage=EXIT_USAGE)
     args = _parser(prog).parse_args(argv)
     importable_from(os.getcwd())  # `mymodule:layer` from a scratch directory
     note = _shadowed_note(prog, os.getcwd())

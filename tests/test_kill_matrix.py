@@ -7,6 +7,10 @@ std-0.02 initialisation}, every expected detector fires, nothing outside `expect
 also_detected_by` fires, and the correct twin fires nothing. The default run sweeps the documented setting and
 bfloat16 at GPT-2's initialisation (the scale people train at); the other four are marked `slow` (CI's slow step,
 or `pytest --slow`), since the catch tests (tests/test_detectors_catch.py) draw every dtype and initialisation too.
+
+The sharded chapter (`buggy_variants._sharded`, layers split across forked ranks) has rows of its own: each variant
+at 2 and 4 ranks fires exactly its expected and documented detectors, the first naming the variant's cause, and its
+correct twin on the same layer and inputs fires nothing (slow: about a minute of forked groups).
 """
 
 from __future__ import annotations
@@ -16,9 +20,14 @@ import torch
 
 import diagnostics
 from buggy_variants import VARIANTS
+from buggy_variants._sharded import SHARDED_VARIANTS
 from buggy_variants.teaching_report import KILL_MATRIX_SIZE
+from buggy_variants.teaching_sharded import audit_sharded_variant, sharded_chapter_html
 from correct import gpt2_init_
 from diagnostics._guard import seed_rng
+from diagnostics._html import escape
+from diagnostics.distributed import SHARDED_DETECTORS, distributed_available
+from diagnostics.distributed.pytest_plugin import one_group_at_a_time
 
 CELLS = [(vid, det) for vid in sorted(VARIANTS) for det in diagnostics.DETECTORS]
 DOCUMENTED, TRAINING = (torch.float32, "default"), (torch.bfloat16, "gpt2")  # the two settings of the default run
@@ -152,3 +161,73 @@ def test_every_detector_catches_something_and_every_variant_is_caught():
     unexercised = {"finite_output", "cache_decoding", "parameters_used", "relative_positions", "undeclared_causality"}
     assert caught_by | unexercised == set(diagnostics.DETECTORS), set(diagnostics.DETECTORS) - caught_by
     assert all(v.expected_detectors for v in VARIANTS.values())
+
+
+# ---- the sharded chapter (buggy_variants._sharded): a layer split across forked ranks, audited by audit_sharded -----
+SHARDED_UNEXERCISED = {  # sharded detectors no variant of the chapter trips, and where they are exercised instead
+    "sharded_runs": "a rank that raises, hangs or exits (tests/test_sharded.py's failing ranks)",
+    "sharded_ranks_agree": "ranks that return different wholes in eval mode (tests/test_sharded.py's Disagreeing)",
+    "sharded_heads_per_rank": "only warns, about one head a rank (tests/test_sharded.py)",
+}
+
+
+@pytest.fixture(scope="module")
+def sharded_audits():
+    """{variant id: (its audit, its correct twin's)} at 2 and 4 ranks, float32 (about 55 s of forked groups under
+    load), holding the machine's lock on groups so that tests/test_sharded.py's never run beside them."""
+    ok, why = distributed_available()
+    if not ok:
+        pytest.skip(f"the sharded audit needs torch.distributed with gloo: {why}")
+    with one_group_at_a_time():
+        return {vid: (audit_sharded_variant(v), audit_sharded_variant(v, twin=True))
+                for vid, v in SHARDED_VARIANTS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vid", sorted(SHARDED_VARIANTS))
+def test_sharded_kill_matrix_row(vid, sharded_audits):
+    """Exactly the expected detectors (and those also documented) fire, fail, and the first names the cause."""
+    variant, (report, _) = SHARDED_VARIANTS[vid], sharded_audits[vid]
+    assert set(report.fired()) == set(variant.expected_detectors + variant.also_detected_by), str(report)
+    for det in variant.expected_detectors:
+        result = report.result(det)
+        assert result.verdict == "fail" and result.evidence and result.fix, str(report)
+    assert variant.cause in report.result(variant.expected_detectors[0]).message, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vid", sorted(SHARDED_VARIANTS))
+def test_sharded_kill_matrix_twin_row(vid, sharded_audits):
+    """The twin: the correct form on the same unsharded layer and inputs passes, measuring what caught the variant,
+    and names no cause."""
+    variant, (_, twin) = SHARDED_VARIANTS[vid], sharded_audits[vid]
+    assert twin.status == "passed" and not twin.findings, str(twin)
+    assert all(twin.result(det).verdict == "pass" for det in variant.expected_detectors), str(twin)
+    assert variant.cause not in str(twin)
+
+
+def test_every_sharded_detector_catches_something_and_every_sharded_variant_is_caught():
+    caught_by = {d for v in SHARDED_VARIANTS.values() for d in v.expected_detectors + v.also_detected_by}
+    assert caught_by | set(SHARDED_UNEXERCISED) == set(SHARDED_DETECTORS), set(SHARDED_DETECTORS) - caught_by
+    assert not caught_by & set(SHARDED_UNEXERCISED)
+    assert all(v.expected_detectors and v.cause for v in SHARDED_VARIANTS.values())
+
+
+def test_the_teaching_report_has_the_sharded_chapter(teaching_report_html):
+    """Drawn without its audits (the page audits it when pytest-html writes it): every entry's lesson, symptom, fix
+    and the detector expected to catch it."""
+    chapter = teaching_report_html[teaching_report_html.index('id="sharded-chapter"'):]
+    for vid, v in SHARDED_VARIANTS.items():
+        section = chapter[chapter.index(f'id="sharded-{vid}"'):].split("</section>", 1)[0]
+        for text in (v.title, v.symptom, v.fix, v.expected_detectors[0], v.cause):
+            assert escape(text) in section, (vid, text)
+
+
+@pytest.mark.slow
+def test_the_sharded_chapter_shows_the_detector_and_cause_that_caught_each_variant(sharded_audits):
+    chapter = sharded_chapter_html({vid: broken for vid, (broken, _) in sharded_audits.items()})
+    expected = sum(len(v.expected_detectors) for v in SHARDED_VARIANTS.values())
+    assert chapter.count("k-fail expected") == expected and "missed" not in chapter
+    for vid, v in SHARDED_VARIANTS.items():
+        section = chapter[chapter.index(f'id="sharded-{vid}"'):].split("</section>", 1)[0]
+        assert f"<code>{v.expected_detectors[0]}</code>" in section and escape(v.cause) in section, vid

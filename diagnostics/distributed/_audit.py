@@ -31,7 +31,7 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
                   layout: str = "contiguous", seq_len: int = 16, batch: int = 2, num_heads: int | None = None,
                   dtype: torch.dtype | None = None, seed: int = 0, timeout: float = 30.0,
                   detectors: list[str] | None = None, call=None, check_unsharded: bool = False,
-                  device: str = "cpu") -> ShardedReport:
+                  device: str = "cpu", draws_like_unsharded: bool = False) -> ShardedReport:
     """Audit `sharded`, a layer split across processes, against `layer`, its unsharded self.
 
     `layer`: the unsharded module, `layer(x)` on (B, T, D) returning the output (or a tuple whose first item it is).
@@ -45,7 +45,9 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     causality. `dtype`: the dtype to audit in (default: the layer's); float64 is judged exactly, others against a
     float64 copy. `check_unsharded=True` also runs `diagnostics.audit()` on the unsharded layer (`report.unsharded`),
     so a disagreement says which side is wrong. `device="cuda"`: the ranks run on GPUs 0..W-1 with NCCL (the
-    references stay on the CPU; see docs/sharded.md).
+    references stay on the CPU; see docs/sharded.md). `draws_like_unsharded=True`: the layer promises that in train
+    mode, every rank seeded as the unsharded layer is, it draws what the unsharded layer draws (its output equals the
+    unsharded layer's train-mode output; `takes="full"`).
     """
     expect(isinstance(layer, nn.Module), "layer: the unsharded nn.Module", type(layer).__name__,
            "pass the module the sharded form must agree with")
@@ -63,6 +65,8 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
            'takes="shard" if the sharded layer takes its own shard and positions, "full" for the whole sequence')
     expect(layout in LAYOUTS, f"layout in {LAYOUTS}", f"layout={layout!r}", "pass layout='contiguous'")
     expect(isinstance(causal, bool), "causal=True or causal=False", f"causal={causal!r}", "pass a bool")
+    expect(isinstance(draws_like_unsharded, bool), "draws_like_unsharded=True or False",
+           f"draws_like_unsharded={draws_like_unsharded!r}", "pass a bool")
     pieces = max(2 * w if layout == "zigzag" else w for w in world_sizes)
     expect(isinstance(seq_len, int) and seq_len >= 2 and seq_len % pieces == 0,
            f"a seq_len divisible by {pieces} (the {layout} layout over {max(world_sizes)} ranks)", f"seq_len={seq_len!r}",
@@ -77,6 +81,9 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
         ctx = _context(layer, world_sizes=world_sizes, causal=causal, takes=takes, layout=layout, seq_len=seq_len,
                        batch=batch, num_heads=num_heads, dtype=dtype, seed=seed)
         ctx.device = device
+        if draws_like_unsharded:
+            ctx.draws_like_unsharded = True
+            ctx.train_references = _train_references(ctx)
         jobs = {W: _jobs(ctx, sharded, W, call) for W in world_sizes}
         for W in world_sizes:
             _run(ctx, W, jobs[W], timeout, device)
@@ -192,6 +199,20 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     return ctx
 
 
+def _train_references(ctx: ShardedContext) -> tuple:
+    """The unsharded layer's train-mode outputs on the train job's input, seeded as every rank is (`train_seeds`):
+    what a layer that promises to draw like it must return. In the audit's dtype: a float64 copy draws other masks."""
+    answers = []
+    ctx.layer.train()
+    try:
+        for seed in ctx.train_seeds:
+            torch.manual_seed(seed)  # the caller's RNG state comes back with the audit's guard (`untouched`)
+            answers.append(_forward_all(ctx.layer, ctx.inputs[BACKWARD]))
+    finally:
+        ctx.layer.eval()
+    return tuple(answers)
+
+
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """A plain CPU copy of a rank's answer: a DTensor's local output may be an async collective's result that is only
     waited for when an op reads it (the copy does), and must not be pickled before."""
@@ -247,7 +268,7 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
         m, answers = module("main", rank, group), []
         m.train()
         try:
-            for seed in (ctx.seed, ctx.seed + 1):
+            for seed in ctx.train_seeds:
                 torch.manual_seed(seed)  # every rank alike: what a data-parallel replica's training step does
                 with torch.no_grad():
                     answers.append(_plain(invoke(m, ctx.inputs[BACKWARD], rank)))

@@ -7,6 +7,11 @@ fix, or None when its evidence is not there), tried in this order:
                          order when the gather did not undo it
     head permutation     before the output projection (read through its weights), every head equals some head of the
                          unsharded layer, in another order: the all-to-all's way back
+    heads scaled         read the same way, every head's output is the unsharded head's times a factor from 1 to the
+                         number of ranks, per token: the weights of a row sum to that factor, not 1 (the partial
+                         results merged with the larger normaliser, not their log-sum-exp)
+    fused rows cut       the output equals the unsharded layer's with its fused [W_Q; W_K; W_V] weight dealt to the
+                         ranks' heads in contiguous row blocks: a column-parallel cut of the stack, not of each part
     only rank 0 matches  rank 0's tokens right, every other rank's wrong: positions or causal offsets that restart
                          at 0 on every rank
 and otherwise the ranks whose tokens differ.
@@ -14,6 +19,7 @@ and otherwise the ranks whose tokens differ.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +38,8 @@ class Cause:
 def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: float, scale: float) -> Cause:
     """The first reader whose evidence holds, else the ranks whose tokens differ. `test` and `target` (B, T, D) in
     float64; `x` the input they answer; `allowed` the tolerance relative to `scale`."""
-    for reader in (constant_offset, token_permutation, head_permutation, only_rank_zero):
+    for reader in (constant_offset, token_permutation, head_permutation, heads_scaled, fused_rows_cut,
+                   only_rank_zero):
         try:
             cause = reader(ctx, W, test, target, x, allowed, scale)
         except Exception:  # a reader that cannot read this layer says nothing
@@ -110,7 +117,9 @@ def _output_projection(layer: nn.Module, x: Tensor, out: Tensor) -> tuple[nn.Lin
     return None
 
 
-def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+def _read_heads(ctx, test, target, x) -> tuple[Tensor, Tensor] | None:
+    """Both outputs read back through the layer's output projection, head by head: (the sharded one's, the unsharded
+    one's), each (B*T, H, d_k); None where the layer has no square output projection or its heads are unknown."""
     H = ctx.num_heads
     layer = ctx.golden_layer if ctx.golden_layer is not None else ctx.layer
     found = _output_projection(layer, x.double(), target) if H else None
@@ -119,11 +128,24 @@ def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
     proj, merged = found  # (B, T, D): the heads, side by side, before the output projection
     weight = proj.weight.detach().double()  # (D, D)
     bias = proj.bias.detach().double() if proj.bias is not None else 0.0
-    read = torch.linalg.solve(weight, (test - bias).flatten(0, -2).T).T.view_as(merged)  # undo out = z W^T + b
-    d_k = merged.shape[-1] // H
-    heads = lambda z: z.view(-1, H, d_k).transpose(0, 1).flatten(1)  # (H, B*T*d_k)  # noqa: E731
+    read = torch.linalg.solve(weight, (test - bias).flatten(0, -2).T).T  # (B*T, D): undo out = z W^T + b
+    return read.view(-1, H, merged.shape[-1] // H), merged.flatten(0, -2).view(-1, H, merged.shape[-1] // H)
+
+
+def _head_tolerance(allowed: float) -> float:
+    """What reading through the output projection's inverse may add (its condition number times the tolerance)."""
+    return max(allowed, 1e-6) * 100
+
+
+def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    found = _read_heads(ctx, test, target, x)
+    if found is None:
+        return None
+    read, merged = found  # (B*T, H, d_k)
+    H = read.shape[1]
+    heads = lambda z: z.transpose(0, 1).flatten(1)  # (H, B*T*d_k)  # noqa: E731
     head_scale = float(merged.square().mean().sqrt()) or 1.0
-    perm = _matching(heads(read), heads(merged), head_scale, max(allowed, 1e-6) * 100)
+    perm = _matching(heads(read), heads(merged), head_scale, _head_tolerance(allowed))
     if perm is None or torch.equal(perm, torch.arange(H)) or len(set(perm.tolist())) != H:
         return None
     moved = [f"{i}<-{int(j)}" for i, j in enumerate(perm) if i != int(j)]
@@ -131,6 +153,78 @@ def head_permutation(ctx, W, test, target, x, allowed, scale) -> Cause | None:
                  f"<- head: {', '.join(moved[:6])}{', ...' if len(moved) > 6 else ''}): each head is right, its place "
                  f"is not", "after the all-to-all back, lay the heads out as (rank, head of the rank), the order the "
                         "first all-to-all sent them in")
+
+
+def heads_scaled(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    """Each (token, head) output a multiple c of the unsharded one, 1 <= c <= W: a merge whose joint normaliser is the
+    larger of the partial ones gives exactly exp(logsumexp(l) - max(l)) x the right output, between 1 and the number
+    of blocks merged (the ranks)."""
+    found = _read_heads(ctx, test, target, x)
+    if found is None:
+        return None
+    read, merged = found  # (B*T, H, d_k)
+    head_scale = float(merged.square().mean().sqrt()) or 1.0
+    size = merged.square().sum(-1)  # (B*T, H)
+    live = size > (1e-6 * head_scale) ** 2 * merged.shape[-1]  # a head whose output is ~0 has no factor to read
+    factor = torch.where(live, (read * merged).sum(-1) / size.clamp_min(1e-300), torch.ones_like(size))  # (B*T, H)
+    left = float((read - factor[..., None] * merged).abs().amax()) / head_scale
+    tol = _head_tolerance(allowed)
+    low, high = float(factor[live].min()), float(factor[live].max())
+    if left > tol or low < 1 - tol or high > W + tol or high <= 1 + 10 * tol:
+        return None
+    grown = int((factor[live] > 1 + 10 * tol).sum())
+    return Cause(f"read through the output projection, every head's output is the unsharded head's times a factor "
+                 f"from {low:.3g} to {high:.3g} ({grown} of {int(live.sum())} token-heads above 1; at most the {W} "
+                 f"ranks' blocks): the weights of a row sum to that factor, not 1: the partial results are rescaled to "
+                 f"the larger normaliser, not to their log-sum-exp",
+                 "merge with the joint normaliser: new = logaddexp(lse, part_lse); out = out * exp(lse - new) + "
+                 "part * exp(part_lse - new)")
+
+
+def _fused_projection(layer: nn.Module) -> tuple[str, nn.Linear] | None:
+    """The one Linear (D -> 3D) that stacks W_Q, W_K, W_V, and its name."""
+    fused = [(name, m) for name, m in layer.named_modules()
+             if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features]
+    return fused[0] if len(fused) == 1 else None
+
+
+def contiguous_cut_rows(D: int, W: int) -> Tensor:
+    """(3D,) the rows of the stack [W_Q; W_K; W_V] each row of an honest per-head cut holds when the stack is cut in W
+    contiguous blocks instead: rank r's block, read in thirds as its heads' q, k and v rows."""
+    rows = torch.empty(3 * D, dtype=torch.long)
+    for r in range(W):
+        for part in range(3):  # q, k, v
+            mine = torch.arange(part * D + r * D // W, part * D + (r + 1) * D // W)  # where the honest cut reads
+            rows[mine] = torch.arange(r * 3 * D // W + part * D // W, r * 3 * D // W + (part + 1) * D // W)
+    return rows
+
+
+def fused_rows_cut(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    layer = ctx.golden_layer if ctx.golden_layer is not None else ctx.layer
+    found = None if layer is None else _fused_projection(layer)
+    if found is None:
+        return None
+    name, fused = found
+    D = fused.in_features
+    if D % W or (ctx.num_heads is not None and ctx.num_heads % W):
+        return None
+    rows = contiguous_cut_rows(D, W)
+    replay = copy.deepcopy(layer)
+    proj = dict(replay.named_modules())[name]
+    with torch.no_grad():
+        proj.weight.copy_(fused.weight[rows])
+        if fused.bias is not None:
+            proj.bias.copy_(fused.bias[rows])
+        out = replay(x.to(fused.weight.dtype))
+    out = (out[0] if isinstance(out, (tuple, list)) else out).double()
+    if out.shape != test.shape or float(token_errors(test, out, scale).max()) > allowed:
+        return None
+    first = " and ".join(("W_Q", "W_K", "W_V")[: -(-3 // W)])  # what rank 0's 3D/W rows hold
+    return Cause(f"the output equals the unsharded layer's with `{name}.weight`, the stack [W_Q; W_K; W_V], cut in {W} "
+                 f"contiguous row blocks, each read in thirds as its heads' q, k and v (rank 0's block holds {first} "
+                 f"rows only)",
+                 f"cut each of W_Q, W_K and W_V of `{name}` by heads and stack the rank's three cuts (a column-parallel "
+                 f"plan on a fused projection cuts the stack: split it into q, k, v, or shard it by parts)")
 
 
 def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:

@@ -66,6 +66,13 @@ class ShardedContext:
     readings: dict = field(default_factory=dict)
     large_layer: nn.Module | None = None  # the float32 copy with every weight scaled by LOGIT_SCALE
     device: str = "cpu"  # where the ranks run: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)
+    draws_like_unsharded: bool = False  # the layer promises its train-mode draws are the unsharded layer's
+    train_references: tuple = ()  # the unsharded layer's train-mode outputs under TRAIN_SEEDS, when promised
+
+    @property
+    def train_seeds(self) -> tuple[int, int]:
+        """The seeds the train-mode job sets on every rank (and the unsharded layer's draws are taken under)."""
+        return self.seed, self.seed + 1
 
     def failure(self, W: int, job: str):
         """The first failure at world size W in `job` (None if it ran everywhere)."""
@@ -121,8 +128,11 @@ CAUSAL_SHARDED = Need("{causal}", lambda ctx: ctx.causal,
                       "the layer is not audited as causal (pass {causal} if it promises causality)")
 FULL_OUTPUT = Need('takes="full"', _applies("full"),
                    'each rank returns its own shard (takes="shard"): there is no output the ranks must share')
+PROMISED_DRAWS = Need("draws_like_unsharded=True", lambda ctx: ctx.draws_like_unsharded,
+                      "the layer does not promise that its train-mode draws are the unsharded layer's (pass "
+                      "draws_like_unsharded=True if it does)")
 KNOWN_HEADS = Need("the number of heads", lambda ctx: ctx.num_heads is not None,
                    "the number of heads is unknown: pass num_heads= (or give the layer a num_heads attribute)")
 
 __all__ = ["BACKWARD", "CAUSAL_SHARDED", "FORWARD", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
-           "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
+           "PROMISED_DRAWS", "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
