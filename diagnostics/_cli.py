@@ -60,7 +60,6 @@ LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "cal
               "device")  # a layer audit's, not a model's
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # --dtype's choices, torch's names  # a layer audit's, not a model's
-LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
 def _jsonable(value):
@@ -72,28 +71,6 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def _progress(stream, *, seq_len: int):
-    """A progress callback for audit(): a self-updating line on a terminal, plain lines for long audits
-    written to a file, nothing otherwise."""
-    tty = stream.isatty()
-    if not tty and seq_len < LONG_SEQ_LEN:
-        return None, lambda: None
-
-    def report(detector: str, index: int, total: int) -> None:
-        if tty:
-            stream.write(f"\r\x1b[Kauditing [{index + 1}/{total}] {detector}")
-        else:
-            stream.write(f"attention-audit: [{index + 1}/{total}] {detector}\n")
-        stream.flush()
-
-    def done() -> None:
-        if tty:
-            stream.write("\r\x1b[K")
-            stream.flush()
-
-    return report, done
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -280,15 +257,11 @@ def _audit_layer(args, target: str):
     # usage errors, worded with this command's flags
     check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
                                layout=args.layout, call=call, options=OPTIONS), args.seq_len, options=OPTIONS)
-    report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
-    try:
-        return audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
-                     num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
-                     mask=args.mask, layout=args.layout, pattern=pattern, call=call, cross=args.cross,
-                     positions=args.positions, dtype=_dtype(args.dtype), device=args.device, seed=args.seed,
-                     detectors=_detectors(args.detectors), progress=report_progress, _options=OPTIONS)
-    finally:
-        done()
+    # progress: the audit's default, a bar on stderr where it is a terminal and the audit is estimated long
+    return audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.num_heads,
+                 scale=args.scale, require=args.require, strict=args.strict, mask=args.mask, layout=args.layout,
+                 pattern=pattern, call=call, cross=args.cross, positions=args.positions, dtype=_dtype(args.dtype),
+                 device=args.device, seed=args.seed, detectors=_detectors(args.detectors), _options=OPTIONS)
 
 
 def _dtype(name: str | None):

@@ -311,22 +311,40 @@ class _Terminal:
         pass
 
 
-@pytest.mark.parametrize("tty, seq_len, shown", [(True, 16, "line"), (False, 16, None), (False, 32, "lines")])
-def test_progress_on_a_terminal_or_for_long_audits_only(in_scratch, capsys, monkeypatch, tty, seq_len, shown):
-    monkeypatch.setattr(_cli, "LONG_SEQ_LEN", 32)
+@pytest.mark.parametrize("tty, seq_len, shown", [(True, 32, True), (True, 16, False), (False, 32, False)])
+def test_progress_bar_on_a_terminal_for_long_audits_only(in_scratch, capsys, monkeypatch, tty, seq_len, shown):
+    """A tqdm-style bar on stderr, redrawn before each detector and erased at the end, where stderr is a terminal
+    and the audit is estimated long (here: from seq_len 32 on, the 4-head float32 layer's maps of 256 KiB); a short
+    audit, or one whose stderr is a file or a pipe, shows nothing."""
+    from diagnostics import _memory, _progress
+
+    long_maps = _memory.estimate(seq_len=32, num_heads=4, dtype=torch.float32) - _memory.BASE
+    monkeypatch.setattr(_progress, "LONG_MAPS", long_maps)
     stderr = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", stderr)
     assert _cli.main(["userlayers:correct", "--seq-len", str(seq_len)]) == 0
     text = "".join(stderr.written)
-    if shown is None:
+    if not shown:
         assert text == ""
-    elif shown == "line":  # one self-updating line, erased at the end
-        assert text.count(f"[{len(DETECTORS)}/{len(DETECTORS)}] ") == 1 and text.endswith("\r\x1b[K")
-    else:  # a line per detector, numbered in the order they run
-        total = len(DETECTORS)
-        lines = text.splitlines()
-        assert [line.split("] ")[0] for line in lines] == [f"attention-audit: [{i + 1}/{total}" for i in range(total)]
-        assert sorted(line.split("] ")[1] for line in lines) == sorted(DETECTORS)
+        return
+    total = len(DETECTORS)
+    draws = text.split("\r\x1b[K")[1:]
+    assert draws[-1] == ""  # erased at the end: the report starts on a clean line
+    assert [re.match(r"auditing +\d+%\|[#█ ]{20}\| (\d+)/(\d+) \[\d\d:\d\d<(\?|\d\d:\d\d)\] (\w+)$", d).group(1, 2, 4)
+            for d in draws[:-1]] == [(str(i), str(total), det) for i, det in enumerate(DETECTORS)]
+
+
+def test_progress_false_turns_the_bar_off_in_python(monkeypatch):
+    from diagnostics import _progress
+
+    monkeypatch.setattr(_progress, "LONG_MAPS", 0)  # every audit is long
+    stderr = _Terminal(True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    diagnostics.audit(sdpa, seq_len=4, detectors=["runs", "weight_row_sums"], progress=False)
+    assert stderr.written == []
+    diagnostics.audit(sdpa, seq_len=4, detectors=["runs", "weight_row_sums"])  # the twin: None, the default, shows it
+    assert "".join(stderr.written).count("/2 [") == 2
 
 
 def test_json_writes_non_finite_numbers_as_strings():
