@@ -204,7 +204,7 @@ def _weights_html(pair: _Pair) -> str:
                        f'</figcaption>{_html.heatmap_svg(pair.variant, vmax=vmax, label="variant weights")}</figure>')
         comparison = _comparison(pair)
     return (f'<p class="meta">Batch 0, head 0, on one input: {escape(pair.scene.text)}. One colour scale for both '
-            f'maps; hover a cell for its value.</p>{"".join(figures)}<p>{comparison}</p>')
+            f'maps; hover a map for its largest weight.</p>{"".join(figures)}<p>{comparison}</p>')
 
 
 def _comparison(pair: _Pair) -> str:
@@ -343,8 +343,8 @@ def _pattern_html(report: diagnostics.AuditReport) -> str:
     return (f'<h4>The pattern, declared and measured</h4><p class="meta">What <code>{escape(findings[0].detector)}'
             f'</code> measured: each key changed alone, and the rows that moved. Where the two grids differ, a '
             f'<span class="k-fail">red</span> cell is a key the pattern blocks that the output depends on (leakage), '
-            f'an <span class="k-warn">amber</span> one a key it allows that the output ignores (over-masking). Hover '
-            f'a cell for its reading.</p><div class="wide">{_html.dependency_html(m)}</div>')
+            f'an <span class="k-warn">amber</span> one a key it allows that the output ignores (over-masking), each '
+            f'outlined in both grids.</p><div class="wide">{_html.dependency_html(m)}</div>')
 
 
 def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
