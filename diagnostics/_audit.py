@@ -93,8 +93,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                            options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     check_memory(subject, seq_len, options=_options)  # refused before anything runs if it would not fit
-    bar = default_progress(subject, seq_len) if progress is None else None
-    progress = progress or bar
+    bar = default_progress(subject, seq_len) if progress is None else None  # a terminal's bar for a long audit
+    progress = bar if progress is None or progress is False else progress
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
                   cross=cross)
     probe.positions = positions  # read by detectors/positions.declared_positions
@@ -103,7 +103,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     measured: dict[str, DetectorResult] = {}
     with untouched(layer, subject.device), denormals_flushed(), bar or nullcontext():
         for n, det_id in enumerate(chosen):
-            if progress:
+            if progress is not None:
                 progress(det_id, n, len(chosen))
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
