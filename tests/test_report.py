@@ -565,10 +565,11 @@ def catalog_audits():
 @pytest.mark.parametrize("vid", ["missing_scale", "non_contiguous_view"])
 @pytest.mark.parametrize("detector", ["softmax_saturation"])
 def test_caught(catalog_audits, vid, detector):
+    print(f"output of the test of {vid}")
     assert catalog_audits[vid].result(detector).verdict == "fail"
 
 def test_unrelated():
-    pass
+    print("output of a passed test")
 """
 
 
@@ -609,6 +610,11 @@ def test_pytest_html_report_has_variant_and_detector_columns_and_the_teaching_re
     assert '<td class="col-variant"><a href="#variant-missing_scale">missing_scale</a></td>' in caught
     assert '<td class="col-detector">softmax_saturation</td>' in caught
     assert '<td class="col-variant"></td><td class="col-detector"></td>' in rows["test_inner.py::test_unrelated"]
+    # a passed test's captured output is left out, a failed one's kept
+    logs = {nodeid: "".join(runs[0]["log"]) for nodeid, runs in json.loads(blob)["tests"].items()}
+    assert logs["test_inner.py::test_unrelated"] == teaching_report.PASSED_LOG
+    assert "output of a passed test" not in text and "output of the test of missing_scale" not in text
+    assert "output of the test of non_contiguous_view" in logs["test_inner.py::test_caught[softmax_saturation-non_contiguous_view]"]
     # the head finished after pytest-html wrote it (issue 35): a viewport, failures first, a narrow window's rules
     head = text[:text.index("</head>")]
     assert head.count('<meta name="viewport" content="width=device-width, initial-scale=1">') == 1
