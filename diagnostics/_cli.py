@@ -1,8 +1,8 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer or a whole model from the command line.
 
     attention-audit mymodule:layer [other:layer ...] [--causal] [--seq-len N] [--require DET]... [--strict] [--json]
-                    [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN] [--call MODULE:FUNCTION] [--cross]
-                    [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
+                    [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN]
+                    [--call MODULE:FUNCTION] [--cross] [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
                     [--detectors DET[,DET...]]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--seed N]
                     [--detectors DET[,DET...]] [--json] [--html PATH] [--junit-xml PATH]
@@ -336,8 +336,8 @@ def _text(report) -> str:
 
 
 def _written(prog: str, kind: str, path: str, write) -> bool:
-    """Write the `kind` report (HTML, JUnit XML) asked for; on failure say so on stderr (the audit's status stands: its report was
-    printed) and return False. Checked before the audit (_path_problem), so this is rare."""
+    """Write the `kind` report (HTML, JUnit XML) asked for; on failure say so on stderr (the audit's status stands:
+    its report was printed) and return False. Checked before the audit (_path_problem), so this is rare."""
     try:
         write(path)
     except (ImportError, OSError, AuditUsageError) as error:
@@ -377,7 +377,8 @@ def emit(report, args, prog: str, usage) -> int:
         written = _written(prog, "HTML", args.html, report.to_html)
     if args.junit_xml:
         name = args.model if args.model is not None else args.target[0]
-        written = _written(prog, "JUnit XML", args.junit_xml, lambda path: _write_junit({name: report}, path)) and written
+        junit = _written(prog, "JUnit XML", args.junit_xml, lambda path: _write_junit({name: report}, path))
+        written = junit and written
     return status if written else status or EXIT_USAGE  # a passed audit whose asked-for report is missing: not 0
 
 
@@ -426,6 +427,6 @@ def emit_several(outcomes: dict, args, prog: str) -> int:
     return worst
 
 
-__all__ = ["DTYPES", "EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE",
-           "LAYER_ONLY", "OPTIONS", "SEVERITY", "audit_model_command", "emit", "emit_several", "load_example", "load_layer", "load_model", "main",
-           "quiet_numpy_warning", "resolve"]
+__all__ = ["DTYPES", "EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_PASSED", "EXIT_STATUS",
+           "EXIT_USAGE", "LAYER_ONLY", "OPTIONS", "SEVERITY", "audit_model_command", "emit", "emit_several",
+           "load_example", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve", "summary_lines"]

@@ -1,9 +1,10 @@
-"""HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector
-results, `write_report_html` behind `AuditReport.to_html` and `model_report_html` behind `ModelReport.to_html`.
+"""HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector results,
+`write_report_html` behind `AuditReport.to_html` and `model_report_html` behind `ModelReport.to_html`.
 
-Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline
-SVG whose cells are one PNG inside it (a `data:` URL written here with zlib and struct), no scripts, nothing fetched. The test suite's teaching report (buggy_variants/teaching_report.py) builds on
-the same pieces, so a user's audit page and the catalog's report look and read alike.
+Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline SVG whose
+cells are one PNG inside it (a `data:` URL written here with zlib and struct), no scripts, nothing fetched. The test
+suite's teaching report (buggy_variants/teaching_report.py) builds on the same pieces, so a user's audit page and
+the catalog's report look and read alike.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Progress shown by default for long audits: a tqdm-style line on stderr, only where stderr is a terminal and the
-audit is estimated to take long (`audit(fn, seq_len=4096)` once ran 15 s in silence); nothing in a pipe, a log
-file, pytest's captured output or a notebook, where a self-updating line would only be noise.
+audit is estimated to take long (`audit(fn, seq_len=4096)` once ran 15 s in silence); nothing in a pipe, a log file,
+pytest's captured output or a notebook, where a self-updating line would only be noise.
 
 "Long" is read from the shapes before anything runs, with the memory guard's estimate (`_memory.estimate`): the
-attention maps' bytes grow with the work. Measured (the wall time of `diagnostics.audit(layer,
-causal=True, seq_len=T)`, one after another in one process, float32, CPU, 2026-12-03, load average ~10 on 2 cores): an SDPA function (d_model 16, 2 heads) took 2.7 / 3.4 / 4.4 /
-7.6 s at T = 128 / 256 / 512 / 1024 (maps of 8 / 32 / 128 / 512 MiB), the reference `MultiHeadAttention(64, 4)` 1.6 /
-4.1 / 11.0 / 25.5 s (16 / 64 / 256 / 1024 MiB). From LONG_MAPS = 32 MiB on, an audit took 3.4 s or more: there the
-bar is worth its line; below, the audit is done about as soon as a bar would show.
+attention maps' bytes grow with the work. Measured (the wall time of `diagnostics.audit(layer, causal=True,
+seq_len=T)`, one after another in one process, float32, CPU, 2026-12-03, load average ~10 on 2 cores): an SDPA
+function (d_model 16, 2 heads) took 2.7 / 3.4 / 4.4 / 7.6 s at T = 128 / 256 / 512 / 1024 (maps of 8 / 32 / 128 /
+512 MiB), the reference `MultiHeadAttention(64, 4)` 1.6 / 4.1 / 11.0 / 25.5 s (16 / 64 / 256 / 1024 MiB). From
+LONG_MAPS = 32 MiB on, an audit took 3.4 s or more: there the bar is worth its line; below, the audit is done about
+as soon as a bar would show.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _clock(seconds: float) -> str:
 
 
 class ProgressBar:
-    """`auditing  45%|█████████           | 9/20 [00:04<00:05] future_leakage`, redrawn in place before each
-    detector (a `progress` callable for `audit()`) and erased when the audit ends (a context manager)."""
+    """A line redrawn in place before each detector (a `progress` callable for `audit()`) and erased when the audit
+    ends (a context manager): `auditing  45%|█████████           | 9/20 [00:04<00:05] future_leakage`."""
 
     def __init__(self, stream, label: str = "auditing"):
         self.stream, self.label, self.started = stream, label, time.perf_counter()
