@@ -205,7 +205,7 @@ def _weights_html(pair: _Pair) -> str:
                        f'</figcaption>{_html.heatmap_svg(pair.variant, vmax=vmax, label="variant weights")}</figure>')
         comparison = _comparison(pair)
     return (f'<p class="meta">Batch 0, head 0, on one input: {escape(pair.scene.text)}. One colour scale for both '
-            f'maps; hover a cell for its value.</p>{"".join(figures)}<p>{comparison}</p>')
+            f'maps; hover a map for its largest weight.</p>{"".join(figures)}<p>{comparison}</p>')
 
 
 def _comparison(pair: _Pair) -> str:
@@ -344,8 +344,8 @@ def _pattern_html(report: diagnostics.AuditReport) -> str:
     return (f'<h4>The pattern, declared and measured</h4><p class="meta">What <code>{escape(findings[0].detector)}'
             f'</code> measured: each key changed alone, and the rows that moved. Where the two grids differ, a '
             f'<span class="k-fail">red</span> cell is a key the pattern blocks that the output depends on (leakage), '
-            f'an <span class="k-warn">amber</span> one a key it allows that the output ignores (over-masking). Hover '
-            f'a cell for its reading.</p><div class="wide">{_html.dependency_html(m)}</div>')
+            f'an <span class="k-warn">amber</span> one a key it allows that the output ignores (over-masking), each '
+            f'outlined in both grids.</p><div class="wide">{_html.dependency_html(m)}</div>')
 
 
 def _section_html(variant: Variant, report: diagnostics.AuditReport) -> str:
@@ -526,6 +526,9 @@ def finish_page(page: str) -> str:
     return page.replace("</head>", PAGE_HEAD + "</head>", 1)
 
 
+PASSED_LOG = "Passed: output not kept"  # as short as pytest-html's own "No log output captured.": one per passed test
+
+
 class TeachingReportPlugin:
     """pytest-html hooks: the variant and detector columns, the teaching report above the results, and the page's
     head finished once it is written.
@@ -569,6 +572,12 @@ class TeachingReportPlugin:
             variant = f'<a href="#variant-{variant}">{variant}</a>'
         cells[2:2] = [f'<td class="col-variant">{variant}</td>', f'<td class="col-detector">{escape(detector)}</td>']
 
+    def pytest_html_results_table_html(self, report, data):
+        # A passed test's captured output (pytester's inner runs print whole sessions): 364 KB of pytest-html's JSON
+        # in the whole suite's 5.27 MB page, in rows that open filtered out; failures, errors and skips keep theirs.
+        if report.passed:
+            data[:] = [PASSED_LOG]
+
     def pytest_html_results_summary(self, prefix, summary, postfix, session):
         # After pytest-html's totals and filters (its "prefix" would push them ~19,000 px down the page), before
         # the results table. A run that never asked for the audits (e.g. `pytest tests/test_correct.py --html=...`)
@@ -594,5 +603,5 @@ def register(config: pytest.Config) -> None:
                                       "teaching-report")
 
 
-__all__ = ["KILL_MATRIX_SIZE", "PAGE_HEAD", "TeachingReportPlugin", "audit_catalog", "finish_page", "fold_repeats",
+__all__ = ["KILL_MATRIX_SIZE", "PAGE_HEAD", "PASSED_LOG", "TeachingReportPlugin", "audit_catalog", "finish_page", "fold_repeats",
            "register", "teaching_html"]

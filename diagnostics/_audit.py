@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 from ._errors import expect
 from ._guard import denormals_flushed, untouched
 from ._memory import check_memory
 from ._probe import Probe
+from ._progress import default_progress
 from ._registry import NOT_APPLICABLE, phrase, run
 from ._report import CORE, NEEDS_DECLARATION, AuditReport
 from ._result import DetectorResult, Sites
@@ -39,7 +41,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     length). `require`: detector ids that must measure the layer: a skip of one of them is a failure.
     `strict=True`: every detector that applies to the layer must measure it (a "not measured" skip fails;
     one whose needs do not hold, e.g. future_leakage without causal=True, stays a skip). `progress`:
-    optional callable(detector_id, index, total) for long audits. `_options`: for front ends, how the user
+    a callable(detector_id, index, total) called before each detector; None (the default): a tqdm-style bar on
+    stderr where it is a terminal and the audit is estimated long (`_progress`); False: nothing. `_options`: for front ends, how the user
     spells each option ({"causal": "--causal"}), used in the messages. `mask`: the convention the layer
     takes its mask in, a meaning and a shape (`diagnostics.MaskConvention`, or its spelling): "allowed" (bool
     (B, 1, Tq, Tk), True = may attend; the default), "blocked" (True = blocked), "additive" (float, 0 keep, large
@@ -67,7 +70,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
            "a positive scale or None", f"scale={scale!r}", "pass the factor your layer multiplies q·k by, e.g. scale=1.0")
     expect(detectors is None or (isinstance(detectors, (list, tuple)) and all(isinstance(d, str) for d in detectors)),
            "detectors: a list of detector ids", f"detectors={detectors!r}", f"e.g. detectors={list(DETECTORS)[:2]}")
-    expect(progress is None or callable(progress), "progress a callable(detector_id, index, total) or None",
+    expect(progress is None or progress is False or callable(progress),
+           "progress a callable(detector_id, index, total), None (a bar on a terminal for long audits) or False",
            f"progress={progress!r} ({type(progress).__name__})",
            'pass a function, e.g. progress=lambda det, i, n: print(f"{i}/{n} {det}"), or leave progress out')
     chosen = list(DETECTORS) if detectors is None else list(detectors)
@@ -89,13 +93,15 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                            options=_options)
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     check_memory(subject, seq_len, options=_options)  # refused before anything runs if it would not fit
+    bar = default_progress(subject, seq_len) if progress is None else None  # a terminal's bar for a long audit
+    progress = bar if progress is None or progress is False else progress
     probe = Probe(subject, causal=causal, scale=scale, seq_len=seq_len, seed=seed, options=_options, pattern=pattern,
                   cross=cross)
     probe.positions = positions  # read by detectors/positions.declared_positions
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
-    with untouched(layer, subject.device), denormals_flushed():
+    with untouched(layer, subject.device), denormals_flushed(), bar or nullcontext():
         for n, det_id in enumerate(chosen):
             if progress is not None:
                 progress(det_id, n, len(chosen))

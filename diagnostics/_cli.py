@@ -1,11 +1,11 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer or a whole model from the command line.
 
-    attention-audit mymodule:layer [--causal] [--seq-len N] [--require DET]... [--strict] [--json] [--html PATH]
-                    [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN] [--call MODULE:FUNCTION] [--cross]
-                    [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
+    attention-audit mymodule:layer [other:layer ...] [--causal] [--seq-len N] [--require DET]... [--strict] [--json]
+                    [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN]
+                    [--call MODULE:FUNCTION] [--cross] [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
                     [--detectors DET[,DET...]]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--seed N]
-                    [--detectors DET[,DET...]] [--json] [--html PATH]
+                    [--detectors DET[,DET...]] [--json] [--html PATH] [--junit-xml PATH]
     attention-audit sharded mymodule:make_layer mymodule:make_sharded [--world-sizes 2 4] [--causal] ...
                     (a layer split across processes: diagnostics/distributed/_command.py)
     attention-audit --version
@@ -14,7 +14,10 @@
 factory called with none; with `--model`, a model (an nn.Module), a class or a factory. The current directory
 is importable, so `mymodule:layer` works from a scratch directory. A model's causality is inferred unless
 `--causal` is given (the report says how); `--example` names its inputs (token ids (B, T), embeddings, a dict
-of its inputs, or a zero-argument factory of one) where they cannot be built from the model. Exit status, for layers and models alike:
+of its inputs, or a zero-argument factory of one) where they cannot be built from the model. Several layers in one
+command are audited one after another with the same options: each report, then a summary table (target, verdict,
+failing detectors); `--json` prints one object holding them all, `--junit-xml` a testsuite per target. Exit status,
+for layers and models alike (for several targets, the worst: 2, then 1, then 3, then 0):
 
     0  passed: no detector failed and the core attention properties were measured (warnings allowed)
     1  failed: a detector failed (with --require / --strict, also a skip they turn into a failure)
@@ -59,7 +62,6 @@ LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "cal
               "device")  # a layer audit's, not a model's
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # --dtype's choices, torch's names  # a layer audit's, not a model's
-LONG_SEQ_LEN = 512  # from here on an audit takes long enough to show progress even when stderr is a file
 
 
 def _jsonable(value):
@@ -73,36 +75,15 @@ def _jsonable(value):
     return value
 
 
-def _progress(stream, *, seq_len: int):
-    """A progress callback for audit(): a self-updating line on a terminal, plain lines for long audits
-    written to a file, nothing otherwise."""
-    tty = stream.isatty()
-    if not tty and seq_len < LONG_SEQ_LEN:
-        return None, lambda: None
-
-    def report(detector: str, index: int, total: int) -> None:
-        if tty:
-            stream.write(f"\r\x1b[Kauditing [{index + 1}/{total}] {detector}")
-        else:
-            stream.write(f"attention-audit: [{index + 1}/{total}] {detector}\n")
-        stream.flush()
-
-    def done() -> None:
-        if tty:
-            stream.write("\r\x1b[K")
-            stream.flush()
-
-    return report, done
-
-
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Audit an attention layer for silent mistakes (missing scale, leaking causal "
                                "mask, mask ignored, ...). Exit status: 0 passed, 1 failed, 2 usage error, "
                                "3 inconclusive (the attention itself could not be measured).")
-    p.add_argument("target", metavar="MODULE:OBJECT", nargs="?",
+    p.add_argument("target", metavar="MODULE:OBJECT", nargs="*",
                    help="the layer: pkg.module:obj, where obj is a layer, a class built with no arguments, or a "
-                        "zero-argument factory (the current directory is importable)")
+                        "zero-argument factory (the current directory is importable); several: each is audited "
+                        "with the same options, then a summary table, and the exit status is the worst")
     p.add_argument("--model", metavar="MODULE:OBJECT",
                    help="audit a whole model instead: every attention layer in place, and the model-level checks "
                         "(causality, cache, padding, batch, backend, gradients); with --example, --causal, --seq-len, "
@@ -140,7 +121,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON instead of a table (with \"status\" and \"status_reason\")")
-    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH")
+    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH (one target)")
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="also write the audits as JUnit XML to PATH, as CI systems read it: a testsuite per target, "
+                        "a testcase per detector (failure, error or skipped with the finding's message)")
     p.add_argument("--dtype", choices=DTYPES,
                    help="audit in this dtype (a module is converted to it first; default: the layer's own, else float32)")
     p.add_argument("--device", metavar="DEVICE",
@@ -173,30 +157,30 @@ def _shadowed_note(prog: str, directory: str) -> str | None:
     return None
 
 
-def _html_path_problem(path: str) -> str | None:
-    """Why a report could not be written to `path`, checked before the audit runs; None if it can. The folder's
-    permission bits are not enough (root passes `os.access` on /sys, where no file can be made): a file that does
-    not exist yet is created and removed again."""
+def _path_problem(path: str, flag: str = "--html") -> str | None:
+    """Why the report that `flag` asks for could not be written to `path`, checked before the audit runs; None if
+    it can. The folder's permission bits are not enough (root passes `os.access` on /sys, where no file can be
+    made): a file that does not exist yet is created and removed again."""
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        return (f"expected --html {path} in an existing directory; got no directory {str(folder)!r}. "
+        return (f"expected {flag} {path} in an existing directory; got no directory {str(folder)!r}. "
                 f"Fix: create it first (mkdir -p {folder}) or write the report elsewhere")
     if target.is_dir():
-        return (f"expected --html to name a file; got the directory {path!r}. "
+        return (f"expected {flag} to name a file; got the directory {path!r}. "
                 f"Fix: add a file name, e.g. {target / 'audit.html'}")
     if target.exists():
         if not os.access(target, os.W_OK):
-            return f"expected --html {path} to be writable; got a read-only file. Fix: write the report elsewhere"
+            return f"expected {flag} {path} to be writable; got a read-only file. Fix: write the report elsewhere"
         return None
     try:
         with open(target, "x", encoding="utf-8"):
             pass
         target.unlink()
     except OSError as error:
-        return (f"expected --html {path} in a directory where files can be written; got {str(folder)!r}, where "
+        return (f"expected {flag} {path} in a directory where files can be written; got {str(folder)!r}, where "
                 f"creating one fails ({type(error).__name__}: {error.strerror or error}). "
-                "Fix: write the report elsewhere, e.g. --html audit.html")
+                f"Fix: write the report elsewhere, e.g. {flag} {Path(path).name or 'audit'}")
     return None
 
 
@@ -236,41 +220,55 @@ def _main(argv: list[str] | None, *, prog: str) -> int:
         if importlib.util.find_spec("diagnostics._html") is None:
             return usage("expected HTML reports (diagnostics._html) in this version of diagnostics; it is not "
                          "there. Fix: drop --html, or use --json")
-        problem = _html_path_problem(args.html)
+    for flag, path in (("--html", args.html), ("--junit-xml", args.junit_xml)):
+        problem = path and _path_problem(path, flag)
         if problem:
             return usage(problem)  # now, not after an audit whose report could not be saved
     if args.model is not None:
         return audit_model_command(args, prog, usage)
-    if args.target is None:
+    if not args.target:
         return usage("expected a target MODULE:OBJECT (a layer), or --model MODULE:OBJECT (a model). "
                      "Fix: e.g. attention-audit mymodule:layer")
     if args.example is not None:
-        return usage(f"expected --example with --model (a model's inputs); got it with the layer {args.target}. "
+        return usage(f"expected --example with --model (a model's inputs); got it with the layer {args.target[0]}. "
                      "Fix: drop --example (a layer audit draws its own inputs)")
+    if args.html and len(args.target) > 1:
+        return usage(f"expected one target with --html (one page, one layer); got {len(args.target)}. Fix: one "
+                     "command per page, or --junit-xml PATH, which holds every target")
+    if len(args.target) == 1:
+        try:
+            report = _audit_layer(args, args.target[0])
+        except AuditUsageError as error:
+            return usage(str(error))
+        return emit(report, args, prog, usage)
+    outcomes = {}  # target -> its report, or why it could not be audited
+    for target in args.target:
+        try:
+            outcomes[target] = _audit_layer(args, target)
+        except AuditUsageError as error:
+            print(f"{prog}: error: {target}: {error}", file=sys.stderr)
+            outcomes[target] = str(error)
+    return emit_several(outcomes, args, prog)
+
+
+def _audit_layer(args, target: str):
+    """One layer target audited with the command's options; an `AuditUsageError` when that cannot be set up."""
     # imported here, not at the top: they import torch, which must come after quiet_numpy_warning()
     from ._audit import audit
     from ._subject import check_seq_len, make_subject
 
-    try:
-        layer = _converted(load_layer(args.target), device=args.device, dtype=args.dtype)
-        pattern = load_pattern(args.pattern) if args.pattern is not None else None
-        call = load_call(args.call) if args.call is not None else None
-        # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
-        # usage errors, worded with this command's flags
-        check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
-                                   layout=args.layout, call=call, options=OPTIONS), args.seq_len, options=OPTIONS)
-        report_progress, done = _progress(sys.stderr, seq_len=args.seq_len or 16)
-        try:
-            report = audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model,
-                           num_heads=args.num_heads, scale=args.scale, require=args.require, strict=args.strict,
-                           mask=args.mask, layout=args.layout, pattern=pattern, call=call, cross=args.cross,
-                           positions=args.positions, dtype=_dtype(args.dtype), device=args.device, seed=args.seed,
-                           detectors=_detectors(args.detectors), progress=report_progress, _options=OPTIONS)
-        finally:
-            done()
-    except AuditUsageError as error:
-        return usage(str(error))
-    return emit(report, args, prog, usage)
+    layer = _converted(load_layer(target), device=args.device, dtype=args.dtype)
+    pattern = load_pattern(args.pattern) if args.pattern is not None else None
+    call = load_call(args.call) if args.call is not None else None
+    # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
+    # usage errors, worded with this command's flags
+    check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
+                               layout=args.layout, call=call, options=OPTIONS), args.seq_len, options=OPTIONS)
+    # progress: the audit's default, a bar on stderr where it is a terminal and the audit is estimated long
+    return audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.num_heads,
+                 scale=args.scale, require=args.require, strict=args.strict, mask=args.mask, layout=args.layout,
+                 pattern=pattern, call=call, cross=args.cross, positions=args.positions, dtype=_dtype(args.dtype),
+                 device=args.device, seed=args.seed, detectors=_detectors(args.detectors), _options=OPTIONS)
 
 
 def _dtype(name: str | None):
@@ -298,12 +296,12 @@ def audit_model_command(args, prog: str, usage) -> int:
     given += ["--require"] if args.require else []
     given += ["--strict"] if args.strict else []
     given += ["--cross"] if args.cross else []
-    if args.target is not None:
+    if args.target:
         return usage(f"expected either MODULE:OBJECT (a layer) or --model MODULE:OBJECT; got both "
-                     f"({args.target} and --model {args.model}). Fix: drop one")
+                     f"({' '.join(args.target)} and --model {args.model}). Fix: drop one")
     if given:
         return usage(f"expected only --example, --causal, --seq-len, --seed, --detectors, --json and --html with "
-                     f"--model; got "
+                     f"--model (--junit-xml too); got "
                      f"{', '.join(given)}. "
                      f"Fix: drop them (the model's own call sets them for each layer)")
     from .model import audit_model  # here, not at the top: it imports torch, after quiet_numpy_warning()
@@ -326,36 +324,116 @@ def audit_model_command(args, prog: str, usage) -> int:
     return emit(report, args, prog, usage)
 
 
-def emit(report, args, prog: str, usage) -> int:
-    """Print a layer's or a model's report (`--json`, else the text and any `file:line:` annotations), write
-    `--html`, and return the exit status: what both branches of `main()` end with."""
-    status = EXIT_STATUS[report.status]
+def _printed(text: str) -> None:
+    """Print to stdout; a reader that stopped early (`| head`) ends it quietly."""
     try:
-        if args.json:
-            print(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False))
-        else:
-            print(report)
-            annotations = report.annotations()
-            if annotations:  # file:line: lines, for editors and CI annotations
-                print("\n" + "\n".join(annotations))
+        print(text)
         sys.stdout.flush()
     except BrokenPipeError:
-        # The reader stopped early (`| head`): send the rest to /dev/null so that the flush at exit does not
-        # raise again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        # The reader stopped early: send the rest to /dev/null so that the flush at exit does not raise again
+        # (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+
+
+def _text(report) -> str:
+    """A report as the command prints it: the report, then any `file:line:` annotations, for editors and CI."""
+    annotations = report.annotations()
+    return str(report) + ("\n\n" + "\n".join(annotations) if annotations else "")
+
+
+def _written(prog: str, kind: str, path: str, write) -> bool:
+    """Write the `kind` report (HTML, JUnit XML) asked for; on failure say so on stderr (the audit's status stands:
+    its report was printed) and return False. Checked before the audit (_path_problem), so this is rare."""
+    try:
+        write(path)
+    except (ImportError, OSError, AuditUsageError) as error:
+        print(f"{prog}: the audit ran (status above), but its {kind} report was not written: {error}", file=sys.stderr)
+        return False
+    print(f"{prog}: wrote {path}", file=sys.stderr)
+    return True
+
+
+def _write_junit(outcomes: dict, path: str) -> None:
+    """`--junit-xml`: a <testsuites> of one <testsuite> per target (`junit_suite`); a target that could not be
+    audited is a suite of one testcase, `setup`, in error with the usage message."""
+    import xml.etree.ElementTree as ET
+
+    from ._report import junit_suite  # after quiet_numpy_warning(): it imports torch
+    root = ET.Element("testsuites", name="attention-audit")
+    for target, outcome in outcomes.items():
+        if isinstance(outcome, str):
+            suite = ET.SubElement(root, "testsuite", name=target, tests="1", failures="0", errors="1", skipped="0")
+            ET.SubElement(ET.SubElement(suite, "testcase", classname=target, name="setup"), "error",
+                          message=outcome, type="usage")
+        else:
+            root.append(junit_suite(target, outcome))
+    for key in ("tests", "failures", "errors", "skipped"):
+        root.set(key, str(sum(int(suite.get(key)) for suite in root)))
+    ET.indent(root)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def emit(report, args, prog: str, usage) -> int:
+    """Print a layer's or a model's report (`--json`, else the text and any `file:line:` annotations), write
+    `--html` and `--junit-xml`, and return the exit status: what both branches of `main()` end with."""
+    status = EXIT_STATUS[report.status]
+    _printed(json.dumps(_jsonable(report.to_dict()), indent=2, allow_nan=False) if args.json else _text(report))
+    written = True
     if args.html:
-        # checked before the audit (_html_path_problem); should writing still fail, the audit's own status stands
-        # (the report was printed) and the failure is said on stderr
-        try:
-            report.to_html(args.html)
-        except (ImportError, OSError, AuditUsageError) as error:
-            print(f"{prog}: the audit ran (status above), but its HTML report was not written: {error}", file=sys.stderr)
-            return status or EXIT_USAGE  # a passed audit whose asked-for report is missing does not exit 0
-        print(f"{prog}: wrote {args.html}", file=sys.stderr)
-    return status
+        written = _written(prog, "HTML", args.html, report.to_html)
+    if args.junit_xml:
+        name = args.model if args.model is not None else args.target[0]
+        junit = _written(prog, "JUnit XML", args.junit_xml, lambda path: _write_junit({name: report}, path))
+        written = junit and written
+    return status if written else status or EXIT_USAGE  # a passed audit whose asked-for report is missing: not 0
 
 
-__all__ = ["DTYPES", "EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_PASSED", "EXIT_STATUS", "EXIT_USAGE",
-           "LAYER_ONLY", "OPTIONS", "audit_model_command", "emit", "load_example", "load_layer", "load_model", "main",
-           "quiet_numpy_warning", "resolve"]
+SEVERITY = (EXIT_PASSED, EXIT_INCONCLUSIVE, EXIT_FINDINGS, EXIT_USAGE)
+"""Exit statuses from the best to the worst, for several targets: a target that could not be audited at all is
+worse than a failed one (a CI job must not read a misspelt target as fixed), a failed one than one not measured."""
+
+
+def summary_lines(outcomes: dict) -> list[str]:
+    """The table after several audits: target, verdict, and the detectors that failed (or why it could not be
+    audited, or why it is inconclusive)."""
+    rows = []
+    for target, outcome in outcomes.items():
+        if isinstance(outcome, str):
+            rows.append((target, "USAGE ERROR", outcome.split(". Fix:")[0]))
+        else:
+            failing = [r.detector for r in outcome.results if r.verdict in ("fail", "error")]
+            rows.append((target, outcome.headline, ", ".join(failing) or (outcome.status_reason
+                                                                         if outcome.status != "passed" else "-")))
+    counts = {}
+    for _, verdict, _ in rows:
+        word = verdict.split(" (")[0].lower()
+        counts[word] = counts.get(word, 0) + 1
+    width = max(len("target"), *(len(t) for t, _, _ in rows))
+    verdict_width = max(len("verdict"), *(len(v) for _, v, _ in rows))
+    return ([f"summary of {len(rows)} audits: " + ", ".join(f"{n} {word}" for word, n in counts.items()),
+             f"  {'target':<{width}}  {'verdict':<{verdict_width}}  failing detectors"]
+            + [f"  {t:<{width}}  {v:<{verdict_width}}  {why}" for t, v, why in rows])
+
+
+def emit_several(outcomes: dict, args, prog: str) -> int:
+    """Several targets: each report (or, with --json, one object holding them all), the summary table, any
+    --junit-xml, and the worst exit status."""
+    statuses = [EXIT_USAGE if isinstance(o, str) else EXIT_STATUS[o.status] for o in outcomes.values()]
+    worst = max(statuses, key=SEVERITY.index)
+    if args.json:
+        targets = [{"target": t, "status": "usage error", "error": o} if isinstance(o, str)
+                   else {"target": t, "status": o.status, "report": o.to_dict()} for t, o in outcomes.items()]
+        _printed(json.dumps(_jsonable({"status": {v: k for k, v in EXIT_STATUS.items()}.get(worst, "usage error"),
+                                       "exit_status": worst, "targets": targets}), indent=2, allow_nan=False))
+    else:
+        _printed("\n\n".join(_text(o) for o in outcomes.values() if not isinstance(o, str))
+                 + "\n\n" + "\n".join(summary_lines(outcomes)))
+    if args.junit_xml and not _written(prog, "JUnit XML", args.junit_xml, lambda path: _write_junit(outcomes, path)):
+        return worst or EXIT_USAGE
+    return worst
+
+
+__all__ = ["DTYPES", "EXIT_FINDINGS", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_PASSED", "EXIT_STATUS",
+           "EXIT_USAGE", "LAYER_ONLY", "OPTIONS", "SEVERITY", "audit_model_command", "emit", "emit_several",
+           "load_example", "load_layer", "load_model", "main", "quiet_numpy_warning", "resolve", "summary_lines"]

@@ -1,16 +1,20 @@
-"""HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector
-results, `write_report_html` behind `AuditReport.to_html` and `model_report_html` behind `ModelReport.to_html`.
+"""HTML for attention reports: escaping, a hand-built SVG heatmap of attention weights, the table of detector results,
+`write_report_html` behind `AuditReport.to_html` and `model_report_html` behind `ModelReport.to_html`.
 
-Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline
-SVG, no scripts, no images, nothing fetched. The test suite's teaching report (buggy_variants/teaching_report.py) builds on
-the same pieces, so a user's audit page and the catalog's report look and read alike.
+Every page is one self-contained file that opens offline: styles in one <style> block, heatmaps as inline SVG whose
+cells are one PNG inside it (a `data:` URL written here with zlib and struct), no scripts, nothing fetched. The test
+suite's teaching report (buggy_variants/teaching_report.py) builds on the same pieces, so a user's audit page and
+the catalog's report look and read alike.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 import re
+import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -117,11 +121,33 @@ def scale_max(*maps: torch.Tensor) -> float:
     return max([float(f.max()) for f in finite if f.numel()] + [1e-12])
 
 
+def png_data_url(pixels: list[list[str]]) -> str:
+    """A `data:image/png;base64,...` URL of an RGB image, one pixel per entry of `pixels` (rows of "#rrggbb"), written
+    with the standard library: the PNG signature, IHDR (8-bit truecolour), one zlib-compressed IDAT of the rows, each
+    behind filter byte 0, and IEND (https://www.w3.org/TR/png/)."""
+    height, width = len(pixels), len(pixels[0])
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\x00" + bytes.fromhex("".join(c.removeprefix("#") for c in row)) for row in pixels)
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+PIXELATED = 'preserveAspectRatio="none" image-rendering="optimizeSpeed" style="image-rendering: pixelated"'
+"""An <image>'s pixels scaled up as sharp squares, not blurred into each other (Chromium reads the style, older
+renderers the attribute)."""
+
+
 def heatmap_svg(weights: torch.Tensor, *, vmax: float | None = None, label: str = "attention weights") -> str:
     """An inline SVG heatmap of a (Tq, Tk) map: rows are queries, columns keys, a colour bar underneath.
 
-    Each cell carries a tooltip with its value. `vmax` fixes the colour scale (pass the same to maps that
-    are compared); by default it is the map's largest finite |weight|.
+    The cells are one PNG of a pixel per cell, scaled up (a <rect> per cell with its value as a tooltip made the
+    teaching report's 62 heatmaps 1.1 MB); the grid between cells is one path drawn over it, and the image's
+    tooltip names the largest weight and where it is. `vmax` fixes the colour scale (pass the same to maps that are
+    compared); by default it is the map's largest finite |weight|.
     """
     m = weights.detach().to("cpu", torch.float64)
     t_q, t_k = m.shape
@@ -146,23 +172,25 @@ def heatmap_svg(weights: torch.Tensor, *, vmax: float | None = None, label: str 
     for i in range(0, rows, step):
         parts.append(f'<text x="{left - 5}" y="{top + i * cell + cell / 2 + 3.5}" text-anchor="end" '
                      f'font-size="10">{i}</text>')
-    parts.append(f'<rect x="{left - gap}" y="{top - gap}" width="{width + gap}" height="{height + gap}" '
-                 f'fill="#d0d7de"/>')  # the grid colour shows through the gaps
-    for i, row in enumerate(m.tolist()):
-        for j, value in enumerate(row):
-            parts.append(f'<rect x="{left + j * cell}" y="{top + i * cell}" width="{cell - gap}" '
-                         f'height="{cell - gap}" fill="{colour(value, vmax)}"><title>query {i}, key {j}: '
-                         f'{value:.4g}</title></rect>')
+    finite = torch.where(torch.isfinite(m), m.abs(), torch.full_like(m, -1.0))
+    top_i, top_j = divmod(int(finite.argmax()), cols)
+    summary = (f"{rows} queries x {cols} keys; the largest |weight| {m[top_i, top_j].item():.4g} at query {top_i}, "
+               f"key {top_j}")
+    parts.append(f'<image x="{left}" y="{top}" width="{width}" height="{height}" {PIXELATED} '
+                 f'href="{png_data_url([[colour(v, vmax) for v in row] for row in m.tolist()])}">'
+                 f'<title>{escape(summary)}</title></image>')
+    if gap:  # the grid: a line of the grid colour between neighbouring cells, one path for all of them
+        lines = [f"M{left + j * cell - 0.5} {top - 1}v{height + 1}" for j in range(cols + 1)]
+        lines += [f"M{left - 1} {top + i * cell - 0.5}h{width + 1}" for i in range(rows + 1)]
+        parts.append(f'<path d="{"".join(lines)}" stroke="#d0d7de" stroke-width="1" fill="none"/>')
 
     # The colour bar: 0 to vmax in blue, and -vmax to 0 in red when the map has negative weights.
     negative = bool((m[torch.isfinite(m)] < 0).any())
     bar_y, bar_w = top + height + 14, max(width, 200)
     lo = -vmax if negative else 0.0
     steps = 40
-    for s in range(steps):
-        v = lo + (vmax - lo) * (s + 0.5) / steps
-        parts.append(f'<rect x="{left + s * bar_w / steps:.1f}" y="{bar_y}" width="{bar_w / steps + 0.5:.1f}" '
-                     f'height="10" fill="{colour(v, vmax)}"/>')
+    bar = [[colour(lo + (vmax - lo) * (s + 0.5) / steps, vmax) for s in range(steps)]]
+    parts.append(f'<image x="{left}" y="{bar_y}" width="{bar_w}" height="10" {PIXELATED} href="{png_data_url(bar)}"/>')
     parts.append(f'<text x="{left}" y="{bar_y + 22}" font-size="10">{lo:.3g}</text>')
     if negative:
         parts.append(f'<text x="{left + bar_w / 2}" y="{bar_y + 22}" font-size="10" text-anchor="middle">0</text>')
@@ -201,8 +229,8 @@ CELL_LABELS = {"seen": "allowed, seen", "blocked": "blocked, unseen", "leak": "b
 
 def dependency_svg(m) -> str:
     """An inline SVG of a DependencyMap: the declared grid and the measured grid side by side (rows are queries,
-    columns keys), the cells where they differ coloured and outlined in both, each cell with a tooltip, a legend
-    with the count of each kind underneath."""
+    columns keys), the cells where they differ coloured and outlined in both, a legend with the count of each kind
+    underneath."""
     kinds = m.kinds()
     n_q, n_k = len(kinds), len(kinds[0]) if kinds else 0
     cell = max(6, min(16, 256 // max(n_q, n_k, 1)))  # a little smaller than the heatmaps': two grids side by side
@@ -219,16 +247,21 @@ def dependency_svg(m) -> str:
         for j in range(0, n_k, step):
             parts.append(f'<text x="{x0 + j * cell + cell / 2}" y="{top - 6}" text-anchor="middle" font-size="9">'
                          f'{m.k0 + j}</text>')
-        parts.append(f'<rect x="{x0 - 1}" y="{top - 1}" width="{width + 1}" height="{height + 1}" fill="#d0d7de"/>')
-        for i, (allowed, row) in enumerate(zip(m.declared.tolist(), kinds)):
-            for j, (a, kind) in enumerate(zip(allowed, row)):
-                differs = kind in ("leak", "over")
-                fill = CELL_COLOURS["seen" if a else "blocked"] if g == 0 else CELL_COLOURS[kind]
-                outline = ' stroke="#1a1a1a" stroke-width="1.5"' if differs else ""
-                tip = (f"query {m.q0 + i}, key {m.k0 + j}: {m.pattern} {'allows' if a else 'blocks'} it; "
-                       f"measured: {CELL_LABELS[kind]}")
-                parts.append(f'<rect x="{x0 + j * cell}" y="{top + i * cell}" width="{cell - 1}" height="{cell - 1}" '
-                             f'fill="{fill}"{outline}><title>{escape(tip)}</title></rect>')
+        # the cells as one PNG of a pixel per cell (a <rect> per cell with a tooltip made 7 pictures 563 KB), the grid
+        # over it as one path, and the cells where the grids differ outlined as another
+        pixels = [[CELL_COLOURS["seen" if a else "blocked"] if g == 0 else CELL_COLOURS[kind]
+                   for a, kind in zip(allowed, row)] for allowed, row in zip(m.declared.tolist(), kinds)]
+        if pixels and pixels[0]:
+            parts.append(f'<image x="{x0}" y="{top}" width="{width}" height="{height}" {PIXELATED} '
+                         f'href="{png_data_url(pixels)}"><title>{escape(title)}: {escape(m.pattern)}, queries '
+                         f'{m.q0}..{m.q0 + n_q - 1}, keys {m.k0}..{m.k0 + n_k - 1}</title></image>')
+        grid = [f"M{x0 + j * cell - 0.5} {top - 1}v{height + 1}" for j in range(n_k + 1)]
+        grid += [f"M{x0 - 1} {top + i * cell - 0.5}h{width + 1}" for i in range(n_q + 1)]
+        parts.append(f'<path d="{"".join(grid)}" stroke="#d0d7de" stroke-width="1" fill="none"/>')
+        differs = [f"M{x0 + j * cell} {top + i * cell}h{cell - 1}v{cell - 1}h{1 - cell}z"
+                   for i, row in enumerate(kinds) for j, kind in enumerate(row) if kind in ("leak", "over")]
+        if differs:
+            parts.append(f'<path d="{"".join(differs)}" stroke="#1a1a1a" stroke-width="1.5" fill="none"/>')
     for i in range(0, n_q, step):
         parts.append(f'<text x="{left - 5}" y="{top + i * cell + cell / 2 + 3}" text-anchor="end" font-size="9">'
                      f'{m.q0 + i}</text>')

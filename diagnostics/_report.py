@@ -7,6 +7,7 @@ reads before torch is imported.)"""
 from __future__ import annotations
 
 import re
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,32 @@ def annotation_lines(findings) -> list[str]:
     return lines
 
 
+JUNIT_ELEMENT = {"fail": "failure", "error": "error", "skip": "skipped"}
+"""A verdict as JUnit XML writes it inside its <testcase>; a pass and a warning are a plain (passed) testcase."""
+
+
+def junit_suite(name: str, report) -> ET.Element:
+    """A report (a layer's or a model's) as a JUnit <testsuite name=name>: one <testcase> per detector (a model's
+    layers' as classname `name.layer`), a failure, error or skipped element carrying the finding's message, its
+    block (evidence, where, fix) as text; a warning's message goes to the testcase's <system-out>."""
+    rows = [(name, r) for r in report.results]
+    rows += [(f"{name}.{path}", r) for path, layer in getattr(report, "layers", {}).items() for r in layer.results]
+    suite = ET.Element("testsuite", name=name, tests=str(len(rows)),
+                       failures=str(sum(r.verdict == "fail" for _, r in rows)),
+                       errors=str(sum(r.verdict == "error" for _, r in rows)),
+                       skipped=str(sum(r.verdict == "skip" for _, r in rows)),
+                       time=f"{getattr(report, 'seconds', 0.0):.3f}")
+    for classname, r in rows:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=r.detector, time="0")
+        kind = JUNIT_ELEMENT.get(r.verdict)
+        if kind is not None:
+            element = ET.SubElement(case, kind, message=r.message, type=r.verdict)
+            element.text = "\n".join(finding_lines(r))
+        elif r.verdict == "warn":
+            ET.SubElement(case, "system-out").text = "\n".join(finding_lines(r))
+    return suite
+
+
 def find_result(results, detector: str, fix: str) -> DetectorResult:
     """The result of `detector` among `results`; a clear error (with `fix`) if it is not there."""
     for r in results:
@@ -228,5 +255,5 @@ class AuditReport(Report):
         }
 
 
-__all__ = ["CELL_CHARS", "CELL_WORDS", "CORE", "NEEDS_DECLARATION", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines",
-           "dependency_lines", "find_result", "finding_lines", "labelled", "result_dict", "result_rows"]
+__all__ = ["CELL_CHARS", "CELL_WORDS", "CORE", "JUNIT_ELEMENT", "NEEDS_DECLARATION", "STATUSES", "AttentionAuditError", "AuditReport", "Report", "annotation_lines",
+           "dependency_lines", "find_result", "finding_lines", "junit_suite", "labelled", "result_dict", "result_rows"]

@@ -14,7 +14,10 @@ internal error. One more test per target, `audit_status[mymodule:layer]`, fails 
 inconclusive: nothing failed, but it could not measure the attention itself. `obj` is a layer, a class
 built with no arguments, or a zero-argument factory; a target that cannot be loaded is a collection error.
 For your own tests, the fixture `attention_audit(layer, **audit_options)` returns the `AuditReport` and
-fails the test with the report unless the audit passed (failed or inconclusive).
+fails the test with the report unless the audit passed (failed or inconclusive). Declarations per test, class,
+module or parametrized case (one target each) go on the marker `@pytest.mark.attention_audit(causal=True,
+mask="additive", ...)`, in `audit()`'s keywords: the closest marker wins over farther ones, and the fixture's own
+keywords over every marker.
 
 Installed with the package (entry point `pytest11`); elsewhere enable it with `-p diagnostics.pytest_plugin`.
 Loading it costs next to nothing: torch and the audit are imported only when `--attention-audit` is given or
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -44,6 +48,9 @@ OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "re
            "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
            "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross",
            "positions": "--attention-positions", "pattern_example": '--attention-pattern "sliding_window(4)"'}
+
+
+MARKER = "attention_audit"  # @pytest.mark.attention_audit(**audit options): a test's declarations for the fixture
 
 
 class AttentionAuditWarning(UserWarning):
@@ -103,6 +110,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}(**options): declarations for the attention_audit fixture in this "
+                                       "test, class or module, in audit()'s keywords (causal=True, mask='additive', "
+                                       "seq_len=128, ...); the closest marker wins, the fixture call's keywords win "
+                                       "over all")
+
+
+def marker_options(node: pytest.Item, accepted: Mapping) -> dict:
+    """The audit options that `@pytest.mark.attention_audit(...)` markers declare for `node`: farthest first (module,
+    class, function, a parametrized case's marks), so that the closest wins. Anything but `audit()`'s keywords
+    (`accepted`) fails the test with what was expected."""
+    __tracebackhide__ = True
+    options: dict = {}
+    for mark in reversed(list(node.iter_markers(MARKER))):  # iter_markers gives the closest first
+        unknown = [name for name in mark.kwargs if name not in accepted or name in ("layer", "progress")]
+        if mark.args or unknown:
+            got = ", ".join([repr(a) for a in mark.args] + [f"{name}=" for name in unknown])
+            pytest.fail(f"expected @pytest.mark.{MARKER}(...) to name audit()'s keywords only ("
+                        f"{', '.join(n for n in accepted if n not in ('layer', 'progress') and not n.startswith('_'))}"
+                        f"); got {got}. Fix: e.g. @pytest.mark.{MARKER}(causal=True, mask='additive')", pytrace=False)
+        options.update(mark.kwargs)
+    return options
+
+
 def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarning:
     where = f"; where: {result.where[0].describe(short=True)}" if result.where else ""
     return AttentionAuditWarning(f"{report.layer}: {result.detector}: {result.message}; evidence: "
@@ -110,18 +141,21 @@ def _warning(report: AuditReport, result: DetectorResult) -> AttentionAuditWarni
 
 
 @pytest.fixture
-def attention_audit():
+def attention_audit(request: pytest.FixtureRequest):
     """`attention_audit(layer, causal=..., seq_len=..., require=..., strict=..., ...)`: run `diagnostics.audit`
-    with these options, warn (AttentionAuditWarning) for each warning, and return the `AuditReport`. The test
-    fails, showing the report, unless the audit passed: when a detector failed, and also when the audit is
-    inconclusive (it could not measure the attention itself, or a detector crashed)."""
+    with these options over those the test's `@pytest.mark.attention_audit(...)` markers declare, warn
+    (AttentionAuditWarning) for each warning, and return the `AuditReport`. The test fails, showing the report,
+    unless the audit passed: when a detector failed, and also when the audit is inconclusive (it could not measure
+    the attention itself, or a detector crashed)."""
 
     _import_torch_quietly()
     from ._audit import audit
 
+    declared = marker_options(request.node, inspect.signature(audit).parameters)
+
     def check(layer, **options) -> AuditReport:
         __tracebackhide__ = True
-        report = audit(layer, **options)
+        report = audit(layer, **{**declared, **options})
         for result in report.results:
             if result.verdict == "warn":
                 warnings.warn(_warning(report, result), stacklevel=2)  # at the line of the test that audits
@@ -279,4 +313,5 @@ def _settings(report: AuditReport) -> str:
             f"{report.device})")
 
 
-__all__ = ["AttentionAuditWarning", "AuditItem", "AuditStatusItem", "AuditTarget", "attention_audit"]
+__all__ = ["AttentionAuditWarning", "AuditItem", "AuditStatusItem", "AuditTarget", "MARKER", "attention_audit",
+           "marker_options"]

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -310,22 +311,40 @@ class _Terminal:
         pass
 
 
-@pytest.mark.parametrize("tty, seq_len, shown", [(True, 16, "line"), (False, 16, None), (False, 32, "lines")])
-def test_progress_on_a_terminal_or_for_long_audits_only(in_scratch, capsys, monkeypatch, tty, seq_len, shown):
-    monkeypatch.setattr(_cli, "LONG_SEQ_LEN", 32)
+@pytest.mark.parametrize("tty, seq_len, shown", [(True, 32, True), (True, 16, False), (False, 32, False)])
+def test_progress_bar_on_a_terminal_for_long_audits_only(in_scratch, capsys, monkeypatch, tty, seq_len, shown):
+    """A tqdm-style bar on stderr, redrawn before each detector and erased at the end, where stderr is a terminal
+    and the audit is estimated long (here: from seq_len 32 on, the 4-head float32 layer's maps of 256 KiB); a short
+    audit, or one whose stderr is a file or a pipe, shows nothing."""
+    from diagnostics import _memory, _progress
+
+    long_maps = _memory.estimate(seq_len=32, num_heads=4, dtype=torch.float32) - _memory.BASE
+    monkeypatch.setattr(_progress, "LONG_MAPS", long_maps)
     stderr = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", stderr)
     assert _cli.main(["userlayers:correct", "--seq-len", str(seq_len)]) == 0
     text = "".join(stderr.written)
-    if shown is None:
+    if not shown:
         assert text == ""
-    elif shown == "line":  # one self-updating line, erased at the end
-        assert text.count(f"[{len(DETECTORS)}/{len(DETECTORS)}] ") == 1 and text.endswith("\r\x1b[K")
-    else:  # a line per detector, numbered in the order they run
-        total = len(DETECTORS)
-        lines = text.splitlines()
-        assert [line.split("] ")[0] for line in lines] == [f"attention-audit: [{i + 1}/{total}" for i in range(total)]
-        assert sorted(line.split("] ")[1] for line in lines) == sorted(DETECTORS)
+        return
+    total = len(DETECTORS)
+    draws = text.split("\r\x1b[K")[1:]
+    assert draws[-1] == ""  # erased at the end: the report starts on a clean line
+    assert [re.match(r"auditing +\d+%\|[#█ ]{20}\| (\d+)/(\d+) \[\d\d:\d\d<(\?|\d\d:\d\d)\] (\w+)$", d).group(1, 2, 4)
+            for d in draws[:-1]] == [(str(i), str(total), det) for i, det in enumerate(DETECTORS)]
+
+
+def test_progress_false_turns_the_bar_off_in_python(monkeypatch):
+    from diagnostics import _progress
+
+    monkeypatch.setattr(_progress, "LONG_MAPS", 0)  # every audit is long
+    stderr = _Terminal(True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    diagnostics.audit(sdpa, seq_len=4, detectors=["runs", "weight_row_sums"], progress=False)
+    assert stderr.written == []
+    diagnostics.audit(sdpa, seq_len=4, detectors=["runs", "weight_row_sums"])  # the twin: None, the default, shows it
+    assert "".join(stderr.written).count("/2 [") == 2
 
 
 def test_json_writes_non_finite_numbers_as_strings():
@@ -391,8 +410,12 @@ def test_the_command_and_both_plugins_load_targets_through_one_loader():
 
 def test_a_models_findings_are_printed_with_their_sites_as_file_line_annotations(in_scratch, capsys):
     Path("usermodels.py").write_text(MODELS)
-    assert _cli.main(["--model", "usermodels:unscaled_model"]) == _cli.EXIT_FINDINGS
+    assert _cli.main(["--model", "usermodels:unscaled_model", "--junit-xml", "model.xml"]) == _cli.EXIT_FINDINGS
     out = capsys.readouterr().out
+    suite, = ET.parse("model.xml").getroot()  # the model's own suite: its detectors, then each layer's
+    failed = {(case.get("classname"), case.get("name")) for case in suite if case.find("failure") is not None}
+    assert ("usermodels:unscaled_model.h.1.attn", "softmax_saturation") in failed
+    assert ("usermodels:unscaled_model.h.0.attn", "softmax_saturation") not in failed  # the correct block
     assert "FAIL softmax_saturation at h.1.attn: " in out
     # the scratch directory is the working directory: the catalog's file is shown by its absolute path
     assert re.search(r"^  where: +\S*buggy_variants/_catalog\.py:\d+ in MissingScale\.scale", out, re.M), out
@@ -512,7 +535,7 @@ def test_a_models_seq_len_past_its_context_is_refused_as_the_command_spells_it(i
     (["declaredlayers:needs_bias"], "got `bias` with no default"),
     (["declaredlayers:needs_bias", "--call", "declaredlayers:not_callable"], "expected --call to name a function"),
     (["--model", "declaredlayers:windowed", "--cross"], "expected only --example, --causal, --seq-len, --seed, "
-                                                        "--detectors, --json and --html with --model; got --cross"),
+                                                        "--detectors, --json and --html with --model (--junit-xml too); got --cross"),
 ])
 def test_a_declaration_that_does_not_parse_is_a_usage_error(declared, capsys, argv, words):
     assert _cli.main(argv) == 2
@@ -602,3 +625,96 @@ def test_the_readme_layer_is_the_examples_layer():
     example = (README.parent / "examples" / "my_attention.py").read_text()
     layer = example[example.index("class MyAttention"):]
     assert layer in _readme_section_blocks("Audit your own layer")[0]
+
+
+# ---- several layers in one command: each report, a summary table, the worst exit status, JUnit XML -------------
+
+
+def test_several_layers_each_report_then_a_summary_and_the_worst_exit_status(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "userlayers:attention"]) == _cli.EXIT_PASSED  # the twin: all pass
+    out = capsys.readouterr().out
+    assert out.count("attention audit of ") == 2 and "summary of 2 audits: 2 passed" in out
+    assert re.search(r"^  userlayers:attention +PASSED +-$", out, re.M), out
+    argv = ["userlayers:correct", "userlayers:linear_only", "userlayers:unscaled", "userlayers:does_not_exist"]
+    assert _cli.main(argv[:3]) == _cli.EXIT_FINDINGS  # a failed layer is worse than an inconclusive one
+    out = capsys.readouterr().out
+    assert [line.split(": ")[0] for line in out.splitlines() if line.startswith("attention audit of ")] == [
+        "attention audit of EinsumAttention (a module given one stream, d_model=32 from its `d_model`, num_heads=4 "
+        "from its `num_heads`)", "attention audit of LinearOnly (a module given one stream, d_model=32 from its "
+        "`d_model`, num_heads=4 from its `num_heads`)", "attention audit of EinsumAttention (a module given one "
+        "stream, d_model=32 from its `d_model`, num_heads=4 from its `num_heads`)"]
+    summary = out[out.index("summary of 3 audits"):].splitlines()
+    assert summary[0] == "summary of 3 audits: 1 passed, 1 inconclusive, 1 failed"
+    assert re.fullmatch(r"  target +verdict +failing detectors", summary[1])
+    assert re.fullmatch(r"  userlayers:unscaled +FAILED +softmax_saturation", summary[4]), summary
+    assert re.fullmatch(r"  userlayers:linear_only +INCONCLUSIVE +inconclusive: the attention itself was not "
+                        r"measured.*", summary[3]), summary
+    assert _cli.main(argv) == _cli.EXIT_USAGE  # a target that cannot be audited is the worst; the others still run
+    captured = capsys.readouterr()
+    assert captured.out.count("attention audit of ") == 3
+    assert re.search(r"^  userlayers:does_not_exist +USAGE ERROR +expected userlayers to define 'does_not_exist'",
+                     captured.out, re.M)
+    assert captured.err.startswith("attention-audit: error: userlayers:does_not_exist: expected userlayers to define")
+
+
+def test_several_layers_as_json_hold_every_report(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "userlayers:unscaled", "userlayers:nope", "--json",
+                      "--detectors", "runs,softmax_saturation"]) == _cli.EXIT_USAGE
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "usage error" and data["exit_status"] == 2
+    assert [(t["target"], t["status"]) for t in data["targets"]] == [
+        ("userlayers:correct", "passed"), ("userlayers:unscaled", "failed"), ("userlayers:nope", "usage error")]
+    assert [r["detector"] for r in data["targets"][1]["report"]["results"]] == ["runs", "softmax_saturation"]
+    assert data["targets"][2]["error"].startswith("expected userlayers to define 'nope'")
+
+
+def test_html_takes_one_target_only(in_scratch, capsys):
+    assert _cli.main(["userlayers:correct", "userlayers:unscaled", "--html", "a.html"]) == _cli.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == "" and "expected one target with --html" in captured.err and "--junit-xml" in captured.err
+
+
+def test_junit_xml_a_testsuite_per_target_and_a_testcase_per_detector(in_scratch, capsys, tmp_path):
+    path = tmp_path / "audit.xml"
+    assert _cli.main(["userlayers:correct", "userlayers:unscaled", "userlayers:nope", "--junit-xml", str(path)]) == 2
+    assert f"wrote {path}" in capsys.readouterr().err
+    root = ET.parse(path).getroot()  # it parses back
+    assert root.tag == "testsuites"
+    suites = {suite.get("name"): suite for suite in root}
+    assert list(suites) == ["userlayers:correct", "userlayers:unscaled", "userlayers:nope"]
+    for name in ("userlayers:correct", "userlayers:unscaled"):
+        assert [case.get("name") for case in suites[name]] == list(DETECTORS)
+        assert {case.get("classname") for case in suites[name]} == {name}
+    outcome = {name: {case.get("name"): [child.tag for child in case] for case in suites[name]}
+               for name in ("userlayers:correct", "userlayers:unscaled")}
+    assert outcome["userlayers:unscaled"]["softmax_saturation"] == ["failure"]
+    assert outcome["userlayers:correct"]["softmax_saturation"] == []  # the twin: passed, an empty testcase
+    failure = suites["userlayers:unscaled"].find("testcase[@name='softmax_saturation']/failure")
+    assert failure.get("message").startswith("softmax is 2.83x too sharp") and "fix:" in failure.text
+    skipped = suites["userlayers:correct"].find("testcase[@name='future_leakage']/skipped")
+    assert "--causal" in skipped.get("message")  # a skip says why, in the command's spelling
+    assert suites["userlayers:unscaled"].get("failures") == "1" and int(root.get("tests")) == 2 * len(DETECTORS) + 1
+    error = suites["userlayers:nope"].find("testcase[@name='setup']/error")
+    assert error.get("message").startswith("expected userlayers to define 'nope'")
+
+
+def test_junit_xml_to_an_unwritable_path_is_a_usage_error_before_the_audit(in_scratch, capsys, monkeypatch):
+    def no_audit(*args, **kwargs):
+        raise AssertionError("the audit ran although its report could not be written")
+
+    monkeypatch.setattr("diagnostics._audit.audit", no_audit)
+    assert _cli.main(["userlayers:correct", "--junit-xml", "/no/such/dir/a.xml"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("attention-audit: error: expected --junit-xml /no/such/dir/a.xml in an existing "
+                                   "directory; got no directory '/no/such/dir'. Fix: create it first")
+
+
+def test_a_passed_audit_whose_junit_xml_is_not_written_does_not_exit_0(in_scratch, capsys, monkeypatch, tmp_path):
+    def refuse(outcomes, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_cli, "_write_junit", refuse)
+    assert _cli.main(["userlayers:correct", "--junit-xml", str(tmp_path / "a.xml"),
+                      "--detectors", "runs,weight_row_sums"]) == _cli.EXIT_USAGE
+    assert "JUnit XML report was not written" in capsys.readouterr().err

@@ -84,8 +84,8 @@ class WithConfig(nn.Module):
                                                                         "on the meta device"),
     (lambda: make_subject(sdpa, device="meta"), "expected a device that holds values (cpu or cuda); got "
                                                 "device='meta'"),
-    (lambda: diagnostics.audit(sdpa, progress=5), "expected progress a callable(detector_id, index, total) or None; "
-                                                  "got progress=5 (int)"),
+    (lambda: diagnostics.audit(sdpa, progress=5), "expected progress a callable(detector_id, index, total), None "
+                                                  "(a bar on a terminal for long audits) or False; got progress=5 (int)"),
 ])
 def test_misuse_says_what_was_expected_and_the_fix(call, words):
     with pytest.raises(AuditUsageError) as raised:

@@ -223,6 +223,58 @@ def test_fixture_returns_the_report_and_fails_with_it(scratch):
     assert "def check(" not in result.stdout.str()  # the user's failure, not the plugin's frames
 
 
+def test_a_marker_declares_one_targets_options_for_the_fixture(scratch):
+    """Per-target declarations: the same leaking layer fails where a marker declares it causal and passes beside
+    it where none does; a module's marker reaches every test, the closest marker wins, the call's keywords win over
+    markers, and a parametrized case carries its own."""
+    scratch.makepyfile(test_declared='''
+        import pytest
+
+        import mylayers
+
+        pytestmark = pytest.mark.attention_audit(seq_len=8)  # every audit in this file
+
+        @pytest.mark.attention_audit(causal=True)
+        def test_declared_causal(attention_audit):
+            attention_audit(mylayers.NoMask())  # leaks the future: fails
+
+        def test_undeclared(attention_audit):  # the twin: the same layer, not declared causal
+            report = attention_audit(mylayers.NoMask())
+            assert report.seq_len == 8 and not report.causal
+
+        @pytest.mark.attention_audit(causal=True)
+        def test_the_call_wins(attention_audit):
+            assert not attention_audit(mylayers.NoMask(), causal=False).causal
+
+        @pytest.mark.attention_audit(seq_len=6)
+        class TestClass:
+            @pytest.mark.attention_audit(seq_len=4)
+            def test_closest_wins(self, attention_audit):
+                assert attention_audit(mylayers.correct).seq_len == 4
+
+            def test_class_over_module(self, attention_audit):
+                assert attention_audit(mylayers.correct).seq_len == 6
+
+        @pytest.mark.parametrize("layer", [
+            pytest.param(mylayers.NoMask(), id="causal", marks=pytest.mark.attention_audit(causal=True)),  # fails
+            pytest.param(mylayers.NoMask(), id="not_causal"),
+        ])
+        def test_per_case(attention_audit, layer):
+            attention_audit(layer)
+
+        @pytest.mark.attention_audit(causl=True)
+        def test_misspelt(attention_audit):
+            pass
+    ''')
+    result = scratch.runpytest(*PLUGIN)
+    result.assert_outcomes(passed=5, failed=2, errors=1, warnings=2)
+    result.stdout.fnmatch_lines(["*test_declared_causal*", "*FAIL future_leakage*"])
+    result.stdout.fnmatch_lines(["FAILED test_declared.py::test_declared_causal - *",
+                                 "FAILED test_declared.py::test_per_case[[]causal[]] - *"])
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_misspelt*", "*expected @pytest.mark.attention_audit(...) "
+                                 "to name audit()'s keywords only (causal, d_model, *); got causl=. Fix: e.g. *"])
+
+
 def test_options_have_their_own_group(scratch):
     result = scratch.runpytest(*PLUGIN, "--help")
     result.stdout.fnmatch_lines(["audit attention layers for silent mistakes*", "*--attention-audit=MODULE:OBJECT*",

@@ -3,11 +3,14 @@ diff and two heatmaps, the kill matrix, extra table columns) and `AuditReport.to
 
 from __future__ import annotations
 
+import base64
 import html
 import inspect
 import json
 import linecache
 import re
+import struct
+import zlib
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 
 import diagnostics
 import correct
+from diagnostics import _html
 from buggy_variants import VARIANTS, teaching_report
 from correct import MultiHeadAttention
 
@@ -147,11 +151,14 @@ def test_the_kill_matrix_lists_every_variant_and_every_detector_with_its_verdict
     assert section_links == {f"#{sid}" for sid in page.sections}
 
 
+INLINE_IMAGE = "data:image/png;base64,"  # a heatmap's cells: an image inside the page, nothing fetched
+
+
 def test_the_teaching_report_opens_offline(page):
     assert page.external == [] and page.scripts == 0
-    assert not [link for link in page.links if not link.startswith("#")], "every link stays in the page"
+    assert not [link for link in page.links if not link.startswith(("#", INLINE_IMAGE))], "every link stays in the page"
     ids = {value for tag, name, value in page.attributes if name == "id"} | {"results-table"}  # pytest-html's
-    assert {link.removeprefix("#") for link in page.links} <= ids, "every link has its target"
+    assert {link.removeprefix("#") for link in page.links if link.startswith("#")} <= ids, "every link has its target"
 
 
 PRIVATE = re.compile(r"(?<![\w.])_[A-Za-z]\w*(?=\.)|(?<=\.)_[A-Za-z]\w*")  # `_sdpa.x`, `obj._helper`: not for a student
@@ -184,6 +191,30 @@ def test_the_offline_check_sees_what_a_browser_would_fetch():
     page = Page('<script src="app.js"></script><link href="https://cdn.example/s.css" rel="stylesheet">'
                 '<img src="//example.org/x.png"><a href="https://example.org">a link is not a fetch</a>')
     assert [tag for tag, _, _ in page.external] == ["script", "link", "img"]
+    page = Page(f'<svg><image href="{INLINE_IMAGE}AAAA"/><image href="https://example.org/x.png"/></svg>')
+    assert page.external == [("image", "href", "https://example.org/x.png")]  # a data: URL is not a fetch
+
+
+def _png_pixels(url: str) -> list[list[str]]:
+    """The "#rrggbb" pixels of a PNG data: URL as `_html.png_data_url` writes it (8-bit RGB, one IDAT, filter 0),
+    read back independently of the writer: the length-type-data-CRC chunks, zlib, and the rows."""
+    data = base64.b64decode(url.removeprefix(INLINE_IMAGE))
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, at = {}, 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        body = data[at + 8:at + 8 + length]
+        assert struct.unpack(">I", data[at + 8 + length:at + 12 + length])[0] == zlib.crc32(kind + body)
+        chunks[kind], at = body, at + 12 + length
+    width, height, depth, colour_type = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour_type) == (8, 2) and b"IEND" in chunks
+    raw, row = zlib.decompress(chunks[b"IDAT"]), 1 + 3 * width
+    assert len(raw) == height * row and all(raw[r * row] == 0 for r in range(height))
+    return [["#" + raw[r * row + 1 + 3 * c:r * row + 4 + 3 * c].hex() for c in range(width)] for r in range(height)]
+
+
+def _images(svg: str) -> list[str]:
+    return re.findall(rf'<image [^>]*href="({re.escape(INLINE_IMAGE)}[^"]+)"', svg)
 
 
 # ---- the teaching report as a reader sees it: its marks, its one style, its citations, a narrow window ----------
@@ -401,10 +432,16 @@ def test_audit_report_to_html_of_a_correct_layer_shows_its_weights_and_every_det
     text = path.read_text(encoding="utf-8")
     page = Page(text)
     assert text.count('<svg class="heatmap"') == 1
+    # its cells are one image of a pixel per weight, in the weight's colour (read back from the PNG)
+    weights = _html.first_map(report.weights)
+    cells, bar = map(_png_pixels, _images(text))
+    vmax = _html.scale_max(weights)
+    assert cells == [[_html.colour(v, vmax) for v in row] for row in weights.tolist()]
+    assert len(bar) == 1 and bar[0][0] != bar[0][-1]  # the colour bar, light to dark
     assert "No findings" in text and "PASSED" in text
     for detector in diagnostics.DETECTORS:
         assert f"<code>{detector}</code>" in text, detector
-    assert page.external == [] and page.scripts == 0 and page.links == []
+    assert page.external == [] and page.scripts == 0 and all(link.startswith(INLINE_IMAGE) for link in page.links)
     # a phone lays it out at its own width, and the messages' `code` is set as code, not raw backticks (issue 35)
     assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in text
     title = re.search(r"<h1>(.*?)</h1>", text).group(1)
@@ -478,13 +515,19 @@ def test_audit_report_to_html_draws_the_pattern_finding_as_svg_offline(tmp_path,
     assert text.count('<svg class="pattern"') == 1 and page.external == [] and page.scripts == 0
     svg = text[text.index('<svg class="pattern"'):]
     svg = svg[:svg.index("</svg>")]
-    counts = report.result("attention_pattern").extras["dependency_map"].counts()
+    picture = report.result("attention_pattern").extras["dependency_map"]
+    counts = picture.counts()
+    declared, measured = map(_png_pixels, _images(svg))  # the two grids, a pixel per cell
+    colours = _html.CELL_COLOURS
     # the measured grid colours each differing cell, and both grids outline it
-    assert svg.count('fill="#d73a49" stroke="#1a1a1a"') == counts["leak"] > 0
-    assert svg.count('fill="#f0b400" stroke="#1a1a1a"') == counts["over"] > 0
-    assert svg.count('stroke="#1a1a1a"') == 2 * (counts["leak"] + counts["over"])
+    assert sum(row.count(colours["leak"]) for row in measured) == counts["leak"] > 0
+    assert sum(row.count(colours["over"]) for row in measured) == counts["over"] > 0
+    outlines = re.findall(r'<path d="([^"]*)" stroke="#1a1a1a"', svg)
+    assert len(outlines) == 2 and [d.count("z") for d in outlines] == [counts["leak"] + counts["over"]] * 2
+    assert declared == [[colours["seen" if a else "blocked"] for a in row] for row in picture.declared.tolist()]
     # chunks start one late: query 5, the first of the second chunk, still sees keys 1..4
-    assert "query 5, key 1: chunked(5) blocks it; measured: blocked but seen (leak)" in svg
+    q, k = 5 - picture.q0, 1 - picture.k0
+    assert declared[q][k] == colours["blocked"] and measured[q][k] == colours["leak"]
     assert "blocked but seen (leak): " in svg and "allowed but unseen (over-masked): " in svg  # the legend
 
 
@@ -522,10 +565,11 @@ def catalog_audits():
 @pytest.mark.parametrize("vid", ["missing_scale", "non_contiguous_view"])
 @pytest.mark.parametrize("detector", ["softmax_saturation"])
 def test_caught(catalog_audits, vid, detector):
+    print(f"output of the test of {vid}")
     assert catalog_audits[vid].result(detector).verdict == "fail"
 
 def test_unrelated():
-    pass
+    print("output of a passed test")
 """
 
 
@@ -566,6 +610,11 @@ def test_pytest_html_report_has_variant_and_detector_columns_and_the_teaching_re
     assert '<td class="col-variant"><a href="#variant-missing_scale">missing_scale</a></td>' in caught
     assert '<td class="col-detector">softmax_saturation</td>' in caught
     assert '<td class="col-variant"></td><td class="col-detector"></td>' in rows["test_inner.py::test_unrelated"]
+    # a passed test's captured output is left out, a failed one's kept
+    logs = {nodeid: "".join(runs[0]["log"]) for nodeid, runs in json.loads(blob)["tests"].items()}
+    assert logs["test_inner.py::test_unrelated"] == teaching_report.PASSED_LOG
+    assert "output of a passed test" not in text and "output of the test of missing_scale" not in text
+    assert "output of the test of non_contiguous_view" in logs["test_inner.py::test_caught[softmax_saturation-non_contiguous_view]"]
     # the head finished after pytest-html wrote it (issue 35): a viewport, failures first, a narrow window's rules
     head = text[:text.index("</head>")]
     assert head.count('<meta name="viewport" content="width=device-width, initial-scale=1">') == 1
