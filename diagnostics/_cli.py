@@ -136,6 +136,32 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+DECLARATIONS = ("causal", "seq_len", "d_model", "num_heads", "scale", "require", "strict", "mask", "pattern", "call",
+                "cross", "positions", "layout")  # what a target may declare of itself (the pytest plugin's targets)
+
+
+def target_declarations(words: list[str], *, target: str) -> dict:
+    """A target's own declarations, spelled as this command spells them (`--causal --mask additive`), by audit()'s
+    names: only those given. An `AuditUsageError` for anything that is not a declaration of the layer (an output,
+    a dtype, a second target) or that this command would refuse."""
+    parser = _parser(f"declarations of {target}")
+
+    def refuse(message: str):
+        raise AuditUsageError(f"expected declarations after the target, as attention-audit spells them (e.g. "
+                              f"{target} --causal --mask additive); got {' '.join(words)!r}: {message}. Fix: "
+                              f"check `attention-audit --help`")
+
+    parser.error = refuse  # raise, not exit: the caller reports it where the target was given
+    defaults, given = vars(parser.parse_args([])), vars(parser.parse_args(words))
+    changed = {name: value for name, value in given.items() if value != defaults[name]}
+    other = [OPTIONS.get(name, f"--{name.replace('_', '-')}") if name != "target" else "a second target"
+             for name in changed if name not in DECLARATIONS]
+    if other:
+        refuse(f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not a declaration of the layer "
+               f"(those are {', '.join(OPTIONS[name] for name in DECLARATIONS)})")
+    return changed
+
+
 def _version() -> str:
     from . import __version__  # the package's, read from the installed metadata
     return __version__

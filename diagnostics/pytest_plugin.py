@@ -13,6 +13,9 @@ detector fails its test and shows the evidence and the fix; a warning passes wit
 internal error. One more test per target, `audit_status[mymodule:layer]`, fails when the audit is
 inconclusive: nothing failed, but it could not measure the attention itself. `obj` is a layer, a class
 built with no arguments, or a zero-argument factory; a target that cannot be loaded is a collection error.
+Each target may carry its own declarations after it, spelled as `attention-audit` spells them, which win over the
+session's `--attention-*` options for that target: `--attention-audit="mymodule:decoder --causal"
+--attention-audit="mymodule:encoder --mask key_padding"`.
 For your own tests, the fixture `attention_audit(layer, **audit_options)` returns the `AuditReport` and
 fails the test with the report unless the audit passed (failed or inconclusive). Declarations per test, class,
 module or parametrized case (one target each) go on the marker `@pytest.mark.attention_audit(causal=True,
@@ -27,6 +30,7 @@ a test requests the `attention_audit` fixture (`python benchmarks/plugin_overhea
 from __future__ import annotations
 
 import inspect
+import shlex
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,7 +82,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attention-audit", "audit attention layers for silent mistakes (diagnostics)")
     group.addoption("--attention-audit", action="append", default=[], metavar="MODULE:OBJECT",
                     help="add one test per detector auditing this layer: pkg.module:obj, a layer, a class built "
-                         "with no arguments or a zero-argument factory (repeat for several layers)")
+                         "with no arguments or a zero-argument factory (repeat for several layers); its own "
+                         "declarations may follow it as attention-audit spells them, over the --attention-* "
+                         "options: --attention-audit=\"mymodule:layer --causal --mask additive\"")
     group.addoption("--attention-audit-model", action="append", default=[], metavar="MODULE:OBJECT",
                     help="add tests auditing a whole model: one per model-level check and one per attention layer "
                          "found (pkg.module:obj, a model, a class or a zero-argument factory; repeatable)")
@@ -201,6 +207,8 @@ class AuditTarget(pytest.File):
         super().__init__(**kwargs)
         self.spec = spec
         self.layer = self.pattern = self.call = None
+        self.options: dict = {}  # audit()'s keywords for this target (`declared`), set at collection
+        self.spelled: dict = OPTIONS
         self.source: tuple[Path, int] = (self.path, 0)  # where the layer is defined, once loaded
         self._report: AuditReport | None = None
 
@@ -209,24 +217,28 @@ class AuditTarget(pytest.File):
         from . import DETECTORS  # here, not at the top: they import torch
         from ._subject import check_seq_len, make_subject
 
-        seq_len = self.config.option.attention_seq_len
+        try:
+            target, self.options = self.declared()
+        except AuditUsageError as error:
+            raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
+        options, spelled = self.options, self.spelled
+        seq_len = options["seq_len"]
         if seq_len is not None and seq_len < 1:
-            raise self.CollectError(f"--attention-seq-len: expected a length >= 1; got {seq_len}. Fix: pass your "
-                                    f"context length, e.g. --attention-seq-len=128")
-        unknown = [d for d in self.config.option.attention_require if d not in DETECTORS]
+            raise self.CollectError(f"{spelled['seq_len']}: expected a length >= 1; got {seq_len}. Fix: pass your "
+                                    f"context length, e.g. {spelled['seq_len']}=128")
+        unknown = [d for d in options["require"] if d not in DETECTORS]
         if unknown:
-            raise self.CollectError(f"--attention-require: expected detector ids from {', '.join(DETECTORS)}; got "
+            raise self.CollectError(f"{spelled['require']}: expected detector ids from {', '.join(DETECTORS)}; got "
                                     f"{', '.join(unknown)}. Fix: check the spelling")
         try:
-            self.layer = load_layer(self.spec)
-            options = self.config.option
-            self.pattern = (load_pattern(options.attention_pattern, spelled=OPTIONS["pattern"])
-                            if options.attention_pattern is not None else None)
-            self.call = (load_call(options.attention_call, spelled=OPTIONS["call"])
-                         if options.attention_call is not None else None)
+            self.layer = load_layer(target)
+            self.pattern = (load_pattern(options["pattern"], spelled=spelled["pattern"])
+                            if options["pattern"] is not None else None)
+            self.call = load_call(options["call"], spelled=spelled["call"]) if options["call"] is not None else None
             # cannot be called as an attention layer, or not at this length: say so now, not per detector
-            check_seq_len(make_subject(self.layer, mask=options.attention_mask_convention, call=self.call,
-                                       layout=options.attention_layout, options=OPTIONS), seq_len, options=OPTIONS)
+            check_seq_len(make_subject(self.layer, d_model=options["d_model"], num_heads=options["num_heads"],
+                                       mask=options["mask"], call=self.call, layout=options["layout"],
+                                       options=spelled), seq_len, options=spelled)
         except AuditUsageError as error:
             raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
         self.source = _source(self.layer) or self.source
@@ -234,16 +246,33 @@ class AuditTarget(pytest.File):
             yield AuditItem.from_parent(self, name=f"{detector}[{self.spec}]", detector=detector)
         yield AuditStatusItem.from_parent(self, name=f"audit_status[{self.spec}]")
 
+    def declared(self) -> tuple[str, dict]:
+        """(the target, its audit options): the session's `--attention-*` options, and over them the target's own
+        declarations, written after it in `--attention-audit` as the command spells them
+        (`--attention-audit="mymodule:layer --causal --mask additive"`), so that each target of a run says what it
+        is. `self.spelled`: the options as the messages name them, the target's own spelling where it gave one."""
+        from ._cli import OPTIONS as COMMAND, target_declarations
+
+        target, *own = shlex.split(self.spec)
+        option = self.config.option
+        options = dict(causal=option.attention_causal, seq_len=option.attention_seq_len,
+                       require=list(option.attention_require), strict=option.attention_strict,
+                       mask=option.attention_mask_convention, layout=option.attention_layout,
+                       pattern=option.attention_pattern, call=option.attention_call, cross=option.attention_cross,
+                       positions=option.attention_positions, d_model=None, num_heads=None, scale=None)
+        declared = target_declarations(own, target=target)
+        self.spelled = {**OPTIONS, **{name: COMMAND[name] for name in declared}, "d_model": COMMAND["d_model"],
+                        "num_heads": COMMAND["num_heads"], "scale": COMMAND["scale"]}
+        if "pattern" in declared:
+            self.spelled["pattern_example"] = COMMAND["pattern_example"]
+        return target, {**options, **declared}
+
     def report(self) -> AuditReport:
         if self._report is None:
             from ._audit import audit
 
-            options = self.config.option
-            self._report = audit(self.layer, causal=options.attention_causal, seq_len=options.attention_seq_len,
-                                 require=options.attention_require, strict=options.attention_strict,
-                                 mask=options.attention_mask_convention, layout=options.attention_layout,
-                                 pattern=self.pattern, call=self.call, cross=options.attention_cross,
-                                 positions=options.attention_positions, _options=OPTIONS)
+            options = {name: value for name, value in self.options.items() if name not in ("pattern", "call")}
+            self._report = audit(self.layer, **options, pattern=self.pattern, call=self.call, _options=self.spelled)
         return self._report
 
 

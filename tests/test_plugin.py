@@ -107,6 +107,29 @@ def test_causal_option_catches_a_layer_that_leaks_the_future(scratch):
     assert masked.ret == pytest.ExitCode.OK  # the audit passes it causal masks
 
 
+def test_each_target_carries_its_own_declarations_over_the_sessions(scratch):
+    """Twins in one run: the same leaking layer fails future_leakage where its target declares it causal, and is not
+    audited for it where it does not, while a masked layer declared causal passes; a target's declaration wins over the session's option; what is not a declaration of the
+    layer (an output option, a second target, a misspelling) is a collection error naming the fix."""
+    run = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:NoMask --causal", "--attention-audit=mylayers:NoMask",
+                            "--attention-audit=mylayers:Attention --causal", "-rA", "-k", "future_leakage")
+    assert run.ret == pytest.ExitCode.TESTS_FAILED
+    run.assert_outcomes(failed=1, passed=1, skipped=1, deselected=3 * len(DETECTORS))
+    run.stdout.fnmatch_lines(["PASSED *future_leakage?mylayers:Attention --causal?*",
+                              "SKIPPED *future_leakage: not applicable: the layer is not audited as causal*",
+                              "FAILED *future_leakage?mylayers:NoMask --causal?*"])
+    over = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:NoMask --causal", "--attention-causal",
+                             "--attention-audit=mylayers:NoMask --seq-len 4", "-k", "future_leakage")
+    over.assert_outcomes(failed=2, deselected=2 * len(DETECTORS))  # the session's --attention-causal holds for both
+    for words, said in [("--json", "--json is not a declaration of the layer"),
+                        ("other:layer", "a second target is not a declaration of the layer"),
+                        ("--casual", "unrecognized arguments: --casual")]:
+        wrong = scratch.runpytest(*PLUGIN, f"--attention-audit=mylayers:NoMask {words}")
+        assert wrong.ret == pytest.ExitCode.INTERRUPTED
+        wrong.stdout.fnmatch_lines([f"--attention-audit=mylayers:NoMask {words}: expected declarations after the "
+                                    f"target*{said}*Fix: check `attention-audit --help`"])
+
+
 def test_warning_passes_with_an_attention_audit_warning(scratch):
     # masked_fill(-inf) then softmax: a query with no key to attend gets NaN, which warns, not fails
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "-k", "fully_masked_rows")
