@@ -28,6 +28,11 @@ class RingCausalOffsetPerRank(RingAttention):
         return torch.arange(len(positions))  # every rank's queries masked as if its shard started at 0
 
 
+class RingRotaryFromZero(RingAttention):
+    def rotary_positions(self, positions: Tensor) -> Tensor:
+        return torch.arange(len(positions))  # every rank's tokens turned as if its shard started the sequence
+
+
 class RingMergeOverflows(RingAttention):
     def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
         # the normalisers exponentiated themselves: exp(lse) is inf in float32 once a logit passes 88.7
@@ -156,6 +161,7 @@ class ShardedVariant:
     reference_cls: type = RingAttention
     inner: type | None = None  # SequenceParallel forms: the shard layer inside
     output_dropout: float = 0.0  # > 0: the unsharded layer is OutputDropout(layer, p), both forms drop their output
+    rotary: bool = False  # the unsharded layer turns q and k by their positions (RoPE)
 
     def _factory(self, cls: type) -> Callable:
         inner, layout, p = self.inner, self.audit_kwargs.get("layout", "contiguous"), self.output_dropout
@@ -178,7 +184,8 @@ class ShardedVariant:
         as a trained layer's may be (torch's is within 1/sqrt(D), small beside the outputs: a bias added twice must
         be able to show)."""
         torch.manual_seed(seed)
-        layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False))
+        layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False),
+                                   rotary=self.rotary)
         with torch.no_grad():
             layer.out.bias.normal_()
         return OutputDropout(layer, self.output_dropout) if self.output_dropout else layer
@@ -200,6 +207,22 @@ def _entries() -> list[ShardedVariant]:
             detectable_when=Observable("causal, contiguous layout", lambda s: s.causal),
             expected_detectors=("sharded_output",), cause="restart at 0 on every rank",
             also_detected_by=("sharded_causality", "sharded_large_logits", "sharded_gradients")),
+        ShardedVariant(
+            id="ring_rotary_from_zero", title="RoPE positions restart on every rank", cls=RingRotaryFromZero,
+            step="rotary_positions", reference_cls=RingAttention, audit_kwargs={"causal": True}, rotary=True,
+            explanation="Each rank turns its shard's queries and keys by local positions 0..T_r-1 (the position ids "
+                        "of a model run on one chunk), not by where the shard sits in the sequence. Rank 0's shard "
+                        "does begin the sequence, and within a shard the relative positions are right, so a test of "
+                        "one rank or one shard passes; a key from another rank arrives turned as if it sat beside the "
+                        "query, and every score across shards reads the wrong distance. The causal mask, built from "
+                        "the global positions, is right, so nothing looks wrong but the values.",
+            symptom="Causal: outputs match the unsharded layer on rank 0's tokens only (not causal: rank 0 attends "
+                    "the later shards too, and every rank's tokens differ).",
+            fix="return positions  # the tokens' global positions",
+            detectable_when=Observable("a rotary layer; named as a restart when causal (rank 0 then sees its own "
+                                       "shard only)", lambda s: s.causal),
+            expected_detectors=("sharded_output",), cause="restart at 0 on every rank",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_merge_overflows", title="Log-sum-exp merge overflows", cls=RingMergeOverflows, step="merge",
             explanation="The partial results are weighted by exp(lse) instead of exp(lse - new): exact in real "

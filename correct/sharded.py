@@ -1,7 +1,8 @@
 """Attention split across processes, written to be read beside `correct/_mha.py`, whose layer (its weights and
 its steps: project, split_heads, score, scale, mask, softmax, weight_values, merge_heads, output_projection) each
 sharded form reuses. Every form computes exactly what the unsharded layer computes; only where the work happens
-changes.
+changes. A rotary layer (`rotary=True`) is turned by its tokens' global positions in every form; a layer with
+a pattern of its own (a sliding window, chunks, a prefix, documents) is refused: no form here writes its pattern.
 
     RingAttention         context parallel (Liu et al. 2023, "Ring Attention"): each rank holds a shard of the
                           sequence and its queries; the key/value shards travel round the ring, one step a hop, and
@@ -214,8 +215,24 @@ class _Sharded(nn.Module):
                type(layer).__name__, "build the layer with correct.MultiHeadAttention(d_model, num_heads)")
         expect(layer.dropout_p == 0.0, "a layer without attention dropout (not written for shards here)",
                f"dropout={layer.dropout_p}", "build it with dropout=0.0")
+        own = {name: getattr(layer, name) for name in ("sliding_window", "attention_chunk_size", "prefix", "documents")
+               if getattr(layer, name) is not None}
+        expect(not own, "a layer without a pattern of its own (the sharded forms write the causal mask only)",
+               ", ".join(f"{name}={value!r}" for name, value in own.items()),
+               "shard a layer built without sliding_window, attention_chunk_size, prefix and documents")
         self.layer, self.group = layer, group if group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def rotary_positions(self, positions: Tensor) -> Tensor:
+        return positions  # the tokens' global positions: RoPE turns each token by where it sits in the sequence
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """q and k (B, H, T_r, d_k) turned by their tokens' positions (T_r,) where the layer is rotary, as the unsharded
+        layer turns them; unchanged otherwise."""
+        if not self.layer.rotary:
+            return q, k
+        turn = self.rotary_positions(positions)  # (T_r,)
+        return self.layer.rotate(q, turn), self.layer.rotate(k, turn)  # (B, H, T_r, d_k)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         """One block of attention by the layer's own steps, with the causal mask from global positions; returns
@@ -253,6 +270,7 @@ class RingAttention(_Sharded):
         check_equal_shards(x.shape[1], self.group, x.device)
         q, k, v = layer.project(x, x, x)  # (B, T_r, D) each
         q, k, v = layer.split_heads(q), layer.split_heads(k), layer.split_heads(v)  # (B, H, T_r, d_k)
+        q, k = self.rotate(q, k, positions)  # the keys travel turned by their own positions
         q_pos = self.query_positions(positions)  # (T_r,)
         k_pos = positions.to(torch.float64)  # travels with its keys round the ring
         out, lse = self.attend(q, k, v, q_pos, positions)  # own block first: a causal row always sees its own key
@@ -292,6 +310,7 @@ class UlyssesAttention(_Sharded):
         check_equal_shards(x.shape[1], self.group, x.device)
         q, k, v = layer.project(x, x, x)  # (B, T_r, D) each
         q, k, v = layer.split_heads(q), layer.split_heads(k), layer.split_heads(v)  # (B, H, T_r, d_k)
+        q, k = self.rotate(q, k, positions)  # turned on the shard, by its tokens' global positions
         q, k, v = self.heads_out(q), self.heads_out(k), self.heads_out(v)  # (B, H_r, T, d_k)
         everywhere = _gather_along_1(positions.view(1, -1), self.group)[0]  # (T,): the tokens' order after the exchange
         out, _ = self.attend(q, k, v, everywhere, everywhere)  # (B, H_r, T, d_k)
@@ -338,6 +357,7 @@ class HeadParallelAttention(_Sharded):
         H_r, d_k = layer.num_heads // self.world_size, layer.head_dim
         q, k, v = (t.view(B, T, H_r, d_k).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (B, H_r, T, d_k)
         positions = torch.arange(T, device=x.device)
+        q, k = self.rotate(q, k, positions)  # (B, H_r, T, d_k)
         out, _ = self.attend(q, k, v, positions, positions)  # (B, H_r, T, d_k)
         return self.replicated_dropout(self.output_projection(layer.merge_heads(out)))  # (B, T, D/W) -> (B, T, D)
 

@@ -7,7 +7,7 @@ machine's lock on groups (`one_group_at_a_time`) while it runs, so that two grou
 The default run is a slice at 2 ranks (about 15 s); the full matrix (every correct form at 2 and 4 ranks, causal and
 not, float32 and float64; Ctrl-C and the command line; torch's DTensor plans) is marked slow. Every broken variant of
 the chapter beside its twin at 2 and 4 ranks, with its cause named, is a row of the kill matrix
-(tests/test_kill_matrix.py, slow); the default run here checks eight of them at 2 ranks.
+(tests/test_kill_matrix.py, slow); the default run here checks nine of them at 2 ranks.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ FORMS = {  # name: (factory, audit options)
 }
 
 
-def reference_layer(causal: bool, *, seed: int = 0) -> MultiHeadAttention:
+def reference_layer(causal: bool, *, seed: int = 0, rotary: bool = False) -> MultiHeadAttention:
     torch.manual_seed(seed)
-    layer = MultiHeadAttention(32, 8, causal=causal)
+    layer = MultiHeadAttention(32, 8, causal=causal, rotary=rotary)
     with torch.no_grad():  # a trained layer's biases are not zero: a bias added twice must be able to show
         layer.out.bias.normal_()
     return layer
@@ -99,9 +99,9 @@ def children() -> list[int]:
     return found
 
 
-def audit_form(name: str, *, causal: bool, dtype=torch.float32, world_sizes=(2,), device="cpu"):
+def audit_form(name: str, *, causal: bool, dtype=torch.float32, world_sizes=(2,), device="cpu", rotary=False):
     factory, options = FORMS[name]
-    return audit_sharded(reference_layer(causal), factory, causal=causal, dtype=dtype, world_sizes=world_sizes,
+    return audit_sharded(reference_layer(causal, rotary=rotary), factory, causal=causal, dtype=dtype, world_sizes=world_sizes,
                          device=device, **options)
 
 
@@ -125,6 +125,28 @@ def test_every_correct_form_passes_at_2_and_4_ranks(name, causal, dtype):
     report = audit_form(name, causal=causal, dtype=dtype, world_sizes=(2, 4))
     assert report.status == "passed", str(report)
     assert not report.findings, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(FORMS))
+def test_every_correct_form_of_a_rotary_layer_passes_at_2_and_4_ranks(name, causal):
+    """RoPE turns each token by its global position in every form (the twin of ring_rotary_from_zero's catch)."""
+    report = audit_form(name, causal=causal, world_sizes=(2, 4), rotary=True)
+    assert report.status == "passed", str(report)
+    assert not report.findings, str(report)
+
+
+@pytest.mark.parametrize("pattern", [{"sliding_window": 4}, {"attention_chunk_size": 4}, {"prefix": 2},
+                                     {"documents": torch.tensor([0] * 8 + [1] * 8)}], ids=lambda p: next(iter(p)))
+def test_a_layer_with_a_pattern_of_its_own_is_refused_not_sharded_without_it(pattern):
+    """No sharded form writes a layer's own pattern (a window, chunks, a prefix, documents): sharding one would drop
+    it silently, so the form refuses it before any collective, with expected / seen / fix; its twin (no pattern) is
+    every other test here."""
+    layer = MultiHeadAttention(32, 8, causal=True, **pattern)
+    for form in (cs.RingAttention, cs.UlyssesAttention, cs.HeadParallelAttention):
+        with pytest.raises(ValueError, match=f"a layer without a pattern of its own.*{next(iter(pattern))}=.*Fix: "):
+            form(layer)
 
 
 class Disagreeing(cs.HeadParallelAttention):
@@ -200,7 +222,8 @@ def check_variant(vid: str, world_sizes):
 
 
 CHEAP = ["bias_on_every_rank", "zigzag_not_undone", "ring_merge_overflows", "dropout_stream_per_rank",
-         "ring_merge_with_max", "fused_qkv_contiguous_rows", "pads_to_even_shards", "dropout_stream_of_its_own"]
+         "ring_merge_with_max", "fused_qkv_contiguous_rows", "pads_to_even_shards", "dropout_stream_of_its_own",
+         "ring_rotary_from_zero"]
 
 
 def test_every_variant_names_the_cause_its_detector_must_find():
