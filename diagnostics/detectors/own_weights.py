@@ -1,0 +1,196 @@
+"""`own_weights`: the layer's output is the attention its own weights define. For each attention module whose
+projections can be identified (`diagnostics._projections`: torch's nn.MultiheadAttention, Hugging Face's q_proj /
+k_proj / v_proj / o_proj modules, a fused qkv projection such as timm's Attention or this project's reference), the
+standard probe's call of that module is captured, the attention is recomputed by the reference from the module's
+weights on the very inputs it was given (its mask, its rotary tables), and compared with what it returned.
+
+It sees the bugs that keep every property a black-box check measures: grouped key/value heads repeated in the wrong
+order are the same function as a correct layer with its query heads permuted; no perturbation tells them apart, the
+layer's own weights do. Where the output differs, the one-step changes of the reference (`_projections.STEPS`) say
+which step the layer did otherwise, when one of them reproduces it.
+
+The mask: the one the call passed, and the causal one where it reproduces the output better (causality is the
+causal detectors' property, not this one's; a layer that builds its own causal mask, an `is_causal` flag, is
+recomputed either way). Where the projections cannot be identified the check is not applicable, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._core import baseline_scale, not_run, relative_change, skip, where_text
+from .._probe import Probe
+from .._registry import NOT_APPLICABLE, detector
+from .._result import DetectorResult
+from .._thresholds import UNCHANGED, dtype_name, tolerance
+from .._projections import STEPS, NotApplicable, Projections, attend, bind, recognise
+from ._common import result
+
+ID = "own_weights"
+
+# The float64-golden rule of the model audit (diagnostics/model/_tolerance.py, which this layer detector sits below):
+# the layer's error against the float64 recompute may be at most FUDGE x the error of the same recompute in the
+# layer's dtype, plus a floor (the "unchanged" rounding floor, _thresholds.UNCHANGED), both relative to the float64
+# recompute's RMS. Measured: see MEASURED below.
+FUDGE = {torch.float64: 10.0, torch.float32: 10.0, torch.float16: 10.0, torch.bfloat16: 2.0}
+MEASURED = ""
+
+
+def _close(out: Tensor, golden: Tensor, same: Tensor | None) -> tuple[float, float, tuple]:
+    """(the error of `out` against `golden`, the error allowed, where the worst error is)."""
+    scale = baseline_scale(golden) or 1.0
+    change = relative_change(out, golden, scale=scale)
+    err = float(change.max()) if change is not None and change.numel() else 0.0
+    where = tuple(int(i) for i in torch.unravel_index(change.argmax(), change.shape)) if change is not None and \
+        change.numel() else ()
+    dtype = out.dtype
+    own = 0.0
+    if same is not None and dtype != torch.float64:
+        ref = relative_change(same, golden, scale=scale)
+        own = float(ref.max()) if ref is not None and ref.numel() else 0.0
+    return err, FUDGE.get(dtype, 10.0) * own + tolerance(UNCHANGED, dtype), where
+
+
+def _find(layer) -> tuple[dict, list[str]]:
+    """{path: Projections} of the identified attention modules in `layer` (itself included), and why others that
+    looked like attention were not."""
+    found, why = {}, []
+    for path, module in layer.named_modules() if isinstance(layer, torch.nn.Module) else ():
+        if any(path.startswith(p + ".") or p == "" and path for p in found):
+            continue  # inside an identified module
+        got = recognise(module)
+        if isinstance(got, Projections):
+            found[path] = got
+        elif isinstance(got, str):
+            why.append(f"{path or type(module).__name__}: {got}")
+    return found, why
+
+
+def _capture(probe: Probe, found: dict) -> tuple[dict, object]:
+    """{path: (bound arguments, output)} of each identified module's first call in a replay of the standard probe."""
+    seen, handles = {}, []
+    for path, p in found.items():
+        def pre(m, args, kwargs, path=path):
+            if path not in seen:
+                seen[path] = [_clone((args, kwargs)), None]
+
+        def post(m, args, kwargs, out, path=path):
+            if path in seen and seen[path][1] is None:
+                seen[path][1] = _clone(out)
+
+        handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(p.module.register_forward_hook(post, with_kwargs=True))
+    base = probe.base()
+    try:
+        call = probe.call(base.query, base.key, base.value, base.allowed,
+                          label=f"the standard probe (B={probe.BATCH}, T={probe.t}), its attention modules' calls read")
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, call
+
+
+def _clone(x):
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, str, float, float]:
+    """(verdict, evidence, error, allowed) of one module's call."""
+    c = p.inputs(bind(p.module, args, kwargs))
+    out = p.output(returned)
+    dtype = out.dtype
+    if not dtype.is_floating_point:
+        raise NotApplicable(f"the module returned {dtype}")
+    # the causal mask where the module declares its own, else whichever of the two reproduces its output
+    options = [p.causal] if p.causal is not None else [False, True]
+    if c.query.shape[1] < 2:
+        options = options[:1]
+    best = None
+    for causal in options:
+        golden = attend(p, c, dtype=torch.float64, causal=causal)
+        same = attend(p, c, dtype=dtype, causal=causal) if dtype != torch.float64 else None
+        err, allowed, where = _close(out, golden, same)
+        if best is None or err < best[0]:
+            best = (err, allowed, where, causal)
+    err, allowed, where, causal = best
+    mask = ("the causal mask" if causal else "no causal mask") + (", the call's mask" if c.bias is not None else "")
+    read = "; ".join([*p.read, *c.read, f"recomputed with {mask}"])
+    if err <= allowed:
+        return "pass", f"{read}: greatest difference {err:.3g} of the output's RMS (allowed {allowed:.3g} for " \
+                       f"{dtype_name(dtype)})", err, allowed
+    where_at = where_text(where, out.dim() - 1) if where else ""
+    explained = []
+    for step in STEPS:
+        if step == STEPS[0] and p.heads == p.kv_heads:
+            continue
+        scales = (1.0, 1.0 / p.head_dim, (p.heads * p.head_dim) ** -0.5, p.scale ** 2, p.head_dim ** 0.5) \
+            if step == STEPS[4] else (None,)
+        for s in scales:
+            if s is not None and abs(s - p.scale) <= 1e-9 * p.scale:
+                continue
+            try:
+                other = attend(p, c, dtype=torch.float64, causal=causal, step=step, scale=s)
+            except RuntimeError:  # a step that does not apply to these shapes
+                continue
+            e, _, _ = _close(out, other, None)
+            if e <= max(allowed, 1e-3 * err):
+                explained.append(step if s is None else f"the scale: the layer applies {s:.4g}, its weights' "
+                                                        f"{p.scale:.4g} expected")
+    cause = (f"; the output is reproduced with one step changed: {explained[0]}" if explained else
+             "; no single step of the reference reproduces it (the projections, heads, scale, merge or output "
+             "projection: more than one, or another)")
+    return "fail", f"{read}: greatest difference {err:.3g} of the output's RMS{' at ' + where_at if where_at else ''}" \
+                   f" (allowed {allowed:.3g} for {dtype_name(dtype)}){cause}", err, allowed
+
+
+@detector(ID, "the output equals the attention recomputed by the reference from the layer's own projections "
+              "(where they can be identified)",
+          targets=("grouped key/value heads repeated in the wrong order", "heads split or merged in the wrong order",
+                   "a scale other than the layer's own", "output projection skipped"),
+          fix="compute the attention from the projections as the reference does: key/value head g serves query "
+              "heads g*H/G .. (g+1)*H/G - 1 (repeat_interleave, not repeat), heads split as (B, T, H, d) and merged "
+              "back the same way, scores times the layer's own scale, then the output projection",
+          unlocated="names the module (its path) and the step of the reference that reproduces its output; the "
+                    "line is in that module's forward")
+def check_own_weights(probe: Probe) -> DetectorResult:
+    found, why = _find(probe.subject.layer)
+    if not found:
+        reason = "; ".join(why) if why else ("no attention projections identified (nn.MultiheadAttention; q_proj, "
+                                             "k_proj, v_proj and o_proj; qkv and proj)")
+        return DetectorResult(ID, "skip", NOT_APPLICABLE + reason)
+    seen, call = _capture(probe, found)
+    if not call.ok:
+        return not_run(ID, call)
+    verdicts, notes, worst = [], [], (0.0, 0.0)
+    for path, p in found.items():
+        name = path or type(p.module).__name__
+        if path not in seen or seen[path][1] is None:
+            notes.append(f"{name}: not called by the standard probe")
+            continue
+        (args, kwargs), returned = seen[path]
+        try:
+            with torch.no_grad():
+                verdict, text, err, allowed = _judge(p, args, kwargs, returned)
+        except NotApplicable as na:
+            notes.append(f"{name}: {na}")
+            continue
+        verdicts.append((verdict, name))
+        notes.append(f"{name}: {text}")
+        if verdict == "fail" or err / allowed > worst[0] / (worst[1] or 1.0):
+            worst = (err, allowed)
+    evidence = "; ".join(notes)
+    if not verdicts:
+        return DetectorResult(ID, "skip", NOT_APPLICABLE + evidence)
+    failed = [name for verdict, name in verdicts if verdict == "fail"]
+    if failed:
+        return result(ID, "fail", f"the output of {', '.join(failed)} is not the attention its own weights compute",
+                      value=worst[0], threshold=worst[1], evidence=evidence, margin=MEASURED)
+    return result(ID, "pass", "the output equals the attention recomputed from the layer's own weights",
+                  value=worst[0], threshold=worst[1], evidence=evidence, margin=MEASURED)
