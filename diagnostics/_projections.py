@@ -227,6 +227,9 @@ def torch_mha(module: nn.Module) -> Projections | None:
         return None
     if module.bias_k is not None or module.add_zero_attn:
         raise NotApplicable("nn.MultiheadAttention with add_bias_kv or add_zero_attn appends keys of its own")
+    why = _dropout_active(module, "dropout")
+    if why:
+        raise NotApplicable(why)
     E, H = module.embed_dim, module.num_heads
     d = E // H
     if module.in_proj_weight is not None:
