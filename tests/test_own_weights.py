@@ -162,3 +162,53 @@ def test_a_timm_attention_passes():
     result = own_weights(layer)
     assert result.verdict == "pass", result.evidence
     assert "qkv and proj of Attention" in result.evidence
+
+
+def margins(seeds: int = 5) -> None:
+    """`python tests/test_own_weights.py --margins [SEEDS]`: per dtype, the largest error / allowed of correct layers
+    (the grouped-query layer, nn.MultiheadAttention, the reference causal and not, at torch's default and GPT-2's
+    std-0.02 initialisation; with the real extra, Llama eager and sdpa and timm's Attention) and the smallest of the
+    wrong-order layer, over `seeds` seeds: FUDGE's margin is 1 / the first, the catch's the second."""
+    makers = {"gqa": GroupedQueryAttention, "mha": lambda: nn.MultiheadAttention(32, 4, batch_first=True),
+              "reference": lambda: correct.MultiHeadAttention(32, 4),
+              "reference causal": lambda: correct.MultiHeadAttention(32, 4, causal=True)}
+    try:
+        import timm.layers
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        def llama(implementation):
+            config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+            config._attn_implementation = implementation
+            return LlamaAttention(config, layer_idx=0)
+
+        makers.update({"llama eager": lambda: llama("eager"), "llama sdpa": lambda: llama("sdpa"),
+                       "timm": lambda: timm.layers.Attention(32, 4, qkv_bias=True, qk_norm=True,
+                                                             norm_layer=nn.LayerNorm)})
+    except ImportError:
+        print("(transformers or timm not installed: the real layers are left out)")
+    for dtype in DTYPES:
+        worst, worst_at, catch = 0.0, "", float("inf")
+        for seed in range(seeds):
+            for init in ("default", "gpt2"):
+                for name, make in [*makers.items(), ("WRONG ORDER", lambda: GroupedQueryAttention(wrong_order=True))]:
+                    layer = built(make, dtype, seed)
+                    if init == "gpt2":
+                        correct.gpt2_init_(layer, seed=seed)
+                    causal = name.startswith("llama") or name == "reference causal"
+                    r = diagnostics.audit(layer.eval(), detectors=["own_weights"], causal=causal, seed=seed
+                                          ).result("own_weights")
+                    ratio = r.value / r.threshold
+                    if name == "WRONG ORDER":
+                        catch = min(catch, ratio)
+                    elif ratio > worst:
+                        worst, worst_at = ratio, f"{name}, seed {seed}, {init} init ({r.value:.3g} / {r.threshold:.3g})"
+        print(f"{str(dtype):16} correct layers reach {worst:.3g} of the allowed error (margin {1 / worst:.3g}x; "
+              f"{worst_at}); the wrong order is {catch:.3g}x over it")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--margins" in sys.argv:
+        margins(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 5)
