@@ -81,6 +81,10 @@ class Projections:
     k_norm: nn.Module | None = None
     norm: nn.Module | None = None  # on the merged heads, before the output projection (timm's scale_norm)
     causal: bool | None = None  # the module builds its own causal mask (None: not declared)
+    # the class is a library's own (torch, transformers, timm, this project's reference), whose every step the
+    # recogniser knows; a class it has not seen may have a step of its own (rotary positions, ALiBi) that no
+    # attribute names, so a difference there counts only where one step of the reference explains it
+    known: bool = False
     _wide: dict = field(default_factory=dict, repr=False)
 
     def wide(self, norm: nn.Module | None, dtype: torch.dtype) -> nn.Module | None:
@@ -333,9 +337,16 @@ def huggingface(module: nn.Module) -> Projections | None:
                 raise NotApplicable("position_embeddings given, but no (cos, sin) pair or no apply_rotary_pos_emb "
                                     f"in {type(module).__module__} to apply them as the module does")
             cos, sin = tables
+            if not isinstance(cos, Tensor) or cos.shape[-1] != d:
+                raise NotApplicable(f"rotary tables of width {getattr(cos, 'shape', ['?'])[-1]}, not the head width "
+                                    f"{d}: a partial rotary the module applies in its own way")
 
             def rotary(q_, k_):
-                return rotate(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
+                try:
+                    return rotate(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
+                except (RuntimeError, TypeError) as error:  # another signature or layout than Llama's
+                    raise NotApplicable(f"{type(module).__module__}.apply_rotary_pos_emb does not take (q, k, cos, "
+                                        f"sin) on (B, H, T, d) as Llama's does ({error})") from None
 
             read.append(f"rotary tables from the call's position_embeddings, applied by "
                         f"{type(module).__module__}.apply_rotary_pos_emb")
@@ -415,6 +426,13 @@ def fused_qkv(module: nn.Module) -> Projections | None:
                        q_norm=q_norm, k_norm=k_norm, norm=norm, causal=causal)
 
 
+KNOWN_LIBRARIES = ("torch.", "transformers.", "timm.", "correct.")
+
+
+def _known(module: nn.Module) -> bool:
+    return type(module).__module__.startswith(KNOWN_LIBRARIES)
+
+
 def _first(out) -> Tensor:
     """The attention output of what a module returned: itself, or the first tensor of a tuple."""
     if isinstance(out, Tensor):
@@ -435,6 +453,7 @@ def recognise(module: nn.Module) -> Projections | str | None:
         except NotApplicable as why:
             return str(why)
         if found is not None:
+            found.known = _known(module)
             return found
     return None
 

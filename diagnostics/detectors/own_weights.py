@@ -121,8 +121,14 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
         options = options[:1]
     best = None
     for causal in options:
-        golden = attend(p, c, dtype=torch.float64, causal=causal)
-        same = attend(p, c, dtype=dtype, causal=causal) if dtype != torch.float64 else None
+        try:
+            golden = attend(p, c, dtype=torch.float64, causal=causal)
+            same = attend(p, c, dtype=dtype, causal=causal) if dtype != torch.float64 else None
+        except RuntimeError as error:  # shapes the recognised projections do not fit: not what was read
+            raise NotApplicable(f"the recompute does not run on this call ({str(error).splitlines()[0][:160]})") \
+                from None
+        if golden.shape != out.shape:
+            raise NotApplicable(f"the module returned {tuple(out.shape)}, the recompute gives {tuple(golden.shape)}")
         err, allowed, where = _close(out, golden, same)
         if best is None or err < best[0]:
             best = (err, allowed, where, causal)
@@ -150,6 +156,11 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
             if e <= max(allowed, 1e-3 * err):
                 explained.append(step if s is None else f"the scale: the layer applies {s:.4g}, its weights' "
                                                         f"{p.scale:.4g} expected")
+    if not explained and not p.known:
+        raise NotApplicable(f"the output differs from the attention its weights compute by {err:.3g} of its RMS "
+                            f"(allowed {allowed:.3g}), and no one step of the reference explains it: "
+                            f"{type(p.module).__name__} may have a step of its own (rotary positions, ALiBi, a bias) "
+                            f"that the recompute cannot see")
     cause = (f"; the output is reproduced with one step changed: {explained[0]}" if explained else
              "; no single step of the reference reproduces it (the projections, heads, scale, merge or output "
              "projection: more than one, or another)")
@@ -182,7 +193,7 @@ def check_own_weights(probe: Probe) -> DetectorResult:
         return not_run(ID, call)
     verdicts, notes, worst = [], [], (0.0, 0.0)
     for path, p in found.items():
-        name = path or type(p.module).__name__
+        name = type(p.module).__name__ + (f" ({path})" if path and path != "inner" else "")
         if path not in seen or seen[path][1] is None:
             notes.append(f"{name}: not called by the standard probe")
             continue
