@@ -9,7 +9,8 @@ shared by H / H_kv consecutive query heads, torch's `repeat_interleave`, Hugging
 
 Recognisers, one per family, tried in this order (`RECOGNISERS`); each says what it read and from where:
     torch_mha     nn.MultiheadAttention: in_proj_weight (or q/k/v_proj_weight), out_proj, num_heads, batch_first
-    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), heads from the module or its config,
+    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), or query, key and value (BERT's and ViT's
+                  self-attention, whose output projection is its parent's), heads from the module or its config,
                   `scaling`, q_norm / k_norm, rotary tables from the call's position_embeddings (applied by the
                   module's own `apply_rotary_pos_emb`)
     fused_qkv     one qkv projection of 3 x heads x head_dim and proj (or out): timm's Attention (q_norm,
@@ -69,7 +70,7 @@ class Projections:
     q: Projection
     k: Projection
     v: Projection
-    o: Projection
+    o: Projection | None  # None: the module returns the merged heads (its parent projects them)
     heads: int
     kv_heads: int
     head_dim: int
@@ -152,7 +153,7 @@ def attend(p: Projections, c: CallInputs, *, dtype: torch.dtype, causal: bool, s
     norm = p.wide(p.norm, dtype)
     if norm is not None:
         out = norm(out)
-    return out if step == STEPS[3] else p.o(out)  # (B, Tq, D)
+    return out if step == STEPS[3] or p.o is None else p.o(out)  # (B, Tq, D)
 
 
 def _norm_width(norm: nn.Module) -> int | None:
@@ -264,6 +265,7 @@ def torch_mha(module: nn.Module) -> Projections | None:
                        inputs, lambda out: _batch_first(_first(out), time_first))
 
 
+HF_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 HF_OUT = ("o_proj", "out_proj", "dense")
 HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups_heads")
@@ -280,12 +282,15 @@ def _read_int(module: nn.Module, names: tuple[str, ...]) -> tuple[int | None, st
 
 
 def huggingface(module: nn.Module) -> Projections | None:
-    q, k, v = (_linear(getattr(module, n, None)) for n in ("q_proj", "k_proj", "v_proj"))
-    out_name = next((n for n in HF_OUT if _linear(getattr(module, n, None)) is not None), None)
-    if q is None or k is None or v is None or out_name is None:
+    names = next((n for n in HF_QKV if all(_linear(getattr(module, x, None)) is not None for x in n)), None)
+    if names is None:
         return None
-    o = _linear(getattr(module, out_name))
-    d, d_where = _read_int(module, ("head_dim",))
+    q, k, v = (_linear(getattr(module, n)) for n in names)
+    out_name = next((n for n in HF_OUT if _linear(getattr(module, n, None)) is not None), None)
+    if out_name is None and names == HF_QKV[0]:
+        return None
+    o = _linear(getattr(module, out_name)) if out_name else None  # BERT's self-attention: projected by its parent
+    d, d_where = _read_int(module, ("head_dim", "attention_head_size"))
     H, h_where = _read_int(module, HEADS)
     if H is None and d:
         H, h_where = q.weight.shape[0] // d, f"q_proj's {q.weight.shape[0]} features / head_dim"
@@ -309,11 +314,12 @@ def huggingface(module: nn.Module) -> Projections | None:
         if getattr(module, name, None) or getattr(config, name, None):
             raise NotApplicable(f"{name} is set: the recompute has no soft-capping")
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
-    used = [module.q_proj, module.k_proj, module.v_proj, getattr(module, out_name), q_norm, k_norm]
+    used = [*(getattr(module, n) for n in names), getattr(module, out_name) if out_name else None, q_norm, k_norm]
+    projections = ", ".join(names) + f" and {out_name}" if out_name else ", ".join(names) + " (no output projection)"
     unused = _unused(module, used)
     if unused:
         raise NotApplicable(f"{type(module).__name__} holds {', '.join(unused[:4])}, which the recompute from "
-                            f"q_proj, k_proj, v_proj and {out_name} does not use")
+                            f"{projections} does not use")
     why = _dropout_active(module, "attention_dropout", "dropout")
     if why:
         raise NotApplicable(why)
@@ -355,7 +361,7 @@ def huggingface(module: nn.Module) -> Projections | None:
             raise NotApplicable("the call passes positions the module turns into rotary tables itself")
         return CallInputs(x, memory, memory, bias, rotary, tuple(read))
 
-    read = [f"q_proj, k_proj, v_proj and {out_name} of {type(module).__name__}, {H} heads ({h_where}), {G} key/value "
+    read = [f"{projections} of {type(module).__name__}, {H} heads ({h_where}), {G} key/value "
             f"heads ({g_where}), head width {d}" + (f" ({d_where})" if d_where else ""), s_where]
     if q_norm is not None or k_norm is not None:
         read.append("q_norm / k_norm applied to each head" + (" (or to all heads where their width says so)"))

@@ -155,6 +155,19 @@ def test_a_transformers_layer_passes_and_fails_with_its_key_value_heads_in_the_w
         assert wrong.verdict == "fail" and "repeat, not repeat_interleave" in wrong.evidence, wrong.evidence
 
 
+def test_a_transformers_layer_without_an_output_projection_passes():
+    """BERT's self-attention returns the merged heads; its parent projects them."""
+    modeling = pytest.importorskip("transformers.models.bert.modeling_bert",
+                                   reason="transformers is not installed (pip install -e '.[real]')")
+    from transformers import BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1)
+    result = own_weights(modeling.BertSelfAttention(config).eval())
+    assert result.verdict == "pass", result.evidence
+    assert "query, key, value (no output projection)" in result.evidence
+
+
 def test_a_timm_attention_passes():
     layers = pytest.importorskip("timm.layers", reason="timm is not installed (pip install -e '.[real]')")
     torch.manual_seed(0)

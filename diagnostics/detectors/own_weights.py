@@ -141,7 +141,7 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
     where_at = where_text(where, out.dim() - 1) if where else ""
     explained = []
     for step in STEPS:
-        if step == STEPS[0] and p.heads == p.kv_heads:
+        if step == STEPS[0] and p.heads == p.kv_heads or step == STEPS[3] and p.o is None:
             continue
         scales = (1.0, 1.0 / p.head_dim, (p.heads * p.head_dim) ** -0.5, p.scale ** 2, p.head_dim ** 0.5) \
             if step == STEPS[4] else (None,)
@@ -186,7 +186,7 @@ def check_own_weights(probe: Probe) -> DetectorResult:
     found, why = _find(probe.subject.layer)
     if not found:
         reason = "; ".join(why) if why else ("no attention projections identified (nn.MultiheadAttention; q_proj, "
-                                             "k_proj, v_proj and o_proj; qkv and proj)")
+                                             "k_proj, v_proj and o_proj; query, key and value; qkv and proj)")
         return DetectorResult(ID, "skip", NOT_APPLICABLE + reason)
     seen, call = _capture(probe, found)
     if not call.ok:
