@@ -155,6 +155,27 @@ def test_a_transformers_layer_passes_and_fails_with_its_key_value_heads_in_the_w
         assert wrong.verdict == "fail" and "repeat, not repeat_interleave" in wrong.evidence, wrong.evidence
 
 
+@pytest.mark.slow  # two model audits of a 2-layer Llama, ~20 s each on a quiet machine (conftest.py's list)
+def test_the_model_audit_finds_the_wrong_order_at_every_layer_and_passes_the_twin(monkeypatch):
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama",
+                                   reason="transformers is not installed (pip install -e '.[real]')")
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                         num_hidden_layers=2, vocab_size=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = modeling.LlamaForCausalLM(config).eval()
+    right = diagnostics.audit_model(model, seq_len=8)
+    assert right.status == "passed", str(right)
+    assert all(r.result("own_weights").verdict == "pass" for r in right.layers.values())
+    monkeypatch.setattr(modeling, "repeat_kv", lambda x, n: x if n == 1 else x.repeat(1, n, 1, 1))
+    wrong = diagnostics.audit_model(model, seq_len=8)
+    assert wrong.status == "failed"
+    at_layers = {(f.layer, f.detector) for f in wrong.findings if f.layer is not None}
+    assert at_layers == {(path, "own_weights") for path in wrong.layers}, str(wrong)  # the model's own backend_parity
+    # also sees it here: sdpa's repeat is not the patched one
+
+
 def test_a_transformers_layer_without_an_output_projection_passes():
     """BERT's self-attention returns the merged heads; its parent projects them."""
     modeling = pytest.importorskip("transformers.models.bert.modeling_bert",
