@@ -9,8 +9,8 @@ shared by H / H_kv consecutive query heads, torch's `repeat_interleave`, Hugging
 
 Recognisers, one per family, tried in this order (`RECOGNISERS`); each says what it read and from where:
     torch_mha     nn.MultiheadAttention: in_proj_weight (or q/k/v_proj_weight), out_proj, num_heads, batch_first
-    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), or query, key and value (BERT's and ViT's
-                  self-attention, whose output projection is its parent's), heads from the module or its config,
+    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), Phi-3's stacked qkv_proj, or query, key
+                  and value (BERT's and ViT's self-attention, whose output projection is its parent's), heads from the module or its config,
                   `scaling`, q_norm / k_norm, rotary tables from the call's position_embeddings (applied by the
                   module's own `apply_rotary_pos_emb`)
     fused_qkv     one qkv projection of 3 x heads x head_dim and proj (or out): timm's Attention (q_norm,
@@ -283,22 +283,34 @@ def _read_int(module: nn.Module, names: tuple[str, ...]) -> tuple[int | None, st
 
 def huggingface(module: nn.Module) -> Projections | None:
     names = next((n for n in HF_QKV if all(_linear(getattr(module, x, None)) is not None for x in n)), None)
-    if names is None:
+    fused = _linear(getattr(module, "qkv_proj", None)) if names is None else None  # Phi-3's q, k, v rows stacked
+    if names is None and fused is None:
         return None
-    q, k, v = (_linear(getattr(module, n)) for n in names)
     out_name = next((n for n in HF_OUT if _linear(getattr(module, n, None)) is not None), None)
-    if out_name is None and names == HF_QKV[0]:
+    if out_name is None and names != HF_QKV[1]:
         return None
     o = _linear(getattr(module, out_name)) if out_name else None  # BERT's self-attention: projected by its parent
     d, d_where = _read_int(module, ("head_dim", "attention_head_size"))
     H, h_where = _read_int(module, HEADS)
+    G, g_where = _read_int(module, KV_HEADS)
+    if fused is not None:
+        if not (H and d):
+            raise NotApplicable("a fused qkv_proj, but no num_attention_heads and head_dim to split it by")
+        G, g_where = (G, g_where) if G else (H, "num_attention_heads: no key/value heads declared")
+        if fused.weight.shape[0] != (H + 2 * G) * d:
+            raise NotApplicable(f"qkv_proj gives {fused.weight.shape[0]} features, not ({H} + 2 x {G}) heads x {d}")
+        w, b = fused.weight.split((H * d, G * d, G * d)), (fused.bias.split((H * d, G * d, G * d))
+                                                          if fused.bias is not None else (None,) * 3)
+        q, k, v = (Projection(w[i], b[i]) for i in range(3))
+        names = ("qkv_proj",)
+    else:
+        q, k, v = (_linear(getattr(module, n)) for n in names)
     if H is None and d:
         H, h_where = q.weight.shape[0] // d, f"q_proj's {q.weight.shape[0]} features / head_dim"
     if H is None:
         raise NotApplicable("no number of heads on the module or its config (num_heads, num_attention_heads)")
     if d is None:
         d, d_where = q.weight.shape[0] // H, f"q_proj's {q.weight.shape[0]} features / {H} heads"
-    G, g_where = _read_int(module, KV_HEADS)
     if G is None:
         G, g_where = k.weight.shape[0] // d, f"k_proj's {k.weight.shape[0]} features / head_dim {d}"
     if q.weight.shape[0] != H * d or k.weight.shape[0] != G * d or v.weight.shape[0] != G * d or H % G:

@@ -70,8 +70,14 @@ def _find(layer) -> tuple[dict, list[str]]:
         if isinstance(got, Projections):
             found[path] = got
         elif isinstance(got, str):
-            why.append(f"{path or type(module).__name__}: {got}")
+            why.append(f"{_name(path, module)}: {got}")
     return found, why
+
+
+def _name(path: str, module) -> str:
+    """The module's class, and its path inside the audited layer (none for the layer itself or a model audit's
+    in-place wrapper's `inner`)."""
+    return type(module).__name__ + (f" ({path})" if path and path != "inner" else "")
 
 
 def _capture(probe: Probe, found: dict) -> tuple[dict, object]:
@@ -193,7 +199,7 @@ def check_own_weights(probe: Probe) -> DetectorResult:
         return not_run(ID, call)
     verdicts, notes, worst = [], [], (0.0, 0.0)
     for path, p in found.items():
-        name = type(p.module).__name__ + (f" ({path})" if path and path != "inner" else "")
+        name = _name(path, p.module)
         if path not in seen or seen[path][1] is None:
             notes.append(f"{name}: not called by the standard probe")
             continue
