@@ -64,7 +64,8 @@ def _entries() -> list[Variant]:
             # mask_honoured does not credit it: -inf logits times the values make every masked probe's output
             # NaN, so no change can be measured there (the NaN itself is fully_masked_rows' finding)
             expected_detectors=("weight_row_sums", "output_variance", "fully_masked_rows"),
-            also_detected_by=("gradients", "own_weights"),  # with a padding mask the output is -inf @ v: NaN, gradients too
+            # with a padding mask the output is -inf @ v: NaN, gradients too
+            also_detected_by=("gradients", "own_weights"),
         ),
         Variant(
             id="mask_after_softmax", title="Mask applied after the softmax", cls=c.MaskAfterSoftmax,
@@ -105,7 +106,8 @@ def _entries() -> list[Variant]:
             expected_detectors=("output_shape", "query_locality", "keys_matter"),  # the value input is never read
             # outputs mix the query rows, not the memory's values; and a changed padded key is now a query,
             # whose output row moves although the mask blocks it
-            also_detected_by=("output_variance", "mask_honoured", "gradients", "own_weights"),  # the mask reaches the wrong keys
+            # the mask reaches the wrong keys
+            also_detected_by=("output_variance", "mask_honoured", "gradients", "own_weights"),
         ),
         Variant(
             id="non_contiguous_view", title="view() after transpose() without .contiguous()",
@@ -251,7 +253,8 @@ def _entries() -> list[Variant]:
                                        "with Tq = 1 the one score broadcasts over the keys)",
                                        lambda s: not s.self_attention and (s.has_choice or s.t_q not in (1, s.t_k))),
             expected_detectors=("keys_matter",),
-            also_detected_by=("runs", "query_locality", "own_weights"),  # with Tq != Tk the scores and the values disagree: it raises
+            # with Tq != Tk the scores and the values disagree: it raises
+            also_detected_by=("runs", "query_locality", "own_weights"),
         ),
         Variant(
             id="padding_mask_replaces_causal", title="Padding mask replaces the causal mask",
@@ -277,7 +280,8 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("Tk >= 2, or a query with no key (the second softmax makes its zeros uniform)",
                                        lambda s: s.t_k >= 2 or s.has_fully_masked_row),
             expected_detectors=("softmax_saturation",),
-            also_detected_by=("mask_honoured", "gradients", "own_weights"),  # masked keys get e^0 weight back, and gradient
+            # masked keys get e^0 weight back, and gradient
+            also_detected_by=("mask_honoured", "gradients", "own_weights"),
             # in bfloat16, where permuting the keys moves the outputs by rounding above the bar, the shift is measured
             # and its masked padding leaks (a consequence of mask_honoured; an exploring CI seed's draw, 3333)
             detected_at_other_sizes_by=("relative_positions",),
