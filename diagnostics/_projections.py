@@ -11,8 +11,8 @@ Recognisers, one per family, tried in this order (`RECOGNISERS`); each says what
     torch_mha     nn.MultiheadAttention: in_proj_weight (or q/k/v_proj_weight), out_proj, num_heads, batch_first
     huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), Phi-3's stacked qkv_proj, or query, key
                   and value (BERT's and ViT's self-attention, whose output projection is its parent's), heads from
-                  the module or its config, `scaling`, q_norm / k_norm, rotary tables from the call's position_embeddings (applied by the
-                  module's own `apply_rotary_pos_emb`)
+                  the module or its config, `scaling`, q_norm / k_norm, rotary tables from the call's
+                  position_embeddings (applied by the module's own `apply_rotary_pos_emb`)
     fused_qkv     one qkv projection of 3 x heads x head_dim and proj (or out): timm's Attention (q_norm,
                   k_norm, norm), this project's reference (correct.MultiHeadAttention, its `causal`)
 A module is identified only when every parameter and buffer it holds is one the recompute uses: a relative
