@@ -65,6 +65,7 @@ def test_grouped_heads_in_the_wrong_order_fail_and_the_right_order_passes(dtype)
     assert right.verdict == "pass", right.evidence
     assert wrong.verdict == "fail", wrong.evidence
     assert "repeated in the wrong order (repeat, not repeat_interleave)" in wrong.evidence
+    assert "k.repeat_interleave(H // G, dim=1)" in wrong.fix  # the fix of the step found, not the general one
     assert wrong.value > 10 * wrong.threshold  # far outside, at every dtype
     assert right.value <= right.threshold
 

@@ -44,6 +44,16 @@ FLOOR = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 2e-3, torch.bf
 MEASURED = {torch.float64: "38x (2.6e-7, Llama eager)", torch.float32: "14x", torch.bfloat16: "2.1x"}
 
 
+FIXES = {  # the fix of each step that reproduced a layer's output, in the user's terms
+    STEPS[0]: "share each key/value head with H / G consecutive query heads: k.repeat_interleave(H // G, dim=1) (Hugging "
+              "Face's repeat_kv), not k.repeat(1, H // G, 1, 1), which pairs query head h with key/value head h % G",
+    STEPS[1]: "split the heads as x.view(B, T, H, d).transpose(1, 2): heads first, each head's width last",
+    STEPS[2]: "merge the heads as out.transpose(1, 2).reshape(B, T, H * d): move the heads next to their width first",
+    STEPS[3]: "apply the output projection to the merged heads",
+    STEPS[4]: "multiply the scores by the layer's own scale (its `scaling` / `scale`, 1/sqrt(head_dim) by default)",
+}
+
+
 def _close(out: Tensor, golden: Tensor, same: Tensor | None) -> tuple[float, float, tuple]:
     """(the error of `out` against `golden`, the error allowed, where the worst error is)."""
     scale = baseline_scale(golden) or 1.0
@@ -114,8 +124,8 @@ def _clone(x):
     return x
 
 
-def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, str, float, float]:
-    """(verdict, evidence, error, allowed) of one module's call."""
+def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, str, float, float, str]:
+    """(verdict, evidence, error, allowed, the fix of the step found or "") of one module's call."""
     c = p.inputs(bind(p.module, args, kwargs))
     out = p.output(returned)
     dtype = out.dtype
@@ -145,7 +155,7 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
     read = "; ".join([*p.read, *c.read, f"recomputed with {mask}"])
     if err <= allowed:
         return "pass", f"{read}: greatest difference {err:.3g} of the output's RMS (allowed {allowed:.3g} for " \
-                       f"{dtype_name(dtype)})", err, allowed
+                       f"{dtype_name(dtype)})", err, allowed, ""
     where_at = where_text(where, out.dim() - 1) if where else ""
     explained = []
     for step in STEPS:
@@ -162,18 +172,19 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
                 continue
             e, _, _ = _close(out, other, None)
             if e <= max(allowed, 1e-3 * err):
-                explained.append(step if s is None else f"the scale: the layer applies {s:.4g}, its weights' "
-                                                        f"{p.scale:.4g} expected")
+                explained.append((step if s is None else f"the scale: the layer applies {s:.4g}, its weights' "
+                                                         f"{p.scale:.4g} expected", FIXES[step]))
     if not explained and not p.known:
         raise NotApplicable(f"the output differs from the attention its weights compute by {err:.3g} of its RMS "
                             f"(allowed {allowed:.3g}), and no one step of the reference explains it: "
                             f"{type(p.module).__name__} may have a step of its own (rotary positions, ALiBi, a bias) "
                             f"that the recompute cannot see")
-    cause = (f"; the output is reproduced with one step changed: {explained[0]}" if explained else
+    cause = (f"; the output is reproduced with one step changed: {explained[0][0]}" if explained else
              "; no single step of the reference reproduces it (the projections, heads, scale, merge or output "
              "projection: more than one, or another)")
     return "fail", f"{read}: greatest difference {err:.3g} of the output's RMS{' at ' + where_at if where_at else ''}" \
-                   f" (allowed {allowed:.3g} for {dtype_name(dtype)}){cause}", err, allowed
+                   f" (allowed {allowed:.3g} for {dtype_name(dtype)}){cause}", err, allowed, \
+        explained[0][1] if explained else ""
 
 
 def _margin(dtype: torch.dtype) -> str:
@@ -199,7 +210,7 @@ def check_own_weights(probe: Probe) -> DetectorResult:
     seen, call = _capture(probe, found)
     if not call.ok:
         return not_run(ID, call)
-    verdicts, notes, worst = [], [], (0.0, 0.0)
+    verdicts, notes, worst, fixes = [], [], (0.0, 0.0), []
     for path, p in found.items():
         name = _name(path, p.module)
         if path not in seen or seen[path][1] is None:
@@ -208,11 +219,12 @@ def check_own_weights(probe: Probe) -> DetectorResult:
         (args, kwargs), returned = seen[path]
         try:
             with torch.no_grad():
-                verdict, text, err, allowed = _judge(p, args, kwargs, returned)
+                verdict, text, err, allowed, fix = _judge(p, args, kwargs, returned)
         except NotApplicable as na:
             notes.append(f"{name}: {na}")
             continue
         verdicts.append((verdict, name))
+        fixes += [fix] if fix and fix not in fixes else []
         notes.append(f"{name}: {text}")
         if verdict == "fail" or err / allowed > worst[0] / (worst[1] or 1.0):
             worst = (err, allowed)
@@ -222,6 +234,6 @@ def check_own_weights(probe: Probe) -> DetectorResult:
     failed = [name for verdict, name in verdicts if verdict == "fail"]
     if failed:
         return result(ID, "fail", f"the output of {', '.join(failed)} is not the attention its own weights compute",
-                      value=worst[0], threshold=worst[1], evidence=evidence, margin=_margin(probe.subject.dtype))
+                      **({"fix": "; ".join(fixes)} if fixes else {}), value=worst[0], threshold=worst[1], evidence=evidence, margin=_margin(probe.subject.dtype))
     return result(ID, "pass", "the output equals the attention recomputed from the layer's own weights",
                   value=worst[0], threshold=worst[1], evidence=evidence, margin=_margin(probe.subject.dtype))
