@@ -18,7 +18,8 @@ caller of pytest.main() and the wheel's contents (tests/test_setup.py), examples
 forked groups), the sharded chapter's rows of the kill matrix (tests/test_kill_matrix.py: every broken sharded variant
 beside its twin at 2 and 4 ranks, and the chapter drawn from their audits; 22 audits, 30-50 s), and a fixed sample of transformers' model types through the zoo sweep,
 benchmarks/sweep.py, and a sample of timm's models through it (tests/test_sweep.py: the first 57 s on a quiet
-machine, 4 minutes under load; timm's 71 s under load).
+machine, 4 minutes under load; timm's 71 s under load), and two model audits of a tiny Llama, with its key/value
+heads repeated in the wrong order and without (tests/test_own_weights.py, with the real extra).
 
 The suite runs a worker per core (pytest-xdist, `--numprocesses=auto --dist=loadscope` in pyproject's addopts;
 `-n 0` for one process). A command line that names test files or tests runs in one process (it starts in half

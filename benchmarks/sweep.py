@@ -97,6 +97,7 @@ class Row:
     findings: list = field(default_factory=list)  # "detector@layer"
     causal: str = ""
     bugs: dict = field(default_factory=dict)  # bug -> "caught", "missed: ...", "elsewhere: ..."
+    own_weights: dict = field(default_factory=dict)  # layer -> own_weights' verdict (and why, where not "pass")
     seconds: float = 0.0
 
 
@@ -194,6 +195,10 @@ def audit_row(row: Row, model, *, bugs: bool) -> None:
     row.verdict, row.why = report.status, report.status_reason[:300]
     row.causal = f"{report.causal} ({report.causal_source})"[:200]
     row.findings = sorted(f"{d}@{layer}" if layer else d for layer, d in located(report))
+    for path, layer_report in (report.layers or {}).items():
+        own = layer_report.result("own_weights") if hasattr(layer_report, "result") else None
+        if own is not None:
+            row.own_weights[path] = own.verdict + ("" if own.verdict == "pass" else ": " + own.message[:160])
     if not bugs or report.status != "passed" or not report.layers:
         return
     if not getattr(type(model), "_supports_attention_backend", False):
@@ -425,6 +430,14 @@ def rates(rows: list[Row]) -> list[str]:
         caught = sum(v == "caught" for _, _, v in pairs)
         lines.append(f"injected bugs caught at the right layer: {caught} / {len(pairs)} in {len(judged)} models "
                      f"whose correct audit passed")
+    read = [r for r in built if any(v == "pass" or v.startswith("fail") for v in r.own_weights.values())]
+    if built:
+        false = [r.model_type for r in read if any(v.startswith("fail") for v in r.own_weights.values())]
+        layers = [v for r in built for v in r.own_weights.values()]
+        lines.append(f"own_weights: {len(read)} / {len(built)} models with a layer whose projections were identified "
+                     f"({sum(v == 'pass' for v in layers)} layers passed, {sum(v.startswith('fail') for v in layers)} "
+                     f"failed, {sum(v.startswith('skip') for v in layers)} not applicable of {len(layers)} audited)"
+                     + (f"; failed in: {', '.join(false)}" if false else ""))
     refused = [r for r in built if "reference" in r.bugs]
     if refused:
         lines.append(f"{len(refused)} models' explicit reference attention did not pass (no bug judged): "

@@ -38,6 +38,7 @@ def _entries() -> list[Variant]:
                                        "(one logit's softmax is 1 at any temperature)",
                                        lambda s: s.d_k > 1 and s.has_choice),
             expected_detectors=("softmax_saturation",),
+            also_detected_by=("own_weights",),  # the step found from the layer's own weights
         ),
         Variant(
             id="scaled_by_d_model", title="Scaled by sqrt(d_model) instead of sqrt(d_k)", cls=c.ScaledByDModel,
@@ -50,6 +51,7 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("num_heads > 1 (with one head d_model = d_k) and some query may attend two "
                                        "or more keys", lambda s: s.num_heads > 1 and s.has_choice),
             expected_detectors=("softmax_saturation",),
+            also_detected_by=("own_weights",),  # the step found from the layer's own weights
         ),
         Variant(
             id="no_softmax", title="No softmax", cls=c.NoSoftmax, step="softmax",
@@ -147,6 +149,7 @@ def _entries() -> list[Variant]:
             fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
             detectable_when=Observable("num_heads > 1 and Tq > 1", lambda s: s.num_heads > 1 and s.t_q > 1),
             expected_detectors=("output_variance", "query_locality", "mask_honoured"),
+            also_detected_by=("own_weights",),  # the step found from the layer's own weights
         ),
         Variant(
             id="mask_polarity_inverted", title="Boolean mask polarity inverted", cls=c.MaskPolarityInverted,

@@ -86,7 +86,7 @@ def test_broken_layer_fails_its_detector_with_evidence_and_fix(scratch, user_att
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:broken")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     expected = outcomes(user_attention_source + LAYERS, "broken")
-    assert expected["failed"] == 1 and expected["skipped"] >= 6  # softmax_saturation; the causal and mask ones
+    assert expected["failed"] == 2 and expected["skipped"] >= 6  # softmax_saturation, own_weights; the causal and mask ones
     result.assert_outcomes(**expected, warnings=1)  # passed includes audit_status, conclusive
     result.stdout.fnmatch_lines([
         "*attention audit of mylayers:broken: softmax_saturation*",
@@ -215,8 +215,8 @@ def test_audit_items_join_the_users_own_tests(scratch, user_attention_source):
     scratch.makepyfile(test_mine="def test_mine():\n    assert True\n")
     result = scratch.runpytest(*PLUGIN, "--attention-audit=mylayers:correct", "--attention-audit=mylayers:broken")
     correct, broken = (outcomes(user_attention_source + LAYERS, target) for target in ("correct", "broken"))
-    assert correct["failed"] == 0 and broken["failed"] == 1
-    result.assert_outcomes(passed=1 + correct["passed"] + broken["passed"], failed=1,
+    assert correct["failed"] == 0 and broken["failed"] == 2  # softmax_saturation, own_weights
+    result.assert_outcomes(passed=1 + correct["passed"] + broken["passed"], failed=2,
                            skipped=correct["skipped"] + broken["skipped"], warnings=2)
 
 

@@ -12,7 +12,7 @@ from .._registry import DETECTORS
 
 MODULES = ("runs", "shape", "finite", "weights", "temperature", "variance", "locality", "masking", "causal",
            "determinism", "batch", "keys", "decoding", "gradients", "parameters", "positions",
-           "pattern")
+           "pattern", "own_weights")
 
 for _name in MODULES:
     import_module(f"{__name__}.{_name}")
