@@ -347,6 +347,23 @@ def test_progress_false_turns_the_bar_off_in_python(monkeypatch):
     assert "".join(stderr.written).count("/2 [") == 2
 
 
+def test_a_model_audit_draws_no_bar_per_layer(monkeypatch):
+    """audit_model audits each layer with audit(); on a terminal, where every audit counts as long, no layer's bar is
+    drawn over the model audit's own stages (one per layer would be noise); a layer audit there shows its bar."""
+    from buggy_variants.teaching_model import TinyGPT
+    from diagnostics import _progress
+
+    monkeypatch.setattr(_progress, "LONG_MAPS", 0)  # every audit is long
+    stderr = _Terminal(True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=1)
+    diagnostics.audit_model(model, seq_len=8, causal=True)
+    assert "auditing " not in "".join(stderr.written)
+    diagnostics.audit(model.h[0].attn, seq_len=8, causal=True, detectors=["runs"])  # the twin: one layer, a bar
+    assert "auditing " in "".join(stderr.written)
+
+
 def test_json_writes_non_finite_numbers_as_strings():
     assert _cli._jsonable({"a": [math.inf, -math.inf, math.nan, 1.5, "x"]}) == {"a": ["inf", "-inf", "nan", 1.5, "x"]}
 

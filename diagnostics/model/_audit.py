@@ -188,8 +188,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             if said and said not in notes and "scaling" not in said:
                 notes.append(said)
             try:
+                # progress=False: a bar per layer would draw over the model audit's own stages
                 rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale,
-                            pattern=declared[p].pattern if p in declared else None)
+                            pattern=declared[p].pattern if p in declared else None, progress=False)
             except AuditUsageError as exc:
                 notes.append(f"{p} not audited in place: {exc}")
                 continue
