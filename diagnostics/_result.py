@@ -198,9 +198,10 @@ class DetectorResult:
     @property
     def remedy(self) -> tuple[str, bool]:
         """(the fix to show, whether it is the detector's general one): the fix of the cause localisation found
-        at the finding's sites (the op there and what it did), else the detector's general fix."""
+        at the finding's sites (the op there and what it did), else the fix of a cause the detector named from its
+        evidence (`extras["cause"]`: a sharded layer's bias added on every rank), else the detector's general fix."""
         cause = next((site.fix for site in self.where if site.fix), "")
-        return (cause, False) if cause else (self.fix, True)
+        return (cause, False) if cause else (self.fix, not self.extras.get("cause"))
 
     @property
     def fired(self) -> bool:

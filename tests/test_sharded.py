@@ -212,6 +212,8 @@ def check_variant(vid: str, world_sizes):
     for det in v.expected_detectors:
         assert broken.result(det).verdict == "fail", f"{vid}: {det} did not fail:\n{broken}"
     assert v.cause in broken.result(v.expected_detectors[0]).message, str(broken)
+    # the fix shown is that cause's, not marked as the detector's general one
+    assert broken.result(v.expected_detectors[0]).remedy == (broken.result(v.expected_detectors[0]).fix, False)
     assert v.cause not in str(twin)  # the twin, on the same inputs, names no cause
     if vid == "bias_on_every_rank":  # the finding names the bias, the multiple and the ranks, and its fix the bias
         result = broken.result("sharded_output")

@@ -99,6 +99,12 @@ def unmeasured(ctx, job: str) -> list[str]:
     return notes
 
 
+def named(cause) -> dict:
+    """A failing result's extras where the evidence named its cause: its fix is that cause's, not the detector's
+    general one (`DetectorResult.remedy`)."""
+    return {} if cause is None else {"cause": cause.text}
+
+
 def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, fail_text: str, fix: str,
             cause=None) -> DetectorResult:
     """The result over every world size: fail if any failed (the worst first), skip if none was measured."""
@@ -110,7 +116,7 @@ def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, f
     if failed:
         message = fail_text + (f": {cause.text}" if cause is not None else "")
         return DetectorResult(det, "fail", message, value=worst.error, threshold=worst.allowed, evidence=evidence,
-                              fix=cause.fix if cause is not None else fix)
+                              fix=cause.fix if cause is not None else fix, extras=named(cause))
     return DetectorResult(det, "pass", ok_text + f" (at {', '.join(str(p.W) for p in passes)} ranks)",
                           value=worst.error, threshold=worst.allowed, evidence=evidence)
 

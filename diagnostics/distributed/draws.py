@@ -60,6 +60,7 @@ def check_train_draws(ctx: ShardedContext) -> DetectorResult:
         return DetectorResult(ID, "fail", "in train mode the sharded layer draws other masks than the unsharded layer "
                               "under the same seed (at " + ", ".join(f"{W} ranks, seed {s}" for W, s in bad[:4])
                               + "): its dropout draws from another stream than the unsharded layer's", value=worst,
-                              threshold=allowed_seen, evidence=evidence, fix=FIX)
+                              threshold=allowed_seen, evidence=evidence, fix=FIX,
+                              extras={"cause": "another stream than the unsharded layer's"})  # what it reads
     return DetectorResult(ID, "pass", "in train mode the sharded layer draws what the unsharded layer draws under the "
                           "same seed", value=worst, threshold=allowed_seen, evidence=evidence)

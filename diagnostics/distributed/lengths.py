@@ -11,7 +11,7 @@ from .._result import DetectorResult
 from ..model._tolerance import scale_of
 from ._causes import Cause
 from ._context import UNEVEN, ShardedContext
-from ._judge import Parity, parity, token_errors
+from ._judge import Parity, named, parity, token_errors
 
 ID = "sharded_lengths"
 FIX = ("refuse a length the world size does not divide with an error, or pad it and mask the padding (keys) and drop "
@@ -50,7 +50,8 @@ def check_sharded_lengths(ctx: ShardedContext) -> DetectorResult:
     if wrong:
         return DetectorResult(ID, "fail", f"a length the world size does not divide gives a wrong output without an "
                                           f"error (at {', '.join(map(str, wrong))} ranks)"
-                              + (f": {cause.text}" if cause else ""), evidence=evidence, fix=cause.fix if cause else FIX)
+                              + (f": {cause.text}" if cause else ""), evidence=evidence, fix=cause.fix if cause else FIX,
+                              extras=named(cause))
     if not refused and not handled:
         return DetectorResult(ID, "skip", evidence)
     how = " and ".join(x for x in (f"refused at {', '.join(map(str, refused))} ranks" if refused else "",

@@ -48,6 +48,6 @@ def check_train_replicas(ctx: ShardedContext) -> DetectorResult:
         return DetectorResult(ID, "fail", "in train mode the ranks part under the same seed: "
                               + ", ".join(f"rank {r} at {W} ranks" for W, r in bad[:6])
                               + ": the replicated region draws from a per-rank stream", value=worst, threshold=tol,
-                              evidence=evidence, fix=FIX)
+                              evidence=evidence, fix=FIX, extras={"cause": "a per-rank stream"})  # what it reads
     return DetectorResult(ID, "pass", "in train mode every rank returns the same output under the same seed",
                           value=worst, threshold=tol, evidence=evidence)
