@@ -1,0 +1,143 @@
+"""Pins for the model wing's numbers and branches that `benchmarks/mutations.py` found no test depending on (issue 37,
+its second sample, seed 777): `gradient_flow`'s relative floor and its pass message, `backend_parity`'s padded batch.
+As in tests/test_pins.py, a case just inside and one just outside each constant or branch, the constants quoted as
+literals on purpose; small models (one or two blocks, 16 wide), so the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diagnostics
+from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
+from diagnostics._guard import seed_rng
+
+
+def model_result(model, detector: str, **kw):
+    return diagnostics.audit_model(model, detectors=[detector], **kw).result(detector)
+
+
+class ReadsAhead(TinyGPT):
+    """TinyGPT whose embeddings take `gain` x the next position's before the first block: a leak of the future into
+    the past whose gradient, relative to the largest, is about 0.57 x `gain` (measured on this model at seed 0:
+    1.71e-12 for 3e-12), far below what the float32 forward can show."""
+
+    def __init__(self, gain: float):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+        self.gain = gain
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape  # batch, sequence length
+        x = self.wte(input_ids) + self.wpe(torch.arange(T))  # (B, T, D)
+        ahead = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # (B, T, D): position t holds t + 1's
+        x = x + self.gain * ahead
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("gain, expected", [(6e-12, "fail"), (6e-13, "pass")])
+def test_gradient_flow_reads_a_leak_above_1e_12_of_the_largest_gradient_and_not_below(gain, expected):
+    """model/gradients.py: `later > 1e-12 * max(...)`. A gradient to later embeddings of about 3.4e-12 of the
+    largest fails (it would pass at 1e-11), one of about 3.4e-13 passes as rounding (it would fail at 1e-13)."""
+    result = model_result(ReadsAhead(gain), "gradient_flow")
+    assert result.verdict == expected, result
+    if expected == "fail":
+        assert result.message.startswith("the gradient lets the future in"), result
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradient_flow_says_it_measured_the_future_only_for_a_causal_model(causal):
+    """model/gradients.py: the pass message claims "no output sends gradient to later input embeddings" only where
+    that was measured: a causal model (`ctx.causal and "x" in leaf`), not a model audited as bidirectional."""
+    result = model_result(ReadsAhead(0.0), "gradient_flow", causal=causal)
+    assert result.verdict == "pass", result
+    assert result.message.endswith("and no output sends gradient to later input embeddings") is causal, result
+
+
+class _Config:
+    _attn_implementation = "eager"
+
+
+def posing_as_hugging_face(*, takes_mask: bool):
+    """ProtocolGPT posing as a Hugging Face model that can switch its attention implementation (as
+    tests/test_error_paths.py's `switchable`), recording the `attention_mask` of every call in `calls` (a class
+    attribute: the twin backend_parity deep-copies records into the same list). `takes_mask=False`: its forward
+    takes the token ids only (no padding mask to give it)."""
+
+    class Posing(ProtocolGPT):
+        calls: list = []
+
+        def __init__(self):
+            torch.manual_seed(0)
+            super().__init__(n_layer=1, d_model=16, num_heads=2)
+            self.config = _Config()
+
+        def set_attn_implementation(self, name):
+            self.config = _Config()
+            self.config._attn_implementation = name
+
+        def forward(self, input_ids, attention_mask=None):
+            self.calls.append(attention_mask)
+            return super().forward(input_ids, attention_mask)
+
+    class PosingWithoutMask(Posing):
+        def forward(self, input_ids):
+            return super().forward(input_ids)
+
+    model = Posing() if takes_mask else PosingWithoutMask()
+    model.__class__.__module__ = "transformers.models.posing.modeling_posing"
+    return model
+
+
+@pytest.mark.parametrize("seq_len, padded", [(3, [[1, 1, 1], [1, 1, 0]]), (2, None)])
+def test_backend_parity_pads_the_second_row_from_3_tokens(seq_len, padded):
+    """model/backends.py: `T >= 3` (with a padding mask to give): at 3 tokens both implementations run a batch whose
+    second row ends in padding; at 2 no mask is passed."""
+    model = posing_as_hugging_face(takes_mask=True)
+    result = model_result(model, "backend_parity", seq_len=seq_len)
+    assert result.verdict == "pass", result
+    masks = [m.tolist() if m is not None else None for m in model.calls]
+    assert padded in masks and all(m in (None, padded) for m in masks), masks
+
+
+def test_backend_parity_of_a_model_without_a_padding_mask_compares_unpadded_rows():
+    """model/backends.py: `runner.padding_name is not None and ...`: a model whose forward takes no attention mask
+    is compared on the rows as they are, not handed a mask it has no argument for."""
+    model = posing_as_hugging_face(takes_mask=False)
+    result = model_result(model, "backend_parity")
+    assert (result.verdict, result.message) == ("pass", "eager and sdpa agree"), result
+    assert model.calls and all(m is None for m in model.calls)
+
+
+class ReadsNext(torch.nn.Module):
+    """Before a block's MLP: position t takes t + 1's features, at every t (`last_only=False`) or at T - 2 only."""
+
+    def __init__(self, *, last_only: bool):
+        super().__init__()
+        self.last_only = last_only
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        ahead = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # (B, T, D): position t holds t + 1's
+        if self.last_only:
+            ahead[:, :T - 2] = 0
+        return x + ahead
+
+
+@pytest.mark.parametrize("last_only", [False, True], ids=["every position", "T-2 only"])
+def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_middle_one(last_only):
+    """model/causality.py: the first module whose past outputs moved is looked for at every cut (0, T // 2, T - 2).
+    A leak of T - 1 into T - 2 moves no past output at the middle cut (its reach there is 0) and is still placed
+    in block h.1, as a leak at every position is (reach > 0)."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
+    model.h[1].mlp = torch.nn.Sequential(ReadsNext(last_only=last_only), model.h[1].mlp)
+    report = diagnostics.audit_model(model, detectors=["prefix_causality"])
+    result = report.result("prefix_causality")
+    assert (result.verdict, result.layer) == ("fail", "h.1"), result
+    reach = report.readings["prefix_reach"]
+    assert reach["reach"] == {"h.0.attn": 0, "h.1.attn": 0} and reach["blocks"]["h.0"] == 0
+    assert (reach["blocks"]["h.1"] == 0) is last_only, reach
