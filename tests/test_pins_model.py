@@ -112,32 +112,52 @@ def test_backend_parity_of_a_model_without_a_padding_mask_compares_unpadded_rows
     assert model.calls and all(m is None for m in model.calls)
 
 
-class ReadsNext(torch.nn.Module):
-    """Before a block's MLP: position t takes t + 1's features, at every t (`last_only=False`) or at T - 2 only."""
+class Peeks(torch.nn.Module):
+    """Before a block's MLP, a leak of the future: "every": position t takes t + 1's features, at every t; "T-2": at
+    T - 2 only; "0 from T-1": position 0 takes the last position's."""
 
-    def __init__(self, *, last_only: bool):
+    def __init__(self, where: str):
         super().__init__()
-        self.last_only = last_only
+        self.where = where
 
     def forward(self, x):
         B, T, D = x.shape  # batch, sequence length, d_model
+        if self.where == "0 from T-1":
+            return torch.cat([x[:, :1] + x[:, -1:], x[:, 1:]], 1)  # (B, T, D)
         ahead = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)  # (B, T, D): position t holds t + 1's
-        if self.last_only:
+        if self.where == "T-2":
             ahead[:, :T - 2] = 0
         return x + ahead
 
 
-@pytest.mark.parametrize("last_only", [False, True], ids=["every position", "T-2 only"])
-def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_middle_one(last_only):
+def peeking(where: str) -> TinyGPT:
+    """TinyGPT (2 blocks) with a `Peeks(where)` before block h.1's MLP, or for "0 from T-1" before h.0's first norm
+    (there the last position's features are its embeddings: the same token in every cut's row)."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
+    if where == "0 from T-1":
+        model.h[0].ln_1 = torch.nn.Sequential(Peeks(where), model.h[0].ln_1)
+    else:
+        model.h[1].mlp = torch.nn.Sequential(Peeks(where), model.h[1].mlp)
+    return model
+
+
+@pytest.mark.parametrize("where", ["every", "T-2"])
+def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_middle_one(where):
     """model/causality.py: the first module whose past outputs moved is looked for at every cut (0, T // 2, T - 2).
     A leak of T - 1 into T - 2 moves no past output at the middle cut (its reach there is 0) and is still placed
     in block h.1, as a leak at every position is (reach > 0)."""
-    seed_rng(0)
-    model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
-    model.h[1].mlp = torch.nn.Sequential(ReadsNext(last_only=last_only), model.h[1].mlp)
-    report = diagnostics.audit_model(model, detectors=["prefix_causality"])
+    report = diagnostics.audit_model(peeking(where), detectors=["prefix_causality"])
     result = report.result("prefix_causality")
     assert (result.verdict, result.layer) == ("fail", "h.1"), result
     reach = report.readings["prefix_reach"]
     assert reach["reach"] == {"h.0.attn": 0, "h.1.attn": 0} and reach["blocks"]["h.0"] == 0
-    assert (reach["blocks"]["h.1"] == 0) is last_only, reach
+    assert (reach["blocks"]["h.1"] == 0) is (where == "T-2"), reach
+
+
+def test_prefix_causality_quotes_the_first_cut_that_reached_the_greatest_change():
+    """model/causality.py: `float(past.max()) > worst`: where every cut moves position 0 by the same amount (it reads
+    the last token's embeddings, which every cut replaces by the same token's), the evidence quotes the first cut, 0; `>=` would
+    quote the last, 14."""
+    result = diagnostics.audit_model(peeking("0 from T-1"), detectors=["prefix_causality"]).result("prefix_causality")
+    assert result.verdict == "fail" and "at t=0 when only t>0 was changed" in result.evidence, result
