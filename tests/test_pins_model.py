@@ -12,6 +12,7 @@ import torch
 import diagnostics
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
 from diagnostics._guard import seed_rng
+from diagnostics.model.gradients import input_embedding
 
 
 def model_result(model, detector: str, **kw):
@@ -161,3 +162,75 @@ def test_prefix_causality_quotes_the_first_cut_that_reached_the_greatest_change(
     quote the last, 14."""
     result = diagnostics.audit_model(peeking("0 from T-1"), detectors=["prefix_causality"]).result("prefix_causality")
     assert result.verdict == "fail" and "at t=0 when only t>0 was changed" in result.evidence, result
+
+
+class Seq2Seq(torch.nn.Module):
+    """An encoder-decoder as `input_embedding(decoder=True)` reads it: `get_decoder` returns `decoder`, or raises
+    when that is "raises"; the decoder has an embedding of its own unless it is None or the model itself."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.shared = torch.nn.Embedding(8, 4)
+        self.decoder = decoder if decoder != "raises" else None
+
+    def get_decoder(self):
+        if self.decoder is None:
+            raise NotImplementedError("no decoder")
+        return self.decoder
+
+
+def test_input_embedding_of_an_encoder_decoder_is_its_decoders_own_else_the_models():
+    """model/gradients.py `input_embedding`: `isinstance(inner, nn.Module) and inner is not model`: a decoder with an
+    embedding of its own gives that one; a getter that raises, returns something that is not a module or returns
+    the model itself gives the model's own (the first nn.Embedding)."""
+    own = torch.nn.Sequential(torch.nn.Embedding(8, 4))
+    assert input_embedding(Seq2Seq(own), decoder=True) is own[0]
+    for decoder in ("raises", "not a module"):
+        model = Seq2Seq(decoder)
+        assert input_embedding(model, decoder=True) is model.shared
+    itself = Seq2Seq(None)
+    itself.decoder = itself
+    assert input_embedding(itself, decoder=True) is itself.shared
+
+
+class PositionsFirst(TinyGPT):
+    """TinyGPT whose first nn.Embedding is its position table (wte registered after it), so the gradient's leaf is
+    looked for at an output of (T, D), not (B, T, D)."""
+
+    def __init__(self):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+        wte = self.wte
+        del self.wte
+        self.wte = wte
+
+
+class TableEmbedding(TinyGPT):
+    """TinyGPT whose token embedding is a bare parameter indexed by the ids: no nn.Embedding to take a leaf at."""
+
+    def __init__(self):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+        self.table = torch.nn.Parameter(self.wte.weight.detach().clone())
+        del self.wte
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape  # batch, sequence length
+        x = self.table[input_ids] + self.wpe(torch.arange(T))  # (B, T, D)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("make, measured", [(lambda: ReadsAhead(0.0), True), (PositionsFirst, False),
+                                            (TableEmbedding, False)],
+                         ids=["token embedding", "position table first", "no nn.Embedding"])
+def test_gradient_flow_takes_its_leaf_only_at_token_embeddings_of_the_inputs_shape(make, measured):
+    """model/gradients.py: the hook takes a leaf only from a float output of (B, T, ...) (`isinstance(...) and
+    out.is_floating_point() and out.shape[:2] == seq.shape[:2]`), and token ids without an embedding module give no
+    leaf (`emb is None and seq.is_floating_point()`): each of these causal models passes, the future measured only
+    where the leaf is the token embeddings (a position table's (T, D) taken as the leaf reads as a leak, ids made
+    a leaf raise)."""
+    result = model_result(make(), "gradient_flow", example=torch.randint(0, 64, (2, 16)))
+    assert result.verdict == "pass", result
+    assert result.message.endswith("and no output sends gradient to later input embeddings") is measured, result
