@@ -206,17 +206,19 @@ class PositionsFirst(TinyGPT):
 
 
 class TableEmbedding(TinyGPT):
-    """TinyGPT whose token embedding is a bare parameter indexed by the ids: no nn.Embedding to take a leaf at."""
+    """TinyGPT whose embeddings are bare parameters indexed by the ids and positions: no nn.Embedding to take a
+    leaf at."""
 
     def __init__(self):
         seed_rng(0)
         super().__init__(n_layer=1, d_model=16, num_heads=2)
-        self.table = torch.nn.Parameter(self.wte.weight.detach().clone())
-        del self.wte
+        self.tokens = torch.nn.Parameter(self.wte.weight.detach().clone())
+        self.positions = torch.nn.Parameter(self.wpe.weight.detach().clone())
+        del self.wte, self.wpe
 
     def forward(self, input_ids):
         B, T = input_ids.shape  # batch, sequence length
-        x = self.table[input_ids] + self.wpe(torch.arange(T))  # (B, T, D)
+        x = self.tokens[input_ids] + self.positions[:T]  # (B, T, D)
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
