@@ -62,11 +62,12 @@ class _Config:
     _attn_implementation = "eager"
 
 
-def posing_as_hugging_face(*, takes_mask: bool):
+def posing_as_hugging_face(*, takes_mask: bool, sdpa_pads_with_zeros: bool = False):
     """ProtocolGPT posing as a Hugging Face model that can switch its attention implementation (as
     tests/test_error_paths.py's `switchable`), recording the `attention_mask` of every call in `calls` (a class
     attribute: the twin backend_parity deep-copies records into the same list). `takes_mask=False`: its forward
-    takes the token ids only (no padding mask to give it)."""
+    takes the token ids only (no padding mask to give it). `sdpa_pads_with_zeros`: its sdpa path returns zeros at
+    the positions the padding mask hides (what a padded position holds is not defined)."""
 
     class Posing(ProtocolGPT):
         calls: list = []
@@ -82,7 +83,10 @@ def posing_as_hugging_face(*, takes_mask: bool):
 
         def forward(self, input_ids, attention_mask=None):
             self.calls.append(attention_mask)
-            return super().forward(input_ids, attention_mask)
+            out = super().forward(input_ids, attention_mask)  # (B, T, vocab)
+            if sdpa_pads_with_zeros and attention_mask is not None and self.config._attn_implementation == "sdpa":
+                out = out.masked_fill(attention_mask[..., None] == 0, 0.0)
+            return out
 
     class PosingWithoutMask(Posing):
         def forward(self, input_ids):
@@ -236,3 +240,11 @@ def test_gradient_flow_takes_its_leaf_only_at_token_embeddings_of_the_inputs_sha
     result = model_result(make(), "gradient_flow", example=torch.randint(0, 64, (2, 16)))
     assert result.verdict == "pass", result
     assert result.message.endswith("and no output sends gradient to later input embeddings") is measured, result
+
+
+@pytest.mark.parametrize("zeros", [True, False])
+def test_backend_parity_compares_the_positions_the_padding_mask_keeps_only(zeros):
+    """model/backends.py: `keep.shape == mine.shape[:2]`: implementations compared at the unmasked positions, so an
+    sdpa path that leaves zeros where the padding mask hides the tokens agrees with eager as the plain one does."""
+    result = model_result(posing_as_hugging_face(takes_mask=True, sdpa_pads_with_zeros=zeros), "backend_parity")
+    assert (result.verdict, result.message) == ("pass", "eager and sdpa agree"), result
