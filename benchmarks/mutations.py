@@ -194,6 +194,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/causality.py:check_prefix_causality:L*:Gt->GtE": (
+        ("(past > tol).sum()", "(change[c + 1:] > tol).any()", "(ch[:c + 1] > tol).sum()", "[:cj + 1] > tol).any()"),
+        _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: the past's count, the later outputs' "
+        "change, the reach per layer, the first layer reached)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (

@@ -248,3 +248,27 @@ def test_backend_parity_compares_the_positions_the_padding_mask_keeps_only(zeros
     sdpa path that leaves zeros where the padding mask hides the tokens agrees with eager as the plain one does."""
     result = model_result(posing_as_hugging_face(takes_mask=True, sdpa_pads_with_zeros=zeros), "backend_parity")
     assert (result.verdict, result.message) == ("pass", "eager and sdpa agree"), result
+
+
+class QuietLater(TinyGPT):
+    """TinyGPT whose logits are zero at positions T // 2 + 1 .. T - 2: changing the later tokens moves the last
+    output and not those (a causal model, measured)."""
+
+    def __init__(self):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        keep = torch.ones(T, 1)
+        keep[T // 2 + 1:-1] = 0
+        return super().forward(input_ids) * keep  # (B, T, vocab)
+
+
+def test_prefix_causality_measures_a_model_once_any_later_output_moved_at_every_cut():
+    """model/causality.py `moved_own`: the verdict is "not measured" only where some cut moved no later output
+    (`> tol).any()` at every cut); one later output moving at each cut (the last) is enough to pass, as the
+    plain model does."""
+    for model in (QuietLater(), ReadsAhead(0.0)):
+        result = model_result(model, "prefix_causality")
+        assert result.verdict == "pass", result
