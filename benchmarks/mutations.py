@@ -198,6 +198,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         ("(past > tol).sum()", "(change[c + 1:] > tol).any()", "(ch[:c + 1] > tol).sum()", "[:cj + 1] > tol).any()"),
         _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: the past's count, the later outputs' "
         "change, the reach per layer, the first layer reached)"),
+    "model/packing.py:check_packed_documents:L*:Gt->GtE": (
+        ("(change[s:e] > tol).any()", "(outside > tol)", "(ch > tol).any()"),
+        _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: a document's own outputs, the others', "
+        "the first layer where they cross)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (

@@ -272,3 +272,46 @@ def test_prefix_causality_measures_a_model_once_any_later_output_moved_at_every_
     for model in (QuietLater(), ReadsAhead(0.0)):
         result = model_result(model, "prefix_causality")
         assert result.verdict == "pass", result
+
+
+class FirstLayerAlsoOnRowZero(TinyGPT):
+    """TinyGPT that also runs its first attention layer on the batch's first row alone (a side reading it
+    discards): that layer's outputs of two batch sizes cannot be joined into one sequence."""
+
+    def __init__(self):
+        seed_rng(0)
+        super().__init__(n_layer=2, d_model=16, num_heads=2)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        x = self.wte(input_ids) + self.wpe(torch.arange(T))  # (B, T, D)
+        self.h[0].attn(self.h[0].ln_1(x[:1]))  # (1, T, D), discarded
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class OneBlockTwice(TinyGPT):
+    """TinyGPT applying its one block twice (weights shared across depth, as ALBERT does): the block's and its
+    attention's outputs join into 2T positions, not T."""
+
+    def __init__(self):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        x = self.wte(input_ids) + self.wpe(torch.arange(T))  # (B, T, D)
+        x = self.h[0](self.h[0](x))
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("make, reach, blocks", [(FirstLayerAlsoOnRowZero, {"h.1.attn": 0}, {"h.0": 0, "h.1": 0}),
+                                                 (OneBlockTwice, {}, {})], ids=["two batch sizes", "2T positions"])
+def test_prefix_causality_leaves_out_a_layer_whose_outputs_are_not_one_per_row_and_position(make, reach, blocks):
+    """model/causality.py: `layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T`: a
+    layer called on two batch sizes has no joined output (None), one called twice on the batch has 2T positions;
+    either is left out of the reach per layer, and the model is measured as usual."""
+    report = diagnostics.audit_model(make(), detectors=["prefix_causality"])
+    assert report.result("prefix_causality").verdict == "pass", report.result("prefix_causality")
+    assert (report.readings["prefix_reach"]["reach"], report.readings["prefix_reach"]["blocks"]) == (reach, blocks)
