@@ -1,5 +1,5 @@
 """Pins for the model wing's numbers and branches that `benchmarks/mutations.py` found no test depending on (issue 37,
-its second sample, seed 777): `gradient_flow`'s relative floor and its pass message, `backend_parity`'s padded batch.
+its second sample, seed 777): gradient_flow, backend_parity, prefix_causality and padding_invariance.
 As in tests/test_pins.py, a case just inside and one just outside each constant or branch, the constants quoted as
 literals on purpose; small models (one or two blocks, 16 wide), so the file runs in a few seconds.
 """
@@ -118,7 +118,7 @@ def test_backend_parity_of_a_model_without_a_padding_mask_compares_unpadded_rows
 
 
 class Peeks(torch.nn.Module):
-    """Before a block's MLP, a leak of the future: "every": position t takes t + 1's features, at every t; "T-2": at
+    """Before a block's MLP or norm, a leak of the future: "every": position t takes t + 1's features, at every t; "T-2": at
     T - 2 only; "0 from T-1": position 0 takes the last position's."""
 
     def __init__(self, where: str):
@@ -136,28 +136,28 @@ class Peeks(torch.nn.Module):
 
 
 def peeking(where: str) -> TinyGPT:
-    """TinyGPT (2 blocks) with a `Peeks(where)` before block h.1's MLP, or for "0 from T-1" before h.0's first norm
+    """TinyGPT (2 blocks) with a `Peeks(where)` before block h.0's MLP, or for "0 from T-1" before its first norm
     (there the last position's features are its embeddings: the same token in every cut's row)."""
     seed_rng(0)
     model = TinyGPT(n_layer=2, d_model=16, num_heads=2)
     if where == "0 from T-1":
         model.h[0].ln_1 = torch.nn.Sequential(Peeks(where), model.h[0].ln_1)
     else:
-        model.h[1].mlp = torch.nn.Sequential(Peeks(where), model.h[1].mlp)
+        model.h[0].mlp = torch.nn.Sequential(Peeks(where), model.h[0].mlp)
     return model
 
 
 @pytest.mark.parametrize("where", ["every", "T-2"])
 def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_middle_one(where):
-    """model/causality.py: the first module whose past outputs moved is looked for at every cut (0, T // 2, T - 2).
-    A leak of T - 1 into T - 2 moves no past output at the middle cut (its reach there is 0) and is still placed
-    in block h.1, as a leak at every position is (reach > 0)."""
+    """model/causality.py: the first module whose past outputs moved (`first is None and ...`: not the last, h.1's
+    attention and block move too) is looked for at every cut (0, T // 2, T - 2). A leak of T - 1 into T - 2 moves
+    no past output at the middle cut (its reach there is 0) and is still placed in block h.0, as a leak at every
+    position is (reach > 0)."""
     report = diagnostics.audit_model(peeking(where), detectors=["prefix_causality"])
     result = report.result("prefix_causality")
-    assert (result.verdict, result.layer) == ("fail", "h.1"), result
+    assert (result.verdict, result.layer) == ("fail", "h.0"), result
     reach = report.readings["prefix_reach"]
-    assert reach["reach"] == {"h.0.attn": 0, "h.1.attn": 0} and reach["blocks"]["h.0"] == 0
-    assert (reach["blocks"]["h.1"] == 0) is (where == "T-2"), reach
+    assert reach["reach"]["h.0.attn"] == 0 and (reach["blocks"]["h.0"] == 0) is (where == "T-2"), reach
 
 
 def test_prefix_causality_quotes_the_first_cut_that_reached_the_greatest_change():
@@ -315,3 +315,21 @@ def test_prefix_causality_leaves_out_a_layer_whose_outputs_are_not_one_per_row_a
     report = diagnostics.audit_model(make(), detectors=["prefix_causality"])
     assert report.result("prefix_causality").verdict == "pass", report.result("prefix_causality")
     assert (report.readings["prefix_reach"]["reach"], report.readings["prefix_reach"]["blocks"]) == (reach, blocks)
+
+
+class PaddedWithoutPositions(ProtocolGPT):
+    """ProtocolGPT whose forward takes a padding mask and no position ids."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(input_ids, attention_mask)
+
+
+@pytest.mark.parametrize("positions", [True, False])
+def test_padding_invariance_says_left_padding_was_not_checked_only_without_position_ids(positions):
+    """model/padding.py `if not left`: the evidence says left padding was not checked where the forward takes no
+    position_ids (left-padded tokens would sit at other positions), and not where it was checked."""
+    torch.manual_seed(0)
+    model = (ProtocolGPT if positions else PaddedWithoutPositions)(n_layer=1, d_model=16, num_heads=2)
+    result = model_result(model, "padding_invariance")
+    assert result.verdict == "pass", result
+    assert ("left padding not checked" in result.evidence) is not positions, result
