@@ -1,5 +1,6 @@
 """Pins for the model wing's numbers and branches that `benchmarks/mutations.py` found no test depending on (issue 37,
-its second sample, seed 777): gradient_flow, backend_parity, prefix_causality and padding_invariance.
+its second sample, seed 777, and every mutant of gradients.py, backends.py and causality.py): gradient_flow,
+backend_parity, prefix_causality, padding_invariance and the two-sided window.
 As in tests/test_pins.py, a case just inside and one just outside each constant or branch, the constants quoted as
 literals on purpose; small models (one or two blocks, 16 wide), so the file runs in a few seconds.
 """
@@ -11,8 +12,10 @@ import torch
 
 import diagnostics
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
+from correct import MultiHeadAttention
 from diagnostics._guard import seed_rng
 from diagnostics.model.gradients import input_embedding
+from diagnostics.model.window import two_sided_window
 
 
 def model_result(model, detector: str, **kw):
@@ -333,3 +336,41 @@ def test_padding_invariance_says_left_padding_was_not_checked_only_without_posit
     result = model_result(model, "padding_invariance")
     assert result.verdict == "pass", result
     assert ("left padding not checked" in result.evidence) is not positions, result
+
+
+def test_a_two_sided_window_allows_w_keys_on_each_side_and_not_w_plus_1():
+    """model/window.py `two_sided_window`: |q - kv| <= w (its behaviour in a model audit is tested with
+    transformers' encoders, tests/test_model_patterns.py, which skip without them)."""
+    allowed = two_sided_window(2).allowed(1, 6, 6)[0]  # (Tq, Tk)
+    q, kv = torch.arange(6)[:, None], torch.arange(6)[None]  # (Tq, 1), (1, Tk)
+    assert torch.equal(allowed, (q - kv).abs() <= 2)
+    assert bool(allowed[3, 1]) and bool(allowed[3, 5]) and not bool(allowed[3, 0]) and not bool(allowed[0, 3])
+
+
+class RootGain(MultiHeadAttention):
+    """The reference times a learned per-feature gain's square root, one entry of the gain at 0 (`zero=True`): that
+    entry's gradient is NaN (0 x inf), every other entry's finite."""
+
+    def __init__(self, *, zero: bool):
+        super().__init__(16, 2, causal=True)
+        self.gain = torch.nn.Parameter(torch.ones(16))
+        if zero:
+            self.gain.data[0] = 0.0
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.gain.sqrt(), weights
+
+
+@pytest.mark.parametrize("zero", [True, False])
+def test_gradient_flow_fails_a_parameter_with_one_non_finite_gradient_entry(zero):
+    """model/gradients.py: `not bool(torch.isfinite(g).all())`: one NaN entry among finite ones makes a parameter's
+    gradient non-finite; its twin with the entry at 1 passes."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=1, d_model=16, num_heads=2)
+    model.h[0].attn = RootGain(zero=zero)
+    result = model_result(model, "gradient_flow")
+    assert (result.verdict, result.message.startswith("attention parameters get non-finite gradients")) == \
+        (("fail", True) if zero else ("pass", False)), result
+    if zero:
+        assert result.evidence == "h.0.attn.gain", result
