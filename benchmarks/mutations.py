@@ -207,6 +207,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
         "& (weights > 0)", "a weight of 0 has log -inf and a negative one log NaN, both already dropped by "
         "torch.isfinite(logw): `weights > 0` and `weights >= 0` keep the same entries"),
+    "model/gradients.py:check_gradient_flow:L*:Gt->GtE": (
+        "if later > 1e-12 * max(", _TOLERANCE_EDGE + " (the bar is positive: 1e-312 at the least, so a later gradient "
+        "of exactly 0 passes either way)"),
     "model/gradients.py:check_gradient_flow:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
     "model/gradients.py:check_gradient_flow:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
     "model/cache.py:schedules:L*:Gt->GtE": (

@@ -374,3 +374,32 @@ def test_gradient_flow_fails_a_parameter_with_one_non_finite_gradient_entry(zero
         (("fail", True) if zero else ("pass", False)), result
     if zero:
         assert result.evidence == "h.0.attn.gain", result
+
+
+@pytest.mark.parametrize("gain, expected", [(1.0, "fail"), (0.0, "pass")])
+def test_gradient_flow_measures_the_future_from_2_tokens(gain, expected):
+    """model/gradients.py: `seq.shape[1] >= 2`: at 2 tokens (the shortest audit) the first output's gradient to the
+    second token's embeddings is read: a leak fails there, its twin without one passes."""
+    result = model_result(ReadsAhead(gain), "gradient_flow", seq_len=2)
+    assert result.verdict == expected, result
+    assert result.message.endswith("and no output sends gradient to later input embeddings") is (expected == "pass")
+
+
+class UnusedParameters(MultiHeadAttention):
+    """The reference with `n` parameters of its own that the forward never reads (no gradient)."""
+
+    def __init__(self, n: int):
+        super().__init__(16, 2, causal=True)
+        self.unused = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(1)) for _ in range(n))
+
+
+@pytest.mark.parametrize("n, more", [(8, False), (9, True)])
+def test_gradient_flow_lists_8_parameters_without_gradient_and_marks_more(n, more):
+    """model/gradients.py: `' ...' if len(missing) > 8`: the evidence lists the first 8 parameters without a
+    gradient, and says there are more only past 8."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=1, d_model=16, num_heads=2)
+    model.h[0].attn = UnusedParameters(n)
+    result = model_result(model, "gradient_flow")
+    assert (result.verdict, result.message) == ("fail", f"{n} of {n + 4} attention parameters get no gradient"), result
+    assert ("h.0.attn.unused.7 ..." in result.evidence) is more and "h.0.attn.unused.7" in result.evidence, result
