@@ -673,3 +673,18 @@ def test_sliding_window_reads_column_w_minus_1_where_a_row_past_its_window_exist
                                      seq_len=seq_len).result("sliding_window")
     assert window.verdict == "pass" and "s=0: t=0..4 moved" in window.evidence, window
     assert ("s=4: t=4..8 moved" in window.evidence) is second_column, window.evidence
+
+
+def test_eval_determinism_reads_batch_independences_second_call_where_sequence_0_held():
+    """check_eval_determinism: a layer whose sequence 0 did not move when sequence 1 changed (`B > 1`, no change
+    `> tol` in row 0) is judged on that second call, as its evidence says; a layer that mixes the batch is not
+    (its verdict comes from a call of its own)."""
+    held = verdict(attention, "eval_determinism")
+    assert held.verdict == "pass" and "in a second call (batch_independence's" in held.evidence, held
+
+    def mixes_the_batch(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)  # (B, H, Tq, d)
+        return out + out.mean(0, keepdim=True), weights
+
+    mixed = verdict(mixes_the_batch, "eval_determinism")
+    assert mixed.verdict == "pass" and "batch_independence's" not in mixed.evidence, mixed
