@@ -182,6 +182,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/variance.py:_bound_check:L*:Gt->GtE": (("(excess > tol).any()", "(excess > tol).sum()"),
                                                       _TOLERANCE_EDGE),
+    "detectors/determinism.py:check_eval_determinism:L*:Gt->GtE": (
+        "== B > 1:", "B is the standard probe's batch, Probe.BATCH = 2 (_probe.py): `B > 1` and `B >= 1` are both "
+        "true (checked by hand)"),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
     "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": ("(rows > tol).sum()", _TOLERANCE_EDGE + " (a count in "
                                                             "the evidence only)"),
