@@ -135,8 +135,8 @@ SAMPLE_PER_MODULE = 4
 SEED = 20
 FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
-    "model/packing.py": FAST + ["tests/test_model_audit.py", "tests/test_model_patterns.py"],
-    "model/": FAST + ["tests/test_model_audit.py"],
+    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
+    "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
@@ -151,8 +151,11 @@ def tests_for(file: str) -> list[str]:
     return next(t for prefix, t in TESTS.items() if file.startswith(prefix))
 
 
-# Mutants checked by hand to change no verdict: id -> (text its line must contain, why it is equivalent). A mark
-# whose line no longer contains that text is ignored (with a warning), so a stale mark cannot hide a new mutant.
+# Mutants checked by hand to change no verdict: id -> (text its line must contain, or a tuple of such texts: any, why
+# it is equivalent). A mark names a mutant without its line number, so `#2` counts on one line only: the same
+# mutation on two lines of a function is one mark with two texts. A mark whose line no longer contains its text is
+# ignored (with a warning), and so is one that names no mutant at all (`unmatched_marks`, printed by --list and
+# every run), so a stale mark cannot hide a new mutant.
 # Keep this short and honest: a mutant that only changes what a finding says is not marked; it is a gap.
 _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
                    "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
@@ -164,9 +167,12 @@ _VALUES_ARE_KEYS = (
     "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
     "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
     "built in the detectors: keys_matter's mixed case is on SEPARATE_STREAMS, whose value is its own)")
-EQUIVALENT: dict[str, tuple[str, str]] = {
-    "_core.py:held:L*:Gt->GtE": ("(checked > tol)", _TOLERANCE_EDGE),
-    "_core.py:held:L*:Gt->GtE#2": ("(moved > tol)", _TOLERANCE_EDGE),
+_FLOOR_OF_ZERO = (
+    "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
+    "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
+    "(1.4e-45), and in float64 no model with finite non-zero weights gets there (checked by hand)")
+EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
+    "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
     "_core.py:perturbed:L*:GtE->Gt": ("delta >= 0", _DRAW_EDGE),
     "detectors/weights.py:check_weight_row_sums:L*:Gt->GtE": ("(dev[rows] > tol)", _TOLERANCE_EDGE),
@@ -174,30 +180,41 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "detectors/temperature.py:check_softmax_saturation:L*:Gt->GtE": ("ratio > SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
-    "detectors/variance.py:_bound_check:L*:Gt->GtE": ("(excess > tol).any()", _TOLERANCE_EDGE),
-    "detectors/variance.py:_bound_check:L*:Gt->GtE#2": ("(excess > tol).sum()", _TOLERANCE_EDGE),
+    "detectors/variance.py:_bound_check:L*:Gt->GtE": (("(excess > tol).any()", "(excess > tol).sum()"),
+                                                      _TOLERANCE_EDGE),
+    "detectors/determinism.py:check_eval_determinism:L*:Gt->GtE": (
+        "== B > 1:", "B is the standard probe's batch, Probe.BATCH = 2 (_probe.py): `B > 1` and `B >= 1` are both "
+        "true (checked by hand)"),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
     "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": ("(rows > tol).sum()", _TOLERANCE_EDGE + " (a count in "
                                                             "the evidence only)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
-    "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),
-    "detectors/gradients.py:check_gradients:L*:Gt->GtE#2": ("if rel > limit:", _TOLERANCE_EDGE),
+    "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),  # both lines
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
     "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
-    "model/causality.py:check_prefix_causality:L*:Gt->Lt#2": (
-        "int((ch[:c + 1] > tol).sum()) > 0", "that line's `first = p` is dead: the loop after it sets `first` on the "
-        "same reading (cut j = cuts.index(c) + 1 is the middle cut c: moved(layer_out[j:j + 1], ref)[0][:c + 1] > "
-        "tol), so a never-true test there leaves `first` as it was (checked by hand)"),
+    "model/causality.py:check_prefix_causality:L*:Gt->GtE": (
+        ("(past > tol).sum()", "(change[c + 1:] > tol).any()", "(ch[:c + 1] > tol).sum()", "[:cj + 1] > tol).any()"),
+        _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: the past's count, the later outputs' "
+        "change, the reach per layer, the first layer reached)"),
+    "model/packing.py:check_packed_documents:L*:Gt->GtE": (
+        ("(change[s:e] > tol).any()", "(outside > tol)", "(ch > tol).any()"),
+        _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: a document's own outputs, the others', "
+        "the first layer where they cross)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
         "& (weights > 0)", "a weight of 0 has log -inf and a negative one log NaN, both already dropped by "
         "torch.isfinite(logw): `weights > 0` and `weights >= 0` keep the same entries"),
+    "model/gradients.py:check_gradient_flow:L*:Gt->GtE": (
+        "if later > 1e-12 * max(", _TOLERANCE_EDGE + " (the bar is positive: 1e-312 at the least, so a later gradient "
+        "of exactly 0 passes either way)"),
+    "model/gradients.py:check_gradient_flow:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "model/gradients.py:check_gradient_flow:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
     "model/cache.py:schedules:L*:Gt->GtE": (
         "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
         "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
@@ -598,13 +615,25 @@ def equivalents(mutants: list[Mutant], log) -> dict[str, str]:
         if mark is None:
             continue
         seen.add(key)
-        text, reason = mark
-        if text in m.code:
-            marked[m.id] = reason
+        if any(text in m.code for text in _texts(key)):
+            marked[m.id] = mark[1]
             matched.add(key)
     for key in sorted(seen - matched):
-        log(f"warning: the EQUIVALENT mark {key} matches no line holding `{EQUIVALENT[key][0]}`: ignored")
+        log(f"warning: the EQUIVALENT mark {key} matches no line holding {' or '.join(map(repr, _texts(key)))}: "
+            "ignored")
     return marked
+
+
+def _texts(key: str) -> tuple[str, ...]:
+    text = EQUIVALENT[key][0]
+    return (text,) if isinstance(text, str) else text
+
+
+def unmatched_marks(mutants: list[Mutant]) -> list[str]:
+    """The EQUIVALENT marks that name no mutant of `mutants` (every mutant: a misnamed mark, e.g. a `#2` for a
+    mutation on another line, would otherwise never match and never warn), or match none by their texts."""
+    return sorted(key for key in EQUIVALENT
+                  if not any(_unlined(m.id) == key and any(t in m.code for t in _texts(key)) for m in mutants))
 
 
 def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str]) -> tuple[str, dict]:
@@ -688,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         TESTS.clear()
         TESTS[""] = list(args.tests)
     everything = all_mutants(args.knobs)
+    for key in unmatched_marks(everything):
+        print(f"warning: the EQUIVALENT mark {key} names no mutant whose line holds "
+              f"{' or '.join(map(repr, _texts(key)))}: correct it or remove it", flush=True)
     chosen = args.all or args.list or args.survivors_of
     mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:

@@ -438,13 +438,16 @@ def rows_per_key(q, k, v, mask=None):
     return attention(k, k, v) if q.shape[-2] != k.shape[-2] else attention(q, k, v, mask)
 
 
-@pytest.mark.parametrize("seq_len, read", [(3, "query length 2, memory length 3: output (2, 2, 3, 8)"),
-                                           (2, "query length 2, memory length 5: output (2, 2, 5, 8)")])
+@pytest.mark.parametrize("seq_len, read", [
+    (4, "query length 3, memory length 4: output (2, 2, 4, 8), expected (2, 2, 3, 8)"),
+    (3, "query length 2, memory length 3: output (2, 2, 3, 8), expected (2, 2, 2, 8)"),
+    (2, "query length 2, memory length 5: output (2, 2, 5, 8), expected (2, 2, 2, 8)")])
 def test_output_shape_reads_decodings_last_call_from_3_tokens_and_a_longer_memory_below(seq_len, read):
-    """check_output_shape: for a causal layer from 3 tokens on, decode_consistency's last call (the newest 2 of 3
-    queries over every key); below that (no partial calls), a memory 3 tokens longer than the queries."""
+    """check_output_shape: for a causal layer from 3 tokens on (`T >= 3`: at 3 and above it, 4), decode_consistency's
+    last call (the newest T - 1 queries over every key); below that (no partial calls), a memory 3 tokens longer
+    than the queries."""
     wrong = verdict(rows_per_key, "output_shape", causal=True, seq_len=seq_len)
-    assert wrong.verdict == "fail" and f"{read}, expected (2, 2, 2, 8)" in wrong.evidence, wrong
+    assert wrong.verdict == "fail" and read in wrong.evidence, wrong
     assert verdict(attention, "output_shape", causal=True, seq_len=seq_len).verdict == "pass"
 
 
@@ -670,3 +673,18 @@ def test_sliding_window_reads_column_w_minus_1_where_a_row_past_its_window_exist
                                      seq_len=seq_len).result("sliding_window")
     assert window.verdict == "pass" and "s=0: t=0..4 moved" in window.evidence, window
     assert ("s=4: t=4..8 moved" in window.evidence) is second_column, window.evidence
+
+
+def test_eval_determinism_reads_batch_independences_second_call_where_sequence_0_held():
+    """check_eval_determinism: a layer whose sequence 0 did not move when sequence 1 changed (`B > 1`, no change
+    `> tol` in row 0) is judged on that second call, as its evidence says; a layer that mixes the batch is not
+    (its verdict comes from a call of its own)."""
+    held = verdict(attention, "eval_determinism")
+    assert held.verdict == "pass" and "in a second call (batch_independence's" in held.evidence, held
+
+    def mixes_the_batch(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)  # (B, H, Tq, d)
+        return out + out.mean(0, keepdim=True), weights
+
+    mixed = verdict(mixes_the_batch, "eval_determinism")
+    assert mixed.verdict == "pass" and "batch_independence's" not in mixed.evidence, mixed

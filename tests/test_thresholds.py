@@ -403,6 +403,8 @@ def test_cache_parity_schedules_cover_every_token_and_keep_six_steps_from_t7_thr
     if T >= 7:
         assert plans["steps of 3"] == [T - 6, 3, 3]
     assert ("uneven" in plans) == (T >= 5)
+    if T >= 5:  # three uneven steps, the last one at least a token (`T - a - b > 0`): never the two-step fallback
+        assert len(plans["uneven"]) == 3 and len(set(plans["uneven"])) > 1, plans["uneven"]
     for name, plan in plans.items():
         assert sum(plan) == T and min(plan) >= 1, (name, plan)
 

@@ -66,8 +66,6 @@ def check_prefix_causality(ctx: ModelContext) -> DetectorResult:
         ref = layer_out[:1]
         ch = moved(layer_out[cuts.index(c) + 1:cuts.index(c) + 2], ref)[0]  # (T,)
         (block_reach if p in held else reach)[p] = int((ch[:c + 1] > tol).sum())
-        if first is None and int((ch[:c + 1] > tol).sum()) > 0:
-            first = p
         for j, cj in enumerate(cuts, start=1):
             if first is None and bool((moved(layer_out[j:j + 1], ref)[0][:cj + 1] > tol).any()):
                 first = p
