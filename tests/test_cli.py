@@ -663,7 +663,8 @@ def test_several_layers_each_report_then_a_summary_and_the_worst_exit_status(in_
     summary = out[out.index("summary of 3 audits"):].splitlines()
     assert summary[0] == "summary of 3 audits: 1 passed, 1 inconclusive, 1 failed"
     assert re.fullmatch(r"  target +verdict +failing detectors", summary[1])
-    assert re.fullmatch(r"  userlayers:unscaled +FAILED +softmax_saturation", summary[4]), summary
+    # own_weights too: recomputed from the layer's own projections, its output is the reference's with another scale
+    assert re.fullmatch(r"  userlayers:unscaled +FAILED +softmax_saturation, own_weights", summary[4]), summary
     assert re.fullmatch(r"  userlayers:linear_only +INCONCLUSIVE +inconclusive: the attention itself was not "
                         r"measured.*", summary[3]), summary
     assert _cli.main(argv) == _cli.EXIT_USAGE  # a target that cannot be audited is the worst; the others still run
@@ -710,7 +711,8 @@ def test_junit_xml_a_testsuite_per_target_and_a_testcase_per_detector(in_scratch
     assert failure.get("message").startswith("softmax is 2.83x too sharp") and "fix:" in failure.text
     skipped = suites["userlayers:correct"].find("testcase[@name='future_leakage']/skipped")
     assert "--causal" in skipped.get("message")  # a skip says why, in the command's spelling
-    assert suites["userlayers:unscaled"].get("failures") == "1" and int(root.get("tests")) == 2 * len(DETECTORS) + 1
+    assert outcome["userlayers:unscaled"]["own_weights"] == ["failure"]  # another scale than its own weights give
+    assert suites["userlayers:unscaled"].get("failures") == "2" and int(root.get("tests")) == 2 * len(DETECTORS) + 1
     error = suites["userlayers:nope"].find("testcase[@name='setup']/error")
     assert error.get("message").startswith("expected userlayers to define 'nope'")
 
