@@ -439,6 +439,9 @@ def orient(record: Record) -> None:
             continue
         nd = sm.input.dim()
         d = sm.dim % nd if nd else 0
+        if nd == 2 and d == 1:  # rows of every (batch, query) flattened: read as the product that sums them reads them
+            _unflatten(record, i, sm)
+            continue
         if nd < 3:
             continue
         if d == nd - 1:  # the usual layout, unless the values are summed over another axis (keys first, over queries)
@@ -461,6 +464,25 @@ def orient(record: Record) -> None:
         if sm.unshifted is not None:
             sm.unshifted = sm.unshifted.permute(perm)
         sm.laid_out = tuple(perm)
+
+
+def _unflatten(record: Record, i: int, sm: SoftmaxCall) -> None:
+    """A softmax over the last axis of (B * Tq, Tk) rows (pytorch-seq2seq's `F.softmax(attn.view(-1, Tk), dim=1)`)
+    whose very numbers the next product reads as a (..., Tq, Tk) operand summed over its last axis (the view back):
+    take that operand's shape as the weights' own."""
+    for m in record.order[i + 1:]:
+        if not isinstance(m, Matmul):
+            continue
+        x = m.a
+        if x.dim() >= 3 and x.numel() == sm.output.numel() and x.shape[-1] == sm.output.shape[-1] \
+                and torch.equal(x.reshape(sm.output.shape), sm.output.to(x.dtype)):
+            shape = tuple(x.shape)
+            sm.layout = (f"softmax over dim 1 of {tuple(sm.output.shape)}: read as {shape}, the shape the product at "
+                         f"its values reads it in")
+            sm.input, sm.output = sm.input.reshape(shape), sm.output.reshape(shape)
+            if sm.unshifted is not None:
+                sm.unshifted = sm.unshifted.reshape(shape)
+        return
 
 
 _ORIENT_LAST_MAX = 1 << 22
@@ -715,7 +737,8 @@ def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[
 class LearnedKeys:
     """Keys a layer adds of its own to every sequence, which no input reaches: memory key/value slots, attention
     sinks (a learned logit column that takes weight and brings no value), a bias_kv or zero key. Seen as more keys
-    at the softmax (or a fused call) than the input has."""
+    at the softmax (or a fused call) than the input has. With `keys` 0 (`weighted_sum`): the plain weighted sum of the
+    values, the softmax (or fused call) and the product that makes it."""
 
     keys: int  # keys beyond the input's Tk
     values: int  # of those, how many bring a value of their own (a sink brings none)
@@ -735,10 +758,22 @@ class LearnedKeys:
 def learned_keys(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
     """The layer's own keys beyond the input's `t_k`, read from its last softmax over (Tq, Tk + n) scores and the
     product that sums its weights with the values (or from a fused call's keys); None when it adds none."""
+    return _last_weighted_sum(record, t_q, t_k, 1)
+
+
+def weighted_sum(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
+    """The layer's last weighted sum of its values over (Tq, Tk + n) weights, n >= 0 keys of its own: the softmax and
+    the product that sums its weights with the values, or a fused call; None when neither was observed."""
+    return _last_weighted_sum(record, t_q, t_k, 0)
+
+
+def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> LearnedKeys | None:
+    """The last softmax over (Tq, Tk + n) scores with n >= `least` and the product that sums its weights with the
+    values, else the last fused call with as many keys."""
     for i in reversed(range(len(record.order))):
         sm = record.order[i]
         if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 2 and sm.output.shape[-2] == t_q \
-                and sm.output.shape[-1] > t_k:
+                and sm.output.shape[-1] >= t_k + least:
             n = sm.output.shape[-1] - t_k
             product, operand = _values_product(record.order[i + 1:], sm.output, t_q, t_k, n)
             if product is None:
@@ -746,7 +781,7 @@ def learned_keys(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
             width = (product.a.shape[-1] if operand == 0 else product.b.shape[-2]) - t_k
             return LearnedKeys(n, max(0, min(n, width)), softmax=sm, product=product, weights_operand=operand)
     for f in reversed(record.fused):
-        if f.q.shape[-2] == t_q and f.k.shape[-2] > t_k:
+        if f.q.shape[-2] == t_q and f.k.shape[-2] >= t_k + least:
             return LearnedKeys(f.k.shape[-2] - t_k, f.k.shape[-2] - t_k, fused=f)
     return None
 
