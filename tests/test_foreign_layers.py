@@ -505,6 +505,15 @@ class GatedDropoutInEval(GatedCrossAttention):
     dropout_p = 0.1  # BUG: SDPA's dropout is not switched off by .eval(); pass dropout_p only when training
 
 
+class GatedValuesFromQuery(GatedCrossAttention):
+    def forward(self, x, context, mask=None):
+        q = split(self.to_q(x), self.n_heads)
+        k, _ = (split(t, self.n_heads) for t in self.to_kv(context).chunk(2, -1))
+        _, v = (split(t, self.n_heads) for t in self.to_kv(x).chunk(2, -1))  # BUG: values from the query stream
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, Tq, d)
+        return self.to_out(merge(y) * torch.sigmoid(self.gate(x)))
+
+
 class LePEAttention(nn.Module):
     """CSWin Transformer's locally-enhanced positional encoding: a depthwise convolution of the values over the
     positions, added beside the attention (no mask: a vision layer)."""
@@ -595,3 +604,11 @@ def test_heads_merged_into_the_positions_are_named_with_the_transpose_and_a_conv
     assert "transpose(1, 2)" in failed.where[0].fix and "reshape(B, T, h * d)" in failed.where[0].code
     passed = audited(LePEAttention).result("output_variance")
     assert "heads" not in passed.message and "transpose" not in passed.evidence, passed.evidence
+
+
+def test_a_weighted_sum_of_values_from_another_stream_is_not_judged_inside():
+    """The weighted sum passes for the output only where it weights the value input: the same gated layer with its
+    values read from the query stream is a convex combination of the wrong vectors, and its output's fail stands."""
+    failed = audited(GatedValuesFromQuery, cross=True).result("output_variance")
+    assert failed.verdict == "fail" and "judged" not in failed.message, failed
+    assert audited(GatedCrossAttention, cross=True).result("output_variance").verdict == "pass"
