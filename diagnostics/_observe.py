@@ -134,6 +134,7 @@ class FusedAttention:
     is_causal: bool
     frames: tuple = ()
     out: Tensor | None = field(default=None, repr=False)  # the attention's output, (..., Tq, d_v)
+    given: float | None = None  # the kernel's own scale (its `scale=`, else 1/sqrt(d)): what it multiplies q·k by
 
 
 @dataclass
@@ -408,7 +409,7 @@ class Observer(Mode):
             is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
             f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
                                None if mask is None else mask.detach(), is_causal, self._frames(),
-                               outs[0].detach() if isinstance(outs[0], Tensor) else None)
+                               outs[0].detach() if isinstance(outs[0], Tensor) else None, scale)
             self._fresh(outs)
             rec.fused.append(f)
             rec.order.append(f)
