@@ -164,3 +164,74 @@ def test_pin_the_cosine_bounds(scale, verdict, dtype):
     assert result.value == pytest.approx(scale, rel=0.02)
     if verdict == "fail":
         assert ("too flat" if scale < 1 else "too sharp") in result.message
+
+
+# ---- cause 3: sparsity by design -------------------------------------------------------------------------------
+
+
+class TopKAttention(nn.Module):
+    """Explicit Sparse Transformer (Zhao et al. 2019): each query keeps only its `topk` largest scores, the rest set to
+    -inf before the softmax; its own position is dropped whenever it is not among them."""
+
+    def __init__(self, d_model=D, n_heads=H, topk=4):
+        super().__init__()
+        self.n_heads, self.topk = n_heads, topk
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def scores(self, q, k, mask):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        scores = self.scores(q, k, mask)
+        kth = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).values[..., -1:]  # (B, H, Tq, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+        return self.proj(merge(scores.softmax(-1) @ v))
+
+
+class TopKDiagonalMasked(TopKAttention):
+    def scores(self, q, k, mask):
+        scores = super().scores(q, k, mask)
+        t_q, t_k = scores.shape[-2:]
+        own = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(t_k - t_q)  # BUG: diagonal included
+        return scores.masked_fill(own, float("-inf"))
+
+
+def test_top_k_attention_is_not_failed_for_dropping_its_own_position():
+    """The top-k form (`top_k`: every row keeps min(k, allowed) weights) makes causal_alignment not applicable, with
+    the reason; the same layer with its diagonal masked keeps one key fewer in every row and still fails."""
+    report = audit(TopKAttention(), causal=True)
+    alignment = report.result("causal_alignment")
+    assert alignment.verdict == "skip" and "keeps only the 4 largest weights" in alignment.message, alignment
+    assert "causal_alignment" not in report.fired() and report.result("future_leakage").verdict == "pass"
+    broken = audit(TopKDiagonalMasked(), causal=True).result("causal_alignment")
+    assert broken.verdict == "fail" and "own position" in broken.message, broken
+
+
+def test_pin_top_k_reads_the_form_of_every_row():
+    """`top_k` on (B, H, T, T) causal weights: each branch just inside and just outside."""
+    from diagnostics.detectors.causal import top_k
+
+    T = 6
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def weights(keep):  # keep: (T, T) bool, the kept keys of each query, uniform over them
+        w = keep.double()
+        return (w / w.sum(-1, keepdim=True).clamp_min(1)).expand(2, 3, T, T)
+
+    last_k = (torch.arange(T)[None, :] > torch.arange(T)[:, None] - 3) & causal  # the 3 newest keys of each query
+    assert top_k(weights(last_k), None) == 3  # min(3, allowed) in every row, fewer than allowed in some
+    assert top_k(weights(causal), None) is None  # dense: no row keeps fewer than allowed
+    off_diagonal = causal & ~torch.eye(T, dtype=torch.bool)
+    assert top_k(weights(off_diagonal), None) is None  # one fewer than allowed in every row, none in the first
+    uneven = last_k.clone()
+    uneven[4, 0] = True  # one row keeps 4 where the others keep 3
+    assert top_k(weights(uneven), None) is None
+    padded = torch.ones(2, T, T, dtype=torch.bool)
+    padded[:, :, 0] = False  # the first key blocked for everyone: the allowed count is the mask's
+    keep = last_k & padded[0]
+    keep[0, 0] = False
+    assert top_k(weights(keep).clone().nan_to_num(0.0), padded) == 3
