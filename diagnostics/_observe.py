@@ -607,6 +607,17 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                f"head {h} of {len(heads)}", residual, matmul=m, softmax=event))
             if heads:
                 break
+            at = next(j for j, e in enumerate(record.order) if e is m)
+            mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if isinstance(e, Matmul)
+                   and e.b.dim() >= 2 and e.b.shape[-1] == e.b.shape[-2] and e.b.numel() == e.b.shape[-1] ** 2]
+            # a (H, H) operand between q·k and the softmax, as einsum("bhij,hk->bkij") runs it: (1, H, H)
+            mixed = _fit_mixed_heads(scores, m.out, event.output, mix[0]) if fitted is None and same and mix else None
+            if mixed is not None:  # talking heads: each head's scores a mix of every head's q·k by the layer's matrix
+                s, residual = mixed
+                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs the heads' q·k "
+                                               "mixed across heads by the layer's own matrix (talking heads)",
+                                               residual, matmul=m, softmax=event))
+                break
             if fitted is not None:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
@@ -633,6 +644,34 @@ def _fit_per_head(scores: Tensor, products: Tensor, weights: Tensor) -> list[tup
     s, p, w = per(scores), per(products), per(weights)
     fits = [_fit_scale(s[:, h], p[:, h], w[:, h]) for h in range(n)]
     return fits if all(f is not None for f in fits) else []
+
+
+def _fit_mixed_heads(scores: Tensor, products: Tensor, weights: Tensor, mix: Tensor) -> tuple[float, float] | None:
+    """Talking-heads attention (Shazeer et al. 2020) mixes the heads' q·k across heads before the softmax by a (H, H)
+    matrix of its own (`mix`, seen as a product's operand): head k's scores are sum_h M[k, h] (q·k)_h + bias, with
+    M = s * mix (or its transpose). M fitted by least squares on the differences between the batch halves (the bias
+    cancels) over the entries every head gives weight in both halves, then s: the factor q·k is multiplied by apart
+    from the layer's learned mix. (s, relative residual), None unless M fits (<= 0.05, as `_fit_scale`) and is s times
+    the mix (<= 0.05 again)."""
+    n = mix.shape[0]
+    if products.dim() != 3 or products.shape[0] != 2 * n or n < 2:  # (B * H, Tq, Tk), the probe's batch of 2
+        return None
+    per = lambda t: t.detach().double().reshape(2, n, -1)  # noqa: E731  (batch, head, Tq * Tk)
+    s, p, w = per(scores), per(products), per(weights)
+    ds, dp = s[0] - s[1], p[0] - p[1]  # (H, N)
+    ok = torch.isfinite(ds).all(0) & torch.isfinite(dp).all(0) & (w > 0).all(0).all(0)  # (N,) used by every head
+    if int(ok.sum()) < 4 * n:
+        return None
+    X, Y = dp[:, ok].T, ds[:, ok].T  # (N, H) every head's q·k differences, (N, H) each head's score differences
+    M = torch.linalg.lstsq(X, Y).solution.T  # (H, H): head k's scores = M[k] @ the heads' q·k
+    residual = float((Y - X @ M.T).norm() / Y.norm().clamp_min(1e-300))
+    if residual > 0.05:
+        return None
+    for P in (mix.detach().double().T, mix.detach().double()):
+        factor = float((M * P).sum() / (P * P).sum().clamp_min(1e-300))
+        if float((M - factor * P).norm() / M.norm().clamp_min(1e-300)) <= 0.05:
+            return factor, residual
+    return None
 
 
 def _fit_beside(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:

@@ -235,3 +235,56 @@ def test_pin_top_k_reads_the_form_of_every_row():
     keep = last_k & padded[0]
     keep[0, 0] = False
     assert top_k(weights(keep).clone().nan_to_num(0.0), padded) == 3
+
+
+class TalkingHeads(nn.Module):
+    """Talking-heads attention (Shazeer et al. 2020), einsum style: the heads' scaled q·k mixed across heads by a
+    learned (H, H) matrix before the softmax, the weights mixed again after it."""
+
+    def __init__(self, d_model=D, n_heads=H, scale=True):
+        super().__init__()
+        self.n_heads, self.scale = n_heads, scale
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.pre_softmax = nn.Parameter(torch.eye(n_heads) + 0.1 * torch.randn(n_heads, n_heads))
+        self.post_softmax = nn.Parameter(torch.eye(n_heads) + 0.1 * torch.randn(n_heads, n_heads))
+
+    def logits(self, dots):
+        return torch.einsum("bhij,hk->bkij", dots, self.pre_softmax)  # (B, H, Tq, Tk), heads mixed
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        dots = torch.einsum("bhid,bhjd->bhij", q, k)  # (B, H, Tq, Tk)
+        if self.scale:
+            dots = dots / math.sqrt(q.shape[-1])
+        dots = self.logits(dots)
+        if mask is not None:
+            dots = dots.masked_fill(~mask, float("-inf"))
+        attn = torch.einsum("bhij,hk->bkij", dots.softmax(-1), self.post_softmax)
+        return self.proj(merge(torch.einsum("bhij,bhjd->bhid", attn, v)))
+
+
+class TalkingHeadsSquashed(TalkingHeads):
+    """Not a linear mix: the mixed logits squashed by tanh, which no factor times the mix reproduces."""
+
+    def logits(self, dots):
+        return 3 * torch.tanh(super().logits(dots))
+
+
+def test_talking_heads_temperature_is_read_through_the_layers_own_mix():
+    """Before: no softmax of q·k seen, inconclusive for the correct layer and the unscaled one alike."""
+    torch.manual_seed(0)
+    report = audit(TalkingHeads(), causal=True)
+    result = report.result("softmax_saturation")
+    assert result.verdict == "pass" and "talking heads" in result.evidence, result
+    assert report.status == "passed" and result.value == pytest.approx(1.0, abs=1e-3)
+    torch.manual_seed(0)
+    unscaled = audit(TalkingHeads(scale=False), causal=True).result("softmax_saturation")
+    assert unscaled.verdict == "fail" and "2.83x too sharp" in unscaled.message, unscaled
+
+
+def test_pin_the_talking_heads_fit_reads_only_a_linear_mix():
+    """`_fit_mixed_heads` just outside: the mix squashed by tanh fits no factor times the matrix, so the temperature is
+    not measured (the skip of old), never read from a fit that does not hold."""
+    torch.manual_seed(0)
+    result = audit(TalkingHeadsSquashed(), causal=True, detectors=["softmax_saturation"]).result("softmax_saturation")
+    assert result.verdict == "skip", result
