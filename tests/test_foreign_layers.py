@@ -612,3 +612,16 @@ def test_a_weighted_sum_of_values_from_another_stream_is_not_judged_inside():
     failed = audited(GatedValuesFromQuery, cross=True).result("output_variance")
     assert failed.verdict == "fail" and "judged" not in failed.message, failed
     assert audited(GatedCrossAttention, cross=True).result("output_variance").verdict == "pass"
+
+
+class LePEHeadsReshapedFirst(LePEAttention):
+    def merge(self, y):
+        B, h, T, d = y.shape  # batch, heads, sequence length, head width
+        return y.reshape(B, T, h, d).flatten(2)  # BUG: (B, H, T, d) read as (B, T, H, d), as an attention function returns
+
+
+def test_pin_a_reshape_that_keeps_the_rank_can_move_heads_into_the_positions():
+    """`positions_mixed` reads any view or reshape that changes the shape, not only one that merges axes (Hugging
+    Face's attention functions return (B, T, H, d): the bug is a 4-d reshape; test_model_audit's ViT cells)."""
+    failed = audited(LePEHeadsReshapedFirst).result("output_variance")
+    assert failed.verdict == "fail" and "mixes positions with another axis" in failed.where[0].note, failed

@@ -104,9 +104,10 @@ def positions_apart(trace, start: int, T: int, tol: float):
 
 
 def positions_mixed(trace, start: int, T: int, tol: float):
-    """The first view or reshape from op `start` on that merges axes so that, on identical tokens, the positions of its
+    """The first view or reshape from op `start` on that reshapes so that, on identical tokens, the positions of its
     output (its axis 1, (B, T, ...)) differ although its input is the same along an axis of T positions: heads (or
-    the batch) moved into the positions, as `y.reshape(B, T, H * d)` of a (B, H, T, d) tensor does. A transform that
+    the batch) moved into the positions, as `y.reshape(B, T, H * d)` or `y.reshape(B, T, H, d)` of a (B, H, T, d)
+    tensor does. A transform that
     computes something else from the attended values (a gate, a convolution, the query, a rotation) is no such op."""
     if T < 2:
         return None
@@ -116,7 +117,7 @@ def positions_mixed(trace, start: int, T: int, tol: float):
                 or not out.is_floating_point() or out.dim() < 2 or out.shape[1] != T:
             continue
         x = value_before(trace, op.in_ids[0], op.index)
-        if x is None or x.dim() <= out.dim() or not bool(moved(out, out.narrow(1, 0, 1).expand_as(out), tol).any()):
+        if x is None or x.shape == out.shape or not bool(moved(out, out.narrow(1, 0, 1).expand_as(out), tol).any()):
             continue
         if any(x.shape[a] == T and not bool(moved(x, x.narrow(a, 0, 1).expand_as(x), tol).any())
                for a in range(x.dim() - 1)):
