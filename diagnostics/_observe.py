@@ -844,7 +844,8 @@ def fused_weights(f) -> Tensor:
     q, k = f.q.double(), f.k.double()
     if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scores = q @ k.transpose(-2, -1) * f.scale  # (B, H, Tq, Tk)
+    # the kernel's own scale: q and k as given already carry what they were multiplied by (f.scale counts it too)
+    scores = q @ k.transpose(-2, -1) * (f.scale if f.given is None else f.given)  # (B, H, Tq, Tk)
     if f.attn_mask is not None:
         m = f.attn_mask
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.double()

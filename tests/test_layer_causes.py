@@ -288,3 +288,19 @@ def test_pin_the_talking_heads_fit_reads_only_a_linear_mix():
     torch.manual_seed(0)
     result = audit(TalkingHeadsSquashed(), causal=True, detectors=["softmax_saturation"]).result("softmax_saturation")
     assert result.verdict == "skip", result
+
+
+# ---- noticed along the way ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pre", [1.0, 0.125])
+def test_the_weights_of_a_fused_call_are_recomputed_with_the_kernels_own_scale(pre):
+    """`fused_weights` recomputes softmax(q k^T * scale) from the q and k the kernel was given: a constant q was
+    multiplied by before the call is in q already (it was counted twice: 0.13 off at pre = 0.125)."""
+    from diagnostics._observe import Observer, fused_weights
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with torch.enable_grad(), Observer() as observer:
+        F.scaled_dot_product_attention(q * pre, k, v, scale=1.0)
+    true = ((q * pre) @ k.transpose(-2, -1)).double().softmax(-1)  # (1, 2, 5, 5)
+    assert torch.allclose(fused_weights(observer.record.fused[0]), true, atol=1e-6)
