@@ -134,6 +134,7 @@ class FusedAttention:
     is_causal: bool
     frames: tuple = ()
     out: Tensor | None = field(default=None, repr=False)  # the attention's output, (..., Tq, d_v)
+    given: float | None = None  # the kernel's own scale (its `scale=`, else 1/sqrt(d)): what it multiplies q·k by
 
 
 @dataclass
@@ -408,7 +409,7 @@ class Observer(Mode):
             is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
             f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
                                None if mask is None else mask.detach(), is_causal, self._frames(),
-                               outs[0].detach() if isinstance(outs[0], Tensor) else None)
+                               outs[0].detach() if isinstance(outs[0], Tensor) else None, scale)
             self._fresh(outs)
             rec.fused.append(f)
             rec.order.append(f)
@@ -439,6 +440,9 @@ def orient(record: Record) -> None:
             continue
         nd = sm.input.dim()
         d = sm.dim % nd if nd else 0
+        if nd == 2 and d == 1:  # rows of every (batch, query) flattened: read as the product that sums them reads them
+            _unflatten(record, i, sm)
+            continue
         if nd < 3:
             continue
         if d == nd - 1:  # the usual layout, unless the values are summed over another axis (keys first, over queries)
@@ -461,6 +465,25 @@ def orient(record: Record) -> None:
         if sm.unshifted is not None:
             sm.unshifted = sm.unshifted.permute(perm)
         sm.laid_out = tuple(perm)
+
+
+def _unflatten(record: Record, i: int, sm: SoftmaxCall) -> None:
+    """A softmax over the last axis of (B * Tq, Tk) rows (pytorch-seq2seq's `F.softmax(attn.view(-1, Tk), dim=1)`)
+    whose very numbers the next product reads as a (..., Tq, Tk) operand summed over its last axis (the view back):
+    take that operand's shape as the weights' own."""
+    for m in record.order[i + 1:]:
+        if not isinstance(m, Matmul):
+            continue
+        x = m.a
+        if x.dim() >= 3 and x.numel() == sm.output.numel() and x.shape[-1] == sm.output.shape[-1] \
+                and torch.equal(x.reshape(sm.output.shape), sm.output.to(x.dtype)):
+            shape = tuple(x.shape)
+            sm.layout = (f"softmax over dim 1 of {tuple(sm.output.shape)}: read as {shape}, the shape the product at "
+                         f"its values reads it in")
+            sm.input, sm.output = sm.input.reshape(shape), sm.output.reshape(shape)
+            if sm.unshifted is not None:
+                sm.unshifted = sm.unshifted.reshape(shape)
+        return
 
 
 _ORIENT_LAST_MAX = 1 << 22
@@ -584,6 +607,17 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                f"head {h} of {len(heads)}", residual, matmul=m, softmax=event))
             if heads:
                 break
+            at = next(j for j, e in enumerate(record.order) if e is m)
+            mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if isinstance(e, Matmul)
+                   and e.b.dim() >= 2 and e.b.shape[-1] == e.b.shape[-2] and e.b.numel() == e.b.shape[-1] ** 2]
+            # a (H, H) operand between q·k and the softmax, as einsum("bhij,hk->bkij") runs it: (1, H, H)
+            mixed = _fit_mixed_heads(scores, m.out, event.output, mix[0]) if fitted is None and same and mix else None
+            if mixed is not None:  # talking heads: each head's scores a mix of every head's q·k by the layer's matrix
+                s, residual = mixed
+                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs the heads' q·k "
+                                               "mixed across heads by the layer's own matrix (talking heads)",
+                                               residual, matmul=m, softmax=event))
+                break
             if fitted is not None:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
@@ -610,6 +644,34 @@ def _fit_per_head(scores: Tensor, products: Tensor, weights: Tensor) -> list[tup
     s, p, w = per(scores), per(products), per(weights)
     fits = [_fit_scale(s[:, h], p[:, h], w[:, h]) for h in range(n)]
     return fits if all(f is not None for f in fits) else []
+
+
+def _fit_mixed_heads(scores: Tensor, products: Tensor, weights: Tensor, mix: Tensor) -> tuple[float, float] | None:
+    """Talking-heads attention (Shazeer et al. 2020) mixes the heads' q·k across heads before the softmax by a (H, H)
+    matrix of its own (`mix`, seen as a product's operand): head k's scores are sum_h M[k, h] (q·k)_h + bias, with
+    M = s * mix (or its transpose). M fitted by least squares on the differences between the batch halves (the bias
+    cancels) over the entries every head gives weight in both halves, then s: the factor q·k is multiplied by apart
+    from the layer's learned mix. (s, relative residual), None unless M fits (<= 0.05, as `_fit_scale`) and is s times
+    the mix (<= 0.05 again)."""
+    n = mix.shape[0]
+    if products.dim() != 3 or products.shape[0] != 2 * n or n < 2:  # (B * H, Tq, Tk), the probe's batch of 2
+        return None
+    per = lambda t: t.detach().double().reshape(2, n, -1)  # noqa: E731  (batch, head, Tq * Tk)
+    s, p, w = per(scores), per(products), per(weights)
+    ds, dp = s[0] - s[1], p[0] - p[1]  # (H, N)
+    ok = torch.isfinite(ds).all(0) & torch.isfinite(dp).all(0) & (w > 0).all(0).all(0)  # (N,) used by every head
+    if int(ok.sum()) < 4 * n:
+        return None
+    X, Y = dp[:, ok].T, ds[:, ok].T  # (N, H) every head's q·k differences, (N, H) each head's score differences
+    M = torch.linalg.lstsq(X, Y).solution.T  # (H, H): head k's scores = M[k] @ the heads' q·k
+    residual = float((Y - X @ M.T).norm() / Y.norm().clamp_min(1e-300))
+    if residual > 0.05:
+        return None
+    for P in (mix.detach().double().T, mix.detach().double()):
+        factor = float((M * P).sum() / (P * P).sum().clamp_min(1e-300))
+        if float((M - factor * P).norm() / M.norm().clamp_min(1e-300)) <= 0.05:
+            return factor, residual
+    return None
 
 
 def _fit_beside(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
@@ -715,7 +777,8 @@ def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[
 class LearnedKeys:
     """Keys a layer adds of its own to every sequence, which no input reaches: memory key/value slots, attention
     sinks (a learned logit column that takes weight and brings no value), a bias_kv or zero key. Seen as more keys
-    at the softmax (or a fused call) than the input has."""
+    at the softmax (or a fused call) than the input has. With `keys` 0 (`weighted_sum`): the plain weighted sum of the
+    values, the softmax (or fused call) and the product that makes it."""
 
     keys: int  # keys beyond the input's Tk
     values: int  # of those, how many bring a value of their own (a sink brings none)
@@ -735,10 +798,22 @@ class LearnedKeys:
 def learned_keys(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
     """The layer's own keys beyond the input's `t_k`, read from its last softmax over (Tq, Tk + n) scores and the
     product that sums its weights with the values (or from a fused call's keys); None when it adds none."""
+    return _last_weighted_sum(record, t_q, t_k, 1)
+
+
+def weighted_sum(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
+    """The layer's last weighted sum of its values over (Tq, Tk + n) weights, n >= 0 keys of its own: the softmax and
+    the product that sums its weights with the values, or a fused call; None when neither was observed."""
+    return _last_weighted_sum(record, t_q, t_k, 0)
+
+
+def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> LearnedKeys | None:
+    """The last softmax over (Tq, Tk + n) scores with n >= `least` and the product that sums its weights with the
+    values, else the last fused call with as many keys."""
     for i in reversed(range(len(record.order))):
         sm = record.order[i]
         if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 2 and sm.output.shape[-2] == t_q \
-                and sm.output.shape[-1] > t_k:
+                and sm.output.shape[-1] >= t_k + least:
             n = sm.output.shape[-1] - t_k
             product, operand = _values_product(record.order[i + 1:], sm.output, t_q, t_k, n)
             if product is None:
@@ -746,7 +821,7 @@ def learned_keys(record: Record, t_q: int, t_k: int) -> LearnedKeys | None:
             width = (product.a.shape[-1] if operand == 0 else product.b.shape[-2]) - t_k
             return LearnedKeys(n, max(0, min(n, width)), softmax=sm, product=product, weights_operand=operand)
     for f in reversed(record.fused):
-        if f.q.shape[-2] == t_q and f.k.shape[-2] > t_k:
+        if f.q.shape[-2] == t_q and f.k.shape[-2] >= t_k + least:
             return LearnedKeys(f.k.shape[-2] - t_k, f.k.shape[-2] - t_k, fused=f)
     return None
 
@@ -769,7 +844,8 @@ def fused_weights(f) -> Tensor:
     q, k = f.q.double(), f.k.double()
     if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scores = q @ k.transpose(-2, -1) * f.scale  # (B, H, Tq, Tk)
+    # the kernel's own scale: q and k as given already carry what they were multiplied by (f.scale counts it too)
+    scores = q @ k.transpose(-2, -1) * (f.scale if f.given is None else f.given)  # (B, H, Tq, Tk)
     if f.attn_mask is not None:
         m = f.attn_mask
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.double()

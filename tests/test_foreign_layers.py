@@ -454,3 +454,174 @@ def test_a_docstring_about_the_internal_bias_is_a_declaration_away_never_a_failu
     assert_clean(audited(DocumentsItsBias, mask="allowed"), measured=CORE + ("mask_honoured",))
     buggy = audited(DocumentsItsBiasUnscaled)
     assert buggy.status == "failed" and set(buggy.fired()) == {"softmax_saturation"}, str(buggy)
+
+
+# ---- cause 1: a transform after the weighted sum of the values is not broken attention --------------------------
+
+
+class LuongAttention(nn.Module):
+    """pytorch-seq2seq's `Attention` (Luong et al. 2015, "global attention", dot score): forward(output, context),
+    the weights softmaxed as a (B * Tq, Tk) view, mix = attn @ context, output = tanh(W [mix; output])."""
+
+    dim = 1  # the keys of each (batch, query) row
+
+    def __init__(self, dim=D):
+        super().__init__()
+        self.linear_out = nn.Linear(dim * 2, dim)
+
+    def forward(self, output, context):
+        batch_size, hidden_size, input_size = output.size(0), output.size(2), context.size(1)
+        attn = torch.bmm(output, context.transpose(1, 2)) / math.sqrt(hidden_size)  # (B, Tq, Tk)
+        attn = F.softmax(attn.view(-1, input_size), dim=self.dim).view(batch_size, -1, input_size)
+        mix = torch.bmm(attn, context)  # (B, Tq, D)
+        combined = torch.cat((mix, output), dim=2)  # (B, Tq, 2D)
+        return torch.tanh(self.linear_out(combined.view(-1, 2 * hidden_size))).view(batch_size, -1, hidden_size)
+
+
+class LuongOverTheQueries(LuongAttention):
+    dim = 0  # BUG: each key's weights over every (batch, query) row
+
+
+class GatedCrossAttention(nn.Module):
+    """Cross-attention whose output is gated by its own query, elementwise after SDPA (the "G1" gate of Qiu et al.
+    2025, Qwen3-Next's gated attention): y = sdpa(q, k, v) * sigmoid(W_g x)."""
+
+    dropout_p = 0.0
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.to_q, self.to_kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        self.gate, self.to_out = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, context, mask=None):
+        q = split(self.to_q(x), self.n_heads)
+        k, v = (split(t, self.n_heads) for t in self.to_kv(context).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p)  # (B, H, Tq, d)
+        return self.to_out(merge(y) * torch.sigmoid(self.gate(x)))
+
+
+class GatedDropoutInEval(GatedCrossAttention):
+    dropout_p = 0.1  # BUG: SDPA's dropout is not switched off by .eval(); pass dropout_p only when training
+
+
+class GatedValuesFromQuery(GatedCrossAttention):
+    def forward(self, x, context, mask=None):
+        q = split(self.to_q(x), self.n_heads)
+        k, _ = (split(t, self.n_heads) for t in self.to_kv(context).chunk(2, -1))
+        _, v = (split(t, self.n_heads) for t in self.to_kv(x).chunk(2, -1))  # BUG: values from the query stream
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, Tq, d)
+        return self.to_out(merge(y) * torch.sigmoid(self.gate(x)))
+
+
+class LePEAttention(nn.Module):
+    """CSWin Transformer's locally-enhanced positional encoding: a depthwise convolution of the values over the
+    positions, added beside the attention (no mask: a vision layer)."""
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.get_v = nn.Conv1d(d_model, d_model, kernel_size=3, padding=1, groups=d_model)
+
+    def merge(self, y):
+        return merge(y)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)  # 3 x (B, T, D)
+        lepe = self.get_v(v.transpose(1, 2)).transpose(1, 2)  # (B, T, D): each value's neighbours
+        y = self.merge(attend(split(q, self.n_heads), split(k, self.n_heads), split(v, self.n_heads), None))
+        return self.proj(y + lepe)
+
+
+class LePEHeadsMerged(LePEAttention):
+    def merge(self, y):
+        B, h, T, d = y.shape  # batch, heads, sequence length, head width
+        return y.reshape(B, T, h * d)  # BUG: heads and positions interleaved (no transpose first)
+
+
+def rotate(x: Tensor, sign: float = 1.0) -> Tensor:
+    """Rotary embedding of (B, H, T, d) by each position (sign -1: rotated back), pairs (0, 1), (2, 3), ..."""
+    T, d = x.shape[-2], x.shape[-1]  # sequence length, head width
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # (d/2,)
+    angle = sign * torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (T, d/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, d/2) each
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)  # (B, H, T, d)
+
+
+class RoPERAttention(SelfAttention):
+    """RoPER (rotary on the values too, the output rotated back by its query's position): relative positions reach
+    the values, and identical tokens come out differing by design."""
+
+    dim = -1  # the keys
+
+    def attention(self, x, mask=None):
+        q, k, v = (rotate(split(t, self.n_heads)) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.proj(merge(rotate(scores.softmax(self.dim) @ v, -1.0)))
+
+
+class RoPERWrongAxis(RoPERAttention):
+    dim = -2  # BUG: normalised over the queries
+
+
+POST_ATTENTION = {  # correct layer, its one-bug twin, how a user audits both
+    "luong": (LuongAttention, LuongOverTheQueries, dict(cross=True, d_model=D)),
+    "gated": (GatedCrossAttention, GatedDropoutInEval, dict(cross=True)),
+    "lepe": (LePEAttention, LePEHeadsMerged, {}),
+    "roper": (RoPERAttention, RoPERWrongAxis, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POST_ATTENTION))
+def test_a_transform_after_the_weighted_sum_is_judged_on_the_weighted_sum(name):
+    correct, buggy, kw = POST_ATTENTION[name]
+    variance = audited(correct, **kw).result("output_variance")
+    assert variance.verdict == "pass", f"{variance.message}\n{variance.evidence}"
+    if buggy is not None:
+        failed = audited(buggy, **kw).result("output_variance")
+        assert failed.verdict == "fail", f"{failed.message}\n{failed.evidence}"
+
+
+@pytest.mark.parametrize("name", sorted(POST_ATTENTION))
+def test_a_correct_layer_with_a_transform_after_its_weighted_sum_audits_clean(name):
+    """Every one of them measured (Luong's weights are softmaxed as a (B * Tq, Tk) view and read back as (B, Tq, Tk)
+    by the product: seen as weights, not missed)."""
+    correct, _, kw = POST_ATTENTION[name]
+    report = audited(correct, **kw)
+    assert_clean(report, measured=CORE + ("weight_row_sums",))
+    assert "judged" in report.result("output_variance").message
+
+
+def test_heads_merged_into_the_positions_are_named_with_the_transpose_and_a_convolution_is_not():
+    """The transpose fix only where the evidence shows a merge that moved heads into the positions (the reshape of
+    the (B, H, T, d) product); the correct layer's convolution is never called a merge of heads."""
+    failed = audited(LePEHeadsMerged).result("output_variance")
+    assert failed.where and "mixes positions with another axis" in failed.where[0].note, failed.where
+    assert "transpose(1, 2)" in failed.where[0].fix and "reshape(B, T, h * d)" in failed.where[0].code
+    passed = audited(LePEAttention).result("output_variance")
+    assert "heads" not in passed.message and "transpose" not in passed.evidence, passed.evidence
+
+
+def test_a_weighted_sum_of_values_from_another_stream_is_not_judged_inside():
+    """The weighted sum passes for the output only where it weights the value input: the same gated layer with its
+    values read from the query stream is a convex combination of the wrong vectors, and its output's fail stands."""
+    failed = audited(GatedValuesFromQuery, cross=True).result("output_variance")
+    assert failed.verdict == "fail" and "judged" not in failed.message, failed
+    assert audited(GatedCrossAttention, cross=True).result("output_variance").verdict == "pass"
+
+
+class LePEHeadsReshapedFirst(LePEAttention):
+    def merge(self, y):
+        B, h, T, d = y.shape  # batch, heads, sequence length, head width
+        return y.reshape(B, T, h, d).flatten(2)  # BUG: (B, H, T, d) read as (B, T, H, d), as an attention function returns
+
+
+def test_pin_a_reshape_that_keeps_the_rank_can_move_heads_into_the_positions():
+    """`positions_mixed` reads any view or reshape that changes the shape, not only one that merges axes (Hugging
+    Face's attention functions return (B, T, H, d): the bug is a 4-d reshape; test_model_audit's ViT cells)."""
+    failed = audited(LePEHeadsReshapedFirst).result("output_variance")
+    assert failed.verdict == "fail" and "mixes positions with another axis" in failed.where[0].note, failed

@@ -4,6 +4,7 @@ newest key (bottom-right alignment)."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unravel
 from .._probe import Probe
@@ -159,6 +160,13 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
         return skip(det, "one input stream and no weights: a key cannot change without its query")
     diag = weights.double().diagonal(dim1=-2, dim2=-1)  # (..., T): each query's weight on its own position
     if bool((diag <= 0).any()):
+        k = top_k(weights, base.allowed)
+        if k is not None:  # sparse by design: which keys a query keeps depends on the scores, not the positions
+            return skip(det, f"not applicable: the layer keeps only the {k} largest weights of each query (every row "
+                             f"keeps min({k}, its allowed keys) and no more: top-k attention), so a query's own "
+                             f"position is dropped wherever its score is not among them ({int((diag <= 0).sum())} / "
+                             f"{diag.numel()} queries here, {source}); with one input stream a key cannot move "
+                             f"without its query, so the alignment is not measured")
         idx = unravel(diag.argmin(), diag.shape)
         return result(det, "fail", "a query gives zero weight to its own position", value=float(diag.min()),
                        threshold=0.0, evidence=f"{int((diag <= 0).sum())} / {diag.numel()} queries give their own "
@@ -166,6 +174,23 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
                        replay=Inputs(base.query, base.key, base.value))
     return result(det, "pass", f"every query attends its own position ({source})", value=float(diag.min()),
                    threshold=0.0)
+
+
+def top_k(weights: Tensor, allowed: Tensor | None) -> int | None:
+    """k where every query of these (B, [H,] T, T) causal weights keeps exactly min(k, its allowed keys) non-zero
+    weights and some query keeps fewer than it is allowed: top-k attention. None otherwise (a mask that blocks the
+    diagonal keeps one key fewer than allowed in every row, the first row none: no k fits)."""
+    T = weights.shape[-1]
+    room = torch.ones(T, T, dtype=torch.bool, device=weights.device).tril()  # (Tq, Tk): the causal keys
+    if allowed is not None:
+        mask = allowed.to(weights.device)
+        room = room & (mask.unsqueeze(1) if weights.dim() == 4 and mask.dim() == 3 else mask)
+    kept = (weights > 0).sum(-1)  # (B, [H,] Tq)
+    room = room.sum(-1).expand_as(kept)
+    k = int(kept.max()) if kept.numel() else 0
+    if k < 1 or not bool((kept < room).any()):
+        return None
+    return k if torch.equal(kept, room.clamp(max=k)) else None
 
 
 NEWEST_KEY_GAINS = (100.0, -100.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -45,7 +45,8 @@ def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, nu
         heads = f" = sqrt(d_model / num_heads) = sqrt({d_model} / {num_heads})" if num_heads else ""
         return (f"divide by sqrt(d_k), the width of one head{heads}, not by sqrt(d_model) = sqrt({d_model})")
     if near(applied, expected ** 2):
-        return f"scale once: the scores are multiplied by {want} twice"
+        return (f"scale once: the scores are multiplied by {want} twice" +
+                ("" if declared else f" (that is, divided by d_k = {d_k}, not by its square root)"))
     if near(applied, 1.0 / expected):
         return f"divide by sqrt(d_k), do not multiply by it: scores = q @ k.transpose(-2, -1) / math.sqrt({d_k})"
     return f"multiply q·k by {expected:.4g} ({want}) before the softmax, once"
@@ -136,52 +137,118 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     rows = []
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
-        rows.append((applied / expected, applied, expected, d_k, source, estimate))
-    ratio, applied, expected, d_k, source, estimate = max(rows, key=lambda r: abs(math.log(abs(r[0]) or 1e-300)))
+        # normalised q and k are judged by the logits they can reach, not by 1/sqrt(d_k) (unless a scale is declared)
+        cosine = _cosine_bound(estimate, probe.subject.dtype) if probe.scale is None else None
+        rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate, cosine))
+    worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
+    if worst.cosine is not None:
+        return _judged_cosine(worst, base)
+    ratio, applied, expected, d_k, source, estimate = (worst.ratio, worst.applied, worst.expected, worst.d_k,
+                                                       worst.source, worst.estimate)
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
-    own = _own_temperature_fix(estimate, applied, d_k, probe) if abs(math.log(abs(ratio) or 1e-300)) > \
-        math.log(SCALE_RATIO) else None
-    extra = {"fix": own[1]} if own else {}
-    evidence += f"; {own[0]}" if own else ""
+    fix = scale_fix(applied, expected, d_k, probe.subject.d_model, probe.subject.num_heads,
+                    declared=probe.scale is not None)
     if ratio > SCALE_RATIO:
         return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
                                    f"(not divided enough)",
-                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, **extra)
+                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
     if ratio < 1 / SCALE_RATIO:
         return result(det, "fail", f"softmax is {1 / ratio:.2f}x too flat: logits are multiplied by less than "
                                    f"{declared} (divided too much)",
-                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, **extra)
+                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
 
 
-def _own_temperature_fix(estimate, applied: float, d_k: int, probe: Probe) -> tuple[str, str] | None:
-    """(what was seen, the fix) where q and k reach q·k normalised, every query row and every key row of one norm
-    (QK-norm scored with a temperature of the layer's own, cosine attention): the scale may be the layer's by design,
-    so the fix offers to declare the factor observed, or else to scale by 1/sqrt(d_k). None otherwise."""
+COSINE_FLAT = 0.5
+"""Normalised q and k (QK-norm, cosine attention): the softmax is too flat where a key aligned with its query
+(cosine 1) reaches a logit under this, so that no key can take more than e^(2 x 0.5) = 2.7x the weight of another.
+Correct layers measured >= 1.0 in float32, bfloat16 and float64 (Restormer's learned temperature at its init of 1;
+per-head LayerNorm then 1/sqrt(d_k): sqrt(d_k); nGPT's sqrt(d_k); Swin v2's 10): margin 2x. The bug, 1/sqrt(d_k) kept
+after the norm, reads 1/sqrt(d_k): 0.354 at d_k = 8 (1.41x under), 0.125 at 64; at d_k <= 4 it is not told from a
+layer's own small temperature."""
+
+COSINE_SHARP = 100.0
+"""Normalised q and k: too sharp where an aligned key's logit exceeds this, the largest temperature Swin v2 lets its
+learned logit scale reach (clamped at log(1 / 0.01)). Correct layers measured <= 10 at init (margin 10x); a cosine
+multiplied by d_k * 1000 reads far past it."""
+
+
+@dataclass(frozen=True)
+class _Cosine:
+    """q and k reach q·k normalised: the logit a key aligned with its query gets (the scale times both norms)."""
+
+    bound: float
+    seen: str  # what was read, for the evidence
+
+
+@dataclass(frozen=True)
+class _Reading:
+    ratio: float  # the factor applied / the one expected
+    applied: float
+    expected: float
+    d_k: int
+    source: str
+    estimate: object
+    cosine: _Cosine | None  # set where q and k are normalised and no scale was declared
+
+    def outside(self) -> float:
+        """How far (in log) the reading lies outside what is allowed: 0 inside."""
+        if self.cosine is not None:
+            b = self.cosine.bound
+            return max(0.0, math.log(COSINE_FLAT / b) if b > 0 else math.inf, math.log(b / COSINE_SHARP) if b > 0
+                       else 0.0)
+        return max(0.0, abs(math.log(abs(self.ratio) or 1e-300)) - math.log(SCALE_RATIO))
+
+
+def _cosine_bound(estimate, dtype) -> _Cosine | None:
+    """Where q and k reach q·k normalised, every query row and every key row of one norm (QK-norm, cosine attention):
+    the logit an aligned key gets, the scale q·k is multiplied by times both norms. None otherwise."""
     m, f = getattr(estimate, "matmul", None), getattr(estimate, "fused", None)
-    if probe.scale is not None:
-        return None
-    if m is not None and m.a.dim() >= 2 and m.b.dim() >= 2:
+    if m is not None and m.a.dim() >= 2 and m.b.dim() >= 2 and m.factor:
         norms = [m.a.double().norm(dim=-1), m.b.double().norm(dim=-2)]  # the queries' rows, the keys' (columns of k^T)
-    elif f is not None:
+        per_product = estimate.applied / m.factor  # the factor of the product of these very operands
+    elif f is not None and f.given is not None:
         norms = [f.q.double().norm(dim=-1), f.k.double().norm(dim=-1)]  # what the fused call was given
+        per_product = f.given
     else:
         return None
-    apart = tolerance(ROW_SUM, probe.subject.dtype)  # an RMS or L2 norm with a uniform gain: equal to rounding
+    apart = tolerance(ROW_SUM, dtype)  # an RMS or L2 norm with a uniform gain: equal to rounding
     if not all(n.numel() and float(n.min()) > 0 and float(n.max() / n.min()) < 1 + apart for n in norms):
         return None
-    seen = (f"q and k reach q·k normalised (every query's norm {float(norms[0].mean()):.3g}, every key's "
-            f"{float(norms[1].mean()):.3g})")
-    factor = float(f"{applied:.4g}")
-    return seen, (f"{seen}: if the layer means to score them with its own temperature, declare it: "
-                  f"scale={factor!r} (the factor q·k is multiplied by); if not, multiply q·k by 1/sqrt(d_k) = "
-                  f"1/sqrt({d_k}) before the softmax")
+    q_norm, k_norm = float(norms[0].mean()), float(norms[1].mean())
+    return _Cosine(abs(per_product) * q_norm * k_norm,
+                   f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
+                   f"multiplied by {per_product:.4g}")
 
+
+def _judged_cosine(r: _Reading, base: Call) -> DetectorResult:
+    """Normalised q and k: the temperature is the layer's own, judged by the logits it lets q·k reach (a cosine times
+    the scale and both norms), not by 1/sqrt(d_k), which is for unnormalised q and k whose q·k grows with d_k."""
+    det, b = "softmax_saturation", r.cosine.bound
+    evidence = (f"{r.cosine.seen} ({r.source}): a key aligned with its query gets a logit of {b:.3g}, one opposed "
+                f"-{b:.3g} (allowed {COSINE_FLAT:g} to {COSINE_SHARP:g}){_entropy_text(base, 1.0, r.applied, None)}")
+    if b < COSINE_FLAT:
+        return result(det, "fail", f"softmax is too flat for normalised q and k: q·k is a cosine in [-1, 1] and its "
+                                   f"logits stay within ±{b:.3g}, so no key can take more than {math.exp(2 * b):.3g}x "
+                                   f"the weight of another", value=b, threshold=COSINE_FLAT, evidence=evidence,
+                      replay=base, fix=f"multiply the cosine by a temperature of the layer's own, not by 1/sqrt(d_k) "
+                                       f"= {1 / math.sqrt(r.d_k):.3g} (that is for q and k left unnormalised): a "
+                                       f"learned one (Swin v2: logit_scale = log(10), clamped at log(100), then exp()) "
+                                       f"or sqrt(d_k) = {math.sqrt(r.d_k):.3g}")
+    if b > COSINE_SHARP:
+        return result(det, "fail", f"softmax is too sharp for normalised q and k: a cosine multiplied by "
+                                   f"{b:.4g} saturates the weights onto the best-aligned key", value=b,
+                      threshold=COSINE_SHARP, evidence=evidence, replay=base,
+                      fix=f"keep the temperature of the cosine at or under {COSINE_SHARP:g} (Swin v2 clamps its "
+                          f"learned logit scale at log(100) before exp())")
+    return result(det, "pass", f"q and k are normalised: the softmax temperature is the layer's own, and a cosine "
+                               f"times {b:.3g} is neither flat nor saturated", value=b, threshold=COSINE_SHARP,
+                  evidence=evidence)
 
 
 def _entropy_text(call: Call, ratio: float, expected: float, estimate) -> str:

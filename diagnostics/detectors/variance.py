@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._core import NON_CONTIGUOUS, not_run, relative_change, skip, transposed_layout, unravel
-from .._observe import LearnedKeys, learned_keys
+from .._observe import LearnedKeys, learned_keys, weighted_sum
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
@@ -22,6 +22,7 @@ from .._tracing import (
     Residual,
     ancestors,
     carries_input,
+    event_op,
     merge_fix,
     moved,
     op_name,
@@ -74,17 +75,54 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
     if wv is None:
         return []
     tol = tolerance(UNCHANGED, s.dtype)
-    for op in trace.ops[wv.index:]:
+    mixed = positions_mixed(trace, wv.index, T, tol)
+    if mixed is not None:  # the evidence that heads (or the batch) were merged into the positions
+        return [op_site(mixed, "every token is the same, yet this op's output differs between positions where its "
+                               "input did not: it mixes positions with another axis (heads)",
+                        fix=merge_fix(mixed, s.num_heads) or "merge the heads with y.transpose(1, 2).reshape(B, T, "
+                                                             "H * d): keep positions apart from heads")]
+    apart = positions_apart(trace, wv.index, T, tol)
+    if apart is None:
+        return []
+    return [op_site(apart, "every token is the same, yet this op's output differs between positions: it reads "
+                           "something besides the weighted sum of the values (a position, a neighbour, the query)",
+                    fix="make the attention's output the weighted sum of the values, softmax(scores) @ v; what reads "
+                        "a position or a neighbour after it is not attention")]
+
+
+def positions_apart(trace, start: int, T: int, tol: float):
+    """The first op from op `start` on (with a user frame) whose output differs between positions, told by its axes of
+    T (not the batch, not the features, last, of any size): on identical tokens, where the positions come apart."""
+    for op in trace.ops[start:]:
         out = op.outs[0] if op.outs else None
         if not op.frames or out is None or not out.is_floating_point():
             continue
-        for a in range(1, out.dim() - 1):  # position axes: not the batch, not the features (last, of any size)
-            if out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any()):
-                return [op_site(op, "every token is the same, yet this op's output differs between positions: it "
-                                     "mixes positions with another axis (heads)",
-                                fix=merge_fix(op, s.num_heads) or "merge the heads with y.transpose(1, 2).reshape(B, "
-                                                                  "T, H * d): keep positions apart from heads")]
-    return []
+        if any(out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any())
+               for a in range(1, out.dim() - 1)):
+            return op
+    return None
+
+
+def positions_mixed(trace, start: int, T: int, tol: float):
+    """The first view or reshape from op `start` on that reshapes so that, on identical tokens, the positions of its
+    output (its axis 1, (B, T, ...)) differ although its input is the same along an axis of T positions: heads (or
+    the batch) moved into the positions, as `y.reshape(B, T, H * d)` or `y.reshape(B, T, H, d)` of a (B, H, T, d)
+    tensor does. A transform that
+    computes something else from the attended values (a gate, a convolution, the query, a rotation) is no such op."""
+    if T < 2:
+        return None
+    for op in trace.ops[start:]:
+        out = op.outs[0] if op.outs else None
+        if op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids or out is None \
+                or not out.is_floating_point() or out.dim() < 2 or out.shape[1] != T:
+            continue
+        x = value_before(trace, op.in_ids[0], op.index)
+        if x is None or x.shape == out.shape or not bool(moved(out, out.narrow(1, 0, 1).expand_as(out), tol).any()):
+            continue
+        if any(x.shape[a] == T and not bool(moved(x, x.narrow(a, 0, 1).expand_as(x), tol).any())
+               for a in range(x.dim() - 1)):
+            return op
+    return None
 
 
 def out_of_range_sites(probe, base: Call) -> list[Site]:
@@ -279,8 +317,8 @@ def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> Det
     concat = block is None
     if concat:  # no residual: an output projection that reads [attention; query] (Luong's)
         block = query_concat(trace)
-    if block is None:
-        return None
+    if block is None:  # a transform after the weighted sum (a gate, a convolution beside it, values rotated back)
+        return _judged_at_weighted_sum(probe, trace, call, tol)
     probe.passes += 1
     again = trace_call(s, reference.query, reference.key, reference.value, reference.allowed, seed=probe.seed)
     alone = None
@@ -338,6 +376,43 @@ def query_concat(trace) -> Residual | None:
     return None
 
 
+def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> DetectorResult | None:
+    """A pass where the layer's output differs between identical value rows only because of what it computes after
+    its weighted sum of the values (a gate of the query, a convolution branch beside the attention, values rotated by
+    position and back, an output read from [context; query]): the property belongs to `weights @ values`, judged
+    there (`_judged_with_learned_keys`, with no keys of its own) when it is observed and reads the value input, and
+    when no view or reshape after it moves heads into the positions (`positions_mixed`). None otherwise: the
+    output's verdict stands, with its own evidence (a weighted sum that is not convex, heads merged without their
+    transpose, values read from another stream, no softmax seen)."""
+    s = probe.subject
+    t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    found = weighted_sum(trace.record, t_q, t_k)
+    event = None if found is None else found.product if found.product is not None else found.fused
+    op = None if event is None else event_op(trace, event)
+    if op is None or found.keys:
+        return None
+    if found.fused is not None:
+        values = op.in_ids[2] if len(op.in_ids) > 2 else None
+    else:  # baddbmm's bias comes first
+        values = op.in_ids[(1 if op.short == "baddbmm" else 0) + 1 - found.weights_operand]
+    if values is None or "value" not in trace.sources.get(values, frozenset()):
+        return None
+    inside = _judged_with_learned_keys(found, t_q, t_k, tol, s.dtype, call)
+    unchanged = tolerance(UNCHANGED, s.dtype)
+    if inside.verdict != "pass" or positions_mixed(trace, op.index, t_q, unchanged) is not None:
+        return None
+    apart = positions_apart(trace, op.index, t_q, unchanged)
+    after = ("" if apart is None else f"; the positions come apart at {short(apart)} ({op_name(apart)}), computed "
+             f"from the weighted sum" if apart.index > op.index else
+             f"; the positions are apart already in the values it weights (computed from the value input before "
+             f"{short(op)})")
+    return result("output_variance", "pass", "the weighted sum of the values inside the layer is a convex combination "
+                  "of them; the output is computed from it afterwards (judged on weights @ values at "
+                  f"{short(op)})", value=inside.value, threshold=tol,
+                  evidence=f"the layer's output differs between identical tokens, so it was judged inside: "
+                           f"{inside.evidence}{after}; no view or reshape after it moves heads into the positions")
+
+
 def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float, dtype, call: Call) -> DetectorResult:
     """A layer with keys of its own: the weights that multiply the values must be the softmax's, over the input's
     keys and the learned ones (a sink's column takes weight and multiplies no value), and each output of that product
@@ -345,7 +420,8 @@ def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float,
     combination. Correct layers measured 0 (float32 and bfloat16, default and std-0.02 init; the weights are the
     softmax's very numbers); dropout in eval moves a row of weights by >= 0.30 in all, 10x bfloat16's allowance."""
     det = "output_variance"
-    found = f"{keys.describe()} found: the scores have {t_k + keys.keys} keys for the input's {t_k}"
+    found = (f"{keys.describe()} found: the scores have {t_k + keys.keys} keys for the input's {t_k}" if keys.keys
+             else "the weighted sum of the values observed")
     if keys.softmax is not None and keys.softmax.dim not in (-1, keys.softmax.output.dim() - 1):
         return result(det, "fail", "the output is not a convex combination of the values and the learned slots: the "
                       "softmax does not normalise over the keys", evidence=f"{found}; the softmax normalises dim "

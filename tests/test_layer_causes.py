@@ -1,0 +1,306 @@
+"""Issue 34's causes 2 and 3 on layers written unlike ours, with the pins of the constants and verdict branches they
+added (issue 37's rule: a case just inside and one just outside, in every dtype the constant is read in).
+
+Cause 2, the temperature of normalised q and k: QK-norm and cosine attention (Swin v2's learned logit scale,
+Restormer's learned temperature, nGPT's sqrt(d_k)) are judged by the logits their cosine can reach
+(`COSINE_FLAT` to `COSINE_SHARP`), not by 1/sqrt(d_k); too flat and too sharp are told apart in words and fixes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diagnostics import audit
+from diagnostics.detectors.temperature import COSINE_FLAT, COSINE_SHARP
+
+D, H = 32, 4  # d_model, heads
+D_K = D // H  # the width of one head
+
+
+def split(t, heads: int):
+    B, T, C = t.shape  # batch, sequence length, d_model
+    return t.view(B, T, heads, C // heads).transpose(1, 2)  # (B, H, T, d)
+
+
+def merge(t):
+    B, h, T, d = t.shape  # batch, heads, sequence length, head width
+    return t.transpose(1, 2).reshape(B, T, h * d)  # (B, T, D)
+
+
+def temperature(make, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    return audit(make().to(dtype), detectors=["softmax_saturation"], **kw).result("softmax_saturation")
+
+
+# ---- cause 2: the temperature of normalised q and k ----------------------------------------------------------
+
+
+class CosineAttention(nn.Module):
+    """Swin Transformer v2's scaled cosine attention: cosine similarity times a learned per-head logit scale, log(10)
+    at init, clamped at log(100) before exp()."""
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(n_heads, 1, 1)))
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)  # (B, H, Tq, Tk) cosines
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
+        if mask is not None:
+            attn = attn.masked_fill(~mask, float("-inf"))
+        return self.proj(merge(attn.softmax(-1) @ v))
+
+
+class Restormer(nn.Module):
+    """Restormer's multi-Dconv head transposed attention, its temperature a learned per-head parameter at 1."""
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.temperature = nn.Parameter(torch.ones(n_heads, 1, 1))
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1)) * self.temperature  # (B, H, Tq, Tk)
+        if mask is not None:
+            attn = attn.masked_fill(~mask, float("-inf"))
+        return self.proj(merge(attn.softmax(dim=-1) @ v))
+
+
+class NormalisedFixed(nn.Module):
+    """q and k l2-normalised, then SDPA with a fixed scale of the layer's own (`scale`, a class attribute: nGPT's
+    sqrt(d_k) by default)."""
+
+    scale: float | None = None
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        scale = math.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)))
+
+
+def fixed(scale: float):
+    return type(f"NormalisedTimes{scale:g}", (NormalisedFixed,), {"scale": scale})
+
+
+class NormalisedStandardScale(NormalisedFixed):
+    scale = 1 / math.sqrt(D_K)  # BUG: 1/sqrt(d_k) kept after the norm: a cosine / sqrt(8), nearly uniform weights
+
+
+class Unnormalised(NormalisedFixed):
+    """The same layer with q and k left as projected: 1/sqrt(d_k) is then the right scale."""
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        scale = 1 / math.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)))
+
+
+class MissingScale(Unnormalised):
+    scale = 1.0  # BUG: no 1/sqrt(d_k)
+
+
+class DividedByDk(Unnormalised):
+    scale = 1.0 / D_K  # BUG: divided by d_k, not its square root
+
+
+@pytest.mark.parametrize("make", [CosineAttention, Restormer, NormalisedFixed], ids=lambda m: m.__name__)
+def test_qk_norm_with_a_temperature_of_its_own_passes(make):
+    result = temperature(make)
+    assert result.verdict == "pass" and "normalised" in result.message, f"{result.message}\n{result.evidence}"
+    assert COSINE_FLAT <= result.value <= COSINE_SHARP
+    assert audit(make()).passed
+
+
+def test_the_standard_scale_after_the_norm_is_too_flat_and_told_so():
+    result = temperature(NormalisedStandardScale)
+    assert result.verdict == "fail" and "too flat for normalised q and k" in result.message, result.message
+    assert "not by 1/sqrt(d_k)" in result.fix and "sharp" not in result.message, result.fix
+    assert "scale=" not in result.fix  # no declaration under which this bug would pass
+
+
+def test_unnormalised_layers_are_still_judged_by_one_over_sqrt_d_k_and_the_two_directions_read_apart():
+    assert temperature(Unnormalised).verdict == "pass"
+    sharp, flat = temperature(MissingScale), temperature(DividedByDk)
+    assert sharp.verdict == "fail" and "2.83x too sharp" in sharp.message and "unscaled" in sharp.fix, sharp
+    assert flat.verdict == "fail" and "2.83x too flat" in flat.message and "divided by d_k = 8" in flat.fix, flat
+    assert sharp.fix != flat.fix
+
+
+def test_a_declared_scale_is_still_what_normalised_q_and_k_are_judged_against():
+    """The user's word wins: declared, the factor is compared with it, the normalised reading is not used."""
+    assert temperature(CosineAttention, scale=10.0).verdict == "pass"
+    declared = temperature(CosineAttention, scale=1 / math.sqrt(D_K))
+    assert declared.verdict == "fail" and "too sharp" in declared.message and "normalised" not in declared.message
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale, verdict", [(0.9 * COSINE_FLAT, "fail"), (1.1 * COSINE_FLAT, "pass"),
+                                            (0.9 * COSINE_SHARP, "pass"), (1.1 * COSINE_SHARP, "fail")])
+def test_pin_the_cosine_bounds(scale, verdict, dtype):
+    """COSINE_FLAT and COSINE_SHARP, 10% either side, in each dtype (the bound is read in float64 from the observed
+    call: bfloat16 moved it by under 1% where measured)."""
+    result = temperature(fixed(scale), dtype)
+    assert result.verdict == verdict and "normalised" in result.message, f"{result.message}\n{result.evidence}"
+    assert result.value == pytest.approx(scale, rel=0.02)
+    if verdict == "fail":
+        assert ("too flat" if scale < 1 else "too sharp") in result.message
+
+
+# ---- cause 3: sparsity by design -------------------------------------------------------------------------------
+
+
+class TopKAttention(nn.Module):
+    """Explicit Sparse Transformer (Zhao et al. 2019): each query keeps only its `topk` largest scores, the rest set to
+    -inf before the softmax; its own position is dropped whenever it is not among them."""
+
+    def __init__(self, d_model=D, n_heads=H, topk=4):
+        super().__init__()
+        self.n_heads, self.topk = n_heads, topk
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def scores(self, q, k, mask):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        scores = self.scores(q, k, mask)
+        kth = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).values[..., -1:]  # (B, H, Tq, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+        return self.proj(merge(scores.softmax(-1) @ v))
+
+
+class TopKDiagonalMasked(TopKAttention):
+    def scores(self, q, k, mask):
+        scores = super().scores(q, k, mask)
+        t_q, t_k = scores.shape[-2:]
+        own = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(t_k - t_q)  # BUG: diagonal included
+        return scores.masked_fill(own, float("-inf"))
+
+
+def test_top_k_attention_is_not_failed_for_dropping_its_own_position():
+    """The top-k form (`top_k`: every row keeps min(k, allowed) weights) makes causal_alignment not applicable, with
+    the reason; the same layer with its diagonal masked keeps one key fewer in every row and still fails."""
+    report = audit(TopKAttention(), causal=True)
+    alignment = report.result("causal_alignment")
+    assert alignment.verdict == "skip" and "keeps only the 4 largest weights" in alignment.message, alignment
+    assert "causal_alignment" not in report.fired() and report.result("future_leakage").verdict == "pass"
+    broken = audit(TopKDiagonalMasked(), causal=True).result("causal_alignment")
+    assert broken.verdict == "fail" and "own position" in broken.message, broken
+
+
+def test_pin_top_k_reads_the_form_of_every_row():
+    """`top_k` on (B, H, T, T) causal weights: each branch just inside and just outside."""
+    from diagnostics.detectors.causal import top_k
+
+    T = 6
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def weights(keep):  # keep: (T, T) bool, the kept keys of each query, uniform over them
+        w = keep.double()
+        return (w / w.sum(-1, keepdim=True).clamp_min(1)).expand(2, 3, T, T)
+
+    last_k = (torch.arange(T)[None, :] > torch.arange(T)[:, None] - 3) & causal  # the 3 newest keys of each query
+    assert top_k(weights(last_k), None) == 3  # min(3, allowed) in every row, fewer than allowed in some
+    assert top_k(weights(causal), None) is None  # dense: no row keeps fewer than allowed
+    off_diagonal = causal & ~torch.eye(T, dtype=torch.bool)
+    assert top_k(weights(off_diagonal), None) is None  # one fewer than allowed in every row, none in the first
+    uneven = last_k.clone()
+    uneven[4, 0] = True  # one row keeps 4 where the others keep 3
+    assert top_k(weights(uneven), None) is None
+    padded = torch.ones(2, T, T, dtype=torch.bool)
+    padded[:, :, 0] = False  # the first key blocked for everyone: the allowed count is the mask's
+    keep = last_k & padded[0]
+    keep[0, 0] = False
+    assert top_k(weights(keep).clone().nan_to_num(0.0), padded) == 3
+
+
+class TalkingHeads(nn.Module):
+    """Talking-heads attention (Shazeer et al. 2020), einsum style: the heads' scaled q·k mixed across heads by a
+    learned (H, H) matrix before the softmax, the weights mixed again after it."""
+
+    def __init__(self, d_model=D, n_heads=H, scale=True):
+        super().__init__()
+        self.n_heads, self.scale = n_heads, scale
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.pre_softmax = nn.Parameter(torch.eye(n_heads) + 0.1 * torch.randn(n_heads, n_heads))
+        self.post_softmax = nn.Parameter(torch.eye(n_heads) + 0.1 * torch.randn(n_heads, n_heads))
+
+    def logits(self, dots):
+        return torch.einsum("bhij,hk->bkij", dots, self.pre_softmax)  # (B, H, Tq, Tk), heads mixed
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        dots = torch.einsum("bhid,bhjd->bhij", q, k)  # (B, H, Tq, Tk)
+        if self.scale:
+            dots = dots / math.sqrt(q.shape[-1])
+        dots = self.logits(dots)
+        if mask is not None:
+            dots = dots.masked_fill(~mask, float("-inf"))
+        attn = torch.einsum("bhij,hk->bkij", dots.softmax(-1), self.post_softmax)
+        return self.proj(merge(torch.einsum("bhij,bhjd->bhid", attn, v)))
+
+
+class TalkingHeadsSquashed(TalkingHeads):
+    """Not a linear mix: the mixed logits squashed by tanh, which no factor times the mix reproduces."""
+
+    def logits(self, dots):
+        return 3 * torch.tanh(super().logits(dots))
+
+
+def test_talking_heads_temperature_is_read_through_the_layers_own_mix():
+    """Before: no softmax of q·k seen, inconclusive for the correct layer and the unscaled one alike."""
+    torch.manual_seed(0)
+    report = audit(TalkingHeads(), causal=True)
+    result = report.result("softmax_saturation")
+    assert result.verdict == "pass" and "talking heads" in result.evidence, result
+    assert report.status == "passed" and result.value == pytest.approx(1.0, abs=1e-3)
+    torch.manual_seed(0)
+    unscaled = audit(TalkingHeads(scale=False), causal=True).result("softmax_saturation")
+    assert unscaled.verdict == "fail" and "2.83x too sharp" in unscaled.message, unscaled
+
+
+def test_pin_the_talking_heads_fit_reads_only_a_linear_mix():
+    """`_fit_mixed_heads` just outside: the mix squashed by tanh fits no factor times the matrix, so the temperature is
+    not measured (the skip of old), never read from a fit that does not hold."""
+    torch.manual_seed(0)
+    result = audit(TalkingHeadsSquashed(), causal=True, detectors=["softmax_saturation"]).result("softmax_saturation")
+    assert result.verdict == "skip", result
+
+
+# ---- noticed along the way ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pre", [1.0, 0.125])
+def test_the_weights_of_a_fused_call_are_recomputed_with_the_kernels_own_scale(pre):
+    """`fused_weights` recomputes softmax(q k^T * scale) from the q and k the kernel was given: a constant q was
+    multiplied by before the call is in q already (it was counted twice: 0.13 off at pre = 0.125)."""
+    from diagnostics._observe import Observer, fused_weights
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with torch.enable_grad(), Observer() as observer:
+        F.scaled_dot_product_attention(q * pre, k, v, scale=1.0)
+    true = ((q * pre) @ k.transpose(-2, -1)).double().softmax(-1)  # (1, 2, 5, 5)
+    assert torch.allclose(fused_weights(observer.record.fused[0]), true, atol=1e-6)
