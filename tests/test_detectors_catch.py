@@ -364,14 +364,18 @@ NEAR_BAR_DRAW = dict(heads=1, head_dim=1, seq_len=3, seed=1052, dtype=torch.bflo
 # init over three tokens, where the test's own measure of a "did not respond" skip disagreed with the detectors' (13 of
 # 27 variants failed): see test_a_did_not_respond_reading_is_measured_on_the_scenario_it_names_in_the_detectors_scale
 ZERO_SPREAD_DRAW = dict(heads=1, head_dim=1, seq_len=3, seed=379, dtype=torch.bfloat16, init="default")
+# And from seed 31337 (commit 66e9256, the first with own_weights): a double softmax at d_model 4, two tokens and GPT-2's
+# init, whose tiny logits make softmax(softmax(s)) the layer's own weights' attention at another scale, which
+# own_weights names; the catalog lists it as seen at other sizes (buggy_variants: double_softmax)
+OWN_SCALE_DRAW = dict(heads=1, head_dim=4, seq_len=2, seed=0, dtype=torch.float32, init="gpt2")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
                                       ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW),
                                       ("rotary_not_offset", SHIFTED_COSINE_DRAW), ("mask_after_softmax", NEAR_BAR_DRAW),
-                                      ("missing_scale", ZERO_SPREAD_DRAW)],
+                                      ("missing_scale", ZERO_SPREAD_DRAW), ("double_softmax", OWN_SCALE_DRAW)],
                          ids=["under_rounding", "random_zeros", "leaked_shift", "shifted_cosine", "near_bar",
-                              "zero_spread"])
+                              "zero_spread", "own_scale"])
 def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
     test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)
