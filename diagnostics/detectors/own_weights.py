@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._core import baseline_scale, not_run, relative_change, skip, where_text
+from .._core import baseline_scale, not_run, relative_change, skip, unravel, where_text
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult
@@ -59,8 +59,7 @@ def _close(out: Tensor, golden: Tensor, same: Tensor | None) -> tuple[float, flo
     scale = baseline_scale(golden) or 1.0
     change = relative_change(out, golden, scale=scale)
     err = float(change.max()) if change is not None and change.numel() else 0.0
-    where = tuple(int(i) for i in torch.unravel_index(change.argmax(), change.shape)) if change is not None and \
-        change.numel() else ()
+    where = unravel(change.argmax(), change.shape) if change is not None and change.numel() else ()
     dtype = out.dtype
     own = 0.0
     if same is not None and dtype != torch.float64:
