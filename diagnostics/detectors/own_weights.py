@@ -23,13 +23,13 @@ from .._core import baseline_scale, not_run, relative_change, skip, unravel, whe
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult
-from .._thresholds import dtype_name, tolerance
+from .._thresholds import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR, dtype_name, tolerance
 from .._projections import STEPS, NotApplicable, Projections, attend, bind, recognise
 from ._common import result
 
 ID = "own_weights"
 
-# The float64-golden rule of the model audit (diagnostics/model/_tolerance.py, which this layer detector sits below):
+# The float64-golden rule of the model audit (FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR in diagnostics/_thresholds.py):
 # the layer's error against the float64 recompute may be at most FUDGE x the error of the same recompute in the
 # layer's dtype, plus FLOOR, both relative to the float64 recompute's RMS. `python tests/test_own_weights.py --margins
 # 5` (CPU; the grouped-query layer, nn.MultiheadAttention, the reference causal and not, Llama eager and sdpa, timm's
@@ -39,8 +39,7 @@ ID = "own_weights"
 #             the recompute in bfloat16); the wrong-order heads 50x over it
 #   float64   the floor is float32's, not 1e-10: Hugging Face's eager attention takes its softmax in float32 whatever
 #             the layer's dtype, 2.6e-7 off (margin 38x); the wrong-order heads 2e10x over the 1e-10 floor
-FUDGE = {torch.float64: 10.0, torch.float32: 10.0, torch.float16: 10.0, torch.bfloat16: 2.0}
-FLOOR = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+FLOOR = {**GOLDEN_FLOOR, torch.float64: GOLDEN_FLOOR[torch.float32]}  # float64: float32's floor, as measured above
 MEASURED = {torch.float64: "38x (2.6e-7, Llama eager)", torch.float32: "14x", torch.bfloat16: "2.1x"}
 
 
@@ -65,7 +64,7 @@ def _close(out: Tensor, golden: Tensor, same: Tensor | None) -> tuple[float, flo
     if same is not None and dtype != torch.float64:
         ref = relative_change(same, golden, scale=scale)
         own = float(ref.max()) if ref is not None and ref.numel() else 0.0
-    return err, FUDGE.get(dtype, 10.0) * own + tolerance(FLOOR, dtype), where
+    return err, FUDGE_BY_DTYPE.get(dtype, FUDGE) * own + tolerance(FLOOR, dtype), where
 
 
 def _find(layer) -> tuple[dict, list[str]]:
