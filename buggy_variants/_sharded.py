@@ -28,6 +28,11 @@ class RingCausalOffsetPerRank(RingAttention):
         return torch.arange(len(positions))  # every rank's queries masked as if its shard started at 0
 
 
+class RingDocumentsStayHome(RingAttention):
+    def received_documents(self, k_doc: Tensor | None) -> Tensor | None:
+        return k_doc  # the keys travel, their document ids stay: every block masked by this rank's own documents
+
+
 class RingRotaryFromZero(RingAttention):
     def rotary_positions(self, positions: Tensor) -> Tensor:
         return torch.arange(len(positions))  # every rank's tokens turned as if its shard started the sequence
@@ -184,8 +189,10 @@ class ShardedVariant:
         as a trained layer's may be (torch's is within 1/sqrt(D), small beside the outputs: a bias added twice must
         be able to show)."""
         torch.manual_seed(seed)
+        lengths = self.audit_kwargs.get("documents")  # packed documents: the layer attends within each
+        ids = None if lengths is None else torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         layer = MultiHeadAttention(d_model, num_heads, causal=self.audit_kwargs.get("causal", False),
-                                   rotary=self.rotary)
+                                   rotary=self.rotary, documents=ids)
         with torch.no_grad():
             layer.out.bias.normal_()
         return OutputDropout(layer, self.output_dropout) if self.output_dropout else layer
@@ -222,6 +229,24 @@ def _entries() -> list[ShardedVariant]:
             detectable_when=Observable("a rotary layer; named as a restart when causal (rank 0 then sees its own "
                                        "shard only)", lambda s: s.causal),
             expected_detectors=("sharded_output",), cause="restart at 0 on every rank",
+            also_detected_by=("sharded_large_logits", "sharded_gradients")),
+        ShardedVariant(
+            id="ring_documents_stay_home", title="Ring attention crossing packed documents",
+            cls=RingDocumentsStayHome, step="received_documents", reference_cls=RingAttention,
+            audit_kwargs={"causal": True, "documents": [5, 6, 5]},
+            explanation="Packed sequences: each rank masks its queries by document, but only the keys travel round "
+                        "the ring; their document ids stay home, and every received block is masked with the "
+                        "receiving rank's own ids (cu_seqlens of the query shard reused for the key block). A block "
+                        "from another rank is then cut at the wrong boundaries: the tokens after a boundary attend the "
+                        "previous document, and some keys of their own are hidden. On one rank, or with one document, "
+                        "nothing changes, which is what the usual test runs.",
+            symptom="With packed documents, a document's outputs move when another document's tokens on another rank "
+                    "change; rank 0's tokens are right (causal, contiguous: it receives no block it may see).",
+            fix="return None if k_doc is None else send_round(k_doc, self.group, 1)  # the ids travel with the keys",
+            detectable_when=Observable("packed documents declared, a document boundary inside a shard that another "
+                                       "rank's block reaches", lambda s: True),
+            expected_detectors=("sharded_documents", "sharded_output"),
+            cause="the document mask is not applied to the key blocks received from other ranks",
             also_detected_by=("sharded_large_logits", "sharded_gradients")),
         ShardedVariant(
             id="ring_merge_overflows", title="Log-sum-exp merge overflows", cls=RingMergeOverflows, step="merge",

@@ -1,8 +1,11 @@
 """Attention split across processes, written to be read beside `correct/_mha.py`, whose layer (its weights and
 its steps: project, split_heads, score, scale, mask, softmax, weight_values, merge_heads, output_projection) each
 sharded form reuses. Every form computes exactly what the unsharded layer computes; only where the work happens
-changes. A rotary layer (`rotary=True`) is turned by its tokens' global positions in every form; a layer with
-a pattern of its own (a sliding window, chunks, a prefix, documents) is refused: no form here writes its pattern.
+changes. A rotary layer (`rotary=True`) is turned by its tokens' global positions in every form. Packed documents
+(`documents=`, one row of ids) are honoured in every form: a query attends its own document's keys only (causal
+inside it where the layer is causal), the keys' document ids travelling round the ring with them; RoPE by global
+positions turns a document's tokens as per-document positions would (its scores depend on j - i only). A layer with
+another pattern of its own (a sliding window, chunks, a prefix) is refused: no form here writes its pattern.
 
     RingAttention         context parallel (Liu et al. 2023, "Ring Attention"): each rank holds a shard of the
                           sequence and its queries; the key/value shards travel round the ring, one step a hop, and
@@ -215,11 +218,16 @@ class _Sharded(nn.Module):
                type(layer).__name__, "build the layer with correct.MultiHeadAttention(d_model, num_heads)")
         expect(layer.dropout_p == 0.0, "a layer without attention dropout (not written for shards here)",
                f"dropout={layer.dropout_p}", "build it with dropout=0.0")
-        own = {name: getattr(layer, name) for name in ("sliding_window", "attention_chunk_size", "prefix", "documents")
+        own = {name: getattr(layer, name) for name in ("sliding_window", "attention_chunk_size", "prefix")
                if getattr(layer, name) is not None}
-        expect(not own, "a layer without a pattern of its own (the sharded forms write the causal mask only)",
+        expect(not own, "a layer without a pattern of its own but documents (the sharded forms write the causal mask "
+                        "and packed documents only)",
                ", ".join(f"{name}={value!r}" for name, value in own.items()),
-               "shard a layer built without sliding_window, attention_chunk_size, prefix and documents")
+               "shard a layer built without sliding_window, attention_chunk_size and prefix")
+        docs = layer.documents
+        expect(docs is None or docs.shape[0] == 1, "documents: one row of ids per position, (T,), alike for every "
+                                                   "sequence of the batch", f"documents of shape {tuple(docs.shape)}"
+               if docs is not None else "", "pack every sequence alike, or shard each packing's batch on its own")
         self.layer, self.group = layer, group if group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
 
@@ -234,14 +242,27 @@ class _Sharded(nn.Module):
         turn = self.rotary_positions(positions)  # (T_r,)
         return self.layer.rotate(q, turn), self.layer.rotate(k, turn)  # (B, H, T_r, d_k)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """One block of attention by the layer's own steps, with the causal mask from global positions; returns
+    def documents_of(self, positions: Tensor) -> Tensor | None:
+        """(T_r,) the document id of each token at these global positions (positions past the packing's end belong to
+        its last document, as in the unsharded layer); None for a layer without documents."""
+        ids = self.layer.documents
+        if ids is None:
+            return None
+        ids = ids[0].to(positions.device)  # (L,)
+        return ids[positions.long().clamp(max=len(ids) - 1)]  # (T_r,)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None = None,
+               k_doc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One block of attention by the layer's own steps, with the causal mask from global positions and, for packed
+        documents, the keys of the query's own document only (`q_doc`, `k_doc`: (Tq,), (Tk,) document ids); returns
         the block's output and its log-sum-exp per query (-inf where the block hides every key from the query)."""
         layer = self.layer
         scores = layer.scale(layer.score(q, k))  # (B, H, Tq, d_k) x (B, H, d_k, Tk) -> (B, H, Tq, Tk)
         if layer.causal:
             allowed = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk): positions, not indices, decide
             scores = scores.masked_fill(~allowed, -math.inf)
+        if q_doc is not None:
+            scores = scores.masked_fill(q_doc[:, None] != k_doc[None, :], -math.inf)  # (Tq, Tk): its own document only
         empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, Tq, 1): no key of this block allowed
         # logsumexp of an all -inf row is -inf, but its gradient is NaN: take it of zeros there, then put -inf back
         lse = torch.where(empty, -math.inf, torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1, keepdim=True))
@@ -259,6 +280,11 @@ class RingAttention(_Sharded):
     def pass_on(self, x: Tensor) -> Tensor:
         return ring_shift(x, self.group)  # from rank r-1; its gradient goes back to r-1
 
+    def received_documents(self, k_doc: Tensor | None) -> Tensor | None:
+        # the keys' document ids travel with them, as their positions do (a block from rank r-1 is masked by its own
+        # documents, not by this rank's)
+        return None if k_doc is None else send_round(k_doc, self.group, 1)  # (T_r,) of rank r-1
+
     def merge(self, out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
         # the online softmax: rescale both partial results to the joint normaliser, in log space (no exp of a
         # large logit ever happens: each factor is exp of a difference <= 0)
@@ -273,10 +299,12 @@ class RingAttention(_Sharded):
         q, k = self.rotate(q, k, positions)  # the keys travel turned by their own positions
         q_pos = self.query_positions(positions)  # (T_r,)
         k_pos = positions.to(torch.float64)  # travels with its keys round the ring
-        out, lse = self.attend(q, k, v, q_pos, positions)  # own block first: a causal row always sees its own key
+        q_doc = k_doc = self.documents_of(positions)  # (T_r,) or None: the documents of the shard's tokens
+        out, lse = self.attend(q, k, v, q_pos, positions, q_doc, k_doc)  # own block first: a causal row sees its key
         for _ in range(self.world_size - 1):
             k, v, k_pos = self.pass_on(k), self.pass_on(v), self.pass_on(k_pos)  # the shard of rank r-1, r-2, ...
-            part, part_lse = self.attend(q, k, v, q_pos, k_pos.long())
+            k_doc = self.received_documents(k_doc)
+            part, part_lse = self.attend(q, k, v, q_pos, k_pos.long(), q_doc, k_doc)
             out, lse = self.merge(out, lse, part, part_lse)
         return layer.output_projection(layer.merge_heads(out))  # (B, H, T_r, d_k) -> (B, T_r, D)
 
@@ -313,7 +341,8 @@ class UlyssesAttention(_Sharded):
         q, k = self.rotate(q, k, positions)  # turned on the shard, by its tokens' global positions
         q, k, v = self.heads_out(q), self.heads_out(k), self.heads_out(v)  # (B, H_r, T, d_k)
         everywhere = _gather_along_1(positions.view(1, -1), self.group)[0]  # (T,): the tokens' order after the exchange
-        out, _ = self.attend(q, k, v, everywhere, everywhere)  # (B, H_r, T, d_k)
+        docs = self.documents_of(everywhere)  # (T,) or None
+        out, _ = self.attend(q, k, v, everywhere, everywhere, docs, docs)  # (B, H_r, T, d_k)
         return layer.output_projection(layer.merge_heads(self.heads_back(out)))  # (B, T_r, D)
 
 
@@ -358,7 +387,8 @@ class HeadParallelAttention(_Sharded):
         q, k, v = (t.view(B, T, H_r, d_k).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (B, H_r, T, d_k)
         positions = torch.arange(T, device=x.device)
         q, k = self.rotate(q, k, positions)  # (B, H_r, T, d_k)
-        out, _ = self.attend(q, k, v, positions, positions)  # (B, H_r, T, d_k)
+        docs = self.documents_of(positions)  # (T,) or None
+        out, _ = self.attend(q, k, v, positions, positions, docs, docs)  # (B, H_r, T, d_k)
         return self.replicated_dropout(self.output_projection(layer.merge_heads(out)))  # (B, T, D/W) -> (B, T, D)
 
 

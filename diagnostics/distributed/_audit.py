@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from .._errors import AuditUsageError, expect
+from .._thresholds import UNCHANGED, tolerance
 from .._guard import untouched
 from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
 from . import MODULES
-from ._context import BACKWARD, FORWARD, JOBS, LARGE, LOGIT_SCALE, TRAIN, UNEVEN, Reference, ShardedContext
+from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, TRAIN, UNEVEN, Reference,
+                       ShardedContext)
 from ._ranks import Job, distributed_available, run_group
 from ._report import ShardedReport
 from .layouts import LAYOUTS, shard_positions
@@ -31,7 +33,7 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
                   layout: str = "contiguous", seq_len: int = 16, batch: int = 2, num_heads: int | None = None,
                   dtype: torch.dtype | None = None, seed: int = 0, timeout: float = 30.0,
                   detectors: list[str] | None = None, call=None, check_unsharded: bool = False,
-                  device: str = "cpu", draws_like_unsharded: bool = False) -> ShardedReport:
+                  device: str = "cpu", draws_like_unsharded: bool = False, documents=None) -> ShardedReport:
     """Audit `sharded`, a layer split across processes, against `layer`, its unsharded self.
 
     `layer`: the unsharded module, `layer(x)` on (B, T, D) returning the output (or a tuple whose first item it is).
@@ -47,7 +49,10 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     so a disagreement says which side is wrong. `device="cuda"`: the ranks run on GPUs 0..W-1 with NCCL (the
     references stay on the CPU; see docs/sharded.md). `draws_like_unsharded=True`: the layer promises that in train
     mode, every rank seeded as the unsharded layer is, it draws what the unsharded layer draws (its output equals the
-    unsharded layer's train-mode output; `takes="full"`).
+    unsharded layer's train-mode output; `takes="full"`). `documents`: the sequences are packed documents, and the
+    layer (sharded and not) attends within each only (causal inside it where causal): their lengths, a list of ints
+    summing to `seq_len`, or the document id of each token, a (seq_len,) integer tensor; the audit then checks that
+    no output moves when another document's tokens on one rank change (`sharded_documents`).
     """
     expect(isinstance(layer, nn.Module), "layer: the unsharded nn.Module", type(layer).__name__,
            "pass the module the sharded form must agree with")
@@ -71,6 +76,7 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     expect(isinstance(seq_len, int) and seq_len >= 2 and seq_len % pieces == 0,
            f"a seq_len divisible by {pieces} (the {layout} layout over {max(world_sizes)} ranks)", f"seq_len={seq_len!r}",
            f"pass seq_len={pieces * max(1, -(-16 // pieces))}")
+    ids = _document_ids(documents, seq_len, layer)
     expect(timeout > 0, "a positive timeout in seconds", f"timeout={timeout!r}", "pass e.g. timeout=30")
     chosen = list(SHARDED_DETECTORS) if detectors is None else list(detectors)
     unknown = [d for d in chosen if d not in SHARDED_DETECTORS]
@@ -81,6 +87,8 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
         ctx = _context(layer, world_sizes=world_sizes, causal=causal, takes=takes, layout=layout, seq_len=seq_len,
                        batch=batch, num_heads=num_heads, dtype=dtype, seed=seed)
         ctx.device = device
+        if ids is not None:
+            _document_job(ctx, ids)
         if draws_like_unsharded:
             ctx.draws_like_unsharded = True
             ctx.train_references = _train_references(ctx)
@@ -199,6 +207,68 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     return ctx
 
 
+def _document_ids(documents, seq_len: int, layer: nn.Module) -> torch.Tensor | None:
+    """(T,) the declared document of each token, from lengths (a list of ints) or ids (a (T,) integer tensor);
+    refused with expected / seen / fix where it does not fit the audit or the layer's own documents."""
+    if documents is None:
+        return None
+    if isinstance(documents, torch.Tensor):
+        expect(documents.dim() == 1 and len(documents) == seq_len and not documents.is_floating_point(),
+               f"documents: a ({seq_len},) integer tensor of document ids (or a list of lengths)",
+               f"shape {tuple(documents.shape)}, dtype {documents.dtype}",
+               f"pass one id per token of seq_len={seq_len}, e.g. torch.tensor([0] * 5 + [1] * {seq_len - 5})")
+        ids = documents.detach().long().cpu()
+    else:
+        lengths = list(documents) if isinstance(documents, (list, tuple)) else None
+        expect(lengths is not None and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+               and sum(lengths) == seq_len, f"documents: lengths >= 1 summing to seq_len={seq_len} (or ids per token)",
+               f"documents={documents!r}", f"pass e.g. documents=[5, 6, {seq_len - 11}]")
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    own = getattr(layer, "documents", None)
+    if isinstance(own, torch.Tensor):
+        own = own.view(-1, own.shape[-1])
+        same = own.shape[0] == 1 and own.shape[1] == seq_len and bool(
+            (own[0].cpu()[:, None] == own[0].cpu()[None, :]).eq(ids[:, None] == ids[None, :]).all())
+        expect(same, "the declared documents to pack the tokens as the layer's own `documents` do",
+               f"declared {ids.tolist()}, the layer's {own.tolist()}",
+               "declare the documents the layer was built with (or build it with these)")
+    return ids
+
+
+def _document_job(ctx: ShardedContext, ids: torch.Tensor) -> None:
+    """The DOCUMENTS job's input at each world size: the example, then, for each document d and rank r that holds
+    tokens of other documents, a copy with those tokens replaced; and the check that the unsharded layer keeps to the
+    declared documents (it is the yardstick: a layer that does not is a usage error, not a finding)."""
+    ctx.documents = ids
+    x = ctx.inputs[BACKWARD]
+    other = _inputs(torch.Generator().manual_seed(ctx.seed + 99), tuple(x.shape), ctx.dtype)
+    inputs, refs = {}, {}
+    for W in ctx.world_sizes:
+        owner, copies, meta = ctx.owners(ctx.seq_len, W), [x], []
+        for d in ids.unique().tolist():
+            for r in range(W):
+                replaced = (owner == r) & (ids != d)  # (T,) rank r's tokens of every other document
+                if bool(replaced.any()):
+                    changed = x.clone()
+                    changed[:, replaced] = other[:, replaced]
+                    copies.append(changed)
+                    meta.append((d, r))
+        inputs[W], ctx.document_copies[W] = torch.cat(copies), meta
+        refs[W] = _reference(_forward_all, ctx.layer, ctx.golden_layer, ctx.dtype, inputs[W])
+        out, B = refs[W].same.double(), ctx.batch
+        scale = float(out[:B].square().mean().sqrt()) or 1.0
+        for i, (d, r) in enumerate(meta, start=1):
+            moved = float((out[i * B:(i + 1) * B, ids == d] - out[:B, ids == d]).abs().max()) / scale
+            if moved > tolerance(UNCHANGED, ctx.dtype):
+                raise AuditUsageError(
+                    f"expected the unsharded layer to keep to the declared documents {ids.tolist()} (no output of a "
+                    f"document moving when only other documents' tokens change); changing the tokens of other "
+                    f"documents than {d} moved document {d}'s outputs by {moved:.3g} of their RMS. Fix: declare the "
+                    f"documents the layer attends within (or build the layer with them: "
+                    f"MultiHeadAttention(..., documents=ids))")
+    ctx.inputs[DOCUMENTS], ctx.references[DOCUMENTS] = inputs, refs
+
+
 def _train_references(ctx: ShardedContext) -> tuple:
     """The unsharded layer's train-mode outputs on the train job's input, seeded as every rank is (`train_seeds`):
     what a layer that promises to draw like it must return. In the audit's dtype: a float64 copy draws other masks."""
@@ -279,8 +349,10 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     jobs = {FORWARD: forward(FORWARD, "main", lambda: ctx.inputs[FORWARD]), BACKWARD: Job(BACKWARD, backward),
             TRAIN: Job(TRAIN, train),
             LARGE: forward(LARGE, "large", lambda: ctx.inputs[LARGE]),
-            UNEVEN: forward(UNEVEN, "main", lambda: ctx.inputs[UNEVEN][W])}
-    return [jobs[j] for j in JOBS if j != TRAIN or ctx.takes == "full"]  # shards have no whole to agree on
+            UNEVEN: forward(UNEVEN, "main", lambda: ctx.inputs[UNEVEN][W]),
+            DOCUMENTS: forward(DOCUMENTS, "main", lambda: ctx.inputs[DOCUMENTS][W])}
+    skip = {TRAIN} if ctx.takes == "shard" else set()  # shards have no whole to agree on
+    return [jobs[j] for j in JOBS if j not in skip and (j != DOCUMENTS or ctx.documents is not None)]
 
 
 def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float, device: str) -> None:

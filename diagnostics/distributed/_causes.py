@@ -12,6 +12,8 @@ fix, or None when its evidence is not there), tried in this order:
                          results merged with the larger normaliser, not their log-sum-exp)
     fused rows cut       the output equals the unsharded layer's with its fused [W_Q; W_K; W_V] weight dealt to the
                          ranks' heads in contiguous row blocks: a column-parallel cut of the stack, not of each part
+    documents crossed    (packed documents declared) a document's outputs move when only another document's tokens
+                         on one rank change: the document mask is not applied to that rank's keys (`document_leaks`)
     only rank 0 matches  rank 0's tokens right, every other rank's wrong: positions or causal offsets that restart
                          at 0 on every rank
 and otherwise the ranks whose tokens differ.
@@ -38,8 +40,8 @@ class Cause:
 def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: float, scale: float) -> Cause:
     """The first reader whose evidence holds, else the ranks whose tokens differ. `test` and `target` (B, T, D) in
     float64; `x` the input they answer; `allowed` the tolerance relative to `scale`."""
-    for reader in (constant_offset, token_permutation, head_permutation, heads_scaled, fused_rows_cut,
-                   only_rank_zero):
+    for reader in (documents_crossed, constant_offset, token_permutation, head_permutation, heads_scaled,
+                   fused_rows_cut, only_rank_zero):
         try:
             cause = reader(ctx, W, test, target, x, allowed, scale)
         except Exception:  # a reader that cannot read this layer says nothing
@@ -227,6 +229,73 @@ def fused_rows_cut(ctx, W, test, target, x, allowed, scale) -> Cause | None:
                  f"plan on a fused projection cuts the stack: split it into q, k, v, or shard it by parts)")
 
 
+@dataclass(frozen=True)
+class Leak:
+    """Document d's outputs that moved when only rank r's tokens of other documents were replaced: their positions,
+    the ranks that hold them, and the greatest change (relative to the outputs' RMS)."""
+
+    document: int
+    rank: int
+    moved: tuple[int, ...]
+    owners: tuple[int, ...]
+    change: float
+
+
+def document_leaks(ctx, W: int, tol: float) -> list[Leak] | None:
+    """Every (document, rank) copy of the DOCUMENTS job at world size W whose document's outputs moved by more than
+    `tol`, the greatest first; None where the job has no answer there (or its answers do not fit together)."""
+    from ._context import DOCUMENTS
+    from ..model._tolerance import scale_of
+
+    if ctx.documents is None or ctx.answers(W, DOCUMENTS) is None:
+        return None
+    try:
+        out = ctx.gathered(W, DOCUMENTS).double()  # (B * (1 + copies), T, D)
+    except ValueError:
+        return None
+    B, ids, owner = ctx.batch, ctx.documents, ctx.owners(ctx.seq_len, W)
+    base = out[:B]
+    scale = scale_of(base)
+    leaks = []
+    for i, (d, r) in enumerate(ctx.document_copies[W], start=1):
+        change = token_errors(out[i * B:(i + 1) * B], base, scale).amax(dim=0)  # (T,)
+        moved = torch.nonzero((change > tol) & (ids == d)).flatten()
+        if len(moved):
+            leaks.append(Leak(d, r, tuple(moved.tolist()), tuple(owner[moved].tolist()), float(change[moved].max())))
+    return sorted(leaks, key=lambda leak: -leak.change)
+
+
+DOCUMENTS_FIX = ("mask every key block by its keys' own document ids: send them round the ring with the keys (or read "
+                 "them at the keys' global positions), never the receiving rank's own, causal inside the document")
+
+
+def leak_cause(ctx, W: int, leaks: list[Leak]) -> Cause:
+    """The sentence for the greatest leak: which tokens (document, rank, positions, where the document starts) attend
+    which document's keys on which rank, and whether they crossed ranks to do it."""
+    leak, ids, owner = leaks[0], ctx.documents, ctx.owners(ctx.seq_len, W)
+    q = max(set(leak.owners), key=leak.owners.count)  # the rank holding most of the moved tokens
+    mine = [t for t, o in zip(leak.moved, leak.owners) if o == q]
+    start = int(torch.nonzero(ids == leak.document)[0])
+    seen = sorted({int(i) for i in ids[(owner == leak.rank) & (ids != leak.document)].tolist()})
+    which = ("the previous document" if seen == [leak.document - 1] else
+             "earlier documents" if all(s < leak.document for s in seen) else
+             f"document{'s' if len(seen) > 1 else ''} {', '.join(map(str, seen))}")
+    where = (f"held on rank {leak.rank}: the document mask is not applied to the key blocks received from other ranks"
+             if q != leak.rank else "held on their own rank: the document mask is not applied")
+    listed = ", ".join(map(str, mine[:6])) + (", ..." if len(mine) > 6 else "")
+    return Cause(f"the tokens of document {leak.document} on rank {q} (positions {listed}; the document starts at "
+                 f"{start}) attend {which}, {where} ({len(leaks)} document x rank probe{'s' if len(leaks) != 1 else ''} "
+                 f"leaked at {W} ranks)",
+                 DOCUMENTS_FIX)
+
+
+def documents_crossed(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    from .._thresholds import UNCHANGED, tolerance
+
+    leaks = document_leaks(ctx, W, tolerance(UNCHANGED, ctx.dtype))
+    return leak_cause(ctx, W, leaks) if leaks else None
+
+
 def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:
     errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
     owner = ctx.owners(test.shape[1], W)
@@ -247,4 +316,4 @@ def differing_ranks(ctx, W, test, target, allowed, scale) -> Cause:
                  "compare the sharded layer with the unsharded one step by step on those ranks' tokens")
 
 
-__all__ = ["Cause", "named_cause"]
+__all__ = ["Cause", "DOCUMENTS_FIX", "Leak", "document_leaks", "leak_cause", "named_cause"]

@@ -5,7 +5,8 @@ declares on it, which `_registry.run()` evaluates before calling the check.
 Every check reads the same few jobs the ranks ran (`JOBS`): one forward of a stacked batch (the example, then copies
 with the tokens after each cut replaced), one backward, two forwards in train mode with every rank seeded alike (two
 seeds; only for a layer that returns the whole output on every rank), one forward of a copy with its weights scaled
-up, one forward of a length the world size does not divide.
+up, one forward of a length the world size does not divide; with packed documents declared, one forward of copies
+with one rank's tokens of every other document replaced (`document_copies`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ..model._tolerance import Golden, scale_of
 from .layouts import rank_of_positions, shard_positions
 
 FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN = "forward", "backward", "train_mode", "large_logits", "uneven_length"
-JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN)
+DOCUMENTS = "documents"
+JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN, DOCUMENTS)
 """The jobs every rank runs, in this order (a job that raises ends its group; the next starts a fresh one)."""
 
 LOGIT_SCALE = 32.0
@@ -68,6 +70,10 @@ class ShardedContext:
     device: str = "cpu"  # where the ranks run: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)
     draws_like_unsharded: bool = False  # the layer promises its train-mode draws are the unsharded layer's
     train_references: tuple = ()  # the unsharded layer's train-mode outputs under TRAIN_SEEDS, when promised
+    documents: Tensor | None = None  # (T,) the declared document id of each token (packed sequences), or None
+    document_copies: dict = field(default_factory=dict)  # {W: [(document d, rank r)]}: copy i + 1 of the DOCUMENTS
+    # job's input replaces the tokens rank r holds of every document but d (the example is copy 0)
+    parameter_references: dict = field(default_factory=dict)  # {unsharded parameter name: Reference of its gradient}
 
     @property
     def train_seeds(self) -> tuple[int, int]:
@@ -131,8 +137,11 @@ FULL_OUTPUT = Need('takes="full"', _applies("full"),
 PROMISED_DRAWS = Need("draws_like_unsharded=True", lambda ctx: ctx.draws_like_unsharded,
                       "the layer does not promise that its train-mode draws are the unsharded layer's (pass "
                       "draws_like_unsharded=True if it does)")
+DECLARED_DOCUMENTS = Need("documents=", lambda ctx: ctx.documents is not None,
+                          "no packed documents declared (pass documents= the document lengths or ids per token if "
+                          "the layer attends within documents)")
 KNOWN_HEADS = Need("the number of heads", lambda ctx: ctx.num_heads is not None,
                    "the number of heads is unknown: pass num_heads= (or give the layer a num_heads attribute)")
 
-__all__ = ["BACKWARD", "CAUSAL_SHARDED", "FORWARD", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
+__all__ = ["BACKWARD", "CAUSAL_SHARDED", "DECLARED_DOCUMENTS", "DOCUMENTS", "FORWARD", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
            "PROMISED_DRAWS", "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
