@@ -108,6 +108,14 @@ class BiasOnEveryRank(HeadParallelAttention):
         return reduce_from_ranks(partial, self.group)  # (B, T, D)
 
 
+class BiasGradientOnRankZero(HeadParallelAttention):
+    def output_projection(self, x: Tensor) -> Tensor:
+        partial = x @ self.out_weight.T  # (B, T, D/W) x (D/W, D) -> (B, T, D): my heads' part of the sum
+        if self.out_bias is not None and self.rank == 0:
+            partial = partial + self.out_bias  # once in the sum, on rank 0: the output is right
+        return reduce_from_ranks(partial, self.group)  # (B, T, D); the bias's gradient stays on rank 0
+
+
 class DropoutStreamPerRank(HeadParallelAttention):
     def replicated_dropout(self, out: Tensor) -> Tensor:
         if not self.training or self.output_dropout == 0.0:
@@ -324,6 +332,21 @@ def _entries() -> list[ShardedVariant]:
             detectable_when=Observable("the output projection has a non-zero bias", lambda s: True),
             expected_detectors=("sharded_output",), cause="bias is added on each of the",
             also_detected_by=("sharded_large_logits", "sharded_lengths")),
+        ShardedVariant(
+            id="bias_grad_on_rank_zero", title="Replicated bias whose gradient reaches rank 0 only",
+            cls=BiasGradientOnRankZero, step="output_projection", reference_cls=HeadParallelAttention,
+            audit_kwargs=dict(full),
+            explanation="The row-parallel output projection adds its bias on rank 0 only, before the all-reduce, so "
+                        "that the sum holds it once: the output is exactly right. But the bias is a replicated "
+                        "parameter, and its gradient now lands on rank 0 alone; without an all-reduce of that "
+                        "gradient, the other ranks' copies never train and the replicas part at the first optimiser "
+                        "step. Every forward test, and the input's gradient, pass.",
+            symptom="The output and the input's gradient match; the output bias's gradient is whole on rank 0 and 0 on "
+                    "every other rank (backward only, parameters only).",
+            fix="return out if self.out_bias is None else out + self.out_bias  # after the sum, on every rank",
+            detectable_when=Observable("parameter gradients compared (the form maps its parameters), a bias on the "
+                                       "output projection", lambda s: True),
+            expected_detectors=("sharded_gradients",), cause="reaches rank 0 only"),
         ShardedVariant(
             id="dropout_stream_per_rank", title="Replicated dropout drawn from a per-rank stream",
             cls=DropoutStreamPerRank, step="replicated_dropout", reference_cls=HeadParallelAttention,

@@ -23,6 +23,9 @@ another pattern of its own (a sliding window, chunks, a prefix) is refused: no f
     OutputDropout         the unsharded layer with dropout on its output: what HeadParallelAttention with
                           output_dropout draws, mask for mask, under the same seed.
 
+Every form says how its parameters map to the unsharded layer's (`unsharded_parameters`: the whole parameter and a
+part of its gradient, the whole of both, or a slice), so an audit can put the ranks' parameter gradients together.
+
 The collectives carry their backward (`ring_shift`, `all_to_all`, `reduce_from_ranks`, `copy_to_ranks`,
 `scatter_sequence`, `gather_sequence`), so each layer's gradients are the unsharded layer's: a backward-only bug
 (a key/value gradient sent back to the wrong rank) lives in one of them.
@@ -43,6 +46,7 @@ from ._errors import expect
 from ._mha import MultiHeadAttention
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+PARTIAL, REPLICATED = "partial", "replicated"  # how a rank's parameter maps to the unsharded one (unsharded_parameters)
 
 
 def shard_positions(layout: str, t: int, rank: int, world_size: int) -> Tensor:
@@ -231,6 +235,13 @@ class _Sharded(nn.Module):
         self.layer, self.group = layer, group if group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
 
+    def unsharded_parameters(self) -> dict:
+        """{the unsharded layer's parameter name: (this rank's parameter, how it maps)}, which an audit reads to put
+        the ranks' gradients together: `PARTIAL` (every rank holds the whole parameter and a part of its gradient; the
+        ranks' parts sum to the whole, as the data or context parallel all-reduce does), `REPLICATED` (every rank holds
+        the whole parameter and its whole gradient), or `(dim, index)` (this rank holds those rows or columns)."""
+        return {name: (p, PARTIAL) for name, p in self.layer.named_parameters()}  # every rank the whole layer
+
     def rotary_positions(self, positions: Tensor) -> Tensor:
         return positions  # the tokens' global positions: RoPE turns each token by where it sits in the sequence
 
@@ -363,11 +374,24 @@ class HeadParallelAttention(_Sharded):
         self.out_weight = nn.Parameter(layer.out.weight[:, cols].detach().clone())  # (D, D/W): my heads' columns
         self.out_bias = layer.out.bias  # (D,) or None: added once, after the sum
 
-    def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def qkv_rows(self) -> Tensor:
         # the fused weight stacks W_Q, W_K, W_V (3 x (D, D)): cut each of the three, not the stack
         D, W, r = self.layer.d_model, self.world_size, self.rank
-        rows = torch.cat([torch.arange(part * D + r * D // W, part * D + (r + 1) * D // W) for part in range(3)])
+        return torch.cat([torch.arange(part * D + r * D // W, part * D + (r + 1) * D // W) for part in range(3)])
+
+    def shard_qkv(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        rows = self.qkv_rows()  # (3 D/W,): my heads' rows of W_Q, then of W_K, then of W_V
         return weight[rows], None if bias is None else bias[rows]  # (3 D/W, D), (3 D/W,)
+
+    def unsharded_parameters(self) -> dict:
+        D, W, r = self.layer.d_model, self.world_size, self.rank
+        mine = {"qkv.weight": (self.qkv_weight, (0, self.qkv_rows())),  # my heads' rows
+                "out.weight": (self.out_weight, (1, torch.arange(r * D // W, (r + 1) * D // W)))}  # my heads' columns
+        if self.qkv_bias is not None:
+            mine["qkv.bias"] = (self.qkv_bias, (0, self.qkv_rows()))
+        if self.out_bias is not None:
+            mine["out.bias"] = (self.out_bias, REPLICATED)  # after the sum: every rank the whole gradient
+        return mine
 
     def output_projection(self, x: Tensor) -> Tensor:
         partial = x @ self.out_weight.T  # (B, T, D/W) x (D/W, D) -> (B, T, D): my heads' part of the sum
@@ -431,6 +455,9 @@ class SequenceParallel(nn.Module):
         gathered = gather_sequence(out, self.group)  # (B, T, D) in the ranks' order
         return gathered[:, order.argsort().to(gathered.device)]  # back to positions 0..T-1
 
+    def unsharded_parameters(self) -> dict:
+        return self.inner.unsharded_parameters()
+
     def forward(self, x: Tensor) -> Tensor:
         shard, positions = self.split(x)  # (B, T_r, D), (T_r,)
         order = shard_order(self.layout, x.shape[1], self.world_size)  # (T,)
@@ -442,6 +469,6 @@ def shard_order(layout: str, t: int, world_size: int) -> Tensor:
     return torch.cat([shard_positions(layout, t, r, world_size) for r in range(world_size)])
 
 
-__all__ = ["LAYOUTS", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
+__all__ = ["LAYOUTS", "PARTIAL", "REPLICATED", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
            "check_equal_shards", "copy_to_ranks", "gather_sequence", "reduce_from_ranks", "ring_shift",
            "scatter_sequence", "send_round", "shard_order", "shard_positions"]

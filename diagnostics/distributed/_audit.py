@@ -16,8 +16,8 @@ from .._guard import untouched
 from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
 from . import MODULES
-from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, TRAIN, UNEVEN, Reference,
-                       ShardedContext)
+from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, PARAMETERS, TRAIN, UNEVEN,
+                       Reference, ShardedContext)
 from ._ranks import Job, distributed_available, run_group
 from ._report import ShardedReport
 from .layouts import LAYOUTS, shard_positions
@@ -146,6 +146,18 @@ def _gradient(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> tor
     return x.grad.detach()
 
 
+def _parameter_gradients(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
+    """{name: the gradient of each parameter} of the unsharded layer under the backward job's loss (zeros where unused)."""
+    layer.zero_grad(set_to_none=True)
+    out = layer(x.detach())
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    (out * cotangent.to(out.dtype)).sum().backward()
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return grads
+
+
 def _scaled(layer: nn.Module, factor: float, dtype: torch.dtype) -> nn.Module:
     scaled = copy.deepcopy(layer).to(dtype).eval()
     with torch.no_grad():
@@ -195,6 +207,10 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     ctx.inputs = {FORWARD: stacked, BACKWARD: x, "cotangent": cotangent, LARGE: x.float()}
     ctx.references = {FORWARD: _reference(_forward_all, main, golden, dtype, stacked),
                       BACKWARD: _reference(_gradient, main, golden, dtype, x, cotangent)}
+    same = _parameter_gradients(main, x, cotangent)
+    gold = None if golden is None else _parameter_gradients(golden, x.double(), cotangent)
+    ctx.parameter_references = {name: Reference(None if gold is None else gold[name], g, dtype)
+                                for name, g in same.items()}
     ctx.large_layer = _scaled(layer, LOGIT_SCALE, torch.float32)
     ctx.references[LARGE] = _reference(_forward_all, ctx.large_layer, _scaled(layer, LOGIT_SCALE, torch.float64),
                                        torch.float32, x.float())
@@ -332,7 +348,11 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
         leaf = x[:, positions].to(on(rank)).requires_grad_(True)  # the whole input, or the rank's shard
         out = invoke(m, leaf, rank, positions.to(on(rank)) if ctx.takes == "shard" else None)
         (out * cot[:, positions].to(out)).sum().backward()
-        return _plain(leaf.grad)
+        mapping = getattr(m, "unsharded_parameters", None)  # how the rank's parameters map to the unsharded ones
+        parameters = None if mapping is None else {
+            name: (how if isinstance(how, str) else (how[0], how[1].cpu()),
+                   None if p is None or p.grad is None else _plain(p.grad)) for name, (p, how) in mapping().items()}
+        return _plain(leaf.grad), parameters
 
     def train(rank, world_size, group):
         m, answers = module("main", rank, group), []
@@ -364,6 +384,10 @@ def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float, device: s
         session = run_group(W, remaining, timeout=timeout, device=device)
         ctx.groups[W].append(session)
         ctx.outputs[W].update(session.results)
+        if BACKWARD in session.results:  # (the input's gradient, the parameters' gradients) from each rank
+            answers = session.results[BACKWARD]
+            ctx.outputs[W][BACKWARD] = [a[0] for a in answers]
+            ctx.outputs[W][PARAMETERS] = [a[1] for a in answers]
         ctx.failures[W] += session.failures
         if not session.failures:
             return

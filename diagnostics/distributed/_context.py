@@ -22,6 +22,7 @@ from .layouts import rank_of_positions, shard_positions
 
 FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN = "forward", "backward", "train_mode", "large_logits", "uneven_length"
 DOCUMENTS = "documents"
+PARAMETERS = "parameter_gradients"  # not a job: what the backward job sends home beside the input's gradient
 JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN, DOCUMENTS)
 """The jobs every rank runs, in this order (a job that raises ends its group; the next starts a fresh one)."""
 
@@ -143,5 +144,5 @@ DECLARED_DOCUMENTS = Need("documents=", lambda ctx: ctx.documents is not None,
 KNOWN_HEADS = Need("the number of heads", lambda ctx: ctx.num_heads is not None,
                    "the number of heads is unknown: pass num_heads= (or give the layer a num_heads attribute)")
 
-__all__ = ["BACKWARD", "CAUSAL_SHARDED", "DECLARED_DOCUMENTS", "DOCUMENTS", "FORWARD", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
+__all__ = ["BACKWARD", "CAUSAL_SHARDED", "DECLARED_DOCUMENTS", "DOCUMENTS", "FORWARD", "PARAMETERS", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
            "PROMISED_DRAWS", "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
