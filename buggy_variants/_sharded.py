@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from correct import MultiHeadAttention
-from correct.sharded import (HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel, UlyssesAttention,
+from correct.sharded import (DataContextParallel, HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel, UlyssesAttention,
                              all_to_all, gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
 
 from ._registry import Observable
@@ -67,6 +67,11 @@ class _WrongWayBack(torch.autograd.Function):
 class RingKVGradientWrongStep(RingAttention):
     def pass_on(self, x: Tensor) -> Tensor:
         return _WrongWayBack.apply(x, self.group)  # from rank r-1; its gradient goes on to r+1
+
+
+class ContextGroupsAcrossReplicas(DataContextParallel):
+    def context_ranks(self, replica: int, data_parallel: int, cp: int) -> list[int]:
+        return list(range(replica, data_parallel * cp, data_parallel))  # rank % dp taken for the replica
 
 
 class ZigzagNotUndone(SequenceParallel):
@@ -178,6 +183,9 @@ class ShardedVariant:
 
     def _factory(self, cls: type) -> Callable:
         inner, layout, p = self.inner, self.audit_kwargs.get("layout", "contiguous"), self.output_dropout
+        dp = self.audit_kwargs.get("data_parallel", 1)
+        if dp > 1:
+            return lambda layer, rank, world_size, group: cls(layer, dp, group)
         if inner is not None:
             return lambda layer, rank, world_size, group: cls(inner(layer, group), layout)
         if p:
@@ -287,6 +295,23 @@ def _entries() -> list[ShardedVariant]:
             detectable_when=Observable("gradients taken; 3 or more ranks (at 2, r+1 and r-1 are one rank)",
                                        lambda s: s.world_size >= 3),
             expected_detectors=("sharded_gradients",), cause="backward-only"),
+        ShardedVariant(
+            id="context_groups_across_replicas", title="Context-parallel groups built across data-parallel replicas",
+            cls=ContextGroupsAcrossReplicas, step="context_ranks", reference_cls=DataContextParallel,
+            audit_kwargs={"causal": True, "data_parallel": 2},
+            explanation="With data parallelism beside context parallelism, rank r is replica r // cp and context rank "
+                        "r % cp; the context-parallel groups are built with the other arithmetic (ranks r with "
+                        "r % dp == i), so each ring joins ranks of two replicas and exchanges keys and values between "
+                        "different sequences. Shapes and positions fit; with one replica, or with the whole world one "
+                        "context group, the groups are the same, which is what the usual test runs.",
+            symptom="A replica's outputs move when only another replica's sequences change; every output off but "
+                    "rank 0's own block.",
+            fix="return list(range(replica * cp, (replica + 1) * cp))  # adjacent ranks: rank // cp is the replica",
+            detectable_when=Observable("2 or more replicas of 2 or more context ranks each (world size 4 or more)",
+                                       lambda s: s.world_size >= 4),
+            expected_detectors=("sharded_data_parallel", "sharded_output"),
+            cause="the context-parallel groups mix the replicas' ranks",
+            also_detected_by=("sharded_large_logits", "sharded_lengths", "sharded_gradients")),
         ShardedVariant(
             id="zigzag_not_undone", title="Zigzag order not undone on the output", cls=ZigzagNotUndone, step="gather",
             reference_cls=SequenceParallel, inner=RingAttention, audit_kwargs={**full, **zigzag},

@@ -18,6 +18,8 @@ another pattern of its own (a sliding window, chunks, a prefix) is refused: no f
                           fused QKV projection (column parallel) and the matching columns of the output projection
                           (row parallel); one all-reduce sums the ranks' parts, and the bias is added once, after it.
                           An optional dropout on the (replicated) output draws from the stream all ranks share.
+    DataContextParallel   data parallelism beside context parallelism: replicas of adjacent context-parallel
+                          ranks, each group running a form above (rank // cp the replica, rank % cp the context rank).
     SequenceParallel      a full-sequence front for a shard layer: it cuts the sequence in a layout, runs the shard
                           layer, gathers the shards and puts the tokens back in order.
     OutputDropout         the unsharded layer with dropout on its output: what HeadParallelAttention with
@@ -416,6 +418,37 @@ class HeadParallelAttention(_Sharded):
         return self.replicated_dropout(self.output_projection(layer.merge_heads(out)))  # (B, T, D/W) -> (B, T, D)
 
 
+class DataContextParallel(nn.Module):
+    """Data parallelism beside context parallelism: the W ranks of `group` are `data_parallel` replicas of
+    cp = W / data_parallel context-parallel ranks each, adjacent (Megatron-LM's and torchtitan's order, context inside
+    data): rank r is replica r // cp and context rank r % cp. It builds one context-parallel group a replica and runs
+    `form(layer, its group)` in it; `forward(x, positions)` as the form's, on the rank's shard of its replica's
+    sequences."""
+
+    def __init__(self, layer: MultiHeadAttention, data_parallel: int, group=None, *, form: type = None):
+        super().__init__()
+        group = group if group is not None else dist.group.WORLD
+        W, rank = dist.get_world_size(group), dist.get_rank(group)
+        expect(data_parallel >= 1 and W % data_parallel == 0, f"data_parallel dividing the world size {W}",
+               f"data_parallel={data_parallel}", f"pass one of {[d for d in range(1, W + 1) if W % d == 0]}")
+        self.data_parallel, cp = data_parallel, W // data_parallel
+        groups = []  # every rank creates every group, in one order (new_group is a collective of the whole group)
+        for replica in range(data_parallel):
+            ranks = self.context_ranks(replica, data_parallel, cp)
+            groups.append((ranks, dist.new_group([dist.get_global_rank(group, r) for r in ranks])))
+        mine = next(g for ranks, g in groups if rank in ranks)
+        self.inner = (form or RingAttention)(layer, mine)
+
+    def context_ranks(self, replica: int, data_parallel: int, cp: int) -> list[int]:
+        return list(range(replica * cp, (replica + 1) * cp))  # adjacent ranks: rank // cp is the replica
+
+    def unsharded_parameters(self) -> dict:
+        return self.inner.unsharded_parameters()  # the replicas' partial gradients sum too (data parallel's all-reduce)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.inner(x, positions)  # (B_replica, T_r, D)
+
+
 class OutputDropout(nn.Module):
     """The unsharded layer with dropout on its output (`forward(x)` -> `(B, T, D)`): what
     `HeadParallelAttention(layer.layer, group, output_dropout=layer.p)` computes draw for draw, each rank seeded as the
@@ -469,6 +502,6 @@ def shard_order(layout: str, t: int, world_size: int) -> Tensor:
     return torch.cat([shard_positions(layout, t, r, world_size) for r in range(world_size)])
 
 
-__all__ = ["LAYOUTS", "PARTIAL", "REPLICATED", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
+__all__ = ["LAYOUTS", "PARTIAL", "REPLICATED", "DataContextParallel", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
            "check_equal_shards", "copy_to_ranks", "gather_sequence", "reduce_from_ranks", "ring_shift",
            "scatter_sequence", "send_round", "shard_order", "shard_positions"]

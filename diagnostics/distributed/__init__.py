@@ -7,8 +7,8 @@ judges it against its unsharded self with the detectors registered here (`SHARDE
     layouts.py    how a sequence is cut: contiguous, zigzag, striped
     _context.py   what the detectors are judged on; the jobs every rank runs
     _judge.py     the parity rule and its evidence        _causes.py   naming the cause of a difference
-    runs.py output.py agreement.py replicas.py draws.py causality.py documents.py logits.py lengths.py heads.py
-    gradients.py
+    runs.py output.py agreement.py replicas.py draws.py causality.py documents.py data_parallel.py logits.py
+    lengths.py heads.py gradients.py
                   the sharded detectors
     _audit.py     audit_sharded()                         _report.py   ShardedReport
     pytest_plugin.py  the `sharded_audit` fixture         __main__.py  `python -m diagnostics.distributed`
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("runs", "output", "agreement", "replicas", "draws", "causality", "documents", "logits", "lengths", "heads",
-           "gradients")
+MODULES = ("runs", "output", "agreement", "replicas", "draws", "causality", "documents", "data_parallel", "logits",
+           "lengths", "heads", "gradients")
 
 # public name -> the module that defines it
 _WHERE = {"LAYOUTS": ".layouts", "SHARDED_DETECTORS": "../_registry", "ShardedAuditError": "._report",

@@ -16,11 +16,11 @@ from .._guard import untouched
 from .._registry import SHARDED_DETECTORS, phrase, run
 from .._thresholds import dtype_name
 from . import MODULES
-from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, PARAMETERS, TRAIN, UNEVEN,
-                       Reference, ShardedContext)
+from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, PARAMETERS, REPLICAS, TRAIN,
+                       UNEVEN, Reference, ShardedContext)
 from ._ranks import Job, distributed_available, run_group
 from ._report import ShardedReport
-from .layouts import LAYOUTS, shard_positions
+from .layouts import LAYOUTS
 
 for _name in MODULES:  # the detectors register as their modules load, in this order
     importlib.import_module(f"{__package__}.{_name}")
@@ -33,7 +33,8 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
                   layout: str = "contiguous", seq_len: int = 16, batch: int = 2, num_heads: int | None = None,
                   dtype: torch.dtype | None = None, seed: int = 0, timeout: float = 30.0,
                   detectors: list[str] | None = None, call=None, check_unsharded: bool = False,
-                  device: str = "cpu", draws_like_unsharded: bool = False, documents=None) -> ShardedReport:
+                  device: str = "cpu", draws_like_unsharded: bool = False, documents=None,
+                  data_parallel: int = 1) -> ShardedReport:
     """Audit `sharded`, a layer split across processes, against `layer`, its unsharded self.
 
     `layer`: the unsharded module, `layer(x)` on (B, T, D) returning the output (or a tuple whose first item it is).
@@ -52,7 +53,11 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
     unsharded layer's train-mode output; `takes="full"`). `documents`: the sequences are packed documents, and the
     layer (sharded and not) attends within each only (causal inside it where causal): their lengths, a list of ints
     summing to `seq_len`, or the document id of each token, a (seq_len,) integer tensor; the audit then checks that
-    no output moves when another document's tokens on one rank change (`sharded_documents`).
+    no output moves when another document's tokens on one rank change (`sharded_documents`). `data_parallel`: the
+    ranks are that many data-parallel replicas of W / data_parallel context-parallel ranks each, which the sharded
+    layer groups itself (from the group of all ranks it is given): rank r is replica r // (W / data_parallel), holding
+    context shard r % (W / data_parallel) of its replica's sequences (every data_parallel-th of the batch); the audit
+    checks that no replica's outputs move when only another replica's sequences change (`sharded_data_parallel`).
     """
     expect(isinstance(layer, nn.Module), "layer: the unsharded nn.Module", type(layer).__name__,
            "pass the module the sharded form must agree with")
@@ -77,6 +82,12 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
            f"a seq_len divisible by {pieces} (the {layout} layout over {max(world_sizes)} ranks)", f"seq_len={seq_len!r}",
            f"pass seq_len={pieces * max(1, -(-16 // pieces))}")
     ids = _document_ids(documents, seq_len, layer)
+    expect(isinstance(data_parallel, int) and not isinstance(data_parallel, bool) and data_parallel >= 1
+           and all(w % data_parallel == 0 for w in world_sizes) and batch % data_parallel == 0
+           and (data_parallel == 1 or takes == "shard"),
+           "data_parallel: an int >= 1 dividing every world size and the batch, with takes=\"shard\"",
+           f"data_parallel={data_parallel!r}, world_sizes={world_sizes}, batch={batch}, takes={takes!r}",
+           "pass e.g. data_parallel=2 with world_sizes=(4,) and batch=2 (a sharded layer that takes its own shard)")
     expect(timeout > 0, "a positive timeout in seconds", f"timeout={timeout!r}", "pass e.g. timeout=30")
     chosen = list(SHARDED_DETECTORS) if detectors is None else list(detectors)
     unknown = [d for d in chosen if d not in SHARDED_DETECTORS]
@@ -87,6 +98,8 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
         ctx = _context(layer, world_sizes=world_sizes, causal=causal, takes=takes, layout=layout, seq_len=seq_len,
                        batch=batch, num_heads=num_heads, dtype=dtype, seed=seed)
         ctx.device = device
+        if data_parallel > 1:
+            _replica_job(ctx, data_parallel)
         if ids is not None:
             _document_job(ctx, ids)
         if draws_like_unsharded:
@@ -285,6 +298,23 @@ def _document_job(ctx: ShardedContext, ids: torch.Tensor) -> None:
     ctx.inputs[DOCUMENTS], ctx.references[DOCUMENTS] = inputs, refs
 
 
+def _replica_job(ctx: ShardedContext, dp: int) -> None:
+    """The REPLICAS job's input: the example, then for each replica a copy with its sequences (rows j, j + dp, ...)
+    replaced; the same at every world size."""
+    ctx.data_parallel = dp
+    x = ctx.inputs[BACKWARD]
+    other = _inputs(torch.Generator().manual_seed(ctx.seed + 77), tuple(x.shape), ctx.dtype)
+    copies = [x]
+    for j in range(dp):
+        changed = x.clone()
+        changed[j::dp] = other[j::dp]
+        copies.append(changed)
+    stacked = torch.cat(copies)
+    ref = _reference(_forward_all, ctx.layer, ctx.golden_layer, ctx.dtype, stacked)
+    ctx.inputs[REPLICAS] = {W: stacked for W in ctx.world_sizes}
+    ctx.references[REPLICAS] = {W: ref for W in ctx.world_sizes}
+
+
 def _train_references(ctx: ShardedContext) -> tuple:
     """The unsharded layer's train-mode outputs on the train job's input, seeded as every rank is (`train_seeds`):
     what a layer that promises to draw like it must return. In the audit's dtype: a float64 copy draws other masks."""
@@ -328,8 +358,9 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
             out = call(m, x) if call is not None else m(x)
         else:
             if positions is None:
-                positions = shard_positions(ctx.layout, x.shape[1], rank, W).to(on(rank))
-                x = x[:, positions]
+                rows, positions = ctx.piece(rank, W, x.shape[1])  # its replica's sequences, its shard of them
+                positions = positions.to(on(rank))
+                x = x[rows][:, positions]
             out = call(m, x, positions) if call is not None else m(x, positions)
         return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -342,12 +373,12 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
     def backward(rank, world_size, group):
         m, x = module("main", rank, group), ctx.inputs[BACKWARD]
         cot = ctx.inputs["cotangent"]
-        positions = torch.arange(x.shape[1])
+        rows, positions = slice(None), torch.arange(x.shape[1])
         if ctx.takes == "shard":
-            positions = shard_positions(ctx.layout, x.shape[1], rank, W)
-        leaf = x[:, positions].to(on(rank)).requires_grad_(True)  # the whole input, or the rank's shard
+            rows, positions = ctx.piece(rank, W, x.shape[1])
+        leaf = x[rows][:, positions].to(on(rank)).requires_grad_(True)  # the whole input, or the rank's shard
         out = invoke(m, leaf, rank, positions.to(on(rank)) if ctx.takes == "shard" else None)
-        (out * cot[:, positions].to(out)).sum().backward()
+        (out * cot[rows][:, positions].to(out)).sum().backward()
         mapping = getattr(m, "unsharded_parameters", None)  # how the rank's parameters map to the unsharded ones
         parameters = None if mapping is None else {
             name: (how if isinstance(how, str) else (how[0], how[1].cpu()),
@@ -370,9 +401,11 @@ def _jobs(ctx: ShardedContext, sharded, W: int, call) -> list[Job]:
             TRAIN: Job(TRAIN, train),
             LARGE: forward(LARGE, "large", lambda: ctx.inputs[LARGE]),
             UNEVEN: forward(UNEVEN, "main", lambda: ctx.inputs[UNEVEN][W]),
-            DOCUMENTS: forward(DOCUMENTS, "main", lambda: ctx.inputs[DOCUMENTS][W])}
+            DOCUMENTS: forward(DOCUMENTS, "main", lambda: ctx.inputs[DOCUMENTS][W]),
+            REPLICAS: forward(REPLICAS, "main", lambda: ctx.inputs[REPLICAS][W])}
     skip = {TRAIN} if ctx.takes == "shard" else set()  # shards have no whole to agree on
-    return [jobs[j] for j in JOBS if j not in skip and (j != DOCUMENTS or ctx.documents is not None)]
+    skip |= ({DOCUMENTS} if ctx.documents is None else set()) | ({REPLICAS} if ctx.data_parallel == 1 else set())
+    return [jobs[j] for j in JOBS if j not in skip]
 
 
 def _run(ctx: ShardedContext, W: int, jobs: list[Job], timeout: float, device: str) -> None:

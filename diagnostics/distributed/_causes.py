@@ -12,6 +12,8 @@ fix, or None when its evidence is not there), tried in this order:
                          results merged with the larger normaliser, not their log-sum-exp)
     fused rows cut       the output equals the unsharded layer's with its fused [W_Q; W_K; W_V] weight dealt to the
                          ranks' heads in contiguous row blocks: a column-parallel cut of the stack, not of each part
+    replicas mixed       (data parallel declared) a replica's outputs move when only another replica's sequences
+                         change: the context-parallel groups hold ranks of two replicas (`replica_leaks`)
     documents crossed    (packed documents declared) a document's outputs move when only another document's tokens
                          on one rank change: the document mask is not applied to that rank's keys (`document_leaks`)
     only rank 0 matches  rank 0's tokens right, every other rank's wrong: positions or causal offsets that restart
@@ -40,7 +42,7 @@ class Cause:
 def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: float, scale: float) -> Cause:
     """The first reader whose evidence holds, else the ranks whose tokens differ. `test` and `target` (B, T, D) in
     float64; `x` the input they answer; `allowed` the tolerance relative to `scale`."""
-    for reader in (documents_crossed, constant_offset, token_permutation, head_permutation, heads_scaled,
+    for reader in (replicas_mixed, documents_crossed, constant_offset, token_permutation, head_permutation, heads_scaled,
                    fused_rows_cut, only_rank_zero):
         try:
             cause = reader(ctx, W, test, target, x, allowed, scale)
@@ -296,6 +298,60 @@ def documents_crossed(ctx, W, test, target, x, allowed, scale) -> Cause | None:
     return leak_cause(ctx, W, leaks) if leaks else None
 
 
+def replica_leaks(ctx, W: int, tol: float) -> list[tuple[int, int, tuple[int, ...], float]] | None:
+    """[(replica i, replica j, the ranks of i whose outputs moved, the greatest change)] for every pair where changing
+    only replica j's sequences moved replica i's outputs by more than `tol`, the greatest first; None where the
+    REPLICAS job has no answer at W."""
+    from ._context import REPLICAS
+    from ..model._tolerance import scale_of
+
+    dp = ctx.data_parallel
+    if dp == 1 or ctx.answers(W, REPLICAS) is None:
+        return None
+    try:
+        out = ctx.gathered(W, REPLICAS).double()  # (B * (1 + dp), T, D)
+    except ValueError:
+        return None
+    B, cp, owner = ctx.batch, W // dp, ctx.owners(ctx.seq_len, W)
+    base = out[:B]
+    scale = scale_of(base)
+    leaks = []
+    for j in range(dp):
+        change = token_errors(out[(j + 1) * B:(j + 2) * B], base, scale)  # (B, T)
+        for i in range(dp):
+            if i == j:
+                continue
+            moved = change[i::dp].amax(dim=0)  # (T,) replica i's sequences
+            if float(moved.max()) > tol:
+                ranks = tuple(sorted({i * cp + int(c) for c in owner[moved > tol].tolist()}))
+                leaks.append((i, j, ranks, float(moved.max())))
+    return sorted(leaks, key=lambda leak: -leak[3])
+
+
+REPLICAS_FIX = ("build the context-parallel groups from adjacent ranks: replica i's group is ranks i * cp .. "
+                "(i + 1) * cp - 1 (rank // cp is the replica, rank % cp the context rank), the layout the data is "
+                "given in")
+
+
+def replica_cause(ctx, W: int, leaks) -> Cause:
+    i, j, ranks, change = leaks[0]
+    dp = ctx.data_parallel
+    cp = W // dp
+    swapped = [sorted(range(k, W, dp)) for k in range(dp)]
+    return Cause(f"replica {i}'s outputs on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} move "
+                 f"when only replica {j}'s sequences change (by up to {change:.3g} of the outputs' RMS): the "
+                 f"context-parallel groups mix the replicas' ranks (at {W} ranks as {dp} replicas x {cp}: replica "
+                 f"{i} is ranks {i * cp}..{(i + 1) * cp - 1}; groups built by rank % {dp} would be "
+                 f"{', '.join(map(str, swapped))})", REPLICAS_FIX)
+
+
+def replicas_mixed(ctx, W, test, target, x, allowed, scale) -> Cause | None:
+    from .._thresholds import UNCHANGED, tolerance
+
+    leaks = replica_leaks(ctx, W, tolerance(UNCHANGED, ctx.dtype))
+    return replica_cause(ctx, W, leaks) if leaks else None
+
+
 def only_rank_zero(ctx, W, test, target, x, allowed, scale) -> Cause | None:
     errors = token_errors(test, target, scale).amax(dim=0)  # (T,)
     owner = ctx.owners(test.shape[1], W)
@@ -316,4 +372,4 @@ def differing_ranks(ctx, W, test, target, allowed, scale) -> Cause:
                  "compare the sharded layer with the unsharded one step by step on those ranks' tokens")
 
 
-__all__ = ["Cause", "DOCUMENTS_FIX", "Leak", "document_leaks", "leak_cause", "named_cause"]
+__all__ = ["Cause", "DOCUMENTS_FIX", "REPLICAS_FIX", "Leak", "replica_cause", "replica_leaks", "document_leaks", "leak_cause", "named_cause"]

@@ -6,7 +6,8 @@ Every check reads the same few jobs the ranks ran (`JOBS`): one forward of a sta
 with the tokens after each cut replaced), one backward, two forwards in train mode with every rank seeded alike (two
 seeds; only for a layer that returns the whole output on every rank), one forward of a copy with its weights scaled
 up, one forward of a length the world size does not divide; with packed documents declared, one forward of copies
-with one rank's tokens of every other document replaced (`document_copies`).
+with one rank's tokens of every other document replaced (`document_copies`); with data parallel replicas declared,
+one forward of copies with one replica's sequences replaced.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from ..model._tolerance import Golden, scale_of
 from .layouts import rank_of_positions, shard_positions
 
 FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN = "forward", "backward", "train_mode", "large_logits", "uneven_length"
-DOCUMENTS = "documents"
+DOCUMENTS, REPLICAS = "documents", "replicas"
 PARAMETERS = "parameter_gradients"  # not a job: what the backward job sends home beside the input's gradient
-JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN, DOCUMENTS)
+JOBS = (FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN, DOCUMENTS, REPLICAS)
 """The jobs every rank runs, in this order (a job that raises ends its group; the next starts a fresh one)."""
 
 LOGIT_SCALE = 32.0
@@ -75,6 +76,13 @@ class ShardedContext:
     document_copies: dict = field(default_factory=dict)  # {W: [(document d, rank r)]}: copy i + 1 of the DOCUMENTS
     # job's input replaces the tokens rank r holds of every document but d (the example is copy 0)
     parameter_references: dict = field(default_factory=dict)  # {unsharded parameter name: Reference of its gradient}
+    data_parallel: int = 1  # replicas: rank r is replica r // (W / data_parallel), context rank r % (W / data_parallel)
+
+    def piece(self, rank: int, W: int, t: int) -> tuple[slice, Tensor]:
+        """What rank `rank` of W holds of a (B, t) input: the rows of its replica (every data_parallel-th sequence
+        from its replica's index) and the positions of its context rank's shard."""
+        cp = W // self.data_parallel
+        return slice(rank // cp, None, self.data_parallel), shard_positions(self.layout, t, rank % cp, cp)
 
     @property
     def train_seeds(self) -> tuple[int, int]:
@@ -107,24 +115,25 @@ class ShardedContext:
                 raise ValueError(f"rank {rank} returned shape {tuple(answers[rank].shape)} for the whole sequence; "
                                  f"expected {expected} like the unsharded layer's")
             return answers[rank]
-        t = self.job_input(job, W).shape[1]
-        first = answers[0]
-        whole = torch.full((first.shape[0], t, *first.shape[2:]), float("nan"), dtype=first.dtype)
+        x = self.job_input(job, W)
+        t, first = x.shape[1], answers[0]
+        whole = torch.full((x.shape[0], t, *first.shape[2:]), float("nan"), dtype=first.dtype)
         for r, part in enumerate(answers):
-            positions = shard_positions(self.layout, t, r, W)
-            if part.dim() < 2 or part.shape[0] != first.shape[0] or part.shape[1] != len(positions) or \
+            rows, positions = self.piece(r, W, t)
+            n = len(range(*rows.indices(x.shape[0])))
+            if part.dim() < 2 or part.shape[0] != n or part.shape[1] != len(positions) or \
                     part.shape[2:] != first.shape[2:]:
                 raise ValueError(f"rank {r} returned shape {tuple(part.shape)} for its shard of {len(positions)} "
-                                 f"tokens; expected ({first.shape[0]}, {len(positions)}, ...) like rank 0's")
-            whole[:, positions] = part
+                                 f"tokens; expected ({n}, {len(positions)}, ...) like rank 0's")
+            whole[rows, positions] = part
         if tuple(whole.shape) != expected:
             raise ValueError(f"the gathered shards have shape {tuple(whole.shape)}; expected {expected} like the "
                              f"unsharded layer's")
         return whole
 
     def owners(self, t: int, W: int) -> Tensor:
-        """(T,) the rank that holds each position in the declared layout."""
-        return rank_of_positions(self.layout, t, W)
+        """(T,) the rank that holds each position in the declared layout (its context rank, with data parallel)."""
+        return rank_of_positions(self.layout, t, W // self.data_parallel)
 
 
 def _applies(takes: str):
@@ -141,8 +150,12 @@ PROMISED_DRAWS = Need("draws_like_unsharded=True", lambda ctx: ctx.draws_like_un
 DECLARED_DOCUMENTS = Need("documents=", lambda ctx: ctx.documents is not None,
                           "no packed documents declared (pass documents= the document lengths or ids per token if "
                           "the layer attends within documents)")
+DATA_PARALLEL = Need("data_parallel= 2 or more", lambda ctx: ctx.data_parallel > 1,
+                     "no data parallelism declared beside the context parallelism (pass data_parallel= the number "
+                     "of replicas if the sharded layer builds its context-parallel groups inside data-parallel ones)")
 KNOWN_HEADS = Need("the number of heads", lambda ctx: ctx.num_heads is not None,
                    "the number of heads is unknown: pass num_heads= (or give the layer a num_heads attribute)")
 
-__all__ = ["BACKWARD", "CAUSAL_SHARDED", "DECLARED_DOCUMENTS", "DOCUMENTS", "FORWARD", "PARAMETERS", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
+__all__ = ["BACKWARD", "CAUSAL_SHARDED", "DATA_PARALLEL", "DECLARED_DOCUMENTS", "DOCUMENTS", "FORWARD", "PARAMETERS",
+           "REPLICAS", "FULL_OUTPUT", "JOBS", "KNOWN_HEADS", "LARGE", "LOGIT_SCALE",
            "PROMISED_DRAWS", "Reference", "ShardedContext", "TRAIN", "UNEVEN"]
