@@ -7,7 +7,7 @@ machine's lock on groups (`one_group_at_a_time`) while it runs, so that two grou
 The default run is a slice at 2 ranks (about 15 s); the full matrix (every correct form at 2 and 4 ranks, causal and
 not, float32 and float64; Ctrl-C and the command line; torch's DTensor plans) is marked slow. Every broken variant of
 the chapter beside its twin at 2 and 4 ranks, with its cause named, is a row of the kill matrix
-(tests/test_kill_matrix.py, slow); the default run here checks nine of them at 2 ranks.
+(tests/test_kill_matrix.py, slow); the default run here checks eleven of them at 2 ranks and the replicas' one at 4.
 """
 
 from __future__ import annotations
@@ -137,16 +137,101 @@ def test_every_correct_form_of_a_rotary_layer_passes_at_2_and_4_ranks(name, caus
     assert not report.findings, str(report)
 
 
-@pytest.mark.parametrize("pattern", [{"sliding_window": 4}, {"attention_chunk_size": 4}, {"prefix": 2},
-                                     {"documents": torch.tensor([0] * 8 + [1] * 8)}], ids=lambda p: next(iter(p)))
+@pytest.mark.parametrize("pattern", [{"sliding_window": 4}, {"attention_chunk_size": 4}, {"prefix": 2}],
+                         ids=lambda p: next(iter(p)))
 def test_a_layer_with_a_pattern_of_its_own_is_refused_not_sharded_without_it(pattern):
-    """No sharded form writes a layer's own pattern (a window, chunks, a prefix, documents): sharding one would drop
-    it silently, so the form refuses it before any collective, with expected / seen / fix; its twin (no pattern) is
-    every other test here."""
+    """No sharded form writes a layer's window, chunks or prefix: sharding one would drop it silently, so the form
+    refuses it before any collective, with expected / seen / fix; its twins (no pattern, or packed documents, which
+    every form honours) are every other test here."""
     layer = MultiHeadAttention(32, 8, causal=True, **pattern)
     for form in (cs.RingAttention, cs.UlyssesAttention, cs.HeadParallelAttention):
         with pytest.raises(ValueError, match=f"a layer without a pattern of its own.*{next(iter(pattern))}=.*Fix: "):
             form(layer)
+
+
+DOCS = [5, 6, 5]  # three packed documents of 16 tokens: boundaries inside rank 0's shard and across ranks
+
+
+def documents_layer(causal: bool, lengths=DOCS) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    layer = MultiHeadAttention(32, 8, causal=causal, documents=ids)
+    with torch.no_grad():
+        layer.out.bias.normal_()
+    return layer
+
+
+def test_documents_packed_per_sequence_are_refused_by_the_forms():
+    """One row of ids for the whole batch is what the forms write; a (B, T) packing is refused, expected / seen / fix
+    (its twin: every documents test here)."""
+    layer = MultiHeadAttention(32, 8, documents=torch.tensor([[0] * 8 + [1] * 8, [0] * 4 + [1] * 12]))
+    for form in (cs.RingAttention, cs.UlyssesAttention, cs.HeadParallelAttention):
+        with pytest.raises(ValueError, match=r"documents: one row of ids.*got documents of shape \(2, 16\).*Fix: "):
+            form(layer)
+
+
+def test_a_correct_ring_over_packed_documents_passes_every_check_with_documents_measured():
+    factory, options = FORMS["ring_zigzag"]
+    report = audit_sharded(documents_layer(True), factory, causal=True, world_sizes=(2,), documents=DOCS, **options)
+    assert report.status == "passed", str(report)
+    result = report.result("sharded_documents")
+    assert result.verdict == "pass" and result.value == 0.0, str(report)  # exactly unmoved: masked keys weigh 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(FORMS))
+def test_every_correct_form_over_packed_documents_passes_at_2_and_4_ranks(name, causal):
+    """The twin of ring_documents_stay_home's catch, for every form and layout: ids as lengths and as a tensor."""
+    factory, options = FORMS[name]
+    for documents in (DOCS, torch.tensor([0] * 3 + [1] * 10 + [2] * 3)):
+        lengths = DOCS if isinstance(documents, list) else [3, 10, 3]
+        report = audit_sharded(documents_layer(causal, lengths), factory, causal=causal, world_sizes=(2, 4),
+                               documents=documents, **options)
+        assert report.status == "passed", str(report)
+        assert report.result("sharded_documents").verdict == "pass" and not report.findings, str(report)
+
+
+@pytest.mark.parametrize("declared, words", [
+    ([5, 6, 4], "lengths >= 1 summing to seq_len=16"),
+    (torch.tensor([0] * 8), r"a \(16,\) integer tensor"),
+    ([8, 8], "the declared documents to pack the tokens as the layer's own"),
+])
+def test_a_documents_declaration_that_does_not_fit_is_refused(declared, words):
+    with pytest.raises(AuditUsageError, match=words + ".*Fix: "):
+        audit_sharded(documents_layer(True), FORMS["ring"][0], causal=True, documents=declared)
+
+
+def test_documents_declared_for_a_layer_that_ignores_them_is_a_usage_error():
+    """The unsharded layer is the yardstick: if it attends across the declared documents the declaration is wrong,
+    not the sharded form; its twin is the passing audit above (the layer built with its documents)."""
+    with pytest.raises(AuditUsageError, match="expected the unsharded layer to keep to the declared documents.*Fix: "):
+        audit_sharded(reference_layer(True), FORMS["ring"][0], causal=True, documents=DOCS, world_sizes=(2,))
+
+
+class Unmapped(cs.HeadParallelAttention):
+    """A form that does not say how its parameters map (as a DTensor plan's module does not)."""
+
+    unsharded_parameters = None
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "unmapped"])
+def test_parameter_gradients_are_compared_where_the_form_maps_its_parameters(mapped):
+    cls = cs.HeadParallelAttention if mapped else Unmapped
+    report = audit_sharded(reference_layer(False), lambda layer, rank, world_size, group: cls(layer, group),
+                           takes="full", world_sizes=(2,), detectors=["sharded_runs", "sharded_gradients"])
+    result = report.result("sharded_gradients")
+    assert result.verdict == "pass", str(report)
+    assert ("every parameter's" in result.message) == mapped, result.message
+    assert ("4 parameters' gradients compared" in result.evidence) == mapped, result.evidence
+    assert ("parameters not compared at 2 ranks" in result.evidence) == (not mapped), result.evidence
+
+
+def test_data_parallel_beside_context_parallel_passes_at_4_ranks_as_2_by_2():
+    factory = lambda layer, rank, world_size, group: cs.DataContextParallel(layer, 2, group)  # noqa: E731
+    report = audit_sharded(reference_layer(True), factory, causal=True, world_sizes=(4,), data_parallel=2)
+    assert report.status == "passed", str(report)
+    assert report.result("sharded_data_parallel").verdict == "pass" and report.result("sharded_data_parallel").value == 0
 
 
 class Disagreeing(cs.HeadParallelAttention):
@@ -225,7 +310,7 @@ def check_variant(vid: str, world_sizes):
 
 CHEAP = ["bias_on_every_rank", "zigzag_not_undone", "ring_merge_overflows", "dropout_stream_per_rank",
          "ring_merge_with_max", "fused_qkv_contiguous_rows", "pads_to_even_shards", "dropout_stream_of_its_own",
-         "ring_rotary_from_zero"]
+         "ring_rotary_from_zero", "ring_documents_stay_home", "bias_grad_on_rank_zero"]
 
 
 def test_every_variant_names_the_cause_its_detector_must_find():
@@ -238,6 +323,13 @@ def test_every_variant_names_the_cause_its_detector_must_find():
 @pytest.mark.parametrize("vid", CHEAP)
 def test_a_broken_variant_fails_with_its_cause_beside_its_twin(vid):
     check_variant(vid, (2,))
+
+
+def test_context_groups_built_across_replicas_fail_with_the_cause_beside_their_twin():
+    """Observable from 4 ranks (2 replicas x 2 context ranks; at 2 ranks each replica is one rank, and both
+    arithmetics give the same groups)."""
+    broken = check_variant("context_groups_across_replicas", (4,))
+    assert "groups built by rank % 2 would be [0, 2], [1, 3]" in broken.result("sharded_data_parallel").message
 
 
 def test_every_variant_is_observable_in_the_audit_of_the_slow_matrix():
@@ -345,6 +437,8 @@ def test_the_users_layer_stays_untouched():
     ({"world_sizes": (1,)}, "world sizes: ints >= 2"),
     ({"detectors": ["sharded_nothing"]}, "detector ids"),
     ({"draws_like_unsharded": "yes"}, "draws_like_unsharded=True or False"),
+    ({"data_parallel": 3}, "data_parallel: an int >= 1 dividing every world size"),
+    ({"data_parallel": 2, "takes": "full"}, 'with takes="shard"'),
 ])
 def test_misuse_is_refused_with_expected_seen_and_fix(options, words):
     with pytest.raises(AuditUsageError, match=words):
