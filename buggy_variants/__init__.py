@@ -1,4 +1,5 @@
-"""The catalog of silent attention mistakes: `VARIANTS[id]` is one bug, its lesson and its layer.
+"""The catalog of silent attention mistakes: `VARIANTS[id]` is one bug, its lesson and its layer
+(`SHARDED_VARIANTS[id]`, the sharded chapter's: a layer split across processes, loaded on first use).
 
 Every layer is `correct.MultiHeadAttention` with one step overridden (see `_catalog.py`). Each entry says
 what goes wrong and why nothing crashes (`explanation`), what can be measured (`symptom`), the one-line
@@ -443,4 +444,16 @@ def _differs(s: Setting, pattern) -> bool:
 
 VARIANTS: dict[str, Variant] = {v.id: v for v in _entries()}
 
-__all__ = ["Observable", "Setting", "VARIANTS", "Variant", "promised_pattern"]
+
+def __getattr__(name: str):
+    """`SHARDED_VARIANTS` (the sharded chapter, `_sharded.py`: layers split across processes, audited by
+    `diagnostics.distributed.audit_sharded`), loaded on first use: the catalog itself needs no process group."""
+    if name in ("SHARDED_VARIANTS", "ShardedVariant", "ShardedSetting"):
+        from . import _sharded
+
+        return getattr(_sharded, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Observable", "SHARDED_VARIANTS", "Setting", "ShardedSetting", "ShardedVariant", "VARIANTS", "Variant",
+           "promised_pattern"]

@@ -433,6 +433,39 @@ def model_report_html(report, *, standalone: bool = True) -> str:
             f'</style></head>\n<body class="am">{body}</body></html>\n')
 
 
+def sharded_report_html(report, *, standalone: bool = True) -> str:
+    """A sharded audit (a `ShardedReport`) as HTML, in the same parts as a model audit's: status and why, the
+    settings, every finding with its cause's fix, every sharded detector's reading, the groups of ranks started and the
+    unsharded layer's own audit where it ran. `standalone`: a whole page; else the body, for a host page with `STYLE`."""
+    how = "the whole sequence" if report.takes == "full" else f"its {report.layout} shard"
+    extra = "".join([f", packed documents {report.documents}" if report.documents else "",
+                     f", {report.data_parallel} data-parallel replicas" if report.data_parallel > 1 else ""])
+    groups = "".join(f"<tr><td>{w}</td><td>{len(g)}</td><td class='num'>{sum(a for a, _ in g):.2f}</td>"
+                     f"<td class='num'>{sum(b for _, b in g):.2f}</td></tr>" for w, g in report.groups.items())
+    unsharded = ("" if report.unsharded is None else
+                 f"<h2>The unsharded layer's own audit</h2><p>{status_badge(report.unsharded.status)} "
+                 f"{prose(report.unsharded.status_reason)}</p>{results_table(report.unsharded.results)}")
+    body = (f'<h1>Sharded audit of {escape(report.layer)}: {escape(report.status.upper())}</h1>'
+            f'<p>{status_badge(report.status)} {prose(report.status_reason)}</p>'
+            f'<p class="meta">{"causal" if report.causal else "not causal"}, takes {escape(how)}, '
+            f'{escape(", ".join(map(str, report.world_sizes)))} ranks, seq_len {report.seq_len}, '
+            f'{escape(report.dtype)}{escape(extra)}, {report.seconds:.2f} s</p>'
+            f'<h2>Findings</h2>{"".join(finding_html(r) for r in report.findings) or "<p>No findings: every detector passed or was skipped.</p>"}'
+            f'<h2>All sharded detector results</h2>{results_table(report.results)}'
+            f'<h2>Groups of ranks started</h2><table class="results"><thead><tr><th>world size</th><th>groups</th>'
+            f'<th>start-up s</th><th>whole s</th></tr></thead><tbody>{groups}</tbody></table>{unsharded}')
+    if not standalone:
+        return body
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">{VIEWPORT}<title>sharded audit of '
+            f'{escape(report.layer)}: {escape(report.status.upper())}</title><style>{STYLE}\nbody {{ margin: 24px; }}'
+            f'</style></head>\n<body class="am">{body}</body></html>\n')
+
+
+def write_sharded_report_html(report, path) -> None:
+    """Write `report` (a ShardedReport) to `path` as one self-contained HTML page."""
+    write_page(path, sharded_report_html(report))
+
+
 def write_model_report_html(report, path) -> None:
     """Write `report` (a ModelReport) to `path` as one self-contained HTML page."""
     write_page(path, model_report_html(report))

@@ -486,6 +486,31 @@ def test_the_report_reads_as_text_and_json_with_the_unsharded_layers_own_audit()
     assert len(data["groups"]["2"]) == 1  # one group ran every check
 
 
+def test_the_report_is_a_page_with_its_findings_and_their_causes_fix(tmp_path):
+    """ShardedReport.to_html draws with the layer's and model's pieces (diagnostics._html): a failing report's page
+    shows the finding, its named cause's fix, every reading and the groups; its twin (passed) says no findings."""
+    from diagnostics._result import DetectorResult
+    from diagnostics.distributed import ShardedReport
+
+    cause = "the gradient of `out.bias`, held whole on every rank, reaches rank 0 only"
+    failed = DetectorResult("sharded_gradients", "fail", f"the gradients differ: {cause}", value=2.3, threshold=1e-5,
+                            evidence="2 ranks: 4 parameters' gradients compared", fix="add `out.bias` after the sum",
+                            extras={"cause": cause})
+    common = dict(layer="MultiHeadAttention", causal=False, takes="full", layout="contiguous", world_sizes=(2, 4),
+                  seq_len=16, dtype="float32", groups={2: [(0.1, 0.3)], 4: [(0.2, 0.6)]}, documents=[0] * 8 + [1] * 8)
+    pages = {}
+    for name, result in (("broken", failed), ("twin", DetectorResult("sharded_gradients", "pass", "equal"))):
+        report = ShardedReport(status="failed" if name == "broken" else "passed", status_reason="",
+                               results=[result], **common)
+        report.to_html(tmp_path / f"{name}.html")
+        pages[name] = (tmp_path / f"{name}.html").read_text()
+    assert "Sharded audit of MultiHeadAttention: FAILED" in pages["broken"]
+    assert "reaches rank 0 only" in pages["broken"] and "add `out.bias` after the sum".replace("`", "") in \
+        pages["broken"].replace("<code>", "").replace("</code>", "").replace("`", "")
+    assert "Groups of ranks started" in pages["broken"] and "packed documents" in pages["broken"]
+    assert "No findings" in pages["twin"] and "reaches rank 0 only" not in pages["twin"]
+
+
 def test_the_pytest_fixture_fails_a_broken_layer_and_passes_its_twin(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     pytester.makepyfile(textwrap.dedent("""

@@ -119,7 +119,8 @@ def audit_sharded(layer: nn.Module, sharded, *, world_sizes=(2, 4), causal: bool
                          causal=causal, takes=takes, layout=layout, world_sizes=world_sizes, seq_len=seq_len,
                          dtype=dtype_name(ctx.dtype), seconds=time.perf_counter() - started,
                          groups={W: [(s.startup_s, s.seconds) for s in ctx.groups[W]] for W in world_sizes},
-                         unsharded=unsharded)
+                         unsharded=unsharded, documents=None if ids is None else ids.tolist(),
+                         data_parallel=data_parallel)
 
 
 def _settled(result):

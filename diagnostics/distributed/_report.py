@@ -1,5 +1,6 @@
 """What `audit_sharded` returns: `ShardedReport`, rendered through the same functions as a layer's report
-(`diagnostics._report`: result rows, finding blocks, JSON of a result, `Report`'s status and raising)."""
+(`diagnostics._report`: result rows, finding blocks, JSON of a result, `Report`'s status and raising; and
+`diagnostics._html`: the same finding blocks and results table as the layer's and the model's pages)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class ShardedReport(Report):
     seconds: float = 0.0
     groups: dict = field(default_factory=dict)
     unsharded: object = None  # the unsharded layer's AuditReport when asked for (check_unsharded=True)
+    documents: list | None = None  # the declared document of each token (packed sequences), or None
+    data_parallel: int = 1  # the data-parallel replicas declared beside the context parallelism
 
     @property
     def findings(self) -> list[DetectorResult]:
@@ -45,12 +48,20 @@ class ShardedReport(Report):
         """{detector id: verdict} for the detectors that warned or failed."""
         return {r.detector: r.verdict for r in self.findings}
 
+    def to_html(self, path) -> None:
+        """A self-contained page: status, findings with their causes' fixes, every reading, the groups started."""
+        from .._html import write_sharded_report_html
+
+        write_sharded_report_html(self, path)
+
     def __str__(self) -> str:
         groups = sum(len(g) for g in self.groups.values())
         lines = [f"sharded audit of {self.layer}: {self.status.upper()} ({'causal, ' if self.causal else ''}"
                  f"takes the {'whole sequence' if self.takes == 'full' else self.layout + ' shard'}, "
                  f"{', '.join(map(str, self.world_sizes))} ranks, seq_len={self.seq_len}, {self.dtype}, "
-                 f"{groups} groups of ranks, {self.seconds:.2f} s)"]
+                 + (f"documents {self.documents}, " if self.documents else "")
+                 + (f"{self.data_parallel} data-parallel replicas, " if self.data_parallel > 1 else "")
+                 + f"{groups} groups of ranks, {self.seconds:.2f} s)"]
         if self.status_reason:
             lines.append(f"  {self.status_reason}")
         lines += [""] + result_rows(self.results)
@@ -67,6 +78,7 @@ class ShardedReport(Report):
                 "world_sizes": list(self.world_sizes), "seq_len": self.seq_len, "dtype": self.dtype,
                 "seconds": round(self.seconds, 4),
                 "groups": {str(w): [[round(a, 4), round(b, 4)] for a, b in g] for w, g in self.groups.items()},
+                "documents": self.documents, "data_parallel": self.data_parallel,
                 "results": [result_dict(r) for r in self.results],
                 "unsharded": None if self.unsharded is None else self.unsharded.to_dict()}
 
