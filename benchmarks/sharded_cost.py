@@ -10,8 +10,9 @@ each): the whole sharded audit; the start-up of a group (fork to every rank in t
 read); the rest of a group's life over its checks ("per check in a reused group": the four or five checks every rank
 runs one after the other in one group); and "per check in fresh processes" (a group started for each check: start-up +
 per check); each as a ratio to the unsharded audit's median. `--margins` audits every correct form in float32 at each
-world size over five seeds and prints each parity check's largest error against what was allowed (the margin of
-the float64-golden rule). The load average is printed before and after: the machine is shared.
+world size over five seeds, causal and not, with and without three packed documents, and prints each check's largest
+reading against what was allowed (the margin of the float64-golden rule; the gradients' reading is the input's or a
+parameter's, whichever is nearer its threshold). The load average is printed before and after: the machine is shared.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import correct.sharded as cs
 import diagnostics
 from correct import MultiHeadAttention
 from diagnostics.distributed import audit_sharded
-from diagnostics.distributed._context import JOBS
+from diagnostics.distributed._context import DOCUMENTS, JOBS, REPLICAS
 
 FORMS = {
     "ring": (lambda layer, rank, world_size, group: cs.RingAttention(layer, group), {}),
@@ -37,8 +38,8 @@ FORMS = {
 
 def checks(options: dict) -> int:
     """The jobs every rank runs: forward (with causality's copies), backward, train mode (whole-output layers only),
-    large logits, uneven length."""
-    return len(JOBS) - (0 if options.get("takes") == "full" else 1)
+    large logits, uneven length (not the documents and replicas probes: nothing declared here)."""
+    return len([j for j in JOBS if j not in (DOCUMENTS, REPLICAS)]) - (0 if options.get("takes") == "full" else 1)
 
 
 def layer_of(args, seed: int = 0) -> MultiHeadAttention:
@@ -78,19 +79,24 @@ def cost(args) -> None:
 
 def margins(args) -> None:
     worst: dict = {}
+    third = args.seq_len // 3
+    lengths = [third, args.seq_len - 2 * third, third]  # three packed documents, boundaries inside shards
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     for name, (factory, options) in FORMS.items():
-        for causal in (False, True):
+        for causal, documents in ((False, None), (True, None), (False, lengths), (True, lengths)):
             for seed in range(5):
                 torch.manual_seed(seed)
-                layer = MultiHeadAttention(args.d_model, args.heads, causal=causal)
+                layer = MultiHeadAttention(args.d_model, args.heads, causal=causal,
+                                           documents=None if documents is None else ids)
                 report = audit_sharded(layer, factory, causal=causal, world_sizes=tuple(args.world_sizes),
-                                       dtype=torch.float32, seq_len=args.seq_len, seed=seed, **options)
+                                       dtype=torch.float32, seq_len=args.seq_len, seed=seed, documents=documents,
+                                       **options)
                 for r in report.results:
                     if r.value is not None and r.threshold and r.detector != "sharded_heads_per_rank":
                         ratio = r.value / r.threshold
                         if ratio >= worst.get(r.detector, (0.0, ""))[0]:
-                            worst[r.detector] = (ratio, f"{name} causal={causal} seed={seed}: {r.value:.3g} "
-                                                        f"against {r.threshold:.3g}")
+                            worst[r.detector] = (ratio, f"{name} causal={causal} documents={bool(documents)} "
+                                                        f"seed={seed}: {r.value:.3g} against {r.threshold:.3g}")
     for det, (ratio, where) in worst.items():
         print(f"{det:<22} largest value / allowed {ratio:.3f} (margin {1 / ratio if ratio else float('inf'):.1f}x): "
               f"{where}")
