@@ -38,6 +38,11 @@ def parser(prog: str = "attention-audit sharded") -> argparse.ArgumentParser:
                                                               "this + 2 s has hung)")
     p.add_argument("--draws-like-unsharded", action="store_true",
                    help="the layer promises that in train mode it draws what the unsharded layer draws (--takes full)")
+    p.add_argument("--documents", type=int, nargs="+", default=None, metavar="LENGTH",
+                   help="packed documents: their lengths, summing to --seq-len (the layer attends within each)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="DP",
+                   help="the ranks are DP data-parallel replicas of W / DP context-parallel ranks (--takes shard)")
+    p.add_argument("--html", default=None, metavar="PATH", help="also write the report as an HTML page")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -58,8 +63,11 @@ def sharded_main(argv, *, prog: str, statuses: dict, usage: int) -> int:
         report = audit_sharded(load_layer(args.layer), resolve(args.sharded), world_sizes=tuple(args.world_sizes),
                                causal=args.causal, takes=args.takes, layout=args.layout, seq_len=args.seq_len,
                                num_heads=args.num_heads, timeout=args.timeout,
-                               draws_like_unsharded=args.draws_like_unsharded,
+                               draws_like_unsharded=args.draws_like_unsharded, documents=args.documents,
+                               data_parallel=args.data_parallel,
                                dtype=None if args.dtype is None else getattr(torch, args.dtype))
+        if args.html:
+            report.to_html(args.html)
     except AuditUsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return usage
