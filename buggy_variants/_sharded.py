@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from correct import MultiHeadAttention
-from correct.sharded import (DataContextParallel, HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel, UlyssesAttention,
+from correct.sharded import (DataContextParallel, HeadParallelAttention, OutputDropout, RingAttention, SequenceParallel,
+                             UlyssesAttention,
                              all_to_all, gather_sequence, reduce_from_ranks, scatter_sequence, send_round, shard_order)
 
 from ._registry import Observable

@@ -107,7 +107,8 @@ def sharded_chapter_html(audits: dict | None = None) -> str:
     return f"""<section class="sharded-chapter" id="sharded-chapter">
 <h2>Sharded attention: one layer split across processes</h2>
 <p>Each section is a form of <code>correct/sharded.py</code> (ring attention, Ulysses, head parallel, a
-sequence-parallel front, data parallel beside context parallel) with one step overridden, audited by <code>diagnostics.distributed.audit_sharded</code>
+sequence-parallel front, data parallel beside context parallel) with one step overridden, audited by
+<code>diagnostics.distributed.audit_sharded</code>
 against the unsharded <code>correct.MultiHeadAttention(32, 8)</code> it was cut from, at {sizes} ranks in float32.
 None of them raises; each is caught by the detector named, with the cause it read from the evidence.</p>
 <h3 id="sharded-kill-matrix">Sharded kill matrix</h3>

@@ -502,6 +502,7 @@ def shard_order(layout: str, t: int, world_size: int) -> Tensor:
     return torch.cat([shard_positions(layout, t, r, world_size) for r in range(world_size)])
 
 
-__all__ = ["LAYOUTS", "PARTIAL", "REPLICATED", "DataContextParallel", "HeadParallelAttention", "OutputDropout", "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all",
-           "check_equal_shards", "copy_to_ranks", "gather_sequence", "reduce_from_ranks", "ring_shift",
-           "scatter_sequence", "send_round", "shard_order", "shard_positions"]
+__all__ = ["LAYOUTS", "PARTIAL", "REPLICATED", "DataContextParallel", "HeadParallelAttention", "OutputDropout",
+           "RingAttention", "SequenceParallel", "UlyssesAttention", "all_to_all", "check_equal_shards", "copy_to_ranks",
+           "gather_sequence", "reduce_from_ranks", "ring_shift", "scatter_sequence", "send_round", "shard_order",
+           "shard_positions"]

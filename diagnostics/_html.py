@@ -359,6 +359,9 @@ def declaration_html(report) -> str:
             f'<code>{escape(report.declaration)}</code></p><p>{escape(report.status_reason)}</p></div>\n')
 
 
+NO_FINDINGS = "<p>No findings: every detector passed or was skipped.</p>"  # every report page's empty findings
+
+
 def write_report_html(report, path) -> None:
     """Write `report` (an AuditReport) to `path` as one self-contained HTML page."""
     verdict = escape(report.headline)  # PASSED, FAILED, INCONCLUSIVE (needs a declaration: mask='key_padding')
@@ -385,7 +388,7 @@ body {{ margin: 24px; }}</style></head>
 <p class="meta">{"causal, " if report.causal else ""}seq_len={report.seq_len}, {escape(report.dtype)} on
 {escape(report.device)}, {report.forward_passes} forward passes of work, {report.seconds:.2f} s{escape(mask)}</p>
 {declaration_html(report)}<h2>Findings</h2>
-{"".join(finding_html(r) for r in findings) or "<p>No findings: every detector passed or was skipped.</p>"}
+{"".join(finding_html(r) for r in findings) or NO_FINDINGS}
 <h2>Attention weights</h2>
 {weights}
 <h2>All detector results</h2>
@@ -420,7 +423,7 @@ def model_report_html(report, *, standalone: bool = True) -> str:
             f'seq_len {report.seq_len}, {escape(report.dtype)}, {report.model_forwards} model forwards + '
             f'{report.layer_calls} layer calls, {report.seconds:.2f} s</p>'
             + (f"<ul class='meta'>{notes}</ul>" if notes else "") +
-            f'<h2>Findings</h2>{findings or "<p>No findings: every detector passed or was skipped.</p>"}'
+            f'<h2>Findings</h2>{findings or NO_FINDINGS}'
             f'<h2>Attention modules found</h2><table class="results"><thead><tr><th>module</th><th>class</th>'
             f'<th>how</th></tr></thead><tbody>{found or "<tr><td colspan=3>none</td></tr>"}</tbody></table>'
             f'<h2>Model-level detectors</h2>{results_table(report.results, layers=True)}'
@@ -436,7 +439,8 @@ def model_report_html(report, *, standalone: bool = True) -> str:
 def sharded_report_html(report, *, standalone: bool = True) -> str:
     """A sharded audit (a `ShardedReport`) as HTML, in the same parts as a model audit's: status and why, the
     settings, every finding with its cause's fix, every sharded detector's reading, the groups of ranks started and the
-    unsharded layer's own audit where it ran. `standalone`: a whole page; else the body, for a host page with `STYLE`."""
+    unsharded layer's own audit where it ran. `standalone`: a whole page; else the body, for a host page with
+    `STYLE`."""
     how = "the whole sequence" if report.takes == "full" else f"its {report.layout} shard"
     extra = "".join([f", packed documents {report.documents}" if report.documents else "",
                      f", {report.data_parallel} data-parallel replicas" if report.data_parallel > 1 else ""])
@@ -450,7 +454,7 @@ def sharded_report_html(report, *, standalone: bool = True) -> str:
             f'<p class="meta">{"causal" if report.causal else "not causal"}, takes {escape(how)}, '
             f'{escape(", ".join(map(str, report.world_sizes)))} ranks, seq_len {report.seq_len}, '
             f'{escape(report.dtype)}{escape(extra)}, {report.seconds:.2f} s</p>'
-            f'<h2>Findings</h2>{"".join(finding_html(r) for r in report.findings) or "<p>No findings: every detector passed or was skipped.</p>"}'
+            f'<h2>Findings</h2>{"".join(finding_html(r) for r in report.findings) or NO_FINDINGS}'
             f'<h2>All sharded detector results</h2>{results_table(report.results)}'
             f'<h2>Groups of ranks started</h2><table class="results"><thead><tr><th>world size</th><th>groups</th>'
             f'<th>start-up s</th><th>whole s</th></tr></thead><tbody>{groups}</tbody></table>{unsharded}')

@@ -161,7 +161,8 @@ def _gradient(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> tor
 
 
 def _parameter_gradients(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
-    """{name: the gradient of each parameter} of the unsharded layer under the backward job's loss (zeros where unused)."""
+    """{name: the gradient of each parameter} of the unsharded layer under the backward job's loss (zeros where
+    unused)."""
     layer.zero_grad(set_to_none=True)
     out = layer(x.detach())
     out = out[0] if isinstance(out, (tuple, list)) else out

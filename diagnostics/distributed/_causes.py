@@ -42,8 +42,8 @@ class Cause:
 def named_cause(ctx, W: int, test: Tensor, target: Tensor, x: Tensor, allowed: float, scale: float) -> Cause:
     """The first reader whose evidence holds, else the ranks whose tokens differ. `test` and `target` (B, T, D) in
     float64; `x` the input they answer; `allowed` the tolerance relative to `scale`."""
-    for reader in (replicas_mixed, documents_crossed, constant_offset, token_permutation, head_permutation, heads_scaled,
-                   fused_rows_cut, only_rank_zero):
+    for reader in (replicas_mixed, documents_crossed, constant_offset, token_permutation, head_permutation,
+                   heads_scaled, fused_rows_cut, only_rank_zero):
         try:
             cause = reader(ctx, W, test, target, x, allowed, scale)
         except Exception:  # a reader that cannot read this layer says nothing
@@ -286,8 +286,8 @@ def leak_cause(ctx, W: int, leaks: list[Leak]) -> Cause:
              if q != leak.rank else "held on their own rank: the document mask is not applied")
     listed = ", ".join(map(str, mine[:6])) + (", ..." if len(mine) > 6 else "")
     return Cause(f"the tokens of document {leak.document} on rank {q} (positions {listed}; the document starts at "
-                 f"{start}) attend {which}, {where} ({len(leaks)} document x rank probe{'s' if len(leaks) != 1 else ''} "
-                 f"leaked at {W} ranks)",
+                 f"{start}) attend {which}, {where} ({len(leaks)} document x rank "
+                 f"probe{'s' if len(leaks) != 1 else ''} leaked at {W} ranks)",
                  DOCUMENTS_FIX)
 
 
@@ -372,4 +372,5 @@ def differing_ranks(ctx, W, test, target, allowed, scale) -> Cause:
                  "compare the sharded layer with the unsharded one step by step on those ranks' tokens")
 
 
-__all__ = ["Cause", "DOCUMENTS_FIX", "REPLICAS_FIX", "Leak", "replica_cause", "replica_leaks", "document_leaks", "leak_cause", "named_cause"]
+__all__ = ["Cause", "DOCUMENTS_FIX", "Leak", "REPLICAS_FIX", "document_leaks", "leak_cause", "named_cause",
+           "replica_cause", "replica_leaks"]

@@ -117,7 +117,8 @@ def verdict(det: str, passes: list[Parity], notes: list[str], *, ok_text: str, f
         message = fail_text + (f": {cause.text}" if cause is not None else "")
         return DetectorResult(det, "fail", message, value=worst.error, threshold=worst.allowed, evidence=evidence,
                               fix=cause.fix if cause is not None else fix, extras=named(cause))
-    return DetectorResult(det, "pass", ok_text + f" (at {', '.join(str(W) for W in sorted({p.W for p in passes}))} ranks)",
+    sizes = ", ".join(str(W) for W in sorted({p.W for p in passes}))  # a world size may have several comparisons
+    return DetectorResult(det, "pass", ok_text + f" (at {sizes} ranks)",
                           value=worst.error, threshold=worst.allowed, evidence=evidence)
 
 

@@ -90,7 +90,8 @@ def _parameters(ctx: ShardedContext) -> tuple[list[Parity], list[str], Cause | N
                              ref.dtype)  # one row: the rule reads (..., features)
             for r, test in tests:
                 test = test.reshape(1, 1, -1)
-                ok, err, allowed, _ = flat.judge(test if ref.golden is not None else test.to(ref.same.dtype), f"{W} ranks")
+                test = test if ref.golden is not None else test.to(ref.same.dtype)
+                ok, err, allowed, _ = flat.judge(test, f"{W} ranks")
                 if worst is None or err / (allowed or 1.0) > worst[2] / (worst[3] or 1.0):
                     worst = (name, r, err, allowed, ok, test, ref)
                 if not ok and cause is None:
@@ -116,10 +117,11 @@ def _parameter_cause(name: str, how: str, ranks: list, ref, W: int) -> Cause:
         right = [r for r in range(W) if r not in off]
         zero = [r for r, (_, g) in enumerate(ranks) if g is None or float(g.abs().max()) == 0.0]
         if right and set(zero) == set(off):
-            return Cause(f"the gradient of `{name}`, held whole on every rank, reaches rank{'s' if len(right) > 1 else ''}"
-                         f" {', '.join(map(str, right))} only (rank{'s' if len(off) > 1 else ''} "
-                         f"{', '.join(map(str, off))} of {W} hold{'' if len(off) > 1 else 's'} 0): backward-only: the replicated copies part at "
-                         f"the first optimiser step",
+            many, s = len(off) > 1, "s" if len(right) > 1 else ""
+            return Cause(f"the gradient of `{name}`, held whole on every rank, reaches rank{s} "
+                         f"{', '.join(map(str, right))} only (rank{'s' if many else ''} {', '.join(map(str, off))} of "
+                         f"{W} hold{'' if many else 's'} 0): backward-only: the replicated copies part at the first "
+                         f"optimiser step",
                          f"add `{name}` once, after the all-reduce, on every rank (or all-reduce its gradient over "
                          f"the ranks): every copy must see the whole gradient")
         return Cause(f"the gradient of `{name}`, held whole on every rank, differs on rank"
