@@ -105,6 +105,16 @@ from x_transformers.x_transformers import Attention
 layer = Attention(32, dim_head=8, heads=4, talking_heads=True)
 declarations = dict(mask="key_keep")  # forward(x, mask=None): a (B, T) bool mask, True = keep
 """, (EINOPS, ENTMAX)),
+    Case("xtr_mem_kv_grouped_heads", "heads", "x-transformers", "1.27.7", "1.27.8",
+         "x_transformers/x_transformers.py", 791,
+         "https://github.com/lucidrains/x-transformers/commit/029ec31",
+         "memory key/values are made with `heads` heads where the keys have `kv_heads` (grouped-query attention): "
+         "every call with num_mem_kv and kv_heads < heads raises in the concatenation",
+         """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4, kv_heads=2, num_mem_kv=2)
+declarations = dict(mask="key_keep")  # forward(x, ..., mask=None): a (B, T) bool mask, True = keep
+"""),
     Case("local_exact_window_and", "masking", "local-attention", "1.2.1", "1.2.2",
          "local_attention/local_attention.py", 150,
          "https://github.com/lucidrains/local-attention/commit/270adde",
