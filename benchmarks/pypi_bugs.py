@@ -87,6 +87,14 @@ layer = Block()
 declarations = dict(causal=True)
 """
 
+_LAT_CAUSAL = """
+from linear_attention_transformer.linear_attention_transformer import SelfAttention
+layer = SelfAttention(32, 4, causal=True)  # causal linear attention on every head (no local heads), blindspot 1
+declarations = dict(causal=True)
+"""
+_LAT_DEPS = (EINOPS, "local-attention==1.4.3", "linformer==0.2.1", "product-key-memory==0.1.10",
+             "axial-positional-embedding==0.2.1")
+
 CASES: list[Case] = [
     Case("xtr_alibi_cache_longer", "positions", "x-transformers", "0.17.2", "0.17.3",
          "x_transformers/x_transformers.py", 200,
@@ -155,6 +163,33 @@ declarations = dict(mask="key_keep", call=lambda layer, x, mask=None: layer(x, m
          true_finding="its padding mask zeroes the padded values only, so padded keys still weigh in the "
                       "denominator: changing only the padded tokens of a (1, 8) input moved the unpadded outputs "
                       "by 0.085 (72% of their RMS) in a plain script on 1.1.1"),
+    Case("lat_causal_key_max_leak", "masking", "linear-attention-transformer", "0.16.0", "0.16.1",
+         "linear_attention_transformer/linear_attention_transformer.py", 167,
+         "https://github.com/lucidrains/linear-attention-transformer/commit/a0db8ba",
+         "causal linear attention subtracts each key feature's max over the whole sequence before exp, so every "
+         "past output depends on the future keys",
+         _LAT_CAUSAL, _LAT_DEPS,
+         true_finding="its causal linear attention divides by the keys' running sum, not by q . (running sum of "
+                      "keys), so the output is no weighted mean of the values; the library fixed it in 0.17.2 "
+                      "(`D_inv = 1. / einsum(...)`, commit dc2a661, the lat_causal_d_inv case)"),
+    Case("lat_causal_d_inv", "normalisation", "linear-attention-transformer", "0.17.1", "0.17.2",
+         "linear_attention_transformer/linear_attention_transformer.py", 191,
+         "https://github.com/lucidrains/linear-attention-transformer/commit/dc2a661",
+         "causal linear attention multiplies by its normaliser D = q . (running sum of keys) instead of dividing "
+         "by it: the output is no weighted mean of the values", _LAT_CAUSAL, _LAT_DEPS),
+    Case("mea_scale_twice", "scaling", "memory-efficient-attention-pytorch", "0.0.4", "0.0.5",
+         "memory_efficient_attention_pytorch/memory_efficient_attention.py", 185,
+         "https://github.com/lucidrains/memory-efficient-attention-pytorch/commit/2b93d55",
+         "the module scales q by dim_head ** -0.5 and the attention function scales it again: logits 1/d_k, "
+         "too flat by sqrt(d_k)",
+         """
+from memory_efficient_attention_pytorch import Attention
+layer = Attention(dim=32, dim_head=8, heads=4)
+declarations = dict(mask="key_keep")  # forward(x, context=None, mask=None): a (B, T) bool mask, True = keep
+""",
+         true_finding="the max taken for numerical stability is taken before the padding mask, so a blocked key "
+                      "with a large score swamps the allowed ones; the library moved it after the masking in "
+                      "0.0.14 (commit 9ecb55a, 'max for numerical stability should be taken after masking')"),
     Case("nvit_qk_scale_before_norm", "scaling", "vit-pytorch", "1.8.4", "1.8.5",
          "vit_pytorch/normalized_vit.py", 98,
          "https://github.com/lucidrains/vit-pytorch/commit/e300cdd",
@@ -376,14 +411,15 @@ def table(outcomes: list[Outcome], verbose: bool = False) -> str:
         caught += f" ({_status(o.buggy)})"
         fixed = "yes" if o.fixed.get("status") == "passed" else f"no ({_status(o.fixed)})"
         if c.true_finding and o.fixed.get("status") == "failed":
-            fixed += f", a true finding: {c.true_finding}"
+            fixed += ", a true finding confirmed outside the audit"
         where = (("yes" if o.localised else "by a caller" if o.via_caller else "no")
                  if o.buggy.get("status") == "failed" else "-")
         rows.append(f"| `{c.id}` | {c.kind} | {pair} | {caught} | {fixed} | {where} | "
                     f"[{c.file}:{c.fix_line}]({c.url}) | {o.seconds:.1f} |")
         if verbose:
             errors = "; ".join(r["error"] for r in (o.buggy, o.fixed) if r.get("error"))
-            rows.append(f"|   | {c.what} | changed lines {o.lines[:8]} | fired {o.buggy.get('fired', {})} | "
+            what = c.what + (f" (fixed release's true finding: {c.true_finding})" if c.true_finding else "")
+            rows.append(f"|   | {what} | changed lines {o.lines[:8]} | fired {o.buggy.get('fired', {})} | "
                         f"fired {o.fixed.get('fired', {})} | {'; '.join(o.sites[:6]) or '-'} | {errors or '-'} | |")
     return "\n".join(rows)
 

@@ -126,3 +126,13 @@ def test_one_case_end_to_end(tmp_path):
         pytest.skip(f"releases not available (no cache at {bench.CACHE} and no package index): {outcome.error}")
     assert outcome.buggy["status"] == "failed" and outcome.fixed["status"] == "passed", outcome
     assert outcome.localised, outcome.sites
+
+
+def test_a_true_finding_is_said_and_counted_apart():
+    case = bench.Case("t", "batch", "pkg", "1.0", "1.1", "m.py", 1, "https://github.com/o/r/commit/abc", "w", "",
+                      true_finding="the padding mask zeroes values only (confirmed by a script)")
+    outcome = bench.Outcome(case, [1], {"status": "failed", "fired": {"runs": "fail"}},
+                            {"status": "failed", "fired": {"mask_honoured": "fail"}}, True, True, [], 1.0)
+    assert "no (failed: mask_honoured), a true finding confirmed outside the audit" in bench.table([outcome])
+    assert "zeroes values only" in bench.table([outcome], verbose=True)
+    assert "fixed passed 0/1 (+1 failed for a confirmed true finding)" in bench.totals([outcome])
