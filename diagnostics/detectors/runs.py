@@ -132,7 +132,7 @@ def runs_verdict(probe: Probe) -> DetectorResult:
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
         evidence = f"{listed} ({n_calls} calls in all){self_only}"
-        needed = _needed_declaration(probe, evidence)
+        needed = _needed_declaration(probe, evidence) or _length_constraint(probe, evidence)
         if needed is not None:
             return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
@@ -172,6 +172,34 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
                   declaration=declare)
+
+
+LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)
+
+
+def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A length the layer states it refuses, which is no defect: every call that raised was refused by the layer's
+    own check, an AssertionError or ValueError whose message names the multiple W it needs (local attention's
+    "sequence length 1 must be divisible by window size 4"), at a length that is no multiple of W, while the
+    standard probe, at a multiple of W, ran. Then `runs` is a skip saying so, and the audit judges the layer on the
+    lengths it takes; None otherwise (a hard-coded length that raises in a reshape, a check that names no multiple,
+    a refused length that is a multiple of W: those still fail)."""
+    calls, t = probe.failed_calls, probe.subject.time_dim
+    stated = [LENGTH_RULE.search(str(c.error)) if isinstance(c.error, (AssertionError, ValueError)) else None
+              for c in calls]
+    if not calls or not all(stated) or len({int(m.group(1)) for m in stated}) != 1:
+        return None
+    w, base = int(stated[0].group(1)), probe.base()
+    if w < 2 or not base.ok or base.query.shape[t] % w or \
+            not all(c.query.shape[t] % w or c.key.shape[t] % w for c in calls):
+        return None
+    refused = sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
+    return result("runs", "skip", f"the layer takes lengths that are multiples of {w} only, as its own check says "
+                                  f"({calls[0].describe_error()}): it refused only T = {', '.join(map(str, refused))}, "
+                                  f"and those probes are skipped, not failed",
+                  evidence=evidence,
+                  fix=f"audit at a seq_len that is a multiple of {w}; if the layer should take any length, pad the "
+                      f"input to a multiple of {w} inside it (and mask the padding)")
 
 
 def _mask_hint(probe: Probe) -> str | None:
