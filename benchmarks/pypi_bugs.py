@@ -116,6 +116,18 @@ spread = (out - out[:, :1]).abs().max().item() / out.pow(2).mean().sqrt().item()
 assert spread > 1e-3, f"identical tokens gave outputs equal to {spread:.2e} of their RMS: a weighted mean"
 """  # a weighted mean of identical values is that value at every position, whatever the weights
 
+_FEWER_KEYS_THAN_K_RAISES = """
+import torch
+scope = {}
+exec(BUILD, scope)
+try:
+    scope["layer"](torch.randn(1, 2, 32))  # 2 tokens, k = 4
+except RuntimeError as error:
+    assert "out of range" in str(error), error
+else:
+    raise AssertionError("a 2-token call ran: top-k with fewer keys than k is handled")
+"""
+
 _LAT_CAUSAL = """
 from linear_attention_transformer.linear_attention_transformer import SelfAttention
 layer = SelfAttention(32, 4, causal=True)  # causal linear attention on every head (no local heads), blindspot 1
@@ -155,6 +167,19 @@ from x_transformers.x_transformers import Attention
 layer = Attention(32, dim_head=8, heads=4, kv_heads=2, num_mem_kv=2)
 declarations = dict(mask="key_keep")  # forward(x, ..., mask=None): a (B, T) bool mask, True = keep
 """),
+    Case("xtr_sparse_topk_inverted", "masking", "x-transformers", "1.37.9", "1.37.10",
+         "x_transformers/attend.py", 419,
+         "https://github.com/lucidrains/x-transformers/commit/d1f5d6b",
+         "sparse top-k attention builds its keep-mask as `sim < top_values[..., -1:]`, the keys *below* the k-th "
+         "score, and ands it into the mask: each query attends everything but its top k, future keys included",
+         """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4, causal=True, sparse_topk=4)  # each query keeps its 4 highest scores
+declarations = dict(causal=True, mask="key_keep")  # forward(x, ..., mask=None): a (B, T) bool mask, True = keep
+""",
+         true_finding="the fix drops the old `sparse_topk < j` guard, so any call with fewer keys than k raises in "
+                      "topk (selected index k out of range): a 2-token call raises",
+         confirm=_FEWER_KEYS_THAN_K_RAISES),
     Case("local_exact_window_and", "masking", "local-attention", "1.2.1", "1.2.2",
          "local_attention/local_attention.py", 150,
          "https://github.com/lucidrains/local-attention/commit/270adde",
