@@ -180,6 +180,19 @@ declarations = dict(causal=True, mask="key_keep")  # forward(x, ..., mask=None):
          true_finding="the fix drops the old `sparse_topk < j` guard, so any call with fewer keys than k raises in "
                       "topk (selected index k out of range): a 2-token call raises",
          confirm=_FEWER_KEYS_THAN_K_RAISES),
+    Case("vit_mask_broadcast_heads", "masking", "vit-pytorch", "0.6.7", "0.6.8",
+         "vit_pytorch/vit_pytorch.py", 60,
+         "https://github.com/lucidrains/vit-pytorch/commit/3f2cbc6",
+         "the (B, N, N) pair mask is broadcast against (B, H, N, N) scores without a head axis, so it lines its "
+         "batch up with the heads: it raises unless B == H or B == 1 (and masks the wrong sequences when B == H)",
+         """
+from vit_pytorch.vit_pytorch import Attention
+layer = Attention(32, heads=4, dim_head=8)
+# forward(x, mask=None): the mask is over the patches, (B, T - 1) bool, True = keep; the layer prepends True for the
+# class token itself, so the audit's (B, T) keep mask is passed without its first column
+declarations = dict(mask="key_keep",
+                    call=lambda layer, x, mask=None: layer(x, mask=None if mask is None else mask[:, 1:]))
+"""),
     Case("local_exact_window_and", "masking", "local-attention", "1.2.1", "1.2.2",
          "local_attention/local_attention.py", 150,
          "https://github.com/lucidrains/local-attention/commit/270adde",
