@@ -345,3 +345,54 @@ def test_a_length_the_layer_states_it_refuses_is_skipped_not_failed():
     torch.manual_seed(0)
     unstated = audit(BlockwiseReshaped(), causal=True)
     assert unstated.result("runs").verdict == "fail" and unstated.status == "failed"
+
+
+# ---- cause 9: the line that left a value unmade, before the line that read it ------------------------------
+class OptionalBias(nn.Module):
+    """A layer with an optional learned bias on the scores, set in __init__ only when asked for (local-attention
+    1.0.1's `self.rel_pos`, benchmarks/pypi_bugs.py local_rel_pos_unset) and read on every call."""
+
+    def __init__(self, d_model: int = D, heads: int = H, bias: bool = False):
+        super().__init__()
+        self.d_model, self.heads = d_model, heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        if bias:
+            self.score_bias = nn.Parameter(torch.zeros(heads, 1, 1))
+
+    def forward(self, x):
+        q, k, v = (split(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 x (B, H, T, d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if self.score_bias is not None:
+            scores = scores + self.score_bias
+        return self.out(merge(scores.softmax(dim=-1) @ v))
+
+
+class MisspeltBias(OptionalBias):
+    """Its twin whose attribute is set on every path, and read under another (misspelt) name."""
+
+    def __init__(self, d_model: int = D, heads: int = H):
+        super().__init__(d_model, heads, bias=False)
+        self.score_bias = None
+
+    def forward(self, x):
+        if self.score_bais is not None:
+            return x
+        return super().forward(x)
+
+
+def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
+    """`runs` points first at the `if` in __init__ under which alone the attribute is assigned (the fix goes just
+    before it), then at the line that read it; an attribute assigned on every path but read misspelt has no such
+    line, and the finding points at the read only."""
+    torch.manual_seed(0)
+    report = audit(OptionalBias())
+    runs = report.result("runs")
+    first, second = runs.where[0], runs.where[1]
+    assert first.function == "OptionalBias.__init__" and first.code == "if bias:", first
+    assert "self.score_bias is assigned only under this condition" in first.note
+    assert second.function == "OptionalBias.forward" and "self.score_bias" in second.code
+    assert first.fix.startswith("set self.score_bias (to None, or its default) before this condition")
+    assert "fix:      set self.score_bias (to None, or its default) before this condition" in str(report)
+    torch.manual_seed(0)
+    misspelt = audit(MisspeltBias()).result("runs")
+    assert misspelt.verdict == "fail" and [s.function for s in misspelt.where] == ["MisspeltBias.forward"]

@@ -3,7 +3,10 @@ exception's traceback."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 from dataclasses import replace
 
 import torch
@@ -14,7 +17,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import site
+from .._tracing import site, text
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -40,9 +43,68 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                     fix = (f"the layer runs on 1 token but not on {t}: it has a maximum length below {t} (a buffer "
                            f"of fixed size?); audit it at most at its context length ({seq_len}N), or make its "
                            f"buffers follow the input length")
-                return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
-                             if str(error).strip() else "", fix)]
+                raised = site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
+                              if str(error).strip() else "", fix)
+                unset = unset_attribute_site(error) if isinstance(error, AttributeError) else None
+                return [unset, raised] if unset is not None else [raised]
     return []
+
+
+UNSET = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
+
+
+def unset_attribute_site(error: AttributeError) -> Site | None:
+    """Where an attribute the layer reads is left unset: the condition in the class's `__init__` under which alone
+    `self.NAME` is assigned (none of its assignments at the top level of `__init__`), read from the source of the
+    object whose attribute was missing (the `self` of the innermost frame that raised). None where no such
+    condition is found (an attribute never assigned anywhere, or assigned unconditionally)."""
+    found = UNSET.search(str(error))
+    tb, obj = error.__traceback__, None
+    while tb is not None:  # the innermost frame with a `self` of the class the message names
+        candidate = tb.tb_frame.f_locals.get("self")
+        if found and type(candidate).__name__ == found.group(1):
+            obj = candidate
+        tb = tb.tb_next
+    if not found or obj is None:
+        return None
+    name = found.group(2)
+    for cls in type(obj).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(init)
+            file = inspect.getsourcefile(init)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        guard = _guard_of(tree.body[0].body, name)
+        if guard is None or file is None:
+            continue
+        line = start + guard.lineno - 1
+        return Site(file, line, f"{cls.__qualname__}.__init__", text(file, line), "attribute set conditionally",
+                    f"self.{name} is assigned only under this condition; the call reads it without it",
+                    fix=f"set self.{name} (to None, or its default) before this condition, so that every instance "
+                        f"has it")
+    return None
+
+
+def _guard_of(body: list, name: str):
+    """The outermost compound statement of `body` (an if, for, while, try or with) inside which `self.<name>` is
+    assigned, where no statement at this level assigns it; None otherwise."""
+    def assigns(node) -> bool:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        return any(isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name)
+                   and t.value.id == "self" for t in targets)
+
+    if any(assigns(node) for node in body):
+        return None
+    for node in body:
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.Try, ast.With)) and \
+                any(assigns(inner) for inner in ast.walk(node)):
+            return node
+    return None
 
 
 MASKY = re.compile(r"mask|must match the size|cannot be broadcast|shape .* is invalid|expand", re.I)
