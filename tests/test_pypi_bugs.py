@@ -136,3 +136,14 @@ def test_a_true_finding_is_said_and_counted_apart():
     assert "no (failed: mask_honoured), a true finding confirmed outside the audit" in bench.table([outcome])
     assert "zeroes values only" in bench.table([outcome], verbose=True)
     assert "fixed passed 0/1 (+1 failed for a confirmed true finding)" in bench.totals([outcome])
+
+
+def test_a_release_that_does_not_build_is_not_run_not_a_miss():
+    """A release that cannot be built under this torch (performer 1.1.x calls torch.qr, gone in torch 2.14) says so
+    and is left out of the totals, not counted as a bug the audit missed."""
+    case = bench.Case("b", "batch", "pkg", "1.0", "1.1", "m.py", 1, "https://github.com/o/r/commit/abc", "w", "")
+    outcome = bench.Outcome(case, [1], {"status": "did not build", "error": "RuntimeError: torch.qr was removed"},
+                            {"status": "did not build", "error": "RuntimeError: torch.qr was removed"})
+    assert "not run: buggy release did not build: RuntimeError: torch.qr was removed" in bench.table([outcome])
+    assert bench.totals([outcome]).splitlines()[-1] == "- all: caught 0/0, fixed passed 0/0, localised 0/0 " \
+                                                       "(0/0 counting the lines that called a site's op); 1 not run"
