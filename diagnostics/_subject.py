@@ -1198,9 +1198,21 @@ def context_length(layer) -> tuple[int, str] | None:
                     found.append((value, f"{where}{name}={value}"))
         for name, buffer in module.named_buffers(recurse=False):
             if name in MASK_BUFFER_NAMES and buffer is not None and buffer.dim() >= 2 and \
-                    buffer.shape[-1] == buffer.shape[-2] > 0:
+                    buffer.shape[-1] == buffer.shape[-2] > 1 and _holds_a_mask(buffer):
                 found.append((int(buffer.shape[-1]), f"the {tuple(buffer.shape)} buffer {prefix}{name}"))
     return min(found, key=lambda f: f[0]) if found else None
+
+
+def _holds_a_mask(buffer: Tensor) -> bool:
+    """A buffer that can be a precomputed mask: bool, or numbers that are all 0 / 1 (nanoGPT's tril of ones) or all
+    0 / very negative (an additive mask). A named `bias` of other values (ALiBi's distances times slopes, cached
+    on the shape of the last call) is a positional bias, and says nothing of the longest sequence."""
+    if buffer.dtype == torch.bool:
+        return True
+    b = buffer.detach()
+    if b.is_complex():
+        return False
+    return bool(((b == 0) | (b == 1)).all()) or (b.is_floating_point() and bool(((b == 0) | (b <= -1e4)).all()))
 
 
 def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> int:

@@ -304,3 +304,95 @@ def test_the_weights_of_a_fused_call_are_recomputed_with_the_kernels_own_scale(p
         F.scaled_dot_product_attention(q * pre, k, v, scale=1.0)
     true = ((q * pre) @ k.transpose(-2, -1)).double().softmax(-1)  # (1, 2, 5, 5)
     assert torch.allclose(fused_weights(observer.record.fused[0]), true, atol=1e-6)
+
+
+# ---- cause 8: a length the layer states it refuses is no defect ---------------------------------------------
+class BlockwiseAttention(nn.Module):
+    """Causal attention computed in blocks of W tokens (block-sparse kernels, bucketed local attention), so it takes
+    lengths that are multiples of W and says so with its own check, as local-attention does."""
+
+    def __init__(self, d_model: int = D, heads: int = H, window: int = 4):
+        super().__init__()
+        self.d_model, self.heads, self.window = d_model, heads, window
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def check(self, T: int) -> None:
+        assert T % self.window == 0, f"sequence length {T} must be divisible by window size {self.window}"
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        self.check(T)
+        q, k, v = (split(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 x (B, H, T, d)
+        return self.out(merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+
+class BlockwiseReshaped(BlockwiseAttention):
+    """Its twin that states nothing: the blocks are a reshape that fails at other lengths with torch's message."""
+
+    def check(self, T: int) -> None:
+        torch.zeros(T).view(T // self.window, self.window)  # (T / W, W): raises unless W divides T
+
+
+def test_a_length_the_layer_states_it_refuses_is_skipped_not_failed():
+    """local-attention 1.0.2 (benchmarks/pypi_bugs.py, local_rel_pos_unset's fixed release) asserts that T is a
+    multiple of its window: `runs` failed it for the T = 1 probes. The stated rule makes those probes a skip that
+    names it; the twin that refuses the same lengths by a failing reshape, stating nothing, still fails."""
+    torch.manual_seed(0)
+    stated = audit(BlockwiseAttention(), causal=True)
+    runs = stated.result("runs")
+    assert runs.verdict == "skip" and "multiples of 4 only" in runs.message and "refused only T = 1" in runs.message
+    assert stated.status == "passed", str(stated)
+    torch.manual_seed(0)
+    unstated = audit(BlockwiseReshaped(), causal=True)
+    assert unstated.result("runs").verdict == "fail" and unstated.status == "failed"
+
+
+# ---- cause 9: the line that left a value unmade, before the line that read it ------------------------------
+class OptionalBias(nn.Module):
+    """A layer with an optional learned bias on the scores, set in __init__ only when asked for (local-attention
+    1.0.1's `self.rel_pos`, benchmarks/pypi_bugs.py local_rel_pos_unset) and read on every call."""
+
+    def __init__(self, d_model: int = D, heads: int = H, bias: bool = False):
+        super().__init__()
+        self.d_model, self.heads = d_model, heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        if bias:
+            self.score_bias = nn.Parameter(torch.zeros(heads, 1, 1))
+
+    def forward(self, x):
+        q, k, v = (split(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # 3 x (B, H, T, d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if self.score_bias is not None:
+            scores = scores + self.score_bias
+        return self.out(merge(scores.softmax(dim=-1) @ v))
+
+
+class MisspeltBias(OptionalBias):
+    """Its twin whose attribute is set on every path, and read under another (misspelt) name."""
+
+    def __init__(self, d_model: int = D, heads: int = H):
+        super().__init__(d_model, heads, bias=False)
+        self.score_bias = None
+
+    def forward(self, x):
+        if self.score_bais is not None:
+            return x
+        return super().forward(x)
+
+
+def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
+    """`runs` points first at the `if` in __init__ under which alone the attribute is assigned (the fix goes just
+    before it), then at the line that read it; an attribute assigned on every path but read misspelt has no such
+    line, and the finding points at the read only."""
+    torch.manual_seed(0)
+    report = audit(OptionalBias())
+    runs = report.result("runs")
+    first, second = runs.where[0], runs.where[1]
+    assert first.function == "OptionalBias.__init__" and first.code == "if bias:", first
+    assert "self.score_bias is assigned only under this condition" in first.note
+    assert second.function == "OptionalBias.forward" and "self.score_bias" in second.code
+    assert first.fix.startswith("set self.score_bias (to None, or its default) before this condition")
+    assert "fix:      set self.score_bias (to None, or its default) before this condition" in str(report)
+    torch.manual_seed(0)
+    misspelt = audit(MisspeltBias()).result("runs")
+    assert misspelt.verdict == "fail" and [s.function for s in misspelt.where] == ["MisspeltBias.forward"]

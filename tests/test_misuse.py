@@ -121,3 +121,23 @@ def test_what_fits_the_layer_is_accepted():
     assert check_seq_len(make_subject(MultiHeadAttention(32, 4)), None) == 16
     assert context_length(NanoGPTAttention(block_size=64)) == (64, "the (1, 1, 64, 64) buffer bias")
     assert context_length(MultiHeadAttention(32, 4)) is None and context_length(sdpa) is None
+
+
+def test_a_bias_buffer_that_is_no_mask_does_not_bound_seq_len():
+    """A square buffer named `bias` bounds the probe length only where it can be a mask (bool, 0/1, 0/-inf):
+    x-transformers' ALiBi caches its bias (distances times slopes) as `bias` on the last call's shape, which once
+    refused every audit with "expected seq_len <= 4" (benchmarks/pypi_bugs.py, xtr_alibi_cache_shapes). Its twin,
+    the same buffer holding a causal mask (ones, or an additive 0/-inf one), still bounds it."""
+    T = 4
+    distances = -(torch.arange(T)[None, :] - torch.arange(T)[:, None]).abs().float()  # (T, T)
+    alibi = nn.Module()
+    alibi.register_buffer("bias", distances[None] * torch.tensor([0.5, 0.25])[:, None, None], persistent=False)
+    assert context_length(alibi) is None
+    for mask in (torch.ones(T, T).tril(), torch.zeros(T, T).masked_fill(torch.ones(T, T).triu(1).bool(), -torch.inf),
+                 torch.ones(T, T, dtype=torch.bool).tril()):
+        causal = nn.Module()
+        causal.register_buffer("bias", mask[None, None])
+        assert context_length(causal) == (T, f"the (1, 1, {T}, {T}) buffer bias")
+    one = nn.Module()
+    one.register_buffer("bias", torch.zeros(1, 4, 1, 1))  # a cache built on a one-token call: no context of 1
+    assert context_length(one) is None

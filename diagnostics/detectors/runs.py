@@ -3,7 +3,10 @@ exception's traceback."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+import textwrap
 from dataclasses import replace
 
 import torch
@@ -14,7 +17,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import site
+from .._tracing import site, text
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -40,9 +43,68 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                     fix = (f"the layer runs on 1 token but not on {t}: it has a maximum length below {t} (a buffer "
                            f"of fixed size?); audit it at most at its context length ({seq_len}N), or make its "
                            f"buffers follow the input length")
-                return [site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
-                             if str(error).strip() else "", fix)]
+                raised = site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
+                              if str(error).strip() else "", fix)
+                unset = unset_attribute_site(error) if isinstance(error, AttributeError) else None
+                return [unset, raised] if unset is not None else [raised]
     return []
+
+
+UNSET = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
+
+
+def unset_attribute_site(error: AttributeError) -> Site | None:
+    """Where an attribute the layer reads is left unset: the condition in the class's `__init__` under which alone
+    `self.NAME` is assigned (none of its assignments at the top level of `__init__`), read from the source of the
+    object whose attribute was missing (the `self` of the innermost frame that raised). None where no such
+    condition is found (an attribute never assigned anywhere, or assigned unconditionally)."""
+    found = UNSET.search(str(error))
+    tb, obj = error.__traceback__, None
+    while tb is not None:  # the innermost frame with a `self` of the class the message names
+        candidate = tb.tb_frame.f_locals.get("self")
+        if found and type(candidate).__name__ == found.group(1):
+            obj = candidate
+        tb = tb.tb_next
+    if not found or obj is None:
+        return None
+    name = found.group(2)
+    for cls in type(obj).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(init)
+            file = inspect.getsourcefile(init)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        guard = _guard_of(tree.body[0].body, name)
+        if guard is None or file is None:
+            continue
+        line = start + guard.lineno - 1
+        return Site(file, line, f"{cls.__qualname__}.__init__", text(file, line), "attribute set conditionally",
+                    f"self.{name} is assigned only under this condition; the call reads it without it",
+                    fix=f"set self.{name} (to None, or its default) before this condition, so that every instance "
+                        f"has it")
+    return None
+
+
+def _guard_of(body: list, name: str):
+    """The outermost compound statement of `body` (an if, for, while, try or with) inside which `self.<name>` is
+    assigned, where no statement at this level assigns it; None otherwise."""
+    def assigns(node) -> bool:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        return any(isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name)
+                   and t.value.id == "self" for t in targets)
+
+    if any(assigns(node) for node in body):
+        return None
+    for node in body:
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.Try, ast.With)) and \
+                any(assigns(inner) for inner in ast.walk(node)):
+            return node
+    return None
 
 
 MASKY = re.compile(r"mask|must match the size|cannot be broadcast|shape .* is invalid|expand", re.I)
@@ -132,7 +194,7 @@ def runs_verdict(probe: Probe) -> DetectorResult:
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
         evidence = f"{listed} ({n_calls} calls in all){self_only}"
-        needed = _needed_declaration(probe, evidence)
+        needed = _needed_declaration(probe, evidence) or _length_constraint(probe, evidence)
         if needed is not None:
             return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
@@ -172,6 +234,34 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
                   declaration=declare)
+
+
+LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)
+
+
+def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A length the layer states it refuses, which is no defect: every call that raised was refused by the layer's
+    own check, an AssertionError or ValueError whose message names the multiple W it needs (local attention's
+    "sequence length 1 must be divisible by window size 4"), at a length that is no multiple of W, while the
+    standard probe, at a multiple of W, ran. Then `runs` is a skip saying so, and the audit judges the layer on the
+    lengths it takes; None otherwise (a hard-coded length that raises in a reshape, a check that names no multiple,
+    a refused length that is a multiple of W: those still fail)."""
+    calls, t = probe.failed_calls, probe.subject.time_dim
+    stated = [LENGTH_RULE.search(str(c.error)) if isinstance(c.error, (AssertionError, ValueError)) else None
+              for c in calls]
+    if not calls or not all(stated) or len({int(m.group(1)) for m in stated}) != 1:
+        return None
+    w, base = int(stated[0].group(1)), probe.base()
+    if w < 2 or not base.ok or base.query.shape[t] % w or \
+            not all(c.query.shape[t] % w or c.key.shape[t] % w for c in calls):
+        return None
+    refused = sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
+    return result("runs", "skip", f"the layer takes lengths that are multiples of {w} only, as its own check says "
+                                  f"({calls[0].describe_error()}): it refused only T = {', '.join(map(str, refused))}, "
+                                  f"and those probes are skipped, not failed",
+                  evidence=evidence,
+                  fix=f"audit at a seq_len that is a multiple of {w}; if the layer should take any length, pad the "
+                      f"input to a multiple of {w} inside it (and mask the padding)")
 
 
 def _mask_hint(probe: Probe) -> str | None:

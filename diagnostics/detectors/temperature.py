@@ -118,7 +118,8 @@ def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
-@detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale",
+@detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
+          "q and k (QK-norm, cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100",
           targets=("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
           fix="scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  (d_k: the width of one head)", locate=scale_sites)
 def check_softmax_saturation(probe: Probe) -> DetectorResult:

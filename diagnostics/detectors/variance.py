@@ -148,7 +148,8 @@ def out_of_range_sites(probe, base: Call) -> list[Site]:
 
 
 @detector("output_variance", "the output is a convex combination of the values: identical value rows come out "
-          "unchanged and outputs stay within the values' range",
+          "unchanged and outputs stay within the values' range (or, for a transform after it, the weights @ values "
+          "seen inside the layer is)",
           targets=("no softmax", "softmax over the wrong axis", "dropout in eval", "heads merged without transpose"),
           fix="normalise the weights over keys before weighting the values, and merge heads with "
               "x.transpose(1, 2).reshape(B, T, D)", locate=variance_sites)
