@@ -63,7 +63,8 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
     open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive"]
     if open_layers:
-        return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured"
+        first = layers[open_layers[0]].status_reason.removeprefix("inconclusive: ")
+        return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured ({first})"
     prefix = next((r for r in results if r.detector == causality.ID), None)
     if causal and prefix is not None and not prefix.measured:
         return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"

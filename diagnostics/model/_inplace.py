@@ -6,6 +6,9 @@ follow the sequence (masks, rotary tables, position biases) are those that chang
 probe needs. `InPlace.forward(x)` replaces only the hidden-state input (and key / value where the model passed
 that same tensor), keeps the model's masks, position embeddings and other arguments, and calls the module the
 way the model called it: the same arguments positional, the same by keyword. The model's call is the convention.
+With one capture only (a fixed-length input: an image), a probe at another length that the layer raises on is
+one it cannot take as held (its rotary table, window grid or relative bias are tied to the captured length and
+were not cut): `ProbeNotTaken`, skipped with that reason, never a `runs` failure.
 
 A cross-attention (a memory passed beside the hidden states: BART's, Marian's and Whisper's `key_value_states`,
 T5's, an nn.MultiheadAttention given another stream as key and value) is wrapped as `InPlaceCross.forward(x,
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .._errors import AuditUsageError
+from .._errors import AuditUsageError, ProbeNotTaken
 from .._subject import CACHE_NAMES, HEAD_NAMES, KEY_NAMES, MEMORY_NAMES, QUERY_NAMES, VALUE_NAMES
 from ._runner import Runner, first_tensor
 
@@ -141,6 +144,10 @@ class InPlace(nn.Module):
         self.captured_dtype = arguments[hidden].dtype
         self.d_model = int(arguments[hidden].shape[-1])
         self.block_size = length
+        # one capture only (fixed-length input, an image): which dimensions of the model's other arguments follow the
+        # length is a guess, so a probe at another length may be one the layer as held cannot take (`_invoke`)
+        self.fixed_length = bool(note)
+        self.captured_batch = int(arguments[hidden].shape[1 - hidden_time_dim])  # of one input: windows in a Swin block
         if num_heads:
             self.num_heads = num_heads
         self.note = note
@@ -194,7 +201,17 @@ class InPlace(nn.Module):
                 args.append(value)         # take by position what its signature would bind)
             else:
                 kwargs[name] = value
-        result = self.inner(*args, **kwargs)
+        try:
+            result = self.inner(*args, **kwargs)
+        except Exception as exc:
+            # the model is captured at batch 1: a layer that saw more rows (Swin's windows) may need a multiple
+            if self.fixed_length and (t != self.block_size or B % self.captured_batch):
+                raise ProbeNotTaken(
+                    f"the layer in place holds the arguments its model passed at length {self.block_size} and batch "
+                    f"{self.captured_batch} (a fixed-length input: which of their dimensions follow the length or "
+                    f"the batch is not known, so they are not cut) and raised at length {t}, batch {B}, which its "
+                    f"model never gives it") from exc
+            raise
         # the output alone: what else a module returns (T5's position bias, a cache) could pass for weights;
         # the weights are read from the observed softmax or fused attention
         out = first_tensor(result)
