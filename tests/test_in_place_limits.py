@@ -133,3 +133,51 @@ def test_a_timm_model_gets_pixels_of_its_declared_size_where_any_size_runs_else_
         return
     report = diagnostics.audit_model(model, detectors=["gradient_flow"])
     assert report.result("gradient_flow").verdict == "pass" and report.seq_len == 17, report
+
+
+class FoldedBias(nn.Module):
+    """Causal attention given a key-position bias with the batch folded into its first dimension, (B x H, 1, T), as
+    BLOOM's ALiBi is passed; `causal=False`: the causal mask forgotten (a real bug, for the twin)."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2, causal: bool = True):
+        super().__init__()
+        self.num_heads, self.causal = num_heads, causal
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, alibi):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + alibi.view(B, H, 1, T)  # raises unless B x H rows
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class FoldedBiasLM(nn.Module):
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.attn, self.head = nn.Embedding(32, 16), FoldedBias(causal=causal), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        slopes = torch.tensor([0.5, 0.25])  # (H,)
+        alibi = (slopes.view(2, 1, 1) * torch.arange(T).view(1, 1, T)).repeat(B, 1, 1)  # (B x H, 1, T)
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, alibi))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(causal):
+    """The model is captured at batch 1 and 2: the bias has 2 rows, then 4, so a probe of batch B gets B x 2 rows
+    (before, passed as captured: `runs` failed on every probe of batch 2). Twin: the same layer without its causal
+    mask fails future_leakage there."""
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(FoldedBiasLM(causal), example=ids, causal=True)
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    if causal:
+        assert report.status == "passed", report
+    else:
+        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report

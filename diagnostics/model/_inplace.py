@@ -133,7 +133,7 @@ class InPlace(nn.Module):
 
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
-                 num_heads: int | None, note: str = ""):
+                 num_heads: int | None, note: str = "", folded: frozenset = frozenset()):
         super().__init__()
         self.inner = module
         self.audit_name = f"{path} ({type(module).__name__}, in place)"
@@ -151,6 +151,7 @@ class InPlace(nn.Module):
         if num_heads:
             self.num_heads = num_heads
         self.note = note
+        self.folded = folded  # leaves with the batch folded into their first dimension (_batch_folded)
 
     def _adapt(self, value, path, t: int, batch: int, dtype):
         if isinstance(value, Tensor):
@@ -159,6 +160,8 @@ class InPlace(nn.Module):
                 value = value.narrow(d, 0, min(t, value.shape[d]))
             if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims:
                 value = value.expand(batch, *value.shape[1:])
+            elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
+                value = value.repeat(batch, *(1,) * (value.dim() - 1))
             if value.is_floating_point() and value.dtype != dtype and value.dtype == self.captured_dtype:
                 value = value.to(dtype)
             return value
@@ -261,8 +264,10 @@ class InPlaceCross(InPlace):
                                 **{n: m for n in (self.memory_name, *self.same_as_memory)}})
 
 
-def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None) -> InPlace:
-    """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims)."""
+def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
+                   wide_call: CapturedCall | None = None) -> InPlace:
+    """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims; and at batch
+    2, which tells the arguments with the batch folded into their first dimension)."""
     sig = forward_signature(module)
     bound = sig.bind(*long_call.args_copy, **long_call.kwargs_copy)
     raw = sig.bind(*long_call.args, **long_call.kwargs).arguments
@@ -318,7 +323,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if heads is not None and D % heads:
         heads = None
     positional = _passed_positionally(sig, len(long_call.args))
-    built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note)
+    folded = _batch_folded(sig, arguments, hidden, hidden_time_dim, wide_call)
+    built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
+             folded)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
         return InPlace(*built)
@@ -330,6 +337,26 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
                             if tensor.dim() >= 1 and tensor.shape[-1] == length
                             and tensor.dim() - 1 not in time_dims.get(leaf, ()))
     return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
+
+
+def _batch_folded(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
+                  wide_call: CapturedCall | None) -> frozenset:
+    """The leaves whose first dimension, of n > 1 rows at batch 1, has 2n at batch 2 while the hidden states' batch
+    doubles too: the batch folded with something else (BLOOM's ALiBi, (B x H, 1, T), batch-major)."""
+    if wide_call is None:
+        return frozenset()
+    try:
+        wide = dict(sig.bind(*wide_call.args_copy, **wide_call.kwargs_copy).arguments)
+    except TypeError:
+        return frozenset()
+    h, w = arguments[hidden], wide.get(hidden)
+    batch_dim = 1 - time_dim
+    if not isinstance(w, Tensor) or w.dim() != h.dim() or w.shape[batch_dim] != 2 * h.shape[batch_dim]:
+        return frozenset()
+    return frozenset(leaf for name, value in arguments.items() if name != hidden
+                     for leaf, tensor in _leaves(value, (name,))
+                     if tensor.dim() >= 1 and tensor.shape[0] > 1 and isinstance(_get(wide, leaf), Tensor)
+                     and _get(wide, leaf).dim() == tensor.dim() and _get(wide, leaf).shape[0] == 2 * tensor.shape[0])
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):
