@@ -181,3 +181,37 @@ def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(c
         assert report.status == "passed", report
     else:
         assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
+
+
+class ClassQuery(TiedAttention):
+    """The class token's query over every token (CrossViT's fusion attention): (B, 1, D) for (B, T, D);
+    `every`: every token's query, (B, T, D), the twin."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.every = every
+
+    def forward(self, x, pos):
+        out = super().forward(x, pos)
+        return out if self.every else out[:, :1]
+
+
+class ClassQueryViT(TinyViT):
+    def __init__(self, every: bool):
+        super().__init__()
+        self.attn = ClassQuery(every)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0])
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_reason(every):
+    report = diagnostics.audit_model(ClassQueryViT(every), example=PIXELS)
+    if every:
+        assert "attn" in report.layers and report.status == "passed", report
+        return
+    assert "attn" not in report.layers and report.status == "inconclusive", report
+    assert any("returned 1 for 17" in note for note in report.notes), report.notes

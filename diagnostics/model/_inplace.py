@@ -19,7 +19,7 @@ last dimension follows its length (the encoder's padding mask, a position bias) 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
 
@@ -39,6 +39,7 @@ class CapturedCall:
     kwargs: dict
     args_copy: tuple
     kwargs_copy: dict
+    output_shape: tuple | None = None  # of the tensor it returned (`first_tensor`), None if none
 
 
 def _clone(x):
@@ -58,6 +59,7 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
     model's error if it raised."""
     calls: dict = {}
     handles = []
+    shapes: dict = {}
 
     def hook_for(path):
         def hook(m, args, kwargs):
@@ -65,8 +67,16 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
                 calls[path] = CapturedCall(args, kwargs, _clone(args), _clone(kwargs))
         return hook
 
+    def output_hook_for(path):
+        def hook(m, args, out):
+            if path not in shapes:
+                o = first_tensor(out)
+                shapes[path] = tuple(o.shape) if isinstance(o, Tensor) else None
+        return hook
+
     for path, m in modules.items():
         handles.append(m.register_forward_pre_hook(hook_for(path), with_kwargs=True))
+        handles.append(m.register_forward_hook(output_hook_for(path)))
     error = None
     try:
         runner(seq, grad=True)  # grad mode: torch's fused inference fast paths would bypass the modules
@@ -75,6 +85,7 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
     finally:
         for h in handles:
             h.remove()
+    calls = {p: replace(c, output_shape=shapes.get(p)) for p, c in calls.items()}
     return calls, error
 
 
@@ -281,6 +292,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
                               f"tensor; got arguments {sorted(arguments)}")
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
+    _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
     if short_call is not None:
         try:
@@ -357,6 +369,23 @@ def _batch_folded(sig: inspect.Signature, arguments: dict, hidden: str, time_dim
                      for leaf, tensor in _leaves(value, (name,))
                      if tensor.dim() >= 1 and tensor.shape[0] > 1 and isinstance(_get(wide, leaf), Tensor)
                      and _get(wide, leaf).dim() == tensor.dim() and _get(wide, leaf).shape[0] == 2 * tensor.shape[0])
+
+
+def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tuple | None) -> None:
+    """A module whose output has another number of tokens than its hidden states (CrossViT's fusion attention: the
+    class token's query over every token; a pooling head with a learned query) is not audited in place: the layer
+    audit's probes read one output per query token. Raises AuditUsageError (a note, the layer unaudited)."""
+    if out is None or len(out) != 3 or hidden.dim() != 3:
+        return
+    same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
+    if len(same_batch) != 1 or out[-1] != hidden.shape[-1]:
+        return
+    time_dim = 1 - same_batch[0]
+    if out[time_dim] != hidden.shape[time_dim]:
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
+                              f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
+                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one), so it "
+                              f"is audited only through the model")
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):
