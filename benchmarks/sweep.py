@@ -289,8 +289,16 @@ def timm_types() -> list[str]:
     return sorted(m for module in timm_attention_modules() for m in timm.list_models(module=module))
 
 
+def timm_image_size(model):
+    from diagnostics.model._runner import timm_image_size as declared
+
+    return declared(model)
+
+
 def timm_build(name: str):
-    """The model at the first of `TIMM_TINY` it builds with, keywords it does not take dropped one by one."""
+    """The model at the first of `TIMM_TINY` it builds with and runs a plain forward at the image size it declares
+    (`timm_image_size`, what the audit's example is built from), keywords it does not take dropped one by one: a
+    model that takes img_size=64 yet cannot run at it (CrossViT's second branch) is built at the next."""
     import re
 
     import timm
@@ -302,6 +310,13 @@ def timm_build(name: str):
         while True:
             torch.manual_seed(0)
             try:
+                model = timm.create_model(name, pretrained=False, **kw).eval()
+                size, channels = timm_image_size(model)
+                if size is not None:
+                    h, w = (size, size) if isinstance(size, int) else tuple(size)
+                    with torch.no_grad():
+                        model(torch.randn(1, channels, h, w))
+                torch.manual_seed(0)  # the model as built, whatever the forward drew
                 return timm.create_model(name, pretrained=False, **kw).eval()
             except TypeError as exc:
                 unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))

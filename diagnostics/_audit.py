@@ -200,6 +200,8 @@ def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple
     if errors:
         return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"
     if not any(r.measured for r in results):
+        if probe.not_taken is not None:  # the layer as held (in place) could not be given the audit's probes
+            return "inconclusive", f"inconclusive: not one probe could be given to the layer as held: {probe.not_taken_text()}"
         return "inconclusive", "inconclusive: no detector could measure the layer (every one skipped)"
     core = [r for r in results if r.detector in CORE]
     unmeasured = [r for r in core if not r.measured]

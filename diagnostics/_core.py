@@ -319,4 +319,6 @@ def skip(det: str, reason: str) -> DetectorResult:
 
 
 def not_run(det: str, call: Call) -> DetectorResult:
+    if call.not_taken:  # a probe the layer as held cannot be given: not applicable, with the reason
+        return skip(det, f"not applicable: {call.error.reason}; see `runs`")
     return skip(det, f"the layer raised on this detector's probe ({call.describe_error()}); see `runs`")

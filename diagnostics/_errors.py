@@ -1,5 +1,6 @@
 """The one error type `diagnostics` raises for misuse of its API (never for a broken layer: that is a finding),
-and `BlindProbe`, the signal of a probe that did not bite (a bug of diagnostics)."""
+`BlindProbe`, the signal of a probe that did not bite (a bug of diagnostics), and `ProbeNotTaken`, a probe the
+layer as held cannot be given (skipped with its reason)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ from __future__ import annotations
 class BlindProbe(Exception):
     """A probe whose own control failed: the perturbation did not change what it claims. A bug in
     diagnostics, never a finding about the layer."""
+
+
+class ProbeNotTaken(Exception):
+    """A probe the layer, as the audit holds it, cannot be given: a layer audited in place raised at a length its
+    model never called it with, while its captured arguments (a rotary table, a window grid, a relative bias) are
+    tied to the length it was called with and could not be cut (`diagnostics.model._inplace`). The probe is skipped
+    with `reason`, never a finding: the layer's own error is the exception's `__cause__`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class AuditUsageError(TypeError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._errors import ProbeNotTaken
 from ._frames import exception_text
 from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
@@ -39,6 +40,7 @@ class Call:
     record: Record | None = None
     label: str = ""
     self_only: bool = False  # it raised only because Tq != Tk, on a layer not declared cross-attention (see Probe)
+    not_taken: bool = False  # the layer as held cannot be given this probe (`ProbeNotTaken`): skipped, with its reason
     parts: tuple = ()  # a stacked probe's readers and their copies of the batch (see ProbeShape.parts)
 
     @property
@@ -60,6 +62,7 @@ class Probe:
         # for what it is, self-attention only: its cross-length probes are skips that say so (`self_only`)
         self.cross = cross or subject.cross_declared
         self.self_only: Call | None = None  # the first cross-length call that raised on such a layer
+        self.not_taken: Call | None = None  # the first call the layer as held could not be given (`ProbeNotTaken`)
         # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
         # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
         self.pattern = pattern
@@ -167,7 +170,11 @@ class Probe:
             call = Call(query, key, value, allowed, output, None, record, label, parts=parts)
         except Exception as error:  # noqa: BLE001 -- a broken layer is a finding, never a crash of the audit
             call = Call(query, key, value, allowed, None, error, record, label, parts=parts)
-            call.self_only = self._only_self_attention(call)
+            if isinstance(error, ProbeNotTaken):  # not the layer's failure: a probe its holder cannot give it
+                call.not_taken = True
+                self.not_taken = self.not_taken or call
+            else:
+                call.self_only = self._only_self_attention(call)
         self._log(call)
         return call
 
@@ -193,15 +200,24 @@ class Probe:
         return (f"self-attention only: the layer runs with Tq = Tk but raised with {shape}{error}; declare {cross} "
                 f"to audit it as cross-attention")
 
+    def not_taken_text(self) -> str:
+        """The skip's words for the probes the layer as held could not be given (`ProbeNotTaken`)."""
+        call = self.not_taken
+        if call is None:
+            return ""
+        error = call.error
+        cause = f" (it raised {exception_text(error.__cause__)})" if error.__cause__ is not None else ""
+        return f"{error.reason}{cause}"
+
     def _log(self, call: Call) -> None:
         t = self.subject.time_dim
         shape = ProbeShape(call.label or "a probe", call.query.shape[0], call.query.shape[t], call.key.shape[t],
                            None if call.allowed is None else call.allowed.cpu(),
                            call.query is call.key and call.key is call.value,
-                           "" if call.ok else call.describe_error(), parts=call.parts)
+                           "" if call.ok else call.describe_error(), parts=call.parts, not_taken=call.not_taken)
         if not any(s is shape for s in self.shapes[self.detector]):
             self.shapes[self.detector].append(shape)
-        if not call.ok and not call.self_only:
+        if not call.ok and not call.self_only and not call.not_taken:
             self.raised.append((self.detector, shape))
             self.failed_calls.append(call)
 

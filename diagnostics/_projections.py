@@ -9,10 +9,13 @@ shared by H / H_kv consecutive query heads, torch's `repeat_interleave`, Hugging
 
 Recognisers, one per family, tried in this order (`RECOGNISERS`); each says what it read and from where:
     torch_mha     nn.MultiheadAttention: in_proj_weight (or q/k/v_proj_weight), out_proj, num_heads, batch_first
-    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), Phi-3's stacked qkv_proj, or query, key
-                  and value (BERT's and ViT's self-attention, whose output projection is its parent's), heads from
-                  the module or its config, `scaling`, q_norm / k_norm, rotary tables from the call's
-                  position_embeddings (applied by the module's own `apply_rotary_pos_emb`)
+    huggingface   q_proj, k_proj, v_proj and o_proj (out_proj, dense), Phi-3's stacked qkv_proj, a
+                  query_key_value laid out per key/value group (GPT-NeoX, BLOOM, Persimmon, Falcon: rows
+                  (G, H/G + 2, d), each group's query heads, then its key, then its value; G = H without
+                  key/value heads: q, k, v interleaved per head), or query, key and value (BERT's and ViT's
+                  self-attention, whose output projection is its parent's), heads from the module or its config,
+                  `scaling`, q_norm / k_norm, rotary tables from the call's position_embeddings (applied by the
+                  module's own `apply_rotary_pos_emb`, a partial rotary where that function keeps the rest)
     fused_qkv     one qkv projection of 3 x heads x head_dim and proj (or out): timm's Attention (q_norm,
                   k_norm, norm), this project's reference (correct.MultiHeadAttention, its `causal`)
 A module is identified only when every parameter and buffer it holds is one the recompute uses: a relative
@@ -281,16 +284,31 @@ def _read_int(module: nn.Module, names: tuple[str, ...]) -> tuple[int | None, st
     return None, ""
 
 
+SCORE_BIASES = ("alibi", "position_bias", "relative_position_bias", "rel_pos", "attention_bias")
+
+
+def _per_group(fused: Projection, H: int, G: int, d: int) -> tuple[Projection, Projection, Projection]:
+    """q, k and v of a query_key_value whose rows are laid out per key/value group: (G, H/G + 2, d), each group's
+    H/G query heads, then its key head, then its value head (GPT-NeoX: G = H, q, k, v interleaved per head)."""
+    D = fused.weight.shape[-1]
+    w = fused.weight.view(G, H // G + 2, d, D)
+    b = fused.bias.view(G, H // G + 2, d) if fused.bias is not None else None
+    parts = (slice(0, H // G), slice(H // G, H // G + 1), slice(H // G + 1, H // G + 2))
+    return tuple(Projection(w[:, p].reshape(-1, D), None if b is None else b[:, p].reshape(-1)) for p in parts)
+
+
 def huggingface(module: nn.Module) -> Projections | None:
     names = next((n for n in HF_QKV if all(_linear(getattr(module, x, None)) is not None for x in n)), None)
     fused = _linear(getattr(module, "qkv_proj", None)) if names is None else None  # Phi-3's q, k, v rows stacked
-    if names is None and fused is None:
+    # GPT-NeoX's (BLOOM's, Falcon's): rows per key/value group, (G, H/G + 2, d)
+    grouped = _linear(getattr(module, "query_key_value", None)) if names is None and fused is None else None
+    if names is None and fused is None and grouped is None:
         return None
     out_name = next((n for n in HF_OUT if _linear(getattr(module, n, None)) is not None), None)
     if out_name is None and names != HF_QKV[1]:
         return None
     o = _linear(getattr(module, out_name)) if out_name else None  # BERT's self-attention: projected by its parent
-    d, d_where = _read_int(module, ("head_dim", "attention_head_size"))
+    d, d_where = _read_int(module, ("head_dim", "attention_head_size", "head_size"))
     H, h_where = _read_int(module, HEADS)
     G, g_where = _read_int(module, KV_HEADS)
     if fused is not None:
@@ -303,6 +321,16 @@ def huggingface(module: nn.Module) -> Projections | None:
                                                           if fused.bias is not None else (None,) * 3)
         q, k, v = (Projection(w[i], b[i]) for i in range(3))
         names = ("qkv_proj",)
+    elif grouped is not None:
+        if not H:
+            raise NotApplicable("a fused query_key_value, but no number of heads to split it by")
+        G, g_where = (G, g_where) if G else (H, "num_attention_heads: no key/value heads declared")
+        d, d_where = (d, d_where) if d else (grouped.weight.shape[0] // (H + 2 * G), "query_key_value's width")
+        if grouped.weight.shape[0] != (H + 2 * G) * d or H % G:
+            raise NotApplicable(f"query_key_value gives {grouped.weight.shape[0]} features, not ({H} + 2 x {G}) "
+                                f"heads x {d}")
+        q, k, v = _per_group(grouped, H, G, d)
+        names = ("query_key_value",)
     else:
         q, k, v = (_linear(getattr(module, n)) for n in names)
     if H is None and d:
@@ -355,20 +383,30 @@ def huggingface(module: nn.Module) -> Projections | None:
                 raise NotApplicable("position_embeddings given, but no (cos, sin) pair or no apply_rotary_pos_emb "
                                     f"in {type(module).__module__} to apply them as the module does")
             cos, sin = tables
-            if not isinstance(cos, Tensor) or cos.shape[-1] != d:
-                raise NotApplicable(f"rotary tables of width {getattr(cos, 'shape', ['?'])[-1]}, not the head width "
-                                    f"{d}: a partial rotary the module applies in its own way")
+            if not isinstance(cos, Tensor) or cos.shape[-1] > d:
+                raise NotApplicable(f"rotary tables of width {getattr(cos, 'shape', ['?'])[-1]}, not at most the head "
+                                    f"width {d}")
 
             def rotary(q_, k_):
+                partial = cos.shape[-1] < d
                 try:
-                    return rotate(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
+                    turned = rotate(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
                 except (RuntimeError, TypeError) as error:  # another signature or layout than Llama's
                     raise NotApplicable(f"{type(module).__module__}.apply_rotary_pos_emb does not take (q, k, cos, "
-                                        f"sin) on (B, H, T, d) as Llama's does ({error})") from None
+                                        f"sin) on (B, H, T, d) as Llama's does"
+                                        + (f", or a partial rotary of width {cos.shape[-1]} of {d} (the module "
+                                           f"applies it in its own way)" if partial else "") + f" ({error})") from None
+                if tuple(turned[0].shape) != tuple(q_.shape) or tuple(turned[1].shape) != tuple(k_.shape):
+                    raise NotApplicable(f"{type(module).__module__}.apply_rotary_pos_emb returns another shape than "
+                                        f"it is given: a partial rotary the module applies in its own way")
+                return turned
 
             read.append(f"rotary tables from the call's position_embeddings, applied by "
                         f"{type(module).__module__}.apply_rotary_pos_emb")
-        elif any(n in args for n in ("position_ids", "rotary_pos_emb", "freqs_cis")) and \
+        biased = next((n for n in SCORE_BIASES if isinstance(args.get(n), Tensor)), None)
+        if biased:  # BLOOM's ALiBi, T5's relative bias: added to the scores by the module
+            raise NotApplicable(f"the call passes {biased}, a bias on the scores the recompute does not add")
+        if tables is None and any(n in args for n in ("position_ids", "rotary_pos_emb", "freqs_cis")) and \
                 args.get("position_ids") is not None:
             raise NotApplicable("the call passes positions the module turns into rotary tables itself")
         return CallInputs(x, memory, memory, bias, rotary, tuple(read))

@@ -28,6 +28,7 @@ class ProbeShape:
     # a call several detectors read (a stacked probe): (detector, first copy, stop copy) of the batch copies each
     # compares with copy 0, the shared baseline
     parts: tuple[tuple[str, int, int], ...] = field(default=(), compare=False)
+    not_taken: bool = False  # a probe the layer as held could not be given (`ProbeNotTaken`): skipped, not a raise
 
 
 def _shown(file: str) -> str:

@@ -8,6 +8,8 @@ identified are not applicable, never failed.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,41 @@ def test_a_transformers_layer_without_an_output_projection_passes():
     result = own_weights(modeling.BertSelfAttention(config).eval())
     assert result.verdict == "pass", result.evidence
     assert "query, key, value (no output projection)" in result.evidence
+
+
+def _stacked_split(self, hidden_states, attention_mask, layer_past=None, position_embeddings=None, **kwargs):
+    """GPT-NeoX's attention with its fused query_key_value split as if its rows were stacked [Q; K; V] (the layout of
+    Phi-3's qkv_proj) where they are interleaved per head [q_0 k_0 v_0 q_1 ...]: the bug of a checkpoint converted
+    with the other layout. Otherwise GPTNeoXAttention.forward (transformers 5.25) as written."""
+    modeling = sys.modules[type(self).__module__]
+    shape = hidden_states.shape[:-1]  # (B, T)
+    q, k, v = self.query_key_value(hidden_states).chunk(3, dim=-1)  # the bug: each (B, T, D) from the wrong rows
+    q, k, v = (x.view(*shape, -1, self.head_size).transpose(1, 2) for x in (q, k, v))  # (B, H, T, d)
+    cos, sin = position_embeddings
+    q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    out, weights = modeling.eager_attention_forward(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0)
+    return self.dense(out.reshape(*shape, -1).contiguous()), weights
+
+
+@pytest.mark.parametrize("rotary_pct", [1.0, 0.25], ids=["full rotary", "partial rotary"])
+def test_gpt_neox_fused_query_key_value_passes_and_split_in_the_wrong_layout_fails(rotary_pct, monkeypatch):
+    """GPT-NeoX's query_key_value: rows (H, 3, d), q, k and v interleaved per head; its default rotary turns a
+    quarter of each head (its apply_rotary_pos_emb keeps the rest). Twin: the same weights split as stacked rows."""
+    modeling = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox",
+                                   reason="transformers is not installed (pip install -e '.[real]')")
+    from transformers import GPTNeoXConfig
+
+    config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1,
+                           vocab_size=64, rotary_pct=rotary_pct)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = modeling.GPTNeoXAttention(config, layer_idx=0).eval()
+    right = own_weights(layer, causal=True)
+    assert right.verdict == "pass", right.evidence
+    assert "query_key_value and dense of GPTNeoXAttention" in right.evidence, right.evidence
+    monkeypatch.setattr(modeling.GPTNeoXAttention, "forward", _stacked_split)
+    wrong = own_weights(layer, causal=True)
+    assert wrong.verdict == "fail", wrong
 
 
 def test_a_timm_attention_passes():

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from .._core import NON_CONTIGUOUS, transposed_layout
+from .._core import NON_CONTIGUOUS, skip, transposed_layout
 from .._frames import traceback_frames
 from .._probe import Probe
 from .._registry import detector
@@ -182,7 +182,12 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     adds which mask convention the layer states, suggests or honours (a hint: see `_mask_hints`)."""
     det = "runs"
     own = probe.shapes[det]
+    if probe._base is not None and probe._base.not_taken:  # not even the standard probe: nothing the audit can run
+        return skip(det, f"not applicable: {probe.not_taken_text()}")
     self_only = f"; {probe.self_only_text()}, so the probes with Tq != Tk were skipped" if probe.self_only else ""
+    if probe.not_taken:  # probes the layer as held could not be given (`ProbeNotTaken`): skipped, with the reason
+        skipped = [shape.label for shapes in probe.shapes.values() for shape in shapes if shape.not_taken]
+        self_only += f"; skipped {len(set(skipped))} probes ({', '.join(dict.fromkeys(skipped))}): {probe.not_taken_text()}"
     failed = unique([(d, shape) for d, shape in probe.raised if d == det]
                      + [(d, shape) for d, shape in probe.raised if d != det])
     n_calls = sum(len(v) for v in probe.shapes.values())

@@ -63,7 +63,8 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
     open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive"]
     if open_layers:
-        return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured"
+        first = layers[open_layers[0]].status_reason.removeprefix("inconclusive: ")
+        return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured ({first})"
     prefix = next((r for r in results if r.detector == causality.ID), None)
     if causal and prefix is not None and not prefix.measured:
         return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"
@@ -155,6 +156,10 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             short_calls, error = capture_calls(runner, modules, runner.inputs[:1, :T - 1])
             if error:
                 runs_msgs.append(f"the example's first {T - 1} positions: {error}")
+        # at batch 2 too: an argument with twice the rows has the batch folded into its first dimension (BLOOM's
+        # ALiBi, (B x H, 1, T)), which the in-place wrapper repeats for a probe's batch instead of passing as is
+        wide_calls = capture_calls(runner, modules, runner.inputs[:2])[0] if modules and len(runner.inputs) >= 2 \
+            else {}
         found = [FoundModule(f.path, f.cls, f.how, f.path in long_calls) for f in found]
         # every module the forward calls is watched by the model-level checks, whether or not it can be audited
         # in place: a layer left out would pass its leak on to the next one, which would take the blame
@@ -162,7 +167,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         wrappers, time_dims = {}, {}
         for p, m in modules.items():
             try:
-                wrappers[p] = build_in_place(p, m, long_calls[p], short_calls.get(p))
+                wrappers[p] = build_in_place(p, m, long_calls[p], short_calls.get(p), wide_calls.get(p))
                 time_dims[p] = wrappers[p].hidden_time_dim
                 if wrappers[p].note and wrappers[p].note not in notes:
                     notes.append(wrappers[p].note)

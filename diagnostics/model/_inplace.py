@@ -6,6 +6,9 @@ follow the sequence (masks, rotary tables, position biases) are those that chang
 probe needs. `InPlace.forward(x)` replaces only the hidden-state input (and key / value where the model passed
 that same tensor), keeps the model's masks, position embeddings and other arguments, and calls the module the
 way the model called it: the same arguments positional, the same by keyword. The model's call is the convention.
+With one capture only (a fixed-length input: an image), a probe at another length that the layer raises on is
+one it cannot take as held (its rotary table, window grid or relative bias are tied to the captured length and
+were not cut): `ProbeNotTaken`, skipped with that reason, never a `runs` failure.
 
 A cross-attention (a memory passed beside the hidden states: BART's, Marian's and Whisper's `key_value_states`,
 T5's, an nn.MultiheadAttention given another stream as key and value) is wrapped as `InPlaceCross.forward(x,
@@ -16,11 +19,11 @@ last dimension follows its length (the encoder's padding mask, a position bias) 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
 
-from .._errors import AuditUsageError
+from .._errors import AuditUsageError, ProbeNotTaken
 from .._subject import CACHE_NAMES, HEAD_NAMES, KEY_NAMES, MEMORY_NAMES, QUERY_NAMES, VALUE_NAMES
 from ._runner import Runner, first_tensor
 
@@ -36,6 +39,7 @@ class CapturedCall:
     kwargs: dict
     args_copy: tuple
     kwargs_copy: dict
+    output_shape: tuple | None = None  # of the tensor it returned (`first_tensor`), None if none
 
 
 def _clone(x):
@@ -55,6 +59,7 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
     model's error if it raised."""
     calls: dict = {}
     handles = []
+    shapes: dict = {}
 
     def hook_for(path):
         def hook(m, args, kwargs):
@@ -62,8 +67,16 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
                 calls[path] = CapturedCall(args, kwargs, _clone(args), _clone(kwargs))
         return hook
 
+    def output_hook_for(path):
+        def hook(m, args, out):
+            if path not in shapes:
+                o = first_tensor(out)
+                shapes[path] = tuple(o.shape) if isinstance(o, Tensor) else None
+        return hook
+
     for path, m in modules.items():
         handles.append(m.register_forward_pre_hook(hook_for(path), with_kwargs=True))
+        handles.append(m.register_forward_hook(output_hook_for(path)))
     error = None
     try:
         runner(seq, grad=True)  # grad mode: torch's fused inference fast paths would bypass the modules
@@ -72,6 +85,7 @@ def capture_calls(runner: Runner, modules: dict, seq: Tensor) -> tuple[dict, str
     finally:
         for h in handles:
             h.remove()
+    calls = {p: replace(c, output_shape=shapes.get(p)) for p, c in calls.items()}
     return calls, error
 
 
@@ -130,7 +144,7 @@ class InPlace(nn.Module):
 
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
-                 num_heads: int | None, note: str = ""):
+                 num_heads: int | None, note: str = "", folded: frozenset = frozenset()):
         super().__init__()
         self.inner = module
         self.audit_name = f"{path} ({type(module).__name__}, in place)"
@@ -141,9 +155,14 @@ class InPlace(nn.Module):
         self.captured_dtype = arguments[hidden].dtype
         self.d_model = int(arguments[hidden].shape[-1])
         self.block_size = length
+        # one capture only (fixed-length input, an image): which dimensions of the model's other arguments follow the
+        # length is a guess, so a probe at another length may be one the layer as held cannot take (`_invoke`)
+        self.fixed_length = bool(note)
+        self.captured_batch = int(arguments[hidden].shape[1 - hidden_time_dim])  # of one input: windows in a Swin block
         if num_heads:
             self.num_heads = num_heads
         self.note = note
+        self.folded = folded  # leaves with the batch folded into their first dimension (_batch_folded)
 
     def _adapt(self, value, path, t: int, batch: int, dtype):
         if isinstance(value, Tensor):
@@ -152,6 +171,8 @@ class InPlace(nn.Module):
                 value = value.narrow(d, 0, min(t, value.shape[d]))
             if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims:
                 value = value.expand(batch, *value.shape[1:])
+            elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
+                value = value.repeat(batch, *(1,) * (value.dim() - 1))
             if value.is_floating_point() and value.dtype != dtype and value.dtype == self.captured_dtype:
                 value = value.to(dtype)
             return value
@@ -194,7 +215,17 @@ class InPlace(nn.Module):
                 args.append(value)         # take by position what its signature would bind)
             else:
                 kwargs[name] = value
-        result = self.inner(*args, **kwargs)
+        try:
+            result = self.inner(*args, **kwargs)
+        except Exception as exc:
+            # the model is captured at batch 1: a layer that saw more rows (Swin's windows) may need a multiple
+            if self.fixed_length and (t != self.block_size or B % self.captured_batch):
+                raise ProbeNotTaken(
+                    f"the layer in place holds the arguments its model passed at length {self.block_size} and batch "
+                    f"{self.captured_batch} (a fixed-length input: which of their dimensions follow the length or "
+                    f"the batch is not known, so they are not cut) and raised at length {t}, batch {B}, which its "
+                    f"model never gives it") from exc
+            raise
         # the output alone: what else a module returns (T5's position bias, a cache) could pass for weights;
         # the weights are read from the observed softmax or fused attention
         out = first_tensor(result)
@@ -244,8 +275,10 @@ class InPlaceCross(InPlace):
                                 **{n: m for n in (self.memory_name, *self.same_as_memory)}})
 
 
-def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None) -> InPlace:
-    """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims)."""
+def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
+                   wide_call: CapturedCall | None = None) -> InPlace:
+    """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims; and at batch
+    2, which tells the arguments with the batch folded into their first dimension)."""
     sig = forward_signature(module)
     bound = sig.bind(*long_call.args_copy, **long_call.kwargs_copy)
     raw = sig.bind(*long_call.args, **long_call.kwargs).arguments
@@ -259,6 +292,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
                               f"tensor; got arguments {sorted(arguments)}")
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
+    _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
     if short_call is not None:
         try:
@@ -301,7 +335,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if heads is not None and D % heads:
         heads = None
     positional = _passed_positionally(sig, len(long_call.args))
-    built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note)
+    folded = _batch_folded(sig, arguments, hidden, hidden_time_dim, wide_call)
+    built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
+             folded)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
         return InPlace(*built)
@@ -313,6 +349,43 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
                             if tensor.dim() >= 1 and tensor.shape[-1] == length
                             and tensor.dim() - 1 not in time_dims.get(leaf, ()))
     return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
+
+
+def _batch_folded(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
+                  wide_call: CapturedCall | None) -> frozenset:
+    """The leaves whose first dimension, of n > 1 rows at batch 1, has 2n at batch 2 while the hidden states' batch
+    doubles too: the batch folded with something else (BLOOM's ALiBi, (B x H, 1, T), batch-major)."""
+    if wide_call is None:
+        return frozenset()
+    try:
+        wide = dict(sig.bind(*wide_call.args_copy, **wide_call.kwargs_copy).arguments)
+    except TypeError:
+        return frozenset()
+    h, w = arguments[hidden], wide.get(hidden)
+    batch_dim = 1 - time_dim
+    if not isinstance(w, Tensor) or w.dim() != h.dim() or w.shape[batch_dim] != 2 * h.shape[batch_dim]:
+        return frozenset()
+    return frozenset(leaf for name, value in arguments.items() if name != hidden
+                     for leaf, tensor in _leaves(value, (name,))
+                     if tensor.dim() >= 1 and tensor.shape[0] > 1 and isinstance(_get(wide, leaf), Tensor)
+                     and _get(wide, leaf).dim() == tensor.dim() and _get(wide, leaf).shape[0] == 2 * tensor.shape[0])
+
+
+def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tuple | None) -> None:
+    """A module whose output has another number of tokens than its hidden states (CrossViT's fusion attention: the
+    class token's query over every token; a pooling head with a learned query) is not audited in place: the layer
+    audit's probes read one output per query token. Raises AuditUsageError (a note, the layer unaudited)."""
+    if out is None or len(out) != 3 or hidden.dim() != 3:
+        return
+    same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
+    if len(same_batch) != 1 or out[-1] != hidden.shape[-1]:
+        return
+    time_dim = 1 - same_batch[0]
+    if out[time_dim] != hidden.shape[time_dim]:
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
+                              f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
+                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one), so it "
+                              f"is audited only through the model")
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):

@@ -24,6 +24,23 @@ ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_at
                  "cache_position")
 
 
+def timm_image_size(model: nn.Module) -> tuple:
+    """(image size, channels) a timm model declares: the size it was built at (its patch embedding's `img_size`, else
+    its own), else its configuration's `input_size` (C, H, W: `pretrained_cfg`, the models with no patch embedding
+    of that name: MetaFormer, DaViT, ...) where that configuration says any size runs (`fixed_input_size` false: a
+    model built at another size than its configuration's keeps the configuration's); (None, 3) if none says."""
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is None:
+        size = getattr(model, "img_size", None)
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    declared = cfg.get("input_size") if isinstance(cfg, dict) else None
+    channels = int(declared[0]) if isinstance(declared, (tuple, list)) and len(declared) == 3 else 3
+    if size is None and isinstance(declared, (tuple, list)) and len(declared) == 3 and \
+            cfg.get("fixed_input_size") is False:
+        size = tuple(int(v) for v in declared[1:])
+    return size, channels
+
+
 def first_tensor(x):
     """The output tensor of whatever a model or module returns: a tensor, logits / last_hidden_state on a
     model output, or the first tensor of a dict, tuple or list; None if there is none."""
@@ -171,11 +188,11 @@ class Runner:
         if isinstance(vocab, int) and vocab > 0 and size is None:
             self.vocab = vocab
             return first, self.draw_ids((2, T), gen).to(device)
+        channels = getattr(config, "num_channels", 3) if config is not None else 3
         if size is None and type(model).__module__.startswith("timm."):
-            size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+            size, channels = timm_image_size(model)
         if size is not None:
             h, w = (size, size) if isinstance(size, int) else tuple(size)
-            channels = getattr(config, "num_channels", 3) if config is not None else 3
             return first, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face model, "

@@ -1,5 +1,10 @@
 """gradient_flow: every attention parameter gets a finite non-zero gradient of (out ** 2).sum(); for a causal
-model, no output sends gradient to later input embeddings (taken as a leaf at the token embedding's output)."""
+model, no output sends gradient to later input embeddings (taken as a leaf at the token embedding's output).
+
+A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
+the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
+no attention computed with autograd could give it one; the result says which modules, and each layer's in-place
+audit (`gradients`) still checks the layer's own backward."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from .._guard import seed_rng
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
-from ._runner import device_dtype
+from ._runner import device_dtype, first_tensor
 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
@@ -70,15 +75,34 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         return None
 
     handle = emb.register_forward_hook(hook) if emb is not None else None
+    outputs: dict = {}  # attention module -> its output (the first call's): does the model send it any gradient?
+
+    def keep(path):
+        def output_hook(m, args, out):
+            o = first_tensor(out)
+            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+                outputs[path] = o
+        return output_hook
+
+    kept = [m.register_forward_hook(keep(p)) for p, m in ctx.modules.items()]
     try:
         if emb is None and seq.is_floating_point():
             seq = seq.detach().clone().requires_grad_(True)
             leaf["x"] = seq
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
         out, _ = runner(seq, grad=True)
-        grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params], allow_unused=True,
-                                    retain_graph=True)
-        missing = [n for (n, _), g in zip(params, grads) if g is None or not bool(g.abs().sum() > 0)]
+        paths = list(outputs)
+        grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params] + [outputs[p] for p in paths],
+                                    allow_unused=True, retain_graph=True)
+        grads, to_outputs = grads[:len(params)], grads[len(params):]
+        # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
+        # gate), so their parameters cannot get one whatever the attention does; not judged, and said so
+        # (a gradient of exactly 0, not None: an output the graph does not reach was detached, which is judged)
+        cut = {p for p, g in zip(paths, to_outputs) if g is not None and not bool(g.abs().sum() > 0)}
+        # a parameter's module: the innermost attention module holding it (an attention block may hold one)
+        owner = lambda n: max((p for p in ctx.modules if n.startswith(p + ".")), key=len, default=None)  # noqa: E731
+        missing = [n for (n, _), g in zip(params, grads) if (g is None or not bool(g.abs().sum() > 0))
+                   and owner(n) not in cut]
         nonfinite = [n for (n, _), g in zip(params, grads) if g is not None and not bool(torch.isfinite(g).all())]
         leak = ""
         if ctx.causal and "x" in leaf and runner.sequence and out.shape[1] == seq.shape[1] and seq.shape[1] >= 2:
@@ -93,6 +117,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     finally:
         if handle is not None:
             handle.remove()
+        for h in kept:
+            h.remove()
     if nonfinite:
         return DetectorResult(ID, "fail", "attention parameters get non-finite gradients",
                               evidence=", ".join(nonfinite[:6]), fix=FIX)
@@ -106,6 +132,13 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                           "inputs", evidence=leak, fix=FIX)
-    return DetectorResult(ID, "pass", f"all {len(params)} attention parameters get finite non-zero gradients"
+    unjudged = [p for p in ctx.order if p in cut] or sorted(cut)  # in call order
+    judged = sum(owner(n) not in cut for n, _ in params)
+    not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
+                  f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate), "
+                  f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
+    if unjudged and not judged:
+        return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
+    return DetectorResult(ID, "pass", f"all {judged} attention parameters get finite non-zero gradients"
                           + (" and no output sends gradient to later input embeddings" if ctx.causal and "x" in leaf
-                             else ""))
+                             else "") + not_judged)

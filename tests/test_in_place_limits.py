@@ -1,0 +1,217 @@
+"""What a model audit cannot ask of a layer in place, and what it does not blame on it (issue 33, causes 7 and 8).
+
+- A layer of a fixed-length model (an image model: one capture, so which dimensions of its arguments follow the length
+  is not known) holds the arguments its model passed at that length (Eva's rotary table over the patches, Swin's
+  window mask). A probe at another length or batch that it raises on is one it cannot take as held: skipped with that
+  reason (`ProbeNotTaken`), never a `runs` failure; at the captured length and batch a raise is still a failure.
+- `gradient_flow` does not judge the parameters of an attention module whose output the model multiplies by 0 at this
+  initialisation (SwinV2's post-norms start at weight 0; a zero-initialised gate): no attention computed with autograd
+  could give them a gradient there. An attention output the model detaches (no gradient path at all) is still judged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._guard import seed_rng
+
+
+class TiedAttention(nn.Module):
+    """Self-attention over a class token and patches whose patch positions (P, D) its model passes: the table is
+    as long as the patches, one less than the tokens (Eva's rotary table), so the layer runs only at the model's
+    length. `picky`: raises on a valid input, tokens all alike (a real bug, at any length: a division by their
+    spread)."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2, picky: bool = False):
+        super().__init__()
+        self.num_heads, self.picky = num_heads, picky
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, pos):
+        B, T, D = x.shape  # batch, tokens (class token + patches), width
+        if self.picky and bool((x == x[:, :1]).all()):
+            raise ValueError("the tokens do not vary")
+        x = torch.cat([x[:, :1], x[:, 1:] + pos], 1)  # (B, T, D): raises unless T - 1 == len(pos)
+        q, k, v = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        w = (q @ k.transpose(-1, -2) / (D // self.num_heads) ** 0.5).softmax(-1)  # (B, H, T, T)
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class TinyViT(nn.Module):
+    """(B, 3, 8, 8) pixels -> 2x2 patches -> a class token and 16 patch tokens -> one attention block -> logits."""
+
+    def __init__(self, picky: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.patch = nn.Conv2d(3, 16, 2, 2)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16) * 0.1)
+        self.pos = nn.Parameter(torch.randn(16, 16) * 0.1)
+        self.attn = TiedAttention(picky=picky)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        x = x + self.attn(x, self.pos)
+        return self.head(x[:, 0])
+
+
+PIXELS = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_probes_a_fixed_length_layer_cannot_take_in_place_are_skipped_with_the_reason():
+    report = diagnostics.audit_model(TinyViT(), example=PIXELS)
+    layer = report.layers["attn"]
+    runs = layer.result("runs")
+    assert runs.verdict == "pass", runs
+    assert "skipped" in runs.message and "T=1" in runs.message and "at length 17" in runs.message, runs.message
+    assert "never gives it" in runs.message and "RuntimeError" in runs.message, runs.message
+    assert report.status == "passed", report
+
+
+def test_its_twin_a_raise_at_the_captured_length_and_batch_still_fails_runs():
+    report = diagnostics.audit_model(TinyViT(picky=True), example=PIXELS)
+    runs = report.layers["attn"].result("runs")
+    assert runs.verdict == "fail" and "identical tokens" in runs.evidence and "B=2, T=17" not in runs.evidence, runs
+    assert "skipped" in runs.evidence and "T=1" in runs.evidence, runs.evidence  # the other lengths: still skips
+    assert report.status == "failed"
+
+
+class Gated(nn.Module):
+    """Token ids -> x + gate * attention(x) -> logits, the gate a parameter (0: a zero-initialised gate, as SwinV2's
+    post-norm weights); `detach`: the attention branch detached in the model (a real bug: no gradient path)."""
+
+    def __init__(self, gate: float, detach: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb = nn.Embedding(32, 16)
+        self.attn = TiedAttention()
+        self.gate = nn.Parameter(torch.tensor(gate))
+        self.head = nn.Linear(16, 32)
+        self.detach = detach
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)  # (B, T, D)
+        a = self.attn(torch.cat([torch.zeros_like(x[:, :1]), x], 1), torch.zeros_like(x))[:, 1:]
+        return self.head(x + self.gate * (a.detach() if self.detach else a))
+
+
+@pytest.mark.parametrize("gate, detach, verdict", [(0.0, False, "skip"), (1.0, False, "pass"), (0.0, True, "fail"),
+                                                   (1.0, True, "fail")])
+def test_gradient_flow_leaves_out_a_module_its_model_multiplies_by_zero_and_judges_a_detached_one(gate, detach, verdict):
+    result = diagnostics.audit_model(Gated(gate, detach), detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == verdict, result
+    if verdict == "skip":
+        assert "not judged" not in result.message and "multiplies it by 0" in result.message and "attn" in result.message
+    if verdict == "fail":
+        assert "get no gradient" in result.message
+
+
+class TimmLike(nn.Module):
+    """A timm model with no patch embedding of that name (MetaFormer, DaViT): its size only in `pretrained_cfg`."""
+
+    __module__ = "timm.models.fake"  # what the audit reads to know a timm model
+
+    def __init__(self, fixed: bool):
+        super().__init__()
+        self.pretrained_cfg = {"input_size": (3, 8, 8), "fixed_input_size": fixed}
+        self.vit = TinyViT()
+
+    def forward(self, x):
+        return self.vit(x)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_timm_model_gets_pixels_of_its_declared_size_where_any_size_runs_else_the_usage_error(fixed):
+    model = TimmLike(fixed)
+    if fixed:  # built at some size its configuration does not say (timm keeps the configuration's): ask for pixels
+        with pytest.raises(diagnostics.AuditUsageError, match="pass example="):
+            diagnostics.audit_model(model, detectors=["gradient_flow"])
+        return
+    report = diagnostics.audit_model(model, detectors=["gradient_flow"])
+    assert report.result("gradient_flow").verdict == "pass" and report.seq_len == 17, report
+
+
+class FoldedBias(nn.Module):
+    """Causal attention given a key-position bias with the batch folded into its first dimension, (B x H, 1, T), as
+    BLOOM's ALiBi is passed; `causal=False`: the causal mask forgotten (a real bug, for the twin)."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2, causal: bool = True):
+        super().__init__()
+        self.num_heads, self.causal = num_heads, causal
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, alibi):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + alibi.view(B, H, 1, T)  # raises unless B x H rows
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class FoldedBiasLM(nn.Module):
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.attn, self.head = nn.Embedding(32, 16), FoldedBias(causal=causal), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        slopes = torch.tensor([0.5, 0.25])  # (H,)
+        alibi = (slopes.view(2, 1, 1) * torch.arange(T).view(1, 1, T)).repeat(B, 1, 1)  # (B x H, 1, T)
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, alibi))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(causal):
+    """The model is captured at batch 1 and 2: the bias has 2 rows, then 4, so a probe of batch B gets B x 2 rows
+    (before, passed as captured: `runs` failed on every probe of batch 2). Twin: the same layer without its causal
+    mask fails future_leakage there."""
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(FoldedBiasLM(causal), example=ids, causal=True)
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    if causal:
+        assert report.status == "passed", report
+    else:
+        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
+
+
+class ClassQuery(TiedAttention):
+    """The class token's query over every token (CrossViT's fusion attention): (B, 1, D) for (B, T, D);
+    `every`: every token's query, (B, T, D), the twin."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.every = every
+
+    def forward(self, x, pos):
+        out = super().forward(x, pos)
+        return out if self.every else out[:, :1]
+
+
+class ClassQueryViT(TinyViT):
+    def __init__(self, every: bool):
+        super().__init__()
+        self.attn = ClassQuery(every)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0])
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_reason(every):
+    report = diagnostics.audit_model(ClassQueryViT(every), example=PIXELS)
+    if every:
+        assert "attn" in report.layers and report.status == "passed", report
+        return
+    assert "attn" not in report.layers and report.status == "inconclusive", report
+    assert any("returned 1 for 17" in note for note in report.notes), report.notes
