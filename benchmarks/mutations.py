@@ -48,14 +48,17 @@ repository's files are never touched), and its module's test selection (TESTS: t
 module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
 Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
 selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
-(counted as killed, listed apart), *timeout* past --timeout (counted as killed, listed apart), *survived* when they
-pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
+(counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is undecided, not
+a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path, a loaded
+machine), so timeouts leave the score's denominator, are listed apart with the score they would give counted as
+kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter machine). The
+score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when EQUIVALENT names it
 with the reason, after it was checked by hand to change no verdict.
 
 Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
 on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
 test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
-mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors,
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and timeouts),
 matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
 
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
@@ -259,6 +262,10 @@ class Mutant:
     start: int = field(default=0, repr=False)  # byte offsets of the replaced span in the file
     end: int = field(default=0, repr=False)
     replacement: str = field(default="", repr=False)
+
+
+KILLED = ("killed", "error")
+"""The outcomes that count as kills: the tests failed, or could not be collected. A timeout is undecided."""
 
 
 @dataclass
@@ -638,15 +645,17 @@ def unmatched_marks(mutants: list[Mutant]) -> list[str]:
 
 def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str]) -> tuple[str, dict]:
     status = {o.id: o.status for o in outcomes}
-    rows = defaultdict(lambda: [0, 0, 0])
+    rows = defaultdict(lambda: [0, 0, 0, 0])
     for m in mutants:
         row = rows[m.file]
         row[1] += 1
-        row[0] += status[m.id] != "survived"
+        row[0] += status[m.id] in KILLED
         row[2] += status[m.id] == "survived" and m.id in marked
-    lines = [f"{'module':28s} killed / non-equivalent (equivalent)"]
-    for f, (k, t, e) in rows.items():
-        lines.append(f"{f:28s} {k:3d} / {t - e:3d}" + (f"  ({e})" if e else ""))
+        row[3] += status[m.id] == "timeout"
+    lines = [f"{'module':28s} killed / non-equivalent decided (equivalent, timed out)"]
+    for f, (k, t, e, o) in rows.items():
+        lines.append(f"{f:28s} {k:3d} / {t - e - o:3d}" + (f"  ({e} equivalent)" if e else "")
+                     + (f"  ({o} timed out)" if o else ""))
     by_id = {m.id: m for m in mutants}
     survivors = [o for o in outcomes if o.status == "survived"]
     lines.append("")
@@ -655,22 +664,29 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
         m = by_id[o.id]
         note = f"  [equivalent: {marked[o.id]}]" if o.id in marked else ""
         lines.append(f"  {o.id}{note}\n      {m.code}")
-    for kind in ("error", "timeout"):
-        listed = [o for o in outcomes if o.status == kind]
-        if listed:
-            lines.append(f"{kind} (counted as killed): " + ", ".join(o.id for o in listed))
-    killed = sum(o.status != "survived" for o in outcomes)
+    errors = [o for o in outcomes if o.status == "error"]
+    if errors:
+        lines.append("error (counted as killed: the tests could not run): " + ", ".join(o.id for o in errors))
+    timeouts = [o for o in outcomes if o.status == "timeout"]
+    if timeouts:
+        lines.append(f"timeout ({len(timeouts)}, undecided: not in the score; rerun with --survivors-of and a longer "
+                     "--timeout):" + "".join(f"\n  {o.id}\n      {by_id[o.id].code}" for o in timeouts))
+    killed = sum(o.status in KILLED for o in outcomes)
     total = len(outcomes)
     equivalent = sum(1 for o in survivors if o.id in marked)
-    counted = total - equivalent
+    counted = total - equivalent - len(timeouts)
     score = killed / counted if counted else float("nan")
     kinds = Counter(by_id[o.id].kind for o in outcomes)
     lines.append("")
-    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status != 'survived')}"
+    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}"
                                          f"/{n}" for k, n in sorted(kinds.items())))
-    lines.append(f"mutation score: {killed} / {counted} non-equivalent mutants killed = {100 * score:.1f}%"
-                 + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else ""))
+    lines.append(f"mutation score: {killed} / {counted} non-equivalent decided mutants killed = {100 * score:.1f}%"
+                 + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else "")
+                 + (f"; {len(timeouts)} timed out, not counted (as kills: {killed + len(timeouts)} / "
+                    f"{counted + len(timeouts)} = {100 * (killed + len(timeouts)) / (counted + len(timeouts)):.1f}%)"
+                    if timeouts else ""))
     summary = dict(killed=killed, total=total, equivalent=sorted(o.id for o in survivors if o.id in marked),
+                   timeout=sorted(o.id for o in timeouts),
                    score=score, counts={s: sum(o.status == s for o in outcomes)
                                         for s in ("killed", "error", "timeout", "survived")})
     return "\n".join(lines), summary
@@ -700,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only mutants of the modules whose committed source differs from REV's (git diff REV "
                              "REVISION): a change's own modules, e.g. --changed-since main")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
-                        help="only the mutants that survived in this earlier --json output (after tests were added)")
+                        help="only the mutants that survived or timed out in this earlier --json output (after "
+                             "tests were added)")
     parser.add_argument("--knobs", action="store_true",
                         help="mutate the constants marked `# knob:` too (to check that they change no verdict)")
     parser.add_argument("--tests", nargs="+", metavar="FILE",
@@ -724,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:
         earlier = json.loads(args.survivors_of.read_text())
-        alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] == "survived"}
+        alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] in ("survived", "timeout")}
         mutants = [m for m in mutants if _key(m.id, m.code) in alive]  # matched by code: lines may have moved
     if args.only:
         mutants = [m for m in mutants if any(text in m.id for text in args.only)]
