@@ -28,8 +28,9 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and judgements (every public module of `diagnostics/model/`, and
-every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
+`_thresholds.py`, `_projections.py` (the recompute from a layer's own weights that own_weights compares its output
+with: a mutant there moves that detector's verdicts) and the model wing's detectors and judgements (every public
+module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
 `_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
 and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
@@ -123,7 +124,8 @@ def _files() -> tuple[str, ...]:
     detectors) and its private ones that judge (JUDGES): read from the committed tree, so that a module added later
     is mutated and sampled without being listed here."""
     model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
-    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
+    return (("_core.py", "_thresholds.py", "_projections.py")
+            + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
 
@@ -140,6 +142,8 @@ FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_path
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
     "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
+    "detectors/own_weights.py": FAST + ["tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "_projections.py": FAST + ["tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
