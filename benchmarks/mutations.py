@@ -142,8 +142,8 @@ FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_path
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
     "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
-    "detectors/own_weights.py": FAST + ["tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "_projections.py": FAST + ["tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/own_weights.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "_projections.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/masking.py": FAST + ["tests/test_mask_controls.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],

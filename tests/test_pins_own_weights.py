@@ -1,0 +1,103 @@
+"""Pins for own_weights' numbers (issue 37): the float64-golden rule as it applies it (FUDGE, FUDGE_BY_DTYPE and
+GOLDEN_FLOOR of diagnostics/_thresholds.py, its own float64 floor), the 10x rule that names a step of the reference,
+and the scales it tries. For each, a case just inside and one just outside, per dtype where the number is per dtype;
+the constants quoted as literals (a test that read them from the module would follow a mutated constant). Tiny
+layers: the file runs in a few seconds, before tests/test_own_weights.py in the mutants' selection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diagnostics._core import baseline_scale
+from diagnostics.detectors.own_weights import _close
+from test_own_weights import GroupedQueryAttention, built, own_weights
+
+GOLDEN_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+FLOOR = {**GOLDEN_FLOOR, torch.float64: 1e-5}  # own_weights' float64 floor is float32's, not the golden rule's 1e-9
+FUDGE = {torch.float32: 10.0, torch.float16: 10.0, torch.bfloat16: 2.0}  # FUDGE, and bfloat16's FUDGE_BY_DTYPE
+INSIDE, OUTSIDE = 0.25, 4.0
+
+
+def off_by(error: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a float64 'golden' output on a grid every dtype holds exactly, the same in `dtype` with one entry, 0 in the
+    golden output, moved by `error` times the golden output's RMS)."""
+    golden = torch.randint(-8, 9, (2, 6, 8), generator=torch.Generator().manual_seed(0)).double() / 8
+    golden[0, 2, 3] = 0.0
+    out = golden.clone()
+    out[0, 2, 3] = error * baseline_scale(golden)
+    return golden, out.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(FLOOR), ids=str)
+def test_own_weights_allows_its_floor_where_the_same_dtype_recompute_is_exact(dtype):
+    """The floor alone (the same-dtype recompute exact, or a float64 layer, which has none): a quarter of it passes,
+    four times fails; float64's is float32's 1e-5 (Hugging Face's eager softmax runs in float32), so 2.5e-6 passes
+    there, which the golden rule's 1e-9 would fail."""
+    for factor, passes in ((INSIDE, True), (OUTSIDE, False)):
+        golden, out = off_by(factor * FLOOR[dtype], dtype)
+        same = None if dtype == torch.float64 else golden.to(dtype)
+        err, allowed, _ = _close(out, golden, same)
+        assert allowed == pytest.approx(FLOOR[dtype], rel=1e-6)
+        assert (err <= allowed) is passes, (factor, err, allowed)
+
+
+@pytest.mark.parametrize("dtype", list(FUDGE), ids=str)
+def test_own_weights_allows_fudge_times_the_same_dtype_recomputes_error(dtype):
+    """The same-dtype recompute off by 10x the floor: the allowed error is FUDGE (bfloat16: 2) x that, plus the
+    floor; half the fudge passes, twice fails, so FUDGE or FUDGE_BY_DTYPE tenfold either way crosses one."""
+    own = 10 * FLOOR[dtype]
+    allowed_here = FUDGE[dtype] * own + FLOOR[dtype]
+    for factor, passes in ((0.5, True), (2.0, False)):
+        golden, out = off_by(factor * FUDGE[dtype] * own, dtype)
+        _, same = off_by(own, dtype)
+        err, allowed, _ = _close(out, golden, same)
+        assert allowed == pytest.approx(allowed_here, rel=1e-2)
+        assert (err <= allowed) is passes, (factor, err, allowed)
+
+
+class Between(GroupedQueryAttention):
+    """A float64 layer whose output lies on the line from the attention its weights define (t = 0) to the same
+    attention with the scale 1.0 (t = 1), one of the steps own_weights tries: ref + t (step - ref). Its query
+    projection shrunk by 2e-5, so that the step moves the output by about 4e-5 of its RMS, four times the float64
+    floor: the floor does not decide, the 10x rule does."""
+
+    def __init__(self, t: float):
+        super().__init__(d_model=16, num_heads=2, num_key_value_heads=2)
+        self.t = t
+        with torch.no_grad():
+            self.q_proj.weight.mul_(2e-5)
+            self.q_proj.bias.mul_(2e-5)
+
+    def forward(self, hidden_states, attention_mask=None):
+        self.applied_scale = self.scaling
+        ref = super().forward(hidden_states, attention_mask)
+        self.applied_scale = 1.0
+        step = super().forward(hidden_states, attention_mask)
+        return ref + self.t * (step - ref)
+
+
+def test_a_step_is_named_only_where_it_is_10x_closer_than_the_reference():
+    """_judge: a step explains the output where it reproduces it (within the allowed error) AND is at most a tenth
+    as far from it as the reference: at t = 0.95 the step is 0.05 / 0.95 = 1/19 as far (named: a fail with the
+    fix), at t = 0.85 0.15 / 0.85 = 1/5.7 (not named: this class is not a known library's, so the difference is
+    not applicable, as for a step of its own). Both within the allowed error of the step; a factor of 1 or 100 in
+    place of 10 flips one."""
+    full = own_weights(built(lambda: Between(1.0), torch.float64))
+    assert full.verdict == "fail" and 2e-5 < full.value < 8e-5 and full.threshold == pytest.approx(1e-5), full
+    named = own_weights(built(lambda: Between(0.95), torch.float64))
+    assert named.verdict == "fail" and "the layer applies 1, its weights' 0.3536 expected" in named.evidence, named
+    unnamed = own_weights(built(lambda: Between(0.85), torch.float64))
+    assert unnamed.verdict == "skip" and "no one step of the reference explains it" in unnamed.message, unnamed
+
+
+@pytest.mark.parametrize("scale, shown", [(1.0, "1"), (1 / 8, "0.125"), (32 ** -0.5, "0.1768"), (8 ** 0.5, "2.828")],
+                         ids=["1", "1/d", "1/sqrt(H d)", "sqrt(d)"])
+def test_each_scale_own_weights_tries_is_named(scale, shown):
+    """The scales tried (d = 8, H = 4): 1.0, 1/d (= its own scale squared), 1/sqrt(H d) (the model width's), sqrt(d);
+    each, applied by the layer, is named; its twin applies its own and passes."""
+    wrong = own_weights(built(lambda: GroupedQueryAttention(scale=scale), torch.float32))
+    assert wrong.verdict == "fail" and f"the layer applies {shown}, its weights' 0.3536 expected" in wrong.evidence
+    right = own_weights(built(lambda: GroupedQueryAttention(scale=8 ** -0.5), torch.float32))
+    assert right.verdict == "pass", right.evidence
