@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+import correct
 
 from diagnostics._core import baseline_scale
+from diagnostics._projections import Projections, recognise
 from diagnostics.detectors.own_weights import _close
 from test_own_weights import GroupedQueryAttention, built, own_weights
 
@@ -101,3 +106,90 @@ def test_each_scale_own_weights_tries_is_named(scale, shown):
     assert wrong.verdict == "fail" and f"the layer applies {shown}, its weights' 0.3536 expected" in wrong.evidence
     right = own_weights(built(lambda: GroupedQueryAttention(scale=8 ** -0.5), torch.float32))
     assert right.verdict == "pass", right.evidence
+
+
+# ---- _projections: the masks as each family takes them, dropout, QK-norm --------------------------------------
+
+
+@pytest.mark.parametrize("make", [GroupedQueryAttention, lambda: nn.MultiheadAttention(32, 4, batch_first=True).eval(),
+                                  lambda: correct.MultiHeadAttention(32, 4)], ids=["hugging face", "torch", "reference"])
+def test_a_causal_audits_mask_is_read_as_each_family_passes_it(make):
+    """A causal audit passes the causal mask to each (Hugging Face's True = may attend; torch's attn_mask True =
+    blocked; the reference's True = may attend): recomputed with the call's mask, the correct layer passes; read the
+    other way round (or broadcast wrong) the recompute would differ by far more than rounding."""
+    result = own_weights(built(make, torch.float32), causal=True)
+    assert result.verdict == "pass" and "recomputed with no causal mask, the call's mask" in result.evidence, result
+
+
+def test_a_causal_audit_of_the_wrong_order_fails_with_the_mask_read():
+    wrong = own_weights(built(lambda: GroupedQueryAttention(wrong_order=True), torch.float32), causal=True)
+    assert wrong.verdict == "fail" and "repeated in the wrong order" in wrong.evidence, wrong
+
+
+class Dropped(GroupedQueryAttention):
+    """GroupedQueryAttention with an nn.Dropout of probability `p` on its output."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.drop(super().forward(hidden_states, attention_mask))
+
+
+@pytest.mark.parametrize("make, training, reason", [
+    (lambda: Dropped(0.1), True, "dropout drop (p=0.1) is active in training mode"),
+    (lambda: nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True), True, "dropout=0.1 is active in training"),
+    (lambda: Dropped(0.1), False, None), (lambda: Dropped(0.0), True, None),
+    (lambda: nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True), False, None),
+    (lambda: nn.MultiheadAttention(32, 4, dropout=0.0, batch_first=True), True, None),
+], ids=["module p=0.1 train", "mha 0.1 train", "module eval", "module p=0 train", "mha eval", "mha 0 train"])
+def test_a_module_with_dropout_active_is_not_recognised_and_off_or_zero_it_is(make, training, reason):
+    """_dropout_active, read by the recognisers directly: random outputs cannot be recomputed; in eval mode, or at
+    p = 0, they can (`p > 0`). An audit never meets the first case (it puts the layer in eval mode before any
+    detector runs), so this is the recogniser's own contract, for a caller outside an audit."""
+    found = recognise(built(make, torch.float32).train(training))
+    if reason:
+        assert isinstance(found, str) and reason in found, found
+    else:
+        assert isinstance(found, Projections), found
+
+
+class QKNorm(nn.Module):
+    """timm-like attention with a fused qkv and QK-norm: LayerNorm over each head's width (`per_head`) or over all
+    heads at once (OLMo 2's); `skips_k_norm`: the key's norm built but not applied (the recompute applies it)."""
+
+    def __init__(self, d_model=32, num_heads=4, *, per_head=True, skips_k_norm=False):
+        super().__init__()
+        self.num_heads, self.head_dim, self.per_head, self.skips_k_norm = num_heads, d_model // num_heads, per_head, \
+            skips_k_norm
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        width = self.head_dim if per_head else d_model
+        self.q_norm, self.k_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+        with torch.no_grad():  # not the identity at initialisation: a norm left out shows
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
+                norm.bias.normal_()
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        H, d = self.num_heads, self.head_dim
+        q, k, v = self.qkv(x).split(D, -1)  # (B, T, D) each
+        if not self.per_head:
+            q, k = self.q_norm(q), k if self.skips_k_norm else self.k_norm(k)
+        q, k, v = (t.view(B, T, H, d).transpose(1, 2) for t in (q, k, v))  # (B, H, T, d)
+        if self.per_head:
+            q, k = self.q_norm(q), k if self.skips_k_norm else self.k_norm(k)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per head", "all heads"])
+def test_qk_norms_are_applied_per_head_or_over_all_heads_as_their_width_says(per_head):
+    """attend: a q_norm / k_norm whose width is the heads' together is applied before the split, one of a head's width
+    after it; the layer that applies them so passes, its twin that skips the key's norm is not reproduced (an
+    unknown class: no step explains it, so not applicable, never a pass)."""
+    right = own_weights(built(lambda: QKNorm(per_head=per_head), torch.float32))
+    assert right.verdict == "pass", right.evidence
+    skipped = own_weights(built(lambda: QKNorm(per_head=per_head, skips_k_norm=True), torch.float32))
+    assert skipped.verdict == "skip" and "no one step of the reference explains it" in skipped.message, skipped
