@@ -108,7 +108,8 @@ def _committed(path: str) -> bytes:
 
 def _listed(folder: str) -> list[str]:
     """The .py files of a package folder in the committed tree (REVISION), by name, without __init__.py."""
-    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/{folder}/"], cwd=ROOT,
+    where = f"{PACKAGE}/{folder}/" if folder else f"{PACKAGE}/"
+    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, where], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
     return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
 
@@ -124,7 +125,8 @@ def _files() -> tuple[str, ...]:
     detectors) and its private ones that judge (JUDGES): read from the committed tree, so that a module added later
     is mutated and sampled without being listed here."""
     model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
-    return (("_core.py", "_thresholds.py", "_projections.py")
+    top = set(_listed(""))  # _projections.py is younger than some revisions a run may be asked to measure
+    return (tuple(n for n in ("_core.py", "_thresholds.py", "_projections.py") if n in top)
             + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
