@@ -181,6 +181,12 @@ _FLOOR_OF_ZERO = (
     "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
     "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
     "(1.4e-45), and in float64 no model with finite non-zero weights gets there (checked by hand)")
+_SAME_SCALE = (
+    "equivalent in practice: the bar only skips a candidate scale equal to the layer's own. A candidate within 1e-8 "
+    "(x10) or 1e-10 (x0.1) of it, relative, recomputes the reference to within about 1e-8 x the logits' spread of "
+    "the output's RMS, so it is never 10x closer than the reference to an output the reference misses by more than "
+    "the allowed error (>= 1e-5, the float32 and float64 floor): tried or skipped, it names nothing (checked by hand: "
+    "the candidates are 1, 1/d, 1/sqrt(H d), the own scale squared and sqrt(d))")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
@@ -241,6 +247,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
         "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
         "which it is: `<` and `<=` give the same sizes"),
+    "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "

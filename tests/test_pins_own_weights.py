@@ -193,3 +193,20 @@ def test_qk_norms_are_applied_per_head_or_over_all_heads_as_their_width_says(per
     assert right.verdict == "pass", right.evidence
     skipped = own_weights(built(lambda: QKNorm(per_head=per_head, skips_k_norm=True), torch.float32))
     assert skipped.verdict == "skip" and "no one step of the reference explains it" in skipped.message, skipped
+
+
+def declares(scaling: float, applies: float):
+    """GroupedQueryAttention (d = 8) that declares `scaling` (read as its own scale) and multiplies by `applies`."""
+    layer = GroupedQueryAttention()
+    layer.scaling, layer.applied_scale = scaling, applies
+    return layer
+
+
+@pytest.mark.parametrize("applies, shown", [(1 / 8, "0.125"), (0.25 ** 2, "0.0625")], ids=["1/d", "own squared"])
+def test_one_over_d_and_the_own_scale_squared_are_tried_apart(applies, shown):
+    """With its own scale 0.25 (not 1/sqrt(d)), 1/d = 0.125 and 0.25^2 = 0.0625 are two candidates: each is named
+    where the layer applies it; its twin applies 0.25 and passes."""
+    wrong = own_weights(built(lambda: declares(0.25, applies), torch.float32))
+    assert wrong.verdict == "fail" and f"the layer applies {shown}, its weights' 0.25 expected" in wrong.evidence, wrong
+    right = own_weights(built(lambda: declares(0.25, 0.25), torch.float32))
+    assert right.verdict == "pass", right.evidence
