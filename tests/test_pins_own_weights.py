@@ -7,6 +7,9 @@ layers: the file runs in a few seconds, before tests/test_own_weights.py in the 
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,7 @@ from torch import nn
 import correct
 
 from diagnostics._core import baseline_scale
-from diagnostics._projections import Projections, recognise
+from diagnostics._projections import NotApplicable, Projections, recognise
 from diagnostics.detectors.own_weights import _close
 from test_own_weights import GroupedQueryAttention, built, own_weights
 
@@ -210,3 +213,111 @@ def test_one_over_d_and_the_own_scale_squared_are_tried_apart(applies, shown):
     assert wrong.verdict == "fail" and f"the layer applies {shown}, its weights' 0.25 expected" in wrong.evidence, wrong
     right = own_weights(built(lambda: declares(0.25, 0.25), torch.float32))
     assert right.verdict == "pass", right.evidence
+
+
+# ---- _projections.huggingface: what it reads, without transformers (the real layers' tests need the extra) -------
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Llama's signature, found by the recogniser in the module that defines the class (this one)."""
+    return q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+
+
+class HF(nn.Module):
+    """A Hugging Face-style attention of width 32 with projections of the widths given (None: no such projection),
+    named q_proj, k_proj, v_proj (or `names`), an o_proj unless `o` is False, or one stacked `qkv_proj` of `fused`
+    rows; every other keyword becomes an attribute (num_heads, head_dim, scaling, config, ...)."""
+
+    def __init__(self, q=32, k=16, v=16, *, o=True, names=("q_proj", "k_proj", "v_proj"), fused=None, **attrs):
+        super().__init__()
+        if fused:
+            self.qkv_proj = nn.Linear(32, fused)
+        else:
+            for name, width in zip(names, (q, k, v)):
+                if width:
+                    setattr(self, name, nn.Linear(32, width))
+        if o:
+            self.o_proj = nn.Linear(32, 32)
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None):
+        raise NotImplementedError  # read, never called
+
+
+def config(**kw):
+    return SimpleNamespace(**kw)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: HF(num_heads=4, num_key_value_heads=2, head_dim=8), (4, 2, 8, "HF.num_heads")),
+    (lambda: HF(config=config(num_attention_heads=4, num_key_value_heads=2)), (4, 2, 8, "config.num_attention_heads")),
+    (lambda: HF(num_heads=0, config=config(num_attention_heads=4)), (4, 2, 8, "config.num_attention_heads")),
+    (lambda: HF(num_heads=True, config=config(num_attention_heads=4)), (4, 2, 8, "config.num_attention_heads")),
+    (lambda: HF(head_dim=8), (4, 2, 8, "q_proj's 32 features / head_dim")),
+    (lambda: HF(), "no number of heads on the module or its config"),
+    (lambda: HF(num_heads=4, head_dim=4), "projection widths q 32, k 16, v 16 are not 4 heads"),
+    (lambda: HF(k=12, num_heads=4, num_key_value_heads=2, head_dim=8), "projection widths q 32, k 12, v 16"),
+    (lambda: HF(v=8, num_heads=4, num_key_value_heads=2, head_dim=8), "projection widths q 32, k 16, v 8"),
+    (lambda: HF(k=24, v=24, num_heads=4, num_key_value_heads=3, head_dim=8), "are not 4 heads (HF.num_heads) and 3"),
+    (lambda: HF(num_heads=4, attn_logit_softcapping=50.0), "attn_logit_softcapping is set"),
+    (lambda: HF(num_heads=4, config=config(logit_softcapping=30.0)), "logit_softcapping is set"),
+    (lambda: HF(fused=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8), (4, 2, 8, "HF.num_attention_heads")),
+    (lambda: HF(fused=96, num_attention_heads=4, head_dim=8), (4, 4, 8, "HF.num_attention_heads")),
+    (lambda: HF(fused=64, num_attention_heads=4), "a fused qkv_proj, but no num_attention_heads and head_dim"),
+    (lambda: HF(fused=60, num_attention_heads=4, num_key_value_heads=2, head_dim=8), "qkv_proj gives 60 features"),
+    (lambda: HF(o=False, num_heads=4), None),
+    (lambda: HF(v=None, num_heads=4), None),
+    (lambda: HF(q=32, k=32, v=32, o=False, names=("query", "key", "value"), num_heads=4), (4, 4, 8, "HF.num_heads")),
+], ids=["module", "config", "zero on the module", "bool on the module", "head_dim only", "no heads", "q width",
+        "k width", "v width", "H % G", "softcapping", "config softcapping", "fused", "fused, no kv heads",
+        "fused, no head_dim", "fused width", "no output projection", "no v_proj", "BERT's query, key, value"])
+def test_what_the_hugging_face_recogniser_reads(make, expected):
+    """huggingface(): heads, key/value heads and head width from the module, else its config (positive ints only),
+    else the projections' widths; every width checked; soft-capping and an incomplete set of projections refused
+    (a str: not applicable) or not recognised (None)."""
+    found = recognise(make())
+    if expected is None or isinstance(expected, str):
+        assert found == expected if expected is None else (isinstance(found, str) and expected in found), found
+        return
+    H, G, d, where = expected
+    assert isinstance(found, Projections) and (found.heads, found.kv_heads, found.head_dim) == (H, G, d), found
+    assert where in found.read[0], found.read
+    assert (found.o is None) is (not hasattr(found.module, "o_proj")), found  # BERT's: its parent projects
+
+
+@pytest.mark.parametrize("scaling, scale", [(None, 8 ** -0.5), (0.25, 0.25), (0.0, 8 ** -0.5), (True, 8 ** -0.5)],
+                         ids=["none", "0.25", "zero", "bool"])
+def test_the_scale_is_the_modules_positive_scaling_else_one_over_sqrt_head_dim(scaling, scale):
+    found = recognise(HF(num_heads=4, **({} if scaling is None else {"scaling": scaling})))
+    assert found.scale == pytest.approx(scale), found.read
+    assert ("no `scaling` attribute" in found.read[1]) is (scale != 0.25), found.read
+
+
+def test_a_q_norm_alone_is_read():
+    found = recognise(HF(num_heads=4, q_norm=nn.LayerNorm(8)))
+    assert isinstance(found, Projections) and any("q_norm / k_norm applied" in r for r in found.read), found
+
+
+@pytest.mark.parametrize("args, expected", [
+    ({"position_embeddings": (torch.ones(1, 4, 8), torch.zeros(1, 4, 8))}, "rotary tables from the call's"),
+    ({"position_embeddings": [torch.ones(1, 4, 8), torch.zeros(1, 4, 8)]}, "no (cos, sin) pair"),
+    ({"position_embeddings": (torch.ones(1, 4, 4), torch.zeros(1, 4, 4))}, "rotary tables of width 4, not the head"),
+    ({"position_ids": torch.arange(4)[None]}, "the call passes positions the module turns into rotary tables"),
+    ({"position_ids": None}, ()),
+    ({}, ()),
+], ids=["tables", "a list", "partial width", "position ids", "no position ids", "nothing"])
+def test_a_calls_rotary_tables_are_read_as_llamas_and_others_refused(args, expected):
+    """inputs(): (cos, sin) of the head width, applied by the module's own apply_rotary_pos_emb; another form, a
+    partial width, or positions the module makes tables of itself: not applicable."""
+    p = recognise(HF(num_heads=4, head_dim=8))
+    x = torch.randn(1, 4, 32)
+    if isinstance(expected, str) and not expected.startswith("rotary tables from"):
+        with pytest.raises(NotApplicable, match=re.escape(expected)):
+            p.inputs({"hidden_states": x, **args})
+        return
+    got = p.inputs({"hidden_states": x, **args})
+    if expected == ():
+        assert got.rotary is None and got.read == (), got
+    else:
+        assert got.rotary is not None and any(expected in r for r in got.read), got
