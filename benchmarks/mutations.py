@@ -249,6 +249,19 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "which it is: `<` and `<=` give the same sizes"),
     "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "detectors/own_weights.py:_close:L*:and->or": (
+        ("if change is not None and change.numel() else", "if ref is not None and ref.numel() else"),
+        "both operands are always true: the scale is baseline_scale(golden) or 1.0, an RMS of the finite values (never "
+        "NaN) or 1.0, so relative_change never returns None, and the probe's outputs are never empty (B = 2, T >= 1)"),
+    "detectors/own_weights.py:_find:L*:or->and": (
+        'path.startswith(p + ".") or p == "" and path', "equivalent in practice: only skips children of an identified "
+        "module, which are its projections and norms (nn.Linear, LayerNorm, RMSNorm, out_proj); no recogniser "
+        "identifies one of those (each needs q/k/v projections of its own, a qkv and an output projection, or is "
+        "nn.MultiheadAttention, whose modules a recognised module uses all of), so not skipping them finds nothing"),
+    "detectors/own_weights.py:_judge:L*:Lt->LtE": (
+        "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
+        "the output by exactly the same greatest error (two different float computations: checked by hand that only "
+        "the mask named in the evidence would change, never the verdict, which reads that error)"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "

@@ -321,3 +321,81 @@ def test_a_calls_rotary_tables_are_read_as_llamas_and_others_refused(args, expec
         assert got.rotary is None and got.read == (), got
     else:
         assert got.rotary is not None and any(expected in r for r in got.read), got
+
+
+# ---- own_weights: a zero output, several modules, a module called twice, a causal mask of the layer's own --------
+
+
+@pytest.mark.parametrize("factor, passes", [(INSIDE, True), (OUTSIDE, False)])
+def test_an_error_against_a_zero_recompute_is_measured_against_1(factor, passes):
+    """_close: a recompute that is zero everywhere has no RMS; the error is then measured against 1.0 (`or 1.0`):
+    a quarter of the float64 floor passes, four times fails (against 0.1 or 10 one of them would cross)."""
+    golden = torch.zeros(2, 6, 8, dtype=torch.float64)
+    out = golden.clone()
+    out[0, 2, 3] = factor * 1e-5
+    err, allowed, _ = _close(out, golden, None)
+    assert err == pytest.approx(factor * 1e-5) and (err <= allowed) is passes, (err, allowed)
+
+
+class Pair(nn.Module):
+    """Two attention modules side by side, `first` and `second`, each over the input; `wrong`: the second repeats
+    its key/value heads in the wrong order."""
+
+    def __init__(self, wrong=False):
+        super().__init__()
+        self.first, self.second = GroupedQueryAttention(), GroupedQueryAttention(wrong_order=wrong)
+
+    def forward(self, hidden_states):
+        return self.first(hidden_states) + self.second(hidden_states)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_each_of_several_attention_modules_is_judged_under_its_own_name(wrong):
+    """_find and _name: every identified module is judged (a sibling found later is not taken for a child of the
+    first), named by its path; the second in the wrong order fails by its name."""
+    result = own_weights(built(lambda: Pair(wrong), torch.float32), d_model=32)
+    assert "GroupedQueryAttention (first): " in result.evidence and "GroupedQueryAttention (second): " in \
+        result.evidence, result.evidence
+    if wrong:
+        assert result.verdict == "fail" and result.message.startswith("the output of GroupedQueryAttention (second) "
+                                                                      "is not the attention"), result
+    else:
+        assert result.verdict == "pass", result.evidence
+
+
+def test_the_audited_layer_itself_is_named_without_a_path():
+    result = own_weights(built(GroupedQueryAttention, torch.float32))
+    assert result.evidence.startswith("GroupedQueryAttention: q_proj, k_proj"), result.evidence
+
+
+class Twice(nn.Module):
+    """One attention module applied twice (weights shared): its first call is the one recomputed, with its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = GroupedQueryAttention()
+
+    def forward(self, hidden_states):
+        return self.attn(self.attn(hidden_states))
+
+
+def test_a_module_called_twice_is_judged_on_its_first_calls_inputs_and_output():
+    result = own_weights(built(Twice, torch.float32), d_model=32)
+    assert result.verdict == "pass", result.evidence
+
+
+class CausalInside(GroupedQueryAttention):
+    """A decoder that builds its own causal mask and takes none (no `causal` attribute declares it)."""
+
+    def forward(self, hidden_states):
+        B, T, _ = hidden_states.shape
+        keep = torch.ones(T, T, dtype=torch.bool).tril()
+        return super().forward(hidden_states, keep)
+
+
+@pytest.mark.parametrize("seq_len", [2, 3, 16])
+def test_a_layers_own_causal_mask_is_tried_from_2_queries(seq_len):
+    """_judge: with two queries or more the recompute is tried with and without the causal mask (`Tq < 2`: one
+    query sees every key either way), and the closer kept; the layer's own causal mask is then reproduced."""
+    result = own_weights(built(CausalInside, torch.float32), causal=True, seq_len=seq_len)
+    assert result.verdict == "pass" and "recomputed with the causal mask" in result.evidence, result.evidence
