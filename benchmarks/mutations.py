@@ -258,6 +258,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "module, which are its projections and norms (nn.Linear, LayerNorm, RMSNorm, out_proj); no recogniser "
         "identifies one of those (each needs q/k/v projections of its own, a qkv and an output projection, or is "
         "nn.MultiheadAttention, whose modules a recognised module uses all of), so not skipping them finds nothing"),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt": ("if err <= allowed:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:or->and": (
+        "p.heads == p.kv_heads or step == STEPS[3]", "the two skips save a recompute only: with as many key/value "
+        "heads as query heads the wrong-order step repeats nothing, and without an output projection the skipped-"
+        "projection step returns the reference's output, so either recompute IS the reference: e equals err, never "
+        "at most err / 10, and nothing is named (checked in _projections.attend)"),
     "detectors/own_weights.py:_judge:L*:Lt->LtE": (
         "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "

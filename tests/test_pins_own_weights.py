@@ -399,3 +399,55 @@ def test_a_layers_own_causal_mask_is_tried_from_2_queries(seq_len):
     query sees every key either way), and the closer kept; the layer's own causal mask is then reproduced."""
     result = own_weights(built(CausalInside, torch.float32), causal=True, seq_len=seq_len)
     assert result.verdict == "pass" and "recomputed with the causal mask" in result.evidence, result.evidence
+
+
+def test_the_same_dtype_recomputes_rounding_counts_below_float64():
+    """_judge: in bfloat16 the recompute in the layer's dtype is made (`dtype != float64`), and its rounding, times
+    2, is allowed on top of the floor 1.6e-2; a float64 layer is allowed its floor alone."""
+    low = own_weights(built(GroupedQueryAttention, torch.bfloat16))
+    assert low.verdict == "pass" and low.threshold > 1.6e-2 * 1.2, low
+    high = own_weights(built(GroupedQueryAttention, torch.float64))
+    assert high.verdict == "pass" and high.threshold == pytest.approx(1e-5), high
+
+
+class SelfOnly(nn.Module):
+    """BERT's self-attention shape: query, key and value, no output projection (its parent projects); `merge_bug`:
+    heads merged without moving them next to their width."""
+
+    def __init__(self, merge_bug=False):
+        super().__init__()
+        self.num_attention_heads, self.attention_head_size, self.merge_bug = 4, 8, merge_bug
+        self.query, self.key, self.value = (nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, D = hidden_states.shape
+        q, k, v = (p(hidden_states).view(B, T, 4, 8).transpose(1, 2) for p in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # (B, H, T, d)
+        return out.reshape(B, T, D) if self.merge_bug else out.transpose(1, 2).reshape(B, T, D)
+
+
+class NoOutputProjection(GroupedQueryAttention):
+    """GroupedQueryAttention (4 heads of 8 = its width 32) returning the merged heads without o_proj: a bug."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        o_proj, self.o_proj = self.o_proj, nn.Identity()
+        try:
+            return super().forward(hidden_states, attention_mask)
+        finally:
+            self.o_proj = o_proj
+
+
+@pytest.mark.parametrize("make, step", [
+    (lambda: SelfOnly(merge_bug=True), "heads merged without moving them next to their width"),
+    (SelfOnly, None),
+    (NoOutputProjection, "output projection skipped"),
+    (GroupedQueryAttention, None),
+], ids=["no projection, merge bug", "no projection", "projection skipped", "with projection"])
+def test_the_output_projection_step_is_tried_only_where_there_is_one(make, step):
+    """_judge skips the step 'output projection skipped' where the module has none (BERT's self-attention), and
+    only it: the other steps are still tried there; where there is one, skipping it is named."""
+    result = own_weights(built(make, torch.float32), d_model=32)
+    if step:
+        assert result.verdict == "fail" and step in result.evidence, result.evidence
+    else:
+        assert result.verdict == "pass", result.evidence
