@@ -258,7 +258,19 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "module, which are its projections and norms (nn.Linear, LayerNorm, RMSNorm, out_proj); no recogniser "
         "identifies one of those (each needs q/k/v projections of its own, a qkv and an output projection, or is "
         "nn.MultiheadAttention, whose modules a recognised module uses all of), so not skipping them finds nothing"),
-    "detectors/own_weights.py:_judge:L*:LtE->Lt": ("if err <= allowed:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt": (("if err <= allowed:", "<= 1e-9 * p.scale:",
+                                                     "if e <= allowed and e <= err / 10:"), _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt#2": ("if e <= allowed and e <= err / 10:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:check_own_weights:L*:Gt->GtE": (
+        "err / allowed > worst[0] / (worst[1] or 1.0)", "differs only where two modules' error / allowed are exactly "
+        "equal (then which of them the value reports, not the verdict); with one module the first reading is > 0 and "
+        ">= 0 alike unless it is exactly 0"),
+    "detectors/own_weights.py:check_own_weights:L*:x10": (
+        "(worst[1] or 1.0)", "worst[1] is 0 only at the start, (0.0, 0.0), where worst[0] is 0 too: 0 / 1, 0 / 10 and "
+        "0 / 0.1 are all 0 (every allowed error is > 0: the floor)"),
+    "detectors/own_weights.py:check_own_weights:L*:x0.1": (
+        "(worst[1] or 1.0)", "worst[1] is 0 only at the start, (0.0, 0.0), where worst[0] is 0 too: 0 / 1, 0 / 10 and "
+        "0 / 0.1 are all 0 (every allowed error is > 0: the floor)"),
     "detectors/own_weights.py:_judge:L*:or->and": (
         "p.heads == p.kv_heads or step == STEPS[3]", "the two skips save a recompute only: with as many key/value "
         "heads as query heads the wrong-order step repeats nothing, and without an output projection the skipped-"

@@ -451,3 +451,50 @@ def test_the_output_projection_step_is_tried_only_where_there_is_one(make, step)
         assert result.verdict == "fail" and step in result.evidence, result.evidence
     else:
         assert result.verdict == "pass", result.evidence
+
+
+class Raises(GroupedQueryAttention):
+    def forward(self, hidden_states, attention_mask=None):
+        raise RuntimeError("this layer always raises")
+
+
+def test_a_layer_that_raises_is_not_run_and_its_twin_is_judged():
+    """check_own_weights' guard on its replay of the standard probe (`not call.ok`)."""
+    raised = own_weights(built(Raises, torch.float32))
+    assert (raised.verdict, raised.message) == ("skip", "not measured: the layer raised on this detector's probe "
+                                                        "(RuntimeError: this layer always raises); see `runs`"), raised
+    assert own_weights(built(GroupedQueryAttention, torch.float32)).verdict == "pass"
+
+
+class FirstOnly(Pair):
+    """Pair whose forward calls `first` only: `second` is identified but never called."""
+
+    def forward(self, hidden_states):
+        return self.first(hidden_states)
+
+
+def test_a_module_the_probe_never_calls_is_noted_and_the_others_judged():
+    result = own_weights(built(FirstOnly, torch.float32), d_model=32)
+    assert result.verdict == "pass" and "GroupedQueryAttention (second): not called by the standard probe" in \
+        result.evidence, result.evidence
+
+
+class BothWrong(Pair):
+    def __init__(self):
+        super().__init__(wrong=True)
+        self.first = GroupedQueryAttention(wrong_order=True)
+
+
+@pytest.mark.parametrize("make", [lambda: Pair(True), BothWrong], ids=["second wrong", "both wrong"])
+def test_a_fail_reports_the_worst_failing_module_and_its_fix_once(make):
+    """check_own_weights: the value and threshold are the worst module's (a failing one over any pass), and each
+    step's fix is given once, none for a module that passed."""
+    result = own_weights(built(make, torch.float32), d_model=32)
+    assert result.verdict == "fail" and result.value > 10 * result.threshold, result
+    assert result.fix.count("repeat_interleave") == 1 and not result.fix.startswith(";"), result.fix
+
+
+def test_a_pass_reports_the_module_nearest_its_bound():
+    """Every module passing: the value is the greatest error / allowed of them, above 0 (the reading, not a default)."""
+    result = own_weights(built(Pair, torch.float32), d_model=32)
+    assert result.verdict == "pass" and 0 < result.value <= result.threshold, result
