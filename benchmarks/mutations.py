@@ -249,6 +249,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "which it is: `<` and `<=` give the same sizes"),
     "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "_projections.py:_four_d:L*:Gt->GtE": (
+        "bias.shape[0] == B * H and H > 1", "at H = 1 the two branches agree: a (B, Tq, Tk) mask viewed as "
+        "(B, 1, Tq, Tk) is the same tensor as unsqueeze(1) (checked by hand)"),
     "detectors/own_weights.py:_close:L*:and->or": (
         ("if change is not None and change.numel() else", "if ref is not None and ref.numel() else"),
         "both operands are always true: the scale is baseline_scale(golden) or 1.0, an RMS of the finite values (never "

@@ -498,3 +498,39 @@ def test_a_pass_reports_the_module_nearest_its_bound():
     """Every module passing: the value is the greatest error / allowed of them, above 0 (the reading, not a default)."""
     result = own_weights(built(Pair, torch.float32), d_model=32)
     assert result.verdict == "pass" and 0 < result.value <= result.threshold, result
+
+
+class ThreeAxisMask(GroupedQueryAttention):
+    """GroupedQueryAttention taking its mask as bool (B, Tq, Tk), True = may attend, broadcast over its heads."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        return super().forward(hidden_states, None if attention_mask is None else attention_mask[:, None])
+
+
+def test_a_three_axis_mask_of_b_rows_is_broadcast_over_the_heads():
+    """_four_d: a (B, Tq, Tk) mask is one per sequence (unsqueezed at the heads' axis) unless its first axis is B x H
+    with more than one head (then heads are folded into the batch, torch's convention)."""
+    result = own_weights(built(ThreeAxisMask, torch.float32), causal=True, mask="allowed:B,Tq,Tk")
+    assert result.verdict == "pass" and "the call's mask" in result.evidence, result.evidence
+
+
+class NormNamedOut(nn.Module):
+    """A fused qkv and a LayerNorm named `out` (no output projection that recogniser knows), projected by `o`."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 4
+        self.qkv, self.out, self.o = nn.Linear(32, 96), nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, 4, 8).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+        return self.o(self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D)))
+
+
+def test_a_module_with_a_weight_that_is_no_linear_is_not_taken_for_a_projection():
+    """_linear: only an nn.Linear is a projection (a LayerNorm has a weight too): no output projection, nothing
+    identified."""
+    result = own_weights(built(NormNamedOut, torch.float32), d_model=32, num_heads=4)
+    assert result.verdict == "skip" and result.message.startswith("not applicable: no attention projections "
+                                                                  "identified"), result
