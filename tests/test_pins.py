@@ -828,3 +828,23 @@ def test_output_variance_judges_a_residual_block_on_its_attentions_output(varian
     else:
         assert found.verdict == "fail" and found.message.startswith("the attention inside the block does not output "
                                                                     "a convex combination of the values"), found
+
+
+def test_future_leakage_reads_a_padding_mask_once_for_a_function_and_once_for_a_module():
+    """padded_cut_cases: a causal audit's cut under the padding mask is one of the stack's cases for a module, and
+    not for a function (`form == "function"`), which future_leakage probes in its own call: one reading each."""
+    for layer in (attention, OneStream()):
+        found = verdict(layer, "future_leakage", causal=True)
+        assert found.verdict == "pass" and found.evidence.count("a padding mask:") == 1, found.evidence
+
+
+def test_undeclared_causality_is_not_run_when_the_standard_probe_raised():
+    """check_undeclared_causality's first guard (`not base.ok`): otherwise it reads no weights and says so."""
+
+    def raises(q, k, v, mask=None):
+        raise RuntimeError("always")
+
+    found = verdict(raises, "undeclared_causality")
+    assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
+                                                      "(RuntimeError: always); see `runs`"), found
+    assert verdict(attention, "undeclared_causality").verdict == "pass"
