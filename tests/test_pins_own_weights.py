@@ -534,3 +534,63 @@ def test_a_module_with_a_weight_that_is_no_linear_is_not_taken_for_a_projection(
     result = own_weights(built(NormNamedOut, torch.float32), d_model=32, num_heads=4)
     assert result.verdict == "skip" and result.message.startswith("not applicable: no attention projections "
                                                                   "identified"), result
+
+
+# ---- _projections.fused_qkv, _first, bind -----------------------------------------------------------------------
+
+
+class Fused(nn.Module):
+    """A fused qkv of `width` rows and an output projection (unless `proj` is False); other keywords become
+    attributes (num_heads, head_dim, scale)."""
+
+    def __init__(self, width=96, *, proj=True, **attrs):
+        super().__init__()
+        self.qkv = nn.Linear(32, width)
+        if proj:
+            self.proj = nn.Linear(32, 32)
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    def forward(self, x, mask=None):
+        raise NotImplementedError  # read, never called
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: Fused(num_heads=4), (8, 8 ** -0.5)),
+    (lambda: Fused(num_heads=4, head_dim=8, scale=0.25), (8, 0.25)),
+    (lambda: Fused(num_heads=4, scale=0.0), (8, 8 ** -0.5)),
+    (lambda: Fused(num_heads=4, proj=False), None),
+    (lambda: Fused(num_heads=4, width=90), "qkv gives 90 features, not 3 x 4 heads x 7"),
+    (lambda: Fused(), "a fused qkv projection but no number of heads"),
+], ids=["head width from the rows", "own scale", "zero scale", "no output projection", "rows", "no heads"])
+def test_what_the_fused_qkv_recogniser_reads(make, expected):
+    """fused_qkv(): the head width from head_dim, else the rows / (3 x heads); the scale a positive float `scale`,
+    else 1/sqrt(d); no output projection: not recognised."""
+    found = recognise(make())
+    if expected is None or isinstance(expected, str):
+        assert found == expected if expected is None else (isinstance(found, str) and expected in found), found
+    else:
+        assert isinstance(found, Projections) and (found.head_dim, found.scale) == pytest.approx(expected), found
+
+
+def test_the_output_of_a_call_is_the_tensor_or_a_tuples_first_tensor():
+    from diagnostics._projections import _first
+
+    t = torch.ones(2)
+    assert _first(t) is t and _first((t, None)) is t and _first([t]) is t
+    for other in ((), ("a", t), 3):
+        with pytest.raises(NotApplicable, match="not a tensor or a tuple starting with one"):
+            _first(other)
+
+
+def test_a_calls_keyword_arguments_are_bound_by_name_through_kwargs():
+    from diagnostics._projections import bind
+
+    class TakesKwargs(nn.Module):
+        def forward(self, hidden_states, config=None, **kwargs):
+            return hidden_states
+
+    x, m = torch.ones(1), torch.zeros(1)
+    assert bind(TakesKwargs(), (x,), {"attention_mask": m}) == {"hidden_states": x, "attention_mask": m}
+    assert bind(TakesKwargs(), (x,), {}) == {"hidden_states": x}
+    assert bind(TakesKwargs(), (x, {"a": 1}), {}) == {"hidden_states": x, "config": {"a": 1}}
