@@ -28,8 +28,9 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
-`_thresholds.py` and the model wing's detectors and judgements (every public module of `diagnostics/model/`, and
-every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
+`_thresholds.py`, `_projections.py` (the recompute from a layer's own weights that own_weights compares its output
+with: a mutant there moves that detector's verdicts) and the model wing's detectors and judgements (every public
+module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
 `_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
 and in its sample. Left out, by design: the localisers (functions named `*_sites`,
 `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
@@ -48,14 +49,17 @@ repository's files are never touched), and its module's test selection (TESTS: t
 module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
 Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
 selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
-(counted as killed, listed apart), *timeout* past --timeout (counted as killed, listed apart), *survived* when they
-pass. The score is killed / (total - equivalent); a survivor leaves the denominator only when EQUIVALENT names it
+(counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is undecided, not
+a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path, a loaded
+machine), so timeouts leave the score's denominator, are listed apart with the score they would give counted as
+kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter machine). The
+score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when EQUIVALENT names it
 with the reason, after it was checked by hand to change no verdict.
 
 Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
 on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
 test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
-mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors,
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and timeouts),
 matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
 
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
@@ -104,7 +108,8 @@ def _committed(path: str) -> bytes:
 
 def _listed(folder: str) -> list[str]:
     """The .py files of a package folder in the committed tree (REVISION), by name, without __init__.py."""
-    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, f"{PACKAGE}/{folder}/"], cwd=ROOT,
+    where = f"{PACKAGE}/{folder}/" if folder else f"{PACKAGE}/"
+    listed = subprocess.run(["git", "ls-tree", "--name-only", REVISION, where], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
     return sorted(Path(p).name for p in listed if p.endswith(".py") and not p.endswith("__init__.py"))
 
@@ -120,7 +125,9 @@ def _files() -> tuple[str, ...]:
     detectors) and its private ones that judge (JUDGES): read from the committed tree, so that a module added later
     is mutated and sampled without being listed here."""
     model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
-    return (("_core.py", "_thresholds.py") + tuple(f"detectors/{n}" for n in _listed("detectors"))
+    top = set(_listed(""))  # _projections.py is younger than some revisions a run may be asked to measure
+    return (tuple(n for n in ("_core.py", "_thresholds.py", "_projections.py") if n in top)
+            + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
 
@@ -137,6 +144,9 @@ FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_path
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
     "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
+    "detectors/own_weights.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "_projections.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/masking.py": FAST + ["tests/test_mask_controls.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
@@ -171,6 +181,12 @@ _FLOOR_OF_ZERO = (
     "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
     "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
     "(1.4e-45), and in float64 no model with finite non-zero weights gets there (checked by hand)")
+_SAME_SCALE = (
+    "equivalent in practice: the bar only skips a candidate scale equal to the layer's own. A candidate within 1e-8 "
+    "(x10) or 1e-10 (x0.1) of it, relative, recomputes the reference to within about 1e-8 x the logits' spread of "
+    "the output's RMS, so it is never 10x closer than the reference to an output the reference misses by more than "
+    "the allowed error (>= 1e-5, the float32 and float64 floor): tried or skipped, it names nothing (checked by hand: "
+    "the candidates are 1, 1/d, 1/sqrt(H d), the own scale squared and sqrt(d))")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
@@ -231,6 +247,42 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
         "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
         "which it is: `<` and `<=` give the same sizes"),
+    "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "_projections.py:_four_d:L*:Gt->GtE": (
+        "bias.shape[0] == B * H and H > 1", "at H = 1 the two branches agree: a (B, Tq, Tk) mask viewed as "
+        "(B, 1, Tq, Tk) is the same tensor as unsqueeze(1) (checked by hand)"),
+    "detectors/own_weights.py:_close:L*:and->or": (
+        ("if change is not None and change.numel() else", "if ref is not None and ref.numel() else"),
+        "both operands are always true: the scale is baseline_scale(golden) or 1.0, an RMS of the finite values (never "
+        "NaN) or 1.0, so relative_change never returns None, and the probe's outputs are never empty (B = 2, T >= 1)"),
+    "detectors/own_weights.py:_find:L*:or->and": (
+        'path.startswith(p + ".") or p == "" and path', "equivalent in practice: only skips children of an identified "
+        "module, which are its projections and norms (nn.Linear, LayerNorm, RMSNorm, out_proj); no recogniser "
+        "identifies one of those (each needs q/k/v projections of its own, a qkv and an output projection, or is "
+        "nn.MultiheadAttention, whose modules a recognised module uses all of), so not skipping them finds nothing"),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt": (("if err <= allowed:", "<= 1e-9 * p.scale:",
+                                                     "if e <= allowed and e <= err / 10:"), _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt#2": ("if e <= allowed and e <= err / 10:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:check_own_weights:L*:Gt->GtE": (
+        "err / allowed > worst[0] / (worst[1] or 1.0)", "differs only where two modules' error / allowed are exactly "
+        "equal (then which of them the value reports, not the verdict); with one module the first reading is > 0 and "
+        ">= 0 alike unless it is exactly 0"),
+    "detectors/own_weights.py:check_own_weights:L*:x10": (
+        "(worst[1] or 1.0)", "worst[1] is 0 only at the start, (0.0, 0.0), where worst[0] is 0 too: 0 / 1, 0 / 10 and "
+        "0 / 0.1 are all 0 (every allowed error is > 0: the floor)"),
+    "detectors/own_weights.py:check_own_weights:L*:x0.1": (
+        "(worst[1] or 1.0)", "worst[1] is 0 only at the start, (0.0, 0.0), where worst[0] is 0 too: 0 / 1, 0 / 10 and "
+        "0 / 0.1 are all 0 (every allowed error is > 0: the floor)"),
+    "detectors/own_weights.py:_judge:L*:or->and": (
+        "p.heads == p.kv_heads or step == STEPS[3]", "the two skips save a recompute only: with as many key/value "
+        "heads as query heads the wrong-order step repeats nothing, and without an output projection the skipped-"
+        "projection step returns the reference's output, so either recompute IS the reference: e equals err, never "
+        "at most err / 10, and nothing is named (checked in _projections.attend)"),
+    "detectors/own_weights.py:_judge:L*:Lt->LtE": (
+        "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
+        "the output by exactly the same greatest error (two different float computations: checked by hand that only "
+        "the mask named in the evidence would change, never the verdict, which reads that error)"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
         "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
@@ -259,6 +311,10 @@ class Mutant:
     start: int = field(default=0, repr=False)  # byte offsets of the replaced span in the file
     end: int = field(default=0, repr=False)
     replacement: str = field(default="", repr=False)
+
+
+KILLED = ("killed", "error")
+"""The outcomes that count as kills: the tests failed, or could not be collected. A timeout is undecided."""
 
 
 @dataclass
@@ -638,15 +694,17 @@ def unmatched_marks(mutants: list[Mutant]) -> list[str]:
 
 def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str]) -> tuple[str, dict]:
     status = {o.id: o.status for o in outcomes}
-    rows = defaultdict(lambda: [0, 0, 0])
+    rows = defaultdict(lambda: [0, 0, 0, 0])
     for m in mutants:
         row = rows[m.file]
         row[1] += 1
-        row[0] += status[m.id] != "survived"
+        row[0] += status[m.id] in KILLED
         row[2] += status[m.id] == "survived" and m.id in marked
-    lines = [f"{'module':28s} killed / non-equivalent (equivalent)"]
-    for f, (k, t, e) in rows.items():
-        lines.append(f"{f:28s} {k:3d} / {t - e:3d}" + (f"  ({e})" if e else ""))
+        row[3] += status[m.id] == "timeout"
+    lines = [f"{'module':28s} killed / non-equivalent decided (equivalent, timed out)"]
+    for f, (k, t, e, o) in rows.items():
+        lines.append(f"{f:28s} {k:3d} / {t - e - o:3d}" + (f"  ({e} equivalent)" if e else "")
+                     + (f"  ({o} timed out)" if o else ""))
     by_id = {m.id: m for m in mutants}
     survivors = [o for o in outcomes if o.status == "survived"]
     lines.append("")
@@ -655,22 +713,29 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
         m = by_id[o.id]
         note = f"  [equivalent: {marked[o.id]}]" if o.id in marked else ""
         lines.append(f"  {o.id}{note}\n      {m.code}")
-    for kind in ("error", "timeout"):
-        listed = [o for o in outcomes if o.status == kind]
-        if listed:
-            lines.append(f"{kind} (counted as killed): " + ", ".join(o.id for o in listed))
-    killed = sum(o.status != "survived" for o in outcomes)
+    errors = [o for o in outcomes if o.status == "error"]
+    if errors:
+        lines.append("error (counted as killed: the tests could not run): " + ", ".join(o.id for o in errors))
+    timeouts = [o for o in outcomes if o.status == "timeout"]
+    if timeouts:
+        lines.append(f"timeout ({len(timeouts)}, undecided: not in the score; rerun with --survivors-of and a longer "
+                     "--timeout):" + "".join(f"\n  {o.id}\n      {by_id[o.id].code}" for o in timeouts))
+    killed = sum(o.status in KILLED for o in outcomes)
     total = len(outcomes)
     equivalent = sum(1 for o in survivors if o.id in marked)
-    counted = total - equivalent
+    counted = total - equivalent - len(timeouts)
     score = killed / counted if counted else float("nan")
     kinds = Counter(by_id[o.id].kind for o in outcomes)
     lines.append("")
-    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status != 'survived')}"
+    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}"
                                          f"/{n}" for k, n in sorted(kinds.items())))
-    lines.append(f"mutation score: {killed} / {counted} non-equivalent mutants killed = {100 * score:.1f}%"
-                 + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else ""))
+    lines.append(f"mutation score: {killed} / {counted} non-equivalent decided mutants killed = {100 * score:.1f}%"
+                 + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else "")
+                 + (f"; {len(timeouts)} timed out, not counted (as kills: {killed + len(timeouts)} / "
+                    f"{counted + len(timeouts)} = {100 * (killed + len(timeouts)) / (counted + len(timeouts)):.1f}%)"
+                    if timeouts else ""))
     summary = dict(killed=killed, total=total, equivalent=sorted(o.id for o in survivors if o.id in marked),
+                   timeout=sorted(o.id for o in timeouts),
                    score=score, counts={s: sum(o.status == s for o in outcomes)
                                         for s in ("killed", "error", "timeout", "survived")})
     return "\n".join(lines), summary
@@ -700,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only mutants of the modules whose committed source differs from REV's (git diff REV "
                              "REVISION): a change's own modules, e.g. --changed-since main")
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
-                        help="only the mutants that survived in this earlier --json output (after tests were added)")
+                        help="only the mutants that survived or timed out in this earlier --json output (after "
+                             "tests were added)")
     parser.add_argument("--knobs", action="store_true",
                         help="mutate the constants marked `# knob:` too (to check that they change no verdict)")
     parser.add_argument("--tests", nargs="+", metavar="FILE",
@@ -724,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     mutants = everything if chosen else sample(everything, args.per_module, args.seed)
     if args.survivors_of:
         earlier = json.loads(args.survivors_of.read_text())
-        alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] == "survived"}
+        alive = {_key(m["id"], m["code"]) for m in earlier["mutants"] if m["status"] in ("survived", "timeout")}
         mutants = [m for m in mutants if _key(m.id, m.code) in alive]  # matched by code: lines may have moved
     if args.only:
         mutants = [m for m in mutants if any(text in m.id for text in args.only)]

@@ -688,3 +688,163 @@ def test_eval_determinism_reads_batch_independences_second_call_where_sequence_0
 
     mixed = verdict(mixes_the_batch, "eval_determinism")
     assert mixed.verdict == "pass" and "batch_independence's" not in mixed.evidence, mixed
+
+
+# ---- seed 777's survivors: batch_independence, mask_honoured, fully_masked_rows, output_variance -------------------
+
+
+class RaisesUnderGrad(OneStream):
+    """OneStream, raising where grad mode is on (`raises`): the standard probe's call (observed, under grad mode)
+    raises, batch_independence's seeded second call does not."""
+
+    def __init__(self, raises=True):
+        super().__init__()
+        self.raises = raises
+
+    def forward(self, x, mask=None):
+        if self.raises and torch.is_grad_enabled():
+            raise RuntimeError("no grad mode here")
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_batch_independence_is_not_run_when_the_standard_probe_raised_and_judged_when_it_did_not(raises):
+    """check_batch_independence's first guard (`not standard.ok`): without it the check would go on to the second
+    call, which runs, and read an output the standard probe never gave."""
+    found = verdict(RaisesUnderGrad(raises), "batch_independence")
+    if raises:
+        assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
+                                                          "(RuntimeError: no grad mode here); see `runs`"), found
+    else:
+        assert found.verdict == "pass", found
+
+
+def test_batch_independence_skips_an_output_whose_first_axis_is_not_the_batch_and_judges_one_whose_is():
+    """check_batch_independence's shape guard, `old.shape != new.shape or old.shape[0] != B`: the two calls' outputs
+    have one shape (16, 2, 2, 8), whose first axis is the time, not the batch of 2: skipped (with `and`, judged along
+    the wrong axis); its twin, the same output untransposed, passes."""
+
+    def time_first(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)  # (B, H, T, d)
+        return out.transpose(0, 2), weights  # (T, H, B, d)
+
+    skipped = verdict(time_first, "batch_independence")
+    assert (skipped.verdict, skipped.message) == ("skip", "not measured: the output (16, 2, 2, 8) does not keep the "
+                                                          "batch"), skipped
+    assert verdict(attention, "batch_independence").verdict == "pass"
+
+
+def own_window(W: int, *, honours_mask: bool = True):
+    """The reference under its own window (|i - j| < W) as well as the mask it is passed (`honours_mask`), or in place
+    of it: key 0 is out of reach of the queries from t = W on, though the padding mask lets them attend it."""
+
+    def layer(q, k, v, mask=None):
+        i, j = torch.arange(q.shape[-2]).unsqueeze(-1), torch.arange(k.shape[-2])
+        window = (i - j).abs() < W  # (Tq, Tk)
+        allowed = window if mask is None or not honours_mask else mask & window
+        return attention(q, k, v, allowed=lambda t_q, t_k: allowed)
+
+    return layer
+
+
+@pytest.mark.parametrize("honours_mask", [True, False])
+def test_mask_honoured_passes_a_layer_whose_own_window_keeps_some_queries_from_key_0_and_fails_it_maskless(
+        honours_mask):
+    """allowed_key_reading: the control (key 0 changed alone) reads as moved where ANY row that may attend key 0
+    moved. A layer with a window of its own (W = 4) moves the rows t < 4 only: with `.all()` the control reads as not
+    moved, and the padding mask looks backwards (a fail). Its twin ignores the mask (the window alone): it fails
+    because blocked keys move outputs."""
+    found = verdict(own_window(4, honours_mask=honours_mask), "mask_honoured")
+    if honours_mask:
+        assert found.verdict == "pass", found
+    else:
+        assert found.verdict == "fail" and found.message.startswith("outputs depend on keys the mask blocks"), found
+
+
+def test_fully_masked_rows_warns_with_the_one_empty_row_as_its_value_and_fails_nan_beyond_it():
+    """check_fully_masked_rows' warning: a plain softmax gives NaN in the one query with no key (b=0, t=8), value 1.0
+    over a threshold of 0.0; the twin whose mask reaches the output after the softmax fails."""
+    warned = verdict(attention, "fully_masked_rows")
+    assert (warned.verdict, warned.value, warned.threshold) == ("warn", 1.0, 0.0), warned
+
+    def after_softmax(q, k, v, mask=None):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        weights = scores.softmax(-1)
+        weights = weights if mask is None else weights.masked_fill(~mask, float("-inf"))  # the bug
+        return weights @ v, weights
+
+    failed = verdict(after_softmax, "fully_masked_rows")
+    assert failed.verdict == "fail" and failed.message == "NaN spreads beyond the query whose every key is masked"
+
+
+class ShortRaises(OneStream):
+    """OneStream raising on a call of one token (`raises`), as a layer that needs two to build its positions might."""
+
+    def __init__(self, raises=True):
+        super().__init__()
+        self.raises = raises
+
+    def forward(self, x, mask=None):
+        if self.raises and x.shape[1] < 2:
+            raise ValueError("needs at least 2 tokens")
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_output_variance_is_not_run_when_its_one_token_call_raised_and_judged_when_it_did_not(raises):
+    """check_output_variance's guard on its two calls (`for c in (call, reference): if not c.ok`): the identical
+    tokens run, the one token alone raises: not run, with the error (without the guard, its missing output raised)."""
+    found = verdict(ShortRaises(raises), "output_variance")
+    if raises:
+        assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
+                                                          "(ValueError: needs at least 2 tokens); see `runs`"), found
+    else:
+        assert found.verdict == "pass", found
+
+
+class Residual(nn.Module):
+    """x + attention(x): a block whose output carries each query; `variant`: the attention of buggy_variants."""
+
+    def __init__(self, variant=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads = 16, 2
+        self.attn = (VARIANTS[variant].cls if variant else MultiHeadAttention)(16, 2)
+
+    def forward(self, x, mask=None):
+        out, _ = self.attn(x, x, x, mask)
+        return x + out
+
+
+@pytest.mark.parametrize("variant", [None, "no_softmax"])
+def test_output_variance_judges_a_residual_block_on_its_attentions_output(variant):
+    """_judged_inside: a residual block's output differs between identical tokens by the query it carries; its
+    attention's own output (the add's operand) is compared with that for one token alone, when the two operands
+    have the same batch and width (`alone.inner.shape[::2] != block.inner.shape[::2]`: otherwise the output's fail
+    stands). The correct attention passes; without a softmax it fails inside the block."""
+    found = verdict(Residual(variant), "output_variance")
+    if variant is None:
+        assert (found.verdict, found.message) == ("pass", "identical value rows come out unchanged"), found
+    else:
+        assert found.verdict == "fail" and found.message.startswith("the attention inside the block does not output "
+                                                                    "a convex combination of the values"), found
+
+
+def test_future_leakage_reads_a_padding_mask_once_for_a_function_and_once_for_a_module():
+    """padded_cut_cases: a causal audit's cut under the padding mask is one of the stack's cases for a module, and
+    not for a function (`form == "function"`), which future_leakage probes in its own call: one reading each."""
+    for layer in (attention, OneStream()):
+        found = verdict(layer, "future_leakage", causal=True)
+        assert found.verdict == "pass" and found.evidence.count("a padding mask:") == 1, found.evidence
+
+
+def test_undeclared_causality_is_not_run_when_the_standard_probe_raised():
+    """check_undeclared_causality's first guard (`not base.ok`): otherwise it reads no weights and says so."""
+
+    def raises(q, k, v, mask=None):
+        raise RuntimeError("always")
+
+    found = verdict(raises, "undeclared_causality")
+    assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
+                                                      "(RuntimeError: always); see `runs`"), found
+    assert verdict(attention, "undeclared_causality").verdict == "pass"
