@@ -302,14 +302,16 @@ def test_a_q_norm_alone_is_read():
 @pytest.mark.parametrize("args, expected", [
     ({"position_embeddings": (torch.ones(1, 4, 8), torch.zeros(1, 4, 8))}, "rotary tables from the call's"),
     ({"position_embeddings": [torch.ones(1, 4, 8), torch.zeros(1, 4, 8)]}, "no (cos, sin) pair"),
-    ({"position_embeddings": (torch.ones(1, 4, 4), torch.zeros(1, 4, 4))}, "rotary tables of width 4, not the head"),
+    ({"position_embeddings": (torch.ones(1, 4, 4), torch.zeros(1, 4, 4))}, "rotary tables from the call's"),
+    ({"position_embeddings": (torch.ones(1, 4, 16), torch.zeros(1, 4, 16))}, "rotary tables of width 16, not at most"),
     ({"position_ids": torch.arange(4)[None]}, "the call passes positions the module turns into rotary tables"),
     ({"position_ids": None}, ()),
     ({}, ()),
-], ids=["tables", "a list", "partial width", "position ids", "no position ids", "nothing"])
+], ids=["tables", "a list", "partial width", "wider than a head", "position ids", "no position ids", "nothing"])
 def test_a_calls_rotary_tables_are_read_as_llamas_and_others_refused(args, expected):
-    """inputs(): (cos, sin) of the head width, applied by the module's own apply_rotary_pos_emb; another form, a
-    partial width, or positions the module makes tables of itself: not applicable."""
+    """inputs(): (cos, sin) of at most the head width (a partial rotary is left to the module's own
+    apply_rotary_pos_emb, which keeps the rest of each head), applied by that function; another form, tables wider
+    than a head, or positions the module makes tables of itself: not applicable."""
     p = recognise(HF(num_heads=4, head_dim=8))
     x = torch.randn(1, 4, 32)
     if isinstance(expected, str) and not expected.startswith("rotary tables from"):
