@@ -235,6 +235,24 @@ def test_data_parallel_beside_context_parallel_passes_at_4_ranks_as_2_by_2():
     assert result.verdict == "pass" and result.value is not None, str(report)  # measured (0 here)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("W, dp", [(2, 1), (4, 1), (4, 2), (4, 4)])
+def test_the_rank_an_evidence_names_for_a_token_is_the_rank_that_holds_it(layout, W, dp):
+    """`holder` inverts `piece`: the rank named for token t of sequence b (sharded_output's and sharded_causality's
+    evidence) is the one rank whose piece holds it; with data parallelism, the replica's rank, not the context rank
+    (the two differ for every sequence of a replica other than the first)."""
+    from diagnostics.distributed._context import ShardedContext
+    B, T = 4, 8
+    ctx = ShardedContext(layer=None, golden_layer=None, takes="shard", layout=layout, causal=True,
+                         dtype=torch.float32, num_heads=None, world_sizes=(W,), seq_len=T, batch=B, seed=0, cuts=(),
+                         data_parallel=dp)
+    held = {(b, p): r for r in range(W) for rows, positions in [ctx.piece(r, W, T)]
+            for b in range(*rows.indices(B)) for p in positions.tolist()}
+    assert len(held) == B * T, held  # every token held once
+    named = {(b, p): ctx.holder(b, p, T, W) for b in range(B) for p in range(T)}
+    assert named == held
+
+
 class Disagreeing(cs.HeadParallelAttention):
     """Rank r's output nudged by r x 1e-3 of a unit: what a replica drawing from its own stream returns."""
 

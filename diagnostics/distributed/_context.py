@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._registry import Need
-from ..model._tolerance import Golden, scale_of
+from ..model._tolerance import Golden
 from .layouts import rank_of_positions, shard_positions
 
 FORWARD, BACKWARD, TRAIN, LARGE, UNEVEN = "forward", "backward", "train_mode", "large_logits", "uneven_length"
@@ -134,6 +134,13 @@ class ShardedContext:
     def owners(self, t: int, W: int) -> Tensor:
         """(T,) the rank that holds each position in the declared layout (its context rank, with data parallel)."""
         return rank_of_positions(self.layout, t, W // self.data_parallel)
+
+    def holder(self, row: int, position: int, t: int, W: int) -> int:
+        """The rank of W that holds token `position` of the job input's sequence `row` (of length t): its replica's
+        (row % data_parallel, as `piece` deals them) context rank for that position; without data parallelism, the
+        context rank itself."""
+        cp = W // self.data_parallel
+        return (row % self.data_parallel) * cp + int(self.owners(t, W)[position])
 
 
 def _applies(takes: str):

@@ -51,7 +51,7 @@ def parity(ctx, job: str, W: int, test: Tensor, *, rows: slice = slice(None), wh
     bad = per_token > allowed
     flat = int(per_token.argmax())
     b, t = divmod(flat, per_token.shape[1])
-    owner = int(ctx.owners(per_token.shape[1], W)[t])
+    owner = ctx.holder(range(*rows.indices(ref.same.shape[0]))[b], t, per_token.shape[1], W)
     evidence = (f"{W} ranks: {int(bad.sum())} / {bad.numel()} {what} off ({100 * float(bad.float().mean()):.1f}%); "
                 f"greatest error {err:.3g} of the {what}' RMS at (b={b}, t={t}), a token of rank {owner} "
                 + (f"(allowed {allowed:.2g}: {rule:g} x the unsharded layer's own error against its float64 copy + a "

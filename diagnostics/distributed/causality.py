@@ -33,7 +33,6 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
             continue
         base = out[:B]
         scale = scale_of(base)
-        owner = ctx.owners(out.shape[1], W)
         bad_here = 0
         for i, c in enumerate(ctx.cuts, start=1):
             change = token_errors(out[i * B:(i + 1) * B], base, scale)  # (B, T)
@@ -43,7 +42,7 @@ def check_sharded_causality(ctx: ShardedContext) -> DetectorResult:
             if float(past.max()) > worst:
                 flat = int(past.argmax())
                 b, t = divmod(flat, past.shape[1])
-                worst, where = float(past.max()), (W, c, b, t, int(owner[t]))
+                worst, where = float(past.max()), (W, c, b, t, ctx.holder(i * B + b, t, out.shape[1], W))
             moved_own = moved_own and bool((change[:, c + 1:] > tol).any())
         bad += bad_here
         lines.append(f"{W} ranks: {bad_here} past outputs moved")
