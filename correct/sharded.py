@@ -393,7 +393,8 @@ class HeadParallelAttention(_Sharded):
             mine["qkv.bias"] = (self.qkv_bias, (0, self.qkv_rows()))
         if self.out_bias is not None:
             mine["out.bias"] = (self.out_bias, REPLICATED)  # after the sum: every rank the whole gradient
-        return mine
+        # with output dropout, the unsharded layer is OutputDropout(layer, p), which holds the layer as `.layer`
+        return {f"layer.{name}": how for name, how in mine.items()} if self.output_dropout else mine
 
     def output_projection(self, x: Tensor) -> Tensor:
         partial = x @ self.out_weight.T  # (B, T, D/W) x (D/W, D) -> (B, T, D): my heads' part of the sum

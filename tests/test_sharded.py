@@ -253,6 +253,21 @@ def test_the_rank_an_evidence_names_for_a_token_is_the_rank_that_holds_it(layout
     assert named == held
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["plain", "output dropout"])
+def test_head_parallel_maps_its_parameters_onto_the_unsharded_layer_it_computes(p):
+    """With output dropout the unsharded layer is OutputDropout(layer, p), its parameters under `layer.`: the form's
+    mapping names them so, and every gradient is compared (it named them without the prefix, and none was)."""
+    layer = cs.OutputDropout(reference_layer(False), p) if p else reference_layer(False)
+    factory = lambda given, rank, world_size, group: cs.HeadParallelAttention(  # noqa: E731
+        given.layer if p else given, group, output_dropout=p)
+    report = audit_sharded(layer, factory, takes="full", world_sizes=(2,),
+                           detectors=["sharded_runs", "sharded_gradients"])
+    result = report.result("sharded_gradients")
+    assert result.verdict == "pass" and "every parameter's" in result.message, str(report)
+    assert "4 parameters' gradients compared" in result.evidence and "not compared" not in result.evidence, \
+        result.evidence
+
+
 class Disagreeing(cs.HeadParallelAttention):
     """Rank r's output nudged by r x 1e-3 of a unit: what a replica drawing from its own stream returns."""
 
