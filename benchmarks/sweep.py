@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -85,6 +85,7 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
 }
+KNOWN.update(__import__("sweep_diffusers").KNOWN)  # diffusers' own, keyed by the row names of its sweep
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Row:
     causal: str = ""
     bugs: dict = field(default_factory=dict)  # bug -> "caught", "missed: ...", "elsewhere: ..."
     own_weights: dict = field(default_factory=dict)  # layer -> own_weights' verdict (and why, where not "pass")
+    declared: str = ""  # a layer audit's named declaration and the status it gave with it (diffusers)
     seconds: float = 0.0
 
 
@@ -352,7 +354,23 @@ def run_timm(name: str, *, bugs: bool) -> Row:
     return row
 
 
-LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (timm_types, run_timm)}
+# ---- diffusers: every attention class and processor, the layer audit (benchmarks/sweep_diffusers.py) ------------
+
+
+def diffusers_types() -> list[str]:
+    from sweep_diffusers import diffusers_types as types
+
+    return types()
+
+
+def run_diffusers(name: str, *, bugs: bool) -> Row:
+    from sweep_diffusers import run
+
+    return run(Row(name), bugs=bugs, injected=BUGS, mask_bugs=MASK_BUGS)
+
+
+LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (timm_types, run_timm),
+             "diffusers": (diffusers_types, run_diffusers)}
 
 
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
@@ -471,6 +489,7 @@ def table(rows: list[Row]) -> str:
         if r.bugs:
             bugs = " | " + ", ".join(f"{b}: {v}" for b, v in r.bugs.items())
         detail = ", ".join(r.findings) if r.verdict == "failed" else r.why
+        detail = f"[with {r.declared}] {detail}" if r.declared else detail
         mark = " (KNOWN: " + KNOWN[r.model_type] + ")" if r.model_type in KNOWN and r.verdict == "failed" else ""
         out.append(f"{r.model_type:28} {r.cls[:44]:44} {r.verdict:13} {r.seconds:5.1f}  {detail[:160]}{mark}{bugs}")
     return "\n".join(out)

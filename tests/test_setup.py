@@ -1,8 +1,8 @@
 """The set-up as a new user meets it: CI runs the README's own commands first, then a slice that explores, then
-the `real` extra as the README gives it, then the `zoo` extra (pinned) and tests/test_zoo.py; where the real extra
-is installed, transformers' Llama classes and timm import in a fresh interpreter (no workaround of the tests' own);
-the minimum torch stated in the README is the one pyproject declares, no paragraph of the README and the docs/
-pages appears twice, their links resolve, the README stays a guide of a few hundred lines, the
+the `real` extra as the README gives it, then the `zoo` extra (pinned), tests/test_zoo.py and the diffusers sweep's
+tests; where the real extra is installed, transformers' Llama classes and timm import in a fresh interpreter (no
+workaround of the tests' own); the minimum torch stated in the README is the one pyproject declares, no paragraph of
+the README and the docs/ pages appears twice, their links resolve, the README stays a guide of a few hundred lines, the
 tests run under `--import-mode=importlib` (nothing is imported from a conftest), and a command line that names a
 test file runs in one process rather than on pytest-xdist's workers."""
 
@@ -50,7 +50,7 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     explore, extras = rest[:at], rest[at:]
     # the slow step: the tests marked slow (tests/test_pattern_matrix.py's full matrix), with the real extra installed
     assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest", "pytest -m slow",
-                      ZOO_INSTALL, "pytest tests/test_zoo.py"]
+                      ZOO_INSTALL, "pytest --slow tests/test_zoo.py tests/test_sweep_diffusers.py"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
     assert ZOO_INSTALL in README, "the zoo extra as the README gives it"
     runs = [command for command in explore if "pytest" in command]
@@ -73,8 +73,9 @@ def test_the_zoo_extra_pins_each_library_and_its_skip_says_how_to_install_it():
     assert [name for name, _ in pins] == ["x-transformers", "vit-pytorch", "openai-whisper", "open-clip-torch",
                                           "diffusers"], zoo
     assert len(pins) == zoo.count('"') // 2, f"every library pinned exactly: {zoo}"
-    test_zoo = (ROOT / "tests" / "test_zoo.py").read_text(encoding="utf-8")
-    assert f"pip install {REAL_PAIR}, then {ZOO_INSTALL}" in test_zoo, "the zoo's skips say how to install it"
+    for name in ("test_zoo.py", "test_sweep_diffusers.py"):
+        text = (ROOT / "tests" / name).read_text(encoding="utf-8")
+        assert f"pip install {REAL_PAIR}, then {ZOO_INSTALL}" in text, f"{name}'s skips say how to install the zoo"
 
 
 def test_the_explore_profile_draws_more_and_other_examples_than_the_default():

@@ -1,0 +1,157 @@
+"""benchmarks/sweep_diffusers.py: the diffusers sweep's bug injection, and the plain scripts behind its `KNOWN`.
+
+Default run: the replacement of torch's SDPA that injects the bugs computes SDPA itself with nothing broken (bool,
+additive and causal masks, one head a row, grouped heads) and each bug changes it. With diffusers (the zoo extra):
+each `KNOWN` failure confirmed by a plain script on the layer, no diagnostics, beside its twin where the same
+script finds nothing; and a fixed slice of the sweep itself (slow).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks")]
+import sweep_diffusers as sd  # noqa: E402
+
+ZOO = 'pip install torch==2.14.1 torchvision==0.29.1, then pip install -e ".[test,real,zoo]"'
+BUGS = ("missing_scale", "mask_ignored", "softmax_wrong_dim", "mask_after_softmax")
+
+
+def _qkv(gen, *shape, kv_heads=None):
+    q = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    kv_shape = shape if kv_heads is None else (shape[0], kv_heads, *shape[2:])
+    return q, torch.randn(*kv_shape, generator=gen, dtype=torch.float64), \
+        torch.randn(*kv_shape, generator=gen, dtype=torch.float64)
+
+
+def _masks(gen, B, T):
+    allowed = torch.rand(B, 1, T, T, generator=gen) > 0.3
+    allowed[..., 0] = True  # no row fully blocked
+    return {"bool": dict(attn_mask=allowed),
+            "additive": dict(attn_mask=torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(~allowed, -10000.0)),
+            "causal": dict(is_causal=True), "none": {}}
+
+
+@pytest.mark.parametrize("mask", ["bool", "additive", "causal", "none"])
+@pytest.mark.parametrize("layout", ["heads", "flat", "grouped"])
+def test_the_injection_with_nothing_broken_is_sdpa_and_each_bug_changes_it(mask, layout):
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 4, 6, 8
+    q, k, v = _qkv(gen, B, H, T, d, kv_heads=2 if layout == "grouped" else None)
+    kw = _masks(gen, B, T)[mask]
+    if layout == "grouped":
+        kw["enable_gqa"] = True
+    expected = F.scaled_dot_product_attention(q, k, v, **kw)
+    if layout == "flat":  # (B*H, T, d): what a processor that folds the heads into the batch passes
+        q, k, v = (x.reshape(B * H, T, d) for x in (q, k, v))
+        kw = {n: (x.repeat_interleave(H, 0)[:, 0] if n == "attn_mask" else x) for n, x in kw.items()}
+        expected = expected.reshape(B * H, T, d)
+    routed = sd._Routed("reference")
+    assert torch.allclose(routed(q, k, v, **kw), expected, atol=1e-12), "the reference is not SDPA"
+    assert routed.calls == 1 and routed.masked == (mask != "none")
+    for bug in BUGS:
+        if bug in ("mask_ignored", "mask_after_softmax") and mask == "none":
+            continue  # nothing to break: the sweep counts these as not applicable
+        broken = sd._Routed(bug)(q, k, v, **kw)
+        assert not torch.allclose(broken, expected, atol=1e-6), f"{bug} changed nothing"
+
+
+def test_the_replacement_is_undone_after_use():
+    before = F.scaled_dot_product_attention
+    with sd._Routed("missing_scale") as routed:
+        assert F.scaled_dot_product_attention is routed
+    assert F.scaled_dot_product_attention is before
+
+
+# ---- the plain scripts behind KNOWN (diffusers, no diagnostics) ---------------------------------------------------
+
+
+def _diffusers():
+    return pytest.importorskip("diffusers", reason=f"diffusers is not installed (the zoo extra): {ZOO}")
+
+
+def _hidden(seed=0, T=16):
+    return torch.randn(1, T, sd.D, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name, ignored", [
+    ("Attention+JointAttnProcessor2_0", True), ("Attention+AuraFlowAttnProcessor2_0", True),
+    ("Attention+SanaLinearAttnProcessor2_0", True), ("Attention+AttnProcessor2_0", False)])
+def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(name, ignored):
+    _diffusers()
+    assert (name in sd.KNOWN) is ignored
+    layer, x = sd.diffusers_build(name), _hidden()
+    allowed = torch.ones(1, 1, 16, 16, dtype=torch.bool)
+    allowed[..., 8:] = False  # the second half of the keys blocked for every query
+    mask = torch.zeros(1, 1, 16, 16).masked_fill(~allowed, float("-inf"))
+    with torch.no_grad():
+        plain, masked = layer(x), layer(x, attention_mask=mask)
+    assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
+
+
+@pytest.mark.parametrize("name", [n for n in sd.KNOWN if "pre_only" in sd.KNOWN[n]])
+def test_the_output_projection_is_dead_in_the_default_build_and_used_in_a_joint_one(name):
+    """Changing to_out leaves the default build's output unchanged (KNOWN); the twin, the class built with the
+    context projections and given encoder_hidden_states, is moved by it."""
+    _diffusers()
+    import importlib
+
+    module, cls_name = name.split(":")
+    cls = getattr(importlib.import_module(f"diffusers.models.{module}"), cls_name)
+    for joint in (False, True):
+        torch.manual_seed(0)
+        layer = sd.diffusers_build(name) if not joint else \
+            cls(query_dim=sd.D, heads=sd.HEADS, dim_head=sd.WIDTH, added_kv_proj_dim=sd.D).eval()
+        kw = {"encoder_hidden_states": _hidden(1, 8)} if joint else {}
+        with torch.no_grad():
+            before = layer(_hidden(), **kw)
+            before = before[0] if isinstance(before, tuple) else before
+            layer.to_out[0].weight.add_(1.0)
+            after = layer(_hidden(), **kw)
+            after = after[0] if isinstance(after, tuple) else after
+        assert torch.equal(before, after) is (not joint), (joint, float((before - after).abs().max()))
+
+
+@pytest.mark.parametrize("name, attends_padding", [
+    ("transformers.transformer_anyflow_far:AnyFlowAttention", True),
+    ("transformers.transformer_anyflow:AnyFlowAttention", False)])
+def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attended(name, attends_padding):
+    """Every token the same: a correct attention returns that token's value row, projected, at every position.
+    AnyFlow FAR's causal processor pads the keys and values with zeros to 128 tokens and, with no mask, attends
+    them; AnyFlow's own processor is the twin."""
+    _diffusers()
+    layer = sd.diffusers_build(name)
+    x = _hidden()[:, :1].expand(1, 16, sd.D)  # one token repeated: every value row the same
+    one = _hidden()[:, :1]
+    with torch.no_grad():
+        out, alone = layer(x), layer(one)  # a single token attends only itself (and any padding)
+    if attends_padding:
+        # 1 token beside 127 zero keys, 16 beside 112: the share of the zeros differs, so do the outputs
+        assert not torch.allclose(out, alone.expand_as(out), atol=1e-5), "the padding changed nothing"
+    else:
+        assert torch.allclose(out, alone.expand_as(out), atol=1e-5), float((out - alone).abs().max())
+
+
+@pytest.mark.slow
+def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs():
+    _diffusers()
+    sys.path[:0] = [str(ROOT / "tests")]
+    from sweep import BUGS as SWEEP_BUGS, MASK_BUGS, Row
+
+    rows = {name: sd.run(Row(name), bugs=True, injected=SWEEP_BUGS, mask_bugs=MASK_BUGS) for name in (
+        "Attention+AttnProcessor2_0", "Attention+AttnProcessor", "Attention+JointAttnProcessor2_0",
+        "transformers.transformer_wan:WanAttention")}
+    assert rows["Attention+AttnProcessor2_0"].verdict == "passed"
+    assert rows["Attention+AttnProcessor"].declared == "mask='additive:B,Tq,Tk': passed"
+    assert rows["Attention+JointAttnProcessor2_0"].verdict == "failed"
+    assert rows["Attention+JointAttnProcessor2_0"].findings == ["mask_honoured"]
+    wan = rows["transformers.transformer_wan:WanAttention"]
+    assert wan.verdict == "passed" and wan.bugs == dict.fromkeys(SWEEP_BUGS, "caught"), wan
+    sdpa = rows["Attention+AttnProcessor2_0"].bugs
+    assert all(sdpa[b] == "caught" for b in SWEEP_BUGS), sdpa
