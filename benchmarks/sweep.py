@@ -1,6 +1,6 @@
 """The model audit on a library's whole population: every model type it builds, audited zero-config.
 
-    python benchmarks/sweep.py {transformers,timm} [--sample N] [--seed S] [--only TYPE ...] [--limit N]
+    python benchmarks/sweep.py {transformers,timm,diffusers} [--sample N] [--seed S] [--only TYPE ...] [--limit N]
                                [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs] [--jobs N]
 
 Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
@@ -18,6 +18,9 @@ nn.Module named *Attention: read from the source, nothing built to filter), each
 the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way;
 one whose built modules hold no timm attention class is a row "no attention", not counted. No bug is injected
 in timm models yet (no interface like transformers' to route one layer through).
+
+`diffusers`: its attention layers, the layer audit (`diagnostics.audit`): every processor of attention_processor on
+its Attention and every *Attention class of diffusers.models; bugs through torch's SDPA (benchmarks/sweep_diffusers.py).
 
 Each model runs in a forked child with a time limit (`--timeout`, 240 s), `--jobs` of them at once (default: the
 number of cores), each on one torch thread; the parent alone writes the results. A model that hangs or takes the
