@@ -59,6 +59,8 @@ KNOWN = {  # row name -> why it fails: a problem of diffusers' own, confirmed by
         f"{DIFFUSERS}attention_processor.py:1434 the parameter, :1484 SDPA called without attn_mask"),
     "Attention+AuraFlowAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:2101 taken by **kwargs, :2154 SDPA called without attn_mask"),
+    "Attention+FusedAuraFlowAttnProcessor2_0": _MASK_UNUSED.format(
+        f"{DIFFUSERS}attention_processor.py:2195 taken by **kwargs, :2251 SDPA called without attn_mask"),
     "Attention+SanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read"),
     "transformers.transformer_anyflow_far:AnyFlowAttention":
@@ -241,14 +243,15 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
     try:
         report = diagnostics.audit(layer, progress=False)
         row.verdict, row.why = report.status, report.status_reason[:300]
-        row.findings = sorted({f.detector for f in report.findings})
+        row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})") for f in report.findings)
         declared = {}
         if report.status == "inconclusive" and report.declaration:
             declared = _declared(report)
             again = diagnostics.audit(diffusers_build(name), progress=False, **declared)
             row.declared = f"{report.declaration}: {again.status}"
             if again.status == "failed":
-                row.findings = sorted({f.detector for f in again.findings})
+                row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})")
+                                      for f in again.findings)
         passed = report.status == "passed" or row.declared.endswith(": passed")
         if bugs and passed:
             inject(row, declared, injected, mask_bugs)

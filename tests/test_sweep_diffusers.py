@@ -82,7 +82,8 @@ def _hidden(seed=0, T=16):
 
 @pytest.mark.parametrize("name, ignored", [
     ("Attention+JointAttnProcessor2_0", True), ("Attention+AuraFlowAttnProcessor2_0", True),
-    ("Attention+SanaLinearAttnProcessor2_0", True), ("Attention+AttnProcessor2_0", False)])
+    ("Attention+FusedAuraFlowAttnProcessor2_0", True), ("Attention+SanaLinearAttnProcessor2_0", True),
+    ("Attention+AttnProcessor2_0", False), ("Attention+FusedAttnProcessor2_0", False)])
 def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(name, ignored):
     _diffusers()
     assert (name in sd.KNOWN) is ignored

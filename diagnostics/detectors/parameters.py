@@ -14,6 +14,10 @@ A zero gradient is then confirmed by the forward pass itself: the zero-gradient 
 and the output compared. If it moves, the output does depend on them and their gradient is cut on its way (a
 `.detach()`: the `gradients` detector's finding, named in the evidence here); if it does not, they are unused.
 
+A whole parameter that is unused yet equal to a block of rows of a parameter that is used is a kept copy: the
+projections fused into one (to_qkv) and the originals kept to unfuse later (diffusers' `fuse_projections`). That is a
+warning naming where it is kept, not a failure (`kept_copy`); a projection left out has values of its own.
+
 One parameter is legitimately inert: the key bias. It adds `q_i · b_k` to every score of row i, a constant over
 the keys, which the softmax removes exactly. Its gradient is rounding noise in float64, rarely exactly zero, so
 it is not flagged; where a parameter's gradient is exactly zero, the check asks the same question directly
@@ -162,6 +166,23 @@ def _shift_inert(sub, name: str, qkv, allowed, gen: torch.Generator) -> bool:
     return moved
 
 
+def kept_copy(name: str, params: dict, unused: set) -> str:
+    """Where the whole parameter `name`, unused, is kept as a copy of a block of rows of a parameter that is used
+    ("rows 0-31 of to_qkv.weight"): the projections fused into one and the originals kept to unfuse later (diffusers'
+    `fuse_projections`), a design, not a projection left out. '' when no used parameter holds its values."""
+    kept = params[name]
+    for other, tensor in params.items():
+        if other in unused or other == name or tensor.dim() != kept.dim() or tensor.shape[1:] != kept.shape[1:] \
+                or tensor.shape[0] <= kept.shape[0] or tensor.shape[0] % kept.shape[0]:
+            continue
+        blocks = tensor.detach().split(kept.shape[0])  # a fused weight stacks its projections' rows
+        at = next((i for i, block in enumerate(blocks) if torch.equal(block, kept.detach())), None)
+        if at is not None:
+            rows = kept.shape[0]
+            return f"rows {at * rows}-{(at + 1) * rows - 1} of {other}"
+    return ""
+
+
 def _unpadded(probe: Probe, sub, inputs, params: dict) -> GradientProbe:
     """The gradient checks' forward and backward again, on their inputs without their padding mask (the audit's own
     masks only: causal, a pattern); the inputs' gradients are not taken (None)."""
@@ -286,8 +307,12 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             explained.append(name)
         else:
             unused.append((name, where))
+    whole = {name for name, where in unused if where == "everywhere"}
+    copies = {name: at for name in whole if (at := kept_copy(name, params, whole))}
+    unused = [(name, where) for name, where in unused if name not in copies]
     note = (f"; {', '.join(explained)}: zero gradient, and changing it shifts every row of the scores by a "
             f"constant, which the softmax removes exactly (a key bias is inert by design)" if explained else "")
+    kept = "; ".join(f"{name} is a copy of {at}" for name, at in sorted(copies.items()))
     if cut:
         note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
                  f"{'them' if len(cut) > 1 else 'it'} no gradient: it is cut on its way (see gradients)")
@@ -299,8 +324,19 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                       value=max(moved_by[n] for n, _ in unused), threshold=FORWARD_MOVES,
                       evidence=f"{listed}; changing those entries at random moved the output by at most "
                                f"{max(moved_by[n] for n, _ in unused):.2g} of its RMS (more than {FORWARD_MOVES:.0e} "
-                               f"would show a use; of {checked}){note}",
+                               f"would show a use; of {checked}){note}" + (f"; not used either, but kept copies: {kept}"
+                                                                            if kept else ""),
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
+    if copies:
+        return result(det, "warn", f"{', '.join(sorted(copies))} {'are' if len(copies) > 1 else 'is'} not used: kept "
+                                   f"beside the parameter {'they were' if len(copies) > 1 else 'it was'} fused into, "
+                                   f"which is used ({kept})",
+                      value=max(moved_by[n] for n in copies), threshold=FORWARD_MOVES,
+                      evidence=f"{kept}; each has a gradient of exactly 0 everywhere and changing it moved the output "
+                               f"by at most {max(moved_by[n] for n in copies):.2g} of its RMS; every other parameter "
+                               f"moves the output ({checked}){note}",
+                      fix="nothing to fix if the copies are kept on purpose (to unfuse later); otherwise delete them, "
+                          "or read the projection from them and drop the fused one")
     return result(det, "pass", f"every parameter moves the output ({checked})", value=None, threshold=FORWARD_MOVES,
                   evidence=f"every gradient of (out ** 2).sum() is non-zero, off the diagonal and on every row, or its "
                            f"zero part moves the output{note}")
