@@ -396,3 +396,67 @@ def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
     torch.manual_seed(0)
     misspelt = audit(MisspeltBias()).result("runs")
     assert misspelt.verdict == "fail" and [s.function for s in misspelt.where] == ["MisspeltBias.forward"]
+
+
+# ---- cause 3: bucketed local attention, whose weights are (windows, W, look-around) ------------------------
+class BucketedLocalAttention(nn.Module):
+    """Causal local attention over buckets of W tokens, each query seeing its own bucket and the one before it
+    (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over (B, windows, W, 2W)
+    scores, so no (Tq, Tk) weights are ever formed. `project`: an output projection after the weighted sum."""
+
+    def __init__(self, window: int = 4, project: bool = False):
+        super().__init__()
+        self.window = window
+        self.out = nn.Linear(16, 16) if project else nn.Identity()
+
+    def look_back(self, t):
+        """(B, n, W, ...) buckets -> (B, n, 2W, ...): the previous bucket (padding before the first), then this one."""
+        pad = F.pad(t, (0, 0) * (t.dim() - 2) + (1, 0), value=-1.0)  # (B, n + 1, W, ...)
+        return torch.cat([pad[:, :-1], pad[:, 1:]], dim=2)
+
+    def weights(self, dots, blocked):
+        return dots.masked_fill(blocked, float("-inf")).softmax(dim=-1)
+
+    def forward(self, q, k, v):
+        B, T, d = q.shape  # batch, sequence length, width
+        W = self.window
+        assert T % W == 0, f"sequence length {T} must be divisible by window size {W}"
+        n = T // W  # buckets
+        bq, bk, bv = (t.reshape(B, n, W, d) for t in (q, k, v))  # (B, n, W, d)
+        bk, bv = self.look_back(bk), self.look_back(bv)  # (B, n, 2W, d)
+        pos = torch.arange(T, dtype=q.dtype).reshape(1, n, W)  # each query's position
+        kpos = self.look_back(pos.unsqueeze(-1)).squeeze(-1)  # (1, n, 2W): each looked-at key's (-1: padding)
+        dots = torch.einsum("bnid,bnjd->bnij", bq, bk) / math.sqrt(d)  # (B, n, W, 2W)
+        blocked = (kpos[:, :, None, :] > pos[..., None]) | (kpos[:, :, None, :] < 0)  # the future, the padding
+        out = torch.einsum("bnij,bnjd->bnid", self.weights(dots, blocked), bv)  # (B, n, W, d)
+        return self.out(out.reshape(B, T, d))
+
+
+class BucketedMaskAfterSoftmax(BucketedLocalAttention):
+    """Its twin that blocks the future after the softmax: the rows no longer sum to 1."""
+
+    def weights(self, dots, blocked):
+        return dots.softmax(dim=-1).masked_fill(blocked, 0.0)
+
+
+def test_bucketed_local_attention_weights_are_read_through_the_values():
+    """local-attention 1.2.2 and 1.0.2 (benchmarks/pypi_bugs.py's fixed releases) were inconclusive: their weights,
+    (windows, W, look-around), were never measured. Read one key at a time through the values (the output is
+    linear in them), the correct layer's rows sum to 1 and it passes; its twin, masking after the softmax, fails
+    weight_row_sums on the same inputs. Both were inconclusive (weight_row_sums not measured) before."""
+    torch.manual_seed(0)
+    correct = audit(BucketedLocalAttention(), causal=True, d_model=16)
+    sums = correct.result("weight_row_sums")
+    assert sums.verdict == "pass" and "one key at a time" in sums.message, sums
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    buggy = audit(BucketedMaskAfterSoftmax(), causal=True, d_model=16)
+    assert buggy.result("weight_row_sums").verdict == "fail" and buggy.status == "failed", str(buggy)
+
+
+def test_pin_weights_are_not_read_through_values_a_projection_follows():
+    """The reading is taken only where the standard output is the read weights applied to the standard values: an
+    output projection after the weighted sum breaks that, and the weights stay unmeasured (a skip, never a fail)."""
+    torch.manual_seed(0)
+    sums = audit(BucketedLocalAttention(project=True), causal=True, d_model=16).result("weight_row_sums")
+    assert sums.verdict == "skip", sums
