@@ -25,10 +25,13 @@ implementation: only aten ops, their shapes and the declared mask.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import inspect
 import linecache
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -114,6 +117,7 @@ class Trace:
     record: object = None
     output: object = None
     error: BaseException | None = None
+    failed_ins: tuple = ()  # ids of the tensors the op that raised `error` was given (the innermost such op)
     alive: list = field(default_factory=list)
 
 
@@ -139,7 +143,14 @@ class Tracer(Observer):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         before = len(self.record.order)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except Exception:
+            if not self.trace.failed_ins:  # the innermost op that raised: what it was given, for `state_behind`
+                ins = [x for a in list(args) + list(kwargs.values()) for x in tensors(a)]
+                self.trace.failed_ins = tuple(id(x) for x in ins)
+                self.trace.alive.extend(ins)
+            raise
         try:
             self._op(func, args, kwargs, out, before)
         except Exception:  # tracing must never break the layer
@@ -387,9 +398,18 @@ def residual_add(trace: Trace, shape: tuple) -> Residual | None:
 
 def fill_pattern(op: Op, t_q: int, t_k: int) -> tuple[Tensor, int | None] | None:
     """(bool filled, index of the mask tensor's producer) of a masking op on (..., Tq, Tk) scores."""
-    name, a = op.short, op.args
     out = op.outs[0] if op.outs else None
     if out is None or out.dim() < 2 or tuple(out.shape[-2:]) != (t_q, t_k):
+        return None
+    return filled_by(op)
+
+
+def filled_by(op: Op) -> tuple[Tensor, int | None] | None:
+    """(bool filled, in the op's output shape, id of the mask tensor) of a masking op on scores of any layout: a
+    fill, a where, an added very negative mask, a product with a bool mask. None for any other op."""
+    name, a = op.short, op.args
+    out = op.outs[0] if op.outs else None
+    if out is None or out.dim() < 2:
         return None
     mask_arg = None
     if name in ("masked_fill", "masked_fill_") and len(a) >= 2 and isinstance(a[1], Tensor):
@@ -635,10 +655,39 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             matmul = qk_matmul(trace, end)
             start = matmul.index if matmul is not None else 0
             fix = CAUSAL_FIX if future else MASK_FIX
+            sites += empty_masks(trace, soft, what, made_by)
             sites += [replace(x, fix=fix) for x in did_nothing(trace, start, end, ("mask", "causal"))]
-            sites += [op_site(soft, f"no masking op reaches this softmax: it {what}", fix=fix),
+            sites += [op_site(soft, f"no masking op on (query, key) scores reaches this softmax: it {what}", fix=fix),
                       op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
+
+
+def empty_masks(trace: Trace, soft: Op | None, what: str, made_by) -> list[Site]:
+    """Masking ops on the scores `soft` reads, in a layout not read as (query, key) pairs (local attention's
+    buckets, (B, windows, W, look-around)), whose mask blocks nothing at all (all False), while the audit's pairs
+    are left open: the line that built that mask, then the op that applied it. Where a mask is combined from two
+    conditions with `&` where one of them alone should block (local-attention 1.2.1's `mask & too_far`), the result
+    is such an empty mask."""
+    if soft is None or not soft.args or not isinstance(soft.args[0], Tensor):
+        return []
+    sites, shape = [], tuple(soft.args[0].shape)
+    # the ops before the softmax on scores of its shape (not its ancestors: an in-place fill overwrites the
+    # scores' producer, so a chain of in-place fills shows only its last)
+    for op in trace.ops[:soft.index]:
+        if not op.outs or op.outs[0] is None or tuple(op.outs[0].shape) != shape:
+            continue
+        got = filled_by(op) if op.frames else None
+        if got is None or bool(got[0].any()):
+            continue
+        maker = made_by(got[1], op)
+        note = (f"the mask applied here, to scores of shape {tuple(op.outs[0].shape)}, blocks nothing (every entry "
+                f"False); the softmax {what}")
+        fix = ("the mask is the & of conditions that never hold together: to block where either holds, combine "
+               "them with | (blocked = a | b)" if maker is not None and maker.short in ("bitwise_and", "logical_and")
+               else "build the mask so that it blocks the pairs the softmax leaves open")
+        sites += [op_site(maker, "builds a mask that blocks nothing (all False), applied below", fix=fix)
+                  if maker is not None and maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
+    return sites
 
 
 def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
@@ -656,6 +705,52 @@ def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
         if p is not None:
             todo.extend(trace.ops[p].in_ids)
     return ""
+
+
+def state_behind(trace: Trace, tensor_id: int) -> str:
+    """The name of the layer's parameter or buffer a tensor of the call was computed from alone (no probe input
+    reaches it): its shape and values were fixed where the layer made it, not by the call. "" otherwise."""
+    if trace.sources.get(tensor_id) or tensor_id in trace.inputs:
+        return ""
+    return buffer_behind(trace, tensor_id)
+
+
+def made_at(layer: torch.nn.Module, name: str) -> tuple[str, int, str] | None:
+    """(file, line, function) where the layer's parameter or buffer `name` ("attn.mem_k") is made: the assignment
+    `self.mem_k = ...` (or `self.register_buffer("mem_k", ...)`) in its owner's `__init__`, read from the source of
+    the first class in the owner's MRO that has one. None where no such line is found."""
+    owner_path, _, attr = name.rpartition(".")
+    try:
+        owner = layer.get_submodule(owner_path) if owner_path else layer
+    except AttributeError:
+        return None
+    for cls in type(owner).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(init)
+            file = inspect.getsourcefile(init)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if file is not None and _makes(node, attr):
+                return file, start + node.lineno - 1, f"{cls.__qualname__}.__init__"
+    return None
+
+
+def _makes(node, attr: str) -> bool:
+    """`node` assigns self.<attr>, or registers it (register_buffer / register_parameter("<attr>", ...))."""
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                   and t.value.id == "self" for t in targets)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+            node.func.attr in ("register_buffer", "register_parameter") and node.args:
+        first = node.args[0]
+        return isinstance(first, ast.Constant) and first.value == attr
+    return False
 
 
 def short(op: Op) -> str:

@@ -400,8 +400,8 @@ def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
 
 # ---- cause 3: bucketed local attention, whose weights are (windows, W, look-around) ------------------------
 class BucketedLocalAttention(nn.Module):
-    """Causal local attention over buckets of W tokens, each query seeing its own bucket and the one before it
-    (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over (B, windows, W, 2W)
+    """Causal local attention over buckets of W tokens, each query seeing its own bucket and the one before it, W
+    keys back at most (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over (B, windows, W, 2W)
     scores, so no (Tq, Tk) weights are ever formed. `project`: an output projection after the weighted sum."""
 
     def __init__(self, window: int = 4, project: bool = False):
@@ -413,6 +413,12 @@ class BucketedLocalAttention(nn.Module):
         """(B, n, W, ...) buckets -> (B, n, 2W, ...): the previous bucket (padding before the first), then this one."""
         pad = F.pad(t, (0, 0) * (t.dim() - 2) + (1, 0), value=-1.0)  # (B, n + 1, W, ...)
         return torch.cat([pad[:, :-1], pad[:, 1:]], dim=2)
+
+    def blocked(self, pos, kpos):
+        """(1, n, W, 2W): True where a query may not attend a key: the future, and keys more than W back."""
+        future = kpos[:, :, None, :] > pos[..., None]
+        too_far = kpos[:, :, None, :] < pos[..., None] - self.window
+        return future | too_far
 
     def weights(self, dots, blocked):
         return dots.masked_fill(blocked, float("-inf")).softmax(dim=-1)
@@ -427,8 +433,8 @@ class BucketedLocalAttention(nn.Module):
         pos = torch.arange(T, dtype=q.dtype).reshape(1, n, W)  # each query's position
         kpos = self.look_back(pos.unsqueeze(-1)).squeeze(-1)  # (1, n, 2W): each looked-at key's (-1: padding)
         dots = torch.einsum("bnid,bnjd->bnij", bq, bk) / math.sqrt(d)  # (B, n, W, 2W)
-        blocked = (kpos[:, :, None, :] > pos[..., None]) | (kpos[:, :, None, :] < 0)  # the future, the padding
-        out = torch.einsum("bnij,bnjd->bnid", self.weights(dots, blocked), bv)  # (B, n, W, d)
+        dots = dots.masked_fill(kpos[:, :, None, :] < 0, float("-inf"))  # the padding before the first bucket
+        out = torch.einsum("bnij,bnjd->bnid", self.weights(dots, self.blocked(pos, kpos)), bv)  # (B, n, W, d)
         return self.out(out.reshape(B, T, d))
 
 
@@ -460,3 +466,80 @@ def test_pin_weights_are_not_read_through_values_a_projection_follows():
     torch.manual_seed(0)
     sums = audit(BucketedLocalAttention(project=True), causal=True, d_model=16).result("weight_row_sums")
     assert sums.verdict == "skip", sums
+
+
+# ---- cause 9: the line that made a parameter an op raised on, before the op ----------------------------------
+class MemoryKeys(nn.Module):
+    """Grouped-query attention with learned memory key/values prepended to every sequence's (x-transformers'
+    num_mem_kv with kv_heads): the memory is made in __init__ with one head per key/value head."""
+
+    def __init__(self, d_model: int = D, heads: int = H, kv_heads: int = 2, memory: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, d = heads, kv_heads, d_model // heads
+        self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * kv_heads * d)
+        self.out = nn.Linear(d_model, d_model)
+        self.mem_k = nn.Parameter(torch.randn(self.memory_heads(), memory, d))
+        self.mem_v = nn.Parameter(torch.randn(kv_heads, memory, d))
+
+    def memory_heads(self) -> int:
+        return self.kv_heads
+
+    def forward(self, x):
+        B = x.shape[0]
+        q = split(self.q(x), self.heads)  # (B, H, T, d)
+        k, v = (split(t, self.kv_heads) for t in self.kv(x).chunk(2, dim=-1))  # (B, G, T, d) each
+        k = torch.cat((self.mem_k.expand(B, -1, -1, -1), k), dim=-2)  # (B, G, M + T, d)
+        v = torch.cat((self.mem_v.expand(B, -1, -1, -1), v), dim=-2)
+        k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))  # (B, H, M + T, d)
+        return self.out(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+class MemoryKeysPerQueryHead(MemoryKeys):
+    """Its twin that makes the memory keys with one head per query head (x-transformers 1.27.7's bug)."""
+
+    def memory_heads(self) -> int:
+        return self.heads
+
+
+def test_a_parameter_made_in_init_that_an_op_raised_on_is_located_where_it_is_made():
+    """`runs` points first at the line of __init__ that made the parameter the raising op was given (computed from it
+    alone, beside the call's keys), then at the op: x-transformers 1.27.7 (pypi_bugs xtr_mem_kv_grouped_heads) raised
+    in torch.cat at line 900 and was fixed where mem_k is made (791); before, only the cat was shown. The correct twin,
+    with one memory head per key/value head, passes on the same inputs."""
+    torch.manual_seed(0)
+    correct = audit(MemoryKeys())
+    assert correct.result("runs").verdict == "pass" and correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    runs = audit(MemoryKeysPerQueryHead()).result("runs")
+    assert runs.verdict == "fail", runs
+    made, raised = runs.where[0], runs.where[1]
+    assert made.function == "MemoryKeys.__init__" and made.code.startswith("self.mem_k = nn.Parameter("), made
+    assert "self.mem_k, of shape (4, 2, 8)" in made.note and made.fix.startswith("make self.mem_k with the sizes")
+    assert raised.function == "MemoryKeys.forward" and raised.code.startswith("k = torch.cat(")
+
+
+class BucketedWindowAnd(BucketedLocalAttention):
+    """Its twin that combines the two conditions with & (local-attention 1.2.1's exact window): the mask blocks
+    nothing, and the future is attended."""
+
+    def blocked(self, pos, kpos):
+        future = kpos[:, :, None, :] > pos[..., None]
+        too_far = kpos[:, :, None, :] < pos[..., None] - self.window
+        return future & too_far
+
+
+def test_a_mask_on_bucketed_scores_that_blocks_nothing_is_located_where_it_is_built():
+    """The scores of bucketed local attention are (B, windows, W, look-around), so their masking ops are not read as
+    (query, key) pairs and future_leakage pointed at the softmax ("no masking op reaches it": pypi_bugs
+    local_exact_window_and, fixed at line 150, shown at 171). A mask there that blocks nothing at all is now shown
+    first at the line that built it (the `&`), then where it is applied; the correct twin passes on the same inputs."""
+    torch.manual_seed(0)
+    correct = audit(BucketedLocalAttention(), causal=True, d_model=16)
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    leak = audit(BucketedWindowAnd(), causal=True, d_model=16).result("future_leakage")
+    assert leak.verdict == "fail", leak
+    built, applied = leak.where[0], leak.where[1]
+    assert built.function == "BucketedWindowAnd.blocked" and built.code == "return future & too_far", built
+    assert "builds a mask that blocks nothing" in built.note and "combine them with |" in built.fix
+    assert applied.code.startswith("return dots.masked_fill(blocked"), applied

@@ -17,7 +17,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import site, text
+from .._tracing import made_at, site, state_behind, text, trace_call
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -45,9 +45,40 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                            f"buffers follow the input length")
                 raised = site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
                               if str(error).strip() else "", fix)
-                unset = unset_attribute_site(error) if isinstance(error, AttributeError) else None
-                return [unset, raised] if unset is not None else [raised]
+                made = (unset_attribute_site(error) if isinstance(error, AttributeError) else
+                        state_site(probe, call, error))
+                return [made, raised] if made is not None else [raised]
     return []
+
+
+def state_site(probe, call, error: BaseException) -> Site | None:
+    """Where the layer made the parameter or buffer that an op raised on, beside the call's own tensors: the op that
+    raised (torch.cat of memory keys and the call's keys) was given a tensor computed from the layer's state alone,
+    whose shape was fixed where `__init__` made it (x-transformers 1.27.7 makes `mem_k` with `heads` heads where its
+    keys have `kv_heads`), and one computed from the probe's inputs. The line that made it comes first, the op that
+    raised second; None where the op was given no such pair (or the line is not found)."""
+    layer = getattr(probe.subject, "layer", None)
+    if not isinstance(error, RuntimeError) or not isinstance(layer, torch.nn.Module):
+        return None
+    trace = trace_call(probe.subject, call.query, call.key, call.value, call.allowed, seed=probe.seed)
+    if type(trace.error) is not type(error) or str(trace.error) != str(error):  # not the same failure
+        return None
+    if not any(trace.sources.get(i) or i in trace.inputs for i in trace.failed_ins):
+        return None  # nothing the call gave reached that op: the layer's state disagrees with itself
+    names = [name for name in (state_behind(trace, i) for i in trace.failed_ins) if name]
+    where = made_at(layer, names[0]) if names else None
+    if where is None:
+        return None
+    file, line, function = where
+    attribute = names[0].rpartition(".")[2]
+    state = dict(layer.named_parameters())
+    shape = tuple((state.get(names[0]) if names[0] in state else layer.get_buffer(names[0])).shape)
+    kind = "parameter" if names[0] in state else "buffer"
+    return Site(file, line, function, text(file, line), f"{kind} made",
+                f"self.{attribute}, of shape {shape}: the op that raised was given a tensor computed from it alone, "
+                f"beside tensors of the call",
+                fix=f"make self.{attribute} with the sizes the call's tensors have where it raised (the error says "
+                    f"which dimension disagrees)")
 
 
 UNSET = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
