@@ -369,9 +369,9 @@ class Probe:
         wide = torch.float64 if s.dtype == torch.float64 else torch.float32
         out = base.output.out.detach().to(wide)
         scale = float(out.pow(2).mean().sqrt()) or 1.0
-        # the row-sum bound: the rebuilt output is the read rows' sums of products. Measured (tests/test_layer_causes.py's
-        # BucketedLocalAttention, 5 seeds): float64 5.1e-16, float32 2.7e-7 (margin 366x), float16 1.1e-3 (4.5x),
-        # bfloat16 1.35e-2 (2.2x); the columns of one head agree exactly; with an output projection it is 5.4
+        # the row-sum bound: the rebuilt output is the read rows' sums of products. Measured (5 seeds of
+        # tests/test_layer_causes.py's BucketedLocalAttention): float64 5.1e-16, float32 2.7e-7 (margin 366x), float16
+        # 1.1e-3 (4.5x), bfloat16 1.35e-2 (2.2x); the columns of one head agree exactly; with an output projection: 5.4
         tol = tolerance(ROW_SUM, s.dtype)
         values = base.value.detach().to(wide).transpose(-2, -1).unsqueeze(-3)  # (..., 1, C, Tk)
         rebuilt = (w.to(wide) * values).sum(-1)  # (..., Tq, C)

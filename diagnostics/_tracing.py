@@ -724,7 +724,17 @@ def made_at(layer: torch.nn.Module, name: str) -> tuple[str, int, str] | None:
         owner = layer.get_submodule(owner_path) if owner_path else layer
     except AttributeError:
         return None
-    for cls in type(owner).__mro__:
+    for cls, file, start, tree in init_sources(owner):
+        for node in ast.walk(tree):
+            if _makes(node, attr):
+                return file, start + node.lineno - 1, f"{cls.__qualname__}.__init__"
+    return None
+
+
+def init_sources(obj):
+    """(class, file, first line, parsed `__init__`) for each class in the MRO of `obj` that defines an `__init__`
+    whose source can be read, torch's own and builtins left out."""
+    for cls in type(obj).__mro__:
         init = cls.__dict__.get("__init__")
         if init is None or cls.__module__.startswith(("torch.", "builtins")):
             continue
@@ -734,10 +744,8 @@ def made_at(layer: torch.nn.Module, name: str) -> tuple[str, int, str] | None:
             tree = ast.parse(textwrap.dedent("".join(lines)))
         except (OSError, TypeError, SyntaxError):
             continue
-        for node in ast.walk(tree):
-            if file is not None and _makes(node, attr):
-                return file, start + node.lineno - 1, f"{cls.__qualname__}.__init__"
-    return None
+        if file is not None:
+            yield cls, file, start, tree
 
 
 def _makes(node, attr: str) -> bool:

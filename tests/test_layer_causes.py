@@ -401,8 +401,9 @@ def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
 # ---- cause 3: bucketed local attention, whose weights are (windows, W, look-around) ------------------------
 class BucketedLocalAttention(nn.Module):
     """Causal local attention over buckets of W tokens, each query seeing its own bucket and the one before it, W
-    keys back at most (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over (B, windows, W, 2W)
-    scores, so no (Tq, Tk) weights are ever formed. `project`: an output projection after the weighted sum."""
+    keys back at most (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over
+    (B, windows, W, 2W) scores, so no (Tq, Tk) weights are ever formed. `project`: an output projection after the
+    weighted sum."""
 
     def __init__(self, window: int = 4, project: bool = False):
         super().__init__()

@@ -4,9 +4,7 @@ exception's traceback."""
 from __future__ import annotations
 
 import ast
-import inspect
 import re
-import textwrap
 from dataclasses import replace
 
 import torch
@@ -17,7 +15,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import made_at, site, state_behind, text, trace_call
+from .._tracing import init_sources, made_at, site, state_behind, text, trace_call
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -99,18 +97,9 @@ def unset_attribute_site(error: AttributeError) -> Site | None:
     if not found or obj is None:
         return None
     name = found.group(2)
-    for cls in type(obj).__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is None or cls.__module__.startswith(("torch.", "builtins")):
-            continue
-        try:
-            lines, start = inspect.getsourcelines(init)
-            file = inspect.getsourcefile(init)
-            tree = ast.parse(textwrap.dedent("".join(lines)))
-        except (OSError, TypeError, SyntaxError):
-            continue
+    for cls, file, start, tree in init_sources(obj):
         guard = _guard_of(tree.body[0].body, name)
-        if guard is None or file is None:
+        if guard is None:
             continue
         line = start + guard.lineno - 1
         return Site(file, line, f"{cls.__qualname__}.__init__", text(file, line), "attribute set conditionally",
