@@ -544,3 +544,74 @@ def test_a_mask_on_bucketed_scores_that_blocks_nothing_is_located_where_it_is_bu
     assert built.function == "BucketedWindowAnd.blocked" and built.code == "return future & too_far", built
     assert "builds a mask that blocks nothing" in built.note and "combine them with |" in built.fix
     assert applied.code.startswith("return dots.masked_fill(blocked"), applied
+
+
+# ---- cause 3: linear attention, whose weights are never formed --------------------------------------------
+class CausalLinearAttention(nn.Module):
+    """Causal linear attention ("Transformers are RNNs"): features elu(x) + 1 of q and k, running sums of k v^T and
+    of k, out_i = phi(q_i) . S_i / phi(q_i) . z_i. No (Tq, Tk) weights and no softmax: its weights,
+    phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j'), are a kernel's."""
+
+    def __init__(self, d_model: int = D, n_heads: int = H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.to_out = nn.Linear(d_model, d_model)
+
+    def normalise(self, numerator, denominator):
+        return numerator / denominator.unsqueeze(-1)
+
+    def forward(self, x):
+        q, k, v = (split(f(x), self.n_heads) for f in (self.to_q, self.to_k, self.to_v))  # (B, H, T, d) each
+        q, k = F.elu(q) + 1, F.elu(k) + 1  # positive features
+        S = torch.einsum("bhtd,bhte->bhtde", k, v).cumsum(2)  # (B, H, T, d, d): sum over j <= t of k_j v_j^T
+        z = k.cumsum(2)  # (B, H, T, d): sum over j <= t of k_j
+        numerator = torch.einsum("bhtd,bhtde->bhte", q, S)  # (B, H, T, d)
+        denominator = torch.einsum("bhtd,bhtd->bht", q, z)  # (B, H, T)
+        return self.to_out(merge(self.normalise(numerator, denominator)))
+
+
+class CausalLinearTimesNormaliser(CausalLinearAttention):
+    """Its twin that multiplies by the normaliser (linear-attention-transformer 0.17.1's bug)."""
+
+    def normalise(self, numerator, denominator):
+        return numerator * denominator.unsqueeze(-1)
+
+
+class HandWrittenSoftmax(CausalLinearAttention):
+    """A softmax written by hand (exp / sum) over unscaled scores: no softmax op, a temperature to judge; its weights
+    are read through its value projection as a linear attention's are."""
+
+    def forward(self, x):
+        q, k, v = (split(f(x), self.n_heads) for f in (self.to_q, self.to_k, self.to_v))  # (B, H, T, d) each
+        T = x.shape[1]
+        scores = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9)
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))  # (B, H, T, T)
+        return self.to_out(merge(e / e.sum(-1, keepdim=True) @ v))
+
+
+def test_linear_attention_weights_are_read_through_its_value_projection():
+    """linear-attention-transformer 0.17.2 (pypi_bugs lat_causal_d_inv's fixed release) was inconclusive: no weights,
+    no softmax. Its value projection's output replaced one key at a time (the output projection's input read), the
+    correct layer's weights sum to 1 and it passes, the temperature not applicable (a kernel has none); its twin,
+    which multiplies by the normaliser, fails weight_row_sums on the same inputs. Both were inconclusive before."""
+    torch.manual_seed(0)
+    correct = audit(CausalLinearAttention(), causal=True)
+    sums, temperature = correct.result("weight_row_sums"), correct.result("softmax_saturation")
+    assert sums.verdict == "pass" and "the output of to_v, one key at a time" in sums.message, sums
+    assert temperature.verdict == "skip" and "not applicable" in temperature.message, temperature
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    buggy = audit(CausalLinearTimesNormaliser(), causal=True)
+    assert buggy.result("weight_row_sums").verdict == "fail" and buggy.status == "failed", str(buggy)
+
+
+def test_pin_a_softmax_written_by_hand_keeps_its_temperature_to_judge():
+    """The temperature is not applicable only where no exponential ran on (Tq, Tk) scores: a softmax written by hand
+    (exp / sum) over unscaled scores is not excused as a kernel (its weights, read, sum to 1), so the audit stays
+    inconclusive, never passed."""
+    torch.manual_seed(0)
+    report = audit(HandWrittenSoftmax(), causal=True)
+    assert report.result("weight_row_sums").verdict == "pass", report.result("weight_row_sums")
+    assert report.result("softmax_saturation").message.startswith("not measured"), report.result("softmax_saturation")
+    assert report.status != "passed", str(report)

@@ -45,6 +45,8 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                               if str(error).strip() else "", fix)
                 made = (unset_attribute_site(error) if isinstance(error, AttributeError) else
                         state_site(probe, call, error))
+                if made is not None and fix.startswith("the layer runs on 1 token"):  # a buffer of fixed length
+                    made = replace(made, fix=fix)
                 return [made, raised] if made is not None else [raised]
     return []
 

@@ -12,7 +12,7 @@ from .._core import not_run, skip
 from .._observe import FusedAttention as Fused
 from .._observe import Scaling, SoftmaxCall, applied_scales
 from .._probe import Call, Probe
-from .._registry import detector
+from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
@@ -27,7 +27,7 @@ from .._tracing import (
     trace_call,
     unique,
 )
-from ._common import ENTROPY_ROWS, result
+from ._common import ENTROPY_ROWS, base_trace, result
 
 
 def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
@@ -118,6 +118,17 @@ def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
+def _exponent_over_keys(probe: Probe) -> bool:
+    """The standard probe ran an exponential (or a softmax) on a tensor whose last two axes are (Tq, Tk): a softmax
+    written by hand, whose temperature is the audit's to judge, and no kernel attention."""
+    t = probe.t
+    return any(op.short in EXPONENTS and op.args and isinstance(op.args[0], Tensor) and op.args[0].dim() >= 2
+               and tuple(op.args[0].shape[-2:]) == (t, t) for op in base_trace(probe).ops)
+
+
+EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
+
+
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
           "q and k (QK-norm, cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100",
           targets=("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
@@ -133,6 +144,12 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if weights is not None:
             estimates = [(s, d, f"log-weights vs q·k of the {source}", None)
                          for s, d in _log_weight_scale(weights, base.query, base.key)]
+    if not estimates and probe.subject.form != "function":
+        weights, source = probe.recovered_weights()
+        if weights is not None and not _exponent_over_keys(probe):
+            return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential over (Tq, Tk) scores, "
+                                  f"and no fused attention call: the weights ({source}) are a kernel's (linear "
+                                  f"attention), which has no temperature; weight_row_sums judges them")
     if not estimates:
         return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
     rows = []
