@@ -118,6 +118,7 @@ class Trace:
     output: object = None
     error: BaseException | None = None
     failed_ins: tuple = ()  # ids of the tensors the op that raised `error` was given (the innermost such op)
+    layer: object = None  # the module called, whose buffers and parameters `buffers` names
     alive: list = field(default_factory=list)
 
 
@@ -214,6 +215,7 @@ def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, cal
     layer = getattr(subject, "layer", None)
     if isinstance(layer, torch.nn.Module):
         t.buffers = {id(b): name for name, b in list(layer.named_buffers()) + list(layer.named_parameters())}
+        t.layer = layer
     if seed is not None:
         seed_rng(seed, getattr(subject, "device", "cpu"))
     try:
@@ -561,8 +563,10 @@ def merge_fix(op: Op | None, num_heads: int | None) -> str:
     return ""
 
 
-def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> list[Site]:
-    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree."""
+def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, origins: bool = True) -> list[Site]:
+    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree. `origins`: a
+    mask computed from a buffer of the layer's alone is shown first where `__init__` made that buffer (False where
+    the mask is taken to be the layer's intent, and only its use is in question)."""
     declared = declared.cpu()
     soft = first_softmax(trace, t_q, t_k)
     end = soft.index if soft is not None else len(trace.ops)
@@ -629,6 +633,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             buffer = buffer_behind(trace, made)
             note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
             fix = blocking_fix(f, declared, t_q, t_k)
+            sites += buffer_sites(trace, made, f"the mask it holds {note.split(' (', 1)[0]}", fix) if origins else []
             sites += [op_site(maker, "builds the mask used below", fix=fix) if maker is not None and
                       maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
     union = torch.zeros_like(declared)
@@ -648,6 +653,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
                 from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
                 fix = (blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any())
                        else opening_fix(union, declared, t_q, t_k))
+                sites += buffer_sites(trace, made, f"the mask it holds {what}", fix) if origins else []
                 sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
                           maker.frames[0] != op.frames[0] else None,
                           op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix)]
@@ -715,20 +721,82 @@ def state_behind(trace: Trace, tensor_id: int) -> str:
     return buffer_behind(trace, tensor_id)
 
 
-def made_at(layer: torch.nn.Module, name: str) -> tuple[str, int, str] | None:
-    """(file, line, function) where the layer's parameter or buffer `name` ("attn.mem_k") is made: the assignment
-    `self.mem_k = ...` (or `self.register_buffer("mem_k", ...)`) in its owner's `__init__`, read from the source of
-    the first class in the owner's MRO that has one. None where no such line is found."""
+def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of the lines that made the layer's parameter or buffer `name` ("attn.mem_k"), the
+    origin first: in the first class of its owner's MRO whose `__init__` writes it (a subclass's runs after its
+    parent's), the last statement there that writes it (`self.mem_k = ...`, `self.register_buffer("mem_k", ...)`,
+    `self.bias.copy_(...)`, `self.bias[...] = ...`), preceded by the assignment of a local variable it was written
+    from (`allowed = torch.tril(...)` before `self.bias.copy_(allowed)`), where there is one. [] where none is
+    found."""
     owner_path, _, attr = name.rpartition(".")
     try:
         owner = layer.get_submodule(owner_path) if owner_path else layer
     except AttributeError:
-        return None
+        return []
     for cls, file, start, tree in init_sources(owner):
-        for node in ast.walk(tree):
-            if _makes(node, attr):
-                return file, start + node.lineno - 1, f"{cls.__qualname__}.__init__"
-    return None
+        writes = [node for node in ast.walk(tree) if _writes(node, attr)]
+        if not writes:
+            continue
+        last = max(writes, key=lambda node: node.lineno)
+        where = f"{cls.__qualname__}.__init__"
+        made = [(file, start + last.lineno - 1, where)]
+        read = {n.id for n in ast.walk(last) if isinstance(n, ast.Name) and n.id != "self"}
+        origins = [node for node in ast.walk(tree) if isinstance(node, ast.Assign) and node.lineno < last.lineno
+                   and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)]
+        if origins:
+            made.insert(0, (file, start + min(origins, key=lambda node: node.lineno).lineno - 1, where))
+        return made
+    return []
+
+
+def _writes(node, attr: str) -> bool:
+    """`node` is a statement that writes self.<attr>: assigns it (or an item of it), registers it
+    (register_buffer / register_parameter("<attr>", ...)), or calls an in-place method on it (`copy_`)."""
+    def is_self_attr(t) -> bool:
+        return (isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                and t.value.id == "self")
+
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(is_self_attr(t) or (isinstance(t, ast.Subscript) and is_self_attr(t.value)) for t in targets)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
+        call = node.value
+        if call.func.attr in ("register_buffer", "register_parameter") and call.args:
+            first = call.args[0]
+            return isinstance(first, ast.Constant) and first.value == attr
+        return call.func.attr.endswith("_") and not call.func.attr.startswith("_") and is_self_attr(call.func.value)
+    return False
+
+
+def buffer_alone(trace: Trace, tensor_id: int | None) -> str:
+    """The name of the one parameter or buffer of the layer a tensor of the call was computed from, where every
+    tensor it was computed from that no traced op made is that one (no mask or input of the call's): "" otherwise."""
+    todo, seen, names = [tensor_id], set(), set()
+    while todo and len(seen) < 256:
+        i = todo.pop()
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        if i in trace.buffers:
+            names.add(trace.buffers[i])
+            continue
+        p = trace.producer.get(i)
+        if p is None:
+            return ""  # a tensor the call was given
+        todo.extend(trace.ops[p].in_ids)
+    return names.pop() if len(names) == 1 and not todo else ""
+
+
+def buffer_sites(trace: Trace, tensor_id: int | None, note: str, fix: str) -> list[Site]:
+    """The lines of `__init__` that made the layer's buffer a mask was computed from alone (see `made_at`)."""
+    name = buffer_alone(trace, tensor_id)
+    if not name or not isinstance(trace.layer, torch.nn.Module):
+        return []
+    made = made_at(trace.layer, name)
+    attr = name.rpartition(".")[2]
+    how = ["made here"] if len(made) == 1 else [f"computed here, then written into self.{attr}", "written here"]
+    return [Site(file, line, function, text(file, line), "made before the call", f"self.{attr}: {h}; {note}", fix=fix)
+            for h, (file, line, function) in zip(how, made)]
 
 
 def init_sources(obj):
@@ -746,19 +814,6 @@ def init_sources(obj):
             continue
         if file is not None:
             yield cls, file, start, tree
-
-
-def _makes(node, attr: str) -> bool:
-    """`node` assigns self.<attr>, or registers it (register_buffer / register_parameter("<attr>", ...))."""
-    if isinstance(node, (ast.Assign, ast.AnnAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        return any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
-                   and t.value.id == "self" for t in targets)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-            node.func.attr in ("register_buffer", "register_parameter") and node.args:
-        first = node.args[0]
-        return isinstance(first, ast.Constant) and first.value == attr
-    return False
 
 
 def short(op: Op) -> str:

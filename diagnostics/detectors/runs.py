@@ -66,10 +66,10 @@ def state_site(probe, call, error: BaseException) -> Site | None:
     if not any(trace.sources.get(i) or i in trace.inputs for i in trace.failed_ins):
         return None  # nothing the call gave reached that op: the layer's state disagrees with itself
     names = [name for name in (state_behind(trace, i) for i in trace.failed_ins) if name]
-    where = made_at(layer, names[0]) if names else None
-    if where is None:
+    made = made_at(layer, names[0]) if names else []
+    if not made:
         return None
-    file, line, function = where
+    file, line, function = made[-1]  # the statement that made it (the origin of its shape is that line's to tell)
     attribute = names[0].rpartition(".")[2]
     state = dict(layer.named_parameters())
     shape = tuple((state.get(names[0]) if names[0] in state else layer.get_buffer(names[0])).shape)
