@@ -713,21 +713,14 @@ def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
     return ""
 
 
-def state_behind(trace: Trace, tensor_id: int) -> str:
-    """The name of the layer's parameter or buffer a tensor of the call was computed from alone (no probe input
-    reaches it): its shape and values were fixed where the layer made it, not by the call. "" otherwise."""
-    if trace.sources.get(tensor_id) or tensor_id in trace.inputs:
-        return ""
-    return buffer_behind(trace, tensor_id)
-
-
 def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
     """(file, line, function) of the lines that made the layer's parameter or buffer `name` ("attn.mem_k"), the
     origin first: in the first class of its owner's MRO whose `__init__` writes it (a subclass's runs after its
     parent's), the last statement there that writes it (`self.mem_k = ...`, `self.register_buffer("mem_k", ...)`,
-    `self.bias.copy_(...)`, `self.bias[...] = ...`), preceded by the assignment of a local variable it was written
-    from (`allowed = torch.tril(...)` before `self.bias.copy_(allowed)`), where there is one. [] where none is
-    found."""
+    `self.bias.copy_(...)`, `self.bias[...] = ...`); where `__init__` only sets it to None, the last statement of
+    another method that writes it (a cache the first call fills). Preceded by the last assignment, before it in the
+    same function, of a local variable it was written from (`allowed = torch.tril(...)` before
+    `self.bias.copy_(allowed)`), where there is one. [] where none is found."""
     owner_path, _, attr = name.rpartition(".")
     try:
         owner = layer.get_submodule(owner_path) if owner_path else layer
@@ -735,18 +728,41 @@ def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
         return []
     for cls, file, start, tree in init_sources(owner):
         writes = [node for node in ast.walk(tree) if _writes(node, attr)]
-        if not writes:
-            continue
-        last = max(writes, key=lambda node: node.lineno)
-        where = f"{cls.__qualname__}.__init__"
-        made = [(file, start + last.lineno - 1, where)]
-        read = {n.id for n in ast.walk(last) if isinstance(n, ast.Name) and n.id != "self"}
-        origins = [node for node in ast.walk(tree) if isinstance(node, ast.Assign) and node.lineno < last.lineno
-                   and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)]
-        if origins:
-            made.insert(0, (file, start + min(origins, key=lambda node: node.lineno).lineno - 1, where))
-        return made
+        if writes and not all(_writes_none(node) for node in writes):
+            return _with_origin(tree, max(writes, key=lambda node: node.lineno), file, start,
+                                f"{cls.__qualname__}.__init__")
+        if writes:  # set to None in __init__: made by a call, in another method of this class
+            try:
+                lines, first = inspect.getsourcelines(cls)
+                body = ast.parse(textwrap.dedent("".join(lines))).body[0]
+            except (OSError, TypeError, SyntaxError, IndexError):
+                return []
+            made = [(f, node) for f in ast.walk(body) if isinstance(f, ast.FunctionDef) and f.name != "__init__"
+                    for node in ast.walk(f) if _writes(node, attr) and not _writes_none(node)]
+            if not made:
+                return []
+            function, last = max(made, key=lambda pair: pair[1].lineno)
+            return _with_origin(function, last, file, first, f"{cls.__qualname__}.{function.name}")
     return []
+
+
+def _with_origin(scope, write, file: str, start: int, where: str) -> list[tuple[str, int, str]]:
+    """[the last assignment in `scope` before `write` of a local that `write` reads, if any, then `write`]."""
+    read = {n.id for n in ast.walk(write) if isinstance(n, ast.Name) and n.id != "self"}
+    origins = [node for node in ast.walk(scope) if isinstance(node, ast.Assign) and node.lineno < write.lineno
+               and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)]
+    made = [(file, start + write.lineno - 1, where)]
+    if origins:
+        made.insert(0, (file, start + max(origins, key=lambda node: node.lineno).lineno - 1, where))
+    return made
+
+
+def _writes_none(node) -> bool:
+    """`node` sets the attribute to None (`self.x = None`, `register_buffer("x", None)`): it makes nothing."""
+    value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and len(node.value.args) >= 2:
+        value = node.value.args[1]
+    return isinstance(value, ast.Constant) and value.value is None
 
 
 def _writes(node, attr: str) -> bool:
@@ -777,13 +793,13 @@ def buffer_alone(trace: Trace, tensor_id: int | None) -> str:
         if i is None or i in seen:
             continue
         seen.add(i)
-        if i in trace.buffers:
+        p = trace.producer.get(i)  # first: a buffer the call overwrote is what the call made of it
+        if p is not None:
+            todo.extend(trace.ops[p].in_ids)
+        elif i in trace.buffers:
             names.add(trace.buffers[i])
-            continue
-        p = trace.producer.get(i)
-        if p is None:
+        else:
             return ""  # a tensor the call was given
-        todo.extend(trace.ops[p].in_ids)
     return names.pop() if len(names) == 1 and not todo else ""
 
 

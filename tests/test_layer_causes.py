@@ -615,3 +615,48 @@ def test_pin_a_softmax_written_by_hand_keeps_its_temperature_to_judge():
     assert report.result("weight_row_sums").verdict == "pass", report.result("weight_row_sums")
     assert report.result("softmax_saturation").message.startswith("not measured"), report.result("softmax_saturation")
     assert report.status != "passed", str(report)
+
+
+class CachedAlibi(nn.Module):
+    """Causal attention with an ALiBi bias built on the first call from per-head slopes and cached in a buffer that
+    __init__ sets to None (x-transformers 0.27's AlibiPositionalBias): the bias is made in forward."""
+
+    def __init__(self, d_model: int = D, heads: int = H):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, heads + 1).view(heads, 1, 1), persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+
+    def padding(self, bias) -> int:
+        return self.heads - bias.shape[0]  # heads left without a bias (none here)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        if self.bias is None or self.bias.shape[-1] < T:
+            bias = torch.arange(T) * self.slopes  # (H, 1, T): the slope times the key's position
+            bias = F.pad(bias, (0, 0, 0, 0, 0, self.padding(bias)))
+            self.register_buffer("bias", bias, persistent=False)
+        q, k, v = (split(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, d) each
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.bias[..., :T]).masked_fill(~causal, -1e9)
+        return self.out(merge(scores.softmax(-1) @ v))
+
+
+class CachedAlibiWrongAxis(CachedAlibi):
+    """Its twin that counts the heads from the wrong axis (x-transformers 0.27.0's `bias.shape[1]`)."""
+
+    def padding(self, bias) -> int:
+        return self.heads - bias.shape[1]
+
+
+def test_a_tensor_computed_from_the_layers_state_that_an_op_raised_on_is_located_where_computed():
+    """The bias the raising add was given was computed in the call from the layer's slopes alone and cached in a
+    buffer that __init__ sets to None: `runs` points first where it was computed (the pad, the line before the
+    cache), not at __init__'s `register_buffer("bias", None)`. x-transformers 0.27.0 (pypi_bugs
+    xtr_alibi_unalibied_heads): the pad at 273, one line from the fix; it was __init__'s line 248 before."""
+    torch.manual_seed(0)
+    assert audit(CachedAlibi(), causal=True).status == "passed"
+    torch.manual_seed(0)
+    runs = audit(CachedAlibiWrongAxis(), causal=True).result("runs")
+    assert runs.verdict == "fail" and runs.where[0].code.startswith("bias = F.pad(bias"), runs.where

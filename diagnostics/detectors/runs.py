@@ -15,7 +15,8 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import init_sources, made_at, site, state_behind, text, trace_call
+from .._tracing import (CARRIES, buffer_alone, init_sources, made_at, op_site, producer, site, text,
+                        through_carries, trace_call, user)
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -65,20 +66,31 @@ def state_site(probe, call, error: BaseException) -> Site | None:
         return None
     if not any(trace.sources.get(i) or i in trace.inputs for i in trace.failed_ins):
         return None  # nothing the call gave reached that op: the layer's state disagrees with itself
-    names = [name for name in (state_behind(trace, i) for i in trace.failed_ins) if name]
-    made = made_at(layer, names[0]) if names else []
-    if not made:
-        return None
-    file, line, function = made[-1]  # the statement that made it (the origin of its shape is that line's to tell)
-    attribute = names[0].rpartition(".")[2]
-    state = dict(layer.named_parameters())
-    shape = tuple((state.get(names[0]) if names[0] in state else layer.get_buffer(names[0])).shape)
-    kind = "parameter" if names[0] in state else "buffer"
-    return Site(file, line, function, text(file, line), f"{kind} made",
-                f"self.{attribute}, of shape {shape}: the op that raised was given a tensor computed from it alone, "
-                f"beside tensors of the call",
-                fix=f"make self.{attribute} with the sizes the call's tensors have where it raised (the error says "
-                    f"which dimension disagrees)")
+    for i in trace.failed_ins:
+        name = buffer_alone(trace, i)
+        if not name:
+            continue
+        attribute = name.rpartition(".")[2]
+        computed = through_carries(trace, producer(trace, i))
+        if computed is not None and computed.short not in CARRIES and user(computed):
+            # computed in the call from the layer's state alone (a bias built from its slopes): where it is computed
+            return op_site(computed, f"makes the tensor the op that raised was given, from self.{attribute} alone "
+                                     f"(no tensor of the call), beside tensors of the call",
+                           fix="make this tensor with the sizes the call's tensors have where it raised (the error "
+                               "says which dimension disagrees)")
+        made = made_at(layer, name)
+        if not made:
+            return None
+        file, line, function = made[0]  # where its value was computed (a local written into it), else the write
+        state = dict(layer.named_parameters())
+        shape = tuple((state.get(name) if name in state else layer.get_buffer(name)).shape)
+        kind = "parameter" if name in state else "buffer"
+        return Site(file, line, function, text(file, line), f"{kind} made",
+                    f"self.{attribute}, of shape {shape}: the op that raised was given a tensor computed from it "
+                    f"alone, beside tensors of the call",
+                    fix=f"make self.{attribute} with the sizes the call's tensors have where it raised (the error "
+                        f"says which dimension disagrees)")
+    return None
 
 
 UNSET = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
