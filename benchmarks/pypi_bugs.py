@@ -148,7 +148,7 @@ CASES: list[Case] = [
          "the first raises (the bias does not broadcast)", _ALIBI_BLOCK, (EINOPS, ENTMAX)),
     Case("xtr_alibi_unalibied_heads", "positions", "x-transformers", "0.27.0", "0.27.1",
          "x_transformers/x_transformers.py", 272,
-         "https://github.com/lucidrains/x-transformers/pull/85",
+         "https://github.com/lucidrains/x-transformers/commit/6523746",
          "ALiBi counts the heads it leaves without a bias from the wrong axis of its (heads, 1, j) bias "
          "(`bias.shape[1]`, which is 1, for `shape[0]`), so it pads heads - 1 heads of zeros onto it: the bias has "
          "2 x heads - 1 heads and every call with more than one head raises where it is added to the scores",
