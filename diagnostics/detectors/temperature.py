@@ -16,6 +16,8 @@ from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
+    MATMULS,
+    ancestors,
     did_nothing,
     event_op,
     op_site,
@@ -118,12 +120,19 @@ def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
-def _exponent_over_keys(probe: Probe) -> bool:
-    """The standard probe ran an exponential (or a softmax) on a tensor whose last two axes are (Tq, Tk): a softmax
-    written by hand, whose temperature is the audit's to judge, and no kernel attention."""
-    t = probe.t
-    return any(op.short in EXPONENTS and op.args and isinstance(op.args[0], Tensor) and op.args[0].dim() >= 2
-               and tuple(op.args[0].shape[-2:]) == (t, t) for op in base_trace(probe).ops)
+def _exponent_over_scores(probe: Probe) -> bool:
+    """The standard probe ran an exponential (or a softmax) on scores: on a tensor computed from a product of two
+    tensors that both come from the inputs (q·k, in any layout: bucketed windows too), not only from the inputs and
+    the layer's weights (a linear attention's feature map, exp or softmax of a projection). Such a softmax, written
+    by hand or read in a layout whose scale was not fitted, keeps its temperature for the audit to judge."""
+    trace = base_trace(probe)
+
+    def scores(op) -> bool:
+        return op.short in MATMULS | {"einsum"} and len(op.in_ids) >= 2 and \
+            all(trace.sources.get(i) for i in op.in_ids[:2])
+
+    return any(op.short in EXPONENTS and any(scores(trace.ops[a]) for a in ancestors(trace, op))
+               for op in trace.ops)
 
 
 EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
@@ -146,8 +155,8 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                          for s, d in _log_weight_scale(weights, base.query, base.key)]
     if not estimates and probe.subject.form != "function":
         weights, source = probe.recovered_weights()
-        if weights is not None and not _exponent_over_keys(probe):
-            return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential over (Tq, Tk) scores, "
+        if weights is not None and not _exponent_over_scores(probe):
+            return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential of q·k scores, "
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
     if not estimates:
