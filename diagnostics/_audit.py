@@ -204,7 +204,10 @@ def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple
             return "inconclusive", f"inconclusive: not one probe could be given to the layer as held: {probe.not_taken_text()}"
         return "inconclusive", "inconclusive: no detector could measure the layer (every one skipped)"
     core = [r for r in results if r.detector in CORE]
-    unmeasured = [r for r in core if not r.measured]
+    # one core property that does not apply where the other was measured (no temperature where a kernel's weights
+    # were read: linear attention) leaves the attention measured
+    measured = any(r.measured for r in core)
+    unmeasured = [r for r in core if not r.measured and not (measured and r.message.startswith(NOT_APPLICABLE))]
     if unmeasured:
         why = "; ".join(f"{r.detector}: {r.message}" for r in unmeasured)
         return "inconclusive", (f"inconclusive: the attention itself was not measured ({why}). Return the weights "

@@ -24,6 +24,7 @@ from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import Output, Subject, not_weights
+from ._thresholds import ROW_SUM, tolerance
 from .patterns import Pattern
 
 
@@ -314,21 +315,155 @@ class Probe:
         return None, ""
 
     def recovered_weights(self) -> tuple[Tensor | None, str]:
-        """For a function f(q, k, v) that exposes no weights: call it with the identity as values
-        (v[j] = e_j, d_v = Tk), so that its output *is* its weights. None if the function refuses."""
-        if self.subject.form != "function":
-            return None, ""
+        """For a layer given its values apart (a function f(q, k, v), a module given query, key and value) that
+        exposes no weights and whose softmax, if any, is not over (Tq, Tk) scores (local attention's buckets,
+        (windows, W, look-around)): weights read through the values. A function is first called with the identity
+        as values (v[j] = e_j, d_v = Tk), so that its output *is* its weights; a layer that needs values of their
+        own width is called once per key with that key's value row all ones and the others zero
+        (`_through_one_hot_values`). None if the layer refuses, or if its output is not those weights applied to
+        its values."""
         if self._recovered is None:
-            base, B, T = self.base(), self.BATCH, self.t
-            eye = torch.eye(T, dtype=self.subject.dtype, device=self.subject.device)  # (Tk, Tk)
-            v = eye.expand(B, base.key.shape[1], T, T).contiguous()  # (B, H, Tk, d_v = Tk)
             asking, self.detector = self.detector, "base"
-            call = self.call(base.query, base.key, v, base.allowed, label="the standard probe with identity values")
-            self.detector = asking
-            ok = call.ok and tuple(call.output.out.shape) == tuple(base.query.shape[:-1]) + (T,)
-            self._recovered = ((call.output.out, "weights read through identity values (v = I)") if ok
-                               else (None, ""))
+            form = self.subject.form
+            try:
+                self._recovered = (self._through_identity() if form == "function" else (None, ""))
+                if self._recovered[0] is None and form in ("function", "qkv_module"):
+                    self._recovered = self._through_one_hot_values()
+                if self._recovered[0] is None and form == "self_module":
+                    self._recovered = self._through_value_projection()
+            finally:
+                self.detector = asking
         return self._recovered
+
+    def _through_identity(self) -> tuple[Tensor | None, str]:
+        base, B, T = self.base(), self.BATCH, self.t
+        eye = torch.eye(T, dtype=self.subject.dtype, device=self.subject.device)  # (Tk, Tk)
+        v = eye.expand(B, base.key.shape[1], T, T).contiguous()  # (B, H, Tk, d_v = Tk)
+        call = self.call(base.query, base.key, v, base.allowed, label="the standard probe with identity values")
+        ok = call.ok and tuple(call.output.out.shape) == tuple(base.query.shape[:-1]) + (T,)
+        return (call.output.out, "weights read through identity values (v = I)") if ok else (None, "")
+
+    def _through_one_hot_values(self) -> tuple[Tensor | None, str]:
+        """Weights read one key at a time: with value row j all ones and the others zero, output column c at query
+        i is the weight of key j in the row of c's head, (..., Tq, C) for each j (see `_one_hot_reading`)."""
+        base, t = self.base(), self.subject.time_dim
+        if not base.ok or t != base.value.dim() - 2 or base.output.out.shape != base.query.shape[:-1] + \
+                base.value.shape[-1:] or base.value.shape[t] > ONE_HOT_KEYS_MAX:
+            return None, ""
+
+        def attended(values: Tensor, label: str) -> Tensor | None:
+            call = self.call(base.query, base.key, values, base.allowed, label=label)
+            return call.output.out.detach() if call.ok else None
+
+        weights = self._one_hot_reading(attended, base.value.detach(), base.output.out.detach())
+        n = base.value.shape[t]
+        return (weights, f"weights read through the values, one key at a time ({n} calls)") if weights is not None \
+            else (None, "")
+
+    def _through_value_projection(self) -> tuple[Tensor | None, str]:
+        """For a module given one stream (linear attention, whose weights are never formed): the same reading, with
+        the output of its value projection replaced, and what its output projection is given read as the attended
+        values. The value projection is the nn.Linear called before the last one whose output, doubled, doubles
+        what the last one is given (the weights do not depend on the values; on q or k they do); the last nn.Linear
+        called is the output projection where its output is the layer's (else the layer's output is read)."""
+        layer, base = getattr(self.subject, "layer", None), self.base()
+        if not isinstance(layer, torch.nn.Module) or not base.ok or base.query.shape[1] > ONE_HOT_KEYS_MAX:
+            return None, ""
+        linears = {m: name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        if not linears:
+            return None, ""
+        replace_in: dict = {}  # module -> function of its real output, the output it gives instead
+        seen: list = []  # (module, input, output) of each nn.Linear call, in order
+
+        def hook(module, args, output):
+            seen.append((module, args[0].detach() if args and isinstance(args[0], Tensor) else None, output.detach()))
+            return replace_in[module](output) if module in replace_in else None
+
+        def run(label: str) -> Tensor | None:
+            seen.clear()
+            call = self.call(base.query, base.key, base.value, base.allowed, label=label)
+            if not call.ok or not seen:
+                return None
+            last, given, out = seen[-1]
+            projected = out.shape == call.output.out.shape and torch.equal(out, call.output.out.detach())
+            return given if projected and given is not None and not replace_in.get(last) else call.output.out.detach()
+
+        handles = [m.register_forward_hook(hook) for m in linears]
+        try:
+            attended_base = run("the standard probe, what its output projection is given")
+            calls = list(seen)
+            if attended_base is None:
+                return None, ""
+            value_proj = None
+            for module, _, output in calls[:-1]:
+                if output.shape[:-1] != base.query.shape[:-1] or output.shape[-1] != attended_base.shape[-1]:
+                    continue
+                replace_in.clear()
+                replace_in[module] = lambda out: 2 * out
+                doubled = run(f"the standard probe with {linears[module]}'s output doubled")
+                wide = torch.float64 if self.subject.dtype == torch.float64 else torch.float32
+                scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
+                if doubled is not None and doubled.shape == attended_base.shape and float(
+                        (doubled.to(wide) - 2 * attended_base.to(wide)).abs().max()) / scale <= tolerance(
+                        ROW_SUM, self.subject.dtype):
+                    value_proj, values = module, output
+                    break
+            replace_in.clear()
+            if value_proj is None:
+                return None, ""
+            name = linears[value_proj]
+
+            def attended(one_hot: Tensor, label: str) -> Tensor | None:
+                replace_in[value_proj] = lambda out: one_hot.to(out.dtype)
+                return run(f"{label} (the output of {name})")
+
+            weights = self._one_hot_reading(attended, values, attended_base)
+            replace_in.clear()
+        finally:
+            for h in handles:
+                h.remove()
+        n = base.query.shape[1]
+        return (weights, f"weights read through the values, the output of {name}, one key at a time ({n} calls)") \
+            if weights is not None else (None, "")
+
+    def _one_hot_reading(self, attended, values: Tensor, out: Tensor) -> Tensor | None:
+        """(..., H, Tq, Tk) weights from `attended(v, label)`, what the layer makes of values `v` (..., Tk, C) as
+        it made `out` (..., Tq, C) of `values`: value row j all ones and the others zero gives, in column c at
+        query i, the weight of key j in the row of c's head. Taken only if the columns of one head agree (all C,
+        or each of num_heads slices) and `out` is these weights applied to `values` (the output is linear in the
+        values, with weights that do not depend on them: no projection after the weighted sum); else None."""
+        s = self.subject
+        per_key = []
+        for j in range(values.shape[-2]):
+            v = torch.zeros_like(values)
+            v[..., j, :] = 1  # key j's value row all ones
+            got = attended(v, f"the standard probe with key {j}'s values ones, the others zero")
+            if got is None or got.shape != out.shape:
+                return None
+            per_key.append(got)
+        w = torch.stack(per_key, -1)  # (..., Tq, C, Tk): the weight of key j for output column c
+        wide = torch.float64 if s.dtype == torch.float64 else torch.float32
+        out = out.to(wide)
+        scale = float(out.pow(2).mean().sqrt()) or 1.0
+        # the row-sum bound: the rebuilt output is the read rows' sums of products. Measured (5 seeds of
+        # tests/test_layer_causes.py's BucketedLocalAttention): float64 5.1e-16, float32 2.7e-7 (margin 366x), float16
+        # 1.1e-3 (4.5x), bfloat16 1.35e-2 (2.2x); the columns of one head agree exactly; with an output projection: 5.4
+        tol = tolerance(ROW_SUM, s.dtype)
+        rebuilt = (w.to(wide) * values.to(wide).transpose(-2, -1).unsqueeze(-3)).sum(-1)  # (..., Tq, C)
+        if float((rebuilt - out).abs().max()) / scale > tol:
+            return None
+        C = w.shape[-2]
+        for heads in dict.fromkeys((1, s.num_heads)):
+            if not heads or C % heads:
+                continue
+            grouped = w.unflatten(-2, (heads, C // heads))  # (..., Tq, H, C/H, Tk)
+            if float((grouped - grouped[..., :1, :]).abs().max()) <= tol:
+                return grouped[..., 0, :].movedim(-2, -3)  # (..., H, Tq, Tk)
+        return None
+
+
+ONE_HOT_KEYS_MAX = 64
+"""The most keys weights are read one key at a time for (one call per key): the standard probe has 16."""
 
 
 def appended_keys(layer) -> int:

@@ -25,10 +25,13 @@ implementation: only aten ops, their shapes and the declared mask.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import inspect
 import linecache
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -114,6 +117,8 @@ class Trace:
     record: object = None
     output: object = None
     error: BaseException | None = None
+    failed_ins: tuple = ()  # ids of the tensors the op that raised `error` was given (the innermost such op)
+    layer: object = None  # the module called, whose buffers and parameters `buffers` names
     alive: list = field(default_factory=list)
 
 
@@ -139,7 +144,14 @@ class Tracer(Observer):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         before = len(self.record.order)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except Exception:
+            if not self.trace.failed_ins:  # the innermost op that raised: what it was given, for `state_behind`
+                ins = [x for a in list(args) + list(kwargs.values()) for x in tensors(a)]
+                self.trace.failed_ins = tuple(id(x) for x in ins)
+                self.trace.alive.extend(ins)
+            raise
         try:
             self._op(func, args, kwargs, out, before)
         except Exception:  # tracing must never break the layer
@@ -203,6 +215,7 @@ def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, cal
     layer = getattr(subject, "layer", None)
     if isinstance(layer, torch.nn.Module):
         t.buffers = {id(b): name for name, b in list(layer.named_buffers()) + list(layer.named_parameters())}
+        t.layer = layer
     if seed is not None:
         seed_rng(seed, getattr(subject, "device", "cpu"))
     try:
@@ -387,9 +400,18 @@ def residual_add(trace: Trace, shape: tuple) -> Residual | None:
 
 def fill_pattern(op: Op, t_q: int, t_k: int) -> tuple[Tensor, int | None] | None:
     """(bool filled, index of the mask tensor's producer) of a masking op on (..., Tq, Tk) scores."""
-    name, a = op.short, op.args
     out = op.outs[0] if op.outs else None
     if out is None or out.dim() < 2 or tuple(out.shape[-2:]) != (t_q, t_k):
+        return None
+    return filled_by(op)
+
+
+def filled_by(op: Op) -> tuple[Tensor, int | None] | None:
+    """(bool filled, in the op's output shape, id of the mask tensor) of a masking op on scores of any layout: a
+    fill, a where, an added very negative mask, a product with a bool mask. None for any other op."""
+    name, a = op.short, op.args
+    out = op.outs[0] if op.outs else None
+    if out is None or out.dim() < 2:
         return None
     mask_arg = None
     if name in ("masked_fill", "masked_fill_") and len(a) >= 2 and isinstance(a[1], Tensor):
@@ -541,8 +563,10 @@ def merge_fix(op: Op | None, num_heads: int | None) -> str:
     return ""
 
 
-def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> list[Site]:
-    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree."""
+def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, origins: bool = True) -> list[Site]:
+    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree. `origins`: a
+    mask computed from a buffer of the layer's alone is shown first where `__init__` made that buffer (False where
+    the mask is taken to be the layer's intent, and only its use is in question)."""
     declared = declared.cpu()
     soft = first_softmax(trace, t_q, t_k)
     end = soft.index if soft is not None else len(trace.ops)
@@ -609,6 +633,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             buffer = buffer_behind(trace, made)
             note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
             fix = blocking_fix(f, declared, t_q, t_k)
+            sites += buffer_sites(trace, made, f"the mask it holds {note.split(' (', 1)[0]}", fix) if origins else []
             sites += [op_site(maker, "builds the mask used below", fix=fix) if maker is not None and
                       maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
     union = torch.zeros_like(declared)
@@ -628,6 +653,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
                 from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
                 fix = (blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any())
                        else opening_fix(union, declared, t_q, t_k))
+                sites += buffer_sites(trace, made, f"the mask it holds {what}", fix) if origins else []
                 sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
                           maker.frames[0] != op.frames[0] else None,
                           op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix)]
@@ -635,10 +661,39 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int) -> li
             matmul = qk_matmul(trace, end)
             start = matmul.index if matmul is not None else 0
             fix = CAUSAL_FIX if future else MASK_FIX
+            sites += empty_masks(trace, soft, what, made_by)
             sites += [replace(x, fix=fix) for x in did_nothing(trace, start, end, ("mask", "causal"))]
-            sites += [op_site(soft, f"no masking op reaches this softmax: it {what}", fix=fix),
+            sites += [op_site(soft, f"no masking op on (query, key) scores reaches this softmax: it {what}", fix=fix),
                       op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
+
+
+def empty_masks(trace: Trace, soft: Op | None, what: str, made_by) -> list[Site]:
+    """Masking ops on the scores `soft` reads, in a layout not read as (query, key) pairs (local attention's
+    buckets, (B, windows, W, look-around)), whose mask blocks nothing at all (all False), while the audit's pairs
+    are left open: the line that built that mask, then the op that applied it. Where a mask is combined from two
+    conditions with `&` where one of them alone should block (local-attention 1.2.1's `mask & too_far`), the result
+    is such an empty mask."""
+    if soft is None or not soft.args or not isinstance(soft.args[0], Tensor):
+        return []
+    sites, shape = [], tuple(soft.args[0].shape)
+    # the ops before the softmax on scores of its shape (not its ancestors: an in-place fill overwrites the
+    # scores' producer, so a chain of in-place fills shows only its last)
+    for op in trace.ops[:soft.index]:
+        if not op.outs or op.outs[0] is None or tuple(op.outs[0].shape) != shape:
+            continue
+        got = filled_by(op) if op.frames else None
+        if got is None or bool(got[0].any()):
+            continue
+        maker = made_by(got[1], op)
+        note = (f"the mask applied here, to scores of shape {tuple(op.outs[0].shape)}, blocks nothing (every entry "
+                f"False); the softmax {what}")
+        fix = ("the mask is the & of conditions that never hold together: to block where either holds, combine "
+               "them with | (blocked = a | b)" if maker is not None and maker.short in ("bitwise_and", "logical_and")
+               else "build the mask so that it blocks the pairs the softmax leaves open")
+        sites += [op_site(maker, "builds a mask that blocks nothing (all False), applied below", fix=fix)
+                  if maker is not None and maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
+    return sites
 
 
 def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
@@ -656,6 +711,125 @@ def buffer_behind(trace: Trace, tensor_id: int | None) -> str:
         if p is not None:
             todo.extend(trace.ops[p].in_ids)
     return ""
+
+
+def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of the lines that made the layer's parameter or buffer `name` ("attn.mem_k"), the
+    origin first: in the first class of its owner's MRO whose `__init__` writes it (a subclass's runs after its
+    parent's), the last statement there that writes it (`self.mem_k = ...`, `self.register_buffer("mem_k", ...)`,
+    `self.bias.copy_(...)`, `self.bias[...] = ...`); where `__init__` only sets it to None, the last statement of
+    another method that writes it (a cache the first call fills). Preceded by the last assignment, before it in the
+    same function, of a local variable it was written from (`allowed = torch.tril(...)` before
+    `self.bias.copy_(allowed)`), where there is one. [] where none is found."""
+    owner_path, _, attr = name.rpartition(".")
+    try:
+        owner = layer.get_submodule(owner_path) if owner_path else layer
+    except AttributeError:
+        return []
+    for cls, file, start, tree in init_sources(owner):
+        writes = [node for node in ast.walk(tree) if _writes(node, attr)]
+        if writes and not all(_writes_none(node) for node in writes):
+            return _with_origin(tree, max(writes, key=lambda node: node.lineno), file, start,
+                                f"{cls.__qualname__}.__init__")
+        if writes:  # set to None in __init__: made by a call, in another method of this class
+            try:
+                lines, first = inspect.getsourcelines(cls)
+                body = ast.parse(textwrap.dedent("".join(lines))).body[0]
+            except (OSError, TypeError, SyntaxError, IndexError):
+                return []
+            made = [(f, node) for f in ast.walk(body) if isinstance(f, ast.FunctionDef) and f.name != "__init__"
+                    for node in ast.walk(f) if _writes(node, attr) and not _writes_none(node)]
+            if not made:
+                return []
+            function, last = max(made, key=lambda pair: pair[1].lineno)
+            return _with_origin(function, last, file, first, f"{cls.__qualname__}.{function.name}")
+    return []
+
+
+def _with_origin(scope, write, file: str, start: int, where: str) -> list[tuple[str, int, str]]:
+    """[the last assignment in `scope` before `write` of a local that `write` reads, if any, then `write`]."""
+    read = {n.id for n in ast.walk(write) if isinstance(n, ast.Name) and n.id != "self"}
+    origins = [node for node in ast.walk(scope) if isinstance(node, ast.Assign) and node.lineno < write.lineno
+               and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)]
+    made = [(file, start + write.lineno - 1, where)]
+    if origins:
+        made.insert(0, (file, start + max(origins, key=lambda node: node.lineno).lineno - 1, where))
+    return made
+
+
+def _writes_none(node) -> bool:
+    """`node` sets the attribute to None (`self.x = None`, `register_buffer("x", None)`): it makes nothing."""
+    value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and len(node.value.args) >= 2:
+        value = node.value.args[1]
+    return isinstance(value, ast.Constant) and value.value is None
+
+
+def _writes(node, attr: str) -> bool:
+    """`node` is a statement that writes self.<attr>: assigns it (or an item of it), registers it
+    (register_buffer / register_parameter("<attr>", ...)), or calls an in-place method on it (`copy_`)."""
+    def is_self_attr(t) -> bool:
+        return (isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                and t.value.id == "self")
+
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(is_self_attr(t) or (isinstance(t, ast.Subscript) and is_self_attr(t.value)) for t in targets)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
+        call = node.value
+        if call.func.attr in ("register_buffer", "register_parameter") and call.args:
+            first = call.args[0]
+            return isinstance(first, ast.Constant) and first.value == attr
+        return call.func.attr.endswith("_") and not call.func.attr.startswith("_") and is_self_attr(call.func.value)
+    return False
+
+
+def buffer_alone(trace: Trace, tensor_id: int | None) -> str:
+    """The name of the one parameter or buffer of the layer a tensor of the call was computed from, where every
+    tensor it was computed from that no traced op made is that one (no mask or input of the call's): "" otherwise."""
+    todo, seen, names = [tensor_id], set(), set()
+    while todo and len(seen) < 256:
+        i = todo.pop()
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        p = trace.producer.get(i)  # first: a buffer the call overwrote is what the call made of it
+        if p is not None:
+            todo.extend(trace.ops[p].in_ids)
+        elif i in trace.buffers:
+            names.add(trace.buffers[i])
+        else:
+            return ""  # a tensor the call was given
+    return names.pop() if len(names) == 1 and not todo else ""
+
+
+def buffer_sites(trace: Trace, tensor_id: int | None, note: str, fix: str) -> list[Site]:
+    """The lines of `__init__` that made the layer's buffer a mask was computed from alone (see `made_at`)."""
+    name = buffer_alone(trace, tensor_id)
+    if not name or not isinstance(trace.layer, torch.nn.Module):
+        return []
+    made = made_at(trace.layer, name)
+    attr = name.rpartition(".")[2]
+    how = ["made here"] if len(made) == 1 else [f"computed here, then written into self.{attr}", "written here"]
+    return [Site(file, line, function, text(file, line), "made before the call", f"self.{attr}: {h}; {note}", fix=fix)
+            for h, (file, line, function) in zip(how, made)]
+
+
+def init_sources(obj):
+    """(class, file, first line, parsed `__init__`) for each class in the MRO of `obj` that defines an `__init__`
+    whose source can be read, torch's own and builtins left out."""
+    for cls in type(obj).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(init)
+            file = inspect.getsourcefile(init)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if file is not None:
+            yield cls, file, start, tree
 
 
 def short(op: Op) -> str:

@@ -396,3 +396,267 @@ def test_an_attribute_set_only_under_a_condition_is_located_at_that_condition():
     torch.manual_seed(0)
     misspelt = audit(MisspeltBias()).result("runs")
     assert misspelt.verdict == "fail" and [s.function for s in misspelt.where] == ["MisspeltBias.forward"]
+
+
+# ---- cause 3: bucketed local attention, whose weights are (windows, W, look-around) ------------------------
+class BucketedLocalAttention(nn.Module):
+    """Causal local attention over buckets of W tokens, each query seeing its own bucket and the one before it, W
+    keys back at most (local-attention's LocalAttention, `forward(q, k, v)` on (B, T, d)): its softmax is over
+    (B, windows, W, 2W) scores, so no (Tq, Tk) weights are ever formed. `project`: an output projection after the
+    weighted sum."""
+
+    def __init__(self, window: int = 4, project: bool = False):
+        super().__init__()
+        self.window = window
+        self.out = nn.Linear(16, 16) if project else nn.Identity()
+
+    def look_back(self, t):
+        """(B, n, W, ...) buckets -> (B, n, 2W, ...): the previous bucket (padding before the first), then this one."""
+        pad = F.pad(t, (0, 0) * (t.dim() - 2) + (1, 0), value=-1.0)  # (B, n + 1, W, ...)
+        return torch.cat([pad[:, :-1], pad[:, 1:]], dim=2)
+
+    def blocked(self, pos, kpos):
+        """(1, n, W, 2W): True where a query may not attend a key: the future, and keys more than W back."""
+        future = kpos[:, :, None, :] > pos[..., None]
+        too_far = kpos[:, :, None, :] < pos[..., None] - self.window
+        return future | too_far
+
+    def weights(self, dots, blocked):
+        return dots.masked_fill(blocked, float("-inf")).softmax(dim=-1)
+
+    def forward(self, q, k, v):
+        B, T, d = q.shape  # batch, sequence length, width
+        W = self.window
+        assert T % W == 0, f"sequence length {T} must be divisible by window size {W}"
+        n = T // W  # buckets
+        bq, bk, bv = (t.reshape(B, n, W, d) for t in (q, k, v))  # (B, n, W, d)
+        bk, bv = self.look_back(bk), self.look_back(bv)  # (B, n, 2W, d)
+        pos = torch.arange(T, dtype=q.dtype).reshape(1, n, W)  # each query's position
+        kpos = self.look_back(pos.unsqueeze(-1)).squeeze(-1)  # (1, n, 2W): each looked-at key's (-1: padding)
+        dots = torch.einsum("bnid,bnjd->bnij", bq, bk) / math.sqrt(d)  # (B, n, W, 2W)
+        dots = dots.masked_fill(kpos[:, :, None, :] < 0, float("-inf"))  # the padding before the first bucket
+        out = torch.einsum("bnij,bnjd->bnid", self.weights(dots, self.blocked(pos, kpos)), bv)  # (B, n, W, d)
+        return self.out(out.reshape(B, T, d))
+
+
+class BucketedMaskAfterSoftmax(BucketedLocalAttention):
+    """Its twin that blocks the future after the softmax: the rows no longer sum to 1."""
+
+    def weights(self, dots, blocked):
+        return dots.softmax(dim=-1).masked_fill(blocked, 0.0)
+
+
+def test_bucketed_local_attention_weights_are_read_through_the_values():
+    """local-attention 1.2.2 and 1.0.2 (benchmarks/pypi_bugs.py's fixed releases) were inconclusive: their weights,
+    (windows, W, look-around), were never measured. Read one key at a time through the values (the output is
+    linear in them), the correct layer's rows sum to 1 and it passes; its twin, masking after the softmax, fails
+    weight_row_sums on the same inputs. Both were inconclusive (weight_row_sums not measured) before."""
+    torch.manual_seed(0)
+    correct = audit(BucketedLocalAttention(), causal=True, d_model=16)
+    sums = correct.result("weight_row_sums")
+    assert sums.verdict == "pass" and "one key at a time" in sums.message, sums
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    buggy = audit(BucketedMaskAfterSoftmax(), causal=True, d_model=16)
+    assert buggy.result("weight_row_sums").verdict == "fail" and buggy.status == "failed", str(buggy)
+
+
+def test_pin_weights_are_not_read_through_values_a_projection_follows():
+    """The reading is taken only where the standard output is the read weights applied to the standard values: an
+    output projection after the weighted sum breaks that, and the weights stay unmeasured (a skip, never a fail)."""
+    torch.manual_seed(0)
+    sums = audit(BucketedLocalAttention(project=True), causal=True, d_model=16).result("weight_row_sums")
+    assert sums.verdict == "skip", sums
+
+
+# ---- cause 9: the line that made a parameter an op raised on, before the op ----------------------------------
+class MemoryKeys(nn.Module):
+    """Grouped-query attention with learned memory key/values prepended to every sequence's (x-transformers'
+    num_mem_kv with kv_heads): the memory is made in __init__ with one head per key/value head."""
+
+    def __init__(self, d_model: int = D, heads: int = H, kv_heads: int = 2, memory: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, d = heads, kv_heads, d_model // heads
+        self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * kv_heads * d)
+        self.out = nn.Linear(d_model, d_model)
+        self.mem_k = nn.Parameter(torch.randn(self.memory_heads(), memory, d))
+        self.mem_v = nn.Parameter(torch.randn(kv_heads, memory, d))
+
+    def memory_heads(self) -> int:
+        return self.kv_heads
+
+    def forward(self, x):
+        B = x.shape[0]
+        q = split(self.q(x), self.heads)  # (B, H, T, d)
+        k, v = (split(t, self.kv_heads) for t in self.kv(x).chunk(2, dim=-1))  # (B, G, T, d) each
+        k = torch.cat((self.mem_k.expand(B, -1, -1, -1), k), dim=-2)  # (B, G, M + T, d)
+        v = torch.cat((self.mem_v.expand(B, -1, -1, -1), v), dim=-2)
+        k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))  # (B, H, M + T, d)
+        return self.out(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+class MemoryKeysPerQueryHead(MemoryKeys):
+    """Its twin that makes the memory keys with one head per query head (x-transformers 1.27.7's bug)."""
+
+    def memory_heads(self) -> int:
+        return self.heads
+
+
+def test_a_parameter_made_in_init_that_an_op_raised_on_is_located_where_it_is_made():
+    """`runs` points first at the line of __init__ that made the parameter the raising op was given (computed from it
+    alone, beside the call's keys), then at the op: x-transformers 1.27.7 (pypi_bugs xtr_mem_kv_grouped_heads) raised
+    in torch.cat at line 900 and was fixed where mem_k is made (791); before, only the cat was shown. The correct twin,
+    with one memory head per key/value head, passes on the same inputs."""
+    torch.manual_seed(0)
+    correct = audit(MemoryKeys())
+    assert correct.result("runs").verdict == "pass" and correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    runs = audit(MemoryKeysPerQueryHead()).result("runs")
+    assert runs.verdict == "fail", runs
+    made, raised = runs.where[0], runs.where[1]
+    assert made.function == "MemoryKeys.__init__" and made.code.startswith("self.mem_k = nn.Parameter("), made
+    assert "self.mem_k, of shape (4, 2, 8)" in made.note and made.fix.startswith("make self.mem_k with the sizes")
+    assert raised.function == "MemoryKeys.forward" and raised.code.startswith("k = torch.cat(")
+
+
+class BucketedWindowAnd(BucketedLocalAttention):
+    """Its twin that combines the two conditions with & (local-attention 1.2.1's exact window): the mask blocks
+    nothing, and the future is attended."""
+
+    def blocked(self, pos, kpos):
+        future = kpos[:, :, None, :] > pos[..., None]
+        too_far = kpos[:, :, None, :] < pos[..., None] - self.window
+        return future & too_far
+
+
+def test_a_mask_on_bucketed_scores_that_blocks_nothing_is_located_where_it_is_built():
+    """The scores of bucketed local attention are (B, windows, W, look-around), so their masking ops are not read as
+    (query, key) pairs and future_leakage pointed at the softmax ("no masking op reaches it": pypi_bugs
+    local_exact_window_and, fixed at line 150, shown at 171). A mask there that blocks nothing at all is now shown
+    first at the line that built it (the `&`), then where it is applied; the correct twin passes on the same inputs."""
+    torch.manual_seed(0)
+    correct = audit(BucketedLocalAttention(), causal=True, d_model=16)
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    leak = audit(BucketedWindowAnd(), causal=True, d_model=16).result("future_leakage")
+    assert leak.verdict == "fail", leak
+    built, applied = leak.where[0], leak.where[1]
+    assert built.function == "BucketedWindowAnd.blocked" and built.code == "return future & too_far", built
+    assert "builds a mask that blocks nothing" in built.note and "combine them with |" in built.fix
+    assert applied.code.startswith("return dots.masked_fill(blocked"), applied
+
+
+# ---- cause 3: linear attention, whose weights are never formed --------------------------------------------
+class CausalLinearAttention(nn.Module):
+    """Causal linear attention ("Transformers are RNNs"): features elu(x) + 1 of q and k, running sums of k v^T and
+    of k, out_i = phi(q_i) . S_i / phi(q_i) . z_i. No (Tq, Tk) weights and no softmax: its weights,
+    phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j'), are a kernel's."""
+
+    def __init__(self, d_model: int = D, n_heads: int = H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.to_out = nn.Linear(d_model, d_model)
+
+    def normalise(self, numerator, denominator):
+        return numerator / denominator.unsqueeze(-1)
+
+    def forward(self, x):
+        q, k, v = (split(f(x), self.n_heads) for f in (self.to_q, self.to_k, self.to_v))  # (B, H, T, d) each
+        q, k = F.elu(q) + 1, F.elu(k) + 1  # positive features
+        S = torch.einsum("bhtd,bhte->bhtde", k, v).cumsum(2)  # (B, H, T, d, d): sum over j <= t of k_j v_j^T
+        z = k.cumsum(2)  # (B, H, T, d): sum over j <= t of k_j
+        numerator = torch.einsum("bhtd,bhtde->bhte", q, S)  # (B, H, T, d)
+        denominator = torch.einsum("bhtd,bhtd->bht", q, z)  # (B, H, T)
+        return self.to_out(merge(self.normalise(numerator, denominator)))
+
+
+class CausalLinearTimesNormaliser(CausalLinearAttention):
+    """Its twin that multiplies by the normaliser (linear-attention-transformer 0.17.1's bug)."""
+
+    def normalise(self, numerator, denominator):
+        return numerator * denominator.unsqueeze(-1)
+
+
+class HandWrittenSoftmax(CausalLinearAttention):
+    """A softmax written by hand (exp / sum) over unscaled scores: no softmax op, a temperature to judge; its weights
+    are read through its value projection as a linear attention's are."""
+
+    def forward(self, x):
+        q, k, v = (split(f(x), self.n_heads) for f in (self.to_q, self.to_k, self.to_v))  # (B, H, T, d) each
+        T = x.shape[1]
+        scores = (q @ k.transpose(-2, -1)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9)
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))  # (B, H, T, T)
+        return self.to_out(merge(e / e.sum(-1, keepdim=True) @ v))
+
+
+def test_linear_attention_weights_are_read_through_its_value_projection():
+    """linear-attention-transformer 0.17.2 (pypi_bugs lat_causal_d_inv's fixed release) was inconclusive: no weights,
+    no softmax. Its value projection's output replaced one key at a time (the output projection's input read), the
+    correct layer's weights sum to 1 and it passes, the temperature not applicable (a kernel has none); its twin,
+    which multiplies by the normaliser, fails weight_row_sums on the same inputs. Both were inconclusive before."""
+    torch.manual_seed(0)
+    correct = audit(CausalLinearAttention(), causal=True)
+    sums, temperature = correct.result("weight_row_sums"), correct.result("softmax_saturation")
+    assert sums.verdict == "pass" and "the output of to_v, one key at a time" in sums.message, sums
+    assert temperature.verdict == "skip" and "not applicable" in temperature.message, temperature
+    assert correct.status == "passed", str(correct)
+    torch.manual_seed(0)
+    buggy = audit(CausalLinearTimesNormaliser(), causal=True)
+    assert buggy.result("weight_row_sums").verdict == "fail" and buggy.status == "failed", str(buggy)
+
+
+def test_pin_a_softmax_written_by_hand_keeps_its_temperature_to_judge():
+    """The temperature is not applicable only where no exponential ran on (Tq, Tk) scores: a softmax written by hand
+    (exp / sum) over unscaled scores is not excused as a kernel (its weights, read, sum to 1), so the audit stays
+    inconclusive, never passed."""
+    torch.manual_seed(0)
+    report = audit(HandWrittenSoftmax(), causal=True)
+    assert report.result("weight_row_sums").verdict == "pass", report.result("weight_row_sums")
+    assert report.result("softmax_saturation").message.startswith("not measured"), report.result("softmax_saturation")
+    assert report.status != "passed", str(report)
+
+
+class CachedAlibi(nn.Module):
+    """Causal attention with an ALiBi bias built on the first call from per-head slopes and cached in a buffer that
+    __init__ sets to None (x-transformers 0.27's AlibiPositionalBias): the bias is made in forward."""
+
+    def __init__(self, d_model: int = D, heads: int = H):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, heads + 1).view(heads, 1, 1), persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+
+    def padding(self, bias) -> int:
+        return self.heads - bias.shape[0]  # heads left without a bias (none here)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        if self.bias is None or self.bias.shape[-1] < T:
+            bias = torch.arange(T) * self.slopes  # (H, 1, T): the slope times the key's position
+            bias = F.pad(bias, (0, 0, 0, 0, 0, self.padding(bias)))
+            self.register_buffer("bias", bias, persistent=False)
+        q, k, v = (split(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, d) each
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.bias[..., :T]).masked_fill(~causal, -1e9)
+        return self.out(merge(scores.softmax(-1) @ v))
+
+
+class CachedAlibiWrongAxis(CachedAlibi):
+    """Its twin that counts the heads from the wrong axis (x-transformers 0.27.0's `bias.shape[1]`)."""
+
+    def padding(self, bias) -> int:
+        return self.heads - bias.shape[1]
+
+
+def test_a_tensor_computed_from_the_layers_state_that_an_op_raised_on_is_located_where_computed():
+    """The bias the raising add was given was computed in the call from the layer's slopes alone and cached in a
+    buffer that __init__ sets to None: `runs` points first where it was computed (the pad, the line before the
+    cache), not at __init__'s `register_buffer("bias", None)`. x-transformers 0.27.0 (pypi_bugs
+    xtr_alibi_unalibied_heads): the pad at 273, one line from the fix; it was __init__'s line 248 before."""
+    torch.manual_seed(0)
+    assert audit(CachedAlibi(), causal=True).status == "passed"
+    torch.manual_seed(0)
+    runs = audit(CachedAlibiWrongAxis(), causal=True).result("runs")
+    assert runs.verdict == "fail" and runs.where[0].code.startswith("bias = F.pad(bias"), runs.where

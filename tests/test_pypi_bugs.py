@@ -147,3 +147,43 @@ def test_a_release_that_does_not_build_is_not_run_not_a_miss():
     assert "not run: buggy release did not build: RuntimeError: torch.qr was removed" in bench.table([outcome])
     assert bench.totals([outcome]).splitlines()[-1] == "- all: caught 0/0, fixed passed 0/0, localised 0/0 " \
                                                        "(0/0 counting the lines that called a site's op); 1 not run"
+
+
+_MAX_BEFORE_MASK = """
+import torch
+from torch import nn
+
+class Layer(nn.Module):
+    # one head over (B, T, 32): the row max subtracted before (or after) the padding mask, as {where}
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x, mask=None):
+        s = self.q(x) @ self.k(x).transpose(-2, -1) / 32 ** 0.5  # (B, T, T)
+        if {before}:
+            s = s - s.amax(-1, keepdim=True).detach()
+        s = s.masked_fill(~mask[:, None, :], -torch.finfo(s.dtype).max)
+        if not {before}:
+            s = s - s.amax(-1, keepdim=True).detach()
+        return s.softmax(-1) @ self.v(x)
+
+layer = Layer()
+"""
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_the_padded_keys_script_asserts_a_max_over_padded_keys_and_only_that(before):
+    """The script that confirms memory-efficient-attention 0.0.5's true finding, on a layer that takes its row max
+    over every key before masking (as 0.0.5 does: the padded tokens move the bfloat16 outputs) and on its twin that
+    takes it after (as 0.0.14 does: they move them by exactly 0, and the script refuses)."""
+    import torch
+
+    build = _MAX_BEFORE_MASK.format(before=before, where="0.0.5 does" if before else "0.0.14 does")
+    torch.manual_seed(0)
+    script = bench.padded_keys_move_outputs("bfloat16", least=0.1)
+    if before:
+        exec(script, {"BUILD": build})
+    else:
+        with pytest.raises(AssertionError, match="moved by 0.00e\\+00 of their RMS: the mask is honoured"):
+            exec(script, {"BUILD": build})

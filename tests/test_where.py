@@ -136,9 +136,6 @@ NEVER_SEEN = {name: (make, set(must), twin) for name, (make, must, twin) in neve
 NEVER_SEEN.update({name: (make, {det}, twin) for name, (make, det, twin) in never_seen.SECOND_CHAPTER.items()})
 # Not localised to the `# BUG` line, and why (benchmarks/localisation.py counts them as misses):
 KNOWN_MISSES = {  # name: the op the first site names instead (a part of its name), or None for no site
-    # the mask is a buffer built in __init__; the audit sees the masked_fill that applies it, in forward
-    "causal mask one token too wide": "masked_fill",
-    "causal mask blocking the diagonal, first row kept": "masked_fill",
     # the missing rescale of the running sum leaves no op that moves where it must not
     "online softmax without rescale": None,
     # `allowed = None` runs no op: the site is the fused call two lines below, which gets no mask

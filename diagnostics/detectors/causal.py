@@ -248,7 +248,7 @@ def own_mask_sites(probe, result: DetectorResult) -> list[Site]:
     s = probe.subject
     B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
     trace = trace_call(s, base.query, base.key, base.value, base.allowed, seed=probe.seed)
-    return mask_sites(trace, torch.ones(B, t_q, t_k, dtype=torch.bool), B, t_q, t_k)
+    return mask_sites(trace, torch.ones(B, t_q, t_k, dtype=torch.bool), B, t_q, t_k, origins=False)
 
 
 @detector("undeclared_causality", "a layer audited as not causal blocks no key by its position on its own: one whose "

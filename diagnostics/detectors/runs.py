@@ -4,9 +4,7 @@ exception's traceback."""
 from __future__ import annotations
 
 import ast
-import inspect
 import re
-import textwrap
 from dataclasses import replace
 
 import torch
@@ -17,7 +15,8 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import left_streams, spell, stream_calls
-from .._tracing import site, text
+from .._tracing import (CARRIES, buffer_alone, init_sources, made_at, op_site, producer, site, text,
+                        through_carries, trace_call, user)
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
 
@@ -45,9 +44,53 @@ def runs_sites(probe, result: DetectorResult) -> list[Site]:
                            f"buffers follow the input length")
                 raised = site(frames, type(error).__name__, str(error).strip().splitlines()[0][:160]
                               if str(error).strip() else "", fix)
-                unset = unset_attribute_site(error) if isinstance(error, AttributeError) else None
-                return [unset, raised] if unset is not None else [raised]
+                made = (unset_attribute_site(error) if isinstance(error, AttributeError) else
+                        state_site(probe, call, error))
+                if made is not None and fix.startswith("the layer runs on 1 token"):  # a buffer of fixed length
+                    made = replace(made, fix=fix)
+                return [made, raised] if made is not None else [raised]
     return []
+
+
+def state_site(probe, call, error: BaseException) -> Site | None:
+    """Where the layer made the parameter or buffer that an op raised on, beside the call's own tensors: the op that
+    raised (torch.cat of memory keys and the call's keys) was given a tensor computed from the layer's state alone,
+    whose shape was fixed where `__init__` made it (x-transformers 1.27.7 makes `mem_k` with `heads` heads where its
+    keys have `kv_heads`), and one computed from the probe's inputs. The line that made it comes first, the op that
+    raised second; None where the op was given no such pair (or the line is not found)."""
+    layer = getattr(probe.subject, "layer", None)
+    if not isinstance(error, RuntimeError) or not isinstance(layer, torch.nn.Module):
+        return None
+    trace = trace_call(probe.subject, call.query, call.key, call.value, call.allowed, seed=probe.seed)
+    if type(trace.error) is not type(error) or str(trace.error) != str(error):  # not the same failure
+        return None
+    if not any(trace.sources.get(i) or i in trace.inputs for i in trace.failed_ins):
+        return None  # nothing the call gave reached that op: the layer's state disagrees with itself
+    for i in trace.failed_ins:
+        name = buffer_alone(trace, i)
+        if not name:
+            continue
+        attribute = name.rpartition(".")[2]
+        computed = through_carries(trace, producer(trace, i))
+        if computed is not None and computed.short not in CARRIES and user(computed):
+            # computed in the call from the layer's state alone (a bias built from its slopes): where it is computed
+            return op_site(computed, f"makes the tensor the op that raised was given, from self.{attribute} alone "
+                                     f"(no tensor of the call), beside tensors of the call",
+                           fix="make this tensor with the sizes the call's tensors have where it raised (the error "
+                               "says which dimension disagrees)")
+        made = made_at(layer, name)
+        if not made:
+            return None
+        file, line, function = made[0]  # where its value was computed (a local written into it), else the write
+        state = dict(layer.named_parameters())
+        shape = tuple((state.get(name) if name in state else layer.get_buffer(name)).shape)
+        kind = "parameter" if name in state else "buffer"
+        return Site(file, line, function, text(file, line), f"{kind} made",
+                    f"self.{attribute}, of shape {shape}: the op that raised was given a tensor computed from it "
+                    f"alone, beside tensors of the call",
+                    fix=f"make self.{attribute} with the sizes the call's tensors have where it raised (the error "
+                        f"says which dimension disagrees)")
+    return None
 
 
 UNSET = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
@@ -68,18 +111,9 @@ def unset_attribute_site(error: AttributeError) -> Site | None:
     if not found or obj is None:
         return None
     name = found.group(2)
-    for cls in type(obj).__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is None or cls.__module__.startswith(("torch.", "builtins")):
-            continue
-        try:
-            lines, start = inspect.getsourcelines(init)
-            file = inspect.getsourcefile(init)
-            tree = ast.parse(textwrap.dedent("".join(lines)))
-        except (OSError, TypeError, SyntaxError):
-            continue
+    for cls, file, start, tree in init_sources(obj):
         guard = _guard_of(tree.body[0].body, name)
-        if guard is None or file is None:
+        if guard is None:
             continue
         line = start + guard.lineno - 1
         return Site(file, line, f"{cls.__qualname__}.__init__", text(file, line), "attribute set conditionally",

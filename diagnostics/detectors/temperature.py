@@ -12,10 +12,12 @@ from .._core import not_run, skip
 from .._observe import FusedAttention as Fused
 from .._observe import Scaling, SoftmaxCall, applied_scales
 from .._probe import Call, Probe
-from .._registry import detector
+from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
+    MATMULS,
+    ancestors,
     did_nothing,
     event_op,
     op_site,
@@ -27,7 +29,7 @@ from .._tracing import (
     trace_call,
     unique,
 )
-from ._common import ENTROPY_ROWS, result
+from ._common import ENTROPY_ROWS, base_trace, result
 
 
 def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
@@ -118,6 +120,24 @@ def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
+def _exponent_over_scores(probe: Probe) -> bool:
+    """The standard probe ran an exponential (or a softmax) on scores: on a tensor computed from a product of two
+    tensors that both come from the inputs (q·k, in any layout: bucketed windows too), not only from the inputs and
+    the layer's weights (a linear attention's feature map, exp or softmax of a projection). Such a softmax, written
+    by hand or read in a layout whose scale was not fitted, keeps its temperature for the audit to judge."""
+    trace = base_trace(probe)
+
+    def scores(op) -> bool:
+        return op.short in MATMULS | {"einsum"} and len(op.in_ids) >= 2 and \
+            all(trace.sources.get(i) for i in op.in_ids[:2])
+
+    return any(op.short in EXPONENTS and any(scores(trace.ops[a]) for a in ancestors(trace, op))
+               for op in trace.ops)
+
+
+EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
+
+
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
           "q and k (QK-norm, cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100",
           targets=("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
@@ -133,6 +153,12 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if weights is not None:
             estimates = [(s, d, f"log-weights vs q·k of the {source}", None)
                          for s, d in _log_weight_scale(weights, base.query, base.key)]
+    if not estimates and probe.subject.form != "function":
+        weights, source = probe.recovered_weights()
+        if weights is not None and not _exponent_over_scores(probe):
+            return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential of q·k scores, "
+                                  f"and no fused attention call: the weights ({source}) are a kernel's (linear "
+                                  f"attention), which has no temperature; weight_row_sums judges them")
     if not estimates:
         return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
     rows = []

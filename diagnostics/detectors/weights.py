@@ -53,7 +53,9 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
         weights, source = probe.recovered_weights()
     if weights is None:
         return skip(det, "the layer returns no (..., Tq, Tk) weights, no softmax over them and no fused attention "
-                         "call was observed (a function that accepts values of another width is read through v = I)")
+                         "call was observed, and its values did not show them (a layer given its values apart is read "
+                         "through them: v = I, or one key at a time, where its output is those weights applied to its "
+                         "values)")
     t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
     if weights.numel() % (B * T * t_k):
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
