@@ -30,38 +30,38 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
 `_thresholds.py`, `_projections.py` (the recompute from a layer's own weights that own_weights compares its output
 with: a mutant there moves that detector's verdicts) and the model wing's detectors and judgements (every public
-module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
-`_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
-and in its sample. Left out, by design: the localisers (functions named `*_sites`,
-`*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
-`benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
-mutant there changes no verdict.
+module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports
+`tolerance` from `_thresholds`, as `_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from
+the committed tree, so that a module added later is in the next run and in its sample. Left out, by design: the
+localisers (functions named `*_sites`, `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where
+a finding points and are measured by `benchmarks/localisation.py`, and functions that only word evidence or choose
+among fixes (`*_text`, `*_fix`); a mutant there changes no verdict.
 
 Sampling (the default; `--all` runs every mutant): every `constant` mutant of a module-level constant (the
 thresholds: the point of issue 20), plus per module a sample of SAMPLE_PER_MODULE of its other mutants, drawn
 with random.Random(f"{SEED}:{module}") after sorting by id, so the sample is stratified per module and the same
 on every run of the same code. The run prints the sample's size per module.
 
-Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default
-HEAD, so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system
-temp dir (one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the
-repository's files are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests of that
-module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
-Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
-selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
-(counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is undecided, not
-a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path, a loaded
-machine), so timeouts leave the score's denominator, are listed apart with the score they would give counted as
-kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter machine). The
-score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when EQUIVALENT names it
-with the reason, after it was checked by hand to change no verdict.
+Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default HEAD,
+so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system temp dir
+(one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the repository's files
+are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests
+of that module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and
+OMP_NUM_THREADS=1. Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy,
+and every selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be
+collected (counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is
+undecided, not a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path,
+a loaded machine), so timeouts leave the score's denominator, are listed apart with the score they would give
+counted as kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter
+machine). The score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when
+EQUIVALENT names it with the reason, after it was checked by hand to change no verdict.
 
 Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
 on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
 test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
-mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and timeouts),
-matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
-
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and
+timeouts), matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own
+modules.
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
 case just inside and one just outside each constant, per dtype), and its author runs
 `python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
@@ -132,8 +132,9 @@ def _files() -> tuple[str, ...]:
 
 
 FILES = _files()
-NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$|^held_positions$"
-                         r"|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$|^KeepFloat64")
+NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$"
+                         r"|^held_positions$|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$"
+                         r"|^KeepFloat64")
 """Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring)."""
 MEASURED = re.compile(r"^MEASURED_")
 SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
@@ -141,11 +142,14 @@ SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
 SAMPLE_PER_MODULE = 4
 SEED = 20
 FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
+OWN_WEIGHTS = ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py",
+               "tests/test_verdicts.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
-    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
+    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py",
+                                "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
-    "detectors/own_weights.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "_projections.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/own_weights.py": FAST + OWN_WEIGHTS,
+    "_projections.py": FAST + OWN_WEIGHTS,
     "detectors/masking.py": FAST + ["tests/test_mask_controls.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
@@ -168,11 +172,13 @@ def tests_for(file: str) -> list[str]:
 # every run), so a stale mark cannot hide a new mutant.
 # Keep this short and honest: a mutant that only changes what a finding says is not marked; it is a gap.
 _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
-                   "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
+                   "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact "
+                   "hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
 _VALUES_ARE_KEYS = (
-    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, every "
-    "stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated are the "
+    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, "
+    "every stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated "
+    "are the "
     "keys element for element and only the tensor's identity differs. A layer may read that identity (torch's "
     "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
     "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
@@ -245,8 +251,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
                                                                  _VALUES_ARE_KEYS),
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
-        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
-        "which it is: `<` and `<=` give the same sizes"),
+        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and "
+        "P = 1, which it is: `<` and `<=` give the same sizes"),
     "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "_projections.py:_four_d:L*:Gt->GtE": (
@@ -365,7 +371,8 @@ KNOB = re.compile(r"#\s*knob:\s*(.+)$")
 
 
 def knob(src: _Source, top: ast.stmt) -> str | None:
-    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or None."""
+    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or
+    None."""
     found = KNOB.search(src.line(top.lineno))
     return found.group(1).strip() if found else None
 
@@ -727,8 +734,9 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
     score = killed / counted if counted else float("nan")
     kinds = Counter(by_id[o.id].kind for o in outcomes)
     lines.append("")
-    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}"
-                                         f"/{n}" for k, n in sorted(kinds.items())))
+    lines.append("by kind: " + ", ".join(
+        f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}/{n}"
+        for k, n in sorted(kinds.items())))
     lines.append(f"mutation score: {killed} / {counted} non-equivalent decided mutants killed = {100 * score:.1f}%"
                  + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else "")
                  + (f"; {len(timeouts)} timed out, not counted (as kills: {killed + len(timeouts)} / "

@@ -292,7 +292,8 @@ def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and
     """output_variance's learned-keys branch (`_judged_with_learned_keys`): the weights over the input's and the
     layer's keys must come from a softmax over the keys."""
     queries = verdict(MemorySlots(dim=-2), "output_variance")
-    assert queries.verdict == "fail" and queries.message.endswith("the softmax does not normalise over the keys"), queries
+    assert queries.verdict == "fail", queries
+    assert queries.message.endswith("the softmax does not normalise over the keys"), queries
     keys = verdict(MemorySlots(dim=-1), "output_variance")
     assert keys.verdict == "pass", keys
 
@@ -578,7 +579,8 @@ def test_an_encoder_decoder_is_causal_unless_all_its_decoder_self_attention_laye
 
 def test_a_config_that_says_is_decoder_false_declares_nothing():
     """`declared_causal`'s `config is not None and config.is_decoder is True`."""
-    assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=False)), None, RUNNER) == (None, "")
+    not_decoder = SimpleNamespace(config=SimpleNamespace(is_decoder=False))
+    assert _causal.declared_causal(not_decoder, None, RUNNER) == (None, "")
     assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=True)), None, RUNNER)[0] is True
 
 

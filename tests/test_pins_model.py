@@ -121,8 +121,8 @@ def test_backend_parity_of_a_model_without_a_padding_mask_compares_unpadded_rows
 
 
 class Peeks(torch.nn.Module):
-    """Before a block's MLP or norm, a leak of the future: "every": position t takes t + 1's features, at every t; "T-2": at
-    T - 2 only; "0 from T-1": position 0 takes the last position's."""
+    """Before a block's MLP or norm, a leak of the future: "every": position t takes t + 1's features, at every t;
+    "T-2": at T - 2 only; "0 from T-1": position 0 takes the last position's."""
 
     def __init__(self, where: str):
         super().__init__()
@@ -165,8 +165,8 @@ def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_mi
 
 def test_prefix_causality_quotes_the_first_cut_that_reached_the_greatest_change():
     """model/causality.py: `float(past.max()) > worst`: where every cut moves position 0 by the same amount (it reads
-    the last token's embeddings, which every cut replaces by the same token's), the evidence quotes the first cut, 0; `>=` would
-    quote the last, 14."""
+    the last token's embeddings, which every cut replaces by the same token's), the evidence quotes the first cut, 0;
+    `>=` would quote the last, 14."""
     result = diagnostics.audit_model(peeking("0 from T-1"), detectors=["prefix_causality"]).result("prefix_causality")
     assert result.verdict == "fail" and "at t=0 when only t>0 was changed" in result.evidence, result
 

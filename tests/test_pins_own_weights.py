@@ -115,7 +115,8 @@ def test_each_scale_own_weights_tries_is_named(scale, shown):
 
 
 @pytest.mark.parametrize("make", [GroupedQueryAttention, lambda: nn.MultiheadAttention(32, 4, batch_first=True).eval(),
-                                  lambda: correct.MultiHeadAttention(32, 4)], ids=["hugging face", "torch", "reference"])
+                                  lambda: correct.MultiHeadAttention(32, 4)],
+                         ids=["hugging face", "torch", "reference"])
 def test_a_causal_audits_mask_is_read_as_each_family_passes_it(make):
     """A causal audit passes the causal mask to each (Hugging Face's True = may attend; torch's attn_mask True =
     blocked; the reference's True = may attend): recomputed with the call's mask, the correct layer passes; read the
@@ -262,7 +263,8 @@ def config(**kw):
     (lambda: HF(k=24, v=24, num_heads=4, num_key_value_heads=3, head_dim=8), "are not 4 heads (HF.num_heads) and 3"),
     (lambda: HF(num_heads=4, attn_logit_softcapping=50.0), "attn_logit_softcapping is set"),
     (lambda: HF(num_heads=4, config=config(logit_softcapping=30.0)), "logit_softcapping is set"),
-    (lambda: HF(fused=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8), (4, 2, 8, "HF.num_attention_heads")),
+    (lambda: HF(fused=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+     (4, 2, 8, "HF.num_attention_heads")),
     (lambda: HF(fused=96, num_attention_heads=4, head_dim=8), (4, 4, 8, "HF.num_attention_heads")),
     (lambda: HF(fused=64, num_attention_heads=4), "a fused qkv_proj, but no num_attention_heads and head_dim"),
     (lambda: HF(fused=60, num_attention_heads=4, num_key_value_heads=2, head_dim=8), "qkv_proj gives 60 features"),
