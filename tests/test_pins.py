@@ -850,3 +850,65 @@ def test_undeclared_causality_is_not_run_when_the_standard_probe_raised():
     assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
                                                       "(RuntimeError: always); see `runs`"), found
     assert verdict(attention, "undeclared_causality").verdict == "pass"
+
+
+# ---- seed 777's sample, the rest: the gradient probe's padding mask, attention_pattern's zero output ---------------
+
+
+def softmax_then_mask(q, k, v, mask=None):
+    """The mask applied after the softmax normalised over every key: a blocked key gets no weight but still moves
+    the others' through the normalisation, so it receives gradient."""
+    weights = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1)
+    weights = weights if mask is None else weights.masked_fill(~mask, 0.0)  # the bug
+    return weights @ v, weights
+
+
+@pytest.mark.parametrize("seq_len", [2, 3])
+def test_gradients_check_a_padded_key_from_3_tokens(seq_len):
+    """_gradient_probe's `T >= 3` (T = min(seq_len, GRADIENT_TOKENS)): from 3 tokens the gradient probe blocks the
+    last key and checks it gets exactly zero gradient, so masking after the softmax fails at 3 (with `T > 3` it would
+    pass) while the reference passes and says what it checked; at 2 tokens no key is padded (every query keeps a
+    choice of keys only from 3) and both pass."""
+    bug = verdict(softmax_then_mask, "gradients", seq_len=seq_len)
+    right = verdict(attention, "gradients", seq_len=seq_len)
+    assert right.verdict == "pass", right
+    if seq_len == 3:
+        assert bug.verdict == "fail" and bug.message.startswith("masked keys receive gradient"), bug
+        assert right.evidence.endswith("keys a padding mask blocks get exactly zero gradient"), right.evidence
+    else:
+        assert bug.verdict == "pass" and "padding mask" not in right.evidence, (bug, right.evidence)
+
+
+def test_attention_pattern_skips_an_output_that_is_zero_everywhere_and_judges_the_same_weights_output():
+    """attention_pattern's `_run`: `if not scale > 0` (the baseline's output is zero or non-finite everywhere) skips
+    with the reason, where a change measured against a zero scale would read every row as unmoved (or divide by 0);
+    the same weights with their output kept pass."""
+
+    def zero(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return out * 0, weights
+
+    window = patterns.sliding_window(4)
+    skipped = verdict(zero, "attention_pattern", pattern=window)
+    assert (skipped.verdict, skipped.message) == ("skip", "not measured: the output is zero or non-finite everywhere "
+                                                          "on this probe, so a change cannot be measured against it")
+    assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min], ids=["-inf", "finfo.min"])
+def test_the_logit_gain_reads_only_the_keys_a_causal_row_weighs(fill):
+    """_logit_gain's `seen = w > 0`: a causal probe's future keys get weight exactly 0. Masked with -inf, their
+    logits are not finite and are dropped either way; masked with float32's finfo.min (as Hugging Face layers do),
+    their logits are finite, and only the zero weight keeps them out of the spread (with `w >= 0` the spread is
+    ~1e38 and the gain 1). Both read the spread of the keys each row weighs: logits spread about 0.02, gain ~10."""
+
+    def layer(q, k, v, mask=None):
+        B, H, T, _ = q.shape
+        z = torch.randn(B, H, T, k.shape[-2], generator=torch.Generator().manual_seed(0))
+        scores = (0.02 * z).to(q.dtype)
+        scores = scores if mask is None else scores.masked_fill(~mask, fill)
+        weights = scores.softmax(-1)
+        return weights @ v, weights
+
+    gain = logit_gain(probe_of(layer, 16))
+    assert 7 < gain < 14, gain  # sqrt(2 / 0.02) = 10, read over each causal row's own keys
