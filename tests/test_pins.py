@@ -8,6 +8,7 @@ pins. Tiny layers and sizes: the file runs in a few seconds, and every mutant's 
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -912,3 +913,18 @@ def test_the_logit_gain_reads_only_the_keys_a_causal_row_weighs(fill):
 
     gain = logit_gain(probe_of(layer, 16))
     assert 7 < gain < 14, gain  # sqrt(2 / 0.02) = 10, read over each causal row's own keys
+
+
+def test_a_wide_patterns_classes_are_chosen_for_the_pairs_at_each_end_of_a_rows_keys():
+    """_edges: the edge pairs are the two keys on either side of each change along a row, (j, j + 1) where the
+    declared mask differs. sliding_window(8) at T = 16 has p = 10 classes, more than MAX_COPIES = 9, so the
+    classes are chosen for the edge pairs they read: 2 per row for rows 0-7 and 15 (one change), 4 for rows 8-14, 46
+    per sequence, 92 in the probe's two; the chosen copies read nearly all of them, and the reference passes."""
+    declared = patterns.sliding_window(8).allowed(1, 16, 16)[0]
+    edges = sum(len({key for j in range(15) if declared[row, j] != declared[row, j + 1] for key in (j, j + 1)})
+                for row in range(16))
+    assert edges == 46
+    found = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(8))
+    read = re.search(r"(\d+) / (\d+) edge pairs read", found.evidence)
+    assert found.verdict == "pass" and read is not None, found
+    assert int(read.group(2)) == 2 * edges and int(read.group(1)) >= 0.9 * 2 * edges, read.group(0)
