@@ -134,8 +134,9 @@ def _files() -> tuple[str, ...]:
 FILES = _files()
 NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$"
                          r"|^held_positions$|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$"
-                         r"|^KeepFloat64")
-"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring)."""
+                         r"|^KeepFloat64|^_score_like$")
+"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring);
+the helpers named here are called by localisers only (positions.py's `_score_like`: by `shift_sites`)."""
 MEASURED = re.compile(r"^MEASURED_")
 SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""

@@ -168,3 +168,20 @@ def test_a_flipped_alibi_in_a_fused_call_is_read_from_its_mask_and_the_right_sig
     flipped = verdict(sdpa_alibi(+0.5))
     assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
     assert verdict(sdpa_alibi(-0.5)).verdict == "pass"
+
+
+# ---- distance_reward: a head with no bias ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("slopes", [(0.0, -0.5), (0.0, 0.05)], ids=["penalises", "rewards"])
+def test_a_head_without_a_bias_beside_alibis_passes_and_beside_a_rewarding_one_fails(slopes, dtype):
+    """distance_reward's `slope > 0` over the heads: a head with no distance bias reads slope exactly 0 on identical
+    tokens (its scores are flat); beside an ALiBi head (slope -0.5) no head rewards distance, a pass (with `>= 0` the
+    flat head alone would read as rewarding, value 0.0); beside a head of slope +0.05 the layer fails, value 0.05."""
+    found = verdict(biased(slope=torch.tensor(slopes, dtype=torch.float64).view(2, 1, 1)), dtype=dtype)
+    if slopes[1] < 0:
+        assert found.verdict == "pass", found
+    else:
+        assert found.verdict == "fail" and found.value == pytest.approx(0.05, rel=1e-4), found
+        assert found.message.startswith("the position bias rewards distance"), found
