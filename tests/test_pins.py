@@ -24,7 +24,7 @@ from diagnostics._guard import seed_rng
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
-from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
+from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked, stacked_baseline
 from diagnostics.model import _causal
 from diagnostics.model.window import declared_pattern
 
@@ -928,3 +928,14 @@ def test_a_wide_patterns_classes_are_chosen_for_the_pairs_at_each_end_of_a_rows_
     read = re.search(r"(\d+) / (\d+) edge pairs read", found.evidence)
     assert found.verdict == "pass" and read is not None, found
     assert int(read.group(2)) == 2 * edges and int(read.group(1)) >= 0.9 * 2 * edges, read.group(0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_future_leakages_padded_cut_rides_the_padding_stack_for_a_module_only(causal):
+    """padded_cut_cases' guard `not causal or t < 2 or form == "function"`: a causal audit of a module adds its cut
+    under the padding mask to the PADDED stack's call (3 copies -> 4); a function's is probed in a call of its own
+    (`_padded`), so its stack stays at 3 copies (with the last `or` made `and`, a copy nobody reads: a forward's
+    worth of cost, no verdict). Not causal: 3 for both."""
+    copies = {name: stacked(probe_of(layer, 16, causal=causal), PADDED, "mask_honoured").copies
+              for name, layer in (("function", attention), ("module", OneStream()))}
+    assert copies == {"function": 3, "module": 4 if causal else 3}, copies

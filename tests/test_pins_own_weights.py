@@ -8,6 +8,7 @@ layers: the file runs in a few seconds, before tests/test_own_weights.py in the 
 from __future__ import annotations
 
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -326,6 +327,26 @@ def test_a_calls_rotary_tables_are_read_as_llamas_and_others_refused(args, expec
     else:
         assert got.rotary is not None and any(expected in r for r in got.read), got
 
+
+
+@pytest.mark.parametrize("keeps_shape", [True, False], ids=["Llama's", "another shape"])
+def test_a_calls_rotary_is_applied_by_the_modules_function_and_another_shape_refused(keeps_shape, monkeypatch):
+    """inputs()'s rotary: the module's own apply_rotary_pos_emb turns q and k (here q cos + flip(q) sin); where it
+    returns another shape than it is given (a partial rotary applied in its own way), not applicable. Pins the shape
+    test `turned[0].shape != q_.shape or ...`: with `==` the right shape would be refused."""
+    if not keeps_shape:
+        monkeypatch.setattr(sys.modules[__name__], "apply_rotary_pos_emb", lambda q, k, cos, sin: (q[..., :4], k))
+    p = recognise(HF(num_heads=4, head_dim=8))
+    cos, sin = torch.rand(1, 4, 8), torch.rand(1, 4, 8)  # (1, T, d)
+    got = p.inputs({"hidden_states": torch.randn(1, 4, 32), "position_embeddings": (cos, sin)})
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)  # (B, H, T, d), (B, G, T, d)
+    if keeps_shape:
+        turned = got.rotary(q, k)
+        torch.testing.assert_close(turned[0], q * cos + q.flip(-1) * sin)
+        torch.testing.assert_close(turned[1], k * cos + k.flip(-1) * sin)
+    else:
+        with pytest.raises(NotApplicable, match="returns another shape than it is given"):
+            got.rotary(q, k)
 
 # ---- own_weights: a zero output, several modules, a module called twice, a causal mask of the layer's own --------
 
