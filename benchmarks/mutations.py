@@ -156,6 +156,8 @@ TESTS = {  # module -> the test files run against its mutants, the fast ones fir
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    # cached decoding under a declared pattern (test_pattern_decoding.py, 2 s): the pattern that blocks the future
+    "detectors/decoding.py": FAST + ["tests/test_pattern_decoding.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     # the hint's words for a layer that states its mask convention are pinned in test_declarations.py (4 s)
     "detectors/_mask_hints.py": FAST + ["tests/test_declarations.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],

@@ -939,3 +939,33 @@ def test_future_leakages_padded_cut_rides_the_padding_stack_for_a_module_only(ca
     copies = {name: stacked(probe_of(layer, 16, causal=causal), PADDED, "mask_honoured").copies
               for name, layer in (("function", attention), ("module", OneStream()))}
     assert copies == {"function": 3, "module": 4 if causal else 3}, copies
+
+
+class OwnPositionBlocked(nn.Module):
+    """One-stream self-attention over 2 heads of x itself, causal, with the diagonal blocked from row 1 on (`blocked`;
+    row 0 keeps its one key): each later query gives its own position weight 0."""
+
+    def __init__(self, blocked=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.blocked = 16, 2, blocked
+
+    def forward(self, x, mask=None):
+        B, T, _ = x.shape
+        heads = x.view(B, T, 2, 8).transpose(1, 2)  # (B, H, T, d)
+        keep = torch.ones(T, T, dtype=torch.bool).tril(-1 if self.blocked else 0)
+        keep[0, 0] = True
+        out, weights = attention(heads, heads, heads, allowed=lambda t_q, t_k: keep)
+        return out.transpose(1, 2).reshape(B, T, 16), weights
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_causal_alignment_counts_the_queries_that_give_their_own_position_no_weight(blocked):
+    """check_causal_alignment's one-stream branch: the diagonal blocked for 15 of 16 queries in 2 sequences x 2
+    heads fails with the count of those queries, 60 of 64 (`diag <= 0` in the evidence; `>= 0` would count all 64);
+    the diagonal kept passes."""
+    found = verdict(OwnPositionBlocked(blocked), "causal_alignment", causal=True)
+    if blocked:
+        assert found.verdict == "fail" and found.message == "a query gives zero weight to its own position", found
+        assert found.evidence.startswith("60 / 64 queries give their own position weight 0"), found.evidence
+    else:
+        assert found.verdict == "pass", found
