@@ -138,7 +138,7 @@ NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_c
 """Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring);
 the helpers named here are called by localisers only (positions.py's `_score_like`: by `shift_sites`)."""
 MEASURED = re.compile(r"^MEASURED_")
-SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
+SIZES = ("ENTROPY_ROWS", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
 SAMPLE_PER_MODULE = 4
 SEED = 20
