@@ -192,6 +192,12 @@ _FLOOR_OF_ZERO = (
     "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
     "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
     "(1.4e-45), and in float64 no model with finite non-zero weights gets there (checked by hand)")
+_SCALE_FLOOR = (
+    "`scale = max(|grad| |u|, 1e-300)`: the floor keeps the division finite where the gradient is 0 (u is a Gaussian "
+    "draw, never 0). It acts only where |grad| |u| < 1e-299, a gradient under float64's normal range; there autograd's "
+    "directional derivative is 0 and the finite differences are 0 (a pass at any floor: rel 0, pinned by "
+    "test_gradients_words_an_exact_agreement_of_zero) or rounding noise of 1e-20 or more (rel > 1e270 against a bar of "
+    "1e-9: a fail at any floor); the noise bar 30 |fd_fine - fd| / scale scales with rel (checked by hand)")
 _SAME_SCALE = (
     "equivalent in practice: the bar only skips a candidate scale equal to the layer's own. A candidate within 1e-8 "
     "(x10) or 1e-10 (x0.1) of it, relative, recomputes the reference to within about 1e-8 x the logits' spread of "
@@ -295,9 +301,16 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "
         "the mask named in the evidence would change, never the verdict, which reads that error)"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
-        "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
-        "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
-        "and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step unused)"),
+        ("mul_(0.6180339887498949)", "for d in u))), 1e-300)"),
+        "equivalent in practice, on either line. `mul_(0.618...)`: the golden-ratio step only spreads the sampled "
+        "entries of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the "
+        "tensor, and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step "
+        "unused). " + _SCALE_FLOOR),
+    "detectors/gradients.py:check_gradients:L*:x10": ("for d in u))), 1e-300)", _SCALE_FLOOR),
+    "detectors/gradients.py:_masked_key_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_masked_key_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_future_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_future_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
