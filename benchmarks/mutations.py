@@ -198,6 +198,12 @@ _SCALE_FLOOR = (
     "directional derivative is 0 and the finite differences are 0 (a pass at any floor: rel 0, pinned by "
     "test_gradients_words_an_exact_agreement_of_zero) or rounding noise of 1e-20 or more (rel > 1e270 against a bar of "
     "1e-9: a fail at any floor); the noise bar 30 |fd_fine - fd| / scale scales with rel (checked by hand)")
+_ZERO_OUTPUT = (
+    "`or 1.0` is the scale only where the float64 output is exactly 0 everywhere (its RMS is 0), so the move is read "
+    "in absolute terms: x10 or x0.1 changes the verdict only for a part whose N(0, 1) change moves an all-zero output "
+    "by between 1e-10 and 1e-8 absolute. On the probe's O(1) tokens an O(1) change of weights either leaves such an "
+    "output exactly 0 (the part does not reach it) or moves it by far more; equivalent in practice (checked by hand: "
+    "there every gradient of (out ** 2).sum() is 0, so every parameter is perturbed and read this way)")
 _SAME_SCALE = (
     "equivalent in practice: the bar only skips a candidate scale equal to the layer's own. A candidate within 1e-8 "
     "(x10) or 1e-10 (x0.1) of it, relative, recomputes the reference to within about 1e-8 x the logits' spread of "
@@ -307,6 +313,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tensor, and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step "
         "unused). " + _SCALE_FLOOR),
     "detectors/gradients.py:check_gradients:L*:x10": ("for d in u))), 1e-300)", _SCALE_FLOOR),
+    "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
+        "& (weights > 0)", "beside `torch.isfinite(logw)`: a weight of exactly 0 has log -inf, not finite, so it is "
+        "left out with `> 0` and with `>= 0` alike (a negative weight's log is NaN: out either way; checked by hand)"),
+    "detectors/parameters.py:_forward_moves:L*:x10": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/parameters.py:_forward_moves:L*:x0.1": ("or 1.0", _ZERO_OUTPUT),
     "detectors/gradients.py:_masked_key_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_masked_key_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_future_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),

@@ -969,3 +969,54 @@ def test_causal_alignment_counts_the_queries_that_give_their_own_position_no_wei
         assert found.evidence.startswith("60 / 64 queries give their own position weight 0"), found.evidence
     else:
         assert found.verdict == "pass", found
+
+
+# ---- softmax_saturation: the cosine bounds, quoted ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale, expected", [(0.45, "fail"), (0.55, "pass"), (90.0, "pass"), (110.0, "fail")])
+def test_normalised_q_and_k_pass_between_a_cosine_logit_of_0_5_and_100(scale, expected):
+    """COSINE_FLAT = 0.5 and COSINE_SHARP = 100, quoted (tests/test_layer_causes.py pins them 10% either side but
+    reads them from the module, so it follows a mutated bound): a cosine times 0.45 is too flat, 0.55 and 90 pass,
+    110 is too sharp; tenfold or a tenth of either bound moves one of the four. Float32 (the bound is not per dtype;
+    the layer's own test runs every dtype)."""
+    from test_layer_causes import fixed, temperature
+
+    found = temperature(fixed(scale), torch.float32)
+    assert found.verdict == expected and "normalised" in found.message, found
+    if expected == "fail":
+        assert ("too flat" if scale < 1 else "too sharp") in found.message, found
+
+
+# ---- parameters_used: a dead row, not a dead column -----------------------------------------------------------------
+
+
+class FeatureDropped(nn.Module):
+    """A projection before the reference attention, with feature 0 dropped: of its output (`where="row"`: row 0 of the
+    projection's weight reaches nothing, a finding) or of its input (`where="column"`: column 0 of the weight gets
+    no gradient, but every output feature is still made of the others)."""
+
+    def __init__(self, where):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.where = 16, 2, where
+        self.proj, self.attn = nn.Linear(16, 16), MultiHeadAttention(16, 2)
+
+    def forward(self, x, mask=None):
+        keep = torch.ones(16, dtype=x.dtype, device=x.device)
+        keep[0] = 0
+        y = self.proj(x * keep if self.where == "column" else x)
+        y = y * keep if self.where == "row" else y
+        return self.attn(y, y, y, mask)
+
+
+@pytest.mark.parametrize("where", ["row", "column"])
+def test_parameters_used_finds_a_weight_row_that_reaches_nothing_not_a_column_its_input_never_fills(where):
+    """structural_zeros' `dead = ~nonzero.any(1)`: a row of exact zero gradient is an output feature that reaches
+    nothing (fail, named by its row); a column of zeros is an input feature the probe's tokens leave at 0, and each
+    row still reaches the output (pass; with `.all(1)` every row holding one zero would read as dead)."""
+    found = verdict(FeatureDropped(where), "parameters_used")
+    if where == "row":
+        assert found.verdict == "fail" and "proj.weight" in found.message + found.evidence, found
+    else:
+        assert found.verdict == "pass", found
