@@ -313,9 +313,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tensor, and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step "
         "unused). " + _SCALE_FLOOR),
     "detectors/gradients.py:check_gradients:L*:x10": ("for d in u))), 1e-300)", _SCALE_FLOOR),
-    "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
-        "& (weights > 0)", "beside `torch.isfinite(logw)`: a weight of exactly 0 has log -inf, not finite, so it is "
-        "left out with `> 0` and with `>= 0` alike (a negative weight's log is NaN: out either way; checked by hand)"),
     "detectors/parameters.py:_forward_moves:L*:x10": ("or 1.0", _ZERO_OUTPUT),
     "detectors/parameters.py:_forward_moves:L*:x0.1": ("or 1.0", _ZERO_OUTPUT),
     "detectors/gradients.py:_masked_key_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),

@@ -1020,3 +1020,15 @@ def test_parameters_used_finds_a_weight_row_that_reaches_nothing_not_a_column_it
         assert found.verdict == "fail" and "proj.weight" in found.message + found.evidence, found
     else:
         assert found.verdict == "pass", found
+
+
+def test_normalised_q_and_ks_evidence_quotes_the_layers_own_entropy_as_the_expected_one():
+    """_judged_cosine's `_entropy_text(base, 1.0, ...)`: for normalised q and k the temperature is the layer's own, so
+    the entropy "at the expected scale" is the layer's (ratio 1: softmax(log w) = w); at 10 it would quote a flatter
+    one. Swin v2's cosine attention (tests/test_layer_causes.py) passes with both 1.07 nats."""
+    from test_layer_causes import CosineAttention, temperature
+
+    found = temperature(CosineAttention, torch.float32)
+    entropies = re.search(r"mean weight entropy (\S+) nats, (\S+) at the expected scale", found.evidence)
+    assert found.verdict == "pass" and entropies is not None, found
+    assert entropies.group(1) == entropies.group(2), entropies.group(0)

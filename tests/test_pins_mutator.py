@@ -94,3 +94,13 @@ def test_a_mark_matches_by_its_lines_text_not_by_its_line_number():
                                            "check_weight_row_sums", line, "compare", "Lt->LtE", code)
     marked, other = make(40, f"    bad = {text}"), make(12, "    if n < 2:")
     assert bench.equivalents([marked, other]) == {marked.id: bench.EQUIVALENT[key][1]}
+
+
+def test_no_equivalent_mark_is_written_twice():
+    """A dict literal keeps the last of two equal keys without a word: a second mark for one mutant would silently
+    replace the first's reason. Read from the source."""
+    tree = ast.parse(Path(bench.__file__).read_text())
+    marks = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
+                 and getattr(node.target, "id", "") == "EQUIVALENT")
+    keys = [k.value for k in marks.keys]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
