@@ -134,9 +134,10 @@ def _files() -> tuple[str, ...]:
 FILES = _files()
 NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$"
                          r"|^held_positions$|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$"
-                         r"|^KeepFloat64|^_score_like$")
-"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring);
-the helpers named here are called by localisers only (positions.py's `_score_like`: by `shift_sites`)."""
+                         r"|^KeepFloat64|^_score_like$|_site$|^_guard_of$")
+"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring):
+`*_site` returns a Site as `*_sites` do; the helpers named here are called by localisers only (positions.py's
+`_score_like` by `shift_sites`, runs.py's `_guard_of` by `unset_attribute_site`)."""
 MEASURED = re.compile(r"^MEASURED_")
 SIZES = ("ENTROPY_ROWS", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
@@ -156,6 +157,9 @@ TESTS = {  # module -> the test files run against its mutants, the fast ones fir
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    # the layers of real causes (test_layer_causes.py, 2 s): runs' length rule, the cosine temperature
+    "detectors/runs.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/temperature.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     # cached decoding under a declared pattern (test_pattern_decoding.py, 2 s): the pattern that blocks the future
     "detectors/decoding.py": FAST + ["tests/test_pattern_decoding.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     # the hint's words for a layer that states its mask convention are pinned in test_declarations.py (4 s)
