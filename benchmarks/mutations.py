@@ -65,7 +65,10 @@ modules.
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
 case just inside and one just outside each constant, per dtype), and its author runs
 `python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
-`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs.
+`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs, before asking for a merge. The
+hook that runs before a session stops does not run mutants (minutes a module on shared cores, and a survivor needs a
+pin or a reason checked by hand); tests/test_pins_mutator.py checks this file's rules in the default suite
+(docs/testing.md, "Keeping the figure, and the hook").
 """
 
 from __future__ import annotations
