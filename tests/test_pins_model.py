@@ -403,3 +403,30 @@ def test_gradient_flow_lists_8_parameters_without_gradient_and_marks_more(n, mor
     result = model_result(model, "gradient_flow")
     assert (result.verdict, result.message) == ("fail", f"{n} of {n + 4} attention parameters get no gradient"), result
     assert ("h.0.attn.unused.7 ..." in result.evidence) is more and "h.0.attn.unused.7" in result.evidence, result
+
+
+class DetachedAttention(MultiHeadAttention):
+    """The reference attention returning its output detached (a real bug: nothing behind it gets a gradient)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out.detach(), weights
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_gradient_flow_fails_an_attention_module_whose_own_output_is_detached(detached):
+    """model/gradients.py's output hook keeps a module's first output only where it requires grad
+    (`path not in outputs and isinstance(o, Tensor) and o.requires_grad`): a module that detaches its own output sends
+    no gradient to its parameters, a fail naming them (with the first `and` made `or`, the detached output is kept and
+    autograd raises: the detector crashes); the same weights undetached pass."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=1, d_model=16, num_heads=2)
+    if detached:
+        attention = DetachedAttention(16, 2, causal=True)
+        attention.load_state_dict(model.h[0].attn.state_dict())
+        model.h[0].attn = attention
+    result = model_result(model, "gradient_flow")
+    if detached:
+        assert result.verdict == "fail" and result.message == "4 of 4 attention parameters get no gradient", result
+    else:
+        assert result.verdict == "pass", result
