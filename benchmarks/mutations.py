@@ -30,42 +30,45 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
 Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
 `_thresholds.py`, `_projections.py` (the recompute from a layer's own weights that own_weights compares its output
 with: a mutant there moves that detector's verdicts) and the model wing's detectors and judgements (every public
-module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports `tolerance` from `_thresholds`, as
-`_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from the committed tree, so that a module added later is in the next run
-and in its sample. Left out, by design: the localisers (functions named `*_sites`,
-`*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where a finding points and are measured by
-`benchmarks/localisation.py`, and functions that only word evidence or choose among fixes (`*_text`, `*_fix`); a
-mutant there changes no verdict.
+module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports
+`tolerance` from `_thresholds`, as `_tolerance.py` and `_causal.py` do; see `judges`), the module lists read from
+the committed tree, so that a module added later is in the next run and in its sample. Left out, by design: the
+localisers (functions named `*_sites`, `*locat*`, and the replay helpers listed in NOT_VERDICT), which choose where
+a finding points and are measured by `benchmarks/localisation.py`, and functions that only word evidence or choose
+among fixes (`*_text`, `*_fix`); a mutant there changes no verdict.
 
 Sampling (the default; `--all` runs every mutant): every `constant` mutant of a module-level constant (the
 thresholds: the point of issue 20), plus per module a sample of SAMPLE_PER_MODULE of its other mutants, drawn
 with random.Random(f"{SEED}:{module}") after sorting by id, so the sample is stratified per module and the same
 on every run of the same code. The run prints the sample's size per module.
 
-Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default
-HEAD, so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system
-temp dir (one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the
-repository's files are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests of that
-module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and OMP_NUM_THREADS=1.
-Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy, and every
-selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be collected
-(counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is undecided, not
-a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path, a loaded
-machine), so timeouts leave the score's denominator, are listed apart with the score they would give counted as
-kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter machine). The
-score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when EQUIVALENT names it
-with the reason, after it was checked by hand to change no verdict.
+Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default HEAD,
+so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system temp dir
+(one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the repository's files
+are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests
+of that module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and
+OMP_NUM_THREADS=1. Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy,
+and every selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be
+collected (counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is
+undecided, not a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path,
+a loaded machine), so timeouts leave the score's denominator, are listed apart with the score they would give
+counted as kills, and `--survivors-of` reruns them with the survivors (with a longer --timeout on a quieter
+machine). The score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when
+EQUIVALENT names it with the reason, after it was checked by hand to change no verdict.
 
 Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
 on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
 test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
-mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and timeouts),
-matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own modules.
-
+mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and
+timeouts), matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own
+modules.
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
 case just inside and one just outside each constant, per dtype), and its author runs
 `python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
-`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs.
+`--survivors-of /tmp/m.json` until none is left but the marked equivalents and knobs, before asking for a merge. The
+hook that runs before a session stops does not run mutants (minutes a module on shared cores, and a survivor needs a
+pin or a reason checked by hand); tests/test_pins_mutator.py checks this file's rules in the default suite
+(docs/testing.md, "Keeping the figure, and the hook").
 """
 
 from __future__ import annotations
@@ -132,25 +135,38 @@ def _files() -> tuple[str, ...]:
 
 
 FILES = _files()
-NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$|^held_positions$"
-                         r"|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$|^KeepFloat64")
-"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring)."""
+NOT_VERDICT = re.compile(r"sites|locat|_text$|_fix$|^_root$|^_self_products$|^_cache_short$|^_cache_of$"
+                         r"|^held_positions$|^base_trace$|^unique$|^_runs$|^describe|^float64_twin$|^graph_call$"
+                         r"|^KeepFloat64|^_score_like$|_site$|^_guard_of$")
+"""Functions whose mutants change where a finding points or how it is worded, never a verdict (see the docstring):
+`*_site` returns a Site as `*_sites` do; the helpers named here are called by localisers only (positions.py's
+`_score_like` by `shift_sites`, runs.py's `_guard_of` by `unset_attribute_site`)."""
 MEASURED = re.compile(r"^MEASURED_")
-SIZES = ("ENTROPY_ROWS", "PARAMETER_ENTRIES", "PACKED_KEYS")
+SIZES = ("ENTROPY_ROWS", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
 SAMPLE_PER_MODULE = 4
 SEED = 20
 FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
+OWN_WEIGHTS = ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py",
+               "tests/test_verdicts.py"]
 TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
-    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py", "tests/test_model_patterns.py"],
+    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py",
+                                "tests/test_model_patterns.py"],
     "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
-    "detectors/own_weights.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "_projections.py": FAST + ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/own_weights.py": FAST + OWN_WEIGHTS,
+    "_projections.py": FAST + OWN_WEIGHTS,
     "detectors/masking.py": FAST + ["tests/test_mask_controls.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
     "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
     "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
     "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    # the layers of real causes (test_layer_causes.py, 2 s): runs' length rule, the cosine temperature
+    "detectors/runs.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    "detectors/temperature.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    # cached decoding under a declared pattern (test_pattern_decoding.py, 2 s): the pattern that blocks the future
+    "detectors/decoding.py": FAST + ["tests/test_pattern_decoding.py", "tests/test_audit.py", "tests/test_verdicts.py"],
+    # the hint's words for a layer that states its mask convention are pinned in test_declarations.py (4 s)
+    "detectors/_mask_hints.py": FAST + ["tests/test_declarations.py", "tests/test_audit.py", "tests/test_verdicts.py"],
     "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
 }
 COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md",
@@ -168,11 +184,13 @@ def tests_for(file: str) -> list[str]:
 # every run), so a stale mark cannot hide a new mutant.
 # Keep this short and honest: a mutant that only changes what a finding says is not marked; it is a gap.
 _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a positive float tolerance exactly; "
-                   "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact hit")
+                   "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact "
+                   "hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
 _VALUES_ARE_KEYS = (
-    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, every "
-    "stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated are the "
+    "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, "
+    "every stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated "
+    "are the "
     "keys element for element and only the tensor's identity differs. A layer may read that identity (torch's "
     "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
     "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
@@ -181,6 +199,18 @@ _FLOOR_OF_ZERO = (
     "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
     "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
     "(1.4e-45), and in float64 no model with finite non-zero weights gets there (checked by hand)")
+_SCALE_FLOOR = (
+    "`scale = max(|grad| |u|, 1e-300)`: the floor keeps the division finite where the gradient is 0 (u is a Gaussian "
+    "draw, never 0). It acts only where |grad| |u| < 1e-299, a gradient under float64's normal range; there autograd's "
+    "directional derivative is 0 and the finite differences are 0 (a pass at any floor: rel 0, pinned by "
+    "test_gradients_words_an_exact_agreement_of_zero) or rounding noise of 1e-20 or more (rel > 1e270 against a bar of "
+    "1e-9: a fail at any floor); the noise bar 30 |fd_fine - fd| / scale scales with rel (checked by hand)")
+_ZERO_OUTPUT = (
+    "`or 1.0` is the scale only where the float64 output is exactly 0 everywhere (its RMS is 0), so the move is read "
+    "in absolute terms: x10 or x0.1 changes the verdict only for a part whose N(0, 1) change moves an all-zero output "
+    "by between 1e-10 and 1e-8 absolute. On the probe's O(1) tokens an O(1) change of weights either leaves such an "
+    "output exactly 0 (the part does not reach it) or moves it by far more; equivalent in practice (checked by hand: "
+    "there every gradient of (out ** 2).sum() is 0, so every parameter is perturbed and read this way)")
 _SAME_SCALE = (
     "equivalent in practice: the bar only skips a candidate scale equal to the layer's own. A candidate within 1e-8 "
     "(x10) or 1e-10 (x0.1) of it, relative, recomputes the reference to within about 1e-8 x the logits' spread of "
@@ -245,8 +275,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
                                                                  _VALUES_ARE_KEYS),
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
-        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and P = 1, "
-        "which it is: `<` and `<=` give the same sizes"),
+        "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and "
+        "P = 1, which it is: `<` and `<=` give the same sizes"),
     "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "_projections.py:_four_d:L*:Gt->GtE": (
@@ -284,9 +314,18 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "
         "the mask named in the evidence would change, never the verdict, which reads that error)"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
-        "mul_(0.6180339887498949)", "equivalent in practice: the golden-ratio step only spreads the sampled entries "
-        "of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the tensor, "
-        "and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step unused)"),
+        ("mul_(0.6180339887498949)", "for d in u))), 1e-300)"),
+        "equivalent in practice, on either line. `mul_(0.618...)`: the golden-ratio step only spreads the sampled "
+        "entries of a parameter with more than PARAMETER_ENTRIES entries; at 0.0618 they are still spread over the "
+        "tensor, and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step "
+        "unused). " + _SCALE_FLOOR),
+    "detectors/gradients.py:check_gradients:L*:x10": ("for d in u))), 1e-300)", _SCALE_FLOOR),
+    "detectors/parameters.py:_forward_moves:L*:x10": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/parameters.py:_forward_moves:L*:x0.1": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/gradients.py:_masked_key_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_masked_key_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_future_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
+    "detectors/gradients.py:_future_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
@@ -365,7 +404,8 @@ KNOB = re.compile(r"#\s*knob:\s*(.+)$")
 
 
 def knob(src: _Source, top: ast.stmt) -> str | None:
-    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or None."""
+    """The reason a module constant's assignment gives for being a knob (its first line's `# knob:` comment), or
+    None."""
     found = KNOB.search(src.line(top.lineno))
     return found.group(1).strip() if found else None
 
@@ -660,23 +700,18 @@ def _unlined(mutant_id: str) -> str:
     return re.sub(r":L\d+:", ":L*:", mutant_id)
 
 
-def equivalents(mutants: list[Mutant], log) -> dict[str, str]:
+def equivalents(mutants: list[Mutant]) -> dict[str, str]:
     """{mutant id: reason} for the mutants EQUIVALENT marks whose line holds the mark's text. A mark names a mutant
     without its line number, so the same mutation on several lines of a function shares it: the text picks the line.
-    A mark that matches no line of the mutants run is reported (its code changed: check it again)."""
-    marked, seen, matched = {}, set(), set()
+    A stale mark is found among every mutant (`unmatched_marks`, warned at the start of every run), not among those
+    run: a sample may hold the same mutation on another line of the function only (seed 777 held
+    `honoured_conventions`' `or` of its first guard, not the marked one of its `V = K if ...`), which is no sign
+    that the mark went stale."""
+    marked = {}
     for m in mutants:
-        key = _unlined(m.id)
-        mark = EQUIVALENT.get(key)
-        if mark is None:
-            continue
-        seen.add(key)
-        if any(text in m.code for text in _texts(key)):
+        mark = EQUIVALENT.get(_unlined(m.id))
+        if mark is not None and any(text in m.code for text in _texts(_unlined(m.id))):
             marked[m.id] = mark[1]
-            matched.add(key)
-    for key in sorted(seen - matched):
-        log(f"warning: the EQUIVALENT mark {key} matches no line holding {' or '.join(map(repr, _texts(key)))}: "
-            "ignored")
     return marked
 
 
@@ -727,8 +762,9 @@ def report(mutants: list[Mutant], outcomes: list[Outcome], marked: dict[str, str
     score = killed / counted if counted else float("nan")
     kinds = Counter(by_id[o.id].kind for o in outcomes)
     lines.append("")
-    lines.append("by kind: " + ", ".join(f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}"
-                                         f"/{n}" for k, n in sorted(kinds.items())))
+    lines.append("by kind: " + ", ".join(
+        f"{k} {sum(1 for o in outcomes if by_id[o.id].kind == k and o.status in KILLED)}/{n}"
+        for k, n in sorted(kinds.items())))
     lines.append(f"mutation score: {killed} / {counted} non-equivalent decided mutants killed = {100 * score:.1f}%"
                  + (f" ({equivalent} survivors marked equivalent and excluded)" if equivalent else "")
                  + (f"; {len(timeouts)} timed out, not counted (as kills: {killed + len(timeouts)} / "
@@ -825,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     outcomes = run_mutants(mutants, args.jobs, args.timeout, log)
     elapsed = time.monotonic() - began
-    marked = equivalents(mutants, log)
+    marked = equivalents(mutants)
     table, summary = report(mutants, outcomes, marked)
     print("\n" + table)
     print(sampled)

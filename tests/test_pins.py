@@ -8,6 +8,7 @@ pins. Tiny layers and sizes: the file runs in a few seconds, and every mutant's 
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from diagnostics._guard import seed_rng
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._common import logit_gain
-from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked_baseline
+from diagnostics.detectors._stacked import PADDED, decoding_calls, decoding_inputs, stacked, stacked_baseline
 from diagnostics.model import _causal
 from diagnostics.model.window import declared_pattern
 
@@ -292,7 +293,8 @@ def test_output_variance_fails_learned_keys_under_a_softmax_over_the_queries_and
     """output_variance's learned-keys branch (`_judged_with_learned_keys`): the weights over the input's and the
     layer's keys must come from a softmax over the keys."""
     queries = verdict(MemorySlots(dim=-2), "output_variance")
-    assert queries.verdict == "fail" and queries.message.endswith("the softmax does not normalise over the keys"), queries
+    assert queries.verdict == "fail", queries
+    assert queries.message.endswith("the softmax does not normalise over the keys"), queries
     keys = verdict(MemorySlots(dim=-1), "output_variance")
     assert keys.verdict == "pass", keys
 
@@ -578,7 +580,8 @@ def test_an_encoder_decoder_is_causal_unless_all_its_decoder_self_attention_laye
 
 def test_a_config_that_says_is_decoder_false_declares_nothing():
     """`declared_causal`'s `config is not None and config.is_decoder is True`."""
-    assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=False)), None, RUNNER) == (None, "")
+    not_decoder = SimpleNamespace(config=SimpleNamespace(is_decoder=False))
+    assert _causal.declared_causal(not_decoder, None, RUNNER) == (None, "")
     assert _causal.declared_causal(SimpleNamespace(config=SimpleNamespace(is_decoder=True)), None, RUNNER)[0] is True
 
 
@@ -848,3 +851,184 @@ def test_undeclared_causality_is_not_run_when_the_standard_probe_raised():
     assert (found.verdict, found.message) == ("skip", "not measured: the layer raised on this detector's probe "
                                                       "(RuntimeError: always); see `runs`"), found
     assert verdict(attention, "undeclared_causality").verdict == "pass"
+
+
+# ---- seed 777's sample, the rest: the gradient probe's padding mask, attention_pattern's zero output ---------------
+
+
+def softmax_then_mask(q, k, v, mask=None):
+    """The mask applied after the softmax normalised over every key: a blocked key gets no weight but still moves
+    the others' through the normalisation, so it receives gradient."""
+    weights = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1)
+    weights = weights if mask is None else weights.masked_fill(~mask, 0.0)  # the bug
+    return weights @ v, weights
+
+
+@pytest.mark.parametrize("seq_len", [2, 3])
+def test_gradients_check_a_padded_key_from_3_tokens(seq_len):
+    """_gradient_probe's `T >= 3` (T = min(seq_len, GRADIENT_TOKENS)): from 3 tokens the gradient probe blocks the
+    last key and checks it gets exactly zero gradient, so masking after the softmax fails at 3 (with `T > 3` it would
+    pass) while the reference passes and says what it checked; at 2 tokens no key is padded (every query keeps a
+    choice of keys only from 3) and both pass."""
+    bug = verdict(softmax_then_mask, "gradients", seq_len=seq_len)
+    right = verdict(attention, "gradients", seq_len=seq_len)
+    assert right.verdict == "pass", right
+    if seq_len == 3:
+        assert bug.verdict == "fail" and bug.message.startswith("masked keys receive gradient"), bug
+        assert right.evidence.endswith("keys a padding mask blocks get exactly zero gradient"), right.evidence
+    else:
+        assert bug.verdict == "pass" and "padding mask" not in right.evidence, (bug, right.evidence)
+
+
+def test_attention_pattern_skips_an_output_that_is_zero_everywhere_and_judges_the_same_weights_output():
+    """attention_pattern's `_run`: `if not scale > 0` (the baseline's output is zero or non-finite everywhere) skips
+    with the reason, where a change measured against a zero scale would read every row as unmoved (or divide by 0);
+    the same weights with their output kept pass."""
+
+    def zero(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return out * 0, weights
+
+    window = patterns.sliding_window(4)
+    skipped = verdict(zero, "attention_pattern", pattern=window)
+    assert (skipped.verdict, skipped.message) == ("skip", "not measured: the output is zero or non-finite everywhere "
+                                                          "on this probe, so a change cannot be measured against it")
+    assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min], ids=["-inf", "finfo.min"])
+def test_the_logit_gain_reads_only_the_keys_a_causal_row_weighs(fill):
+    """_logit_gain's `seen = w > 0`: a causal probe's future keys get weight exactly 0. Masked with -inf, their
+    logits are not finite and are dropped either way; masked with float32's finfo.min (as Hugging Face layers do),
+    their logits are finite, and only the zero weight keeps them out of the spread (with `w >= 0` the spread is
+    ~1e38 and the gain 1). Both read the spread of the keys each row weighs: logits spread about 0.02, gain ~10."""
+
+    def layer(q, k, v, mask=None):
+        B, H, T, _ = q.shape
+        z = torch.randn(B, H, T, k.shape[-2], generator=torch.Generator().manual_seed(0))
+        scores = (0.02 * z).to(q.dtype)
+        scores = scores if mask is None else scores.masked_fill(~mask, fill)
+        weights = scores.softmax(-1)
+        return weights @ v, weights
+
+    gain = logit_gain(probe_of(layer, 16))
+    assert 7 < gain < 14, gain  # sqrt(2 / 0.02) = 10, read over each causal row's own keys
+
+
+def test_a_wide_patterns_classes_are_chosen_for_the_pairs_at_each_end_of_a_rows_keys():
+    """_edges: the edge pairs are the two keys on either side of each change along a row, (j, j + 1) where the
+    declared mask differs. sliding_window(8) at T = 16 has p = 10 classes, more than MAX_COPIES = 9, so the
+    classes are chosen for the edge pairs they read: 2 per row for rows 0-7 and 15 (one change), 4 for rows 8-14, 46
+    per sequence, 92 in the probe's two; the chosen copies read nearly all of them, and the reference passes."""
+    declared = patterns.sliding_window(8).allowed(1, 16, 16)[0]
+    edges = sum(len({key for j in range(15) if declared[row, j] != declared[row, j + 1] for key in (j, j + 1)})
+                for row in range(16))
+    assert edges == 46
+    found = verdict(attention, "attention_pattern", pattern=patterns.sliding_window(8))
+    read = re.search(r"(\d+) / (\d+) edge pairs read", found.evidence)
+    assert found.verdict == "pass" and read is not None, found
+    assert int(read.group(2)) == 2 * edges and int(read.group(1)) >= 0.9 * 2 * edges, read.group(0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_future_leakages_padded_cut_rides_the_padding_stack_for_a_module_only(causal):
+    """padded_cut_cases' guard `not causal or t < 2 or form == "function"`: a causal audit of a module adds its cut
+    under the padding mask to the PADDED stack's call (3 copies -> 4); a function's is probed in a call of its own
+    (`_padded`), so its stack stays at 3 copies (with the last `or` made `and`, a copy nobody reads: a forward's
+    worth of cost, no verdict). Not causal: 3 for both."""
+    copies = {name: stacked(probe_of(layer, 16, causal=causal), PADDED, "mask_honoured").copies
+              for name, layer in (("function", attention), ("module", OneStream()))}
+    assert copies == {"function": 3, "module": 4 if causal else 3}, copies
+
+
+class OwnPositionBlocked(nn.Module):
+    """One-stream self-attention over 2 heads of x itself, causal, with the diagonal blocked from row 1 on (`blocked`;
+    row 0 keeps its one key): each later query gives its own position weight 0."""
+
+    def __init__(self, blocked=True):
+        super().__init__()
+        self.d_model, self.num_heads, self.blocked = 16, 2, blocked
+
+    def forward(self, x, mask=None):
+        B, T, _ = x.shape
+        heads = x.view(B, T, 2, 8).transpose(1, 2)  # (B, H, T, d)
+        keep = torch.ones(T, T, dtype=torch.bool).tril(-1 if self.blocked else 0)
+        keep[0, 0] = True
+        out, weights = attention(heads, heads, heads, allowed=lambda t_q, t_k: keep)
+        return out.transpose(1, 2).reshape(B, T, 16), weights
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_causal_alignment_counts_the_queries_that_give_their_own_position_no_weight(blocked):
+    """check_causal_alignment's one-stream branch: the diagonal blocked for 15 of 16 queries in 2 sequences x 2
+    heads fails with the count of those queries, 60 of 64 (`diag <= 0` in the evidence; `>= 0` would count all 64);
+    the diagonal kept passes."""
+    found = verdict(OwnPositionBlocked(blocked), "causal_alignment", causal=True)
+    if blocked:
+        assert found.verdict == "fail" and found.message == "a query gives zero weight to its own position", found
+        assert found.evidence.startswith("60 / 64 queries give their own position weight 0"), found.evidence
+    else:
+        assert found.verdict == "pass", found
+
+
+# ---- softmax_saturation: the cosine bounds, quoted ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale, expected", [(0.45, "fail"), (0.55, "pass"), (90.0, "pass"), (110.0, "fail")])
+def test_normalised_q_and_k_pass_between_a_cosine_logit_of_0_5_and_100(scale, expected):
+    """COSINE_FLAT = 0.5 and COSINE_SHARP = 100, quoted (tests/test_layer_causes.py pins them 10% either side but
+    reads them from the module, so it follows a mutated bound): a cosine times 0.45 is too flat, 0.55 and 90 pass,
+    110 is too sharp; tenfold or a tenth of either bound moves one of the four. Float32 (the bound is not per dtype;
+    the layer's own test runs every dtype)."""
+    from test_layer_causes import fixed, temperature
+
+    found = temperature(fixed(scale), torch.float32)
+    assert found.verdict == expected and "normalised" in found.message, found
+    if expected == "fail":
+        assert ("too flat" if scale < 1 else "too sharp") in found.message, found
+
+
+# ---- parameters_used: a dead row, not a dead column -----------------------------------------------------------------
+
+
+class FeatureDropped(nn.Module):
+    """A projection before the reference attention, with feature 0 dropped: of its output (`where="row"`: row 0 of the
+    projection's weight reaches nothing, a finding) or of its input (`where="column"`: column 0 of the weight gets
+    no gradient, but every output feature is still made of the others)."""
+
+    def __init__(self, where):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.where = 16, 2, where
+        self.proj, self.attn = nn.Linear(16, 16), MultiHeadAttention(16, 2)
+
+    def forward(self, x, mask=None):
+        keep = torch.ones(16, dtype=x.dtype, device=x.device)
+        keep[0] = 0
+        y = self.proj(x * keep if self.where == "column" else x)
+        y = y * keep if self.where == "row" else y
+        return self.attn(y, y, y, mask)
+
+
+@pytest.mark.parametrize("where", ["row", "column"])
+def test_parameters_used_finds_a_weight_row_that_reaches_nothing_not_a_column_its_input_never_fills(where):
+    """structural_zeros' `dead = ~nonzero.any(1)`: a row of exact zero gradient is an output feature that reaches
+    nothing (fail, named by its row); a column of zeros is an input feature the probe's tokens leave at 0, and each
+    row still reaches the output (pass; with `.all(1)` every row holding one zero would read as dead)."""
+    found = verdict(FeatureDropped(where), "parameters_used")
+    if where == "row":
+        assert found.verdict == "fail" and "proj.weight" in found.message + found.evidence, found
+    else:
+        assert found.verdict == "pass", found
+
+
+def test_normalised_q_and_ks_evidence_quotes_the_layers_own_entropy_as_the_expected_one():
+    """_judged_cosine's `_entropy_text(base, 1.0, ...)`: for normalised q and k the temperature is the layer's own, so
+    the entropy "at the expected scale" is the layer's (ratio 1: softmax(log w) = w); at 10 it would quote a flatter
+    one. Swin v2's cosine attention (tests/test_layer_causes.py) passes with both 1.07 nats."""
+    from test_layer_causes import CosineAttention, temperature
+
+    found = temperature(CosineAttention, torch.float32)
+    entropies = re.search(r"mean weight entropy (\S+) nats, (\S+) at the expected scale", found.evidence)
+    assert found.verdict == "pass" and entropies is not None, found
+    assert entropies.group(1) == entropies.group(2), entropies.group(0)

@@ -121,8 +121,8 @@ def test_backend_parity_of_a_model_without_a_padding_mask_compares_unpadded_rows
 
 
 class Peeks(torch.nn.Module):
-    """Before a block's MLP or norm, a leak of the future: "every": position t takes t + 1's features, at every t; "T-2": at
-    T - 2 only; "0 from T-1": position 0 takes the last position's."""
+    """Before a block's MLP or norm, a leak of the future: "every": position t takes t + 1's features, at every t;
+    "T-2": at T - 2 only; "0 from T-1": position 0 takes the last position's."""
 
     def __init__(self, where: str):
         super().__init__()
@@ -165,8 +165,8 @@ def test_prefix_causality_names_the_first_module_any_cut_reaches_not_only_the_mi
 
 def test_prefix_causality_quotes_the_first_cut_that_reached_the_greatest_change():
     """model/causality.py: `float(past.max()) > worst`: where every cut moves position 0 by the same amount (it reads
-    the last token's embeddings, which every cut replaces by the same token's), the evidence quotes the first cut, 0; `>=` would
-    quote the last, 14."""
+    the last token's embeddings, which every cut replaces by the same token's), the evidence quotes the first cut, 0;
+    `>=` would quote the last, 14."""
     result = diagnostics.audit_model(peeking("0 from T-1"), detectors=["prefix_causality"]).result("prefix_causality")
     assert result.verdict == "fail" and "at t=0 when only t>0 was changed" in result.evidence, result
 
@@ -403,3 +403,30 @@ def test_gradient_flow_lists_8_parameters_without_gradient_and_marks_more(n, mor
     result = model_result(model, "gradient_flow")
     assert (result.verdict, result.message) == ("fail", f"{n} of {n + 4} attention parameters get no gradient"), result
     assert ("h.0.attn.unused.7 ..." in result.evidence) is more and "h.0.attn.unused.7" in result.evidence, result
+
+
+class DetachedAttention(MultiHeadAttention):
+    """The reference attention returning its output detached (a real bug: nothing behind it gets a gradient)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out.detach(), weights
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_gradient_flow_fails_an_attention_module_whose_own_output_is_detached(detached):
+    """model/gradients.py's output hook keeps a module's first output only where it requires grad
+    (`path not in outputs and isinstance(o, Tensor) and o.requires_grad`): a module that detaches its own output sends
+    no gradient to its parameters, a fail naming them (with the first `and` made `or`, the detached output is kept and
+    autograd raises: the detector crashes); the same weights undetached pass."""
+    seed_rng(0)
+    model = TinyGPT(n_layer=1, d_model=16, num_heads=2)
+    if detached:
+        attention = DetachedAttention(16, 2, causal=True)
+        attention.load_state_dict(model.h[0].attn.state_dict())
+        model.h[0].attn = attention
+    result = model_result(model, "gradient_flow")
+    if detached:
+        assert result.verdict == "fail" and result.message == "4 of 4 attention parameters get no gradient", result
+    else:
+        assert result.verdict == "pass", result

@@ -8,6 +8,7 @@ layers: the file runs in a few seconds, before tests/test_own_weights.py in the 
 from __future__ import annotations
 
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -115,7 +116,8 @@ def test_each_scale_own_weights_tries_is_named(scale, shown):
 
 
 @pytest.mark.parametrize("make", [GroupedQueryAttention, lambda: nn.MultiheadAttention(32, 4, batch_first=True).eval(),
-                                  lambda: correct.MultiHeadAttention(32, 4)], ids=["hugging face", "torch", "reference"])
+                                  lambda: correct.MultiHeadAttention(32, 4)],
+                         ids=["hugging face", "torch", "reference"])
 def test_a_causal_audits_mask_is_read_as_each_family_passes_it(make):
     """A causal audit passes the causal mask to each (Hugging Face's True = may attend; torch's attn_mask True =
     blocked; the reference's True = may attend): recomputed with the call's mask, the correct layer passes; read the
@@ -262,7 +264,8 @@ def config(**kw):
     (lambda: HF(k=24, v=24, num_heads=4, num_key_value_heads=3, head_dim=8), "are not 4 heads (HF.num_heads) and 3"),
     (lambda: HF(num_heads=4, attn_logit_softcapping=50.0), "attn_logit_softcapping is set"),
     (lambda: HF(num_heads=4, config=config(logit_softcapping=30.0)), "logit_softcapping is set"),
-    (lambda: HF(fused=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8), (4, 2, 8, "HF.num_attention_heads")),
+    (lambda: HF(fused=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+     (4, 2, 8, "HF.num_attention_heads")),
     (lambda: HF(fused=96, num_attention_heads=4, head_dim=8), (4, 4, 8, "HF.num_attention_heads")),
     (lambda: HF(fused=64, num_attention_heads=4), "a fused qkv_proj, but no num_attention_heads and head_dim"),
     (lambda: HF(fused=60, num_attention_heads=4, num_key_value_heads=2, head_dim=8), "qkv_proj gives 60 features"),
@@ -324,6 +327,26 @@ def test_a_calls_rotary_tables_are_read_as_llamas_and_others_refused(args, expec
     else:
         assert got.rotary is not None and any(expected in r for r in got.read), got
 
+
+
+@pytest.mark.parametrize("keeps_shape", [True, False], ids=["Llama's", "another shape"])
+def test_a_calls_rotary_is_applied_by_the_modules_function_and_another_shape_refused(keeps_shape, monkeypatch):
+    """inputs()'s rotary: the module's own apply_rotary_pos_emb turns q and k (here q cos + flip(q) sin); where it
+    returns another shape than it is given (a partial rotary applied in its own way), not applicable. Pins the shape
+    test `turned[0].shape != q_.shape or ...`: with `==` the right shape would be refused."""
+    if not keeps_shape:
+        monkeypatch.setattr(sys.modules[__name__], "apply_rotary_pos_emb", lambda q, k, cos, sin: (q[..., :4], k))
+    p = recognise(HF(num_heads=4, head_dim=8))
+    cos, sin = torch.rand(1, 4, 8), torch.rand(1, 4, 8)  # (1, T, d)
+    got = p.inputs({"hidden_states": torch.randn(1, 4, 32), "position_embeddings": (cos, sin)})
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)  # (B, H, T, d), (B, G, T, d)
+    if keeps_shape:
+        turned = got.rotary(q, k)
+        torch.testing.assert_close(turned[0], q * cos + q.flip(-1) * sin)
+        torch.testing.assert_close(turned[1], k * cos + k.flip(-1) * sin)
+    else:
+        with pytest.raises(NotApplicable, match="returns another shape than it is given"):
+            got.rotary(q, k)
 
 # ---- own_weights: a zero output, several modules, a module called twice, a causal mask of the layer's own --------
 

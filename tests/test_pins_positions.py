@@ -76,7 +76,8 @@ def test_the_shift_is_5_positions_so_a_rule_of_period_10_moves():
     periodic = verdict(biased(period=10))
     assert periodic.verdict == "fail" and "shifting every position by 5 moves them" in periodic.message, periodic
     relative = verdict(biased())
-    assert relative.verdict == "pass" and relative.message.startswith("shifting every position by 5 (padding)"), relative
+    assert relative.verdict == "pass", relative
+    assert relative.message.startswith("shifting every position by 5 (padding)"), relative
 
 
 def test_the_shift_measures_12_real_tokens_at_the_audits_16():
@@ -113,8 +114,8 @@ def test_a_rewarding_bias_bent_by_a_quarter_of_distance_linear_is_alibis_and_by_
     """A bias that grows with the distance (slope +0.05), bent by a curve: read as a line (ALiBi's sign flipped, a
     finding) while its bend stays within DISTANCE_LINEAR, and not judged beyond (then a relative bias: the shift
     passes). Below float64 the bend is added in the layer's dtype only, as rounding would bend it: the float64 copy
-    that a finding there is read again on stays a line. A parabola bends a line by 0.36 of its spread at most: bfloat16's outside
-    twin sits at 0.35 (1.17x its 0.3; a tenfold 3.0 reads it as a line)."""
+    that a finding there is read again on stays a line. A parabola bends a line by 0.36 of its spread at most:
+    bfloat16's outside twin sits at 0.35 (1.17x its 0.3; a tenfold 3.0 reads it as a line)."""
     slope, tol = 0.05, DISTANCE_LINEAR[dtype]
     rounding = dtype != torch.float64
     inside = verdict(biased(slope, curve_for(INSIDE * tol, slope), rounding_only=rounding), dtype=dtype)
@@ -167,3 +168,20 @@ def test_a_flipped_alibi_in_a_fused_call_is_read_from_its_mask_and_the_right_sig
     flipped = verdict(sdpa_alibi(+0.5))
     assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
     assert verdict(sdpa_alibi(-0.5)).verdict == "pass"
+
+
+# ---- distance_reward: a head with no bias ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("slopes", [(0.0, -0.5), (0.0, 0.05)], ids=["penalises", "rewards"])
+def test_a_head_without_a_bias_beside_alibis_passes_and_beside_a_rewarding_one_fails(slopes, dtype):
+    """distance_reward's `slope > 0` over the heads: a head with no distance bias reads slope exactly 0 on identical
+    tokens (its scores are flat); beside an ALiBi head (slope -0.5) no head rewards distance, a pass (with `>= 0` the
+    flat head alone would read as rewarding, value 0.0); beside a head of slope +0.05 the layer fails, value 0.05."""
+    found = verdict(biased(slope=torch.tensor(slopes, dtype=torch.float64).view(2, 1, 1)), dtype=dtype)
+    if slopes[1] < 0:
+        assert found.verdict == "pass", found
+    else:
+        assert found.verdict == "fail" and found.value == pytest.approx(0.05, rel=1e-4), found
+        assert found.message.startswith("the position bias rewards distance"), found

@@ -305,7 +305,8 @@ class LengthDependentDecoder(nn.Module):
             (self.cache_error if kv_cache is not None else 0.0)
         if not use_cache:
             return out
-        return {"cache": (out, (k, v)), "weights": (out, weights, (k, v)), "nested": ((out,), weights, (k, v))}[self.returns]
+        shapes = {"cache": (out, (k, v)), "weights": (out, weights, (k, v)), "nested": ((out,), weights, (k, v))}
+        return shapes[self.returns]
 
 
 def test_a_cache_off_by_twice_the_recomputation_noise_passes_and_by_six_times_it_fails():
