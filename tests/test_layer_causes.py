@@ -153,6 +153,60 @@ def test_a_declared_scale_is_still_what_normalised_q_and_k_are_judged_against():
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
+class RMSQKNorm(nn.Module):
+    """QK-norm as Flux, SD3 and Qwen write it: an RMSNorm over each head's q and k (unit RMS, every row of norm
+    sqrt(d_k)), then SDPA's own 1/sqrt(d_k); `unscaled`: the same with the scale dropped (scale=1, the bug)."""
+
+    unscaled = False
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.q_norm, self.k_norm = nn.RMSNorm(d_model // n_heads, eps=1e-6), nn.RMSNorm(d_model // n_heads, eps=1e-6)
+
+    def forward(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        q, k = self.q_norm(q), self.k_norm(k)
+        scale = 1.0 if self.unscaled else None  # BUG where unscaled: no 1/sqrt(d_k) after the norm
+        return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)))
+
+
+class RMSQKNormUnscaled(RMSQKNorm):
+    unscaled = True
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("make, verdict", [(RMSQKNorm, "pass"), (RMSQKNormUnscaled, "fail")],
+                         ids=["scaled", "scale missing"])
+def test_q_and_k_at_unit_rms_are_judged_by_one_over_sqrt_d_k(make, verdict, dtype):
+    """Rows of norm sqrt(d_k) (RMS_NORMED) take the scaled dot product's convention: the missing scale, a cosine times
+    d_k, is 2.83x too sharp, where the cosine bounds (0.5 to 100) let it pass."""
+    result = temperature(make, dtype)
+    assert result.verdict == verdict, f"{result.message}\n{result.evidence}"
+    assert "normalised" not in result.message  # judged by 1/sqrt(d_k), not as a temperature of the layer's own
+    if verdict == "fail":
+        assert "2.83x too sharp" in result.message, result.message
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)
+@pytest.mark.parametrize("gain, verdict", [(0.99, "fail"), (0.95, "pass")], ids=["1% off", "5% off"])
+def test_pin_rms_normed(gain, verdict, dtype):
+    """RMS_NORMED (0.02) from both sides: the unscaled layer with its norms' gain at 0.99 (rows 1% off sqrt(d_k)) is
+    still judged by 1/sqrt(d_k) and fails; at 0.95 (5% off: a trained gain) its temperature is its own, a cosine times
+    0.95^2 x 8 = 7.2, within the cosine bounds: it passes. Not in float64, where the norm's eps spreads the rows' norms
+    by more than float64's equal-norm tolerance, so no RMSNorm layer reads as normalised at all."""
+    class Gained(RMSQKNormUnscaled):
+        def __init__(self):
+            super().__init__()
+            with torch.no_grad():
+                self.q_norm.weight.fill_(gain), self.k_norm.weight.fill_(gain)
+
+    result = temperature(Gained, dtype)
+    assert result.verdict == verdict, f"{result.message}\n{result.evidence}"
+    assert ("normalised" in result.message) is (verdict == "pass"), result.message
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale, verdict", [(0.9 * COSINE_FLAT, "fail"), (1.1 * COSINE_FLAT, "pass"),
                                             (0.9 * COSINE_SHARP, "pass"), (1.1 * COSINE_SHARP, "fail")])

@@ -139,7 +139,8 @@ EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logs
 
 
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
-          "q and k (QK-norm, cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100",
+          "q and k (cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100; at unit RMS "
+          "(RMSNorm QK-norm), 1/sqrt(d_k)",
           targets=("missing 1/sqrt(d_k)", "scaled by sqrt(d_model)", "scale applied twice or inverted"),
           fix="scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  (d_k: the width of one head)", locate=scale_sites)
 def check_softmax_saturation(probe: Probe) -> DetectorResult:
@@ -165,8 +166,10 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
         # normalised q and k are judged by the logits they can reach, not by 1/sqrt(d_k) (unless a scale is declared)
-        cosine = _cosine_bound(estimate, probe.subject.dtype) if probe.scale is None else None
-        rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate, cosine))
+        cosine = _cosine_bound(estimate, probe.subject.dtype, d_k) if probe.scale is None else None
+        unit_rms = cosine is not None and cosine.unit_rms
+        rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
+                             None if unit_rms else cosine, unit_rms))
     worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
     if worst.cosine is not None:
         return _judged_cosine(worst, base)
@@ -178,6 +181,10 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                 f"{_entropy_text(base, ratio, expected, estimate)}")
     fix = scale_fix(applied, expected, d_k, probe.subject.d_model, probe.subject.num_heads,
                     declared=probe.scale is not None)
+    if worst.unit_rms:  # QK-norm: the norm sets the rows' size, the scale still divides q·k by sqrt(d_k)
+        evidence += "; q and k reach q·k at unit RMS (every row of norm sqrt(d_k): QK-norm), which keeps 1/sqrt(d_k)"
+        fix += ("; the norm does not replace 1/sqrt(d_k): normalised to unit RMS, q·k still grows as d_k x their "
+                "cosine (ViT-22B's QK-norm, Flux's, Qwen's keep the 1/sqrt(d_k))")
     if ratio > SCALE_RATIO:
         return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
                                    f"(not divided enough)",
@@ -211,6 +218,7 @@ class _Cosine:
 
     bound: float
     seen: str  # what was read, for the evidence
+    unit_rms: bool = False  # every row of norm sqrt(d_k): the scaled dot product's convention, not a cosine's
 
 
 @dataclass(frozen=True)
@@ -221,7 +229,8 @@ class _Reading:
     d_k: int
     source: str
     estimate: object
-    cosine: _Cosine | None  # set where q and k are normalised and no scale was declared
+    cosine: _Cosine | None  # set where q and k are normalised (not at unit RMS) and no scale was declared
+    unit_rms: bool = False  # q and k normalised to unit RMS (QK-norm): judged by 1/sqrt(d_k)
 
     def outside(self) -> float:
         """How far (in log) the reading lies outside what is allowed: 0 inside."""
@@ -232,9 +241,20 @@ class _Reading:
         return max(0.0, abs(math.log(abs(self.ratio) or 1e-300)) - math.log(SCALE_RATIO))
 
 
-def _cosine_bound(estimate, dtype) -> _Cosine | None:
+RMS_NORMED = 0.02
+"""q and k normalised to unit RMS (an RMSNorm or LayerNorm over each head, the QK-norm of Flux, SD3, Qwen, OLMo 2):
+every row's norm is sqrt(d_k), as an unnormalised row's is on average, so the scaled dot product's 1/sqrt(d_k) applies
+and a missing scale reads as one (a cosine times d_k, not sqrt(d_k)). Rows within this relative distance of sqrt(d_k)
+are judged by 1/sqrt(d_k); the norm's eps keeps them off it by at most 8.5e-5 in float32 and float64 and 2.7e-3 in
+bfloat16 (diffusers' QK-norm layers at d_k = 8: margin 7x), while l2-normalised rows (cosine attention: Swin v2,
+Restormer, nGPT), of norm 1, lie 0.29 away at d_k = 2 and 0.65 at d_k = 8 (margin 14x). A trained norm's gain moves
+the rows off sqrt(d_k): then the layer's temperature is its own, judged by the cosine bounds."""
+
+
+def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
     """Where q and k reach q·k normalised, every query row and every key row of one norm (QK-norm, cosine attention):
-    the logit an aligned key gets, the scale q·k is multiplied by times both norms. None otherwise."""
+    the logit an aligned key gets, the scale q·k is multiplied by times both norms, and whether that norm is sqrt(d_k)
+    (`RMS_NORMED`: unit RMS, then judged by 1/sqrt(d_k) as an unnormalised layer is). None otherwise."""
     m, f = getattr(estimate, "matmul", None), getattr(estimate, "fused", None)
     if m is not None and m.a.dim() >= 2 and m.b.dim() >= 2 and m.factor:
         norms = [m.a.double().norm(dim=-1), m.b.double().norm(dim=-2)]  # the queries' rows, the keys' (columns of k^T)
@@ -250,7 +270,8 @@ def _cosine_bound(estimate, dtype) -> _Cosine | None:
     q_norm, k_norm = float(norms[0].mean()), float(norms[1].mean())
     return _Cosine(abs(per_product) * q_norm * k_norm,
                    f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
-                   f"multiplied by {per_product:.4g}")
+                   f"multiplied by {per_product:.4g}",
+                   all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
 
 
 def _judged_cosine(r: _Reading, base: Call) -> DetectorResult:
