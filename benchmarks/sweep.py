@@ -69,6 +69,10 @@ TINY = {
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
                      "moe_intermediate_size", "shared_expert_intermediate_size"), 64),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    # experts chosen per token follow the experts left (a router's top-k over 4 experts raises past 4); grouped
+    # routing (DeepSeek's n_group groups, topk_group of them kept) as one group
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k", "moe_top_k"), 2),
+    **dict.fromkeys(("n_group", "topk_group"), 1),
     "image_size": 64,
 }
 LAYER_COUNT = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
