@@ -7,6 +7,8 @@
 - `gradient_flow` does not judge the parameters of an attention module whose output the model multiplies by 0 at this
   initialisation (SwinV2's post-norms start at weight 0; a zero-initialised gate): no attention computed with autograd
   could give them a gradient there. An attention output the model detaches (no gradient path at all) is still judged.
+  Its gradient is that of every tensor the model returns: a pooling head feeds only the pooled output beside the
+  tokens, and returns one vector per sequence, so it is not audited per token in place (a note says why).
 """
 
 from __future__ import annotations
@@ -215,3 +217,45 @@ def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_r
         return
     assert "attn" not in report.layers and report.status == "inconclusive", report
     assert any("returned 1 for 17" in note for note in report.notes), report.notes
+
+
+class PoolingHead(nn.Module):
+    """A learned query over every token, (B, T, D) -> (B, D): one vector per sequence (Aimv2's attention pooling
+    head). `detach`: its output detached, so no gradient reaches its parameters (a bug)."""
+
+    def __init__(self, d_model: int = 16, detach: bool = False):
+        super().__init__()
+        self.detach = detach
+        self.query = nn.Parameter(torch.randn(1, 1, d_model) * 0.1)
+        self.k, self.v = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        w = (self.query @ self.k(x).transpose(1, 2) / x.shape[-1] ** 0.5).softmax(-1)  # (B, 1, T)
+        out = (w @ self.v(x))[:, 0]  # (B, D)
+        return out.detach() if self.detach else out
+
+
+class PooledViT(TinyViT):
+    """TinyViT returning (tokens, pooled) as a Hugging Face vision model does (last_hidden_state, pooler_output):
+    the audit reads the tokens; the pooling head feeds only the pooled output."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.pool = PoolingHead(detach=detach)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        x = x + self.attn(x, self.pos)
+        return x, self.pool(x)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_pooling_head_feeding_only_the_pooled_output_gets_its_gradient_from_it_and_is_not_audited_per_token(detach):
+    report = diagnostics.audit_model(PooledViT(detach), example=PIXELS, detectors=["gradient_flow", "output_shape"])
+    assert "pool" not in report.layers and any("one vector per sequence" in n for n in report.notes), report.notes
+    flow = report.result("gradient_flow")
+    if detach:  # no gradient path at all to its keys and values: still judged
+        assert flow.verdict == "fail" and "pool.k.weight" in flow.evidence, flow
+        return
+    assert flow.verdict == "pass", flow  # was: pool.query, pool.k, pool.v got no gradient of the tokens' output

@@ -375,7 +375,15 @@ def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tup
     """A module whose output has another number of tokens than its hidden states (CrossViT's fusion attention: the
     class token's query over every token; a pooling head with a learned query) is not audited in place: the layer
     audit's probes read one output per query token. Raises AuditUsageError (a note, the layer unaudited)."""
-    if out is None or len(out) != 3 or hidden.dim() != 3:
+    if out is None or hidden.dim() != 3:
+        return
+    if len(out) == 2 and out[-1] == hidden.shape[-1] and out[0] in (hidden.shape[0], hidden.shape[1]) and \
+            hidden.shape[0] != hidden.shape[1]:  # (B, D): one vector per sequence, no token axis (a pooling head)
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
+                              f"hidden states, as the layer audit's probes read it; it returned one vector per "
+                              f"sequence, {tuple(out)} for hidden states {tuple(hidden.shape)} (a query of its own: "
+                              f"a pooling head's learned one), so it is audited only through the model")
+    if len(out) != 3:
         return
     same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
     if len(same_batch) != 1 or out[-1] != hidden.shape[-1]:

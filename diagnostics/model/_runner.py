@@ -61,6 +61,23 @@ def first_tensor(x):
     return None
 
 
+def output_tensors(x) -> list[Tensor]:
+    """Every floating tensor a model returned (a tensor, a model output's or dict's values, tuples and lists inside
+    them), in order, each once: the outputs beside `first_tensor` (a pooled output, a second head's logits)."""
+    found: list = []
+    todo = [x]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, Tensor):
+            if item.is_floating_point() and not any(item is f for f in found):
+                found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            todo.extend(item)
+    return found
+
+
 def cache_of(x):
     """The cache a model returned with use_cache=True (a Cache object, or the second item of a tuple)."""
     for name in ("cache", "past_key_values"):  # transformers 5 names it `cache`, earlier versions past_key_values
@@ -358,5 +375,4 @@ def pad_tokens(runner: Runner, shape, gen) -> Tensor:
 
 
 __all__ = ["ALIGNED_NAMES", "MAIN_INPUT_NAMES", "Runner", "cache_of", "device_dtype", "first_tensor", "float_dtype",
-           "is_hf", "model_context", "pad_tokens", "special_ids",
-           "sub_configs"]
+           "is_hf", "model_context", "output_tensors", "pad_tokens", "special_ids", "sub_configs"]

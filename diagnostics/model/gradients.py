@@ -1,5 +1,7 @@
-"""gradient_flow: every attention parameter gets a finite non-zero gradient of (out ** 2).sum(); for a causal
-model, no output sends gradient to later input embeddings (taken as a leaf at the token embedding's output).
+"""gradient_flow: every attention parameter gets a finite non-zero gradient of the sum of (out ** 2).sum() over
+every tensor the model returns (the logits or hidden states, and a pooled output or a second head's beside them:
+a pooling head's attention feeds only the pooled output); for a causal model, no output sends gradient to later
+input embeddings (taken as a leaf at the token embedding's output).
 
 A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
 the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
@@ -15,7 +17,7 @@ from .._guard import seed_rng
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
-from ._runner import device_dtype, first_tensor
+from ._runner import device_dtype, first_tensor, output_tensors
 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
@@ -85,6 +87,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         return output_hook
 
     kept = [m.register_forward_hook(keep(p)) for p, m in ctx.modules.items()]
+    returned: list = []  # every tensor the model returned, not only the one the runner reads
+    kept.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
         if emb is None and seq.is_floating_point():
             seq = seq.detach().clone().requires_grad_(True)
@@ -92,8 +96,9 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
-        grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params] + [outputs[p] for p in paths],
-                                    allow_unused=True, retain_graph=True)
+        total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
+        grads = torch.autograd.grad((out.float() ** 2).sum() + total, [w for _, w in params] +
+                                    [outputs[p] for p in paths], allow_unused=True, retain_graph=True)
         grads, to_outputs = grads[:len(params)], grads[len(params):]
         # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
         # gate), so their parameters cannot get one whatever the attention does; not judged, and said so
@@ -127,7 +132,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
         return DetectorResult(ID, "fail", f"{len(missing)} of {len(params)} attention parameters get no gradient",
                               value=float(len(missing)), threshold=0.0, fix=FIX, layer=layer,
-                              evidence=f"zero or missing gradient of (out ** 2).sum(): {', '.join(missing[:8])}"
+                              evidence=f"zero or missing gradient of the outputs' (out ** 2).sum(): {', '.join(missing[:8])}"
                                        f"{' ...' if len(missing) > 8 else ''} (in {', '.join(owners[:4])})")
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
