@@ -259,3 +259,32 @@ def test_a_pooling_head_feeding_only_the_pooled_output_gets_its_gradient_from_it
         assert flow.verdict == "fail" and "pool.k.weight" in flow.evidence, flow
         return
     assert flow.verdict == "pass", flow  # was: pool.query, pool.k, pool.v got no gradient of the tokens' output
+
+
+class ScaledInPlaceLM(nn.Module):
+    """Token embeddings scaled in place (CTRL's `inputs_embeds *= sqrt(d_model)`), one torch attention layer.
+    `detach`: the attention's output detached, so its parameters get no gradient (a bug)."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        seed_rng(0)
+        self.detach = detach
+        self.wte, self.attn, self.head = nn.Embedding(32, 16), nn.MultiheadAttention(16, 2, batch_first=True), \
+            nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        x *= 4.0
+        a = self.attn(x, x, x, need_weights=False)[0]
+        return self.head(x + (a.detach() if self.detach else a))
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_gradient_flow_takes_a_model_that_scales_its_embeddings_in_place(detach):
+    ids = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))
+    flow = diagnostics.audit_model(ScaledInPlaceLM(detach), example=ids, detectors=["gradient_flow"]).result(
+        "gradient_flow")
+    if detach:
+        assert flow.verdict == "fail" and "get no gradient" in flow.message, flow
+        return
+    assert flow.verdict == "pass", flow  # was: raised, a leaf that requires grad used in an in-place operation

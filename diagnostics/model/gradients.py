@@ -73,7 +73,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         if isinstance(out, Tensor) and out.is_floating_point() and out.shape[:2] == seq.shape[:2]:
             x = out.detach().requires_grad_(True)
             leaf["x"] = x
-            return x
+            return x.clone()  # not the leaf itself: a model may scale its embeddings in place (CTRL's *= sqrt(D))
         return None
 
     handle = emb.register_forward_hook(hook) if emb is not None else None
@@ -91,8 +91,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     kept.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
         if emb is None and seq.is_floating_point():
-            seq = seq.detach().clone().requires_grad_(True)
-            leaf["x"] = seq
+            leaf["x"] = seq.detach().clone().requires_grad_(True)
+            seq = leaf["x"].clone()  # as above: the model may edit its input in place
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
