@@ -9,6 +9,9 @@
   could give them a gradient there. An attention output the model detaches (no gradient path at all) is still judged.
   Its gradient is that of every tensor the model returns: a pooling head feeds only the pooled output beside the
   tokens, and returns one vector per sequence, so it is not audited per token in place (a note says why).
+- A parameter unused at the audit's length by design, used past it (a compressor) or behind a factor that starts at
+  0 (a dynamic mask's projection), is not a failure of gradient_flow or of its layer's parameters_used (a warning
+  naming the length, or "not judged"); one unused at every length tried still fails both.
 """
 
 from __future__ import annotations
@@ -288,3 +291,58 @@ def test_gradient_flow_takes_a_model_that_scales_its_embeddings_in_place(detach)
         assert flow.verdict == "fail" and "get no gradient" in flow.message, flow
         return
     assert flow.verdict == "pass", flow  # was: raised, a leaf that requires grad used in an in-place operation
+
+
+class Compressing(nn.Module):
+    """Self-attention with a second path through `comp` (a compressor, a dynamic mask's projection), used as `mode`
+    says: "long", only past 32 tokens (DeepSeek-V4's compressor, from its compress rate); "gated", times a factor
+    A that starts at 0 (Doge's dynamic mask); "never", only past a million tokens; "dropped", computed and not used."""
+
+    def __init__(self, mode: str, d_model: int = 16):
+        super().__init__()
+        self.mode = mode
+        self.qkv, self.proj, self.comp = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model), \
+            nn.Linear(d_model, d_model)
+        self.A = nn.Parameter(torch.zeros(1)) if mode == "gated" else None
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).chunk(3, -1)  # 3 x (B, T, D)
+        out = (q @ k.transpose(1, 2) / D ** 0.5).softmax(-1) @ v  # (B, T, D)
+        c = self.comp(x)
+        if self.mode == "long" and T > 32 or self.mode == "never" and T > 10 ** 6:
+            out = out + c
+        elif self.mode == "gated":
+            out = out + self.A * c
+        return self.proj(out)
+
+
+class CompressingLM(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        seed_rng(0)
+        self.wte, self.attn, self.head = nn.Embedding(32, 16), Compressing(mode), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("mode", ["long", "gated", "never", "dropped"])
+def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_failed_and_the_unused_ones_are(mode):
+    ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(CompressingLM(mode), example=ids,
+                                     detectors=["gradient_flow", "parameters_used", "output_shape"])
+    flow, layer = report.result("gradient_flow"), report.layers["attn"]
+    if mode in ("never", "dropped"):  # unused at every length tried: both checks still fail
+        assert flow.verdict == "fail" and "attn.comp.weight" in flow.evidence, flow
+        assert layer.result("parameters_used").verdict == "fail", layer
+        return
+    # was: both failed, "attn.comp.weight, attn.comp.bias get no gradient"
+    assert "parameters_used" not in layer.fired() and report.status == "passed", report
+    assert any("attn: parameters_used not run in place: attn.comp.weight" in n for n in report.notes), report.notes
+    if mode == "long":
+        assert flow.verdict == "warn" and "but do at 64" in flow.message and "(from 64; not at 16)" in flow.evidence
+        assert "seq_len=64" in flow.fix, flow
+    else:
+        assert flow.verdict == "pass" and "attn.comp" in flow.message and "multiplies it by 0" in flow.message, flow

@@ -3,12 +3,21 @@ every tensor the model returns (the logits or hidden states, and a pooled output
 a pooling head's attention feeds only the pooled output); for a causal model, no output sends gradient to later
 input embeddings (taken as a leaf at the token embedding's output).
 
+A parameter that gets no gradient at the audit's length is unused by design where its own module's output gets a
+gradient of exactly 0 (a factor after it starts at 0: Doge's dynamic-mask projection; not judged, and said so), or
+where it gets one at a longer length (`LONGER`): a sparse-attention indexer or a compressor acts only past a length
+(DeepSeek-V4's compressor from its compress rate); that is a warning naming the length. Either way its layer's
+in-place `parameters_used`, which cannot see it, is left to this check (`unused_by_design`, read by audit_model);
+a parameter used at none of the lengths fails.
+
 A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
 the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
 no attention computed with autograd could give it one; the result says which modules, and each layer's in-place
 audit (`gradients`) still checks the layer's own backward."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -17,11 +26,96 @@ from .._guard import seed_rng
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
-from ._runner import device_dtype, first_tensor, output_tensors
+from ._runner import device_dtype, first_tensor, model_context, output_tensors, pad_tokens
 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
        "backward path")
+
+
+LONGER = (64, 256, 1024, 2560)  # lengths a parameter unused at the audit's is tried at: 2560 is past 2,048 (Doge)
+
+
+@dataclass(frozen=True)
+class ByDesign:
+    """Why a parameter that gets no gradient at the audit's length is still used by the model: `zeroed`, its own
+    module, whose output what follows multiplies by exactly 0 at this initialisation (Doge's dynamic-mask
+    projection, behind a factor A that starts at 0); or `length`, the first of `LONGER` it gets a gradient at."""
+
+    zeroed: str | None = None
+    length: int | None = None
+
+    def __str__(self) -> str:
+        if self.zeroed:
+            return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
+        return f"used from length {self.length}"
+
+
+def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
+    """The sum of (t ** 2).sum() over every tensor the model returns on `seq`, and {path: the first output tensor
+    of each watched module}."""
+    returned, outputs = [], {}
+
+    def keep(path):
+        def hook(m, args, out):
+            o = first_tensor(out)
+            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+                outputs[path] = o
+        return hook
+
+    handles = [m.register_forward_hook(keep(p)) for p, m in watched.items()]
+    handles.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    try:
+        seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        ctx.runner(seq, grad=True)
+    finally:
+        for h in handles:
+            h.remove()
+    loss = sum((t.float() ** 2).sum() for t in returned if t.requires_grad)
+    return loss, outputs
+
+
+def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
+    """{name: ByDesign, or None where nothing says the model uses it} for parameters that get no gradient of the
+    model's outputs at the audit's length: first whether their own module's output gets a gradient of exactly 0
+    (what follows multiplies it by 0 at this initialisation), then the first of `LONGER` at which they get one, one
+    forward and backward per length until each is found, up to the first length the model does not run at (a
+    length past the model's declared context is tried too: a rotary model runs there). Kept on `ctx`:
+    gradient_flow and audit_model both ask."""
+    params = dict(ctx.model.named_parameters())
+    named = dict(ctx.model.named_modules())
+    todo = [n for n in dict.fromkeys(names) if n not in ctx.by_design and n in params]
+    if todo:
+        owners = {n.rsplit(".", 1)[0]: named.get(n.rsplit(".", 1)[0]) for n in todo if "." in n}
+        owners = {p: m for p, m in owners.items() if m is not None}
+        try:
+            loss, outputs = _loss_and_outputs(ctx, ctx.runner.inputs[:1], owners)
+            paths = list(outputs)
+            grads = torch.autograd.grad(loss, [outputs[p] for p in paths], allow_unused=True) if paths and \
+                torch.is_tensor(loss) else ()
+        except Exception:  # the plain forward ran before: a replay that raises under the hooks says nothing
+            paths, grads = [], ()
+        zeroed = {p for p, g in zip(paths, grads) if g is not None and not bool(g.abs().sum() > 0)}
+        for n in list(todo):
+            if n.rsplit(".", 1)[0] in zeroed:
+                ctx.by_design[n] = ByDesign(zeroed=n.rsplit(".", 1)[0])
+                todo.remove(n)
+    gen = torch.Generator().manual_seed(ctx.seed + 71)
+    for L in LONGER:
+        if L <= ctx.T or not todo or not ctx.runner.sequence:
+            continue
+        try:
+            loss, _ = _loss_and_outputs(ctx, pad_tokens(ctx.runner, (1, L), gen), {})
+            grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
+                else (None,) * len(todo)
+        except Exception:  # the model does not run at this length (a position table, a fixed size): no longer
+            break
+        for n, g in zip(list(todo), grads):
+            if g is not None and bool(g.abs().sum() > 0):
+                ctx.by_design[n] = ByDesign(length=L)
+                todo.remove(n)
+    ctx.by_design.update(dict.fromkeys(todo))
+    return {n: ctx.by_design.get(n) for n in names}
 
 
 def trainable(ctx: ModelContext) -> list:
@@ -56,6 +150,17 @@ def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | N
         except Exception:  # a model whose getter is not implemented: look for an nn.Embedding instead
             pass
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def past_context(ctx: ModelContext, L: int) -> str:
+    context = model_context(ctx.model)
+    return f" (past the model's declared context of {context}: unused within it)" if context and L > context else ""
+
+
+def prev_length(L: int, T: int) -> int:
+    """The length tried before `L` (the audit's own, T, before the first of LONGER)."""
+    shorter = [x for x in LONGER if T < x < L]
+    return shorter[-1] if shorter else T
 
 
 @detector(ID, "every attention parameter gets a finite non-zero gradient; for a causal model, no output sends "
@@ -127,6 +232,10 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if nonfinite:
         return DetectorResult(ID, "fail", "attention parameters get non-finite gradients",
                               evidence=", ".join(nonfinite[:6]), fix=FIX)
+    by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
+    missing = [n for n in missing if n not in by_design]
+    longer = {n: why.length for n, why in by_design.items() if why.length}
+    zeroed = sorted({why.zeroed for why in by_design.values() if why.zeroed})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -137,8 +246,21 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                           "inputs", evidence=leak, fix=FIX)
-    unjudged = [p for p in ctx.order if p in cut] or sorted(cut)  # in call order
-    judged = sum(owner(n) not in cut for n, _ in params)
+    if longer:
+        lengths = sorted(set(longer.values()))
+        layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in longer)), None)
+        return DetectorResult(ID, "warn", f"{len(longer)} of {len(params)} attention parameters get no gradient at "
+                                          f"this length ({seq.shape[1]}), but do at {', '.join(map(str, lengths))}: "
+                                          f"used only on longer sequences" + past_context(ctx, lengths[-1]),
+                              layer=layer,
+                              evidence=", ".join(f"{n} (from {L}; not at {prev_length(L, seq.shape[1])})"
+                                                 for n, L in list(longer.items())[:8])
+                                       + (" ..." if len(longer) > 8 else "")
+                                       + "; a sparse-attention indexer, a compressor or a dynamic mask acts only past "
+                                         "a length: audit at that length (seq_len=) to check them",
+                              fix=f"pass seq_len={lengths[0]} (or more) to audit them where the model uses them")
+    unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
+    judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
