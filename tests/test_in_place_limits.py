@@ -296,7 +296,8 @@ def test_gradient_flow_takes_a_model_that_scales_its_embeddings_in_place(detach)
 class Compressing(nn.Module):
     """Self-attention with a second path through `comp` (a compressor, a dynamic mask's projection), used as `mode`
     says: "long", only past 32 tokens (DeepSeek-V4's compressor, from its compress rate); "gated", times a factor
-    A that starts at 0 (Doge's dynamic mask); "never", only past a million tokens; "dropped", computed and not used."""
+    A that starts at 0 (Doge's dynamic mask); "zeros", on an input of zeros (DETR's first decoder layer, from zero
+    queries); "never", only past a million tokens; "dropped", computed and not used."""
 
     def __init__(self, mode: str, d_model: int = 16):
         super().__init__()
@@ -309,8 +310,10 @@ class Compressing(nn.Module):
         B, T, D = x.shape  # batch, tokens, width
         q, k, v = self.qkv(x).chunk(3, -1)  # 3 x (B, T, D)
         out = (q @ k.transpose(1, 2) / D ** 0.5).softmax(-1) @ v  # (B, T, D)
-        c = self.comp(x)
-        if self.mode == "long" and T > 32 or self.mode == "never" and T > 10 ** 6:
+        c = self.comp(torch.zeros_like(x) if self.mode == "zeros" else x)
+        if self.mode == "zeros":
+            out = out + c
+        elif self.mode == "long" and T > 32 or self.mode == "never" and T > 10 ** 6:
             out = out + c
         elif self.mode == "gated":
             out = out + self.A * c
@@ -328,7 +331,7 @@ class CompressingLM(nn.Module):
         return self.head(x + self.attn(x))
 
 
-@pytest.mark.parametrize("mode", ["long", "gated", "never", "dropped"])
+@pytest.mark.parametrize("mode", ["long", "gated", "zeros", "never", "dropped"])
 def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_failed_and_the_unused_ones_are(mode):
     ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
     report = diagnostics.audit_model(CompressingLM(mode), example=ids,
@@ -346,3 +349,51 @@ def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_f
         assert "seq_len=64" in flow.fix, flow
     else:
         assert flow.verdict == "pass" and "attn.comp" in flow.message and "multiplies it by 0" in flow.message, flow
+        assert ("is exactly 0 here" if mode == "zeros" else "multiplied by 0 at this initialisation") in \
+            " ".join(report.notes), report.notes
+
+
+class QueriesOverPatches(nn.Module):
+    """Cross-attention of learned queries over the patches, the patches' own positions added to the keys as an
+    argument of the memory's length along its second dimension (DETR's encoder_position_embeddings, (B, S, D)).
+    `broken`: divides by the keys' spread over the heads' width, 0 in a width of one (a bug that raises at the
+    model's own call too)."""
+
+    def __init__(self, d_model: int = 16, broken: bool = False):
+        super().__init__()
+        self.broken = broken
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+
+    def forward(self, hidden_states, key_value_states, encoder_position_embeddings):
+        if self.broken:
+            raise ValueError("the layer is broken")
+        k = self.k(key_value_states + encoder_position_embeddings)  # (B, S, D): raises unless S == len(positions)
+        w = (self.q(hidden_states) @ k.transpose(1, 2) / k.shape[-1] ** 0.5).softmax(-1)  # (B, Q, S)
+        return w @ self.v(key_value_states)
+
+
+class TinyDetector(TinyViT):
+    """TinyViT's patches as the memory of 5 learned queries (DETR's decoder): (B, 5, 4) box logits."""
+
+    def __init__(self, broken: bool = False):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(1, 5, 16) * 0.1)
+        self.cross = QueriesOverPatches(broken=broken)
+
+    def forward(self, x):
+        memory = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        B = memory.shape[0]
+        q = self.queries.expand(B, -1, -1)
+        return self.head(q + self.cross(q, key_value_states=memory,
+                                        encoder_position_embeddings=self.pos.expand(B, -1, -1)))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_memory_of_another_length_than_its_models_is_a_probe_not_taken_and_a_raise_at_its_own_still_fails(broken):
+    report = diagnostics.audit_model(TinyDetector(broken), example=PIXELS, detectors=["runs"])
+    if broken:  # raises at the model's own call: the model's failure, at that layer
+        assert report.status == "failed" and report.result("model_runs").layer == "cross", report
+        return
+    runs = report.layers["cross"].result("runs")  # every probe gives a memory of its own length (5), not 16
+    assert runs.verdict == "skip" and "memory 16" in runs.message and "memory 5" in runs.message, runs
+    assert report.status == "inconclusive", report  # was: failed, runs raised on 6 probes

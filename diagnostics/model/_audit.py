@@ -28,7 +28,7 @@ from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._result import DetectorResult
 from .._subject import spell
 from .._thresholds import dtype_name
-from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES, in their order
+from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES
 from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
 from ._find import FoundModule, class_kind, find_attention, observe_attention
@@ -134,6 +134,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     results: list[DetectorResult] = []
     layers: dict = {}
     notes: list[str] = []
+    if runner.chosen:
+        notes.append(f"the example: {runner.chosen}")
     if runner.dropped:
         notes.append(f"the example's {', '.join(runner.dropped)} not passed: each check builds the masks and positions "
                      f"it needs (token_type_ids: the model's default)")

@@ -40,14 +40,19 @@ LONGER = (64, 256, 1024, 2560)  # lengths a parameter unused at the audit's is t
 class ByDesign:
     """Why a parameter that gets no gradient at the audit's length is still used by the model: `zeroed`, its own
     module, whose output what follows multiplies by exactly 0 at this initialisation (Doge's dynamic-mask
-    projection, behind a factor A that starts at 0); or `length`, the first of `LONGER` it gets a gradient at."""
+    projection, behind a factor A that starts at 0); `zero_input`, its own module, whose input is exactly 0 (a
+    weight times 0 has no gradient: DETR's decoder starts from zero queries, and its zero-initialised value bias
+    makes the next projection's input 0 too); or `length`, the first of `LONGER` it gets a gradient at."""
 
     zeroed: str | None = None
     length: int | None = None
+    zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
 
     def __str__(self) -> str:
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
+        if self.zero_input:
+            return f"the input of {self.zero_input} is exactly 0 here"
         return f"used from length {self.length}"
 
 
@@ -61,6 +66,9 @@ def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
             o = first_tensor(out)
             if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
                 outputs[path] = o
+                x = first_tensor(args)
+                if isinstance(x, Tensor) and x.is_floating_point() and x.numel() and not bool(x.ne(0).any()):
+                    outputs.setdefault("zero inputs", set()).add(path)
         return hook
 
     handles = [m.register_forward_hook(keep(p)) for p, m in watched.items()]
@@ -90,15 +98,20 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
         owners = {p: m for p, m in owners.items() if m is not None}
         try:
             loss, outputs = _loss_and_outputs(ctx, ctx.runner.inputs[:1], owners)
+            zero_inputs = outputs.pop("zero inputs", set())
             paths = list(outputs)
             grads = torch.autograd.grad(loss, [outputs[p] for p in paths], allow_unused=True) if paths and \
                 torch.is_tensor(loss) else ()
         except Exception:  # the plain forward ran before: a replay that raises under the hooks says nothing
-            paths, grads = [], ()
+            paths, grads, zero_inputs = [], (), set()
         zeroed = {p for p, g in zip(paths, grads) if g is not None and not bool(g.abs().sum() > 0)}
         for n in list(todo):
-            if n.rsplit(".", 1)[0] in zeroed:
-                ctx.by_design[n] = ByDesign(zeroed=n.rsplit(".", 1)[0])
+            owner, leaf = n.rsplit(".", 1)
+            if owner in zeroed:
+                ctx.by_design[n] = ByDesign(zeroed=owner)
+                todo.remove(n)
+            elif owner in zero_inputs and leaf == "weight":  # its bias still gets one: judged
+                ctx.by_design[n] = ByDesign(zero_input=owner)
                 todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     for L in LONGER:
@@ -235,13 +248,14 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed for why in by_design.values() if why.zeroed})
+    zeroed = sorted({why.zeroed or why.zero_input for why in by_design.values() if why.zeroed or why.zero_input})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
         return DetectorResult(ID, "fail", f"{len(missing)} of {len(params)} attention parameters get no gradient",
                               value=float(len(missing)), threshold=0.0, fix=FIX, layer=layer,
-                              evidence=f"zero or missing gradient of the outputs' (out ** 2).sum(): {', '.join(missing[:8])}"
+                              evidence=f"zero or missing gradient of the outputs' (out ** 2).sum(): "
+                                       f"{', '.join(missing[:8])}"
                                        f"{' ...' if len(missing) > 8 else ''} (in {', '.join(owners[:4])})")
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
@@ -262,7 +276,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
-                  f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate), "
+                  f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
+                  f"or their input is 0), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
