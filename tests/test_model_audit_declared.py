@@ -74,3 +74,50 @@ def test_a_speech_model_is_audited_on_input_features_read_from_its_config():
     report = diagnostics.audit_model(encoder, detectors=["runs", "output_shape"])
     assert any("input_features (2, 8, 16) read from the config" in n for n in report.notes), report.notes
     assert report.status == "passed", report  # was: a usage error asking for example={'input_features': ...}
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(8, 4)
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder whose own table is the encoder's; `get_decoder()` its decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.decoder = nn.Embedding(8, 4), Decoder()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def get_decoder(self):
+        return self.decoder
+
+
+class Wrapped(nn.Module):
+    """A vision-language model around a Seq2Seq whose `get_decoder()` is the whole Seq2Seq (Florence-2's BART)."""
+
+    def __init__(self):
+        super().__init__()
+        self.language_model = Seq2Seq()
+
+    def get_input_embeddings(self):
+        return self.language_model.shared
+
+    def get_decoder(self):
+        return self.language_model
+
+
+def test_the_decoder_token_table_is_found_through_every_get_decoder():
+    from diagnostics.model.gradients import input_embedding
+
+    wrapped, plain = Wrapped(), Seq2Seq()
+    # was: the Seq2Seq's own table, the encoder's, so the decoder's causality was read on the bidirectional encoder
+    assert input_embedding(wrapped, decoder=True) is wrapped.language_model.decoder.embed_tokens
+    assert input_embedding(plain, decoder=True) is plain.decoder.embed_tokens  # one level, as before
+    assert input_embedding(wrapped) is wrapped.language_model.shared  # without decoder=True: the model's own

@@ -143,7 +143,8 @@ TRAINABLE = Need("trainable attention parameters", lambda c: bool(trainable(c)),
 def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | None:
     """The model's token embedding: `get_input_embeddings()` (Hugging Face's), else its first nn.Embedding. With
     `decoder`, an encoder-decoder's decoder's own (Marian's decoder has an embedding of its own: the model's is
-    the encoder's, whose every position the decoder sees through cross-attention)."""
+    the encoder's, whose every position the decoder sees through cross-attention), through every `get_decoder()`
+    down to the decoder itself (Florence-2's get_decoder() is its whole BART, whose own table is the encoder's)."""
     if decoder:
         get_decoder = getattr(model, "get_decoder", None)
         try:
@@ -151,7 +152,7 @@ def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | N
         except Exception:  # a getter that is not implemented: the model's own embedding
             inner = None
         if isinstance(inner, nn.Module) and inner is not model:
-            found = input_embedding(inner)
+            found = input_embedding(inner, decoder=True)
             if found is not None:
                 return found
     getter = getattr(model, "get_input_embeddings", None)
