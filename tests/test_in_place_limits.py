@@ -212,6 +212,40 @@ class ClassQueryViT(TinyViT):
         return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0])
 
 
+class PooledQueries(TiedAttention):
+    """Every other token's output, twice as wide (Hiera's query stride, its stage widening): (B, 9, 2D) for (B, T, D);
+    `every`: every token's, as wide, the twin."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.every = every
+
+    def forward(self, x, pos):
+        out = super().forward(x, pos)
+        return out if self.every else torch.cat([out[:, ::2], out[:, ::2]], -1)
+
+
+class StridedViT(ClassQueryViT):
+    def __init__(self, every: bool):
+        super().__init__(every)
+        self.attn = PooledQueries(every)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0, :16])
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_module_that_pools_its_queries_and_widens_is_left_to_the_model_checks_with_the_reason(every):
+    report = diagnostics.audit_model(StridedViT(every), example=PIXELS, detectors=["output_shape"])
+    if every:
+        assert "attn" in report.layers and report.status == "passed", report
+        return
+    # was: output_shape failed, (2, 9, 32) for (2, 17, 16)
+    assert "attn" not in report.layers and any("returned 9 for 17" in n for n in report.notes), report.notes
+
+
 @pytest.mark.parametrize("every", [False, True])
 def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_reason(every):
     report = diagnostics.audit_model(ClassQueryViT(every), example=PIXELS)
@@ -297,7 +331,8 @@ class Compressing(nn.Module):
     """Self-attention with a second path through `comp` (a compressor, a dynamic mask's projection), used as `mode`
     says: "long", only past 32 tokens (DeepSeek-V4's compressor, from its compress rate); "gated", times a factor
     A that starts at 0 (Doge's dynamic mask); "zeros", on an input of zeros (DETR's first decoder layer, from zero
-    queries); "never", only past a million tokens; "dropped", computed and not used."""
+    queries); "topk", past 32 tokens choosing the 32 keys attended by its scores (a sparse-attention indexer: no
+    gradient, yet a choice); "never", only past a million tokens; "dropped", computed and not used."""
 
     def __init__(self, mode: str, d_model: int = 16):
         super().__init__()
@@ -309,9 +344,16 @@ class Compressing(nn.Module):
     def forward(self, x):
         B, T, D = x.shape  # batch, tokens, width
         q, k, v = self.qkv(x).chunk(3, -1)  # 3 x (B, T, D)
-        out = (q @ k.transpose(1, 2) / D ** 0.5).softmax(-1) @ v  # (B, T, D)
+        scores = q @ k.transpose(1, 2) / D ** 0.5  # (B, T, T)
+        if self.mode == "topk" and T > 32:  # the 32 keys the indexer scores highest, for every query
+            chosen = (self.comp(x) * x).sum(-1).topk(32, dim=-1).indices  # (B, 32): indices carry no gradient
+            keep = torch.zeros(B, T, dtype=torch.bool).scatter(1, chosen, True)  # (B, T)
+            scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+        out = scores.softmax(-1) @ v  # (B, T, D)
         c = self.comp(torch.zeros_like(x) if self.mode == "zeros" else x)
-        if self.mode == "zeros":
+        if self.mode == "topk":
+            pass
+        elif self.mode == "zeros":
             out = out + c
         elif self.mode == "long" and T > 32 or self.mode == "never" and T > 10 ** 6:
             out = out + c
@@ -331,7 +373,7 @@ class CompressingLM(nn.Module):
         return self.head(x + self.attn(x))
 
 
-@pytest.mark.parametrize("mode", ["long", "gated", "zeros", "never", "dropped"])
+@pytest.mark.parametrize("mode", ["long", "gated", "zeros", "topk", "never", "dropped"])
 def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_failed_and_the_unused_ones_are(mode):
     ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
     report = diagnostics.audit_model(CompressingLM(mode), example=ids,
@@ -344,7 +386,7 @@ def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_f
     # was: both failed, "attn.comp.weight, attn.comp.bias get no gradient"
     assert "parameters_used" not in layer.fired() and report.status == "passed", report
     assert any("attn: parameters_used not run in place: attn.comp.weight" in n for n in report.notes), report.notes
-    if mode == "long":
+    if mode in ("long", "topk"):
         assert flow.verdict == "warn" and "but do at 64" in flow.message and "(from 64; not at 16)" in flow.evidence
         assert "seq_len=64" in flow.fix, flow
     else:

@@ -401,14 +401,14 @@ def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tup
     if len(out) != 3:
         return
     same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
-    if len(same_batch) != 1 or out[-1] != hidden.shape[-1]:
+    if len(same_batch) != 1:
         return
     time_dim = 1 - same_batch[0]
-    if out[time_dim] != hidden.shape[time_dim]:
+    if out[time_dim] != hidden.shape[time_dim]:  # whatever its width (Hiera's stage widens as it pools)
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
                               f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
-                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one), so it "
-                              f"is audited only through the model")
+                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one; or "
+                              f"queries pooled: Hiera's query stride), so it is audited only through the model")
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):

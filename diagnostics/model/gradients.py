@@ -8,7 +8,8 @@ gradient of exactly 0 (a factor after it starts at 0: Doge's dynamic-mask projec
 where it gets one at a longer length (`LONGER`): a sparse-attention indexer or a compressor acts only past a length
 (DeepSeek-V4's compressor from its compress rate); that is a warning naming the length. Either way its layer's
 in-place `parameters_used`, which cannot see it, is left to this check (`unused_by_design`, read by audit_model);
-a parameter used at none of the lengths fails.
+a parameter used at none of the lengths fails. One that never gets a gradient yet moves the output when changed at a
+longer length is a top-k choice (HY-V4's sparse-attention indexer): used there too.
 
 A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
 the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
@@ -47,13 +48,14 @@ class ByDesign:
     zeroed: str | None = None
     length: int | None = None
     zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
+    selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
 
     def __str__(self) -> str:
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
             return f"the input of {self.zero_input} is exactly 0 here"
-        return f"used from length {self.length}"
+        return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
 
 
 def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
@@ -81,6 +83,29 @@ def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
             h.remove()
     loss = sum((t.float() ** 2).sum() for t in returned if t.requires_grad)
     return loss, outputs
+
+
+MOVED_AT_MOST = 16  # parameters with no gradient at a length whose use is tried by changing them, one at a time
+MOVES = 1e-6  # relative to the output's RMS: a changed top-k choice moves it by O(1); float32 rounding by ~1e-7
+
+
+def _moves_output(ctx: ModelContext, seq, param, gen) -> bool:
+    """Whether changing the parameter at random moves the model's output on `seq` (a top-k selection's scores get
+    no gradient, yet choose the keys); the parameter is restored."""
+    saved = param.detach().clone()
+    try:
+        with torch.no_grad():
+            before, _ = ctx.runner(seq)
+            param.add_(torch.randn(param.shape, generator=gen).to(param.device, param.dtype) * (
+                float(saved.float().abs().mean()) or 1.0))
+            after, _ = ctx.runner(seq)
+    except Exception:  # the model does not run so: not shown to be used
+        return False
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    scale = float(before.float().square().mean().sqrt()) or 1.0
+    return float((after.float() - before.float()).abs().max()) > MOVES * scale
 
 
 def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
@@ -114,11 +139,16 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                 ctx.by_design[n] = ByDesign(zero_input=owner)
                 todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
+    # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
+    # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
+    cut = {n for n in todo[:MOVED_AT_MOST] if _moves_output(ctx, ctx.runner.inputs[:1], params[n], gen)} \
+        if todo and ctx.runner.sequence else set()
     for L in LONGER:
         if L <= ctx.T or not todo or not ctx.runner.sequence:
             continue
+        seq = pad_tokens(ctx.runner, (1, L), gen)
         try:
-            loss, _ = _loss_and_outputs(ctx, pad_tokens(ctx.runner, (1, L), gen), {})
+            loss, _ = _loss_and_outputs(ctx, seq, {})
             grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
                 else (None,) * len(todo)
         except Exception:  # the model does not run at this length (a position table, a fixed size): no longer
@@ -126,6 +156,10 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
         for n, g in zip(list(todo), grads):
             if g is not None and bool(g.abs().sum() > 0):
                 ctx.by_design[n] = ByDesign(length=L)
+                todo.remove(n)
+        for n in [n for n in todo if n not in cut][:MOVED_AT_MOST]:  # no gradient but a choice: top-k keys
+            if _moves_output(ctx, seq, params[n], gen):
+                ctx.by_design[n] = ByDesign(length=L, selects=True)
                 todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
