@@ -121,3 +121,32 @@ def test_the_decoder_token_table_is_found_through_every_get_decoder():
     assert input_embedding(wrapped, decoder=True) is wrapped.language_model.decoder.embed_tokens
     assert input_embedding(plain, decoder=True) is plain.decoder.embed_tokens  # one level, as before
     assert input_embedding(wrapped) is wrapped.language_model.shared  # without decoder=True: the model's own
+
+
+class NestedReturn(WholeWidthScale):
+    """I-BERT's return: ((context, attention probabilities), the output's quantisation scale)."""
+
+    def forward(self, x):
+        return (super().forward(x), None), torch.tensor(0.1)
+
+
+class NestedLM(ScaledLM):
+    def __init__(self, applied: bool):
+        super().__init__(applied)
+        seed_rng(0)
+        self.attn = NestedReturn(applied=applied)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        return self.head(x + self.attn(x)[0][0])
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_layer_returning_its_output_inside_a_nested_tuple_is_audited_on_it(applied):
+    ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(NestedLM(applied), example=ids,
+                                     detectors=["runs", "output_shape", "softmax_saturation"])
+    layer = report.layers["attn"]
+    # was: the scale read as the output (output_shape failed; I-BERT's runs failed on every probe)
+    assert layer.result("runs").verdict == "pass" and layer.result("output_shape").verdict == "pass", layer
+    assert layer.result("softmax_saturation").verdict == ("pass" if applied else "fail"), layer

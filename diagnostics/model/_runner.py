@@ -52,7 +52,8 @@ def timm_image_size(model: nn.Module) -> tuple:
 
 def first_tensor(x):
     """The output tensor of whatever a model or module returns: a tensor, logits / last_hidden_state on a
-    model output, or the first tensor of a dict, tuple or list; None if there is none."""
+    model output, or the first tensor of a dict, tuple or list, depth first (I-BERT's attention returns
+    ((context, probs), scaling factor)); None if there is none."""
     if isinstance(x, Tensor):
         return x
     for name in ("logits", "last_hidden_state", "prediction_logits"):
@@ -65,8 +66,9 @@ def first_tensor(x):
                 return value
     if isinstance(x, (tuple, list)):
         for value in x:
-            if isinstance(value, Tensor):
-                return value
+            found = first_tensor(value) if isinstance(value, (tuple, list)) else value
+            if isinstance(found, Tensor):
+                return found
     return None
 
 
