@@ -82,14 +82,14 @@ TINY = {
 # (CodeGen's rotary_dim) shrunk with the head (a 64-wide rotary table on an 8-wide head raises)
 TINY_ENDINGS = {"rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 8, "_lora_rank": 16, "rotary_dim": 4}
 LAYER_COUNT = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-TF = "transformers 5.24.0, transformers/models/"
+TF = "transformers 5.25.0, transformers/models/"
 KNOWN = {  # model type -> why it fails: a problem of the library's own, confirmed outside the audit (issue 33)
     "swiftformer": f"a softmax over a size-1 axis: every weight is 1 ({TF}swiftformer/modeling_swiftformer.py:183, "
                    "`scaled_query_weight.softmax(dim=-1)` of `query @ self.w_g`, w_g of shape (dim, 1), line 169)",
     "mamba": f"a cached step of more than one token restarts the scan: the recurrent state is read only when "
-             f"seq_len == 1 ({TF}mamba/modeling_mamba.py:444)",
+             f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
-                    f"({TF}falcon_mamba/modeling_falcon_mamba.py:482)",
+                    f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
