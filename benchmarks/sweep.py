@@ -92,6 +92,9 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                     f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
+    "levit": f"in eval mode the attention biases are cached by the first forward ({TF}levit/modeling_levit.py:193): "
+             f"after a forward under no_grad every later forward's attention_biases get no gradient (confirmed by a "
+             f"plain script: grad None after one no_grad forward, non-zero without it)",
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
 }

@@ -6,7 +6,8 @@ an attention layer that lets documents see each other still fails, at that layer
 
 Twins on the same two-layer model (test_model_patterns' LM and Attention): a causal convolution of kernel 3 before
 the attention (the mixer leaks), the same of kernel 1 (no mixing: passes), and kernel 1 with the attention's
-block-diagonal mask left out (fails at the attention).
+block-diagonal mask left out (fails at the attention). The packed probe's position ids are a tensor of their own
+per row (a model that flattens them with .view(-1) raised on an expanded view).
 """
 
 from __future__ import annotations
@@ -48,3 +49,21 @@ def test_the_same_model_without_the_mixing_passes_and_its_attention_that_ignores
     leaky = packed(LM([ShortConv(1), Attention()], packing=False))
     assert leaky.verdict == "fail" and leaky.layer == "attn.1", leaky  # the attention: softmax attention ran in it
     assert "doc[q] == doc[kv]" in leaky.fix
+
+
+class FlatPositionsLM(LM):
+    """LM flattening its position ids with .view(-1) (Kosmos-2.5's text model), which an expanded view cannot take."""
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is not None:
+            position_ids = position_ids.view(-1).view(position_ids.shape)
+        return super().forward(input_ids, position_ids)
+
+
+def test_packed_positions_are_a_tensor_of_their_own_per_row():
+    torch.manual_seed(0)
+    good = packed(FlatPositionsLM([Attention(), Attention()]))
+    assert good.verdict == "pass", good  # was: fail, the model raised (view size is not compatible)
+    torch.manual_seed(0)
+    leaky = packed(FlatPositionsLM([Attention(), Attention()], packing=False))
+    assert leaky.verdict == "fail" and leaky.layer == "attn.0", leaky

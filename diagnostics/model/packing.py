@@ -130,8 +130,11 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
         row[:, s:e] = other[:, s:e]
         rows.append(row)
     batch = torch.cat(rows)  # (1 + documents, T)
+    # one row of positions per sequence, each its own memory as a caller's are: an expanded view (stride 0) makes a
+    # model that flattens them with .view(-1) raise (Kosmos-2.5)
+    positions = positions.repeat(batch.shape[0], 1)  # (1 + documents, T)
     with LayerTap(ctx.modules, ctx.time_dims) as taps, _watch_packed_mask() as used:
-        out, _ = runner(batch, position_ids=positions.expand(batch.shape[0], T))
+        out, _ = runner(batch, position_ids=positions)
     if not per_position(out, T):
         return DetectorResult(ID, "skip", NO_POSITIONS.format(shape=tuple(out.shape)))
     spans = ", ".join(f"{s}..{e - 1}" for s, e in docs)
@@ -170,7 +173,7 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
         d, s, e, t, by, n = crossings[0]
         at = f"; the change first crosses at {first}" if first else ""
         verdict, fix = "fail", FIX
-        source = leak_source(ctx, batch, positions.expand(batch.shape[0], T), d + 1, s, e, tol)
+        source = leak_source(ctx, batch, positions, d + 1, s, e, tol)
         if source is not None and not source[2]:  # no softmax attention where the leak starts: a mixer's state
             first, verdict = source[0], "warn"
             at = (f"; the leak starts in {source[0]} ({source[1]}), which runs no softmax attention (a state-space "
