@@ -148,6 +148,18 @@ def model_class(model_type: str):
     raise LookupError(f"no class for {model_type}")
 
 
+def kept_layers(layer_types, depth: int, tiny: int) -> list[int]:
+    """The layers a tiny config keeps of `depth`: the first `tiny`, except that a hybrid's kinds are all kept where
+    they fit (Qwen3.5's and MiniCPM-V 4.6's first three layers are linear attention, the fourth full: the first two
+    alone held no attention to audit); every per-layer list is cut at the same layers."""
+    keep = list(range(min(tiny, depth)))
+    if isinstance(layer_types, list) and len(layer_types) == depth:
+        firsts = list(dict.fromkeys(layer_types))  # each kind once, in order
+        chosen = [layer_types.index(kind) for kind in firsts][:tiny]
+        keep = sorted(chosen + [i for i in keep if i not in chosen][:tiny - len(chosen)])
+    return keep
+
+
 def _shrunk(config) -> dict:
     """The keyword overrides that make `config` tiny, sub-configs (as dicts) included."""
     from transformers import PreTrainedConfig
@@ -165,9 +177,10 @@ def _shrunk(config) -> dict:
     for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
         old = getattr(config, k, None)
         if k in kw and isinstance(old, int):
+            keep = kept_layers(getattr(config, "layer_types", None), old, kw[k])
             for name, value in vars(config).items():
                 if isinstance(value, list) and len(value) == old:
-                    kw[name] = value[:kw[k]]
+                    kw[name] = [value[i] for i in keep]
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):

@@ -193,3 +193,11 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     assert v2.num_experts_per_tok == 2  # None in its default config
     assert codegen.rotary_dim == 4 <= codegen.n_embd // codegen.n_head
     assert llama.num_key_value_heads == llama.num_attention_heads == 4  # Llama's default: as many as query heads
+
+
+def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
+    sweep = _sweep()
+    linear_then_full = ["linear_attention"] * 3 + ["full_attention"]
+    assert sweep.kept_layers(linear_then_full * 4, 16, 2) == [0, 3]  # was [0, 1]: two linear layers, none to audit
+    assert sweep.kept_layers(None, 12, 2) == [0, 1] and sweep.kept_layers(["full_attention"] * 8, 8, 2) == [0, 1]
+    assert sweep.kept_layers(["a", "b", "c"], 3, 2) == [0, 1]  # more kinds than layers: the first ones
