@@ -89,23 +89,32 @@ MOVED_AT_MOST = 16  # parameters with no gradient at a length whose use is tried
 MOVES = 1e-6  # relative to the output's RMS: a changed top-k choice moves it by O(1); float32 rounding by ~1e-7
 
 
-def _moves_output(ctx: ModelContext, seq, param, gen) -> bool:
-    """Whether changing the parameter at random moves the model's output on `seq` (a top-k selection's scores get
-    no gradient, yet choose the keys); the parameter is restored."""
-    saved = param.detach().clone()
+def _moves_output(ctx: ModelContext, seq, params: list, gen, before=None) -> bool:
+    """Whether changing the parameters at random moves the model's output on `seq` (`before`: its output there, if
+    already computed): a top-k selection's scores get no gradient, yet choose the keys. The parameters are
+    restored."""
+    saved = [p.detach().clone() for p in params]
     try:
         with torch.no_grad():
-            before, _ = ctx.runner(seq)
-            param.add_(torch.randn(param.shape, generator=gen).to(param.device, param.dtype) * (
-                float(saved.float().abs().mean()) or 1.0))
+            if before is None:
+                before, _ = ctx.runner(seq)
+            for p, old in zip(params, saved):
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * (float(old.float().abs().mean())
+                                                                                     or 1.0))
             after, _ = ctx.runner(seq)
     except Exception:  # the model does not run so: not shown to be used
         return False
     finally:
         with torch.no_grad():
-            param.copy_(saved)
+            for p, old in zip(params, saved):
+                p.copy_(old)
     scale = float(before.float().square().mean().sqrt()) or 1.0
     return float((after.float() - before.float()).abs().max()) > MOVES * scale
+
+
+def _output(ctx: ModelContext, seq):
+    with torch.no_grad():
+        return ctx.runner(seq)[0]
 
 
 def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
@@ -141,8 +150,11 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
-    cut = {n for n in todo[:MOVED_AT_MOST] if _moves_output(ctx, ctx.runner.inputs[:1], params[n], gen)} \
-        if todo and ctx.runner.sequence else set()
+    here = ctx.runner.inputs[:1]
+    cut = set()
+    if todo and ctx.runner.sequence and _moves_output(ctx, here, [params[n] for n in todo[:MOVED_AT_MOST]], gen):
+        before = _output(ctx, here)
+        cut = {n for n in todo[:MOVED_AT_MOST] if _moves_output(ctx, here, [params[n]], gen, before)}
     for L in LONGER:
         if L <= ctx.T or not todo or not ctx.runner.sequence:
             continue
@@ -157,10 +169,13 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
             if g is not None and bool(g.abs().sum() > 0):
                 ctx.by_design[n] = ByDesign(length=L)
                 todo.remove(n)
-        for n in [n for n in todo if n not in cut][:MOVED_AT_MOST]:  # no gradient but a choice: top-k keys
-            if _moves_output(ctx, seq, params[n], gen):
-                ctx.by_design[n] = ByDesign(length=L, selects=True)
-                todo.remove(n)
+        choices = [n for n in todo if n not in cut][:MOVED_AT_MOST]  # no gradient but a choice: top-k keys
+        if choices and _moves_output(ctx, seq, [params[n] for n in choices], gen):  # all at once, then each
+            before = _output(ctx, seq)
+            for n in choices:
+                if _moves_output(ctx, seq, [params[n]], gen, before):
+                    ctx.by_design[n] = ByDesign(length=L, selects=True)
+                    todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
 
