@@ -171,6 +171,10 @@ def _shrunk(config) -> dict:
     for k in ROUTED:  # left unset by the default config (DeepSeek-V2's): its router's top-k raises on None
         if k in vars(config) and getattr(config, k) is None and any(getattr(config, e, None) for e in EXPERTS):
             kw[k] = TINY[k]
+    rope = getattr(config, "rope_parameters", None)  # multimodal rotary: (time, height, width) over half the rope
+    if "qk_rope_head_dim" in kw and isinstance(rope, dict) and len(rope.get("mrope_section") or ()) == 3:
+        half = kw["qk_rope_head_dim"] // 2
+        kw["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}  # HY-V4-VL
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
