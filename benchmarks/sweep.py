@@ -61,6 +61,8 @@ MASK_BUGS = ("mask_ignored", "mask_after_softmax")  # nothing to break where the
 CLASS_ROLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
                "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
                "MODEL_MAPPING_NAMES")
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+ROUTED = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k", "moe_top_k")
 # widths, depths and head counts: a default larger than this is shrunk to it (32 wide, 4 heads of 8, 2 layers)
 TINY = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim"), 32),
@@ -71,20 +73,31 @@ TINY = {
     "num_key_value_heads": 2, "head_dim": 8, "d_kv": 8,
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
                      "moe_intermediate_size", "shared_expert_intermediate_size"), 64),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    **dict.fromkeys(EXPERTS, 4),
+    # experts chosen per token follow the experts left (a router's top-k over 4 experts raises past 4); grouped
+    # routing (DeepSeek's n_group groups, topk_group of them kept) as one group
+    **dict.fromkeys(ROUTED, 2),
+    **dict.fromkeys(("n_group", "topk_group"), 1),
     "image_size": 64,
 }
+# per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
+# attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary
+# (CodeGen's rotary_dim) shrunk with the head (a 64-wide rotary table on an 8-wide head raises)
+TINY_ENDINGS = {"rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 8, "_lora_rank": 16, "rotary_dim": 4}
 LAYER_COUNT = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-TF = "transformers 5.24.0, transformers/models/"
+TF = "transformers 5.25.0, transformers/models/"
 KNOWN = {  # model type -> why it fails: a problem of the library's own, confirmed outside the audit (issue 33)
     "swiftformer": f"a softmax over a size-1 axis: every weight is 1 ({TF}swiftformer/modeling_swiftformer.py:183, "
                    "`scaled_query_weight.softmax(dim=-1)` of `query @ self.w_g`, w_g of shape (dim, 1), line 169)",
     "mamba": f"a cached step of more than one token restarts the scan: the recurrent state is read only when "
-             f"seq_len == 1 ({TF}mamba/modeling_mamba.py:444)",
+             f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
-                    f"({TF}falcon_mamba/modeling_falcon_mamba.py:482)",
+                    f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
+    "levit": f"in eval mode the attention biases are cached by the first forward ({TF}levit/modeling_levit.py:193): "
+             f"after a forward under no_grad every later forward's attention_biases get no gradient (confirmed by a "
+             f"plain script: grad None after one no_grad forward, non-zero without it)",
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
 }
@@ -140,19 +153,43 @@ def model_class(model_type: str):
     raise LookupError(f"no class for {model_type}")
 
 
+def kept_layers(layer_types, depth: int, tiny: int) -> list[int]:
+    """The layers a tiny config keeps of `depth`: the first `tiny`, except that a hybrid's kinds are all kept where
+    they fit (Qwen3.5's and MiniCPM-V 4.6's first three layers are linear attention, the fourth full: the first two
+    alone held no attention to audit); every per-layer list is cut at the same layers."""
+    keep = list(range(min(tiny, depth)))
+    if isinstance(layer_types, list) and len(layer_types) == depth:
+        firsts = list(dict.fromkeys(layer_types))  # each kind once, in order
+        chosen = [layer_types.index(kind) for kind in firsts][:tiny]
+        keep = sorted(chosen + [i for i in keep if i not in chosen][:tiny - len(chosen)])
+    return keep
+
+
 def _shrunk(config) -> dict:
     """The keyword overrides that make `config` tiny, sub-configs (as dicts) included."""
     from transformers import PreTrainedConfig
 
-    kw = {k: v for k, v in TINY.items() if isinstance(getattr(config, k, None), int)
+    tiny = {**{k: small for k in vars(config) for end, small in TINY_ENDINGS.items() if k.endswith(end)}, **TINY}
+    kw = {k: v for k, v in tiny.items() if isinstance(getattr(config, k, None), int)
           and not isinstance(getattr(config, k), bool) and getattr(config, k) > v
           and not isinstance(getattr(type(config), k, None), property)}  # derived (Falcon's head_dim): follows
+    for k in ROUTED:  # left unset by the default config (DeepSeek-V2's): its router's top-k raises on None
+        if k in vars(config) and getattr(config, k) is None and any(getattr(config, e, None) for e in EXPERTS):
+            kw[k] = TINY[k]
+    rope = getattr(config, "rope_parameters", None)  # multimodal rotary: (time, height, width) over half the rope
+    if "qk_rope_head_dim" in kw and isinstance(rope, dict) and len(rope.get("mrope_section") or ()) == 3:
+        half = kw["qk_rope_head_dim"] // 2
+        kw["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}  # HY-V4-VL
+    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
+        kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
     for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
         old = getattr(config, k, None)
         if k in kw and isinstance(old, int):
+            keep = kept_layers(getattr(config, "layer_types", None), old, kw[k])
             for name, value in vars(config).items():
                 if isinstance(value, list) and len(value) == old:
-                    kw[name] = value[:kw[k]]
+                    kw[name] = [value[i] for i in keep]
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):

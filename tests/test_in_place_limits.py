@@ -7,6 +7,11 @@
 - `gradient_flow` does not judge the parameters of an attention module whose output the model multiplies by 0 at this
   initialisation (SwinV2's post-norms start at weight 0; a zero-initialised gate): no attention computed with autograd
   could give them a gradient there. An attention output the model detaches (no gradient path at all) is still judged.
+  Its gradient is that of every tensor the model returns: a pooling head feeds only the pooled output beside the
+  tokens, and returns one vector per sequence, so it is not audited per token in place (a note says why).
+- A parameter unused at the audit's length by design, used past it (a compressor) or behind a factor that starts at
+  0 (a dynamic mask's projection), is not a failure of gradient_flow or of its layer's parameters_used (a warning
+  naming the length, or "not judged"); one unused at every length tried still fails both.
 """
 
 from __future__ import annotations
@@ -207,6 +212,40 @@ class ClassQueryViT(TinyViT):
         return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0])
 
 
+class PooledQueries(TiedAttention):
+    """Every other token's output, twice as wide (Hiera's query stride, its stage widening): (B, 9, 2D) for (B, T, D);
+    `every`: every token's, as wide, the twin."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.every = every
+
+    def forward(self, x, pos):
+        out = super().forward(x, pos)
+        return out if self.every else torch.cat([out[:, ::2], out[:, ::2]], -1)
+
+
+class StridedViT(ClassQueryViT):
+    def __init__(self, every: bool):
+        super().__init__(every)
+        self.attn = PooledQueries(every)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        return self.head(x[:, 0] + self.attn(x, self.pos)[:, 0, :16])
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_module_that_pools_its_queries_and_widens_is_left_to_the_model_checks_with_the_reason(every):
+    report = diagnostics.audit_model(StridedViT(every), example=PIXELS, detectors=["output_shape"])
+    if every:
+        assert "attn" in report.layers and report.status == "passed", report
+        return
+    # was: output_shape failed, (2, 9, 32) for (2, 17, 16)
+    assert "attn" not in report.layers and any("returned 9 for 17" in n for n in report.notes), report.notes
+
+
 @pytest.mark.parametrize("every", [False, True])
 def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_reason(every):
     report = diagnostics.audit_model(ClassQueryViT(every), example=PIXELS)
@@ -215,3 +254,188 @@ def test_a_module_with_a_query_of_its_own_is_left_to_the_model_checks_with_the_r
         return
     assert "attn" not in report.layers and report.status == "inconclusive", report
     assert any("returned 1 for 17" in note for note in report.notes), report.notes
+
+
+class PoolingHead(nn.Module):
+    """A learned query over every token, (B, T, D) -> (B, D): one vector per sequence (Aimv2's attention pooling
+    head). `detach`: its output detached, so no gradient reaches its parameters (a bug)."""
+
+    def __init__(self, d_model: int = 16, detach: bool = False):
+        super().__init__()
+        self.detach = detach
+        self.query = nn.Parameter(torch.randn(1, 1, d_model) * 0.1)
+        self.k, self.v = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        w = (self.query @ self.k(x).transpose(1, 2) / x.shape[-1] ** 0.5).softmax(-1)  # (B, 1, T)
+        out = (w @ self.v(x))[:, 0]  # (B, D)
+        return out.detach() if self.detach else out
+
+
+class PooledViT(TinyViT):
+    """TinyViT returning (tokens, pooled) as a Hugging Face vision model does (last_hidden_state, pooler_output):
+    the audit reads the tokens; the pooling head feeds only the pooled output."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.pool = PoolingHead(detach=detach)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        x = torch.cat([self.cls.expand(x.shape[0], 1, -1), x], 1)  # (B, 17, D)
+        x = x + self.attn(x, self.pos)
+        return x, self.pool(x)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_pooling_head_feeding_only_the_pooled_output_gets_its_gradient_from_it_and_is_not_audited_per_token(detach):
+    report = diagnostics.audit_model(PooledViT(detach), example=PIXELS, detectors=["gradient_flow", "output_shape"])
+    assert "pool" not in report.layers and any("one vector per sequence" in n for n in report.notes), report.notes
+    flow = report.result("gradient_flow")
+    if detach:  # no gradient path at all to its keys and values: still judged
+        assert flow.verdict == "fail" and "pool.k.weight" in flow.evidence, flow
+        return
+    assert flow.verdict == "pass", flow  # was: pool.query, pool.k, pool.v got no gradient of the tokens' output
+
+
+class ScaledInPlaceLM(nn.Module):
+    """Token embeddings scaled in place (CTRL's `inputs_embeds *= sqrt(d_model)`), one torch attention layer.
+    `detach`: the attention's output detached, so its parameters get no gradient (a bug)."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        seed_rng(0)
+        self.detach = detach
+        self.wte, self.attn, self.head = nn.Embedding(32, 16), nn.MultiheadAttention(16, 2, batch_first=True), \
+            nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        x *= 4.0
+        a = self.attn(x, x, x, need_weights=False)[0]
+        return self.head(x + (a.detach() if self.detach else a))
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_gradient_flow_takes_a_model_that_scales_its_embeddings_in_place(detach):
+    ids = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))
+    flow = diagnostics.audit_model(ScaledInPlaceLM(detach), example=ids, detectors=["gradient_flow"]).result(
+        "gradient_flow")
+    if detach:
+        assert flow.verdict == "fail" and "get no gradient" in flow.message, flow
+        return
+    assert flow.verdict == "pass", flow  # was: raised, a leaf that requires grad used in an in-place operation
+
+
+class Compressing(nn.Module):
+    """Self-attention with a second path through `comp` (a compressor, a dynamic mask's projection), used as `mode`
+    says: "long", only past 32 tokens (DeepSeek-V4's compressor, from its compress rate); "gated", times a factor
+    A that starts at 0 (Doge's dynamic mask); "zeros", on an input of zeros (DETR's first decoder layer, from zero
+    queries); "topk", past 32 tokens choosing the 32 keys attended by its scores (a sparse-attention indexer: no
+    gradient, yet a choice); "never", only past a million tokens; "dropped", computed and not used."""
+
+    def __init__(self, mode: str, d_model: int = 16):
+        super().__init__()
+        self.mode = mode
+        self.qkv, self.proj, self.comp = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model), \
+            nn.Linear(d_model, d_model)
+        self.A = nn.Parameter(torch.zeros(1)) if mode == "gated" else None
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).chunk(3, -1)  # 3 x (B, T, D)
+        scores = q @ k.transpose(1, 2) / D ** 0.5  # (B, T, T)
+        if self.mode == "topk" and T > 32:  # the 32 keys the indexer scores highest, for every query
+            chosen = (self.comp(x) * x).sum(-1).topk(32, dim=-1).indices  # (B, 32): indices carry no gradient
+            keep = torch.zeros(B, T, dtype=torch.bool).scatter(1, chosen, True)  # (B, T)
+            scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+        out = scores.softmax(-1) @ v  # (B, T, D)
+        c = self.comp(torch.zeros_like(x) if self.mode == "zeros" else x)
+        if self.mode == "topk":
+            pass
+        elif self.mode == "zeros":
+            out = out + c
+        elif self.mode == "long" and T > 32 or self.mode == "never" and T > 10 ** 6:
+            out = out + c
+        elif self.mode == "gated":
+            out = out + self.A * c
+        return self.proj(out)
+
+
+class CompressingLM(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        seed_rng(0)
+        self.wte, self.attn, self.head = nn.Embedding(32, 16), Compressing(mode), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("mode", ["long", "gated", "zeros", "topk", "never", "dropped"])
+def test_parameters_used_only_past_this_length_or_behind_a_factor_at_0_are_not_failed_and_the_unused_ones_are(mode):
+    ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(CompressingLM(mode), example=ids,
+                                     detectors=["gradient_flow", "parameters_used", "output_shape"])
+    flow, layer = report.result("gradient_flow"), report.layers["attn"]
+    if mode in ("never", "dropped"):  # unused at every length tried: both checks still fail
+        assert flow.verdict == "fail" and "attn.comp.weight" in flow.evidence, flow
+        assert layer.result("parameters_used").verdict == "fail", layer
+        return
+    # was: both failed, "attn.comp.weight, attn.comp.bias get no gradient"
+    assert "parameters_used" not in layer.fired() and report.status == "passed", report
+    assert any("attn: parameters_used not run in place: attn.comp.weight" in n for n in report.notes), report.notes
+    if mode in ("long", "topk"):
+        assert flow.verdict == "warn" and "but do at 64" in flow.message and "(from 64; not at 16)" in flow.evidence
+        assert "seq_len=64" in flow.fix, flow
+    else:
+        assert flow.verdict == "pass" and "attn.comp" in flow.message and "multiplies it by 0" in flow.message, flow
+        assert ("is exactly 0 here" if mode == "zeros" else "multiplied by 0 at this initialisation") in \
+            " ".join(report.notes), report.notes
+
+
+class QueriesOverPatches(nn.Module):
+    """Cross-attention of learned queries over the patches, the patches' own positions added to the keys as an
+    argument of the memory's length along its second dimension (DETR's encoder_position_embeddings, (B, S, D)).
+    `broken`: divides by the keys' spread over the heads' width, 0 in a width of one (a bug that raises at the
+    model's own call too)."""
+
+    def __init__(self, d_model: int = 16, broken: bool = False):
+        super().__init__()
+        self.broken = broken
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+
+    def forward(self, hidden_states, key_value_states, encoder_position_embeddings):
+        if self.broken:
+            raise ValueError("the layer is broken")
+        k = self.k(key_value_states + encoder_position_embeddings)  # (B, S, D): raises unless S == len(positions)
+        w = (self.q(hidden_states) @ k.transpose(1, 2) / k.shape[-1] ** 0.5).softmax(-1)  # (B, Q, S)
+        return w @ self.v(key_value_states)
+
+
+class TinyDetector(TinyViT):
+    """TinyViT's patches as the memory of 5 learned queries (DETR's decoder): (B, 5, 4) box logits."""
+
+    def __init__(self, broken: bool = False):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(1, 5, 16) * 0.1)
+        self.cross = QueriesOverPatches(broken=broken)
+
+    def forward(self, x):
+        memory = self.patch(x).flatten(2).transpose(1, 2)  # (B, 16, D)
+        B = memory.shape[0]
+        q = self.queries.expand(B, -1, -1)
+        return self.head(q + self.cross(q, key_value_states=memory,
+                                        encoder_position_embeddings=self.pos.expand(B, -1, -1)))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_memory_of_another_length_than_its_models_is_a_probe_not_taken_and_a_raise_at_its_own_still_fails(broken):
+    report = diagnostics.audit_model(TinyDetector(broken), example=PIXELS, detectors=["runs"])
+    if broken:  # raises at the model's own call: the model's failure, at that layer
+        assert report.status == "failed" and report.result("model_runs").layer == "cross", report
+        return
+    runs = report.layers["cross"].result("runs")  # every probe gives a memory of its own length (5), not 16
+    assert runs.verdict == "skip" and "memory 16" in runs.message and "memory 5" in runs.message, runs
+    assert report.status == "inconclusive", report  # was: failed, runs raised on 6 probes

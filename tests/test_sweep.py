@@ -177,3 +177,27 @@ def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
     rows.close()  # as when the parent is interrupted
     with pytest.raises(ChildProcessError):
         os.waitpid(hung.pid, os.WNOHANG)  # reaped: killed, not left behind
+
+
+def test_tiny_configs_keep_what_a_layer_needs_consistent():
+    """Widths shrunk together so that the tiny model runs a plain forward: multi-head latent attention's per-head
+    widths with the head (DeepSeek-V3's 64-wide rotary part on an 8-wide head raised), a key/value head per query head
+    kept so (MLA), the experts per token within the 4 experts left (set where the default leaves it None: DeepSeek-V2),
+    a partial rotary within the head (CodeGen's rotary_dim)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    v3, v2, codegen, llama = (sweep.tiny_config(t) for t in ("deepseek_v3", "deepseek_v2", "codegen", "llama"))
+    assert (v3.qk_rope_head_dim, v3.qk_nope_head_dim, v3.v_head_dim, v3.kv_lora_rank) == (8, 8, 8, 16)
+    assert v3.num_key_value_heads == v3.num_attention_heads == 4 and v3.num_experts_per_tok == 2
+    assert v3.n_group == v3.topk_group == 1
+    assert v2.num_experts_per_tok == 2  # None in its default config
+    assert codegen.rotary_dim == 4 <= codegen.n_embd // codegen.n_head
+    assert llama.num_key_value_heads == llama.num_attention_heads == 4  # Llama's default: as many as query heads
+
+
+def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
+    sweep = _sweep()
+    linear_then_full = ["linear_attention"] * 3 + ["full_attention"]
+    assert sweep.kept_layers(linear_then_full * 4, 16, 2) == [0, 3]  # was [0, 1]: two linear layers, none to audit
+    assert sweep.kept_layers(None, 12, 2) == [0, 1] and sweep.kept_layers(["full_attention"] * 8, 8, 2) == [0, 1]
+    assert sweep.kept_layers(["a", "b", "c"], 3, 2) == [0, 1]  # more kinds than layers: the first ones

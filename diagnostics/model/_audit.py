@@ -28,7 +28,7 @@ from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._result import DetectorResult
 from .._subject import spell
 from .._thresholds import dtype_name
-from . import causality, runs, window  # registered (with the others) by the package's MODULES, in their order
+from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES
 from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
 from ._find import FoundModule, class_kind, find_attention, observe_attention
@@ -69,6 +69,21 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
     if causal and prefix is not None and not prefix.measured:
         return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"
     return "passed", ""
+
+
+def _unused_by_design(ctx: ModelContext, path: str, rep) -> str:
+    """The parameters a layer's in-place parameters_used found unused, where the model uses each by design
+    (`gradients.unused_by_design`: at a longer length, a sparse indexer, a compressor; or behind a factor that is 0
+    at this initialisation), each with why; '' if not all are."""
+    found = next((r for r in rep.results if r.detector == "parameters_used" and r.verdict == "fail"), None)
+    unused = getattr(getattr(found, "replay", None), "unused", None)
+    if not unused:
+        return ""
+    names = [f"{path}.{name.removeprefix('inner.')}" for name, _ in unused]
+    why = gradients.unused_by_design(ctx, names)
+    if not all(why.values()):
+        return ""
+    return ", ".join(f"{n} ({why[n]})" for n in names[:4]) + (" ..." if len(names) > 4 else "")
 
 
 def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
@@ -119,6 +134,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     results: list[DetectorResult] = []
     layers: dict = {}
     notes: list[str] = []
+    if runner.chosen:
+        notes.append(f"the example: {runner.chosen}")
     if runner.dropped:
         notes.append(f"the example's {', '.join(runner.dropped)} not passed: each check builds the masks and positions "
                      f"it needs (token_type_ids: the model's default)")
@@ -203,6 +220,17 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                 notes.append(f"{p} not audited in place: the audit raised {type(exc).__name__}: {exc} (an internal "
                              f"error of diagnostics; please report it)")
                 continue
+            by_design = _unused_by_design(ctx, p, rep)
+            if by_design:  # parameters the model uses past this length or after a factor 0: left to gradient_flow
+                notes.append(f"{p}: parameters_used not run in place: {by_design} get no gradient at length "
+                             f"{w.block_size or T}, by design (gradient_flow says so)")
+                ctx.layer_calls += rep.forward_passes
+                try:
+                    rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, scale=scale,
+                                detectors=[d for d in layer_ids if d != "parameters_used"],
+                                pattern=declared[p].pattern if p in declared else None, progress=False)
+                except Exception:  # it ran once with the same probes: keep that report
+                    pass
             layers[p] = rep
             ctx.layer_calls += rep.forward_passes
         if not runs_msgs:

@@ -32,6 +32,7 @@ class ModelContext:
     layer_calls: int = 0
     packed: bool | None = None  # audit_model's `packed`: the model separates packed documents (None: watch for it)
     full: tuple | None = None  # (inputs, output) of the plain full forward, shared by the checks
+    by_design: dict = field(default_factory=dict)  # parameter -> why it gets no gradient (gradients.ByDesign) or None
     _twin: object = None
     _twin_failed: bool = False
     _golden_seen: list = field(default_factory=list)  # [(inputs, options, output)]: one float64 forward per input

@@ -56,47 +56,71 @@ class Observation:
     model_attends: bool = False
 
 
+class ModuleWatch:
+    """Hooks on every module of a model while a forward runs under the observer (`.observer`, entered by the
+    caller): each call that returns is passed to `on_return(path, module, args, kwargs, out, attends)`, `attends`
+    whether a softmax over (.., Tq, Tk) scores or a fused SDPA call ran inside it (`.counts`: {path: [softmaxes,
+    fused calls]} summed over its calls). `.open`: the modules whose forward has not returned (where a forward that
+    raised was)."""
+
+    def __init__(self, model: nn.Module, on_return=None):
+        self.named = dict(model.named_modules())
+        self.paths = {id(m): p for p, m in self.named.items()}
+        self.observer, self.on_return = Observer(), on_return
+        self.counts: dict = {}
+        self.stack: list = []
+        self.handles: list = []
+
+    @property
+    def open(self) -> list[str]:
+        return [self.paths[id(m)] for m, _, _ in self.stack]
+
+    def _pre(self, m, args, kwargs):
+        self.stack.append((m, len(self.observer.record.softmaxes), len(self.observer.record.fused)))
+
+    def _post(self, m, args, kwargs, out):
+        if not (self.stack and self.stack[-1][0] is m):
+            return
+        _, s0, f0 = self.stack.pop()
+        soft = [s for s in self.observer.record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
+                and s.dim in (-1, s.output.dim() - 1)]
+        fused = self.observer.record.fused[f0:]
+        path = self.paths[id(m)]
+        entry = self.counts.setdefault(path, [0, 0])
+        entry[0] += len(soft)
+        entry[1] += len(fused)
+        if self.on_return is not None:
+            self.on_return(path, m, args, kwargs, out, bool(soft or fused))
+
+    def __enter__(self):
+        for m in self.named.values():
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
 def observe_attention(runner: Runner) -> Observation:
     """One forward of the example's first sequence (at most 8 positions) under the observer."""
     model = runner.model
-    counts: dict = {}
-    stack: list = []
-    observer = Observer()
-    handles = []
-    named = dict(model.named_modules())
-    paths = {id(m): p for p, m in named.items()}
-
-    def pre(m, args):
-        stack.append((m, len(observer.record.softmaxes), len(observer.record.fused)))
-
-    def post(m, args, out):
-        if stack and stack[-1][0] is m:
-            _, s0, f0 = stack.pop()
-            soft = [s for s in observer.record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
-                    and s.dim in (-1, s.output.dim() - 1)]
-            fused = observer.record.fused[f0:]
-            entry = counts.setdefault(paths[id(m)], [0, 0])
-            entry[0] += len(soft)
-            entry[1] += len(fused)
-
-    for m in named.values():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
+    watch = ModuleWatch(model)
+    named = watch.named
     error, raised_in = None, None
     seq = runner.inputs[:1]
     if runner.sequence and seq.shape[1] > 8:
         seq = seq[:, :8]  # finding needs the ops, not the length: the observer records every one of them
     try:
-        with observer:
+        with watch, watch.observer:
             runner(seq, grad=True)
     except Exception as exc:  # a model that raises is a finding, reported by model_runs
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         # the modules whose forward did not return: the innermost one with parameters is where it raised
-        inside = [paths[id(m)] for m, _, _ in stack if paths[id(m)] and any(True for _ in m.parameters())]
+        inside = [p for p in watch.open if p and any(True for _ in named[p].parameters())]
         raised_in = inside[-1] if inside else None
-    finally:
-        for h in handles:
-            h.remove()
     if error is not None:
         try:  # the model, or the observer? Without the observer, a model that runs was not the one that raised
             runner(seq, grad=True)
@@ -104,6 +128,7 @@ def observe_attention(runner: Runner) -> Observation:
             pass
         else:
             return Observation({}, note=f"observing the forward failed ({error}): modules found by class only")
+    counts = watch.counts
     candidates = [p for p, (s, f) in counts.items()
                   if (s or f) and p and any(True for _ in named[p].parameters())]
     found = {}
@@ -133,5 +158,5 @@ def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
     return [FoundModule(p, type(named[p]).__name__, found[p], True) for p in sorted(found, key=order.index)]
 
 
-__all__ = ["TORCH_ATTENTION", "FoundModule", "Observation", "class_kind", "find_attention", "innermost",
-           "observe_attention"]
+__all__ = ["TORCH_ATTENTION", "FoundModule", "ModuleWatch", "Observation", "class_kind", "find_attention",
+           "innermost", "observe_attention"]

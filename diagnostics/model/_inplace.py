@@ -219,12 +219,12 @@ class InPlace(nn.Module):
             result = self.inner(*args, **kwargs)
         except Exception as exc:
             # the model is captured at batch 1: a layer that saw more rows (Swin's windows) may need a multiple
-            if self.fixed_length and (t != self.block_size or B % self.captured_batch):
+            if self.fixed_length and (t != self.block_size or B % self.captured_batch or self._other_memory()):
                 raise ProbeNotTaken(
                     f"the layer in place holds the arguments its model passed at length {self.block_size} and batch "
-                    f"{self.captured_batch} (a fixed-length input: which of their dimensions follow the length or "
-                    f"the batch is not known, so they are not cut) and raised at length {t}, batch {B}, which its "
-                    f"model never gives it") from exc
+                    f"{self.captured_batch}{self._memory_said()} (a fixed-length input: which of their dimensions "
+                    f"follow the length or the batch is not known, so they are not cut) and raised at length {t}, "
+                    f"batch {B}{self._memory_said(now=True)}, which its model never gives it") from exc
             raise
         # the output alone: what else a module returns (T5's position bias, a cache) could pass for weights;
         # the weights are read from the observed softmax or fused attention
@@ -232,6 +232,13 @@ class InPlace(nn.Module):
         if out is None:
             return result  # not an attention output: the audit says so
         return out.transpose(0, 1) if self.hidden_time_dim == 0 else out
+
+    def _other_memory(self) -> bool:
+        """Whether the call in progress has another memory length than the model's (cross-attention only)."""
+        return False
+
+    def _memory_said(self, now: bool = False) -> str:
+        return ""
 
     def is_self_attention(self) -> bool:
         """No key/value/memory stream other than the hidden states."""
@@ -251,6 +258,14 @@ class InPlaceCross(InPlace):
         self.memory_length = int(self.call_arguments[memory].shape[self.hidden_time_dim])
         self._memory_now = self.memory_length  # the memory length of the call in progress
         self.audit_name = self.audit_name.replace(", in place)", f", in place, memory {memory})")
+
+    def _other_memory(self) -> bool:
+        # a memory of another length than the model's: arguments that follow it along another dimension than the
+        # last (DETR's encoder_position_embeddings, (B, S, D)) are not cut, so the layer may not take it
+        return self._memory_now != self.memory_length
+
+    def _memory_said(self, now: bool = False) -> str:
+        return f", memory {self._memory_now if now else self.memory_length}"
 
     def _fit(self, value: Tensor, s: int) -> Tensor:
         """`value` with its last dimension (the memory's length) made s long."""
@@ -375,17 +390,25 @@ def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tup
     """A module whose output has another number of tokens than its hidden states (CrossViT's fusion attention: the
     class token's query over every token; a pooling head with a learned query) is not audited in place: the layer
     audit's probes read one output per query token. Raises AuditUsageError (a note, the layer unaudited)."""
-    if out is None or len(out) != 3 or hidden.dim() != 3:
+    if out is None or hidden.dim() != 3:
+        return
+    if len(out) == 2 and out[-1] == hidden.shape[-1] and out[0] in (hidden.shape[0], hidden.shape[1]) and \
+            hidden.shape[0] != hidden.shape[1]:  # (B, D): one vector per sequence, no token axis (a pooling head)
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
+                              f"hidden states, as the layer audit's probes read it; it returned one vector per "
+                              f"sequence, {tuple(out)} for hidden states {tuple(hidden.shape)} (a query of its own: "
+                              f"a pooling head's learned one), so it is audited only through the model")
+    if len(out) != 3:
         return
     same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
-    if len(same_batch) != 1 or out[-1] != hidden.shape[-1]:
+    if len(same_batch) != 1:
         return
     time_dim = 1 - same_batch[0]
-    if out[time_dim] != hidden.shape[time_dim]:
+    if out[time_dim] != hidden.shape[time_dim]:  # whatever its width (Hiera's stage widens as it pools)
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
                               f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
-                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one), so it "
-                              f"is audited only through the model")
+                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one; or "
+                              f"queries pooled: Hiera's query stride), so it is audited only through the model")
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):
@@ -411,11 +434,13 @@ UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transform
 
 
 def declared_scale(module: nn.Module) -> tuple[float | None, str]:
-    """The softmax scale a module declares: its `scaling` attribute (Hugging Face's), or 1 for the families
+    """The softmax scale a module declares: its `scaling` attribute (Hugging Face's), else a number `scale` or
+    `softmax_scale` (timm's; CvT's is the whole width's, embed_dim ** -0.5, not a head's), or 1 for the families
     that fold the scale into their initialisation (T5) or use none (GPT-Neo); None: 1/sqrt(d_k)."""
-    value = getattr(module, "scaling", None)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value), f"scale {float(value):.4g} from {type(module).__name__}.scaling"
+    for name in ("scaling", "scale", "softmax_scale"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value), f"scale {float(value):.4g} from {type(module).__name__}.{name}"
     family = getattr(getattr(module, "config", None), "model_type", None)
     if family in UNSCALED_FAMILIES:
         return 1.0, f"scale 1 ({family} multiplies q·k by nothing)"

@@ -19,6 +19,15 @@ from .._subject import CONTEXT_NAMES
 
 MAIN_INPUT_NAMES = ("input_ids", "idx", "tokens", "ids", "x", "src", "tgt", "inputs_embeds", "pixel_values",
                     "input", "inputs")
+# Inputs that are no sequence of the model's positions: images, a waveform's samples, a spectrogram's frames (the
+# outputs do not line up with them one to one: the checks that cut, pad and pack positions do not apply)
+SIGNAL_NAMES = ("pixel_values", "input_values", "input_features")
+# What a config calls the feature bins of a speech model's input_features (Whisper's num_mel_bins, Speech2Text's
+# input_feat_per_channel, Wav2Vec2-BERT's feature_size, ...)
+FEATURE_SIZE_NAMES = ("num_mel_bins", "feature_size", "input_feat_per_channel", "input_feat_size", "n_mels",
+                      "num_mel_filters", "input_dim", "mel_bins")
+DEFAULT_IMAGE_SIZE = 64  # pixels for a vision model whose config declares no size (a convolutional backbone, DETR)
+DEFAULT_SAMPLES = 16000  # a waveform's samples where nothing declares fewer: one second at 16 kHz
 # An example's entries aligned with the tested sequence: the checks cut and pad the sequence, and build these
 ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_attention_mask", "decoder_position_ids",
                  "cache_position")
@@ -43,7 +52,8 @@ def timm_image_size(model: nn.Module) -> tuple:
 
 def first_tensor(x):
     """The output tensor of whatever a model or module returns: a tensor, logits / last_hidden_state on a
-    model output, or the first tensor of a dict, tuple or list; None if there is none."""
+    model output, or the first tensor of a dict, tuple or list, depth first (I-BERT's attention returns
+    ((context, probs), scaling factor)); None if there is none."""
     if isinstance(x, Tensor):
         return x
     for name in ("logits", "last_hidden_state", "prediction_logits"):
@@ -56,9 +66,27 @@ def first_tensor(x):
                 return value
     if isinstance(x, (tuple, list)):
         for value in x:
-            if isinstance(value, Tensor):
-                return value
+            found = first_tensor(value) if isinstance(value, (tuple, list)) else value
+            if isinstance(found, Tensor):
+                return found
     return None
+
+
+def output_tensors(x) -> list[Tensor]:
+    """Every floating tensor a model returned (a tensor, a model output's or dict's values, tuples and lists inside
+    them), in order, each once: the outputs beside `first_tensor` (a pooled output, a second head's logits)."""
+    found: list = []
+    todo = [x]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, Tensor):
+            if item.is_floating_point() and not any(item is f for f in found):
+                found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            todo.extend(item)
+    return found
 
 
 def cache_of(x):
@@ -107,9 +135,10 @@ class Runner:
         self.dropped: list[str] = []  # the example's per-position entries, which the checks build themselves
         self.vocab, self.special = 0, frozenset()  # the ids drawn, and the special ids kept out of them
         self.built_example = example is None  # the audit's own: a model that rejects it says nothing about itself
+        self.chosen = ""  # what the audit chose where the model declares too little (said in the report's notes)
         self.main, inputs = self._example(example, seq_len, seed)
         self.inputs = inputs  # (B, T[, D]) or images
-        self.sequence = self.main not in ("pixel_values",) and inputs.dim() in (2, 3) and (
+        self.sequence = self.main not in SIGNAL_NAMES and inputs.dim() in (2, 3) and (
             inputs.dim() == 2 or inputs.is_floating_point())
         self.tokens = not inputs.is_floating_point()
         self.vocab = self._vocab()
@@ -240,10 +269,54 @@ class Runner:
                 h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
                 channels = getattr(holder, "num_channels", getattr(config, "num_channels", 3))
                 return "pixel_values", torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+            # no size declared: a convolutional backbone or a detector takes any; the note says which was chosen
+            channels = next((c.num_channels for c in sub_configs(config) if isinstance(getattr(c, "num_channels", None),
+                                                                                       int)), 3)
+            self.chosen = (f"pixel_values of {DEFAULT_IMAGE_SIZE} x {DEFAULT_IMAGE_SIZE}: the config declares no image "
+                           f"size; pass example={{'pixel_values': ...}} at the size the model is used at")
+            return "pixel_values", torch.randn(2, channels, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE,
+                                               generator=gen).to(device, dtype)
+        if main in ("input_values", "input_features"):
+            signal = self._signal(main, config, gen)
+            if signal is not None:
+                return main, signal.to(device, dtype)
         expect(False, phrase("{example}...: nothing the model declares says what it takes", self.options),
                f"{type(model).__name__}, whose main input is {main!r}, with no vocabulary (for token ids) or image "
                "size (for pixels) read from its config", phrase(f"pass {{example}}{{{{{main!r}: ...}}}}, a dict of the model's inputs",
                                          self.options))
+
+    def _signal(self, main: str, config, gen) -> Tensor | None:
+        """A speech model's input from its config: `input_values`, a waveform (B, samples), or a spectrogram (B,
+        frames, bins) where the config declares its bins and a length (AST's max_length); `input_features`, (B, bins,
+        frames) or (B, frames, bins), bins from `FEATURE_SIZE_NAMES`, frames twice the encoder's positions where it
+        declares them (Whisper's 3,000 for 1,500), else 64. The layout is the first the model runs a plain forward
+        on (which axis holds the bins is not declared); None if it runs on none."""
+        found = sub_configs(config)
+        read = lambda *names: next((getattr(c, n) for c in found for n in names  # noqa: E731
+                                    if isinstance(getattr(c, n, None), int) and getattr(c, n) > 0), None)
+        bins = read(*FEATURE_SIZE_NAMES)
+        if main == "input_values":
+            frames = read("max_length")
+            candidates = [torch.randn(2, frames, bins, generator=gen)] if bins and frames else []
+            candidates.append(torch.randn(2, read("n_samples", "chunk_length_samples") or DEFAULT_SAMPLES,
+                                          generator=gen))
+            candidates.append(torch.randn(2, 1, DEFAULT_SAMPLES, generator=gen))  # (B, channels, samples): codecs
+        else:
+            if not bins:
+                return None
+            positions = read("max_source_positions")
+            frames = 2 * positions if positions else 64
+            candidates = [torch.randn(2, bins, frames, generator=gen), torch.randn(2, frames, bins, generator=gen)]
+        for x in candidates:
+            try:
+                with torch.no_grad():
+                    self.model(**{main: x[:1].to(*device_dtype(self.model))})
+            except Exception:  # not this layout
+                continue
+            self.chosen = (f"{main} {tuple(x.shape)} read from the config; pass example={{{main!r}: ...}} to audit "
+                           f"another")
+            return x
+        return None
 
     def draw_ids(self, shape, gen: torch.Generator) -> Tensor:
         """Token ids of `shape` drawn from the vocabulary without its special ids (padding, begin, end, image,
@@ -357,6 +430,5 @@ def pad_tokens(runner: Runner, shape, gen) -> Tensor:
     return torch.randn(shape, generator=gen).to(runner.inputs.device, runner.inputs.dtype)
 
 
-__all__ = ["ALIGNED_NAMES", "MAIN_INPUT_NAMES", "Runner", "cache_of", "device_dtype", "first_tensor", "float_dtype",
-           "is_hf", "model_context", "pad_tokens", "special_ids",
-           "sub_configs"]
+__all__ = ["ALIGNED_NAMES", "MAIN_INPUT_NAMES", "Runner", "SIGNAL_NAMES", "cache_of", "device_dtype", "first_tensor", "float_dtype",
+           "is_hf", "model_context", "output_tensors", "pad_tokens", "special_ids", "sub_configs"]

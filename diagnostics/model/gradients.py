@@ -1,5 +1,15 @@
-"""gradient_flow: every attention parameter gets a finite non-zero gradient of (out ** 2).sum(); for a causal
-model, no output sends gradient to later input embeddings (taken as a leaf at the token embedding's output).
+"""gradient_flow: every attention parameter gets a finite non-zero gradient of the sum of (out ** 2).sum() over
+every tensor the model returns (the logits or hidden states, and a pooled output or a second head's beside them:
+a pooling head's attention feeds only the pooled output); for a causal model, no output sends gradient to later
+input embeddings (taken as a leaf at the token embedding's output).
+
+A parameter that gets no gradient at the audit's length is unused by design where its own module's output gets a
+gradient of exactly 0 (a factor after it starts at 0: Doge's dynamic-mask projection; not judged, and said so), or
+where it gets one at a longer length (`LONGER`): a sparse-attention indexer or a compressor acts only past a length
+(DeepSeek-V4's compressor from its compress rate); that is a warning naming the length. Either way its layer's
+in-place `parameters_used`, which cannot see it, is left to this check (`unused_by_design`, read by audit_model);
+a parameter used at none of the lengths fails. One that never gets a gradient yet moves the output when changed at a
+longer length is a top-k choice (HY-V4's sparse-attention indexer): used there too.
 
 A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
 the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
@@ -8,6 +18,8 @@ audit (`gradients`) still checks the layer's own backward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -15,11 +27,159 @@ from .._guard import seed_rng
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
-from ._runner import device_dtype, first_tensor
+from ._runner import device_dtype, first_tensor, model_context, output_tensors, pad_tokens
 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
        "backward path")
+
+
+# lengths a parameter unused at the audit's is tried at; not past 1,024: an indexer that chooses 2,048 keys
+# (DeepSeek-V3.2's, HY-V4's) has 64 heads of (T, T) scores, and at 2,560 tokens one audit ran past 6 minutes on CPU
+LONGER = (64, 256, 1024)
+
+
+@dataclass(frozen=True)
+class ByDesign:
+    """Why a parameter that gets no gradient at the audit's length is still used by the model: `zeroed`, its own
+    module, whose output what follows multiplies by exactly 0 at this initialisation (Doge's dynamic-mask
+    projection, behind a factor A that starts at 0); `zero_input`, its own module, whose input is exactly 0 (a
+    weight times 0 has no gradient: DETR's decoder starts from zero queries, and its zero-initialised value bias
+    makes the next projection's input 0 too); or `length`, the first of `LONGER` it gets a gradient at."""
+
+    zeroed: str | None = None
+    length: int | None = None
+    zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
+    selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
+
+    def __str__(self) -> str:
+        if self.zeroed:
+            return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
+        if self.zero_input:
+            return f"the input of {self.zero_input} is exactly 0 here"
+        return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
+
+
+def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
+    """The sum of (t ** 2).sum() over every tensor the model returns on `seq`, and {path: the first output tensor
+    of each watched module}."""
+    returned, outputs = [], {}
+
+    def keep(path):
+        def hook(m, args, out):
+            o = first_tensor(out)
+            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+                outputs[path] = o
+                x = first_tensor(args)
+                if isinstance(x, Tensor) and x.is_floating_point() and x.numel() and not bool(x.ne(0).any()):
+                    outputs.setdefault("zero inputs", set()).add(path)
+        return hook
+
+    handles = [m.register_forward_hook(keep(p)) for p, m in watched.items()]
+    handles.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    try:
+        seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        ctx.runner(seq, grad=True)
+    finally:
+        for h in handles:
+            h.remove()
+    loss = sum((t.float() ** 2).sum() for t in returned if t.requires_grad)
+    return loss, outputs
+
+
+MOVED_AT_MOST = 16  # parameters with no gradient at a length whose use is tried by changing them, one at a time
+MOVES = 1e-6  # relative to the output's RMS: a changed top-k choice moves it by O(1); float32 rounding by ~1e-7
+
+
+def _moves_output(ctx: ModelContext, seq, params: list, gen, before=None) -> bool:
+    """Whether changing the parameters at random moves the model's output on `seq` (`before`: its output there, if
+    already computed): a top-k selection's scores get no gradient, yet choose the keys. The parameters are
+    restored."""
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            if before is None:
+                before, _ = ctx.runner(seq)
+            for p, old in zip(params, saved):
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * (float(old.float().abs().mean())
+                                                                                     or 1.0))
+            after, _ = ctx.runner(seq)
+    except Exception:  # the model does not run so: not shown to be used
+        return False
+    finally:
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.copy_(old)
+    scale = float(before.float().square().mean().sqrt()) or 1.0
+    return float((after.float() - before.float()).abs().max()) > MOVES * scale
+
+
+def _output(ctx: ModelContext, seq):
+    with torch.no_grad():
+        return ctx.runner(seq)[0]
+
+
+def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
+    """{name: ByDesign, or None where nothing says the model uses it} for parameters that get no gradient of the
+    model's outputs at the audit's length: first whether their own module's output gets a gradient of exactly 0
+    (what follows multiplies it by 0 at this initialisation), then the first of `LONGER` at which they get one, one
+    forward and backward per length until each is found, up to the first length the model does not run at (a
+    length past the model's declared context is tried too: a rotary model runs there). Kept on `ctx`:
+    gradient_flow and audit_model both ask."""
+    params = dict(ctx.model.named_parameters())
+    named = dict(ctx.model.named_modules())
+    todo = [n for n in dict.fromkeys(names) if n not in ctx.by_design and n in params]
+    if todo:
+        owners = {n.rsplit(".", 1)[0]: named.get(n.rsplit(".", 1)[0]) for n in todo if "." in n}
+        owners = {p: m for p, m in owners.items() if m is not None}
+        try:
+            loss, outputs = _loss_and_outputs(ctx, ctx.runner.inputs[:1], owners)
+            zero_inputs = outputs.pop("zero inputs", set())
+            paths = list(outputs)
+            grads = torch.autograd.grad(loss, [outputs[p] for p in paths], allow_unused=True) if paths and \
+                torch.is_tensor(loss) else ()
+        except Exception:  # the plain forward ran before: a replay that raises under the hooks says nothing
+            paths, grads, zero_inputs = [], (), set()
+        zeroed = {p for p, g in zip(paths, grads) if g is not None and not bool(g.abs().sum() > 0)}
+        for n in list(todo):
+            owner, leaf = n.rsplit(".", 1)
+            if owner in zeroed:
+                ctx.by_design[n] = ByDesign(zeroed=owner)
+                todo.remove(n)
+            elif owner in zero_inputs and leaf == "weight":  # its bias still gets one: judged
+                ctx.by_design[n] = ByDesign(zero_input=owner)
+                todo.remove(n)
+    gen = torch.Generator().manual_seed(ctx.seed + 71)
+    # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
+    # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
+    here = ctx.runner.inputs[:1]
+    cut = set()
+    if todo and ctx.runner.sequence and _moves_output(ctx, here, [params[n] for n in todo[:MOVED_AT_MOST]], gen):
+        before = _output(ctx, here)
+        cut = {n for n in todo[:MOVED_AT_MOST] if _moves_output(ctx, here, [params[n]], gen, before)}
+    for L in LONGER:
+        if L <= ctx.T or not todo or not ctx.runner.sequence:
+            continue
+        seq = pad_tokens(ctx.runner, (1, L), gen)
+        try:
+            loss, _ = _loss_and_outputs(ctx, seq, {})
+            grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
+                else (None,) * len(todo)
+        except Exception:  # the model does not run at this length (a position table, a fixed size): no longer
+            break
+        for n, g in zip(list(todo), grads):
+            if g is not None and bool(g.abs().sum() > 0):
+                ctx.by_design[n] = ByDesign(length=L)
+                todo.remove(n)
+        choices = [n for n in todo if n not in cut][:MOVED_AT_MOST]  # no gradient but a choice: top-k keys
+        if choices and _moves_output(ctx, seq, [params[n] for n in choices], gen):  # all at once, then each
+            before = _output(ctx, seq)
+            for n in choices:
+                if _moves_output(ctx, seq, [params[n]], gen, before):
+                    ctx.by_design[n] = ByDesign(length=L, selects=True)
+                    todo.remove(n)
+    ctx.by_design.update(dict.fromkeys(todo))
+    return {n: ctx.by_design.get(n) for n in names}
 
 
 def trainable(ctx: ModelContext) -> list:
@@ -34,7 +194,8 @@ TRAINABLE = Need("trainable attention parameters", lambda c: bool(trainable(c)),
 def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | None:
     """The model's token embedding: `get_input_embeddings()` (Hugging Face's), else its first nn.Embedding. With
     `decoder`, an encoder-decoder's decoder's own (Marian's decoder has an embedding of its own: the model's is
-    the encoder's, whose every position the decoder sees through cross-attention)."""
+    the encoder's, whose every position the decoder sees through cross-attention), through every `get_decoder()`
+    down to the decoder itself (Florence-2's get_decoder() is its whole BART, whose own table is the encoder's)."""
     if decoder:
         get_decoder = getattr(model, "get_decoder", None)
         try:
@@ -42,7 +203,7 @@ def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | N
         except Exception:  # a getter that is not implemented: the model's own embedding
             inner = None
         if isinstance(inner, nn.Module) and inner is not model:
-            found = input_embedding(inner)
+            found = input_embedding(inner, decoder=True)
             if found is not None:
                 return found
     getter = getattr(model, "get_input_embeddings", None)
@@ -54,6 +215,17 @@ def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | N
         except Exception:  # a model whose getter is not implemented: look for an nn.Embedding instead
             pass
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def past_context(ctx: ModelContext, L: int) -> str:
+    context = model_context(ctx.model)
+    return f" (past the model's declared context of {context}: unused within it)" if context and L > context else ""
+
+
+def prev_length(L: int, T: int) -> int:
+    """The length tried before `L` (the audit's own, T, before the first of LONGER)."""
+    shorter = [x for x in LONGER if T < x < L]
+    return shorter[-1] if shorter else T
 
 
 @detector(ID, "every attention parameter gets a finite non-zero gradient; for a causal model, no output sends "
@@ -71,7 +243,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         if isinstance(out, Tensor) and out.is_floating_point() and out.shape[:2] == seq.shape[:2]:
             x = out.detach().requires_grad_(True)
             leaf["x"] = x
-            return x
+            return x.clone()  # not the leaf itself: a model may scale its embeddings in place (CTRL's *= sqrt(D))
         return None
 
     handle = emb.register_forward_hook(hook) if emb is not None else None
@@ -85,15 +257,18 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         return output_hook
 
     kept = [m.register_forward_hook(keep(p)) for p, m in ctx.modules.items()]
+    returned: list = []  # every tensor the model returned, not only the one the runner reads
+    kept.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
         if emb is None and seq.is_floating_point():
-            seq = seq.detach().clone().requires_grad_(True)
-            leaf["x"] = seq
+            leaf["x"] = seq.detach().clone().requires_grad_(True)
+            seq = leaf["x"].clone()  # as above: the model may edit its input in place
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
-        grads = torch.autograd.grad((out.float() ** 2).sum(), [w for _, w in params] + [outputs[p] for p in paths],
-                                    allow_unused=True, retain_graph=True)
+        total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
+        grads = torch.autograd.grad((out.float() ** 2).sum() + total, [w for _, w in params] +
+                                    [outputs[p] for p in paths], allow_unused=True, retain_graph=True)
         grads, to_outputs = grads[:len(params)], grads[len(params):]
         # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
         # gate), so their parameters cannot get one whatever the attention does; not judged, and said so
@@ -122,20 +297,39 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if nonfinite:
         return DetectorResult(ID, "fail", "attention parameters get non-finite gradients",
                               evidence=", ".join(nonfinite[:6]), fix=FIX)
+    by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
+    missing = [n for n in missing if n not in by_design]
+    longer = {n: why.length for n, why in by_design.items() if why.length}
+    zeroed = sorted({why.zeroed or why.zero_input for why in by_design.values() if why.zeroed or why.zero_input})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
         return DetectorResult(ID, "fail", f"{len(missing)} of {len(params)} attention parameters get no gradient",
                               value=float(len(missing)), threshold=0.0, fix=FIX, layer=layer,
-                              evidence=f"zero or missing gradient of (out ** 2).sum(): {', '.join(missing[:8])}"
+                              evidence=f"zero or missing gradient of the outputs' (out ** 2).sum(): "
+                                       f"{', '.join(missing[:8])}"
                                        f"{' ...' if len(missing) > 8 else ''} (in {', '.join(owners[:4])})")
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                           "inputs", evidence=leak, fix=FIX)
-    unjudged = [p for p in ctx.order if p in cut] or sorted(cut)  # in call order
-    judged = sum(owner(n) not in cut for n, _ in params)
+    if longer:
+        lengths = sorted(set(longer.values()))
+        layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in longer)), None)
+        return DetectorResult(ID, "warn", f"{len(longer)} of {len(params)} attention parameters get no gradient at "
+                                          f"this length ({seq.shape[1]}), but do at {', '.join(map(str, lengths))}: "
+                                          f"used only on longer sequences" + past_context(ctx, lengths[-1]),
+                              layer=layer,
+                              evidence=", ".join(f"{n} (from {L}; not at {prev_length(L, seq.shape[1])})"
+                                                 for n, L in list(longer.items())[:8])
+                                       + (" ..." if len(longer) > 8 else "")
+                                       + "; a sparse-attention indexer, a compressor or a dynamic mask acts only past "
+                                         "a length: audit at that length (seq_len=) to check them",
+                              fix=f"pass seq_len={lengths[0]} (or more) to audit them where the model uses them")
+    unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
+    judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
-                  f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate), "
+                  f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
+                  f"or their input is 0), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")

@@ -3,7 +3,12 @@ do not see each other: changing one document's tokens moves its own outputs and 
 
 One batched forward of the packed example (three documents, position ids 0.. per document, no attention mask, as
 packed training passes them) and of copies with one document's tokens replaced. The attention modules are tapped:
-the first (in the order they returned) whose outputs in another document moved is where the leak starts.
+the first (in the order they returned) whose outputs in another document moved is where the leak is seen. Where
+documents do see each other, the same forward is replayed with every module watched (`leak_source`): the first
+module to return whose outputs crossed while its inputs had not is where the leak starts. A leak that starts in a
+module running no softmax over (Tq, Tk) scores or fused attention (a state-space scan, linear attention, a
+convolution over the sequence: mixers that do not restart at a document's start) is a true property of the model,
+reported as a warning that names that mixer, not as a failure of an attention layer.
 
 Where a model separates packed documents at all:
 - `audit_model(model, packed=True)`: the model says so (its attention builds a block-diagonal mask from the
@@ -25,6 +30,8 @@ from .._registry import Need, detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, dtype_name, tolerance
 from ._context import SEQUENCE, ModelContext, at_least
+from ._find import ModuleWatch
+from ._runner import first_tensor
 from ._taps import NO_POSITIONS, LayerTap, moved, per_position
 
 ID = "packed_documents"
@@ -64,6 +71,45 @@ def _watch_packed_mask():
         masking.packed_sequence_mask_function = original
 
 
+def _crosses(t, rows: int, T: int, row: int, s: int, e: int, tol: float) -> bool | None:
+    """Whether a module's tensor `t` (rows, T, ...) moved outside document s..e-1 when row `row` changed it
+    (against row 0); None where `t` is not one entry per row and position, batch-first."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[:2] != (rows, T):
+        return None
+    change = moved(t[row:row + 1].flatten(2), t[:1].flatten(2))  # (1, T)
+    if change is None:
+        return None
+    change = change[0].clone()
+    change[s:e] = 0
+    return bool((change > tol).any())
+
+
+def leak_source(ctx: ModelContext, batch, positions, row: int, s: int, e: int, tol: float):
+    """(path, class, attends) of the first module to return whose outputs crossed outside document s..e-1 while
+    none of its tensor inputs had, replaying the packed forward with every module watched; `attends`: whether a
+    softmax over (Tq, Tk) scores or fused attention ran inside it. None where no module's tensors could be read."""
+    rows, T = batch.shape[:2]
+    found: list = []
+
+    def on_return(path, module, args, kwargs, out, attends):
+        if found or not path:
+            return
+        if not _crosses(first_tensor(out), rows, T, row, s, e, tol):
+            return
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(_crosses(a, rows, T, row, s, e, tol) for a in inputs):
+            return  # the leak came in with its inputs
+        found.append((path, type(module).__name__, attends))
+
+    watch = ModuleWatch(ctx.model, on_return)
+    try:
+        with watch, watch.observer:
+            ctx.runner(batch, position_ids=positions)
+    except Exception:  # the same forward ran once already: a replay that raises under the hooks points nowhere
+        return None
+    return found[0] if found else None
+
+
 @detector(ID, "documents packed into one sequence (position ids restarting at each) do not see each other: "
               "changing one document moves its own outputs only; the first layer a change crosses into another "
               "document is reported", fix=FIX, needs=(SEQUENCE, TAKES_POSITIONS, at_least(6), NOT_ASKED),
@@ -84,8 +130,11 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
         row[:, s:e] = other[:, s:e]
         rows.append(row)
     batch = torch.cat(rows)  # (1 + documents, T)
+    # one row of positions per sequence, each its own memory as a caller's are: an expanded view (stride 0) makes a
+    # model that flattens them with .view(-1) raise (Kosmos-2.5)
+    positions = positions.repeat(batch.shape[0], 1)  # (1 + documents, T)
     with LayerTap(ctx.modules, ctx.time_dims) as taps, _watch_packed_mask() as used:
-        out, _ = runner(batch, position_ids=positions.expand(batch.shape[0], T))
+        out, _ = runner(batch, position_ids=positions)
     if not per_position(out, T):
         return DetectorResult(ID, "skip", NO_POSITIONS.format(shape=tuple(out.shape)))
     spans = ", ".join(f"{s}..{e - 1}" for s, e in docs)
@@ -123,8 +172,20 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
     if crossings:
         d, s, e, t, by, n = crossings[0]
         at = f"; the change first crosses at {first}" if first else ""
-        return DetectorResult(ID, "fail", "packed documents see each other: changing one document moves another's "
-                                          "outputs" + at, value=worst, threshold=tol, fix=FIX, layer=first,
+        verdict, fix = "fail", FIX
+        source = leak_source(ctx, batch, positions, d + 1, s, e, tol)
+        if source is not None and not source[2]:  # no softmax attention where the leak starts: a mixer's state
+            first, verdict = source[0], "warn"
+            at = (f"; the leak starts in {source[0]} ({source[1]}), which runs no softmax attention (a state-space "
+                  f"scan, linear attention or a convolution over the sequence that does not restart at a "
+                  f"document's start): a property of the model's mixer, not of its attention; whether the attention "
+                  f"layers after it keep documents apart is not measured (their inputs already differ)")
+            fix = (f"reset {source[0]}'s state at each document's start (e.g. the sequence index a state-space or "
+                   f"convolution kernel takes), or do not pack documents for this model")
+        elif source is not None and source[0] != first:
+            at += f" (the leak starts in {source[0]}, {source[1]})"
+        return DetectorResult(ID, verdict, "packed documents see each other: changing one document moves another's "
+                                           "outputs" + at, value=worst, threshold=tol, fix=fix, layer=first,
                               evidence=f"documents at {spans} (position ids restarting at each, no attention mask; "
                                        f"{how}): changing document {d} (t={s}..{e - 1}) moved {n} outputs of other "
                                        f"documents, first t={t} by {by:.3g} of the outputs' RMS (up to {tol:.0e} "

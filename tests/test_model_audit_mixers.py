@@ -1,0 +1,69 @@
+"""A leak through a mixer that is not attention (issue 33, cause 6): packed documents do leak through a state-space
+scan, linear attention or a convolution over the sequence that does not restart at a document's start (MiniMax's
+lightning attention, Inkling's short convolutions on its keys and values). That is a true property of the model,
+reported as a warning naming the mixer where the leak starts, not a failure blamed on the attention layer after it;
+an attention layer that lets documents see each other still fails, at that layer.
+
+Twins on the same two-layer model (test_model_patterns' LM and Attention): a causal convolution of kernel 3 before
+the attention (the mixer leaks), the same of kernel 1 (no mixing: passes), and kernel 1 with the attention's
+block-diagonal mask left out (fails at the attention). The packed probe's position ids are a tensor of their own
+per row (a model that flattens them with .view(-1) raised on an expanded view).
+"""
+
+from __future__ import annotations
+
+import torch
+from test_model_patterns import D, LM, Attention, audit
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    """A causal depthwise convolution over the sequence, (B, T, D) -> (B, T, D), as hybrid models put beside their
+    attention: it reads the `kernel - 1` positions before each one, whichever document they belong to."""
+
+    def __init__(self, kernel: int):
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, kernel, groups=D, padding=kernel - 1)
+
+    def forward(self, x, docs=None):
+        T = x.shape[1]
+        return self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)  # (B, D, T + k - 1) cut to the causal T
+
+
+def packed(model) -> object:
+    return audit(model, packed=True, detectors=["packed_documents"]).result("packed_documents")
+
+
+def test_a_leak_that_starts_in_a_convolution_is_a_warning_naming_it_not_the_attention_after_it():
+    torch.manual_seed(0)
+    r = packed(LM([ShortConv(3), Attention()]))
+    assert r.verdict == "warn" and r.layer == "attn.0", r  # was: fail at attn.1, the attention whose input leaked
+    assert "the leak starts in attn.0 (ShortConv), which runs no softmax attention" in r.message, r.message
+    assert "reset attn.0's state at each document's start" in r.fix, r.fix
+
+
+def test_the_same_model_without_the_mixing_passes_and_its_attention_that_ignores_the_documents_fails():
+    torch.manual_seed(0)
+    assert packed(LM([ShortConv(1), Attention()])).verdict == "pass"
+    torch.manual_seed(0)
+    leaky = packed(LM([ShortConv(1), Attention()], packing=False))
+    assert leaky.verdict == "fail" and leaky.layer == "attn.1", leaky  # the attention: softmax attention ran in it
+    assert "doc[q] == doc[kv]" in leaky.fix
+
+
+class FlatPositionsLM(LM):
+    """LM flattening its position ids with .view(-1) (Kosmos-2.5's text model), which an expanded view cannot take."""
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is not None:
+            position_ids = position_ids.view(-1).view(position_ids.shape)
+        return super().forward(input_ids, position_ids)
+
+
+def test_packed_positions_are_a_tensor_of_their_own_per_row():
+    torch.manual_seed(0)
+    good = packed(FlatPositionsLM([Attention(), Attention()]))
+    assert good.verdict == "pass", good  # was: fail, the model raised (view size is not compatible)
+    torch.manual_seed(0)
+    leaky = packed(FlatPositionsLM([Attention(), Attention()], packing=False))
+    assert leaky.verdict == "fail" and leaky.layer == "attn.0", leaky
