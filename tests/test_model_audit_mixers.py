@@ -12,9 +12,23 @@ per row (a model that flattens them with .view(-1) raised on an expanded view).
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
-from test_model_patterns import D, LM, Attention, audit
 from torch import nn
+
+
+def _sibling(name: str):
+    """A test module beside this one, loaded by its path (importable under --import-mode=importlib too)."""
+    spec = importlib.util.spec_from_file_location(f"{__name__}_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_patterns = _sibling("test_model_patterns")
+D, LM, Attention, audit = _patterns.D, _patterns.LM, _patterns.Attention, _patterns.audit
 
 
 class ShortConv(nn.Module):

@@ -7,8 +7,10 @@ layers: the file runs in a few seconds, before tests/test_own_weights.py in the 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,18 @@ import correct
 from diagnostics._core import baseline_scale
 from diagnostics._projections import NotApplicable, Projections, recognise
 from diagnostics.detectors.own_weights import _close
-from test_own_weights import GroupedQueryAttention, built, own_weights
+
+
+def _sibling(name: str):
+    """A test module beside this one, loaded by its path (importable under --import-mode=importlib too)."""
+    spec = importlib.util.spec_from_file_location(f"{__name__}_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_own = _sibling("test_own_weights")
+GroupedQueryAttention, built, own_weights = _own.GroupedQueryAttention, _own.built, _own.own_weights
 
 GOLDEN_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 FLOOR = {**GOLDEN_FLOOR, torch.float64: 1e-5}  # own_weights' float64 floor is float32's, not the golden rule's 1e-9
