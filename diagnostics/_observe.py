@@ -135,6 +135,7 @@ class FusedAttention:
     frames: tuple = ()
     out: Tensor | None = field(default=None, repr=False)  # the attention's output, (..., Tq, d_v)
     given: float | None = None  # the kernel's own scale (its `scale=`, else 1/sqrt(d)): what it multiplies q·k by
+    stated: bool = False  # the call passed `scale=` itself (the layer's own words for its temperature)
 
 
 @dataclass
@@ -409,7 +410,8 @@ class Observer(Mode):
             is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
             f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
                                None if mask is None else mask.detach(), is_causal, self._frames(),
-                               outs[0].detach() if isinstance(outs[0], Tensor) else None, scale)
+                               outs[0].detach() if isinstance(outs[0], Tensor) else None, scale,
+                               kwargs.get("scale") is not None)
             self._fresh(outs)
             rec.fused.append(f)
             rec.order.append(f)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from correct import gpt2_init_
 from diagnostics import audit
 from diagnostics.detectors.temperature import COSINE_FLAT, COSINE_SHARP
 
@@ -155,9 +156,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 class RMSQKNorm(nn.Module):
     """QK-norm as Flux, SD3 and Qwen write it: an RMSNorm over each head's q and k (unit RMS, every row of norm
-    sqrt(d_k)), then SDPA's own 1/sqrt(d_k); `unscaled`: the same with the scale dropped (scale=1, the bug)."""
+    sqrt(d_k)), then SDPA's own 1/sqrt(d_k); `unscaled`: the scores written out with the scale left out (the bug);
+    `stated`: SDPA told scale=1 in so many words (vit-pytorch's NaViT: the layer's own temperature)."""
 
-    unscaled = False
+    unscaled = stated = False
 
     def __init__(self, d_model=D, n_heads=H):
         super().__init__()
@@ -168,7 +170,12 @@ class RMSQKNorm(nn.Module):
     def forward(self, x, mask=None):
         q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
         q, k = self.q_norm(q), self.k_norm(k)
-        scale = 1.0 if self.unscaled else None  # BUG where unscaled: no 1/sqrt(d_k) after the norm
+        if self.unscaled:
+            scores = q @ k.transpose(-2, -1)  # BUG: no 1/sqrt(d_k) after the norm
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return self.proj(merge(scores.softmax(-1) @ v))
+        scale = 1.0 if self.stated else None
         return self.proj(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)))
 
 
@@ -176,17 +183,35 @@ class RMSQKNormUnscaled(RMSQKNorm):
     unscaled = True
 
 
+class RMSQKNormStated(RMSQKNorm):
+    stated = True
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("make, verdict", [(RMSQKNorm, "pass"), (RMSQKNormUnscaled, "fail")],
                          ids=["scaled", "scale missing"])
-def test_q_and_k_at_unit_rms_are_judged_by_one_over_sqrt_d_k(make, verdict, dtype):
+@pytest.mark.parametrize("init", ["default", "gpt2"])
+def test_q_and_k_at_unit_rms_are_judged_by_one_over_sqrt_d_k(make, verdict, dtype, init):
     """Rows of norm sqrt(d_k) (RMS_NORMED) take the scaled dot product's convention: the missing scale, a cosine times
-    d_k, is 2.83x too sharp, where the cosine bounds (0.5 to 100) let it pass."""
-    result = temperature(make, dtype)
+    d_k, is 2.83x too sharp, where the cosine bounds (0.5 to 100) let it pass; at torch's init and at GPT-2's
+    (std 0.02, where the norm's eps weighs most)."""
+    def built():
+        return gpt2_init_(make()) if init == "gpt2" else make()
+
+    result = temperature(built, dtype)
     assert result.verdict == verdict, f"{result.message}\n{result.evidence}"
     assert "normalised" not in result.message  # judged by 1/sqrt(d_k), not as a temperature of the layer's own
     if verdict == "fail":
         assert "2.83x too sharp" in result.message, result.message
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)
+def test_a_scale_the_layer_passes_itself_at_unit_rms_is_its_own_temperature(dtype):
+    """NaViT's form: scale=1 given to SDPA after the RMSNorm, the layer's own words, judged by the cosine bounds (a
+    cosine times 8 passes); the twin that leaves the scale out of scores it writes itself is the bug above."""
+    result = temperature(RMSQKNormStated, dtype)
+    assert result.verdict == "pass" and "normalised" in result.message, f"{result.message}\n{result.evidence}"
+    assert "the scale= the layer passes" in result.evidence, result.evidence
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)

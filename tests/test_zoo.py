@@ -279,12 +279,7 @@ VIT_LAYERS = [
     Layer(VIT, "simple_vit.Attention", lambda: vit_attention("simple_vit")),
     Layer(VIT, "cross_vit.Attention", lambda: vit_attention("cross_vit")),
     Layer(VIT, "simple_vit_with_qk_norm.Attention", lambda: vit_attention("simple_vit_with_qk_norm")),  # QK-norm
-    Layer(VIT, "na_vit.Attention", lambda: vit_attention("na_vit"), declare={"mask": "key_keep"},  # QK-norm
-          passes_gap="its q and k are normalised to unit RMS (F.normalize x sqrt(d) x gamma) and SDPA is called with "
-                     "scale=1, 'RMSNorm already includes sqrt(dim) scaling' (na_vit.py:165): logits of d_k x their "
-                     "cosine, sqrt(d_k) sharper than the QK-norm of ViT-22B and NaViT's paper, which keep 1/sqrt(d_k); "
-                     "softmax_saturation reads the same function as the missing-scale bug (raised upstream for "
-                     "x-transformers' norms, lucidrains/x-transformers#24)"),
+    Layer(VIT, "na_vit.Attention", lambda: vit_attention("na_vit"), declare={"mask": "key_keep"}),  # QK-norm
 ]
 VIT_BUGS = [
     Bug(VIT_ATTENTION, "scale dropped (self.scale = 1)", setting(scale=1.0), ("softmax_saturation",)),

@@ -248,7 +248,10 @@ and a missing scale reads as one (a cosine times d_k, not sqrt(d_k)). Rows withi
 are judged by 1/sqrt(d_k); the norm's eps keeps them off it by at most 8.5e-5 in float32 and float64 and 2.7e-3 in
 bfloat16 (diffusers' QK-norm layers at d_k = 8: margin 7x), while l2-normalised rows (cosine attention: Swin v2,
 Restormer, nGPT), of norm 1, lie 0.29 away at d_k = 2 and 0.65 at d_k = 8 (margin 14x). A trained norm's gain moves
-the rows off sqrt(d_k): then the layer's temperature is its own, judged by the cosine bounds."""
+the rows off sqrt(d_k): then the layer's temperature is its own, judged by the cosine bounds. So is a scale the layer
+passes to scaled_dot_product_attention itself, other than 1/sqrt(d_k) (vit-pytorch's NaViT: scale=1 after its
+RMSNorm, "RMSNorm already includes sqrt(dim) scaling"): the same function as the missing scale, where the layer's
+own words decide."""
 
 
 def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
@@ -268,10 +271,12 @@ def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
     if not all(n.numel() and float(n.min()) > 0 and float(n.max() / n.min()) < 1 + apart for n in norms):
         return None
     q_norm, k_norm = float(norms[0].mean()), float(norms[1].mean())
+    # a fused call told another scale than 1/sqrt(d_k) in so many words keeps it as the layer's own temperature
+    stated = f is not None and m is None and f.stated and abs(per_product * math.sqrt(d_k) - 1) > RMS_NORMED
     return _Cosine(abs(per_product) * q_norm * k_norm,
                    f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
-                   f"multiplied by {per_product:.4g}",
-                   all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
+                   f"multiplied by {per_product:.4g}" + (" (the scale= the layer passes)" if stated else ""),
+                   not stated and all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
 
 
 def _judged_cosine(r: _Reading, base: Call) -> DetectorResult:
