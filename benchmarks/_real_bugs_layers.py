@@ -720,7 +720,7 @@ BUGS: list[RealBug] = [
          _pair(ViTAttention, ViTMergedWithoutTranspose, "merge"), cheap=True),
     _bug("split_without_transpose", "https://github.com/649453932/Chinese-Text-Classification-Pytorch/issues/10",
          "q, k and v (B, T, D) are split into heads with a plain reshape to (B, H, T, d), no transpose",
-         _pair(ViTAttention, ViTSplitWithoutTranspose, "split")),
+         _pair(ViTAttention, ViTSplitWithoutTranspose, "split"), cheap=True),
     _bug("sdpa_dropout_in_eval", "https://github.com/huggingface/pytorch-image-models/pull/1978",
          "dropout_p is passed to SDPA whatever the module's mode, so attention dropout runs in eval",
          _pair(FusedViTAttention, FusedViTDropoutInEval, "fused", attn_drop=0.1)),

@@ -75,7 +75,7 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
     if wv is None:
         return []
     tol = tolerance(UNCHANGED, s.dtype)
-    mixed = positions_mixed(trace, wv.index, T, tol)
+    mixed = positions_mixed(trace, wv.index, T, tol) or positions_split(trace, wv, T, tol)
     if mixed is not None:  # the evidence that heads (or the batch) were merged into the positions
         return [op_site(mixed, "every token is the same, yet this op's output differs between positions where its "
                                "input did not: it mixes positions with another axis (heads)",
@@ -88,6 +88,30 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
                            "something besides the weighted sum of the values (a position, a neighbour, the query)",
                     fix="make the attention's output the weighted sum of the values, softmax(scores) @ v; what reads "
                         "a position or a neighbour after it is not attention")]
+
+
+def positions_split(trace, product, T: int, tol: float):
+    """The first view or reshape the weighted sum `product` reads from whose input is the same at every position
+    (along each of its axes of T) and whose output is not (along an axis of T, neither the first nor the last): on
+    identical tokens only data moved between axes can do that, positions split into heads without their transpose,
+    as `x.reshape(B, H, T, d)` of a (B, T, D) tensor does. What makes positions differ by computing (values rotated
+    by their position) is no such op."""
+    feeds = ancestors(trace, product)
+    for op in trace.ops[:product.index]:
+        out = op.outs[0] if op.outs else None
+        if op.index not in feeds or op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids \
+                or out is None or not out.is_floating_point() or out.dim() < 3:
+            continue
+        x = value_before(trace, op.in_ids[0], op.index)
+        if x is None or x.shape == out.shape or not x.is_floating_point():
+            continue
+        axes = [a for a in range(x.dim() - 1) if x.shape[a] == T]
+        if not axes or any(bool(moved(x, x.narrow(a, 0, 1).expand_as(x), tol).any()) for a in axes):
+            continue
+        if any(out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any())
+               for a in range(1, out.dim() - 1)):
+            return op
+    return None
 
 
 def positions_apart(trace, start: int, T: int, tol: float):
@@ -382,7 +406,8 @@ def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> Dete
     its weighted sum of the values (a gate of the query, a convolution branch beside the attention, values rotated by
     position and back, an output read from [context; query]): the property belongs to `weights @ values`, judged
     there (`_judged_with_learned_keys`, with no keys of its own) when it is observed and reads the value input, and
-    when no view or reshape after it moves heads into the positions (`positions_mixed`). None otherwise: the
+    when no view or reshape after it moves heads into the positions (`positions_mixed`) nor one before it positions
+    into the heads (`positions_split`). None otherwise: the
     output's verdict stands, with its own evidence (a weighted sum that is not convex, heads merged without their
     transpose, values read from another stream, no softmax seen)."""
     s = probe.subject
@@ -400,7 +425,8 @@ def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> Dete
         return None
     inside = _judged_with_learned_keys(found, t_q, t_k, tol, s.dtype, call)
     unchanged = tolerance(UNCHANGED, s.dtype)
-    if inside.verdict != "pass" or positions_mixed(trace, op.index, t_q, unchanged) is not None:
+    if inside.verdict != "pass" or positions_mixed(trace, op.index, t_q, unchanged) is not None \
+            or positions_split(trace, op, t_q, unchanged) is not None:
         return None
     apart = positions_apart(trace, op.index, t_q, unchanged)
     after = ("" if apart is None else f"; the positions come apart at {short(apart)} ({op_name(apart)}), computed "
