@@ -3,6 +3,7 @@
     python benchmarks/mutations.py                    # the stratified sample (the README's figure), one job
     python benchmarks/mutations.py --list             # every mutant, with the line it changes, and exit
     python benchmarks/mutations.py --all --jobs 2     # every mutant, not a sample
+    python benchmarks/mutations.py --all --journal ~/all.jsonl  # the same in pieces: rerun to go on where it stopped
     python benchmarks/mutations.py --only keys.py --json /tmp/mutations.json
     python benchmarks/mutations.py --survivors-of /tmp/mutations.json   # after adding tests: rerun survivors
     python benchmarks/mutations.py --changed-since main   # the sample's mutants of the modules a branch changed
@@ -648,7 +649,38 @@ def classify(rc: int | None, out: str) -> tuple[str, str]:
     return "killed", failed.group(1) if failed else "tests failed"
 
 
-def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) -> list[Outcome]:
+def read_journal(path: Path | None, commit: str) -> dict[str, Outcome]:
+    """The outcomes a journal holds for this commit and each mutant's test selection as it is now: a run of thousands
+    of mutants (`--all`) taken up where it stopped, in another process or another day, still one commit's figure. A
+    line of another commit or selection is not reused (the code or the tests it measured are not these)."""
+    if path is None or not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["commit"] == commit and tuple(row["tests"]) == tuple(tests_for(row["file"])):
+            found[row["id"]] = Outcome(row["id"], row["status"], row["seconds"], row["detail"])
+    return found
+
+
+def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, journal: Path | None = None,
+                commit: str = "") -> list[Outcome]:
+    """Each mutant's tests in one of `jobs` copies of the tree; with a `journal` (JSON lines), the outcomes it holds
+    for this commit are taken as they are and each new one is appended as soon as it is decided."""
+    done = read_journal(journal, commit)
+    if done:
+        log(f"{sum(m.id in done for m in mutants)} of the {len(mutants)} mutants decided at this commit already "
+            f"(journal {journal}): not run again")
+    results: dict[str, Outcome] = {m.id: done[m.id] for m in mutants if m.id in done}
+    mutants_left = [m for m in mutants if m.id not in done]
+    if not mutants_left:
+        return [results[m.id] for m in mutants]
+    ran = _run_mutants(mutants_left, jobs, timeout, log, results, journal, commit, len(mutants))
+    return [ran[m.id] for m in mutants]
+
+
+def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, results: dict[str, Outcome],
+                 journal: Path | None, commit: str, total: int) -> dict[str, Outcome]:
     sources = {m.id: mutated_source(m) for m in mutants}  # all of them valid before anything runs
     selections = sorted({tuple(tests_for(m.file)) for m in mutants})
     parent = Path(tempfile.mkdtemp(prefix="mutations-"))
@@ -661,7 +693,6 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) ->
         todo: queue.Queue = queue.Queue()
         for m in mutants:
             todo.put(m)
-        results: dict[str, Outcome] = {}
         lock = threading.Lock()
 
         def worker(copy: Path):
@@ -681,14 +712,18 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log) ->
                 status, detail = classify(rc, out)
                 with lock:
                     results[m.id] = Outcome(m.id, status, round(seconds, 1), detail)
-                    log(f"[{len(results)}/{len(mutants)}] {status:8s} {seconds:5.1f}s {m.id}  {detail}")
+                    if journal is not None:
+                        with journal.open("a") as f:
+                            f.write(json.dumps(dict(commit=commit, file=m.file, tests=list(tests),
+                                                    **asdict(results[m.id]))) + "\n")
+                    log(f"[{len(results)}/{total}] {status:8s} {seconds:5.1f}s {m.id}  {detail}")
 
         threads = [threading.Thread(target=worker, args=(c,)) for c in copies]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return [results[m.id] for m in mutants]
+        return results
     finally:
         shutil.rmtree(parent, ignore_errors=True)
 
@@ -811,6 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--json", type=Path, help="write every outcome and the score to this file")
+    parser.add_argument("--journal", type=Path, metavar="JSONL",
+                        help="append each outcome to this file as it is decided, and take those it holds for this "
+                             "commit instead of running them again: a long run (--all) in pieces, one commit's figure")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -859,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"commit {commit} (the committed tree is mutated and tested, not the checkout)")
     log(sampled)
     began = time.monotonic()
-    outcomes = run_mutants(mutants, args.jobs, args.timeout, log)
+    outcomes = run_mutants(mutants, args.jobs, args.timeout, log, args.journal, commit)
     elapsed = time.monotonic() - began
     marked = equivalents(mutants)
     table, summary = report(mutants, outcomes, marked)

@@ -104,3 +104,22 @@ def test_no_equivalent_mark_is_written_twice():
                  and getattr(node.target, "id", "") == "EQUIVALENT")
     keys = [k.value for k in marks.keys]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_a_journal_gives_back_its_own_commits_outcomes_and_runs_nothing_it_holds(tmp_path):
+    """`--journal`: a long run in pieces. The outcomes journaled at this commit with the module's test selection as it
+    is now are taken as they are (nothing is run: no copy of the tree is made); a line of another commit, or one
+    measured with other tests, is not reused."""
+    mutant = next(m for m in bench.all_mutants(False) if m.file == "detectors/weights.py")
+    tests = bench.tests_for(mutant.file)
+    journal = tmp_path / "all.jsonl"
+    line = lambda commit, tests, status: bench.json.dumps(dict(commit=commit, file=mutant.file, tests=tests,
+                                                               id=mutant.id, status=status, seconds=1.0, detail=""))
+    journal.write_text("\n".join([line("other", tests, "survived"), line("this", tests[:1] + ["x.py"], "survived"),
+                                  line("this", tests, "killed")]) + "\n")
+    assert {k: o.status for k, o in bench.read_journal(journal, "this").items()} == {mutant.id: "killed"}
+    assert bench.read_journal(journal, "another") == {}
+    logged = []
+    outcomes = bench.run_mutants([mutant], 1, None, logged.append, journal, "this")
+    assert [(o.id, o.status) for o in outcomes] == [(mutant.id, "killed")]
+    assert logged and logged[0].startswith("1 of the 1 mutants decided at this commit already"), logged
