@@ -1089,8 +1089,8 @@ class GatedHeads(nn.Module):
         B, Tq, D = query.shape
         H, d = self.num_heads, D // self.num_heads
         fold = lambda t: t.view(B, t.shape[1], H, d).transpose(1, 2).reshape(B * H, t.shape[1], d)
-        if self.split_wrong:  # the bug: (B, T, D) read straight as (B * H, T, d), positions scrambled with heads
-            fold = lambda t: t.reshape(B * H, t.shape[1], d)
+        if self.split_wrong:  # the bug: (B, T, D) read straight as (B, H, T, d), positions scrambled with heads
+            fold = lambda t: t.reshape(B, H, t.shape[1], d).reshape(B * H, t.shape[1], d)
         q, k, v = fold(self.q(query)), fold(self.k(key)), fold(self.v(value))
         if self.by_position:  # values told apart by their position, computed (as values rotated by position are)
             v = v * (1 + 0.1 * torch.arange(v.shape[1], dtype=v.dtype, device=v.device))[:, None]
@@ -1121,13 +1121,13 @@ def test_output_variance_reads_only_views_whose_axis_1_is_the_positions(merged_w
 def test_output_variance_fails_positions_split_into_heads_by_a_reshape_and_passes_values_computed_by_position(
         split_wrong, by_position):
     """positions_split: a view or reshape feeding the weighted sum whose input is the same at every position and
-    whose output is not moved data between positions and heads (`reshape(B * H, T, d)` of (B, T, D), the bug): the
+    whose output is not moved data between positions and heads (`reshape(B, H, T, d)` of (B, T, D), the bug): the
     gated layer's output fail stands, its site that reshape. Values made to differ by position by arithmetic (a
     factor per position, as rotated values are) are no such op: the twin passes, judged on its weighted sum."""
     found = verdict(GatedHeads(split_wrong=split_wrong, by_position=by_position), "output_variance")
     if split_wrong:
         assert found.verdict == "fail" and found.message.startswith("the output is not a convex combination"), found
         sites = found.where
-        assert sites and "t.reshape(B * H, t.shape[1], d)" in sites[0].code, sites
+        assert sites and "t.reshape(B, H, t.shape[1], d)" in sites[0].code, sites
     else:
         assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
