@@ -1131,3 +1131,38 @@ def test_output_variance_fails_positions_split_into_heads_by_a_reshape_and_passe
         assert sites and "t.reshape(B, H, t.shape[1], d)" in sites[0].code, sites
     else:
         assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
+
+
+class PositionAdded(nn.Module):
+    """OneStream's attention with a learned position added to its output (`added`, the bug: the output then reads
+    something besides the weighted sum of the values); without it, the reference."""
+
+    def __init__(self, added=True, d_model=16, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.added = d_model, num_heads, added
+        self.attn = MultiHeadAttention(d_model, num_heads)
+        self.position = nn.Parameter(torch.randn(64, d_model))
+
+    def forward(self, x, mask=None):
+        out, weights = self.attn(x, x, x, mask)
+        if self.added:
+            out = out + self.position[: x.shape[1]]  # (B, T, D) + (T, D): differs between positions
+        return out, weights
+
+
+@pytest.mark.parametrize("added", [False, True])
+def test_output_variance_says_where_positions_come_apart_after_the_weighted_sum_and_reads_no_flattening_as_a_merge(
+        added):
+    """A learned position added to the attention's output: a transform after the weighted sum, judged on that sum
+    (a pass), whose evidence names where the positions come apart (`positions_apart`: the first op after the sum
+    whose output differs along an axis of T, the add; with its `and` made `or`, the first with such an axis, the sum
+    itself, "apart already in the values"). With d_model == seq_len == 16, the output projection's flattening view
+    (B * T, D) has as many features on its axis 1 as there are positions: no merge of heads into positions
+    (`positions_mixed` reads views of 3 or more axes; with 2 it failed this layer, blaming `self.out(x)`)."""
+    found = verdict(PositionAdded(added), "output_variance")
+    assert found.verdict == "pass", found
+    if added:
+        assert "judged on weights @ values" in found.message, found
+        assert re.search(r"the positions come apart at \S+:\d+ \(add\), computed from the weighted sum",
+                         found.evidence), found.evidence

@@ -137,8 +137,10 @@ def positions_mixed(trace, start: int, T: int, tol: float):
         return None
     for op in trace.ops[start:]:
         out = op.outs[0] if op.outs else None
+        # a merge keeps (B, T, features...): a 2-D view is (B * T, D), a linear layer's flattening, whose axis 1 is
+        # the features (of as many as the positions where D == T)
         if op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids or out is None \
-                or not out.is_floating_point() or out.dim() < 2 or out.shape[1] != T:
+                or not out.is_floating_point() or out.dim() < 3 or out.shape[1] != T:
             continue
         x = value_before(trace, op.in_ids[0], op.index)
         if x is None or x.shape == out.shape or not bool(moved(out, out.narrow(1, 0, 1).expand_as(out), tol).any()):
