@@ -1166,3 +1166,38 @@ def test_output_variance_says_where_positions_come_apart_after_the_weighted_sum_
         assert "judged on weights @ values" in found.message, found
         assert re.search(r"the positions come apart at \S+:\d+ \(add\), computed from the weighted sum",
                          found.evidence), found.evidence
+
+
+def heads_last(q, k, v, mask=None):
+    """The reference returning its output as (B, T, H, d): not the query's (B, H, T, d) layout."""
+    out, weights = attention(q, k, v, mask)
+    return out.transpose(1, 2), weights
+
+
+class HeadsUnmerged(OneStream):
+    """OneStream returning its heads unmerged, (B, H, T, d): an output of 4 axes."""
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        H = self.num_heads
+        split = lambda t: t.view(B, T, H, D // H).transpose(1, 2)  # (B, T, D) -> (B, H, T, d)
+        q, k, v = map(split, self.attn.qkv(x).chunk(3, dim=-1))
+        return attention(q, k, v, mask)[0]
+
+
+@pytest.mark.parametrize("layer, expected", [
+    (heads_last, "output shape (2, 16, 2, 8) is not the query's"),
+    (attention, None),
+    (HeadsUnmerged(), "output shapes (2, 2, 16, 8) and (2, 2, 1, 8) do not allow the comparison"),
+    (OneStream(), None),
+], ids=["function-heads-last", "function", "module-unmerged", "module"])
+def test_output_variance_skips_an_output_it_cannot_compare_row_by_row_and_judges_one_it_can(layer, expected):
+    """check_output_variance's two shape guards: a function's output not in the query's shape, a module's output
+    not (B, T, D) like its one-token reference: skipped, saying the shapes (never guessed into a verdict, nor a
+    crash of the comparison); their twins in the right shape are judged, and pass."""
+    found = verdict(layer, "output_variance", **({"d_model": 16, "num_heads": 2} if callable(layer)
+                                                 and not isinstance(layer, nn.Module) else {}))
+    if expected is None:
+        assert found.verdict == "pass", found
+    else:
+        assert (found.verdict, found.message) == ("skip", f"not measured: {expected}"), found
