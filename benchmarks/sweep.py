@@ -79,6 +79,10 @@ TINY = {
     **dict.fromkeys(ROUTED, 2),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "image_size": 64,
+    # a sparse-attention indexer (DeepSeek-V3.2's, GLM-DSA's, HY-V4's) keeps its top index_topk keys: with 2,048 of
+    # them it chooses every key of any length the audit reaches (gradient_flow stops at 1,024), so it is never used;
+    # 32 keys make it choose from 64 tokens on, where gradient_flow finds it (a top-k choice: a warning, not a fail)
+    "index_topk": 32, "index_n_heads": 4, "index_head_dim": 16,
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary

@@ -193,6 +193,10 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     assert v2.num_experts_per_tok == 2  # None in its default config
     assert codegen.rotary_dim == 4 <= codegen.n_embd // codegen.n_head
     assert llama.num_key_value_heads == llama.num_attention_heads == 4  # Llama's default: as many as query heads
+    from diagnostics.model.gradients import LONGER
+
+    v32 = sweep.tiny_config("deepseek_v32")  # its indexer chooses among fewer keys than gradient_flow's lengths
+    assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim) == (32, 4, 16) and 32 < LONGER[0]
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
