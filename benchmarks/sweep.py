@@ -97,6 +97,12 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
                     f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
+    "jamba": f"as Mamba: a cached step of more than one token restarts the scan, the recurrent state read only when "
+             f"seq_len == 1 ({TF}jamba/modeling_jamba.py:515; its own comment at line 555: the scan 'does not take the "
+             f"past state, it is WRONG if the cache is not empty'); steps of 1 match",
+    "mra": f"on a machine without its CUDA kernel the attention returns zeros: mra2_attention's `return "
+           f"torch.zeros_like(query).requires_grad_()` ({TF}mra/modeling_mra.py:364); the output does not depend on "
+           f"the query, key and value weights",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
     "levit": f"in eval mode the attention biases are cached by the first forward ({TF}levit/modeling_levit.py:193): "
@@ -208,7 +214,28 @@ def tiny_config(model_type: str, *, decoder: bool = False):
 
     base = AutoConfig.for_model(model_type)
     decoder = decoder and hasattr(base, "is_decoder")  # transformers 5 keeps the flag on the configs that read it
-    return type(base)(**_shrunk(base), **({"is_decoder": True} if decoder else {}))
+    kw = {**_shrunk(base), **({"is_decoder": True} if decoder else {})}
+    config = type(base)(**kw)
+    deeper = _deeper(base, config, kw)
+    return type(base)(**{**kw, **deeper}) if deeper else config
+
+
+def _deeper(base, config, kw: dict) -> dict:
+    """The depth at which a tiny config keeps a layer of each kind its default has, where the kinds follow from the
+    depth (a `layer_types` derived, not a list `kept_layers` cuts): Jamba's attention is layer 4 of every 8 and
+    RecurrentGemma's layer 2 of every 3, so its first two layers were all recurrent and nothing was attention (its
+    cache then raised on a cache of linear layers only). {} where the tiny config already has every kind."""
+    if "layer_types" in vars(base):  # a list of its own, cut by kept_layers
+        return {}
+    try:
+        full, tiny = list(base.layer_types or ()), list(config.layer_types or ())
+    except Exception:  # no layer kinds declared
+        return {}
+    missing = set(full) - set(tiny)
+    if not missing:
+        return {}
+    depth = max(full.index(kind) for kind in missing) + 1
+    return {k: depth for k in LAYER_COUNT if k in kw}
 
 
 def build(model_type: str, impl: str | None = None):

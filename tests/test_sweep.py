@@ -205,3 +205,56 @@ def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
     assert sweep.kept_layers(linear_then_full * 4, 16, 2) == [0, 3]  # was [0, 1]: two linear layers, none to audit
     assert sweep.kept_layers(None, 12, 2) == [0, 1] and sweep.kept_layers(["full_attention"] * 8, 8, 2) == [0, 1]
     assert sweep.kept_layers(["a", "b", "c"], 3, 2) == [0, 1]  # more kinds than layers: the first ones
+
+
+# ---- the plain scripts behind KNOWN (transformers, no diagnostics) -------------------------------------------------
+
+TINY_LM = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+
+
+@pytest.mark.parametrize("model_type, known", [("mra", True), ("bert", False)])
+def test_changing_the_attention_weights_moves_the_output_except_where_known_says_it_is_zeros(model_type, known):
+    """MRA without its CUDA kernel returns zeros from its attention (KNOWN); BERT's, the same script, moves."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    model = tf.AutoModel.from_config(tf.AutoConfig.for_model(model_type, **TINY_LM)).eval()
+    ids = torch.randint(5, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        for name, p in model.named_parameters():
+            if ".attention.self." in name and name.endswith("weight"):
+                p.add_(torch.randn_like(p))
+        after = model(ids).last_hidden_state
+    assert torch.equal(before, after) is known, float((after - before).abs().max())
+
+
+@pytest.mark.parametrize("model_type, step, known", [("jamba", 3, True), ("jamba", 1, False)])
+def test_a_cached_step_matches_the_full_forward_except_where_known_says_it_restarts_the_scan(model_type, step, known):
+    """Jamba (KNOWN): prefill 10 tokens, then steps of 3 through its cache: the logits differ from the full forward
+    far past float64 rounding; the twin, steps of 1 through the same cache, match."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is True
+    torch.manual_seed(0)
+    config = tf.JambaConfig(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=4, **TINY_LM)
+    model = tf.JambaForCausalLM(config).double().eval()
+    model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    ids = torch.randint(5, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :10], use_cache=True)
+        logits, past = [out.logits], out.past_key_values
+        for start in range(10, 16, step):
+            out = model(ids[:, start:start + step], past_key_values=past, use_cache=True)
+            logits, past = logits + [out.logits], out.past_key_values
+    error = float((torch.cat(logits, dim=1) - full).abs().max() / full.square().mean().sqrt())
+    assert (error > 1e-6) is known, error  # float64 rounding: ~1e-15
