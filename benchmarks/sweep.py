@@ -83,6 +83,9 @@ TINY = {
     # them it chooses every key of any length the audit reaches (gradient_flow stops at 1,024), so it is never used;
     # 32 keys make it choose from 64 tokens on, where gradient_flow finds it (a top-k choice: a warning, not a fail)
     "index_topk": 32, "index_n_heads": 4, "index_head_dim": 16,
+    # a looped model's sections (Dory: 8 input layers, a recurrent middle looped over, 8 output layers) fit in the
+    # 2 layers kept: left at 8 each, its middle was -14 layers and its cache read the wrong layers
+    "n_input_layers": 1, "n_output_layers": 1,
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary

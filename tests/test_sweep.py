@@ -197,6 +197,8 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
 
     v32 = sweep.tiny_config("deepseek_v32")  # its indexer chooses among fewer keys than gradient_flow's lengths
     assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim) == (32, 4, 16) and 32 < LONGER[0]
+    dory = sweep.tiny_config("dory")  # a looped model's input, middle and output sections within its depth
+    assert (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers) == (1, 0, 1)  # was (8, -14, 8)
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
