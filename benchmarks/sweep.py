@@ -106,6 +106,16 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
     "mra": f"on a machine without its CUDA kernel the attention returns zeros: mra2_attention's `return "
            f"torch.zeros_like(query).requires_grad_()` ({TF}mra/modeling_mra.py:364); the output does not depend on "
            f"the query, key and value weights",
+    "switch_transformers": f"a forward with use_cache=True and no encoder_outputs raises: "
+                           f"SwitchTransformersForConditionalGeneration passes its **kwargs, use_cache among them, to "
+                           f"its encoder ({TF}switch_transformers/modeling_switch_transformers.py:1003), whose stack "
+                           f"raises 'use_cache can only be set to True if ... used as a decoder' (line 734); T5 "
+                           f"does not",
+    "xlstm": f"cached decoding raises ('matC_old has wrong shape') where hidden_size x qk_dim_factor (or "
+             f"v_dim_factor) is not a multiple of 64; with use_cache=False it runs: the cache sizes its state by "
+             f"config.qk_head_dim and v_head_dim, rounded up to 64 "
+             f"({TF}xlstm/modeling_xlstm.py:1357, configuration_xlstm.py:161), the layer by int(hidden_size x "
+             f"qk_dim_factor) unrounded (modeling_xlstm.py:1043)",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
     "levit": f"in eval mode the attention biases are cached by the first forward ({TF}levit/modeling_levit.py:193): "

@@ -260,3 +260,49 @@ def test_a_cached_step_matches_the_full_forward_except_where_known_says_it_resta
             logits, past = logits + [out.logits], out.past_key_values
     error = float((torch.cat(logits, dim=1) - full).abs().max() / full.square().mean().sqrt())
     assert (error > 1e-6) is known, error  # float64 rounding: ~1e-15
+
+
+@pytest.mark.parametrize("hidden, known", [(32, True), (128, False)])
+def test_xlstm_decodes_through_its_cache_only_where_its_widths_are_multiples_of_64(hidden, known):
+    """xLSTM (KNOWN): at hidden 32 (query width 16, value width 32) the full forward runs and a cached step raises;
+    at 128 (64 and 128) the cached steps match the full forward."""
+    import torch
+
+    tf = _transformers()
+    assert "xlstm" in _sweep().KNOWN
+    torch.manual_seed(0)
+    config = tf.xLSTMConfig(hidden_size=hidden, embedding_dim=hidden, num_heads=4, num_hidden_layers=2, vocab_size=128)
+    model = tf.xLSTMForCausalLM(config).double().eval()
+    ids = torch.randint(5, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits  # runs at either width (its default, use_cache=True, raises)
+        try:
+            first = model(ids[:, :10], use_cache=True)
+            rest = model(ids[:, 10:], cache=first.cache, use_cache=True)
+        except ValueError as exc:
+            assert known and "matC_old has wrong shape" in str(exc), exc
+            return
+    assert not known
+    assert torch.allclose(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_type, known", [("switch_transformers", True), ("t5", False)])
+def test_a_seq2seq_forward_with_use_cache_runs_except_where_known_says_it_raises(model_type, known):
+    """SwitchTransformers (KNOWN) raises on model(input_ids, decoder_input_ids, use_cache=True); T5, the same call,
+    returns its cache."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    config = tf.AutoConfig.for_model(model_type, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                     num_decoder_layers=2, vocab_size=128)
+    model = tf.AutoModelForSeq2SeqLM.from_config(config).eval()
+    ids = torch.randint(5, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, decoder_input_ids=ids, use_cache=True)
+    except ValueError as exc:
+        assert known and "use_cache" in str(exc), exc
+        return
+    assert not known and out.cache is not None
