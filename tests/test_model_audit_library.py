@@ -6,6 +6,7 @@ check must take as it is.
   pass. The copy now computes its experts one by one ("eager", the same sum): a tiny Mixtral's cache parity is judged
   against it; its twin, a tiny Jamba (experts beside a Mamba scan), still fails where its cache is wrong (a cached
   step of 3 tokens restarts the scan, `KNOWN` in benchmarks/sweep.py) and passes steps of 1.
+- A model whose inputs nothing declares (Decision Transformer's states) is a usage error naming the dict to pass.
 """
 
 from __future__ import annotations
@@ -52,3 +53,15 @@ def test_a_hybrid_whose_cached_steps_of_several_tokens_restart_its_scan_still_fa
     assert result.verdict == "fail", (result.message, result.evidence)
     assert "steps of 3" in result.message and "steps of 1" not in result.message, result.message
     assert all("against the float64 copy" in s for s in result.evidence.split("; ")), result.evidence
+
+
+def test_a_model_whose_inputs_nothing_declares_is_a_usage_error_naming_the_dict_to_pass():
+    """Decision Transformer takes states, actions, returns and timesteps, none of which its config sizes: a usage
+    error that says what to pass, written as the user writes it (was: example={{'states': ...}}, doubled braces)."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    model = tf.DecisionTransformerModel(tf.DecisionTransformerConfig(hidden_size=32, n_layer=2, n_head=4)).eval()
+    with pytest.raises(diagnostics.AuditUsageError) as raised:
+        diagnostics.audit_model(model)
+    message = str(raised.value)
+    assert "pass example={'states': ...}, a dict of the model's inputs" in message and "{{" not in message, message
