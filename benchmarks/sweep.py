@@ -100,6 +100,9 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
                     f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
+    "fsmt": f"with use_cache=True the decoder gets no causal mask: `decoder_padding_mask, causal_mask = None, None` "
+            f"({TF}fsmt/modeling_fsmt.py:866), so a prefill of several decoder tokens sees the later ones (generate's "
+            f"one-token prefill hides it)",
     "jamba": f"as Mamba: a cached step of more than one token restarts the scan, the recurrent state read only when "
              f"seq_len == 1 ({TF}jamba/modeling_jamba.py:515; its own comment at line 555: the scan 'does not take the "
              f"past state, it is WRONG if the cache is not empty'); steps of 1 match",
