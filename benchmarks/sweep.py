@@ -100,6 +100,9 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
                     f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
+    "cpmant": f"CpmAntForCausalLM attends both ways: its base model marks every token as context, `context = "
+              f"torch.full((batch, seq_length), 1, ...)` ({TF}cpmant/modeling_cpmant.py:626), and context tokens see "
+              f"every other token (line 565), so past logits move when later tokens change",
     "fsmt": f"with use_cache=True the decoder gets no causal mask: `decoder_padding_mask, causal_mask = None, None` "
             f"({TF}fsmt/modeling_fsmt.py:866), so a prefill of several decoder tokens sees the later ones (generate's "
             f"one-token prefill hides it)",

@@ -330,3 +330,24 @@ def test_a_decoder_prefill_with_use_cache_gives_the_uncached_logits_except_where
         plain = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
     change = float((cached - plain).abs().max() / plain.square().mean().sqrt())
     assert (change > 1e-3) is known, change  # float32 rounding: ~1e-7
+
+
+@pytest.mark.parametrize("model_type, known", [("cpmant", True), ("gpt2", False)])
+def test_a_causal_lms_first_logits_ignore_the_last_token_except_where_known_says_it_attends_both_ways(model_type,
+                                                                                                      known):
+    """CpmAntForCausalLM (KNOWN): changing the last token moves the logits at the first; GPT-2's, the same script,
+    stay exactly."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, dim_head=8, dim_ff=64, vocab_size=128,
+                 prompt_length=4) if model_type == "cpmant" else dict(n_embd=32, n_head=4, n_layer=2, vocab_size=128)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **small)).eval()
+    ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 100 + 5
+    with torch.no_grad():
+        first, again = model(ids).logits[:, :4], model(changed).logits[:, :4]
+    assert (not torch.equal(first, again)) is known, float((first - again).abs().max())
