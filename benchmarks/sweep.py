@@ -209,6 +209,11 @@ def _shrunk(config) -> dict:
     if "qk_rope_head_dim" in kw and isinstance(rope, dict) and len(rope.get("mrope_section") or ()) == 3:
         half = kw["qk_rope_head_dim"] // 2
         kw["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}  # HY-V4-VL
+    rope, head = getattr(config, "qk_rope_head_dim", None), getattr(config, "head_dim", None)
+    if "qk_rope_head_dim" in kw and "head_dim" in kw and isinstance(rope, int) and isinstance(head, int) and rope:
+        # the rotary table is built over head_dim x partial_rotary_factor (Mistral 4's 128 x 0.5 = its 64-wide rope
+        # part): the two keep their ratio (8 and 8 built a 4-wide table for an 8-wide rope part, and it raised)
+        kw["head_dim"] = kw["qk_rope_head_dim"] * head // rope
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
