@@ -224,6 +224,8 @@ def _shrunk(config) -> dict:
             for name, value in vars(config).items():
                 if isinstance(value, list) and len(value) == old:
                     kw[name] = [value[i] for i in keep]
+                    if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
+                        kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):

@@ -199,6 +199,8 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim) == (32, 4, 16) and 32 < LONGER[0]
     mistral4 = sweep.tiny_config("mistral4")  # its rotary table, head_dim x 0.5, as wide as its rope part
     assert mistral4.head_dim * mistral4.rope_parameters["partial_rotary_factor"] == mistral4.qk_rope_head_dim == 8
+    sapiens2 = sweep.tiny_config("sapiens2")  # key/value heads per layer within the 4 query heads (was 16 each)
+    assert sapiens2.num_key_value_heads_per_layer == [4, 4] and sapiens2.num_attention_heads == 4
     dory = sweep.tiny_config("dory")  # a looped model's input, middle and output sections within its depth
     assert (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers) == (1, 0, 1)  # was (8, -14, 8)
 
