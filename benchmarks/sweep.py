@@ -112,6 +112,9 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
     "mra": f"on a machine without its CUDA kernel the attention returns zeros: mra2_attention's `return "
            f"torch.zeros_like(query).requires_grad_()` ({TF}mra/modeling_mra.py:364); the output does not depend on "
            f"the query, key and value weights",
+    "recurrent_gemma": f"left padding moves the real tokens' outputs: the recurrent block takes attention_mask and "
+                       f"never applies it ({TF}recurrent_gemma/modeling_recurrent_gemma.py:419), so its convolution "
+                       f"and RG-LRU scan run over the pad tokens",
     "switch_transformers": f"a forward with use_cache=True and no encoder_outputs raises: "
                            f"SwitchTransformersForConditionalGeneration passes its **kwargs, use_cache among them, to "
                            f"its encoder ({TF}switch_transformers/modeling_switch_transformers.py:1003), whose stack "

@@ -355,3 +355,29 @@ def test_a_causal_lms_first_logits_ignore_the_last_token_except_where_known_says
     with torch.no_grad():
         first, again = model(ids).logits[:, :4], model(changed).logits[:, :4]
     assert (not torch.equal(first, again)) is known, float((first - again).abs().max())
+
+
+@pytest.mark.parametrize("model_type, known", [("recurrent_gemma", True), ("gemma", False)])
+def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_recurrence_runs_over_the_pads(model_type,
+                                                                                                      known):
+    """RecurrentGemma (KNOWN): 4 left pad tokens, masked and with positions from the mask, move the logits at the real
+    tokens; Gemma, the same script, leaves them."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                 vocab_size=128, num_hidden_layers=3)
+    if model_type == "recurrent_gemma":
+        small.update(lru_width=32, attention_window_size=16)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **small)).eval()
+    ids = torch.randint(5, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.full((1, 4), 3), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(ids, position_ids=torch.arange(8)[None], use_cache=False).logits
+        left = model(padded, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                     use_cache=False).logits[:, 4:]
+    change = float((left - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change  # measured: 0.45 of the RMS (RecurrentGemma), 1.2e-7 (Gemma)
