@@ -79,6 +79,13 @@ TINY = {
     **dict.fromkeys(ROUTED, 2),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "image_size": 64,
+    # a sparse-attention indexer (DeepSeek-V3.2's, GLM-DSA's, HY-V4's) keeps its top index_topk keys: with 2,048 of
+    # them it chooses every key of any length the audit reaches (gradient_flow stops at 1,024), so it is never used;
+    # 32 keys make it choose from 64 tokens on, where gradient_flow finds it (a top-k choice: a warning, not a fail)
+    "index_topk": 32, "index_n_heads": 4, "index_head_dim": 16,
+    # a looped model's sections (Dory: 8 input layers, a recurrent middle looped over, 8 output layers) fit in the
+    # 2 layers kept: left at 8 each, its middle was -14 layers and its cache read the wrong layers
+    "n_input_layers": 1, "n_output_layers": 1,
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary
@@ -93,6 +100,31 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"seq_len == 1 ({TF}mamba/modeling_mamba.py:378)",
     "falcon_mamba": f"as Mamba: the recurrent state is read only when seq_len == 1 "
                     f"({TF}falcon_mamba/modeling_falcon_mamba.py:369)",
+    "cpmant": f"CpmAntForCausalLM attends both ways: its base model marks every token as context, `context = "
+              f"torch.full((batch, seq_length), 1, ...)` ({TF}cpmant/modeling_cpmant.py:626), and context tokens see "
+              f"every other token (line 565), so past logits move when later tokens change",
+    "fsmt": f"with use_cache=True the decoder gets no causal mask: `decoder_padding_mask, causal_mask = None, None` "
+            f"({TF}fsmt/modeling_fsmt.py:866), so a prefill of several decoder tokens sees the later ones (generate's "
+            f"one-token prefill hides it)",
+    "jamba": f"as Mamba: a cached step of more than one token restarts the scan, the recurrent state read only when "
+             f"seq_len == 1 ({TF}jamba/modeling_jamba.py:515; its own comment at line 555: the scan 'does not take the "
+             f"past state, it is WRONG if the cache is not empty'); steps of 1 match",
+    "mra": f"on a machine without its CUDA kernel the attention returns zeros: mra2_attention's `return "
+           f"torch.zeros_like(query).requires_grad_()` ({TF}mra/modeling_mra.py:364); the output does not depend on "
+           f"the query, key and value weights",
+    "recurrent_gemma": f"left padding moves the real tokens' outputs: the recurrent block takes attention_mask and "
+                       f"never applies it ({TF}recurrent_gemma/modeling_recurrent_gemma.py:419), so its convolution "
+                       f"and RG-LRU scan run over the pad tokens",
+    "switch_transformers": f"a forward with use_cache=True and no encoder_outputs raises: "
+                           f"SwitchTransformersForConditionalGeneration passes its **kwargs, use_cache among them, to "
+                           f"its encoder ({TF}switch_transformers/modeling_switch_transformers.py:1003), whose stack "
+                           f"raises 'use_cache can only be set to True if ... used as a decoder' (line 734); T5 "
+                           f"does not",
+    "xlstm": f"cached decoding raises ('matC_old has wrong shape') where hidden_size x qk_dim_factor (or "
+             f"v_dim_factor) is not a multiple of 64; with use_cache=False it runs: the cache sizes its state by "
+             f"config.qk_head_dim and v_head_dim, rounded up to 64 "
+             f"({TF}xlstm/modeling_xlstm.py:1357, configuration_xlstm.py:161), the layer by int(hidden_size x "
+             f"qk_dim_factor) unrounded (modeling_xlstm.py:1043)",
     "moshi": f"a full forward ignores the sliding window its cache applies ({TF}moshi/modeling_moshi.py); not "
              f"reproduced at the sweep's 16 tokens, inside the window",
     "levit": f"in eval mode the attention biases are cached by the first forward ({TF}levit/modeling_levit.py:193): "
@@ -180,6 +212,11 @@ def _shrunk(config) -> dict:
     if "qk_rope_head_dim" in kw and isinstance(rope, dict) and len(rope.get("mrope_section") or ()) == 3:
         half = kw["qk_rope_head_dim"] // 2
         kw["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}  # HY-V4-VL
+    rope, head = getattr(config, "qk_rope_head_dim", None), getattr(config, "head_dim", None)
+    if "qk_rope_head_dim" in kw and "head_dim" in kw and isinstance(rope, int) and isinstance(head, int) and rope:
+        # the rotary table is built over head_dim x partial_rotary_factor (Mistral 4's 128 x 0.5 = its 64-wide rope
+        # part): the two keep their ratio (8 and 8 built a 4-wide table for an 8-wide rope part, and it raised)
+        kw["head_dim"] = kw["qk_rope_head_dim"] * head // rope
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
@@ -190,6 +227,8 @@ def _shrunk(config) -> dict:
             for name, value in vars(config).items():
                 if isinstance(value, list) and len(value) == old:
                     kw[name] = [value[i] for i in keep]
+                    if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
+                        kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):
@@ -204,7 +243,28 @@ def tiny_config(model_type: str, *, decoder: bool = False):
 
     base = AutoConfig.for_model(model_type)
     decoder = decoder and hasattr(base, "is_decoder")  # transformers 5 keeps the flag on the configs that read it
-    return type(base)(**_shrunk(base), **({"is_decoder": True} if decoder else {}))
+    kw = {**_shrunk(base), **({"is_decoder": True} if decoder else {})}
+    config = type(base)(**kw)
+    deeper = _deeper(base, config, kw)
+    return type(base)(**{**kw, **deeper}) if deeper else config
+
+
+def _deeper(base, config, kw: dict) -> dict:
+    """The depth at which a tiny config keeps a layer of each kind its default has, where the kinds follow from the
+    depth (a `layer_types` derived, not a list `kept_layers` cuts): Jamba's attention is layer 4 of every 8 and
+    RecurrentGemma's layer 2 of every 3, so its first two layers were all recurrent and nothing was attention (its
+    cache then raised on a cache of linear layers only). {} where the tiny config already has every kind."""
+    if "layer_types" in vars(base):  # a list of its own, cut by kept_layers
+        return {}
+    try:
+        full, tiny = list(base.layer_types or ()), list(config.layer_types or ())
+    except Exception:  # no layer kinds declared
+        return {}
+    missing = set(full) - set(tiny)
+    if not missing:
+        return {}
+    depth = max(full.index(kind) for kind in missing) + 1
+    return {k: depth for k in LAYER_COUNT if k in kw}
 
 
 def build(model_type: str, impl: str | None = None):

@@ -62,6 +62,34 @@ def test_a_scale_the_layer_declares_as_scale_is_what_its_softmax_is_judged_again
         assert saturation.verdict == "fail", saturation
 
 
+class SplitScale(nn.Module):
+    """Two heads of 8; `self.scaling = d_k ** exponent` applied to q and to k each, the scores given no other scale
+    (OpenAI's privacy filter: head_dim ** -0.25 on both, so q·k gets 1/sqrt(d_k)). exponent -0.5 on both is the
+    standard scale applied twice, 1/d_k (a bug)."""
+
+    def __init__(self, exponent: float, d_model: int = 16):
+        super().__init__()
+        self.scaling = (d_model // 2) ** exponent
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)  # 3 x (B, 2, T, D/2)
+        scores = (q * self.scaling) @ (k * self.scaling).transpose(-1, -2)  # (B, 2, T, T)
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("exponent, verdict", [(-0.25, "pass"), (-0.5, "fail")])
+def test_a_declared_scale_applied_to_q_and_to_k_each_is_judged_by_its_square(exponent, verdict):
+    model = ScaledLM(True)
+    model.attn = SplitScale(exponent)
+    ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(model, example=ids, detectors=["softmax_saturation"])
+    saturation = report.layers["attn"].result("softmax_saturation")
+    assert saturation.verdict == verdict, saturation  # -0.25 was: fail, "1.68x too flat" against the declared scale
+    assert ("the square of the declared scale" in saturation.message) is (verdict == "pass"), saturation.message
+
+
 def test_a_speech_model_is_audited_on_input_features_read_from_its_config():
     transformers = pytest.importorskip("transformers",
                                        reason="transformers is not installed: pip install -e \".[real]\"")

@@ -28,7 +28,8 @@ def _sibling(name: str):
 
 
 _patterns = _sibling("test_model_patterns")
-D, LM, Attention, audit = _patterns.D, _patterns.LM, _patterns.Attention, _patterns.audit
+D, H, T, LM, Attention = _patterns.D, _patterns.H, _patterns.T, _patterns.LM, _patterns.Attention
+audit = _patterns.audit
 
 
 class ShortConv(nn.Module):
@@ -81,3 +82,52 @@ def test_packed_positions_are_a_tensor_of_their_own_per_row():
     torch.manual_seed(0)
     leaky = packed(FlatPositionsLM([Attention(), Attention()], packing=False))
     assert leaky.verdict == "fail" and leaky.layer == "attn.0", leaky
+
+
+class NoSoftmax(Attention):
+    """The attention with its softmax left out (a bug): causal q·k weights used as they are. Kin to Attention, as a
+    catalog variant is to its reference."""
+
+    def forward(self, x, docs=None):
+        B, t, _ = x.shape  # batch, sequence length
+        q, k, v = self.qkv(x).view(B, t, 3, H, D // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, t, d)
+        scores = (q @ k.transpose(-1, -2)).tril()  # (B, H, t, t), no softmax
+        return self.out((scores @ v).transpose(1, 2).reshape(B, t, D))
+
+
+class Block(nn.Module):
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.norm, self.mixer = nn.LayerNorm(D), mixer
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
+class HybridLM(nn.Module):
+    """Blocks whose token mixer sits in one place, `blocks.{i}.mixer`, whatever its kind (Nemotron-H's layout)."""
+
+    causal = True
+
+    def __init__(self, mixers):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe, self.head = nn.Embedding(64, D), nn.Embedding(T, D), nn.Linear(D, 64)
+        self.blocks = nn.ModuleList(Block(m) for m in mixers)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))  # (B, t, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_mixer_of_another_kind_in_the_attentions_place_is_not_audited_as_attention_but_a_broken_one_is():
+    """A hybrid's other mixer (Nemotron-H's Mamba mixer, MoE and MLP all sit in its blocks' `mixer`) is not audited
+    as attention for being where attention is in another block; an attention layer of the same kind that runs no
+    softmax still is, and fails there."""
+    hybrid = audit(HybridLM([ShortConv(3), Attention()]), packed=False)
+    assert list(hybrid.layers) == ["blocks.1.mixer"], list(hybrid.layers)  # was: blocks.0.mixer too
+    broken = audit(HybridLM([NoSoftmax(), Attention()]), packed=False)
+    assert list(broken.layers) == ["blocks.0.mixer", "blocks.1.mixer"] and broken.status == "failed", broken
+    assert {f.layer for f in broken.findings if f.verdict == "fail"} == {"blocks.0.mixer"}, broken.findings

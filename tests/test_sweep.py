@@ -193,6 +193,16 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     assert v2.num_experts_per_tok == 2  # None in its default config
     assert codegen.rotary_dim == 4 <= codegen.n_embd // codegen.n_head
     assert llama.num_key_value_heads == llama.num_attention_heads == 4  # Llama's default: as many as query heads
+    from diagnostics.model.gradients import LONGER
+
+    v32 = sweep.tiny_config("deepseek_v32")  # its indexer chooses among fewer keys than gradient_flow's lengths
+    assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim) == (32, 4, 16) and 32 < LONGER[0]
+    mistral4 = sweep.tiny_config("mistral4")  # its rotary table, head_dim x 0.5, as wide as its rope part
+    assert mistral4.head_dim * mistral4.rope_parameters["partial_rotary_factor"] == mistral4.qk_rope_head_dim == 8
+    sapiens2 = sweep.tiny_config("sapiens2")  # key/value heads per layer within the 4 query heads (was 16 each)
+    assert sapiens2.num_key_value_heads_per_layer == [4, 4] and sapiens2.num_attention_heads == 4
+    dory = sweep.tiny_config("dory")  # a looped model's input, middle and output sections within its depth
+    assert (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers) == (1, 0, 1)  # was (8, -14, 8)
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
@@ -201,3 +211,173 @@ def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
     assert sweep.kept_layers(linear_then_full * 4, 16, 2) == [0, 3]  # was [0, 1]: two linear layers, none to audit
     assert sweep.kept_layers(None, 12, 2) == [0, 1] and sweep.kept_layers(["full_attention"] * 8, 8, 2) == [0, 1]
     assert sweep.kept_layers(["a", "b", "c"], 3, 2) == [0, 1]  # more kinds than layers: the first ones
+
+
+# ---- the plain scripts behind KNOWN (transformers, no diagnostics) -------------------------------------------------
+
+TINY_LM = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+
+
+@pytest.mark.parametrize("model_type, known", [("mra", True), ("bert", False)])
+def test_changing_the_attention_weights_moves_the_output_except_where_known_says_it_is_zeros(model_type, known):
+    """MRA without its CUDA kernel returns zeros from its attention (KNOWN); BERT's, the same script, moves."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    model = tf.AutoModel.from_config(tf.AutoConfig.for_model(model_type, **TINY_LM)).eval()
+    ids = torch.randint(5, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        for name, p in model.named_parameters():
+            if ".attention.self." in name and name.endswith("weight"):
+                p.add_(torch.randn_like(p))
+        after = model(ids).last_hidden_state
+    assert torch.equal(before, after) is known, float((after - before).abs().max())
+
+
+@pytest.mark.parametrize("model_type, step, known", [("jamba", 3, True), ("jamba", 1, False)])
+def test_a_cached_step_matches_the_full_forward_except_where_known_says_it_restarts_the_scan(model_type, step, known):
+    """Jamba (KNOWN): prefill 10 tokens, then steps of 3 through its cache: the logits differ from the full forward
+    far past float64 rounding; the twin, steps of 1 through the same cache, match."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is True
+    torch.manual_seed(0)
+    config = tf.JambaConfig(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=4, **TINY_LM)
+    model = tf.JambaForCausalLM(config).double().eval()
+    model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    ids = torch.randint(5, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :10], use_cache=True)
+        logits, past = [out.logits], out.past_key_values
+        for start in range(10, 16, step):
+            out = model(ids[:, start:start + step], past_key_values=past, use_cache=True)
+            logits, past = logits + [out.logits], out.past_key_values
+    error = float((torch.cat(logits, dim=1) - full).abs().max() / full.square().mean().sqrt())
+    assert (error > 1e-6) is known, error  # float64 rounding: ~1e-15
+
+
+@pytest.mark.parametrize("hidden, known", [(32, True), (128, False)])
+def test_xlstm_decodes_through_its_cache_only_where_its_widths_are_multiples_of_64(hidden, known):
+    """xLSTM (KNOWN): at hidden 32 (query width 16, value width 32) the full forward runs and a cached step raises;
+    at 128 (64 and 128) the cached steps match the full forward."""
+    import torch
+
+    tf = _transformers()
+    assert "xlstm" in _sweep().KNOWN
+    torch.manual_seed(0)
+    config = tf.xLSTMConfig(hidden_size=hidden, embedding_dim=hidden, num_heads=4, num_hidden_layers=2, vocab_size=128)
+    model = tf.xLSTMForCausalLM(config).double().eval()
+    ids = torch.randint(5, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits  # runs at either width (its default, use_cache=True, raises)
+        try:
+            first = model(ids[:, :10], use_cache=True)
+            rest = model(ids[:, 10:], cache=first.cache, use_cache=True)
+        except ValueError as exc:
+            assert known and "matC_old has wrong shape" in str(exc), exc
+            return
+    assert not known
+    assert torch.allclose(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_type, known", [("switch_transformers", True), ("t5", False)])
+def test_a_seq2seq_forward_with_use_cache_runs_except_where_known_says_it_raises(model_type, known):
+    """SwitchTransformers (KNOWN) raises on model(input_ids, decoder_input_ids, use_cache=True); T5, the same call,
+    returns its cache."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    config = tf.AutoConfig.for_model(model_type, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                     num_decoder_layers=2, vocab_size=128)
+    model = tf.AutoModelForSeq2SeqLM.from_config(config).eval()
+    ids = torch.randint(5, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, decoder_input_ids=ids, use_cache=True)
+    except ValueError as exc:
+        assert known and "use_cache" in str(exc), exc
+        return
+    assert not known and out.cache is not None
+
+
+@pytest.mark.parametrize("model_type, known", [("fsmt", True), ("bart", False)])
+def test_a_decoder_prefill_with_use_cache_gives_the_uncached_logits_except_where_known_says_it_drops_the_mask(
+        model_type, known):
+    """FSMT (KNOWN): decoder logits over 8 tokens with use_cache=True differ from those without (its causal mask is
+    dropped with a cache); BART, the same script, gives the same logits either way."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    small = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64)
+    vocab = dict(src_vocab_size=128, tgt_vocab_size=128) if model_type == "fsmt" else dict(vocab_size=128)
+    config = tf.AutoConfig.for_model(model_type, **small, **vocab)
+    model = tf.AutoModelForSeq2SeqLM.from_config(config).eval()  # FSMT's mask overflows in float64
+    gen = torch.Generator().manual_seed(1)
+    ids, decoder_ids = torch.randint(5, 128, (1, 8), generator=gen), torch.randint(5, 128, (1, 8), generator=gen)
+    with torch.no_grad():
+        cached = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=True).logits
+        plain = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
+    change = float((cached - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change  # float32 rounding: ~1e-7
+
+
+@pytest.mark.parametrize("model_type, known", [("cpmant", True), ("gpt2", False)])
+def test_a_causal_lms_first_logits_ignore_the_last_token_except_where_known_says_it_attends_both_ways(model_type,
+                                                                                                      known):
+    """CpmAntForCausalLM (KNOWN): changing the last token moves the logits at the first; GPT-2's, the same script,
+    stay exactly."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, dim_head=8, dim_ff=64, vocab_size=128,
+                 prompt_length=4) if model_type == "cpmant" else dict(n_embd=32, n_head=4, n_layer=2, vocab_size=128)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **small)).eval()
+    ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 100 + 5
+    with torch.no_grad():
+        first, again = model(ids).logits[:, :4], model(changed).logits[:, :4]
+    assert (not torch.equal(first, again)) is known, float((first - again).abs().max())
+
+
+@pytest.mark.parametrize("model_type, known", [("recurrent_gemma", True), ("gemma", False)])
+def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_recurrence_runs_over_the_pads(model_type,
+                                                                                                      known):
+    """RecurrentGemma (KNOWN): 4 left pad tokens, masked and with positions from the mask, move the logits at the real
+    tokens; Gemma, the same script, leaves them."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                 vocab_size=128, num_hidden_layers=3)
+    if model_type == "recurrent_gemma":
+        small.update(lru_width=32, attention_window_size=16)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **small)).eval()
+    ids = torch.randint(5, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.full((1, 4), 3), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(ids, position_ids=torch.arange(8)[None], use_cache=False).logits
+        left = model(padded, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                     use_cache=False).logits[:, 4:]
+    change = float((left - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change  # measured: 0.45 of the RMS (RecurrentGemma), 1.2e-7 (Gemma)

@@ -165,17 +165,20 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     rows = []
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
+        split = probe.scale is not None and _split_over_q_and_k(applied, probe.scale, d_k)
+        expected = expected ** 2 if split else expected
         # normalised q and k are judged by the logits they can reach, not by 1/sqrt(d_k) (unless a scale is declared)
         cosine = _cosine_bound(estimate, probe.subject.dtype, d_k) if probe.scale is None else None
         unit_rms = cosine is not None and cosine.unit_rms
         rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
-                             None if unit_rms else cosine, unit_rms))
+                             None if unit_rms else cosine, unit_rms, split))
     worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
     if worst.cosine is not None:
         return _judged_cosine(worst, base)
     ratio, applied, expected, d_k, source, estimate = (worst.ratio, worst.applied, worst.expected, worst.d_k,
                                                        worst.source, worst.estimate)
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
+    declared = f"the square of the declared scale, 1/sqrt(d_k) (d_k={d_k})" if worst.split else declared
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
@@ -231,6 +234,7 @@ class _Reading:
     estimate: object
     cosine: _Cosine | None  # set where q and k are normalised (not at unit RMS) and no scale was declared
     unit_rms: bool = False  # q and k normalised to unit RMS (QK-norm): judged by 1/sqrt(d_k)
+    split: bool = False  # the declared scale applied to q and to k each: q·k multiplied by its square
 
     def outside(self) -> float:
         """How far (in log) the reading lies outside what is allowed: 0 inside."""
@@ -277,6 +281,15 @@ def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
                    f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
                    f"multiplied by {per_product:.4g}" + (" (the scale= the layer passes)" if stated else ""),
                    not stated and all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
+
+
+def _split_over_q_and_k(applied: float, declared: float, d_k: int) -> bool:
+    """Whether the declared scale is d_k ** -0.25, applied to q and to k each, so that q·k is multiplied by its
+    square, 1/sqrt(d_k) (OpenAI's privacy filter: `scaling = head_dim ** -0.25` on both, the attention call given 1):
+    the declared scale squared is 1/sqrt(d_k) and the applied factor matches it. A standard scale applied twice
+    (1/d_k) is not: its square is not 1/sqrt(d_k)."""
+    square = declared * declared  # a declared power of d_k: exact up to float rounding
+    return math.isclose(square * math.sqrt(d_k), 1.0, rel_tol=1e-6) and 1 / SCALE_RATIO <= applied / square <= SCALE_RATIO
 
 
 def _judged_cosine(r: _Reading, base: Call) -> DetectorResult:

@@ -48,7 +48,7 @@ class ModelContext:
             return None
         if self._twin is None and not self._twin_failed:
             try:
-                self._twin = model_copy(self.model, dtype=torch.float64).eval()
+                self._twin = eager_experts(model_copy(self.model, dtype=torch.float64).eval())
             except Exception:  # a model that cannot be copied: parity against the same-dtype pass
                 self._twin_failed = True
         if self._twin is None:
@@ -79,6 +79,19 @@ def model_copy(model: nn.Module, *, dtype: torch.dtype | None = None) -> nn.Modu
             memo[id(p)] = type(p)(p.detach().to(dtype), p.requires_grad)  # what Parameter.__deepcopy__ builds
     twin = copy.deepcopy(model, memo)
     return twin if dtype is None else twin.to(dtype)
+
+
+def eager_experts(model: nn.Module) -> nn.Module:
+    """`model` with its mixture-of-experts layers computed expert by expert (transformers' "eager" experts), where it
+    dispatches them otherwise: transformers 5's default `grouped_mm` takes float32, bfloat16 and float16 only, so a
+    float64 copy of any MoE model (Jamba, Mixtral, Qwen3-MoE) raised, and its parity checks fell back to a bare 1e-5
+    floor against its own float32 pass, whatever that pass's own rounding. The same function: the experts' sum, in
+    another order of operations."""
+    config = getattr(model, "config", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    if callable(setter) and getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        setter("eager")
+    return model
 
 
 SEQUENCE = Need("a sequence input", lambda c: c.runner.sequence, "the input is not a sequence")

@@ -38,6 +38,12 @@ def class_kind(module: nn.Module) -> str | None:
     return None
 
 
+def kin(a: type, b: type) -> bool:
+    """Whether two module classes are of one kind: the same, or sharing a base class below nn.Module (a catalog
+    variant and its reference; not a hybrid's Mamba mixer beside its attention, each an nn.Module of its own)."""
+    return a is b or any(not issubclass(nn.Module, c) for c in set(a.__mro__) & set(b.__mro__))
+
+
 def innermost(paths: list[str]) -> list[str]:
     return [p for p in paths if not any(q != p and q.startswith(p + ".") for q in paths)]
 
@@ -148,10 +154,16 @@ def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
         if not any(p == q or p.startswith(q + ".") or q.startswith(p + ".") for q in by_class):
             found[p] = how
     # A module in the place attention has in the other blocks (h.1.attn beside h.0.attn and h.2.attn) is audited
-    # too, even where nothing it ran looked like attention: a layer without a softmax is a finding, not a skip.
-    places = {re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p)) for p in found if re.search(r"\.\d+\.", p)}
+    # too, even where nothing it ran looked like attention: a layer without a softmax is a finding, not a skip. Not
+    # a module of another kind in that place (a hybrid's Mamba mixer, MoE or MLP in Nemotron-H's `mixer`): only one
+    # whose class is kin to the attention's there (`kin`: as a catalog variant is to its reference).
+    places: dict = {}  # {place pattern: the classes found there}
+    for p in found:
+        if re.search(r"\.\d+\.", p):
+            places.setdefault(re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p)), []).append(type(named[p]))
     for p, m in named.items():
-        if p and p not in found and any(re.fullmatch(place, p) for place in places) and \
+        if p and p not in found and any(re.fullmatch(place, p) and any(kin(type(m), c) for c in classes)
+                                        for place, classes in places.items()) and \
                 any(True for _ in m.parameters()) and not any(p.startswith(q + ".") or q.startswith(p + ".") for q in found):
             found[p] = "in the place attention has in the other blocks; no softmax or fused attention observed in it"
     order = list(named)

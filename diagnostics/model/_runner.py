@@ -282,7 +282,7 @@ class Runner:
                 return main, signal.to(device, dtype)
         expect(False, phrase("{example}...: nothing the model declares says what it takes", self.options),
                f"{type(model).__name__}, whose main input is {main!r}, with no vocabulary (for token ids) or image "
-               "size (for pixels) read from its config", phrase(f"pass {{example}}{{{{{main!r}: ...}}}}, a dict of the model's inputs",
+               "size (for pixels) read from its config", phrase(f"pass {{example}}{{{main!r}: ...}}, a dict of the model's inputs",
                                          self.options))
 
     def _signal(self, main: str, config, gen) -> Tensor | None:
