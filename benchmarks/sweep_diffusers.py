@@ -145,9 +145,11 @@ def diffusers_build(name: str):
 
 
 def _declared(report) -> dict:
-    """The declaration an inconclusive report names ("mask='additive:B,Tq,Tk'") as keyword arguments."""
+    """The declaration an inconclusive report names ("mask='additive:B,Tq,Tk'", "call=lambda layer, x: ...") as
+    keyword arguments: a literal read as one, a lambda (the call the report writes out) evaluated."""
     call = ast.parse(f"f({report.declaration})", mode="eval").body
-    return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {})  # noqa: S307 -- our own text
+            if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
 
 
 class _Routed:
