@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor, nn
 
 from .._errors import AuditUsageError, ProbeNotTaken
@@ -173,6 +174,10 @@ class InPlace(nn.Module):
                 value = value.expand(batch, *value.shape[1:])
             elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
                 value = value.repeat(batch, *(1,) * (value.dim() - 1))
+            elif self._per_row(value, dims, batch):
+                # one entry per row the layer saw (Swin's (nW, N, N) mask, a window's own): probe row b is a window,
+                # given window b's entry (cycling past nW), as the model pairs row r with window r mod nW
+                value = value[torch.arange(batch, device=value.device) % self.captured_batch]
             if value.is_floating_point() and value.dtype != dtype and value.dtype == self.captured_dtype:
                 value = value.to(dtype)
             return value
@@ -183,6 +188,13 @@ class InPlace(nn.Module):
         if isinstance(value, dict):
             return {k: self._adapt(v, path + (k,), t, batch, dtype) for k, v in value.items()}
         return value
+
+    def _per_row(self, value: Tensor, dims: tuple, batch: int) -> bool:
+        """Whether `value` has one entry per row of the layer's captured input along its first dimension, a row being
+        a window (captured at batch 1 with n > 1 rows: Swin's windows), and a probe of another batch needs its own:
+        then the probe's rows are windows, each given its window's entry."""
+        n = self.captured_batch
+        return n > 1 and batch != n and value.dim() >= 1 and value.shape[0] == n and 0 not in dims
 
     def _layout(self, x: Tensor) -> Tensor:
         """(B, t, D) in the module's own layout, contiguous where the model passed its input so (GPT-2's Conv1D
@@ -219,7 +231,8 @@ class InPlace(nn.Module):
             result = self.inner(*args, **kwargs)
         except Exception as exc:
             # the model is captured at batch 1: a layer that saw more rows (Swin's windows) may need a multiple
-            if self.fixed_length and (t != self.block_size or B % self.captured_batch or self._other_memory()):
+            if self.fixed_length and (t != self.block_size or (B % self.captured_batch and not self._windows())
+                                      or self._other_memory()):
                 raise ProbeNotTaken(
                     f"the layer in place holds the arguments its model passed at length {self.block_size} and batch "
                     f"{self.captured_batch}{self._memory_said()} (a fixed-length input: which of their dimensions "
@@ -232,6 +245,14 @@ class InPlace(nn.Module):
         if out is None:
             return result  # not an attention output: the audit says so
         return out.transpose(0, 1) if self.hidden_time_dim == 0 else out
+
+    def _windows(self) -> bool:
+        """Whether some argument has one entry per captured row (`_per_row`): a probe of any batch is then given its
+        rows' entries, and a raise at that batch is the layer's own."""
+        return self.captured_batch > 1 and any(
+            tensor.dim() >= 1 and tensor.shape[0] == self.captured_batch and 0 not in self.time_dims.get(leaf, ())
+            for name, value in self.call_arguments.items() if name != self.hidden_name
+            for leaf, tensor in _leaves(value, (name,)))
 
     def _other_memory(self) -> bool:
         """Whether the call in progress has another memory length than the model's (cross-attention only)."""

@@ -1,0 +1,79 @@
+"""A windowed attention audited in place is given probes of its own shape (issue 33, timm's Swin family).
+
+Swin's shifted-window block passes its attention one mask per window, (nW, N, N), beside windows stacked along the
+batch, (B x nW, N, D). Captured at batch 1 the layer saw nW rows; a probe of 2 rows is 2 windows, each given its
+window's mask (`InPlace._per_row`), as the model pairs row r with window r mod nW. Before, every probe at batch 2 was
+"one the layer as held cannot take" and the layer was never measured (inconclusive). Twin: the same model with its
+scores left unscaled fails at that layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._guard import seed_rng
+
+GRID, WINDOW, D, HEADS = 6, 3, 16, 2  # a 6 x 6 patch grid in 3 x 3 windows: 4 windows of 9 tokens
+
+
+class WindowAttention(nn.Module):
+    """Swin's: (B x nW, N, D) windows, an additive (nW, N, N) mask per window (0 / -100)."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.num_heads, self.scaled = HEADS, scaled
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, mask=None):
+        B_, N, C = x.shape  # windows x batch, tokens in a window, width
+        q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1)  # (B_, H, N, N)
+        if self.scaled:  # the twin's bug: the scores left unscaled
+            scores = scores * (C // self.num_heads) ** -0.5
+        if mask is not None:
+            nW = mask.shape[0]
+            scores = (scores.view(-1, nW, self.num_heads, N, N) + mask[None, :, None]).view(B_, self.num_heads, N, N)
+        w = scores.softmax(-1)
+        return self.proj((w @ v).transpose(1, 2).reshape(B_, N, C))
+
+
+class TinySwin(nn.Module):
+    """(B, 3, 12, 12) pixels -> 2 x 2 patches on a 6 x 6 grid -> a shifted-window attention block -> logits. The
+    mask keeps tokens from different regions of the shifted grid apart, as Swin's does."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.patch = nn.Conv2d(3, D, 2, 2)
+        self.attn = WindowAttention(scaled)
+        self.head = nn.Linear(D, 4)
+        rows, cols = torch.arange(GRID).view(GRID, 1), torch.arange(GRID).view(1, GRID)
+        region = (rows >= GRID - 2) * 2 + (cols >= GRID - 2)  # (GRID, GRID): the regions of the shifted grid
+        windows = self._windows(region.view(1, GRID, GRID, 1).float()).squeeze(-1)  # (nW, N)
+        self.register_buffer("mask", torch.where(windows[:, :, None] == windows[:, None, :], 0.0, -100.0))
+
+    @staticmethod
+    def _windows(x):  # (B, GRID, GRID, C) -> (B x nW, N, C)
+        B, _, _, C = x.shape
+        n = GRID // WINDOW
+        x = x.view(B, n, WINDOW, n, WINDOW, C).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(B * n * n, WINDOW * WINDOW, C)
+
+    def forward(self, pixels):
+        x = self.patch(pixels).permute(0, 2, 3, 1)  # (B, GRID, GRID, D)
+        x = self.attn(self._windows(x), mask=self.mask)  # (B x nW, N, D)
+        return self.head(x.reshape(pixels.shape[0], -1, D).mean(1))
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scaled, status):
+    model = TinySwin(scaled).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 2 * GRID, 2 * GRID))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured and layer.result("output_variance").measured, layer
+    assert report.status == status and layer.status == status, report
+    if status == "failed":
+        assert "softmax_saturation" in layer.fired(), layer
