@@ -16,7 +16,7 @@ from torch import nn
 import diagnostics
 from diagnostics._guard import seed_rng
 
-GRID, WINDOW, D, HEADS = 6, 3, 16, 2  # a 6 x 6 patch grid in 3 x 3 windows: 4 windows of 9 tokens
+D, HEADS = 16, 2
 
 
 class WindowAttention(nn.Module):
@@ -41,37 +41,40 @@ class WindowAttention(nn.Module):
 
 
 class TinySwin(nn.Module):
-    """(B, 3, 12, 12) pixels -> 2 x 2 patches on a 6 x 6 grid -> a shifted-window attention block -> logits. The
-    mask keeps tokens from different regions of the shifted grid apart, as Swin's does."""
+    """(B, 3, 2 grid, 2 grid) pixels -> 2 x 2 patches on a grid x grid map -> a shifted-window attention block ->
+    logits. The mask keeps tokens from different regions of the shifted grid apart, as Swin's does."""
 
-    def __init__(self, scaled: bool = True):
+    def __init__(self, scaled: bool = True, grid: int = 6, window: int = 3):
         super().__init__()
         seed_rng(0)
+        self.grid, self.window = grid, window
         self.patch = nn.Conv2d(3, D, 2, 2)
         self.attn = WindowAttention(scaled)
         self.head = nn.Linear(D, 4)
-        rows, cols = torch.arange(GRID).view(GRID, 1), torch.arange(GRID).view(1, GRID)
-        region = (rows >= GRID - 2) * 2 + (cols >= GRID - 2)  # (GRID, GRID): the regions of the shifted grid
-        windows = self._windows(region.view(1, GRID, GRID, 1).float()).squeeze(-1)  # (nW, N)
+        rows, cols = torch.arange(grid).view(grid, 1), torch.arange(grid).view(1, grid)
+        region = (rows >= grid - 2) * 2 + (cols >= grid - 2)  # (grid, grid): the regions of the shifted grid
+        windows = self._windows(region.view(1, grid, grid, 1).float()).squeeze(-1)  # (nW, N)
         self.register_buffer("mask", torch.where(windows[:, :, None] == windows[:, None, :], 0.0, -100.0))
 
-    @staticmethod
-    def _windows(x):  # (B, GRID, GRID, C) -> (B x nW, N, C)
+    def _windows(self, x):  # (B, grid, grid, C) -> (B x nW, N, C)
         B, _, _, C = x.shape
-        n = GRID // WINDOW
-        x = x.view(B, n, WINDOW, n, WINDOW, C).permute(0, 1, 3, 2, 4, 5)
-        return x.reshape(B * n * n, WINDOW * WINDOW, C)
+        n, w = self.grid // self.window, self.window
+        x = x.view(B, n, w, n, w, C).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(B * n * n, w * w, C)
 
     def forward(self, pixels):
-        x = self.patch(pixels).permute(0, 2, 3, 1)  # (B, GRID, GRID, D)
+        x = self.patch(pixels).permute(0, 2, 3, 1)  # (B, grid, grid, D)
         x = self.attn(self._windows(x), mask=self.mask)  # (B x nW, N, D)
         return self.head(x.reshape(pixels.shape[0], -1, D).mean(1))
 
 
+# 4 windows of 9 tokens; 4 windows of 4 tokens, where the (nW, N, N) mask's first dimension is as long as a window
+# (SwinV2-CR's last stages): it is still one entry per window, not a dimension of the sequence
+@pytest.mark.parametrize("grid, window", [(6, 3), (4, 2)], ids=["nW != N", "nW == N"])
 @pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
-def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scaled, status):
-    model = TinySwin(scaled).eval()
-    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 2 * GRID, 2 * GRID))
+def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scaled, status, grid, window):
+    model = TinySwin(scaled, grid, window).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 2 * grid, 2 * grid))
     layer = report.layers["attn"]
     assert layer.result("weight_row_sums").measured and layer.result("output_variance").measured, layer
     assert report.status == status and layer.status == status, report

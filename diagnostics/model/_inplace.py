@@ -352,12 +352,16 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
         T = H.shape[hidden_time_dim]
+        rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
         time_dims = {}
         for name, value in arguments.items():
             if name == hidden:
                 continue
             for leaf, tensor in _leaves(value, (name,)):
-                dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T)
+                # a leading dimension as long as the windows is one entry per window, even where a window holds as
+                # many tokens (SwinV2-CR's last stages: 4 windows of 4 tokens, a (4, 4, 4) mask)
+                first = 1 if rows > 1 and tensor.dim() >= 3 and tensor.shape[0] == rows else 0
+                dims = tuple(d for d in range(first, tensor.dim()) if tensor.shape[d] == T)
                 if dims:
                     time_dims[leaf] = dims
         note = "fixed-length input: arguments' sequence dimensions taken to be those of the hidden states' length"
