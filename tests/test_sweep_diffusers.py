@@ -139,6 +139,28 @@ def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attend
         assert torch.allclose(out, alone.expand_as(out), atol=1e-5), float((out - alone).abs().max())
 
 
+@pytest.mark.parametrize("name", ["Attention+CustomDiffusionAttnProcessor", "Attention+CustomDiffusionAttnProcessor2_0"])
+@pytest.mark.parametrize("loaded", [True, False])
+def test_custom_diffusion_loaded_from_its_layer_computes_the_layers_own_attention(name, loaded):
+    """Built as diffusers' training script starts it (its copies of to_q, to_k, to_v and to_out loaded from the
+    Attention's), the processor's output is the Attention's own under AttnProcessor2_0, so those it replaces are kept
+    copies (parameters_used's warning); the twin with the processor's random copies computes another function."""
+    _diffusers()
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    layer = sd.diffusers_build(name)
+    if not loaded:
+        with torch.no_grad():
+            for p in layer.processor.parameters():
+                p.normal_(0, 0.2)
+    x = _hidden()
+    with torch.no_grad():
+        custom = layer(x)
+        layer.set_processor(AttnProcessor2_0())
+        plain = layer(x)
+    assert torch.allclose(custom, plain, atol=1e-6) is loaded, float((custom - plain).abs().max())
+
+
 @pytest.mark.slow
 def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs():
     _diffusers()
