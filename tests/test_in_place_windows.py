@@ -80,3 +80,35 @@ def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scale
     assert report.status == status and layer.status == status, report
     if status == "failed":
         assert "softmax_saturation" in layer.fired(), layer
+
+
+class PixelAttention(nn.Module):
+    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Conv2d(D, 3 * D, 1), nn.Conv2d(D, D, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # (B, C, H x W) each
+        w = (q.transpose(1, 2) @ k * C ** -0.5).softmax(-1)  # (B, HW, HW)
+        return self.proj((v @ w.transpose(1, 2)).view(B, C, H, W))
+
+
+class PixelModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        seed_rng(0)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(), nn.Linear(D, 4)
+
+    def forward(self, pixels):
+        return self.head(self.attn(self.patch(pixels)).mean((2, 3)))
+
+
+def test_a_layer_taking_a_feature_map_is_not_audited_in_place_and_the_note_says_why():
+    report = diagnostics.audit_model(PixelModel().eval(), example=torch.randn(2, 3, 8, 8))
+    assert "attn" not in (report.layers or {}), report
+    note = next(n for n in report.notes if n.startswith("attn not audited in place"))
+    assert "got x (1, 16, 4, 4): `x` is a (B, C, H, W) feature map" in note, note
+    assert "audited only through the model" in note, note

@@ -325,8 +325,14 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         hidden = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                        and v.dim() == 3), None)
     if hidden is None:
+        shapes = ", ".join(f"{n} {tuple(v.shape)}" if isinstance(v, Tensor) else n for n, v in arguments.items())
+        grid = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
+                     and v.dim() == 4), None)
+        why = (f": `{grid}` is a (B, C, H, W) feature map (a convolution's, a spatial gate's, or attention over its "
+               f"pixels), whose positions are a grid of the model's size, not a sequence the layer audit's probes can "
+               f"shorten, so it is audited only through the model" if grid else "")
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
-                              f"tensor; got arguments {sorted(arguments)}")
+                              f"tensor; got {shapes}{why}")
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
