@@ -171,11 +171,19 @@ def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs()
     # later forks (the transformers sweep's test) would otherwise inherit autograd's threads
     rows = {name: in_child(run_diffusers, name, 240.0, bugs=True) for name in (
         "Attention+AttnProcessor2_0", "Attention+AttnProcessor", "Attention+JointAttnProcessor2_0",
-        "transformers.transformer_wan:WanAttention")}
+        "transformers.transformer_wan:WanAttention", "Attention+CogVideoXAttnProcessor2_0",
+        "Attention+CustomDiffusionAttnProcessor")}
     assert rows["Attention+AttnProcessor2_0"].verdict == "passed"
     assert rows["Attention+AttnProcessor"].declared == "mask='additive:B,Tq,Tk': passed"
     assert rows["Attention+JointAttnProcessor2_0"].verdict == "failed"
     assert rows["Attention+JointAttnProcessor2_0"].findings == ["mask_honoured"]
+    # joint attention that raises without its text stream: needs the declaration that gives it none, then passes
+    cog = rows["Attention+CogVideoXAttnProcessor2_0"]
+    assert cog.verdict == "inconclusive" and cog.declared == (
+        "call=lambda layer, x, mask: layer(x, encoder_hidden_states=x[:, :0], attention_mask=mask): passed"), cog
+    # the Attention's projections kept beside the processor's copies of them: a warning, and its mask declared
+    custom = rows["Attention+CustomDiffusionAttnProcessor"]
+    assert custom.findings == ["parameters_used (warn)"] and custom.declared.endswith(": passed"), custom
     wan = rows["transformers.transformer_wan:WanAttention"]
     assert wan.verdict == "passed" and wan.bugs == dict.fromkeys(SWEEP_BUGS, "caught"), wan
     sdpa = rows["Attention+AttnProcessor2_0"].bugs
