@@ -110,5 +110,42 @@ def test_a_layer_taking_a_feature_map_is_not_audited_in_place_and_the_note_says_
     report = diagnostics.audit_model(PixelModel().eval(), example=torch.randn(2, 3, 8, 8))
     assert "attn" not in (report.layers or {}), report
     note = next(n for n in report.notes if n.startswith("attn not audited in place"))
-    assert "got x (1, 16, 4, 4): `x` is a (B, C, H, W) feature map" in note, note
+    assert "got x (1, 16, 4, 4): `x` is a 4-D map, channels first (B, C, H, W)" in note, note
     assert "audited only through the model" in note, note
+
+
+class GridAttention(nn.Module):
+    """Self-attention over tokens given as a channels-last grid, (B, H, W, D), returned so (SAM's ViT blocks)."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.scaled = scaled
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, H, W, C = x.shape  # batch, grid height and width, width
+        q, k, v = self.qkv(x.reshape(B, H * W, C)).chunk(3, dim=-1)  # (B, HW, C) each
+        w = (q @ k.transpose(1, 2) * (C ** -0.5 if self.scaled else 1.0)).softmax(-1)  # (B, HW, HW)
+        return self.proj(w @ v).view(B, H, W, C)
+
+
+class GridModel(nn.Module):
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), GridAttention(scaled), nn.Linear(D, 4)
+
+    def forward(self, pixels):
+        return self.head(self.attn(self.patch(pixels).permute(0, 2, 3, 1)).mean((1, 2)))
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_layer_taking_its_tokens_as_a_channels_last_grid_is_measured_in_place(scaled, status):
+    """Before, it was 'not audited in place' (no (B, T, D) input); now its tokens are the grid's positions, laid out
+    as the grid at the captured size, and a probe of another length is skipped, saying why."""
+    report = diagnostics.audit_model(GridModel(scaled).eval(), example=torch.randn(2, 3, 8, 8))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured, layer
+    assert report.status == status and layer.status == status, report
+    if not scaled:
+        assert "softmax_saturation" in layer.fired(), layer

@@ -19,6 +19,7 @@ last dimension follows its length (the encoder's padding mask, a position bias) 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -311,6 +312,45 @@ class InPlaceCross(InPlace):
                                 **{n: m for n in (self.memory_name, *self.same_as_memory)}})
 
 
+class InPlaceGrid(InPlace):
+    """`forward(x)`: a module that takes its tokens as a channels-last grid, (B, *grid, D) (SAM's ViT blocks, (B, H,
+    W, D); NesT's, (B, blocks, tokens, D)), and returns them so: x (B, t, D) laid out as that grid, the output
+    flattened back. Only at the captured size: a probe of another length cannot be laid out as the grid
+    (`ProbeNotTaken`, skipped with that reason)."""
+
+    def __init__(self, *args, grid: tuple[int, ...], **kw):
+        super().__init__(*args, **kw)
+        self.grid = grid
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {' x '.join(map(str, grid))} "
+                                                                  f"grid)")
+
+    def _layout(self, x: Tensor) -> Tensor:
+        if x.shape[1] != math.prod(self.grid):
+            raise ProbeNotTaken(f"the layer takes its tokens as a {' x '.join(map(str, self.grid))} grid (channels "
+                                f"last), as its model passed them: a probe of {x.shape[1]} tokens cannot be laid out "
+                                f"so")
+        return super()._layout(x).reshape(x.shape[0], *self.grid, x.shape[-1])
+
+    def _invoke(self, x: Tensor, streams: dict):
+        out = super()._invoke(x, streams)
+        if isinstance(out, Tensor) and out.dim() == 2 + len(self.grid) and tuple(out.shape[1:-1]) == self.grid:
+            return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D')
+        return out
+
+
+def _channels_last_grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
+    """(the argument, its grid) of a module whose tokens come as a channels-last grid: a 4-D float tensor (B, *grid,
+    D) whose last dimension is the width its first projection takes, returned with the same grid (one output per
+    position); (None, None) otherwise (channels first, (B, C, H, W): a convolution's or a spatial gate's input)."""
+    widths = [m.in_features for m in module.modules() if isinstance(m, nn.Linear)]
+    for name, value in arguments.items():
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 4 and widths and \
+                value.shape[-1] == widths[0] and output_shape is not None and len(output_shape) == 4 and \
+                tuple(output_shape[:3]) == tuple(value.shape[:3]):
+            return name, tuple(int(n) for n in value.shape[1:3])
+    return None, None
+
+
 def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
                    wide_call: CapturedCall | None = None) -> InPlace:
     """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims; and at batch
@@ -324,15 +364,20 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if hidden is None:
         hidden = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                        and v.dim() == 3), None)
+    grid = None
+    if hidden is None:
+        hidden, grid = _channels_last_grid(module, arguments, long_call.output_shape)
     if hidden is None:
         shapes = ", ".join(f"{n} {tuple(v.shape)}" if isinstance(v, Tensor) else n for n, v in arguments.items())
-        grid = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
+        four = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                      and v.dim() == 4), None)
-        why = (f": `{grid}` is a (B, C, H, W) feature map (a convolution's, a spatial gate's, or attention over its "
-               f"pixels), whose positions are a grid of the model's size, not a sequence the layer audit's probes can "
-               f"shorten, so it is audited only through the model" if grid else "")
+        why = (f": `{four}` is a 4-D map, channels first (B, C, H, W) or not returned as it came (a convolution's, a "
+               f"spatial gate's, or attention over its pixels), whose positions are a grid of the model's size, not a "
+               f"sequence the layer audit's probes can shorten, so it is audited only through the model" if four else "")
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
                               f"tensor; got {shapes}{why}")
+    if grid is not None:  # the grid's positions as one sequence: (B, H, W, D) -> (B, H x W, D)
+        arguments[hidden] = arguments[hidden].flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
@@ -384,6 +429,8 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     folded = _batch_folded(sig, arguments, hidden, hidden_time_dim, wide_call)
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded)
+    if grid is not None:
+        return InPlaceGrid(*built, grid=grid)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
         return InPlace(*built)
