@@ -1246,5 +1246,5 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
-           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_calls",
-           "suggested_conventions"]
+           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",
+           "stream_calls", "suggested_conventions"]

@@ -139,7 +139,8 @@ def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attend
         assert torch.allclose(out, alone.expand_as(out), atol=1e-5), float((out - alone).abs().max())
 
 
-@pytest.mark.parametrize("name", ["Attention+CustomDiffusionAttnProcessor", "Attention+CustomDiffusionAttnProcessor2_0"])
+@pytest.mark.parametrize("name", ["Attention+CustomDiffusionAttnProcessor",
+                                  "Attention+CustomDiffusionAttnProcessor2_0"])
 @pytest.mark.parametrize("loaded", [True, False])
 def test_custom_diffusion_loaded_from_its_layer_computes_the_layers_own_attention(name, loaded):
     """Built as diffusers' training script starts it (its copies of to_q, to_k, to_v and to_out loaded from the

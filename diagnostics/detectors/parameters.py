@@ -169,10 +169,10 @@ def _shift_inert(sub, name: str, qkv, allowed, gen: torch.Generator) -> bool:
 def kept_copy(name: str, params: dict, unused: set) -> str:
     """Where the whole parameter `name`, unused, is kept as a copy of a block of rows of a parameter that is used
     ("rows 0-31 of to_qkv.weight"): the projections fused into one and the originals kept to unfuse later (diffusers'
-    `fuse_projections`), a design, not a projection left out; or of a whole one ("processor.to_q_custom_diffusion.weight"):
-    the layer's own projection replaced by a copy another module holds (diffusers' Custom Diffusion processors,
-    loaded from the layer's to_q, to_k, to_v and to_out by its training script). '' when no used parameter holds its
-    values."""
+    `fuse_projections`), a design, not a projection left out; or of a whole one
+    ("processor.to_q_custom_diffusion.weight"): the layer's own projection replaced by a copy another module holds
+    (diffusers' Custom Diffusion processors, loaded from the layer's to_q, to_k, to_v and to_out by its training
+    script). '' when no used parameter holds its values."""
     kept = params[name]
     for other, tensor in params.items():
         if other in unused or other == name or tensor.dim() != kept.dim() or tensor.shape[1:] != kept.shape[1:] \

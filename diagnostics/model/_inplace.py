@@ -321,8 +321,8 @@ class InPlaceGrid(InPlace):
     def __init__(self, *args, grid: tuple[int, ...], **kw):
         super().__init__(*args, **kw)
         self.grid = grid
-        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {' x '.join(map(str, grid))} "
-                                                                  f"grid)")
+        shown = " x ".join(map(str, grid))
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid)")
 
     def _layout(self, x: Tensor) -> Tensor:
         if x.shape[1] != math.prod(self.grid):
@@ -371,9 +371,10 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         shapes = ", ".join(f"{n} {tuple(v.shape)}" if isinstance(v, Tensor) else n for n, v in arguments.items())
         four = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                      and v.dim() == 4), None)
-        why = (f": `{four}` is a 4-D map, channels first (B, C, H, W) or not returned as it came (a convolution's, a "
-               f"spatial gate's, or attention over its pixels), whose positions are a grid of the model's size, not a "
-               f"sequence the layer audit's probes can shorten, so it is audited only through the model" if four else "")
+        why = "" if four is None else (
+            f": `{four}` is a 4-D map, channels first (B, C, H, W) or not returned as it came (a convolution's, a "
+            f"spatial gate's, or attention over its pixels), whose positions are a grid of the model's size, not a "
+            f"sequence the layer audit's probes can shorten, so it is audited only through the model")
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
                               f"tensor; got {shapes}{why}")
     if grid is not None:  # the grid's positions as one sequence: (B, H, W, D) -> (B, H x W, D)
