@@ -133,6 +133,7 @@ def diffusers_build(name: str):
             layer.set_processor(default())
     if name.startswith("Attention+Fused"):
         layer.fuse_projections()  # what a fused processor runs on (diffusers: "use with fuse_projections()")
+    _load_own_copies(layer)
     layer.eval()
     with torch.no_grad():
         try:
@@ -144,10 +145,34 @@ def diffusers_build(name: str):
     return layer
 
 
+def _load_own_copies(layer) -> None:
+    """A processor that holds its own copy of a projection of the layer (`to_k_custom_diffusion` beside `to_k`: a
+    parameter `<child>_<anything>.<rest>` beside the layer's `<child>.<rest>`, of the same shape) loaded from it, as
+    diffusers' training script loads Custom Diffusion's (examples/custom_diffusion/train_custom_diffusion.py: weights
+    ["to_k_custom_diffusion.weight"] = st[layer_name + ".to_k.weight"], ... load_state_dict(weights)): the layer as
+    it is first used, not with random copies that no model holds."""
+    import torch
+
+    proc = getattr(layer, "processor", None)
+    if not isinstance(proc, torch.nn.Module):
+        return
+    own = dict(layer.named_parameters())
+    children = [n for n, _ in layer.named_children() if n != "processor"]
+    with torch.no_grad():
+        for name, param in proc.named_parameters():
+            head, _, rest = name.partition(".")
+            base = next((own[f"{c}.{rest}"] for c in children if head.startswith(f"{c}_") and f"{c}.{rest}" in own
+                         and own[f"{c}.{rest}"].shape == param.shape), None)
+            if base is not None:
+                param.copy_(base)
+
+
 def _declared(report) -> dict:
-    """The declaration an inconclusive report names ("mask='additive:B,Tq,Tk'") as keyword arguments."""
+    """The declaration an inconclusive report names ("mask='additive:B,Tq,Tk'", "call=lambda layer, x: ...") as
+    keyword arguments: a literal read as one, a lambda (the call the report writes out) evaluated."""
     call = ast.parse(f"f({report.declaration})", mode="eval").body
-    return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {})  # noqa: S307 -- our own text
+            if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
 
 
 class _Routed:

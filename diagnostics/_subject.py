@@ -684,6 +684,18 @@ def stream_calls(name: str, options: dict | None = None) -> str:
             f"with {cross} if it is a memory")
 
 
+def stream_call(name: str, given: str, mask_name: str | None, options: dict | None = None) -> str:
+    """The declared call that gives the layer's stream `name` the expression `given` of x ("x": the same stream
+    again, self-attention; "x[:, :0]": no tokens, under which a joint attention, both streams concatenated along the
+    sequence, is self-attention over x), and the mask, if the layer takes one, under its own name."""
+    params = "layer, x, mask" if mask_name else "layer, x"
+    body = f"layer(x, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
+    flag = (options or {}).get("call")
+    if flag is None:
+        return f"call=lambda {params}: {body}"
+    return f"{flag} mymodule:call with def call({params}): return {body}"
+
+
 def left_streams(subject: Subject) -> list[str]:
     """Parameters of a module's forward that the audit left at their default None though they are not among the names
     it knows (`forward(x, y=None)`): a second stream the layer may need passed even for self-attention."""
@@ -1234,5 +1246,5 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
-           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_calls",
-           "suggested_conventions"]
+           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",
+           "stream_calls", "suggested_conventions"]

@@ -427,8 +427,9 @@ class NeedsSecondStreamUnscaled(NeedsSecondStream):
 
 def test_a_layer_that_needs_its_second_stream_is_told_to_declare_the_call():
     torch.manual_seed(0)
-    runs = audit(NeedsSecondStream()).result("runs")
-    assert runs.verdict == "fail" and "call=lambda" in runs.remedy[0], runs.remedy
+    runs = audit(NeedsSecondStream()).result("runs")  # a convention the audit cannot choose: no failure (issue 34)
+    assert runs.verdict == "skip" and runs.declaration == "call=lambda layer, x, mask: layer(x, y=x, mask=mask)"
+    assert "call=lambda layer, x, memory, mask" in runs.remedy[0], runs.remedy  # the memory's call named too
     self_call = lambda layer, x, mask: layer(x, x, mask=mask)  # noqa: E731
     torch.manual_seed(0)
     assert_clean(audit(NeedsSecondStream(), call=self_call, causal=True),

@@ -139,6 +139,29 @@ def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attend
         assert torch.allclose(out, alone.expand_as(out), atol=1e-5), float((out - alone).abs().max())
 
 
+@pytest.mark.parametrize("name", ["Attention+CustomDiffusionAttnProcessor",
+                                  "Attention+CustomDiffusionAttnProcessor2_0"])
+@pytest.mark.parametrize("loaded", [True, False])
+def test_custom_diffusion_loaded_from_its_layer_computes_the_layers_own_attention(name, loaded):
+    """Built as diffusers' training script starts it (its copies of to_q, to_k, to_v and to_out loaded from the
+    Attention's), the processor's output is the Attention's own under AttnProcessor2_0, so those it replaces are kept
+    copies (parameters_used's warning); the twin with the processor's random copies computes another function."""
+    _diffusers()
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    layer = sd.diffusers_build(name)
+    if not loaded:
+        with torch.no_grad():
+            for p in layer.processor.parameters():
+                p.normal_(0, 0.2)
+    x = _hidden()
+    with torch.no_grad():
+        custom = layer(x)
+        layer.set_processor(AttnProcessor2_0())
+        plain = layer(x)
+    assert torch.allclose(custom, plain, atol=1e-6) is loaded, float((custom - plain).abs().max())
+
+
 @pytest.mark.slow
 def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs():
     _diffusers()
@@ -149,11 +172,19 @@ def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs()
     # later forks (the transformers sweep's test) would otherwise inherit autograd's threads
     rows = {name: in_child(run_diffusers, name, 240.0, bugs=True) for name in (
         "Attention+AttnProcessor2_0", "Attention+AttnProcessor", "Attention+JointAttnProcessor2_0",
-        "transformers.transformer_wan:WanAttention")}
+        "transformers.transformer_wan:WanAttention", "Attention+CogVideoXAttnProcessor2_0",
+        "Attention+CustomDiffusionAttnProcessor")}
     assert rows["Attention+AttnProcessor2_0"].verdict == "passed"
     assert rows["Attention+AttnProcessor"].declared == "mask='additive:B,Tq,Tk': passed"
     assert rows["Attention+JointAttnProcessor2_0"].verdict == "failed"
     assert rows["Attention+JointAttnProcessor2_0"].findings == ["mask_honoured"]
+    # joint attention that raises without its text stream: needs the declaration that gives it none, then passes
+    cog = rows["Attention+CogVideoXAttnProcessor2_0"]
+    assert cog.verdict == "inconclusive" and cog.declared == (
+        "call=lambda layer, x, mask: layer(x, encoder_hidden_states=x[:, :0], attention_mask=mask): passed"), cog
+    # the Attention's projections kept beside the processor's copies of them: a warning, and its mask declared
+    custom = rows["Attention+CustomDiffusionAttnProcessor"]
+    assert custom.findings == ["parameters_used (warn)"] and custom.declared.endswith(": passed"), custom
     wan = rows["transformers.transformer_wan:WanAttention"]
     assert wan.verdict == "passed" and wan.bugs == dict.fromkeys(SWEEP_BUGS, "caught"), wan
     sdpa = rows["Attention+AttnProcessor2_0"].bugs

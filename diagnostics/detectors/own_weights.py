@@ -146,7 +146,8 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
         _, golden, causal = best
         # the same recompute in the layer's dtype, for the mask chosen: how far rounding alone moves it
         same = attend(p, c, dtype=dtype, causal=causal) if dtype != torch.float64 else None
-    except RuntimeError as error:  # shapes the recognised projections do not fit: not what was read
+    except (RuntimeError, ValueError) as error:  # shapes the recognised projections do not fit (a (B, T, D) unpacked
+        # from a module's 4-D grid of tokens, NesT's): not what was read
         raise NotApplicable(f"the recompute does not run on this call ({str(error).splitlines()[0][:160]})") from None
     err, allowed, where = _close(out, golden, same)
     mask = ("the causal mask" if causal else "no causal mask") + (", the call's mask" if c.bias is not None else "")

@@ -169,11 +169,18 @@ def _shift_inert(sub, name: str, qkv, allowed, gen: torch.Generator) -> bool:
 def kept_copy(name: str, params: dict, unused: set) -> str:
     """Where the whole parameter `name`, unused, is kept as a copy of a block of rows of a parameter that is used
     ("rows 0-31 of to_qkv.weight"): the projections fused into one and the originals kept to unfuse later (diffusers'
-    `fuse_projections`), a design, not a projection left out. '' when no used parameter holds its values."""
+    `fuse_projections`), a design, not a projection left out; or of a whole one
+    ("processor.to_q_custom_diffusion.weight"): the layer's own projection replaced by a copy another module holds
+    (diffusers' Custom Diffusion processors, loaded from the layer's to_q, to_k, to_v and to_out by its training
+    script). '' when no used parameter holds its values."""
     kept = params[name]
     for other, tensor in params.items():
         if other in unused or other == name or tensor.dim() != kept.dim() or tensor.shape[1:] != kept.shape[1:] \
-                or tensor.shape[0] <= kept.shape[0] or tensor.shape[0] % kept.shape[0]:
+                or tensor.shape[0] < kept.shape[0] or tensor.shape[0] % kept.shape[0]:
+            continue
+        if tensor.shape == kept.shape:
+            if torch.equal(tensor.detach(), kept.detach()):
+                return other
             continue
         blocks = tensor.detach().split(kept.shape[0])  # a fused weight stacks its projections' rows
         at = next((i for i, block in enumerate(blocks) if torch.equal(block, kept.detach())), None)
@@ -329,8 +336,8 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
     if copies:
         return result(det, "warn", f"{', '.join(sorted(copies))} {'are' if len(copies) > 1 else 'is'} not used: kept "
-                                   f"beside the parameter {'they were' if len(copies) > 1 else 'it was'} fused into, "
-                                   f"which is used ({kept})",
+                                   f"beside the parameter {'they were' if len(copies) > 1 else 'it was'} fused into "
+                                   f"or replaced by, which is used ({kept})",
                       value=max(moved_by[n] for n in copies), threshold=FORWARD_MOVES,
                       evidence=f"{kept}; each has a gradient of exactly 0 everywhere and changing it moved the output "
                                f"by at most {max(moved_by[n] for n in copies):.2g} of its RMS; every other parameter "

@@ -14,7 +14,7 @@ from .._frames import traceback_frames
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
-from .._subject import left_streams, spell, stream_calls
+from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_calls
 from .._tracing import (CARRIES, buffer_alone, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import result
@@ -233,7 +233,8 @@ def runs_verdict(probe: Probe) -> DetectorResult:
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
         evidence = f"{listed} ({n_calls} calls in all){self_only}"
-        needed = _needed_declaration(probe, evidence) or _length_constraint(probe, evidence)
+        needed = (_needed_declaration(probe, evidence) or _length_constraint(probe, evidence)
+                  or _required_input(probe, evidence))
         if needed is not None:
             return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
@@ -273,6 +274,98 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
                   declaration=declare)
+
+
+JOINT = 1e-3
+"""How far another output row may move, as a fraction of the outputs' RMS, when one query token changes, for the
+queries to count as not attended by each other (`_required_input`): a cross-attention's rows are computed apart
+and move by 0 (measured: diffusers' IP-Adapter processors and AttnProcessor2_0 given a memory, exactly 0); joint
+attention's move by 0.52-0.75 of the RMS (diffusers' JoyImage, PRX and CogVideoX at 32 wide, a unit-normal change of
+one token of 16), x500 above this."""
+
+
+def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A calling convention the audit cannot choose, which is no defect: a module raised on every probe, each made
+    without a stream its forward takes and the audit left at None (`encoder_hidden_states`, `y=None`), and given that
+    stream the standard probe's query runs. Then `runs` is a skip naming the input and the declaration that passes
+    it. Where the queries are attended together with the stream (joint attention: diffusers' text and image tokens
+    concatenated along the sequence, the outputs split back), the stream with no tokens, under which the layer is
+    self-attention over x; where the layer attends it apart (its output rows move only with their own query), a
+    memory under a memory's name (`cross=True`), and a stream of another name the same stream again (`forward(x,
+    y=None)`, "for self attention, x=y"; the fix names the memory's call too). None otherwise: a layer that raises
+    with the stream given too still fails."""
+    s = probe.subject
+    if probe.base().ok or not all(shape.raised for shape in probe.shapes["runs"]) or not probe.failed_calls:
+        return None  # the standard probe and every shape of runs' own raised: the layer ran on nothing given
+    sig = getattr(s, "sig", None)
+    if sig is None or s.call is not None or s.form != "self_module" or not isinstance(s.layer, torch.nn.Module):
+        return None
+    left = ([sig.memory] if sig.memory is not None and sig.memory not in sig.fixed else []) + left_streams(s)
+    call, mask_name = probe.failed_calls[0], s.mask_names[0] if s.mask_names else None
+    for name in left:
+        if _given(probe, call.query, name) is None:
+            continue
+        moved = _rows_moved(probe, call.query, name)
+        if moved > JOINT:
+            declare = stream_call(name, "x[:, :0]", mask_name, probe.options)
+            how = (f"attends its queries together with `{name}` (another output row moved by {moved:.3g} of the "
+                   f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{name}` tokens given): joint "
+                   f"attention, both streams concatenated along the sequence; given `{name}` with no tokens it is "
+                   f"self-attention over x")
+            fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
+                   f"to `{name}`'s tokens are then unused)")
+        elif name == sig.memory:
+            declare = spell("cross", True, probe.options)
+            how = f"attends `{name}` as a memory (each output row moved only with its own query)"
+            fix = f"audit with {declare}: the audit then gives `{name}` a memory on every call"
+        else:
+            declare = stream_call(name, "x", mask_name, probe.options)
+            how = f"attends `{name}` apart from its queries (each output row moved only with its own query)"
+            fix = f"declare how to call the layer, {stream_calls(name, probe.options)}"
+        return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
+                                      f"without `{name}`, which it requires ({call.describe_error()}); given it, it "
+                                      f"runs and {how}",
+                      evidence=evidence, fix=fix, declaration=declare)
+    return None
+
+
+def _given(probe: Probe, query: torch.Tensor, name: str):
+    """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens, or None if it raises."""
+    s = probe.subject
+    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
+                         dtype=query.dtype).to(query.device)
+    probe.passes += 1
+    try:
+        with torch.no_grad():
+            out = s.layer(**{**s._kwargs(query, query, query, None), name: memory})
+    except Exception:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
+        return None
+    out = _first_tensor(out)
+    return out if isinstance(out, torch.Tensor) and out.shape[:2] == query.shape[:2] else None
+
+
+def _rows_moved(probe: Probe, query: torch.Tensor, name: str) -> float:
+    """How far the other output rows move, as a fraction of the outputs' RMS, when query token T // 2 changes by a
+    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart."""
+    s = probe.subject
+    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
+                         dtype=query.dtype).to(query.device)
+    changed = query.clone()
+    j = query.shape[1] // 2
+    changed[:, j] += torch.randn(changed[:, j].shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
+    probe.passes += 2
+    with torch.no_grad():
+        a, b = (_first_tensor(s.layer(**{**s._kwargs(x, x, x, None), name: memory})) for x in (query, changed))
+    others = [i for i in range(query.shape[1]) if i != j]
+    rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    return float(((a - b)[:, others].float().abs().max() / rms).item())
+
+
+def _first_tensor(out):
+    """The first tensor of what the layer returned (joint attention returns (image, text) outputs)."""
+    while isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out
 
 
 LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)

@@ -19,8 +19,10 @@ last dimension follows its length (the encoder's padding mask, a position bias) 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor, nn
 
 from .._errors import AuditUsageError, ProbeNotTaken
@@ -173,6 +175,10 @@ class InPlace(nn.Module):
                 value = value.expand(batch, *value.shape[1:])
             elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
                 value = value.repeat(batch, *(1,) * (value.dim() - 1))
+            elif self._per_row(value, dims, batch):
+                # one entry per row the layer saw (Swin's (nW, N, N) mask, a window's own): probe row b is a window,
+                # given window b's entry (cycling past nW), as the model pairs row r with window r mod nW
+                value = value[torch.arange(batch, device=value.device) % self.captured_batch]
             if value.is_floating_point() and value.dtype != dtype and value.dtype == self.captured_dtype:
                 value = value.to(dtype)
             return value
@@ -183,6 +189,13 @@ class InPlace(nn.Module):
         if isinstance(value, dict):
             return {k: self._adapt(v, path + (k,), t, batch, dtype) for k, v in value.items()}
         return value
+
+    def _per_row(self, value: Tensor, dims: tuple, batch: int) -> bool:
+        """Whether `value` has one entry per row of the layer's captured input along its first dimension, a row being
+        a window (captured at batch 1 with n > 1 rows: Swin's windows), and a probe of another batch needs its own:
+        then the probe's rows are windows, each given its window's entry."""
+        n = self.captured_batch
+        return n > 1 and batch != n and value.dim() >= 1 and value.shape[0] == n and 0 not in dims
 
     def _layout(self, x: Tensor) -> Tensor:
         """(B, t, D) in the module's own layout, contiguous where the model passed its input so (GPT-2's Conv1D
@@ -219,7 +232,8 @@ class InPlace(nn.Module):
             result = self.inner(*args, **kwargs)
         except Exception as exc:
             # the model is captured at batch 1: a layer that saw more rows (Swin's windows) may need a multiple
-            if self.fixed_length and (t != self.block_size or B % self.captured_batch or self._other_memory()):
+            if self.fixed_length and (t != self.block_size or (B % self.captured_batch and not self._windows())
+                                      or self._other_memory()):
                 raise ProbeNotTaken(
                     f"the layer in place holds the arguments its model passed at length {self.block_size} and batch "
                     f"{self.captured_batch}{self._memory_said()} (a fixed-length input: which of their dimensions "
@@ -232,6 +246,14 @@ class InPlace(nn.Module):
         if out is None:
             return result  # not an attention output: the audit says so
         return out.transpose(0, 1) if self.hidden_time_dim == 0 else out
+
+    def _windows(self) -> bool:
+        """Whether some argument has one entry per captured row (`_per_row`): a probe of any batch is then given its
+        rows' entries, and a raise at that batch is the layer's own."""
+        return self.captured_batch > 1 and any(
+            tensor.dim() >= 1 and tensor.shape[0] == self.captured_batch and 0 not in self.time_dims.get(leaf, ())
+            for name, value in self.call_arguments.items() if name != self.hidden_name
+            for leaf, tensor in _leaves(value, (name,)))
 
     def _other_memory(self) -> bool:
         """Whether the call in progress has another memory length than the model's (cross-attention only)."""
@@ -290,6 +312,45 @@ class InPlaceCross(InPlace):
                                 **{n: m for n in (self.memory_name, *self.same_as_memory)}})
 
 
+class InPlaceGrid(InPlace):
+    """`forward(x)`: a module that takes its tokens as a channels-last grid, (B, *grid, D) (SAM's ViT blocks, (B, H,
+    W, D); NesT's, (B, blocks, tokens, D)), and returns them so: x (B, t, D) laid out as that grid, the output
+    flattened back. Only at the captured size: a probe of another length cannot be laid out as the grid
+    (`ProbeNotTaken`, skipped with that reason)."""
+
+    def __init__(self, *args, grid: tuple[int, ...], **kw):
+        super().__init__(*args, **kw)
+        self.grid = grid
+        shown = " x ".join(map(str, grid))
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid)")
+
+    def _layout(self, x: Tensor) -> Tensor:
+        if x.shape[1] != math.prod(self.grid):
+            raise ProbeNotTaken(f"the layer takes its tokens as a {' x '.join(map(str, self.grid))} grid (channels "
+                                f"last), as its model passed them: a probe of {x.shape[1]} tokens cannot be laid out "
+                                f"so")
+        return super()._layout(x).reshape(x.shape[0], *self.grid, x.shape[-1])
+
+    def _invoke(self, x: Tensor, streams: dict):
+        out = super()._invoke(x, streams)
+        if isinstance(out, Tensor) and out.dim() == 2 + len(self.grid) and tuple(out.shape[1:-1]) == self.grid:
+            return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D')
+        return out
+
+
+def _channels_last_grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
+    """(the argument, its grid) of a module whose tokens come as a channels-last grid: a 4-D float tensor (B, *grid,
+    D) whose last dimension is the width its first projection takes, returned with the same grid (one output per
+    position); (None, None) otherwise (channels first, (B, C, H, W): a convolution's or a spatial gate's input)."""
+    widths = [m.in_features for m in module.modules() if isinstance(m, nn.Linear)]
+    for name, value in arguments.items():
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 4 and widths and \
+                value.shape[-1] == widths[0] and output_shape is not None and len(output_shape) == 4 and \
+                tuple(output_shape[:3]) == tuple(value.shape[:3]):
+            return name, tuple(int(n) for n in value.shape[1:3])
+    return None, None
+
+
 def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
                    wide_call: CapturedCall | None = None) -> InPlace:
     """The wrapper for one module from its calls at length T (and T - 1, which tells the sequence dims; and at batch
@@ -303,9 +364,21 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if hidden is None:
         hidden = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                        and v.dim() == 3), None)
+    grid = None
     if hidden is None:
+        hidden, grid = _channels_last_grid(module, arguments, long_call.output_shape)
+    if hidden is None:
+        shapes = ", ".join(f"{n} {tuple(v.shape)}" if isinstance(v, Tensor) else n for n, v in arguments.items())
+        four = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
+                     and v.dim() == 4), None)
+        why = "" if four is None else (
+            f": `{four}` is a 4-D map, channels first (B, C, H, W) or not returned as it came (a convolution's, a "
+            f"spatial gate's, or attention over its pixels), whose positions are a grid of the model's size, not a "
+            f"sequence the layer audit's probes can shorten, so it is audited only through the model")
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
-                              f"tensor; got arguments {sorted(arguments)}")
+                              f"tensor; got {shapes}{why}")
+    if grid is not None:  # the grid's positions as one sequence: (B, H, W, D) -> (B, H x W, D)
+        arguments[hidden] = arguments[hidden].flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
@@ -331,12 +404,16 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
         T = H.shape[hidden_time_dim]
+        rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
         time_dims = {}
         for name, value in arguments.items():
             if name == hidden:
                 continue
             for leaf, tensor in _leaves(value, (name,)):
-                dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T)
+                # a leading dimension as long as the windows is one entry per window, even where a window holds as
+                # many tokens (SwinV2-CR's last stages: 4 windows of 4 tokens, a (4, 4, 4) mask)
+                first = 1 if rows > 1 and tensor.dim() >= 3 and tensor.shape[0] == rows else 0
+                dims = tuple(d for d in range(first, tensor.dim()) if tensor.shape[d] == T)
                 if dims:
                     time_dims[leaf] = dims
         note = "fixed-length input: arguments' sequence dimensions taken to be those of the hidden states' length"
@@ -353,6 +430,8 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     folded = _batch_folded(sig, arguments, hidden, hidden_time_dim, wide_call)
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded)
+    if grid is not None:
+        return InPlaceGrid(*built, grid=grid)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
         return InPlace(*built)

@@ -1,0 +1,151 @@
+"""A windowed attention audited in place is given probes of its own shape (issue 33, timm's Swin family).
+
+Swin's shifted-window block passes its attention one mask per window, (nW, N, N), beside windows stacked along the
+batch, (B x nW, N, D). Captured at batch 1 the layer saw nW rows; a probe of 2 rows is 2 windows, each given its
+window's mask (`InPlace._per_row`), as the model pairs row r with window r mod nW. Before, every probe at batch 2 was
+"one the layer as held cannot take" and the layer was never measured (inconclusive). Twin: the same model with its
+scores left unscaled fails at that layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._guard import seed_rng
+
+D, HEADS = 16, 2
+
+
+class WindowAttention(nn.Module):
+    """Swin's: (B x nW, N, D) windows, an additive (nW, N, N) mask per window (0 / -100)."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.num_heads, self.scaled = HEADS, scaled
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, mask=None):
+        B_, N, C = x.shape  # windows x batch, tokens in a window, width
+        q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1)  # (B_, H, N, N)
+        if self.scaled:  # the twin's bug: the scores left unscaled
+            scores = scores * (C // self.num_heads) ** -0.5
+        if mask is not None:
+            nW = mask.shape[0]
+            scores = (scores.view(-1, nW, self.num_heads, N, N) + mask[None, :, None]).view(B_, self.num_heads, N, N)
+        w = scores.softmax(-1)
+        return self.proj((w @ v).transpose(1, 2).reshape(B_, N, C))
+
+
+class TinySwin(nn.Module):
+    """(B, 3, 2 grid, 2 grid) pixels -> 2 x 2 patches on a grid x grid map -> a shifted-window attention block ->
+    logits. The mask keeps tokens from different regions of the shifted grid apart, as Swin's does."""
+
+    def __init__(self, scaled: bool = True, grid: int = 6, window: int = 3):
+        super().__init__()
+        seed_rng(0)
+        self.grid, self.window = grid, window
+        self.patch = nn.Conv2d(3, D, 2, 2)
+        self.attn = WindowAttention(scaled)
+        self.head = nn.Linear(D, 4)
+        rows, cols = torch.arange(grid).view(grid, 1), torch.arange(grid).view(1, grid)
+        region = (rows >= grid - 2) * 2 + (cols >= grid - 2)  # (grid, grid): the regions of the shifted grid
+        windows = self._windows(region.view(1, grid, grid, 1).float()).squeeze(-1)  # (nW, N)
+        self.register_buffer("mask", torch.where(windows[:, :, None] == windows[:, None, :], 0.0, -100.0))
+
+    def _windows(self, x):  # (B, grid, grid, C) -> (B x nW, N, C)
+        B, _, _, C = x.shape
+        n, w = self.grid // self.window, self.window
+        x = x.view(B, n, w, n, w, C).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(B * n * n, w * w, C)
+
+    def forward(self, pixels):
+        x = self.patch(pixels).permute(0, 2, 3, 1)  # (B, grid, grid, D)
+        x = self.attn(self._windows(x), mask=self.mask)  # (B x nW, N, D)
+        return self.head(x.reshape(pixels.shape[0], -1, D).mean(1))
+
+
+# 4 windows of 9 tokens; 4 windows of 4 tokens, where the (nW, N, N) mask's first dimension is as long as a window
+# (SwinV2-CR's last stages): it is still one entry per window, not a dimension of the sequence
+@pytest.mark.parametrize("grid, window", [(6, 3), (4, 2)], ids=["nW != N", "nW == N"])
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scaled, status, grid, window):
+    model = TinySwin(scaled, grid, window).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 2 * grid, 2 * grid))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured and layer.result("output_variance").measured, layer
+    assert report.status == status and layer.status == status, report
+    if status == "failed":
+        assert "softmax_saturation" in layer.fired(), layer
+
+
+class PixelAttention(nn.Module):
+    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Conv2d(D, 3 * D, 1), nn.Conv2d(D, D, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # (B, C, H x W) each
+        w = (q.transpose(1, 2) @ k * C ** -0.5).softmax(-1)  # (B, HW, HW)
+        return self.proj((v @ w.transpose(1, 2)).view(B, C, H, W))
+
+
+class PixelModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        seed_rng(0)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(), nn.Linear(D, 4)
+
+    def forward(self, pixels):
+        return self.head(self.attn(self.patch(pixels)).mean((2, 3)))
+
+
+def test_a_layer_taking_a_feature_map_is_not_audited_in_place_and_the_note_says_why():
+    report = diagnostics.audit_model(PixelModel().eval(), example=torch.randn(2, 3, 8, 8))
+    assert "attn" not in (report.layers or {}), report
+    note = next(n for n in report.notes if n.startswith("attn not audited in place"))
+    assert "got x (1, 16, 4, 4): `x` is a 4-D map, channels first (B, C, H, W)" in note, note
+    assert "audited only through the model" in note, note
+
+
+class GridAttention(nn.Module):
+    """Self-attention over tokens given as a channels-last grid, (B, H, W, D), returned so (SAM's ViT blocks)."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.scaled = scaled
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, H, W, C = x.shape  # batch, grid height and width, width
+        q, k, v = self.qkv(x.reshape(B, H * W, C)).chunk(3, dim=-1)  # (B, HW, C) each
+        w = (q @ k.transpose(1, 2) * (C ** -0.5 if self.scaled else 1.0)).softmax(-1)  # (B, HW, HW)
+        return self.proj(w @ v).view(B, H, W, C)
+
+
+class GridModel(nn.Module):
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), GridAttention(scaled), nn.Linear(D, 4)
+
+    def forward(self, pixels):
+        return self.head(self.attn(self.patch(pixels).permute(0, 2, 3, 1)).mean((1, 2)))
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_layer_taking_its_tokens_as_a_channels_last_grid_is_measured_in_place(scaled, status):
+    """Before, it was 'not audited in place' (no (B, T, D) input); now its tokens are the grid's positions, laid out
+    as the grid at the captured size, and a probe of another length is skipped, saying why."""
+    report = diagnostics.audit_model(GridModel(scaled).eval(), example=torch.randn(2, 3, 8, 8))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured, layer
+    assert report.status == status and layer.status == status, report
+    if not scaled:
+        assert "softmax_saturation" in layer.fired(), layer

@@ -1,0 +1,101 @@
+"""A layer that raises for want of an input the audit left at None is a calling convention, not a bug (`runs`'
+`_required_input`): the audit "needs a declaration" naming the input and how to pass it, and with that declaration
+it measures the layer. Twins: a layer that raises whatever it is given still fails `runs`, and a bug in a joint
+attention is caught under the declaration the report names.
+
+Written in the style of diffusers' joint attention (CogVideoX's processor: text and image tokens concatenated along
+the sequence, attended together, the outputs split back) and of a cross-attention whose memory defaults to None but
+is required, no diffusers needed.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+
+
+class JointAttention(nn.Module):
+    """Text tokens (`encoder_hidden_states`) and image tokens attended together; returns (image, text) outputs."""
+
+    def __init__(self, dim=32, heads=4, scaled=True):
+        super().__init__()
+        self.heads, self.scaled = heads, scaled
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        text = encoder_hidden_states.size(1)  # raises on None, as CogVideoX's processor does
+        x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        B, T, D = x.shape  # batch, joint length, width
+        q, k, v = (f(x).view(B, T, self.heads, D // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k,
+                                                                                          self.to_v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                             scale=None if self.scaled else 1.0)  # (B, H, T, d)
+        out = self.to_out(out.transpose(1, 2).reshape(B, T, D))
+        return out[:, text:], out[:, :text]
+
+
+class MemoryRequired(nn.Module):
+    """A cross-attention whose memory defaults to None yet is required."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, hidden_states, context=None):
+        if context is None:
+            raise ValueError("MemoryRequired requires context (the text tokens)")
+        return self.mha(hidden_states, context, context, need_weights=False)[0]
+
+
+class RaisesAnyway(MemoryRequired):
+    """Raises whatever it is given: a finding, whatever the calling convention."""
+
+    def forward(self, hidden_states, context=None):
+        return self.mha(hidden_states, context, context, need_weights=False)[0].view(-1, 7, 3)
+
+
+def _declared(report) -> dict:
+    """The report's declaration as keyword arguments for audit(), as a user would paste it."""
+    call = ast.parse(f"f({report.declaration})", mode="eval").body
+    return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {"torch": torch})
+            if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
+
+
+def _layer(cls, **kw):
+    torch.manual_seed(0)
+    return cls(**kw).eval()
+
+
+@pytest.mark.parametrize("cls, declaration", [
+    (JointAttention, "call=lambda layer, x, mask: layer(x, encoder_hidden_states=x[:, :0], attention_mask=mask)"),
+    (MemoryRequired, "cross=True")])
+def test_a_layer_that_requires_an_input_left_at_none_needs_a_declaration_and_passes_with_it(cls, declaration):
+    report = diagnostics.audit(_layer(cls), progress=False)
+    assert report.status == "inconclusive", report
+    runs = report.result("runs")
+    assert runs.verdict == "skip" and report.declaration == declaration, runs
+    name = "encoder_hidden_states" if cls is JointAttention else "context"
+    assert f"without `{name}`, which it requires" in runs.message, runs.message
+    assert report.headline == f"INCONCLUSIVE (needs a declaration: {declaration})"
+    again = diagnostics.audit(_layer(cls), progress=False, **_declared(report))
+    assert again.status == "passed", again
+
+
+def test_a_layer_that_raises_with_the_input_given_too_still_fails_runs():
+    report = diagnostics.audit(_layer(RaisesAnyway), progress=False)
+    assert report.status == "failed" and report.result("runs").verdict == "fail", report
+    assert not report.declaration
+
+
+def test_a_joint_attention_without_its_scale_fails_under_the_declaration_its_correct_twin_passes_with():
+    declared = _declared(diagnostics.audit(_layer(JointAttention), progress=False))
+    buggy = diagnostics.audit(_layer(JointAttention, scaled=False), progress=False)
+    assert buggy.declaration == diagnostics.audit(_layer(JointAttention), progress=False).declaration
+    report = diagnostics.audit(_layer(JointAttention, scaled=False), progress=False, **declared)
+    assert report.status == "failed" and report.result("softmax_saturation").verdict == "fail", report
