@@ -230,12 +230,10 @@ def check_output_variance(probe: Probe) -> DetectorResult:
     text = (f"{bad} / {change.numel()} {what} ({100 * bad / change.numel():.1f}%) when every value row is the same "
             f"vector; greatest difference {shown} at {at_text(idx, ('b', 't') if change.dim() == 2 else ('b', 'h', 't'))} "
             f"(up to {tol:.2g} of the output's RMS allowed for {dtype_name(s.dtype)})")
-    # keys of the layer's own (seen on the standard probe), or a residual around the attention: judged inside
-    if s.form != "function" and (bad or _has_learned_keys(probe)):
-        inside = _judged_inside(probe, call, reference, tol)
-        if inside is not None:
-            return inside
-    if bad and s.dtype != torch.float64:  # rounding, or the layer? The same reading on a float64 copy tells them apart
+    # rounding, or the layer? The same reading on a float64 copy tells them apart, before anything is judged inside (a
+    # plain layer's rounding is no transform after its weighted sum)
+    exact = None
+    if bad and s.dtype != torch.float64:
         exact = _float64_reading(probe, calls, None if s.form != "function" else row)
         if exact is not None and exact <= tolerance(CONVEX, torch.float32):
             return result(det, "pass", "identical value rows come out unchanged, up to rounding", value=exact,
@@ -243,8 +241,13 @@ def check_output_variance(probe: Probe) -> DetectorResult:
                           evidence=f"{text}; a float64 copy of the layer on the same inputs measured {exact:.2g} (up to "
                                    f"{tolerance(CONVEX, torch.float32):.0e} allowed): the {dtype_name(s.dtype)} "
                                    f"difference is rounding")
-        if exact is not None:
-            text += f"; a float64 copy of the layer on the same inputs measured {exact:.3g}: not rounding"
+    # keys of the layer's own (seen on the standard probe), or a residual around the attention: judged inside
+    if s.form != "function" and (bad or _has_learned_keys(probe)):
+        inside = _judged_inside(probe, call, reference, tol)
+        if inside is not None:
+            return inside
+    if exact is not None:
+        text += f"; a float64 copy of the layer on the same inputs measured {exact:.3g}: not rounding"
     if bad:
         return result(det, "fail", "the output is not a convex combination of the values: identical value rows "
                        "do not come out unchanged", value=worst, threshold=tol, evidence=text,
