@@ -345,6 +345,12 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     real = _rows(s, got, P, T) if method == "padding" else got
     if tuple(real.shape) != tuple(base_out.shape):
         return skip(DET, f"the shifted call's output {tuple(got.shape)} does not match the unshifted {tuple(base_out.shape)}")
+    if method == "padding" and not bool(torch.isfinite(real).all()) and bool(torch.isfinite(base_out).all()):
+        # the padding's mask made them non-finite (scores of -inf that reach the output without a softmax): a failure
+        # of the mask's path, which moves no position, and which `gradients` (a padding mask) measures
+        return skip(DET, f"the real tokens' outputs are non-finite once {P} padding tokens blocked by the mask come "
+                         f"before them (finite without them), so a shift of positions cannot be measured: the mask's "
+                         f"path gives inf or NaN (see `gradients` and `fully_masked_rows`)")
     change = relative_change(real, base_out, centred=True, scale=scale)
     if change is None:
         return skip(DET, "the shifted output is zero or non-finite everywhere, so a change cannot be measured")
