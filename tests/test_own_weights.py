@@ -284,3 +284,32 @@ if __name__ == "__main__":
 
     if "--margins" in sys.argv:
         margins(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 5)
+
+
+@pytest.mark.parametrize("layer_idx, wrong_order", [(0, False), (1, False), (1, True)],
+                         ids=["sliding, rotary", "global, no rotary", "global, kv heads in the wrong order"])
+def test_a_layer_that_applies_no_rotary_of_its_own_choice_passes_and_its_wrong_grouped_heads_still_fail(
+        layer_idx, wrong_order, monkeypatch):
+    """Exaone 4's global layers skip the rotary tables they are passed (`if self.sliding_window is None or
+    self.is_sliding`): recomputed with and without them, whichever reproduces the output, the layer's own choice of
+    no positions passes (it failed before: 3.1 of the output's RMS). Its sliding layer is read with the rotary, and the
+    global layer with its key/value heads repeated in the wrong order (repeat, not repeat_interleave) still fails."""
+    modeling = pytest.importorskip("transformers.models.exaone4.modeling_exaone4",
+                                   reason="transformers is not installed (pip install -e '.[real]')")
+    from transformers import Exaone4Config
+
+    config = Exaone4Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           intermediate_size=64, num_hidden_layers=2, vocab_size=64, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = modeling.Exaone4Attention(config, layer_idx=layer_idx).eval()
+    if wrong_order:
+        monkeypatch.setattr(modeling, "repeat_kv", lambda x, n: x.repeat(1, n, 1, 1))
+    found = own_weights(layer, causal=True)
+    if wrong_order:
+        assert found.verdict == "fail", found.evidence
+        return
+    assert found.verdict == "pass", found.evidence
+    read = "rotary tables passed but not applied" if layer_idx else "rotary tables from the call's position_embeddings"
+    assert read in found.evidence, found.evidence
