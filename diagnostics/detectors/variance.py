@@ -90,6 +90,23 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
                         "a position or a neighbour after it is not attention")]
 
 
+def _differs_along(t: Tensor, axis: int, tol: float) -> bool:
+    """Whether `t` is not the same at every index of `axis` (beyond `tol` of its RMS)."""
+    return bool(moved(t, t.narrow(axis, 0, 1).expand_as(t), tol).any())
+
+
+def _reshaped(trace, op) -> tuple[Tensor, Tensor] | None:
+    """(input, output) of a view or reshape whose output has 3 or more axes, (B, T, features...) or (B, H, T, d), and
+    whose input the trace kept, in another shape; None for any other op. A 2-D view is (B * T, D), a linear layer's
+    flattening, whose axis 1 is the features (of as many as the positions where D == T): no merge or split of heads."""
+    out = op.outs[0] if op.outs else None
+    if op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids or out is None \
+            or not out.is_floating_point() or out.dim() < 3:
+        return None
+    x = value_before(trace, op.in_ids[0], op.index)
+    return None if x is None or x.shape == out.shape or not x.is_floating_point() else (x, out)
+
+
 def positions_split(trace, product, T: int, tol: float):
     """The first view or reshape the weighted sum `product` reads from whose input is the same at every position
     (along each of its axes of T) and whose output is not (along an axis of T, neither the first nor the last): on
@@ -98,18 +115,14 @@ def positions_split(trace, product, T: int, tol: float):
     by their position) is no such op."""
     feeds = ancestors(trace, product)
     for op in trace.ops[:product.index]:
-        out = op.outs[0] if op.outs else None
-        if op.index not in feeds or op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids \
-                or out is None or not out.is_floating_point() or out.dim() < 3:
+        pair = _reshaped(trace, op) if op.index in feeds else None
+        if pair is None:
             continue
-        x = value_before(trace, op.in_ids[0], op.index)
-        if x is None or x.shape == out.shape or not x.is_floating_point():
-            continue
+        x, out = pair
         axes = [a for a in range(x.dim() - 1) if x.shape[a] == T]
-        if not axes or any(bool(moved(x, x.narrow(a, 0, 1).expand_as(x), tol).any()) for a in axes):
+        if not axes or any(_differs_along(x, a, tol) for a in axes):
             continue
-        if any(out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any())
-               for a in range(1, out.dim() - 1)):
+        if any(out.shape[a] == T and _differs_along(out, a, tol) for a in range(1, out.dim() - 1)):
             return op
     return None
 
@@ -121,8 +134,7 @@ def positions_apart(trace, start: int, T: int, tol: float):
         out = op.outs[0] if op.outs else None
         if not op.frames or out is None or not out.is_floating_point():
             continue
-        if any(out.shape[a] == T and bool(moved(out, out.narrow(a, 0, 1).expand_as(out), tol).any())
-               for a in range(1, out.dim() - 1)):
+        if any(out.shape[a] == T and _differs_along(out, a, tol) for a in range(1, out.dim() - 1)):
             return op
     return None
 
@@ -136,17 +148,13 @@ def positions_mixed(trace, start: int, T: int, tol: float):
     if T < 2:
         return None
     for op in trace.ops[start:]:
-        out = op.outs[0] if op.outs else None
-        # a merge keeps (B, T, features...): a 2-D view is (B * T, D), a linear layer's flattening, whose axis 1 is
-        # the features (of as many as the positions where D == T)
-        if op.short not in ("view", "_unsafe_view", "reshape") or not op.in_ids or out is None \
-                or not out.is_floating_point() or out.dim() < 3 or out.shape[1] != T:
+        pair = _reshaped(trace, op)
+        if pair is None or pair[1].shape[1] != T:
             continue
-        x = value_before(trace, op.in_ids[0], op.index)
-        if x is None or x.shape == out.shape or not bool(moved(out, out.narrow(1, 0, 1).expand_as(out), tol).any()):
+        x, out = pair
+        if not _differs_along(out, 1, tol):
             continue
-        if any(x.shape[a] == T and not bool(moved(x, x.narrow(a, 0, 1).expand_as(x), tol).any())
-               for a in range(x.dim() - 1)):
+        if any(x.shape[a] == T and not _differs_along(x, a, tol) for a in range(x.dim() - 1)):
             return op
     return None
 
