@@ -147,35 +147,19 @@ SIZES = ("ENTROPY_ROWS", "PACKED_KEYS")
 """Module constants that are sample sizes, not thresholds: their mutants are sampled like code's."""
 SAMPLE_PER_MODULE = 4
 SEED = 20
-FAST = ["tests/test_thresholds.py", "tests/test_pins.py", "tests/test_error_paths.py"]
-OWN_WEIGHTS = ["tests/test_pins_own_weights.py", "tests/test_own_weights.py", "tests/test_audit.py",
-               "tests/test_verdicts.py"]
-TESTS = {  # module -> the test files run against its mutants, the fast ones first (-x stops at the first failure)
-    "model/packing.py": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py",
-                                "tests/test_model_patterns.py"],
-    "model/": FAST + ["tests/test_pins_model.py", "tests/test_model_audit.py"],
-    "detectors/own_weights.py": FAST + OWN_WEIGHTS,
-    "_projections.py": FAST + OWN_WEIGHTS,
-    "detectors/masking.py": FAST + ["tests/test_mask_controls.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "detectors/positions.py": FAST + ["tests/test_pins_positions.py", "tests/test_relative_positions.py"],
-    "detectors/parameters.py": FAST + ["tests/test_parameters.py"],
-    "detectors/pattern.py": FAST + ["tests/test_patterns.py"],
-    "detectors/causal.py": FAST + ["tests/test_causality_hint.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    # the layers of real causes (test_layer_causes.py, 2 s): runs' length rule, the cosine temperature
-    "detectors/runs.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "detectors/temperature.py": FAST + ["tests/test_layer_causes.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    # cached decoding under a declared pattern (test_pattern_decoding.py, 2 s): the pattern that blocks the future
-    "detectors/decoding.py": FAST + ["tests/test_pattern_decoding.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    # the hint's words for a layer that states its mask convention are pinned in test_declarations.py (4 s)
-    "detectors/_mask_hints.py": FAST + ["tests/test_declarations.py", "tests/test_audit.py", "tests/test_verdicts.py"],
-    "": FAST + ["tests/test_audit.py", "tests/test_verdicts.py"],
-}
+TESTS: list[str] = []
+"""`--tests`: these test files or node ids run against every mutant, instead of the tests that enter its code."""
+COVERED = "the default suite's tests that enter the mutated code"
+"""The selection's name in a journal: a line measured with another selection is not reused."""
 COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md",
           "docs")  # tests/test_verdicts.py and others read the pages under docs/
+CALLS_PLUGIN = "benchmarks/_mutation_calls.py"
+"""The pytest plugin that maps each test of the default suite to the package's functions it enters."""
 
 
 def tests_for(file: str) -> list[str]:
-    return next(t for prefix, t in TESTS.items() if file.startswith(prefix))
+    """The name of the tests run against a mutant of `file`, as a journal keeps it: `--tests`' list, or COVERED."""
+    return list(TESTS) if TESTS else [COVERED]
 
 
 # Mutants checked by hand to change no verdict: id -> (text its line must contain, or a tuple of such texts: any, why
@@ -567,6 +551,120 @@ def mutated_source(m: Mutant) -> bytes:
     return new
 
 
+# ---- which tests run against a mutant ----------------------------------------------------------------
+
+
+def _code_spans(tree: ast.Module) -> list[tuple[str, int, int, ast.AST]]:
+    """(name, first line, last line, node) of every top-level function and method: the first line is the first
+    decorator's, as the code object's co_firstlineno is; the functions nested in one lie within its lines."""
+    spans = []
+    for top in tree.body:
+        for fn in ([top] if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) else
+                   [f for f in top.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                   if isinstance(top, ast.ClassDef) else []):
+            first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+            spans.append((fn.name, first, fn.end_lineno, fn))
+    return spans
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+           {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+class Reach:
+    """Where a mutant's change can be seen: the functions whose code it changes or that read the constant it
+    changes, as (file under the package, first line, last line). Read from the committed tree."""
+
+    def __init__(self):
+        self.trees = {f: ast.parse(_committed(f"{PACKAGE}/{f}"), filename=f) for f in _package_files()}
+        self.spans = {f: _code_spans(t) for f, t in self.trees.items()}
+
+    def of(self, m: Mutant) -> tuple[tuple[str, int, int], ...]:
+        if not m.threshold and not m.function.isupper():
+            return tuple((m.file, lo, hi) for _, lo, hi, _ in self.spans[m.file] if lo <= m.line <= hi)
+        names = {m.function}  # a module constant: every function that reads it, or a constant made of it
+        while True:
+            more = {t.id for tree in self.trees.values() for top in tree.body if isinstance(top, (ast.Assign,
+                    ast.AnnAssign)) and top.value is not None and _names(top.value) & names
+                    for t in (top.targets if isinstance(top, ast.Assign) else [top.target]) if isinstance(t, ast.Name)}
+            if more <= names:
+                break
+            names |= more
+        return tuple((f, lo, hi) for f, spans in self.spans.items() for _, lo, hi, fn in spans if _names(fn) & names)
+
+
+def _package_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", REVISION, f"{PACKAGE}/"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return [p[len(PACKAGE) + 1:] for p in listed if p.endswith(".py")]
+
+
+@dataclass
+class Calls:
+    """The default suite's map (one run of it with CALLS_PLUGIN): for each test that passed, its seconds and the
+    package's functions it entered, {file: first lines}; a wider fixture's calls counted for every test using it."""
+    seconds: dict[str, float]
+    entered: dict[str, dict[str, frozenset[int]]]
+
+    @classmethod
+    def merged(cls, rows: dict[str, dict]) -> "Calls":
+        shared = defaultdict(set)
+        for row in rows.values():
+            for key in row["shared"]:
+                shared[key].update(map(tuple, row["setup"]))
+        seconds, entered = {}, {}
+        for nodeid, row in rows.items():
+            if not row["passed"]:
+                continue
+            calls = set(map(tuple, row["own"])) | set(map(tuple, row["setup"]))
+            for key in row["shared"]:
+                calls |= shared[key]
+            by_file = defaultdict(set)
+            for f, line in calls:
+                by_file[f].add(line)
+            seconds[nodeid] = row["seconds"]
+            entered[nodeid] = {f: frozenset(lines) for f, lines in by_file.items()}
+        return cls(seconds, entered)
+
+    def tests(self, reach: tuple[tuple[str, int, int], ...]) -> list[str]:
+        """The tests that entered any of `reach`'s functions (or a function nested in one), in the suite's order."""
+        return [t for t, files in self.entered.items()
+                if any(lo <= line <= hi for f, lo, hi in reach for line in files.get(f, ()))]
+
+
+def call_map(copy: Path, commit: str, log) -> Calls:
+    """The default suite (README's `pytest`, a worker per core) run once in the unmutated copy with CALLS_PLUGIN,
+    kept per commit in the temp dir (the same commit gives the same map); every test it names must pass there."""
+    cache = Path(tempfile.gettempdir()) / f"mutation-calls-{commit[:12]}.json"
+    if cache.exists():
+        rows = json.loads(cache.read_text())
+        log(f"the default suite's map of calls at this commit: {cache} ({len(rows)} tests)")
+        return Calls.merged(rows)
+    folder = Path(tempfile.mkdtemp(prefix="mutation-calls-"))
+    plugin = copy / "mutation_calls.py"
+    plugin.write_bytes(_committed(CALLS_PLUGIN))
+    env = dict(PYTEST_PLUGINS="mutation_calls", MUTATION_CALLS=str(folder))
+    try:
+        log("mapping which package functions each test of the default suite enters (one run of it) ...")
+        rc, out, seconds = _run(copy, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], 3600, env)
+        if rc != 0:
+            sys.exit(f"the unmutated default suite does not pass in {copy} (rc={rc}); fix it first\n{out[-3000:]}")
+        rows = {}
+        for part in folder.glob("calls-*.json"):
+            rows.update(json.loads(part.read_text()))
+    finally:
+        plugin.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
+    calls = Calls.merged(rows)
+    rc, out, _ = _run(copy, command(list(calls.seconds), collect_only=True), 900)
+    if rc != 0:
+        sys.exit(f"the map's node ids do not collect in {copy} (rc={rc})\n{out[-3000:]}")
+    cache.write_text(json.dumps(rows))
+    log(f"mapped in {seconds:.0f} s: {len(calls.seconds)} passing tests (of {len(rows)}), kept in {cache}")
+    return calls
+
+
 # ---- running them ----------------------------------------------------------------------------------
 
 
@@ -583,10 +681,10 @@ def test_the_copy_is_what_is_imported():
 '''
 
 
-def _environment(copy: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTHONPATH")}
+def _environment(copy: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTHONPATH", "PYTEST_PLUGINS")}
     env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", CI="1", HYPOTHESIS_PROFILE="default",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MUTATION_COPY=str(copy))
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MUTATION_COPY=str(copy), **(extra or {}))
     return env
 
 
@@ -599,13 +697,16 @@ def make_copy(parent: Path, n: int) -> Path:
     return copy
 
 
-def command(tests: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+def command(tests: list[str], collect_only: bool = False) -> list[str]:
+    """pytest on `tests` in one process (`-n 0`: the jobs run mutants side by side), stopping at the first failure."""
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
+            *(["--collect-only"] if collect_only else []), *tests]
 
 
-def _run(copy: Path, cmd: list[str], timeout: float) -> tuple[int | None, str, float]:
+def _run(copy: Path, cmd: list[str], timeout: float, extra: dict[str, str] | None = None
+         ) -> tuple[int | None, str, float]:
     began = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=copy, env=_environment(copy), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=copy, env=_environment(copy, extra), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -682,14 +783,22 @@ def run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, jo
 def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, results: dict[str, Outcome],
                  journal: Path | None, commit: str, total: int) -> dict[str, Outcome]:
     sources = {m.id: mutated_source(m) for m in mutants}  # all of them valid before anything runs
-    selections = sorted({tuple(tests_for(m.file)) for m in mutants})
     parent = Path(tempfile.mkdtemp(prefix="mutations-"))
     try:
         copies = [make_copy(parent, n) for n in range(jobs)]
-        times = check_copy(copies[0], selections, log)
-        limits = {t: timeout or max(60.0, 3 * s) for t, s in times.items()}
-        log(f"{len(mutants)} mutants, {jobs} job(s); timeout per mutant: "
-            + ", ".join(f"{v:.0f} s ({k[-1]})" for k, v in limits.items()))
+        if TESTS:
+            times = check_copy(copies[0], [tuple(TESTS)], log)
+            selected = {m.id: list(TESTS) for m in mutants}
+            limits = {m.id: timeout or max(60.0, 3 * times[tuple(TESTS)]) for m in mutants}
+        else:
+            check_copy(copies[0], [], log)
+            calls, reach = call_map(copies[0], commit, log), Reach()
+            selected = {m.id: calls.tests(reach.of(m)) for m in mutants}
+            limits = {m.id: timeout or max(60.0, 3 * sum(calls.seconds[t] for t in selected[m.id]) + 30)
+                      for m in mutants}
+            log(f"tests per mutant: median {sorted(map(len, selected.values()))[len(selected) // 2]}, "
+                f"none for {sum(not t for t in selected.values())} (of {len(selected)})")
+        log(f"{len(mutants)} mutants, {jobs} job(s)")
         todo: queue.Queue = queue.Queue()
         for m in mutants:
             todo.put(m)
@@ -701,20 +810,22 @@ def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, r
                     m = todo.get_nowait()
                 except queue.Empty:
                     return
-                target = copy / PACKAGE / m.file
-                original = target.read_bytes()
-                target.write_bytes(sources[m.id])
-                tests = tuple(tests_for(m.file))
-                try:
-                    rc, out, seconds = _run(copy, command(list(tests)), limits[tests])
-                finally:
-                    target.write_bytes(original)
-                status, detail = classify(rc, out)
+                if selected[m.id]:
+                    target = copy / PACKAGE / m.file
+                    original = target.read_bytes()
+                    target.write_bytes(sources[m.id])
+                    try:
+                        rc, out, seconds = _run(copy, command(selected[m.id]), limits[m.id])
+                    finally:
+                        target.write_bytes(original)
+                    status, detail = classify(rc, out)
+                else:  # nothing the default suite runs enters the code it changes: no test can notice it
+                    status, detail, seconds = "survived", "no test enters the code it changes", 0.0
                 with lock:
                     results[m.id] = Outcome(m.id, status, round(seconds, 1), detail)
                     if journal is not None:
                         with journal.open("a") as f:
-                            f.write(json.dumps(dict(commit=commit, file=m.file, tests=list(tests),
+                            f.write(json.dumps(dict(commit=commit, file=m.file, tests=tests_for(m.file),
                                                     **asdict(results[m.id]))) + "\n")
                     log(f"[{len(results)}/{total}] {status:8s} {seconds:5.1f}s {m.id}  {detail}")
 
@@ -841,8 +952,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--knobs", action="store_true",
                         help="mutate the constants marked `# knob:` too (to check that they change no verdict)")
     parser.add_argument("--tests", nargs="+", metavar="FILE",
-                        help="run these test files (or node ids) against every mutant instead of the module's TESTS "
-                             "selection (while writing a pin: does it kill the mutant?)")
+                        help="run these test files (or node ids) against every mutant instead of the tests that enter "
+                             "its code (while writing a pin: does it kill the mutant?)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--json", type=Path, help="write every outcome and the score to this file")
@@ -854,8 +965,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
     if args.tests:
-        TESTS.clear()
-        TESTS[""] = list(args.tests)
+        TESTS[:] = args.tests
     everything = all_mutants(args.knobs)
     for key in unmatched_marks(everything):
         print(f"warning: the EQUIVALENT mark {key} names no mutant whose line holds "
@@ -908,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         by_id = {m.id: m for m in mutants}
         args.json.write_text(json.dumps(dict(
-            commit=commit, tests={k: v for k, v in TESTS.items()}, jobs=args.jobs,
+            commit=commit, tests=tests_for(""), jobs=args.jobs,
             seconds=round(elapsed, 1), sampled=sampled, **summary,
             equivalent_reasons={i: r for i, r in marked.items()},
             mutants=[{**{k: v for k, v in asdict(by_id[o.id]).items() if k not in ("start", "end", "replacement")},
