@@ -46,10 +46,18 @@ on every run of the same code. The run prints the sample's size per module.
 Each mutant is written into a private copy of the committed tree (`git archive` of MUTATION_REVISION, default HEAD,
 so that other engineers' uncommitted edits in the checkout are neither mutated nor tested) under the system temp dir
 (one copy per job, no bytecode written, so a same-size edit is never hidden by a stale .pyc; the repository's files
-are never touched), and its module's test selection (TESTS: the new threshold and error-path tests, plus the tests
-of that module's property) runs there in a subprocess with `-x`, CI=1, HYPOTHESIS_PROFILE=default and
-OMP_NUM_THREADS=1. Before any mutant, a canary checks that pytest in the copy imports `diagnostics` from the copy,
-and every selection must pass unmutated. A mutant is *killed* when the tests fail, *error* when they cannot be
+are never touched), and the tests that can see it run there in one process (`-n 0`, `-x`, CI=1,
+HYPOTHESIS_PROFILE=default, OMP_NUM_THREADS=1): every test of the default suite (README's `pytest`) that enters the
+function the mutant changes, or, for a module constant, a function that reads it (or reads a constant made of it).
+Which tests enter which functions is mapped once per commit by one run of the default suite with the plugin
+benchmarks/_mutation_calls.py (a `call`-event trace, no line tracing; a wider fixture's calls count for every test
+that uses it; only passing tests are kept; the map is kept in the temp dir by commit). A test that never enters the
+changed code runs exactly as it does unmutated, so leaving it out loses no kill; a test that sees the package only
+through a subprocess (the command-line tests) is not mapped, and a kill only it would make is lost: the figure is a
+lower bound. A mutant no mapped test reaches survives without running ("no test enters the code it changes").
+`--tests` names the tests instead (while writing a pin). Before any mutant, a canary checks that pytest in the copy
+imports `diagnostics` from the copy, and the default suite (or `--tests`) must pass unmutated; the map's node ids
+must collect. A mutant is *killed* when the tests fail, *error* when they cannot be
 collected (counted as killed, listed apart), *timeout* past --timeout, *survived* when they pass. A timeout is
 undecided, not a kill: on shared cores a mutant that makes no test fail can still run past the limit (a slower path,
 a loaded machine), so timeouts leave the score's denominator, are listed apart with the score they would give
@@ -151,8 +159,6 @@ TESTS: list[str] = []
 """`--tests`: these test files or node ids run against every mutant, instead of the tests that enter its code."""
 COVERED = "the default suite's tests that enter the mutated code"
 """The selection's name in a journal: a line measured with another selection is not reused."""
-COPIED = ("diagnostics", "correct", "buggy_variants", "tests", "conftest.py", "pyproject.toml", "README.md",
-          "docs")  # tests/test_verdicts.py and others read the pages under docs/
 CALLS_PLUGIN = "benchmarks/_mutation_calls.py"
 """The pytest plugin that maps each test of the default suite to the package's functions it enters."""
 
@@ -689,10 +695,11 @@ def _environment(copy: Path, extra: dict[str, str] | None = None) -> dict[str, s
 
 
 def make_copy(parent: Path, n: int) -> Path:
-    """The committed tree (REVISION) of COPIED, unpacked with `git archive` into a fresh folder."""
+    """The committed tree (REVISION), all of it (the default suite reads the README, docs/, examples/, benchmarks/,
+    .ci/run), unpacked with `git archive` into a fresh folder."""
     copy = parent / f"job{n}"
     copy.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", REVISION, *COPIED], cwd=ROOT, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", REVISION], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(copy)], input=archive, check=True)
     return copy
 

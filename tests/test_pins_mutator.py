@@ -123,3 +123,30 @@ def test_a_journal_gives_back_its_own_commits_outcomes_and_runs_nothing_it_holds
     outcomes = bench.run_mutants([mutant], 1, None, logged.append, journal, "this")
     assert [(o.id, o.status) for o in outcomes] == [(mutant.id, "killed")]
     assert logged and logged[0].startswith("1 of the 1 mutants decided at this commit already"), logged
+
+
+def test_a_mutant_is_run_against_the_tests_that_enter_its_function_or_read_its_constant():
+    """The covered selection: a test that never enters the changed code runs as it does unmutated, so only the tests
+    that enter it are run. A function's mutant reaches its own function (a nested function lies within its lines); a
+    module constant's reaches every function that reads it. A failing test is never selected (it would "kill" every
+    mutant), and a wider fixture's calls count for every test that uses it (a test may only read its value)."""
+    reach = bench.Reach()
+    mutants = bench.all_mutants(False)
+    in_code = next(m for m in mutants if m.file == "detectors/weights.py" and not m.threshold)
+    spans = reach.of(in_code)
+    assert len(spans) == 1 and spans[0][0] == in_code.file and spans[0][1] <= in_code.line <= spans[0][2], spans
+    constant = next(m for m in mutants if m.threshold and m.function == "CONVEX")
+    readers = reach.of(constant)
+    assert readers and all(lo <= hi for _, lo, hi in readers), readers
+    assert any(f == "detectors/variance.py" for f, _, _ in readers), readers  # where CONVEX is judged
+    assert not any(lo <= constant.line <= hi for f, lo, hi in readers if f == constant.file)  # its line: no function
+
+    f, lo, hi = spans[0]
+    row = lambda own=(), setup=(), shared=(), passed=True: dict(own=own, setup=setup, shared=shared, seconds=1.0,
+                                                                passed=passed)
+    calls = bench.Calls.merged({
+        "t::enters_nested": row(own=[[f, hi]]), "t::elsewhere": row(own=[[f, hi + 1], ["other.py", lo]]),
+        "t::fails": row(own=[[f, lo]], passed=False), "t::builds_fixture": row(setup=[[f, lo]], shared=["session:x"]),
+        "t::reads_fixture": row(shared=["session:x"]), "t::other_fixture": row(shared=["session:y"])})
+    assert calls.tests(spans) == ["t::enters_nested", "t::builds_fixture", "t::reads_fixture"]
+    assert calls.tests(((f, hi + 1, hi + 1),)) == ["t::elsewhere"]
