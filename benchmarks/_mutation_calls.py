@@ -8,7 +8,9 @@ A mutant inside a function can change only the tests that enter that function; t
 Calls made while a test sets up a fixture of a wider scope (module, class, package, session) are that fixture's: a
 test that only reads the fixture's value after another test built it depends on them too, so they are credited to
 every test that uses the fixture (`shared`). Only tests that passed are kept: a mutant must never be "killed" by a
-test that fails without it. Each process (pytest-xdist workers included) writes its own file into MUTATION_CALLS.
+test that fails without it. Each process (pytest-xdist workers included) writes its own file into MUTATION_CALLS; a
+pytest a test runs in this process (pytester) is not the suite's and is ignored, and one it runs in a subprocess
+writes tests outside tests/, which benchmarks/mutations.py leaves out.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _ROOTS = tuple({os.path.join(p, _PACKAGE) + os.sep
                 for p in (os.environ["MUTATION_COPY"], os.path.realpath(os.environ["MUTATION_COPY"]))})
 _calls: set[tuple[str, int]] = set()
 _tests: dict[str, dict] = {}
+_outer = None  # the run's own config: a test that runs pytest in this process (pytester) configures another
 
 
 def _trace(frame, event, arg):
@@ -38,8 +41,11 @@ def _trace(frame, event, arg):
 
 
 def pytest_configure(config):
-    sys.settrace(_trace)
-    threading.settrace(_trace)
+    global _outer
+    if _outer is None:
+        _outer = config
+        sys.settrace(_trace)
+        threading.settrace(_trace)
 
 
 def _wider_fixtures(item) -> list[str]:
@@ -56,6 +62,8 @@ def _wider_fixtures(item) -> list[str]:
 
 
 def _entry(item) -> dict:
+    if item.config is not _outer:
+        return dict(own=set(), setup=set())  # an inner run's test: not this suite's
     return _tests.setdefault(item.nodeid, dict(own=set(), setup=set(), shared=_wider_fixtures(item), seconds=0.0,
                                                passed=True))
 
@@ -91,6 +99,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    if session.config is not _outer:
+        return
     sys.settrace(None)
     threading.settrace(None)
     folder = os.environ["MUTATION_CALLS"]
