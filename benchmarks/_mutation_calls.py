@@ -62,14 +62,15 @@ def _wider_fixtures(item) -> list[str]:
 
 
 def _entry(item) -> dict:
-    if item.config is not _outer:
-        return dict(own=set(), setup=set())  # an inner run's test: not this suite's
     return _tests.setdefault(item.nodeid, dict(own=set(), setup=set(), shared=_wider_fixtures(item), seconds=0.0,
                                                passed=True))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
+        yield
+        return
     _calls.clear()
     yield
     _entry(item)["setup"].update(_calls)
@@ -77,6 +78,9 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
+    if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
+        yield
+        return
     _calls.clear()
     yield
     _entry(item)["own"].update(_calls)
@@ -84,6 +88,9 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
+    if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
+        yield
+        return
     _calls.clear()
     yield
     _entry(item)["own"].update(_calls)
