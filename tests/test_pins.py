@@ -1078,11 +1078,12 @@ class GatedHeads(nn.Module):
     heads merged with their transpose, or without it (`merged_wrong`, the bug), then gated by a sigmoid of the query
     (so identical value rows come out differing by query, and the layer is judged on its weighted sum)."""
 
-    def __init__(self, merged_wrong=False, split_wrong=False, by_position=False, d_model=12, num_heads=3):
+    def __init__(self, merged_wrong=False, split_wrong=False, by_position=False, position_feature=False, d_model=12,
+                 num_heads=3):
         super().__init__()
         torch.manual_seed(0)
         self.d_model, self.num_heads, self.merged_wrong = d_model, num_heads, merged_wrong
-        self.split_wrong, self.by_position = split_wrong, by_position
+        self.split_wrong, self.by_position, self.position_feature = split_wrong, by_position, position_feature
         self.q, self.k, self.v, self.gate, self.o = (nn.Linear(d_model, d_model) for _ in range(5))
 
     def forward(self, query, key, value, mask=None):
@@ -1094,10 +1095,16 @@ class GatedHeads(nn.Module):
         q, k, v = fold(self.q(query)), fold(self.k(key)), fold(self.v(value))
         if self.by_position:  # values told apart by their position, computed (as values rotated by position are)
             v = v * (1 + 0.1 * torch.arange(v.shape[1], dtype=v.dtype, device=v.device))[:, None]
+        if self.position_feature:  # each value carries its position as one more feature, read back after the sum
+            where = torch.arange(v.shape[1], dtype=v.dtype, device=v.device) / v.shape[1]  # (Tk,)
+            v = torch.cat([v, where[None, :, None].expand(v.shape[0], -1, 1)], -1)  # (B * H, Tk, d + 1)
         s = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(d)  # (B * H, Tq, Tk)
         if mask is not None:
             s = s.masked_fill(~mask.expand(B, H, Tq, k.shape[1]).reshape(B * H, Tq, -1), float("-inf"))
-        y = torch.bmm(s.softmax(-1), v).view(B, H, Tq, d)  # a view whose axis 1 is the heads, not the positions
+        y = torch.bmm(s.softmax(-1), v)  # (B * H, Tq, d), or d + 1 with the position feature
+        if self.position_feature:
+            y = y[..., :d] * (1 + y[..., d:])  # scaled by the mean position attended
+        y = y.view(B, H, Tq, d)  # a view whose axis 1 is the heads, not the positions
         y = y.reshape(B, Tq, D) if self.merged_wrong else y.transpose(1, 2).reshape(B, Tq, D)
         return self.o(y * torch.sigmoid(self.gate(query)))
 
@@ -1117,14 +1124,18 @@ def test_output_variance_reads_only_views_whose_axis_1_is_the_positions(merged_w
         assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
 
 
-@pytest.mark.parametrize("split_wrong, by_position", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("split_wrong, by_position, position_feature",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)])
 def test_output_variance_fails_positions_split_into_heads_by_a_reshape_and_passes_values_computed_by_position(
-        split_wrong, by_position):
+        split_wrong, by_position, position_feature):
     """positions_split: a view or reshape feeding the weighted sum whose input is the same at every position and
     whose output is not moved data between positions and heads (`reshape(B, H, T, d)` of (B, T, D), the bug): the
     gated layer's output fail stands, its site that reshape. Values made to differ by position by arithmetic (a
-    factor per position, as rotated values are) are no such op: the twin passes, judged on its weighted sum."""
-    found = verdict(GatedHeads(split_wrong=split_wrong, by_position=by_position), "output_variance")
+    factor per position, as rotated values are) are no such op: the twin passes, judged on its weighted sum. Nor is
+    a concatenation that changes the shape (`_reshaped` reads views and reshapes only: its first `or` made `and`, a
+    `cat` of each value with its position as one more feature was read as a split, and the correct layer failed)."""
+    found = verdict(GatedHeads(split_wrong=split_wrong, by_position=by_position, position_feature=position_feature),
+                    "output_variance")
     if split_wrong:
         assert found.verdict == "fail" and found.message.startswith("the output is not a convex combination"), found
         sites = found.where
