@@ -806,6 +806,21 @@ def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, r
             log(f"tests per mutant: median {sorted(map(len, selected.values()))[len(selected) // 2]}, "
                 f"none for {sum(not t for t in selected.values())} (of {len(selected)})")
         log(f"{len(mutants)} mutants, {jobs} job(s)")
+        killers = Counter(o.detail for o in results.values() if o.status == "killed")
+        cost = calls.seconds if not TESTS else {}
+
+        def first_the_killers(tests: list[str]) -> list[str]:
+            """The files whose tests killed most mutants so far first, then the quickest files: `-x` stops at the
+            first failure, so a mutant that will be killed is killed sooner (a survivor runs them all whatever the
+            order). A file's tests stay together and in their order, so its module fixtures are made once and no
+            test runs before one it followed in the suite."""
+            files = defaultdict(list)
+            for t in tests:
+                files[t.split("::")[0]].append(t)
+            ranked = sorted(files.values(), key=lambda ts: (-sum(killers[t] for t in ts), sum(cost.get(t, 0.0)
+                                                                                               for t in ts)))
+            return [t for ts in ranked for t in ts]
+
         todo: queue.Queue = queue.Queue()
         for m in mutants:
             todo.put(m)
@@ -822,7 +837,7 @@ def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, r
                     original = target.read_bytes()
                     target.write_bytes(sources[m.id])
                     try:
-                        rc, out, seconds = _run(copy, command(selected[m.id]), limits[m.id])
+                        rc, out, seconds = _run(copy, command(first_the_killers(selected[m.id])), limits[m.id])
                     finally:
                         target.write_bytes(original)
                     status, detail = classify(rc, out)
@@ -830,6 +845,7 @@ def _run_mutants(mutants: list[Mutant], jobs: int, timeout: float | None, log, r
                     status, detail, seconds = "survived", "no test enters the code it changes", 0.0
                 with lock:
                     results[m.id] = Outcome(m.id, status, round(seconds, 1), detail)
+                    killers[detail] += status == "killed"
                     if journal is not None:
                         with journal.open("a") as f:
                             f.write(json.dumps(dict(commit=commit, file=m.file, tests=tests_for(m.file),
