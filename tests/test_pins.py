@@ -1212,3 +1212,23 @@ def test_output_variance_skips_an_output_it_cannot_compare_row_by_row_and_judges
         assert found.verdict == "pass", found
     else:
         assert (found.verdict, found.message) == ("skip", f"not measured: {expected}"), found
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_output_variance_does_not_measure_a_layer_whose_output_projection_starts_at_zero(zeroed):
+    """check_output_variance's `if change is None` guard: a zero-initialised output projection (modded-nanogpt's
+    c_proj, DiT's adaLN-Zero, ControlNet's zero convolutions) makes the output zero everywhere, and no difference
+    from the one-token output can be measured against zero: skipped, saying so (with the guard gone the comparison
+    raised). Its twin, the same layer with the projection as drawn, is measured and passes."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2)
+    if zeroed:
+        with torch.no_grad():
+            layer.out.weight.zero_()
+            layer.out.bias.zero_()
+    found = verdict(layer, "output_variance")
+    if zeroed:
+        assert (found.verdict, found.message) == ("skip", "not measured: the expected output is zero everywhere, so "
+                                                          "a difference cannot be measured against it"), found
+    else:
+        assert found.verdict == "pass", found
