@@ -1196,12 +1196,20 @@ class HeadsUnmerged(OneStream):
         return attention(q, k, v, mask)[0]
 
 
+class Squeezed(OneStream):
+    """OneStream whose output is `.squeeze()`d: (B, T, D) as it should be, but (B, D) for one token."""
+
+    def forward(self, x, mask=None):
+        return super().forward(x, mask)[0].squeeze()
+
+
 @pytest.mark.parametrize("layer, expected", [
     (heads_last, "output shape (2, 16, 2, 8) is not the query's"),
     (attention, None),
     (HeadsUnmerged(), "output shapes (2, 2, 16, 8) and (2, 2, 1, 8) do not allow the comparison"),
+    (Squeezed(), "output shapes (2, 16, 16) and (2, 16) do not allow the comparison"),
     (OneStream(), None),
-], ids=["function-heads-last", "function", "module-unmerged", "module"])
+], ids=["function-heads-last", "function", "module-unmerged", "module-squeezed", "module"])
 def test_output_variance_skips_an_output_it_cannot_compare_row_by_row_and_judges_one_it_can(layer, expected):
     """check_output_variance's two shape guards: a function's output not in the query's shape, a module's output
     not (B, T, D) like its one-token reference: skipped, saying the shapes (never guessed into a verdict, nor a
