@@ -217,6 +217,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/temperature.py:check_softmax_saturation:L*:Gt->GtE": ("ratio > SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/variance.py:check_output_variance:L*:LtE->Lt": ("exact <= tolerance(CONVEX", _TOLERANCE_EDGE + " (a "
+                                                               "float64 copy's reading against float32's 1e-4)"),
     "detectors/variance.py:_bound_check:L*:Gt->GtE": (("(excess > tol).any()", "(excess > tol).sum()"),
                                                       _TOLERANCE_EDGE),
     "detectors/determinism.py:check_eval_determinism:L*:Gt->GtE": (

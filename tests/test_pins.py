@@ -1240,3 +1240,24 @@ def test_output_variance_does_not_measure_a_layer_whose_output_projection_starts
                                                           "a difference cannot be measured against it"), found
     else:
         assert found.verdict == "pass", found
+
+
+def unnormalised(q, k, v, mask=None):
+    """Attention without its softmax, as a function: (B, H, T, d) in, (B, H, T, d) out."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return scores @ v, scores
+
+
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_output_variance_names_the_worst_output_row_by_its_own_axes(form):
+    """check_output_variance's evidence names where the greatest difference is, by the axes of the comparison: a
+    module's output rows are (b, t), a function's (b, h, t) (its `change.dim() == 2` turned, a module's worst row was
+    named by a head it does not have)."""
+    if form == "module":
+        found = verdict(VARIANTS["no_softmax"].build(d_model=16, num_heads=2), "output_variance")
+        where = r"\(b=\d+, t=\d+\)"
+    else:
+        found = verdict(unnormalised, "output_variance", d_model=16, num_heads=2)
+        where = r"\(b=\d+, h=\d+, t=\d+\)"
+    assert found.verdict == "fail", found
+    assert re.search(r"greatest difference \S+ at " + where + " ", found.evidence), found.evidence
