@@ -208,6 +208,11 @@ _SAME_SCALE = (
     "the output's RMS, so it is never 10x closer than the reference to an output the reference misses by more than "
     "the allowed error (>= 1e-5, the float32 and float64 floor): tried or skipped, it names nothing (checked by hand: "
     "the candidates are 1, 1/d, 1/sqrt(H d), the own scale squared and sqrt(d))")
+_SAME_CODE = (
+    "the float64 reading is made only after the layer's own outputs passed the shape guards before it (a function's "
+    "output has the query's shape, a module's is (B, T, D) beside its one token's (B, 1, D)), and the float64 copy is "
+    "the same code on the same inputs upcast: its outputs have those shapes, so the guard is false whichever operator "
+    "joins its parts (checked by hand; a layer whose output shape changed with the dtype would be needed)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
@@ -217,6 +222,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/temperature.py:check_softmax_saturation:L*:Gt->GtE": ("ratio > SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/variance.py:_float64_reading:L*:or->and": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
+    "detectors/variance.py:_float64_reading:L*:any->all": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
     "detectors/variance.py:check_output_variance:L*:LtE->Lt": ("exact <= tolerance(CONVEX", _TOLERANCE_EDGE + " (a "
                                                                "float64 copy's reading against float32's 1e-4)"),
     "detectors/variance.py:_bound_check:L*:Gt->GtE": (("(excess > tol).any()", "(excess > tol).sum()"),

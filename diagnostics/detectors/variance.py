@@ -346,7 +346,7 @@ def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> Det
     t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
     probe.passes += 1
     trace = trace_call(s, call.query, call.key, call.value, call.allowed, seed=probe.seed)
-    if trace.error is not None or trace.record is None:
+    if trace.error is not None:  # (a trace's record is made before its call: only a call that raised lacks one)
         return None
     keys = learned_keys(trace.record, t_q, t_k)
     if keys is not None:
