@@ -222,6 +222,7 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/temperature.py:check_softmax_saturation:L*:Gt->GtE": ("ratio > SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/variance.py:_judged_inside:L*:Gt->GtE": ("(change > tol).sum()", _TOLERANCE_EDGE),
     "detectors/variance.py:_float64_reading:L*:or->and": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
     "detectors/variance.py:_float64_reading:L*:any->all": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
     "detectors/variance.py:check_output_variance:L*:LtE->Lt": ("exact <= tolerance(CONVEX", _TOLERANCE_EDGE + " (a "
