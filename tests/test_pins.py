@@ -1144,6 +1144,20 @@ def test_output_variance_fails_positions_split_into_heads_by_a_reshape_and_passe
         assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
 
 
+@pytest.mark.parametrize("by_position", [False, True])
+def test_output_variance_says_whether_positions_came_apart_in_the_values_or_after_the_weighted_sum(by_position):
+    """_judged_at_weighted_sum's evidence: causal weights differ by query, so values told apart by position make the
+    weighted sum itself differ between identical tokens ("apart already in the values it weights"); with identical
+    values and queries of their own (cross-attention) the sum is the same everywhere and the positions come apart
+    after it, at the gate ("computed from the weighted sum"). `apart.index > op.index` made `>=` called the first
+    kind the second."""
+    found = verdict(GatedHeads(by_position=by_position), "output_variance", **({"causal": True} if by_position else {}))
+    assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
+    already = "the positions are apart already in the values it weights" in found.evidence
+    assert already == by_position and (", computed from the weighted sum" in found.evidence) != by_position, \
+        found.evidence
+
+
 class PositionAdded(nn.Module):
     """OneStream's attention with a learned position added to its output (`added`, the bug: the output then reads
     something besides the weighted sum of the values); without it, the reference."""
