@@ -119,3 +119,13 @@ def test_a_whole_copy_is_found_only_in_a_used_parameter_of_the_same_values():
     assert kept_copy("a", {"used": w, "a": w.clone()}, {"a"}) == "used"
     assert kept_copy("a", {"used": w, "a": w.clone()}, {"a", "used"}) == ""  # nothing used holds the values
     assert kept_copy("a", {"used": w + 1, "a": w.clone()}, {"a"}) == ""  # another value: not a copy
+
+
+@pytest.mark.parametrize("values", ["constant", "drawn"])
+def test_a_constant_parameter_is_no_copy_of_a_constant_block(values):
+    """A norm's weight of ones (or a bias of zeros), as initialised, equals every constant block of another
+    parameter: that shows no copying, so an unused LayerNorm beside a used one is unused (a failure), never a kept
+    copy. The same shapes with values drawn are a copy where the values are the used one's."""
+    used = torch.ones(16) if values == "constant" else torch.randn(16, generator=torch.Generator().manual_seed(0))
+    params = {"norm_a.weight": nn.Parameter(used.clone()), "norm_b.weight": nn.Parameter(used.clone())}
+    assert kept_copy("norm_b.weight", params, {"norm_b.weight"}) == ("" if values == "constant" else "norm_a.weight")

@@ -257,3 +257,42 @@ def test_hugging_face_layers_use_every_weight_in_half_precision(name, implementa
         layer.v_proj.forward = layer.k_proj.forward
         broken = diagnostics.audit(layer, causal=causal, detectors=["parameters_used"]).result("parameters_used")
         assert broken.verdict == "fail" and "v_proj.weight" in broken.message, str(broken)
+
+
+class ZeroGated(SeparateProjections):
+    """A residual attention block started as the identity, as real ones are: `how="projection"` zero-initialises
+    the output projection (DiT's adaLN-Zero, ControlNet's zero convolutions, modded-nanogpt's c_proj), `how="gate"`
+    adds the attention through tanh(alpha) with alpha = 0 (Flamingo's gated cross-attention, LLaMA-Adapter).
+    `unread`: one more projection that the code never reads (the bug)."""
+
+    def __init__(self, how, unread=False, d_model=16, num_heads=2):
+        super().__init__(d_model, num_heads)
+        self.how = how
+        if how == "gate":
+            self.alpha = nn.Parameter(torch.zeros(1))
+        else:
+            nn.init.zeros_(self.o_proj.weight)
+            nn.init.zeros_(self.o_proj.bias)
+        if unread:
+            self.extra_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        y = super().forward(x, mask)
+        return y if self.how == "projection" else x + torch.tanh(self.alpha) * y
+
+
+@pytest.mark.parametrize("how", ["projection", "gate"])
+@pytest.mark.parametrize("unread", [False, True])
+def test_parameters_behind_a_zero_initialised_gate_are_used_and_one_never_read_is_not(how, unread):
+    """A parameter that is all zeros cuts every path through it: at initialisation everything before a zero gate or
+    a zero output projection gets a gradient of exactly 0, by design (and with the output itself all zeros, so does
+    everything: (out ** 2).sum() is flat there). Asked again with the zero parameters drawn, those are used; a
+    projection the code never reads stays unused whatever the others hold, and fails, named alone."""
+    found = diagnostics.audit(ZeroGated(how, unread), detectors=["parameters_used"]).result("parameters_used")
+    if unread:
+        assert (found.verdict, found.message) == ("fail", "the output does not depend on extra_proj.weight, "
+                                                          "extra_proj.bias"), found
+    else:
+        assert found.verdict == "pass", found
+        zeros = "o_proj.weight, o_proj.bias are" if how == "projection" else "alpha is"
+        assert f"zero gradient only while {zeros} all zeros (zero-initialised" in found.evidence, found.evidence

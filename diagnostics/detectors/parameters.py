@@ -172,8 +172,11 @@ def kept_copy(name: str, params: dict, unused: set) -> str:
     `fuse_projections`), a design, not a projection left out; or of a whole one
     ("processor.to_q_custom_diffusion.weight"): the layer's own projection replaced by a copy another module holds
     (diffusers' Custom Diffusion processors, loaded from the layer's to_q, to_k, to_v and to_out by its training
-    script). '' when no used parameter holds its values."""
+    script). '' when no used parameter holds its values, or when they are all one number: a constant (a norm's
+    weight of ones, a bias of zeros, as initialised) equals every constant block, which shows no copying."""
     kept = params[name]
+    if kept.numel() and bool((kept.detach() == kept.detach().reshape(-1)[0]).all()):
+        return ""
     for other, tensor in params.items():
         if other in unused or other == name or tensor.dim() != kept.dim() or tensor.shape[1:] != kept.shape[1:] \
                 or tensor.shape[0] < kept.shape[0] or tensor.shape[0] % kept.shape[0]:
@@ -207,6 +210,38 @@ def _unpadded(probe: Probe, sub, inputs, params: dict) -> GradientProbe:
     except Exception as error:  # noqa: BLE001 - the layer's own failure under autograd: a skip that says so
         return GradientProbe(**made, out=None, grads=None, failed="backward", error=error)
     return GradientProbe(**made, out=out, grads=(None,) * len(inputs) + tuple(grads))
+
+
+def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, tables: set, gen: torch.Generator
+                    ) -> tuple[list[str], list[str]]:
+    """([unused parameters that the output depends on once the all-zero parameters are drawn], [those all-zero
+    parameters]). A parameter whose every entry is 0 cuts every path through it: a zero-initialised gate (Flamingo's
+    tanh(alpha) at alpha = 0, LLaMA-Adapter's, ReZero's) or output projection (DiT's adaLN-Zero, ControlNet's zero
+    convolutions, modded-nanogpt's c_proj) leaves everything before it with a gradient of exactly 0 at
+    initialisation, by design, while a parameter the code never reads stays at 0 whatever the others hold. So the
+    gradients are taken again on the float64 copy with the all-zero parameters drawn (N(0, 1) / sqrt(fan-in), then
+    restored); a parameter that gets a gradient then is used."""
+    zeros = [name for name, p in params.items() if p.numel() and not bool(p.detach().any())
+             and name not in {n for n, _ in unused}]
+    if not unused or not zeros:
+        return [], []
+    saved = {name: params[name].detach().clone() for name in zeros}
+    try:
+        with torch.no_grad():
+            for name in zeros:
+                p = params[name]
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) / math.sqrt(fan_in))
+        again = _unpadded(probe, sub, inputs, params)
+    finally:
+        with torch.no_grad():
+            for name in zeros:
+                params[name].copy_(saved[name])
+    if again.grads is None:
+        return [], []
+    at = dict(zip(params, again.grads[len(inputs):]))
+    gated = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
+    return gated, (zeros if gated else [])
 
 
 _VIEWS = {"transpose", "t", "permute", "expand", "view", "_unsafe_view", "reshape", "clone", "contiguous", "alias"}
@@ -304,22 +339,36 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     # an empty parameter (a bias of zero features, a table of no entries) has no entry to use or to leave unused
     zero = {name: structural_zeros(g, table=name in tables) for name, g in grad_by_name.items() if params[name].numel()}
     zero = {name: where for name, where in zero.items() if where}
-    cut, explained, unused, moved_by = [], [], [], {}
+    cut, explained, unused, moved_by, flat = [], [], [], {}, []
     for name, where in zero.items():
         part = _zero_part(grad_by_name[name], params[name])
         moved_by[name] = _forward_moves(sub, name, part, pack(inputs), allowed, out, gen)
-        if moved_by[name] > FORWARD_MOVES:
+        if moved_by[name] > FORWARD_MOVES and not bool(out.any()):
+            flat.append(name)  # an output of zeros: (out ** 2).sum() is flat there, and gives nothing a gradient
+        elif moved_by[name] > FORWARD_MOVES:
             cut.append(name)  # the output depends on it: its gradient is cut (the gradients detector's finding)
         elif where == "everywhere" and _shift_inert(sub, name, pack(inputs), allowed, gen):
             explained.append(name)
         else:
             unused.append((name, where))
+    gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
+    unused = [(name, where) for name, where in unused if name not in gated]
     whole = {name for name, where in unused if where == "everywhere"}
     copies = {name: at for name in whole if (at := kept_copy(name, params, whole))}
     unused = [(name, where) for name, where in unused if name not in copies]
     note = (f"; {', '.join(explained)}: zero gradient, and changing it shifts every row of the scores by a "
             f"constant, which the softmax removes exactly (a key bias is inert by design)" if explained else "")
     kept = "; ".join(f"{name} is a copy of {at}" for name, at in sorted(copies.items()))
+    if flat:
+        note += (f"; {', '.join(flat)}: zero gradient because the output is zero everywhere on this probe (the "
+                 f"loss, (out ** 2).sum(), is flat there), and changing {'them' if len(flat) > 1 else 'it'} moves the "
+                 f"output, so used")
+    if gated:
+        note += (f"; {', '.join(gated)}: zero gradient only while {', '.join(zeros)} "
+                 f"{'are' if len(zeros) > 1 else 'is'} all zeros (zero-initialised, as a gate or an output projection "
+                 f"that starts the layer as the identity of its residual is), so used: with "
+                 f"{'them' if len(zeros) > 1 else 'it'} drawn at random, {'they move' if len(gated) > 1 else 'it moves'} "
+                 f"the output")
     if cut:
         note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
                  f"{'them' if len(cut) > 1 else 'it'} no gradient: it is cut on its way (see gradients)")
