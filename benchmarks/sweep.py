@@ -400,26 +400,35 @@ def timm_image_size(model):
 def timm_build(name: str):
     """The model at the first of `TIMM_TINY` it builds with and runs a plain forward at the image size it declares
     (`timm_image_size`, what the audit's example is built from), keywords it does not take dropped one by one: a
-    model that takes img_size=64 yet cannot run at it (CrossViT's second branch) is built at the next."""
+    model that takes img_size=64 yet cannot run at it (CrossViT's second branch) is built at the next. A model of
+    a fixed input size (`fixed_input_size` in its pretrained_cfg: LeViT, Hiera, MViTv2, VOLO, ...) given another
+    img_size is given the same size as its configuration's `input_size` (`pretrained_cfg_overlay`, timm's own
+    way to change a configuration; its builder sizes such a model by it), so that the configuration says the size
+    the model was built at: without it, the configuration kept 224 and the model was built at 64."""
     import re
 
     import timm
     import torch
 
+    cfg = timm.get_pretrained_cfg(name)
+    fixed = cfg is not None and cfg.fixed_input_size and len(cfg.input_size or ()) == 3
     errors = []
     for overrides in TIMM_TINY:
         kw = dict(overrides)
         while True:
             torch.manual_seed(0)
+            size = kw.get("img_size")
+            overlay = {"pretrained_cfg_overlay": {"input_size": (cfg.input_size[0], size, size)}} \
+                if fixed and isinstance(size, int) else {}
             try:
-                model = timm.create_model(name, pretrained=False, **kw).eval()
-                size, channels = timm_image_size(model)
+                model = timm.create_model(name, pretrained=False, **kw, **overlay).eval()
+                size, channels, _ = timm_image_size(model)
                 if size is not None:
                     h, w = (size, size) if isinstance(size, int) else tuple(size)
                     with torch.no_grad():
                         model(torch.randn(1, channels, h, w))
                 torch.manual_seed(0)  # the model as built, whatever the forward drew
-                return timm.create_model(name, pretrained=False, **kw).eval()
+                return timm.create_model(name, pretrained=False, **kw, **overlay).eval()
             except TypeError as exc:
                 unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
                 if unexpected and unexpected.group(1) in kw:

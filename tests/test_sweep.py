@@ -169,6 +169,14 @@ def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     assert lines[0] == "1 / 1 built (100%); 1 more built with no attention module, not counted", lines
 
 
+def test_a_fixed_size_timm_model_is_built_small_and_its_configuration_says_the_size_it_was_built_at():
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    levit = sweep.timm_build("levit_128")  # img_size=64 taken; its configuration kept 224 (a usage error, issue 33)
+    assert levit.pretrained_cfg["input_size"] == (3, 64, 64), levit.pretrained_cfg
+    assert sweep.timm_image_size(levit) == ((64, 64), 3, "its pretrained_cfg's input_size (fixed)")
+
+
 def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
     sweep = _sweep()
     rows = sweep.run_children(_fake_run, ["good", "hangs"], 30, jobs=2, bugs=False)

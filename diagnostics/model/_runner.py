@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import expect
+from .._guard import untouched
 from .._registry import phrase
 from .._subject import CONTEXT_NAMES
 
@@ -34,20 +35,24 @@ ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_at
 
 
 def timm_image_size(model: nn.Module) -> tuple:
-    """(image size, channels) a timm model declares: the size it was built at (its patch embedding's `img_size`, else
-    its own), else its configuration's `input_size` (C, H, W: `pretrained_cfg`, the models with no patch embedding
-    of that name: MetaFormer, DaViT, ...) where that configuration says any size runs (`fixed_input_size` false: a
-    model built at another size than its configuration's keeps the configuration's); (None, 3) if none says."""
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is None:
-        size = getattr(model, "img_size", None)
+    """(image size, channels, where it was read) a timm model declares: the size it was built at (`img_size` on the
+    model or on one of its children: ViT's patch_embed, TNT's pixel_embed), else its configuration's `input_size`
+    (C, H, W: `pretrained_cfg`, for the models that keep no `img_size`: MetaFormer, DaViT, LeViT, Hiera, ...);
+    (None, 3, "") if none says. The configuration's size holds where any size runs (`fixed_input_size` false); on a
+    model of a fixed size it is the size timm's builder built it at (it passes `input_size` as `img_size`) unless
+    the caller passed another `img_size`, so that one is marked "fixed" for the caller to try first."""
+    holders = [("", model), *((f"{name}.", child) for name, child in model.named_children())]
+    for prefix, holder in holders:
+        size = getattr(holder, "img_size", None)
+        if isinstance(size, int) or (isinstance(size, (tuple, list)) and len(size) == 2):
+            return size, 3, f"{type(model).__name__}'s {prefix}img_size"
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
     declared = cfg.get("input_size") if isinstance(cfg, dict) else None
-    channels = int(declared[0]) if isinstance(declared, (tuple, list)) and len(declared) == 3 else 3
-    if size is None and isinstance(declared, (tuple, list)) and len(declared) == 3 and \
-            cfg.get("fixed_input_size") is False:
-        size = tuple(int(v) for v in declared[1:])
-    return size, channels
+    if not (isinstance(declared, (tuple, list)) and len(declared) == 3):
+        return None, 3, ""
+    fixed = cfg.get("fixed_input_size") is not False
+    return (tuple(int(v) for v in declared[1:]), int(declared[0]),
+            "its pretrained_cfg's input_size" + (" (fixed)" if fixed else ""))
 
 
 def first_tensor(x):
@@ -218,8 +223,13 @@ class Runner:
             self.vocab = vocab
             return first, self.draw_ids((2, T), gen).to(device)
         channels = getattr(config, "num_channels", 3) if config is not None else 3
+        stale = ""
         if size is None and type(model).__module__.startswith("timm."):
-            size, channels = timm_image_size(model)
+            size, channels, source = timm_image_size(model)
+            if source.endswith("(fixed)") and not self._runs_at(size, channels, device, dtype):
+                # built at another img_size than its configuration says: the size is the caller's to give
+                stale = f" (it did not run at {source[:-8]}, {size[0]} x {size[1]})"
+                size = None
         if size is not None:
             h, w = (size, size) if isinstance(size, int) else tuple(size)
             return first, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
@@ -227,10 +237,34 @@ class Runner:
         expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face model, "
                                        "an nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision "
                                        "model)", self.options),
-               f"{type(model).__name__} with none of these", phrase("pass {example}torch.randint(vocab, (2, 16)) or a "
-                                                                    "dict of the model's inputs", self.options))
+               f"{type(model).__name__} with none of these" + stale, self._example_hint())
         self.vocab = emb.num_embeddings
         return first, self.draw_ids((2, T), gen).to(device)
+
+    def _runs_at(self, size, channels: int, device, dtype) -> bool:
+        """Whether the model runs a forward of one image of `size` (a trial under the state guard). With gradients,
+        as the audit's own forwards: a model that caches in eval mode (LeViT's attention biases) keeps no tensor cut
+        from its parameters' graph by a trial that was the first to run."""
+        try:
+            with untouched(self.model, device):
+                gen = torch.Generator().manual_seed(0)  # pixels that vary, as the audit's: no degenerate input
+                self.model(torch.randn(1, channels, *size, generator=gen).to(device, dtype))
+        except Exception:  # the user's model raised: that size is not the one it was built for
+            return False
+        return True
+
+    def _example_hint(self) -> str:
+        """How to pass an example, in the form the model's first layer reads: pixels for a model that starts with a
+        convolution (a patch embedding, a stem), token ids otherwise."""
+        first = next((m for m in self.model.modules() if next(m.children(), None) is None  # the first layer with
+                      and next(m.parameters(), None) is not None), None)  # weights, not a holder of tables
+        if isinstance(first, nn.modules.conv._ConvNd):
+            path = next(n for n, m in self.model.named_modules() if m is first)
+            spatial = ", ".join(("L",) if first.weight.dim() == 3 else ("T", "H", "W")[5 - first.weight.dim():])
+            return phrase(f"pass {{example}}torch.randn(2, {first.in_channels}, {spatial}) at the size the model was "
+                          f"built for: it starts with {type(first).__name__}({first.in_channels} -> "
+                          f"{first.out_channels}) at {path}", self.options)
+        return phrase("pass {example}torch.randint(vocab, (2, 16)) or a dict of the model's inputs", self.options)
 
     def _declared_example(self, config, T: int, gen, device, dtype):
         """The example a Hugging Face model declares it takes: its `main_input_name` (the forward's first input
