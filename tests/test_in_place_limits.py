@@ -202,6 +202,54 @@ def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(c
         assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
 
 
+class SharedRelative(FoldedBias):
+    """Causal attention given relative positions (1, 1, T, T) shared by the whole batch, which it squeezes and
+    expands to B x H rows itself, as SEW-D's (DeBERTa-v2's) disentangled attention does; `causal=False`: the causal
+    mask forgotten (a real bug, for the twin)."""
+
+    def __init__(self, causal: bool = True):
+        super().__init__(causal=causal)
+        self.bias = nn.Parameter(torch.randn(64) * 0.1)  # one bias per clamped relative distance
+
+    def forward(self, x, relative_pos):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        index = (relative_pos.squeeze(0) + 32).clamp(0, 63).expand(B * H, T, T)  # raises unless one row: (1, T, T)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + self.bias[index].view(B, H, T, T)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class SharedRelativeLM(FoldedBiasLM):
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = SharedRelative(causal=causal)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        relative_pos = (torch.arange(T)[None, :] - torch.arange(T)[:, None])[None, None]  # (1, 1, T, T), any batch
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, relative_pos))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_argument_of_one_row_at_any_batch_is_passed_as_the_model_passes_it(causal):
+    """The model passes the same (1, 1, T, T) relative positions at batch 1 and 2: a probe of batch 2 gets them so
+    (before, repeated to (2, 1, T, T): `runs` failed on every probe of batch 2, SEW-D's false failure, issue 33).
+    Twin: the same layer without its causal mask fails future_leakage there."""
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(SharedRelativeLM(causal), example=ids, causal=True)
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    if causal:
+        assert report.status == "passed", report
+    else:
+        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
+
+
 class ClassQuery(TiedAttention):
     """The class token's query over every token (CrossViT's fusion attention): (B, 1, D) for (B, T, D);
     `every`: every token's query, (B, T, D), the twin."""
