@@ -132,6 +132,29 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"plain script: grad None after one no_grad forward, non-zero without it)",
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
+    "yoso": f"padding is not masked: YosoModel passes its 0/1 attention_mask to the encoder as it came ({TF}yoso/"
+            f"modeling_yoso.py:683), and the layer, written for an additive mask (0 / -10000), turns it into key "
+            f"weights by `1.0 + attention_mask / 10000.0` then `.int()` (line 356): 1 for pads and real tokens alike",
+    "nystromformer": f"padding moves the real tokens' outputs: the depth-wise convolution over the values, "
+                     f"`context_layer += self.conv(value_layer)` ({TF}nystromformer/modeling_nystromformer.py:212, "
+                     f"kernel conv_kernel_size=65), runs over the pad tokens' values, unmasked",
+    "funnel": f"padding moves the real tokens' outputs: each pooling averages pairs of tokens without the mask, "
+              f"`self.pool_tensor(output, mode=self.config.pooling_type)` ({TF}funnel/modeling_funnel.py:309; "
+              f"avg_pool2d, line 277), so a real token is pooled with a pad where the boundary falls between them, "
+              f"and the decoder upsamples that back onto the real positions",
+    "deepseek_v4": f"left padding moves the real tokens' outputs: the compressors pool windows of compress_rate "
+                   f"slots counted from the tensor's first slot, pads included, `kv[:, :usable]` "
+                   f"({TF}deepseek_v4/modeling_deepseek_v4.py:419, 647), while the queries' causal threshold over "
+                   f"the compressed entries reads position_ids, `(position_ids + 1) // self.compress_rate` "
+                   f"(lines 448, 588); right padding leaves them",
+    "paligemma": f"a sequence's logits depend on whether another sequence of its batch is padded: the configuration "
+                 f"sets text_config.use_bidirectional_attention=True ({TF}paligemma/configuration_paligemma.py:92), "
+                 f"so the Gemma attention's is_causal is False (gemma/modeling_gemma.py:228); where nothing is padded "
+                 f"`create_causal_mask` (modeling_paligemma.py:246) returns None and SDPA attends both ways, where a "
+                 f"row is padded it builds a causal mask",
+    "colpali": f"as PaliGemma, its language model ({TF}colpali/modeling_colpali.py:99, a PaliGemma model): a "
+               f"sequence attends both ways where nothing in its batch is padded (use_bidirectional_attention=True, "
+               f"paligemma/configuration_paligemma.py:92), causally where a row is padded",
 }
 KNOWN.update(__import__("sweep_diffusers").KNOWN)  # diffusers' own, keyed by the row names of its sweep
 

@@ -389,3 +389,57 @@ def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_recurre
                      use_cache=False).logits[:, 4:]
     change = float((left - plain).abs().max() / plain.square().mean().sqrt())
     assert (change > 1e-3) is known, change  # measured: 0.45 of the RMS (RecurrentGemma), 1.2e-7 (Gemma)
+
+
+def _logits(out):
+    """The first output of a transformers model: its logits, else its first field (ColPali's embeddings)."""
+    return out.logits if getattr(out, "logits", None) is not None else out[0]
+
+
+@pytest.mark.parametrize("model_type, side, known", [
+    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True),
+    ("deepseek_v4", "left", True), ("bert", "right", False), ("deepseek_v3", "left", False)])
+def test_padding_leaves_the_real_tokens_except_where_known_says_the_model_mixes_the_pads_in(model_type, side, known):
+    """YOSO, Nyströmformer, Funnel (4 right pads) and DeepSeek-V4 (4 left pads, positions from the mask), each as the
+    sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens; BERT and DeepSeek-V3, the same
+    script, leave them."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    pads, ones, zeros = torch.full((1, 4), 3), torch.ones(1, 12, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    left = side == "left"
+    padded = torch.cat([pads, ids] if left else [ids, pads], dim=1)
+    mask = torch.cat([zeros, ones] if left else [ones, zeros], dim=1)
+    real = slice(4, 16) if left else slice(0, 12)
+    positions = {"position_ids": (mask.cumsum(-1) - 1).clamp_min(0)} if left else {}
+    with torch.no_grad():
+        plain = _logits(model(ids, **({"position_ids": torch.arange(12)[None]} if left else {})))
+        moved = _logits(model(padded, attention_mask=mask, **positions))[:, real]
+    change = float((moved - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change
+
+
+@pytest.mark.parametrize("model_type, known", [("paligemma", True), ("colpali", True), ("gemma", False)])
+def test_a_sequence_gives_what_it_gives_alone_beside_a_padded_one_except_where_known_says_the_mask_changes(
+        model_type, known):
+    """PaliGemma and ColPali (KNOWN): a sequence beside a padded one (a causal mask built) gives other logits than alone
+    (no mask built: its language model, bidirectional by configuration, attends both ways); Gemma, the same script,
+    gives the same."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 8:] = 0  # the other sequence: 8 tokens, right-padded
+    with torch.no_grad():
+        alone = _logits(model(ids[1:]))
+        beside = _logits(model(ids, attention_mask=mask))[1:]
+    change = float((beside - alone).abs().max() / alone.square().mean().sqrt())
+    assert (change > 1e-3) is known, change
