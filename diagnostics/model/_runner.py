@@ -366,10 +366,12 @@ class Runner:
         return keep.nonzero().flatten()
 
     def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None):
-        """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling."""
+                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None,
+                 extra: dict | None = None):
+        """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling. `extra`:
+        inputs of the model's own names the audit does not pass otherwise (`optional_masks`)."""
         model = model or self.model
-        kwargs = {}
+        kwargs = dict(extra or {})
         for name, value in self.fixed.items():
             if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] >= 1:
                 # the example's first row for every sequence: rows compared with each other share it
@@ -404,6 +406,14 @@ class Runner:
         if out is None:
             raise TypeError(f"the model returned {type(result).__name__} with no tensor in it")
         return out, (cache_of(result) if use_cache else None)
+
+    def optional_masks(self) -> list[str]:
+        """The masks the model's forward takes that the audit passes none of (left at their default None), other than
+        its padding and head masks: a mask that turns on another path (Longformer's and LED's
+        global_attention_mask, which selects the tokens attended by every other through their own projections)."""
+        passed = {self.main, self.padding_name, self.causal_mask_name, *self.fixed, *self.dropped}
+        return [n for n, p in self.params.items() if n.endswith("mask") and p.default is None and n not in passed
+                and "head_mask" not in n and n not in ("attention_mask", "decoder_attention_mask")]
 
     def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
         """Every position changed: another token (ids), or a fresh draw pushed 1000x (embeddings)."""
