@@ -191,6 +191,14 @@ class Row:
     declared: str = ""  # a layer audit's named declaration and the status it gave with it (diffusers)
     seconds: float = 0.0
 
+    def judged(self, verdict: str, why: str, limit: int = 300) -> None:
+        """The verdict and its reason, the reason's first line cut to `limit` characters in the middle: its end says
+        where to look (an inconclusive's "(see the notes)", a usage error's "Fix: ..."), its start what happened."""
+        why = why.splitlines()[0] if why else ""
+        if len(why) > limit:
+            why = why[:limit - 125] + " ... " + why[-120:]
+        self.verdict, self.why = verdict, why
+
 
 # ---- transformers -------------------------------------------------------------------------------------------
 
@@ -333,9 +341,9 @@ def audit_row(row: Row, model, *, bugs: bool) -> None:
     try:
         report = diagnostics.audit_model(model)
     except AuditUsageError as exc:
-        row.verdict, row.why = "usage error", str(exc).splitlines()[0][:300]
+        row.judged("usage error", str(exc))
         return
-    row.verdict, row.why = report.status, report.status_reason[:300]
+    row.judged(report.status, report.status_reason)
     row.causal = f"{report.causal} ({report.causal_source})"[:200]
     row.findings = sorted(f"{d}@{layer}" if layer else d for layer, d in located(report))
     for path, layer_report in (report.layers or {}).items():

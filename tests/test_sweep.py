@@ -177,6 +177,18 @@ def test_a_fixed_size_timm_model_is_built_small_and_its_configuration_says_the_s
     assert sweep.timm_image_size(levit) == ((64, 64), 3, "its pretrained_cfg's input_size (fixed)")
 
 
+def test_a_rows_long_reason_is_cut_in_the_middle_so_that_where_to_look_stays():
+    sweep = _sweep()
+    row = sweep.Row("many layers")
+    reason = ("inconclusive: " + ", ".join(f"blocks.{i}.attn" for i in range(40)) + " could not be audited in place "
+              "(see the notes)")
+    row.judged("inconclusive", reason)  # was: cut at 300 characters, "(see the notes)" lost
+    assert (row.verdict, len(row.why)) == ("inconclusive", 300), row
+    assert row.why.startswith("inconclusive: blocks.0.attn, ") and row.why.endswith("(see the notes)"), row.why
+    row.judged("usage error", "expected example=...; got X\nsecond line")
+    assert row.why == "expected example=...; got X", row.why
+
+
 def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
     sweep = _sweep()
     rows = sweep.run_children(_fake_run, ["good", "hangs"], 30, jobs=2, bugs=False)
