@@ -134,7 +134,11 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
     "yoso": f"padding is not masked: YosoModel passes its 0/1 attention_mask to the encoder as it came ({TF}yoso/"
             f"modeling_yoso.py:683), and the layer, written for an additive mask (0 / -10000), turns it into key "
-            f"weights by `1.0 + attention_mask / 10000.0` then `.int()` (line 356): 1 for pads and real tokens alike",
+            f"weights by `1.0 + attention_mask / 10000.0` then `.int()` (line 356): 1 for pads and real tokens alike; "
+            f"and its attention's backward is written by hand, not the forward's derivative: YosoCumulation.backward "
+            f"(line 119) takes expectation x hash_code_len / 2 for the derivative of (1 - acos(q.k) / pi) ** "
+            f"hash_code_len (the query's and key's gradients 16% off autograd's of the same formula; the value's "
+            f"exact)",
     "nystromformer": f"padding moves the real tokens' outputs: the depth-wise convolution over the values, "
                      f"`context_layer += self.conv(value_layer)` ({TF}nystromformer/modeling_nystromformer.py:212, "
                      f"kernel conv_kernel_size=65), runs over the pad tokens' values, unmasked",

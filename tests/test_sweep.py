@@ -476,3 +476,29 @@ def test_timms_cached_attention_biases_get_no_gradient_after_a_forward_under_no_
             model(x)
     model(x).square().sum().backward()
     assert (model.get_submodule(path).attention_biases.grad is None) is no_grad_first
+
+
+def test_yosos_hand_written_backward_is_not_its_forwards_derivative_for_query_and_key_but_is_for_value():
+    """YOSO (KNOWN): YosoCumulation's forward is (1 - acos(q.k) / pi) ** h @ v exactly, its backward is written by
+    hand; autograd through the same formula gives other gradients for q and k (measured: 16% of their norm), the
+    same for v (the twin: exact)."""
+    import math
+
+    import torch
+
+    _transformers()
+    from transformers.models.yoso.modeling_yoso import YosoCumulation
+
+    assert "yoso" in _sweep().KNOWN
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 6, 8, generator=gen, dtype=torch.float64), dim=-1)
+            .requires_grad_() for _ in range(2))
+    v = torch.randn(2, 6, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    ones = torch.ones(2, 6, dtype=torch.float64)
+    out = YosoCumulation.apply(ones, ones, q, k, v, {"hash_code_len": 9})
+    formula = ((1 - torch.acos(q @ k.transpose(-1, -2)) / math.pi) ** 9) @ v  # (B, T, T) x (B, T, d) -> (B, T, d)
+    assert torch.allclose(out, formula)
+    theirs = torch.autograd.grad(out.square().sum(), (q, k, v))
+    autograd = torch.autograd.grad(formula.square().sum(), (q, k, v))
+    off = [float((a - b).norm() / b.norm()) for a, b in zip(theirs, autograd)]
+    assert off[0] > 0.05 and off[1] > 0.05 and off[2] < 1e-12, off
