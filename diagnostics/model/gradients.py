@@ -52,6 +52,7 @@ class ByDesign:
     zeroed: str | None = None
     length: int | None = None
     zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
+    discarded: str | None = None  # its own module, of whose outputs it moves only those that get no gradient
     selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
     given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
 
@@ -60,6 +61,8 @@ class ByDesign:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
             return f"the input of {self.zero_input} is exactly 0 here"
+        if self.discarded:
+            return f"it moves only outputs of {self.discarded} that the model discards (they get no gradient)"
         if self.given:
             return f"used only with {self.given}, which the audit did not pass"
         return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
@@ -119,6 +122,41 @@ def _moves_output(ctx: ModelContext, seq, params: list, gen, before=None) -> boo
     return float((after.float() - before.float()).abs().max()) > MOVES * scale
 
 
+def _moves_only(ctx: ModelContext, module: nn.Module, before: Tensor, discarded: Tensor, params: list) -> bool:
+    """Whether changing `params` at random moves some of `module`'s outputs (`before`, on the audit's input) and only
+    those `discarded` marks, the outputs that get no gradient of the model's: a relative-position table that reaches
+    only the patch tokens of a last block whose class token alone the head reads (MViTv2's `*_cls`). The
+    parameters are restored."""
+    saved = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(ctx.seed + 73)
+    after = {}
+
+    def keep(m, args, out):  # the first call's output, the module's own left as it returned it
+        after.setdefault("out", first_tensor(out))
+
+    handle = module.register_forward_hook(keep)
+    try:
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * (float(old.float().abs().mean())
+                                                                                     or 1.0))
+            seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+            ctx.runner(ctx.runner.inputs[:1])
+    except Exception:  # the model does not run so: not shown to be used
+        return False
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.copy_(old)
+    out = after.get("out")
+    if not isinstance(out, Tensor) or out.shape != before.shape:
+        return False
+    scale = float(before.detach().float().square().mean().sqrt()) or 1.0
+    moved = (out.float() - before.detach().float()).abs() > MOVES * scale
+    return bool(moved.any()) and not bool((moved & ~discarded).any())
+
+
 def _output(ctx: ModelContext, seq):
     with torch.no_grad():
         return ctx.runner(seq)[0]
@@ -154,6 +192,13 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
             elif owner in zero_inputs and leaf == "weight":  # its bias still gets one: judged
                 ctx.by_design[n] = ByDesign(zero_input=owner)
                 todo.remove(n)
+        for p, g in zip(paths, grads):
+            mine = [n for n in todo if n.rsplit(".", 1)[0] == p][:MOVED_AT_MOST]
+            if mine and g is not None and p not in zeroed and _moves_only(ctx, named[p], outputs[p], g == 0,
+                                                                          [params[n] for n in mine]):
+                for n in mine:
+                    ctx.by_design[n] = ByDesign(discarded=p)
+                    todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
@@ -319,7 +364,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed or why.zero_input for why in by_design.values() if why.zeroed or why.zero_input})
+    zeroed = sorted({why.zeroed or why.zero_input or why.discarded for why in by_design.values()
+                     if why.zeroed or why.zero_input or why.discarded})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -359,7 +405,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
-                  f"or their input is 0), "
+                  f"or their input is 0; or the outputs their parameters move are those the model discards), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
