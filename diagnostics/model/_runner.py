@@ -41,17 +41,21 @@ def timm_image_size(model: nn.Module) -> tuple:
     (None, 3, "") if none says. The configuration's size holds where any size runs (`fixed_input_size` false); on a
     model of a fixed size it is the size timm's builder built it at (it passes `input_size` as `img_size`) unless
     the caller passed another `img_size`, so that one is marked "fixed" for the caller to try first."""
-    holders = [("", model), *((f"{name}.", child) for name, child in model.named_children())]
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    declared = cfg.get("input_size") if isinstance(cfg, dict) else None
+    declared = declared if isinstance(declared, (tuple, list)) and len(declared) == 3 else None
+    channels = int(declared[0]) if declared else 3
+    children = dict(model.named_children())
+    holders = [("patch_embed.", children.get("patch_embed")), ("", model),
+               *((f"{name}.", child) for name, child in children.items() if name != "patch_embed")]
     for prefix, holder in holders:
         size = getattr(holder, "img_size", None)
         if isinstance(size, int) or (isinstance(size, (tuple, list)) and len(size) == 2):
-            return size, 3, f"{type(model).__name__}'s {prefix}img_size"
-    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
-    declared = cfg.get("input_size") if isinstance(cfg, dict) else None
-    if not (isinstance(declared, (tuple, list)) and len(declared) == 3):
+            return size, channels, f"{type(model).__name__}'s {prefix}img_size"
+    if declared is None:
         return None, 3, ""
     fixed = cfg.get("fixed_input_size") is not False
-    return (tuple(int(v) for v in declared[1:]), int(declared[0]),
+    return (tuple(int(v) for v in declared[1:]), channels,
             "its pretrained_cfg's input_size" + (" (fixed)" if fixed else ""))
 
 
