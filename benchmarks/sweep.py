@@ -132,7 +132,52 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
              f"plain script: grad None after one no_grad forward, non-zero without it)",
     "prophetnet": f"ProphetNetForCausalLM: past logits move when later tokens change; its logits are the first "
                   f"predicting stream's ({TF}prophetnet/modeling_prophetnet.py:1774)",
+    "yoso": f"padding is not masked: YosoModel passes its 0/1 attention_mask to the encoder as it came ({TF}yoso/"
+            f"modeling_yoso.py:683), and the layer, written for an additive mask (0 / -10000), turns it into key "
+            f"weights by `1.0 + attention_mask / 10000.0` then `.int()` (line 356): 1 for pads and real tokens alike; "
+            f"and its attention's backward is written by hand, not the forward's derivative: YosoCumulation.backward "
+            f"(line 119) takes expectation x hash_code_len / 2 for the derivative of (1 - acos(q.k) / pi) ** "
+            f"hash_code_len (the query's and key's gradients 16% off autograd's of the same formula; the value's "
+            f"exact)",
+    "nystromformer": f"padding moves the real tokens' outputs: the depth-wise convolution over the values, "
+                     f"`context_layer += self.conv(value_layer)` ({TF}nystromformer/modeling_nystromformer.py:212, "
+                     f"kernel conv_kernel_size=65), runs over the pad tokens' values, unmasked",
+    "funnel": f"padding moves the real tokens' outputs: each pooling averages pairs of tokens without the mask, "
+              f"`self.pool_tensor(output, mode=self.config.pooling_type)` ({TF}funnel/modeling_funnel.py:309; "
+              f"avg_pool2d, line 277), so a real token is pooled with a pad where the boundary falls between them, "
+              f"and the decoder upsamples that back onto the real positions",
+    "deepseek_v4": f"left padding moves the real tokens' outputs: the compressors pool windows of compress_rate "
+                   f"slots counted from the tensor's first slot, pads included, `kv[:, :usable]` "
+                   f"({TF}deepseek_v4/modeling_deepseek_v4.py:419, 647), while the queries' causal threshold over "
+                   f"the compressed entries reads position_ids, `(position_ids + 1) // self.compress_rate` "
+                   f"(lines 448, 588); right padding leaves them",
+    "paligemma": f"a sequence's logits depend on whether another sequence of its batch is padded: the configuration "
+                 f"sets text_config.use_bidirectional_attention=True ({TF}paligemma/configuration_paligemma.py:92), "
+                 f"so the Gemma attention's is_causal is False (gemma/modeling_gemma.py:228); where nothing is padded "
+                 f"`create_causal_mask` (modeling_paligemma.py:246) returns None and SDPA attends both ways, where a "
+                 f"row is padded it builds a causal mask",
+    "colpali": f"as PaliGemma, its language model ({TF}colpali/modeling_colpali.py:99, a PaliGemma model): a "
+               f"sequence attends both ways where nothing in its batch is padded (use_bidirectional_attention=True, "
+               f"paligemma/configuration_paligemma.py:92), causally where a row is padded",
 }
+TIMM = "timm 1.0.31, timm/models/"
+# timm's attention with a table of biases cached in eval mode by the first forward (as transformers' LeViT): the
+# model types of each module the sweep audits, their module and the line that fills the cache
+BIAS_CACHED = {
+    ("levit", 305): ("levit_128", "levit_128s", "levit_192", "levit_256", "levit_256d", "levit_384", "levit_384_s8",
+                     "levit_512", "levit_512_s8", "levit_512d", "levit_conv_128", "levit_conv_128s", "levit_conv_192",
+                     "levit_conv_256", "levit_conv_256d", "levit_conv_384", "levit_conv_384_s8", "levit_conv_512",
+                     "levit_conv_512_s8", "levit_conv_512d"),
+    ("efficientformer", 109): ("efficientformer_l1", "efficientformer_l3", "efficientformer_l7"),
+    ("efficientvit_msra", 280): tuple(f"efficientvit_m{i}" for i in range(6)),
+    ("tiny_vit", 273): ("tiny_vit_5m_224", "tiny_vit_11m_224", "tiny_vit_21m_224", "tiny_vit_21m_384",
+                        "tiny_vit_21m_512"),
+}
+KNOWN.update({name: f"in eval mode the attention biases are cached by the first forward ({TIMM}{module}.py:{line}, "
+                    f"`self.attention_bias_cache[device_key] = self.attention_biases[:, self.attention_bias_idxs]`): "
+                    f"after a forward under no_grad every later forward's attention_biases get no gradient "
+                    f"(confirmed by a plain script: grad None after one no_grad forward, not None without it)"
+              for (module, line), names in BIAS_CACHED.items() for name in names})
 KNOWN.update(__import__("sweep_diffusers").KNOWN)  # diffusers' own, keyed by the row names of its sweep
 
 
@@ -149,6 +194,14 @@ class Row:
     own_weights: dict = field(default_factory=dict)  # layer -> own_weights' verdict (and why, where not "pass")
     declared: str = ""  # a layer audit's named declaration and the status it gave with it (diffusers)
     seconds: float = 0.0
+
+    def judged(self, verdict: str, why: str, limit: int = 300) -> None:
+        """The verdict and its reason, the reason's first line cut to `limit` characters in the middle: its end says
+        where to look (an inconclusive's "(see the notes)", a usage error's "Fix: ..."), its start what happened."""
+        why = why.splitlines()[0] if why else ""
+        if len(why) > limit:
+            why = why[:limit - 125] + " ... " + why[-120:]
+        self.verdict, self.why = verdict, why
 
 
 # ---- transformers -------------------------------------------------------------------------------------------
@@ -292,9 +345,9 @@ def audit_row(row: Row, model, *, bugs: bool) -> None:
     try:
         report = diagnostics.audit_model(model)
     except AuditUsageError as exc:
-        row.verdict, row.why = "usage error", str(exc).splitlines()[0][:300]
+        row.judged("usage error", str(exc))
         return
-    row.verdict, row.why = report.status, report.status_reason[:300]
+    row.judged(report.status, report.status_reason)
     row.causal = f"{report.causal} ({report.causal_source})"[:200]
     row.findings = sorted(f"{d}@{layer}" if layer else d for layer, d in located(report))
     for path, layer_report in (report.layers or {}).items():
@@ -400,26 +453,35 @@ def timm_image_size(model):
 def timm_build(name: str):
     """The model at the first of `TIMM_TINY` it builds with and runs a plain forward at the image size it declares
     (`timm_image_size`, what the audit's example is built from), keywords it does not take dropped one by one: a
-    model that takes img_size=64 yet cannot run at it (CrossViT's second branch) is built at the next."""
+    model that takes img_size=64 yet cannot run at it (CrossViT's second branch) is built at the next. A model of
+    a fixed input size (`fixed_input_size` in its pretrained_cfg: LeViT, Hiera, MViTv2, VOLO, ...) given another
+    img_size is given the same size as its configuration's `input_size` (`pretrained_cfg_overlay`, timm's own
+    way to change a configuration; its builder sizes such a model by it), so that the configuration says the size
+    the model was built at: without it, the configuration kept 224 and the model was built at 64."""
     import re
 
     import timm
     import torch
 
+    cfg = timm.get_pretrained_cfg(name)
+    fixed = cfg is not None and cfg.fixed_input_size and len(cfg.input_size or ()) == 3
     errors = []
     for overrides in TIMM_TINY:
         kw = dict(overrides)
         while True:
             torch.manual_seed(0)
+            size = kw.get("img_size")
+            overlay = {"pretrained_cfg_overlay": {"input_size": (cfg.input_size[0], size, size)}} \
+                if fixed and isinstance(size, int) else {}
             try:
-                model = timm.create_model(name, pretrained=False, **kw).eval()
-                size, channels = timm_image_size(model)
+                model = timm.create_model(name, pretrained=False, **kw, **overlay).eval()
+                size, channels, _ = timm_image_size(model)
                 if size is not None:
                     h, w = (size, size) if isinstance(size, int) else tuple(size)
                     with torch.no_grad():
                         model(torch.randn(1, channels, h, w))
                 torch.manual_seed(0)  # the model as built, whatever the forward drew
-                return timm.create_model(name, pretrained=False, **kw).eval()
+                return timm.create_model(name, pretrained=False, **kw, **overlay).eval()
             except TypeError as exc:
                 unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
                 if unexpected and unexpected.group(1) in kw:

@@ -267,7 +267,7 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
     row.cls, row.built = type(layer).__name__, True
     try:
         report = diagnostics.audit(layer, progress=False)
-        row.verdict, row.why = report.status, report.status_reason[:300]
+        row.judged(report.status, report.status_reason)
         row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})") for f in report.findings)
         declared = {}
         if report.status == "inconclusive" and report.declaration:
@@ -281,7 +281,7 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
         if bugs and passed:
             inject(row, declared, injected, mask_bugs)
     except AuditUsageError as exc:
-        row.verdict, row.why = "usage error", str(exc).splitlines()[0][:300]
+        row.judged("usage error", str(exc))
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]

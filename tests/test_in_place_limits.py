@@ -116,28 +116,42 @@ def test_gradient_flow_leaves_out_a_module_its_model_multiplies_by_zero_and_judg
 
 
 class TimmLike(nn.Module):
-    """A timm model with no patch embedding of that name (MetaFormer, DaViT): its size only in `pretrained_cfg`."""
+    """A timm model with no patch embedding of that name (MetaFormer, DaViT, LeViT): its size only in
+    `pretrained_cfg`, built for 8 x 8 pixels; `size`: the size its configuration says (16: built at another size than
+    its configuration's, as timm keeps the configuration's when given another img_size); `picky`: the attention
+    raises on tokens all alike (a real bug, `TiedAttention`)."""
 
     __module__ = "timm.models.fake"  # what the audit reads to know a timm model
 
-    def __init__(self, fixed: bool):
+    def __init__(self, fixed: bool, size: int = 8, picky: bool = False):
         super().__init__()
-        self.pretrained_cfg = {"input_size": (3, 8, 8), "fixed_input_size": fixed}
-        self.vit = TinyViT()
+        self.pretrained_cfg = {"input_size": (3, size, size), "fixed_input_size": fixed}
+        self.vit = TinyViT(picky=picky)
 
     def forward(self, x):
         return self.vit(x)
 
 
 @pytest.mark.parametrize("fixed", [False, True])
-def test_a_timm_model_gets_pixels_of_its_declared_size_where_any_size_runs_else_the_usage_error(fixed):
-    model = TimmLike(fixed)
-    if fixed:  # built at some size its configuration does not say (timm keeps the configuration's): ask for pixels
-        with pytest.raises(diagnostics.AuditUsageError, match="pass example="):
-            diagnostics.audit_model(model, detectors=["gradient_flow"])
-        return
-    report = diagnostics.audit_model(model, detectors=["gradient_flow"])
+def test_a_timm_model_gets_pixels_of_the_size_its_configuration_declares_fixed_or_not(fixed):
+    # fixed: timm's builder builds a fixed-size model at its configuration's input_size (a usage error before)
+    report = diagnostics.audit_model(TimmLike(fixed), detectors=["gradient_flow"])
     assert report.result("gradient_flow").verdict == "pass" and report.seq_len == 17, report
+
+
+def test_a_timm_model_built_at_another_size_than_its_configuration_says_is_asked_for_pixels():
+    # the configuration's 16 x 16 does not run: the size is unknown, and the message asks for pixels, not token ids
+    with pytest.raises(diagnostics.AuditUsageError, match=r"did not run at its pretrained_cfg's input_size, 16 x 16"
+                                                          r".*pass example=torch.randn\(2, 3, H, W\) at the size the "
+                                                          r"model was built for: it starts with Conv2d\(3 -> 16\) at "
+                                                          r"vit.patch"):
+        diagnostics.audit_model(TimmLike(True, size=16), detectors=["gradient_flow"])
+
+
+def test_its_twin_a_fixed_size_timm_model_with_a_real_bug_at_its_size_still_fails():
+    report = diagnostics.audit_model(TimmLike(True, picky=True))
+    assert report.status == "failed" and report.layers["attn" if "attn" in report.layers else "vit.attn"].result(
+        "runs").verdict == "fail", report
 
 
 class FoldedBias(nn.Module):
@@ -180,6 +194,54 @@ def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(c
     mask fails future_leakage there."""
     ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
     report = diagnostics.audit_model(FoldedBiasLM(causal), example=ids, causal=True)
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    if causal:
+        assert report.status == "passed", report
+    else:
+        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
+
+
+class SharedRelative(FoldedBias):
+    """Causal attention given relative positions (1, 1, T, T) shared by the whole batch, which it squeezes and
+    expands to B x H rows itself, as SEW-D's (DeBERTa-v2's) disentangled attention does; `causal=False`: the causal
+    mask forgotten (a real bug, for the twin)."""
+
+    def __init__(self, causal: bool = True):
+        super().__init__(causal=causal)
+        self.bias = nn.Parameter(torch.randn(64) * 0.1)  # one bias per clamped relative distance
+
+    def forward(self, x, relative_pos):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        index = (relative_pos.squeeze(0) + 32).clamp(0, 63).expand(B * H, T, T)  # raises unless one row: (1, T, T)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + self.bias[index].view(B, H, T, T)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class SharedRelativeLM(FoldedBiasLM):
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = SharedRelative(causal=causal)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        relative_pos = (torch.arange(T)[None, :] - torch.arange(T)[:, None])[None, None]  # (1, 1, T, T), any batch
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, relative_pos))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_argument_of_one_row_at_any_batch_is_passed_as_the_model_passes_it(causal):
+    """The model passes the same (1, 1, T, T) relative positions at batch 1 and 2: a probe of batch 2 gets them so
+    (before, repeated to (2, 1, T, T): `runs` failed on every probe of batch 2, SEW-D's false failure, issue 33).
+    Twin: the same layer without its causal mask fails future_leakage there."""
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(SharedRelativeLM(causal), example=ids, causal=True)
     layer = report.layers["attn"]
     assert layer.result("runs").verdict == "pass", layer.result("runs")
     if causal:

@@ -384,6 +384,11 @@ def test_misuse_is_an_error_that_says_what_was_expected():
         diagnostics.audit_model(tiny_gpt(), seq_len=64)
     with pytest.raises(diagnostics.AuditUsageError, match="expected example="):
         diagnostics.audit_model(nn.Sequential(nn.Linear(4, 4)))
+    # a model that starts with a convolution is asked for pixels, not token ids (timm's usage errors, issue 33)
+    with pytest.raises(diagnostics.AuditUsageError, match=r"Fix: pass example=torch.randn\(2, 3, H, W\) at the size "
+                                                          r"the model was built for: it starts with Conv2d\(3 -> 8\) "
+                                                          r"at 0"):
+        diagnostics.audit_model(nn.Sequential(nn.Conv2d(3, 8, 2), nn.Flatten()))
     with pytest.raises(diagnostics.AuditUsageError, match="detector ids from"):
         diagnostics.audit_model(tiny_gpt(), detectors=["cache_parity", "no_such_check"])
 

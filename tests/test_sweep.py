@@ -169,6 +169,26 @@ def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     assert lines[0] == "1 / 1 built (100%); 1 more built with no attention module, not counted", lines
 
 
+def test_a_fixed_size_timm_model_is_built_small_and_its_configuration_says_the_size_it_was_built_at():
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    levit = sweep.timm_build("levit_128")  # img_size=64 taken; its configuration kept 224 (a usage error, issue 33)
+    assert levit.pretrained_cfg["input_size"] == (3, 64, 64), levit.pretrained_cfg
+    assert sweep.timm_image_size(levit) == ((64, 64), 3, "its pretrained_cfg's input_size (fixed)")
+
+
+def test_a_rows_long_reason_is_cut_in_the_middle_so_that_where_to_look_stays():
+    sweep = _sweep()
+    row = sweep.Row("many layers")
+    reason = ("inconclusive: " + ", ".join(f"blocks.{i}.attn" for i in range(40)) + " could not be audited in place "
+              "(see the notes)")
+    row.judged("inconclusive", reason)  # was: cut at 300 characters, "(see the notes)" lost
+    assert (row.verdict, len(row.why)) == ("inconclusive", 300), row
+    assert row.why.startswith("inconclusive: blocks.0.attn, ") and row.why.endswith("(see the notes)"), row.why
+    row.judged("usage error", "expected example=...; got X\nsecond line")
+    assert row.why == "expected example=...; got X", row.why
+
+
 def test_a_sweep_stopped_early_leaves_no_child_running(tmp_path):
     sweep = _sweep()
     rows = sweep.run_children(_fake_run, ["good", "hangs"], 30, jobs=2, bugs=False)
@@ -381,3 +401,104 @@ def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_recurre
                      use_cache=False).logits[:, 4:]
     change = float((left - plain).abs().max() / plain.square().mean().sqrt())
     assert (change > 1e-3) is known, change  # measured: 0.45 of the RMS (RecurrentGemma), 1.2e-7 (Gemma)
+
+
+def _logits(out):
+    """The first output of a transformers model: its logits, else its first field (ColPali's embeddings)."""
+    return out.logits if getattr(out, "logits", None) is not None else out[0]
+
+
+@pytest.mark.parametrize("model_type, side, known", [
+    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True),
+    ("deepseek_v4", "left", True), ("bert", "right", False), ("deepseek_v3", "left", False)])
+def test_padding_leaves_the_real_tokens_except_where_known_says_the_model_mixes_the_pads_in(model_type, side, known):
+    """YOSO, Nyströmformer, Funnel (4 right pads) and DeepSeek-V4 (4 left pads, positions from the mask), each as the
+    sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens; BERT and DeepSeek-V3, the same
+    script, leave them."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    pads, ones, zeros = torch.full((1, 4), 3), torch.ones(1, 12, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)
+    left = side == "left"
+    padded = torch.cat([pads, ids] if left else [ids, pads], dim=1)
+    mask = torch.cat([zeros, ones] if left else [ones, zeros], dim=1)
+    real = slice(4, 16) if left else slice(0, 12)
+    positions = {"position_ids": (mask.cumsum(-1) - 1).clamp_min(0)} if left else {}
+    with torch.no_grad():
+        plain = _logits(model(ids, **({"position_ids": torch.arange(12)[None]} if left else {})))
+        moved = _logits(model(padded, attention_mask=mask, **positions))[:, real]
+    change = float((moved - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change
+
+
+@pytest.mark.parametrize("model_type, known", [("paligemma", True), ("colpali", True), ("gemma", False)])
+def test_a_sequence_gives_what_it_gives_alone_beside_a_padded_one_except_where_known_says_the_mask_changes(
+        model_type, known):
+    """PaliGemma and ColPali (KNOWN): a sequence beside a padded one (a causal mask built) gives other logits than alone
+    (no mask built: its language model, bidirectional by configuration, attends both ways); Gemma, the same script,
+    gives the same."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 8:] = 0  # the other sequence: 8 tokens, right-padded
+    with torch.no_grad():
+        alone = _logits(model(ids[1:]))
+        beside = _logits(model(ids, attention_mask=mask))[1:]
+    change = float((beside - alone).abs().max() / alone.square().mean().sqrt())
+    assert (change > 1e-3) is known, change
+
+
+@pytest.mark.parametrize("name, path", [("levit_128", "stages.0.blocks.0.attn"),
+                                        ("tiny_vit_5m_224", "stages.1.blocks.0.attn")])
+@pytest.mark.parametrize("no_grad_first", [True, False])
+def test_timms_cached_attention_biases_get_no_gradient_after_a_forward_under_no_grad(name, path, no_grad_first):
+    """LeViT and TinyViT (KNOWN, as EfficientFormer and EfficientViT-MSRA): an eval forward under no_grad caches the
+    attention biases cut from their graph, and the next forward's backward gives them no gradient; the same script
+    without the no_grad forward gives them one."""
+    import torch
+
+    timm = pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    assert name in _sweep().KNOWN
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10).eval()
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    if no_grad_first:
+        with torch.no_grad():
+            model(x)
+    model(x).square().sum().backward()
+    assert (model.get_submodule(path).attention_biases.grad is None) is no_grad_first
+
+
+def test_yosos_hand_written_backward_is_not_its_forwards_derivative_for_query_and_key_but_is_for_value():
+    """YOSO (KNOWN): YosoCumulation's forward is (1 - acos(q.k) / pi) ** h @ v exactly, its backward is written by
+    hand; autograd through the same formula gives other gradients for q and k (measured: 16% of their norm), the
+    same for v (the twin: exact)."""
+    import math
+
+    import torch
+
+    _transformers()
+    from transformers.models.yoso.modeling_yoso import YosoCumulation
+
+    assert "yoso" in _sweep().KNOWN
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 6, 8, generator=gen, dtype=torch.float64), dim=-1)
+            .requires_grad_() for _ in range(2))
+    v = torch.randn(2, 6, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    ones = torch.ones(2, 6, dtype=torch.float64)
+    out = YosoCumulation.apply(ones, ones, q, k, v, {"hash_code_len": 9})
+    formula = ((1 - torch.acos(q @ k.transpose(-1, -2)) / math.pi) ** 9) @ v  # (B, T, T) x (B, T, d) -> (B, T, d)
+    assert torch.allclose(out, formula)
+    theirs = torch.autograd.grad(out.square().sum(), (q, k, v))
+    autograd = torch.autograd.grad(formula.square().sum(), (q, k, v))
+    off = [float((a - b).norm() / b.norm()) for a, b in zip(theirs, autograd)]
+    assert off[0] > 0.05 and off[1] > 0.05 and off[2] < 1e-12, off

@@ -146,7 +146,8 @@ class InPlace(nn.Module):
 
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
-                 num_heads: int | None, note: str = "", folded: frozenset = frozenset()):
+                 num_heads: int | None, note: str = "", folded: frozenset = frozenset(),
+                 shared: frozenset = frozenset()):
         super().__init__()
         self.inner = module
         self.audit_name = f"{path} ({type(module).__name__}, in place)"
@@ -164,14 +165,15 @@ class InPlace(nn.Module):
         if num_heads:
             self.num_heads = num_heads
         self.note = note
-        self.folded = folded  # leaves with the batch folded into their first dimension (_batch_folded)
+        self.folded = folded  # leaves with the batch folded into their first dimension (_batch_rows)
+        self.shared = shared  # leaves of one row whatever the batch: the model passes them so at batch 2 (_batch_rows)
 
     def _adapt(self, value, path, t: int, batch: int, dtype):
         if isinstance(value, Tensor):
             dims = self.time_dims.get(path, ())
             for d in dims:
                 value = value.narrow(d, 0, min(t, value.shape[d]))
-            if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims:
+            if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims and path not in self.shared:
                 value = value.expand(batch, *value.shape[1:])
             elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
                 value = value.repeat(batch, *(1,) * (value.dim() - 1))
@@ -427,9 +429,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if heads is not None and D % heads:
         heads = None
     positional = _passed_positionally(sig, len(long_call.args))
-    folded = _batch_folded(sig, arguments, hidden, hidden_time_dim, wide_call)
+    folded, shared = _batch_rows(sig, arguments, hidden, hidden_time_dim, wide_call)
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
-             folded)
+             folded, shared)
     if grid is not None:
         return InPlaceGrid(*built, grid=grid)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
@@ -445,24 +447,29 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
 
 
-def _batch_folded(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
-                  wide_call: CapturedCall | None) -> frozenset:
-    """The leaves whose first dimension, of n > 1 rows at batch 1, has 2n at batch 2 while the hidden states' batch
-    doubles too: the batch folded with something else (BLOOM's ALiBi, (B x H, 1, T), batch-major)."""
+def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
+                wide_call: CapturedCall | None) -> tuple[frozenset, frozenset]:
+    """What the model's call at batch 2 says of the arguments' first dimensions, while the hidden states' batch
+    doubles: (folded, shared). Folded: the leaves of n > 1 rows at batch 1 and 2n at batch 2, the batch folded with
+    something else (BLOOM's ALiBi, (B x H, 1, T), batch-major). Shared: the leaves of one row at batch 1 and still
+    one at batch 2, one for the whole batch (SEW-D's relative positions, (1, 1, T, T), which its layer squeezes
+    and expands to the batch itself: repeated to the probe's batch, they raised in the layer)."""
     if wide_call is None:
-        return frozenset()
+        return frozenset(), frozenset()
     try:
         wide = dict(sig.bind(*wide_call.args_copy, **wide_call.kwargs_copy).arguments)
     except TypeError:
-        return frozenset()
+        return frozenset(), frozenset()
     h, w = arguments[hidden], wide.get(hidden)
     batch_dim = 1 - time_dim
     if not isinstance(w, Tensor) or w.dim() != h.dim() or w.shape[batch_dim] != 2 * h.shape[batch_dim]:
-        return frozenset()
-    return frozenset(leaf for name, value in arguments.items() if name != hidden
-                     for leaf, tensor in _leaves(value, (name,))
-                     if tensor.dim() >= 1 and tensor.shape[0] > 1 and isinstance(_get(wide, leaf), Tensor)
-                     and _get(wide, leaf).dim() == tensor.dim() and _get(wide, leaf).shape[0] == 2 * tensor.shape[0])
+        return frozenset(), frozenset()
+    pairs = [(leaf, tensor, _get(wide, leaf)) for name, value in arguments.items() if name != hidden
+             for leaf, tensor in _leaves(value, (name,))]
+    pairs = [(leaf, a, b) for leaf, a, b in pairs if a.dim() >= 1 and isinstance(b, Tensor) and b.dim() == a.dim()]
+    folded = frozenset(leaf for leaf, a, b in pairs if a.shape[0] > 1 and b.shape[0] == 2 * a.shape[0])
+    shared = frozenset(leaf for leaf, a, b in pairs if a.shape[0] == 1 and b.shape[0] == 1 and h.shape[batch_dim] == 1)
+    return folded, shared
 
 
 def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tuple | None) -> None:

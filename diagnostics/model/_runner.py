@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import expect
+from .._guard import untouched
 from .._registry import phrase
 from .._subject import CONTEXT_NAMES
 
@@ -34,20 +35,28 @@ ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_at
 
 
 def timm_image_size(model: nn.Module) -> tuple:
-    """(image size, channels) a timm model declares: the size it was built at (its patch embedding's `img_size`, else
-    its own), else its configuration's `input_size` (C, H, W: `pretrained_cfg`, the models with no patch embedding
-    of that name: MetaFormer, DaViT, ...) where that configuration says any size runs (`fixed_input_size` false: a
-    model built at another size than its configuration's keeps the configuration's); (None, 3) if none says."""
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is None:
-        size = getattr(model, "img_size", None)
+    """(image size, channels, where it was read) a timm model declares: the size it was built at (`img_size` on the
+    model or on one of its children: ViT's patch_embed, TNT's pixel_embed), else its configuration's `input_size`
+    (C, H, W: `pretrained_cfg`, for the models that keep no `img_size`: MetaFormer, DaViT, LeViT, Hiera, ...);
+    (None, 3, "") if none says. The configuration's size holds where any size runs (`fixed_input_size` false); on a
+    model of a fixed size it is the size timm's builder built it at (it passes `input_size` as `img_size`) unless
+    the caller passed another `img_size`, so that one is marked "fixed" for the caller to try first."""
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
     declared = cfg.get("input_size") if isinstance(cfg, dict) else None
-    channels = int(declared[0]) if isinstance(declared, (tuple, list)) and len(declared) == 3 else 3
-    if size is None and isinstance(declared, (tuple, list)) and len(declared) == 3 and \
-            cfg.get("fixed_input_size") is False:
-        size = tuple(int(v) for v in declared[1:])
-    return size, channels
+    declared = declared if isinstance(declared, (tuple, list)) and len(declared) == 3 else None
+    channels = int(declared[0]) if declared else 3
+    children = dict(model.named_children())
+    holders = [("patch_embed.", children.get("patch_embed")), ("", model),
+               *((f"{name}.", child) for name, child in children.items() if name != "patch_embed")]
+    for prefix, holder in holders:
+        size = getattr(holder, "img_size", None)
+        if isinstance(size, int) or (isinstance(size, (tuple, list)) and len(size) == 2):
+            return size, channels, f"{type(model).__name__}'s {prefix}img_size"
+    if declared is None:
+        return None, 3, ""
+    fixed = cfg.get("fixed_input_size") is not False
+    return (tuple(int(v) for v in declared[1:]), channels,
+            "its pretrained_cfg's input_size" + (" (fixed)" if fixed else ""))
 
 
 def first_tensor(x):
@@ -218,8 +227,13 @@ class Runner:
             self.vocab = vocab
             return first, self.draw_ids((2, T), gen).to(device)
         channels = getattr(config, "num_channels", 3) if config is not None else 3
+        stale = ""
         if size is None and type(model).__module__.startswith("timm."):
-            size, channels = timm_image_size(model)
+            size, channels, source = timm_image_size(model)
+            if source.endswith("(fixed)") and not self._runs_at(size, channels, device, dtype):
+                # built at another img_size than its configuration says: the size is the caller's to give
+                stale = f" (it did not run at {source[:-8]}, {size[0]} x {size[1]})"
+                size = None
         if size is not None:
             h, w = (size, size) if isinstance(size, int) else tuple(size)
             return first, torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
@@ -227,10 +241,34 @@ class Runner:
         expect(emb is not None, phrase("{example}..., or a model whose inputs can be built (a Hugging Face model, "
                                        "an nn.Embedding for token ids, torch's TransformerEncoder/Decoder, a timm vision "
                                        "model)", self.options),
-               f"{type(model).__name__} with none of these", phrase("pass {example}torch.randint(vocab, (2, 16)) or a "
-                                                                    "dict of the model's inputs", self.options))
+               f"{type(model).__name__} with none of these" + stale, self._example_hint())
         self.vocab = emb.num_embeddings
         return first, self.draw_ids((2, T), gen).to(device)
+
+    def _runs_at(self, size, channels: int, device, dtype) -> bool:
+        """Whether the model runs a forward of one image of `size` (a trial under the state guard). With gradients,
+        as the audit's own forwards: a model that caches in eval mode (LeViT's attention biases) keeps no tensor cut
+        from its parameters' graph by a trial that was the first to run."""
+        try:
+            with untouched(self.model, device):
+                gen = torch.Generator().manual_seed(0)  # pixels that vary, as the audit's: no degenerate input
+                self.model(torch.randn(1, channels, *size, generator=gen).to(device, dtype))
+        except Exception:  # the user's model raised: that size is not the one it was built for
+            return False
+        return True
+
+    def _example_hint(self) -> str:
+        """How to pass an example, in the form the model's first layer reads: pixels for a model that starts with a
+        convolution (a patch embedding, a stem), token ids otherwise."""
+        first = next((m for m in self.model.modules() if next(m.children(), None) is None  # the first layer with
+                      and next(m.parameters(), None) is not None), None)  # weights, not a holder of tables
+        if isinstance(first, nn.modules.conv._ConvNd):
+            path = next(n for n, m in self.model.named_modules() if m is first)
+            spatial = ", ".join(("L",) if first.weight.dim() == 3 else ("T", "H", "W")[5 - first.weight.dim():])
+            return phrase(f"pass {{example}}torch.randn(2, {first.in_channels}, {spatial}) at the size the model was "
+                          f"built for: it starts with {type(first).__name__}({first.in_channels} -> "
+                          f"{first.out_channels}) at {path}", self.options)
+        return phrase("pass {example}torch.randint(vocab, (2, 16)) or a dict of the model's inputs", self.options)
 
     def _declared_example(self, config, T: int, gen, device, dtype):
         """The example a Hugging Face model declares it takes: its `main_input_name` (the forward's first input
@@ -332,10 +370,12 @@ class Runner:
         return keep.nonzero().flatten()
 
     def __call__(self, seq: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None):
-        """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling."""
+                 past=None, use_cache: bool | None = None, grad: bool = False, model: nn.Module | None = None,
+                 extra: dict | None = None):
+        """(output tensor, cache or None). `attention_mask` (B, T) 1 = real token, in the model's spelling. `extra`:
+        inputs of the model's own names the audit does not pass otherwise (`optional_masks`)."""
         model = model or self.model
-        kwargs = {}
+        kwargs = dict(extra or {})
         for name, value in self.fixed.items():
             if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] >= 1:
                 # the example's first row for every sequence: rows compared with each other share it
@@ -370,6 +410,14 @@ class Runner:
         if out is None:
             raise TypeError(f"the model returned {type(result).__name__} with no tensor in it")
         return out, (cache_of(result) if use_cache else None)
+
+    def optional_masks(self) -> list[str]:
+        """The masks the model's forward takes that the audit passes none of (left at their default None), other than
+        its padding and head masks: a mask that turns on another path (Longformer's and LED's
+        global_attention_mask, which selects the tokens attended by every other through their own projections)."""
+        passed = {self.main, self.padding_name, self.causal_mask_name, *self.fixed, *self.dropped}
+        return [n for n, p in self.params.items() if n.endswith("mask") and p.default is None and n not in passed
+                and "head_mask" not in n and n not in ("attention_mask", "decoder_attention_mask")]
 
     def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
         """Every position changed: another token (ids), or a fresh draw pushed 1000x (embeddings)."""

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._guard import seed_rng
-from .._registry import Need, detector
+from .._registry import Need, detector, phrase
 from .._result import DetectorResult
 from ._context import ModelContext
 from ._runner import device_dtype, first_tensor, model_context, output_tensors, pad_tokens
@@ -45,24 +45,32 @@ class ByDesign:
     module, whose output what follows multiplies by exactly 0 at this initialisation (Doge's dynamic-mask
     projection, behind a factor A that starts at 0); `zero_input`, its own module, whose input is exactly 0 (a
     weight times 0 has no gradient: DETR's decoder starts from zero queries, and its zero-initialised value bias
-    makes the next projection's input 0 too); or `length`, the first of `LONGER` it gets a gradient at."""
+    makes the next projection's input 0 too); `length`, the first of `LONGER` it gets a gradient at; or `given`, a
+    mask of the model's the audit passed none of, with which (all ones) it gets one: not exercised by the audit's
+    inputs (Longformer's global attention projections, used only for the tokens global_attention_mask marks)."""
 
     zeroed: str | None = None
     length: int | None = None
     zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
+    discarded: str | None = None  # its own module, of whose outputs it moves only those that get no gradient
     selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
+    given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
 
     def __str__(self) -> str:
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
             return f"the input of {self.zero_input} is exactly 0 here"
+        if self.discarded:
+            return f"it moves only outputs of {self.discarded} that the model discards (they get no gradient)"
+        if self.given:
+            return f"used only with {self.given}, which the audit did not pass"
         return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
 
 
-def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
-    """The sum of (t ** 2).sum() over every tensor the model returns on `seq`, and {path: the first output tensor
-    of each watched module}."""
+def _loss_and_outputs(ctx: ModelContext, seq, watched: dict, extra: dict | None = None):
+    """The sum of (t ** 2).sum() over every tensor the model returns on `seq` (with the model's `extra` inputs), and
+    {path: the first output tensor of each watched module}."""
     returned, outputs = [], {}
 
     def keep(path):
@@ -79,7 +87,7 @@ def _loss_and_outputs(ctx: ModelContext, seq, watched: dict):
     handles.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
-        ctx.runner(seq, grad=True)
+        ctx.runner(seq, grad=True, extra=extra)
     finally:
         for h in handles:
             h.remove()
@@ -112,6 +120,41 @@ def _moves_output(ctx: ModelContext, seq, params: list, gen, before=None) -> boo
                 p.copy_(old)
     scale = float(before.float().square().mean().sqrt()) or 1.0
     return float((after.float() - before.float()).abs().max()) > MOVES * scale
+
+
+def _moves_only(ctx: ModelContext, module: nn.Module, before: Tensor, discarded: Tensor, params: list) -> bool:
+    """Whether changing `params` at random moves some of `module`'s outputs (`before`, on the audit's input) and only
+    those `discarded` marks, the outputs that get no gradient of the model's: a relative-position table that reaches
+    only the patch tokens of a last block whose class token alone the head reads (MViTv2's `*_cls`). The
+    parameters are restored."""
+    saved = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(ctx.seed + 73)
+    after = {}
+
+    def keep(m, args, out):  # the first call's output, the module's own left as it returned it
+        after.setdefault("out", first_tensor(out))
+
+    handle = module.register_forward_hook(keep)
+    try:
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * (float(old.float().abs().mean())
+                                                                                     or 1.0))
+            seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+            ctx.runner(ctx.runner.inputs[:1])
+    except Exception:  # the model does not run so: not shown to be used
+        return False
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.copy_(old)
+    out = after.get("out")
+    if not isinstance(out, Tensor) or out.shape != before.shape:
+        return False
+    scale = float(before.detach().float().square().mean().sqrt()) or 1.0
+    moved = (out.float() - before.detach().float()).abs() > MOVES * scale
+    return bool(moved.any()) and not bool((moved & ~discarded).any())
 
 
 def _output(ctx: ModelContext, seq):
@@ -149,6 +192,13 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
             elif owner in zero_inputs and leaf == "weight":  # its bias still gets one: judged
                 ctx.by_design[n] = ByDesign(zero_input=owner)
                 todo.remove(n)
+        for p, g in zip(paths, grads):
+            mine = [n for n in todo if n.rsplit(".", 1)[0] == p][:MOVED_AT_MOST]
+            if mine and g is not None and p not in zeroed and _moves_only(ctx, named[p], outputs[p], g == 0,
+                                                                          [params[n] for n in mine]):
+                for n in mine:
+                    ctx.by_design[n] = ByDesign(discarded=p)
+                    todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
@@ -178,6 +228,20 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                 if _moves_output(ctx, seq, [params[n]], gen, before):
                     ctx.by_design[n] = ByDesign(length=L, selects=True)
                     todo.remove(n)
+    # used only with an input the audit passed none of: a mask that turns on another path, given as all ones (every
+    # token marked: Longformer's global attention for every token); the very tokens of the audit's length
+    for name in ctx.runner.optional_masks() if todo and ctx.runner.sequence else ():
+        ones = torch.ones(here.shape[:2], dtype=torch.long, device=here.device)
+        try:
+            loss, _ = _loss_and_outputs(ctx, here, {}, extra={name: ones})
+            grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
+                else (None,) * len(todo)
+        except Exception:  # the model does not take it so: says nothing
+            continue
+        for n, g in zip(list(todo), grads):
+            if g is not None and bool(g.abs().sum() > 0):
+                ctx.by_design[n] = ByDesign(given=name)
+                todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
 
@@ -300,7 +364,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed or why.zero_input for why in by_design.values() if why.zeroed or why.zero_input})
+    zeroed = sorted({why.zeroed or why.zero_input or why.discarded for why in by_design.values()
+                     if why.zeroed or why.zero_input or why.discarded})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -325,11 +390,22 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                                        + "; a sparse-attention indexer, a compressor or a dynamic mask acts only past "
                                          "a length: audit at that length (seq_len=) to check them",
                               fix=f"pass seq_len={lengths[0]} (or more) to audit them where the model uses them")
+    given = {n: why.given for n, why in by_design.items() if why.given}
+    if given:  # used, but only with an input the audit passed none of: not exercised, and said so
+        names = sorted(set(given.values()))
+        layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in given)), None)
+        return DetectorResult(ID, "warn", f"{len(given)} of {len(params)} attention parameters get no gradient from "
+                                          f"the audit's inputs, but do with {', '.join(names)} (all ones), which it "
+                                          f"did not pass: not exercised", layer=layer,
+                              evidence=", ".join(f"{n} (with {g})" for n, g in list(given.items())[:8])
+                                       + (" ..." if len(given) > 8 else ""),
+                              fix=phrase("pass {example}{...} with " + " and ".join(names) + " to audit them where "
+                                         "the model uses them", ctx.runner.options))
     unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
-                  f"or their input is 0), "
+                  f"or their input is 0; or the outputs their parameters move are those the model discards), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
