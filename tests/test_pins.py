@@ -1275,3 +1275,41 @@ def test_output_variance_names_the_worst_output_row_by_its_own_axes(form):
         where = r"\(b=\d+, h=\d+, t=\d+\)"
     assert found.verdict == "fail", found
     assert re.search(r"greatest difference \S+ at " + where + " ", found.evidence), found.evidence
+
+
+class PositionConcatenated(nn.Module):
+    """Self-attention over each token concatenated with a learned feature of its position (coordinates appended to
+    a point's features, as set and point-cloud transformers do): the query, key and value projections read
+    [x; p]. No residual, no output projection reading the query. `softmax=False`: the scores weight the values
+    as they are (the bug)."""
+
+    def __init__(self, d_model=16, num_heads=2, features=4, softmax=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.softmax = d_model, num_heads, softmax
+        self.position = nn.Parameter(torch.randn(64, features))
+        self.q, self.k, self.v = (nn.Linear(d_model + features, d_model) for _ in range(3))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        xp = torch.cat([x, self.position[:T].expand(B, T, -1)], -1)  # (B, T, D + features)
+        split = lambda t: t.view(B, T, self.num_heads, -1).transpose(1, 2)  # (B, H, T, d)
+        q, k, v = split(self.q(xp)), split(self.k(xp)), split(self.v(xp))
+        y, weights = attention(q, k, v, mask) if self.softmax else unnormalised(q, k, v, mask)
+        return y.transpose(1, 2).reshape(B, T, D), weights
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_output_variance_reads_no_concatenation_of_the_query_with_a_feature_of_its_own_as_an_output_that_reads_it(
+        softmax):
+    """query_concat: the attention's output beside its query is a concatenation of the query and a tensor computed
+    from the keys or values (Luong's [context; query]); the query beside a learned position feature is the layer's
+    input, not its output (`and` made `or`: that concatenation was judged as Luong's, and its position rows, which
+    differ by design, failed the correct layer). Judged on its weighted sum, it passes, and the same layer without
+    its softmax still fails."""
+    found = verdict(PositionConcatenated(softmax=softmax), "output_variance")
+    if softmax:
+        assert found.verdict == "pass" and "judged on weights @ values" in found.message, found
+    else:
+        assert found.verdict == "fail", found
+    assert "concatenation" not in found.message, found
