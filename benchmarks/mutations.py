@@ -65,12 +65,12 @@ counted as kills, and `--survivors-of` reruns them with the survivors (with a lo
 machine). The score is killed / (total - equivalent - timeout); a survivor leaves the denominator only when
 EQUIVALENT names it with the reason, after it was checked by hand to change no verdict.
 
-Cost (2 cores shared with other work, one job): 5-11 s a mutant on idle cores, 15-40 s with five other agents busy
-on the same two (2026-12-03: the selections took 12-33 s unmutated; a killed mutant stops at its first failing
-test); the seed-4242 sample (201 mutants, 4 per module) ran in 70.7 minutes that busy (default: 205 of 1252), every
-mutant (`--all`) would take 3-10 hours. After adding tests, `--survivors-of` reruns only the earlier survivors (and
-timeouts), matched by their line's code, so that moved lines still match; `--changed-since REV` keeps a change's own
-modules.
+Cost (2 cores shared with other work, 2026-12-04): the map, one traced run of the default suite, 242-258 s; then a
+mutant 4-20 s when killed and 15-115 s when it survives (a survivor runs every test that enters its function:
+a median of 840 for detectors/variance.py, whose check runs in every audit); every mutant of that module (133) in
+34 min. `--all` (about 1,750 mutants) is hours of such work. After adding tests, `--survivors-of` reruns only the
+earlier survivors (and timeouts), matched by their line's code, so that moved lines still match (a rewritten line's
+new mutants are not among them: run them with `--only`); `--changed-since REV` keeps a change's own modules.
 Keeping the figure: a change to a detector comes with its pins (tests/test_pins*.py, tests/test_thresholds.py: a
 case just inside and one just outside each constant, per dtype), and its author runs
 `python benchmarks/mutations.py --changed-since main --json /tmp/m.json`, then, after adding tests for the survivors,
