@@ -66,34 +66,29 @@ def _entry(item) -> dict:
                                                passed=True))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
+def _recorded(item, key: str):
+    """Around one phase of a test: the package's functions it enters, into that test's `key` set."""
     if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
         yield
         return
     _calls.clear()
     yield
-    _entry(item)["setup"].update(_calls)
+    _entry(item)[key].update(_calls)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _recorded(item, "setup")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
-        yield
-        return
-    _calls.clear()
-    yield
-    _entry(item)["own"].update(_calls)
+    yield from _recorded(item, "own")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
-    if item.config is not _outer:  # an inner run's test (pytester): its calls are the outer test's
-        yield
-        return
-    _calls.clear()
-    yield
-    _entry(item)["own"].update(_calls)
+    yield from _recorded(item, "own")
 
 
 def pytest_runtest_logreport(report):
