@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]
 
 def _benchmark():
     """benchmarks/mutations.py as a module (benchmarks/ is not a package). It reads the committed tree at import
@@ -150,3 +151,38 @@ def test_a_mutant_is_run_against_the_tests_that_enter_its_function_or_read_its_c
         "t::reads_fixture": row(shared=["session:x"]), "t::other_fixture": row(shared=["session:y"])})
     assert calls.tests(spans) == ["t::enters_nested", "t::builds_fixture", "t::reads_fixture"]
     assert calls.tests(((f, hi + 1, hi + 1),)) == ["t::elsewhere"]
+
+
+def test_the_map_of_calls_records_what_each_passing_test_enters_and_leaves_out_failures(pytester, monkeypatch,
+                                                                                       tmp_path):
+    """benchmarks/_mutation_calls.py in a pytest of its own (a subprocess, as the benchmark runs it): a test that
+    calls a package function is mapped to it (file, first line), one that calls none to nothing, and a failing one is
+    marked so (the benchmark leaves it out: it would "kill" every mutant)."""
+    root = Path(bench.__file__).resolve().parents[1]
+    line = next(i for i, text in enumerate((root / "diagnostics" / "_core.py").read_text().splitlines(), 1)
+                if text.startswith("def relative_change("))
+    pytester.makepyfile(test_inner="""
+        import torch
+        from diagnostics._core import relative_change
+
+        def test_calls():
+            assert relative_change(torch.ones(2, 3), torch.ones(2, 3)).max() == 0
+
+        def test_calls_nothing():
+            assert True
+
+        def test_fails():
+            relative_change(torch.ones(2, 3), torch.ones(2, 3))
+            assert False
+    """)
+    monkeypatch.setenv("MUTATION_COPY", str(root))
+    monkeypatch.setenv("MUTATION_CALLS", str(tmp_path))
+    monkeypatch.setenv("PYTEST_PLUGINS", "_mutation_calls")
+    monkeypatch.setenv("PYTHONPATH", f"{root}{__import__('os').pathsep}{root / 'benchmarks'}")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "0").assert_outcomes(passed=2, failed=1)
+    rows = {}
+    for part in tmp_path.glob("calls-*.json"):
+        rows.update(bench.json.loads(part.read_text()))
+    assert ["_core.py", line] in rows["test_inner.py::test_calls"]["own"], rows["test_inner.py::test_calls"]
+    assert rows["test_inner.py::test_calls_nothing"]["own"] == []
+    assert [r["passed"] for r in rows.values()] == [True, True, False], rows
