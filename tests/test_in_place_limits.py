@@ -501,3 +501,48 @@ def test_a_memory_of_another_length_than_its_models_is_a_probe_not_taken_and_a_r
     runs = report.layers["cross"].result("runs")  # every probe gives a memory of its own length (5), not 16
     assert runs.verdict == "skip" and "memory 16" in runs.message and "memory 5" in runs.message, runs
     assert report.status == "inconclusive", report  # was: failed, runs raised on 6 probes
+
+
+class RelativeTable(FoldedBias):
+    """Causal attention given one entry per relative distance, (1, 2T - 1, H), distances T - 1 down to -(T - 1), as
+    Conformer's and Transformer-XL's relative positions are passed: a bias per head read at j - i; `causal=False`:
+    the causal mask forgotten (a real bug, for the twin)."""
+
+    def forward(self, x, pos):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        index = (T - 1) - (torch.arange(T)[None, :] - torch.arange(T)[:, None])  # (T, T): raises unless 2T - 1 rows
+        bias = pos[0, index].permute(2, 0, 1)  # (H, T, T)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + bias
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class RelativeTableLM(FoldedBiasLM):
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = RelativeTable(causal=causal)
+        self.table = nn.Parameter(torch.randn(1, 127, 2) * 0.5)  # distances 63 .. -63
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, self.table[:, 63 - (T - 1):63 + T]))  # (1, 2T - 1, H)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_relative_positions_of_2t_minus_1_are_cut_around_their_centre_for_each_probe(causal):
+    """The model passes 23 relative positions at T = 12 and 21 at T = 11: a probe of length t gets the 2t - 1 around
+    the centre, the distances it has (before, passed whole: `runs` failed on every probe of another length,
+    FastSpeech 2's conformer layers, issue 33). Twin: the same layer without its causal mask fails future_leakage."""
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(RelativeTableLM(causal), example=ids, causal=True)
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    if causal:
+        assert report.status == "passed", report
+    else:
+        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report

@@ -559,7 +559,7 @@ def test_layers_that_all_say_is_causal_make_the_model_causal_and_some_or_none_do
     assert inferred({"x": Measured(prefix_sums, self_attention=False)})[0] is False
 
 
-ENC_DEC = SimpleNamespace(encoder_decoder=True)
+ENC_DEC = SimpleNamespace(encoder_decoder=True, takes=lambda name: name == "decoder_input_ids")
 
 
 def test_an_encoder_decoder_is_causal_unless_all_its_decoder_self_attention_layers_say_is_causal_false():
@@ -576,6 +576,18 @@ def test_an_encoder_decoder_is_causal_unless_all_its_decoder_self_attention_laye
     assert inferred(decoder_says_no, runner=ENC_DEC, causal=True) == (True, "as given")
     declares = SimpleNamespace(config=SimpleNamespace(is_decoder=True))  # declared otherwise than by its family
     assert inferred(decoder_says_no, runner=ENC_DEC, model=declares) == (True, "inferred: config.is_decoder")
+
+
+def test_an_encoder_decoder_without_decoder_inputs_is_not_declared_causal():
+    """`declared_causal`'s encoder-decoder branch needs decoder inputs to be what changes: a model whose config says
+    is_encoder_decoder but whose forward takes no decoder_input_ids (FastSpeech 2: its decoder reads the encoder's
+    output stretched by durations) generates nothing token by token, so nothing declares it causal and its layers are
+    measured (before: assumed causal, and its bidirectional decoder failed future_leakage). Twin: one that takes them
+    is declared causal."""
+    no_decoder_inputs = SimpleNamespace(encoder_decoder=True, takes=lambda name: False)
+    assert _causal.declared_causal(nn.Module(), None, no_decoder_inputs) == (None, "")
+    assert _causal.declared_causal(nn.Module(), None, ENC_DEC) == (
+        True, "inferred: an encoder-decoder, whose decoder is causal (the decoder inputs are what changes)")
 
 
 def test_a_config_that_says_is_decoder_false_declares_nothing():

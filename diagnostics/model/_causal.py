@@ -52,8 +52,10 @@ def declared_causal(model, causal, runner) -> tuple[bool | None, str]:
     name = type(model).__name__
     if CAUSAL_CLASS.search(name):
         return True, f"inferred: {name} is a causal LM"
-    if runner.encoder_decoder:
+    if runner.encoder_decoder and runner.takes("decoder_input_ids"):
         return True, "inferred: an encoder-decoder, whose decoder is causal (the decoder inputs are what changes)"
+    # an encoder-decoder that takes no decoder inputs (FastSpeech 2: its decoder reads the encoder's output, stretched
+    # by durations) generates nothing token by token: nothing declares it causal, its layers are measured
     return None, ""
 
 

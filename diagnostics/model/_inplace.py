@@ -147,7 +147,7 @@ class InPlace(nn.Module):
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
                  num_heads: int | None, note: str = "", folded: frozenset = frozenset(),
-                 shared: frozenset = frozenset()):
+                 shared: frozenset = frozenset(), centred: dict | None = None):
         super().__init__()
         self.inner = module
         self.audit_name = f"{path} ({type(module).__name__}, in place)"
@@ -167,12 +167,15 @@ class InPlace(nn.Module):
         self.note = note
         self.folded = folded  # leaves with the batch folded into their first dimension (_batch_rows)
         self.shared = shared  # leaves of one row whatever the batch: the model passes them so at batch 2 (_batch_rows)
+        self.centred = centred or {}  # leaf -> dims of 2T - 1 relative positions, cut around their centre
 
     def _adapt(self, value, path, t: int, batch: int, dtype):
         if isinstance(value, Tensor):
             dims = self.time_dims.get(path, ())
             for d in dims:
                 value = value.narrow(d, 0, min(t, value.shape[d]))
+            for d in self.centred.get(path, ()):  # distances -(T - 1) .. T - 1, either way round: keep |i - j| < t
+                value = value.narrow(d, max(0, (value.shape[d] - (2 * t - 1)) // 2), min(2 * t - 1, value.shape[d]))
             if value.dim() >= 2 and value.shape[0] == 1 and batch > 1 and 0 not in dims and path not in self.shared:
                 value = value.expand(batch, *value.shape[1:])
             elif path in self.folded and batch > 1:  # (n, ...) of one input: (batch x n, ...), batch-major
@@ -395,15 +398,23 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         changed = [d for d in range(H.dim()) if H.shape[d] != short[hidden].shape[d]]
         hidden_time_dim = changed[0]
         T = H.shape[hidden_time_dim]
-        time_dims = {}
+        Ts = short[hidden].shape[hidden_time_dim]  # T - 1, or another length where the model makes its own (durations)
+        time_dims, centred = {}, {}
         for name, value in arguments.items():
             for leaf, tensor in _leaves(value, (name,)):
                 other = _get(short, leaf)
                 if isinstance(other, Tensor) and other.dim() == tensor.dim():
-                    dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T and other.shape[d] == T - 1)
+                    dims = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == T and other.shape[d] == Ts)
                     if dims:
                         time_dims[leaf] = dims
+                    # relative positions, one per distance (Conformer's and Transformer-XL's (1, 2T - 1, D)), 2Ts - 1
+                    # at the other length: the probe of length t needs the 2t - 1 around the centre
+                    wide = tuple(d for d in range(tensor.dim()) if tensor.shape[d] == 2 * T - 1
+                                 and other.shape[d] == 2 * Ts - 1)
+                    if wide:
+                        centred[leaf] = wide
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
+        centred = {}
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
         T = H.shape[hidden_time_dim]
         rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
@@ -431,7 +442,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     positional = _passed_positionally(sig, len(long_call.args))
     folded, shared = _batch_rows(sig, arguments, hidden, hidden_time_dim, wide_call)
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
-             folded, shared)
+             folded, shared, centred)
     if grid is not None:
         return InPlaceGrid(*built, grid=grid)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
