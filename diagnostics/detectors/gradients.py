@@ -138,7 +138,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
         return GradientReplay(sub, tuple(x.detach() for x in inputs), allowed, through_masks)
 
     params = [p for _, p in made.params]
-    probe.passes += 4  # four forwards for the finite differences (six when they disagree)
+    probe.passes += 4  # four forwards for the finite differences (six when they disagree, more at a kink)
     try:
         if out.grad_fn is None:
             if params:
@@ -183,42 +183,67 @@ def check_gradients(probe: Probe) -> DetectorResult:
             picks.append((index.to(p.device), torch.randn(len(index), generator=gen, dtype=torch.float64).to(p.device)))
         originals = [p.detach().reshape(-1)[i].clone() for p, (i, _) in zip(params, picks)]
 
-        def loss_at(eps: float) -> float:
+        groups = ["the inputs"] + [name for name, _ in made.params]  # the direction's parts: 0 the inputs, 1.. params
+        every = frozenset(range(len(groups)))
+        losses: dict = {}  # (eps, the groups moved) -> loss: the kink check reuses the central differences' points
+
+        def loss_at(eps: float, moved: frozenset = every) -> float:
+            moved = moved if eps else every  # nothing moves at 0
+            if (eps, moved) in losses:
+                return losses[eps, moved]
             # under grad mode, like the autograd call: torch's layers take fused fast paths without it
             probe.seed_layer_rng()
             with torch.no_grad():
-                for p, p0, (i, d) in zip(params, originals, picks):
-                    p.view(-1)[i] = p0 + eps * d  # the float64 copy's own parameters, never the user's
+                for j, (p, p0, (i, d)) in enumerate(zip(params, originals, picks), 1):
+                    if j in moved:
+                        p.view(-1)[i] = p0 + eps * d  # the float64 copy's own parameters, never the user's
             try:
+                step = eps if 0 in moved else 0.0
                 with torch.enable_grad():
-                    out = sub(*qkv([(x + eps * d).detach() for x, d in zip(inputs, u_in)]), allowed).out
-                return float((out ** 2).sum())
+                    out = sub(*qkv([(x + step * d).detach() for x, d in zip(inputs, u_in)]), allowed).out
+                losses[eps, moved] = float((out ** 2).sum())
+                return losses[eps, moved]
             finally:
                 with torch.no_grad():
                     for p, p0, (i, _) in zip(params, originals, picks):
                         p.view(-1)[i] = p0
 
-        def central(eps: float) -> float:
-            return (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+        def central(eps: float, moved: frozenset = every) -> float:
+            return (loss_at(eps, moved) - loss_at(-eps, moved)) / (2 * eps)
 
-        # Richardson extrapolation of two central differences: error O(eps^4), so that a sharp softmax (an
-        # unscaled T5-style layer: 1.6e-3 off with one difference at eps 1e-5) is measured to ~1e-10
-        eps = 1e-4
-        coarse, fine = central(eps), central(eps / 2)
-        fd = (4 * fine - coarse) / 3
         # the gradient along the direction: every entry of the inputs', the picked entries of the parameters'
         g_dir = grads[:len(inputs)] + [g.reshape(-1)[i] for g, (i, _) in zip(grads[len(inputs):], picks)]
         u = u_in + [d for _, d in picks]
-        ad = float(sum((g * d).sum() for g, d in zip(g_dir, u)))
-        # relative to |grad| |u| on the direction's support, the most the directional derivative can be (it may
-        # be small by cancellation)
-        scale = max(math.sqrt(float(sum((g * g).sum() for g in g_dir)) * float(sum((d * d).sum() for d in u))), 1e-300)
+        owner = [0] * len(inputs) + list(range(1, len(groups)))  # the part of the direction each entry of u is in
+        eps = 1e-4
+
+        def along(moved: frozenset) -> tuple[float, float, float]:
+            """(autograd's, the finite differences', |grad| |u|) along the direction's parts `moved`."""
+            # Richardson extrapolation of two central differences: error O(eps^4), so that a sharp softmax (an
+            # unscaled T5-style layer: 1.6e-3 off with one difference at eps 1e-5) is measured to ~1e-10
+            fd = (4 * central(eps / 2, moved) - central(eps, moved)) / 3
+            part = [(g, d) for g, d, j in zip(g_dir, u, owner) if j in moved]
+            ad = float(sum((g * d).sum() for g, d in part))
+            # relative to |grad| |u| on the direction's support, the most the directional derivative can be (it
+            # may be small by cancellation)
+            size = math.sqrt(float(sum((g * g).sum() for g, _ in part)) * float(sum((d * d).sum() for _, d in part)))
+            return ad, fd, max(size, 1e-300)
+
+        def jump(moved: frozenset) -> float:
+            """How much the directional derivative jumps at the point: the second difference over the step,
+            (f(h) - 2 f(0) + f(-h)) / h, is h f'' where the layer is smooth and the jump f'(0+) - f'(0-) at a kink;
+            extrapolated from h = eps and eps / 2 the h f'' cancels (to O(eps^3)), the jump stays."""
+            def second(h):
+                return (loss_at(h, moved) - 2 * loss_at(0.0, every) + loss_at(-h, moved)) / h
+            return 2 * second(eps / 2) - second(eps)
+
+        ad, fd, scale = along(every)
         rel = abs(fd - ad) / scale
         limit = GRADIENT_AGREEMENT
         if rel > limit:
             # a layer that computes inside in float32 (a softmax upcast to float32 is common) makes the finite
             # differences themselves noisy: two extrapolations from different step sizes disagree by that noise
-            fd_fine = (4 * central(eps / 4) - fine) / 3
+            fd_fine = (4 * central(eps / 4) - central(eps / 2)) / 3
             limit = max(GRADIENT_AGREEMENT, 30 * abs(fd_fine - fd) / scale)
         # enough digits that two numbers which disagree are printed differently (6 made a failure read like a pass)
         digits = max(6, min(17, 2 - math.floor(math.log10(rel))) if rel > 0 else 6)
@@ -226,9 +251,38 @@ def check_gradients(probe: Probe) -> DetectorResult:
                     f"extrapolated central differences {fd:.{digits}g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
                     f"allowed: {GRADIENT_AGREEMENT:.0e}, or 30x the finite differences' own noise)")
         if rel > limit:
-            return result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "
-                           "(a detached or hand-written backward)", value=rel, threshold=limit,
-                           evidence=evidence, replay=replay())
+            noise = limit * scale  # in the loss's units: the finite differences' noise (a kink raises it too)
+            if abs(jump(every)) > noise:
+                # not differentiable at the point along the direction (a ReLU at exactly 0: Swin v2's position-bias
+                # MLP at offset 0, its bias zero-initialised; or a kink crossed within the step), so there is no
+                # one derivative to compare: the parts of the direction (the inputs, each parameter) with a kink of
+                # their own are left out, named, and the check is made again along the rest
+                kinked = []
+                for j, name in enumerate(groups):
+                    size = along(frozenset({j}))[2]  # the jump reuses its four points
+                    if abs(jump(frozenset({j}))) > max(GRADIENT_AGREEMENT * size, noise):
+                        kinked.append(j)
+                probe.passes += 1 + 4 * len(groups) + 6
+                rest = every - frozenset(kinked)
+                told = (f"; not differentiable at this point along {', '.join(groups[j] for j in kinked)} (its "
+                        f"one-sided derivatives differ: a kink such as a ReLU at exactly 0)")
+                if not kinked or not rest:
+                    return DetectorResult(det, "skip", "not measured: the layer is not differentiable at the probe "
+                                          "point along the direction (a kink such as a ReLU at exactly 0), "
+                                          + ("along every part of it" if kinked else "though along no part alone")
+                                          + ", so finite differences cannot check autograd there",
+                                          evidence=evidence + (told if kinked else ""))
+                ad, fd, scale = along(rest)
+                rel = abs(fd - ad) / scale
+                fd_fine = (4 * central(eps / 4, rest) - central(eps / 2, rest)) / 3
+                limit = max(GRADIENT_AGREEMENT, 30 * abs(fd_fine - fd) / scale)
+                evidence += (f"{told}; without {'it' if len(kinked) == 1 else 'them'}, autograd gives "
+                             f"{ad:.{digits}g} and extrapolated central differences {fd:.{digits}g}: disagreement "
+                             f"{rel:.2g} (up to {limit:.2g} allowed)")
+            if rel > limit:
+                return result(det, "fail", "autograd's gradient disagrees with the layer's own finite differences "
+                               "(a detached or hand-written backward)", value=rel, threshold=limit,
+                               evidence=evidence, replay=replay())
         if leak:
             return result(det, "fail", "the gradient lets the future in: past outputs send gradient to later "
                           "inputs", value=1.0, threshold=0.0, evidence=leak + "; " + evidence,

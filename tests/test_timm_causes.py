@@ -1,0 +1,86 @@
+"""The layer-level causes of the timm sweep's false failures (issue 33's whole-timm sweep, issue 34's layer audit),
+each as a twin in plain torch: the layer's essential structure in a few lines, correct and with a real bug of the
+same shape, audited on the same inputs. timm itself is not needed.
+
+SwinV2: its continuous position bias is a ReLU MLP of the log-spaced offset, its first bias zero-initialised, so at
+offset 0 every hidden unit sits exactly on the ReLU's kink: the layer is not differentiable there along that bias,
+and `gradients` read the kink as a wrong backward. The check now leaves out the parts of its direction (the inputs,
+each parameter) whose one-sided derivatives differ, names them, and checks the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from diagnostics import audit
+
+D, H = 32, 4  # d_model, heads
+
+
+def split(t, heads: int):
+    B, T, C = t.shape  # batch, sequence length, d_model
+    return t.view(B, T, heads, C // heads).transpose(1, 2)  # (B, H, T, d)
+
+
+def merge(t):
+    B, h, T, d = t.shape  # batch, heads, sequence length, head width
+    return t.transpose(1, 2).reshape(B, T, h * d)  # (B, T, D)
+
+
+def result(layer, detector: str, dtype=torch.float32, **kw):
+    return audit(layer.to(dtype), detectors=[detector], progress=False, **kw).result(detector)
+
+
+# ---- SwinV2: a ReLU's kink at the probe point is not a wrong backward ---------------------------------------
+
+
+class PositionMlpAttention(nn.Module):
+    """SwinV2's continuous relative position bias (timm's WindowAttention.cpb_mlp) on a 1-D sequence: a ReLU MLP
+    of the log-spaced offset, its first bias zero-initialised, squashed to (0, 16) and added to the scores."""
+
+    detach_weights = False
+
+    def __init__(self, d_model=D, n_heads=H, hidden=64):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.cpb = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads, bias=False))
+        nn.init.zeros_(self.cpb[0].bias)  # timm's init: at offset 0 every unit's input is exactly 0
+
+    def forward(self, x, mask=None):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        r = torch.arange(-(T - 1), T, dtype=x.dtype, device=x.device)  # every offset
+        table = self.cpb((torch.sign(r) * torch.log2(r.abs() + 1) / 3)[:, None])  # (2T-1, H)
+        pos = torch.arange(T, device=x.device)
+        bias = 16 * torch.sigmoid(table[pos[None, :] - pos[:, None] + T - 1]).permute(2, 0, 1)  # (H, T, T)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        if self.detach_weights:
+            weights = weights.detach()
+        return self.proj(merge(weights @ v))
+
+
+class PositionMlpDetached(PositionMlpAttention):
+    detach_weights = True  # BUG: no gradient reaches q, k or the position bias through the weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_relu_kink_at_the_probe_point_passes_gradients_and_a_detached_softmax_beside_it_fails(dtype, seed):
+    """Correct: the kink's part (the MLP's first bias) left out and named, the rest agrees to ~1e-14 (GRADIENT_
+    AGREEMENT 1e-9). Detached: fails along the rest at 1e-4 or more (seeds 0-2, float32 and bfloat16)."""
+    torch.manual_seed(seed)
+    right = result(PositionMlpAttention(), "gradients", dtype)
+    torch.manual_seed(seed)
+    bug = result(PositionMlpDetached(), "gradients", dtype)
+    assert right.verdict == "pass", right.evidence
+    assert "not differentiable at this point along cpb.0.bias" in right.evidence, right.evidence
+    assert right.value < 1e-11, right.evidence
+    assert bug.verdict == "fail", bug.evidence
