@@ -6,6 +6,10 @@ SwinV2: its continuous position bias is a ReLU MLP of the log-spaced offset, its
 offset 0 every hidden unit sits exactly on the ReLU's kink: the layer is not differentiable there along that bias,
 and `gradients` read the kink as a wrong backward. The check now leaves out the parts of its direction (the inputs,
 each parameter) whose one-sided derivatives differ, names them, and checks the rest.
+
+EVA (DINOv3, ViT-Medium-d RoPE, LingBot) and ViT-SRelPos: a fused qkv/proj attention whose call passes a tensor of
+its own beside the tokens (timm's `rope`, the shared `shared_rel_pos` bias): `own_weights` recomputed the layer
+without it and failed it. A tensor the recompute does not use now makes the check not applicable, naming it.
 """
 
 from __future__ import annotations
@@ -84,3 +88,60 @@ def test_a_relu_kink_at_the_probe_point_passes_gradients_and_a_detached_softmax_
     assert "not differentiable at this point along cpb.0.bias" in right.evidence, right.evidence
     assert right.value < 1e-11, right.evidence
     assert bug.verdict == "fail", bug.evidence
+
+
+# ---- EVA / ViT-SRelPos: a tensor the call passes beside the tokens ---------------------------------------------
+
+
+class RopeAttention(nn.Module):
+    """timm's EvaAttention in a few lines: a fused qkv, rotary positions from a table the caller passes (`rope`:
+    (T, 2 d), sines then cosines), the output projection."""
+
+    __module__ = "timm.models.twin"  # read as a library's own class, every step known, as timm's EvaAttention was
+    merge_wrongly = False
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.num_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, rope=None, attn_mask=None):
+        q, k, v = (split(t, self.num_heads) for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        if rope is not None:
+            sin, cos = rope.chunk(2, -1)  # (T, d) each
+
+            def turn(t):
+                t1, t2 = t.chunk(2, -1)
+                return t * cos + torch.cat((-t2, t1), -1) * sin
+
+            q, k = turn(q), turn(k)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, T, d)
+        B, h, T, d = out.shape
+        # the bug: the heads merged without moving them next to their width
+        merged = out.reshape(B, T, h * d) if self.merge_wrongly else merge(out)
+        return self.proj(merged)
+
+
+class RopeMergedWrongly(RopeAttention):
+    merge_wrongly = True
+
+
+def with_rope(layer, x, mask=None):
+    T, d = x.shape[1], D // H
+    angle = torch.arange(T, dtype=x.dtype)[:, None] * 10000 ** (-torch.arange(d // 2, dtype=x.dtype) / (d // 2))
+    angle = torch.cat((angle, angle), -1)  # (T, d)
+    return layer(x, rope=torch.cat((angle.sin(), angle.cos()), -1), attn_mask=mask)
+
+
+def test_a_layer_given_a_tensor_of_its_own_is_not_applicable_and_a_wrong_merge_without_it_still_fails():
+    """With its rotary table passed, the correct layer is not recomputed (it failed at 0.06 of the output's RMS, as
+    timm's EVA did); without one, the correct layer passes and the wrongly merged twin fails, the step named."""
+    torch.manual_seed(0)
+    given = result(RopeAttention(), "own_weights", call=with_rope)
+    assert given.verdict == "skip" and "the call passes rope" in given.message, given.message
+    torch.manual_seed(0)
+    right = result(RopeAttention(), "own_weights")
+    torch.manual_seed(0)
+    bug = result(RopeMergedWrongly(), "own_weights")
+    assert right.verdict == "pass", right.evidence
+    assert bug.verdict == "fail" and "merged" in bug.evidence, bug.evidence
