@@ -15,6 +15,10 @@ Gemma 4's ViT: q and k through a per-head RMSNorm (eps 1e-6, a learned gain at 1
 norm's eps spread the rows' norms by 2e-4, past the float32 rounding `softmax_saturation` allowed between normalised
 rows, so q and k were not read as normalised and the layer was judged by 1/sqrt(d_k) (8x too sharp). Rows within
 `NORMS_APART` of one another are normalised now; the stated scale is then the layer's own temperature.
+
+NextViT's E-MHSA (and PVT's spatial reduction): the keys are the tokens average-pooled 4 to 1, so the gradient
+checks' short probe (6 tokens) gives one key, whose softmax ignores q and k, and `parameters_used` read q's and k's
+weights as unused. Parameters unused on the short probe are asked again at the audit's length.
 """
 
 from __future__ import annotations
@@ -202,3 +206,41 @@ def test_qk_norm_with_an_eps_and_scale_one_passes_and_the_missing_scale_without_
     assert right.verdict == "pass" and "the scale= the layer passes" in right.evidence, right.evidence
     assert unnormed.verdict == "fail" and "too sharp" in unnormed.message, unnormed.evidence
     assert no_scale.verdict == "fail" and "too sharp" in no_scale.message, no_scale.evidence
+
+
+# ---- NextViT: keys pooled from the tokens ---------------------------------------------------------------------
+
+
+class PooledKeys(nn.Module):
+    """NextViT's EfficientAttention in a few lines: queries from every token, keys and values from the tokens
+    average-pooled `ratio` to 1 and normalised (its `sr` and `norm`)."""
+
+    values_from_keys = False
+
+    def __init__(self, d_model=D, n_heads=H, ratio=4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.sr, self.norm = nn.AvgPool1d(ratio, ratio), nn.LayerNorm(d_model)
+
+    def forward(self, x):
+        q = split(self.q(x), self.n_heads)  # (B, H, T, d)
+        pooled = self.norm(self.sr(x.transpose(1, 2)).transpose(1, 2))  # (B, T // ratio, D)
+        k = split(self.k(pooled), self.n_heads)  # (B, H, T // ratio, d)
+        v = split((self.k if self.values_from_keys else self.v)(pooled), self.n_heads)
+        return self.proj(merge(torch.nn.functional.scaled_dot_product_attention(q, k, v)))
+
+
+class PooledValuesFromKeys(PooledKeys):
+    values_from_keys = True  # BUG: the values from the key projection: W_v is never used
+
+
+def test_pooled_keys_use_q_and_k_at_the_audits_length_and_an_unused_value_projection_still_fails():
+    """At 6 tokens the correct layer has one key and failed (q and k: gradient exactly 0); at the audit's 16 tokens,
+    4 keys, it passes, saying so; W_v unused fails at every length."""
+    torch.manual_seed(0)
+    right = result(PooledKeys(), "parameters_used")
+    torch.manual_seed(0)
+    bug = result(PooledValuesFromKeys(), "parameters_used")
+    assert right.verdict == "pass" and "zero gradient at 6 tokens but not at 16" in right.evidence, right.evidence
+    assert bug.verdict == "fail" and "v.weight" in bug.message and "q.weight" not in bug.message, bug.message
