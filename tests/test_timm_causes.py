@@ -19,6 +19,10 @@ rows, so q and k were not read as normalised and the layer was judged by 1/sqrt(
 NextViT's E-MHSA (and PVT's spatial reduction): the keys are the tokens average-pooled 4 to 1, so the gradient
 checks' short probe (6 tokens) gives one key, whose softmax ignores q and k, and `parameters_used` read q's and k's
 weights as unused. Parameters unused on the short probe are asked again at the audit's length.
+
+DaViT's channel attention: softmax((q^T k) / sqrt(N)) over (B, H, d, d), between the channels of a head, not between
+tokens: `output_variance` (identical tokens come out unchanged) and `own_weights` (the recompute of a token
+attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable.
 """
 
 from __future__ import annotations
@@ -244,3 +248,55 @@ def test_pooled_keys_use_q_and_k_at_the_audits_length_and_an_unused_value_projec
     bug = result(PooledValuesFromKeys(), "parameters_used")
     assert right.verdict == "pass" and "zero gradient at 6 tokens but not at 16" in right.evidence, right.evidence
     assert bug.verdict == "fail" and "v.weight" in bug.message and "q.weight" not in bug.message, bug.message
+
+
+# ---- DaViT: attention between channels ------------------------------------------------------------------------
+
+
+class ChannelAttention(nn.Module):
+    """DaViT's channel attention (timm's davit.ChannelAttention) in a few lines: each head's d channels attend to one
+    another, their scores summed over the tokens."""
+
+    __module__ = "timm.models.twin"  # read as a library's own class, every step known, as timm's was
+    channels = True
+    merge_wrongly = False
+
+    def __init__(self, d_model=D, n_heads=H):
+        super().__init__()
+        self.num_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, N, C = x.shape  # batch, tokens, channels
+        q, k, v = (split(t, self.num_heads) for t in self.qkv(x).chunk(3, -1))  # (B, H, N, d) each
+        if self.channels:
+            attn = ((q * N ** -0.5).transpose(-1, -2) @ k).softmax(-1)  # (B, H, d, N) x (B, H, N, d) -> (B, H, d, d)
+            out = (attn @ v.transpose(-1, -2)).transpose(-1, -2)  # (B, H, N, d)
+        else:
+            attn = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)  # (B, H, N, N)
+            out = attn @ v
+        # the bug of the token twin: the heads merged without moving them next to their width
+        return self.proj(out.reshape(B, N, C) if self.merge_wrongly else merge(out))
+
+
+class TokenMergedWrongly(ChannelAttention):
+    channels, merge_wrongly = False, True  # BUG: token attention whose heads are merged without their transpose
+
+
+class TokenAttention(ChannelAttention):
+    channels = False
+
+
+@pytest.mark.parametrize("detector", ["output_variance", "own_weights"])
+def test_channel_attention_is_not_applicable_and_token_attention_merged_wrongly_still_fails(detector):
+    """The channel attention failed both (identical tokens: 11.9 of the output's RMS in DaViT); the token attention
+    with the same projections passes, and merged wrongly fails."""
+    torch.manual_seed(0)
+    channels = result(ChannelAttention(), detector)
+    torch.manual_seed(0)
+    right = result(TokenAttention(), detector)
+    torch.manual_seed(0)
+    bug = result(TokenMergedWrongly(), detector)
+    assert channels.verdict == "skip" and "something else than the tokens" in channels.message, channels.message
+    assert right.verdict == "pass", right.evidence
+    assert bug.verdict == "fail", bug.evidence
