@@ -23,6 +23,11 @@ weights as unused. Parameters unused on the short probe are asked again at the a
 DaViT's channel attention: softmax((q^T k) / sqrt(N)) over (B, H, d, d), between the channels of a head, not between
 tokens: `output_variance` (identical tokens come out unchanged) and `own_weights` (the recompute of a token
 attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable.
+
+TinyViT and EfficientViT: the attention biases (a table indexed by a buffer) are cached in eval mode on the first
+forward and dropped by the module's `train()`; an earlier detector's forward without autograd filled the cache, and
+`gradient_flow` found the table without a gradient. It now puts the model in eval mode again (the audit's mode)
+before its forward, so that such caches are computed afresh, and after it, so that none keeps its graph.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from correct import gpt2_init_
-from diagnostics import audit
+from diagnostics import audit, audit_model
 
 D, H = 32, 4  # d_model, heads
 
@@ -300,3 +305,69 @@ def test_channel_attention_is_not_applicable_and_token_attention_merged_wrongly_
     assert channels.verdict == "skip" and "something else than the tokens" in channels.message, channels.message
     assert right.verdict == "pass", right.evidence
     assert bug.verdict == "fail", bug.evidence
+
+
+# ---- TinyViT / EfficientViT: a bias table cached in eval mode -------------------------------------------------
+
+
+class CachedBiasAttention(nn.Module):
+    """timm's TinyViT attention in a few lines: a learned bias per head and offset, read through a buffer of
+    indices and cached in eval mode on the first forward (the cache dropped by `train()`, as timm's is)."""
+
+    detach_bias = False
+
+    def __init__(self, d_model=D, n_heads=H, length=16):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.attention_biases = nn.Parameter(torch.zeros(n_heads, length))
+        pos = torch.arange(length)
+        self.register_buffer("attention_bias_idxs", (pos[:, None] - pos[None, :]).abs(), persistent=False)
+        self.cache = {}
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.cache = {}
+        return self
+
+    def biases(self, T: int):
+        if self.training:
+            return self.attention_biases[:, self.attention_bias_idxs[:T, :T]]
+        key = str(self.attention_biases.device)
+        if key not in self.cache:
+            self.cache[key] = self.attention_biases[:, self.attention_bias_idxs]  # (H, L, L)
+        table = self.cache[key][:, :T, :T]  # (H, T, T)
+        return table.detach() if self.detach_bias else table
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + self.biases(T)  # (B, H, T, T)
+        return self.proj(merge(scores.softmax(-1) @ v))
+
+
+class DetachedBiasAttention(CachedBiasAttention):
+    detach_bias = True  # BUG: the table read through .detach() at every call: it never gets a gradient
+
+
+class OneBlock(nn.Module):
+    def __init__(self, attention):
+        super().__init__()
+        self.wte, self.attn, self.head = nn.Embedding(50, D), attention(), nn.Linear(D, 50)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        return self.head(x + self.attn(x))
+
+
+def test_a_bias_table_cached_in_eval_mode_gets_its_gradient_and_a_detached_one_still_fails():
+    """With a layer detector, batch_invariance's forwards run without autograd before gradient_flow and fill the
+    cache (the correct one failed before: 1 of 5 parameters without a gradient)."""
+    def flow(attention):
+        torch.manual_seed(0)
+        report = audit_model(OneBlock(attention), detectors=["runs", "batch_invariance", "gradient_flow"])
+        return report.result("gradient_flow")
+
+    right, bug = flow(CachedBiasAttention), flow(DetachedBiasAttention)
+    assert right.verdict == "pass", right.evidence
+    assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence

@@ -264,6 +264,10 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
             leaf["x"] = seq.detach().clone().requires_grad_(True)
             seq = leaf["x"].clone()  # as above: the model may edit its input in place
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        # eval mode again (the audit's own): a module that caches in eval mode what it computes from a parameter
+        # (timm's TinyViT, EfficientViT and LeViT attention biases, dropped by their train()) was filled by an earlier
+        # forward without autograd, and its parameter would get no gradient; now it is computed afresh
+        ctx.model.eval()
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
         total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
@@ -290,6 +294,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                     leak = (f"(out[:, :{c + 1}] ** 2).sum() has gradient up to {later:.3g} w.r.t. input embeddings "
                             f"after t={c} (must be exactly 0)")
     finally:
+        ctx.model.eval()  # and no cache keeps this forward's graph
         if handle is not None:
             handle.remove()
         for h in kept:
