@@ -28,6 +28,9 @@ TinyViT and EfficientViT: the attention biases (a table indexed by a buffer) are
 forward and dropped by the module's `train()`; an earlier detector's forward without autograd filled the cache, and
 `gradient_flow` found the table without a gradient. It now puts the model in eval mode again (the audit's mode)
 before its forward, so that such caches are computed afresh, and after it, so that none keeps its graph.
+EfficientViT's attention also ends in a BatchNorm whose weight starts at 0 (`bn_weight_init=0`): every parameter
+before it gets a gradient of exactly 0, by design at this initialisation; its submodules were excused as such (their
+output gets none), its own bias table was not. A parameter that feeds a submodule whose output gets exactly 0 now is.
 """
 
 from __future__ import annotations
@@ -370,4 +373,40 @@ def test_a_bias_table_cached_in_eval_mode_gets_its_gradient_and_a_detached_one_s
 
     right, bug = flow(CachedBiasAttention), flow(DetachedBiasAttention)
     assert right.verdict == "pass", right.evidence
+    assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence
+
+
+class ZeroScale(nn.Module):
+    """A per-channel gain that starts at 0 (EfficientViT's last BatchNorm, bn_weight_init=0; a zero LayerScale)."""
+
+    def __init__(self, width=D):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ZeroScaledBiasAttention(CachedBiasAttention):
+    """The bias-table attention whose projection ends in a gain at 0."""
+
+    def __init__(self, d_model=D, n_heads=H, length=16):
+        super().__init__(d_model, n_heads, length)
+        self.proj = nn.Sequential(nn.Linear(d_model, d_model), ZeroScale(d_model))
+
+
+class ZeroScaledDetached(ZeroScaledBiasAttention):
+    detach_bias = True  # BUG: the table read through .detach(): it feeds nothing, whatever follows
+
+
+def test_a_bias_table_behind_a_zero_initialised_gain_is_not_judged_and_a_detached_one_still_fails():
+    """The correct one failed before (1 of 6 parameters without a gradient: the table; the projection's weights were
+    excused, their output getting none); now the table is excused with them, and the detached table, which feeds
+    nothing, still fails."""
+    def flow(attention):
+        torch.manual_seed(0)
+        return audit_model(OneBlock(attention), detectors=["gradient_flow"]).result("gradient_flow")
+
+    right, bug = flow(ZeroScaledBiasAttention), flow(ZeroScaledDetached)
+    assert right.verdict == "pass" and "not judged" in right.message, right.message
     assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence

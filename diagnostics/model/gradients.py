@@ -149,6 +149,9 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
             elif owner in zero_inputs and leaf == "weight":  # its bias still gets one: judged
                 ctx.by_design[n] = ByDesign(zero_input=owner)
                 todo.remove(n)
+        for n, inner in _zeroed_inside(ctx, [n for n in todo if n.rsplit(".", 1)[0] in named], params, named).items():
+            ctx.by_design[n] = ByDesign(zeroed=inner)
+            todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
@@ -180,6 +183,36 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                     todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
+
+
+def _zeroed_inside(ctx: ModelContext, names: list[str], params: dict, named: dict) -> dict:
+    """{name: the submodule} for parameters whose own module's output gets a gradient, but which reach it through a
+    submodule of that module whose output gets exactly 0 (EfficientViT's attention: its projection ends in a
+    BatchNorm whose weight starts at 0, and its attention-bias table is the module's own parameter): the parameter
+    feeds that submodule's output (a non-zero gradient of it), and what follows multiplies it by 0."""
+    owners = {n.rsplit(".", 1)[0] for n in names}
+    inner = {p: m for p, m in named.items() if any(p.startswith(o + ".") for o in owners)}
+    if not inner:
+        return {}
+    try:
+        loss, outputs = _loss_and_outputs(ctx, ctx.runner.inputs[:1], inner)
+        outputs.pop("zero inputs", None)
+        paths = list(outputs)
+        grads = torch.autograd.grad(loss, [outputs[p] for p in paths], allow_unused=True, retain_graph=True) \
+            if paths and torch.is_tensor(loss) else ()
+        zeroed = [p for p, g in zip(paths, grads) if g is not None and not bool(g.abs().sum() > 0)]
+        found = {}
+        for n in names:
+            owner = n.rsplit(".", 1)[0]
+            for z in (z for z in zeroed if z.startswith(owner + ".")):
+                g = torch.autograd.grad(outputs[z], params[n], torch.ones_like(outputs[z]), allow_unused=True,
+                                        retain_graph=True)[0]
+                if g is not None and bool(g.abs().sum() > 0):
+                    found[n] = z
+                    break
+        return found
+    except Exception:  # a replay that raises under the hooks says nothing
+        return {}
 
 
 def trainable(ctx: ModelContext) -> list:
