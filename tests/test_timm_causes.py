@@ -31,6 +31,8 @@ before its forward, so that such caches are computed afresh, and after it, so th
 EfficientViT's attention also ends in a BatchNorm whose weight starts at 0 (`bn_weight_init=0`): every parameter
 before it gets a gradient of exactly 0, by design at this initialisation; its submodules were excused as such (their
 output gets none), its own bias table was not. A parameter that feeds a submodule whose output gets exactly 0 now is.
+And at 64 px its last stage has a 1 x 1 window: one key, whose softmax is 1 whatever its score, so the bias table
+gets no gradient there; a parameter whose module normalised every softmax over one key is not judged now either.
 """
 
 from __future__ import annotations
@@ -409,4 +411,27 @@ def test_a_bias_table_behind_a_zero_initialised_gain_is_not_judged_and_a_detache
 
     right, bug = flow(ZeroScaledBiasAttention), flow(ZeroScaledDetached)
     assert right.verdict == "pass" and "not judged" in right.message, right.message
+    assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence
+
+
+class OneKeyAttention(CachedBiasAttention):
+    """The bias-table attention over a window of one token (EfficientViT's last stage at 64 px): each token attends
+    only itself, and the softmax of one score is 1. Found as timm's is, by its class (no softmax over (Tq, Tk) shows)."""
+
+    __module__ = "timm.models.twin"
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (split(t, self.n_heads).reshape(B, self.n_heads * T, 1, -1) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1) + self.attention_biases[:, :1].repeat_interleave(T, 0)[:, None]  # (B, H*T, 1, 1)
+        return self.proj(merge((scores.softmax(-1) @ v).view(B, self.n_heads, T, -1)))
+
+
+def test_a_module_that_attends_one_key_is_not_judged_and_a_detached_table_over_many_keys_still_fails():
+    """The correct one failed before: its bias table, q and k without a gradient."""
+    torch.manual_seed(0)
+    right = audit_model(OneBlock(OneKeyAttention), detectors=["gradient_flow"]).result("gradient_flow")
+    torch.manual_seed(0)
+    bug = audit_model(OneBlock(DetachedBiasAttention), detectors=["gradient_flow"]).result("gradient_flow")
+    assert right.verdict == "pass" and "attend one key" in right.message, right.message
     assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence

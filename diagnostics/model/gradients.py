@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._guard import seed_rng
+from .._observe import Observer
 from .._registry import Need, detector
 from .._result import DetectorResult
 from ._context import ModelContext
@@ -51,8 +52,11 @@ class ByDesign:
     length: int | None = None
     zero_input: str | None = None  # its own module, whose input is exactly 0 here (DETR's first decoder layer)
     selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
+    one_key: str | None = None  # its own module, whose every softmax normalised over one key here
 
     def __str__(self) -> str:
+        if self.one_key:
+            return f"{self.one_key} attends one key here (a softmax of one score is 1 whatever the score)"
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
@@ -152,6 +156,9 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
         for n, inner in _zeroed_inside(ctx, [n for n in todo if n.rsplit(".", 1)[0] in named], params, named).items():
             ctx.by_design[n] = ByDesign(zeroed=inner)
             todo.remove(n)
+        for n, owner in _one_key(ctx, todo, named).items():
+            ctx.by_design[n] = ByDesign(one_key=owner)
+            todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
@@ -213,6 +220,45 @@ def _zeroed_inside(ctx: ModelContext, names: list[str], params: dict, named: dic
         return found
     except Exception:  # a replay that raises under the hooks says nothing
         return {}
+
+
+def _one_key(ctx: ModelContext, names: list[str], named: dict) -> dict:
+    """{name: its module} for parameters whose own module normalised every softmax (and fused attention) over one key
+    on the audit's example (EfficientViT's last stage at 64 px: a 1 x 1 window): a softmax of one score is 1
+    whatever the score, so what makes the scores (a bias table, q and k) gets no gradient there, by design."""
+    owners = {n.rsplit(".", 1)[0] for n in names if "." in n} & set(named)
+    seen, active, handles = {}, [], []
+
+    def enter(path):
+        def hook(m, args):
+            active.append(Observer())
+            active[-1].__enter__()
+            seen.setdefault(path, []).append(active[-1])
+        return hook
+
+    def leave(m, args, out):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    for path in owners:
+        handles += [named[path].register_forward_pre_hook(enter(path)), named[path].register_forward_hook(leave)]
+    try:
+        with torch.no_grad():
+            ctx.runner(ctx.runner.inputs[:1])
+    except Exception:  # the model does not run under the hooks: nothing shown
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+        while active:  # a forward that raised left its observer open
+            active.pop().__exit__(None, None, None)
+    one = set()
+    for path, observers in seen.items():
+        keys = [sm.output.shape[-1] for o in observers for sm in o.record.softmaxes if sm.output.dim()] + \
+               [f.k.shape[-2] for o in observers for f in o.record.fused]
+        if keys and all(k == 1 for k in keys):
+            one.add(path)
+    return {n: n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[0] in one}
 
 
 def trainable(ctx: ModelContext) -> list:
@@ -338,7 +384,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed or why.zero_input for why in by_design.values() if why.zeroed or why.zero_input})
+    zeroed = sorted({why.zeroed or why.zero_input or why.one_key for why in by_design.values()
+                     if why.zeroed or why.zero_input or why.one_key})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -367,7 +414,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
-                  f"or their input is 0), "
+                  f"or their input is 0; or they attend one key), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
