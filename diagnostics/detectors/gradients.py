@@ -1,5 +1,10 @@
 """`gradients`: autograd's directional derivative matches finite differences on a float64 copy, and masked
-or future keys receive no gradient."""
+or future keys receive no gradient.
+
+Where the layer is not differentiable at the probe point along the direction (a ReLU at exactly 0: SwinV2's
+position-bias MLP, whose zero-initialised bias puts every unit on the kink at offset 0), there is no derivative to
+compare: the parts of the direction (the inputs, each parameter) along which the one-sided derivatives differ are
+left out, named, and the check is made along the rest. A wrong backward is smooth: its one-sided derivatives agree."""
 
 from __future__ import annotations
 
