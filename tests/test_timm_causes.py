@@ -416,14 +416,16 @@ def test_a_bias_table_behind_a_zero_initialised_gain_is_not_judged_and_a_detache
 
 class OneKeyAttention(CachedBiasAttention):
     """The bias-table attention over a window of one token (EfficientViT's last stage at 64 px): each token attends
-    only itself, and the softmax of one score is 1. Found as timm's is, by its class (no softmax over (Tq, Tk) shows)."""
+    only itself, and the softmax of one score is 1. Found as timm's is, by its class (no softmax over (Tq, Tk)
+    shows)."""
 
     __module__ = "timm.models.twin"
 
     def forward(self, x):
         B, T, _ = x.shape  # batch, sequence length, d_model
         q, k, v = (split(t, self.n_heads).reshape(B, self.n_heads * T, 1, -1) for t in self.qkv(x).chunk(3, -1))
-        scores = q @ k.transpose(-2, -1) + self.attention_biases[:, :1].repeat_interleave(T, 0)[:, None]  # (B, H*T, 1, 1)
+        bias = self.attention_biases[:, :1].repeat_interleave(T, 0)[:, None]  # (H*T, 1, 1)
+        scores = q @ k.transpose(-2, -1) + bias  # (B, H*T, 1, 1)
         return self.proj(merge((scores.softmax(-1) @ v).view(B, self.n_heads, T, -1)))
 
 

@@ -225,8 +225,8 @@ def check_gradients(probe: Probe) -> DetectorResult:
 
         # the gradient along the direction: every entry of the inputs', the picked entries of the parameters'
         g_dir = grads[:len(inputs)] + [g.reshape(-1)[i] for g, (i, _) in zip(grads[len(inputs):], picks)]
-        u = u_in + [d for _, d in picks]
-        owner = [0] * len(inputs) + list(range(1, len(groups)))  # the part of the direction each entry of u is in
+        direction = u_in + [d for _, d in picks]
+        owner = [0] * len(inputs) + list(range(1, len(groups)))  # the part of the direction each tensor of it is in
         eps = 1e-4
 
         def along(moved: frozenset) -> tuple[float, float, float]:
@@ -234,12 +234,13 @@ def check_gradients(probe: Probe) -> DetectorResult:
             # Richardson extrapolation of two central differences: error O(eps^4), so that a sharp softmax (an
             # unscaled T5-style layer: 1.6e-3 off with one difference at eps 1e-5) is measured to ~1e-10
             fd = (4 * central(eps / 2, moved) - central(eps, moved)) / 3
-            part = [(g, d) for g, d, j in zip(g_dir, u, owner) if j in moved]
-            ad = float(sum((g * d).sum() for g, d in part))
+            gs = [g for g, j in zip(g_dir, owner) if j in moved]
+            u = [d for d, j in zip(direction, owner) if j in moved]
+            ad = float(sum((g * d).sum() for g, d in zip(gs, u)))
             # relative to |grad| |u| on the direction's support, the most the directional derivative can be (it
             # may be small by cancellation)
-            size = math.sqrt(float(sum((g * g).sum() for g, _ in part)) * float(sum((d * d).sum() for _, d in part)))
-            return ad, fd, max(size, 1e-300)
+            scale = max(math.sqrt(float(sum((g * g).sum() for g in gs)) * float(sum((d * d).sum() for d in u))), 1e-300)
+            return ad, fd, scale
 
         def jump(moved: frozenset) -> float:
             """How much the directional derivative jumps at the point (0 where it does not): the second difference
