@@ -266,8 +266,8 @@ def check_gradients(probe: Probe) -> DetectorResult:
                     f"extrapolated central differences {fd:.{digits}g}: disagreement {rel:.2g} of |grad| |direction| (up to {limit:.2g} "
                     f"allowed: {GRADIENT_AGREEMENT:.0e}, or 30x the finite differences' own noise)")
         if rel > limit:
-            noise = limit * scale  # in the loss's units: the finite differences' noise (a kink raises it too)
-            if abs(jump(every)) > noise:
+            # a kink's steady jump, not the finite differences' noise (which a kink crossed within the step raises)
+            if abs(jump(every)) > GRADIENT_AGREEMENT * scale:
                 # not differentiable at the point along the direction (a ReLU at exactly 0: Swin v2's position-bias
                 # MLP at offset 0, its bias zero-initialised; or a kink crossed within the step), so there is no
                 # one derivative to compare: the parts of the direction (the inputs, each parameter) with a kink of
@@ -275,7 +275,7 @@ def check_gradients(probe: Probe) -> DetectorResult:
                 kinked = []
                 for j, name in enumerate(groups):
                     size = along(frozenset({j}))[2]  # the jump reuses its four points
-                    if abs(jump(frozenset({j}))) > max(GRADIENT_AGREEMENT * size, noise):
+                    if abs(jump(frozenset({j}))) > GRADIENT_AGREEMENT * size:
                         kinked.append(j)
                 probe.passes += 1 + 6 * len(groups) + 6
                 rest = every - frozenset(kinked)
