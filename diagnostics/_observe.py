@@ -855,3 +855,21 @@ def fused_weights(f) -> Tensor:
         t_q, t_k = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1), -math.inf)
     return scores.softmax(-1).nan_to_num(0.0)  # a row with no key: zeros, as torch's kernels give
+
+
+def not_over_tokens(record: Record, t_q: int, t_k: int) -> str:
+    """Why the attention the record shows is not over the tokens ('' where it is, or where nothing was seen): every
+    softmax's scores and every fused call's q and k have no axis of the queries' or the keys' count past the batch
+    axis. DaViT's channel attention, softmax((q^T k) / sqrt(N)) over (B, H, d, d), attends between the channels of a
+    head, which the checks of a token attention (identical tokens out unchanged, the recompute from the projections)
+    do not describe. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those axes: judged."""
+    if not (record.softmaxes or record.fused) or record.flex:
+        return ""
+    tokens = {t_q, t_k}
+    shapes = [tuple(sm.output.shape) for sm in record.softmaxes] + [tuple(f.q.shape) for f in record.fused]
+    if any(tokens & set(shape[1:]) for shape in shapes):
+        return ""
+    seen = ", ".join(sorted({str(s) for s in shapes})[:3])
+    return (f"the layer's softmax runs over scores of shape {seen}, none of whose axes past the batch is the {t_q} "
+            f"queries or the {t_k} keys: it attends over something else than the tokens (channels, as DaViT's "
+            f"channel attention does), which this check of token attention does not describe")

@@ -469,6 +469,13 @@ def fused_qkv(module: nn.Module) -> Projections | None:
         if args.get("is_causal"):
             raise NotApplicable("is_causal=True passed: the recompute reads causality from the output instead")
         mask = args.get(mask_name) if mask_name else None
+        # a tensor the call passes beside the tokens and the mask (timm's EVA `rope`, ViT-SRelPos' `shared_rel_pos`)
+        # is a step of the layer's own recipe (rotary positions, a bias on the scores) the recompute cannot make
+        taken = (params[0], "key", "value", mask_name)
+        extra = [n for n, a in args.items() if isinstance(a, Tensor) and n not in taken]
+        if extra:
+            raise NotApplicable(f"the call passes {', '.join(extra)}, a tensor the recompute from qkv and {out_name} "
+                                f"does not use (rotary positions or a bias on the scores of the layer's own)")
         B, Tq, Tk = x.shape[0], x.shape[1], k.shape[1]
         bias = _four_d(additive(mask, blocked_when_true=False), B, H, Tq, Tk)
         read = (f"{mask_name} as passed (bool: True = may attend)",) if bias is not None else ()

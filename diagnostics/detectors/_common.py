@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from .._core import Comparison, expand_rows, held, skip
-from .._observe import Mode
+from .._observe import Mode, not_over_tokens
 from .._probe import Probe
-from .._registry import DETECTORS
+from .._registry import DETECTORS, NOT_APPLICABLE
 from .._result import DetectorResult, ProbeShape, Site
 from .._subject import make_subject
 from .._tracing import (
@@ -34,6 +34,17 @@ from .._tracing import (
 def result(det: str, verdict: str, message: str, **kw) -> DetectorResult:
     return DetectorResult(det, verdict, message, fix=kw.pop("fix", DETECTORS[det].fix if det in DETECTORS else ""),
                           **kw)
+
+
+def not_token_attention(probe: Probe, det: str) -> DetectorResult | None:
+    """A skip saying why, where the standard probe's softmax is over something else than the tokens (channel
+    attention: `_observe.not_over_tokens`); None where it is over them, or where nothing was observed."""
+    base = probe.base()
+    if not base.ok or base.record is None:
+        return None
+    t = probe.subject.time_dim
+    why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t])
+    return DetectorResult(det, "skip", NOT_APPLICABLE + why) if why else None
 
 
 def judge(det: str, failed: bool, fail_message: str, pass_message: str, **kw) -> DetectorResult:

@@ -27,7 +27,7 @@ from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult
 from .._thresholds import FUDGE, FUDGE_BY_DTYPE, GOLDEN_FLOOR, dtype_name, tolerance
 from .._projections import STEPS, NotApplicable, Projections, attend, bind, recognise
-from ._common import result
+from ._common import not_token_attention, result
 
 ID = "own_weights"
 
@@ -216,6 +216,9 @@ def check_own_weights(probe: Probe) -> DetectorResult:
         reason = "; ".join(why) if why else ("no attention projections identified (nn.MultiheadAttention; q_proj, "
                                              "k_proj, v_proj and o_proj; query, key and value; qkv and proj)")
         return DetectorResult(ID, "skip", NOT_APPLICABLE + reason)
+    other = not_token_attention(probe, ID)
+    if other is not None:
+        return other
     seen, call = _capture(probe, found)
     if not call.ok:
         return not_run(ID, call)

@@ -38,7 +38,8 @@ from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
-from ._common import GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, pack, result
+from ._common import (GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, logit_gain, pack,
+                      result)
 
 DET = "parameters_used"
 
@@ -351,6 +352,16 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             explained.append(name)
         else:
             unused.append((name, where))
+    T, longer = inputs[0].shape[sub.time_dim], []
+    if unused and T < probe.t:
+        # a layer that pools its keys (NextViT's and PVT's spatial reduction, 4 tokens to a key) sees one key on the
+        # short probe, and the softmax of one key ignores q and k: the same question again at the audit's length
+        again = _unpadded(probe, sub, tuple((logit_gain(probe) * sub.make(gen, inputs[0].shape[0], probe.t))
+                                            .requires_grad_(True) for _ in inputs), params)
+        if again.grads is not None:
+            at = dict(zip(params, again.grads[len(inputs):]))
+            longer = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
+            unused = [(name, where) for name, where in unused if name not in longer]
     gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
     unused = [(name, where) for name, where in unused if name not in gated]
     whole = {name for name, where in unused if where == "everywhere"}
@@ -359,6 +370,9 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     note = (f"; {', '.join(explained)}: zero gradient, and changing it shifts every row of the scores by a "
             f"constant, which the softmax removes exactly (a key bias is inert by design)" if explained else "")
     kept = "; ".join(f"{name} is a copy of {at}" for name, at in sorted(copies.items()))
+    if longer:
+        note += (f"; {', '.join(longer)}: zero gradient at {T} tokens but not at {probe.t}, so used (a layer that "
+                 f"pools its keys, spatial reduction, sees too few of them on a short probe)")
     if flat:
         note += (f"; {', '.join(flat)}: zero gradient because the output is zero everywhere on this probe (the "
                  f"loss, (out ** 2).sum(), is flat there), and changing {'them' if len(flat) > 1 else 'it'} moves the "

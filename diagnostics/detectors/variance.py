@@ -34,7 +34,7 @@ from .._tracing import (
     value_before,
     weights_origin,
 )
-from ._common import float64_copy_or_skip, result
+from ._common import float64_copy_or_skip, not_token_attention, result
 from ._stacked import SEEDED_CALLS
 from .weights import at_text
 
@@ -190,6 +190,9 @@ def out_of_range_sites(probe, base: Call) -> list[Site]:
 def check_output_variance(probe: Probe) -> DetectorResult:
     det, s, B, T = "output_variance", probe.subject, probe.BATCH, probe.t
     tol = tolerance(CONVEX, s.dtype)
+    other = not_token_attention(probe, det)
+    if other is not None:
+        return other
     if s.form == "function":
         q, k, _ = probe.streams(B, T, cross=True)
         row = probe.make(B, 1)  # (B, H, 1, d)

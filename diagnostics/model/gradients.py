@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._guard import seed_rng
+from .._observe import Observer
 from .._registry import Need, detector, phrase
 from .._result import DetectorResult
 from ._context import ModelContext
@@ -55,8 +56,11 @@ class ByDesign:
     discarded: str | None = None  # its own module, of whose outputs it moves only those that get no gradient
     selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
     given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
+    one_key: str | None = None  # its own module, whose every softmax normalised over one key here
 
     def __str__(self) -> str:
+        if self.one_key:
+            return f"{self.one_key} attends one key here (a softmax of one score is 1 whatever the score)"
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
@@ -199,6 +203,12 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                 for n in mine:
                     ctx.by_design[n] = ByDesign(discarded=p)
                     todo.remove(n)
+        for n, inner in _zeroed_inside(ctx, [n for n in todo if n.rsplit(".", 1)[0] in named], params, named).items():
+            ctx.by_design[n] = ByDesign(zeroed=inner)
+            todo.remove(n)
+        for n, owner in _one_key(ctx, todo, named).items():
+            ctx.by_design[n] = ByDesign(one_key=owner)
+            todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
     # that acts only on longer sequences (a top-k indexer chooses every key of a short one)
@@ -244,6 +254,75 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                 todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
+
+
+def _zeroed_inside(ctx: ModelContext, names: list[str], params: dict, named: dict) -> dict:
+    """{name: the submodule} for parameters whose own module's output gets a gradient, but which reach it through a
+    submodule of that module whose output gets exactly 0 (EfficientViT's attention: its projection ends in a
+    BatchNorm whose weight starts at 0, and its attention-bias table is the module's own parameter): the parameter
+    feeds that submodule's output (a non-zero gradient of it), and what follows multiplies it by 0."""
+    owners = {n.rsplit(".", 1)[0] for n in names}
+    inner = {p: m for p, m in named.items() if any(p.startswith(o + ".") for o in owners)}
+    if not inner:
+        return {}
+    try:
+        loss, outputs = _loss_and_outputs(ctx, ctx.runner.inputs[:1], inner)
+        outputs.pop("zero inputs", None)
+        paths = list(outputs)
+        grads = torch.autograd.grad(loss, [outputs[p] for p in paths], allow_unused=True, retain_graph=True) \
+            if paths and torch.is_tensor(loss) else ()
+        zeroed = [p for p, g in zip(paths, grads) if g is not None and not bool(g.abs().sum() > 0)]
+        found = {}
+        for n in names:
+            owner = n.rsplit(".", 1)[0]
+            for z in (z for z in zeroed if z.startswith(owner + ".")):
+                g = torch.autograd.grad(outputs[z], params[n], torch.ones_like(outputs[z]), allow_unused=True,
+                                        retain_graph=True)[0]
+                if g is not None and bool(g.abs().sum() > 0):
+                    found[n] = z
+                    break
+        return found
+    except Exception:  # a replay that raises under the hooks says nothing
+        return {}
+
+
+def _one_key(ctx: ModelContext, names: list[str], named: dict) -> dict:
+    """{name: its module} for parameters whose own module normalised every softmax (and fused attention) over one key
+    on the audit's example (EfficientViT's last stage at 64 px: a 1 x 1 window): a softmax of one score is 1
+    whatever the score, so what makes the scores (a bias table, q and k) gets no gradient there, by design."""
+    owners = {n.rsplit(".", 1)[0] for n in names if "." in n} & set(named)
+    seen, active, handles = {}, [], []
+
+    def enter(path):
+        def hook(m, args):
+            active.append(Observer())
+            active[-1].__enter__()
+            seen.setdefault(path, []).append(active[-1])
+        return hook
+
+    def leave(m, args, out):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    for path in owners:
+        handles += [named[path].register_forward_pre_hook(enter(path)), named[path].register_forward_hook(leave)]
+    try:
+        with torch.no_grad():
+            ctx.runner(ctx.runner.inputs[:1])
+    except Exception:  # the model does not run under the hooks: nothing shown
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+        while active:  # a forward that raised left its observer open
+            active.pop().__exit__(None, None, None)
+    one = set()
+    for path, observers in seen.items():
+        keys = [sm.output.shape[-1] for o in observers for sm in o.record.softmaxes if sm.output.dim()] + \
+               [f.k.shape[-2] for o in observers for f in o.record.fused]
+        if keys and all(k == 1 for k in keys):
+            one.add(path)
+    return {n: n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[0] in one}
 
 
 def trainable(ctx: ModelContext) -> list:
@@ -328,6 +407,10 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
             leaf["x"] = seq.detach().clone().requires_grad_(True)
             seq = leaf["x"].clone()  # as above: the model may edit its input in place
         seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        # eval mode again (the audit's own): a module that caches in eval mode what it computes from a parameter
+        # (timm's TinyViT, EfficientViT and LeViT attention biases, dropped by their train()) was filled by an earlier
+        # forward without autograd, and its parameter would get no gradient; now it is computed afresh
+        ctx.model.eval()
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
         total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
@@ -354,6 +437,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                     leak = (f"(out[:, :{c + 1}] ** 2).sum() has gradient up to {later:.3g} w.r.t. input embeddings "
                             f"after t={c} (must be exactly 0)")
     finally:
+        ctx.model.eval()  # and no cache keeps this forward's graph
         if handle is not None:
             handle.remove()
         for h in kept:
@@ -364,8 +448,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed or why.zero_input or why.discarded for why in by_design.values()
-                     if why.zeroed or why.zero_input or why.discarded})
+    zeroed = sorted({why.zeroed or why.zero_input or why.discarded or why.one_key for why in by_design.values()
+                     if why.zeroed or why.zero_input or why.discarded or why.one_key})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -405,7 +489,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
-                  f"or their input is 0; or the outputs their parameters move are those the model discards), "
+                  f"or their input is 0; or the outputs their parameters move are those the model discards; or "
+                  f"they attend one key), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
