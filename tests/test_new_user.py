@@ -46,7 +46,8 @@ def test_a_failing_gradient_check_prints_numbers_that_differ():
     result = diagnostics.audit(layer, seq_len=4).result("gradients")
     assert result.verdict == "fail"
     # the first two numbers (a retry at a finer step may follow them)
-    ad, fd = (part.split(" and")[0].split(":")[0] for part in result.evidence.split("gives ")[1].split("differences ")[:2])
+    parts = result.evidence.split("gives ")[1].split("differences ")[:2]
+    ad, fd = (part.split(" and")[0].split(":")[0] for part in parts)
     assert ad.strip() != fd.strip(), result.evidence
 
 
