@@ -461,13 +461,14 @@ def test_a_sequence_gives_what_it_gives_alone_beside_a_padded_one_except_where_k
                                         ("tiny_vit_5m_224", "stages.1.blocks.0.attn")])
 @pytest.mark.parametrize("no_grad_first", [True, False])
 def test_timms_cached_attention_biases_get_no_gradient_after_a_forward_under_no_grad(name, path, no_grad_first):
-    """LeViT and TinyViT (KNOWN, as EfficientFormer and EfficientViT-MSRA): an eval forward under no_grad caches the
+    """LeViT and TinyViT (as EfficientFormer and EfficientViT-MSRA): an eval forward under no_grad caches the
     attention biases cut from their graph, and the next forward's backward gives them no gradient; the same script
-    without the no_grad forward gives them one."""
+    without the no_grad forward gives them one. A pitfall of timm's, not in KNOWN: gradient_flow enters eval mode
+    again before its forward, and timm's train() drops the cache there, so the sweep's rows no longer fail on it."""
     import torch
 
     timm = pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
-    assert name in _sweep().KNOWN
+    assert name not in _sweep().KNOWN
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).eval()
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
