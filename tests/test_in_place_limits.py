@@ -164,10 +164,15 @@ class FoldedBias(nn.Module):
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
 
     def forward(self, x, alibi):
+        B, T, _ = x.shape  # batch, sequence length
+        return self.attend(x, alibi.view(B, self.num_heads, 1, T))  # raises unless B x H rows
+
+    def attend(self, x, bias):
+        """The attention with `bias` added to its (B, H, T, T) scores."""
         B, T, D = x.shape  # batch, sequence length, width
         H = self.num_heads
         q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
-        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + alibi.view(B, H, 1, T)  # raises unless B x H rows
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + bias
         if self.causal:
             scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
@@ -187,21 +192,6 @@ class FoldedBiasLM(nn.Module):
         return self.head(x + self.attn(x, alibi))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_an_argument_with_the_batch_folded_in_is_repeated_for_the_probes_batch(causal):
-    """The model is captured at batch 1 and 2: the bias has 2 rows, then 4, so a probe of batch B gets B x 2 rows
-    (before, passed as captured: `runs` failed on every probe of batch 2). Twin: the same layer without its causal
-    mask fails future_leakage there."""
-    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
-    report = diagnostics.audit_model(FoldedBiasLM(causal), example=ids, causal=True)
-    layer = report.layers["attn"]
-    assert layer.result("runs").verdict == "pass", layer.result("runs")
-    if causal:
-        assert report.status == "passed", report
-    else:
-        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
-
-
 class SharedRelative(FoldedBias):
     """Causal attention given relative positions (1, 1, T, T) shared by the whole batch, which it squeezes and
     expands to B x H rows itself, as SEW-D's (DeBERTa-v2's) disentangled attention does; `causal=False`: the causal
@@ -212,14 +202,10 @@ class SharedRelative(FoldedBias):
         self.bias = nn.Parameter(torch.randn(64) * 0.1)  # one bias per clamped relative distance
 
     def forward(self, x, relative_pos):
-        B, T, D = x.shape  # batch, sequence length, width
+        B, T, _ = x.shape  # batch, sequence length
         H = self.num_heads
-        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
         index = (relative_pos.squeeze(0) + 32).clamp(0, 63).expand(B * H, T, T)  # raises unless one row: (1, T, T)
-        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + self.bias[index].view(B, H, T, T)
-        if self.causal:
-            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        return self.attend(x, self.bias[index].view(B, H, T, T))
 
 
 class SharedRelativeLM(FoldedBiasLM):
@@ -233,21 +219,6 @@ class SharedRelativeLM(FoldedBiasLM):
         relative_pos = (torch.arange(T)[None, :] - torch.arange(T)[:, None])[None, None]  # (1, 1, T, T), any batch
         x = self.emb(input_ids)
         return self.head(x + self.attn(x, relative_pos))
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_an_argument_of_one_row_at_any_batch_is_passed_as_the_model_passes_it(causal):
-    """The model passes the same (1, 1, T, T) relative positions at batch 1 and 2: a probe of batch 2 gets them so
-    (before, repeated to (2, 1, T, T): `runs` failed on every probe of batch 2, SEW-D's false failure, issue 33).
-    Twin: the same layer without its causal mask fails future_leakage there."""
-    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
-    report = diagnostics.audit_model(SharedRelativeLM(causal), example=ids, causal=True)
-    layer = report.layers["attn"]
-    assert layer.result("runs").verdict == "pass", layer.result("runs")
-    if causal:
-        assert report.status == "passed", report
-    else:
-        assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
 
 
 class ClassQuery(TiedAttention):
@@ -514,15 +485,9 @@ class RelativeTable(FoldedBias):
     the causal mask forgotten (a real bug, for the twin)."""
 
     def forward(self, x, pos):
-        B, T, D = x.shape  # batch, sequence length, width
-        H = self.num_heads
-        q, k, v = self.qkv(x).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        T = x.shape[1]  # sequence length
         index = (T - 1) - (torch.arange(T)[None, :] - torch.arange(T)[:, None])  # (T, T): raises unless 2T - 1 rows
-        bias = pos[0, index].permute(2, 0, 1)  # (H, T, T)
-        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5 + bias
-        if self.causal:
-            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        return self.attend(x, pos[0, index].permute(2, 0, 1))  # a bias (H, T, T)
 
 
 class RelativeTableLM(FoldedBiasLM):
@@ -538,16 +503,24 @@ class RelativeTableLM(FoldedBiasLM):
         return self.head(x + self.attn(x, self.table[:, 63 - (T - 1):63 + T]))  # (1, 2T - 1, H)
 
 
+@pytest.mark.parametrize("lm", ["folded", "shared", "relative"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_relative_positions_of_2t_minus_1_are_cut_around_their_centre_for_each_probe(causal):
-    """The model passes 23 relative positions at T = 12 and 21 at T = 11: a probe of length t gets the 2t - 1 around
-    the centre, the distances it has (before, passed whole: `runs` failed on every probe of another length,
-    FastSpeech 2's conformer layers, issue 33). Twin: the same layer without its causal mask fails future_leakage."""
+def test_an_argument_the_model_passes_is_given_to_each_probe_as_the_model_would_give_it(lm, causal):
+    """Each probe gets the model's other arguments as the model would pass them at its length and batch (before,
+    `runs` failed on every probe of another batch or length; then 3 of the 6 cases):
+    - `folded`: a key-position bias with the batch folded into its first dimension, (B x H, 1, T) as BLOOM's ALiBi:
+      captured at batch 1 and 2 (2 rows, then 4), so a probe of batch B gets B x 2 rows;
+    - `shared`: relative positions (1, 1, T, T) the model passes as one row at batch 1 and 2 (SEW-D's), passed so;
+    - `relative`: one entry per distance, (1, 2T - 1, H) (Conformer's, FastSpeech 2's): 23 at T = 12, 21 at T = 11,
+      so a probe of length t gets the 2t - 1 around the centre.
+    Twin: the same layer without its causal mask fails future_leakage there."""
+    model = {"folded": FoldedBiasLM, "shared": SharedRelativeLM, "relative": RelativeTableLM}[lm](causal)
     ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
-    report = diagnostics.audit_model(RelativeTableLM(causal), example=ids, causal=True)
+    report = diagnostics.audit_model(model, example=ids, causal=True)
     layer = report.layers["attn"]
     assert layer.result("runs").verdict == "pass", layer.result("runs")
     if causal:
         assert report.status == "passed", report
     else:
         assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
+
