@@ -18,7 +18,7 @@ from torch import nn
 import diagnostics
 from buggy_variants import VARIANTS
 from buggy_variants.teaching_model import ProtocolGPT, TinyGPT, inject
-from correct import MultiHeadAttention
+from correct import MultiHeadAttention, gpt2_init_
 from diagnostics import patterns
 from diagnostics._guard import seed_rng
 from diagnostics._probe import Probe
@@ -1325,3 +1325,33 @@ def test_output_variance_reads_no_concatenation_of_the_query_with_a_feature_of_i
     else:
         assert found.verdict == "fail", found
     assert "concatenation" not in found.message, found
+
+
+class TopLeftMHA(nn.Module):
+    """torch's MultiheadAttention given a causal mask built top-left for each call (the bug once queries are fewer
+    than keys), whatever mask it is passed."""
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, query, key, value, mask=None):
+        allowed = torch.ones(query.shape[1], key.shape[1], dtype=torch.bool).tril()
+        return self.mha(query, key, value, attn_mask=~allowed)
+
+
+@pytest.mark.parametrize("top_left", [False, True])
+def test_decode_consistency_reads_a_float64_copy_before_failing_in_bfloat16(top_left):
+    """Heads of width 1 in bfloat16 (an explore draw of CI: torch's MHA at d_model 4 in 4 heads, GPT-2's init, seq_len
+    7, seed 6789) round the partial calls apart from the full pass by 0.032, past bfloat16's 0.03: the float64 copy on
+    the same inputs reads 5e-16, so the difference is rounding and the layer passes (it failed before). Twin: the
+    same layer with its causal mask built top-left differs in float64 too, and fails."""
+    seed_rng(6789)
+    mha = nn.MultiheadAttention(4, 4, batch_first=True)
+    gpt2_init_(mha, seed=6789)
+    layer = (TopLeftMHA(mha) if top_left else mha).to(torch.bfloat16)
+    found = diagnostics.audit(layer, seq_len=7, seed=6789, causal=True).result("decode_consistency")
+    assert found.verdict == ("fail" if top_left else "pass"), found
+    said = "not rounding" if top_left else "the bfloat16 difference is rounding"
+    assert "a float64 copy of the layer on the same inputs measured" in found.evidence and said in found.evidence, \
+        found.evidence
