@@ -158,6 +158,18 @@ def float64_copy_or_skip(probe: Probe, det: str):
         return skip(det, f"no float64 copy of the layer could be made ({type(error).__name__}: {error})")
 
 
+def float64_output(twin, call) -> Tensor:
+    """The float64 copy's output on `call`'s own inputs, upcast (one stream stays one tensor), without autograd: a
+    reading that tells a lower precision's rounding from a real difference."""
+    up: dict[int, Tensor] = {}
+
+    def wide(x):
+        return up.setdefault(id(x), x.to(torch.float64))
+
+    with torch.no_grad():
+        return twin(wide(call.query), wide(call.key), wide(call.value), call.allowed).out
+
+
 def float64_twin(probe: Probe):
     """A float64 subject for the same layer (a deep copy of a module, so the user's layer is untouched)."""
     s = probe.subject

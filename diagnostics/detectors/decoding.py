@@ -21,7 +21,7 @@ from .._tracing import (
     tensors,
     trace_call,
 )
-from ._common import float64_copy_or_skip, judge, logit_gain
+from ._common import float64_copy_or_skip, float64_output, judge, logit_gain
 from ._stacked import DECODING, decode_splits, decoding_calls, stacked_cases
 
 
@@ -277,11 +277,8 @@ def _float64_reading(probe: Probe, full, parts) -> float | None:
     t, T = probe.subject.time_dim, probe.t
 
     def run(c):
-        up: dict[int, Tensor] = {}  # one stream stays one tensor
-        wide = lambda x: up.setdefault(id(x), x.to(torch.float64))  # noqa: E731
         probe.passes += 1
-        with torch.no_grad():
-            return twin(wide(c.query), wide(c.key), wide(c.value), c.allowed).out
+        return float64_output(twin, c)
 
     try:
         whole = run(full)

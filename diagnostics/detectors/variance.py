@@ -34,7 +34,7 @@ from .._tracing import (
     value_before,
     weights_origin,
 )
-from ._common import float64_copy_or_skip, not_token_attention, result
+from ._common import float64_copy_or_skip, float64_output, not_token_attention, result
 from ._stacked import SEEDED_CALLS
 from .weights import at_text
 
@@ -284,11 +284,6 @@ def _float64_reading(probe: Probe, calls: list[Call], row: Tensor | None) -> flo
         return None
     outs = []
     for c in calls:
-        up: dict[int, Tensor] = {}  # one stream stays one tensor
-
-        def wide(x):
-            return up.setdefault(id(x), x.to(torch.float64))
-
         probe.passes += 1
         t = probe.subject.time_dim
         probe.shapes[probe.detector].append(ProbeShape(f"float64 copy: {c.label}", c.query.shape[0], c.query.shape[t],
@@ -296,8 +291,7 @@ def _float64_reading(probe: Probe, calls: list[Call], row: Tensor | None) -> flo
                                                        c.query is c.key and c.key is c.value))
         _seed(probe)  # as the call it replays
         try:
-            with torch.no_grad():
-                outs.append(twin(wide(c.query), wide(c.key), wide(c.value), c.allowed).out)
+            outs.append(float64_output(twin, c))
         except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
             return None
     got, alone = outs[0], row.to(torch.float64) if row is not None else outs[1]
