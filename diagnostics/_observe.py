@@ -11,6 +11,7 @@ that does not depend on the content (masks, ALiBi and relative-position biases) 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -76,6 +77,74 @@ def dispatch_name(func) -> str:
     if name is None:
         name = _OP_NAMES[func] = str(func)
     return name
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(name: str) -> tuple[str, ...] | None:
+    """The names an aten op's schema gives its arguments, in order ("aten.X.default" -> torch.ops.aten.X.default);
+    None where the name is not one of torch's ops."""
+    parts = name.split(".")
+    try:
+        op = getattr(getattr(torch.ops.aten, parts[1]), parts[2] if len(parts) > 2 else "default")
+        return tuple(a.name for a in op._schema.arguments)
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def fused_arguments(name: str, args: tuple, kwargs: dict) -> tuple[Tensor | None, bool, float | None]:
+    """A fused attention op's mask (or additive bias), causal flag and `scale=` (None where not given), read by the
+    names its schema gives them. Each kernel orders them its own way: CUDA's memory-efficient and cuDNN kernels take
+    `attn_bias` and then a `compute_log_sumexp` flag before `is_causal` (True whenever an input requires grad, so
+    the first bool is not the causal one there), the CPU's flash kernel takes `attn_mask` by keyword only. An op
+    whose schema cannot be read falls back to the first tensor and the first bool after q, k and v."""
+    names = _argument_names(name)
+    if names is None:
+        bound = dict(kwargs)
+        bound.setdefault("attn_mask", next((a for a in args[3:] if isinstance(a, Tensor)), None))
+        bound.setdefault("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False))
+    else:
+        bound = {**dict(zip(names, args)), **kwargs}
+    mask = bound.get("attn_mask")
+    if mask is None:
+        mask = bound.get("attn_bias")
+    scale = bound.get("scale")
+    return (mask if isinstance(mask, Tensor) else None), bool(bound.get("is_causal", False)), (
+        None if scale is None else float(scale))
+
+
+PADDED_TO = 8
+"""torch's scaled_dot_product_attention pads a head width that its CUDA kernels cannot take to a multiple of 8 with
+zero columns (q, k and v each) and passes them the scale of the width the layer wrote (1/sqrt of it, or the layer's
+own `scale=`); the output's padded columns are cut after the kernel. Seen on an H200: heads of width 1 in bfloat16
+reached the flash kernel 8 wide, and the scale 1 = 1/sqrt(1) was judged against 1/sqrt(8), "2.83x too sharp"."""
+
+
+def unpadded(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, *, pads: bool):
+    """A fused call as the layer made it, where torch padded its head widths (`pads`: the call ran where torch pads,
+    on CUDA): the trailing columns of q and k that are zero in both, and those of v and the output that are zero in
+    v, cut where the width is the next multiple of `PADDED_TO` after the columns in use (a width that is a multiple
+    of 8 already is never padded). Elsewhere, or where no such columns are there, the call as it was given."""
+    if not pads:
+        return q, k, v, out
+
+    def in_use(*ts: Tensor) -> int:  # the columns up to the last that holds a nonzero entry in any of ts
+        used = torch.zeros(ts[0].shape[-1], dtype=torch.bool, device=ts[0].device)
+        for t in ts:
+            used |= t.ne(0).reshape(-1, t.shape[-1]).any(0)
+        nonzero = used.nonzero()
+        return int(nonzero[-1]) + 1 if len(nonzero) else 0
+
+    def padded(width: int, used: int) -> bool:
+        return 0 < used < width and used % PADDED_TO != 0 and -(-used // PADDED_TO) * PADDED_TO == width
+
+    if q.shape[-1] == k.shape[-1]:
+        qk = in_use(q, k)
+        if padded(q.shape[-1], qk):
+            q, k = q[..., :qk], k[..., :qk]
+    vo = in_use(v)
+    if padded(v.shape[-1], vo) and (out is None or out.shape[-1] == v.shape[-1]):
+        v, out = v[..., :vo], (None if out is None else out[..., :vo])
+    return q, k, v, out
 
 
 def _key(t: Tensor):
@@ -401,17 +470,14 @@ class Observer(Mode):
             rec.softmaxes.append(s)
             rec.order.append(s)
         elif "scaled_dot_product" in name and "backward" not in name:
-            q, k, v = args[0], args[1], args[2]
-            scale = kwargs.get("scale")
-            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-            mask = kwargs.get("attn_mask")
-            if mask is None:
-                mask = next((a for a in args[3:] if isinstance(a, Tensor)), None)
-            is_causal = bool(kwargs.get("is_causal", next((a for a in args[3:] if isinstance(a, bool)), False)))
-            f = FusedAttention(q.detach(), k.detach(), v.detach(), scale * self._factor(q) * self._factor(k),
-                               None if mask is None else mask.detach(), is_causal, self._frames(),
-                               outs[0].detach() if isinstance(outs[0], Tensor) else None, scale,
-                               kwargs.get("scale") is not None)
+            mask, is_causal, stated = fused_arguments(name, args, kwargs)
+            out = outs[0].detach() if isinstance(outs[0], Tensor) else None
+            q, k, v, out = unpadded(args[0].detach(), args[1].detach(), args[2].detach(), out,
+                                    pads=args[0].device.type == "cuda")
+            scale = 1.0 / math.sqrt(q.shape[-1]) if stated is None else float(stated)
+            f = FusedAttention(q, k, v, scale * self._factor(args[0]) * self._factor(args[1]),
+                               None if mask is None else mask.detach(), is_causal, self._frames(), out, scale,
+                               stated is not None)
             self._fresh(outs)
             rec.fused.append(f)
             rec.order.append(f)

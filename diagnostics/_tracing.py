@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ._frames import frame_kind, user_frames
 from ._guard import seed_rng
-from ._observe import Observer, dispatch_name
+from ._observe import Observer, dispatch_name, fused_arguments
 from ._result import Site
 
 MAX_KEPT = 1 << 22
@@ -451,10 +451,7 @@ def fused_pattern(op: Op, t_q: int, t_k: int) -> Tensor | None:
     a, kw = op.args, op.kwargs
     q = a[0]
     shape = tuple(q.shape[:-2]) + (t_q, t_k)
-    mask = kw.get("attn_mask")
-    if mask is None:
-        mask = next((x for x in a[3:] if isinstance(x, Tensor)), None)
-    causal = bool(kw.get("is_causal", next((x for x in a[3:] if isinstance(x, bool)), False)))
+    mask, causal, _ = fused_arguments(op.name, a, kw)
     filled = torch.zeros(shape, dtype=torch.bool)
     if mask is not None:
         m = mask.cpu()
@@ -579,9 +576,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             if (q_len, k_len) != (t_q, t_k):  # not these queries over these keys (a cache lost a key)
                 continue
             f = fused_pattern(op, t_q, t_k)
-            mask = op.kwargs.get("attn_mask")
-            if mask is None:
-                mask = next((x for x in op.args[3:] if isinstance(x, Tensor)), None)
+            mask = fused_arguments(op.name, op.args, op.kwargs)[0]
             mask_id = op.in_ids[3] if mask is not None and len(op.in_ids) > 3 else None
             if f is not None and (per_batch(f, B)) is not None:
                 masking.append((op, per_batch(f, B), mask_id, True))
