@@ -56,6 +56,17 @@ def _groups_one_at_a_time():
     with one_group_at_a_time():
         yield
 
+
+@pytest.fixture(autouse=True)
+def _ranks_can_run_backward(request):
+    """On a machine with a GPU, a worker that ran a backward pass in an earlier test can no longer fork ranks that run
+    one (autograd's device threads): each test skips, saying so, instead of failing on its ranks."""
+    if request.node.name.startswith("test_a_backward_pass_on_a_machine_with_a_gpu"):
+        return  # the test of that very rule
+    ok, why = distributed_available()
+    if not ok:
+        pytest.skip(why)
+
 FORMS = {  # name: (factory, audit options)
     "ring": (lambda layer, rank, world_size, group: cs.RingAttention(layer, group), {}),
     "ring_zigzag": (lambda layer, rank, world_size, group: cs.RingAttention(layer, group), {"layout": "zigzag"}),
@@ -664,3 +675,31 @@ def test_torch_tensor_parallel_plans_separate_qkv_pass_and_a_fused_qkv_cut_in_ro
         assert SHARDED_VARIANTS["fused_qkv_contiguous_rows"].cause in result.message, str(report)
     else:
         assert report.status == "passed", str(report)
+
+
+def test_a_forked_rank_runs_backward_where_this_process_has_run_one(device):
+    """The probe behind distributed_available(): a child forked after a backward pass on `device` runs one itself.
+    Without a GPU this holds on every machine; where there is one, it holds until the process's first backward."""
+    if device.type == "cuda":
+        pytest.skip("on a machine with a GPU a backward pass makes forked ranks unable to run one: the test below")
+    x = torch.ones(3, requires_grad=True, device=device)
+    (x * x).sum().backward()
+    from diagnostics.distributed._ranks import backward_in_a_fork
+
+    assert backward_in_a_fork()
+    assert distributed_available() == (True, "")
+
+
+def test_a_backward_pass_on_a_machine_with_a_gpu_makes_the_audit_a_usage_error_not_a_failed_rank(device):
+    """Seen on an H200: every sharded check of a pytest worker that had audited other layers first failed
+    `sharded_runs` ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), a FAIL
+    of a correct layer. Now the audit refuses before forking, with the reason and the fix; the twin above (no GPU,
+    the same backward pass) audits as before."""
+    if device.type != "cuda":
+        pytest.skip("autograd starts device threads only where there is a GPU: the twin above runs here")
+    x = torch.ones(3, requires_grad=True)
+    (x * x).sum().backward()  # on the CPU: the GPU's presence alone starts autograd's device threads
+    ok, why = distributed_available()
+    assert not ok and "run the sharded audit before any backward pass" in why
+    with pytest.raises(AuditUsageError, match="a forked rank cannot run backward"):
+        audit_sharded(reference_layer(False), FORMS["ring"][0], world_sizes=(2,))

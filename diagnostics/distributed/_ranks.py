@@ -106,7 +106,59 @@ def distributed_available(device: str = "cpu", world_size: int = 2) -> tuple[boo
         return False, "torch.distributed has no gloo backend in this build of torch"
     if not hasattr(os, "fork"):
         return False, "this platform cannot fork processes (the audit forks its ranks)"
+    if not _forked_backward_runs():
+        return False, ("this process has run a backward pass on a machine with a GPU, which started autograd's device "
+                       "threads, and a forked rank cannot run backward after that (torch: \"Unable to handle "
+                       "autograd's threading in combination with fork-based multiprocessing\"): run the sharded audit "
+                       "before any backward pass in the process (first in the script, or `attention-audit sharded` "
+                       "in a process of its own)")
     return True, ""
+
+
+_FORK_UNSAFE = False  # once a process's autograd has started its device threads, it stays so
+
+
+def _forked_backward_runs() -> bool:
+    """Whether a rank forked from this process can run a backward pass. On a machine with a GPU, the first backward
+    pass a process runs (on any device) starts autograd's device threads, and from then on a forked child's backward
+    raises: seen on an H200, where every sharded check in a pytest worker that had audited other layers first failed
+    `sharded_runs` on its own ranks. Without a GPU no such threads exist and nothing is forked to ask."""
+    global _FORK_UNSAFE
+    if _FORK_UNSAFE:
+        return False
+    if not torch.cuda.is_available():
+        return True
+    _FORK_UNSAFE = not backward_in_a_fork()
+    return not _FORK_UNSAFE
+
+
+def backward_in_a_fork() -> bool:
+    """Fork a child that runs the backward pass of one number and exits at once: whether it could (a fork costs this
+    process nothing it keeps; the child shares its memory copy-on-write and never returns into the caller's code)."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one backward, one byte home, gone (no atexit of the parent's may run in a fork)
+        code = 1
+        try:
+            os.close(reader)
+            torch.set_num_threads(1)  # a forked child that touches its parent's OpenMP pool hangs
+            x = torch.ones(1, requires_grad=True)
+            (x * 2).sum().backward()
+            code = 0
+        except BaseException:
+            pass
+        finally:
+            try:
+                os.write(writer, bytes([code]))
+            finally:
+                os._exit(0)
+    os.close(writer)
+    try:
+        answer = os.read(reader, 1)
+    finally:
+        os.close(reader)
+        os.waitpid(pid, 0)
+    return answer == b"\x00"
 
 
 def _die_with_parent() -> None:
