@@ -65,3 +65,24 @@ def test_a_model_whose_inputs_nothing_declares_is_a_usage_error_naming_the_dict_
         diagnostics.audit_model(model)
     message = str(raised.value)
     assert "pass example={'states': ...}, a dict of the model's inputs" in message and "{{" not in message, message
+
+
+def test_a_t5_module_that_keeps_no_config_is_judged_at_its_models_scale():
+    """LongT5's local attention keeps no `config`, so its family (T5: q·k multiplied by 1, the scale folded into the
+    initialisation) was not found and `softmax_saturation` failed the correct model, "too sharp" by sqrt(d_kv). The
+    family is now its model's. The twin: the same module inside a model of another family is judged by 1/sqrt(d_k)."""
+    tf = _transformers()
+    from diagnostics.model._inplace import declared_scale
+
+    torch.manual_seed(0)
+    config = tf.LongT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+                             vocab_size=128, local_radius=4, encoder_attention_type="local")
+    model = tf.LongT5ForConditionalGeneration(config).eval()
+    local = model.encoder.block[0].layer[0].LocalSelfAttention
+    assert not hasattr(local, "config")
+    assert declared_scale(local, model)[0] == 1.0
+    assert declared_scale(local, tf.BertModel(tf.BertConfig(hidden_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=4, intermediate_size=64)))[0] is None
+    report = diagnostics.audit_model(model, detectors=["softmax_saturation"])
+    local_report = report.layers["encoder.block.0.layer.0.LocalSelfAttention"]
+    assert local_report.result("softmax_saturation").verdict == "pass", str(report)

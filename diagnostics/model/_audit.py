@@ -206,7 +206,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             tick(f"layer {p}", i, len(in_place))
             w = wrappers[p]
             layer_causal = bool(causal_ and w.is_self_attention() and (not runner.encoder_decoder or ".decoder." in f".{p}."))
-            scale, said = declared_scale(w.inner)
+            scale, said = declared_scale(w.inner, model)
             if said and said not in notes and "scaling" not in said:
                 notes.append(said)
             try:

@@ -530,15 +530,20 @@ def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_di
 UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transformers")  # q·k multiplied by 1
 
 
-def declared_scale(module: nn.Module) -> tuple[float | None, str]:
+def declared_scale(module: nn.Module, model: nn.Module | None = None) -> tuple[float | None, str]:
     """The softmax scale a module declares: its `scaling` attribute (Hugging Face's), else a number `scale` or
     `softmax_scale` (timm's; CvT's is the whole width's, embed_dim ** -0.5, not a head's), or 1 for the families
-    that fold the scale into their initialisation (T5) or use none (GPT-Neo); None: 1/sqrt(d_k)."""
+    that fold the scale into their initialisation (T5) or use none (GPT-Neo); None: 1/sqrt(d_k). The family is the
+    module's own config's, else the model's: a module that keeps no config (LongT5's local and transient-global
+    attention) is of its model's family."""
     for name in ("scaling", "scale", "softmax_scale"):
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return float(value), f"scale {float(value):.4g} from {type(module).__name__}.{name}"
-    family = getattr(getattr(module, "config", None), "model_type", None)
+    config = getattr(module, "config", None)
+    if config is None and model is not None:
+        config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
     if family in UNSCALED_FAMILIES:
         return 1.0, f"scale 1 ({family} multiplies q·k by nothing)"
     return None, ""
