@@ -320,8 +320,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/own_weights.py:_judge:L*:or->and": (
         "p.heads == p.kv_heads or step == STEPS[3]", "the two skips save a recompute only: with as many key/value "
         "heads as query heads the wrong-order step repeats nothing, and without an output projection the skipped-"
-        "projection step returns the reference's output, so either recompute IS the reference: e equals err, never "
-        "at most err / 10, and nothing is named (checked in _projections.attend)"),
+        "projection step returns the reference's output, and without a stated value scale the step that leaves it out "
+        "does too, so each such recompute IS the reference: e equals err, never at most err / 10, and nothing is named "
+        "(checked in _projections.attend)"),
     "detectors/own_weights.py:_judge:L*:Lt->LtE": (
         "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "

@@ -85,6 +85,7 @@ class Projections:
     k_norm: nn.Module | None = None
     norm: nn.Module | None = None  # on the merged heads, before the output projection (timm's scale_norm)
     causal: bool | None = None  # the module builds its own causal mask (None: not declared)
+    value_scale: float = 1.0  # what the module multiplies its values by (MiMo-V2-Flash's v_scale), 1: nothing
     # the class is a library's own (torch, transformers, timm, this project's reference), whose every step the
     # recogniser knows; a class it has not seen may have a step of its own (rotary positions, ALiBi) that no
     # attribute names, so a difference there counts only where one step of the reference explains it
@@ -105,7 +106,7 @@ class Projections:
 # ---- the reference, step by step ------------------------------------------------------------------------
 STEPS = ("grouped key/value heads repeated in the wrong order (repeat, not repeat_interleave)",
          "heads split as (d, H) instead of (H, d)", "heads merged without moving them next to their width",
-         "output projection skipped", "scale")
+         "output projection skipped", "scale", "the values' stated scale not applied")
 """The one-step changes of the reference a mismatch is tested against, to name the step that differs."""
 
 
@@ -118,6 +119,8 @@ def attend(p: Projections, c: CallInputs, *, dtype: torch.dtype, causal: bool, s
     Tk = xk.shape[1]
     H, G, d = p.heads, p.kv_heads, p.head_dim
     q, k, v = p.q(xq), p.k(xk), p.v(xv)  # (B, Tq, H*d), (B, Tk, G*d), (B, Tk, G*d)
+    if p.value_scale != 1.0 and step != STEPS[5]:
+        v = v * p.value_scale
     q_norm, k_norm = p.wide(p.q_norm, dtype), p.wide(p.k_norm, dtype)
     if q_norm is not None and _norm_width(q_norm) == H * d:  # a norm over all heads at once (OLMo 2)
         q = q_norm(q)
@@ -349,6 +352,7 @@ def huggingface(module: nn.Module) -> Projections | None:
         scale, s_where = float(scaling), f"scale {float(scaling):.4g} ({type(module).__name__}.scaling)"
     else:
         scale, s_where = d ** -0.5, f"scale 1/sqrt({d}) (no `scaling` attribute)"
+    value_scale, v_where = _value_scale(module)
     config = getattr(module, "config", None)
     for name in ("attn_logit_softcapping", "logit_softcapping"):
         if getattr(module, name, None) or getattr(config, name, None):
@@ -413,10 +417,26 @@ def huggingface(module: nn.Module) -> Projections | None:
 
     read = [f"{projections} of {type(module).__name__}, {H} heads ({h_where}), {G} key/value "
             f"heads ({g_where}), head width {d}" + (f" ({d_where})" if d_where else ""), s_where]
+    if v_where:
+        read.append(v_where)
     if q_norm is not None or k_norm is not None:
         read.append("q_norm / k_norm applied to each head" + (" (or to all heads where their width says so)"))
     return Projections("Hugging Face", module, q, k, v, o, H, G, d, scale, read, inputs, _first,
-                       q_norm=q_norm, k_norm=k_norm)
+                       q_norm=q_norm, k_norm=k_norm, value_scale=value_scale)
+
+
+VALUE_SCALES = ("v_scale", "value_scale")
+"""Attributes in which a module states what it multiplies its values by (MiMo-V2-Flash: `v_scale`, from its config's
+`attention_value_scale`, 0.707 by default): the recompute applies it, so that a module that states one and does not
+apply it (or applies another) still differs."""
+
+
+def _value_scale(module: nn.Module) -> tuple[float, str]:
+    for name in VALUE_SCALES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+            return float(value), f"values times {float(value):.4g} ({type(module).__name__}.{name})"
+    return 1.0, ""
 
 
 FUSED_OUT = ("proj", "out", "out_proj", "o_proj")

@@ -313,3 +313,35 @@ def test_a_layer_that_applies_no_rotary_of_its_own_choice_passes_and_its_wrong_g
     assert found.verdict == "pass", found.evidence
     read = "rotary tables passed but not applied" if layer_idx else "rotary tables from the call's position_embeddings"
     assert read in found.evidence, found.evidence
+
+
+class ValueScaled(GroupedQueryAttention):
+    """Values multiplied by a number the module states (MiMo-V2-Flash's `v_scale`, its config's
+    attention_value_scale); `applies=False`: stated and not applied, the bug."""
+
+    def __init__(self, *, applies=True):
+        super().__init__()
+        self.v_scale, self.applies = 0.707, applies
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, G, T, d)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, G, T, d)
+        if self.applies:
+            v = v * self.v_scale
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_values_scaled_by_a_number_the_layer_states_pass_and_its_twin_that_forgets_it_fails(dtype):
+    """MiMo-V2-Flash (transformers 5.25) multiplies its values by `v_scale` = 0.707: the recompute without it failed
+    the correct model ("not the attention its own weights compute"). The stated number is now applied; a layer that
+    states it and does not apply it differs by that factor and still fails."""
+    right = own_weights(built(ValueScaled, dtype))
+    forgot = own_weights(built(lambda: ValueScaled(applies=False), dtype))
+    assert right.verdict == "pass" and "values times 0.707 (ValueScaled.v_scale)" in right.evidence, right.evidence
+    assert forgot.verdict == "fail", forgot.evidence
+    assert "the values' stated scale not applied" in forgot.evidence and "v_scale" in forgot.fix
+    assert forgot.value > 10 * forgot.threshold

@@ -52,6 +52,8 @@ FIXES = {  # the fix of each step that reproduced a layer's output, in the user'
     STEPS[2]: "merge the heads as out.transpose(1, 2).reshape(B, T, H * d): move the heads next to their width first",
     STEPS[3]: "apply the output projection to the merged heads",
     STEPS[4]: "multiply the scores by the layer's own scale (its `scaling` / `scale`, 1/sqrt(head_dim) by default)",
+    STEPS[5]: "multiply the values by the number the layer states for them (its `v_scale` / `value_scale`) before "
+              "they are attended, or drop the attribute if the layer means none",
 }
 
 
@@ -168,7 +170,8 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
     where_at = where_text(where, out.dim() - 1) if where else ""
     explained = []
     for step in STEPS:
-        if step == STEPS[0] and p.heads == p.kv_heads or step == STEPS[3] and p.o is None:
+        if step == STEPS[0] and p.heads == p.kv_heads or step == STEPS[3] and p.o is None or \
+                step == STEPS[5] and p.value_scale == 1.0:
             continue
         scales = (1.0, 1.0 / p.head_dim, (p.heads * p.head_dim) ** -0.5, p.scale ** 2, p.head_dim ** 0.5) \
             if step == STEPS[4] else (None,)
