@@ -167,8 +167,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
         split = probe.scale is not None and _split_over_q_and_k(applied, probe.scale, d_k)
         expected = expected ** 2 if split else expected
-        # normalised q and k are judged by the logits they can reach, not by 1/sqrt(d_k) (unless a scale is declared)
-        cosine = _cosine_bound(estimate, probe.subject.dtype, d_k) if probe.scale is None else None
+        # normalised q and k are judged by the logits they can reach, not by 1/sqrt(d_k) (unless a scale is declared,
+        # and q or k is multiplied by no other number the layer states: see _stated_temperature)
+        cosine = _cosine_bound(estimate, probe.subject.dtype, d_k)
+        if probe.scale is not None and cosine is not None:
+            cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
         rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
                              None if unit_rms else cosine, unit_rms, split))
@@ -289,6 +292,26 @@ def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
                    f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
                    f"multiplied by {per_product:.4g}" + (" (the scale= the layer passes)" if stated else ""),
                    not stated and all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
+
+
+def _stated_temperature(layer, factor: float, declared: float, cosine: _Cosine) -> _Cosine | None:
+    """With a scale declared (the model audit reads a module's `scaling`, the number its attention kernel is given):
+    where q and k reach q·k normalised and q·k is multiplied by `factor` times that scale, `factor` is the layer's own
+    temperature if the layer holds it as a number (MuseSpark's `qk_scale_factor`, 5.473, multiplying q after its RMS
+    norm), or holds its square root (the same number on q and on k): then the cosine bounds judge the logits it
+    reaches. A factor the layer does not state (a missing or doubled scale) is judged against the declared scale as
+    before, and so are q and k at unit RMS; so is a factor that is the declared scale again (applied twice), whatever
+    attribute holds it. None: the declared scale judges."""
+    if cosine.unit_rms or math.isclose(factor, 1.0, rel_tol=1e-6) or any(
+            math.isclose(factor, d, rel_tol=1e-6) for d in (declared, math.sqrt(declared), 1 / declared)):
+        return None
+    for module in (layer, getattr(layer, "inner", None)):
+        for name, value in (vars(module).items() if isinstance(module, torch.nn.Module) else ()):
+            if isinstance(value, float) and value > 0 and any(
+                    math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
+                return replace(cosine, seen=f"{cosine.seen}; {value:.4g} in those norms is the layer's own "
+                                            f"temperature ({type(module).__name__}.{name}), beside the declared scale")
+    return None
 
 
 def _split_over_q_and_k(applied: float, declared: float, d_k: int) -> bool:
