@@ -131,3 +131,55 @@ def test_a_mixer_of_another_kind_in_the_attentions_place_is_not_audited_as_atten
     broken = audit(HybridLM([NoSoftmax(), Attention()]), packed=False)
     assert list(broken.layers) == ["blocks.0.mixer", "blocks.1.mixer"] and broken.status == "failed", broken
     assert {f.layer for f in broken.findings if f.verdict == "fail"} == {"blocks.0.mixer"}, broken.findings
+
+
+def _tiny(name: str):
+    """A tiny model of transformers' `name` as benchmarks/sweep.py builds it (nothing downloaded)."""
+    import pytest
+
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    import sys
+
+    if "sweep_benchmark" not in sys.modules:  # as tests/test_sweep.py loads it: one module, its dataclasses resolvable
+        spec = importlib.util.spec_from_file_location("sweep_benchmark",
+                                                      Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    sweep = sys.modules["sweep_benchmark"]
+    torch.manual_seed(0)
+    built = sweep.build(name)
+    return (built[0] if isinstance(built, tuple) else built).eval()
+
+
+def test_a_library_attention_class_that_computes_no_weights_is_a_mixer_and_its_hybrid_neighbour_is_audited():
+    """RWKV's time mixing (RwkvSelfAttention, a recurrence) and BailingHybrid's delta-rule layer (a linear attention
+    beside its softmax layers) carry "Attention" in their class names; `output_variance` failed both correct models
+    (their outputs are no convex combination of the values). Now each is named a mixer of another kind, watched by the
+    model-level checks; the hybrid's softmax layer is audited in place as before."""
+    import diagnostics
+
+    rwkv = diagnostics.audit_model(_tiny("rwkv"))
+    assert rwkv.status == "inconclusive" and "no softmax attention to audit" in rwkv.status_reason, str(rwkv)
+    assert all(f.mixer for f in rwkv.found) and not rwkv.layers
+    hybrid = diagnostics.audit_model(_tiny("bailing_hybrid"))
+    mixers = {f.path for f in hybrid.found if f.mixer}
+    assert mixers == {"model.layers.0.self_attn"} and set(hybrid.layers) == {"model.layers.1.self_attn"}, str(hybrid)
+    assert hybrid.status != "failed", str(hybrid)
+
+
+def test_a_softmax_lost_in_every_layer_of_a_class_that_routes_through_the_attention_functions_still_fails():
+    """The twin: a Llama whose registered attention function drops the softmax in every layer has no layer of its
+    kind with one either, but its class hands q, k and v to transformers' attention functions: audited, and failed."""
+    import diagnostics
+
+    model = _tiny("llama")  # skips first where transformers is not installed
+    model_audit = _sibling("test_model_audit")
+    model_audit.register_attention("test_no_softmax_everywhere", model_audit.bug_attention)
+    model.config._attn_implementation = "test_no_softmax_everywhere"
+    for module in model.modules():
+        if type(module).__name__ == "LlamaAttention":
+            module._test_bug = "no_softmax"
+    report = diagnostics.audit_model(model, seq_len=8)
+    assert not any(f.mixer for f in report.found), str(report)
+    assert report.status == "failed", str(report)

@@ -16,6 +16,7 @@ they were (`_guard.untouched`). A model that raises on the audit's inputs is a f
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .._thresholds import dtype_name
 from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES
 from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
-from ._find import FoundModule, class_kind, find_attention, observe_attention
+from ._find import class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
@@ -54,6 +55,11 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
                                 "class, and no softmax over (Tq, Tk) scores or fused attention observed)")
     if unaudited and layers_chosen:
         return "inconclusive", f"inconclusive: {', '.join(unaudited)} could not be audited in place (see the notes)"
+    mixers = [f.path for f in found if getattr(f, "mixer", False)]
+    if not layers and layers_chosen and mixers and len(mixers) == len(found):
+        return "inconclusive", (f"inconclusive: no softmax attention to audit: {', '.join(mixers[:3])}"
+                                f"{' ...' if len(mixers) > 3 else ''} compute no attention weights over the tokens (a "
+                                f"recurrence, linear attention); the model-level checks watched them")
     if not layers and layers_chosen:
         return "inconclusive", "inconclusive: no attention module was audited"
     errors = [r.detector for r in results if r.verdict == "error"]
@@ -151,7 +157,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         error, raised_in = observed.error, observed.raised_in
         if observed.note:
             notes.append(observed.note)
-        found = find_attention(model, observed.found)
+        found = find_attention(model, observed.found, observed.weighs if observed.error is None else None)
         expect(found or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
                "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
                "its own forward runs a softmax over (Tq, Tk) scores or fused attention") + ")",
@@ -177,7 +183,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         # ALiBi, (B x H, 1, T)), which the in-place wrapper repeats for a probe's batch instead of passing as is
         wide_calls = capture_calls(runner, modules, runner.inputs[:2])[0] if modules and len(runner.inputs) >= 2 \
             else {}
-        found = [FoundModule(f.path, f.cls, f.how, f.path in long_calls) for f in found]
+        found = [replace(f, called=f.path in long_calls) for f in found]
         # every module the forward calls is watched by the model-level checks, whether or not it can be audited
         # in place: a layer left out would pass its leak on to the next one, which would take the blame
         modules = {p: m for p, m in modules.items() if p in long_calls}
@@ -196,7 +202,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                            raised_in=run_layer, packed=packed)
         results.append(run(MODEL_DETECTORS[runs.ID], ctx, _options, subject="model"))
         layer_ids = [d for d in DETECTORS if d in chosen]
-        in_place = [p for p in order if p in wrappers]
+        mixers = {f.path for f in found if f.mixer}
+        in_place = [p for p in order if p in wrappers and p not in mixers]
         # a layer that declares a window or a chunk (window.declared_pattern) is audited under it in place, so that
         # attention_pattern measures it key by key and points at the line
         declared = window.patterns(ctx)
@@ -243,7 +250,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     if implementation is not None and getattr(config, "_attn_implementation", None) != implementation:
         config._attn_implementation = implementation
     results = [r for r in results if r.detector in chosen or r.detector == runs.ID]
-    unaudited = tuple(f.path for f in found if f.called and f.path not in layers)
+    unaudited = tuple(f.path for f in found if f.called and not f.mixer and f.path not in layers)
     status, reason = model_status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen),
                                   causal=causal_, unaudited=unaudited)
     if not T and wrappers:

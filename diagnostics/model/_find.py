@@ -5,6 +5,7 @@ forward (the innermost such module with parameters); and a module in the place a
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ class FoundModule:
     cls: str
     how: str
     called: bool = True
+    # a library attention class that computes no attention weights over the tokens (`other_mixer`): watched by the
+    # model-level checks like every module the forward calls, not audited in place as softmax attention
+    mixer: bool = False
 
 
 def class_kind(module: nn.Module) -> str | None:
@@ -60,6 +64,7 @@ class Observation:
     raised_in: str | None = None
     note: str | None = None
     model_attends: bool = False
+    weighs: frozenset = frozenset()  # modules inside which a softmax, fused or flex attention ran (see other_mixer)
 
 
 class ModuleWatch:
@@ -74,27 +79,33 @@ class ModuleWatch:
         self.paths = {id(m): p for p, m in self.named.items()}
         self.observer, self.on_return = Observer(), on_return
         self.counts: dict = {}
+        self.flex: dict = {}  # {path: flex_attention calls}
         self.stack: list = []
         self.handles: list = []
 
     @property
     def open(self) -> list[str]:
-        return [self.paths[id(m)] for m, _, _ in self.stack]
+        return [self.paths[id(entry[0])] for entry in self.stack]
 
     def _pre(self, m, args, kwargs):
-        self.stack.append((m, len(self.observer.record.softmaxes), len(self.observer.record.fused)))
+        record = self.observer.record
+        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex)))
 
     def _post(self, m, args, kwargs, out):
         if not (self.stack and self.stack[-1][0] is m):
             return
-        _, s0, f0 = self.stack.pop()
-        soft = [s for s in self.observer.record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
+        _, s0, f0, x0 = self.stack.pop()
+        record = self.observer.record
+        soft = [s for s in record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
                 and s.dim in (-1, s.output.dim() - 1)]
-        fused = self.observer.record.fused[f0:]
+        fused = record.fused[f0:]
         path = self.paths[id(m)]
         entry = self.counts.setdefault(path, [0, 0])
         entry[0] += len(soft)
         entry[1] += len(fused)
+        # FlexAttention calls too, for `other_mixer` (a (T, T) product tells nothing: a chunked delta rule makes
+        # one of its decays and keys, as a softmax written with an exponential of its own does of its scores)
+        self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:])
         if self.on_return is not None:
             self.on_return(path, m, args, kwargs, out, bool(soft or fused))
 
@@ -142,14 +153,52 @@ def observe_attention(runner: Runner) -> Observation:
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
-    return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))))
+    weighs = frozenset(p for p in named if any(counts.get(p, (0, 0))) or watch.flex.get(p))
+    return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs)
 
 
-def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
-    """Class-recognised modules (innermost), and observed modules not inside or around one of them."""
+def other_mixer(path: str, named: dict, observed: dict, weighs: frozenset) -> bool:
+    """Whether a module found by its class name computes no attention weights over the tokens: no softmax, fused or
+    flex attention ran inside it in the observed forward, nor in a module of its kind (`kin`: a layer of the same class beside it that ran a softmax makes this one a layer that lost its own,
+    which is a finding). RWKV's time mixing (a recurrence) and a hybrid's delta-rule "attention" (BailingHybrid's
+    linear attention beside its softmax layers) are such mixers: properties of softmax weights (a convex combination
+    of the values, a temperature) are not theirs, and `output_variance` failed them. The model-level checks still
+    watch them. Never a class that routes its attention through transformers' attention functions (`routes_attention`).
+    A library class that writes its softmax with an exponential of its own and has no kin that calls one
+    would be read so too: left out of the in-place audit, named in the report, never failed."""
+    if path in weighs or any(q.startswith(path + ".") for q in weighs):
+        return False
+    cls = type(named[path])
+    return not routes_attention(cls) and not any(kin(cls, type(named[q])) for q in observed)
+
+
+_ROUTES: dict = {}
+
+
+def routes_attention(cls: type) -> bool:
+    """Whether a class's forward hands its q, k and v to transformers' attention functions (`ALL_ATTENTION_FUNCTIONS`,
+    an `attention_interface`): the library's own word that it computes softmax attention, so that one without a softmax
+    seen in any layer is one whose attention function lost it (a user's own, registered for every layer), a finding."""
+    if cls not in _ROUTES:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        _ROUTES[cls] = "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+    return _ROUTES[cls]
+
+
+def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = None) -> list[FoundModule]:
+    """Class-recognised modules (innermost), and observed modules not inside or around one of them. With `weighs`
+    (an observed forward's modules in which attention ran), class-recognised modules that are mixers of
+    another kind (`other_mixer`) are marked so."""
     named = dict(model.named_modules())
     by_class = innermost([p for p, m in named.items() if p and class_kind(m)])
     found = {p: f"{class_kind(named[p])}" + (f", {observed[p]}" if p in observed else "") for p in by_class}
+    mixers = {p for p in by_class if weighs is not None and other_mixer(p, named, observed, weighs)}
+    for p in mixers:
+        found[p] += ("; no softmax, fused or flex attention observed in it or in a module of its kind: a token mixer of another kind (a recurrence, linear attention), not audited in place as "
+                     "softmax attention")
     for p, how in observed.items():
         if not any(p == q or p.startswith(q + ".") or q.startswith(p + ".") for q in by_class):
             found[p] = how
@@ -167,8 +216,8 @@ def find_attention(model: nn.Module, observed: dict) -> list[FoundModule]:
                 any(True for _ in m.parameters()) and not any(p.startswith(q + ".") or q.startswith(p + ".") for q in found):
             found[p] = "in the place attention has in the other blocks; no softmax or fused attention observed in it"
     order = list(named)
-    return [FoundModule(p, type(named[p]).__name__, found[p], True) for p in sorted(found, key=order.index)]
+    return [FoundModule(p, type(named[p]).__name__, found[p], True, p in mixers) for p in sorted(found, key=order.index)]
 
 
 __all__ = ["TORCH_ATTENTION", "FoundModule", "ModuleWatch", "Observation", "class_kind", "find_attention",
-           "innermost", "observe_attention"]
+           "innermost", "observe_attention", "other_mixer"]
