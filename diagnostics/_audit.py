@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+
+import torch
 
 from ._errors import expect
 from ._guard import denormals_flushed, untouched
@@ -116,6 +120,14 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
         base = probe.base()
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
     status, reason = _status(results, probe, base, _options)
+    zeros = _zero_gates(layer, base) if status != "failed" else []  # none left in the copy: no second round
+    if zeros:
+        probe.release()
+        return _audited_with_gates_drawn(layer, zeros, seed, dict(
+            causal=causal, d_model=d_model, num_heads=num_heads, scale=scale, seq_len=seq_len, device=device,
+            dtype=dtype, seed=seed, need_weights=need_weights, detectors=detectors, require=require, strict=strict,
+            progress=False, mask=mask, layout=layout, pattern=pattern, call=call, cross=cross, positions=positions),
+            _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
     probe.release()  # a report kept for its findings' sites keeps the probe, not the standard probe's record
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
@@ -125,6 +137,42 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                                  "takes_mask": subject.takes_mask, "pass_causal_mask": probe.pass_causal_mask},
                        weights=None if weights is None else weights.detach().cpu(), weights_source=source,
                        status=status, status_reason=reason)
+
+
+def _zero_gates(layer, base) -> list[str]:
+    """The trainable parameters of `layer` whose every entry is 0, where the standard probe's output is 0 everywhere
+    because of them: a zero-initialised gate or output projection (DiT's adaLN-Zero, Flamingo's tanh gate at 0,
+    ControlNet's zero convolutions) starts the layer as nothing, by design, and hides every output-level property
+    (masks, locality, causality, batch independence: "not measured") of the attention behind it. [] otherwise: a
+    function, a layer whose output is not all zero, or one whose zeros are frozen (then they stay zero)."""
+    if not isinstance(layer, torch.nn.Module) or not base.ok or base.output is None:
+        return []
+    out = base.output.out
+    if not isinstance(out, torch.Tensor) or not out.numel() or bool(out.detach().any()):
+        return []
+    return [name for name, p in layer.named_parameters() if p.requires_grad and p.numel() and p.is_floating_point()
+            and not bool(p.detach().any())]
+
+
+def _audited_with_gates_drawn(layer, zeros: list[str], seed: int, kwargs: dict, options: dict | None) -> AuditReport:
+    """The audit of a copy of `layer` with its all-zero parameters (`zeros`) drawn from N(0, 1/fan_in) (seeded by the
+    audit's seed; the user's layer is not touched), so that the attention behind a zero gate is measured; the report
+    says which were drawn and why."""
+    copy_ = copy.deepcopy(layer)
+    params = dict(copy_.named_parameters())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in zeros:
+            p = params[name]
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            p.copy_((torch.randn(p.shape, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)).to(p.dtype))
+    report = audit(copy_, **kwargs, _options=options)
+    why = (f"; audited with {', '.join(zeros)} drawn from N(0, 1/fan_in) in a copy: all zero at its initialisation "
+           f"(a zero-initialised gate or output projection), {'they' if len(zeros) > 1 else 'it'} made the output zero "
+           f"everywhere and hid the attention behind {'them' if len(zeros) > 1 else 'it'}")
+    report.layer += why
+    report.settings["drawn"] = tuple(zeros)
+    return report
 
 
 def consequences(measured: dict[str, DetectorResult]) -> dict[str, DetectorResult]:

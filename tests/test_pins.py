@@ -1253,13 +1253,15 @@ def test_output_variance_does_not_measure_a_layer_whose_output_projection_starts
     """check_output_variance's `if change is None` guard: a zero-initialised output projection (modded-nanogpt's
     c_proj, DiT's adaLN-Zero, ControlNet's zero convolutions) makes the output zero everywhere, and no difference
     from the one-token output can be measured against zero: skipped, saying so (with the guard gone the comparison
-    raised). Its twin, the same layer with the projection as drawn, is measured and passes."""
+    raised). Its twin, the same layer with the projection as drawn, is measured and passes. The zeros are frozen here:
+    the audit measures a copy with trainable all-zero parameters drawn (tests/test_zero_gates.py), frozen ones stay."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(16, 2)
     if zeroed:
         with torch.no_grad():
             layer.out.weight.zero_()
             layer.out.bias.zero_()
+        layer.out.requires_grad_(False)
     found = verdict(layer, "output_variance")
     if zeroed:
         assert (found.verdict, found.message) == ("skip", "not measured: the expected output is zero everywhere, so "
