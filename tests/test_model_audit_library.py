@@ -86,3 +86,18 @@ def test_a_t5_module_that_keeps_no_config_is_judged_at_its_models_scale():
     report = diagnostics.audit_model(model, detectors=["softmax_saturation"])
     local_report = report.layers["encoder.block.0.layer.0.LocalSelfAttention"]
     assert local_report.result("softmax_saturation").verdict == "pass", str(report)
+
+
+@pytest.mark.parametrize("attn_type, causal", [("bi", False), ("uni", True)])
+def test_an_attention_type_the_config_names_bidirectional_makes_an_lm_head_class_not_causal(attn_type, causal):
+    """XLNet's `*LMHeadModel` is a permutation LM: without a permutation mask its attention sees both ways, and its
+    config says so (`attn_type="bi"`). Read as causal by its class name, the correct model failed prefix_causality
+    and future_leakage. Its twin, `attn_type="uni"`, is left to the class name: causal."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    model = tf.XLNetLMHeadModel(tf.XLNetConfig(vocab_size=64, d_model=32, n_layer=1, n_head=4, d_inner=64,
+                                               attn_type=attn_type))
+    report = diagnostics.audit_model(model.eval(), detectors=["prefix_causality"])
+    assert report.causal is causal, report.causal_source
+    assert report.causal_source == ("inferred: config.attn_type is 'bi' (bidirectional)" if not causal else
+                                    "inferred: XLNetLMHeadModel is a causal LM")

@@ -1,7 +1,8 @@
 """Whether a model is causal: what it declares, else what its attention layers do.
 
 Declarations, strongest first: the caller's `causal=`; the config's own flags (`is_decoder`, and `causal` /
-`is_causal` given as a bool: a `*WithLMHeadModel` whose config says `causal=False` is a masked LM); a true
+`is_causal` given as a bool: a `*WithLMHeadModel` whose config says `causal=False` is a masked LM; an attention
+type named bidirectional, XLNet's `attn_type="bi"`); a true
 `model.causal` / `model.is_causal`; the class's family (`*ForCausalLM`, `*LMHeadModel`); an encoder-decoder, whose
 decoder is causal.
 
@@ -31,6 +32,10 @@ from .._thresholds import UNCHANGED, tolerance
 from ._taps import moved
 
 CAUSAL_CLASS = re.compile(r"CausalLM|LMHeadModel")
+ATTENTION_KIND = ("attn_type", "attention_type")
+BIDIRECTIONAL = ("bi", "bidirectional")
+"""A config that names its attention bidirectional (XLNet's `attn_type="bi"`, a permutation LM whose attention,
+without a permutation mask, sees both ways, although its class is an `*LMHeadModel`) is not causal."""
 
 
 def declared_causal(model, causal, runner) -> tuple[bool | None, str]:
@@ -46,6 +51,10 @@ def declared_causal(model, causal, runner) -> tuple[bool | None, str]:
         value = getattr(config, attr, None) if config is not None else None
         if isinstance(value, bool):
             return value, f"inferred: config.{attr} is {value}"
+    for attr in ATTENTION_KIND:
+        value = getattr(config, attr, None) if config is not None else None
+        if isinstance(value, str) and value.lower() in BIDIRECTIONAL:
+            return False, f"inferred: config.{attr} is {value!r} (bidirectional)"
     for attr in ("causal", "is_causal"):
         if getattr(model, attr, None) is True:
             return True, f"inferred: model.{attr} is True"
