@@ -122,12 +122,21 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     status, reason = _status(results, probe, base, _options)
     zeros = _zero_gates(layer, base) if status != "failed" else []  # none left in the copy: no second round
     if zeros:
-        probe.release()
-        return _audited_with_gates_drawn(layer, zeros, seed, dict(
-            causal=causal, d_model=d_model, num_heads=num_heads, scale=scale, seq_len=seq_len, device=device,
-            dtype=dtype, seed=seed, need_weights=need_weights, detectors=detectors, require=require, strict=strict,
-            progress=False, mask=mask, layout=layout, pattern=pattern, call=call, cross=cross, positions=positions),
-            _options)
+        try:
+            drawn = copy.deepcopy(layer)
+        except Exception as exc:  # a layer that cannot be copied: its zeros stay, and so does what they hide
+            drawn = None
+            status, reason = "inconclusive", (
+                f"inconclusive: the output is zero everywhere while {', '.join(zeros)} {'are' if len(zeros) > 1 else 'is'}"
+                f" all zero (a zero gate or output projection), and the layer could not be copied to draw them "
+                f"({type(exc).__name__}); audit it with them drawn: torch.nn.init.normal_(p, std=0.02) on each")
+        if drawn is not None:
+            probe.release()
+            return _audited_with_gates_drawn(drawn, zeros, seed, dict(
+                causal=causal, d_model=d_model, num_heads=num_heads, scale=scale, seq_len=seq_len, device=device,
+                dtype=dtype, seed=seed, need_weights=need_weights, detectors=detectors, require=require,
+                strict=strict, progress=False, mask=mask, layout=layout, pattern=pattern, call=call, cross=cross,
+                positions=positions), _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
     probe.release()  # a report kept for its findings' sites keeps the probe, not the standard probe's record
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,
@@ -154,11 +163,10 @@ def _zero_gates(layer, base) -> list[str]:
             and not bool(p.detach().any())]
 
 
-def _audited_with_gates_drawn(layer, zeros: list[str], seed: int, kwargs: dict, options: dict | None) -> AuditReport:
-    """The audit of a copy of `layer` with its all-zero parameters (`zeros`) drawn from N(0, 1/fan_in) (seeded by the
-    audit's seed; the user's layer is not touched), so that the attention behind a zero gate is measured; the report
-    says which were drawn and why."""
-    copy_ = copy.deepcopy(layer)
+def _audited_with_gates_drawn(copy_, zeros: list[str], seed: int, kwargs: dict, options: dict | None) -> AuditReport:
+    """The audit of `copy_`, a deep copy of the user's layer, with its all-zero parameters (`zeros`) drawn from
+    N(0, 1/fan_in) (seeded by the audit's seed; the user's layer is not touched), so that the attention behind a zero
+    gate is measured; the report says which were drawn and why."""
     params = dict(copy_.named_parameters())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -43,3 +43,14 @@ def test_a_frozen_zero_projection_is_not_drawn():
     report = diagnostics.audit(_zeroed(MultiHeadAttention, trainable=False))
     assert "drawn" not in report.settings
     assert report.result("mask_honoured").verdict == "skip" and "zero" in report.result("mask_honoured").message
+
+
+class Uncopyable(MultiHeadAttention):
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a handle that cannot be copied")
+
+
+def test_a_zero_gated_layer_that_cannot_be_copied_is_inconclusive_saying_how_to_audit_it():
+    report = diagnostics.audit(_zeroed(Uncopyable))
+    assert report.status == "inconclusive" and "could not be copied to draw them" in report.status_reason, str(report)
+    assert "torch.nn.init.normal_" in report.status_reason
