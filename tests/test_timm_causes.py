@@ -22,7 +22,9 @@ weights as unused. Parameters unused on the short probe are asked again at the a
 
 DaViT's channel attention: softmax((q^T k) / sqrt(N)) over (B, H, d, d), between the channels of a head, not between
 tokens: `output_variance` (identical tokens come out unchanged) and `own_weights` (the recompute of a token
-attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable.
+attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable. And
+the model audit no longer counts it as an attention module at all (it mixes no tokens): a module whose every observed
+softmax has scores whose q·k product sums over the tokens, and no axis of their count, is left out with a note.
 
 TinyViT and EfficientViT: the attention biases (a table indexed by a buffer) are cached in eval mode on the first
 forward and dropped by the module's `train()`; an earlier detector's forward without autograd filled the cache, and
@@ -506,3 +508,34 @@ def test_timm_levit_s8_last_stage_gets_identical_tokens_and_its_gradient_flow_pa
     assert tokens.shape[-1] == 4 and torch.equal(tokens, tokens[..., :1].expand_as(tokens))
     flow = audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
     assert flow.verdict == "pass" and "stages.2.blocks.0.attn, stages.2.blocks.1.attn" in flow.message, flow.message
+
+
+class ChannelThenTokens(nn.Module):
+    """DaViT's pair of blocks in a few lines: channel attention, then token attention (`tokens`), each residual. The
+    head width (12) is none of the token counts the audit observes (8) or probes (16)."""
+
+    def __init__(self, tokens, d_model=48, n_heads=4):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(50, d_model), nn.Linear(d_model, 50)
+        self.chan, self.tok = ChannelAttention(d_model, n_heads), tokens(d_model, n_heads)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        x = x + self.chan(x)
+        return self.head(x + self.tok(x))
+
+
+def test_channel_attention_is_not_audited_as_attention_and_token_attention_merged_wrongly_beside_it_still_fails():
+    """DaViT's channel attention was found by its class and audited as a token attention (its output_variance and
+    own_weights not applicable, the model inconclusive). It mixes no tokens: left out, saying why."""
+    def audit_(tokens):
+        torch.manual_seed(0)
+        return audit_model(ChannelThenTokens(tokens))
+
+    right, bug = audit_(TokenAttention), audit_(TokenMergedWrongly)
+    for report in (right, bug):
+        assert [f.path for f in report.found] == ["tok"], report.found
+        assert any(n.startswith("chan not audited as attention: its softmax runs over scores of shape (1, 4, 12, 12)")
+                   for n in report.notes), report.notes
+    assert right.status == "passed", right
+    assert bug.status == "failed" and "tok" in bug.layers and bug.layers["tok"].fired(), bug
