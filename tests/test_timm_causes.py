@@ -24,7 +24,7 @@ DaViT's channel attention: softmax((q^T k) / sqrt(N)) over (B, H, d, d), between
 tokens: `output_variance` (identical tokens come out unchanged) and `own_weights` (the recompute of a token
 attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable. And
 the model audit no longer counts it as an attention module at all (it mixes no tokens): a module whose every observed
-softmax has scores whose q·k product sums over the tokens, and no axis of their count, is left out with a note.
+softmax has scores whose q·k product sums over the tokens, and (Tq, Tk) of another size, is left out with a note.
 
 TinyViT and EfficientViT: the attention biases (a table indexed by a buffer) are cached in eval mode on the first
 forward and dropped by the module's `train()`; an earlier detector's forward without autograd filled the cache, and
@@ -525,17 +525,21 @@ class ChannelThenTokens(nn.Module):
         return self.head(x + self.tok(x))
 
 
-def test_channel_attention_is_not_audited_as_attention_and_token_attention_merged_wrongly_beside_it_still_fails():
+@pytest.mark.parametrize("d_model, n_heads", [(48, 4), (96, 8)])
+def test_channel_attention_is_not_audited_as_attention_and_token_attention_merged_wrongly_beside_it_still_fails(
+        d_model, n_heads):
     """DaViT's channel attention was found by its class and audited as a token attention (its output_variance and
-    own_weights not applicable, the model inconclusive). It mixes no tokens: left out, saying why."""
+    own_weights not applicable, the model inconclusive). It mixes no tokens: left out, saying why. With as many heads
+    as the 8 tokens the audit observes (davit_base_fl's third stage at 64 px has 16 of each), too."""
     def audit_(tokens):
         torch.manual_seed(0)
-        return audit_model(ChannelThenTokens(tokens))
+        return audit_model(ChannelThenTokens(tokens, d_model, n_heads))
 
     right, bug = audit_(TokenAttention), audit_(TokenMergedWrongly)
     for report in (right, bug):
         assert [f.path for f in report.found] == ["tok"], report.found
-        assert any(n.startswith("chan not audited as attention: its softmax runs over scores of shape (1, 4, 12, 12)")
+        assert any(n.startswith(f"chan not audited as attention: its softmax runs over scores of shape (1, {n_heads}, "
+                                f"12, 12)")
                    for n in report.notes), report.notes
     assert right.status == "passed", right
     assert bug.status == "failed" and "tok" in bug.layers and bug.layers["tok"].fired(), bug

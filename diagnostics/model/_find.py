@@ -1,8 +1,8 @@
 """Finding a model's attention modules: torch's `nn.MultiheadAttention`, timm's and Hugging Face's attention
 classes (by class), and any module that runs a softmax over (Tq, Tk) scores or a fused SDPA call in one observed
 forward (the innermost such module with parameters); and a module in the place attention has in the other blocks.
-Only modules that mix tokens: one whose every observed attention sums its q·k product over the tokens and
-normalises over no axis of their count (DaViT's channel attention, softmax(q^T k) over (B, H, d, d)) attends between
+Only modules that mix tokens: one whose every observed attention sums its q·k product over the tokens and has
+(Tq, Tk) scores of another size (DaViT's channel attention, softmax(q^T k) over (B, H, d, d)) attends between
 channels, and is left out, saying why (`Observation.not_tokens`).
 """
 
@@ -109,9 +109,10 @@ class ModuleWatch:
 
     def _mixes(self, path: str, args, kwargs, calls: list) -> None:
         """Count the call as mixing channels where every attention in it sums its q·k product over an axis of the
-        tokens' count and has scores with no axis of that count past the batch (DaViT's channel attention); as
-        mixing tokens otherwise. The tokens' count: the call's first tensor's second axis, (B, T, D), or its
-        pixels, (B, C, H, W); a call with no such tensor counts as mixing tokens."""
+        tokens' count and has (Tq, Tk) scores of another size (DaViT's channel attention, (B, H, d, d), whose heads
+        may number as many as the tokens: 16 in davit_base_fl's third stage at 64 px); as mixing tokens otherwise.
+        The tokens' count: the call's first tensor's second axis, (B, T, D), or its pixels, (B, C, H, W); a call
+        with no such tensor counts as mixing tokens."""
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() in (3, 4)), None)
         tokens = None if x is None else int(x.shape[1]) if x.dim() == 3 else int(x.shape[2] * x.shape[3])
         shapes = []
@@ -119,7 +120,7 @@ class ModuleWatch:
             if id(c) not in self._axes:
                 self._axes[id(c)] = _summed_and_scores(self.observer.record, c)
             summed, shape = self._axes[id(c)]
-            if tokens is None or summed != tokens or tokens in shape[1:]:
+            if tokens is None or summed != tokens or tokens in shape[-2:]:
                 shapes = None
                 break
             shapes.append(shape)
