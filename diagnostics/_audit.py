@@ -127,8 +127,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
         except Exception as exc:  # a layer that cannot be copied: its zeros stay, and so does what they hide
             drawn = None
             status, reason = "inconclusive", (
-                f"inconclusive: the output is zero everywhere while {', '.join(zeros)} {'are' if len(zeros) > 1 else 'is'}"
-                f" all zero (a zero gate or output projection), and the layer could not be copied to draw them "
+                f"inconclusive: the output is zero everywhere while {', '.join(zeros)} "
+                f"{'are' if len(zeros) > 1 else 'is'} all zero (a zero gate or output projection), and the layer could not be copied to draw them "
                 f"({type(exc).__name__}); audit it with them drawn: torch.nn.init.normal_(p, std=0.02) on each")
         if drawn is not None:
             probe.release()

@@ -141,8 +141,8 @@ def _tiny(name: str):
     import sys
 
     if "sweep_benchmark" not in sys.modules:  # as tests/test_sweep.py loads it: one module, its dataclasses resolvable
-        spec = importlib.util.spec_from_file_location("sweep_benchmark",
-                                                      Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py")
+        where = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
+        spec = importlib.util.spec_from_file_location("sweep_benchmark", where)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)

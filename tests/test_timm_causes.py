@@ -22,7 +22,9 @@ weights as unused. Parameters unused on the short probe are asked again at the a
 
 DaViT's channel attention: softmax((q^T k) / sqrt(N)) over (B, H, d, d), between the channels of a head, not between
 tokens: `output_variance` (identical tokens come out unchanged) and `own_weights` (the recompute of a token
-attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable.
+attention) failed it. Where no softmax of the layer has an axis of the tokens' count, both say not applicable. And
+the model audit no longer counts it as an attention module at all (it mixes no tokens): a module whose every observed
+softmax has scores whose q·k product sums over the tokens, and (Tq, Tk) of another size, is left out with a note.
 
 TinyViT and EfficientViT: the attention biases (a table indexed by a buffer) are cached in eval mode on the first
 forward and dropped by the module's `train()`; an earlier detector's forward without autograd filled the cache, and
@@ -33,6 +35,12 @@ before it gets a gradient of exactly 0, by design at this initialisation; its su
 output gets none), its own bias table was not. A parameter that feeds a submodule whose output gets exactly 0 now is.
 And at 64 px its last stage has a 1 x 1 window: one key, whose softmax is 1 whatever its score, so the bias table
 gets no gradient there; a parameter whose module normalised every softmax over one key is not judged now either.
+
+LeViT-S8 at 64 px: its attention downsamples (no residual around them) average near-uniformly over 64 and then 16
+tokens at initialisation, so the 4 tokens of its last stage are exactly equal (the 2 x 2 grid reaches every row of
+its bias table); a weighted mean of equal values is that value whatever the weights, so the bias tables get no
+gradient, and the BatchNorm at weight 0 after them did not excuse them (they feed nothing before it either). A
+parameter whose module's every softmax weighs values the same at every key is not judged now, and the module named.
 """
 
 from __future__ import annotations
@@ -437,3 +445,101 @@ def test_a_module_that_attends_one_key_is_not_judged_and_a_detached_table_over_m
     bug = audit_model(OneBlock(DetachedBiasAttention), detectors=["gradient_flow"]).result("gradient_flow")
     assert right.verdict == "pass" and "attend one key" in right.message, right.message
     assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence
+
+
+# ---- LeViT-S8: tokens averaged into one before a stage ----------------------------------------------------------
+
+
+class Averaged(nn.Module):
+    """The tokens pulled towards their mean, `spread` of their differences kept: what LeViT's attention downsamples
+    (near-uniform attention over 64 and then 16 tokens at initialisation, no residual around them) do to the tokens
+    of its last stage, whose differences reach 0 in float32 (spread 0), or ~5e-4 of them, as its middle stage's."""
+
+    def __init__(self, spread: float):
+        super().__init__()
+        self.spread = spread
+
+    def forward(self, x):
+        mean = x.mean(1, keepdim=True)  # (B, 1, D)
+        return mean + self.spread * (x - mean)
+
+
+class AveragedBlock(OneBlock):
+    def __init__(self, attention, spread: float):
+        super().__init__(attention)
+        self.pool = Averaged(spread)
+
+    def forward(self, input_ids):
+        x = self.pool(self.wte(input_ids))  # (B, T, D)
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_over_tokens_averaged_into_one_is_not_judged_and_a_detached_table_over_apart_ones_still_fails(seed):
+    """LeViT-S8's last stage failed (4 attention-bias tables without a gradient): its attention ends in a gain at 0,
+    and the table reaches nothing before it either, the values it weighs being the same at every key. Those are not
+    judged now, and say why; 5e-4 apart, the correct table is judged and passes, the detached one fails."""
+    def flow(attention, spread):
+        torch.manual_seed(seed)
+        return audit_model(AveragedBlock(attention, spread), detectors=["gradient_flow"]).result("gradient_flow")
+
+    same = flow(ZeroScaledBiasAttention, 0.0)
+    right = flow(ZeroScaledBiasAttention, 5e-4)
+    bug = flow(ZeroScaledDetached, 5e-4)
+    assert same.verdict == "pass" and "attn weigh values that are the same at every key" in same.message, same.message
+    assert right.verdict == "pass" and "weigh values" not in right.message, right.message
+    assert bug.verdict == "fail" and "attn.attention_biases" in bug.evidence, bug.evidence
+
+
+@pytest.mark.slow  # a timm LeViT-S8 built at 64 px and its gradient_flow: about 3.5 s
+def test_timm_levit_s8_last_stage_gets_identical_tokens_and_its_gradient_flow_passes_naming_it():
+    """The cause measured on timm itself: the tokens entering LeViT-S8's last stage (2 x 2 at 64 px) are exactly
+    equal, and the audit, which failed its 4 bias tables, passes naming that stage."""
+    timm = pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    torch.manual_seed(0)
+    model = timm.create_model("levit_conv_384_s8", pretrained=False, img_size=64, num_classes=10,
+                              pretrained_cfg_overlay={"input_size": (3, 64, 64)}).eval()
+    seen = {}
+    handle = model.stages[2].blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 64))
+    handle.remove()
+    tokens = seen["x"].flatten(2)  # (B, C, H * W)
+    assert tokens.shape[-1] == 4 and torch.equal(tokens, tokens[..., :1].expand_as(tokens))
+    flow = audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
+    assert flow.verdict == "pass" and "stages.2.blocks.0.attn, stages.2.blocks.1.attn" in flow.message, flow.message
+
+
+class ChannelThenTokens(nn.Module):
+    """DaViT's pair of blocks in a few lines: channel attention, then token attention (`tokens`), each residual. The
+    head width (12) is none of the token counts the audit observes (8) or probes (16)."""
+
+    def __init__(self, tokens, d_model=48, n_heads=4):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(50, d_model), nn.Linear(d_model, 50)
+        self.chan, self.tok = ChannelAttention(d_model, n_heads), tokens(d_model, n_heads)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        x = x + self.chan(x)
+        return self.head(x + self.tok(x))
+
+
+@pytest.mark.parametrize("d_model, n_heads", [(48, 4), (96, 8)])
+def test_channel_attention_is_not_audited_as_attention_and_token_attention_merged_wrongly_beside_it_still_fails(
+        d_model, n_heads):
+    """DaViT's channel attention was found by its class and audited as a token attention (its output_variance and
+    own_weights not applicable, the model inconclusive). It mixes no tokens: left out, saying why. With as many heads
+    as the 8 tokens the audit observes (davit_base_fl's third stage at 64 px has 16 of each), too."""
+    def audit_(tokens):
+        torch.manual_seed(0)
+        return audit_model(ChannelThenTokens(tokens, d_model, n_heads))
+
+    right, bug = audit_(TokenAttention), audit_(TokenMergedWrongly)
+    for report in (right, bug):
+        assert [f.path for f in report.found] == ["tok"], report.found
+        assert any(n.startswith(f"chan not audited as attention: its softmax runs over scores of shape (1, {n_heads}, "
+                                f"12, 12)")
+                   for n in report.notes), report.notes
+    assert right.status == "passed", right
+    assert bug.status == "failed" and "tok" in bug.layers and bug.layers["tok"].fired(), bug

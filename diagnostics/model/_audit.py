@@ -157,7 +157,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         error, raised_in = observed.error, observed.raised_in
         if observed.note:
             notes.append(observed.note)
-        found = find_attention(model, observed.found, observed.weighs if observed.error is None else None)
+        found = find_attention(model, observed.found, observed.weighs if observed.error is None else None,
+                               not_tokens=observed.not_tokens)
+        notes += [f"{p} not audited as attention: {why}" for p, why in observed.not_tokens.items()]
         expect(found or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
                "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
                "its own forward runs a softmax over (Tq, Tk) scores or fused attention") + ")",

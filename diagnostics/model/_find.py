@@ -1,17 +1,20 @@
 """Finding a model's attention modules: torch's `nn.MultiheadAttention`, timm's and Hugging Face's attention
 classes (by class), and any module that runs a softmax over (Tq, Tk) scores or a fused SDPA call in one observed
 forward (the innermost such module with parameters); and a module in the place attention has in the other blocks.
+Only modules that mix tokens: one whose every observed attention sums its q·k product over the tokens and has
+(Tq, Tk) scores of another size (DaViT's channel attention, softmax(q^T k) over (B, H, d, d)) attends between
+channels, and is left out, saying why (`Observation.not_tokens`).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
-from .._observe import Observer
+from .._observe import FusedAttention, Matmul, Observer, SoftmaxCall
 from ._runner import Runner
 
 TORCH_ATTENTION = (nn.MultiheadAttention,)
@@ -65,6 +68,7 @@ class Observation:
     note: str | None = None
     model_attends: bool = False
     weighs: frozenset = frozenset()  # modules inside which a softmax, fused or flex attention ran (see other_mixer)
+    not_tokens: dict = field(default_factory=dict)  # {module path: why} of those that attend between channels
 
 
 class ModuleWatch:
@@ -82,6 +86,9 @@ class ModuleWatch:
         self.flex: dict = {}  # {path: flex_attention calls}
         self.stack: list = []
         self.handles: list = []
+        self.mixes: dict = {}  # {path: [calls whose attention mixes tokens, calls whose attention mixes channels]}
+        self.shapes: dict = {}  # {path: the shapes of the scores of a call that mixed channels}
+        self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
 
     @property
     def open(self) -> list[str]:
@@ -106,8 +113,38 @@ class ModuleWatch:
         # FlexAttention calls too, for `other_mixer` (a (T, T) product tells nothing: a chunked delta rule makes
         # one of its decays and keys, as a softmax written with an exponential of its own does of its scores)
         self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:])
+        if soft or fused:
+            self._mixes(path, args, kwargs, soft + fused)
         if self.on_return is not None:
             self.on_return(path, m, args, kwargs, out, bool(soft or fused))
+
+    def _mixes(self, path: str, args, kwargs, calls: list) -> None:
+        """Count the call as mixing channels where every attention in it sums its q·k product over an axis of the
+        tokens' count and has (Tq, Tk) scores of another size (DaViT's channel attention, (B, H, d, d), whose heads
+        may number as many as the tokens: 16 in davit_base_fl's third stage at 64 px); as mixing tokens otherwise.
+        The tokens' count: the call's first tensor's second axis, (B, T, D), or its pixels, (B, C, H, W); a call
+        with no such tensor counts as mixing tokens."""
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() in (3, 4)), None)
+        tokens = None if x is None else int(x.shape[1]) if x.dim() == 3 else int(x.shape[2] * x.shape[3])
+        shapes = []
+        for c in calls:
+            if id(c) not in self._axes:
+                self._axes[id(c)] = _summed_and_scores(self.observer.record, c)
+            summed, shape = self._axes[id(c)]
+            if tokens is None or summed != tokens or tokens in shape[-2:]:
+                shapes = None
+                break
+            shapes.append(shape)
+        entry = self.mixes.setdefault(path, [0, 0])
+        entry[shapes is not None] += 1
+        if shapes:
+            self.shapes.setdefault(path, sorted(set(shapes)))
+
+    def not_tokens(self) -> dict:
+        """{path: why} of the modules whose every call with attention in it mixed channels, not tokens."""
+        return {p: f"its softmax runs over scores of shape {', '.join(map(str, self.shapes[p][:3]))}, whose q·k "
+                   f"product sums over the tokens: it attends between channels (as DaViT's channel attention), not "
+                   f"between tokens" for p, (tokens, channels) in self.mixes.items() if channels and not tokens}
 
     def __enter__(self):
         for m in self.named.values():
@@ -119,6 +156,19 @@ class ModuleWatch:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _summed_and_scores(record, call) -> tuple:
+    """(the size its q·k product summed over, or None where no product is found; its scores' shape) of an observed
+    softmax (the last product before it with as many numbers as its scores) or fused call (its q's last axis)."""
+    if isinstance(call, FusedAttention):
+        return int(call.q.shape[-1]), tuple(call.q.shape[:-1]) + (int(call.k.shape[-2]),)
+    i = next((j for j, o in enumerate(record.order) if o is call), None)
+    if not isinstance(call, SoftmaxCall) or i is None:
+        return None, ()
+    product = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
+                    and m.out.numel() == call.input.numel() and m.a.dim() >= 2), None)
+    return (None if product is None else int(product.a.shape[-1])), tuple(call.output.shape)
 
 
 def observe_attention(runner: Runner) -> Observation:
@@ -153,19 +203,23 @@ def observe_attention(runner: Runner) -> Observation:
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
+    not_tokens = {p: why for p, why in watch.not_tokens().items() if p in found or class_kind(named[p])}
+    found = {p: how for p, how in found.items() if p not in not_tokens}
     weighs = frozenset(p for p in named if any(counts.get(p, (0, 0))) or watch.flex.get(p))
-    return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs)
+    return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs,
+                       not_tokens=not_tokens)
 
 
 def other_mixer(path: str, named: dict, observed: dict, weighs: frozenset) -> bool:
     """Whether a module found by its class name computes no attention weights over the tokens: no softmax, fused or
-    flex attention ran inside it in the observed forward, nor in a module of its kind (`kin`: a layer of the same class beside it that ran a softmax makes this one a layer that lost its own,
-    which is a finding). RWKV's time mixing (a recurrence) and a hybrid's delta-rule "attention" (BailingHybrid's
-    linear attention beside its softmax layers) are such mixers: properties of softmax weights (a convex combination
-    of the values, a temperature) are not theirs, and `output_variance` failed them. The model-level checks still
-    watch them. Never a class that routes its attention through transformers' attention functions (`routes_attention`).
-    A library class that writes its softmax with an exponential of its own and has no kin that calls one
-    would be read so too: left out of the in-place audit, named in the report, never failed."""
+    flex attention ran inside it in the observed forward, nor in a module of its kind (`kin`: a layer of the same
+    class beside it that ran a softmax makes this one a layer that lost its own, which is a finding). RWKV's time
+    mixing (a recurrence) and a hybrid's delta-rule "attention" (BailingHybrid's linear attention beside its softmax
+    layers) are such mixers: properties of softmax weights (a convex combination of the values, a temperature) are
+    not theirs, and `output_variance` failed them. The model-level checks still watch them. Never a class that routes
+    its attention through transformers' attention functions (`routes_attention`). A library class that writes its
+    softmax with an exponential of its own and has no kin that calls one would be read so too: left out of the
+    in-place audit, named in the report, never failed."""
     if path in weighs or any(q.startswith(path + ".") for q in weighs):
         return False
     cls = type(named[path])
@@ -188,17 +242,19 @@ def routes_attention(cls: type) -> bool:
     return _ROUTES[cls]
 
 
-def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = None) -> list[FoundModule]:
-    """Class-recognised modules (innermost), and observed modules not inside or around one of them. With `weighs`
-    (an observed forward's modules in which attention ran), class-recognised modules that are mixers of
-    another kind (`other_mixer`) are marked so."""
-    named = dict(model.named_modules())
-    by_class = innermost([p for p, m in named.items() if p and class_kind(m)])
+def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = None, *,
+                   not_tokens: dict | None = None) -> list[FoundModule]:
+    """Class-recognised modules (innermost), and observed modules not inside or around one of them; none of
+    `not_tokens` (`Observation.not_tokens`: modules that attend between channels). With `weighs` (an observed
+    forward's modules in which attention ran), class-recognised modules that are mixers of another kind
+    (`other_mixer`) are marked so."""
+    named, not_tokens = dict(model.named_modules()), not_tokens or {}
+    by_class = [p for p in innermost([p for p, m in named.items() if p and class_kind(m)]) if p not in not_tokens]
     found = {p: f"{class_kind(named[p])}" + (f", {observed[p]}" if p in observed else "") for p in by_class}
     mixers = {p for p in by_class if weighs is not None and other_mixer(p, named, observed, weighs)}
     for p in mixers:
-        found[p] += ("; no softmax, fused or flex attention observed in it or in a module of its kind: a token mixer of another kind (a recurrence, linear attention), not audited in place as "
-                     "softmax attention")
+        found[p] += ("; no softmax, fused or flex attention observed in it or in a module of its kind: a token mixer "
+                     "of another kind (a recurrence, linear attention), not audited in place as softmax attention")
     for p, how in observed.items():
         if not any(p == q or p.startswith(q + ".") or q.startswith(p + ".") for q in by_class):
             found[p] = how
@@ -211,12 +267,14 @@ def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = 
         if re.search(r"\.\d+\.", p):
             places.setdefault(re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p)), []).append(type(named[p]))
     for p, m in named.items():
-        if p and p not in found and any(re.fullmatch(place, p) and any(kin(type(m), c) for c in classes)
-                                        for place, classes in places.items()) and \
-                any(True for _ in m.parameters()) and not any(p.startswith(q + ".") or q.startswith(p + ".") for q in found):
+        in_place = any(re.fullmatch(place, p) and any(kin(type(m), c) for c in classes)
+                       for place, classes in places.items())
+        if p and p not in found and p not in not_tokens and in_place and any(True for _ in m.parameters()) \
+                and not any(p.startswith(q + ".") or q.startswith(p + ".") for q in found):
             found[p] = "in the place attention has in the other blocks; no softmax or fused attention observed in it"
     order = list(named)
-    return [FoundModule(p, type(named[p]).__name__, found[p], True, p in mixers) for p in sorted(found, key=order.index)]
+    return [FoundModule(p, type(named[p]).__name__, found[p], True, p in mixers)
+            for p in sorted(found, key=order.index)]
 
 
 __all__ = ["TORCH_ATTENTION", "FoundModule", "ModuleWatch", "Observation", "class_kind", "find_attention",

@@ -14,7 +14,10 @@ longer length is a top-k choice (HY-V4's sparse-attention indexer): used there t
 A parameter whose module's own output gets no gradient from the model's output is not judged: what comes after
 the module discards it at this initialisation (SwinV2's post-norms start at weight 0, a zero-initialised gate), so
 no attention computed with autograd could give it one; the result says which modules, and each layer's in-place
-audit (`gradients`) still checks the layer's own backward."""
+audit (`gradients`) still checks the layer's own backward. Nor is one whose module's attention weights do not matter
+on the audit's example: every softmax over one key, or over values that are the same at every key (LeViT-S8's last
+stage, whose tokens near-uniform attention averaged into one before it at this initialisation): what makes the
+scores gets no gradient there, whatever the layer; a detached score there cannot be seen, and is not claimed."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._guard import seed_rng
-from .._observe import Observer
+from .._observe import FusedAttention, Matmul, Observer, SoftmaxCall
 from .._registry import Need, detector, phrase
 from .._result import DetectorResult
 from ._context import ModelContext
@@ -57,10 +60,14 @@ class ByDesign:
     selects: bool = False  # at `length`, no gradient but changing it moves the output: a top-k choice
     given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
     one_key: str | None = None  # its own module, whose every softmax normalised over one key here
+    same_values: str | None = None  # its own module, whose every softmax weighed values the same at every key here
 
     def __str__(self) -> str:
         if self.one_key:
             return f"{self.one_key} attends one key here (a softmax of one score is 1 whatever the score)"
+        if self.same_values:
+            return (f"{self.same_values} weighs values that are the same at every key here (a weighted mean of equal "
+                    f"values is that value whatever the weights)")
         if self.zeroed:
             return f"the output of {self.zeroed} is multiplied by 0 at this initialisation"
         if self.zero_input:
@@ -206,8 +213,8 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
         for n, inner in _zeroed_inside(ctx, [n for n in todo if n.rsplit(".", 1)[0] in named], params, named).items():
             ctx.by_design[n] = ByDesign(zeroed=inner)
             todo.remove(n)
-        for n, owner in _one_key(ctx, todo, named).items():
-            ctx.by_design[n] = ByDesign(one_key=owner)
+        for n, why in _weights_moot(ctx, todo, named).items():
+            ctx.by_design[n] = why
             todo.remove(n)
     gen = torch.Generator().manual_seed(ctx.seed + 71)
     # no gradient, yet the output moves when it changes at this very length: a path cut (.detach()), not a choice
@@ -286,10 +293,21 @@ def _zeroed_inside(ctx: ModelContext, names: list[str], params: dict, named: dic
         return {}
 
 
-def _one_key(ctx: ModelContext, names: list[str], named: dict) -> dict:
-    """{name: its module} for parameters whose own module normalised every softmax (and fused attention) over one key
-    on the audit's example (EfficientViT's last stage at 64 px: a 1 x 1 window): a softmax of one score is 1
-    whatever the score, so what makes the scores (a bias table, q and k) gets no gradient there, by design."""
+SAME_VALUES = 16
+"""How far apart (in units of the values' dtype's eps, relative to their largest magnitude) the values a softmax's
+weights sum over may be for them to be the same at every key. Measured on timm's LeViT-S8 (levit_384_s8 and
+levit_conv_512_s8 at 64, 128 and 224 px, std-0.02 initialisation, float32): the last stage's values, whose tokens two
+near-uniform attention downsamples averaged, differ by exactly 0; those of every other attention module by >= 3.4e3
+eps: 210x above this."""
+
+
+def _weights_moot(ctx: ModelContext, names: list[str], named: dict) -> dict:
+    """{name: ByDesign} for parameters whose own module's attention weights do not matter on the audit's example:
+    every softmax (and fused attention) of the module normalised over one key (EfficientViT's last stage at 64 px: a
+    1 x 1 window; a softmax of one score is 1 whatever the score), or weighs values that are the same at every key
+    (`SAME_VALUES`: LeViT-S8's last stage, whose tokens the attention downsamples before it averaged into one at
+    this initialisation; a weighted mean of equal values is that value whatever the weights). Either way what makes
+    the scores (a bias table, q and k) gets no gradient there, by design."""
     owners = {n.rsplit(".", 1)[0] for n in names if "." in n} & set(named)
     seen, active, handles = {}, [], []
 
@@ -316,13 +334,55 @@ def _one_key(ctx: ModelContext, names: list[str], named: dict) -> dict:
             h.remove()
         while active:  # a forward that raised left its observer open
             active.pop().__exit__(None, None, None)
-    one = set()
+    found = {}
     for path, observers in seen.items():
-        keys = [sm.output.shape[-1] for o in observers for sm in o.record.softmaxes if sm.output.dim()] + \
-               [f.k.shape[-2] for o in observers for f in o.record.fused]
-        if keys and all(k == 1 for k in keys):
-            one.add(path)
-    return {n: n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[0] in one}
+        kinds = [_how_moot(o.record) for o in observers]
+        if kinds and all(kinds):
+            found[path] = ByDesign(one_key=path) if all(k == "one key" for k in kinds) else ByDesign(same_values=path)
+    return {n: found[n.rsplit(".", 1)[0]] for n in names if n.rsplit(".", 1)[0] in found}
+
+
+def _how_moot(record) -> str | None:
+    """"one key" where every softmax and fused attention of one forward of a module normalised over one key, "same
+    values" where each did that or weighed values the same at every key, else None (None too where it computed
+    none, or where the product that reads a softmax's weights is not found: nothing shown)."""
+    kinds = []
+    for i, sm in enumerate(record.order):
+        if isinstance(sm, SoftmaxCall) and sm.output.dim():
+            if sm.output.shape[sm.dim] == 1:
+                kinds.append("one key")
+                continue
+            values = _values_of(record.order[i + 1:], sm.output)
+            kinds.append("same values" if values is not None and _same_at_every_key(*values) else None)
+        elif isinstance(sm, FusedAttention):
+            kinds.append("one key" if sm.k.shape[-2] == 1 else "same values" if _same_at_every_key(sm.v, -2)
+                         else None)
+    if not kinds or None in kinds:
+        return None
+    return "one key" if all(k == "one key" for k in kinds) else "same values"
+
+
+def _values_of(later: list, weights: Tensor) -> tuple | None:
+    """(the other operand, the axis it is summed over) of the first later product that reads `weights` as one of its
+    operands (the same numbers: `weights @ v`, or `v @ weights.transpose(-2, -1)` as LeViT's convolutional layout
+    computes it), or None."""
+    for m in later:
+        if not isinstance(m, Matmul):
+            continue
+        for operand, other, axis in ((m.a, m.b, -2), (m.b, m.a, -1)):
+            if operand.numel() == weights.numel() and torch.equal(
+                    operand.flatten().sort().values, weights.to(operand.dtype).flatten().sort().values):
+                return other, axis
+    return None
+
+
+def _same_at_every_key(values: Tensor, axis: int) -> bool:
+    """Whether `values` are the same along `axis` (the keys), within `SAME_VALUES` eps of their largest magnitude."""
+    if not values.is_floating_point() or values.numel() == 0:
+        return False
+    v = values.detach().float()
+    spread = float((v - v.narrow(axis, 0, 1)).abs().max())
+    return spread <= SAME_VALUES * torch.finfo(values.dtype).eps * float(v.abs().max())
 
 
 def trainable(ctx: ModelContext) -> list:
@@ -448,8 +508,9 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
     longer = {n: why.length for n, why in by_design.items() if why.length}
-    zeroed = sorted({why.zeroed or why.zero_input or why.discarded or why.one_key for why in by_design.values()
-                     if why.zeroed or why.zero_input or why.discarded or why.one_key})
+    zeroed = sorted({why.zeroed or why.zero_input or why.discarded or why.one_key or why.same_values
+                     for why in by_design.values()
+                     if why.zeroed or why.zero_input or why.discarded or why.one_key or why.same_values})
     if missing:
         owners = sorted({n.rsplit(".", 1)[0] for n in missing})
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in missing)), None)
@@ -490,8 +551,14 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
                   f"or their input is 0; or the outputs their parameters move are those the model discards; or "
-                  f"they attend one key), "
+                  f"they attend one key, or values that are the same at every key), "
                   f"{', '.join(unjudged[:4])}{' ...' if len(unjudged) > 4 else ''}" if unjudged else "")
+    alike = sorted({why.same_values for why in by_design.values() if why.same_values})
+    if alike:  # named apart: a property of the example and the initialisation, not of the layer
+        not_judged += (f"; {', '.join(alike[:4])}{' ...' if len(alike) > 4 else ''} weigh values that are the same "
+                       f"at every key here (their tokens are all alike: averaged into one before them, as by "
+                       f"near-uniform attention at this initialisation), so the attention weights do not matter and "
+                       f"what makes the scores gets no gradient")
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
     return DetectorResult(ID, "pass", f"all {judged} attention parameters get finite non-zero gradients"
