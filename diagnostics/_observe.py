@@ -925,15 +925,19 @@ def fused_weights(f) -> Tensor:
 
 def not_over_tokens(record: Record, t_q: int, t_k: int) -> str:
     """Why the attention the record shows is not over the tokens ('' where it is, or where nothing was seen): every
-    softmax's scores and every fused call's q and k have no axis of the queries' or the keys' count past the batch
-    axis. DaViT's channel attention, softmax((q^T k) / sqrt(N)) over (B, H, d, d), attends between the channels of a
-    head, which the checks of a token attention (identical tokens out unchanged, the recompute from the projections)
-    do not describe. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those axes: judged."""
+    softmax's scores have neither the queries' nor the keys' count in their last two axes (its (.., Tq, Tk), as
+    `orient` lays them out), and every fused call's q and k none as their token axis (-2). DaViT's channel attention,
+    softmax((q^T k) / sqrt(N)) over (B, H, d, d), attends between the channels of a head, which the checks of a token
+    attention (identical tokens out unchanged, the recompute from the projections) do not describe. Only those axes:
+    DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was
+    judged as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those
+    axes: judged."""
     if not (record.softmaxes or record.fused) or record.flex:
         return ""
     tokens = {t_q, t_k}
-    shapes = [tuple(sm.output.shape) for sm in record.softmaxes] + [tuple(f.q.shape) for f in record.fused]
-    if any(tokens & set(shape[1:]) for shape in shapes):
+    shapes = [tuple(sm.output.shape) for sm in record.softmaxes] + [tuple(f.q.shape[-2:-1]) + tuple(f.k.shape[-2:-1])
+                                                                    for f in record.fused]
+    if any(tokens & set(shape[-2:]) for shape in shapes):
         return ""
     seen = ", ".join(sorted({str(s) for s in shapes})[:3])
     return (f"the layer's softmax runs over scores of shape {seen}, none of whose axes past the batch is the {t_q} "

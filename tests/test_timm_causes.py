@@ -320,6 +320,21 @@ def test_channel_attention_is_not_applicable_and_token_attention_merged_wrongly_
     assert bug.verdict == "fail", bug.evidence
 
 
+@pytest.mark.parametrize("detector", ["output_variance", "own_weights"])
+def test_channel_attention_with_as_many_heads_as_tokens_is_still_not_token_attention(detector):
+    """As davit_base_fl's third stage at 64 px: 16 heads over 16 tokens (the audit's length). Read over every axis past
+    the batch, the heads' 16 made the channel attention a token attention, and output_variance failed it; only the
+    scores' last two axes count now. The twins at the same sizes: token attention passes, merged wrongly fails."""
+    def read(cls):
+        torch.manual_seed(0)
+        return result(cls(d_model=64, n_heads=16), detector, seq_len=16)
+
+    channels, right, bug = read(ChannelAttention), read(TokenAttention), read(TokenMergedWrongly)
+    assert channels.verdict == "skip" and "something else than the tokens" in channels.message, channels.message
+    assert right.verdict == "pass", right.evidence
+    assert bug.verdict == "fail", bug.evidence
+
+
 # ---- TinyViT / EfficientViT: a bias table cached in eval mode -------------------------------------------------
 
 
