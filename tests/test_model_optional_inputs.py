@@ -65,3 +65,42 @@ def test_parameters_used_only_with_an_input_not_passed_are_not_exercised_and_unu
     assert flow.verdict == "warn" and "with global_attention_mask" in flow.message, flow
     assert "global_attention_mask" in flow.fix and "example=" in flow.fix, flow.fix
     assert report.status == "passed", report
+
+
+class SegmentAttention(GlobalAttention):
+    """Self-attention with a per-head segment bias read only when `token_type_ids` is given (XLNet's `seg_embed` and
+    `r_s_bias` in every attention layer); `bug`: the segment table is looked up and then dropped."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__(bug=bug)
+        del self.qkv_global  # no global tokens here
+        self.segment = nn.Embedding(2, 16)
+
+    def forward(self, x, token_type_ids=None):
+        if token_type_ids is not None:
+            bias = self.segment(token_type_ids)  # (B, T, D)
+            x = x if self.bug else x + bias  # BUG: the segment bias computed and never added
+        return self.proj(self._attend(self.qkv(x)))
+
+
+class SegmentLM(GlobalLM):
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.attn = SegmentAttention(bug=bug)
+
+    def forward(self, input_ids, token_type_ids=None):
+        x = self.emb(input_ids)
+        return self.head(x + self.attn(x, token_type_ids))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_parameters_used_only_with_segment_ids_not_passed_are_not_exercised_and_unused_ones_still_fail(bug):
+    """XLNet's segment embeddings: read only when `token_type_ids` is given, which the audit does not pass; they failed
+    gradient_flow on the correct model. Tried as all ones, like an optional mask: used, "not exercised"."""
+    report = diagnostics.audit_model(SegmentLM(bug), example=IDS)
+    flow = report.result("gradient_flow")
+    if bug:
+        assert flow.verdict == "fail" and "attn.segment.weight" in flow.evidence, flow
+        return
+    assert flow.verdict == "warn" and "with token_type_ids" in flow.message, flow

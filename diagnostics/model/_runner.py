@@ -414,9 +414,12 @@ class Runner:
     def optional_masks(self) -> list[str]:
         """The masks the model's forward takes that the audit passes none of (left at their default None), other than
         its padding and head masks: a mask that turns on another path (Longformer's and LED's
-        global_attention_mask, which selects the tokens attended by every other through their own projections)."""
+        global_attention_mask, which selects the tokens attended by every other through their own projections); and
+        its segment ids (`token_type_ids`), which turn on a path of their own where a model reads them only when given
+        (XLNet's segment embeddings and bias in every attention layer). Each is tried as all ones, token by token."""
         passed = {self.main, self.padding_name, self.causal_mask_name, *self.fixed, *self.dropped}
-        return [n for n, p in self.params.items() if n.endswith("mask") and p.default is None and n not in passed
+        return [n for n, p in self.params.items() if (n.endswith("mask") or n.endswith("type_ids"))
+                and p.default is None and n not in passed
                 and "head_mask" not in n and n not in ("attention_mask", "decoder_attention_mask")]
 
     def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
