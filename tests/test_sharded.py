@@ -703,3 +703,25 @@ def test_a_backward_pass_on_a_machine_with_a_gpu_makes_the_audit_a_usage_error_n
     assert not ok and "run the sharded audit before any backward pass" in why
     with pytest.raises(AuditUsageError, match="a forked rank cannot run backward"):
         audit_sharded(reference_layer(False), FORMS["ring"][0], world_sizes=(2,))
+
+
+def test_the_references_backward_pass_computed_in_a_fork_is_the_one_computed_here():
+    """On a machine with a GPU the audit computes the unsharded layer's gradients in a forked child (a backward pass
+    in this process would leave no rank able to run one: seen on an H200, where the first sharded audit of a fresh
+    worker failed its own ranks). The child's answer is the one this process computes; its exception comes home."""
+    from diagnostics.distributed._ranks import in_a_fork
+
+    layer = reference_layer(False)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        layer.zero_grad(set_to_none=True)
+        layer(x)[0].square().sum().backward()  # (out, weights)
+        out = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    there, here = in_a_fork(grads), grads()
+    assert there.keys() == here.keys() and all(torch.equal(there[n], here[n]) for n in here)
+    with pytest.raises(RuntimeError, match="ValueError: broken on purpose"):
+        in_a_fork(lambda: (_ for _ in ()).throw(ValueError("broken on purpose")))

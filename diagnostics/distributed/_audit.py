@@ -18,7 +18,7 @@ from .._thresholds import dtype_name
 from . import MODULES
 from ._context import (BACKWARD, DOCUMENTS, FORWARD, JOBS, LARGE, LOGIT_SCALE, PARAMETERS, REPLICAS, TRAIN,
                        UNEVEN, Reference, ShardedContext)
-from ._ranks import Job, distributed_available, run_group
+from ._ranks import Job, distributed_available, in_a_fork, run_group
 from ._report import ShardedReport
 from .layouts import LAYOUTS
 
@@ -220,10 +220,13 @@ def _context(layer, *, world_sizes, causal, takes, layout, seq_len, batch, num_h
     stacked = torch.cat(copies)  # (B * (1 + cuts), T, D)
     cotangent = _inputs(gen, (batch, T, d_model), torch.float64)
     ctx.inputs = {FORWARD: stacked, BACKWARD: x, "cotangent": cotangent, LARGE: x.float()}
-    ctx.references = {FORWARD: _reference(_forward_all, main, golden, dtype, stacked),
-                      BACKWARD: _reference(_gradient, main, golden, dtype, x, cotangent)}
-    same = _parameter_gradients(main, x, cotangent)
-    gold = None if golden is None else _parameter_gradients(golden, x.double(), cotangent)
+    def backward_references():
+        return (_reference(_gradient, main, golden, dtype, x, cotangent), _parameter_gradients(main, x, cotangent),
+                None if golden is None else _parameter_gradients(golden, x.double(), cotangent))
+
+    # on a machine with a GPU a backward pass here would leave no forked rank able to run one: computed in a fork
+    backward, same, gold = in_a_fork(backward_references) if torch.cuda.is_available() else backward_references()
+    ctx.references = {FORWARD: _reference(_forward_all, main, golden, dtype, stacked), BACKWARD: backward}
     ctx.parameter_references = {name: Reference(None if gold is None else gold[name], g, dtype)
                                 for name, g in same.items()}
     ctx.large_layer = _scaled(layer, LOGIT_SCALE, torch.float32)

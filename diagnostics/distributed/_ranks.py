@@ -161,6 +161,39 @@ def backward_in_a_fork() -> bool:
     return answer == b"\x00"
 
 
+def in_a_fork(fn: Callable):
+    """`fn()` computed in a forked child and sent home pickled, so that what it runs (a backward pass) leaves this
+    process as it was: on a machine with a GPU the first backward pass starts autograd's device threads, after which
+    no forked rank can run one (`_forked_backward_runs`). The child's exception is raised here as a RuntimeError with
+    its text."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, send, gone (no atexit of the parent's may run in a fork)
+        try:
+            os.close(reader)
+            torch.set_num_threads(1)  # a forked child that touches its parent's OpenMP pool hangs
+            try:
+                message = pickle.dumps(("ok", fn()))
+            except BaseException as error:
+                message = pickle.dumps(("raised", f"{type(error).__name__}: {error}"))
+            with os.fdopen(writer, "wb") as out:
+                out.write(message)
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        with os.fdopen(reader, "rb") as answer:
+            data = answer.read()
+    finally:
+        os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError("the forked child computing the references exited without an answer")
+    kind, value = pickle.loads(data)
+    if kind != "ok":
+        raise RuntimeError(value)
+    return value
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -324,4 +357,4 @@ def _end(processes: list) -> None:
         p.close()
 
 
-__all__ = ["Job", "RankFailure", "Session", "TEMP_PREFIX", "distributed_available", "run_group"]
+__all__ = ["Job", "RankFailure", "Session", "TEMP_PREFIX", "distributed_available", "in_a_fork", "run_group"]
