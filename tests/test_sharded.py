@@ -723,5 +723,13 @@ def test_the_references_backward_pass_computed_in_a_fork_is_the_one_computed_her
 
     there, here = in_a_fork(grads), grads()
     assert there.keys() == here.keys() and all(torch.equal(there[n], here[n]) for n in here)
-    with pytest.raises(RuntimeError, match="ValueError: broken on purpose"):
+    with pytest.raises(ValueError, match="broken on purpose"):
         in_a_fork(lambda: (_ for _ in ()).throw(ValueError("broken on purpose")))
+    with pytest.raises(AuditUsageError, match="expected the unsharded layer to run"):  # what audit_sharded reports
+        in_a_fork(lambda: _raise_usage_error())
+
+
+def _raise_usage_error():
+    from diagnostics._errors import expect
+
+    expect(False, "the unsharded layer to run as layer(x)", "it raised", "pass the unsharded module")

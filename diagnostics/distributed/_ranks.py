@@ -164,8 +164,8 @@ def backward_in_a_fork() -> bool:
 def in_a_fork(fn: Callable):
     """`fn()` computed in a forked child and sent home pickled, so that what it runs (a backward pass) leaves this
     process as it was: on a machine with a GPU the first backward pass starts autograd's device threads, after which
-    no forked rank can run one (`_forked_backward_runs`). The child's exception is raised here as a RuntimeError with
-    its text."""
+    no forked rank can run one (`_forked_backward_runs`). The child's exception is raised here (as a RuntimeError with
+    its text where it cannot be pickled)."""
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compute, send, gone (no atexit of the parent's may run in a fork)
@@ -175,7 +175,10 @@ def in_a_fork(fn: Callable):
             try:
                 message = pickle.dumps(("ok", fn()))
             except BaseException as error:
-                message = pickle.dumps(("raised", f"{type(error).__name__}: {error}"))
+                try:  # the exception itself where it travels (an AuditUsageError the caller reports), else its text
+                    message = pickle.dumps(("raised", error))
+                except Exception:
+                    message = pickle.dumps(("raised", f"{type(error).__name__}: {error}"))
             with os.fdopen(writer, "wb") as out:
                 out.write(message)
         finally:
@@ -190,7 +193,7 @@ def in_a_fork(fn: Callable):
         raise RuntimeError("the forked child computing the references exited without an answer")
     kind, value = pickle.loads(data)
     if kind != "ok":
-        raise RuntimeError(value)
+        raise value if isinstance(value, BaseException) else RuntimeError(value)
     return value
 
 
