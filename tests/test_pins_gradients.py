@@ -16,8 +16,9 @@ mutated value).
 The model: token and position embeddings (1,024 positions: it does not run past that) and one bidirectional
 attention layer whose output is the model's. Its extra parameters act only from a length: `late`, a bias added from
 `start` on (it gets a gradient there); `picks`, an indexer's vectors, each choosing 32 of the keys for a copy of the
-scores, the copies' outputs averaged (no gradient, a top-k choice: every key of a sequence of 32 or fewer); `nudge`, added without gradient from `start` on, moving the
-output by `eps` x its RMS once changed. Each test runs in well under a second or two on CPU.
+scores, the copies' outputs averaged (no gradient, a top-k choice: every key of a sequence of 32 or fewer);
+`nudge`, added without gradient from `start` on, moving the output by `eps` x its RMS once changed. Each test runs in
+well under a second on CPU.
 """
 
 from __future__ import annotations
