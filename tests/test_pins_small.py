@@ -1,0 +1,139 @@
+"""Pins for the mutants of `_core.py`, `detectors/runs.py`, `detectors/weights.py` and `model/packing.py` that no test
+depended on (issue 37: every mutant of these modules, `benchmarks/mutations.py --all --only ...`). As in
+tests/test_pins.py, each pin has its twin on the same inputs (a case on each side), the numbers quoted as literals.
+
+`_core.perturbed` is the probes' negative control: copies of the inputs with fresh draws at the claimed positions,
+and a BlindProbe unless exactly those positions moved. Its pins call it (and `_position_change`, which measures the
+move) directly on a small layer's inputs: a correct layer never trips the control, so no audit reaches its branches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from correct import MultiHeadAttention
+from diagnostics import _core
+from diagnostics._core import Inputs, _position_change, perturbed
+from diagnostics._errors import BlindProbe
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+
+
+def _probe(d_model: int = 8, seq_len: int = 6, dtype=torch.float32) -> Probe:
+    layer = MultiHeadAttention(d_model, 1 if d_model < 2 else 2).to(dtype)
+    probe = Probe(make_subject(layer), causal=False, scale=None, seq_len=seq_len, seed=0)
+    probe.detector = "test"
+    return probe
+
+
+# ---- _position_change: per position, max |new - old| in units of old's RMS, in float64 for float64 ----------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_position_change_is_measured_in_float64_for_float64_inputs_only(dtype):
+    """`wide = float64 if old is float64 else float32`: a float64 change of 1e-12 (below float32's resolution of
+    values near 1) reads 1e-12, not 0; a float32 input is measured in float32."""
+    old = torch.ones(1, 3, 4, dtype=dtype)
+    new = old.clone()
+    new[0, 1, 2] += 1e-12 if dtype == torch.float64 else 0.25
+    change = _position_change(new, old)
+    assert change.dtype == dtype and change.shape == (1, 3), change
+    assert change[0, 1].item() == pytest.approx(1e-12 if dtype == torch.float64 else 0.25, rel=1e-3), change
+    assert change[0, 0] == 0 and change[0, 2] == 0, change
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.0])
+def test_position_change_is_relative_to_olds_rms_and_absolute_when_old_is_zero(scale):
+    """`diff / (rms(old) or 1.0)`: a move of 1 against an old of RMS 2 reads 0.5; against an all-zero old (RMS 0),
+    1.0, the move itself (x10 or x0.1 of the `or 1.0` would read 0.1 or 10; `and` would divide by 1 or by 0)."""
+    old = torch.full((1, 3, 4), scale)
+    new = old.clone()
+    new[0, 2, 0] += 1.0
+    change = _position_change(new, old)
+    assert change[0, 2].item() == pytest.approx(0.5 if scale else 1.0), change
+    assert (change[0, :2] == 0).all(), change
+
+
+# ---- perturbed: fresh draws at the claimed positions, at least 1 away from the old value --------------------
+
+
+def test_perturbed_replaces_the_claimed_positions_by_the_probes_float32_draws():
+    """The default gain is 1 (x + 1 * (draw - x) = draw): at width 64 every claimed position holds the probe's next
+    float32 draw (to rounding) (a float64 draw, or a gain of 10 or 0.1, holds other numbers), the others are kept."""
+    probe, twin = _probe(64, 6), _probe(64, 6)
+    base = Inputs(*probe.streams(2, 6))
+    Inputs(*twin.streams(2, 6))  # the same requests, so that the twin's next generator is perturbed's
+    positions = torch.arange(6) >= 4
+    [changed] = perturbed(probe, base, positions, ("query",))
+    draw = torch.randn((4, 64), generator=twin.generator(), dtype=torch.float32)  # 2 sequences x 2 positions
+    assert torch.allclose(changed.query[:, 4:].reshape(4, 64), draw, rtol=0, atol=1e-6)  # old + (draw - old)
+    assert torch.equal(changed.query[:, :4], base.query[:, :4]) and changed.key is base.key
+
+
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_perturbed_takes_positions_per_sequence_or_one_row_for_all(per_sequence):
+    """`positions.dim() == 2`: (B, T) positions are each sequence's own; (T,) positions are every sequence's."""
+    probe = _probe(8, 6)
+    base = Inputs(*probe.streams(2, 6))
+    if per_sequence:
+        positions = torch.tensor([[False] * 5 + [True], [False] * 3 + [True] * 3])
+    else:
+        positions = torch.arange(6) >= 5
+    [changed] = perturbed(probe, base, positions, ("key",))
+    moved = (changed.key != base.key).any(-1)  # (B, T)
+    assert torch.equal(moved, positions.expand(2, 6)), moved
+
+
+def test_perturbed_moves_each_claimed_position_by_at_least_1_at_width_1():
+    """At width 1 a fresh draw lands within 1 of the old value about half the time: such positions move by 1 more,
+    away from it (`close = |delta| < 1.0`, `away = +-1`), so every claimed position moves by at least 1, and one
+    that landed 1 or more away keeps its draw. x0.1 or x10 of the 1.0, `>` for `<`, `all` for `any`, or the sign
+    turned would leave a position within 1 (or push a far one)."""
+    probe = _probe(1, 64)
+    base = Inputs(*probe.streams(2, 64))
+    positions = torch.ones(64, dtype=torch.bool)
+    [changed] = perturbed(probe, base, positions, ("query",))
+    moved = (changed.query - base.query).abs()  # (2, 64, 1)
+    assert float(moved.min()) >= 1.0 - 1e-6, moved.min()
+    assert float(moved.max()) > 1.5 and float((moved < 2.0).float().mean()) > 0.5, moved  # not all pushed far
+
+
+def test_perturbed_moves_the_draws_by_about_sqrt_2():
+    """x + gain * (draw - x) with the default gain 1: |new - old| has the RMS of the difference of two standard
+    normal draws, sqrt(2) (x10: 14, x0.1: 0.14)."""
+    probe = _probe(64, 32)
+    base = Inputs(*probe.streams(2, 32))
+    [changed] = perturbed(probe, base, torch.ones(32, dtype=torch.bool), ("query",))
+    rms = float((changed.query - base.query).square().mean().sqrt())
+    assert 1.2 < rms < 1.7, rms
+
+
+# ---- perturbed's control: exactly the claimed positions moved -----------------------------------------------
+
+
+def _with_change(monkeypatch, change: torch.Tensor):
+    monkeypatch.setattr(_core, "_position_change", lambda new, old: change.clone())
+
+
+@pytest.mark.parametrize("case", ["exact", "one claimed still", "one other moved"])
+def test_perturbeds_control_raises_unless_exactly_the_claimed_positions_moved(monkeypatch, case):
+    """The control reads `_position_change` (made here to report chosen moves): every claimed position moved by
+    more than 10 x rounding and no other by anything, or a BlindProbe whose message counts both. (`any` for either
+    `all` would let one claimed position stay still, or one other move.)"""
+    probe = _probe(8, 6)
+    base = Inputs(*probe.streams(2, 6))
+    positions = torch.arange(6) >= 3
+    change = torch.where(positions.expand(2, 6), 1.0, 0.0)
+    if case == "one claimed still":
+        change[0, 4] = 0.0
+    elif case == "one other moved":
+        change[1, 1] = 1e-3
+    _with_change(monkeypatch, change)
+    if case == "exact":
+        perturbed(probe, base, positions, ("query",))
+        return
+    with pytest.raises(BlindProbe) as raised:
+        perturbed(probe, base, positions, ("query",))
+    expected = "changed 5 of them and 0 others" if case == "one claimed still" else "changed 6 of them and 1 others"
+    assert expected in str(raised.value), raised.value
