@@ -18,6 +18,7 @@ from diagnostics._core import Inputs, _position_change, perturbed
 from diagnostics._errors import BlindProbe
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
+from diagnostics._thresholds import UNCHANGED, tolerance
 
 
 def _probe(d_model: int = 8, seq_len: int = 6, dtype=torch.float32) -> Probe:
@@ -116,17 +117,22 @@ def _with_change(monkeypatch, change: torch.Tensor):
     monkeypatch.setattr(_core, "_position_change", lambda new, old: change.clone())
 
 
-@pytest.mark.parametrize("case", ["exact", "one claimed still", "one other moved"])
+CASES = ["exact", "one claimed still", "one claimed at 10 x rounding", "one other moved"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_perturbeds_control_raises_unless_exactly_the_claimed_positions_moved(monkeypatch, case):
     """The control reads `_position_change` (made here to report chosen moves): every claimed position moved by
-    more than 10 x rounding and no other by anything, or a BlindProbe whose message counts both. (`any` for either
-    `all` would let one claimed position stay still, or one other move.)"""
+    more than 10 x rounding (not by exactly that) and no other by anything, or a BlindProbe whose message counts
+    both. (`any` for either `all` would let one claimed position stay still, or one other move.)"""
     probe = _probe(8, 6)
     base = Inputs(*probe.streams(2, 6))
     positions = torch.arange(6) >= 3
     change = torch.where(positions.expand(2, 6), 1.0, 0.0)
     if case == "one claimed still":
         change[0, 4] = 0.0
+    elif case == "one claimed at 10 x rounding":  # moved means by more than that
+        change[0, 4] = 10 * tolerance(UNCHANGED, torch.float32)
     elif case == "one other moved":
         change[1, 1] = 1e-3
     _with_change(monkeypatch, change)
@@ -135,5 +141,25 @@ def test_perturbeds_control_raises_unless_exactly_the_claimed_positions_moved(mo
         return
     with pytest.raises(BlindProbe) as raised:
         perturbed(probe, base, positions, ("query",))
-    expected = "changed 5 of them and 0 others" if case == "one claimed still" else "changed 6 of them and 1 others"
+    expected = "changed 6 of them and 1 others" if case == "one other moved" else "changed 5 of them and 0 others"
     assert expected in str(raised.value), raised.value
+
+
+# ---- _core.held: the worst held row is the first of the greatest ----------------------------------------------
+
+
+@pytest.mark.parametrize("second", [0.0, 0.5])
+def test_held_names_the_first_case_with_the_greatest_change(second):
+    """`float(checked.max()) > worst`: where two cases' held rows change alike (here both not at all) the evidence
+    names the first case's row; a second case with a greater change is named instead (`>=` would name the later of
+    two equal ones)."""
+    from types import SimpleNamespace
+
+    from diagnostics._core import Case, Comparison, held
+
+    hold = torch.ones(1, 3, dtype=torch.bool)
+    first, later = torch.zeros(1, 3), torch.tensor([[0.0, second, 0.0]])
+    comparison = Comparison([Case(None, hold, "first"), Case(None, hold, "second")], [first, later], 0.1, None)
+    bad, worst, text, _ = held(comparison, SimpleNamespace(subject=SimpleNamespace(dtype=torch.float32)), what="rows")
+    assert worst == second and bad == (second > 0.1), text
+    assert (" at (b=0, t=1) second" if second else " at (b=0, t=0) first") in text, text
