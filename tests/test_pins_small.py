@@ -163,3 +163,81 @@ def test_held_names_the_first_case_with_the_greatest_change(second):
     bad, worst, text, _ = held(comparison, SimpleNamespace(subject=SimpleNamespace(dtype=torch.float32)), what="rows")
     assert worst == second and bad == (second > 0.1), text
     assert (" at (b=0, t=1) second" if second else " at (b=0, t=0) first") in text, text
+
+
+# ---- _core.relative_change and baseline_scale: widths, non-finite values, the scale's fallbacks -------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_relative_change_is_measured_in_float64_for_float64_outputs(dtype):
+    """A float64 change of 1e-12 against values near 1 reads 1e-12 (in float32 it would round to 0); a float32
+    output is measured in float32."""
+    from diagnostics._core import relative_change
+
+    old = torch.ones(1, 3, 4, dtype=dtype)
+    new = old.clone()
+    new[0, 1, 2] += 1e-12 if dtype == torch.float64 else 0.25
+    change = relative_change(new, old)
+    assert change.dtype == dtype and change[0, 1].item() == pytest.approx(1e-12 if dtype == torch.float64 else 0.25,
+                                                                           rel=1e-3), change
+    assert change[0, 0] == 0 and change[0, 2] == 0, change
+
+
+@pytest.mark.parametrize("case", ["zeros", "nan in both", "inf in both", "inf in one"])
+def test_relative_change_reads_nan_and_inf_in_both_as_no_change_and_in_one_as_inf(case):
+    """Nothing to measure against (both all zero): None. NaN, or the same inf, in both at a position: no change
+    there (0), the other positions measured; inf in one only: inf (or the dtype's largest number)."""
+    from diagnostics._core import relative_change
+
+    old = torch.zeros(1, 2, 3) if case == "zeros" else torch.ones(1, 2, 3)
+    new = old.clone()
+    if case == "zeros":
+        assert relative_change(new, old) is None
+        return
+    bad = {"nan in both": float("nan"), "inf in both": float("inf"), "inf in one": float("inf")}[case]
+    new[0, 0, 1] = bad
+    if case != "inf in one":
+        old[0, 0, 1] = bad
+    new[0, 1, 0] += 0.5
+    change = relative_change(new, old)
+    if case == "inf in one":  # nan_to_num(nan=inf) also turns inf into float32's largest, 3.4e38: as good as inf
+        assert change[0, 0].item() > 1e38, change
+    else:
+        assert change[0, 0].item() == 0.0, change
+    assert change[0, 1].item() == pytest.approx(0.5, rel=0.2), change  # against the finite values' RMS
+
+
+def test_baseline_scale_of_a_float64_output_is_measured_in_float64():
+    """Values of 1e-200 have that RMS in float64 (in float32 they would be 0, and the scale 0)."""
+    from diagnostics._core import baseline_scale
+
+    assert baseline_scale(torch.full((2, 3, 4), 1e-200, dtype=torch.float64)) == pytest.approx(1e-200)
+
+
+@pytest.mark.parametrize("rows", ["alike", "varying"])
+def test_baseline_scale_centred_falls_back_to_the_plain_rms_only_when_the_rows_do_not_vary(rows):
+    """`_rms(x, centred) or _rms(x)`: rows all alike (3.0) have no spread about their mean: the plain RMS, 3.0;
+    varying rows, their spread (1.0 here), whether read from the baseline or from `scale_of`."""
+    from diagnostics._core import baseline_scale
+
+    x = torch.full((2, 4, 3), 3.0)
+    if rows == "varying":
+        x[:, ::2] += 1.0
+        x[:, 1::2] -= 1.0
+    expected = 3.0 if rows == "alike" else 1.0
+    assert baseline_scale(x, centred=True) == pytest.approx(expected)
+    assert baseline_scale(torch.zeros(1, 1, 3), centred=True, scale_of=x) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("old_rms", [1.0, 0.0])
+def test_baseline_scale_reads_the_new_output_only_where_the_baseline_is_zero(old_rms):
+    """The baseline's RMS (1.0 here) even when the new output is larger (5.0); the new output's (centred, as asked:
+    its rows vary by 2) only where the baseline is all zero."""
+    from diagnostics._core import baseline_scale
+
+    old = torch.full((1, 4, 3), old_rms)
+    new = torch.full((1, 4, 3), 5.0)
+    new[:, ::2] += 2.0
+    new[:, 1::2] -= 2.0
+    assert baseline_scale(old, new) == pytest.approx(1.0 if old_rms else float(new.square().mean().sqrt()))
+    assert baseline_scale(old, new, centred=True) == pytest.approx(1.0 if old_rms else 2.0)
