@@ -276,3 +276,35 @@ def test_runs_reads_rows_moving_by_more_than_1e_3_of_the_rms_as_joint_attention_
         assert "joint attention" in result.message and "context=x[:, :0]" in result.declaration, result
     else:
         assert "as a memory" in result.message and result.declaration == "cross=True", result
+
+
+# ---- runs._needed_declaration: only where calls without a mask ran ------------------------------------------
+
+
+class KeepPerKey(torch.nn.Module):
+    """The reference taking a (B, Tk) keep mask (True = attend) as its undocumented `mask`: the audit's default
+    (B, 1, Tq, Tk) mask makes it raise (as tests/test_pins.py's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads = 16, 2
+        torch.manual_seed(0)
+        self.inner = MultiHeadAttention(16, 2)
+
+    def forward(self, x, mask=None):
+        return self.inner(x, mask=None if mask is None else mask[:, None, None, :])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_runs_names_a_declaration_only_where_a_call_without_a_mask_ran(causal):
+    """`not shape.raised and shape.allowed is None`: audited bidirectional, calls without a mask ran, so the mask
+    convention it raised on is a declaration to make (a skip); audited causal, every call carries the causal mask,
+    none ran without one, so nothing shows that the mask is all that differs: the raises fail (`or` would look for a
+    convention whenever any call ran)."""
+    import diagnostics
+
+    result = diagnostics.audit(KeepPerKey(), causal=causal, progress=False).result("runs")
+    if causal:
+        assert result.verdict == "fail" and result.message.startswith("the layer raised on"), result
+    else:
+        assert result.verdict == "skip" and result.message.startswith("needs a declaration, mask='key_keep'"), result
