@@ -308,3 +308,61 @@ def test_runs_names_a_declaration_only_where_a_call_without_a_mask_ran(causal):
         assert result.verdict == "fail" and result.message.startswith("the layer raised on"), result
     else:
         assert result.verdict == "skip" and result.message.startswith("needs a declaration, mask='key_keep'"), result
+
+
+# ---- model/packing.leak_source: a module whose inputs already crossed is not where the leak starts ----------
+
+
+def _packed_lm(gated: bool):
+    """A one-layer LM of packed documents whose attention ignores the document boundaries (a leak), its output
+    passed through `gate(y, x)`, a submodule of two tensor inputs: the attention's output, which crossed, and the
+    layer's input, which did not (`gated`); or not."""
+    import torch.nn.functional as F
+
+    T, D, H = 16, 32, 4
+
+    class Gate(torch.nn.Module):
+        def forward(self, y, x):
+            return y * torch.sigmoid(x.mean(-1, keepdim=True))
+
+    class Leaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+            self.gate = Gate() if gated else None
+
+        def forward(self, x):
+            B, t, _ = x.shape  # batch, sequence length
+            q, k, v = self.qkv(x).view(B, t, 3, H, D // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, t, d)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, t, d): documents not kept apart
+            y = y.transpose(1, 2).reshape(B, t, D)
+            return self.out(self.gate(y, x) if gated else y)
+
+    class LM(torch.nn.Module):
+        causal = True
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.wte, self.wpe, self.attn, self.head = (torch.nn.Embedding(64, D), torch.nn.Embedding(T, D), Leaky(),
+                                                        torch.nn.Linear(D, 64))
+
+        def forward(self, input_ids, position_ids=None):
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+            return self.head(self.attn(self.wte(input_ids) + self.wpe(position_ids)))
+
+    return LM()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_packed_documents_find_the_leak_in_the_attention_not_in_a_submodule_it_feeds(gated):
+    """`any(_crosses(a) for a in inputs)`: the gate, whose first input already crossed the documents, is not where
+    the leak starts though its second did not (`all` would name it, a module without softmax attention, and warn
+    of a mixer's state); the attention is, with or without the gate: a fail."""
+    import diagnostics
+
+    result = diagnostics.audit_model(_packed_lm(gated), packed=True, detectors=["packed_documents"]).result(
+        "packed_documents")
+    assert result.verdict == "fail" and result.layer == "attn", result
+    assert "the leak starts in" not in result.evidence and "gate" not in result.evidence, result
