@@ -218,7 +218,15 @@ _SAME_CODE = (
     "output has the query's shape, a module's is (B, T, D) beside its one token's (B, 1, D)), and the float64 copy is "
     "the same code on the same inputs upcast: its outputs have those shapes, so the guard is false whichever operator "
     "joins its parts (checked by hand; a layer whose output shape changed with the dtype would be needed)")
+_BELOW_EVERY = (
+    "the fill marks the cells outside the rows read before an argmax over the rest; those rows hold |x - 1| or "
+    "|new - old| / scale, never negative and never NaN (inf where non-finite: nan_to_num), so a fill of -1, -10 or "
+    "-0.1 lies below every one of them and the argmax names the same cell (checked by hand)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
+    "_core.py:held:L*:x10": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
+    "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
+    "detectors/weights.py:check_weight_row_sums:L*:x10": ("torch.where(rows, dev, -1.0)", _BELOW_EVERY),
+    "detectors/weights.py:check_weight_row_sums:L*:x0.1": ("torch.where(rows, dev, -1.0)", _BELOW_EVERY),
     "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
     "_core.py:perturbed:L*:GtE->Gt": ("delta >= 0", _DRAW_EDGE),
