@@ -73,6 +73,10 @@ def first_tensor(x):
         for value in x.values():
             if isinstance(value, Tensor):
                 return value
+        for value in x.values():  # a backbone's feature_maps: a tuple of tensors is all it returns
+            found = first_tensor(value) if isinstance(value, (tuple, list)) else None
+            if found is not None:
+                return found
     if isinstance(x, (tuple, list)):
         for value in x:
             found = first_tensor(value) if isinstance(value, (tuple, list)) else value
@@ -271,6 +275,82 @@ class Runner:
         return phrase("pass {example}torch.randint(vocab, (2, 16)) or a dict of the model's inputs", self.options)
 
     def _declared_example(self, config, T: int, gen, device, dtype):
+        """`_declared_main`, with the forward's required inputs beside it (a patch grid's `spatial_shapes` and
+        `pixel_attention_mask`: its pixels come as patches), else a usage error that names them; where the model
+        raises on it, the other form it may take: a pair of images (a keypoint matcher's (B, 2, C, H, W)). Not the
+        pixels of a model that pairs text with images (CLIP's kind): its vision tower then reads no token and the
+        token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage): it asks for an example.
+        """
+        main, inputs = self._declared_main(config, T, gen, device, dtype)
+        required = [n for n, p in self.params.items() if p.default is p.empty and n != main and n not in self.fixed
+                    and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if main == "pixel_values" and "spatial_shapes" in required:
+            inputs = self._patches(config, gen, device, dtype)
+            required = [n for n in required if n not in self.fixed]
+        expect(not required, phrase("{example}... with every input the forward requires", self.options),
+               f"{type(self.model).__name__}.forward requires {', '.join(map(repr, required))}, which nothing the "
+               "model declares says how to build",
+               phrase(f"pass {{example}}{{{main!r}: ..., {', '.join(f'{n!r}: ...' for n in required)}}}",
+                      self.options))
+        if self._trial(main, inputs, self.fixed):
+            return main, inputs
+        built = (main, inputs)
+        for other, fixed in self._other_forms(config, main, inputs, gen, device, dtype):
+            # each form declares more than the one before: where the model raises on all, the fullest is kept and
+            # model_runs says where it raised (inside an attention module: a finding, not the example's fault)
+            self.fixed, built = fixed, other
+            if self._trial(other[0], other[1], fixed):
+                self.chosen = (f"{other[0]} {tuple(other[1].shape)}" + "".join(
+                    f" with {n} {tuple(v.shape)}" for n, v in fixed.items() if isinstance(v, Tensor))
+                    + f": the model raised on {main} alone; pass example={{...}} to audit another")
+                break
+        return built
+
+    def _trial(self, main: str, inputs: Tensor, fixed: dict) -> bool:
+        """Whether the model runs a forward of the example's first row (a trial under the state guard)."""
+        kwargs = {n: (v[:1] if isinstance(v, Tensor) and v.dim() >= 1 else v) for n, v in fixed.items()}
+        try:
+            with untouched(self.model, inputs.device):
+                self.model(**kwargs, **{main: inputs[:1]})
+        except Exception:  # the user's model raised on this form: the caller tries another
+            return False
+        return True
+
+    def _other_forms(self, config, main: str, inputs: Tensor, gen, device, dtype):
+        """((main, inputs), fixed) the forward declares beside the built example, in the order tried."""
+        if main == "pixel_values" and inputs.dim() == 4:
+            yield (main, torch.stack([inputs, inputs.roll(1, dims=0)], dim=1)), dict(self.fixed)  # (B, 2, C, H, W)
+
+    def _pixels(self, config, gen, device, dtype) -> Tensor | None:
+        """Images (2, C, H, W) of the size a config or a config inside it declares; None if none does."""
+        holder = next((c for c in sub_configs(config) if getattr(c, "image_size", None) is not None), None)
+        if holder is None:
+            return None
+        size = holder.image_size
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        channels = getattr(holder, "num_channels", getattr(config, "num_channels", 3))
+        return torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+
+    def _patches(self, config, gen, device, dtype) -> Tensor:
+        """Pixels as patches (2, N, C * p * p) on the grid closest to square of the config's `num_patches` N, with
+        their `spatial_shapes` (2, 2) and a `pixel_attention_mask` (2, N) of ones, in fixed; a usage error where
+        no config declares num_patches and patch_size."""
+        holder = next((c for c in sub_configs(config) if isinstance(getattr(c, "num_patches", None), int)
+                       and isinstance(getattr(c, "patch_size", None), int)), None)
+        expect(holder is not None, phrase("{example}... with pixels as patches and their spatial_shapes",
+                                          self.options),
+               f"{type(self.model).__name__}, which takes spatial_shapes, with no num_patches and patch_size in its "
+               "config", phrase("pass {example}{'pixel_values': (B, N, C*p*p), 'spatial_shapes': (B, 2), "
+                                "'pixel_attention_mask': (B, N)}", self.options))
+        n, p = holder.num_patches, holder.patch_size
+        h = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
+        self.fixed["spatial_shapes"] = torch.tensor([[h, n // h]] * 2, device=device)
+        if self.takes("pixel_attention_mask"):
+            self.fixed["pixel_attention_mask"] = torch.ones(2, n, dtype=torch.long, device=device)
+        channels = getattr(holder, "num_channels", 3)
+        return torch.randn(2, n, channels * p * p, generator=gen).to(device, dtype)
+
+    def _declared_main(self, config, T: int, gen, device, dtype):
         """The example a Hugging Face model declares it takes: its `main_input_name` (the forward's first input
         where that name is not one of them), token ids sized by the text config's vocabulary or the input embedding,
         with no special token among them, or pixels sized by the image size of the config or a config inside it;
@@ -301,12 +381,9 @@ class Runner:
                     return "decoder_input_ids", ids
                 return "input_ids", ids
         if main == "pixel_values":
-            holder = next((c for c in sub_configs(config) if getattr(c, "image_size", None) is not None), None)
-            if holder is not None:
-                size = holder.image_size
-                h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-                channels = getattr(holder, "num_channels", getattr(config, "num_channels", 3))
-                return "pixel_values", torch.randn(2, channels, h, w, generator=gen).to(device, dtype)
+            pixels = self._pixels(config, gen, device, dtype)
+            if pixels is not None:
+                return "pixel_values", pixels
             # no size declared: a convolutional backbone or a detector takes any; the note says which was chosen
             channels = next((c.num_channels for c in sub_configs(config) if isinstance(getattr(c, "num_channels", None),
                                                                                        int)), 3)
