@@ -183,3 +183,14 @@ def test_a_softmax_lost_in_every_layer_of_a_class_that_routes_through_the_attent
     report = diagnostics.audit_model(model, seq_len=8)
     assert not any(f.mixer for f in report.found), str(report)
     assert report.status == "failed", str(report)
+
+
+def test_a_softmax_over_the_wrong_axis_keeps_a_layer_audited_as_attention():
+    """SwiftFormer's additive attention runs its softmax over an axis of size 1 (a problem of transformers' own, KNOWN
+    in benchmarks/sweep.py): a softmax of any shape is attention the layer meant, never a mixer of another kind, so
+    the bug stays a finding (the first draft of the mixer rule counted only softmaxes over two or more keys, and the
+    slow step's sweep sample read swiftformer inconclusive)."""
+    import diagnostics
+
+    report = diagnostics.audit_model(_tiny("swiftformer"))
+    assert not any(f.mixer for f in report.found) and report.status == "failed", str(report)

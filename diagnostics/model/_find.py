@@ -83,7 +83,7 @@ class ModuleWatch:
         self.paths = {id(m): p for p, m in self.named.items()}
         self.observer, self.on_return = Observer(), on_return
         self.counts: dict = {}
-        self.flex: dict = {}  # {path: flex_attention calls}
+        self.flex: dict = {}  # {path: flex_attention calls and softmaxes of any shape}
         self.stack: list = []
         self.handles: list = []
         self.mixes: dict = {}  # {path: [calls whose attention mixes tokens, calls whose attention mixes channels]}
@@ -110,9 +110,10 @@ class ModuleWatch:
         entry = self.counts.setdefault(path, [0, 0])
         entry[0] += len(soft)
         entry[1] += len(fused)
-        # FlexAttention calls too, for `other_mixer` (a (T, T) product tells nothing: a chunked delta rule makes
-        # one of its decays and keys, as a softmax written with an exponential of its own does of its scores)
-        self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:])
+        # for `other_mixer`: FlexAttention calls, and a softmax of any shape (SwiftFormer's over an axis of size 1,
+        # its bug, is still a softmax the layer meant as its attention); a (T, T) product tells nothing: a chunked
+        # delta rule makes one of its decays and keys, as a softmax written with an exponential of its own does
+        self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:]) + len(record.softmaxes[s0:])
         if soft or fused:
             self._mixes(path, args, kwargs, soft + fused)
         if self.on_return is not None:
