@@ -9,6 +9,9 @@ move) directly on a small layer's inputs: a correct layer never trips the contro
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -281,18 +284,15 @@ def test_runs_reads_rows_moving_by_more_than_1e_3_of_the_rms_as_joint_attention_
 # ---- runs._needed_declaration: only where calls without a mask ran ------------------------------------------
 
 
-class KeepPerKey(torch.nn.Module):
-    """The reference taking a (B, Tk) keep mask (True = attend) as its undocumented `mask`: the audit's default
-    (B, 1, Tq, Tk) mask makes it raise (as tests/test_pins.py's)."""
+def _sibling(name: str):
+    """A test module beside this one, loaded by its path (importable under --import-mode=importlib too)."""
+    spec = importlib.util.spec_from_file_location(f"{__name__}_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self):
-        super().__init__()
-        self.d_model, self.num_heads = 16, 2
-        torch.manual_seed(0)
-        self.inner = MultiHeadAttention(16, 2)
 
-    def forward(self, x, mask=None):
-        return self.inner(x, mask=None if mask is None else mask[:, None, None, :])
+KeepPerKey = _sibling("test_pins").KeepPerKey  # the reference taking a (B, Tk) keep mask as its undocumented `mask`
 
 
 @pytest.mark.parametrize("causal", [False, True])

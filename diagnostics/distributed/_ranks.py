@@ -133,32 +133,17 @@ def _forked_backward_runs() -> bool:
 
 
 def backward_in_a_fork() -> bool:
-    """Fork a child that runs the backward pass of one number and exits at once: whether it could (a fork costs this
+    """Fork a child that runs the backward pass of one number (`in_a_fork`): whether it could (a fork costs this
     process nothing it keeps; the child shares its memory copy-on-write and never returns into the caller's code)."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: one backward, one byte home, gone (no atexit of the parent's may run in a fork)
-        code = 1
-        try:
-            os.close(reader)
-            torch.set_num_threads(1)  # a forked child that touches its parent's OpenMP pool hangs
-            x = torch.ones(1, requires_grad=True)
-            (x * 2).sum().backward()
-            code = 0
-        except BaseException:
-            pass
-        finally:
-            try:
-                os.write(writer, bytes([code]))
-            finally:
-                os._exit(0)
-    os.close(writer)
+    def one_backward() -> bool:
+        x = torch.ones(1, requires_grad=True)
+        (x * 2).sum().backward()
+        return True
+
     try:
-        answer = os.read(reader, 1)
-    finally:
-        os.close(reader)
-        os.waitpid(pid, 0)
-    return answer == b"\x00"
+        return in_a_fork(one_backward)
+    except Exception:  # autograd's threading and the fork: the child's backward raised
+        return False
 
 
 def in_a_fork(fn: Callable):
@@ -190,7 +175,7 @@ def in_a_fork(fn: Callable):
     finally:
         os.waitpid(pid, 0)
     if not data:
-        raise RuntimeError("the forked child computing the references exited without an answer")
+        raise RuntimeError("the forked child exited without an answer")
     kind, value = pickle.loads(data)
     if kind != "ok":
         raise value if isinstance(value, BaseException) else RuntimeError(value)
