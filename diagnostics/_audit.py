@@ -128,8 +128,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             drawn = None
             status, reason = "inconclusive", (
                 f"inconclusive: the output is zero everywhere while {', '.join(zeros)} "
-                f"{'are' if len(zeros) > 1 else 'is'} all zero (a zero gate or output projection), and the layer could not be copied to draw them "
-                f"({type(exc).__name__}); audit it with them drawn: torch.nn.init.normal_(p, std=0.02) on each")
+                f"{'are' if len(zeros) > 1 else 'is'} all zero (a zero gate or output projection), and the layer "
+                f"could not be copied to draw them ({type(exc).__name__}); audit it with them drawn: "
+                f"torch.nn.init.normal_(p, std=0.02) on each")
         if drawn is not None:
             probe.release()
             return _audited_with_gates_drawn(drawn, zeros, seed, dict(
