@@ -10,12 +10,22 @@ for each detector with a tolerance, the largest value a correct layer produced, 
 margin: the smallest threshold / value over the audits (thresholds that depend on the layer, such as
 cache_decoding's multiple of a recomputation's noise, are compared audit by audit). For softmax_saturation
 the value is |applied / expected scale - 1|.
+
+    python benchmarks/margins.py --sizes [--seeds 20]
+
+`parameters_used`'s SIZE_MOVES instead: for each layer holding a scale it multiplies its activations by (QK-norm
+gains, learned temperatures; the hand-written ones of tests/test_layer_causes.py and tests/test_parameters.py, and
+diffusers' QK-norm attention where diffusers is installed), on float64 copies at default and GPT-2 initialisation,
+the size statistic <grad, P> / loss of every such scale: the smallest over the correct layers and the largest over
+the layers whose norm removes a scale (nViT's bug, written in tests/test_parameters.py), beside the threshold.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from types import SimpleNamespace
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,11 +58,74 @@ def layers(dtype, seed):
     yield "F.scaled_dot_product_attention", F.scaled_dot_product_attention, dict(dtype=dtype, causal=True)
 
 
+def scaled_layers():
+    """(name, make, removes): correct layers holding elementwise scales, and the bug whose norm removes them."""
+    from test_layer_causes import CosineAttention, Restormer, RMSQKNorm
+    from test_parameters import NormalisedScaled
+    yield "cosine attention, learned temperature", CosineAttention, False
+    yield "Restormer (channel attention)", Restormer, False
+    yield "RMS QK-norm with gains", RMSQKNorm, False
+    yield "nViT-style scales after the l2 norm", lambda: NormalisedScaled(where="after"), False
+    yield "nViT-style scales before the l2 norm (bug)", lambda: NormalisedScaled(where="before"), True
+    try:
+        from diffusers.models.attention_processor import Attention
+    except ImportError:
+        return
+    for norm in ("rms_norm", "layer_norm"):
+        yield f"diffusers Attention(qk_norm={norm!r})", (lambda n=norm: Attention(32, heads=4, dim_head=8,
+                                                                                  qk_norm=n)), False
+
+
+def sizes(seeds: int) -> None:
+    """The size statistic of every elementwise scale, per layer: the margin of SIZE_MOVES on both sides."""
+    from diagnostics._tracing import trace_call
+    from diagnostics.detectors.parameters import FORWARD_MOVES, SIZE_MOVES, elementwise_scales, size_moves
+    low, high = {}, {}
+    for name, make, removes in scaled_layers():
+        for seed in range(seeds):
+            for init in ("default", "gpt2"):
+                torch.manual_seed(seed)
+                layer = make().double()
+                if init == "gpt2":
+                    gpt2_init_(layer, seed=seed)
+                x = torch.randn(2, 8, next(p for p in layer.parameters() if p.dim() == 2).shape[-1],
+                                dtype=torch.float64)
+                sub = SimpleNamespace(layer=layer, device="cpu")  # what trace_call reads of a subject
+                params = dict(layer.named_parameters())
+                out = layer(x)
+                out = out[0] if isinstance(out, tuple) else out
+                loss = (out ** 2).sum()
+                grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
+                trace = trace_call(sub, x, x, x, None, call=lambda: layer(x))
+                for p in sorted(elementwise_scales(trace, params)):
+                    with torch.no_grad():
+                        params[p].mul_(2)
+                        doubled = layer(x)
+                        params[p].div_(2)
+                    doubled = doubled[0] if isinstance(doubled, tuple) else doubled
+                    moved = float((doubled - out).abs().max() / out.detach().square().mean().sqrt())
+                    for stat, v in (("<grad, P> / loss", size_moves(params[p], grads[p], float(loss.detach()))),
+                                    ("doubled: output moves", moved)):
+                        book, key = (high if removes else low), (name, p, stat)
+                        book[key] = max(book.get(key, 0.0), v) if removes else min(book.get(key, math.inf), v)
+    print(f"over {seeds} seeds x 2 initialisations, float64: SIZE_MOVES = {SIZE_MOVES:.0e} (<grad, P> / loss, which "
+          f"only selects the scales to double), FORWARD_MOVES = {FORWARD_MOVES:.0e} (the output's move, which decides)")
+    for (name, p, stat), v in sorted(low.items()):
+        limit = SIZE_MOVES if stat.startswith("<") else FORWARD_MOVES
+        print(f"  correct  {name:<45} {p:<14} {stat:<22} smallest {v:.2e}  margin {v / limit:.2g}x")
+    for (name, p, stat), v in sorted(high.items()):
+        limit = SIZE_MOVES if stat.startswith("<") else FORWARD_MOVES
+        print(f"  removed  {name:<45} {p:<14} {stat:<22} largest  {v:.2e}  margin {limit / max(v, 1e-300):.2g}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--sizes", action="store_true", help="parameters_used's SIZE_MOVES instead (see above)")
     args = parser.parse_args()
+    if args.sizes:
+        return sizes(min(args.seeds, 20))
     worst = defaultdict(float)  # (detector, dtype) -> largest value seen on a correct layer
     margin = {}  # (detector, dtype) -> smallest threshold / value over the audits
     lowest = {}  # (detector, dtype) -> smallest value of a must-move detector on a correct layer

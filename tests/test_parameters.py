@@ -306,3 +306,64 @@ def test_parameters_behind_a_zero_initialised_gate_are_used_and_one_never_read_i
         assert found.verdict == "pass", found
         zeros = "o_proj.weight, o_proj.bias are" if how == "residual" else "alpha is"
         assert f"zero gradient only while {zeros} all zeros (zero-initialised" in found.evidence, found.evidence
+
+
+class NormalisedScaled(nn.Module):
+    """Cosine attention with a learned per-head temperature split over q and k (nViT's s_qk, d_k ** 0.25 each, the
+    softmax scale 1), in this file's own words. `where`: "after" the l2 norm (right), "before" it (the norm divides
+    the scales back out: the logits stay cosines, within [-1, 1])."""
+
+    def __init__(self, d_model=16, num_heads=2, where="after"):
+        super().__init__()
+        self.h, self.d, self.where = num_heads, d_model // num_heads, where
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model, bias=False), nn.Linear(d_model, d_model)
+        self.s_q = nn.Parameter(torch.full((num_heads, 1, self.d), self.d ** 0.25))
+        self.s_k = nn.Parameter(torch.full((num_heads, 1, self.d), self.d ** 0.25))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        if self.where == "before":
+            q, k = q * self.s_q, k * self.s_k  # SCALED BEFORE THE NORM
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        if self.where != "before":
+            q, k = q * self.s_q, k * self.s_k
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_learned_scale_before_the_norm_that_removes_it_is_caught_and_after_it_passes(where, dtype):
+    """vit-pytorch 1.8.4's nViT bug, written here: q and k multiplied by their learned scales before the l2 norm.
+    The scales still get a gradient (a direction), so nothing is unused in the old sense, but the output is the same
+    at any multiple of them: <grad, s> is rounding (< 1e-16 of the loss) against 1e-3 and more for a scale that acts.
+    softmax_saturation cannot tell it (a cosine times 1 is a temperature a correct layer may have); the twin, the same
+    weights with the scales after the norm, passes the whole audit."""
+    torch.manual_seed(0)
+    layer = NormalisedScaled(where=where).to(dtype)
+    report = diagnostics.audit(layer)
+    found = report.result("parameters_used")
+    if where == "after":
+        assert found.verdict == "pass" and report.passed, str(report)
+        return
+    assert found.verdict == "fail", str(report)
+    assert found.message.startswith("the output does not depend on the size of s_q, s_k"), found.message
+    line = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "# SCALED BEFORE THE NORM" in text)
+    assert any(s.file == __file__ and s.line == line for s in found.where), [s.describe() for s in found.where]
+    assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation")
+
+
+def test_the_size_statistic_lies_far_from_its_threshold_on_both_sides():
+    """The statistic itself, from both sides: <grad, s> / loss of a scale that acts (after the norm) is far above
+    SIZE_MOVES, and of one a norm removes (before it) far below."""
+    def statistic(where):
+        torch.manual_seed(0)
+        layer = NormalisedScaled(where=where).double()
+        x = torch.randn(2, 6, 16, dtype=torch.float64)
+        loss = (layer(x) ** 2).sum()
+        g = torch.autograd.grad(loss, layer.s_q)[0]
+        return abs(float((g * layer.s_q.detach()).sum())) / float(loss.detach())
+
+    assert statistic("before") < parameters.SIZE_MOVES / 1e4 < parameters.SIZE_MOVES * 1e4 < statistic("after")

@@ -18,6 +18,12 @@ A whole parameter that is unused yet equal to a block of rows of a parameter tha
 projections fused into one (to_qkv) and the originals kept to unfuse later (diffusers' `fuse_projections`). That is a
 warning naming where it is kept, not a failure (`kept_copy`); a projection left out has values of its own.
 
+A scale the layer multiplies its activations by (a gain, a learned temperature) that a normalisation after it divides
+back out still gets a gradient, a direction, but the output is the same at any multiple of it: vit-pytorch 1.8.4's
+nViT multiplied q and k by their learned scales before the l2 norm, so the logits stayed cosines. The gradient says
+so exactly: <grad, P>, the loss's change as P grows by a factor, is rounding (`SIZE_MOVES`, `size_removed`). A weight
+a matmul reads before a norm (QK-norm's projections) is scale-free by design and is not asked.
+
 One parameter is legitimately inert: the key bias. It adds `q_i · b_k` to every score of row i, a constant over
 the keys, which the softmax removes exactly. Its gradient is rounding noise in float64, rarely exactly zero, so
 it is not flagged; where a parameter's gradient is exactly zero, the check asks the same question directly
@@ -57,6 +63,17 @@ SHIFT_INERT = 1e-9
 """How constant over the keys a parameter's change of the scores must be (max spread over a row / largest change)
 to count as a per-row shift the softmax ignores. float64: a key bias measured 0 to 1e-16; any weight that acts
 through the keys spreads its change over them by the order of the change itself."""
+
+
+SIZE_MOVES = 1e-9
+"""A scale the layer multiplies its activations by is asked whether the output depends on its size where the loss
+changes by at most this much (relative to (out ** 2).sum(), float64) per unit of the scale's relative size,
+<grad, P> / sum(out ** 2); the forward pass then decides (the output with the scale doubled, moved by at most
+FORWARD_MOVES). A scale a normalisation after it divides back out (nViT's q_scale before its l2 norm, vit-pytorch
+1.8.4) measured at most 5.1e-17; scales that act 2.8e-7 and more, which is a sum of terms of both signs and can come
+near 0 by chance, hence the forward pass (`python benchmarks/margins.py --sizes`)."""
+
+SIZE_ONLY = "in its size"  # where a scale's "unused" part lies: its size, which a later normalisation removes
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,62 @@ def _unpadded(probe: Probe, sub, inputs, params: dict) -> GradientProbe:
     return GradientProbe(**made, out=out, grads=(None,) * len(inputs) + tuple(grads))
 
 
+def elementwise_scales(trace, params: dict) -> set[str]:
+    """The names of `params` (name -> tensor, the traced layer's own) that an op of `trace` multiplies or divides
+    the activations by elementwise, themselves or through a view (q_scale.view(h, 1, d), an expand): the op's other
+    operand is computed from the inputs. A weight read by a matmul, or normalised by its own norm, is not one."""
+    ids = {id(t): name for name, t in params.items()}
+    scales = set()
+    for op in trace.ops:
+        if op.short in _VIEWS and op.in_ids and op.in_ids[0] in ids:
+            ids.update({o: ids[op.in_ids[0]] for o in op.out_ids})
+        elif op.short in ("mul", "div", "mul_", "div_") and op.sources:
+            scales |= {ids[i] for i in op.in_ids[:2] if i in ids}
+    return scales
+
+
+def size_moves(param: Tensor, grad: Tensor | None, loss: float) -> float:
+    """<grad, P> / loss: how much (out ** 2).sum() changes, relative to itself, as P grows by a factor 1 + eps, per
+    eps. Rounding where a normalisation after P divides it back out."""
+    if grad is None or not loss:
+        return math.inf
+    return abs(float((grad.double() * param.detach().double()).sum())) / loss
+
+
+def size_removed(sub, inputs, allowed, params: dict, grads: dict, out: Tensor, skip_names: set, seed) -> list[str]:
+    """The scales whose size the output does not depend on: parameters that multiply (or divide) the activations
+    elementwise (`elementwise_scales`: a gain, a learned temperature, nViT's q_scale) with `size_moves` under
+    SIZE_MOVES. A normalisation after such a scale divides it back out: it can learn a direction, never the size that
+    is what it is for. A weight read by a matmul before a norm is scale-free by design (QK-norm's projections) and is
+    not asked. The trace is taken only where some parameter's size moves nothing."""
+    loss = float((out.double() ** 2).sum())
+    if not loss > 0 or not math.isfinite(loss):
+        return []
+    small = [name for name, p in params.items() if name not in skip_names and p.numel() and bool(p.detach().any())
+             and size_moves(p, grads.get(name), loss) <= SIZE_MOVES]
+    if not small:
+        return []
+    scales = elementwise_scales(trace_call(sub, *pack(inputs), allowed, seed=seed), params)
+    return [name for name in small if name in scales and _doubled_moves(sub, name, pack(inputs), allowed, out)
+            <= FORWARD_MOVES]
+
+
+def _doubled_moves(sub, name: str, qkv, allowed, out: Tensor) -> float:
+    """How much (relative to its RMS) the output moves with the parameter doubled; restored afterwards. The
+    gradient's <grad, P> can vanish by chance (a sum of terms of both signs); a doubled scale that acts moves the
+    output by the order of itself, and one a norm removes by rounding."""
+    param = dict(sub.layer.named_parameters())[name]
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.mul_(2)
+        try:
+            moved = sub(*qkv, allowed).out
+        finally:
+            param.copy_(saved)
+    scale = float(out.detach().square().mean().sqrt()) or 1.0
+    return float((moved - out.detach()).abs().max()) / scale
+
+
 def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, tables: set, gen: torch.Generator
                     ) -> tuple[list[str], list[str]]:
     """([unused parameters that the output depends on once the all-zero parameters are drawn], [those all-zero
@@ -280,6 +353,14 @@ def parameter_sites(probe, result: DetectorResult) -> list[Site]:
         if tensor is None:
             continue
         readers = [op for op in trace.ops if id(tensor) in op.in_ids and op.frames]
+        if readers and where == SIZE_ONLY:  # the scale's product, then the norm that divides it back out
+            products = ("mul", "div", "mul_", "div_")
+            scaled = [r for r in readers if r.short in products] or [
+                op for op in trace.ops for r in readers if op.frames and set(r.out_ids) & set(op.in_ids)
+                and op.short in products] or readers
+            sites.append(op_site(computing(trace, scaled[0]), f"multiplies by {name}, whose size the output does not "
+                                                              f"depend on: a normalisation after this removes it"))
+            continue
         if readers:
             sites.append(op_site(computing(trace, readers[0]), f"reads {name}, whose gradient is zero {where}"))
             if where.startswith("on rows"):  # the rows that are used: often one slice read in place of another
@@ -300,10 +381,12 @@ def parameter_sites(probe, result: DetectorResult) -> list[Site]:
 
 
 @detector("parameters_used", "every weight tensor the layer owns moves the output: autograd gives each a non-zero "
-          "gradient, also off the diagonal of a square weight and on every row of a projection",
+          "gradient, also off the diagonal of a square weight and on every row of a projection; a scale the layer "
+          "multiplies its activations by moves it by its size",
           targets=("a projection computed and never used (values from the key projection: W_v unused)",
                    "keys from the query projection in one-stream self-attention (W_k unused)",
-                   "an einsum that reads only the diagonal of W_O"),
+                   "an einsum that reads only the diagonal of W_O",
+                   "a learned scale applied before the norm that removes it (nViT's q_scale before its l2 norm)"),
           fix="use every projection for its stream: q = W_q(query), k = W_k(key), v = W_v(value), and the full "
               "output projection (x @ W_O.T, not its diagonal)",
           needs=(OWNS_PARAMETERS, LONG), locate=parameter_sites)  # one key: the softmax ignores q and k
@@ -352,6 +435,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             explained.append(name)
         else:
             unused.append((name, where))
+    sized = size_removed(sub, inputs, allowed, params, grad_by_name, out, set(zero), probe.seed)
     T, longer = inputs[0].shape[sub.time_dim], []
     if unused and T < probe.t:
         # a layer that pools its keys (NextViT's and PVT's spatial reduction, 4 tokens to a key) sees one key on the
@@ -387,6 +471,25 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
         note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
                  f"{'them' if len(cut) > 1 else 'it'} no gradient: it is cut on its way (see gradients)")
     checked = f"{len(params)} parameter tensors ({sum(p.numel() for p in params.values())} weights)"
+    if sized:
+        them = "them" if len(sized) > 1 else "it"
+        note += (f"; the output does not depend on the size of {', '.join(sized)} (a scale multiplying the "
+                 f"activations: growing {them} by a factor changes (out ** 2).sum() by less than {SIZE_MOVES:.0e} of "
+                 f"itself), so a normalisation after {them} divides {them} back out")
+    if sized and not unused:
+        return result(det, "fail", f"the output does not depend on the size of {', '.join(sized)}: a normalisation "
+                                   f"after {'these scales' if len(sized) > 1 else 'this scale'} divides "
+                                   f"{'them' if len(sized) > 1 else 'it'} back out",
+                      value=None, threshold=SIZE_MOVES,
+                      evidence=f"{'; '.join(f'{n} {tuple(params[n].shape)}' for n in sized)} multiply the "
+                               f"activations elementwise and get a gradient, but one orthogonal to themselves: the "
+                               f"output is the same at any multiple of them, so they can learn a direction and never "
+                               f"the size a scale is for (a temperature that never reaches the softmax); every other "
+                               f"parameter moves the output ({checked}){note}",
+                      replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed,
+                                             tuple((n, SIZE_ONLY) for n in sized)),
+                      fix="apply the scale after the normalisation, not before it: q = l2norm(q) * q_scale (a norm "
+                          "after a scale removes it)")
     if unused:
         listed = "; ".join(f"{name} {tuple(params[name].shape)}: gradient exactly 0 {where}" for name, where in unused)
         named = ", ".join(n if w == "everywhere" else f"{n} ({w.split(' (')[0]})" for n, w in unused)
