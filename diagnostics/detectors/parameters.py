@@ -65,7 +65,7 @@ to count as a per-row shift the softmax ignores. float64: a key bias measured 0 
 through the keys spreads its change over them by the order of the change itself."""
 
 
-SIZE_MOVES = 1e-9
+SIZE_MOVES = 1e-9  # knob: which scales are doubled (a cost); the doubled forward pass decides the verdict
 """A scale the layer multiplies its activations by is asked whether the output depends on its size where the loss
 changes by at most this much (relative to (out ** 2).sum(), float64) per unit of the scale's relative size,
 <grad, P> / sum(out ** 2); the forward pass then decides (the output with the scale doubled, moved by at most
