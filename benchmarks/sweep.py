@@ -1,6 +1,6 @@
 """The model audit on a library's whole population: every model type it builds, audited zero-config.
 
-    python benchmarks/sweep.py {transformers,timm,diffusers} [--sample N] [--seed S] [--only TYPE ...] [--limit N]
+    python benchmarks/sweep.py LIBRARY [--sample N] [--seed S] [--only TYPE ...] [--limit N]
                                [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs] [--jobs N]
 
 Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
@@ -21,6 +21,9 @@ in timm models yet (no interface like transformers' to route one layer through).
 
 `diffusers`: its attention layers, the layer audit (`diagnostics.audit`): every processor of attention_processor on
 its Attention and every *Attention class of diffusers.models; bugs through torch's SDPA (benchmarks/sweep_diffusers.py).
+
+`x_transformers`, `vit_pytorch`, `open_clip`, `whisper` (the zoo extra's packages): every *Attention class the package
+defines, built small from its constructor's names, the layer audit, as for diffusers (benchmarks/sweep_packages.py).
 
 Each model runs in a forked child with a time limit (`--timeout`, 240 s), `--jobs` of them at once (default: the
 number of cores), each on one torch thread; the parent alone writes the results. A model that hangs or takes the
@@ -525,6 +528,34 @@ LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (ti
              "diffusers": (diffusers_types, run_diffusers)}
 
 
+# ---- packages of attention layers: every *Attention class they define (benchmarks/sweep_packages.py) ----------
+
+
+def _package(package: str):
+    """(enumerate, run one) for a package of sweep_packages.PACKAGES."""
+    def types() -> list[str]:
+        from sweep_packages import package_types
+
+        return package_types(package)
+
+    def run_one(name: str, *, bugs: bool) -> Row:
+        from sweep_packages import run_package
+
+        return run_package(package, Row(name), bugs=bugs, injected=BUGS, mask_bugs=MASK_BUGS)
+
+    return types, run_one
+
+
+LIBRARIES.update({package: _package(package) for package in __import__("sweep_packages").PACKAGES})
+
+
+def library_version(library: str) -> str:
+    """The installed version of `library` (a package of sweep_packages by its distribution's metadata)."""
+    from sweep_packages import PACKAGES, package_version
+
+    return package_version(library) if library in PACKAGES else __import__(library).__version__
+
+
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
 
 
@@ -674,7 +705,7 @@ def main(argv=None) -> int:
         types = sorted(random.Random(args.seed).sample(types, min(args.sample, len(types))))
     if args.limit:
         types = types[:args.limit]
-    version = __import__(args.library).__version__
+    version = library_version(args.library)
     results = args.results or Path(tempfile.gettempdir()) / f"sweep-{args.library}-{version}.jsonl"
     done: dict = {}
     if results.exists() and not args.fresh:

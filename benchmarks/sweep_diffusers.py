@@ -224,15 +224,15 @@ class _Routed:
         torch.nn.functional.scaled_dot_product_attention = self.saved
 
 
-def inject(row, declared: dict, injected: tuple, mask_bugs: tuple) -> None:
+def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -> None:
     """The sweep's bugs (`injected`; those in `mask_bugs` only where a mask reached SDPA) through SDPA (`_Routed`),
-    each audit of a fresh build, into row.bugs."""
+    each audit of a fresh build (`build(name)`, diffusers' by default), into row.bugs."""
     import diagnostics
 
-    name = row.model_type
+    name, make = row.model_type, build or diffusers_build
 
     with _Routed("reference") as routed:
-        rep = diagnostics.audit(diffusers_build(name), progress=False, **declared)
+        rep = diagnostics.audit(make(name), progress=False, **declared)
     if not routed.calls:
         row.why += "; no bug injected: the layer does not call torch's scaled_dot_product_attention"
         return
@@ -245,21 +245,22 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple) -> None:
             continue
         with _Routed(bug):
             try:
-                rep = diagnostics.audit(diffusers_build(name), progress=False, **declared)
+                rep = diagnostics.audit(make(name), progress=False, **declared)
             except Exception as exc:
                 row.bugs[bug] = f"raised {type(exc).__name__}"
                 continue
         row.bugs[bug] = "caught" if rep.status == "failed" else f"missed ({rep.status})"
 
 
-def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
-    """The sweep's row for the layer `row.model_type` names (benchmarks/sweep.py's Row, filled in here)."""
+def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple, build=None):
+    """The sweep's row for the layer `row.model_type` names (benchmarks/sweep.py's Row, filled in here), built by
+    `build(name)` (diffusers' by default; benchmarks/sweep_packages.py passes its own)."""
     import diagnostics
     from diagnostics import AuditUsageError
 
-    name = row.model_type
+    name, make = row.model_type, build or diffusers_build
     try:
-        layer = diffusers_build(name)
+        layer = make(name)
     except Exception as exc:
         said = str(exc).splitlines()[0][:200] if str(exc) else ""
         row.verdict, row.why = "not built", f"{type(exc).__name__}: {said}"
@@ -272,14 +273,14 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
         declared = {}
         if report.status == "inconclusive" and report.declaration:
             declared = _declared(report)
-            again = diagnostics.audit(diffusers_build(name), progress=False, **declared)
+            again = diagnostics.audit(make(name), progress=False, **declared)
             row.declared = f"{report.declaration}: {again.status}"
             if again.status == "failed":
                 row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})")
                                       for f in again.findings)
         passed = report.status == "passed" or row.declared.endswith(": passed")
         if bugs and passed:
-            inject(row, declared, injected, mask_bugs)
+            inject(row, declared, injected, mask_bugs, make)
     except AuditUsageError as exc:
         row.judged("usage error", str(exc))
     except Exception as exc:

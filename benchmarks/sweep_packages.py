@@ -1,0 +1,76 @@
+"""Libraries of attention layers for `python benchmarks/sweep.py PACKAGE`: every attention class a package defines.
+
+    python benchmarks/sweep.py {x_transformers,vit_pytorch,open_clip,whisper} [--no-bugs] [--jobs N] ...
+
+The layer audit's population on code nobody here wrote and nobody here chose: every nn.Module class whose name ends
+in "Attention" defined in any module of the package (walked with pkgutil; a module that does not import in this
+installation, for an optional dependency, is left out and its classes are not in the population; a `__main__` is
+not imported), named
+"<module>:<class>" with the module relative to the package. Each is built small from its constructor's own parameter
+names, as the diffusers sweep builds its classes (`TINY`: 32 wide, 4 heads of 8; `REQUIRED` only where the
+constructor has no default; a required parameter it cannot fill is a row "not built" saying which), must run a plain
+forward on (1, 16, 32) tokens (else "not built" with the error: the population is what runs on the audit's
+inputs), and is audited zero-config with `diagnostics.audit(layer)`; an inconclusive audit that names a declaration
+is audited once more with it, and the row says what that gave (benchmarks/sweep_diffusers.py's `run`). Bugs go in
+through torch's SDPA where the layer calls it (most of these layers write their attention out with einsum: then the
+row says no bug was injected).
+
+The packages are those of the `zoo` extra (pyproject.toml pins their versions); the sweep needs it installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+from sweep_diffusers import D, REQUIRED, TINY, T, _filled, run
+
+PACKAGES = {"x_transformers": "x-transformers", "vit_pytorch": "vit-pytorch", "open_clip": "open-clip-torch",
+            "whisper": "openai-whisper"}  # import name -> distribution (its version names the results file)
+
+
+def package_version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(PACKAGES[package])
+
+
+def package_types(package: str) -> list[str]:
+    """Every *Attention nn.Module class defined in a module of `package` ("<module>:<class>"), sorted."""
+    import torch
+
+    root = importlib.import_module(package)
+    names = []
+    for info in pkgutil.walk_packages(root.__path__, root.__name__ + "."):
+        if info.name.endswith(".__main__"):  # a command line (whisper's), run on import
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except Exception:  # an optional dependency missing: not in this installation's population
+            continue
+        for n, c in vars(module).items():
+            if inspect.isclass(c) and c.__module__ == module.__name__ and n.endswith("Attention") \
+                    and issubclass(c, torch.nn.Module):
+                names.append(f"{module.__name__[len(root.__name__) + 1:]}:{n}")
+    return sorted(names)
+
+
+def package_build(package: str, name: str):
+    """The class `name` names, built small from its constructor's parameter names, in eval mode, after a plain
+    forward on (1, T, D) tokens."""
+    import torch
+
+    module, cls_name = name.split(":")
+    cls = getattr(importlib.import_module(f"{package}.{module}"), cls_name)
+    torch.manual_seed(0)
+    layer = cls(**_filled(cls, TINY, REQUIRED)).eval()
+    with torch.no_grad():
+        layer(torch.randn(1, T, D))
+    return layer
+
+
+def run_package(package: str, row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
+    """The sweep's row for `row.model_type` of `package`: the diffusers sweep's audit with this package's build."""
+    return run(row, bugs=bugs, injected=injected, mask_bugs=mask_bugs,
+               build=lambda name: package_build(package, name))

@@ -1,0 +1,40 @@
+"""benchmarks/sweep_packages.py: the layer audit's population in the zoo extra's packages, every *Attention class.
+
+With the zoo extra: the enumeration (every class of the package whose name ends in "Attention", a command-line
+`__main__` not run) and two rows of the sweep on vit-pytorch, in a forked child as the sweep runs them: a layer that
+passes zero-config, and one that needs the declaration its report names first and passes with it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+import sweep  # noqa: E402
+import sweep_packages as sp  # noqa: E402
+
+ZOO = 'pip install torch==2.14.1 torchvision==0.29.1, then pip install -e ".[test,real,zoo]"'
+
+
+def test_every_attention_class_of_a_package_is_enumerated_and_a_command_line_is_not_run():
+    pytest.importorskip("vit_pytorch", reason=f"vit-pytorch is not installed (the zoo extra): {ZOO}")
+    pytest.importorskip("whisper", reason=f"openai-whisper is not installed (the zoo extra): {ZOO}")
+    names = sp.package_types("vit_pytorch")
+    assert {"vit:Attention", "deepvit:Attention", "na_vit:Attention"} <= set(names), names
+    assert all(n.split(":")[1].endswith("Attention") for n in names), names
+    assert sp.package_types("whisper") == ["model:MultiHeadAttention"]  # whisper.__main__ parses sys.argv: not run
+
+
+@pytest.mark.parametrize("name, verdict, declared", [
+    ("vit:Attention", "passed", ""),
+    ("na_vit:Attention", "inconclusive", "mask='key_keep': passed"),  # True = may attend, one per key
+])
+def test_a_row_of_the_vit_pytorch_sweep(name, verdict, declared):
+    pytest.importorskip("vit_pytorch", reason=f"vit-pytorch is not installed (the zoo extra): {ZOO}")
+    types, run_one = sweep.LIBRARIES["vit_pytorch"]
+    row = sweep.in_child(run_one, name, 240.0, bugs=False)
+    assert (row.built, row.verdict, row.declared) == (True, verdict, declared), row
