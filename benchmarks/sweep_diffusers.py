@@ -35,8 +35,8 @@ D, HEADS, WIDTH, T = 32, 4, 8, 16
 # a constructor parameter of one of these names gets the value: the layer built small whatever it calls them
 TINY = {
     **dict.fromkeys(("query_dim", "dim", "hidden_size", "embed_dim", "in_channels", "channels", "d_model",
-                     "inner_dim", "num_channels", "hidden_dim", "hidden_channels", "model_dim"), D),
-    **dict.fromkeys(("heads", "num_heads", "num_attention_heads", "n_heads", "attention_heads"), HEADS),
+                     "inner_dim", "num_channels", "hidden_dim", "hidden_channels", "model_dim", "n_state"), D),
+    **dict.fromkeys(("heads", "num_heads", "num_attention_heads", "n_heads", "attention_heads", "n_head"), HEADS),
     **dict.fromkeys(("dim_head", "head_dim", "attention_head_dim"), WIDTH),
 }
 # a parameter of one of these names gets the value only where the constructor has no default for it: a default
