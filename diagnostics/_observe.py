@@ -676,8 +676,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             if heads:
                 break
             at = next(j for j, e in enumerate(record.order) if e is m)
-            mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if isinstance(e, Matmul)
-                   and e.b.dim() >= 2 and e.b.shape[-1] == e.b.shape[-2] and e.b.numel() == e.b.shape[-1] ** 2]
+            mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if _mixes_heads(e)]
             # a (H, H) operand between q·k and the softmax, as einsum("bhij,hk->bkij") runs it: (1, H, H)
             mixed = _fit_mixed_heads(scores, m.out, event.output, mix[0]) if fitted is None and same and mix else None
             if mixed is not None:  # talking heads: each head's scores a mix of every head's q·k by the layer's matrix
@@ -757,10 +756,21 @@ def _fit_beside(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[floa
     return None
 
 
+def _mixes_heads(e) -> bool:
+    """A product whose second operand is one (H, H) matrix, as einsum("bhij,hk->bkij") runs it ((1, H, H)): the
+    heads mixed by a matrix of the layer's (talking heads, re-attention)."""
+    return isinstance(e, Matmul) and e.b.dim() >= 2 and e.b.shape[-1] == e.b.shape[-2] >= 2 \
+        and e.b.numel() == e.b.shape[-1] ** 2
+
+
 def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
     """The operand of the first later matmul that multiplies (Tq, Tk) weights like these by the values, and
-    that matmul, when the operand is not the softmax output itself (a second softmax, a renormalisation)."""
+    that matmul, when the operand is not the softmax output itself (a second softmax, a renormalisation). None
+    also where the heads are mixed by a matrix of the layer's on the way (talking heads after the softmax, DeepViT's
+    re-attention): the weights are then a design of their own, and the softmax's temperature is what is judged."""
     for m in later:
+        if _mixes_heads(m):
+            return None
         if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-1] == weights.shape[-1]:
             used = m.a.reshape(weights.shape)
             same = torch.equal(used, weights.to(used.dtype))

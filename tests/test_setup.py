@@ -50,7 +50,7 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     explore, extras = rest[:at], rest[at:]
     # the slow step: the tests marked slow (tests/test_pattern_matrix.py's full matrix), with the real extra installed
     assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest", "pytest -m slow",
-                      ZOO_INSTALL, "pytest --slow tests/test_zoo.py tests/test_sweep_diffusers.py"]
+                      ZOO_INSTALL, "pytest --slow tests/test_zoo.py tests/test_sweep_diffusers.py tests/test_sweep_packages.py"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
     assert ZOO_INSTALL in README, "the zoo extra as the README gives it"
     runs = [command for command in explore if "pytest" in command]
@@ -73,7 +73,7 @@ def test_the_zoo_extra_pins_each_library_and_its_skip_says_how_to_install_it():
     assert [name for name, _ in pins] == ["x-transformers", "vit-pytorch", "openai-whisper", "open-clip-torch",
                                           "diffusers"], zoo
     assert len(pins) == zoo.count('"') // 2, f"every library pinned exactly: {zoo}"
-    for name in ("test_zoo.py", "test_sweep_diffusers.py"):
+    for name in ("test_zoo.py", "test_sweep_diffusers.py", "test_sweep_packages.py"):
         text = (ROOT / "tests" / name).read_text(encoding="utf-8")
         assert f"pip install {REAL_PAIR}, then {ZOO_INSTALL}" in text, f"{name}'s skips say how to install the zoo"
 

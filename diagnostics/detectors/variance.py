@@ -16,12 +16,15 @@ from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._thresholds import CONVEX, UNCHANGED, dtype_name, tolerance
+from .._registry import NOT_APPLICABLE
 from .._tracing import (
+    CARRIES,
     MATMULS,
     SOFTMAXES,
     Residual,
     ancestors,
     carries_input,
+    producer,
     event_op,
     merge_fix,
     moved,
@@ -389,6 +392,37 @@ def _judged_inside(probe: Probe, call: Call, reference: Call, tol: float) -> Det
                   f"({judged})", value=worst, threshold=tol, evidence=text)
 
 
+def reattention(trace, weights: int) -> tuple[str, int, object] | None:
+    """Where the tensor `weights` (the operand that multiplies the values) is computed from a softmax's output by a
+    product with a square (H, H) parameter of the layer, H >= 2, that mixes the heads (DeepViT's re-attention,
+    talking heads after the softmax): (the parameter's name, H, that product's op); else None."""
+    layer = trace.layer
+    if not isinstance(layer, torch.nn.Module):
+        return None
+    square = {id(p): (n, p.shape[0]) for n, p in layer.named_parameters()
+              if p.dim() == 2 and p.shape[0] == p.shape[1] >= 2}
+
+    def root(i: int) -> int:  # back through views and copies (einsum's unsqueeze, permute, reshape of the matrix)
+        for _ in range(64):
+            op = producer(trace, i)
+            if op is None or op.short not in CARRIES or not op.in_ids:
+                return i
+            i = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+        return i
+
+    start = producer(trace, weights)
+    if start is None:
+        return None
+    for index in sorted(ancestors(trace, start) | {start.index}, reverse=True):
+        op = trace.ops[index]
+        if op.short not in MATMULS or len(op.in_ids) < 2:
+            continue
+        held = [square[r] for r in map(root, op.in_ids[-2:]) if r in square]
+        if held and any(trace.ops[a].short in SOFTMAXES for a in ancestors(trace, op)):
+            return held[0][0], held[0][1], op
+    return None
+
+
 def query_concat(trace) -> Residual | None:
     """The last concatenation, along the features, of the query input (through views and copies) and a tensor
     computed from the keys: the attention's output beside its query, as an output projection that reads
@@ -433,6 +467,13 @@ def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> Dete
         values = op.in_ids[(1 if op.short == "baddbmm" else 0) + 1 - found.weights_operand]
     if values is None or "value" not in trace.sources.get(values, frozenset()):
         return None
+    mixed = None if found.fused is not None else reattention(
+        trace, op.in_ids[(1 if op.short == "baddbmm" else 0) + found.weights_operand])
+    if mixed is not None:
+        return skip("output_variance", NOT_APPLICABLE + f"the weights that multiply the values (at {short(op)}) are "
+                    f"the softmax's mixed across heads by the layer's ({mixed[1]}, {mixed[1]}) matrix {mixed[0]} at "
+                    f"{short(mixed[2])} and changed again after (re-attention, DeepViT's Norm(Theta^T softmax)), so "
+                    f"they are no convex combination by design; the softmax itself is judged by weight_row_sums")
     inside = _judged_with_learned_keys(found, t_q, t_k, tol, s.dtype, call)
     unchanged = tolerance(UNCHANGED, s.dtype)
     if inside.verdict != "pass" or positions_mixed(trace, op.index, t_q, unchanged) is not None \
