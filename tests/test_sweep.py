@@ -68,7 +68,7 @@ def test_the_results_file_resumes_a_sweep_and_the_rates_count_each_verdict(tmp_p
 
     monkeypatch.setitem(sweep.LIBRARIES, "json", (lambda: ["good", "leaky"], run))  # `json`: importable, versioned
     results = tmp_path / "rows.jsonl"
-    assert sweep.main(["json", "--results", str(results)]) == 0
+    assert sweep.main(["json", "--results", str(results), "--jobs", "1"]) == 0  # one at a time: rows in order
     assert [json.loads(line)["model_type"] for line in results.read_text().splitlines()] == ["good", "leaky"]
     first = capsys.readouterr().out
     assert "2 / 2 built (100%)" in first and "passed 1 (50%), failed 1 (50%)" in first, first
