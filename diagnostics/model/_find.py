@@ -93,6 +93,7 @@ class ModuleWatch:
         self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
         self.routes: dict = {}  # {path: (calls whose every softmax runs over a weight's outputs, (scores, weight))}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
+        self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
 
     @property
     def open(self) -> list[str]:
@@ -129,7 +130,11 @@ class ModuleWatch:
         may number as many as the tokens: 16 in davit_base_fl's third stage at 64 px); as mixing tokens otherwise.
         The tokens' count: the call's first tensor's second axis, (B, T, D), or its pixels, (B, C, H, W); a call
         with no such tensor counts as mixing tokens."""
-        over = [self._over_weight(c) for c in calls]
+        over = []
+        for c in calls:
+            if id(c) not in self._over:
+                self._over[id(c)] = self._over_weight(c)
+            over.append(self._over[id(c)])
         if all(over):  # a router's or a gate's softmax (x W over W's outputs): one distribution per token, no mixing
             entry = self.routes.setdefault(path, [0, over[0]])
             entry[0] += 1
