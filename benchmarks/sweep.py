@@ -160,7 +160,7 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                f"sequence attends both ways where nothing in its batch is padded (use_bidirectional_attention=True, "
                f"paligemma/configuration_paligemma.py:92), causally where a row is padded",
     "qwen3_omni_moe_thinker": f"a forward given input_ids and an attention_mask (all ones) raises AttributeError: it "
-                              f"computes its 3-D rotary positions by get_rope_index (qwen3_omni_moe/"
+                              f"computes its 3-D rotary positions by get_rope_index ({TF}qwen3_omni_moe/"
                               f"modeling_qwen3_omni_moe.py:1908), which reads config.vision_start_token_id (line 291), "
                               f"a field Qwen3OmniMoeThinkerConfig does not have (configuration_qwen3_omni_moe.py:191; "
                               f"confirmed by a plain script: runs without the mask, raises with it; "
