@@ -162,6 +162,34 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
     "colpali": f"as PaliGemma, its language model ({TF}colpali/modeling_colpali.py:99, a PaliGemma model): a "
                f"sequence attends both ways where nothing in its batch is padded (use_bidirectional_attention=True, "
                f"paligemma/configuration_paligemma.py:92), causally where a row is padded",
+    "qwen3_omni_moe_thinker": f"a forward given input_ids and an attention_mask (all ones) raises AttributeError: it "
+                              f"computes its 3-D rotary positions by get_rope_index ({TF}qwen3_omni_moe/"
+                              f"modeling_qwen3_omni_moe.py:1908), which reads config.vision_start_token_id (line 291), "
+                              f"a field Qwen3OmniMoeThinkerConfig does not have (configuration_qwen3_omni_moe.py:191; "
+                              f"confirmed by a plain script: runs without the mask, raises with it; "
+                              f"qwen2_5_omni_thinker's config lacks it too)",
+    "nemotron_asr_streaming_encoder": f"its eager attention gives NaN everywhere: eager's mask is additive (0.0 where "
+                                      f"a key is allowed), which the layer reads as a boolean, `matrix_bd.masked_fill_("
+                                      f"attention_mask.logical_not(), -inf)` ({TF}nemotron_asr_streaming/"
+                                      f"modeling_nemotron_asr_streaming.py:615): every allowed key is set to -inf "
+                                      f"(and line 983 takes rows of 0.0 for fully masked ones); sdpa's boolean mask is "
+                                      f"read right (confirmed by a plain script: eager output all NaN, sdpa finite; "
+                                      f"ParakeetEncoder, its base, agrees to 7e-7)",
+    "sam3_lite_text_text_model": f"padding moves the real tokens' outputs: the learned position table is interpolated "
+                                 f"to the whole input's length (Sam3LiteTextTextPositionEmbedding, {TF}sam3_lite_text/"
+                                 f"modeling_sam3_lite_text.py:83), so a token's position embedding depends on how "
+                                 f"many pads follow it (confirmed by a plain script: positions 0..11 interpolated to "
+                                 f"12 and to 16 differ by 0.58; real tokens move by 4.3 with 4 right pads, with or "
+                                 f"without its RepMixer convolution blocks)",
+    "swin": f"an image whose stage resolution falls below the window (any image under 224 px with window 7: 192 px, "
+            f"the sweep's 64 px) raises in the attention: SwinLayer builds its attention's relative position bias for "
+            f"config.window_size ({TF}swin/modeling_swin.py:519, 416) and then clamps the window to the resolution "
+            f"(set_shift_and_window_size, line 576): a 4 x 4 window's 16 keys against a 49-entry bias (confirmed by "
+            f"a plain script: SwinModel(SwinConfig(image_size=192)) raises on 192 px images, runs at 224)",
+    "donut-swin": f"as Swin: the window clamped to a smaller stage resolution after the relative position bias was "
+                  f"built for config.window_size ({TF}donut/modeling_donut_swin.py:505, 511); built for 64 px it "
+                  f"raises on 64 px images (confirmed by tests/test_sweep.py's plain script; SwinV2 and "
+                  f"MaskFormer-Swin run)",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,
@@ -260,6 +288,7 @@ def _shrunk(config) -> dict:
         # the rotary table is built over head_dim x partial_rotary_factor (Mistral 4's 128 x 0.5 = its 64-wide rope
         # part): the two keep their ratio (8 and 8 built a 4-wide table for an 8-wide rope part, and it raised)
         kw["head_dim"] = kw["qk_rope_head_dim"] * head // rope
+    kw.update(_stage_heads(config, kw))
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
@@ -277,6 +306,31 @@ def _shrunk(config) -> dict:
         if isinstance(sub, PreTrainedConfig):
             kw[name] = {**sub.to_dict(), **_shrunk(sub)}
     return kw
+
+
+WIDTHS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")
+HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
+
+
+def _stage_heads(config, kw: dict) -> dict:
+    """Head counts given per stage (Swin's num_heads (3, 6, 12, 24) over stages of embed_dim x 2^i) shrunk with the
+    width, each head keeping its width where it can: h x new / old, else the largest divisor of the new width under
+    it. Left as they were, 3 heads on Swin's 32 wide first stage made a head 10.67 wide: SwinModel raised in its first
+    attention and the Swin family (SwinV2, Donut-Swin, MaskFormer-Swin, Swin2SR) refused to build."""
+    widths = [k for k in WIDTHS if k in kw and isinstance(getattr(config, k, None), int)]
+    if not widths:
+        return {}
+    width = min(widths, key=lambda k: getattr(config, k))  # the first stage's (Swin's hidden_size is its last's)
+    old, new = getattr(config, width), kw[width]
+    out = {}
+    for name in HEADS:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(h, int) and h > 0 for h in value):
+            out[name] = type(value)(
+                h * new // old if h * new % old == 0
+                else max(d for d in range(1, new + 1) if new % d == 0 and d <= max(1, round(h * new / old)))
+                for h in value)
+    return out
 
 
 def tiny_config(model_type: str, *, decoder: bool = False):

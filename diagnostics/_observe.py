@@ -917,11 +917,19 @@ def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int) ->
     return None, 0
 
 
+def per_query_head(x: Tensor, q: Tensor) -> Tensor:
+    """Keys or values of an observed fused call with one head per query head: grouped ones (sdpa's enable_gqa, H_kv
+    heads for H) each repeated for the H / H_kv consecutive query heads it serves; as they are otherwise."""
+    if x.dim() == 4 and q.dim() == 4 and x.shape[-3] != q.shape[-3] and x.shape[-3] and \
+            q.shape[-3] % x.shape[-3] == 0:
+        return x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3)
+    return x
+
+
 def fused_weights(f) -> Tensor:
     """softmax(q k^T * scale + mask) of an observed fused call, in float64: (B, H, Tq, Tk)."""
     q, k = f.q.double(), f.k.double()
-    if k.shape[-3] != q.shape[-3] and k.dim() == 4:  # grouped-query: each key head serves several query heads
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    k = per_query_head(k, q)  # grouped-query: each key head serves several query heads
     # the kernel's own scale: q and k as given already carry what they were multiplied by (f.scale counts it too)
     scores = q @ k.transpose(-2, -1) * (f.scale if f.given is None else f.given)  # (B, H, Tq, Tk)
     if f.attn_mask is not None:

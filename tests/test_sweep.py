@@ -223,6 +223,10 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     assert sapiens2.num_key_value_heads_per_layer == [4, 4] and sapiens2.num_attention_heads == 4
     dory = sweep.tiny_config("dory")  # a looped model's input, middle and output sections within its depth
     assert (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers) == (1, 0, 1)  # was (8, -14, 8)
+    # heads per stage shrunk with the first stage's width (96 -> 32), each head as wide as before: Swin's 3 heads on
+    # 32 channels made heads 10.67 wide (SwinModel raised, SwinV2, Donut-Swin, MaskFormer-Swin, Swin2SR did not build)
+    assert sweep.tiny_config("swin").num_heads == (1, 2, 4, 8) and sweep.tiny_config("swinv2").embed_dim == 32
+    assert sweep.tiny_config("swin2sr").num_heads == (1,) * 6  # 6 heads of 180: 6 x 32 / 180 rounds to 1
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
@@ -410,11 +414,13 @@ def _logits(out):
 
 @pytest.mark.parametrize("model_type, side, known", [
     ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True),
-    ("deepseek_v4", "left", True), ("bert", "right", False), ("deepseek_v3", "left", False)])
+    ("deepseek_v4", "left", True), ("sam3_lite_text_text_model", "right", True), ("bert", "right", False),
+    ("deepseek_v3", "left", False)])
 def test_padding_leaves_the_real_tokens_except_where_known_says_the_model_mixes_the_pads_in(model_type, side, known):
-    """YOSO, Nyströmformer, Funnel (4 right pads) and DeepSeek-V4 (4 left pads, positions from the mask), each as the
-    sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens; BERT and DeepSeek-V3, the same
-    script, leave them."""
+    """YOSO, Nyströmformer, Funnel, SAM3-LiteText's text model (4 right pads) and DeepSeek-V4 (4 left pads, positions
+    from the mask), each as the sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens
+    (SAM3-LiteText's by the length its position table is interpolated to); BERT and DeepSeek-V3, the same script,
+    leave them."""
     import torch
 
     _transformers()
@@ -503,3 +509,82 @@ def test_yosos_hand_written_backward_is_not_its_forwards_derivative_for_query_an
     autograd = torch.autograd.grad(formula.square().sum(), (q, k, v))
     off = [float((a - b).norm() / b.norm()) for a, b in zip(theirs, autograd)]
     assert off[0] > 0.05 and off[1] > 0.05 and off[2] < 1e-12, off
+
+
+@pytest.mark.parametrize("model_type, known", [("nemotron_asr_streaming_encoder", True), ("parakeet_encoder", False)])
+def test_eager_and_sdpa_agree_except_where_known_says_eager_reads_its_additive_mask_as_a_boolean(model_type, known):
+    """NemotronAsrStreamingEncoder (KNOWN): masked_fill_ on `attention_mask.logical_not()` blocks every key eager's
+    additive mask allows (0.0), and its output is NaN; ParakeetEncoder, its base, the same script: eager equals sdpa."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    eager, sdpa = sweep.build(model_type, "eager"), sweep.build(model_type, "sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    features = torch.randn(1, 64, eager.config.num_mel_bins, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = (m(input_features=features).last_hidden_state for m in (eager, sdpa))
+    assert bool(b.isfinite().all())
+    assert (not bool(a.isfinite().all())) is known
+    if not known:
+        assert float((a - b).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type, known", [("qwen3_omni_moe_thinker", True), ("qwen3_vl", False)])
+def test_a_forward_with_an_attention_mask_runs_except_where_known_says_the_config_lacks_a_token_id(model_type, known):
+    """Qwen3-Omni-MoE's thinker (KNOWN) reads config.vision_start_token_id, which its config does not have, whenever
+    input_ids come with an attention_mask (all ones here); Qwen3-VL, the same script, runs."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids)  # without the mask both run
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        except AttributeError as exc:
+            assert known and "vision_start_token_id" in str(exc), exc
+        else:
+            assert not known
+
+
+@pytest.mark.parametrize("model_type, known", [("swin", True), ("donut-swin", True), ("swinv2", False),
+                                               ("maskformer-swin", False)])
+def test_a_swin_built_for_64_px_runs_on_64_px_except_where_known_says_its_window_outgrows_the_stage(model_type, known):
+    """Swin and Donut-Swin (KNOWN) clamp their 7-wide window to a 4 x 4 stage after building the relative position
+    bias for 7 x 7, and raise; SwinV2 and MaskFormer-Swin, the same script, run. As the sweep builds each, at 64 px."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    assert model.config.image_size == 64
+    with torch.no_grad():
+        try:
+            model(pixel_values=torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1)))
+        except RuntimeError as exc:
+            assert known and "must match the size" in str(exc), exc
+        else:
+            assert not known
+
+
+@pytest.mark.parametrize("model_type, fails", [("swin", True), ("swinv2", False)])
+def test_where_every_form_of_the_example_raises_the_one_the_model_ran_furthest_on_is_reported(model_type, fails):
+    """Swin raises in its third stage's attention on images (KNOWN) and in its patch embedding on pairs of images,
+    which it does not take: model_runs fails at that attention (was: inconclusive, quoting the pair's raise in the
+    embeddings as the example's fault); SwinV2, which runs on the images, passes model_runs."""
+    import diagnostics
+
+    _transformers()
+    report = diagnostics.audit_model(_sweep().build(model_type), detectors=["model_runs"])
+    ran = report.result("model_runs")
+    if fails:
+        assert report.status == "failed" and ran.verdict == "fail", str(report)
+        assert ran.layer == "encoder.layers.2.blocks.0.attention" and "SwinAttention" in ran.evidence, ran
+    else:
+        assert ran.verdict == "pass", str(report)

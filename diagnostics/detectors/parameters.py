@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core import skip
-from .._observe import Observer
+from .._observe import Observer, per_query_head
 from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
@@ -148,7 +148,7 @@ def _scores(sub, qkv, allowed) -> list[Tensor]:
         sub(*qkv, allowed)
     rec = observer.record
     out = [sm.input.double() for sm in rec.softmaxes]
-    out += [(f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale for f in rec.fused]
+    out += [(f.q.double() @ per_query_head(f.k.double(), f.q).transpose(-2, -1)) * f.scale for f in rec.fused]
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._core import NON_CONTIGUOUS, not_run, relative_change, skip, transposed_layout, unravel
-from .._observe import LearnedKeys, learned_keys, weighted_sum
+from .._observe import LearnedKeys, learned_keys, per_query_head, weighted_sum
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
@@ -509,7 +509,7 @@ def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float,
         f = keys.fused
         if f.out is None:
             return skip(det, f"{found}, at a fused attention call whose output was not observed")
-        v, out, width = f.v.double(), f.out.double(), f.v.shape[-2]
+        v, out, width = per_query_head(f.v.double(), f.q), f.out.double(), f.v.shape[-2]  # grouped: per query head
         v, out = v.reshape(-1, width, v.shape[-1]), out.reshape(-1, t_q, out.shape[-1])  # (N, K, d), (N, Tq, d)
         text, gap = f"{found}; judged on the output of the fused attention call", None
     elif keys.product is None:

@@ -3,7 +3,9 @@ classes (by class), and any module that runs a softmax over (Tq, Tk) scores or a
 forward (the innermost such module with parameters); and a module in the place attention has in the other blocks.
 Only modules that mix tokens: one whose every observed attention sums its q·k product over the tokens and has
 (Tq, Tk) scores of another size (DaViT's channel attention, softmax(q^T k) over (B, H, d, d)) attends between
-channels, and is left out, saying why (`Observation.not_tokens`).
+channels; one whose every softmax normalises a product with a weight of the model over that weight's outputs (an MoE
+router's softmax(x W) over (B, T, experts), ZAYA's) gives each token a distribution over classes of its own; both are
+left out, saying why (`Observation.not_tokens`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class ModuleWatch:
         self.mixes: dict = {}  # {path: [calls whose attention mixes tokens, calls whose attention mixes channels]}
         self.shapes: dict = {}  # {path: the shapes of the scores of a call that mixed channels}
         self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
+        self.routes: dict = {}  # {path: (calls whose every softmax runs over a weight's outputs, (scores, weight))}
+        self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
+        self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
 
     @property
     def open(self) -> list[str]:
@@ -125,6 +130,15 @@ class ModuleWatch:
         may number as many as the tokens: 16 in davit_base_fl's third stage at 64 px); as mixing tokens otherwise.
         The tokens' count: the call's first tensor's second axis, (B, T, D), or its pixels, (B, C, H, W); a call
         with no such tensor counts as mixing tokens."""
+        over = []
+        for c in calls:
+            if id(c) not in self._over:
+                self._over[id(c)] = self._over_weight(c)
+            over.append(self._over[id(c)])
+        if all(over):  # a router's or a gate's softmax (x W over W's outputs): one distribution per token, no mixing
+            entry = self.routes.setdefault(path, [0, over[0]])
+            entry[0] += 1
+            return
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() in (3, 4)), None)
         tokens = None if x is None else int(x.shape[1]) if x.dim() == 3 else int(x.shape[2] * x.shape[3])
         shapes = []
@@ -141,11 +155,41 @@ class ModuleWatch:
         if shapes:
             self.shapes.setdefault(path, sorted(set(shapes)))
 
+    def _over_weight(self, call) -> tuple | None:
+        """(the scores' shape, the weight's) where an observed softmax normalises, over its last axis, a product
+        whose right operand is a weight of the model, two-dimensional, that gives the scores that axis: x W, one
+        distribution per token over W's output features (an MoE router's experts, a gate's classes), never over
+        keys, which come from the tokens (a learned query's scores, q W_k x^T, take their last axis from the tokens'
+        keys). None otherwise (a fused call, q·k of two activations, no product found)."""
+        if not isinstance(call, SoftmaxCall):
+            return None
+        record = self.observer.record
+        i = next((j for j, o in enumerate(record.order) if o is call), None)
+        product = None if i is None else next(
+            (m for m in reversed(record.order[:i]) if isinstance(m, Matmul) and m.out.numel() == call.input.numel()),
+            None)
+        if product is None or product.b.dim() != 2 or product.out.shape[-1] != call.input.shape[-1] or \
+                product.b.shape[-1] != call.input.shape[-1]:
+            return None
+        if self._weights is None:
+            self._weights = {_storage(p) for m in self.named.values() for p in m.parameters(recurse=False)}
+        if _storage(product.b) not in self._weights - {None}:
+            return None
+        return tuple(call.output.shape), tuple(product.b.shape)
+
     def not_tokens(self) -> dict:
         """{path: why} of the modules whose every call with attention in it mixed channels, not tokens."""
         return {p: f"its softmax runs over scores of shape {', '.join(map(str, self.shapes[p][:3]))}, whose q·k "
                    f"product sums over the tokens: it attends between channels (as DaViT's channel attention), not "
                    f"between tokens" for p, (tokens, channels) in self.mixes.items() if channels and not tokens}
+
+    def routers(self) -> dict:
+        """{path: why} of the modules whose every call with a softmax in it ran only softmaxes over a weight's outputs
+        (`_over_weight`): routers and gates, which weigh classes, not tokens."""
+        return {p: f"its softmax runs over scores of shape {scores} made by a product with a {weight[0]} x {weight[1]} "
+                   f"weight of the model, over that weight's {weight[1]} outputs: each token's distribution over "
+                   f"classes of its own (an MoE router's experts, a gate's), not attention between tokens"
+                for p, (_, (scores, weight)) in self.routes.items() if not any(self.mixes.get(p, ()))}
 
     def __enter__(self):
         for m in self.named.values():
@@ -157,6 +201,15 @@ class ModuleWatch:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _storage(t: Tensor):
+    """The address of a tensor's storage (a view of a weight, W.t() in x @ W.t(), shares it), None where it has none
+    to read (a tensor subclass, a meta tensor)."""
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 def _summed_and_scores(record, call) -> tuple:
@@ -205,6 +258,13 @@ def observe_attention(runner: Runner) -> Observation:
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
     not_tokens = {p: why for p, why in watch.not_tokens().items() if p in found or class_kind(named[p])}
+    found = {p: how for p, how in found.items() if p not in not_tokens}
+    # a router or a gate: never a library attention class, nor of the kind of a module found attending (a layer of
+    # that class whose softmax runs over its key projection's weight has lost its keys: a finding, audited)
+    routers = watch.routers()
+    attending = [type(named[p]) for p in found if p not in routers]
+    not_tokens.update({p: why for p, why in routers.items() if p in found and not class_kind(named[p])
+                       and not any(kin(type(named[p]), c) for c in attending)})
     found = {p: how for p, how in found.items() if p not in not_tokens}
     weighs = frozenset(p for p in named if any(counts.get(p, (0, 0))) or watch.flex.get(p))
     return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs,

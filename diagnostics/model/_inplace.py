@@ -147,7 +147,7 @@ class InPlace(nn.Module):
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
                  num_heads: int | None, note: str = "", folded: frozenset = frozenset(),
-                 shared: frozenset = frozenset(), centred: dict | None = None):
+                 shared: frozenset = frozenset(), centred: dict | None = None, returned_width: int | None = None):
         super().__init__()
         self.inner = module
         self.audit_name = f"{path} ({type(module).__name__}, in place)"
@@ -157,6 +157,9 @@ class InPlace(nn.Module):
         self.contiguous_input = arguments[hidden].is_contiguous()
         self.captured_dtype = arguments[hidden].dtype
         self.d_model = int(arguments[hidden].shape[-1])
+        # the width its model's call returned, where not the one it takes (Zamba2's shared attention: [hidden states;
+        # embeddings] in, 2D wide, D out): the output shape the probes must find (`Subject.expected_out_shape`)
+        self.returned_width = returned_width if returned_width and returned_width != self.d_model else None
         self.block_size = length
         # one capture only (fixed-length input, an image): which dimensions of the model's other arguments follow the
         # length is a guess, so a probe at another length may be one the layer as held cannot take (`_invoke`)
@@ -441,8 +444,10 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         heads = None
     positional = _passed_positionally(sig, len(long_call.args))
     folded, shared = _batch_rows(sig, arguments, hidden, hidden_time_dim, wide_call)
+    out = long_call.output_shape
+    returned = int(out[-1]) if out is not None and len(out) == 3 and tuple(out[:2]) == tuple(H.shape[:2]) else None
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
-             folded, shared, centred)
+             folded, shared, centred, returned)
     if grid is not None:
         return InPlaceGrid(*built, grid=grid)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
