@@ -130,3 +130,103 @@ def test_gradients_reads_a_jump_steady_within_2x_as_a_kink_and_judges_one_that_s
         assert "not differentiable at this point along gate" in wrong.evidence, wrong.evidence
     else:
         assert wrong.verdict == "fail" and "along gate" not in wrong.evidence, wrong.evidence
+
+
+# ---- batch_independence: the second seeded twin call ----------------------------------------------------------
+
+
+class MixingWithNoise:
+    """Scaled dot-product attention plus the batch's mean (mixing) and a fresh draw of 1e-2 on every call (randomness
+    the audit's seed pins down); raises on call `raise_on`. Calls: the standard probe, the changed batch, the seeded
+    twin (which differs from the standard probe: the noise), and, sequence 0 still moving, a second seeded twin."""
+
+    def __init__(self, raise_on: int | None = None):
+        self.raise_on, self.calls = raise_on, 0
+
+    def __call__(self, q, k, v, mask=None):
+        self.calls += 1
+        if self.calls == self.raise_on:
+            raise ValueError("the layer's own error")
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d)
+        return out + out.mean(0, keepdim=True) + 1e-2 * torch.randn(out.shape)
+
+
+@pytest.mark.parametrize("raise_on", [4, None])
+def test_batch_independence_is_not_run_when_its_second_seeded_twin_raises_and_fails_the_mixing_when_it_runs(raise_on):
+    """`if not twin.ok: return not_run(...)`: the fourth call raising is a skip that names the layer's error (without
+    the guard the audit reads the missing output and errs); run, the mixing fails."""
+    layer = MixingWithNoise(raise_on)
+    result = diagnostics.audit(layer, detectors=["batch_independence"]).result("batch_independence")
+    assert layer.calls == 4, layer.calls
+    if raise_on:
+        assert result.verdict == "skip" and result.message.startswith(
+            "not measured: the layer raised on this detector's probe (ValueError: the layer's own error)"), result
+    else:
+        assert result.verdict == "fail", result
+
+
+# ---- packed_documents: where the leak starts -------------------------------------------------------------------
+
+
+def _packed_lm(kind: str, T: int = 16, D: int = 32, H: int = 8):
+    """A one-layer LM of packed documents whose attention ignores the document boundaries (causal SDPA over the whole
+    sequence: a leak). `kind`: "inline" (one module), "split" (its heads split by a submodule returning (B, H, T, d):
+    no tensor of one entry per row and position), "core" (the SDPA in a submodule `core` returning (B, T, D))."""
+    import torch.nn.functional as F
+
+    class Split(nn.Module):
+        def forward(self, t):
+            B, t_, _ = t.shape  # batch, sequence length
+            return t.view(B, t_, H, D // H).transpose(1, 2)  # (B, H, T, d)
+
+    class Core(nn.Module):
+        def forward(self, q, k, v):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d): documents not kept apart
+            return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], D)  # (B, T, D)
+
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.out = (nn.Linear(D, D) for _ in range(4))
+            self.split = Split() if kind == "split" else None
+            self.core = Core() if kind == "core" else None
+
+        def forward(self, x):
+            B, t, _ = x.shape  # batch, sequence length
+
+            def split(z):
+                return self.split(z) if self.split is not None else z.view(B, t, H, D // H).transpose(1, 2)
+            q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))  # (B, H, T, d) each
+            if self.core is not None:
+                return self.out(self.core(q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d)
+            return self.out(y.transpose(1, 2).reshape(B, t, D))
+
+    class LM(nn.Module):
+        causal = True
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.wte, self.wpe, self.attn, self.head = nn.Embedding(64, D), nn.Embedding(T, D), Leaky(), nn.Linear(D, 64)
+
+        def forward(self, input_ids, position_ids=None):
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+            return self.head(self.attn(self.wte(input_ids) + self.wpe(position_ids)))
+
+    return LM()
+
+
+@pytest.mark.parametrize("kind", ["inline", "split", "core"])
+def test_packed_documents_names_where_the_leak_starts_only_where_it_is_not_the_layer_it_reports(kind):
+    """The documents are t = 0..4, 5..9, 10..15. `_crosses` reads only tensors of one entry per row and position
+    (`t.shape[:2] != (rows, T)`): the split heads, (rows, 8, T, 4), are not read (read along the heads as if they were
+    positions, they would cross document 0's five and be named where the leak starts, a module without softmax: a
+    warn). `source[0] != first`: the submodule `core` where the leak starts is named beside the layer reported, and
+    nothing more where they are the same module."""
+    result = diagnostics.audit_model(_packed_lm(kind), packed=True, detectors=["packed_documents"]).result(
+        "packed_documents")
+    assert result.verdict == "fail" and result.layer == "attn", result
+    at = "; the change first crosses at attn"
+    assert result.message.endswith(at + (" (the leak starts in attn.core, Core)" if kind == "core" else "")), result
