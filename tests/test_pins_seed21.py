@@ -50,7 +50,7 @@ def test_keys_matter_pushes_keys_far_enough_to_move_a_layer_whose_keys_barely_ac
                               detectors=["keys_matter"]).result("keys_matter")
     keyless = diagnostics.audit(_faint_keys(VARIANTS["keys_from_query_stream"].cls, w_q, dtype), seq_len=2,
                                 detectors=["keys_matter"]).result("keys_matter")
-    assert right.verdict == "pass" and "changing every key (x1e+06)" in right.evidence, right.evidence
+    assert right.verdict == "pass" and "changing every key" in right.evidence, right.evidence
     assert keyless.verdict == "fail" and keyless.message == "the output does not depend on the keys", keyless
 
 
@@ -208,7 +208,8 @@ def _packed_lm(kind: str, T: int = 16, D: int = 32, H: int = 8):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.wte, self.wpe, self.attn, self.head = nn.Embedding(64, D), nn.Embedding(T, D), Leaky(), nn.Linear(D, 64)
+            self.wte, self.wpe = nn.Embedding(64, D), nn.Embedding(T, D)
+            self.attn, self.head = Leaky(), nn.Linear(D, 64)
 
         def forward(self, input_ids, position_ids=None):
             if position_ids is None:
