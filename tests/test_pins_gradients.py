@@ -106,6 +106,16 @@ def test_a_parameter_used_only_past_the_last_length_the_model_runs_at_fails():
     assert "attn.late" in result.evidence, result
 
 
+@pytest.mark.parametrize("picks", [8, 9])
+def test_the_evidence_names_8_parameters_used_from_a_length_and_marks_any_more(picks):
+    """`" ..." if len(longer) > 8`: 8 top-k choices found at 64 are all named, nothing left out; a 9th is not named and
+    the list ends in " ..." (`>=` would mark 8 named as if one were missing)."""
+    result = flow(picks=picks)
+    assert result.verdict == "warn" and f"{picks} of " in result.message, result
+    last = "attn.picks.7 (from 64; not at 16)" + (" ..." if picks > 8 else "") + "; a sparse-attention indexer"
+    assert last in result.evidence and "attn.picks.8" not in result.evidence, result.evidence
+
+
 # ---- MOVED_AT_MOST = 16 ----------------------------------------------------------------------------------------
 
 
