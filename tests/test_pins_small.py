@@ -400,4 +400,4 @@ def test_packed_documents_find_the_leak_in_the_attention_not_in_a_submodule_it_f
     result = diagnostics.audit_model(_packed_lm(gated), packed=True, detectors=["packed_documents"]).result(
         "packed_documents")
     assert result.verdict == "fail" and result.layer == "attn", result
-    assert "the leak starts in" not in result.evidence and "gate" not in result.evidence, result
+    assert "the leak starts in" not in result.message and "gate" not in result.message, result
