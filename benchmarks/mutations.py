@@ -222,6 +222,20 @@ _BELOW_EVERY = (
     "the fill marks the cells outside the rows read before an argmax over the rest; those rows hold |x - 1| or "
     "|new - old| / scale, never negative and never NaN (inf where non-finite: nan_to_num), so a fill of -1, -10 or "
     "-0.1 lies below every one of them and the argmax names the same cell (checked by hand)")
+_LARGER_PUSH = (
+    "keys_matter asks only whether changing the keys moved the output at all, and a larger push moves the scores "
+    "further. Measured (2026-12-04; a correct layer at d_model 1, two tokens, W_Q scaled from 1e-15 to 0.56 in quarter "
+    "decades, the other projections the identity): in float32 and bfloat16 every layer a push of 1e6 moved a push of "
+    "1e7 moved, in float16 every layer 100 moved 1000 moved. Past float16's range (keys x1000 at d_k 64 and 512) the "
+    "scores overflow and the output goes NaN where the baseline was finite, which relative_change reads as an "
+    "infinite change, a move (a layer that zeroes NaN weights moved as much as at x100); the control's perturbation "
+    "stays finite (|draw - old| < 10, x1000 < 65504). The x0.1 side changes verdicts and is pinned "
+    "(tests/test_pins_seed21.py for 1e6; float16's 100 by the suite's float16 audits)")
+_KINK_EDGE = (
+    "`<=` and `<` differ only where the greatest of three float readings of the jump is exactly twice the least; a "
+    "kink at the point reads within 1.2x, a smooth part shrinks 8x a halving, and |g| ** 1.5 at 0 (exactly 2x in exact "
+    "arithmetic) reads just under 2x in float64 (its h ** 2 term): the same verdict under both operators (checked on "
+    "tests/test_pins_seed21.py's gate at p = 1.4, 1.45, 1.5, 1.55)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:x10": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
     "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
@@ -258,6 +272,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),  # both lines
+    "detectors/gradients.py:check_gradients:L*:LtE->Lt": ("max(reads) <= KINK_STEADY * min(reads)", _KINK_EDGE),
+    "detectors/keys.py:_plan:L*:x10": ("(100.0,) if s.dtype == torch.float16 else (1e6,)", _LARGER_PUSH),
+    "detectors/keys.py:_plan:L*:x10#2": ("(100.0,) if s.dtype == torch.float16 else (1e6,)", _LARGER_PUSH),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
     "model/window.py:check_sliding_window:L*:Gt->GtE": (

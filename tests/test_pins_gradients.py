@@ -19,6 +19,10 @@ attention layer whose output is the model's. Its extra parameters act only from 
 scores, the copies' outputs averaged (no gradient, a top-k choice: every key of a sequence of 32 or fewer);
 `nudge`, added without gradient from `start` on, moving the output by `eps` x its RMS once changed. Each test runs in
 well under a second on CPU.
+
+From the seed-21 sample (000bb4a): the evidence names at most 8 such parameters and marks more with " ..."; and the
+backward that finds modules whose output gets no gradient watches only outputs that carry one (an indexer's integer
+top-k choice beside a zero-initialised ReZero branch, `IndexedModel`).
 """
 
 from __future__ import annotations
@@ -106,6 +110,16 @@ def test_a_parameter_used_only_past_the_last_length_the_model_runs_at_fails():
     assert "attn.late" in result.evidence, result
 
 
+@pytest.mark.parametrize("picks", [8, 9])
+def test_the_evidence_names_8_parameters_used_from_a_length_and_marks_any_more(picks):
+    """`" ..." if len(longer) > 8`: 8 top-k choices found at 64 are all named, nothing left out; a 9th is not named and
+    the list ends in " ..." (`>=` would mark 8 named as if one were missing)."""
+    result = flow(picks=picks)
+    assert result.verdict == "warn" and f"{picks} of " in result.message, result
+    last = "attn.picks.7 (from 64; not at 16)" + (" ..." if picks > 8 else "") + "; a sparse-attention indexer"
+    assert last in result.evidence and "attn.picks.8" not in result.evidence, result.evidence
+
+
 # ---- MOVED_AT_MOST = 16 ----------------------------------------------------------------------------------------
 
 
@@ -132,3 +146,60 @@ def test_a_choice_moves_the_output_by_more_than_1e_6_of_its_rms(eps, expected):
         assert "but do at 64: used only" in result.message and "attn.nudge (from 64" in result.evidence, result
     else:
         assert "attn.nudge" in result.evidence, result
+
+
+# ---- _loss_and_outputs: only outputs that carry a gradient are watched -------------------------------------------
+
+
+class IndexedReZero(nn.Module):
+    """Single-head attention whose keys an indexer chooses (a submodule returning top-k indices: no gradient; every
+    key of a sequence of 32 or fewer) and, with `rezero`, a ReZero branch `alpha * adapter(x)` (alpha starts at 0, so
+    the adapter's output gets a gradient of exactly 0: its parameters are not judged at this initialisation)."""
+
+    class Indexer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D))
+
+        def forward(self, x):
+            return (x.detach() @ self.w).topk(min(KEYS, x.shape[1]), 1).indices  # (B, KEYS): integers, no gradient
+
+    def __init__(self, rezero: bool):
+        super().__init__()
+        self.qkv, self.proj, self.indexer = nn.Linear(D, 3 * D), nn.Linear(D, D), self.Indexer()
+        self.adapter = nn.Linear(D, D) if rezero else None
+        self.alpha = nn.Parameter(torch.zeros(())) if rezero else None
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).chunk(3, -1)  # each (B, T, D)
+        hide = torch.full((B, T), float("-inf")).scatter(1, self.indexer(x), 0.0)  # (B, T keys): 0 where chosen
+        scores = q @ k.transpose(-1, -2) / D ** 0.5 + hide[:, None, :]  # (B, T, T)
+        out = self.proj(scores.softmax(-1) @ v)  # (B, T, D)
+        return out + self.alpha * self.adapter(x) if self.adapter is not None else out
+
+
+class IndexedModel(nn.Module):
+    def __init__(self, rezero: bool):
+        super().__init__()
+        seed_rng(0)
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CONTEXT, D)
+        self.attn = IndexedReZero(rezero)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        return self.attn(self.wte(input_ids) + self.wpe(torch.arange(T)))  # (B, T, D)
+
+
+@pytest.mark.parametrize("rezero", [True, False])
+def test_an_output_without_gradient_is_not_watched_and_a_zeroed_branch_beside_it_is_still_not_judged(rezero):
+    """`path not in outputs and isinstance(o, Tensor) and o.requires_grad`: the indexer's integer output is not kept
+    for the backward that finds modules whose output gets no gradient, so the ReZero adapter beside it is still
+    found (not judged) and only the indexer's vector is a warning, used from 64 (`or` keeps the integers, the
+    backward raises, and the adapter's parameters fail as getting no gradient); without the branch, the same warning."""
+    result = diagnostics.audit_model(IndexedModel(rezero), detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == "warn", result
+    assert result.message.startswith(f"1 of {8 if rezero else 5} attention parameters get no gradient at this "
+                                     f"length (16), but do at 64"), result
+    assert result.evidence.startswith("attn.indexer.w (from 64; not at 16)") and "adapter" not in result.evidence, \
+        result

@@ -310,6 +310,41 @@ def test_runs_names_a_declaration_only_where_a_call_without_a_mask_ran(causal):
         assert result.verdict == "skip" and result.message.startswith("needs a declaration, mask='key_keep'"), result
 
 
+class QueryKeyValueStyled(torch.nn.Module):
+    """nn.MultiheadAttention behind forward(query, key, value, mask=None, style=None), raising unless `style` (a
+    stream the audit leaves at None) is given; its one-stream twin takes forward(x, mask=None, style=None)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, query, key, value, mask=None, style=None):
+        if style is None:
+            raise ValueError("style is required")
+        return self.mha(query, key, value, need_weights=False)[0] + style.mean(1, keepdim=True)
+
+
+class SelfStyled(QueryKeyValueStyled):
+    def forward(self, x, mask=None, style=None):
+        return super().forward(x, x, x, mask, style)
+
+
+@pytest.mark.parametrize("cls", [SelfStyled, QueryKeyValueStyled])
+def test_runs_names_a_required_stream_only_for_a_module_given_one_stream(cls):
+    """`s.form != "self_module" or not isinstance(s.layer, Module)`: the declarations `runs` writes call the layer with
+    one stream x (`layer(x, style=x[:, :0], mask=mask)`), so only a one-stream module gets one (a skip); a module of
+    query, key and value that raises without `style` fails (`and` would write it a one-stream declaration)."""
+    import diagnostics
+
+    result = diagnostics.audit(cls().eval(), progress=False).result("runs")
+    if cls is SelfStyled:
+        assert result.verdict == "skip" and result.message.startswith("needs a declaration"), result
+        assert result.declaration == "call=lambda layer, x, mask: layer(x, style=x[:, :0], mask=mask)", result
+    else:
+        assert result.verdict == "fail" and result.message.startswith("the layer raised on"), result
+
+
 # ---- model/packing.leak_source: a module whose inputs already crossed is not where the leak starts ----------
 
 
@@ -365,4 +400,4 @@ def test_packed_documents_find_the_leak_in_the_attention_not_in_a_submodule_it_f
     result = diagnostics.audit_model(_packed_lm(gated), packed=True, detectors=["packed_documents"]).result(
         "packed_documents")
     assert result.verdict == "fail" and result.layer == "attn", result
-    assert "the leak starts in" not in result.evidence and "gate" not in result.evidence, result
+    assert "the leak starts in" not in result.message and "gate" not in result.message, result
