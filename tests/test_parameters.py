@@ -367,3 +367,12 @@ def test_the_size_statistic_lies_far_from_its_threshold_on_both_sides():
         return abs(float((g * layer.s_q.detach()).sum())) / float(loss.detach())
 
     assert statistic("before") < parameters.SIZE_MOVES / 1e4 < parameters.SIZE_MOVES * 1e4 < statistic("after")
+
+
+def test_the_size_statistic_of_a_scale_without_a_gradient_or_of_a_zero_output_is_no_reading():
+    """`size_moves` reads nothing (inf: never 'removed') where there is no gradient or the loss is zero (an output of
+    zeros, which parameters_used draws again or explains apart); otherwise <grad, P> / loss."""
+    p, g = torch.full((3,), 2.0), torch.tensor([1.0, -1.0, 0.5])
+    assert parameters.size_moves(p, None, 1.0) == math.inf
+    assert parameters.size_moves(p, g, 0.0) == math.inf
+    assert parameters.size_moves(p, g, 4.0) == pytest.approx(0.25)  # |2 - 2 + 1| / 4

@@ -258,9 +258,7 @@ def size_removed(sub, inputs, allowed, params: dict, grads: dict, out: Tensor, s
     SIZE_MOVES. A normalisation after such a scale divides it back out: it can learn a direction, never the size that
     is what it is for. A weight read by a matmul before a norm is scale-free by design (QK-norm's projections) and is
     not asked. The trace is taken only where some parameter's size moves nothing."""
-    loss = float((out.double() ** 2).sum())
-    if not loss > 0 or not math.isfinite(loss):
-        return []
+    loss = float((out.double() ** 2).sum())  # finite: the caller skips a layer whose output is not
     small = [name for name, p in params.items() if name not in skip_names and p.numel() and bool(p.detach().any())
              and size_moves(p, grads.get(name), loss) <= SIZE_MOVES]
     if not small:
