@@ -1,6 +1,7 @@
 """gradient_flow: every attention parameter gets a finite non-zero gradient of the sum of (out ** 2).sum() over
 every tensor the model returns (the logits or hidden states, and a pooled output or a second head's beside them:
-a pooling head's attention feeds only the pooled output); for a causal model, no output sends gradient to later
+a pooling head's attention feeds only the pooled output; each divided by its largest magnitude first, `squared`, so
+that tiny outputs do not underflow); for a causal model, no output sends gradient to later
 input embeddings (taken as a leaf at the token embedding's output).
 
 A parameter that gets no gradient at the audit's length is unused by design where its own module's output gets a
@@ -79,6 +80,17 @@ class ByDesign:
         return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
 
 
+def squared(t: Tensor) -> Tensor:
+    """(t ** 2).sum() of `t` divided by its largest magnitude (held constant): the same zero pattern of gradients, but
+    no underflow where a model's outputs are tiny at its initialisation (SAM's vision encoder, initializer_range
+    1e-10: its outputs are ~1e-20, (out ** 2) is ~1e-40, below float32's smallest normal number, and its attention
+    weights' float32 gradients come out exactly 0 where float64's are ~1e-46)."""
+    t = t if t.dtype == torch.float64 else t.float()
+    scale = t.detach().abs().amax() if t.numel() else t.new_ones(())
+    scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    return ((t / scale) ** 2).sum()
+
+
 def _loss_and_outputs(ctx: ModelContext, seq, watched: dict, extra: dict | None = None):
     """The sum of (t ** 2).sum() over every tensor the model returns on `seq` (with the model's `extra` inputs), and
     {path: the first output tensor of each watched module}."""
@@ -102,7 +114,7 @@ def _loss_and_outputs(ctx: ModelContext, seq, watched: dict, extra: dict | None 
     finally:
         for h in handles:
             h.remove()
-    loss = sum((t.float() ** 2).sum() for t in returned if t.requires_grad)
+    loss = sum(squared(t) for t in returned if t.requires_grad)
     return loss, outputs
 
 
@@ -166,6 +178,43 @@ def _moves_only(ctx: ModelContext, module: nn.Module, before: Tensor, discarded:
     scale = float(before.detach().float().square().mean().sqrt()) or 1.0
     moved = (out.float() - before.detach().float()).abs() > MOVES * scale
     return bool(moved.any()) and not bool((moved & ~discarded).any())
+
+
+def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[str]) -> tuple[set, set] | None:
+    """(the parameters of `names`, the modules of `paths`) that get a non-zero gradient of the outputs in the model's
+    float64 copy, on the same input; None where there is no copy or it does not run. A gradient the model's own
+    dtype rounds to exactly 0 is no cut path: SAM's vision encoder (initializer_range 1e-10) gives its attention
+    weights gradients of ~1e-46 in float64, below float32's smallest number."""
+    twin = ctx.twin64()
+    if twin is None or not (names or paths):
+        return None
+    params, named = dict(twin.named_parameters()), dict(twin.named_modules())
+    names = [n for n in names if n in params]
+    outputs, returned = {}, []
+
+    def keep(path):
+        def hook(m, args, out):
+            o = first_tensor(out)
+            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+                outputs[path] = o
+        return hook
+
+    handles = [named[p].register_forward_hook(keep(p)) for p in paths if p in named]
+    handles.append(twin.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    try:
+        seed_rng(ctx.seed, device_dtype(twin)[0])
+        out, _ = ctx.runner(seq.detach(), grad=True, model=twin)
+        reached = [p for p in paths if p in outputs]
+        loss = squared(out) + sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        grads = torch.autograd.grad(loss, [params[n] for n in names] + [outputs[p] for p in reached],
+                                    allow_unused=True)
+    except Exception:  # the float64 copy does not run so: nothing shown
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    got = {x for x, g in zip(names + reached, grads) if g is not None and bool(g.abs().sum() > 0)}
+    return {n for n in names if n in got}, {p for p in reached if p in got}
 
 
 def _output(ctx: ModelContext, seq):
@@ -473,8 +522,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         ctx.model.eval()
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
-        total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
-        grads = torch.autograd.grad((out.float() ** 2).sum() + total, [w for _, w in params] +
+        total = sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        grads = torch.autograd.grad(squared(out) + total, [w for _, w in params] +
                                     [outputs[p] for p in paths], allow_unused=True, retain_graph=True)
         grads, to_outputs = grads[:len(params)], grads[len(params):]
         # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
@@ -486,11 +535,22 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         missing = [n for (n, _), g in zip(params, grads) if (g is None or not bool(g.abs().sum() > 0))
                    and owner(n) not in cut]
         nonfinite = [n for (n, _), g in zip(params, grads) if g is not None and not bool(torch.isfinite(g).all())]
+        # what got exactly 0 in the model's dtype, asked again in its float64 copy: a gradient that underflows (tiny
+        # outputs at this initialisation) is no cut path
+        zero_cut = sorted(cut)
+        zero_params = [n for (n, _), g in zip(params, grads) if g is None or not bool(g.abs().sum() > 0)]
+        wide = _in_float64(ctx, seq, zero_params, zero_cut) if missing or cut else None
+        underflow = []
+        if wide is not None:
+            got, reached = wide
+            cut -= reached
+            underflow = [n for n in zero_params if n in got and owner(n) not in cut]
+            missing = [n for n in zero_params if n not in got and owner(n) not in cut]
         leak = ""
         if ctx.causal and "x" in leaf and runner.sequence and out.shape[1] == seq.shape[1] and seq.shape[1] >= 2:
             T = seq.shape[1]
             c = (T - 1) // 2
-            g = torch.autograd.grad((out[:, :c + 1].float() ** 2).sum(), leaf["x"], allow_unused=True)[0]
+            g = torch.autograd.grad(squared(out[:, :c + 1]), leaf["x"], allow_unused=True)[0]
             if g is not None:
                 later = float(g[:, c + 1:].abs().max())
                 if later > 1e-12 * max(float(g.abs().max()), 1e-300):
@@ -546,6 +606,13 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                                        + (" ..." if len(given) > 8 else ""),
                               fix=phrase("pass {example}{...} with " + " and ".join(names) + " to audit them where "
                                          "the model uses them", ctx.runner.options))
+    if underflow:
+        dtype = str(ctx.dtype).replace("torch.", "")
+        not_judged_extra = (f"; {len(underflow)} of them only in a float64 copy (in {dtype}, their gradient is "
+                            f"below the smallest number: the outputs are tiny at this initialisation), "
+                            f"{', '.join(underflow[:4])}{' ...' if len(underflow) > 4 else ''}")
+    else:
+        not_judged_extra = ""
     unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
     judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
@@ -562,5 +629,6 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if unjudged and not judged:
         return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
     return DetectorResult(ID, "pass", f"all {judged} attention parameters get finite non-zero gradients"
+                          + not_judged_extra
                           + (" and no output sends gradient to later input embeddings" if ctx.causal and "x" in leaf
                              else "") + not_judged)

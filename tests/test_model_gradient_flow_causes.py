@@ -1,0 +1,69 @@
+"""gradient_flow on correct models whose attention parameters looked unused for reasons of the audit's own (issue 33,
+the transformers sweep); each twin: the correct model passes, the same model with one real bug still fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics._guard import seed_rng
+
+IDS = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+class TinyInitAttention(nn.Module):
+    """Self-attention with separate q, k, v projections; `bug`: the scores detached (q and k get no gradient)."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2, bug: bool = False):
+        super().__init__()
+        self.num_heads, self.bug = num_heads, bug
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q, k, v = (f(x).reshape(B, T, H, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))  # (B, H, T, d)
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5  # (B, H, T, T)
+        w = (scores.detach() if self.bug else scores).softmax(-1)  # BUG: the scores cut from the backward
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class TinyInitModel(nn.Module):
+    """An embedding, two attention blocks (no norm) and a head, every weight drawn at std `init`, every bias 0 (SAM's
+    vision encoder defaults to initializer_range=1e-10): the outputs are ~init ** 2, the attention weights' gradients
+    far smaller."""
+
+    def __init__(self, bug: bool = False, init: float = 1e-10):
+        super().__init__()
+        seed_rng(0)
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([TinyInitAttention(bug=bug and i == 1) for i in range(2)])
+        self.head = nn.Linear(16, 32)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, init) if p.dim() > 1 else p.zero_()
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_gradients_of_tiny_outputs_do_not_underflow_and_a_cut_path_still_fails(bug):
+    """Was: every q, k, v and proj weight "got no gradient" on the correct model: (out ** 2) of outputs ~1e-20 is
+    below float32's smallest number, and so are the gradients (SAM and SAM-HQ's vision models, issue 33). Now the
+    loss is scaled (`squared`) and what still gets exactly 0 is asked again in the model's float64 copy."""
+    report = diagnostics.audit_model(TinyInitModel(bug), example=IDS)
+    flow = report.result("gradient_flow")
+    if bug:  # the detached scores: blocks.1's q and k get no gradient, whatever the scale
+        assert flow.verdict == "fail" and flow.layer == "blocks.1", flow
+        assert "blocks.1.q.weight" in flow.evidence and "blocks.1.k.weight" in flow.evidence, flow
+        assert "blocks.0." not in flow.evidence, flow
+        return
+    assert flow.verdict == "pass" and "4 of them only in a float64 copy" in flow.message, flow
+    assert "blocks.0.q.weight" in flow.message and report.status == "passed", report
