@@ -67,3 +67,57 @@ def test_gradients_of_tiny_outputs_do_not_underflow_and_a_cut_path_still_fails(b
         return
     assert flow.verdict == "pass" and "4 of them only in a float64 copy" in flow.message, flow
     assert "blocks.0.q.weight" in flow.message and report.status == "passed", report
+
+
+class Teacher(nn.Module):
+    """A small encoder block: attention and a feed-forward, both residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = TinyInitAttention(), nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x, bug: bool = False):
+        if bug:  # BUG: the attention alone run without autograd, inside a block whose feed-forward is trained
+            with torch.no_grad():
+                a = self.attn(x)
+        else:
+            a = self.attn(x)
+        x = x + a
+        return x + self.mlp(x)
+
+
+class FrozenTeacherModel(nn.Module):
+    """A frozen feature extractor (X-Codec's semantic model: run under torch.no_grad(), its output detached) beside a
+    trained attention; `bug`: instead, only the extractor's attention is run without autograd."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.bug = bug
+        self.emb, self.teacher, self.attn = nn.Embedding(32, 16), Teacher(), TinyInitAttention()
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if self.bug:
+            features = self.teacher(x, bug=True)
+        else:
+            with torch.no_grad():
+                features = self.teacher(x)
+        x = x + features
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_frozen_sub_model_is_not_judged_and_an_attention_run_without_autograd_still_fails(bug):
+    """Was: every attention parameter of X-Codec's semantic model (a HuBERT run under torch.no_grad() as a feature
+    extractor) "got no gradient" (issue 33). A submodule none of whose parameters, its feed-forward too, gets a
+    gradient is frozen as a whole: not judged, and said so."""
+    report = diagnostics.audit_model(FrozenTeacherModel(bug), example=IDS)
+    flow = report.result("gradient_flow")
+    if bug:  # the teacher's feed-forward is trained: its attention alone is cut
+        assert flow.verdict == "fail" and flow.layer == "teacher.attn", flow
+        assert "teacher.attn.q.weight" in flow.evidence, flow
+        return
+    assert flow.verdict == "pass" and "teacher, a frozen sub-model" in flow.message, flow
+    assert "all 8 attention parameters" in flow.message, flow

@@ -217,6 +217,32 @@ def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[st
     return {n for n in names if n in got}, {p for p in reached if p in got}
 
 
+def _frozen(ctx: ModelContext, loss: Tensor, names: list[str]) -> dict:
+    """{name: the submodule} for parameters that get no gradient because a whole submodule around them, its
+    feed-forwards, norms and embeddings too, gets none: a frozen sub-model the model runs without autograd on purpose
+    (X-Codec's semantic model, a feature extractor run under torch.no_grad() whose output is detached). The outermost
+    submodule (not the model itself) of which no trainable parameter gets a gradient, holding parameters outside
+    every attention module; an attention layer run without autograd inside a block whose other parameters get one
+    (the catalog's detached softmax, a forward under no_grad) is none."""
+    trainable_all = [(n, w) for n, w in ctx.model.named_parameters() if w.requires_grad]
+    try:
+        grads = torch.autograd.grad(loss, [w for _, w in trainable_all], allow_unused=True, retain_graph=True)
+    except Exception:  # nothing shown
+        return {}
+    zero = {n for (n, _), g in zip(trainable_all, grads) if g is None or not bool(g.abs().sum() > 0)}
+    attention = tuple(p + "." for p in ctx.modules)
+    found = {}
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts) - 1):
+            prefix = ".".join(parts[:i]) + "."
+            under = [m for m, _ in trainable_all if m.startswith(prefix)]
+            if under and all(m in zero for m in under) and any(not m.startswith(attention) for m in under):
+                found[n] = prefix[:-1]
+                break
+    return found
+
+
 def _output(ctx: ModelContext, seq):
     with torch.no_grad():
         return ctx.runner(seq)[0]
@@ -523,7 +549,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
         total = sum(squared(t) for t in returned if t.requires_grad and t is not out)
-        grads = torch.autograd.grad(squared(out) + total, [w for _, w in params] +
+        loss = squared(out) + total
+        grads = torch.autograd.grad(loss, [w for _, w in params] +
                                     [outputs[p] for p in paths], allow_unused=True, retain_graph=True)
         grads, to_outputs = grads[:len(params)], grads[len(params):]
         # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
@@ -546,6 +573,8 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
             cut -= reached
             underflow = [n for n in zero_params if n in got and owner(n) not in cut]
             missing = [n for n in zero_params if n not in got and owner(n) not in cut]
+        frozen = _frozen(ctx, loss, missing) if missing else {}
+        missing = [n for n in missing if n not in frozen]
         leak = ""
         if ctx.causal and "x" in leaf and runner.sequence and out.shape[1] == seq.shape[1] and seq.shape[1] >= 2:
             T = seq.shape[1]
@@ -614,7 +643,13 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     else:
         not_judged_extra = ""
     unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
-    judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
+    judged = sum(owner(n) not in cut and n not in by_design and n not in frozen for n, _ in params)
+    if frozen:
+        subs = sorted(set(frozen.values()))
+        not_judged_extra += (f"; not judged: the {len(frozen)} attention parameters of {', '.join(subs[:4])}"
+                             f"{' ...' if len(subs) > 4 else ''}, a frozen sub-model: none of its parameters, its "
+                             f"feed-forwards and norms too, gets a gradient (run without autograd as a whole, as a "
+                             f"feature extractor is)")
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
                   f"or their input is 0; or the outputs their parameters move are those the model discards; or "
@@ -626,8 +661,9 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                        f"at every key here (their tokens are all alike: averaged into one before them, as by "
                        f"near-uniform attention at this initialisation), so the attention weights do not matter and "
                        f"what makes the scores gets no gradient")
-    if unjudged and not judged:
-        return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
+    if (unjudged or frozen) and not judged:
+        return DetectorResult(ID, "skip", f"not measured{not_judged_extra.replace('; not judged', '')}"
+                                          f"{not_judged.replace('; not judged', '')}")
     return DetectorResult(ID, "pass", f"all {judged} attention parameters get finite non-zero gradients"
                           + not_judged_extra
                           + (" and no output sends gradient to later input embeddings" if ctx.causal and "x" in leaf
