@@ -121,3 +121,56 @@ def test_a_frozen_sub_model_is_not_judged_and_an_attention_run_without_autograd_
         return
     assert flow.verdict == "pass" and "teacher, a frozen sub-model" in flow.message, flow
     assert "all 8 attention parameters" in flow.message, flow
+
+
+class EntityAttention(nn.Module):
+    """Self-attention over words and, where given, entities appended to them, the entities' queries through a
+    projection of their own (LUKE's entity-aware attention: e2w_query, e2e_query); `bug`: the entities are queried
+    through the words' projection again, their own never used."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2, bug: bool = False):
+        super().__init__()
+        self.num_heads, self.bug = num_heads, bug
+        self.query, self.key, self.value = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.entity_query, self.proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, words, entities=None):
+        x = words if entities is None else torch.cat([words, entities], 1)  # (B, T + E, D)
+        q = self.query(x)
+        if entities is not None:  # BUG (bug=True): the words' projection for the entities too
+            q = torch.cat([q[:, :words.shape[1]], (self.query if self.bug else self.entity_query)(entities)], 1)
+        B, T, D = x.shape
+        H = self.num_heads
+        q, k, v = (t.reshape(B, T, H, D // H).transpose(1, 2) for t in (q, self.key(x), self.value(x)))
+        w = (q @ k.transpose(-1, -2) / (D // H) ** 0.5).softmax(-1)  # (B, H, T + E, T + E)
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))  # words, then entities
+
+
+class EntityLM(nn.Module):
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.entity_emb = nn.Embedding(32, 16), nn.Embedding(8, 16)
+        self.attn, self.head = EntityAttention(bug=bug), nn.Linear(16, 32)
+
+    def forward(self, input_ids, entity_ids=None, entity_attention_mask=None):
+        x = self.emb(input_ids)
+        entities = None if entity_ids is None else self.entity_emb(entity_ids)
+        both = x if entities is None else torch.cat([x, entities], 1)
+        return self.head(both + self.attn(x, entities))  # (B, T, 32), or (B, T + E, 32) with entities
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_parameters_used_only_with_a_second_stream_of_ids_are_not_exercised_and_unused_ones_still_fail(bug):
+    """Was: LUKE's entity-aware query projections (used only with `entity_ids`) and Evolla's protein adapters (only
+    with `protein_input_ids` and `protein_attention_mask`) failed gradient_flow and, in place, parameters_used (issue
+    33). An optional `*_ids` input is tried as all ones with the optional inputs of its prefix: "not exercised"."""
+    report = diagnostics.audit_model(EntityLM(bug), example=IDS)
+    flow = report.result("gradient_flow")
+    if bug:  # the entities' own projection is unused with entities too
+        assert flow.verdict == "fail" and "attn.entity_query.weight" in flow.evidence, flow
+        assert report.status == "failed", report
+        return
+    assert flow.verdict == "warn" and "with entity_ids and entity_attention_mask" in flow.message, flow
+    assert "entity_ids" in flow.fix, flow.fix
+    assert report.status == "passed", report

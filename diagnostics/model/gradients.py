@@ -322,10 +322,14 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                     todo.remove(n)
     # used only with an input the audit passed none of: a mask that turns on another path, given as all ones (every
     # token marked: Longformer's global attention for every token); the very tokens of the audit's length
-    for name in ctx.runner.optional_masks() if todo and ctx.runner.sequence else ():
+    # or a second stream's token ids, with the inputs of its prefix (`Runner.optional_ids`: LUKE's entities)
+    groups = [[name] for name in ctx.runner.optional_masks()] + ctx.runner.optional_ids() \
+        if todo and ctx.runner.sequence else []
+    for group in groups:
         ones = torch.ones(here.shape[:2], dtype=torch.long, device=here.device)
+        name = " and ".join(group)
         try:
-            loss, _ = _loss_and_outputs(ctx, here, {}, extra={name: ones})
+            loss, _ = _loss_and_outputs(ctx, here, {}, extra=dict.fromkeys(group, ones))
             grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
                 else (None,) * len(todo)
         except Exception:  # the model does not take it so: says nothing
