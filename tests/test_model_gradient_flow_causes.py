@@ -174,3 +174,49 @@ def test_parameters_used_only_with_a_second_stream_of_ids_are_not_exercised_and_
     assert flow.verdict == "warn" and "with entity_ids and entity_attention_mask" in flow.message, flow
     assert "entity_ids" in flow.fix, flow.fix
     assert report.status == "passed", report
+
+
+class GatedCrossAttention(TinyInitAttention):
+    """Self-attention, then, where a second stream is given, cross-attention to it added through tanh(gate) with the
+    gate at 0 (Evolla's protein adapters, as Flamingo's gated cross-attention); `bug`: the cross-attention's keys
+    projected by its query projection, its key projection never used."""
+
+    def __init__(self, d_model: int = 16, bug: bool = False):
+        super().__init__(d_model)
+        self.bug = bug
+        self.cross_query, self.cross_key, self.cross_value = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.gate = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x, memory=None):
+        x = x + super().forward(x)
+        if memory is None:
+            return x
+        k = (self.cross_query if self.bug else self.cross_key)(memory)  # BUG (bug=True): the query projection
+        w = (self.cross_query(x) @ k.transpose(-1, -2) / x.shape[-1] ** 0.5).softmax(-1)  # (B, T, M)
+        return x + torch.tanh(self.gate) * (w @ self.cross_value(memory))
+
+
+class GatedLM(nn.Module):
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.protein_emb = nn.Embedding(32, 16), nn.Embedding(8, 16)
+        self.adapter, self.head = GatedCrossAttention(bug=bug), nn.Linear(16, 32)
+
+    def forward(self, input_ids, protein_input_ids=None, protein_attention_mask=None):
+        memory = None if protein_input_ids is None else self.protein_emb(protein_input_ids)
+        return self.head(self.adapter(self.emb(input_ids), memory))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_parameters_used_only_with_a_second_stream_behind_a_gate_at_0_are_not_exercised_and_unused_ones_fail(bug):
+    """Evolla: its protein adapters run only with `protein_input_ids` and `protein_attention_mask`, and there behind
+    tanh(gate), the gate at 0: no gradient even with them, yet used; "not exercised", saying both."""
+    report = diagnostics.audit_model(GatedLM(bug), example=IDS)
+    flow = report.result("gradient_flow")
+    if bug:  # the key projection is never called, with the protein ids too
+        assert flow.verdict == "fail" and "adapter.cross_key.weight" in flow.evidence, flow
+        assert "adapter.cross_query.weight" not in flow.evidence, flow
+        return
+    assert flow.verdict == "warn" and "with protein_input_ids and protein_attention_mask" in flow.message, flow
+    assert "behind a factor 0" in flow.evidence, flow

@@ -62,6 +62,7 @@ class ByDesign:
     given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
     one_key: str | None = None  # its own module, whose every softmax normalised over one key here
     same_values: str | None = None  # its own module, whose every softmax weighed values the same at every key here
+    given_zeroed: str | None = None  # with `given`, its own module runs, its output multiplied by 0 (a gate at 0)
 
     def __str__(self) -> str:
         if self.one_key:
@@ -76,7 +77,9 @@ class ByDesign:
         if self.discarded:
             return f"it moves only outputs of {self.discarded} that the model discards (they get no gradient)"
         if self.given:
-            return f"used only with {self.given}, which the audit did not pass"
+            return f"used only with {self.given}, which the audit did not pass" + (
+                f" (and there the output of {self.given_zeroed} is multiplied by 0 at this initialisation)"
+                if self.given_zeroed else "")
         return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
 
 
@@ -326,17 +329,29 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
     groups = [[name] for name in ctx.runner.optional_masks()] + ctx.runner.optional_ids() \
         if todo and ctx.runner.sequence else []
     for group in groups:
+        if not todo:
+            break
         ones = torch.ones(here.shape[:2], dtype=torch.long, device=here.device)
         name = " and ".join(group)
+        # their own modules watched too: with the input, one may run behind a factor 0 at this initialisation (Evolla's
+        # protein adapters, tanh(gate) with the gate at 0, as a gated cross-attention's)
+        owners = {n.rsplit(".", 1)[0]: named[n.rsplit(".", 1)[0]] for n in todo if n.rsplit(".", 1)[0] in named}
         try:
-            loss, _ = _loss_and_outputs(ctx, here, {}, extra=dict.fromkeys(group, ones))
-            grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
-                else (None,) * len(todo)
+            loss, outputs = _loss_and_outputs(ctx, here, owners, extra=dict.fromkeys(group, ones))
+            outputs.pop("zero inputs", None)
+            paths = list(outputs)
+            grads = torch.autograd.grad(loss, [params[n] for n in todo] + [outputs[p] for p in paths],
+                                        allow_unused=True) if torch.is_tensor(loss) else (None,) * len(todo)
         except Exception:  # the model does not take it so: says nothing
             continue
+        grads, to_outputs = grads[:len(todo)], grads[len(todo):]
+        zeroed = {p for p, g in zip(paths, to_outputs) if g is not None and not bool(g.abs().sum() > 0)}
         for n, g in zip(list(todo), grads):
             if g is not None and bool(g.abs().sum() > 0):
                 ctx.by_design[n] = ByDesign(given=name)
+                todo.remove(n)
+            elif n.rsplit(".", 1)[0] in zeroed:
+                ctx.by_design[n] = ByDesign(given=name, given_zeroed=n.rsplit(".", 1)[0])
                 todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
@@ -632,10 +647,14 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if given:  # used, but only with an input the audit passed none of: not exercised, and said so
         names = sorted(set(given.values()))
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in given)), None)
+        gated = {n: why.given_zeroed for n, why in by_design.items() if why.given_zeroed}
         return DetectorResult(ID, "warn", f"{len(given)} of {len(params)} attention parameters get no gradient from "
-                                          f"the audit's inputs, but do with {', '.join(names)} (all ones), which it "
-                                          f"did not pass: not exercised", layer=layer,
-                              evidence=", ".join(f"{n} (with {g})" for n, g in list(given.items())[:8])
+                                          f"the audit's inputs, but are used with {', '.join(names)} (all ones), which "
+                                          f"it did not pass: not exercised", layer=layer,
+                              evidence=", ".join(f"{n} (with {g}" + (f"; there behind a factor 0 at this "
+                                                                      f"initialisation, after {gated[n]})"
+                                                                      if n in gated else ")")
+                                                 for n, g in list(given.items())[:8])
                                        + (" ..." if len(given) > 8 else ""),
                               fix=phrase("pass {example}{...} with " + " and ".join(names) + " to audit them where "
                                          "the model uses them", ctx.runner.options))
