@@ -36,9 +36,10 @@ class TinyInitModel(nn.Module):
     vision encoder defaults to initializer_range=1e-10): the outputs are ~init ** 2, the attention weights' gradients
     far smaller."""
 
-    def __init__(self, bug: bool = False, init: float = 1e-10):
+    def __init__(self, bug: bool = False, init: float = 1e-10, cast: bool = False):
         super().__init__()
         seed_rng(0)
+        self.cast = cast  # the blocks compute in float32 whatever the model's dtype (SLANet's table head)
         self.emb = nn.Embedding(32, 16)
         self.blocks = nn.ModuleList([TinyInitAttention(bug=bug and i == 1) for i in range(2)])
         self.head = nn.Linear(16, 32)
@@ -48,17 +49,20 @@ class TinyInitModel(nn.Module):
 
     def forward(self, input_ids):
         x = self.emb(input_ids)
+        x = x.float() if self.cast else x  # a float64 copy of the model then raises: float32 x, float64 weights
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)
 
 
+@pytest.mark.parametrize("cast", [False, True])
 @pytest.mark.parametrize("bug", [False, True])
-def test_gradients_of_tiny_outputs_do_not_underflow_and_a_cut_path_still_fails(bug):
+def test_gradients_of_tiny_outputs_do_not_underflow_and_a_cut_path_still_fails(bug, cast):
     """Was: every q, k, v and proj weight "got no gradient" on the correct model: (out ** 2) of outputs ~1e-20 is
     below float32's smallest number, and so are the gradients (SAM and SAM-HQ's vision models, issue 33). Now the
-    loss is scaled (`squared`) and what still gets exactly 0 is asked again in the model's float64 copy."""
-    report = diagnostics.audit_model(TinyInitModel(bug), example=IDS)
+    loss is scaled (`squared`) and what still gets exactly 0 is asked again in the model's float64 copy, or, where
+    that copy does not run (`cast`), of each module alone in float64, given its output's gradient."""
+    report = diagnostics.audit_model(TinyInitModel(bug, cast=cast), example=IDS)
     flow = report.result("gradient_flow")
     if bug:  # the detached scores: blocks.1's q and k get no gradient, whatever the scale
         assert flow.verdict == "fail" and flow.layer == "blocks.1", flow

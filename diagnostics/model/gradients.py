@@ -31,7 +31,7 @@ from .._guard import seed_rng
 from .._observe import FusedAttention, Matmul, Observer, SoftmaxCall
 from .._registry import Need, detector, phrase
 from .._result import DetectorResult
-from ._context import ModelContext
+from ._context import ModelContext, model_copy
 from ._runner import device_dtype, first_tensor, model_context, output_tensors, pad_tokens
 
 ID = "gradient_flow"
@@ -218,6 +218,58 @@ def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[st
             h.remove()
     got = {x for x, g in zip(names + reached, grads) if g is not None and bool(g.abs().sum() > 0)}
     return {n for n in names if n in got}, {p for p in reached if p in got}
+
+
+def _underflow_in_place(ctx: ModelContext, seq: Tensor, names: list[str]) -> set:
+    """The parameters of `names` whose own module's output gets a non-zero gradient of the outputs, and which get one
+    when that module alone is run again in float64 on the inputs it was given, its output's gradient given to it in
+    float64: the product of that gradient and the module's input is below the dtype's smallest number (SLANet's
+    table head: its input_to_hidden projection takes backbone features of ~1e-26, from an initializer_range of
+    1e-10, and its output's gradient is ~1e-37). For models whose float64 copy does not run (SLANet's head computes
+    in float32 whatever the model's dtype): the module alone is."""
+    params = dict(ctx.model.named_parameters())
+    named = dict(ctx.model.named_modules())
+    owners = {n.rsplit(".", 1)[0] for n in names if "." in n} & set(named)
+    calls: dict = {p: [] for p in owners}
+
+    def keep(path):
+        def hook(m, args, kwargs, out):
+            o = first_tensor(out)
+            if isinstance(o, Tensor) and o.requires_grad:
+                calls[path].append((args, kwargs, o))
+        return hook
+
+    handles = [named[p].register_forward_hook(keep(p), with_kwargs=True) for p in owners]
+    returned: list = []
+    handles.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    found = set()
+    try:
+        seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        out, _ = ctx.runner(seq.detach(), grad=True)
+        loss = squared(out) + sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        flat = [(p, a, k, o) for p, cs in calls.items() for a, k, o in cs]
+        outs = torch.autograd.grad(loss, [o for *_, o in flat], allow_unused=True) if flat else ()
+        wide = lambda v: v.detach().double() if isinstance(v, Tensor) and v.is_floating_point() else v  # noqa: E731
+        for path in owners:
+            mine = [n for n in names if n.rsplit(".", 1)[0] == path]
+            twin = model_copy(named[path], dtype=torch.float64)
+            local = dict(twin.named_parameters())
+            leaves = [local[n[len(path) + 1:]] for n in mine if n[len(path) + 1:] in local]
+            total = [torch.zeros_like(w) for w in leaves]
+            for (p, args, kwargs, o), g in zip(flat, outs):
+                if p != path or g is None or not bool(g.abs().sum() > 0):
+                    continue
+                with torch.enable_grad():
+                    o64 = first_tensor(twin(*[wide(a) for a in args], **{k: wide(v) for k, v in kwargs.items()}))
+                    got = torch.autograd.grad(o64, leaves, g.double(), allow_unused=True)
+                total = [t + x if x is not None else t for t, x in zip(total, got)]
+            found |= {n for n, t in zip(mine, total) if bool(t.abs().sum() > 0)}
+    except Exception:  # the module does not run alone so: nothing shown
+        return found
+    finally:
+        for h in handles:
+            h.remove()
+    return found
 
 
 def _frozen(ctx: ModelContext, loss: Tensor, names: list[str]) -> dict:
@@ -592,6 +644,10 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
             cut -= reached
             underflow = [n for n in zero_params if n in got and owner(n) not in cut]
             missing = [n for n in zero_params if n not in got and owner(n) not in cut]
+        if missing:  # not shown by a float64 copy of the model, or none could run: each module alone, in float64
+            alone = _underflow_in_place(ctx, seq, missing)
+            underflow += [n for n in missing if n in alone]
+            missing = [n for n in missing if n not in alone]
         frozen = _frozen(ctx, loss, missing) if missing else {}
         missing = [n for n in missing if n not in frozen]
         leak = ""
