@@ -3,9 +3,10 @@
 GLM-5-Next's sparse-attention indexer pools its keys in pools of 16 tokens by a softmax over each pool's tokens,
 (B, P, 16, d) normalised over axis 2, per channel; its attention is a fused SDPA call. At the audit's 16 tokens and
 d = 16 the pooling softmax's last two axes are (16, 16), (Tq, Tk) by coincidence, and weight_row_sums read it as the
-attention weights ("rows sum to 11.34"). A softmax over another axis than the keys is read as the weights only where
-no fused call over (Tq, Tk) was observed; twin: the same layer whose attention is eager with its softmax over the
-queries (the catalog's softmax_wrong_dim) still fails.
+attention weights ("rows sum to 11.34"), and softmax_saturation fitted it against the pooling projection ("2.83x too
+sharp"). A softmax over another axis than the keys is read as the weights, or fitted for a scale, only where no fused
+call was observed; twin: the same layer whose attention is eager with its softmax over the queries (the catalog's
+softmax_wrong_dim) still fails.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class PooledIndexAttention(nn.Module):
         seed_rng(0)
         self.d_model, self.num_heads, self.pool, self.fused = d_model, num_heads, pool, fused
         self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.wk, self.gate, self.wq = (nn.Linear(d_model, 16) for _ in range(3))
+        self.wk, self.wq = nn.Linear(d_model, 16), nn.Linear(d_model, 16)
+        self.gate = nn.Linear(d_model, 16, bias=False)  # as GLM-5-Next's F.linear: a product the observer sees
 
     def forward(self, x):
         B, T, D = x.shape  # batch, sequence length, width
@@ -57,5 +59,8 @@ def test_a_pooling_softmax_beside_a_fused_call_is_not_read_as_the_weights_and_a_
     if not fused:  # no fused call: the softmax over the queries is the attention's, and its rows do not sum to 1
         assert rows.verdict == "fail" and "dim=" in rows.message, rows
         return
-    # was: "observed softmax output (dim=2)", 32 / 32 rows not summing to 1 (the indexer's pooling softmax)
+    # was: "observed softmax output (dim=2)", 32 / 32 rows not summing to 1 (the indexer's pooling softmax); and
+    # softmax_saturation "5.66x too sharp", the pooling softmax of a projection fitted as q·k multiplied by 1
     assert rows.verdict == "pass" and "fused attention call" in rows.message, rows
+    saturation = report.result("softmax_saturation")
+    assert saturation.verdict == "pass" and "ratio 1.0000" in saturation.message, saturation
