@@ -660,6 +660,11 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
     for i, event in enumerate(record.order):
         if not isinstance(event, SoftmaxCall):
             continue
+        if record.fused and event.dim not in (-1, event.output.dim() - 1):
+            # beside a fused attention call, a softmax over another axis than the keys is not the attention's: it
+            # pools (GLM-5-Next's indexer averages each pool's keys by a softmax over the pool's tokens, of a
+            # projection that its fit read as q·k multiplied by 1); the fused call is judged
+            continue
         earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
         # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
         beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]

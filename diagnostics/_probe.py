@@ -306,8 +306,14 @@ class Probe:
         t = self.subject.time_dim
         t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
         if call.record is not None:
+            fused = any(f.q.shape[-2] == t_q and f.k.shape[-2] == t_k for f in call.record.fused)
             for sm in reversed(call.record.softmaxes):
-                if tuple(sm.output.shape[-2:]) == (t_q, t_k):
+                # a softmax over another axis than the keys beside a fused attention call over (Tq, Tk) is not its
+                # weights: GLM-5-Next's indexer pools (B, P, pool, d) keys by a softmax over each pool's tokens, and
+                # at 16 tokens, pools of 16 and d = 16 its last two axes are (Tq, Tk) by coincidence; the attention
+                # is the fused call. Without a fused call it is read (a softmax over the wrong axis of the scores)
+                over_keys = sm.dim in (-1, sm.output.dim() - 1)
+                if tuple(sm.output.shape[-2:]) == (t_q, t_k) and (over_keys or not fused):
                     return sm.output, f"observed softmax output (dim={sm.dim})"
             for f in reversed(call.record.fused):
                 if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:

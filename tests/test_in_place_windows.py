@@ -149,3 +149,47 @@ def test_a_layer_taking_its_tokens_as_a_channels_last_grid_is_measured_in_place(
     assert report.status == status and layer.status == status, report
     if not scaled:
         assert "softmax_saturation" in layer.fired(), layer
+
+
+class SharedTableGridAttention(GridAttention):
+    """A grid attention of 4 heads given position tables of one row for the whole batch, (cos, sin) each (1, H x W,
+    d), that rotate each head's q and k (SAM 3's ViT: its 2-D rotary cos and sin, (1, N, d), broadcast against (B,
+    heads, N, d); tables of B > 1 rows do not broadcast so)."""
+
+    def forward(self, x, position_embeddings):
+        B, H, W, C = x.shape  # batch, grid height and width, width
+        heads = 4
+        q, k, v = (t.reshape(B, H * W, heads, C // heads).transpose(1, 2)  # (B, heads, HW, d) each
+                   for t in self.qkv(x.reshape(B, H * W, C)).chunk(3, dim=-1))
+        cos, sin = position_embeddings  # (1, HW, d) each
+        rotate = lambda t: torch.cat([-t[..., 1::2], t[..., ::2]], -1)  # noqa: E731  (a rotation by 90 degrees)
+        q, k = q * cos + rotate(q) * sin, k * cos + rotate(k) * sin  # (B, heads, HW, d) with (1, HW, d)
+        w = (q @ k.transpose(-1, -2) * ((C // heads) ** -0.5 if self.scaled else 1.0)).softmax(-1)  # (B, h, HW, HW)
+        return self.proj((w @ v).transpose(1, 2).reshape(B, H, W, C))
+
+
+class SharedTableGridModel(GridModel):
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = SharedTableGridAttention(scaled)
+        angles = torch.arange(16.0)[:, None] * torch.tensor([1.0, 1.0, 0.1, 0.1])  # (HW, d): the 4 x 4 grid's
+        self.register_buffer("cos", angles.cos()[None], persistent=False)  # (1, HW, d): one row for the batch
+        self.register_buffer("sin", angles.sin()[None], persistent=False)
+
+    def forward(self, pixels):
+        return self.head(self.attn(self.patch(pixels).permute(0, 2, 3, 1), (self.cos, self.sin)).mean((1, 2)))
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_grid_layer_given_a_table_of_one_row_for_the_batch_gets_it_as_the_model_passes_it(scaled, status):
+    """The model passes the table as one row at batch 1 and at batch 2: shared by the batch, passed as is. Before,
+    the grid's hidden states (B, H, W, D) were compared with the flattened (B, H x W, D), the batch-2 call was not
+    read, the table was repeated to the probe's batch and every probe of batch 2 raised (SAM 3's ViT: a false runs
+    FAIL, issue 33). Twin: the scores left unscaled fail at that layer."""
+    report = diagnostics.audit_model(SharedTableGridModel(scaled).eval(), example=torch.randn(2, 3, 8, 8))
+    layer = report.layers["attn"]
+    assert layer.result("runs").verdict == "pass", layer.result("runs")
+    assert report.status == status and layer.status == status, report
+    if not scaled:
+        assert "softmax_saturation" in layer.fired(), layer

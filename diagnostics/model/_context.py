@@ -42,16 +42,21 @@ class ModelContext:
         """The audit's sequence length (0 where the input is no sequence)."""
         return self.runner.inputs.shape[1] if self.runner.sequence else 0
 
-    def golden(self, seq: Tensor, **kw) -> Tensor | None:
-        """The float64 copy's output on the same inputs, or None where no copy can be made."""
+    def twin64(self) -> nn.Module | None:
+        """The model's float64 copy (made once, in eval mode), or None where the model is float64 already or cannot
+        be copied."""
         if self.dtype == torch.float64:
             return None
         if self._twin is None and not self._twin_failed:
             try:
                 self._twin = eager_experts(model_copy(self.model, dtype=torch.float64).eval())
-            except Exception:  # a model that cannot be copied: parity against the same-dtype pass
+            except Exception:  # a model that cannot be copied
                 self._twin_failed = True
-        if self._twin is None:
+        return self._twin
+
+    def golden(self, seq: Tensor, **kw) -> Tensor | None:
+        """The float64 copy's output on the same inputs, or None where no copy can be made."""
+        if self.twin64() is None:  # float64 already, or a model that cannot be copied: parity against its own pass
             return None
         for seen, options, out in self._golden_seen:
             if seen.shape == seq.shape and torch.equal(seen, seq) and options.keys() == kw.keys() and \

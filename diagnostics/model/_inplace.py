@@ -477,6 +477,8 @@ def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: 
     except TypeError:
         return frozenset(), frozenset()
     h, w = arguments[hidden], wide.get(hidden)
+    if isinstance(w, Tensor) and w.dim() == h.dim() + 1 == 4:  # a channels-last grid (B, H, W, D), flattened in h
+        w = w.flatten(1, -2)
     batch_dim = 1 - time_dim
     if not isinstance(w, Tensor) or w.dim() != h.dim() or w.shape[batch_dim] != 2 * h.shape[batch_dim]:
         return frozenset(), frozenset()

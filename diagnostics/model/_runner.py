@@ -516,6 +516,29 @@ class Runner:
                 and p.default is None and n not in passed
                 and "head_mask" not in n and n not in ("attention_mask", "decoder_attention_mask")]
 
+    def optional_ids(self) -> list[list[str]]:
+        """The optional token ids of a second stream the model's forward takes and the audit passes none of, each with
+        the optional inputs of the same prefix that go with it ([`entity_ids`, `entity_attention_mask`,
+        `entity_position_ids`, ...]): a stream that turns on a path of its own (LUKE's entity-aware query projections,
+        used only with entities; Evolla's protein adapters, only with `protein_input_ids` and
+        `protein_attention_mask`). Each group is tried as all ones, token by token. Not positions, segments (
+        `optional_masks`) or a decoder's inputs."""
+        passed = {self.main, self.padding_name, self.causal_mask_name, *self.fixed, *self.dropped}
+        optional = [n for n, p in self.params.items() if p.default is None and n not in passed
+                    and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        groups = []
+        for name in optional:
+            if not name.endswith("_ids") or name.endswith(("position_ids", "type_ids")) or \
+                    name.startswith("decoder_") or name == "input_ids":
+                continue
+            prefix = name.removesuffix("input_ids").removesuffix("ids")
+            if not prefix.strip("_"):
+                continue
+            companions = [n for n in optional if n != name and n.startswith(prefix)
+                          and n.endswith(("mask", "position_ids", "type_ids")) and "head_mask" not in n]
+            groups.append([name, *companions])
+        return groups
+
     def other_tokens(self, seq: Tensor, gen: torch.Generator) -> Tensor:
         """Every position changed: another token (ids), or a fresh draw pushed 1000x (embeddings)."""
         if self.tokens:

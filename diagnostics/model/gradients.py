@@ -1,6 +1,7 @@
 """gradient_flow: every attention parameter gets a finite non-zero gradient of the sum of (out ** 2).sum() over
 every tensor the model returns (the logits or hidden states, and a pooled output or a second head's beside them:
-a pooling head's attention feeds only the pooled output); for a causal model, no output sends gradient to later
+a pooling head's attention feeds only the pooled output; each divided by its largest magnitude first, `squared`, so
+that tiny outputs do not underflow); for a causal model, no output sends gradient to later
 input embeddings (taken as a leaf at the token embedding's output).
 
 A parameter that gets no gradient at the audit's length is unused by design where its own module's output gets a
@@ -30,7 +31,7 @@ from .._guard import seed_rng
 from .._observe import FusedAttention, Matmul, Observer, SoftmaxCall
 from .._registry import Need, detector, phrase
 from .._result import DetectorResult
-from ._context import ModelContext
+from ._context import ModelContext, model_copy
 from ._runner import device_dtype, first_tensor, model_context, output_tensors, pad_tokens
 
 ID = "gradient_flow"
@@ -61,6 +62,7 @@ class ByDesign:
     given: str | None = None  # the input of the model's (a mask) it is used with, which the audit did not pass
     one_key: str | None = None  # its own module, whose every softmax normalised over one key here
     same_values: str | None = None  # its own module, whose every softmax weighed values the same at every key here
+    given_zeroed: str | None = None  # with `given`, its own module runs, its output multiplied by 0 (a gate at 0)
 
     def __str__(self) -> str:
         if self.one_key:
@@ -75,8 +77,21 @@ class ByDesign:
         if self.discarded:
             return f"it moves only outputs of {self.discarded} that the model discards (they get no gradient)"
         if self.given:
-            return f"used only with {self.given}, which the audit did not pass"
+            return f"used only with {self.given}, which the audit did not pass" + (
+                f" (and there the output of {self.given_zeroed} is multiplied by 0 at this initialisation)"
+                if self.given_zeroed else "")
         return f"used from length {self.length}" + (" (a top-k choice: no gradient)" if self.selects else "")
+
+
+def squared(t: Tensor) -> Tensor:
+    """(t ** 2).sum() of `t` divided by its largest magnitude (held constant): the same zero pattern of gradients, but
+    no underflow where a model's outputs are tiny at its initialisation (SAM's vision encoder, initializer_range
+    1e-10: its outputs are ~1e-20, (out ** 2) is ~1e-40, below float32's smallest normal number, and its attention
+    weights' float32 gradients come out exactly 0 where float64's are ~1e-46)."""
+    t = t if t.dtype == torch.float64 else t.float()
+    scale = t.detach().abs().amax() if t.numel() else t.new_ones(())
+    scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    return ((t / scale) ** 2).sum()
 
 
 def _loss_and_outputs(ctx: ModelContext, seq, watched: dict, extra: dict | None = None):
@@ -102,7 +117,7 @@ def _loss_and_outputs(ctx: ModelContext, seq, watched: dict, extra: dict | None 
     finally:
         for h in handles:
             h.remove()
-    loss = sum((t.float() ** 2).sum() for t in returned if t.requires_grad)
+    loss = sum(squared(t) for t in returned if t.requires_grad)
     return loss, outputs
 
 
@@ -166,6 +181,121 @@ def _moves_only(ctx: ModelContext, module: nn.Module, before: Tensor, discarded:
     scale = float(before.detach().float().square().mean().sqrt()) or 1.0
     moved = (out.float() - before.detach().float()).abs() > MOVES * scale
     return bool(moved.any()) and not bool((moved & ~discarded).any())
+
+
+def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[str]) -> tuple[set, set] | None:
+    """(the parameters of `names`, the modules of `paths`) that get a non-zero gradient of the outputs in the model's
+    float64 copy, on the same input; None where there is no copy or it does not run. A gradient the model's own
+    dtype rounds to exactly 0 is no cut path: SAM's vision encoder (initializer_range 1e-10) gives its attention
+    weights gradients of ~1e-46 in float64, below float32's smallest number."""
+    twin = ctx.twin64()
+    if twin is None or not (names or paths):
+        return None
+    params, named = dict(twin.named_parameters()), dict(twin.named_modules())
+    names = [n for n in names if n in params]
+    outputs, returned = {}, []
+
+    def keep(path):
+        def hook(m, args, out):
+            o = first_tensor(out)
+            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+                outputs[path] = o
+        return hook
+
+    handles = [named[p].register_forward_hook(keep(p)) for p in paths if p in named]
+    handles.append(twin.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    try:
+        seed_rng(ctx.seed, device_dtype(twin)[0])
+        out, _ = ctx.runner(seq.detach(), grad=True, model=twin)
+        reached = [p for p in paths if p in outputs]
+        loss = squared(out) + sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        grads = torch.autograd.grad(loss, [params[n] for n in names] + [outputs[p] for p in reached],
+                                    allow_unused=True)
+    except Exception:  # the float64 copy does not run so: nothing shown
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    got = {x for x, g in zip(names + reached, grads) if g is not None and bool(g.abs().sum() > 0)}
+    return {n for n in names if n in got}, {p for p in reached if p in got}
+
+
+def _underflow_in_place(ctx: ModelContext, seq: Tensor, names: list[str]) -> set:
+    """The parameters of `names` whose own module's output gets a non-zero gradient of the outputs, and which get one
+    when that module alone is run again in float64 on the inputs it was given, its output's gradient given to it in
+    float64: the product of that gradient and the module's input is below the dtype's smallest number (SLANet's
+    table head: its input_to_hidden projection takes backbone features of ~1e-26, from an initializer_range of
+    1e-10, and its output's gradient is ~1e-37). For models whose float64 copy does not run (SLANet's head computes
+    in float32 whatever the model's dtype): the module alone is."""
+    params = dict(ctx.model.named_parameters())
+    named = dict(ctx.model.named_modules())
+    owners = {n.rsplit(".", 1)[0] for n in names if "." in n} & set(named)
+    calls: dict = {p: [] for p in owners}
+
+    def keep(path):
+        def hook(m, args, kwargs, out):
+            o = first_tensor(out)
+            if isinstance(o, Tensor) and o.requires_grad:
+                calls[path].append((args, kwargs, o))
+        return hook
+
+    handles = [named[p].register_forward_hook(keep(p), with_kwargs=True) for p in owners]
+    returned: list = []
+    handles.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
+    found = set()
+    try:
+        seed_rng(ctx.seed, device_dtype(ctx.model)[0])
+        out, _ = ctx.runner(seq.detach(), grad=True)
+        loss = squared(out) + sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        flat = [(p, a, k, o) for p, cs in calls.items() for a, k, o in cs]
+        outs = torch.autograd.grad(loss, [o for *_, o in flat], allow_unused=True) if flat else ()
+        wide = lambda v: v.detach().double() if isinstance(v, Tensor) and v.is_floating_point() else v  # noqa: E731
+        for path in owners:
+            mine = [n for n in names if n.rsplit(".", 1)[0] == path]
+            twin = model_copy(named[path], dtype=torch.float64)
+            local = dict(twin.named_parameters())
+            leaves = [local[n[len(path) + 1:]] for n in mine if n[len(path) + 1:] in local]
+            total = [torch.zeros_like(w) for w in leaves]
+            for (p, args, kwargs, o), g in zip(flat, outs):
+                if p != path or g is None or not bool(g.abs().sum() > 0):
+                    continue
+                with torch.enable_grad():
+                    o64 = first_tensor(twin(*[wide(a) for a in args], **{k: wide(v) for k, v in kwargs.items()}))
+                    got = torch.autograd.grad(o64, leaves, g.double(), allow_unused=True)
+                total = [t + x if x is not None else t for t, x in zip(total, got)]
+            found |= {n for n, t in zip(mine, total) if bool(t.abs().sum() > 0)}
+    except Exception:  # the module does not run alone so: nothing shown
+        return found
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def _frozen(ctx: ModelContext, loss: Tensor, names: list[str]) -> dict:
+    """{name: the submodule} for parameters that get no gradient because a whole submodule around them, its
+    feed-forwards, norms and embeddings too, gets none: a frozen sub-model the model runs without autograd on purpose
+    (X-Codec's semantic model, a feature extractor run under torch.no_grad() whose output is detached). The outermost
+    submodule (not the model itself) of which no trainable parameter gets a gradient, holding parameters outside
+    every attention module; an attention layer run without autograd inside a block whose other parameters get one
+    (the catalog's detached softmax, a forward under no_grad) is none."""
+    trainable_all = [(n, w) for n, w in ctx.model.named_parameters() if w.requires_grad]
+    try:
+        grads = torch.autograd.grad(loss, [w for _, w in trainable_all], allow_unused=True, retain_graph=True)
+    except Exception:  # nothing shown
+        return {}
+    zero = {n for (n, _), g in zip(trainable_all, grads) if g is None or not bool(g.abs().sum() > 0)}
+    attention = tuple(p + "." for p in ctx.modules)
+    found = {}
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts) - 1):
+            prefix = ".".join(parts[:i]) + "."
+            under = [m for m, _ in trainable_all if m.startswith(prefix)]
+            if under and all(m in zero for m in under) and any(not m.startswith(attention) for m in under):
+                found[n] = prefix[:-1]
+                break
+    return found
 
 
 def _output(ctx: ModelContext, seq):
@@ -247,17 +377,33 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
                     todo.remove(n)
     # used only with an input the audit passed none of: a mask that turns on another path, given as all ones (every
     # token marked: Longformer's global attention for every token); the very tokens of the audit's length
-    for name in ctx.runner.optional_masks() if todo and ctx.runner.sequence else ():
+    # or a second stream's token ids, with the inputs of its prefix (`Runner.optional_ids`: LUKE's entities)
+    groups = [[name] for name in ctx.runner.optional_masks()] + ctx.runner.optional_ids() \
+        if todo and ctx.runner.sequence else []
+    for group in groups:
+        if not todo:
+            break
         ones = torch.ones(here.shape[:2], dtype=torch.long, device=here.device)
+        name = " and ".join(group)
+        # their own modules watched too: with the input, one may run behind a factor 0 at this initialisation (Evolla's
+        # protein adapters, tanh(gate) with the gate at 0, as a gated cross-attention's)
+        owners = {n.rsplit(".", 1)[0]: named[n.rsplit(".", 1)[0]] for n in todo if n.rsplit(".", 1)[0] in named}
         try:
-            loss, _ = _loss_and_outputs(ctx, here, {}, extra={name: ones})
-            grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
-                else (None,) * len(todo)
+            loss, outputs = _loss_and_outputs(ctx, here, owners, extra=dict.fromkeys(group, ones))
+            outputs.pop("zero inputs", None)
+            paths = list(outputs)
+            grads = torch.autograd.grad(loss, [params[n] for n in todo] + [outputs[p] for p in paths],
+                                        allow_unused=True) if torch.is_tensor(loss) else (None,) * len(todo)
         except Exception:  # the model does not take it so: says nothing
             continue
+        grads, to_outputs = grads[:len(todo)], grads[len(todo):]
+        zeroed = {p for p, g in zip(paths, to_outputs) if g is not None and not bool(g.abs().sum() > 0)}
         for n, g in zip(list(todo), grads):
             if g is not None and bool(g.abs().sum() > 0):
                 ctx.by_design[n] = ByDesign(given=name)
+                todo.remove(n)
+            elif n.rsplit(".", 1)[0] in zeroed:
+                ctx.by_design[n] = ByDesign(given=name, given_zeroed=n.rsplit(".", 1)[0])
                 todo.remove(n)
     ctx.by_design.update(dict.fromkeys(todo))
     return {n: ctx.by_design.get(n) for n in names}
@@ -473,8 +619,9 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         ctx.model.eval()
         out, _ = runner(seq, grad=True)
         paths = list(outputs)
-        total = sum((t.float() ** 2).sum() for t in returned if t.requires_grad and t is not out)
-        grads = torch.autograd.grad((out.float() ** 2).sum() + total, [w for _, w in params] +
+        total = sum(squared(t) for t in returned if t.requires_grad and t is not out)
+        loss = squared(out) + total
+        grads = torch.autograd.grad(loss, [w for _, w in params] +
                                     [outputs[p] for p in paths], allow_unused=True, retain_graph=True)
         grads, to_outputs = grads[:len(params)], grads[len(params):]
         # modules whose output the model sends no gradient to: cut off after them (a zero-initialised post-norm or
@@ -486,11 +633,28 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         missing = [n for (n, _), g in zip(params, grads) if (g is None or not bool(g.abs().sum() > 0))
                    and owner(n) not in cut]
         nonfinite = [n for (n, _), g in zip(params, grads) if g is not None and not bool(torch.isfinite(g).all())]
+        # what got exactly 0 in the model's dtype, asked again in its float64 copy: a gradient that underflows (tiny
+        # outputs at this initialisation) is no cut path
+        zero_cut = sorted(cut)
+        zero_params = [n for (n, _), g in zip(params, grads) if g is None or not bool(g.abs().sum() > 0)]
+        wide = _in_float64(ctx, seq, zero_params, zero_cut) if missing or cut else None
+        underflow = []
+        if wide is not None:
+            got, reached = wide
+            cut -= reached
+            underflow = [n for n in zero_params if n in got and owner(n) not in cut]
+            missing = [n for n in zero_params if n not in got and owner(n) not in cut]
+        if missing:  # not shown by a float64 copy of the model, or none could run: each module alone, in float64
+            alone = _underflow_in_place(ctx, seq, missing)
+            underflow += [n for n in missing if n in alone]
+            missing = [n for n in missing if n not in alone]
+        frozen = _frozen(ctx, loss, missing) if missing else {}
+        missing = [n for n in missing if n not in frozen]
         leak = ""
         if ctx.causal and "x" in leaf and runner.sequence and out.shape[1] == seq.shape[1] and seq.shape[1] >= 2:
             T = seq.shape[1]
             c = (T - 1) // 2
-            g = torch.autograd.grad((out[:, :c + 1].float() ** 2).sum(), leaf["x"], allow_unused=True)[0]
+            g = torch.autograd.grad(squared(out[:, :c + 1]), leaf["x"], allow_unused=True)[0]
             if g is not None:
                 later = float(g[:, c + 1:].abs().max())
                 if later > 1e-12 * max(float(g.abs().max()), 1e-300):
@@ -539,15 +703,32 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     if given:  # used, but only with an input the audit passed none of: not exercised, and said so
         names = sorted(set(given.values()))
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in given)), None)
+        gated = {n: why.given_zeroed for n, why in by_design.items() if why.given_zeroed}
         return DetectorResult(ID, "warn", f"{len(given)} of {len(params)} attention parameters get no gradient from "
-                                          f"the audit's inputs, but do with {', '.join(names)} (all ones), which it "
-                                          f"did not pass: not exercised", layer=layer,
-                              evidence=", ".join(f"{n} (with {g})" for n, g in list(given.items())[:8])
+                                          f"the audit's inputs, but are used with {', '.join(names)} (all ones), which "
+                                          f"it did not pass: not exercised", layer=layer,
+                              evidence=", ".join(f"{n} (with {g}" + (f"; there behind a factor 0 at this "
+                                                                      f"initialisation, after {gated[n]})"
+                                                                      if n in gated else ")")
+                                                 for n, g in list(given.items())[:8])
                                        + (" ..." if len(given) > 8 else ""),
                               fix=phrase("pass {example}{...} with " + " and ".join(names) + " to audit them where "
                                          "the model uses them", ctx.runner.options))
+    if underflow:
+        dtype = str(ctx.dtype).replace("torch.", "")
+        not_judged_extra = (f"; {len(underflow)} of them only in a float64 copy (in {dtype}, their gradient is "
+                            f"below the smallest number: the outputs are tiny at this initialisation), "
+                            f"{', '.join(underflow[:4])}{' ...' if len(underflow) > 4 else ''}")
+    else:
+        not_judged_extra = ""
     unjudged = ([p for p in ctx.order if p in cut] or sorted(cut)) + zeroed  # in call order, then inner modules
-    judged = sum(owner(n) not in cut and n not in by_design for n, _ in params)
+    judged = sum(owner(n) not in cut and n not in by_design and n not in frozen for n, _ in params)
+    if frozen:
+        subs = sorted(set(frozen.values()))
+        not_judged_extra += (f"; not judged: the {len(frozen)} attention parameters of {', '.join(subs[:4])}"
+                             f"{' ...' if len(subs) > 4 else ''}, a frozen sub-model: none of its parameters, its "
+                             f"feed-forwards and norms too, gets a gradient (run without autograd as a whole, as a "
+                             f"feature extractor is)")
     not_judged = (f"; not judged: the parameters of {len(unjudged)} modules whose output the model sends no gradient "
                   f"at this initialisation (what follows them multiplies it by 0: a zero-initialised norm or gate; "
                   f"or their input is 0; or the outputs their parameters move are those the model discards; or "
@@ -559,8 +740,10 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                        f"at every key here (their tokens are all alike: averaged into one before them, as by "
                        f"near-uniform attention at this initialisation), so the attention weights do not matter and "
                        f"what makes the scores gets no gradient")
-    if unjudged and not judged:
-        return DetectorResult(ID, "skip", f"not measured{not_judged.replace('; not judged', '')}")
+    if (unjudged or frozen) and not judged:
+        return DetectorResult(ID, "skip", f"not measured{not_judged_extra.replace('; not judged', '')}"
+                                          f"{not_judged.replace('; not judged', '')}")
     return DetectorResult(ID, "pass", f"all {judged} attention parameters get finite non-zero gradients"
+                          + not_judged_extra
                           + (" and no output sends gradient to later input embeddings" if ctx.causal and "x" in leaf
                              else "") + not_judged)
