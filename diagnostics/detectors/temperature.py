@@ -173,8 +173,19 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if probe.scale is not None and cosine is not None:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
+        stated = ""
+        if probe.scale is not None and cosine is None and not split:
+            # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
+            # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
+            # layer's temperature is the declared scale times it (times its square: the same number on q and on k)
+            found = _stated_factor(probe.subject.layer, applied / expected, expected)
+            if found is not None:
+                cls, name, value = found
+                times = value if math.isclose(value, applied / expected, rel_tol=1e-6) else value * value
+                expected *= times
+                stated = f" x {times:.4g}, the layer's own factor on q·k ({cls}.{name} = {value:.4g})"
         rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
-                             None if unit_rms else cosine, unit_rms, split))
+                             None if unit_rms else cosine, unit_rms, split, stated))
     worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
     if worst.cosine is not None:
         return _judged_cosine(worst, base)
@@ -182,6 +193,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                                        worst.source, worst.estimate)
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
     declared = f"the square of the declared scale, 1/sqrt(d_k) (d_k={d_k})" if worst.split else declared
+    declared += worst.stated
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
@@ -238,6 +250,7 @@ class _Reading:
     cosine: _Cosine | None  # set where q and k are normalised (not at unit RMS) and no scale was declared
     unit_rms: bool = False  # q and k normalised to unit RMS (QK-norm): judged by 1/sqrt(d_k)
     split: bool = False  # the declared scale applied to q and to k each: q·k multiplied by its square
+    stated: str = ""  # a factor on q·k the layer states beside its declared scale, said in the evidence
 
     def outside(self) -> float:
         """How far (in log) the reading lies outside what is allowed: 0 inside."""
@@ -302,15 +315,28 @@ def _stated_temperature(layer, factor: float, declared: float, cosine: _Cosine) 
     reaches. A factor the layer does not state (a missing or doubled scale) is judged against the declared scale as
     before, and so are q and k at unit RMS; so is a factor that is the declared scale again (applied twice), whatever
     attribute holds it. None: the declared scale judges."""
-    if cosine.unit_rms or math.isclose(factor, 1.0, rel_tol=1e-6) or any(
+    if cosine.unit_rms:
+        return None
+    stated = _stated_factor(layer, factor, declared)
+    if stated is None:
+        return None
+    return replace(cosine, seen=f"{cosine.seen}; {stated[2]:.4g} in those norms is the layer's own temperature "
+                                f"({stated[0]}.{stated[1]}), beside the declared scale")
+
+
+def _stated_factor(layer, factor: float, declared: float) -> tuple[str, str, float] | None:
+    """(the class, the attribute, its value) of a number the layer holds that is `factor` (the applied scale over the
+    declared one), or its square root (the same number on q and on k); None where none is, or where the factor is 1
+    or the declared scale again, its square root or its inverse (a scale applied twice, or a missing one: sqrt(d_k)),
+    whatever attribute holds it."""
+    if math.isclose(factor, 1.0, rel_tol=1e-6) or any(
             math.isclose(factor, d, rel_tol=1e-6) for d in (declared, math.sqrt(declared), 1 / declared)):
         return None
     for module in (layer, getattr(layer, "inner", None)):
         for name, value in (vars(module).items() if isinstance(module, torch.nn.Module) else ()):
             if isinstance(value, float) and value > 0 and any(
                     math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
-                return replace(cosine, seen=f"{cosine.seen}; {value:.4g} in those norms is the layer's own "
-                                            f"temperature ({type(module).__name__}.{name}), beside the declared scale")
+                return type(module).__name__, name, value
     return None
 
 
