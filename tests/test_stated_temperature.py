@@ -102,4 +102,5 @@ def test_a_gain_the_layer_states_on_unnormalised_q_is_its_own_and_its_twins_stil
     assert results["stated"].verdict == "pass", results["stated"].evidence  # failed before: 1.41x too sharp
     assert "GainOnQ.mla_scale_q_lora" in results["stated"].evidence
     assert results["literal"].verdict == "fail" and "1.41x too sharp" in results["literal"].message
-    assert results["missing"].verdict == "fail" and "too sharp" in results["missing"].message, results["missing"].message
+    missing = results["missing"]
+    assert missing.verdict == "fail" and "too sharp" in missing.message, missing.message

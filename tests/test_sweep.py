@@ -409,10 +409,10 @@ def _logits(out):
 
 
 @pytest.mark.parametrize("model_type, side, known", [
-    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True),
+    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True), ("convbert", "right", True),
     ("deepseek_v4", "left", True), ("bert", "right", False), ("deepseek_v3", "left", False)])
 def test_padding_leaves_the_real_tokens_except_where_known_says_the_model_mixes_the_pads_in(model_type, side, known):
-    """YOSO, Nyströmformer, Funnel (4 right pads) and DeepSeek-V4 (4 left pads, positions from the mask), each as the
+    """YOSO, Nyströmformer, Funnel, ConvBERT (4 right pads) and DeepSeek-V4 (4 left pads, positions from the mask), each as the
     sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens; BERT and DeepSeek-V3, the same
     script, leave them."""
     import torch

@@ -147,7 +147,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     det, base = "softmax_saturation", probe.base()
     if not base.ok:
         return not_run(det, base)
-    estimates = [(e.applied, e.d_k, e.source, e) for e in applied_scales(base.record)] if base.record else []
+    found = applied_scales(base.record) if base.record else []
+    weighted = [e for e in found if _by_a_weight(e, probe.subject.layer)]
+    # a softmax over a projection's output (a dynamic convolution's kernel taps, ConvBERT's; a router's logits) has
+    # no 1/sqrt(d_k) of its own: q·k multiplies two activations, never a parameter of the layer
+    estimates = [(e.applied, e.d_k, e.source, e) for e in found if e not in weighted]
     if not estimates and probe.subject.form == "function":
         weights, source = ((base.output.weights, "returned weights") if base.output.weights is not None
                            else probe.recovered_weights())
@@ -161,7 +165,9 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
     if not estimates:
-        return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
+        said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
+               f"projection's output, not q·k)" if weighted else ""
+        return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit" + said)
     rows = []
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
@@ -214,6 +220,16 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _by_a_weight(estimate, layer) -> bool:
+    """Whether the product the estimate fitted against multiplies by one of the layer's own parameters (a linear
+    projection's weight): then its softmax normalises a projection's output, not q·k."""
+    m = getattr(estimate, "matmul", None)
+    if m is None or not isinstance(layer, torch.nn.Module):
+        return False
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return any(t.untyped_storage().data_ptr() in weights for t in (m.a, m.b) if t.numel())
 
 
 COSINE_FLAT = 0.5
