@@ -416,6 +416,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
         centred = {}
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
+        batch_dim = _doubled(H, sig, hidden, wide_call)
+        if batch_dim is not None:  # (n, 1, D) is n rows of one token where the model's batch doubles n (MobileViT's
+            hidden_time_dim = 1 - batch_dim  # pixels of a patch, folded into the batch), not one row of n tokens
         T = H.shape[hidden_time_dim]
         rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
         time_dims = {}
@@ -456,6 +459,21 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
                             if tensor.dim() >= 1 and tensor.shape[-1] == length
                             and tensor.dim() - 1 not in time_dims.get(leaf, ()))
     return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
+
+
+def _doubled(hidden: Tensor, sig: inspect.Signature, name: str, wide_call: CapturedCall | None) -> int | None:
+    """The one of the hidden states' first two dimensions that doubles when the model's batch does (the batch,
+    whatever it is folded with), from the model's call at batch 2; None where that does not tell."""
+    if wide_call is None or hidden.dim() != 3:
+        return None
+    try:
+        wide = sig.bind(*wide_call.args_copy, **wide_call.kwargs_copy).arguments.get(name)
+    except TypeError:
+        return None
+    if not isinstance(wide, Tensor) or wide.dim() != 3:
+        return None
+    doubled = [d for d in (0, 1) if wide.shape[d] == 2 * hidden.shape[d] and wide.shape[1 - d] == hidden.shape[1 - d]]
+    return doubled[0] if len(doubled) == 1 else None
 
 
 def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
