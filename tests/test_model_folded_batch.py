@@ -91,4 +91,5 @@ def test_rows_of_one_token_folded_into_the_batch_are_read_as_the_batch():
 def test_a_layer_that_mixes_the_rows_of_its_batch_still_fails_there():
     report = _audit(across_rows=True)
     assert report.status == "failed", str(report)
-    assert ("stages.1.blocks.1.attn", "batch_independence") in {(f.layer, f.detector) for f in report.findings}, str(report)
+    found = {(f.layer, f.detector) for f in report.findings}
+    assert ("stages.1.blocks.1.attn", "batch_independence") in found, str(report)

@@ -4,9 +4,10 @@ causal over the first T columns).
 
 The in-place audit read it as a cross-attention (it is given `encoder_hidden_states`): its probes changed one query
 and watched the other rows (`query_locality`, every query being a key here too), and gave it lengths its (T, T + M)
-mask could not take (`runs`): the correct model FAILED (this test's model: `runs`). A mask spanning both streams (T + M at length T, T - 1 + M at
-T - 1) now says the layer is not audited in place, with the reason; the model-level checks still run through it. Twin:
-the same model whose layer 1 forgets the causal mask over its own keys still fails, at that layer.
+mask could not take (`runs`): the correct model FAILED (this test's model: `runs`). A mask spanning both streams
+(T + M at length T, T - 1 + M at T - 1) now says the layer is not audited in place, with the reason; the model-level
+checks still run through it. Twin: the same model whose layer 1 forgets the causal mask over its own keys still fails,
+at that layer.
 """
 
 from __future__ import annotations
