@@ -184,7 +184,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
             # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
             # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
             # layer's temperature is the declared scale times it (times its square: the same number on q and on k)
-            found = _stated_factor(probe.subject.layer, applied / expected, expected)
+            found = _stated_factor(probe.subject.layer, applied / expected, expected, STATED_NAMES)
             if found is not None:
                 cls, name, value = found
                 times = value if math.isclose(value, applied / expected, rel_tol=1e-6) else value * value
@@ -340,18 +340,24 @@ def _stated_temperature(layer, factor: float, declared: float, cosine: _Cosine) 
                                 f"({stated[0]}.{stated[1]}), beside the declared scale")
 
 
-def _stated_factor(layer, factor: float, declared: float) -> tuple[str, str, float] | None:
+STATED_NAMES = ("scale", "temperature", "factor")
+"""Where q and k are not normalised, the words an attribute's name must hold for its number to count as the layer's
+own factor on q·k (LongCat-Flash's `mla_scale_q_lora`): a dropout probability or a norm's eps that happens to equal
+a wrong factor is not one."""
+
+
+def _stated_factor(layer, factor: float, declared: float, names: tuple[str, ...] = ()) -> tuple[str, str, float] | None:
     """(the class, the attribute, its value) of a number the layer holds that is `factor` (the applied scale over the
-    declared one), or its square root (the same number on q and on k); None where none is, or where the factor is 1
-    or the declared scale again, its square root or its inverse (a scale applied twice, or a missing one: sqrt(d_k)),
-    whatever attribute holds it."""
+    declared one), or its square root (the same number on q and on k), under a name holding one of `names` (any name
+    where none are given); None where none is, or where the factor is 1 or the declared scale again, its square root or
+    its inverse (a scale applied twice, or a missing one: sqrt(d_k)), whatever attribute holds it."""
     if math.isclose(factor, 1.0, rel_tol=1e-6) or any(
             math.isclose(factor, d, rel_tol=1e-6) for d in (declared, math.sqrt(declared), 1 / declared)):
         return None
     for module in (layer, getattr(layer, "inner", None)):
         for name, value in (vars(module).items() if isinstance(module, torch.nn.Module) else ()):
-            if isinstance(value, float) and value > 0 and any(
-                    math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
+            if isinstance(value, float) and value > 0 and (not names or any(n in name.lower() for n in names)) \
+                    and any(math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
                 return type(module).__name__, name, value
     return None
 
