@@ -538,7 +538,7 @@ def _keys_from_both_streams(path: str, module: nn.Module, arguments: dict, short
         return
     T, Ts = arguments[hidden].shape[time_dim], short[hidden].shape[time_dim]
     M, Ms = arguments[memory].shape[time_dim], short[memory].shape[time_dim]
-    if T == Ts:
+    if T == Ts or M != Ms:  # the memory kept at its length: a dimension of T + M is then not 2T - 1 by chance
         return
     for name, value in arguments.items():
         if name in (hidden, memory):
@@ -546,7 +546,7 @@ def _keys_from_both_streams(path: str, module: nn.Module, arguments: dict, short
         for leaf, tensor in _leaves(value, (name,)):
             other = _get(short, leaf)
             if isinstance(other, Tensor) and other.dim() == tensor.dim() and any(
-                    tensor.shape[d] == T + M and other.shape[d] == Ts + Ms for d in range(tensor.dim())):
+                    tensor.shape[d] == T + M and other.shape[d] == Ts + M for d in range(tensor.dim())):
                 raise AuditUsageError(
                     f"expected {path} ({type(module).__name__}) to attend either its own tokens or its memory "
                     f"`{memory}`; its `{'.'.join(map(str, leaf))}` {tuple(tensor.shape)} spans both, {T} of its own "
