@@ -145,6 +145,12 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
     "nystromformer": f"padding moves the real tokens' outputs: the depth-wise convolution over the values, "
                      f"`context_layer += self.conv(value_layer)` ({TF}nystromformer/modeling_nystromformer.py:212, "
                      f"kernel conv_kernel_size=65), runs over the pad tokens' values, unmasked",
+    "convbert": f"padding moves the real tokens' outputs: the span-based dynamic convolution beside the attention "
+                f"runs over the pad tokens, unmasked: the keys' separable convolution "
+                f"`self.key_conv_attn_layer(hidden_states.transpose(1, 2))` ({TF}convbert/modeling_convbert.py:191) "
+                f"and the unfold of conv_kernel_size=9 neighbours (line 208); the mask reaches only the attention "
+                f"scores (line 228). A plain script: 4 right pads, masked, move the real tokens' logits by 0.02 of "
+                f"their RMS (tests/test_sweep.py)",
     "funnel": f"padding moves the real tokens' outputs: each pooling averages pairs of tokens without the mask, "
               f"`self.pool_tensor(output, mode=self.config.pooling_type)` ({TF}funnel/modeling_funnel.py:309; "
               f"avg_pool2d, line 277), so a real token is pooled with a pad where the boundary falls between them, "

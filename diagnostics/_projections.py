@@ -62,6 +62,7 @@ class CallInputs:
     bias: Tensor | None
     rotary: Callable | None = None
     read: tuple[str, ...] = ()
+    unread: tuple[str, ...] = ()  # tensors the call passed that the recompute does not read (RoFormer's sinusoidal_pos)
 
 
 @dataclass
@@ -287,6 +288,14 @@ def _read_int(module: nn.Module, names: tuple[str, ...]) -> tuple[int | None, st
     return None, ""
 
 
+QK_POSITIONS = ("position_embeddings", "object_queries", "query_position_embeddings")
+"""Absolute positions a call passes as one (B, T, D) tensor, added to the input of the query projection and, in
+self-attention, of the key projection, never of the value projection (DETR's recipe: `q_proj(x + pos)`, `k_proj(x +
+pos)`, `v_proj(x)`; Table Transformer's and DAB-DETR's `object_queries`)."""
+KEY_POSITIONS = ("encoder_position_embeddings", "spatial_position_embeddings")
+"""The memory's absolute positions in a cross-attention call, added to the key projection's input only."""
+CALL_STREAMS = ("hidden_states", "attention_mask", "key_value_states", "encoder_hidden_states")
+
 SCORE_BIASES = ("alibi", "position_bias", "relative_position_bias", "rel_pos", "attention_bias")
 
 
@@ -382,6 +391,29 @@ def huggingface(module: nn.Module) -> Projections | None:
             read.append("attention_mask as passed (bool: True = may attend; float: added)")
         rotary = None
         tables = args.get("position_embeddings")
+        query_in, key_in, used = x, memory, set(CALL_STREAMS)
+        if isinstance(tables, Tensor):  # absolute positions, one (B, T, D) tensor: added to the q and k inputs
+            tables = None
+        for names, into_query in ((QK_POSITIONS, True), (KEY_POSITIONS, False)):
+            name = next((n for n in names if isinstance(args.get(n), Tensor)), None)
+            if name is None:
+                continue
+            pos = args[name]
+            if not pos.is_floating_point() or pos.shape[-1] != x.shape[-1]:
+                raise NotApplicable(f"{name} of shape {tuple(pos.shape)}: not positions of the hidden states' width "
+                                    f"{x.shape[-1]} to add to them")
+            try:
+                if into_query:
+                    query_in = x + pos
+                    key_in = key_in + pos if memory is x else key_in
+                else:
+                    key_in = memory + pos
+            except RuntimeError:
+                raise NotApplicable(f"{name} of shape {tuple(pos.shape)} does not add to the inputs "
+                                    f"{tuple(x.shape)} / {tuple(memory.shape)}") from None
+            used.add(name)
+            read.append(f"{name} added to the " + ("query's input" + (" and the key's" if memory is x else "")
+                                                   if into_query else "key's input") + ", not the value's")
         if tables is not None:
             if not (isinstance(tables, tuple) and len(tables) == 2 and callable(rotate)):
                 raise NotApplicable("position_embeddings given, but no (cos, sin) pair or no apply_rotary_pos_emb "
@@ -413,7 +445,10 @@ def huggingface(module: nn.Module) -> Projections | None:
         if tables is None and any(n in args for n in ("position_ids", "rotary_pos_emb", "freqs_cis")) and \
                 args.get("position_ids") is not None:
             raise NotApplicable("the call passes positions the module turns into rotary tables itself")
-        return CallInputs(x, memory, memory, bias, rotary, tuple(read))
+        if tables is not None:
+            used.add("position_embeddings")
+        unread = tuple(n for n, a in args.items() if isinstance(a, Tensor) and n not in used)
+        return CallInputs(query_in, key_in, memory, bias, rotary, tuple(read), unread)
 
     read = [f"{projections} of {type(module).__name__}, {H} heads ({h_where}), {G} key/value "
             f"heads ({g_where}), head width {d}" + (f" ({d_where})" if d_where else ""), s_where]

@@ -739,3 +739,43 @@ def test_a_tensor_computed_from_the_layers_state_that_an_op_raised_on_is_located
     torch.manual_seed(0)
     runs = audit(CachedAlibiWrongAxis(), causal=True).result("runs")
     assert runs.verdict == "fail" and runs.where[0].code.startswith("bias = F.pad(bias"), runs.where
+
+
+class DynamicConvBeside(nn.Module):
+    """Attention beside a dynamic convolution whose kernel taps are a softmax over a projection's output (ConvBERT's
+    span-based convolution, transformers 5.25: `torch.softmax(self.conv_kernel_layer(x).reshape(-1, kernel, 1),
+    dim=1)`); that softmax has no 1/sqrt(d_k) and was read as unscaled q·k ("4.00x too sharp" on the correct model).
+    `scaled`: False, the attention's own 1/sqrt(d_k) missing, the bug that must still fail."""
+
+    def __init__(self, scaled: bool = True, kernel: int = 3):
+        super().__init__()
+        self.num_heads, self.scaled, self.kernel = H, scaled, kernel
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.key_conv = nn.Conv1d(D, D, 1)  # ConvBERT's span-based keys (a depthwise-separable convolution there)
+        self.conv_kernel_layer = nn.Linear(D, H * kernel)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (split(t, H) for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        scores = q @ k.transpose(-2, -1) * (D_K ** -0.5 if self.scaled else 1.0)  # (B, H, T, T)
+        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)  # (B, T, D)
+        # the keys' span convolution, channels first, times the tokens: (B, T, D) laid out (B, D, T) in memory, whose
+        # projection runs as a plain matrix product (aten.mm), as ConvBERT's does
+        conv_in = torch.multiply(self.key_conv(x.transpose(1, 2)).transpose(1, 2), x)  # (B, T, D)
+        taps = self.conv_kernel_layer(conv_in).reshape(-1, self.kernel, 1)  # (B x T x H, kernel, 1), as ConvBERT
+        taps = torch.softmax(taps, dim=1).view(B, T, H, self.kernel)  # (B, T, H, kernel)
+        # each head's kernel applied to the values of its own token's neighbourhood, per channel
+        padded = F.pad(split(v.transpose(1, 2).reshape(B, T, D), 1).transpose(1, 2).reshape(B, T, D),
+                       (0, 0, self.kernel // 2, self.kernel // 2))  # (B, T + kernel - 1, D)
+        windows = padded.unfold(1, self.kernel, 1).view(B, T, H, D_K, self.kernel)  # (B, T, H, d, kernel)
+        conv = (windows * taps.unsqueeze(3)).sum(-1).reshape(B, T, D)  # (B, T, D)
+        return self.out(attended + conv)
+
+
+def test_a_softmax_over_a_projection_beside_attention_has_no_temperature_to_judge():
+    torch.manual_seed(0)
+    right = audit(DynamicConvBeside(), detectors=["softmax_saturation"]).result("softmax_saturation")
+    torch.manual_seed(0)
+    wrong = audit(DynamicConvBeside(scaled=False), detectors=["softmax_saturation"]).result("softmax_saturation")
+    assert right.verdict == "pass", right.evidence  # failed before: the taps' softmax read as q·k multiplied by 1
+    assert wrong.verdict == "fail" and "too sharp" in wrong.message, wrong.evidence

@@ -64,3 +64,43 @@ def test_a_temperature_the_layer_states_is_its_own_and_its_twins_still_fail(dtyp
     assert "NormedWithTemperature.qk_scale_factor" in stated.evidence
     assert literal.verdict == "fail" and "too sharp" in literal.message, literal.evidence
     assert twice.verdict == "fail" and "too flat" in twice.message, twice.evidence
+
+
+class GainOnQ(nn.Module):
+    """Unnormalised q multiplied by a gain before the kernel is given the declared scale (transformers 5.25's
+    LongCat-Flash MLA: q times `mla_scale_q_lora` = sqrt(hidden_size / q_lora_rank), which failed the correct model
+    "1.41x too sharp"); `how`: "stated" (an attribute), "literal" (the same number, written in the code), "missing"
+    (stated and applied, but the kernel given scale 1: the missing 1/sqrt(d_k))."""
+
+    def __init__(self, how="stated", d_model=32, num_heads=4):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.scaling = self.head_dim ** -0.5
+        if how != "literal":
+            self.mla_scale_q_lora = 2.0 ** 0.5  # the literal twin holds no such number
+        self.how = how
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q = q * (2.0 ** 0.5 if self.how == "literal" else self.mla_scale_q_lora)  # (B, H, T, d)
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0 if self.how == "missing" else self.scaling)
+        return self.out(out.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gain_the_layer_states_on_unnormalised_q_is_its_own_and_its_twins_still_fail(dtype):
+    torch.manual_seed(0)
+    results = {}
+    for how in ("stated", "literal", "missing"):
+        torch.manual_seed(0)  # the three share their weights
+        layer = GainOnQ(how).to(dtype)
+        results[how] = diagnostics.audit(layer, scale=layer.scaling, detectors=["softmax_saturation"]).result(
+            "softmax_saturation")
+    assert results["stated"].verdict == "pass", results["stated"].evidence  # failed before: 1.41x too sharp
+    assert "GainOnQ.mla_scale_q_lora" in results["stated"].evidence
+    assert results["literal"].verdict == "fail" and "1.41x too sharp" in results["literal"].message
+    missing = results["missing"]
+    assert missing.verdict == "fail" and "too sharp" in missing.message, missing.message

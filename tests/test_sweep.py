@@ -413,14 +413,14 @@ def _logits(out):
 
 
 @pytest.mark.parametrize("model_type, side, known", [
-    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True),
+    ("yoso", "right", True), ("nystromformer", "right", True), ("funnel", "right", True), ("convbert", "right", True),
     ("deepseek_v4", "left", True), ("sam3_lite_text_text_model", "right", True), ("bert", "right", False),
     ("deepseek_v3", "left", False)])
 def test_padding_leaves_the_real_tokens_except_where_known_says_the_model_mixes_the_pads_in(model_type, side, known):
-    """YOSO, Nyströmformer, Funnel, SAM3-LiteText's text model (4 right pads) and DeepSeek-V4 (4 left pads, positions
-    from the mask), each as the sweep builds it (KNOWN): the masked pads move the outputs at the 12 real tokens
-    (SAM3-LiteText's by the length its position table is interpolated to); BERT and DeepSeek-V3, the same script,
-    leave them."""
+    """YOSO, Nyströmformer, Funnel, ConvBERT, SAM3-LiteText's text model (4 right pads) and DeepSeek-V4 (4 left pads,
+    positions from the mask), each as the sweep builds it (KNOWN): the masked pads move the outputs at the 12 real
+    tokens (ConvBERT's span convolution runs over them; SAM3-LiteText's by the length its position table is
+    interpolated to); BERT and DeepSeek-V3, the same script, leave them."""
     import torch
 
     _transformers()

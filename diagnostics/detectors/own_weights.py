@@ -186,6 +186,11 @@ def _judge(p: Projections, args: tuple, kwargs: dict, returned) -> tuple[str, st
             if e <= allowed and e <= err / 10:  # reproduced, and clearly closer than the reference itself
                 explained.append((step if s is None else f"the scale: the layer applies {s:.4g}, its weights' "
                                                          f"{p.scale:.4g} expected", FIXES[step]))
+    if not explained and c.unread:
+        raise NotApplicable(f"the output differs from the attention its weights compute by {err:.3g} of its RMS "
+                            f"(allowed {allowed:.3g}), no one step of the reference explains it, and the call passed "
+                            f"{', '.join(c.unread)}, which the recompute does not read (positions or a bias the "
+                            f"module applies in its own way)")
     if not explained and not p.known:
         raise NotApplicable(f"the output differs from the attention its weights compute by {err:.3g} of its RMS "
                             f"(allowed {allowed:.3g}), and no one step of the reference explains it: "

@@ -147,7 +147,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     det, base = "softmax_saturation", probe.base()
     if not base.ok:
         return not_run(det, base)
-    estimates = [(e.applied, e.d_k, e.source, e) for e in applied_scales(base.record)] if base.record else []
+    found = applied_scales(base.record) if base.record else []
+    weighted = [e for e in found if _by_a_weight(e, probe.subject.layer)]
+    # a softmax over a projection's output (a dynamic convolution's kernel taps, ConvBERT's; a router's logits) has
+    # no 1/sqrt(d_k) of its own: q·k multiplies two activations, never a parameter of the layer
+    estimates = [(e.applied, e.d_k, e.source, e) for e in found if e not in weighted]
     if not estimates and probe.subject.form == "function":
         weights, source = ((base.output.weights, "returned weights") if base.output.weights is not None
                            else probe.recovered_weights())
@@ -161,7 +165,9 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
     if not estimates:
-        return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit")
+        said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
+               f"projection's output, not q·k)" if weighted else ""
+        return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit" + said)
     rows = []
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
@@ -173,8 +179,19 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if probe.scale is not None and cosine is not None:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
+        stated = ""
+        if probe.scale is not None and cosine is None and not split:
+            # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
+            # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
+            # layer's temperature is the declared scale times it (times its square: the same number on q and on k)
+            found = _stated_factor(probe.subject.layer, applied / expected, expected, STATED_NAMES)
+            if found is not None:
+                cls, name, value = found
+                times = value if math.isclose(value, applied / expected, rel_tol=1e-6) else value * value
+                expected *= times
+                stated = f" x {times:.4g}, the layer's own factor on q·k ({cls}.{name} = {value:.4g})"
         rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
-                             None if unit_rms else cosine, unit_rms, split))
+                             None if unit_rms else cosine, unit_rms, split, stated))
     worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
     if worst.cosine is not None:
         return _judged_cosine(worst, base)
@@ -182,6 +199,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                                        worst.source, worst.estimate)
     declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
     declared = f"the square of the declared scale, 1/sqrt(d_k) (d_k={d_k})" if worst.split else declared
+    declared += worst.stated
     evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
                 f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
                 f"{_entropy_text(base, ratio, expected, estimate)}")
@@ -202,6 +220,16 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _by_a_weight(estimate, layer) -> bool:
+    """Whether the product the estimate fitted against multiplies by one of the layer's own parameters (a linear
+    projection's weight): then its softmax normalises a projection's output, not q·k."""
+    m = getattr(estimate, "matmul", None)
+    if m is None or not isinstance(layer, torch.nn.Module):
+        return False
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return any(t.untyped_storage().data_ptr() in weights for t in (m.a, m.b) if t.numel())
 
 
 COSINE_FLAT = 0.5
@@ -238,6 +266,7 @@ class _Reading:
     cosine: _Cosine | None  # set where q and k are normalised (not at unit RMS) and no scale was declared
     unit_rms: bool = False  # q and k normalised to unit RMS (QK-norm): judged by 1/sqrt(d_k)
     split: bool = False  # the declared scale applied to q and to k each: q·k multiplied by its square
+    stated: str = ""  # a factor on q·k the layer states beside its declared scale, said in the evidence
 
     def outside(self) -> float:
         """How far (in log) the reading lies outside what is allowed: 0 inside."""
@@ -302,15 +331,34 @@ def _stated_temperature(layer, factor: float, declared: float, cosine: _Cosine) 
     reaches. A factor the layer does not state (a missing or doubled scale) is judged against the declared scale as
     before, and so are q and k at unit RMS; so is a factor that is the declared scale again (applied twice), whatever
     attribute holds it. None: the declared scale judges."""
-    if cosine.unit_rms or math.isclose(factor, 1.0, rel_tol=1e-6) or any(
+    if cosine.unit_rms:
+        return None
+    stated = _stated_factor(layer, factor, declared)
+    if stated is None:
+        return None
+    return replace(cosine, seen=f"{cosine.seen}; {stated[2]:.4g} in those norms is the layer's own temperature "
+                                f"({stated[0]}.{stated[1]}), beside the declared scale")
+
+
+STATED_NAMES = ("scale", "temperature", "factor")
+"""Where q and k are not normalised, the words an attribute's name must hold for its number to count as the layer's
+own factor on q·k (LongCat-Flash's `mla_scale_q_lora`): a dropout probability or a norm's eps that happens to equal
+a wrong factor is not one."""
+
+
+def _stated_factor(layer, factor: float, declared: float, names: tuple[str, ...] = ()) -> tuple[str, str, float] | None:
+    """(the class, the attribute, its value) of a number the layer holds that is `factor` (the applied scale over the
+    declared one), or its square root (the same number on q and on k), under a name holding one of `names` (any name
+    where none are given); None where none is, or where the factor is 1 or the declared scale again, its square root or
+    its inverse (a scale applied twice, or a missing one: sqrt(d_k)), whatever attribute holds it."""
+    if math.isclose(factor, 1.0, rel_tol=1e-6) or any(
             math.isclose(factor, d, rel_tol=1e-6) for d in (declared, math.sqrt(declared), 1 / declared)):
         return None
     for module in (layer, getattr(layer, "inner", None)):
         for name, value in (vars(module).items() if isinstance(module, torch.nn.Module) else ()):
-            if isinstance(value, float) and value > 0 and any(
-                    math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
-                return replace(cosine, seen=f"{cosine.seen}; {value:.4g} in those norms is the layer's own "
-                                            f"temperature ({type(module).__name__}.{name}), beside the declared scale")
+            if isinstance(value, float) and value > 0 and (not names or any(n in name.lower() for n in names)) \
+                    and any(math.isclose(value, f, rel_tol=1e-6) for f in (factor, math.sqrt(abs(factor)))):
+                return type(module).__name__, name, value
     return None
 
 

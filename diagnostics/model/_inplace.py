@@ -419,6 +419,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
         centred = {}
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
+        batch_dim = _doubled(H, sig, hidden, wide_call)
+        if batch_dim is not None:  # (n, 1, D) is n rows of one token where the model's batch doubles n (MobileViT's
+            hidden_time_dim = 1 - batch_dim  # pixels of a patch, folded into the batch), not one row of n tokens
         T = H.shape[hidden_time_dim]
         rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
         time_dims = {}
@@ -455,12 +458,28 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         return InPlace(*built)
     name, same_as_memory = memory
     length = arguments[name].shape[hidden_time_dim]
+    _keys_from_both_streams(path, module, arguments, short, hidden, name, hidden_time_dim)
     streams = {hidden, *same, name, *same_as_memory}
     memory_dims = frozenset(leaf for n, value in arguments.items() if n not in streams and n not in CACHE_NAMES
                             for leaf, tensor in _leaves(value, (n,))
                             if tensor.dim() >= 1 and tensor.shape[-1] == length
                             and tensor.dim() - 1 not in time_dims.get(leaf, ()))
     return InPlaceCross(*built, memory=name, same_as_memory=same_as_memory, memory_dims=memory_dims)
+
+
+def _doubled(hidden: Tensor, sig: inspect.Signature, name: str, wide_call: CapturedCall | None) -> int | None:
+    """The one of the hidden states' first two dimensions that doubles when the model's batch does (the batch,
+    whatever it is folded with), from the model's call at batch 2; None where that does not tell."""
+    if wide_call is None or hidden.dim() != 3:
+        return None
+    try:
+        wide = sig.bind(*wide_call.args_copy, **wide_call.kwargs_copy).arguments.get(name)
+    except TypeError:
+        return None
+    if not isinstance(wide, Tensor) or wide.dim() != 3:
+        return None
+    doubled = [d for d in (0, 1) if wide.shape[d] == 2 * hidden.shape[d] and wide.shape[1 - d] == hidden.shape[1 - d]]
+    return doubled[0] if len(doubled) == 1 else None
 
 
 def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: int,
@@ -513,6 +532,34 @@ def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tup
                               f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
                               f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one; or "
                               f"queries pooled: Hiera's query stride), so it is audited only through the model")
+
+
+def _keys_from_both_streams(path: str, module: nn.Module, arguments: dict, short: dict | None, hidden: str,
+                            memory: str, time_dim: int) -> None:
+    """A module given a memory whose keys are its own tokens and the memory's together (T5Gemma 2's merged
+    attention: one softmax over [self keys; memory keys], its mask (B, 1, T, T + M)) is not audited in place: the layer
+    audit's cross-attention probes vary the queries apart from the keys, and here every query is also a key. Told by
+    an argument with a dimension of T + M at length T and of T - 1 + M at T - 1, the memory's length M unchanged.
+    Raises AuditUsageError (a note, the layer audited through the model only)."""
+    if short is None or not isinstance(short.get(hidden), Tensor) or not isinstance(short.get(memory), Tensor):
+        return
+    T, Ts = arguments[hidden].shape[time_dim], short[hidden].shape[time_dim]
+    M, Ms = arguments[memory].shape[time_dim], short[memory].shape[time_dim]
+    if T == Ts or M != Ms:  # the memory kept at its length: a dimension of T + M is then not 2T - 1 by chance
+        return
+    for name, value in arguments.items():
+        if name in (hidden, memory):
+            continue
+        for leaf, tensor in _leaves(value, (name,)):
+            other = _get(short, leaf)
+            if isinstance(other, Tensor) and other.dim() == tensor.dim() and any(
+                    tensor.shape[d] == T + M and other.shape[d] == Ts + M for d in range(tensor.dim())):
+                raise AuditUsageError(
+                    f"expected {path} ({type(module).__name__}) to attend either its own tokens or its memory "
+                    f"`{memory}`; its `{'.'.join(map(str, leaf))}` {tuple(tensor.shape)} spans both, {T} of its own "
+                    f"tokens + {M} of the memory's (a merged self- and cross-attention: every query is also a key), "
+                    f"which the layer audit's cross-attention probes cannot vary apart, so it is audited only "
+                    f"through the model")
 
 
 def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_dim: int):
