@@ -73,6 +73,21 @@ def test_gradients_of_tiny_outputs_do_not_underflow_and_a_cut_path_still_fails(b
     assert "blocks.0.q.weight" in flow.message and report.status == "passed", report
 
 
+@pytest.mark.parametrize("bug", [False, True])
+def test_an_output_of_denormals_gives_finite_gradients_and_a_cut_path_still_fails(bug):
+    """Outputs of ~1e-40 (float32 denormals: MobileViT's tiny configuration returns 8e-40): `squared` divided them by
+    their largest magnitude, and the gradient of that, 2 / 8e-40, is past float32's largest number, so every
+    parameter's gradient came out NaN and gradient_flow failed the correct model ("non-finite gradients"). The scale
+    is now no smaller than the square root of the dtype's smallest normal number; the detached twin still fails."""
+    report = diagnostics.audit_model(TinyInitModel(bug, init=1e-20), example=IDS)
+    flow = report.result("gradient_flow")
+    assert "non-finite" not in flow.message, flow
+    if bug:
+        assert flow.verdict == "fail" and flow.layer == "blocks.1" and "blocks.1.q.weight" in flow.evidence, flow
+    else:
+        assert flow.verdict == "pass", flow
+
+
 class Teacher(nn.Module):
     """A small encoder block: attention and a feed-forward, both residual."""
 

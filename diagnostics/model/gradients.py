@@ -91,6 +91,10 @@ def squared(t: Tensor) -> Tensor:
     t = t if t.dtype == torch.float64 else t.float()
     scale = t.detach().abs().amax() if t.numel() else t.new_ones(())
     scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    # no smaller than the square root of the dtype's smallest normal number: the gradient of (t / scale) ** 2 with
+    # respect to t reaches 2 / scale, which overflows for an output of denormals (MobileViT's tiny configuration
+    # returns ~1e-40: 1 / 8e-40 is past float32's largest number, and every gradient came out NaN)
+    scale = scale.clamp_min(torch.finfo(t.dtype).tiny ** 0.5)
     return ((t / scale) ** 2).sum()
 
 
