@@ -376,3 +376,32 @@ def test_the_size_statistic_of_a_scale_without_a_gradient_or_of_a_zero_output_is
     assert parameters.size_moves(p, None, 1.0) == math.inf
     assert parameters.size_moves(p, g, 0.0) == math.inf
     assert parameters.size_moves(p, g, 4.0) == pytest.approx(0.25)  # |2 - 2 + 1| / 4
+
+
+class IdenticalKeys(nn.Module):
+    """Memory attention whose learned keys are all the same at initialisation (ones): every query weighs the memory
+    uniformly whatever it is, so the query's gain is not exercised by any input, its size nor its direction (BLT's
+    cross-attention audited in place, each query over keys the probe holds the same, read 'size removed')."""
+
+    def __init__(self, d_model=16):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((d_model,), 2.0))
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.mem_k = nn.Parameter(torch.ones(4, d_model))
+        self.mem_v = nn.Parameter(torch.randn(4, d_model))
+
+    def forward(self, x, mask=None):
+        q = self.q_proj(x * self.gain)
+        w = (q @ self.mem_k.T / math.sqrt(q.shape[-1])).softmax(-1)
+        return w @ self.mem_v
+
+
+def test_a_scale_the_probe_does_not_exercise_at_all_is_not_read_as_one_a_norm_removes():
+    """Its size moves nothing, but neither does any change of it: not a normalisation after it (the rule is for a
+    scale whose direction acts and whose size does not). The nViT-style bug above, whose direction acts, still fails."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(IdenticalKeys(), detectors=["parameters_used"]).result("parameters_used")
+    assert "size of gain" not in found.message, found
+    torch.manual_seed(0)
+    bug = diagnostics.audit(NormalisedScaled(where="before"), detectors=["parameters_used"]).result("parameters_used")
+    assert bug.verdict == "fail" and "size of s_q, s_k" in bug.message, bug

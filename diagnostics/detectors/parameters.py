@@ -252,20 +252,25 @@ def size_moves(param: Tensor, grad: Tensor | None, loss: float) -> float:
     return abs(float((grad.double() * param.detach().double()).sum())) / loss
 
 
-def size_removed(sub, inputs, allowed, params: dict, grads: dict, out: Tensor, skip_names: set, seed) -> list[str]:
+def size_removed(sub, inputs, allowed, params: dict, grads: dict, out: Tensor, skip_names: set, seed,
+                 gen: torch.Generator) -> list[str]:
     """The scales whose size the output does not depend on: parameters that multiply (or divide) the activations
     elementwise (`elementwise_scales`: a gain, a learned temperature, nViT's q_scale) with `size_moves` under
     SIZE_MOVES. A normalisation after such a scale divides it back out: it can learn a direction, never the size that
     is what it is for. A weight read by a matmul before a norm is scale-free by design (QK-norm's projections) and is
-    not asked. The trace is taken only where some parameter's size moves nothing."""
+    not asked. Nor is a scale whose every change leaves the output as it is (changed at random, it moves nothing: the
+    probe does not exercise it at all, e.g. a query's gain where each query sees one key), which is no matter of its
+    size. The trace is taken only where some parameter's size moves nothing."""
     loss = float((out.double() ** 2).sum())  # finite: the caller skips a layer whose output is not
     small = [name for name, p in params.items() if name not in skip_names and p.numel() and bool(p.detach().any())
              and size_moves(p, grads.get(name), loss) <= SIZE_MOVES]
     if not small:
         return []
     scales = elementwise_scales(trace_call(sub, *pack(inputs), allowed, seed=seed), params)
-    return [name for name in small if name in scales and _doubled_moves(sub, name, pack(inputs), allowed, out)
-            <= FORWARD_MOVES]
+    qkv = pack(inputs)
+    return [name for name in small if name in scales and _doubled_moves(sub, name, qkv, allowed, out) <= FORWARD_MOVES
+            and _forward_moves(sub, name, torch.ones_like(params[name], dtype=torch.bool), qkv, allowed, out, gen)
+            > FORWARD_MOVES]
 
 
 def _doubled_moves(sub, name: str, qkv, allowed, out: Tensor) -> float:
@@ -433,7 +438,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             explained.append(name)
         else:
             unused.append((name, where))
-    sized = size_removed(sub, inputs, allowed, params, grad_by_name, out, set(zero), probe.seed)
+    sized = size_removed(sub, inputs, allowed, params, grad_by_name, out, set(zero), probe.seed, gen)
     T, longer = inputs[0].shape[sub.time_dim], []
     if unused and T < probe.t:
         # a layer that pools its keys (NextViT's and PVT's spatial reduction, 4 tokens to a key) sees one key on the
