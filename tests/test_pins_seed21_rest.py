@@ -14,6 +14,10 @@ are quoted as literals (a test that read them from the module would follow a mut
   nothing), its twin that reads its keys passes; a decoder that raises when the queries are fewer than the keys is
   judged on the full pass (the decoding measurement's baseline call is not run), its twin also while decoding.
 - relative_positions: an output without a row per query (the newest row dropped) is a skip naming output_shape.
+- parameters_used's `_gated_by_zeros` draws an all-zero parameter as N(0, 1) / sqrt(fan-in), fan-in 1 for a vector
+  (`p.dim() > 1`): a zero-initialised per-feature gate of 64 entries that opens a side path only past 0.5 (a dead
+  zone, softshrink) opens it at N(0, 1) draws (the side projection is used: pass); drawn at N(0, 1) / 8 it stays shut
+  and the side projection would be called unused. Its twin that never reads the side projection fails.
 - output_variance: learned key/value slots whose weighted sum no matmul shows (a broadcast product summed over the
   keys) are a skip saying so; the same layer with `w @ v` passes.
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
@@ -201,3 +206,32 @@ def test_learned_slots_without_a_product_seen_are_a_skip_and_with_one_judged(pro
             result.message
     else:
         assert result.verdict == "pass" and "learned key/value slot" in result.message, result.message
+
+
+# ---- parameters_used: a vector gate drawn at N(0, 1), not N(0, 1) / sqrt(its length) ------------------------------
+
+
+class DeadZoneGate(nn.Module):
+    """MultiHeadAttention(64, 4) plus `gate * x` and (`reads_side`) a side projection of x through the same
+    zero-initialised per-feature gate, which opens only past 0.5 (softshrink): at initialisation the side path is shut,
+    so the side projection's gradient is exactly 0 until the gate is drawn."""
+
+    def __init__(self, reads_side: bool, d_model=64):
+        super().__init__()
+        self.attn, self.side = MultiHeadAttention(d_model, 4), nn.Linear(d_model, d_model, bias=False)
+        self.gate, self.reads_side = nn.Parameter(torch.zeros(d_model)), reads_side
+
+    def forward(self, x, mask=None):
+        out = self.attn(x, x, x, mask=mask)
+        out = (out[0] if isinstance(out, tuple) else out) + self.gate * x
+        return out + self.side(x * F.softshrink(self.gate, 0.5)) if self.reads_side else out
+
+
+@pytest.mark.parametrize("reads_side", [True, False])
+def test_a_zero_vector_gate_is_drawn_at_unit_scale_so_a_dead_zone_opens(reads_side):
+    torch.manual_seed(0)
+    result = diagnostics.audit(DeadZoneGate(reads_side), detectors=["parameters_used"]).result("parameters_used")
+    if reads_side:
+        assert result.verdict == "pass", result.message
+    else:
+        assert result.verdict == "fail" and "side.weight" in result.message, result.message
