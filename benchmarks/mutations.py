@@ -276,6 +276,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/keys.py:_plan:L*:x10": ("(100.0,) if s.dtype == torch.float16 else (1e6,)", _LARGER_PUSH),
     "detectors/keys.py:_plan:L*:x10#2": ("(100.0,) if s.dtype == torch.float16 else (1e6,)", _LARGER_PUSH),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
+    "detectors/parameters.py:_shift_inert:L*:Gt->GtE": (
+        "float(spread.max()) > SHIFT_INERT * size", _TOLERANCE_EDGE + " (size == 0 is skipped just above, so the bar "
+        "is positive: a key bias's spread of exactly 0 is inert either way)"),
+    "detectors/causal.py:unmasked_copies:L*:GtE->Gt": (
+        "if s.takes_mask and T >= 4 else cuts", "`>= 4` and `> 4` differ at T = 4 only, where the cuts are [0, 2] and "
+        "the masked layer's [2]: at B = Probe.BATCH = 2 both fill one copy of the batch, so the next line keeps `cuts` "
+        "under either operator (checked by hand; only a batch of 1 would save a copy there)"),
+    "detectors/positions.py:check_relative_positions:L*:guard-never": (
+        "if change is None:", "relative_change is given `scale`, the baseline's, and returns None only where that is "
+        "not > 0, which returned a skip above (`if not scale > 0:`; scale is not assigned again): the guard never "
+        "fires, so a guard that never fires is the same code (checked by hand)"),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
