@@ -370,8 +370,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tensor, and a wrong backward is wrong at almost every entry (at most 512 entries: every entry, the step "
         "unused). " + _SCALE_FLOOR),
     "detectors/gradients.py:check_gradients:L*:x10": ("for d in u))), 1e-300)", _SCALE_FLOOR),
-    "detectors/parameters.py:_forward_moves:L*:x10": ("or 1.0", _ZERO_OUTPUT),
-    "detectors/parameters.py:_forward_moves:L*:x0.1": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/parameters.py:_moved_by:L*:x10": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/parameters.py:_moved_by:L*:x0.1": ("or 1.0", _ZERO_OUTPUT),
+    "detectors/parameters.py:size_removed:L*:LtE->Lt": (("<= SIZE_MOVES]", "<= FORWARD_MOVES"), _TOLERANCE_EDGE),
+    "detectors/parameters.py:size_removed:L*:Gt->GtE": ("> FORWARD_MOVES]", _TOLERANCE_EDGE),
     "detectors/gradients.py:_masked_key_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_masked_key_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_future_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),

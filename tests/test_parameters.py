@@ -355,6 +355,18 @@ def test_a_learned_scale_before_the_norm_that_removes_it_is_caught_and_after_it_
     assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation")
 
 
+def test_a_scale_with_a_zero_entry_before_the_norm_is_still_caught():
+    """One entry of each scale at 0 (a head dimension switched off, or a pruned gain): not all-zero, so its size is
+    still asked, and the norm after it still removes it (said beside the rows of qkv that entry leaves unused)."""
+    torch.manual_seed(0)
+    layer = NormalisedScaled(where="before")
+    with torch.no_grad():
+        layer.s_q[0, 0, 0] = layer.s_k[0, 0, 0] = 0.0
+    found = diagnostics.audit(layer, detectors=["parameters_used"]).result("parameters_used")
+    assert found.verdict == "fail" and "qkv.weight (on rows 0, 16 of 48)" in found.message, found
+    assert "the output does not depend on the size of s_q, s_k" in found.evidence, found.evidence
+
+
 def test_the_size_statistic_lies_far_from_its_threshold_on_both_sides():
     """The statistic itself, from both sides: <grad, s> / loss of a scale that acts (after the norm) is far above
     SIZE_MOVES, and of one a norm removes (before it) far below."""

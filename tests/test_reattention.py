@@ -25,16 +25,16 @@ class ReAttention(nn.Module):
     """`bug`: "unscaled" (no 1/sqrt(d)), "softmax over queries", "mask after softmax" (the mask applied to the mixed
     weights, after the softmax), or None."""
 
-    def __init__(self, bug=None, norm=True):
+    def __init__(self, bug=None, norm=True, heads=H):
         super().__init__()
-        self.bug, self.d = bug, D // H
+        self.bug, self.h, self.d = bug, heads, D // heads
         self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
-        self.theta = nn.Parameter(torch.randn(H, H))
-        self.norm = nn.LayerNorm(H) if norm else nn.Identity()
+        self.theta = nn.Parameter(torch.randn(heads, heads))
+        self.norm = nn.LayerNorm(heads) if norm else nn.Identity()
 
     def forward(self, x, mask=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, H, self.d).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-2, -1)
         if self.bug != "unscaled":
             scores = scores / math.sqrt(self.d)
@@ -61,6 +61,13 @@ def test_re_attention_passes_and_says_why_its_weights_are_not_convex(norm, dtype
             variance.message, variance
     else:  # a linear mix keeps every row's sum a constant: the one-token comparison still holds
         assert variance.verdict == "pass", variance
+
+
+def test_two_heads_mixed_are_re_attention_too():
+    """The smallest mix of heads, (2, 2): the same reading as at 4 heads."""
+    torch.manual_seed(0)
+    variance = diagnostics.audit(ReAttention(heads=2), detectors=["output_variance"]).result("output_variance")
+    assert variance.verdict == "skip" and "(2, 2) matrix theta" in variance.message, variance
 
 
 @pytest.mark.parametrize("bug, detector", [("unscaled", "softmax_saturation"),

@@ -129,10 +129,17 @@ def _forward_moves(sub, name: str, part: Tensor, qkv, allowed, out: Tensor, gen:
     """How much the output moves (relative to its RMS) when the entries `part` of the parameter change at random;
     the parameter is restored afterwards."""
     param = dict(sub.layer.named_parameters())[name]
-    saved = param.detach().clone()
     noise = torch.randn(param.shape, generator=gen, dtype=param.dtype).to(param.device)
+    return _moved_by(sub, name, lambda p: p.add_(torch.where(part, noise, torch.zeros_like(noise))), qkv, allowed, out)
+
+
+def _moved_by(sub, name: str, change, qkv, allowed, out: Tensor) -> float:
+    """How much the output moves (relative to its RMS) with `change` done in place to the parameter `name`; the
+    parameter is restored afterwards."""
+    param = dict(sub.layer.named_parameters())[name]
+    saved = param.detach().clone()
     with torch.no_grad():
-        param.add_(torch.where(part, noise, torch.zeros_like(noise)))
+        change(param)
         try:
             moved = sub(*qkv, allowed).out
         finally:
@@ -267,26 +274,13 @@ def size_removed(sub, inputs, allowed, params: dict, grads: dict, out: Tensor, s
     if not small:
         return []
     scales = elementwise_scales(trace_call(sub, *pack(inputs), allowed, seed=seed), params)
+    # the gradient's <grad, P> can vanish by chance (a sum of terms of both signs): the output with the scale doubled
+    # decides (a scale that acts moves it by the order of itself, one a norm removes by rounding)
     qkv = pack(inputs)
-    return [name for name in small if name in scales and _doubled_moves(sub, name, qkv, allowed, out) <= FORWARD_MOVES
+    return [name for name in small if name in scales
+            and _moved_by(sub, name, lambda p: p.mul_(2), qkv, allowed, out) <= FORWARD_MOVES
             and _forward_moves(sub, name, torch.ones_like(params[name], dtype=torch.bool), qkv, allowed, out, gen)
             > FORWARD_MOVES]
-
-
-def _doubled_moves(sub, name: str, qkv, allowed, out: Tensor) -> float:
-    """How much (relative to its RMS) the output moves with the parameter doubled; restored afterwards. The
-    gradient's <grad, P> can vanish by chance (a sum of terms of both signs); a doubled scale that acts moves the
-    output by the order of itself, and one a norm removes by rounding."""
-    param = dict(sub.layer.named_parameters())[name]
-    saved = param.detach().clone()
-    with torch.no_grad():
-        param.mul_(2)
-        try:
-            moved = sub(*qkv, allowed).out
-        finally:
-            param.copy_(saved)
-    scale = float(out.detach().square().mean().sqrt()) or 1.0
-    return float((moved - out.detach()).abs().max()) / scale
 
 
 def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, tables: set, gen: torch.Generator

@@ -33,6 +33,7 @@ from .._tracing import (
     residual_add,
     short,
     short_frames,
+    through_carries,
     trace_call,
     value_before,
     weights_origin,
@@ -402,22 +403,18 @@ def reattention(trace, weights: int) -> tuple[str, int, object] | None:
     square = {id(p): (n, p.shape[0]) for n, p in layer.named_parameters()
               if p.dim() == 2 and p.shape[0] == p.shape[1] >= 2}
 
-    def root(i: int) -> int:  # back through views and copies (einsum's unsqueeze, permute, reshape of the matrix)
-        for _ in range(64):
-            op = producer(trace, i)
-            if op is None or op.short not in CARRIES or not op.in_ids:
-                return i
-            i = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
-        return i
+    def behind(i: int):  # the parameter behind an operand, through views and copies (einsum's unsqueeze, permute)
+        viewed = through_carries(trace, producer(trace, i))
+        return square.get(i if viewed is None else viewed.in_ids[0] if viewed.short in CARRIES else None)
 
     start = producer(trace, weights)
     if start is None:
         return None
     for index in sorted(ancestors(trace, start) | {start.index}, reverse=True):
         op = trace.ops[index]
-        if op.short not in MATMULS or len(op.in_ids) < 2:
+        if op.short not in MATMULS:
             continue
-        held = [square[r] for r in map(root, op.in_ids[-2:]) if r in square]
+        held = [h for h in map(behind, op.in_ids[-2:]) if h is not None]
         if held and any(trace.ops[a].short in SOFTMAXES for a in ancestors(trace, op)):
             return held[0][0], held[0][1], op
     return None
