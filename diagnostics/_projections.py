@@ -447,7 +447,9 @@ def huggingface(module: nn.Module) -> Projections | None:
             raise NotApplicable("the call passes positions the module turns into rotary tables itself")
         if tables is not None:
             used.add("position_embeddings")
-        unread = tuple(n for n, a in args.items() if isinstance(a, Tensor) and n not in used)
+        # values the module may apply in its own way (RoFormer's sinusoidal_pos); an index (cache_position,
+        # position_ids) is no value of its own: the positions it points at come in the tables read above
+        unread = tuple(n for n, a in args.items() if isinstance(a, Tensor) and a.is_floating_point() and n not in used)
         return CallInputs(query_in, key_in, memory, bias, rotary, tuple(read), unread)
 
     read = [f"{projections} of {type(module).__name__}, {H} heads ({h_where}), {G} key/value "
