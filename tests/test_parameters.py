@@ -417,3 +417,29 @@ def test_a_scale_the_probe_does_not_exercise_at_all_is_not_read_as_one_a_norm_re
     torch.manual_seed(0)
     bug = diagnostics.audit(NormalisedScaled(where="before"), detectors=["parameters_used"]).result("parameters_used")
     assert bug.verdict == "fail" and "size of s_q, s_k" in bug.message, bug
+
+
+class SeparateQKNorm(nn.Module):
+    """QK-norm with q and k projected apart (diffusers' Attention(qk_norm=...), Qwen3): each projection's weight is
+    scale-free by design, its size divided out by the norm after it, and it is no scale the layer multiplies its
+    activations by (a matmul reads it), so its size is not asked."""
+
+    def __init__(self, d_model=16, heads=2):
+        super().__init__()
+        self.h, self.d = heads, d_model // heads
+        self.to_q, self.to_k, self.to_v, self.out = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+        self.q_gain, self.k_gain = nn.Parameter(torch.ones(self.d)), nn.Parameter(torch.ones(self.d))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        split = lambda t: t.view(B, T, self.h, self.d).transpose(1, 2)  # noqa: E731
+        q = F.normalize(split(self.to_q(x)), dim=-1) * self.q_gain
+        k = F.normalize(split(self.to_k(x)), dim=-1) * self.k_gain
+        y = F.scaled_dot_product_attention(q, k, split(self.to_v(x)), attn_mask=mask, scale=float(self.d))
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_projection_a_norm_follows_is_scale_free_by_design_and_not_asked():
+    torch.manual_seed(0)
+    found = diagnostics.audit(SeparateQKNorm(), detectors=["parameters_used"]).result("parameters_used")
+    assert found.verdict == "pass" and "size of" not in found.evidence, found
