@@ -187,6 +187,16 @@ def _moves_only(ctx: ModelContext, module: nn.Module, before: Tensor, discarded:
     return bool(moved.any()) and not bool((moved & ~discarded).any())
 
 
+def _first_output(outputs: dict, path: str):
+    """A forward hook that keeps, in `outputs[path]`, the first output tensor of the module's first call that requires
+    grad (does the model send it any gradient?)."""
+    def hook(m, args, out):
+        o = first_tensor(out)
+        if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
+            outputs[path] = o
+    return hook
+
+
 def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[str]) -> tuple[set, set] | None:
     """(the parameters of `names`, the modules of `paths`) that get a non-zero gradient of the outputs in the model's
     float64 copy, on the same input; None where there is no copy or it does not run. A gradient the model's own
@@ -199,14 +209,7 @@ def _in_float64(ctx: ModelContext, seq: Tensor, names: list[str], paths: list[st
     names = [n for n in names if n in params]
     outputs, returned = {}, []
 
-    def keep(path):
-        def hook(m, args, out):
-            o = first_tensor(out)
-            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
-                outputs[path] = o
-        return hook
-
-    handles = [named[p].register_forward_hook(keep(p)) for p in paths if p in named]
+    handles = [named[p].register_forward_hook(_first_output(outputs, p)) for p in paths if p in named]
     handles.append(twin.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
         seed_rng(ctx.seed, device_dtype(twin)[0])
@@ -602,14 +605,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
     handle = emb.register_forward_hook(hook) if emb is not None else None
     outputs: dict = {}  # attention module -> its output (the first call's): does the model send it any gradient?
 
-    def keep(path):
-        def output_hook(m, args, out):
-            o = first_tensor(out)
-            if path not in outputs and isinstance(o, Tensor) and o.requires_grad:
-                outputs[path] = o
-        return output_hook
-
-    kept = [m.register_forward_hook(keep(p)) for p, m in ctx.modules.items()]
+    kept = [m.register_forward_hook(_first_output(outputs, p)) for p, m in ctx.modules.items()]
     returned: list = []  # every tensor the model returned, not only the one the runner reads
     kept.append(ctx.model.register_forward_hook(lambda m, args, out: returned.extend(output_tensors(out))))
     try:
