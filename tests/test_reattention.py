@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
+from test_parameters import projections_at_std_002
 
 D, H = 32, 4
 
@@ -48,11 +49,13 @@ class ReAttention(nn.Module):
         return self.out((mixed @ v).transpose(1, 2).reshape(B, T, D))
 
 
+@pytest.mark.parametrize("init", ["default", "std 0.02"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm", [True, False], ids=["normalised", "linear mix"])
-def test_re_attention_passes_and_says_why_its_weights_are_not_convex(norm, dtype):
+def test_re_attention_passes_and_says_why_its_weights_are_not_convex(norm, dtype, init):
     torch.manual_seed(0)
-    report = diagnostics.audit(ReAttention(norm=norm).to(dtype))
+    layer = ReAttention(norm=norm)
+    report = diagnostics.audit((projections_at_std_002(layer) if init == "std 0.02" else layer).to(dtype))
     assert report.passed, str(report)
     assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation")
     variance = report.result("output_variance")
@@ -70,12 +73,15 @@ def test_two_heads_mixed_are_re_attention_too():
     assert variance.verdict == "skip" and "(2, 2) matrix theta" in variance.message, variance
 
 
+@pytest.mark.parametrize("init", ["default", "std 0.02"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bug, detector", [("unscaled", "softmax_saturation"),
                                            ("softmax over queries", "weight_row_sums"),
                                            ("mask after softmax", "mask_honoured")])
-def test_re_attention_with_one_step_broken_still_fails(bug, detector):
+def test_re_attention_with_one_step_broken_still_fails(bug, detector, dtype, init):
     torch.manual_seed(0)
-    report = diagnostics.audit(ReAttention(bug=bug))
+    layer = ReAttention(bug=bug)
+    report = diagnostics.audit((projections_at_std_002(layer) if init == "std 0.02" else layer).to(dtype))
     assert report.result(detector).verdict == "fail", str(report)
 
 
