@@ -72,6 +72,23 @@ class Block(Attention):  # nanoGPT's way: a registered causal mask as long as th
 
 
 @pytest.fixture(scope="session")
+def std_002():
+    """`std_002(layer)`: GPT-2's initialisation of the layer's projections (nn.Linear: std 0.02, biases 0), in place,
+    the layer's own scales and temperatures left as it makes them (`correct.gpt2_init_` draws every parameter, a
+    learned temperature too, which no layer is built with); returns the layer."""
+    from torch import nn
+
+    def init(layer):
+        for m in layer.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        return layer
+    return init
+
+
+@pytest.fixture(scope="session")
 def user_attention_source() -> str:
     """Source of a module `Attention(d_model=32, num_heads=4, scaled=True)`, forward(x, mask=None): a user's own
     layer for the command-line and plugin tests to write into a scratch directory and extend; also

@@ -332,21 +332,10 @@ class NormalisedScaled(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 
-def projections_at_std_002(layer: nn.Module) -> nn.Module:
-    """GPT-2's initialisation of the projections (std 0.02, biases 0), the layer's own scales left as it makes them
-    (`gpt2_init_` draws every parameter, a learned temperature too)."""
-    for m in layer.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-    return layer
-
-
 @pytest.mark.parametrize("init", ["default", "std 0.02"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("where", ["after", "before"])
-def test_a_learned_scale_before_the_norm_that_removes_it_is_caught_and_after_it_passes(where, dtype, init):
+def test_a_learned_scale_before_the_norm_that_removes_it_is_caught_and_after_it_passes(where, dtype, init, std_002):
     """vit-pytorch 1.8.4's nViT bug, written here: q and k multiplied by their learned scales before the l2 norm.
     The scales still get a gradient (a direction), so nothing is unused in the old sense, but the output is the same
     at any multiple of them: <grad, s> is rounding (< 1e-16 of the loss) against 1e-3 and more for a scale that acts.
@@ -354,7 +343,7 @@ def test_a_learned_scale_before_the_norm_that_removes_it_is_caught_and_after_it_
     weights with the scales after the norm, passes the whole audit."""
     torch.manual_seed(0)
     layer = NormalisedScaled(where=where)
-    layer = (projections_at_std_002(layer) if init == "std 0.02" else layer).to(dtype)
+    layer = (std_002(layer) if init == "std 0.02" else layer).to(dtype)
     report = diagnostics.audit(layer)
     found = report.result("parameters_used")
     if where == "after":

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
-from test_parameters import projections_at_std_002
 
 D, H = 32, 4
 
@@ -52,10 +51,10 @@ class ReAttention(nn.Module):
 @pytest.mark.parametrize("init", ["default", "std 0.02"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm", [True, False], ids=["normalised", "linear mix"])
-def test_re_attention_passes_and_says_why_its_weights_are_not_convex(norm, dtype, init):
+def test_re_attention_passes_and_says_why_its_weights_are_not_convex(norm, dtype, init, std_002):
     torch.manual_seed(0)
     layer = ReAttention(norm=norm)
-    report = diagnostics.audit((projections_at_std_002(layer) if init == "std 0.02" else layer).to(dtype))
+    report = diagnostics.audit((std_002(layer) if init == "std 0.02" else layer).to(dtype))
     assert report.passed, str(report)
     assert report.result("softmax_saturation").verdict == "pass", report.result("softmax_saturation")
     variance = report.result("output_variance")
@@ -78,10 +77,10 @@ def test_two_heads_mixed_are_re_attention_too():
 @pytest.mark.parametrize("bug, detector", [("unscaled", "softmax_saturation"),
                                            ("softmax over queries", "weight_row_sums"),
                                            ("mask after softmax", "mask_honoured")])
-def test_re_attention_with_one_step_broken_still_fails(bug, detector, dtype, init):
+def test_re_attention_with_one_step_broken_still_fails(bug, detector, dtype, init, std_002):
     torch.manual_seed(0)
     layer = ReAttention(bug=bug)
-    report = diagnostics.audit((projections_at_std_002(layer) if init == "std 0.02" else layer).to(dtype))
+    report = diagnostics.audit((std_002(layer) if init == "std 0.02" else layer).to(dtype))
     assert report.result(detector).verdict == "fail", str(report)
 
 
