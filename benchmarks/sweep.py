@@ -2,6 +2,7 @@
 
     python benchmarks/sweep.py LIBRARY [--sample N] [--seed S] [--only TYPE ...] [--limit N]
                                [--timeout SECONDS] [--results FILE] [--fresh] [--no-bugs] [--jobs N]
+                               [--device cuda] [--dtype bfloat16]
 
 Enumerates the model types of transformers' own registries (every type with a class in one of its auto model
 mappings), builds each from a tiny config (its defaults with every width, depth and head count shrunk: `tiny_config`;
@@ -31,6 +32,9 @@ machine's memory is a row, not the end of the sweep. Rows are appended to a resu
 model type; default under the temporary directory, named by the library's version) as they finish, so a sweep
 stopped half way resumes where it stopped (`--fresh` starts over). `--sample N` takes N types drawn with
 `--seed` (a fixed sample: the same N types every run); `--only` names types; `--limit` takes the first N.
+`--device` and `--dtype` (transformers and timm) move each model, built on the CPU in float32 with the same seed,
+to a device and a dtype before it is audited, injected bugs too: the population at the dtype people train at, on a
+GPU's kernels. The results file is named by them, so such a run never resumes from the CPU float32 rows.
 
 Prints a row per model (type, class, built, verdict, findings, bugs caught at the right layer, seconds) and the
 rates: built; of the built, passed / failed / inconclusive / usage error / crashed or out of time; bugs caught
@@ -370,7 +374,7 @@ def _deeper(base, config, kw: dict) -> dict:
     return {k: depth for k in LAYER_COUNT if k in kw}
 
 
-def build(model_type: str, impl: str | None = None):
+def build(model_type: str, impl: str | None = None, *, device: str = "cpu", dtype: str | None = None):
     import torch
 
     from transformers.models.auto import modeling_auto
@@ -381,14 +385,25 @@ def build(model_type: str, impl: str | None = None):
                                                                causal_lm or ()))
     torch.manual_seed(0)
     kw = {"attn_implementation": impl} if impl else {}
-    return cls._from_config(config, **kw).eval()
+    return placed(cls._from_config(config, **kw).eval(), device=device, dtype=dtype)
+
+
+def placed(model, *, device: str = "cpu", dtype: str | None = None):
+    """The model moved to `device` and, where `dtype` names one ("bfloat16", "float16", ...), cast to it: the sweep
+    on a GPU or at a training dtype (`--device`, `--dtype`). Built on the CPU in float32 first, with the same seed,
+    so that the same weights are audited wherever they run."""
+    import torch
+
+    if device == "cpu" and dtype is None:
+        return model
+    return model.to(device=torch.device(device), dtype=getattr(torch, dtype) if dtype else None)
 
 
 def located(report) -> set:
     return {(f.layer, f.detector) for f in report.findings}
 
 
-def audit_row(row: Row, model, *, bugs: bool) -> None:
+def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> None:
     import diagnostics
     from diagnostics import AuditUsageError
 
@@ -419,7 +434,7 @@ def audit_row(row: Row, model, *, bugs: bool) -> None:
         if bug in MASK_BUGS and not masked:
             row.bugs[bug] = "not applicable: no mask (not causal, no padding mask)"
             continue
-        broken = build(row.model_type, "sweep_bugs")
+        broken = build(row.model_type, "sweep_bugs", device=device, dtype=dtype)
         target = dict(broken.named_modules()).get(path)
         if target is None:
             row.bugs[bug] = "no such layer"
@@ -447,17 +462,17 @@ def audit_row(row: Row, model, *, bugs: bool) -> None:
             row.bugs[bug] = "elsewhere: " + ", ".join(sorted(str(a) for a in at))[:120]
 
 
-def run_transformers(model_type: str, *, bugs: bool) -> Row:
+def run_transformers(model_type: str, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> Row:
     row = Row(model_type)
     try:
         row.cls = model_class(model_type).__name__
-        model = build(model_type)
+        model = build(model_type, device=device, dtype=dtype)
     except Exception as exc:
         row.verdict, row.why = "not built", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return row
     row.built = True
     try:
-        audit_row(row, model, bugs=bugs)
+        audit_row(row, model, bugs=bugs, device=device, dtype=dtype)
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
@@ -547,12 +562,12 @@ def timm_build(name: str):
     raise RuntimeError("; ".join(errors[-1:]))
 
 
-def run_timm(name: str, *, bugs: bool) -> Row:
+def run_timm(name: str, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> Row:
     from diagnostics.model._find import class_kind
 
     row = Row(name)
     try:
-        model = timm_build(name)
+        model = placed(timm_build(name), device=device, dtype=dtype)
     except Exception as exc:
         row.verdict, row.why = "not built", str(exc).splitlines()[0][:200] if str(exc) else ""
         return row
@@ -586,6 +601,7 @@ def run_diffusers(name: str, *, bugs: bool) -> Row:
 
 LIBRARIES = {"transformers": (transformers_types, run_transformers), "timm": (timm_types, run_timm),
              "diffusers": (diffusers_types, run_diffusers)}
+PLACED = ("transformers", "timm")  # the sweeps of whole models, which --device and --dtype move
 
 
 # ---- packages of attention layers: every *Attention class they define (benchmarks/sweep_packages.py) ----------
@@ -751,8 +767,27 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bugs", action="store_true", help="audit the correct models only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="models audited at once, one core each (default: the number of cores)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the models run, e.g. cuda (transformers and timm; default cpu)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+                        help="cast the models to this dtype after building them (transformers and timm)")
     args = parser.parse_args(argv)
     import torch
+
+    placement = {}
+    if args.device != "cpu" or args.dtype:
+        if args.library not in PLACED:
+            parser.error(f"--device and --dtype place the models of {', '.join(PLACED)}; {args.library}'s sweep "
+                         f"audits layers it builds itself on the CPU in float32. Leave them out for {args.library}.")
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as exc:
+            parser.error(f"--device {args.device!r}: {exc}. Expected a torch device such as cpu or cuda.")
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asked without initialising CUDA: children fork
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda, but torch.cuda.is_available() is False on this machine: run on a machine "
+                         "with a GPU, or leave --device out for the CPU.")
+        placement = {"device": args.device, "dtype": args.dtype}
 
     enumerate_types, run_one = LIBRARIES[args.library]
     types = enumerate_types()
@@ -766,7 +801,8 @@ def main(argv=None) -> int:
     if args.limit:
         types = types[:args.limit]
     version = library_version(args.library)
-    results = args.results or Path(tempfile.gettempdir()) / f"sweep-{args.library}-{version}.jsonl"
+    placed_name = "".join(f"-{v}" for v in placement.values() if v)
+    results = args.results or Path(tempfile.gettempdir()) / f"sweep-{args.library}-{version}{placed_name}.jsonl"
     done: dict = {}
     if results.exists() and not args.fresh:
         for line in results.read_text().splitlines():
@@ -774,13 +810,15 @@ def main(argv=None) -> int:
             done[row.model_type] = row
     elif args.fresh:
         results.unlink(missing_ok=True)
-    print(f"{args.library} {version}, torch {torch.__version__}: {len(types)} model types; results {results} "
+    where = f" on {args.device}" + (f" in {args.dtype}" if args.dtype else "") if placement else ""
+    print(f"{args.library} {version}, torch {torch.__version__}{where}: {len(types)} model types; results {results} "
           f"({sum(t in done for t in types)} already there)", flush=True)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     todo = [t for t in types if t not in done]
     started = time.perf_counter()
-    for r in run_children(run_one, todo, args.timeout, jobs=args.jobs, bugs=not args.no_bugs):
+    for r in run_children(run_one, todo, args.timeout, jobs=args.jobs, bugs=not args.no_bugs,
+                          **placement):
         done[r.model_type] = r
         with results.open("a") as f:  # the parent alone writes: one whole line per finished model
             f.write(json.dumps(asdict(r)) + "\n")

@@ -155,6 +155,33 @@ def test_jobs_below_one_is_a_usage_error(monkeypatch, capsys):
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_device_and_dtype_place_whole_models_and_are_refused_where_the_sweep_builds_layers(monkeypatch, capsys):
+    sweep = _sweep()
+    monkeypatch.setitem(sweep.LIBRARIES, "json", (lambda: ["good"], _fake_run))
+    with pytest.raises(SystemExit):  # the layer sweeps (diffusers, the zoo's packages) build their own layers
+        sweep.main(["json", "--dtype", "bfloat16"])
+    assert "--device and --dtype place the models of transformers, timm; json's sweep" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            sweep.main(["transformers", "--device", "cuda"])
+        assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert sweep.placed(model) is model  # the CPU in float32: the model as built
+    assert sweep.placed(model, dtype="bfloat16")[0].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.slow  # builds and audits a transformers model in bfloat16
+def test_a_model_cast_to_bfloat16_is_audited_in_bfloat16():
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    model = sweep.build("gpt2", dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {__import__("torch").bfloat16}
+    row = sweep.run_transformers("gpt2", bugs=False, dtype="bfloat16")
+    assert (row.built, row.verdict) == (True, "passed"), row
+
+
 @pytest.mark.slow  # imports every timm model module (timm_types): 71 s under load
 def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
