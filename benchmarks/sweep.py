@@ -439,6 +439,9 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
         if target is None:
             row.bugs[bug] = "no such layer"
             continue
+        if bug == "missing_scale" and getattr(target, "scaling", None) == 1.0:  # Granite's attention_multiplier
+            row.bugs[bug] = "not applicable: the layer's own scale is 1 (its configuration's), nothing to drop"
+            continue
         target._test_bug = bug
         try:
             rep = diagnostics.audit_model(broken, seq_len=8)

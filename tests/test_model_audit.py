@@ -587,9 +587,11 @@ def _safe_softmax(scores):
 
 
 def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None, causal: bool = False,
-            dropout: float = 0.0):
+            dropout: float = 0.0, sinks=None):
     """Attention step by step with the step `kind` names broken; `allowed` (.., Tq, Tk) True = may attend (or None),
-    `causal` whether the layer is a causal one. Returns (B, Tq, H, d), as Hugging Face's functions do."""
+    `causal` whether the layer is a causal one; `sinks` (H,), a learned logit per head that each softmax row takes
+    as one more key whose weight is then dropped (GPT-OSS's, MiMo-V2's `s_aux`, as their eager functions do).
+    Returns (B, Tq, H, d), as Hugging Face's functions do."""
     B, H, Tq, d = query.shape  # batch, query heads, queries, head width
     Tk, n_rep = key.shape[2], H // key.shape[1]
     key = key.repeat_interleave(n_rep, dim=1)  # (B, H, Tk, d): grouped key/value heads shared by n_rep queries
@@ -607,14 +609,18 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
         allowed = (allowed if allowed is not None else True) & (k_pos < q_pos)
     if kind == "missing_causal_mask" and allowed is not None:  # the padding mask kept, causality (and window) gone
         allowed = allowed.any(dim=-2, keepdim=True)  # (.., 1, Tk): the keys some query may attend
+    def with_sinks(s):  # (B, H, Tq, Tk + 1): the sink's logit as the last key's
+        return s if sinks is None else torch.cat([s, sinks.reshape(1, -1, 1, 1).to(s).expand(B, H, Tq, 1)], dim=-1)
+
     if kind == "mask_after_softmax":
-        weights = _safe_softmax(scores)  # normalised over every key, blocked ones included
+        weights = _safe_softmax(with_sinks(scores))[..., :Tk]  # normalised over every key, blocked ones included
         weights = weights if allowed is None else weights.masked_fill(~allowed, 0.0)  # kept rows sum to < 1
     else:
         scores = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
         weights = {"no_softmax": lambda s: s, "softmax_wrong_dim": lambda s: torch.softmax(s, dim=-2),
                    "fully_masked_row_nan": lambda s: torch.softmax(s, dim=-1),
-                   "double_softmax": lambda s: _safe_softmax(_safe_softmax(s))}.get(kind, _safe_softmax)(scores)
+                   "double_softmax": lambda s: _safe_softmax(_safe_softmax(s))}.get(kind, _safe_softmax)(
+            with_sinks(scores))[..., :Tk]
     if kind == "detached_softmax":
         weights = weights.detach()  # no gradient reaches q and k
     if kind == "dropout_in_eval":
@@ -636,6 +642,12 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kind = getattr(module, "_test_bug", None)
+    sinks = kw.pop("s_aux", None)  # learned sinks: sdpa's function takes none, so the explicit attention runs
+    # a sparse attention's chosen keys, (B, Tq, top-k) indices that a kernel of its own reads (DeepSeek-V3.2's DSA,
+    # HY-V4's): the model masks the others itself only for "eager" and "sdpa", so any other function must
+    indices = kw.pop("indices", None)
+    if kind is None and (sinks is not None or indices is not None):
+        kind = "reference"
     if kind is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kw)
@@ -655,6 +667,10 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             position_bias = attention_mask.masked_fill(~allowed, 0) + (0 if position_bias is None else position_bias)
     elif square:
         allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril()
+    if indices is not None:
+        chosen = torch.zeros(query.shape[0], Tq, Tk, dtype=torch.bool, device=query.device)
+        chosen = chosen.scatter(-1, indices.long(), True).unsqueeze(1)  # (B, 1, Tq, Tk)
+        allowed = chosen if allowed is None else allowed & chosen
     if kind == "mask_polarity_inverted" and attention_mask is not None:  # the model's mask read as True = blocked
         allowed = ~allowed
         if layer_causal:  # the layer's own causal mask stays right
@@ -665,7 +681,37 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         allowed, position_bias = None, kw_bias
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _attend(kind, query, key, value, allowed, scale, bias=position_bias, causal=layer_causal,
-                   dropout=dropout), None
+                   dropout=dropout, sinks=sinks), None
+
+
+def test_the_explicit_attention_takes_sinks_and_chosen_keys_as_the_models_own_eager_functions_do():
+    """The sweep's explicit attention (every layer of a model given "sweep_bugs" runs it) must be the model's own
+    attention where nothing is broken: with learned sinks (`s_aux`: GPT-OSS, MiMo-V2) it equals GPT-OSS's eager
+    function, and a sparse attention's chosen keys (`indices`: DSA, which masks the others itself only for "eager"
+    and "sdpa") are the only keys it attends. Without either it was sdpa's, and the correct MiMo-V2 and HY-V4 failed
+    parameters_used (the sinks, the indexer unused), so none of their bugs was judged."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 4, 6, 8
+    q, k, v = (torch.randn(B, H, T, d, generator=gen) for _ in range(3))
+    module = nn.Module()
+    module.sinks, module.num_key_value_groups = nn.Parameter(torch.randn(H, generator=gen)), 1
+    module.eval()
+    causal = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), torch.finfo(q.dtype).min)
+    mask = causal.expand(B, 1, T, T)
+    ours, _ = bug_attention(module, q, k, v, mask, scaling=d ** -0.5, s_aux=module.sinks)
+    theirs, _ = eager_attention_forward(module, q, k, v, mask, scaling=d ** -0.5)
+    torch.testing.assert_close(ours, theirs)
+    no_sinks, _ = bug_attention(module, q, k, v, mask, scaling=d ** -0.5)
+    assert not torch.allclose(no_sinks, theirs, atol=1e-3)  # the sinks take weight: leaving them out is seen
+    chosen = torch.stack([torch.randperm(T, generator=gen)[:3] for _ in range(B * T)]).view(B, T, 3)
+    keep = torch.zeros(B, T, T, dtype=torch.bool).scatter(-1, chosen, True)[:, None] & (causal == 0)
+    ours, _ = bug_attention(module, q, k, v, mask, scaling=d ** -0.5, indices=chosen)
+    masked = torch.zeros(B, 1, T, T).masked_fill(~keep, float("-inf"))
+    expected = torch.softmax((q @ k.transpose(-2, -1)) * d ** -0.5 + masked, dim=-1).nan_to_num() @ v
+    torch.testing.assert_close(ours, expected.transpose(1, 2))
 
 
 HF_TARGET = {"bart": "model.decoder.layers.0.self_attn", "t5": "decoder.block.1.layer.0.SelfAttention"}

@@ -182,6 +182,17 @@ def test_a_model_cast_to_bfloat16_is_audited_in_bfloat16():
     assert (row.built, row.verdict) == (True, "passed"), row
 
 
+@pytest.mark.slow  # builds and audits GraniteMoE five times (the correct model, the reference, three bugs)
+def test_a_missing_scale_is_not_judged_where_the_layers_own_scale_is_1():
+    """Granite's `scaling` is its config's attention_multiplier, 1.0 by default: 'missing scale' (scores times 1)
+    is then the correct layer itself, and was counted as a bug missed. The other bugs are still judged."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    row = _sweep().run_transformers("granitemoe", bugs=True)
+    assert row.verdict == "passed", row
+    assert row.bugs.pop("missing_scale").startswith("not applicable: the layer's own scale is 1"), row.bugs
+    assert row.bugs and set(row.bugs.values()) == {"caught"}, row.bugs
+
+
 @pytest.mark.slow  # imports every timm model module (timm_types): 71 s under load
 def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
