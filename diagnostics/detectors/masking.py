@@ -1,5 +1,12 @@
 """`mask_honoured` and `fully_masked_rows`: keys the mask blocks change nothing, and a query with no key
-allowed gives a finite output."""
+allowed gives a finite output.
+
+`mask_honoured` blocks keys in three ways: trailing padding (every query), a causal mask (audited as not causal), and
+keys in the past (keys 1..cut for every query, audited as not causal). The last is the one a layer that reads its
+mask only as a flag fails: it applies a fixed pattern (a causal mask, a window) whenever a mask is given, never the
+mask's values (Whisper's `is_causal=mask is not None`), and the first two block only keys such a pattern hides
+anyway. The finding then says so, from two more calls (`read_as_flag`): a mask that blocks nothing gives the same
+outputs, no mask gives others."""
 
 from __future__ import annotations
 
@@ -31,8 +38,10 @@ from ._stacked import PADDED, stacked, stacked_cases
 from .finite import ROW_FILLS, nonfinite_sites
 
 
-@detector("mask_honoured", "changing a key the mask blocks changes nothing (padding and causal masks)",
-          targets=("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped"),
+@detector("mask_honoured", "changing a key the mask blocks changes nothing (padding, causal and, audited as not "
+          "causal, past-key masks)",
+          targets=("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped",
+                   "mask read only as a flag (a fixed causal or window pattern applied whenever a mask is given)"),
           fix="apply the mask to the scores before the softmax: scores.masked_fill(~allowed, -inf)",
           needs=(TAKES_MASK, LONG),
           locate=lambda probe, result: mask_sites(probe, result))
@@ -112,7 +121,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         return skip(det, "no changed key moved any other query's output (each output moves with its own token "
                          "only): the layer mixes no tokens, so the mask has nothing to block")
     found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
-                    f"keys the mask blocks have no effect ({' and '.join(name for name, *_ in results)} "
+                    f"keys the mask blocks have no effect ({_listed([name for name, *_ in results])} "
                     f"mask{'s' if len(results) > 1 else ''})",
                     value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
@@ -150,18 +159,20 @@ def mask_sites(probe: Probe, result: DetectorResult) -> list[Site]:
 
 PADDED_KEYS = "when only padded keys changed"
 PAST_KEYS = "when only keys 1..{cut}, which the mask blocks for every query, changed"
-FLAG_FIX = ("use the mask's values, not `mask is not None`: apply them to the scores (scores.masked_fill(~mask, -inf), "
-            "or attn_mask=mask to scaled_dot_product_attention) rather than switching a fixed pattern on whenever a mask "
-            "is given (is_causal=mask is not None); if the layer's model only ever passes it one fixed mask, or none, "
-            "audit it as it is called: declare the call, e.g. call=lambda layer, x: layer(x)")
+FLAG_FIX = ("the mask is read only as a flag: use its values, not `mask is not None`: apply them to the scores "
+            "(scores.masked_fill(~mask, -inf), or attn_mask=mask to scaled_dot_product_attention) rather than "
+            "switching a fixed pattern on whenever a mask is given (is_causal=mask is not None); if the layer's model "
+            "only ever passes it one fixed mask, or none, audit it as it is called: declare the call, e.g. "
+            "call=lambda layer, x: layer(x)")
 
 
 def read_as_flag(probe: Probe, results) -> str:
     """After blocked keys moved the output: whether the layer reads its mask only as a flag. On the first of the
-    failing scenarios' (`results`) inputs whose mask blocks something, the same call with a mask that blocks nothing beyond what the audit itself passes (causal, a
-    pattern) and with no mask at all: the opened mask gives the same outputs (within the "unchanged" tolerance, its
-    blocked keys never read) while no mask gives others (its presence switches something on). Its evidence, else ''
-    (also where the mask is ignored altogether: no mask then changes nothing either). Two calls, on failure only."""
+    failing scenarios' (`results`) inputs whose mask blocks something, the same call with a mask that blocks nothing
+    beyond what the audit itself passes (causal, a pattern) and with no mask at all: the opened mask gives the same
+    outputs (within the "unchanged" tolerance: the keys it blocked were never read) while no mask gives others (its
+    presence switches something on). Its evidence, else '' (also where the mask is ignored altogether: no mask then
+    changes nothing either). Two calls, on failure only."""
     B, T = probe.BATCH, probe.t
     for name, comparison, _, _ in results:
         base = comparison.base
@@ -272,6 +283,11 @@ def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, str]:
     text = (f"{int((rows > tol).sum())} / {rows.numel()} outputs that may attend key 0 moved when only key 0 changed; "
             f"greatest change {worst:.3g} ({allowed_text(tol, dtype)})")
     return moved, text
+
+
+def _listed(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _with_hint(probe: Probe, fix: str) -> str:
