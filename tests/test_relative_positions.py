@@ -258,14 +258,20 @@ class MaskAsFlag(PositionalAttention):
         return super().forward(x, None if mask is None else causal.expand(x.shape[0], 1, T, T))
 
 
-def test_a_mask_read_as_a_flag_names_the_call_without_it_and_that_call_passes():
-    """Audited as a user first does, the left padding is attended (the mask's values are never read): the finding
-    says the mask is a flag and names call= without it, not positions="absolute"; audited through that call, the
-    same layer passes (its positions cannot be shifted without a mask: a visible skip). A layer that applies its mask and has absolute positions is not read as a flag."""
+def test_a_mask_read_as_a_flag_is_mask_honoureds_finding_not_a_position_and_the_call_without_it_passes():
+    """Audited as a user first does, the left padding is attended (the mask's values are never read): no position is
+    measured through it, so relative_positions is a visible skip that names the flag and mask_honoured, whose finding
+    it is (tests/test_mask_as_flag.py), with the fix naming call= without the mask, not positions="absolute"; audited
+    through that call, the same layer passes (its positions cannot be shifted without a mask: a visible skip). A
+    layer that applies its mask and has absolute positions is not read as a flag."""
     torch.manual_seed(0)
-    result = diagnostics.audit(MaskAsFlag(), detectors=[DET]).result(DET)
-    assert result.verdict == "fail" and "only as a flag" in result.message, result
-    assert "call=" in result.fix and "positions=" not in result.fix, result.fix
+    report = diagnostics.audit(MaskAsFlag())
+    result = report.result(DET)
+    assert result.verdict == "skip" and "only as a flag" in result.message and "mask_honoured" in result.message, result
+    masked = report.result("mask_honoured")
+    assert masked.verdict == "fail" and "only as a flag" in masked.message, masked
+    assert "call=" in masked.remedy[0] and "positions=" not in masked.remedy[0], masked.remedy
+    assert [f.detector for f in report.findings] == ["mask_honoured"], report.findings
     torch.manual_seed(0)
     unmasked = diagnostics.audit(MaskAsFlag(), call=lambda layer, x: layer(x))
     assert unmasked.passed and not unmasked.fired(), str(unmasked)  # positions: a visible skip without a mask

@@ -1,9 +1,16 @@
 """`mask_honoured` and `fully_masked_rows`: keys the mask blocks change nothing, and a query with no key
-allowed gives a finite output."""
+allowed gives a finite output.
+
+`mask_honoured` blocks keys in three ways: trailing padding (every query), a causal mask (audited as not causal), and
+keys in the past (keys 1..cut for every query, audited as not causal). The last is the one a layer that reads its
+mask only as a flag fails: it applies a fixed pattern (a causal mask, a window) whenever a mask is given, never the
+mask's values (Whisper's `is_causal=mask is not None`), and the first two block only keys such a pattern hides
+anyway. The finding then says so, from two more calls (`read_as_flag`): a mask that blocks nothing gives the same
+outputs, no mask gives others."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -17,36 +24,48 @@ from .._core import (
     held,
     not_run,
     perturbed,
+    relative_change,
     skip,
     unravel,
     where_text,
 )
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
-from .._result import DetectorResult
-from ._common import invariance_locator, judge, perturbation_gains, result
+from .._result import DetectorResult, Site
+from ._common import invariance_sites, judge, perturbation_gains, result
 from ._mask_hints import convention_hint
 from ._stacked import PADDED, stacked, stacked_cases
 from .finite import ROW_FILLS, nonfinite_sites
 
 
-@detector("mask_honoured", "changing a key the mask blocks changes nothing (padding and causal masks)",
-          targets=("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped"),
+@detector("mask_honoured", "changing a key the mask blocks changes nothing (padding, causal and, audited as not "
+          "causal, past-key masks)",
+          targets=("mask polarity inverted", "mask applied after softmax", "mask ignored or misshaped",
+                   "mask read only as a flag (a fixed causal or window pattern applied whenever a mask is given)"),
           fix="apply the mask to the scores before the softmax: scores.masked_fill(~allowed, -inf)",
           needs=(TAKES_MASK, LONG),
-          locate=invariance_locator("the first op whose output moves when only keys the mask blocks change",
-                                    use_masks=True))
+          locate=lambda probe, result: mask_sites(probe, result))
 def check_mask_honoured(probe: Probe) -> DetectorResult:
     det, B, T = "mask_honoured", probe.BATCH, probe.t
     i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
     cut = (T - 1) // 2
     # the padding scenario's mask is the stack's: trailing keys blocked for every query (see Probe.padding)
-    scenarios = (("padding", None, None, PADDED_KEYS),
-                 ("causal", (j <= i).expand(B, T, T), (j > cut).expand(B, T), f"when only keys after t={cut} changed"))
-    if probe.causal:
+    scenarios = [("padding", None, None, PADDED_KEYS)]
+    if not probe.causal:
         # a causal mask passed to a layer audited as causal blocks what the layer's own causality (or the causal
         # mask the audit passes) blocks already: that probe is future_leakage's, which runs on such layers
-        scenarios = scenarios[:1]
+        scenarios.append(("causal", (j <= i).expand(B, T, T), (j > cut).expand(B, T),
+                          f"when only keys after t={cut} changed"))
+    if not probe.causal and cut >= 1:
+        # keys in the past blocked for every query (key 0 kept, so that no query is left without a key): keys that
+        # trailing padding and a causal mask never block. A layer that reads its mask only as a flag (applies a
+        # fixed causal or windowed pattern whenever a mask is given, whatever it holds) lets the later queries see
+        # them; the two scenarios above cannot tell, as the fixed pattern hides every key they block. Not in a
+        # causal audit: there the causal mask is what the layer was declared to apply, and a layer switched causal
+        # by the mask's presence does what its model asks of it where the model passes it only that mask
+        # (Whisper's decoder)
+        past = (j >= 1) & (j <= cut)  # (Tk,)
+        scenarios.append(("past-key", (~past).expand(B, T, T), past.expand(B, T), PAST_KEYS.format(cut=cut)))
     results, unmeasured, base = [], None, None
     for name, mask, keys, when in scenarios:
         control = name == "padding"
@@ -54,7 +73,10 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             comparison = stacked(probe, PADDED, det)
         else:
             base = Inputs(*probe.streams(B, T), mask)
-            comparison = compare(probe, base, blocked_key_cases(probe, base, keys, when, control=False),
+            # no positive control in the past-key scenario: the changed queries may attend key 0 alone (a layer
+            # causal by itself), whose output no query moves; the padding scenario's control proves the probe bites
+            comparison = compare(probe, base, blocked_key_cases(probe, base, keys, when, control=False,
+                                                                moves=name != "past-key"),
                                  label=f"{name} mask, blocked keys changed")
         if isinstance(comparison, DetectorResult):  # not measured with this mask (see below)
             unmeasured = unmeasured or comparison
@@ -99,11 +121,19 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         return skip(det, "no changed key moved any other query's output (each output moves with its own token "
                          "only): the layer mixes no tokens, so the mask has nothing to block")
     found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
-                    f"keys the mask blocks have no effect ({' and '.join(name for name, *_ in results)} "
+                    f"keys the mask blocks have no effect ({_listed([name for name, *_ in results])} "
                     f"mask{'s' if len(results) > 1 else ''})",
                     value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol,
                     evidence="; ".join(f"{name} mask: {text}" for name, _, _, text, _ in readings),
                     replay=tuple(c for _, c, *_ in results))
+    if found.verdict == "fail":
+        flag = read_as_flag(probe, [r for r in results if r[0] in bad])
+        if flag:
+            return DetectorResult(det, "fail", f"the mask's content is ignored; only its presence changes the output: "
+                                               f"the layer reads its mask only as a flag ({found.message})",
+                                  value=found.value, threshold=found.threshold,
+                                  evidence=f"{found.evidence}; {flag}", fix=FLAG_FIX, replay=found.replay,
+                                  extras={"read_as_flag": True})
     if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
         # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
@@ -116,7 +146,57 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     return found
 
 
+def mask_sites(probe: Probe, result: DetectorResult) -> list[Site]:
+    """The first op whose output moves when only keys the mask blocks change (or the masking op that lets them in);
+    for a mask read only as a flag, the same sites with the flag's fix: what they block is a fixed pattern."""
+    sites = invariance_sites(probe, result, use_masks=True,
+                             note="the first op whose output moves when only keys the mask blocks change")
+    if not result.extras.get("read_as_flag"):
+        return sites
+    return [replace(site, note=f"the mask's values do not reach it, only whether one is given: {site.note}",
+                    fix=FLAG_FIX) for site in sites]
+
+
 PADDED_KEYS = "when only padded keys changed"
+PAST_KEYS = "when only keys 1..{cut}, which the mask blocks for every query, changed"
+FLAG_FIX = ("the mask is read only as a flag: use its values, not `mask is not None`: apply them to the scores "
+            "(scores.masked_fill(~mask, -inf), or attn_mask=mask to scaled_dot_product_attention) rather than "
+            "switching a fixed pattern on whenever a mask is given (is_causal=mask is not None); if the layer's model "
+            "only ever passes it one fixed mask, or none, audit it as it is called: declare the call, e.g. "
+            "call=lambda layer, x: layer(x)")
+
+
+def read_as_flag(probe: Probe, results) -> str:
+    """After blocked keys moved the output: whether the layer reads its mask only as a flag. On the first of the
+    failing scenarios' (`results`) inputs whose mask blocks something, the same call with a mask that blocks nothing
+    beyond what the audit itself passes (causal, a pattern) and with no mask at all: the opened mask gives the same
+    outputs (within the "unchanged" tolerance: the keys it blocked were never read) while no mask gives others (its
+    presence switches something on). Its evidence, else '' (also where the mask is ignored altogether: no mask then
+    changes nothing either). Two calls, on failure only."""
+    B, T = probe.BATCH, probe.t
+    for name, comparison, _, _ in results:
+        base = comparison.base
+        blocked = probe.allowed(B, T, T, base.extra)
+        opened = probe.allowed(B, T, T, torch.ones(B, T, T, dtype=torch.bool))
+        if bool((opened.cpu() == blocked.cpu()).all()):
+            continue
+        masked = comparison.baseline_output()
+        calls = [probe.call(base.query, base.key, base.value, mask,
+                            label=f"{name} scenario's inputs, {what}")
+                 for mask, what in ((opened, "a mask that blocks none of them"), (None, "no mask"))]
+        if not all(c.ok and tuple(c.output.out.shape) == tuple(masked.shape) for c in calls):
+            return ""
+        same = relative_change(calls[0].output.out, masked, centred=True)
+        switched = relative_change(calls[1].output.out, calls[0].output.out, centred=True)
+        if same is None or switched is None:
+            return ""
+        tol = comparison.tol
+        if float(same.max()) > tol or not float(switched.max()) > tol:
+            return ""
+        return (f"with a mask that blocks none of the keys the {name} mask blocks the outputs were the same (greatest "
+                f"change {float(same.max()):.3g} of the outputs' RMS, {allowed_text(tol, probe.subject.dtype)}), and "
+                f"with no mask they changed by up to {float(switched.max()):.3g}")
+    return ""
 
 
 @dataclass
@@ -157,13 +237,15 @@ def _rows(probe: Probe, base: Inputs, keys: Tensor) -> _Rows:
     return _Rows(hold, sees, changed, attends)
 
 
-def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, control: bool) -> list[Case]:
-    """The keys `keys` (B, Tk) blocks changed, and with `control` (the padding scenario) key 0 changed alone."""
+def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, control: bool,
+                      moves: bool = True) -> list[Case]:
+    """The keys `keys` (B, Tk) blocks changed, and with `control` (the padding scenario) key 0 changed alone;
+    `moves`: the rows a correct layer moves are named (Case.move), the cases' positive control."""
     B, T = probe.BATCH, probe.t
     rows = _rows(probe, base, keys)
     gains = perturbation_gains(probe)
     none = torch.zeros(B, T, dtype=torch.bool)
-    cases = [Case(x, hold=rows.hold, move=rows.sees, when=f"{when} (x{gain:g})")
+    cases = [Case(x, hold=rows.hold, move=rows.sees if moves else None, when=f"{when} (x{gain:g})")
              for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
     if control:
         also = f" and key {T - 1}, which it blocks," if base.one_stream else ""
@@ -201,6 +283,11 @@ def allowed_key_reading(comparison, attends, dtype) -> tuple[bool, str]:
     text = (f"{int((rows > tol).sum())} / {rows.numel()} outputs that may attend key 0 moved when only key 0 changed; "
             f"greatest change {worst:.3g} ({allowed_text(tol, dtype)})")
     return moved, text
+
+
+def _listed(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _with_hint(probe: Probe, fix: str) -> str:

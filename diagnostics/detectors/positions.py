@@ -376,12 +376,11 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     if bool(bad.any()) and method == "padding":
         flag = _mask_is_a_flag(probe, shifted, shifted_allowed, got, P, T, tol)
         if flag:
-            return result(DET, "fail", "the left padding, which the mask blocks, moves the real tokens' outputs: the "
-                                       "layer reads its mask only as a flag (its values change nothing)",
-                          value=worst, threshold=tol, evidence=f"{evidence}; {flag}", replay=replay,
-                          fix="if the layer's model calls it without a mask (an encoder), audit it that way: declare "
-                              "the call, e.g. call=lambda layer, x: layer(x); else apply the mask's values to the "
-                              "scores (scores.masked_fill(~allowed, -inf)) rather than reading it as a switch")
+            # the padding shifted nothing: its mask was never read, so no position was measured; the finding is the
+            # mask's (mask_honoured blocks keys in the past, which such a layer lets in), not the positions'
+            return skip(DET, f"the left padding meant to shift the positions is not blocked: the layer reads its mask "
+                             f"only as a flag ({flag}), so a shift cannot be measured through it (see mask_honoured); "
+                             f"{evidence}")
     if bool(bad.any()):
         declared = f"; {where} says they are relative" if kind == "relative" else ""
         return result(DET, "fail", f"the outputs depend on absolute positions: shifting every position by {P} moves "
