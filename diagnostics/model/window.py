@@ -145,7 +145,7 @@ def declared_window(module: nn.Module) -> int | None:
 
 
 def _attends_memory(ctx: ModelContext, path: str) -> bool:
-    """Whether the model called the layer with a memory its keys come from (its in-place wrapper a cross-attention's)."""
+    """Whether the model called the layer with a memory its keys come from (its wrapper a cross-attention's)."""
     wrapper = ctx.wrappers.get(path)
     return wrapper is not None and not wrapper.is_self_attention()
 
