@@ -96,8 +96,11 @@ TINY = {
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary
-# (CodeGen's rotary_dim) shrunk with the head (a 64-wide rotary table on an 8-wide head raises)
-TINY_ENDINGS = {"rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 8, "_lora_rank": 16, "rotary_dim": 4}
+# (CodeGen's rotary_dim) shrunk with the head (a 64-wide rotary table on an 8-wide head raises); and a global stage's
+# width read by another stage's config (BLT's local decoder projects the global transformer's output from
+# hidden_size_global: left at 2,048 beside the global config's 32, every forward raised in that projection)
+TINY_ENDINGS = {"rope_head_dim": 8, "nope_head_dim": 8, "v_head_dim": 8, "_lora_rank": 16, "rotary_dim": 4,
+                "_size_global": 32}
 LAYER_COUNT = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 TF = "transformers 5.25.0, transformers/models/"
 KNOWN = {  # model type -> why it fails: a problem of the library's own, confirmed outside the audit (issue 33)
@@ -200,6 +203,14 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                   f"built for config.window_size ({TF}donut/modeling_donut_swin.py:505, 511); built for 64 px it "
                   f"raises on 64 px images (confirmed by tests/test_sweep.py's plain script; SwinV2 and "
                   f"MaskFormer-Swin run)",
+    "blt": f"a forward with use_cache=True (its config's default) raises AttributeError: BltModel builds its cache as "
+           f"`DynamicCache(config=self.config)` ({TF}blt/modeling_blt.py:1190), which reads num_hidden_layers from "
+           f"config.get_text_config(decoder=True), the BltConfig itself, whose depths are its sub-configs' only "
+           f"(cache_utils.py:2121; generate raises the same); and left padding moves the real tokens' outputs: the "
+           f"entropy patcher is run on input_ids without the attention_mask (modeling_blt.py:1215), so it attends the "
+           f"pad bytes and the real bytes' entropies, which cut the patches, move (confirmed by tests/test_sweep.py's "
+           f"plain scripts: 'BltConfig' object has no attribute 'num_hidden_layers'; 4 masked left pads move the real "
+           f"tokens' logits by 4.5 of their RMS)",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,

@@ -194,6 +194,17 @@ class Matmul:
 
 
 @dataclass
+class Affine:
+    """A product and a bias added in one op, bias + a @ b (aten.addmm: what nn.Linear with a bias runs on a contiguous
+    input): its output's shape and its right operand b (a weight's transposed view, sharing the weight's storage)
+    only, nothing copied. Not a `Matmul`, whose readers look for q·k: a projection is none. Read by the model audit's
+    router rule (a gate with a bias, softmax(x W + c), is a router as softmax(x W) is)."""
+
+    shape: tuple
+    b: Tensor
+
+
+@dataclass
 class FusedAttention:
     q: Tensor
     k: Tensor
@@ -455,6 +466,8 @@ class Observer(Mode):
             self._fresh(outs)
             rec.matmuls.append(m)
             rec.order.append(m)
+        elif func is aten.addmm.default:
+            rec.order.append(Affine(tuple(out.shape), args[2].detach()))
         elif func is aten.baddbmm.default:
             a, b = args[1], args[2]
             alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))

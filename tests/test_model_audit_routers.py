@@ -8,7 +8,9 @@ Twins on one small causal LM whose blocks hold an attention layer and a dense mi
 the correct one passes (it failed at the routers before); the same model with block 1's attention missing its
 1/sqrt(d) still fails at that attention; and an attention layer of the same class whose scores are taken against its
 key projection's weight instead of the keys (its softmax then runs over a weight's outputs too) is still audited as
-attention, being of the kind of the attention beside it, and fails.
+attention, being of the kind of the attention beside it, and fails. Each with the gate's nn.Linear with a bias too:
+softmax(x W + c), whose product and bias are one op (addmm on a contiguous input), not the mm the rule first read
+(the correct model then failed at its routers again: output_shape, softmax_saturation, gradients).
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ class Experts(nn.Module):
     """A dense mixture of experts behind a router: softmax(x W_gate) over the experts, (B, T, E), weighs each
     expert's output per token (ZAYA's router, without its top-k)."""
 
-    def __init__(self):
+    def __init__(self, bias: bool = False):
         super().__init__()
-        self.gate = nn.Linear(D, E, bias=False)
+        self.gate = nn.Linear(D, E, bias=bias)
         self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(E))
 
     def forward(self, x):
@@ -69,9 +71,10 @@ class Experts(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, attention: type):
+    def __init__(self, attention: type, gate_bias: bool = False):
         super().__init__()
-        self.norm1, self.attn, self.norm2, self.moe = nn.LayerNorm(D), attention(), nn.LayerNorm(D), Experts()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(D), attention(), nn.LayerNorm(D)
+        self.moe = Experts(gate_bias)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -79,15 +82,16 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    """A two-block causal LM, forward(input_ids) -> logits; `second`: block 1's attention class."""
+    """A two-block causal LM, forward(input_ids) -> logits; `second`: block 1's attention class; `gate_bias`: the
+    routers' gates with a bias."""
 
     causal = True
 
-    def __init__(self, second: type = Attention):
+    def __init__(self, second: type = Attention, gate_bias: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(16, D)
-        self.blocks = nn.ModuleList([Block(Attention), Block(second)])
+        self.blocks = nn.ModuleList([Block(Attention, gate_bias), Block(second, gate_bias)])
         self.head = nn.Linear(D, V)
 
     def forward(self, input_ids):
@@ -97,29 +101,32 @@ class MoELM(nn.Module):
         return self.head(x)
 
 
-def audit(second: type):
-    return diagnostics.audit_model(MoELM(second), seq_len=8)
+def audit(second: type, gate_bias: bool = False):
+    return diagnostics.audit_model(MoELM(second, gate_bias), seq_len=8)
 
 
-def test_an_moe_router_is_not_audited_as_attention_and_the_model_passes():
-    report = audit(Attention)
+@pytest.mark.parametrize("gate_bias", [False, True])
+def test_an_moe_router_is_not_audited_as_attention_and_the_model_passes(gate_bias):
+    report = audit(Attention, gate_bias)
     assert list(report.layers) == ["blocks.0.attn", "blocks.1.attn"], str(report)  # was: blocks.*.moe too
     assert report.status == "passed", str(report)  # was: failed at blocks.0.moe and blocks.1.moe
     said = [n for n in report.notes if n.startswith("blocks.0.moe not audited as attention")]
     assert said and "over that weight's 4 outputs" in said[0] and "MoE router" in said[0], report.notes
 
 
-def test_beside_the_routers_an_attention_missing_its_scale_still_fails_there():
-    report = audit(Unscaled)
+@pytest.mark.parametrize("gate_bias", [False, True])
+def test_beside_the_routers_an_attention_missing_its_scale_still_fails_there(gate_bias):
+    report = audit(Unscaled, gate_bias)
     assert report.status == "failed", str(report)
     assert {f.layer for f in report.findings if f.verdict == "fail"} == {"blocks.1.attn"}, report.findings
 
 
+@pytest.mark.parametrize("gate_bias", [False, True])
 @pytest.mark.parametrize("second", [KeysFromWeight])
-def test_an_attention_whose_softmax_runs_over_its_key_weight_is_still_audited_as_attention(second):
+def test_an_attention_whose_softmax_runs_over_its_key_weight_is_still_audited_as_attention(second, gate_bias):
     """Its softmax runs over a weight's outputs as a router's does, but its class is the attention's beside it: a layer
     that lost its keys, audited in its place (and failed there), not a router left out."""
-    report = audit(second)
+    report = audit(second, gate_bias)
     assert "blocks.1.attn" in report.layers, str(report)
     assert not any(n.startswith("blocks.1.attn not audited") for n in report.notes), report.notes
     assert report.status == "failed", str(report)

@@ -445,6 +445,51 @@ def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_recurre
     assert (change > 1e-3) is known, change  # measured: 0.45 of the RMS (RecurrentGemma), 1.2e-7 (Gemma)
 
 
+@pytest.mark.parametrize("model_type, known", [("blt", True), ("llama", False)])
+def test_a_causal_lms_forward_with_its_default_cache_runs_except_where_known_says_its_config_has_no_depth(model_type,
+                                                                                                        known):
+    """BLT (KNOWN), as the sweep builds it: model(input_ids) with the config's use_cache=True raises AttributeError,
+    its cache built from a BltConfig with no num_hidden_layers; with use_cache=False it runs. Llama, the same script,
+    runs either way."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert model(ids, use_cache=False).logits.shape[:2] == (1, 8)
+        try:
+            model(ids)
+        except AttributeError as exc:
+            assert known and "num_hidden_layers" in str(exc), exc
+        else:
+            assert not known
+
+
+@pytest.mark.parametrize("model_type, known", [("blt", True), ("llama", False)])
+def test_left_padding_leaves_the_real_tokens_except_where_known_says_the_patcher_reads_no_mask(model_type, known):
+    """BLT (KNOWN), as the sweep builds it: 4 left pads, masked, positions from the mask, move the logits at the 12
+    real tokens (its entropy patcher runs without the mask); Llama, the same script, leaves them. use_cache=False:
+    BLT's cache raises (the test above)."""
+    import torch
+
+    _transformers()
+    sweep = _sweep()
+    assert (model_type in sweep.KNOWN) is known
+    model = sweep.build(model_type)
+    ids = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.full((1, 4), 3), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(ids, position_ids=torch.arange(12)[None], use_cache=False).logits
+        left = model(padded, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                     use_cache=False).logits[:, 4:]
+    change = float((left - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change  # measured: 4.5 of the RMS (BLT), 1.1e-6 (Llama)
+
+
 def _logits(out):
     """The first output of a transformers model: its logits, else its first field (ColPali's embeddings)."""
     return out.logits if getattr(out, "logits", None) is not None else out[0]

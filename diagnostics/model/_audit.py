@@ -220,7 +220,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                 notes.append(said)
             try:
                 # progress=False: a bar per layer would draw over the model audit's own stages
-                rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, detectors=layer_ids, scale=scale,
+                rep = audit(w, causal=layer_causal, seq_len=w.probe_length, seed=seed, detectors=layer_ids, scale=scale,
                             pattern=declared[p].pattern if p in declared else None, progress=False)
             except AuditUsageError as exc:
                 notes.append(f"{p} not audited in place: {exc}")
@@ -235,7 +235,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                              f"{w.block_size or T}, by design (gradient_flow says so)")
                 ctx.layer_calls += rep.forward_passes
                 try:
-                    rep = audit(w, causal=layer_causal, seq_len=w.block_size, seed=seed, scale=scale,
+                    rep = audit(w, causal=layer_causal, seq_len=w.probe_length, seed=seed, scale=scale,
                                 detectors=[d for d in layer_ids if d != "parameters_used"],
                                 pattern=declared[p].pattern if p in declared else None, progress=False)
                 except Exception:  # it ran once with the same probes: keep that report

@@ -4,19 +4,20 @@ forward (the innermost such module with parameters); and a module in the place a
 Only modules that mix tokens: one whose every observed attention sums its q·k product over the tokens and has
 (Tq, Tk) scores of another size (DaViT's channel attention, softmax(q^T k) over (B, H, d, d)) attends between
 channels; one whose every softmax normalises a product with a weight of the model over that weight's outputs (an MoE
-router's softmax(x W) over (B, T, experts), ZAYA's) gives each token a distribution over classes of its own; both are
-left out, saying why (`Observation.not_tokens`).
+router's softmax(x W) over (B, T, experts), ZAYA's; or x W + c, a gate with a bias) gives each token a distribution
+over classes of its own; both are left out, saying why (`Observation.not_tokens`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from .._observe import FusedAttention, Matmul, Observer, SoftmaxCall
+from .._observe import Affine, FusedAttention, Matmul, Observer, SoftmaxCall
 from ._runner import Runner
 
 TORCH_ATTENTION = (nn.MultiheadAttention,)
@@ -165,10 +166,11 @@ class ModuleWatch:
             return None
         record = self.observer.record
         i = next((j for j, o in enumerate(record.order) if o is call), None)
+        # x W, or x W + c in one op (a gate with a bias, nn.Linear's addmm): the last product with as many numbers
         product = None if i is None else next(
-            (m for m in reversed(record.order[:i]) if isinstance(m, Matmul) and m.out.numel() == call.input.numel()),
-            None)
-        if product is None or product.b.dim() != 2 or product.out.shape[-1] != call.input.shape[-1] or \
+            (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))
+             and math.prod(_shape(m)) == call.input.numel()), None)
+        if product is None or product.b.dim() != 2 or _shape(product)[-1] != call.input.shape[-1] or \
                 product.b.shape[-1] != call.input.shape[-1]:
             return None
         if self._weights is None:
@@ -201,6 +203,11 @@ class ModuleWatch:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _shape(product: Matmul | Affine) -> tuple:
+    """The shape of a product's output."""
+    return tuple(product.out.shape) if isinstance(product, Matmul) else product.shape
 
 
 def _storage(t: Tensor):

@@ -32,6 +32,13 @@ from ._runner import Runner, first_tensor
 VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
+def _is_memory_name(name: str) -> bool:
+    """Whether an argument's name says it holds a memory the module attends: one of MEMORY_NAMES, or the states of a
+    cross-attention by name (BLT's, Mllama's and Dia's `cross_attention_states`). Left out, BLT's cross-attention was
+    audited as a self-attention whose keys and values the probes never reached (its memory held as captured)."""
+    return name in MEMORY_NAMES or (name.startswith("cross") and name.endswith("states"))
+
+
 @dataclass(frozen=True)
 class CapturedCall:
     """One call of a module during a model forward: its arguments as passed, and copies of them taken before
@@ -263,6 +270,11 @@ class InPlace(nn.Module):
             for name, value in self.call_arguments.items() if name != self.hidden_name
             for leaf, tensor in _leaves(value, (name,)))
 
+    @property
+    def probe_length(self) -> int:
+        """The length its audit probes it at: the length its model called it with."""
+        return self.block_size
+
     def _other_memory(self) -> bool:
         """Whether the call in progress has another memory length than the model's (cross-attention only)."""
         return False
@@ -272,7 +284,7 @@ class InPlace(nn.Module):
 
     def is_self_attention(self) -> bool:
         """No key/value/memory stream other than the hidden states."""
-        return not any(name in KEY_NAMES + VALUE_NAMES + MEMORY_NAMES and isinstance(value, Tensor)
+        return not any((name in KEY_NAMES + VALUE_NAMES or _is_memory_name(name)) and isinstance(value, Tensor)
                        and name not in self.same_as_hidden for name, value in self.call_arguments.items())
 
 
@@ -289,6 +301,16 @@ class InPlaceCross(InPlace):
         self._memory_now = self.memory_length  # the memory length of the call in progress
         self.audit_name = self.audit_name.replace(", in place)", f", in place, memory {memory})")
 
+    @property
+    def probe_length(self) -> int:
+        """The queries' length, or the memory's where it is shorter and an argument varies along it: the layer audit's
+        probes give the memory as many tokens as the queries, and a memory longer than the model's cannot be given
+        (`_fit`). BLT's local encoder: its patches' queries, 34 at 16 bytes, attend the bytes under a (1, 1, 34, 16)
+        mask that says which patch holds which byte; probed at 34 tokens, every probe was refused."""
+        varies = any(not bool((tensor == tensor[..., :1]).all()) for name, value in self.call_arguments.items()
+                     for leaf, tensor in _leaves(value, (name,)) if leaf in self.memory_dims)
+        return min(self.block_size, self.memory_length) if varies else self.block_size
+
     def _other_memory(self) -> bool:
         # a memory of another length than the model's: arguments that follow it along another dimension than the
         # last (DETR's encoder_position_embeddings, (B, S, D)) are not cut, so the layer may not take it
@@ -298,14 +320,22 @@ class InPlaceCross(InPlace):
         return f", memory {self._memory_now if now else self.memory_length}"
 
     def _fit(self, value: Tensor, s: int) -> Tensor:
-        """`value` with its last dimension (the memory's length) made s long."""
+        """`value` with its last dimension (the memory's length) made s long. Cut where a row keeps none of the
+        entries above its lowest that it had (a mask row left with blocked keys only: BLT's local decoder, whose byte i
+        attends its patch's memory slots 2i and 2i + 1, cut to 16 of 34 slots, left bytes 8..15 no key), the probe is
+        one the layer as held cannot take: its rows fully masked by the cut, which the model never gives it, made
+        `gradients` fail on the additive mask's rounding (finfo.min + q.k is finfo.min)."""
         n = value.shape[-1]
         if s <= n:
-            return value.narrow(-1, 0, s)
+            kept = value.narrow(-1, 0, s)
+            if s < n and _rows_cut_off(value, kept):
+                raise ProbeNotTaken(f"the layer in place holds a mask its model passed over a memory of {n} positions: "
+                                    f"cut to a memory of {s}, some query rows keep none of the keys it allows them")
+            return kept
         if bool((value == value[..., :1]).all()):  # constant along the memory: any length has the same entries
             return value[..., :1].expand(*value.shape[:-1], s)
-        raise AuditUsageError(f"expected a memory of at most {n} positions for {self.audit_name}, whose "
-                              f"{self.memory_name}-length arguments vary along it; got {s}")
+        raise ProbeNotTaken(f"the layer in place holds arguments its model passed for a memory of {n} positions, which "
+                            f"vary along it (a mask over the memory), so it cannot be given a memory of {s}")
 
     def _adapt(self, value, path, t: int, batch: int, dtype):
         value = super()._adapt(value, path, t, batch, dtype)
@@ -318,6 +348,16 @@ class InPlaceCross(InPlace):
         self._memory_now = memory.shape[1]
         return self._invoke(x, {**{n: h for n in (self.hidden_name, *self.same_as_hidden)},
                                 **{n: m for n in (self.memory_name, *self.same_as_memory)}})
+
+
+def _rows_cut_off(full: Tensor, kept: Tensor) -> bool:
+    """Whether a row of `full` (along its last dimension) has entries above its lowest that `kept`, its first
+    positions, has none of: whatever the mask's convention (additive, boolean, 0/1), a row of blocked keys only is
+    constant, and a row that allows a key has two values."""
+    if full.dtype == torch.bool:
+        full, kept = full.to(torch.int8), kept.to(torch.int8)
+    lowest = full.amin(-1, keepdim=True)
+    return bool(((full != lowest).any(-1) & ~(kept != lowest).any(-1)).any())
 
 
 class InPlaceGrid(InPlace):
@@ -568,7 +608,8 @@ def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_di
     width; None for self-attention (or keys and values from two different streams)."""
     H = arguments[hidden]
     batch_dim = 1 - time_dim
-    for name in MEMORY_NAMES + KEY_NAMES:
+    names = MEMORY_NAMES + tuple(n for n in arguments if _is_memory_name(n) and n not in MEMORY_NAMES) + KEY_NAMES
+    for name in names:
         value = arguments.get(name)
         if name == hidden or name in same or not isinstance(value, Tensor) or not value.is_floating_point() or \
                 value.dim() != 3 or value.shape[-1] != H.shape[-1] or value.shape[batch_dim] != H.shape[batch_dim]:

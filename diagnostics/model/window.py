@@ -144,14 +144,31 @@ def declared_window(module: nn.Module) -> int | None:
     return d.band if d is not None and d.kind == "window" else None
 
 
+def _attends_memory(ctx: ModelContext, path: str) -> bool:
+    """Whether the model called the layer with a memory its keys come from (its wrapper a cross-attention's)."""
+    wrapper = ctx.wrappers.get(path)
+    return wrapper is not None and not wrapper.is_self_attention()
+
+
+def _own_pattern(module: nn.Module) -> Declared | None:
+    """The pattern a layer carries itself (`attention_pattern`), read as `_declared` reads it."""
+    declared = _declared(module) if getattr(module, "attention_pattern", None) is not None else None
+    return declared if declared is not None and declared.source.endswith(".attention_pattern") else None
+
+
 def patterns(ctx: ModelContext) -> dict:
-    """{path: Declared} of the attention layers that declare a window or a chunk."""
-    return {p: d for p, d in ((p, declared_pattern(m)) for p, m in ctx.modules.items()) if d is not None}
+    """{path: Declared} of the attention layers that declare a window or a chunk. A layer that attends a memory
+    declares only a pattern of its own: the window or chunk of its config (or attribute) is its model's
+    self-attention's, over the tokens' own positions, not over the memory's. BLT's local encoder config's
+    sliding_window (512) read by its cross-attention, whose patches attend their own bytes under the model's mask, was
+    measured as a two-sided window over the bytes and failed as over-masking."""
+    found = ((p, _own_pattern(m) if _attends_memory(ctx, p) else declared_pattern(m)) for p, m in ctx.modules.items())
+    return {p: d for p, d in found if d is not None}
 
 
 def windows(ctx: ModelContext) -> dict:
     """{path: w} of the attention layers that declare a sliding window."""
-    return {p: w for p, w in ((p, declared_window(m)) for p, m in ctx.modules.items()) if w is not None}
+    return {p: d.band for p, d in patterns(ctx).items() if d.kind == "window"}
 
 
 DECLARES_WINDOW = Need("a layer that declares a sliding window or chunk", lambda c: bool(patterns(c)),
