@@ -2,8 +2,10 @@
 tolerance cannot see a smaller difference. Seen on the sweep run on a GPU in bfloat16: Mamba's restarted scan (a cached
 chunk of more than one token starts from zero; KNOWN in benchmarks/sweep.py) moves its tiny model's logits by 7e-3 of
 their RMS and passed cache_parity there, while it fails in float32. cache_parity now runs its schedules again in the
-float64 copy where it passed at a low precision (`_tolerance.rechecked_in_float64`). The twins: the same small scan
-model with and without the restart, in bfloat16 and float16, on the same inputs."""
+float64 copy where it passed at a low precision (`_tolerance.rechecked_in_float64`), and so do padding_invariance and
+batch_invariance (ConvBERT's and Nystromformer's KNOWN padding bugs passed there too). The twins: small models with
+and without the bug (a restarted scan, pads in a pooled mean, a mean over the batch), bfloat16 and float16, the same
+weights and inputs."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def test_a_restarted_scan_below_the_dtypes_rounding_fails_in_the_float64_copy_an
     # the bug hides in the dtype's own rounding: every schedule within what the dtype allows ...
     assert all(r["error"] <= r["allowed"] for r in readings.values()), readings
     # ... and the float64 copy shows it, in the schedules with chunks of several tokens only
-    assert bad.verdict == "fail" and "in the model's float64 copy (steps of 3, uneven)" in bad.message, str(report)
+    assert bad.verdict == "fail" and "(steps of 3, uneven) in the model's float64 copy" in bad.message, str(report)
     assert readings["steps of 1"]["error64"] <= 1e-5 < readings["steps of 3"]["error64"], readings
     assert good.verdict == "pass", str(twin)
     assert max(r["error64"] for r in twin.readings["cache_parity"].values()) < 1e-9
@@ -63,5 +65,51 @@ def test_a_restarted_scan_below_the_dtypes_rounding_fails_in_the_float64_copy_an
 def test_in_float32_the_restart_fails_at_the_dtypes_own_tolerance_and_nothing_is_rechecked():
     bad, report = _cache_parity(torch.float32, restart=True)
     good, twin = _cache_parity(torch.float32, restart=False)
-    assert bad.verdict == "fail" and "float64 copy (" not in bad.message, str(report)
+    assert bad.verdict == "fail" and "float64 copy" not in bad.message, str(report)
     assert good.verdict == "pass" and not any("error64" in r for r in twin.readings["cache_parity"].values())
+
+
+class PooledPadLM(nn.Module):
+    """A bidirectional encoder LM that mixes in a mean over its whole row, eps of it. `pads_in=True` is ConvBERT's
+    and Nystromformer's kind of bug (a convolution or pooling beside the attention runs over the pad tokens): the
+    mean counts the padded positions; the correct twin averages the real tokens only."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, eps: float = 0.005, pads_in: bool = False):
+        super().__init__()
+        self.eps, self.pads_in = eps, pads_in
+        self.wte, self.mix, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.wte(input_ids)  # (B, T, D)
+        keep = torch.ones(x.shape[:2], dtype=x.dtype) if attention_mask is None or self.pads_in \
+            else attention_mask.to(x.dtype)
+        mean = (x * keep[..., None]).sum(1, keepdim=True) / keep.sum(1)[:, None, None]  # (B, 1, D)
+        return self.head(x + self.eps * self.mix(mean).expand_as(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pads_mixed_in_below_the_dtypes_rounding_fail_padding_invariance_in_the_float64_copy_and_its_twin_passes(
+        dtype):
+    torch.manual_seed(0)
+    bad = diagnostics.audit_model(PooledPadLM(pads_in=True).to(dtype), detectors=["padding_invariance"])
+    torch.manual_seed(0)
+    good = diagnostics.audit_model(PooledPadLM().to(dtype), detectors=["padding_invariance"])
+    found, twin = bad.result("padding_invariance"), good.result("padding_invariance")
+    assert found.verdict == "fail" and "(right padding) in the model's float64 copy" in found.message, str(bad)
+    assert "in the float64 copy" in twin.evidence and twin.verdict == "pass", str(good)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_batch_mixed_in_below_the_dtypes_rounding_fails_batch_invariance_in_the_float64_copy(dtype):
+    class BatchMeanLM(PooledPadLM):  # the mean over the whole batch, not the row: statistics over the batch
+        def forward(self, input_ids, attention_mask=None):
+            x = self.wte(input_ids)
+            return self.head(x + self.eps * self.mix(x.mean((0, 1), keepdim=True)).expand_as(x))
+
+    torch.manual_seed(0)
+    bad = diagnostics.audit_model(BatchMeanLM().to(dtype), detectors=["batch_invariance"])
+    torch.manual_seed(0)
+    good = diagnostics.audit_model(PooledPadLM().to(dtype), detectors=["batch_invariance"])
+    found, twin = bad.result("batch_invariance"), good.result("batch_invariance")
+    assert found.verdict == "fail" and "batch in the model's float64 copy" in found.message, str(bad)
+    assert "in the float64 copy" in twin.evidence and twin.verdict == "pass", str(good)

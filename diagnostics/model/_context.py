@@ -54,6 +54,17 @@ class ModelContext:
                 self._twin_failed = True
         return self._twin
 
+    def float64_output(self, seq: Tensor, **kw) -> Tensor | None:
+        """The float64 copy's output on a tested call (a padded batch: what `Golden.judge64` judges), or None where
+        no copy can be made or it does not run so."""
+        if self.twin64() is None:
+            return None
+        try:
+            out, _ = self.runner(seq, model=self._twin, **kw)
+        except Exception:  # the copy does not run so: the judgement at the model's own dtype stands
+            return None
+        return out
+
     def golden(self, seq: Tensor, **kw) -> Tensor | None:
         """The float64 copy's output on the same inputs, or None where no copy can be made."""
         if self.twin64() is None:  # float64 already, or a model that cannot be copied: parity against its own pass

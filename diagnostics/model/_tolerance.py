@@ -41,6 +41,7 @@ class Golden:
     golden: Tensor | None  # float64 copy's output, or None (the same-dtype full pass is then the reference)
     reference: Tensor
     dtype: torch.dtype
+    worst64: float = 0.0  # the largest error `judge64` measured (the margins' reading)
 
     def judge(self, test: Tensor, where: str) -> tuple[bool, float, float, str]:
         target = self.golden if self.golden is not None else self.reference
@@ -56,6 +57,34 @@ class Golden:
                 f"{where}: differs by {err:.3g} of the outputs' RMS (allowed {floor:.0e}; "
                 f"no float64 copy of the model could be made)")
         return err <= allowed, err, allowed, text
+
+    @property
+    def rechecks(self) -> bool:
+        """Whether a check that passed runs its tested path again in the float64 copy: a low-precision model
+        (`rechecked_in_float64`) whose float64 copy ran."""
+        return self.golden is not None and rechecked_in_float64(self.dtype)
+
+    def record64(self, readings: dict, detector: str) -> None:
+        """The largest float64-copy error in the report's readings, `readings["float64 copy"][detector]`
+        (`benchmarks/model_audit_cost.py --margins` reads it)."""
+        readings.setdefault("float64 copy", {})[detector] = self.worst64
+
+    def judge64(self, test64: Tensor, where: str) -> tuple[bool, float, str]:
+        """The float64 copy's tested path against the copy's own full pass, at a float32 model's floor
+        (`float64_allowed`): (within, error, text)."""
+        if test64.shape != self.golden.shape:  # the copy answered otherwise: nothing to compare, nothing judged
+            return True, 0.0, f"{where} in the float64 copy: not compared ({tuple(test64.shape)} returned)"
+        err = worst_change(test64, self.golden, scale_of(self.golden))
+        self.worst64 = max(self.worst64, err)
+        return err <= float64_allowed(), err, (f"{where} in the float64 copy: error {err:.3g} of the outputs' RMS "
+                                               f"against its own full pass (allowed {float64_allowed():.0e}, a "
+                                               f"float32 model's)")
+
+
+def below_rounding(dtype: torch.dtype) -> str:
+    """How a failure found only in the float64 copy is worded."""
+    return (f"in the model's float64 copy: by less than {str(dtype).replace('torch.', '')}'s own rounding, but the "
+            f"same code at any precision")
 
 
 # A model in bfloat16 or float16 rounds its outputs by about 1e-2 of their RMS, so a parity check at its own
@@ -79,5 +108,5 @@ def float64_allowed() -> float:
     return tolerance(GOLDEN_FLOOR, RECHECKED_AS)
 
 
-__all__ = ["FUDGE", "FUDGE_BY_DTYPE", "GOLDEN_FLOOR", "Golden", "LOW_PRECISION", "float64_allowed",
-           "rechecked_in_float64", "scale_of", "worst_change"]
+__all__ = ["FUDGE", "FUDGE_BY_DTYPE", "GOLDEN_FLOOR", "Golden", "LOW_PRECISION", "below_rounding",
+           "float64_allowed", "rechecked_in_float64", "scale_of", "worst_change"]

@@ -11,10 +11,10 @@ import torch
 
 from .._registry import Need, detector
 from .._result import DetectorResult
-from .._thresholds import dtype_name, tolerance
+from .._thresholds import tolerance
 from ._context import CAUSAL_MODEL, SEQUENCE, ModelContext, at_least
 from ._taps import NO_POSITIONS, LayerTap, first_layer, moved, per_position
-from ._tolerance import GOLDEN_FLOOR, Golden, float64_allowed, rechecked_in_float64, scale_of, worst_change
+from ._tolerance import GOLDEN_FLOOR, Golden, below_rounding, float64_allowed
 
 ID = "cache_parity"
 FIX = ("keep the causal mask when a cache is attached (prefill of several tokens too), offset positions (rotary, "
@@ -98,16 +98,15 @@ def check_cache_parity(ctx: ModelContext) -> DetectorResult:
             if first is None:
                 first, _ = first_layer(ctx.order, full_taps, taps, lambda x: x, tolerance(GOLDEN_FLOOR, ctx.dtype))
     ctx.readings[ID] = readings
-    if not failed and rechecked_in_float64(ctx.dtype) and golden.golden is not None:
-        failed, texts64 = _in_float64(ctx, seq, plans, golden.golden)
+    if not failed and golden.rechecks:
+        failed, texts64 = _in_float64(ctx, seq, plans, golden)
         texts += texts64
+        golden.record64(ctx.readings, ID)
         if failed:
             worst = max(readings[n]["error64"] for n in failed)
-            return DetectorResult(ID, "fail", f"decoding through the cache differs from the full forward in the "
-                                              f"model's float64 copy ({', '.join(failed)}): by less than "
-                                              f"{dtype_name(ctx.dtype)}'s own rounding, but the same code at any "
-                                              f"precision", value=worst, threshold=float64_allowed(),
-                                  evidence="; ".join(texts), fix=FIX)
+            return DetectorResult(ID, "fail", f"decoding through the cache differs from the full forward "
+                                              f"({', '.join(failed)}) {below_rounding(ctx.dtype)}", value=worst,
+                                  threshold=float64_allowed(), evidence="; ".join(texts), fix=FIX)
     if failed:
         worst = max(readings[n]["error"] for n in failed)
         return DetectorResult(ID, "fail", f"decoding through the cache differs from the full forward "
@@ -119,28 +118,23 @@ def check_cache_parity(ctx: ModelContext) -> DetectorResult:
                           threshold=min(r["allowed"] for r in readings.values()), evidence="; ".join(texts))
 
 
-def _in_float64(ctx: ModelContext, seq, plans: dict, golden_full) -> tuple[list, list]:
-    """The schedules again in the model's float64 copy, each judged against the copy's own full pass at a float32
-    model's allowance (`_tolerance.float64_allowed`): the names of those that differ, and a text per schedule. Where
-    the copy does not decode, nothing (the judgement at the model's own dtype stands)."""
-    twin, scale = ctx.twin64(), scale_of(golden_full)
+def _in_float64(ctx: ModelContext, seq, plans: dict, golden: Golden) -> tuple[list, list]:
+    """The schedules again in the model's float64 copy, each judged against the copy's own full pass
+    (`Golden.judge64`): the names of those that differ, and a text per schedule. Where the copy does not decode,
+    nothing (the judgement at the model's own dtype stands)."""
     failed, texts = [], []
     for name, plan in plans.items():
         outs, past, start = [], None, 0
         try:
             for n in plan:
-                out, past = ctx.runner(seq[:, start:start + n], past=past, use_cache=True, model=twin)
+                out, past = ctx.runner(seq[:, start:start + n], past=past, use_cache=True, model=ctx.twin64())
                 outs.append(out)
                 start += n
             cached = torch.cat(outs, dim=1)
         except Exception:  # the float64 copy does not decode so: nothing more to say
             return [], []
-        if cached.shape != golden_full.shape:
-            return [], []
-        err = worst_change(cached, golden_full, scale)
-        ctx.readings[ID][name]["error64"] = err
-        texts.append(f"{name} {plan} in the float64 copy: error {err:.3g} of the outputs' RMS against its own full "
-                     f"pass (allowed {float64_allowed():.0e}, a float32 model's)")
-        if err > float64_allowed():
+        ok, ctx.readings[ID][name]["error64"], text = golden.judge64(cached, f"{name} {plan}")
+        texts.append(text)
+        if not ok:
             failed.append(name)
     return failed, texts
