@@ -61,8 +61,11 @@ class Golden:
     @property
     def rechecks(self) -> bool:
         """Whether a check that passed runs its tested path again in the float64 copy: a low-precision model
-        (`rechecked_in_float64`) whose float64 copy ran."""
-        return self.golden is not None and rechecked_in_float64(self.dtype)
+        (`rechecked_in_float64`) whose float64 copy ran and computes what the model computes, its full pass within
+        `COPY_AGREES` of the copy's (a model that draws noise in its forward, VibeVoice's acoustic tokenizer, is
+        6.4 of its outputs' RMS off its copy: the copy says nothing about it)."""
+        return self.golden is not None and rechecked_in_float64(self.dtype) and \
+            worst_change(self.reference, self.golden, scale_of(self.golden)) <= COPY_AGREES
 
     def record64(self, readings: dict, detector: str) -> None:
         """The largest float64-copy error in the report's readings, `readings["float64 copy"][detector]`
@@ -74,6 +77,11 @@ class Golden:
         (`float64_allowed`): (within, error, text)."""
         if test64.shape != self.golden.shape:  # the copy answered otherwise: nothing to compare, nothing judged
             return True, 0.0, f"{where} in the float64 copy: not compared ({tuple(test64.shape)} returned)"
+        if not bool(torch.isfinite(test64).all()):  # the copy's own artefact: eager Hugging Face layers add
+            # finfo(float64).min to the scores and take a float32 softmax, -inf in every key of a padded query's
+            # row, NaN that the next layer's zero weights carry into real tokens (Llama, Gemma, Phi-3 under left
+            # padding); the model at its own dtype computes nothing of the kind
+            return True, 0.0, f"{where} in the float64 copy: not compared (the copy's output is not finite)"
         err = worst_change(test64, self.golden, scale_of(self.golden))
         self.worst64 = max(self.worst64, err)
         return err <= float64_allowed(), err, (f"{where} in the float64 copy: error {err:.3g} of the outputs' RMS "
@@ -94,6 +102,10 @@ def below_rounding(dtype: torch.dtype) -> str:
 # function computes it at any precision; a difference only the low precision makes stays with the first judgement.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 RECHECKED_AS = torch.float32
+# the model's own full pass against its float64 copy's, as a fraction of the outputs' RMS, above which the copy is
+# not the same function: correct bfloat16 models measure at most 0.026 (`python benchmarks/model_audit_cost.py
+# --margins --dtype bfloat16`: t5 sdpa, 24 models x 2 seeds; 10x margin), a model drawing noise 6.4 (VibeVoice)
+COPY_AGREES = 0.25
 
 
 def rechecked_in_float64(dtype: torch.dtype) -> bool:

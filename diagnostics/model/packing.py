@@ -33,6 +33,7 @@ from ._context import SEQUENCE, ModelContext, at_least
 from ._find import ModuleWatch
 from ._runner import first_tensor
 from ._taps import NO_POSITIONS, LayerTap, moved, per_position
+from ._tolerance import rechecked_in_float64
 
 ID = "packed_documents"
 FIX = ("mask attention block-diagonal over the packed documents, causal inside each: document ids from where the "
@@ -84,10 +85,11 @@ def _crosses(t, rows: int, T: int, row: int, s: int, e: int, tol: float) -> bool
     return bool((change > tol).any())
 
 
-def leak_source(ctx: ModelContext, batch, positions, row: int, s: int, e: int, tol: float):
+def leak_source(ctx: ModelContext, batch, positions, row: int, s: int, e: int, tol: float, model=None):
     """(path, class, attends) of the first module to return whose outputs crossed outside document s..e-1 while
     none of its tensor inputs had, replaying the packed forward with every module watched; `attends`: whether a
-    softmax over (Tq, Tk) scores or fused attention ran inside it. None where no module's tensors could be read."""
+    softmax over (Tq, Tk) scores or fused attention ran inside it. None where no module's tensors could be read.
+    `model`: the float64 copy, whose module paths are the model's (`traced_leak`)."""
     rows, T = batch.shape[:2]
     found: list = []
 
@@ -101,13 +103,24 @@ def leak_source(ctx: ModelContext, batch, positions, row: int, s: int, e: int, t
             return  # the leak came in with its inputs
         found.append((path, type(module).__name__, attends))
 
-    watch = ModuleWatch(ctx.model, on_return)
+    watch = ModuleWatch(model or ctx.model, on_return)
     try:
         with watch, watch.observer:
-            ctx.runner(batch, position_ids=positions)
+            ctx.runner(batch, position_ids=positions, model=model)
     except Exception:  # the same forward ran once already: a replay that raises under the hooks points nowhere
         return None
     return found[0] if found else None
+
+
+def traced_leak(ctx: ModelContext, batch, positions, row: int, s: int, e: int, tol: float):
+    """`leak_source` in the model, or, for a model in bfloat16 or float16 (`_tolerance.rechecked_in_float64`), in its
+    float64 copy at float32's tolerance first: a mixer's leak smaller than the low precision's rounding at its own
+    output is amplified later, and at that precision the trace named the attention layer after it (Zaya's CCA
+    projection in bfloat16)."""
+    twin = ctx.twin64() if rechecked_in_float64(ctx.dtype) else None
+    source = leak_source(ctx, batch, positions, row, s, e, tolerance(UNCHANGED, torch.float32), model=twin) \
+        if twin is not None else None
+    return source or leak_source(ctx, batch, positions, row, s, e, tol)
 
 
 @detector(ID, "documents packed into one sequence (position ids restarting at each) do not see each other: "
@@ -173,7 +186,7 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
         d, s, e, t, by, n = crossings[0]
         at = f"; the change first crosses at {first}" if first else ""
         verdict, fix = "fail", FIX
-        source = leak_source(ctx, batch, positions, d + 1, s, e, tol)
+        source = traced_leak(ctx, batch, positions, d + 1, s, e, tol)
         if source is not None and not source[2]:  # no softmax attention where the leak starts: a mixer's state
             first, verdict = source[0], "warn"
             at = (f"; the leak starts in {source[0]} ({source[1]}), which runs no softmax attention (a state-space "
