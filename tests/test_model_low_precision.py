@@ -113,3 +113,58 @@ def test_a_batch_mixed_in_below_the_dtypes_rounding_fails_batch_invariance_in_th
     found, twin = bad.result("batch_invariance"), good.result("batch_invariance")
     assert found.verdict == "fail" and "batch in the model's float64 copy" in found.message, str(bad)
     assert "in the float64 copy" in twin.evidence and twin.verdict == "pass", str(good)
+
+
+class EagerHead(nn.Module):
+    """One attention head in Hugging Face's eager way: the additive mask (finfo(dtype).min) added to the scores, the
+    softmax taken in float32."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, bias):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax((q @ k.transpose(1, 2) / x.shape[-1] ** 0.5 + bias).float(), dim=-1).to(x.dtype)
+        return x + weights @ v
+
+
+class MinMaskLM(nn.Module):
+    """Two `EagerHead` layers. In float64 the mask casts to -inf in the float32 softmax, a left pad's query row is
+    all -inf and NaN, and the next layer's zero weights on that pad's value carry the NaN into real tokens; at the
+    model's own dtype nothing of the kind happens. Correct: its left padding leaves the real tokens alone."""
+
+    def __init__(self, vocab: int = 64, d: int = 16):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.layers = nn.ModuleList(EagerHead(d) for _ in range(2))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        x = self.wte(input_ids)  # (B, T, D); no positions: position_ids taken and unused
+        B, T, _ = x.shape
+        allowed = torch.ones(B, T, T, dtype=torch.bool).tril()
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, :]
+        bias = torch.zeros(B, T, T, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float64_copy_that_is_not_finite_or_not_the_same_function_judges_nothing(dtype):
+    torch.manual_seed(0)
+    eager = diagnostics.audit_model(MinMaskLM().to(dtype), causal=True, detectors=["padding_invariance"])
+    result = eager.result("padding_invariance")
+    assert result.verdict == "pass", str(eager)
+    assert "left padding with position_ids = cumsum(mask) - 1 in the float64 copy: not compared (the copy's output " \
+           "is not finite)" in result.evidence, result.evidence
+
+    class Noisy(PooledPadLM):  # draws noise in its forward (a sampling VAE): the copy is another function
+        def forward(self, input_ids, attention_mask=None):
+            out = super().forward(input_ids, attention_mask)
+            return out + torch.randn(out.shape, dtype=torch.float32).to(out.dtype)
+
+    torch.manual_seed(0)
+    noisy = diagnostics.audit_model(Noisy(pads_in=True).to(dtype), detectors=["padding_invariance"])
+    assert "in the float64 copy" not in noisy.result("padding_invariance").evidence, str(noisy)
