@@ -288,6 +288,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "not > 0, which returned a skip above (`if not scale > 0:`; scale is not assigned again): the guard never "
         "fires, so a guard that never fires is the same code (checked by hand)"),
     "model/_tolerance.py:judge:L*:LtE->Lt": ("err <= allowed", _TOLERANCE_EDGE + " (allowed > 0: the floor)"),
+    "model/_tolerance.py:rechecks:L*:LtE->Lt": ("<= COPY_AGREES", _TOLERANCE_EDGE + " (a measured relative change "
+                                                                  "against 0.25)"),
+    "model/_tolerance.py:judge64:L*:LtE->Lt": ("return err <= float64_allowed()", _TOLERANCE_EDGE + " (against the "
+                                                                                   "float32 floor, 1e-5)"),
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),

@@ -168,3 +168,32 @@ def test_a_float64_copy_that_is_not_finite_or_not_the_same_function_judges_nothi
     torch.manual_seed(0)
     noisy = diagnostics.audit_model(Noisy(pads_in=True).to(dtype), detectors=["padding_invariance"])
     assert "in the float64 copy" not in noisy.result("padding_invariance").evidence, str(noisy)
+
+
+def _golden(off: float, dtype=torch.bfloat16):
+    """A Golden whose reference (the model's own full pass) is `off` of the float64 copy's RMS away from it."""
+    from diagnostics.model._tolerance import Golden
+
+    golden = torch.ones(1, 4, 3, dtype=torch.float64)
+    return Golden(golden, (golden + off).to(dtype), dtype)
+
+
+def test_the_copy_is_asked_only_where_it_computes_what_the_model_computes():
+    # COPY_AGREES (0.25) from both sides, and the measured points beside it: correct bfloat16 models' own full pass
+    # is at most 0.026 of the RMS off their copy, VibeVoice's noise 6.4
+    assert _golden(0.0).rechecks and _golden(0.026).rechecks and _golden(0.2).rechecks
+    assert not _golden(0.3).rechecks and not _golden(6.4).rechecks
+    assert not _golden(0.0, torch.float32).rechecks  # float32 resolves what float64 does: nothing asked again
+
+
+def test_the_copy_judges_a_finite_output_at_the_float32_floor_and_not_one_with_any_non_finite_entry():
+    golden = _golden(0.0)
+    one_nan = torch.ones(1, 4, 3, dtype=torch.float64)
+    one_nan[0, 1, 2] = float("nan")  # one entry: the copy's artefact all the same
+    assert golden.judge64(one_nan, "row")[0] and "not finite" in golden.judge64(one_nan, "row")[2]
+    near = torch.ones(1, 4, 3, dtype=torch.float64)
+    near[0, 1, 2] += 5e-6  # within the float32 floor, 1e-5 of the RMS
+    assert golden.judge64(near, "row")[0]
+    near[0, 1, 2] += 2e-5
+    ok, err, text = golden.judge64(near, "row")
+    assert not ok and 2e-5 < err < 3e-5 and "in the float64 copy: error" in text
