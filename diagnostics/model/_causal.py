@@ -104,7 +104,7 @@ def _future_allowed(wrapper) -> bool:
     from Llama) and passes every layer its keypoints' (B, 1, 1, T) padding mask: audited as causal, its correct
     layers failed future_leakage. A 2-D padding mask says nothing (flash attention applies both)."""
     T = wrapper.block_size
-    for name, value in wrapper.call_arguments.items():
+    for name, value in getattr(wrapper, "call_arguments", {}).items():  # a wrapper that holds no call: none passed
         if name not in MASK_NAMES or not isinstance(value, torch.Tensor) or value.dim() != 4 or T < 2 or \
                 value.shape[-1] != T or value.shape[-2] not in (1, T):
             continue
