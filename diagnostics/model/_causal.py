@@ -28,6 +28,7 @@ import torch
 from .._errors import expect
 from .._guard import seed_rng
 from .._registry import phrase
+from .._subject import MASK_NAMES
 from .._thresholds import UNCHANGED, tolerance
 from ._taps import moved
 
@@ -96,6 +97,26 @@ def masks_future(layer, T: int, D: int, dtype, seed: int) -> bool | None:
     return not bool((change[:c + 1] > tol).any())
 
 
+def _future_allowed(wrapper) -> bool:
+    """Whether the model passes the layer a 4-D mask, (B, 1, Tq or 1, T), that lets some query attend a later key: the
+    model's own mask then decides, and it is not causal, whatever the layer's `is_causal` says (Hugging Face's eager
+    and sdpa paths apply `is_causal` only where no mask is given). LightGlue's matcher says is_causal = True (copied
+    from Llama) and passes every layer its keypoints' (B, 1, 1, T) padding mask: audited as causal, its correct
+    layers failed future_leakage. A 2-D padding mask says nothing (flash attention applies both)."""
+    T = wrapper.block_size
+    for name, value in getattr(wrapper, "call_arguments", {}).items():  # a wrapper that holds no call: none passed
+        if name not in MASK_NAMES or not isinstance(value, torch.Tensor) or value.dim() != 4 or T < 2 or \
+                value.shape[-1] != T or value.shape[-2] not in (1, T):
+            continue
+        m = value.detach()
+        # boolean: True marks a key allowed (Hugging Face's); additive: blocked keys very negative; else 0 blocks
+        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2 if m.is_floating_point() else m != 0
+        allowed = allowed.expand(*allowed.shape[:-2], T, T)
+        if bool(allowed.triu(1).any()):
+            return True
+    return False
+
+
 def infer_causal(model, causal, runner, wrappers: dict, *, T: int, dtype, seed: int,
                  options: dict | None = None) -> tuple[bool, str]:
     """Whether the model is causal, and how that was decided (as given, declared by what, measured on how many
@@ -108,8 +129,8 @@ def infer_causal(model, causal, runner, wrappers: dict, *, T: int, dtype, seed: 
                            f"is_causal = False (a non-autoregressive decoder)")
     if said is not None:
         return said, source
-    own = [w.inner for w in wrappers.values() if w.is_self_attention()]
-    if own and all(getattr(m, "is_causal", None) is True for m in own):
+    own = [w for w in wrappers.values() if w.is_self_attention()]
+    if own and all(getattr(w.inner, "is_causal", None) is True and not _future_allowed(w) for w in own):
         return True, f"inferred: its {len(own)} self-attention layers say is_causal = True"
     readings = {p: masks_future(w, T, w.d_model, dtype, seed) for p, w in wrappers.items()
                 if w.is_self_attention() and w.block_size == T}

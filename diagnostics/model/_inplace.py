@@ -544,7 +544,12 @@ def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: 
     pairs = [(leaf, tensor, _get(wide, leaf)) for name, value in arguments.items() if name != hidden
              for leaf, tensor in _leaves(value, (name,))]
     pairs = [(leaf, a, b) for leaf, a, b in pairs if a.dim() >= 1 and isinstance(b, Tensor) and b.dim() == a.dim()]
-    folded = frozenset(leaf for leaf, a, b in pairs if a.shape[0] > 1 and b.shape[0] == 2 * a.shape[0])
+    # a leaf of as many rows as the hidden states has one per row, not the batch folded with another axis: the layer
+    # folds that axis into its own batch (LightGlue's two images of a pair, their rotary tables one per image), and
+    # a probe's rows are given their rows' entries (`_per_row`); repeated to the probe's batch, every probe raised
+    rows = h.shape[batch_dim]
+    folded = frozenset(leaf for leaf, a, b in pairs if a.shape[0] > 1 and b.shape[0] == 2 * a.shape[0]
+                       and a.shape[0] != rows)
     shared = frozenset(leaf for leaf, a, b in pairs if a.shape[0] == 1 and b.shape[0] == 1 and h.shape[batch_dim] == 1)
     return folded, shared
 

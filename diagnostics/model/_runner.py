@@ -184,8 +184,36 @@ class Runner:
         vocab = getattr(config, "vocab_size", None)
         if isinstance(vocab, int) and vocab > int(self.inputs.max()):
             return vocab
-        emb = next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
+        emb = self._reached_table() or next((m for m in self.model.modules() if isinstance(m, nn.Embedding)), None)
         return emb.num_embeddings if emb is not None else int(self.inputs.max()) + 1
+
+    def _reached_table(self) -> nn.Embedding | None:
+        """The token table the example's main ids reach: the first nn.Embedding given them as they came, in a forward
+        of the example's first row (its own ids: in range). Not the model's first table: with two id inputs (a token
+        and an entity vocabulary) that may be the other input's, and ids drawn from a larger one than their own are
+        out of range (IndexError on the CPU; on CUDA a device-side assert that ends the process)."""
+        x = self.inputs[:1]
+        found: list = []
+
+        def hook(m, args):
+            if not found and args and isinstance(args[0], Tensor) and args[0].shape == x.shape and \
+                    (args[0] is x or bool((args[0] == x).all())):
+                found.append(m)
+
+        tables = [m for m in self.model.modules() if isinstance(m, nn.Embedding)]
+        if len(tables) < 2:
+            return tables[0] if tables else None
+        handles = [m.register_forward_pre_hook(hook) for m in tables]
+        kwargs = {n: (v[:1] if isinstance(v, Tensor) and v.dim() >= 1 else v) for n, v in self.fixed.items()}
+        try:
+            with untouched(self.model, x.device), torch.no_grad():
+                self.model(**kwargs, **{self.main: x})
+        except Exception:  # the user's model raised on its own example: model_runs says so
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return found[0] if found else None
 
     def _example(self, example, seq_len, seed):
         model = self.model
@@ -379,22 +407,17 @@ class Runner:
             main = named[0]
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if main in ("input_ids", "decoder_input_ids"):
-            vocab = getattr(text, "vocab_size", None)
-            try:
-                emb = model.get_input_embeddings()
-            except NotImplementedError:  # transformers raises for a class that has no one table
-                emb = None
-            except AttributeError:  # not a PreTrainedModel: its first token table, as for a plain model
-                emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-            if not (isinstance(vocab, int) and vocab > 0) and isinstance(emb, nn.Embedding):
-                vocab = emb.num_embeddings
-            if isinstance(emb, nn.Embedding) and isinstance(vocab, int):
-                vocab = min(vocab, emb.num_embeddings)
-            if isinstance(vocab, int) and vocab > 0:
+            vocab = declared_vocab(model, text)
+            if vocab:
                 self.vocab, self.special = vocab, special_ids(config)
                 ids = self.draw_ids((2, T), gen).to(device)
                 if self.encoder_decoder and self.takes("decoder_input_ids"):
-                    self.fixed["input_ids"] = self.draw_ids((2, T), gen).to(device)
+                    # the encoder's ids from the encoder's own vocabulary where it declares one (Dia's: 256 text
+                    # bytes, its decoder's 1028 audio codes; drawn from the decoder's, they were out of range)
+                    encoder = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
+                    own = declared_vocab(encoder, getattr(encoder, "config", None)) if isinstance(
+                        encoder, nn.Module) and encoder is not model else None
+                    self.fixed["input_ids"] = self.draw_ids((2, T), gen, vocab=own or vocab).to(device)
                     return "decoder_input_ids", ids
                 return "input_ids", ids
         if main == "pixel_values":
@@ -450,14 +473,14 @@ class Runner:
             return x
         return None
 
-    def draw_ids(self, shape, gen: torch.Generator) -> Tensor:
-        """Token ids of `shape` drawn from the vocabulary without its special ids (padding, begin, end, image,
-        ...: a model may treat them apart, cutting lengths or moving positions)."""
-        allowed = self.allowed_ids()
+    def draw_ids(self, shape, gen: torch.Generator, *, vocab: int | None = None) -> Tensor:
+        """Token ids of `shape` drawn from the vocabulary (the main input's, or `vocab`) without its special ids
+        (padding, begin, end, image, ...: a model may treat them apart, cutting lengths or moving positions)."""
+        allowed = self.allowed_ids(vocab)
         return allowed[torch.randint(len(allowed), shape, generator=gen)]
 
-    def allowed_ids(self) -> Tensor:
-        keep = torch.ones(max(self.vocab, 1), dtype=torch.bool)
+    def allowed_ids(self, vocab: int | None = None) -> Tensor:
+        keep = torch.ones(max(vocab or self.vocab, 1), dtype=torch.bool)
         special = [i for i in self.special if 0 <= i < len(keep)]
         if len(special) < len(keep):
             keep[special] = False
@@ -561,6 +584,23 @@ def sub_configs(config) -> list:
         found.append(c)
         todo.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
     return found
+
+
+def declared_vocab(model: nn.Module, config) -> int | None:
+    """The token ids a model's input takes: its config's `vocab_size`, no more than its input table's rows
+    (`get_input_embeddings`, else its first nn.Embedding); None where neither says."""
+    vocab = getattr(config, "vocab_size", None) if config is not None else None
+    try:
+        emb = model.get_input_embeddings()
+    except NotImplementedError:  # transformers raises for a class that has no one table
+        emb = None
+    except AttributeError:  # not a PreTrainedModel: its first token table, as for a plain model
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if not (isinstance(vocab, int) and vocab > 0) and isinstance(emb, nn.Embedding):
+        vocab = emb.num_embeddings
+    if isinstance(emb, nn.Embedding) and isinstance(vocab, int):
+        vocab = min(vocab, emb.num_embeddings)
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
 def special_ids(config) -> frozenset:

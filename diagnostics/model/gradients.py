@@ -361,9 +361,12 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
     if todo and ctx.runner.sequence and _moves_output(ctx, here, [params[n] for n in todo[:MOVED_AT_MOST]], gen):
         before = _output(ctx, here)
         cut = {n for n in todo[:MOVED_AT_MOST] if _moves_output(ctx, here, [params[n]], gen, before)}
+    context = model_context(ctx.model)
     for L in LONGER:
         if L <= ctx.T or not todo or not ctx.runner.sequence:
             continue
+        if context is not None and L > context:  # past its position table: an index out of range (LUKE's 512 at 1,024),
+            break  # on CUDA a device-side assert that ends the process, not an exception to catch
         seq = pad_tokens(ctx.runner, (1, L), gen)
         try:
             loss, _ = _loss_and_outputs(ctx, seq, {})
