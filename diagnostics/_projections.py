@@ -386,9 +386,13 @@ def huggingface(module: nn.Module) -> Projections | None:
                        if isinstance(args.get(n), Tensor)), x)
         B, Tq, Tk = x.shape[0], x.shape[1], memory.shape[1]
         read = []
-        bias = _four_d(additive(args.get("attention_mask"), blocked_when_true=False), B, H, Tq, Tk)
+        # a memory given as encoder_hidden_states comes with its own mask where one is passed (LightGlue's
+        # cross-attention applies encoder_attention_mask; its attention_mask is the queries' own)
+        mask_name = "encoder_attention_mask" if memory is args.get("encoder_hidden_states") and \
+            isinstance(args.get("encoder_attention_mask"), Tensor) else "attention_mask"
+        bias = _four_d(additive(args.get(mask_name), blocked_when_true=False), B, H, Tq, Tk)
         if bias is not None:
-            read.append("attention_mask as passed (bool: True = may attend; float: added)")
+            read.append(f"{mask_name} as passed (bool: True = may attend; float: added)")
         rotary = None
         tables = args.get("position_embeddings")
         query_in, key_in, used = x, memory, set(CALL_STREAMS)

@@ -157,3 +157,44 @@ def test_a_tensor_the_recompute_does_not_read_does_not_excuse_a_difference_one_s
     monkeypatch.setattr(modeling, "repeat_kv", lambda x, n: x if n == 1 else x.repeat(1, n, 1, 1))
     wrong = own_weights(Passing(), causal=True)
     assert wrong.verdict == "fail" and "repeat, not repeat_interleave" in wrong.evidence, wrong.evidence
+
+
+
+def _lightglue():
+    """LightGlue as the sweep builds it (benchmarks/sweep.py `build`: the tiny config, the seed)."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[real]')")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
+    if "sweep_benchmark" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sweep_benchmark", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sweep_benchmark"].build("lightglue")
+
+
+def test_a_cross_attention_is_recomputed_with_its_memorys_mask_and_its_twin_with_the_queries_mask_fails(monkeypatch):
+    """The recompute read `attention_mask` only: LightGlue's correct cross-attention, which applies
+    `encoder_attention_mask` (its attention_mask is the queries' own), failed own_weights in the sweep (lg33). The
+    twin applies nothing of the memory's mask: still a failure, at the cross-attention."""
+    model = _lightglue()
+    right = diagnostics.audit_model(model)
+    cross = "transformer_layers.0.cross_attention"
+    result = right.layers[cross].result("own_weights")
+    assert result.verdict == "pass", result.message + " | " + str(result.evidence)
+    assert "encoder_attention_mask as passed" in result.evidence
+    from transformers.models.lightglue import modeling_lightglue as modeling
+
+    original = modeling.LightGlueAttention.forward
+
+    def memory_mask_dropped(self, hidden_states, position_embeddings=None, attention_mask=None,
+                            encoder_hidden_states=None, encoder_attention_mask=None, **kwargs):
+        return original(self, hidden_states, position_embeddings, attention_mask, encoder_hidden_states, None,
+                        **kwargs)
+
+    monkeypatch.setattr(modeling.LightGlueAttention, "forward", memory_mask_dropped)
+    wrong = diagnostics.audit_model(_lightglue())
+    assert any(f.layer == cross and f.detector == "own_weights" for f in wrong.findings), str(wrong)
