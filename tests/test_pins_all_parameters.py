@@ -1,0 +1,155 @@
+"""Pins for the survivors of the full mutation run (`benchmarks/mutations.py --all --only detectors/parameters.py`,
+issue 37) in `parameters_used`. As in tests/test_pins.py, each pin has its twin on the same inputs (a case on each
+side of the rule), and the rules are quoted here, not read from the module (a test that read them would follow a
+mutated value).
+
+- `_shift_inert` compares the scores of the calls before and after the change pairwise, so only when the layer took
+  as many softmax passes both times: a layer whose parameter decides how many passes it takes (a halting threshold)
+  is not explained as a per-row shift by its first pass alone.
+- `kept_copy` finds a copy only as a whole block of a stack of such blocks (a fused projection's rows: the used
+  parameter's row count a multiple of the copy's), and never in the parameter itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from diagnostics.detectors.parameters import _scores, _shift_inert, kept_copy
+
+# ---- _shift_inert: the scores are paired call for call, so only when there are as many calls -------------------
+
+
+class Halting(nn.Module):
+    """Self-attention of width 4 whose parameter `p` (read through .detach(): a gradient of exactly zero) shifts every
+    score of a row by p x 0.025, which the softmax removes. `halting`: where |p| > 1 the layer attends a second time
+    (a second softmax pass over the same scores), so the number of passes depends on p."""
+
+    def __init__(self, halting: bool):
+        super().__init__()
+        self.halting = halting
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(4, 12).double()
+        self.p = nn.Parameter(torch.tensor([0.1], dtype=torch.float64))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)  # (B, T, 4) each
+        scores = q @ k.transpose(-2, -1) / 2 + self.p.detach() * 0.025  # (B,T,4) x (B,4,T) -> (B,T,T)
+        out = scores.softmax(-1) @ v
+        if self.halting and float(self.p.detach().abs().sum()) > 1.0:
+            out = scores.softmax(-1) @ out  # a second hop
+        return out
+
+
+class Called:
+    """What `_shift_inert` reads of a subject: its layer, and a call on (query, key, value, allowed)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, q, k, v, allowed):
+        return self.layer(q)
+
+
+def test_a_shift_is_read_only_where_the_change_leaves_as_many_softmax_passes_as_before():
+    """The draw (seed 0: +1.54) takes p from 0.1 to 1.64, past the halting threshold: one pass before, two after
+    (checked here: the negative control). Those scores cannot be paired, so the shift is not explained (False); the
+    same layer without the second hop is a plain per-row shift (True). `not before and len(before) != len(after)`
+    pairs the first passes and calls the halting layer inert."""
+    x = torch.randn(2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    halting, plain = Called(Halting(halting=True)), Called(Halting(halting=False))
+    assert len(_scores(halting, (x, x, x), None)) == 1
+    with torch.no_grad():
+        halting.layer.p.fill_(1.64)
+    assert len(_scores(halting, (x, x, x), None)) == 2  # the change really adds a pass
+    with torch.no_grad():
+        halting.layer.p.fill_(0.1)
+    assert _shift_inert(halting, "p", (x, x, x), None, torch.Generator().manual_seed(0)) is False
+    assert _shift_inert(plain, "p", (x, x, x), None, torch.Generator().manual_seed(0)) is True
+    assert float(halting.layer.p.detach()) == 0.1  # restored afterwards
+
+
+# ---- kept_copy: a whole block of a stack, never the parameter itself --------------------------------------------
+
+
+def test_a_copy_is_a_block_of_a_stack_whose_rows_it_divides():
+    """rows 0-1 of a (6, 2) weight (three blocks of two rows) are a kept copy; the same rows of a (5, 2) weight are
+    not (five rows are no stack of two-row projections). `tensor.shape[0] < kept.shape[0] and tensor.shape[0] %
+    kept.shape[0]` would split the five rows into blocks and call them one."""
+    w = torch.arange(12.0).reshape(6, 2)
+    assert kept_copy("a", {"fused": w, "a": w[:2].clone()}, {"a"}) == "rows 0-1 of fused"
+    assert kept_copy("a", {"fused": w[:5], "a": w[:2].clone()}, {"a"}) == ""
+
+
+def test_a_parameter_is_never_a_copy_of_itself():
+    """Named apart from the unused ones or not, the parameter itself is not where its values are kept; a used
+    parameter of the same values is. `other == name and tensor.dim() != kept.dim()` would return its own name."""
+    w = torch.arange(6.0).reshape(3, 2)
+    assert kept_copy("a", {"a": w}, set()) == ""
+    assert kept_copy("a", {"a": w, "used": w.clone()}, set()) == "used"
+
+
+# ---- a scalar gate at zero is drawn too (its fan-in is 1) -------------------------------------------------------
+
+
+class ScalarGated(nn.Module):
+    """x + tanh(alpha) * attention(x), with alpha a 0-dim parameter at 0 (Flamingo's gated cross-attention writes
+    it as a one-element vector; a scalar is as common): everything behind the gate gets a gradient of exactly 0 at
+    initialisation. `unread`: one more projection that the code never reads (the bug)."""
+
+    def __init__(self, unread: bool, d_model=8, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+        self.alpha = nn.Parameter(torch.zeros(()))
+        if unread:
+            self.extra_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        y, _ = self.attn(x, x, x, attn_mask=None if mask is None else ~mask, need_weights=False)
+        return x + torch.tanh(self.alpha) * y
+
+
+@pytest.mark.parametrize("unread", [False, True], ids=["every projection read", "one never read"])
+def test_a_zero_scalar_gate_is_drawn_and_the_attention_behind_it_is_used(unread):
+    """The all-zero parameters are drawn at N(0, 1) / sqrt(fan-in), a fan-in of 1 for a parameter of fewer than two
+    dimensions (`p.dim() > 1`): the scalar gate opens, and what is behind it moves the output (pass); a projection
+    never read stays unused, named alone (fail). `p.dim() < 1` reads the last dimension of the 0-dim gate (an
+    IndexError: the audit's own error)."""
+    found = diagnostics.audit(ScalarGated(unread), detectors=["parameters_used"]).result("parameters_used")
+    if unread:
+        assert (found.verdict, found.message) == ("fail", "the output does not depend on extra_proj.weight, "
+                                                          "extra_proj.bias"), found
+    else:
+        assert found.verdict == "pass", found
+        assert "zero gradient only while alpha is all zeros" in found.evidence, found.evidence
+
+
+# ---- no gradient at all: a skip that says so ----------------------------------------------------------------------
+
+
+class Detached(nn.Module):
+    """Self-attention whose output is detached from the graph (`detached`: an inference-only wrapper's
+    `.detach()`), or not."""
+
+    def __init__(self, detached: bool, d_model=8, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn, self.detached = nn.MultiheadAttention(d_model, num_heads, batch_first=True), detached
+
+    def forward(self, x, mask=None):
+        y, _ = self.attn(x, x, x, attn_mask=None if mask is None else ~mask, need_weights=False)
+        return y.detach() if self.detached else y
+
+
+@pytest.mark.parametrize("detached", [False, True], ids=["attached", "detached"])
+def test_an_output_without_a_gradient_is_a_skip_that_says_so(detached):
+    """No grad_fn on the float64 copy's output: the parameters' gradients say nothing, a skip naming why (a guard
+    that never fired would read the gradients of nothing: the audit's own error); the same layer attached passes."""
+    found = diagnostics.audit(Detached(detached), detectors=["parameters_used"]).result("parameters_used")
+    if detached:
+        assert found.verdict == "skip" and "no gradient reaches the float64 copy's output" in found.message, found
+    else:
+        assert found.verdict == "pass", found
