@@ -12,8 +12,11 @@ mutated value).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
@@ -91,6 +94,15 @@ def test_a_parameter_is_never_a_copy_of_itself():
     assert kept_copy("a", {"a": w, "used": w.clone()}, set()) == "used"
 
 
+def test_a_parameter_of_other_dimensions_is_skipped_even_where_the_rest_of_its_shape_agrees():
+    """A 0-dim parameter (a scalar gate) beside an unused bias: both shapes have no dimension past the first, so only
+    `tensor.dim() != kept.dim()` skips the scalar (joined to the next test by `and`, its first dimension is read:
+    an IndexError). A bias of the same length as the unused one, and its values, is a copy."""
+    b = torch.arange(3.0)
+    assert kept_copy("b", {"gate": torch.tensor(2.0), "b": b}, {"b"}) == ""
+    assert kept_copy("b", {"gate": torch.tensor(2.0), "used": b.clone(), "b": b}, {"b"}) == "used"
+
+
 # ---- a scalar gate at zero is drawn too (its fan-in is 1) -------------------------------------------------------
 
 
@@ -151,5 +163,77 @@ def test_an_output_without_a_gradient_is_a_skip_that_says_so(detached):
     found = diagnostics.audit(Detached(detached), detectors=["parameters_used"]).result("parameters_used")
     if detached:
         assert found.verdict == "skip" and "no gradient reaches the float64 copy's output" in found.message, found
+    else:
+        assert found.verdict == "pass", found
+
+
+# ---- the zeros are drawn only where there are some: the probes listed are the calls made ---------------------------
+
+
+class Unread(nn.Module):
+    """A fused qkv projection and an output projection (no parameter all zeros as nn.Linear draws them, or the output
+    bias zero-initialised: `zero_bias`), and one more projection the code never reads (the bug)."""
+
+    def __init__(self, zero_bias: bool, d_model=8, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = num_heads
+        self.qkv, self.out, self.extra_proj = (nn.Linear(d_model, n * d_model) for n in (3, 1, 1))
+        if zero_bias:
+            nn.init.zeros_(self.out.bias)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("zero_bias", [False, True], ids=["no zeros", "a zero bias"])
+def test_the_gradients_are_taken_again_with_the_zeros_drawn_only_where_a_parameter_is_all_zeros(zero_bias):
+    """Both fail naming the projection never read. The float64 forward and backward passes the result lists: the
+    gradient checks' shared one (6 tokens), the audit's length again for what is unused on it (16), and, only where
+    some parameter is all zeros, the short one again with it drawn (`not unused and not zeros` would take that one
+    with nothing to draw, and list it)."""
+    found = diagnostics.audit(Unread(zero_bias), detectors=["parameters_used"]).result("parameters_used")
+    assert (found.verdict, found.message) == ("fail", "the output does not depend on extra_proj.weight, "
+                                                      "extra_proj.bias"), found
+    passes = [p.label for p in found.probes if p.label.startswith("float64 copy")]
+    assert passes == ["float64 copy, forward and backward (B=2, T=6)", "float64 copy, forward and backward (B=2, T=16)"]\
+        + (["float64 copy, forward and backward (B=2, T=6)"] if zero_bias else []), passes
+
+
+# ---- an output not finite in one place is a skip, not only one not finite anywhere --------------------------------
+
+
+class FirstRowBlocked(nn.Module):
+    """Self-attention that blocks every key of query 0 itself (a padding rule gone wrong): filled with -inf the
+    softmax of that row is 0 / 0, NaN in that row only (`fill="-inf"`); filled with -1e9 it is uniform, finite."""
+
+    def __init__(self, fill: str, d_model=8, num_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h, self.fill = num_heads, float(fill)
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.h)  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+        blocked = torch.zeros(T, T, dtype=torch.bool)
+        blocked[0] = True
+        if mask is not None:
+            blocked = blocked | ~mask
+        y = scores.masked_fill(blocked, self.fill).softmax(-1) @ v  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("fill", ["-inf", "-1e9"])
+def test_an_output_with_one_row_not_finite_is_a_skip(fill):
+    """NaN in one row of the float64 copy's output makes its gradients say nothing: a skip that says so (`.any()`
+    for `.all()` would read them: one finite entry is enough for it). Filled finitely, the same layer passes."""
+    found = diagnostics.audit(FirstRowBlocked(fill), detectors=["parameters_used"]).result("parameters_used")
+    if fill == "-inf":
+        assert found.verdict == "skip" and "the output is not finite on an ordinary input" in found.message, found
     else:
         assert found.verdict == "pass", found
