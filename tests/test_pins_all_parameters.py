@@ -276,6 +276,19 @@ class SideGated(Attention):
         return super().forward(x, mask) + torch.tanh(self.alpha) * self.side(x)
 
 
+class ZeroResidual(Attention):
+    """x + attention(x) with the output projection zero-initialised, weight and bias (DiT's adaLN-Zero): the layer
+    starts as the identity, and everything before the projection gets a gradient of exactly 0 until it is drawn."""
+
+    def __init__(self):
+        super().__init__()
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x, mask=None):
+        return x + super().forward(x, mask)
+
+
 class DetachedGains(Attention):
     """attention(x) + sum_i x . p_i, each p_i read through .detach(): used, its gradient cut. `first_zero`: the first
     token's output set to exactly 0 (a slot the layer leaves empty), so the output has zeros, yet is not all zeros."""
@@ -333,6 +346,8 @@ class KeptCopies(Attention):
     (SideGated(bias=False), "pass", "side.weight: zero gradient only while alpha is all zeros (zero-initialised"),
     (SideGated(bias=False), "pass", "so used: with it drawn at random, it moves the output"),
     (SideGated(bias=True), "pass", "so used: with it drawn at random, they move the output"),
+    (ZeroResidual(), "pass", "zero gradient only while out.weight, out.bias are all zeros"),
+    (ZeroResidual(), "pass", "so used: with them drawn at random, they move the output"),
     (DetachedGains(1), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient"),
     (DetachedGains(2), "pass", "ps.0, ps.1: the output depends on them, yet autograd gives them no gradient"),
     (DetachedGains(1, first_zero=True), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient"),
@@ -346,8 +361,8 @@ class KeptCopies(Attention):
     (ScaledBeforeNorm(both=True), "fail", "the output does not depend on the size of s_q, s_k (a scale multiplying "
                                           "the activations: growing them by a factor"),
     (KeptCopies(both=False), "warn", "q_proj.weight is a copy of rows 0-7 of qkv.weight"),
-], ids=["one gated", "one gated, drawn", "two gated", "one cut", "two cut", "one cut, a zero slot", "one flat",
-        "two flat", "one size",
+], ids=["one gated", "one gated, drawn", "two gated", "two zeros", "two zeros, drawn", "one cut", "two cut",
+        "one cut, a zero slot", "one flat", "two flat", "one size",
         "one size, the norm", "two sizes", "one copy"])
 def test_the_evidence_names_one_part_in_the_singular_and_several_in_the_plural(layer, verdict, words):
     """Each note of the evidence (parameters gated by zeros, cut, used only where the output is not flat, scales whose
