@@ -359,6 +359,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "projection step returns the reference's output, and without a stated value scale the step that leaves it out "
         "does too, so each such recompute IS the reference: e equals err, never at most err / 10, and nothing is named "
         "(checked in _projections.attend)"),
+    "detectors/own_weights.py:_judge:L*:or->and#2": (
+        "p.heads == p.kv_heads or step == STEPS[3]", "the second `or` joined makes the skip of the output-projection "
+        "step (no output projection) and of the value-scale step (none stated) never fire; each such recompute IS the "
+        "reference, as for the first `or` (above): e equals err, never at most err / 10, and nothing is named (checked "
+        "in _projections.attend)"),
     "detectors/own_weights.py:_judge:L*:Lt->LtE": (
         "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "
