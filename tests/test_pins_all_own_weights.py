@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
-from diagnostics._projections import recognise
+from diagnostics._projections import NotApplicable, recognise
 from diagnostics.detectors.own_weights import _judge
 
 
@@ -106,3 +106,75 @@ def test_a_stated_value_scale_not_applied_is_named_whatever_the_number(v_scale, 
     else:
         assert found.verdict == "fail" and "the values' stated scale not applied" in found.evidence, found.evidence
         assert "v_scale" in found.fix, found.fix
+
+
+# ---- several modules: the failing one's numbers are the result's ---------------------------------------------------
+
+
+class TwoBlocks(nn.Module):
+    """Two attention modules one after the other; `first_wrong`: the first states v_scale 0.5 and forgets it, the
+    second is right (else both right)."""
+
+    def __init__(self, first_wrong: bool):
+        super().__init__()
+        self.first = StatedValueScale(0.5, applies=not first_wrong)
+        self.second = StatedValueScale(0.5, applies=True)
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.second(self.first(hidden_states, attention_mask), attention_mask)
+
+
+@pytest.mark.parametrize("first_wrong", [True, False], ids=["first wrong", "both right"])
+def test_a_failing_modules_error_and_allowance_are_the_results_even_where_a_right_one_follows(first_wrong):
+    """The result's value and threshold are those of a module that failed (`verdict == "fail"` replaces them), so a
+    failure reads value > threshold even where a module that passes comes after it (`!=` for `==`, or "pass" for
+    "fail", would report the right one's numbers); where both pass they are the worse one's, under the threshold."""
+    found = diagnostics.audit(TwoBlocks(first_wrong), detectors=["own_weights"]).result("own_weights")
+    if first_wrong:
+        assert found.verdict == "fail" and "StatedValueScale (first)" in found.message, found
+        assert found.value > 10 * found.threshold, (found.value, found.threshold)
+    else:
+        assert found.verdict == "pass", found
+        assert found.value <= found.threshold, (found.value, found.threshold)
+
+
+# ---- a call's tensor the recompute does not read hides no step that explains the output --------------------------
+
+
+class Unread(StatedValueScale):
+    """StatedValueScale of v_scale 1 (none), passed `sinusoidal_pos` (RoFormer's), which it ignores; `scale`: the
+    factor its scores are multiplied by (its own, 1/sqrt(8), by default; 1.0 forgets it; `twice`: the output also
+    doubled, two changes no one step explains)."""
+
+    def __init__(self, scale: float | None = None, twice: bool = False):
+        super().__init__(1.0, applies=True)
+        self.scale, self.twice = scale, twice
+
+    def forward(self, hidden_states, sinusoidal_pos=None, attention_mask=None):
+        B, T, D = hidden_states.shape  # batch, tokens, width
+        q, k, v = (p(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, T, d) each
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scale)  # (B, H, T, d)
+        out = self.o_proj(y.transpose(1, 2).reshape(B, T, D))
+        return 2 * out if self.twice else out
+
+
+@pytest.mark.parametrize("scale, twice, expected", [(None, False, "pass"), (1.0, False, "fail"), (1.0, True, None)],
+                         ids=["right", "scale forgotten", "two changes"])
+def test_an_unread_tensor_leaves_a_step_that_explains_the_output_named(scale, twice, expected):
+    """With a tensor the recompute does not read in the call: the right layer passes, the one that forgets its scale
+    fails with that step named (`explained and c.unread`, or `not explained or c.unread`, would call it not
+    applicable), and one that no single step explains is not applicable, naming the tensor (it may be how the module
+    applies it)."""
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
+    layer = Unread(scale, twice)
+    call = {"hidden_states": x, "sinusoidal_pos": torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(1))}
+    with torch.no_grad():
+        if expected is None:
+            with pytest.raises(NotApplicable, match="the call passed sinusoidal_pos, which the recompute does not"):
+                _judge(recognise(layer), (), call, layer(**call))
+            return
+        verdict, evidence, err, allowed, fix = _judge(recognise(layer), (), call, layer(**call))
+    assert verdict == expected, evidence
+    if expected == "fail":
+        assert "the scale: the layer applies 1, its weights' 0.3536 expected" in evidence, evidence
