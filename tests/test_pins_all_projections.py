@@ -1,0 +1,54 @@
+"""Pins for the survivors of the full mutation run (`benchmarks/mutations.py --all --only _projections.py`, issue 37)
+in the recognisers of `diagnostics._projections`, beside tests/test_pins_own_weights.py: what the Hugging Face
+recogniser reads of a GPT-NeoX-style `query_key_value` (rows per key/value group), on modules built here (no
+transformers needed). Each case has its twin.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from diagnostics._projections import Projections, recognise
+
+
+class NeoX(nn.Module):
+    """GPT-NeoX's attention as the recogniser reads it: one `query_key_value` of (H + 2 G) x d rows, grouped per
+    key/value head, and `dense`; `heads`: num_attention_heads (0: none stated); `kept`: q_proj, k_proj and v_proj
+    beside it (then those are the projections read, and the fused rows a weight they do not use: refused)."""
+
+    def __init__(self, heads: int = 4, kv_heads: int | None = None, d: int = 8, kept: bool = False):
+        super().__init__()
+        G = kv_heads or heads
+        self.query_key_value, self.dense = nn.Linear(32, (heads + 2 * G) * d), nn.Linear(32, 32)
+        if heads:
+            self.num_attention_heads = heads
+        if kv_heads:
+            self.num_key_value_heads = kv_heads
+        self.head_size = d
+        if kept:
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, hidden_states, attention_mask=None):
+        raise NotImplementedError  # read, never called
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: NeoX(), (4, 4, 8, "query_key_value")),
+    (lambda: NeoX(heads=4, kv_heads=2), (4, 2, 8, "query_key_value")),
+    (lambda: NeoX(kept=True), "which the recompute from q_proj, k_proj, v_proj and dense does not use"),
+    (lambda: NeoX(heads=0), "a fused query_key_value, but no number of heads to split it by"),
+    (lambda: NeoX(heads=4, kv_heads=3), "query_key_value gives"),
+], ids=["grouped", "grouped, 2 kv heads", "q, k, v kept beside it", "no heads", "kv heads do not divide"])
+def test_a_grouped_query_key_value_is_read_with_its_heads_and_only_where_no_q_k_v_projections_are(make, expected):
+    """The grouped rows are split by the heads stated (`if not H` refuses only where none is: `if H` would refuse
+    every one), the width checked (`!=`: `==` would refuse the right width), and only where the module has no
+    complete set of q, k and v projections (`names is None and fused is None`: `or` would read query_key_value
+    beside q_proj, k_proj and v_proj, and refuse those as unused)."""
+    found = recognise(make())
+    if isinstance(expected, str):
+        assert isinstance(found, str) and expected in found, found
+        return
+    H, G, d, read = expected
+    assert isinstance(found, Projections) and (found.heads, found.kv_heads, found.head_dim) == (H, G, d), found
+    assert read in found.read[0], found.read
