@@ -6,10 +6,13 @@ transformers needed). Each case has its twin.
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 from torch import nn
 
-from diagnostics._projections import Projections, recognise
+from diagnostics._projections import NotApplicable, Projections, recognise
 
 
 class NeoX(nn.Module):
@@ -52,3 +55,32 @@ def test_a_grouped_query_key_value_is_read_with_its_heads_and_only_where_no_q_k_
     H, G, d, read = expected
     assert isinstance(found, Projections) and (found.heads, found.kv_heads, found.head_dim) == (H, G, d), found
     assert read in found.read[0], found.read
+
+
+class DETR(nn.Module):
+    """Hugging Face-style attention of width 32, 4 heads, called with absolute positions (DETR's object_queries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(32, 32) for _ in range(4))
+        self.num_heads = 4
+
+    def forward(self, hidden_states, attention_mask=None, object_queries=None):
+        raise NotImplementedError  # read, never called
+
+
+@pytest.mark.parametrize("pos, expected", [
+    (torch.randn(1, 4, 32), "object_queries added to the query's input and the key's"),
+    (torch.randn(1, 4, 1), "object_queries of shape (1, 4, 1): not positions of the hidden states' width 32"),
+    (torch.arange(32).expand(1, 4, 32), "object_queries of shape (1, 4, 32): not positions of the hidden states'"),
+], ids=["positions", "another width", "integers"])
+def test_absolute_positions_are_added_only_as_floats_of_the_hidden_states_width(pos, expected):
+    """Float positions of the width are added to the query's and the key's inputs; another width (even one that
+    broadcasts) or integers are refused (`not pos.is_floating_point() and pos.shape[-1] != ...` would add both)."""
+    p = recognise(DETR())
+    call = {"hidden_states": torch.randn(1, 4, 32), "object_queries": pos}
+    if expected.startswith("object_queries added"):
+        assert any(expected in r for r in p.inputs(call).read), p.inputs(call).read
+        return
+    with pytest.raises(NotApplicable, match=re.escape(expected)):
+        p.inputs(call)
