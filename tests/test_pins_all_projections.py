@@ -84,3 +84,15 @@ def test_absolute_positions_are_added_only_as_floats_of_the_hidden_states_width(
         return
     with pytest.raises(NotApplicable, match=re.escape(expected)):
         p.inputs(call)
+
+
+@pytest.mark.parametrize("extra, unread", [
+    ({"output_attentions": False, "use_cache": True}, ()),
+    ({"output_attentions": False, "sinusoidal_pos": torch.randn(1, 4, 8)}, ("sinusoidal_pos",)),
+], ids=["flags", "a float tensor"])
+def test_only_float_tensors_the_recompute_does_not_read_are_named_unread(extra, unread):
+    """A call's flags are no values the module may apply in its own way; a float tensor it passes and the recompute
+    does not read (RoFormer's sinusoidal_pos) is (`... and a.is_floating_point() or n not in used` would name the
+    flags too)."""
+    p = recognise(DETR())
+    assert p.inputs({"hidden_states": torch.randn(1, 4, 32), **extra}).unread == unread
