@@ -7,6 +7,8 @@ transformers needed). Each case has its twin.
 from __future__ import annotations
 
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -96,3 +98,38 @@ def test_only_float_tensors_the_recompute_does_not_read_are_named_unread(extra, 
     flags too)."""
     p = recognise(DETR())
     assert p.inputs({"hidden_states": torch.randn(1, 4, 32), **extra}).unread == unread
+
+
+def _rotate_another_way(q, k, cos, sin, position_ids):  # another signature than Llama's (q, k, cos, sin)
+    raise AssertionError("never called with Llama's four arguments")
+
+
+class OtherRotary(nn.Module):
+    """DETR's projections, in a modeling file whose apply_rotary_pos_emb takes other arguments than Llama's."""
+
+    __module__ = "m37_other_modeling"
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(32, 32) for _ in range(4))
+        self.num_heads = 4
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None):
+        raise NotImplementedError  # read, never called
+
+
+@pytest.mark.parametrize("width, partial", [(8, False), (4, True)], ids=["whole head", "half a head"])
+def test_a_rotary_that_does_not_run_as_llamas_names_a_partial_width_only_where_the_tables_are_narrower(
+        width, partial, monkeypatch):
+    """Not applicable either way; the reason adds "a partial rotary of width 4 of 8" only where the tables are
+    narrower than a head (`cos.shape[-1] < d`: `<=` would add it at the whole width, `>` never)."""
+    modeling = types.ModuleType("m37_other_modeling")
+    modeling.apply_rotary_pos_emb = _rotate_another_way
+    monkeypatch.setitem(sys.modules, "m37_other_modeling", modeling)
+    p = recognise(OtherRotary())
+    q = torch.randn(1, 4, 4, 8)  # (B, H, T, d)
+    tables = (torch.ones(1, 4, width), torch.zeros(1, 4, width))
+    c = p.inputs({"hidden_states": torch.randn(1, 4, 32), "position_embeddings": tables})
+    with pytest.raises(NotApplicable, match="does not take \\(q, k, cos, sin\\)") as raised:
+        c.rotary(q, q)
+    assert ("a partial rotary of width 4 of 8" in str(raised.value)) is partial, raised.value
