@@ -132,4 +132,5 @@ def test_a_rotary_that_does_not_run_as_llamas_names_a_partial_width_only_where_t
     c = p.inputs({"hidden_states": torch.randn(1, 4, 32), "position_embeddings": tables})
     with pytest.raises(NotApplicable, match="does not take \\(q, k, cos, sin\\)") as raised:
         c.rotary(q, q)
-    assert ("a partial rotary of width 4 of 8" in str(raised.value)) is partial, raised.value
+    assert ("a partial rotary of width" in str(raised.value)) is partial, raised.value
+    assert not partial or "a partial rotary of width 4 of 8" in str(raised.value), raised.value
