@@ -363,6 +363,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "projection step returns the reference's output, and without a stated value scale the step that leaves it out "
         "does too, so each such recompute IS the reference: e equals err, never at most err / 10, and nothing is named "
         "(checked in _projections.attend)"),
+    "detectors/own_weights.py:_judge:L*:or->and#2": (
+        "p.heads == p.kv_heads or step == STEPS[3]", "the second `or` joined makes the skip of the output-projection "
+        "step (no output projection) and of the value-scale step (none stated) never fire; each such recompute IS the "
+        "reference, as for the first `or` (above): e equals err, never at most err / 10, and nothing is named (checked "
+        "in _projections.attend)"),
     "detectors/own_weights.py:_judge:L*:Lt->LtE": (
         "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
         "the output by exactly the same greatest error (two different float computations: checked by hand that only "
@@ -382,6 +387,19 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/gradients.py:_masked_key_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_future_gradient:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
     "detectors/gradients.py:_future_gradient:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
+    # the full run of detectors/parameters.py at fbdaa93 (issue 37), checked by hand:
+    "detectors/parameters.py:structural_zeros:L*:Gt->GtE": (
+        ("grad.shape[0] == grad.shape[1] > 1:", "grad.dim() == 2 and grad.shape[0] > 1:"),
+        "the two tests are reached only by a gradient with both zero and non-zero entries (the lines above returned "
+        "for one with no zero and for one with no non-zero); a 1 x 1 gradient is never such, and one row holding a "
+        "non-zero entry is no dead row, so `>= 1` reads nothing `> 1` does not and returns '' as well (shape[0] of 0: "
+        "no entry, returned '' on the first line)"),
+    "detectors/parameters.py:kept_copy:L*:or->and": (
+        "or tensor.shape[0] < kept.shape[0] or", "the tests before it skipped other numbers of dimensions, so both "
+        "have a first one; the joined test lets through a tensor of other trailing dimensions, which torch.equal finds "
+        "equal to no block of its rows, or one of fewer rows, which `tensor.shape[0] % kept.shape[0]` (its row count, "
+        "non-zero) still skips (0 rows: one empty block, equal to no copy, a non-empty one): no copy is found that the "
+        "skip would have left out (checked by hand, torch 2.13)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
