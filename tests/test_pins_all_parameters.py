@@ -348,9 +348,12 @@ class KeptCopies(Attention):
     (SideGated(bias=True), "pass", "so used: with it drawn at random, they move the output"),
     (ZeroResidual(), "pass", "zero gradient only while out.weight, out.bias are all zeros"),
     (ZeroResidual(), "pass", "so used: with them drawn at random, they move the output"),
-    (DetachedGains(1), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient"),
-    (DetachedGains(2), "pass", "ps.0, ps.1: the output depends on them, yet autograd gives them no gradient"),
-    (DetachedGains(1, first_zero=True), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient"),
+    (DetachedGains(1), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient: its gradient is "
+                               "cut"),
+    (DetachedGains(2), "pass", "ps.0, ps.1: the output depends on them, yet autograd gives them no gradient: their "
+                               "gradient is cut"),
+    (DetachedGains(1, first_zero=True), "pass", "ps.0: the output depends on it, yet autograd gives it no gradient: "
+                                                "its gradient is cut"),
     (ClosedGates(1), "fail", "gates.0: zero gradient because the output is zero everywhere on this probe (the loss, "
                              "(out ** 2).sum(), is flat there), and changing it moves the output, so used"),
     (ClosedGates(2), "fail", "gates.0, gates.1: zero gradient because the output is zero everywhere on this probe "

@@ -466,7 +466,8 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                  f"the output")
     if cut:
         note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
-                 f"{'them' if len(cut) > 1 else 'it'} no gradient: it is cut on its way (see gradients)")
+                 f"{'them' if len(cut) > 1 else 'it'} no gradient: {'their' if len(cut) > 1 else 'its'} gradient is cut on "
+                 f"its way (see gradients)")
     checked = f"{len(params)} parameter tensors ({sum(p.numel() for p in params.values())} weights)"
     if sized:
         them = "them" if len(sized) > 1 else "it"
