@@ -465,9 +465,9 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                  f"{'them' if len(zeros) > 1 else 'it'} drawn at random, {'they move' if len(gated) > 1 else 'it moves'} "
                  f"the output")
     if cut:
-        note += (f"; {', '.join(cut)}: the output depends on {'them' if len(cut) > 1 else 'it'}, yet autograd gives "
-                 f"{'them' if len(cut) > 1 else 'it'} no gradient: {'their' if len(cut) > 1 else 'its'} gradient is cut on "
-                 f"its way (see gradients)")
+        them, their = ("them", "their") if len(cut) > 1 else ("it", "its")
+        note += (f"; {', '.join(cut)}: the output depends on {them}, yet autograd gives {them} no gradient: {their} "
+                 f"gradient is cut on its way (see gradients)")
     checked = f"{len(params)} parameter tensors ({sum(p.numel() for p in params.values())} weights)"
     if sized:
         them = "them" if len(sized) > 1 else "it"
