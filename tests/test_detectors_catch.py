@@ -448,8 +448,8 @@ def test_a_pass_under_rounding_is_excused_only_where_measured():
     """Both sides of each excuse. UNDER_ROUNDING_DRAW: the variant's bfloat16 reading is under one rounding step and
     its float32 build fires, so it is excused; the reference built the same way does not fire in float32.
     NEAR_BAR_T2_DRAW: the variant's bfloat16 reading is under its bar and its float32 reading (0.0196) within NEAR_BAR
-    of that bar, so it is excused; the same reading is not where the float32 build's effect is far over the bar (default init: 13.0),
-    nor where the low-precision reading is over the bar."""
+    of that bar, so it is excused; the same reading is not where the float32 build's effect is far over the bar
+    (default init: 13.0), nor where the low-precision reading is over the bar."""
     variant = VARIANTS["heads_merged_without_transpose"]
     layer = _build(variant.build, UNDER_ROUNDING_DRAW)
     audited = _audit(layer, UNDER_ROUNDING_DRAW, **variant.audit_kwargs(layer), detectors=["query_locality"])
@@ -468,7 +468,8 @@ def test_a_pass_under_rounding_is_excused_only_where_measured():
     assert not under_rounding(variant, dict(NEAR_BAR_T2_DRAW, init="default"), result)
     assert not under_rounding(variant, NEAR_BAR_T2_DRAW, replace(result, value=2 * result.threshold))
     layer = _build(variant.build, NEAR_BAR_DRAW)  # three tokens: a key in the past to block, and the miss is gone
-    found = _audit(layer, NEAR_BAR_DRAW, **variant.audit_kwargs(layer), detectors=["mask_honoured"]).result("mask_honoured")
+    found = _audit(layer, NEAR_BAR_DRAW, **variant.audit_kwargs(layer),
+                   detectors=["mask_honoured"]).result("mask_honoured")
     assert found.verdict == "fail" and "past-key" in found.message, found
 
 

@@ -55,8 +55,8 @@ class ModelContext:
         return self._twin
 
     def float64_output(self, seq: Tensor, **kw) -> Tensor | None:
-        """The float64 copy's output on a tested call (a padded batch: what `Golden.judge64` judges), or None where
-        no copy can be made or it does not run so."""
+        """The float64 copy's output on a call (the full pass `golden` keeps, or a tested call that `Golden.judge64`
+        judges), or None where no copy can be made or it does not run so."""
         if self.twin64() is None:
             return None
         try:
@@ -73,11 +73,9 @@ class ModelContext:
             if seen.shape == seq.shape and torch.equal(seen, seq) and options.keys() == kw.keys() and \
                     all(torch.equal(options[k], kw[k]) for k in kw):
                 return out
-        try:
-            out, _ = self.runner(seq, model=self._twin, **kw)
-        except Exception:  # the float64 copy does not run: parity against the same-dtype pass
-            return None
-        self._golden_seen.append((seq, kw, out))
+        out = self.float64_output(seq, **kw)
+        if out is not None:  # None: the copy does not run, parity against the same-dtype pass
+            self._golden_seen.append((seq, kw, out))
         return out
 
 
