@@ -232,7 +232,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             by_design = _unused_by_design(ctx, p, rep)
             if by_design:  # parameters the model uses past this length or after a factor 0: left to gradient_flow
                 notes.append(f"{p}: parameters_used not run in place: {by_design} get no gradient at length "
-                             f"{w.block_size or T}, by design (gradient_flow says so)")
+                             f"{w.block_size or T} (gradient_flow judges them)")
                 ctx.layer_calls += rep.forward_passes
                 try:
                     rep = audit(w, causal=layer_causal, seq_len=w.probe_length, seed=seed, scale=scale,

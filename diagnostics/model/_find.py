@@ -330,10 +330,11 @@ def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = 
     # too, even where nothing it ran looked like attention: a layer without a softmax is a finding, not a skip. Not
     # a module of another kind in that place (a hybrid's Mamba mixer, MoE or MLP in Nemotron-H's `mixer`): only one
     # whose class is kin to the attention's there (`kin`: as a catalog variant is to its reference).
+    # The index may end the path: a ModuleList of attention layers itself (layers.1 beside layers.0).
     places: dict = {}  # {place pattern: the classes found there}
     for p in found:
-        if re.search(r"\.\d+\.", p):
-            places.setdefault(re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(p)), []).append(type(named[p]))
+        if re.search(r"\.\d+(\.|$)", p):
+            places.setdefault(re.sub(r"\\.\d+(?=\\.|$)", r"\\.\\d+", re.escape(p)), []).append(type(named[p]))
     for p, m in named.items():
         in_place = any(re.fullmatch(place, p) and any(kin(type(m), c) for c in classes)
                        for place, classes in places.items())

@@ -37,6 +37,10 @@ from ._runner import device_dtype, first_tensor, model_context, output_tensors, 
 ID = "gradient_flow"
 FIX = ("compute attention with autograd on (no .detach(), no torch.no_grad()), and keep the causal mask in the "
        "backward path")
+NONFINITE_FIX = ("normalise each query's scores over the keys, masked before the softmax: softmax(scores.masked_fill("
+                 "mask, float('-inf')), dim=-1) gives NaN only for a query with no key at all, which a softmax over "
+                 "the queries or the heads, or an all-masked row, makes common at longer lengths; audit at that "
+                 "length (seq_len=) to see which check fails there")
 
 
 # lengths a parameter unused at the audit's is tried at; not past 1,024: an indexer that chooses 2,048 keys
@@ -63,8 +67,13 @@ class ByDesign:
     one_key: str | None = None  # its own module, whose every softmax normalised over one key here
     same_values: str | None = None  # its own module, whose every softmax weighed values the same at every key here
     given_zeroed: str | None = None  # with `given`, its own module runs, its output multiplied by 0 (a gate at 0)
+    nonfinite: int | None = None  # not measured: the model's output is not finite at this longer length,
+    nonfinite_at: str | None = None  # first in this attention module's output (None: no attention module's)
 
     def __str__(self) -> str:
+        if self.nonfinite:
+            return (f"not measured: the model's output is not finite at length {self.nonfinite}"
+                    + (f", first at {self.nonfinite_at}" if self.nonfinite_at else ""))
         if self.one_key:
             return f"{self.one_key} attends one key here (a softmax of one score is 1 whatever the score)"
         if self.same_values:
@@ -369,7 +378,18 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
             break  # on CUDA a device-side assert that ends the process, not an exception to catch
         seq = pad_tokens(ctx.runner, (1, L), gen)
         try:
-            loss, _ = _loss_and_outputs(ctx, seq, {})
+            loss, outputs = _loss_and_outputs(ctx, seq, ctx.modules)
+            outputs.pop("zero inputs", None)
+            if torch.is_tensor(loss) and not bool(torch.isfinite(loss)):
+                # no gradient can say anything past here: an attention that gives inf or NaN on a plain input of this
+                # length (a softmax over a column of -inf: the wrong axis) is the finding, not the parameters before
+                # it that would have acted here (a sparse indexer ahead of the broken layer)
+                first = next((p for p in ctx.order if p in outputs and not bool(torch.isfinite(outputs[p]).all())),
+                             None)
+                for n in todo:
+                    ctx.by_design[n] = ByDesign(nonfinite=L, nonfinite_at=first)
+                todo = []
+                break
             grads = torch.autograd.grad(loss, [params[n] for n in todo], allow_unused=True) if torch.is_tensor(loss) \
                 else (None,) * len(todo)
         except Exception:  # the model does not run at this length (a position table, a fixed size): no longer
@@ -674,6 +694,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                               evidence=", ".join(nonfinite[:6]), fix=FIX)
     by_design = {n: why for n, why in unused_by_design(ctx, missing).items() if why is not None} if missing else {}
     missing = [n for n in missing if n not in by_design]
+    unmeasured = {n: why for n, why in by_design.items() if why.nonfinite}
     longer = {n: why.length for n, why in by_design.items() if why.length}
     zeroed = sorted({why.zeroed or why.zero_input or why.discarded or why.one_key or why.same_values
                      for why in by_design.values()
@@ -686,6 +707,15 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
                               evidence=f"zero or missing gradient of the outputs' (out ** 2).sum(): "
                                        f"{', '.join(missing[:8])}"
                                        f"{' ...' if len(missing) > 8 else ''} (in {', '.join(owners[:4])})")
+    if unmeasured:  # the longer length that would have told: the output is not finite there
+        why = next(iter(unmeasured.values()))
+        return DetectorResult(ID, "fail", f"the model's output is not finite on a plain input of {why.nonfinite} "
+                                          f"tokens" + (f", first at {why.nonfinite_at}" if why.nonfinite_at else ""),
+                              value=float(why.nonfinite), fix=NONFINITE_FIX, layer=why.nonfinite_at,
+                              evidence=f"(out ** 2).sum() is not finite at length {why.nonfinite}, where "
+                                       f"{len(unmeasured)} of {len(params)} attention parameters that get no gradient "
+                                       f"at length {seq.shape[1]} would be tried ({', '.join(list(unmeasured)[:4])}"
+                                       f"{' ...' if len(unmeasured) > 4 else ''}): not judged")
     if leak:
         return DetectorResult(ID, "fail", "the gradient lets the future in: past outputs send gradient to later "
                                           "inputs", evidence=leak, fix=FIX)
