@@ -958,7 +958,10 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     # A width its projections neither take nor return (`--d-model 30` on a 32-wide layer) would fail every probe;
     # one they only return is a layer without a query projection whose output projection reads [context; query]
     returned = {m.out_features for m in layer.modules() if isinstance(m, nn.Linear)}
-    expect(not widths or d_model in widths or d_model in returned, f"d_model to match the width of the layer's projections "
+    # (not where the width is the one the layer's own model passed it: DAB-DETR's cross-attention takes queries and
+    # keys twice as wide as its values, [content; position], projected outside it; its only Linear reads the values)
+    expect(not widths or d_model in widths or d_model in returned or getattr(layer, "width_from_call", False),
+           f"d_model to match the width of the layer's projections "
            f"(nn.Linear in_features {sorted(widths)})",
            spell("d_model", d_model, options) if given_d_model is not None
            else f"d_model={d_model} read from the layer's attributes",

@@ -164,6 +164,7 @@ class InPlace(nn.Module):
         self.contiguous_input = arguments[hidden].is_contiguous()
         self.captured_dtype = arguments[hidden].dtype
         self.d_model = int(arguments[hidden].shape[-1])
+        self.width_from_call = True  # d_model is the width the model passed, not a guess to check against projections
         # the width its model's call returned, where not the one it takes (Zamba2's shared attention: [hidden states;
         # embeddings] in, 2D wide, D out): the output shape the probes must find (`Subject.expected_out_shape`)
         self.returned_width = returned_width if returned_width and returned_width != self.d_model else None
