@@ -789,7 +789,10 @@ def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
     for m in later:
         if _mixes_heads(m):
             return None
-        if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-1] == weights.shape[-1]:
+        # the weights laid out as the softmax left them, (.., Tq, Tk): not a tensor of as many elements that the
+        # layer multiplies after the softmax for another reason (the values' projection, its input flattened to
+        # (B*T, D), computed after the softmax where it is an argument beside it, and D = T)
+        if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-2:] == weights.shape[-2:]:
             used = m.a.reshape(weights.shape)
             same = torch.equal(used, weights.to(used.dtype))
             return None if same else (used, m)

@@ -88,6 +88,7 @@ class Op:
     in_ids: tuple
     frames: tuple
     sources: frozenset  # which probe inputs ("query", "key", "value") it depends on
+    values: dict = field(default_factory=dict)  # the innermost user frame's `self` and its locals that are numbers
 
     @property
     def short(self) -> str:
@@ -106,9 +107,22 @@ class Unchanged:
 
 
 @dataclass
+class Returned:
+    """A user function's return during the call: the line it returned from, the user line that called it, and what
+    it returned where that is None or a number (or a tuple of them); `...` for anything else."""
+
+    code: object
+    line: int
+    caller: object  # the code object of the innermost user frame that called it (None: none)
+    caller_line: int
+    value: object
+
+
+@dataclass
 class Trace:
     ops: list[Op] = field(default_factory=list)
     unchanged: list[Unchanged] = field(default_factory=list)
+    returns: list[Returned] = field(default_factory=list)
     producer: dict = field(default_factory=dict)  # id(tensor) -> index of the op that last wrote it
     sources: dict = field(default_factory=dict)  # id(tensor) -> frozenset of probe inputs
     event_op: dict = field(default_factory=dict)  # id(observer event) -> op index
@@ -172,9 +186,10 @@ class Tracer(Observer):
             t.sources[id(o)] = sources | t.sources.get(id(o), frozenset())
             t.alive.append(o)
         t.alive.extend(ins)
+        frames = user_frames(sys._getframe(2))
         t.ops.append(Op(index, dispatch_name(func), tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs),
                         kept, tuple(id(o) for o in outs), tuple(id(x) for x in ins),
-                        user_frames(sys._getframe(2)), sources))
+                        frames, sources, _frame_values(sys._getframe(2), frames)))
 
     # user functions that hand back a tensor they were given, untouched
     def _profile(self, frame, event, arg):
@@ -187,6 +202,8 @@ class Tracer(Observer):
                     self._calls += 1
                     self._params[id(frame)] = (ids, self._calls)
         elif event == "return":
+            if frame_kind(frame.f_code) == 0:
+                self.trace.returns.append(_returned(frame, arg))
             ids, called = self._params.pop(id(frame), (None, 0))
             if ids and isinstance(arg, Tensor) and id(arg) in ids:
                 self.trace.unchanged.append(Unchanged(len(self.trace.ops), user_frames(frame), frame.f_code.co_name,
@@ -202,6 +219,54 @@ class Tracer(Observer):
     def __exit__(self, *exc):
         sys.setprofile(self._old_profiles.pop())
         return super().__exit__(*exc)
+
+
+def _never_raises(function):
+    """A localising helper that returns [] where reading the source fails in a way not foreseen: pointing at a line
+    must never cost a finding its other sites."""
+    def guarded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            return []
+
+    guarded.__doc__, guarded.__name__, guarded.__wrapped__ = function.__doc__, function.__name__, function
+    return guarded
+
+
+def _number(v) -> bool:
+    return v is None or (isinstance(v, (bool, int, float)) and not isinstance(v, Tensor)) or \
+        (isinstance(v, tuple) and len(v) <= 8 and all(isinstance(x, (bool, int, float)) for x in v))
+
+
+def _frame_values(frame, frames: tuple) -> dict:
+    """`self` and the locals that are numbers (or None) of the innermost user frame of an op: what a line read that
+    no traced op shows (a scale, a window bound)."""
+    if not frames:
+        return {}
+    code = frames[0][0]
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is None:
+        return {}
+    try:
+        return {name: v for name, v in frame.f_locals.items() if name == "self" or _number(v)}
+    except Exception:  # noqa: BLE001 -- reading a frame must never break the layer
+        return {}
+
+
+def _returned(frame, value) -> Returned:
+    caller = frame.f_back
+    while caller is not None and frame_kind(caller.f_code) == 1:
+        caller = caller.f_back  # torch's frames between a module's forward and the line that called the module
+    if caller is not None and frame_kind(caller.f_code) != 0:
+        caller = None
+    # a return event without a return statement (an exception unwinding) says None too: only a `return` line counts
+    line = frame.f_lineno
+    if value is None and not text(frame.f_code.co_filename, line).startswith("return"):
+        value = ...
+    return Returned(frame.f_code, line, None if caller is None else caller.f_code,
+                    0 if caller is None else caller.f_lineno, value if _number(value) else ...)
 
 
 def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, call=None) -> Trace:
@@ -616,6 +681,23 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
         if sites:
             return sites
     before_ops = [(op, f, made) for op, f, made, before in masking if before]
+    # an op before the softmax that marks blocked pairs but leaves them a score the softmax still weighs: a product
+    # with a 0/1 mask (score 0, weight exp(0)), a fill with 0
+    weights = per_batch(soft.outs[0].detach().nan_to_num(0.0) > WEIGHED, B) if soft is not None and soft.outs and \
+        soft.outs[0] is not None and soft.outs[0].dim() >= 2 else None
+    for op, f, made in before_ops:
+        if weights is None or "scaled_dot_product" in op.name or weights.shape != f.shape:
+            continue
+        open_ = f & ~declared & rows & weights
+        if bool(open_.any()) and op.index in ancestors(trace, soft):
+            b, i, j = (int(x) for x in open_.nonzero()[0])
+            out = soft.outs[0]
+            w = float(out.reshape(B, -1, t_q, t_k)[b, :, i, j].max()) if out.numel() % (B * t_q * t_k) == 0 else \
+                float("nan")
+            how = ("multiplies the scores by the 0/1 mask: a blocked key gets score 0, not -inf"
+                   if op.short in ("mul", "mul_") else "fills the blocked scores with a value the softmax still weighs")
+            sites += [op_site(op, f"{how}; the softmax at {short(soft)} gives {int(open_.sum())} blocked (query, key) "
+                                  f"pairs weight, e.g. query {i} -> key {j} in sequence {b}: {w:.3g}", fix=FILL_FIX)]
     # an op that blocks keys the declared mask allows
     for op, f, made in before_ops:
         wrong = f & declared
@@ -630,7 +712,9 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             fix = blocking_fix(f, declared, t_q, t_k)
             sites += buffer_sites(trace, made, f"the mask it holds {note.split(' (', 1)[0]}", fix) if origins else []
             sites += [op_site(maker, "builds the mask used below", fix=fix) if maker is not None and
-                      maker.frames[0] != op.frames[0] else None, op_site(op, note, fix=fix)]
+                      maker.frames[0] != op.frames[0] else None]
+            sites += [replace(x, fix=fix) for x in number_origins(trace, maker if maker is not None else op)]
+            sites.append(op_site(op, note, fix=fix))
     union = torch.zeros_like(declared)
     for _, f, _ in before_ops:
         union |= f
@@ -650,8 +734,10 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
                        else opening_fix(union, declared, t_q, t_k))
                 sites += buffer_sites(trace, made, f"the mask it holds {what}", fix) if origins else []
                 sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
-                          maker.frames[0] != op.frames[0] else None,
-                          op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix)]
+                          maker.frames[0] != op.frames[0] else None]
+                sites += [replace(x, fix=fix) for x in number_origins(trace, maker if maker is not None else op)]
+                sites += [replace(x, fix=fix) for x in none_origins(trace, op)]
+                sites.append(op_site(op, f"the mask applied here {what}{from_buffer}", fix=fix))
         else:
             matmul = qk_matmul(trace, end)
             start = matmul.index if matmul is not None else 0
@@ -661,6 +747,35 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             sites += [op_site(soft, f"no masking op on (query, key) scores reaches this softmax: it {what}", fix=fix),
                       op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
+
+
+WEIGHED = 1e-6
+"""A weight above this is a key the softmax attends (a -inf or -1e4 fill leaves exactly 0 in float32)."""
+FILL_FIX = ("block a key with -inf before the softmax, not with 0: scores = scores.masked_fill(~allowed, "
+            "float('-inf')) (a 0/1 mask multiplied in leaves blocked keys score 0, which the softmax still weighs)")
+
+
+@_never_raises
+def none_origins(trace: Trace, op: Op) -> list[Site]:
+    """A fused attention call given no mask (and not causal): where the None it got was made, the making line first:
+    the return line of a user function called on its line that returned None (as this call ran it), or the line that
+    assigned None to a name its line passes. []: the op is not such a call."""
+    if "scaled_dot_product" not in op.name or not op.frames:
+        return []
+    mask, causal, _ = fused_arguments(op.name, op.args, op.kwargs)
+    if mask is not None or causal:
+        return []
+    code, line = op.frames[0]
+    sites = [site(((r.code, r.line),), "returns None", f"returns None, which line {line} passes as the mask of the "
+                                                        f"fused call: nothing is masked")
+             for r in trace.returns if r.caller is code and r.caller_line == line and r.value is None]
+    found = _function_of(code)
+    statement = None if found is None else _statement(found[0], line - found[1] + 1)
+    for node in ([] if statement is None else ast.walk(statement)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in op.values \
+                and op.values[node.id] is None:
+            sites += [x for x in _origin(trace, op.frames, op.values, node, "None") if x.op == "assigns it"]
+    return sites
 
 
 def empty_masks(trace: Trace, soft: Op | None, what: str, made_by) -> list[Site]:
@@ -825,6 +940,213 @@ def init_sources(obj):
             continue
         if file is not None:
             yield cls, file, start, tree
+
+
+# ---- where a number an op's line read was made -------------------------------------------------------------
+
+_FUNCTIONS: dict = {}  # code object -> (parsed function, its first line) or None
+
+
+def _function_of(code):
+    """(the parsed `def` of a code object, the file line of its first line), None where its source is not read."""
+    if code not in _FUNCTIONS:
+        try:
+            lines, start = inspect.getsourcelines(code)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+            node = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else None
+            _FUNCTIONS[code] = None if node is None else (node, start)
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            _FUNCTIONS[code] = None
+    return _FUNCTIONS[code]
+
+
+def _statement(function, line: int):
+    """The innermost statement of `function` that spans its (1-based, relative) `line`."""
+    found = None
+    for node in ast.walk(function):
+        if isinstance(node, ast.stmt) and node is not function and node.lineno <= line <= (node.end_lineno or line):
+            if found is None or node.lineno >= found.lineno and (node.end_lineno or 0) <= (found.end_lineno or 0):
+                found = node
+    return found
+
+
+def _names(target) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _assigned(function, name: str, before: int):
+    """The last statement of `function` before its relative line `before` that assigns the local `name`."""
+    found = [node for node in ast.walk(function) if isinstance(node, ast.stmt) and node.lineno < before
+             and ((isinstance(node, ast.Assign) and any(name in _names(t) for t in node.targets))
+                  or (isinstance(node, (ast.AnnAssign, ast.AugAssign)) and name in _names(node.target)))]
+    return max(found, key=lambda node: node.lineno) if found else None
+
+
+SCALING_CALLS = {"mul", "mul_", "div", "div_", "multiply", "divide", "true_divide"}
+
+
+def _factor_operands(statement) -> list:
+    """The names and `self.x` attributes a statement multiplies or divides by as they are (`s * self.scale`,
+    `s.mul(scale)`, `s /= t`, `f(..., scale=sm_scale)`): the operands that carry a factor made elsewhere."""
+    plain = (ast.Name, ast.Attribute)
+    out = []
+    for node in ast.walk(statement):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            out += [x for x in (node.left, node.right) if isinstance(x, plain)]
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Mult, ast.Div)) and \
+                isinstance(node.value, plain):
+            out.append(node.value)
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in SCALING_CALLS:
+                out += [x for x in node.args if isinstance(x, plain)]
+            out += [k.value for k in node.keywords if k.arg and "scale" in k.arg and isinstance(k.value, plain)]
+    return out
+
+
+def _value(node, values: dict):
+    """What a name or `self.x` held when the op ran (a number, None), or `...` where it is not known."""
+    if isinstance(node, ast.Name):
+        return values.get(node.id, ...)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+            and "self" in values:
+        v = getattr(values["self"], node.attr, ...)
+        return v if v is ... or _number(v) else ...
+    return ...
+
+
+def _returns_of(function) -> list:
+    return [node for node in ast.walk(function) if isinstance(node, ast.Return)]
+
+
+def _origin(trace: Trace, frames: tuple, values: dict, node, value: str, *, plain: bool = True) -> list[Site]:
+    """Where the number `node` (a name or `self.x` read on the line of `frames[0]`) was made, the making line
+    first: a parameter, by the call that passed it (or left it at its default); a local, by the line that assigned
+    it, after the return line of the user function that computed it (as this call ran it); `self.x`, by the line
+    of `__init__` that wrote it, after the return line of the method it was computed by. `plain`: also a local
+    assigned by an expression of its own (else only what another function made)."""
+    code, line = frames[0]
+    found = _function_of(code)
+    if found is None:
+        return []
+    function, start = found
+    rel, name = line - start + 1, ast.unparse(node)
+    if isinstance(node, ast.Name):
+        params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if node.id in params and node.id != "self" and len(frames) > 1:
+            caller = site(frames[1:], "passes the argument", "")
+            if caller is None:
+                return []
+            return [replace(caller, note=f"`{name}` = {value} is a parameter of {code.co_name}() (read at line "
+                                         f"{line}): this call {_passes(caller.file, caller.line, code, node.id)}")]
+        assigned = _assigned(function, node.id, rel)
+        if assigned is None:
+            return []
+        at = start + assigned.lineno - 1
+        made = [r for r in trace.returns if r.caller is code and r.caller_line == at]
+        if not made and not plain:
+            return []
+        sites = [site(((r.code, r.line),), "returns it", f"returns {r.value!r}, which line {line} reads as `{name}`")
+                 for r in made[-1:]]
+        return sites + [site(((code, at),), "assigns it", f"assigns `{name}` = {value}, read at line {line}")]
+    owner = values.get("self")
+    if not isinstance(node, ast.Attribute) or owner is None:
+        return []
+    for cls, file, first, tree in init_sources(owner):
+        writes = [w for w in ast.walk(tree) if _writes(w, node.attr) and not _writes_none(w)]
+        if not writes:
+            continue
+        write = max(writes, key=lambda w: w.lineno)
+        at = first + write.lineno - 1
+        sites = []
+        for call in (c for c in ast.walk(write) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                     and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"):
+            method = inspect.unwrap(getattr(type(owner), call.func.attr, None) or (lambda: None))
+            method = getattr(method, "__func__", method)
+            inner = _function_of(getattr(method, "__code__", None)) if hasattr(method, "__code__") else None
+            if inner is not None:
+                body, begin = inner
+                sites += [Site(method.__code__.co_filename, begin + r.lineno - 1,
+                               getattr(method.__code__, "co_qualname", method.__name__),
+                               text(method.__code__.co_filename, begin + r.lineno - 1), "returns it",
+                               f"computes {value}, which __init__ stores in self.{node.attr} (line {at}), read "
+                               f"at line {line}")
+                          for r in _returns_of(body)]
+        if not sites and not plain:
+            return []
+        return sites + [Site(file, at, f"{cls.__qualname__}.__init__", text(file, at), "made before the call",
+                             f"self.{node.attr} = {value}, read at line {line}, is made here")]
+    return []
+
+
+def _passes(file: str, line: int, code, param: str) -> str:
+    """'passes it' or 'leaves it at its default', as the call of the function of `code` on a line reads."""
+    try:
+        tree = ast.parse(text(file, line).removesuffix(":") or "None")
+    except SyntaxError:
+        return "passes it"
+    names = code.co_varnames[:code.co_argcount]
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        bound = isinstance(call.func, ast.Attribute) and names[:1] in (("self",), ("cls",))
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        if name != code.co_name or any(isinstance(a, ast.Starred) for a in call.args) or \
+                any(k.arg is None or k.arg == param for k in call.keywords):
+            continue
+        at = names.index(param) - bound if param in names else 1 << 30
+        return "leaves it at its default" if at >= len(call.args) else "passes it"
+    return "passes it"
+
+
+@_never_raises
+def factor_origins(trace: Trace, frames: tuple, values: dict, factor: float) -> list[Site]:
+    """Where the factor a scaling op multiplied by was made, when its line multiplies by a name or `self.x` that
+    held that factor (or divides by one that held its inverse) as it ran: see `_origin`. [] where the line computes
+    the factor itself (`* d ** -0.5`)."""
+    if not frames or not factor:
+        return []
+    code, line = frames[0]
+    found = _function_of(code)
+    statement = None if found is None else _statement(found[0], line - found[1] + 1)
+    if statement is None:
+        return []
+    for node in _factor_operands(statement):
+        v = _value(node, values)
+        if isinstance(v, (bool, int, float)) and v and any(
+                abs(x - factor) <= 1e-5 * abs(factor) for x in (float(v), 1.0 / float(v))):
+            sites = _origin(trace, frames, values, node, f"{float(v):.4g}")
+            if sites:
+                return sites
+    return []
+
+
+@_never_raises
+def number_origins(trace: Trace, op: Op) -> list[Site]:
+    """Where the numbers the line of `op` read were made in another function than the line's: a local assigned from
+    a user function's return (`left, right = self.window_size()`: the line it returned from), or `self.x` written in
+    `__init__` from a method's result (that method's return line). Sizes and locals computed on the spot are left
+    out: the op's own line shows them."""
+    if not op.frames:
+        return []
+    code, line = op.frames[0]
+    found = _function_of(code)
+    statement = None if found is None else _statement(found[0], line - found[1] + 1)
+    if statement is None:
+        return []
+    found, seen = {}, set()  # (file, line) -> (its site, the names read that it made)
+    for node in sorted((n for n in ast.walk(statement) if isinstance(n, (ast.Name, ast.Attribute))),
+                       key=lambda n: (n.lineno, n.col_offset)):
+        key = ast.unparse(node)
+        if key in seen or not isinstance(node.ctx, ast.Load):
+            continue
+        seen.add(key)
+        v = _value(node, op.values)
+        if v is ... or v is None or isinstance(v, tuple):
+            continue
+        for made in _origin(trace, op.frames, op.values, node, repr(v), plain=False):
+            if made.op == "returns it":
+                found.setdefault((made.file, made.line), (made, []))[1].append(f"`{key}` = {v!r}")
+    return [replace(made, note=f"makes what line {line} reads as {', '.join(names)}") for made, names in found.values()]
 
 
 def short(op: Op) -> str:

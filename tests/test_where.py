@@ -138,8 +138,6 @@ NEVER_SEEN.update({name: (make, {det}, twin) for name, (make, det, twin) in neve
 KNOWN_MISSES = {  # name: the op the first site names instead (a part of its name), or None for no site
     # the missing rescale of the running sum leaves no op that moves where it must not
     "online softmax without rescale": None,
-    # `allowed = None` runs no op: the site is the fused call two lines below, which gets no mask
-    "own cache, causal mask dropped with a cache": "scaled_dot_product",
 }
 DEFAULT_RUN = ("einsum without scale", "padding mask read transposed", "keys centred over the batch",
                "causal mask one token too wide")

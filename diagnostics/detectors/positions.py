@@ -51,6 +51,7 @@ from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import (
     SOFTMAXES,
     Op,
+    ancestors,
     fused_ops,
     last_rows,
     moved,
@@ -104,6 +105,16 @@ ENOUGH_TOKENS = Need("seq_len >= 3", lambda p: p.t >= 3,
 @dataclass(frozen=True)
 class DistanceReplay:
     """The identical tokens the distance reading was made on (one copy of the stacked call), and their mask."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    allowed: Tensor | None
+
+
+@dataclass(frozen=True)
+class LostReplay:
+    """The stacked call whose keys' permutation moved nothing, though positions were declared."""
 
     query: Tensor
     key: Tensor
@@ -268,6 +279,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         if s.dtype in (torch.float32, torch.float64):
             return result(DET, "fail", 'positions="relative" is declared, but the outputs do not depend on positions '
                                        "at all: the rotation or bias is lost", value=uses, threshold=bar,
+                          replay=LostReplay(Q, K, V, probe.allowed(n * B, T, T, extra)),
                           evidence=f"permuting the keys' positions moved the output of {which} by {uses:.3g} of the "
                                    f"outputs' RMS at most (up to {bar:.2g} is rounding); a layer that uses positions "
                                    f"moves it", fix="apply the rotation over each head's feature pairs, by each token's "
@@ -565,6 +577,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     r = result.replay
     if isinstance(r, DistanceReplay):
         return distance_sites(probe, r)
+    if isinstance(r, LostReplay):
+        return lost_sites(probe, r)
     if not isinstance(r, ShiftReplay):
         return []
     s = probe.subject
@@ -614,6 +628,53 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
                                        f"({made.short}): {why}", fix=ROTATION_FIX if rotary else EMBEDDING_FIX))
     sites.append(op_site(first, note, fix="" if product is not None else BIAS_FIX))
     return [site for site in sites if site is not None]
+
+
+def lost_sites(probe, r: LostReplay) -> list[Site]:
+    """Positions declared, none reach the output: the first product of q or k (a tensor of the inputs) with a table
+    computed in the call from sin or cos and no input, whose positions run along another axis of q or k than the
+    sequence's (a (B, T, H, d) tensor turned along its axis -2, the heads: the same rotation for every token, which
+    q·k cancels). The line that made the positions the table was computed for first (their count is the other
+    axis's size), then the product."""
+    s = probe.subject
+    trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    T = r.query.shape[s.time_dim]
+    for op in trace.ops:
+        if op.short not in ("mul", "mul_") or not op.frames or len(op.in_ids) < 2 or \
+                not all(isinstance(x, Tensor) for x in op.args[:2]):
+            continue
+        fed = [bool(trace.sources.get(i)) for i in op.in_ids[:2]]
+        if fed[0] == fed[1]:
+            continue
+        x, table = (op.args[0], op.args[1]) if fed[0] else (op.args[1], op.args[0])
+        made = producer(trace, op.in_ids[1] if fed[0] else op.in_ids[0])
+        if made is None or table.dim() < 2 or table.dim() > x.dim():
+            continue
+        before = sorted(ancestors(trace, made) | {made.index})
+        if not any(trace.ops[i].short in ("sin", "cos") for i in before):
+            continue
+        axes = [x.dim() - table.dim() + n for n in range(table.dim() - 1) if table.shape[n] > 1]
+        if len(axes) != 1 or x.shape[axes[0]] == T or T not in tuple(x.shape):
+            continue
+        n = x.shape[axes[0]]
+        seq = tuple(x.shape).index(T) - x.dim()
+        where = (f"the rotation's table varies along axis {axes[0] - x.dim()} of the {tuple(x.shape)} q or k it "
+                 f"turns (size {n}), not along the sequence (axis {seq}, {T} tokens): every token is turned alike "
+                 f"and q·k cancels the rotation")
+        counted = [trace.ops[i] for i in before if user(trace.ops[i]) and not trace.ops[i].sources
+                   and trace.ops[i].outs and trace.ops[i].outs[0] is not None
+                   and tuple(trace.ops[i].outs[0].shape) == (n,)]
+        # positions are counted in integers (torch.arange(T)); a frequency vector of as many elements is a float
+        positions = min(counted, key=lambda o: (o.outs[0].is_floating_point(), o.index), default=None)
+        return [site for site in (op_site(positions, f"makes the {n} positions the rotation is computed for; {where}",
+                                          fix=ROTATION_AXIS_FIX),
+                                  op_site(op, where, fix=ROTATION_AXIS_FIX)) if site is not None]
+    return []
+
+
+ROTATION_AXIS_FIX = ("turn q and k along their sequence axis: positions = torch.arange(T) for T the sequence length, "
+                     "the table (T, d/2) against q and k laid out (..., T, d) (transpose (B, T, H, d) to (B, H, T, d) "
+                     "first)")
 
 
 def distance_sites(probe, r: DistanceReplay) -> list[Site]:

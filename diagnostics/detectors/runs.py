@@ -15,7 +15,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_calls
-from .._tracing import (CARRIES, buffer_alone, init_sources, made_at, op_site, producer, site, text,
+from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import result
 from ._mask_hints import convention_hint, honoured_conventions
@@ -90,6 +90,32 @@ def state_site(probe, call, error: BaseException) -> Site | None:
                     f"alone, beside tensors of the call",
                     fix=f"make self.{attribute} with the sizes the call's tensors have where it raised (the error "
                         f"says which dimension disagrees)")
+    return _constant_site(trace)
+
+
+def _constant_site(trace) -> Site | None:
+    """The op that raised was given, beside tensors of the call, one the call built from sizes and constants alone
+    (no input and no parameter or buffer reaches it: a causal bias, a position table) on another line than the one
+    that raised (a helper that returns it): the line that built it, whose shape is the likely mistake (a (Tq, Tq)
+    bias where the scores are (Tq, Tk)). None where there is no such tensor."""
+    raised = traceback_frames(trace.error.__traceback__)[:1] if trace.error is not None else ()
+    if not raised:
+        return None
+    for i in trace.failed_ins:
+        if trace.sources.get(i) or i in trace.inputs or buffer_behind(trace, i):
+            continue
+        made = through_carries(trace, producer(trace, i))
+        steps = 0
+        while made is not None and made.frames[:1] == raised and made.in_ids and steps < 32:  # torch's own steps
+            made = through_carries(trace, producer(trace, made.in_ids[0]))
+            steps += 1
+        if made is None or not user(made) or made.frames[:1] == raised:
+            continue
+        shape = tuple(made.outs[0].shape) if made.outs and made.outs[0] is not None else "?"
+        return op_site(made, f"makes the tensor of shape {shape} that the op that raised was given, from sizes and "
+                             f"constants alone (no tensor of the call reaches it), beside tensors of the call",
+                       fix="make this tensor with the sizes the call's tensors have where it raised (the error says "
+                           "which dimension disagrees)")
     return None
 
 

@@ -20,6 +20,7 @@ from .._tracing import (
     ancestors,
     did_nothing,
     event_op,
+    factor_origins,
     op_site,
     past_zeroing,
     producer,
@@ -76,10 +77,22 @@ def scale_sites(probe, result: DetectorResult) -> list[Site]:
     said += "" if probe.scale is not None else f" = 1/sqrt({worst.d_k})"
     fix = scale_fix(worst.applied, expected, worst.d_k, probe.subject.d_model, probe.subject.num_heads,
                     declared=probe.scale is not None)
+    at = {id(e): i for i, e in enumerate(rec.order)}  # by identity: events hold tensors, which `==` cannot compare
+
+    def scaled(e: Scaling) -> list:
+        """Where a factor that is itself not the expected one was made (an attribute, a parameter), then where it
+        was applied; a right factor applied twice is the applying lines' mistake, not the making line's."""
+        op = event_op(trace, e)
+        wrong = e.factor > 0 and abs(math.log(e.factor / expected)) > math.log(SCALE_RATIO)
+        made = factor_origins(trace, e.frames, op.values, e.factor) if wrong and op is not None else []
+        return [replace(x, fix=fix) for x in made] + [site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}",
+                                                           fix)]
+
     if worst.fused is not None:
         op = event_op(trace, worst.fused)
-        scalings = [e for e in rec.order[:rec.order.index(worst.fused)] if isinstance(e, Scaling)]
-        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}", fix) for e in scalings]
+        scalings = [e for e in rec.order[:at[id(worst.fused)]] if isinstance(e, Scaling)]
+        made = [] if op is None else factor_origins(trace, op.frames, op.values, worst.applied)
+        return unique([x for e in scalings for x in scaled(e)] + [replace(x, fix=fix) for x in made]
                       + [op_site(op, said, fix=fix)])
     soft_op, mm_op = event_op(trace, worst.softmax), event_op(trace, worst.matmul)
     if worst.used_by is not None:  # the weights that multiply the values are not the softmax's output
@@ -90,11 +103,11 @@ def scale_sites(probe, result: DetectorResult) -> list[Site]:
                                         f"the expected one", fix="use the softmax's output as the weights: a "
                                         "second softmax (or power) of them changes their temperature"),
                        op_site(soft_op, "the softmax of q·k")])
-    i_soft = rec.order.index(worst.softmax)
+    i_soft = at[id(worst.softmax)]
     prev_soft = max([j for j, e in enumerate(rec.order[:i_soft]) if isinstance(e, (SoftmaxCall, Fused))] or [-1])
     scalings = [e for e in rec.order[prev_soft + 1:i_soft] if isinstance(e, Scaling)]
     if scalings:
-        return unique([site(e.frames, e.op, f"multiplies by {e.factor:.4g}; {said}", fix) for e in scalings]
+        return unique([x for e in scalings for x in scaled(e)]
                       + [op_site(mm_op, said, fix=fix), op_site(soft_op, said, fix=fix)])
     start = mm_op.index if mm_op is not None else 0
     end = soft_op.index if soft_op is not None else len(trace.ops)
