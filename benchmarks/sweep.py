@@ -45,6 +45,8 @@ library's own, confirmed outside the audit) is counted apart as an expected fail
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import os
 import random
@@ -304,6 +306,8 @@ def _shrunk(config) -> dict:
     if "qk_rope_head_dim" in kw and isinstance(rope, dict) and len(rope.get("mrope_section") or ()) == 3:
         half = kw["qk_rope_head_dim"] // 2
         kw["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}  # HY-V4-VL
+    elif isinstance(rope, dict) and _splits_rope(config):
+        kw["rope_parameters"] = {**rope, "mrope_section": _sections(config, kw)}
     rope, head = getattr(config, "qk_rope_head_dim", None), getattr(config, "head_dim", None)
     if "qk_rope_head_dim" in kw and "head_dim" in kw and isinstance(rope, int) and isinstance(head, int) and rope:
         # the rotary table is built over head_dim x partial_rotary_factor (Mistral 4's 128 x 0.5 = its 64-wide rope
@@ -327,6 +331,28 @@ def _shrunk(config) -> dict:
         if isinstance(sub, PreTrainedConfig):
             kw[name] = {**sub.to_dict(), **_shrunk(sub)}
     return kw
+
+
+def _splits_rope(config) -> bool:
+    """Whether the config's model splits its rotary table into (time, height, width) sections (`mrope_section`): the
+    config's own, or a default written in its modeling code where the config states none (GLM-4V's [8, 12, 12],
+    which sums to its full-size rotary half-width, 32, and raised on every tiny GLM-4V, GLM-Image and GLM-OCR)."""
+    if isinstance(config.rope_parameters.get("mrope_section"), (list, tuple)):
+        return True
+    module = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        return "mrope_section" in inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError, TypeError):
+        return False
+
+
+def _sections(config, kw: dict) -> list[int]:
+    """Three sections that sum to the tiny rotary table's half-width, head_dim x partial_rotary_factor / 2."""
+    width = kw.get("hidden_size", getattr(config, "hidden_size", 0))
+    heads = kw.get("num_attention_heads", getattr(config, "num_attention_heads", 1)) or 1
+    head = kw.get("head_dim", getattr(config, "head_dim", None)) or width // heads
+    half = int(head * config.rope_parameters.get("partial_rotary_factor", 1.0)) // 2
+    return [half - 2 * (half // 3), half // 3, half // 3]
 
 
 WIDTHS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")

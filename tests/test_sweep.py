@@ -265,6 +265,13 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
     # 32 channels made heads 10.67 wide (SwinModel raised, SwinV2, Donut-Swin, MaskFormer-Swin, Swin2SR did not build)
     assert sweep.tiny_config("swin").num_heads == (1, 2, 4, 8) and sweep.tiny_config("swinv2").embed_dim == 32
     assert sweep.tiny_config("swin2sr").num_heads == (1,) * 6  # 6 heads of 180: 6 x 32 / 180 rounds to 1
+    # (time, height, width) rotary sections within the tiny head's half-width (4): GLM-4V states none in its config
+    # and defaults to [8, 12, 12] in its code (it raised on every example); Qwen2-VL's own [16, 24, 24] shrunk too
+    for model_type in ("glm4v_text", "qwen2_vl"):
+        text = sweep.tiny_config(model_type).get_text_config()
+        assert text.rope_parameters["mrope_section"] == [2, 1, 1], (model_type, text.rope_parameters)
+        assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert "mrope_section" not in sweep.tiny_config("llama").rope_parameters  # a model that splits no rotary table
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
