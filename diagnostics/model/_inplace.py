@@ -460,9 +460,11 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     else:  # one capture only (inputs of fixed length, e.g. images): sequence dims are those of the hidden's length
         centred = {}
         hidden_time_dim = 1 if H.shape[0] == 1 or H.shape[1] != 1 else 0
-        batch_dim = _doubled(H, sig, hidden, wide_call)
-        if batch_dim is not None:  # (n, 1, D) is n rows of one token where the model's batch doubles n (MobileViT's
-            hidden_time_dim = 1 - batch_dim  # pixels of a patch, folded into the batch), not one row of n tokens
+        # (n, 1, D) is n rows of one token where the model's batch doubles n (MobileViT's pixels of a patch, folded
+        # into the batch), not one row of n tokens; a (1, n, D) whose n doubles stays one sequence: the images of the
+        # batch packed into one (Pixtral's, with a block-diagonal mask), whose time is its second dimension
+        if hidden_time_dim == 0 and _doubled(H, sig, hidden, wide_call) == 0:
+            hidden_time_dim = 1
         T = H.shape[hidden_time_dim]
         rows = H.shape[1 - hidden_time_dim]  # > 1 at batch 1: windows stacked along the batch (Swin's)
         time_dims = {}
