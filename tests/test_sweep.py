@@ -193,6 +193,19 @@ def test_a_missing_scale_is_not_judged_where_the_layers_own_scale_is_1():
     assert row.bugs and set(row.bugs.values()) == {"caught"}, row.bugs
 
 
+@pytest.mark.slow  # builds and audits CLIP's text model six times (the correct model, the reference, four bugs)
+def test_a_bug_is_located_by_its_failures_and_a_warning_at_another_layer_is_said():
+    """CLIP's text layers are causal by their own mask, which the model declares nowhere: audited through the sweep's
+    explicit attention, layer 0 is audited as causal while the model is; a bug at layer 1 that lets the future in
+    leaves it non-causal, and layer 0 then warns that it masks the future itself. The failure is at layer 1 alone:
+    caught there, the warning said beside it (it counted as 'elsewhere' when warnings located a bug too)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    row = _sweep().run_transformers("clip_text_model", bugs=True)
+    assert row.verdict == "passed", row
+    assert row.bugs.pop("missing_scale") == "caught", row.bugs  # the model stays causal: no warning
+    assert set(row.bugs.values()) == {"caught; a warning also at encoder.layers.0.self_attn"}, row.bugs
+
+
 @pytest.mark.slow  # imports every timm model module (timm_types): 71 s under load
 def test_timm_models_are_built_small_and_one_without_attention_is_not_counted():
     pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
