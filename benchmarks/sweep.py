@@ -183,6 +183,13 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                               f"a field Qwen3OmniMoeThinkerConfig does not have (configuration_qwen3_omni_moe.py:191; "
                               f"confirmed by a plain script: runs without the mask, raises with it; "
                               f"qwen2_5_omni_thinker's config lacks it too)",
+    "qwen2_5_omni_thinker": f"as Qwen3-Omni's thinker: a forward given an attention_mask raises AttributeError in "
+                            f"get_rope_index ({TF}qwen2_5_omni/modeling_qwen2_5_omni.py:288, called at line 1819), "
+                            f"which reads config.vision_start_token_id, a field of Qwen2_5OmniTalkerConfig "
+                            f"(configuration_qwen2_5_omni.py:343) that Qwen2_5OmniThinkerConfig (line 211) lacks "
+                            f"(confirmed by a plain script: runs without the mask, raises with it; a checkpoint whose "
+                            f"JSON sets the field runs; it ran on no input at all until the tiny config's rotary "
+                            f"sections fitted, 2026-12-04)",
     "nemotron_asr_streaming_encoder": f"its eager attention gives NaN everywhere: eager's mask is additive (0.0 where "
                                       f"a key is allowed), which the layer reads as a boolean, `matrix_bd.masked_fill_("
                                       f"attention_mask.logical_not(), -inf)` ({TF}nemotron_asr_streaming/"

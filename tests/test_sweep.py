@@ -635,10 +635,12 @@ def test_eager_and_sdpa_agree_except_where_known_says_eager_reads_its_additive_m
         assert float((a - b).abs().max()) < 1e-4
 
 
-@pytest.mark.parametrize("model_type, known", [("qwen3_omni_moe_thinker", True), ("qwen3_vl", False)])
+@pytest.mark.parametrize("model_type, known", [("qwen3_omni_moe_thinker", True), ("qwen2_5_omni_thinker", True),
+                                               ("qwen3_vl", False), ("qwen2_5_vl", False)])
 def test_a_forward_with_an_attention_mask_runs_except_where_known_says_the_config_lacks_a_token_id(model_type, known):
-    """Qwen3-Omni-MoE's thinker (KNOWN) reads config.vision_start_token_id, which its config does not have, whenever
-    input_ids come with an attention_mask (all ones here); Qwen3-VL, the same script, runs."""
+    """Qwen3-Omni-MoE's and Qwen2.5-Omni's thinkers (KNOWN) read config.vision_start_token_id, which their configs do
+    not have, whenever input_ids come with an attention_mask (all ones here); Qwen3-VL and Qwen2.5-VL, the same
+    script, run."""
     import torch
 
     _transformers()
