@@ -486,6 +486,9 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
         if bug == "missing_scale" and getattr(target, "scaling", None) == 1.0:  # Granite's attention_multiplier
             row.bugs[bug] = "not applicable: the layer's own scale is 1 (its configuration's), nothing to drop"
             continue
+        if bug == "missing_scale" and given == 1.0:  # Kosmos-2.5's text layers scale q and pass scaling=1.0
+            row.bugs[bug] = "not applicable: the layer scales q itself and hands its attention function a scale of 1"
+            continue
         target._test_bug = bug
         try:
             rep = diagnostics.audit_model(broken, seq_len=8)
@@ -497,6 +500,7 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
                 row.bugs[bug] = f"reference {rep.status}: {rep.status_reason[:120]}"
                 return
             reference = rep
+            given = getattr(target, "_test_scaling", None)  # the scale the layer handed its attention function
             continue
         # where the bug shows: findings neither the correct model's audit nor the reference's had (a warning it had
         # already, a leak through a mixer beside the attention, is no finding of the bug's); the reference is the

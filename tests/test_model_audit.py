@@ -587,10 +587,11 @@ def _safe_softmax(scores):
 
 
 def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None, causal: bool = False,
-            dropout: float = 0.0, sinks=None):
+            dropout: float = 0.0, sinks=None, softcap: float | None = None):
     """Attention step by step with the step `kind` names broken; `allowed` (.., Tq, Tk) True = may attend (or None),
     `causal` whether the layer is a causal one; `sinks` (H,), a learned logit per head that each softmax row takes
-    as one more key whose weight is then dropped (GPT-OSS's, MiMo-V2's `s_aux`, as their eager functions do).
+    as one more key whose weight is then dropped (GPT-OSS's, MiMo-V2's `s_aux`, as their eager functions do);
+    `softcap`, the scaled scores capped at +-softcap by softcap x tanh(scores / softcap) before the mask (Gemma 2's).
     Returns (B, Tq, H, d), as Hugging Face's functions do."""
     B, H, Tq, d = query.shape  # batch, query heads, queries, head width
     Tk, n_rep = key.shape[2], H // key.shape[1]
@@ -599,6 +600,8 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     scores = query @ key.transpose(-2, -1)  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
     scale = {"missing_scale": 1.0, "scaled_by_d_model": scaling / H ** 0.5}.get(kind, scaling)  # d_model = H d
     scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias  # T5's relative position bias
     q_pos = torch.arange(Tq, device=query.device)[:, None] + (Tk - Tq)  # bottom-right: the last query is the last key
@@ -646,8 +649,11 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     # a sparse attention's chosen keys, (B, Tq, top-k) indices that a kernel of its own reads (DeepSeek-V3.2's DSA,
     # HY-V4's): the model masks the others itself only for "eager" and "sdpa", so any other function must
     indices = kw.pop("indices", None)
-    if kind is None and (sinks is not None or indices is not None):
+    softcap = kw.pop("softcap", None)  # Gemma 2's capped logits: sdpa's function raises on them
+    if kind is None and (sinks is not None or indices is not None or softcap is not None):
         kind = "reference"
+    if kind is not None:
+        module._test_scaling = scaling  # the scale the layer hands its function: 1 where it scaled q itself
     if kind is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kw)
@@ -681,7 +687,7 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         allowed, position_bias = None, kw_bias
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _attend(kind, query, key, value, allowed, scale, bias=position_bias, causal=layer_causal,
-                   dropout=dropout, sinks=sinks), None
+                   dropout=dropout, sinks=sinks, softcap=softcap), None
 
 
 def test_the_explicit_attention_takes_sinks_and_chosen_keys_as_the_models_own_eager_functions_do():
@@ -712,6 +718,29 @@ def test_the_explicit_attention_takes_sinks_and_chosen_keys_as_the_models_own_ea
     masked = torch.zeros(B, 1, T, T).masked_fill(~keep, float("-inf"))
     expected = torch.softmax((q @ k.transpose(-2, -1)) * d ** -0.5 + masked, dim=-1).nan_to_num() @ v
     torch.testing.assert_close(ours, expected.transpose(1, 2))
+
+
+def test_the_explicit_attention_caps_logits_as_gemma2s_eager_function_does():
+    """Gemma 2 hands its attention function `softcap` (its attn_logit_softcapping), which sdpa's function refuses:
+    the layers not given a bug raised, the reference failed `runs`, and no bug of gemma2 was judged. The explicit
+    attention now caps the scaled scores as Gemma 2's eager function does; without the cap it is seen to differ."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 4, 6, 8
+    q, k, v = (4 * torch.randn(B, H, T, d, generator=gen) for _ in range(3))  # scores well past the cap of 2
+    module = nn.Module()
+    module.num_key_value_groups = 1
+    module.eval()
+    mask = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), torch.finfo(q.dtype).min)
+    mask = mask.expand(B, 1, T, T)
+    ours, _ = bug_attention(module, q, k, v, mask, scaling=d ** -0.5, softcap=2.0)
+    theirs, _ = eager_attention_forward(module, q, k, v, mask, scaling=d ** -0.5, softcap=2.0)
+    torch.testing.assert_close(ours, theirs)
+    uncapped, _ = eager_attention_forward(module, q, k, v, mask, scaling=d ** -0.5)
+    assert not torch.allclose(uncapped, theirs, atol=1e-3)
+    assert module._test_scaling == d ** -0.5  # the scale it was handed, read by the sweep's missing_scale rule
 
 
 HF_TARGET = {"bart": "model.decoder.layers.0.self_attn", "t5": "decoder.block.1.layer.0.SelfAttention"}

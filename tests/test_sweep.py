@@ -193,6 +193,18 @@ def test_a_missing_scale_is_not_judged_where_the_layers_own_scale_is_1():
     assert row.bugs and set(row.bugs.values()) == {"caught"}, row.bugs
 
 
+@pytest.mark.slow  # builds and audits Kosmos-2.5 six times (the correct model, the reference, four bugs)
+def test_a_missing_scale_is_not_judged_where_the_layer_hands_its_function_a_scale_of_1():
+    """Kosmos-2.5's text attention multiplies q by its scaling and hands the attention function scaling=1.0: the
+    'missing scale' (the function's scale dropped) is the correct layer, and was counted as a bug missed (the whole
+    passing population with bugs, 2026-12-04). The scale the function is handed is read in the reference run."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    row = _sweep().run_transformers("kosmos-2.5", bugs=True)
+    assert row.verdict == "passed", row
+    assert row.bugs.pop("missing_scale").startswith("not applicable: the layer scales q itself"), row.bugs
+    assert set(row.bugs.values()) == {"caught"}, row.bugs
+
+
 @pytest.mark.slow  # builds and audits CLIP's text model six times (the correct model, the reference, four bugs)
 def test_a_bug_is_located_by_its_failures_and_a_warning_at_another_layer_is_said():
     """CLIP's text layers are causal by their own mask, which the model declares nowhere: audited through the sweep's
