@@ -277,26 +277,28 @@ def test_prefix_causality_measures_a_model_once_any_later_output_moved_at_every_
         assert result.verdict == "pass", result
 
 
-class FirstLayerAlsoOnRowZero(TinyGPT):
-    """TinyGPT that also runs its first attention layer on the batch's first row alone (a side reading it
-    discards): that layer's outputs of two batch sizes cannot be joined into one sequence."""
+class SideReading(TinyGPT):
+    """TinyGPT with a third attention module of its own kind that it runs only on a side reading it discards: on the
+    batch's first row alone (`rows`), or on the first half of the positions (`half`). Its outputs are never one per
+    row and position of the batch, so the reach per layer leaves it out."""
 
-    def __init__(self):
+    def __init__(self, side: str):
         seed_rng(0)
         super().__init__(n_layer=2, d_model=16, num_heads=2)
+        self.side, self.extra = side, MultiHeadAttention(16, 2)
 
     def forward(self, input_ids):
         T = input_ids.shape[1]
         x = self.wte(input_ids) + self.wpe(torch.arange(T))  # (B, T, D)
-        self.h[0].attn(self.h[0].ln_1(x[:1]))  # (1, T, D), discarded
+        self.extra(x[:1] if self.side == "rows" else x[:, :T // 2])  # (1, T, D) or (B, T / 2, D), discarded
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
 class OneBlockTwice(TinyGPT):
-    """TinyGPT applying its one block twice (weights shared across depth, as ALBERT does): the block's and its
-    attention's outputs join into 2T positions, not T."""
+    """TinyGPT applying its one block twice (weights shared across depth, as ALBERT does): each call of the block and
+    of its attention is one per row and position, taken in its round (its first cycle's reach is shown)."""
 
     def __init__(self):
         seed_rng(0)
@@ -309,12 +311,18 @@ class OneBlockTwice(TinyGPT):
         return self.lm_head(self.ln_f(x))
 
 
-@pytest.mark.parametrize("make, reach, blocks", [(FirstLayerAlsoOnRowZero, {"h.1.attn": 0}, {"h.0": 0, "h.1": 0}),
-                                                 (OneBlockTwice, {}, {})], ids=["two batch sizes", "2T positions"])
+LAYERS, BLOCKS = {"h.0.attn": 0, "h.1.attn": 0}, {"h.0": 0, "h.1": 0}
+
+
+@pytest.mark.parametrize("make, reach, blocks", [(lambda: SideReading("rows"), LAYERS, BLOCKS),
+                                                 (lambda: SideReading("half"), LAYERS, BLOCKS),
+                                                 (OneBlockTwice, {"h.0.attn": 0}, {"h.0": 0})],
+                         ids=["another batch size", "other positions", "one block twice"])
 def test_prefix_causality_leaves_out_a_layer_whose_outputs_are_not_one_per_row_and_position(make, reach, blocks):
     """model/causality.py: `layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T`: a
-    layer called on two batch sizes has no joined output (None), one called twice on the batch has 2T positions;
-    either is left out of the reach per layer, and the model is measured as usual."""
+    module whose only call is on another batch size or another number of positions is left out of the reach per
+    layer, and the model is measured as usual; a block called twice is measured in each round (before rounds, its
+    calls joined into 2T positions and it was left out)."""
     report = diagnostics.audit_model(make(), detectors=["prefix_causality"])
     assert report.result("prefix_causality").verdict == "pass", report.result("prefix_causality")
     assert (report.readings["prefix_reach"]["reach"], report.readings["prefix_reach"]["blocks"]) == (reach, blocks)

@@ -49,7 +49,7 @@ def check_cache_parity(ctx: ModelContext) -> DetectorResult:
     seq = runner.inputs[:1]
     T = seq.shape[1]
     plans = schedules(T)
-    with LayerTap(ctx.modules, ctx.time_dims) as full_taps:
+    with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as full_taps:
         full, _ = runner(seq)
     ctx.full = (seq, full)
     if not per_position(full, T):
@@ -60,14 +60,13 @@ def check_cache_parity(ctx: ModelContext) -> DetectorResult:
     shared = None  # (first chunk's length, its output, its cache, its layer taps)
     for name, plan in plans.items():
         outs, past, start = [], None, 0
-        with LayerTap(ctx.modules, ctx.time_dims) as taps:
+        with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as taps:
             for i, n in enumerate(plan):
                 if i == 0 and shared is not None and shared[0] == n:
                     try:
                         past = copy.deepcopy(shared[2])  # the prefill's cache, untouched by the other schedule
                         out = shared[1]
-                        for p, calls in shared[3].outputs.items():
-                            taps.outputs[p].extend(calls)
+                        taps.extend(shared[3])
                         outs.append(out)
                         start += n
                         continue
@@ -77,8 +76,8 @@ def check_cache_parity(ctx: ModelContext) -> DetectorResult:
                 if past is None:
                     return DetectorResult(ID, "skip", "not measured: the model returned no cache with use_cache=True")
                 if i == 0 and shared is None:
-                    prefill_taps = LayerTap(ctx.modules, ctx.time_dims)
-                    prefill_taps.outputs = {p: list(calls) for p, calls in taps.outputs.items()}
+                    prefill_taps = LayerTap(ctx.modules, ctx.time_dims, ctx.model)
+                    prefill_taps.extend(taps)
                     try:
                         shared = (n, out, copy.deepcopy(past), prefill_taps)
                     except Exception:  # a cache that cannot be copied: each schedule prefills its own

@@ -40,7 +40,7 @@ def check_prefix_causality(ctx: ModelContext) -> DetectorResult:
         rows.append(row)
     batch = torch.cat(rows)  # (1 + cuts, T)
     held = blocks(ctx.model, ctx.modules)  # a leak outside attention (an MLP, a norm over time) shows there
-    with LayerTap({**ctx.modules, **held}, ctx.time_dims) as taps:
+    with LayerTap({**ctx.modules, **held}, ctx.time_dims, ctx.model) as taps:
         out, _ = runner(batch)
     if not per_position(out, T):
         return DetectorResult(ID, "skip", NO_POSITIONS.format(shape=tuple(out.shape)))
@@ -59,13 +59,13 @@ def check_prefix_causality(ctx: ModelContext) -> DetectorResult:
     # moved past position (attention modules and their blocks, in the order they finished) is where it starts
     c = cuts[len(cuts) // 2]
     first, reach, block_reach = None, {}, {}
-    for p in taps.finished:
-        layer_out = taps.joined(p)
+    for p, r in taps.calls():  # a looped layer's cycles each in their place (its first cycle's reach is shown)
+        layer_out = taps.joined(p, r)
         if layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T:
             continue
         ref = layer_out[:1]
         ch = moved(layer_out[cuts.index(c) + 1:cuts.index(c) + 2], ref)[0]  # (T,)
-        (block_reach if p in held else reach)[p] = int((ch[:c + 1] > tol).sum())
+        (block_reach if p in held else reach).setdefault(p, int((ch[:c + 1] > tol).sum()))
         for j, cj in enumerate(cuts, start=1):
             if first is None and bool((moved(layer_out[j:j + 1], ref)[0][:cj + 1] > tol).any()):
                 first = p

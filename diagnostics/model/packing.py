@@ -146,7 +146,7 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
     # one row of positions per sequence, each its own memory as a caller's are: an expanded view (stride 0) makes a
     # model that flattens them with .view(-1) raise (Kosmos-2.5)
     positions = positions.repeat(batch.shape[0], 1)  # (1 + documents, T)
-    with LayerTap(ctx.modules, ctx.time_dims) as taps, _watch_packed_mask() as used:
+    with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as taps, _watch_packed_mask() as used:
         out, _ = runner(batch, position_ids=positions)
     if not per_position(out, T):
         return DetectorResult(ID, "skip", NO_POSITIONS.format(shape=tuple(out.shape)))
@@ -172,8 +172,8 @@ def check_packed_documents(ctx: ModelContext) -> DetectorResult:
     first = None
     if crossings:
         d, s, e = crossings[0][:3]
-        for p in taps.finished:
-            layer_out = taps.joined(p)
+        for p, r in taps.calls():  # in the order of the calls: a looped layer's cycles each in their place
+            layer_out = taps.joined(p, r)
             if layer_out is None or layer_out.shape[0] != batch.shape[0] or layer_out.shape[1] != T:
                 continue
             ch = moved(layer_out[d + 1:d + 2], layer_out[:1])[0]  # (T,)

@@ -45,7 +45,7 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
     # positions given on both sides: a model that numbers its own positions from the ids (RoBERTa's start at
     # padding_idx + 1) would otherwise sit the unpadded reference elsewhere than the padded rows
     own = {"position_ids": torch.arange(L, device=seq.device)[None]} if left else {}
-    with LayerTap(ctx.modules, ctx.time_dims) as ref_taps:
+    with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as ref_taps:
         ref, _ = runner(real, **own)
     if not per_position(ref, L):
         return DetectorResult(det, "skip", NO_POSITIONS.format(shape=tuple(ref.shape)))
@@ -60,7 +60,7 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
         masks.append(torch.cat([zeros, ones], 1))
     mask = torch.cat(masks).to(seq.device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0) if left else None  # real tokens at 0 .. L-1 in every row
-    with LayerTap(ctx.modules, ctx.time_dims) as taps:
+    with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as taps:
         out, _ = runner(torch.cat(rows), attention_mask=mask, position_ids=positions)
     cases = [(0, slice(0, L), "right padding, pad contents 1"), (1, slice(0, L), "right padding, pad contents 2")]
     if left:
