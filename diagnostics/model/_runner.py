@@ -494,6 +494,8 @@ class Runner:
         model = model or self.model
         kwargs = dict(extra or {})
         for name, value in self.fixed.items():
+            if name in kwargs:  # a fixed input the call gives itself (an encoder-decoder's encoder ids, padded)
+                continue
             if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] >= 1:
                 # the example's first row for every sequence: rows compared with each other share it
                 value = value[:1].expand(seq.shape[0], *value.shape[1:])
