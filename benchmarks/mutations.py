@@ -186,6 +186,14 @@ _VALUES_ARE_KEYS = (
     "MultiheadAttention packs its key and value projections when key is value), but baseline and copies are in the "
     "one call either way: every comparison is within one computation (checked in _core.perturbed and every Inputs "
     "built in the detectors: keys_matter's mixed case is on SEPARATE_STREAMS, whose value is its own)")
+_RATIO_FLOOR = (
+    "the floor stands in for log(0) where the ratio is exactly 0 (q·k multiplied by 0), read 690 out in log, and "
+    "breaks ties between readings equally far outside; moved to 1e-299 or 1e-301 it reorders a zero ratio only "
+    "against a reading 687 to 692 out: a ratio under 1e-298 or a cosine logit under 1e-298 (too flat as well) or "
+    "above 1e300, so the reading judged fails as too flat either way (checked by hand)")
+_SCALE_EDGE = (
+    " (applied / square against 1 / SCALE_RATIO and SCALE_RATIO: the same edge as the mark on `ratio > SCALE_RATIO` "
+    "above; the split reading's ratio there is the edge itself)")
 _FLOOR_OF_ZERO = (
     "the floor keeps the bar positive when every gradient is 0 (then `later` is 0 as well and passes any bar); x10 "
     "or x0.1 moves the bar only where the largest gradient lies below 1e-299: under float32's smallest subnormal "
@@ -400,6 +408,35 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "equal to no block of its rows, or one of fewer rows, which `tensor.shape[0] % kept.shape[0]` (its row count, "
         "non-zero) still skips (0 rows: one empty block, equal to no copy, a non-empty one): no copy is found that the "
         "skip would have left out (checked by hand, torch 2.13)"),
+    # the full run of detectors/temperature.py at 7ee48c8 (issue 37), checked by hand:
+    "detectors/temperature.py:check_softmax_saturation:L*:x10": (
+        ("rel_tol=1e-6) else value * value", "abs(r.ratio) or 1e-300))))"),
+        "on either line. `times`: _stated_factor matched the value to the factor or to its square root within 1e-6; "
+        "at 1e-5 the value is taken once instead of squared only where it also lies within 1e-5 of the factor, so "
+        "the factor is within 2.2e-5 of 1, where value and value^2 differ by under 2.2e-5 and the ratio stays within "
+        "1 +- 3e-5 of 1 either way (SCALE_RATIO is 1.25). The key's floor: " + _RATIO_FLOOR),
+    "detectors/temperature.py:check_softmax_saturation:L*:x0.1": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
+    "detectors/temperature.py:outside:L*:x10": ("abs(self.ratio) or 1e-300)", _RATIO_FLOOR),
+    "detectors/temperature.py:outside:L*:x0.1": ("abs(self.ratio) or 1e-300)", _RATIO_FLOOR),
+    "detectors/temperature.py:_cosine_bound:L*:Gt->GtE": (
+        ("and float(n.min()) > 0 and", "- 1) > RMS_NORMED"),
+        "on either line. `n.min() >= 0` lets a row norm of 0 through to `n.max() / n.min()`, a tensor division: inf "
+        "(NaN where every norm is 0), and `< 1 + apart` is False for both, so the `all` is False as with `> 0`. `> "
+        "RMS_NORMED`: a scale the layer passes with |scale sqrt(d_k) - 1| exactly the float 0.02 (no (1 +- 0.02) / "
+        "sqrt(d_k) hits it for d_k 1 to 4,096: checked), and even there both readings pass: 1/sqrt(d_k)'s ratio "
+        "1.02, the cosine rule's logit 1.02 sqrt(d_k), inside 0.5 to 100 up to d_k = 9,600"),
+    "detectors/temperature.py:_cosine_bound:L*:Lt->LtE": (
+        ("< 1 + apart for n in norms", "- 1) < RMS_NORMED for n in"),
+        _TOLERANCE_EDGE + " (rows' norms measured in float64 from the observed operands: their spread against "
+        "1 + NORMS_APART or ROW_SUM, their mean's distance from sqrt(d_k) against RMS_NORMED)"),
+    "detectors/temperature.py:_split_over_q_and_k:L*:LtE->Lt": ("1 / SCALE_RATIO <= applied / square",
+                                                               _TOLERANCE_EDGE + _SCALE_EDGE),
+    "detectors/temperature.py:_split_over_q_and_k:L*:LtE->Lt#2": ("<= applied / square <= SCALE_RATIO",
+                                                                 _TOLERANCE_EDGE + _SCALE_EDGE),
+    "detectors/temperature.py:_judged_cosine:L*:Lt->LtE": (
+        "if b < COSINE_FLAT:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
+    "detectors/temperature.py:_judged_cosine:L*:Gt->GtE": (
+        "if b > COSINE_SHARP:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

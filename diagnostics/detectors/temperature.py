@@ -227,8 +227,9 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                    f"(not divided enough)",
                        value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
     if ratio < 1 / SCALE_RATIO:
-        return result(det, "fail", f"softmax is {1 / ratio:.2f}x too flat: logits are multiplied by less than "
-                                   f"{declared} (divided too much)",
+        flat = f"{1 / ratio:.2f}x too flat" if ratio else "flat, every weight equal"  # a temperature of 0
+        return result(det, "fail", f"softmax is {flat}: logits are multiplied by less than {declared} (divided too "
+                                   f"much)",
                        value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
