@@ -107,8 +107,9 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
                               value=worst[0], threshold=worst[1], evidence="; ".join(texts), fix=PADDING_FIX,
                               layer=first)
     return DetectorResult(det, "pass", f"outputs at the {L} real tokens unchanged by {P} padding tokens (right, two "
-                                       f"contents{', and left' if left else ''})", value=worst[0], threshold=worst[1],
-                          evidence="; ".join(texts))
+                                       f"contents{', and left' if left else ''})"
+                                       + ("; and by padding the encoder's ids" if encoder is not None else ""),
+                          value=worst[0], threshold=worst[1], evidence="; ".join(texts))
 
 
 def _encoder_padding(ctx: ModelContext, seq, gen) -> tuple | None:
@@ -126,8 +127,9 @@ def _encoder_padding(ctx: ModelContext, seq, gen) -> tuple | None:
     Te = ids.shape[1]
     Pe = max(1, Te // 4)
     real = ids[:1, :Te - Pe]
-    pads = runner.draw_ids((2, Pe), gen).to(ids.device)
-    rows = torch.cat([real.expand(2, -1), pads], 1)  # two pad contents
+    # two pad contents drawn from the encoder's own ids: in its vocabulary, which may not be the decoder's (Dia's)
+    pads = ids[0, torch.randint(Te, (2, Pe), generator=gen)].to(ids.device)
+    rows = torch.cat([real.expand(2, -1), pads], 1)
     mask = torch.cat([torch.ones(2, Te - Pe, dtype=torch.long), torch.zeros(2, Pe, dtype=torch.long)], 1)
     with LayerTap(ctx.modules, ctx.time_dims, ctx.model) as ref_taps:
         ref, _ = runner(seq, extra={"input_ids": real})
