@@ -175,6 +175,19 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def sweep_benchmark():
+    """benchmarks/sweep.py, loaded by path as tests/test_sweep.py loads it (one module, "sweep_benchmark", so that its
+    dataclasses resolve), for tests that drive the sweep on one model type."""
+    if "sweep_benchmark" not in sys.modules:
+        where = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
+        spec = importlib.util.spec_from_file_location("sweep_benchmark", where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sweep_benchmark"]
+
+
+@pytest.fixture
 def hf_transformers():
     """transformers, imported after test_real_layers' torchvision guard (loaded by path: tests import no test
     module); the test skips, saying how to install it, where the real extra is absent."""

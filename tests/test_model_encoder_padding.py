@@ -10,32 +10,17 @@ correct model passes with that scenario in its evidence, and both mask bugs in i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 import diagnostics
 
-SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
-
-
-def _sweep():
-    if "sweep_benchmark" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("sweep_benchmark", SWEEP)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["sweep_benchmark"]
-
 
 @pytest.mark.slow  # builds and audits T5Gemma six times through the sweep (about 35 s on 2 cores)
-def test_an_encoder_layer_that_ignores_its_mask_is_found_by_padding_the_encoder():
+def test_an_encoder_layer_that_ignores_its_mask_is_found_by_padding_the_encoder(sweep_benchmark):
     """Through the sweep: the correct T5Gemma passes, with the encoder's padding in its evidence, and each bug injected
     into its encoder layer 1 (the sweep's second audited layer) is caught there: the two mask bugs were missed."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
-    sweep = _sweep()
+    sweep = sweep_benchmark
     row = sweep.run_transformers("t5gemma", bugs=True)
     assert row.verdict == "passed", row
     assert row.bugs == dict.fromkeys(sweep.BUGS, "caught"), row.bugs
