@@ -125,6 +125,44 @@ def test_jobs_run_children_side_by_side_each_on_one_thread(tmp_path):
     assert rows["a"].verdict == "timeout" and rows["b"].verdict == "passed"
 
 
+def _spends(model_type: str, *, bugs: bool):
+    """"busy" spends 0.4 s of its own CPU; "idle" sleeps 0.4 s."""
+    sweep = _sweep()
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:
+        if model_type == "idle":
+            time.sleep(0.4)
+    return sweep.Row(model_type, built=True, verdict="passed")
+
+
+def test_a_rows_cpu_time_is_the_childs_own_and_its_wall_clock_is_apart():
+    sweep = _sweep()
+    busy = sweep.in_child(_spends, "busy", 30, bugs=False)
+    idle = sweep.in_child(_spends, "idle", 30, bugs=False)  # its twin: as long on the clock, no CPU of its own
+    assert busy.seconds >= 0.4 and idle.seconds >= 0.4
+    assert busy.cpu_seconds >= 0.3, busy
+    assert idle.cpu_seconds < 0.2, idle
+
+
+@pytest.mark.slow  # two fresh processes that import transformers (about 10 s each)
+def test_after_warm_a_transformers_model_imports_only_its_own_modules():
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    import subprocess
+
+    script = ("import sys; sys.path[:0] = [{bench!r}]; import torch, sweep\n"
+              "{warm}before = set(sys.modules)\n"
+              "sweep.run_transformers('camembert', bugs=False)\n"
+              "print(sorted(m for m in set(sys.modules) - before if not m.startswith('transformers.models')))\n")
+    def imported(warm: str) -> list:
+        code = script.format(bench=str(SWEEP.parent), warm=warm)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
+        return eval(out.strip().splitlines()[-1])
+    assert imported("sweep.warm('transformers', bugs=False)\n") == []
+    cold = imported("")  # its twin: a child forked from a parent that did not warm imports the machinery itself
+    assert "transformers.generation.utils" in cold and "diagnostics.model" in cold, cold
+
+
 def test_with_jobs_the_parent_writes_every_row_once_and_a_second_run_resumes(tmp_path, monkeypatch, capsys):
     sweep = _sweep()
     types = ["good", "leaky", "dies", "good2", "leaky2"]
