@@ -10,6 +10,9 @@ Both within the float64-golden tolerance (`_tolerance.Golden`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from .._registry import Need, detector
@@ -77,12 +80,11 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
                                          select_b=lambda x, r=row, w=where: x[r:r + 1, w])[0]
     encoder = _encoder_padding(ctx, seq, gen)
     if encoder is not None:
-        ok, err, allowed, text, at = encoder
-        worst = max(worst, (err, allowed), key=lambda e: e[0] / e[1])
-        texts.append(text)
-        if not ok:
+        worst = max(worst, (encoder.err, encoder.allowed), key=lambda e: e[0] / e[1])
+        texts.append(encoder.text)
+        if not encoder.ok:
             failed.append("encoder")
-            first = first or at
+            first = first or encoder.at
     if not left:
         texts.append("left padding not checked: the forward takes no position_ids, so left-padded tokens would sit "
                      "at other positions")
@@ -94,6 +96,12 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
             if not ok:
                 failed.append(label.split()[0])
                 worst = max(worst, (err, float64_allowed()), key=lambda e: e[0] / e[1])
+        for ok, err, text in encoder.recheck() if encoder is not None else ():  # the encoder's padding too
+            texts.append(text)
+            if not ok:
+                failed.append("encoder")
+                worst = max(worst, (err, float64_allowed()), key=lambda e: e[0] / e[1])
+        golden.worst64 = max(golden.worst64, encoder.golden.worst64 if encoder is not None else 0.0)
         golden.record64(ctx.readings, det)
         if failed:
             return DetectorResult(det, "fail", f"padding changes the outputs at real tokens "
@@ -112,7 +120,20 @@ def check_padding_invariance(ctx: ModelContext) -> DetectorResult:
                           value=worst[0], threshold=worst[1], evidence="; ".join(texts))
 
 
-def _encoder_padding(ctx: ModelContext, seq, gen) -> tuple | None:
+@dataclass
+class EncoderPadding:
+    """The encoder-padding scenario's judgement at the model's dtype, and its float64 re-run (`recheck`)."""
+
+    ok: bool
+    err: float
+    allowed: float
+    text: str
+    at: str | None  # the first layer the change shows in, where it failed
+    golden: Golden
+    recheck: Callable[[], list]  # [(within, error, text)] of the padded rows in the float64 copy; [] where not rechecked
+
+
+def _encoder_padding(ctx: ModelContext, seq, gen) -> EncoderPadding | None:
     """An encoder-decoder's encoder ids padded on the right (the decoder's inputs as they are): the decoder's outputs
     must not move. The decoder padding above never reaches the encoder, whose layers are given no mask where
     nothing is padded: a mask bug in an encoder layer went unseen (T5Gemma's, 2026-12-04). Judged as the rest, one
@@ -144,7 +165,16 @@ def _encoder_padding(ctx: ModelContext, seq, gen) -> tuple | None:
     tol = tolerance(GOLDEN_FLOOR, ctx.dtype)
     first = None if ok else first_layer(ctx.order, ref_taps, taps, lambda x: x[:, :L], tol,
                                         select_b=lambda x: x[:1, :L])[0]
-    return ok, err, allowed, "; ".join(r[3] for r in results), first
+
+    def recheck() -> list:
+        """At a low precision the same padded call in the float64 copy (`Golden.rechecks`), as the decoder's rows."""
+        if not golden.rechecks:
+            return []
+        out64 = ctx.float64_output(seq.expand(2, -1), extra={"input_ids": rows, "attention_mask": mask.to(ids.device)})
+        return [] if out64 is None else [golden.judge64(out64[i:i + 1], f"{label}, pad contents {i + 1}")
+                                         for i in range(2)]
+
+    return EncoderPadding(ok, err, allowed, "; ".join(r[3] for r in results), first, golden, recheck)
 
 
 @detector("batch_invariance", "a sequence alone gives what it gives inside a batch of sequences of other lengths",
