@@ -214,7 +214,15 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                 break
             tick(f"layer {p}", i, len(in_place))
             w = wrappers[p]
-            layer_causal = bool(causal_ and w.is_self_attention() and (not runner.encoder_decoder or ".decoder." in f".{p}."))
+            # a layer whose length stayed when the sequence was one token shorter reads tokens of another stream (a
+            # vision tower beside CLIP's causal text tower, given the same pixels in both): the model's causality is
+            # not its own
+            other_stream = w.fixed_length and p in short_calls
+            layer_causal = bool(causal_ and w.is_self_attention() and not other_stream
+                                and (not runner.encoder_decoder or ".decoder." in f".{p}."))
+            if causal_ and other_stream and w.is_self_attention():
+                notes.append(f"{p} audited as not causal: its length ({w.block_size}) stayed when the sequence was one "
+                             f"token shorter, so it reads another stream than the sequence's")
             scale, said = declared_scale(w.inner, model)
             if said and said not in notes and "scaling" not in said:
                 notes.append(said)
