@@ -137,6 +137,8 @@ from linear_attention_transformer.linear_attention_transformer import SelfAttent
 layer = SelfAttention(32, 4, causal=True)  # causal linear attention on every head (no local heads), blindspot 1
 declarations = dict(causal=True)
 """
+# xformers 0.0.x: its components import pyre_extensions (pure Python) and numpy; its C++ ops are optional
+_XFORMERS_DEPS = ("pyre-extensions==0.0.23", "typing-inspect==0.9.0", "mypy-extensions==1.0.0", "numpy==2.4.6")
 _LAT_DEPS = (EINOPS, "local-attention==1.4.3", "linformer==0.2.1", "product-key-memory==0.1.10",
              "axial-positional-embedding==0.2.1")
 
@@ -282,6 +284,63 @@ normalized_vit = load("vit_pytorch/normalized_vit.py")  # vit_pytorch/__init__ i
 layer = normalized_vit.Attention(32, dim_head=8, heads=4)
 declarations = dict()
 """),
+    Case("perceiver_scale_divided", "scaling", "perceiver-io-pytorch", "0.1.2", "0.1.4",
+         "perceiver_io/attention.py", 74,
+         "https://github.com/esceptico/perceiver-io/issues/9",
+         "the scores are divided by `self.scale`, which is already head_dim ** -0.5, for multiplied: logits "
+         "head_dim times too sharp",
+         """
+from perceiver_io.attention import MultiHeadAttention
+layer = MultiHeadAttention(kv_dim=32, q_dim=32, num_heads=4)
+# forward(inputs_kv, inputs_q, attention_mask=None): the usage error's fix, inputs_q the same stream again; its
+# mask is a 0/1 tensor that it both subtracts from 1 and fills with, which no dtype allows in torch 2, so none
+declarations = dict(call=lambda layer, x: layer(x, inputs_q=x))
+"""),
+    Case("torchnlp_softmax_dim0", "normalisation", "pytorch-nlp", "0.1.0", "0.2.0",
+         "torchnlp/nn/attention.py", 42,
+         "https://github.com/PetrochukM/PyTorch-NLP/issues/2",
+         "the softmax over the (batch x queries, keys) scores is taken over dim=0, across the batch and the "
+         "queries, for dim=-1: each query's weights do not sum to 1 over its keys",
+         """
+attention = load("torchnlp/nn/attention.py")  # torchnlp/__init__ imports its datasets and text encoders
+layer = attention.Attention(32)  # 'general': score(c, q) = c . W q; output tanh(W_out [mix; query])
+declarations = dict()
+""", ()),
+    Case("fastnlp_softmax_over_queries", "normalisation", "fastNLP", "0.5.0", "0.5.5",
+         "fastNLP/modules/encoder/attention.py", 29,
+         "https://github.com/FudanNLP/fastNLP/issues/254",
+         "DotAttention's softmax over (B, H, Tq, Tk) scores is nn.Softmax(dim=2), over the queries, for dim=-1",
+         """
+import sys, types
+# fastNLP/__init__ imports the whole toolkit (nltk, its trainers); the attention needs modules/utils.py only
+for name in ("fastNLP", "fastNLP.modules"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["fastNLP.modules.utils"] = load("fastNLP/modules/utils.py")
+attention = load("fastNLP/modules/encoder/attention.py")
+layer = attention.MultiHeadAttention(input_size=32, key_size=8, value_size=8, num_head=4, dropout=0.0)
+declarations = dict()
+""", ()),
+    Case("labml_ddpm_softmax_over_queries", "normalisation", "labml-nn", "0.4.129", "0.4.131",
+         "labml_nn/diffusion/ddpm/unet.py", 188,
+         "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/146",
+         "the DDPM U-Net's attention block takes the softmax of its (b, i, j, h) scores over i, the queries "
+         "(`softmax(dim=1)`), for j, the keys",
+         """
+unet = load("labml_nn/diffusion/ddpm/unet.py")  # labml_nn/__init__ is the whole zoo
+layer = unet.AttentionBlock(32)  # one head of 32, as its U-Net builds it (with more heads its .view raises in torch 2)
+# forward(x, t=None) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
+declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
+""", ("labml-helpers==0.4.89",)),
+    Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
+         "xformers/components/attention/scaled_dot_product.py", 108,
+         "https://github.com/facebookresearch/xformers/issues/103",
+         "ScaledDotProduct(causal=True) merges its causal mask into a mask that is passed but never uses it alone: "
+         "called without att_mask, it attends the future",
+         """
+from xformers.components.attention.scaled_dot_product import ScaledDotProduct
+layer = ScaledDotProduct(causal=True, seq_len=64)  # forward(q, k, v, att_mask=None) on (B x heads, T, d)
+declarations = dict(causal=True, d_model=16)  # d_model: the usage error's fix
+""", _XFORMERS_DEPS),
 ]
 
 

@@ -1149,6 +1149,40 @@ def number_origins(trace: Trace, op: Op) -> list[Site]:
     return [replace(made, note=f"makes what line {line} reads as {', '.join(names)}") for made, names in found.values()]
 
 
+@_never_raises
+def axis_origins(trace: Trace, op: Op, fix: str) -> list[Site]:
+    """Where the axis a softmax op normalised over was set, when its line does not say it: a softmax module the line
+    calls as `self.softmax(x)`, made in `__init__` (`self.softmax = nn.Softmax(dim=2)`: that line); a `dim=` the line
+    reads from a name or `self.x` made elsewhere (see `_origin`), each with `fix`. [] where the line writes the axis
+    itself."""
+    if not op.frames:
+        return []
+    code, line = op.frames[0]
+    found = _function_of(code)
+    statement = None if found is None else _statement(found[0], line - found[1] + 1)
+    owner = op.values.get("self")
+    if statement is None:
+        return []
+    for call in (n for n in ast.walk(statement) if isinstance(n, ast.Call)):
+        func = call.func
+        module = getattr(owner, func.attr, None) if owner is not None and isinstance(func, ast.Attribute) and \
+            isinstance(func.value, ast.Name) and func.value.id == "self" else None
+        if isinstance(module, torch.nn.Module) and isinstance(getattr(module, "dim", None), int):
+            for cls, file, first, tree in init_sources(owner):
+                writes = [w for w in ast.walk(tree) if _writes(w, func.attr) and not _writes_none(w)]
+                if writes:
+                    at = first + max(writes, key=lambda w: w.lineno).lineno - 1
+                    return [Site(file, at, f"{cls.__qualname__}.__init__", text(file, at), "made before the call",
+                                 f"self.{func.attr} = {type(module).__name__}(dim={module.dim}), called at line "
+                                 f"{line}, is made here: its dim is the axis the softmax normalises over", fix=fix)]
+        for keyword in call.keywords:
+            if keyword.arg == "dim" and isinstance(keyword.value, (ast.Name, ast.Attribute)):
+                v = _value(keyword.value, op.values)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return [replace(x, fix=fix) for x in _origin(trace, op.frames, op.values, keyword.value, repr(v))]
+    return []
+
+
 def short(op: Op) -> str:
     s = op_site(op)
     return f"{s.file.rsplit('/', 1)[-1]}:{s.line}" if s else op.name
@@ -1396,15 +1430,17 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
             if seen.dim == -1:
                 masks = mask_sites(trace, declared, B, t_q, t_k)
                 return masks or ([op_site(made, f"the softmax that makes the weights ({seen.layout})")] if plain else [])
-            return [op_site(made, f"normalises over dim {dim % len(shape)} of {shape}, the queries (size "
-                                   f"{shape[q_axis]}); the keys are dim {k_axis} (size {shape[k_axis]}), the axis the "
-                                   f"weights are summed over with the values",
-                            fix=f"normalise over the keys: softmax(dim={k_axis}) for scores laid out as {shape}")]
+            fix = f"normalise over the keys: softmax(dim={k_axis}) for scores laid out as {shape}"
+            return axis_origins(trace, made, fix) + [op_site(
+                made, f"normalises over dim {dim % len(shape)} of {shape}, the queries (size {shape[q_axis]}); the "
+                      f"keys are dim {k_axis} (size {shape[k_axis]}), the axis the weights are summed over with the "
+                      f"values", fix=fix)]
         if shape and dim % len(shape) != len(shape) - 1:
             meaning = dim_meaning(shape, dim, probe)
-            return [op_site(made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys "
-                                   f"are dim -1 (size {shape[-1]})",
-                            fix="normalise over the keys, the last dim of the (..., Tq, Tk) scores: softmax(dim=-1)")]
+            fix = "normalise over the keys, the last dim of the (..., Tq, Tk) scores: softmax(dim=-1)"
+            return axis_origins(trace, made, fix) + [op_site(
+                made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys are dim -1 "
+                      f"(size {shape[-1]})", fix=fix)]
         masks = mask_sites(trace, declared, B, t_q, t_k)
         return masks or ([op_site(made, "the softmax that makes the weights")] if plain else [])
     soft_before = [i for i in ancestors(trace, made) if trace.ops[i].short in SOFTMAXES]
