@@ -120,6 +120,26 @@ spread = (out - out[:, :1]).abs().max().item() / out.pow(2).mean().sqrt().item()
 assert spread > 1e-3, f"identical tokens gave outputs equal to {spread:.2e} of their RMS: a weighted mean"
 """  # a weighted mean of identical values is that value at every position, whatever the weights
 
+_IMAGE_LAYER = """
+from timm.layers.attention2d import {cls}
+layer = {cls}({args})
+{then}# forward(x, ...) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
+declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
+"""
+
+_NON_CONTIGUOUS_QUERY_RAISES = """
+import torch
+scope = {"load": load}
+exec(BUILD, scope)
+query = torch.randn(16, 2, 32).transpose(0, 1)  # (B, T, D) read from a (T, B, D) tensor: not contiguous
+try:
+    scope["layer"](query, torch.randn(2, 16, 32))
+except RuntimeError as error:
+    assert "view" in str(error), error
+else:
+    raise AssertionError("a non-contiguous query ran")
+"""
+
 _FEWER_KEYS_THAN_K_RAISES = """
 import torch
 scope = {}
@@ -304,8 +324,11 @@ declarations = dict(call=lambda layer, x: layer(x, inputs_q=x))
          """
 attention = load("torchnlp/nn/attention.py")  # torchnlp/__init__ imports its datasets and text encoders
 layer = attention.Attention(32)  # 'general': score(c, q) = c . W q; output tanh(W_out [mix; query])
-declarations = dict()
-""", ()),
+declarations = dict(scale=1.0)  # Luong's scores are unscaled by design (its docstring: score = H_j^T W_a q)
+""", (),
+         true_finding="it reshapes its query with `.view`, so a non-contiguous query raises (a (T, B, D) RNN output "
+                      "transposed to batch-first, as seq2seq decoders give it); every release since does the same",
+         confirm=_NON_CONTIGUOUS_QUERY_RAISES),
     Case("fastnlp_softmax_over_queries", "normalisation", "fastNLP", "0.5.0", "0.5.5",
          "fastNLP/modules/encoder/attention.py", 29,
          "https://github.com/FudanNLP/fastNLP/issues/254",
@@ -331,6 +354,21 @@ layer = unet.AttentionBlock(32)  # one head of 32, as its U-Net builds it (with 
 # forward(x, t=None) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
 declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
 """, ("labml-helpers==0.4.89",)),
+    Case("timm_mqa_v2_unscaled", "scaling", "timm", "1.0.12", "1.0.13",
+         "timm/layers/attention2d.py", 71,
+         "https://github.com/huggingface/pytorch-image-models/pull/2388",
+         "MultiQueryAttentionV2 never multiplies q.k by its `self.scale`, and writes its (B, N, C) output into the "
+         "(B, C, H, W) image with a reshape, no transpose, so positions and channels are mixed",
+         _IMAGE_LAYER.format(cls="MultiQueryAttentionV2", args="32, num_heads=4, key_dim=8, value_dim=8", then=""),
+         ("numpy==2.4.6",)),
+    Case("timm_attention2d_scale_num_heads", "scaling", "timm", "1.0.12", "1.0.13",
+         "timm/layers/attention2d.py", 341,
+         "https://github.com/huggingface/pytorch-image-models/pull/2388",
+         "Attention2d's unfused path scales q by num_heads ** -0.5 for dim_head ** -0.5 (its fused path, SDPA, "
+         "scales right): too sharp by sqrt(dim_head / num_heads)",
+         _IMAGE_LAYER.format(cls="Attention2d", args="32, num_heads=4",
+                             then="layer.fused_attn = False  # the path written out (the fused one is SDPA's)\n"),
+         ("numpy==2.4.6",)),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",
@@ -465,7 +503,7 @@ out["seconds"] = time.perf_counter() - start
 if confirm:  # the true finding checked without the audit: a plain script that asserts the defect
     try:
         torch.manual_seed(0)
-        exec(confirm, {"BUILD": build})
+        exec(confirm, {"BUILD": build, "load": load})
         out["confirmed"] = "yes"
     except Exception as error:
         out["confirmed"] = f"no ({type(error).__name__}: {error})"[:200]
