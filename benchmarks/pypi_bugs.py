@@ -127,6 +127,19 @@ layer = {cls}({args})
 declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
 """
 
+_NORM_NEVER_APPLIED = """
+import torch
+scope = {"load": load}
+exec(BUILD, scope)
+layer = scope["layer"].eval()
+x = torch.randn(2, 32, 4, 4)  # an image (B, C, H, W)
+with torch.no_grad():
+    before = layer(x)
+    layer.norm.weight.mul_(3.0), layer.norm.bias.add_(1.0)
+    after = layer(x)
+assert torch.equal(before, after), "the GroupNorm's parameters move the output: it is applied"
+"""
+
 _NON_CONTIGUOUS_QUERY_RAISES = """
 import torch
 scope = {"load": load}
@@ -353,7 +366,10 @@ unet = load("labml_nn/diffusion/ddpm/unet.py")  # labml_nn/__init__ is the whole
 layer = unet.AttentionBlock(32)  # one head of 32, as its U-Net builds it (with more heads its .view raises in torch 2)
 # forward(x, t=None) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
 declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
-""", ("labml-helpers==0.4.89",)),
+""", ("labml-helpers==0.4.89",),
+         true_finding="its __init__ makes a GroupNorm (`self.norm`) that forward never applies: the output does not "
+                      "move with norm.weight or norm.bias (every release since, 0.5.1 too, the same)",
+         confirm=_NORM_NEVER_APPLIED),
     Case("timm_mqa_v2_unscaled", "scaling", "timm", "1.0.12", "1.0.13",
          "timm/layers/attention2d.py", 71,
          "https://github.com/huggingface/pytorch-image-models/pull/2388",
