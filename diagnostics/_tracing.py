@@ -743,10 +743,46 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             start = matmul.index if matmul is not None else 0
             fix = CAUSAL_FIX if future else MASK_FIX
             sites += empty_masks(trace, soft, what, made_by)
+            sites += held_masks_unused(trace, what, fix) if origins else []
             sites += [replace(x, fix=fix) for x in did_nothing(trace, start, end, ("mask", "causal"))]
             sites += [op_site(soft, f"no masking op on (query, key) scores reaches this softmax: it {what}", fix=fix),
                       op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
+
+
+@_never_raises
+def held_masks_unused(trace: Trace, what: str, fix: str) -> list[Site]:
+    """A mask the layer holds (a square buffer, bool, or float of 0s and 1s (the causal mask xformers 0.0.3 registers
+    in __init__) or with -inf or large negative entries) that no op of this call read, while the softmax leaves pairs open:
+    where it is made, then the lines of its owner's forward that read it (the condition under which it is applied,
+    `if att_mask is not None:` there, is among them). [] where the call read every such mask."""
+    if not isinstance(trace.layer, torch.nn.Module):
+        return []
+    read = {i for op in trace.ops for i in op.in_ids}
+    sites = []
+    for name, held in trace.layer.named_buffers():
+        if id(held) in read or held.dim() < 2 or held.shape[-1] != held.shape[-2] or held.shape[-1] < 2:
+            continue
+        zero_one = held.is_floating_point() and bool(((held == 0) | (held == 1)).all()) and 0 < held.sum() < held.numel()
+        if not (held.dtype == torch.bool or zero_one or (held.is_floating_point() and bool((held < -1e4).any()))):
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = trace.layer.get_submodule(owner_path) if owner_path else trace.layer
+        sites += [Site(file, line, function, text(file, line), "made before the call",
+                       f"self.{attr}: a mask the layer holds, made here; no op of this call read it, and the softmax "
+                       f"{what}", fix=fix) for file, line, function in made_at(trace.layer, name)[-1:]]
+        forward = inspect.unwrap(type(owner).forward)
+        found = _function_of(getattr(forward, "__code__", None))
+        if found is None:
+            continue
+        body, start = found
+        reads = sorted({node.lineno for node in ast.walk(body) if isinstance(node, ast.Attribute) and node.attr == attr
+                        and isinstance(node.value, ast.Name) and node.value.id == "self"})
+        file = forward.__code__.co_filename
+        sites += [Site(file, start + n - 1, forward.__qualname__, text(file, start + n - 1), "reads it",
+                       f"reads self.{attr}, the mask the layer holds, which this call did not apply", fix=fix)
+                  for n in reads]
+    return sites
 
 
 WEIGHED = 1e-6
@@ -838,9 +874,9 @@ def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
         return []
     for cls, file, start, tree in init_sources(owner):
         writes = [node for node in ast.walk(tree) if _writes(node, attr)]
-        if writes and not all(_writes_none(node) for node in writes):
-            return _with_origin(tree, max(writes, key=lambda node: node.lineno), file, start,
-                                f"{cls.__qualname__}.__init__")
+        if writes and not all(_writes_none(node) for node in writes):  # the last write that makes something
+            return _with_origin(tree, max((node for node in writes if not _writes_none(node)),
+                                          key=lambda node: node.lineno), file, start, f"{cls.__qualname__}.__init__")
         if writes:  # set to None in __init__: made by a call, in another method of this class
             try:
                 lines, first = inspect.getsourcelines(cls)

@@ -74,3 +74,44 @@ def test_gradients_are_measured_through_a_declared_call_that_lays_the_output_out
     torch.manual_seed(0)
     result = audit(ImageAttention(detach_keys), detectors=["gradients"], progress=False, **AS_IMAGE).result("gradients")
     assert result.verdict == verdict, result
+
+
+class HeldCausalMask(nn.Module):
+    """A causal layer written as xformers 0.0.3 wrote ScaledDotProduct: the causal mask registered in __init__ (and
+    None where no length is given), forward(q, k, v, att_mask=None). `always`: apply the held mask on every call (the
+    fix, 0.0.4); else only merged into a mask that is passed (the bug: without one, the future is attended)."""
+
+    def __init__(self, seq_len: int = 64, always: bool = True):
+        super().__init__()
+        self.always = always
+        if seq_len is not None:
+            mask = torch.ones(seq_len, seq_len).tril()  # 1 = may attend
+            self.register_buffer("mask", mask)
+        else:
+            self.mask = None
+
+    def forward(self, q, k, v, att_mask=None):
+        T = q.shape[-2]  # sequence length; q, k, v: (B, T, d)
+        if self.mask is not None and (self.always or att_mask is not None):
+            att_mask = self.mask[:T, :T].bool() if att_mask is None else att_mask & self.mask[:T, :T].bool()
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, T, T)
+        if att_mask is not None:
+            scores = scores.masked_fill(~att_mask, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+def test_a_held_causal_mask_the_call_never_applies_is_located_where_made_and_read():
+    torch.manual_seed(0)
+    result = audit(HeldCausalMask(always=False), causal=True, d_model=16, detectors=["future_leakage"],
+                   progress=False).result("future_leakage")
+    assert result.verdict == "fail"
+    made, read = result.where[0], result.where[1]
+    assert "register_buffer" in made.code and made.op == "made before the call", result.where
+    assert "self.mask" in read.code and read.op == "reads it", result.where
+
+
+def test_the_same_layer_applying_its_held_mask_on_every_call_passes():
+    torch.manual_seed(0)
+    result = audit(HeldCausalMask(always=True), causal=True, d_model=16, detectors=["future_leakage"],
+                   progress=False).result("future_leakage")
+    assert result.verdict == "pass", result
