@@ -29,14 +29,15 @@ bench = _benchmark()
 
 
 def test_cases_are_well_formed():
-    """Unique ids; two distinct versions, the fixed one later; a commit or issue URL; a build that compiles and
+    """Unique ids; two distinct versions, the fixed one later; a commit, issue or pull-request URL; a build that compiles and
     defines the layer and its declarations; deps pinned as NAME==VERSION."""
     ids = [c.id for c in bench.CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 8
     for case in bench.CASES:
         buggy, fixed = (tuple(int(p) for p in v.split(".")) for v in (case.buggy, case.fixed))
         assert buggy < fixed, case.id
-        assert case.url.startswith("https://github.com/") and ("/commit/" in case.url or "/issues/" in case.url)
+        assert case.url.startswith("https://github.com/") and any(f"/{kind}/" in case.url
+                                                                   for kind in ("commit", "issues", "pull"))
         assert case.fix_line > 0 and case.file.endswith(".py") and case.what and case.kind
         code = compile(case.build, case.id, "exec")
         assert {"layer", "declarations"} <= set(code.co_names), case.id
