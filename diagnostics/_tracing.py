@@ -752,10 +752,10 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
 
 @_never_raises
 def held_masks_unused(trace: Trace, what: str, fix: str) -> list[Site]:
-    """A mask the layer holds (a square buffer, bool, or float of 0s and 1s (the causal mask xformers 0.0.3 registers
-    in __init__) or with -inf or large negative entries) that no op of this call read, while the softmax leaves pairs open:
-    where it is made, then the lines of its owner's forward that read it (the condition under which it is applied,
-    `if att_mask is not None:` there, is among them). [] where the call read every such mask."""
+    """A mask the layer holds (a square buffer: bool, float of 0s and 1s as the causal mask xformers 0.0.3 registers
+    in __init__, or float with -inf or large negative entries) that no op of this call read, while the softmax leaves
+    pairs open: where it is made, then the lines of its owner's forward that read it (the condition under which it is
+    applied, `if att_mask is not None:` there, is among them). [] where the call read every such mask."""
     if not isinstance(trace.layer, torch.nn.Module):
         return []
     read = {i for op in trace.ops for i in op.in_ids}
@@ -763,7 +763,8 @@ def held_masks_unused(trace: Trace, what: str, fix: str) -> list[Site]:
     for name, held in trace.layer.named_buffers():
         if id(held) in read or held.dim() < 2 or held.shape[-1] != held.shape[-2] or held.shape[-1] < 2:
             continue
-        zero_one = held.is_floating_point() and bool(((held == 0) | (held == 1)).all()) and 0 < held.sum() < held.numel()
+        zero_one = (held.is_floating_point() and bool(((held == 0) | (held == 1)).all())
+                    and 0 < held.sum() < held.numel())
         if not (held.dtype == torch.bool or zero_one or (held.is_floating_point() and bool((held < -1e4).any()))):
             continue
         owner_path, _, attr = name.rpartition(".")

@@ -29,8 +29,8 @@ bench = _benchmark()
 
 
 def test_cases_are_well_formed():
-    """Unique ids; two distinct versions, the fixed one later; a commit, issue or pull-request URL; a build that compiles and
-    defines the layer and its declarations; deps pinned as NAME==VERSION."""
+    """Unique ids; two distinct versions, the fixed one later; a commit, issue or pull-request URL; a build that
+    compiles and defines the layer and its declarations; deps pinned as NAME==VERSION."""
     ids = [c.id for c in bench.CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 8
     for case in bench.CASES:
