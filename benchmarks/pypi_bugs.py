@@ -7,7 +7,8 @@ case names a package, the release with the bug and the release with the fix, and
 attention small and declare it. The benchmark
 
 - downloads both releases with `pip download --no-deps PKG==VER` (and the wheels the package imports, `deps`: pure
-  Python, except numpy's for xformers and timm) into a cache folder (`--cache`, default ~/.cache/attention-mistakes/pypi), and unpacks them there;
+  Python, except numpy's for xformers and timm) into a cache folder (`--cache`, default
+  ~/.cache/attention-mistakes/pypi), and unpacks them there;
 - finds the lines the fix changed mechanically: difflib over the two releases' copies of the file the fix touched
   (`file`), mapped to the buggy release's lines (a deleted line counts as the lines on either side of it);
 - audits each release in its own subprocess (the unpacked folder first on sys.path, so two releases never meet in
