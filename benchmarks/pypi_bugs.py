@@ -227,6 +227,17 @@ declarations = dict(causal=True, mask="key_keep")  # forward(x, ..., mask=None):
          true_finding="the fix drops the old `sparse_topk < j` guard, so any call with fewer keys than k raises in "
                       "topk (selected index k out of range): a 2-token call raises",
          confirm=_FEWER_KEYS_THAN_K_RAISES),
+    Case("xtr_qk_norm_dim_scale_unused", "scaling", "x-transformers", "2.25.4", "2.25.5",
+         "x_transformers/x_transformers.py", 2259,
+         "https://github.com/lucidrains/x-transformers/issues/352",
+         "with qk_norm_dim_scale=True, the per-dimension scales of the l2-normalised q and k are made but never "
+         "applied: q and k are multiplied by the scalar qk_norm_scale instead",
+         """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4, qk_norm=True, qk_norm_dim_scale=True)
+declarations = dict(mask="key_keep")  # forward(x, ..., mask=None): a (B, T) bool mask, True = keep
+""", (EINOPS, "einx==0.4.3", "frozendict==2.5.1", "loguru==0.7.3", "packaging==24.2",
+      "torch-einops-utils==0.2.0", "numpy==2.4.6")),
     Case("vit_mask_broadcast_heads", "masking", "vit-pytorch", "0.6.7", "0.6.8",
          "vit_pytorch/vit_pytorch.py", 60,
          "https://github.com/lucidrains/vit-pytorch/commit/3f2cbc6",
