@@ -6,8 +6,9 @@ Unlike benchmarks/real_bugs.py (bugs rewritten in our own style), nothing here i
 case names a package, the release with the bug and the release with the fix, and how a user would build the
 attention small and declare it. The benchmark
 
-- downloads both releases with `pip download --no-deps PKG==VER` (and the pure-Python wheels the package imports,
-  `deps`) into a cache folder (`--cache`, default ~/.cache/attention-mistakes/pypi), and unpacks them there;
+- downloads both releases with `pip download --no-deps PKG==VER` (and the wheels the package imports, `deps`: pure
+  Python, except numpy's for xformers and timm) into a cache folder (`--cache`, default
+  ~/.cache/attention-mistakes/pypi), and unpacks them there;
 - finds the lines the fix changed mechanically: difflib over the two releases' copies of the file the fix touched
   (`file`), mapped to the buggy release's lines (a deleted line counts as the lines on either side of it);
 - audits each release in its own subprocess (the unpacked folder first on sys.path, so two releases never meet in
@@ -120,6 +121,39 @@ spread = (out - out[:, :1]).abs().max().item() / out.pow(2).mean().sqrt().item()
 assert spread > 1e-3, f"identical tokens gave outputs equal to {spread:.2e} of their RMS: a weighted mean"
 """  # a weighted mean of identical values is that value at every position, whatever the weights
 
+_IMAGE_LAYER = """
+from timm.layers.attention2d import {cls}
+layer = {cls}({args})
+{then}# forward(x, ...) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
+declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
+"""
+
+_NORM_NEVER_APPLIED = """
+import torch
+scope = {"load": load}
+exec(BUILD, scope)
+layer = scope["layer"].eval()
+x = torch.randn(2, 32, 4, 4)  # an image (B, C, H, W)
+with torch.no_grad():
+    before = layer(x)
+    layer.norm.weight.mul_(3.0), layer.norm.bias.add_(1.0)
+    after = layer(x)
+assert torch.equal(before, after), "the GroupNorm's parameters move the output: it is applied"
+"""
+
+_NON_CONTIGUOUS_QUERY_RAISES = """
+import torch
+scope = {"load": load}
+exec(BUILD, scope)
+query = torch.randn(16, 2, 32).transpose(0, 1)  # (B, T, D) read from a (T, B, D) tensor: not contiguous
+try:
+    scope["layer"](query, torch.randn(2, 16, 32))
+except RuntimeError as error:
+    assert "view" in str(error), error
+else:
+    raise AssertionError("a non-contiguous query ran")
+"""
+
 _FEWER_KEYS_THAN_K_RAISES = """
 import torch
 scope = {}
@@ -137,6 +171,8 @@ from linear_attention_transformer.linear_attention_transformer import SelfAttent
 layer = SelfAttention(32, 4, causal=True)  # causal linear attention on every head (no local heads), blindspot 1
 declarations = dict(causal=True)
 """
+# xformers 0.0.x: its components import pyre_extensions (pure Python) and numpy; its C++ ops are optional
+_XFORMERS_DEPS = ("pyre-extensions==0.0.23", "typing-inspect==0.9.0", "mypy-extensions==1.0.0", "numpy==2.4.6")
 _LAT_DEPS = (EINOPS, "local-attention==1.4.3", "linformer==0.2.1", "product-key-memory==0.1.10",
              "axial-positional-embedding==0.2.1")
 
@@ -191,6 +227,17 @@ declarations = dict(causal=True, mask="key_keep")  # forward(x, ..., mask=None):
          true_finding="the fix drops the old `sparse_topk < j` guard, so any call with fewer keys than k raises in "
                       "topk (selected index k out of range): a 2-token call raises",
          confirm=_FEWER_KEYS_THAN_K_RAISES),
+    Case("xtr_qk_norm_dim_scale_unused", "scaling", "x-transformers", "2.25.4", "2.25.5",
+         "x_transformers/x_transformers.py", 2259,
+         "https://github.com/lucidrains/x-transformers/issues/352",
+         "with qk_norm_dim_scale=True, the per-dimension scales of the l2-normalised q and k are made but never "
+         "applied: q and k are multiplied by the scalar qk_norm_scale instead",
+         """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4, qk_norm=True, qk_norm_dim_scale=True)
+declarations = dict(mask="key_keep")  # forward(x, ..., mask=None): a (B, T) bool mask, True = keep
+""", (EINOPS, "einx==0.4.3", "frozendict==2.5.1", "loguru==0.7.3", "packaging==24.2",
+      "torch-einops-utils==0.2.0", "numpy==2.4.6")),
     Case("vit_mask_broadcast_heads", "masking", "vit-pytorch", "0.6.7", "0.6.8",
          "vit_pytorch/vit_pytorch.py", 60,
          "https://github.com/lucidrains/vit-pytorch/commit/3f2cbc6",
@@ -282,6 +329,84 @@ normalized_vit = load("vit_pytorch/normalized_vit.py")  # vit_pytorch/__init__ i
 layer = normalized_vit.Attention(32, dim_head=8, heads=4)
 declarations = dict()
 """),
+    Case("perceiver_scale_divided", "scaling", "perceiver-io-pytorch", "0.1.2", "0.1.4",
+         "perceiver_io/attention.py", 74,
+         "https://github.com/esceptico/perceiver-io/issues/9",
+         "the scores are divided by `self.scale`, which is already head_dim ** -0.5, for multiplied: logits "
+         "head_dim times too sharp",
+         """
+from perceiver_io.attention import MultiHeadAttention
+layer = MultiHeadAttention(kv_dim=32, q_dim=32, num_heads=4)
+# forward(inputs_kv, inputs_q, attention_mask=None): the usage error's fix, inputs_q the same stream again; its
+# mask is a 0/1 tensor that it both subtracts from 1 and fills with, which no dtype allows in torch 2, so none
+declarations = dict(call=lambda layer, x: layer(x, inputs_q=x))
+"""),
+    Case("torchnlp_softmax_dim0", "normalisation", "pytorch-nlp", "0.1.0", "0.2.0",
+         "torchnlp/nn/attention.py", 42,
+         "https://github.com/PetrochukM/PyTorch-NLP/issues/2",
+         "the softmax over the (batch x queries, keys) scores is taken over dim=0, across the batch and the "
+         "queries, for dim=-1: each query's weights do not sum to 1 over its keys",
+         """
+attention = load("torchnlp/nn/attention.py")  # torchnlp/__init__ imports its datasets and text encoders
+layer = attention.Attention(32)  # 'general': score(c, q) = c . W q; output tanh(W_out [mix; query])
+declarations = dict(scale=1.0)  # Luong's scores are unscaled by design (its docstring: score = H_j^T W_a q)
+""", (),
+         true_finding="it reshapes its query with `.view`, so a non-contiguous query raises (a (T, B, D) RNN output "
+                      "transposed to batch-first, as seq2seq decoders give it); every release since does the same",
+         confirm=_NON_CONTIGUOUS_QUERY_RAISES),
+    Case("fastnlp_softmax_over_queries", "normalisation", "fastNLP", "0.5.0", "0.5.5",
+         "fastNLP/modules/encoder/attention.py", 29,
+         "https://github.com/FudanNLP/fastNLP/issues/254",
+         "DotAttention's softmax over (B, H, Tq, Tk) scores is nn.Softmax(dim=2), over the queries, for dim=-1",
+         """
+import sys, types
+# fastNLP/__init__ imports the whole toolkit (nltk, its trainers); the attention needs modules/utils.py only
+for name in ("fastNLP", "fastNLP.modules"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["fastNLP.modules.utils"] = load("fastNLP/modules/utils.py")
+attention = load("fastNLP/modules/encoder/attention.py")
+layer = attention.MultiHeadAttention(input_size=32, key_size=8, value_size=8, num_head=4, dropout=0.0)
+declarations = dict()
+""", ()),
+    Case("labml_ddpm_softmax_over_queries", "normalisation", "labml-nn", "0.4.129", "0.4.131",
+         "labml_nn/diffusion/ddpm/unet.py", 188,
+         "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/146",
+         "the DDPM U-Net's attention block takes the softmax of its (b, i, j, h) scores over i, the queries "
+         "(`softmax(dim=1)`), for j, the keys",
+         """
+unet = load("labml_nn/diffusion/ddpm/unet.py")  # labml_nn/__init__ is the whole zoo
+layer = unet.AttentionBlock(32)  # one head of 32, as its U-Net builds it (with more heads its .view raises in torch 2)
+# forward(x, t=None) on an image (B, C, H, W): a sequence of T tokens is the (B, C, T, 1) image
+declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2))
+""", ("labml-helpers==0.4.89",),
+         true_finding="its __init__ makes a GroupNorm (`self.norm`) that forward never applies: the output does not "
+                      "move with norm.weight or norm.bias (every release since, 0.5.1 too, the same)",
+         confirm=_NORM_NEVER_APPLIED),
+    Case("timm_mqa_v2_unscaled", "scaling", "timm", "1.0.12", "1.0.13",
+         "timm/layers/attention2d.py", 71,
+         "https://github.com/huggingface/pytorch-image-models/pull/2388",
+         "MultiQueryAttentionV2 never multiplies q.k by its `self.scale`, and writes its (B, N, C) output into the "
+         "(B, C, H, W) image with a reshape, no transpose, so positions and channels are mixed",
+         _IMAGE_LAYER.format(cls="MultiQueryAttentionV2", args="32, num_heads=4, key_dim=8, value_dim=8", then=""),
+         ("numpy==2.4.6",)),
+    Case("timm_attention2d_scale_num_heads", "scaling", "timm", "1.0.12", "1.0.13",
+         "timm/layers/attention2d.py", 341,
+         "https://github.com/huggingface/pytorch-image-models/pull/2388",
+         "Attention2d's unfused path scales q by num_heads ** -0.5 for dim_head ** -0.5 (its fused path, SDPA, "
+         "scales right): too sharp by sqrt(dim_head / num_heads)",
+         _IMAGE_LAYER.format(cls="Attention2d", args="32, num_heads=4",
+                             then="layer.fused_attn = False  # the path written out (the fused one is SDPA's)\n"),
+         ("numpy==2.4.6",)),
+    Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
+         "xformers/components/attention/scaled_dot_product.py", 108,
+         "https://github.com/facebookresearch/xformers/issues/103",
+         "ScaledDotProduct(causal=True) merges its causal mask into a mask that is passed but never uses it alone: "
+         "called without att_mask, it attends the future",
+         """
+from xformers.components.attention.scaled_dot_product import ScaledDotProduct
+layer = ScaledDotProduct(causal=True, seq_len=64)  # forward(q, k, v, att_mask=None) on (B x heads, T, d)
+declarations = dict(causal=True, d_model=16)  # d_model: the usage error's fix
+""", _XFORMERS_DEPS),
 ]
 
 
@@ -406,7 +531,7 @@ out["seconds"] = time.perf_counter() - start
 if confirm:  # the true finding checked without the audit: a plain script that asserts the defect
     try:
         torch.manual_seed(0)
-        exec(confirm, {"BUILD": build})
+        exec(confirm, {"BUILD": build, "load": load})
         out["confirmed"] = "yes"
     except Exception as error:
         out["confirmed"] = f"no ({type(error).__name__}: {error})"[:200]

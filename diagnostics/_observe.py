@@ -526,13 +526,14 @@ def orient(record: Record) -> None:
             continue
         if nd < 3:
             continue
-        if d == nd - 1:  # the usual layout, unless the values are summed over another axis (keys first, over queries)
-            if sm.output.numel() > _ORIENT_LAST_MAX:
+        axes = _heads_between(record, i, sm)
+        if d == nd - 1 and axes is None:  # the usual layout, unless the values are summed over another axis (keys
+            if sm.output.numel() > _ORIENT_LAST_MAX:  # first, over queries)
                 continue
             k = _summed_with_values(record.order[i + 1:], sm.output)
             if k is None or k == d or sm.output.shape[k] != sm.output.shape[d]:
                 continue
-        axes = _query_key_axes(record, i, sm, d)
+        axes = axes or _query_key_axes(record, i, sm, d)
         if axes is None:
             continue
         q, k = axes
@@ -546,6 +547,22 @@ def orient(record: Record) -> None:
         if sm.unshifted is not None:
             sm.unshifted = sm.unshifted.permute(perm)
         sm.laid_out = tuple(perm)
+
+
+def _heads_between(record: Record, i: int, sm: SoftmaxCall) -> tuple[int, int] | None:
+    """(queries, keys) of scores laid out (..., Tq, H, Tk), the heads between the queries and the keys (timm's
+    MultiQueryAttentionV2: einsum('bnhk,bmk->bnhm', q, k)), whatever axis the softmax is over: the q·k product that
+    made them has Tq x H rows, the two axes before the keys flattened, where the axis just before the keys alone is
+    not its rows. None otherwise."""
+    shape = tuple(sm.output.shape)
+    scores = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
+                   and m.out.numel() == sm.input.numel() and m.out.dim() >= 2), None)
+    if len(shape) < 4 or scores is None:
+        return None
+    rows, cols = tuple(scores.out.shape[-2:])
+    if cols != shape[-1] or rows == shape[-2] or rows != shape[-3] * shape[-2]:
+        return None
+    return len(shape) - 3, len(shape) - 1
 
 
 def _unflatten(record: Record, i: int, sm: SoftmaxCall) -> None:

@@ -743,10 +743,47 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             start = matmul.index if matmul is not None else 0
             fix = CAUSAL_FIX if future else MASK_FIX
             sites += empty_masks(trace, soft, what, made_by)
+            sites += held_masks_unused(trace, what, fix) if origins else []
             sites += [replace(x, fix=fix) for x in did_nothing(trace, start, end, ("mask", "causal"))]
             sites += [op_site(soft, f"no masking op on (query, key) scores reaches this softmax: it {what}", fix=fix),
                       op_site(matmul, "the scores that should be masked before the softmax", fix=fix)]
     return [s for s in sites if s is not None]
+
+
+@_never_raises
+def held_masks_unused(trace: Trace, what: str, fix: str) -> list[Site]:
+    """A mask the layer holds (a square buffer: bool, float of 0s and 1s as the causal mask xformers 0.0.3 registers
+    in __init__, or float with -inf or large negative entries) that no op of this call read, while the softmax leaves
+    pairs open: where it is made, then the lines of its owner's forward that read it (the condition under which it is
+    applied, `if att_mask is not None:` there, is among them). [] where the call read every such mask."""
+    if not isinstance(trace.layer, torch.nn.Module):
+        return []
+    read = {i for op in trace.ops for i in op.in_ids}
+    sites = []
+    for name, held in trace.layer.named_buffers():
+        if id(held) in read or held.dim() < 2 or held.shape[-1] != held.shape[-2] or held.shape[-1] < 2:
+            continue
+        zero_one = (held.is_floating_point() and bool(((held == 0) | (held == 1)).all())
+                    and 0 < held.sum() < held.numel())
+        if not (held.dtype == torch.bool or zero_one or (held.is_floating_point() and bool((held < -1e4).any()))):
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = trace.layer.get_submodule(owner_path) if owner_path else trace.layer
+        sites += [Site(file, line, function, text(file, line), "made before the call",
+                       f"self.{attr}: a mask the layer holds, made here; no op of this call read it, and the softmax "
+                       f"{what}", fix=fix) for file, line, function in made_at(trace.layer, name)[-1:]]
+        forward = inspect.unwrap(type(owner).forward)
+        found = _function_of(getattr(forward, "__code__", None))
+        if found is None:
+            continue
+        body, start = found
+        reads = sorted({node.lineno for node in ast.walk(body) if isinstance(node, ast.Attribute) and node.attr == attr
+                        and isinstance(node.value, ast.Name) and node.value.id == "self"})
+        file = forward.__code__.co_filename
+        sites += [Site(file, start + n - 1, forward.__qualname__, text(file, start + n - 1), "reads it",
+                       f"reads self.{attr}, the mask the layer holds, which this call did not apply", fix=fix)
+                  for n in reads]
+    return sites
 
 
 WEIGHED = 1e-6
@@ -838,9 +875,9 @@ def made_at(layer: torch.nn.Module, name: str) -> list[tuple[str, int, str]]:
         return []
     for cls, file, start, tree in init_sources(owner):
         writes = [node for node in ast.walk(tree) if _writes(node, attr)]
-        if writes and not all(_writes_none(node) for node in writes):
-            return _with_origin(tree, max(writes, key=lambda node: node.lineno), file, start,
-                                f"{cls.__qualname__}.__init__")
+        if writes and not all(_writes_none(node) for node in writes):  # the last write that makes something
+            return _with_origin(tree, max((node for node in writes if not _writes_none(node)),
+                                          key=lambda node: node.lineno), file, start, f"{cls.__qualname__}.__init__")
         if writes:  # set to None in __init__: made by a call, in another method of this class
             try:
                 lines, first = inspect.getsourcelines(cls)
@@ -1149,6 +1186,40 @@ def number_origins(trace: Trace, op: Op) -> list[Site]:
     return [replace(made, note=f"makes what line {line} reads as {', '.join(names)}") for made, names in found.values()]
 
 
+@_never_raises
+def axis_origins(trace: Trace, op: Op, fix: str) -> list[Site]:
+    """Where the axis a softmax op normalised over was set, when its line does not say it: a softmax module the line
+    calls as `self.softmax(x)`, made in `__init__` (`self.softmax = nn.Softmax(dim=2)`: that line); a `dim=` the line
+    reads from a name or `self.x` made elsewhere (see `_origin`), each with `fix`. [] where the line writes the axis
+    itself."""
+    if not op.frames:
+        return []
+    code, line = op.frames[0]
+    found = _function_of(code)
+    statement = None if found is None else _statement(found[0], line - found[1] + 1)
+    owner = op.values.get("self")
+    if statement is None:
+        return []
+    for call in (n for n in ast.walk(statement) if isinstance(n, ast.Call)):
+        func = call.func
+        module = getattr(owner, func.attr, None) if owner is not None and isinstance(func, ast.Attribute) and \
+            isinstance(func.value, ast.Name) and func.value.id == "self" else None
+        if isinstance(module, torch.nn.Module) and isinstance(getattr(module, "dim", None), int):
+            for cls, file, first, tree in init_sources(owner):
+                writes = [w for w in ast.walk(tree) if _writes(w, func.attr) and not _writes_none(w)]
+                if writes:
+                    at = first + max(writes, key=lambda w: w.lineno).lineno - 1
+                    return [Site(file, at, f"{cls.__qualname__}.__init__", text(file, at), "made before the call",
+                                 f"self.{func.attr} = {type(module).__name__}(dim={module.dim}), called at line "
+                                 f"{line}, is made here: its dim is the axis the softmax normalises over", fix=fix)]
+        for keyword in call.keywords:
+            if keyword.arg == "dim" and isinstance(keyword.value, (ast.Name, ast.Attribute)):
+                v = _value(keyword.value, op.values)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return [replace(x, fix=fix) for x in _origin(trace, op.frames, op.values, keyword.value, repr(v))]
+    return []
+
+
 def short(op: Op) -> str:
     s = op_site(op)
     return f"{s.file.rsplit('/', 1)[-1]}:{s.line}" if s else op.name
@@ -1396,15 +1467,17 @@ def weights_made_by(probe, trace: Trace, made: Op, declared: Tensor, t_q: int, t
             if seen.dim == -1:
                 masks = mask_sites(trace, declared, B, t_q, t_k)
                 return masks or ([op_site(made, f"the softmax that makes the weights ({seen.layout})")] if plain else [])
-            return [op_site(made, f"normalises over dim {dim % len(shape)} of {shape}, the queries (size "
-                                   f"{shape[q_axis]}); the keys are dim {k_axis} (size {shape[k_axis]}), the axis the "
-                                   f"weights are summed over with the values",
-                            fix=f"normalise over the keys: softmax(dim={k_axis}) for scores laid out as {shape}")]
+            fix = f"normalise over the keys: softmax(dim={k_axis}) for scores laid out as {shape}"
+            return axis_origins(trace, made, fix) + [op_site(
+                made, f"normalises over dim {dim % len(shape)} of {shape}, the queries (size {shape[q_axis]}); the "
+                      f"keys are dim {k_axis} (size {shape[k_axis]}), the axis the weights are summed over with the "
+                      f"values", fix=fix)]
         if shape and dim % len(shape) != len(shape) - 1:
             meaning = dim_meaning(shape, dim, probe)
-            return [op_site(made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys "
-                                   f"are dim -1 (size {shape[-1]})",
-                            fix="normalise over the keys, the last dim of the (..., Tq, Tk) scores: softmax(dim=-1)")]
+            fix = "normalise over the keys, the last dim of the (..., Tq, Tk) scores: softmax(dim=-1)"
+            return axis_origins(trace, made, fix) + [op_site(
+                made, f"normalises over dim {dim % len(shape)}, of size {shape[dim]} = {meaning}; keys are dim -1 "
+                      f"(size {shape[-1]})", fix=fix)]
         masks = mask_sites(trace, declared, B, t_q, t_k)
         return masks or ([op_site(made, "the softmax that makes the weights")] if plain else [])
     soft_before = [i for i in ancestors(trace, made) if trace.ops[i].short in SOFTMAXES]

@@ -29,14 +29,15 @@ bench = _benchmark()
 
 
 def test_cases_are_well_formed():
-    """Unique ids; two distinct versions, the fixed one later; a commit or issue URL; a build that compiles and
-    defines the layer and its declarations; deps pinned as NAME==VERSION."""
+    """Unique ids; two distinct versions, the fixed one later; a commit, issue or pull-request URL; a build that
+    compiles and defines the layer and its declarations; deps pinned as NAME==VERSION."""
     ids = [c.id for c in bench.CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 8
     for case in bench.CASES:
         buggy, fixed = (tuple(int(p) for p in v.split(".")) for v in (case.buggy, case.fixed))
         assert buggy < fixed, case.id
-        assert case.url.startswith("https://github.com/") and ("/commit/" in case.url or "/issues/" in case.url)
+        assert case.url.startswith("https://github.com/") and any(f"/{kind}/" in case.url
+                                                                   for kind in ("commit", "issues", "pull"))
         assert case.fix_line > 0 and case.file.endswith(".py") and case.what and case.kind
         code = compile(case.build, case.id, "exec")
         assert {"layer", "declarations"} <= set(code.co_names), case.id
@@ -187,3 +188,69 @@ def test_the_padded_keys_script_asserts_a_max_over_padded_keys_and_only_that(bef
     else:
         with pytest.raises(AssertionError, match="moved by 0.00e\\+00 of their RMS: the mask is honoured"):
             exec(script, {"BUILD": build})
+
+
+_VIEW_OR_RESHAPE = """
+import torch
+from torch import nn
+
+class Layer(nn.Module):
+    # dot attention of (B, Tq, D) queries over a (B, Tk, D) context, its query flattened with {how}
+    def __init__(self):
+        super().__init__()
+        self.linear_in = nn.Linear(32, 32, bias=False)
+
+    def forward(self, query, context):
+        B, T, D = query.shape  # batch, query length, width
+        query = self.linear_in(query.{how}(B * T, D)).{how}(B, T, D)
+        return (query @ context.transpose(1, 2)).softmax(-1) @ context
+
+layer = Layer()
+"""
+
+
+@pytest.mark.parametrize("how", ["view", "reshape"])
+def test_the_non_contiguous_query_script_asserts_a_view_and_only_that(how):
+    """The script that confirms pytorch-nlp 0.2.0's true finding, on a layer that flattens its query with `.view` (a
+    transposed query raises, as 0.2.0's does) and on its twin with `.reshape` (it runs, and the script refuses)."""
+    script = bench._NON_CONTIGUOUS_QUERY_RAISES
+    if how == "view":
+        exec(script, {"BUILD": _VIEW_OR_RESHAPE.format(how=how), "load": None})
+    else:
+        with pytest.raises(AssertionError, match="a non-contiguous query ran"):
+            exec(script, {"BUILD": _VIEW_OR_RESHAPE.format(how=how), "load": None})
+
+
+_NORM_APPLIED_OR_NOT = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    # one-head attention over the pixels of a (B, C, H, W) image, its GroupNorm {where}
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(8, 32)
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        t = ({applied}).flatten(2).transpose(1, 2)  # (B, T, C)
+        q, k, v = self.qkv(t).chunk(3, -1)
+        out = (q @ k.transpose(1, 2) / C ** 0.5).softmax(-1) @ v  # (B, T, C)
+        return out.transpose(1, 2).reshape(B, C, H, W) + x
+
+layer = Block()
+"""
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_the_norm_script_asserts_a_norm_never_applied_and_only_that(applied):
+    """The script that confirms labml-nn 0.4.131's true finding, on a block that never applies its GroupNorm (as
+    0.4.131's does) and on its twin that applies it (the output moves with its parameters, and the script refuses)."""
+    build = _NORM_APPLIED_OR_NOT.format(where="applied" if applied else "never applied",
+                                        applied="self.norm(x)" if applied else "x")
+    if not applied:
+        exec(bench._NORM_NEVER_APPLIED, {"BUILD": build, "load": None})
+    else:
+        with pytest.raises(AssertionError, match="move the output: it is applied"):
+            exec(bench._NORM_NEVER_APPLIED, {"BUILD": build, "load": None})

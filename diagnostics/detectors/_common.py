@@ -351,9 +351,17 @@ def grad_of(loss: Tensor, tensors, *, retain_graph: bool = False) -> tuple:
 
 def graph_call(sub, q, k, v, allowed) -> Tensor:
     """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
-    like the subject's output."""
+    like the subject's output: what a declared call returns (it may lay the layer's output out anew, as one that
+    passes a sequence as an image does), else what the layer's forward returns."""
     captured = []
-    if isinstance(sub.layer, torch.nn.Module):
+    if getattr(sub, "call", None) is not None:  # a declared call: what it returns is the output, with its graph
+        declared = sub.call
+        sub.call = lambda *a, **kw: captured.append(declared(*a, **kw)) or captured[-1]
+        try:
+            shown = sub(q, k, v, allowed).out
+        finally:
+            sub.call = declared
+    elif isinstance(sub.layer, torch.nn.Module):
         handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
         try:
             shown = sub(q, k, v, allowed).out
