@@ -407,6 +407,85 @@ def did_nothing(trace: Trace, start: int, end: int, words: tuple[str, ...]) -> l
             for u in rest]
 
 
+
+# ---- online softmax: accumulators carried over blocks of keys ------------------------------------------------
+
+RUNNING_MAXES = {"maximum", "max", "amax", "fmax"}
+SCALINGS = {"mul", "mul_", "div", "div_"}
+
+
+def _line(op: Op):
+    return (op.frames[0][0], op.frames[0][1]) if op.frames else None
+
+
+def _carried(trace: Trace, op: Op) -> tuple[Op, bool] | None:
+    """Where `op` updates a value an earlier run of its very line made (the same op on the same line: the previous
+    block of a loop): (that earlier op, whether its value reaches `op` unscaled, through views and copies only). A
+    scaling (a mul, a div) on the way is the rescale. None where no operand comes from such an op."""
+    todo = [(i, False, 0) for i in op.in_ids]
+    while todo:
+        i, scaled, depth = todo.pop(0)
+        prev = producer(trace, i)
+        if prev is None or prev.index >= op.index or depth > 8:
+            continue
+        if prev.name == op.name and _line(prev) == _line(op):
+            return prev, not scaled
+        if prev.short in SCALINGS and not scaled:
+            todo += [(j, True, depth + 1) for j in prev.in_ids]
+        elif prev.short in CARRIES and prev.in_ids:
+            todo.append((prev.in_ids[-1] if prev.short == "copy_" else prev.in_ids[0], scaled, depth + 1))
+    return None
+
+
+def unrescaled_accumulators(trace: Trace) -> list[Site]:
+    """An online (blockwise, flash-style) softmax that adds a block's exp(s - m_new) to a running sum, or its product
+    with the values to a running accumulator, without first multiplying the running value by exp(m_old - m_new) when
+    that block raised the running max: the running value's line, at the first block where the max grew. The running
+    max is an elementwise max of its own previous value (`m_new = maximum(m, s.amax(-1))`, a value carried across
+    the loop); an accumulator is an add of its own previous value that depends on that max and feeds the output.
+    Read from values, not names: what grew is told by the max's recorded outputs."""
+    outs = list(tensors(getattr(trace.output, "out", trace.output))) if trace.output is not None else []
+    storages = {x.untyped_storage().data_ptr() for x in outs} - {0}
+    # what the output is made of: its producer, and the writes into it in place (`O[..., i:i + Br, :] = O_i / l_i`)
+    last = [producer(trace, id(x)) for x in outs] + [
+        op for op in trace.ops if (op.short.endswith("_") and op.args and isinstance(op.args[0], Tensor)
+                                   and op.args[0].untyped_storage().data_ptr() in storages)]
+    feeding: set[int] = set()
+    for op in last:
+        if op is not None:
+            feeding |= ancestors(trace, op, limit=1 << 16) | {op.index}
+    grew: dict[int, bool] = {}  # op index of a running max's update -> whether it raised the max anywhere
+    for op in trace.ops:
+        if op.short in RUNNING_MAXES and op.frames and op.outs and op.outs[0] is not None:
+            found = _carried(trace, op)
+            if found is not None and found[0].outs and found[0].outs[0] is not None \
+                    and found[0].outs[0].shape == op.outs[0].shape and found[0].index < op.index - 1:
+                grew[op.index] = bool((op.outs[0] > found[0].outs[0]).any())
+    if not grew:
+        return []
+    sites = []
+    for op in trace.ops:
+        if op.short not in ("add", "add_") or not op.frames or op.index not in feeding:
+            continue
+        found = _carried(trace, op)
+        if found is None or not found[1]:
+            continue
+        # the running max's update of this block: the last one before this add, after the previous block's add
+        maxes = [i for i in grew if found[0].index < i < op.index]
+        current = max(maxes) if maxes else None
+        if current is None or not grew[current] or current not in ancestors(trace, op, limit=1 << 16):
+            continue
+        if _line(op) in {(s.file, s.line) for s in sites if s is not None}:
+            continue
+        m = trace.ops[current]
+        sites.append(op_site(op, f"adds this block's terms, taken relative to the new running max (at "
+                                 f"{short(m)}), to a running value kept relative to the old one: the max grew, and the "
+                                 f"running value was not rescaled",
+                             fix="rescale the running value before adding the block: x = x * torch.exp(m_old - m_new) "
+                                 "+ ..., for the running sum and the weighted values alike"))
+    return [s for s in sites if s is not None]
+
+
 # ---- blocks: a residual (and a norm) around the attention ----------------------------------------------------
 
 
@@ -1449,6 +1528,10 @@ def weights_origin(probe, trace: Trace, allowed, t_q: int, t_k: int, *, plain: b
         mats = [op for op in trace.ops if op.short in MATMULS and op.args and isinstance(op.args[-2], Tensor)
                 and tuple(op.args[-2].shape[-2:]) == (t_q, t_k)]
         made = past_zeroing(trace, through_carries(trace, producer(trace, mats[-1].in_ids[-2]))) if mats else None
+    if made is None:
+        online = unrescaled_accumulators(trace)
+        if online:
+            return online
     if made is None or not made.frames:
         fused = fused_ops(trace)
         return [op_site(fused[0], "the fused attention whose weights these are")] if fused and plain else []

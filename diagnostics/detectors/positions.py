@@ -59,6 +59,7 @@ from .._tracing import (
     producer,
     through_carries,
     trace_call,
+    unrescaled_accumulators,
     user,
 )
 from ._common import float64_copy_or_skip, logit_gain, result
@@ -593,6 +594,9 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
                        call=lambda: s.call_cached(r.query, r.allowed, s.new_cache(), start=P))
     if a.output is None or b.output is None:
         return []
+    online = unrescaled_accumulators(b)  # keys summed block by block, a running value not rescaled: order matters
+    if online:
+        return online
     fused = {id(op) for op in fused_ops(b)}
     first = None
     for x, y in zip(a.ops, b.ops):  # the same program on other lengths: ops in the same order
