@@ -421,20 +421,31 @@ def _line(op: Op):
 def _carried(trace: Trace, op: Op) -> tuple[Op, bool] | None:
     """Where `op` updates a value an earlier run of its very line made (the same op on the same line: the previous
     block of a loop): (that earlier op, whether its value reaches `op` unscaled, through views and copies only). A
-    scaling (a mul, a div) on the way is the rescale. None where no operand comes from such an op."""
-    todo = [(i, False, 0) for i in op.in_ids]
+    scaling (a mul, a div) on the way is the rescale; views, copies and the line's own other steps carry the value.
+    None where no operand comes from such an op."""
+    todo = [(i, False, 0, op.index) for i in op.in_ids]
     while todo:
-        i, scaled, depth = todo.pop(0)
-        prev = producer(trace, i)
-        if prev is None or prev.index >= op.index or depth > 8:
+        i, scaled, depth, before = todo.pop(0)
+        prev = _written_before(trace, i, before)
+        if prev is None or depth > 8:
             continue
         if prev.name == op.name and _line(prev) == _line(op):
             return prev, not scaled
         if prev.short in SCALINGS and not scaled:
-            todo += [(j, True, depth + 1) for j in prev.in_ids]
-        elif prev.short in CARRIES and prev.in_ids:
-            todo.append((prev.in_ids[-1] if prev.short == "copy_" else prev.in_ids[0], scaled, depth + 1))
+            todo += [(j, True, depth + 1, prev.index) for j in prev.in_ids]
+        elif (prev.short in CARRIES or _line(prev) == _line(op)) and prev.in_ids:  # a view; or the line's own
+            # step on the previous value (`torch.maximum(m, s.amax(-1)).clamp_min(-1e30)`)
+            todo.append((prev.in_ids[-1] if prev.short == "copy_" else prev.in_ids[0], scaled, depth + 1, prev.index))
     return None
+
+
+def _written_before(trace: Trace, tensor_id: int, index: int) -> Op | None:
+    """The last op before op `index` that wrote the tensor `tensor_id`: its producer, or for a tensor updated in
+    place (`acc.mul_(c).add_(p @ v)`, one tensor written at every block) the write before that op."""
+    last = producer(trace, tensor_id)
+    if last is None or last.index < index:
+        return last
+    return next((trace.ops[i] for i in range(index - 1, -1, -1) if tensor_id in trace.ops[i].out_ids), None)
 
 
 def unrescaled_accumulators(trace: Trace) -> list[Site]:
@@ -450,10 +461,10 @@ def unrescaled_accumulators(trace: Trace) -> list[Site]:
     last = [producer(trace, id(x)) for x in outs] + [
         op for op in trace.ops if (op.short.endswith("_") and op.args and isinstance(op.args[0], Tensor)
                                    and op.args[0].untyped_storage().data_ptr() in storages)]
-    feeding: set[int] = set()
+    feeding: set = set()  # the lines whose ops the output is made of (a tensor updated in place: its last write)
     for op in last:
         if op is not None:
-            feeding |= ancestors(trace, op, limit=1 << 16) | {op.index}
+            feeding |= {_line(trace.ops[i]) for i in ancestors(trace, op, limit=1 << 16) | {op.index}}
     grew: dict[int, bool] = {}  # op index of a running max's update -> whether it raised the max anywhere
     for op in trace.ops:
         if op.short in RUNNING_MAXES and op.frames and op.outs and op.outs[0] is not None:
@@ -465,7 +476,7 @@ def unrescaled_accumulators(trace: Trace) -> list[Site]:
         return []
     sites = []
     for op in trace.ops:
-        if op.short not in ("add", "add_") or not op.frames or op.index not in feeding:
+        if op.short not in ("add", "add_") or not op.frames or _line(op) not in feeding:
             continue
         found = _carried(trace, op)
         if found is None or not found[1]:

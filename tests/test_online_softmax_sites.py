@@ -89,6 +89,31 @@ def online_sum_both_rescaled(q, k, v, mask=None, block=5):
     return numerator / denominator.clamp_min(1e-30)
 
 
+def chunked_in_place(q, k, v, mask=None, chunk=6, rescale_sum=True):
+    """Accumulators updated in place, one tensor each for the whole loop, as a memory-minded port writes them."""
+    m = q.new_full(q.shape[:-1] + (1,), float("-inf"))  # (B, H, Tq, 1)
+    denom = torch.zeros_like(m)
+    acc = q.new_zeros(q.shape[:-1] + (v.shape[-1],))  # (B, H, Tq, d_v)
+    for s0 in range(0, k.shape[-2], chunk):
+        logits = q @ k[..., s0:s0 + chunk, :].mT / math.sqrt(q.shape[-1])  # (B, H, Tq, c)
+        if mask is not None:
+            logits = logits.masked_fill(~mask[..., s0:s0 + chunk], float("-inf"))
+        m_next = torch.maximum(m, logits.amax(-1, keepdim=True)).clamp_min(-1e30)
+        w = (logits - m_next).exp()
+        shrink = (m - m_next).exp()
+        acc.mul_(shrink).add_(w @ v[..., s0:s0 + chunk, :])
+        if rescale_sum:
+            denom.mul_(shrink).add_(w.sum(-1, keepdim=True))
+        else:
+            denom.add_(w.sum(-1, keepdim=True))  # BUG
+        m = m_next
+    return acc / denom.clamp_min(1e-30)
+
+
+def chunked_in_place_without_sum_rescale(q, k, v, mask=None):
+    return chunked_in_place(q, k, v, mask, rescale_sum=False)
+
+
 class BlockwiseAttention(nn.Module):
     """A module in the same tutorial's style: fused qkv, keys in blocks of `Bc`, a key-padding mask (True = keep)."""
 
@@ -153,7 +178,13 @@ def test_both_running_values_unscaled_point_at_both_lines():
     assert [s.line for s in result.where[:2]] == bug_lines(online_sum_both_forgotten)
 
 
-@pytest.mark.parametrize("function", [online_sum_both_rescaled, flash_attention_forward])
+def test_a_running_sum_updated_in_place_points_at_its_update():
+    result = run(chunked_in_place_without_sum_rescale).result("output_variance")
+    assert result.verdict == "fail"
+    assert result.where and result.where[0].line == bug_lines(chunked_in_place)[0]
+
+
+@pytest.mark.parametrize("function", [online_sum_both_rescaled, flash_attention_forward, chunked_in_place])
 def test_rescaled_twins_pass_under_a_mask_too(function):
     torch.manual_seed(0)
     report = audit(function, mask="allowed")
