@@ -126,12 +126,13 @@ def test_jobs_run_children_side_by_side_each_on_one_thread(tmp_path):
 
 
 def _spends(model_type: str, *, bugs: bool):
-    """"busy" spends 0.4 s of its own CPU; "idle" sleeps 0.4 s."""
+    """"busy" spends 0.4 s of its own CPU (however long the machine's load makes that); "idle" sleeps 0.4 s."""
     sweep = _sweep()
-    end = time.monotonic() + 0.4
-    while time.monotonic() < end:
-        if model_type == "idle":
-            time.sleep(0.4)
+    if model_type == "idle":
+        time.sleep(0.4)
+    start = time.process_time()
+    while model_type == "busy" and time.process_time() - start < 0.4:
+        pass
     return sweep.Row(model_type, built=True, verdict="passed")
 
 
@@ -140,7 +141,7 @@ def test_a_rows_cpu_time_is_the_childs_own_and_its_wall_clock_is_apart():
     busy = sweep.in_child(_spends, "busy", 30, bugs=False)
     idle = sweep.in_child(_spends, "idle", 30, bugs=False)  # its twin: as long on the clock, no CPU of its own
     assert busy.seconds >= 0.4 and idle.seconds >= 0.4
-    assert busy.cpu_seconds >= 0.3, busy
+    assert busy.cpu_seconds >= 0.4, busy
     assert idle.cpu_seconds < 0.2, idle
 
 
