@@ -1,0 +1,104 @@
+"""Pins for the survivors of the full mutation run over the small detectors and their shared probes (issue 37:
+`benchmarks/mutations.py --all --only detectors/keys.py --only detectors/batch.py --only detectors/weights.py --only
+detectors/determinism.py --only detectors/shape.py --only detectors/finite.py --only detectors/locality.py --only
+detectors/_stacked.py`, pinned to one commit). As in tests/test_pins.py, each pin has its twin on the same inputs (a
+case on each side of the comparison, guard or constant it pins), the numbers quoted as literals; each test says which
+mutant it pins. Small layers written here, audits of one detector at small sizes: the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import diagnostics
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+from diagnostics.detectors._stacked import PADDED, _made, stacked_baseline
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention on (B, H, Tq, d) x (B, H, Tk, d), returning (out, weights)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+def probe_of(layer, seq_len: int, *, causal: bool = False) -> Probe:
+    return Probe(make_subject(layer, d_model=16, num_heads=2), causal=causal, scale=None, seq_len=seq_len, seed=0)
+
+
+# ---- _stacked.stacked_baseline: an output not split along the stacked batch is left whole -----------------------
+
+
+def time_first(q, k, v, mask=None):
+    """The reference with its output's time axis first: (T, H, B, d), not split along the batch."""
+    out, weights = attention(q, k, v, mask)  # (B, H, T, d)
+    return out.transpose(0, 2), weights  # (T, H, B, d)
+
+
+def test_a_stacks_baseline_leaves_an_output_whole_whose_first_axis_does_not_split_into_its_copies():
+    """stacked_baseline's `out.dim() and out.shape[0] % copies == 0`: the padding stack of a non-causal function holds
+    3 copies; a time-first output at T = 8 (8 % 3 = 2) is left whole, (8, 2, 6, 8), where `or` would cut the first
+    of 3 uneven chunks, (3, 2, 6, 8). Its twin, the batch-first reference on the same probe, is split: copy 0's batch
+    of 2."""
+    probe = probe_of(time_first, 8)
+    call = stacked_baseline(probe, PADDED)
+    assert _made(probe, PADDED).copies == 3
+    assert tuple(call.output.out.shape) == (8, 2, 6, 8), call.output.out.shape
+    assert tuple(stacked_baseline(probe_of(attention, 8), PADDED).output.out.shape) == (2, 2, 8, 8)
+
+
+# ---- batch_independence: the branch after a seeded twin of the standard probe -------------------------------------
+
+
+def zero_without_grad(q, k, v, mask=None):
+    """The reference under grad mode (the standard probe, observed), zero without it (the seeded plain calls):
+    sequence 0 moves between the two, and the seeded twin of the standard probe is zero everywhere."""
+    out, weights = attention(q, k, v, mask)
+    return (out if torch.is_grad_enabled() else torch.zeros_like(out)), weights
+
+
+def test_batch_independence_skips_where_the_seeded_twin_and_the_changed_call_are_zero_everywhere():
+    """The guard `change is None` after the standard probe is called again, seeded (L63): the changed call and the
+    twin are both zero, so no change can be measured between them: skipped (never firing, the check indexes None and
+    errs). Its twin, the reference itself, passes."""
+    found = verdict(zero_without_grad, "batch_independence")
+    assert (found.verdict, found.message) == ("skip", "not measured: the output is zero or non-finite everywhere, so "
+                                                      "a change cannot be measured"), found
+    assert verdict(attention, "batch_independence").verdict == "pass"
+
+
+class NoisyAt:
+    """The reference plus 1e-2 of a fresh draw from a generator of its own (the audit's seeding does not reach it) at
+    the positions `at` of every sequence: randomness one seed does not pin down."""
+
+    def __init__(self, at):
+        self.at, self.gen = at, torch.Generator().manual_seed(0)
+
+    def __call__(self, q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)  # (B, H, T, d)
+        noise = torch.zeros_like(out)
+        noise[:, :, self.at] = 1e-2 * torch.randn(noise[:, :, self.at].shape, generator=self.gen)
+        return out + noise, weights
+
+
+@pytest.mark.parametrize("at", [slice(0, 1), slice(None)])
+def test_batch_independence_calls_randomness_at_one_position_of_sequence_0_randomness(at):
+    """check_batch_independence's third reading, `(change[...] > tol).any()` against the seeded twin (L65): noise at
+    position 0 alone moves one row of sequence 0 between calls, enough to call the second twin and skip (with `all`,
+    every row would have to move, and the one moved row fails the layer as mixing the batch); noise at every position
+    skips too."""
+    found = verdict(NoisyAt(at), "batch_independence")
+    assert (found.verdict, found.message) == ("skip", "not measured: two calls on the same batch differ, so a change "
+                                                      "between calls cannot be attributed to the other sequence (see "
+                                                      "eval_determinism)"), found
