@@ -102,3 +102,98 @@ def test_batch_independence_calls_randomness_at_one_position_of_sequence_0_rando
     assert (found.verdict, found.message) == ("skip", "not measured: two calls on the same batch differ, so a change "
                                                       "between calls cannot be attributed to the other sequence (see "
                                                       "eval_determinism)"), found
+
+
+# ---- keys_matter: its draws are independent ---------------------------------------------------------------------
+
+
+class KeysIgnored:
+    """Scores from the values instead of the keys (q @ v^T: the keys ignored), recording the keys of every stacked
+    call's baseline copy (its first 2 sequences: the probe's batch), keys_matter's draws and their null twins."""
+
+    def __init__(self, ignores: bool = True):
+        self.ignores, self.baselines = ignores, []
+
+    def __call__(self, q, k, v, mask=None):
+        if q.shape[0] > 2:
+            self.baselines.append(k[:2].clone())
+        return attention(q, v if self.ignores else k, v, mask)
+
+
+def distinct(tensors: list[torch.Tensor]) -> int:
+    kept: list[torch.Tensor] = []
+    for t in tensors:
+        if not any(t.shape == o.shape and torch.equal(t, o) for o in kept):
+            kept.append(t)
+    return len(kept)
+
+
+@pytest.mark.parametrize("ignores", [True, False])
+def test_keys_matter_reads_the_shared_stack_once_and_then_draws_afresh(ignores):
+    """check_keys_matter's `if draw == 0:` (L57): the first draw is the stack shared with query_locality, every later
+    draw a baseline of its own, so a layer that ignores its keys is found over 3 independent draws, 3 distinct
+    baselines (with `!=` the first draw is fresh and the next two read the one stack: 2 baselines, though the evidence
+    says 3 independent draws). Its twin, the reference, passes on the stack alone: one baseline."""
+    layer = KeysIgnored(ignores)
+    found = verdict(layer, "keys_matter")
+    if ignores:
+        assert (found.verdict, found.message) == ("fail", "the output does not depend on the keys"), found
+        assert "over 3 independent draws" in found.evidence, found
+    else:
+        assert found.verdict == "pass" and "independent draws" not in found.evidence, found
+    assert distinct(layer.baselines) == (3 if ignores else 1), len(layer.baselines)
+
+
+class Memory(torch.nn.Module):
+    """Cross-attention given queries and one memory stream (forward(hidden_states, key_value_states)): its keys and
+    values are one input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, hidden_states, key_value_states, mask=None):
+        return self.mha(hidden_states, key_value_states, key_value_states, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("layer", ["one memory stream", "key and value apart"])
+def test_keys_matter_packs_keys_and_values_into_sequences_of_one_copy_only_where_both_are_inputs(layer):
+    """_plan's `1 < len(streams) <= B` (L134, `B >= len(streams)` at 1cf8d3b): at 16 positions a layer given key and
+    value apart has the keys of sequence 0 and the values of sequence 1 changed in one copy, and says so; a layer given
+    one memory stream has its keys changed in every sequence, and says that (at 1cf8d3b it was packed too, and its
+    evidence named sequence 0 of a change made in both: the run's `B <= len(streams)` mutant gave the right text)."""
+    if layer == "one memory stream":
+        found = verdict(Memory(), "keys_matter")
+        assert found.verdict == "pass" and found.evidence.startswith("changing every key (x1e+06) moved"), found
+    else:
+        found = verdict(attention, "keys_matter")
+        assert found.verdict == "pass", found
+        assert found.evidence.startswith("changing every key of sequence 0 (x1e+06) moved"), found.evidence
+        assert "; changing every value of sequence 1 (x1000) moved" in found.evidence, found.evidence
+
+
+# ---- weight_row_sums: weights that do not split into the batch -------------------------------------------------
+
+
+def one_map(q, k, v, mask=None, *, shared: bool = True):
+    """Attention whose softmax is taken over sequence 0's first head only (`shared`), that one (1, 1, T, T) map
+    weighing every sequence's and head's values; or over every sequence and head (its twin)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = (scores[:1, :1] if shared else scores).softmax(-1)
+    return weights @ v  # (B, H, Tq, d)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_weight_row_sums_skips_weights_that_do_not_split_into_the_batch(shared):
+    """check_weight_row_sums' guard `weights.numel() % (B * T * t_k)` (L60): the observed softmax output (1, 1, 16, 16)
+    holds 256 weights, not a multiple of the 2 x 16 x 16 a batch of 2 needs: skipped (never firing, the reshape
+    raises: an error). Its twin, one map per sequence and head, is judged and passes."""
+    found = verdict(lambda q, k, v, mask=None: one_map(q, k, v, mask, shared=shared), "weight_row_sums")
+    if shared:
+        assert (found.verdict, found.message) == ("skip", "not measured: weights of shape (1, 1, 16, 16) do not split "
+                                                          "into batch 2"), found
+    else:
+        assert found.verdict == "pass" and found.message.startswith("all 64 weight rows sum to 1"), found
