@@ -310,6 +310,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "on nothing at any push; above it a push of 10 already moves the output by a float16 rounding of it, which "
         "keys_matter reads as a move (judged against 0), so the bound that float32's and bfloat16's 1e6 has "
         "(tests/test_pins_seed21.py) does not exist in float16 at 10x less"),
+    "detectors/keys.py:_plan:L*:LtE->GtE": (
+        "packed = T >= PACKED_KEYS and 1 < len(streams) <= B", "len(streams) is 1 or 2 and B is Probe.BATCH = 2: "
+        "`len(streams) <= B` and `>= B` differ only at one stream, which `1 < len(streams)` has refused before (checked "
+        "by hand; the clause keeps a probe of one sequence from packing two streams into it)"),
     "detectors/keys.py:_plan:L*:x10#2": ("(100.0,) if s.dtype == torch.float16 else (1e6,)", _LARGER_PUSH),
     "detectors/parameters.py:check_parameters_used:L*:Gt->GtE": ("> FORWARD_MOVES", _TOLERANCE_EDGE),
     "detectors/parameters.py:_shift_inert:L*:Gt->GtE": (
