@@ -1,7 +1,7 @@
 """Pins for the survivors of the full mutation run over the small detectors and their shared probes (issue 37:
 `benchmarks/mutations.py --all --only detectors/keys.py --only detectors/batch.py --only detectors/weights.py --only
 detectors/determinism.py --only detectors/shape.py --only detectors/finite.py --only detectors/locality.py --only
-detectors/_stacked.py`, pinned to one commit). As in tests/test_pins.py, each pin has its twin on the same inputs (a
+detectors/_stacked.py`, pinned to one commit; then `--only detectors/decoding.py`). As in tests/test_pins.py, each pin has its twin on the same inputs (a
 case on each side of the comparison, guard or constant it pins), the numbers quoted as literals; each test says which
 mutant it pins. Small layers written here, audits of one detector at small sizes: the file runs in a few seconds.
 """
@@ -17,6 +17,7 @@ import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._stacked import PADDED, _made, stacked_baseline
+from diagnostics.detectors.decoding import _cache_plan
 
 
 def verdict(layer, detector: str, **kw):
@@ -197,3 +198,35 @@ def test_weight_row_sums_skips_weights_that_do_not_split_into_the_batch(shared):
                                                           "into batch 2"), found
     else:
         assert found.verdict == "pass" and found.message.startswith("all 64 weight rows sum to 1"), found
+
+
+# ---- decode_consistency and the cached-decoding plan (detectors/decoding.py, run whole at 1cf8d3b) -----------------
+
+
+def causal(q, k, v, mask=None, *, zero: bool = False):
+    """The reference under a bottom-right causal mask of its own (right while decoding); `zero`: its output zeroed."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    out, weights = attention(q, k, v, torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q))
+    return (torch.zeros_like(out) if zero else out), weights
+
+
+@pytest.mark.parametrize("zero", [True, False])
+def test_decode_consistency_skips_an_output_that_is_zero_everywhere(zero):
+    """check_decode_consistency's guard `change is None` (L248): a causal layer whose output is zero everywhere gives
+    no scale to measure the partial calls against: skipped (never firing, `None > tol` raises: an error). Its twin,
+    the same layer unzeroed, passes."""
+    found = verdict(lambda q, k, v, mask=None: causal(q, k, v, mask, zero=zero), "decode_consistency", causal=True)
+    if zero:
+        assert (found.verdict, found.message) == ("skip", "not measured: the output is zero or non-finite everywhere, "
+                                                          "so a difference cannot be measured"), found
+    else:
+        assert found.verdict == "pass", found
+
+
+@pytest.mark.parametrize("band, plan", [(14, [13, 1, 1, 1]), (15, [8, 1, 1, 3, 3])])
+def test_the_cache_plan_steps_across_a_window_only_where_its_rows_span_fewer_than_t_minus_1_positions(band, plan):
+    """_cache_plan's `band < T - 1` (L55): at T = 16 rows that span 14 positions leave a window to pass (a prefill of
+    13, then the tokens at t = 13, 14 and 15 alone); rows that span 15 leave none, and the plan is the default one
+    (half, then 1, 1 and 3, then the rest), as without a pattern (with `<=`: [14, 1, 1])."""
+    assert _cache_plan(16, band) == plan
+    assert _cache_plan(16, None) == [8, 1, 1, 3, 3]
