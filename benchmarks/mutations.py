@@ -280,6 +280,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
                                                             "the evidence only)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (
+        "exact <= tolerance(ROW_SUM, torch.float64)", _TOLERANCE_EDGE + " (a float64 copy's reading against float64's "
+        "1e-9)"),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),  # both lines
     "detectors/gradients.py:check_gradients:L*:LtE->Lt": ("max(reads) <= KINK_STEADY * min(reads)", _KINK_EDGE),
     "detectors/keys.py:check_keys_matter:L*:Gt->GtE": (
