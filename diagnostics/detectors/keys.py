@@ -127,11 +127,12 @@ def _plan(probe: Probe) -> tuple[tuple[str, ...], dict, dict, bool]:
     gains = {"key": (100.0,) if s.dtype == torch.float16 else (1e6,), "value": perturbation_gains(probe)}
     # a cross-attention module takes one memory stream: its value cannot change without its key
     streams = ("key", "value") if getattr(s, "separate_value", True) else ("key",)
-    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and (where values
-    # are an input of their own) the values of sequence 1 (batch_independence checks that sequences do not mix;
-    # each row is read alone); with fewer, one copy per stream, every sequence changed: at seq_len 2 a correct
-    # bfloat16 layer's one sequence moved by exactly 0 when only its keys changed
-    packed = T >= PACKED_KEYS and B >= len(streams)
+    # with PACKED_KEYS positions or more, one copy of the batch: the keys of sequence 0 changed and the values of
+    # sequence 1 (batch_independence checks that sequences do not mix; each row is read alone); with fewer, one copy
+    # per stream, every sequence changed: at seq_len 2 a correct bfloat16 layer's one sequence moved by exactly 0 when
+    # only its keys changed. One memory stream (key and value) has nothing to pack: its keys change in every
+    # sequence at every length, and its evidence names no sequence
+    packed = T >= PACKED_KEYS and 1 < len(streams) <= B
     rows = {stream: torch.zeros(B, T, dtype=torch.bool) if packed else torch.ones(B, T, dtype=torch.bool)
             for stream in streams}
     if packed:
@@ -146,7 +147,7 @@ def key_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
     streams, gains, rows, packed = _plan(probe)
     nothing = torch.zeros(probe.BATCH, probe.t, dtype=torch.bool)
     changed = {stream: perturbed(probe, base, rows[stream], (stream,), gains=gains[stream])[0] for stream in streams}
-    if packed and "value" in streams:
+    if packed:
         cases = [Case(Inputs(base.query, changed["key"].key, changed["value"].value), hold=nothing,
                       when="when only the keys of sequence 0 and the values of sequence 1 changed")]
     else:
