@@ -135,9 +135,9 @@ BUG_LINES = {n for n, line in enumerate(Path(never_seen.__file__).read_text().sp
 NEVER_SEEN = {name: (make, set(must), twin) for name, (make, must, twin) in never_seen.BROKEN.items()}
 NEVER_SEEN.update({name: (make, {det}, twin) for name, (make, det, twin) in never_seen.SECOND_CHAPTER.items()})
 # Not localised to the `# BUG` line, and why (benchmarks/localisation.py counts them as misses):
-KNOWN_MISSES = {  # name: the op the first site names instead (a part of its name), or None for no site
-    # the missing rescale of the running sum leaves no op that moves where it must not
-    "online softmax without rescale": None,
+KNOWN_MISSES: dict = {  # name: the op the first site names instead (a part of its name), or None for no site
+    # none left: "online softmax without rescale" had no site until its accumulator's add was located
+    # (`_tracing.unrescaled_accumulators`, 2026-12-04); it is checked against its # BUG line like the others
 }
 DEFAULT_RUN = ("einsum without scale", "padding mask read transposed", "keys centred over the batch",
                "causal mask one token too wide")
