@@ -354,26 +354,20 @@ def graph_call(sub, q, k, v, allowed) -> Tensor:
     like the subject's output: what a declared call returns (it may lay the layer's output out anew, as one that
     passes a sequence as an image does), else what the layer's forward returns."""
     captured = []
-    if getattr(sub, "call", None) is not None:  # a declared call: what it returns is the output, with its graph
-        declared = sub.call
-        sub.call = lambda *a, **kw: captured.append(declared(*a, **kw)) or captured[-1]
-        try:
-            shown = sub(q, k, v, allowed).out
-        finally:
-            sub.call = declared
-    elif isinstance(sub.layer, torch.nn.Module):
+    if getattr(sub, "call", None) is None and isinstance(sub.layer, torch.nn.Module):
         handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
         try:
             shown = sub(q, k, v, allowed).out
         finally:
             handle.remove()
-    else:
-        fn = sub.layer
-        sub.layer = lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1]
+    else:  # a declared call (what it returns is the output, with its graph) or a function: called through a recorder
+        name = "call" if getattr(sub, "call", None) is not None else "layer"
+        fn = getattr(sub, name)
+        setattr(sub, name, lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1])
         try:
             shown = sub(q, k, v, allowed).out
         finally:
-            sub.layer = fn
+            setattr(sub, name, fn)
     raw = captured[-1] if captured else None
     raw = raw[0] if isinstance(raw, (tuple, list)) else raw
     def same(x):
