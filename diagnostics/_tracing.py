@@ -448,6 +448,10 @@ def _written_before(trace: Trace, tensor_id: int, index: int) -> Op | None:
     return next((trace.ops[i] for i in range(index - 1, -1, -1) if tensor_id in trace.ops[i].out_ids), None)
 
 
+UNRESCALED_FIX = ("rescale the running value before adding the block: x = x * torch.exp(m_old - m_new) + ..., for the "
+                  "running sum and the weighted values alike")
+
+
 def unrescaled_accumulators(trace: Trace) -> list[Site]:
     """An online (blockwise, flash-style) softmax that adds a block's exp(s - m_new) to a running sum, or its product
     with the values to a running accumulator, without first multiplying the running value by exp(m_old - m_new) when
@@ -492,8 +496,7 @@ def unrescaled_accumulators(trace: Trace) -> list[Site]:
         sites.append(op_site(op, f"adds this block's terms, taken relative to the new running max (at "
                                  f"{short(m)}), to a running value kept relative to the old one: the max grew, and the "
                                  f"running value was not rescaled",
-                             fix="rescale the running value before adding the block: x = x * torch.exp(m_old - m_new) "
-                                 "+ ..., for the running sum and the weighted values alike"))
+                             fix=UNRESCALED_FIX))
     return [s for s in sites if s is not None]
 
 

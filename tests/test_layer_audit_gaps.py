@@ -7,10 +7,16 @@ the correct one passing on the same inputs).
     negative control), and where it is honoured there no convention is named.
 (b) `keys_matter` on a layer given one memory stream (keys and values the same input) changes that stream alone, so
     its verdict is about the memory: it no longer says "the keys and the values" where the two were not told apart.
+(d) An online (flash-style) softmax in a module given one stream and no mask, its running value not rescaled when the
+    running max grows: no weights can be read (values are tied to keys), identical tokens never raise the max
+    (output_variance), and no shift of positions is possible (no mask to block left padding), so it was inconclusive.
+    `relative_positions` saw the keys' order move the output; where the tracer then finds the unrescaled running value
+    (`_tracing.unrescaled_accumulators`), that is the finding, pointed at its line.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -107,3 +113,69 @@ def test_keys_and_values_given_apart_still_say_both():
 
     found = keys_result(attention)
     assert (found.verdict, found.message) == ("pass", "the output depends on the keys and on the values"), found
+
+
+# ---- (d) an online softmax without its rescale, in a module with one stream and no mask -------------------------
+
+
+class TiledSelfAttention(nn.Module):
+    """FlashAttention-2's loop over key blocks of `Bc` in a module: fused qkv, one stream, no mask argument.
+    `rescale`: which running values are rescaled when the running max grows ("both", "sum only", "values only")."""
+
+    def __init__(self, dim=D, n_heads=H, Bc=4, rescale="both"):
+        super().__init__()
+        self.n_heads, self.head_dim, self.Bc, self.rescale = n_heads, dim // n_heads, Bc, rescale
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (t.reshape(b, n, self.n_heads, self.head_dim).permute(0, 2, 1, 3)
+                   for t in self.to_qkv(x).chunk(3, dim=-1))  # (b, h, n, d) each
+        q = q * self.head_dim ** -0.5
+        out = torch.zeros_like(q)  # (b, h, n, d): the running weighted values
+        row_max = torch.full((b, self.n_heads, n, 1), -float("inf"))
+        row_sum = torch.zeros((b, self.n_heads, n, 1))
+        for j in range(0, n, self.Bc):
+            s = q @ k[:, :, j:j + self.Bc].transpose(-1, -2)  # (b, h, n, Bc)
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            p = torch.exp(s - new_max)
+            alpha = torch.exp(row_max - new_max)
+            if self.rescale == "values only":
+                row_sum = row_sum + p.sum(dim=-1, keepdim=True)  # BUG: the sum stays relative to the old max
+            else:
+                row_sum = alpha * row_sum + p.sum(dim=-1, keepdim=True)
+            if self.rescale == "sum only":
+                out = out + p @ v[:, :, j:j + self.Bc]  # BUG: the values stay relative to the old max
+            else:
+                out = alpha * out + p @ v[:, :, j:j + self.Bc]
+            row_max = new_max
+        return self.to_out((out / row_sum).permute(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def bug_line(cls, words):
+    lines, start = inspect.getsourcelines(cls)
+    return next(start + i for i, line in enumerate(lines) if "# BUG" in line and words in line)
+
+
+@pytest.mark.parametrize("rescale, words", [("sum only", "the values stay"), ("values only", "the sum stays")])
+def test_an_unrescaled_online_softmax_module_without_a_mask_is_caught_at_its_line(rescale, words):
+    """Before: inconclusive, relative_positions skipped ("no shift of its positions is possible")."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(TiledSelfAttention(rescale=rescale))
+    found = report.result("relative_positions")
+    assert report.status == "failed" and found.verdict == "fail", str(report)
+    assert "running value of the layer's online softmax is not rescaled" in found.message, found
+    site = found.where[0]
+    assert (site.file, site.line) == (__file__, bug_line(TiledSelfAttention, words)), site.describe()
+    fix, general = found.remedy
+    assert not general and "torch.exp(m_old - m_new)" in fix, fix
+
+
+def test_the_rescaled_online_softmax_module_has_no_finding_on_the_same_inputs():
+    """Its twin: keys' order moves nothing, relative_positions is not applicable. The audit stays inconclusive, as
+    before: one stream hides the weights (weight_row_sums and softmax_saturation cannot measure it)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(TiledSelfAttention())
+    assert not [r.detector for r in report.results if r.fired], str(report)
+    assert report.result("relative_positions").message.startswith("not applicable: the layer has no positional")
