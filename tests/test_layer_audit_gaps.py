@@ -7,6 +7,10 @@ the correct one passing on the same inputs).
     negative control), and where it is honoured there no convention is named.
 (b) `keys_matter` on a layer given one memory stream (keys and values the same input) changes that stream alone, so
     its verdict is about the memory: it no longer says "the keys and the values" where the two were not told apart.
+(c) `block_size` names nanoGPT's context and a flash-style kernel's tile. Read as a context, a tile of 4 refused every
+    audit at the default 16 tokens ("expected seq_len <= 4"). A `block_size` the layer runs beyond (a call at the
+    probe length returns a finite row per token) bounds nothing, and the report's first line says so; one it refuses
+    to run beyond (a position table of that many rows) still bounds the probe length.
 (d) An online (flash-style) softmax in a module given one stream and no mask, its running value not rescaled when the
     running max grows: no weights can be read (values are tied to keys), identical tokens never raise the max
     (output_variance), and no shift of positions is possible (no mask to block left padding), so it was inconclusive.
@@ -179,3 +183,50 @@ def test_the_rescaled_online_softmax_module_has_no_finding_on_the_same_inputs():
     report = diagnostics.audit(TiledSelfAttention())
     assert not [r.detector for r in report.results if r.fired], str(report)
     assert report.result("relative_positions").message.startswith("not applicable: the layer has no positional")
+
+
+# ---- (c) a tile named block_size is no context ------------------------------------------------------------------
+
+
+class FlashTiles(TiledSelfAttention):
+    """The tiled layer above with its tile named as FlashAttention ports name it: `block_size`."""
+
+    def __init__(self, block_size=4, rescale="both"):
+        super().__init__(Bc=block_size, rescale=rescale)
+        self.block_size = block_size
+
+
+class PositionTable(nn.Module):
+    """A context of `block_size` tokens: a learned position table of that many rows, added to the tokens (a longer
+    sequence cannot be added to it), then torch's attention."""
+
+    def __init__(self, d_model=D, num_heads=H, block_size=4):
+        super().__init__()
+        self.d_model, self.num_heads, self.block_size = d_model, num_heads, block_size
+        self.pos = nn.Parameter(torch.randn(block_size, d_model) * 0.02)
+        self.attn = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+
+    def forward(self, x):
+        x = x + self.pos[:x.shape[1]]  # (B, T, D) + (T, D): T <= block_size
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_tile_named_block_size_does_not_bound_the_probe_length():
+    """Before: AuditUsageError "expected seq_len <= 4, the longest sequence the layer takes (block_size=4)"."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(FlashTiles(block_size=4))
+    header = str(report).splitlines()[0]
+    assert "block_size=4 bounds nothing: the layer ran at 16 tokens" in header and "seq_len=16" in header, header
+    assert not [r.detector for r in report.results if r.fired], str(report)
+    torch.manual_seed(0)
+    buggy = diagnostics.audit(FlashTiles(block_size=4, rescale="sum only"))
+    assert buggy.fired() == {"relative_positions": "fail"}, str(buggy)
+
+
+def test_a_block_size_the_layer_cannot_run_beyond_still_bounds_it():
+    torch.manual_seed(0)
+    with pytest.raises(diagnostics.AuditUsageError, match=r"expected seq_len <= 4, the longest sequence the layer "
+                                                          r"takes \(block_size=4\)"):
+        diagnostics.audit(PositionTable(block_size=4))
+    report = diagnostics.audit(PositionTable(block_size=4), seq_len=4)
+    assert "bounds nothing" not in str(report).splitlines()[0]

@@ -26,7 +26,7 @@ What breaks shift invariance legitimately, and how each is told apart:
 - a declared attention pattern that depends on absolute positions (chunked blocks): compared at this shift, and
   not applicable where the pattern's mask moves with the shift (a sliding window does not);
 - the layer's own causal mask from a fixed buffer: bottom-right over P + T tokens, so the real block is the same;
-  a context the layer declares bounds P + T (`context_length`);
+  a context the layer declares bounds P + T (`probe_context`: a `block_size` it runs beyond is a tile, no bound);
 - dropout in training mode: the audit runs in eval mode, and randomness left on is the control above;
 - length-dependent rotary scaling (dynamic NTK, LongRoPE's factors past a length): P + T stays within the
   probe's own length bound, below any length such a rule switches at in the suite; beyond it, audit with a
@@ -46,7 +46,7 @@ from .._observe import Observer
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
-from .._subject import context_length
+from .._subject import probe_context
 from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import (
     SOFTMAXES,
@@ -233,7 +233,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     s, B = probe.subject, probe.BATCH
     T = min(probe.t, POSITION_TOKENS)
     P = SHIFT_TOKENS
-    limit = context_length(s.layer)
+    limit = probe_context(s, T + P)
     if limit is not None and T + P > limit[0]:
         P = max(0, limit[0] - T)
         if P < 1:
