@@ -16,6 +16,12 @@ the correct one passing on the same inputs).
     (output_variance), and no shift of positions is possible (no mask to block left padding), so it was inconclusive.
     `relative_positions` saw the keys' order move the output; where the tracer then finds the unrescaled running value
     (`_tracing.unrescaled_accumulators`), that is the finding, pointed at its line.
+(e) FlashAttention-1's layout (Dao et al. 2022, Algorithm 1) as tutorials write it: q, k, v split into blocks along
+    the sequence in Python lists, key blocks outside, query blocks inside, each query block's O, l, m replaced in its
+    list. Its output is kept normalised, so the running O is multiplied by l_old / l_new at every block whatever the
+    max did; forgetting exp(m_old - m_new) beside it was read as rescaled (a mul on the way), and the bug was found
+    without a line (function form, module with a mask) or not at all (module with no mask). A rescale now needs a
+    factor made of an exponential (`_tracing._exponential`).
 """
 
 from __future__ import annotations
@@ -230,3 +236,91 @@ def test_a_block_size_the_layer_cannot_run_beyond_still_bounds_it():
         diagnostics.audit(PositionTable(block_size=4))
     report = diagnostics.audit(PositionTable(block_size=4), seq_len=4)
     assert "bounds nothing" not in str(report).splitlines()[0]
+
+
+# ---- (e) FlashAttention-1's slice layout ----------------------------------------------------------------------
+
+
+def flash1(Q, K, V, mask=None, Br=4, Bc=4, bug=None):
+    """FlashAttention-1's forward (Algorithm 1) on (B, H, N, d) tensors, blocks in Python lists; mask: True = may
+    attend. `bug`: "O" forgets exp(m_old - m_new) on the running output, "l" on the running sum."""
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    O = Q.new_zeros(Q.shape[:-1] + (V.shape[-1],))  # (B, H, N, d_v), kept normalised
+    l = Q.new_zeros(Q.shape[:-1] + (1,))  # (B, H, N, 1): running sums  # noqa: E741
+    m = Q.new_full(Q.shape[:-1] + (1,), -1e30)  # (B, H, N, 1): running maxima
+    Q_BLOCKS, K_BLOCKS, V_BLOCKS = Q.split(Br, dim=2), K.split(Bc, dim=2), V.split(Bc, dim=2)
+    O_BLOCKS, l_BLOCKS, m_BLOCKS = list(O.split(Br, dim=2)), list(l.split(Br, dim=2)), list(m.split(Br, dim=2))
+    for j, (Kj, Vj) in enumerate(zip(K_BLOCKS, V_BLOCKS)):
+        for i, Qi in enumerate(Q_BLOCKS):
+            Oi, li, mi = O_BLOCKS[i], l_BLOCKS[i], m_BLOCKS[i]
+            S_ij = Qi @ Kj.transpose(-1, -2) * scale  # (B, H, Br, Bc)
+            if mask is not None:
+                S_ij = S_ij.masked_fill(~mask[..., i * Br:(i + 1) * Br, j * Bc:(j + 1) * Bc], -1e30)
+            m_ij = S_ij.amax(-1, keepdim=True)
+            P_ij = torch.exp(S_ij - m_ij)
+            l_ij = P_ij.sum(-1, keepdim=True)
+            mi_new = torch.maximum(m_ij, mi)
+            if bug == "l":
+                li_new = li + torch.exp(m_ij - mi_new) * l_ij  # BUG: l
+            else:
+                li_new = torch.exp(mi - mi_new) * li + torch.exp(m_ij - mi_new) * l_ij
+            if bug == "O":
+                O_BLOCKS[i] = (li / li_new) * Oi + (torch.exp(m_ij - mi_new) / li_new) * (P_ij @ Vj)  # BUG: O
+            else:
+                O_BLOCKS[i] = (li / li_new) * torch.exp(mi - mi_new) * Oi + (torch.exp(m_ij - mi_new) / li_new) * (P_ij @ Vj)
+            l_BLOCKS[i], m_BLOCKS[i] = li_new, mi_new
+    return torch.cat(O_BLOCKS, dim=2)
+
+
+def flash1_forgets_output_rescale(q, k, v, mask=None):
+    return flash1(q, k, v, mask, bug="O")
+
+
+def flash1_forgets_sum_rescale(q, k, v, mask=None):
+    return flash1(q, k, v, mask, bug="l")
+
+
+class Flash1SelfAttention(nn.Module):
+    """flash1 in a module: fused qkv, one stream, no mask argument."""
+
+    def __init__(self, d_model=D, num_heads=H, bug=None):
+        super().__init__()
+        self.num_heads, self.bug = num_heads, bug
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape  # batch, sequence length, d_model
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))  # (B, H, T, d) each
+        return self.out(flash1(q, k, v, bug=self.bug).transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("function, bug", [(flash1_forgets_output_rescale, "O"), (flash1_forgets_sum_rescale, "l")])
+def test_flash1_without_a_rescale_is_caught_at_its_line(function, bug):
+    """Before, the "O" bug failed the same detectors with no site."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(function)
+    assert report.fired() == {"weight_row_sums": "fail", "output_variance": "fail", "relative_positions": "fail"}, \
+        str(report)
+    line = bug_line(flash1, f"BUG: {bug}")
+    for result in report.findings:
+        assert (result.where[0].file, result.where[0].line) == (__file__, line), (result.detector, result.where)
+
+
+def test_flash1_with_its_rescales_passes():
+    torch.manual_seed(0)
+    report = diagnostics.audit(flash1)
+    assert report.status == "passed", str(report)
+
+
+@pytest.mark.parametrize("bug", [None, "O"])
+def test_flash1_in_a_module_without_a_mask(bug):
+    """The "O" bug was inconclusive (the rescale by l_old / l_new read as the max's); its twin has no finding."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(Flash1SelfAttention(bug=bug))
+    if bug is None:
+        assert not [r.detector for r in report.results if r.fired], str(report)
+    else:
+        found = report.result("relative_positions")
+        assert report.fired() == {"relative_positions": "fail"}, str(report)
+        assert found.where[0].line == bug_line(flash1, "BUG: O"), found.where
