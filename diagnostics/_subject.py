@@ -1231,16 +1231,20 @@ def _context_candidates(layer) -> list[tuple[int, str, str]]:
 
 
 def probe_context(subject: Subject, length: int) -> tuple[int, str] | None:
-    """The context that bounds probes of `length` tokens: `context_length`'s, less every statement named as a tile
-    may be (`TILE_NAMES`: nanoGPT's `block_size` is its context, a flash-style kernel's its tile of keys) that the
-    layer is seen to run beyond: a call at `length` tokens that returns one finite row per token. Such a statement
-    bounds nothing (a tile, or a context the layer does not enforce), and the report's first line says so. A mask buffer, or another name, bounds whatever the layer
-    does beyond it (a context is what it was trained on)."""
+    """The context that bounds probes of `length` tokens: `context_length`'s, less every statement under a name a
+    tile may have (`TILE_NAMES`: nanoGPT's `block_size` is its context, a flash-style kernel's its tile of keys) that
+    the layer is seen to run beyond: a call at `length` tokens (or twice the statement, if shorter) that returns one
+    finite row per token. Such a statement bounds nothing (a tile, or a context the layer does not enforce), and the
+    report's first line says so. A mask buffer, or another name, bounds whatever the layer does beyond it (a context
+    is what it was trained on)."""
     kept = []
     for n, text, name in _context_candidates(subject.layer):
-        if name in TILE_NAMES and n < length and _runs_at(subject, length):
+        # at the probe length, or at twice the statement where that is shorter: a multiple of a tile, which a kernel
+        # may need, and a call no longer than needed, made before the audit's memory check
+        trial = min(length, 2 * n)
+        if name in TILE_NAMES and n < length and _runs_at(subject, trial):
             if not any(note.startswith(f"{text} bounds nothing") for note in subject.notes):
-                subject.notes = (*subject.notes, f"{text} bounds nothing: the layer ran at {length} tokens (a tile of "
+                subject.notes = (*subject.notes, f"{text} bounds nothing: the layer ran at {trial} tokens (a tile of "
                                                  f"its kernel, or a context it does not enforce)")
             continue
         kept.append((n, text))

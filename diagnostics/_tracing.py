@@ -446,15 +446,18 @@ EXPONENTIALS = {"exp", "exp_", "exp2", "exp2_"}
 FACTOR_STEPS = SCALINGS | CARRIES | {"where", "clamp", "clamp_min", "masked_fill", "masked_fill_"}
 
 
-def _exponential(trace: Trace, tensor_id: int, before: int, depth: int = 0) -> bool:
+def _exponential(trace: Trace, tensor_id: int, before: int, depth: int = 0, seen: set | None = None) -> bool:
     """Whether the factor `tensor_id` is an exponential, or a product, quotient or view of one (a rescale factor
-    `exp(m_old - m_new)`, maybe guarded by a `where` for rows with no key yet); a sum of one is not."""
+    `exp(m_old - m_new)`, maybe guarded by a `where` for rows with no key yet); a sum of one is not. Each op is read
+    once (`seen`), at most 8 steps back."""
+    seen = set() if seen is None else seen
     made = _written_before(trace, tensor_id, before)
-    if made is None or depth > 8:
+    if made is None or depth > 8 or made.index in seen:
         return False
+    seen.add(made.index)
     if made.short in EXPONENTIALS:
         return True
-    return made.short in FACTOR_STEPS and any(_exponential(trace, i, made.index, depth + 1) for i in made.in_ids)
+    return made.short in FACTOR_STEPS and any(_exponential(trace, i, made.index, depth + 1, seen) for i in made.in_ids)
 
 
 def _written_before(trace: Trace, tensor_id: int, index: int) -> Op | None:

@@ -9,8 +9,8 @@ the correct one passing on the same inputs).
     its verdict is about the memory: it no longer says "the keys and the values" where the two were not told apart.
 (c) `block_size` names nanoGPT's context and a flash-style kernel's tile. Read as a context, a tile of 4 refused every
     audit at the default 16 tokens ("expected seq_len <= 4"). A `block_size` the layer runs beyond (a call at the
-    probe length returns a finite row per token) bounds nothing, and the report's first line says so; one it refuses
-    to run beyond (a position table of that many rows) still bounds the probe length.
+    probe length, or at twice the tile if shorter, returns a finite row per token) bounds nothing, and the report's
+    first line says so; one it refuses to run beyond (a position table of that many rows) still bounds the length.
 (d) An online (flash-style) softmax in a module given one stream and no mask, its running value not rescaled when the
     running max grows: no weights can be read (values are tied to keys), identical tokens never raise the max
     (output_variance), and no shift of positions is possible (no mask to block left padding), so it was inconclusive.
@@ -222,7 +222,7 @@ def test_a_tile_named_block_size_does_not_bound_the_probe_length():
     torch.manual_seed(0)
     report = diagnostics.audit(FlashTiles(block_size=4))
     header = str(report).splitlines()[0]
-    assert "block_size=4 bounds nothing: the layer ran at 16 tokens" in header and "seq_len=16" in header, header
+    assert "block_size=4 bounds nothing: the layer ran at 8 tokens" in header and "seq_len=16" in header, header
     assert not [r.detector for r in report.results if r.fired], str(report)
     torch.manual_seed(0)
     buggy = diagnostics.audit(FlashTiles(block_size=4, rescale="sum only"))
