@@ -122,8 +122,9 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
 
 
 KEY_DRAWS = 3
-ONE_MEMORY = "keys and values are one input here, changed together: whether each is read is not told apart"
 """Independent draws keys_matter makes before an input that never moved the output is called ignored."""
+
+ONE_MEMORY = "keys and values are one input here, changed together: whether each is read is not told apart"
 
 
 def _plan(probe: Probe) -> tuple[tuple[str, ...], dict, dict, bool]:

@@ -365,9 +365,9 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         order = OrderReplay(q, k, v, base_allowed)
         probe.passes += 1
         if unrescaled_accumulators(trace_call(s, q, k, v, base_allowed, seed=probe.seed)):
-            return result(DET, "fail", "the outputs depend on the order of the keys, and no position reaches them: a "
-                                       "running value of the layer's online softmax is not rescaled when the running "
-                                       "max grows", value=uses, threshold=bar,
+            return result(DET, "fail", "the outputs depend on the order of the keys, through a running value of the "
+                                       "layer's online softmax that is not rescaled when the running max grows",
+                          value=uses, threshold=bar,
                           evidence=f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS "
                                    f"(up to {bar:.2g} is rounding; attention without positions is unmoved), and the "
                                    f"traced call adds a block of keys to a running value kept relative to the old "
