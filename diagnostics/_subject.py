@@ -79,6 +79,9 @@ PATTERN_NAMES = ("window", "sliding_window", "chunk", "attention_chunk_size", "p
 CONTEXT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_seq_length",
                  "context_length")
 MASK_BUFFER_NAMES = ("bias", "mask", "causal_mask", "attn_mask")  # a precomputed (.., N, N) causal mask
+# Of CONTEXT_NAMES, those a flash-style (tiled) attention gives its tile: read as a context only where the layer does
+# not run beyond it (see `probe_context`)
+TILE_NAMES = ("block_size",)
 DEFAULT_SEQ_LEN = 16
 
 
@@ -1203,21 +1206,65 @@ def context_length(layer) -> tuple[int, str] | None:
     """The longest sequence the layer declares it takes, and what says so: an attribute such as
     `block_size` or `max_position_embeddings` (on the layer, a submodule or its `config`), or a registered
     causal-mask buffer (`bias`, `mask`) of shape (.., N, N), nanoGPT's way. None if nothing says."""
+    found = _context_candidates(layer)
+    return min(((n, text) for n, text, _ in found), key=lambda f: f[0]) if found else None
+
+
+def _context_candidates(layer) -> list[tuple[int, str, str]]:
+    """Every statement of a context on the layer: (length, what says so, the attribute's name, or "" for a mask
+    buffer)."""
     if not isinstance(layer, nn.Module):
-        return None
-    found: list[tuple[int, str]] = []
+        return []
+    found: list[tuple[int, str, str]] = []
     for path, module in layer.named_modules():
         prefix = f"{path}." if path else ""
         for holder, where in ((module, prefix), (getattr(module, "config", None), f"{prefix}config.")):
             for name in CONTEXT_NAMES:
                 value = getattr(holder, name, None) if holder is not None else None
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    found.append((value, f"{where}{name}={value}"))
+                    found.append((value, f"{where}{name}={value}", name))
         for name, buffer in module.named_buffers(recurse=False):
             if name in MASK_BUFFER_NAMES and buffer is not None and buffer.dim() >= 2 and \
                     buffer.shape[-1] == buffer.shape[-2] > 1 and _holds_a_mask(buffer):
-                found.append((int(buffer.shape[-1]), f"the {tuple(buffer.shape)} buffer {prefix}{name}"))
-    return min(found, key=lambda f: f[0]) if found else None
+                found.append((int(buffer.shape[-1]), f"the {tuple(buffer.shape)} buffer {prefix}{name}", ""))
+    return found
+
+
+def probe_context(subject: Subject, length: int) -> tuple[int, str] | None:
+    """The context that bounds probes of `length` tokens: `context_length`'s, less every statement under a name a
+    tile may have (`TILE_NAMES`: nanoGPT's `block_size` is its context, a flash-style kernel's its tile of keys) that
+    the layer is seen to run beyond: a call at `length` tokens (or twice the statement, if shorter) that returns one
+    finite row per token. Such a statement bounds nothing (a tile, or a context the layer does not enforce), and the
+    report's first line says so. A mask buffer, or another name, bounds whatever the layer does beyond it (a context
+    is what it was trained on)."""
+    kept = []
+    for n, text, name in _context_candidates(subject.layer):
+        # at the probe length, or at twice the statement where that is shorter: a multiple of a tile, which a kernel
+        # may need, and a call no longer than needed, made before the audit's memory check
+        trial = min(length, 2 * n)
+        if name in TILE_NAMES and n < length and _runs_at(subject, trial):
+            if not any(note.startswith(f"{text} bounds nothing") for note in subject.notes):
+                subject.notes = (*subject.notes, f"{text} bounds nothing: the layer ran at {trial} tokens (a tile of "
+                                                 f"its kernel, or a context it does not enforce)")
+            continue
+        kept.append((n, text))
+    return min(kept, key=lambda f: f[0]) if kept else None
+
+
+def _runs_at(subject: Subject, length: int) -> bool:
+    """One call of the layer on a batch of one at `length` tokens, no mask, with its state and the RNG restored:
+    whether it returned a finite output with a row per token. Cached on the subject."""
+    tried = subject.__dict__.setdefault("_runs_at", {})
+    if length not in tried:
+        try:
+            x = subject.make(torch.Generator().manual_seed(0), 1, length)
+            with untouched(subject.layer, subject.device), torch.no_grad():
+                out = subject(x, x, x, None).out
+            tried[length] = (out.dim() >= 2 and out.shape[subject.time_dim] == length
+                             and bool(torch.isfinite(out).all()))
+        except Exception:  # noqa: BLE001 - the layer refuses the length: a context after all
+            tried[length] = False
+    return tried[length]
 
 
 def _holds_a_mask(buffer: Tensor) -> bool:
@@ -1241,7 +1288,7 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
     expect(seq_len is None or seq_len >= 1, "seq_len >= 1", spell("seq_len", seq_len, options),
            "pass the context length you train with, e.g. seq_len=128")
     length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
-    limit = context_length(subject.layer)
+    limit = probe_context(subject, length)
     if limit is not None and length > limit[0]:
         seen = spell("seq_len", length, options) + (" (the default)" if seq_len is None else "")
         raise AuditUsageError(f"expected seq_len <= {limit[0]}, the longest sequence the layer takes "
@@ -1251,5 +1298,6 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
+           "probe_context",
            "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",
            "stream_calls", "suggested_conventions"]

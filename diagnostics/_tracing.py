@@ -421,8 +421,10 @@ def _line(op: Op):
 def _carried(trace: Trace, op: Op) -> tuple[Op, bool] | None:
     """Where `op` updates a value an earlier run of its very line made (the same op on the same line: the previous
     block of a loop): (that earlier op, whether its value reaches `op` unscaled, through views and copies only). A
-    scaling (a mul, a div) on the way is the rescale; views, copies and the line's own other steps carry the value.
-    None where no operand comes from such an op."""
+    scaling (a mul, a div) on the way is the rescale where its factor is an exponential (`exp(m_old - m_new)`, see
+    `_exponential`); one by another factor alone is not (FlashAttention-1's `(l_old / l_new) * O` keeps O relative to
+    the old max); views, copies and the line's own other steps carry the value. None where no operand comes from
+    such an op."""
     todo = [(i, False, 0, op.index) for i in op.in_ids]
     while todo:
         i, scaled, depth, before = todo.pop(0)
@@ -432,11 +434,30 @@ def _carried(trace: Trace, op: Op) -> tuple[Op, bool] | None:
         if prev.name == op.name and _line(prev) == _line(op):
             return prev, not scaled
         if prev.short in SCALINGS and not scaled:
-            todo += [(j, True, depth + 1, prev.index) for j in prev.in_ids]
+            todo += [(j, any(_exponential(trace, f, prev.index) for f in prev.in_ids if f != j), depth + 1, prev.index)
+                     for j in prev.in_ids]
         elif (prev.short in CARRIES or _line(prev) == _line(op)) and prev.in_ids:  # a view; or the line's own
             # step on the previous value (`torch.maximum(m, s.amax(-1)).clamp_min(-1e30)`)
             todo.append((prev.in_ids[-1] if prev.short == "copy_" else prev.in_ids[0], scaled, depth + 1, prev.index))
     return None
+
+
+EXPONENTIALS = {"exp", "exp_", "exp2", "exp2_"}
+FACTOR_STEPS = SCALINGS | CARRIES | {"where", "clamp", "clamp_min", "masked_fill", "masked_fill_"}
+
+
+def _exponential(trace: Trace, tensor_id: int, before: int, depth: int = 0, seen: set | None = None) -> bool:
+    """Whether the factor `tensor_id` is an exponential, or a product, quotient or view of one (a rescale factor
+    `exp(m_old - m_new)`, maybe guarded by a `where` for rows with no key yet); a sum of one is not. Each op is read
+    once (`seen`), at most 8 steps back."""
+    seen = set() if seen is None else seen
+    made = _written_before(trace, tensor_id, before)
+    if made is None or depth > 8 or made.index in seen:
+        return False
+    seen.add(made.index)
+    if made.short in EXPONENTIALS:
+        return True
+    return made.short in FACTOR_STEPS and any(_exponential(trace, i, made.index, depth + 1, seen) for i in made.in_ids)
 
 
 def _written_before(trace: Trace, tensor_id: int, index: int) -> Op | None:
@@ -446,6 +467,10 @@ def _written_before(trace: Trace, tensor_id: int, index: int) -> Op | None:
     if last is None or last.index < index:
         return last
     return next((trace.ops[i] for i in range(index - 1, -1, -1) if tensor_id in trace.ops[i].out_ids), None)
+
+
+UNRESCALED_FIX = ("rescale the running value before adding the block: x = x * torch.exp(m_old - m_new) + ..., for the "
+                  "running sum and the weighted values alike")
 
 
 def unrescaled_accumulators(trace: Trace) -> list[Site]:
@@ -492,8 +517,7 @@ def unrescaled_accumulators(trace: Trace) -> list[Site]:
         sites.append(op_site(op, f"adds this block's terms, taken relative to the new running max (at "
                                  f"{short(m)}), to a running value kept relative to the old one: the max grew, and the "
                                  f"running value was not rescaled",
-                             fix="rescale the running value before adding the block: x = x * torch.exp(m_old - m_new) "
-                                 "+ ..., for the running sum and the weighted values alike"))
+                             fix=UNRESCALED_FIX))
     return [s for s in sites if s is not None]
 
 

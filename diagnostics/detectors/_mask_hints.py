@@ -71,28 +71,42 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
         hold &= ~blocked
     sees_first = seen[:, :, 0]  # (B, Tq): rows a correct layer moves when key 0 changes
     tol = tolerance(UNCHANGED, s.dtype)
-    for convention in candidates(probe):
-        other = s.with_convention(convention)
+
+    def honours(subject) -> str | None:
+        """The evidence that `subject` (the layer in one convention) honours the padding mask, else None."""
         probe.passes += 1
         try:
             with torch.no_grad():
-                out = other(Q, K, V, allowed).out
+                out = subject(Q, K, V, allowed).out
         except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
-            continue
+            return None
         if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[s.time_dim] != T:
-            continue
+            return None
         chunks = out.chunk(3)
         scale = baseline_scale(chunks[0], centred=True) or None
         changes = [relative_change(c, chunks[0], centred=True, scale=scale) for c in chunks[1:]]
         if any(c is None for c in changes):
-            continue
+            return None
         held_change, moved_change = (c.reshape(B, -1, T).amax(1).cpu() for c in changes)  # (B, Tq), heads folded
         worst = float(held_change[hold].max()) if bool(hold.any()) else 0.0
         moved = moved_change[sees_first] > tol
         if worst <= tol and bool(moved.any()) and float(moved.float().mean()) >= MOVED:
-            found.append((convention, f"changing the keys it blocks moved no output row (greatest change {worst:.2g} "
-                                      f"of the outputs' RMS, up to {tol:.2g} allowed) and changing a key it allows "
-                                      f"moved {int(moved.sum())} of {moved.numel()} rows that see it"))
+            return (f"changing the keys it blocks moved no output row (greatest change {worst:.2g} of the outputs' "
+                    f"RMS, up to {tol:.2g} allowed) and changing a key it allows moved {int(moved.sum())} of "
+                    f"{moved.numel()} rows that see it")
+        return None
+
+    # the probe's own negative control: the layer as the audit called it must fail this probe, else the probe cannot
+    # tell conventions apart (a layer that mixes query rows honours a padding mask, the same for every query, in
+    # every convention it runs in) and honouring it elsewhere says nothing of the layer's convention
+    given = honours(s)
+    if given is not None:
+        probe.mask_hints["given"] = given
+        return found
+    for convention in candidates(probe):
+        evidence = honours(s.with_convention(convention))
+        if evidence is not None:
+            found.append((convention, evidence))
             break
     return found
 
@@ -123,12 +137,26 @@ def adds_bool_mask(probe: Probe) -> bool:
     return change is not None and float(change.max()) <= tolerance(UNCHANGED, s.dtype)
 
 
+def honoured_as_given(probe: Probe) -> str | None:
+    """Where the hints' padding probe is honoured in the convention the audit gave (so that no convention is hinted):
+    the words that say so, for the finding's message (never its fix: they name no remedy); else None."""
+    honoured_conventions(probe)
+    if "given" not in probe.mask_hints:
+        return None
+    s = probe.subject
+    return (f"given as the audit gave it, {s.mask_convention} ({s.mask_convention.describe()}), a padding mask (the "
+            f"same keys blocked for every query) is honoured ({probe.mask_hints['given']}), so the mask's convention "
+            f"is not the cause")
+
+
 def convention_hint(probe: Probe) -> str | None:
     """The words a mask finding adds: the conventions the layer says, suggests or behaves as if it took, with
     what to declare if one of them is the layer's; None where nothing points at one (or it was declared)."""
     s, options = probe.subject, probe.options
     said = mask_convention_hint(s, options)
     found = honoured_conventions(probe)
+    if "given" in probe.mask_hints:  # honoured as given: no convention would change the finding, so none is named
+        return None
     if not found:
         return said
     convention, evidence = found[0]
@@ -160,4 +188,4 @@ def convention_hint(probe: Probe) -> str | None:
     return hint
 
 
-__all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_conventions"]
+__all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_as_given", "honoured_conventions"]

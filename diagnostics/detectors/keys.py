@@ -107,15 +107,24 @@ def check_keys_matter(probe: Probe) -> DetectorResult:
     evidence = "; ".join(f"changing every {stream}" + (f" of sequence {b}" if packed else "") +
                          f" (x{gains[stream][0]:g}) moved the output by at most {m:.3g} of its RMS"
                          for b, (stream, m) in enumerate(zip(streams, moved)))
+    # one memory stream (keys and values the same input) changes both at once: the words say what was changed,
+    # never that the keys and the values were each found to be read
+    if len(streams) == 1:
+        evidence += " (the memory: its keys and values, one input)"
+        depends, missing = f"its memory ({ONE_MEMORY})", "its memory (its keys and values, one input)"
+    else:
+        depends, missing = "the keys and on the values", f"the {' or the '.join(d + 's' for d in dead)}"
     drawn = f", over {draws} independent draws" if draws > 1 else ""
-    return judge(det, bool(dead), f"the output does not depend on the {' or the '.join(d + 's' for d in dead)}",
-                  "the output depends on the keys and on the values", value=min(moved), threshold=tol,
+    return judge(det, bool(dead), f"the output does not depend on {missing}",
+                  f"the output depends on {depends}", value=min(moved), threshold=tol,
                   evidence=f"{evidence}{drawn} (any change expected; a layer that ignores the input moves by exactly 0)",
                  replay=baselines[-1])
 
 
 KEY_DRAWS = 3
 """Independent draws keys_matter makes before an input that never moved the output is called ignored."""
+
+ONE_MEMORY = "keys and values are one input here, changed together: whether each is read is not told apart"
 
 
 def _plan(probe: Probe) -> tuple[tuple[str, ...], dict, dict, bool]:

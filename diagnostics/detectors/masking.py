@@ -33,7 +33,7 @@ from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
 from ._common import invariance_sites, judge, perturbation_gains, result
-from ._mask_hints import convention_hint
+from ._mask_hints import convention_hint, honoured_as_given
 from ._stacked import PADDED, stacked, stacked_cases
 from .finite import ROW_FILLS, nonfinite_sites
 
@@ -143,6 +143,10 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             found = DetectorResult(det, "fail", f"{found.message}; {hint}", value=found.value,
                                    threshold=found.threshold, evidence=found.evidence,
                                    fix=f"{hint}; {found.fix}", replay=found.replay)
+        else:  # the convention given is honoured where the mask is the same for every query: say so, hint nothing
+            words = honoured_as_given(probe)
+            if words:
+                found = replace(found, message=f"{found.message}; {words}")
     return found
 
 

@@ -26,7 +26,7 @@ What breaks shift invariance legitimately, and how each is told apart:
 - a declared attention pattern that depends on absolute positions (chunked blocks): compared at this shift, and
   not applicable where the pattern's mask moves with the shift (a sliding window does not);
 - the layer's own causal mask from a fixed buffer: bottom-right over P + T tokens, so the real block is the same;
-  a context the layer declares bounds P + T (`context_length`);
+  a context the layer declares bounds P + T (`probe_context`: a `block_size` it runs beyond is a tile, no bound);
 - dropout in training mode: the audit runs in eval mode, and randomness left on is the control above;
 - length-dependent rotary scaling (dynamic NTK, LongRoPE's factors past a length): P + T stays within the
   probe's own length bound, below any length such a rule switches at in the suite; beyond it, audit with a
@@ -46,10 +46,11 @@ from .._observe import Observer
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
-from .._subject import context_length
+from .._subject import probe_context
 from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._tracing import (
     SOFTMAXES,
+    UNRESCALED_FIX,
     Op,
     ancestors,
     fused_ops,
@@ -116,6 +117,16 @@ class DistanceReplay:
 @dataclass(frozen=True)
 class LostReplay:
     """The stacked call whose keys' permutation moved nothing, though positions were declared."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    allowed: Tensor | None
+
+
+@dataclass(frozen=True)
+class OrderReplay:
+    """The probe tokens whose keys' order moved the output, where no shift was possible, and their mask."""
 
     query: Tensor
     key: Tensor
@@ -222,7 +233,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     s, B = probe.subject, probe.BATCH
     T = min(probe.t, POSITION_TOKENS)
     P = SHIFT_TOKENS
-    limit = context_length(s.layer)
+    limit = probe_context(s, T + P)
     if limit is not None and T + P > limit[0]:
         P = max(0, limit[0] - T)
         if P < 1:
@@ -348,6 +359,20 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         return skip(DET, f"calling the layer at positions {P}.. raised ({type(error).__name__}: "
                          f"{str(error).strip()[:160]}); see `runs`")
     if call is None and not _drives_positions(s):
+        # no shift is possible, but the order the keys come in moved the output: an online softmax that adds a block of
+        # keys to a running value not rescaled when the running max grew weighs the keys by the block they come in (a
+        # function form is caught by output_variance, given value rows apart from its keys; one stream never is)
+        order = OrderReplay(q, k, v, base_allowed)
+        probe.passes += 1
+        if unrescaled_accumulators(trace_call(s, q, k, v, base_allowed, seed=probe.seed)):
+            return result(DET, "fail", "the outputs depend on the order of the keys, through a running value of the "
+                                       "layer's online softmax that is not rescaled when the running max grows",
+                          value=uses, threshold=bar,
+                          evidence=f"permuting the keys' positions moved {which} by {uses:.3g} of the outputs' RMS "
+                                   f"(up to {bar:.2g} is rounding; attention without positions is unmoved), and the "
+                                   f"traced call adds a block of keys to a running value kept relative to the old "
+                                   f"running max, after the max grew",
+                          fix=UNRESCALED_FIX, replay=order)
         return skip(DET, f"{seen}, but no shift of its positions is possible: the layer takes no mask (left padding "
                          f"needs one to block the padding) and no positions the audit can drive. Give forward a mask "
                          f"argument (forward(x, mask=None)), or audit it through a wrapper that passes "
@@ -580,6 +605,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
         return distance_sites(probe, r)
     if isinstance(r, LostReplay):
         return lost_sites(probe, r)
+    if isinstance(r, OrderReplay):
+        return unrescaled_accumulators(trace_call(probe.subject, r.query, r.key, r.value, r.allowed, seed=probe.seed))
     if not isinstance(r, ShiftReplay):
         return []
     s = probe.subject
