@@ -809,11 +809,23 @@ def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
         # the weights laid out as the softmax left them, (.., Tq, Tk): not a tensor of as many elements that the
         # layer multiplies after the softmax for another reason (the values' projection, its input flattened to
         # (B*T, D), computed after the softmax where it is an argument beside it, and D = T)
+        if isinstance(m, Matmul) and _transposed_weights(m.b, weights):
+            return None  # values first, v @ w^T (a channels-first layer's: EfficientViT's): the softmax's output
         if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-2:] == weights.shape[-2:]:
             used = m.a.reshape(weights.shape)
             same = torch.equal(used, weights.to(used.dtype))
             return None if same else (used, m)
     return None
+
+
+def _transposed_weights(operand: Tensor, weights: Tensor) -> bool:
+    """Whether a product's second operand is the softmax's (.., Tq, Tk) weights transposed, (.., Tk, Tq): the values
+    multiplied from the left. Told by the numbers, not the sizes: where a head's width is the number of tokens (16
+    channels on a 4 x 4 map), the values (.., d, Tk) have the weights' very shape, and were read as a second
+    softmax's weights."""
+    if operand.numel() != weights.numel() or operand.dim() < 2 or operand.shape[-2:] != weights.shape[-2:][::-1]:
+        return False
+    return torch.equal(operand.transpose(-2, -1).reshape(weights.shape), weights.to(operand.dtype))
 
 
 def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | None:

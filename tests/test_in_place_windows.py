@@ -83,35 +83,50 @@ def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scale
 
 
 class PixelAttention(nn.Module):
-    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention does)."""
+    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention,
+    EfficientViT's and LeViT's convolutional attention do): the values multiplied from the left, v @ w^T. `bug`:
+    "unscaled" leaves q·k unscaled; "untransposed" multiplies the values by the weights as they are, v @ w, so
+    that each output pixel sums the weights its key gave every query (a column, not a row)."""
 
-    def __init__(self):
+    def __init__(self, bug: str | None = None):
         super().__init__()
+        self.bug = bug
         self.qkv, self.proj = nn.Conv2d(D, 3 * D, 1), nn.Conv2d(D, D, 1)
 
     def forward(self, x):
         B, C, H, W = x.shape  # batch, channels, height, width
         q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # (B, C, H x W) each
-        w = (q.transpose(1, 2) @ k * C ** -0.5).softmax(-1)  # (B, HW, HW)
-        return self.proj((v @ w.transpose(1, 2)).view(B, C, H, W))
+        w = (q.transpose(1, 2) @ k * (1.0 if self.bug == "unscaled" else C ** -0.5)).softmax(-1)  # (B, HW, HW)
+        return self.proj((v @ (w if self.bug == "untransposed" else w.transpose(1, 2))).view(B, C, H, W))
 
 
 class PixelModel(nn.Module):
-    def __init__(self):
+    def __init__(self, bug: str | None = None):
         super().__init__()
         seed_rng(0)
-        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(), nn.Linear(D, 4)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(bug), nn.Linear(D, 4)
 
     def forward(self, pixels):
         return self.head(self.attn(self.patch(pixels)).mean((2, 3)))
 
 
-def test_a_layer_taking_a_feature_map_is_not_audited_in_place_and_the_note_says_why():
-    report = diagnostics.audit_model(PixelModel().eval(), example=torch.randn(2, 3, 8, 8))
-    assert "attn" not in (report.layers or {}), report
-    note = next(n for n in report.notes if n.startswith("attn not audited in place"))
-    assert "got x (1, 16, 4, 4): `x` is a 4-D map, channels first (B, C, H, W)" in note, note
-    assert "audited only through the model" in note, note
+# 4 x 4 pixels: as many as the channels (16), where the values (B, C, HW) have the weights' shape (B, HW, HW) and were
+# read as a second softmax's weights (the layer "2.57x too flat"); 6 x 6: 36 pixels, 16 channels
+@pytest.mark.parametrize("pixels", [8, 12], ids=["HW == C", "HW != C"])
+@pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
+                                                ("untransposed", "failed", None)])
+def test_a_layer_taking_a_feature_map_is_measured_in_place_as_tokens_of_its_grid(bug, status, fired, pixels):
+    """Before, a (B, C, H, W) input was 'not audited in place' (no (B, T, D) input), and eight timm families
+    (EfficientViT, LeViT's convolutional variants, CPUBone, LowFormer, MobileViTv2, ...) were inconclusive for it.
+    Now its tokens are the map's pixels, laid out as the map at the captured size; a probe of another length is
+    skipped, saying why. Twins: the scores left unscaled, and the weights applied untransposed, fail at that layer."""
+    report = diagnostics.audit_model(PixelModel(bug).eval(), example=torch.randn(2, 3, pixels, pixels))
+    layer = report.layers["attn"]
+    assert "channels first" in layer.layer, layer.layer
+    assert layer.result("weight_row_sums").measured and layer.result("softmax_saturation").measured, layer
+    assert report.status == status and layer.status == status, report
+    if fired:
+        assert fired in layer.fired(), layer
 
 
 class GridAttention(nn.Module):
