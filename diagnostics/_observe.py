@@ -954,6 +954,24 @@ def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> Learne
     return None
 
 
+def pooled_keys(record: Record, t_q: int, t_k: int) -> tuple[Tensor, int, str] | None:
+    """(weights, m, source) of attention over m < Tk keys the layer makes of its own from the tokens (a spatial
+    reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map): the last softmax
+    over (Tq, m) scores whose weights a later product sums with m values (a router's softmax over experts has no such
+    product), else the last fused call with Tq queries and m keys. None when neither was observed."""
+    for i in reversed(range(len(record.order))):
+        sm = record.order[i]
+        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, sm.output.dim() - 1) \
+                and sm.output.shape[-2] == t_q and 1 < (m := sm.output.shape[-1]) < t_k:
+            product, _ = _values_product(record.order[i + 1:], sm.output, t_q, m, 0)
+            if product is not None:
+                return sm.output, m, f"observed softmax output (dim={sm.dim})"
+    for f in reversed(record.fused):
+        if f.q.shape[-2] == t_q and 1 < (m := f.k.shape[-2]) < t_k:
+            return fused_weights(f), m, "weights of the observed fused attention call (recomputed from its inputs)"
+    return None
+
+
 def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int) -> tuple[Matmul | None, int]:
     """The first later product that sums (Tq, Tk + m) weights, m <= n, with values: (it, the weights' operand)."""
     rows = weights.numel() // weights.shape[-1]  # every (batch, head, query)
