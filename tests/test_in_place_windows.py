@@ -263,3 +263,42 @@ def test_an_attention_within_blocks_of_its_grid_is_read_as_block_diagonal_weight
     assert report.status == status and layer.status == status, report
     if fired:
         assert fired in layer.fired(), layer
+
+
+class CascadedPixelAttention(nn.Module):
+    """EfficientViT's cascaded group attention, reduced: each head projects its own slice of the map's channels, so
+    that no projection takes the map's width; the map comes back as wide as it came."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.scaled = scaled
+        self.qkvs = nn.ModuleList(nn.Conv2d(D // HEADS, 3 * (D // HEADS), 1) for _ in range(HEADS))
+        self.proj = nn.Conv2d(D, D, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        heads = []
+        for qkv, feat in zip(self.qkvs, x.chunk(HEADS, dim=1)):
+            q, k, v = qkv(feat).flatten(2).chunk(3, dim=1)  # (B, d, H x W) each
+            w = (q.transpose(1, 2) @ k * ((C // HEADS) ** -0.5 if self.scaled else 1.0)).softmax(-1)  # (B, HW, HW)
+            heads.append((v @ w.transpose(1, 2)).view(B, C // HEADS, H, W))
+        return self.proj(torch.cat(heads, 1))
+
+
+class CascadedPixelModel(PixelModel):
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = CascadedPixelAttention(scaled)
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_feature_map_layer_whose_heads_project_slices_of_its_channels_is_measured_in_place(scaled, status):
+    """No projection of the layer takes the map's 16 channels (each head's takes 8): the map is told by coming back as
+    it came. Before, 'not audited in place' (every EfficientViT model). Twin: the scores unscaled fail there."""
+    report = diagnostics.audit_model(CascadedPixelModel(scaled).eval(), example=torch.randn(2, 3, 12, 12))
+    layer = report.layers["attn"]
+    assert "channels first" in layer.layer, layer.layer
+    assert report.status == status and layer.status == status, report
+    if not scaled:
+        assert "softmax_saturation" in layer.fired(), layer

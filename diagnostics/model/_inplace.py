@@ -400,8 +400,9 @@ def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
     """(the argument, its grid, channels first) of a module whose tokens come as a grid and that returns them on the
     same grid (one output per position): a 4-D float tensor whose width is the one its first projection takes (an
     nn.Linear's in_features, an nn.Conv2d's in_channels), channels last, (B, *grid, D), or channels first, (B, D,
-    H, W), a feature map; (None, None, False) otherwise (a map whose width no projection of the module takes, or
-    that it does not return on its grid: a convolution's input, a spatial gate's)."""
+    H, W), a feature map (or one returned as wide as it came: EfficientViT's heads each project a slice of its
+    channels); (None, None, False) otherwise (a map whose width no projection of the module takes and that it does
+    not return as it came, or not on its grid: a convolution's input, a spatial gate's)."""
     first = next((m for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
     width = None if first is None else first.in_features if isinstance(first, nn.Linear) else first.in_channels
     if width is None or output_shape is None or len(output_shape) != 4:
@@ -411,8 +412,9 @@ def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
             continue
         if isinstance(first, nn.Linear) and value.shape[-1] == width and tuple(output_shape[:3]) == tuple(value.shape[:3]):
             return name, tuple(int(n) for n in value.shape[1:3]), False
-        if value.shape[1] == width and output_shape[0] == value.shape[0] and \
-                tuple(output_shape[2:]) == tuple(value.shape[2:]):
+        same_grid = output_shape[0] == value.shape[0] and tuple(output_shape[2:]) == tuple(value.shape[2:])
+        # or the very map it was given, each head's projection taking a slice of its channels (EfficientViT's cascade)
+        if same_grid and (value.shape[1] == width or output_shape[1] == value.shape[1]):
             return name, tuple(int(n) for n in value.shape[2:]), True
     return None, None, False
 
