@@ -809,11 +809,23 @@ def _weights_used(later: list, weights: Tensor) -> tuple[Tensor, Matmul] | None:
         # the weights laid out as the softmax left them, (.., Tq, Tk): not a tensor of as many elements that the
         # layer multiplies after the softmax for another reason (the values' projection, its input flattened to
         # (B*T, D), computed after the softmax where it is an argument beside it, and D = T)
+        if isinstance(m, Matmul) and _transposed_weights(m.b, weights):
+            return None  # values first, v @ w^T (a channels-first layer's: EfficientViT's): the softmax's output
         if isinstance(m, Matmul) and m.a.numel() == weights.numel() and m.a.shape[-2:] == weights.shape[-2:]:
             used = m.a.reshape(weights.shape)
             same = torch.equal(used, weights.to(used.dtype))
             return None if same else (used, m)
     return None
+
+
+def _transposed_weights(operand: Tensor, weights: Tensor) -> bool:
+    """Whether a product's second operand is the softmax's (.., Tq, Tk) weights transposed, (.., Tk, Tq): the values
+    multiplied from the left. Told by the numbers, not the sizes: where a head's width is the number of tokens (16
+    channels on a 4 x 4 map), the values (.., d, Tk) have the weights' very shape, and were read as a second
+    softmax's weights."""
+    if operand.numel() != weights.numel() or operand.dim() < 2 or operand.shape[-2:] != weights.shape[-2:][::-1]:
+        return False
+    return torch.equal(operand.transpose(-2, -1).reshape(weights.shape), weights.to(operand.dtype))
 
 
 def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | None:
@@ -939,6 +951,24 @@ def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> Learne
     for f in reversed(record.fused):
         if f.q.shape[-2] == t_q and f.k.shape[-2] >= t_k + least:
             return LearnedKeys(f.k.shape[-2] - t_k, f.k.shape[-2] - t_k, fused=f)
+    return None
+
+
+def pooled_keys(record: Record, t_q: int, t_k: int) -> tuple[Tensor, int, str] | None:
+    """(weights, m, source) of attention over m < Tk keys the layer makes of its own from the tokens (a spatial
+    reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map): the last softmax
+    over (Tq, m) scores whose weights a later product sums with m values (a router's softmax over experts has no such
+    product), else the last fused call with Tq queries and m keys. None when neither was observed."""
+    for i in reversed(range(len(record.order))):
+        sm = record.order[i]
+        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, sm.output.dim() - 1) \
+                and sm.output.shape[-2] == t_q and 1 < (m := sm.output.shape[-1]) < t_k:
+            product, _ = _values_product(record.order[i + 1:], sm.output, t_q, m, 0)
+            if product is not None:
+                return sm.output, m, f"observed softmax output (dim={sm.dim})"
+    for f in reversed(record.fused):
+        if f.q.shape[-2] == t_q and 1 < (m := f.k.shape[-2]) < t_k:
+            return fused_weights(f), m, "weights of the observed fused attention call (recomputed from its inputs)"
     return None
 
 

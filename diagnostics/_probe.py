@@ -28,6 +28,26 @@ from ._thresholds import ROW_SUM, tolerance
 from .patterns import Pattern
 
 
+def block_diagonal(weights: Tensor, t_q: int, t_k: int) -> Tensor | None:
+    """Weights over blocks of tokens, (..., n_blocks, n, n), laid out whole as the (..., Tq, Tk) they are: block b's
+    n queries attend block b's n keys, zero elsewhere (NesT's attention within each block of its grid, (B, H, blocks,
+    N, N)). None unless the blocks tile the queries and the keys alike, n_blocks x n = Tq = Tk, n_blocks > 1."""
+    if weights.dim() < 4 or t_q != t_k:
+        return None
+    n_blocks, n, m = weights.shape[-3:]
+    if n_blocks < 2 or n != m or n_blocks * n != t_q:
+        return None
+    whole = weights.new_zeros(*weights.shape[:-3], t_q, t_k)
+    for b in range(n_blocks):
+        whole[..., b * n:(b + 1) * n, b * n:(b + 1) * n] = weights[..., b, :, :]
+    return whole
+
+
+def blocks_said(tensor: Tensor) -> str:
+    """How `block_diagonal` read weights over blocks, for the source of the weights."""
+    n_blocks, n = tensor.shape[-3], tensor.shape[-2]
+    return f"over {n_blocks} blocks of {n} tokens, laid out whole as block-diagonal (Tq, Tk) weights"
+
 @dataclass
 class Call:
     """One call of the layer and what came of it: an output, or the exception it raised."""
@@ -318,6 +338,13 @@ class Probe:
             for f in reversed(call.record.fused):
                 if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
                     return fused_weights(f), "weights of the observed fused attention call (recomputed from its inputs)"
+            for sm in reversed(call.record.softmaxes):
+                if sm.dim in (-1, sm.output.dim() - 1) and (whole := block_diagonal(sm.output, t_q, t_k)) is not None:
+                    return whole, f"observed softmax output (dim={sm.dim}), {blocks_said(sm.output)}"
+            for f in reversed(call.record.fused):
+                if (whole := block_diagonal(fused_weights(f), t_q, t_k)) is not None:
+                    return whole, ("weights of the observed fused attention call (recomputed from its inputs), "
+                                   + blocks_said(f.q))
         return None, ""
 
     def recovered_weights(self) -> tuple[Tensor | None, str]:

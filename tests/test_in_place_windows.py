@@ -83,35 +83,50 @@ def test_a_window_attention_given_one_mask_per_window_is_measured_in_place(scale
 
 
 class PixelAttention(nn.Module):
-    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention does)."""
+    """Attention over the pixels of a (B, C, H, W) feature map, taken as such (timm's cpubone ConvAttention,
+    EfficientViT's and LeViT's convolutional attention do): the values multiplied from the left, v @ w^T. `bug`:
+    "unscaled" leaves q·k unscaled; "untransposed" multiplies the values by the weights as they are, v @ w, so
+    that each output pixel sums the weights its key gave every query (a column, not a row)."""
 
-    def __init__(self):
+    def __init__(self, bug: str | None = None):
         super().__init__()
+        self.bug = bug
         self.qkv, self.proj = nn.Conv2d(D, 3 * D, 1), nn.Conv2d(D, D, 1)
 
     def forward(self, x):
         B, C, H, W = x.shape  # batch, channels, height, width
         q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # (B, C, H x W) each
-        w = (q.transpose(1, 2) @ k * C ** -0.5).softmax(-1)  # (B, HW, HW)
-        return self.proj((v @ w.transpose(1, 2)).view(B, C, H, W))
+        w = (q.transpose(1, 2) @ k * (1.0 if self.bug == "unscaled" else C ** -0.5)).softmax(-1)  # (B, HW, HW)
+        return self.proj((v @ (w if self.bug == "untransposed" else w.transpose(1, 2))).view(B, C, H, W))
 
 
 class PixelModel(nn.Module):
-    def __init__(self):
+    def __init__(self, bug: str | None = None):
         super().__init__()
         seed_rng(0)
-        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(), nn.Linear(D, 4)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), PixelAttention(bug), nn.Linear(D, 4)
 
     def forward(self, pixels):
         return self.head(self.attn(self.patch(pixels)).mean((2, 3)))
 
 
-def test_a_layer_taking_a_feature_map_is_not_audited_in_place_and_the_note_says_why():
-    report = diagnostics.audit_model(PixelModel().eval(), example=torch.randn(2, 3, 8, 8))
-    assert "attn" not in (report.layers or {}), report
-    note = next(n for n in report.notes if n.startswith("attn not audited in place"))
-    assert "got x (1, 16, 4, 4): `x` is a 4-D map, channels first (B, C, H, W)" in note, note
-    assert "audited only through the model" in note, note
+# 4 x 4 pixels: as many as the channels (16), where the values (B, C, HW) have the weights' shape (B, HW, HW) and were
+# read as a second softmax's weights (the layer "2.57x too flat"); 6 x 6: 36 pixels, 16 channels
+@pytest.mark.parametrize("pixels", [8, 12], ids=["HW == C", "HW != C"])
+@pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
+                                                ("untransposed", "failed", None)])
+def test_a_layer_taking_a_feature_map_is_measured_in_place_as_tokens_of_its_grid(bug, status, fired, pixels):
+    """Before, a (B, C, H, W) input was 'not audited in place' (no (B, T, D) input), and eight timm families
+    (EfficientViT, LeViT's convolutional variants, CPUBone, LowFormer, MobileViTv2, ...) were inconclusive for it.
+    Now its tokens are the map's pixels, laid out as the map at the captured size; a probe of another length is
+    skipped, saying why. Twins: the scores left unscaled, and the weights applied untransposed, fail at that layer."""
+    report = diagnostics.audit_model(PixelModel(bug).eval(), example=torch.randn(2, 3, pixels, pixels))
+    layer = report.layers["attn"]
+    assert "channels first" in layer.layer, layer.layer
+    assert layer.result("weight_row_sums").measured and layer.result("softmax_saturation").measured, layer
+    assert report.status == status and layer.status == status, report
+    if fired:
+        assert fired in layer.fired(), layer
 
 
 class GridAttention(nn.Module):
@@ -190,6 +205,100 @@ def test_a_grid_layer_given_a_table_of_one_row_for_the_batch_gets_it_as_the_mode
     report = diagnostics.audit_model(SharedTableGridModel(scaled).eval(), example=torch.randn(2, 3, 8, 8))
     layer = report.layers["attn"]
     assert layer.result("runs").verdict == "pass", layer.result("runs")
+    assert report.status == status and layer.status == status, report
+    if not scaled:
+        assert "softmax_saturation" in layer.fired(), layer
+
+
+class BlockAttention(nn.Module):
+    """Attention within each block of a (B, blocks, N, D) grid, returned so (NesT's): one fused call over (B, heads,
+    blocks, N, d), or its softmax written out ("unfused"), its weights (B, heads, blocks, N, N), no (Tq, Tk) of the
+    whole sequence anywhere."""
+
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.bug, self.num_heads = bug, HEADS
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, N, C = x.shape  # batch, blocks, tokens of a block, width
+        q, k, v = self.qkv(x).reshape(B, T, N, 3, HEADS, C // HEADS).permute(3, 0, 4, 1, 2, 5)  # (B, h, T, N, d)
+        if self.bug == "unscaled":
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+        elif self.bug == "unfused":  # the same attention written out: its softmax over (B, h, blocks, N, N)
+            out = (q @ k.transpose(-2, -1) * (C // HEADS) ** -0.5).softmax(-1) @ v
+        elif self.bug == "unfused unscaled":
+            out = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.permute(0, 2, 3, 1, 4).reshape(B, T, N, C))
+
+
+class BlockModel(nn.Module):
+    """(B, 3, 8, 8) pixels -> 2 x 2 patches, a 4 x 4 map -> 4 blocks of 2 x 2 patches -> block attention -> logits."""
+
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        seed_rng(0)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), BlockAttention(bug), nn.Linear(D, 4)
+
+    def forward(self, pixels):
+        x = self.patch(pixels)  # (B, D, 4, 4)
+        B = x.shape[0]
+        blocks = x.view(B, D, 2, 2, 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(B, 4, 4, D)  # (B, blocks, N, D)
+        return self.head(self.attn(blocks).mean((1, 2)))
+
+
+@pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
+                                                ("unfused", "passed", None),
+                                                ("unfused unscaled", "failed", "softmax_saturation")])
+def test_an_attention_within_blocks_of_its_grid_is_read_as_block_diagonal_weights(bug, status, fired):
+    """NesT attends within each block of its grid: weights (B, heads, blocks, N, N), never (Tq, Tk) of the whole
+    sequence, and every NesT model was inconclusive ('the attention itself was not measured'). Now the blocks' weights
+    are laid out whole as the block-diagonal (Tq, Tk) they are, and measured, fused or written out. Twins: the scores
+    unscaled fail at that layer, either way."""
+    report = diagnostics.audit_model(BlockModel(bug).eval(), example=torch.randn(2, 3, 8, 8))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured, layer
+    assert report.status == status and layer.status == status, report
+    if fired:
+        assert fired in layer.fired(), layer
+
+
+class CascadedPixelAttention(nn.Module):
+    """EfficientViT's cascaded group attention, reduced: each head projects its own slice of the map's channels, so
+    that no projection takes the map's width; the map comes back as wide as it came."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.scaled = scaled
+        self.qkvs = nn.ModuleList(nn.Conv2d(D // HEADS, 3 * (D // HEADS), 1) for _ in range(HEADS))
+        self.proj = nn.Conv2d(D, D, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        heads = []
+        for qkv, feat in zip(self.qkvs, x.chunk(HEADS, dim=1)):
+            q, k, v = qkv(feat).flatten(2).chunk(3, dim=1)  # (B, d, H x W) each
+            w = (q.transpose(1, 2) @ k * ((C // HEADS) ** -0.5 if self.scaled else 1.0)).softmax(-1)  # (B, HW, HW)
+            heads.append((v @ w.transpose(1, 2)).view(B, C // HEADS, H, W))
+        return self.proj(torch.cat(heads, 1))
+
+
+class CascadedPixelModel(PixelModel):
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.attn = CascadedPixelAttention(scaled)
+
+
+@pytest.mark.parametrize("scaled, status", [(True, "passed"), (False, "failed")])
+def test_a_feature_map_layer_whose_heads_project_slices_of_its_channels_is_measured_in_place(scaled, status):
+    """No projection of the layer takes the map's 16 channels (each head's takes 8): the map is told by coming back as
+    it came. Before, 'not audited in place' (every EfficientViT model). Twin: the scores unscaled fail there."""
+    report = diagnostics.audit_model(CascadedPixelModel(scaled).eval(), example=torch.randn(2, 3, 12, 12))
+    layer = report.layers["attn"]
+    assert "channels first" in layer.layer, layer.layer
     assert report.status == status and layer.status == status, report
     if not scaled:
         assert "softmax_saturation" in layer.fired(), layer

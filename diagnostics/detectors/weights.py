@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._core import not_run, skip, unravel
-from .._observe import fused_weights, learned_keys
+from .._observe import fused_weights, learned_keys, pooled_keys
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -48,6 +48,11 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                            (fused_weights(keys.fused), "weights of the observed fused attention call (recomputed "
                                                        "from its inputs)"))
         source += f", over the {T} keys and {keys.describe()}"
+    unmasked = call.allowed is None or bool(call.allowed.all())
+    pooled = pooled_keys(call.record, T, T) if weights is None and unmasked and call.record is not None else None
+    if pooled is not None:  # keys of the layer's own making, fewer than the tokens: rows over them
+        weights, m, source = pooled
+        source += f", over the {m} keys the layer makes of its own from the {T} tokens (pooled: a spatial reduction)"
     if weights is None:
         call = probe.base()
         weights, source = probe.recovered_weights()

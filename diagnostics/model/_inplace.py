@@ -362,42 +362,61 @@ def _rows_cut_off(full: Tensor, kept: Tensor) -> bool:
 
 
 class InPlaceGrid(InPlace):
-    """`forward(x)`: a module that takes its tokens as a channels-last grid, (B, *grid, D) (SAM's ViT blocks, (B, H,
-    W, D); NesT's, (B, blocks, tokens, D)), and returns them so: x (B, t, D) laid out as that grid, the output
-    flattened back. Only at the captured size: a probe of another length cannot be laid out as the grid
+    """`forward(x)`: a module that takes its tokens as a grid and returns them so: channels last, (B, *grid, D) (SAM's
+    ViT blocks, (B, H, W, D); NesT's, (B, blocks, tokens, D)), or channels first, (B, D, H, W) (a feature map:
+    EfficientViT's, LeViT's convolutional and CPUBone's attention over pixels). x (B, t, D) laid out as that grid,
+    the output flattened back. Only at the captured size: a probe of another length cannot be laid out as the grid
     (`ProbeNotTaken`, skipped with that reason)."""
 
-    def __init__(self, *args, grid: tuple[int, ...], **kw):
+    def __init__(self, *args, grid: tuple[int, ...], channels_first: bool = False, **kw):
         super().__init__(*args, **kw)
-        self.grid = grid
+        self.grid, self.channels_first = grid, channels_first
         shown = " x ".join(map(str, grid))
-        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid)")
+        order = "channels first" if channels_first else "channels last"
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid, {order})")
 
     def _layout(self, x: Tensor) -> Tensor:
         if x.shape[1] != math.prod(self.grid):
             raise ProbeNotTaken(f"the layer takes its tokens as a {' x '.join(map(str, self.grid))} grid (channels "
-                                f"last), as its model passed them: a probe of {x.shape[1]} tokens cannot be laid out "
-                                f"so")
-        return super()._layout(x).reshape(x.shape[0], *self.grid, x.shape[-1])
+                                f"{'first' if self.channels_first else 'last'}), as its model passed them: a probe of "
+                                f"{x.shape[1]} tokens cannot be laid out so")
+        h = super()._layout(x)
+        if self.channels_first:  # (B, t, D) -> (B, D, *grid)
+            return h.transpose(1, 2).reshape(x.shape[0], x.shape[-1], *self.grid).contiguous()
+        return h.reshape(x.shape[0], *self.grid, x.shape[-1])
 
     def _invoke(self, x: Tensor, streams: dict):
         out = super()._invoke(x, streams)
-        if isinstance(out, Tensor) and out.dim() == 2 + len(self.grid) and tuple(out.shape[1:-1]) == self.grid:
+        if not isinstance(out, Tensor) or out.dim() != 2 + len(self.grid):
+            return out
+        if self.channels_first and tuple(out.shape[2:]) == self.grid:
+            return out.flatten(2).transpose(1, 2)  # (B, D', *grid) -> (B, t, D')
+        if not self.channels_first and tuple(out.shape[1:-1]) == self.grid:
             return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D')
         return out
 
 
-def _channels_last_grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
-    """(the argument, its grid) of a module whose tokens come as a channels-last grid: a 4-D float tensor (B, *grid,
-    D) whose last dimension is the width its first projection takes, returned with the same grid (one output per
-    position); (None, None) otherwise (channels first, (B, C, H, W): a convolution's or a spatial gate's input)."""
-    widths = [m.in_features for m in module.modules() if isinstance(m, nn.Linear)]
+def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
+    """(the argument, its grid, channels first) of a module whose tokens come as a grid and that returns them on the
+    same grid (one output per position): a 4-D float tensor whose width is the one its first projection takes (an
+    nn.Linear's in_features, an nn.Conv2d's in_channels), channels last, (B, *grid, D), or channels first, (B, D,
+    H, W), a feature map (or one returned as wide as it came: EfficientViT's heads each project a slice of its
+    channels); (None, None, False) otherwise (a map whose width no projection of the module takes and that it does
+    not return as it came, or not on its grid: a convolution's input, a spatial gate's)."""
+    first = next((m for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
+    width = None if first is None else first.in_features if isinstance(first, nn.Linear) else first.in_channels
+    if width is None or output_shape is None or len(output_shape) != 4:
+        return None, None, False
     for name, value in arguments.items():
-        if isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 4 and widths and \
-                value.shape[-1] == widths[0] and output_shape is not None and len(output_shape) == 4 and \
-                tuple(output_shape[:3]) == tuple(value.shape[:3]):
-            return name, tuple(int(n) for n in value.shape[1:3])
-    return None, None
+        if not (isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 4):
+            continue
+        if isinstance(first, nn.Linear) and value.shape[-1] == width and tuple(output_shape[:3]) == tuple(value.shape[:3]):
+            return name, tuple(int(n) for n in value.shape[1:3]), False
+        same_grid = output_shape[0] == value.shape[0] and tuple(output_shape[2:]) == tuple(value.shape[2:])
+        # or the very map it was given, each head's projection taking a slice of its channels (EfficientViT's cascade)
+        if same_grid and (value.shape[1] == width or output_shape[1] == value.shape[1]):
+            return name, tuple(int(n) for n in value.shape[2:]), True
+    return None, None, False
 
 
 def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
@@ -413,9 +432,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     if hidden is None:
         hidden = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
                        and v.dim() == 3), None)
-    grid = None
+    grid, channels_first = None, False
     if hidden is None:
-        hidden, grid = _channels_last_grid(module, arguments, long_call.output_shape)
+        hidden, grid, channels_first = _grid(module, arguments, long_call.output_shape)
     if hidden is None:
         shapes = ", ".join(f"{n} {tuple(v.shape)}" if isinstance(v, Tensor) else n for n, v in arguments.items())
         four = next((n for n, v in arguments.items() if isinstance(v, Tensor) and v.is_floating_point()
@@ -426,8 +445,9 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
             f"sequence the layer audit's probes can shorten, so it is audited only through the model")
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to take its hidden states as a (B, T, D) "
                               f"tensor; got {shapes}{why}")
-    if grid is not None:  # the grid's positions as one sequence: (B, H, W, D) -> (B, H x W, D)
-        arguments[hidden] = arguments[hidden].flatten(1, -2)
+    if grid is not None:  # the grid's positions as one sequence: (B, H, W, D) or (B, D, H, W) -> (B, H x W, D)
+        grid_input = arguments[hidden]
+        arguments[hidden] = grid_input.flatten(2).transpose(1, 2) if channels_first else grid_input.flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
     short = None
@@ -495,7 +515,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded, shared, centred, returned)
     if grid is not None:
-        return InPlaceGrid(*built, grid=grid)
+        return InPlaceGrid(*built, grid=grid, channels_first=channels_first)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
         return InPlace(*built)
@@ -539,8 +559,11 @@ def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: 
     except TypeError:
         return frozenset(), frozenset()
     h, w = arguments[hidden], wide.get(hidden)
-    if isinstance(w, Tensor) and w.dim() == h.dim() + 1 == 4:  # a channels-last grid (B, H, W, D), flattened in h
-        w = w.flatten(1, -2)
+    if isinstance(w, Tensor) and w.dim() == h.dim() + 1 == 4:  # a grid, flattened in h
+        if w.shape[-1] == h.shape[-1] and w.shape[1:3].numel() == h.shape[1]:  # channels last, (B, H, W, D)
+            w = w.flatten(1, -2)
+        elif w.shape[1] == h.shape[-1] and w.shape[2:].numel() == h.shape[1]:  # channels first, (B, D, H, W)
+            w = w.flatten(2).transpose(1, 2)
     batch_dim = 1 - time_dim
     if not isinstance(w, Tensor) or w.dim() != h.dim() or w.shape[batch_dim] != 2 * h.shape[batch_dim]:
         return frozenset(), frozenset()

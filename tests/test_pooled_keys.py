@@ -1,0 +1,79 @@
+"""Attention over keys the layer makes of its own from the tokens, fewer than the tokens (issue 33, timm's PVT v2).
+
+A spatial-reduction attention (PVT's, Twins', SegFormer's) takes its keys and values from a pooling or a strided
+convolution of the tokens: its weights are (B, H, Tq, m), m < Tk, and were read nowhere, so every PVT v2 model was
+inconclusive ("the attention itself was not measured"). `weight_row_sums` now reads rows over those m keys (the last
+softmax whose weights a later product sums with m values, or a fused call with m keys), where no mask is given.
+Twins on the same inputs: the scores left unscaled, and the softmax over the queries, fail; a softmax over experts
+(a router's, no product with values after it) is not read as attention weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+
+D, HEADS, KEYS = 16, 2, 4
+
+
+class PooledKeyAttention(nn.Module):
+    """Self-attention whose keys and values come from the tokens pooled to KEYS positions (PVT v2's linear mode)."""
+
+    def __init__(self, bug: str | None = None, fused: bool = False):
+        super().__init__()
+        self.bug, self.fused, self.num_heads = bug, fused, HEADS
+        self.q, self.kv, self.proj = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+        self.pool = nn.AdaptiveAvgPool1d(KEYS)
+
+    def forward(self, x):
+        B, T, C = x.shape  # batch, tokens, width
+        d = C // HEADS
+        q = self.q(x).view(B, T, HEADS, d).transpose(1, 2)  # (B, H, T, d)
+        reduced = self.pool(x.transpose(1, 2)).transpose(1, 2)  # (B, KEYS, C): keys of the layer's own making
+        k, v = self.kv(reduced).view(B, KEYS, 2, HEADS, d).permute(2, 0, 3, 1, 4)  # (B, H, KEYS, d) each
+        if self.fused:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0 if self.bug else None)
+        else:
+            scores = q @ k.transpose(-2, -1) * (1.0 if self.bug == "unscaled" else d ** -0.5)  # (B, H, T, KEYS)
+            out = scores.softmax(-2 if self.bug == "queries axis" else -1) @ v
+        return self.proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+# (a fused call's softmax is always over the keys: the queries-axis bug is written out only)
+@pytest.mark.parametrize("bug, status, fired, fused", [
+    (None, "passed", None, False), ("unscaled", "failed", "softmax_saturation", False),
+    ("queries axis", "failed", None, False),
+    (None, "passed", None, True), ("unscaled", "failed", "softmax_saturation", True)])
+def test_attention_over_pooled_keys_is_measured_over_them(bug, status, fired, fused):
+    torch.manual_seed(0)
+    report = diagnostics.audit(PooledKeyAttention(bug, fused), seq_len=16)
+    rows = report.result("weight_row_sums")
+    if bug != "queries axis":  # a softmax over the queries is no distribution over the pooled keys: not read so
+        assert rows.measured and f"over the {KEYS} keys the layer makes of its own" in rows.message, rows
+    assert report.status == status, report
+    if fired:
+        assert fired in report.fired(), report
+
+
+class Router(nn.Module):
+    """Not attention: each token's distribution over experts, softmax(x W) over (B, T, E), E < T, no values after."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(D, KEYS), nn.Linear(D, D * KEYS)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        share = self.gate(x).softmax(-1)  # (B, T, E)
+        return (self.experts(x).view(B, T, KEYS, C) * share[..., None]).sum(2)
+
+
+def test_a_routers_softmax_over_experts_is_not_read_as_attention_over_pooled_keys():
+    torch.manual_seed(0)
+    report = diagnostics.audit(Router(), seq_len=16)
+    rows = report.result("weight_row_sums")
+    assert "keys the layer makes of its own" not in rows.message, rows
+    assert report.status != "passed", report
