@@ -958,10 +958,13 @@ def pooled_keys(record: Record, t_q: int, t_k: int) -> tuple[Tensor, int, str] |
     """(weights, m, source) of attention over m < Tk keys the layer makes of its own from the tokens (a spatial
     reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map): the last softmax
     over (Tq, m) scores whose weights a later product sums with m values (a router's softmax over experts has no such
-    product), else the last fused call with Tq queries and m keys. None when neither was observed."""
+    product), else the last fused call with Tq queries and m keys. None when neither was observed. A softmax over
+    the queries of those scores (the wrong axis) is read too: its rows over the keys then do not sum to 1, the bug
+    `weight_row_sums` names; left unread, it was inconclusive (SegFormer's, injected)."""
     for i in reversed(range(len(record.order))):
         sm = record.order[i]
-        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, sm.output.dim() - 1) \
+        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, -2, sm.output.dim() - 1,
+                                                                              sm.output.dim() - 2) \
                 and sm.output.shape[-2] == t_q and 1 < (m := sm.output.shape[-1]) < t_k:
             product, _ = _values_product(record.order[i + 1:], sm.output, t_q, m, 0)
             if product is not None:
