@@ -325,6 +325,7 @@ class Probe:
         """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's."""
         t = self.subject.time_dim
         t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
+        t_q = getattr(self.subject.layer, "own_queries", None) or t_q  # a class token's, a pooling head's queries
         if call.record is not None:
             fused = any(f.q.shape[-2] == t_q and f.k.shape[-2] == t_k for f in call.record.fused)
             for sm in reversed(call.record.softmaxes):

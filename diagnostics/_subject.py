@@ -159,8 +159,10 @@ class Subject:
 
     def expected_out_shape(self, batch: int, t_q: int, *, heads: int | None = None) -> tuple[int, ...]:
         # the width it takes, unless its model's own call returned another (`InPlace.returned_width`: Zamba2's shared
-        # attention takes [hidden states; embeddings], 2D wide, and returns D)
-        return (batch, t_q, getattr(self.layer, "returned_width", None) or self.d_model)
+        # attention takes [hidden states; embeddings], 2D wide, and returns D); as many rows as the queries of its own
+        # its model's call showed it keeps (`InPlace.own_queries`: a class token's, a pooling head's), else one a token
+        return (batch, getattr(self.layer, "own_queries", None) or t_q,
+                getattr(self.layer, "returned_width", None) or self.d_model)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Output:
         """Call the layer with `allowed` (B, Tq, Tk) in its convention. A mask its convention cannot hold at once

@@ -45,7 +45,7 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     change = relative_change(new, old, centred=True)
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere, so a change cannot be measured")
-    first = torch.zeros(B, T, dtype=torch.bool)
+    first = torch.zeros(B, change.shape[-1], dtype=torch.bool)  # its rows: T, or the queries of its own it keeps
     first[0] = True
     tol = tolerance(UNCHANGED, s.dtype)
     if bool((change[expand_rows(first, change)] > tol).any()):

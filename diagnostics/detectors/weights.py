@@ -62,13 +62,14 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                          "through them: v = I, or one key at a time, where its output is those weights applied to its "
                          "values)")
     t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
-    if weights.numel() % (B * T * t_k):
+    t_q = getattr(s.layer, "own_queries", None) or T  # the queries of its own a layer in place keeps (a class token's)
+    if weights.numel() % (B * t_q * t_k):
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
     # no float64 copy of the weights (at (2, 8, 1024, 1024) 128 MB, ~0.5 forward passes): row sums accumulate in
     # float64, the sign is read in the weights' own dtype
-    w = weights.detach().reshape(B, -1, T, t_k)  # (B, heads or 1, Tq, Tk)
-    allowed = call.allowed if call.allowed is not None else torch.ones(B, T, t_k, dtype=torch.bool)
-    if probe.pattern is not None and t_k == T:  # a layer that keeps its declared pattern itself is not given it
+    w = weights.detach().reshape(B, -1, t_q, t_k)  # (B, heads or 1, Tq, Tk)
+    allowed = call.allowed if call.allowed is not None else torch.ones(B, t_q, t_k, dtype=torch.bool)
+    if probe.pattern is not None and t_k == T == t_q:  # a layer that keeps its declared pattern itself is not given it
         allowed = allowed.cpu() & probe.pattern.allowed(B, T, T)
     nonempty = allowed.to(w.device).any(-1).unsqueeze(1)  # (B, 1, Tq): rows with a key to attend
     tol = tolerance(ROW_SUM, s.dtype)

@@ -151,6 +151,9 @@ class InPlace(nn.Module):
     model's other arguments cut to the first t positions along their sequence dimensions and repeated along
     the batch. Audited by `audit()` like any self-attention module."""
 
+    own_queries: int | None = None  # rows it returns where not one per token: queries of its own (`_own_queries`)
+    one_vector = False  # it returns (B, D), its one query's row without the axis
+
     def __init__(self, module: nn.Module, path: str, sig: inspect.Signature, arguments: dict, hidden: str,
                  same: tuple[str, ...], positional: frozenset, time_dims: dict, hidden_time_dim: int, length: int,
                  num_heads: int | None, note: str = "", folded: frozenset = frozenset(),
@@ -261,6 +264,8 @@ class InPlace(nn.Module):
         out = first_tensor(result)
         if out is None:
             return result  # not an attention output: the audit says so
+        if self.one_vector and out.dim() == 2:  # a pooling head's (B, D): its one query's row
+            return out.unsqueeze(1)
         return out.transpose(0, 1) if self.hidden_time_dim == 0 else out
 
     def _windows(self) -> bool:
@@ -449,7 +454,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         grid_input = arguments[hidden]
         arguments[hidden] = grid_input.flatten(2).transpose(1, 2) if channels_first else grid_input.flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
-    _one_output_per_token(path, module, arguments[hidden], long_call.output_shape)
+    own_queries, one_vector = _own_queries(arguments[hidden], long_call.output_shape)
     short = None
     if short_call is not None:
         try:
@@ -512,13 +517,25 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     folded, shared = _batch_rows(sig, arguments, hidden, hidden_time_dim, wide_call)
     out = long_call.output_shape
     returned = int(out[-1]) if out is not None and len(out) == 3 and tuple(out[:2]) == tuple(H.shape[:2]) else None
+    if own_queries is not None and out is not None and not one_vector:  # its rows are its own queries, any width
+        returned = int(out[-1])
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded, shared, centred, returned)
+    memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
+    if own_queries is not None and (grid is not None or memory is not None):
+        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
+                              f"hidden states, as the layer audit's probes of a grid or of a memory read it; it "
+                              f"returned {own_queries} for {H.shape[hidden_time_dim]} (queries of its own), so it is "
+                              f"audited only through the model")
     if grid is not None:
         return InPlaceGrid(*built, grid=grid, channels_first=channels_first)
-    memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
     if memory is None:
-        return InPlace(*built)
+        wrapped = InPlace(*built)
+        if own_queries is not None:
+            wrapped.own_queries, wrapped.one_vector = own_queries, one_vector
+            wrapped.audit_name = wrapped.audit_name.replace(", in place)", f", in place, {own_queries} "
+                                                            f"quer{'y' if own_queries == 1 else 'ies'} of its own)")
+        return wrapped
     name, same_as_memory = memory
     length = arguments[name].shape[hidden_time_dim]
     _keys_from_both_streams(path, module, arguments, short, hidden, name, hidden_time_dim)
@@ -580,29 +597,27 @@ def _batch_rows(sig: inspect.Signature, arguments: dict, hidden: str, time_dim: 
     return folded, shared
 
 
-def _one_output_per_token(path: str, module: nn.Module, hidden: Tensor, out: tuple | None) -> None:
-    """A module whose output has another number of tokens than its hidden states (CrossViT's fusion attention: the
-    class token's query over every token; a pooling head with a learned query) is not audited in place: the layer
-    audit's probes read one output per query token. Raises AuditUsageError (a note, the layer unaudited)."""
+def _own_queries(hidden: Tensor, out: tuple | None) -> tuple[int | None, bool]:
+    """(Q, one vector) of a module whose output has another number of rows than its hidden states has tokens: queries
+    of its own (CrossViT's fusion attention and CaiT's class attention: the class token's query over every token; a
+    pooling head's learned query; Hiera's and MViTv2's queries pooled by a stride), kept in the wrapper so that the
+    probes expect Q rows and read (Q, Tk) weights; one vector: the module returned (B, D), one row without its axis.
+    (None, False) for one output per token. At the captured length only: a probe of another length is not one the
+    layer as held takes (`ProbeNotTaken`, a fixed-length input)."""
     if out is None or hidden.dim() != 3:
-        return
+        return None, False
     if len(out) == 2 and out[-1] == hidden.shape[-1] and out[0] in (hidden.shape[0], hidden.shape[1]) and \
             hidden.shape[0] != hidden.shape[1]:  # (B, D): one vector per sequence, no token axis (a pooling head)
-        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
-                              f"hidden states, as the layer audit's probes read it; it returned one vector per "
-                              f"sequence, {tuple(out)} for hidden states {tuple(hidden.shape)} (a query of its own: "
-                              f"a pooling head's learned one), so it is audited only through the model")
+        return 1, True
     if len(out) != 3:
-        return
+        return None, False
     same_batch = [d for d in (0, 1) if out[d] == hidden.shape[d]]
     if len(same_batch) != 1:
-        return
+        return None, False
     time_dim = 1 - same_batch[0]
     if out[time_dim] != hidden.shape[time_dim]:  # whatever its width (Hiera's stage widens as it pools)
-        raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
-                              f"hidden states, as the layer audit's probes read it; it returned {out[time_dim]} for "
-                              f"{hidden.shape[time_dim]} (a query of its own: a class token's, a learned one; or "
-                              f"queries pooled: Hiera's query stride), so it is audited only through the model")
+        return int(out[time_dim]), False
+    return None, False
 
 
 def _keys_from_both_streams(path: str, module: nn.Module, arguments: dict, short: dict | None, hidden: str,
