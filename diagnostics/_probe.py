@@ -322,10 +322,19 @@ class Probe:
         return self.memo["returned_not_weights"]
 
     def _observed(self, call: Call) -> tuple[Tensor | None, str]:
-        """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's."""
+        """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's. A
+        layer in place with queries of its own (a class token's, a pooling head's: `InPlace.own_queries`) over those
+        queries first, then over every token's (one that attends them all and returns the class token's row)."""
         t = self.subject.time_dim
         t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
-        t_q = getattr(self.subject.layer, "own_queries", None) or t_q  # a class token's, a pooling head's queries
+        own = getattr(self.subject.layer, "own_queries", None)
+        for queries in ((own, t_q) if own else (t_q,)):
+            weights, source = self._observed_over(call, queries, t_k)
+            if weights is not None:
+                return weights, source
+        return None, ""
+
+    def _observed_over(self, call: Call, t_q: int, t_k: int) -> tuple[Tensor | None, str]:
         if call.record is not None:
             fused = any(f.q.shape[-2] == t_q and f.k.shape[-2] == t_k for f in call.record.fused)
             for sm in reversed(call.record.softmaxes):
