@@ -29,7 +29,8 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     changed, other = other_sequence_changed(probe)
     if other.ok and other.output.out.shape == base.output.out.shape and base.output.out.shape[0] == B > 1:
         change = relative_change(other.output.out, base.output.out, centred=True)
-        first = torch.zeros(B, change.shape[-1], dtype=torch.bool)  # t_q, or the queries of its own it keeps
+        rows = change.shape[-1] if change is not None else t_q  # t_q, or the queries of its own it keeps
+        first = torch.zeros(B, rows, dtype=torch.bool)
         first[0] = True
         if change is not None and not bool((change[expand_rows(first, change)] > tol).any()):
             comparison = Comparison([Case(changed, first, "in a second call (batch_independence's: sequence 1 "
