@@ -330,8 +330,8 @@ def _shrunk(config) -> dict:
         if k in kw and isinstance(old, int):
             keep = kept_layers(getattr(config, "layer_types", None), old, kw[k])
             for name, value in vars(config).items():
-                if isinstance(value, list) and len(value) == old:
-                    kw[name] = [value[i] for i in keep]
+                if isinstance(value, (list, tuple)) and len(value) == old:  # ConvNeXt's hidden_sizes are a tuple
+                    kw[name] = type(value)(value[i] for i in keep)
                     if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
                         kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
     for name in getattr(config, "sub_configs", {}) or {}:
