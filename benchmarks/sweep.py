@@ -95,6 +95,10 @@ TINY = {
     # a looped model's sections (Dory: 8 input layers, a recurrent middle looped over, 8 output layers) fit in the
     # 2 layers kept: left at 8 each, its middle was -14 layers and its cache read the wrong layers
     "n_input_layers": 1, "n_output_layers": 1,
+    # a convolutional audio codec's first width, doubled at each of its downsamplings (VibeVoice's acoustic and
+    # semantic tokenizers: 32 doubled six times, 2,048 channels with a 4x expansion: 1.03 billion parameters and 4.8 GB
+    # to build "tiny", over 17 GB by its audit, killed; EnCodec's, Mimi's, WavTokenizer's likewise)
+    "num_filters": 8,
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary
@@ -548,7 +552,17 @@ def run_transformers(model_type: str, *, bugs: bool, device: str = "cpu", dtype:
 # a timm model built small: the first of these whose keywords the model takes (a keyword it does not take is
 # dropped, `timm_build`) and that builds; the last, nothing overridden, is the model's default size
 TIMM_TINY = ({"img_size": 64, "embed_dim": 32, "depth": 2, "num_heads": 4, "num_classes": 10},
+             # four stages each of its own width, depth and heads (DaViT's embed_dims, depths, num_heads; Swin-CR's
+             # one embed_dim doubled at each stage): without these, davit_giant and swinv2_cr_giant were built at
+             # their full size (the first entry's depth and int num_heads do not fit them) and took the machine's
+             # memory or the time limit
+             {"img_size": 64, "embed_dims": (32, 64, 128, 256), "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8),
+              "num_classes": 10},
+             {"img_size": 64, "embed_dim": 32, "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8), "num_classes": 10},
              {"img_size": 64, "num_classes": 10}, {"num_classes": 10}, {})
+# a per-stage entry of TIMM_TINY is taken only with its widths: one whose widths a model does not take would build it
+# one block deep at its full width (Swin-CR's giant given DaViT's embed_dims: 4,096 wide, 312 million parameters)
+TIMM_STAGE_WIDTHS = ("embed_dim", "embed_dims")
 
 
 def timm_attention_modules() -> list[str]:
@@ -616,11 +630,18 @@ def timm_build(name: str):
                 return timm.create_model(name, pretrained=False, **kw, **overlay).eval()
             except TypeError as exc:
                 unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
-                if unexpected and unexpected.group(1) in kw:
+                staged = "depths" in overrides and unexpected and unexpected.group(1) in TIMM_STAGE_WIDTHS
+                if unexpected and unexpected.group(1) in kw and not staged:
                     del kw[unexpected.group(1)]
                     continue
                 errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
             except Exception as exc:
+                # 64 px is no multiple of a 14 px patch (InternViT-300M's "Input height (64) should be divisible by
+                # patch size (14)"): the largest size under it that is, else the model fell to its full 448 px size
+                patch = re.search(r"divisible by patch size \((\d+)\)", str(exc))
+                if patch and isinstance(kw.get("img_size"), int) and kw["img_size"] % int(patch.group(1)):
+                    kw["img_size"] = max(1, kw["img_size"] // int(patch.group(1))) * int(patch.group(1))
+                    continue
                 errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
             break
     raise RuntimeError("; ".join(errors[-1:]))
