@@ -338,10 +338,27 @@ def _shrunk(config) -> dict:
                     kw[name] = type(value)(value[i] for i in keep)
                     if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
                         kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
+    subs = {}
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):
+            subs[name] = sub
             kw[name] = {**sub.to_dict(), **_shrunk(sub)}
+    return _coupled(subs, kw)
+
+
+def _coupled(subs: dict, kw: dict) -> dict:
+    """A width one sub-config declares for another's (a name ending in hidden_size, left as it was, equal to another
+    sub-config's default width, which was shrunk) follows that one: PP-FormulaNet's vision config projects its output
+    to decoder_hidden_size, 512, its text config's d_model; left at 512 beside the text's 32, its decoder's
+    cross-attention raised on every forward (a correct model failed model_runs inside it)."""
+    shrunk = {getattr(sub, k): kw[name][k] for name, sub in subs.items() for k in WIDTHS
+              if isinstance(getattr(sub, k, None), int) and kw[name].get(k) != getattr(sub, k)}
+    for name, sub in subs.items():
+        for k, value in vars(sub).items():
+            if k.endswith("hidden_size") and k not in WIDTHS and kw[name].get(k) == value and value in shrunk \
+                    and not isinstance(value, bool):
+                kw[name][k] = shrunk[value]
     return kw
 
 
