@@ -356,9 +356,17 @@ def _coupled(subs: dict, kw: dict) -> dict:
               if isinstance(getattr(sub, k, None), int) and kw[name].get(k) != getattr(sub, k)}
     for name, sub in subs.items():
         for k, value in vars(sub).items():
-            if k.endswith("hidden_size") and k not in WIDTHS and kw[name].get(k) == value and value in shrunk \
+            if k.endswith(COUPLED_WIDTHS) and k not in WIDTHS and kw[name].get(k) == value and value in shrunk \
                     and not isinstance(value, bool):
                 kw[name][k] = shrunk[value]
+        feats, width = getattr(sub, "num_pos_feats", None), kw[name].get("output_channels")
+        if isinstance(feats, int) and isinstance(width, int) and 2 * feats == sub.output_channels:
+            kw[name]["num_pos_feats"] = width // 2  # SAM's sine features, two per channel of its neck's output
+        size, patch = kw[name].get("image_size"), getattr(sub, "patch_size", None)
+        grid = getattr(sub, "image_embedding_size", None)
+        if isinstance(size, int) and isinstance(patch, int) and isinstance(grid, int) and \
+                grid == sub.image_size // patch and size != sub.image_size:  # SAM's prompt grid: image / patch
+            kw[name]["image_embedding_size"] = size // patch
     return kw
 
 
@@ -385,6 +393,9 @@ def _sections(config, kw: dict) -> list[int]:
 
 
 WIDTHS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")
+# a sub-config's width for a sibling's input (`_coupled`): PP-FormulaNet's decoder_hidden_size, SAM 2's
+# fpn_hidden_size, SAM's output_channels (its vision neck's output, the mask decoder's hidden_size)
+COUPLED_WIDTHS = ("hidden_size", "output_channels")
 HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
 
 
