@@ -326,6 +326,7 @@ def _shrunk(config) -> dict:
         # part): the two keep their ratio (8 and 8 built a 4-wide table for an 8-wide rope part, and it raised)
         kw["head_dim"] = kw["qk_rope_head_dim"] * head // rope
     kw.update(_stage_heads(config, kw))
+    kw.update(_stage_widths(config, kw))
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
@@ -344,7 +345,24 @@ def _shrunk(config) -> dict:
         if isinstance(sub, PreTrainedConfig):
             subs[name] = sub
             kw[name] = {**sub.to_dict(), **_shrunk(sub)}
-    return _coupled(subs, kw)
+    return _channels(config, subs, _coupled(subs, kw))
+
+
+def _channels(config, subs: dict, kw: dict) -> dict:
+    """A config's list of its sub-config's per-stage widths (SAM 2's vision config reads its backbone's stages through
+    backbone_channel_list, [768, 384, 192, 96], the Hiera's embed_dim_per_stage reversed) follows their scaling
+    (`_stage_widths`): left as it was, its neck's first convolution expected 768 channels of a 256-wide stage."""
+    scaled = {}
+    for name, sub in subs.items():
+        for k, value in vars(sub).items():
+            new = kw[name].get(k)
+            if isinstance(value, (list, tuple)) and isinstance(new, (list, tuple)) and len(new) == len(value) and \
+                    all(isinstance(v, int) and not isinstance(v, bool) for v in value) and list(new) != list(value):
+                scaled.update(zip(value, new))
+    for k, value in vars(config).items():
+        if k.endswith("channel_list") and isinstance(value, (list, tuple)) and value and all(v in scaled for v in value):
+            kw[k] = type(value)(scaled[v] for v in value)
+    return kw
 
 
 def _coupled(subs: dict, kw: dict) -> dict:
@@ -417,6 +435,23 @@ def _stage_heads(config, kw: dict) -> dict:
                 h * new // old if h * new % old == 0
                 else max(d for d in range(1, new + 1) if new % d == 0 and d <= max(1, round(h * new / old)))
                 for h in value)
+    return out
+
+
+def _stage_widths(config, kw: dict) -> dict:
+    """Widths given per stage from the first stage's width on (SAM 2's Hiera: hidden_size 96, embed_dim_per_stage
+    [96, 192, 384, 768]) scaled with that width, so the first stage stays as wide as the layer before it: left as
+    they were beside a hidden_size of 32, the first block's LayerNorm (96) raised on the 32-wide patches. Lists of one
+    width repeated (RT-DETR's decoder_in_channels, its encoder's, not shrunk) are not per-stage widths."""
+    out = {}
+    for width in WIDTHS:
+        old, new = getattr(config, width, None), kw.get(width)
+        if not (isinstance(old, int) and isinstance(new, int) and new < old):
+            continue
+        for name, value in vars(config).items():
+            if isinstance(value, (list, tuple)) and len(set(value)) > 1 and value[0] == old and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v % old == 0 for v in value):
+                out[name] = type(value)(v * new // old for v in value)
     return out
 
 

@@ -751,7 +751,8 @@ def test_tiny_configs_keep_their_widths_consistent():
     """The sweep's tiny configs on the model types whose shrinking was inconsistent (issue 33, 2026-12-05): ConvNeXt's
     per-stage tuples cut with its stages (its last LayerNorm read hidden_sizes[-1], 768, after two stages of 192:
     every forward raised), PP-FormulaNet's vision output width (decoder_hidden_size) following its text decoder's
-    d_model, VibeVoice's codec widths (num_filters) shrunk: 1.03 billion parameters "tiny" before."""
+    d_model, VibeVoice's codec widths (num_filters) shrunk: 1.03 billion parameters "tiny" before; SAM's neck, sine
+    features and prompt grid, SAM 2's per-stage widths and the neck's list of them."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
     sweep = _sweep()
     convnext = sweep.tiny_config("convnext")
@@ -760,6 +761,14 @@ def test_tiny_configs_keep_their_widths_consistent():
     assert formula.vision_config.decoder_hidden_size == formula.text_config.d_model == 32
     vibevoice = sweep.tiny_config("vibevoice")
     assert vibevoice.audio_config.num_filters == vibevoice.semantic_model_config.num_filters == 8
+    sam = sweep.tiny_config("sam")  # the vision neck's output is the mask decoder's input, its grid image / patch
+    assert sam.vision_config.output_channels == sam.mask_decoder_config.hidden_size == 32
+    assert (sam.vision_config.num_pos_feats, sam.prompt_encoder_config.image_embedding_size) == (16, 4)
+    sam2 = sweep.tiny_config("sam2").vision_config  # Hiera's stages start at its hidden_size; the neck reads them
+    assert list(sam2.backbone_config.embed_dim_per_stage) == [32, 64, 128, 256]
+    assert list(sam2.backbone_channel_list) == [256, 128, 64, 32]
+    detr = sweep.tiny_config("rt_detr")  # one width repeated is no per-stage list: the encoder's, left
+    assert tuple(detr.decoder_in_channels) == (256, 256, 256)
 
 
 @pytest.mark.slow  # builds timm's DaViT-giant and Swin-CR giant small, and InternViT-300M at 56 px (about 10 s)
