@@ -330,13 +330,21 @@ def _shrunk(config) -> dict:
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
+    for k in LAYER_COUNT:
+        # a depth that is another name for a stage count (attribute_map: ConvNeXt's num_hidden_layers is num_stages),
+        # given per stage by tuples of that length (hidden_sizes, depths), is left as it is: cut to 2 beside 4
+        # hidden_sizes, ConvNeXt's last LayerNorm (768 wide) raised on its second stage (192) on every forward
+        old = getattr(config, k, None)
+        if k in kw and k not in vars(config) and isinstance(old, int) and any(
+                isinstance(v, tuple) and len(v) == old for v in vars(config).values()):
+            del kw[k]
     for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
         old = getattr(config, k, None)
         if k in kw and isinstance(old, int):
             keep = kept_layers(getattr(config, "layer_types", None), old, kw[k])
             for name, value in vars(config).items():
-                if isinstance(value, (list, tuple)) and len(value) == old:  # ConvNeXt's hidden_sizes are a tuple
-                    kw[name] = type(value)(value[i] for i in keep)
+                if isinstance(value, list) and len(value) == old:
+                    kw[name] = [value[i] for i in keep]
                     if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
                         kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
     subs = {}

@@ -749,14 +749,14 @@ def test_where_every_form_of_the_example_raises_the_one_the_model_ran_furthest_o
 
 def test_tiny_configs_keep_their_widths_consistent():
     """The sweep's tiny configs on the model types whose shrinking was inconsistent (issue 33, 2026-12-05): ConvNeXt's
-    per-stage tuples cut with its stages (its last LayerNorm read hidden_sizes[-1], 768, after two stages of 192:
-    every forward raised), PP-FormulaNet's vision output width (decoder_hidden_size) following its text decoder's
+    stage count left with its per-stage tuples (cut to 2 stages, its last LayerNorm read hidden_sizes[-1], 768, after
+    the second stage's 192: every forward raised), PP-FormulaNet's vision output width (decoder_hidden_size) following its text decoder's
     d_model, VibeVoice's codec widths (num_filters) shrunk: 1.03 billion parameters "tiny" before; SAM's neck, sine
     features and prompt grid, SAM 2's per-stage widths and the neck's list of them."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
     sweep = _sweep()
     convnext = sweep.tiny_config("convnext")
-    assert (convnext.num_stages, tuple(convnext.hidden_sizes), tuple(convnext.depths)) == (2, (96, 192), (3, 3))
+    assert (convnext.num_stages, tuple(convnext.hidden_sizes)) == (4, (96, 192, 384, 768))
     formula = sweep.tiny_config("pp_formulanet")
     assert formula.vision_config.decoder_hidden_size == formula.text_config.d_model == 32
     vibevoice = sweep.tiny_config("vibevoice")
