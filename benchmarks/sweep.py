@@ -335,7 +335,8 @@ def _shrunk(config) -> dict:
         # given per stage by tuples of that length (hidden_sizes, depths), is left as it is: cut to 2 beside 4
         # hidden_sizes, ConvNeXt's last LayerNorm (768 wide) raised on its second stage (192) on every forward
         old = getattr(config, k, None)
-        if k in kw and k not in vars(config) and isinstance(old, int) and any(
+        alias = getattr(config, "attribute_map", {}).get(k)
+        if k in kw and alias is not None and alias not in LAYER_COUNT and isinstance(old, int) and any(
                 isinstance(v, tuple) and len(v) == old for v in vars(config).values()):
             del kw[k]
     for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
@@ -379,7 +380,7 @@ def _coupled(subs: dict, kw: dict) -> dict:
     to decoder_hidden_size, 512, its text config's d_model; left at 512 beside the text's 32, its decoder's
     cross-attention raised on every forward (a correct model failed model_runs inside it)."""
     shrunk = {getattr(sub, k): kw[name][k] for name, sub in subs.items() for k in WIDTHS
-              if isinstance(getattr(sub, k, None), int) and kw[name].get(k) != getattr(sub, k)}
+              if isinstance(getattr(sub, k, None), int) and k in kw[name] and kw[name][k] != getattr(sub, k)}
     for name, sub in subs.items():
         for k, value in vars(sub).items():
             if k.endswith(COUPLED_WIDTHS) and k not in WIDTHS and kw[name].get(k) == value and value in shrunk \
@@ -457,8 +458,9 @@ def _stage_widths(config, kw: dict) -> dict:
         if not (isinstance(old, int) and isinstance(new, int) and new < old):
             continue
         for name, value in vars(config).items():
-            if isinstance(value, (list, tuple)) and len(set(value)) > 1 and value[0] == old and all(
-                    isinstance(v, int) and not isinstance(v, bool) and v % old == 0 for v in value):
+            if isinstance(value, (list, tuple)) and value and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v % old == 0 for v in value) and \
+                    len(set(value)) > 1 and value[0] == old:
                 out[name] = type(value)(v * new // old for v in value)
     return out
 
