@@ -95,3 +95,17 @@ def test_use_cache_is_left_out_where_the_forwards_kwargs_refuse_it():
     assert torch.isfinite(out).all() and not runner.kwargs_take_cache  # refused once, then left out
     again, _ = runner(runner.inputs)
     torch.testing.assert_close(again, out)
+
+
+@pytest.mark.slow  # builds and audits the sweep's Deformable DETR five times (the correct model, the reference, two bugs)
+def test_a_detector_that_declares_no_size_and_raises_at_64_px_is_audited_on_larger_images(sweep_benchmark):
+    """Deformable DETR declares no image size; at the audit's 64 px its last feature level is 1 x 1 and its GroupNorm
+    raised ("Expected more than 1 value per channel"): inconclusive, raised on the example. At 128 px, said in the
+    notes, it passes through the sweep, and the bugs injected into its second audited layer are caught there."""
+    sweep = sweep_benchmark
+    report = diagnostics.audit_model(sweep.build("deformable_detr"))
+    assert any("pixel_values (2, 3, 128, 128)" in n and "a size nothing declares" in n for n in report.notes), \
+        report.notes
+    row = sweep.run_transformers("deformable_detr", bugs=True)
+    assert row.verdict == "passed", row
+    assert {row.bugs[b] for b in ("missing_scale", "softmax_wrong_dim")} == {"caught"}, row.bugs

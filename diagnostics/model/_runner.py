@@ -308,7 +308,8 @@ class Runner:
     def _declared_example(self, config, T: int, gen, device, dtype):
         """`_declared_main`, with the forward's required inputs beside it (a patch grid's `spatial_shapes` and
         `pixel_attention_mask`: its pixels come as patches), else a usage error that names them; where the model
-        raises on it, the other form it may take: a pair of images (a keypoint matcher's (B, 2, C, H, W)). Not the
+        raises on it, the other forms it may take (`_other_forms`: a pair of images, the declared frames, larger images
+        where no size is declared, token ids beside or instead of a signal), the first it runs on. Not the
         pixels of a model that pairs text with images (CLIP's kind): its vision tower then reads no token and the
         token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage): it asks for an example.
         """
