@@ -95,6 +95,10 @@ TINY = {
     # a looped model's sections (Dory: 8 input layers, a recurrent middle looped over, 8 output layers) fit in the
     # 2 layers kept: left at 8 each, its middle was -14 layers and its cache read the wrong layers
     "n_input_layers": 1, "n_output_layers": 1,
+    # a convolutional audio codec's first width, doubled at each of its downsamplings (VibeVoice's acoustic and
+    # semantic tokenizers: 32 doubled six times, 2,048 channels with a 4x expansion: 1.03 billion parameters and 4.8 GB
+    # to build "tiny", over 17 GB by its audit, killed; EnCodec's, Mimi's, WavTokenizer's likewise)
+    "num_filters": 8,
 }
 # per-head widths and ranks by how their names end, so that those of one layer stay consistent: multi-head latent
 # attention (DeepSeek's qk_rope_head_dim, qk_nope_head_dim, v_head_dim, kv_lora_rank) and a partial rotary
@@ -322,9 +326,19 @@ def _shrunk(config) -> dict:
         # part): the two keep their ratio (8 and 8 built a 4-wide table for an 8-wide rope part, and it raised)
         kw["head_dim"] = kw["qk_rope_head_dim"] * head // rope
     kw.update(_stage_heads(config, kw))
+    kw.update(_stage_widths(config, kw))
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kw and heads == groups and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # a key/value head per query head stays so (MLA needs it)
+    for k in LAYER_COUNT:
+        # a depth that is another name for a stage count (attribute_map: ConvNeXt's num_hidden_layers is num_stages),
+        # given per stage by tuples of that length (hidden_sizes, depths), is left as it is: cut to 2 beside 4
+        # hidden_sizes, ConvNeXt's last LayerNorm (768 wide) raised on its second stage (192) on every forward
+        old = getattr(config, k, None)
+        alias = getattr(config, "attribute_map", {}).get(k)
+        if k in kw and alias is not None and alias not in LAYER_COUNT and isinstance(old, int) and any(
+                isinstance(v, tuple) and len(v) == old for v in vars(config).values()):
+            del kw[k]
     for k in LAYER_COUNT:  # lists with one entry per layer follow the depth
         old = getattr(config, k, None)
         if k in kw and isinstance(old, int):
@@ -334,10 +348,52 @@ def _shrunk(config) -> dict:
                     kw[name] = [value[i] for i in keep]
                     if "key_value_heads" in name and "num_attention_heads" in kw:  # Sapiens2's 16 per layer for 4
                         kw[name] = [min(h, kw["num_attention_heads"]) if isinstance(h, int) else h for h in kw[name]]
+    subs = {}
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, PreTrainedConfig):
+            subs[name] = sub
             kw[name] = {**sub.to_dict(), **_shrunk(sub)}
+    return _channels(config, subs, _coupled(subs, kw))
+
+
+def _channels(config, subs: dict, kw: dict) -> dict:
+    """A config's list of its sub-config's per-stage widths (SAM 2's vision config reads its backbone's stages through
+    backbone_channel_list, [768, 384, 192, 96], the Hiera's embed_dim_per_stage reversed) follows their scaling
+    (`_stage_widths`): left as it was, its neck's first convolution expected 768 channels of a 256-wide stage."""
+    scaled = {}
+    for name, sub in subs.items():
+        for k, value in vars(sub).items():
+            new = kw[name].get(k)
+            if isinstance(value, (list, tuple)) and isinstance(new, (list, tuple)) and len(new) == len(value) and \
+                    all(isinstance(v, int) and not isinstance(v, bool) for v in value) and list(new) != list(value):
+                scaled.update(zip(value, new))
+    for k, value in vars(config).items():
+        if k.endswith("channel_list") and isinstance(value, (list, tuple)) and value and all(v in scaled for v in value):
+            kw[k] = type(value)(scaled[v] for v in value)
+    return kw
+
+
+def _coupled(subs: dict, kw: dict) -> dict:
+    """A width one sub-config declares for another's (a name ending in hidden_size, left as it was, equal to another
+    sub-config's default width, which was shrunk) follows that one: PP-FormulaNet's vision config projects its output
+    to decoder_hidden_size, 512, its text config's d_model; left at 512 beside the text's 32, its decoder's
+    cross-attention raised on every forward (a correct model failed model_runs inside it)."""
+    shrunk = {getattr(sub, k): kw[name][k] for name, sub in subs.items() for k in WIDTHS
+              if isinstance(getattr(sub, k, None), int) and k in kw[name] and kw[name][k] != getattr(sub, k)}
+    for name, sub in subs.items():
+        for k, value in vars(sub).items():
+            if k.endswith(COUPLED_WIDTHS) and k not in WIDTHS and kw[name].get(k) == value and value in shrunk \
+                    and not isinstance(value, bool):
+                kw[name][k] = shrunk[value]
+        feats, width = getattr(sub, "num_pos_feats", None), kw[name].get("output_channels")
+        if isinstance(feats, int) and isinstance(width, int) and 2 * feats == sub.output_channels:
+            kw[name]["num_pos_feats"] = width // 2  # SAM's sine features, two per channel of its neck's output
+        size, patch = kw[name].get("image_size"), getattr(sub, "patch_size", None)
+        grid = getattr(sub, "image_embedding_size", None)
+        if isinstance(size, int) and isinstance(patch, int) and isinstance(grid, int) and \
+                grid == sub.image_size // patch and size != sub.image_size:  # SAM's prompt grid: image / patch
+            kw[name]["image_embedding_size"] = size // patch
     return kw
 
 
@@ -364,6 +420,9 @@ def _sections(config, kw: dict) -> list[int]:
 
 
 WIDTHS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")
+# a sub-config's width for a sibling's input (`_coupled`): PP-FormulaNet's decoder_hidden_size, SAM 2's
+# fpn_hidden_size, SAM's output_channels (its vision neck's output, the mask decoder's hidden_size)
+COUPLED_WIDTHS = ("hidden_size", "output_channels")
 HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
 
 
@@ -385,6 +444,24 @@ def _stage_heads(config, kw: dict) -> dict:
                 h * new // old if h * new % old == 0
                 else max(d for d in range(1, new + 1) if new % d == 0 and d <= max(1, round(h * new / old)))
                 for h in value)
+    return out
+
+
+def _stage_widths(config, kw: dict) -> dict:
+    """Widths given per stage from the first stage's width on (SAM 2's Hiera: hidden_size 96, embed_dim_per_stage
+    [96, 192, 384, 768]) scaled with that width, so the first stage stays as wide as the layer before it: left as
+    they were beside a hidden_size of 32, the first block's LayerNorm (96) raised on the 32-wide patches. Lists of one
+    width repeated (RT-DETR's decoder_in_channels, its encoder's, not shrunk) are not per-stage widths."""
+    out = {}
+    for width in WIDTHS:
+        old, new = getattr(config, width, None), kw.get(width)
+        if not (isinstance(old, int) and isinstance(new, int) and new < old):
+            continue
+        for name, value in vars(config).items():
+            if isinstance(value, (list, tuple)) and value and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v % old == 0 for v in value) and \
+                    len(set(value)) > 1 and value[0] == old:
+                out[name] = type(value)(v * new // old for v in value)
     return out
 
 
@@ -548,7 +625,17 @@ def run_transformers(model_type: str, *, bugs: bool, device: str = "cpu", dtype:
 # a timm model built small: the first of these whose keywords the model takes (a keyword it does not take is
 # dropped, `timm_build`) and that builds; the last, nothing overridden, is the model's default size
 TIMM_TINY = ({"img_size": 64, "embed_dim": 32, "depth": 2, "num_heads": 4, "num_classes": 10},
+             # four stages each of its own width, depth and heads (DaViT's embed_dims, depths, num_heads; Swin-CR's
+             # one embed_dim doubled at each stage): without these, davit_giant and swinv2_cr_giant were built at
+             # their full size (the first entry's depth and int num_heads do not fit them) and took the machine's
+             # memory or the time limit
+             {"img_size": 64, "embed_dims": (32, 64, 128, 256), "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8),
+              "num_classes": 10},
+             {"img_size": 64, "embed_dim": 32, "depths": (1, 1, 1, 1), "num_heads": (1, 2, 4, 8), "num_classes": 10},
              {"img_size": 64, "num_classes": 10}, {"num_classes": 10}, {})
+# a per-stage entry of TIMM_TINY is taken only with its widths: one whose widths a model does not take would build it
+# one block deep at its full width (Swin-CR's giant given DaViT's embed_dims: 4,096 wide, 312 million parameters)
+TIMM_STAGE_WIDTHS = ("embed_dim", "embed_dims")
 
 
 def timm_attention_modules() -> list[str]:
@@ -616,11 +703,18 @@ def timm_build(name: str):
                 return timm.create_model(name, pretrained=False, **kw, **overlay).eval()
             except TypeError as exc:
                 unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
-                if unexpected and unexpected.group(1) in kw:
+                staged = "depths" in overrides and unexpected and unexpected.group(1) in TIMM_STAGE_WIDTHS
+                if unexpected and unexpected.group(1) in kw and not staged:
                     del kw[unexpected.group(1)]
                     continue
                 errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
             except Exception as exc:
+                # 64 px is no multiple of a 14 px patch (InternViT-300M's "Input height (64) should be divisible by
+                # patch size (14)"): the largest size under it that is, else the model fell to its full 448 px size
+                patch = re.search(r"divisible by patch size \((\d+)\)", str(exc))
+                if patch and isinstance(kw.get("img_size"), int) and kw["img_size"] % int(patch.group(1)):
+                    kw["img_size"] = max(1, kw["img_size"] // int(patch.group(1))) * int(patch.group(1))
+                    continue
                 errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
             break
     raise RuntimeError("; ".join(errors[-1:]))

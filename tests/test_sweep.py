@@ -745,3 +745,36 @@ def test_where_every_form_of_the_example_raises_the_one_the_model_ran_furthest_o
         assert ran.layer == "encoder.layers.2.blocks.0.attention" and "SwinAttention" in ran.evidence, ran
     else:
         assert ran.verdict == "pass", str(report)
+
+
+def test_tiny_configs_keep_their_widths_consistent():
+    """The sweep's tiny configs on the model types whose shrinking was inconsistent (issue 33, 2026-12-05): ConvNeXt's
+    stage count left with its per-stage tuples (cut to 2 stages, its last LayerNorm read hidden_sizes[-1], 768, after
+    the second stage's 192: every forward raised), PP-FormulaNet's vision output width (decoder_hidden_size) following its text decoder's
+    d_model, VibeVoice's codec widths (num_filters) shrunk: 1.03 billion parameters "tiny" before; SAM's neck, sine
+    features and prompt grid, SAM 2's per-stage widths and the neck's list of them."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    convnext = sweep.tiny_config("convnext")
+    assert (convnext.num_stages, tuple(convnext.hidden_sizes)) == (4, (96, 192, 384, 768))
+    formula = sweep.tiny_config("pp_formulanet")
+    assert formula.vision_config.decoder_hidden_size == formula.text_config.d_model == 32
+    vibevoice = sweep.tiny_config("vibevoice")
+    assert vibevoice.audio_config.num_filters == vibevoice.semantic_model_config.num_filters == 8
+    sam = sweep.tiny_config("sam")  # the vision neck's output is the mask decoder's input, its grid image / patch
+    assert sam.vision_config.output_channels == sam.mask_decoder_config.hidden_size == 32
+    assert (sam.vision_config.num_pos_feats, sam.prompt_encoder_config.image_embedding_size) == (16, 4)
+    sam2 = sweep.tiny_config("sam2").vision_config  # Hiera's stages start at its hidden_size; the neck reads them
+    assert list(sam2.backbone_config.embed_dim_per_stage) == [32, 64, 128, 256]
+    assert list(sam2.backbone_channel_list) == [256, 128, 64, 32]
+    detr = sweep.tiny_config("rt_detr")  # one width repeated is no per-stage list: the encoder's, left
+    assert tuple(detr.decoder_in_channels) == (256, 256, 256)
+
+
+@pytest.mark.slow  # builds timm's DaViT-giant and Swin-CR giant small, and InternViT-300M at 56 px (about 10 s)
+def test_timm_stage_models_are_built_small_only_with_their_widths():
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    for name in ("davit_giant", "swinv2_cr_giant_224", "vit_intern300m_patch14_448"):
+        model = sweep.timm_build(name)
+        assert sum(p.numel() for p in model.parameters()) < 3e6, name  # 1.4 billion, 312 million, 304 million before

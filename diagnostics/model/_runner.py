@@ -28,6 +28,7 @@ SIGNAL_NAMES = ("pixel_values", "input_values", "input_features")
 FEATURE_SIZE_NAMES = ("num_mel_bins", "feature_size", "input_feat_per_channel", "input_feat_size", "n_mels",
                       "num_mel_filters", "input_dim", "mel_bins")
 DEFAULT_IMAGE_SIZE = 64  # pixels for a vision model whose config declares no size (a convolutional backbone, DETR)
+LARGER_IMAGE_SIZES = (128, 224)  # tried in turn where a model declares no size and raises at DEFAULT_IMAGE_SIZE
 DEFAULT_SAMPLES = 16000  # a waveform's samples where nothing declares fewer: one second at 16 kHz
 # An example's entries aligned with the tested sequence: the checks cut and pad the sequence, and build these
 ALIGNED_NAMES = ("attention_mask", "position_ids", "token_type_ids", "decoder_attention_mask", "decoder_position_ids",
@@ -141,6 +142,7 @@ class Runner:
         except (TypeError, ValueError):
             self.params = {}
         self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in self.params.values())
+        self.kwargs_take_cache = True  # use_cache passes through **kwargs until the model refuses it (`__call__`)
         self.forwards = 0
         self.hf = is_hf(model)
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
@@ -149,6 +151,7 @@ class Runner:
         self.vocab, self.special = 0, frozenset()  # the ids drawn, and the special ids kept out of them
         self.built_example = example is None  # the audit's own: a model that rejects it says nothing about itself
         self.chosen = ""  # what the audit chose where the model declares too little (said in the report's notes)
+        self.size_declared = True  # False where the images' size is the audit's guess (DEFAULT_IMAGE_SIZE)
         self.main, inputs = self._example(example, seq_len, seed)
         self.inputs = inputs  # (B, T[, D]) or images
         self.sequence = self.main not in SIGNAL_NAMES and inputs.dim() in (2, 3) and (
@@ -305,10 +308,12 @@ class Runner:
     def _declared_example(self, config, T: int, gen, device, dtype):
         """`_declared_main`, with the forward's required inputs beside it (a patch grid's `spatial_shapes` and
         `pixel_attention_mask`: its pixels come as patches), else a usage error that names them; where the model
-        raises on it, the other form it may take: a pair of images (a keypoint matcher's (B, 2, C, H, W)). Not the
+        raises on it, the other forms it may take (`_other_forms`: a pair of images, the declared frames, larger images
+        where no size is declared, token ids beside or instead of a signal), the first it runs on. Not the
         pixels of a model that pairs text with images (CLIP's kind): its vision tower then reads no token and the
         token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage): it asks for an example.
         """
+        self.T = T  # the tested sequence's length, for the token ids of another form
         main, inputs = self._declared_main(config, T, gen, device, dtype)
         required = [n for n, p in self.params.items() if p.default is p.empty and n != main and n not in self.fixed
                     and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
@@ -323,22 +328,23 @@ class Runner:
         reached = self._trial(main, inputs, self.fixed)
         if reached is True:
             return main, inputs
-        built, first_fixed = (main, inputs), dict(self.fixed)
+        built, kept = (main, inputs), dict(self.fixed)
         for other, fixed in self._other_forms(config, main, inputs, gen, device, dtype):
-            # each form declares more than the one before: where the model raises on all, the fullest is kept and
-            # model_runs says where it raised (inside an attention module: a finding, not the example's fault);
-            # unless the model ran further into its modules on the first (Swin raised in its third stage's attention
-            # on images, in its patch embedding on pairs of them, which it does not take: the raise to report is the
-            # first)
-            self.fixed, built = fixed, other
+            # where the model raises on every form, the one it ran furthest into its modules on is kept (a later one
+            # on a tie) and model_runs says where it raised (inside an attention module: a finding, not the
+            # example's fault): Swin raised in its third stage's attention on images, in its patch embedding on
+            # pairs of them, which it does not take: the raise to report is the first
             tried = self._trial(other[0], other[1], fixed)
-            if tried is not True and tried < reached:
-                self.fixed, built = first_fixed, (main, inputs)
+            if tried is True or tried >= reached:
+                built, kept, reached = other, fixed, tried
             if tried is True:
                 self.chosen = (f"{other[0]} {tuple(other[1].shape)}" + "".join(
                     f" with {n} {tuple(v.shape)}" for n, v in fixed.items() if isinstance(v, Tensor))
-                    + f": the model raised on {main} alone; pass example={{...}} to audit another")
+                    + f": the model raised on {main} {tuple(inputs.shape)}" + ("" if self.size_declared else
+                                                                               ", a size nothing declares")
+                    + "; pass example={...} to audit another")
                 break
+        self.fixed = kept
         return built
 
     def _trial(self, main: str, inputs: Tensor, fixed: dict) -> bool | int:
@@ -362,9 +368,41 @@ class Runner:
         return True
 
     def _other_forms(self, config, main: str, inputs: Tensor, gen, device, dtype):
-        """((main, inputs), fixed) the forward declares beside the built example, in the order tried."""
+        """((main, inputs), fixed) the forward declares beside the built example, in the order tried: a pair of images
+        (a keypoint matcher's (B, 2, C, H, W)); a video of the frames a config declares (`num_frames`: VideoMAE's 16,
+        ViViT's 32, whose position tables are sized by them); larger images where no size was declared (64 px is
+        the audit's guess: a detector whose 300 queries take the top 300 of its encoder's 84 tokens at 64 px, a
+        feature pyramid whose last level is 1 x 1, refuse it); and, where the model takes token ids beside a signal,
+        ids sized by the (decoder's) vocabulary: an encoder-decoder's decoder ids with the signal as its encoder's
+        input (a vision or speech encoder-decoder's decoder reads text), else ids alone (Kosmos-2 declares pixels
+        first and raises without ids)."""
         if main == "pixel_values" and inputs.dim() == 4:
             yield (main, torch.stack([inputs, inputs.roll(1, dims=0)], dim=1)), dict(self.fixed)  # (B, 2, C, H, W)
+            frames = next((c.num_frames for c in sub_configs(config) if isinstance(getattr(c, "num_frames", None), int)
+                           and not isinstance(c.num_frames, bool) and c.num_frames > 2), None)
+            if frames:
+                video = torch.randn(inputs.shape[0], frames, *inputs.shape[1:], generator=gen)  # (B, F, C, H, W)
+                yield (main, video.to(device, dtype)), dict(self.fixed)
+            if not self.size_declared:
+                for size in LARGER_IMAGE_SIZES:
+                    images = torch.randn(inputs.shape[0], inputs.shape[1], size, size, generator=gen)
+                    yield (main, images.to(device, dtype)), dict(self.fixed)
+        if main not in SIGNAL_NAMES:
+            return
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if self.encoder_decoder and self.takes("decoder_input_ids"):
+            decoder = getattr(self.model, "decoder", None)
+            vocab = declared_vocab(decoder, getattr(decoder, "config", text)) if isinstance(decoder, nn.Module) \
+                else declared_vocab(self.model, text)
+            if vocab:
+                self.vocab, self.special = vocab, special_ids(config)
+                yield ("decoder_input_ids", self.draw_ids((inputs.shape[0], self.T), gen).to(device)), \
+                    {**self.fixed, main: inputs}
+        elif self.takes("input_ids"):
+            vocab = declared_vocab(self.model, text)
+            if vocab:
+                self.vocab, self.special = vocab, special_ids(config)
+                yield ("input_ids", self.draw_ids((inputs.shape[0], self.T), gen).to(device)), dict(self.fixed)
 
     def _pixels(self, config, gen, device, dtype) -> Tensor | None:
         """Images (2, C, H, W) of the size a config or a config inside it declares; None if none does."""
@@ -427,6 +465,7 @@ class Runner:
             # no size declared: a convolutional backbone or a detector takes any; the note says which was chosen
             channels = next((c.num_channels for c in sub_configs(config) if isinstance(getattr(c, "num_channels", None),
                                                                                        int)), 3)
+            self.size_declared = False
             self.chosen = (f"pixel_values of {DEFAULT_IMAGE_SIZE} x {DEFAULT_IMAGE_SIZE}: the config declares no image "
                            f"size; pass example={{'pixel_values': ...}} at the size the model is used at")
             return "pixel_values", torch.randn(2, channels, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE,
@@ -512,7 +551,7 @@ class Runner:
             T = seq.shape[1]
             kwargs[self.causal_mask_name] = nn.Transformer.generate_square_subsequent_mask(T, device=seq.device,
                                                                                             dtype=float_dtype(model))
-        if self.takes("use_cache") or self.takes_kwargs and self.hf:
+        if self.takes("use_cache") or self.takes_kwargs and self.hf and self.kwargs_take_cache:
             kwargs["use_cache"] = bool(use_cache)
         if past is not None:
             kwargs[self.cache_name] = past
@@ -524,7 +563,18 @@ class Runner:
         self.forwards += 1
         ctx = torch.enable_grad() if grad else torch.no_grad()
         with ctx:
-            result = model(**kwargs)
+            try:
+                result = model(**kwargs)
+            except TypeError as exc:
+                # use_cache through **kwargs, which the forward does not name: a model that hands its **kwargs on to
+                # a module that takes no use_cache (CLAP's audio encoder) or names it itself (Mimi's encoder passes
+                # use_cache= and **kwargs to its transformer: "got multiple values") refuses it; use_cache=False
+                # asks for nothing the model does not do without it, so it is left out from then on
+                if use_cache or self.takes("use_cache") or "use_cache" not in kwargs or "'use_cache'" not in str(exc):
+                    raise
+                self.kwargs_take_cache = False
+                del kwargs["use_cache"]
+                result = model(**kwargs)
         out = first_tensor(result)
         if out is None:
             raise TypeError(f"the model returned {type(result).__name__} with no tensor in it")
