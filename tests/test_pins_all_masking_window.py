@@ -1,0 +1,87 @@
+"""Pins for the survivors of the full mutation run over the causal detectors, the mask hints, and the model wing's
+window and packing checks (issue 37: `benchmarks/mutations.py --all --only detectors/causal.py --only
+detectors/_mask_hints.py --only model/window.py --only model/packing.py`, pinned to one commit). As in
+tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or constant
+it pins), the numbers quoted as literals; each test says which mutant it pins. Small layers written here, one
+detector or one helper at small sizes: the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
+
+
+def probe_of(layer, seq_len: int = 16, **declared) -> Probe:
+    """A probe of `layer` audited as not causal (the audit's defaults otherwise: seed 0)."""
+    return Probe(make_subject(layer, **declared), causal=False, scale=None, seq_len=seq_len, seed=0)
+
+
+def scores_of(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention on (B, H, T, d), True = may attend; returns (out, weights)."""
+    scores = scores_of(q, k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+def inverted(q, k, v, mask=None):
+    """The reference with its mask's polarity inverted: it blocks where the mask says True."""
+    return attention(q, k, v, None if mask is None else ~mask)
+
+
+def adds(q, k, v, mask=None):
+    """The reference adding its mask to the scores (a bool mask then shifts the allowed logits by 1)."""
+    scores = scores_of(q, k) + (0.0 if mask is None else mask)
+    weights = scores.softmax(-1)
+    return weights @ v, weights
+
+
+def src_masked(q, k, v, src_mask=None):
+    """The reference, its mask named as torch's True = blocked mask is (a suggestion, not a declaration)."""
+    return attention(q, k, v, src_mask)
+
+
+# ---- _mask_hints: which conventions are tried, on which outputs ---------------------------------------------------
+
+
+def test_the_conventions_tried_are_every_other_one_once_the_suggested_first():
+    """candidates' `c != s.mask_convention and c not in out` (L38): a mask named `src_mask` suggests blocked (True =
+    blocked), tried first; then the 15 meanings x shapes less the layer's own (allowed, (B, 1, Tq, Tk)) and less the
+    suggestion already listed: 14, each once (with `or`, its own convention is tried too and the suggestion twice).
+    Its twin, the same layer declared blocked: allowed is tried, blocked is not."""
+    tried = [str(c) for c in candidates(probe_of(src_masked))]
+    assert tried[0] == "blocked" and len(tried) == len(set(tried)) == 14 and "allowed" not in tried, tried
+    declared = [str(c) for c in candidates(probe_of(src_masked, mask="blocked"))]
+    assert "allowed" in declared and "blocked" not in declared and len(declared) == 14, declared
+
+
+def test_a_function_whose_outputs_are_four_dimensional_is_hinted_its_convention():
+    """honoured_conventions' shape guard `out.dim() < 3` (L82): a function's output is (B, H, T, d), four axes; the
+    inverted function honours its mask given as True = blocked (with `> 3` every four-axis output is passed over and
+    nothing is hinted). Its twin, the same function declared blocked: nothing to hint."""
+    found = honoured_conventions(probe_of(inverted))
+    assert [str(c) for c, _ in found] == ["blocked"], found
+    assert "moved 32 of 32 rows that see it" in found[0][1], found
+    assert honoured_conventions(probe_of(inverted, mask="blocked")) == []
+
+
+def test_a_layer_adds_its_bool_mask_only_where_its_convention_is_not_additive():
+    """adds_bool_mask's guard `meaning == "additive" or not s.takes_mask` (L105): the function that adds its mask
+    gives the same output for the bool mask as for 0./1. floats: True where its convention is the default (bool),
+    False where it is declared additive (with `and`, the guard never fires and an additive mask, already float, reads
+    as added). The other side, a layer that takes no mask: False either way."""
+    assert adds_bool_mask(probe_of(adds)) is True
+    assert adds_bool_mask(probe_of(adds, mask="additive")) is False
+    assert adds_bool_mask(probe_of(lambda q, k, v: attention(q, k, v))) is False
