@@ -178,6 +178,14 @@ _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a pos
                    "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact "
                    "hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
+_ZERO_BASE = (
+    "equivalent in practice: honoured_conventions' two changes are measured against the baseline copy's scale, so "
+    "both are None or neither; they part (`and None` made it always None, `any` made `all`) only where the baseline "
+    "copy under a convention tried has no finite non-zero value at all (then each change is read against its own "
+    "copy's scale, None where that copy is zero too). A layer whose output is zero or non-finite in every row of the "
+    "probe's call, on standard-normal tokens and a padding mask that leaves every query at least half its keys, and "
+    "not in the copy where one key changed, was not found: checked by hand on _core.relative_change and "
+    "baseline_scale; a layer built to do it would zero its output until a key passes a size")
 _VALUES_ARE_KEYS = (
     "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, "
     "every stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated "
@@ -368,8 +376,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
         "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
     "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
-    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
-                                                                 _VALUES_ARE_KEYS),
+    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": (
+        ("base.one_stream or base.value is base.key", "baseline_scale(chunks[0], centred=True) or None"),
+        "on either line. `base.one_stream or base.value is base.key`: " + _VALUES_ARE_KEYS + ". `or None` made `and "
+        "None`: " + _ZERO_BASE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:any->all": ("if any(c is None for c in changes):", _ZERO_BASE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:Gt->GtE": ("moved = moved_change[sees_first] > tol",
+                                                                 _TOLERANCE_EDGE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:LtE->Lt": ("if worst <= tol and", _TOLERANCE_EDGE),
+    "detectors/_mask_hints.py:adds_bool_mask:L*:LtE->Lt": ("float(change.max()) <= tolerance(UNCHANGED",
+                                                           _TOLERANCE_EDGE + " (a change of exactly 0, the layer that "
+                                                           "adds its mask, is under it either way)"),
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
         "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and "
         "P = 1, which it is: `<` and `<=` give the same sizes"),
