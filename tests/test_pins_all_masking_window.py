@@ -13,9 +13,15 @@ import math
 import pytest
 import torch
 
+import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
 
 
 def probe_of(layer, seq_len: int = 16, **declared) -> Probe:
@@ -85,3 +91,21 @@ def test_a_layer_adds_its_bool_mask_only_where_its_convention_is_not_additive():
     assert adds_bool_mask(probe_of(adds)) is True
     assert adds_bool_mask(probe_of(adds, mask="additive")) is False
     assert adds_bool_mask(probe_of(lambda q, k, v: attention(q, k, v))) is False
+
+
+# ---- detectors/causal.py: future_leakage's cuts ---------------------------------------------------------------------
+
+
+def causal_attention(q, k, v, mask=None):
+    """The reference with its own bottom-right causal mask (and the mask given, if any)."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)  # (Tq, Tk)
+    return attention(q, k, v, allowed if mask is None else allowed & mask)
+
+
+@pytest.mark.parametrize("T, cuts", [(2, [0]), (3, [0, 1]), (4, [0, 2]), (16, [0, 8, 14])])
+def test_future_leakage_cuts_only_where_a_token_follows(T, cuts):
+    """future_cuts' `c < T - 1` (L84): at T = 2, T // 2 = 1 is the last position, with no token after it to perturb,
+    so the cut at 0 stands alone (with `<=`, [0, 1]); at T = 3 the cut at 1 has token 2 after it and is kept."""
+    found = verdict(causal_attention, "future_leakage", causal=True, seq_len=T)
+    assert found.verdict == "pass" and f"(cuts at t={cuts}; no mask and a padding mask)" in found.message, found
