@@ -109,3 +109,16 @@ def test_future_leakage_cuts_only_where_a_token_follows(T, cuts):
     so the cut at 0 stands alone (with `<=`, [0, 1]); at T = 3 the cut at 1 has token 2 after it and is kept."""
     found = verdict(causal_attention, "future_leakage", causal=True, seq_len=T)
     assert found.verdict == "pass" and f"(cuts at t={cuts}; no mask and a padding mask)" in found.message, found
+
+
+@pytest.mark.parametrize("T, shown, past", [(4, "t>=1 of sequence 0 and t>=3 of sequence 1 were", 8),
+                                             (5, "t>=3 of sequence 0 and t>=4 of sequence 1 were", 14)])
+def test_future_leakage_leaves_the_cut_at_0_to_the_padding_mask_only_where_that_saves_a_copy(T, shown, past):
+    """unmasked_copies' `ceil(len(unmasked) / B) < ceil(len(cuts) / B)` (L96), for a layer that takes a mask (its cut
+    at 0 is measured under a padding mask too): at T = 5 the cuts 0, 2, 3 need two copies of the batch of 2 and 2, 3
+    one, so the cut at 0 is left to the padding mask; at T = 4 the cuts 0, 2 fill one copy either way, so both are
+    measured without a mask (with `<=`, the cut at 0 is dropped there too: sequences 0 and 1 both cut at 2)."""
+    found = verdict(causal_attention, "future_leakage", causal=True, seq_len=T)
+    assert found.verdict == "pass", found
+    assert found.evidence.startswith(f"no mask: 0 / {past} past outputs changed (0.0%)"), found.evidence
+    assert f"when only {shown} perturbed (x1000, no mask)" in found.evidence, found.evidence
