@@ -117,8 +117,11 @@ def test_future_leakage_leaves_the_cut_at_0_to_the_padding_mask_only_where_that_
     """unmasked_copies' `ceil(len(unmasked) / B) < ceil(len(cuts) / B)` (L96), for a layer that takes a mask (its cut
     at 0 is measured under a padding mask too): at T = 5 the cuts 0, 2, 3 need two copies of the batch of 2 and 2, 3
     one, so the cut at 0 is left to the padding mask; at T = 4 the cuts 0, 2 fill one copy either way, so both are
-    measured without a mask (with `<=`, the cut at 0 is dropped there too: sequences 0 and 1 both cut at 2)."""
+    measured without a mask (with `<=`, the cut at 0 is dropped there too: sequences 0 and 1 both cut at 2). The
+    words of cut_cases' `len(set(at)) == 1` (L112): a copy whose sequences are cut at different t names each, the
+    padding mask's copy, cut at 0 in both, one t."""
     found = verdict(causal_attention, "future_leakage", causal=True, seq_len=T)
     assert found.verdict == "pass", found
     assert found.evidence.startswith(f"no mask: 0 / {past} past outputs changed (0.0%)"), found.evidence
     assert f"when only {shown} perturbed (x1000, no mask)" in found.evidence, found.evidence
+    assert "when only t>=1 was perturbed (x1000, a padding mask)" in found.evidence, found.evidence
