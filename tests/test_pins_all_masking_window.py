@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 import diagnostics
 from diagnostics._probe import Probe
@@ -125,3 +126,38 @@ def test_future_leakage_leaves_the_cut_at_0_to_the_padding_mask_only_where_that_
     assert found.evidence.startswith(f"no mask: 0 / {past} past outputs changed (0.0%)"), found.evidence
     assert f"when only {shown} perturbed (x1000, no mask)" in found.evidence, found.evidence
     assert "when only t>=1 was perturbed (x1000, a padding mask)" in found.evidence, found.evidence
+
+
+# ---- detectors/causal.py: causal_alignment ----------------------------------------------------------------------------
+
+
+class OldestKeys(nn.Module):
+    """Causal self-attention forward(x, mask=None) of 2 heads over d_model 16 that keeps only the `keep` oldest keys
+    of each query (keys 0..keep-1): every row keeps min(keep, its allowed keys), the form of top-k attention, and the
+    queries from position `keep` on give their own position weight 0."""
+
+    def __init__(self, keep: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out, self.keep = nn.Linear(16, 48), nn.Linear(16, 16), keep
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril() & (torch.arange(T) < self.keep)  # (T, T)
+        if mask is not None:
+            allowed = allowed & mask
+        weights = scores_of(q, k).masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, T, T)
+        return self.out((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_causal_alignment_counts_the_queries_that_drop_their_own_position_in_its_top_k_skip():
+    """check_causal_alignment's count `(diag <= 0).sum()` in the top-k skip (L167): keeping the 4 oldest keys, the
+    queries at t = 4..15 of 2 sequences x 2 heads give their own position weight 0 (48), those at t = 0..3 do not
+    (16): "48 / 64" (with `<`, 0; with `>=`, 64). Its twin, the same layer keeping all 16 keys: every query attends
+    its own position."""
+    found = verdict(OldestKeys(4), "causal_alignment", causal=True)
+    assert found.verdict == "skip" and "keeps only the 4 largest weights" in found.message, found
+    assert "(48 / 64 queries here, observed softmax output (dim=-1))" in found.message, found.message
+    dense = verdict(OldestKeys(16), "causal_alignment", causal=True)
+    assert dense.verdict == "pass" and dense.message.startswith("every query attends its own position"), dense
