@@ -18,6 +18,7 @@ import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
+from diagnostics.detectors.causal import top_k
 
 
 def verdict(layer, detector: str, **kw):
@@ -161,3 +162,36 @@ def test_causal_alignment_counts_the_queries_that_drop_their_own_position_in_its
     assert "(48 / 64 queries here, observed softmax output (dim=-1))" in found.message, found.message
     dense = verdict(OldestKeys(16), "causal_alignment", causal=True)
     assert dense.verdict == "pass" and dense.message.startswith("every query attends its own position"), dense
+
+
+def test_top_k_reads_a_layer_that_keeps_one_key_as_top_k_and_one_that_keeps_none_as_not():
+    """top_k's `k < 1` (L191): weights that keep the oldest key alone, in every row of 6 causal queries, are top-1 (with
+    `<= 1`, None: the layer fails as dropping its own position); weights that keep no key are no top-k."""
+    T = 6
+    one = torch.zeros(2, 2, T, T)
+    one[..., 0] = 1.0  # (B, H, Tq, Tk): every query's weight on key 0
+    assert top_k(one, None) == 1
+    assert top_k(torch.zeros(2, 2, T, T), None) is None
+    assert verdict(OldestKeys(1), "causal_alignment", causal=True).verdict == "skip"
+
+
+def one_head_top_left(q, k, v, mask=None):
+    """Head 0 under a top-left causal mask (query i sees keys j <= i: its newest query misses the newest keys once
+    Tq < Tk), head 1 bottom-right."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    left = torch.ones(t_q, t_k, dtype=torch.bool).tril()  # (Tq, Tk)
+    right = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+    return attention(q, k, v, torch.stack([left, right]))  # (H = 2, Tq, Tk)
+
+
+def both_heads_bottom_right(q, k, v, mask=None):
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    return attention(q, k, v, torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q))
+
+
+def test_causal_alignment_fails_where_one_head_of_the_newest_query_misses_the_newest_key():
+    """_newest_key_seen's `(last <= tol).any()` (L227): one head of two misaligned top-left fails (with `all`, every
+    head and sequence would have to miss the key); its twin, both heads bottom-right, passes."""
+    found = verdict(one_head_top_left, "causal_alignment", causal=True, num_heads=2)
+    assert (found.verdict, found.value) == ("fail", 0.0), found
+    assert verdict(both_heads_bottom_right, "causal_alignment", causal=True, num_heads=2).verdict == "pass"
