@@ -195,3 +195,16 @@ def test_causal_alignment_fails_where_one_head_of_the_newest_query_misses_the_ne
     found = verdict(one_head_top_left, "causal_alignment", causal=True, num_heads=2)
     assert (found.verdict, found.value) == ("fail", 0.0), found
     assert verdict(both_heads_bottom_right, "causal_alignment", causal=True, num_heads=2).verdict == "pass"
+
+
+# ---- detectors/causal.py: undeclared_causality ------------------------------------------------------------------------
+
+
+def test_undeclared_causality_reports_a_whole_side_of_zeros_as_1_and_none_as_0():
+    """check_undeclared_causality's reported `value=1.0` (L302, the warn's value: the whole side is zero; x10 and x0.1
+    survived, as no test read it): 1.0 for the function that masks the future itself, against its threshold 0.0; its
+    twin, the same attention without the mask, passes with 0.0."""
+    found = verdict(causal_attention, "undeclared_causality")
+    assert (found.verdict, found.value, found.threshold) == ("warn", 1.0, 0.0), found
+    dense = verdict(attention, "undeclared_causality")
+    assert (dense.verdict, dense.value, dense.threshold) == ("pass", 0.0, 0.0), dense
