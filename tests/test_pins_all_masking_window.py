@@ -18,6 +18,7 @@ import diagnostics
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
+from diagnostics.detectors._stacked import DECODING, _made
 from diagnostics.detectors.causal import top_k
 
 
@@ -203,8 +204,47 @@ def test_causal_alignment_fails_where_one_head_of_the_newest_query_misses_the_ne
 def test_undeclared_causality_reports_a_whole_side_of_zeros_as_1_and_none_as_0():
     """check_undeclared_causality's reported `value=1.0` (L302, the warn's value: the whole side is zero; x10 and x0.1
     survived, as no test read it): 1.0 for the function that masks the future itself, against its threshold 0.0; its
-    twin, the same attention without the mask, passes with 0.0."""
+    twin, the same attention without the mask, passes with 0.0. The words for that side (L304, L307: `side ==
+    "future"`): the pairs with the key after the query, and the fix that audits it as causal."""
     found = verdict(causal_attention, "undeclared_causality")
     assert (found.verdict, found.value, found.threshold) == ("warn", 1.0, 0.0), found
+    assert "all 120 (query, key) pairs with the key after the query get weight 0" in found.evidence, found.evidence
+    assert found.fix.startswith("audit it as causal") and "then measure its mask" in found.fix, found.fix
     dense = verdict(attention, "undeclared_causality")
     assert (dense.verdict, dense.value, dense.threshold) == ("pass", 0.0, 0.0), dense
+
+
+def anti_causal_attention(q, k, v, mask=None):
+    """The reference blocking the past (a triu where tril belongs): query i sees keys j >= i."""
+    return attention(q, k, v, torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu())
+
+
+def test_undeclared_causality_words_a_layer_that_masks_the_past():
+    """The other side of `side == "future"` (L298, L300, L304, L307): a layer that blocks the past is told so, the
+    pairs with the key before the query named, and the fix blocks the future instead."""
+    found = verdict(anti_causal_attention, "undeclared_causality")
+    assert (found.verdict, found.value) == ("warn", 1.0) and "masks the past" in found.message, found
+    assert "all 120 (query, key) pairs with the key before the query get weight 0" in found.evidence, found.evidence
+    assert found.fix.startswith("block the future, not the past"), found.fix
+
+
+def test_top_k_reads_three_axis_weights_under_a_three_axis_mask():
+    """top_k's `weights.dim() == 4 and mask.dim() == 3` (L187): a (B, Tq, Tk) mask is given a head axis only for
+    (B, H, Tq, Tk) weights; weights of one head, (B, Tq, Tk), keeping each query's 3 newest keys, are top-3 under the
+    causal mask as without one (with `or`, the mask's head axis made room (B, 1, Tq) that cannot take the weights'
+    shape, and the check raised)."""
+    T = 6
+    causal = torch.ones(T, T, dtype=torch.bool).tril()  # (Tq, Tk)
+    newest = (torch.arange(T)[None, :] > torch.arange(T)[:, None] - 3) & causal  # each query's 3 newest keys
+    weights = (newest.double() / newest.sum(-1, keepdim=True)).expand(2, T, T)  # (B, Tq, Tk)
+    assert top_k(weights, None) == 3
+    assert top_k(weights, causal.expand(2, T, T)) == 3
+
+
+@pytest.mark.parametrize("causal, copies", [(False, 1), (True, 2)])
+def test_future_leakage_adds_its_cuts_to_the_decoding_stack_only_in_a_causal_audit(causal, copies):
+    """unmasked_cut_cases' guard `not probe.causal or probe.t < 2` (L138): audited as not causal, the DECODING stack
+    holds its baseline alone (with `and`, future_leakage's cuts, which nothing reads there, add a copy of the batch
+    to the call); audited as causal, one copy more: the cuts at 8 and 14 of 16 tokens."""
+    probe = Probe(make_subject(attention), causal=causal, scale=None, seq_len=16, seed=0)
+    assert _made(probe, DECODING).copies == copies
