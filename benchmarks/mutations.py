@@ -355,6 +355,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         ("(change[s:e] > tol).any()", "(outside > tol)", "(ch > tol).any()"),
         _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: a document's own outputs, the others', "
         "the first layer where they cross)"),
+    "model/packing.py:_crosses:L*:Gt->GtE": ("return bool((change > tol).any())", _TOLERANCE_EDGE + " (a relative "
+                                             "change against UNCHANGED's tolerance: where a leak starts)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (

@@ -248,3 +248,199 @@ def test_future_leakage_adds_its_cuts_to_the_decoding_stack_only_in_a_causal_aud
     to the call); audited as causal, one copy more: the cuts at 8 and 14 of 16 tokens."""
     probe = Probe(make_subject(attention), causal=causal, scale=None, seq_len=16, seed=0)
     assert _made(probe, DECODING).copies == copies
+
+
+# ---- model/packing.py: packed_documents ----------------------------------------------------------------------------
+
+D, H = 32, 4
+
+
+def docs_of(position_ids):
+    """(B, T) document ids: a new document wherever the position ids restart at 0."""
+    return (position_ids == 0).cumsum(-1)
+
+
+class Gate(nn.Module):
+    """A sigmoid of the running mean over the whole sequence (it does not restart at a document's start): (B, T),
+    one value per position, or (B, T, 1) with `keepdim`."""
+
+    def __init__(self, keepdim: bool):
+        super().__init__()
+        self.keepdim = keepdim
+
+    def forward(self, x):
+        t = torch.arange(1, x.shape[1] + 1, device=x.device)  # (T,): how many tokens each running mean holds
+        gate = torch.sigmoid(x.mean(-1).cumsum(-1) / t)  # (B, T)
+        return gate.unsqueeze(-1) if self.keepdim else gate
+
+
+class DocAttention(nn.Module):
+    """Causal self-attention over (B, T, D) kept inside each packed document (`apart`), or over the whole sequence;
+    `strict`: a query sees the keys before it only (the first of each document none: output 0); `gate`: its output
+    scaled by a Gate of its input."""
+
+    def __init__(self, apart: bool = True, strict: bool = False, gate: Gate | None = None):
+        super().__init__()
+        self.qkv, self.out, self.apart, self.strict, self.gate = nn.Linear(D, 3 * D), nn.Linear(D, D), apart, strict, gate
+
+    def forward(self, x, docs):
+        B, T, _ = x.shape  # batch, sequence length
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d)
+        i, j = torch.arange(T).view(T, 1), torch.arange(T).view(1, T)
+        allowed = ((j < i) if self.strict else (j <= i)).expand(B, T, T)  # (B, T, T)
+        if self.apart:
+            allowed = allowed & (docs.unsqueeze(-1) == docs.unsqueeze(-2))  # block-diagonal
+        scores = scores_of(q, k).masked_fill(~allowed.unsqueeze(1), float("-inf"))  # (B, H, T, T)
+        weights = scores.softmax(-1).nan_to_num(0.0)  # a query with no key to see: weight 0 everywhere
+        y = self.out((weights @ v).transpose(1, 2).reshape(B, T, D))
+        if self.gate is not None:
+            gate = self.gate(x)
+            y = y * (gate if gate.dim() == 3 else gate.unsqueeze(-1))
+        return y
+
+
+class RunningMean(nn.Module):
+    """Each position plus the mean of every position up to it: a mixer that does not restart at a document."""
+
+    def forward(self, x):
+        return x + x.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
+
+
+class PackedLM(nn.Module):
+    """A decoder-only LM of 16 positions, forward(input_ids, position_ids=None), its attention layers `layers`
+    (DocAttention) given the documents where the position ids restart. `pooled`: one output per sequence (the
+    positions' mean); `blind`: the tokens are not read (positions only); `residual`: the attention's output added to
+    its input (else it replaces it); `mix`: a running mean over the sequence before the attention, in a submodule
+    ("module") or in forward itself ("inline")."""
+
+    causal = True
+
+    def __init__(self, *layers, pooled=False, blind=False, residual=True, mix=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe, self.head = nn.Embedding(64, D), nn.Embedding(16, D), nn.Linear(D, 64)
+        self.attn = nn.ModuleList(layers or [DocAttention()])
+        self.mix = RunningMean() if mix == "module" else None
+        self.pooled, self.blind, self.residual, self.inline = pooled, blind, residual, mix == "inline"
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        x = self.wpe(position_ids) + (0.0 if self.blind else self.wte(input_ids))  # (B, T, D)
+        if self.mix is not None:
+            x = self.mix(x)
+        if self.inline:
+            x = x + x.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
+        docs = docs_of(position_ids)
+        for attn in self.attn:
+            x = x + attn(x, docs) if self.residual else attn(x, docs)
+        out = self.head(x)  # (B, T, vocab)
+        return out.mean(1) if self.pooled else out
+
+
+def packed(model):
+    return diagnostics.audit_model(model, packed=True, detectors=["packed_documents"]).result("packed_documents")
+
+
+def test_packed_documents_skips_a_model_with_one_output_per_sequence():
+    """check_packed_documents' `not per_position(out, T)` (L151): the outputs' mean over the positions, (4, 64), has no
+    position to compare (never firing, the check indexes a position axis that is not there); its twin, the same
+    model's (4, 16, 64), passes."""
+    found = packed(PackedLM(pooled=True))
+    assert (found.verdict, found.message) == ("skip", "not applicable: the model's output (4, 64) has no sequence "
+                                                      "dimension (one output per position is what this check "
+                                                      "compares)"), found
+    assert packed(PackedLM()).verdict == "pass"
+
+
+def test_packed_documents_is_not_measured_where_a_documents_tokens_move_none_of_its_outputs():
+    """`own_moved = own_moved and (change[s:e] > tol).any()` (L165): a model that reads the positions and not the
+    tokens moves no output of a changed document: not measured (with `or`, own_moved stays True and it passes)."""
+    found = packed(PackedLM(blind=True))
+    assert (found.verdict, found.message) == ("skip", "not measured: changing a document's tokens did not move its "
+                                                      "own outputs"), found
+
+
+def test_packed_documents_measures_a_document_that_moves_some_of_its_own_outputs():
+    """The same line's `any` (L165): a model whose output at t reads only the tokens before t in its document (no
+    residual) leaves each document's first output still when that document changes, and moves the rest: measured,
+    a pass (with `all`, not measured). Its twin, each output reading its own token too, passes alike."""
+    assert packed(PackedLM(DocAttention(strict=True), residual=False)).verdict == "pass"
+    assert packed(PackedLM(DocAttention(), residual=False)).verdict == "pass"
+
+
+def test_packed_documents_counts_the_outputs_a_change_moved_in_other_documents():
+    """The count `(outside > tol).sum()` (L171): causal attention over the whole sequence, documents 0..4, 5..9 and
+    10..15: changing document 0 moves the 11 later outputs, document 1 the 6 of document 2, document 2 none outside
+    itself (with `<`, the outputs that did not move were counted)."""
+    found = packed(PackedLM(DocAttention(apart=False)))
+    assert found.verdict == "fail" and found.layer == "attn.0", found
+    assert "changing document 0 (t=0..4) moved 11 outputs of other documents, first t=5" in found.evidence, found
+    assert found.evidence.endswith("document 0: 11 outside outputs moved; document 1: 6 outside outputs moved"), found
+
+
+def test_packed_documents_names_the_first_layer_whose_outputs_cross():
+    """The first layer `(ch > tol).any()` (L181): the first layer keeps the documents apart and the second does not:
+    attn.1 is named (with `<`, any layer with a still output, the first); its twin, the other way round, attn.0."""
+    assert packed(PackedLM(DocAttention(), DocAttention(apart=False))).layer == "attn.1"
+    assert packed(PackedLM(DocAttention(apart=False), DocAttention())).layer == "attn.0"
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_packed_documents_names_a_gate_of_one_value_per_position_where_the_leak_starts(keepdim):
+    """`_crosses`' `t.dim() < 2` (L78): a gate that returns one value per position, (B, T), and mixes the whole
+    sequence is where the leak starts, a module without softmax attention: a warning naming it, as for its (B, T, 1)
+    twin (with `<= 2` it is not read, and the attention is failed; before, flatten(2) raised on it, the replay found
+    nothing, and the attention was failed too)."""
+    found = packed(PackedLM(DocAttention(gate=Gate(keepdim))))
+    assert (found.verdict, found.layer) == ("warn", "attn.0.gate"), found
+    assert "the leak starts in attn.0.gate (Gate), which runs no softmax attention" in found.message, found
+
+
+def test_packed_documents_never_names_the_model_itself_where_the_leak_starts():
+    """leak_source's `found or not path` (L97): a running mean in the model's own forward is no submodule, and the
+    model (path "") is never named: the attention its change first crosses at is failed (with `and`, the model was
+    named as where the leak starts). Its twin, the running mean in a submodule, is named: a warning."""
+    inline = packed(PackedLM(mix="inline"))
+    assert (inline.verdict, inline.layer) == ("fail", "attn.0"), inline
+    assert inline.message.endswith("; the change first crosses at attn.0"), inline.message
+    module = packed(PackedLM(mix="module"))
+    assert (module.verdict, module.layer) == ("warn", "mix"), module
+
+
+class Summary(nn.Module):
+    """8 learned queries attending every position of the sequence: (B, 8, D), a summary of the whole sequence, not
+    one row per position."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents, self.kv = nn.Parameter(torch.randn(8, D)), nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        k, v = self.kv(x).chunk(2, -1)  # (B, T, D) each
+        weights = (self.latents @ k.transpose(1, 2) / math.sqrt(D)).softmax(-1)  # (8, D) x (B, D, T) -> (B, 8, T)
+        return weights @ v  # (B, 8, D)
+
+
+class SummarisedLM(PackedLM):
+    """PackedLM whose forward also returns a Summary of its embeddings, made before its attention (an auxiliary
+    output: the logits come first)."""
+
+    def __init__(self, *layers):
+        super().__init__(*layers)
+        self.summary = Summary()
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        summary = self.summary(self.wte(input_ids))  # (B, 8, D)
+        return super().forward(input_ids, position_ids), summary
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_packed_documents_does_not_read_an_attention_output_of_another_length_as_positions(apart):
+    """check_packed_documents' `layer_out.shape[0] != rows or layer_out.shape[1] != T` (L177, both `or`s): the summary's
+    8 rows are not positions, so they are passed over, and the leak is found at attn.0 (with `and`, its rows 5..7,
+    past document 0's five, moved, and it was named first); its twin, the documents kept apart, passes."""
+    found = packed(SummarisedLM(DocAttention(apart=apart)))
+    assert (found.verdict, found.layer) == (("pass", None) if apart else ("fail", "attn.0")), found
