@@ -224,6 +224,7 @@ def test_undeclared_causality_words_a_layer_that_masks_the_past():
     pairs with the key before the query named, and the fix blocks the future instead."""
     found = verdict(anti_causal_attention, "undeclared_causality")
     assert (found.verdict, found.value) == ("warn", 1.0) and "masks the past" in found.message, found
+    assert found.message.startswith("every weight below the diagonal is exactly 0"), found.message
     assert "all 120 (query, key) pairs with the key before the query get weight 0" in found.evidence, found.evidence
     assert found.fix.startswith("block the future, not the past"), found.fix
 
