@@ -312,17 +312,23 @@ class PackedLM(nn.Module):
     (DocAttention) given the documents where the position ids restart. `pooled`: one output per sequence (the
     positions' mean); `blind`: the tokens are not read (positions only); `residual`: the attention's output added to
     its input (else it replaces it); `mix`: a running mean over the sequence before the attention, in a submodule
-    ("module") or in forward itself ("inline")."""
+    ("module") or in forward itself ("inline"); `one_by_one`: the attention called on one sequence at a time."""
 
     causal = True
 
-    def __init__(self, *layers, pooled=False, blind=False, residual=True, mix=None):
+    def __init__(self, *layers, pooled=False, blind=False, residual=True, mix=None, one_by_one=False):
         super().__init__()
         torch.manual_seed(0)
         self.wte, self.wpe, self.head = nn.Embedding(64, D), nn.Embedding(16, D), nn.Linear(D, 64)
         self.attn = nn.ModuleList(layers or [DocAttention()])
         self.mix = RunningMean() if mix == "module" else None
         self.pooled, self.blind, self.residual, self.inline = pooled, blind, residual, mix == "inline"
+        self.one_by_one = one_by_one
+
+    def attend(self, attn, x, docs):
+        if self.one_by_one:
+            return torch.cat([attn(x[b:b + 1], docs[b:b + 1]) for b in range(x.shape[0])])  # (B, T, D)
+        return attn(x, docs)
 
     def forward(self, input_ids, position_ids=None):
         if position_ids is None:
@@ -334,7 +340,7 @@ class PackedLM(nn.Module):
             x = x + x.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)
         docs = docs_of(position_ids)
         for attn in self.attn:
-            x = x + attn(x, docs) if self.residual else attn(x, docs)
+            x = x + self.attend(attn, x, docs) if self.residual else self.attend(attn, x, docs)
         out = self.head(x)  # (B, T, vocab)
         return out.mean(1) if self.pooled else out
 
@@ -410,17 +416,18 @@ def test_packed_documents_never_names_the_model_itself_where_the_leak_starts():
 
 
 class Summary(nn.Module):
-    """8 learned queries attending every position of the sequence: (B, 8, D), a summary of the whole sequence, not
-    one row per position."""
+    """Funnel-Transformer-style pooling attention: queries at every other position, 8 of 16, over every key of the
+    sequence: (B, 8, D), a summary of the whole sequence, not one row per position."""
 
     def __init__(self):
         super().__init__()
-        self.latents, self.kv = nn.Parameter(torch.randn(8, D)), nn.Linear(D, 2 * D)
+        self.q, self.kv = nn.Linear(D, D), nn.Linear(D, 2 * D)
 
     def forward(self, x):
+        q = self.q(x[:, ::2])  # (B, T', D): every other position, T' = ceil(T / 2)
         k, v = self.kv(x).chunk(2, -1)  # (B, T, D) each
-        weights = (self.latents @ k.transpose(1, 2) / math.sqrt(D)).softmax(-1)  # (8, D) x (B, D, T) -> (B, 8, T)
-        return weights @ v  # (B, 8, D)
+        weights = (q @ k.transpose(1, 2) / math.sqrt(D)).softmax(-1)  # (B, T', D) x (B, D, T) -> (B, T', T)
+        return weights @ v  # (B, T', D)
 
 
 class SummarisedLM(PackedLM):
@@ -440,8 +447,17 @@ class SummarisedLM(PackedLM):
 
 @pytest.mark.parametrize("apart", [False, True])
 def test_packed_documents_does_not_read_an_attention_output_of_another_length_as_positions(apart):
-    """check_packed_documents' `layer_out.shape[0] != rows or layer_out.shape[1] != T` (L177, both `or`s): the summary's
-    8 rows are not positions, so they are passed over, and the leak is found at attn.0 (with `and`, its rows 5..7,
+    """check_packed_documents' `layer_out.shape[0] != rows or layer_out.shape[1] != T` (L177, both `or`s): the pooling
+    attention's 8 rows are not positions, so they are passed over, and the leak is found at attn.0 (with `and`, its rows 5..7,
     past document 0's five, moved, and it was named first); its twin, the documents kept apart, passes."""
     found = packed(SummarisedLM(DocAttention(apart=apart)))
     assert (found.verdict, found.layer) == (("pass", None) if apart else ("fail", "attn.0")), found
+
+
+@pytest.mark.parametrize("one_by_one", [True, False])
+def test_packed_documents_does_not_compare_rows_of_a_layer_called_on_one_sequence_at_a_time(one_by_one):
+    """The same line's batch test (L177, its first `or`): a layer called on each sequence alone returns (1, 16, D) per
+    call, one row that cannot be compared with another: passed over, so no layer is named, though the leak fails (with
+    `and`, its missing second row was indexed and the check raised); its twin, called on the batch, is named."""
+    found = packed(PackedLM(DocAttention(apart=False), one_by_one=one_by_one))
+    assert (found.verdict, found.layer) == ("fail", None if one_by_one else "attn.0"), found
