@@ -20,6 +20,7 @@ from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
 from diagnostics.detectors._stacked import DECODING, _made
 from diagnostics.detectors.causal import top_k
+from diagnostics.model.window import declared_pattern
 
 
 def verdict(layer, detector: str, **kw):
@@ -461,3 +462,44 @@ def test_packed_documents_does_not_compare_rows_of_a_layer_called_on_one_sequenc
     `and`, its missing second row was indexed and the check raised); its twin, called on the batch, is named."""
     found = packed(PackedLM(DocAttention(apart=False), one_by_one=one_by_one))
     assert (found.verdict, found.layer) == ("fail", None if one_by_one else "attn.0"), found
+
+
+# ---- model/window.py: where a layer declares its pattern --------------------------------------------------------
+
+
+def module_with(**attributes) -> nn.Module:
+    m = nn.Module()
+    for name, value in attributes.items():
+        setattr(m, name, value)
+    return m
+
+
+def declared(**attributes):
+    """(pattern name, band) a module with these attributes declares, or None."""
+    found = declared_pattern(module_with(**attributes))
+    return None if found is None else (found.pattern.name, found.band)
+
+
+def test_a_window_of_0_or_a_bool_declares_nothing_and_a_window_of_1_declares_one_key():
+    """_positive_int's `value > 0` (L72): `sliding_window = 0` declares no window (with `>=`, a window of 0 keys, which
+    blocks every key); 1 declares a window of one key, the query's own. True is no width."""
+    assert declared(sliding_window=0) is None
+    assert declared(sliding_window=1) == ("sliding_window(1)", 1)
+    assert declared(sliding_window=True) is None
+
+
+def test_a_layer_that_is_not_causal_declares_its_window_on_both_sides_and_its_chunk_as_it_is():
+    """declared_pattern's `declared.kind != "window"` (L84): a window of a layer with `is_causal = False` is two-sided,
+    |i - j| <= 2, spanning 3 rows (with `==`, left one-sided, and a chunk was made two-sided instead); its twin, a
+    chunk of such a layer, stays chunked(4)."""
+    assert declared(sliding_window=2, is_causal=False) == ("two_sided_window(2)", 3)
+    assert declared(attention_chunk_size=4, is_causal=False) == ("chunked(4)", 4)
+    assert declared(sliding_window=2) == ("sliding_window(2)", 2)
+
+
+def test_an_attention_pattern_attribute_that_is_not_callable_is_no_declaration():
+    """_declared's `own is not None and callable(own)` (L93): a layer whose `attention_pattern` is a name ("local"),
+    not a Pattern or a mask_mod, declares its window by its `sliding_window` (with `or`, the name was read as a
+    pattern, which raised); its twin, a callable mask_mod, is read as the layer's own pattern."""
+    assert declared(attention_pattern="local", sliding_window=3) == ("sliding_window(3)", 3)
+    assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv < 3), sliding_window=5)[1] == 3
