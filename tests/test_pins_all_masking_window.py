@@ -503,3 +503,14 @@ def test_an_attention_pattern_attribute_that_is_not_callable_is_no_declaration()
     pattern, which raised); its twin, a callable mask_mod, is read as the layer's own pattern."""
     assert declared(attention_pattern="local", sliding_window=3) == ("sliding_window(3)", 3)
     assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv < 3), sliding_window=5)[1] == 3
+
+
+def test_a_pattern_of_the_layers_own_declares_its_span_only_where_it_is_causal_and_narrower_than_64():
+    """_span, read on 64 positions: `allowed.triu(1).any()` (L134): a two-sided band |q - kv| <= 2 allows some later
+    keys, so no window is read from it (with `all`, only a pattern allowing every later key was refused, and this one
+    declared a span of 3); its twin, the causal band, spans 3. `span < T` (L138): the plain causal mask spans all 64
+    rows, no window (with `<=`, a window of 64); a band of 63 keys is one."""
+    assert declared(attention_pattern=lambda b, h, q, kv: (q - kv).abs() <= 2) is None
+    assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv <= 2))[1] == 3
+    assert declared(attention_pattern=lambda b, h, q, kv: kv <= q) is None
+    assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv < 63))[1] == 63
