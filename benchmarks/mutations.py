@@ -346,7 +346,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
-    "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/window.py:_column:L*:Gt->GtE": (("(change > tol)).nonzero()", "if not float(change[edge]) > tol:"),
+                                           _TOLERANCE_EDGE + " (on either line: a key leaked, the farthest row moved)"),
     "model/causality.py:check_prefix_causality:L*:Gt->GtE": (
         ("(past > tol).sum()", "(change[c + 1:] > tol).any()", "(ch[:c + 1] > tol).sum()", "[:cj + 1] > tol).any()"),
         _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: the past's count, the later outputs' "

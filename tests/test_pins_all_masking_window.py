@@ -514,3 +514,66 @@ def test_a_pattern_of_the_layers_own_declares_its_span_only_where_it_is_causal_a
     assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv <= 2))[1] == 3
     assert declared(attention_pattern=lambda b, h, q, kv: kv <= q) is None
     assert declared(attention_pattern=lambda b, h, q, kv: (kv <= q) & (q - kv < 63))[1] == 63
+
+
+# ---- model/window.py: sliding_window in a model --------------------------------------------------------------------
+
+
+class WindowAttention(nn.Module):
+    """Causal self-attention over (B, T, D) that keeps the last `w` keys of each query and declares it
+    (`sliding_window = w`); `refuses`: it raises on an input larger than 100 (a range check)."""
+
+    def __init__(self, w: int, refuses: bool = False):
+        super().__init__()
+        self.qkv, self.out, self.sliding_window, self.refuses = nn.Linear(D, 3 * D), nn.Linear(D, D), w, refuses
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length
+        if self.refuses and float(x.detach().abs().amax()) > 100:
+            raise ValueError("activations out of range")
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d)
+        i, j = torch.arange(T).view(T, 1), torch.arange(T).view(1, T)
+        allowed = (j <= i) & (i - j < self.sliding_window)  # (T, T): the window's keys
+        weights = scores_of(q, k).masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, T, T)
+        return self.out((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class WindowLM(nn.Module):
+    """A one-layer decoder-only LM over 16 tokens, its attention `attn`."""
+
+    causal = True
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.attn, self.head = nn.Embedding(64, D), attn, nn.Linear(D, 64)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)
+        return self.head(x + self.attn(x))
+
+
+def windowed(attn: nn.Module):
+    return diagnostics.audit_model(WindowLM(attn), detectors=["sliding_window"]).result("sliding_window")
+
+
+def test_sliding_window_measures_a_window_one_shorter_than_the_sequence_and_counts_the_outputs_it_blocks():
+    """check_sliding_window's `T < w + 1` (L226): a window of 15 keys at 16 tokens is measured (with `<=`, not
+    measured); its twin, a window of 16, is not: no row lies past it. The reading's count `(~allows).sum()` (L212):
+    window 4, changing position 0 moves t = 0..3 and not the 12 others (with `allows`, 4)."""
+    found = windowed(WindowAttention(15))
+    assert found.verdict == "pass", found
+    assert found.evidence == ("attn: window 15 exact (WindowAttention.sliding_window = 15; s=0: t=0..14 moved, the 1 "
+                              "others not)"), found.evidence
+    whole = windowed(WindowAttention(16))
+    assert (whole.verdict, whole.message) == ("skip", "not measured: attn: window 16 >= seq_len 16, not measured"), whole
+    four = windowed(WindowAttention(4))
+    assert "s=0: t=0..3 moved, the 12 others not; s=3: t=3..6 moved, the 12 others not" in four.evidence, four
+
+
+def test_sliding_window_does_not_count_a_layer_that_raised_on_its_probe_as_exact():
+    """`readings and not readings[-1].startswith("raised")` (L248): a layer that raises on the probe's position pushed
+    1000x is not measured (with `or`, counted exact: a pass); its twin without the range check passes."""
+    found = windowed(WindowAttention(4, refuses=True))
+    assert (found.verdict, found.message) == ("skip", "not measured: attn: raised ValueError"), found
+    assert windowed(WindowAttention(4)).verdict == "pass"
