@@ -346,6 +346,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
+    "model/window.py:_positive_int:L*:Gt->GtE": (
+        "and value > 0 else None", "with `>=` a width of 0 is returned as 0 instead of None; every caller reads the "
+        "result by its truth (`and _positive_int(...)`, `if w:`, `if c:`, `w and ...` in _declared), where 0 and None "
+        "are alike: no pattern is declared either way (checked by hand; pinned: sliding_window = 0 declares nothing)"),
     "model/window.py:_column:L*:Gt->GtE": (("(change > tol)).nonzero()", "if not float(change[edge]) > tol:"),
                                            _TOLERANCE_EDGE + " (on either line: a key leaked, the farthest row moved)"),
     "model/causality.py:check_prefix_causality:L*:Gt->GtE": (
