@@ -2,7 +2,7 @@
 window and packing checks (issue 37: `benchmarks/mutations.py --all --only detectors/causal.py --only
 detectors/_mask_hints.py --only model/window.py --only model/packing.py`, pinned to one commit). As in
 tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or constant
-it pins), the numbers quoted as literals; each test says which mutant it pins. Small layers written here, one
+it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at ecc3b1b). Small layers written here, one
 detector or one helper at small sizes: the file runs in a few seconds.
 """
 
