@@ -2,8 +2,8 @@
 window and packing checks (issue 37: `benchmarks/mutations.py --all --only detectors/causal.py --only
 detectors/_mask_hints.py --only model/window.py --only model/packing.py`, pinned to one commit). As in
 tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or constant
-it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at ecc3b1b). Small layers written here, one
-detector or one helper at small sizes: the file runs in a few seconds.
+it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at
+ecc3b1b). Small layers written here, one detector or one helper at small sizes: the file runs in about a second.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_future_leakage_leaves_the_cut_at_0_to_the_padding_mask_only_where_that_
     assert "when only t>=1 was perturbed (x1000, a padding mask)" in found.evidence, found.evidence
 
 
-# ---- detectors/causal.py: causal_alignment ----------------------------------------------------------------------------
+# ---- detectors/causal.py: causal_alignment ------------------------------------------------------------------------
 
 
 class OldestKeys(nn.Module):
@@ -199,7 +199,7 @@ def test_causal_alignment_fails_where_one_head_of_the_newest_query_misses_the_ne
     assert verdict(both_heads_bottom_right, "causal_alignment", causal=True, num_heads=2).verdict == "pass"
 
 
-# ---- detectors/causal.py: undeclared_causality ------------------------------------------------------------------------
+# ---- detectors/causal.py: undeclared_causality --------------------------------------------------------------------
 
 
 def test_undeclared_causality_reports_a_whole_side_of_zeros_as_1_and_none_as_0():
@@ -283,7 +283,8 @@ class DocAttention(nn.Module):
 
     def __init__(self, apart: bool = True, strict: bool = False, gate: Gate | None = None):
         super().__init__()
-        self.qkv, self.out, self.apart, self.strict, self.gate = nn.Linear(D, 3 * D), nn.Linear(D, D), apart, strict, gate
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.apart, self.strict, self.gate = apart, strict, gate
 
     def forward(self, x, docs):
         B, T, _ = x.shape  # batch, sequence length
@@ -448,9 +449,10 @@ class SummarisedLM(PackedLM):
 
 @pytest.mark.parametrize("apart", [False, True])
 def test_packed_documents_does_not_read_an_attention_output_of_another_length_as_positions(apart):
-    """check_packed_documents' `layer_out.shape[0] != rows or layer_out.shape[1] != T` (L177, both `or`s): the pooling
-    attention's 8 rows are not positions, so they are passed over, and the leak is found at attn.0 (with `and`, its rows 5..7,
-    past document 0's five, moved, and it was named first); its twin, the documents kept apart, passes."""
+    """check_packed_documents' `layer_out.shape[0] != rows or layer_out.shape[1] != T` (L177, its second `or`): the
+    pooling attention's 8 rows are not positions, so they are passed over, and the leak is found at attn.0 (with `and`,
+    its rows 5..7, past document 0's five, moved, and it was named first); its twin, the documents kept apart,
+    passes."""
     found = packed(SummarisedLM(DocAttention(apart=apart)))
     assert (found.verdict, found.layer) == (("pass", None) if apart else ("fail", "attn.0")), found
 
@@ -566,7 +568,8 @@ def test_sliding_window_measures_a_window_one_shorter_than_the_sequence_and_coun
     assert found.evidence == ("attn: window 15 exact (WindowAttention.sliding_window = 15; s=0: t=0..14 moved, the 1 "
                               "others not)"), found.evidence
     whole = windowed(WindowAttention(16))
-    assert (whole.verdict, whole.message) == ("skip", "not measured: attn: window 16 >= seq_len 16, not measured"), whole
+    assert (whole.verdict, whole.message) == ("skip", "not measured: attn: window 16 >= seq_len 16, not measured"), \
+        whole
     four = windowed(WindowAttention(4))
     assert "s=0: t=0..3 moved, the 12 others not; s=3: t=3..6 moved, the 12 others not" in four.evidence, four
 
