@@ -178,6 +178,14 @@ _TOLERANCE_EDGE = ("`>` and `>=` differ only where a measured float equals a pos
                    "float32/16 readings never equal 1e-4 etc. (not representable), float64 ones would need an exact "
                    "hit")
 _DRAW_EDGE = "differs only where two independent continuous random draws are exactly equal"
+_ZERO_BASE = (
+    "equivalent in practice: honoured_conventions' two changes are measured against the baseline copy's scale, so "
+    "both are None or neither; they part (`and None` made it always None, `any` made `all`) only where the baseline "
+    "copy under a convention tried has no finite non-zero value at all (then each change is read against its own "
+    "copy's scale, None where that copy is zero too). A layer whose output is zero or non-finite in every row of the "
+    "probe's call, on standard-normal tokens and a padding mask that leaves every query at least half its keys, and "
+    "not in the copy where one key changed, was not found: checked by hand on _core.relative_change and "
+    "baseline_scale; a layer built to do it would zero its output until a key passes a size")
 _VALUES_ARE_KEYS = (
     "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, "
     "every stacked copy keeps it so (`perturbed` redraws the value with the key: vs = ks), so the values concatenated "
@@ -338,7 +346,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "model/window.py:check_sliding_window:L*:Gt->GtE": (
         "if s > 0 and s + w >= T:", "s is 0 or w - 1; at s = 0 the second test is w >= T, false for every layer "
         "measured (`T < w + 1` skipped it above), so `s >= 0` and `s > 0` skip the same columns (checked by hand)"),
-    "model/window.py:_column:L*:Gt->GtE": ("(change > tol)).nonzero()", _TOLERANCE_EDGE),
+    "model/window.py:_positive_int:L*:Gt->GtE": (
+        "and value > 0 else None", "with `>=` a width of 0 is returned as 0 instead of None; every caller reads the "
+        "result by its truth (`and _positive_int(...)`, `if w:`, `if c:`, `w and ...` in _declared), where 0 and None "
+        "are alike: no pattern is declared either way (checked by hand; pinned: sliding_window = 0 declares nothing)"),
+    "model/window.py:_column:L*:Gt->GtE": (("(change > tol)).nonzero()", "if not float(change[edge]) > tol:"),
+                                           _TOLERANCE_EDGE + " (on either line: a key leaked, the farthest row moved)"),
     "model/causality.py:check_prefix_causality:L*:Gt->GtE": (
         ("(past > tol).sum()", "(change[c + 1:] > tol).any()", "(ch[:c + 1] > tol).sum()", "[:cj + 1] > tol).any()"),
         _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: the past's count, the later outputs' "
@@ -347,6 +360,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         ("(change[s:e] > tol).any()", "(outside > tol)", "(ch > tol).any()"),
         _TOLERANCE_EDGE + " (a relative change against UNCHANGED's tolerance: a document's own outputs, the others', "
         "the first layer where they cross)"),
+    "model/packing.py:_crosses:L*:Gt->GtE": ("return bool((change > tol).any())", _TOLERANCE_EDGE + " (a relative "
+                                             "change against UNCHANGED's tolerance: where a leak starts)"),
     "model/_causal.py:masks_future:L*:Gt->GtE": ("> tol).any())", _TOLERANCE_EDGE + " (both lines: the later "
                                                                    "outputs' change, the earlier ones')"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
@@ -368,8 +383,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
         "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
     "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
-    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": ("base.one_stream or base.value is base.key",
-                                                                 _VALUES_ARE_KEYS),
+    "detectors/_mask_hints.py:honoured_conventions:L*:or->and": (
+        ("base.one_stream or base.value is base.key", "baseline_scale(chunks[0], centred=True) or None"),
+        "on either line. `base.one_stream or base.value is base.key`: " + _VALUES_ARE_KEYS + ". `or None` made `and "
+        "None`: " + _ZERO_BASE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:any->all": ("if any(c is None for c in changes):", _ZERO_BASE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:Gt->GtE": ("moved = moved_change[sees_first] > tol",
+                                                                 _TOLERANCE_EDGE),
+    "detectors/_mask_hints.py:honoured_conventions:L*:LtE->Lt": ("if worst <= tol and", _TOLERANCE_EDGE),
+    "detectors/_mask_hints.py:adds_bool_mask:L*:LtE->Lt": ("float(change.max()) <= tolerance(UNCHANGED",
+                                                           _TOLERANCE_EDGE + " (a change of exactly 0, the layer that "
+                                                           "adds its mask, is under it either way)"),
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
         "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and "
         "P = 1, which it is: `<` and `<=` give the same sizes"),

@@ -66,7 +66,9 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
     V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in stacked])
     allowed = probe.allowed(3 * B, T, T, pad.repeat(3, 1, 1))  # causal included where the audit passes it
     seen = allowed[:B].cpu()  # (B, Tq, Tk): what one copy allows
-    hold = seen.any(-1) & ~(seen & blocked.unsqueeze(1)).any(-1)  # rows that see none of the changed keys
+    # the rows held: every row that sees a key, as none sees a changed one (`seen` lies within the padding mask,
+    # which blocks them for every query)
+    hold = seen.any(-1)
     if base.one_stream:
         hold &= ~blocked
     sees_first = seen[:, :, 0]  # (B, Tq): rows a correct layer moves when key 0 changes

@@ -77,7 +77,8 @@ def _crosses(t, rows: int, T: int, row: int, s: int, e: int, tol: float) -> bool
     (against row 0); None where `t` is not one entry per row and position, batch-first."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[:2] != (rows, T):
         return None
-    change = moved(t[row:row + 1].flatten(2), t[:1].flatten(2))  # (1, T)
+    # (1, T, features): a (rows, T) tensor, one value per position (a gate), as one feature; flatten(2) raised on it
+    change = moved(t[row:row + 1].reshape(1, T, -1), t[:1].reshape(1, T, -1))  # (1, T)
     if change is None:
         return None
     change = change[0].clone()

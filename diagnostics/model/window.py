@@ -166,11 +166,6 @@ def patterns(ctx: ModelContext) -> dict:
     return {p: d for p, d in found if d is not None}
 
 
-def windows(ctx: ModelContext) -> dict:
-    """{path: w} of the attention layers that declare a sliding window."""
-    return {p: d.band for p, d in patterns(ctx).items() if d.kind == "window"}
-
-
 DECLARES_WINDOW = Need("a layer that declares a sliding window or chunk", lambda c: bool(patterns(c)),
                        "no attention layer declares a sliding window or a chunk (an `attention_pattern`, "
                        "`sliding_window`, `attention_chunk_size` or `layer_types` on the layer or its config)")
