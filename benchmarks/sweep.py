@@ -617,7 +617,24 @@ def run_transformers(model_type: str, *, bugs: bool, device: str = "cpu", dtype:
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
+    without_attention(row, model)
     return row
+
+
+NONE_FOUND = "inconclusive: no attention module was found"
+
+
+def without_attention(row: Row, model) -> None:
+    """A model the audit found no attention in (no attention class, no softmax over (Tq, Tk) scores or fused call
+    observed) and that holds no module of an attention class (`class_kind`: torch's, timm's, transformers'
+    *Attention) is a row "no attention", not counted, as timm's rule by class counts it: ResNet, ConvNeXt, FNet's
+    Fourier mixing, FocalNet's modulation, a codec's convolutions (28 transformers types at 5a3f78e, counted as
+    inconclusive). A model that holds such a class stays inconclusive: the audit missed its attention."""
+    from diagnostics.model._find import class_kind
+
+    if row.verdict == "inconclusive" and row.why.startswith(NONE_FOUND) and \
+            not any(class_kind(m) for m in model.modules()):
+        row.verdict, row.why = "no attention", "no attention class among its modules and none observed"
 
 
 # ---- timm -----------------------------------------------------------------------------------------------------

@@ -778,3 +778,19 @@ def test_timm_stage_models_are_built_small_only_with_their_widths():
     for name in ("davit_giant", "swinv2_cr_giant_224", "vit_intern300m_patch14_448"):
         model = sweep.timm_build(name)
         assert sum(p.numel() for p in model.parameters()) < 3e6, name  # 1.4 billion, 312 million, 304 million before
+
+
+@pytest.mark.parametrize("attends", [False, True])
+def test_a_model_with_no_attention_class_that_the_audit_found_none_in_is_not_counted(attends):
+    """ResNet, FNet, a codec: "no attention module was found" and no attention class among its modules is a row "no
+    attention" (not counted, as timm's are); the twin holds torch's nn.MultiheadAttention, so an audit that found
+    none there missed it, and the row stays inconclusive."""
+    import torch
+
+    sweep = _sweep()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.MultiheadAttention(4, 1) if attends else torch.nn.ReLU())
+    row = sweep.Row("m", built=True, verdict="inconclusive", why=sweep.NONE_FOUND + " (no torch, timm or ...)")
+    sweep.without_attention(row, model)
+    assert row.verdict == ("inconclusive" if attends else "no attention"), row
+    assert sweep.rates([row, sweep.Row("p", built=True, verdict="passed")])[0].startswith(
+        "1 / 1 built" if not attends else "2 / 2 built"), sweep.rates([row])
