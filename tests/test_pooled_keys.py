@@ -77,3 +77,20 @@ def test_a_routers_softmax_over_experts_is_not_read_as_attention_over_pooled_key
     rows = report.result("weight_row_sums")
     assert "keys the layer makes of its own" not in rows.message, rows
     assert report.status != "passed", report
+
+
+class MaskedPooledKeyAttention(PooledKeyAttention):
+    """The same layer taking a mask over the tokens, which its pooled keys cannot carry (it ignores it)."""
+
+    def forward(self, x, mask=None):
+        return super().forward(x)
+
+
+def test_pooled_keys_are_read_only_where_no_mask_is_given():
+    """A padding mask blocks tokens, not the keys the layer pools from them: its rows over m keys say nothing of what
+    the mask blocked, so weight_row_sums' padded call reads no pooled keys (it is not measured there; mask_honoured
+    judges the ignored mask)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(MaskedPooledKeyAttention(), seq_len=16)
+    rows = report.result("weight_row_sums")
+    assert "keys the layer makes of its own" not in rows.message and not rows.measured, rows

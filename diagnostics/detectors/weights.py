@@ -64,7 +64,7 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
     t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
     # T, or a layer in place with queries of its own: its Q rows, or every token's where it attends them all and
     # keeps the class token's row (`Probe._observed`)
-    t_q = weights.shape[-2] if getattr(s.layer, "own_queries", None) and weights.dim() >= 2 else T
+    t_q = weights.shape[-2] if getattr(s.layer, "own_queries", None) else T  # observed weights: (.., Tq, Tk)
     if weights.numel() % (B * t_q * t_k):
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
     # no float64 copy of the weights (at (2, 8, 1024, 1024) 128 MB, ~0.5 forward passes): row sums accumulate in
