@@ -293,12 +293,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "1e-9)"),
     "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),  # both lines
     "detectors/gradients.py:check_gradients:L*:LtE->Lt": ("max(reads) <= KINK_STEADY * min(reads)", _KINK_EDGE),
-    "detectors/weights.py:check_weight_row_sums:L*:and->or": (
-        "if weights is None and unmasked and call.record", "the first `and` only (`weights is None or ...`): where "
-        "the weights were read already, `pooled_keys` replaces them only by a softmax over m < Tk keys followed by a "
-        "product with m values, or a fused call with m < Tk keys, beside them: no layer of one attention has both "
-        "(checked by hand on the suite's layers: it returns None for every (Tq, Tk) softmax and fused call). The "
-        "second `and` is pinned: tests/test_pooled_keys.py::test_pooled_keys_are_read_only_where_no_mask_is_given"),
     "detectors/keys.py:check_keys_matter:L*:Gt->GtE": (
         "if all(m > ROUNDING_BOUND * comparison.tol", _TOLERANCE_EDGE + " (a reading against 10 x UNCHANGED's "
         "tolerance; it decides only whether the null twin call is made, and a reading exactly at the edge is far above "
