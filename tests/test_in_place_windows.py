@@ -302,3 +302,15 @@ def test_a_feature_map_layer_whose_heads_project_slices_of_its_channels_is_measu
     assert report.status == status and layer.status == status, report
     if not scaled:
         assert "softmax_saturation" in layer.fired(), layer
+
+
+@pytest.mark.parametrize("bug, status", [(None, "passed"), ("unscaled", "failed")])
+def test_block_weights_are_read_in_bfloat16_at_gpt2_initialisation(bug, status, std_002):
+    """At the scales people train at: the projections drawn with std 0.02, the model in bfloat16."""
+    model = std_002(BlockModel(bug)).to(torch.bfloat16).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured, layer
+    assert report.status == status and layer.status == status, report
+    if bug:
+        assert "softmax_saturation" in layer.fired(), layer

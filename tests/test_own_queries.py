@@ -71,3 +71,16 @@ def test_a_layer_with_queries_of_its_own_is_audited_in_place_on_them(bug, status
     assert report.status == status and layer.status == status, report
     if fired:
         assert fired in layer.fired(), layer
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["class token, (B, 1, D)", "pooling head, (B, D)"])
+@pytest.mark.parametrize("bug, status", [(None, "passed"), ("unscaled", "failed")])
+def test_queries_of_its_own_are_read_in_bfloat16_at_gpt2_initialisation(bug, status, pooled, std_002):
+    """At the scales people train at: the projections drawn with std 0.02, the model in bfloat16."""
+    model = std_002(ClassTokenModel(bug, pooled)).to(torch.bfloat16).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured, layer
+    assert report.status == status and layer.status == status, report
+    if bug:
+        assert "softmax_saturation" in layer.fired(), layer

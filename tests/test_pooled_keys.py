@@ -94,3 +94,26 @@ def test_pooled_keys_are_read_only_where_no_mask_is_given():
     report = diagnostics.audit(MaskedPooledKeyAttention(), seq_len=16)
     rows = report.result("weight_row_sums")
     assert "keys the layer makes of its own" not in rows.message and not rows.measured, rows
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["softmax", "fused"])
+@pytest.mark.parametrize("bug, status", [(None, "passed"), ("unscaled", "failed")])
+def test_pooled_keys_are_read_in_bfloat16_at_gpt2_initialisation(bug, status, fused, std_002):
+    """At the scales people train at: projections drawn with std 0.02, the layer in bfloat16, 64 tokens."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(std_002(PooledKeyAttention(bug, fused)).to(torch.bfloat16), seq_len=64)
+    assert f"over the {KEYS} keys the layer makes of its own" in report.result("weight_row_sums").message, report
+    assert report.status == status, report
+    if bug:
+        assert "softmax_saturation" in report.fired(), report
+
+
+def test_a_softmax_over_the_queries_of_pooled_keys_is_pointed_at_its_line():
+    """The finding's site: the softmax over the queries of the (Tq, m) scores, with the fix to normalise over the
+    keys (before, no site: the localiser looked for (Tq, Tk) weights only). Twin: the correct layer has no finding."""
+    torch.manual_seed(0)
+    rows = diagnostics.audit(PooledKeyAttention("queries axis"), seq_len=16).result("weight_row_sums")
+    sites = list(rows.where)
+    assert sites and "softmax(-2" in sites[0].code and "softmax(dim=-1)" in sites[0].fix, sites
+    torch.manual_seed(0)
+    assert diagnostics.audit(PooledKeyAttention(), seq_len=16).result("weight_row_sums").verdict == "pass"

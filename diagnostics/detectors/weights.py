@@ -12,7 +12,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
-from .._tracing import trace_call, weights_origin
+from .._tracing import SOFTMAXES, trace_call, weights_origin
 from ._common import result
 from ._stacked import PADDED, stacked_baseline, stacked_cases
 
@@ -27,7 +27,13 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
     if trace.output is None:
         return []
     t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
-    return weights_origin(probe, trace, call.allowed, t_q, t_k)
+    sites = weights_origin(probe, trace, call.allowed, t_q, t_k)
+    # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (Tq, m)
+    pooled = [op.outs[0].shape[-1] for op in trace.ops if op.short in SOFTMAXES and op.outs and op.outs[0] is not None
+              and op.outs[0].dim() >= 3 and op.outs[0].shape[-2] == t_q and 1 < op.outs[0].shape[-1] < t_k]
+    if not sites and pooled and call.allowed is None:
+        sites = weights_origin(probe, trace, call.allowed, t_q, pooled[-1])
+    return sites
 
 
 @detector("weight_row_sums", "weights are non-negative and each row sums to 1 over keys",
