@@ -578,7 +578,8 @@ def _unflatten(record: Record, i: int, sm: SoftmaxCall) -> None:
             shape = tuple(x.shape)
             sm.layout = (f"softmax over dim 1 of {tuple(sm.output.shape)}: read as {shape}, the shape the product at "
                          f"its values reads it in")
-            sm.input, sm.output = sm.input.reshape(shape), sm.output.reshape(shape)
+            # its axis, the last of the rows, is the keys' of the shape read: -1 (dim=1 of a 3-D view is the queries)
+            sm.input, sm.output, sm.dim = sm.input.reshape(shape), sm.output.reshape(shape), -1
             if sm.unshifted is not None:
                 sm.unshifted = sm.unshifted.reshape(shape)
         return

@@ -102,8 +102,32 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                          f"{at_text(idx, names + ('k',))}")
         return result(det, "fail", f"attention weights are not a distribution over keys ({source})",
                        value=worst, threshold=tol, evidence="; ".join(parts), replay=call)
+    exact = _exact_row_sums(call.record, weights, rows, B, t_q, t_k)
+    if exact is not None:
+        return result(det, "fail", f"attention weights are not a distribution over keys ({source})",
+                       value=exact[0], threshold=tolerance(ROW_SUM, torch.float64), replay=call,
+                       evidence=f"the layer's softmax normalises another axis than the keys (dim={exact[1]}): "
+                                f"recomputed exactly, in float64, from the scores it was given, its rows sum to 1 "
+                                f"within {exact[0]:.2g} only; its {dtype_name(s.dtype)} weights, each rounded, hide "
+                                f"that within the {tol:.2g} allowed (small scores, as at initialisation, make a "
+                                f"softmax over any axis nearly uniform)")
     return result(det, "pass", f"all {total} weight rows sum to 1 and no weight is negative ({source})",
                    value=worst, threshold=tol, margin=_row_sum_margin(s.dtype))
+
+
+def _exact_row_sums(record, weights, rows, batch: int, t_q: int, t_k: int) -> tuple[float, int] | None:
+    """(the largest |row sum - 1|, the axis) of the observed softmax whose output `weights` are, recomputed exactly in
+    float64 from its own scores, where that softmax normalises another axis than the keys and its rows miss 1 by more
+    than float64's rounding; None otherwise. Over the keys, rows sum to 1 by construction: nothing is recomputed.
+    Over the queries, rows miss 1 by about the scores' spread: at GPT-2's std-0.02 initialisation in bfloat16 by
+    less than the rounding `ROW_SUM` allows, so that the wrong axis passed on the rounded weights alone."""
+    softmax = next((sm for sm in (record.softmaxes if record is not None else ()) if sm.output is weights), None)
+    if softmax is None or softmax.dim in (-1, softmax.output.dim() - 1):
+        return None
+    exact = softmax.input.detach().double().softmax(softmax.dim).reshape(batch, -1, t_q, t_k)
+    dev = (exact.sum(-1) - 1).abs().nan_to_num(nan=math.inf)
+    worst = float(dev[rows.expand_as(dev)].max()) if bool(rows.any()) else 0.0
+    return (worst, softmax.dim) if worst > tolerance(ROW_SUM, torch.float64) else None
 
 
 @stacked_cases(PADDED, "weight_row_sums")

@@ -110,7 +110,7 @@ class ModuleWatch:
         _, s0, f0, x0 = self.stack.pop()
         record = self.observer.record
         soft = [s for s in record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
-                and s.dim in (-1, s.output.dim() - 1)]
+                and (s.dim in (-1, s.output.dim() - 1) or self._over_queries(s))]
         fused = record.fused[f0:]
         path = self.paths[id(m)]
         entry = self.counts.setdefault(path, [0, 0])
@@ -155,6 +155,33 @@ class ModuleWatch:
         entry[shapes is not None] += 1
         if shapes:
             self.shapes.setdefault(path, sorted(set(shapes)))
+
+    def _over_queries(self, call: SoftmaxCall) -> bool:
+        """Whether a softmax over the second-last axis is attention's, over the wrong axis (the bug: each key's
+        column sums to 1, not each query's row): its input is q·k, a product of two activations (neither a weight
+        of the model), and a later product sums that very output with values over its last axis. Linear attention's
+        softmax of the keys over the tokens (k = x W_k, then k^T v) normalises a projection, not q·k; slot attention
+        renormalises its softmax over the slots before the values' product: neither is counted.
+        Uncounted, a user's model with that bug was "no attention found" instead of failing (its class is no
+        library's)."""
+        if call.dim not in (-2, call.output.dim() - 2) or call.output.shape[-2] < 2:
+            return False
+        record = self.observer.record
+        i = next((j for j, o in enumerate(record.order) if o is call), None)
+        product = None if i is None else next(
+            (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))
+             and math.prod(_shape(m)) == call.input.numel()), None)
+        if not isinstance(product, Matmul) or product.a.dim() < 2 or product.b.dim() < 2:
+            return False
+        if self._weights is None:
+            self._weights = {_storage(p) for m in self.named.values() for p in m.parameters(recurse=False)}
+        if {_storage(product.a), _storage(product.b)} & (self._weights - {None}):
+            return False
+        weights, t_k = _storage(call.output), call.output.shape[-1]
+        return weights is not None and any(
+            isinstance(m, Matmul) and ((_storage(m.a) == weights and m.a.shape[-1] == t_k)
+                                       or (_storage(m.b) == weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
+            for m in record.order[i + 1:])
 
     def _over_weight(self, call) -> tuple | None:
         """(the scores' shape, the weight's) where an observed softmax normalises, over its last axis, a product
