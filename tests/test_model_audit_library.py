@@ -4,7 +4,7 @@ check must take as it is.
 - Mixture-of-experts layers: transformers 5 computes them with `grouped_mm`, which takes no float64, so the float64
   copy every parity check compares with raised and the checks fell back to a bare 1e-5 floor against the float32
   pass. The copy now computes its experts one by one ("eager", the same sum): a tiny Mixtral's cache parity is judged
-  against it; its twin, a tiny Jamba (experts beside a Mamba scan), still fails where its cache is wrong (a cached
+  against it, also where the experts are a submodel's (a vision-language model's Mixtral); its twin, a tiny Jamba (experts beside a Mamba scan), still fails where its cache is wrong (a cached
   step of 3 tokens restarts the scan, `KNOWN` in benchmarks/sweep.py) and passes steps of 1.
 - A model whose inputs nothing declares (Decision Transformer's states) is a usage error naming the dict to pass.
 """
@@ -41,6 +41,25 @@ def test_a_mixture_of_experts_is_compared_with_its_float64_copy():
     assert result.verdict == "pass", (result.message, result.evidence)
     assert "against the float64 copy" in result.evidence and "no float64 copy" not in result.evidence, result.evidence
     assert model.config._experts_implementation != "eager"  # the user's model keeps its own
+
+
+def test_a_language_model_of_experts_inside_a_composite_model_is_compared_with_its_float64_copy():
+    """A vision-language model whose language model is a mixture of experts: its top config names no experts
+    implementation ("eager", the default), its text config names `grouped_mm`. Read from the top config alone, the
+    copy kept grouped_mm and raised, so cache_parity fell back to the bare 1e-5 floor (Nemotron 3.5 Transcribe, whose
+    47-layer Nemotron-H differs by 1.45e-5 in float32 and FAILED for it). Every submodel's config is read now."""
+    tf = _transformers()
+    torch.manual_seed(0)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    config = tf.LlavaConfig(text_config=tf.MixtralConfig(num_hidden_layers=2, **SMALL).to_dict(),
+                            vision_config=vision, image_token_index=SMALL["vocab_size"] - 1)
+    model = tf.LlavaForConditionalGeneration(config)
+    assert model.model.language_model.config._experts_implementation != "eager"  # the case: experts one level down
+    result = _cache(model)
+    assert result.verdict == "pass", (result.message, result.evidence)
+    assert "against the float64 copy" in result.evidence and "no float64 copy" not in result.evidence, result.evidence
+    assert model.model.language_model.config._experts_implementation != "eager"  # the user's model keeps its own
 
 
 def test_a_hybrid_whose_cached_steps_of_several_tokens_restart_its_scan_still_fails():

@@ -101,9 +101,11 @@ def eager_experts(model: nn.Module) -> nn.Module:
     float64 copy of any MoE model (Jamba, Mixtral, Qwen3-MoE) raised, and its parity checks fell back to a bare 1e-5
     floor against its own float32 pass, whatever that pass's own rounding. The same function: the experts' sum, in
     another order of operations."""
-    config = getattr(model, "config", None)
     setter = getattr(model, "set_experts_implementation", None)
-    if callable(setter) and getattr(config, "_experts_implementation", None) not in (None, "eager"):
+    # the model's own config, or a submodel's (a speech or vision LM whose experts are its language model's:
+    # Nemotron 3.5 Transcribe's Nemotron-H, whose float64 copy raised while the top config names no experts)
+    configs = [getattr(m, "config", None) for m in model.modules()]
+    if callable(setter) and any(getattr(c, "_experts_implementation", None) not in (None, "eager") for c in configs):
         setter("eager")
     return model
 
