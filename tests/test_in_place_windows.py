@@ -314,3 +314,45 @@ def test_block_weights_are_read_in_bfloat16_at_gpt2_initialisation(bug, status, 
     assert report.status == status and layer.status == status, report
     if bug:
         assert "softmax_saturation" in layer.fired(), layer
+
+
+class DownsampleAttention(nn.Module):
+    """LeViT's convolutional AttentionDownsample, reduced: keys and values from every pixel of a (B, C, H, W) map,
+    queries from every second pixel of every second row, and the map returned on that (H/2, W/2) grid, wider. `bug`:
+    "unscaled" leaves q·k unscaled; "wrong_axis" takes the softmax over the queries."""
+
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.bug = bug
+        self.kv, self.q, self.proj = nn.Conv2d(D, 2 * D, 1), nn.Conv2d(D, D, 1), nn.Conv2d(D, 2 * D, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape  # batch, channels, height, width
+        k, v = self.kv(x).flatten(2).chunk(2, dim=1)  # (B, C, H x W) each
+        q = self.q(x[:, :, ::2, ::2]).flatten(2)  # (B, C, H/2 x W/2): the queries, subsampled
+        scores = q.transpose(1, 2) @ k * (1.0 if self.bug == "unscaled" else C ** -0.5)  # (B, Q, HW)
+        w = scores.softmax(-2 if self.bug == "wrong_axis" else -1)
+        return self.proj((v @ w.transpose(1, 2)).view(B, C, (H + 1) // 2, (W + 1) // 2))
+
+
+class DownsampleModel(PixelModel):
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        seed_rng(0)
+        self.attn, self.head = DownsampleAttention(bug), nn.Linear(2 * D, 4)
+
+
+@pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
+                                                ("wrong_axis", "failed", "weight_row_sums")])
+def test_a_feature_map_layer_returning_a_smaller_map_has_queries_of_its_own(bug, status, fired):
+    """A map in, a map of a quarter of its positions out (LeViT's convolutional downsampling attention): its queries
+    are those positions. Before, 'not audited in place' (a grid with queries of its own was refused: 10 LeViT models
+    inconclusive). Now the output's positions are read as Q rows, the weights over (Q, HW). Twins: the scores left
+    unscaled, and a softmax over the queries, fail at that layer."""
+    report = diagnostics.audit_model(DownsampleModel(bug).eval(), example=torch.randn(2, 3, 12, 12))
+    layer = report.layers["attn"]
+    assert "channels first, queries of its own on a 3 x 3 grid" in layer.layer, layer.layer
+    assert layer.result("weight_row_sums").measured and layer.result("softmax_saturation").measured, layer
+    assert report.status == status and layer.status == status, report
+    if fired:
+        assert fired in layer.fired(), layer

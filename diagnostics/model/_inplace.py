@@ -373,12 +373,17 @@ class InPlaceGrid(InPlace):
     the output flattened back. Only at the captured size: a probe of another length cannot be laid out as the grid
     (`ProbeNotTaken`, skipped with that reason)."""
 
-    def __init__(self, *args, grid: tuple[int, ...], channels_first: bool = False, **kw):
+    def __init__(self, *args, grid: tuple[int, ...], channels_first: bool = False,
+                 out_grid: tuple[int, ...] | None = None, **kw):
         super().__init__(*args, **kw)
         self.grid, self.channels_first = grid, channels_first
+        # channels first, returned on a smaller grid: its positions, flattened, are queries of its own (`own_queries`)
+        self.out_grid = out_grid
         shown = " x ".join(map(str, grid))
         order = "channels first" if channels_first else "channels last"
-        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid, {order})")
+        queries = "" if out_grid is None else f", queries of its own on a {' x '.join(map(str, out_grid))} grid"
+        self.audit_name = self.audit_name.replace(", in place)", f", in place, tokens of a {shown} grid, {order}"
+                                                                 f"{queries})")
 
     def _layout(self, x: Tensor) -> Tensor:
         if x.shape[1] != math.prod(self.grid):
@@ -394,8 +399,8 @@ class InPlaceGrid(InPlace):
         out = super()._invoke(x, streams)
         if not isinstance(out, Tensor) or out.dim() != 2 + len(self.grid):
             return out
-        if self.channels_first and tuple(out.shape[2:]) == self.grid:
-            return out.flatten(2).transpose(1, 2)  # (B, D', *grid) -> (B, t, D')
+        if self.channels_first and tuple(out.shape[2:]) in (self.grid, self.out_grid):
+            return out.flatten(2).transpose(1, 2)  # (B, D', *grid) -> (B, t, D'); on its own grid (B, Q, D')
         if not self.channels_first and tuple(out.shape[1:-1]) == self.grid:
             return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D')
         return out
@@ -420,6 +425,12 @@ def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
         same_grid = output_shape[0] == value.shape[0] and tuple(output_shape[2:]) == tuple(value.shape[2:])
         # or the very map it was given, each head's projection taking a slice of its channels (EfficientViT's cascade)
         if same_grid and (value.shape[1] == width or output_shape[1] == value.shape[1]):
+            return name, tuple(int(n) for n in value.shape[2:]), True
+        # or a map of fewer positions, each no larger along either axis: queries of its own, subsampled by a stride
+        # (LeViT's convolutional AttentionDownsample, (B, C, 4, 4) in, (B, C', 2, 2) out)
+        if value.shape[1] == width and output_shape[0] == value.shape[0] and \
+                all(o <= i for o, i in zip(output_shape[2:], value.shape[2:])) and \
+                math.prod(output_shape[2:]) < math.prod(value.shape[2:]):
             return name, tuple(int(n) for n in value.shape[2:]), True
     return None, None, False
 
@@ -455,6 +466,10 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         arguments[hidden] = grid_input.flatten(2).transpose(1, 2) if channels_first else grid_input.flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     own_queries, one_vector = _own_queries(arguments[hidden], long_call.output_shape)
+    out_grid = None  # a channels-first map returned on a smaller grid than it came on: its positions are the queries
+    if grid is not None and channels_first and tuple(long_call.output_shape[2:]) != grid:
+        out_grid = tuple(int(n) for n in long_call.output_shape[2:])
+        own_queries = math.prod(out_grid)
     short = None
     if short_call is not None:
         try:
@@ -518,17 +533,20 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     out = long_call.output_shape
     returned = int(out[-1]) if out is not None and len(out) == 3 and tuple(out[:2]) == tuple(H.shape[:2]) else None
     if own_queries is not None and out is not None and not one_vector:  # its rows are its own queries, any width
-        returned = int(out[-1])
+        returned = int(out[1] if out_grid is not None else out[-1])
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded, shared, centred, returned)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
-    if own_queries is not None and (grid is not None or memory is not None):
+    if own_queries is not None and (memory is not None or (grid is not None and out_grid is None)):
         raise AuditUsageError(f"expected {path} ({type(module).__name__}) to return one output per token of its "
                               f"hidden states, as the layer audit's probes of a grid or of a memory read it; it "
                               f"returned {own_queries} for {H.shape[hidden_time_dim]} (queries of its own), so it is "
                               f"audited only through the model")
     if grid is not None:
-        return InPlaceGrid(*built, grid=grid, channels_first=channels_first)
+        wrapped = InPlaceGrid(*built, grid=grid, channels_first=channels_first, out_grid=out_grid)
+        if out_grid is not None:
+            wrapped.own_queries = own_queries
+        return wrapped
     if memory is None:
         wrapped = InPlace(*built)
         if own_queries is not None:
