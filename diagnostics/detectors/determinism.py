@@ -9,7 +9,7 @@ from .._probe import Probe
 from .._registry import DETECTORS, detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
-from ._common import invariance_locator, judge, result
+from ._common import invariance_locator, judge, no_rows, result
 from ._stacked import other_sequence_changed
 
 
@@ -25,6 +25,8 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     if not base.ok:
         return not_run(det, base)
     B, t_q = base.query.shape[0], base.query.shape[probe.subject.time_dim]
+    if base.output.out.dim() < 3:
+        return skip(det, no_rows(probe, base.output.out))
     tol = tolerance(UNCHANGED, probe.subject.dtype)
     changed, other = other_sequence_changed(probe)
     if other.ok and other.output.out.shape == base.output.out.shape and base.output.out.shape[0] == B > 1:
