@@ -49,7 +49,7 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     change = relative_change(again.output.out, base.output.out, centred=True)
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
-    everywhere = torch.ones(B, t_q, dtype=torch.bool)
+    everywhere = torch.ones(B, probe.subject.own_queries or t_q, dtype=torch.bool)  # its rows: T, or its queries
     comparison = Comparison([Case(Inputs(base.query, base.key, base.value), everywhere,
                                   "between two eval-mode calls on the same input")], [change], tol, again)
     bad, worst, text, _ = held(comparison, probe, what="outputs")

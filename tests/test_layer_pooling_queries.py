@@ -1,0 +1,274 @@
+"""A user's own attention-POOLING layer audited as a layer (issue 33, issue 34's "convention mismatch is not a
+defect"): a module with Q learned queries of its own that attends over the input tokens and returns (B, Q, D), or
+(B, D) where Q = 1 (CLIP's and SigLIP's attention-pool head, Set Transformer's PMA, Perceiver's latent array).
+
+Before `queries=Q`, every such layer FAILED `output_shape` ("output (2, 32), expected (2, 16, 32)"), the hand-written
+one `runs` too (the audit's (B, 1, T, T) masks do not fit Q queries), and `batch_independence` and
+`eval_determinism` crashed on a (B, D) output. Declared, the output is expected to have Q rows, the weights are read
+over (Q, Tk), masks reach the layer per key (padding), and the probes that compare rows read its Q rows; the bugs
+fail on the same inputs (twins). Undeclared, the audit needs a declaration naming `queries=Q` (never FAILED), but
+only where the output's row count is the same at two lengths: a layer whose rows move with T is a shape bug, and
+no declaration is suggested for it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+from diagnostics import AuditUsageError, _cli
+from diagnostics._guard import seed_rng
+
+pytest_plugins = ["pytester"]
+
+D, HEADS = 32, 4
+
+
+class AttentionPool(nn.Module):
+    """Q learned queries over the tokens, written by hand; the key padding mask is bool (B, T), True = padding.
+    `bug`: one step changed (None: correct)."""
+
+    def __init__(self, queries: int = 1, squeeze: bool = True, bug: str | None = None):
+        super().__init__()
+        seed_rng(0)
+        self.d_model, self.num_heads, self.squeeze, self.bug = D, HEADS, squeeze, bug
+        self.latent = nn.Parameter(torch.randn(1, queries, D))
+        self.q, self.kv, self.proj = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+
+    def forward(self, x, key_padding_mask=None):
+        B, T, C = x.shape  # batch, tokens, width
+        Q, d = self.latent.shape[1], C // self.num_heads  # queries of its own, head width
+        q = self.q(self.latent.expand(B, -1, -1)).view(B, Q, self.num_heads, d).transpose(1, 2)  # (B, H, Q, d)
+        k, v = self.kv(x).view(B, T, 2, self.num_heads, d).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        scores = q @ k.transpose(-2, -1) * (1.0 if self.bug == "unscaled" else 1 / math.sqrt(d))  # (B, H, Q, T)
+        if key_padding_mask is not None and self.bug != "mask ignored":
+            scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        weights = scores.softmax(-2 if self.bug == "softmax over the queries" else -1)
+        if self.bug == "dropout in eval":
+            weights = F.dropout(weights, 0.5, training=True)
+        out = self.proj((weights @ v).transpose(1, 2).reshape(B, Q, C))  # (B, Q, D)
+        return out[:, 0] if Q == 1 and self.squeeze else out
+
+
+class MHAPool(nn.Module):
+    """The same with torch's nn.MultiheadAttention: its learned queries attend the tokens."""
+
+    def __init__(self, queries: int = 1, squeeze: bool = True, bug: str | None = None):
+        super().__init__()
+        seed_rng(0)
+        self.squeeze, self.bug = squeeze, bug
+        self.latent = nn.Parameter(torch.randn(1, queries, D))
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+
+    def forward(self, x, key_padding_mask=None):
+        mask = None if self.bug == "mask ignored" else key_padding_mask
+        out, _ = self.attn(self.latent.expand(x.shape[0], -1, -1), x, x, key_padding_mask=mask)  # (B, Q, D)
+        return out[:, 0] if out.shape[1] == 1 and self.squeeze else out
+
+
+class RowDropper(nn.Module):
+    """Self-attention, one row per token, that loses its last row (`bug`): a shape bug whose row count moves with T."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.d_model, self.num_heads, self.bug = D, HEADS, bug
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        out = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))  # (B, T, D)
+        return out[:, :-1] if self.bug else out
+
+
+LAYERS = {  # name: (build(bug), queries)
+    "hand-written, Q=1, (B, D)": (lambda bug=None: AttentionPool(1, bug=bug), 1),
+    "hand-written, Q=1, (B, 1, D)": (lambda bug=None: AttentionPool(1, squeeze=False, bug=bug), 1),
+    "hand-written, Q=4, (B, 4, D)": (lambda bug=None: AttentionPool(4, bug=bug), 4),
+    "nn.MultiheadAttention, Q=1, (B, D)": (lambda bug=None: MHAPool(1, bug=bug), 1),
+    "nn.MultiheadAttention, Q=4, (B, 4, D)": (lambda bug=None: MHAPool(4, bug=bug), 4),
+}
+HAND_WRITTEN = [name for name in LAYERS if name.startswith("hand")]
+BUGS = [("unscaled", "softmax_saturation"), ("softmax over the queries", "weight_row_sums"),
+        ("dropout in eval", "eval_determinism"), ("mask ignored", "mask_honoured")]
+
+
+# ---- declared: the correct layers pass, the bugs fail ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_correct_pooling_layer_passes_with_its_queries_declared(name):
+    build, queries = LAYERS[name]
+    report = diagnostics.audit(build().eval(), queries=queries, progress=False)
+    assert report.status == "passed", report
+    assert report.result("output_shape").verdict == "pass", report.result("output_shape")
+    for det in ("weight_row_sums", "softmax_saturation", "mask_honoured", "batch_independence", "eval_determinism"):
+        assert report.result(det).verdict == "pass", report.result(det)  # measured on its Q rows, not skipped
+
+
+@pytest.mark.parametrize("bug, detector", BUGS)
+@pytest.mark.parametrize("name", HAND_WRITTEN)
+def test_a_bug_in_a_pooling_layer_fails_with_its_queries_declared(name, bug, detector):
+    """The twin of the test above: the same layer, the same inputs (the audit's seed), one step changed."""
+    build, queries = LAYERS[name]
+    report = diagnostics.audit(build(bug).eval(), queries=queries, progress=False)
+    assert report.status == "failed" and detector in report.fired(), report
+    assert report.result("output_shape").verdict == "pass", report
+
+
+@pytest.mark.parametrize("name", [name for name in LAYERS if name.startswith("nn.")])
+def test_an_ignored_key_padding_mask_fails_in_torchs_pooling_layer(name):
+    build, queries = LAYERS[name]
+    correct = diagnostics.audit(build().eval(), queries=queries, progress=False)
+    buggy = diagnostics.audit(build("mask ignored").eval(), queries=queries, progress=False)
+    assert correct.result("mask_honoured").verdict == "pass", correct
+    assert buggy.status == "failed" and "mask_honoured" in buggy.fired(), buggy
+
+
+@pytest.mark.parametrize("name, bug", [(name, bug) for name in ("hand-written, Q=1, (B, D)", "hand-written, Q=4, (B, 4, D)")
+                                       for bug in (None, "unscaled", "softmax over the queries")]
+                         + [("nn.MultiheadAttention, Q=4, (B, 4, D)", None)])
+def test_pooling_layers_are_read_in_bfloat16_at_gpt2_initialisation(name, bug, std_002):
+    """At the scales people train at: projections drawn with std 0.02, the layer in bfloat16; twins on the same
+    inputs."""
+    build, queries = LAYERS[name]
+    layer = std_002(build(bug)).to(torch.bfloat16).eval()
+    report = diagnostics.audit(layer, queries=queries, progress=False)
+    if bug is None:
+        assert report.status == "passed", report
+    else:
+        assert report.status == "failed" and dict(BUGS)[bug] in report.fired(), report
+
+
+def test_a_pooling_layer_given_no_key_at_all_warns_as_a_query_with_no_key_does():
+    report = diagnostics.audit(AttentionPool(4).eval(), queries=4, progress=False)
+    found = report.result("fully_masked_rows")
+    assert found.verdict == "warn" and "sequence 0's every query" in found.evidence, found
+
+
+# ---- undeclared: needs a declaration, never FAILED; a shape bug still fails ------------------------------------
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_an_undeclared_pooling_layer_needs_the_declaration_naming_its_queries(name):
+    build, queries = LAYERS[name]
+    report = diagnostics.audit(build().eval(), progress=False)
+    assert report.status == "inconclusive" and not report.fired(), report
+    assert report.declaration == f"queries={queries}", report
+    assert report.headline.startswith(f"INCONCLUSIVE (needs a declaration: queries={queries})"), report.headline
+    assert report.result("output_shape").declaration == f"queries={queries}", report.result("output_shape")
+
+
+@pytest.mark.parametrize("bug, detector", BUGS)
+def test_the_declaration_suggested_for_a_buggy_pooling_layer_never_makes_it_pass(bug, detector):
+    """The buggy layer, undeclared, is suggested the same declaration as the correct one; under it the bug fails."""
+    build, queries = LAYERS["hand-written, Q=4, (B, 4, D)"]
+    suggested = diagnostics.audit(build(bug).eval(), progress=False).declaration
+    assert suggested == f"queries={queries}"
+    report = diagnostics.audit(build(bug).eval(), queries=queries, progress=False)
+    assert report.status == "failed" and detector in report.fired(), report
+
+
+@pytest.mark.parametrize("bug, status", [(False, "passed"), (True, "failed")])
+def test_a_layer_whose_rows_move_with_the_length_fails_output_shape_with_no_declaration_suggested(bug, status):
+    """Twins: a self-attention that drops its last row returns T - 1 rows at every T: a shape bug, not queries of its
+    own, so no `queries=` is suggested (under which it would pass output_shape)."""
+    report = diagnostics.audit(RowDropper(bug).eval(), progress=False)
+    assert report.status == status, report
+    assert report.result("output_shape").verdict == ("fail" if bug else "pass"), report.result("output_shape")
+    assert report.declaration == "", report
+
+
+def test_undeclared_a_pooling_head_returning_one_vector_is_skipped_not_crashed():
+    """(B, D) has no row axis: the detectors that compare rows say so (they crashed on it before)."""
+    report = diagnostics.audit(MHAPool(1).eval(), progress=False)
+    for det in ("batch_independence", "eval_determinism"):
+        found = report.result(det)
+        assert found.verdict == "skip" and "declare queries=1" in found.message, found
+
+
+# ---- bad input: a clear error --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer, kwargs, words", [
+    (AttentionPool(), {"queries": 0}, "expected queries an int >= 1"),
+    (AttentionPool(), {"queries": "4"}, "expected queries an int >= 1"),
+    (AttentionPool(), {"queries": True}, "expected queries an int >= 1"),
+    (AttentionPool(), {"queries": 1, "causal": True}, "expected queries or causal, not both"),
+    (AttentionPool(), {"queries": 1, "cross": True}, "expected queries or cross, not both"),
+    (lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v), {"queries": 1},
+     "expected queries=Q for a module given one stream"),
+    (nn.MultiheadAttention(D, HEADS, batch_first=True), {"queries": 1},
+     "expected queries=Q for a module given one stream"),
+])
+def test_a_misused_queries_declaration_is_a_clear_usage_error(layer, kwargs, words):
+    with pytest.raises(AuditUsageError, match="Fix: ") as error:
+        diagnostics.audit(layer, progress=False, **kwargs)
+    assert str(error.value).startswith(words), error.value
+
+
+# ---- every front end takes it --------------------------------------------------------------------------------
+
+POOL_SOURCE = '''
+import math
+import torch
+from torch import nn
+
+
+class Pool(nn.Module):
+    def __init__(self, queries=4):
+        super().__init__()
+        self.latent = nn.Parameter(torch.randn(1, queries, 32))
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(self.latent.expand(x.shape[0], -1, -1), x, x)[0]  # (B, Q, D)
+
+
+pool = Pool()
+'''
+
+
+@pytest.fixture
+def pool_module(tmp_path, monkeypatch):
+    (tmp_path / "poolmod.py").write_text(POOL_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.delitem(sys.modules, "poolmod", raising=False)
+    yield
+    sys.modules.pop("poolmod", None)
+
+
+def test_the_command_line_takes_queries(pool_module, capsys):
+    assert _cli.main(["poolmod:pool"]) == _cli.EXIT_INCONCLUSIVE
+    assert "needs a declaration: --queries 4" in capsys.readouterr().out
+    assert _cli.main(["poolmod:pool", "--queries", "4"]) == _cli.EXIT_PASSED
+    assert _cli.main(["poolmod:pool --queries 4"]) == _cli.EXIT_USAGE  # one shell word: not a target
+
+
+def test_the_plugin_takes_queries_as_an_option_and_on_a_marker(pytester):
+    pytester.makepyfile(poolmod=POOL_SOURCE, test_pool='''
+        import pytest
+        import poolmod
+
+        @pytest.mark.attention_audit(queries=4)
+        def test_declared(attention_audit):
+            assert attention_audit(poolmod.Pool()).status == "passed"
+
+        def test_undeclared(attention_audit):  # the twin: inconclusive, naming the declaration
+            attention_audit(poolmod.Pool())
+    ''')
+    plugin = ("-p", "diagnostics.pytest_plugin", "-W", "ignore::pytest.PytestAssertRewriteWarning", "-p", "no:xdist")
+    result = pytester.runpytest(*plugin, "test_pool.py")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 1 and outcomes.get("failed", 0) + outcomes.get("skipped", 0) == 1, result.stdout
+    result.stdout.fnmatch_lines(["*needs a declaration*queries=4*"])
+    declared = pytester.runpytest(*plugin, "--ignore=test_pool.py", "--attention-audit=poolmod:pool",
+                                  "--attention-queries=4")
+    assert declared.ret == pytest.ExitCode.OK, declared.stdout
+    own = pytester.runpytest(*plugin, "--ignore=test_pool.py", "--attention-audit=poolmod:pool --queries 4")
+    assert own.ret == pytest.ExitCode.OK, own.stdout
