@@ -272,3 +272,32 @@ def test_the_plugin_takes_queries_as_an_option_and_on_a_marker(pytester):
     assert declared.ret == pytest.ExitCode.OK, declared.stdout
     own = pytester.runpytest(*plugin, "--ignore=test_pool.py", "--attention-audit=poolmod:pool --queries 4")
     assert own.ret == pytest.ExitCode.OK, own.stdout
+
+
+# ---- own_weights reads a head count named `heads` (issue 34) -------------------------------------------------
+
+class HeadsAttention(nn.Module):
+    """lucidrains' way of keeping its sizes: `self.heads`, no `num_heads`; a fused qkv and an output projection.
+    `merge_bug`: the heads merged without moving them next to their width (a bug every black-box property keeps)."""
+
+    def __init__(self, merge_bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.heads, self.merge_bug = HEADS, merge_bug
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, T, d)
+        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, d)
+        merged = out.reshape(B, T, C) if self.merge_bug else out.transpose(1, 2).reshape(B, T, C)  # (B, T, D)
+        return self.proj(merged)
+
+
+@pytest.mark.parametrize("merge_bug, verdict", [(False, "pass"), (True, "fail")])
+def test_own_weights_reads_the_head_count_a_layer_keeps_as_heads(merge_bug, verdict):
+    report = diagnostics.audit(HeadsAttention(merge_bug).eval(), progress=False)
+    found = report.result("own_weights")
+    assert found.verdict == verdict, found
+    if merge_bug:
+        assert "merged" in found.message + found.evidence, found
