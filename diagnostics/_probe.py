@@ -334,6 +334,11 @@ class Probe:
                 return weights, source
         return None, ""
 
+    def observed_over(self, call: Call, t_q: int, t_k: int) -> Tensor | None:
+        """The weights over (t_q, t_k) that the observed record of `call` shows (a softmax over them, a fused
+        attention call), or None."""
+        return self._observed_over(call, t_q, t_k)[0]
+
     def _observed_over(self, call: Call, t_q: int, t_k: int) -> tuple[Tensor | None, str]:
         if call.record is not None:
             fused = any(f.q.shape[-2] == t_q and f.k.shape[-2] == t_k for f in call.record.fused)

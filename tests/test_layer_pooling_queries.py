@@ -301,3 +301,18 @@ def test_own_weights_reads_the_head_count_a_layer_keeps_as_heads(merge_bug, verd
     assert found.verdict == verdict, found
     if merge_bug:
         assert "merged" in found.message + found.evidence, found
+
+
+class FirstToken(nn.Module):
+    """Not attention: the first token's row, (B, 1, D) at every length. No attention of one query was observed, so
+    no `queries=1` is suggested: its output_shape fails as before."""
+
+    d_model = D
+
+    def forward(self, x):
+        return x[:, :1]
+
+
+def test_a_layer_that_attends_nothing_is_not_told_to_declare_queries():
+    report = diagnostics.audit(FirstToken(), progress=False)
+    assert report.result("output_shape").verdict == "fail" and report.declaration == "", report

@@ -51,7 +51,8 @@ def own_queries_seen(probe: Probe) -> int | None:
     """Q, where the layer looks like one that attends with Q queries of its own (an attention-pooling head's learned
     query, Set Transformer's PMA, Perceiver's latents) and `queries=Q` was not declared: a module given one stream
     whose output has Q != T rows at the standard probe's length T and the same Q at another length (or is (B, D) at
-    both: Q = 1), and whose observed weights, if any, are not one row per token. None otherwise: declared, a row per
+    both: Q = 1), whose observed weights are not one row per token, and in which attention over (Q, T) was observed
+    (a softmax over the tokens, a fused attention call): a layer that attends nothing is not told to declare queries. None otherwise: declared, a row per
     token, or a row count that moves with the length (a layer that drops or adds rows: a shape bug, which no
     declaration may make pass). One call more, at a shorter length, only for a layer whose output is not (B, T, D)."""
     if "own_queries_seen" not in probe.memo:
@@ -69,6 +70,8 @@ def _own_queries_seen(probe: Probe) -> int | None:
         return None
     weights, _ = probe.weights(base)
     if weights is not None and weights.dim() >= 2 and weights.shape[-2] == T:  # attends with a query per token
+        return None
+    if probe.observed_over(base, seen, T) is None:  # no attention of Q queries over the tokens seen: no hint
         return None
     other = next(t for t in (max(2, T // 2), T + 3) if t not in (T, seen))
     call = probe.call(*probe.streams(B, other), probe.allowed(B, other, other),
