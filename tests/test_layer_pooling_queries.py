@@ -131,8 +131,9 @@ def test_an_ignored_key_padding_mask_fails_in_torchs_pooling_layer(name):
     assert buggy.status == "failed" and "mask_honoured" in buggy.fired(), buggy
 
 
-@pytest.mark.parametrize("name, bug", [(name, bug) for name in ("hand-written, Q=1, (B, D)", "hand-written, Q=4, (B, 4, D)")
-                                       for bug in (None, "unscaled", "softmax over the queries")]
+@pytest.mark.parametrize("name, bug", [("hand-written, Q=1, (B, D)", bug) for bug in (None, "unscaled",
+                                                                                       "softmax over the queries")]
+                         + [("hand-written, Q=4, (B, 4, D)", bug) for bug in [None] + [bug for bug, _ in BUGS]]
                          + [("nn.MultiheadAttention, Q=4, (B, 4, D)", None)])
 def test_pooling_layers_are_read_in_bfloat16_at_gpt2_initialisation(name, bug, std_002):
     """At the scales people train at: projections drawn with std 0.02, the layer in bfloat16; twins on the same
@@ -316,3 +317,45 @@ class FirstToken(nn.Module):
 def test_a_layer_that_attends_nothing_is_not_told_to_declare_queries():
     report = diagnostics.audit(FirstToken(), progress=False)
     assert report.result("output_shape").verdict == "fail" and report.declaration == "", report
+
+
+# ---- pooling heads of the libraries (the real extra) -----------------------------------------------------------
+
+def _timm_pool(latent_len: int):
+    layers = pytest.importorskip("timm.layers", reason="timm is not installed (pip install -e '.[real]')")
+    seed_rng(0)
+    return layers.AttentionPoolLatent(D, num_heads=HEADS, latent_len=latent_len,
+                                      pool_type="token" if latent_len == 1 else "").eval()
+
+
+def _siglip_head(latent_len: int):
+    siglip = pytest.importorskip("transformers.models.siglip.modeling_siglip",
+                                 reason="transformers is not installed (pip install -e '.[real]')")
+    seed_rng(0)
+    config = siglip.SiglipVisionConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=2 * D)
+    return siglip.SiglipMultiheadAttentionPoolingHead(config).eval()
+
+
+@pytest.mark.parametrize("build, queries", [(_timm_pool, 1), (_timm_pool, 4), (_siglip_head, 1)],
+                         ids=["timm AttentionPoolLatent, (B, D)", "timm AttentionPoolLatent, latent_len=4",
+                              "transformers SiglipMultiheadAttentionPoolingHead, (B, D)"])
+def test_library_pooling_heads_need_their_queries_and_pass_with_them(build, queries):
+    """Before queries=Q (824d172) each FAILED output_shape (timm's `runs` too: its (B, 1, T, T) masks do not fit)."""
+    undeclared = diagnostics.audit(build(queries), progress=False)
+    assert undeclared.status == "inconclusive" and undeclared.declaration == f"queries={queries}", undeclared
+    report = diagnostics.audit(build(queries), queries=queries, progress=False)
+    assert report.status == "passed", report
+
+
+@pytest.mark.parametrize("scale, status", [(None, "passed"), (1.0, "failed")])
+def test_a_missing_scale_injected_into_timms_pooling_head_fails(scale, status):
+    """timm's unfused path (`q * self.scale`), the scale set to 1 (the twin keeps its own). That path adds its mask to
+    the scores (additive), where the fused one passes a bool mask to SDPA: declared additive here."""
+    layer = _timm_pool(4)
+    layer.fused_attn = False
+    if scale is not None:
+        layer.scale = scale
+    report = diagnostics.audit(layer, queries=4, mask="additive", progress=False)
+    assert report.status == status, report
+    if scale is not None:
+        assert set(report.fired()) == {"softmax_saturation"}, report
