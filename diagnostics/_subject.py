@@ -885,7 +885,9 @@ def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None
            "queries=Q for a module given one stream (its tokens), whose queries are its own",
            f"{spell('queries', queries, options)} for {FORM_WORDS.get(subject.form, subject.form)}",
            "leave queries out: the audit gives this layer its queries")
-    subject.own_queries = queries or getattr(layer, "own_queries", None)
+    kept = getattr(layer, "own_queries", None)  # a layer in place's, read from its model's call
+    subject.own_queries = queries or (kept if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1
+                                      else None)
     return subject
 
 

@@ -122,6 +122,17 @@ def test_a_bug_in_a_pooling_layer_fails_with_its_queries_declared(name, bug, det
     assert report.result("output_shape").verdict == "pass", report
 
 
+@pytest.mark.parametrize("bug, code", [("unscaled", "scores = q @ k.transpose"), ("softmax over the queries", "softmax("),
+                                       ("dropout in eval", "F.dropout("), ("mask ignored", "softmax(")])
+def test_a_pooling_layers_finding_points_at_its_line(bug, code):
+    """The line of the layer's own forward where each bug's detector saw it (the ignored mask: the softmax, the first
+    op the blocked keys reach)."""
+    build, queries = LAYERS["hand-written, Q=4, (B, 4, D)"]
+    report = diagnostics.audit(build(bug).eval(), queries=queries, progress=False)
+    sites = list(report.result(dict(BUGS)[bug]).where or ())
+    assert sites and sites[0].function == "AttentionPool.forward" and code in sites[0].code, sites
+
+
 @pytest.mark.parametrize("name", [name for name in LAYERS if name.startswith("nn.")])
 def test_an_ignored_key_padding_mask_fails_in_torchs_pooling_layer(name):
     build, queries = LAYERS[name]

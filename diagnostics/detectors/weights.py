@@ -27,8 +27,11 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
     trace = trace_call(s, call.query, call.key, call.value, call.allowed, seed=probe.seed)
     if trace.output is None:
         return []
-    t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
-    sites = weights_origin(probe, trace, call.allowed, t_q, t_k)
+    t_q, t_k = s.own_queries or call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    allowed = call.allowed  # (B, Tq, Tk); a layer's own queries were given its one row (`own_query_mask`)
+    if s.own_queries and allowed is not None:
+        allowed = own_query_mask(allowed.cpu(), t_q)
+    sites = weights_origin(probe, trace, allowed, t_q, t_k)
     # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (Tq, m)
     pooled = [op.outs[0].shape[-1] for op in trace.ops if op.short in SOFTMAXES and op.outs and op.outs[0] is not None
               and op.outs[0].dim() >= 3 and op.outs[0].shape[-2] == t_q and 1 < op.outs[0].shape[-1] < t_k]
