@@ -203,6 +203,9 @@ class Subject:
         # a size a note already gives (how it was found: "num_heads=1 assumed: ...") is said once, in the note
         sizes = [f"{field}={value}" for field, value in (("d_model", self.d_model), ("num_heads", self.num_heads))
                  if not any(note.startswith(f"{field}=") for note in self.notes)]
+        Q = self.own_queries
+        if Q and "of its own" not in name:  # declared (a layer in place names them in its own name)
+            sizes.append(f"{Q} quer{'y' if Q == 1 else 'ies'} of its own (queries={Q})")
         return f"{name} ({', '.join([FORM_WORDS.get(self.form, self.form), *sizes, *self.notes])})"
 
 

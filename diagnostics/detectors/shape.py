@@ -69,5 +69,6 @@ def check_output_shape(probe: Probe) -> DetectorResult:
                       replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want))
     if unmeasured:
         return skip(det, unmeasured)
-    return result(det, "pass", "output shape is (B, Tq, ...) " + ", ".join(
+    rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
+    return result(det, "pass", f"output shape is {rows} " + ", ".join(
         f"{tuple(c.output.out.shape)}" for _, c, _ in checks))
