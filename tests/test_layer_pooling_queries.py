@@ -370,3 +370,12 @@ def test_a_missing_scale_injected_into_timms_pooling_head_fails(scale, status):
     assert report.status == status, report
     if scale is not None:
         assert set(report.fired()) == {"softmax_saturation"}, report
+
+
+@pytest.mark.parametrize("queries, verdict", [(4, "pass"), (2, "fail")])
+def test_a_wrong_number_of_queries_declared_fails_output_shape_saying_so(queries, verdict):
+    report = diagnostics.audit(AttentionPool(4).eval(), queries=queries, progress=False)
+    found = report.result("output_shape")
+    assert found.verdict == verdict, found
+    if verdict == "fail":
+        assert "expected (2, 2, 32)" in found.evidence and "as queries=2 declares" in found.fix, found

@@ -65,8 +65,12 @@ def check_output_shape(probe: Probe) -> DetectorResult:
                       declaration=declare)
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
+        declared = {} if not s.own_queries else {"fix": (
+            f"return one row per query of the layer's own, (B, {s.own_queries}, D) (or (B, D) for one), as "
+            f"{spell('queries', s.own_queries, probe.options)} declares; if the layer returns one row per token, "
+            f"leave the declaration out")}
         return result(det, "fail", "the output has the wrong shape", evidence=text,
-                      replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want))
+                      replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want), **declared)
     if unmeasured:
         return skip(det, unmeasured)
     rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
