@@ -56,6 +56,21 @@ class AttentionPool(nn.Module):
         return out[:, 0] if Q == 1 and self.squeeze else out
 
 
+class MaskedPool(AttentionPool):
+    """The same, its mask bool (B, 1, Q, T), True = may attend, one row per query of its own: undeclared, the audit's
+    masks of one row per token do not fit it (it raises on them)."""
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        Q, d = self.latent.shape[1], C // self.num_heads
+        q = self.q(self.latent.expand(B, -1, -1)).view(B, Q, self.num_heads, d).transpose(1, 2)  # (B, H, Q, d)
+        k, v = self.kv(x).view(B, T, 2, self.num_heads, d).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # (B, H, Q, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, Q, C))  # (B, Q, D)
+
+
 class MHAPool(nn.Module):
     """The same with torch's nn.MultiheadAttention: its learned queries attend the tokens."""
 
@@ -92,10 +107,11 @@ LAYERS = {  # name: (build(bug), queries)
     "hand-written, Q=1, (B, D)": (lambda bug=None: AttentionPool(1, bug=bug), 1),
     "hand-written, Q=1, (B, 1, D)": (lambda bug=None: AttentionPool(1, squeeze=False, bug=bug), 1),
     "hand-written, Q=4, (B, 4, D)": (lambda bug=None: AttentionPool(4, bug=bug), 4),
+    "hand-written, a (B, 1, Q, T) mask, Q=4": (lambda bug=None: MaskedPool(4, bug=bug), 4),
     "nn.MultiheadAttention, Q=1, (B, D)": (lambda bug=None: MHAPool(1, bug=bug), 1),
     "nn.MultiheadAttention, Q=4, (B, 4, D)": (lambda bug=None: MHAPool(4, bug=bug), 4),
 }
-HAND_WRITTEN = [name for name in LAYERS if name.startswith("hand")]
+HAND_WRITTEN = [name for name in LAYERS if name.startswith("hand") and "mask," not in name]
 BUGS = [("unscaled", "softmax_saturation"), ("softmax over the queries", "weight_row_sums"),
         ("dropout in eval", "eval_determinism"), ("mask ignored", "mask_honoured")]
 
@@ -173,7 +189,36 @@ def test_an_undeclared_pooling_layer_needs_the_declaration_naming_its_queries(na
     assert report.status == "inconclusive" and not report.fired(), report
     assert report.declaration == f"queries={queries}", report
     assert report.headline.startswith(f"INCONCLUSIVE (needs a declaration: queries={queries})"), report.headline
-    assert report.result("output_shape").declaration == f"queries={queries}", report.result("output_shape")
+    shape = report.result("output_shape")
+    assert shape.declaration == f"queries={queries}", shape
+    rows = "(B, D), one vector" if "(B, D)" in name else f"{queries} row{'s' if queries > 1 else ''} per sequence"
+    assert f"the output is {rows}" in shape.message, shape
+    if name.startswith("hand-written, a (B, 1, Q, T) mask"):  # raised on the audit's masks: a declaration, no FAIL
+        assert report.result("runs").declaration == f"queries={queries}", report.result("runs")
+
+
+class MaskRaises(nn.Module):
+    """Self-attention, one row per token, whose mask handling raises (`bug`): a real failure, no queries of its own."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.d_model, self.num_heads, self.bug = D, HEADS, bug
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, mask=None):  # mask: bool (B, 1, T, T), True = may attend
+        B, T, C = x.shape
+        if mask is not None and self.bug:
+            mask = mask[..., :-1]  # the last key's column lost: raises in SDPA's broadcast
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        return self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("bug, status", [(False, "passed"), (True, "failed")])
+def test_a_layer_that_raises_on_its_masks_is_not_told_to_declare_queries(bug, status):
+    report = diagnostics.audit(MaskRaises(bug).eval(), progress=False)
+    assert report.status == status and "queries" not in report.declaration, report
+    assert report.result("runs").verdict == ("fail" if bug else "pass"), report.result("runs")
 
 
 @pytest.mark.parametrize("bug, detector", BUGS)
