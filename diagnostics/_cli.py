@@ -57,8 +57,8 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
            "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross",
-           "positions": "--positions", "queries": "--queries", "dtype": "--dtype", "device": "--device", "seed": "--seed",
-           "detectors": "--detectors", "pattern_example": '--pattern "sliding_window(4)"'}
+           "positions": "--positions", "queries": "--queries", "dtype": "--dtype", "device": "--device",
+           "seed": "--seed", "detectors": "--detectors", "pattern_example": '--pattern "sliding_window(4)"'}
 LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions", "queries", "dtype",
               "device")  # a layer audit's, not a model's
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
@@ -140,8 +140,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+# what a target may declare of itself (the pytest plugin's targets)
 DECLARATIONS = ("causal", "seq_len", "d_model", "num_heads", "scale", "require", "strict", "mask", "pattern", "call",
-                "cross", "positions", "queries", "layout")  # what a target may declare of itself (the pytest plugin's targets)
+                "cross", "positions", "queries", "layout")
 
 
 def target_declarations(words: list[str], *, target: str) -> dict:

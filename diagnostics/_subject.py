@@ -164,8 +164,8 @@ class Subject:
 
     def expected_out_shape(self, batch: int, t_q: int, *, heads: int | None = None) -> tuple[int, ...]:
         # the width it takes, unless its model's own call returned another (`InPlace.returned_width`: Zamba2's shared
-        # attention takes [hidden states; embeddings], 2D wide, and returns D); as many rows as the queries of its own
-        # its model's call showed it keeps (`InPlace.own_queries`: a class token's, a pooling head's), else one a token
+        # attention takes [hidden states; embeddings], 2D wide, and returns D); as many rows as its queries of its own
+        # (`own_queries`: declared, or shown by its model's call: a class token's, a pooling head's), else one a token
         return (batch, self.own_queries or t_q, getattr(self.layer, "returned_width", None) or self.d_model)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Output:
@@ -221,8 +221,8 @@ def own_query_mask(allowed: Tensor, queries: int) -> Tensor:
     (`ProbeNotTaken`: skipped with the reason, never a `runs` failure)."""
     B, Tq, Tk = allowed.shape  # batch, the audit's queries, keys
     if not bool((allowed == allowed[:, :1]).all()):
-        raise ProbeNotTaken(f"the layer's {queries} quer{'y' if queries == 1 else 'ies'} of its own (queries={queries}) "
-                            f"are no token's, so a mask that differs between the tokens' queries (causal, one query's "
+        raise ProbeNotTaken(f"the layer's {queries} quer{'y' if queries == 1 else 'ies'} of its own "
+                            f"(queries={queries}) are no token's, so a mask that differs between the tokens' queries (causal, one query's "
                             f"keys blocked) has no meaning for them; masks the same for every query are given")
     return allowed[:, :1].expand(B, queries, Tk)
 

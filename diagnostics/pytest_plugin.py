@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
            "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
            "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross",
-           "positions": "--attention-positions", "queries": "--attention-queries", "pattern_example": '--attention-pattern "sliding_window(4)"'}
+           "positions": "--attention-positions", "queries": "--attention-queries",
+           "pattern_example": '--attention-pattern "sliding_window(4)"'}
 
 
 MARKER = "attention_audit"  # @pytest.mark.attention_audit(**audit options): a test's declarations for the fixture

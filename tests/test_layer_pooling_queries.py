@@ -138,8 +138,9 @@ def test_a_bug_in_a_pooling_layer_fails_with_its_queries_declared(name, bug, det
     assert report.result("output_shape").verdict == "pass", report
 
 
-@pytest.mark.parametrize("bug, code", [("unscaled", "scores = q @ k.transpose"), ("softmax over the queries", "softmax("),
-                                       ("dropout in eval", "F.dropout("), ("mask ignored", "softmax(")])
+@pytest.mark.parametrize("bug, code", [("unscaled", "scores = q @ k.transpose"),
+                                       ("softmax over the queries", "softmax("), ("dropout in eval", "F.dropout("),
+                                       ("mask ignored", "softmax(")])
 def test_a_pooling_layers_finding_points_at_its_line(bug, code):
     """The line of the layer's own forward where each bug's detector saw it (the ignored mask: the softmax, the first
     op the blocked keys reach)."""

@@ -52,9 +52,10 @@ def own_queries_seen(probe: Probe) -> int | None:
     query, Set Transformer's PMA, Perceiver's latents) and `queries=Q` was not declared: a module given one stream
     whose output has Q != T rows at the standard probe's length T and the same Q at another length (or is (B, D) at
     both: Q = 1), whose observed weights are not one row per token, and in which attention over (Q, T) was observed
-    (a softmax over the tokens, a fused attention call): a layer that attends nothing is not told to declare queries. None otherwise: declared, a row per
-    token, or a row count that moves with the length (a layer that drops or adds rows: a shape bug, which no
-    declaration may make pass). One call more, at a shorter length, only for a layer whose output is not (B, T, D)."""
+    (a softmax over the tokens, a fused attention call): a layer that attends nothing is not told to declare queries.
+    None otherwise: declared, a row per token, or a row count that moves with the length (a layer that drops or adds
+    rows: a shape bug, which no declaration may make pass). One call more, at another length, only for a layer whose
+    output is not (B, T, D)."""
     if "own_queries_seen" not in probe.memo:
         probe.memo["own_queries_seen"] = _own_queries_seen(probe)
     return probe.memo["own_queries_seen"]

@@ -57,8 +57,8 @@ def check_output_shape(probe: Probe) -> DetectorResult:
         rows = "(B, D), one vector" if len(got) == 2 else f"{seen} row{'s' if seen > 1 else ''}"
         return result(det, "skip", f"needs a declaration, {declare}: the output is {rows} per sequence at every probe "
                                    f"length, not one row per token: the layer attends with queries of its own",
-                      evidence=f"the standard probe: output {got} for {T} tokens, expected {s.expected_out_shape(B, T)} "
-                               f"for one row per token; {rows} again at another length",
+                      evidence=f"the standard probe: output {got} for {T} tokens, expected "
+                               f"{s.expected_out_shape(B, T)} for one row per token; {rows} again at another length",
                       fix=f"audit with {declare} if the layer attends with {seen} learned quer"
                           f"{'y' if seen == 1 else 'ies'} of its own (an attention-pooling head, Set Transformer's "
                           f"PMA, Perceiver's latents); a layer meant to return a row per token returns the wrong shape",
