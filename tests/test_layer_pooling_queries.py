@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import diagnostics
@@ -34,12 +36,14 @@ class AttentionPool(nn.Module):
     """Q learned queries over the tokens, written by hand; the key padding mask is bool (B, T), True = padding.
     `bug`: one step changed (None: correct)."""
 
-    def __init__(self, queries: int = 1, squeeze: bool = True, bug: str | None = None):
+    def __init__(self, queries: int = 1, squeeze: bool = True, bug: str | None = None, *, d_model: int = D,
+                 num_heads: int = HEADS, seed: int = 0):
         super().__init__()
-        seed_rng(0)
-        self.d_model, self.num_heads, self.squeeze, self.bug = D, HEADS, squeeze, bug
-        self.latent = nn.Parameter(torch.randn(1, queries, D))
-        self.q, self.kv, self.proj = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+        seed_rng(seed)
+        self.d_model, self.num_heads, self.squeeze, self.bug = d_model, num_heads, squeeze, bug
+        self.latent = nn.Parameter(torch.randn(1, queries, d_model))
+        self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x, key_padding_mask=None):
         B, T, C = x.shape  # batch, tokens, width
@@ -88,9 +92,11 @@ class MHAPool(nn.Module):
 
 
 class RowDropper(nn.Module):
-    """Self-attention, one row per token, that loses its last row (`bug`): a shape bug whose row count moves with T."""
+    """Self-attention, one row per token, that loses its last row (`bug`): a shape bug whose row count moves with T;
+    `bug="first"`: keeps only its first token's row (attends with a query per token, returns one: no queries of its
+    own were observed, so no `queries=1` is suggested either)."""
 
-    def __init__(self, bug: bool = False):
+    def __init__(self, bug: bool | str = False):
         super().__init__()
         seed_rng(0)
         self.d_model, self.num_heads, self.bug = D, HEADS, bug
@@ -100,7 +106,7 @@ class RowDropper(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
         out = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))  # (B, T, D)
-        return out[:, :-1] if self.bug else out
+        return out[:, :1] if self.bug == "first" else out[:, :-1] if self.bug else out
 
 
 LAYERS = {  # name: (build(bug), queries)
@@ -136,6 +142,19 @@ def test_a_bug_in_a_pooling_layer_fails_with_its_queries_declared(name, bug, det
     report = diagnostics.audit(build(bug).eval(), queries=queries, progress=False)
     assert report.status == "failed" and detector in report.fired(), report
     assert report.result("output_shape").verdict == "pass", report
+
+
+@given(queries=st.integers(1, 4), heads=st.sampled_from([1, 2, 4]), width=st.sampled_from([8, 16, 32]),
+       seq_len=st.integers(4, 16), seed=st.integers(0, 2**16), squeeze=st.booleans())
+def test_drawn_pooling_layers_pass_and_their_unscaled_twins_fail(queries, heads, width, seq_len, seed, squeeze):
+    """Over drawn sizes and seeds: the correct layer passes, the same layer and inputs without 1/sqrt(d) fail."""
+    kwargs = dict(d_model=width, num_heads=heads, seed=seed)
+    correct = diagnostics.audit(AttentionPool(queries, squeeze, **kwargs).eval(), queries=queries, seq_len=seq_len,
+                                seed=seed, progress=False)
+    assert correct.status == "passed", correct
+    buggy = diagnostics.audit(AttentionPool(queries, squeeze, "unscaled", **kwargs).eval(), queries=queries,
+                              seq_len=seq_len, seed=seed, progress=False)
+    assert buggy.status == "failed" and "softmax_saturation" in buggy.fired(), buggy
 
 
 @pytest.mark.parametrize("bug, code", [("unscaled", "scores = q @ k.transpose"),
@@ -232,7 +251,7 @@ def test_the_declaration_suggested_for_a_buggy_pooling_layer_never_makes_it_pass
     assert report.status == "failed" and detector in report.fired(), report
 
 
-@pytest.mark.parametrize("bug, status", [(False, "passed"), (True, "failed")])
+@pytest.mark.parametrize("bug, status", [(False, "passed"), (True, "failed"), ("first", "failed")])
 def test_a_layer_whose_rows_move_with_the_length_fails_output_shape_with_no_declaration_suggested(bug, status):
     """Twins: a self-attention that drops its last row returns T - 1 rows at every T: a shape bug, not queries of its
     own, so no `queries=` is suggested (under which it would pass output_shape)."""

@@ -51,8 +51,9 @@ def own_queries_seen(probe: Probe) -> int | None:
     """Q, where the layer looks like one that attends with Q queries of its own (an attention-pooling head's learned
     query, Set Transformer's PMA, Perceiver's latents) and `queries=Q` was not declared: a module given one stream
     whose output has Q != T rows at the standard probe's length T and the same Q at another length (or is (B, D) at
-    both: Q = 1), whose observed weights are not one row per token, and in which attention over (Q, T) was observed
-    (a softmax over the tokens, a fused attention call): a layer that attends nothing is not told to declare queries.
+    both: Q = 1), and in which attention of Q queries over the T tokens was observed (a softmax over them, a fused
+    attention call): a layer that attends nothing, or attends with a query per token and keeps some rows (a class
+    token's), is not told to declare queries.
     None otherwise: declared, a row per token, or a row count that moves with the length (a layer that drops or adds
     rows: a shape bug, which no declaration may make pass). One call more, at another length, only for a layer whose
     output is not (B, T, D)."""
@@ -68,9 +69,6 @@ def _own_queries_seen(probe: Probe) -> int | None:
         return None
     seen = _rows_of(base.output.out, B, s.d_model)
     if seen is None or seen == T:
-        return None
-    weights, _ = probe.weights(base)
-    if weights is not None and weights.dim() >= 2 and weights.shape[-2] == T:  # attends with a query per token
         return None
     if probe.observed_over(base, seen, T) is None:  # no attention of Q queries over the tokens seen: no hint
         return None
