@@ -444,3 +444,22 @@ def test_a_wrong_number_of_queries_declared_fails_output_shape_saying_so(queries
     assert found.verdict == verdict, found
     if verdict == "fail":
         assert "expected (2, 2, 32)" in found.evidence and "as queries=2 declares" in found.fix, found
+
+
+class StridedQueries(AttentionPool):
+    """Queries pooled from the tokens by a stride of 2 (MViT's, Hiera's): ceil(T / 2) rows, a number that moves with
+    T, so these are no queries of its own of a fixed number, and `queries=` is not suggested (under a fixed Q its
+    other lengths would not fit)."""
+
+    def forward(self, x, key_padding_mask=None):
+        B, T, C = x.shape
+        d = C // self.num_heads
+        q = self.q(x[:, ::2]).view(B, -1, self.num_heads, d).transpose(1, 2)  # (B, H, ceil(T / 2), d)
+        k, v = self.kv(x).view(B, T, 2, self.num_heads, d).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(d)).softmax(-1)  # (B, H, ceil(T / 2), T)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, -1, C))  # (B, ceil(T / 2), D)
+
+
+def test_queries_whose_number_moves_with_the_length_are_not_told_to_declare_queries():
+    report = diagnostics.audit(StridedQueries(4).eval(), progress=False)
+    assert "queries" not in report.declaration and not report.result("output_shape").declaration, report
