@@ -37,13 +37,13 @@ class AttentionPool(nn.Module):
     `bug`: one step changed (None: correct)."""
 
     def __init__(self, queries: int = 1, squeeze: bool = True, bug: str | None = None, *, d_model: int = D,
-                 num_heads: int = HEADS, seed: int = 0):
+                 num_heads: int = HEADS, seed: int = 0, out_width: int | None = None):
         super().__init__()
         seed_rng(seed)
         self.d_model, self.num_heads, self.squeeze, self.bug = d_model, num_heads, squeeze, bug
         self.latent = nn.Parameter(torch.randn(1, queries, d_model))
         self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, out_width or d_model)  # a pooling head may project to another width
 
     def forward(self, x, key_padding_mask=None):
         B, T, C = x.shape  # batch, tokens, width
@@ -56,7 +56,7 @@ class AttentionPool(nn.Module):
         weights = scores.softmax(-2 if self.bug == "softmax over the queries" else -1)
         if self.bug == "dropout in eval":
             weights = F.dropout(weights, 0.5, training=True)
-        out = self.proj((weights @ v).transpose(1, 2).reshape(B, Q, C))  # (B, Q, D)
+        out = self.proj((weights @ v).transpose(1, 2).reshape(B, Q, C))  # (B, Q, out_width)
         return out[:, 0] if Q == 1 and self.squeeze else out
 
 
@@ -113,7 +113,10 @@ LAYERS = {  # name: (build(bug), queries)
     "hand-written, Q=1, (B, D)": (lambda bug=None: AttentionPool(1, bug=bug), 1),
     "hand-written, Q=1, (B, 1, D)": (lambda bug=None: AttentionPool(1, squeeze=False, bug=bug), 1),
     "hand-written, Q=4, (B, 4, D)": (lambda bug=None: AttentionPool(4, bug=bug), 4),
+    "hand-written, Q=2, (B, 2, 48) projected": (lambda bug=None: AttentionPool(2, bug=bug, out_width=48), 2),
+    "hand-written, Q=1, (B, 48) projected": (lambda bug=None: AttentionPool(1, bug=bug, out_width=48), 1),
     "hand-written, a (B, 1, Q, T) mask, Q=4": (lambda bug=None: MaskedPool(4, bug=bug), 4),
+    "hand-written, a (B, 1, Q, T) mask, Q=1": (lambda bug=None: MaskedPool(1, bug=bug), 1),
     "nn.MultiheadAttention, Q=1, (B, D)": (lambda bug=None: MHAPool(1, bug=bug), 1),
     "nn.MultiheadAttention, Q=4, (B, 4, D)": (lambda bug=None: MHAPool(4, bug=bug), 4),
 }
@@ -211,10 +214,29 @@ def test_an_undeclared_pooling_layer_needs_the_declaration_naming_its_queries(na
     assert report.headline.startswith(f"INCONCLUSIVE (needs a declaration: queries={queries})"), report.headline
     shape = report.result("output_shape")
     assert shape.declaration == f"queries={queries}", shape
-    rows = "(B, D), one vector" if "(B, D)" in name else f"{queries} row{'s' if queries > 1 else ''} per sequence"
-    assert f"the output is {rows}" in shape.message, shape
+    one_vector = "(B, D)" in name or "(B, 48)" in name
+    rows = "(B, D), one vector" if one_vector else f"{queries} row{'s' if queries > 1 else ''}"
+    assert f"the output is {rows} per sequence" in shape.message, shape
     if name.startswith("hand-written, a (B, 1, Q, T) mask"):  # raised on the audit's masks: a declaration, no FAIL
-        assert report.result("runs").declaration == f"queries={queries}", report.result("runs")
+        runs = report.result("runs")
+        assert runs.declaration == f"queries={queries}" and f"has {rows} per sequence" in runs.message, runs
+
+
+class ShortRefused(MaskedPool):
+    """The same, refusing a single token (a raise without a mask): `runs` fails, as a raise without a mask is no
+    convention mismatch, and names no declaration for it."""
+
+    def forward(self, x, mask=None):
+        if x.shape[1] == 1:
+            raise ValueError("expected at least 2 tokens")
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("layer, verdict", [(MaskedPool(4), "skip"), (ShortRefused(4), "fail")],
+                         ids=["raises on token masks only", "raises at T=1 too"])
+def test_runs_names_queries_only_where_the_layer_raised_on_masks_alone(layer, verdict):
+    runs = diagnostics.audit(layer.eval(), progress=False).result("runs")
+    assert runs.verdict == verdict and bool(runs.declaration) == (verdict == "skip"), runs
 
 
 class MaskRaises(nn.Module):
@@ -397,11 +419,15 @@ def test_a_layer_that_attends_nothing_is_not_told_to_declare_queries():
 
 # ---- pooling heads of the libraries (the real extra) -----------------------------------------------------------
 
-def _timm_pool(latent_len: int):
+def _timm_pool(latent_len: int, out_features: int | None = None):
     layers = pytest.importorskip("timm.layers", reason="timm is not installed (pip install -e '.[real]')")
     seed_rng(0)
-    return layers.AttentionPoolLatent(D, num_heads=HEADS, latent_len=latent_len,
+    return layers.AttentionPoolLatent(D, out_features=out_features, num_heads=HEADS, latent_len=latent_len,
                                       pool_type="token" if latent_len == 1 else "").eval()
+
+
+def _timm_pool_projected(latent_len: int):
+    return _timm_pool(latent_len, out_features=2 * D)
 
 
 def _siglip_head(latent_len: int):
@@ -412,8 +438,10 @@ def _siglip_head(latent_len: int):
     return siglip.SiglipMultiheadAttentionPoolingHead(config).eval()
 
 
-@pytest.mark.parametrize("build, queries", [(_timm_pool, 1), (_timm_pool, 4), (_siglip_head, 1)],
+@pytest.mark.parametrize("build, queries", [(_timm_pool, 1), (_timm_pool, 4), (_timm_pool_projected, 1),
+                                            (_siglip_head, 1)],
                          ids=["timm AttentionPoolLatent, (B, D)", "timm AttentionPoolLatent, latent_len=4",
+                              "timm AttentionPoolLatent, out_features=2D, (B, 2D)",
                               "transformers SiglipMultiheadAttentionPoolingHead, (B, D)"])
 def test_library_pooling_heads_need_their_queries_and_pass_with_them(build, queries):
     """Before queries=Q (824d172) each FAILED output_shape (timm's `runs` too: its (B, 1, T, T) masks do not fit)."""

@@ -67,7 +67,7 @@ def _own_queries_seen(probe: Probe) -> int | None:
     base = probe.base()
     if s.own_queries or s.form != "self_module" or not base.ok:
         return None
-    seen = _rows_of(base.output.out, B, s.d_model)
+    seen = _rows_of(base.output.out, B)
     if seen is None or seen == T:
         return None
     if probe.observed_over(base, seen, T) is None:  # no attention of Q queries over the tokens seen: no hint
@@ -75,14 +75,15 @@ def _own_queries_seen(probe: Probe) -> int | None:
     other = next(t for t in (max(2, T // 2), T + 3) if t not in (T, seen))
     call = probe.call(*probe.streams(B, other), probe.allowed(B, other, other),
                       label=f"length {other} (the output's rows at another length than {T})")
-    return seen if call.ok and _rows_of(call.output.out, B, s.d_model) == seen else None
+    return seen if call.ok and _rows_of(call.output.out, B) == seen else None
 
 
-def _rows_of(out: Tensor, batch: int, width: int) -> int | None:
-    """The rows per sequence of a module's output: (B, n, ...) -> n, (B, D) -> 1 (one vector, no row axis)."""
-    if out.dim() == 2 and tuple(out.shape) == (batch, width):
-        return 1
-    return int(out.shape[1]) if out.dim() >= 3 and out.shape[0] == batch else None
+def _rows_of(out: Tensor, batch: int) -> int | None:
+    """The rows per sequence of a module's output: (B, n, ...) -> n, (B, width) -> 1 (one vector, no row axis; its
+    width may be another than the layer's, a pooling head may project it)."""
+    if out.dim() < 2 or out.shape[0] != batch:
+        return None
+    return 1 if out.dim() == 2 else int(out.shape[1])
 
 
 def no_rows(probe: Probe, out: Tensor) -> str:

@@ -49,7 +49,11 @@ def check_output_shape(probe: Probe) -> DetectorResult:
             unmeasured = probe.self_only_text()
         else:
             unmeasured = f"query length {t_q}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
-    wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]
+    def fits(got: tuple, want: tuple) -> bool:  # queries of its own: (B, Q, any width), a pooling head may project
+        return got == want or bool(s.own_queries) and len(got) == 3 and got[:2] == want[:2]
+
+    wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks
+             if not fits(tuple(c.output.out.shape), want)]
     seen = own_queries_seen(probe) if wrong else None
     if seen is not None:  # a correct layer of another convention: the declaration it needs, never a failure
         declare = spell("queries", seen, probe.options)
@@ -66,11 +70,12 @@ def check_output_shape(probe: Probe) -> DetectorResult:
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
         declared = {} if not s.own_queries else {"fix": (
-            f"return one row per query of the layer's own, (B, {s.own_queries}, D) (or (B, D) for one), as "
+            f"return one row per query of the layer's own, (B, {s.own_queries}, width) (or (B, width) for one), as "
             f"{spell('queries', s.own_queries, probe.options)} declares; if the layer returns one row per token, "
             f"leave the declaration out")}
         return result(det, "fail", "the output has the wrong shape", evidence=text,
-                      replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want), **declared)
+                      replay=tuple(c for label, c, want in checks if not fits(tuple(c.output.out.shape), want)),
+                      **declared)
     if unmeasured:
         return skip(det, unmeasured)
     rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
