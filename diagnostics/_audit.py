@@ -19,7 +19,7 @@ from ._progress import default_progress
 from ._registry import NOT_APPLICABLE, phrase, run
 from ._report import CORE, NEEDS_DECLARATION, AuditReport
 from ._result import DetectorResult, Sites
-from ._subject import check_seq_len, make_subject
+from ._subject import check_seq_len, make_subject, spell
 from ._thresholds import dtype_name
 from ._tracing import unique
 from .detectors import DETECTORS
@@ -31,7 +31,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
           need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
           strict: bool = False, progress=None, mask=None, layout: str | None = None,
-          pattern=None, call=None, cross: bool = False, positions: str | None = None,
+          pattern=None, call=None, cross: bool = False, positions: str | None = None, queries: int | None = None,
           _options: dict | None = None) -> AuditReport:
     """Run the detectors on `layer` and return an `AuditReport` whose `status` is "passed", "failed" or
     "inconclusive" (the core properties, weight row sums and softmax temperature, were not measured).
@@ -65,6 +65,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     a layer that takes a mask is given the pattern's mask, and `attention_pattern` measures which keys each
     output row depends on against it. `positions`: "absolute" for a layer that adds absolute position embeddings
     itself (then `relative_positions` does not apply), "relative" to say that its positions are meant to be relative.
+    `queries`: the layer attends with Q queries of its own (a pooling head's learned query, Set Transformer's PMA
+    seeds, Perceiver's latent array), not one per token: its output is (B, Q, D), or (B, D) where Q = 1; the weights
+    are read over (Q, Tk) and masks reach it per key (padding), as no query is a token's.
     """
     expect(isinstance(causal, bool), "causal=True or causal=False", f"causal={causal!r}",
            "pass a bool: causal=True if the layer promises causality")
@@ -94,7 +97,12 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
            "pass cross=True if the layer is cross-attention (its memory may be longer or shorter than the query)")
     subject = make_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
                            need_weights=need_weights, mask=mask, layout=layout, call=call, cross=cross,
-                           options=_options)
+                           queries=queries, options=_options)
+    # its queries are no token's: no order between them and the keys for a causal mask or a pattern to follow
+    for name, given, example in (("causal", causal, True), ("pattern", pattern is not None, "...")):
+        expect(queries is None or not given, f"queries or {name}, not both", f"{spell('queries', queries, _options)} "
+               f"with {spell(name, example, _options)}", f"leave {name} out: the layer's {queries} queries of its own "
+               f"have no position among the tokens, so no key is in their future or outside their window")
     seq_len = check_seq_len(subject, seq_len, options=_options)  # within the context the layer declares
     check_memory(subject, seq_len, options=_options)  # refused before anything runs if it would not fit
     bar = default_progress(subject, seq_len) if progress is None else None  # a terminal's bar for a long audit
@@ -137,7 +145,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                 causal=causal, d_model=d_model, num_heads=num_heads, scale=scale, seq_len=seq_len, device=device,
                 dtype=dtype, seed=seed, need_weights=need_weights, detectors=detectors, require=require,
                 strict=strict, progress=False, mask=mask, layout=layout, pattern=pattern, call=call, cross=cross,
-                positions=positions), _options)
+                positions=positions, queries=queries), _options)
     weights, source = probe.weights(base) if base.ok else (None, "")
     probe.release()  # a report kept for its findings' sites keeps the probe, not the standard probe's record
     return AuditReport(layer=subject.describe(), results=results, causal=causal, seq_len=probe.t,

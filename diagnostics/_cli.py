@@ -2,7 +2,8 @@
 
     attention-audit mymodule:layer [other:layer ...] [--causal] [--seq-len N] [--require DET]... [--strict] [--json]
                     [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN]
-                    [--call MODULE:FUNCTION] [--cross] [--positions relative|absolute] [--dtype DTYPE] [--device DEVICE] [--seed N]
+                    [--call MODULE:FUNCTION] [--cross] [--positions relative|absolute] [--queries Q] [--dtype DTYPE]
+                    [--device DEVICE] [--seed N]
                     [--detectors DET[,DET...]]
     attention-audit --model mymodule:make_model [--example mymodule:ids] [--causal] [--seq-len N] [--seed N]
                     [--detectors DET[,DET...]] [--json] [--html PATH] [--junit-xml PATH]
@@ -56,9 +57,9 @@ EXIT_STATUS = {"passed": EXIT_PASSED, "failed": EXIT_FINDINGS, "inconclusive": E
 OPTIONS = {"causal": "--causal", "seq_len": "--seq-len", "d_model": "--d-model", "num_heads": "--num-heads",
            "scale": "--scale", "require": "--require", "strict": "--strict", "mask": "--mask", "layout": "--layout",
            "example": "--example MODULE:OBJECT naming ", "pattern": "--pattern", "call": "--call", "cross": "--cross",
-           "positions": "--positions", "dtype": "--dtype", "device": "--device", "seed": "--seed",
-           "detectors": "--detectors", "pattern_example": '--pattern "sliding_window(4)"'}
-LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions", "dtype",
+           "positions": "--positions", "queries": "--queries", "dtype": "--dtype", "device": "--device",
+           "seed": "--seed", "detectors": "--detectors", "pattern_example": '--pattern "sliding_window(4)"'}
+LAYER_ONLY = ("d_model", "num_heads", "scale", "mask", "layout", "pattern", "call", "positions", "queries", "dtype",
               "device")  # a layer audit's, not a model's
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # --dtype's choices, torch's names  # a layer audit's, not a model's
@@ -117,6 +118,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--positions", choices=("relative", "absolute"),
                    help="absolute: the layer adds absolute position embeddings itself (relative_positions then does "
                         "not apply); relative: its positions are meant to be relative")
+    p.add_argument("--queries", type=int, metavar="Q",
+                   help="the layer attends with Q queries of its own (an attention-pooling head's learned query, "
+                        "Perceiver's latents), not one per token: its output is (B, Q, D), or (B, D) where Q = 1")
     p.add_argument("--layout", choices=("bhtd", "bthd"),
                    help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
     p.add_argument("--json", action="store_true",
@@ -136,8 +140,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+# what a target may declare of itself (the pytest plugin's targets)
 DECLARATIONS = ("causal", "seq_len", "d_model", "num_heads", "scale", "require", "strict", "mask", "pattern", "call",
-                "cross", "positions", "layout")  # what a target may declare of itself (the pytest plugin's targets)
+                "cross", "positions", "queries", "layout")
 
 
 def target_declarations(words: list[str], *, target: str) -> dict:
@@ -289,11 +294,13 @@ def _audit_layer(args, target: str):
     # options that do not fit the layer (--num-heads 5 on d_model 32, --seq-len past its block_size) are
     # usage errors, worded with this command's flags
     check_seq_len(make_subject(layer, d_model=args.d_model, num_heads=args.num_heads, mask=args.mask,
-                               layout=args.layout, call=call, options=OPTIONS), args.seq_len, options=OPTIONS)
+                               layout=args.layout, call=call, queries=args.queries, options=OPTIONS),
+                  args.seq_len, options=OPTIONS)
     # progress: the audit's default, a bar on stderr where it is a terminal and the audit is estimated long
     return audit(layer, causal=args.causal, seq_len=args.seq_len, d_model=args.d_model, num_heads=args.num_heads,
                  scale=args.scale, require=args.require, strict=args.strict, mask=args.mask, layout=args.layout,
-                 pattern=pattern, call=call, cross=args.cross, positions=args.positions, dtype=_dtype(args.dtype),
+                 pattern=pattern, call=call, cross=args.cross, positions=args.positions, queries=args.queries,
+                 dtype=_dtype(args.dtype),
                  device=args.device, seed=args.seed, detectors=_detectors(args.detectors), _options=OPTIONS)
 
 

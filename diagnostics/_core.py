@@ -233,7 +233,8 @@ def compared(probe: Probe, call: Call, base: Inputs, cases: list[Case]) -> Compa
     if not call.ok:
         return not_run(det, call)
     out = call.output.out
-    per_row = out.dim() >= 3 and out.shape[0] == n * B and out.shape[-2 if s.form == "function" else 1] == t_q
+    rows = s.own_queries or t_q  # a row per token's query, or per query of the layer's own
+    per_row = out.dim() >= 3 and out.shape[0] == n * B and out.shape[-2 if s.form == "function" else 1] == rows
     if not per_row:
         return skip(det, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
     chunks = out.chunk(n)

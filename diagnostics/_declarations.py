@@ -42,6 +42,8 @@ def declarations() -> list[Declaration]:
                     "call", "call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)", "mymodule:call"),
         Declaration("is cross-attention (its memory may be longer or shorter than the query)", "cross",
                     "cross=True", None),
+        Declaration("attends with Q learned queries of its own, not one per token (an attention-pooling head: returns "
+                    "(B, Q, D), or (B, D) where Q = 1)", "queries", "queries=1", "1"),
         Declaration("promises causality (a decoder)", "causal", "causal=True", None),
         Declaration(f"promises an attention pattern ({', '.join(PATTERN_NAMES)}, combined with & and \\|)", "pattern",
                     "pattern=patterns.sliding_window(4)", '"sliding_window(4)"'),

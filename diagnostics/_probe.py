@@ -323,16 +323,21 @@ class Probe:
 
     def _observed(self, call: Call) -> tuple[Tensor | None, str]:
         """The weights the observed record of `call` shows: its last softmax over (Tq, Tk), else its fused call's. A
-        layer in place with queries of its own (a class token's, a pooling head's: `InPlace.own_queries`) over those
+        layer with queries of its own (a class token's, a pooling head's: `Subject.own_queries`) over those
         queries first, then over every token's (one that attends them all and returns the class token's row)."""
         t = self.subject.time_dim
         t_q, t_k = call.query.shape[t], call.key.shape[t] + appended_keys(self.subject.layer)
-        own = getattr(self.subject.layer, "own_queries", None)
+        own = self.subject.own_queries
         for queries in ((own, t_q) if own else (t_q,)):
             weights, source = self._observed_over(call, queries, t_k)
             if weights is not None:
                 return weights, source
         return None, ""
+
+    def observed_over(self, call: Call, t_q: int, t_k: int) -> Tensor | None:
+        """The weights over (t_q, t_k) that the observed record of `call` shows (a softmax over them, a fused
+        attention call), or None."""
+        return self._observed_over(call, t_q, t_k)[0]
 
     def _observed_over(self, call: Call, t_q: int, t_k: int) -> tuple[Tensor | None, str]:
         if call.record is not None:

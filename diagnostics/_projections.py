@@ -274,7 +274,9 @@ def torch_mha(module: nn.Module) -> Projections | None:
 
 HF_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 HF_OUT = ("o_proj", "out_proj", "dense")
-HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+# `heads` last (lucidrains' layers, x-transformers' and vit-pytorch's, keep their head count as `self.heads`): a module
+# that also states one of the others is read by it first
+HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups_heads")
 
 
@@ -491,7 +493,7 @@ def fused_qkv(module: nn.Module) -> Projections | None:
         return None
     H, h_where = _read_int(module, HEADS)
     if H is None:
-        raise NotApplicable("a fused qkv projection but no number of heads (num_heads) on the module")
+        raise NotApplicable(f"a fused qkv projection but no number of heads ({', '.join(HEADS)}) on the module")
     width = qkv.weight.shape[0]
     d, d_where = _read_int(module, ("head_dim",))
     d = d or width // (3 * H)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ._errors import AuditUsageError, expect
+from ._errors import AuditUsageError, ProbeNotTaken, expect
 from ._guard import untouched
 from ._masks import (
     SHORTCUTS,
@@ -122,6 +122,10 @@ class Subject:
     call = None  # a declared call(layer, *streams, mask) (see make_subject), or None: called by its signature
     mask_names: tuple[str, ...] = ()  # the parameters that receive the mask
     notes: tuple[str, ...] = ()  # what the audit assumed, said in the report's first line
+    # queries of the layer's own (a pooling head's learned query, a latent array), not one per token: `queries=Q`
+    # declared, or kept by a layer in place whose model's call showed them (`InPlace.own_queries`). The output then
+    # has Q rows ((B, D) read as (B, 1, D) where Q = 1), the weights are (Q, Tk) and a mask reaches the layer per key
+    own_queries: int | None = None
 
     def __init__(self, layer, *, d_model: int, num_heads: int, head_dim: int, device, dtype):
         self.layer, self.d_model, self.num_heads, self.head_dim = layer, d_model, num_heads, head_dim
@@ -145,7 +149,8 @@ class Subject:
     def declarations(self) -> dict:
         """The make_subject() arguments that rebuild this subject on a copy of its layer (the float64 twin)."""
         return {"mask": self.mask_convention if self.convention_by == "user" else None,
-                "layout": getattr(self, "layout", None), "call": self.call, "cross": self.form == "cross_module"}
+                "layout": getattr(self, "layout", None), "call": self.call, "cross": self.form == "cross_module",
+                "queries": self.own_queries}
 
     def make(self, gen: torch.Generator, batch: int, t: int, *, heads: int | None = None) -> Tensor:
         """One standard-normal input stream in the layer's layout, drawn from `gen` on the CPU (in float64
@@ -159,21 +164,25 @@ class Subject:
 
     def expected_out_shape(self, batch: int, t_q: int, *, heads: int | None = None) -> tuple[int, ...]:
         # the width it takes, unless its model's own call returned another (`InPlace.returned_width`: Zamba2's shared
-        # attention takes [hidden states; embeddings], 2D wide, and returns D); as many rows as the queries of its own
-        # its model's call showed it keeps (`InPlace.own_queries`: a class token's, a pooling head's), else one a token
-        return (batch, getattr(self.layer, "own_queries", None) or t_q,
-                getattr(self.layer, "returned_width", None) or self.d_model)
+        # attention takes [hidden states; embeddings], 2D wide, and returns D); as many rows as its queries of its own
+        # (`own_queries`: declared, or shown by its model's call: a class token's, a pooling head's), else one a token
+        return (batch, self.own_queries or t_q, getattr(self.layer, "returned_width", None) or self.d_model)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Output:
         """Call the layer with `allowed` (B, Tq, Tk) in its convention. A mask its convention cannot hold at once
         reaches it in parts, in one batched call: a (B, Tk) key mask that differs between queries one query at a
         time (each batch row repeated once per query, each query's output row read from its own copy), a
         (Tq, Tk) mask that differs between batch rows one batch row at a time."""
+        if allowed is not None and self.takes_mask and self.own_queries:
+            allowed = own_query_mask(allowed, self.own_queries)
         if allowed is not None and self.takes_mask and not expressible(allowed, self.mask_convention):
             if self.mask_convention.per_key:
                 return _per_query(self._call, query, key, value, allowed, self.time_dim)
             return _per_batch(self._call, query, key, value, allowed, self.time_dim)
-        return _unpack(self._call(query, key, value, allowed), query, key, self.time_dim)
+        got = _unpack(self._call(query, key, value, allowed), query, key, self.time_dim, t_q=self.own_queries)
+        if self.own_queries == 1 and got.out.dim() == 2:  # a pooling head's (B, D): its one query's row
+            return Output(got.out.unsqueeze(1), got.weights)
+        return got
 
     def _call(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None):
         raise NotImplementedError
@@ -194,12 +203,28 @@ class Subject:
         # a size a note already gives (how it was found: "num_heads=1 assumed: ...") is said once, in the note
         sizes = [f"{field}={value}" for field, value in (("d_model", self.d_model), ("num_heads", self.num_heads))
                  if not any(note.startswith(f"{field}=") for note in self.notes)]
+        Q = self.own_queries
+        if Q and "of its own" not in name:  # declared (a layer in place names them in its own name)
+            sizes.append(f"{Q} quer{'y' if Q == 1 else 'ies'} of its own (queries={Q})")
         return f"{name} ({', '.join([FORM_WORDS.get(self.form, self.form), *sizes, *self.notes])})"
 
 
 # how each form of target is named to users (the form itself is the audit's internal name)
 FORM_WORDS = {"function": "a function of q, k, v", "self_module": "a module given one stream",
               "cross_module": "a module given queries and a memory", "qkv_module": "a module given query, key and value"}
+
+
+def own_query_mask(allowed: Tensor, queries: int) -> Tensor:
+    """`allowed` (B, Tq, Tk), one row per token's query, as (B, Q, Tk) for a layer with `queries` queries of its own:
+    a mask the same for every query (padding, keys blocked for all) holds for its queries too; one that differs
+    between queries (a causal mask) has no meaning for queries that are no token's, and that probe cannot be given
+    (`ProbeNotTaken`: skipped with the reason, never a `runs` failure)."""
+    B, Tq, Tk = allowed.shape  # batch, the audit's queries, keys
+    if not bool((allowed == allowed[:, :1]).all()):
+        raise ProbeNotTaken(f"the layer's {queries} quer{'y' if queries == 1 else 'ies'} of its own "
+                            f"(queries={queries}) are no token's, so a mask that differs between the tokens' queries (causal, one query's "
+                            f"keys blocked) has no meaning for them; masks the same for every query are given")
+    return allowed[:, :1].expand(B, queries, Tk)
 
 
 def _per_query(call, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, time_dim: int) -> Output:
@@ -297,9 +322,10 @@ def _observed_weights(record, t_q: int, t_k: int) -> Tensor | None:
     return None
 
 
-def _unpack(result, query: Tensor, key: Tensor, time_dim: int) -> Output:
+def _unpack(result, query: Tensor, key: Tensor, time_dim: int, t_q: int | None = None) -> Output:
     """`out` or `(out, weights, ...)`; anything else is a finding. Of the other returned tensors, the
-    weights are the one shaped like them, (B, [H,] Tq, Tk): a returned (k, v) cache or a bias is not."""
+    weights are the one shaped like them, (B, [H,] Tq, Tk): a returned (k, v) cache or a bias is not (`t_q`: the
+    layer's own queries, where it has them, else the query's length)."""
     if isinstance(result, (tuple, list)):
         if not result:
             raise LayerReturnedNothingUsable("returned an empty tuple")
@@ -308,7 +334,7 @@ def _unpack(result, query: Tensor, key: Tensor, time_dim: int) -> Output:
         out, rest = result, ()
     if not isinstance(out, Tensor):
         raise LayerReturnedNothingUsable(f"returned {type(out).__name__}, expected a tensor or (tensor, weights)")
-    batch, t_q, t_k = query.shape[0], query.shape[time_dim], key.shape[time_dim]
+    batch, t_q, t_k = query.shape[0], t_q or query.shape[time_dim], key.shape[time_dim]
     weights = next((w for w in rest if isinstance(w, Tensor) and w.is_floating_point() and w.dim() in (3, 4)
                     and w.shape[0] == batch and tuple(w.shape[-2:]) == (t_q, t_k)), None)
     return Output(out.detach(), None if weights is None else weights.detach())
@@ -845,8 +871,32 @@ def _first_linear_width(layer: nn.Module) -> int | None:
 
 
 def make_subject(layer, *, d_model=None, num_heads=None, device=None, dtype=None, need_weights: bool = True,
-                 mask=None, layout: str | None = None, call=None, cross: bool = False,
+                 mask=None, layout: str | None = None, call=None, cross: bool = False, queries: int | None = None,
                  options: dict | None = None) -> Subject:
+    """`_recognised`'s subject, with the queries of its own the layer has (`queries=Q` declared, else a layer in place
+    that keeps them: `InPlace.own_queries`), `Subject.own_queries`."""
+    expect(queries is None or (isinstance(queries, int) and not isinstance(queries, bool) and queries >= 1),
+           "queries an int >= 1 (the learned queries the layer attends with) or None", spell("queries", queries, options),
+           f"pass the number of rows the layer returns per sequence, e.g. {spell('queries', 1, options)} for a pooling "
+           f"head that returns (B, D) or (B, 1, D)")
+    expect(queries is None or not cross, "queries or cross, not both",
+           f"{spell('queries', queries, options)} with {spell('cross', True, options)}",
+           "leave cross out: queries=Q says the layer makes its queries itself, cross=True that the audit gives them")
+    subject = _recognised(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype,
+                          need_weights=need_weights, mask=mask, layout=layout, call=call, cross=cross, options=options)
+    expect(queries is None or subject.form == "self_module",
+           "queries=Q for a module given one stream (its tokens), whose queries are its own",
+           f"{spell('queries', queries, options)} for {FORM_WORDS.get(subject.form, subject.form)}",
+           "leave queries out: the audit gives this layer its queries")
+    kept = getattr(layer, "own_queries", None)  # a layer in place's, read from its model's call
+    subject.own_queries = queries or (kept if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1
+                                      else None)
+    return subject
+
+
+def _recognised(layer, *, d_model=None, num_heads=None, device=None, dtype=None, need_weights: bool = True,
+                mask=None, layout: str | None = None, call=None, cross: bool = False,
+                options: dict | None = None) -> Subject:
     """Recognise the layer's form and sizes; raise `AuditUsageError` when it cannot be called, or when an
     option is not of the right kind or does not fit the layer. `mask`: the convention the layer takes its
     mask in (a MaskConvention or its spelling, see diagnostics._masks; default: the library's, else what the

@@ -3,7 +3,7 @@
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
            [--attention-require=DET]... [--attention-strict] [--attention-mask-convention=CONVENTION]
            [--attention-layout=bhtd|bthd] [--attention-pattern=PATTERN] [--attention-call=MODULE:FUNCTION]
-           [--attention-cross] [--attention-positions=relative|absolute]
+           [--attention-cross] [--attention-positions=relative|absolute] [--attention-queries=Q]
     pytest --attention-audit-model=mymodule:make_model   (a whole model: see diagnostics/model/_plugin.py)
 
 adds one test per detector (`attention-audit::future_leakage[mymodule:layer]`, ...) to the run: a failing
@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # imported where used: the plugin loads in every pytest run, 
 OPTIONS = {"causal": "--attention-causal", "seq_len": "--attention-seq-len", "require": "--attention-require",
            "strict": "--attention-strict", "mask": "--attention-mask-convention", "layout": "--attention-layout",
            "pattern": "--attention-pattern", "call": "--attention-call", "cross": "--attention-cross",
-           "positions": "--attention-positions", "pattern_example": '--attention-pattern "sliding_window(4)"'}
+           "positions": "--attention-positions", "queries": "--attention-queries",
+           "pattern_example": '--attention-pattern "sliding_window(4)"'}
 
 
 MARKER = "attention_audit"  # @pytest.mark.attention_audit(**audit options): a test's declarations for the fixture
@@ -112,6 +113,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attention-positions", default=None, metavar="POSITIONS", choices=("relative", "absolute"),
                     help="absolute: the audited layers add absolute position embeddings themselves (relative_positions "
                          "does not apply); relative: their positions are meant to be relative")
+    group.addoption("--attention-queries", default=None, type=int, metavar="Q",
+                    help="the audited layers attend with Q queries of their own (an attention-pooling head's learned "
+                         "query), not one per token: their output is (B, Q, D), or (B, D) where Q = 1")
     group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd"),
                     help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
 
@@ -238,7 +242,7 @@ class AuditTarget(pytest.File):
             # cannot be called as an attention layer, or not at this length: say so now, not per detector
             check_seq_len(make_subject(self.layer, d_model=options["d_model"], num_heads=options["num_heads"],
                                        mask=options["mask"], call=self.call, layout=options["layout"],
-                                       options=spelled), seq_len, options=spelled)
+                                       queries=options["queries"], options=spelled), seq_len, options=spelled)
         except AuditUsageError as error:
             raise self.CollectError(f"--attention-audit={self.spec}: {error}") from error
         self.source = _source(self.layer) or self.source
@@ -259,7 +263,8 @@ class AuditTarget(pytest.File):
                        require=list(option.attention_require), strict=option.attention_strict,
                        mask=option.attention_mask_convention, layout=option.attention_layout,
                        pattern=option.attention_pattern, call=option.attention_call, cross=option.attention_cross,
-                       positions=option.attention_positions, d_model=None, num_heads=None, scale=None)
+                       positions=option.attention_positions, queries=option.attention_queries, d_model=None,
+                       num_heads=None, scale=None)
         declared = target_declarations(own, target=target)
         self.spelled = {**OPTIONS, **{name: COMMAND[name] for name in declared}, "d_model": COMMAND["d_model"],
                         "num_heads": COMMAND["num_heads"], "scale": COMMAND["scale"]}

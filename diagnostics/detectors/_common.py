@@ -16,7 +16,7 @@ from .._observe import Mode, not_over_tokens
 from .._probe import Probe
 from .._registry import DETECTORS, NOT_APPLICABLE
 from .._result import DetectorResult, ProbeShape, Site
-from .._subject import make_subject
+from .._subject import make_subject, spell
 from .._tracing import (
     Trace,
     declared_mask,
@@ -45,6 +45,52 @@ def not_token_attention(probe: Probe, det: str) -> DetectorResult | None:
     t = probe.subject.time_dim
     why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t])
     return DetectorResult(det, "skip", NOT_APPLICABLE + why) if why else None
+
+
+def own_queries_seen(probe: Probe) -> int | None:
+    """Q, where the layer looks like one that attends with Q queries of its own (an attention-pooling head's learned
+    query, Set Transformer's PMA, Perceiver's latents) and `queries=Q` was not declared: a module given one stream
+    whose output has Q != T rows at the standard probe's length T and the same Q at another length (or is (B, D) at
+    both: Q = 1), and in which attention of Q queries over the T tokens was observed (a softmax over them, a fused
+    attention call): a layer that attends nothing, or attends with a query per token and keeps some rows (a class
+    token's), is not told to declare queries.
+    None otherwise: declared, a row per token, or a row count that moves with the length (a layer that drops or adds
+    rows: a shape bug, which no declaration may make pass). One call more, at another length, only for a layer whose
+    output is not (B, T, D)."""
+    if "own_queries_seen" not in probe.memo:
+        probe.memo["own_queries_seen"] = _own_queries_seen(probe)
+    return probe.memo["own_queries_seen"]
+
+
+def _own_queries_seen(probe: Probe) -> int | None:
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    base = probe.base()
+    if s.own_queries or s.form != "self_module" or not base.ok:
+        return None
+    seen = _rows_of(base.output.out, B)
+    if seen is None or seen == T:
+        return None
+    if probe.observed_over(base, seen, T) is None:  # no attention of Q queries over the tokens seen: no hint
+        return None
+    other = next(t for t in (max(2, T // 2), T + 3) if t not in (T, seen))
+    call = probe.call(*probe.streams(B, other), probe.allowed(B, other, other),
+                      label=f"length {other} (the output's rows at another length than {T})")
+    return seen if call.ok and _rows_of(call.output.out, B) == seen else None
+
+
+def _rows_of(out: Tensor, batch: int) -> int | None:
+    """The rows per sequence of a module's output: (B, n, ...) -> n, (B, width) -> 1 (one vector, no row axis; its
+    width may be another than the layer's, a pooling head may project it)."""
+    if out.dim() < 2 or out.shape[0] != batch:
+        return None
+    return 1 if out.dim() == 2 else int(out.shape[1])
+
+
+def no_rows(probe: Probe, out: Tensor) -> str:
+    """The skip's words for an output with no row axis, (B, D): one vector per sequence."""
+    seen = own_queries_seen(probe)
+    declare = f" (a layer with a query of its own: declare {spell('queries', seen, probe.options)})" if seen else ""
+    return f"the output {tuple(out.shape)} has no row axis, one vector per sequence{declare}"
 
 
 def judge(det: str, failed: bool, fail_message: str, pass_message: str, **kw) -> DetectorResult:
@@ -377,6 +423,8 @@ def graph_call(sub, q, k, v, allowed) -> Tensor:
             return True  # the returned tensor itself (detached)
         return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
 
+    if isinstance(raw, Tensor) and raw.dim() == 2 and sub.own_queries == 1 and shown.dim() == 3:
+        raw = raw.unsqueeze(1)  # a pooling head's (B, D), read as its one query's row (`Subject.__call__`)
     if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
         raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
     elif isinstance(raw, Tensor) and not same(raw) and raw.dim() == 4 and same(raw.transpose(1, 2)):

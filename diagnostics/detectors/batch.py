@@ -9,7 +9,7 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
-from ._common import invariance_locator, judge_held, perturbation_gains
+from ._common import invariance_locator, judge_held, no_rows, perturbation_gains
 from ._stacked import other_sequence_changed, seeded_call
 
 
@@ -42,6 +42,8 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     old, new = standard.output.out, changed_call.output.out
     if old.shape != new.shape or old.shape[0] != B:
         return skip(det, f"the output {tuple(old.shape)} does not keep the batch")
+    if old.dim() < 3:
+        return skip(det, no_rows(probe, old))
     change = relative_change(new, old, centred=True)
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere, so a change cannot be measured")

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unravel
 from .._probe import Probe
-from .._registry import CAUSAL, LONG, Need, detector
+from .._registry import CAUSAL, LONG, NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, Site
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
@@ -266,6 +266,9 @@ def check_undeclared_causality(probe: Probe) -> DetectorResult:
     zeros land elsewhere (at T = 2, p = 0.1, both calls alike one time in a thousand). Sequence 1 of that call is
     pushed 1000x, which can outweigh a finite mask (-1e4), so it is not read."""
     det, base = "undeclared_causality", probe.base()
+    if probe.subject.own_queries:
+        return DetectorResult(det, "skip", f"{NOT_APPLICABLE}the layer attends with queries of its own, which have no "
+                                           f"position among the tokens: no key is in their future")
     if not base.ok:
         return not_run(det, base)
     weights, source = probe.weights(base)

@@ -9,7 +9,7 @@ from .._probe import Probe
 from .._registry import DETECTORS, detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
-from ._common import invariance_locator, judge, result
+from ._common import invariance_locator, judge, no_rows, result
 from ._stacked import other_sequence_changed
 
 
@@ -25,6 +25,8 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     if not base.ok:
         return not_run(det, base)
     B, t_q = base.query.shape[0], base.query.shape[probe.subject.time_dim]
+    if base.output.out.dim() < 3:
+        return skip(det, no_rows(probe, base.output.out))
     tol = tolerance(UNCHANGED, probe.subject.dtype)
     changed, other = other_sequence_changed(probe)
     if other.ok and other.output.out.shape == base.output.out.shape and base.output.out.shape[0] == B > 1:
@@ -47,7 +49,7 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     change = relative_change(again.output.out, base.output.out, centred=True)
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
-    everywhere = torch.ones(B, t_q, dtype=torch.bool)
+    everywhere = torch.ones(B, probe.subject.own_queries or t_q, dtype=torch.bool)  # its rows: T, or its queries
     comparison = Comparison([Case(Inputs(base.query, base.key, base.value), everywhere,
                                   "between two eval-mode calls on the same input")], [change], tol, again)
     bad, worst, text, _ = held(comparison, probe, what="outputs")

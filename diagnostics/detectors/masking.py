@@ -51,7 +51,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     cut = (T - 1) // 2
     # the padding scenario's mask is the stack's: trailing keys blocked for every query (see Probe.padding)
     scenarios = [("padding", None, None, PADDED_KEYS)]
-    if not probe.causal:
+    if not probe.causal and not probe.subject.own_queries:  # queries of its own are no token's: none is causal
         # a causal mask passed to a layer audited as causal blocks what the layer's own causality (or the causal
         # mask the audit passes) blocks already: that probe is future_leakage's, which runs on such layers
         scenarios.append(("causal", (j <= i).expand(B, T, T), (j > cut).expand(B, T),
@@ -84,11 +84,13 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         base = comparison.base
         keys = ~base.extra[:, 0, :] if control else keys  # (B, Tk): the blocked keys
         rows = _rows(probe, base, keys)
-        # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query
-        none = torch.zeros(B, T, dtype=torch.bool)
-        owns = [keys if base.one_stream else none] * len(perturbation_gains(probe))
+        # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query;
+        # none where the layer's queries are its own
+        none = torch.zeros(B, probe.subject.own_queries or T, dtype=torch.bool)
+        tokens = base.one_stream and not probe.subject.own_queries
+        owns = [keys if tokens else none] * len(perturbation_gains(probe))
         if control:
-            owns.append(rows.changed if base.one_stream else none)
+            owns.append(rows.changed if tokens else none)
         # no control (the causal scenario): it proves nothing either way, and never says the mask works backwards
         reading = allowed_key_reading(comparison, rows.attends, probe.subject.dtype) if control else (None, "")
         results.append((name, comparison, reading, crosses(comparison, owns)))
@@ -218,6 +220,8 @@ class _Rows:
 def _rows(probe: Probe, base: Inputs, keys: Tensor) -> _Rows:
     B, T = probe.BATCH, probe.t
     allowed = probe.allowed(B, T, T, base.extra).cpu()  # what the layer is given, causal included
+    if probe.subject.own_queries:
+        return _own_query_rows(allowed, keys, probe.subject.own_queries)
     # rows that must not move: they may attend some key, and none of the changed ones
     hold = allowed.any(-1) & ~(allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq)
     sees = (allowed & keys.unsqueeze(1)).any(-1)  # (B, Tq): rows a correct layer moves
@@ -241,6 +245,22 @@ def _rows(probe: Probe, base: Inputs, keys: Tensor) -> _Rows:
     return _Rows(hold, sees, changed, attends)
 
 
+def _own_query_rows(allowed: Tensor, keys: Tensor, queries: int) -> _Rows:
+    """`_rows` for a layer with `queries` queries of its own, (B, Q): none is a token's, so none changes with the
+    changed keys; each is given the mask's one row (`own_query_mask`: the same for every query), and is held where it
+    may attend some key and none of the changed ones, moved where it attends one. The control changes key 0 alone."""
+    B, _, T = allowed.shape  # batch, queries, keys
+    row = allowed[:, 0]  # (B, Tk): every query's row
+    changed = torch.zeros(B, T, dtype=torch.bool)
+    changed[:, 0] = True
+
+    def per_query(x: Tensor) -> Tensor:  # (B,) -> (B, Q)
+        return x.unsqueeze(1).expand(B, queries)
+
+    return _Rows(hold=per_query(row.any(-1) & ~(row & keys).any(-1)), sees=per_query((row & keys).any(-1)),
+                 changed=changed, attends=per_query(row[:, 0]))
+
+
 def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, control: bool,
                       moves: bool = True) -> list[Case]:
     """The keys `keys` (B, Tk) blocks changed, and with `control` (the padding scenario) key 0 changed alone;
@@ -248,11 +268,11 @@ def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, co
     B, T = probe.BATCH, probe.t
     rows = _rows(probe, base, keys)
     gains = perturbation_gains(probe)
-    none = torch.zeros(B, T, dtype=torch.bool)
+    none = torch.zeros(B, probe.subject.own_queries or T, dtype=torch.bool)
     cases = [Case(x, hold=rows.hold, move=rows.sees if moves else None, when=f"{when} (x{gain:g})")
              for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
     if control:
-        also = f" and key {T - 1}, which it blocks," if base.one_stream else ""
+        also = f" and key {T - 1}, which it blocks," if base.one_stream and not probe.subject.own_queries else ""
         cases.append(Case(perturbed(probe, base, rows.changed, ("key", "value"), gains=gains[:1])[0],
                           hold=none, when=f"when only key 0, which the mask allows,{also} changed (x{gains[0]:g})"))
     return cases
@@ -307,9 +327,12 @@ def _with_hint(probe: Probe, fix: str) -> str:
 def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     det, B, T = "fully_masked_rows", probe.BATCH, probe.t
     r = T // 2
+    own = probe.subject.own_queries
     extra = torch.ones(B, T, T, dtype=torch.bool)
     extra[0, r, :] = False  # batch 0, query r may attend nothing
-    if T >= 3:
+    if own:  # queries of its own are given a mask per key (`own_query_mask`): sequence 0's every key blocked
+        extra[0] = False
+    elif T >= 3:
         # and every query before the last has a blocked key beside the ones it may attend: a -inf fill that reaches
         # the output (a mask applied after the softmax, no softmax at all) makes NaN in rows that have keys to
         # attend; the last query keeps that key, so that no key is blocked for every query (a softmax over the
@@ -320,16 +343,20 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     call = probe.call(q, k, v, allowed, label="a query with no key to attend")
     if not call.ok:
         return not_run(det, call)
-    finite = torch.isfinite(call.output.out).all(-1)  # (B, T) or (B, H, T)
-    empty = expand_rows(~allowed.cpu().any(-1), finite)  # rows with no key to attend, the causal mask's included
+    finite = torch.isfinite(call.output.out).all(-1)  # (B, T) or (B, H, T); (B, Q) for queries of its own
+    empty = ~allowed.cpu().any(-1)  # (B, Tq): rows with no key to attend, the causal mask's included
+    if own:
+        empty = empty[:, :1].expand(B, own)
+    empty = expand_rows(empty, finite)
+    who = "sequence 0's every query (of the layer's own)" if own else f"query (b=0, t={r})"
     if (~finite & ~empty).any():
         n = int((~finite & ~empty).sum())
         first = unravel((~finite & ~empty).flatten().nonzero()[0, 0], finite.shape)
-        blocked = f" and the queries before t={T - 1} have key {T - 1} blocked" if T >= 3 else ""
+        blocked = f" and the queries before t={T - 1} have key {T - 1} blocked" if T >= 3 and not own else ""
         return result(det, "fail", "NaN spreads beyond the query whose every key is masked",
                        value=float(n), threshold=0.0,
                        evidence=f"{n} output rows that have keys to attend are NaN/inf, first at "
-                                f"{where_text(first, finite.dim())}, when only query (b=0, t={r}) has no key{blocked}",
+                                f"{where_text(first, finite.dim())}, when only {who} has no key{blocked}",
                        replay=call,
                        fix="keep NaN out of rows that have keys: apply the mask to the scores before the softmax "
                            "(scores.masked_fill(~allowed, -inf), then softmax; a -inf that reaches the weights or the "
@@ -337,7 +364,8 @@ def check_fully_masked_rows(probe: Probe) -> DetectorResult:
     if (~finite & empty).any():
         return result(det, "warn", "a query whose every key is masked gets NaN (torch's SDPA gives zeros)",
                        value=1.0, threshold=0.0,
-                       evidence=f"output at (b=0, t={r}) is NaN/inf when that query may attend no key; it will "
+                       evidence=f"output {'of ' + who if own else f'at (b=0, t={r})'} is NaN/inf when "
+                                f"{'it' if own else 'that query'} may attend no key; it will "
                                 f"poison the loss and the gradients unless such rows are dropped", replay=call)
     return result(det, "pass", "a query with no key to attend gives a finite output, and every other query too",
                   value=0.0, threshold=0.0)

@@ -231,6 +231,10 @@ def _pattern_moves(probe: Probe, B: int, P: int, T: int) -> bool:
           needs=(ENOUGH_TOKENS,), locate=lambda probe, result: shift_sites(probe, result))
 def check_relative_positions(probe: Probe) -> DetectorResult:
     s, B = probe.subject, probe.BATCH
+    if s.own_queries:
+        return DetectorResult(DET, "skip", f"{NOT_APPLICABLE}the layer attends with {s.own_queries} quer"
+                                           f"{'y' if s.own_queries == 1 else 'ies'} of its own, which have no position "
+                                           f"among the tokens: no distance between a query and a key to be relative")
     T = min(probe.t, POSITION_TOKENS)
     P = SHIFT_TOKENS
     limit = probe_context(s, T + P)

@@ -17,7 +17,7 @@ from .._result import DetectorResult, Site
 from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_calls
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
-from ._common import result
+from ._common import own_queries_seen, result
 from ._mask_hints import convention_hint, honoured_conventions
 
 
@@ -259,8 +259,8 @@ def runs_verdict(probe: Probe) -> DetectorResult:
                            f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
                            for error, labels in by_error.items())
         evidence = f"{listed} ({n_calls} calls in all){self_only}"
-        needed = (_needed_declaration(probe, evidence) or _length_constraint(probe, evidence)
-                  or _required_input(probe, evidence))
+        needed = (_own_queries_needed(probe, evidence) or _needed_declaration(probe, evidence)
+                  or _length_constraint(probe, evidence) or _required_input(probe, evidence))
         if needed is not None:
             return needed
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
@@ -299,6 +299,21 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                                   f"and honours it",
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
+                  declaration=declare)
+
+
+def _own_queries_needed(probe: Probe, evidence: str) -> DetectorResult | None:
+    """A layer with queries of its own (`own_queries_seen`), undeclared, that raised only where the audit gave it a
+    mask: a mask of one row per token, which its Q queries cannot take. Then `runs` is a skip naming `queries=Q`,
+    under which its masks are given per key (`own_query_mask`); None otherwise."""
+    seen = own_queries_seen(probe)
+    if seen is None or not probe.failed_calls or any(c.allowed is None for c in probe.failed_calls):
+        return None
+    declare = spell("queries", seen, probe.options)
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
+                                  f"mask of one row per token, and its output has {seen} row{'s' if seen > 1 else ''} "
+                                  f"per sequence at every length: it attends with queries of its own",
+                  evidence=evidence, fix=f"audit with {declare}: its masks are then given per key, to its own queries",
                   declaration=declare)
 
 

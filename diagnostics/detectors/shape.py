@@ -7,7 +7,8 @@ from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
 from .._tracing import stream_sites, trace_call
-from ._common import result
+from .._subject import spell
+from ._common import own_queries_seen, result
 from ._stacked import decoding_calls
 
 
@@ -48,12 +49,35 @@ def check_output_shape(probe: Probe) -> DetectorResult:
             unmeasured = probe.self_only_text()
         else:
             unmeasured = f"query length {t_q}, memory length {t_k}: the layer raised ({call.describe_error()}); see `runs`"
-    wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks if tuple(c.output.out.shape) != want]
+    def fits(got: tuple, want: tuple) -> bool:  # queries of its own: (B, Q, any width), a pooling head may project
+        return got == want or bool(s.own_queries) and len(got) == 3 and got[:2] == want[:2]
+
+    wrong = [(label, tuple(c.output.out.shape), want) for label, c, want in checks
+             if not fits(tuple(c.output.out.shape), want)]
+    seen = own_queries_seen(probe) if wrong else None
+    if seen is not None:  # a correct layer of another convention: the declaration it needs, never a failure
+        declare = spell("queries", seen, probe.options)
+        got = tuple(base.output.out.shape)
+        rows = "(B, D), one vector" if len(got) == 2 else f"{seen} row{'s' if seen > 1 else ''}"
+        return result(det, "skip", f"needs a declaration, {declare}: the output is {rows} per sequence at every probe "
+                                   f"length, not one row per token: the layer attends with queries of its own",
+                      evidence=f"the standard probe: output {got} for {T} tokens, expected "
+                               f"{s.expected_out_shape(B, T)} for one row per token; {rows} again at another length",
+                      fix=f"audit with {declare} if the layer attends with {seen} learned quer"
+                          f"{'y' if seen == 1 else 'ies'} of its own (an attention-pooling head, Set Transformer's "
+                          f"PMA, Perceiver's latents); a layer meant to return a row per token returns the wrong shape",
+                      declaration=declare)
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
+        declared = {} if not s.own_queries else {"fix": (
+            f"return one row per query of the layer's own, (B, {s.own_queries}, width) (or (B, width) for one), as "
+            f"{spell('queries', s.own_queries, probe.options)} declares; if the layer returns one row per token, "
+            f"leave the declaration out")}
         return result(det, "fail", "the output has the wrong shape", evidence=text,
-                      replay=tuple(c for label, c, want in checks if tuple(c.output.out.shape) != want))
+                      replay=tuple(c for label, c, want in checks if not fits(tuple(c.output.out.shape), want)),
+                      **declared)
     if unmeasured:
         return skip(det, unmeasured)
-    return result(det, "pass", "output shape is (B, Tq, ...) " + ", ".join(
+    rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
+    return result(det, "pass", f"output shape is {rows} " + ", ".join(
         f"{tuple(c.output.out.shape)}" for _, c, _ in checks))

@@ -11,6 +11,7 @@ from .._observe import fused_weights, learned_keys, pooled_keys
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
+from .._subject import own_query_mask
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
 from .._tracing import SOFTMAXES, trace_call, weights_origin
 from ._common import result
@@ -26,8 +27,11 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
     trace = trace_call(s, call.query, call.key, call.value, call.allowed, seed=probe.seed)
     if trace.output is None:
         return []
-    t_q, t_k = call.query.shape[s.time_dim], call.key.shape[s.time_dim]
-    sites = weights_origin(probe, trace, call.allowed, t_q, t_k)
+    t_q, t_k = s.own_queries or call.query.shape[s.time_dim], call.key.shape[s.time_dim]
+    allowed = call.allowed  # (B, Tq, Tk); a layer's own queries were given its one row (`own_query_mask`)
+    if s.own_queries and allowed is not None:
+        allowed = own_query_mask(allowed.cpu(), t_q)
+    sites = weights_origin(probe, trace, allowed, t_q, t_k)
     # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (Tq, m)
     pooled = [op.outs[0].shape[-1] for op in trace.ops if op.short in SOFTMAXES and op.outs and op.outs[0] is not None
               and op.outs[0].dim() >= 3 and op.outs[0].shape[-2] == t_q and 1 < op.outs[0].shape[-1] < t_k]
@@ -68,15 +72,17 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                          "through them: v = I, or one key at a time, where its output is those weights applied to its "
                          "values)")
     t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
-    # T, or a layer in place with queries of its own: its Q rows, or every token's where it attends them all and
+    # T, or a layer with queries of its own: its Q rows, or every token's where it attends them all and
     # keeps the class token's row (`Probe._observed`)
-    t_q = weights.shape[-2] if getattr(s.layer, "own_queries", None) else T  # observed weights: (.., Tq, Tk)
+    t_q = weights.shape[-2] if s.own_queries else T  # observed weights: (.., Tq, Tk)
     if weights.numel() % (B * t_q * t_k):
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
     # no float64 copy of the weights (at (2, 8, 1024, 1024) 128 MB, ~0.5 forward passes): row sums accumulate in
     # float64, the sign is read in the weights' own dtype
     w = weights.detach().reshape(B, -1, t_q, t_k)  # (B, heads or 1, Tq, Tk)
     allowed = call.allowed if call.allowed is not None else torch.ones(B, t_q, t_k, dtype=torch.bool)
+    if s.own_queries and allowed.shape[-2] != t_q:  # its queries' rows: the mask they were given, one row per key
+        allowed = own_query_mask(allowed.cpu(), t_q)
     if probe.pattern is not None and t_k == T == t_q:  # a layer that keeps its declared pattern itself is not given it
         allowed = allowed.cpu() & probe.pattern.allowed(B, T, T)
     nonempty = allowed.to(w.device).any(-1).unsqueeze(1)  # (B, 1, Tq): rows with a key to attend
