@@ -1,0 +1,69 @@
+"""Pins for the survivors of the full mutation run over relative_positions and attention_pattern (issue 37:
+`benchmarks/mutations.py --all --only detectors/positions.py --only detectors/pattern.py`, at 824d172). As in
+tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or constant
+it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at 824d172).
+Small function layers written here, one detector at small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import diagnostics
+from diagnostics import patterns
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention on (B, H, Tq, d) x (B, H, Tk, d), True = may attend; returns (out, weights)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+# ---- attention_pattern: _run --------------------------------------------------------------------------------------
+
+
+def test_the_pattern_copies_are_split_so_that_a_calls_scores_stay_under_2_to_the_24():
+    """_run's `heads = s.num_heads or 1` (L132; `and` makes it 1 for every layer with heads): the copies per call are
+    2^24 // (B x heads x Tq x Tk). sliding_window(4) at T = 256 reads 6 classes; with 32 heads a copy's scores are
+    2 x 32 x 256^2 = 2^22 elements, so 4 copies a call: 8 sequences, then 4 (heads counted as 1: all 6 in one call of
+    12). Its twin, the same layer with 1 head: 2^17 a copy, the 6 copies in one call."""
+    batches = []
+
+    def counting(q, k, v, mask=None):
+        if q.shape[-2] == 256:
+            batches.append(q.shape[0])
+        return attention(q, k, v, mask)
+
+    pattern = patterns.sliding_window(4)
+    many = verdict(counting, "attention_pattern", seq_len=256, num_heads=32, d_model=32, pattern=pattern)
+    assert many.verdict == "pass" and "6 copies" in many.evidence, many
+    assert batches == [2, 2, 8, 4], batches  # the detector's baseline, the probe's own, then the copies
+    batches.clear()
+    one = verdict(counting, "attention_pattern", seq_len=256, num_heads=1, d_model=1, pattern=pattern)
+    assert one.verdict == "pass" and batches == [2, 2, 12], (one, batches)
+
+
+def test_a_pattern_output_that_loses_the_batch_is_a_skip_that_says_so():
+    """_run's per-row guard (L143-144: `and` made `or` in either place, or the guard never firing): a layer that
+    returns one sequence where it was given two has no row per batch element, a skip that says so; the same layer
+    keeping its batch passes."""
+
+    def dropped(q, k, v, mask=None):
+        out, weights = attention(q, k, v, mask)
+        return out[:1], weights[:1]
+
+    window = patterns.sliding_window(4)
+    lost = verdict(dropped, "attention_pattern", pattern=window)
+    assert lost.verdict == "skip" and "has no row per query and batch element" in lost.message, lost
+    assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
