@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 import diagnostics
 from diagnostics import patterns
@@ -67,3 +68,34 @@ def test_a_pattern_output_that_loses_the_batch_is_a_skip_that_says_so():
     lost = verdict(dropped, "attention_pattern", pattern=window)
     assert lost.verdict == "skip" and "has no row per query and batch element" in lost.message, lost
     assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
+
+
+class SharedMemory(nn.Module):
+    """Attention m(query, key, value, mask=None) over (B, T, D) that takes one memory as both key and value, as
+    torch's MultiheadAttention packs its key and value projections when `key is value`: given a value that is not its
+    key it refuses (the packed path is the only one it has)."""
+
+    def __init__(self, d_model=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+
+    def forward(self, query, key, value, mask=None):
+        if value is not key:
+            raise ValueError("one memory only: pass value=key")
+        k, v = self.kv(key).chunk(2, dim=-1)  # (B, Tk, D) each, one packed projection
+        out, _ = attention(self.q(query), k, v, None if mask is None else mask.view(-1, *mask.shape[-2:]))
+        return out
+
+
+def test_the_pattern_copies_keep_a_memory_that_is_both_key_and_value_one_tensor():
+    """_run's `V = K if base.one_stream or base.value is base.key` (L158; `and` concatenates the copies' values apart
+    from their keys: the same numbers, another tensor): a layer that takes one memory as key and value (it reads
+    `value is key`, as torch's MultiheadAttention does) is measured and passes; the same layer refuses a value that is
+    a copy of its key, which is what the copies would give it."""
+    layer = SharedMemory()
+    found = verdict(layer, "attention_pattern", pattern=patterns.sliding_window(4))
+    assert found.verdict == "pass", found
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(ValueError, match="one memory only"):
+        layer(x, x, x.clone())
