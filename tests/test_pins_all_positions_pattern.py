@@ -99,3 +99,21 @@ def test_the_pattern_copies_keep_a_memory_that_is_both_key_and_value_one_tensor(
     x = torch.randn(2, 16, 8)
     with pytest.raises(ValueError, match="one memory only"):
         layer(x, x, x.clone())
+
+
+def fixed_batch(q, k, v, mask=None):
+    """The reference for batches of 2 only (a layer traced or compiled for one batch size)."""
+    if q.shape[0] != 2:
+        raise RuntimeError(f"compiled for a batch of 2, got {q.shape[0]}")
+    return attention(q, k, v, mask)
+
+
+def test_a_layer_that_raises_on_the_stacked_pattern_copies_is_a_skip_that_names_the_raise():
+    """_run's `if not call.ok` on the copies' call (L160, the guard never firing: the detector would read the output
+    of a call that raised): a layer that takes a batch of 2 only runs the baseline and raises on the 12 stacked
+    sequences, a skip that names the raise; the reference passes."""
+    window = patterns.sliding_window(4)
+    raised = verdict(fixed_batch, "attention_pattern", pattern=window)
+    assert raised.verdict == "skip" and "the layer raised on this detector's probe" in raised.message, raised
+    assert "compiled for a batch of 2, got 12" in raised.message, raised
+    assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
