@@ -496,6 +496,15 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if b < COSINE_FLAT:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
     "detectors/temperature.py:_judged_cosine:L*:Gt->GtE": (
         "if b > COSINE_SHARP:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
+    # m37e: positions.py, pattern.py (the full run at 824d172, issue 37), checked by hand:
+    "detectors/pattern.py:_run:L*:Gt->GtE": ("moved.append(_fold(change).cpu() > tol)", _TOLERANCE_EDGE + " (a "
+                                             "relative change against tolerance(UNCHANGED, dtype))"),
+    "detectors/positions.py:_stack:L*:all->any": (
+        ("k = q if all(c[1] is c[0] for c in calls)", "v = k if all(c[2] is c[1] for c in calls)"),
+        "on either line. _stack is called once, on the shifted call and the identical tokens, both built from the same "
+        "(q, k, v): the shifted call's key is its query where q is k (else a new tensor) and its value its key where v "
+        "is k, and _identical keeps the same identities (one tensor where q is k, the value the key where v is k). "
+        "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
