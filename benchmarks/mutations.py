@@ -505,6 +505,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "(q, k, v): the shifted call's key is its query where q is k (else a new tensor) and its value its key where v "
         "is k, and _identical keeps the same identities (one tensor where q is k, the value the key where v is k). "
         "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
+    "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
+        "if limit is not None and T + P > limit[0]:", "`>=` enters the branch also at T + P == limit, where it sets "
+        "P = max(0, limit - T), which is P (5, so `P < 1` below is false): the same sizes (checked by hand; pinned at "
+        "a context of 17, T + P exactly, in tests/test_pins_all_positions_pattern.py)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -117,3 +117,51 @@ def test_a_layer_that_raises_on_the_stacked_pattern_copies_is_a_skip_that_names_
     assert raised.verdict == "skip" and "the layer raised on this detector's probe" in raised.message, raised
     assert "compiled for a batch of 2, got 12" in raised.message, raised
     assert verdict(attention, "attention_pattern", pattern=window).verdict == "pass"
+
+
+# ---- relative_positions: the shift within the layer's context -------------------------------------------------------
+
+
+class Alibi(nn.Module):
+    """Self-attention m(x, mask=None) on (B, T, D) with ALiBi's bias -0.5 |i - j| (relative positions), declaring a
+    context of `context` tokens (`context_length`, which bounds every probe) where given."""
+
+    def __init__(self, context: int | None = None, d_model: int = 8, num_heads: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.num_heads = nn.Linear(d_model, 3 * d_model), num_heads
+        if context is not None:
+            self.context_length = context
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        distance = (torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)).abs()  # (T, T)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - 0.5 * distance  # (B, H, T, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)  # (B, T, D)
+
+
+@pytest.mark.parametrize(("context", "seq_len", "shift", "rows"),
+                         [(None, 16, 5, 24), (64, 16, 5, 24), (17, 16, 5, 24), (14, 14, 2, 24), (12, 12, 1, 22),
+                          (4, 4, 1, 6)])
+def test_the_shift_and_the_tokens_fit_within_the_layers_context(context, seq_len, shift, rows):
+    """check_relative_positions' sizes (L237-241): T = min(seq_len, 12) real tokens after P = 5, unless the layer's
+    context is shorter than T + P: then P = context - T, and where that leaves none, T = context - 1 after P = 1.
+    A context of 64 leaves the shift at 5 (`T + P < limit` would shift by 52), one of 14 makes it 2 (`P > 1` would
+    make it 1), one of 12 leaves 11 real tokens after 1 (22 rows of 2 sequences), one of 4 leaves the 3 tokens the
+    permutation needs, measured (`T <= 3` would skip)."""
+    found = verdict(Alibi(context), "relative_positions", seq_len=seq_len)
+    assert found.verdict == "pass", found
+    assert found.message.startswith(f"shifting every position by {shift} (padding)"), found
+    assert found.evidence.startswith(f"0 / {rows} outputs of the real tokens changed"), found
+
+
+def test_a_context_of_3_tokens_leaves_no_room_for_the_shift_and_says_so():
+    """`if T < 3` (L241, the guard never firing): a context of 3 leaves T = 2 real tokens after P = 1, too few for the
+    permutation around the newest key; a skip that says so. Its twin, a context of 4, is measured (above)."""
+    found = verdict(Alibi(3), "relative_positions", seq_len=3)
+    assert found.verdict == "skip", found
+    assert "the layer's context (context_length=3) leaves no room to shift 3 tokens" in found.message, found
+    assert verdict(Alibi(4), "relative_positions", seq_len=4).verdict == "pass"
