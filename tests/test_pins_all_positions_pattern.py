@@ -165,3 +165,36 @@ def test_a_context_of_3_tokens_leaves_no_room_for_the_shift_and_says_so():
     assert found.verdict == "skip", found
     assert "the layer's context (context_length=3) leaves no room to shift 3 tokens" in found.message, found
     assert verdict(Alibi(4), "relative_positions", seq_len=4).verdict == "pass"
+
+
+# ---- relative_positions: what its finding follows from --------------------------------------------------------------
+
+
+def alibi(q, k, v, mask=None, *, twice=False, drift=0.0):
+    """Attention on (B, H, Tq, d) with ALiBi's bias -0.5 |i - j|; `twice`: a second softmax over the weights (the
+    keys the mask blocks get weight back: exp(0)); `drift`: each output row moved by `drift` x its index (absolute
+    positions). Returns (out, weights)."""
+    distance = (torch.arange(q.shape[-2]).view(-1, 1) - torch.arange(k.shape[-2]).view(1, -1)).abs()  # (Tq, Tk)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - 0.5 * distance  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(-1)
+    weights = weights.softmax(-1) if twice else weights
+    return weights @ v + drift * torch.arange(q.shape[-2]).view(-1, 1), weights  # (B, H, Tq, d)
+
+
+def test_a_shift_through_padding_that_the_mask_lets_in_follows_from_mask_honoured_and_absolute_positions_do_not():
+    """ShiftReplay.consequence_of (L155, `==` made `!=`: the padding method's finding would name no cause): a second
+    softmax gives the padding the mask blocks weight back, so the shift through left padding moves the real tokens
+    and mask_honoured fails too: the finding says it follows from mask_honoured. Its twin, a layer that honours its
+    mask and adds absolute positions to its outputs, fails alone, with no such note."""
+    report = diagnostics.audit(lambda q, k, v, mask=None: alibi(q, k, v, mask, twice=True),
+                               detectors=["relative_positions", "mask_honoured"])
+    found = report.result("relative_positions")
+    assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
+    assert found.verdict == "fail" and found.message.endswith("(a consequence of mask_honoured)"), found
+    report = diagnostics.audit(lambda q, k, v, mask=None: alibi(q, k, v, mask, drift=0.1),
+                               detectors=["relative_positions", "mask_honoured"])
+    found = report.result("relative_positions")
+    assert report.result("mask_honoured").verdict == "pass", report.result("mask_honoured")
+    assert found.verdict == "fail" and found.message.endswith("moves them"), found
