@@ -198,3 +198,34 @@ def test_a_shift_through_padding_that_the_mask_lets_in_follows_from_mask_honoure
     found = report.result("relative_positions")
     assert report.result("mask_honoured").verdict == "pass", report.result("mask_honoured")
     assert found.verdict == "fail" and found.message.endswith("moves them"), found
+
+
+# ---- relative_positions: the left padding's mask --------------------------------------------------------------------
+
+
+def alibi_strict(q, k, v, mask=None):
+    """ALiBi (above) refusing a mask that leaves a query no key (as layers that check their masks do)."""
+    if mask is not None and not bool(mask.any(-1).all()):
+        raise ValueError("a query that sees no key")
+    return alibi(q, k, v, mask)
+
+
+def alibi_key_padding(q, k, v, key_padding_mask=None):
+    """ALiBi taking torch's key padding mask ((B, Tk), True = padding), refusing one that pads every key."""
+    if key_padding_mask is None:
+        return alibi(q, k, v)
+    if bool(key_padding_mask.all(-1).any()):
+        raise ValueError("a sequence that is all padding")
+    return alibi(q, k, v, ~key_padding_mask[:, None, None, :])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["not causal", "causal"])
+@pytest.mark.parametrize("layer", [alibi_strict, alibi_key_padding], ids=["allowed", "key_padding"])
+def test_the_left_padding_leaves_every_query_a_key(layer, causal):
+    """_shift_mask (L206-209): the real queries are blocked from the P padding keys, the padding queries see every key
+    (causally, those before them), so no row is fully blocked; a key-padding layer audited as not causal gets one row
+    for every query, the padding blocked for all. A layer that refuses a query with no key is measured, causal or not,
+    with either convention (`!=`, `or` or a dropped `not` there would block every key for the padding queries of one
+    of the four); the shift then passes (ALiBi)."""
+    found = verdict(layer, "relative_positions", causal=causal)
+    assert found.verdict == "pass" and found.message.startswith("shifting every position by 5 (padding)"), found
