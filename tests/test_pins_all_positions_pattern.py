@@ -170,12 +170,12 @@ def test_a_context_of_3_tokens_leaves_no_room_for_the_shift_and_says_so():
 # ---- relative_positions: what its finding follows from --------------------------------------------------------------
 
 
-def alibi(q, k, v, mask=None, *, twice=False, drift=0.0):
-    """Attention on (B, H, Tq, d) with ALiBi's bias -0.5 |i - j|; `twice`: a second softmax over the weights (the
+def alibi(q, k, v, mask=None, *, twice=False, drift=0.0, slope=-0.5):
+    """Attention on (B, H, Tq, d) with ALiBi's bias `slope` x |i - j| (-0.5: ALiBi's sign); `twice`: a second softmax over the weights (the
     keys the mask blocks get weight back: exp(0)); `drift`: each output row moved by `drift` x its index (absolute
     positions). Returns (out, weights)."""
     distance = (torch.arange(q.shape[-2]).view(-1, 1) - torch.arange(k.shape[-2]).view(1, -1)).abs()  # (Tq, Tk)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - 0.5 * distance  # (B, H, Tq, Tk)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + slope * distance  # (B, H, Tq, Tk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = scores.softmax(-1)
@@ -210,13 +210,13 @@ def alibi_strict(q, k, v, mask=None):
     return alibi(q, k, v, mask)
 
 
-def alibi_key_padding(q, k, v, key_padding_mask=None):
+def alibi_key_padding(q, k, v, key_padding_mask=None, *, slope=-0.5):
     """ALiBi taking torch's key padding mask ((B, Tk), True = padding), refusing one that pads every key."""
     if key_padding_mask is None:
-        return alibi(q, k, v)
+        return alibi(q, k, v, slope=slope)
     if bool(key_padding_mask.all(-1).any()):
         raise ValueError("a sequence that is all padding")
-    return alibi(q, k, v, ~key_padding_mask[:, None, None, :])
+    return alibi(q, k, v, ~key_padding_mask[:, None, None, :], slope=slope)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["not causal", "causal"])
@@ -229,3 +229,15 @@ def test_the_left_padding_leaves_every_query_a_key(layer, causal):
     of the four); the shift then passes (ALiBi)."""
     found = verdict(layer, "relative_positions", causal=causal)
     assert found.verdict == "pass" and found.message.startswith("shifting every position by 5 (padding)"), found
+
+
+def test_a_key_padding_layer_not_causal_is_read_in_one_call_so_a_flipped_alibi_is_found():
+    """_shift_mask's `convention == "key_padding"` (L206, `!=`: the padding queries would see every key, a mask a
+    (B, Tk) key padding mask cannot hold, so the layer would be called one query at a time and the record would hold
+    no (B x 2, H, 17, 17) scores to read the distance bias from): a key-padding layer audited as not causal gets one
+    row for every query, one call; ALiBi's sign flipped (+0.5 |i - j|) is found there; its twin, the right sign
+    (-0.5), passes (above)."""
+    flipped = verdict(lambda q, k, v, key_padding_mask=None: alibi_key_padding(q, k, v, key_padding_mask, slope=0.5),
+                      "relative_positions")
+    assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
+    assert verdict(alibi_key_padding, "relative_positions").verdict == "pass"
