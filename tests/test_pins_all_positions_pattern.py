@@ -73,19 +73,24 @@ def test_a_pattern_output_that_loses_the_batch_is_a_skip_that_says_so():
 class SharedMemory(nn.Module):
     """Attention m(query, key, value, mask=None) over (B, T, D) that takes one memory as both key and value, as
     torch's MultiheadAttention packs its key and value projections when `key is value`: given a value that is not its
-    key it refuses (the packed path is the only one it has)."""
+    key it refuses (the packed path is the only one it has). `slope`: a distance bias slope x |i - j| (ALiBi's for
+    slope < 0), none by default."""
 
-    def __init__(self, d_model=8):
+    def __init__(self, d_model=8, slope=0.0):
         super().__init__()
         torch.manual_seed(0)
-        self.q, self.kv = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        self.q, self.kv, self.slope = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model), slope
 
     def forward(self, query, key, value, mask=None):
         if value is not key:
             raise ValueError("one memory only: pass value=key")
         k, v = self.kv(key).chunk(2, dim=-1)  # (B, Tk, D) each, one packed projection
-        out, _ = attention(self.q(query), k, v, None if mask is None else mask.view(-1, *mask.shape[-2:]))
-        return out
+        q = self.q(query)
+        distance = (torch.arange(q.shape[-2]).view(-1, 1) - torch.arange(k.shape[-2]).view(1, -1)).abs()  # (Tq, Tk)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.slope * distance  # (B, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.view(-1, *mask.shape[-2:]), float("-inf"))
+        return scores.softmax(-1) @ v  # (B, Tq, D)
 
 
 def test_the_pattern_copies_keep_a_memory_that_is_both_key_and_value_one_tensor():
@@ -241,3 +246,101 @@ def test_a_key_padding_layer_not_causal_is_read_in_one_call_so_a_flipped_alibi_i
                       "relative_positions")
     assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
     assert verdict(alibi_key_padding, "relative_positions").verdict == "pass"
+
+
+# ---- relative_positions: the stacked call's guards ------------------------------------------------------------------
+
+
+def test_a_positional_layer_that_raises_on_the_stacked_call_is_a_skip_that_names_the_raise():
+    """`if not stacked.ok` (L267, the guard never firing: the output of a call that raised would be read): ALiBi for
+    batches of 2 only raises on the 3 x 2 sequences of the permuted call, a skip that names the raise; the same
+    layer at any batch passes."""
+    def strict_batch(q, k, v, mask=None):
+        if q.shape[0] != 2:
+            raise RuntimeError(f"compiled for a batch of 2, got {q.shape[0]}")
+        return alibi(q, k, v, mask)
+
+    raised = verdict(strict_batch, "relative_positions")
+    assert raised.verdict == "skip" and "compiled for a batch of 2, got 6" in raised.message, raised
+    assert verdict(alibi, "relative_positions").verdict == "pass"
+
+
+def test_a_positional_output_that_loses_the_batch_is_a_skip_that_says_so():
+    """The stacked call's shape guard (L270: the guard never firing, or either `or` made `and`): ALiBi returning one
+    sequence where it was given six has no row per query and batch element, a skip that says so; keeping its batch it
+    passes."""
+    def dropped(q, k, v, mask=None):
+        out, weights = alibi(q, k, v, mask)
+        return out[:1], weights[:1]
+
+    lost = verdict(dropped, "relative_positions")
+    assert lost.verdict == "skip" and "has no row per query and batch element" in lost.message, lost
+    assert verdict(alibi, "relative_positions").verdict == "pass"
+
+
+def test_a_positional_output_of_zeros_is_a_skip_that_says_so():
+    """`if not scale > 0` (L274: the guard never firing, or `>=`): ALiBi times 0 has an output of zeros everywhere,
+    against which no change can be measured, a skip that says so; times 1 it passes."""
+    zero = verdict(lambda q, k, v, mask=None: (0 * alibi(q, k, v, mask)[0], None), "relative_positions")
+    assert zero.verdict == "skip" and "the output is zero or non-finite everywhere" in zero.message, zero
+    assert verdict(lambda q, k, v, mask=None: (alibi(q, k, v, mask)[0], None), "relative_positions").verdict == "pass"
+
+
+def test_a_positional_layer_with_dropout_left_on_is_a_skip_that_says_so():
+    """The randomness control (L277, the guard never firing): ALiBi with dropout on its weights in every call gives
+    two copies of one input in one call different outputs, a skip that names it; with the dropout off it passes."""
+    def dropping(q, k, v, mask=None, *, p=0.5):
+        out, weights = alibi(q, k, v, mask)
+        weights = torch.nn.functional.dropout(weights, p, training=p > 0)
+        return weights @ v, weights
+
+    noisy = verdict(dropping, "relative_positions")
+    assert noisy.verdict == "skip" and "two copies of the same input in one call differ by" in noisy.message, noisy
+    assert verdict(lambda q, k, v, mask=None: dropping(q, k, v, mask, p=0.0), "relative_positions").verdict == "pass"
+
+
+def test_a_positional_layer_that_raises_on_the_shifted_call_is_a_skip_that_names_the_raise():
+    """The shifted call that raised (L332's `and`, L356's guard): ALiBi refusing 17 tokens (5 of padding before 12)
+    is measured up to the shift, then a skip that names the raise; refusing 18 it passes."""
+    def refusing(length):
+        def layer(q, k, v, mask=None):
+            if q.shape[-2] == length:
+                raise RuntimeError(f"no {length} tokens")
+            return alibi(q, k, v, mask)
+        return layer
+
+    raised = verdict(refusing(17), "relative_positions")
+    assert raised.verdict == "skip" and "the layer raised on this detector's probe" in raised.message, raised
+    assert "no 17 tokens" in raised.message, raised
+    assert verdict(refusing(18), "relative_positions").verdict == "pass"
+
+
+def test_a_memory_that_is_both_key_and_value_stays_one_tensor_through_the_shift():
+    """A defect the full run found (L246, then `V = K if (one or v is k)` at L260, whose `and` survived: `v is k` was
+    never true there): the probe's tokens were scaled by the logit gain one stream at a time, so a memory that is both
+    key and value became two tensors, and a layer that takes one memory (it reads `value is key`, as torch's
+    MultiheadAttention does) raised: "the layer raised" instead of a reading. Scaled as they are shared, the layer
+    without positions is not applicable (measured: the permutation moved nothing) and with ALiBi's bias it is
+    measured through left padding, and passes."""
+    plain = verdict(SharedMemory(), "relative_positions")
+    assert plain.verdict == "skip" and plain.message.startswith("not applicable: the layer has no positional"), plain
+    alibi_memory = verdict(SharedMemory(slope=-0.5), "relative_positions")
+    assert alibi_memory.verdict == "pass", alibi_memory
+    assert alibi_memory.message.startswith("shifting every position by 5 (padding)"), alibi_memory
+
+
+@pytest.mark.parametrize(("slope", "confirmed"), [(-0.5, False), (0.5, True)], ids=["alibi", "flipped"])
+def test_the_float64_copy_is_called_only_to_confirm_a_distance_reward_found_below_float64(slope, confirmed):
+    """`if rewarded and s.dtype != torch.float64` (L348; `or` would call the float64 copy on every audit below
+    float64): ALiBi in float32 passes and never runs in float64; its sign flipped, the reward read in float32 is read
+    again on the float64 copy, which the evidence quotes."""
+    seen = set()
+
+    def layer(q, k, v, mask=None):
+        seen.add(q.dtype)
+        return alibi(q, k, v, mask, slope=slope)
+
+    found = verdict(layer, "relative_positions")
+    assert (torch.float64 in seen) == confirmed, seen
+    assert found.verdict == ("fail" if confirmed else "pass"), found
+    assert ("on the float64 copy of the layer" in found.evidence) == confirmed, found

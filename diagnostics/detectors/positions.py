@@ -243,7 +243,12 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     tol = shift_tolerance(s.dtype)
     gain = logit_gain(probe)  # tokens whose logits spread (std-0.02 initialisation gives near-uniform attention)
     cross = s.separate_kv and not probe.causal
-    q, k, v = (gain * x for x in probe.streams(B, T, cross=cross))
+    query, key, value = probe.streams(B, T, cross=cross)
+    # scaled as the streams are shared: a memory that is key and value stays one tensor (torch's MultiheadAttention
+    # packs its key and value projections when `key is value`; a layer may take nothing else)
+    q = gain * query
+    k = q if key is query else gain * key
+    v = k if value is key else gain * value
     if not cross:
         k = v = q
     one = q is k
