@@ -76,14 +76,17 @@ class SharedMemory(nn.Module):
     key it refuses (the packed path is the only one it has). `slope`: a distance bias slope x |i - j| (ALiBi's for
     slope < 0), none by default."""
 
-    def __init__(self, d_model=8, slope=0.0):
+    def __init__(self, d_model=8, slope=0.0, *, self_only=False):
         super().__init__()
         torch.manual_seed(0)
         self.q, self.kv, self.slope = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model), slope
+        self.self_only = self_only  # self-attention only: the query must be the memory too
 
     def forward(self, query, key, value, mask=None):
         if value is not key:
             raise ValueError("one memory only: pass value=key")
+        if self.self_only and query is not key:
+            raise ValueError("self-attention only: pass query=key=value")
         k, v = self.kv(key).chunk(2, dim=-1)  # (B, Tk, D) each, one packed projection
         q = self.q(query)
         distance = (torch.arange(q.shape[-2]).view(-1, 1) - torch.arange(k.shape[-2]).view(1, -1)).abs()  # (Tq, Tk)
@@ -344,3 +347,14 @@ def test_the_float64_copy_is_called_only_to_confirm_a_distance_reward_found_belo
     assert (torch.float64 in seen) == confirmed, seen
     assert found.verdict == ("fail" if confirmed else "pass"), found
     assert ("on the float64 copy of the layer" in found.evidence) == confirmed, found
+
+
+def test_a_causal_audit_gives_one_stream_so_a_self_attention_only_layer_is_measured():
+    """`cross = s.separate_kv and not probe.causal` (L245, `not` dropped: causal audits would get a query apart from
+    the memory): audited as causal, a layer taking (query, key, value) gets one stream, as every causal probe is, so
+    one that takes self-attention only (query is key is value) is measured, and with ALiBi passes; audited as not
+    causal the same layer gets a query of its own and refuses it, a skip that names the raise."""
+    causal = verdict(SharedMemory(slope=-0.5, self_only=True), "relative_positions", causal=True)
+    assert causal.verdict == "pass" and causal.message.startswith("shifting every position by 5 (padding)"), causal
+    both = verdict(SharedMemory(slope=-0.5, self_only=True), "relative_positions")
+    assert both.verdict == "skip" and "self-attention only" in both.message, both

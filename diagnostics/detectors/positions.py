@@ -249,9 +249,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     q = gain * query
     k = q if key is query else gain * key
     v = k if value is key else gain * value
-    if not cross:
-        k = v = q
-    one = q is k
+    one = q is k  # not cross: probe.streams gave one tensor (x, x, x), kept one above
     t = s.time_dim
     # the keys' positions permuted: all but the newest reversed (the newest query sees every key, causal or not)
     perm = torch.cat([torch.arange(T - 2, -1, -1), torch.tensor([T - 1])]).to(q.device)
