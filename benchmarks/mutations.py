@@ -496,6 +496,25 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if b < COSINE_FLAT:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
     "detectors/temperature.py:_judged_cosine:L*:Gt->GtE": (
         "if b > COSINE_SHARP:", _TOLERANCE_EDGE + " (b: the scale times the mean measured norms of q's and k's rows)"),
+    # m37e: positions.py, pattern.py (the full run at 824d172, issue 37), checked by hand:
+    "detectors/pattern.py:_run:L*:Gt->GtE": ("moved.append(_fold(change).cpu() > tol)", _TOLERANCE_EDGE + " (a "
+                                             "relative change against tolerance(UNCHANGED, dtype))"),
+    "detectors/positions.py:_stack:L*:all->any": (
+        ("k = q if all(c[1] is c[0] for c in calls)", "v = k if all(c[2] is c[1] for c in calls)"),
+        "on either line. _stack is called once, on the shifted call and the identical tokens, both built from the same "
+        "(q, k, v): the shifted call's key is its query where q is k (else a new tensor) and its value its key where v "
+        "is k, and _identical keeps the same identities (one tensor where q is k, the value the key where v is k). "
+        "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
+    "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
+        ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:"),
+        "on either line. `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
+        "- T), which is P (5, so `P < 1` below is false): the same sizes (checked by hand; pinned at a context of 17, "
+        "T + P exactly, in tests/test_pins_all_positions_pattern.py). `noise.max() >= tol`: " + _TOLERANCE_EDGE +
+        " (a relative change against SHIFT_MOVES' tolerance)"),
+    "detectors/positions.py:check_relative_positions:L*:or->and": (
+        "pv = pk if (one or v is k) else", "pv is read only through V two lines below, which is K wherever `one or v "
+        "is k` holds (pv unused); elsewhere `one and v is k` is false too, and both give v.index_select(t, perm) "
+        "(checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -247,10 +247,13 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     tol = shift_tolerance(s.dtype)
     gain = logit_gain(probe)  # tokens whose logits spread (std-0.02 initialisation gives near-uniform attention)
     cross = s.separate_kv and not probe.causal
-    q, k, v = (gain * x for x in probe.streams(B, T, cross=cross))
-    if not cross:
-        k = v = q
-    one = q is k
+    query, key, value = probe.streams(B, T, cross=cross)
+    # scaled as the streams are shared: a memory that is key and value stays one tensor (torch's MultiheadAttention
+    # packs its key and value projections when `key is value`; a layer may take nothing else)
+    q = gain * query
+    k = q if key is query else gain * key
+    v = k if value is key else gain * value
+    one = q is k  # not cross: probe.streams gave one tensor (x, x, x), kept one above
     t = s.time_dim
     # the keys' positions permuted: all but the newest reversed (the newest query sees every key, causal or not)
     perm = torch.cat([torch.arange(T - 2, -1, -1), torch.tensor([T - 1])]).to(q.device)
