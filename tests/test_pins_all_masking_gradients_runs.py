@@ -69,7 +69,7 @@ def test_gradients_says_the_output_is_nan_where_one_output_value_is_and_its_twin
     everywhere would be, and this one would read as NaN gradients alone). Its twin, the reference, passes."""
     found = verdict(Poisoned("output"), "gradients")
     assert found.verdict == "fail" and found.message.startswith("the output is NaN or inf on an ordinary input"), found
-    assert "1 non-finite output values" in found.evidence, found.evidence
+    assert ": 1 non-finite output values" in found.evidence, found.evidence
     assert verdict(Poisoned(None), "gradients").verdict == "pass"
 
 
@@ -87,7 +87,7 @@ def test_gradients_fails_a_nan_written_over_an_output_value_whose_gradients_stay
     says so too, and the reference passes (above)."""
     written = verdict(Poisoned("written"), "gradients")
     assert written.verdict == "fail" and written.message == "the output is NaN or inf on an ordinary input", written
-    assert "1 non-finite output values" in written.evidence, written.evidence
+    assert ": 1 non-finite output values" in written.evidence, written.evidence
     spread = verdict(Poisoned("output"), "gradients")
     assert spread.message == "the output is NaN or inf on an ordinary input, and so are its gradients", spread
 
