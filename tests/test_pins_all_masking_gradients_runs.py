@@ -234,3 +234,20 @@ def test_a_parameter_held_transposed_is_made_contiguous_before_its_entries_are_m
     layer = Tabled(transposed=True)
     assert not layer.table.is_contiguous()
     assert verdict(layer, "gradients").verdict == "pass"
+
+
+# ---- mask_honoured: the pass names the scenarios measured -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal, seq_len, named", [
+    (False, 16, "(padding, causal and past-key masks)"),
+    (False, 2, "(padding and causal masks)"),
+    (True, 16, "(padding mask)"),
+], ids=["three", "two", "one"])
+def test_mask_honoured_names_every_scenario_it_measured(causal, seq_len, named):
+    """check_mask_honoured's `mask{'s' if len(results) > 1 else ''}` (L125, Gt->GtE and Gt->Lt) and _listed's
+    `len(names) < 3` (L294): the reference, audited as not causal, measures three masks (a comma and "and"), at two
+    tokens two (no past-key scenario: the cut is 0), and, causal, the padding mask alone (one mask, no plural)."""
+    torch.manual_seed(0)
+    found = verdict(MultiHeadAttention(16, 2, causal=causal), "mask_honoured", causal=causal, seq_len=seq_len)
+    assert found.verdict == "pass" and found.message == f"keys the mask blocks have no effect {named}", found
