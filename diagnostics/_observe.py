@@ -955,25 +955,40 @@ def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> Learne
     return None
 
 
-def pooled_keys(record: Record, t_q: int, t_k: int) -> tuple[Tensor, int, str] | None:
-    """(weights, m, source) of attention over m < Tk keys the layer makes of its own from the tokens (a spatial
-    reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map): the last softmax
-    over (Tq, m) scores whose weights a later product sums with m values (a router's softmax over experts has no such
-    product), else the last fused call with Tq queries and m keys. None when neither was observed. A softmax over
-    the queries of those scores (the wrong axis) is read too: its rows over the keys then do not sum to 1, the bug
-    `weight_row_sums` names; left unread, it was inconclusive (SegFormer's, injected)."""
+def pooled_keys(record: Record, t_q: int, t_k: int, batch: int, heads: int) -> tuple[Tensor, int, int, str] | None:
+    """(weights, queries, keys, source) of attention over m < Tk keys the layer makes of its own from the tokens (a
+    spatial reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map), its
+    queries the Tq tokens or, pooled too, n < Tq of its own (CPUBone's and LowFormer's attention among the pixels of a
+    strided convolution of the map, upsampled back): the last softmax over (n, m) scores whose weights a later product
+    sums with m values (a router's softmax over experts has no such product), else the last fused call with n queries
+    and m keys. None when neither was observed. A softmax over the queries of those scores (the wrong axis) is read
+    too: its rows over the keys then do not sum to 1, the bug `weight_row_sums` names; left unread, it was inconclusive
+    (SegFormer's, injected). Pooled queries only as (batch, heads, n, m), the layer's own head count, one set per
+    sequence: windows and buckets of the tokens also make fewer queries and keys per softmax row, laid out with a
+    windows axis (Swin's (B * windows, H, w, w), local attention's buckets (B, buckets, w, 2w)); they are read
+    elsewhere, as the windows they are."""
     for i in reversed(range(len(record.order))):
         sm = record.order[i]
         if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, -2, sm.output.dim() - 1,
                                                                               sm.output.dim() - 2) \
-                and sm.output.shape[-2] == t_q and 1 < (m := sm.output.shape[-1]) < t_k:
-            product, _ = _values_product(record.order[i + 1:], sm.output, t_q, m, 0)
+                and pooled_shape(sm.output.shape, t_q, t_k, batch, heads):
+            n, m = sm.output.shape[-2:]
+            product, _ = _values_product(record.order[i + 1:], sm.output, n, m, 0)
             if product is not None:
-                return sm.output, m, f"observed softmax output (dim={sm.dim})"
+                return sm.output, n, m, f"observed softmax output (dim={sm.dim})"
     for f in reversed(record.fused):
-        if f.q.shape[-2] == t_q and 1 < (m := f.k.shape[-2]) < t_k:
-            return fused_weights(f), m, "weights of the observed fused attention call (recomputed from its inputs)"
+        if pooled_shape(f.q.shape[:-1] + f.k.shape[-2:-1], t_q, t_k, batch, heads):
+            n, m = f.q.shape[-2], f.k.shape[-2]
+            return fused_weights(f), n, m, "weights of the observed fused attention call (recomputed from its inputs)"
     return None
+
+
+def pooled_shape(shape, t_q: int, t_k: int, batch: int, heads: int) -> bool:
+    """Whether weights of this shape, (.., n, m), are over m < Tk keys pooled from the tokens, for the Tq queries or,
+    laid out (batch, heads, n, m), n < Tq pooled too (`pooled_keys`)."""
+    n, m = shape[-2:]
+    return len(shape) >= 3 and 1 < m < t_k and (n == t_q or (1 < n < t_q and tuple(shape[:2]) == (batch, heads)
+                                                              and len(shape) == 4))
 
 
 def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int) -> tuple[Matmul | None, int]:

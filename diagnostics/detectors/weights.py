@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._core import not_run, skip, unravel
-from .._observe import fused_weights, learned_keys, pooled_keys
+from .._observe import fused_weights, learned_keys, pooled_keys, pooled_shape
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -32,11 +32,12 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
     if s.own_queries and allowed is not None:
         allowed = own_query_mask(allowed.cpu(), t_q)
     sites = weights_origin(probe, trace, allowed, t_q, t_k)
-    # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (Tq, m)
-    pooled = [op.outs[0].shape[-1] for op in trace.ops if op.short in SOFTMAXES and op.outs and op.outs[0] is not None
-              and op.outs[0].dim() >= 3 and op.outs[0].shape[-2] == t_q and 1 < op.outs[0].shape[-1] < t_k]
+    # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (n, m),
+    # n the Tq queries or fewer of its own, pooled too
+    pooled = [tuple(op.outs[0].shape[-2:]) for op in trace.ops if op.short in SOFTMAXES and op.outs
+              and op.outs[0] is not None and pooled_shape(op.outs[0].shape, t_q, t_k, probe.BATCH, s.num_heads)]
     if not sites and pooled and call.allowed is None:
-        sites = weights_origin(probe, trace, call.allowed, t_q, pooled[-1])
+        sites = weights_origin(probe, trace, call.allowed, *pooled[-1])
     return sites
 
 
@@ -59,10 +60,13 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                                                        "from its inputs)"))
         source += f", over the {T} keys and {keys.describe()}"
     unmasked = call.allowed is None or bool(call.allowed.all())
-    pooled = pooled_keys(call.record, T, T) if weights is None and unmasked and call.record is not None else None
+    pooled = pooled_keys(call.record, T, T, B, s.num_heads) if weights is None and unmasked and call.record is not None \
+        else None
     if pooled is not None:  # keys of the layer's own making, fewer than the tokens: rows over them
-        weights, m, source = pooled
+        weights, n, m, source = pooled
         source += f", over the {m} keys the layer makes of its own from the {T} tokens (pooled: a spatial reduction)"
+        if n < T:  # queries pooled too: rows are the layer's n queries, none masked
+            source += f", for {n} queries of its own making (pooled from the tokens too)"
     if weights is None:
         call = probe.base()
         weights, source = probe.recovered_weights()
@@ -74,13 +78,15 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
     t_k = weights.shape[-1]  # Tk, plus any key the layer appends of its own (add_bias_kv)
     # T, or a layer with queries of its own: its Q rows, or every token's where it attends them all and
     # keeps the class token's row (`Probe._observed`)
-    t_q = weights.shape[-2] if s.own_queries else T  # observed weights: (.., Tq, Tk)
+    t_q = weights.shape[-2] if s.own_queries or pooled is not None else T  # observed weights: (.., Tq, Tk)
     if weights.numel() % (B * t_q * t_k):
         return skip(det, f"weights of shape {tuple(weights.shape)} do not split into batch {B}")
     # no float64 copy of the weights (at (2, 8, 1024, 1024) 128 MB, ~0.5 forward passes): row sums accumulate in
     # float64, the sign is read in the weights' own dtype
     w = weights.detach().reshape(B, -1, t_q, t_k)  # (B, heads or 1, Tq, Tk)
-    allowed = call.allowed if call.allowed is not None else torch.ones(B, t_q, t_k, dtype=torch.bool)
+    # pooled keys are read unmasked only: every row has its keys
+    allowed = call.allowed if call.allowed is not None and pooled is None else \
+        torch.ones(B, t_q, t_k, dtype=torch.bool)
     if s.own_queries and allowed.shape[-2] != t_q:  # its queries' rows: the mask they were given, one row per key
         allowed = own_query_mask(allowed.cpu(), t_q)
     if probe.pattern is not None and t_k == T == t_q:  # a layer that keeps its declared pattern itself is not given it
