@@ -705,6 +705,11 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             fitted = (_fit_scale if same else _fit_beside)(scores, m.out, event.output)
             if fitted is None and event.laid_out:  # the product's elements in the order the layer laid out the scores
                 fitted = _fit_scale(event.as_computed(scores), m.out, event.as_computed(event.output))
+            relative = None
+            if fitted is None and same:  # scores plus terms of each key row and column of a grid (q·R_h, q·R_w)
+                at = next(j for j, e in enumerate(record.order) if e is m)
+                relative = _fit_decomposed(scores, m.out, record.order[at + 1:i])
+                fitted = relative
             heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
             for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
@@ -723,8 +728,9 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 break
             if fitted is not None:
                 s, residual = fitted
-                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul",
-                                               residual, matmul=m, softmax=event))
+                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul" + (
+                    ", less a term of each key's row and one of its column of the grid (decomposed relative "
+                    "positions)" if relative is not None else ""), residual, matmul=m, softmax=event))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found
@@ -735,6 +741,35 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                        again[1], matmul=m, softmax=event, used_by=by))
                 break
     return estimates
+
+
+def _fit_decomposed(scores: Tensor, products: Tensor, between: list) -> tuple[float, float] | None:
+    """s in scores = s * products + a(query, key row) + b(query, key column), the Tk keys a grid of rows and columns:
+    MViTv2's and SAM's decomposed relative positions add q·R_h[i_h - j_h] and q·R_w[i_w - j_w], each a product with
+    the query, to q·k, so no bias is the same in both batch halves and `_fit_scale` finds none. The grid's side is
+    the last axis of such a product made between q·k and the softmax, ((.., Tq, k1) for k1 dividing Tk); centred over
+    each row and each column of the grid, per query, both terms vanish exactly and q·k's interactions stay. Unmasked
+    scores only; None where no such product was made or the fit leaves more than 5% of the scores."""
+    t_k = scores.shape[-1] if scores.dim() >= 2 else 0
+    if t_k < 4 or not bool(torch.isfinite(scores).all()):
+        return None
+    rows = scores.numel() // t_k
+    sides = {e.out.shape[-1] for e in between if isinstance(e, Matmul) and e.out.dim() >= 2
+             and 1 < e.out.shape[-1] < t_k and t_k % e.out.shape[-1] == 0 and e.out.numel() == rows * e.out.shape[-1]}
+    for side in sorted(sides):
+        for grid in {(side, t_k // side), (t_k // side, side)}:
+            def centred(x: Tensor) -> Tensor:
+                x = x.detach().double().reshape(rows, *grid)
+                return x - x.mean(-1, keepdim=True) - x.mean(-2, keepdim=True) + x.mean((-2, -1), keepdim=True)
+            sc, pc = centred(scores), centred(products)
+            denom = float((pc * pc).sum())
+            if denom == 0.0:
+                continue
+            scale = float((sc * pc).sum()) / denom
+            residual = float((sc - scale * pc).norm() / sc.norm().clamp_min(1e-300))
+            if residual <= 0.05:
+                return scale, residual
+    return None
 
 
 def _fit_per_head(scores: Tensor, products: Tensor, weights: Tensor) -> list[tuple[float, float]]:
