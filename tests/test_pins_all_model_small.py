@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import diagnostics
-from buggy_variants.teaching_model import ProtocolGPT
+from buggy_variants.teaching_model import ProtocolGPT, TinyGPT
 from correct import MultiHeadAttention
+from diagnostics._guard import seed_rng
 from diagnostics.model.cache import schedules
 
 
@@ -248,3 +249,91 @@ def test_an_encoder_decoder_taking_no_encoder_mask_has_only_its_decoder_padded(b
     result = seq2seq_padding(bug, model=Seq2SeqWithoutEncoderMask)
     assert result.verdict == "pass", result
     assert "encoder" not in result.message + result.evidence, result
+
+
+# ---- batch_invariance -------------------------------------------------------------------------------------------
+
+
+class Stretched(TinyGPT):
+    """TinyGPT (one block, 16 wide, seed 0) whose output, when `stretch`, repeats each token's logits for a duration
+    read from the token (1 + id % 2 frames), the batch's rows padded to the longest, as FastSpeech 2's length
+    regulator does: a row's length in a batch is the batch's longest. Without `stretch`: one output per token."""
+
+    def __init__(self, stretch: bool):
+        seed_rng(0)
+        super().__init__(n_layer=1, d_model=16, num_heads=2)
+        self.stretch = stretch
+
+    def forward(self, input_ids):
+        logits = super().forward(input_ids)  # (B, T, vocab)
+        if not self.stretch:
+            return logits
+        durations = 1 + input_ids % 2  # (B, T): each token's frames
+        rows = [row.repeat_interleave(d, dim=0) for row, d in zip(logits, durations)]
+        return nn.utils.rnn.pad_sequence(rows, batch_first=True)  # (B, longest, vocab)
+
+
+@pytest.mark.parametrize("stretch, expected", [(True, "skip"), (False, "pass")])
+def test_batch_invariance_skips_a_model_whose_output_length_depends_on_its_batch(stretch, expected):
+    """check_batch_invariance's `if out[1:2].shape != alone.shape` (L208, guard-never): the sequence gives 26 frames
+    alone and 27 (another row's length) in the batch: no row-by-row comparison, a skip that says so (without the
+    guard the detector crashes on the shapes). Its twin, the same model with one output per token, passes."""
+    result = model_result(Stretched(stretch), "batch_invariance")
+    assert result.verdict == expected, result
+    if stretch:
+        assert result.message.startswith("not measured: the sequence's output is (26, 64) alone and (27, 64) in the "
+                                         "batch"), result
+
+
+# ---- model_runs -------------------------------------------------------------------------------------------------
+
+
+class Tower(nn.Module):
+    """A module posing as a Hugging Face model (its class from transformers, a config and a main input): a model a
+    user can audit alone; `inner`: another such model inside it."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, inner: bool = False):
+        super().__init__()
+        self.config = object()
+        self.attn = MultiHeadAttention(16, 2)
+        self.inner = Tower() if inner else None
+
+
+class Projection(nn.Module):
+    """A layer posing as Hugging Face, with a config but no main input (CLAP's projections): no model of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = object()
+        self.proj = nn.Linear(16, 16)
+
+
+Tower.__module__ = Projection.__module__ = "transformers.models.tower.modeling_tower"
+
+
+class Towers(nn.Module):
+    """`n` towers beside a projection, the first holding a tower of its own; the forward raises on the token ids the
+    audit builds (it wants pixels too, as CLIP's does)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.projection = nn.Embedding(64, 16), Projection()
+        for i in range(n):
+            setattr(self, f"tower_{i}", Tower(inner=i == 0))
+
+    def forward(self, input_ids):
+        raise ValueError("expected pixel_values beside the ids")
+
+
+@pytest.mark.parametrize("n, named", [(4, "model.tower_0, model.tower_1, model.tower_2, model.tower_3)"),
+                                      (5, "model.tower_0, model.tower_1, model.tower_2, model.tower_3, ...)")])
+def test_model_runs_names_up_to_four_models_a_model_is_made_of_then_an_ellipsis(n, named):
+    """check_model_runs' `', ...' if len(held) > 4` (L26, Gt->GtE): four models are named in full, of five the first
+    four and "..."; `parts` names the outermost models only (not tower_0's own inner tower) and not a layer with a
+    config but no main input (the projection)."""
+    result = model_result(Towers(n), "model_runs")
+    assert result.verdict == "skip", result
+    assert result.message.endswith("or audit the models it is made of one by one (" + named), result.message
