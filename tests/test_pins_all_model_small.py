@@ -49,8 +49,8 @@ class LastLogits(ProtocolGPT):
 def test_cache_parity_skips_a_model_with_no_output_per_position_and_measures_one_with(last, expected):
     """check_cache_parity's `if not per_position(full, T)` (L55, guard-never): a model that returns one output per
     sequence has no positions to compare; without the guard its cached steps' outputs, joined along the positions,
-    would be called a cache bug ("cached decoding returns (1, 448)": seven steps' 64 logits). Its twin, the same model returning every
-    position's logits, passes."""
+    would be called a cache bug ("cached decoding returns (1, 448)": seven steps' 64 logits). Its twin, the same
+    model returning every position's logits, passes."""
     result = model_result(LastLogits(last), "cache_parity")
     assert result.verdict == expected, result
     if last:
@@ -239,14 +239,13 @@ def test_the_encoders_ids_are_padded_from_3_tokens_on(encoder_length, padded):
     assert result.message.endswith("; and by padding the encoder's ids") is padded, result
 
 
-@pytest.mark.parametrize("bug", ["ignored", None])
-def test_an_encoder_decoder_taking_no_encoder_mask_has_only_its_decoder_padded(bug):
+def test_an_encoder_decoder_taking_no_encoder_mask_has_only_its_decoder_padded():
     """`_encoder_padding`'s `runner.encoder_decoder and ... and runner.takes("attention_mask") and isinstance(ids,
     ...)` (L144 and L145, and->or: with either `and` turned, an encoder-decoder taking decoder masks is padded on its
     encoder without an argument to mask it, and the call raises): a model whose forward takes no `attention_mask`
-    has nothing to mask its encoder's padding with, so only its decoder is padded, and its verdict is the decoder's
-    (the encoder bug, unreachable so, passes as the correct one does)."""
-    result = seq2seq_padding(bug, model=Seq2SeqWithoutEncoderMask)
+    has nothing to mask its encoder's padding with, so only its decoder is padded and judged. Its twin, the model
+    taking both masks, has its encoder padded too (above)."""
+    result = seq2seq_padding(None, model=Seq2SeqWithoutEncoderMask)
     assert result.verdict == "pass", result
     assert "encoder" not in result.message + result.evidence, result
 
