@@ -372,9 +372,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "of exactly 0 passes either way)"),
     "model/gradients.py:check_gradient_flow:L*:x10#2": ("1e-300)", _FLOOR_OF_ZERO),
     "model/gradients.py:check_gradient_flow:L*:x0.1#2": ("1e-300)", _FLOOR_OF_ZERO),
-    "model/cache.py:schedules:L*:Gt->GtE": (
-        "if T - a - b > 0 else", "the branch is reached only at T >= 5, where a = T // 3 + 1 and b = (T - a) // 3 + 1 "
-        "leave T - a - b >= 1 (checked for every T from 5 to 10^5): `> 0` and `>= 0` never differ, the else is dead"),
     "model/_tolerance.py:worst_change:L*:and->or": (
         "if change is not None and change.numel()", "relative_change returns None only for a scale <= 0, and scale_of "
         "is never 0 (1 for all-zero outputs); new.numel() > 0 was checked above, so change.numel() > 0: both "

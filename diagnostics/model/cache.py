@@ -36,7 +36,7 @@ def schedules(T: int) -> dict:
     if T >= 5:
         a = max(1, T // 3 + 1)
         b = max(1, (T - a) // 3 + 1)
-        plans["uneven"] = [a, b, T - a - b] if T - a - b > 0 else [a, T - a]
+        plans["uneven"] = [a, b, T - a - b]  # T - a - b >= 1 for every T >= 5 (about 4T / 9 - 5 / 3)
     return plans
 
 
