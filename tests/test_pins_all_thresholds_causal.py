@@ -124,3 +124,46 @@ def test_a_mask_is_read_from_the_shortest_length_where_a_later_key_exists(n):
     mask of all keys lets the first query see the second. Twin: the causal (1, 1, 2, 2) mask."""
     assert causal_under({"attention_mask": lower(n)}, block_size=n) is True
     assert causal_under({"attention_mask": torch.ones(1, 1, 1, n, dtype=torch.bool)}, block_size=n) is (n < 2)
+
+
+# ---- masks_future: a change of exactly the tolerance is no change -----------------------------------------------
+
+
+TOL = float(torch.tensor(1e-5, dtype=torch.float32))  # UNCHANGED's float32 1e-5, as the float32 change is compared
+
+
+class SecondCallMoves(nn.Module):
+    """A layer on (1, T, 4) whose outputs are fixed, their RMS exactly 1 (feature 0 is 2, the others 0: a quarter of
+    the values), the second call's moved by `past` at position 0 and `later` at position T - 1 (feature 1, from 0: the
+    change read is the number given, exactly)."""
+
+    def __init__(self, past: float, later: float):
+        super().__init__()
+        self.past, self.later, self.calls = past, later, 0
+
+    def forward(self, x):
+        out = torch.zeros(1, T, 4)
+        out[..., 0] = 2.0
+        if self.calls:
+            out[0, 0, 1], out[0, -1, 1] = self.past, self.later
+        self.calls += 1
+        return out
+
+
+def step_above(x: float) -> float:
+    return float(torch.nextafter(torch.tensor(x), torch.tensor(1.0)))
+
+
+def test_a_later_output_moved_by_exactly_the_tolerance_is_not_measured_and_one_a_step_more_is():
+    """masks_future's `change[c + 1:] > tol` (L95, `>` made `>=`, marked equivalent before: torch compares a float32
+    change with the tolerance rounded to float32, so an exact hit is a float32 number): up to the tolerance is no
+    change, so nothing later moved and nothing was measured; one float32 step more moved, the past held."""
+    assert _causal.masks_future(SecondCallMoves(0.0, TOL), T, 4, torch.float32, 0) is None
+    assert _causal.masks_future(SecondCallMoves(0.0, step_above(TOL)), T, 4, torch.float32, 0) is True
+
+
+def test_a_past_output_moved_by_exactly_the_tolerance_still_masks_the_future_and_one_a_step_more_does_not():
+    """masks_future's `change[:c + 1] > tol` (L97, `>` made `>=`, marked equivalent before): a later output moved by 1,
+    the first by exactly the tolerance, masks the future; by one float32 step more it reads the future."""
+    assert _causal.masks_future(SecondCallMoves(TOL, 1.0), T, 4, torch.float32, 0) is True
+    assert _causal.masks_future(SecondCallMoves(step_above(TOL), 1.0), T, 4, torch.float32, 0) is False
