@@ -105,7 +105,8 @@ def _future_allowed(wrapper) -> bool:
     layers failed future_leakage. A 2-D padding mask says nothing (flash attention applies both)."""
     T = wrapper.block_size
     for name, value in getattr(wrapper, "call_arguments", {}).items():  # a wrapper that holds no call: none passed
-        if name not in MASK_NAMES or not isinstance(value, torch.Tensor) or value.dim() != 4 or T < 2 or \
+        # T = 1 needs no guard: no key lies after the one query, and the empty triu(1) below reads False
+        if name not in MASK_NAMES or not isinstance(value, torch.Tensor) or value.dim() != 4 or \
                 value.shape[-1] != T or value.shape[-2] not in (1, T):
             continue
         m = value.detach()
