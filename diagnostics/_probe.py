@@ -29,24 +29,28 @@ from .patterns import Pattern
 
 
 def block_diagonal(weights: Tensor, t_q: int, t_k: int) -> Tensor | None:
-    """Weights over blocks of tokens, (..., n_blocks, n, n), laid out whole as the (..., Tq, Tk) they are: block b's
-    n queries attend block b's n keys, zero elsewhere (NesT's attention within each block of its grid, (B, H, blocks,
-    N, N)). None unless the blocks tile the queries and the keys alike, n_blocks x n = Tq = Tk, n_blocks > 1."""
-    if weights.dim() < 4 or t_q != t_k:
+    """Weights over blocks of tokens, (..., n_blocks, n, m), laid out whole as the (..., Tq, Tk) they are: block b's
+    n queries attend block b's m keys, zero elsewhere (NesT's attention within each block of its grid, (B, H, blocks,
+    N, N); Hiera's mask units, whose n queries are pooled from each unit's m tokens: (B, H, units, n, m), n < m, for a
+    layer with queries of its own). None unless the blocks tile the queries and the keys, n_blocks x n = Tq and
+    n_blocks x m = Tk, n_blocks > 1."""
+    if weights.dim() < 4:
         return None
     n_blocks, n, m = weights.shape[-3:]
-    if n_blocks < 2 or n != m or n_blocks * n != t_q:
+    if n_blocks < 2 or n_blocks * n != t_q or n_blocks * m != t_k:
         return None
     whole = weights.new_zeros(*weights.shape[:-3], t_q, t_k)
     for b in range(n_blocks):
-        whole[..., b * n:(b + 1) * n, b * n:(b + 1) * n] = weights[..., b, :, :]
+        whole[..., b * n:(b + 1) * n, b * m:(b + 1) * m] = weights[..., b, :, :]
     return whole
 
 
-def blocks_said(tensor: Tensor) -> str:
-    """How `block_diagonal` read weights over blocks, for the source of the weights."""
+def blocks_said(tensor: Tensor, keys: int | None = None) -> str:
+    """How `block_diagonal` read weights over blocks, for the source of the weights (`keys`: each block's, where a
+    block's queries are fewer)."""
     n_blocks, n = tensor.shape[-3], tensor.shape[-2]
-    return f"over {n_blocks} blocks of {n} tokens, laid out whole as block-diagonal (Tq, Tk) weights"
+    tokens = f"{n} tokens" if keys in (None, n) else f"{n} queries over {keys} keys"
+    return f"over {n_blocks} blocks of {tokens}, laid out whole as block-diagonal (Tq, Tk) weights"
 
 @dataclass
 class Call:
@@ -353,13 +357,17 @@ class Probe:
             for f in reversed(call.record.fused):
                 if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
                     return fused_weights(f), "weights of the observed fused attention call (recomputed from its inputs)"
-            for sm in reversed(call.record.softmaxes):
-                if sm.dim in (-1, sm.output.dim() - 1) and (whole := block_diagonal(sm.output, t_q, t_k)) is not None:
-                    return whole, f"observed softmax output (dim={sm.dim}), {blocks_said(sm.output)}"
+            for sm in reversed(call.record.softmaxes):  # over blocks; over their queries too, as above
+                over_keys = sm.dim in (-1, sm.output.dim() - 1)
+                over_queries = sm.dim in (-2, sm.output.dim() - 2)
+                if (over_keys or (over_queries and not fused)) and \
+                        (whole := block_diagonal(sm.output, t_q, t_k)) is not None:
+                    said = blocks_said(sm.output, sm.output.shape[-1])
+                    return whole, f"observed softmax output (dim={sm.dim}), {said}"
             for f in reversed(call.record.fused):
                 if (whole := block_diagonal(fused_weights(f), t_q, t_k)) is not None:
                     return whole, ("weights of the observed fused attention call (recomputed from its inputs), "
-                                   + blocks_said(f.q))
+                                   + blocks_said(f.q, f.k.shape[-2]))
         return None, ""
 
     def recovered_weights(self) -> tuple[Tensor | None, str]:
