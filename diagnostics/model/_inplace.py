@@ -377,7 +377,7 @@ class InPlaceGrid(InPlace):
                  out_grid: tuple[int, ...] | None = None, **kw):
         super().__init__(*args, **kw)
         self.grid, self.channels_first = grid, channels_first
-        # channels first, returned on a smaller grid: its positions, flattened, are queries of its own (`own_queries`)
+        # returned on a smaller grid: its positions, flattened, are queries of its own (`own_queries`)
         self.out_grid = out_grid
         shown = " x ".join(map(str, grid))
         order = "channels first" if channels_first else "channels last"
@@ -401,8 +401,8 @@ class InPlaceGrid(InPlace):
             return out
         if self.channels_first and tuple(out.shape[2:]) in (self.grid, self.out_grid):
             return out.flatten(2).transpose(1, 2)  # (B, D', *grid) -> (B, t, D'); on its own grid (B, Q, D')
-        if not self.channels_first and tuple(out.shape[1:-1]) == self.grid:
-            return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D')
+        if not self.channels_first and tuple(out.shape[1:-1]) in (self.grid, self.out_grid):
+            return out.flatten(1, -2)  # (B, *grid, D') -> (B, t, D'); on its own grid (B, Q, D')
         return out
 
 
@@ -422,6 +422,11 @@ def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
             continue
         if isinstance(first, nn.Linear) and value.shape[-1] == width and tuple(output_shape[:3]) == tuple(value.shape[:3]):
             return name, tuple(int(n) for n in value.shape[1:3]), False
+        # or, channels last, on a grid of fewer positions: queries of its own, pooled by a stride (HieraDet's, SAM 2's
+        # q_pool, (B, 16, 16, C) in, (B, 8, 8, C') out)
+        if isinstance(first, nn.Linear) and value.shape[-1] == width and output_shape[0] == value.shape[0] and \
+                _smaller(output_shape[1:3], value.shape[1:3]):
+            return name, tuple(int(n) for n in value.shape[1:3]), False
         same_grid = output_shape[0] == value.shape[0] and tuple(output_shape[2:]) == tuple(value.shape[2:])
         # or the very map it was given, each head's projection taking a slice of its channels (EfficientViT's cascade)
         if same_grid and (value.shape[1] == width or output_shape[1] == value.shape[1]):
@@ -429,10 +434,14 @@ def _grid(module: nn.Module, arguments: dict, output_shape: tuple | None):
         # or a map of fewer positions, each no larger along either axis: queries of its own, subsampled by a stride
         # (LeViT's convolutional AttentionDownsample, (B, C, 4, 4) in, (B, C', 2, 2) out)
         if value.shape[1] == width and output_shape[0] == value.shape[0] and \
-                all(o <= i for o, i in zip(output_shape[2:], value.shape[2:])) and \
-                math.prod(output_shape[2:]) < math.prod(value.shape[2:]):
+                _smaller(output_shape[2:], value.shape[2:]):
             return name, tuple(int(n) for n in value.shape[2:]), True
     return None, None, False
+
+
+def _smaller(out_grid, grid) -> bool:
+    """A grid of fewer positions than `grid`, each axis no longer: a stride's, a pooling's."""
+    return all(o <= i for o, i in zip(out_grid, grid)) and math.prod(out_grid) < math.prod(grid)
 
 
 def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_call: CapturedCall | None,
@@ -466,10 +475,12 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
         arguments[hidden] = grid_input.flatten(2).transpose(1, 2) if channels_first else grid_input.flatten(1, -2)
     same = tuple(n for n, v in raw.items() if n != hidden and v is raw[hidden])
     own_queries, one_vector = _own_queries(arguments[hidden], long_call.output_shape)
-    out_grid = None  # a channels-first map returned on a smaller grid than it came on: its positions are the queries
-    if grid is not None and channels_first and tuple(long_call.output_shape[2:]) != grid:
-        out_grid = tuple(int(n) for n in long_call.output_shape[2:])
-        own_queries = math.prod(out_grid)
+    out_grid = None  # a map returned on a smaller grid than it came on: its positions are the queries
+    if grid is not None:
+        returned_grid = tuple(long_call.output_shape[2:] if channels_first else long_call.output_shape[1:3])
+        if returned_grid != grid:
+            out_grid = tuple(int(n) for n in returned_grid)
+            own_queries = math.prod(out_grid)
     short = None
     if short_call is not None:
         try:
@@ -533,7 +544,7 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     out = long_call.output_shape
     returned = int(out[-1]) if out is not None and len(out) == 3 and tuple(out[:2]) == tuple(H.shape[:2]) else None
     if own_queries is not None and out is not None and not one_vector:  # its rows are its own queries, any width
-        returned = int(out[1] if out_grid is not None else out[-1])
+        returned = int(out[1] if out_grid is not None and channels_first else out[-1])
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded, shared, centred, returned)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
