@@ -748,27 +748,31 @@ def _fit_decomposed(scores: Tensor, products: Tensor, between: list) -> tuple[fl
     MViTv2's and SAM's decomposed relative positions add q·R_h[i_h - j_h] and q·R_w[i_w - j_w], each a product with
     the query, to q·k, so no bias is the same in both batch halves and `_fit_scale` finds none. The grid's side is
     the last axis of such a product made between q·k and the softmax, ((.., Tq, k1) for k1 dividing Tk); centred over
-    each row and each column of the grid, per query, both terms vanish exactly and q·k's interactions stay. Unmasked
-    scores only; None where no such product was made or the fit leaves more than 5% of the scores."""
-    t_k = scores.shape[-1] if scores.dim() >= 2 else 0
-    if t_k < 4 or not bool(torch.isfinite(scores).all()):
+    each row and each column of the grid, per query, both terms vanish exactly and q·k's interactions stay. A class
+    token ahead of the grid (its row and column carry no such term) is left out. Unmasked scores only; None where no
+    such product was made or the fit leaves more than 5% of the scores."""
+    t_q, t_k = scores.shape[-2:] if scores.dim() >= 2 else (0, 0)
+    if t_k < 4 or products.numel() != scores.numel() or not bool(torch.isfinite(scores).all()):
         return None
-    rows = scores.numel() // t_k
-    sides = {e.out.shape[-1] for e in between if isinstance(e, Matmul) and e.out.dim() >= 2
-             and 1 < e.out.shape[-1] < t_k and t_k % e.out.shape[-1] == 0 and e.out.numel() == rows * e.out.shape[-1]}
-    for side in sorted(sides):
-        for grid in {(side, t_k // side), (t_k // side, side)}:
-            def centred(x: Tensor) -> Tensor:
-                x = x.detach().double().reshape(rows, *grid)
-                return x - x.mean(-1, keepdim=True) - x.mean(-2, keepdim=True) + x.mean((-2, -1), keepdim=True)
-            sc, pc = centred(scores), centred(products)
-            denom = float((pc * pc).sum())
-            if denom == 0.0:
-                continue
-            scale = float((sc * pc).sum()) / denom
-            residual = float((sc - scale * pc).norm() / sc.norm().clamp_min(1e-300))
-            if residual <= 0.05:
-                return scale, residual
+    batch = scores.numel() // (t_q * t_k)  # batch x heads
+    products = products.reshape(scores.shape)
+    for lead in (0, 1):  # a class token first, off the grid (MViTv2's `_cls` models): its row and column left out
+        rows, keys = batch * (t_q - lead), t_k - lead
+        sides = {e.out.shape[-1] for e in between if isinstance(e, Matmul) and e.out.dim() >= 2 and
+                 1 < e.out.shape[-1] < keys and keys % e.out.shape[-1] == 0 and e.out.numel() == rows * e.out.shape[-1]}
+        for side in sorted(sides):
+            for grid in {(side, keys // side), (keys // side, side)}:
+                def centred(x: Tensor) -> Tensor:
+                    x = x.detach()[..., lead:, lead:].double().reshape(rows, *grid)
+                    return x - x.mean(-1, keepdim=True) - x.mean(-2, keepdim=True) + x.mean((-2, -1), keepdim=True)
+                sc, pc = centred(scores), centred(products)
+                denom = float((pc * pc).sum())
+                if denom == 0.0:
+                    continue
+                scale = float((sc * pc).sum()) / denom
+                residual = float((sc - scale * pc).norm() / sc.norm().clamp_min(1e-300))
+                if residual <= 0.05:
+                    return scale, residual
     return None
 
 

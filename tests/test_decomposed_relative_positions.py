@@ -21,45 +21,51 @@ D, HEADS, GRID = 16, 2, 4
 
 
 class RelativePositionAttention(nn.Module):
-    """Self-attention over a GRID x GRID map of tokens with MViTv2's decomposed relative positions."""
+    """Self-attention over a GRID x GRID map of tokens with MViTv2's decomposed relative positions; `cls`: a class
+    token ahead of the grid, whose row and column get no position term (MViTv2's `_cls` models)."""
 
-    def __init__(self, bug: str | None = None):
+    def __init__(self, bug: str | None = None, cls: bool = False):
         super().__init__()
-        self.bug, self.num_heads = bug, HEADS
+        self.bug, self.num_heads, self.cls = bug, HEADS, int(cls)
         self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
         d = D // HEADS
         self.rel_h, self.rel_w = nn.Parameter(torch.randn(2 * GRID - 1, d)), nn.Parameter(torch.randn(2 * GRID - 1, d))
 
     def forward(self, x):
-        B, T, C = x.shape  # batch, GRID * GRID tokens, width
+        B, T, C = x.shape  # batch, GRID * GRID tokens (after a class token, if any), width
         d = C // HEADS
         q, k, v = self.qkv(x).view(B, T, 3, HEADS, d).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
         scores = (q * (1.0 if self.bug == "unscaled" else d ** -0.5)) @ k.transpose(-2, -1)  # (B, H, T, T)
         apart = torch.arange(GRID)[:, None] - torch.arange(GRID)[None, :] + GRID - 1  # i - j, from 0
-        grid_q = q.reshape(B, HEADS, GRID, GRID, d)
+        c = self.cls
+        grid_q = q[:, :, c:].reshape(B, HEADS, GRID, GRID, d)
         rows = torch.einsum("bhyxc,ykc->bhyxk", grid_q, self.rel_h[apart])  # q·R_h[i_h - j_h]: (B, H, y, x, key row)
         cols = torch.einsum("bhyxc,xkc->bhyxk", grid_q, self.rel_w[apart])  # q·R_w[i_w - j_w]
-        scores = (scores.view(B, HEADS, GRID, GRID, GRID, GRID) + rows[..., :, None] + cols[..., None, :]).view_as(
-            scores)
+        terms = (rows[..., :, None] + cols[..., None, :]).reshape(B, HEADS, T - c, T - c)
+        scores = torch.cat([scores[:, :, :c], torch.cat([scores[:, :, c:, :c], scores[:, :, c:, c:] + terms], -1)], 2)
         out = scores.softmax(-2 if self.bug == "queries axis" else -1) @ v
         return self.proj(out.transpose(1, 2).reshape(B, T, C))
 
 
 class GridModel(nn.Module):
-    def __init__(self, bug: str | None = None):
+    def __init__(self, bug: str | None = None, cls: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), RelativePositionAttention(bug), nn.Linear(D, 4)
+        self.patch, self.attn, self.head = nn.Conv2d(3, D, 2, 2), RelativePositionAttention(bug, cls), nn.Linear(D, 4)
+        self.cls = nn.Parameter(torch.randn(1, 1, D)) if cls else None
 
     def forward(self, pixels):
         tokens = self.patch(pixels).flatten(2).transpose(1, 2)  # (B, GRID * GRID, D)
+        if self.cls is not None:
+            tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], 1)
         return self.head((tokens + self.attn(tokens)).mean(1))
 
 
+@pytest.mark.parametrize("cls", [False, True], ids=["grid", "class token and grid"])
 @pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
                                                 ("queries axis", "failed", "weight_row_sums")])
-def test_a_temperature_beside_decomposed_relative_positions_is_measured(bug, status, fired):
-    report = diagnostics.audit_model(GridModel(bug).eval(), example=torch.randn(2, 3, 2 * GRID, 2 * GRID))
+def test_a_temperature_beside_decomposed_relative_positions_is_measured(bug, status, fired, cls):
+    report = diagnostics.audit_model(GridModel(bug, cls).eval(), example=torch.randn(2, 3, 2 * GRID, 2 * GRID))
     layer = report.layers["attn"]
     temperature = layer.result("softmax_saturation")
     assert temperature.measured and "decomposed relative positions" in temperature.message + temperature.evidence, \
