@@ -1,0 +1,70 @@
+"""Pins for the survivors of the full mutation run over runs, gradients and attention_pattern with the earlier pins in
+place (issue 37: `benchmarks/mutations.py --all --only detectors/runs.py --only detectors/gradients.py --only
+detectors/pattern.py`, at dba7168). As in tests/test_pins.py, each pin has its twin on the same inputs (a case on each
+side of the comparison, guard or constant it pins), the numbers quoted as literals; each test says which mutant it
+pins (its line number the run's, at dba7168). Small layers written here, one detector at small sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from correct import MultiHeadAttention
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
+
+
+# ---- gradients: the entries of a parameter the finite differences move --------------------------------------------
+
+
+class Watched(MultiHeadAttention):
+    """The reference (16 wide, 2 heads, seed 0) plus the mean of an `entries`-entry table added to every output; each
+    float64 call records the table as it was called (`seen`, shared by the float64 copy: a class attribute), so that
+    the entries the finite differences moved can be read."""
+
+    seen: list = []
+
+    def __init__(self, entries: int):
+        torch.manual_seed(0)
+        super().__init__(16, 2)
+        self.table = nn.Parameter(torch.randn(entries) * 0.1)
+
+    def forward(self, x, mask=None):
+        if self.table.dtype == torch.float64:
+            Watched.seen.append(self.table.detach().clone())
+        out, weights = super().forward(x, mask)  # (B, T, D), (B, H, T, T)
+        return out + self.table.mean(), weights
+
+
+def moved_entries(entries: int) -> torch.Tensor:
+    """The passing gradients verdict on a `Watched` table of `entries`, and the entries any of its calls moved."""
+    Watched.seen = []
+    layer = Watched(entries)
+    found = verdict(layer, "gradients")
+    assert found.verdict == "pass", found
+    original = layer.table.detach().double()
+    return torch.stack([t != original for t in Watched.seen]).any(0).nonzero().flatten()
+
+
+def test_every_entry_of_a_parameter_of_at_most_512_entries_is_moved():
+    """check_gradients' `if k < p.numel()` (L199, Lt->LtE): a parameter of 15 entries (no more than the 512 the finite
+    differences move) is moved at every entry (torch.arange); with `<=` the golden-ratio places are taken, and 15
+    places mod 15 collide whatever the offset (one entry at least never moved, so a backward wrong there alone would
+    pass). Its twin, below: a larger parameter is moved at 512 spread places."""
+    assert moved_entries(15).tolist() == list(range(15))
+
+
+def test_a_parameter_of_1024_entries_is_moved_at_512_places_spread_over_it():
+    """check_gradients' golden-ratio step (L198, x10): frac(0.618 k + r) x 1,024 for k < 512 gives 512 distinct places,
+    64 +- 1 in each eighth of the table; at 6.18 the places collide (391 to 403 distinct, measured at three offsets),
+    fewer entries moved. Its twin, above: a parameter of 15 entries is moved everywhere."""
+    moved = moved_entries(1024)
+    assert len(moved) == 512, len(moved)
+    per_eighth = torch.bincount(moved // 128, minlength=8)
+    assert int(per_eighth.min()) >= 60 and int(per_eighth.max()) <= 68, per_eighth
