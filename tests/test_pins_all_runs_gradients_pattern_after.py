@@ -68,3 +68,58 @@ def test_a_parameter_of_1024_entries_is_moved_at_512_places_spread_over_it():
     assert len(moved) == 512, len(moved)
     per_eighth = torch.bincount(moved // 128, minlength=8)
     assert int(per_eighth.min()) >= 60 and int(per_eighth.max()) <= 68, per_eighth
+
+
+# ---- gradients: the parts of the direction left out at a kink ----------------------------------------------------
+
+
+class _AbsPow(torch.autograd.Function):
+    """|g| ** p (at p = 1.25 a kink at 0 whose jump stays steady over the kink rule's steps; at 1.75 one that shrinks
+    2.83x), its backward a derivative of 1: a hand-written backward's mistake, along the gate alone."""
+
+    @staticmethod
+    def forward(ctx, g, p):
+        return g.abs() ** p
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Gated(MultiHeadAttention):
+    """The reference (16 wide, 2 heads, seed 0) plus `gates` gates |g| ** p added to every output, each g a 16-entry
+    parameter initialised to 0 (at the probe point: a kink along each at p = 1.25), their backward wrong."""
+
+    def __init__(self, gates: int, p: float = 1.25):
+        torch.manual_seed(0)
+        super().__init__(16, 2)
+        self.p = p
+        self.gates = nn.ParameterList([nn.Parameter(torch.zeros(16)) for _ in range(gates)])
+
+    def forward(self, x, mask=None):
+        out, weights = super().forward(x, mask)  # (B, T, D), (B, H, T, T)
+        return out + sum(_AbsPow.apply(g, self.p) for g in self.gates), weights
+
+
+@pytest.mark.parametrize("gates, named, word", [(1, "gates.0", "it"), (2, "gates.0, gates.1", "them")],
+                         ids=["one", "two"])
+def test_the_parts_left_out_at_a_kink_are_named_one_or_many(gates, named, word):
+    """check_gradients' `'it' if len(kinked) == 1 else 'them'` (L307, Eq->NotEq): one gate with a kink at the point is
+    left out as "it", two as "them"; the rest of the direction agrees and the layer passes either way."""
+    found = verdict(Gated(gates), "gradients")
+    assert found.verdict == "pass", found
+    assert f"not differentiable at this point along {named} (its one-sided" in found.evidence, found.evidence
+    assert f"a ReLU at exactly 0); without {word}, autograd gives" in found.evidence, found.evidence
+
+
+
+def test_a_jump_read_once_sends_the_check_to_smaller_steps_where_a_wrong_backward_still_fails():
+    """check_gradients' first reading of a jump (L284 through `jump(every, steady=False)`, L261's drop-not: that
+    reading made under the steady rule): a wrong backward of |g| ** 1.75 at g = 0 has a jump at the step, which
+    shrinks 2.83x over eps / 4, / 8, / 16 (no kink at the point: nothing is left out); read once, unsteadied, it
+    sends the check to steps 16x smaller (a kink crossed within the step would be rarer there), where the wrong
+    backward disagrees as much and fails, saying so (under the steady rule nothing jumped: no such reading). Its
+    twin, at p = 1.25 (a kink at the point): the gate is left out and the rest passes (above)."""
+    found = verdict(Gated(1, p=1.75), "gradients")
+    assert found.verdict == "fail" and "not differentiable" not in found.evidence, found
+    assert "; at steps 16x smaller (a kink crossed within the step is rarer there)" in found.evidence, found.evidence
