@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
@@ -123,3 +124,31 @@ def test_a_jump_read_once_sends_the_check_to_smaller_steps_where_a_wrong_backwar
     found = verdict(Gated(1, p=1.75), "gradients")
     assert found.verdict == "fail" and "not differentiable" not in found.evidence, found
     assert "; at steps 16x smaller (a kink crossed within the step is rarer there)" in found.evidence, found.evidence
+
+
+def kink_at_the_point(kinked: bool):
+    """SDPA (the mask taken) plus, in float64, 1e-3 x the sum of relu(q - q0), q0 the first float64 query it is given (the
+    gradients check's probe point): along the inputs, the only part of a function's direction, a kink at the point
+    (one-sided derivatives 0 and 1; 1e-3 so that its square's term in (out ** 2).sum(), unequal on the two sides and
+    linear in the step, stays under the disagreement it makes). `kinked=False`: SDPA alone."""
+    first = []
+
+    def attend(q, k, v, mask=None):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d)
+        if not kinked or q.dtype != torch.float64:
+            return out
+        if not first:
+            first.append(q.detach().clone())
+        return out + 1e-3 * torch.relu(q - first[0]).sum()
+
+    return attend
+
+
+def test_a_layer_with_a_kink_at_the_point_along_every_part_of_the_direction_is_a_skip():
+    """check_gradients' `if not rest` (L298, the guard never firing: the check would go on along an empty direction,
+    read a disagreement of 0 and pass): a function, whose direction is the inputs alone, with a ReLU at exactly 0
+    along them, is not measured, and says so. Its twin, SDPA alone, passes."""
+    found = verdict(kink_at_the_point(True), "gradients")
+    assert found.verdict == "skip" and found.message.startswith("not measured: the layer is not differentiable"), found
+    assert "not differentiable at this point along the inputs" in found.evidence, found.evidence
+    assert verdict(kink_at_the_point(False), "gradients").verdict == "pass"
