@@ -111,6 +111,8 @@ def test_the_parts_left_out_at_a_kink_are_named_one_or_many(gates, named, word):
     assert found.verdict == "pass", found
     assert f"not differentiable at this point along {named} (its one-sided" in found.evidence, found.evidence
     assert f"a ReLU at exactly 0); without {word}, autograd gives" in found.evidence, found.evidence
+    # the rest agrees: no second reading at smaller steps (L310's `and` made `or`, or `>` made `<`, would make one)
+    assert "at steps 16x smaller" not in found.evidence, found.evidence
 
 
 
@@ -119,11 +121,14 @@ def test_a_jump_read_once_sends_the_check_to_smaller_steps_where_a_wrong_backwar
     reading made under the steady rule): a wrong backward of |g| ** 1.75 at g = 0 has a jump at the step, which
     shrinks 2.83x over eps / 4, / 8, / 16 (no kink at the point: nothing is left out); read once, unsteadied, it
     sends the check to steps 16x smaller (a kink crossed within the step would be rarer there), where the wrong
-    backward disagrees as much and fails, saying so (under the steady rule nothing jumped: no such reading). Its
-    twin, at p = 1.25 (a kink at the point): the gate is left out and the rest passes (above)."""
+    backward disagrees as much and fails, saying so (under the steady rule nothing jumped: no such reading), with
+    the first reading's bar. Its twin, at p = 1.25 (a kink at the point): the gate is left out and the rest passes (above)."""
     found = verdict(Gated(1, p=1.75), "gradients")
     assert found.verdict == "fail" and "not differentiable" not in found.evidence, found
     assert "; at steps 16x smaller (a kink crossed within the step is rarer there)" in found.evidence, found.evidence
+    # the verdict keeps the first reading where the smaller steps disagree too (L323, `<=` made `>=`: the second)
+    assert f"(up to {found.threshold:.2g} allowed: 1e-09, or 30x" in found.evidence, found.evidence
+    assert found.threshold > 2e-9, found  # 2.3e-9 at the step, 1e-9 at the smaller ones
 
 
 def kink_at_the_point(kinked: bool):
