@@ -529,6 +529,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "(checked by hand)"),
     # m37i: runs, gradients, pattern (issue 37), checked by hand: (the kink rule's and the smaller steps' edges in
     # gradients extend the `Gt->GtE` and `LtE->Lt` marks of check_gradients above: one key per kind of mutant)
+    "detectors/gradients.py:_masked_key_gradient:L*:Gt->GtE": (
+        "if g.dim() > t_dim + 1 else g.abs()", "the gradients read are those of the probe's own key and value inputs, "
+        "(B, H, T, d) for a function (time_dim 2) and (B, T, D) for a module (time_dim 1) (_subject.py): always "
+        "time_dim + 2 dimensions (the feature axis after time), so `>` and `>=` are both true and the same branch "
+        "is taken (checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
