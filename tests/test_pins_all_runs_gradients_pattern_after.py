@@ -7,6 +7,8 @@ pins (its line number the run's, at dba7168). Small layers written here, one det
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,3 +159,42 @@ def test_a_layer_with_a_kink_at_the_point_along_every_part_of_the_direction_is_a
     assert found.verdict == "skip" and found.message.startswith("not measured: the layer is not differentiable"), found
     assert "not differentiable at this point along the inputs" in found.evidence, found.evidence
     assert verdict(kink_at_the_point(False), "gradients").verdict == "pass"
+
+
+# ---- gradients: the finite differences' step ---------------------------------------------------------------------
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """The identity forward; the backward multiplies the gradient by `factor` (a backward off by a chosen error)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def offset_off_by(error: float):
+    """Scaled dot-product attention (True = may attend) whose outputs sit at 1000 (+ 1000 to every value: the loss
+    (out ** 2).sum() is then ~1e8, its rounding large beside its changes), its backward off by `error`."""
+    def attend(q, k, v, mask=None):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+        weights = scores.softmax(-1)
+        return _ScaledBackward.apply(weights @ v + 1000.0, 1.0 + error), weights  # (B, H, Tq, d)
+    return attend
+
+
+def test_a_small_backward_error_on_large_outputs_is_not_lost_in_the_finite_differences_noise():
+    """check_gradients' step `eps = 1e-4` (L235, x0.1): outputs at 1000 make the finite differences' rounding large;
+    at steps from 1e-4 down to 2.5e-5 their noise allows 3.4e-8 of |grad| |u|, and a backward off by 2e-5 (1.6e-6 of
+    |grad| |u|) fails; at steps 10x smaller the rounding is 10x larger relative to the change and the noise allowance
+    (measured: 4.1e-6) passes it. Its twin, the same layer with its true backward, passes."""
+    wrong = verdict(offset_off_by(2e-5), "gradients")
+    assert wrong.verdict == "fail" and 1e-6 < wrong.value < 3e-6 and wrong.threshold < 1e-7, wrong
+    right = verdict(offset_off_by(0.0), "gradients")
+    assert right.verdict == "pass", right
