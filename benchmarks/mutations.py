@@ -247,6 +247,14 @@ _LARGER_PUSH = (
     "infinite change, a move (a layer that zeroes NaN weights moved as much as at x100); the control's perturbation "
     "stays finite (|draw - old| < 10, x1000 < 65504). The x0.1 side of 1e6 changes verdicts and is "
     "pinned (tests/test_pins_seed21.py); float16's 100 x0.1 is marked apart (below)")
+_KINK_RULE_EDGES = (
+    "on any of these lines. `rel > limit` (all three, the one before the smaller steps too): " + _TOLERANCE_EDGE +
+    ". `min(reads) >= 0` (m37i, checked by hand): "
+    "the reads are abs() values, never negative, so `>= 0` always holds; where min is 0 the next test, max <= 2 x 0, "
+    "holds only if every read is 0, and then reads[0], returned, is the 0 of the else: the same value in every case. "
+    "The two jumps against GRADIENT_AGREEMENT x scale (or x size): " + _TOLERANCE_EDGE + " (a jump, the "
+    "extrapolated second difference of float64 losses, equal to 1e-9 times |grad| |u|; where it is 0, as `steady` "
+    "returns for no kink, `0 >= 1e-9 x size` is false, size being at least the floor 1e-300)")
 _KINK_EDGE = (
     "`<=` and `<` differ only where the greatest of three float readings of the jump is exactly twice the least; a "
     "kink at the point reads within 1.2x, a smooth part shrinks 8x a halving, and |g| ** 1.5 at 0 (exactly 2x in exact "
@@ -291,8 +299,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (
         "exact <= tolerance(ROW_SUM, torch.float64)", _TOLERANCE_EDGE + " (a float64 copy's reading against float64's "
         "1e-9)"),
-    "detectors/gradients.py:check_gradients:L*:Gt->GtE": ("if rel > limit:", _TOLERANCE_EDGE),  # both lines
-    "detectors/gradients.py:check_gradients:L*:LtE->Lt": ("max(reads) <= KINK_STEADY * min(reads)", _KINK_EDGE),
+    "detectors/gradients.py:check_gradients:L*:Gt->GtE": (  # extended by m37i (its block below says why)
+        ("if rel > limit", "if min(reads) > 0 and max(reads)", "steady=False)) > GRADIENT_AGREEMENT * scale",
+         "frozenset({j}))) > GRADIENT_AGREEMENT * size"), _KINK_RULE_EDGES),
+    "detectors/gradients.py:check_gradients:L*:LtE->Lt": (  # extended by m37i: the smaller steps' bar
+        ("max(reads) <= KINK_STEADY * min(reads)", "if rel_small <= limit_small:"),
+        "on either line. The kink rule: " + _KINK_EDGE + ". `rel_small <= limit_small`: " + _TOLERANCE_EDGE),
     "detectors/keys.py:check_keys_matter:L*:Gt->GtE": (
         "if all(m > ROUNDING_BOUND * comparison.tol", _TOLERANCE_EDGE + " (a reading against 10 x UNCHANGED's "
         "tolerance; it decides only whether the null twin call is made, and a reading exactly at the edge is far above "
@@ -514,6 +526,13 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     # 1910d14 is pinned (tests/test_pins_all_thresholds_causal.py), masks_future's `> tol` exactly at the tolerance
     # too: its mark went (torch compares a float32 change with the tolerance rounded to float32, a float32 number a
     # layer can hit exactly).
+    # m37i: runs, gradients, pattern (issue 37), checked by hand: (the kink rule's and the smaller steps' edges in
+    # gradients extend the `Gt->GtE` and `LtE->Lt` marks of check_gradients above: one key per kind of mutant)
+    "detectors/gradients.py:_masked_key_gradient:L*:Gt->GtE": (
+        "if g.dim() > t_dim + 1 else g.abs()", "the gradients read are those of the probe's own key and value inputs, "
+        "(B, H, T, d) for a function (time_dim 2) and (B, T, D) for a module (time_dim 1) (_subject.py): always "
+        "time_dim + 2 dimensions (the feature axis after time), so `>` and `>=` are both true and the same branch "
+        "is taken (checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
