@@ -8,11 +8,13 @@ models (two blocks, 16 wide), gradient_flow alone, so the file runs in a few sec
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import diagnostics
 from diagnostics._guard import seed_rng
 from test_model_gradient_flow_causes import IDS, TinyInitAttention, TinyInitModel
+from test_pins_gradients import LateAttention, LateModel
 
 
 def flow(model, **kw):
@@ -64,3 +66,67 @@ def test_a_weight_is_excused_for_an_input_that_is_all_zero_not_one_with_some_zer
         assert "attn.q.weight" in result.evidence and "attn.k.weight" in result.evidence, result
     else:
         assert result.verdict == "pass", result
+
+
+# ---- _moves_output: the draw that changes a parameter ----------------------------------------------------------
+
+
+def zero_nudge(eps: float) -> LateModel:
+    """test_pins_gradients' LateModel whose `nudge` (no gradient; moves the output by eps x its RMS from length 64 on,
+    times how far it was changed, at most 1) starts at 0: its draw is standard normal, not scaled by its mean
+    magnitude."""
+    model = LateModel(start=64, eps=eps)
+    with torch.no_grad():
+        model.attn.nudge.zero_()
+        model.attn.nudge0.zero_()
+    return model
+
+
+@pytest.mark.parametrize("eps, expected", [(2e-6, "warn"), (2e-7, "fail")])
+def test_a_choice_at_zero_is_changed_by_a_standard_normal_draw(eps, expected):
+    """_moves_output's `float(old.float().abs().mean()) or 1.0` (L152, or->and and x0.1): a parameter at 0 is changed
+    by a draw of standard deviation 1. The nudge then changes by more than 1 somewhere (16 draws) and moves the
+    output by 2e-6 of its RMS: a choice used from 64 (warn). With `and` the draw would be 0 (nothing changes: a
+    fail); at x0.1 it would change by under 0.5 (16 draws of sd 0.1), moving the output by under 1e-6 of its RMS (a
+    fail). Its twin, a tenth of the move, is not shown to be used either way."""
+    result = diagnostics.audit_model(zero_nudge(eps), detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == expected, result
+    if expected == "warn":
+        assert "attn.nudge (from 64" in result.evidence, result
+    else:
+        assert "attn.nudge" in result.evidence, result
+
+
+class ZeroFirstOutput(nn.Module):
+    """test_pins_gradients' embeddings and attention (`LateAttention`, with a `nudge` of its own it does not use),
+    returning (a first output of exactly 0, the attention's output): from length 64 on, changing the nudge moves the
+    first output by `eps` times how far it changed (at most 1). The attention's output carries every gradient."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        seed_rng(0)
+        self.eps = eps
+        self.wte, self.wpe = nn.Embedding(32, 16), nn.Embedding(1024, 16)
+        self.attn = LateAttention(eps=eps)
+
+    def forward(self, input_ids):
+        T = input_ids.shape[1]
+        h = self.attn(self.wte(input_ids) + self.wpe(torch.arange(T)))  # (B, T, D)
+        moved = torch.zeros_like(h.detach())
+        if T >= 64:  # no gradient: a choice's move, on an output of exactly 0
+            moved = moved + self.eps * (self.attn.nudge.detach() - self.attn.nudge0).abs().max().clamp(max=1.0)
+        return moved, h
+
+
+@pytest.mark.parametrize("eps, expected", [(3e-6, "warn"), (3e-7, "fail")])
+def test_a_choice_moving_an_output_of_zeros_moves_it_by_more_than_1e_6(eps, expected):
+    """_moves_output's `float(before.float().square().mean().sqrt()) or 1.0` (L160, x10 and x0.1): an output of
+    exactly 0 (RMS 0) is moved when an element changes by more than 1e-6 itself. Changing the nudge moves it by 3e-6
+    from length 64 on: a choice used there (warn; at x10, 1e-5, not shown to be used: a fail); by 3e-7, not shown to
+    be used (a fail; at x0.1, 1e-7, a choice)."""
+    result = diagnostics.audit_model(ZeroFirstOutput(eps), detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == expected, result
+    if expected == "warn":
+        assert "attn.nudge (from 64" in result.evidence, result
+    else:
+        assert "attn.nudge" in result.evidence, result
