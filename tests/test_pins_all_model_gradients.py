@@ -14,6 +14,7 @@ from torch import nn
 import diagnostics
 from diagnostics._guard import seed_rng
 from test_model_gradient_flow_causes import IDS, TinyInitAttention, TinyInitModel
+from test_model_discarded_outputs import PIXELS, ClassHead
 from test_pins_gradients import LateAttention, LateModel
 
 
@@ -130,3 +131,23 @@ def test_a_choice_moving_an_output_of_zeros_moves_it_by_more_than_1e_6(eps, expe
         assert "attn.nudge (from 64" in result.evidence, result
     else:
         assert "attn.nudge" in result.evidence, result
+
+
+# ---- _moves_only: a parameter that moves only outputs the model discards ---------------------------------------
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_bias_at_zero_that_moves_only_discarded_outputs_is_changed_by_a_standard_normal_draw(detach):
+    """_moves_only's `float(old.float().abs().mean()) or 1.0` (L181, or->and): test_model_discarded_outputs' ClassHead
+    with the last block's per-key bias at 0, which moves only the patch tokens' outputs the head discards. Changed
+    by a draw of standard deviation 1, it moves them and no other: not judged, the model passes. With `and` the draw
+    would be 0, nothing would move, and the bias would fail as getting no gradient. Its twin, the bias detached and
+    added to every row (the class token's too), still fails."""
+    model = ClassHead(detach)
+    with torch.no_grad():
+        model.last.bias.zero_()
+    result = diagnostics.audit_model(model, example=PIXELS, detectors=["gradient_flow"]).result("gradient_flow")
+    if detach:
+        assert result.verdict == "fail" and "last.bias" in result.evidence, result
+    else:
+        assert result.verdict == "pass" and "not judged" in result.message and "last" in result.message, result
