@@ -512,6 +512,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "pv = pk if (one or v is k) else", "pv is read only through V two lines below, which is K wherever `one or v "
         "is k` holds (pv unused); elsewhere `one and v is k` is false too, and both give v.index_select(t, perm) "
         "(checked by hand)"),
+    # m37j: model/gradients (issue 37), checked by hand:
+    "model/gradients.py:squared:L*:Gt->GtE": (
+        "& (scale > 0), scale,", "the two differ only at scale == 0, an output of exactly 0 everywhere: `>= 0` keeps "
+        "0, which clamp_min raises to sqrt(tiny) (positive, 1/scale finite in float32 and float64), `> 0` takes 1; "
+        "either way (t / scale) ** 2 is 0 and its gradient 2 t / scale ** 2 is exactly 0 at t = 0 (checked by hand)"),
+    "model/gradients.py:_moves_output:L*:Gt->GtE": ("> MOVES * scale", _TOLERANCE_EDGE + " (MOVES * scale > 0: "
+                                                    "the scale is an RMS or 1, so an unchanged output is not moved "
+                                                    "either way)"),
+    "model/gradients.py:_moves_only:L*:Gt->GtE": ("> MOVES * scale", _TOLERANCE_EDGE + " (MOVES * scale > 0: the "
+                                                  "scale is an RMS or 1, so an unchanged output is not moved either "
+                                                  "way)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
