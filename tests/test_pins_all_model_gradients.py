@@ -151,3 +151,36 @@ def test_a_bias_at_zero_that_moves_only_discarded_outputs_is_changed_by_a_standa
         assert result.verdict == "fail" and "last.bias" in result.evidence, result
     else:
         assert result.verdict == "pass" and "not judged" in result.message and "last" in result.message, result
+
+
+# ---- _in_float64: a module's output whose gradient underflows is asked again in float64 ------------------------
+
+
+class TwiceScaledBranch(nn.Module):
+    """An embedding and one attention block (TinyInitAttention; `bug`: its scores detached) on a residual branch
+    scaled twice by 1e-25 (two layer scales in a row), and a head: in float32 the branch's gradient, about 1e-50, is
+    exactly 0; in float64 it is not."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.attn, self.head = nn.Embedding(32, 16), TinyInitAttention(bug=bug), nn.Linear(16, 32)
+        self.gamma1, self.gamma2 = nn.Parameter(torch.full((16,), 1e-25)), nn.Parameter(torch.full((16,), 1e-25))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        return self.head(x + self.gamma2 * (self.gamma1 * self.attn(x)))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_module_whose_output_gradient_underflows_is_judged_from_the_float64_copy(bug):
+    """_in_float64's `if twin is None or not (names or paths)` (L215, drop-not): the attention's output gets a gradient
+    of exactly 0 in float32 (1e-25 x 1e-25 of the head's), as if what follows cut it, and the model's float64 copy
+    is asked again: there it gets one, so the attention is judged. Its parameters pass, "only in a float64 copy";
+    without the `not` the copy would never be asked and the attention would be left unjudged (a skip). Its twin,
+    the scores detached, fails on q and k."""
+    result = flow(TwiceScaledBranch(bug))
+    if bug:
+        assert result.verdict == "fail" and "attn.q.weight" in result.evidence, result
+    else:
+        assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
