@@ -523,6 +523,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "model/gradients.py:_moves_only:L*:Gt->GtE": ("> MOVES * scale", _TOLERANCE_EDGE + " (MOVES * scale > 0: the "
                                                   "scale is an RMS or 1, so an unchanged output is not moved either "
                                                   "way)"),
+    "model/gradients.py:_in_float64:L*:and->or": (
+        "if t.requires_grad and t is not out)", "with `or` the sum also takes the returned tensors that carry no "
+        "gradient (constants: no parameter's gradient changes, and autograd.grad asks only for the parameters and "
+        "outputs) and `out` a second time (its term doubled: every gradient through it x2, so the same ones are "
+        "exactly 0 and the same finite); the float64 copy's answer is only which gradients are non-zero (checked "
+        "by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
