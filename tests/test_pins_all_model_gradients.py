@@ -184,3 +184,66 @@ def test_a_module_whose_output_gradient_underflows_is_judged_from_the_float64_co
         assert result.verdict == "fail" and "attn.q.weight" in result.evidence, result
     else:
         assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
+
+
+# ---- _underflow_in_place: each module alone in float64 ---------------------------------------------------------
+
+
+class GainLinear(nn.Linear):
+    """A linear projection taking a Python number as a keyword (`gain`), as a projection with a scale option does."""
+
+    def forward(self, x, gain=1.0):
+        return super().forward(x) * gain
+
+
+class GainAttention(TinyInitAttention):
+    """TinyInitAttention whose q projection takes `gain=1.0` and, with `peek`, is called once more first without
+    autograd (a no-grad look at the queries, as a logging hook would take)."""
+
+    def __init__(self, peek: bool = False, bug: bool = False):
+        super().__init__(bug=bug)
+        self.peek, self.q = peek, GainLinear(16, 16)
+
+    def forward(self, x):
+        if self.peek:
+            with torch.no_grad():
+                self.q(x, gain=1.0)
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        q = self.q(x, gain=1.0).reshape(B, T, H, D // H).transpose(1, 2)  # (B, H, T, d)
+        k, v = (f(x).reshape(B, T, H, D // H).transpose(1, 2) for f in (self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5  # (B, H, T, T)
+        w = (scores.detach() if self.bug else scores).softmax(-1)  # BUG: the scores cut from the backward
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def gain_model(peek: bool = False, bug: bool = False) -> TinyInitModel:
+    """TinyInitModel (std 1e-10, its blocks computed in float32 whatever the model's dtype: its float64 copy does not
+    run, so each module is run alone in float64) with GainAttention blocks."""
+    model = TinyInitModel(cast=True)
+    seed_rng(0)
+    model.blocks = nn.ModuleList([GainAttention(peek, bug=bug and i == 1) for i in range(2)])
+    with torch.no_grad():
+        for p in model.blocks.parameters():
+            p.normal_(0, 1e-10) if p.dim() > 1 else p.zero_()
+    return model
+
+
+@pytest.mark.parametrize("peek", [False, True])
+def test_a_module_alone_in_float64_takes_its_python_arguments_and_skips_calls_without_autograd(peek):
+    """_underflow_in_place's `wide`: `v.detach().double() if isinstance(v, Tensor) and v.is_floating_point() else v`
+    (L268, and->or): a Python number among a module's arguments (q's `gain=1.0`) is passed as it is; with `or` it
+    would be asked for is_floating_point() and raise, and nothing would be shown. And its hook's `isinstance(o,
+    Tensor) and o.requires_grad` (L254, and->or): a call without autograd (`peek`) is not replayed; with `or` its
+    output would be asked for a gradient and the backward would raise. Either way the correct model's q, k, v and
+    proj weights, whose float32 gradients underflow, would fail as getting none; kept, they pass "only in a float64
+    copy", with the peek and without."""
+    result = flow(gain_model(peek))
+    assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
+
+
+@pytest.mark.parametrize("peek", [False, True])
+def test_a_module_alone_in_float64_still_fails_detached_scores(peek):
+    """The twin of the test above: the same models with blocks.1's scores detached fail on its q and k."""
+    result = flow(gain_model(peek, bug=True))
+    assert result.verdict == "fail" and result.layer == "blocks.1" and "blocks.1.q.weight" in result.evidence, result
