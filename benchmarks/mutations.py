@@ -529,6 +529,14 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "outputs) and `out` a second time (its term doubled: every gradient through it x2, so the same ones are "
         "exactly 0 and the same finite); the float64 copy's answer is only which gradients are non-zero (checked "
         "by hand)"),
+    "model/gradients.py:_underflow_in_place:L*:and->or": (
+        "if t.requires_grad and t is not out)", "the same as _in_float64's: a constant term or `out`'s doubled changes "
+        "which module outputs get a non-zero gradient not at all (the float64 replay is given 2g for g: the same "
+        "parameters get a non-zero total; checked by hand)"),
+    "model/gradients.py:_underflow_in_place:L*:Gt->GtE": (
+        "or not bool(g.abs().sum() > 0):", "`>= 0` is true of every finite sum, so a call whose output got a "
+        "gradient of exactly 0 is replayed too: a vector-Jacobian product with 0 adds exactly 0 to every total, the "
+        "same parameters are found (checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -197,16 +197,17 @@ class GainLinear(nn.Linear):
 
 
 class GainAttention(TinyInitAttention):
-    """TinyInitAttention whose q projection takes `gain=1.0` and, with `peek`, is called once more first without
-    autograd (a no-grad look at the queries, as a logging hook would take)."""
+    """TinyInitAttention whose q projection takes `gain=1.0` and, with `peek`, is called once more first, its output
+    dropped (a look at the queries, as a logging hook would take): "no_grad", without autograd; "dropped", with it
+    (that output gets no gradient at all: None)."""
 
-    def __init__(self, peek: bool = False, bug: bool = False):
+    def __init__(self, peek: str | None = None, bug: bool = False):
         super().__init__(bug=bug)
         self.peek, self.q = peek, GainLinear(16, 16)
 
     def forward(self, x):
         if self.peek:
-            with torch.no_grad():
+            with torch.set_grad_enabled(self.peek == "dropped"):
                 self.q(x, gain=1.0)
         B, T, D = x.shape  # batch, sequence length, width
         H = self.num_heads
@@ -217,7 +218,7 @@ class GainAttention(TinyInitAttention):
         return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
 
 
-def gain_model(peek: bool = False, bug: bool = False) -> TinyInitModel:
+def gain_model(peek: str | None = None, bug: bool = False) -> TinyInitModel:
     """TinyInitModel (std 1e-10, its blocks computed in float32 whatever the model's dtype: its float64 copy does not
     run, so each module is run alone in float64) with GainAttention blocks."""
     model = TinyInitModel(cast=True)
@@ -229,20 +230,22 @@ def gain_model(peek: bool = False, bug: bool = False) -> TinyInitModel:
     return model
 
 
-@pytest.mark.parametrize("peek", [False, True])
+@pytest.mark.parametrize("peek", [None, "no_grad", "dropped"])
 def test_a_module_alone_in_float64_takes_its_python_arguments_and_skips_calls_without_autograd(peek):
     """_underflow_in_place's `wide`: `v.detach().double() if isinstance(v, Tensor) and v.is_floating_point() else v`
     (L268, and->or): a Python number among a module's arguments (q's `gain=1.0`) is passed as it is; with `or` it
-    would be asked for is_floating_point() and raise, and nothing would be shown. And its hook's `isinstance(o,
-    Tensor) and o.requires_grad` (L254, and->or): a call without autograd (`peek`) is not replayed; with `or` its
-    output would be asked for a gradient and the backward would raise. Either way the correct model's q, k, v and
-    proj weights, whose float32 gradients underflow, would fail as getting none; kept, they pass "only in a float64
-    copy", with the peek and without."""
+    would be asked for is_floating_point() and raise, and nothing would be shown. Its hook's `isinstance(o, Tensor)
+    and o.requires_grad` (L254, and->or): a call without autograd ("no_grad") is not replayed; with `or` its output
+    would be asked for a gradient and the backward would raise. And `if p != path or g is None or not bool(...)`
+    (L276, or->and#2): a call whose output got no gradient ("dropped": None) is not replayed; with `g is None and not
+    bool(g.abs()...)` None would be asked for abs() and raise. Each way the correct model's q, k, v and proj
+    weights, whose float32 gradients underflow, would fail as getting none; kept, they pass "only in a float64
+    copy", with either peek and without."""
     result = flow(gain_model(peek))
     assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
 
 
-@pytest.mark.parametrize("peek", [False, True])
+@pytest.mark.parametrize("peek", [None, "no_grad", "dropped"])
 def test_a_module_alone_in_float64_still_fails_detached_scores(peek):
     """The twin of the test above: the same models with blocks.1's scores detached fail on its q and k."""
     result = flow(gain_model(peek, bug=True))
