@@ -250,3 +250,62 @@ def test_a_module_alone_in_float64_still_fails_detached_scores(peek):
     """The twin of the test above: the same models with blocks.1's scores detached fail on its q and k."""
     result = flow(gain_model(peek, bug=True))
     assert result.verdict == "fail" and result.layer == "blocks.1" and "blocks.1.q.weight" in result.evidence, result
+
+
+# ---- _in_float64: asked whenever a parameter got no gradient, with or without a module cut ----------------------
+
+
+class HandedAttention(TinyInitAttention):
+    """TinyInitAttention whose query projection is a matrix of its own (`wq`, not a submodule's) and which takes a
+    mixing matrix its parent hands it before each call (`self.mix`, a plain attribute in the model's dtype, as a
+    rotary table set by the model is): the module alone, copied to float64, still holds the last float32 one, and
+    its product raises."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__(bug=bug)
+        del self.q
+        self.wq = nn.Parameter(torch.randn(16, 16))
+        self.mix = None
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, sequence length, width
+        H = self.num_heads
+        x = x @ self.mix  # (B, T, D): the parent's matrix
+        q = (x @ self.wq).reshape(B, T, H, D // H).transpose(1, 2)  # (B, H, T, d)
+        k, v = (f(x).reshape(B, T, H, D // H).transpose(1, 2) for f in (self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / (D // H) ** 0.5  # (B, H, T, T)
+        w = (scores.detach() if self.bug else scores).softmax(-1)  # BUG: the scores cut from the backward
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class HandedModel(nn.Module):
+    """An embedding, one HandedAttention and a head, every weight drawn at std 1e-10 and every bias 0, as
+    TinyInitModel: the attention's parameters' float32 gradients are exactly 0; no module's output gradient is."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.attn, self.head = nn.Embedding(32, 16), HandedAttention(bug=bug), nn.Linear(16, 32)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 1e-10) if p.dim() > 1 else p.zero_()
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        self.attn.mix = torch.eye(16, dtype=x.dtype)  # handed over on every call
+        return self.head(x + self.attn(x))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_the_float64_copy_is_asked_when_parameters_get_no_gradient_and_no_module_is_cut(bug):
+    """_in_float64's `if twin is None or not (names or paths)` (L215, or->and#2): the model's float64 copy is asked
+    whenever a parameter got exactly 0, with or without a module whose output got 0 (none here). The query matrix's
+    and k's float32 gradients underflow; the float64 copy, whose forward hands the attention a float64 matrix, shows
+    them: the correct model passes "only in a float64 copy". With `and` the copy would be asked only beside a cut
+    module; each module alone would be asked instead, and the attention alone, with its float32 matrix, does not
+    run: `attn.wq` would fail as getting no gradient. Its twin, the scores detached, fails."""
+    result = flow(HandedModel(bug))
+    if bug:
+        assert result.verdict == "fail" and "attn.wq" in result.evidence, result
+    else:
+        assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
