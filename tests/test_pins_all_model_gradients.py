@@ -309,3 +309,59 @@ def test_the_float64_copy_is_asked_when_parameters_get_no_gradient_and_no_module
         assert result.verdict == "fail" and "attn.wq" in result.evidence, result
     else:
         assert result.verdict == "pass" and "only in a float64 copy" in result.message, result
+
+
+# ---- unused_by_design: the longer lengths ---------------------------------------------------------------------
+
+
+class ManyLate(LateAttention):
+    """LateAttention with `count` biases of its own added to its output times `gain` from length 64 on."""
+
+    def __init__(self, count: int, gain: float):
+        super().__init__()
+        self.gain = gain
+        self.lates = nn.ParameterList(nn.Parameter(torch.randn(16) * 0.1) for _ in range(count))
+
+    def forward(self, x):
+        out = super().forward(x)  # (B, T, D)
+        if x.shape[1] >= 64:
+            for bias in self.lates:
+                out = out + self.gain * bias
+        return out
+
+
+def many_late(count: int, gain: float) -> LateModel:
+    model = LateModel()
+    seed_rng(0)
+    model.attn = ManyLate(count, gain)
+    return model
+
+
+@pytest.mark.parametrize("gain, expected", [(1.0, "warn"), (0.0, "fail")])
+def test_17_parameters_with_a_gradient_from_64_are_all_found_there_and_a_zero_gradient_is_none(gain, expected):
+    """unused_by_design's `if g is not None and bool(g.abs().sum() > 0)` at each longer length (L398): 17 biases added
+    from length 64 on get a gradient there, all 17 found at 64 by it (Gt->Lt: none would be, and the top-k fallback,
+    16 a length, would find the 17th only at 256). Their twin, the same biases times 0.0 from 64 on, get a gradient
+    of exactly 0 there (a tensor, not None): not shown to be used, a fail (Gt->GtE: found at 64, a warn)."""
+    result = diagnostics.audit_model(many_late(17, gain), detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == expected, result
+    if expected == "warn":
+        assert result.message.startswith("17 of ") and "but do at 64: used only" in result.message, result
+    else:
+        assert "attn.lates.0" in result.evidence, result
+
+
+@pytest.mark.parametrize("start, expected", [(256, "warn"), (257, "fail")])
+def test_a_declared_context_of_256_is_tried_and_nothing_past_it(start, expected):
+    """unused_by_design's `if context is not None and L > context: break` (L377): LateModel declaring a context of 256
+    (`max_position_embeddings`; it runs up to 1,024). A bias used from 256 is found at 256, the context itself
+    (Gt->GtE would stop there, Gt->Lt at 64: a fail); one used from 257 would be found only at 1,024, past the
+    context, which is not tried: a fail."""
+    model = LateModel(start=start)
+    model.max_position_embeddings = 256
+    result = diagnostics.audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == expected, result
+    if expected == "warn":
+        assert "attn.late (from 256; not at 64)" in result.evidence, result
+    else:
+        assert "attn.late" in result.evidence, result
