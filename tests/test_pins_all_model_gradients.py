@@ -13,6 +13,7 @@ from torch import nn
 
 import diagnostics
 from diagnostics._guard import seed_rng
+from diagnostics.model.gradients import _same_at_every_key
 from test_model_gradient_flow_causes import IDS, TinyInitAttention, TinyInitModel
 from test_model_discarded_outputs import PIXELS, ClassHead
 from test_pins_gradients import LateAttention, LateModel
@@ -365,3 +366,19 @@ def test_a_declared_context_of_256_is_tried_and_nothing_past_it(start, expected)
         assert "attn.late (from 256; not at 64)" in result.evidence, result
     else:
         assert "attn.late" in result.evidence, result
+
+
+# ---- SAME_VALUES = 16: values the same at every key, within 16 eps of their largest magnitude -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("apart, same", [(8, True), (32, False)])
+def test_values_8_eps_apart_are_the_same_at_every_key_and_32_eps_apart_are_not(dtype, apart, same):
+    """`SAME_VALUES = 16` (L472, x10 and x0.1), in units of the values' own dtype's eps: 8 keys' values of 1.0 but one
+    key's, `apart` eps above (exact in float32 and bfloat16). 8 eps apart they are the same at every key (the
+    attention weights do not matter there: at x0.1, 1.6 eps, they would not be); 32 eps apart they differ (at x10,
+    160 eps, they would be the same, and what makes the scores would be excused)."""
+    eps = torch.finfo(dtype).eps
+    values = torch.ones(2, 8, 4, dtype=dtype)  # (heads, keys, width): the keys along -2, as `weights @ v`
+    values[:, 3] = 1.0 + apart * eps
+    assert _same_at_every_key(values, -2) is same
