@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import diagnostics
@@ -382,3 +383,54 @@ def test_values_8_eps_apart_are_the_same_at_every_key_and_32_eps_apart_are_not(d
     values = torch.ones(2, 8, 4, dtype=dtype)  # (heads, keys, width): the keys along -2, as `weights @ v`
     values[:, 3] = 1.0 + apart * eps
     assert _same_at_every_key(values, -2) is same
+
+
+# ---- _weights_moot / _how_moot: attention whose weights do not matter on the example ----------------------------
+
+
+class FusedAttention(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention over every key, its q and k projections matrices of its
+    own (`wq`, `wk`: the module is their owner); `bug`: q and k detached (they get no gradient)."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        self.bug = bug
+        self.wq, self.wk = nn.Parameter(torch.randn(16, 16) * 0.25), nn.Parameter(torch.randn(16, 16) * 0.25)
+        self.v, self.proj = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, sequence length, width
+        q, k, v = (y.reshape(B, T, 2, D // 2).transpose(1, 2) for y in (x @ self.wq, x @ self.wk, self.v(x)))
+        if self.bug:  # BUG: the scores cut from the backward
+            q, k = q.detach(), k.detach()
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D))
+
+
+class FusedModel(nn.Module):
+    def __init__(self, bug: bool = False, pooled: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.pooled = pooled
+        self.emb, self.attn, self.head = nn.Embedding(32, 16), FusedAttention(bug), nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        x = x + self.attn(x)
+        if self.pooled:  # the same attention once more over one token, the mean
+            x = x + self.attn(x.mean(1, keepdim=True))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("bug", [False, True])
+def test_fused_attention_over_many_keys_is_judged_and_a_call_over_one_key_excuses_nothing(bug, pooled):
+    """_how_moot's `"one key" if sm.k.shape[-2] == 1` for a fused attention (L534, Eq->NotEq): a fused call over 12
+    keys is not over one key, so detached q and k fail (with `!=` they would be excused as attending one key). And
+    _weights_moot's `if kinds and all(kinds)` (L516, all->any): a module is excused only where every call's weights
+    do not matter; the second call over the mean token alone (`pooled`) excuses nothing (with `any` it would excuse
+    the detached q and k). The twins, q and k kept, pass either way."""
+    result = flow(FusedModel(bug, pooled))
+    if bug:
+        assert result.verdict == "fail" and "attn.wq, attn.wk" in result.evidence, result
+    else:
+        assert result.verdict == "pass", result
