@@ -434,3 +434,25 @@ def test_fused_attention_over_many_keys_is_judged_and_a_call_over_one_key_excuse
         assert result.verdict == "fail" and "attn.wq, attn.wk" in result.evidence, result
     else:
         assert result.verdict == "pass", result
+
+
+def test_the_warning_for_a_declared_context_says_nothing_of_lengths_past_it():
+    """A defect the run's `past_context` survivors showed (fixed): the warning appended " (past the model's declared
+    context of N: unused within it)" where the last length found was past the context, but since e3a80f8 no length
+    past it is tried (`break`), so the text could never appear and `L > context` could not be told from `>=` or
+    `<`; the dead helper is gone. The bias used from 256 with a context of 256 is found at the context itself, and
+    the warning names the length alone."""
+    model = LateModel(start=256)
+    model.max_position_embeddings = 256
+    result = diagnostics.audit_model(model, detectors=["gradient_flow"]).result("gradient_flow")
+    assert result.verdict == "warn" and result.message.endswith("but do at 256: used only on longer sequences"), result
+
+
+@pytest.mark.parametrize("values, same", [(torch.zeros(2, 8, 4), True), (torch.ones(2, 8, 4, dtype=torch.long), False),
+                                          (torch.ones(2, 0, 4), False)])
+def test_values_all_zero_are_the_same_at_every_key_and_integers_or_no_keys_are_not_measured(values, same):
+    """_same_at_every_key's `spread <= SAME_VALUES * eps * max|v|` (L561, LtE->Lt): values all 0 are the same at
+    every key, spread 0 against a bound of 0 (with `<` they would not be). Its `if not values.is_floating_point() or
+    values.numel() == 0: return False` (L557, or->and): integer values (no eps) and values over no keys are not
+    measured; with `and` each would go on, and finfo of an integer dtype or the first key of none raises."""
+    assert _same_at_every_key(values, -2) is same
