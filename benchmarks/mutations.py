@@ -537,6 +537,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "or not bool(g.abs().sum() > 0):", "`>= 0` is true of every finite sum, so a call whose output got a "
         "gradient of exactly 0 is replayed too: a vector-Jacobian product with 0 adds exactly 0 to every total, the "
         "same parameters are found (checked by hand)"),
+    "model/gradients.py:prev_length:L*:Lt->LtE": (
+        "shorter = [x for x in LONGER if T < x < L]", "`T <= x` adds x == T (an audit at 64 or 256) to the lengths "
+        "below L; the answer is the last of them, which is T itself only where T is the only one, and T is the "
+        "fallback: the same length (checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
