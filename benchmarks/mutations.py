@@ -541,6 +541,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "shorter = [x for x in LONGER if T < x < L]", "`T <= x` adds x == T (an audit at 64 or 256) to the lengths "
         "below L; the answer is the last of them, which is T itself only where T is the only one, and T is the "
         "fallback: the same length (checked by hand)"),
+    "model/gradients.py:check_gradient_flow:L*:and->or": (
+        "if t.requires_grad and t is not out)", "the same as _in_float64's: the loss gains constants (no gradient "
+        "changes) and `out`'s term twice (every gradient through it x2: the same ones exactly 0, the same finite, "
+        "the normalised squares' gradients far from float32's largest number); checked by hand"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

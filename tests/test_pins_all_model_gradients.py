@@ -456,3 +456,38 @@ def test_values_all_zero_are_the_same_at_every_key_and_integers_or_no_keys_are_n
     values.numel() == 0: return False` (L557, or->and): integer values (no eps) and values over no keys are not
     measured; with `and` each would go on, and finfo of an integer dtype or the first key of none raises."""
     assert _same_at_every_key(values, -2) is same
+
+
+# ---- check_gradient_flow: attention modules cut off by what follows them --------------------------------------
+
+
+class GatedSecond(nn.Module):
+    """An embedding, two attention blocks (TinyInitAttention, PyTorch's default init), the second behind a gate
+    that starts at 0 (a ReZero branch: its output gets a gradient of exactly 0), and a head."""
+
+    def __init__(self, bug: bool = False):
+        super().__init__()
+        seed_rng(0)
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.attn0, self.attn1 = TinyInitAttention(bug=bug), TinyInitAttention()
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        x = x + self.attn0(x)
+        return self.head(x + self.alpha * self.attn1(x))
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_an_attention_behind_a_gate_at_0_is_one_module_not_judged_and_the_other_is(bug):
+    """check_gradient_flow's `cut`: `g is not None and not bool(g.abs().sum() > 0)` (L653, Gt->GtE): the gated
+    attention's output gets a gradient of exactly 0, so it is one module not judged, named as itself (with `>=` no
+    module would be cut: its q, k, v and proj would each be excused as a module of their own, "4 modules", by the
+    later zeroed check). The first attention is judged: it passes, and its twin with detached scores fails."""
+    result = flow(GatedSecond(bug))
+    if bug:
+        assert result.verdict == "fail" and "attn0.q.weight" in result.evidence, result
+        assert "attn1" not in result.evidence, result
+    else:
+        assert result.verdict == "pass" and "not judged: the parameters of 1 modules whose output" in result.message
+        assert result.message.endswith("values that are the same at every key), attn1"), result
