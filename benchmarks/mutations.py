@@ -545,6 +545,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if t.requires_grad and t is not out)", "the same as _in_float64's: the loss gains constants (no gradient "
         "changes) and `out`'s term twice (every gradient through it x2: the same ones exactly 0, the same finite, "
         "the normalised squares' gradients far from float32's largest number); checked by hand"),
+    "model/gradients.py:_zeroed_inside:L*:and->or": (
+        "if paths and torch.is_tensor(loss) else ()", "`paths or is_tensor(loss)` differs where one is false: no "
+        "paths (then nothing can be zeroed, and autograd.grad of no inputs raises into the except: {}), or a loss "
+        "that is no tensor (autograd.grad raises: {}; with `and`, no grads: nothing zeroed, {}): the same {} "
+        "(checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -18,6 +18,7 @@ from diagnostics.model.gradients import _same_at_every_key
 from test_model_gradient_flow_causes import IDS, TinyInitAttention, TinyInitModel
 from test_model_discarded_outputs import PIXELS, ClassHead
 from test_pins_gradients import LateAttention, LateModel
+from test_timm_causes import ZeroScaledBiasAttention, ZeroScaledDetached
 
 
 def flow(model, **kw):
@@ -491,3 +492,36 @@ def test_an_attention_behind_a_gate_at_0_is_one_module_not_judged_and_the_other_
     else:
         assert result.verdict == "pass" and "not judged: the parameters of 1 modules whose output" in result.message
         assert result.message.endswith("values that are the same at every key), attn1"), result
+
+
+# ---- _zeroed_inside: a parameter that reaches the output through a submodule whose output gets 0 ----------------
+
+
+class TwoZeroScaled(nn.Module):
+    """test_timm_causes' bias-table attention whose projection ends in a gain at 0 (EfficientViT's), twice in a row;
+    `detach`: each table read through .detach() (a bug: it feeds nothing)."""
+
+    def __init__(self, detach: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        make = ZeroScaledDetached if detach else ZeroScaledBiasAttention
+        self.wte, self.attn0, self.attn1, self.head = nn.Embedding(50, 32), make(), make(), nn.Linear(32, 50)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)  # (B, T, D)
+        x = x + self.attn0(x)
+        return self.head(x + self.attn1(x))
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_two_bias_tables_behind_gains_at_0_are_each_excused_and_detached_ones_fail(detach):
+    """_zeroed_inside's `any(p.startswith(o + ".") for o in owners)` (L448, any->all): the submodules looked at are
+    those inside any of the tables' owners; with two owners (attn0, attn1) `all` would find none, and both tables
+    would fail as getting no gradient. Not judged, they pass; their detached twins, which feed nothing, fail."""
+    result = diagnostics.audit_model(TwoZeroScaled(detach), detectors=["gradient_flow"]).result("gradient_flow")
+    if detach:
+        assert result.verdict == "fail" and "attn0.attention_biases" in result.evidence, result
+        assert "attn1.attention_biases" in result.evidence, result
+    else:
+        assert result.verdict == "pass" and "not judged" in result.message, result
+
