@@ -533,6 +533,44 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "(B, H, T, d) for a function (time_dim 2) and (B, T, D) for a module (time_dim 1) (_subject.py): always "
         "time_dim + 2 dimensions (the feature axis after time), so `>` and `>=` are both true and the same branch "
         "is taken (checked by hand)"),
+    # m37j: model/gradients (issue 37), checked by hand:
+    "model/gradients.py:squared:L*:Gt->GtE": (
+        "& (scale > 0), scale,", "the two differ only at scale == 0, an output of exactly 0 everywhere: `>= 0` keeps "
+        "0, which clamp_min raises to sqrt(tiny) (positive, 1/scale finite in float32 and float64), `> 0` takes 1; "
+        "either way (t / scale) ** 2 is 0 and its gradient 2 t / scale ** 2 is exactly 0 at t = 0 (checked by hand)"),
+    "model/gradients.py:_moves_output:L*:Gt->GtE": ("> MOVES * scale", _TOLERANCE_EDGE + " (MOVES * scale > 0: "
+                                                    "the scale is an RMS or 1, so an unchanged output is not moved "
+                                                    "either way)"),
+    "model/gradients.py:_moves_only:L*:Gt->GtE": ("> MOVES * scale", _TOLERANCE_EDGE + " (MOVES * scale > 0: the "
+                                                  "scale is an RMS or 1, so an unchanged output is not moved either "
+                                                  "way)"),
+    "model/gradients.py:_in_float64:L*:and->or": (
+        "if t.requires_grad and t is not out)", "with `or` the sum also takes the returned tensors that carry no "
+        "gradient (constants: no parameter's gradient changes, and autograd.grad asks only for the parameters and "
+        "outputs) and `out` a second time (its term doubled: every gradient through it x2, so the same ones are "
+        "exactly 0 and the same finite); the float64 copy's answer is only which gradients are non-zero (checked "
+        "by hand)"),
+    "model/gradients.py:_underflow_in_place:L*:and->or": (
+        "if t.requires_grad and t is not out)", "the same as _in_float64's: a constant term or `out`'s doubled changes "
+        "which module outputs get a non-zero gradient not at all (the float64 replay is given 2g for g: the same "
+        "parameters get a non-zero total; checked by hand)"),
+    "model/gradients.py:_underflow_in_place:L*:Gt->GtE": (
+        "or not bool(g.abs().sum() > 0):", "`>= 0` is true of every finite sum, so a call whose output got a "
+        "gradient of exactly 0 is replayed too: a vector-Jacobian product with 0 adds exactly 0 to every total, the "
+        "same parameters are found (checked by hand)"),
+    "model/gradients.py:prev_length:L*:Lt->LtE": (
+        "shorter = [x for x in LONGER if T < x < L]", "`T <= x` adds x == T (an audit at 64 or 256) to the lengths "
+        "below L; the answer is the last of them, which is T itself only where T is the only one, and T is the "
+        "fallback: the same length (checked by hand)"),
+    "model/gradients.py:check_gradient_flow:L*:and->or": (
+        "if t.requires_grad and t is not out)", "the same as _in_float64's: the loss gains constants (no gradient "
+        "changes) and `out`'s term twice (every gradient through it x2: the same ones exactly 0, the same finite, "
+        "the normalised squares' gradients far from float32's largest number); checked by hand"),
+    "model/gradients.py:_zeroed_inside:L*:and->or": (
+        "if paths and torch.is_tensor(loss) else ()", "`paths or is_tensor(loss)` differs where one is false: no "
+        "paths (then nothing can be zeroed, and autograd.grad of no inputs raises into the except: {}), or a loss "
+        "that is no tensor (autograd.grad raises: {}; with `and`, no grads: nothing zeroed, {}): the same {} "
+        "(checked by hand)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -323,9 +323,9 @@ def unused_by_design(ctx: ModelContext, names: list[str]) -> dict:
     """{name: ByDesign, or None where nothing says the model uses it} for parameters that get no gradient of the
     model's outputs at the audit's length: first whether their own module's output gets a gradient of exactly 0
     (what follows multiplies it by 0 at this initialisation), then the first of `LONGER` at which they get one, one
-    forward and backward per length until each is found, up to the first length the model does not run at (a
-    length past the model's declared context is tried too: a rotary model runs there). Kept on `ctx`:
-    gradient_flow and audit_model both ask."""
+    forward and backward per length until each is found, up to the first length the model does not run at or
+    past its declared context (not tried: on CUDA an index past a position table is a device-side assert). Kept on
+    `ctx`: gradient_flow and audit_model both ask."""
     params = dict(ctx.model.named_parameters())
     named = dict(ctx.model.named_modules())
     todo = [n for n in dict.fromkeys(names) if n not in ctx.by_design and n in params]
@@ -596,11 +596,6 @@ def input_embedding(model: nn.Module, *, decoder: bool = False) -> nn.Module | N
     return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
 
-def past_context(ctx: ModelContext, L: int) -> str:
-    context = model_context(ctx.model)
-    return f" (past the model's declared context of {context}: unused within it)" if context and L > context else ""
-
-
 def prev_length(L: int, T: int) -> int:
     """The length tried before `L` (the audit's own, T, before the first of LONGER)."""
     shorter = [x for x in LONGER if T < x < L]
@@ -724,7 +719,7 @@ def check_gradient_flow(ctx: ModelContext) -> DetectorResult:
         layer = next((p for p in ctx.order if any(n.startswith(p + ".") for n in longer)), None)
         return DetectorResult(ID, "warn", f"{len(longer)} of {len(params)} attention parameters get no gradient at "
                                           f"this length ({seq.shape[1]}), but do at {', '.join(map(str, lengths))}: "
-                                          f"used only on longer sequences" + past_context(ctx, lengths[-1]),
+                                          f"used only on longer sequences",
                               layer=layer,
                               evidence=", ".join(f"{n} (from {L}; not at {prev_length(L, seq.shape[1])})"
                                                  for n, L in list(longer.items())[:8])
