@@ -97,21 +97,92 @@ def test_a_mark_matches_by_its_lines_text_not_by_its_line_number():
     assert bench.equivalents([marked, other]) == {marked.id: bench.EQUIVALENT[key][1]}
 
 
-
-def _repeated_marks(source: str) -> list[str]:
-    """The keys written more than once in the EQUIVALENT literal of `source` (read from the source: the dict has
-    already dropped all but the last)."""
-    marks = next(node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.AnnAssign)
-                 and isinstance(node.target, ast.Name) and node.target.id == "EQUIVALENT")
-    keys = [key.value for key in marks.keys]
-    return sorted({k for k in keys if keys.count(k) > 1}) or ([] if keys else ["(no marks read)"])
-
-
 def test_no_equivalent_mark_is_written_twice():
-    """EQUIVALENT's keys name a kind of mutant per function (`L*`), and a dict literal keeps the last of two equal
-    keys: a second block marking the same kind would silently drop the first mark and its reason. Twin: a literal
-    with a key written twice is read so."""
-    source = (Path(__file__).resolve().parents[1] / "benchmarks" / "mutations.py").read_text(encoding="utf-8")
-    assert _repeated_marks(source) == []
-    assert _repeated_marks('EQUIVALENT: dict = {"a.py:f:L*:Gt->GtE": 1, "b": 2, "a.py:f:L*:Gt->GtE": 3}') == [
-        "a.py:f:L*:Gt->GtE"]
+    """A dict literal keeps the last of two equal keys without a word: a second mark for one mutant would silently
+    replace the first's reason. Read from the source."""
+    tree = ast.parse(Path(bench.__file__).read_text())
+    marks = next(node.value for node in tree.body if isinstance(node, ast.AnnAssign)
+                 and getattr(node.target, "id", "") == "EQUIVALENT")
+    keys = [k.value for k in marks.keys]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_a_journal_gives_back_its_own_commits_outcomes_and_runs_nothing_it_holds(tmp_path):
+    """`--journal`: a long run in pieces. The outcomes journaled at this commit with the module's test selection as it
+    is now are taken as they are (nothing is run: no copy of the tree is made); a line of another commit, or one
+    measured with other tests, is not reused."""
+    mutant = next(m for m in bench.all_mutants(False) if m.file == "detectors/weights.py")
+    tests = bench.tests_for(mutant.file)
+    journal = tmp_path / "all.jsonl"
+    line = lambda commit, tests, status: bench.json.dumps(dict(commit=commit, file=mutant.file, tests=tests,
+                                                               id=mutant.id, status=status, seconds=1.0, detail=""))
+    journal.write_text("\n".join([line("other", tests, "survived"), line("this", tests[:1] + ["x.py"], "survived"),
+                                  line("this", tests, "killed")]) + "\n")
+    assert {k: o.status for k, o in bench.read_journal(journal, "this").items()} == {mutant.id: "killed"}
+    assert bench.read_journal(journal, "another") == {}
+    logged = []
+    outcomes = bench.run_mutants([mutant], 1, None, logged.append, journal, "this")
+    assert [(o.id, o.status) for o in outcomes] == [(mutant.id, "killed")]
+    assert logged and logged[0].startswith("1 of the 1 mutants decided at this commit already"), logged
+
+
+def test_a_mutant_is_run_against_the_tests_that_enter_its_function_or_read_its_constant():
+    """The covered selection: a test that never enters the changed code runs as it does unmutated, so only the tests
+    that enter it are run. A function's mutant reaches its own function (a nested function lies within its lines); a
+    module constant's reaches every function that reads it. A failing test is never selected (it would "kill" every
+    mutant), and a wider fixture's calls count for every test that uses it (a test may only read its value)."""
+    reach = bench.Reach()
+    mutants = bench.all_mutants(False)
+    in_code = next(m for m in mutants if m.file == "detectors/weights.py" and not m.threshold)
+    spans = reach.of(in_code)
+    assert len(spans) == 1 and spans[0][0] == in_code.file and spans[0][1] <= in_code.line <= spans[0][2], spans
+    constant = next(m for m in mutants if m.threshold and m.function == "CONVEX")
+    readers = reach.of(constant)
+    assert readers and all(lo <= hi for _, lo, hi in readers), readers
+    assert any(f == "detectors/variance.py" for f, _, _ in readers), readers  # where CONVEX is judged
+    assert not any(lo <= constant.line <= hi for f, lo, hi in readers if f == constant.file)  # its line: no function
+
+    f, lo, hi = spans[0]
+    row = lambda own=(), setup=(), shared=(), passed=True: dict(own=own, setup=setup, shared=shared, seconds=1.0,
+                                                                passed=passed)
+    calls = bench.Calls.merged({
+        "t::enters_nested": row(own=[[f, hi]]), "t::elsewhere": row(own=[[f, hi + 1], ["other.py", lo]]),
+        "t::fails": row(own=[[f, lo]], passed=False), "t::builds_fixture": row(setup=[[f, lo]], shared=["session:x"]),
+        "t::reads_fixture": row(shared=["session:x"]), "t::other_fixture": row(shared=["session:y"])})
+    assert calls.tests(spans) == ["t::enters_nested", "t::builds_fixture", "t::reads_fixture"]
+    assert calls.tests(((f, hi + 1, hi + 1),)) == ["t::elsewhere"]
+
+
+def test_the_map_of_calls_records_what_each_passing_test_enters_and_leaves_out_failures(pytester, monkeypatch,
+                                                                                       tmp_path):
+    """benchmarks/_mutation_calls.py in a pytest of its own (a subprocess, as the benchmark runs it): a test that
+    calls a package function is mapped to it (file, first line), one that calls none to nothing, and a failing one is
+    marked so (the benchmark leaves it out: it would "kill" every mutant)."""
+    root = Path(bench.__file__).resolve().parents[1]
+    line = next(i for i, text in enumerate((root / "diagnostics" / "_core.py").read_text().splitlines(), 1)
+                if text.startswith("def relative_change("))
+    pytester.makepyfile(test_inner="""
+        import torch
+        from diagnostics._core import relative_change
+
+        def test_calls():
+            assert relative_change(torch.ones(2, 3), torch.ones(2, 3)).max() == 0
+
+        def test_calls_nothing():
+            assert True
+
+        def test_fails():
+            relative_change(torch.ones(2, 3), torch.ones(2, 3))
+            assert False
+    """)
+    monkeypatch.setenv("MUTATION_COPY", str(root))
+    monkeypatch.setenv("MUTATION_CALLS", str(tmp_path))
+    monkeypatch.setenv("PYTEST_PLUGINS", "_mutation_calls")
+    monkeypatch.setenv("PYTHONPATH", f"{root}{__import__('os').pathsep}{root / 'benchmarks'}")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "0").assert_outcomes(passed=2, failed=1)
+    rows = {}
+    for part in tmp_path.glob("calls-*.json"):
+        rows.update(bench.json.loads(part.read_text()))
+    assert ["_core.py", line] in rows["test_inner.py::test_calls"]["own"], rows["test_inner.py::test_calls"]
+    assert rows["test_inner.py::test_calls_nothing"]["own"] == []
+    assert [r["passed"] for r in rows.values()] == [True, True, False], rows
