@@ -15,10 +15,26 @@ from torch import nn
 import diagnostics
 from diagnostics._guard import seed_rng
 from diagnostics.model.gradients import _same_at_every_key
-from test_model_gradient_flow_causes import IDS, TinyInitAttention, TinyInitModel
-from test_model_discarded_outputs import PIXELS, ClassHead
-from test_pins_gradients import LateAttention, LateModel
-from test_timm_causes import ZeroScaledBiasAttention, ZeroScaledDetached
+
+
+def _sibling(name: str):
+    """A test module beside this one, loaded from its file: `from test_x import ...` fails under pytest's importlib
+    import mode (tests/test_setup.py runs the suite so), where test modules are not on sys.path."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"_pins_sibling_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_causes, _discarded = _sibling("test_model_gradient_flow_causes"), _sibling("test_model_discarded_outputs")
+_late, _timm = _sibling("test_pins_gradients"), _sibling("test_timm_causes")
+IDS, TinyInitAttention, TinyInitModel = _causes.IDS, _causes.TinyInitAttention, _causes.TinyInitModel
+PIXELS, ClassHead = _discarded.PIXELS, _discarded.ClassHead
+LateAttention, LateModel = _late.LateAttention, _late.LateModel
+ZeroScaledBiasAttention, ZeroScaledDetached = _timm.ZeroScaledBiasAttention, _timm.ZeroScaledDetached
 
 
 def flow(model, **kw):
