@@ -402,3 +402,16 @@ def test_a_channels_last_map_returned_on_a_smaller_grid_has_queries_of_its_own(b
     assert report.status == status and layer.status == status, report
     if fired:
         assert fired in layer.fired(), layer
+
+
+@pytest.mark.parametrize("bug, status, fired", [(None, "passed", None), ("unscaled", "failed", "softmax_saturation"),
+                                                ("wrong_axis", "failed", "weight_row_sums")])
+def test_a_channels_last_map_on_a_smaller_grid_in_bfloat16_at_gpt2_initialisation(bug, status, fired, std_002):
+    """The same at the scales people train at: the projections drawn with std 0.02, the model in bfloat16."""
+    model = std_002(PooledQueryModel(bug)).to(torch.bfloat16).eval()
+    report = diagnostics.audit_model(model, example=torch.randn(2, 3, 16, 16, dtype=torch.bfloat16))
+    layer = report.layers["attn"]
+    assert layer.result("weight_row_sums").measured and layer.result("softmax_saturation").measured, layer
+    assert report.status == status and layer.status == status, report
+    if fired:
+        assert fired in layer.fired(), layer
