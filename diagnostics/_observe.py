@@ -1008,9 +1008,8 @@ def pooled_keys(record: Record, t_q: int, t_k: int, batch: int, heads: int) -> t
     elsewhere, as the windows they are."""
     for i in reversed(range(len(record.order))):
         sm = record.order[i]
-        if isinstance(sm, SoftmaxCall) and sm.output.dim() >= 3 and sm.dim in (-1, -2, sm.output.dim() - 1,
-                                                                              sm.output.dim() - 2) \
-                and pooled_shape(sm.output.shape, t_q, t_k, batch, heads):
+        if isinstance(sm, SoftmaxCall) and sm.dim in (-1, -2, sm.output.dim() - 1, sm.output.dim() - 2) \
+                and pooled_shape(sm.output.shape, t_q, t_k, batch, heads):  # at least 3-D: pooled_shape asks
             n, m = sm.output.shape[-2:]
             product, _ = _values_product(record.order[i + 1:], sm.output, n, m, 0)
             if product is not None:
