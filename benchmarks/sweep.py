@@ -693,7 +693,9 @@ def timm_build(name: str):
     a fixed input size (`fixed_input_size` in its pretrained_cfg: LeViT, Hiera, MViTv2, VOLO, ...) given another
     img_size is given the same size as its configuration's `input_size` (`pretrained_cfg_overlay`, timm's own
     way to change a configuration; its builder sizes such a model by it), so that the configuration says the size
-    the model was built at: without it, the configuration kept 224 and the model was built at 64."""
+    the model was built at: without it, the configuration kept 224 and the model was built at 64. A model that
+    takes no img_size and whose configuration states a `min_input_size` below its `input_size` is run at that
+    minimum, by the same overlay (SAM 2's Hiera: 224 px, not 896)."""
     import re
 
     import timm
@@ -701,6 +703,11 @@ def timm_build(name: str):
 
     cfg = timm.get_pretrained_cfg(name)
     fixed = cfg is not None and cfg.fixed_input_size and len(cfg.input_size or ()) == 3
+    # a model that takes no img_size is run at the size its configuration states, and SAM 2's Hiera states 896 or
+    # 1,024 px, where its global blocks (3,136 tokens at 1,024) are past the audit's memory guard: where the
+    # configuration also states a smaller size the model takes (`min_input_size`), that one
+    smallest = cfg is not None and not fixed and len(cfg.min_input_size or ()) == 3 and len(cfg.input_size or ()) == 3 \
+        and cfg.min_input_size[1:] < cfg.input_size[1:]
     errors = []
     for overrides in TIMM_TINY:
         kw = dict(overrides)
@@ -709,6 +716,8 @@ def timm_build(name: str):
             size = kw.get("img_size")
             overlay = {"pretrained_cfg_overlay": {"input_size": (cfg.input_size[0], size, size)}} \
                 if fixed and isinstance(size, int) else {}
+            if smallest and "img_size" not in kw:
+                overlay = {"pretrained_cfg_overlay": {"input_size": tuple(cfg.min_input_size)}}
             try:
                 model = timm.create_model(name, pretrained=False, **kw, **overlay).eval()
                 size, channels, _ = timm_image_size(model)

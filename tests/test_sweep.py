@@ -279,6 +279,19 @@ def test_a_fixed_size_timm_model_is_built_small_and_its_configuration_says_the_s
     assert sweep.timm_image_size(levit) == ((64, 64), 3, "its pretrained_cfg's input_size (fixed)")
 
 
+def test_a_timm_model_that_takes_no_image_size_runs_at_the_smallest_its_configuration_states():
+    """SAM 2's Hiera takes no img_size and states 896 px (1,024 for large), where its global blocks were past the
+    audit's memory guard (4 rows inconclusive); its configuration's min_input_size, 224 px, is the one the audit
+    runs; a model that states none keeps its input_size."""
+    pytest.importorskip("timm", reason="timm is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    sam2 = sweep.timm_build("sam2_hiera_tiny")
+    assert sam2.pretrained_cfg["input_size"] == (3, 224, 224), sam2.pretrained_cfg
+    assert sweep.timm_image_size(sam2) == ((224, 224), 3, "its pretrained_cfg's input_size")
+    vit = sweep.timm_build("vit_tiny_patch16_224")  # takes img_size=64, states no minimum
+    assert sweep.timm_image_size(vit)[0] == (64, 64), vit.pretrained_cfg
+
+
 def test_a_rows_long_reason_is_cut_in_the_middle_so_that_where_to_look_stays():
     sweep = _sweep()
     row = sweep.Row("many layers")
