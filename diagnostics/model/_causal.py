@@ -21,6 +21,7 @@ finding: its own audit, as a causal layer, points at the line.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -35,6 +36,10 @@ from ._taps import moved
 CAUSAL_CLASS = re.compile(r"CausalLM|LMHeadModel")
 ATTENTION_KIND = ("attn_type", "attention_type")
 BIDIRECTIONAL = ("bi", "bidirectional")
+# an additive mask blocks a key where the key's weight beside one of bias 0, exp(bias), is under float32's resolution:
+# finfo.min (Hugging Face's now), -10000.0 (older code's), -1e9 (T5's); half the dtype's minimum read -10000.0 as
+# allowed, so a causal model's own causal mask made its `is_causal = True` layers read as not causal
+BLOCKED = math.log(torch.finfo(torch.float32).eps)  # -15.9
 """A config that names its attention bidirectional (XLNet's `attn_type="bi"`, a permutation LM whose attention,
 without a permutation mask, sees both ways, although its class is an `*LMHeadModel`) is not causal."""
 
@@ -110,8 +115,9 @@ def _future_allowed(wrapper) -> bool:
                 value.shape[-1] != T or value.shape[-2] not in (1, T):
             continue
         m = value.detach()
-        # boolean: True marks a key allowed (Hugging Face's); additive: blocked keys very negative; else 0 blocks
-        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2 if m.is_floating_point() else m != 0
+        # boolean: True marks a key allowed (Hugging Face's); additive: blocked keys very negative (`BLOCKED`); else 0
+        # blocks
+        allowed = m if m.dtype == torch.bool else m > BLOCKED if m.is_floating_point() else m != 0
         allowed = allowed.expand(*allowed.shape[:-2], T, T)
         if bool(allowed.triu(1).any()):
             return True
