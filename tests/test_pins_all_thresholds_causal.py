@@ -74,13 +74,16 @@ def test_a_layer_saying_is_causal_is_causal_exactly_when_the_4d_mask_its_model_p
     assert causal_under({"attention_mask": mask}) is causal
 
 
-def test_an_additive_mask_blocks_from_half_the_dtypes_lowest_value_down():
-    """The additive reading's bar, `m > finfo.min / 2` (L113 `>` made `>=`): future entries of exactly half of
-    float32's lowest value block; one float32 step above it they are a bias, and a query sees a later key."""
-    half = LOWEST / 2
-    assert causal_under({"attention_mask": additive(lower(), half)}) is True
-    above = float(torch.nextafter(torch.tensor(half), torch.tensor(0.0)))
-    assert above > half
+def test_an_additive_mask_blocks_from_log_float32_eps_down():
+    """The additive reading's bar, `m > BLOCKED`, log(float32 eps) = -15.9 (its `>` made `>=`): future entries of
+    exactly the bar block; one float32 step above it they are a bias, and a query sees a later key. (The bar was half
+    the dtype's lowest value, which read older code's -10000.0 as allowing the future.)"""
+    from diagnostics.model._causal import BLOCKED
+
+    bar = float(torch.tensor(BLOCKED))  # as float32 holds it
+    assert causal_under({"attention_mask": additive(lower(), bar)}) is True
+    above = float(torch.nextafter(torch.tensor(bar), torch.tensor(0.0)))
+    assert above > bar
     assert causal_under({"attention_mask": additive(lower(), above)}) is False
 
 
