@@ -38,9 +38,12 @@ from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
 
 
+ONE_TOKEN = "one key: weight 1 whatever the scale, the mask or the softmax's axis"
+
+
 def model_status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
-                 unaudited: tuple = ()) -> tuple[str, str]:
-    """("passed" | "failed" | "inconclusive", why)."""
+                 unaudited: tuple = (), single: tuple = ()) -> tuple[str, str]:
+    """("passed" | "failed" | "inconclusive", why). `single`: the layers the model gives one token, one key."""
     failed = [r.detector for r in results if r.verdict == "fail"]
     failed_layers = [p for p, rep in layers.items() if rep.status == "failed"]
     if failed or failed_layers:
@@ -67,7 +70,16 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", f"inconclusive: {', '.join(errors)} crashed (an internal error of diagnostics)"
     if not layers_chosen and not any(r.measured for r in results if r.detector != runs.ID):
         return "inconclusive", "inconclusive: no chosen detector could measure the model (every one skipped)"
-    open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive"]
+    # a layer given one token attends one key with weight 1 whatever its scale, mask or softmax axis: nothing it did
+    # there earns the model's pass, and "use a softmax" where it was inconclusive is the wrong fix (EfficientViT-M's
+    # last stage at 64 px: one pixel); it fails where it fails (above), else the other layers decide, and where
+    # there are none, the model is inconclusive (torch's nn.MultiheadAttention on one token passed)
+    alone = [p for p in layers if p in single]
+    if alone and len(alone) == len(layers):
+        return "inconclusive", (f"inconclusive: {', '.join(alone)} {'sees' if len(alone) == 1 else 'see'} one token "
+                                f"on this example ({ONE_TOKEN}): give the model a larger input (a larger image, a "
+                                f"longer sequence)")
+    open_layers = [p for p, rep in layers.items() if rep.status == "inconclusive" and p not in alone]
     if open_layers:
         first = layers[open_layers[0]].status_reason.removeprefix("inconclusive: ")
         return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured ({first})"
@@ -75,6 +87,11 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
     if causal and prefix is not None and not prefix.measured:
         return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"
     return "passed", ""
+
+
+def _one_token(wrapper) -> bool:
+    """Whether the model gives the layer in place one query and one key (a cross-attention's memory counts)."""
+    return wrapper.block_size == 1 and getattr(wrapper, "memory_length", 1) == 1
 
 
 def _unused_by_design(ctx: ModelContext, path: str, rep) -> str:
@@ -250,6 +267,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                     pass
             layers[p] = rep
             ctx.layer_calls += rep.forward_passes
+            if _one_token(w) and rep.status != "failed":
+                notes.append(f"{p} sees one token on this example ({ONE_TOKEN}): its {rep.status} is not counted; a "
+                             f"larger input (a larger image, a longer sequence) measures it")
         if not runs_msgs:
             ids = [d for d in MODEL_DETECTORS if d in chosen and d != runs.ID]
             for i, d in enumerate(ids):
@@ -262,7 +282,8 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     results = [r for r in results if r.detector in chosen or r.detector == runs.ID]
     unaudited = tuple(f.path for f in found if f.called and not f.mixer and f.path not in layers)
     status, reason = model_status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen),
-                                  causal=causal_, unaudited=unaudited)
+                                  causal=causal_, unaudited=unaudited,
+                                  single=tuple(p for p, w in wrappers.items() if _one_token(w)))
     if not T and wrappers:
         T = next(iter(wrappers.values())).block_size  # images: the tokens the attention layers see
     return ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,
