@@ -29,7 +29,12 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import re
 import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 D, HEADS, WIDTH, T = 32, 4, 8, 16
 # a constructor parameter of one of these names gets the value: the layer built small whatever it calls them
@@ -37,8 +42,10 @@ TINY = {
     **dict.fromkeys(("query_dim", "dim", "hidden_size", "embed_dim", "in_channels", "channels", "d_model",
                      "inner_dim", "num_channels", "hidden_dim", "hidden_channels", "model_dim", "n_state"), D),
     **dict.fromkeys(("heads", "num_heads", "num_attention_heads", "n_heads", "attention_heads", "n_head"), HEADS),
-    **dict.fromkeys(("dim_head", "head_dim", "attention_head_dim"), WIDTH),
+    **dict.fromkeys(("dim_head", "head_dim", "attention_head_dim", "dim_heads"), WIDTH),
+    "kv_dim": D,
 }
+KV_HEADS = ("kv_heads", "num_key_value_heads")  # as many as the queries' where the class defaults both alike
 # a parameter of one of these names gets the value only where the constructor has no default for it: a default
 # (no added context projections, as many key/value heads as queries) is the layer as its class makes it
 REQUIRED = {
@@ -95,56 +102,305 @@ def diffusers_types() -> list[str]:
             if inspect.isclass(c) and c.__module__ == module.__name__ and n.endswith("Attention") \
                     and issubclass(c, torch.nn.Module):
                 names.append(f"{module.__name__[len(models.__name__) + 1:]}:{n}")
+    _sites("")  # read once here, in the sweep's parent: every forked child has them
     return names
 
 
-def _filled(cls: type, table: dict, required: dict | None = None) -> dict:
-    """Keyword arguments for constructing `cls` from `table` by parameter name, and from `required` for a parameter
-    without a default; a parameter without a default in neither raises TypeError naming it."""
-    kw = {}
-    for name, p in inspect.signature(cls).parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
+def _filled(cls: type, table: dict, required: dict | None = None, *, site: Site | None = None) -> dict:
+    """Keyword arguments for constructing `cls` from `table` by parameter name; then, where `site` is given, every
+    other argument diffusers' own call there passes (`Site.arguments`); then from `required` for a parameter without
+    a default, else from the first call site of diffusers' that passes it; a parameter without a default in none of
+    them raises TypeError naming it. A class that takes only **kwargs gets the site's arguments."""
+    kw, given = {}, {} if site is None else site.arguments(cls)
+    params = {n: p for n, p in inspect.signature(cls).parameters.items() if p.kind not in (p.VAR_POSITIONAL,
+                                                                                           p.VAR_KEYWORD)}
+    if not params and site is None and any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        site = next(iter(_sites(cls.__name__)), None)  # forwards everything (to Attention): as diffusers calls it
+        given = {} if site is None else site.arguments(cls)
+    for name in given.keys() - params.keys() if not params else ():
+        kw[name] = table.get(name, given[name])
+    heads = next((p.default for n, p in params.items() if n in TINY and TINY[n] == HEADS), None)
+    for name, p in params.items():
         if name in table:
             kw[name] = table[name]
+        elif name in KV_HEADS and p.default == heads and table is TINY:
+            kw[name] = HEADS
+        elif name in given:
+            kw[name] = given[name]
         elif p.default is p.empty and name in (required or {}):
             kw[name] = required[name]
-        elif p.default is p.empty:
-            raise TypeError(f"needs {name}=, which the sweep cannot choose")
+        elif p.default is p.empty or (name == "processor" and _sites(cls.__name__) and all(
+                name in s.arguments(cls) for s in _sites(cls.__name__))):
+            # required, or a processor every model passes (CosmosCausalAttention declares none and raises without)
+            passed = next((s.arguments(cls)[name] for s in _sites(cls.__name__) if name in s.arguments(cls)), _NONE)
+            if passed is _NONE:
+                raise TypeError(f"needs {name}=, which the sweep cannot choose")
+            kw[name] = passed
     return kw
+
+
+_NONE = object()
+
+
+def _width(name: str) -> bool:
+    """A name that says it is a width (`pooled_projection_dim`, `out_channels`)."""
+    return name.endswith(("_dim", "channels")) and not name.endswith(("head_dim", "heads_dim"))
+
+
+@dataclass(frozen=True)
+class Site:
+    """One call `Class(...)` in diffusers.models' source: what a model of diffusers builds a layer with."""
+    module: str  # diffusers.models.<...>
+    call: ast.Call
+    function: ast.FunctionDef  # the function that makes the call, whose parameters its expressions may name
+    owner: str = ""  # the class whose method that is ("" for a module-level function)
+
+    def arguments(self, cls: type, depth: int = 3) -> dict:
+        """The arguments the call passes that can be read without running the model: each expression evaluated
+        with the sweep's sizes for names of `TINY` (`dim_head=dim // num_heads` is 8), the enclosing function's
+        literal defaults for its other parameters (`qk_norm='rms_norm' if qk_norm else None`), a parameter without
+        one as the first call of the enclosing class passes it (`depth` calls up: a block's `kernel_size` as its
+        model's __init__ defaults it), and the module's processor classes (`processor=FluxAttnProcessor()`); an
+        argument that needs more (`self.inner_dim`, a config read at run time) is left out. Positional arguments
+        by `cls`'s parameters in order."""
+        args = self.function.args
+        defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):], args.defaults))
+        defaults.update((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None)
+        names = {n: c for n, c in vars(importlib.import_module(self.module)).items()
+                 if inspect.isclass(c) and "Processor" in n}
+        order = [n for n, p in inspect.signature(cls).parameters.items() if p.kind in (p.POSITIONAL_ONLY,
+                                                                                         p.POSITIONAL_OR_KEYWORD)]
+        pairs = list(zip(order, self.call.args)) + [(k.arg, k.value) for k in self.call.keywords if k.arg]
+        out = {}
+        for name, node in pairs:
+            for _ in range(8):  # each round resolves one more name the expression reads
+                try:  # diffusers' own source, evaluated on literals and the names resolved here alone
+                    out[name] = eval(compile(ast.Expression(node), "<diffusers>", "eval"),  # noqa: S307
+                                     {"__builtins__": {}}, names)
+                    break
+                except NameError as exc:
+                    if not self._resolve(exc.name, names, defaults, depth):
+                        break
+                except Exception:  # noqa: BLE001 -- needs the model's state: left to the class's default
+                    break
+        return out
+
+    def _resolve(self, name: str, names: dict, defaults: dict, depth: int) -> bool:
+        """`names[name]` set from the sweep's sizes, the enclosing function's literal default, or the first call of
+        the enclosing class that passes it; False where none does."""
+        if name in TINY or _width(name):  # a width the model defaults at its full size: the sweep's
+            names[name] = TINY.get(name, D)
+            return True
+        if name in defaults:
+            try:
+                names[name] = ast.literal_eval(defaults[name])
+                return True
+            except ValueError:
+                return False
+        owner = getattr(importlib.import_module(self.module), self.owner, None)
+        if depth <= 0 or self.function.name != "__init__" or not inspect.isclass(owner) or \
+                name not in [a.arg for a in (*self.function.args.args, *self.function.args.kwonlyargs)]:
+            return False
+        for site in _sites(self.owner):
+            try:
+                passed = site.arguments(owner, depth - 1)
+            except Exception:  # noqa: BLE001, S112 -- a call it cannot read
+                continue
+            if name in passed:
+                names[name] = passed[name]
+                return True
+        return False
+
+    def names(self, processor: str) -> bool:
+        """Whether the call sets `processor`: its `processor=` argument names the class, directly or through a
+        variable the enclosing function assigns (`processor = AttnAddedKVProcessor2_0() if ... else ...`)."""
+        value = next((k.value for k in self.call.keywords if k.arg == "processor"), None)
+        if value is None:
+            return False
+        texts = [ast.unparse(value)]
+        if isinstance(value, ast.Name):
+            texts += [ast.unparse(n.value) for n in ast.walk(self.function) if isinstance(n, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)]
+        return any(re.search(rf"\b{processor}\b", text) for text in texts)
+
+
+_SITES: dict = {}
+
+
+def _sites(cls_name: str) -> list[Site]:
+    """Every call of `cls_name` in diffusers.models' source, in file and line order (read once; the sweep's parent
+    reads them before it forks, `diffusers_types`)."""
+    if not _SITES:
+        from diffusers import models
+
+        root = Path(models.__path__[0])
+        for path in sorted(root.rglob("*.py")):
+            module = ".".join((models.__name__, *path.relative_to(root).with_suffix("").parts))
+            tree = ast.parse(path.read_text())
+            owners = {id(f): c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+            for function in ast.walk(tree):
+                if not isinstance(function, ast.FunctionDef):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call):
+                        called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                        if called:
+                            _SITES.setdefault(called, []).append(Site(module, node, function,
+                                                                      owners.get(id(function), "")))
+        _SITES[""] = []  # read
+    seen, out = set(), []
+    for site in _SITES.get(cls_name, []):  # a call inside a nested function is walked twice
+        if id(site.call) not in seen:
+            seen.add(id(site.call))
+            out.append(site)
+    return out
+
+
+def _candidates(proc: type):
+    """The layers a processor `proc` may be set on, in order, each built when asked for: first where a model of
+    diffusers sets it (or the class its constructor returns, a deprecated name's `__new__`), a call site of an
+    attention class whose `processor=` names it, built with that call's arguments (`Site.arguments`); then
+    attention_processor's Attention as it stands (with added projections for a processor named AddedKV, which reads
+    them); then where a model sets its twin (PAG's and the fused processors' unperturbed, unfused one: the pipeline
+    sets PAG's on those layers); then the attention class that declares it (`_default_processor_cls`,
+    `_available_processors`), built as the sweep builds that class."""
+    from diffusers import models
+    from diffusers.models import attention_processor as ap
+
+    made = proc(**_filled(proc, PROCESSOR_TINY))
+    names = {proc.__name__, type(made).__name__}
+    twins = {re.sub(r"^(Fused|PAG(CFG)?(Identity)?)", "", n) for n in names} - names
+    fresh = lambda: proc(**_filled(proc, PROCESSOR_TINY))  # noqa: E731
+    for called, site in _named_sites(names):
+        yield lambda called=called, site=site: _with(_built(getattr(importlib.import_module(site.module), called),
+                                                            site), fresh, made)
+    extra = {"added_kv_proj_dim": D} if "AddedKV" in proc.__name__ else {}
+    yield lambda: ap.Attention(D, heads=HEADS, dim_head=WIDTH, **extra, processor=fresh())
+    for called, site in _named_sites(twins):
+        yield lambda called=called, site=site: _with(_built(getattr(importlib.import_module(site.module), called),
+                                                            site), fresh, made)
+    for info in pkgutil.walk_packages(models.__path__, models.__name__ + "."):
+        module = _imported(info.name)
+        for n, cls in vars(module or {}).items():
+            if inspect.isclass(cls) and n.endswith("Attention") and cls.__module__ == info.name and type(made) in (
+                    getattr(cls, "_default_processor_cls", None), *(getattr(cls, "_available_processors", None) or ())):
+                yield lambda cls=cls: _with(_built(cls), fresh, made)
+
+
+def _with(layer, fresh, made):
+    """`layer` with the processor `fresh()` makes, unless its build set one of that class already."""
+    if type(getattr(layer, "processor", None)) is not type(made):
+        layer.set_processor(fresh())
+    return layer
+
+
+def _named_sites(names: set) -> list:
+    """(class name, site) of every call of an attention class whose `processor=` names one of `names`; those whose
+    layer holds no projections of a second stream first (no `added_kv_proj_dim`: the audit gives one stream, which
+    would leave them unused), each in file and line order."""
+    _sites("")  # read
+    found = []
+    for called, sites in _SITES.items():
+        if called.endswith("Attention"):
+            for site in _sites(called):
+                cls = getattr(importlib.import_module(site.module), called, None)
+                if inspect.isclass(cls) and any(site.names(n) for n in names):
+                    found.append((site.arguments(cls).get("added_kv_proj_dim") is not None, site.module,
+                                  site.call.lineno, called, site))
+    return [(called, site) for *_, called, site in sorted(found, key=lambda f: f[:3])]
+
+
+def _imported(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 -- an optional dependency missing: not in this installation
+        return None
 
 
 def diffusers_build(name: str):
     """The layer `name` names, built small, in eval mode, after a plain forward on (1, T, D) hidden states."""
-    import torch
     from diffusers.models import attention_processor as ap
 
-    torch.manual_seed(0)
     if name.startswith("Attention+"):
-        proc = getattr(ap, name.split("+", 1)[1])
-        extra = {"added_kv_proj_dim": D} if "AddedKV" in name else {}  # those processors read the added projections
-        layer = ap.Attention(D, heads=HEADS, dim_head=WIDTH, **extra, processor=proc(**_filled(proc, PROCESSOR_TINY)))
-    else:
-        module, cls_name = name.split(":")
-        cls = getattr(importlib.import_module(f"diffusers.models.{module}"), cls_name)
-        layer = cls(**_filled(cls, TINY, REQUIRED))
-        default = getattr(cls, "_default_processor_cls", None)  # diffusers' AttentionModuleMixin declares it
-        if getattr(layer, "processor", 0) is None and default is not None:  # the model passes it; the class names it
-            layer.set_processor(default())
+        first = None
+        for build in _candidates(getattr(ap, name.split("+", 1)[1])):
+            try:
+                return _prepared(name, build)
+            except Exception as exc:  # noqa: BLE001 -- not there: the next, else the first one's error says why
+                first = first or exc
+        raise first
+    module, cls_name = name.split(":")
+    cls = getattr(importlib.import_module(f"diffusers.models.{module}"), cls_name)
+    return _prepared(name, lambda: _built(cls))
+
+
+def _prepared(name: str, build):
+    """`build()`, from seed 0, fused where the row's processor is (diffusers: "use with fuse_projections()"), its
+    processor's own copies loaded (`_load_own_copies`), in eval mode, after a plain forward (`_ran`)."""
+    torch.manual_seed(0)
+    layer = build()
     if name.startswith("Attention+Fused"):
-        layer.fuse_projections()  # what a fused processor runs on (diffusers: "use with fuse_projections()")
+        layer.fuse_projections()
     _load_own_copies(layer)
     layer.eval()
-    with torch.no_grad():
-        try:
-            layer(torch.randn(1, T, D))
-        except Exception:  # a layer that needs its second stream: it runs with one, or it is not built
-            if "encoder_hidden_states" not in inspect.signature(layer.forward).parameters:
-                raise
-            layer(torch.randn(1, T, D), encoder_hidden_states=torch.randn(1, T // 2, D))
+    return _ran(layer)
+
+
+def _built(cls, site=None):
+    """`cls` built small: `TINY` by parameter name, then (where `site` is given) every argument diffusers' own call
+    `site` passes, then `REQUIRED`, then a required argument from the first call site of diffusers' that passes it;
+    the processor it sets, or the `_default_processor_cls` it declares where it leaves that to the model."""
+    layer = cls(**_filled(cls, TINY, REQUIRED, site=site))
+    default = getattr(cls, "_default_processor_cls", None)  # diffusers' AttentionModuleMixin declares it
+    if getattr(layer, "processor", 0) is None and default is not None:  # the model passes it; the class names it
+        layer.set_processor(default())
     return layer
 
 
+def _ran(layer):
+    """`layer` after a plain forward on (1, T, D) hidden states: alone, else with its second stream (a forward
+    parameter named *encoder_hidden_states) of T // 2 tokens, else also with a mask that keeps every key where it
+    raises without one (ones: every key kept, read as bool, as kept keys or as an additive mask alike), else at a
+    guidance batch (`_Guided`). A required parameter besides the query is given the same tokens where it is a key or
+    a value, else the second stream."""
+    x, memory = torch.randn(1, T, D), torch.randn(1, T // 2, D)
+    params = list(inspect.signature(layer.forward).parameters.values())
+    required = {p.name: x if p.name in ("key", "value") else memory for p in params[1:]
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    stream = next((p.name for p in params if p.name.endswith("encoder_hidden_states") and p.name not in required),
+                  None)
+    mask = next((p.name for p in params if "mask" in p.name and p.name not in required), None)
+    tries = [{}] + ([{stream: memory}] if stream else [])
+    tries += [{**kw, mask: torch.ones(1, T // 2 if kw else T)} for kw in tries] if mask else []
+    first = None
+    with torch.no_grad():
+        for copies in (1, 2, 3):
+            for kw in tries:
+                try:
+                    (layer if copies == 1 else _Guided(layer, copies))(x, **required, **kw)
+                    return layer if copies == 1 else _Guided(layer, copies)
+                except Exception as exc:  # noqa: BLE001 -- not so: the last error at batch 1 says why it does not run
+                    first = exc if copies == 1 else first
+    raise first
+
+
+class _Guided(torch.nn.Module):
+    """A processor that takes its batch as guidance parts (PAG's: `hidden_states.chunk(2)` into the prompt's and the
+    perturbed path's, `chunk(3)` with classifier-free guidance's unconditioned part first) given `copies` copies of
+    its input along the batch, as the pipeline that sets it does, and read at the first part: attention, where the
+    perturbed path (the last part) attends no keys and returns its values. The mask reaches the attention path,
+    every part but the last, once per part (diffusers prepares it for that path's batch)."""
+
+    def __init__(self, layer, copies: int):
+        super().__init__()
+        self.layer, self.copies = layer, copies
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B = hidden_states.shape[0]  # batch
+        parts = lambda t, n: None if t is None else t.repeat(n, *[1] * (t.dim() - 1))  # noqa: E731
+        out = self.layer(parts(hidden_states, self.copies), encoder_hidden_states=parts(encoder_hidden_states,
+                         self.copies), attention_mask=parts(attention_mask, self.copies - 1))
+        return out[:B] if torch.is_tensor(out) else tuple(o[:B] for o in out)  # (copies x B, T, D): the first part
 def _load_own_copies(layer) -> None:
     """A processor that holds its own copy of a projection of the layer (`to_k_custom_diffusion` beside `to_k`: a
     parameter `<child>_<anything>.<rest>` beside the layer's `<child>.<rest>`, of the same shape) loaded from it, as
