@@ -70,6 +70,18 @@ KNOWN = {  # row name -> why it fails: a problem of diffusers' own, confirmed by
         f"{DIFFUSERS}attention_processor.py:2195 taken by **kwargs, :2251 SDPA called without attn_mask"),
     "Attention+SanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read"),
+    "Attention+PAGCFGSanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
+        f"{DIFFUSERS}attention_processor.py:5403 the parameter, never read"),
+    "Attention+PAGIdentitySanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
+        f"{DIFFUSERS}attention_processor.py:5458 the parameter, never read"),
+    "Attention+MochiVaeAttnProcessor2_0":
+        f"built as Mochi's VAE builds it ({DIFFUSERS}autoencoders/autoencoder_kl_mochi.py:173-180: is_causal=True, "
+        f"qk_norm='l2', dim_head=32), the processor takes attention_mask and raises on any: it passes the mask to SDPA "
+        f"together with is_causal=attn.is_causal (attention_processor.py:2929 the mask prepared, :2971-2972 SDPA "
+        f"given both; torch: 'Explicit attn_mask should not be set when is_causal=True'); and q and k reach SDPA "
+        f"L2-normalised (attention_processor.py:214-216, LpNorm) under SDPA's default 1/sqrt(32), so every logit lies "
+        f"within +-0.354 and no key can get more than e^0.71 = 2.0 times another's weight: attention near uniform "
+        f"whatever the weights (whether Genmo's original does the same was not checked)",
     "transformers.transformer_anyflow_far:AnyFlowAttention":
         f"called without a mask (attention_mask=None, its default) the processor pads the sequence with zero keys "
         f"and values to a multiple of 128 and attends them: only the BlockMask its model passes keeps them out "

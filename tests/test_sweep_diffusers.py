@@ -83,7 +83,9 @@ def _hidden(seed=0, T=16):
 @pytest.mark.parametrize("name, ignored", [
     ("Attention+JointAttnProcessor2_0", True), ("Attention+AuraFlowAttnProcessor2_0", True),
     ("Attention+FusedAuraFlowAttnProcessor2_0", True), ("Attention+SanaLinearAttnProcessor2_0", True),
-    ("Attention+AttnProcessor2_0", False), ("Attention+FusedAttnProcessor2_0", False)])
+    ("Attention+PAGCFGSanaLinearAttnProcessor2_0", True), ("Attention+PAGIdentitySanaLinearAttnProcessor2_0", True),
+    ("Attention+AttnProcessor2_0", False), ("Attention+FusedAttnProcessor2_0", False),
+    ("Attention+PAGIdentitySelfAttnProcessor2_0", False), ("Attention+PAGCFGIdentitySelfAttnProcessor2_0", False)])
 def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(name, ignored):
     _diffusers()
     assert (name in sd.KNOWN) is ignored
@@ -94,6 +96,42 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
     with torch.no_grad():
         plain, masked = layer(x), layer(x, attention_mask=mask)
     assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
+
+
+@pytest.mark.parametrize("name, causal_l2", [("Attention+MochiVaeAttnProcessor2_0", True),
+                                             ("Attention+AttnProcessor2_0", False)])
+def test_mochis_vae_attention_raises_on_any_mask_and_bounds_its_logits_where_known_says_so(name, causal_l2):
+    """Built as Mochi's VAE builds it (is_causal=True, q and k L2-normalised): any mask raises, and every logit
+    q·k / sqrt(d) lies within +-1/sqrt(d); the twin, AttnProcessor2_0's plain Attention, takes the mask and its
+    logits go past that bound on the same input."""
+    _diffusers()
+    assert (name in sd.KNOWN) is causal_l2
+    layer, x = sd.diffusers_build(name), _hidden()
+    mask = torch.zeros(1, 1, 16, 16).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    raised = False
+    try:
+        with torch.no_grad():
+            layer(x, attention_mask=mask)
+    except RuntimeError as exc:
+        raised = "is_causal" in str(exc)
+    assert raised is causal_l2
+    seen = {}  # q and k as they reach SDPA
+    sdpa = F.scaled_dot_product_attention
+
+    def capture(q, k, v, *args, **kw):
+        seen["q"], seen["k"] = q, k
+        return sdpa(q, k, v, *args, **kw)
+
+    F.scaled_dot_product_attention = capture
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    q, k = seen["q"], seen["k"]  # (B, H, T, d)
+    bound = q.shape[-1] ** -0.5
+    logits = q @ k.transpose(-1, -2) * bound  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+    assert (float(logits.abs().max()) <= bound + 1e-6) is causal_l2, float(logits.abs().max())
 
 
 @pytest.mark.parametrize("name", [n for n in sd.KNOWN if "pre_only" in sd.KNOWN[n]])
