@@ -154,6 +154,9 @@ def _filled(cls: type, table: dict, required: dict | None = None, *, site: Site 
 _NONE = object()
 
 
+ROTARY = re.compile(r"rot|rope", re.I)  # a parameter that takes rotary tables: `rotary_emb`, `rope`
+
+
 def _width(name: str) -> bool:
     """A name that says it is a width (`pooled_projection_dim`, `out_channels`)."""
     return name.endswith(("_dim", "channels")) and not name.endswith(("head_dim", "heads_dim"))
@@ -201,7 +204,7 @@ class Site:
         """`names[name]` set from the sweep's sizes, the enclosing function's literal default, or the first call of
         the enclosing class that passes it; False where none does."""
         if name in TINY or _width(name):  # a width the model defaults at its full size: the sweep's
-            names[name] = TINY.get(name, D)
+            names[name] = TINY.get(name, WIDTH if ROTARY.search(name) else D)  # a rotary one rotates a head
             return True
         if name in defaults:
             try:
@@ -375,6 +378,7 @@ def _ran(layer):
     raises without one (ones: every key kept, read as bool, as kept keys or as an additive mask alike), else at a
     guidance batch (`_Guided`). A required parameter besides the query is given the same tokens where it is a key or
     a value, else the second stream."""
+    layer = _positioned(layer) or layer
     x, memory = torch.randn(1, T, D), torch.randn(1, T // 2, D)
     params = list(inspect.signature(layer.forward).parameters.values())
     required = {p.name: x if p.name in ("key", "value") else memory for p in params[1:]
@@ -394,6 +398,61 @@ def _ran(layer):
                 except Exception as exc:  # noqa: BLE001 -- not so: the last error at batch 1 says why it does not run
                     first = exc if copies == 1 else first
     raise first
+
+
+def _positioned(layer):
+    """`layer` given the rotary tables its model computes where its forward requires them (a parameter without a
+    default named for them: `rotary_emb`, `rope`), as `_Positioned`: the model's line `name = self.attr(x.shape[1],
+    x.device)` in the layer's module, with the class its __init__ assigns to `self.attr`, built with the arguments
+    that call passes (`Site.arguments`: its widths the sweep's heads'); None where the layer requires none, or its
+    model computes them from more than the length."""
+    params = list(inspect.signature(layer.forward).parameters.values())[1:]
+    wanted = next((p.name for p in params if p.default is p.empty and ROTARY.search(p.name)), None)
+    if wanted is None or any(p.default is p.empty and p.name != wanted for p in params):
+        return None
+    module = importlib.import_module(type(layer).__module__)
+    tree = ast.parse(inspect.getsource(module))
+    made = {}  # self.<attr> = <Class>(...) in an __init__: attr -> the call
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", "") == "self":
+                    made[target.attr] = node.value
+    for node in ast.walk(tree):  # table = self.<attr>(<x>.shape[1], <x>.device)
+        call = node.value if isinstance(node, ast.Assign) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in made
+                and len(call.args) == 2 and ast.unparse(call.args[0]).endswith(".shape[1]")
+                and ast.unparse(call.args[1]).endswith(".device")):
+            continue
+        built = made[call.func.attr]
+        cls = getattr(module, built.func.id, None)
+        site = next((s for s in _sites(built.func.id) if s.module == module.__name__
+                     and s.call.lineno == built.lineno), None)
+        if inspect.isclass(cls) and site is not None:
+            return _Positioned(layer, wanted, cls(**site.arguments(cls)))
+    return None
+
+
+class _Positioned(torch.nn.Module):
+    """A layer given the rotary tables `rope(T, device)` its model computes for the length of the hidden states, as
+    `name`; nothing else (a layer whose forward takes a mask takes it as `attention_mask`: `_PositionedMasked`)."""
+
+    def __init__(self, layer, name: str, rope):
+        super().__init__()
+        self.layer, self.name, self.rope = layer, name, rope
+
+    def __new__(cls, layer, name, rope):
+        takes_mask = "attention_mask" in inspect.signature(layer.forward).parameters
+        return super().__new__(_PositionedMasked if takes_mask and cls is _Positioned else cls)
+
+    def forward(self, hidden_states):
+        return self.layer(hidden_states, **{self.name: self.rope(hidden_states.shape[1], hidden_states.device)})
+
+
+class _PositionedMasked(_Positioned):
+    def forward(self, hidden_states, attention_mask=None):
+        return self.layer(hidden_states, attention_mask=attention_mask,
+                          **{self.name: self.rope(hidden_states.shape[1], hidden_states.device)})
 
 
 class _Guided(torch.nn.Module):
