@@ -4,11 +4,24 @@ diffusers has no registry of attention layers to enumerate but its own modules: 
 processor class of `diffusers.models.attention_processor`, each on that module's `Attention`
 ("Attention+<processor>"), and every nn.Module class named *Attention defined in a `diffusers.models` module, with
 the processor it sets itself or, where it leaves that to the model, the `_default_processor_cls` it declares
-("<module>:<class>"). Each is built small from its constructor's own parameter names (`TINY`: 32 wide, 4 heads of
-8; `REQUIRED` only where the constructor has no default; a required parameter it cannot fill is a row "not built"
-saying which; a fused processor's Attention gets `fuse_projections()`, as diffusers asks), must run a plain forward
-on (1, 16, 32) hidden states, or with encoder_hidden_states of 8 tokens beside them where it takes that and cannot
-run without (else "not built" with the error: the population is what runs on the audit's inputs), and is audited
+("<module>:<class>"). Each is built small, as diffusers' own models build it:
+- sizes by the constructor's own parameter names (`TINY`: 32 wide, 4 heads of 8; key/value heads as many as the
+  queries' where the class defaults both alike; `REQUIRED` only where the constructor has no default);
+- a required argument the sweep cannot size, from the first call of the class in diffusers.models' source that
+  passes it (`Site`: the call's expressions read with the sweep's sizes, the enclosing __init__'s literal defaults
+  and, a parameter without one, the arguments its own class's callers pass: Mochi's `added_kv_proj_dim`, a VAE
+  block's `kernel_size`); a processor every such call passes (CosmosCausalAttention's);
+- a processor on the layer a model sets it on (`_candidates`): the call of an attention class whose `processor=`
+  names it (or the class its constructor returns: the deprecated Flux names), with that call's arguments, calls of
+  a layer without a second stream's projections first; else attention_processor's Attention; else where its twin is
+  set (PAG's and the fused processors' plain one: the PAG pipelines set theirs on those layers); else the class
+  that declares it (`_default_processor_cls`, `_available_processors`); a fused processor's layer gets
+  `fuse_projections()`, as diffusers asks;
+- rotary tables a forward requires, computed as its model computes them for the length (`_positioned`), and a
+  processor that takes its batch as PAG's guidance parts given them (`_Guided`).
+It must run a plain forward on (1, 16, 32) hidden states, or with its second stream of 8 tokens, a required stream
+(the same tokens for a key or a value), a mask that keeps every key where it raises without one (`_ran`; else
+"not built" with the error: the population is what runs on the audit's inputs), and is audited
 zero-config with `diagnostics.audit(layer)`. An inconclusive audit that names a declaration is audited once more
 with it, and the row says what that gave (the rate "passed with the one declaration its report names").
 

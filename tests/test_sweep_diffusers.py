@@ -80,6 +80,59 @@ def _hidden(seed=0, T=16):
     return torch.randn(1, T, sd.D, generator=torch.Generator().manual_seed(seed))
 
 
+# ---- building a layer as diffusers' own models build it (diffusers, no diagnostics) ---------------------------------
+
+
+def test_a_required_argument_is_read_from_the_call_of_diffusers_that_passes_it():
+    """LTX-2's VAE neighbourhood attention requires kernel_size: its block passes its own parameter, whose callers
+    default it to (11, 11, 11); the widths stay the sweep's."""
+    _diffusers()
+    from diffusers.models.autoencoders import ltx2_diffusion_decoder as ltx2
+
+    kw = sd._filled(ltx2.LTX2VideoVaeNeighborhoodAttention, sd.TINY, sd.REQUIRED)
+    assert kw == {"dim": sd.D, "kernel_size": (11, 11, 11), "head_dim": sd.WIDTH}, kw
+
+
+def test_a_processor_is_set_on_the_layer_its_model_sets_it_on():
+    """FluxAttnProcessor2_0 (a deprecated name whose constructor returns FluxAttnProcessor) on FluxAttention as
+    Flux's single-stream block builds it (pre_only=True: no output projection of its own, no second stream's)."""
+    _diffusers()
+    layer = sd.diffusers_build("Attention+FluxAttnProcessor2_0")
+    assert type(layer).__name__ == "FluxAttention" and layer.pre_only and layer.added_kv_proj_dim is None
+    assert type(layer.processor).__name__ == "FluxAttnProcessor"
+
+
+@pytest.mark.parametrize("name, copies", [("Attention+PAGIdentitySelfAttnProcessor2_0", 2),
+                                          ("Attention+PAGCFGIdentitySelfAttnProcessor2_0", 3)])
+def test_a_pag_processor_read_at_its_first_guidance_part_is_the_plain_attention(name, copies):
+    """Given its guidance parts (the input repeated), PAG's first part is the layer's attention: the same output
+    as AttnProcessor2_0 on the same weights; its last, perturbed part is not (its values, projected)."""
+    _diffusers()
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    guided, x = sd.diffusers_build(name), _hidden()
+    assert isinstance(guided, sd._Guided) and guided.copies == copies
+    with torch.no_grad():
+        first, whole = guided(x), guided.layer(x.repeat(copies, 1, 1))
+        guided.layer.set_processor(AttnProcessor2_0())
+        plain = guided.layer(x)
+    assert torch.allclose(first, plain, atol=1e-6), float((first - plain).abs().max())
+    assert not torch.allclose(whole[-1:], plain, atol=1e-3)
+
+
+def test_rotary_tables_a_forward_requires_are_its_models_for_the_length():
+    """Stable Audio 3's self-attention requires `rope`: its DiT computes it with StableAudio3RotaryEmbedding(
+    dim_heads // 2) for the sequence's length; the wrapper does the same at the sweep's head width."""
+    _diffusers()
+    from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3RotaryEmbedding
+
+    positioned, x = sd.diffusers_build("transformers.transformer_stable_audio3:StableAudio3SelfAttention"), _hidden()
+    assert isinstance(positioned.rope, StableAudio3RotaryEmbedding) and positioned.name == "rope"
+    rope = StableAudio3RotaryEmbedding(sd.WIDTH // 2)
+    with torch.no_grad():
+        assert torch.equal(positioned(x), positioned.layer(x, rope=rope(16, x.device)))
+
+
 @pytest.mark.parametrize("name, ignored", [
     ("Attention+JointAttnProcessor2_0", True), ("Attention+AuraFlowAttnProcessor2_0", True),
     ("Attention+FusedAuraFlowAttnProcessor2_0", True), ("Attention+SanaLinearAttnProcessor2_0", True),
