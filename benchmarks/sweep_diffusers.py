@@ -82,7 +82,10 @@ KNOWN = {  # row name -> why it fails: a problem of diffusers' own, confirmed by
     "Attention+FusedAuraFlowAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:2195 taken by **kwargs, :2251 SDPA called without attn_mask"),
     "Attention+SanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
-        f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read"),
+        f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read") + (
+        f"; and, built as Sana builds it (transformers/sana_transformer.py:215, bias=True), a query whose ReLU "
+        f"features are all zero gets no weight on any key: its normaliser is 0, and 0 / (0 + 1e-15) leaves the "
+        f"head's output 0 where a softmax's weights sum to 1 (attention_processor.py:5371 the ReLU, :5380)"),
     "Attention+PAGCFGSanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:5403 the parameter, never read"),
     "Attention+PAGIdentitySanaLinearAttnProcessor2_0": _MASK_UNUSED.format(

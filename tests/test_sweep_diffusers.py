@@ -151,6 +151,26 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
     assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
 
 
+@pytest.mark.parametrize("name, linear", [("Attention+SanaLinearAttnProcessor2_0", True),
+                                          ("Attention+AttnProcessor2_0", False)])
+def test_a_query_with_no_positive_relu_feature_gets_no_weight_where_known_says_so(name, linear):
+    """Every query of the first head made negative before the ReLU (its to_q rows zero, their bias -1) and to_out the
+    identity: Sana's linear attention returns zeros for that head (no weight on any key); the twin, softmax
+    attention on the same weights, returns a weighted mean of the values."""
+    _diffusers()
+    assert ("ReLU" in sd.KNOWN.get(name, "")) is linear
+    layer, x = sd.diffusers_build(name), _hidden()
+    with torch.no_grad():
+        layer.to_q.weight[: sd.WIDTH] = 0.0
+        if layer.to_q.bias is None:
+            layer.to_q.bias = torch.nn.Parameter(torch.zeros(sd.HEADS * sd.WIDTH))
+        layer.to_q.bias[: sd.WIDTH] = -1.0
+        layer.to_out[0].weight.copy_(torch.eye(sd.D))
+        layer.to_out[0].bias.zero_()
+        first_head = layer(x)[..., : sd.WIDTH]
+    assert torch.equal(first_head, torch.zeros_like(first_head)) is linear, float(first_head.abs().max())
+
+
 @pytest.mark.parametrize("name, causal_l2", [("Attention+MochiVaeAttnProcessor2_0", True),
                                              ("Attention+AttnProcessor2_0", False)])
 def test_mochis_vae_attention_raises_on_any_mask_and_bounds_its_logits_where_known_says_so(name, causal_l2):
