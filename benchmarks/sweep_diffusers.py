@@ -130,7 +130,7 @@ def diffusers_types() -> list[str]:
             if inspect.isclass(c) and c.__module__ == module.__name__ and n.endswith("Attention") \
                     and issubclass(c, torch.nn.Module):
                 names.append(f"{module.__name__[len(models.__name__) + 1:]}:{n}")
-    _sites("")  # read once here, in the sweep's parent: every forked child has them
+    _calls()  # read once here, in the sweep's parent: every forked child has them
     return names
 
 
@@ -255,16 +255,16 @@ class Site:
         return any(re.search(rf"\b{processor}\b", text) for text in texts)
 
 
-_SITES: dict = {}
+_SITES: dict = {}  # called name -> its Sites, read once (`_calls`)
 
 
-def _sites(cls_name: str) -> list[Site]:
-    """Every call of `cls_name` in diffusers.models' source, in file and line order (read once; the sweep's parent
-    reads them before it forks, `diffusers_types`)."""
+def _calls() -> dict:
+    """Every call in diffusers.models' source by the name it calls, each a Site, in file and line order; read once
+    (the sweep's parent reads them before it forks, `diffusers_types`, so every child has them)."""
     if not _SITES:
         from diffusers import models
 
-        root = Path(models.__path__[0])
+        root, seen = Path(models.__path__[0]), set()
         for path in sorted(root.rglob("*.py")):
             module = ".".join((models.__name__, *path.relative_to(root).with_suffix("").parts))
             tree = ast.parse(path.read_text())
@@ -273,18 +273,18 @@ def _sites(cls_name: str) -> list[Site]:
                 if not isinstance(function, ast.FunctionDef):
                     continue
                 for node in ast.walk(function):
-                    if isinstance(node, ast.Call):
-                        called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-                        if called:
-                            _SITES.setdefault(called, []).append(Site(module, node, function,
-                                                                      owners.get(id(function), "")))
-        _SITES[""] = []  # read
-    seen, out = set(), []
-    for site in _SITES.get(cls_name, []):  # a call inside a nested function is walked twice
-        if id(site.call) not in seen:
-            seen.add(id(site.call))
-            out.append(site)
-    return out
+                    called = isinstance(node, ast.Call) and (getattr(node.func, "id", None)
+                                                             or getattr(node.func, "attr", None))
+                    if called and id(node) not in seen:  # a nested function's calls: once, in the outer one
+                        seen.add(id(node))
+                        _SITES.setdefault(called, []).append(Site(module, node, function,
+                                                                  owners.get(id(function), "")))
+    return _SITES
+
+
+def _sites(cls_name: str) -> list[Site]:
+    """Every call of `cls_name` in diffusers.models' source, in file and line order."""
+    return _calls().get(cls_name, [])
 
 
 def _candidates(proc: type):
@@ -329,11 +329,10 @@ def _named_sites(names: set) -> list:
     """(class name, site) of every call of an attention class whose `processor=` names one of `names`; those whose
     layer holds no projections of a second stream first (no `added_kv_proj_dim`: the audit gives one stream, which
     would leave them unused), each in file and line order."""
-    _sites("")  # read
     found = []
-    for called, sites in _SITES.items():
+    for called, sites in _calls().items():
         if called.endswith("Attention"):
-            for site in _sites(called):
+            for site in sites:
                 cls = getattr(importlib.import_module(site.module), called, None)
                 if inspect.isclass(cls) and any(site.names(n) for n in names):
                     found.append((site.arguments(cls).get("added_kv_proj_dim") is not None, site.module,
