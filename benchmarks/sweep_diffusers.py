@@ -4,11 +4,24 @@ diffusers has no registry of attention layers to enumerate but its own modules: 
 processor class of `diffusers.models.attention_processor`, each on that module's `Attention`
 ("Attention+<processor>"), and every nn.Module class named *Attention defined in a `diffusers.models` module, with
 the processor it sets itself or, where it leaves that to the model, the `_default_processor_cls` it declares
-("<module>:<class>"). Each is built small from its constructor's own parameter names (`TINY`: 32 wide, 4 heads of
-8; `REQUIRED` only where the constructor has no default; a required parameter it cannot fill is a row "not built"
-saying which; a fused processor's Attention gets `fuse_projections()`, as diffusers asks), must run a plain forward
-on (1, 16, 32) hidden states, or with encoder_hidden_states of 8 tokens beside them where it takes that and cannot
-run without (else "not built" with the error: the population is what runs on the audit's inputs), and is audited
+("<module>:<class>"). Each is built small, as diffusers' own models build it:
+- sizes by the constructor's own parameter names (`TINY`: 32 wide, 4 heads of 8; key/value heads as many as the
+  queries' where the class defaults both alike; `REQUIRED` only where the constructor has no default);
+- a required argument the sweep cannot size, from the first call of the class in diffusers.models' source that
+  passes it (`Site`: the call's expressions read with the sweep's sizes, the enclosing __init__'s literal defaults
+  and, a parameter without one, the arguments its own class's callers pass: Mochi's `added_kv_proj_dim`, a VAE
+  block's `kernel_size`); a processor every such call passes (CosmosCausalAttention's);
+- a processor on the layer a model sets it on (`_candidates`): the call of an attention class whose `processor=`
+  names it (or the class its constructor returns: the deprecated Flux names), with that call's arguments, calls of
+  a layer without a second stream's projections first; else attention_processor's Attention; else where its twin is
+  set (PAG's and the fused processors' plain one: the PAG pipelines set theirs on those layers); else the class
+  that declares it (`_default_processor_cls`, `_available_processors`); a fused processor's layer gets
+  `fuse_projections()`, as diffusers asks;
+- rotary tables a forward requires, computed as its model computes them for the length (`_positioned`), and a
+  processor that takes its batch as PAG's guidance parts given them (`_Guided`).
+It must run a plain forward on (1, 16, 32) hidden states, or with its second stream of 8 tokens, a required stream
+(the same tokens for a key or a value), a mask that keeps every key where it raises without one (`_ran`; else
+"not built" with the error: the population is what runs on the audit's inputs), and is audited
 zero-config with `diagnostics.audit(layer)`. An inconclusive audit that names a declaration is audited once more
 with it, and the row says what that gave (the rate "passed with the one declaration its report names").
 
@@ -29,7 +42,12 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import re
 import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 D, HEADS, WIDTH, T = 32, 4, 8, 16
 # a constructor parameter of one of these names gets the value: the layer built small whatever it calls them
@@ -37,8 +55,10 @@ TINY = {
     **dict.fromkeys(("query_dim", "dim", "hidden_size", "embed_dim", "in_channels", "channels", "d_model",
                      "inner_dim", "num_channels", "hidden_dim", "hidden_channels", "model_dim", "n_state"), D),
     **dict.fromkeys(("heads", "num_heads", "num_attention_heads", "n_heads", "attention_heads", "n_head"), HEADS),
-    **dict.fromkeys(("dim_head", "head_dim", "attention_head_dim"), WIDTH),
+    **dict.fromkeys(("dim_head", "head_dim", "attention_head_dim", "dim_heads"), WIDTH),
+    "kv_dim": D,
 }
+KV_HEADS = ("kv_heads", "num_key_value_heads")  # as many as the queries' where the class defaults both alike
 # a parameter of one of these names gets the value only where the constructor has no default for it: a default
 # (no added context projections, as many key/value heads as queries) is the layer as its class makes it
 REQUIRED = {
@@ -62,7 +82,22 @@ KNOWN = {  # row name -> why it fails: a problem of diffusers' own, confirmed by
     "Attention+FusedAuraFlowAttnProcessor2_0": _MASK_UNUSED.format(
         f"{DIFFUSERS}attention_processor.py:2195 taken by **kwargs, :2251 SDPA called without attn_mask"),
     "Attention+SanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
-        f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read"),
+        f"{DIFFUSERS}attention_processor.py:5351 the parameter, never read") + (
+        f"; and, built as Sana builds it (transformers/sana_transformer.py:215, bias=True), a query whose ReLU "
+        f"features are all zero gets no weight on any key: its normaliser is 0, and 0 / (0 + 1e-15) leaves the "
+        f"head's output 0 where a softmax's weights sum to 1 (attention_processor.py:5371 the ReLU, :5380)"),
+    "Attention+PAGCFGSanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
+        f"{DIFFUSERS}attention_processor.py:5403 the parameter, never read"),
+    "Attention+PAGIdentitySanaLinearAttnProcessor2_0": _MASK_UNUSED.format(
+        f"{DIFFUSERS}attention_processor.py:5458 the parameter, never read"),
+    "Attention+MochiVaeAttnProcessor2_0":
+        f"built as Mochi's VAE builds it ({DIFFUSERS}autoencoders/autoencoder_kl_mochi.py:173-180: is_causal=True, "
+        f"qk_norm='l2', dim_head=32), the processor takes attention_mask and raises on any: it passes the mask to SDPA "
+        f"together with is_causal=attn.is_causal (attention_processor.py:2929 the mask prepared, :2971-2972 SDPA "
+        f"given both; torch: 'Explicit attn_mask should not be set when is_causal=True'); and q and k reach SDPA "
+        f"L2-normalised (attention_processor.py:214-216, LpNorm) under SDPA's default 1/sqrt(32), so every logit lies "
+        f"within +-0.354 and no key can get more than e^0.71 = 2.0 times another's weight: attention near uniform "
+        f"whatever the weights (whether Genmo's original does the same was not checked)",
     "transformers.transformer_anyflow_far:AnyFlowAttention":
         f"called without a mask (attention_mask=None, its default) the processor pads the sequence with zero keys "
         f"and values to a multiple of 128 and attends them: only the BlockMask its model passes keeps them out "
@@ -95,56 +130,363 @@ def diffusers_types() -> list[str]:
             if inspect.isclass(c) and c.__module__ == module.__name__ and n.endswith("Attention") \
                     and issubclass(c, torch.nn.Module):
                 names.append(f"{module.__name__[len(models.__name__) + 1:]}:{n}")
+    _calls()  # read once here, in the sweep's parent: every forked child has them
     return names
 
 
-def _filled(cls: type, table: dict, required: dict | None = None) -> dict:
-    """Keyword arguments for constructing `cls` from `table` by parameter name, and from `required` for a parameter
-    without a default; a parameter without a default in neither raises TypeError naming it."""
-    kw = {}
-    for name, p in inspect.signature(cls).parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
+def _filled(cls: type, table: dict, required: dict | None = None, *, site: Site | None = None) -> dict:
+    """Keyword arguments for constructing `cls` from `table` by parameter name; then, where `site` is given, every
+    other argument diffusers' own call there passes (`Site.arguments`); then from `required` for a parameter without
+    a default, else from the first call site of diffusers' that passes it; a parameter without a default in none of
+    them raises TypeError naming it. A class that takes only **kwargs gets the site's arguments."""
+    kw, given = {}, {} if site is None else site.arguments(cls)
+    params = {n: p for n, p in inspect.signature(cls).parameters.items() if p.kind not in (p.VAR_POSITIONAL,
+                                                                                           p.VAR_KEYWORD)}
+    if not params and site is None and any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        site = next(iter(_sites(cls.__name__)), None)  # forwards everything (to Attention): as diffusers calls it
+        given = {} if site is None else site.arguments(cls)
+    for name in given.keys() - params.keys() if not params else ():
+        kw[name] = table.get(name, given[name])
+    heads = next((p.default for n, p in params.items() if n in TINY and TINY[n] == HEADS), None)
+    for name, p in params.items():
         if name in table:
             kw[name] = table[name]
+        elif name in KV_HEADS and p.default == heads and table is TINY:
+            kw[name] = HEADS
+        elif name in given:
+            kw[name] = given[name]
         elif p.default is p.empty and name in (required or {}):
             kw[name] = required[name]
-        elif p.default is p.empty:
-            raise TypeError(f"needs {name}=, which the sweep cannot choose")
+        elif p.default is p.empty or (name == "processor" and _sites(cls.__name__) and all(
+                name in s.arguments(cls) for s in _sites(cls.__name__))):
+            # required, or a processor every model passes (CosmosCausalAttention declares none and raises without)
+            passed = next((s.arguments(cls)[name] for s in _sites(cls.__name__) if name in s.arguments(cls)), _NONE)
+            if passed is _NONE:
+                raise TypeError(f"needs {name}=, which the sweep cannot choose")
+            kw[name] = passed
     return kw
+
+
+_NONE = object()
+
+
+ROTARY = re.compile(r"rot|rope", re.I)  # a parameter that takes rotary tables: `rotary_emb`, `rope`
+
+
+def _width(name: str) -> bool:
+    """A name that says it is a width (`pooled_projection_dim`, `out_channels`)."""
+    return name.endswith(("_dim", "channels")) and not name.endswith(("head_dim", "heads_dim"))
+
+
+@dataclass(frozen=True)
+class Site:
+    """One call `Class(...)` in diffusers.models' source: what a model of diffusers builds a layer with."""
+    module: str  # diffusers.models.<...>
+    call: ast.Call
+    function: ast.FunctionDef  # the function that makes the call, whose parameters its expressions may name
+    owner: str = ""  # the class whose method that is ("" for a module-level function)
+
+    def arguments(self, cls: type, depth: int = 3) -> dict:
+        """The arguments the call passes that can be read without running the model: each expression evaluated
+        with the sweep's sizes for names of `TINY` (`dim_head=dim // num_heads` is 8), the enclosing function's
+        literal defaults for its other parameters (`qk_norm='rms_norm' if qk_norm else None`), a parameter without
+        one as the first call of the enclosing class passes it (`depth` calls up: a block's `kernel_size` as its
+        model's __init__ defaults it), and the module's processor classes (`processor=FluxAttnProcessor()`); an
+        argument that needs more (`self.inner_dim`, a config read at run time) is left out. Positional arguments
+        by `cls`'s parameters in order."""
+        args = self.function.args
+        defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):], args.defaults))
+        defaults.update((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None)
+        names = {n: c for n, c in vars(importlib.import_module(self.module)).items()
+                 if inspect.isclass(c) and "Processor" in n}
+        order = [n for n, p in inspect.signature(cls).parameters.items() if p.kind in (p.POSITIONAL_ONLY,
+                                                                                         p.POSITIONAL_OR_KEYWORD)]
+        pairs = list(zip(order, self.call.args)) + [(k.arg, k.value) for k in self.call.keywords if k.arg]
+        out = {}
+        for name, node in pairs:
+            for _ in range(8):  # each round resolves one more name the expression reads
+                try:  # diffusers' own source, evaluated on literals and the names resolved here alone
+                    out[name] = eval(compile(ast.Expression(node), "<diffusers>", "eval"),  # noqa: S307
+                                     {"__builtins__": {}}, names)
+                    break
+                except NameError as exc:
+                    if not self._resolve(exc.name, names, defaults, depth):
+                        break
+                except Exception:  # noqa: BLE001 -- needs the model's state: left to the class's default
+                    break
+        return out
+
+    def _resolve(self, name: str, names: dict, defaults: dict, depth: int) -> bool:
+        """`names[name]` set from the sweep's sizes, the enclosing function's literal default, or the first call of
+        the enclosing class that passes it; False where none does."""
+        if name in TINY or _width(name):  # a width the model defaults at its full size: the sweep's
+            names[name] = TINY.get(name, WIDTH if ROTARY.search(name) else D)  # a rotary one rotates a head
+            return True
+        if name in defaults:
+            try:
+                names[name] = ast.literal_eval(defaults[name])
+                return True
+            except ValueError:
+                return False
+        owner = getattr(importlib.import_module(self.module), self.owner, None)
+        if depth <= 0 or self.function.name != "__init__" or not inspect.isclass(owner) or \
+                name not in [a.arg for a in (*self.function.args.args, *self.function.args.kwonlyargs)]:
+            return False
+        for site in _sites(self.owner):
+            try:
+                passed = site.arguments(owner, depth - 1)
+            except Exception:  # noqa: BLE001, S112 -- a call it cannot read
+                continue
+            if name in passed:
+                names[name] = passed[name]
+                return True
+        return False
+
+    def names(self, processor: str) -> bool:
+        """Whether the call sets `processor`: its `processor=` argument names the class, directly or through a
+        variable the enclosing function assigns (`processor = AttnAddedKVProcessor2_0() if ... else ...`)."""
+        value = next((k.value for k in self.call.keywords if k.arg == "processor"), None)
+        if value is None:
+            return False
+        texts = [ast.unparse(value)]
+        if isinstance(value, ast.Name):
+            texts += [ast.unparse(n.value) for n in ast.walk(self.function) if isinstance(n, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)]
+        return any(re.search(rf"\b{processor}\b", text) for text in texts)
+
+
+_SITES: dict = {}  # called name -> its Sites, read once (`_calls`)
+
+
+def _calls() -> dict:
+    """Every call in diffusers.models' source by the name it calls, each a Site, in file and line order; read once
+    (the sweep's parent reads them before it forks, `diffusers_types`, so every child has them)."""
+    if not _SITES:
+        from diffusers import models
+
+        root, seen = Path(models.__path__[0]), set()
+        for path in sorted(root.rglob("*.py")):
+            module = ".".join((models.__name__, *path.relative_to(root).with_suffix("").parts))
+            tree = ast.parse(path.read_text())
+            owners = {id(f): c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+            for function in ast.walk(tree):
+                if not isinstance(function, ast.FunctionDef):
+                    continue
+                for node in ast.walk(function):
+                    called = isinstance(node, ast.Call) and (getattr(node.func, "id", None)
+                                                             or getattr(node.func, "attr", None))
+                    if called and id(node) not in seen:  # a nested function's calls: once, in the outer one
+                        seen.add(id(node))
+                        _SITES.setdefault(called, []).append(Site(module, node, function,
+                                                                  owners.get(id(function), "")))
+    return _SITES
+
+
+def _sites(cls_name: str) -> list[Site]:
+    """Every call of `cls_name` in diffusers.models' source, in file and line order."""
+    return _calls().get(cls_name, [])
+
+
+def _candidates(proc: type):
+    """The layers a processor `proc` may be set on, in order, each built when asked for: first where a model of
+    diffusers sets it (or the class its constructor returns, a deprecated name's `__new__`), a call site of an
+    attention class whose `processor=` names it, built with that call's arguments (`Site.arguments`); then
+    attention_processor's Attention as it stands (with added projections for a processor named AddedKV, which reads
+    them); then where a model sets its twin (PAG's and the fused processors' unperturbed, unfused one: the pipeline
+    sets PAG's on those layers); then the attention class that declares it (`_default_processor_cls`,
+    `_available_processors`), built as the sweep builds that class."""
+    from diffusers import models
+    from diffusers.models import attention_processor as ap
+
+    made = proc(**_filled(proc, PROCESSOR_TINY))
+    names = {proc.__name__, type(made).__name__}
+    twins = {re.sub(r"^(Fused|PAG(CFG)?(Identity)?)", "", n) for n in names} - names
+    fresh = lambda: proc(**_filled(proc, PROCESSOR_TINY))  # noqa: E731
+    for called, site in _named_sites(names):
+        yield lambda called=called, site=site: _with(_built(getattr(importlib.import_module(site.module), called),
+                                                            site), fresh, made)
+    extra = {"added_kv_proj_dim": D} if "AddedKV" in proc.__name__ else {}
+    yield lambda: ap.Attention(D, heads=HEADS, dim_head=WIDTH, **extra, processor=fresh())
+    for called, site in _named_sites(twins):
+        yield lambda called=called, site=site: _with(_built(getattr(importlib.import_module(site.module), called),
+                                                            site), fresh, made)
+    for info in pkgutil.walk_packages(models.__path__, models.__name__ + "."):
+        module = _imported(info.name)
+        for n, cls in vars(module or {}).items():
+            if inspect.isclass(cls) and n.endswith("Attention") and cls.__module__ == info.name and type(made) in (
+                    getattr(cls, "_default_processor_cls", None), *(getattr(cls, "_available_processors", None) or ())):
+                yield lambda cls=cls: _with(_built(cls), fresh, made)
+
+
+def _with(layer, fresh, made):
+    """`layer` with the processor `fresh()` makes, unless its build set one of that class already."""
+    if type(getattr(layer, "processor", None)) is not type(made):
+        layer.set_processor(fresh())
+    return layer
+
+
+def _named_sites(names: set) -> list:
+    """(class name, site) of every call of an attention class whose `processor=` names one of `names`; those whose
+    layer holds no projections of a second stream first (no `added_kv_proj_dim`: the audit gives one stream, which
+    would leave them unused), each in file and line order."""
+    found = []
+    for called, sites in _calls().items():
+        if called.endswith("Attention"):
+            for site in sites:
+                cls = getattr(importlib.import_module(site.module), called, None)
+                if inspect.isclass(cls) and any(site.names(n) for n in names):
+                    found.append((site.arguments(cls).get("added_kv_proj_dim") is not None, site.module,
+                                  site.call.lineno, called, site))
+    return [(called, site) for *_, called, site in sorted(found, key=lambda f: f[:3])]
+
+
+def _imported(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 -- an optional dependency missing: not in this installation
+        return None
 
 
 def diffusers_build(name: str):
     """The layer `name` names, built small, in eval mode, after a plain forward on (1, T, D) hidden states."""
-    import torch
     from diffusers.models import attention_processor as ap
 
-    torch.manual_seed(0)
     if name.startswith("Attention+"):
-        proc = getattr(ap, name.split("+", 1)[1])
-        extra = {"added_kv_proj_dim": D} if "AddedKV" in name else {}  # those processors read the added projections
-        layer = ap.Attention(D, heads=HEADS, dim_head=WIDTH, **extra, processor=proc(**_filled(proc, PROCESSOR_TINY)))
-    else:
-        module, cls_name = name.split(":")
-        cls = getattr(importlib.import_module(f"diffusers.models.{module}"), cls_name)
-        layer = cls(**_filled(cls, TINY, REQUIRED))
-        default = getattr(cls, "_default_processor_cls", None)  # diffusers' AttentionModuleMixin declares it
-        if getattr(layer, "processor", 0) is None and default is not None:  # the model passes it; the class names it
-            layer.set_processor(default())
+        first = None
+        for build in _candidates(getattr(ap, name.split("+", 1)[1])):
+            try:
+                return _prepared(name, build)
+            except Exception as exc:  # noqa: BLE001 -- not there: the next, else the first one's error says why
+                first = first or exc
+        raise first
+    module, cls_name = name.split(":")
+    cls = getattr(importlib.import_module(f"diffusers.models.{module}"), cls_name)
+    return _prepared(name, lambda: _built(cls))
+
+
+def _prepared(name: str, build):
+    """`build()`, from seed 0, fused where the row's processor is (diffusers: "use with fuse_projections()"), its
+    processor's own copies loaded (`_load_own_copies`), in eval mode, after a plain forward (`_ran`)."""
+    torch.manual_seed(0)
+    layer = build()
     if name.startswith("Attention+Fused"):
-        layer.fuse_projections()  # what a fused processor runs on (diffusers: "use with fuse_projections()")
+        layer.fuse_projections()
     _load_own_copies(layer)
     layer.eval()
-    with torch.no_grad():
-        try:
-            layer(torch.randn(1, T, D))
-        except Exception:  # a layer that needs its second stream: it runs with one, or it is not built
-            if "encoder_hidden_states" not in inspect.signature(layer.forward).parameters:
-                raise
-            layer(torch.randn(1, T, D), encoder_hidden_states=torch.randn(1, T // 2, D))
+    return _ran(layer)
+
+
+def _built(cls, site=None):
+    """`cls` built small: `TINY` by parameter name, then (where `site` is given) every argument diffusers' own call
+    `site` passes, then `REQUIRED`, then a required argument from the first call site of diffusers' that passes it;
+    the processor it sets, or the `_default_processor_cls` it declares where it leaves that to the model."""
+    layer = cls(**_filled(cls, TINY, REQUIRED, site=site))
+    default = getattr(cls, "_default_processor_cls", None)  # diffusers' AttentionModuleMixin declares it
+    if getattr(layer, "processor", 0) is None and default is not None:  # the model passes it; the class names it
+        layer.set_processor(default())
     return layer
 
 
+def _ran(layer):
+    """`layer` after a plain forward on (1, T, D) hidden states: alone, else with its second stream (a forward
+    parameter named *encoder_hidden_states) of T // 2 tokens, else also with a mask that keeps every key where it
+    raises without one (ones: every key kept, read as bool, as kept keys or as an additive mask alike), else at a
+    guidance batch (`_Guided`). A required parameter besides the query is given the same tokens where it is a key or
+    a value, else the second stream."""
+    layer = _positioned(layer) or layer
+    x, memory = torch.randn(1, T, D), torch.randn(1, T // 2, D)
+    params = list(inspect.signature(layer.forward).parameters.values())
+    required = {p.name: x if p.name in ("key", "value") else memory for p in params[1:]
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    stream = next((p.name for p in params if p.name.endswith("encoder_hidden_states") and p.name not in required),
+                  None)
+    mask = next((p.name for p in params if "mask" in p.name and p.name not in required), None)
+    tries = [{}] + ([{stream: memory}] if stream else [])
+    tries += [{**kw, mask: torch.ones(1, T // 2 if kw else T)} for kw in tries] if mask else []
+    first = None
+    with torch.no_grad():
+        for copies in (1, 2, 3):
+            for kw in tries:
+                try:
+                    (layer if copies == 1 else _Guided(layer, copies))(x, **required, **kw)
+                    return layer if copies == 1 else _Guided(layer, copies)
+                except Exception as exc:  # noqa: BLE001 -- not so: the last error at batch 1 says why it does not run
+                    first = exc if copies == 1 else first
+    raise first
+
+
+def _positioned(layer):
+    """`layer` given the rotary tables its model computes where its forward requires them (a parameter without a
+    default named for them: `rotary_emb`, `rope`), as `_Positioned`: the model's line `name = self.attr(x.shape[1],
+    x.device)` in the layer's module, with the class its __init__ assigns to `self.attr`, built with the arguments
+    that call passes (`Site.arguments`: its widths the sweep's heads'); None where the layer requires none, or its
+    model computes them from more than the length."""
+    params = list(inspect.signature(layer.forward).parameters.values())[1:]
+    wanted = next((p.name for p in params if p.default is p.empty and ROTARY.search(p.name)), None)
+    if wanted is None or any(p.default is p.empty and p.name != wanted for p in params):
+        return None
+    module = importlib.import_module(type(layer).__module__)
+    tree = ast.parse(inspect.getsource(module))
+    made = {}  # self.<attr> = <Class>(...) in an __init__: attr -> the call
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", "") == "self":
+                    made[target.attr] = node.value
+    for node in ast.walk(tree):  # table = self.<attr>(<x>.shape[1], <x>.device)
+        call = node.value if isinstance(node, ast.Assign) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in made
+                and len(call.args) == 2 and ast.unparse(call.args[0]).endswith(".shape[1]")
+                and ast.unparse(call.args[1]).endswith(".device")):
+            continue
+        built = made[call.func.attr]
+        cls = getattr(module, built.func.id, None)
+        site = next((s for s in _sites(built.func.id) if s.module == module.__name__
+                     and s.call.lineno == built.lineno), None)
+        if inspect.isclass(cls) and site is not None:
+            return _Positioned(layer, wanted, cls(**site.arguments(cls)))
+    return None
+
+
+class _Positioned(torch.nn.Module):
+    """A layer given the rotary tables `rope(T, device)` its model computes for the length of the hidden states, as
+    `name`; nothing else (a layer whose forward takes a mask takes it as `attention_mask`: `_PositionedMasked`)."""
+
+    def __init__(self, layer, name: str, rope):
+        super().__init__()
+        self.layer, self.name, self.rope = layer, name, rope
+
+    def __new__(cls, layer, name, rope):
+        takes_mask = "attention_mask" in inspect.signature(layer.forward).parameters
+        return super().__new__(_PositionedMasked if takes_mask and cls is _Positioned else cls)
+
+    def forward(self, hidden_states):
+        return self.layer(hidden_states, **{self.name: self.rope(hidden_states.shape[1], hidden_states.device)})
+
+
+class _PositionedMasked(_Positioned):
+    def forward(self, hidden_states, attention_mask=None):
+        return self.layer(hidden_states, attention_mask=attention_mask,
+                          **{self.name: self.rope(hidden_states.shape[1], hidden_states.device)})
+
+
+class _Guided(torch.nn.Module):
+    """A processor that takes its batch as guidance parts (PAG's: `hidden_states.chunk(2)` into the prompt's and the
+    perturbed path's, `chunk(3)` with classifier-free guidance's unconditioned part first) given `copies` copies of
+    its input along the batch, as the pipeline that sets it does, and read at the first part: attention, where the
+    perturbed path (the last part) attends no keys and returns its values. The mask reaches the attention path,
+    every part but the last, once per part (diffusers prepares it for that path's batch)."""
+
+    def __init__(self, layer, copies: int):
+        super().__init__()
+        self.layer, self.copies = layer, copies
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B = hidden_states.shape[0]  # batch
+        parts = lambda t, n: None if t is None else t.repeat(n, *[1] * (t.dim() - 1))  # noqa: E731
+        out = self.layer(parts(hidden_states, self.copies), encoder_hidden_states=parts(encoder_hidden_states,
+                         self.copies), attention_mask=parts(attention_mask, self.copies - 1))
+        return out[:B] if torch.is_tensor(out) else tuple(o[:B] for o in out)  # (copies x B, T, D): the first part
 def _load_own_copies(layer) -> None:
     """A processor that holds its own copy of a projection of the layer (`to_k_custom_diffusion` beside `to_k`: a
     parameter `<child>_<anything>.<rest>` beside the layer's `<child>.<rest>`, of the same shape) loaded from it, as

@@ -267,7 +267,10 @@ def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple
     if not any(r.measured for r in results):
         if probe.not_taken is not None:  # the layer as held (in place) could not be given the audit's probes
             return "inconclusive", f"inconclusive: not one probe could be given to the layer as held: {probe.not_taken_text()}"
-        return "inconclusive", "inconclusive: no detector could measure the layer (every one skipped)"
+        runs = next((r for r in results if r.detector == "runs" and r.verdict == "skip"), None)
+        why = f" (runs: {runs.message})" if runs is not None and runs.message.startswith("not measured: the layer "
+                                                                                          "raised") else ""
+        return "inconclusive", f"inconclusive: no detector could measure the layer (every one skipped){why}"
     core = [r for r in results if r.detector in CORE]
     # one core property that does not apply where the other was measured (no temperature where a kernel's weights
     # were read: linear attention) leaves the attention measured

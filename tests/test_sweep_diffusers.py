@@ -80,10 +80,65 @@ def _hidden(seed=0, T=16):
     return torch.randn(1, T, sd.D, generator=torch.Generator().manual_seed(seed))
 
 
+# ---- building a layer as diffusers' own models build it (diffusers, no diagnostics) ---------------------------------
+
+
+def test_a_required_argument_is_read_from_the_call_of_diffusers_that_passes_it():
+    """LTX-2's VAE neighbourhood attention requires kernel_size: its block passes its own parameter, whose callers
+    default it to (11, 11, 11); the widths stay the sweep's."""
+    _diffusers()
+    from diffusers.models.autoencoders import ltx2_diffusion_decoder as ltx2
+
+    kw = sd._filled(ltx2.LTX2VideoVaeNeighborhoodAttention, sd.TINY, sd.REQUIRED)
+    assert kw == {"dim": sd.D, "kernel_size": (11, 11, 11), "head_dim": sd.WIDTH}, kw
+
+
+def test_a_processor_is_set_on_the_layer_its_model_sets_it_on():
+    """FluxAttnProcessor2_0 (a deprecated name whose constructor returns FluxAttnProcessor) on FluxAttention as
+    Flux's single-stream block builds it (pre_only=True: no output projection of its own, no second stream's)."""
+    _diffusers()
+    layer = sd.diffusers_build("Attention+FluxAttnProcessor2_0")
+    assert type(layer).__name__ == "FluxAttention" and layer.pre_only and layer.added_kv_proj_dim is None
+    assert type(layer.processor).__name__ == "FluxAttnProcessor"
+
+
+@pytest.mark.parametrize("name, copies", [("Attention+PAGIdentitySelfAttnProcessor2_0", 2),
+                                          ("Attention+PAGCFGIdentitySelfAttnProcessor2_0", 3)])
+def test_a_pag_processor_read_at_its_first_guidance_part_is_the_plain_attention(name, copies):
+    """Given its guidance parts (the input repeated), PAG's first part is the layer's attention: the same output
+    as AttnProcessor2_0 on the same weights; its last, perturbed part is not (its values, projected)."""
+    _diffusers()
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    guided, x = sd.diffusers_build(name), _hidden()
+    assert isinstance(guided, sd._Guided) and guided.copies == copies
+    with torch.no_grad():
+        first, whole = guided(x), guided.layer(x.repeat(copies, 1, 1))
+        guided.layer.set_processor(AttnProcessor2_0())
+        plain = guided.layer(x)
+    assert torch.allclose(first, plain, atol=1e-6), float((first - plain).abs().max())
+    assert not torch.allclose(whole[-1:], plain, atol=1e-3)
+
+
+def test_rotary_tables_a_forward_requires_are_its_models_for_the_length():
+    """Stable Audio 3's self-attention requires `rope`: its DiT computes it with StableAudio3RotaryEmbedding(
+    dim_heads // 2) for the sequence's length; the wrapper does the same at the sweep's head width."""
+    _diffusers()
+    from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3RotaryEmbedding
+
+    positioned, x = sd.diffusers_build("transformers.transformer_stable_audio3:StableAudio3SelfAttention"), _hidden()
+    assert isinstance(positioned.rope, StableAudio3RotaryEmbedding) and positioned.name == "rope"
+    rope = StableAudio3RotaryEmbedding(sd.WIDTH // 2)
+    with torch.no_grad():
+        assert torch.equal(positioned(x), positioned.layer(x, rope=rope(16, x.device)))
+
+
 @pytest.mark.parametrize("name, ignored", [
     ("Attention+JointAttnProcessor2_0", True), ("Attention+AuraFlowAttnProcessor2_0", True),
     ("Attention+FusedAuraFlowAttnProcessor2_0", True), ("Attention+SanaLinearAttnProcessor2_0", True),
-    ("Attention+AttnProcessor2_0", False), ("Attention+FusedAttnProcessor2_0", False)])
+    ("Attention+PAGCFGSanaLinearAttnProcessor2_0", True), ("Attention+PAGIdentitySanaLinearAttnProcessor2_0", True),
+    ("Attention+AttnProcessor2_0", False), ("Attention+FusedAttnProcessor2_0", False),
+    ("Attention+PAGIdentitySelfAttnProcessor2_0", False), ("Attention+PAGCFGIdentitySelfAttnProcessor2_0", False)])
 def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(name, ignored):
     _diffusers()
     assert (name in sd.KNOWN) is ignored
@@ -94,6 +149,62 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
     with torch.no_grad():
         plain, masked = layer(x), layer(x, attention_mask=mask)
     assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
+
+
+@pytest.mark.parametrize("name, linear", [("Attention+SanaLinearAttnProcessor2_0", True),
+                                          ("Attention+AttnProcessor2_0", False)])
+def test_a_query_with_no_positive_relu_feature_gets_no_weight_where_known_says_so(name, linear):
+    """Every query of the first head made negative before the ReLU (its to_q rows zero, their bias -1) and to_out the
+    identity: Sana's linear attention returns zeros for that head (no weight on any key); the twin, softmax
+    attention on the same weights, returns a weighted mean of the values."""
+    _diffusers()
+    assert ("ReLU" in sd.KNOWN.get(name, "")) is linear
+    layer, x = sd.diffusers_build(name), _hidden()
+    with torch.no_grad():
+        layer.to_q.weight[: sd.WIDTH] = 0.0
+        if layer.to_q.bias is None:
+            layer.to_q.bias = torch.nn.Parameter(torch.zeros(sd.HEADS * sd.WIDTH))
+        layer.to_q.bias[: sd.WIDTH] = -1.0
+        layer.to_out[0].weight.copy_(torch.eye(sd.D))
+        layer.to_out[0].bias.zero_()
+        first_head = layer(x)[..., : sd.WIDTH]
+    assert torch.equal(first_head, torch.zeros_like(first_head)) is linear, float(first_head.abs().max())
+
+
+@pytest.mark.parametrize("name, causal_l2", [("Attention+MochiVaeAttnProcessor2_0", True),
+                                             ("Attention+AttnProcessor2_0", False)])
+def test_mochis_vae_attention_raises_on_any_mask_and_bounds_its_logits_where_known_says_so(name, causal_l2):
+    """Built as Mochi's VAE builds it (is_causal=True, q and k L2-normalised): any mask raises, and every logit
+    q·k / sqrt(d) lies within +-1/sqrt(d); the twin, AttnProcessor2_0's plain Attention, takes the mask and its
+    logits go past that bound on the same input."""
+    _diffusers()
+    assert (name in sd.KNOWN) is causal_l2
+    layer, x = sd.diffusers_build(name), _hidden()
+    mask = torch.zeros(1, 1, 16, 16).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    raised = False
+    try:
+        with torch.no_grad():
+            layer(x, attention_mask=mask)
+    except RuntimeError as exc:
+        raised = "is_causal" in str(exc)
+    assert raised is causal_l2
+    seen = {}  # q and k as they reach SDPA
+    sdpa = F.scaled_dot_product_attention
+
+    def capture(q, k, v, *args, **kw):
+        seen["q"], seen["k"] = q, k
+        return sdpa(q, k, v, *args, **kw)
+
+    F.scaled_dot_product_attention = capture
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    q, k = seen["q"], seen["k"]  # (B, H, T, d)
+    bound = q.shape[-1] ** -0.5
+    logits = q @ k.transpose(-1, -2) * bound  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+    assert (float(logits.abs().max()) <= bound + 1e-6) is causal_l2, float(logits.abs().max())
 
 
 @pytest.mark.parametrize("name", [n for n in sd.KNOWN if "pre_only" in sd.KNOWN[n]])

@@ -333,8 +333,11 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
     concatenated along the sequence, the outputs split back), the stream with no tokens, under which the layer is
     self-attention over x; where the layer attends it apart (its output rows move only with their own query), a
     memory under a memory's name (`cross=True`), and a stream of another name the same stream again (`forward(x,
-    y=None)`, "for self attention, x=y"; the fix names the memory's call too). None otherwise: a layer that raises
-    with the stream given too still fails."""
+    y=None)`, "for self attention, x=y"; the fix names the memory's call too). Where given the stream it still
+    raises, and runs only when its mask is given too, over the stream's tokens (diffusers' Lumina and Mochi
+    processors index a text mask they require), no declaration of the audit's passes both: `runs` is a skip that
+    says so, and the audit is inconclusive. None otherwise: a layer that raises with the stream and a mask given too
+    still fails."""
     s = probe.subject
     if probe.base().ok or not all(shape.raised for shape in probe.shapes["runs"]) or not probe.failed_calls:
         return None  # the standard probe and every shape of runs' own raised: the layer ran on nothing given
@@ -345,6 +348,16 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
     call, mask_name = probe.failed_calls[0], s.mask_names[0] if s.mask_names else None
     for name in left:
         if _given(probe, call.query, name) is None:
+            if mask_name is not None and _given(probe, call.query, name, mask_name) is not None:
+                return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
+                                              f"`{name}` ({call.describe_error()}), and raises given `{name}` alone; "
+                                              f"given `{name}` and `{mask_name}` over `{name}`'s tokens (every one of "
+                                              f"{MEMORY_TOKENS} kept) it runs: it requires both, and no declaration of "
+                                              f"the audit's passes both",
+                              evidence=evidence,
+                              fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
+                                  f"calls it with {name}=<its tokens> and {mask_name}=<a mask over them>, and audit "
+                                  f"the wrapper")
             continue
         moved = _rows_moved(probe, call.query, name)
         if moved > JOINT:
@@ -370,15 +383,19 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
     return None
 
 
-def _given(probe: Probe, query: torch.Tensor, name: str):
-    """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens, or None if it raises."""
+def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None):
+    """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
+    named, a mask of ones over them: every token kept, read as bool, as kept keys or additive alike), or None if it
+    raises."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
+    kept = {} if mask_name is None else {mask_name: torch.ones(query.shape[0], MEMORY_TOKENS, dtype=query.dtype,
+                                                               device=query.device)}  # (B, Tm)
     probe.passes += 1
     try:
         with torch.no_grad():
-            out = s.layer(**{**s._kwargs(query, query, query, None), name: memory})
+            out = s.layer(**{**s._kwargs(query, query, query, None), name: memory, **kept})
     except Exception:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
         return None
     out = _first_tensor(out)
