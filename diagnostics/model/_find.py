@@ -93,6 +93,7 @@ class ModuleWatch:
         self.shapes: dict = {}  # {path: the shapes of the scores of a call that mixed channels}
         self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
         self.routes: dict = {}  # {path: (calls whose every softmax runs over a weight's outputs, (scores, weight))}
+        self.own: dict = {}  # {path: [calls whose every softmax weighs each token's own items (`_per_token`), scores]}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
         self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
 
@@ -142,10 +143,15 @@ class ModuleWatch:
             return
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() in (3, 4)), None)
         tokens = None if x is None else int(x.shape[1]) if x.dim() == 3 else int(x.shape[2] * x.shape[3])
-        shapes = []
         for c in calls:
             if id(c) not in self._axes:
                 self._axes[id(c)] = _summed_and_scores(self.observer.record, c)
+        if x is not None and all(_per_token(self._axes[id(c)][1], x) for c in calls):
+            entry = self.own.setdefault(path, [0, self._axes[id(calls[0])][1]])
+            entry[0] += 1
+            return
+        shapes = []
+        for c in calls:
             summed, shape = self._axes[id(c)]
             if tokens is None or summed != tokens or tokens in shape[-2:]:
                 shapes = None
@@ -212,6 +218,14 @@ class ModuleWatch:
                    f"product sums over the tokens: it attends between channels (as DaViT's channel attention), not "
                    f"between tokens" for p, (tokens, channels) in self.mixes.items() if channels and not tokens}
 
+    def per_token(self) -> dict:
+        """{path: why} of the modules whose every call with attention in it weighed each token's own items
+        (`_per_token`): hyper-connections' streams, not tokens."""
+        return {p: f"its softmax runs over scores of shape {scores}, one {scores[-2]} x {scores[-1]} distribution for "
+                   f"each of the {scores[1]} tokens its input starts with: it weighs each token's own items (a "
+                   f"hyper-connection's streams), not other tokens"
+                for p, (_, scores) in self.own.items() if not any(self.mixes.get(p, ()))}
+
     def routers(self) -> dict:
         """{path: why} of the modules whose every call with a softmax in it ran only softmaxes over a weight's outputs
         (`_over_weight`): routers and gates, which weigh classes, not tokens."""
@@ -244,6 +258,15 @@ def _storage(t: Tensor):
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
+
+
+def _per_token(scores: tuple, x: Tensor) -> bool:
+    """Whether scores of this shape are one distribution per token of `x` over items of the token's own: they begin
+    with x's (batch, tokens) and none of their last two axes has a count of x's tokens (its second axis; a 4-D map's
+    pixels, channels first or last). GLM-5's hyper-connections: (B, S, 4, 4) for streams (B, S, 4, D), a Sinkhorn
+    mix of each token's 4 streams, observed as a softmax over (Tq, Tk) and audited as attention."""
+    counts = {int(x.shape[1])} | ({int(x.shape[2] * x.shape[3]), int(x.shape[1] * x.shape[2])} if x.dim() == 4 else set())
+    return len(scores) >= 4 and tuple(scores[:2]) == tuple(x.shape[:2]) and not counts & set(scores[-2:])
 
 
 def _summed_and_scores(record, call) -> tuple:
@@ -291,7 +314,8 @@ def observe_attention(runner: Runner) -> Observation:
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
-    not_tokens = {p: why for p, why in watch.not_tokens().items() if p in found or class_kind(named[p])}
+    not_tokens = {p: why for p, why in {**watch.not_tokens(), **watch.per_token()}.items()
+                  if p in found or class_kind(named[p])}
     found = {p: how for p, how in found.items() if p not in not_tokens}
     # a router or a gate: never a library attention class, nor of the kind of a module found attending (a layer of
     # that class whose softmax runs over its key projection's weight has lost its keys: a finding, audited)
