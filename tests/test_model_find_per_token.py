@@ -87,3 +87,19 @@ def test_a_softmax_over_each_tokens_own_streams_is_not_audited_as_attention(scal
     assert said and "one 4 x 4 distribution for each of the" in said[0], report.notes
     assert report.status == ("passed" if scaled else "failed"), str(report)
     assert scaled or {f.layer for f in report.findings} >= {"blocks.0.attn", "blocks.1.attn"}, str(report)
+
+
+@pytest.mark.parametrize("scores, projected, x, per_token", [
+    ((1, 8, 4, 4), True, (1, 8, 4, 16), True),  # hyper-connections: each token's 4 streams, from a projection
+    ((1, 8, 4, 4), False, (1, 8, 4, 16), False),  # axial attention along a map's rows: q·k of two activations
+    ((1, 8, 2, 5), True, (1, 8, 16), False),  # Longformer's bands, (B, T, H, 2w + 1): other tokens
+    ((1, 8, 2, 12), True, (1, 8, 16), False),  # deformable attention's sampling points: other tokens
+    ((1, 8, 8, 8), True, (1, 8, 8, 16), False),  # as many streams as tokens: cannot be told apart, audited
+])
+def test_which_scores_weigh_each_tokens_own_items(scores, projected, x, per_token):
+    """The rule at each edge that the whole transformers population showed: its first form (any scores that begin
+    with (batch, tokens) and count no tokens in their last two axes) took Longformer's, LED's and three DETR
+    models' attention for per-token weights and left them unaudited (Longformer then read as one attention layer)."""
+    from diagnostics.model._find import _per_token
+
+    assert _per_token(scores, projected, torch.zeros(x)) is per_token

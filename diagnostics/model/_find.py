@@ -146,7 +146,7 @@ class ModuleWatch:
         for c in calls:
             if id(c) not in self._axes:
                 self._axes[id(c)] = _summed_and_scores(self.observer.record, c)
-        if x is not None and all(_per_token(self._axes[id(c)][1], x) for c in calls):
+        if x is not None and all(_per_token(self._axes[id(c)][1], self._projected(c), x) for c in calls):
             entry = self.own.setdefault(path, [0, self._axes[id(calls[0])][1]])
             entry[0] += 1
             return
@@ -179,15 +179,30 @@ class ModuleWatch:
              and math.prod(_shape(m)) == call.input.numel()), None)
         if not isinstance(product, Matmul) or product.a.dim() < 2 or product.b.dim() < 2:
             return False
-        if self._weights is None:
-            self._weights = {_storage(p) for m in self.named.values() for p in m.parameters(recurse=False)}
-        if {_storage(product.a), _storage(product.b)} & (self._weights - {None}):
+        if {_storage(product.a), _storage(product.b)} & self._model_weights():
             return False
         weights, t_k = _storage(call.output), call.output.shape[-1]
         return weights is not None and any(
             isinstance(m, Matmul) and ((_storage(m.a) == weights and m.a.shape[-1] == t_k)
                                        or (_storage(m.b) == weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
             for m in record.order[i + 1:])
+
+    def _model_weights(self) -> set:
+        """The storages of the model's parameters, read once."""
+        if self._weights is None:
+            self._weights = {_storage(p) for m in self.named.values() for p in m.parameters(recurse=False)} - {None}
+        return self._weights
+
+    def _projected(self, call) -> bool:
+        """Whether the last product before an observed softmax is x W, a weight of the model its right operand (a
+        projection of the tokens' own features), not q·k of two activations."""
+        if not isinstance(call, SoftmaxCall):
+            return False
+        record = self.observer.record
+        i = next((j for j, o in enumerate(record.order) if o is call), None)
+        product = None if i is None else next(
+            (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))), None)
+        return product is not None and _storage(product.b) in self._model_weights()
 
     def _over_weight(self, call) -> tuple | None:
         """(the scores' shape, the weight's) where an observed softmax normalises, over its last axis, a product
@@ -206,9 +221,7 @@ class ModuleWatch:
         if product is None or product.b.dim() != 2 or _shape(product)[-1] != call.input.shape[-1] or \
                 product.b.shape[-1] != call.input.shape[-1]:
             return None
-        if self._weights is None:
-            self._weights = {_storage(p) for m in self.named.values() for p in m.parameters(recurse=False)}
-        if _storage(product.b) not in self._weights - {None}:
+        if _storage(product.b) not in self._model_weights():
             return None
         return tuple(call.output.shape), tuple(product.b.shape)
 
@@ -260,13 +273,18 @@ def _storage(t: Tensor):
         return None
 
 
-def _per_token(scores: tuple, x: Tensor) -> bool:
-    """Whether scores of this shape are one distribution per token of `x` over items of the token's own: they begin
-    with x's (batch, tokens) and none of their last two axes has a count of x's tokens (its second axis; a 4-D map's
-    pixels, channels first or last). GLM-5's hyper-connections: (B, S, 4, 4) for streams (B, S, 4, D), a Sinkhorn
-    mix of each token's 4 streams, observed as a softmax over (Tq, Tk) and audited as attention."""
-    counts = {int(x.shape[1])} | ({int(x.shape[2] * x.shape[3]), int(x.shape[1] * x.shape[2])} if x.dim() == 4 else set())
-    return len(scores) >= 4 and tuple(scores[:2]) == tuple(x.shape[:2]) and not counts & set(scores[-2:])
+def _per_token(scores: tuple, projected: bool, x: Tensor) -> bool:
+    """Whether scores of this shape are one distribution per token of `x` over items of the token's own: x is
+    (B, S, N, D), the scores (B, S, N, N), made by a projection of the token's features (`projected`: x W, no q·k of
+    two activations), and N is no count of x's tokens. GLM-5's hyper-connections: a Sinkhorn mix of each token's 4
+    streams, observed as a softmax over (Tq, Tk) and audited as attention. Not axial attention over a map's rows,
+    (B, H, W, W) for (B, H, W, C), which is q·k; not Longformer's bands or deformable attention's sampling points,
+    (B, T, H, n) for (B, T, D): their items are other tokens."""
+    if x.dim() != 4 or len(scores) != 4 or not projected:
+        return False
+    counts = {int(x.shape[1]), int(x.shape[2] * x.shape[3]), int(x.shape[1] * x.shape[2])}
+    return tuple(scores[:2]) == tuple(x.shape[:2]) and scores[-2] == scores[-1] == int(x.shape[2]) \
+        and scores[-1] not in counts
 
 
 def _summed_and_scores(record, call) -> tuple:
