@@ -1,0 +1,122 @@
+"""Pins for the survivors of the full mutation runs over relative_positions, runs and `_core` (issue 37:
+`benchmarks/mutations.py --all --only detectors/positions.py` (then `detectors/runs.py`, `_core.py`), at ff5444f). As
+in tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or
+constant it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at
+ff5444f). Small layers written here, one detector at small sizes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import diagnostics
+
+
+def _sibling(name: str):
+    """A sibling test module loaded from its file (never imported by name: pytest runs in importlib mode in CI)."""
+    spec = importlib.util.spec_from_file_location(f"_m37k_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def verdict(layer, detector: str, **kw):
+    """The one detector's result on `layer` (the audit's defaults otherwise: seq_len 16, seed 0)."""
+    return diagnostics.audit(layer, detectors=[detector], progress=False, **kw).result(detector)
+
+
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention on (B, H, Tq, d) x (B, H, Tk, d), True = may attend; returns (out, weights)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # -inf before softmax: masked keys get weight 0
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+def alibi(q, k, v, mask=None, *, slope=-0.5):
+    """`attention` with ALiBi's bias `slope` x |i - j| added to the scores (relative positions)."""
+    distance = (torch.arange(q.shape[-2]).view(-1, 1) - torch.arange(k.shape[-2]).view(1, -1)).abs()  # (Tq, Tk)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + slope * distance  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(-1)
+    return weights @ v, weights  # (B, H, Tq, d)
+
+
+# ---- relative_positions -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("queries", "named"), [(1, "1 query of its own"), (2, "2 queries of its own")])
+def test_a_layer_with_queries_of_its_own_has_no_positions_to_shift_and_says_how_many(queries, named):
+    """check_relative_positions' first guard (L234, never firing: the shift would be tried on a layer whose Q output
+    rows are no tokens, and skipped for a shape that is no defect) and its wording (L236, `== 1` made `!= 1`): an
+    attention-pooling layer with 1 and with 2 queries of its own is not applicable, in the singular and the plural;
+    its twin, ALiBi over the tokens, is measured and passes."""
+    pool = _sibling("test_layer_pooling_queries").AttentionPool
+    found = verdict(pool(queries).eval(), "relative_positions", queries=queries)
+    assert found.verdict == "skip" and found.message.startswith("not applicable: the layer attends with"), found
+    assert named in found.message, found
+    assert verdict(alibi, "relative_positions").verdict == "pass"
+
+
+@pytest.mark.parametrize(("causal", "which"), [(False, "the output of every query by"),
+                                               (True, "the output of query 11, which sees every key by")],
+                         ids=["not causal", "causal"])
+def test_attention_without_positions_says_which_queries_the_permutation_was_read_on(causal, which):
+    """check_relative_positions' `which` (L293, the `not` dropped: a layer audited as not causal would name query 11
+    alone): the permutation is read on every query of a layer audited as not causal, and on the newest one only (the
+    one that sees every key) of a causal one; plain attention is not applicable either way, and says where it read."""
+    found = verdict(attention, "relative_positions", causal=causal)
+    assert found.verdict == "skip" and "the layer has no positional mechanism" in found.message, found
+    assert which in found.message, found
+
+
+def narrowing(length: int):
+    """ALiBi whose output keeps one feature of each head at `length` tokens (a layer whose width follows its length)."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = alibi(q, k, v, mask)
+        return (out[..., :1], weights) if q.shape[-2] == length else (out, weights)
+
+    return layer
+
+
+def test_a_shifted_output_of_another_width_is_a_skip_that_says_so():
+    """The shifted call's shape guard (L391, never firing: its one feature would be compared with the unshifted
+    call's eight, broadcast): ALiBi whose output narrows at 17 tokens (5 of padding before 12) is not measured, and
+    says why; narrowing at 18 tokens (never given) it passes."""
+    narrowed = verdict(narrowing(17), "relative_positions")
+    assert narrowed.verdict == "skip" and "does not match the unshifted" in narrowed.message, narrowed
+    assert verdict(narrowing(18), "relative_positions").verdict == "pass"
+
+
+def nan_at_the_newest(length: int | None):
+    """ALiBi whose newest query's first feature is NaN: at every length (None), or at `length` tokens only."""
+
+    def layer(q, k, v, mask=None):
+        out, weights = alibi(q, k, v, mask)
+        if length is None or q.shape[-2] == length:
+            out = out.clone()
+            out[..., -1, 0] = float("nan")
+        return out, weights
+
+    return layer
+
+
+@pytest.mark.parametrize(("length", "expected"), [(None, "pass"), (17, "skip")], ids=["always", "shifted only"])
+def test_a_nan_where_both_calls_have_it_is_no_change_and_one_the_shift_made_is_a_skip(length, expected):
+    """The non-finite guard of the shifted call (L393, either `all` made `any`): ALiBi whose newest output is NaN in
+    one feature at every length has it at the same place in both calls (no change: a pass, where `isfinite(base).any()`
+    would skip); NaN at 17 tokens only (5 of padding before 12), the real tokens' outputs are partly non-finite where
+    the unshifted ones are finite: a skip that says so (where `not isfinite(real).any()` would read the NaN as a
+    change and fail positions)."""
+    found = verdict(nan_at_the_newest(length), "relative_positions")
+    assert found.verdict == expected, found
+    if expected == "skip":
+        assert "outputs are non-finite once 5 padding tokens blocked by the mask come before them" in found.message
