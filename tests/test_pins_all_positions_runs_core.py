@@ -120,3 +120,56 @@ def test_a_nan_where_both_calls_have_it_is_no_change_and_one_the_shift_made_is_a
     assert found.verdict == expected, found
     if expected == "skip":
         assert "outputs are non-finite once 5 padding tokens blocked by the mask come before them" in found.message
+
+
+TOL = float(torch.tensor(2e-5, dtype=torch.float32))  # SHIFT_MOVES' float32 2e-5, as the float32 change is compared
+
+
+def step_above(x: float) -> float:
+    return float(torch.nextafter(torch.tensor(x), torch.tensor(1.0)))
+
+
+def exact(moved: float, *, noisy: bool = False):
+    """A function on (B, H, T, 4) whose outputs ignore the tokens, their centred RMS exactly 1 (feature 0 is +2 over
+    the first half of the real tokens and -2 over the rest, the others 0): the permuted copy of the stacked call (its
+    second pair of sequences) has feature 0 negated, so positions are seen; at 17 tokens (5 of padding before 12)
+    the newest query's feature 1 moves from 0 by `moved` (the change read is that number, exactly) where the mask
+    blocks the padding for it, and, `noisy`, its feature 2 by 1 from the second such call on."""
+    calls = []
+
+    def layer(q, k, v, mask=None):
+        N, H, T, d = q.shape
+        first = 5 if T == 17 else 0  # the real tokens after the padding
+        out = torch.zeros_like(q)
+        out[:, :, first:, 0] = torch.where(torch.arange(T - first) < (T - first) // 2, 2.0, -2.0)
+        if T == 12 and N == 6:
+            out[2:4, ..., 0] *= -1
+        if T == 17:
+            calls.append(N)
+            if mask is not None and not bool(mask[..., -1, 0].any()):
+                out[..., -1, 1] = moved
+            if noisy and len(calls) > 1:
+                out[..., -1, 2] = 1.0
+        return out
+
+    return layer
+
+
+def test_a_shift_that_moves_an_output_by_exactly_shift_moves_passes_and_one_float32_step_more_fails():
+    """`bad = change > tol` (L402, `>` made `>=`): torch compares the float32 change with SHIFT_MOVES rounded to
+    float32, so an exact hit is a float32 number a layer can give: a move of exactly the tolerance is rounding (a
+    pass), one float32 step more depends on absolute positions (a fail)."""
+    at = verdict(exact(TOL), "relative_positions", d_model=8, num_heads=2)
+    assert at.verdict == "pass" and at.value == TOL, at
+    above = verdict(exact(step_above(TOL)), "relative_positions", d_model=8, num_heads=2)
+    assert above.verdict == "fail" and above.message.startswith("the outputs depend on absolute positions"), above
+
+
+def test_a_shifted_call_that_moves_some_outputs_is_called_again_before_it_is_blamed():
+    """The second shifted call, the randomness control (L409, `bad.any()` made `all()`: called only where every real
+    output moved): 4 outputs of 48 moved by the shift (the newest of each sequence and head), and the same shifted input gives another output in its second
+    call, a skip that names the randomness; its twin, the same move in every call, depends on absolute positions."""
+    noisy = verdict(exact(1.0, noisy=True), "relative_positions", d_model=8, num_heads=2)
+    assert noisy.verdict == "skip" and "the same shifted input gave outputs 1 of their RMS apart" in noisy.message
+    steady = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2)
+    assert steady.verdict == "fail" and "4 / 48 outputs of the real tokens changed" in steady.evidence, steady
