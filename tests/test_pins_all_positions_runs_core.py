@@ -129,12 +129,13 @@ def step_above(x: float) -> float:
     return float(torch.nextafter(torch.tensor(x), torch.tensor(1.0)))
 
 
-def exact(moved: float, *, noisy: bool = False):
+def exact(moved: float, *, noisy: bool = False, raising: bool = False):
     """A function on (B, H, T, 4) whose outputs ignore the tokens, their centred RMS exactly 1 (feature 0 is +2 over
     the first half of the real tokens and -2 over the rest, the others 0): the permuted copy of the stacked call (its
     second pair of sequences) has feature 0 negated, so positions are seen; at 17 tokens (5 of padding before 12)
     the newest query's feature 1 moves from 0 by `moved` (the change read is that number, exactly) where the mask
-    blocks the padding for it, and, `noisy`, its feature 2 by 1 from the second such call on."""
+    blocks the padding for it, and, `noisy`, its feature 2 by 1 from the second such call on (`raising`: that call
+    raises instead)."""
     calls = []
 
     def layer(q, k, v, mask=None):
@@ -148,6 +149,8 @@ def exact(moved: float, *, noisy: bool = False):
             calls.append(N)
             if mask is not None and not bool(mask[..., -1, 0].any()):
                 out[..., -1, 1] = moved
+            if raising and len(calls) > 1:
+                raise RuntimeError("a second call of 17 tokens")
             if noisy and len(calls) > 1:
                 out[..., -1, 2] = 1.0
         return out
@@ -173,3 +176,24 @@ def test_a_shifted_call_that_moves_some_outputs_is_called_again_before_it_is_bla
     assert noisy.verdict == "skip" and "the same shifted input gave outputs 1 of their RMS apart" in noisy.message
     steady = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2)
     assert steady.verdict == "fail" and "4 / 48 outputs of the real tokens changed" in steady.evidence, steady
+
+
+@pytest.mark.parametrize(("declared", "said"), [({"positions": "relative"}, '; positions="relative" says they are relative'),
+                                                ({}, "")], ids=["declared", "undeclared"])
+def test_a_shift_that_moves_a_layer_declared_relative_says_what_declared_it(declared, said):
+    """The finding's wording (L430, `kind == "relative"` made `!=`): a layer whose shift moves its outputs, declared
+    relative, says that the declaration does; undeclared, the message ends at the move."""
+    found = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2, **declared)
+    assert found.verdict == "fail", found
+    assert found.message == f"the outputs depend on absolute positions: shifting every position by 5 moves them{said}"
+
+
+def test_a_second_shifted_call_that_raises_leaves_the_first_reading_standing():
+    """The randomness control's call that raised (L415, `and` made `or`: the output of a call that raised would be
+    read; L416, `== "positions"` made `!=`: a layer shifted through padding would be shifted through positions it
+    cannot take): the control is then left out and the first reading stands, a fail, as its twin's that never
+    raises."""
+    raised = verdict(exact(1.0, raising=True), "relative_positions", d_model=8, num_heads=2)
+    steady = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2)
+    assert raised.verdict == steady.verdict == "fail", (raised, steady)
+    assert raised.evidence == steady.evidence, (raised, steady)
