@@ -513,11 +513,14 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "is k, and _identical keeps the same identities (one tensor where q is k, the value the key where v is k). "
         "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
-        ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:"),
-        "on either line. `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
+        ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:",
+         "if drift is not None and float(drift.max()) > tol:"),
+        "on any of these lines (the third, the second shifted call's drift, added by m37k). `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
         "- T), which is P (5, so `P < 1` below is false): the same sizes (checked by hand; pinned at a context of 17, "
         "T + P exactly, in tests/test_pins_all_positions_pattern.py). `noise.max() >= tol`: " + _TOLERANCE_EDGE +
-        " (a relative change against SHIFT_MOVES' tolerance)"),
+        " (a relative change against SHIFT_MOVES' tolerance, on the second line and the third: a Python float "
+        "made of a float32 reading below float64, against the doubles 2e-5, 4e-2 and 0.3, none of which a float32 "
+        "number equals (m37k checked float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-9)"),
     "detectors/positions.py:check_relative_positions:L*:or->and": (
         "pv = pk if (one or v is k) else", "pv is read only through V two lines below, which is K wherever `one or v "
         "is k` holds (pv unused); elsewhere `one and v is k` is false too, and both give v.index_select(t, perm) "

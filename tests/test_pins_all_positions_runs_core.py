@@ -129,13 +129,13 @@ def step_above(x: float) -> float:
     return float(torch.nextafter(torch.tensor(x), torch.tensor(1.0)))
 
 
-def exact(moved: float, *, noisy: bool = False, raising: bool = False):
+def exact(moved: float, *, noisy: bool = False, raising: bool = False, flag: bool = False):
     """A function on (B, H, T, 4) whose outputs ignore the tokens, their centred RMS exactly 1 (feature 0 is +2 over
     the first half of the real tokens and -2 over the rest, the others 0): the permuted copy of the stacked call (its
     second pair of sequences) has feature 0 negated, so positions are seen; at 17 tokens (5 of padding before 12)
     the newest query's feature 1 moves from 0 by `moved` (the change read is that number, exactly) where the mask
     blocks the padding for it, and, `noisy`, its feature 2 by 1 from the second such call on (`raising`: that call
-    raises instead)."""
+    raises instead; `flag`: wherever a mask is given, whatever it blocks)."""
     calls = []
 
     def layer(q, k, v, mask=None):
@@ -147,7 +147,7 @@ def exact(moved: float, *, noisy: bool = False, raising: bool = False):
             out[2:4, ..., 0] *= -1
         if T == 17:
             calls.append(N)
-            if mask is not None and not bool(mask[..., -1, 0].any()):
+            if mask is not None and (flag or not bool(mask[..., -1, 0].any())):
                 out[..., -1, 1] = moved
             if raising and len(calls) > 1:
                 raise RuntimeError("a second call of 17 tokens")
@@ -197,3 +197,16 @@ def test_a_second_shifted_call_that_raises_leaves_the_first_reading_standing():
     steady = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2)
     assert raised.verdict == steady.verdict == "fail", (raised, steady)
     assert raised.evidence == steady.evidence, (raised, steady)
+
+
+@pytest.mark.parametrize(("moved", "flag", "expected"), [(1.0, True, "skip"), (1.0, False, "fail"), (0.0, True, "pass")],
+                         ids=["flag", "read", "unmoved"])
+def test_a_shift_that_moves_some_outputs_through_a_mask_read_as_a_flag_is_the_masks_finding(moved, flag, expected):
+    """The mask-as-flag check after a move (L421, `bad.any()` made `all()`, `and` made `or`, or `== "padding"` made
+    `!=`; L423, the guard never firing): 4 outputs of 48 move at 17 tokens wherever a mask is given, so with the
+    padding's mask opened they move the same: the mask is read only as a flag, a skip that says so; its twin, moving
+    only where the mask blocks the padding, depends on absolute positions. Moving nothing, the layer passes: it
+    reads no mask either, but the check is made only after a move."""
+    found = verdict(exact(moved, flag=flag), "relative_positions", d_model=8, num_heads=2)
+    assert found.verdict == expected, found
+    assert ("reads its mask only as a flag" in found.message) == (expected == "skip"), found
