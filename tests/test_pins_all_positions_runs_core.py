@@ -210,3 +210,33 @@ def test_a_shift_that_moves_some_outputs_through_a_mask_read_as_a_flag_is_the_ma
     found = verdict(exact(moved, flag=flag), "relative_positions", d_model=8, num_heads=2)
     assert found.verdict == expected, found
     assert ("reads its mask only as a flag" in found.message) == (expected == "skip"), found
+
+
+class OneHead(torch.nn.Module):
+    """Self-attention m(x, mask=None) on (B, T, D) with one head, its scores (B, T, T) (three axes), plus the distance
+    bias `slope` x |i - j| (ALiBi's for slope < 0); the mask bool (B, 1, T, T), True = may attend."""
+
+    def __init__(self, slope: float, d_model: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.slope = torch.nn.Linear(d_model, 3 * d_model), slope
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, T, D) each
+        distance = (torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)).abs()  # (T, T)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D) + self.slope * distance  # (B,T,D) x (B,D,T) -> (B,T,T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.view(B, T, T), float("-inf"))
+        return scores.softmax(-1) @ v  # (B, T, D)
+
+
+@pytest.mark.parametrize(("slope", "expected"), [(0.5, "fail"), (-0.5, "pass")], ids=["flipped", "alibi"])
+def test_a_flipped_alibi_whose_scores_have_three_axes_is_read(slope, expected):
+    """_scores_seen's `x.dim() >= 3` (L460, made `> 3`: a single-head layer's (B, T, T) softmax input would not be
+    read, and a bias that rewards distance would pass): ALiBi's sign flipped in a one-head module fails, its twin
+    with ALiBi's sign passes."""
+    found = verdict(OneHead(slope), "relative_positions")
+    assert found.verdict == expected, found
+    if expected == "fail":
+        assert found.message.startswith("the position bias rewards distance"), found
