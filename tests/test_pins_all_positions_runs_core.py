@@ -240,3 +240,32 @@ def test_a_flipped_alibi_whose_scores_have_three_axes_is_read(slope, expected):
     assert found.verdict == expected, found
     if expected == "fail":
         assert found.message.startswith("the position bias rewards distance"), found
+
+
+def sdpa_alibi(slope: float, *, sink: bool = False):
+    """ALiBi through torch's fused attention on (B, H, T, d): the distance bias slope x |i - j| as its float mask (the
+    passed bool mask folded in as -inf). `sink`: a key and value of zeros appended to every sequence (an attention
+    sink, bias 0, never blocked), so the fused call's keys are one more than its queries."""
+
+    def layer(q, k, v, mask=None):
+        B, H, T, d = q.shape
+        distance = (torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)).abs().to(q.dtype)  # (T, T)
+        bias = (slope * distance).expand(B, 1, T, T)
+        if mask is not None:
+            bias = bias.masked_fill(~mask.view(-1, 1, T, T), float("-inf"))
+        if sink:
+            k, v = (torch.cat([x, x.new_zeros(B, H, 1, d)], dim=2) for x in (k, v))  # (B, H, T + 1, d)
+            bias = torch.cat([bias, bias.new_zeros(B, 1, T, 1)], dim=-1)  # (B, 1, T, T + 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    return layer
+
+
+def test_a_fused_call_whose_keys_outnumber_its_queries_is_not_read_as_square():
+    """_scores_seen's guard on a fused call (L463, its second or third `or` made `and`: keys one more than the
+    queries would be read as a square, and the reading raise): ALiBi through a fused call with a sink key appended
+    is not read there, and passes; its twin without the sink is read: its sign flipped, it fails."""
+    found = verdict(sdpa_alibi(-0.5, sink=True), "relative_positions")
+    assert found.verdict == "pass", found
+    flipped = verdict(sdpa_alibi(0.5), "relative_positions")
+    assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
