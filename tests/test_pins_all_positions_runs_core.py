@@ -242,10 +242,11 @@ def test_a_flipped_alibi_whose_scores_have_three_axes_is_read(slope, expected):
         assert found.message.startswith("the position bias rewards distance"), found
 
 
-def sdpa_alibi(slope: float, *, sink: bool = False):
+def sdpa_alibi(slope: float, *, sink: bool = False, first_alone: bool = False):
     """ALiBi through torch's fused attention on (B, H, T, d): the distance bias slope x |i - j| as its float mask (the
     passed bool mask folded in as -inf). `sink`: a key and value of zeros appended to every sequence (an attention
-    sink, bias 0, never blocked), so the fused call's keys are one more than its queries."""
+    sink, bias 0, never blocked), so the fused call's keys are one more than its queries; `first_alone`: a fused call
+    on the first sequence alone before the batched one (a summary the layer keeps; here unused)."""
 
     def layer(q, k, v, mask=None):
         B, H, T, d = q.shape
@@ -256,6 +257,8 @@ def sdpa_alibi(slope: float, *, sink: bool = False):
         if sink:
             k, v = (torch.cat([x, x.new_zeros(B, H, 1, d)], dim=2) for x in (k, v))  # (B, H, T + 1, d)
             bias = torch.cat([bias, bias.new_zeros(B, 1, T, 1)], dim=-1)  # (B, 1, T, T + 1)
+        if first_alone:
+            torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=bias[:1])  # (1, H, T, d)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     return layer
@@ -269,3 +272,15 @@ def test_a_fused_call_whose_keys_outnumber_its_queries_is_not_read_as_square():
     assert found.verdict == "pass", found
     flipped = verdict(sdpa_alibi(0.5), "relative_positions")
     assert flipped.verdict == "fail" and flipped.message.startswith("the position bias rewards distance"), flipped
+
+
+@pytest.mark.parametrize(("slope", "expected"), [(0.5, "fail"), (-0.5, "pass")], ids=["flipped", "alibi"])
+def test_a_fused_call_of_one_sequence_before_the_batched_one_is_passed_over(slope, expected):
+    """_scores_seen's guard on a fused call (L463, its first `or` made `and`: a fused call of the stacked call's length
+    but one sequence would be read, its rows past the first copy empty, and nothing judged): a layer that attends
+    its first sequence alone before the whole batch is read on the batched call: ALiBi's sign flipped fails, and
+    its twin with ALiBi's sign passes."""
+    found = verdict(sdpa_alibi(slope, first_alone=True), "relative_positions")
+    assert found.verdict == expected, found
+    if expected == "fail":
+        assert found.message.startswith("the position bias rewards distance"), found
