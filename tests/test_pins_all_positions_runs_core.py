@@ -284,3 +284,27 @@ def test_a_fused_call_of_one_sequence_before_the_batched_one_is_passed_over(slop
     assert found.verdict == expected, found
     if expected == "fail":
         assert found.message.startswith("the position bias rewards distance"), found
+
+
+def sdpa_alibi_2d(slope: float):
+    """ALiBi through torch's fused attention with one (T, T) float mask for the whole batch: the distance bias
+    slope x |i - j|, the first sequence's bool mask folded in as -inf (the audit's masks are alike over the batch)."""
+
+    def layer(q, k, v, mask=None):
+        T = q.shape[-2]
+        bias = slope * (torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)).abs().to(q.dtype)  # (T, T)
+        if mask is not None:
+            bias = bias.masked_fill(~mask.reshape(-1, T, T)[0], float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    return layer
+
+
+@pytest.mark.parametrize(("slope", "expected"), [(0.5, "fail"), (-0.5, "pass")], ids=["flipped", "alibi"])
+def test_a_fused_calls_mask_of_fewer_axes_than_its_scores_is_broadcast(slope, expected):
+    """_scores_seen's `f.attn_mask.dim() <= x.dim()` (L467, made `>=`: a (T, T) mask under (B, H, T, T) scores would
+    not be read, and a flipped bias pass): ALiBi's sign flipped in a (T, T) float mask fails, its twin passes."""
+    found = verdict(sdpa_alibi_2d(slope), "relative_positions")
+    assert found.verdict == expected, found
+    if expected == "fail":
+        assert found.message.startswith("the position bias rewards distance"), found
