@@ -308,3 +308,15 @@ def test_a_fused_calls_mask_of_fewer_axes_than_its_scores_is_broadcast(slope, ex
     assert found.verdict == expected, found
     if expected == "fail":
         assert found.message.startswith("the position bias rewards distance"), found
+
+
+@pytest.mark.parametrize(("slope", "expected"), [(0.5, "fail"), (-0.5, "pass")], ids=["flipped", "alibi"])
+def test_a_window_of_two_keys_is_enough_to_read_the_distance(slope, expected):
+    """distance_reward's `count >= 2` (L488, made `> 2`: rows that see two keys would be too few, and a window of 2
+    never read): under a declared sliding_window(2) every row sees its own key and the one before, a line of two
+    points; ALiBi's sign flipped fails, its twin passes."""
+    found = verdict(lambda q, k, v, mask=None: alibi(q, k, v, mask, slope=slope), "relative_positions",
+                    pattern=diagnostics.patterns.sliding_window(2))
+    assert found.verdict == expected, found
+    if expected == "fail":
+        assert found.message.startswith("the position bias rewards distance"), found
