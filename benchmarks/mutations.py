@@ -260,6 +260,12 @@ _KINK_EDGE = (
     "kink at the point reads within 1.2x, a smooth part shrinks 8x a halving, and |g| ** 1.5 at 0 (exactly 2x in exact "
     "arithmetic) reads just under 2x in float64 (its h ** 2 term): the same verdict under both operators (checked on "
     "tests/test_pins_seed21.py's gate at p = 1.4, 1.45, 1.5, 1.55)")
+_DISTANCE_FLOOR = (
+    "the floor keeps a head's slope finite where its centred distances are all 0. They are integers less each row's "
+    "mean over the n keys it sees, multiples of 1/n: their squares sum to 0 (every row sees one key, or keys at one "
+    "distance) or to at least 1/2 (two keys at distances one apart, the least spread), never between 1e-301 and "
+    "1e-299; at 0 the products with the centred scores sum to exactly 0 too, so the slope is 0 / floor = 0 at "
+    "any floor (checked by hand)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:x10": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
     "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
@@ -582,6 +588,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tolerance(UNCHANGED, dtype), the doubles 1e-5, 2e-3 and 1.6e-2, none of which a float32 number equals (checked "
         "with float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-10 for a float64 reading, which "
         "an exact hit alone would equal: `<` and `<=` take the same branch (checked by hand)"),
+    **{f"detectors/positions.py:distance_reward:L*:{factor}": (".clamp(min=1e-300)", _DISTANCE_FLOOR)
+       for factor in ("x10", "x0.1")},
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
