@@ -261,11 +261,16 @@ _KINK_EDGE = (
     "arithmetic) reads just under 2x in float64 (its h ** 2 term): the same verdict under both operators (checked on "
     "tests/test_pins_seed21.py's gate at p = 1.4, 1.45, 1.5, 1.55)")
 _DISTANCE_FLOOR = (
-    "the floor keeps a head's slope finite where its centred distances are all 0. They are integers less each row's "
+    "on the slope's line, `.clamp(min=1e-300)`: the floor keeps a head's slope finite where its centred distances are all 0. They are integers less each row's "
     "mean over the n keys it sees, multiples of 1/n: their squares sum to 0 (every row sees one key, or keys at one "
     "distance) or to at least 1/2 (two keys at distances one apart, the least spread), never between 1e-301 and "
     "1e-299; at 0 the products with the centred scores sum to exactly 0 too, so the slope is 0 / floor = 0 at "
     "any floor (checked by hand)")
+_OTHER_DTYPE = (
+    ". On the line of the residual's bar, DISTANCE_LINEAR.get(dtype, 1e-3): the default is read only for a floating "
+    "dtype outside the table's four; the audit takes any floating dtype, but float8 (the others torch has) stops "
+    "before any reading: the probe's `mul` is not implemented for it (m37k checked audit(..., dtype="
+    "torch.float8_e4m3fn) on CPU: the detector's error). Equivalent in practice; not checked on a GPU")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:x10": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
     "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
@@ -588,8 +593,16 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tolerance(UNCHANGED, dtype), the doubles 1e-5, 2e-3 and 1.6e-2, none of which a float32 number equals (checked "
         "with float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-10 for a float64 reading, which "
         "an exact hit alone would equal: `<` and `<=` take the same branch (checked by hand)"),
-    **{f"detectors/positions.py:distance_reward:L*:{factor}": (".clamp(min=1e-300)", _DISTANCE_FLOOR)
+    **{f"detectors/positions.py:distance_reward:L*:{factor}": (
+        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE)
        for factor in ("x10", "x0.1")},
+    "detectors/positions.py:distance_reward:L*:Gt->GtE": (
+        "if not spread > 0 or", "`spread >= 0` differs only at a spread of exactly 0, where every centred score is 0: "
+        "the slope is then 0 (a sum of zeros over the floor), the residual 0 is not above 0, and `slope > 0` holds for "
+        "no head, so None is returned either way; NaN fails both (checked by hand)"),
+    "detectors/positions.py:distance_reward:L*:Gt->GtE#2": (
+        "if not spread > 0 or", _TOLERANCE_EDGE + " (float64 residual against DISTANCE_LINEAR x the float64 spread, "
+        "which is positive there: a residual of 0, an exact line, is under it either way)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
