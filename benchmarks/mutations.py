@@ -261,8 +261,8 @@ _KINK_EDGE = (
     "arithmetic) reads just under 2x in float64 (its h ** 2 term): the same verdict under both operators (checked on "
     "tests/test_pins_seed21.py's gate at p = 1.4, 1.45, 1.5, 1.55)")
 _DISTANCE_FLOOR = (
-    "on the slope's line, `.clamp(min=1e-300)`: the floor keeps a head's slope finite where its centred distances are all 0. They are integers less each row's "
-    "mean over the n keys it sees, multiples of 1/n: their squares sum to 0 (every row sees one key, or keys at one "
+    "on the slope's line, `.clamp(min=1e-300)`: the floor keeps a head's slope finite where its centred distances are "
+    "all 0. They are integers less each row's mean over the n keys it sees, multiples of 1/n: their squares sum to 0 (every row sees one key, or keys at one "
     "distance) or to at least 1/2 (two keys at distances one apart, the least spread), never between 1e-301 and "
     "1e-299; at 0 the products with the centred scores sum to exactly 0 too, so the slope is 0 / floor = 0 at "
     "any floor (checked by hand)")

@@ -191,8 +191,8 @@ def test_a_shift_that_moves_a_layer_declared_relative_says_what_declared_it(decl
 def test_a_second_shifted_call_that_raises_leaves_the_first_reading_standing():
     """The randomness control's call that raised (L415, `and` made `or`: the output of a call that raised would be
     read; L416, `== "positions"` made `!=`: a layer shifted through padding would be shifted through positions it
-    cannot take): the control is then left out and the first reading stands, a fail, as its twin's that never
-    raises."""
+    cannot take; L556, `or` made `and`: the mask-as-flag call, which raises too, would be read): the control and
+    the flag check are then left out and the first reading stands, a fail, as its twin's that never raises."""
     raised = verdict(exact(1.0, raising=True), "relative_positions", d_model=8, num_heads=2)
     steady = verdict(exact(1.0), "relative_positions", d_model=8, num_heads=2)
     assert raised.verdict == steady.verdict == "fail", (raised, steady)
@@ -320,3 +320,13 @@ def test_a_window_of_two_keys_is_enough_to_read_the_distance(slope, expected):
     assert found.verdict == expected, found
     if expected == "fail":
         assert found.message.startswith("the position bias rewards distance"), found
+
+
+def test_a_flag_is_not_sought_where_the_pattern_already_blocks_the_padding():
+    """_mask_is_a_flag's first test (L553, `==` made `!=`): under a declared sliding_window(1) every real query sees
+    its own key alone, so the padding's mask and the mask opened to the padding are the same, and no call can tell a
+    flag from a mask: the move stands, a fail; without the window the same layer's mask is found to be a flag (the
+    test above)."""
+    found = verdict(exact(1.0, flag=True), "relative_positions", d_model=8, num_heads=2,
+                    pattern=diagnostics.patterns.sliding_window(1))
+    assert found.verdict == "fail" and found.message.startswith("the outputs depend on absolute positions"), found
