@@ -603,6 +603,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/positions.py:distance_reward:L*:Gt->GtE#2": (
         "if not spread > 0 or", _TOLERANCE_EDGE + " (float64 residual against DISTANCE_LINEAR x the float64 spread, "
         "which is positive there: a residual of 0, an exact line, is under it either way)"),
+    "detectors/positions.py:_mask_is_a_flag:L*:Gt->GtE": (
+        "if change is None or float(change.max()) > tol:", _TOLERANCE_EDGE + " (a Python float made of a float32 "
+        "reading below float64, against SHIFT_MOVES' doubles 2e-5, 4e-2 and 0.3, none of which a float32 number "
+        "equals: checked as for check_relative_positions' marks; or a float64 reading against 1e-9)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
