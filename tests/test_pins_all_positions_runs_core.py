@@ -330,3 +330,36 @@ def test_a_flag_is_not_sought_where_the_pattern_already_blocks_the_padding():
     found = verdict(exact(1.0, flag=True), "relative_positions", d_model=8, num_heads=2,
                     pattern=diagnostics.patterns.sliding_window(1))
     assert found.verdict == "fail" and found.message.startswith("the outputs depend on absolute positions"), found
+
+
+# ---- runs: _needed_declaration ------------------------------------------------------------------------------------
+
+
+def keep_per_key():
+    """tests/test_pins.py's KeepPerKey: the reference taking a (B, Tk) keep mask as its undocumented `mask`, so the
+    audit's default (B, 1, Tq, Tk) mask makes it raise, and given as key_keep it runs and honours it."""
+    return _sibling("test_pins").KeepPerKey()
+
+
+class KeepPerKeyOfTwo(torch.nn.Module):
+    """KeepPerKey that also refuses a batch of one (a layer compiled for batches of 2), mask or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = keep_per_key()
+        self.d_model, self.num_heads = 16, 2
+
+    def forward(self, x, mask=None):
+        if x.shape[0] == 1:
+            raise RuntimeError("compiled for a batch of 2")
+        return self.inner(x, mask)
+
+
+def test_runs_fails_a_layer_that_also_raised_without_a_mask_and_names_the_declaration_for_one_that_did_not():
+    """_needed_declaration's `any(c.allowed is None for c in calls)` (L287, made `all`: one call without a mask that
+    raised is enough to show the mask is not all that differs): the layer raising on the default mask and on B=1
+    without one fails; its twin, raising on the mask alone, is a skip that names key_keep."""
+    found = verdict(KeepPerKeyOfTwo(), "runs")
+    assert found.verdict == "fail" and "B=1: RuntimeError: compiled for a batch of 2" in found.evidence, found
+    twin = verdict(keep_per_key(), "runs")
+    assert twin.verdict == "skip" and twin.message.startswith("needs a declaration, mask='key_keep'"), twin
