@@ -617,6 +617,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     **{f"detectors/runs.py:_needed_declaration:L*:or->and{n}": (
         "if not calls or not s.takes_mask or s.convention_by in (\"user\", \"library\") or", _HONOURED_GUARD)
        for n in ("#2", "#3")},
+    "detectors/runs.py:_required_input:L*:Gt->GtE": (
+        "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
+        "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
+        "dtype=torch.float32)) == 1e-3, False)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

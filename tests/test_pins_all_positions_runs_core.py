@@ -363,3 +363,32 @@ def test_runs_fails_a_layer_that_also_raised_without_a_mask_and_names_the_declar
     assert found.verdict == "fail" and "B=1: RuntimeError: compiled for a batch of 2" in found.evidence, found
     twin = verdict(keep_per_key(), "runs")
     assert twin.verdict == "skip" and twin.message.startswith("needs a declaration, mask='key_keep'"), twin
+
+
+# ---- runs: _length_constraint -------------------------------------------------------------------------------------
+
+
+def blockwise(batch_of_two: bool):
+    """tests/test_layer_causes.py's BlockwiseAttention (lengths that are multiples of 4 only, as its own assertion
+    says); `batch_of_two`: it also refuses a batch of one, with an error that names no multiple."""
+    base = _sibling("test_layer_causes").BlockwiseAttention
+
+    class Blockwise(base):
+        def forward(self, x):
+            if batch_of_two and x.shape[0] == 1:
+                raise RuntimeError("compiled for a batch of 2")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    return Blockwise()
+
+
+@pytest.mark.parametrize(("batch_of_two", "expected"), [(True, "fail"), (False, "skip")], ids=["also B=1", "lengths"])
+def test_runs_skips_refused_lengths_only_where_every_raise_states_the_rule(batch_of_two, expected):
+    """_length_constraint's `not all(stated)` (L425, made `any`: one raise that states the rule would be enough, and
+    the others' missing rule read): a layer that refuses T = 1 by its stated rule and B = 1 by another error fails;
+    its twin, refusing T = 1 alone, is a skip that names the multiple."""
+    found = verdict(blockwise(batch_of_two), "runs", causal=True)
+    assert found.verdict == expected, found
+    if expected == "skip":
+        assert found.message.startswith("the layer takes lengths that are multiples of 4 only"), found
