@@ -392,3 +392,32 @@ def test_runs_skips_refused_lengths_only_where_every_raise_states_the_rule(batch
     assert found.verdict == expected, found
     if expected == "skip":
         assert found.message.startswith("the layer takes lengths that are multiples of 4 only"), found
+
+
+# ---- runs: _required_input ----------------------------------------------------------------------------------------
+
+
+def leaky_memory(one_token_alone: bool):
+    """tests/test_pins_small.py's LeakyMemory (leak 3e-4: a memory it attends apart), whose `context` defaults to None
+    yet is required; `one_token_alone`: a single token without context attends itself instead (so the T=1 probe
+    runs while the others raise)."""
+    base = _sibling("test_pins_small").LeakyMemory
+
+    class Memory(base):
+        def forward(self, hidden_states, context=None):
+            if context is None and one_token_alone and hidden_states.shape[1] == 1:
+                context = hidden_states
+            return super().forward(hidden_states, context)
+
+    return Memory(3e-4).eval()
+
+
+@pytest.mark.parametrize(("one_token_alone", "expected"), [(True, "fail"), (False, "skip")], ids=["T=1 ran", "none ran"])
+def test_runs_names_a_required_input_only_where_every_probe_of_its_own_raised(one_token_alone, expected):
+    """_required_input's first guard (L339: `all` made `any`, or either `or` made `and`): a layer that ran on one of
+    runs' probes without the stream (T=1) raised on the others for another reason than a missing input: a fail; its
+    twin, raising on every probe without `context`, is a skip that names cross=True."""
+    found = verdict(leaky_memory(one_token_alone), "runs")
+    assert found.verdict == expected, found
+    if expected == "skip":
+        assert found.message.startswith("needs a declaration") and found.declaration == "cross=True", found
