@@ -368,7 +368,7 @@ def test_runs_fails_a_layer_that_also_raised_without_a_mask_and_names_the_declar
 # ---- runs: _length_constraint -------------------------------------------------------------------------------------
 
 
-def blockwise(batch_of_two: bool):
+def blockwise(batch_of_two: bool, window: int = 4):
     """tests/test_layer_causes.py's BlockwiseAttention (lengths that are multiples of 4 only, as its own assertion
     says); `batch_of_two`: it also refuses a batch of one, with an error that names no multiple."""
     base = _sibling("test_layer_causes").BlockwiseAttention
@@ -380,7 +380,7 @@ def blockwise(batch_of_two: bool):
             return super().forward(x)
 
     torch.manual_seed(0)
-    return Blockwise()
+    return Blockwise(window=window)
 
 
 @pytest.mark.parametrize(("batch_of_two", "expected"), [(True, "fail"), (False, "skip")], ids=["also B=1", "lengths"])
@@ -421,3 +421,10 @@ def test_runs_names_a_required_input_only_where_every_probe_of_its_own_raised(on
     assert found.verdict == expected, found
     if expected == "skip":
         assert found.message.startswith("needs a declaration") and found.declaration == "cross=True", found
+
+
+def test_runs_skips_lengths_refused_by_a_rule_of_multiples_of_2():
+    """_length_constraint's `w < 2` (L428, made `<= 2`: a rule of even lengths would be read as no rule): blocks of
+    2 tokens refuse T = 1 only, by their stated rule, a skip that names it, as blocks of 4 are (the test above)."""
+    found = verdict(blockwise(False, window=2), "runs", causal=True)
+    assert found.verdict == "skip" and found.message.startswith("the layer takes lengths that are multiples of 2 only")
