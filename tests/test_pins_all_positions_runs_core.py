@@ -428,3 +428,29 @@ def test_runs_skips_lengths_refused_by_a_rule_of_multiples_of_2():
     2 tokens refuse T = 1 only, by their stated rule, a skip that names it, as blocks of 4 are (the test above)."""
     found = verdict(blockwise(False, window=2), "runs", causal=True)
     assert found.verdict == "skip" and found.message.startswith("the layer takes lengths that are multiples of 2 only")
+
+
+class Misstated(torch.nn.Module):
+    """tests/test_layer_causes.py's BlockwiseAttention whose own check states a rule of multiples of `w` but refuses
+    what `refuses(B, T)` says: a length the rule allows, or one it does not name."""
+
+    def __init__(self, refuses, w: int = 4):
+        super().__init__()
+        self.inner, self.refuses, self.w = blockwise(False), refuses, w
+        self.d_model, self.heads = self.inner.d_model, self.inner.heads
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        assert not self.refuses(B, T), f"sequence length {T} must be divisible by window size {self.w}"
+        return self.inner(x)
+
+
+@pytest.mark.parametrize(("refuses", "w"), [(lambda B, T: B == 1, 4), (lambda B, T: T == 1, 3)],
+                         ids=["B=1 at a multiple", "a rule the standard probe breaks"])
+def test_runs_fails_a_stated_rule_that_the_layer_does_not_keep(refuses, w):
+    """_length_constraint's second guard (L428, its second or third `or` made `and`): a rule of multiples of 4 that
+    refused T = 16 at B = 1, or a rule of multiples of 3 stated by a layer that ran the standard probe at T = 16, is
+    no rule the layer keeps: the raises fail (the docstring: "a refused length that is a multiple of W ... still
+    fail"); its twin, refusing T = 1 alone by a rule of 4, is a skip (the tests above)."""
+    found = verdict(Misstated(refuses, w), "runs", causal=True)
+    assert found.verdict == "fail" and found.message.startswith("the layer raised on"), found
