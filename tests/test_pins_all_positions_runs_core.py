@@ -448,7 +448,8 @@ class Misstated(torch.nn.Module):
 @pytest.mark.parametrize(("refuses", "w"), [(lambda B, T: B == 1, 4), (lambda B, T: T == 1, 3)],
                          ids=["B=1 at a multiple", "a rule the standard probe breaks"])
 def test_runs_fails_a_stated_rule_that_the_layer_does_not_keep(refuses, w):
-    """_length_constraint's second guard (L428, its second or third `or` made `and`): a rule of multiples of 4 that
+    """_length_constraint's second guard (L428, its second or third `or` made `and`; L429, `all` made `any`: one
+    refused length off the rule would be enough): a rule of multiples of 4 that
     refused T = 16 at B = 1, or a rule of multiples of 3 stated by a layer that ran the standard probe at T = 16, is
     no rule the layer keeps: the raises fail (the docstring: "a refused length that is a multiple of W ... still
     fail"); its twin, refusing T = 1 alone by a rule of 4, is a skip (the tests above)."""
