@@ -272,10 +272,10 @@ _OTHER_DTYPE = (
     "before any reading: the probe's `mul` is not implemented for it (m37k checked audit(..., dtype="
     "torch.float8_e4m3fn) on CPU: the detector's error). Equivalent in practice; not checked on a GPU")
 _HONOURED_GUARD = (
-    "made `and`, the second `or` lets through a layer that takes no mask or one whose convention the user or its "
-    "library declared, the third a declared convention with every failed call masked; either goes on to "
-    "honoured_conventions (after `unmasked_ran`, which reads and writes nothing), whose first guard is the same "
-    "`s.convention_by in (\"user\", \"library\") or not s.takes_mask`: it returns [] (and caches [], which it "
+    "made `and`, the second `or` lets through a layer that takes no mask (its convention not declared) or one whose "
+    "convention the user or its library declared (it takes a mask), where no failed call went without a mask; "
+    "either goes on to honoured_conventions (after `unmasked_ran`, which reads and writes nothing), whose first "
+    "guard is the same `s.convention_by in (\"user\", \"library\") or not s.takes_mask`: it returns [] (and caches [], which it "
     "would return anyway), so `if not found: return None` returns what the original guard did (checked by hand in "
     "_mask_hints.honoured_conventions)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
@@ -614,9 +614,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if change is None or float(change.max()) > tol:", _TOLERANCE_EDGE + " (a Python float made of a float32 "
         "reading below float64, against SHIFT_MOVES' doubles 2e-5, 4e-2 and 0.3, none of which a float32 number "
         "equals: checked as for check_relative_positions' marks; or a float64 reading against 1e-9)"),
-    **{f"detectors/runs.py:_needed_declaration:L*:or->and{n}": (
-        "if not calls or not s.takes_mask or s.convention_by in (\"user\", \"library\") or", _HONOURED_GUARD)
-       for n in ("#2", "#3")},
+    "detectors/runs.py:_needed_declaration:L*:or->and#2": (
+        "if not calls or not s.takes_mask or s.convention_by in (\"user\", \"library\") or", _HONOURED_GUARD),
     "detectors/runs.py:_required_input:L*:Gt->GtE": (
         "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
