@@ -600,9 +600,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "tolerance(UNCHANGED, dtype), the doubles 1e-5, 2e-3 and 1.6e-2, none of which a float32 number equals (checked "
         "with float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-10 for a float64 reading, which "
         "an exact hit alone would equal: `<` and `<=` take the same branch (checked by hand)"),
-    **{f"detectors/positions.py:distance_reward:L*:{factor}": (
-        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE)
-       for factor in ("x10", "x0.1")},
+    "detectors/positions.py:distance_reward:L*:x10": (
+        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE),
+    "detectors/positions.py:distance_reward:L*:x0.1": (
+        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE),
     "detectors/positions.py:distance_reward:L*:Gt->GtE": (
         "if not spread > 0 or", "`spread >= 0` differs only at a spread of exactly 0, where every centred score is 0: "
         "the slope is then 0 (a sum of zeros over the floor), the residual 0 is not above 0, and `slope > 0` holds for "
