@@ -260,6 +260,24 @@ _KINK_EDGE = (
     "kink at the point reads within 1.2x, a smooth part shrinks 8x a halving, and |g| ** 1.5 at 0 (exactly 2x in exact "
     "arithmetic) reads just under 2x in float64 (its h ** 2 term): the same verdict under both operators (checked on "
     "tests/test_pins_seed21.py's gate at p = 1.4, 1.45, 1.5, 1.55)")
+_DISTANCE_FLOOR = (
+    "on the slope's line, `.clamp(min=1e-300)`: the floor keeps a head's slope finite where its centred distances are "
+    "all 0. They are integers less each row's mean over the n keys it sees, multiples of 1/n: their squares sum to 0 (every row sees one key, or keys at one "
+    "distance) or to at least 1/2 (two keys at distances one apart, the least spread), never between 1e-301 and "
+    "1e-299; at 0 the products with the centred scores sum to exactly 0 too, so the slope is 0 / floor = 0 at "
+    "any floor (checked by hand)")
+_OTHER_DTYPE = (
+    ". On the line of the residual's bar, DISTANCE_LINEAR.get(dtype, 1e-3): the default is read only for a floating "
+    "dtype outside the table's four; the audit takes any floating dtype, but float8 (the others torch has) stops "
+    "before any reading: the probe's `mul` is not implemented for it (m37k checked audit(..., dtype="
+    "torch.float8_e4m3fn) on CPU: the detector's error). Equivalent in practice; not checked on a GPU")
+_HONOURED_GUARD = (
+    "made `and`, the second `or` lets through a layer that takes no mask (its convention not declared) or one whose "
+    "convention the user or its library declared (it takes a mask), where no failed call went without a mask; "
+    "either goes on to honoured_conventions (after `unmasked_ran`, which reads and writes nothing), whose first "
+    "guard is the same `s.convention_by in (\"user\", \"library\") or not s.takes_mask`: it returns [] (and caches [], which it "
+    "would return anyway), so `if not found: return None` returns what the original guard did (checked by hand in "
+    "_mask_hints.honoured_conventions)")
 EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:x10": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
     "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
@@ -513,11 +531,14 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "is k, and _identical keeps the same identities (one tensor where q is k, the value the key where v is k). "
         "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
-        ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:"),
-        "on either line. `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
+        ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:",
+         "if drift is not None and float(drift.max()) > tol:"),
+        "on any of these lines (the third, the second shifted call's drift, added by m37k). `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
         "- T), which is P (5, so `P < 1` below is false): the same sizes (checked by hand; pinned at a context of 17, "
         "T + P exactly, in tests/test_pins_all_positions_pattern.py). `noise.max() >= tol`: " + _TOLERANCE_EDGE +
-        " (a relative change against SHIFT_MOVES' tolerance)"),
+        " (a relative change against SHIFT_MOVES' tolerance, on the second line and the third: a Python float "
+        "made of a float32 reading below float64, against the doubles 2e-5, 4e-2 and 0.3, none of which a float32 "
+        "number equals (m37k checked float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-9)"),
     "detectors/positions.py:check_relative_positions:L*:or->and": (
         "pv = pk if (one or v is k) else", "pv is read only through V two lines below, which is K wherever `one or v "
         "is k` holds (pv unused); elsewhere `one and v is k` is false too, and both give v.index_select(t, perm) "
@@ -571,6 +592,35 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "paths (then nothing can be zeroed, and autograd.grad of no inputs raises into the except: {}), or a loss "
         "that is no tensor (autograd.grad raises: {}; with `and`, no grads: nothing zeroed, {}): the same {} "
         "(checked by hand)"),
+    # m37k: positions.py, runs.py, _core.py (the full runs at ff5444f, issue 37), checked by hand:
+    "detectors/positions.py:check_relative_positions:L*:LtE->Lt": (
+        ("if uses <= bar and getattr(probe, \"positions\", None) == \"relative\":", "if uses <= bar:"),
+        "on either line. `uses` is the permutation's largest relative change, a Python float made of a float32 "
+        "reading below float64 (relative_change computes in float32 there) or of a float64 one, or 0.0; `bar` is "
+        "tolerance(UNCHANGED, dtype), the doubles 1e-5, 2e-3 and 1.6e-2, none of which a float32 number equals (checked "
+        "with float(torch.tensor(v, dtype=torch.float32)) == v: False for each), or 1e-10 for a float64 reading, which "
+        "an exact hit alone would equal: `<` and `<=` take the same branch (checked by hand)"),
+    "detectors/positions.py:distance_reward:L*:x10": (
+        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE),
+    "detectors/positions.py:distance_reward:L*:x0.1": (
+        (".clamp(min=1e-300)", "DISTANCE_LINEAR.get(dtype, 1e-3)"), _DISTANCE_FLOOR + _OTHER_DTYPE),
+    "detectors/positions.py:distance_reward:L*:Gt->GtE": (
+        "if not spread > 0 or", "`spread >= 0` differs only at a spread of exactly 0, where every centred score is 0: "
+        "the slope is then 0 (a sum of zeros over the floor), the residual 0 is not above 0, and `slope > 0` holds for "
+        "no head, so None is returned either way; NaN fails both (checked by hand)"),
+    "detectors/positions.py:distance_reward:L*:Gt->GtE#2": (
+        "if not spread > 0 or", _TOLERANCE_EDGE + " (float64 residual against DISTANCE_LINEAR x the float64 spread, "
+        "which is positive there: a residual of 0, an exact line, is under it either way)"),
+    "detectors/positions.py:_mask_is_a_flag:L*:Gt->GtE": (
+        "if change is None or float(change.max()) > tol:", _TOLERANCE_EDGE + " (a Python float made of a float32 "
+        "reading below float64, against SHIFT_MOVES' doubles 2e-5, 4e-2 and 0.3, none of which a float32 number "
+        "equals: checked as for check_relative_positions' marks; or a float64 reading against 1e-9)"),
+    "detectors/runs.py:_needed_declaration:L*:or->and#2": (
+        "if not calls or not s.takes_mask or s.convention_by in (\"user\", \"library\") or", _HONOURED_GUARD),
+    "detectors/runs.py:_required_input:L*:Gt->GtE": (
+        "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
+        "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
+        "dtype=torch.float32)) == 1e-3, False)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
