@@ -294,7 +294,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
     "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": (("(rows > tol).sum()", "(rows > tol).any()"),
                                                             _TOLERANCE_EDGE + " (on either line: the reading, and a "
-                                                            "count in the evidence)"),
+                                                            "count in the evidence; the reading in practice, as "
+                                                            "crosses' below)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (
@@ -590,7 +591,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         'also = f" and key {T - 1}, which it blocks,"', "the same as and->or on this line: the control case's words are "
         "never shown (checked by hand)"),
     "detectors/masking.py:crosses:L*:Gt->GtE": ("(change > comparison.tol)", _TOLERANCE_EDGE + " (a relative change "
-                                                "against tolerance(UNCHANGED, dtype))"),
+                                                "against tolerance(UNCHANGED, dtype); in practice: torch compares a "
+                                                "float32 change with the tolerance rounded to float32, which a layer "
+                                                "built for it could hit, as m37h's masks_future pin does)"),
     "detectors/masking.py:read_as_flag:L*:Gt->GtE": (
         "if float(same.max()) > tol or not float(switched.max()) > tol:", _TOLERANCE_EDGE + " (`same`, a relative "
         "change, float32 below float64, against tolerance(UNCHANGED, dtype))"),

@@ -116,3 +116,64 @@ def test_the_padding_stack_holds_no_mask_honoured_copies_at_one_token():
         batches.clear()
         found = verdict(attention, "weight_row_sums", seq_len=seq_len)
         assert found.verdict == "pass" and batches == [2, stacked], (seq_len, found, batches)
+
+
+# ---- fully_masked_rows ----------------------------------------------------------------------------------------------
+
+
+class WeightsMasked(nn.Module):
+    """Self-attention (16 wide, 2 heads, seed 0), mask bool (B, 1, T, T), True = may attend. `where`: "before" (the
+    scores, then a softmax that gives an all -inf row NaN), "after" (the weights after the softmax, with -inf: the
+    bug, as tests/test_mask_controls.py's). `one_nan`: the output's first feature at t=0 NaN, the rest finite."""
+
+    def __init__(self, where: str, one_nan: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.where, self.one_nan, self.num_heads = where, one_nan, 2
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+        if mask is not None and self.where == "before":
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)  # (B, H, T, T)
+        if mask is not None and self.where == "after":
+            weights = weights.masked_fill(~mask, float("-inf"))  # the bug: -inf reaches the values' product
+        out = self.out((weights @ v).transpose(1, 2).reshape(B, T, D))  # (B,H,T,T) x (B,H,T,d) -> (B,T,D)
+        if self.one_nan:
+            first = torch.zeros_like(out, dtype=torch.bool)
+            first[:, 0, 0] = True
+            out = torch.where(first, float("nan"), out)
+        return out
+
+
+def test_fully_masked_rows_blocks_the_last_key_for_the_earlier_queries_from_three_tokens_on():
+    """check_fully_masked_rows' `elif T >= 3` (L335, GtE->Gt): at three tokens the queries before the last have key 2
+    blocked beside the keys they attend, so the -inf applied after the softmax makes NaN in rows that have keys, a
+    fail whose evidence says so (L355, the same `>= 3`; `> 3` left only the empty row at 3: a warn); at two tokens
+    only the empty row is blocked, a warn. Its twin, the mask applied before the softmax, warns at both (NaN in the
+    empty row only)."""
+    for seq_len, after in ((3, "fail"), (2, "warn")):
+        found = verdict(WeightsMasked("after"), "fully_masked_rows", seq_len=seq_len)
+        assert found.verdict == after, (seq_len, found)
+        assert (after == "fail") == found.evidence.endswith("and the queries before t=2 have key 2 blocked"), found
+        warned = verdict(WeightsMasked("before"), "fully_masked_rows", seq_len=seq_len)
+        assert warned.verdict == "warn" and warned.value == 1.0, (seq_len, warned)  # L366: the warn's value, 1.0
+
+
+def test_fully_masked_rows_fails_one_nan_value_in_a_row_that_has_keys():
+    """check_fully_masked_rows' `finite = isfinite(out).all(-1)` (L346, all->any): one NaN value (feature 0 at t=0,
+    the rest of the row finite) in a row that has keys to attend is NaN beyond the empty row, a fail (`any` read the
+    row as finite: a warn for the empty row alone), and the evidence points at it, the first such row (L354, either
+    `~` dropped: the first finite row, (b=0, t=1), or the empty one, (b=0, t=8)); it names the key blocked beside the
+    others from three tokens on, at 16 and not at 2 (L355: `<= 3`, `or not own`). Its twin, the same layer without
+    it, warns."""
+    found = verdict(WeightsMasked("before", one_nan=True), "fully_masked_rows")
+    assert found.verdict == "fail" and "spreads beyond" in found.message, found
+    assert found.evidence.startswith("2 output rows that have keys to attend are NaN/inf, first at (b=0, t=0)"), found
+    assert found.evidence.endswith("has no key and the queries before t=15 have key 15 blocked"), found.evidence
+    two = verdict(WeightsMasked("before", one_nan=True), "fully_masked_rows", seq_len=2)
+    assert two.verdict == "fail" and two.evidence.endswith("when only query (b=0, t=1) has no key"), two
+    assert verdict(WeightsMasked("before"), "fully_masked_rows").verdict == "warn"
