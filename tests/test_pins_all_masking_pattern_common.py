@@ -1,9 +1,9 @@
-"""Pins for the survivors of the full mutation run over mask_honoured / fully_masked_rows, attention_pattern and the
-detectors' shared endings (issue 37: `benchmarks/mutations.py --all --only detectors/masking.py`, then
-`--only detectors/pattern.py` and `--only detectors/_common.py`, at ff5444f). As in tests/test_pins.py, each pin has
-its twin on the same inputs (a case on each side of the comparison, guard or branch it pins), the numbers quoted as
-literals; each test says which mutant it pins (its line number the run's, at ff5444f). Small layers written here, one
-detector at small sizes.
+"""Pins for the survivors of the full mutation run over mask_honoured / fully_masked_rows (issue 37:
+`benchmarks/mutations.py --all --only detectors/masking.py`, at ff5444f); those of attention_pattern and the detectors'
+shared endings (`--only detectors/pattern.py`, `--only detectors/_common.py`), run next, belong here too. As in
+tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or branch
+it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at ff5444f).
+Small layers written here, one detector at small sizes: the file runs in about a second.
 """
 
 from __future__ import annotations
