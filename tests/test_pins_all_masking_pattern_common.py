@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import diagnostics
+from diagnostics import patterns
 
 
 def verdict(layer, detector: str, **kw):
@@ -177,3 +178,50 @@ def test_fully_masked_rows_fails_one_nan_value_in_a_row_that_has_keys():
     two = verdict(WeightsMasked("before", one_nan=True), "fully_masked_rows", seq_len=2)
     assert two.verdict == "fail" and two.evidence.endswith("when only query (b=0, t=1) has no key"), two
     assert verdict(WeightsMasked("before"), "fully_masked_rows").verdict == "warn"
+
+
+# ---- attention_pattern ----------------------------------------------------------------------------------------------
+
+
+def _windowed(gain: float, W: int):
+    """Attention over a causal window of W keys (the query's own among them), its logits `gain` x the usual (gain 100:
+    sharp, most keys' weights below float32's rounding), returning (out, weights); the audit's mask applied too."""
+    def attention(q, k, v, mask=None):
+        T = q.shape[-2]
+        scores = gain * q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        scores = scores.masked_fill(~((j <= i) & (i - j < W)), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return weights @ v, weights  # (B, H, T, d)
+
+    return attention
+
+
+def test_keys_a_sharp_layer_seemed_to_ignore_are_measured_again_before_over_masking_is_said():
+    """_confirmed's `suspects = ignored.any(dim=1)` (L177, any->all): sliding_window(4) at logits 100x the usual, a key
+    pushed 1000x to a lower logit leaves a row whose weight on it was already below rounding unmoved: 5 of the 116
+    allowed pairs, each key seen by other rows of its sequence. Each is pushed again alone, both ways, and moves: a
+    pass (`all` measured again only keys no row of the sequence saw, and said over-masking). Its twin, the same sharp
+    layer with a window of 3, fails as over-masking on the same inputs."""
+    pattern = patterns.sliding_window(4)
+    found = verdict(_windowed(100.0, 4), "attention_pattern", pattern=pattern)
+    assert found.verdict == "pass" and "111 / 116 allowed pairs seen moving their row, 0 not moving" in found.evidence, \
+        found
+    short = verdict(_windowed(100.0, 3), "attention_pattern", pattern=pattern)
+    assert short.verdict == "fail" and "(over-masking)" in short.message, short
+
+
+def test_attention_pattern_of_a_layer_that_raises_is_a_skip_naming_runs():
+    """_mask_mod_disagrees' `if base.record is None or not base.record.flex` (L199, or->and): a layer that raises on
+    the standard probe leaves no record, so there is no FlexAttention program to compare and the detector skips,
+    pointing at `runs` (`and` read the missing record's programs: the detector raised). Its twin, the same window
+    that does not raise, passes."""
+    def raises(q, k, v, mask=None):
+        raise RuntimeError("shapes do not match")
+
+    pattern = patterns.sliding_window(4)
+    found = verdict(raises, "attention_pattern", pattern=pattern)
+    assert found.verdict == "skip" and "see `runs`" in found.message, found
+    assert verdict(_windowed(1.0, 4), "attention_pattern", pattern=pattern).verdict == "pass"
