@@ -225,3 +225,16 @@ def test_attention_pattern_of_a_layer_that_raises_is_a_skip_naming_runs():
     found = verdict(raises, "attention_pattern", pattern=pattern)
     assert found.verdict == "skip" and "see `runs`" in found.message, found
     assert verdict(_windowed(1.0, 4), "attention_pattern", pattern=pattern).verdict == "pass"
+
+
+def test_a_wide_window_reads_in_its_second_sequence_the_edge_pairs_its_first_did_not():
+    """_tests' `new = readable[b] & ~read.any(0)` (L306, drop-~ and any->all): sliding_window(12) at T = 32 has 14
+    classes, 9 read per sequence; the second sequence takes first the classes whose edge pairs the first did not
+    read, so that the two read 139 of the 204 edge pairs. Its twin, the window one short, fails (over-masking) on the
+    same inputs."""
+    pattern = patterns.sliding_window(12)
+    found = verdict(_windowed(1.0, 12), "attention_pattern", pattern=pattern, seq_len=32)
+    assert found.verdict == "pass" and "9 of the 14 classes r per sequence" in found.evidence \
+        and "139 / 204 edge pairs read" in found.evidence, found
+    short = verdict(_windowed(1.0, 11), "attention_pattern", pattern=pattern, seq_len=32)
+    assert short.verdict == "fail" and "(over-masking)" in short.message, short
