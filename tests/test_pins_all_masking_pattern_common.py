@@ -238,3 +238,32 @@ def test_a_wide_window_reads_in_its_second_sequence_the_edge_pairs_its_first_did
         and "139 / 204 edge pairs read" in found.evidence, found
     short = verdict(_windowed(1.0, 11), "attention_pattern", pattern=pattern, seq_len=32)
     assert short.verdict == "fail" and "(over-masking)" in short.message, short
+
+
+def _dropping(n: int):
+    """sliding_window(4) attention whose sequence 0 (every even batch row: the stacked copies keep the order) ignores
+    n allowed keys: query 5 + m never sees key 2 + m, m < n."""
+    def attention(q, k, v, mask=None):
+        B, T = q.shape[0], q.shape[-2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,T,d) x (B,H,d,T) -> (B,H,T,T)
+        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        allowed = ((j <= i) & (i - j < 4)).expand(B, 1, T, T).clone()  # (B, 1, T, T)
+        allowed[0::2, 0, 5:5 + n, 2:2 + n] &= ~torch.eye(n, dtype=torch.bool)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return weights @ v, weights  # (B, H, T, d)
+
+    return attention
+
+
+def test_over_masking_names_up_to_three_cells_and_marks_more_with_dots():
+    """_cells' `" ..." if int(mask.sum()) > limit` (L352, Gt->GtE and Gt->Lt): three over-masked pairs are named
+    all three, no dots; four are named three, then " ...". Its twin, the same window ignoring no key, passes."""
+    pattern = patterns.sliding_window(4)
+    for n, tail in ((3, "query 7 -> key 4 in sequence 0 (the row"), (4, "query 7 -> key 4 in sequence 0 ... (the row")):
+        found = verdict(_dropping(n), "attention_pattern", pattern=pattern)
+        assert found.verdict == "fail" and f"{n} / 116 (query, key) pairs" in found.evidence and tail in found.evidence, \
+            (n, found)
+    assert verdict(_dropping(0), "attention_pattern", pattern=pattern).verdict == "pass"
