@@ -267,3 +267,33 @@ def test_over_masking_names_up_to_three_cells_and_marks_more_with_dots():
         assert found.verdict == "fail" and f"{n} / 116 (query, key) pairs" in found.evidence and tail in found.evidence, \
             (n, found)
     assert verdict(_dropping(0), "attention_pattern", pattern=pattern).verdict == "pass"
+
+
+class WindowedSelf(nn.Module):
+    """`_windowed`'s attention as a one-stream module (16 wide, 2 heads, seed 0): query, key and value from x."""
+
+    def __init__(self, W: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.W, self.qkv = W, nn.Linear(16, 48)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)  # (B, H, T, d)
+        out, _ = _windowed(1.0, self.W)(q, k, v, mask)
+        return out.transpose(1, 2).reshape(B, T, D)  # (B, H, T, d) -> (B, T, D)
+
+
+def test_the_picture_of_a_one_stream_layer_leaves_out_only_each_tokens_own_key():
+    """dependency_map's `measurable = (rows != keys) if base.one_stream` (L418, NotEq->Eq): a one-stream layer's token
+    is its query too, so the picture of its finding measures every cell but the diagonal (`==` measured the diagonal
+    alone). Its twin, the same window as a function of three streams, measures every cell; both fail (a window of 3
+    under sliding_window(4))."""
+    pattern = patterns.sliding_window(4)
+    one = verdict(WindowedSelf(3), "attention_pattern", pattern=pattern)
+    picture = one.extras["dependency_map"]
+    rows = torch.arange(picture.measurable.shape[0]).view(-1, 1) + picture.q0
+    keys = torch.arange(picture.measurable.shape[1]).view(1, -1) + picture.k0
+    assert one.verdict == "fail" and torch.equal(picture.measurable, rows != keys), one
+    three = verdict(_windowed(1.0, 3), "attention_pattern", pattern=pattern)
+    assert three.verdict == "fail" and bool(three.extras["dependency_map"].measurable.all()), three
