@@ -297,3 +297,20 @@ def test_the_picture_of_a_one_stream_layer_leaves_out_only_each_tokens_own_key()
     assert one.verdict == "fail" and torch.equal(picture.measurable, rows != keys), one
     three = verdict(_windowed(1.0, 3), "attention_pattern", pattern=pattern)
     assert three.verdict == "fail" and bool(three.extras["dependency_map"].measurable.all()), three
+
+
+def test_a_layer_blind_to_one_class_of_keys_is_over_masking_not_a_skip():
+    """_measure's `if not any(bool(m.any()) for m in moved)` (L496, any->all): sliding_window(4) reads 6 classes; a
+    layer that never sees the keys j % 6 == 5 moves no row in that copy and rows in the others, so the detector
+    measures and fails it as over-masking (`all` skipped it as not responding). Its twin, the same window seeing
+    every key, passes."""
+    def blind(q, k, v, mask=None):
+        T = k.shape[-2]
+        seen = (torch.arange(T) % 6 != 5).view(1, 1, 1, T)  # (1, 1, 1, Tk)
+        mask = seen if mask is None else mask & seen
+        return _windowed(1.0, 4)(q, k, v, mask)
+
+    pattern = patterns.sliding_window(4)
+    found = verdict(blind, "attention_pattern", pattern=pattern)
+    assert found.verdict == "fail" and "(over-masking)" in found.message, found
+    assert verdict(_windowed(1.0, 4), "attention_pattern", pattern=pattern).verdict == "pass"
