@@ -1,9 +1,9 @@
 """Pins for the survivors of the full mutation run over mask_honoured / fully_masked_rows (issue 37:
-`benchmarks/mutations.py --all --only detectors/masking.py`, at ff5444f); those of attention_pattern and the detectors'
-shared endings (`--only detectors/pattern.py`, `--only detectors/_common.py`), run next, belong here too. As in
-tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison, guard or branch
-it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the run's, at ff5444f).
-Small layers written here, one detector at small sizes: the file runs in about a second.
+`benchmarks/mutations.py --all --only detectors/masking.py`, at ff5444f) and attention_pattern (`--only
+detectors/pattern.py`, the same code at c4ee083); those of the shared endings (`--only detectors/_common.py`) belong
+here too. As in tests/test_pins.py, each pin has its twin on the same inputs (a case on each side of the comparison,
+guard or branch it pins), the numbers quoted as literals; each test says which mutant it pins (its line number the
+run's). Small layers written here, one detector at small sizes: the file runs in about two seconds.
 """
 
 from __future__ import annotations
