@@ -310,8 +310,10 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "Probe.BATCH = 2 (_probe.py): `B > 1` and `B >= 1` are both true (checked by hand). `change > tol`: "
         + _TOLERANCE_EDGE),
     "detectors/causal.py:_newest_key_seen:L*:LtE->Lt": ("(last <= tol)", _TOLERANCE_EDGE),
-    "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": ("(rows > tol).sum()", _TOLERANCE_EDGE + " (a count in "
-                                                            "the evidence only)"),
+    "detectors/masking.py:allowed_key_reading:L*:Gt->GtE": (("(rows > tol).sum()", "(rows > tol).any()"),
+                                                            _TOLERANCE_EDGE + " (on either line: the reading, and a "
+                                                            "count in the evidence; the reading in practice, as "
+                                                            "crosses' below)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (
@@ -621,6 +623,33 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
         "dtype=torch.float32)) == 1e-3, False)"),
+    # m37l: masking (the full run at ff5444f, issue 37), checked by hand:
+    "detectors/masking.py:_own_query_rows:L*:any->all#2": (
+        "~(row & keys).any(-1)), sees=", "`row & keys` is empty in every call: `keys` are the keys the scenario's mask "
+        "blocks for every query (padding: ~extra[:, 0]; past-key: `past`, the mask ~past; a layer with queries of its "
+        "own has no causal scenario), and `row` is the mask as the layer is given it, that mask and the audit's own; "
+        "`any` and `all` of a row of False are both False (checked by hand: a plugin asserting it over the tests of "
+        "tests/test_own_queries.py and tests/test_layer_pooling_queries.py, 56 calls, none non-empty)"),
+    "detectors/masking.py:_own_query_rows:L*:any->all#3": (
+        "sees=per_query((row & keys).any(-1))", "the same as #2 on this line: `row & keys` is empty in every call "
+        "(checked by hand, the same run)"),
+    "detectors/masking.py:blocked_key_cases:L*:and->or": (
+        'also = f" and key {T - 1}, which it blocks,"', "the words name the control case (`when`), which is never "
+        "shown: held() quotes the `when` of a case with held rows (the control's hold is empty) or with rows that must "
+        "move (it has none), and nothing else reads Case.when (checked by hand: grep of `.when` in diagnostics/)"),
+    "detectors/masking.py:blocked_key_cases:L*:drop-not": (
+        'also = f" and key {T - 1}, which it blocks,"', "the same as and->or on this line: the control case's words are "
+        "never shown (checked by hand)"),
+    "detectors/masking.py:crosses:L*:Gt->GtE": ("(change > comparison.tol)", _TOLERANCE_EDGE + " (a relative change "
+                                                "against tolerance(UNCHANGED, dtype); in practice: torch compares a "
+                                                "float32 change with the tolerance rounded to float32, which a layer "
+                                                "built for it could hit, as m37h's masks_future pin does)"),
+    "detectors/masking.py:read_as_flag:L*:Gt->GtE": (
+        "if float(same.max()) > tol or not float(switched.max()) > tol:", _TOLERANCE_EDGE + " (`same`, a relative "
+        "change, float32 below float64, against tolerance(UNCHANGED, dtype))"),
+    "detectors/masking.py:read_as_flag:L*:Gt->GtE#2": (
+        "if float(same.max()) > tol or not float(switched.max()) > tol:", _TOLERANCE_EDGE + " (`switched`, the same "
+        "kind of reading)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it
