@@ -103,3 +103,18 @@ def test_which_scores_weigh_each_tokens_own_items(scores, projected, x, per_toke
     from diagnostics.model._find import _per_token
 
     assert _per_token(scores, projected, torch.zeros(x)) is per_token
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_the_streams_rule_holds_in_bfloat16_at_std_0_02(scaled):
+    """The scale people train at, as Hugging Face's `_init_weights` sets it: matrices drawn at std 0.02, biases 0, and
+    the whole model in bfloat16; the same ids."""
+    torch.manual_seed(0)
+    model = StreamModel(scaled).eval()
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+    ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    report = diagnostics.audit_model(model.to(torch.bfloat16), ids)
+    assert {f.path for f in report.found} == {"blocks.0.attn", "blocks.1.attn"}, report.found
+    assert report.status == ("passed" if scaled else "failed"), str(report)
+    assert scaled or {f.layer for f in report.findings} >= {"blocks.0.attn", "blocks.1.attn"}, str(report)

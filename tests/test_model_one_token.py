@@ -85,3 +85,26 @@ def test_a_layer_given_one_token_leaves_the_verdict_to_the_layers_that_see_more(
     assert report.status == ("passed" if first == "reference" else "failed"), str(report)
     assert report.status == "passed" or {f.layer for f in report.findings} == {"first.attn"}, str(report)
     assert any(n.startswith("last sees one token on this example") for n in report.notes), report.notes
+
+
+def _trained_scale(model: nn.Module) -> nn.Module:
+    """The scale people train at, as Hugging Face's `_init_weights` sets it: matrices drawn at std 0.02, biases 0, the
+    whole model in bfloat16."""
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+    return model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("side", "attention", "status"), [(PATCH, "torch", "inconclusive"),
+                                                           (4 * PATCH, "reference", "passed"),
+                                                           (4 * PATCH, "missing scale", "failed")])
+def test_the_one_token_rule_holds_in_bfloat16_at_std_0_02(side, attention, status):
+    torch.manual_seed(0)
+    model = _trained_scale(PatchModel(attention).eval())
+    images = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    report = diagnostics.audit_model(model, images)
+    assert report.status == status, str(report)  # the same inputs and seeds for all three
+    if status == "inconclusive":
+        assert report.status_reason.startswith("inconclusive: attn sees one token on this example"), str(report)
+    if status == "failed":
+        assert {f.layer for f in report.findings} == {"attn"}, str(report)
