@@ -16,6 +16,7 @@ from torch import nn
 
 import diagnostics
 from diagnostics._core import Case, Comparison, held
+from diagnostics._errors import ProbeNotTaken
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics._thresholds import UNCHANGED, tolerance
@@ -250,3 +251,33 @@ def test_a_row_that_must_move_and_moves_by_exactly_the_tolerance_did_not_respond
     _, _, _, unresponsive = held(comparison, SimpleNamespace(subject=SimpleNamespace(dtype=dtype)), what="rows")
     assert unresponsive == ("" if above else "when its own query changed: no output moved, not even the rows a "
                                             "correct layer moves"), unresponsive
+
+
+# ---- _core.not_run: a probe the layer as held cannot be given ------------------------------------------------------
+
+
+def refusing_stacks(error: type[Exception]):
+    """Scaled dot-product attention on (B, H, T, d) that raises `error` on a batch of more than 2 (compare()'s
+    stacked call: the baseline and its perturbations)."""
+
+    def layer(q, k, v, mask=None):
+        if q.shape[0] > 2:
+            raise error("a stacked batch")
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v  # (B, H, Tq, d)
+
+    return layer
+
+
+@pytest.mark.parametrize(("error", "message"), [
+    (ProbeNotTaken, "not measured: not applicable: a stacked batch; see `runs`"),
+    (RuntimeError, "not measured: the layer raised on this detector's probe (RuntimeError: a stacked batch); see "
+                   "`runs`")], ids=["not taken", "raised"])
+def test_a_probe_the_layer_as_held_cannot_be_given_is_not_applicable_not_a_raise(error, message):
+    """`not_run`'s `if call.not_taken:` (L323, made never to fire): a probe refused with ProbeNotTaken (as a layer
+    held in place refuses a length its captured arguments cannot take, diagnostics.model._inplace) is not applicable,
+    with its reason; its twin, the same call raising RuntimeError, is the layer's raise."""
+    found = verdict(refusing_stacks(error), "mask_honoured", d_model=16, num_heads=2)
+    assert (found.verdict, found.message) == ("skip", message), found
