@@ -283,7 +283,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "_core.py:held:L*:x0.1": ("torch.full_like(change, -1.0)", _BELOW_EVERY),
     "detectors/weights.py:check_weight_row_sums:L*:x10": ("torch.where(rows, dev, -1.0)", _BELOW_EVERY),
     "detectors/weights.py:check_weight_row_sums:L*:x0.1": ("torch.where(rows, dev, -1.0)", _BELOW_EVERY),
-    "_core.py:held:L*:Gt->GtE": (("(checked > tol)", "(moved > tol)"), _TOLERANCE_EDGE),
     "_core.py:perturbed:L*:Lt->LtE": (".amax(-1, keepdim=True) < 1.0", _DRAW_EDGE),
     "_core.py:perturbed:L*:GtE->Gt": ("delta >= 0", _DRAW_EDGE),
     "detectors/weights.py:check_weight_row_sums:L*:Gt->GtE": ("(dev[rows] > tol)", _TOLERANCE_EDGE),
@@ -650,6 +649,25 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/masking.py:read_as_flag:L*:Gt->GtE#2": (
         "if float(same.max()) > tol or not float(switched.max()) > tol:", _TOLERANCE_EDGE + " (`switched`, the same "
         "kind of reading)"),
+    # m37m: _common.py and _core.py (the full runs at ff5444f, issue 37), checked by hand:
+    "detectors/_common.py:not_token_attention:L*:or->and": (
+        "if not base.ok or base.record is None:", "equivalent in practice: Probe.call sets a call's record only after "
+        "the observed call returned (a layer that raised leaves it None), so a failed standard probe has no record and "
+        "the two clauses part only where the probe ran and its record is None: after Probe.release, which the audit "
+        "calls once every detector (the only callers: output_variance, own_weights) has run (checked by hand in "
+        "_probe.Probe.call and _audit.audit)"),
+    "detectors/_common.py:_gradient_probe:L*:and->or": (
+        "retain_graph=probe.causal and T >= 2)", "`or` keeps the graph where no second backward reads it (an audit "
+        "that is not causal, or T = 1: `_future_gradient` runs only where probe.causal and T >= 2): retain_graph only "
+        "decides whether autograd frees the saved tensors after the backward, so the same gradients, verdicts and "
+        "passes, more memory held (checked by hand in detectors/gradients.check_gradients, the one reader of "
+        "GradientProbe.out's graph). The `>=` on the line is pinned: tests/test_pins_all_common_core.py"),
+    "_core.py:compared:L*:or->and": (
+        "scale = baseline_scale(chunks[0], centred=True) or None", "`and None` makes the scale always None, and "
+        "relative_change then measures it itself, per case, with the same function on the same baseline: "
+        "baseline_scale(old, new, centred=True), which is baseline_scale(chunks[0], centred=True) wherever that is "
+        "non-zero, and the case output's own scale where it is zero, as `or None` gave (None) there too; the same "
+        "numbers, one measurement per case instead of one (checked by hand in _core.relative_change)"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -471,7 +471,7 @@ def _logit_gain(probe: Probe) -> float:
     w = weights.detach().flatten(0, -2)[:ENTROPY_ROWS].double()  # (rows, Tk): a sample, as for the entropy
     seen = w > 0
     n = seen.sum(-1)
-    logits = torch.where(seen, w.clamp_min(1e-300).log(), torch.zeros_like(w))
+    logits = torch.where(seen, w.log(), torch.zeros_like(w))  # log(0) = -inf only where not seen: replaced
     # the softmax's own input where it was observed: weights rounded to half precision are 0.5 / 0.5 for
     # logits 0.01 apart, whose spread they would read as 0
     sm = next((sm for sm in reversed(base.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
