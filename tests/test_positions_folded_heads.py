@@ -5,8 +5,8 @@ hand-written layers calling `F.scaled_dot_product_attention` on (B*H, T, d) (iss
 An ALiBi bias with its sign flipped (far keys rewarded) is still relative, so the shift cannot see it; it is read from
 the scores of identical tokens, which were read only where the scores' batch was the stacked call's batch: a folded
 layer's flipped sign passed the whole audit. Each layer here is causal ALiBi (slope_h * (j - i), <= 0 for the past
-keys, BLOOM's bias up to a constant per row) in one of two forms, the bias as SDPA's (B*H, T, T) float mask or added
-by `torch.baddbmm` before a softmax, and its twins on the same seed and inputs: the slope's sign flipped, and the
+keys, BLOOM's bias up to a constant per row) in one of three forms, the bias as SDPA's (B*H, T, T) float mask (on 3-D
+tensors or with a head axis of 1, a fused call) or added by `torch.baddbmm` before a softmax, and its twins on the same seed and inputs: the slope's sign flipped, and the
 distance taken as i - j (the same numbers on a causal layer's keys, another line to point at).
 """
 
@@ -30,7 +30,8 @@ DET = "relative_positions"
 class FoldedAlibi(nn.Module):
     """Self-attention on (B, T, D), heads folded into the batch: `fold` "batch" (B*H rows, each sequence's heads
     together, as `reshape(B * H, T, d)` lays them out) or "heads" (H*B rows, `torch.cat(x.split(d, -1), 0)`). `op`:
-    "sdpa" (the bias as SDPA's additive mask) or "baddbmm" (scores = bias + q k^T / sqrt(d), then softmax). `bias`:
+    "sdpa" (the bias as SDPA's additive mask; on 3-D tensors torch runs its math path, a softmax), "sdpa_4d" (the
+    same with a head axis of 1: a fused call) or "baddbmm" (scores = bias + q k^T / sqrt(d), then softmax). `bias`:
     "alibi" (slope_h * (j - i), ALiBi for a causal layer) or None. `bug`: "sign" (slopes negated) or "index" (the
     distance as i - j). mask: bool (B, 1, T, T), True = may attend."""
 
@@ -62,6 +63,8 @@ class FoldedAlibi(nn.Module):
             bias = bias.masked_fill(~self.folded(mask.expand(B, H, T, T)), float("-inf"))
         if self.op == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B*H, T, d)
+        elif self.op == "sdpa_4d":  # a head axis of 1, as fused kernels take (N, H, T, d) only
+            y = F.scaled_dot_product_attention(*(t.unsqueeze(1) for t in (q, k, v, bias))).squeeze(1)  # (B*H, T, d)
         else:
             # (B*H,T,d) x (B*H,d,T) -> (B*H,T,T), plus the bias: BLOOM's form
             scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1 / math.sqrt(d))
@@ -91,7 +94,7 @@ def marker(tag: str) -> int:
 
 
 CASES = [pytest.param(op, heads, dtype, id=f"{op}-{heads}heads-{ids(dtype)}")
-         for op in ("sdpa", "baddbmm") for heads in (1, 2) for dtype in (torch.float32, torch.bfloat16)]
+         for op in ("sdpa", "sdpa_4d", "baddbmm") for heads in (1, 2) for dtype in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("bug", ["sign", "index"])
@@ -115,13 +118,16 @@ def test_its_correct_twin_passes(op, heads, dtype):
 
 
 @pytest.mark.parametrize("dtype, init", [(torch.float32, "default"), (torch.bfloat16, "gpt2")], ids=ids)
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("op", ["baddbmm", "sdpa_4d"])
 @pytest.mark.parametrize("bug", [None, "sign"], ids=["correct", "sign flipped"])
-def test_heads_folded_heads_first_are_read_too(bug, dtype, init):
+def test_heads_folded_heads_first_are_read_too(bug, op, heads, dtype, init):
     """(H*B, T, d), as `torch.cat(x.split(d, -1), 0)` folds them: the flipped sign fails, its twin passes."""
-    result = audited(dtype=dtype, init=init, num_heads=4, bug=bug, fold="heads")
+    result = audited(dtype=dtype, init=init, op=op, num_heads=heads, bug=bug, fold="heads")
     assert result.verdict == ("fail" if bug else "pass"), result
-    if bug:
-        assert result.value == pytest.approx(2.0 ** -2, rel=1e-3), result.evidence  # head 0's slope, read as head 0
+    if bug:  # head 0's slope, read as head 0's
+        assert result.value == pytest.approx(2.0 ** (-8.0 / heads), rel=1e-3) and "in head 0 " in result.evidence, \
+            result.evidence
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])

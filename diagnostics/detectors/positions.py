@@ -477,15 +477,15 @@ def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
 
 def _per_copy(x: Tensor, n: int, B: int, skip: int) -> list[Tensor]:
     """(nB, [H,] N, N) scores of `n` copies of a batch of B as the last copy's (B, heads, T, T), over the last T queries
-    and keys. Heads folded into the batch, (nB*H, N, N), are unfolded batch-major first (each sequence's heads
+    and keys. Heads folded into the batch, (nB*H, [1,] N, N), are unfolded batch-major first (each sequence's heads
     together: `reshape(B * H, T, d)` of (B, H, T, d), as torch's MultiheadAttention, fairseq and BLOOM lay them out),
     then heads first (`torch.cat(x.split(d, -1), 0)`, older hand-written layers). Every copy's rows carry the same
     bias per head, so the wrong order mixes in other copies' content only: their scores are then no line in the
     distance, or, where the content is too small to show, a line of the bias's own slopes."""
-    N = x.shape[-1]
+    N, folded = x.shape[-1], x.shape[0] // (n * B)
     orders = [x.reshape(n * B, -1, N, N)]  # (nB, H, N, N)
-    if x.dim() == 3 and x.shape[0] > n * B:
-        orders.append(x.reshape(-1, n * B, N, N).transpose(0, 1))  # (H*nB, N, N) -> (nB, H, N, N)
+    if folded > 1:  # (H*nB, [1,] N, N) -> (H, nB, N, N) -> (nB, H, N, N)
+        orders.append(x.reshape(folded, n * B, -1, N, N).transpose(0, 1).reshape(n * B, -1, N, N))
     return [o[(n - 1) * B:, :, skip:, skip:] for o in orders]  # (B, H, T, T)
 
 
