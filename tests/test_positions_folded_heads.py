@@ -5,9 +5,10 @@ hand-written layers calling `F.scaled_dot_product_attention` on (B*H, T, d) (iss
 An ALiBi bias with its sign flipped (far keys rewarded) is still relative, so the shift cannot see it; it is read from
 the scores of identical tokens, which were read only where the scores' batch was the stacked call's batch: a folded
 layer's flipped sign passed the whole audit. Each layer here is causal ALiBi (slope_h * (j - i), <= 0 for the past
-keys, BLOOM's bias up to a constant per row) in one of three forms, the bias as SDPA's (B*H, T, T) float mask (on 3-D
-tensors or with a head axis of 1, a fused call) or added by `torch.baddbmm` before a softmax, and its twins on the same seed and inputs: the slope's sign flipped, and the
-distance taken as i - j (the same numbers on a causal layer's keys, another line to point at).
+keys, BLOOM's bias up to a constant per row) in one of three forms, the bias as SDPA's (B*H, T, T) float mask on 3-D
+tensors (torch's math path: a softmax) or with a head axis of 1 (a fused call), or added by `torch.baddbmm` before a
+softmax, and its twins on the same seed and inputs: the slope's sign flipped, and the distance taken as i - j (the
+same numbers on a causal layer's keys, another line to point at).
 """
 
 from __future__ import annotations
