@@ -448,62 +448,77 @@ and std-0.02 initialisation x causal and not, at float32, bfloat16 and float16 (
 benchmark's SDPA ALiBi pair (residual <= 1.3e-7 at every dtype: its bias is added in float32)."""
 
 
-def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> Tensor | None:
+def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
     """The last copy's scores (B, heads, T, T) in float64, -inf where blocked, from the record's first softmax over
     (skip + T, skip + T) of the stacked batch, or its first fused attention (q·k times its scale, plus a float mask);
-    over the last T queries and keys (the first `skip` are padding)."""
+    over the last T queries and keys (the first `skip` are padding). A batch with the heads folded in, (nB*H, N, N),
+    is read in both orders it can be folded in (`_per_copy`); [] where nothing was observed."""
     if record is None:
-        return None
+        return []
     N = skip + T
     for sm in record.softmaxes:
         x = sm.input
-        if x.dim() >= 3 and tuple(x.shape[-2:]) == (N, N) and x.shape[0] == n * B:
-            return x[(n - 1) * B:, ..., skip:, skip:].double().reshape(B, -1, T, T)
+        if x.dim() >= 3 and tuple(x.shape[-2:]) == (N, N) and x.shape[0] % (n * B) == 0:
+            return _per_copy(x.double(), n, B, skip)
     for f in record.fused:
-        if f.q.shape[0] != n * B or f.q.shape[-2] != N or f.k.shape[-2] != N or f.q.shape[:-2] != f.k.shape[:-2]:
+        if f.q.shape[0] % (n * B) or f.q.shape[-2] != N or f.k.shape[-2] != N or f.q.shape[:-2] != f.k.shape[:-2]:
             continue
-        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, N, N)
+        x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, N, N) or (nB*H, N, N)
         if f.attn_mask is not None:
             m = f.attn_mask.expand_as(x) if f.attn_mask.dim() <= x.dim() else None
             if m is None:
-                return None
+                return []
             x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
         if f.is_causal:
             x = x.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
-        return x[(n - 1) * B:, ..., skip:, skip:].reshape(B, -1, T, T)
-    return None
+        return _per_copy(x, n, B, skip)
+    return []
+
+
+def _per_copy(x: Tensor, n: int, B: int, skip: int) -> list[Tensor]:
+    """(nB, [H,] N, N) scores of `n` copies of a batch of B as the last copy's (B, heads, T, T), over the last T queries
+    and keys. Heads folded into the batch, (nB*H, [1,] N, N), are unfolded batch-major first (each sequence's heads
+    together: `reshape(B * H, T, d)` of (B, H, T, d), as torch's MultiheadAttention, fairseq and BLOOM lay them out),
+    then heads first (`torch.cat(x.split(d, -1), 0)`, older hand-written layers). Every copy's rows carry the same
+    bias per head, so the wrong order mixes in other copies' content only: their scores are then no line in the
+    distance, or, where the content is too small to show, a line of the bias's own slopes."""
+    N, folded = x.shape[-1], x.shape[0] // (n * B)
+    orders = [x.reshape(n * B, -1, N, N)]  # (nB, H, N, N)
+    if folded > 1:  # (H*nB, [1,] N, N) -> (H, nB, N, N) -> (nB, H, N, N)
+        orders.append(x.reshape(folded, n * B, -1, N, N).transpose(0, 1).reshape(n * B, -1, N, N))
+    return [o[(n - 1) * B:, :, skip:, skip:] for o in orders]  # (B, H, T, T)
 
 
 def distance_reward(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[float, str] | None:
     """(the largest slope, evidence) when the scores of identical tokens are a straight line in |i - j| for every
     head, with a slope > 0 for some (the bias grows with distance: ALiBi's sign flipped); None otherwise. The tokens
-    are the last copy of `n` in the call `record` observed, after `skip` padding tokens the mask blocks for them."""
-    scores = _scores_seen(record, n, B, T, skip)
-    if scores is None:
-        return None
-    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
-    dist = (i - j).abs().double().to(scores.device).expand_as(scores)  # (B, H, T, T)
-    seen = torch.isfinite(scores)
-    count = seen.sum(-1, keepdim=True)
-    if not bool((count >= 2).any()):
-        return None
-    zero = torch.zeros_like(scores)
-    mean = lambda x: torch.where(seen, x, zero).sum(-1, keepdim=True) / count.clamp(min=1)
-    sc = torch.where(seen, scores - mean(scores), zero)  # per row, centred over the keys it sees
-    dc = torch.where(seen, dist - mean(dist), zero)
-    slope = (sc * dc).sum((0, 2, 3)) / (dc * dc).sum((0, 2, 3)).clamp(min=1e-300)  # (H,)
-    residual = sc - slope.view(1, -1, 1, 1) * dc
-    spread = float(sc.abs().max())
-    if not spread > 0 or float(residual.abs().max()) > DISTANCE_LINEAR.get(dtype, 1e-3) * spread:
-        return None  # not a straight line in the distance (rotary, T5 buckets, content): not ALiBi's to judge
-    if not bool((slope > 0).any()):
-        return None
-    worst = int(slope.argmax())
-    return float(slope.max()), (f"on {T} identical tokens the scores are a straight line in the distance |i - j| "
-                                f"(residual {float(residual.abs().max()) / spread:.2g} of their spread) with slope "
-                                f"{float(slope[worst]):+.3g} per token in head {worst} (slopes per head: "
-                                f"{', '.join(f'{float(x):+.3g}' for x in slope)}); a bias that penalises distance "
-                                f"has every slope < 0")
+    are the last copy of `n` in the call `record` observed, after `skip` padding tokens the mask blocks for them. Of
+    the orders heads folded into the batch can be read in, the first that is a line decides."""
+    for scores in _scores_seen(record, n, B, T, skip):
+        i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+        dist = (i - j).abs().double().to(scores.device).expand_as(scores)  # (B, H, T, T)
+        seen = torch.isfinite(scores)
+        count = seen.sum(-1, keepdim=True)
+        if not bool((count >= 2).any()):
+            continue
+        zero = torch.zeros_like(scores)
+        mean = lambda x: torch.where(seen, x, zero).sum(-1, keepdim=True) / count.clamp(min=1)
+        sc = torch.where(seen, scores - mean(scores), zero)  # per row, centred over the keys it sees
+        dc = torch.where(seen, dist - mean(dist), zero)
+        slope = (sc * dc).sum((0, 2, 3)) / (dc * dc).sum((0, 2, 3)).clamp(min=1e-300)  # (H,)
+        residual = sc - slope.view(1, -1, 1, 1) * dc
+        spread = float(sc.abs().max())
+        if not spread > 0 or float(residual.abs().max()) > DISTANCE_LINEAR.get(dtype, 1e-3) * spread:
+            continue  # not a straight line in the distance (rotary, T5 buckets, content): not ALiBi's to judge
+        if not bool((slope > 0).any()):
+            return None
+        worst = int(slope.argmax())
+        return float(slope.max()), (f"on {T} identical tokens the scores are a straight line in the distance |i - j| "
+                                    f"(residual {float(residual.abs().max()) / spread:.2g} of their spread) with slope "
+                                    f"{float(slope[worst]):+.3g} per token in head {worst} (slopes per head: "
+                                    f"{', '.join(f'{float(x):+.3g}' for x in slope)}); a bias that penalises distance "
+                                    f"has every slope < 0")
+    return None
 
 
 def _rewarded_in_float64(probe: Probe, r: DistanceReplay, reading: tuple[float, str]) -> tuple[float, str] | None:
@@ -723,13 +738,23 @@ def distance_sites(probe, r: DistanceReplay) -> list[Site]:
     T = r.query.shape[s.time_dim]
     trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
     made = [op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
-            and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and op.short not in ("ones", "tril",
-                                                                                                     "triu", "full")]
+            and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)]
     if not made:
         return []
     sites = [op_site(made[0], "makes the positions' (query, key) term from positions alone: its sign decides whether "
                               "distance is penalised or rewarded", fix=BIAS_SIGN_FIX)]
     return [site for site in sites if site is not None]
+
+
+CONSTANTS = ("ones", "zeros", "empty", "full", "tril", "triu")
+"""Ops that make a (.., T, T) tensor of no positions: a causal mask of ones, or a bias's starting zeros (torch's SDPA
+reference and layers written after it begin `attn_bias = torch.zeros(L, S)` and add the positions' term to it)."""
+
+
+def _constant(trace, op: Op) -> bool:
+    """Made of CONSTANTS alone (itself one, or every op before it one: a detached copy, a masked fill of two)."""
+    before = ancestors(trace, op)
+    return op.short in CONSTANTS or bool(before) and all(trace.ops[i].short in CONSTANTS for i in before)
 
 
 BIAS_SIGN_FIX = "ALiBi adds -slope * |i - j| (slope > 0): slope * (j - i) for the past keys j <= i, not slope * (i - j)"
