@@ -36,6 +36,7 @@ What breaks shift invariance legitimately, and how each is told apart:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,14 @@ PERMUTATION_MOVES = UNCHANGED
 """How far the permutation of the keys' positions may move an output of a layer without positions (only the order of
 the sums changes): the "unchanged" tolerance. A reading above it only means the shift is measured: a layer without
 positions then passes it, so a low bar costs one call, never a false finding."""
+
+
+UNDERFLOW = math.log(torch.finfo(torch.float32).tiny)  # -87.3
+"""A score this far below its row's largest has a float32 softmax weight under the smallest normal number (0 or
+subnormal): its key is blocked, whatever blocked it: -inf, or the finite fill of Hugging Face's finfo.min, -1e4 or
+-1e9, which left the blocked keys in the distance reading as scores 1e4 to 3e38 below the rest, no line, so a flipped
+ALiBi behind such a mask passed (BLOOM's, transformers 5.25). ALiBi's own penalty on the probe's 12 tokens is at most
+11 x its steepest slope (2^-0.5, 16 heads): 7.8, far inside it."""
 
 
 def shift_tolerance(dtype) -> float:
@@ -459,7 +468,7 @@ def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
     for sm in record.softmaxes:
         x = sm.input
         if x.dim() >= 3 and tuple(x.shape[-2:]) == (N, N) and x.shape[0] % (n * B) == 0:
-            return _per_copy(x.double(), n, B, skip)
+            return _per_copy(_blocked(x.double()), n, B, skip)
     for f in record.fused:
         if f.q.shape[0] % (n * B) or f.q.shape[-2] != N or f.k.shape[-2] != N or f.q.shape[:-2] != f.k.shape[:-2]:
             continue
@@ -471,8 +480,13 @@ def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
             x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
         if f.is_causal:
             x = x.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
-        return _per_copy(x, n, B, skip)
+        return _per_copy(_blocked(x), n, B, skip)
     return []
+
+
+def _blocked(x: Tensor) -> Tensor:
+    """Scores with -inf where their weight underflows (`UNDERFLOW` below the row's largest): a finite fill's keys."""
+    return x.masked_fill(x - x.amax(-1, keepdim=True) < UNDERFLOW, -torch.inf)
 
 
 def _per_copy(x: Tensor, n: int, B: int, skip: int) -> list[Tensor]:
