@@ -193,6 +193,14 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
         stated = ""
+        parts = getattr(estimate, "parts", 1)
+        if probe.scale is None and cosine is None and parts > 1 and \
+                _off(applied * math.sqrt(parts) / expected) < _off(applied / expected):
+            # scores that sum q·k and parts - 1 position products, each divided by sqrt(parts x d_k), keep the
+            # variance of one scaled product (DeBERTa's 1/sqrt(3 d_k) for c2p and p2c beside q·k); Transformer-XL's
+            # keep 1/sqrt(d_k): either is the layer's temperature
+            expected /= math.sqrt(parts)
+            stated = f" / sqrt({parts}), for the {parts} products the scores sum (q·k and its position terms)"
         if probe.scale is not None and cosine is None and not split:
             # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
             # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
@@ -234,6 +242,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _off(ratio: float) -> float:
+    """How far a ratio is from 1, in log."""
+    return abs(math.log(abs(ratio) or 1e-300))
 
 
 def _by_a_weight(estimate, layer) -> bool:
