@@ -175,3 +175,44 @@ def test_a_softmax_over_a_projection_plus_a_token_term_is_not_read_as_q_k():
     torch.manual_seed(0)
     report = diagnostics.audit(TokenBiasedKernel())
     assert not report.result("softmax_saturation").measured, report.result("softmax_saturation")
+
+
+SLOTS = 3
+
+
+class TokenLearner(nn.Module):
+    """MGP-STR's A3 module in this file's own words: SLOTS maps over the tokens, a softmax over the tokens of a 1x1
+    convolution of them (a projection: its weight is the slots' learned queries), each slot the weighted mean of the
+    tokens' features. `by_hand`: the twin whose scores are q·k of two activations, queries x W_q against keys x W_k,
+    multiplied and summed by hand (no matmul) and left unscaled."""
+
+    def __init__(self, by_hand: bool = False):
+        super().__init__()
+        self.by_hand = by_hand
+        self.norm, self.feat = nn.LayerNorm(D), nn.Conv1d(D, D, 1, bias=False)
+        if by_hand:
+            self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+        else:
+            self.maps = nn.Conv1d(D, SLOTS, 1, bias=False)
+
+    def forward(self, x):
+        x = self.norm(x)  # (B, T, D)
+        if self.by_hand:
+            scores = (self.q(x)[:, :, None, :] * self.k(x)[:, None, :, :]).sum(-1)  # (B, T, T): q·k, unscaled
+        else:
+            scores = self.maps(x.transpose(1, 2))  # (B, SLOTS, T): one logit per slot and token
+        return scores.softmax(-1) @ self.feat(x.transpose(1, 2)).transpose(1, 2)  # (B, SLOTS or T, D)
+
+
+def test_a_token_learner_has_no_temperature_and_passes_where_q_k_by_hand_stays_unjudged():
+    """The token learner's softmax normalises a projection of the tokens: not applicable, and the layer passes on its
+    weights (MGP-STR's three A3 modules left the model inconclusive). Its twin, q·k of two activations computed
+    without a matmul (so no fit reads it), is no projection: its temperature stays not measured, never excused."""
+    torch.manual_seed(0)
+    learner = diagnostics.audit(TokenLearner(), queries=SLOTS, d_model=D)
+    temperature = learner.result("softmax_saturation")
+    assert temperature.verdict == "skip" and "projection of the tokens" in temperature.message, temperature
+    assert learner.passed, str(learner)
+    torch.manual_seed(0)
+    by_hand = diagnostics.audit(TokenLearner(by_hand=True), d_model=D).result("softmax_saturation")
+    assert by_hand.message.startswith("not measured"), by_hand
