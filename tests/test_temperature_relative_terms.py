@@ -75,11 +75,12 @@ class RelativeShiftAttention(nn.Module):
 class DisentangledAttention(nn.Module):
     """DeBERTa's disentangled attention: q·k plus content-to-position (q·R_k at distance i - j) and position-to-content
     (k·R_q at distance j - i) terms, gathered from products with SPAN * 2 relative embeddings, each of the three
-    divided by sqrt(3 d_k). `bug`: "unscaled" (q·k alone left undivided), "scaled twice" (q·k divided twice)."""
+    divided by sqrt(3 d_k). `bug`: "unscaled" (q·k alone left undivided), "scaled twice" (q·k divided twice).
+    `in_place`: the terms accumulated in place, then added to q·k in place (SEW-D's `score += ...`)."""
 
-    def __init__(self, bug: str | None = None):
+    def __init__(self, bug: str | None = None, in_place: bool = False):
         super().__init__()
-        self.bug = bug
+        self.bug, self.in_place = bug, in_place
         self.q, self.k, self.v, self.out = (nn.Linear(D, D) for _ in range(4))
         self.pos_q, self.pos_k = nn.Linear(D, D), nn.Linear(D, D)
         self.rel = nn.Parameter(torch.randn(2 * SPAN, D))
@@ -100,7 +101,13 @@ class DisentangledAttention(nn.Module):
                                                    .expand(B * HEADS, T, T)).transpose(-1, -2)  # row i, key j
         content = q @ k.transpose(-1, -2)  # (B*H, T, d_k) x (B*H, d_k, T) -> (B*H, T, T)
         content = {"unscaled": content, "scaled twice": content / scale / scale}.get(self.bug, content / scale)
-        scores = content + (c2p / scale + p2c / scale)
+        if self.in_place:
+            terms = c2p / scale
+            terms += p2c / scale
+            scores = content.clone()
+            scores += terms
+        else:
+            scores = content + (c2p / scale + p2c / scale)
         out = scores.softmax(-1) @ v  # (B*H, T, d_k)
         return self.out(out.view(B, HEADS, T, d_k).transpose(1, 2).reshape(B, T, D))
 
@@ -133,7 +140,8 @@ def _audit(layer, dtype, std_002, init):
 
 LAYERS = {"Transformer-XL": lambda bug: RelativeShiftAttention(bug),
           "Transformer-XL, each term scaled": lambda bug: RelativeShiftAttention(bug, each=True),
-          "DeBERTa": DisentangledAttention}
+          "DeBERTa": DisentangledAttention,
+          "DeBERTa, summed in place": lambda bug: DisentangledAttention(bug, in_place=True)}
 
 
 @pytest.mark.parametrize("init", ["default", "std 0.02"])
@@ -157,8 +165,10 @@ def test_deberta_reads_its_three_products_and_transformer_xl_its_own_scale():
     """DeBERTa's 1/sqrt(3 d_k) is judged against the three products its scores sum; Transformer-XL's 1/sqrt(d_k) is
     judged as it is, two products or not."""
     torch.manual_seed(0)
-    deberta = diagnostics.audit(DisentangledAttention()).result("softmax_saturation")
-    assert "sqrt(3), for the 3 products the scores sum" in deberta.evidence, deberta
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        deberta = diagnostics.audit(DisentangledAttention(in_place=in_place)).result("softmax_saturation")
+        assert "sqrt(3), for the 3 products the scores sum" in deberta.evidence, deberta
     torch.manual_seed(0)
     xl = diagnostics.audit(RelativeShiftAttention()).result("softmax_saturation")
     assert xl.verdict == "pass" and "products the scores sum" not in xl.evidence, xl
