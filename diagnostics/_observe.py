@@ -726,6 +726,8 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
     """One estimate per softmax that normalises a matmul's output, and one per fused attention call."""
     estimates = [ScaleEstimate(f.scale, int(f.q.shape[-1]), "fused scaled_dot_product_attention", 0.0, fused=f)
                  for f in record.fused]
+    sums = [j for j, e in enumerate(record.order) if isinstance(e, Sum)]  # where terms may be added to q·k
+    where = {id(e): j for j, e in enumerate(record.order)} if sums else {}
     for i, event in enumerate(record.order):
         if not isinstance(event, SoftmaxCall):
             continue
@@ -748,10 +750,10 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 at = next(j for j, e in enumerate(record.order) if e is m)
                 relative = _fit_decomposed(scores, m.out, record.order[at + 1:i])
                 fitted = relative
-            for cut in _columns(scores, m.out) if relative is None else []:
+            at = where.get(id(m), i)
+            for cut in _columns(scores, m.out) if relative is None and any(at < j < i for j in sums) else []:
                 # scores plus terms added to q·k on the way (Transformer-XL's, DeBERTa's), sinks beside them or not;
                 # read beside q·k even where q·k alone fits (terms small at std 0.02): the products summed count
-                at = next(j for j, e in enumerate(record.order) if e is m)
                 added, parts = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
                 beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
                 if beside is not None:
