@@ -6,7 +6,9 @@ the same operations whether the layer calls `torch.matmul`, `@`, `torch.bmm`, `t
 
 From that record, `applied_scales()` estimates the factor the layer really multiplies q·k by before the
 softmax. The estimate uses differences between the two halves of the probe batch, so any additive term
-that does not depend on the content (masks, ALiBi and relative-position biases) cancels out.
+that does not depend on the content (masks, ALiBi and relative-position biases) cancels out; a term that does
+(Transformer-XL's shifted (q + v)·r, DeBERTa's c2p + p2c), added to q·k on its way, is recorded (`Sum`) and read
+beside q·k with a factor of its own.
 """
 
 from __future__ import annotations
@@ -245,11 +247,10 @@ class Scaling:
 
 @dataclass
 class Sum:
-    """Two tensors of one shape added (or one subtracted from the other) after a product of that many elements, since the
-    last softmax:
-    scores and a term added to them before the softmax (Transformer-XL's shifted (q + v)·r, DeBERTa's c2p + p2c, a
-    bias computed from the tokens), as the op read them: a + b is what it wrote (b negated for a subtraction, times
-    its alpha; a as it was before an in-place add)."""
+    """Two tensors of one shape added (or one subtracted from the other) after a product of that many elements, since
+    the last softmax: scores and a term added to them before the softmax (Transformer-XL's shifted (q + v)·r,
+    DeBERTa's c2p + p2c, a bias computed from the tokens), as the op read them: a + b is what it wrote (b negated for
+    a subtraction, times its alpha; a as it was before an in-place add)."""
 
     a: Tensor
     b: Tensor
@@ -439,8 +440,8 @@ class Observer(Mode):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         sign = 1 if func.overloadpacket in (aten.add, aten.add_) else -1
         b = b.detach() if alpha * sign == 1 else b.detach() * (alpha * sign)
-        # in place, `a` is the output now: what it held is the output less b (a copy, which later writes leave alone)
         keys = (_key(a), _key(args[1]), _key(out))
+        # in place, `a` is the output now: what it held is the output less b (a copy, which later writes leave alone)
         a = out.detach() - b if a is out else a.detach()
         self.record.order.append(Sum(a, b, out.detach(), keys))
 
