@@ -6,7 +6,9 @@ the same operations whether the layer calls `torch.matmul`, `@`, `torch.bmm`, `t
 
 From that record, `applied_scales()` estimates the factor the layer really multiplies q·k by before the
 softmax. The estimate uses differences between the two halves of the probe batch, so any additive term
-that does not depend on the content (masks, ALiBi and relative-position biases) cancels out.
+that does not depend on the content (masks, ALiBi and relative-position biases) cancels out; a term that does
+(Transformer-XL's shifted (q + v)·r, DeBERTa's c2p + p2c), added to q·k on its way, is recorded (`Sum`) and read
+beside q·k with a factor of its own.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
 # implementation, which runs below autograd
 _MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
+_SUMS = frozenset({aten.add, aten.add_, aten.sub, aten.sub_})
 
 
 _UNKNOWN_HOPS = 16
@@ -243,6 +246,19 @@ class Scaling:
 
 
 @dataclass
+class Sum:
+    """Two tensors of one shape added (or one subtracted from the other) after a product of that many elements, since
+    the last softmax: scores and a term added to them before the softmax (Transformer-XL's shifted (q + v)·r,
+    DeBERTa's c2p + p2c, a bias computed from the tokens), as the op read them: a + b is what it wrote (b negated for
+    a subtraction, times its alpha; a as it was before an in-place add)."""
+
+    a: Tensor
+    b: Tensor
+    out: Tensor = field(repr=False)  # what it wrote (held, so that its memory is not another tensor's while recorded)
+    keys: tuple = ()  # `_key` of a, b and out as the op saw them: which sum made an operand of a later one
+
+
+@dataclass
 class Record:
     """What one forward pass did, in order."""
 
@@ -314,6 +330,7 @@ class Observer(Mode):
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
         self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
+        self._products: set[int] = set()  # the sizes of the products made since the last softmax (see `_summed`)
 
     def _factor(self, t) -> float:
         """The constant `t`'s values were multiplied by since the last projection (1.0 where unknown)."""
@@ -412,6 +429,22 @@ class Observer(Mode):
             pass
         return out
 
+    def _summed(self, func, args, kwargs, out) -> None:
+        """Record a `Sum` where two whole tensors with as many elements as a product made since the last softmax are
+        added: what is added to q·k on its way to the softmax (a term of the queries and the positions) is read
+        beside it in the fit."""
+        a, b = args[0], args[1]
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(out, Tensor) and a.dim() >= 2
+                and a.shape == b.shape == out.shape and out.numel() in self._products):
+            return
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        sign = 1 if func.overloadpacket in (aten.add, aten.add_) else -1
+        b = b.detach() if alpha * sign == 1 else b.detach() * (alpha * sign)
+        keys = (_key(a), _key(args[1]), _key(out))
+        # in place, `a` is the output now: what it held is the output less b (a copy, which later writes leave alone)
+        a = out.detach() - b if a is out else a.detach()
+        self.record.order.append(Sum(a, b, out.detach(), keys))
+
     def _note_flex(self, args, kwargs):
         try:
             q, k, v, score_mod, block_mask, scale = args[:6]
@@ -429,6 +462,8 @@ class Observer(Mode):
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same
             self._keep.append(out)
+        if packet in _SUMS and self._products and len(args) > 1:
+            self._summed(func, args, kwargs, out)
         if func in _CARRY and isinstance(args[0], Tensor):
             f = self._known(args[0])
             for o in outs:
@@ -463,6 +498,7 @@ class Observer(Mode):
             a, b = args[0], args[1]
             # a copy: a layer may scale the scores in place afterwards (Falcon's `scores /= sqrt(d)`)
             m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b), self._frames())
+            self._products.add(out.numel())
             self._fresh(outs)
             rec.matmuls.append(m)
             rec.order.append(m)
@@ -473,12 +509,14 @@ class Observer(Mode):
             alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1.0))
             m = Matmul(out.detach().clone(), a.detach(), b.detach(), alpha * self._factor(a) * self._factor(b),
                        self._frames())
+            self._products.add(out.numel())
             self._fresh(outs)
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:
             s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
                             unshifted=self._shifted.get(_key(args[0])))
+            self._products.clear()
             self._fresh(outs)
             rec.softmaxes.append(s)
             rec.order.append(s)
@@ -682,12 +720,15 @@ class ScaleEstimate:
     softmax: SoftmaxCall | None = field(default=None, compare=False, repr=False)
     fused: FusedAttention | None = field(default=None, compare=False, repr=False)
     used_by: Matmul | None = field(default=None, compare=False, repr=False)  # weights @ values, when not the softmax's
+    parts: int = 1  # the products the scores sum, q·k and the terms added to it (DeBERTa's c2p and p2c: 3)
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
     """One estimate per softmax that normalises a matmul's output, and one per fused attention call."""
     estimates = [ScaleEstimate(f.scale, int(f.q.shape[-1]), "fused scaled_dot_product_attention", 0.0, fused=f)
                  for f in record.fused]
+    sums = [j for j, e in enumerate(record.order) if isinstance(e, Sum)]  # where terms may be added to q·k
+    where = {id(e): j for j, e in enumerate(record.order)} if sums else {}
     for i, event in enumerate(record.order):
         if not isinstance(event, SoftmaxCall):
             continue
@@ -705,11 +746,22 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             fitted = (_fit_scale if same else _fit_beside)(scores, m.out, event.output)
             if fitted is None and event.laid_out:  # the product's elements in the order the layer laid out the scores
                 fitted = _fit_scale(event.as_computed(scores), m.out, event.as_computed(event.output))
-            relative = None
+            relative, added, parts = None, [], 1
             if fitted is None and same:  # scores plus terms of each key row and column of a grid (q·R_h, q·R_w)
                 at = next(j for j, e in enumerate(record.order) if e is m)
                 relative = _fit_decomposed(scores, m.out, record.order[at + 1:i])
                 fitted = relative
+            at = where.get(id(m), i)
+            for cut in _columns(scores, m.out) if relative is None and any(at < j < i for j in sums) else []:
+                # scores plus terms added to q·k on the way (Transformer-XL's, DeBERTa's), sinks beside them or not;
+                # read beside q·k even where q·k alone fits (terms small at std 0.02): the products summed count
+                added, parts = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
+                beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
+                if beside is not None:
+                    fitted = beside
+                    break
+            else:
+                added, parts = [], 1
             heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
             for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
@@ -730,7 +782,10 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 s, residual = fitted
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul" + (
                     ", less a term of each key's row and one of its column of the grid (decomposed relative "
-                    "positions)" if relative is not None else ""), residual, matmul=m, softmax=event))
+                    "positions)" if relative is not None else "") + (
+                    f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
+                    f"positions: a bias, whose own factor is not the temperature)" if added else ""),
+                    residual, matmul=m, softmax=event, parts=parts))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found
@@ -741,6 +796,41 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                        again[1], matmul=m, softmax=event, used_by=by))
                 break
     return estimates
+
+
+def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list[Tensor], int]:
+    """The terms added to q·k between its product and the softmax (`Sum`s of as many elements as the scores), in the
+    order they were added, and how many parts the scores sum, q·k one of them: Transformer-XL's shifted (q + v)·r
+    (XLNet, Conformer, Parakeet: 2 parts), DeBERTa's c2p + p2c (3), a bias projected from the tokens (VITS, Inkling).
+    These depend on the tokens, so no bias the same in both batch halves holds them, and `_fit_scale` found none. Of
+    each sum, the operand that the products (and the terms already found) explain carries q·k; the other is a term,
+    of as many parts as sums of neither (c2p + p2c) made it. A sum that adds nothing that differs between the batch
+    halves (a mask) adds no term."""
+    terms: list[Tensor] = []
+    parts = 1
+    joins: list[tuple[int, Sum]] = []  # sums of which neither operand carries q·k, by their place in `between`
+
+    def carries(x: Tensor) -> bool:  # q·k in it, with the terms found so far: the fit holds and x moves between halves
+        flat = x.reshape(-1)
+        half = flat.numel() // 2
+        return not torch.equal(flat[:half], flat[half:]) and _fit_scale(x, products, weights, tuple(terms)) is not None
+
+    def made_of(key, before: int) -> int:  # the parts of the operand of this key: the last sum that wrote it, else 1
+        j = next(((i, e) for i, e in reversed(joins) if i < before and e.keys[2] == key), None)
+        return 1 if j is None else made_of(j[1].keys[0], j[0]) + made_of(j[1].keys[1], j[0])
+
+    for i, e in enumerate(between):
+        if not isinstance(e, Sum) or e.a.numel() != products.numel() or e.a.numel() % 2:
+            continue
+        a, b = carries(e.a), carries(e.b)
+        if a == b:
+            joins += [] if a else [(i, e)]
+            continue
+        term = e.b if a else e.a
+        if not torch.equal(term.reshape(-1)[:term.numel() // 2], term.reshape(-1)[term.numel() // 2:]):
+            terms.append(term)
+            parts += made_of(e.keys[1] if a else e.keys[0], i)
+    return terms, parts
 
 
 def _fit_decomposed(scores: Tensor, products: Tensor, between: list) -> tuple[float, float] | None:
@@ -819,16 +909,24 @@ def _fit_mixed_heads(scores: Tensor, products: Tensor, weights: Tensor, mix: Ten
 def _fit_beside(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
     """`_fit_scale` of (..., Tq, Tk + n) scores whose first or last Tk columns a (..., Tq, Tk) product fills: the layer's
     own n logits (attention sinks) stand beside the products."""
-    if scores.dim() < 2 or products.dim() < 2 or scores.shape[-2] != products.shape[-2]:
-        return None
-    t_k, wide = products.shape[-1], scores.shape[-1]
-    if not t_k < wide or scores.numel() // wide != products.numel() // t_k:
-        return None
-    for cut in (slice(0, t_k), slice(wide - t_k, wide)):
+    for cut in _columns(scores, products):
         fitted = _fit_scale(scores[..., cut], products, weights[..., cut])
         if fitted is not None:
             return fitted
     return None
+
+
+def _columns(scores: Tensor, products: Tensor) -> list[slice]:
+    """The columns of the scores a product of (..., Tq, Tk) fills: all of them where they have as many elements, else
+    the first and the last Tk of (..., Tq, Tk + n) scores (the layer's own n logits, attention sinks, beside them)."""
+    if products.numel() == scores.numel():
+        return [slice(None)]
+    if scores.dim() < 2 or products.dim() < 2 or scores.shape[-2] != products.shape[-2]:
+        return []
+    t_k, wide = products.shape[-1], scores.shape[-1]
+    if not t_k < wide or scores.numel() // wide != products.numel() // t_k:
+        return []
+    return [slice(0, t_k), slice(wide - t_k, wide)]
 
 
 def _mixes_heads(e) -> bool:
@@ -893,8 +991,10 @@ def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | No
 _FIT_SAMPLES = 1 << 16
 
 
-def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
-    """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves.
+def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = ()) -> tuple[float, float] | None:
+    """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves; with `terms`
+    (tensors added to the products on their way, as many elements as the scores), s in scores = s * products +
+    sum_j t_j * terms_j + bias, each t_j free: the factor of the products alone.
     Only entries the softmax gave weight in both halves count: masked ones (-inf, or a large negative fill
     such as float16's -65504, where the logits are pure rounding) say nothing about the scale."""
     s, p, w = scores.detach().reshape(-1), products.detach().reshape(-1), weights.detach().reshape(-1)
@@ -902,43 +1002,55 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float
     if half == 0 or s.numel() % 2:
         return None
     step = max(1, half // _FIT_SAMPLES)  # a strided sample is plenty for one number, and keeps T=1024 cheap
-    s0, s1, p0, p1 = (x.double() for x in (s[:half:step], s[half::step], p[:half:step], p[half::step]))
-    ds, dp = s0 - s1, p0 - p1
+    ds, dp, *dt = (x[:half:step].double() - x[half::step].double()
+                   for x in (s, p, *(t.detach().reshape(-1) for t in terms)))
     ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
-    ds, dp = ds[ok], dp[ok]
-    denom = float((dp * dp).sum())
-    if ds.numel() < 2 or denom == 0.0:
+    for d in dt:
+        ok &= torch.isfinite(d)
+    fitted = _least_squares(ds[ok], [dp[ok]] + [d[ok] for d in dt])
+    if fitted is None or fitted[1] > 0.05:  # a shift of each row (scores - their max, which the softmax ignores)
+        return _fit_scale_rows(scores, products, weights, terms)
+    return fitted
+
+
+def _least_squares(y: Tensor, xs: list[Tensor]) -> tuple[float, float] | None:
+    """(the coefficient of xs[0], the relative residual) of y = sum_j c_j * xs[j] by least squares; a column that is
+    zero (a term the same in both batch halves, which the bias already holds) is left out. None where xs[0] is zero
+    or fewer than 2 entries count."""
+    xs = xs[:1] + [x for x in xs[1:] if bool(x.any())]
+    if y.numel() < 2 or float((xs[0] * xs[0]).sum()) == 0.0:
         return None
-    scale = float((ds * dp).sum()) / denom
-    residual = float((ds - scale * dp).norm() / ds.norm().clamp_min(1e-300))
-    if residual > 0.05:  # a shift of each row (scores - their max, which the softmax ignores), or another matmul
-        return _fit_scale_rows(scores, products, weights)
-    return scale, residual
+    if len(xs) == 1:
+        scale = float((y * xs[0]).sum()) / float((xs[0] * xs[0]).sum())
+        fit = scale * xs[0]
+    else:
+        X = torch.stack(xs, -1)  # (n, 1 + terms)
+        coef = torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
+        scale, fit = float(coef[0]), X @ coef
+    return scale, float((y - fit).norm() / y.norm().clamp_min(1e-300))
 
 
-def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor) -> tuple[float, float] | None:
+def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = ()) -> tuple[float, float] | None:
     """`_fit_scale` with a bias of each row's own as well: the differences between the batch halves centred per row
     over the entries with weight in both (a stable softmax's `scores - scores.amax(-1)` shifts each row)."""
     t_k = scores.shape[-1] if scores.dim() else 0
     if t_k < 2 or products.numel() != scores.numel():
         return None
-    s, p, w = (x.detach().reshape(-1, t_k) for x in (scores, products, weights))
+    s, p, w, *ts = (x.detach().reshape(-1, t_k) for x in (scores, products, weights, *terms))
     half = s.shape[0] // 2
     if half == 0 or s.shape[0] % 2:
         return None
     step = max(1, half * t_k // _FIT_SAMPLES)  # a sample of rows
-    s0, s1, p0, p1 = (x.double() for x in (s[:half:step], s[half::step], p[:half:step], p[half::step]))
-    ds, dp = s0 - s1, p0 - p1
+    ds, dp, *dt = (x[:half:step].double() - x[half::step].double() for x in (s, p, *ts))
     ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
+    for d in dt:
+        ok &= torch.isfinite(d)
     n = ok.sum(-1, keepdim=True).clamp_min(1)
-    ds = torch.where(ok, ds - torch.where(ok, ds, 0.0).sum(-1, keepdim=True) / n, 0.0)
-    dp = torch.where(ok, dp - torch.where(ok, dp, 0.0).sum(-1, keepdim=True) / n, 0.0)
-    denom = float((dp * dp).sum())
-    if int(ok.sum()) < 4 or denom == 0.0:
+    ds, dp, *dt = (torch.where(ok, x - torch.where(ok, x, 0.0).sum(-1, keepdim=True) / n, 0.0) for x in (ds, dp, *dt))
+    if int(ok.sum()) < 4:
         return None
-    scale = float((ds * dp).sum()) / denom
-    residual = float((ds - scale * dp).norm() / ds.norm().clamp_min(1e-300))
-    return (scale, residual) if residual <= 0.05 else None
+    fitted = _least_squares(ds.reshape(-1), [dp.reshape(-1)] + [d.reshape(-1) for d in dt])
+    return fitted if fitted is not None and fitted[1] <= 0.05 else None
 
 
 @dataclass(frozen=True)

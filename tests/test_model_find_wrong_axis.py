@@ -137,10 +137,14 @@ def test_a_softmax_over_the_slots_renormalised_is_not_counted():
 
 def test_linear_attentions_softmax_of_the_keys_is_not_read_as_the_wrong_axis():
     """Efficient attention's softmax of the keys over the tokens normalises a projection, not q·k: it adds no
-    finding. (Its softmax of the queries over the features ran over the last axis, so it was found before as now,
-    and is inconclusive: it has no (Tq, Tk) weights to measure, which is true.)"""
+    finding. (Its softmax of the queries over the features ran over the last axis, so it was found before as now. It
+    was inconclusive, its temperature not measured; both its softmaxes normalise projections of the tokens, so the
+    temperature is not applicable, as a linear attention kernel's is, and its weights, read over the d keys it makes
+    of its own, sum to 1: it passes.)"""
     report = diagnostics.audit_model(LM(LinearAttention).eval(), causal=False)
-    assert report.status == "inconclusive", str(report)
+    assert report.status == "passed", str(report)
+    temperature = report.layers["blocks.0.attn"].result("softmax_saturation")
+    assert "not applicable" in temperature.message and "projection of the tokens" in temperature.message, temperature
     assert not [f for f in report.findings if f.verdict == "fail"], str(report)
 
 

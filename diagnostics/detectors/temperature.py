@@ -149,6 +149,22 @@ def _exponent_over_scores(probe: Probe) -> bool:
 
 
 EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
+LINEAR = frozenset({"add", "add_", "sub", "sub_", "cat", "stack"})  # ops that read several tensors and stay linear
+
+
+def _softmax_of_a_projection(probe: Probe) -> bool:
+    """Every exponential (softmax) the standard probe ran normalises a projection of the inputs: its input is made from
+    them through ops of which none but a sum reads two tensors that depend on the inputs (a linear layer's or a
+    convolution's input beside its weight, a norm's beside its gain). MGP-STR's A3 module (a token learner: a softmax
+    over the tokens of a 1x1 convolution of them) and a router are such; q·k multiplies two activations, and so does
+    a layer that computes it by hand (q * k summed) or a norm written out (x * rsqrt(mean(x^2))): those are not."""
+    trace = base_trace(probe)
+    exps = [op for op in trace.ops if op.short in EXPONENTS]
+
+    def of_two(op) -> bool:  # a product (or any non-linear op) of two tensors that both depend on the inputs
+        return op.short not in LINEAR and sum(1 for i in op.in_ids if trace.sources.get(i)) >= 2
+
+    return bool(exps) and not any(of_two(op) or any(of_two(trace.ops[a]) for a in ancestors(trace, op)) for op in exps)
 
 
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
@@ -177,6 +193,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
             return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential of q·k scores, "
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
+    if not estimates and base.record is not None and base.record.softmaxes and _softmax_of_a_projection(probe):
+        return DetectorResult(det, "skip", NOT_APPLICABLE + "every softmax normalises a projection of the tokens "
+                              "(made through the layer's own weights, no product of two activations: a token "
+                              "learner's or a router's logits), not q·k: it has no temperature; weight_row_sums "
+                              "judges its weights")
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
@@ -193,6 +214,14 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
         stated = ""
+        parts = getattr(estimate, "parts", 1)
+        if probe.scale is None and cosine is None and parts > 1 and \
+                _off(applied * math.sqrt(parts) / expected) < _off(applied / expected):
+            # scores that sum q·k and parts - 1 position products, each divided by sqrt(parts x d_k), keep the
+            # variance of one scaled product (DeBERTa's 1/sqrt(3 d_k) for c2p and p2c beside q·k); Transformer-XL's
+            # keep 1/sqrt(d_k): either is the layer's temperature
+            expected /= math.sqrt(parts)
+            stated = f" / sqrt({parts}), for the {parts} products the scores sum (q·k and its position terms)"
         if probe.scale is not None and cosine is None and not split:
             # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
             # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
@@ -234,6 +263,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _off(ratio: float) -> float:
+    """How far a ratio is from 1, in log."""
+    return abs(math.log(abs(ratio) or 1e-300))
 
 
 def _by_a_weight(estimate, layer) -> bool:
