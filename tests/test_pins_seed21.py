@@ -236,3 +236,31 @@ def test_packed_documents_names_where_the_leak_starts_only_where_it_is_not_the_l
     assert result.verdict == "fail" and result.layer == "attn", result
     at = "; the change first crosses at attn"
     assert result.message.endswith(at + (" (the leak starts in attn.core, Core)" if kind == "core" else "")), result
+
+
+# ---- the seed-21 sample again, at eb6ae1f (2026-12-05): output_shape's fix for queries of the layer's own -----------
+
+
+class LearnedQueries(nn.Module):
+    """`queries` learned queries over the tokens, one head; one query's row is returned as (B, D)."""
+
+    def __init__(self, queries: int, d_model: int = 16):
+        super().__init__()
+        self.latent = nn.Parameter(torch.randn(1, queries, d_model))
+        self.kv = nn.Linear(d_model, 2 * d_model)
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, tokens, width
+        k, v = self.kv(x).chunk(2, -1)  # (B, T, D) each
+        weights = torch.softmax(self.latent.expand(B, -1, -1) @ k.transpose(-2, -1) / D ** 0.5, dim=-1)  # (B, Q, T)
+        out = weights @ v  # (B, Q, D)
+        return out[:, 0] if out.shape[1] == 1 else out
+
+
+@pytest.mark.parametrize("queries, words", [(1, "1 learned query of its own"), (3, "3 learned queries of its own")])
+def test_output_shape_names_one_learned_query_in_the_singular_and_more_in_the_plural(queries, words):
+    """The seed-21 sample at eb6ae1f: `seen == 1` made `!=` in the fix's wording survived every test."""
+    torch.manual_seed(0)
+    shape = diagnostics.audit(LearnedQueries(queries)).result("output_shape")
+    assert shape.verdict == "skip" and f"audit with queries={queries} " in shape.fix, shape
+    assert words in shape.fix, shape.fix
