@@ -74,13 +74,28 @@ class VisionTower(nn.Module):
         return x
 
 
+class ConvTower(nn.Module):
+    """Pixels through convolutions alone, pooled to (B, 1, D): a vision tower with no attention (ALIGN's EfficientNet)."""
+
+    main_input_name = "pixel_values"
+
+    def __init__(self, _second: type = MultiHeadAttention):
+        super().__init__()
+        self.config = SimpleNamespace(image_size=SIDE, num_channels=3)
+        self.embed = nn.Sequential(nn.Conv2d(3, D, PATCH, stride=PATCH), nn.GELU(), nn.Conv2d(D, D, 3, padding=1))
+
+    def forward(self, pixel_values):
+        return self.embed(pixel_values).mean((2, 3))[:, None]  # (B, D, h, w) -> (B, 1, D)
+
+
 class TwoTowers(nn.Module):
     """Each text's similarity to each image (CLIP's logits): the forward needs token ids and pixels together.
     `fuse`: a cross-attention of the text over the image's patches, outside both towers."""
 
-    def __init__(self, text: type = MultiHeadAttention, vision: type = MultiHeadAttention, fuse: bool = False):
+    def __init__(self, text: type = MultiHeadAttention, vision: type = MultiHeadAttention, fuse: bool = False,
+                 tower: type = None):
         super().__init__()
-        self.text_model, self.vision_model = TextTower(text), VisionTower(vision)
+        self.text_model, self.vision_model = TextTower(text), (tower or VisionTower)(vision)
         self.fuse = nn.MultiheadAttention(D, HEADS, batch_first=True) if fuse else None
 
     def forward(self, input_ids, pixel_values):
@@ -91,10 +106,10 @@ class TwoTowers(nn.Module):
 
 
 def _towers(text: type = MultiHeadAttention, vision: type = MultiHeadAttention, *, dtype: str = "float32",
-            fuse: bool = False) -> TwoTowers:
+            fuse: bool = False, tower: type = None) -> TwoTowers:
     """The same weights for every twin (seed 0); bfloat16 at GPT-2's std-0.02 init, biases 0."""
     torch.manual_seed(0)
-    model = TwoTowers(text, vision, fuse)
+    model = TwoTowers(text, vision, fuse, tower)
     if dtype == "bfloat16":
         model = gpt2_init_(model, n_layers=2).to(torch.bfloat16)
     return model.eval()
@@ -162,6 +177,14 @@ def test_a_failing_tower_fails_the_model_even_beside_attention_outside_the_tower
     report = diagnostics.audit_model(_towers(vision=MissingScale, fuse=True))
     assert report.status == "failed", report
     assert {p for p, r in report.layers.items() if r.status == "failed"} == {"vision_model.layers.1"}, report
+
+
+@pytest.mark.parametrize("text", [MultiHeadAttention, MissingCausalMask], ids=["correct", "missing_causal_mask"])
+def test_a_tower_with_no_attention_is_named_and_the_other_decides(text):
+    report = diagnostics.audit_model(_towers(text=text, tower=ConvTower))
+    assert list(report.layers) == TEXT_LAYERS, list(report.layers)
+    assert any(n.startswith("vision_model has no attention module") for n in report.notes), report.notes
+    assert report.status == ("passed" if text is MultiHeadAttention else "failed"), report
 
 
 def test_given_an_example_with_both_inputs_the_model_is_audited_whole_as_before():
@@ -252,10 +275,48 @@ def test_zero_config_clip_is_audited_tower_by_tower_and_a_text_layer_without_its
     model.text_model.encoder.layers[1].self_attn._test_drops_mask = bug
     report = diagnostics.audit_model(model)  # before: inconclusive, "audit the models it is made of one by one"
     assert any(n.startswith("audited tower by tower: CLIPModel") for n in report.notes), report.notes
-    assert len(report.layers) == 4 and report.causal_source.startswith("per tower: text_model causal"), report
+    assert len(report.layers) == 4, list(report.layers)
     if not bug:
         assert report.status == "passed", report
+        assert report.causal_source.startswith("per tower: text_model causal (measured"), report.causal_source
+        return
+    # CLIP's text tower declares no causality: measured on its layers, one of two masks the future, so it is not read
+    # as causal; the layer drops the model's whole mask, its padding with it, and padding_invariance finds it there
+    assert report.status == "failed", report
+    assert {f.layer for f in report.findings if f.verdict == "fail"} == {"text_model.encoder.layers.1.self_attn"}, \
+        [(f.layer, f.detector, f.verdict) for f in report.findings]
+
+
+def _assign_unnormalised(self, query, key):
+    """GroupViT's assignment with the softmax over the groups weighed with the values as it came, not renormalised over
+    the keys: the form of the bug `softmax_wrong_dim` (each key's column sums to 1, not each group's row)."""
+    q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(key)  # (B, G, D), (B, N, D), (B, N, D)
+    attn = (q @ k.transpose(-2, -1) * self.scale).softmax(dim=-2)  # (B, G, N): over the groups
+    return self.proj(attn @ v), attn
+
+
+@pytest.mark.parametrize("renormalised", [True, False], ids=["groupvit", "not_renormalised"])
+def test_groupvits_assignment_of_patches_to_groups_is_not_audited_as_attention_its_bugs_form_is(transformers,
+                                                                                                renormalised):
+    """GroupViT's GroupViTAssignAttention: a softmax over the groups (the queries), renormalised over the patches before
+    the values' product, assigns each patch to a group by design; audited as attention it failed weight_row_sums,
+    output_variance, query_locality and gradients (groupvit's vision tower, the whole sweep's one failure of the
+    towers). Twin: the same softmax weighed with the values as it came, the bug's form, is still audited and fails."""
+    from transformers import GroupViTVisionConfig, GroupViTVisionModel
+
+    torch.manual_seed(0)
+    config = GroupViTVisionConfig(hidden_size=32, intermediate_size=64, depths=[1, 1], num_group_tokens=[8, 0],
+                                  num_output_groups=[4, 4], num_attention_heads=4, image_size=32, patch_size=8)
+    model = GroupViTVisionModel(config).eval()
+    assign = model.vision_model.encoder.stages[0].downsample.assign
+    if not renormalised:
+        assign.forward = _assign_unnormalised.__get__(assign)
+    report = diagnostics.audit_model(model)
+    path = "vision_model.encoder.stages.0.downsample.assign"
+    if renormalised:
+        assert report.status == "passed", report
+        assert path not in report.layers and any(n.startswith(f"{path} not audited as attention: its softmax runs "
+                                                              f"over the queries") for n in report.notes), report
         return
     assert report.status == "failed", report
-    assert {p for p, r in report.layers.items() if r.status == "failed"} == {
-        "text_model.encoder.layers.1.self_attn"}, report
+    assert report.layers[path].result("weight_row_sums").verdict == "fail", report.layers[path]

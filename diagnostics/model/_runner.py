@@ -482,8 +482,9 @@ class Runner:
     def _signal(self, main: str, config, gen) -> Tensor | None:
         """A speech model's input from its config: `input_values`, a waveform (B, samples), or a spectrogram (B,
         frames, bins) where the config declares its bins and a length (AST's max_length); `input_features`, (B, bins,
-        frames) or (B, frames, bins), bins from `FEATURE_SIZE_NAMES`, frames twice the encoder's positions where it
-        declares them (Whisper's 3,000 for 1,500), else 64. The layout is the first the model runs a plain forward
+        frames), (B, frames, bins) or (B, 1, frames, bins) (a spectrogram as an image of one channel: CLAP's audio
+        tower), bins from `FEATURE_SIZE_NAMES`, frames twice the encoder's positions where it declares them (Whisper's
+        3,000 for 1,500), else 64. The layout is the first the model runs a plain forward
         on (which axis holds the bins is not declared); None if it runs on none."""
         found = sub_configs(config)
         read = lambda *names: next((getattr(c, n) for c in found for n in names  # noqa: E731
@@ -500,7 +501,8 @@ class Runner:
                 return None
             positions = read("max_source_positions")
             frames = 2 * positions if positions else 64
-            candidates = [torch.randn(2, bins, frames, generator=gen), torch.randn(2, frames, bins, generator=gen)]
+            candidates = [torch.randn(2, bins, frames, generator=gen), torch.randn(2, frames, bins, generator=gen),
+                          torch.randn(2, 1, frames, bins, generator=gen)]  # one channel: CLAP's audio tower
         for x in candidates:
             try:
                 with torch.no_grad():

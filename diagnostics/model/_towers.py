@@ -60,7 +60,15 @@ def merged(whole: ModelReport, reports: dict, held: dict[str, str], *, seconds: 
     """One report of the towers' (`reports`: {tower path: its ModelReport, or the usage error that stopped its
     audit}), with every layer, module found and model-level result named by its path in the whole model (a tower's
     model-level result by the tower's path, unless it names a layer of it). Status: failed if any tower failed; else
-    inconclusive if one was, or could not be audited, or attention sits outside every tower; else passed."""
+    inconclusive if one was, or could not be audited, or attention sits outside every tower; else passed. A tower in
+    which no attention module was found is named in a note and counted only where no tower has one."""
+    # a tower with no attention in it (ALIGN's EfficientNet) has nothing to audit: said, not counted, unless no tower
+    # has any
+    empty = [t for t, r in reports.items() if isinstance(r, ModelReport) and not r.found]
+    if len(empty) < len(reports):
+        reports = {t: r for t, r in reports.items() if t not in empty}
+    else:
+        empty = []
     audited = {t: r for t, r in reports.items() if isinstance(r, ModelReport)}
     layers = {f"{t}.{p}": rep for t, r in audited.items() for p, rep in r.layers.items()}
     results = [replace(res, layer=f"{t}.{res.layer}" if res.layer else t) for t, r in audited.items()
@@ -73,6 +81,8 @@ def merged(whole: ModelReport, reports: dict, held: dict[str, str], *, seconds: 
     notes = [f"audited tower by tower: {whole.model} raised on the example built from what it declares ({raised}), "
              f"and it is made of towers that each declare their own input ({', '.join(f'{t}: {n}' for t, n in held.items())}): each was audited on its "
              f"own example, with its own causality; pass example={{{wants}}} to audit the model whole"]
+    notes += [f"{t} has no attention module (no torch, timm or Hugging Face attention class, and no softmax over (Tq, "
+              f"Tk) scores or fused attention observed): nothing to audit there" for t in empty]
     notes += [f"{t}: {n}" for t, r in audited.items() for n in r.notes]
     statuses = {t: (r.status if isinstance(r, ModelReport) else "inconclusive") for t, r in reports.items()}
     worst = min(statuses.values(), key=WORST_FIRST.index)
