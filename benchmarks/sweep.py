@@ -224,6 +224,11 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
            f"pad bytes and the real bytes' entropies, which cut the patches, move (confirmed by tests/test_sweep.py's "
            f"plain scripts: 'BltConfig' object has no attribute 'num_hidden_layers'; 4 masked left pads move the real "
            f"tokens' logits by 4.5 of their RMS)",
+    "aimv2": f"its text tower attends both ways unpadded and causally when padded: Aimv2Attention says is_causal = "
+             f"False ({TF}aimv2/modeling_aimv2.py:283) and Aimv2TextModel builds a causal mask only from an "
+             f"attention_mask (line 575), which sdpa drops where nothing is padded, so right padding moves the real "
+             f"tokens' outputs (confirmed by tests/test_sweep.py's plain script: by 1.2 of their RMS; CLIP's text "
+             f"tower, the same script, 9e-7)",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,
