@@ -311,7 +311,8 @@ class Runner:
         raises on it, the other forms it may take (`_other_forms`: a pair of images, the declared frames, larger images
         where no size is declared, token ids beside or instead of a signal), the first it runs on. Not the
         pixels of a model that pairs text with images (CLIP's kind): its vision tower then reads no token and the
-        token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage): it asks for an example.
+        token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage). Such a model raises on
+        its token ids, and `audit_model` audits it tower by tower, each tower on the example it declares (`_towers`).
         """
         self.T = T  # the tested sequence's length, for the token ids of another form
         main, inputs = self._declared_main(config, T, gen, device, dtype)

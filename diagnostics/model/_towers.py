@@ -4,8 +4,9 @@ input the whole declares (token ids) and the whole raises on it; pixels alone wo
 token, and the token checks judged the vision tower (MetaCLIP 2's correct vision attention failed future_leakage).
 There, each tower is audited on the example it declares, with its own causality (CLIP's text tower is causal, its
 vision tower is not), and the towers' reports make one (`merged`): every path, layer and finding named by its place
-in the whole model, the status the worst of the towers'. Attention outside every tower (a fusion of the streams)
-reads the towers' inputs together: it is not audited, and the model is inconclusive and asks for an example.
+in the whole model, the status the worst of the towers'. Attention outside every tower (a fusion of the streams), or
+inside one that its tower does not call on its own input (BLIP's text decoder's cross-attention to the image), reads
+the towers' inputs together: it is not audited, and the model is inconclusive and asks for an example.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def merged(whole: ModelReport, reports: dict, held: dict[str, str], *, seconds: 
     """One report of the towers' (`reports`: {tower path: its ModelReport, or the usage error that stopped its
     audit}), with every layer, module found and model-level result named by its path in the whole model (a tower's
     model-level result by the tower's path, unless it names a layer of it). Status: failed if any tower failed; else
-    inconclusive if one was, or could not be audited, or attention sits outside every tower; else passed. A tower in
-    which no attention module was found is named in a note and counted only where no tower has one."""
+    inconclusive if one was, or could not be audited, or attention sits outside every tower or was not called by its
+    tower on its own input; else passed. A tower in which no attention module was found is named in a note and
+    counted only where no tower has one."""
     # a tower with no attention in it (ALIGN's EfficientNet) has nothing to audit: said, not counted, unless no tower
     # has any
     empty = [t for t, r in reports.items() if isinstance(r, ModelReport) and not r.found]
@@ -95,11 +97,19 @@ def merged(whole: ModelReport, reports: dict, held: dict[str, str], *, seconds: 
         why = [f"{t}: {r.status_reason.removeprefix('inconclusive: ')}" for t, r in audited.items()
                if r.status == "inconclusive"]
         why += [f"{t} could not be audited on its own: {r}" for t, r in reports.items() if isinstance(r, str)]
+        # a tower's attention its own forward did not call reads another tower's output (BLIP's text decoder's
+        # cross-attention to the image): the whole calls it with both inputs, the towers never did
+        idle = [f.path for f in found if not f.called and _within(f.path, audited)]
+        if idle:
+            why.append(f"{', '.join(idle[:3])}{' ...' if len(idle) > 3 else ''} {'is' if len(idle) == 1 else 'are'} "
+                       f"not called by {'its tower' if len(idle) == 1 else 'their towers'} on "
+                       f"{'its' if len(idle) == 1 else 'their'} own input (attention to another tower's output) and "
+                       f"{'was' if len(idle) == 1 else 'were'} not audited: pass example={{{wants}}}")
         if outside:
-            worst = "inconclusive"
             why.append(f"{', '.join(f.path for f in outside[:3])}{' ...' if len(outside) > 3 else ''} outside the "
                        f"towers {'reads' if len(outside) == 1 else 'read'} their inputs together and "
                        f"{'was' if len(outside) == 1 else 'were'} not audited: pass example={{{wants}}}")
+        worst = "inconclusive" if why else worst
         reason = "inconclusive: " + "; ".join(why) if worst == "inconclusive" else ""
     causal = any(r.causal for r in audited.values())
     source = "per tower: " + "; ".join(f"{t} {'causal' if r.causal else 'not causal'} ({r.causal_source})"
