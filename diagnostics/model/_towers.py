@@ -47,6 +47,8 @@ def towers(model) -> dict[str, str]:
     for name, module in model.named_modules():
         if not name or getattr(module, "config", None) is None or any(name.startswith(f + ".") for f in found):
             continue
+        if type(module).__name__.endswith(("Embeddings", "Embedding")):  # where a tower starts (X-CLIP's patches)
+            continue
         main = declared_input(module)
         if main is not None:
             found[name] = main
