@@ -79,7 +79,8 @@ class VisionTower(nn.Module):
 
 
 class ConvTower(nn.Module):
-    """Pixels through convolutions alone, pooled to (B, 1, D): a vision tower with no attention (ALIGN's EfficientNet)."""
+    """Pixels through convolutions alone, pooled to (B, 1, D): a vision tower with no attention (ALIGN's
+    EfficientNet)."""
 
     main_input_name = "pixel_values"
 

@@ -96,7 +96,7 @@ class ModuleWatch:
         self.own: dict = {}  # {path: [calls whose every softmax weighs each token's own items (`_per_token`), scores]}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
         self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
-        self.assigns: dict = {}  # {path: scores' shape} of modules whose every softmax ran over q·k's queries, uncounted
+        self.assigns: dict = {}  # {path: scores' shape}: every softmax over q·k's queries, none counted (`assignments`)
 
     @property
     def open(self) -> list[str]:

@@ -42,7 +42,8 @@ def towers(model) -> dict[str, str]:
     """{path: the input it declares} of the models a model is made of, outermost only: sub-modules with a config of
     their own whose forward takes one input the audit builds (`declared_input`): CLIP's text_model (input_ids) and
     vision_model (pixel_values). Not a layer with a config (CLAP's projections, an attention module: hidden
-    states)."""
+    states), nor an embedding of the input (a class named *Embeddings: X-CLIP's vision patches), where a tower
+    starts."""
     found: dict[str, str] = {}
     for name, module in model.named_modules():
         if not name or getattr(module, "config", None) is None or any(name.startswith(f + ".") for f in found):
@@ -82,9 +83,10 @@ def merged(whole: ModelReport, reports: dict, held: dict[str, str], *, seconds: 
     found += [FoundModule(f.path, f.cls, f.how, called=False, mixer=f.mixer) for f in outside]
     wants = ", ".join(f"{n!r}: ..." for n in dict.fromkeys(held.values()))
     raised = whole.result("model_runs").evidence.split("; ")[0].removeprefix("the example: ")
+    inputs = ", ".join(f"{t}: {n}" for t, n in held.items())
     notes = [f"audited tower by tower: {whole.model} raised on the example built from what it declares ({raised}), "
-             f"and it is made of towers that each declare their own input ({', '.join(f'{t}: {n}' for t, n in held.items())}): each was audited on its "
-             f"own example, with its own causality; pass example={{{wants}}} to audit the model whole"]
+             f"and it is made of towers that each declare their own input ({inputs}): each was audited on its own "
+             f"example, with its own causality; pass example={{{wants}}} to audit the model whole"]
     notes += [f"{t} has no attention module (no torch, timm or Hugging Face attention class, and no softmax over (Tq, "
               f"Tk) scores or fused attention observed): nothing to audit there" for t in empty]
     notes += [f"{t}: {n}" for t, r in audited.items() for n in r.notes]
