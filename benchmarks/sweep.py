@@ -224,6 +224,18 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
            f"pad bytes and the real bytes' entropies, which cut the patches, move (confirmed by tests/test_sweep.py's "
            f"plain scripts: 'BltConfig' object has no attribute 'num_hidden_layers'; 4 masked left pads move the real "
            f"tokens' logits by 4.5 of their RMS)",
+    "aimv2": f"its text tower attends both ways unpadded and causally when padded: Aimv2Attention says is_causal = "
+             f"False ({TF}aimv2/modeling_aimv2.py:283) and Aimv2TextModel builds a causal mask only from an "
+             f"attention_mask (line 575), which sdpa drops where nothing is padded, so right padding moves the real "
+             f"tokens' outputs (confirmed by tests/test_sweep.py's plain script: by 1.2 of their RMS; CLIP's text "
+             f"tower, the same script, 9e-7)",
+    "pi05": f"as Aimv2, its language model (a GemmaModel with use_bidirectional_attention=True, "
+            f"{TF}pi05/configuration_pi05.py:126) attends both ways unpadded and causally when padded: GemmaAttention "
+            f"says is_causal = not use_bidirectional_attention ({TF}gemma/modeling_gemma.py:228) and GemmaModel builds "
+            f"create_causal_mask whatever the flag (line 403), which sdpa drops where nothing is padded (confirmed by "
+            f"tests/test_sweep.py's plain script: right padding moves the real tokens by 0.52 of their RMS; a plain "
+            f"GemmaModel, the same script, 2.4e-7; PI0.5 itself passes its own 4-D masks, so the model as PI0.5 calls "
+            f"it is not affected: the row is its language model audited alone, as its tower)",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,

@@ -299,6 +299,9 @@ class Tower(nn.Module):
         self.attn = MultiHeadAttention(16, 2)
         self.inner = Tower() if inner else None
 
+    def forward(self, input_ids):
+        raise ValueError("expected token embeddings")
+
 
 class Projection(nn.Module):
     """A layer posing as Hugging Face, with a config but no main input (CLAP's projections): no model of its own."""
@@ -327,12 +330,13 @@ class Towers(nn.Module):
         raise ValueError("expected pixel_values beside the ids")
 
 
-@pytest.mark.parametrize("n, named", [(4, "model.tower_0, model.tower_1, model.tower_2, model.tower_3)"),
-                                      (5, "model.tower_0, model.tower_1, model.tower_2, model.tower_3, ...)")])
-def test_model_runs_names_up_to_four_models_a_model_is_made_of_then_an_ellipsis(n, named):
-    """check_model_runs' `', ...' if len(held) > 4` (L26, Gt->GtE): four models are named in full, of five the first
-    four and "..."; `parts` names the outermost models only (not tower_0's own inner tower) and not a layer with a
-    config but no main input (the projection)."""
-    result = model_result(Towers(n), "model_runs")
+def test_model_runs_names_the_one_model_a_model_is_made_of_and_audits_two_tower_by_tower():
+    """check_model_runs' `if len(held) == 1`: the one model inside is named, the outermost only (not tower_0's own
+    inner tower) and not a layer with a config but no main input (the projection); of two, each is audited on its own
+    (`_towers`), and the skip is not the report's."""
+    result = model_result(Towers(1), "model_runs")
     assert result.verdict == "skip", result
-    assert result.message.endswith("or audit the models it is made of one by one (" + named), result.message
+    assert result.message.endswith("or audit the model it is made of on its own (model.tower_0)"), result.message
+    report = diagnostics.audit_model(Towers(2), detectors=["model_runs"])
+    assert report.notes[0].startswith("audited tower by tower"), report.notes
+    assert report.status_reason.startswith("inconclusive: tower_0 could not be audited on its own"), report

@@ -807,3 +807,33 @@ def test_a_model_with_no_attention_class_that_the_audit_found_none_in_is_not_cou
     assert row.verdict == ("inconclusive" if attends else "no attention"), row
     assert sweep.rates([row, sweep.Row("p", built=True, verdict="passed")])[0].startswith(
         "1 / 1 built" if not attends else "2 / 2 built"), sweep.rates([row])
+
+
+@pytest.mark.parametrize("model_type, known", [("aimv2", True), ("clip", False), ("pi05", True), ("gemma", False)])
+def test_right_padding_leaves_a_text_models_real_tokens_except_where_known_says_it_turns_causal(model_type, known):
+    """Aimv2's text tower and PI0.5's language model (KNOWN): 4 right pad tokens, masked, move the outputs at the real
+    tokens (their causal mask comes only with a padding mask; unpadded they attend both ways). PI0.5's is a GemmaModel
+    with `use_bidirectional_attention=True`, built so here. CLIP's text tower and a plain GemmaModel, the same script,
+    leave them."""
+    import torch
+
+    tf = _transformers()
+    assert (model_type in _sweep().KNOWN) is known
+    sizes = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    if model_type in ("aimv2", "clip"):
+        config_cls, model_cls = ((tf.Aimv2TextConfig, tf.Aimv2TextModel) if model_type == "aimv2" else
+                                 (tf.CLIPTextConfig, tf.CLIPTextModel))
+        model = model_cls(config_cls(max_position_embeddings=32, **sizes))
+    else:
+        model = tf.GemmaModel(tf.GemmaConfig(num_key_value_heads=1, head_dim=8, **sizes,
+                                             use_bidirectional_attention=model_type == "pi05"))
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    ids, pads = torch.randint(3, 90, (1, 12), generator=gen), torch.randint(3, 90, (1, 4), generator=gen)
+    mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(input_ids=ids).last_hidden_state
+        padded = model(input_ids=torch.cat([ids, pads], dim=1), attention_mask=mask).last_hidden_state[:, :12]
+    change = float((padded - plain).abs().max() / plain.square().mean().sqrt())
+    assert (change > 1e-3) is known, change  # measured: 1.2 (Aimv2), 0.52 (Gemma bidirectional); 9e-7, 2.4e-7

@@ -10,6 +10,7 @@ same `@detector` as the layer detectors, on a `ModelContext`.
     runs.py causality.py cache.py padding.py backends.py gradients.py window.py packing.py
                    the model-level detectors
     _audit.py      audit_model()                        _report.py   ModelReport
+    _towers.py     a model made of towers (CLIP's text and vision), audited tower by tower
     _plugin.py     the pytest plugin's model targets (imported by diagnostics.pytest_plugin, not here)
 
 `MODULES` lists the model detector modules: importing this package imports them in that order, which is the

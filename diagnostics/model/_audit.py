@@ -36,6 +36,7 @@ from ._find import class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
+from ._towers import merged, towers
 
 
 ONE_TOKEN = "one key: weight 1 whatever the scale, the mask or the softmax's axis"
@@ -286,10 +287,29 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                                   single=tuple(p for p, w in wrappers.items() if _one_token(w)))
     if not T and wrappers:
         T = next(iter(wrappers.values())).block_size  # images: the tokens the attention layers see
-    return ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,
-                       causal_source=source, seq_len=T, dtype=dtype_name(dtype), found=found, layers=layers,
-                       results=results, readings=readings, model_forwards=runner.forwards, layer_calls=layer_calls,
-                       seconds=time.perf_counter() - started, notes=notes)
+    report = ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,
+                         causal_source=source, seq_len=T, dtype=dtype_name(dtype), found=found, layers=layers,
+                         results=results, readings=readings, model_forwards=runner.forwards, layer_calls=layer_calls,
+                         seconds=time.perf_counter() - started, notes=notes)
+    # the whole raised on the example built from what it declares (model_runs skipped): a model made of towers that
+    # each declare their own input (CLIP's text and vision towers) is audited tower by tower
+    held = towers(model) if report.result(runs.ID).verdict == "skip" else {}
+    if len(held) < 2:
+        return report
+    reports: dict = {}
+    for t in held:
+        tick_t = None if progress is None else (lambda stage, i, n, t=t: progress(f"{t}: {stage}", i, n))
+        try:
+            # causal=None: each tower's causality is its own (CLIP's text tower is causal, its vision tower not)
+            reports[t] = audit_model(model.get_submodule(t), seq_len=seq_len, seed=seed, detectors=detectors,
+                                     progress=tick_t, packed=packed, _options=_options)
+        except AuditUsageError as exc:  # a tower whose example cannot be built either: inconclusive, saying why
+            reports[t] = str(exc)
+    report = merged(report, reports, held, seconds=time.perf_counter() - started)
+    if causal is not None:
+        report.notes.append(spell("causal", causal, _options) + " was given for the model whole: each tower was "
+                            "audited with its own causality (pass an example with every input to audit it whole)")
+    return report
 
 
 __all__ = ["audit_model", "model_status"]

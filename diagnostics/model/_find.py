@@ -96,6 +96,7 @@ class ModuleWatch:
         self.own: dict = {}  # {path: [calls whose every softmax weighs each token's own items (`_per_token`), scores]}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
         self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
+        self.assigns: dict = {}  # {path: scores' shape}: every softmax over q·k's queries, none counted (`assignments`)
 
     @property
     def open(self) -> list[str]:
@@ -114,6 +115,9 @@ class ModuleWatch:
                 and (s.dim in (-1, s.output.dim() - 1) or self._over_queries(s))]
         fused = record.fused[f0:]
         path = self.paths[id(m)]
+        over = [s for s in record.softmaxes[s0:] if s.dim not in (-1, s.output.dim() - 1)]
+        if over and not soft and not fused and all(self._qk_columns(s) is not None for s in over):
+            self.assigns[path] = tuple(over[0].output.shape)  # by design over the queries (`assignments`)
         entry = self.counts.setdefault(path, [0, 0])
         entry[0] += len(soft)
         entry[1] += len(fused)
@@ -170,22 +174,31 @@ class ModuleWatch:
         renormalises its softmax over the slots before the values' product: neither is counted.
         Uncounted, a user's model with that bug was "no attention found" instead of failing (its class is no
         library's)."""
-        if call.dim not in (-2, call.output.dim() - 2) or call.output.shape[-2] < 2:
+        i = self._qk_columns(call)
+        if i is None:
             return False
+        record = self.observer.record
+        weights, t_k = _storage(call.output), call.output.shape[-1]
+        return weights is not None and any(
+            isinstance(m, Matmul) and ((_storage(m.a) == weights and m.a.shape[-1] == t_k)
+                                       or (_storage(m.b) == weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
+            for m in record.order[i + 1:])
+
+    def _qk_columns(self, call: SoftmaxCall) -> int | None:
+        """Where a softmax over the second-last axis of q·k (a product of two activations, neither a weight of the
+        model) is in the record; None for any other softmax."""
+        if call.dim not in (-2, call.output.dim() - 2) or call.output.shape[-2] < 2:
+            return None
         record = self.observer.record
         i = next((j for j, o in enumerate(record.order) if o is call), None)
         product = None if i is None else next(
             (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))
              and math.prod(_shape(m)) == call.input.numel()), None)
         if not isinstance(product, Matmul) or product.a.dim() < 2 or product.b.dim() < 2:
-            return False
+            return None
         if {_storage(product.a), _storage(product.b)} & self._model_weights():
-            return False
-        weights, t_k = _storage(call.output), call.output.shape[-1]
-        return weights is not None and any(
-            isinstance(m, Matmul) and ((_storage(m.a) == weights and m.a.shape[-1] == t_k)
-                                       or (_storage(m.b) == weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
-            for m in record.order[i + 1:])
+            return None
+        return i
 
     def _model_weights(self) -> set:
         """The storages of the model's parameters, read once."""
@@ -238,6 +251,16 @@ class ModuleWatch:
                    f"each of the {scores[1]} tokens its input starts with: it weighs each token's own items (a "
                    f"hyper-connection's streams), not other tokens"
                 for p, (_, scores) in self.own.items() if not any(self.mixes.get(p, ()))}
+
+    def assignments(self) -> dict:
+        """{path: why} of the modules whose every softmax ran over the queries of q·k scores and none was weighed with
+        the values as it came (`_over_queries` counts that one, the bug): renormalised over the keys first, each key
+        assigned among the queries, by design (GroupViT's grouping of patches, slot attention). The layer detectors
+        presuppose weights normalised over the keys; a library class so written is left out, saying why."""
+        return {p: f"its softmax runs over the queries of q·k scores of shape {scores}, renormalised over the keys "
+                   f"before the values' product: it assigns each key among the queries (GroupViT's grouping, slot "
+                   f"attention), by design, not attention normalised over the keys"
+                for p, scores in self.assigns.items()}
 
     def routers(self) -> dict:
         """{path: why} of the modules whose every call with a softmax in it ran only softmaxes over a weight's outputs
@@ -332,7 +355,7 @@ def observe_attention(runner: Runner) -> Observation:
         s, f = counts[p]
         found[p] = ("observed fused scaled_dot_product_attention" if f and not s
                     else "observed softmax over (Tq, Tk) scores")
-    not_tokens = {p: why for p, why in {**watch.not_tokens(), **watch.per_token()}.items()
+    not_tokens = {p: why for p, why in {**watch.not_tokens(), **watch.per_token(), **watch.assignments()}.items()
                   if p in found or class_kind(named[p])}
     found = {p: how for p, how in found.items() if p not in not_tokens}
     # a router or a gate: never a library attention class, nor of the kind of a module found attending (a layer of

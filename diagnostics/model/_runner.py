@@ -311,7 +311,8 @@ class Runner:
         raises on it, the other forms it may take (`_other_forms`: a pair of images, the declared frames, larger images
         where no size is declared, token ids beside or instead of a signal), the first it runs on. Not the
         pixels of a model that pairs text with images (CLIP's kind): its vision tower then reads no token and the
-        token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage): it asks for an example.
+        token checks judged it (MetaCLIP 2's correct vision attention failed future_leakage). Such a model raises on
+        its token ids, and `audit_model` audits it tower by tower, each tower on the example it declares (`_towers`).
         """
         self.T = T  # the tested sequence's length, for the token ids of another form
         main, inputs = self._declared_main(config, T, gen, device, dtype)
@@ -482,8 +483,9 @@ class Runner:
     def _signal(self, main: str, config, gen) -> Tensor | None:
         """A speech model's input from its config: `input_values`, a waveform (B, samples), or a spectrogram (B,
         frames, bins) where the config declares its bins and a length (AST's max_length); `input_features`, (B, bins,
-        frames) or (B, frames, bins), bins from `FEATURE_SIZE_NAMES`, frames twice the encoder's positions where it
-        declares them (Whisper's 3,000 for 1,500), else 64. The layout is the first the model runs a plain forward
+        frames), (B, frames, bins) or (B, 1, frames, bins) (a spectrogram as an image of one channel: CLAP's audio
+        tower), bins from `FEATURE_SIZE_NAMES`, frames twice the encoder's positions where it declares them (Whisper's
+        3,000 for 1,500), else 64. The layout is the first the model runs a plain forward
         on (which axis holds the bins is not declared); None if it runs on none."""
         found = sub_configs(config)
         read = lambda *names: next((getattr(c, n) for c in found for n in names  # noqa: E731
@@ -500,7 +502,8 @@ class Runner:
                 return None
             positions = read("max_source_positions")
             frames = 2 * positions if positions else 64
-            candidates = [torch.randn(2, bins, frames, generator=gen), torch.randn(2, frames, bins, generator=gen)]
+            candidates = [torch.randn(2, bins, frames, generator=gen), torch.randn(2, frames, bins, generator=gen),
+                          torch.randn(2, 1, frames, bins, generator=gen)]  # one channel: CLAP's audio tower
         for x in candidates:
             try:
                 with torch.no_grad():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .._registry import detector, phrase
 from .._result import DetectorResult
 from ._context import ModelContext
-from ._runner import is_hf
+from ._towers import towers
 
 ID = "model_runs"
 FIX = "make the model accept the inputs shown (or pass {example}... in the form it takes)"  # {example}: as spelled
@@ -21,9 +21,8 @@ FIX = "make the model accept the inputs shown (or pass {example}... in the form 
                     "exception its evidence quotes")
 def check_model_runs(ctx: ModelContext) -> DetectorResult:
     if ctx.runs and ctx.runner.built_example and ctx.raised_in not in ctx.modules:
-        held = parts(ctx.model)
-        each = (f", or audit the models it is made of one by one ({', '.join(f'model.{p}' for p in held[:4])}"
-                f"{', ...' if len(held) > 4 else ''})" if held else "")
+        held = list(towers(ctx.model))  # of two or more, each is audited on its own (`_towers`): this is not seen
+        each = f", or audit the model it is made of on its own (model.{held[0]})" if len(held) == 1 else ""
         return DetectorResult(ID, "skip", "not measured: the model raised on the example the audit built from what it "
                                           "declares, outside its attention modules: "
                                           + phrase("pass {example}... in the form it takes", ctx.runner.options)
@@ -34,14 +33,3 @@ def check_model_runs(ctx: ModelContext) -> DetectorResult:
                               evidence="; ".join(ctx.runs), fix=phrase(FIX, ctx.runner.options), layer=ctx.raised_in)
     return DetectorResult(ID, "pass", "the model runs on the example and its prefix")
 
-
-def parts(model) -> list[str]:
-    """The paths of the models a model is made of, outermost only: a Hugging Face model's sub-models (CLIP's
-    text_model and vision_model, each a model its audit builds an example for), which a user can audit one by one
-    where the whole takes inputs the audit cannot build (CLIP's text and images together)."""
-    found: list[str] = []
-    for name, module in model.named_modules():
-        if name and is_hf(module) and hasattr(module, "main_input_name") and not any(  # a model, not a layer with a
-                name.startswith(f + ".") for f in found):  # config (CLAP's projections)
-            found.append(name)
-    return found
