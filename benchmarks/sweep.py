@@ -236,6 +236,12 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
             f"tests/test_sweep.py's plain script: right padding moves the real tokens by 0.52 of their RMS; a plain "
             f"GemmaModel, the same script, 2.4e-7; PI0.5 itself passes its own 4-D masks, so the model as PI0.5 calls "
             f"it is not affected: the row is its language model audited alone, as its tower)",
+    "cvt": f"q·k is multiplied by 1/sqrt(embed_dim), the whole width's, in every stage, `self.scale = embed_dim**-0.5` "
+           f"({TF}cvt/modeling_cvt.py:152, applied at line 205): the original CvT code's line (`self.scale = dim_out ** "
+           f"-0.5`), which its trained weights expect; 1/sqrt(head_dim) only in the one-head first stage (confirmed by "
+           f"tests/test_sweep.py's plain script: cvt-13's stages of 3 and 6 heads of 64 multiply by 0.0722 and 0.0510, "
+           f"1/sqrt(192) and 1/sqrt(384), not 0.125); a user declares that scale (diagnostics.audit(layer, scale=...)) "
+           f"to audit the rest",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,

@@ -1,8 +1,9 @@
 """What a model's layers declare, read by the model audit (issue 33, causes 1 and 9).
 
 - A layer's softmax scale is read from a number it holds as `scaling` (Hugging Face's), `scale` or `softmax_scale`:
-  CvT's is the whole width's, embed_dim ** -0.5, not a head's, by design; the same layer declaring that scale but
-  applying none still fails softmax_saturation.
+  DIFF Transformer's is (d_k / 2) ** -0.5, not 1/sqrt(d_k), by design; the same layer declaring that scale but applying
+  none still fails softmax_saturation. (A number that is the scale bug itself, the whole width's as CvT's, is no
+  declaration: tests/test_model_attribute_scale.py.)
 - A speech model's example is built from its config (real extra): Whisper's input_features (B, mel bins, twice its
   encoder positions), audited instead of a usage error that asks for one.
 """
@@ -21,13 +22,13 @@ from diagnostics._guard import seed_rng
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-class WholeWidthScale(nn.Module):
-    """Two-head self-attention scaled by the whole width, D ** -0.5, held as `self.scale` (CvT's); `applied`: False
-    multiplies q·k by nothing although it declares the scale (a bug)."""
+class HalfHeadScale(nn.Module):
+    """Two-head self-attention scaled by (d_k / 2) ** -0.5, held as `self.scale` (DIFF Transformer's, whose heads are
+    two half-width maps each); `applied`: False multiplies q·k by nothing although it declares the scale (a bug)."""
 
     def __init__(self, d_model: int = 16, applied: bool = True):
         super().__init__()
-        self.scale, self.applied = d_model ** -0.5, applied
+        self.scale, self.applied = (d_model // 2 / 2) ** -0.5, applied
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
 
     def forward(self, x):
@@ -41,7 +42,7 @@ class ScaledLM(nn.Module):
     def __init__(self, applied: bool):
         super().__init__()
         seed_rng(0)
-        self.wte, self.attn, self.head = nn.Embedding(32, 16), WholeWidthScale(applied=applied), nn.Linear(16, 32)
+        self.wte, self.attn, self.head = nn.Embedding(32, 16), HalfHeadScale(applied=applied), nn.Linear(16, 32)
         with torch.no_grad():
             self.wte.weight.mul_(3.0)  # scores large enough that the scale shows in the softmax
 
@@ -55,9 +56,9 @@ def test_a_scale_the_layer_declares_as_scale_is_what_its_softmax_is_judged_again
     ids = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(0))
     report = diagnostics.audit_model(ScaledLM(applied), example=ids, detectors=["softmax_saturation"])
     saturation = report.layers["attn"].result("softmax_saturation")
-    assert any("from WholeWidthScale.scale" in n for n in report.notes), report.notes
+    assert any("from HalfHeadScale.scale" in n for n in report.notes), report.notes
     if applied:
-        assert saturation.verdict == "pass", saturation  # was: fail, "1.41x too flat" against 1/sqrt(d_k)
+        assert saturation.verdict == "pass", saturation  # was: fail, "1.41x too sharp" against 1/sqrt(d_k)
     else:
         assert saturation.verdict == "fail", saturation
 
@@ -151,7 +152,7 @@ def test_the_decoder_token_table_is_found_through_every_get_decoder():
     assert input_embedding(wrapped) is wrapped.language_model.shared  # without decoder=True: the model's own
 
 
-class NestedReturn(WholeWidthScale):
+class NestedReturn(HalfHeadScale):
     """I-BERT's return: ((context, attention probabilities), the output's quantisation scale)."""
 
     def forward(self, x):

@@ -837,3 +837,42 @@ def test_right_padding_leaves_a_text_models_real_tokens_except_where_known_says_
         padded = model(input_ids=torch.cat([ids, pads], dim=1), attention_mask=mask).last_hidden_state[:, :12]
     change = float((padded - plain).abs().max() / plain.square().mean().sqrt())
     assert (change > 1e-3) is known, change  # measured: 1.2 (Aimv2), 0.52 (Gemma bidirectional); 9e-7, 2.4e-7
+
+
+@pytest.mark.parametrize("stage, known", [(1, True), (2, True), (0, False)])
+def test_cvt_multiplies_q_k_by_its_whole_widths_scale_where_a_stage_has_several_heads(stage, known):
+    """CvT (KNOWN): `self.scale = embed_dim**-0.5`, the original CvT code's line, applied to q·k before the softmax:
+    cvt-13's stages of 3 and 6 heads of 64 multiply by 1/sqrt(192) and 1/sqrt(384), not 1/sqrt(64). Its first stage,
+    one head of 64, the same script: the whole width is the head's."""
+    import torch
+
+    tf = _transformers()
+    from transformers.models.cvt import modeling_cvt
+
+    assert "cvt" in _sweep().KNOWN
+    torch.manual_seed(0)
+    model = tf.CvtModel(tf.CvtConfig()).eval()  # cvt-13's: stages of 1, 3 and 6 heads of 64
+    seen, einsum, softmax = [], torch.einsum, torch.nn.functional.softmax
+
+    def recorded_einsum(equation, *operands):
+        out = einsum(equation, *operands)
+        if equation == "bhlk,bhtk->bhlt":  # q·k (modeling_cvt.py:205)
+            seen.append([out, operands[0][0].shape])
+        return out
+
+    def recorded_softmax(x, dim=None, **kw):
+        if seen and len(seen[-1]) == 2:  # the softmax of those scores (line 206)
+            seen[-1].append(x)
+        return softmax(x, dim=dim, **kw)
+
+    modeling_cvt.torch.einsum, modeling_cvt.torch.nn.functional.softmax = recorded_einsum, recorded_softmax
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1)))
+    finally:
+        modeling_cvt.torch.einsum, modeling_cvt.torch.nn.functional.softmax = einsum, softmax
+    qk, shape, scores = next(s for s in seen if s[1][1] == (1, 3, 6)[stage])  # the stage's first block
+    heads, d_k = shape[1], shape[-1]
+    factor = float((scores / qk).median())
+    assert abs(factor * (heads * d_k) ** 0.5 - 1) < 1e-4, (factor, heads, d_k)  # the whole width's
+    assert (abs(factor * d_k ** 0.5 - 1) > 0.2) is known, (factor, heads, d_k)  # not a head's, where it has several

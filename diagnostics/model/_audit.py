@@ -26,7 +26,7 @@ from .._audit import audit
 from .._errors import AuditUsageError, expect
 from .._guard import seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, run
-from .._result import DetectorResult
+from .._result import DetectorResult, Sites
 from .._subject import spell
 from .._thresholds import dtype_name
 from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES
@@ -108,6 +108,14 @@ def _unused_by_design(ctx: ModelContext, path: str, rep) -> str:
     if not all(why.values()):
         return ""
     return ", ".join(f"{n} ({why[n]})" for n in names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def _set_aside(result: DetectorResult, said: str) -> DetectorResult:
+    """The temperature finding of a layer whose scale attribute `declared_scale` set aside as the bug itself: its fix,
+    and each site's (read when the sites are), also says where that number came from and the other reading."""
+    sites = result.where
+    return replace(result, fix=f"{result.fix}; {said}",
+                   where=Sites(resolve=lambda: [replace(s, fix=f"{s.fix}; {said}") if s.fix else s for s in sites]))
 
 
 def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
@@ -241,8 +249,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
             if causal_ and other_stream and w.is_self_attention():
                 notes.append(f"{p} audited as not causal: its length ({w.block_size}) stayed when the sequence was one "
                              f"token shorter, so it reads another stream than the sequence's")
-            scale, said = declared_scale(w.inner, model)
-            if said and said not in notes and "scaling" not in said:
+            scale, said = declared_scale(w.inner, model, layer=w)
+            # Hugging Face's `scaling` is on every layer: noted only where it was set aside
+            if said and said not in notes and ("scaling" not in said or scale is None):
                 notes.append(said)
             try:
                 # progress=False: a bar per layer would draw over the model audit's own stages
@@ -266,6 +275,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                                 pattern=declared[p].pattern if p in declared else None, progress=False)
                 except Exception:  # it ran once with the same probes: keep that report
                     pass
+            if scale is None and said:  # a scale attribute set aside as the bug itself: its finding says so
+                rep.results = [_set_aside(r, said) if r.detector == "softmax_saturation" and r.fired else r
+                               for r in rep.results]
             layers[p] = rep
             ctx.layer_calls += rep.forward_passes
             if _one_token(w) and rep.status != "failed":

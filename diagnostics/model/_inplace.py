@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import AuditUsageError, ProbeNotTaken
+from .._observe import Observer, applied_scales
 from .._subject import CACHE_NAMES, HEAD_NAMES, KEY_NAMES, MEMORY_NAMES, QUERY_NAMES, VALUE_NAMES
 from ._runner import Runner, first_tensor
 
@@ -700,16 +701,37 @@ def _memory_stream(arguments: dict, raw: dict, hidden: str, same: tuple, time_di
 UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transformers")  # q·k multiplied by 1
 
 
-def declared_scale(module: nn.Module, model: nn.Module | None = None) -> tuple[float | None, str]:
+HEAD_WIDTH_NAMES = ("head_dim", "head_size", "attention_head_size", "dim_head")  # a head's width, as layers state it
+
+SCALE_FORM_TOLERANCE = 1e-6
+"""A scale attribute is one of the bug forms (`scale_bug`) where it lies within this relative distance of it. The
+attributes met are computed in Python floats, d ** -0.5 or 1 / math.sqrt(d): within 2e-16 of the form (float32 would
+be 6e-8). The nearest other value met is Gemma 2's query_pre_attn_scalar ** -0.5 beside a head width it differs from
+by 12% (144 vs 128), and DIFF Transformer's (d_k / 2) ** -0.5, 41% from 1/sqrt(d_k)."""
+
+
+def declared_scale(module: nn.Module, model: nn.Module | None = None, *, layer: nn.Module | None = None
+                   ) -> tuple[float | None, str]:
     """The softmax scale a module declares: its `scaling` attribute (Hugging Face's), else a number `scale` or
-    `softmax_scale` (timm's; CvT's is the whole width's, embed_dim ** -0.5, not a head's), or 1 for the families
-    that fold the scale into their initialisation (T5) or use none (GPT-Neo); None: 1/sqrt(d_k). The family is the
-    module's own config's, else the model's: a module that keeps no config (LongT5's local and transient-global
-    attention) is of its model's family."""
+    `softmax_scale` (timm's), or 1 for the families that fold the scale into their initialisation (T5) or use none
+    (GPT-Neo); None: 1/sqrt(d_k). The family is the module's own config's, else the model's: a module that keeps no
+    config (LongT5's local and transient-global attention) is of its model's family.
+
+    An attribute whose value is itself the common bug relative to the head width its q·k has (`scale_bug`: the whole
+    width's 1/sqrt(H * d_k), `self.scale = dim ** -0.5`, or sqrt(d_k), the inverse) is no declaration: the layer is
+    judged against 1/sqrt(d_k), as `audit(layer)` judges it, and the note names the attribute and both readings.
+    `layer`: the module as the audit calls it (its in-place wrapper), run once to observe that head width."""
     for name in ("scaling", "scale", "softmax_scale"):
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return float(value), f"scale {float(value):.4g} from {type(module).__name__}.{name}"
+            where = f"{type(module).__name__}.{name}"
+            bug = scale_bug(float(value), module, layer if layer is not None else module)
+            if bug:
+                return None, (f"{where} = {float(value):.4g} is {bug}: judged against 1/sqrt(d_k), as "
+                              f"audit(layer) judges it, not as a declared scale; if that scale is meant (the one a "
+                              f"trained model's weights expect), declare it: diagnostics.audit(layer, "
+                              f"scale={float(value):.6g})")
+            return float(value), f"scale {float(value):.4g} from {where}"
     config = getattr(module, "config", None)
     if config is None and model is not None:
         config = getattr(model, "config", None)
@@ -719,4 +741,55 @@ def declared_scale(module: nn.Module, model: nn.Module | None = None) -> tuple[f
     return None, ""
 
 
-__all__ = ["CapturedCall", "InPlace", "InPlaceCross", "build_in_place", "capture_calls", "declared_scale", "forward_signature"]
+def scale_bug(value: float, module: nn.Module, layer: nn.Module) -> str:
+    """What a scale attribute's value is where it is one of the bugs of the scale itself relative to the head width
+    d_k of the q·k the layer's softmax reads (observed by one call of `layer`): the whole width's, 1/sqrt(W) for W the
+    width the layer takes or H * d_k, wider than a head (the whole model width in place of a head's: vit-pytorch
+    #65, ng-video-lecture PR #6; CvT's original code), or sqrt(d_k), the scale inverted; "" otherwise. A value that is
+    1/sqrt(the head width the module states) is the standard scale, read without a call. Over transformers 5.25 and
+    timm 1.0.31, every other attribute value met (T5's 1, Gemma's query_pre_attn_scalar ** -0.5, Granite's
+    attention_multiplier, muP's 1/d_k, a d_k ** -0.25 on q and on k) is none of these forms (docs/auditing-a-model.md)."""
+    stated = next((v for n in HEAD_WIDTH_NAMES if isinstance(v := getattr(module, n, None), int) and v > 0), None)
+    if stated and math.isclose(value * math.sqrt(stated), 1.0, rel_tol=SCALE_FORM_TOLERANCE):
+        return ""
+    seen = observed_heads(layer)
+    if seen is None:
+        return ""
+    d_k, heads = seen
+    width = getattr(layer, "d_model", None)  # the width the model passed the layer
+    for whole in sorted({w for w in (width, heads * d_k if heads else None) if w and w > d_k}):
+        if math.isclose(value * math.sqrt(whole), 1.0, rel_tol=SCALE_FORM_TOLERANCE):
+            return f"1/sqrt({whole}), the whole width's, not a head's 1/sqrt(d_k) = 1/sqrt({d_k})"
+    if d_k > 1 and math.isclose(value, math.sqrt(d_k), rel_tol=SCALE_FORM_TOLERANCE):
+        return f"sqrt(d_k) = sqrt({d_k}), the inverse of 1/sqrt(d_k)"
+    return ""
+
+
+def observed_heads(layer: nn.Module) -> tuple[int, int | None] | None:
+    """(d_k, the number of heads where q·k has a head axis) of the q·k the layer's softmax (or fused attention call)
+    reads, from one observed call on random hidden states of the width and length its model passed it; None where
+    the call raised or no one width was read."""
+    if not isinstance(layer, InPlace) or not layer.block_size:
+        return None
+    captured = layer.call_arguments[layer.hidden_name]
+    draw = torch.Generator().manual_seed(0)  # its own draws: the audit's seeded ones stay as they were
+    shapes = [((layer.captured_batch, layer.block_size, layer.d_model), captured)]
+    if isinstance(layer, InPlaceCross):
+        memory = layer.call_arguments[layer.memory_name]
+        shapes.append(((layer.captured_batch, layer.memory_length, memory.shape[-1]), memory))
+    args = [torch.randn(shape, generator=draw).to(like.device, like.dtype) for shape, like in shapes]
+    observer = Observer()
+    try:
+        with torch.enable_grad(), observer:  # grad mode, as the audit's probes: fused fast paths hide q·k
+            layer(*args)
+    except Exception:  # noqa: BLE001 -- the audit's own probes say what the layer raises
+        return None
+    seen = set()
+    for e in applied_scales(observer.record):
+        q = e.fused.q if e.fused is not None else e.matmul.a if e.matmul is not None else None
+        seen.add((e.d_k, int(q.shape[-3]) if q is not None and q.dim() == 4 else None))
+    return seen.pop() if len(seen) == 1 else None
+
+
+__all__ = ["CapturedCall", "InPlace", "InPlaceCross", "build_in_place", "capture_calls", "declared_scale", "forward_signature", "observed_heads",
+           "scale_bug"]
