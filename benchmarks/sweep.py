@@ -242,6 +242,11 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
            f"tests/test_sweep.py's plain script: cvt-13's stages of 3 and 6 heads of 64 multiply by 0.0722 and 0.0510, "
            f"1/sqrt(192) and 1/sqrt(384), not 0.125); a user declares that scale (diagnostics.audit(layer, scale=...)) "
            f"to audit the rest",
+    "clvp": f"its rotary width is max(projection_dim // (2 x heads), 32) ({TF}clvp/modeling_clvp.py:255), never read "
+            f"from the head width, so any config whose heads are narrower than that (the sweep's 8-wide heads) raises "
+            f"inside the attention, `apply_rotary_pos_emb` on mismatched halves (confirmed by tests/test_sweep.py's "
+            f"plain script: ClvpEncoder 32 wide with 4 heads raises on any token ids, with 1 head of 32 it runs); its "
+            f"default sizes (heads of 64, rotary 32) are unaffected",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,

@@ -876,3 +876,26 @@ def test_cvt_multiplies_q_k_by_its_whole_widths_scale_where_a_stage_has_several_
     factor = float((scores / qk).median())
     assert abs(factor * (heads * d_k) ** 0.5 - 1) < 1e-4, (factor, heads, d_k)  # the whole width's
     assert (abs(factor * d_k ** 0.5 - 1) > 0.2) is known, (factor, heads, d_k)  # not a head's, where it has several
+
+
+@pytest.mark.parametrize("heads, known", [(4, True), (1, False)])
+def test_clvp_raises_inside_its_attention_where_its_heads_are_narrower_than_its_rotary_width(heads, known):
+    """CLVP (KNOWN): its rotary width is max(projection_dim // (2 x heads), 32), not the head's: an encoder 32 wide
+    with 4 heads of 8 raises in its attention on any token ids; with 1 head of 32, the same script, it runs."""
+    import torch
+
+    tf = _transformers()
+    assert "clvp" in _sweep().KNOWN
+    torch.manual_seed(0)
+    config = tf.ClvpEncoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                                  projection_dim=32)
+    model = tf.ClvpEncoder(config).eval()
+    ids = torch.randint(5, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    except RuntimeError:
+        raised = True
+    else:
+        raised = False
+    assert raised is known
