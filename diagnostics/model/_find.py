@@ -15,9 +15,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
-from .._observe import Affine, FusedAttention, Matmul, Observer, SoftmaxCall
+from .._observe import Affine, FusedAttention, Matmul, Mode, Observer, SoftmaxCall
 from ._runner import Runner
 
 TORCH_ATTENTION = (nn.MultiheadAttention,)
@@ -74,6 +75,88 @@ class Observation:
     not_tokens: dict = field(default_factory=dict)  # {module path: why} of those that attend between channels
 
 
+aten = torch.ops.aten
+
+
+def _overloads(*names: str) -> frozenset:
+    """The aten overloads named "op.overload" that this torch has (`_safe_softmax` came in torch 2.5)."""
+    return frozenset(getattr(getattr(aten, n.split(".")[0]), n.split(".")[1])
+                     for n in names if hasattr(aten, n.split(".")[0]))
+
+
+SOFTMAX_OPS = _overloads("_softmax.default", "_safe_softmax.default")
+# ops whose output holds its input's values as they were (a cast, a copy); a view shares its input's storage, and
+# eval-mode dropout returns the tensor itself
+KEEPS_VALUES = _overloads("_to_copy.default", "clone.default", "alias.default", "detach.default",
+                          "lift_fresh.default")
+DIVIDES = _overloads("div.Tensor", "div_.Tensor")
+
+
+class Renormalisation(Mode):
+    """Follows each softmax's output while a forward runs, by storage: the tensors that hold its values as they came
+    (`kept`: a view, a cast, a copy: Hugging Face's `softmax(s, dtype=torch.float32).to(q.dtype)` makes a new one),
+    and whether the softmax was renormalised over its last axis (`renormalised`): a sum over that axis of a tensor of
+    its shape computed from it, then a division of such a tensor by that sum, as GroupViT's assignment does
+    (`attn / (attn.sum(dim=-1, keepdim=True) + eps)` after its hard softmax over the groups). Entered outside the
+    `Observer`, so that both see every op."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self):
+        super().__init__()
+        self.kept: dict = {}  # {storage: the softmax output's storage} of the tensors holding its values as they came
+        self.derived: dict = {}  # {storage: the softmax's} of tensors of its shape computed from its output
+        self.sums: dict = {}  # {storage: the softmax's} of its row sums, and what is computed from them (+ eps)
+        self.shapes: dict = {}  # {the softmax output's storage: its shape}
+        self.renormalised: set = set()  # the softmax outputs' storages
+        self._held: list = []  # keeps the storages followed alive, so that their addresses are not reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(func, torch._ops.HigherOrderOperator):
+            try:
+                self._note(func, args, out)
+            except Exception:  # following must never break the forward
+                pass
+        return out
+
+    def _follow(self, into: dict, t: Tensor, source) -> None:
+        into[_storage(t)] = source
+        self._held.append(t)
+
+    def _note(self, func, args, out) -> None:
+        ins = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(o, Tensor)]
+        if not ins or not outs:
+            return
+        if func in SOFTMAX_OPS:
+            key = _storage(outs[0])
+            self.shapes[key] = tuple(outs[0].shape)
+            self._follow(self.kept, outs[0], key)
+            self._follow(self.derived, outs[0], key)
+            return
+        first = _storage(ins[0])
+        if func in KEEPS_VALUES and first in self.kept:
+            self._follow(self.kept, outs[0], self.kept[first])
+        elif func is aten.copy_.default and len(ins) > 1 and _storage(ins[1]) in self.kept:
+            self._follow(self.kept, ins[0], self.kept[_storage(ins[1])])
+        keys = [_storage(x) for x in ins]
+        source = next((self.derived[k] for k in keys if k in self.derived), None)
+        total = next((self.sums[k] for k in keys if k in self.sums), None)
+        if func in DIVIDES and len(ins) > 1 and keys[1] in self.sums and keys[0] in self.derived \
+                and tuple(ins[0].shape) == self.shapes[self.derived[keys[0]]]:
+            self.renormalised.add(self.sums[keys[1]])
+        elif func is aten.sum.dim_IntList and first in self.derived:
+            shape = self.shapes[self.derived[first]]
+            if tuple(ins[0].shape) == shape and [d % len(shape) for d in args[1]] == [len(shape) - 1]:
+                self._follow(self.sums, outs[0], self.derived[first])
+        elif total is not None and outs[0].numel() * self.shapes[total][-1] == math.prod(self.shapes[total]):
+            self._follow(self.sums, outs[0], total)  # the row sums plus eps, clamped
+        if source is not None and tuple(outs[0].shape) == self.shapes[source]:
+            self._follow(self.derived, outs[0], source)
+
+
 class ModuleWatch:
     """Hooks on every module of a model while a forward runs under the observer (`.observer`, entered by the
     caller): each call that returns is passed to `on_return(path, module, args, kwargs, out, attends)`, `attends`
@@ -85,6 +168,7 @@ class ModuleWatch:
         self.named = dict(model.named_modules())
         self.paths = {id(m): p for p, m in self.named.items()}
         self.observer, self.on_return = Observer(), on_return
+        self.follow = Renormalisation()  # which softmax outputs were renormalised, or cast, on their way (`_over_queries`)
         self.counts: dict = {}
         self.flex: dict = {}  # {path: flex_attention calls and softmaxes of any shape}
         self.stack: list = []
@@ -116,8 +200,11 @@ class ModuleWatch:
         fused = record.fused[f0:]
         path = self.paths[id(m)]
         over = [s for s in record.softmaxes[s0:] if s.dim not in (-1, s.output.dim() - 1)]
-        if over and not soft and not fused and all(self._qk_columns(s) is not None for s in over):
-            self.assigns[path] = tuple(over[0].output.shape)  # by design over the queries (`assignments`)
+        # by design over the queries (`assignments`) only where one was seen renormalised over the keys: a softmax
+        # over the queries cast on its way to the values' product (the bug in Hugging Face's form) is none
+        if over and not soft and not fused and all(self._qk_columns(s) is not None for s in over) \
+                and any(_storage(s.output) in self.follow.renormalised for s in over):
+            self.assigns[path] = tuple(over[0].output.shape)
         entry = self.counts.setdefault(path, [0, 0])
         entry[0] += len(soft)
         entry[1] += len(fused)
@@ -173,15 +260,17 @@ class ModuleWatch:
         softmax of the keys over the tokens (k = x W_k, then k^T v) normalises a projection, not q·k; slot attention
         renormalises its softmax over the slots before the values' product: neither is counted.
         Uncounted, a user's model with that bug was "no attention found" instead of failing (its class is no
-        library's)."""
+        library's). The output is followed through the ops that keep its values (`Renormalisation.kept`: a cast
+        back from float32, a copy), as Hugging Face's layers write it."""
         i = self._qk_columns(call)
         if i is None:
             return False
         record = self.observer.record
-        weights, t_k = _storage(call.output), call.output.shape[-1]
-        return weights is not None and any(
-            isinstance(m, Matmul) and ((_storage(m.a) == weights and m.a.shape[-1] == t_k)
-                                       or (_storage(m.b) == weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
+        out, t_k = _storage(call.output), call.output.shape[-1]
+        weights = {k for k, source in self.follow.kept.items() if source == out} | {out}
+        return out is not None and any(
+            isinstance(m, Matmul) and ((_storage(m.a) in weights and m.a.shape[-1] == t_k)
+                                       or (_storage(m.b) in weights and m.b.dim() >= 2 and m.b.shape[-2] == t_k))
             for m in record.order[i + 1:])
 
     def _qk_columns(self, call: SoftmaxCall) -> int | None:
@@ -253,10 +342,12 @@ class ModuleWatch:
                 for p, (_, scores) in self.own.items() if not any(self.mixes.get(p, ()))}
 
     def assignments(self) -> dict:
-        """{path: why} of the modules whose every softmax ran over the queries of q·k scores and none was weighed with
-        the values as it came (`_over_queries` counts that one, the bug): renormalised over the keys first, each key
-        assigned among the queries, by design (GroupViT's grouping of patches, slot attention). The layer detectors
-        presuppose weights normalised over the keys; a library class so written is left out, saying why."""
+        """{path: why} of the modules whose every softmax ran over the queries of q·k scores, none weighed with the
+        values as it came (`_over_queries` counts that one, the bug), and one was seen renormalised over the keys
+        (`Renormalisation`: a row sum, then a division by it): each key assigned among the queries, by design
+        (GroupViT's grouping of patches, slot attention). The layer detectors presuppose weights normalised over the
+        keys; a library class so written is left out, saying why. A softmax over the queries that nothing renormalises
+        is the bug's form, whatever copies it on its way (left to `_over_queries` and the audit)."""
         return {p: f"its softmax runs over the queries of q·k scores of shape {scores}, renormalised over the keys "
                    f"before the values' product: it assigns each key among the queries (GroupViT's grouping, slot "
                    f"attention), by design, not attention normalised over the keys"
@@ -274,9 +365,11 @@ class ModuleWatch:
         for m in self.named.values():
             self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        self.follow.__enter__()  # outside the observer, entered after this
         return self
 
     def __exit__(self, *exc):
+        self.follow.__exit__(*exc)
         for h in self.handles:
             h.remove()
         self.handles.clear()
