@@ -334,3 +334,91 @@ def test_groupvits_assignment_of_patches_to_groups_is_not_audited_as_attention_i
         return
     assert report.status == "failed", report
     assert report.layers[path].result("weight_row_sums").verdict == "fail", report.layers[path]
+
+
+# Review of the towers path (t33c): three ways it turned an inconclusive or failed model into a pass.
+
+class HandFusion(nn.Module):
+    """The text's cross-attention over the image's patches, written by hand (no class to find it by); `scaled`: by
+    1/sqrt(D), else the scores are multiplied by 100 (a temperature bug)."""
+
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.scaled = scaled
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, memory):
+        s = self.q(x) @ self.k(memory).transpose(-1, -2)  # (B, T, D) x (B, D, N) -> (B, T, N)
+        s = s / D ** 0.5 if self.scaled else s * 100.0
+        return s.softmax(-1) @ self.v(memory)  # (B, T, N) x (B, N, D) -> (B, T, D)
+
+
+class HandFused(TwoTowers):
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.fusion = HandFusion(scaled)
+
+    def forward(self, input_ids, pixel_values):
+        v, t = self.vision_model(pixel_values), self.text_model(input_ids)
+        t = t + self.fusion(t, v)
+        return t[:, -1] @ v.mean(1).T  # (B, D) x (D, B) -> (B, B)
+
+
+class ForgotTranspose(TwoTowers):
+    """Glue that raises on every input: (B, D) x (B, D), the transpose forgotten."""
+
+    def forward(self, input_ids, pixel_values):
+        v, t = self.vision_model(pixel_values), self.text_model(input_ids)
+        return t[:, -1] @ v.mean(1)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "scores_x100"])
+def test_attention_written_by_hand_outside_the_towers_is_seen_when_the_whole_runs_and_the_model_is_inconclusive(
+        scaled):
+    torch.manual_seed(0)
+    report = diagnostics.audit_model(HandFused(scaled).eval())  # before: passed, the fusion never run
+    assert report.status == "inconclusive", report
+    assert report.status_reason == ("inconclusive: fusion outside the towers reads their inputs together and was not "
+                                    "audited: pass example={'input_ids': ..., 'pixel_values': ...}"), \
+        report.status_reason
+    assert report.result("model_runs").verdict == "pass", report.result("model_runs")
+
+
+@pytest.mark.parametrize("glue", [TwoTowers, ForgotTranspose], ids=["correct", "forgotten_transpose"])
+def test_glue_that_raises_on_the_towers_examples_together_makes_the_model_inconclusive(glue):
+    torch.manual_seed(0)
+    report = diagnostics.audit_model(glue().eval())
+    ran = report.result("model_runs")  # the whole's own, kept beside its towers'
+    assert ran.layer is None and [r.layer for r in report.results if r.detector == "model_runs"] == [
+        None, "text_model", "vision_model"], report.results
+    if glue is TwoTowers:
+        assert report.status == "passed", report
+        assert ran.verdict == "pass" and "towers' examples together" in ran.message, ran
+        return
+    # before: passed, the towers' model_runs passes shown, the whole's "not measured" dropped
+    assert report.status == "inconclusive", report
+    assert report.status_reason.startswith(
+        "inconclusive: ForgotTranspose raised on its towers' examples together (input_ids (2, 12), pixel_values (2, "
+        "3, 16, 16)): RuntimeError: mat1 and mat2 shapes cannot be multiplied"), report.status_reason
+    assert ran.verdict == "skip", ran
+
+
+@pytest.mark.parametrize("text", [MultiHeadAttention, MissingCausalMask], ids=["correct", "missing_causal_mask"])
+def test_causal_declared_for_the_whole_is_no_towers_and_the_model_is_not_audited_tower_by_tower(text):
+    model = _towers(text=text)
+    model.text_model.causal = None  # a text tower that does not say it is causal (CLIP's): the user says it
+    report = diagnostics.audit_model(model, causal=True)  # before: both passed, the text tower audited as not causal
+    assert report.status == "inconclusive", report
+    assert "pass example=" in report.status_reason, report.status_reason
+    assert any(n.startswith("not audited tower by tower (text_model, vision_model): causal=True was given for the "
+                            "model whole") for n in report.notes), report.notes
+    # given both inputs, as it asks, the declaration is the whole's: every correct layer passes (the model's prefix
+    # causality is not measurable on its (B, B) similarities), the missing mask fails there
+    gen = torch.Generator().manual_seed(0)
+    example = {"input_ids": torch.randint(VOCAB, (2, CONTEXT), generator=gen),
+               "pixel_values": torch.randn(2, 3, SIDE, SIDE, generator=gen)}
+    report = diagnostics.audit_model(model, example, causal=True)
+    failed = {p for p, r in report.layers.items() if r.status == "failed"}
+    assert len(report.layers) == 4 and failed == (set() if text is MultiHeadAttention else {"text_model.layers.1"}), \
+        report
+    assert report.status == ("inconclusive" if text is MultiHeadAttention else "failed"), report

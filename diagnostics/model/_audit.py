@@ -36,7 +36,7 @@ from ._find import class_kind, find_attention, observe_attention
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
-from ._towers import merged, towers
+from ._towers import merged, together, towers
 
 
 ONE_TOKEN = "one key: weight 1 whatever the scale, the mask or the softmax's axis"
@@ -308,20 +308,29 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     held = towers(model) if report.result(runs.ID).verdict == "skip" else {}
     if len(held) < 2:
         return report
+    if causal is not None:
+        # each tower's causality is its own (CLIP's text tower is causal, its vision tower not): one declared for the
+        # whole is no tower's, and a text tower audited without it would pass without its causal mask
+        report.notes.append(f"not audited tower by tower ({', '.join(held)}): {spell('causal', causal, _options)} was "
+                            f"given for the model whole, and each tower's causality is its own; pass example="
+                            f"{{{', '.join(f'{n!r}: ...' for n in dict.fromkeys(held.values()))}}} to audit it whole")
+        return report
     reports: dict = {}
+    examples: dict | None = {}
     for t in held:
         tick_t = None if progress is None else (lambda stage, i, n, t=t: progress(f"{t}: {stage}", i, n))
         try:
             # causal=None: each tower's causality is its own (CLIP's text tower is causal, its vision tower not)
             reports[t] = audit_model(model.get_submodule(t), seq_len=seq_len, seed=seed, detectors=detectors,
                                      progress=tick_t, packed=packed, _options=_options)
+            if examples is not None:  # the very example its audit built, for the whole's call (`together`)
+                examples[held[t]] = Runner(model.get_submodule(t), None, seq_len=seq_len, seed=seed,
+                                           options=_options).inputs
         except AuditUsageError as exc:  # a tower whose example cannot be built either: inconclusive, saying why
-            reports[t] = str(exc)
-    report = merged(report, reports, held, seconds=time.perf_counter() - started)
-    if causal is not None:
-        report.notes.append(spell("causal", causal, _options) + " was given for the model whole: each tower was "
-                            "audited with its own causality (pass an example with every input to audit it whole)")
-    return report
+            reports[t], examples = str(exc), None
+    # the code that joins the towers, run once on their examples together: the towers' audits never ran it
+    joint = together(model, held, examples, seed) if examples else None
+    return merged(report, reports, held, seconds=time.perf_counter() - started, joint=joint)
 
 
 __all__ = ["audit_model", "model_status"]
