@@ -422,3 +422,31 @@ def test_causal_declared_for_the_whole_is_no_towers_and_the_model_is_not_audited
     assert len(report.layers) == 4 and failed == (set() if text is MultiHeadAttention else {"text_model.layers.1"}), \
         report
     assert report.status == ("inconclusive" if text is MultiHeadAttention else "failed"), report
+
+
+class HalfWidthFusion(TwoTowers):
+    """A fusion's attention given half the patches' width: it raises inside that attention module on every input."""
+
+    def __init__(self, half: bool):
+        super().__init__(fuse=True)
+        self.half = half
+
+    def forward(self, input_ids, pixel_values):
+        v, t = self.vision_model(pixel_values), self.text_model(input_ids)
+        memory = v[..., :D // 2] if self.half else v
+        t = t + self.fuse(t, memory, memory)[0]
+        return t[:, -1] @ v.mean(1).T
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["correct", "half_width_memory"])
+def test_a_whole_that_raises_inside_an_attention_module_on_its_towers_examples_fails_there(half):
+    torch.manual_seed(0)
+    report = diagnostics.audit_model(HalfWidthFusion(half).eval())
+    if not half:  # the fusion is not audited: inconclusive, saying so
+        assert report.status == "inconclusive" and report.status_reason.startswith("inconclusive: fuse outside the "
+                                                                                   "towers"), report
+        return
+    assert report.status == "failed", report
+    ran = report.result("model_runs")
+    assert ran.verdict == "fail" and ran.layer == "fuse", ran
+    assert report.status_reason == "failed: model_runs at fuse", report.status_reason
