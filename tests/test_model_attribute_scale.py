@@ -124,3 +124,66 @@ def test_a_layer_that_states_its_head_width_is_judged_the_same(value, verdict):
     assert scale_bug(D_K ** -0.5, model.attn, model.attn) == ""
     report = diagnostics.audit_model(model, detectors=["softmax_saturation"])
     assert report.layers["attn"].result("softmax_saturation").verdict == verdict, str(report)
+
+
+class SquareLM(nn.Module):
+    """The same causal model at another shape: `heads` heads of `d_k` (8 of 8: d_model 64 = d_k squared, a learner's
+    usual toy size), q·k multiplied by `self.attn.scale`."""
+
+    causal = True
+
+    def __init__(self, scale: float, heads: int, d_k: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        width = heads * d_k
+        self.wte, self.head = nn.Embedding(64, width), nn.Linear(width, 64)
+        self.attn = nn.Module()
+        self.attn.scale, self.heads, self.d_k = scale, heads, d_k
+        self.attn.qkv, self.attn.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.attn.forward = self._attend  # the attention module's own forward reads its own attribute
+        for p in self.parameters():  # the usual initialisation: std 0.02, biases 0
+            nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+        self.to(dtype)
+
+    def _attend(self, x):
+        B, T, W = x.shape  # batch, tokens, width
+        q, k, v = self.attn.qkv(x).view(B, T, 3, self.heads, self.d_k).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, d_k)
+        scores = q @ k.transpose(-1, -2) * self.attn.scale  # (B, H, T, T)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        return self.attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, W))
+
+    def forward(self, input_ids):
+        return self.head(self.attn(self.wte(input_ids)))
+
+
+@pytest.mark.parametrize("heads, d_k, scale, status", [
+    (8, 8, 1 / 8, "inconclusive"),  # muP's 1/d_k, or the whole width's 1/sqrt(64): one number, a declaration decides
+    (4, 16, 1 / 16, "passed"),  # muP's 1/d_k where the whole width's is another number: the declaration
+    (4, 16, 64 ** -0.5, "failed"),  # the whole width's where muP's is another number: the bug
+    (8, 8, 8 ** -0.5, "passed"),  # a head's, at the square shape: nothing to decide
+])
+def test_a_scale_that_is_both_mups_and_the_whole_widths_asks_for_the_declaration(heads, d_k, scale, status):
+    """Set aside as the bug, muP's 1/d_k failed a correct layer wherever the width is d_k squared (the reviewer's
+    case: 8 heads of 8); taken at its word, it would pass `self.scale = d_model ** -0.5` there. Neither: inconclusive,
+    naming the declaration that decides."""
+    report = diagnostics.audit_model(SquareLM(scale, heads, d_k).eval(), detectors=["softmax_saturation"])
+    assert report.status == status, str(report)
+    found = report.layers["attn"].result("softmax_saturation")
+    if status == "inconclusive":
+        assert found.verdict == "skip" and found.declaration == "scale=0.125", found
+        assert "muP's scale" in found.message and "the whole width's" in found.message, found.message
+
+
+def test_a_reading_of_the_layers_scores_that_raises_leaves_the_attribute_as_stated(monkeypatch):
+    """The one observed call reads the layer's scores with the audit's own code (`applied_scales`): where that raises
+    (torch's lstsq refuses some systems on CUDA), the attribute is taken as the layer states it and the audit goes on."""
+    from diagnostics.model import _inplace
+
+    def raising(record):
+        raise RuntimeError("a reading that fails")
+
+    monkeypatch.setattr(_inplace, "applied_scales", raising)
+    report = diagnostics.audit_model(LM(SCALES["head width"], torch.float32).eval(), detectors=["softmax_saturation"])
+    assert report.status == "passed", str(report)
+    report = diagnostics.audit_model(LM(SCALES["whole width"], torch.float32).eval(), detectors=["softmax_saturation"])
+    assert "attn" in report.layers and not any("raised" in n for n in report.notes), str(report)  # audited, no crash

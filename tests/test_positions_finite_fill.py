@@ -91,3 +91,22 @@ def test_a_key_is_blocked_where_its_float32_weight_underflows(below, blocked):
     assert bool(torch.isfinite(seen[..., :2]).all())
     weight = torch.exp(torch.tensor(-below, dtype=torch.float32))  # what the bound stands for
     assert bool(weight < torch.finfo(torch.float32).tiny) is blocked
+
+
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("flip", [False, True])
+def test_the_distance_reading_sees_the_keys_each_fill_blocks_and_judges_only_the_flipped_slope(fill, flip):
+    """The twin at the reading itself (the audit of the correct layer skips for another reason: it has no mask to
+    shift through): scores of identical tokens, ALiBi behind the causal fill, as the layer makes them. Every fill
+    leaves exactly the future blocked, and the fitted line rewards distance only where the slope is flipped."""
+    from diagnostics.detectors.positions import distance_reward
+
+    T, H = 6, 2
+    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    alibi = (-1.0 if flip else 1.0) * slopes.view(H, 1, 1) * (j - i)  # (H, T, T)
+    scores = (0.3 + alibi + torch.zeros(T, T).masked_fill(j > i, FILLS[fill])).unsqueeze(0)  # (1, H, T, T)
+    seen = _scores_seen(_Record(scores), 1, 1, T)[0]
+    assert torch.equal(torch.isinf(seen[0, 0]), j > i)  # the future, and only it, blocked
+    rewarded = distance_reward(_Record(scores), 1, 1, T, torch.float32)
+    assert (rewarded is not None) is flip, rewarded

@@ -26,6 +26,7 @@ from .._audit import audit
 from .._errors import AuditUsageError, expect
 from .._guard import seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, run
+from .._report import NEEDS_DECLARATION
 from .._result import DetectorResult, Sites
 from .._subject import spell
 from .._thresholds import dtype_name
@@ -33,6 +34,7 @@ from . import causality, gradients, runs, window  # registered (with the others)
 from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
 from ._find import class_kind, find_attention, observe_attention
+from ._inplace import BOTH as BOTH_READINGS
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
 from ._runner import Runner, device_dtype, float_dtype, model_context
@@ -116,6 +118,19 @@ def _set_aside(result: DetectorResult, said: str) -> DetectorResult:
     sites = result.where
     return replace(result, fix=f"{result.fix}; {said}",
                    where=Sites(resolve=lambda: [replace(s, fix=f"{s.fix}; {said}") if s.fix else s for s in sites]))
+
+
+def _undecided(rep, said: str) -> None:
+    """A layer whose scale attribute is a legitimate scale and the bug at once (`_inplace.BOTH`): a temperature found
+    off 1/sqrt(d_k) is not measured but asks for the declaration that decides, and the layer is then inconclusive
+    where nothing else failed; a temperature at 1/sqrt(d_k) passes as it is."""
+    value = said.split(" = ", 1)[1].split(" ", 1)[0]
+    declare = f"scale={value}"
+    rep.results = [replace(r, verdict="skip", message=f"not measured: {said}", declaration=declare, fix="", where=())
+                   if r.detector == "softmax_saturation" and r.verdict == "fail" else r for r in rep.results]
+    if rep.status == "failed" and not any(r.verdict == "fail" for r in rep.results):
+        rep.status = "inconclusive"
+        rep.status_reason = f"inconclusive, {NEEDS_DECLARATION}: audit with {declare} (softmax_saturation: {said})"
 
 
 def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
@@ -275,7 +290,9 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                                 pattern=declared[p].pattern if p in declared else None, progress=False)
                 except Exception:  # it ran once with the same probes: keep that report
                     pass
-            if scale is None and said:  # a scale attribute set aside as the bug itself: its finding says so
+            if scale is None and said and BOTH_READINGS in said:  # muP's scale or the bug: a declaration decides
+                _undecided(rep, said)
+            elif scale is None and said:  # a scale attribute set aside as the bug itself: its finding says so
                 rep.results = [_set_aside(r, said) if r.detector == "softmax_saturation" and r.fired else r
                                for r in rep.results]
             layers[p] = rep

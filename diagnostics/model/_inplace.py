@@ -703,6 +703,11 @@ UNSCALED_FAMILIES = ("t5", "mt5", "umt5", "longt5", "gpt_neo", "switch_transform
 
 HEAD_WIDTH_NAMES = ("head_dim", "head_size", "attention_head_size", "dim_head")  # a head's width, as layers state it
 
+BOTH = "a legitimate scale and the bug at once:"
+"""How `scale_bug` begins where the value is a legitimate scale and the bug at once (muP's 1/d_k where the width is
+d_k squared: 8 heads of 8, a learner's d_model 64): the layer's temperature is then left unjudged, asking for the
+declaration, neither passed under the attribute nor failed against 1/sqrt(d_k)."""
+
 SCALE_FORM_TOLERANCE = 1e-6
 """A scale attribute is one of the bug forms (`scale_bug`) where it lies within this relative distance of it. The
 attributes met are computed in Python floats, d ** -0.5 or 1 / math.sqrt(d): within 2e-16 of the form (float32 would
@@ -726,6 +731,10 @@ def declared_scale(module: nn.Module, model: nn.Module | None = None, *, layer: 
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             where = f"{type(module).__name__}.{name}"
             bug = scale_bug(float(value), module, layer if layer is not None else module)
+            if bug.startswith(BOTH):
+                return None, (f"{where} = {float(value):.4g} is {bug}: which one the layer means decides its "
+                              f"temperature, so it is not judged; declare the scale meant: diagnostics.audit(layer, "
+                              f"scale={float(value):.6g}) for muP's")
             if bug:
                 return None, (f"{where} = {float(value):.4g} is {bug}: judged against 1/sqrt(d_k), as "
                               f"audit(layer) judges it, not as a declared scale; if that scale is meant (the one a "
@@ -748,7 +757,8 @@ def scale_bug(value: float, module: nn.Module, layer: nn.Module) -> str:
     #65, ng-video-lecture PR #6; CvT's original code), or sqrt(d_k), the scale inverted; "" otherwise. A value that is
     1/sqrt(the head width the module states) is the standard scale, read without a call. Over transformers 5.25 and
     timm 1.0.31, every other attribute value met (T5's 1, Gemma's query_pre_attn_scalar ** -0.5, Granite's
-    attention_multiplier, muP's 1/d_k, a d_k ** -0.25 on q and on k) is none of these forms (docs/auditing-a-model.md)."""
+    attention_multiplier, muP's 1/d_k, a d_k ** -0.25 on q and on k) is none of these forms (docs/auditing-a-model.md).
+    muP's 1/d_k is the whole width's where the width is d_k squared (8 heads of 8): that value begins with `BOTH`."""
     stated = next((v for n in HEAD_WIDTH_NAMES if isinstance(v := getattr(module, n, None), int) and v > 0), None)
     if stated and math.isclose(value * math.sqrt(stated), 1.0, rel_tol=SCALE_FORM_TOLERANCE):
         return ""
@@ -759,6 +769,9 @@ def scale_bug(value: float, module: nn.Module, layer: nn.Module) -> str:
     width = getattr(layer, "d_model", None)  # the width the model passed the layer
     for whole in sorted({w for w in (width, heads * d_k if heads else None) if w and w > d_k}):
         if math.isclose(value * math.sqrt(whole), 1.0, rel_tol=SCALE_FORM_TOLERANCE):
+            if whole == d_k * d_k:  # muP's 1/d_k is the same number: a legitimate scale or the bug, not told apart
+                return (f"{BOTH} 1/d_k = 1/{d_k} (muP's scale) and 1/sqrt({whole}), the whole width's (the bug: a "
+                        f"head's is 1/sqrt({d_k})), one number where the width is d_k squared")
             return f"1/sqrt({whole}), the whole width's, not a head's 1/sqrt(d_k) = 1/sqrt({d_k})"
     if d_k > 1 and math.isclose(value, math.sqrt(d_k), rel_tol=SCALE_FORM_TOLERANCE):
         return f"sqrt(d_k) = sqrt({d_k}), the inverse of 1/sqrt(d_k)"
@@ -782,14 +795,14 @@ def observed_heads(layer: nn.Module) -> tuple[int, int | None] | None:
     try:
         with torch.enable_grad(), observer:  # grad mode, as the audit's probes: fused fast paths hide q·k
             layer(*args)
-    except Exception:  # noqa: BLE001 -- the audit's own probes say what the layer raises
-        return None
-    seen = set()
-    for e in applied_scales(observer.record):
-        q = e.fused.q if e.fused is not None else e.matmul.a if e.matmul is not None else None
-        seen.add((e.d_k, int(q.shape[-3]) if q is not None and q.dim() == 4 else None))
+        seen = set()
+        for e in applied_scales(observer.record):
+            q = e.fused.q if e.fused is not None else e.matmul.a if e.matmul is not None else None
+            seen.add((e.d_k, int(q.shape[-3]) if q is not None and q.dim() == 4 else None))
+    except Exception:  # noqa: BLE001 -- the layer's raise (its own probes say what it raises) or a reading of its
+        return None  # scores that failed: no head width observed, so the attribute is taken as it is stated
     return seen.pop() if len(seen) == 1 else None
 
 
 __all__ = ["CapturedCall", "InPlace", "InPlaceCross", "build_in_place", "capture_calls", "declared_scale", "forward_signature", "observed_heads",
-           "scale_bug"]
+           "scale_bug", "BOTH"]
