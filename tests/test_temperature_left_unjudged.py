@@ -68,14 +68,20 @@ def _temperature(layer, dtype=torch.float32, init=None, **options):
     return report, report.result("softmax_saturation")
 
 
-def test_the_whole_width_bug_is_not_passed_as_two_products_per_head_and_declaring_the_scale_decides_it():
-    report, whole = _temperature(ScaledTerms(D ** -0.5))  # 1/sqrt(d_model) = 1/sqrt(2 x d_k)
+INITS = {"default": None, "std 0.02": lambda layer: layer.apply(
+    lambda m: nn.init.normal_(m.weight, std=0.02) if isinstance(m, nn.Linear) else None)}
+
+
+@pytest.mark.parametrize("init", list(INITS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_whole_width_bug_is_not_passed_as_two_products_per_head_and_declaring_the_scale_decides_it(dtype, init):
+    report, whole = _temperature(ScaledTerms(D ** -0.5), dtype, INITS[init])  # 1/sqrt(d_model) = 1/sqrt(2 x d_k)
     assert whole.verdict == "skip" and "whole-width bug" in whole.message and "scale=" in whole.message, whole
     assert not report.passed, str(report)
-    _, declared = _temperature(ScaledTerms(D ** -0.5), scale=d_k ** -0.5)
+    _, declared = _temperature(ScaledTerms(D ** -0.5), dtype, INITS[init], scale=d_k ** -0.5)
     assert declared.verdict == "fail" and "too flat" in declared.message, declared
     # its twin on the same inputs, scaled by 1/sqrt(d_k): not failed, and not called the whole-width bug
-    report, right = _temperature(ScaledTerms(d_k ** -0.5))
+    report, right = _temperature(ScaledTerms(d_k ** -0.5), dtype, INITS[init])
     assert right.verdict == "skip" and "whole-width" not in right.message, right
     assert not [f for f in report.findings if f.verdict == "fail"], str(report)
 
@@ -91,10 +97,6 @@ def test_a_failures_fix_and_sites_name_the_factor_the_verdict_judged_by():
     fix = scale_fix(2 / math.sqrt(3 * 64), 1 / math.sqrt(3 * 64), 64, 768, 12, parts=3)
     assert "multiply q·k by 0.07217 (1/sqrt(3 x d_k) = 1/sqrt(192)" in fix, fix
     assert "multiply q·k by 0.125 (1/sqrt(d_k) = 1/sqrt(64))" in scale_fix(0.0625, 0.125, 64, 768, 12), "the twin"
-
-
-INITS = {"default": None, "std 0.02": lambda layer: layer.apply(
-    lambda m: nn.init.normal_(m.weight, std=0.02) if isinstance(m, nn.Linear) else None)}
 
 
 @pytest.mark.parametrize("init", list(INITS))
