@@ -16,7 +16,6 @@ from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
-    MATMULS,
     ancestors,
     did_nothing,
     event_op,
