@@ -494,13 +494,15 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "non-zero) still skips (0 rows: one empty block, equal to no copy, a non-empty one): no copy is found that the "
         "skip would have left out (checked by hand, torch 2.13)"),
     # the full run of detectors/temperature.py at 7ee48c8 (issue 37), checked by hand:
-    "detectors/temperature.py:check_softmax_saturation:L*:x10": (
-        ("rel_tol=1e-6) else value * value", "abs(r.ratio) or 1e-300))))"),
-        "on either line. `times`: _stated_factor matched the value to the factor or to its square root within 1e-6; "
+    "detectors/temperature.py:_readings:L*:x10": (
+        "rel_tol=1e-6) else value * value",
+        "`times`: _stated_factor matched the value to the factor or to its square root within 1e-6; "
         "at 1e-5 the value is taken once instead of squared only where it also lies within 1e-5 of the factor, so "
         "the factor is within 2.2e-5 of 1, where value and value^2 differ by under 2.2e-5 and the ratio stays within "
-        "1 +- 3e-5 of 1 either way (SCALE_RATIO is 1.25). The key's floor: " + _RATIO_FLOOR),
-    "detectors/temperature.py:check_softmax_saturation:L*:x0.1": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
+        "1 +- 3e-5 of 1 either way (SCALE_RATIO is 1.25)"),
+    # (moved from check_softmax_saturation with the readings, unchanged, by fixb)
+    "detectors/temperature.py:_worst:L*:x10": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
+    "detectors/temperature.py:_worst:L*:x0.1": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
     "detectors/temperature.py:outside:L*:x10": ("abs(self.ratio) or 1e-300)", _RATIO_FLOOR),
     "detectors/temperature.py:outside:L*:x0.1": ("abs(self.ratio) or 1e-300)", _RATIO_FLOOR),
     "detectors/temperature.py:_cosine_bound:L*:Gt->GtE": (

@@ -721,6 +721,7 @@ class ScaleEstimate:
     fused: FusedAttention | None = field(default=None, compare=False, repr=False)
     used_by: Matmul | None = field(default=None, compare=False, repr=False)  # weights @ values, when not the softmax's
     parts: int = 1  # the products the scores sum, q·k and the terms added to it (DeBERTa's c2p and p2c: 3)
+    terms: int = 0  # the terms read beside q·k, each with a factor of its own the fit leaves free
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
@@ -785,7 +786,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                     "positions)" if relative is not None else "") + (
                     f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
                     f"positions: a bias, whose own factor is not the temperature)" if added else ""),
-                    residual, matmul=m, softmax=event, parts=parts))
+                    residual, matmul=m, softmax=event, parts=parts, terms=len(added)))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found

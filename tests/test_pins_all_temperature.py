@@ -55,7 +55,7 @@ def test_the_weights_fit_needs_four_weights_and_keys_that_differ():
     assert _log_weight_scale(torch.softmax(0.5 * q @ same.transpose(-2, -1), -1), q, same) == []
 
 
-# ---- _exponent_over_scores: a kernel's feature map has no temperature, a softmax written by hand has one ----------
+# ---- _exponents_over: a kernel's feature map has no temperature, a softmax written by hand has one ---------------
 
 
 class PerformerAttention(nn.Module):
@@ -102,10 +102,9 @@ class HandWrittenBaddbmm(PerformerAttention):
 
 def test_a_kernels_exponential_has_no_temperature_and_a_softmax_written_by_hand_has_one():
     """Only an exponential over a product of two tensors both made from the inputs (q·k) keeps a temperature to
-    judge: the Performer's exp over q times a buffer, and over a difference of two tensors of q, is a kernel's feature
-    map (not applicable: a matmul `and` two input operands: `or` would take the difference, or any one-input op of
-    q, for scores; `all` operands: `any` would take q times the buffer). Its twin, a softmax written by hand over
-    baddbmm(bias, q, k^T) (three operands: `len(in_ids) >= 2`, where `<= 2` would miss it), is not excused: not
+    judge: the Performer's exp over q times a buffer, less q * q summed (one tensor twice: `len({...}) >= 2` counts
+    distinct tensors), is a kernel's feature map, no softmax normalising it (not applicable). Its twin, a softmax
+    written by hand over baddbmm(bias, q, k^T) (three operands, two made from the inputs), is not excused: not
     measured, the audit not passed."""
     kernel = saturation(PerformerAttention())
     assert kernel.verdict == "skip" and kernel.message.startswith("not applicable"), kernel.message

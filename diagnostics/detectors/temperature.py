@@ -16,7 +16,6 @@ from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._thresholds import MEASURED_SCALE_ERROR, ROW_SUM, SCALE_RATIO, tolerance
 from .._tracing import (
-    MATMULS,
     ancestors,
     did_nothing,
     event_op,
@@ -34,13 +33,14 @@ from ._common import ENTROPY_ROWS, base_trace, result
 
 
 def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
-              declared: bool = False) -> str:
+              declared: bool = False, parts: int = 1) -> str:
     """The fix named by the factor q·k really reaches the softmax with: none, 1/sqrt(d_model), the scale twice or
-    inverted; else the factor to use."""
+    inverted; else the factor to use, said as the reading it was judged by (`parts`: 1/sqrt(parts x d_k))."""
     def near(x: float, y: float) -> bool:
         return abs(math.log(abs(x) / y)) < math.log(SCALE_RATIO) if x and y > 0 else False
 
-    want = "the declared scale" if declared else f"1/sqrt(d_k) = 1/sqrt({d_k})"
+    want = ("the declared scale" if declared else f"1/sqrt(d_k) = 1/sqrt({d_k})" if parts == 1 else
+            f"1/sqrt({parts} x d_k) = 1/sqrt({parts * d_k}), for the {parts} products the scores sum")
     if near(applied, 1.0):
         return (f"scores = q @ k.transpose(-2, -1) / math.sqrt(d_k) before the softmax (d_k = {d_k}, the width of one "
                 f"head): the scores reach it unscaled")
@@ -63,20 +63,15 @@ def scale_sites(probe, result: DetectorResult) -> list[Site]:
         return []
     trace = trace_call(probe.subject, base.query, base.key, base.value, base.allowed, seed=probe.seed)
     rec = trace.record
-    estimates = applied_scales(rec)
-    if not estimates:
+    rows = _readings(probe, [(e.applied, e.d_k, e.source, e) for e in applied_scales(rec)
+                             if not _by_a_weight(e, probe.subject.layer)])
+    if not rows:
         return []
-
-    def ratio(e):
-        expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(e.d_k)
-        return e.applied / expected, expected
-
-    worst = max(estimates, key=lambda e: abs(math.log(abs(ratio(e)[0]) or 1e-300)))
-    r, expected = ratio(worst)
-    said = f"q·k reaches the softmax multiplied by {worst.applied:.4g}; expected {expected:.4g}"
-    said += "" if probe.scale is not None else f" = 1/sqrt({worst.d_k})"
-    fix = scale_fix(worst.applied, expected, worst.d_k, probe.subject.d_model, probe.subject.num_heads,
-                    declared=probe.scale is not None)
+    reading = _worst(rows)  # the reading the verdict judged, read the same way from the replayed call
+    worst, r, expected = reading.estimate, reading.ratio, reading.expected
+    said = f"q·k reaches the softmax multiplied by {reading.applied:.4g}; expected {expected:.4g}"
+    said += "" if probe.scale is not None else f" = 1/sqrt({reading.parts * reading.d_k})"
+    fix = _fix(probe, reading)
     at = {id(e): i for i, e in enumerate(rec.order)}  # by identity: events hold tensors, which `==` cannot compare
 
     def scaled(e: Scaling) -> list:
@@ -133,38 +128,34 @@ def _log_weight_scale(weights: Tensor, q: Tensor, k: Tensor) -> list[tuple[float
     return [(float((dq * dl).sum()) / denom, int(q.shape[-1]))] if denom > 0 else []
 
 
-def _exponent_over_scores(probe: Probe) -> bool:
-    """The standard probe ran an exponential (or a softmax) on scores: on a tensor computed from a product of two
-    tensors that both come from the inputs (q·k, in any layout: bucketed windows too), not only from the inputs and
-    the layer's weights (a linear attention's feature map, exp or softmax of a projection). Such a softmax, written
-    by hand or read in a layout whose scale was not fitted, keeps its temperature for the audit to judge."""
-    trace = base_trace(probe)
-
-    def scores(op) -> bool:
-        return op.short in MATMULS | {"einsum"} and len(op.in_ids) >= 2 and \
-            all(trace.sources.get(i) for i in op.in_ids[:2])
-
-    return any(op.short in EXPONENTS and any(scores(trace.ops[a]) for a in ancestors(trace, op))
-               for op in trace.ops)
-
-
 EXPONENTS = frozenset({"exp", "exp_", "exp2", "_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
 LINEAR = frozenset({"add", "add_", "sub", "sub_", "cat", "stack"})  # ops that read several tensors and stay linear
 
 
-def _softmax_of_a_projection(probe: Probe) -> bool:
-    """Every exponential (softmax) the standard probe ran normalises a projection of the inputs: its input is made from
-    them through ops of which none but a sum reads two tensors that depend on the inputs (a linear layer's or a
-    convolution's input beside its weight, a norm's beside its gain). MGP-STR's A3 module (a token learner: a softmax
-    over the tokens of a 1x1 convolution of them) and a router are such; q·k multiplies two activations, and so does
-    a layer that computes it by hand (q * k summed) or a norm written out (x * rsqrt(mean(x^2))): those are not."""
+def _exponents_over(probe: Probe) -> str | None:
+    """What the exponentials (and softmaxes) the standard probe ran are over, None where it ran none. "products":
+    one is over a product of two tensors that both depend on the inputs (q·k in any layout: a matmul, an einsum, q * k
+    summed by hand, bucketed windows). Else every one is over a projection of the inputs, made through ops of which
+    none but a sum reads two tensors that depend on them (a linear layer's input beside its weight, a norm's beside its
+    gain, x * x): "feature map" where none normalises (a kernel's exp, the Performer's), "projections" where one does:
+    a token learner's or a router's logits, a linear attention's softmax of the keys, and as well attention pooling
+    whose queries are the layer's own parameters (`k @ self.query.T`), whose temperature is a q·k's. Structure cannot
+    tell these apart, so none is excused. A norm written out (x * rsqrt(mean(x^2))) counts as a product, which only
+    keeps a temperature unjudged, never passed."""
     trace = base_trace(probe)
     exps = [op for op in trace.ops if op.short in EXPONENTS]
 
     def of_two(op) -> bool:  # a product (or any non-linear op) of two tensors that both depend on the inputs
-        return op.short not in LINEAR and sum(1 for i in op.in_ids if trace.sources.get(i)) >= 2
+        return op.short not in LINEAR and len({i for i in op.in_ids if trace.sources.get(i)}) >= 2
 
-    return bool(exps) and not any(of_two(op) or any(of_two(trace.ops[a]) for a in ancestors(trace, op)) for op in exps)
+    if not exps:
+        return None
+    if any(of_two(op) or any(of_two(trace.ops[a]) for a in ancestors(trace, op)) for op in exps):
+        return "products"
+    return "projections" if any(op.short in NORMALISING for op in exps) else "feature map"
+
+
+NORMALISING = frozenset({"_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
 
 
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
@@ -187,21 +178,73 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if weights is not None:
             estimates = [(s, d, f"log-weights vs q·k of the {source}", None)
                          for s, d in _log_weight_scale(weights, base.query, base.key)]
-    if not estimates and probe.subject.form != "function":
+    over = None if estimates else _exponents_over(probe)
+    if not estimates and probe.subject.form != "function" and over in (None, "feature map"):
         weights, source = probe.recovered_weights()
-        if weights is not None and not _exponent_over_scores(probe):
+        if weights is not None:
             return DetectorResult(det, "skip", NOT_APPLICABLE + f"no softmax and no exponential of q·k scores, "
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
-    if not estimates and base.record is not None and base.record.softmaxes and _softmax_of_a_projection(probe):
-        return DetectorResult(det, "skip", NOT_APPLICABLE + "every softmax normalises a projection of the tokens "
-                              "(made through the layer's own weights, no product of two activations: a token "
-                              "learner's or a router's logits), not q·k: it has no temperature; weight_row_sums "
-                              "judges its weights")
+    if over == "projections":
+        return skip(det, "every softmax normalises a projection of the tokens, made through the "
+                    "layer's own weights with no product of two activations: a linear attention's feature map, a token "
+                    "learner's or a router's logits, or attention pooling whose queries are parameters of the layer "
+                    "(k @ query.T), whose temperature is a q·k's; structure cannot tell them apart, so none is judged")
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
         return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit" + said)
+    rows = _readings(probe, estimates)
+    worst = _worst(rows)
+    if worst.cosine is not None:
+        return _judged_cosine(worst, base)
+    ratio, applied, expected, d_k, source, estimate = (worst.ratio, worst.applied, worst.expected, worst.d_k,
+                                                       worst.source, worst.estimate)
+    declared = _said(probe, worst)
+    evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
+                f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
+                f"{_entropy_text(base, ratio, expected, estimate)}")
+    fix = _fix(probe, worst)
+    if worst.unit_rms:  # QK-norm: the norm sets the rows' size, the scale still divides q·k by sqrt(d_k)
+        evidence += "; q and k reach q·k at unit RMS (every row of norm sqrt(d_k): QK-norm), which keeps 1/sqrt(d_k)"
+        fix += ("; the norm does not replace 1/sqrt(d_k): normalised to unit RMS, q·k still grows as d_k x their "
+                "cosine (ViT-22B's QK-norm, Flux's, Qwen's keep the 1/sqrt(d_k))")
+    if ratio > SCALE_RATIO and not worst.undecided:
+        return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
+                                   f"(not divided enough)",
+                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
+    if ratio < 1 / SCALE_RATIO and not worst.undecided:
+        flat = f"{1 / ratio:.2f}x too flat" if ratio else "flat, every weight equal"  # a temperature of 0
+        return result(det, "fail", f"softmax is {flat}: logits are multiplied by less than {declared} (divided too "
+                                   f"much)",
+                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
+    undecided = next((r for r in rows if r.undecided), None)
+    if undecided is not None:
+        return DetectorResult(det, "skip", f"not measured: {undecided.undecided}", value=undecided.applied,
+                              evidence=evidence)
+    terms = next((r for r in rows if getattr(r.estimate, "terms", 0)), None)
+    if terms is not None:
+        # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,
+        # reads the same as a right one, so the softmax's temperature as a whole is not vouched for
+        n = terms.estimate.terms
+        added = f"the {n} terms added to it before the softmax (relative positions, a bias from the tokens) keep " \
+                f"factors" if n > 1 else "the term added to it before the softmax (relative positions, a bias from " \
+                "the tokens) keeps a factor"
+        return DetectorResult(det, "skip", f"not measured: q·k's own factor matches {_said(probe, terms)} (ratio "
+                                           f"{terms.ratio:.4f}), but {added} the fit leaves free, so a term scaled "
+                                           f"wrong reads the same; only a wrong factor on q·k is judged there",
+                              value=terms.ratio,
+                              threshold=SCALE_RATIO, evidence=evidence)
+    return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
+                   threshold=SCALE_RATIO, evidence=evidence,
+                   margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _readings(probe: Probe, estimates: list[tuple]) -> list[_Reading]:
+    """Each estimate (applied, d_k, source, the record's estimate) read against the factor it is judged by: the
+    declared scale (or its square, split over q and k; times a factor the layer states), 1/sqrt(d_k), 1/sqrt(parts x
+    d_k) beside position terms where that is not the whole-width bug, or the cosine bounds of normalised q and k. The
+    verdict and the localiser both read here."""
     rows = []
     for applied, d_k, source, estimate in estimates:
         expected = probe.scale if probe.scale is not None else 1.0 / math.sqrt(d_k)
@@ -213,15 +256,26 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         if probe.scale is not None and cosine is not None:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
-        stated = ""
+        stated, undecided, read_parts = "", "", 1
         parts = getattr(estimate, "parts", 1)
-        if probe.scale is None and cosine is None and parts > 1 and \
-                _off(applied * math.sqrt(parts) / expected) < _off(applied / expected):
+        wide = expected / math.sqrt(parts)
+        if probe.scale is None and cosine is None and parts > 1 and _off(applied / wide) < _off(applied / expected):
             # scores that sum q·k and parts - 1 position products, each divided by sqrt(parts x d_k), keep the
             # variance of one scaled product (DeBERTa's 1/sqrt(3 d_k) for c2p and p2c beside q·k); Transformer-XL's
-            # keep 1/sqrt(d_k): either is the layer's temperature
-            expected /= math.sqrt(parts)
-            stated = f" / sqrt({parts}), for the {parts} products the scores sum (q·k and its position terms)"
+            # keep 1/sqrt(d_k): either is the layer's temperature, unless 1/sqrt(parts x d_k) is also 1/sqrt(d_model)
+            # (parts = heads), the whole-width bug: a convention under which the bug passes is no convention
+            d_model, heads = probe.subject.d_model, probe.subject.num_heads
+            if d_model is None or parts == heads or _off(math.sqrt(parts * d_k / d_model)) < math.log(SCALE_RATIO):
+                if _off(applied / wide) < math.log(SCALE_RATIO) <= _off(applied / expected):
+                    undecided = (f"q·k is multiplied by {applied:.4g} before the softmax, 1/sqrt({parts} x d_k) = "
+                                 f"1/sqrt({parts * d_k}) for the {parts} products its scores sum (q·k and its "
+                                 f"position terms), but also 1/sqrt(d_model)" + (f" = 1/sqrt({d_model})" if d_model
+                                                                                  else "") +
+                                 f", the whole-width bug; declare the layer's scale (scale={applied:.4g} if it is "
+                                 f"meant, or scale={1 / math.sqrt(d_k):.4g} = 1/sqrt(d_k)) to have it judged")
+            else:
+                expected, read_parts = wide, parts
+                stated = f" / sqrt({parts}), for the {parts} products the scores sum (q·k and its position terms)"
         if probe.scale is not None and cosine is None and not split:
             # unnormalised q and k multiplied by a number the layer states beside its declared scale (LongCat-Flash's
             # MLA: q times mla_scale_q_lora = sqrt(hidden_size / q_lora_rank), a low-rank projection's own gain): the
@@ -233,36 +287,25 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                 expected *= times
                 stated = f" x {times:.4g}, the layer's own factor on q·k ({cls}.{name} = {value:.4g})"
         rows.append(_Reading(applied / expected, applied, expected, d_k, source, estimate,
-                             None if unit_rms else cosine, unit_rms, split, stated))
-    worst = max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
-    if worst.cosine is not None:
-        return _judged_cosine(worst, base)
-    ratio, applied, expected, d_k, source, estimate = (worst.ratio, worst.applied, worst.expected, worst.d_k,
-                                                       worst.source, worst.estimate)
-    declared = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={d_k})"
-    declared = f"the square of the declared scale, 1/sqrt(d_k) (d_k={d_k})" if worst.split else declared
-    declared += worst.stated
-    evidence = (f"q·k is multiplied by {applied:.4g} before the softmax ({source}); expected {expected:.4g} = "
-                f"{declared}; ratio {ratio:.3g} (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})"
-                f"{_entropy_text(base, ratio, expected, estimate)}")
-    fix = scale_fix(applied, expected, d_k, probe.subject.d_model, probe.subject.num_heads,
-                    declared=probe.scale is not None)
-    if worst.unit_rms:  # QK-norm: the norm sets the rows' size, the scale still divides q·k by sqrt(d_k)
-        evidence += "; q and k reach q·k at unit RMS (every row of norm sqrt(d_k): QK-norm), which keeps 1/sqrt(d_k)"
-        fix += ("; the norm does not replace 1/sqrt(d_k): normalised to unit RMS, q·k still grows as d_k x their "
-                "cosine (ViT-22B's QK-norm, Flux's, Qwen's keep the 1/sqrt(d_k))")
-    if ratio > SCALE_RATIO:
-        return result(det, "fail", f"softmax is {ratio:.2f}x too sharp: logits are multiplied by more than {declared} "
-                                   f"(not divided enough)",
-                       value=ratio, threshold=SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
-    if ratio < 1 / SCALE_RATIO:
-        flat = f"{1 / ratio:.2f}x too flat" if ratio else "flat, every weight equal"  # a temperature of 0
-        return result(det, "fail", f"softmax is {flat}: logits are multiplied by less than {declared} (divided too "
-                                   f"much)",
-                       value=ratio, threshold=1 / SCALE_RATIO, evidence=evidence, replay=base, fix=fix)
-    return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
-                   threshold=SCALE_RATIO, evidence=evidence,
-                   margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+                             None if unit_rms else cosine, unit_rms, split, stated, read_parts, undecided))
+    return rows
+
+
+def _worst(rows: list[_Reading]) -> _Reading:
+    """The reading furthest outside what is allowed, else furthest from 1."""
+    return max(rows, key=lambda r: (r.outside(), abs(math.log(abs(r.ratio) or 1e-300))))
+
+
+def _said(probe: Probe, r: _Reading) -> str:
+    """The factor a reading was judged by, in words."""
+    said = "the declared scale" if probe.scale is not None else f"1/sqrt(d_k) (d_k={r.d_k})"
+    said = f"the square of the declared scale, 1/sqrt(d_k) (d_k={r.d_k})" if r.split else said
+    return said + r.stated
+
+
+def _fix(probe: Probe, r: _Reading) -> str:
+    return scale_fix(r.applied, r.expected, r.d_k, probe.subject.d_model, probe.subject.num_heads,
+                     declared=probe.scale is not None, parts=r.parts)
 
 
 def _off(ratio: float) -> float:
@@ -315,9 +358,13 @@ class _Reading:
     unit_rms: bool = False  # q and k normalised to unit RMS (QK-norm): judged by 1/sqrt(d_k)
     split: bool = False  # the declared scale applied to q and to k each: q·k multiplied by its square
     stated: str = ""  # a factor on q·k the layer states beside its declared scale, said in the evidence
+    parts: int = 1  # judged by 1/sqrt(parts x d_k): the products the scores sum (DeBERTa's 3)
+    undecided: str = ""  # why neither reading can judge it: 1/sqrt(parts x d_k) is also the whole-width bug
 
     def outside(self) -> float:
-        """How far (in log) the reading lies outside what is allowed: 0 inside."""
+        """How far (in log) the reading lies outside what is allowed: 0 inside (and where it is undecided)."""
+        if self.undecided:
+            return 0.0
         if self.cosine is not None:
             b = self.cosine.bound
             return max(0.0, math.log(COSINE_FLAT / b) if b > 0 else math.inf, math.log(b / COSINE_SHARP) if b > 0

@@ -1,0 +1,171 @@
+"""Where `softmax_saturation` cannot vouch for a temperature, it says "not measured", never "pass" (a review of the
+temperature beside relative position terms, and of softmaxes over projections).
+
+- 1/sqrt(parts x d_k) beside position terms is also 1/sqrt(d_model) where the scores sum as many products as the layer
+  has heads: the whole-width bug read as a convention passed. Now it is not measured, naming the scale to declare.
+- A failure's fix and the sites the localiser points at name the factor the verdict judged by.
+- Each term added to q·k is read with a free factor of its own: a position term left unscaled, or x100, read as a
+  right one and passed. Now q·k's own factor is judged (a wrong one fails) and the rest is not measured.
+- Attention pooling whose queries are the layer's parameters (`F.linear(k, self.query)`, `k @ self.query.T`) is a
+  softmax over a projection, as a token learner's is: excused as "not applicable", it passed with its scale missing
+  or x100. And q·k multiplied and summed by hand was read as a linear attention's kernel. Both are now not measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+from diagnostics.detectors.temperature import scale_fix
+
+
+def _sibling(name: str):
+    """A test module of this folder, loaded from its file (the suite also runs under --import-mode=importlib)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"unjudged_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+xl = _sibling("test_temperature_relative_terms")
+D, HEADS, d_k = xl.D, xl.HEADS, xl.d_k  # 2 heads of 8: q·k and one position term are 2 products, as many as heads
+
+
+class ScaledTerms(xl.RelativeShiftAttention):
+    """Transformer-XL whose content term is multiplied by `content` and position term by `position` (the sum of
+    both by `content` where `position` is None, as XLNet scales)."""
+
+    def __init__(self, content: float, position: float | None = None):
+        super().__init__()
+        self.content, self.position = content, position
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, d_k).permute(2, 0, 3, 1, 4)  # (B, H, T, d_k) each
+        r = self.pos(xl.sinusoids(torch.arange(T - 1, -T, -1), D).to(x.dtype)).view(2 * T - 1, HEADS, d_k)
+        content = (q + self.u[:, None]) @ k.transpose(-2, -1)  # (B, H, T, T)
+        position = xl.relative_shift((q + self.v[:, None]) @ r.permute(1, 2, 0))  # (B, H, T, T)
+        if self.position is None:
+            scores = (content + position) * self.content
+        else:
+            scores = content * self.content + position * self.position
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def _temperature(layer, dtype=torch.float32, init=None, **options):
+    torch.manual_seed(0)
+    if init is not None:
+        init(layer)
+    report = diagnostics.audit(layer.to(dtype), **options)
+    return report, report.result("softmax_saturation")
+
+
+INITS = {"default": None, "std 0.02": lambda layer: layer.apply(
+    lambda m: nn.init.normal_(m.weight, std=0.02) if isinstance(m, nn.Linear) else None)}
+
+
+@pytest.mark.parametrize("init", list(INITS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_whole_width_bug_is_not_passed_as_two_products_per_head_and_declaring_the_scale_decides_it(dtype, init):
+    report, whole = _temperature(ScaledTerms(D ** -0.5), dtype, INITS[init])  # 1/sqrt(d_model) = 1/sqrt(2 x d_k)
+    assert whole.verdict == "skip" and "whole-width bug" in whole.message and "scale=" in whole.message, whole
+    assert not report.passed, str(report)
+    _, declared = _temperature(ScaledTerms(D ** -0.5), dtype, INITS[init], scale=d_k ** -0.5)
+    assert declared.verdict == "fail" and "too flat" in declared.message, declared
+    # its twin on the same inputs, scaled by 1/sqrt(d_k): not failed, and not called the whole-width bug
+    report, right = _temperature(ScaledTerms(d_k ** -0.5), dtype, INITS[init])
+    assert right.verdict == "skip" and "whole-width" not in right.message, right
+    assert not [f for f in report.findings if f.verdict == "fail"], str(report)
+
+
+def test_a_failures_fix_and_sites_name_the_factor_the_verdict_judged_by():
+    report, flat = _temperature(ScaledTerms(0.5 * d_k ** -0.5))  # half of 1/sqrt(d_k): nearer 1/sqrt(2 d_k)
+    expected = f"{d_k ** -0.5:.4g}"
+    assert flat.verdict == "fail" and f"expected {expected}" in flat.evidence, flat
+    assert f"multiply q·k by {expected} (1/sqrt(d_k) = 1/sqrt({d_k}))" in flat.fix, flat.fix
+    said = [s.note for s in flat.where if "expected" in s.note]
+    assert said and all(f"expected {expected}" in n for n in said), said
+    # the fix said as the reading chosen, where 1/sqrt(parts x d_k) is the one (DeBERTa's three products)
+    fix = scale_fix(2 / math.sqrt(3 * 64), 1 / math.sqrt(3 * 64), 64, 768, 12, parts=3)
+    assert "multiply q·k by 0.07217 (1/sqrt(3 x d_k) = 1/sqrt(192)" in fix, fix
+    assert "multiply q·k by 0.125 (1/sqrt(d_k) = 1/sqrt(64))" in scale_fix(0.0625, 0.125, 64, 768, 12), "the twin"
+
+
+@pytest.mark.parametrize("init", list(INITS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_position_term_scaled_wrong_is_not_passed_where_q_k_is_scaled_right(dtype, init):
+    for position in (1.0, 100.0):  # the position term unscaled, or x100: the fit reads its factor as free
+        report, wrong = _temperature(ScaledTerms(d_k ** -0.5, position), dtype, INITS[init])
+        # (in bfloat16 at torch's initialisation, an unscaled term moves q·k's fit to 0.28, 1/sqrt(2 d_k) or the
+        # whole-width bug: not measured either way)
+        assert wrong.verdict == "skip", wrong
+        assert not report.passed, str(report)
+    # the twin with q·k itself unscaled fails on the same inputs: q·k's own factor is still judged
+    _, unscaled = _temperature(ScaledTerms(1.0, d_k ** -0.5), dtype, INITS[init])
+    assert unscaled.verdict == "fail" and "too sharp" in unscaled.message, unscaled
+    # and the right layer is not failed (nor vouched for: its term's factor is as free)
+    report, right = _temperature(ScaledTerms(d_k ** -0.5, d_k ** -0.5), dtype, INITS[init])
+    assert right.verdict == "skip" and not [f for f in report.findings if f.verdict == "fail"], str(report)
+
+
+SLOTS = 3
+
+
+class LearnedQueryPool(nn.Module):
+    """Attention pooling with SLOTS learned queries, the query a parameter used as it is (timm's AttentionPoolLatent,
+    Set Transformer's PMA): scores = query · k(x) * scale over the tokens. `how` multiplies them: "linear" or
+    "matmul"."""
+
+    def __init__(self, scale: float, how: str):
+        super().__init__()
+        self.scale, self.how = scale, how
+        self.query = nn.Parameter(torch.randn(SLOTS, D))
+        self.k, self.v, self.o = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        k, v = self.k(x), self.v(x)  # (B, T, D)
+        s = F.linear(k, self.query) if self.how == "linear" else k @ self.query.T  # (B, T, SLOTS)
+        return self.o((s.transpose(1, 2) * self.scale).softmax(-1) @ v)  # (B, SLOTS, D)
+
+
+class ByHand(nn.Module):
+    """One head of self-attention whose q·k is multiplied and summed by hand (no matmul), times `scale`."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        s = (self.q(x)[:, :, None, :] * self.k(x)[:, None, :, :]).sum(-1) * self.scale  # (B, T, T)
+        return self.o(s.softmax(-1) @ self.v(x))
+
+
+@pytest.mark.parametrize("how", ["linear", "matmul"])
+def test_learned_query_pooling_is_not_excused_as_a_projection_with_its_scale_missing_or_x100(how):
+    for scale in (1.0, 100.0):
+        report, wrong = _temperature(LearnedQueryPool(scale, how), queries=SLOTS, d_model=D)
+        assert wrong.message.startswith("not measured") and "not applicable" not in wrong.message, wrong
+        assert not report.passed, str(report)
+    # its twin, scaled by 1/sqrt(D), on the same inputs: not failed, and as unjudged
+    report, right = _temperature(LearnedQueryPool(D ** -0.5, how), queries=SLOTS, d_model=D)
+    assert right.message.startswith("not measured"), right
+    assert not [f for f in report.findings if f.verdict == "fail"], str(report)
+
+
+def test_q_k_by_hand_counts_as_a_product_and_is_not_called_a_linear_attention():
+    for scale in (1.0, 100.0):
+        report, wrong = _temperature(ByHand(scale))
+        assert wrong.message.startswith("not measured") and "not applicable" not in wrong.message, wrong
+        assert not report.passed, str(report)
+    report, right = _temperature(ByHand(D ** -0.5))
+    assert right.message.startswith("not measured") and "linear attention" not in right.message, right
+    assert not [f for f in report.findings if f.verdict == "fail"], str(report)
