@@ -171,3 +171,23 @@ def test_a_mask_taken_with_heads_folded_is_read_by_the_mask_detectors(drop):
                                detectors=["mask_honoured", "future_leakage"])
     verdicts = {r.detector: r.verdict for r in report.results}
     assert verdicts == dict.fromkeys(("mask_honoured", "future_leakage"), "fail" if drop else "pass"), str(report)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_fused_call_with_the_folded_batch_behind_a_leading_axis_of_one_is_read(sign):
+    """torch 2.14 hands SDPA's 3-D (B*H, T, d) call to its kernel as (1, B*H, T, d): the flipped ALiBi of the "sdpa"
+    layers above passed under the real extra's torch (CI, 2026-12-05) while torch 2.13 runs them through a softmax.
+    The reading, given that fused call directly: a line in the distance, judged only where the slope is flipped."""
+    from types import SimpleNamespace
+
+    from diagnostics.detectors.positions import distance_reward
+
+    B, H, T, d = 2, 2, 6, 4
+    i, j = torch.arange(T).unsqueeze(-1), torch.arange(T)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)  # (H,)
+    bias = (sign * slopes.view(H, 1, 1) * (j - i)).masked_fill(j > i, float("-inf"))  # (H, T, T)
+    q = torch.ones(1, B * H, T, d)  # identical tokens: q·k is the same for every key
+    fused = SimpleNamespace(q=q, k=q, scale=d ** -0.5, attn_mask=bias.repeat(B, 1, 1).unsqueeze(0), is_causal=False)
+    record = SimpleNamespace(softmaxes=[], fused=[fused])
+    rewarded = distance_reward(record, 1, B, T, torch.float32)
+    assert (rewarded is not None) is (sign < 0), rewarded

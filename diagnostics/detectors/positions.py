@@ -470,7 +470,10 @@ def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
         if x.dim() >= 3 and tuple(x.shape[-2:]) == (N, N) and x.shape[0] % (n * B) == 0:
             return _per_copy(_blocked(x.double()), n, B, skip)
     for f in record.fused:
-        if f.q.shape[0] % (n * B) or f.q.shape[-2] != N or f.k.shape[-2] != N or f.q.shape[:-2] != f.k.shape[:-2]:
+        # every axis before (N, d) is a batch of scores: torch 2.14 hands SDPA's (B*H, N, d) to its kernel as
+        # (1, B*H, N, d), so the copies are counted over all of them, not over the first
+        if f.q.shape[:-2].numel() % (n * B) or f.q.shape[-2] != N or f.k.shape[-2] != N or \
+                f.q.shape[:-2] != f.k.shape[:-2]:
             continue
         x = (f.q.double() @ f.k.double().transpose(-2, -1)) * f.scale  # (nB, H, N, N) or (nB*H, N, N)
         if f.attn_mask is not None:
@@ -480,6 +483,7 @@ def _scores_seen(record, n: int, B: int, T: int, skip: int = 0) -> list[Tensor]:
             x = x.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else x + m.double()
         if f.is_causal:
             x = x.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), -torch.inf)
+        x = x if x.shape[0] % (n * B) == 0 else x.reshape(-1, N, N)  # (1, nB*H, N, N): its batch, unfolded
         return _per_copy(_blocked(x), n, B, skip)
     return []
 
