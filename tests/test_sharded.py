@@ -448,8 +448,12 @@ def test_ctrl_c_ends_every_rank_and_removes_the_folder(tmp_path):
     """))
     own = tmp_path / "tmp"
     own.mkdir()
+    # Ctrl-C as a user's shell delivers it: SIGINT at its default, which Python turns into KeyboardInterrupt. A child
+    # inherits an ignored SIGINT, and in CI's slow step (2026-12-05) the worker that spawned it had one: the script
+    # then never saw the interrupt and ended at the audit's own 60 s timeout, with no KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(own)}, text=True)
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(own)}, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while len(os.listdir(pids)) < 2 and time.time() < deadline:
         time.sleep(0.1)
