@@ -523,3 +523,38 @@ def test_an_argument_the_model_passes_is_given_to_each_probe_as_the_model_would_
     else:
         assert layer.result("future_leakage").verdict == "fail" and report.status == "failed", report
 
+
+
+class QueriesOverFewerPatches(TinyDetector):
+    """TinyDetector with 4x4 patches, 4 of them (a memory narrower than the width, so that no argument's last
+    dimension follows it), and more learned queries (20) than patches, as DETR's 100 queries over a small image's
+    memory of 4: probed at the memory's own length, the only one the layer as held surely takes. `bug`: the
+    cross-attention with its scale dropped or its softmax over the queries (real bugs, the twins)."""
+
+    def __init__(self, bug: str = ""):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, 4)
+        self.pos = nn.Parameter(torch.randn(4, 16) * 0.1)
+        self.queries = nn.Parameter(torch.randn(1, 20, 16) * 0.1)
+        self.cross.bug = bug
+        self.cross.forward = self._cross
+
+    def _cross(self, hidden_states, key_value_states, encoder_position_embeddings):
+        c = self.cross
+        k = c.k(key_value_states + encoder_position_embeddings)  # (B, S, D)
+        scale = 1.0 if c.bug == "missing_scale" else k.shape[-1] ** -0.5
+        w = (c.q(hidden_states) @ k.transpose(1, 2) * scale).softmax(1 if c.bug == "softmax_wrong_dim" else -1)
+        return w @ c.v(key_value_states)  # (B, Q, D)
+
+
+@pytest.mark.parametrize("bug", ["", "missing_scale", "softmax_wrong_dim"])
+def test_a_cross_attention_with_more_queries_than_its_memory_is_probed_at_the_memory_it_holds(bug):
+    report = diagnostics.audit_model(QueriesOverFewerPatches(bug), example=PIXELS)
+    cross = report.layers["cross"]
+    assert cross.result("runs").verdict == "pass", cross.result("runs")  # was: not one probe taken (20 vs memory 4)
+    if not bug:
+        assert report.status == "passed" and cross.status == "passed", report
+        return
+    failed = {f.detector for f in report.findings if f.verdict == "fail" and f.layer == "cross"}
+    expected = {"missing_scale": "softmax_saturation", "softmax_wrong_dim": "weight_row_sums"}[bug]
+    assert report.status == "failed" and expected in failed, (failed, report)

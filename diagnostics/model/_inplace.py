@@ -313,10 +313,18 @@ class InPlaceCross(InPlace):
         """The queries' length, or the memory's where it is shorter and an argument varies along it: the layer audit's
         probes give the memory as many tokens as the queries, and a memory longer than the model's cannot be given
         (`_fit`). BLT's local encoder: its patches' queries, 34 at 16 bytes, attend the bytes under a (1, 1, 34, 16)
-        mask that says which patch holds which byte; probed at 34 tokens, every probe was refused."""
+        mask that says which patch holds which byte; probed at 34 tokens, every probe was refused. Likewise where,
+        with one capture only (a fixed-length input: an image), another argument has the memory's length along a
+        dimension other than its first and last, which is not cut (`_other_memory`): DETR's decoder holds its
+        encoder's position embeddings, (B, S, D); probed with 100 queries and a memory of 100, its cross-attention
+        over a memory of 4 refused every probe."""
+        streams = (self.hidden_name, *self.same_as_hidden, self.memory_name, *self.same_as_memory)
         varies = any(not bool((tensor == tensor[..., :1]).all()) for name, value in self.call_arguments.items()
                      for leaf, tensor in _leaves(value, (name,)) if leaf in self.memory_dims)
-        return min(self.block_size, self.memory_length) if varies else self.block_size
+        held = self.fixed_length and any(self.memory_length in tensor.shape[1:-1]
+                                         for name, value in self.call_arguments.items() if name not in streams
+                                         for _, tensor in _leaves(value, (name,)))
+        return min(self.block_size, self.memory_length) if varies or held else self.block_size
 
     def _other_memory(self) -> bool:
         # a memory of another length than the model's: arguments that follow it along another dimension than the
