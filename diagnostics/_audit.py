@@ -278,8 +278,13 @@ def _status(results: list[DetectorResult], probe: Probe, base, options) -> tuple
     unmeasured = [r for r in core if not r.measured and not (measured and r.message.startswith(NOT_APPLICABLE))]
     if unmeasured:
         why = "; ".join(f"{r.detector}: {r.message}" for r in unmeasured)
-        return "inconclusive", (f"inconclusive: the attention itself was not measured ({why}). Return the weights "
-                                f"as (out, weights), or use a softmax or torch's scaled_dot_product_attention")
+        # what to do: where a property states no remedy (no weights seen), make the weights observable; then each
+        # skip's own remedy (a temperature beside relative-position terms, which no declaration measures)
+        todo = ["return the weights as (out, weights), or use a softmax or torch's scaled_dot_product_attention"
+                ] if any(not r.fix for r in unmeasured) else []
+        todo += list(dict.fromkeys(r.fix for r in unmeasured if r.fix))
+        return "inconclusive", (f"inconclusive: the attention itself was not measured ({why}). "
+                                + "; ".join(t[0].upper() + t[1:] if i == 0 else t for i, t in enumerate(todo)))
     return "passed", ""
 
 

@@ -169,3 +169,27 @@ def test_q_k_by_hand_counts_as_a_product_and_is_not_called_a_linear_attention():
     report, right = _temperature(ByHand(D ** -0.5))
     assert right.message.startswith("not measured") and "linear attention" not in right.message, right
     assert not [f for f in report.findings if f.verdict == "fail"], str(report)
+
+
+RETURN_WEIGHTS = "return the weights as (out, weights)"
+
+
+@pytest.mark.parametrize("layer", ["Transformer-XL", "learned-query pooling", "no attention"])
+def test_an_unjudged_temperature_says_what_to_do_and_no_weights_seen_asks_for_them(layer):
+    """The inconclusive status says what would measure the layer. A temperature no declaration measures (terms beside
+    q·k, a softmax over a projection) says "nothing to declare" and what to check by hand, not "return the weights or
+    use a softmax" to a layer whose softmax weights were measured (transformers' XLNet, Parakeet, Inkling and MGP-STR
+    read so); a layer whose weights were not seen at all is still asked to return them."""
+    subject = {"Transformer-XL": lambda: xl.RelativeShiftAttention(None),
+               "learned-query pooling": lambda: LearnedQueryPool(D ** -0.5, "matmul"),
+               "no attention": lambda: nn.Linear(D, D)}[layer]()
+    torch.manual_seed(0)
+    report = diagnostics.audit(subject, d_model=D, **({"queries": SLOTS} if layer == "learned-query pooling" else {}))
+    reason = report.status_reason
+    assert report.status == "inconclusive" and "the attention itself was not measured" in reason, reason
+    if layer == "no attention":
+        assert RETURN_WEIGHTS in reason.lower() and "Nothing to declare" not in reason, reason
+        return
+    assert report.result("weight_row_sums").verdict == "pass", report.result("weight_row_sums")
+    assert "Nothing to declare" in reason and RETURN_WEIGHTS not in reason.lower(), reason
+    assert ("relative positions" if layer == "Transformer-XL" else "a parameter of the layer") in reason, reason

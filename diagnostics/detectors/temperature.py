@@ -158,6 +158,17 @@ def _exponents_over(probe: Probe) -> str | None:
 NORMALISING = frozenset({"_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
 
 
+TERMS_FIX = ("nothing to declare: the factor of a term added to q·k before the softmax (relative positions, a bias "
+             "from the tokens) is not judged, as a term scaled wrong reads the same as a right one; check by hand "
+             "that each term is scaled as q·k is (Transformer-XL and XLNet scale their sum; DeBERTa divides each by "
+             "sqrt(d_k x the parts summed)). The weights themselves are judged by weight_row_sums")
+"""What to do where softmax_saturation reads q·k's factor right beside terms whose own factors it leaves free: no
+declaration measures them, so the report must not send the user to return weights or use a softmax they already use."""
+PROJECTIONS_FIX = ("nothing to declare: a softmax over a projection of the tokens (a learned query's, a router's, a "
+                   "feature map's logits) has no q·k of two activations whose temperature could be judged; if queries "
+                   "and keys are both meant to come from the input, check that neither is a parameter of the layer")
+
+
 @detector("softmax_saturation", "the softmax temperature: q·k is scaled by 1/sqrt(d_k) or the declared scale; normalised "
           "q and k (cosine attention), no scale declared: the logit an aligned key reaches is 0.5 to 100; at unit RMS "
           "(RMSNorm QK-norm), 1/sqrt(d_k)",
@@ -186,10 +197,11 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
     if over == "projections":
-        return skip(det, "every softmax normalises a projection of the tokens, made through the "
+        return replace(skip(det, "every softmax normalises a projection of the tokens, made through the "
                     "layer's own weights with no product of two activations: a linear attention's feature map, a token "
                     "learner's or a router's logits, or attention pooling whose queries are parameters of the layer "
-                    "(k @ query.T), whose temperature is a q·k's; structure cannot tell them apart, so none is judged")
+                    "(k @ query.T), whose temperature is a q·k's; structure cannot tell them apart, so none is judged"),
+                       fix=PROJECTIONS_FIX)
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
@@ -221,7 +233,8 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     undecided = next((r for r in rows if r.undecided), None)
     if undecided is not None:
         return DetectorResult(det, "skip", f"not measured: {undecided.undecided}", value=undecided.applied,
-                              evidence=evidence)
+                              evidence=evidence, fix="declare the layer's scale, as the message says, to have its "
+                                                     "temperature judged")
     terms = next((r for r in rows if getattr(r.estimate, "terms", 0)), None)
     if terms is not None:
         # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,
@@ -233,8 +246,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         return DetectorResult(det, "skip", f"not measured: q·k's own factor matches {_said(probe, terms)} (ratio "
                                            f"{terms.ratio:.4f}), but {added} the fit leaves free, so a term scaled "
                                            f"wrong reads the same; only a wrong factor on q·k is judged there",
-                              value=terms.ratio,
-                              threshold=SCALE_RATIO, evidence=evidence)
+                              value=terms.ratio, threshold=SCALE_RATIO, evidence=evidence, fix=TERMS_FIX)
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")

@@ -88,8 +88,33 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured ({first})"
     prefix = next((r for r in results if r.detector == causality.ID), None)
     if causal and prefix is not None and not prefix.measured:
-        return "inconclusive", f"inconclusive: the model is causal, but its causality was not measured ({prefix.message})"
+        stack = _stack(list(layers))
+        todo = (f": audit the part that holds its attention layers on its own, given a sequence, as "
+                f"audit_model(model.{stack}, example=<(B, T, D) embeddings of its width>, causal=True)"
+                if stack and "not a sequence" in prefix.message else "")
+        return "inconclusive", (f"inconclusive: the model is causal, but its causality was not measured "
+                                f"({prefix.message}){todo}")
     return "passed", ""
+
+
+def _stack(paths: list[str]) -> str:
+    """The module that holds every one of these layers above the list they sit in: "encoder_transformer" for
+    "encoder_transformer.layers.0.self_attn" and "encoder_transformer.layers.1.self_attn" (Mimi's, whose waveform input
+    is no sequence, while its transformer's is); "" where they share none (the model itself is the stack)."""
+    parts = [p.split(".") for p in paths]
+    if not parts:
+        return ""
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    if len(common) == len(parts[0]):  # one layer (or one path): its parent holds it
+        common = common[:-1]
+    # cut before the first name that a list index follows in the layers' paths (the ModuleList)
+    first = parts[0]
+    cut = next((i for i in range(len(common)) if first[i + 1].isdigit()), len(common))
+    return ".".join(common[:cut])
 
 
 def _one_token(wrapper) -> bool:
