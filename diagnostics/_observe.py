@@ -267,8 +267,11 @@ class Record:
     fused: list[FusedAttention] = field(default_factory=list)
     flex: list[FlexCall] = field(default_factory=list)
     order: list[object] = field(default_factory=list)
+    samples: int = 0  # grid_sample calls: a tensor read at points (deformable attention samples its memory so)
 
 
+_SAMPLERS = frozenset(getattr(aten, n) for n in ("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
+                      if hasattr(aten, n))
 _FLEX: tuple = ()
 
 
@@ -458,6 +461,8 @@ class Observer(Mode):
 
     def _note(self, func, name, packet, args, kwargs, out):
         rec = self.record
+        if packet in _SAMPLERS:
+            rec.samples += 1
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same

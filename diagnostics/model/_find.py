@@ -177,6 +177,7 @@ class ModuleWatch:
         self.shapes: dict = {}  # {path: the shapes of the scores of a call that mixed channels}
         self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
         self.routes: dict = {}  # {path: (calls whose every softmax runs over a weight's outputs, (scores, weight))}
+        self.sampled: dict = {}  # {path: (scores, weight)} of deformable attention (see `deformable`)
         self.own: dict = {}  # {path: [calls whose every softmax weighs each token's own items (`_per_token`), scores]}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
         self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
@@ -188,12 +189,12 @@ class ModuleWatch:
 
     def _pre(self, m, args, kwargs):
         record = self.observer.record
-        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex)))
+        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex), record.samples))
 
     def _post(self, m, args, kwargs, out):
         if not (self.stack and self.stack[-1][0] is m):
             return
-        _, s0, f0, x0 = self.stack.pop()
+        _, s0, f0, x0, g0 = self.stack.pop()
         record = self.observer.record
         soft = [s for s in record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
                 and (s.dim in (-1, s.output.dim() - 1) or self._over_queries(s))]
@@ -212,7 +213,10 @@ class ModuleWatch:
         # its bug, is still a softmax the layer meant as its attention); a (T, T) product tells nothing: a chunked
         # delta rule makes one of its decays and keys, as a softmax written with an exponential of its own does
         self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:]) + len(record.softmaxes[s0:])
-        if soft or fused:
+        split = [self._over_weight(c, split=True) for c in soft] if record.samples > g0 and not fused else []
+        if split and all(split):  # weights over sampling points, read at points (grid_sample): see `deformable`
+            self.sampled[path] = split[0]
+        elif soft or fused:
             self._mixes(path, args, kwargs, soft + fused)
         if self.on_return is not None:
             self.on_return(path, m, args, kwargs, out, bool(soft or fused))
@@ -306,12 +310,14 @@ class ModuleWatch:
             (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))), None)
         return product is not None and _storage(product.b) in self._model_weights()
 
-    def _over_weight(self, call) -> tuple | None:
+    def _over_weight(self, call, split: bool = False) -> tuple | None:
         """(the scores' shape, the weight's) where an observed softmax normalises, over its last axis, a product
         whose right operand is a weight of the model, two-dimensional, that gives the scores that axis: x W, one
         distribution per token over W's output features (an MoE router's experts, a gate's classes), never over
         keys, which come from the tokens (a learned query's scores, q W_k x^T, take their last axis from the tokens'
-        keys). None otherwise (a fused call, q·k of two activations, no product found)."""
+        keys). `split`: or over a part of them, W's outputs viewed as (heads, that axis) (deformable attention's
+        weights over each head's sampling points). None otherwise (a fused call, q·k of two activations, no product
+        found)."""
         if not isinstance(call, SoftmaxCall):
             return None
         record = self.observer.record
@@ -320,8 +326,9 @@ class ModuleWatch:
         product = None if i is None else next(
             (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))
              and math.prod(_shape(m)) == call.input.numel()), None)
-        if product is None or product.b.dim() != 2 or _shape(product)[-1] != call.input.shape[-1] or \
-                product.b.shape[-1] != call.input.shape[-1]:
+        width = call.input.shape[-1]
+        if product is None or product.b.dim() != 2 or _shape(product)[-1] != product.b.shape[-1] or not (
+                product.b.shape[-1] == width or (split and width > 1 and product.b.shape[-1] % width == 0)):
             return None
         if _storage(product.b) not in self._model_weights():
             return None
@@ -360,6 +367,19 @@ class ModuleWatch:
                    f"weight of the model, over that weight's {weight[1]} outputs: each token's distribution over "
                    f"classes of its own (an MoE router's experts, a gate's), not attention between tokens"
                 for p, (_, (scores, weight)) in self.routes.items() if not any(self.mixes.get(p, ()))}
+
+    def deformable(self) -> dict:
+        """{path: why} of the modules whose every softmax ran over a weight's outputs, or each head's part of them
+        (`_over_weight`, split), and that read a tensor at points (grid_sample): deformable attention (Deformable DETR's, RT-DETR v2's, D-FINE's), whose
+        weights are over its sampling points, made from each query alone, and whose memory is read where the query's
+        offsets point, bilinearly, not through keys. A library attention class so written is no token attention the
+        layer audit can measure (no (Tq, Tk) weights, no q·k); one whose softmax runs over a weight's outputs and that
+        samples nothing has lost its keys, a finding, and stays audited (`observe_attention`)."""
+        return {p: f"its softmax runs over scores of shape {scores}, made by a product with a {weight[0]} x "
+                   f"{weight[1]} weight of the model from each query alone, and it reads a tensor at points "
+                   f"(grid_sample): deformable attention, whose weights are over its sampling points, not over keys; "
+                   f"no (Tq, Tk) weights to audit, so the model-level checks watch it"
+                for p, (scores, weight) in self.sampled.items() if not any(self.mixes.get(p, ()))}
 
     def __enter__(self):
         for m in self.named.values():
@@ -457,6 +477,8 @@ def observe_attention(runner: Runner) -> Observation:
     attending = [type(named[p]) for p in found if p not in routers]
     not_tokens.update({p: why for p, why in routers.items() if p in found and not class_kind(named[p])
                        and not any(kin(type(named[p]), c) for c in attending)})
+    # a library class too, where it samples its memory at points: deformable attention, not a lost q·k
+    not_tokens.update({p: why for p, why in watch.deformable().items() if p in found})
     found = {p: how for p, how in found.items() if p not in not_tokens}
     weighs = frozenset(p for p in named if any(counts.get(p, (0, 0))) or watch.flex.get(p))
     return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs,
