@@ -256,6 +256,9 @@ class Sum:
     b: Tensor
     out: Tensor = field(repr=False)  # what it wrote (held, so that its memory is not another tensor's while recorded)
     keys: tuple = ()  # `_key` of a, b and out as the op saw them: which sum made an operand of a later one
+    # of a and of b: (the product it was read from, through moves and constant factors only, and that factor), else
+    # None: a term's own factor on its product (`_term_ratios`)
+    origins: tuple = (None, None)
 
 
 @dataclass
@@ -331,6 +334,7 @@ class Observer(Mode):
         # ops away; their factor is unknown, and a product with one of them keeps none (q_scaled / |q_scaled|)
         self._unknown: dict[tuple, int] = {}
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
+        self._origin: dict[tuple, Matmul] = {}  # key -> the product its values were read from (`Sum.origins`)
         self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
         self._products: set[int] = set()  # the sizes of the products made since the last softmax (see `_summed`)
@@ -432,6 +436,41 @@ class Observer(Mode):
             pass
         return out
 
+    def _from(self, t: Tensor, m: Matmul) -> None:
+        self._origin[_key(t)] = m
+        self._keep.append(t)
+
+    def _inherit(self, func, args, outs) -> None:
+        """Each output's product of origin (`_origin`): kept through the ops that move values (`_CARRY`), a constant
+        factor, and a concatenation with zeros (Transformer-XL's relative shift pads the product with a column of
+        zeros); dropped by any other op, whose output is computed, not read (an output of the op in place keeps it
+        only so). Its factor is tracked apart (`_known`)."""
+        first = args[0] if args else None
+        source = None
+        if func in _CARRY and isinstance(first, Tensor):
+            source = self._origin.get(_key(first))
+        elif (func in _SCALE_BY or func in _DIVIDE_BY) and len(args) > 1:
+            a, b = args[0], args[1]
+            if isinstance(a, Tensor) and _constant(b) is not None and a.numel() > 1:
+                source = self._origin.get(_key(a))
+            elif func in _SCALE_BY and isinstance(b, Tensor) and _constant(a) is not None and b.numel() > 1:
+                source = self._origin.get(_key(b))
+        elif func.overloadpacket in _SUMS and len(args) > 1 and _constant(args[1]) == 0.0 and isinstance(first, Tensor):
+            source = self._origin.get(_key(first))  # x + 0: `score = 0; score += c2p / scale` (DeBERTa's)
+        elif func is aten.cat.default and isinstance(first, (list, tuple)):
+            found = [self._origin.get(_key(x)) for x in first if isinstance(x, Tensor)]
+            read = [m for m in found if m is not None]
+            rest = [x for x, m in zip(first, found) if m is None]
+            if len(read) == 1 and all(isinstance(x, Tensor) and not bool(x.any()) for x in rest):
+                source = read[0]
+        for o in outs:
+            if not isinstance(o, Tensor):
+                continue
+            if source is not None:
+                self._from(o, source)
+            else:
+                self._origin.pop(_key(o), None)
+
     def _summed(self, func, args, kwargs, out) -> None:
         """Record a `Sum` where two whole tensors with as many elements as a product made since the last softmax are
         added: what is added to q·k on its way to the softmax (a term of the queries and the positions) is read
@@ -444,9 +483,12 @@ class Observer(Mode):
         sign = 1 if func.overloadpacket in (aten.add, aten.add_) else -1
         b = b.detach() if alpha * sign == 1 else b.detach() * (alpha * sign)
         keys = (_key(a), _key(args[1]), _key(out))
+        origins = tuple(None if self._origin.get(k) is None or self._known(x) is None else
+                        (self._origin[k], self._known(x) * (1.0 if x is a else float(alpha * sign)))
+                        for k, x in ((keys[0], a), (keys[1], args[1])))
         # in place, `a` is the output now: what it held is the output less b (a copy, which later writes leave alone)
         a = out.detach() - b if a is out else a.detach()
-        self.record.order.append(Sum(a, b, out.detach(), keys))
+        self.record.order.append(Sum(a, b, out.detach(), keys, origins))
 
     def _note_flex(self, args, kwargs):
         try:
@@ -469,6 +511,8 @@ class Observer(Mode):
             self._keep.append(out)
         if packet in _SUMS and self._products and len(args) > 1:
             self._summed(func, args, kwargs, out)
+        if self._products:  # between a product and the softmax: which product each tensor's values come from
+            self._inherit(func, args, outs)
         if func in _CARRY and isinstance(args[0], Tensor):
             f = self._known(args[0])
             for o in outs:
@@ -505,6 +549,7 @@ class Observer(Mode):
             m = Matmul(out.detach().clone(), a.detach(), b.detach(), self._factor(a) * self._factor(b), self._frames())
             self._products.add(out.numel())
             self._fresh(outs)
+            self._from(out, m)
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func is aten.addmm.default:
@@ -516,12 +561,14 @@ class Observer(Mode):
                        self._frames())
             self._products.add(out.numel())
             self._fresh(outs)
+            self._from(out, m)
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:
             s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
                             unshifted=self._shifted.get(_key(args[0])))
             self._products.clear()
+            self._origin.clear()
             self._fresh(outs)
             rec.softmaxes.append(s)
             rec.order.append(s)
@@ -727,6 +774,8 @@ class ScaleEstimate:
     used_by: Matmul | None = field(default=None, compare=False, repr=False)  # weights @ values, when not the softmax's
     parts: int = 1  # the products the scores sum, q·k and the terms added to it (DeBERTa's c2p and p2c: 3)
     terms: int = 0  # the terms read beside q·k, each with a factor of its own the fit leaves free
+    # each term's products' own factor over q·k's (`_term_ratios`), None for one that is no such product
+    term_ratios: tuple = ()
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
@@ -761,13 +810,14 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             for cut in _columns(scores, m.out) if relative is None and any(at < j < i for j in sums) else []:
                 # scores plus terms added to q·k on the way (Transformer-XL's, DeBERTa's), sinks beside them or not;
                 # read beside q·k even where q·k alone fits (terms small at std 0.02): the products summed count
-                added, parts = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
+                added, parts, leaves = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
                 beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
                 if beside is not None:
                     fitted = beside
+                    ratios = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
                     break
             else:
-                added, parts = [], 1
+                added, parts, ratios = [], 1, ()
             heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
             for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
@@ -791,7 +841,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                     "positions)" if relative is not None else "") + (
                     f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
                     f"positions: a bias, whose own factor is not the temperature)" if added else ""),
-                    residual, matmul=m, softmax=event, parts=parts, terms=len(added)))
+                    residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found
@@ -804,15 +854,17 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
     return estimates
 
 
-def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list[Tensor], int]:
+def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list[Tensor], int, list[list]]:
     """The terms added to q·k between its product and the softmax (`Sum`s of as many elements as the scores), in the
     order they were added, and how many parts the scores sum, q·k one of them: Transformer-XL's shifted (q + v)·r
     (XLNet, Conformer, Parakeet: 2 parts), DeBERTa's c2p + p2c (3), a bias projected from the tokens (VITS, Inkling).
     These depend on the tokens, so no bias the same in both batch halves holds them, and `_fit_scale` found none. Of
     each sum, the operand that the products (and the terms already found) explain carries q·k; the other is a term,
     of as many parts as sums of neither (c2p + p2c) made it. A sum that adds nothing that differs between the batch
-    halves (a mask) adds no term."""
+    halves (a mask) adds no term. Third, each term's leaves: the (product, factor) its values were read from
+    (`Sum.origins`), one per product a join of terms summed, None for a leaf read from no product."""
     terms: list[Tensor] = []
+    leaves: list[list] = []
     parts = 1
     joins: list[tuple[int, Sum]] = []  # sums of which neither operand carries q·k, by their place in `between`
 
@@ -825,6 +877,13 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
         j = next(((i, e) for i, e in reversed(joins) if i < before and e.keys[2] == key), None)
         return 1 if j is None else made_of(j[1].keys[0], j[0]) + made_of(j[1].keys[1], j[0])
 
+    def read_from(key, origin, before: int) -> list:  # the (product, factor) of each part of that operand
+        j = next(((i, e) for i, e in reversed(joins) if i < before and e.keys[2] == key), None)
+        if j is None:
+            return [origin]
+        i, e = j
+        return read_from(e.keys[0], e.origins[0], i) + read_from(e.keys[1], e.origins[1], i)
+
     for i, e in enumerate(between):
         if not isinstance(e, Sum) or e.a.numel() != products.numel() or e.a.numel() % 2:
             continue
@@ -835,8 +894,31 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
         term = e.b if a else e.a
         if not torch.equal(term.reshape(-1)[:term.numel() // 2], term.reshape(-1)[term.numel() // 2:]):
             terms.append(term)
-            parts += made_of(e.keys[1] if a else e.keys[0], i)
-    return terms, parts
+            side = 1 if a else 0
+            parts += made_of(e.keys[side], i)
+            leaves.append(read_from(e.keys[side], e.origins[side], i))
+    return terms, parts, leaves
+
+
+def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves: list) -> tuple:
+    """For each product a term added to q·k was read from (`_added_terms`' leaves), the factor that product reaches the
+    scores with, over the factor q·k reaches them with: the fit's coefficient of the term x the constant the product
+    was multiplied by on its way to the sum x the product's own (its operands' constants), over the fit's s x q·k's
+    own. A term that is such a product of the same width as q·k (Transformer-XL's (q + v)·r, DeBERTa's c2p and p2c)
+    is a dot product like q·k, scaled as q·k is in every such layer: 1. None for a part that is no such product (a
+    bias projected from the tokens by a weight: its factor is learned; a product of another width; values computed
+    on the way, not moved), which leaves the temperature unjudged."""
+    every: list = []
+    fitted = _fit_scale(scores, m.out, weights, tuple(terms), every)
+    if fitted is None or len(every) != len(terms) or fitted[0] * m.factor == 0.0:
+        return tuple(None for parts in leaves for _ in parts)
+    qk = fitted[0] * m.factor
+    ratios = []
+    for c, parts in zip(every, leaves):
+        for leaf in parts:
+            judged = c is not None and leaf is not None and leaf[0].a.shape[-1] == m.a.shape[-1] and leaf[0].b.dim() > 2
+            ratios.append(c * leaf[1] * leaf[0].factor / qk if judged else None)
+    return tuple(ratios)
 
 
 def _fit_decomposed(scores: Tensor, products: Tensor, between: list) -> tuple[float, float] | None:
@@ -997,7 +1079,8 @@ def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | No
 _FIT_SAMPLES = 1 << 16
 
 
-def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = ()) -> tuple[float, float] | None:
+def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = (),
+               every: list | None = None) -> tuple[float, float] | None:
     """Least-squares s in scores = s * products + bias, where bias is the same in both batch halves; with `terms`
     (tensors added to the products on their way, as many elements as the scores), s in scores = s * products +
     sum_j t_j * terms_j + bias, each t_j free: the factor of the products alone.
@@ -1013,30 +1096,35 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple =
     ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
     for d in dt:
         ok &= torch.isfinite(d)
-    fitted = _least_squares(ds[ok], [dp[ok]] + [d[ok] for d in dt])
+    fitted = _least_squares(ds[ok], [dp[ok]] + [d[ok] for d in dt], every)
     if fitted is None or fitted[1] > 0.05:  # a shift of each row (scores - their max, which the softmax ignores)
-        return _fit_scale_rows(scores, products, weights, terms)
+        return _fit_scale_rows(scores, products, weights, terms, every)
     return fitted
 
 
-def _least_squares(y: Tensor, xs: list[Tensor]) -> tuple[float, float] | None:
+def _least_squares(y: Tensor, xs: list[Tensor], every: list | None = None) -> tuple[float, float] | None:
     """(the coefficient of xs[0], the relative residual) of y = sum_j c_j * xs[j] by least squares; a column that is
     zero (a term the same in both batch halves, which the bias already holds) is left out. None where xs[0] is zero
-    or fewer than 2 entries count."""
-    xs = xs[:1] + [x for x in xs[1:] if bool(x.any())]
+    or fewer than 2 entries count. `every`: filled with each c_j of xs[1:] (None for a column left out)."""
+    n, kept = len(xs) - 1, [0] + [j for j, x in enumerate(xs) if j and bool(x.any())]
+    xs = [xs[j] for j in kept]
     if y.numel() < 2 or float((xs[0] * xs[0]).sum()) == 0.0:
         return None
     if len(xs) == 1:
         scale = float((y * xs[0]).sum()) / float((xs[0] * xs[0]).sum())
-        fit = scale * xs[0]
+        fit, coef = scale * xs[0], [scale]
     else:
         X = torch.stack(xs, -1)  # (n, 1 + terms)
-        coef = torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
-        scale, fit = float(coef[0]), X @ coef
+        solution = torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
+        scale, fit, coef = float(solution[0]), X @ solution, solution.tolist()
+    if every is not None:
+        at = dict(zip(kept, coef))
+        every[:] = [at.get(j) for j in range(1, n + 1)]
     return scale, float((y - fit).norm() / y.norm().clamp_min(1e-300))
 
 
-def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = ()) -> tuple[float, float] | None:
+def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = (),
+                    every: list | None = None) -> tuple[float, float] | None:
     """`_fit_scale` with a bias of each row's own as well: the differences between the batch halves centred per row
     over the entries with weight in both (a stable softmax's `scores - scores.amax(-1)` shifts each row)."""
     t_k = scores.shape[-1] if scores.dim() else 0
@@ -1055,7 +1143,7 @@ def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tu
     ds, dp, *dt = (torch.where(ok, x - torch.where(ok, x, 0.0).sum(-1, keepdim=True) / n, 0.0) for x in (ds, dp, *dt))
     if int(ok.sum()) < 4:
         return None
-    fitted = _least_squares(ds.reshape(-1), [dp.reshape(-1)] + [d.reshape(-1) for d in dt])
+    fitted = _least_squares(ds.reshape(-1), [dp.reshape(-1)] + [d.reshape(-1) for d in dt], every)
     return fitted if fitted is not None and fitted[1] <= 0.05 else None
 
 
