@@ -270,11 +270,13 @@ class Record:
     fused: list[FusedAttention] = field(default_factory=list)
     flex: list[FlexCall] = field(default_factory=list)
     order: list[object] = field(default_factory=list)
-    samples: int = 0  # grid_sample calls: a tensor read at points (deformable attention samples its memory so)
+    # products of a softmax's weights with values read at points (grid_sample): deformable attention weighs the memory
+    # it sampled so (`Observer._lineage`)
+    weighed_samples: int = 0
 
 
 _SAMPLERS = frozenset(getattr(aten, n) for n in ("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
-                      if hasattr(aten, n))
+                      if hasattr(aten, n))  # overload packets
 _FLEX: tuple = ()
 
 
@@ -335,6 +337,8 @@ class Observer(Mode):
         self._unknown: dict[tuple, int] = {}
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
         self._origin: dict[tuple, Matmul] = {}  # key -> the product its values were read from (`Sum.origins`)
+        self._sampled: set[tuple] = set()  # keys of values read at points (grid_sample) and of what moved them
+        self._normalised: set[tuple] = set()  # keys of softmax weights and of what moved them
         self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
         self._products: set[int] = set()  # the sizes of the products made since the last softmax (see `_summed`)
@@ -471,6 +475,23 @@ class Observer(Mode):
             else:
                 self._origin.pop(_key(o), None)
 
+    def _lineage(self, func, packet, args, outs) -> None:
+        """Follow values read at points (a grid_sample's output) and softmax weights through the ops that only move
+        them (`_CARRY`, stack, cat), and count a product of the two (`Record.weighed_samples`): deformable attention
+        weighs each sampled point by its weight. A grid_sample whose output no softmax's weights multiply (a table
+        resized, a position read) is none."""
+        ins = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
+        keys = {_key(x) for x in ins}
+        if packet in (aten.mul, aten.mul_, aten.bmm, aten.matmul, aten.mm) and len(ins) == 2 \
+                and keys & self._sampled and keys & self._normalised:
+            self.record.weighed_samples += 1
+        moved = {_key(ins[0])} if func in _CARRY and ins else keys if packet in (aten.cat, aten.stack) else set()
+        for held, made in ((self._sampled, packet in _SAMPLERS), (self._normalised, func in _SOFTMAX)):
+            follows = made or bool(moved & held)
+            for o in outs:  # an output at an address another tensor had is that tensor no more (held: no copy kept)
+                if isinstance(o, Tensor):
+                    (held.add if follows else held.discard)(_key(o))
+
     def _summed(self, func, args, kwargs, out) -> None:
         """Record a `Sum` where two whole tensors with as many elements as a product made since the last softmax are
         added: what is added to q·k on its way to the softmax (a term of the queries and the positions) is read
@@ -503,9 +524,9 @@ class Observer(Mode):
 
     def _note(self, func, name, packet, args, kwargs, out):
         rec = self.record
-        if packet in _SAMPLERS:
-            rec.samples += 1
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if packet in _SAMPLERS or func in _SOFTMAX or self._sampled or self._normalised:
+            self._lineage(func, packet, args, outs)
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same
             self._keep.append(out)

@@ -525,17 +525,26 @@ def test_an_argument_the_model_passes_is_given_to_each_probe_as_the_model_would_
 
 
 
+class LibraryCrossAttention(QueriesOverPatches):
+    """QueriesOverPatches as a library's attention class (a Hugging Face module's name and place)."""
+
+
+LibraryCrossAttention.__module__ = "transformers.models.toy_detr.modeling_toy_detr"
+
+
 class QueriesOverFewerPatches(TinyDetector):
     """TinyDetector with 4x4 patches, 4 of them (a memory narrower than the width, so that no argument's last
     dimension follows it), and more learned queries (20) than patches, as DETR's 100 queries over a small image's
     memory of 4: probed at the memory's own length, the only one the layer as held surely takes. `bug`: the
     cross-attention with its scale dropped or its softmax over the queries (real bugs, the twins)."""
 
-    def __init__(self, bug: str = ""):
+    def __init__(self, bug: str = "", patch: int = 4, library: bool = False):
         super().__init__()
-        self.patch = nn.Conv2d(3, 16, 4, 4)
-        self.pos = nn.Parameter(torch.randn(4, 16) * 0.1)
+        self.patch = nn.Conv2d(3, 16, patch, patch)
+        self.pos = nn.Parameter(torch.randn((8 // patch) ** 2, 16) * 0.1)
         self.queries = nn.Parameter(torch.randn(1, 20, 16) * 0.1)
+        if library:  # found by its class, whatever its softmax shows
+            self.cross = LibraryCrossAttention()
         self.cross.bug = bug
         self.cross.forward = self._cross
 
@@ -558,3 +567,17 @@ def test_a_cross_attention_with_more_queries_than_its_memory_is_probed_at_the_me
     failed = {f.detector for f in report.findings if f.verdict == "fail" and f.layer == "cross"}
     expected = {"missing_scale": "softmax_saturation", "softmax_wrong_dim": "weight_row_sums"}[bug]
     assert report.status == "failed" and expected in failed, (failed, report)
+
+
+@pytest.mark.parametrize("bug", ["", "softmax_wrong_dim"])
+def test_a_memory_of_one_patch_is_no_held_length_and_the_wrong_axis_still_fails(bug):
+    """One 8 x 8 patch: a memory of 1, which every size-1 dimension matches by chance (a (B, 1, D) position table), the
+    cross-attention a library class (found by its name: a softmax over one key is no attention to observe). Probed at
+    one key, the layer would show nothing (its softmax over the queries included): the probes keep the
+    queries' length, and the bug fails as it did before the memory's length was read."""
+    report = diagnostics.audit_model(QueriesOverFewerPatches(bug, patch=8, library=True), example=PIXELS)
+    if not bug:
+        assert report.status != "failed", report
+        return
+    failed = {f.detector for f in report.findings if f.verdict == "fail" and f.layer == "cross"}
+    assert report.status == "failed" and "weight_row_sums" in failed, (failed, report)

@@ -161,7 +161,7 @@ NORMALISING = frozenset({"_softmax", "_safe_softmax", "logsumexp", "_log_softmax
 TERMS_FIX = ("nothing to declare: the factor of a term added to q·k before the softmax (relative positions, a bias "
              "from the tokens) is not judged, as a term scaled wrong reads the same as a right one; check by hand "
              "that each term is scaled as q·k is (Transformer-XL and XLNet scale their sum; DeBERTa divides each by "
-             "sqrt(d_k x the parts summed)). The weights themselves are judged by weight_row_sums")
+             "sqrt(d_k x the parts summed)). weight_row_sums judges the weights themselves, where it measured them")
 """What to do where softmax_saturation reads q·k's factor right beside terms whose own factors it leaves free: no
 declaration measures them, so the report must not send the user to return weights or use a softmax they already use."""
 PROJECTIONS_FIX = ("nothing to declare: a softmax over a projection of the tokens (a learned query's, a router's, a "
@@ -233,8 +233,8 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     undecided = next((r for r in rows if r.undecided), None)
     if undecided is not None:
         return DetectorResult(det, "skip", f"not measured: {undecided.undecided}", value=undecided.applied,
-                              evidence=evidence, fix="declare the layer's scale, as the message says, to have its "
-                                                     "temperature judged")
+                              evidence=evidence, fix="declare the scale the layer is meant to have (1/sqrt(d_k) unless "
+                                                     "its design states another) to have its temperature judged")
     terms = next((r for r in rows if getattr(r.estimate, "terms", 0)), None)
     if terms is not None:
         # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,

@@ -45,8 +45,10 @@ ONE_TOKEN = "one key: weight 1 whatever the scale, the mask or the softmax's axi
 
 
 def model_status(results, layers, found, *, layers_chosen: bool = True, causal: bool = False,
-                 unaudited: tuple = (), single: tuple = ()) -> tuple[str, str]:
-    """("passed" | "failed" | "inconclusive", why). `single`: the layers the model gives one token, one key."""
+                 unaudited: tuple = (), single: tuple = (), stacks: tuple | None = None) -> tuple[str, str]:
+    """("passed" | "failed" | "inconclusive", why). `single`: the layers the model gives one token, one key.
+    `stacks`: the parts of the model that take its attention layers' sequence alone (`sequence_parts`), where its
+    own input is no sequence; None where that was not looked for."""
     failed = [r.detector for r in results if r.verdict == "fail"]
     failed_layers = [p for p, rep in layers.items() if rep.status == "failed"]
     if failed or failed_layers:
@@ -88,33 +90,55 @@ def model_status(results, layers, found, *, layers_chosen: bool = True, causal: 
         return "inconclusive", f"inconclusive: {', '.join(open_layers)} could not be measured ({first})"
     prefix = next((r for r in results if r.detector == causality.ID), None)
     if causal and prefix is not None and not prefix.measured:
-        stack = _stack(list(layers))
-        todo = (f": audit the part that holds its attention layers on its own, given a sequence, as "
-                f"audit_model(model.{stack}, example=<(B, T, D) embeddings of its width>, causal=True)"
-                if stack and "not a sequence" in prefix.message else "")
+        todo = ""
+        if stacks is not None and "not a sequence" in prefix.message:
+            todo = (": audit the part that holds its attention layers on its own, given a sequence, as " + " and ".join(
+                f"audit_model(model.{p}, example=<(B, T, {d}) embeddings>, causal=True)" for p, d in stacks)
+                    if stacks else ": no part of the model takes its attention layers' sequence alone (a module "
+                                   "called with (B, T, D) embeddings of their width); each layer was audited in place "
+                                   "as causal")
         return "inconclusive", (f"inconclusive: the model is causal, but its causality was not measured "
                                 f"({prefix.message}){todo}")
     return "passed", ""
 
 
-def _stack(paths: list[str]) -> str:
-    """The module that holds every one of these layers above the list they sit in: "encoder_transformer" for
-    "encoder_transformer.layers.0.self_attn" and "encoder_transformer.layers.1.self_attn" (Mimi's, whose waveform input
-    is no sequence, while its transformer's is); "" where they share none (the model itself is the stack)."""
-    parts = [p.split(".") for p in paths]
-    if not parts:
-        return ""
-    common = []
-    for names in zip(*parts):
-        if len(set(names)) > 1:
-            break
-        common.append(names[0])
-    if len(common) == len(parts[0]):  # one layer (or one path): its parent holds it
-        common = common[:-1]
-    # cut before the first name that a list index follows in the layers' paths (the ModuleList)
-    first = parts[0]
-    cut = next((i for i in range(len(common)) if first[i + 1].isdigit()), len(common))
-    return ".".join(common[:cut])
+def sequence_parts(model: nn.Module, runner, wrappers: dict) -> tuple:
+    """((path, width), ...): for each stack of attention layers (the layers under one list: `encoder.layers.0.attn`,
+    `encoder.layers.1.attn`), the outermost module above them, the model excepted, that the model calls with a float
+    (B, T, D) tensor of the layers' width: the part that takes their sequence alone (Mimi's `encoder_transformer`,
+    whose model takes a waveform). Found by one forward of the model on its example with a hook on each candidate;
+    a stack with no such module names none."""
+    groups: dict = {}
+    for p, w in wrappers.items():
+        parts = p.split(".")
+        cut = next((i for i, name in enumerate(parts) if name.isdigit()), len(parts) - 1)
+        groups.setdefault(tuple(parts[:cut]), set()).add(int(w.d_model))
+    named = dict(model.named_modules())
+    above = {g: [".".join(g[:i]) for i in range(1, len(g) + 1) if ".".join(g[:i]) in named] for g in groups}
+    seen: dict = {}
+
+    def hook(path):
+        def pre(module, args, kwargs):
+            x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            seen.setdefault(path, None if x is None else (x.dim(), x.is_floating_point(), int(x.shape[-1])))
+        return pre
+
+    handles = [named[p].register_forward_pre_hook(hook(p), with_kwargs=True) for p in set().union(*above.values())]
+    try:
+        with untouched(model, device_dtype(model)[0]), torch.no_grad():
+            runner(runner.inputs)
+    except Exception:  # noqa: BLE001 -- the advice is the audit's; a model that raises here gets none
+        return ()
+    finally:
+        for h in handles:
+            h.remove()
+    stacks = []
+    for g, widths in groups.items():
+        part = next((p for p in above[g] if seen.get(p) is not None and seen[p][:2] == (3, True)
+                     and seen[p][2] in widths), None)
+        if part is not None and (part, seen[part][2]) not in stacks:
+            stacks.append((part, seen[part][2]))
+    return tuple(stacks)
 
 
 def _one_token(wrapper) -> bool:
@@ -224,7 +248,7 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         if observed.note:
             notes.append(observed.note)
         found = find_attention(model, observed.found, observed.weighs if observed.error is None else None,
-                               not_tokens=observed.not_tokens)
+                               not_tokens=observed.not_tokens, deformable=observed.deformable)
         notes += [f"{p} not audited as attention: {why}" for p, why in observed.not_tokens.items()]
         expect(found or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
                "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
@@ -336,9 +360,12 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         config._attn_implementation = implementation
     results = [r for r in results if r.detector in chosen or r.detector == runs.ID]
     unaudited = tuple(f.path for f in found if f.called and not f.mixer and f.path not in layers)
+    prefix = next((r for r in results if r.detector == causality.ID), None)
+    stacks = sequence_parts(model, runner, wrappers) if causal_ and prefix is not None and not prefix.measured \
+        and "not a sequence" in prefix.message else None
     status, reason = model_status(results, layers, found, layers_chosen=bool(set(DETECTORS) & chosen),
                                   causal=causal_, unaudited=unaudited,
-                                  single=tuple(p for p, w in wrappers.items() if _one_token(w)))
+                                  single=tuple(p for p, w in wrappers.items() if _one_token(w)), stacks=stacks)
     if not T and wrappers:
         T = next(iter(wrappers.values())).block_size  # images: the tokens the attention layers see
     report = ModelReport(model=type(model).__qualname__, status=status, status_reason=reason, causal=causal_,

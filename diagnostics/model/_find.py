@@ -73,6 +73,7 @@ class Observation:
     model_attends: bool = False
     weighs: frozenset = frozenset()  # modules inside which a softmax, fused or flex attention ran (see other_mixer)
     not_tokens: dict = field(default_factory=dict)  # {module path: why} of those that attend between channels
+    deformable: dict = field(default_factory=dict)  # {module path: why} of deformable attention (`ModuleWatch.deformable`)
 
 
 aten = torch.ops.aten
@@ -189,7 +190,7 @@ class ModuleWatch:
 
     def _pre(self, m, args, kwargs):
         record = self.observer.record
-        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex), record.samples))
+        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex), record.weighed_samples))
 
     def _post(self, m, args, kwargs, out):
         if not (self.stack and self.stack[-1][0] is m):
@@ -213,8 +214,8 @@ class ModuleWatch:
         # its bug, is still a softmax the layer meant as its attention); a (T, T) product tells nothing: a chunked
         # delta rule makes one of its decays and keys, as a softmax written with an exponential of its own does
         self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:]) + len(record.softmaxes[s0:])
-        split = [self._over_weight(c, split=True) for c in soft] if record.samples > g0 and not fused else []
-        if split and all(split):  # weights over sampling points, read at points (grid_sample): see `deformable`
+        split = [self._over_weight(c, split=True) for c in soft] if record.weighed_samples > g0 and not fused else []
+        if split and all(split):  # weights over sampling points weighing values read there: see `deformable`
             self.sampled[path] = split[0]
         elif soft or fused:
             self._mixes(path, args, kwargs, soft + fused)
@@ -315,8 +316,8 @@ class ModuleWatch:
         whose right operand is a weight of the model, two-dimensional, that gives the scores that axis: x W, one
         distribution per token over W's output features (an MoE router's experts, a gate's classes), never over
         keys, which come from the tokens (a learned query's scores, q W_k x^T, take their last axis from the tokens'
-        keys). `split`: or over a part of them, W's outputs viewed as (heads, that axis) (deformable attention's
-        weights over each head's sampling points). None otherwise (a fused call, q·k of two activations, no product
+        keys). `split`: over a part of them instead, W's outputs viewed as (heads, that axis), more than one
+        (deformable attention's weights over each head's sampling points). None otherwise (a fused call, q·k of two activations, no product
         found)."""
         if not isinstance(call, SoftmaxCall):
             return None
@@ -326,9 +327,9 @@ class ModuleWatch:
         product = None if i is None else next(
             (m for m in reversed(record.order[:i]) if isinstance(m, (Matmul, Affine))
              and math.prod(_shape(m)) == call.input.numel()), None)
-        width = call.input.shape[-1]
-        if product is None or product.b.dim() != 2 or _shape(product)[-1] != product.b.shape[-1] or not (
-                product.b.shape[-1] == width or (split and width > 1 and product.b.shape[-1] % width == 0)):
+        width, outputs = call.input.shape[-1], product.b.shape[-1] if product is not None else 0
+        if product is None or product.b.dim() != 2 or _shape(product)[-1] != outputs or not (
+                (outputs == width and not split) or (split and 1 < width < outputs and outputs % width == 0)):
             return None
         if _storage(product.b) not in self._model_weights():
             return None
@@ -369,16 +370,19 @@ class ModuleWatch:
                 for p, (_, (scores, weight)) in self.routes.items() if not any(self.mixes.get(p, ()))}
 
     def deformable(self) -> dict:
-        """{path: why} of the modules whose every softmax ran over a weight's outputs, or each head's part of them
-        (`_over_weight`, split), and that read a tensor at points (grid_sample): deformable attention (Deformable DETR's, RT-DETR v2's, D-FINE's), whose
-        weights are over its sampling points, made from each query alone, and whose memory is read where the query's
-        offsets point, bilinearly, not through keys. A library attention class so written is no token attention the
-        layer audit can measure (no (Tq, Tk) weights, no q·k); one whose softmax runs over a weight's outputs and that
-        samples nothing has lost its keys, a finding, and stays audited (`observe_attention`)."""
-        return {p: f"its softmax runs over scores of shape {scores}, made by a product with a {weight[0]} x "
-                   f"{weight[1]} weight of the model from each query alone, and it reads a tensor at points "
+        """{path: why} of the modules whose every softmax ran over each head's part of a weight's outputs (`_over_weight`,
+        split: more outputs than the softmax's axis) and whose weights multiplied values read at points by grid_sample
+        (`Record.weighed_samples`): deformable attention (Deformable DETR's, RT-DETR v2's, D-FINE's), whose weights
+        are over its sampling points, made from each query alone, and whose memory is read where the query's offsets
+        point, bilinearly, not through keys. No token attention the layer audit can measure (no (Tq, Tk) weights, no
+        q·k): a mixer of another kind (`find_attention`), whose parameters the model-level checks still judge
+        (gradient_flow: sampling offsets that move nothing fail there). One whose softmax runs over a weight's outputs
+        and that weighs nothing it sampled (a grid_sample beside it, a softmax over every output at once) stays
+        audited: its keys may be lost, a finding."""
+        return {p: f"its softmax runs over scores of shape {scores}, each head's part of a product with a {weight[0]} x "
+                   f"{weight[1]} weight of the model made from each query alone, and weighs values it read at points "
                    f"(grid_sample): deformable attention, whose weights are over its sampling points, not over keys; "
-                   f"no (Tq, Tk) weights to audit, so the model-level checks watch it"
+                   f"not audited in place as softmax attention (no (Tq, Tk) weights), the model-level checks watch it"
                 for p, (scores, weight) in self.sampled.items() if not any(self.mixes.get(p, ()))}
 
     def __enter__(self):
@@ -477,12 +481,10 @@ def observe_attention(runner: Runner) -> Observation:
     attending = [type(named[p]) for p in found if p not in routers]
     not_tokens.update({p: why for p, why in routers.items() if p in found and not class_kind(named[p])
                        and not any(kin(type(named[p]), c) for c in attending)})
-    # a library class too, where it samples its memory at points: deformable attention, not a lost q·k
-    not_tokens.update({p: why for p, why in watch.deformable().items() if p in found})
     found = {p: how for p, how in found.items() if p not in not_tokens}
     weighs = frozenset(p for p in named if any(counts.get(p, (0, 0))) or watch.flex.get(p))
     return Observation(found, error, raised_in, model_attends=any(counts.get("", (0, 0))), weighs=weighs,
-                       not_tokens=not_tokens)
+                       not_tokens=not_tokens, deformable={p: why for p, why in watch.deformable().items() if p in found})
 
 
 def other_mixer(path: str, named: dict, observed: dict, weighs: frozenset) -> bool:
@@ -518,12 +520,12 @@ def routes_attention(cls: type) -> bool:
 
 
 def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = None, *,
-                   not_tokens: dict | None = None) -> list[FoundModule]:
+                   not_tokens: dict | None = None, deformable: dict | None = None) -> list[FoundModule]:
     """Class-recognised modules (innermost), and observed modules not inside or around one of them; none of
     `not_tokens` (`Observation.not_tokens`: modules that attend between channels). With `weighs` (an observed
     forward's modules in which attention ran), class-recognised modules that are mixers of another kind
-    (`other_mixer`) are marked so."""
-    named, not_tokens = dict(model.named_modules()), not_tokens or {}
+    (`other_mixer`) are marked so, as are `deformable` ones (`Observation.deformable`), class-recognised or not."""
+    named, not_tokens, deformable = dict(model.named_modules()), not_tokens or {}, deformable or {}
     by_class = [p for p in innermost([p for p, m in named.items() if p and class_kind(m)]) if p not in not_tokens]
     found = {p: f"{class_kind(named[p])}" + (f", {observed[p]}" if p in observed else "") for p in by_class}
     mixers = {p for p in by_class if weighs is not None and other_mixer(p, named, observed, weighs)}
@@ -533,6 +535,10 @@ def find_attention(model: nn.Module, observed: dict, weighs: frozenset | None = 
     for p, how in observed.items():
         if not any(p == q or p.startswith(q + ".") or q.startswith(p + ".") for q in by_class):
             found[p] = how
+    for p, why in deformable.items():
+        if p in found and p not in mixers:
+            mixers.add(p)
+            found[p] += f"; {why}"
     # A module in the place attention has in the other blocks (h.1.attn beside h.0.attn and h.2.attn) is audited
     # too, even where nothing it ran looked like attention: a layer without a softmax is a finding, not a skip. Not
     # a module of another kind in that place (a hybrid's Mamba mixer, MoE or MLP in Nemotron-H's `mixer`): only one

@@ -321,7 +321,8 @@ class InPlaceCross(InPlace):
         streams = (self.hidden_name, *self.same_as_hidden, self.memory_name, *self.same_as_memory)
         varies = any(not bool((tensor == tensor[..., :1]).all()) for name, value in self.call_arguments.items()
                      for leaf, tensor in _leaves(value, (name,)) if leaf in self.memory_dims)
-        held = self.fixed_length and any(self.memory_length in tensor.shape[1:-1]
+        # a memory of 1 is in every shape that broadcasts: a chance match, and a probe of one key judges nothing
+        held = self.fixed_length and self.memory_length > 1 and any(self.memory_length in tensor.shape[1:-1]
                                          for name, value in self.call_arguments.items() if name not in streams
                                          for _, tensor in _leaves(value, (name,)))
         return min(self.block_size, self.memory_length) if varies or held else self.block_size
