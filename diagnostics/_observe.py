@@ -50,6 +50,9 @@ _CARRY = _ops(
     # and the steps of a rotary embedding that move or negate values (rotate_half, LLaMA's complex pairs)
     "neg.default", "view_as_complex.default", "view_as_real.default", "index_select.default", "gather.default",
     "roll.default", "flip.default", "narrow.default", "flatten.using_ints", "unflatten.int", "movedim.int",
+    # and the steps of a relative shift (Transformer-XL's pad, Parakeet's), and a mask filled in: the entries kept are
+    # the same numbers (the fits read only entries the softmax gave weight)
+    "constant_pad_nd.default", "masked_fill.Scalar", "masked_fill_.Scalar",
 )
 # Ops that keep a factor their inputs carry when every tensor input carries the same one: with the products by a
 # tensor (below), a rotary embedding applied after q was scaled (x * cos + rotate_half(x) * sin) keeps q's scale.

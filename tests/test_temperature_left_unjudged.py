@@ -80,9 +80,9 @@ def test_the_whole_width_bug_is_not_passed_as_two_products_per_head_and_declarin
     assert not report.passed, str(report)
     _, declared = _temperature(ScaledTerms(D ** -0.5), dtype, INITS[init], scale=d_k ** -0.5)
     assert declared.verdict == "fail" and "too flat" in declared.message, declared
-    # its twin on the same inputs, scaled by 1/sqrt(d_k): not failed, and not called the whole-width bug
+    # its twin on the same inputs, scaled by 1/sqrt(d_k): passed (its position product scaled as q·k is)
     report, right = _temperature(ScaledTerms(d_k ** -0.5), dtype, INITS[init])
-    assert right.verdict == "skip" and "whole-width" not in right.message, right
+    assert right.verdict == "pass" and "whole-width" not in right.message, right
     assert not [f for f in report.findings if f.verdict == "fail"], str(report)
 
 
@@ -102,18 +102,20 @@ def test_a_failures_fix_and_sites_name_the_factor_the_verdict_judged_by():
 @pytest.mark.parametrize("init", list(INITS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_position_term_scaled_wrong_is_not_passed_where_q_k_is_scaled_right(dtype, init):
-    for position in (1.0, 100.0):  # the position term unscaled, or x100: the fit reads its factor as free
+    for position in (1.0, 100.0, -d_k ** -0.5):  # the position term unscaled, x100 or subtracted: each fails
         report, wrong = _temperature(ScaledTerms(d_k ** -0.5, position), dtype, INITS[init])
-        # (in bfloat16 at torch's initialisation, an unscaled term moves q·k's fit to 0.28, 1/sqrt(2 d_k) or the
-        # whole-width bug: not measured either way)
-        assert wrong.verdict == "skip", wrong
+        # (in bfloat16 at torch's initialisation, an unscaled term can move q·k's fit to 0.28, 1/sqrt(2 d_k) or the
+        # whole-width bug: then not measured, the scale to declare named; never passed)
+        assert wrong.verdict == "fail" or (dtype == torch.bfloat16 and "whole-width" in wrong.message), wrong
         assert not report.passed, str(report)
+        if wrong.verdict == "fail" and "relative-position product" in wrong.message:
+            assert "scale every product added to q·k as q·k is" in wrong.fix, wrong.fix
     # the twin with q·k itself unscaled fails on the same inputs: q·k's own factor is still judged
     _, unscaled = _temperature(ScaledTerms(1.0, d_k ** -0.5), dtype, INITS[init])
     assert unscaled.verdict == "fail" and "too sharp" in unscaled.message, unscaled
-    # and the right layer is not failed (nor vouched for: its term's factor is as free)
+    # and the right layer, each product scaled by 1/sqrt(d_k), passes
     report, right = _temperature(ScaledTerms(d_k ** -0.5, d_k ** -0.5), dtype, INITS[init])
-    assert right.verdict == "skip" and not [f for f in report.findings if f.verdict == "fail"], str(report)
+    assert right.verdict == "pass" and not [f for f in report.findings if f.verdict == "fail"], str(report)
 
 
 SLOTS = 3
@@ -174,13 +176,29 @@ def test_q_k_by_hand_counts_as_a_product_and_is_not_called_a_linear_attention():
 RETURN_WEIGHTS = "return the weights as (out, weights)"
 
 
-@pytest.mark.parametrize("layer", ["Transformer-XL", "learned-query pooling", "no attention"])
+class TokenBias(nn.Module):
+    """q·k / sqrt(d_k) plus a bias per key projected from its token by a weight (a learned factor, no dot product of
+    q·k's width): a term beside q·k whose own factor is not judged."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.bias = nn.Linear(D, 3 * D), nn.Linear(D, D), nn.Linear(D, HEADS)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, d_k).permute(2, 0, 3, 1, 4)  # (B, H, T, d_k) each
+        bias = self.bias(x).transpose(1, 2)[:, :, None, :].expand(B, HEADS, T, T)  # (B, H, T, T): key j's own
+        scores = q @ k.transpose(-2, -1) * d_k ** -0.5 + bias
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("layer", ["a bias from the tokens", "learned-query pooling", "no attention"])
 def test_an_unjudged_temperature_says_what_to_do_and_no_weights_seen_asks_for_them(layer):
     """The inconclusive status says what would measure the layer. A temperature no declaration measures (terms beside
     q·k, a softmax over a projection) says "nothing to declare" and what to check by hand, not "return the weights or
     use a softmax" to a layer whose softmax weights were measured (transformers' XLNet, Parakeet, Inkling and MGP-STR
     read so); a layer whose weights were not seen at all is still asked to return them."""
-    subject = {"Transformer-XL": lambda: xl.RelativeShiftAttention(None),
+    subject = {"a bias from the tokens": lambda: TokenBias(),
                "learned-query pooling": lambda: LearnedQueryPool(D ** -0.5, "matmul"),
                "no attention": lambda: nn.Linear(D, D)}[layer]()
     torch.manual_seed(0)
@@ -192,4 +210,18 @@ def test_an_unjudged_temperature_says_what_to_do_and_no_weights_seen_asks_for_th
         return
     assert report.result("weight_row_sums").verdict == "pass", report.result("weight_row_sums")
     assert "Nothing to declare" in reason and RETURN_WEIGHTS not in reason.lower(), reason
-    assert ("relative positions" if layer == "Transformer-XL" else "a parameter of the layer") in reason, reason
+    assert ("relative positions" if layer == "a bias from the tokens" else "a parameter of the layer") in reason, reason
+
+
+@pytest.mark.parametrize("side", [0.9, 1.1], ids=["inside", "outside"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_position_term_is_judged_against_q_k_s_factor_by_the_scale_ratio_from_both_sides(side, dtype):
+    """The pin of the term's bound: a position product at 0.9 x SCALE_RATIO times q·k's factor passes, at 1.1 x it
+    fails (and so at the reciprocals: too flat a term)."""
+    from diagnostics._thresholds import SCALE_RATIO
+    for ratio in (side * SCALE_RATIO, 1 / (side * SCALE_RATIO)):
+        report, result = _temperature(ScaledTerms(d_k ** -0.5, ratio * d_k ** -0.5), dtype, INITS["std 0.02"])
+        expected = "pass" if side < 1 else "fail"
+        assert result.verdict == expected, (ratio, result)
+        if expected == "fail":
+            assert "relative-position product" in result.message and f"{SCALE_RATIO:.2f}" in result.evidence, result

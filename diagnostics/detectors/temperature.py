@@ -164,6 +164,8 @@ TERMS_FIX = ("nothing to declare: the factor of a term added to q·k before the 
              "sqrt(d_k x the parts summed)). weight_row_sums judges the weights themselves, where it measured them")
 """What to do where softmax_saturation reads q·k's factor right beside terms whose own factors it leaves free: no
 declaration measures them, so the report must not send the user to return weights or use a softmax they already use."""
+TERM_SCALE_FIX = ("scale every product added to q·k as q·k is: (q·k + (q + v)·r) * scale, or each of them times the "
+                  "same scale (DeBERTa: c2c, c2p and p2c each divided by sqrt(d_k x the parts summed))")
 PROJECTIONS_FIX = ("nothing to declare: a softmax over a projection of the tokens (a learned query's, a router's, a "
                    "feature map's logits) has no q·k of two activations whose temperature could be judged; if queries "
                    "and keys are both meant to come from the input, check that neither is a parameter of the layer")
@@ -236,7 +238,25 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                               evidence=evidence, fix="declare the scale the layer is meant to have (1/sqrt(d_k) unless "
                                                      "its design states another) to have its temperature judged")
     terms = next((r for r in rows if getattr(r.estimate, "terms", 0)), None)
-    if terms is not None:
+    ratios = getattr(terms.estimate, "term_ratios", ()) if terms is not None else ()
+    if ratios and all(r is not None for r in ratios):
+        # each term a product of q·k's width, read through moves and constant factors (`_observe._term_ratios`): a
+        # dot product like q·k, which reaches the scores with q·k's factor in every such layer (Transformer-XL's
+        # (q + v)·r, DeBERTa's c2p and p2c)
+        worst_term = max(ratios, key=lambda r: math.inf if r <= 0 else _off(r))
+        shown = ", ".join(f"{r:.3g}" for r in ratios)
+        if worst_term <= 0 or _off(worst_term) > math.log(SCALE_RATIO):
+            how = (f"subtracted from q·k (x {worst_term:.3g})" if worst_term < 0 else
+                   f"{worst_term:.3g}x" if worst_term > 1 else f"1/{1 / worst_term:.3g} of") if worst_term else "x 0 of"
+            return result(det, "fail", f"a relative-position product added to q·k before the softmax reaches the "
+                                       f"scores at {how} q·k's factor: the softmax's temperature over positions is "
+                                       f"not the one over content",
+                          value=worst_term, threshold=SCALE_RATIO, replay=base, fix=TERM_SCALE_FIX,
+                          evidence=f"{evidence}; the products added to q·k (relative positions) reach the scores at "
+                                   f"{shown} times q·k's factor (allowed {1 / SCALE_RATIO:.2f} to {SCALE_RATIO:.2f})")
+        evidence += (f"; the {len(ratios)} product{'s' if len(ratios) > 1 else ''} added to q·k (relative positions) "
+                     f"reach the scores at {shown} times q·k's factor")
+    elif terms is not None:
         # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,
         # reads the same as a right one, so the softmax's temperature as a whole is not vouched for
         n = terms.estimate.terms
