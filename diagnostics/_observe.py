@@ -458,9 +458,11 @@ class Observer(Mode):
             source = self._origin.get(_key(first))
         elif (func in _SCALE_BY or func in _DIVIDE_BY) and len(args) > 1:
             a, b = args[0], args[1]
-            if isinstance(a, Tensor) and _constant(b) is not None and a.numel() > 1:
+            # a constant, not a learned one (a gate's parameter: its factor is the model's to learn, not a scale)
+            if isinstance(a, Tensor) and _constant(b) is not None and a.numel() > 1 and not _learned(b):
                 source = self._origin.get(_key(a))
-            elif func in _SCALE_BY and isinstance(b, Tensor) and _constant(a) is not None and b.numel() > 1:
+            elif func in _SCALE_BY and isinstance(b, Tensor) and _constant(a) is not None and b.numel() > 1 \
+                    and not _learned(a):
                 source = self._origin.get(_key(b))
         elif func.overloadpacket in _SUMS and len(args) > 1 and _constant(args[1]) == 0.0 and isinstance(first, Tensor):
             source = self._origin.get(_key(first))  # x + 0: `score = 0; score += c2p / scale` (DeBERTa's)
@@ -615,6 +617,11 @@ class Observer(Mode):
             for o in outs:
                 if isinstance(o, Tensor):
                     self._set_factor(o, None if near is not None else 1.0, (near or 0) + 1)
+
+
+def _learned(x) -> bool:
+    """A tensor that requires grad: a parameter of the layer, or computed from one."""
+    return isinstance(x, Tensor) and x.requires_grad
 
 
 def _row_constant(a, b) -> bool:
@@ -940,9 +947,65 @@ def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves
     ratios = []
     for c, parts in zip(every, leaves):
         for leaf in parts:
-            judged = c is not None and leaf is not None and leaf[0].a.shape[-1] == m.a.shape[-1] and leaf[0].b.dim() > 2
+            judged = c is not None and leaf is not None and _position_product(leaf[0], m)
             ratios.append(c * leaf[1] * leaf[0].factor / qk if judged else None)
     return tuple(ratios)
+
+
+def _position_product(p: Matmul, m: Matmul) -> bool:
+    """Whether the product `p` is one of q·k's queries (or keys) with positions: one operand q·k's left one (or its
+    right one's rows), up to a factor and a term the same in both batch halves ((q + v) against q·k's (q + u)), the
+    other the same in both batch halves (made from the positions alone, no token). Transformer-XL's (q + v)·r,
+    DeBERTa's c2p (q against its position keys) and p2c (k against its position queries) are; a bias of each key
+    (k·w), a product of the tokens with a weight, or q·k's operands read twice (a typo that reads k for r) are not."""
+    # the probe's batch of 2 is the products' first axis, batch-major (B*H) or heads-first (H*B: einsum may fold
+    # (heads, batch)), the same way for both products of one layer
+    for mixed in (False, True):
+        for side, other in ((p.a, p.b), (p.b.transpose(-1, -2), p.a.transpose(-1, -2))):
+            if other.dim() < 2 or not _same_halves(other, mixed):
+                continue
+            if any(side.shape == x.shape and _reads(side, x, mixed) for x in (m.a, m.b.transpose(-1, -2))):
+                return True
+    return False
+
+
+def _halves(x: Tensor, mixed: bool = False) -> tuple[Tensor, Tensor]:
+    """x's two batch halves, flattened: its first and second half, or (`mixed`) its first axis's even and odd rows."""
+    x = x.detach().double()
+    if mixed:
+        if x.dim() < 1 or x.shape[0] % 2:
+            return x.new_zeros(0), x.new_zeros(0)
+        x = x.reshape(x.shape[0] // 2, 2, -1)
+        return x[:, 0].reshape(-1), x[:, 1].reshape(-1)
+    flat = x.reshape(-1)
+    half = flat.numel() // 2
+    return flat[:half], flat[half:2 * half]
+
+
+def _tolerance(x: Tensor) -> float:
+    """Rounding of x's dtype at its largest magnitude, times 8: what two equal computations may differ by."""
+    return 8 * torch.finfo(x.dtype).eps * float(x.detach().abs().max().double()) if x.is_floating_point() else 0.0
+
+
+def _same_halves(x: Tensor, mixed: bool = False) -> bool:
+    """Whether x is the same in both batch halves (to its dtype's rounding): made without the tokens."""
+    a, b = _halves(x, mixed)
+    return a.numel() > 0 and float((a - b).abs().max()) <= _tolerance(x)
+
+
+def _reads(x: Tensor, y: Tensor, mixed: bool = False) -> bool:
+    """Whether x = lam * y + c, lam != 0 and c the same in both batch halves: x is y, scaled, with a bias of its own."""
+    (x0, x1), (y0, y1) = _halves(x, mixed), _halves(y, mixed)
+    if x0.numel() == 0:
+        return False
+    dx, dy = x0 - x1, y0 - y1
+    if float(dy.norm()) == 0.0 or float(dx.norm()) == 0.0:
+        return False
+    lam = float((dx * dy).sum() / (dy * dy).sum())
+    # the rest within 1% of x's differences, or within both dtypes' rounding (bfloat16's q + v, v far larger than q at
+    # std-0.02 initialisation, rounds by more than q's differences)
+    rest = float((dx - lam * dy).abs().max())
+    return lam != 0.0 and (rest <= 1e-2 * float(dx.abs().max()) or rest <= 2 * (_tolerance(x) + abs(lam) * _tolerance(y)))
 
 
 def _fit_decomposed(scores: Tensor, products: Tensor, between: list) -> tuple[float, float] | None:
