@@ -957,12 +957,14 @@ def _position_product(p: Matmul, m: Matmul) -> bool:
     right one's rows), up to a factor and a term the same in both batch halves ((q + v) against q·k's (q + u)), the
     other the same in both batch halves (made from the positions alone, no token). Transformer-XL's (q + v)·r,
     DeBERTa's c2p (q against its position keys) and p2c (k against its position queries) are; a bias of each key
-    (k·w), a product of the tokens with a weight, or q·k's operands read twice (a typo that reads k for r) are not."""
+    (k·w, one column), a product of the tokens with a weight, or q·k's operands read twice (a typo that reads k for
+    r) are not."""
     # the probe's batch of 2 is the products' first axis, batch-major (B*H) or heads-first (H*B: einsum may fold
     # (heads, batch)), the same way for both products of one layer
     for mixed in (False, True):
         for side, other in ((p.a, p.b), (p.b.transpose(-1, -2), p.a.transpose(-1, -2))):
-            if other.dim() < 2 or not _same_halves(other, mixed):
+            # positions: a table over distances (more than one column), not one vector per head (a key bias, k·w)
+            if other.dim() < 2 or other.shape[-1] < 2 or not _same_halves(other, mixed):
                 continue
             if any(side.shape == x.shape and _reads(side, x, mixed) for x in (m.a, m.b.transpose(-1, -2))):
                 return True

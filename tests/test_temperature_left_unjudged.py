@@ -231,12 +231,14 @@ class TermDesigns(xl.RelativeShiftAttention):
     """Transformer-XL variants a review built: `design` "typo" (the position product reads the keys instead of the
     positions: q·k counted twice, shifted, a bug), "gate" (the position term times a learned scalar, 0.1: its factor is
     learned), "keys scaled" (q·k's keys times 1.89, the position keys not: Gemma's audio attention), "unscaled term"
-    (q scaled before q·k only, the position term from the unscaled q: SAM's decomposed terms, in one dimension)."""
+    (q scaled before q·k only, the position term from the unscaled q: SAM's decomposed terms, in one dimension), "key
+    bias" (a logit of each key, k·w with w a vector of the layer's per head, in place of the position term)."""
 
     def __init__(self, design: str):
         super().__init__()
         self.design = design
         self.gate = nn.Parameter(torch.tensor(0.1))
+        self.w = nn.Parameter(torch.randn(HEADS, d_k, 1))
 
     def forward(self, x):
         B, T, _ = x.shape  # batch, sequence length, d_model
@@ -253,11 +255,13 @@ class TermDesigns(xl.RelativeShiftAttention):
         else:
             content = q @ k.transpose(-2, -1) * s
         position = xl.relative_shift(q @ r)  # (B, H, T, T)
+        if self.design == "key bias":  # (B, H, T, 1) -> each key's own logit, (B, H, T, T)
+            position = (k @ self.w).transpose(-2, -1).expand(B, HEADS, T, T)
         position = position * (self.gate if self.design == "gate" else 1.0 if self.design == "unscaled term" else s)
         return self.out(((content + position).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
 
 
-@pytest.mark.parametrize("design", ["typo", "gate", "keys scaled", "unscaled term"])
+@pytest.mark.parametrize("design", ["typo", "gate", "keys scaled", "unscaled term", "key bias"])
 def test_terms_scaled_otherwise_by_design_are_not_failed_and_a_typo_is_not_passed(design):
     """Only a position product of q·k's own queries (or keys) with tokens-free positions, at q·k's factor, is vouched
     for: a learned gate, keys scaled apart, or an unscaled term beside a pre-scaled q are designs (not failed); the
@@ -266,3 +270,5 @@ def test_terms_scaled_otherwise_by_design_are_not_failed_and_a_typo_is_not_passe
     report, result = _temperature(TermDesigns(design), **({"scale": scale} if scale else {}))
     assert result.verdict == "skip", result
     assert not [f for f in report.findings if f.verdict == "fail" and f.detector == "softmax_saturation"], str(report)
+    if design == "key bias":  # no table over positions: not called a relative-position product
+        assert "relative-position product" not in result.message, result
