@@ -157,6 +157,32 @@ def _exponents_over(probe: Probe) -> str | None:
 
 NORMALISING = frozenset({"_softmax", "_safe_softmax", "logsumexp", "_log_softmax"})
 
+SOFTMAX_IS_WEIGHTS = 2e-2
+"""How close (largest difference of one weight) a row of the weights read through the values must come to a row of a
+softmax's output for that softmax to be the weights (attention pooling's, a token learner's), where every softmax
+normalises a projection: read weights rebuild the output within ROW_SUM (bfloat16 1.35e-2, float32 2.7e-7); a linear
+attention's weights, a product of its feature maps, are no softmax's rows."""
+
+
+def _a_softmax_is(record, weights: Tensor) -> bool:
+    """Whether some softmax of the record, read along any axis pair of its output that has the weights' (Tq, Tk)
+    shape (or (Tk, Tq)), holds the weights' rows: a softmax whose output is the weights has a temperature of a q·k's
+    (learned queries against the keys), a linear attention's feature maps do not."""
+    if record is None:
+        return True  # nothing seen: nothing excused
+    Tq, Tk = weights.shape[-2:]
+    rows = weights.detach().double().reshape(-1, Tk)[:ENTROPY_ROWS]
+    for sm in record.softmaxes:
+        out = sm.output.detach().double()
+        for view in (out, out.transpose(-1, -2)):
+            if view.dim() < 2 or tuple(view.shape[-2:]) != (Tq, Tk):
+                continue
+            theirs = view.reshape(-1, Tk)
+            nearest = (rows[:, None, :] - theirs[None, :, :]).abs().amax(-1).amin(-1)
+            if bool((nearest <= SOFTMAX_IS_WEIGHTS).all()):
+                return True
+    return False
+
 
 TERMS_FIX = ("nothing to declare: the factor of a term added to q·k before the softmax (relative positions, a bias "
              "from the tokens) is not judged, as a term scaled wrong reads the same as a right one; check by hand "
@@ -201,6 +227,12 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                   f"and no fused attention call: the weights ({source}) are a kernel's (linear "
                                   f"attention), which has no temperature; weight_row_sums judges them")
     if over == "projections":
+        weights, source = probe.recovered_weights()
+        if weights is not None and not _a_softmax_is(base.record, weights):
+            return DetectorResult(det, "skip", NOT_APPLICABLE + f"the weights ({source}) are no softmax's output: "
+                                  f"each softmax normalises a projection of the tokens on its own (a linear attention's "
+                                  f"feature maps: q over its features, k over the tokens) and the weights are a kernel "
+                                  f"made of them, which has no q·k temperature; weight_row_sums judges them")
         return replace(skip(det, "every softmax normalises a projection of the tokens, made through the "
                     "layer's own weights with no product of two activations: a linear attention's feature map, a token "
                     "learner's or a router's logits, or attention pooling whose queries are parameters of the layer "
