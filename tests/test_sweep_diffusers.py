@@ -69,6 +69,42 @@ def test_the_replacement_is_undone_after_use():
     assert F.scaled_dot_product_attention is before
 
 
+class OwnCausal(torch.nn.Module):
+    """A layer that takes no mask and passes `is_causal` to SDPA itself, as MiniMax-H3's audio attention and MiniMax
+    Music 3's depth decoder do (`causal=False`: the same layer attending both ways)."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads, self.causal = 32, 4, causal
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # looked up at the call: the sweep's
+        return self.out(y.transpose(1, 2).reshape(B, T, 32))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["masks the future itself", "attends both ways"])
+def test_a_layer_that_masks_the_future_itself_is_audited_as_causal_as_its_report_says(causal):
+    """Its zero-config report passes with `undeclared_causality`'s hint to audit it as causal (causal=True); the sweep
+    follows it as a user would, so the causal mask dropped (`mask_ignored`: is_causal never applied) is measured
+    against that promise and caught; before, both MiniMax rows counted it missed. The layer attending both ways gets
+    no hint, no declaration, and no mask bug (nothing reached SDPA to break)."""
+    import sweep
+
+    row = sd.run(sweep.Row("own causal"), bugs=True, injected=BUGS, mask_bugs=("mask_ignored", "mask_after_softmax"),
+                 build=lambda name: OwnCausal(causal))
+    assert row.verdict == "passed", row
+    assert row.declared == ("causal=True: passed" if causal else ""), row
+    assert row.bugs["missing_scale"] == "caught", row
+    if causal:
+        assert row.bugs["mask_ignored"] == "caught" and row.bugs["mask_after_softmax"] == "caught", row
+    else:
+        assert row.bugs["mask_ignored"].startswith("not applicable"), row
+
+
 # ---- the plain scripts behind KNOWN (diffusers, no diagnostics) ---------------------------------------------------
 
 
