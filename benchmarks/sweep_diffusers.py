@@ -529,10 +529,10 @@ def _declared(report) -> dict:
 
 class _Routed:
     """torch's SDPA replaced, while in use, by `_attend` with `kind` broken ("reference": nothing broken); counts
-    its calls and those given a mask or is_causal. Only in the sweep's forked child."""
+    its calls and those given a mask or is_causal, and keeps the scales given. Only in the sweep's forked child."""
 
     def __init__(self, kind: str):
-        self.kind, self.calls, self.masked = kind, 0, 0
+        self.kind, self.calls, self.masked, self.scales = kind, 0, 0, []
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False):
@@ -541,6 +541,7 @@ class _Routed:
 
         self.calls += 1
         self.masked += attn_mask is not None or bool(is_causal)
+        self.scales.append(scale)  # None: SDPA's own 1/sqrt(d)
         flat = query.dim() == 3  # (B*H, T, d): one head a row
         if flat:
             query, key, value = query[:, None], key[:, None], value[:, None]
@@ -594,6 +595,9 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -
     for bug in injected:
         if bug in mask_bugs and not routed.masked:
             row.bugs[bug] = "not applicable: no call reached SDPA with a mask or is_causal"
+            continue
+        if bug == "missing_scale" and all(scale == 1.0 for scale in routed.scales):  # nViT: q and k scaled before
+            row.bugs[bug] = "not applicable: the layer scales q and k itself and hands SDPA a scale of 1, nothing to drop"
             continue
         with _Routed(bug):
             try:

@@ -71,18 +71,22 @@ def test_the_replacement_is_undone_after_use():
 
 class OwnCausal(torch.nn.Module):
     """A layer that takes no mask and passes `is_causal` to SDPA itself, as MiniMax-H3's audio attention and MiniMax
-    Music 3's depth decoder do (`causal=False`: the same layer attending both ways)."""
+    Music 3's depth decoder do (`causal=False`: the same layer attending both ways); `scales_q`: it scales q itself and
+    hands SDPA a scale of 1, as vit-pytorch's nViT does."""
 
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, scales_q: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.d_model, self.num_heads, self.causal = 32, 4, causal
+        self.d_model, self.num_heads, self.causal, self.scales_q = 32, 4, causal, scales_q
         self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
 
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # looked up at the call: the sweep's
+        if self.scales_q:  # nViT's way: the scale applied to q itself, SDPA handed a scale of 1
+            y = F.scaled_dot_product_attention(q * 8 ** -0.5, k, v, is_causal=self.causal, scale=1.0)
+        else:  # looked up at the call: the sweep's
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.out(y.transpose(1, 2).reshape(B, T, 32))
 
 
@@ -336,3 +340,17 @@ def test_a_fixed_slice_of_the_sweep_passes_fails_as_known_and_catches_the_bugs()
     assert wan.verdict == "passed" and wan.bugs == dict.fromkeys(SWEEP_BUGS, "caught"), wan
     sdpa = rows["Attention+AttnProcessor2_0"].bugs
     assert all(sdpa[b] == "caught" for b in SWEEP_BUGS), sdpa
+
+
+@pytest.mark.parametrize("scales_q", [True, False], ids=["hands SDPA a scale of 1", "leaves SDPA its own"])
+def test_a_missing_scale_is_injected_only_where_sdpa_is_handed_one_to_drop(scales_q):
+    """A layer that scales q itself and calls SDPA with scale=1 computes the same attention with the sweep's missing
+    scale (scale 1) as without: nothing to drop, so not applicable (vit-pytorch's nViT counted it missed); the same
+    layer leaving SDPA its own 1/sqrt(d) has it caught."""
+    import sweep
+
+    row = sd.run(sweep.Row("own scale"), bugs=True, injected=("missing_scale",), mask_bugs=(),
+                 build=lambda name: OwnCausal(False, scales_q=scales_q))
+    assert row.verdict == "passed", row
+    assert row.bugs["missing_scale"] == ("not applicable: the layer scales q and k itself and hands SDPA a scale of 1, "
+                                         "nothing to drop" if scales_q else "caught"), row
