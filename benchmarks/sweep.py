@@ -17,8 +17,8 @@ finding with a layer names that one. A mask bug (`MASK_BUGS`) is not applicable 
 `timm`: every architecture of timm's `list_models()` whose module defines or imports an attention class (an
 nn.Module named *Attention: read from the source, nothing built to filter), each built with pretrained=False at
 the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way;
-one whose built modules hold no timm attention class is a row "no attention", not counted. No bug is injected
-in timm models yet (no interface like transformers' to route one layer through).
+one whose built modules hold no timm attention class is a row "no attention", not counted. Bugs are injected into
+one layer (as for transformers) through torch's SDPA called inside that layer's forward (`inject_timm`).
 
 `diffusers`: its attention layers, the layer audit (`diagnostics.audit`): every processor of attention_processor on
 its Attention and every *Attention class of diffusers.models; bugs through torch's SDPA (benchmarks/sweep_diffusers.py).
@@ -552,7 +552,9 @@ def located(report) -> set:
     return {(f.layer, f.detector) for f in report.findings}
 
 
-def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> None:
+def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | None = None):
+    """The model's zero-config audit into the row (and transformers' bugs injected where `bugs`); the report, or None
+    where the audit answered a usage error."""
     import diagnostics
     from diagnostics import AuditUsageError
 
@@ -560,7 +562,7 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
         report = diagnostics.audit_model(model)
     except AuditUsageError as exc:
         row.judged("usage error", str(exc))
-        return
+        return None
     row.judged(report.status, report.status_reason)
     row.causal = f"{report.causal} ({report.causal_source})"[:200]
     row.findings = sorted(f"{d}@{layer}" if layer else d for layer, d in located(report))
@@ -569,16 +571,27 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
         if own is not None:
             row.own_weights[path] = own.verdict + ("" if own.verdict == "pass" else ": " + own.message[:160])
     if not bugs or report.status != "passed" or not report.layers:
-        return
+        return report
     if not getattr(type(model), "_supports_attention_backend", False):
-        return
+        return report
+    inject_transformers(row, report, device=device, dtype=dtype)
+    return report
+
+
+def injected_at(report) -> str:
+    """The layer a sweep breaks: the second the audit measured, else the first."""
+    paths = list(report.layers)
+    return paths[1] if len(paths) > 1 else paths[0]
+
+
+def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | None = None) -> None:
+    import diagnostics
     from test_model_audit import bug_attention, register_attention
 
     register_attention("sweep_bugs", bug_attention)
     padding = report.result("padding_invariance")
     masked = report.causal or (padding is not None and padding.verdict != "skip")  # else a mask bug changes nothing
-    paths = list(report.layers)
-    path = paths[1] if len(paths) > 1 else paths[0]
+    path = injected_at(report)
     for bug in ("reference", *BUGS):
         if bug in MASK_BUGS and not masked:
             row.bugs[bug] = "not applicable: no mask (not causal, no padding mask)"
@@ -612,22 +625,28 @@ def audit_row(row: Row, model, *, bugs: bool, device: str = "cpu", dtype: str | 
             reference = rep
             given = getattr(target, "_test_scaling", None)  # the scale the layer handed its attention function
             continue
-        # where the bug shows: findings neither the correct model's audit nor the reference's had (a warning it had
-        # already, a leak through a mixer beside the attention, is no finding of the bug's); the reference is the
-        # same attention function at the same length: CLIP's text layers, causal by their own mask, warn so at every
-        # layer through it, not through SDPA's is_causal
-        before = {(f.layer, f.detector, f.verdict) for f in (*report.findings, *reference.findings)}
-        new = [f for f in rep.findings if (f.layer, f.detector, f.verdict) not in before]
-        at = {f.layer for f in new if f.verdict == "fail"}  # where the failure points: the bug's verdict
-        warned = sorted({f.layer for f in new if f.verdict != "fail" and f.layer not in (path, None)})
-        if rep.status != "failed":
-            row.bugs[bug] = f"missed ({rep.status})"
-        elif path in at and at <= {path, None}:
-            # a warning elsewhere is no verdict, but said: CLIP's text layer 0, causal by its own mask, warns so where
-            # the bug at layer 1 leaves the model non-causal and layer 0 is no longer audited as causal
-            row.bugs[bug] = "caught" + (f"; a warning also at {', '.join(warned)[:100]}" if warned else "")
-        else:
-            row.bugs[bug] = "elsewhere: " + ", ".join(sorted(str(a) for a in at))[:120]
+        row.bugs[bug] = where_caught(rep, report, reference, path)
+
+
+def where_caught(rep, report, reference, path: str) -> str:
+    """The row's word for a model audit `rep` with a bug injected at the layer `path`, against the correct model's
+    audit `report` and the reference's (the injected attention with nothing broken): "caught" where it failed and every
+    new failing finding with a layer names `path`, "elsewhere: ..." where one names another, "missed (status)"."""
+    # where the bug shows: findings neither the correct model's audit nor the reference's had (a warning it had
+    # already, a leak through a mixer beside the attention, is no finding of the bug's); the reference is the
+    # same attention function at the same length: CLIP's text layers, causal by their own mask, warn so at every
+    # layer through it, not through SDPA's is_causal
+    before = {(f.layer, f.detector, f.verdict) for f in (*report.findings, *reference.findings)}
+    new = [f for f in rep.findings if (f.layer, f.detector, f.verdict) not in before]
+    at = {f.layer for f in new if f.verdict == "fail"}  # where the failure points: the bug's verdict
+    warned = sorted({f.layer for f in new if f.verdict != "fail" and f.layer not in (path, None)})
+    if rep.status != "failed":
+        return f"missed ({rep.status})"
+    if path in at and at <= {path, None}:
+        # a warning elsewhere is no verdict, but said: CLIP's text layer 0, causal by its own mask, warns so where
+        # the bug at layer 1 leaves the model non-causal and layer 0 is no longer audited as causal
+        return "caught" + (f"; a warning also at {', '.join(warned)[:100]}" if warned else "")
+    return "elsewhere: " + ", ".join(sorted(str(a) for a in at))[:120]
 
 
 def run_transformers(model_type: str, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> Row:
@@ -788,11 +807,94 @@ def run_timm(name: str, *, bugs: bool, device: str = "cpu", dtype: str | None = 
         return row
     row.built = True
     try:
-        audit_row(row, model, bugs=bugs)  # bugs: injected only through transformers' AttentionInterface
+        report = audit_row(row, model, bugs=False)
+        if bugs and report is not None and report.status == "passed" and report.layers:
+            inject_timm(row, report, lambda: placed(timm_build(name), device=device, dtype=dtype))
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
     return row
+
+
+class _Within:
+    """torch's SDPA replaced, while in use, by the sweep's attention with `kind` broken (sweep_diffusers._Routed) for
+    the calls made inside the forward of the module `target`, and torch's own for every other call: one layer of a
+    model broken, whatever its class. The hooks that mark the target's forward are functions over one shared count, so
+    that a copy of the layer the audit makes (its float64 copy) is broken too."""
+
+    def __init__(self, target, kind: str):
+        from sweep_diffusers import _Routed
+
+        self.routed, self.target, self.inside = _Routed(kind), target, [0]
+
+    def __call__(self, *args, **kwargs):
+        return (self.routed if self.inside[0] else self.saved)(*args, **kwargs)
+
+    def __enter__(self):
+        import torch
+
+        inside = self.inside
+
+        def enter(module, args):
+            inside[0] += 1
+
+        def leave(module, args, output):
+            inside[0] -= 1
+
+        self.hooks = [self.target.register_forward_pre_hook(enter),
+                      self.target.register_forward_hook(leave, always_call=True)]
+        self.saved = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.nn.functional.scaled_dot_product_attention = self.saved
+        for hook in self.hooks:
+            hook.remove()
+
+
+def inject_timm(row: Row, report, build) -> None:
+    """`BUGS` in one layer of a timm model whose correct audit passed (`injected_at`), through torch's SDPA called
+    inside that layer's forward (`_Within`; a timm attention class with `fused_attn` is set to call it): each audit of a
+    fresh build (`build()`), judged as transformers' are (`where_caught`). A layer that calls no SDPA is not broken; a
+    mask bug where no call inside it was given a mask or is_causal, and a missing scale where every call was handed a
+    scale of 1, change nothing and are not applicable."""
+    import diagnostics
+
+    path = injected_at(report)
+    reference, masked, scales = None, True, [None]  # read from the reference's calls before any bug
+    for bug in ("reference", *BUGS):
+        if bug in MASK_BUGS and not masked:
+            row.bugs[bug] = "not applicable: no call inside the layer was given a mask or is_causal"
+            continue
+        if bug == "missing_scale" and all(scale == 1.0 for scale in scales):
+            row.bugs[bug] = "not applicable: the layer scales q itself and hands SDPA a scale of 1, nothing to drop"
+            continue
+        model = build()
+        target = dict(model.named_modules()).get(path)
+        if target is None:
+            row.bugs[bug] = "no such layer"
+            continue
+        if hasattr(target, "fused_attn"):
+            target.fused_attn = True  # timm's switch between SDPA and its own softmax
+        with _Within(target, bug) as within:
+            try:
+                rep = diagnostics.audit_model(model)
+            except Exception as exc:
+                row.bugs[bug] = f"raised {type(exc).__name__}"
+                continue
+        if bug == "reference":
+            if not within.routed.calls:
+                row.why += f"; no bug injected: {path} calls no scaled_dot_product_attention"
+                return
+            if rep.status != "passed":
+                row.bugs[bug] = f"reference {rep.status}: {rep.status_reason[:120]}"
+                return
+            reference, masked, scales = rep, within.routed.masked, within.routed.scales
+            continue
+        row.bugs[bug] = where_caught(rep, report, reference, path)
 
 
 # ---- diffusers: every attention class and processor, the layer audit (benchmarks/sweep_diffusers.py) ------------

@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+
+import diagnostics
 
 SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
 
@@ -899,3 +903,59 @@ def test_clvp_raises_inside_its_attention_where_its_heads_are_narrower_than_its_
     else:
         raised = False
     assert raised is known
+
+
+# ---- bugs injected into one layer through the SDPA its forward calls (timm's models: `inject_timm`) ---------------
+
+
+class _Block(torch.nn.Module):
+    """A timm-style attention block: `fused_attn` switches between torch's SDPA (looked up at the call) and a softmax
+    of its own; `calls_sdpa=False`: a layer with no SDPA path at all."""
+
+    def __init__(self, calls_sdpa: bool):
+        super().__init__()
+        self.calls_sdpa, self.fused_attn = calls_sdpa, False  # the manual path by default: the sweep switches it
+        self.norm, self.qkv, self.proj = torch.nn.LayerNorm(32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        if self.calls_sdpa and self.fused_attn:
+            y = F.scaled_dot_product_attention(q, k, v)  # looked up at the call, where the sweep replaced it
+        else:
+            y = ((q @ k.transpose(-2, -1)) * 8 ** -0.5).softmax(-1) @ v
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, 32))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, calls_sdpa: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50)
+        self.blocks = torch.nn.ModuleList(_Block(calls_sdpa) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("calls_sdpa", [True, False], ids=["calls SDPA", "no SDPA path"])
+def test_timms_bugs_break_one_layer_through_the_sdpa_it_calls_and_are_caught_there(calls_sdpa):
+    """The correct model passes; each bug, applied only to the calls made inside blocks.1 (its `fused_attn` switched on,
+    as timm's classes have it), is caught there and nowhere else; the mask bugs are not applicable (no call in it is
+    given a mask). A layer with no SDPA path is not broken, and the row says so."""
+    sweep = _sweep()
+    report = diagnostics.audit_model(_Net(calls_sdpa))
+    assert report.status == "passed" and list(report.layers) == ["blocks.0", "blocks.1"], str(report)
+    row = sweep.Row("net")
+    before = torch.nn.functional.scaled_dot_product_attention
+    sweep.inject_timm(row, report, lambda: _Net(calls_sdpa))
+    assert torch.nn.functional.scaled_dot_product_attention is before  # put back
+    if not calls_sdpa:
+        assert row.bugs == {} and "no bug injected: blocks.1 calls no scaled_dot_product_attention" in row.why, row
+        return
+    assert row.bugs == {"missing_scale": "caught", "softmax_wrong_dim": "caught",
+                        "mask_ignored": "not applicable: no call inside the layer was given a mask or is_causal",
+                        "mask_after_softmax": "not applicable: no call inside the layer was given a mask or is_causal"}, row
