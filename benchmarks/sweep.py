@@ -859,15 +859,18 @@ def inject_timm(row: Row, report, build) -> None:
     """`BUGS` in one layer of a timm model whose correct audit passed (`injected_at`), through torch's SDPA called
     inside that layer's forward (`_Within`; a timm attention class with `fused_attn` is set to call it): each audit of a
     fresh build (`build()`), judged as transformers' are (`where_caught`). A layer that calls no SDPA is not broken; a
-    mask bug where no call inside it was given a mask or is_causal, and a missing scale where every call was handed a
-    scale of 1, change nothing and are not applicable."""
+    mask bug where no call inside it was given a mask that blocks a key or is_causal (BEiT's relative position bias,
+    handed to SDPA as a float attn_mask, blocks nothing: dropping it drops positions, not a mask), and a missing scale
+    where every call was handed a scale of 1, are not applicable."""
     import diagnostics
 
     path = injected_at(report)
+    from sweep_diffusers import NO_MASK
+
     reference, masked, scales = None, True, [None]  # read from the reference's calls before any bug
     for bug in ("reference", *BUGS):
         if bug in MASK_BUGS and not masked:
-            row.bugs[bug] = "not applicable: no call inside the layer was given a mask or is_causal"
+            row.bugs[bug] = NO_MASK
             continue
         if bug == "missing_scale" and all(scale == 1.0 for scale in scales):
             row.bugs[bug] = "not applicable: the layer scales q itself and hands SDPA a scale of 1, nothing to drop"

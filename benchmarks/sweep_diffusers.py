@@ -30,7 +30,7 @@ diffusers' `attention_dispatch`, which calls `torch.nn.functional.scaled_dot_pro
 in the sweep's forked child it is replaced by `_attend` of tests/test_model_audit.py, the explicit attention the
 transformers sweep injects with, first with nothing broken ("reference": the audit must still pass, and the
 replacement must have been called, else no bug is judged), then with each of the sweep's `BUGS`. A layer is one
-layer, so caught is the audit failing. A mask bug is not applicable where no call reached SDPA with a mask.
+layer, so caught is the audit failing. A mask bug is not applicable where no call reached SDPA with a mask that blocks a key, or is_causal.
 
 `KNOWN`: failures confirmed outside the audit by a plain script (tests/test_sweep_diffusers.py), each with its reason
 and source line.
@@ -527,9 +527,17 @@ def _declared(report) -> dict:
             if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
 
 
+NO_MASK = "not applicable: no call reached SDPA with a mask that blocks a key, or is_causal"
+BLOCKS = -50.0
+"""An additive mask's entry at or below this blocks its key: exp(-50) < 2e-22, far under float32's resolution of a weight
+beside 1 (Swin's shifted-window mask writes -100, others -10000, the dtype's minimum or -inf); above it, a bias (BEiT's
+and Swin's relative position bias, handed to SDPA as attn_mask, are a few units)."""
+
+
 class _Routed:
     """torch's SDPA replaced, while in use, by `_attend` with `kind` broken ("reference": nothing broken); counts
-    its calls and those given a mask or is_causal, and keeps the scales given. Only in the sweep's forked child."""
+    its calls and those given a mask that blocks a key or is_causal, and keeps the scales given. Only in the sweep's
+    forked child."""
 
     def __init__(self, kind: str):
         self.kind, self.calls, self.masked, self.scales = kind, 0, 0, []
@@ -540,7 +548,11 @@ class _Routed:
         from test_model_audit import _attend
 
         self.calls += 1
-        self.masked += attn_mask is not None or bool(is_causal)
+        # a mask that blocks a key (a False, a very negative entry, or is_causal): a float mask of finite biases only
+        # (BEiT's and Swin's relative position bias handed to SDPA as attn_mask) blocks nothing, and a mask bug there
+        # would only drop or move a position bias
+        self.masked += bool(is_causal) or attn_mask is not None and bool(
+            (~attn_mask).any() if attn_mask.dtype == torch.bool else (attn_mask <= BLOCKS).any())
         self.scales.append(scale)  # None: SDPA's own 1/sqrt(d)
         flat = query.dim() == 3  # (B*H, T, d): one head a row
         if flat:
@@ -553,8 +565,8 @@ class _Routed:
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
                 allowed = attn_mask
-            else:  # additive: a blocked entry is very negative (-inf, the dtype's minimum, -10000)
-                allowed = attn_mask > -1e4 / 2
+            else:  # additive: a blocked entry is very negative (-inf, the dtype's minimum, -10000, Swin's -100)
+                allowed = attn_mask > BLOCKS
                 bias = attn_mask.masked_fill(~allowed, 0)
         if is_causal:
             square = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril()
@@ -594,7 +606,7 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -
         return
     for bug in injected:
         if bug in mask_bugs and not routed.masked:
-            row.bugs[bug] = "not applicable: no call reached SDPA with a mask or is_causal"
+            row.bugs[bug] = NO_MASK
             continue
         if bug == "missing_scale" and all(scale == 1.0 for scale in routed.scales):  # nViT: q and k scaled before
             row.bugs[bug] = "not applicable: the layer scales q and k itself and hands SDPA a scale of 1, nothing to drop"

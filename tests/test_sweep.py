@@ -912,27 +912,30 @@ class _Block(torch.nn.Module):
     """A timm-style attention block: `fused_attn` switches between torch's SDPA (looked up at the call) and a softmax
     of its own; `calls_sdpa=False`: a layer with no SDPA path at all."""
 
-    def __init__(self, calls_sdpa: bool):
+    def __init__(self, calls_sdpa: bool, biased: bool = False):
         super().__init__()
         self.calls_sdpa, self.fused_attn = calls_sdpa, False  # the manual path by default: the sweep switches it
+        self.biased = biased  # a finite distance bias handed to SDPA as its attn_mask, as BEiT's relative bias is
         self.norm, self.qkv, self.proj = torch.nn.LayerNorm(32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
 
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        position = torch.arange(T, dtype=x.dtype)
+        bias = -0.5 * (position[:, None] - position[None, :]).abs() if self.biased else None  # (T, T), finite
         if self.calls_sdpa and self.fused_attn:
-            y = F.scaled_dot_product_attention(q, k, v)  # looked up at the call, where the sweep replaced it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # looked up at the call, where the sweep put it
         else:
-            y = ((q @ k.transpose(-2, -1)) * 8 ** -0.5).softmax(-1) @ v
+            y = ((q @ k.transpose(-2, -1)) * 8 ** -0.5 + (0 if bias is None else bias)).softmax(-1) @ v
         return x + self.proj(y.transpose(1, 2).reshape(B, T, 32))
 
 
 class _Net(torch.nn.Module):
-    def __init__(self, calls_sdpa: bool):
+    def __init__(self, calls_sdpa: bool, biased: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed, self.head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50)
-        self.blocks = torch.nn.ModuleList(_Block(calls_sdpa) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(_Block(calls_sdpa, biased) for _ in range(2))
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -956,6 +959,22 @@ def test_timms_bugs_break_one_layer_through_the_sdpa_it_calls_and_are_caught_the
     if not calls_sdpa:
         assert row.bugs == {} and "no bug injected: blocks.1 calls no scaled_dot_product_attention" in row.why, row
         return
-    assert row.bugs == {"missing_scale": "caught", "softmax_wrong_dim": "caught",
-                        "mask_ignored": "not applicable: no call inside the layer was given a mask or is_causal",
-                        "mask_after_softmax": "not applicable: no call inside the layer was given a mask or is_causal"}, row
+    from sweep_diffusers import NO_MASK
+
+    assert row.bugs == {"missing_scale": "caught", "softmax_wrong_dim": "caught", "mask_ignored": NO_MASK,
+                        "mask_after_softmax": NO_MASK}, row
+
+
+def test_a_mask_of_finite_biases_is_no_mask_to_break():
+    """A layer that hands SDPA a distance bias as its attn_mask (BEiT's, Swin's relative position bias) blocks no key:
+    the mask applied after the softmax computes the same attention (4 timm rows counted it missed) and the mask
+    ignored drops the bias, a position bias lost, not a mask, so neither is applicable; the scale is still caught."""
+    from sweep_diffusers import NO_MASK  # benchmarks/ is on the path once the sweep is loaded
+
+    sweep = _sweep()
+    report = diagnostics.audit_model(_Net(True, biased=True))
+    assert report.status == "passed", str(report)
+    row = sweep.Row("biased")
+    sweep.inject_timm(row, report, lambda: _Net(True, biased=True))
+    assert row.bugs == {"missing_scale": "caught", "softmax_wrong_dim": "caught", "mask_ignored": NO_MASK,
+                        "mask_after_softmax": NO_MASK}, row
