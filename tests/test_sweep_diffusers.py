@@ -39,7 +39,7 @@ def _masks(gen, B, T):
 
 
 @pytest.mark.parametrize("mask", ["bool", "additive", "causal", "none"])
-@pytest.mark.parametrize("layout", ["heads", "flat", "grouped"])
+@pytest.mark.parametrize("layout", ["heads", "flat", "grouped", "blocks"])
 def test_the_injection_with_nothing_broken_is_sdpa_and_each_bug_changes_it(mask, layout):
     gen = torch.Generator().manual_seed(0)
     B, H, T, d = 2, 4, 6, 8
@@ -47,6 +47,9 @@ def test_the_injection_with_nothing_broken_is_sdpa_and_each_bug_changes_it(mask,
     kw = _masks(gen, B, T)[mask]
     if layout == "grouped":
         kw["enable_gqa"] = True
+    if layout == "blocks":  # (B, H, blocks, T, d): NesT's blocks of tokens, each attended apart
+        q, k, v = (torch.stack([x, x.flip(-2)], dim=2) for x in (q, k, v))
+        kw = {n: (x[:, :, None] if n == "attn_mask" else x) for n, x in kw.items()}
     expected = F.scaled_dot_product_attention(q, k, v, **kw)
     if layout == "flat":  # (B*H, T, d): what a processor that folds the heads into the batch passes
         q, k, v = (x.reshape(B * H, T, d) for x in (q, k, v))
