@@ -877,7 +877,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found
                     again = _fit_log_weights(used, m.out)
-                    if again is not None:
+                    if again is not None and _log_weights_read(event.output, m.out, s):
                         estimates.append(ScaleEstimate(again[0] * m.factor, int(m.a.shape[-1]),
                                                        "log of the weights that multiply the values vs q·k",
                                                        again[1], matmul=m, softmax=event, used_by=by))
@@ -1163,6 +1163,20 @@ def _fit_log_weights(used: Tensor, products: Tensor) -> tuple[float, float] | No
     scale = float((dl * dp).sum()) / denom
     residual = float((dl - scale * dp).norm() / dl.norm().clamp_min(1e-300))
     return scale, residual
+
+
+LOG_WEIGHTS_CONTROL = 0.02
+"""How close the log-weights fit of the softmax's own output must come to the factor its input shows (relative) for
+the same fit of the weights that multiply the values to be read: where q·k is tiny beside the weights' rounding (one
+head of width 1 at GPT-2's init: q·k ~ 1e-8, float32 weights 0.5 to the last bit) the fit reads 0 or noise (a dropout
+left on read "flat, every weight equal", a masked diagonal "1.44x too sharp"), and the weights show no temperature."""
+
+
+def _log_weights_read(weights: Tensor, products: Tensor, factor: float) -> bool:
+    """Whether the log-weights fit can read a temperature at all on these products: its control, the softmax's own
+    output, gives back the factor its input was fitted with, within LOG_WEIGHTS_CONTROL."""
+    control = _fit_log_weights(weights, products)
+    return control is not None and abs(control[0] - factor) <= LOG_WEIGHTS_CONTROL * abs(factor)
 
 
 _FIT_SAMPLES = 1 << 16

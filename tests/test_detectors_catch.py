@@ -376,15 +376,26 @@ OWN_SCALE_DRAW = dict(heads=1, head_dim=4, seq_len=2, seed=0, dtype=torch.float3
 # (blocked by the mask: -inf scores times v) made the real tokens' outputs inf, read as a shift of positions with a
 # rotary fix; the padded call's non-finite outputs are the mask path's failure (`gradients` fails it), not positions
 INF_SHIFT_DRAW = dict(heads=2, head_dim=4, seq_len=10, seed=65535, dtype=torch.float16, init="gpt2")
+# And from the explore steps at aa7a1e8 and b6031c0 (seeds 2860129920 and 3053657100), all at one head of width 1 in
+# float32: a detached softmax at torch's init over two tokens, whose gradient checks scaled their tokens by the standard
+# probe's gain (19.4, read on other tokens whose row happened to be flat), at which their float64 softmax was one-hot
+# and the detachment invisible (the gain is now read on their own tokens: `gradient_gain`); and at GPT-2's init, a
+# masked diagonal over five tokens and a dropout left on over two, whose weights that multiply the values were fitted
+# against q·k of ~1e-9, to which float32 weights do not respond ("1.44x too sharp", "flat, every weight equal": the
+# fit is now read only where the softmax's own output gives its factor back, `_log_weights_read`)
+DETACHED_GAIN_DRAW = dict(heads=1, head_dim=1, seq_len=2, seed=15279, dtype=torch.float32, init="default")
+FLAT_SHARP_DRAW = dict(heads=1, head_dim=1, seq_len=5, seed=1005, dtype=torch.float32, init="gpt2")
+FLAT_ZERO_DRAW = dict(heads=1, head_dim=1, seq_len=2, seed=2011, dtype=torch.float32, init="gpt2")
 
 
 @pytest.mark.parametrize("vid, cfg", [("heads_merged_without_transpose", UNDER_ROUNDING_DRAW),
                                       ("dropout_in_eval", RANDOM_ZEROS_DRAW), ("double_softmax", LEAKED_SHIFT_DRAW),
                                       ("rotary_not_offset", SHIFTED_COSINE_DRAW), ("mask_after_softmax", NEAR_BAR_DRAW),
                                       ("missing_scale", ZERO_SPREAD_DRAW), ("double_softmax", OWN_SCALE_DRAW),
-                                      ("no_softmax", INF_SHIFT_DRAW)],
+                                      ("no_softmax", INF_SHIFT_DRAW), ("detached_softmax", DETACHED_GAIN_DRAW),
+                                      ("causal_diagonal_masked", FLAT_SHARP_DRAW), ("dropout_in_eval", FLAT_ZERO_DRAW)],
                          ids=["under_rounding", "random_zeros", "leaked_shift", "shifted_cosine", "near_bar",
-                              "zero_spread", "own_scale", "inf_shift"])
+                              "zero_spread", "own_scale", "inf_shift", "detached_gain", "flat_sharp", "flat_zero"])
 def test_the_draws_an_exploring_seed_hit_are_caught_exactly_where_seen(vid, cfg, reference_audit):
     test_audit_catches_each_variant_exactly_where_its_probes_can_see_it.hypothesis.inner_test(vid, cfg)
     test_reference_passes_every_detector_on_the_same_configurations.hypothesis.inner_test(vid, cfg, reference_audit)

@@ -133,8 +133,8 @@ def test_gradients_and_parameters_used_skip_a_layer_that_does_not_run_in_float64
     used = result_of(Float64Refused(16, 2, refuse=False), "parameters_used", seq_len=32)
     assert used.verdict == "pass", used
     # its probe length is the gradient checks' own (6 tokens: one forward and backward for both), not the audit's
-    # seq_len; the standard probe it lists gives the tokens' gain (logit_gain)
-    assert [(p.t_q, p.t_k, p.backward) for p in used.probes] == [(32, 32, False), (6, 6, True)], used.probes
+    # seq_len; the forward before it reads those tokens' gain (gradient_gain)
+    assert [(p.t_q, p.t_k, p.backward) for p in used.probes] == [(6, 6, False), (6, 6, True)], used.probes
 
 
 class RaisingBackward(torch.autograd.Function):

@@ -139,12 +139,13 @@ def test_the_float64_copy_of_a_patched_forward_keeps_a_helper_without_a_closure_
 def test_a_causal_gradient_check_takes_its_second_backward_through_the_first_ones_graph(seq_len):
     """`retain_graph=probe.causal and T >= 2` (L375, `>=` made `>` or `<=`): `_future_gradient` runs wherever the
     audit is causal and T >= 2, and reads the graph the first backward kept; where it was not kept, its backward
-    raises and it makes a forward of its own (one pass more, the same verdict). So 10 passes at T = 2, 3 and 6 (the
-    gradient probe's 6 tokens at seq_len 16): with `T > 2` 11 at T = 2, with `T <= 2` 11 from T = 3 on. (`or` for
-    `and` keeps a graph nobody reads again: the same values and passes; marked equivalent.)"""
+    raises and it makes a forward of its own (one pass more, the same verdict). So 11 passes at T = 2, 3 and 6 (the
+    gradient probe's 6 tokens at seq_len 16; one of them the forward that reads its tokens' gain, `gradient_gain`):
+    with `T > 2` 12 at T = 2, with `T <= 2` 12 from T = 3 on. (`or` for `and` keeps a graph nobody reads again: the
+    same values and passes; marked equivalent.)"""
     report = diagnostics.audit(Attention(), detectors=["gradients"], causal=True, seq_len=seq_len, progress=False)
     assert report.result("gradients").verdict == "pass", report.result("gradients")
-    assert report.forward_passes == 10, report.forward_passes
+    assert report.forward_passes == 11, report.forward_passes
 
 
 # ---- _common._logit_gain: the gain where no spread can be read ----------------------------------------------------

@@ -134,8 +134,9 @@ def test_a_jump_read_once_sends_the_check_to_smaller_steps_where_a_wrong_backwar
 
 
 def kink_at_the_point(kinked: bool):
-    """SDPA (the mask taken) plus, in float64, 1e-3 x the sum of relu(q - q0), q0 the first float64 query it is given (the
-    gradients check's probe point): along the inputs, the only part of a function's direction, a kink at the point
+    """SDPA (the mask taken) plus, in float64, 1e-3 x the sum of relu(q - q0), q0 the first float64 query it is given
+    that requires grad (the gradients check's probe point; the forward before it that reads the tokens' gain, at their
+    plain size, takes none): along the inputs, the only part of a function's direction, a kink at the point
     (one-sided derivatives 0 and 1; 1e-3 so that its square's term in (out ** 2).sum(), unequal on the two sides and
     linear in the step, stays under the disagreement it makes). `kinked=False`: SDPA alone."""
     first = []
@@ -144,8 +145,10 @@ def kink_at_the_point(kinked: bool):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d)
         if not kinked or q.dtype != torch.float64:
             return out
-        if not first:
+        if not first and q.requires_grad:
             first.append(q.detach().clone())
+        if not first:
+            return out
         return out + 1e-3 * torch.relu(q - first[0]).sum()
 
     return attend

@@ -398,3 +398,32 @@ def test_pin_a_split_scale_is_d_k_to_the_minus_quarter_within_one_in_a_million(o
     assert ("the square of the declared scale" in result.message) is (verdict == "pass"), result.message
     if verdict == "fail":
         assert "1.68x too flat" in result.message, result.message
+
+
+# ---- _observe._log_weights_read: the log-weights fit is read only where its control reads the softmax's factor -----
+
+
+@pytest.mark.parametrize(("off", "read"), [(0.01, True), (0.05, False)])
+def test_the_log_weights_fit_is_read_only_where_the_softmaxs_own_output_gives_its_factor_back(off, read):
+    """LOG_WEIGHTS_CONTROL (2%) from both sides: weights that are the softmax of q·k at a factor 1% off the one the
+    softmax's input was fitted with are read (x0.1, 0.2%, would drop them); 5% off, they are not (x10, 20%, would read
+    them). Float64 weights, so the offset is the control's only error."""
+    from diagnostics._observe import LOG_WEIGHTS_CONTROL, _log_weights_read
+
+    assert LOG_WEIGHTS_CONTROL == 0.02
+    products = torch.randn(2, H, 5, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    factor = 1 / math.sqrt(D_K)
+    weights = (factor * (1 + off) * products).softmax(-1)
+    assert _log_weights_read(weights, products, factor) is read
+
+
+def test_weights_rounded_flat_show_no_temperature_and_weights_that_resolve_it_do():
+    """The draw that made the control (a dropout left on at one head of width 1, GPT-2's init: q·k ~ 1e-9): float32
+    softmax weights of q·k that small are 0.5 to the last bit, so the fit reads a factor of 0 (judged "flat, every
+    weight equal" before); the same q·k x 1e8 resolve the factor, and are read."""
+    from diagnostics._observe import _log_weights_read
+
+    products = torch.randn(2, 1, 2, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e-9
+    for size, read in ((1.0, False), (1e8, True)):
+        weights = (size * products).float().softmax(-1)
+        assert _log_weights_read(weights, size * products, 1.0) is read, (size, weights)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from .._core import Comparison, expand_rows, held, skip
-from .._observe import Mode, not_over_tokens
-from .._probe import Probe
+from .._observe import Mode, Observer, not_over_tokens
+from .._probe import Call, Probe
 from .._registry import DETECTORS, NOT_APPLICABLE
 from .._result import DetectorResult, ProbeShape, Site
 from .._subject import make_subject, spell
@@ -309,7 +309,7 @@ class GradientProbe:
     float32 forward at seq_len 128 takes 9), and parameters_used's own forward and backward made it 0.9 forward passes
     of the audit's time at seq_len 128; reading this one, 0.1."""
 
-    inputs: tuple  # (query[, key[, value]]) in float64, scaled by `logit_gain`, leaves that require grad
+    inputs: tuple  # (query[, key[, value]]) in float64, scaled by `gradient_gain`, leaves that require grad
     allowed: Tensor | None
     padded: bool  # the last key blocked for every query by a padding mask (see `gradient_probe`)
     params: tuple  # (name, parameter) of the copy's trainable parameters
@@ -317,6 +317,7 @@ class GradientProbe:
     grads: tuple | None  # d (out ** 2).sum() / d (inputs + params), None entries where unused; None: no backward
     failed: str = ""  # "forward" or "backward": which of them raised `error`
     error: Exception | None = None
+    gain: float = 1.0  # the factor the tokens were scaled by (`gradient_gain`)
 
     @property
     def pack(self) -> tuple:
@@ -343,21 +344,22 @@ def _gradient_probe(probe: Probe, sub) -> GradientProbe:
     # d_model 1 the logits are tiny and a detached softmax changed the directional derivative by 4.6e-10 of it,
     # under GRADIENT_AGREEMENT (10 of 12 seeds caught); at the gain, by 3.8e-8 or more (12 of 12), while correct
     # layers stayed at 2.1e-11 (seeds 0-5, T 3 and 5, gpt2 init)
-    g = logit_gain(probe)
     n = 3 if s.form == "function" else 2 if cross else 1
-    inputs = tuple((g * sub.make(gen, B, T)).requires_grad_(True) for _ in range(n))
+    drawn = tuple(sub.make(gen, B, T) for _ in range(n))
     # where keys are an input apart from the queries, a padding mask: keys it blocks for every query must get
     # exactly zero gradient, read from the same backward pass
     # (only the last key, from T >= 3: every query keeps a choice of keys, which a detached softmax needs to show)
     padded = s.takes_mask and n >= 2 and T >= 3
     allowed = probe.allowed(B, T, T, (torch.arange(T) < T - 1).expand(B, T, T) if padded else None)
+    g = gradient_gain(probe, sub, drawn, allowed)
+    inputs = tuple((g * x).requires_grad_(True) for x in drawn)
     params = tuple((name, p) for name, p in (sub.layer.named_parameters() if isinstance(sub.layer, torch.nn.Module)
                                              else ()) if p.requires_grad)
     probe.passes += 3  # forward and backward (counted as two)
     probe.shapes[probe.detector].append(ProbeShape(f"float64 copy, forward and backward (B={B}, T={T}"
                                                    f"{', a padding mask' if padded else ''})", B, T, T,
                                                    None if allowed is None else allowed.cpu(), n == 1, backward=True))
-    made = {"inputs": inputs, "allowed": allowed, "padded": padded, "params": params}
+    made = {"inputs": inputs, "allowed": allowed, "padded": padded, "params": params, "gain": g}
     try:
         probe.seed_layer_rng()  # every call draws the same randomness (the audit restores the RNG)
         with torch.enable_grad():
@@ -465,17 +467,24 @@ def logit_gain(probe: Probe) -> float:
 
 def _logit_gain(probe: Probe) -> float:
     base = probe.base()
-    weights = probe.weights(base)[0] if base.ok else None
+    gain = _gain_of(probe, base) if base.ok else None
+    return 10.0 if gain is None else gain
+
+
+def _gain_of(probe: Probe, call: Call) -> float | None:
+    """The gain that spreads `call`'s logits by about LOGIT_SPREAD over each row's keys (a median over rows); None
+    where no weights are exposed, or no row has two keys."""
+    weights = probe.weights(call)[0]
     if weights is None:
-        return 10.0
+        return None
     w = weights.detach().flatten(0, -2)[:ENTROPY_ROWS].double()  # (rows, Tk): a sample, as for the entropy
     seen = w > 0
     n = seen.sum(-1)
     logits = torch.where(seen, w.log(), torch.zeros_like(w))  # log(0) = -inf only where not seen: replaced
     # the softmax's own input where it was observed: weights rounded to half precision are 0.5 / 0.5 for
     # logits 0.01 apart, whose spread they would read as 0
-    sm = next((sm for sm in reversed(base.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
-        if base.record is not None else None
+    sm = next((sm for sm in reversed(call.record.softmaxes) if sm.input.numel() == weights.numel()), None) \
+        if call.record is not None else None
     if sm is not None:
         raw = sm.input.detach().reshape(-1, w.shape[-1])[:ENTROPY_ROWS].double()
         seen = seen & torch.isfinite(raw)
@@ -485,10 +494,34 @@ def _logit_gain(probe: Probe) -> float:
     var = (torch.where(seen, logits - mean.unsqueeze(-1), torch.zeros_like(w)) ** 2).sum(-1) / (n - 1).clamp_min(1)
     rows = n >= 2
     if not bool(rows.any()):
-        return 10.0
+        return None
     spread = float(var[rows].sqrt().median())
     if not math.isfinite(spread):
-        return 10.0
+        return None
     if spread <= 0:  # uniform to the weights' rounding: as hard as allowed
         return LOGIT_GAIN_CAP
     return min(LOGIT_GAIN_CAP, max(1.0, math.sqrt(LOGIT_SPREAD / spread)))  # logits grow as the square of the tokens
+
+
+def gradient_gain(probe: Probe, sub, drawn: tuple, allowed: Tensor | None) -> float:
+    """The gain of the gradient checks' tokens, read on those very tokens: the float64 copy's forward on them at their
+    plain size, observed. The standard probe's gain (`logit_gain`) reads other tokens, and at a few tokens of width 1
+    the logits' spread is one product per row, which differs between draws by 100x: at torch's default init, two
+    tokens, the standard probe's rows spread by 0.005 (gain 19) where the gradient checks' spread by ~1, and at that
+    gain their float64 softmax was one-hot to the last bit, a detached softmax invisible (its gradient through the
+    weights is 0 either way). The standard probe's gain where this forward raises or shows no weights."""
+    q, k, v = pack(drawn)
+    B, T = q.shape[0], q.shape[sub.time_dim]
+    probe.passes += 1
+    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy, the gradient checks' tokens at their plain size, "
+                                                   f"for their gain (B={B}, T={T})", B, T, T,
+                                                   None if allowed is None else allowed.cpu(), len(drawn) == 1))
+    try:
+        observer = Observer()
+        with torch.enable_grad(), observer:  # under grad mode, as the standard probe is observed (fused fast paths)
+            probe.seed_layer_rng()
+            out = sub(q, k, v, allowed)
+    except Exception:  # noqa: BLE001 -- the gradient probe's own forward says what a raising layer means
+        return logit_gain(probe)
+    gain = _gain_of(probe, Call(q, k, v, allowed, out, None, observer.record))
+    return logit_gain(probe) if gain is None else gain

@@ -13,10 +13,11 @@ input apart from the queries), this check takes a forward and backward of its ow
 A zero gradient is then confirmed by the forward pass itself: the zero-gradient entries are changed at random
 and the output compared. If it moves, the output does depend on them and their gradient is cut on its way (a
 `.detach()`: the `gradients` detector's finding, named in the evidence here); if it does not, they are unused.
-What is unused is asked again where the probe could have hidden a use: at the audit's length (a layer that pools its
-keys sees one key on a short probe) and with the tokens at their plain size where the gradient checks scaled them by a
-logit gain (a softmax one-hot to the last bit at that gain gives q and k a gradient of exactly 0: d_model 1 in
-bfloat16, tests/test_parameters_saturated.py).
+What is unused is asked again at the audit's length, where a short probe could have hidden a use (a layer that pools
+its keys sees one key there). The probe's tokens are scaled by a gain read on those very tokens (`gradient_gain`), so
+that their median softmax row is neither uniform nor one-hot: a softmax one-hot to the last bit in every row gives q and
+k a gradient of exactly 0, as a gain read on other tokens once did (d_model 1 in bfloat16,
+tests/test_parameters_saturated.py).
 
 A whole parameter that is unused yet equal to a block of rows of a parameter that is used is a kept copy: the
 projections fused into one (to_qkv) and the originals kept to unfuse later (diffusers' `fuse_projections`). That is a
@@ -447,18 +448,6 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             at = dict(zip(params, again.grads[len(inputs):]))
             longer = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
             unused = [(name, where) for name, where in unused if name not in longer]
-    gain, plain = logit_gain(probe), []
-    if unused and gain > 1:
-        # the gradient checks scale their tokens by the logit gain (up to LOGIT_GAIN_CAP); where the standard probe's
-        # logits were flat to their rounding (d_model 1 in bfloat16), the float64 copy's logits at that gain can lie
-        # thousands apart, each softmax row one-hot to the last bit, and q and k then get a gradient of exactly 0 and
-        # move nothing: the same question again at the tokens' plain size
-        again = _unpadded(probe, sub, tuple(sub.make(gen, x.shape[0], T).requires_grad_(True) for x in inputs), params,
-                          ", the tokens at their plain size")
-        if again.grads is not None:
-            at = dict(zip(params, again.grads[len(inputs):]))
-            plain = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
-            unused = [(name, where) for name, where in unused if name not in plain]
     gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
     unused = [(name, where) for name, where in unused if name not in gated]
     whole = {name for name, where in unused if where == "everywhere"}
@@ -470,9 +459,6 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     if longer:
         note += (f"; {', '.join(longer)}: zero gradient at {T} tokens but not at {probe.t}, so used (a layer that "
                  f"pools its keys, spatial reduction, sees too few of them on a short probe)")
-    if plain:
-        note += (f"; {', '.join(plain)}: zero gradient with the tokens scaled by {gain:.3g} (the gradient checks' "
-                 f"logit gain, at which a softmax can saturate to one-hot) but not at their plain size, so used")
     if flat:
         note += (f"; {', '.join(flat)}: zero gradient because the output is zero everywhere on this probe (the "
                  f"loss, (out ** 2).sum(), is flat there), and changing {'them' if len(flat) > 1 else 'it'} moves the "
