@@ -230,3 +230,26 @@ def test_the_cache_plan_steps_across_a_window_only_where_its_rows_span_fewer_tha
     (half, then 1, 1 and 3, then the rest), as without a pattern (with `<=`: [14, 1, 1])."""
     assert _cache_plan(16, band) == plan
     assert _cache_plan(16, None) == [8, 1, 1, 3, 3]
+
+
+def raises_without_a_mask(q, k, v, mask=None):
+    """The attention above, except that it refuses a call without a mask (as the standard probe of a layer audited not
+    causal makes: it passes none)."""
+    if mask is None:
+        raise ValueError("this layer needs its mask")
+    return attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_undeclared_causality_says_the_standard_probe_raised_where_it_did(raises):
+    """check_undeclared_causality's `if not base.ok` (L269 at 3057bfd, the guard never firing: the weights of a call
+    that raised are None, and the skip would say "no (Tq, Tk) weights were returned or observed", blaming the layer's
+    weights for its error): a layer whose standard probe raises is not run, and the skip names the error and `runs`.
+    Its twin, the same attention taking every call, is measured and passes (no triangle of zeros)."""
+    found = verdict(raises_without_a_mask if raises else attention, "undeclared_causality")
+    if raises:
+        assert found.verdict == "skip", found
+        assert found.message == ("not measured: the layer raised on this detector's probe (ValueError: this layer "
+                                 "needs its mask); see `runs`"), found.message
+    else:
+        assert found.verdict == "pass", found
