@@ -123,7 +123,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
                                                  or measured["runs"].declaration):
             # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
-        measured = consequences(measured)
+        measured = under_a_mask_undeclared(consequences(measured))
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]
@@ -201,6 +201,28 @@ def consequences(measured: dict[str, DetectorResult]) -> dict[str, DetectorResul
         if result.fired and causes:
             out[det_id] = replace(result, message=f"{result.message} (a consequence of {', '.join(causes)})",
                                   fix=f"fix {causes[0]} first: this finding follows from it ({measured[causes[0]].fix})")
+    return out
+
+
+def under_a_mask_undeclared(measured: dict[str, DetectorResult]) -> dict[str, DetectorResult]:
+    """Where the mask's convention needs a declaration (`mask_honoured` or `runs` found the layer taking its mask in
+    another convention than the one the audit gave, which nothing declared or stated), a failure of another detector
+    whose every probe gave the layer a mask in that convention says nothing yet of the layer (a mask of True = blocked
+    read as True = may attend blocks every key of an unmasked row, whose NaN fully_masked_rows then sees spread): it
+    needs the same declaration, never a FAIL. Failures on a probe without a mask stand."""
+    needed = next((r for r in measured.values() if r.declaration and "mask" in r.declaration
+                   and r.detector in ("mask_honoured", "runs")), None)
+    if needed is None:
+        return measured
+    out = dict(measured)
+    for det_id, result in measured.items():
+        if result.verdict == "fail" and result.probes and all(p.allowed is not None for p in result.probes):
+            out[det_id] = replace(result, verdict="skip", declaration=needed.declaration,
+                                  message=f"needs a declaration, {needed.declaration}: every probe of {det_id} gave the "
+                                          f"layer its mask in a convention it does not take (see {needed.detector}), "
+                                          f"so this reading says nothing of the layer yet: {result.message}",
+                                  fix=f"audit with {needed.declaration} if that is the layer's convention (see "
+                                      f"{needed.detector}), and this detector measures it again", where=())
     return out
 
 

@@ -225,23 +225,34 @@ class AddsMaskUnderAGenericName(Heads):
 
 
 class BlocksWhereAllowed(Heads):
-    def forward(self, x, mask=None):  # bool with its polarity inverted: a bug, not a convention
+    def forward(self, x, mask=None):  # True blocks: nn.MultiheadAttention's convention, or an inverted polarity
         return self.attend(x, None if mask is None else allowed_bias(~mask))
 
 
-def test_a_layer_that_adds_its_bool_mask_is_told_to_declare_additive_and_an_inverted_one_is_not():
-    """Nothing in `mask`'s signature suggests a convention; the behaviour does, as a hint only: the bool mask
-    and the same mask as 0./1. floats give the same output (it is added to the scores). The finding stays; an
-    inverted bool mask, which cannot take floats alike, gets no such hint and still fails."""
+def test_a_layer_that_adds_its_bool_mask_or_blocks_where_true_needs_a_declaration_that_says_both_readings():
+    """Nothing in `mask`'s signature says a convention; the behaviour suggests one. A layer that adds its mask (the bool
+    mask and the same mask as 0./1. floats give the same output) is right for additive masks and wrong for bool ones;
+    one that blocks where the mask is True is right for nn.MultiheadAttention's convention and inverted for SDPA's. The
+    audit cannot tell which is meant, so neither FAILs: each needs a declaration (inconclusive), its message saying
+    both readings. The twins, on the same layers: declared as its behaviour reads, each passes; declared as the audit's
+    default, True = may attend, each fails (the bug, once the author has said what is meant)."""
+    for layer, honoured, said in ((AddsMaskUnderAGenericName, "additive", "adding them is the bug"),
+                                  (BlocksWhereAllowed, "blocked", "its mask's polarity is inverted")):
+        torch.manual_seed(0)
+        report = audit(layer())
+        found = report.result("mask_honoured")
+        assert (report.status, report.declaration) == ("inconclusive", f"mask={honoured!r}"), str(report)
+        assert found.verdict == "skip" and found.message.startswith(f"needs a declaration, mask={honoured!r}: "), found
+        assert f"audit with mask={honoured!r}" in found.message and said in found.message, found.message
+        torch.manual_seed(0)
+        assert "mask_honoured" not in audit(layer(), mask=honoured).fired()
+        torch.manual_seed(0)
+        assert audit(layer(), mask="allowed").result("mask_honoured").verdict == "fail"
     torch.manual_seed(0)
     adds = audit(AddsMaskUnderAGenericName()).result("mask_honoured")
-    assert adds.verdict == "fail" and "the layer adds its mask to the scores" in adds.message
-    assert "audit with mask='additive'" in adds.fix
+    assert "the layer adds its mask to the scores" in adds.message, adds  # the behaviour named, as the reason
     torch.manual_seed(0)
-    assert "mask_honoured" not in audit(AddsMaskUnderAGenericName(), mask="additive").fired()  # declared: passes
-    torch.manual_seed(0)
-    inverted = audit(BlocksWhereAllowed()).result("mask_honoured")
-    assert inverted.verdict == "fail" and "adds its mask" not in inverted.message
+    assert "adds its mask" not in audit(BlocksWhereAllowed()).result("mask_honoured").message
 
 
 def test_undeclared_the_mask_finding_comes_with_the_convention_to_declare():
@@ -252,7 +263,7 @@ def test_undeclared_the_mask_finding_comes_with_the_convention_to_declare():
     and what to declare if the layer reads it otherwise."""
     torch.manual_seed(0)
     report = audit(AdditiveMask())
-    assert "mask_honoured" in report.fired()
+    assert (report.status, report.declaration) == ("inconclusive", "mask='additive'"), str(report)
     hint = mask_convention_hint(make_subject(AdditiveMask()))
     assert 'audit with mask=\'additive\'' in hint and "attention_mask" in hint
     torch.manual_seed(0)
@@ -398,8 +409,9 @@ def test_cli_takes_mask_and_layout(tmp_path, monkeypatch, capsys):
     assert "layout=bthd" in capsys.readouterr().out
     assert _cli.main(["flashmod:flash", "--causal", "--mask", "additive"]) == 1  # (B, H, T, d) assumed: wrong
     capsys.readouterr()
-    assert _cli.main(["flashmod:flash", "--causal", "--layout", "bthd"]) == 1  # a bool mask added: not masked
-    assert "future_leakage" in capsys.readouterr().out
+    # a bool mask added, undeclared: right for additive masks, wrong for bool ones: a declaration is needed (exit 3)
+    assert _cli.main(["flashmod:flash", "--causal", "--layout", "bthd"]) == 3
+    assert "INCONCLUSIVE (needs a declaration: --mask additive)" in capsys.readouterr().out
 
 
 def test_plugin_takes_mask_and_layout(pytester):

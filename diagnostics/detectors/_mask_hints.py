@@ -190,4 +190,21 @@ def convention_hint(probe: Probe) -> str | None:
     return hint
 
 
-__all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_as_given", "honoured_conventions"]
+def undeclared_convention(probe: Probe) -> tuple[str, str] | None:
+    """(the declaration, the hint that says both readings) where nobody said the mask's convention (the audit gave
+    its default: no declaration, no library's, nothing the layer states) and the layer honours its mask in another
+    (`honoured_conventions`): one behaviour, a bug under the default reading and right under the other (open_clip's
+    Attention fills -inf where a bool mask is True, as nn.MultiheadAttention reads it), which only the layer's author
+    can tell apart. A mask finding is then a convention mismatch, not a defect: the audit needs a declaration. None
+    otherwise (a convention the layer states and misreads is its bug: the finding stays)."""
+    s = probe.subject
+    if s.convention_by != "default" or not s.takes_mask:
+        return None
+    found = honoured_conventions(probe)
+    if not found or (found[0][0].meaning == "additive" and stated_bool(s)):
+        return None  # a mask the layer's own words say is bool, honoured only as added floats: adding it is the bug
+    return spell("mask", str(found[0][0]), probe.options), convention_hint(probe)
+
+
+__all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_as_given", "honoured_conventions",
+           "undeclared_convention"]

@@ -33,7 +33,7 @@ from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
 from ._common import invariance_sites, judge, perturbation_gains, result
-from ._mask_hints import convention_hint, honoured_as_given
+from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
 from ._stacked import PADDED, stacked, stacked_cases
 from .finite import ROW_FILLS, nonfinite_sites
 
@@ -136,10 +136,22 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
                                   value=found.value, threshold=found.threshold,
                                   evidence=f"{found.evidence}; {flag}", fix=FLAG_FIX, replay=found.replay,
                                   extras={"read_as_flag": True})
+    undeclared = undeclared_convention(probe) if found.verdict == "fail" else None
+    if undeclared is not None:
+        # nobody said the mask's convention, and the layer honours it in another: the same behaviour is an inverted
+        # (or added) mask under the audit's default reading and right under the other, so no FAIL: a declaration
+        declare, hint = undeclared
+        given = probe.subject.mask_convention
+        return DetectorResult(det, "skip", f"needs a declaration, {declare}: given its mask in the audit's default "
+                                           f"convention, {given} ({given.describe()}), which nothing the layer says "
+                                           f"confirms, {found.message}; {hint}",
+                              value=found.value, threshold=found.threshold, evidence=found.evidence,
+                              fix=f"declare the convention the layer takes: {hint}", replay=found.replay,
+                              declaration=declare)
     if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
-        # annotation, default or docstring says or as it behaves; a hint only, the verdict stays: an inverted mask
-        # must fail
+        # annotation, default or docstring says or as it behaves; a hint only where the layer states a convention
+        # (or the user or its library does), and the verdict stays: a mask it states and inverts must fail
         hint = convention_hint(probe)
         if hint:
             found = DetectorResult(det, "fail", f"{found.message}; {hint}", value=found.value,
