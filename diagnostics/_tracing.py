@@ -134,6 +134,8 @@ class Trace:
     failed_ins: tuple = ()  # ids of the tensors the op that raised `error` was given (the innermost such op)
     layer: object = None  # the module called, whose buffers and parameters `buffers` names
     alive: list = field(default_factory=list)
+    storage: dict = field(default_factory=dict)  # id(tensor) -> its storage's address (0: none), for `ancestors`
+    writes: dict = field(default_factory=dict)  # storage address -> indices of the ops that wrote into it in place
 
 
 def tensors(x):
@@ -186,6 +188,11 @@ class Tracer(Observer):
             t.sources[id(o)] = sources | t.sources.get(id(o), frozenset())
             t.alive.append(o)
         t.alive.extend(ins)
+        for x in outs + ins:
+            t.storage.setdefault(id(x), _address(x))
+        name = dispatch_name(func).replace("aten.", "").split(".")[0]
+        if name.endswith("_") and args and isinstance(args[0], Tensor) and t.storage.get(id(args[0])):
+            t.writes.setdefault(t.storage[id(args[0])], []).append(index)  # a write in place (into a view, too)
         frames = user_frames(sys._getframe(2))
         t.ops.append(Op(index, dispatch_name(func), tuple(a.detach() if isinstance(a, Tensor) else a for a in args), dict(kwargs),
                         kept, tuple(id(o) for o in outs), tuple(id(x) for x in ins),
@@ -336,14 +343,29 @@ def past_zeroing(trace: Trace, op: Op | None) -> Op | None:
 
 
 def ancestors(trace: Trace, op: Op, limit: int = 4096) -> set[int]:
-    """Indices of the ops whose outputs `op` depends on."""
-    out, todo = set(), list(op.in_ids)
+    """Indices of the ops whose outputs `op` depends on: each tensor's producer, and the ops before `op` that wrote
+    into its storage in place, through a view as well (Longformer's banded scores, copied slice by slice into a
+    `new_zeros`, whose producer alone reads no input)."""
+    out, todo, seen = set(), list(op.in_ids), set()
     while todo and len(out) < limit:
-        p = trace.producer.get(todo.pop())
-        if p is not None and p not in out and p < op.index:
-            out.add(p)
-            todo.extend(trace.ops[p].in_ids)
+        tensor_id = todo.pop()
+        if tensor_id in seen:
+            continue
+        seen.add(tensor_id)
+        written = trace.writes.get(trace.storage.get(tensor_id, 0), ())
+        for p in (trace.producer.get(tensor_id), *written):
+            if p is not None and p not in out and p < op.index:
+                out.add(p)
+                todo.extend(trace.ops[p].in_ids)
     return out
+
+
+def _address(x: Tensor) -> int:
+    """The address of a tensor's storage (0 where it has none to read: a meta or sparse tensor)."""
+    try:
+        return x.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def user(op: Op | None) -> bool:
