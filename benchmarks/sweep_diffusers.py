@@ -513,10 +513,10 @@ CAUSAL = "causal=True"
 
 
 def masks_the_future(report) -> bool:
-    """Whether the report's `undeclared_causality` hint says the layer masks the future itself and names `causal=True`
-    in its fix (the declaration a user then adds: a zero-config audit checks no causality)."""
-    return any(f.detector == "undeclared_causality" and f.verdict == "warn" and f"({CAUSAL})" in f.fix
-               and "masks the future itself" in f.message for f in report.findings)
+    """Whether the report's `undeclared_causality` hint says the layer masks the future itself, suggesting `causal=True`
+    (the declaration a user then adds: a zero-config audit checks no causality), read from the finding's data."""
+    return any(f.detector == "undeclared_causality" and f.verdict == "warn"
+               and f.extras.get("suggests") == {"causal": True} for f in report.findings)
 
 
 def _declared(report) -> dict:

@@ -706,4 +706,5 @@ def test_undeclared_causality_warns_that_a_layer_audited_as_not_causal_masks_the
     assert hint.verdict == "warn" and hint.message == ("every weight above the diagonal is exactly 0 though no mask "
                                                        "was passed: it masks the future itself: a causal layer, whose "
                                                        "causality this audit does not check"), hint
+    assert hint.extras["suggests"] == {"causal": True}  # the declaration it names, as data (the diffusers sweep reads it)
     assert verdict(attention, "undeclared_causality").verdict == "pass"

@@ -303,6 +303,8 @@ def check_undeclared_causality(probe: Probe) -> DetectorResult:
         return result(det, "warn", f"every weight {'above' if side == 'future' else 'below'} the diagonal is exactly 0 "
                                    f"though no mask was passed: {what}",
                       value=1.0, threshold=0.0, replay=base,
+                      # the declaration the hint names, as data (a sweep follows it as a user would)
+                      extras={"suggests": {"causal": True}} if side == "future" else {},
                       evidence=f"the standard probe ({source}): all {int(dict(sides)[side].sum())} "
                                f"(query, key) pairs with the key {'after' if side == 'future' else 'before'} the "
                                f"query get weight 0 in all {weights.reshape(-1, T, T).shape[0]} rows of weights{again}",
