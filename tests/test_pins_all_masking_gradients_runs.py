@@ -251,3 +251,25 @@ def test_mask_honoured_names_every_scenario_it_measured(causal, seq_len, named):
     torch.manual_seed(0)
     found = verdict(MultiHeadAttention(16, 2, causal=causal), "mask_honoured", causal=causal, seq_len=seq_len)
     assert found.verdict == "pass" and found.message == f"keys the mask blocks have no effect {named}", found
+
+
+# ---- masking.allowed_key_reading: a row not finite in its baseline is not read -----------------------------------
+
+
+@pytest.mark.parametrize("nan_in_row_0", [True, False])
+def test_the_control_reads_only_rows_whose_baseline_is_finite_in_every_feature(nan_in_row_0):
+    """`allowed_key_reading`'s `torch.isfinite(baseline).all(-1)` (L303 at 3057bfd, `.all` made `.any`, survived the
+    --all run): a row whose baseline has one NaN feature cannot show a move, so it is not read, even where its change
+    came out finite; with `.any` it would be, and its 0.5 would read as the control's move. Twin: the same change with
+    that row finite in its baseline, read and moved. Two query rows that may both attend key 0, one batch row."""
+    from types import SimpleNamespace
+
+    from diagnostics.detectors.masking import allowed_key_reading
+
+    baseline = torch.ones(1, 2, 3)  # (B, Tq, D)
+    if nan_in_row_0:
+        baseline[0, 0, 0] = float("nan")
+    comparison = SimpleNamespace(tol=1e-5, changes=[torch.tensor([[0.5, 0.0]])], baseline_output=lambda: baseline)
+    moved, text = allowed_key_reading(comparison, torch.ones(1, 2, dtype=torch.bool), torch.float32)
+    assert moved is not nan_in_row_0, text
+    assert text.startswith("0 / 1 outputs" if nan_in_row_0 else "1 / 2 outputs"), text
