@@ -26,6 +26,7 @@ from .._tracing import (
     carries_input,
     producer,
     event_op,
+    fused_ops,
     merge_fix,
     moved,
     op_name,
@@ -72,10 +73,14 @@ def identical_values_sites(probe, call: Call) -> list[Site]:
     if sites:  # else: after weights @ values, a row of identical values is the same at every position
         return sites
     soft = [op for op in trace.ops if op.short in SOFTMAXES]
-    if not soft:
-        return []
-    wv = next((op for op in trace.ops[soft[-1].index + 1:] if op.short in MATMULS
-               and soft[-1].index in ancestors(trace, op)), None)
+    fused = fused_ops(trace)
+    if fused and (not soft or fused[-1].index > soft[-1].index):
+        wv = fused[-1]  # a fused call's output is the weights·values product itself (torch 2.14's CPU flash kernel)
+    elif soft:
+        wv = next((op for op in trace.ops[soft[-1].index + 1:] if op.short in MATMULS
+                   and soft[-1].index in ancestors(trace, op)), None)
+    else:
+        wv = None
     if wv is None:
         return []
     tol = tolerance(UNCHANGED, s.dtype)
