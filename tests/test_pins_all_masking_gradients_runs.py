@@ -273,3 +273,42 @@ def test_the_control_reads_only_rows_whose_baseline_is_finite_in_every_feature(n
     moved, text = allowed_key_reading(comparison, torch.ones(1, 2, dtype=torch.bool), torch.float32)
     assert moved is not nan_in_row_0, text
     assert text.startswith("0 / 1 outputs" if nan_in_row_0 else "1 / 2 outputs"), text
+
+
+# ---- runs._needed_declaration under a causal audit; _mask_hints.honoured_conventions at one token ------------------
+
+
+class FloatMaskOnly(nn.Module):
+    """Hugging Face-style self-attention whose `attention_mask` must be additive floats: a bool mask raises."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 2):
+        super().__init__()
+        self.h = num_heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, attention_mask=None):
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            raise TypeError("attention_mask must be a float mask")
+        B, T, D = x.shape  # batch, tokens, width
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # (B, H, T, d)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 16])
+def test_a_causal_audit_of_a_layer_that_takes_another_mask_convention_needs_a_declaration_where_it_can_be_told(seq_len):
+    """A causal audit passes its mask to every call, so no call runs without one: the layer raising on every bool mask
+    and honouring additive floats is a convention mismatch, "needs a declaration: mask='additive'" (inconclusive), from
+    two tokens on (before 2026-12-05 `runs` failed it: the declaration was sought only where a call without a mask had
+    run). At one token no padding can tell conventions apart (`honoured_conventions`' `probe.t < 2`, whose second `or`
+    made `and` would read one anyway): `runs` fails, its fix naming the convention `attention_mask` suggests. Declared
+    additive, the layer passes."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(FloatMaskOnly(), seq_len=seq_len, causal=True)
+    if seq_len == 1:
+        found = report.result("runs")
+        assert found.verdict == "fail" and "`attention_mask` is additive in Hugging Face-style layers" in found.fix, found
+    else:
+        assert (report.status, report.declaration) == ("inconclusive", "mask='additive'"), str(report)
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskOnly(), seq_len=seq_len, causal=True, mask="additive").passed

@@ -281,7 +281,7 @@ def test_runs_reads_rows_moving_by_more_than_1e_3_of_the_rms_as_joint_attention_
         assert "as a memory" in result.message and result.declaration == "cross=True", result
 
 
-# ---- runs._needed_declaration: only where calls without a mask ran ------------------------------------------
+# ---- runs._needed_declaration: where every call that raised was given a mask ----------------------------------
 
 
 def _sibling(name: str):
@@ -295,19 +295,29 @@ def _sibling(name: str):
 KeepPerKey = _sibling("test_pins").KeepPerKey  # the reference taking a (B, Tk) keep mask as its undocumented `mask`
 
 
+class KeepPerKeyNeedsAMask(KeepPerKey):
+    """The same layer refusing a call without a mask: its own failure, whatever the convention."""
+
+    def forward(self, x, mask=None):
+        if mask is None:
+            raise ValueError("a mask is required")
+        return super().forward(x, mask)
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_runs_names_a_declaration_only_where_a_call_without_a_mask_ran(causal):
-    """`not shape.raised and shape.allowed is None`: audited bidirectional, calls without a mask ran, so the mask
-    convention it raised on is a declaration to make (a skip); audited causal, every call carries the causal mask,
-    none ran without one, so nothing shows that the mask is all that differs: the raises fail (`or` would look for a
-    convention whenever any call ran)."""
+def test_runs_names_a_declaration_where_every_call_that_raised_was_given_a_mask(causal):
+    """`any(c.allowed is None for c in calls)`: audited bidirectional or causal (every call then carries the causal
+    mask), the layer raises only on masks in the audit's convention and honours a (B, Tk) keep mask: a declaration to
+    make (a skip), never a FAIL (before 2026-12-05 the causal audit failed it: the convention was sought only where a
+    call without a mask had run; the other convention's own probe shows the layer runs). Its twin, refusing a call
+    without a mask too, fails: a raise the mask's convention does not explain."""
     import diagnostics
 
     result = diagnostics.audit(KeepPerKey(), causal=causal, progress=False).result("runs")
-    if causal:
-        assert result.verdict == "fail" and result.message.startswith("the layer raised on"), result
-    else:
-        assert result.verdict == "skip" and result.message.startswith("needs a declaration, mask='key_keep'"), result
+    assert result.verdict == "skip" and result.message.startswith("needs a declaration, mask='key_keep'"), result
+    if not causal:
+        failed = diagnostics.audit(KeepPerKeyNeedsAMask(), progress=False).result("runs")
+        assert failed.verdict == "fail" and failed.message.startswith("the layer raised on"), failed
 
 
 class QueryKeyValueStyled(torch.nn.Module):

@@ -278,17 +278,17 @@ def runs_verdict(probe: Probe) -> DetectorResult:
 
 def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
     """A convention mismatch, which is no defect: every call that raised was given a mask (in the convention nobody
-    declared: the default or one the layer seemed to state), calls without one ran, and given its mask in another
-    convention the layer runs and honours it (`honoured_conventions`). Then `runs` is a skip naming the declaration,
-    and the audit "needs a declaration" (inconclusive) instead of failing; None otherwise."""
+    declared: the default or one the layer seemed to state), and given its mask in another convention the layer runs
+    and honours it (`honoured_conventions`, whose probe is its own evidence that the layer runs: a causal audit, which
+    passes its mask to every call, makes no call without one). Then `runs` is a skip naming the declaration, and the
+    audit "needs a declaration" (inconclusive) instead of failing; None otherwise (a call without a mask that raised is
+    the layer's own failure)."""
     s = probe.subject
     calls = probe.failed_calls
     if not calls or not s.takes_mask or s.convention_by in ("user", "library") or \
             any(c.allowed is None for c in calls):
         return None
-    unmasked_ran = any(not shape.raised and shape.allowed is None for shapes in probe.shapes.values()
-                       for shape in shapes)
-    found = honoured_conventions(probe) if unmasked_ran else []
+    found = honoured_conventions(probe)
     if not found:
         return None
     convention, how = found[0]
