@@ -191,6 +191,30 @@ def test_the_logit_gain_is_10_where_the_spread_is_not_finite(score, expected):
     assert gain(constant_scores(score), torch.float64) == expected
 
 
+def kernel_attention(q, k, v, mask=None):
+    """Linear attention (elu + 1 feature maps): no softmax and no weights returned, so no logit spread to read."""
+    fq, fk = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1  # (B, H, T, d)
+    return (fq @ (fk.transpose(-2, -1) @ v)) / (fq @ fk.sum(-2, keepdim=True).transpose(-2, -1)), None
+
+
+@pytest.mark.parametrize("layer", ["kernel", "softmax"])
+def test_the_gradient_checks_gain_falls_back_to_the_standard_probes_where_their_tokens_show_no_weights(layer):
+    """`gradient_gain` reads the gain on the gradient checks' own tokens (their float64 forward at their plain size);
+    where that forward shows no weights (a kernel's attention: no softmax), the standard probe's gain, 10 where none
+    were exposed there either. Its twin, softmax attention, gets the gain its own tokens' rows read (scores the same
+    for any tokens here, so the standard probe's too; tests/test_parameters_saturated.py shows the two apart)."""
+    from diagnostics.detectors._common import LOGIT_SPREAD, float64_copy_or_skip, gradient_probe
+
+    fn = kernel_attention if layer == "kernel" else constant_scores(0.0, keys=2)
+    probe = Probe(make_subject(fn, d_model=16, num_heads=2), causal=False, scale=None, seq_len=16, seed=0)
+    probe.detector = "gradients"
+    made = gradient_probe(probe, float64_copy_or_skip(probe, "gradients"))
+    if layer == "kernel":
+        assert made.gain == logit_gain(probe) == 10.0
+    else:  # scores of 0.5 on the own key and 0 on the next, whatever the tokens: spread 0.5 / sqrt(2), at any gain
+        assert made.gain == pytest.approx(math.sqrt(LOGIT_SPREAD / (0.5 / math.sqrt(2.0))), rel=1e-6)
+
+
 # ---- _core.compared: an output with no row axis --------------------------------------------------------------------
 
 
