@@ -358,3 +358,36 @@ def test_a_causal_audit_gives_one_stream_so_a_self_attention_only_layer_is_measu
     assert causal.verdict == "pass" and causal.message.startswith("shifting every position by 5 (padding)"), causal
     both = verdict(SharedMemory(slope=-0.5, self_only=True), "relative_positions")
     assert both.verdict == "skip" and "self-attention only" in both.message, both
+
+
+# ---- pattern._tests: every class where the budget allows; a one-stream layer's own class left out ------------------
+
+
+@pytest.mark.parametrize("budget", [3, 4, 5])
+def test_the_pattern_probe_reads_every_class_exactly_where_the_budget_holds_them(budget):
+    """`_tests`' `p <= budget` (L299 at 3057bfd, made `<`, survived the --all run): a causal window of 2 over 8 tokens
+    has p = 4 classes (its widest row + 2); a budget of 4 or 5 reads every class in order, and every edge pair; a
+    budget of 3 reads the three classes that read the most edge pairs, and says not every pair was read."""
+    from diagnostics.detectors.pattern import _tests
+
+    T, W = 8, 2
+    i, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
+    declared = ((j <= i) & (i - j < W)).expand(1, T, T).clone()  # (B, Tq, Tk)
+    tests = _tests(declared, budget, one_stream=False)
+    assert tests.p == 4 and tests.every == (budget >= 4), tests
+    assert tests.residue[:, 0].tolist() == ([0, 1, 2, 3] if budget >= 4 else [1, 2, 0]), tests
+    assert (tests.edges, tests.edges_read) == ((26, 26) if budget >= 4 else (26, 21)), tests
+
+
+@pytest.mark.parametrize("one_stream", [True, False])
+def test_a_one_stream_layer_reads_no_pair_in_its_own_class(one_stream):
+    """`_tests`' `residue != residue` for one stream (L298 at 3057bfd, made `==`, survived the --all run): a one-stream
+    layer's copy changes query i's own token with the keys of its class, so none of those pairs can be read: of the 26
+    edge pairs of a causal window of 2 over 8 tokens, the 7 on the diagonal's class go (19 left); given its keys apart
+    (its twin), all 26 are read. With `==` the one-stream layer would read the 7 only."""
+    from diagnostics.detectors.pattern import _tests
+
+    T, W = 8, 2
+    i, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
+    declared = ((j <= i) & (i - j < W)).expand(1, T, T).clone()
+    assert _tests(declared, 4, one_stream=one_stream).edges == (19 if one_stream else 26)
