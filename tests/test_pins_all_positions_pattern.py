@@ -391,3 +391,17 @@ def test_a_one_stream_layer_reads_no_pair_in_its_own_class(one_stream):
     i, j = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
     declared = ((j <= i) & (i - j < W)).expand(1, T, T).clone()
     assert _tests(declared, 4, one_stream=one_stream).edges == (19 if one_stream else 26)
+
+
+@pytest.mark.parametrize("measured, extras", [(None, {}), ("no picture", {}), ("a picture", {"dependency_map": "map"})])
+def test_a_pattern_finding_carries_its_picture_only_where_one_was_measured(measured, extras):
+    """`_picture`'s `m is not None and m.picture is not None` (L596 at 3057bfd, `and` made `or`, survived the --all
+    run): a FlexAttention finding made without a measurement (None) and a measurement whose picture's calls failed
+    (picture None) carry no `dependency_map` in their extras, which the HTML report would draw empty (with `or`, the
+    first raises and the second carries None); one with its picture carries it."""
+    from types import SimpleNamespace
+
+    from diagnostics.detectors.pattern import _picture
+
+    m = None if measured is None else SimpleNamespace(picture=None if measured == "no picture" else "map")
+    assert _picture(m) == extras
