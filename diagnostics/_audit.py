@@ -210,8 +210,7 @@ def under_a_mask_undeclared(measured: dict[str, DetectorResult]) -> dict[str, De
     whose every probe gave the layer a mask in that convention says nothing yet of the layer (a mask of True = blocked
     read as True = may attend blocks every key of an unmasked row, whose NaN fully_masked_rows then sees spread): it
     needs the same declaration, never a FAIL. Failures on a probe without a mask stand."""
-    needed = next((r for r in measured.values() if r.declaration and "mask" in r.declaration
-                   and r.detector in ("mask_honoured", "runs")), None)
+    needed = next((r for r in measured.values() if r.declaration and r.extras.get("mask_convention")), None)
     if needed is None:
         return measured
     out = dict(measured)
@@ -222,7 +221,7 @@ def under_a_mask_undeclared(measured: dict[str, DetectorResult]) -> dict[str, De
                                           f"layer its mask in a convention it does not take (see {needed.detector}), "
                                           f"so this reading says nothing of the layer yet: {result.message}",
                                   fix=f"audit with {needed.declaration} if that is the layer's convention (see "
-                                      f"{needed.detector}), and this detector measures it again", where=())
+                                      f"{needed.detector}), and this detector measures it again")
     return out
 
 

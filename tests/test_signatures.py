@@ -244,6 +244,7 @@ def test_a_layer_that_adds_its_bool_mask_or_blocks_where_true_needs_a_declaratio
         assert (report.status, report.declaration) == ("inconclusive", f"mask={honoured!r}"), str(report)
         assert found.verdict == "skip" and found.message.startswith(f"needs a declaration, mask={honoured!r}: "), found
         assert f"audit with mask={honoured!r}" in found.message and said in found.message, found.message
+        assert found.extras["mask_convention"] == honoured  # as data: the audit's other mask findings read it
         torch.manual_seed(0)
         assert "mask_honoured" not in audit(layer(), mask=honoured).fired()
         torch.manual_seed(0)

@@ -190,8 +190,8 @@ def convention_hint(probe: Probe) -> str | None:
     return hint
 
 
-def undeclared_convention(probe: Probe) -> tuple[str, str] | None:
-    """(the declaration, the hint that says both readings) where nobody said the mask's convention (the audit gave
+def undeclared_convention(probe: Probe) -> tuple[str, str, str] | None:
+    """(the declaration, the hint that says both readings, the convention honoured) where nobody said the mask's convention (the audit gave
     its default: no declaration, no library's, nothing the layer states) and the layer honours its mask in another
     (`honoured_conventions`): one behaviour, a bug under the default reading and right under the other (open_clip's
     Attention fills -inf where a bool mask is True, as nn.MultiheadAttention reads it), which only the layer's author
@@ -203,7 +203,8 @@ def undeclared_convention(probe: Probe) -> tuple[str, str] | None:
     found = honoured_conventions(probe)
     if not found or (found[0][0].meaning == "additive" and stated_bool(s)):
         return None  # a mask the layer's own words say is bool, honoured only as added floats: adding it is the bug
-    return spell("mask", str(found[0][0]), probe.options), convention_hint(probe)
+    convention = str(found[0][0])
+    return spell("mask", convention, probe.options), convention_hint(probe), convention
 
 
 __all__ = ["adds_bool_mask", "candidates", "convention_hint", "honoured_as_given", "honoured_conventions",

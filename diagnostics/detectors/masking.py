@@ -140,14 +140,14 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     if undeclared is not None:
         # nobody said the mask's convention, and the layer honours it in another: the same behaviour is an inverted
         # (or added) mask under the audit's default reading and right under the other, so no FAIL: a declaration
-        declare, hint = undeclared
+        declare, hint, convention = undeclared
         given = probe.subject.mask_convention
         return DetectorResult(det, "skip", f"needs a declaration, {declare}: given its mask in the audit's default "
                                            f"convention, {given} ({given.describe()}), which nothing the layer says "
                                            f"confirms, {found.message}; {hint}",
                               value=found.value, threshold=found.threshold, evidence=found.evidence,
                               fix=f"declare the convention the layer takes: {hint}", replay=found.replay,
-                              declaration=declare)
+                              declaration=declare, extras={"mask_convention": convention})
     if found.verdict == "fail":
         # before saying the mask is ignored: the layer's mask may be another convention, as its parameter's name,
         # annotation, default or docstring says or as it behaves; a hint only where the layer states a convention

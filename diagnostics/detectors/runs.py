@@ -299,7 +299,7 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                                   f"and honours it",
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
-                  declaration=declare)
+                  declaration=declare, extras={"mask_convention": str(convention)})
 
 
 def _own_queries_needed(probe: Probe, evidence: str) -> DetectorResult | None:
