@@ -314,3 +314,40 @@ def test_a_layer_blind_to_one_class_of_keys_is_over_masking_not_a_skip():
     found = verdict(blind, "attention_pattern", pattern=pattern)
     assert found.verdict == "fail" and "(over-masking)" in found.message, found
     assert verdict(_windowed(1.0, 4), "attention_pattern", pattern=pattern).verdict == "pass"
+
+
+class ConvThenCausal(nn.Module):
+    """A causal depth-wise convolution (row i reads rows i-2..i), then causal self-attention (24 wide, 2 heads, seed
+    0); `leaks`: each output row then adds the next row's output, a leak one key into the future that no mask shows.
+    24 wide so that no axis of the convolution's (B, C, T) tensors is mistaken for the 16 positions."""
+
+    def __init__(self, leaks: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.leaks, self.num_heads = leaks, 2
+        self.conv = nn.Conv1d(24, 24, 3, groups=24)
+        self.qkv, self.out = nn.Linear(24, 72), nn.Linear(24, 24)
+
+    def forward(self, x):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        h = self.conv(nn.functional.pad(x.transpose(1, 2), (2, 0))).transpose(1, 2)  # (B, T, D), causal
+        q, k, v = self.qkv(h).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)  # (B,H,T,d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)  # (B, H, T, T)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        return out + out.roll(-1, dims=1) if self.leaks else out  # row i takes row i + 1: the leak
+
+
+def test_a_leak_past_a_causal_convolution_is_found_where_it_enters_not_at_the_convolution():
+    """_measure's rows to hold when a copy's leaking key needed no bisecting (L513 `meets = (...).any(-1)`, any->all;
+    L514 `hold = ~meets & ~(...)`, each `~` dropped): the rows held are those that meet no key the pattern lets
+    them see, less the perturbed token's own row. The convolution moves rows i..i+2 when key i changes, rows causal()
+    lets see it, so the first op moving a held row is the roll (held: the rows before the key). `all` (no row meets
+    every key) and the first `~` dropped held the rows after the key, pointing at the convolution; the second `~`
+    dropped held only the perturbed row, which meets its own key, and pointed nowhere. Its twin, without the leak,
+    passes on the same inputs."""
+    found = verdict(ConvThenCausal(leaks=True), "attention_pattern", pattern=patterns.causal())
+    assert found.verdict == "fail" and "(leakage)" in found.message, found
+    assert [s.code for s in found.where][:1] == ["return out + out.roll(-1, dims=1) if self.leaks else out  "
+                                                 "# row i takes row i + 1: the leak"], [s.code for s in found.where]
+    assert verdict(ConvThenCausal(leaks=False), "attention_pattern", pattern=patterns.causal()).verdict == "pass"

@@ -79,15 +79,14 @@ DECODE_SHARE = 3
 class PatternEvidence:
     """What the verdict was computed on, for the localiser: the baseline (its queries the last Tq of the Tk
     positions), the perturbed copy in which a held row moved (`case`, `hold`: (B, Tq) rows that must not move,
-    `moved`: the perturbed key positions (B, Tk)), the first over-masked cell, and a FlexAttention mask_mod that
-    disagrees with the pattern at `point` (b, h, q, kv)."""
+    `moved`: the perturbed key positions (B, Tk)), and a FlexAttention mask_mod that disagrees with the pattern at
+    `point` (b, h, q, kv)."""
 
     base: Inputs | None = None
     case: Inputs | None = None
     hold: Tensor | None = None
     moved: Tensor | None = None
     tol: float = 0.0
-    over: tuple[int, int, int] | None = None
     mask_mod: object = None
     point: tuple[int, int, int, int] | None = None
     differ: tuple[int, int, int] = (0, 0, 0)  # points that differ in all, in (b=0, h=0), and (b=0, h=0)'s total
@@ -530,8 +529,6 @@ def _measure(probe: Probe, base: Inputs, when: str, budget: int) -> Measured | D
     if bool(over.any()):
         b, i, j = (int(x) for x in over.nonzero()[0])
         over_cell = (b, i, j)
-        if not reading.leaks:
-            ev = PatternEvidence(base=base, tol=tol, over=(b, i, j))
         over_text = (f"{int(over.sum())} / {int(declared.sum())} (query, key) pairs that {pattern} allows move no "
                      f"output, e.g. {_cells(over, offset)} (the row moved by at most {tol:.2g} of the outputs' RMS "
                      f"about their mean, {dt}, the key pushed both ways)")
