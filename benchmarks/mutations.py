@@ -315,6 +315,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
                                                             "crosses' below)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/decoding.py:check_cache_decoding:L*:Gt->GtE": ("int((part > tol).sum())", _TOLERANCE_EDGE + " (tol "
+                                                              "is at least ROW_SUM's, positive, per dtype)"),
     "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (
         "exact <= tolerance(ROW_SUM, torch.float64)", _TOLERANCE_EDGE + " (a float64 copy's reading against float64's "
         "1e-9)"),

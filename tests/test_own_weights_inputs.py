@@ -198,3 +198,48 @@ def test_a_cross_attention_is_recomputed_with_its_memorys_mask_and_its_twin_with
     monkeypatch.setattr(modeling.LightGlueAttention, "forward", memory_mask_dropped)
     wrong = diagnostics.audit_model(_lightglue())
     assert any(f.layer == cross and f.detector == "own_weights" for f in wrong.findings), str(wrong)
+
+
+class BertStyleCross(nn.Module):
+    """A cross-attention written as transformers writes BERT's (BertCrossAttention): the memory comes as
+    `encoder_hidden_states`, its padding mask as `attention_mask` (the parent passes the encoder's mask under that
+    name), no `encoder_attention_mask` argument. `reads_mask=False`: the mask is taken and not applied (the bug)."""
+
+    def __init__(self, reads_mask: bool = True):
+        super().__init__()
+        self.num_heads, self.head_dim, self.reads_mask = HEADS, D // HEADS, reads_mask
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, Tq, _ = hidden_states.shape  # batch, query length, d_model
+        Tk = encoder_hidden_states.shape[1]  # the memory's length
+        q = self.q_proj(hidden_states).view(B, Tq, HEADS, -1).transpose(1, 2)  # (B, H, Tq, d)
+        k, v = (p(encoder_hidden_states).view(B, Tk, HEADS, -1).transpose(1, 2)  # (B, H, Tk, d)
+                for p in (self.k_proj, self.v_proj))
+        scores = q @ k.transpose(-2, -1) * self.scaling  # (B, H, Tq, Tk)
+        if attention_mask is not None and self.reads_mask:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))  # bool (B, 1, Tq, Tk), True = may attend
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, Tq, D))
+
+
+def memory_padded(layer, x, memory, mask):
+    """The memory's last 3 keys are padding in the second sequence, its mask passed as `attention_mask`."""
+    allowed = torch.ones(memory.shape[0], 1, x.shape[1], memory.shape[1], dtype=torch.bool)
+    allowed[1, ..., -3:] = False
+    return layer(x, encoder_hidden_states=memory, attention_mask=allowed)
+
+
+def test_a_cross_attention_given_its_memorys_mask_as_attention_mask_is_recomputed_with_it():
+    """_projections.huggingface's choice of mask (L393 at 3057bfd, `and`->`or`: a memory passed as
+    encoder_hidden_states made the recompute read `encoder_attention_mask` even where the call passed none, so BERT's
+    cross-attention, whose memory mask arrives as `attention_mask`, was recomputed unmasked and failed). The memory's
+    mask is read from `encoder_attention_mask` only where the call passes one (LightGlue, above); here the layer's
+    `attention_mask` is the memory's. Its twin, which takes the mask and applies none, is not passed on the same
+    inputs: its output differs from the recompute, by no one step of the reference (an ignored mask is not among
+    them; mask_honoured is the detector that fails it), so own_weights says it cannot tell."""
+    right = own_weights(built(BertStyleCross), cross=True, call=memory_padded)
+    assert right.verdict == "pass", right.message + " | " + str(right.evidence)
+    assert "attention_mask as passed" in right.evidence, right.evidence
+    wrong = own_weights(built(lambda: BertStyleCross(reads_mask=False)), cross=True, call=memory_padded)
+    assert wrong.verdict == "skip" and "differs from the attention its weights compute" in wrong.message, wrong.message
