@@ -254,6 +254,7 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
 # timm's train() override drops the cache there: those models no longer fail (transformers' LeViT keeps its cache
 # through eval(), and stays KNOWN).
 KNOWN.update(__import__("sweep_diffusers").KNOWN)  # diffusers' own, keyed by the row names of its sweep
+KNOWN.update(__import__("sweep_packages").KNOWN)  # the zoo packages' own, likewise
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A mask read only as a flag (issue 34, cause 7): a layer that takes a mask and, whenever one is given, applies a
 fixed pattern of its own (a causal mask, a window) without reading the mask's values. Whisper's SDPA path is one
-(`is_causal=mask is not None`, whisper/model.py:124). Trailing padding and a causal mask block only keys such a
+(`is_causal=mask is not None`, whisper/model.py:125 in openai-whisper 20250625). Trailing padding and a causal mask block only keys such a
 pattern hides anyway, so `mask_honoured` also blocks keys in the past (keys 1..cut, for every query): the layer lets
 the later queries see them, and the finding says the mask's content is ignored, only its presence changes the
 output, with the fix to use its values; `relative_positions`, whose left padding such a layer attends too, measures

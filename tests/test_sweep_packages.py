@@ -38,3 +38,28 @@ def test_a_row_of_the_vit_pytorch_sweep(name, verdict, declared):
     types, run_one = sweep.LIBRARIES["vit_pytorch"]
     row = sweep.in_child(run_one, name, 240.0, bugs=False)
     assert (row.built, row.verdict, row.declared) == (True, verdict, declared), row
+
+
+def test_whispers_known_failure_is_confirmed_by_a_plain_script():
+    """sweep_packages.KNOWN's reason, outside the audit: on whisper's SDPA path a mask that blocks the last two keys
+    (not causal) gives exactly the causal mask's output, and the explicit path, which adds the mask, differs."""
+    pytest.importorskip("whisper", reason=f"openai-whisper is not installed (the zoo extra): {ZOO}")
+    import torch
+    from whisper.model import MultiHeadAttention
+
+    assert "model:MultiHeadAttention" in sweep.KNOWN
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 6, 16)
+    padding = torch.zeros(6, 6)
+    padding[:, -2:] = float("-inf")  # the last two keys blocked for every query: additive, as whisper takes it
+    causal = torch.full((6, 6), float("-inf")).triu(1)
+    try:
+        with torch.no_grad():
+            sdpa_padding, sdpa_causal = layer(x, mask=padding)[0], layer(x, mask=causal)[0]
+            MultiHeadAttention.use_sdpa = False
+            explicit_padding = layer(x, mask=padding)[0]
+    finally:
+        MultiHeadAttention.use_sdpa = True
+    assert torch.equal(sdpa_padding, sdpa_causal)  # the mask's values unread
+    assert float((sdpa_padding - explicit_padding).abs().max()) > 0.1  # the path that reads them gives another output
