@@ -92,6 +92,11 @@ TINY = {
     # them it chooses every key of any length the audit reaches (gradient_flow stops at 1,024), so it is never used;
     # 32 keys make it choose from 64 tokens on, where gradient_flow finds it (a top-k choice: a warning, not a fail)
     "index_topk": 32, "index_n_heads": 4, "index_head_dim": 16,
+    # a linear-attention (gated delta rule) mixer's own heads, beside the attention's: left at GLM-5-Next's 64 heads of
+    # 128 (8,192 wide on a 32-wide model), its text model's audit held 14.5 GB and was killed, its full model ran past
+    # 240 s; value heads stay a multiple of key heads (Qwen3-Next's 16 and 32), as key/value heads of query heads
+    "linear_num_heads": 4, "linear_head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     # a looped model's sections (Dory: 8 input layers, a recurrent middle looped over, 8 output layers) fit in the
     # 2 layers kept: left at 8 each, its middle was -14 layers and its cache read the wrong layers
     "n_input_layers": 1, "n_output_layers": 1,
@@ -533,6 +538,11 @@ def build(model_type: str, impl: str | None = None, *, device: str = "cpu", dtyp
     causal_lm = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     config = tiny_config(model_type, decoder=cls.__name__ in ((causal_lm,) if isinstance(causal_lm, str) else
                                                                causal_lm or ()))
+    wants, text = getattr(cls, "config_class", None), config.get_text_config()
+    if isinstance(wants, type) and not isinstance(config, wants) and isinstance(text, wants):
+        # a composite config for its text model's class, as AutoModelForCausalLM.from_config hands it over (Qwen3.5's
+        # and Qwen4-Exp's causal LM classes take the text config: given the whole, they raised on its vocab_size)
+        config = text
     torch.manual_seed(0)
     kw = {"attn_implementation": impl} if impl else {}
     return placed(cls._from_config(config, **kw).eval(), device=device, dtype=dtype)
