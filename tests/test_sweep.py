@@ -353,6 +353,27 @@ def test_tiny_configs_keep_what_a_layer_needs_consistent():
         assert text.rope_parameters["mrope_section"] == [2, 1, 1], (model_type, text.rope_parameters)
         assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
     assert "mrope_section" not in sweep.tiny_config("llama").rope_parameters  # a model that splits no rotary table
+    # a linear-attention mixer's own heads shrunk (GLM-5-Next's 64 of 128: its audit held 14.5 GB), value heads a
+    # multiple of key heads (Qwen3-Next's 16 key and 32 value heads)
+    glm = sweep.tiny_config("glm5_next_text")
+    assert (glm.linear_num_heads, glm.linear_head_dim) == (4, 8)
+    qwen = sweep.tiny_config("qwen3_next")
+    assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.linear_key_head_dim) == (2, 4, 8)
+
+
+def test_a_composite_config_is_handed_to_its_text_models_class_as_the_auto_class_does():
+    """Qwen3.5's causal LM class takes its text config; given the whole (vision and text) config it raised on its
+    vocab_size and the type was "not built". The sweep builds it as AutoModelForCausalLM.from_config does; a class
+    whose config is the whole, Qwen3.5's image-text class, still gets the whole."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    model = sweep.build("qwen3_5")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and type(model.config).__name__ == "Qwen3_5TextConfig"
+    import transformers
+
+    whole = sweep.tiny_config("qwen3_5")
+    cls = transformers.Qwen3_5ForConditionalGeneration
+    assert isinstance(whole, cls.config_class)  # the build's text config is chosen only where the class asks for it
 
 
 def test_a_hybrids_tiny_config_keeps_a_layer_of_each_kind():
