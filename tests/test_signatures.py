@@ -256,6 +256,38 @@ def test_a_layer_that_adds_its_bool_mask_or_blocks_where_true_needs_a_declaratio
     assert "adds its mask" not in audit(BlocksWhereAllowed()).result("mask_honoured").message
 
 
+class TakesFloatMasksOnly(Heads):
+    def forward(self, x, attention_mask=None):  # additive, and says so by raising on any other dtype
+        if attention_mask is not None and not attention_mask.is_floating_point():
+            raise TypeError(f"attention_mask must be a float additive mask, got {attention_mask.dtype}")
+        return self.attend(x, attention_mask)
+
+
+class RaisesOnAnyMask(Heads):
+    def forward(self, x, attention_mask=None):  # a mask parameter it cannot take in any convention
+        if attention_mask is not None:
+            raise ValueError("this layer takes no mask")
+        return self.attend(x, None)
+
+
+def test_at_one_token_a_layer_that_runs_only_in_another_convention_needs_its_declaration():
+    """runs' convention mismatch at seq_len 1, where no key can be blocked and honouring cannot be read: a layer that
+    raises on the audit's bool mask and runs given it as additive floats is no defect there either (it FAILed `runs`
+    before), but a skip that names mask='additive' and says that seq_len >= 2 measures it; with that declaration the
+    audit passes. Its twin, a layer that raises given its mask in every convention, still fails `runs`."""
+    torch.manual_seed(0)
+    report = audit(TakesFloatMasksOnly(), seq_len=1)
+    found = report.result("runs")
+    assert (report.status, report.declaration) == ("inconclusive", "mask='additive'"), str(report)
+    assert found.verdict == "skip" and found.message.startswith("needs a declaration, mask='additive': "), found
+    assert "At one token no key can be blocked" in found.message and "seq_len >= 2" in found.message, found.message
+    assert found.extras["mask_convention"] == "additive"
+    torch.manual_seed(0)
+    assert audit(TakesFloatMasksOnly(), seq_len=1, mask="additive").status == "passed"
+    torch.manual_seed(0)
+    assert audit(RaisesOnAnyMask(), seq_len=1).result("runs").verdict == "fail"
+
+
 def test_undeclared_the_mask_finding_comes_with_the_convention_to_declare():
     """Undeclared, the correct additive layer is given bool (B, 1, Tq, Tk) masks: the audit reports it
     (mask_honoured), and the hint, read from the parameter's name (not from what the layer did), names the

@@ -113,6 +113,33 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
     return found
 
 
+def conventions_run(probe: Probe) -> list[MaskConvention]:
+    """The other conventions in which the layer runs the standard probe's shapes, given a padding mask in each: at one
+    token (`probe.t < 2`) no key can be blocked, so whether a convention is honoured cannot be read
+    (`honoured_conventions` says nothing there) and running is the only evidence of a convention there is. [] where
+    the convention was declared by the user or is the library's. One call per convention, cached on the probe."""
+    s = probe.subject
+    if "ran" in probe.mask_hints:
+        return probe.mask_hints["ran"]
+    ran: list[MaskConvention] = []
+    probe.mask_hints["ran"] = ran
+    if s.convention_by in ("user", "library") or not s.takes_mask:
+        return ran
+    B, T = probe.BATCH, probe.t
+    q, k, v = probe.streams(B, T)
+    allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
+    for convention in candidates(probe):
+        probe.passes += 1
+        try:
+            with torch.no_grad():
+                out = s.with_convention(convention)(q, k, v, allowed).out
+        except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
+            continue
+        if out.dim() >= 3 and out.shape[0] == B and out.shape[s.time_dim] == T and bool(out.isfinite().all()):
+            ran.append(convention)
+    return ran
+
+
 def adds_bool_mask(probe: Probe) -> bool:
     """Whether the layer adds its bool mask to the scores: its output is the same when the same mask comes as 0./1.
     floats (a layer that blocks with a bool mask cannot take a float one alike: masked_fill needs bools, and a

@@ -18,7 +18,7 @@ from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_c
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import own_queries_seen, result
-from ._mask_hints import convention_hint, honoured_conventions
+from ._mask_hints import convention_hint, conventions_run, honoured_conventions
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
@@ -289,17 +289,41 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
             any(c.allowed is None for c in calls):
         return None
     found = honoured_conventions(probe)
+    given = f"{s.mask_convention} ({s.mask_convention.describe()})"
+    if not found and probe.t < 2:
+        return _needed_at_one_token(probe, evidence, given)
     if not found:
         return None
     convention, how = found[0]
     declare = spell("mask", str(convention), probe.options)
-    given = f"{s.mask_convention} ({s.mask_convention.describe()})"
     return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
                                   f"mask, as {given}; given its mask as {convention} ({convention.describe()}) it runs "
                                   f"and honours it",
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
                   declaration=declare, extras={"mask_convention": str(convention)})
+
+
+def _needed_at_one_token(probe: Probe, evidence: str, given: str) -> DetectorResult | None:
+    """`_needed_declaration` at one token, where no key can be blocked and honouring is not measured: the layer that
+    raised on every masked call runs given its mask in another convention (`conventions_run`, the first named, those
+    it runs in listed). A skip that names the declaration and says how to measure it; None where it runs in none."""
+    ran = conventions_run(probe)
+    if not ran:
+        return None
+    declare = spell("mask", str(ran[0]), probe.options)
+    others: list = []  # the first convention of each other meaning it runs in
+    for c in ran[1:]:
+        if all(c.meaning != o.meaning for o in (ran[0], *others)):
+            others.append(c)
+    also = f" (it runs in {', '.join(map(str, others))} too)" if others else ""
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
+                                  f"mask, as {given}; given its mask as {ran[0]} ({ran[0].describe()}) it runs{also}. "
+                                  f"At one token no key can be blocked, so whether it honours that mask is not "
+                                  f"measured: audit at seq_len >= 2 to read its convention from what it does",
+                  evidence=f"{evidence}; as {ran[0]}: it runs (one token: honouring not measurable)",
+                  fix=f"audit with {declare} if that is the convention the layer takes, at seq_len >= 2 to measure it",
+                  declaration=declare, extras={"mask_convention": str(ran[0])})
 
 
 def _own_queries_needed(probe: Probe, evidence: str) -> DetectorResult | None:
