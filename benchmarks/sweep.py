@@ -66,6 +66,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
 BUGS = ("missing_scale", "mask_ignored", "softmax_wrong_dim", "mask_after_softmax")
+# a bug that keeps every property a black-box check reads (the same function as a correct layer with its query heads
+# permuted): caught only against the layer's own weights (own_weights), so counted apart, where those were read
+GROUPED = "grouped_heads_wrong_order"
 MASK_BUGS = ("mask_ignored", "mask_after_softmax")  # nothing to break where the model masks nothing
 CLASS_ROLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
                "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
@@ -272,6 +275,7 @@ class Row:
     findings: list = field(default_factory=list)  # "detector@layer"
     causal: str = ""
     bugs: dict = field(default_factory=dict)  # bug -> "caught" (+ "; a warning also at"), "missed", "elsewhere"
+    injected: str = ""  # the layer the bugs went into
     own_weights: dict = field(default_factory=dict)  # layer -> own_weights' verdict (and why, where not "pass")
     declared: str = ""  # a layer audit's named declaration and the status it gave with it (diffusers)
     seconds: float = 0.0  # wall clock, the fork to the row
@@ -602,10 +606,13 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
     register_attention("sweep_bugs", bug_attention)
     padding = report.result("padding_invariance")
     masked = report.causal or (padding is not None and padding.verdict != "skip")  # else a mask bug changes nothing
-    path = injected_at(report)
-    for bug in ("reference", *BUGS):
+    path = row.injected = injected_at(report)
+    for bug in ("reference", *BUGS, GROUPED):
         if bug in MASK_BUGS and not masked:
             row.bugs[bug] = "not applicable: no mask (not causal, no padding mask)"
+            continue
+        if bug == GROUPED and not groups > 1:
+            row.bugs[bug] = "not applicable: a key/value head per query head, no groups to reorder"
             continue
         try:
             broken = build(row.model_type, "sweep_bugs", device=device, dtype=dtype)
@@ -635,6 +642,7 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
                 return
             reference = rep
             given = getattr(target, "_test_scaling", None)  # the scale the layer handed its attention function
+            groups = getattr(target, "_test_groups", 1)  # its query heads per key/value head
             continue
         row.bugs[bug] = where_caught(rep, report, reference, path)
 
@@ -1061,13 +1069,22 @@ def rates(rows: list[Row]) -> list[str]:
             for v in ("passed", "failed", "inconclusive", "usage error", "crashed", "timeout") if count(v))
             + (f"; {len(known)} of the failures expected (KNOWN)" if known else ""))
     judged = [r for r in built if r.bugs and "reference" not in r.bugs]
-    pairs = [(r, b, v) for r in judged for b, v in r.bugs.items() if not v.startswith("not applicable")]
+    pairs = [(r, b, v) for r in judged for b, v in r.bugs.items() if not v.startswith("not applicable")
+             and b != GROUPED]
     if judged:
         caught = sum(v.startswith("caught") for _, _, v in pairs)
         warned = sum(v.startswith("caught; a warning") for _, _, v in pairs)
         lines.append(f"injected bugs caught at the right layer: {caught} / {len(pairs)} in {len(judged)} models "
                      f"whose correct audit passed" + (f" ({warned} with a warning at another layer too)" if warned
                                                       else ""))
+    grouped = [r for r in judged if not r.bugs.get(GROUPED, "not applicable").startswith("not applicable")]
+    if grouped:  # where own_weights passed at the layer the bug went into, it can be seen; elsewhere not
+        read_there = [r for r in grouped if r.own_weights.get(r.injected) == "pass"]
+        caught = lambda rs: sum(r.bugs[GROUPED].startswith("caught") for r in rs)  # noqa: E731
+        lines.append(f"grouped key/value heads repeated in the wrong order (no black-box check can see it): caught "
+                     f"at the right layer in {caught(read_there)} / {len(read_there)} models where that layer's own "
+                     f"weights were read (own_weights passed there), {caught(grouped) - caught(read_there)} / "
+                     f"{len(grouped) - len(read_there)} elsewhere")
     read = [r for r in built if any(v == "pass" or v.startswith("fail") for v in r.own_weights.values())]
     if built:
         false = [r.model_type for r in read if any(v.startswith("fail") for v in r.own_weights.values())]

@@ -595,8 +595,11 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     Returns (B, Tq, H, d), as Hugging Face's functions do."""
     B, H, Tq, d = query.shape  # batch, query heads, queries, head width
     Tk, n_rep = key.shape[2], H // key.shape[1]
-    key = key.repeat_interleave(n_rep, dim=1)  # (B, H, Tk, d): grouped key/value heads shared by n_rep queries
-    value = value.repeat_interleave(n_rep, dim=1)
+    if kind == "grouped_heads_wrong_order":  # query head h reads key/value head h % G, not h // n_rep: the bug
+        key, value = key.repeat(1, n_rep, 1, 1), value.repeat(1, n_rep, 1, 1)
+    else:
+        key = key.repeat_interleave(n_rep, dim=1)  # (B, H, Tk, d): grouped key/value heads shared by n_rep queries
+        value = value.repeat_interleave(n_rep, dim=1)
     scores = query @ key.transpose(-2, -1)  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
     scale = {"missing_scale": 1.0, "scaled_by_d_model": scaling / H ** 0.5}.get(kind, scaling)  # d_model = H d
     scores = scores * scale
@@ -654,6 +657,7 @@ def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         kind = "reference"
     if kind is not None:
         module._test_scaling = scaling  # the scale the layer hands its function: 1 where it scaled q itself
+        module._test_groups = query.shape[1] // key.shape[1]  # query heads per key/value head
     if kind is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, position_bias=position_bias, **kw)
@@ -821,6 +825,20 @@ def test_catalog_bug_injected_through_attention_interface_is_caught_in_its_layer
     tf = _need("transformers")
     report, path = hf_bug_report(tf, name, kind)
     _check_injected(report, path, name, kind, hf_bug_report(tf, name, "reference")[0])
+
+
+def test_grouped_heads_in_the_wrong_order_are_caught_only_against_the_layers_own_weights():
+    """Key/value heads repeated in the wrong order (`repeat`, query head h reading group h % G, not h // (H / G)) keep
+    every property a black-box check reads: the same function as a correct layer with its query heads permuted. In
+    Llama (2 key/value heads for 4 query heads) through AttentionInterface, the model audit fails only own_weights, at
+    the layer it went into, naming the step; its twin, the same explicit attention with nothing broken, passes."""
+    tf = _need("transformers")
+    report, path = hf_bug_report(tf, "llama", "grouped_heads_wrong_order")
+    assert hf_bug_report(tf, "llama", "reference")[0].passed
+    assert report.status == "failed", str(report)
+    assert located(report) == {(path, "own_weights")}, str(report)
+    found = report.layers[path].result("own_weights")
+    assert "repeat, not repeat_interleave" in found.evidence, found.evidence
 
 
 def test_the_injected_attention_with_nothing_broken_computes_what_sdpa_computes():
