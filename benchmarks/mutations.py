@@ -425,8 +425,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/positions.py:check_relative_positions:L*:Lt->LtE": (
         "if P < 1:", "P = max(0, limit - T) just above: at P == 1 the branch sets T = limit - 1, which is T, and "
         "P = 1, which it is: `<` and `<=` give the same sizes"),
-    "detectors/own_weights.py:_judge:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
-    "detectors/own_weights.py:_judge:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "detectors/own_weights.py:_explained:L*:x10": ("<= 1e-9 * p.scale:", _SAME_SCALE),
+    "detectors/own_weights.py:_explained:L*:x0.1": ("<= 1e-9 * p.scale:", _SAME_SCALE),
     "_projections.py:_four_d:L*:Gt->GtE": (
         "bias.shape[0] == B * H and H > 1", "at H = 1 the two branches agree: a (B, Tq, Tk) mask viewed as "
         "(B, 1, Tq, Tk) is the same tensor as unsqueeze(1) (checked by hand)"),
@@ -439,9 +439,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "module, which are its projections and norms (nn.Linear, LayerNorm, RMSNorm, out_proj); no recogniser "
         "identifies one of those (each needs q/k/v projections of its own, a qkv and an output projection, or is "
         "nn.MultiheadAttention, whose modules a recognised module uses all of), so not skipping them finds nothing"),
-    "detectors/own_weights.py:_judge:L*:LtE->Lt": (("if err <= allowed:", "<= 1e-9 * p.scale:",
-                                                     "if e <= allowed and e <= err / 10:"), _TOLERANCE_EDGE),
-    "detectors/own_weights.py:_judge:L*:LtE->Lt#2": ("if e <= allowed and e <= err / 10:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:LtE->Lt": ("if err <= allowed:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_judge:L*:Gt->GtE": ("if err > allowed:", _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_explained:L*:LtE->Lt": (("<= 1e-9 * p.scale:", "if e <= allowed and e <= err / 10:"),
+                                                       _TOLERANCE_EDGE),
+    "detectors/own_weights.py:_explained:L*:LtE->Lt#2": ("if e <= allowed and e <= err / 10:", _TOLERANCE_EDGE),
     "detectors/own_weights.py:check_own_weights:L*:Gt->GtE": (
         "err / allowed > worst[0] / (worst[1] or 1.0)", "differs only where two modules' error / allowed are exactly "
         "equal (then which of them the value reports, not the verdict); with one module the first reading is > 0 and "
@@ -452,21 +454,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/own_weights.py:check_own_weights:L*:x0.1": (
         "(worst[1] or 1.0)", "worst[1] is 0 only at the start, (0.0, 0.0), where worst[0] is 0 too: 0 / 1, 0 / 10 and "
         "0 / 0.1 are all 0 (every allowed error is > 0: the floor)"),
-    "detectors/own_weights.py:_judge:L*:or->and": (
+    "detectors/own_weights.py:_explained:L*:or->and": (
         "p.heads == p.kv_heads or step == STEPS[3]", "the two skips save a recompute only: with as many key/value "
         "heads as query heads the wrong-order step repeats nothing, and without an output projection the skipped-"
         "projection step returns the reference's output, and without a stated value scale the step that leaves it out "
         "does too, so each such recompute IS the reference: e equals err, never at most err / 10, and nothing is named "
         "(checked in _projections.attend)"),
-    "detectors/own_weights.py:_judge:L*:or->and#2": (
+    "detectors/own_weights.py:_explained:L*:or->and#2": (
         "p.heads == p.kv_heads or step == STEPS[3]", "the second `or` joined makes the skip of the output-projection "
         "step (no output projection) and of the value-scale step (none stated) never fire; each such recompute IS the "
         "reference, as for the first `or` (above): e equals err, never at most err / 10, and nothing is named (checked "
         "in _projections.attend)"),
-    "detectors/own_weights.py:_judge:L*:Lt->LtE": (
-        "if best is None or err < best[0]:", "differs only where the recomputes with and without the causal mask miss "
-        "the output by exactly the same greatest error (two different float computations: checked by hand that only "
-        "the mask named in the evidence would change, never the verdict, which reads that error)"),
     "detectors/gradients.py:check_gradients:L*:x0.1": (
         ("mul_(0.6180339887498949)", "for d in u))), 1e-300)"),
         "equivalent in practice, on either line. `mul_(0.618...)`: the golden-ratio step only spreads the sampled "
