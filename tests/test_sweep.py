@@ -100,6 +100,8 @@ def test_a_fixed_sample_of_transformers_model_types_through_the_sweep(tmp_path):
         assert row.verdict == want, (t, row.verdict, row.why, row.findings)
         assert (t in sweep.KNOWN) == (want == "failed"), t  # a failure is one confirmed outside the audit
     for t in ("gpt2", "llama"):  # every injected bug caught at the layer it was injected into
+        grouped = rows[t].bugs.pop(sweep.GROUPED)  # Llama's default config: a key/value head per query head
+        assert grouped.startswith("not applicable: a key/value head per query head"), grouped
         assert rows[t].bugs == dict.fromkeys(sweep.BUGS, "caught"), rows[t].bugs
     assert rows["llama"].causal.startswith("True (inferred: LlamaForCausalLM is a causal LM")
 
@@ -233,6 +235,7 @@ def test_a_missing_scale_is_not_judged_where_the_layers_own_scale_is_1():
     row = _sweep().run_transformers("granitemoe", bugs=True)
     assert row.verdict == "passed", row
     assert row.bugs.pop("missing_scale").startswith("not applicable: the layer's own scale is 1"), row.bugs
+    assert row.bugs.pop(_sweep().GROUPED).startswith("not applicable: a key/value head per query head"), row.bugs
     assert row.bugs and set(row.bugs.values()) == {"caught"}, row.bugs
 
 
@@ -245,6 +248,7 @@ def test_a_missing_scale_is_not_judged_where_the_layer_hands_its_function_a_scal
     row = _sweep().run_transformers("kosmos-2.5", bugs=True)
     assert row.verdict == "passed", row
     assert row.bugs.pop("missing_scale").startswith("not applicable: the layer scales q itself"), row.bugs
+    assert row.bugs.pop(_sweep().GROUPED).startswith("not applicable: a key/value head per query head"), row.bugs
     assert set(row.bugs.values()) == {"caught"}, row.bugs
 
 
@@ -258,6 +262,7 @@ def test_a_bug_is_located_by_its_failures_and_a_warning_at_another_layer_is_said
     row = _sweep().run_transformers("clip_text_model", bugs=True)
     assert row.verdict == "passed", row
     assert row.bugs.pop("missing_scale") == "caught", row.bugs  # the model stays causal: no warning
+    assert row.bugs.pop(_sweep().GROUPED).startswith("not applicable"), row.bugs  # CLIP: no grouped key/value heads
     assert set(row.bugs.values()) == {"caught; a warning also at encoder.layers.0.self_attn"}, row.bugs
 
 
