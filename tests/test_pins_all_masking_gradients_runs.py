@@ -311,3 +311,87 @@ def test_a_causal_audit_of_a_layer_that_takes_another_mask_convention_needs_a_de
     assert ("it runs and honours it" in message) is (seq_len > 1), message
     torch.manual_seed(0)
     assert diagnostics.audit(FloatMaskOnly(), seq_len=seq_len, causal=True, mask="additive").passed
+
+
+class FloatMaskBroken(FloatMaskOnly):
+    """FloatMaskOnly whose output, given a float mask, is not a (B, T, D) of finite values: `how` says what breaks."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x, attention_mask=None):
+        out = super().forward(x, attention_mask)
+        if attention_mask is None:
+            return out
+        if self.how == "nan":
+            return out.index_put((torch.tensor([0]), torch.tensor([0]), torch.tensor([0])), torch.tensor(float("nan")))
+        if self.how == "batch":
+            return out[:1]  # the first sequence only
+        if self.how == "tokens":
+            return torch.cat([out, out[:, :1]], dim=1)  # one token more
+        return out.mean(1)  # "flat": (B, D), no token axis
+
+
+@pytest.mark.parametrize("how", ["nan", "batch", "tokens", "flat"])
+def test_at_one_token_a_convention_counts_only_where_its_output_is_whole_and_finite(how):
+    """_mask_hints.conventions_run's reading (its `out.dim() >= 3 and out.shape[0] == B and out.shape[time] == T and
+    out.isfinite().all()`, each part pinned, at 3057bfd's successor): at seq_len 1, a layer that raises on the audit's
+    bool mask and, given its mask as additive floats, returns one NaN, drops a sequence, adds a token or drops the token
+    axis does not run in that convention: `runs` fails, no declaration named. Its twin on the same inputs, the layer
+    whose float-mask output is whole, needs mask='additive'."""
+    torch.manual_seed(0)
+    broken = diagnostics.audit(FloatMaskBroken(how), seq_len=1).result("runs")
+    assert broken.verdict == "fail" and not broken.declaration, broken
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
+
+
+def test_at_one_token_a_declared_convention_the_layer_raises_on_still_fails_runs():
+    """runs._needed_declaration's guard (`s.convention_by in ("user", "library")`, its `or`s): declared mask='allowed'
+    (bool, the user's word), the float-only layer raises on every masked call at seq_len 1, and a convention it runs in
+    is no excuse: `runs` fails (the guard made `and` sought one). Undeclared, its twin needs mask='additive'."""
+    torch.manual_seed(0)
+    declared = diagnostics.audit(FloatMaskOnly(), seq_len=1, mask="allowed").result("runs")
+    assert declared.verdict == "fail" and not declared.declaration, declared
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
+
+
+class FloatMaskUnread(FloatMaskOnly):
+    """FloatMaskOnly that takes a float mask and never adds it: it runs in the additive convention and honours nothing."""
+
+    def forward(self, x, attention_mask=None):
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            raise TypeError("attention_mask must be a float mask")
+        return super().forward(x, None)  # the float mask taken, never added
+
+
+def test_from_two_tokens_running_in_a_convention_is_no_declaration_without_honouring_it():
+    """runs' `probe.t < 2` (Lt->LtE): at seq_len 2 padding can tell conventions apart, and the layer that raises on bool
+    masks and ignores the float ones honours none: `runs` fails. At seq_len 1, where nothing can be told, the same layer
+    runs in the additive convention and needs that declaration (the message says seq_len >= 2 measures it)."""
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskUnread(), seq_len=2).result("runs").verdict == "fail"
+    torch.manual_seed(0)
+    one = diagnostics.audit(FloatMaskUnread(), seq_len=1).result("runs")
+    assert one.verdict == "skip" and "seq_len >= 2" in one.message, one
+
+
+class KeyMaskOnly(FloatMaskOnly):
+    """Self-attention whose `mask` must be bool and 2-D: it raises on the audit's (B, 1, Tq, Tk) mask and, at one token,
+    runs given (Tq, Tk) or (B, Tk) masks of either polarity: conventions of two meanings, several shapes each."""
+
+    def forward(self, x, mask=None):
+        if mask is not None and (mask.dim() != 2 or mask.dtype != torch.bool):
+            raise ValueError("mask must be bool, 2-D")
+        return super().forward(x, None)
+
+
+def test_at_one_token_the_declaration_names_each_other_meaning_it_runs_in_once():
+    """_needed_at_one_token's list of the other conventions (`all(c.meaning != o.meaning ...)`: any->all, !=->==): one
+    convention per other meaning, none of the first one's meaning in another shape."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(KeyMaskOnly(), seq_len=1).result("runs")
+    assert found.verdict == "skip" and found.declaration == "mask='allowed:Tq,Tk'", found
+    assert "it runs (it runs in blocked:Tq,Tk too). At one token" in found.message, found.message

@@ -116,15 +116,14 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
 def conventions_run(probe: Probe) -> list[MaskConvention]:
     """The other conventions in which the layer runs the standard probe's shapes, given a padding mask in each: at one
     token (`probe.t < 2`) no key can be blocked, so whether a convention is honoured cannot be read
-    (`honoured_conventions` says nothing there) and running is the only evidence of a convention there is. [] where
-    the convention was declared by the user or is the library's. One call per convention, cached on the probe."""
+    (`honoured_conventions` says nothing there) and running is the only evidence of a convention there is. For a
+    layer that takes a mask in a convention nobody declared (its caller, `runs`, asks only then). One call per
+    convention, cached on the probe."""
     s = probe.subject
     if "ran" in probe.mask_hints:
         return probe.mask_hints["ran"]
     ran: list[MaskConvention] = []
     probe.mask_hints["ran"] = ran
-    if s.convention_by in ("user", "library") or not s.takes_mask:
-        return ran
     B, T = probe.BATCH, probe.t
     q, k, v = probe.streams(B, T)
     allowed = probe.allowed(B, T, T, probe.padding(B, T, T))
