@@ -330,14 +330,14 @@ class FloatMaskBroken(FloatMaskOnly):
             return out[:1]  # the first sequence only
         if self.how == "tokens":
             return torch.cat([out, out[:, :1]], dim=1)  # one token more
-        return out.mean(1)  # "flat": (B, D), no token axis
+        return out.mean(-1)  # "flat": (B, T), no width axis: at one token its second axis is as long as T
 
 
 @pytest.mark.parametrize("how", ["nan", "batch", "tokens", "flat"])
 def test_at_one_token_a_convention_counts_only_where_its_output_is_whole_and_finite(how):
     """_mask_hints.conventions_run's reading (its `out.dim() >= 3 and out.shape[0] == B and out.shape[time] == T and
     out.isfinite().all()`, each part pinned, at 3057bfd's successor): at seq_len 1, a layer that raises on the audit's
-    bool mask and, given its mask as additive floats, returns one NaN, drops a sequence, adds a token or drops the token
+    bool mask and, given its mask as additive floats, returns one NaN, drops a sequence, adds a token or drops the width
     axis does not run in that convention: `runs` fails, no declaration named. Its twin on the same inputs, the layer
     whose float-mask output is whole, needs mask='additive'."""
     torch.manual_seed(0)
@@ -395,3 +395,23 @@ def test_at_one_token_the_declaration_names_each_other_meaning_it_runs_in_once()
     found = diagnostics.audit(KeyMaskOnly(), seq_len=1).result("runs")
     assert found.verdict == "skip" and found.declaration == "mask='allowed:Tq,Tk'", found
     assert "it runs (it runs in blocked:Tq,Tk too). At one token" in found.message, found.message
+
+
+class StackRefused(FloatMaskOnly):
+    """FloatMaskOnly that also raises without a mask: a failure of its own beside the convention mismatch."""
+
+    def forward(self, x, attention_mask=None):
+        if attention_mask is None:
+            raise RuntimeError("a mask is required")
+        return super().forward(x, attention_mask)
+
+
+def test_at_one_token_a_failure_of_the_layers_own_is_no_convention_mismatch():
+    """runs._needed_declaration's guard beside the convention (`any(c.allowed is None for c in calls)`, any->all): at
+    seq_len 1 a layer that also raised on a call without a mask fails `runs` (`all` let it through to a declaration).
+    Its twin, the float-only layer, needs mask='additive' on the same inputs."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(StackRefused(), seq_len=1).result("runs")
+    assert found.verdict == "fail" and not found.declaration, found
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
