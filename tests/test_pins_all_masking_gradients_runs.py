@@ -415,3 +415,29 @@ def test_at_one_token_a_failure_of_the_layers_own_is_no_convention_mismatch():
     assert found.verdict == "fail" and not found.declaration, found
     torch.manual_seed(0)
     assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
+
+
+class MasklessTwoSequences(nn.Module):
+    """Self-attention with no mask parameter that runs on batches of exactly 2 sequences (the standard probe's) and
+    raises on any other: a failure of its own, whatever the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = FloatMaskOnly()
+
+    def forward(self, x):
+        if x.shape[0] != 2:
+            raise RuntimeError("two sequences only")
+        return self.inner(x, None)
+
+
+def test_at_one_token_a_layer_that_takes_no_mask_is_never_told_to_declare_one():
+    """runs._needed_declaration's `not s.takes_mask` (its first `or` made `and`): audited causal at seq_len 1, every call
+    carries the causal mask, so the layer with no mask parameter that raised on a batch of 3 had only masked calls fail;
+    it takes no mask, so no convention can excuse it: `runs` fails (the guard made `and` named a declaration, as the
+    layer runs the standard probe in every convention). Its twin, the float-only layer, needs mask='additive'."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(MasklessTwoSequences(), seq_len=1, causal=True).result("runs")
+    assert found.verdict == "fail" and not found.declaration, found
+    torch.manual_seed(0)
+    assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
