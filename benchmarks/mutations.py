@@ -315,6 +315,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
                                                             "crosses' below)"),
     "detectors/batch.py:check_batch_independence:L*:Gt->GtE": ("change)] > tol", _TOLERANCE_EDGE),
     "detectors/decoding.py:check_decode_consistency:L*:Gt->GtE": ("(change > tol)", _TOLERANCE_EDGE),
+    "detectors/runs.py:_needed_declaration:L*:or->and": (
+        "if not calls or not s.takes_mask or", "a layer that takes no mask is given none in any call, a causal audit's "
+        "included (checked by hand: every failed call of such a layer has allowed None), so `any(c.allowed is None "
+        "for c in calls)` returns None whenever `not s.takes_mask` would: the first `or` made `and` changes no verdict "
+        "(tests/test_pins_all_masking_gradients_runs.py: a maskless layer at one token still fails)"),
     "detectors/decoding.py:check_cache_decoding:L*:Gt->GtE": ("int((part > tol).sum())", _TOLERANCE_EDGE + " (tol "
                                                               "is at least ROW_SUM's, positive, per dtype)"),
     "detectors/decoding.py:check_decode_consistency:L*:LtE->Lt": (

@@ -432,10 +432,10 @@ class MasklessTwoSequences(nn.Module):
 
 
 def test_at_one_token_a_layer_that_takes_no_mask_is_never_told_to_declare_one():
-    """runs._needed_declaration's `not s.takes_mask` (its first `or` made `and`): audited causal at seq_len 1, every call
-    carries the causal mask, so the layer with no mask parameter that raised on a batch of 3 had only masked calls fail;
-    it takes no mask, so no convention can excuse it: `runs` fails (the guard made `and` named a declaration, as the
-    layer runs the standard probe in every convention). Its twin, the float-only layer, needs mask='additive'."""
+    """Audited causal at seq_len 1, the layer with no mask parameter that raised on a batch of 3 fails `runs`: it takes
+    no mask, so no convention can excuse it. (Its calls carry no mask, causal or not, so `any(c.allowed is None ...)`
+    returns before `not s.takes_mask` is read: that clause made `and` is marked equivalent in benchmarks/mutations.py.)
+    Its twin, the float-only layer, needs mask='additive'."""
     torch.manual_seed(0)
     found = diagnostics.audit(MasklessTwoSequences(), seq_len=1, causal=True).result("runs")
     assert found.verdict == "fail" and not found.declaration, found
