@@ -1058,7 +1058,9 @@ def run_children(fn, types: list, timeout: float, *, jobs: int, **kw):
 def rates(rows: list[Row]) -> list[str]:
     plain = [r for r in rows if r.verdict != "no attention"]  # built, but nothing for the audit: not counted
     n = len(plain)
-    built = [r for r in plain if r.built or r.verdict in ("timeout",)]
+    # a child killed (out of time, or by the kernel for its memory: GLM-5-Next's, 14.5 GB) was building or auditing:
+    # counted with the built, as crashed or timeout, never as "not built"
+    built = [r for r in plain if r.built or r.verdict in ("timeout", "crashed")]
     count = lambda v: sum(r.verdict == v for r in built)  # noqa: E731
     known = [r for r in built if r.verdict == "failed" and r.model_type in KNOWN]
     lines = [f"{len(built)} / {n} built ({100 * len(built) / max(n, 1):.0f}%)"

@@ -54,6 +54,9 @@ def test_a_model_that_hangs_or_dies_is_a_row_and_the_sweep_goes_on():
     assert (hung.verdict, hung.why) == ("timeout", "over 1 s")
     dead = sweep.in_child(_fake_run, "dies", 30, bugs=False)
     assert dead.verdict == "crashed" and "wrote no row" in dead.why
+    # the rates count a child that died with the built (it was building or auditing), not as "not built"
+    lines = sweep.rates([good, hung, dead])
+    assert lines[0] == "3 / 3 built (100%)" and "crashed 1 (33%), timeout 1 (33%)" in lines[1], lines
 
 
 def test_the_results_file_resumes_a_sweep_and_the_rates_count_each_verdict(tmp_path, monkeypatch, capsys):
