@@ -841,6 +841,25 @@ def test_grouped_heads_in_the_wrong_order_are_caught_only_against_the_layers_own
     assert "repeat, not repeat_interleave" in found.evidence, found.evidence
 
 
+def test_grouped_heads_in_the_wrong_order_are_caught_in_bfloat16_at_std_002():
+    """The same bug at the scale people train at: Llama's projections drawn at std 0.02 and the model cast to
+    bfloat16. The explicit attention with nothing broken passes; the bug fails own_weights alone, at its layer."""
+    tf = _need("transformers")
+    register_attention("test_bugs", bug_attention)
+    found = {}
+    for bug in ("reference", "grouped_heads_wrong_order"):
+        model = hf_model(tf, "llama", "test_bugs")
+        for p in model.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
+        model = model.to(torch.bfloat16)
+        path = list(hf_report(tf, "llama", "sdpa").layers)[1]
+        dict(model.named_modules())[path]._test_bug = bug
+        found[bug] = audit(model, seq_len=BUG_SEQ_LEN)
+    assert found["reference"].passed, str(found["reference"])
+    assert located(found["grouped_heads_wrong_order"]) == {(path, "own_weights")}, str(found["grouped_heads_wrong_order"])
+
+
 def test_the_injected_attention_with_nothing_broken_computes_what_sdpa_computes():
     tf = _need("transformers")
     register_attention("test_bugs", bug_attention)

@@ -441,3 +441,20 @@ def test_at_one_token_a_layer_that_takes_no_mask_is_never_told_to_declare_one():
     assert found.verdict == "fail" and not found.declaration, found
     torch.manual_seed(0)
     assert diagnostics.audit(FloatMaskOnly(), seq_len=1).declaration == "mask='additive'"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("std", [None, 0.02], ids=["default", "std 0.02"])
+def test_the_one_token_declaration_holds_at_training_dtypes_and_scales(dtype, std):
+    """The one-token convention mismatch in bfloat16 and at std-0.02 projections as in float32: the float-only layer
+    needs mask='additive' and passes with it; its twin that also raises without a mask fails `runs`."""
+    torch.manual_seed(0)
+    layer = FloatMaskOnly()
+    if std is not None:
+        for p in layer.parameters():
+            nn.init.normal_(p, std=std)
+    layer = layer.to(dtype)
+    assert diagnostics.audit(layer, seq_len=1, dtype=dtype).declaration == "mask='additive'"
+    assert diagnostics.audit(layer, seq_len=1, dtype=dtype, mask="additive").status == "passed"
+    torch.manual_seed(0)
+    assert diagnostics.audit(StackRefused().to(dtype), seq_len=1, dtype=dtype).result("runs").verdict == "fail"
