@@ -856,8 +856,9 @@ def test_grouped_heads_in_the_wrong_order_are_caught_in_bfloat16_at_std_002():
         path = list(hf_report(tf, "llama", "sdpa").layers)[1]
         dict(model.named_modules())[path]._test_bug = bug
         found[bug] = audit(model, seq_len=BUG_SEQ_LEN)
+    broken = found["grouped_heads_wrong_order"]
     assert found["reference"].passed, str(found["reference"])
-    assert located(found["grouped_heads_wrong_order"]) == {(path, "own_weights")}, str(found["grouped_heads_wrong_order"])
+    assert located(broken) == {(path, "own_weights")}, str(broken)
 
 
 def test_the_injected_attention_with_nothing_broken_computes_what_sdpa_computes():
