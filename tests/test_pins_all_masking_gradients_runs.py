@@ -335,10 +335,10 @@ class FloatMaskBroken(FloatMaskOnly):
 
 @pytest.mark.parametrize("how", ["nan", "batch", "tokens", "flat"])
 def test_at_one_token_a_convention_counts_only_where_its_output_is_whole_and_finite(how):
-    """_mask_hints.conventions_run's reading (its `out.dim() >= 3 and out.shape[0] == B and out.shape[time] == T and
-    out.isfinite().all()`, each part pinned, at 3057bfd's successor): at seq_len 1, a layer that raises on the audit's
-    bool mask and, given its mask as additive floats, returns one NaN, drops a sequence, adds a token or drops the width
-    axis does not run in that convention: `runs` fails, no declaration named. Its twin on the same inputs, the layer
+    """_mask_hints.conventions_run's reading (`_whole`: three axes or more, B sequences, T tokens; and every value
+    finite: each part pinned): at seq_len 1, a layer that raises on the audit's bool mask and, given its mask as
+    additive floats, returns one NaN, drops a sequence, adds a token or drops the width axis does not run in that
+    convention: `runs` fails, no declaration named. Its twin on the same inputs, the layer
     whose float-mask output is whole, needs mask='additive'."""
     torch.manual_seed(0)
     broken = diagnostics.audit(FloatMaskBroken(how), seq_len=1).result("runs")

@@ -40,6 +40,11 @@ def candidates(probe: Probe) -> list[MaskConvention]:
     return out
 
 
+def _whole(out, s, batch: int, T: int) -> bool:
+    """Whether a call in another convention gave an output of the probe's form: (batch, ..., T on the time axis, ...)."""
+    return out.dim() >= 3 and out.shape[0] == batch and out.shape[s.time_dim] == T
+
+
 def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
     """[(convention, evidence)] for the first other convention in which the layer honours a padding mask, or []
     (also where the convention was declared by the user or is the library's: nothing to hint). Cached on the
@@ -82,7 +87,7 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
                 out = subject(Q, K, V, allowed).out
         except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
             return None
-        if out.dim() < 3 or out.shape[0] != 3 * B or out.shape[s.time_dim] != T:
+        if not _whole(out, s, 3 * B, T):
             return None
         chunks = out.chunk(3)
         scale = baseline_scale(chunks[0], centred=True) or None
@@ -134,7 +139,7 @@ def conventions_run(probe: Probe) -> list[MaskConvention]:
                 out = s.with_convention(convention)(q, k, v, allowed).out
         except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
             continue
-        if out.dim() >= 3 and out.shape[0] == B and out.shape[s.time_dim] == T and bool(out.isfinite().all()):
+        if _whole(out, s, B, T) and bool(out.isfinite().all()):
             ran.append(convention)
     return ran
 
