@@ -558,11 +558,8 @@ class _Routed:
         if flat:
             query, key, value = query[:, None], key[:, None], value[:, None]
             attn_mask = None if attn_mask is None or attn_mask.dim() != 3 else attn_mask[:, None]
-        lead = query.shape[:-2] if query.dim() > 4 else None  # (B, H, blocks, T, d): NesT's; every axis but the last
-        if lead is not None:  # two a batch, as SDPA reads them, here one head a row
-            query, key, value = (x.reshape(-1, 1, *x.shape[-2:]) for x in (query, key, value))
-            if attn_mask is not None:
-                attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-2:]).reshape(-1, 1, *attn_mask.shape[-2:])
+        # (B, H, blocks, T, d): NesT's, every axis but the last two a batch as SDPA reads them, kept as they come
+        # (`_attend` reads the third from last as the heads), so that the weights have the layer's call's shape
         Tq, Tk = query.shape[-2], key.shape[-2]
         allowed, bias = None, None
         if self.kind == "mask_ignored":  # the mask given, and is_causal, never applied
@@ -578,9 +575,7 @@ class _Routed:
             allowed = square if allowed is None else allowed & square
         scaling = scale if scale is not None else query.shape[-1] ** -0.5
         out = _attend(self.kind, query, key, value, allowed, scaling, bias=bias, causal=bool(is_causal),
-                      dropout=dropout_p).transpose(1, 2)  # (B, H, Tq, d), as SDPA returns
-        if lead is not None:
-            return out[:, 0].reshape(*lead, *out.shape[-2:])
+                      dropout=dropout_p).transpose(-3, -2)  # (B, H, Tq, d), as SDPA returns
         return out[:, 0] if flat else out
 
     def __enter__(self):

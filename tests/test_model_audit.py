@@ -592,14 +592,16 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     `causal` whether the layer is a causal one; `sinks` (H,), a learned logit per head that each softmax row takes
     as one more key whose weight is then dropped (GPT-OSS's, MiMo-V2's `s_aux`, as their eager functions do);
     `softcap`, the scaled scores capped at +-softcap by softcap x tanh(scores / softcap) before the mask (Gemma 2's).
-    Returns (B, Tq, H, d), as Hugging Face's functions do."""
-    B, H, Tq, d = query.shape  # batch, query heads, queries, head width
-    Tk, n_rep = key.shape[2], H // key.shape[1]
+    Returns (B, Tq, H, d), as Hugging Face's functions do. Axes before the batch's last three are kept as they come
+    ((B, H, blocks, T, d): NesT's attention within each block, as the layer hands it to SDPA, read as (B, H) of
+    `blocks` heads), so that the weights keep the shape the layer's own call has."""
+    B, (H, Tq, d) = query.shape[0], query.shape[-3:]  # batch, query heads, queries, head width
+    Tk, n_rep = key.shape[-2], H // key.shape[-3]
     if kind == "grouped_heads_wrong_order":  # query head h reads key/value head h % G, not h // n_rep: the bug
         key, value = key.repeat(1, n_rep, 1, 1), value.repeat(1, n_rep, 1, 1)
     else:
-        key = key.repeat_interleave(n_rep, dim=1)  # (B, H, Tk, d): grouped key/value heads shared by n_rep queries
-        value = value.repeat_interleave(n_rep, dim=1)
+        key = key.repeat_interleave(n_rep, dim=-3)  # (B, H, Tk, d): grouped key/value heads shared by n_rep queries
+        value = value.repeat_interleave(n_rep, dim=-3)
     scores = query @ key.transpose(-2, -1)  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
     scale = {"missing_scale": 1.0, "scaled_by_d_model": scaling / H ** 0.5}.get(kind, scaling)  # d_model = H d
     scores = scores * scale
@@ -638,7 +640,7 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
         return out.reshape(B, Tq, H, d)  # heads and positions interleaved
     if kind == "heads_merged_sequence_first":
         return out.permute(2, 0, 1, 3).reshape(B, Tq, H, d)  # (Tq, B, H, d) read as (B, Tq, H, d)
-    return out.transpose(1, 2).contiguous()  # (B, Tq, H, d)
+    return out.transpose(-3, -2).contiguous()  # (B, Tq, H, d)
 
 
 def bug_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,

@@ -1007,3 +1007,38 @@ def test_a_mask_of_finite_biases_is_no_mask_to_break():
     sweep.inject_timm(row, report, lambda: _Net(True, biased=True))
     assert row.bugs == {"missing_scale": "caught", "softmax_wrong_dim": "caught", "mask_ignored": NO_MASK,
                         "mask_after_softmax": NO_MASK}, row
+
+
+class BlockAttention(torch.nn.Module):
+    """NesT's attention in a few lines: the tokens cut into runs of `block`, each attended apart, q, k and v handed to
+    SDPA as (B, H, blocks, block, d); a length that is no multiple of `block` is one block."""
+
+    def __init__(self, d_model=32, heads=4, block=4):
+        super().__init__()
+        self.heads, self.block = heads, block
+        self.qkv, self.proj = torch.nn.Linear(d_model, 3 * d_model), torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        n = self.block if T % self.block == 0 else T
+        q, k, v = self.qkv(x).reshape(B, T // n, n, 3, self.heads, C // self.heads).permute(
+            3, 0, 4, 1, 2, 5)  # each (B, H, blocks, n, d)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.permute(0, 2, 3, 1, 4).reshape(B, T, C))
+
+
+def test_the_reference_attention_keeps_a_layers_blocks_so_that_its_weights_are_read():
+    """NesT and Hiera hand SDPA (B, H, blocks, n, d): the sweep's explicit reference folded the blocks into one batch
+    axis, its softmax over (B * H * blocks, 1, n, n) matched no block of the tokens, and the reference audit was
+    inconclusive ("the attention itself was not measured") in 14 timm models, whose bugs were then not judged. The
+    reference keeps the layer's shape: it passes as the layer through SDPA does, and a bug through it fails."""
+    sweep = _sweep()
+    torch.manual_seed(0)
+    layer = BlockAttention()
+    assert diagnostics.audit(layer, seq_len=16).status == "passed"
+    with sweep._Within(layer, "reference") as within:
+        reference = diagnostics.audit(layer, seq_len=16)
+    assert within.routed.calls and reference.status == "passed", reference.status_reason
+    with sweep._Within(layer, "missing_scale"):
+        broken = diagnostics.audit(layer, seq_len=16)
+    assert broken.status == "failed" and "softmax_saturation" in broken.status_reason, broken.status_reason
