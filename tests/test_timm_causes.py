@@ -230,6 +230,49 @@ def test_qk_norm_with_an_eps_and_scale_one_passes_and_the_missing_scale_without_
     assert no_scale.verdict == "fail" and "too sharp" in no_scale.message, no_scale.evidence
 
 
+class QkNormByHand(QkNormScaleOne):
+    """Attention scale = 1.0 (since QK are normalized): Gemma 4's ViT on timm's own path without SDPA
+    (`fused_attn = False`, TIMM_FUSED_ATTN=0), the scores written out unscaled, as its class docstring says."""
+
+    def forward(self, x, mask=None):
+        q = self.q_norm(split(self.q_proj(x), self.n_heads))
+        k = self.k_norm(split(self.k_proj(x), self.n_heads))
+        v = split(self.v_proj(x), self.n_heads)
+        scores = q @ k.transpose(-2, -1)  # unit-RMS rows, no 1/sqrt(d_k), as the docstring states
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.o_proj(merge(scores.softmax(-1) @ v))
+
+
+class QkNormByHandOtherWords(QkNormByHand):
+    """Attention scale = 0.125, 1/sqrt(d_k) at d_k = 64: words for another number than the one applied."""
+
+
+class QkNormByHandInherited(QkNormByHand):
+    __doc__ = None  # the parent's words are the parent's: this class states nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gpt2", [False, True], ids=["torch-init", "std-0.02"])
+def test_qk_norm_unscaled_by_hand_passes_where_its_own_docstring_states_that_scale(dtype, gpt2):
+    """Unit-RMS q and k multiplied by 1 is the missing scale or Gemma 4's design: the same function, so the layer's
+    own words decide. Its docstring says "scale = 1.0": its own temperature, judged by the cosine bounds (a cosine
+    times d_k = 8 passes), as `scale=1.0` handed to SDPA is. The twins on the same inputs: words for another number,
+    words only a parent class holds, and no words (`QkNormNoScale`) each leave it judged by 1/sqrt(d_k): 2.83x too
+    sharp."""
+    def run(cls):
+        torch.manual_seed(0)
+        layer = cls()
+        return result(gpt2_init_(layer) if gpt2 else layer, "softmax_saturation", dtype)
+
+    stated = run(QkNormByHand)
+    assert stated.verdict == "pass" and "normalised" in stated.message, stated.evidence
+    assert "the scale the layer states (QkNormByHand: \"Attention scale = 1.0" in stated.evidence, stated.evidence
+    for twin in (QkNormByHandOtherWords, QkNormByHandInherited, QkNormNoScale):
+        judged = run(twin)
+        assert judged.verdict == "fail" and "2.83x too sharp" in judged.message, (twin, judged.evidence)
+
+
 # ---- NextViT: keys pooled from the tokens ---------------------------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -321,6 +323,8 @@ def _readings(probe: Probe, estimates: list[tuple]) -> list[_Reading]:
         cosine = _cosine_bound(estimate, probe.subject.dtype, d_k)
         if probe.scale is not None and cosine is not None:
             cosine = _stated_temperature(probe.subject.layer, applied / expected, expected, cosine)
+        if probe.scale is None and cosine is not None and cosine.unit_rms:
+            cosine = _stated_in_words(probe.subject.layer, cosine)
         unit_rms = cosine is not None and cosine.unit_rms
         stated, undecided, read_parts = "", "", 1
         parts = getattr(estimate, "parts", 1)
@@ -410,6 +414,7 @@ class _Cosine:
     bound: float
     seen: str  # what was read, for the evidence
     unit_rms: bool = False  # every row of norm sqrt(d_k): the scaled dot product's convention, not a cosine's
+    factor: float = 0.0  # the number q·k itself is multiplied by
 
 
 @dataclass(frozen=True)
@@ -481,7 +486,37 @@ def _cosine_bound(estimate, dtype, d_k: int) -> _Cosine | None:
     return _Cosine(abs(per_product) * q_norm * k_norm,
                    f"q and k reach q·k normalised (every query's norm {q_norm:.3g}, every key's {k_norm:.3g}), "
                    f"multiplied by {per_product:.4g}" + (" (the scale= the layer passes)" if stated else ""),
-                   not stated and all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)))
+                   not stated and all(abs(n / math.sqrt(d_k) - 1) < RMS_NORMED for n in (q_norm, k_norm)),
+                   per_product)
+
+
+SCALE_IN_WORDS = re.compile(r"\bscal(?:e|ing)\b[^.\n]{0,24}?(?:=|:|\bof\b|\bis\b)\s*(\d+(?:\.\d+)?(?:e-?\d+)?)(?![\d./*^(])",
+                            re.IGNORECASE)
+"""A scale stated in so many words in a docstring ("Attention scale = 1.0 (since QK are normalized)", Gemma 4's ViT
+in timm; "scale of 1"): a plain number, not the start of an expression ("scale = 1/sqrt(d)")."""
+
+
+def _stated_in_words(layer, cosine: _Cosine) -> _Cosine:
+    """q and k at unit RMS multiplied by a number other than 1/sqrt(d_k) that the layer's docstring (its forward's or
+    its class's own, not one it inherits) states as its scale: the layer's own
+    temperature, judged by the cosine bounds as a `scale=` handed to scaled_dot_product_attention is. Unsaid, the same
+    numbers are the missing scale (a QK-norm layer that dropped its 1/sqrt(d_k)) and stay judged by 1/sqrt(d_k): the
+    function is the same, so the layer's own words decide, never the audit's guess."""
+    for module in (layer, getattr(layer, "inner", None)):
+        if module is None:
+            continue
+        # its own words only: a docstring inherited from a parent class speaks for the parent
+        fn = getattr(type(module), "forward", None) if isinstance(module, torch.nn.Module) else module
+        texts = [getattr(fn, "__doc__", None), vars(type(module)).get("__doc__") if isinstance(module, torch.nn.Module)
+                 else None]
+        for text in map(inspect.cleandoc, filter(None, texts)):
+            for found in SCALE_IN_WORDS.finditer(text or ""):
+                if math.isclose(float(found.group(1)), cosine.factor, rel_tol=1e-3):
+                    line = text[text.rfind("\n", 0, found.start()) + 1:].split("\n", 1)[0].strip()
+                    return replace(cosine, unit_rms=False,
+                                   seen=f"{cosine.seen}, the scale the layer states ({type(module).__name__}: "
+                                        f"{line!r})")
+    return cosine
 
 
 def _stated_temperature(layer, factor: float, declared: float, cosine: _Cosine) -> _Cosine | None:
