@@ -629,6 +629,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
         "dtype=torch.float32)) == 1e-3, False)"),
+    "detectors/runs.py:_required_input:L*:or->and": (
+        "if sig is None or s.call is not None or s.form != \"self_module\"", "`sig is None` holds only for subjects "
+        "that are not a ModuleSubject (a function's, nn.MultiheadAttention's), whose form is never \"self_module\", so "
+        "the third clause returns for them whatever the first two are joined by (every ModuleSubject is built with a "
+        "Signature: _subject.subject_for, both branches)"),
+    "detectors/runs.py:_required_input:L*:and->or": (
+        "if sig.memory is not None and sig.memory not in sig.fixed", "a memory in sig.fixed is a required one, which "
+        "makes the layer a cross_module (_subject), returned on by the guard above; made `or`, a memory of None joins "
+        "`left` and `_given` calls the layer with None as a keyword, a TypeError it catches: that stream is skipped, "
+        "the same result (two more calls counted in probe.passes); tests/test_pins_all_runs_inputs.py shows the "
+        "required memory's verdict"),
     # m37l: masking (the full run at ff5444f, issue 37), checked by hand:
     "detectors/masking.py:_own_query_rows:L*:any->all#2": (
         "~(row & keys).any(-1)), sees=", "`row & keys` is empty in every call: `keys` are the keys the scenario's mask "

@@ -141,9 +141,60 @@ class OptionalMemory(MemoryOfItsOwnLength):
 @pytest.mark.parametrize("cls, expected", [(MemoryOfItsOwnLength, "fail"), (OptionalMemory, "skip")],
                          ids=["required: given", "optional: left at None"])
 def test_a_required_memory_the_audit_gives_on_every_call_is_never_said_to_be_missing(cls, expected):
-    """`_required_input`'s `and` (L347, made `or`: a memory the audit already gives on every call would be tried
-    again as one left out): the layer raised with `context` given on every probe, so "each given without `context`"
-    would be false: `runs` fails it; its twin, whose `context` defaults to None and is left out, needs cross=True."""
+    """A required memory makes the layer a cross-attention given it on every call (`_subject`), so that the layer
+    that raised with `context` given on every probe is never told "each given without `context`": `runs` fails it;
+    its twin, whose `context` defaults to None and is left out, needs cross=True. (This is why `_required_input`'s
+    `and` at L347 is marked equivalent in benchmarks/mutations.py: the guard above it returns for every such layer.)"""
     found = runs(cls().eval())
     assert found.verdict == expected, found
     assert ("without `context`" in found.message) is (expected == "skip"), found.message
+
+
+class BlockMemory(torch.nn.Module):
+    """A cross-attention that cuts its memory into blocks of 4 and says so when the memory's length is no multiple of
+    4; `refuses_16`: it also refuses a memory of 16 tokens, a multiple its own rule allows."""
+
+    def __init__(self, refuses_16: bool = False, dim: int = 32, heads: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha, self.refuses_16 = torch.nn.MultiheadAttention(dim, heads, batch_first=True), refuses_16
+
+    def forward(self, x, memory):
+        n = memory.shape[1]
+        assert n % 4 == 0 and not (self.refuses_16 and n == 16), f"memory length {n} must be divisible by 4"
+        return self.mha(x, memory, memory, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("refuses_16, expected", [(False, "skip"), (True, "fail")], ids=["keeps its rule", "breaks it"])
+def test_a_length_rule_on_the_keys_alone_is_read_from_the_calls_whose_keys_break_it(refuses_16, expected):
+    """`_length_constraint`'s inner `or` (L446, made `and`: a refused call would need both lengths off the rule): the
+    cross-attention probe with 16 queries and 19 keys is refused by the memory's rule alone, and the layer takes
+    lengths that are multiples of 4: a skip naming them; its twin, refusing a memory of 16 tokens too, fails."""
+    found = runs(BlockMemory(refuses_16).eval(), cross=True)
+    assert found.verdict == expected, found
+    if expected == "skip":
+        assert found.message.startswith("the layer takes lengths that are multiples of 4 only"), found
+
+
+class StatesNoRule(torch.nn.Module):
+    """Refuses a single token with words that read as a rule of multiples of `w`, 0 or 1: no length breaks them."""
+
+    def __init__(self, w: int, dim: int = 32, heads: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha, self.w = torch.nn.MultiheadAttention(dim, heads, batch_first=True), w
+
+    def forward(self, x):
+        assert x.shape[1] > 1, f"sequence length {x.shape[1]} must be divisible by window size {self.w}"
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("w, expected", [(0, "fail"), (1, "fail"), (2, "skip")])
+def test_a_rule_of_multiples_of_0_or_1_is_no_rule_and_fails_where_one_of_2_is_kept(w, expected):
+    """`_length_constraint`'s `w < 2` with its first `or` (L445, made `and`: "divisible by 0" would then be divided
+    by): multiples of 0 or 1 name no length to refuse, so refusing T = 1 fails `runs` (never a crash); the twin on the
+    same probes, words for multiples of 2, is a rule T = 1 breaks and the standard probe keeps: a skip."""
+    found = runs(StatesNoRule(w).eval())
+    assert found.verdict == expected, found
+    assert found.message.startswith("the layer raised on" if expected == "fail" else
+                                    "the layer takes lengths that are multiples of 2 only"), found
