@@ -113,6 +113,61 @@ def test_a_kernels_exponential_has_no_temperature_and_a_softmax_written_by_hand_
     assert hand.verdict == "skip" and hand.message.startswith("not measured"), hand.message
 
 
+class Gated:
+    """Mixed into a layer: its tokens times a learned scale held as its log, exp(log_scale), before its projections
+    (a temperature kept positive that way): an exponential over a parameter, no product of two inputs, beside the
+    layer's own."""
+
+    def gated(self, x):
+        if not hasattr(self, "log_scale"):
+            self.log_scale = nn.Parameter(torch.full((D,), -0.1))
+        return x * torch.exp(self.log_scale)
+
+
+class GatedHandWritten(Gated, HandWrittenBaddbmm):
+    def forward(self, x):
+        return super().forward(self.gated(x))
+
+
+class GatedPerformer(Gated, PerformerAttention):
+    def forward(self, x):
+        return super().forward(self.gated(x))
+
+
+def test_one_exponential_of_q_k_among_others_keeps_the_temperature_to_judge():
+    """`_exponents_over`'s outer `any` (L153 at 3057bfd, made `all`: every exponential would have to be over q·k): a
+    softmax written by hand over q·k beside a decay gate's exp over a projection is still a temperature, not
+    measured (never excused); its twin, the Performer's kernel beside the same gate, is not applicable."""
+    hand, kernel = saturation(GatedHandWritten()), saturation(GatedPerformer())
+    assert hand.verdict == "skip" and hand.message.startswith("not measured"), hand.message
+    assert kernel.verdict == "skip" and kernel.message.startswith("not applicable"), kernel.message
+    assert "a kernel's (linear attention)" in kernel.message, kernel.message
+
+
+class SoftmaxFeatures(PerformerAttention):
+    """Efficient attention (Shen et al.): q normalised by a softmax over its features, k by one over the tokens, then
+    the kernel q (k^T v): softmaxes over projections, the weights a kernel made of them."""
+
+    def forward(self, x):
+        q, k, v = (split(f(x)) for f in (self.to_q, self.to_k, self.to_v))
+        q, k = q.softmax(-1), k.softmax(-2)
+        return self.to_out(merge(q @ (k.transpose(-2, -1) @ v)))
+
+
+class GatedSoftmaxFeatures(Gated, SoftmaxFeatures):
+    def forward(self, x):
+        return super().forward(self.gated(x))
+
+
+@pytest.mark.parametrize("make", [SoftmaxFeatures, GatedSoftmaxFeatures], ids=["alone", "beside a gate's exp"])
+def test_softmaxes_over_projections_are_said_as_such_beside_any_other_exponential(make):
+    """`_exponents_over`'s last `any` (L155 at 3057bfd, made `all`: every exponential would have to normalise): the
+    softmax feature maps of efficient attention are "projections", said as softmaxes normalising a projection of the
+    tokens, alone and beside a decay gate's exp; the Performer's exp alone is a kernel's feature map (the test above)."""
+    found = saturation(make())
+    assert found.verdict == "skip" and "softmax normalises a projection of the tokens" in found.message, found
+
+
 # ---- a factor the layer states excuses its temperature only beside a declared scale ------------------------------
 
 
