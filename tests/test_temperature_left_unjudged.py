@@ -272,3 +272,44 @@ def test_terms_scaled_otherwise_by_design_are_not_failed_and_a_typo_is_not_passe
     assert not [f for f in report.findings if f.verdict == "fail" and f.detector == "softmax_saturation"], str(report)
     if design == "key bias":  # no table over positions: not called a relative-position product
         assert "relative-position product" not in result.message, result
+
+
+class TwoTerms(xl.RelativeShiftAttention):
+    """Transformer-XL's content and position terms at 1/sqrt(d_k), beside a third: `third` "c2p" (q against a second
+    position table, multiplied by `factor` x 1/sqrt(d_k): DeBERTa-style, a position product) or "token bias" (a bias
+    per key projected from its token: no product, its factor learned)."""
+
+    def __init__(self, third: str, factor: float = 1.0):
+        super().__init__()
+        self.third, self.factor = third, factor
+        self.pos2, self.bias = nn.Linear(D, D, bias=False), nn.Linear(D, HEADS)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, d_k).permute(2, 0, 3, 1, 4)  # (B, H, T, d_k) each
+        table = xl.sinusoids(torch.arange(T - 1, -T, -1), D).to(x.dtype)  # (2T - 1, D)
+        r, r2 = (p(table).view(2 * T - 1, HEADS, d_k).permute(1, 2, 0) for p in (self.pos, self.pos2))
+        s = d_k ** -0.5
+        scores = q @ k.transpose(-2, -1) * s + xl.relative_shift((q + self.v[:, None]) @ r) * s
+        if self.third == "c2p":
+            scores = scores + xl.relative_shift(q @ r2) * (self.factor * s)
+        else:  # (B, H, T, T): key j's own logit
+            scores = scores + self.bias(x).transpose(1, 2)[:, :, None, :].expand(B, HEADS, T, T)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("third, factor, expected", [("c2p", 1.0, "pass"), ("c2p", 10.0, "skip"),
+                                                     ("token bias", 1.0, "skip")],
+                         ids=["two position terms at q·k's factor", "the second x10", "a bias beside"])
+def test_every_term_beside_q_k_is_read_and_one_unread_leaves_the_temperature_unjudged(third, factor, expected):
+    """The terms' reading in `check_softmax_saturation` (its `all` at L244 at 3057bfd, made `any`: one term read
+    would be enough, and max() met the unread one's None; its `r <= 0` at L248 made `r >= 0`: the first term read
+    would be the worst): two position products at q·k's factor pass; the second at 10x it is not measured, whatever
+    the first reads; a position product beside a bias from the tokens (a factor of its own, not read) is not
+    measured either, and says the fit leaves it free."""
+    report, result = _temperature(TwoTerms(third, factor))
+    assert result.verdict == expected, result
+    if third == "token bias":
+        assert "the fit leaves free" in result.message, result.message
+    elif expected == "skip":
+        assert "reaches the scores at" in result.message, result.message
