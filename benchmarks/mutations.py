@@ -400,6 +400,11 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "the first layer where they cross)"),
     "model/packing.py:_crosses:L*:Gt->GtE": ("return bool((change > tol).any())", _TOLERANCE_EDGE + " (a relative "
                                              "change against UNCHANGED's tolerance: where a leak starts)"),
+    "detectors/temperature.py:check_softmax_saturation:L*:LtE->Lt": (
+        "math.inf if r <= 0 else _off(r)", "only a ratio of exactly 0 moves: its key becomes _off(0) = |log 1e-300| = "
+        "690.8 (the floor of `abs(ratio) or 1e-300`) instead of inf, still past every ratio but one under 1e-300 or "
+        "over 1e300, and whichever is picked the skip follows (a ratio <= 0, or one that far off), whose message "
+        "shows every ratio, not the worst; tests/test_temperature_left_unjudged.py pins the other mutants of the line"),
     "detectors/temperature.py:_log_weight_scale:L*:Gt->GtE": (
         "& (weights > 0)", "a weight of 0 has log -inf and a negative one log NaN, both already dropped by "
         "torch.isfinite(logw): `weights > 0` and `weights >= 0` keep the same entries"),
