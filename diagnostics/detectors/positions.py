@@ -9,15 +9,16 @@ randomness control: two copies of one input in one call that differ mean randomn
 through (dropout left on), and nothing is measured.
 
 The shift: P tokens before the probe's, which every real query is blocked from by the mask (left padding; the
-padding queries attend the padding keys too, so no row is fully blocked), else, for a Hugging Face layer whose
-rotary positions the audit builds, positions P, P + 1, ... through its own position argument with an empty cache.
-The real tokens' outputs must equal the unshifted ones. A layer for which neither is possible (no mask argument,
-no positions the audit can drive) is a visible skip saying what would make it measurable.
+padding queries attend the padding keys too, so no row is fully blocked). The real tokens' outputs must equal the
+unshifted ones. A layer that takes no mask cannot be shifted: a visible skip saying what would make it measurable.
+(Positions driven through a Hugging Face layer's own position argument and an empty cache were a second method, for
+a layer with rotary positions and a cache but no mask: no attention class of transformers 5.25 is one, so no test
+could reach it, and it was removed.)
 
 The shifted call carries B more rows, identical tokens shifted alike, and is the one observed: on them the scores
 differ only by what positions add, which tells ALiBi's sign (a bias linear in the distance must fall with it). The
-permuted call is not observed, so a layer without positions pays no observer (a layer that can be shifted by
-neither method gets a call of the identical tokens alone).
+permuted call is not observed, so a layer without positions pays no observer (a layer that takes no mask gets a
+call of the identical tokens alone).
 
 What breaks shift invariance legitimately, and how each is told apart:
 - positions absolute by design (learned or sinusoidal absolute embeddings added inside the layer): declared, the
@@ -35,7 +36,6 @@ What breaks shift invariance legitimately, and how each is told apart:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -145,23 +145,22 @@ class OrderReplay:
 
 @dataclass(frozen=True)
 class ShiftReplay:
-    """What the verdict was computed on: the unshifted call and the shifted one (its inputs, mask and method)."""
+    """What the verdict was computed on: the unshifted call and the shifted one (its inputs and mask)."""
 
     query: Tensor
     key: Tensor
     value: Tensor
     allowed: Tensor | None
-    shifted: tuple  # (query, key, value) with the P padding tokens first ("positions": the probe's own)
+    shifted: tuple  # (query, key, value) with the P padding tokens first
     shifted_allowed: Tensor | None
     shift: int
-    method: str  # "padding" or "positions"
     tol: float
 
     @property
     def consequence_of(self) -> tuple[str, ...]:
         """Detectors whose failure explains this one: padding that the mask blocks yet moves the real tokens follows
         from a layer that lets blocked keys in (a second softmax gives them weight back): fix that first."""
-        return ("mask_honoured",) if self.method == "padding" else ()
+        return ("mask_honoured",)
 
 
 def declared_positions(probe: Probe) -> tuple[str | None, str]:
@@ -330,7 +329,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     # rows of the shifted call, shifted alike, and read over the real tokens (positions P.., the same distances)
     same, twins = _identical(s, q, k, v, T), _identical(s, q, k, v, P + T)
     base_allowed = probe.allowed(B, T, T, extra[:B] if extra is not None else None)
-    record, copies, skipped, call, error = None, 1, 0, None, None
+    record, copies, skipped, call = None, 1, 0, None
     if s.takes_mask:
         pads = [gain * x for x in probe.streams(B, P, cross=cross)]
         sq = _cat_time(s, pads[0], q)
@@ -347,16 +346,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                           observe=True)
         if call.ok and call.output.out.shape[0] == 2 * B:
             got, record, copies, skipped = call.output.out[:B], call.record, 2, P
-        method = "padding"
         how = f"{P} padding tokens before them, which the mask blocks for every real query"
-    elif _drives_positions(s):
-        shifted_allowed, shifted, method = base_allowed, (q, q, q), "positions"
-        try:
-            got, record = _at_positions(probe, q, base_allowed, P, alike=same[0])
-            copies = 2
-        except Exception as raised:  # noqa: BLE001 - the layer's own failure on its position argument: said below
-            error = raised
-        how = f"positions {P}..{P + T - 1} given through the layer's position embeddings, with an empty cache"
     if record is None:  # no shifted call carried the identical tokens (none is possible, or it raised): alone
         alone = probe.call(*same, base_allowed, label=f"{T} identical tokens", observe=True)
         record, copies, skipped = (alone.record if alone.ok else None), 1, 0
@@ -371,10 +361,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                       replay=DistanceReplay(*same, base_allowed))
     if call is not None and not call.ok:
         return not_run(DET, call)
-    if error is not None:
-        return skip(DET, f"calling the layer at positions {P}.. raised ({type(error).__name__}: "
-                         f"{str(error).strip()[:160]}); see `runs`")
-    if call is None and not _drives_positions(s):
+    if call is None:
         # no shift is possible, but the order the keys come in moved the output: an online softmax that adds a block of
         # keys to a running value not rescaled when the running max grew weighs the keys by the block they come in (a
         # function form is caught by output_variance, given value rows apart from its keys; one stream never is)
@@ -390,16 +377,16 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                                    f"running max, after the max grew",
                           fix=UNRESCALED_FIX, replay=order)
         return skip(DET, f"{seen}, but no shift of its positions is possible: the layer takes no mask (left padding "
-                         f"needs one to block the padding) and no positions the audit can drive. Give forward a mask "
+                         f"needs one to block the padding). Give forward a mask "
                          f"argument (forward(x, mask=None)), or audit it through a wrapper that passes "
                          f"positions offset by P, to make it measurable")
     if call is not None and call.output.out.shape[0] != 2 * B:
         return skip(DET, f"the shifted call's output {tuple(call.output.out.shape)} has no row per batch element (see "
                          f"output_shape)")
-    real = _rows(s, got, P, T) if method == "padding" else got
+    real = _rows(s, got, P, T)
     if tuple(real.shape) != tuple(base_out.shape):
         return skip(DET, f"the shifted call's output {tuple(got.shape)} does not match the unshifted {tuple(base_out.shape)}")
-    if method == "padding" and not bool(torch.isfinite(real).all()) and bool(torch.isfinite(base_out).all()):
+    if not bool(torch.isfinite(real).all()) and bool(torch.isfinite(base_out).all()):
         # the padding's mask made them non-finite (scores of -inf that reach the output without a softmax): a failure
         # of the mask's path, which moves no position, and which `gradients` (a padding mask) measures
         return skip(DET, f"the real tokens' outputs are non-finite once {P} padding tokens blocked by the mask come "
@@ -414,20 +401,18 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     evidence = (f"{int(bad.sum())} / {bad.numel()} outputs of the real tokens changed ({100 * float(bad.float().mean()):.1f}%) "
                 f"when every position was shifted by {P} ({how}); greatest change {worst:.3g} at {at} (up to "
                 f"{tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(s.dtype)}); {seen}")
-    replay = ShiftReplay(q, k, v, base_allowed, shifted, shifted_allowed, P, method, tol)
+    replay = ShiftReplay(q, k, v, base_allowed, shifted, shifted_allowed, P, tol)
     if bool(bad.any()):
         # before any finding, the shifted call once more: the in-call control above can miss randomness by chance
         # (dropout left on over a few weights can drop the same ones in both copies), and a shift read through it
         # would blame positions; only a failing audit pays this call
-        again = (probe.call(*shifted, shifted_allowed, label="the shifted call again (randomness control)")
-                 if method == "padding" else None)
-        repeat = (again.output.out if again is not None and again.ok else
-                  _at_positions(probe, q, base_allowed, P) if method == "positions" else None)
+        again = probe.call(*shifted, shifted_allowed, label="the shifted call again (randomness control)")
+        repeat = again.output.out if again.ok else None
         drift = relative_change(repeat, got, centred=True, scale=scale) if repeat is not None else None
         if drift is not None and float(drift.max()) > tol:
             return skip(DET, f"the same shifted input gave outputs {float(drift.max()):.3g} of their RMS apart in two "
                              f"calls (randomness left on: see eval_determinism), so a shift cannot be told from it")
-    if bool(bad.any()) and method == "padding":
+    if bool(bad.any()):
         flag = _mask_is_a_flag(probe, shifted, shifted_allowed, got, P, T, tol)
         if flag:
             # the padding shifted nothing: its mask was never read, so no position was measured; the finding is the
@@ -439,7 +424,7 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         declared = f"; {where} says they are relative" if kind == "relative" else ""
         return result(DET, "fail", f"the outputs depend on absolute positions: shifting every position by {P} moves "
                                    f"them{declared}", value=worst, threshold=tol, evidence=evidence, replay=replay)
-    return result(DET, "pass", f"shifting every position by {P} ({method}) leaves the real tokens' outputs unchanged: "
+    return result(DET, "pass", f"shifting every position by {P} (padding) leaves the real tokens' outputs unchanged: "
                                f"positions are relative", value=worst, threshold=tol, evidence=evidence)
 
 
@@ -599,36 +584,6 @@ def _pick(s, out: Tensor, rows: Tensor) -> Tensor:
     return out.index_select(s.time_dim, rows.to(out.device))
 
 
-def _drives_positions(s) -> bool:
-    """A Hugging Face self-attention layer whose rotary position embeddings the audit builds, with a cache: its
-    positions can be offset through `call_cached(..., start=)` on an empty cache."""
-    return getattr(s, "extra", None) is not None and getattr(s, "cache_name", None) is not None and \
-        s.new_cache() is not None
-
-
-def _at_positions(probe: Probe, x: Tensor, allowed, P: int, *, alike: Tensor | None = None):
-    """The layer's output on `x` at positions P, P + 1, ..., with an empty cache. With `alike` (identical tokens):
-    those as B more rows of the call, observed: (the output on x, the record)."""
-    s, B, T = probe.subject, x.shape[0], x.shape[1]
-    probe.passes += 1
-    if alike is not None:
-        x, allowed = torch.cat([x, alike]), None if allowed is None else torch.cat([allowed, allowed])
-    probe.shapes[DET].append(ProbeShape(f"{T} tokens at positions {P}..{P + T - 1}"
-                                        f"{f' (and {T} identical tokens)' if alike is not None else ''}", x.shape[0],
-                                        T, T, None if allowed is None else allowed.cpu(), True))
-    observer = Observer() if alike is not None else contextlib.nullcontext()
-    with (torch.enable_grad() if alike is not None else torch.no_grad()), observer:
-        raw = s.call_cached(x, allowed, s.new_cache(), start=P)
-    out = raw[0] if isinstance(raw, (tuple, list)) else raw
-    if not isinstance(out, Tensor):
-        raise TypeError(f"returned {type(raw).__name__} with no output first")
-    if alike is None:
-        return out.detach()
-    if out.shape[0] != 2 * B:
-        raise ValueError(f"returned {tuple(out.shape)} for a batch of {2 * B}")
-    return out.detach()[:B], observer.record
-
-
 # ---- where ----------------------------------------------------------------------------------------------------
 
 
@@ -652,13 +607,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     s = probe.subject
     T, P = r.query.shape[s.time_dim], r.shift
     a = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
-    if r.method == "padding":
-        n = P + T
-        b = trace_call(s, *r.shifted, r.shifted_allowed, seed=probe.seed)
-    else:
-        n = T
-        b = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed,
-                       call=lambda: s.call_cached(r.query, r.allowed, s.new_cache(), start=P))
+    n = P + T
+    b = trace_call(s, *r.shifted, r.shifted_allowed, seed=probe.seed)
     if a.output is None or b.output is None:
         return []
     online = unrescaled_accumulators(b)  # keys summed block by block, a running value not rescaled: order matters
@@ -674,7 +624,7 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
         for ox, oy in zip(x.outs, y.outs):
             if ox is None or oy is None:
                 continue
-            cut = last_rows(oy, ox.shape, T) if r.method == "padding" else oy
+            cut = last_rows(oy, ox.shape, T)
             if cut is not None and cut.shape == ox.shape and bool(moved(cut, ox, r.tol).any()):
                 first = y
                 break
