@@ -624,6 +624,14 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/positions.py:distance_reward:L*:Gt->GtE#2": (
         "if not spread > 0 or", _TOLERANCE_EDGE + " (float64 residual against DISTANCE_LINEAR x the float64 spread, "
         "which is positive there: a residual of 0, an exact line, is under it either way)"),
+    "detectors/positions.py:_blocked:L*:Lt->LtE": (
+        "x - x.amax(-1, keepdim=True) < UNDERFLOW", _TOLERANCE_EDGE + " (float64 scores, less their row's largest, "
+        "against UNDERFLOW = log(float32's smallest normal), -87.34: a score exactly that far below, whose weight is "
+        "the smallest normal itself, is blocked with `<=` and not with `<`; the probe's scores are draws)"),
+    "detectors/positions.py:_per_copy:L*:Gt->GtE": (
+        "if folded > 1:", "at folded = 1 (no heads folded into the batch) the second order is x.reshape(1, nB, -1, N, "
+        "N).transpose(0, 1).reshape(nB, -1, N, N), a transpose over an axis of size 1: the first order again, whose "
+        "distance reading is the same (checked by hand)"),
     "detectors/positions.py:_mask_is_a_flag:L*:Gt->GtE": (
         "if change is None or float(change.max()) > tol:", _TOLERANCE_EDGE + " (a Python float made of a float32 "
         "reading below float64, against SHIFT_MOVES' doubles 2e-5, 4e-2 and 0.3, none of which a float32 number "

@@ -455,3 +455,34 @@ def test_runs_fails_a_stated_rule_that_the_layer_does_not_keep(refuses, w):
     fail"); its twin, refusing T = 1 alone by a rule of 4, is a skip (the tests above)."""
     found = verdict(Misstated(refuses, w), "runs", causal=True)
     assert found.verdict == "fail" and found.message.startswith("the layer raised on"), found
+
+
+class BiasOnZeros(OneHead):
+    """OneHead whose distance bias starts from zeros, as torch's SDPA reference writes `attn_bias = torch.zeros(L,
+    S)`: the keys' positions added to it, then the queries' taken away, then the slope (a flipped ALiBi for
+    slope > 0): the first (T, T) op made of positions alone has the zeros among its ancestors, beside the positions."""
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, T, D) each
+        positions = torch.arange(T, dtype=x.dtype)
+        bias = torch.zeros(T, T, dtype=x.dtype) + positions.view(1, -1)  # (T, T): key j's position
+        bias = (bias - positions.view(-1, 1)).abs() * self.slope  # slope x |i - j|
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D) + bias
+        if mask is not None:
+            scores = scores.masked_fill(~mask.view(B, T, T), float("-inf"))
+        return scores.softmax(-1) @ v  # (B, T, D)
+
+
+def test_a_flipped_bias_begun_on_zeros_is_located_where_the_positions_enter_it():
+    """`_constant`'s `all` (L775 at 3057bfd, made `any`: one op of zeros before it would make the bias a constant, and
+    every op of it would be passed over): the flipped bias built on torch.zeros(T, T) is located at the line that
+    adds the keys' positions to the zeros, the first of it made of positions; the zeros alone are no site. Its twin
+    with ALiBi's sign passes."""
+    found = diagnostics.audit(BiasOnZeros(0.5), detectors=["relative_positions"], progress=False).result(
+        "relative_positions")
+    assert found.verdict == "fail" and found.message.startswith("the position bias rewards distance"), found
+    assert found.where and "torch.zeros(T, T, dtype=x.dtype) + positions.view(1, -1)" in found.where[0].code, \
+        found.where
+    twin = diagnostics.audit(BiasOnZeros(-0.5), detectors=["relative_positions"], progress=False)
+    assert twin.result("relative_positions").verdict == "pass", twin.result("relative_positions")
