@@ -1042,3 +1042,30 @@ def test_the_reference_attention_keeps_a_layers_blocks_so_that_its_weights_are_r
     with sweep._Within(layer, "missing_scale"):
         broken = diagnostics.audit(layer, seq_len=16)
     assert broken.status == "failed" and "softmax_saturation" in broken.status_reason, broken.status_reason
+
+
+@pytest.mark.parametrize("architecture, raises", [(None, True), ("repvit_m1", False)], ids=["default", "repvit_m1"])
+def test_edgetams_default_config_runs_except_where_known_says_its_backbone_key_is_misspelt(architecture, raises):
+    """EdgeTAM's vision model (KNOWN) from its default config: `"archirecture": "repvit_m1"`, a misspelt key, leaves
+    the timm backbone at TimmWrapperConfig's resnet50, whose 1024 channels meet a neck built for 384, and the forward
+    raises; its twin on the same image, the architecture set under its right name, runs."""
+    import torch
+
+    _transformers()
+    from transformers import EdgeTamVisionConfig, EdgeTamVisionModel
+
+    assert "edgetam_vision_model" in _sweep().KNOWN
+    config = EdgeTamVisionConfig()
+    assert getattr(config.backbone_config, "archirecture", None) == "repvit_m1"  # the misspelt key, as shipped
+    if architecture is not None:
+        config.backbone_config.architecture = architecture
+    torch.manual_seed(0)
+    model = EdgeTamVisionModel(config).eval()
+    pixels = torch.randn(1, 3, 128, 128, generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(pixel_values=pixels)
+    except RuntimeError as exc:
+        assert raises and "expected input" in str(exc) and "1024 channels" in str(exc), exc
+    else:
+        assert not raises
