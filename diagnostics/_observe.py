@@ -727,6 +727,11 @@ def _query_key_axes(record: Record, i: int, sm: SoftmaxCall, d: int) -> tuple[in
             return None
     other = (rows if cols == shape[k] else cols) if scores is not None and shape[k] in (rows, cols) else shape[k]
     candidates = [a for a in range(1, len(shape)) if a != k and shape[a] == other]
+    if not candidates and k != 0 and shape[0] == other:
+        # the queries first and the batch after them: (Tq, Tk, B, H), labml's einsum('ibhd,jbhd->ijbh') with its
+        # softmax(dim=1). Axis 0 is read as the queries only where no later axis has their size, so a batch as long
+        # as the queries (B == Tq), which would leave the queries' own axis among the later ones, is never taken
+        candidates = [0]
     if not candidates:
         return None
     before = [a for a in candidates if a < k]

@@ -220,6 +220,30 @@ class HeadsLastAttention(nn.Module):
         return self.o(torch.einsum("bqkh,bkhd->bqhd", w, v).reshape(B, Tq, D))
 
 
+class QueriesFirstAttention(nn.Module):
+    """labml's MultiHeadAttention (annotated_deep_learning_paper_implementations): sequence first inside, the scores
+    laid out (Tq, Tk, B, H) by einsum("ibhd,jbhd->ijbh"), softmax over dim 1, the keys (`dim=0`: over the queries,
+    the twin). Read with the queries on the first axis, the batch after them (it was inconclusive: no softmax over
+    (Tq, Tk) was found)."""
+
+    def __init__(self, d_model, num_heads, *, dim=1):
+        super().__init__()
+        self.d_model, self.num_heads, self.dim = d_model, num_heads, dim
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, query, key, value, mask=None):
+        x_q, x_k, x_v = (t.transpose(0, 1) for t in (query, key, value))  # (T, B, D): sequence first
+        Tq, B, D = x_q.shape
+        q = self.q(x_q).view(Tq, B, self.num_heads, -1)  # (Tq, B, H, d)
+        k, v = (f(t).view(t.shape[0], B, self.num_heads, -1) for f, t in ((self.k, x_k), (self.v, x_v)))
+        s = torch.einsum("ibhd,jbhd->ijbh", q, k) / math.sqrt(q.shape[-1])  # (Tq, Tk, B, H)
+        if mask is not None:  # (B, 1, Tq, Tk) -> (Tq, Tk, B, 1)
+            s = s.masked_fill(~mask.squeeze(1).permute(1, 2, 0).unsqueeze(-1), float("-inf"))
+        w = s.softmax(dim=self.dim).nan_to_num(0.0)
+        out = torch.einsum("ijbh,jbhd->ibhd", w, v).reshape(Tq, B, D)  # (Tq, B, D)
+        return self.o(out).transpose(0, 1)
+
+
 class ChannelsLast2d(nn.Module):
     """2-D attention over the tokens of a feature map, channels last (B, H*W, C), one head: the scores laid out keys
     first, (B, Tk, Tq), and normalised over dim 1, the keys (`dim=2`: over the queries, the twin)."""
@@ -357,6 +381,9 @@ CASES = {
     "heads-last scores, softmax(dim=2)": (
         lambda: HeadsLastAttention(32, 4), {},
         {"heads-last softmax over the queries": (lambda: HeadsLastAttention(32, 4, dim=1), "weight_row_sums")}),
+    "queries-first scores (labml), softmax(dim=1)": (
+        lambda: QueriesFirstAttention(32, 4), {},
+        {"queries-first softmax over the queries": (lambda: QueriesFirstAttention(32, 4, dim=0), "weight_row_sums")}),
     "channels-last 2-D, keys-first scores": (
         lambda: ChannelsLast2d(32), {},
         {"keys-first softmax over the queries": (lambda: ChannelsLast2d(32, dim=2), "weight_row_sums")}),
