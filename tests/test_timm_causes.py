@@ -273,6 +273,17 @@ def test_qk_norm_unscaled_by_hand_passes_where_its_own_docstring_states_that_sca
         assert judged.verdict == "fail" and "2.83x too sharp" in judged.message, (twin, judged.evidence)
 
 
+@pytest.mark.parametrize("written, counts", [("1.004", True), ("1.006", False)])
+def test_pin_scale_words(written, counts):
+    """SCALE_WORDS (5e-3) from both sides: a docstring stating the scale as 1.004 states the 1 applied (a rounding's
+    distance); as 1.006 it states another number, and the unscaled scores are judged by 1/sqrt(d_k)."""
+    stated = type("QkNormWritten", (QkNormByHand,), {"__doc__": f"QK-norm attention. Attention scale = {written}."})
+    torch.manual_seed(0)
+    found = result(stated(), "softmax_saturation", torch.float32)
+    assert (found.verdict == "pass") is counts, found.evidence
+    assert ("2.83x too sharp" in found.message) is not counts, found.message
+
+
 # ---- NextViT: keys pooled from the tokens ---------------------------------------------------------------------
 
 
