@@ -397,6 +397,78 @@ declarations = dict(call=lambda layer, x: layer(x.transpose(1, 2)[..., None])[..
          _IMAGE_LAYER.format(cls="Attention2d", args="32, num_heads=4",
                              then="layer.fused_attn = False  # the path written out (the fused one is SDPA's)\n"),
          ("numpy==2.4.6",)),
+    Case("timm_eva_mask_after_softmax", "masking", "timm", "1.0.7", "1.0.8",
+         "timm/models/eva.py", 150,
+         "https://github.com/huggingface/pytorch-image-models/pull/2236",
+         "EvaAttention's path without SDPA fills the blocked keys with -inf after the softmax, not before it: every "
+         "row with a blocked key is NaN",
+         """
+from timm.models.eva import EvaAttention
+layer = EvaAttention(32, num_heads=4, num_prefix_tokens=0)
+layer.fused_attn = False  # the path written out (the fused path hands the (B, N) mask to SDPA as it is)
+# forward(x, rope=None, attn_mask=None): a (B, T) bool mask, True = keep
+declarations = dict(mask="key_keep", call=lambda layer, x, mask=None: layer(x, attn_mask=mask))
+""", ("numpy==2.4.6",)),
+    Case("braindecode_scale_whole_width", "scaling", "braindecode", "1.4.0", "1.5.0",
+         "braindecode/modules/attention.py", 904,
+         "https://github.com/braindecode/braindecode/issues/873",
+         "MultiHeadAttention (EEGConformer's, CTNet's) divides q.k by sqrt(emb_size), the whole width's, for "
+         "sqrt(d_k): too flat by sqrt(num_heads)",
+         """
+import sys, types
+# braindecode/__init__ imports mne and its model zoo; attention.py needs only braindecode.functional's helpers
+sys.modules["braindecode"] = types.ModuleType("braindecode")
+sys.modules["braindecode.functional"] = load("braindecode/functional/functions.py")
+attention = load("braindecode/modules/attention.py")
+layer = attention.MultiHeadAttention(32, 4, 0.0)  # (emb_size, num_heads, dropout); forward(x, mask=None)
+# mask: bool, True = keep, broadcast against (B, H, Tq, Tk) in both releases (1.4.0: masked_fill(~mask); 1.5.0: SDPA)
+declarations = dict(mask="key_keep",
+                    call=lambda layer, x, mask=None: layer(x, mask=None if mask is None else mask[:, None, None, :]))
+""", ()),
+    Case("labml_rope_values_rotated_twice", "positions", "labml-nn", "0.4.136", "0.4.137",
+         "labml_nn/transformers/rope/value_pe/__init__.py", 234,
+         "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/251",
+         "RoPER (rotary value embeddings): the values are rotated when projected and again inside the weighted sum, "
+         "then rotated back once, so what the output keeps of a value's position is absolute, not relative",
+         """
+import sys, types
+# labml_nn/__init__ is the whole zoo, and labml (its logger and tracker) is a separate package: stand-ins
+labml = types.ModuleType("labml")
+labml.tracker = types.SimpleNamespace(debug=lambda *a, **k: None)
+labml.logger = types.ModuleType("labml.logger")
+labml.logger.inspect = print
+sys.modules.update({"labml": labml, "labml.logger": labml.logger, "labml_nn": types.ModuleType("labml_nn"),
+                    "labml_nn.transformers": types.ModuleType("labml_nn.transformers")})
+sys.modules["labml_nn.transformers.mha"] = load("labml_nn/transformers/mha.py")
+sys.modules["labml_nn.transformers.rope"] = load("labml_nn/transformers/rope/__init__.py")
+value_pe = load("labml_nn/transformers/rope/value_pe/__init__.py")
+layer = value_pe.RotaryValuePEMultiHeadAttention(heads=4, d_model=32, rope_percentage=0.5, rope_value_percentage=0.5)
+# forward(*, query, key, value, mask=None), sequence-first (T, B, D); its mask (Tq, Tk, B), 1 = may attend
+declarations = dict(mask="allowed:B,Tq,Tk", call=lambda layer, x, mask=None: layer(
+    query=x.transpose(0, 1), key=x.transpose(0, 1), value=x.transpose(0, 1),
+    mask=None if mask is None else mask.permute(1, 2, 0)).transpose(0, 1))
+""", ()),
+    Case("ttc_label_attention_mask_inverted", "masking", "torchtextclassifiers", "1.0.4", "2.0.0",
+         "torchTextClassifiers/model/components/text_embedder.py", 282,
+         "https://github.com/InseeFrLab/torchTextClassifiers/pull/92",
+         "the label attention hands SDPA `attention_mask == 0` as its bool mask, where True means attend: each "
+         "learned label query attends the padding only",
+         """
+import sys, types
+for name in ("torchTextClassifiers", "torchTextClassifiers.model", "torchTextClassifiers.model.components"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["torchTextClassifiers.model.components.attention"] = load(
+    "torchTextClassifiers/model/components/attention.py")
+te = load("torchTextClassifiers/model/components/text_embedder.py")
+if hasattr(te, "LabelAttentionClassifier"):  # 1.0.x
+    layer = te.LabelAttentionClassifier(te.TextEmbedderConfig(vocab_size=10, embedding_dim=32, padding_idx=0,
+        label_attention_config=te.LabelAttentionConfig(n_head=4, num_classes=3)))
+else:  # 2.0.0 renamed it
+    layer = te.LabelAttention(te.LabelAttentionConfig(n_head=4, num_classes=3, embedding_dim=32))
+# forward(token_embeddings, attention_mask=None) -> dict; mask (B, T), 1 = a real token; 3 learned label queries
+declarations = dict(mask="key_keep", queries=3, call=lambda layer, x, mask=None: layer(
+    x, attention_mask=None if mask is None else mask.long())["sentence_embedding"])
+""", ()),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",
