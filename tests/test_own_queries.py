@@ -84,3 +84,41 @@ def test_queries_of_its_own_are_read_in_bfloat16_at_gpt2_initialisation(bug, sta
     assert report.status == status and layer.status == status, report
     if bug:
         assert "softmax_saturation" in layer.fired(), layer
+
+
+class LabelAttention(nn.Module):
+    """torchTextClassifiers' label attention in a few lines: `labels` learned queries attend the tokens through
+    torch's SDPA, the (B, T) mask (1 = a real token) made a bool mask there; `inverted`: `attention_mask == 0` for
+    `== 1`, so each label query attends the padding only (the bug of its 1.0.4 release)."""
+
+    def __init__(self, inverted: bool = False, labels: int = 3):
+        super().__init__()
+        self.inverted, self.num_heads = inverted, HEADS
+        self.queries = nn.Parameter(torch.randn(labels, D) * 0.5)
+        self.k, self.v, self.proj = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, attention_mask=None):
+        B, T, _ = x.shape  # batch, tokens, width
+        q = self.queries.expand(B, -1, -1).reshape(B, -1, HEADS, D // HEADS).transpose(1, 2)  # (B, H, labels, d)
+        k, v = (f(x).view(B, T, HEADS, -1).transpose(1, 2) for f in (self.k, self.v))  # (B, H, T, d)
+        keep = None
+        if attention_mask is not None:
+            keep = (attention_mask == 0 if self.inverted else attention_mask == 1)[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # (B, H, labels, d)
+        return self.proj(out.transpose(1, 2).reshape(B, -1, D))
+
+
+@pytest.mark.parametrize("inverted", [False, True], ids=["== 1", "== 0"])
+def test_a_mask_inverted_for_queries_of_its_own_is_located_where_it_is_made(inverted):
+    """The masking ops of a layer with queries of its own are read over those queries (3 here), not the tokens':
+    read over the tokens' 16, the fused call matched no (query, key) pairs and the inverted mask was located nowhere
+    (torchTextClassifiers 1.0.4, pypi_bugs: at its output projection). The bug is located at the line that makes
+    the mask, then the call it is given to; its twin passes on the same inputs."""
+    seed_rng(0)
+    report = diagnostics.audit(LabelAttention(inverted), mask="key_keep", queries=3, progress=False,
+                               call=lambda layer, x, mask=None: layer(x, None if mask is None else mask.long()))
+    found = report.result("mask_honoured")
+    assert found.verdict == ("fail" if inverted else "pass"), found
+    if inverted:
+        assert [site.code.split(" = ")[0] for site in found.where[:2]] == [
+            "keep", "out"], [site.code for site in found.where]

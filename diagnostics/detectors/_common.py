@@ -164,7 +164,12 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
             a = trace_call(s, base.query, base.key, base.value, allowed, seed=seed)
             sites: list[Site] = []
             if use_masks:
-                sites += mask_sites(a, declared_mask(probe, B, t_q, t_k, allowed), B, t_q, t_k)
+                declared, rows = declared_mask(probe, B, t_q, t_k, allowed), t_q
+                if s.own_queries:  # queries of the layer's own (label queries, a pooling head's): each may attend the
+                    # keys some token may, and the masking ops are read over (those queries, the keys)
+                    rows = s.own_queries
+                    declared = declared.any(1, keepdim=True).expand(B, rows, t_k)
+                sites += mask_sites(a, declared, B, rows, t_k)
             if not sites and streams and not base.one_stream:
                 sites += stream_sites(a, s)
             if not sites:
