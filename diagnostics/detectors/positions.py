@@ -631,7 +631,7 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
         if first is not None:
             break
     if first is None:
-        return []
+        return _value_sites(a, b, fused, T, r.tol, P)
     note = (f"the first op over (query, key) pairs whose values for the real tokens change when every position is "
             f"shifted by {P}: the scores depend on absolute positions")
     product = first if first.short in PRODUCTS or id(first) in fused else next(
@@ -649,6 +649,33 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
                                        f"({made.short}): {why}", fix=ROTATION_FIX if rotary else EMBEDDING_FIX))
     sites.append(op_site(first, note, fix="" if product is not None else BIAS_FIX))
     return [site for site in sites if site is not None]
+
+
+VALUE_POSITIONS_FIX = ("let the values carry relative positions only: a rotation applied to the values by their "
+                       "positions is undone on the output by the query's (RoPER: rotate v once, then the weighted sum "
+                       "back by -position), never applied twice or left in; or add no absolute position to them")
+
+
+def _value_sites(a, b, fused: set, T: int, tol: float, P: int) -> list[Site]:
+    """No op over (query, key) pairs moved with the shift, yet the output did: the positions reach the values. The
+    first op of the user's code after the last weights (a softmax, a fused attention call) whose entries for the real
+    tokens change: the values' own rotation or position embedding (RoPER's values rotated twice, labml-nn 0.4.136)."""
+    ops = list(zip(a.ops, b.ops))
+    last = max((i for i, (_, y) in enumerate(ops) if y.short in SOFTMAXES or id(y) in fused), default=None)
+    if last is None:
+        return []
+    for x, y in ops[last + 1:]:
+        if x.name != y.name:
+            return []
+        if not y.frames or not y.sources:
+            continue
+        for ox, oy in zip(x.outs, y.outs):
+            cut = last_rows(oy, ox.shape, T) if ox is not None and oy is not None else None
+            if cut is not None and cut.shape == ox.shape and bool(moved(cut, ox, tol).any()):
+                return [op_site(y, f"the first op after the attention weights whose values for the real tokens change "
+                                   f"when every position is shifted by {P} ({y.short}): the weights do not move, so "
+                                   f"absolute positions reach the values", fix=VALUE_POSITIONS_FIX)]
+    return []
 
 
 def lost_sites(probe, r: LostReplay) -> list[Site]:
