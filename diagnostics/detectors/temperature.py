@@ -505,11 +505,11 @@ it rounds (0.354 for 1/sqrt(8) = 0.35355: 1.3e-3 off), and one 1% off states ano
 
 
 def _stated_in_words(layer, cosine: _Cosine) -> _Cosine:
-    """q and k at unit RMS multiplied by a number other than 1/sqrt(d_k) that the layer's docstring (its forward's or
-    its class's own, not one it inherits) states as its scale: the layer's own
-    temperature, judged by the cosine bounds as a `scale=` handed to scaled_dot_product_attention is. Unsaid, the same
-    numbers are the missing scale (a QK-norm layer that dropped its 1/sqrt(d_k)) and stay judged by 1/sqrt(d_k): the
-    function is the same, so the layer's own words decide, never the audit's guess."""
+    """q and k at unit RMS multiplied by a number that the layer's docstring (its forward's or its class's own, not one
+    it inherits) states as its scale: the layer's own temperature, judged by the cosine bounds as a `scale=` handed to
+    scaled_dot_product_attention is. Unsaid, the same numbers are the missing scale (a QK-norm layer that dropped its
+    1/sqrt(d_k)) and stay judged by 1/sqrt(d_k): the function is the same, so the layer's own words decide, never the
+    audit's guess."""
     for module in (layer, getattr(layer, "inner", None)):
         if module is None:
             continue
@@ -518,7 +518,7 @@ def _stated_in_words(layer, cosine: _Cosine) -> _Cosine:
         texts = [getattr(fn, "__doc__", None), vars(type(module)).get("__doc__") if isinstance(module, torch.nn.Module)
                  else None]
         for text in map(inspect.cleandoc, filter(None, texts)):
-            for found in SCALE_IN_WORDS.finditer(text or ""):
+            for found in SCALE_IN_WORDS.finditer(text):
                 if math.isclose(float(found.group(1)), cosine.factor, rel_tol=SCALE_WORDS):
                     line = text[text.rfind("\n", 0, found.start()) + 1:].split("\n", 1)[0].strip()
                     return replace(cosine, unit_rms=False,
