@@ -592,9 +592,9 @@ def _attend(kind: str, query, key, value, allowed, scaling: float, *, bias=None,
     `causal` whether the layer is a causal one; `sinks` (H,), a learned logit per head that each softmax row takes
     as one more key whose weight is then dropped (GPT-OSS's, MiMo-V2's `s_aux`, as their eager functions do);
     `softcap`, the scaled scores capped at +-softcap by softcap x tanh(scores / softcap) before the mask (Gemma 2's).
-    Returns (B, Tq, H, d), as Hugging Face's functions do. Axes before the batch's last three are kept as they come
-    ((B, H, blocks, T, d): NesT's attention within each block, as the layer hands it to SDPA, read as (B, H) of
-    `blocks` heads), so that the weights keep the shape the layer's own call has."""
+    Returns (B, Tq, H, d), as Hugging Face's functions do. Axes between the batch and the last three are kept as they
+    come ((B, H, blocks, T, d): NesT's attention within each block, as the layer hands it to SDPA, the blocks read as
+    the heads), so that the weights keep the shape the layer's own call has."""
     B, (H, Tq, d) = query.shape[0], query.shape[-3:]  # batch, query heads, queries, head width
     Tk, n_rep = key.shape[-2], H // key.shape[-3]
     if kind == "grouped_heads_wrong_order":  # query head h reads key/value head h % G, not h // n_rep: the bug
