@@ -511,6 +511,20 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "the factor is within 2.2e-5 of 1, where value and value^2 differ by under 2.2e-5 and the ratio stays within "
         "1 +- 3e-5 of 1 either way (SCALE_RATIO is 1.25)"),
     # (moved from check_softmax_saturation with the readings, unchanged, by fixb)
+    "detectors/temperature.py:_off:L*:x10": ("return abs(math.log(abs(ratio) or 1e-300))", _RATIO_FLOOR),
+    "detectors/temperature.py:_off:L*:x0.1": ("return abs(math.log(abs(ratio) or 1e-300))", _RATIO_FLOOR),
+    "detectors/temperature.py:_readings:L*:Gt->GtE": (
+        "parts > 1 and _off(applied / wide) < _off(applied / expected)", "at parts = 1, `wide` is `expected` "
+        "(expected / sqrt(1)), so the comparison beside it, `<` between two equal numbers, is false and the branch is "
+        "not taken either way (checked by hand)"),
+    "detectors/temperature.py:_readings:L*:Lt->LtE": (
+        ("and _off(applied / wide) < _off(applied / expected)", "_off(math.sqrt(parts * d_k / d_model)) < math.log(",
+         "if _off(applied / wide) < math.log(SCALE_RATIO) <="),
+        _TOLERANCE_EDGE + " (on any of these lines: two logs of computed ratios equal only where the applied factor "
+        "is exactly the geometric mean of the two readings, or a computed log exactly log(SCALE_RATIO))"),
+    "detectors/temperature.py:_readings:L*:LtE->Lt": (
+        "math.log(SCALE_RATIO) <= _off(applied / expected)", _TOLERANCE_EDGE + " (a computed log exactly "
+        "log(SCALE_RATIO))"),
     "detectors/temperature.py:_worst:L*:x10": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
     "detectors/temperature.py:_worst:L*:x0.1": ("abs(r.ratio) or 1e-300))))", _RATIO_FLOOR),
     "detectors/temperature.py:outside:L*:x10": ("abs(self.ratio) or 1e-300)", _RATIO_FLOOR),

@@ -313,3 +313,18 @@ def test_every_term_beside_q_k_is_read_and_one_unread_leaves_the_temperature_unj
         assert "the fit leaves free" in result.message, result.message
     elif expected == "skip":
         assert "reaches the scores at" in result.message, result.message
+
+
+@pytest.mark.parametrize("layer, said", [
+    (lambda: ScaledTerms(d_k ** -0.5, d_k ** -0.5), "the 1 product added to q·k"),
+    (lambda: TwoTerms("c2p"), "the 2 products added to q·k"),
+    (lambda: TokenBias(), "the term added to it before the softmax"),
+    (lambda: TwoTerms("token bias"), "the 2 terms added to it before the softmax")],
+    ids=["one product", "two products", "one term", "two terms"])
+def test_the_terms_beside_q_k_are_counted_in_the_words(layer, said):
+    """The count of terms in what the verdict says (L259 and L266 at 3057bfd, each `> 1` made `>= 1` or `< 1`: one
+    term read as several, or several as one): one position product passes saying "the 1 product", two say "the 2
+    products"; one unread term is "the term", two (a position product beside a token bias) "the 2 terms"."""
+    _, result = _temperature(layer())
+    assert said in (result.evidence if result.verdict == "pass" else result.message), (result.message,
+                                                                                        result.evidence)
