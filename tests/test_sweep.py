@@ -87,6 +87,18 @@ def test_the_results_file_resumes_a_sweep_and_the_rates_count_each_verdict(tmp_p
     assert calls() == ["leaky"] and len(results.read_text().splitlines()) == 1
 
 
+@pytest.mark.parametrize("model_type, kept", [("edgetam_vision_model", True), ("someone_elses", False)])
+def test_an_inconclusive_row_is_the_librarys_own_only_where_known_says_so(model_type, kept):
+    """A model the library's own problem keeps from running (EdgeTAM's default config raises on every forward) is
+    inconclusive, counted and marked as KNOWN in the rates and the table; an inconclusive row of a type KNOWN does not
+    list is neither."""
+    sweep = _sweep()
+    row = sweep.Row(model_type, cls="M", built=True, verdict="inconclusive", why="inconclusive: raised on the example")
+    rates, table = "\n".join(sweep.rates([row])), sweep.table([row])
+    assert ("1 of the inconclusive kept from running by the library's own problem (KNOWN)" in rates) is kept, rates
+    assert ("(KNOWN: " in table) is kept, table
+
+
 SAMPLE = {  # model type -> the verdict the sweep must give it
     "gpt2": "passed", "llama": "passed", "bert": "passed", "roberta": "passed", "modernbert": "passed",
     "mamba": "failed", "swiftformer": "failed",
