@@ -557,7 +557,30 @@ def build(model_type: str, impl: str | None = None, *, device: str = "cpu", dtyp
         config = text
     torch.manual_seed(0)
     kw = {"attn_implementation": impl} if impl else {}
-    return placed(cls._from_config(config, **kw).eval(), device=device, dtype=dtype)
+    try:
+        model = cls._from_config(config, **kw)
+    except KeyError:
+        if not impl or not getattr(config, "sub_configs", None):
+            raise
+        # a part that keys classes of its own by the name (Unlimited-OCR's SAM: {"eager": ..., "sdpa": ...}) refuses
+        # an attention function registered under another: the parts that take it get it, the others sdpa
+        torch.manual_seed(0)
+        model = cls._from_config(config, attn_implementation=by_part(cls, config, impl))
+    return placed(model.eval(), device=device, dtype=dtype)
+
+
+def by_part(cls, config, impl: str) -> dict:
+    """transformers' attn_implementation by part ("" the model's own config, else a sub-config's key): `impl` for
+    each part whose model builds with it alone, "sdpa" for the others."""
+    parts = ["", *config.sub_configs]
+    takes = []
+    for part in parts:
+        try:
+            cls._from_config(config, attn_implementation={p: impl if p == part else "sdpa" for p in parts})
+        except KeyError:
+            continue
+        takes.append(part)
+    return {p: impl if p in takes else "sdpa" for p in parts}
 
 
 def placed(model, *, device: str = "cpu", dtype: str | None = None):
@@ -624,7 +647,7 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
             continue
         try:
             broken = build(row.model_type, "sweep_bugs", device=device, dtype=dtype)
-        except Exception as exc:  # a model that maps attn_implementation to classes of its own (Unlimited-OCR's SAM)
+        except Exception as exc:  # a model whose every part maps attn_implementation to classes of its own
             row.bugs[bug] = (f"not judged: the model does not build with an attention function registered under a "
                              f"name of its own ({type(exc).__name__}: {str(exc)[:80]})")
             return
@@ -632,6 +655,11 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
         if target is None:
             row.bugs[bug] = "no such layer"
             continue
+        runs = getattr(getattr(target, "config", None), "_attn_implementation", "sweep_bugs")
+        if runs != "sweep_bugs":  # the layer's part builds only its own classes (`by_part`)
+            row.bugs[bug] = (f"not judged: {path}'s part of the model builds with attention classes of its own "
+                             f"({runs!r}), not with a function registered under another name")
+            return
         if bug == "missing_scale" and getattr(target, "scaling", None) == 1.0:  # Granite's attention_multiplier
             row.bugs[bug] = "not applicable: the layer's own scale is 1 (its configuration's), nothing to drop"
             continue
@@ -653,6 +681,27 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
             groups = getattr(target, "_test_groups", 1)  # its query heads per key/value head
             continue
         row.bugs[bug] = where_caught(rep, report, reference, path)
+        if row.bugs[bug].startswith("missed") and bug not in MASK_BUGS and \
+                moves_nothing(row.model_type, bug, path, device=device, dtype=dtype):
+            row.bugs[bug] = ("not applicable: the bug changes no output at these weights (the model's output on the "
+                             "audit's own example equals the reference's, bit for bit)")
+
+
+def moves_nothing(model_type: str, bug: str, path: str, *, device: str = "cpu", dtype: str | None = None) -> bool:
+    """Whether the model with `bug` in the layer `path` gives the reference's output on the audit's own example, bit
+    for bit (both built with the same seed): the bug changes nothing at these weights, so an audit that passes it
+    misses nothing (no scale to drop where q·k is 0: Zaya's keys times a learned temperature its init sets to 0).
+    Only for bugs of no mask, which the example, unpadded, may not exercise."""
+    import torch
+    from diagnostics.model._runner import Runner
+
+    outputs = []
+    for kind in ("reference", bug):
+        model = build(model_type, "sweep_bugs", device=device, dtype=dtype)
+        dict(model.named_modules())[path]._test_bug = kind
+        runner = Runner(model, None, seq_len=8, seed=0)
+        outputs.append(runner(runner.inputs)[0])
+    return outputs[0].shape == outputs[1].shape and torch.equal(*outputs)
 
 
 def where_caught(rep, report, reference, path: str) -> str:

@@ -829,6 +829,8 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             # projection that its fit read as q·k multiplied by 1); the fused call is judged
             continue
         earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
+        if earlier and _is_zero(earlier[-1]):  # q·k is 0 everywhere: no factor can be read (`zero_products`), and an
+            continue  # older product of the same size (a projection x @ W_q where T = d_k) is not the softmax's
         # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
         beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]
         scores = event.input if event.unshifted is None else event.unshifted
@@ -888,6 +890,23 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                                                        again[1], matmul=m, softmax=event, used_by=by))
                 break
     return estimates
+
+
+def zero_products(record: Record) -> list[Matmul]:
+    """The products q·k that are 0 for every query and key, one per softmax whose latest product of the scores' size
+    is all zeros: the queries or the keys reached it as zeros (Zaya's keys times a learned temperature that its init
+    sets to 0), so the softmax's input is the mask alone and its weights are the same whatever q·k is multiplied by.
+    `applied_scales` reads no factor there."""
+    zero = []
+    for i, event in enumerate(record.order):
+        if isinstance(event, SoftmaxCall):
+            earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
+            zero += [earlier[-1]] if earlier and _is_zero(earlier[-1]) else []
+    return zero
+
+
+def _is_zero(m: Matmul) -> bool:
+    return m.out.numel() > 0 and not bool(m.out.detach().any())
 
 
 def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list[Tensor], int, list[list]]:
@@ -1193,20 +1212,47 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple =
     (tensors added to the products on their way, as many elements as the scores), s in scores = s * products +
     sum_j t_j * terms_j + bias, each t_j free: the factor of the products alone.
     Only entries the softmax gave weight in both halves count: masked ones (-inf, or a large negative fill
-    such as float16's -65504, where the logits are pure rounding) say nothing about the scale."""
-    s, p, w = scores.detach().reshape(-1), products.detach().reshape(-1), weights.detach().reshape(-1)
-    half = s.numel() // 2
-    if half == 0 or s.numel() % 2:
+    such as float16's -65504, where the logits are pure rounding) say nothing about the scale. Where the products'
+    halves are equal (a batch of copies: classifier-free guidance's [unconditioned, conditioned] parts of the same
+    latents, PAG's), its first axis's even and odd rows are the pairs instead."""
+    fitted = _fit_scale_paired(scores, products, weights, terms, every, rows=0)
+    if fitted is None and _copies(products):  # each tensor read as the products' rows: the same elements, in order
+        fitted = _fit_scale_paired(scores, products, weights, terms, every, rows=products.shape[0])
+    return fitted
+
+
+def _copies(x: Tensor) -> bool:
+    """Whether x's batch halves are equal and its first axis pairs rows otherwise (`_fit_scale`'s other pairing)."""
+    return x.dim() >= 1 and x.shape[0] >= 4 and x.shape[0] % 2 == 0 and x.numel() % 2 == 0 and torch.equal(
+        *x.detach().reshape(2, -1))
+
+
+def _paired(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """x's batch pairs, flattened: its first and second half, or (`rows`, even) x read as that many rows, the even
+    ones and the odd ones."""
+    x = x.detach()
+    if rows:
+        x = x.reshape(rows // 2, 2, -1)
+        return x[:, 0].reshape(-1), x[:, 1].reshape(-1)
+    flat = x.reshape(-1)
+    half = flat.numel() // 2
+    return flat[:half], flat[half:2 * half]
+
+
+def _fit_scale_paired(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple, every: list | None,
+                      rows: int) -> tuple[float, float] | None:
+    half = scores.numel() // 2
+    if half == 0 or scores.numel() % 2:
         return None
     step = max(1, half // _FIT_SAMPLES)  # a strided sample is plenty for one number, and keeps T=1024 cheap
-    ds, dp, *dt = (x[:half:step].double() - x[half::step].double()
-                   for x in (s, p, *(t.detach().reshape(-1) for t in terms)))
-    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
+    (s0, s1), (p0, p1), (w0, w1), *tt = (_paired(x, rows) for x in (scores, products, weights, *terms))
+    ds, dp, *dt = (a[::step].double() - b[::step].double() for a, b in ((s0, s1), (p0, p1), *tt))
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0)
     for d in dt:
         ok &= torch.isfinite(d)
     fitted = _least_squares(ds[ok], [dp[ok]] + [d[ok] for d in dt], every)
     if fitted is None or fitted[1] > 0.05:  # a shift of each row (scores - their max, which the softmax ignores)
-        return _fit_scale_rows(scores, products, weights, terms, every)
+        return _fit_scale_rows(scores, products, weights, terms, every, rows=rows)
     return fitted
 
 
@@ -1232,19 +1278,21 @@ def _least_squares(y: Tensor, xs: list[Tensor], every: list | None = None) -> tu
 
 
 def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple = (),
-                    every: list | None = None) -> tuple[float, float] | None:
-    """`_fit_scale` with a bias of each row's own as well: the differences between the batch halves centred per row
-    over the entries with weight in both (a stable softmax's `scores - scores.amax(-1)` shifts each row)."""
+                    every: list | None = None, rows: int = 0) -> tuple[float, float] | None:
+    """`_fit_scale` with a bias of each row's own as well: the differences between the batch halves (`rows`: the
+    products' even and odd rows, `_paired`) centred per row over the entries with weight in both (a stable softmax's
+    `scores - scores.amax(-1)` shifts each row)."""
     t_k = scores.shape[-1] if scores.dim() else 0
     if t_k < 2 or products.numel() != scores.numel():
         return None
-    s, p, w, *ts = (x.detach().reshape(-1, t_k) for x in (scores, products, weights, *terms))
-    half = s.shape[0] // 2
-    if half == 0 or s.shape[0] % 2:
+    half = scores.numel() // t_k // 2
+    if half == 0 or (scores.numel() // t_k) % 2 or rows and (scores.numel() // rows) % t_k:
         return None
     step = max(1, half * t_k // _FIT_SAMPLES)  # a sample of rows
-    ds, dp, *dt = (x[:half:step].double() - x[half::step].double() for x in (s, p, *ts))
-    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w[:half:step] > 0) & (w[half::step] > 0)
+    (s0, s1), (p0, p1), (w0, w1), *tt = ((a.reshape(-1, t_k), b.reshape(-1, t_k)) for a, b in
+                                         (_paired(x, rows) for x in (scores, products, weights, *terms)))
+    ds, dp, *dt = (a[::step].double() - b[::step].double() for a, b in ((s0, s1), (p0, p1), *tt))
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0)
     for d in dt:
         ok &= torch.isfinite(d)
     n = ok.sum(-1, keepdim=True).clamp_min(1)

@@ -254,6 +254,42 @@ def test_a_missing_scale_is_not_judged_where_the_layers_own_scale_is_1():
     assert row.bugs and set(row.bugs.values()) == {"caught"}, row.bugs
 
 
+@pytest.mark.slow  # builds and audits Zaya six times (the correct model, the reference, four bugs), and 4 builds more
+def test_a_bug_that_changes_no_output_at_these_weights_is_not_applicable_and_one_that_does_is_judged():
+    """Zaya multiplies its keys by a learned temperature that its init sets to 0: q·k is 0 everywhere, so dropping
+    1/sqrt(d_k) changes nothing, bit for bit, and its audit passing that is no bug missed. The reference's audit was
+    inconclusive (no factor of q·k to read) and no bug was judged; now the other bugs are, and caught. The twin: in
+    Llama the same bug moves the output, so it is no such case."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    row = sweep.run_transformers("zaya", bugs=True)
+    assert row.verdict == "passed", row
+    assert row.bugs.pop("missing_scale").startswith("not applicable: the bug changes no output"), row.bugs
+    row.bugs.pop(sweep.GROUPED)  # Zaya's projections (its CCA) are not identified: no check can see this bug
+    assert set(row.bugs.values()) == {"caught"}, row.bugs
+    assert sweep.moves_nothing("zaya", "missing_scale", "model.layers.1.self_attn")
+    assert not sweep.moves_nothing("llama", "missing_scale", "model.layers.1.self_attn")
+
+
+@pytest.mark.slow  # builds and audits Unlimited-OCR six times (the correct model, the reference, four bugs)
+def test_a_model_whose_vision_part_keys_classes_by_name_gets_the_bugs_in_its_text_part():
+    """Unlimited-OCR's SAM vision encoder picks its attention class from a dict keyed by "eager" and "sdpa", so the
+    model did not build with the sweep's function registered under a name of its own (KeyError) and none of its bugs
+    was judged. The parts that build with it get it, the others sdpa; the bugs, in the language model, are caught."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e \".[real]\"")
+    sweep = _sweep()
+    from test_model_audit import bug_attention, register_attention
+
+    register_attention("sweep_bugs", bug_attention)
+    model_class = sweep.model_class("unlimited_ocr")
+    parts = sweep.by_part(model_class, sweep.tiny_config("unlimited_ocr", decoder=False), "sweep_bugs")
+    assert parts["vision_config"] == "sdpa" and parts["text_config"] == "sweep_bugs", parts
+    row = sweep.run_transformers("unlimited_ocr", bugs=True)
+    assert row.verdict == "passed", row
+    row.bugs.pop(sweep.GROUPED)
+    assert set(row.bugs.values()) == {"caught"}, row.bugs
+
+
 @pytest.mark.slow  # builds and audits Kosmos-2.5 six times (the correct model, the reference, four bugs)
 def test_a_missing_scale_is_not_judged_where_the_layer_hands_its_function_a_scale_of_1():
     """Kosmos-2.5's text attention multiplies q by its scaling and hands the attention function scaling=1.0: the

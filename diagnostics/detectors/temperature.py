@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._core import not_run, skip
 from .._observe import FusedAttention as Fused
-from .._observe import Scaling, SoftmaxCall, applied_scales
+from .._observe import Scaling, SoftmaxCall, applied_scales, zero_products
 from .._probe import Call, Probe
 from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
@@ -240,6 +240,12 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                     "learner's or a router's logits, or attention pooling whose queries are parameters of the layer "
                     "(k @ query.T), whose temperature is a q·k's; structure cannot tell them apart, so none is judged"),
                        fix=PROJECTIONS_FIX)
+    if not estimates and base.record and zero_products(base.record):
+        return DetectorResult(det, "skip", NOT_APPLICABLE + "q·k is 0 for every query and key at these weights (the "
+                              "queries or the keys reach it as zeros: a factor of the layer at 0, as a learned "
+                              "temperature or gate may be initialised), so every weight is the same whatever q·k is "
+                              "multiplied by: no temperature to read until that factor moves; weight_row_sums judges "
+                              "the weights", fix="audit the layer with trained weights to have its temperature judged")
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
