@@ -663,6 +663,16 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple, build=None):
             inject(row, declared, injected, mask_bugs, make)
     except AuditUsageError as exc:
         row.judged("usage error", str(exc))
+        if "adapters.image(layer)" in str(exc):  # the fix it names, followed as a user would
+            sized = re.search(r"adapters\.image\(layer\), seq_len=(\d+)", str(exc))
+            try:
+                again = diagnostics.audit(diagnostics.adapters.image(make(name)), progress=False,
+                                          **({"seq_len": int(sized.group(1))} if sized else {}))
+                row.declared = f"adapters.image(layer){', seq_len=' + sized.group(1) if sized else ''}: {again.status}"
+                row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})")
+                                      for f in again.findings)
+            except Exception as again_exc:
+                row.declared = f"adapters.image(layer): raised {type(again_exc).__name__}"
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]

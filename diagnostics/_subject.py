@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from ._errors import AuditUsageError, ProbeNotTaken, expect
 from ._guard import untouched
+from .adapters import image_channels
 from ._masks import (
     SHORTCUTS,
     MaskConvention,
@@ -1006,6 +1007,20 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
         d_model = _trial_width(layer, device, dtype, declared_call and call)
         if d_model is not None:
             notes.append(f"d_model={d_model} found by a trial call (the width it takes and returns)")
+    # no width found, and convolutions where projections would be: a layer over (B, C, H, W) pixels
+    channels = image_channels(layer) if d_model is None and not hf and not torch_layer and not any(
+        isinstance(m, nn.Linear) for m in layer.modules()) else None
+    if channels is not None:
+        kernel = max(max(m.kernel_size) for m in layer.modules() if isinstance(m, nn.Conv2d))
+        # a side of two kernels: a key convolution of that stride (Twins' GlobalAttention) leaves 2 x 2 keys
+        side = 2 * kernel if kernel > 1 else 1
+        sized = (f", {spell('seq_len', side * side, options)} or more (its {kernel} x {kernel} convolution needs "
+                 f"images of at least {side} x {side} to leave more than one key)") if side * side > DEFAULT_SEQ_LEN \
+            else ""
+        expect(False, "a layer over token sequences, (B, T, D)", f"{type(layer).__name__}, whose projections are "
+               f"nn.Conv2d over {channels} channels: an attention over an image's pixels, (B, C, H, W)",
+               f"audit adapters.image(layer){sized}: it lays each probe's tokens out as a (B, {channels}, H, W) image "
+               f"and reads the output back as tokens")
     expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
            f"{type(layer).__name__} with none of them", "pass d_model=... to audit()"
            if not options or "d_model" not in options else f"pass {options['d_model']} D")

@@ -19,6 +19,7 @@ never changes what the layer computes, and no detector is loosened for a library
     audit(adapters.self_attention(encoder_layer, mask_arg="src_mask", convention="mha_blocked", d_model=64,
                                   num_heads=4))
     audit(adapters.mha_key_padding(nn.MultiheadAttention(64, 4)))  # padding through key_padding_mask
+    audit(adapters.image(scalable_self_attention))  # a layer over (B, C, H, W) pixels, its tokens laid out as an image
 
 A layer that relies on its parent model to build the causal mask (every Hugging Face decoder attention in
 eager mode) is not causal on its own: audited alone, `pass_mask=False`, it is reported as leaking, which
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ._errors import expect
+from ._errors import ProbeNotTaken, expect
 from ._masks import SHORTCUTS, MaskConvention, convert_mask, mask_convention
 
 CONVENTIONS = tuple(SHORTCUTS)
@@ -111,6 +112,48 @@ def self_attention(layer: nn.Module, *, mask_arg: str | None = "attn_mask", conv
     cls = SelfAttention if mask_arg is not None else _Alone
     return cls(layer, mask_arg=mask_arg, convention=convention, d_model=d_model, num_heads=num_heads,
                extra=extra, name=name, **fixed)
+
+
+class Image(nn.Module):
+    """An attention over an image's pixels, `m(images)` on (B, C, H, W) with its projections convolutions (vit-pytorch's
+    ScalableSelfAttention and Twins' GlobalAttention, a UNet's attention block), seen by the audit as a layer over
+    tokens, `m(x)` on (B, T, C): each probe's T tokens laid out row by row as an H x W image, H the largest divisor of
+    T up to sqrt(T) (or `height`, where it divides T), and the output read back as tokens in the same order. Nothing
+    else changes: a layer whose keys are strided convolutions needs images of at least two kernels a side to leave more
+    than one key, so audit it with such a seq_len (`seq_len=196` for a 7 x 7 kernel, 14 x 14)."""
+
+    def __init__(self, layer: nn.Module, *, channels: int | None = None, height: int | None = None):
+        super().__init__()
+        expect(isinstance(layer, nn.Module), "an nn.Module", type(layer).__name__, "pass the attention module itself")
+        channels = channels if channels is not None else image_channels(layer)
+        expect(channels is not None, "an attention whose first convolution states its channels, or channels=C",
+               f"{type(layer).__name__} with no nn.Conv2d", "pass channels=... (the C of its (B, C, H, W) input)")
+        self.layer, self.d_model, self.height = layer, channels, height
+        self.audit_name = f"{type(layer).__qualname__} [tokens as an image]"
+
+    def forward(self, x: Tensor):
+        B, T, C = x.shape  # batch, tokens, channels
+        h = self.height if self.height and T % self.height == 0 else max(
+            d for d in range(1, int(T ** 0.5) + 1) if T % d == 0)
+        try:
+            out = self.layer(x.transpose(1, 2).reshape(B, C, h, T // h))  # (B, C, H, W), row by row
+        except RuntimeError as exc:
+            kernel = max((max(m.kernel_size) for m in self.layer.modules() if isinstance(m, nn.Conv2d)), default=1)
+            if min(h, T // h) < kernel:  # the probe's image is smaller than a kernel: not the layer's defect
+                raise ProbeNotTaken(f"{T} tokens make a {h} x {T // h} image, smaller than the layer's {kernel} x "
+                                    f"{kernel} convolution: audit with seq_len={4 * kernel * kernel} or more") from exc
+            raise
+        return out.flatten(2).transpose(1, 2)  # (B, T, C') in the same order
+
+
+def image(layer: nn.Module, *, channels: int | None = None, height: int | None = None) -> Image:
+    """Audit an attention over an image's pixels, (B, C, H, W), as one over tokens (see `Image`)."""
+    return Image(layer, channels=channels, height=height)
+
+
+def image_channels(layer: nn.Module) -> int | None:
+    """The channels of the images a layer takes, where its first nn.Conv2d states them; None where it has none."""
+    return next((m.in_channels for m in layer.modules() if isinstance(m, nn.Conv2d)), None)
 
 
 class KeyPaddingMHA(nn.Module):

@@ -32,6 +32,9 @@ def test_every_attention_class_of_a_package_is_enumerated_and_a_command_line_is_
 @pytest.mark.parametrize("name, verdict, declared", [
     ("vit:Attention", "passed", ""),
     ("na_vit:Attention", "inconclusive", "mask='key_keep': passed"),  # True = may attend, one per key
+    # over (B, C, H, W) pixels with convolutions for projections: the usage error names adapters.image, which passes
+    ("scalable_vit:ScalableSelfAttention", "usage error", "adapters.image(layer): passed"),
+    ("twins_svt:GlobalAttention", "usage error", "adapters.image(layer), seq_len=196: passed"),  # 7 x 7 key convs
 ])
 def test_a_row_of_the_vit_pytorch_sweep(name, verdict, declared):
     pytest.importorskip("vit_pytorch", reason=f"vit-pytorch is not installed (the zoo extra): {ZOO}")

@@ -1,0 +1,71 @@
+"""An attention over an image's pixels (issue 34's vit-pytorch ScalableSelfAttention and Twins' GlobalAttention, a
+UNet's attention block): the layer takes (B, C, H, W) and projects with convolutions, so it has no width attribute and
+no nn.Linear, and the audit answered a usage error asking for d_model, which cannot help (the layer takes no token
+sequence). The error now says what the layer is and names `adapters.image(layer)`, which lays each probe's tokens out
+as an image; a key convolution of stride k needs images of two kernels a side, and the error names that seq_len. A
+probe whose image is smaller than a kernel is not taken, with the reason, never a `runs` failure. Twins on the same
+inputs: through the adapter the correct layer passes and the one without 1/sqrt(d_k) fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from correct import gpt2_init_
+from diagnostics import AuditUsageError, adapters, audit
+
+C, H = 32, 4  # channels, heads
+
+
+class PixelAttention(nn.Module):
+    """Self-attention between the pixels of (B, C, H, W) images: 1 x 1 convolutions for q and the output, keys and
+    values from a `reduction` x `reduction` convolution of that stride (spatial reduction); `scaled=False` is the
+    bug, no 1/sqrt(d_k)."""
+
+    def __init__(self, reduction: int = 1, scaled: bool = True):
+        super().__init__()
+        self.to_q = nn.Conv2d(C, C, 1, bias=False)
+        self.to_kv = nn.Conv2d(C, 2 * C, reduction, stride=reduction, bias=False)
+        self.to_out = nn.Conv2d(C, C, 1)
+        self.scaled = scaled
+
+    def forward(self, images):
+        B, _, height, width = images.shape  # batch, channels, rows, columns
+        q, (k, v) = self.to_q(images), self.to_kv(images).chunk(2, dim=1)
+        q, k, v = (t.reshape(B, H, C // H, -1).transpose(-2, -1) for t in (q, k, v))  # (B, H, pixels, d)
+        scores = q @ k.transpose(-2, -1)  # (B, H, pixels, keys)
+        if self.scaled:
+            scores = scores / math.sqrt(C // H)
+        out = torch.softmax(scores, dim=-1) @ v  # (B, H, pixels, d)
+        return self.to_out(out.transpose(-2, -1).reshape(B, C, height, width))
+
+
+def layer(**kw):
+    torch.manual_seed(0)
+    return gpt2_init_(PixelAttention(**kw))
+
+
+def test_a_layer_over_pixels_is_a_usage_error_that_names_the_image_adapter():
+    with pytest.raises(AuditUsageError, match=r"nn\.Conv2d over 32 channels.*Fix: audit adapters\.image\(layer\):"):
+        audit(layer(), progress=False)
+    with pytest.raises(AuditUsageError, match=r"adapters\.image\(layer\), seq_len=196 or more \(its 7 x 7"):
+        audit(layer(reduction=7), progress=False)
+
+
+@pytest.mark.parametrize("reduction, seq_len", [(1, None), (2, None), (7, 196)])
+def test_through_the_image_adapter_the_correct_layer_passes_and_a_missing_scale_fails(reduction, seq_len):
+    kw = {"seq_len": seq_len} if seq_len else {}
+    right = audit(adapters.image(layer(reduction=reduction)), progress=False, **kw)
+    wrong = audit(adapters.image(layer(reduction=reduction, scaled=False)), progress=False, **kw)
+    assert right.status == "passed", right.status_reason
+    assert wrong.status == "failed" and wrong.result("softmax_saturation").verdict == "fail", wrong.status_reason
+
+
+def test_a_probe_whose_image_is_smaller_than_a_kernel_is_not_taken_and_says_the_length_to_audit_at():
+    report = audit(adapters.image(layer(reduction=7)), progress=False)  # 16 tokens: a 4 x 4 image
+    assert report.status == "inconclusive", report.status_reason
+    assert "4 x 4 image, smaller than the layer's 7 x 7 convolution: audit with seq_len=196" in report.status_reason
+    assert report.result("runs").verdict != "fail", report.result("runs")
