@@ -1,14 +1,16 @@
 """Positions that reach the values, not the scores (RoPER: rotary value embeddings). labml-nn 0.4.136 rotates the
 values by their positions twice and back once, so the output keeps their absolute positions (its issue 251; the
 pypi_bugs case `labml_rope_values_rotated_twice`): `relative_positions` fails it, but no op over (query, key) pairs
-moves with the shift, and the finding pointed nowhere. It now points at the first op after the attention weights
-whose real tokens' entries move: the values' rotation (the first of the two: the one that a correct RoPER keeps too,
-so the site shows where positions enter the values, not which rotation is one too many; in labml-nn 0.4.136 it is 4
-lines above the fixed one, outside pypi_bugs' 2). The correct RoPER (rotated once, back once) passes on the same
-inputs. Written here in a few lines, batch first, no labml needed.
+moves with the shift, and the finding pointed nowhere. It now points at the values' positions: the first op after
+the attention weights whose real tokens' entries move, and, where the values the weighted sum reads were made by a
+later op that moves too and is fed by that one, that later op first: the second rotation, the line labml's fix removed
+(the first rotation, which a correct RoPER keeps too, is 4 lines above it, outside pypi_bugs' 2). The correct RoPER
+(rotated once, back once) passes on the same inputs. Written here in a few lines, batch first, no labml needed.
 """
 
 from __future__ import annotations
+
+import linecache
 
 import pytest
 import torch
@@ -60,3 +62,6 @@ def test_values_rotated_twice_fail_and_are_located_at_the_values(twice):
     if twice:
         assert found.where and "absolute positions reach the values" in found.where[0].note, found.where
         assert found.where[0].function == "rotate", found.where  # the values' rotation, called from forward
+        file, line, _ = found.where[0].callers[0]
+        assert "rotate(v) if self.twice" in linecache.getline(file, line), found.where  # the second one
+        assert "applied to the values twice" in found.where[0].note, found.where

@@ -659,23 +659,53 @@ VALUE_POSITIONS_FIX = ("let the values carry relative positions only: a rotation
 def _value_sites(a, b, fused: set, T: int, tol: float, P: int) -> list[Site]:
     """No op over (query, key) pairs moved with the shift, yet the output did: the positions reach the values. The
     first op of the user's code after the last weights (a softmax, a fused attention call) whose entries for the real
-    tokens change: the values' own rotation or position embedding (RoPER's values rotated twice, labml-nn 0.4.136)."""
+    tokens change: the values' own rotation or position embedding. Where the values the weighted sum reads were made
+    by a later op that moves too, fed by that one, positions were applied to them a second time, and that op is the
+    site, the first beside it (RoPER's values rotated twice, labml-nn 0.4.136: the second rotation, the line its fix
+    removed; a correct RoPER rotates them once, as the first site shows)."""
     ops = list(zip(a.ops, b.ops))
     last = max((i for i, (_, y) in enumerate(ops) if y.short in SOFTMAXES or id(y) in fused), default=None)
     if last is None:
         return []
-    for x, y in ops[last + 1:]:
-        if x.name != y.name:
-            return []
-        if not y.frames or not y.sources:
-            continue
+
+    def moves(i: int) -> bool:  # op i's entries for the real tokens change with the shift
+        x, y = ops[i]
         for ox, oy in zip(x.outs, y.outs):
             cut = last_rows(oy, ox.shape, T) if ox is not None and oy is not None else None
             if cut is not None and cut.shape == ox.shape and bool(moved(cut, ox, tol).any()):
-                return [op_site(y, f"the first op after the attention weights whose values for the real tokens change "
-                                   f"when every position is shifted by {P} ({y.short}): the weights do not move, so "
-                                   f"absolute positions reach the values", fix=VALUE_POSITIONS_FIX)]
+                return True
+        return False
+
+    for i in range(last + 1, len(ops)):
+        x, y = ops[i]
+        if x.name != y.name:
+            return []
+        if not y.frames or not y.sources or not moves(i):
+            continue
+        first = op_site(y, f"the first op after the attention weights whose values for the real tokens change when "
+                           f"every position is shifted by {P} ({y.short}): the weights do not move, so absolute "
+                           f"positions reach the values", fix=VALUE_POSITIONS_FIX)
+        again = _moved_again(b, ops, i, moves)
+        if again is None:
+            return [first]
+        return [op_site(again, f"the values the weighted sum reads were moved by their positions again here "
+                               f"({again.short}), after an earlier op had already done so: positions applied to "
+                               f"the values twice, so absolute positions reach the values", fix=VALUE_POSITIONS_FIX), first]
     return []
+
+
+def _moved_again(b, ops: list, start: int, moves) -> Op | None:
+    """The op of the user's code that made the values operand of the weighted sum after `start` (the first product
+    past it), where that op comes after the one at `start` and moves with the shift too: positions applied again."""
+    index = {id(y): j for j, (_, y) in enumerate(ops)}
+    product = next((y for _, y in ops[start + 1:] if y.short in PRODUCTS), None)
+    for tensor_id in (product.in_ids[:2] if product is not None else ()):
+        made = through_carries(b, producer(b, tensor_id))
+        j = index.get(id(made)) if made is not None else None
+        if j is not None and j > start and user(made) and made.short not in PRODUCTS and moves(j) and \
+                ops[start][1].index in ancestors(b, made):
+            return made
+    return None
 
 
 def lost_sites(probe, r: LostReplay) -> list[Site]:
