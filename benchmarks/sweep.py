@@ -263,6 +263,18 @@ KNOWN = {  # model type -> why it fails: a problem of the library's own, confirm
                             f"architecture='repvit_m1' it runs); inconclusive, the audit's example never ran",
     "edgetam": "as EdgeTAM's vision model, its vision encoder: the default backbone is resnet50, not repvit_m1 "
                "(a misspelt config key), and every forward raises",
+    "uvdoc": f"its default config does not run: the backbone's out_features default to the last stage alone "
+             f"({TF}uvdoc/configuration_uvdoc.py:50, utils/backbone_utils.py:66), so 128 channels reach a bridge "
+             f"connector built for all six stages, 128 x 6 = 768 ({TF}uvdoc/modeling_uvdoc.py:339, raising at 354), on "
+             f"any image (confirmed by tests/test_sweep.py's plain script; with out_features stage1..stage6 it runs); "
+             f"inconclusive, the audit's example never ran",
+    "pp_ocrv6_small_det": f"its default config does not run: __post_init__ builds a bare pp_lcnet_v4 backbone "
+                          f"({TF}pp_ocrv6_small_det/configuration_pp_ocrv6_small_det.py:76-81) before the pp_lcnet_v3 "
+                          f"its sub_configs_defaults name (54-65) is read, so one 384-channel stage meets a neck built "
+                          f"for four of layer_list_out_channels (12, 18, 42, 360) (line 72, PP-OCRv5-mobile's, whose "
+                          f"projections this model lacks: modeling_pp_ocrv6_small_det.py:234-241), on any image "
+                          f"(confirmed by tests/test_sweep.py's plain script; with the v3 backbone's four stages and "
+                          f"channels [48, 96, 192, 384] it runs); inconclusive, the audit's example never ran",
 }
 # Not KNOWN: timm's eval-mode attention-bias cache (LeViT, EfficientFormer, EfficientViT-MSRA, TinyViT). After a
 # forward under no_grad the cached biases get no gradient (a pitfall for fine-tuning in eval mode after inference,

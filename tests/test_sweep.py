@@ -1092,6 +1092,63 @@ def test_the_reference_attention_keeps_a_layers_blocks_so_that_its_weights_are_r
     assert broken.status == "failed" and "softmax_saturation" in broken.status_reason, broken.status_reason
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["default", "six_stages"])
+def test_uvdocs_default_config_runs_except_where_known_says_its_backbone_gives_one_stage_of_six(fixed):
+    """UVDoc (KNOWN) from its default config: the backbone's out_features default to its last stage alone, whose 128
+    channels meet a bridge connector built for all six (768), and the forward raises on any image; its twin on the
+    same image, the backbone asked for its six stages, runs."""
+    import torch
+
+    _transformers()
+    from transformers import UVDocConfig, UVDocModel
+
+    assert "uvdoc" in _sweep().KNOWN
+    config = UVDocConfig(backbone_config={"model_type": "uvdoc_backbone",
+                                          "out_features": [f"stage{i}" for i in range(1, 7)]}) if fixed else UVDocConfig()
+    torch.manual_seed(0)
+    model = UVDocModel._from_config(config).eval()
+    pixels = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(pixel_values=pixels)
+    except RuntimeError as exc:
+        assert not fixed and "768 channels, but got 128" in str(exc), exc
+    else:
+        assert fixed
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["default", "v3_four_stages"])
+def test_pp_ocrv6_small_dets_default_config_runs_except_where_known_says_its_backbone_is_not_the_one_it_names(fixed):
+    """PP-OCRv6 small det (KNOWN) from its default config: __post_init__ builds a bare pp_lcnet_v4 backbone, one
+    384-channel stage, before the pp_lcnet_v3 its sub_configs_defaults name is read, and the neck, built for four
+    stages of PP-OCRv5-mobile's widths (12, 18, 42, 360), raises on any image; its twin on the same image, the v3
+    backbone it names with its four stages and their widths, runs."""
+    import torch
+
+    _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    import transformers
+
+    assert "pp_ocrv6_small_det" in _sweep().KNOWN
+    config_class = CONFIG_MAPPING["pp_ocrv6_small_det"]
+    assert config_class.sub_configs_defaults["backbone_config"].model_type == "pp_lcnet_v3"  # what it names
+    assert config_class().backbone_config.model_type == "pp_lcnet_v4"  # what it builds
+    config = config_class(backbone_config=CONFIG_MAPPING["pp_lcnet_v3"](
+        scale=0.75, out_features=["stage2", "stage3", "stage4", "stage5"], divisor=16),
+        layer_list_out_channels=[48, 96, 192, 384]) if fixed else config_class()
+    torch.manual_seed(0)
+    model = getattr(transformers, MODEL_MAPPING_NAMES["pp_ocrv6_small_det"])._from_config(config).eval()
+    pixels = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(pixel_values=pixels)
+    except RuntimeError as exc:
+        assert not fixed and "to have 12 channels, but got 384" in str(exc), exc
+    else:
+        assert fixed
+
+
 @pytest.mark.parametrize("architecture, raises", [(None, True), ("repvit_m1", False)], ids=["default", "repvit_m1"])
 def test_edgetams_default_config_runs_except_where_known_says_its_backbone_key_is_misspelt(architecture, raises):
     """EdgeTAM's vision model (KNOWN) from its default config: `"archirecture": "repvit_m1"`, a misspelt key, leaves
