@@ -99,3 +99,46 @@ def test_a_joint_attention_without_its_scale_fails_under_the_declaration_its_cor
     assert buggy.declaration == diagnostics.audit(_layer(JointAttention), progress=False).declaration
     report = diagnostics.audit(_layer(JointAttention, scaled=False), progress=False, **declared)
     assert report.status == "failed" and report.result("softmax_saturation").verdict == "fail", report
+
+
+class TextProjectedJoint(nn.Module):
+    """Joint attention in PRX's and JoyImage's style: the image tokens get q, k and v, the text tokens k and v of
+    their own projection (`txt_kv`), and the mask, when given, is over the text tokens only, (B, L_txt), True = keep.
+    `unused`: a projection the code never reads (the bug the twin keeps)."""
+
+    def __init__(self, dim=32, heads=4, unused=False):
+        super().__init__()
+        self.heads = heads
+        self.img_qkv, self.txt_kv, self.to_out = nn.Linear(dim, 3 * dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+        self.extra = nn.Linear(dim, dim) if unused else None
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, L, D = hidden_states.shape  # batch, image tokens, width
+        text = encoder_hidden_states.size(1)  # raises on None
+        split = lambda t: t.view(B, -1, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731  (B, H, n, d)
+        q, k, v = (split(t) for t in self.img_qkv(hidden_states).chunk(3, dim=-1))
+        tk, tv = (split(t) for t in self.txt_kv(encoder_hidden_states).chunk(2, dim=-1))
+        k, v = torch.cat([tk, k], dim=2), torch.cat([tv, v], dim=2)  # text keys first, then the image's
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[-1] != text:
+                raise ValueError(f"Unsupported attention_mask shape: {tuple(attention_mask.shape)}")
+            mask = torch.cat([attention_mask.bool(), attention_mask.new_ones(B, L).bool()], dim=1)[:, None, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, L, d)
+        return self.to_out(out.transpose(1, 2).reshape(B, L, D))
+
+
+def test_a_joint_attention_with_a_text_only_mask_is_declared_without_the_mask_and_its_text_weights_not_measured():
+    """PRX's: its mask is over the text tokens only, so under an empty text stream the audit's mask raises; the call
+    the report names passes none, and with it the layer passes, its text projection a warning (given no token) and no
+    failure. The twin, the same layer with a projection it never reads, still fails `parameters_used` for that one."""
+    report = diagnostics.audit(_layer(TextProjectedJoint), progress=False)
+    assert report.declaration == "call=lambda layer, x: layer(x, encoder_hidden_states=x[:, :0])", report.declaration
+    assert "which it reads over `encoder_hidden_states`'s tokens, so none is passed" in report.result("runs").message
+    again = diagnostics.audit(_layer(TextProjectedJoint), progress=False, **_declared(report))
+    assert again.status == "passed", again.status_reason
+    used = again.result("parameters_used")
+    assert used.verdict == "warn" and used.message.startswith("txt_kv.weight, txt_kv.bias not measured"), used
+    twin = diagnostics.audit(_layer(TextProjectedJoint, unused=True), progress=False, **_declared(report))
+    assert twin.status == "failed", twin.status_reason
+    assert twin.result("parameters_used").message == "the output does not depend on extra.weight, extra.bias", twin

@@ -320,6 +320,33 @@ def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, table
     return gated, (zeros if gated else [])
 
 
+def given_nothing(sub, qkv, allowed, names) -> list[str]:
+    """Of the parameters `names`, those whose module was given only empty tensors (no token) in every call of one
+    forward: projections of a stream the call gives no tokens (a joint attention declared with
+    `encoder_hidden_states=x[:, :0]`: its text stream's own projections, JoyImage's `txt_attn_*`, PRX's `txt_kv_proj`).
+    Nothing reaches them on this call, so their use is not measured here, not absent; a module never called is not
+    among them (the code does not read it)."""
+    owners = {name: name.rpartition(".")[0] for name in names}
+    modules = dict(sub.layer.named_modules())
+    seen: dict[str, list[bool]] = {}
+
+    def hook(path):
+        def record(module, args, kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+            seen.setdefault(path, []).append(bool(tensors) and all(t.numel() == 0 for t in tensors))
+        return record
+
+    handles = [modules[path].register_forward_pre_hook(hook(path), with_kwargs=True)
+               for path in set(owners.values()) if path and path in modules]
+    try:
+        with torch.no_grad():
+            sub(*qkv, allowed)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [name for name, path in owners.items() if seen.get(path) and all(seen[path])]
+
+
 _VIEWS = {"transpose", "t", "permute", "expand", "view", "_unsafe_view", "reshape", "clone", "contiguous", "alias"}
 
 
@@ -450,6 +477,8 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
             unused = [(name, where) for name, where in unused if name not in longer]
     gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
     unused = [(name, where) for name, where in unused if name not in gated]
+    empty = given_nothing(sub, pack(inputs), allowed, [name for name, where in unused if where == "everywhere"])
+    unused = [(name, where) for name, where in unused if name not in empty]
     whole = {name for name, where in unused if where == "everywhere"}
     copies = {name: at for name in whole if (at := kept_copy(name, params, whole))}
     unused = [(name, where) for name, where in unused if name not in copies]
@@ -503,6 +532,18 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                                f"would show a use; of {checked}){note}" + (f"; not used either, but kept copies: {kept}"
                                                                             if kept else ""),
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
+    if empty:
+        them, were, owners = (("them", "were", "their modules were") if len(empty) > 1 else ("it", "was", "its module was"))
+        return result(det, "warn", f"{', '.join(empty)} not measured: {owners} given no token on this call (a stream "
+                                   f"the call leaves empty)",
+                      value=max(moved_by[n] for n in empty), threshold=FORWARD_MOVES,
+                      evidence=f"{'; '.join(f'{n} {tuple(params[n].shape)}' for n in empty)}: gradient exactly 0 and "
+                               f"changing {them} moved nothing, as every tensor {owners} given has 0 elements: a "
+                               f"second stream given no tokens (a joint attention declared with an empty "
+                               f"`encoder_hidden_states`) reaches nothing; every other parameter moves the output "
+                               f"({checked}){note}" + (f"; kept copies: {kept}" if kept else ""),
+                      fix="audit the layer with that stream given tokens to have these parameters checked (a "
+                          "call= that passes them), or check by hand that they act on it")
     if copies:
         return result(det, "warn", f"{', '.join(sorted(copies))} {'are' if len(copies) > 1 else 'is'} not used: kept "
                                    f"beside the parameter {'they were' if len(copies) > 1 else 'it was'} fused into "

@@ -385,13 +385,19 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
             continue
         moved = _rows_moved(probe, call.query, name)
         if moved > JOINT:
-            declare = stream_call(name, "x[:, :0]", mask_name, probe.options)
+            # a mask the layer takes over `name`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
+            # they are none: it raises given the audit's mask then, and the call passes none
+            masked = mask_name is not None and _runs_empty_with_mask(probe, call.query, name)
+            declare = stream_call(name, "x[:, :0]", mask_name if masked else None, probe.options)
             how = (f"attends its queries together with `{name}` (another output row moved by {moved:.3g} of the "
                    f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{name}` tokens given): joint "
                    f"attention, both streams concatenated along the sequence; given `{name}` with no tokens it is "
-                   f"self-attention over x")
+                   f"self-attention over x" + ("" if masked or mask_name is None else
+                                               f"; given no `{name}` tokens it raises with the audit's mask as "
+                                               f"`{mask_name}`, which it reads over `{name}`'s tokens, so none is "
+                                               f"passed"))
             fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
-                   f"to `{name}`'s tokens are then unused)")
+                   f"to `{name}`'s tokens are then not measured)")
         elif name == sig.memory:
             declare = spell("cross", True, probe.options)
             how = f"attends `{name}` as a memory (each output row moved only with its own query)"
@@ -405,6 +411,19 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
                                       f"runs and {how}",
                       evidence=evidence, fix=fix, declaration=declare)
     return None
+
+
+def _runs_empty_with_mask(probe: Probe, query: torch.Tensor, name: str) -> bool:
+    """Whether the layer runs given `name` with no tokens and the audit's mask (every key kept) over the queries."""
+    s = probe.subject
+    allowed = torch.ones(query.shape[0], 1, query.shape[1], query.shape[1], dtype=torch.bool, device=query.device)
+    probe.passes += 1
+    try:
+        with torch.no_grad():
+            s.layer(**{**s._kwargs(query, query, query, allowed), name: query[:, :0]})
+    except Exception:  # noqa: BLE001 -- a mask over the stream's tokens, which are none
+        return False
+    return True
 
 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None):
