@@ -1141,8 +1141,8 @@ def rates(rows: list[Row]) -> list[str]:
             f"{v} {count(v)} ({100 * count(v) / len(built):.0f}%)"
             for v in ("passed", "failed", "inconclusive", "usage error", "crashed", "timeout") if count(v))
             + (f"; {len(known)} of the failures expected (KNOWN)" if known else "")
-            + (f"; {len(kept)} of the inconclusive kept from running by the library's own problem (KNOWN)"
-               if kept else ""))
+            + (f"; {len(kept)} of the inconclusive the library's own problem (KNOWN: kept from running, or "
+               f"failing under the declaration their report names)" if kept else ""))
     judged = [r for r in built if r.bugs and "reference" not in r.bugs]
     pairs = [(r, b, v) for r in judged for b, v in r.bugs.items() if not v.startswith("not applicable")
              and b != GROUPED]

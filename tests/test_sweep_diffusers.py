@@ -194,6 +194,27 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
     assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
 
 
+@pytest.mark.parametrize("name, ignored", [
+    ("Attention+FusedJointAttnProcessor2_0", True), ("Attention+PAGJointAttnProcessor2_0", True), ("Attention+PAGCFGJointAttnProcessor2_0", True),
+    ("Attention+CogVideoXAttnProcessor2_0", False)])
+def test_a_joint_processor_given_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(
+        name, ignored):
+    """The joint processors (text and image tokens attended together), given no text tokens, as the declaration their
+    report names calls them: the mask blocking half the image keys leaves the output exactly as it is, where KNOWN
+    says the processor never applies it; CogVideoX's joint processor, the twin, applies it."""
+    _diffusers()
+    assert (name in sd.KNOWN) is ignored
+    layer, x = sd.diffusers_build(name), _hidden()
+    allowed = torch.ones(1, 1, 16, 16, dtype=torch.bool)
+    allowed[..., 8:] = False  # the second half of the keys blocked for every query
+    mask = torch.zeros(1, 1, 16, 16).masked_fill(~allowed, float("-inf"))
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731  (image, text) or the image's
+    with torch.no_grad():
+        plain = first(layer(x, encoder_hidden_states=x[:, :0]))
+        masked = first(layer(x, encoder_hidden_states=x[:, :0], attention_mask=mask))
+    assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
+
+
 @pytest.mark.parametrize("name, linear", [("Attention+SanaLinearAttnProcessor2_0", True),
                                           ("Attention+AttnProcessor2_0", False)])
 def test_a_query_with_no_positive_relu_feature_gets_no_weight_where_known_says_so(name, linear):
