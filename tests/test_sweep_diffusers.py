@@ -314,6 +314,27 @@ def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attend
         assert torch.allclose(out, alone.expand_as(out), atol=1e-5), float((out - alone).abs().max())
 
 
+@pytest.mark.parametrize("name, raises", [("Attention+CustomDiffusionAttnProcessor2_0", True),
+                                          ("Attention+AttnProcessor2_0", False)])
+def test_a_padding_mask_at_batch_2_runs_except_where_known_says_it_is_not_viewed_per_head(name, raises):
+    """Custom Diffusion's SDPA processor hands SDPA the (B x heads, 1, Tk) mask diffusers prepares without the view to
+    (B, heads, 1, Tk) that AttnProcessor2_0 makes: at batch 2 any mask raises, at batch 1 it runs; the twin runs both."""
+    _diffusers()
+    assert (name in sd.KNOWN) is raises
+    layer = sd.diffusers_build(name)
+    x = torch.randn(2, 12, sd.D, generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 1, 12)
+    mask[..., 8:] = float("-inf")  # the last four keys blocked: additive, (B, 1, Tk), as diffusers takes it
+    with torch.no_grad():
+        assert layer(x[:1], attention_mask=mask[:1]).shape == (1, 12, sd.D)
+        try:
+            layer(x, attention_mask=mask)
+        except RuntimeError as exc:
+            assert raises and "must match the size of tensor b" in str(exc), exc
+        else:
+            assert not raises
+
+
 @pytest.mark.parametrize("name", ["Attention+CustomDiffusionAttnProcessor",
                                   "Attention+CustomDiffusionAttnProcessor2_0"])
 @pytest.mark.parametrize("loaded", [True, False])
