@@ -696,24 +696,27 @@ def inject_transformers(row: Row, report, *, device: str = "cpu", dtype: str | N
         if row.bugs[bug].startswith("missed") and bug not in MASK_BUGS and \
                 moves_nothing(row.model_type, bug, path, device=device, dtype=dtype):
             row.bugs[bug] = ("not applicable: the bug changes no output at these weights (the model's output on the "
-                             "audit's own example equals the reference's, bit for bit)")
+                             "audit's own examples equals the reference's, bit for bit)")
 
 
 def moves_nothing(model_type: str, bug: str, path: str, *, device: str = "cpu", dtype: str | None = None) -> bool:
-    """Whether the model with `bug` in the layer `path` gives the reference's output on the audit's own example, bit
-    for bit (both built with the same seed): the bug changes nothing at these weights, so an audit that passes it
+    """Whether the model with `bug` in the layer `path` gives the reference's output on the audit's own examples at
+    8 and 16 tokens, bit for bit (both built with the same seed): the bug changes nothing at these weights, so an audit that passes it
     misses nothing (no scale to drop where q·k is 0: Zaya's keys times a learned temperature its init sets to 0).
     Only for bugs of no mask, which the example, unpadded, may not exercise."""
     import torch
     from diagnostics.model._runner import Runner
 
-    outputs = []
-    for kind in ("reference", bug):
-        model = build(model_type, "sweep_bugs", device=device, dtype=dtype)
-        dict(model.named_modules())[path]._test_bug = kind
-        runner = Runner(model, None, seq_len=8, seed=0)
-        outputs.append(runner(runner.inputs)[0])
-    return outputs[0].shape == outputs[1].shape and torch.equal(*outputs)
+    for length in (8, 16):  # the length the bug's audit runs at, and the audit's default
+        outputs = []
+        for kind in ("reference", bug):
+            model = build(model_type, "sweep_bugs", device=device, dtype=dtype)
+            dict(model.named_modules())[path]._test_bug = kind
+            runner = Runner(model, None, seq_len=length, seed=0)
+            outputs.append(runner(runner.inputs)[0])
+        if outputs[0].shape != outputs[1].shape or not torch.equal(*outputs):
+            return False
+    return True
 
 
 def where_caught(rep, report, reference, path: str) -> str:

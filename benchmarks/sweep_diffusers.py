@@ -678,11 +678,11 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple, build=None):
     except AuditUsageError as exc:
         row.judged("usage error", str(exc))
         if "adapters.image(layer)" in str(exc):  # the fix it names, followed as a user would
-            sized = re.search(r"adapters\.image\(layer\), seq_len=(\d+)", str(exc))
+            length = diagnostics.adapters.image_seq_len(make(name))
             try:
                 again = diagnostics.audit(diagnostics.adapters.image(make(name)), progress=False,
-                                          **({"seq_len": int(sized.group(1))} if sized else {}))
-                row.declared = f"adapters.image(layer){', seq_len=' + sized.group(1) if sized else ''}: {again.status}"
+                                          **({"seq_len": length} if length else {}))
+                row.declared = f"adapters.image(layer){f', seq_len={length}' if length else ''}: {again.status}"
                 row.findings = sorted(f.detector + ("" if f.verdict == "fail" else f" ({f.verdict})")
                                       for f in again.findings)
             except Exception as again_exc:

@@ -828,9 +828,9 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
             # pools (GLM-5-Next's indexer averages each pool's keys by a softmax over the pool's tokens, of a
             # projection that its fit read as q·k multiplied by 1); the fused call is judged
             continue
+        if _zero_scores(record, i) is not None:  # q·k is 0 everywhere: no factor can be read, and an older product
+            continue  # of the same size (a projection x @ W_q where T = d_k) is not the softmax's
         earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
-        if earlier and _is_zero(earlier[-1]):  # q·k is 0 everywhere: no factor can be read (`zero_products`), and an
-            continue  # older product of the same size (a projection x @ W_q where T = d_k) is not the softmax's
         # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
         beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]
         scores = event.input if event.unshifted is None else event.unshifted
@@ -893,20 +893,25 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
 
 
 def zero_products(record: Record) -> list[Matmul]:
-    """The products q·k that are 0 for every query and key, one per softmax whose latest product of the scores' size
-    is all zeros: the queries or the keys reached it as zeros (Zaya's keys times a learned temperature that its init
-    sets to 0), so the softmax's input is the mask alone and its weights are the same whatever q·k is multiplied by.
-    `applied_scales` reads no factor there."""
-    zero = []
-    for i, event in enumerate(record.order):
-        if isinstance(event, SoftmaxCall):
-            earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
-            zero += [earlier[-1]] if earlier and _is_zero(earlier[-1]) else []
-    return zero
+    """The products q·k that are 0 for every query and key, one per softmax (`_zero_scores`): the queries or the keys
+    reached it as zeros (Zaya's keys times a learned temperature that its init sets to 0), so the softmax's input is
+    the mask alone and its weights are the same whatever q·k is multiplied by. `applied_scales` reads no factor
+    there."""
+    found = (_zero_scores(record, i) for i, e in enumerate(record.order) if isinstance(e, SoftmaxCall))
+    return [m for m in found if m is not None]
 
 
-def _is_zero(m: Matmul) -> bool:
-    return m.out.numel() > 0 and not bool(m.out.detach().any())
+def _zero_scores(record: Record, i: int) -> Matmul | None:
+    """The product before the softmax `record.order[i]` of the scores' size, where it is all zeros and the softmax's
+    input is the same in both batch halves (the mask alone reaches it: a product of zeros with a term of the tokens
+    added after it is not the scores' whole story); None otherwise."""
+    event = record.order[i]
+    m = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul) and m.out.numel() == event.input.numel()),
+             None)
+    if m is None or not m.out.numel() or bool(m.out.detach().any()) or event.input.numel() % 2:
+        return None
+    first, second = _paired(event.input, 0)
+    return m if torch.equal(first, second) else None
 
 
 def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list[Tensor], int, list[list]]:
@@ -1216,14 +1221,16 @@ def _fit_scale(scores: Tensor, products: Tensor, weights: Tensor, terms: tuple =
     halves are equal (a batch of copies: classifier-free guidance's [unconditioned, conditioned] parts of the same
     latents, PAG's), its first axis's even and odd rows are the pairs instead."""
     fitted = _fit_scale_paired(scores, products, weights, terms, every, rows=0)
-    if fitted is None and _copies(products):  # each tensor read as the products' rows: the same elements, in order
+    if fitted is None and _copies(products) and all(t.numel() == products.numel() for t in (scores, weights, *terms)):
+        # each tensor read as the products' rows, the same elements in order: with a (B x H, T, T) product the pairs
+        # are heads of one sequence, so a bias of each head's own (ALiBi) leaves the fit residual, and nothing read
         fitted = _fit_scale_paired(scores, products, weights, terms, every, rows=products.shape[0])
     return fitted
 
 
 def _copies(x: Tensor) -> bool:
     """Whether x's batch halves are equal and its first axis pairs rows otherwise (`_fit_scale`'s other pairing)."""
-    return x.dim() >= 1 and x.shape[0] >= 4 and x.shape[0] % 2 == 0 and x.numel() % 2 == 0 and torch.equal(
+    return x.dim() >= 1 and x.shape[0] >= 4 and x.shape[0] % 2 == 0 and torch.equal(
         *x.detach().reshape(2, -1))
 
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ._errors import AuditUsageError, ProbeNotTaken, expect
 from ._guard import untouched
-from .adapters import image_channels
+from .adapters import image_channels, image_seq_len
 from ._masks import (
     SHORTCUTS,
     MaskConvention,
@@ -1011,16 +1011,15 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
     channels = image_channels(layer) if d_model is None and not hf and not torch_layer and not any(
         isinstance(m, nn.Linear) for m in layer.modules()) else None
     if channels is not None:
-        kernel = max(max(m.kernel_size) for m in layer.modules() if isinstance(m, nn.Conv2d))
-        # a side of two kernels: a key convolution of that stride (Twins' GlobalAttention) leaves 2 x 2 keys
-        side = 2 * kernel if kernel > 1 else 1
-        sized = (f", {spell('seq_len', side * side, options)} or more (its {kernel} x {kernel} convolution needs "
-                 f"images of at least {side} x {side} to leave more than one key)") if side * side > DEFAULT_SEQ_LEN \
-            else ""
+        length = image_seq_len(layer)
+        sized = f", {spell('seq_len', length, options)} or more (images of two of its kernels a side, so that a " \
+                f"strided key convolution leaves more than one key)" if length is not None else ""
+        cli = "" if not options else (" (on the command line, have your factory return "
+                                      "diagnostics.adapters.image(layer))")
         expect(False, "a layer over token sequences, (B, T, D)", f"{type(layer).__name__}, whose projections are "
                f"nn.Conv2d over {channels} channels: an attention over an image's pixels, (B, C, H, W)",
-               f"audit adapters.image(layer){sized}: it lays each probe's tokens out as a (B, {channels}, H, W) image "
-               f"and reads the output back as tokens")
+               f"audit adapters.image(layer){sized}{cli}: it lays each probe's tokens out as a (B, {channels}, H, W) "
+               f"image and reads the output back as tokens")
     expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
            f"{type(layer).__name__} with none of them", "pass d_model=... to audit()"
            if not options or "d_model" not in options else f"pass {options['d_model']} D")

@@ -118,9 +118,10 @@ class Image(nn.Module):
     """An attention over an image's pixels, `m(images)` on (B, C, H, W) with its projections convolutions (vit-pytorch's
     ScalableSelfAttention and Twins' GlobalAttention, a UNet's attention block), seen by the audit as a layer over
     tokens, `m(x)` on (B, T, C): each probe's T tokens laid out row by row as an H x W image, H the largest divisor of
-    T up to sqrt(T) (or `height`, where it divides T), and the output read back as tokens in the same order. Nothing
-    else changes: a layer whose keys are strided convolutions needs images of at least two kernels a side to leave more
-    than one key, so audit it with such a seq_len (`seq_len=196` for a 7 x 7 kernel, 14 x 14)."""
+    T up to sqrt(T) (or `height`, which must divide every length audited), and the output read back as tokens in the
+    same order. Nothing else changes. A probe whose image is smaller than a convolution can take is not taken, with
+    that reason, before the layer is called; a layer whose keys are strided convolutions needs images of at least two
+    kernels a side to leave more than one key, so audit it at `image_seq_len(layer)` (196 for a 7 x 7 kernel)."""
 
     def __init__(self, layer: nn.Module, *, channels: int | None = None, height: int | None = None):
         super().__init__()
@@ -128,21 +129,22 @@ class Image(nn.Module):
         channels = channels if channels is not None else image_channels(layer)
         expect(channels is not None, "an attention whose first convolution states its channels, or channels=C",
                f"{type(layer).__name__} with no nn.Conv2d", "pass channels=... (the C of its (B, C, H, W) input)")
+        expect(height is None or (isinstance(height, int) and height >= 1), "height an int >= 1, or None",
+               f"height={height!r}", "pass the images' height in pixels, or leave it out")
         self.layer, self.d_model, self.height = layer, channels, height
+        self.side = image_side(layer)  # the smallest image side every convolution of the layer takes
         self.audit_name = f"{type(layer).__qualname__} [tokens as an image]"
 
     def forward(self, x: Tensor):
         B, T, C = x.shape  # batch, tokens, channels
-        h = self.height if self.height and T % self.height == 0 else max(
-            d for d in range(1, int(T ** 0.5) + 1) if T % d == 0)
-        try:
-            out = self.layer(x.transpose(1, 2).reshape(B, C, h, T // h))  # (B, C, H, W), row by row
-        except RuntimeError as exc:
-            kernel = max((max(m.kernel_size) for m in self.layer.modules() if isinstance(m, nn.Conv2d)), default=1)
-            if min(h, T // h) < kernel:  # the probe's image is smaller than a kernel: not the layer's defect
-                raise ProbeNotTaken(f"{T} tokens make a {h} x {T // h} image, smaller than the layer's {kernel} x "
-                                    f"{kernel} convolution: audit with seq_len={4 * kernel * kernel} or more") from exc
-            raise
+        expect(self.height is None or T % self.height == 0, f"a length that height={self.height} divides",
+               f"{T} tokens", "leave height out (each length is laid out as its own squarest image)")
+        h = self.height or max(d for d in range(1, int(T ** 0.5) + 1) if T % d == 0)
+        if min(h, T // h) < self.side:  # smaller than a convolution of the layer takes: not the layer's defect
+            raise ProbeNotTaken(f"{T} tokens make a {h} x {T // h} image, smaller than {self.side} x {self.side}, "
+                                f"the least the layer's convolutions take: audit with "
+                                f"seq_len={image_seq_len(self.layer) or self.side * self.side} or more")
+        out = self.layer(x.transpose(1, 2).reshape(B, C, h, T // h))  # (B, C, H, W), row by row
         return out.flatten(2).transpose(1, 2)  # (B, T, C') in the same order
 
 
@@ -154,6 +156,21 @@ def image(layer: nn.Module, *, channels: int | None = None, height: int | None =
 def image_channels(layer: nn.Module) -> int | None:
     """The channels of the images a layer takes, where its first nn.Conv2d states them; None where it has none."""
     return next((m.in_channels for m in layer.modules() if isinstance(m, nn.Conv2d)), None)
+
+
+def image_side(layer: nn.Module) -> int:
+    """The smallest image side each nn.Conv2d of the layer takes: its dilated kernel less its padding on both sides."""
+    sides = [m.dilation[i] * (m.kernel_size[i] - 1) + 1 - 2 * (m.padding[i] if isinstance(m.padding, tuple) else 0)
+             for m in layer.modules() if isinstance(m, nn.Conv2d) for i in (0, 1)]
+    return max([1, *sides])
+
+
+def image_seq_len(layer: nn.Module) -> int | None:
+    """The length to audit an attention over pixels at, where the default's 4 x 4 image is too small: images of two
+    of its largest kernels a side, so that a key convolution of that stride (Twins' GlobalAttention) leaves 2 x 2
+    keys; None where a kernel of 2 or less leaves the default enough (16 tokens)."""
+    kernel = max((max(m.kernel_size) for m in layer.modules() if isinstance(m, nn.Conv2d)), default=1)
+    return (2 * kernel) ** 2 if (2 * kernel) ** 2 > 16 else None
 
 
 class KeyPaddingMHA(nn.Module):
@@ -230,5 +247,6 @@ def huggingface(module: nn.Module, *, rotary: nn.Module | None = None, pass_mask
     return wrapper
 
 
-__all__ = ["CONVENTIONS", "KeyPaddingMHA", "MaskConvention", "SelfAttention", "convert_mask", "function", "huggingface",
-           "mask_convention", "mha_key_padding", "self_attention"]
+__all__ = ["CONVENTIONS", "Image", "KeyPaddingMHA", "MaskConvention", "SelfAttention", "convert_mask", "function",
+           "huggingface", "image", "image_channels", "image_seq_len", "image_side", "mask_convention",
+           "mha_key_padding", "self_attention"]

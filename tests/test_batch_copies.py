@@ -3,7 +3,8 @@ an attention layer the same latents once per guidance part ([unconditioned, cond
 so the softmax sees a batch whose two halves are equal. `softmax_saturation` reads q·k's factor from the difference
 between the batch halves (it cancels any bias that is the same for every sequence), which is 0 there: nothing was
 read, and the layer's temperature was "not measured". Where the products' halves are equal, their even and odd rows
-are paired instead. Twins on the same inputs: the layer with 1/sqrt(d_k) passes, without it fails, each measured."""
+are paired instead. Twins on the same inputs: the layer with 1/sqrt(d_k) passes, without it fails, each measured.
+Three copies are the control: their halves ([x0, x1, x0] and [x1, x0, x1]) differ, read as before the change."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def layer(**kw):
 def test_a_layer_over_pixels_is_a_usage_error_that_names_the_image_adapter():
     with pytest.raises(AuditUsageError, match=r"nn\.Conv2d over 32 channels.*Fix: audit adapters\.image\(layer\):"):
         audit(layer(), progress=False)
-    with pytest.raises(AuditUsageError, match=r"adapters\.image\(layer\), seq_len=196 or more \(its 7 x 7"):
+    with pytest.raises(AuditUsageError, match=r"adapters\.image\(layer\), seq_len=196 or more \(images of two"):
         audit(layer(reduction=7), progress=False)
 
 
@@ -67,5 +67,22 @@ def test_through_the_image_adapter_the_correct_layer_passes_and_a_missing_scale_
 def test_a_probe_whose_image_is_smaller_than_a_kernel_is_not_taken_and_says_the_length_to_audit_at():
     report = audit(adapters.image(layer(reduction=7)), progress=False)  # 16 tokens: a 4 x 4 image
     assert report.status == "inconclusive", report.status_reason
-    assert "4 x 4 image, smaller than the layer's 7 x 7 convolution: audit with seq_len=196" in report.status_reason
+    assert "4 x 4 image, smaller than 7 x 7, the least the layer's convolutions take: audit with seq_len=196" in \
+        report.status_reason, report.status_reason
     assert report.result("runs").verdict != "fail", report.result("runs")
+
+
+class RaisesOnOddWidths(PixelAttention):
+    """A shape bug, not a size: raises on any image whose width is odd, however large."""
+
+    def forward(self, images):
+        if images.shape[-1] % 2:
+            raise RuntimeError("shape '[2, 4, 8, -1]' is invalid for input of size 1000")
+        return super().forward(images)
+
+
+def test_a_layer_that_raises_on_images_large_enough_for_its_kernels_still_fails_runs():
+    torch.manual_seed(0)
+    report = audit(adapters.image(gpt2_init_(RaisesOnOddWidths())), progress=False)  # 1 x 1 kernels: any image
+    assert report.result("runs").verdict == "fail", report.result("runs")
+    assert {"image", "image_seq_len", "Image"} <= set(adapters.__all__)

@@ -134,7 +134,9 @@ def test_a_joint_attention_with_a_text_only_mask_is_declared_without_the_mask_an
     failure. The twin, the same layer with a projection it never reads, still fails `parameters_used` for that one."""
     report = diagnostics.audit(_layer(TextProjectedJoint), progress=False)
     assert report.declaration == "call=lambda layer, x: layer(x, encoder_hidden_states=x[:, :0])", report.declaration
-    assert "which it reads over `encoder_hidden_states`'s tokens, so none is passed" in report.result("runs").message
+    said = report.result("runs").message
+    assert "its `attention_mask` is over `encoder_hidden_states`'s tokens (given a mask over them it runs" in said, said
+    assert "it raises ValueError: Unsupported attention_mask shape" in said and said.endswith("so none is passed"), said
     again = diagnostics.audit(_layer(TextProjectedJoint), progress=False, **_declared(report))
     assert again.status == "passed", again.status_reason
     used = again.result("parameters_used")
@@ -142,3 +144,40 @@ def test_a_joint_attention_with_a_text_only_mask_is_declared_without_the_mask_an
     twin = diagnostics.audit(_layer(TextProjectedJoint, unused=True), progress=False, **_declared(report))
     assert twin.status == "failed", twin.status_reason
     assert twin.result("parameters_used").message == "the output does not depend on extra.weight, extra.bias", twin
+
+
+class EmptySliceBug(nn.Module):
+    """A self-attention whose memory tokens are sliced at a wrong index, `x[:, T:]`, so its memory projection is handed
+    no token and the memory never reaches the keys: the bug, which an empty slice of the layer's own making is."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.mha, self.memory = nn.MultiheadAttention(dim, heads, batch_first=True), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        memory = self.memory(x[:, x.shape[1]:])  # meant x[:, :4]: (B, 0, D)
+        keys = torch.cat([memory, x], dim=1)
+        return self.mha(x, keys, keys, need_weights=False)[0]
+
+
+def test_parameters_handed_an_empty_slice_of_the_layers_own_making_still_fail():
+    report = diagnostics.audit(_layer(EmptySliceBug), progress=False, detectors=["parameters_used"])
+    used = report.result("parameters_used")
+    assert used.verdict == "fail" and "memory.weight" in used.message, used
+
+
+class MaskRaisesJoint(TextProjectedJoint):
+    """The same joint attention raising on any mask, over the text tokens too: no mask it takes is the text's only."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        if attention_mask is not None:
+            raise RuntimeError("the mask broadcast fails")
+        return super().forward(hidden_states, encoder_hidden_states)
+
+
+def test_a_joint_attention_that_raises_on_any_mask_keeps_the_mask_in_its_declaration_and_fails_runs_under_it():
+    report = diagnostics.audit(_layer(MaskRaisesJoint), progress=False)
+    declared = "call=lambda layer, x, mask: layer(x, encoder_hidden_states=x[:, :0], attention_mask=mask)"
+    assert report.declaration == declared, report.declaration
+    again = diagnostics.audit(_layer(MaskRaisesJoint), progress=False, **_declared(report))
+    assert again.status == "failed" and again.result("runs").verdict == "fail", again.status_reason

@@ -1105,8 +1105,8 @@ def test_uvdocs_default_config_runs_except_where_known_says_its_backbone_gives_o
     from transformers import UVDocConfig, UVDocModel
 
     assert "uvdoc" in _sweep().KNOWN
-    config = UVDocConfig(backbone_config={"model_type": "uvdoc_backbone",
-                                          "out_features": [f"stage{i}" for i in range(1, 7)]}) if fixed else UVDocConfig()
+    six = [f"stage{i}" for i in range(1, 7)]
+    config = UVDocConfig(backbone_config={"model_type": "uvdoc_backbone", "out_features": six}) if fixed else UVDocConfig()
     torch.manual_seed(0)
     model = UVDocModel._from_config(config).eval()
     pixels = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))

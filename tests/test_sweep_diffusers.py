@@ -195,7 +195,8 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
 
 
 @pytest.mark.parametrize("name, ignored", [
-    ("Attention+FusedJointAttnProcessor2_0", True), ("Attention+PAGJointAttnProcessor2_0", True), ("Attention+PAGCFGJointAttnProcessor2_0", True),
+    ("Attention+FusedJointAttnProcessor2_0", True), ("Attention+PAGJointAttnProcessor2_0", True),
+    ("Attention+PAGCFGJointAttnProcessor2_0", True),
     ("Attention+CogVideoXAttnProcessor2_0", False)])
 def test_a_joint_processor_given_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ignored(
         name, ignored):
@@ -318,7 +319,8 @@ def test_identical_values_come_out_changed_only_where_the_zero_padding_is_attend
                                           ("Attention+AttnProcessor2_0", False)])
 def test_a_padding_mask_at_batch_2_runs_except_where_known_says_it_is_not_viewed_per_head(name, raises):
     """Custom Diffusion's SDPA processor hands SDPA the (B x heads, 1, Tk) mask diffusers prepares without the view to
-    (B, heads, 1, Tk) that AttnProcessor2_0 makes: at batch 2 any mask raises, at batch 1 it runs; the twin runs both."""
+    (B, heads, 1, Tk) that AttnProcessor2_0 makes: at batch 2 any mask raises, at batch 1 it runs; the twin runs
+    both."""
     _diffusers()
     assert (name in sd.KNOWN) is raises
     layer = sd.diffusers_build(name)

@@ -70,3 +70,28 @@ def test_at_zero_the_unscaled_layer_is_the_correct_one_bit_for_bit_and_at_one_it
                   detectors=["softmax_saturation"])
     assert right.result("softmax_saturation").verdict == "pass", right.result("softmax_saturation")
     assert wrong.result("softmax_saturation").verdict == "fail", wrong.result("softmax_saturation")
+
+
+class IntegerScale(LearnedTemperature):
+    """The bug written with a constant: `1 // math.sqrt(d_k)`, integer division, is 0, so q·k is 0 everywhere and no
+    parameter of the layer is."""
+
+    def __init__(self):
+        super().__init__(temperature=1.0, scaled=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # batch, sequence length, d_model
+        q, k, v = (p(x).view(B, T, H, D // H).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, d)
+        scores = (q * (1 // math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)  # 0.0 everywhere
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_q_k_with_no_parameter_at_zero_is_a_factor_of_zero_in_the_code_and_fails(dtype):
+    torch.manual_seed(0)
+    report = audit(gpt2_init_(IntegerScale()).to(dtype), causal=True, progress=False,
+                   detectors=["softmax_saturation"])
+    found = report.result("softmax_saturation")
+    assert found.verdict == "fail" and "flat, every weight equal" in found.message, found

@@ -3,6 +3,7 @@ localiser of the invariance checks, which replays the comparison a verdict was c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import types
@@ -239,6 +240,24 @@ def float64_twin(probe: Probe):
 
     twin._call = in_float64  # every call of the copy, the per-query path of key-padding layers included
     return twin
+
+
+@contextlib.contextmanager
+def zeros_drawn(params: dict, names: list[str], gen: torch.Generator):
+    """The all-zero parameters `names` of `params` drawn at random while inside (N(0, 1) / sqrt(fan-in), as a layer's
+    init would), restored bit for bit after: what a zero-initialised gate or temperature cuts shows once it moves."""
+    saved = {name: params[name].detach().clone() for name in names}
+    try:
+        with torch.no_grad():
+            for name in names:
+                p = params[name]
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) / math.sqrt(fan_in))
+        yield
+    finally:
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(saved[name])
 
 
 def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:

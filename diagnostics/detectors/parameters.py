@@ -50,7 +50,7 @@ from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
 from ._common import (GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, logit_gain, pack,
-                      result)
+                      result, zeros_drawn)
 
 DET = "parameters_used"
 
@@ -301,18 +301,8 @@ def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, table
              and name not in {n for n, _ in unused}]
     if not unused or not zeros:
         return [], []
-    saved = {name: params[name].detach().clone() for name in zeros}
-    try:
-        with torch.no_grad():
-            for name in zeros:
-                p = params[name]
-                fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) / math.sqrt(fan_in))
+    with zeros_drawn(params, zeros, gen):
         again = _unpadded(probe, sub, inputs, params)
-    finally:
-        with torch.no_grad():
-            for name in zeros:
-                params[name].copy_(saved[name])
     if again.grads is None:
         return [], []
     at = dict(zip(params, again.grads[len(inputs):]))
@@ -322,13 +312,16 @@ def _gated_by_zeros(probe: Probe, sub, inputs, params: dict, unused: list, table
 
 def given_nothing(sub, qkv, allowed, names) -> list[str]:
     """Of the parameters `names`, those whose module was given only empty tensors (no token) in every call of one
-    forward: projections of a stream the call gives no tokens (a joint attention declared with
-    `encoder_hidden_states=x[:, :0]`: its text stream's own projections, JoyImage's `txt_attn_*`, PRX's `txt_kv_proj`).
-    Nothing reaches them on this call, so their use is not measured here, not absent; a module never called is not
-    among them (the code does not read it)."""
+    forward, where the layer's own call was handed an empty tensor: projections of a stream the call gives no tokens
+    (a joint attention declared with `encoder_hidden_states=x[:, :0]`: its text stream's own projections, JoyImage's
+    `txt_attn_*`, PRX's `txt_kv_proj`). Nothing reaches them on this call, so their use is not measured here, not
+    absent. A module never called is not among them (the code does not read it), nor one the layer hands an empty
+    slice of its own making (a split at a wrong index): [] where the layer's call was handed no empty tensor."""
+    if not names:
+        return []
     owners = {name: name.rpartition(".")[0] for name in names}
     modules = dict(sub.layer.named_modules())
-    seen: dict[str, list[bool]] = {}
+    seen: dict[str, list[bool]] = {"": []}  # "": the layer's own call, which must be handed an empty tensor itself
 
     def hook(path):
         def record(module, args, kwargs):
@@ -336,15 +329,21 @@ def given_nothing(sub, qkv, allowed, names) -> list[str]:
             seen.setdefault(path, []).append(bool(tensors) and all(t.numel() == 0 for t in tensors))
         return record
 
+    def handed_empty(module, args, kwargs):  # the layer's call: was it given a tensor of no element (x[:, :0])?
+        seen[""].append(any(isinstance(a, Tensor) and a.numel() == 0 for a in (*args, *kwargs.values())))
+
     handles = [modules[path].register_forward_pre_hook(hook(path), with_kwargs=True)
                for path in set(owners.values()) if path and path in modules]
+    handles.append(sub.layer.register_forward_pre_hook(handed_empty, with_kwargs=True))
     try:
         with torch.no_grad():
             sub(*qkv, allowed)
     finally:
         for handle in handles:
             handle.remove()
-    return [name for name, path in owners.items() if seen.get(path) and all(seen[path])]
+    if not any(seen[""]):  # an empty tensor made inside the layer (a slice at a wrong index) is its own doing
+        return []
+    return [name for name, path in owners.items() if path and seen.get(path) and all(seen[path])]
 
 
 _VIEWS = {"transpose", "t", "permute", "expand", "view", "_unsafe_view", "reshape", "clone", "contiguous", "alias"}
@@ -533,7 +532,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                                                                             if kept else ""),
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
     if empty:
-        them, were, owners = (("them", "were", "their modules were") if len(empty) > 1 else ("it", "was", "its module was"))
+        them, owners = ("them", "their modules were") if len(empty) > 1 else ("it", "its module was")
         return result(det, "warn", f"{', '.join(empty)} not measured: {owners} given no token on this call (a stream "
                                    f"the call leaves empty)",
                       value=max(moved_by[n] for n in empty), threshold=FORWARD_MOVES,

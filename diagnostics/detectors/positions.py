@@ -690,7 +690,8 @@ def _value_sites(a, b, fused: set, T: int, tol: float, P: int) -> list[Site]:
             return [first]
         return [op_site(again, f"the values the weighted sum reads were moved by their positions again here "
                                f"({again.short}), after an earlier op had already done so: positions applied to "
-                               f"the values twice, so absolute positions reach the values", fix=VALUE_POSITIONS_FIX), first]
+                               f"the values twice, so absolute positions reach the values",
+                        fix=VALUE_POSITIONS_FIX), first]
     return []
 
 

@@ -386,16 +386,17 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
         moved = _rows_moved(probe, call.query, name)
         if moved > JOINT:
             # a mask the layer takes over `name`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
-            # they are none: it raises given the audit's mask then, and the call passes none
-            masked = mask_name is not None and _runs_empty_with_mask(probe, call.query, name)
-            declare = stream_call(name, "x[:, :0]", mask_name if masked else None, probe.options)
+            # they are none: it runs given a mask over `name`'s tokens, and raises given the audit's with none of
+            # them; then the call passes no mask (a layer that raises on any mask keeps it, and `runs` judges that)
+            refused = None if mask_name is None else _refuses_mask_without(probe, call.query, name)
+            dropped = refused is not None and _given(probe, call.query, name, mask_name) is not None
+            declare = stream_call(name, "x[:, :0]", None if dropped else mask_name, probe.options)
             how = (f"attends its queries together with `{name}` (another output row moved by {moved:.3g} of the "
                    f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{name}` tokens given): joint "
                    f"attention, both streams concatenated along the sequence; given `{name}` with no tokens it is "
-                   f"self-attention over x" + ("" if masked or mask_name is None else
-                                               f"; given no `{name}` tokens it raises with the audit's mask as "
-                                               f"`{mask_name}`, which it reads over `{name}`'s tokens, so none is "
-                                               f"passed"))
+                   f"self-attention over x" + (f"; its `{mask_name}` is over `{name}`'s tokens (given a mask over "
+                                               f"them it runs; given none of them and the audit's mask it raises "
+                                               f"{refused}), so none is passed" if dropped else ""))
             fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
                    f"to `{name}`'s tokens are then not measured)")
         elif name == sig.memory:
@@ -413,17 +414,19 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
     return None
 
 
-def _runs_empty_with_mask(probe: Probe, query: torch.Tensor, name: str) -> bool:
-    """Whether the layer runs given `name` with no tokens and the audit's mask (every key kept) over the queries."""
+def _refuses_mask_without(probe: Probe, query: torch.Tensor, name: str) -> str | None:
+    """What the layer raises given `name` with no tokens and the audit's mask (every key kept) over the queries
+    ("ValueError: ..."), or None where it runs."""
     s = probe.subject
     allowed = torch.ones(query.shape[0], 1, query.shape[1], query.shape[1], dtype=torch.bool, device=query.device)
     probe.passes += 1
     try:
         with torch.no_grad():
             s.layer(**{**s._kwargs(query, query, query, allowed), name: query[:, :0]})
-    except Exception:  # noqa: BLE001 -- a mask over the stream's tokens, which are none
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 -- said in the declaration's reason
+        said = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return f"{type(exc).__name__}: {said}"
+    return None
 
 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None):

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._core import not_run, skip
 from .._observe import FusedAttention as Fused
-from .._observe import Scaling, SoftmaxCall, applied_scales, zero_products
+from .._observe import Observer, Scaling, SoftmaxCall, applied_scales, zero_products
 from .._probe import Call, Probe
 from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
@@ -31,7 +31,7 @@ from .._tracing import (
     trace_call,
     unique,
 )
-from ._common import ENTROPY_ROWS, base_trace, result
+from ._common import ENTROPY_ROWS, base_trace, float64_copy_or_skip, result, zeros_drawn
 
 
 def scale_fix(applied: float, expected: float, d_k: int, d_model: int | None, num_heads: int | None, *,
@@ -241,11 +241,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                     "(k @ query.T), whose temperature is a q·k's; structure cannot tell them apart, so none is judged"),
                        fix=PROJECTIONS_FIX)
     if not estimates and base.record and zero_products(base.record):
-        return DetectorResult(det, "skip", NOT_APPLICABLE + "q·k is 0 for every query and key at these weights (the "
-                              "queries or the keys reach it as zeros: a factor of the layer at 0, as a learned "
-                              "temperature or gate may be initialised), so every weight is the same whatever q·k is "
-                              "multiplied by: no temperature to read until that factor moves; weight_row_sums judges "
-                              "the weights", fix="audit the layer with trained weights to have its temperature judged")
+        return _zero_scores_judged(det, probe, base)
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
@@ -312,6 +308,55 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _zero_scores_judged(det: str, probe: Probe, base) -> DetectorResult:
+    """q·k is 0 for every query and key, and only the mask reaches the softmax: every weight is equal whatever q·k is
+    multiplied by. Where drawing the layer's all-zero parameters at random (on its float64 copy) makes q·k move, a
+    learned factor at its init of 0 made it so (Zaya's key temperature): the temperature is not applicable until it
+    moves. Where none does, a factor of 0 is in the layer's code (`1 // math.sqrt(d_k)`, 0 in integer division): the
+    softmax is flat, a failure."""
+    zeros = _zeros_making_scores(probe, det, base)
+    if zeros is None:
+        return skip(det, "q·k is 0 for every query and key, and whether a parameter of the layer at 0 makes it so "
+                         "could not be measured (no float64 copy of the layer ran)")
+    if zeros:
+        return DetectorResult(det, "skip", NOT_APPLICABLE + f"q·k is 0 for every query and key at these weights, "
+                              f"and with the layer's all-zero parameters drawn at random ({', '.join(zeros[:4])}"
+                              f"{', ...' if len(zeros) > 4 else ''}) it is not: one of them is a learned temperature "
+                              f"or gate at its init of 0, so every weight is the same whatever q·k is multiplied by; no "
+                              f"temperature to read until that factor moves; weight_row_sums judges the weights",
+                              fix="audit the layer with trained weights to have its temperature judged")
+    return result(det, "fail", "softmax is flat, every weight equal: q·k is 0 for every query and key",
+                  value=0.0, threshold=1 / SCALE_RATIO, replay=base,
+                  evidence="the product of q and k reaching the softmax is exactly 0 everywhere, and no parameter of "
+                           "the layer at 0 makes it so (drawn at random, it stays 0): a factor of 0 applied to q or k "
+                           "in its code (an integer division such as 1 // math.sqrt(d_k) is 0)",
+                  fix="scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  (a float division; d_k: the width of one "
+                      "head)")
+
+
+def _zeros_making_scores(probe: Probe, det: str, base) -> list[str] | None:
+    """The layer's all-zero parameters, where drawing them at random on its float64 copy makes q·k other than 0 on
+    `base`'s inputs ([] where it stays 0, or where the layer holds none); None where the copy cannot run."""
+    layer = probe.subject.layer
+    zeros = [name for name, p in layer.named_parameters() if p.numel() and not bool(p.detach().any())] \
+        if isinstance(layer, torch.nn.Module) else []
+    if not zeros:
+        return []
+    twin = float64_copy_or_skip(probe, det)
+    if isinstance(twin, DetectorResult):
+        return None
+    wide = {id(x): x.to(torch.float64) for x in (base.query, base.key, base.value)}
+    observer = Observer()
+    try:
+        with zeros_drawn(dict(twin.layer.named_parameters()), zeros, probe.generator()), torch.no_grad(), observer:
+            twin(wide[id(base.query)], wide[id(base.key)], wide[id(base.value)], base.allowed)
+    except Exception:  # noqa: BLE001 -- a copy that does not run: not measured
+        return None
+    if not any(isinstance(e, SoftmaxCall) for e in observer.record.order):
+        return None  # the copy's call showed no softmax to read q·k at
+    return [] if zero_products(observer.record) else zeros
 
 
 def _readings(probe: Probe, estimates: list[tuple]) -> list[_Reading]:
