@@ -181,3 +181,34 @@ def test_a_joint_attention_that_raises_on_any_mask_keeps_the_mask_in_its_declara
     assert report.declaration == declared, report.declaration
     again = diagnostics.audit(_layer(MaskRaisesJoint), progress=False, **_declared(report))
     assert again.status == "failed" and again.result("runs").verdict == "fail", again.status_reason
+
+
+class TwoStreamMixer(nn.Module):
+    """A submodule given both streams, (text, image): its weight multiplies the text tokens only."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, text, image):
+        return torch.cat([text * self.weight, image], dim=1)
+
+
+class MixedJoint(TextProjectedJoint):
+    """The joint attention with a mixer handed the (empty) text and the image tokens, whose output it then drops: the
+    mixer's weight is unused, and its module was handed tokens, so no empty stream excuses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixer = TwoStreamMixer()
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        self.mixer(encoder_hidden_states, hidden_states)  # computed and dropped: the bug
+        return super().forward(hidden_states, encoder_hidden_states, attention_mask)
+
+
+def test_a_module_handed_tokens_beside_the_empty_stream_is_not_excused():
+    declared = {"call": lambda layer, x: layer(x, encoder_hidden_states=x[:, :0])}
+    used = diagnostics.audit(_layer(MixedJoint), progress=False, detectors=["parameters_used"],
+                             **declared).result("parameters_used")
+    assert used.verdict == "fail" and used.message == "the output does not depend on mixer.weight", used

@@ -95,3 +95,28 @@ def test_a_zero_q_k_with_no_parameter_at_zero_is_a_factor_of_zero_in_the_code_an
                    detectors=["softmax_saturation"])
     found = report.result("softmax_saturation")
     assert found.verdict == "fail" and "flat, every weight equal" in found.message, found
+
+
+class ManyZeros(LearnedTemperature):
+    """The learned temperature at 0 beside four zero-initialised gates that multiply the output by 1 + gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates = nn.ParameterList([nn.Parameter(torch.zeros(D)) for _ in range(4)])
+
+    def forward(self, x):
+        out = super().forward(x)
+        for gate in self.gates:
+            out = out * (1 + gate)
+        return out
+
+
+def test_the_skip_names_the_zero_parameters_and_only_those():
+    torch.manual_seed(0)
+    found = audit(gpt2_init_(LearnedTemperature()), causal=True, progress=False,
+                  detectors=["softmax_saturation"]).result("softmax_saturation")
+    assert "drawn at random (temp, out.bias) it is not" in found.message, found.message  # not every parameter
+    torch.manual_seed(0)
+    many = audit(gpt2_init_(ManyZeros()), causal=True, progress=False,
+                 detectors=["softmax_saturation"]).result("softmax_saturation")
+    assert many.verdict == "skip" and "gates.1, ...) it is not" in many.message, many.message  # six, four named
