@@ -914,16 +914,14 @@ class _Within:
     that a copy of the layer the audit makes (its float64 copy) is broken too."""
 
     def __init__(self, target, kind: str):
-        from sweep_diffusers import _Routed
+        from sweep_diffusers import _Routed, swap_sdpa
 
-        self.routed, self.target, self.inside = _Routed(kind), target, [0]
+        self.routed, self.target, self.inside, self.swap = _Routed(kind), target, [0], swap_sdpa
 
     def __call__(self, *args, **kwargs):
         return (self.routed if self.inside[0] else self.saved)(*args, **kwargs)
 
     def __enter__(self):
-        import torch
-
         inside = self.inside
 
         def enter(module, args):
@@ -934,14 +932,11 @@ class _Within:
 
         self.hooks = [self.target.register_forward_pre_hook(enter),
                       self.target.register_forward_hook(leave, always_call=True)]
-        self.saved = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = self
+        self.saved = self.swap(self)
         return self
 
     def __exit__(self, *exc):
-        import torch
-
-        torch.nn.functional.scaled_dot_product_attention = self.saved
+        self.swap(self.saved)
         for hook in self.hooks:
             hook.remove()
 

@@ -593,16 +593,21 @@ class _Routed:
         return out[:, 0] if flat else out
 
     def __enter__(self):
-        import torch
-
-        self.saved = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = self
+        self.saved = swap_sdpa(self)
         return self
 
     def __exit__(self, *exc):
-        import torch
+        swap_sdpa(self.saved)
 
-        torch.nn.functional.scaled_dot_product_attention = self.saved
+
+def swap_sdpa(replacement):
+    """torch's `scaled_dot_product_attention` replaced by `replacement` (the sweep's explicit attention, or torch's own
+    back again); returns the one it replaced."""
+    import torch
+
+    saved = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = replacement
+    return saved
 
 
 def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -> None:
