@@ -123,6 +123,13 @@ def _hidden(seed=0, T=16):
     return torch.randn(1, T, sd.D, generator=torch.Generator().manual_seed(seed))
 
 
+def _half_blocked(T=16):
+    """An additive (1, 1, T, T) mask, as diffusers takes it, blocking the second half of the keys for every query."""
+    allowed = torch.ones(1, 1, T, T, dtype=torch.bool)
+    allowed[..., T // 2:] = False
+    return torch.zeros(1, 1, T, T).masked_fill(~allowed, float("-inf"))
+
+
 # ---- building a layer as diffusers' own models build it (diffusers, no diagnostics) ---------------------------------
 
 
@@ -186,9 +193,7 @@ def test_a_mask_blocking_half_the_keys_changes_nothing_where_known_says_it_is_ig
     _diffusers()
     assert (name in sd.KNOWN) is ignored
     layer, x = sd.diffusers_build(name), _hidden()
-    allowed = torch.ones(1, 1, 16, 16, dtype=torch.bool)
-    allowed[..., 8:] = False  # the second half of the keys blocked for every query
-    mask = torch.zeros(1, 1, 16, 16).masked_fill(~allowed, float("-inf"))
+    mask = _half_blocked()
     with torch.no_grad():
         plain, masked = layer(x), layer(x, attention_mask=mask)
     assert torch.equal(plain, masked) is ignored, float((plain - masked).abs().max())
@@ -206,9 +211,7 @@ def test_a_joint_processor_given_a_mask_blocking_half_the_keys_changes_nothing_w
     _diffusers()
     assert (name in sd.KNOWN) is ignored
     layer, x = sd.diffusers_build(name), _hidden()
-    allowed = torch.ones(1, 1, 16, 16, dtype=torch.bool)
-    allowed[..., 8:] = False  # the second half of the keys blocked for every query
-    mask = torch.zeros(1, 1, 16, 16).masked_fill(~allowed, float("-inf"))
+    mask = _half_blocked()
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731  (image, text) or the image's
     with torch.no_grad():
         plain = first(layer(x, encoder_hidden_states=x[:, :0]))
