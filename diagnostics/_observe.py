@@ -590,7 +590,7 @@ class Observer(Mode):
             self._from(out, m)
             rec.matmuls.append(m)
             rec.order.append(m)
-        elif func in _SOFTMAX:
+        elif func in _SOFTMAX and out.numel():  # a softmax over no key (a stream given no tokens) weighs nothing
             s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
                             unshifted=self._shifted.get(_key(args[0])))
             self._products.clear()

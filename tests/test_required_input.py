@@ -212,3 +212,114 @@ def test_a_module_handed_tokens_beside_the_empty_stream_is_not_excused():
     used = diagnostics.audit(_layer(MixedJoint), progress=False, detectors=["parameters_used"],
                              **declared).result("parameters_used")
     assert used.verdict == "fail" and used.message == "the output does not depend on mixer.weight", used
+
+
+class ImagePromptAttention(nn.Module):
+    """A cross-attention in the style of diffusers' IP-Adapter processors: its memory is `(text tokens, [image
+    tokens, ...])`, or one tensor whose last `image_tokens` are split off as image tokens (the older form). The
+    queries attend the text tokens, under the mask (bool (B, 1, Tq, T_text), True = may attend), and each image
+    prompt's tokens apart, through projections of their own, unmasked; the attentions are summed. `scaled=False`:
+    the bug, q·k of the text attention not scaled."""
+
+    def __init__(self, dim=32, heads=4, image_tokens=4, scaled=True):
+        super().__init__()
+        self.heads, self.image_tokens, self.scaled = heads, image_tokens, scaled
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.to_k_ip, self.to_v_ip = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        if isinstance(encoder_hidden_states, tuple):
+            text, images = encoder_hidden_states
+        else:  # raises on None
+            end = encoder_hidden_states.shape[1] - self.image_tokens
+            text, images = encoder_hidden_states[:, :end], [encoder_hidden_states[:, end:]]
+        B, T, D = hidden_states.shape  # batch, queries, width
+        split = lambda t: t.view(B, -1, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731  (B, H, n, d)
+        q = split(self.to_q(hidden_states))
+        out = F.scaled_dot_product_attention(q, split(self.to_k(text)), split(self.to_v(text)), attn_mask=attention_mask,
+                                             scale=None if self.scaled else 1.0)  # (B, H, T, d)
+        for image in images:
+            out = out + F.scaled_dot_product_attention(q, split(self.to_k_ip(image)), split(self.to_v_ip(image)))
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+def _image_prompt_call(layer, x, memory, mask):
+    """The call the fix describes, in ImagePromptAttention's form: the memory as text tokens and one image prompt of no
+    tokens (the text attention audited as a cross-attention, the image projections given nothing)."""
+    return layer(x, encoder_hidden_states=(memory, [memory[:, :0]]), attention_mask=mask)
+
+
+def test_a_memory_whose_mask_fits_no_convention_names_no_declaration_under_which_the_layer_would_raise():
+    """Given a memory it runs; given a mask over that memory's tokens it raises in every convention (the mask covers
+    the text tokens left after the split): `cross=True` would make every masked probe raise, so it is not named.
+    The audit is inconclusive and says why; no declaration is named."""
+    report = diagnostics.audit(_layer(ImagePromptAttention), progress=False)
+    assert report.status == "inconclusive" and not report.declaration, report
+    said = report.result("runs").message
+    assert said.startswith("not measured: the layer raised on every probe, each given without "
+                           "`encoder_hidden_states`"), said
+    assert "given `attention_mask` over `encoder_hidden_states`'s 5 tokens too" in said, said
+    assert said.endswith("no declaration of the audit's gives it a mask that fits"), said
+    assert "call=lambda layer, x, memory, mask: layer(x, encoder_hidden_states=<memory in the layer's form>" in \
+        report.result("runs").fix
+
+
+def test_the_memory_given_in_the_layers_form_passes_and_its_unscaled_twin_fails():
+    """The call the fix describes: the correct layer passes, its image projections a warning (given no token), and
+    the twin without its scale fails on the same call."""
+    report = diagnostics.audit(_layer(ImagePromptAttention), progress=False, cross=True, call=_image_prompt_call)
+    assert report.status == "passed", report
+    used = report.result("parameters_used")
+    assert used.verdict == "warn" and used.message.startswith("to_k_ip.weight, to_v_ip.weight not measured"), used
+    twin = diagnostics.audit(_layer(ImagePromptAttention, scaled=False), progress=False, cross=True,
+                             call=_image_prompt_call)
+    assert twin.status == "failed" and twin.result("softmax_saturation").verdict == "fail", twin
+
+
+class MaskedMemory(nn.Module):
+    """A cross-attention whose memory defaults to None yet is required, and whose mask covers that memory."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, T, D = hidden_states.shape  # batch, queries, width
+        split = lambda t: t.view(B, -1, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731  (B, H, n, d)
+        q, k, v = (split(f(x)) for f, x in ((self.to_q, hidden_states), (self.to_k, encoder_hidden_states),
+                                             (self.to_v, encoder_hidden_states)))  # raises on None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # (B, H, T, d)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_cross_attention_whose_mask_covers_its_memory_is_still_declared_cross():
+    """The twin of the rule above: a memory that its mask covers (in a convention of the audit's) names `cross=True`,
+    and the layer passes with it."""
+    report = diagnostics.audit(_layer(MaskedMemory), progress=False)
+    assert report.declaration == "cross=True", report
+    assert diagnostics.audit(_layer(MaskedMemory), progress=False, cross=True).status == "passed"
+
+
+@pytest.mark.parametrize("name, mask", [("Attention+IPAdapterAttnProcessor2_0", None),
+                                        ("Attention+IPAdapterAttnProcessor", "additive:B,Tq,Tk")])
+def test_diffusers_ip_adapter_processors_name_no_declaration_they_fail_and_pass_given_their_memory_form(name, mask):
+    """diffusers' own: zero-config inconclusive, naming no declaration (they used to name `cross=True`, under which
+    they failed); through the call in their form (`(text, [image tokens])`, an image prompt of none) they pass, the
+    older processor with the mask convention its report names under that call."""
+    pytest.importorskip("diffusers", reason="diffusers is not installed (the zoo extra)")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import sweep_diffusers as sd
+
+    report = diagnostics.audit(sd.diffusers_build(name), progress=False)
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "no declaration of the audit's gives it a mask that fits" in report.result("runs").message
+    again = diagnostics.audit(sd.diffusers_build(name), progress=False, cross=True, call=_image_prompt_call)
+    assert again.declaration == ("" if mask is None else f"mask={mask!r}"), again.status_reason
+    if mask is not None:
+        again = diagnostics.audit(sd.diffusers_build(name), progress=False, cross=True, call=_image_prompt_call,
+                                  mask=mask)
+    assert again.status == "passed", again.status_reason

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from .._core import skip
 from .._observe import Observer, per_query_head
@@ -183,6 +184,8 @@ def _shift_inert(sub, name: str, qkv, allowed, gen: torch.Generator) -> bool:
     for old, new in zip(before, after):
         if old.shape != new.shape:
             return False
+        if not old.numel():  # scores over no key (a stream the call gives no tokens): nothing to shift
+            continue
         both = torch.isfinite(old) & torch.isfinite(new)  # blocked scores (-inf) are not compared
         delta = torch.where(both, new - old, torch.nan)
         size = float(delta.nan_to_num(0).abs().max())
@@ -330,7 +333,8 @@ def given_nothing(sub, qkv, allowed, names) -> list[str]:
         return record
 
     def handed_empty(module, args, kwargs):  # the layer's call: was it given a tensor of no element (x[:, :0])?
-        seen[""].append(any(isinstance(a, Tensor) and a.numel() == 0 for a in (*args, *kwargs.values())))
+        # also inside a tuple or list it takes (IP-Adapter's memory: (text tokens, [image tokens]))
+        seen[""].append(any(isinstance(a, Tensor) and a.numel() == 0 for a in tree_leaves((args, kwargs))))
 
     handles = [modules[path].register_forward_pre_hook(hook(path), with_kwargs=True)
                for path in set(owners.values()) if path and path in modules]

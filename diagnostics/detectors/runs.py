@@ -11,6 +11,8 @@ import torch
 
 from .._core import NON_CONTIGUOUS, skip, transposed_layout
 from .._frames import traceback_frames
+from .._masks import MEANINGS, MaskConvention, convert_mask
+from .._masks import SHAPES as MASK_SHAPES
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -400,6 +402,9 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
             fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
                    f"to `{name}`'s tokens are then not measured)")
         elif name == sig.memory:
+            refused = None if mask_name is None else _raises_given(probe, call.query, name, mask_name)
+            if refused is not None:
+                return _mask_does_not_fit(probe, call, name, mask_name, refused, evidence)
             declare = spell("cross", True, probe.options)
             how = f"attends `{name}` as a memory (each output row moved only with its own query)"
             fix = f"audit with {declare}: the audit then gives `{name}` a memory on every call"
@@ -424,25 +429,69 @@ def _refuses_mask_without(probe: Probe, query: torch.Tensor, name: str) -> str |
         with torch.no_grad():
             s.layer(**{**s._kwargs(query, query, query, allowed), name: query[:, :0]})
     except Exception as exc:  # noqa: BLE001 -- said in the declaration's reason
-        said = str(exc).splitlines()[0][:120] if str(exc) else ""
-        return f"{type(exc).__name__}: {said}"
+        return _raised(exc)
     return None
 
 
-def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None):
+def _raised(exc: Exception) -> str:
+    """An exception as a declaration's reason quotes it: its type and its first line, cut at 120 characters."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+
+
+def _mask_does_not_fit(probe: Probe, call, name: str, mask_name: str, refused: str, evidence: str) -> DetectorResult:
+    """The memory branch of `_required_input` where the layer, given `name` alone, attends it as a memory, and
+    raises given its mask over that memory's tokens too (every token kept): under `cross=True` every probe with a
+    mask would raise, so that declaration does not pass, and no other of the audit's gives the mask the layer takes
+    (diffusers' IP-Adapter processors split the memory's last tokens off as image tokens, and their mask covers the
+    text tokens left). A skip that says so and names the wrapper; the audit is then inconclusive."""
+    return result("runs", "skip", f"not measured: the layer raised on every probe, each given without `{name}` "
+                                  f"({call.describe_error()}); given `{name}` it runs and attends it as a memory "
+                                  f"(each output row moved only with its own query), but given `{mask_name}` over "
+                                  f"`{name}`'s {MEMORY_TOKENS} tokens too (every one kept, in each mask convention of the "
+                                  f"audit's) it raises ({refused}, in the audit's own): under "
+                                  f"{spell('cross', True, probe.options)} every probe with a mask would raise, and no "
+                                  f"declaration of the audit's gives it a mask that fits",
+                  evidence=evidence,
+                  fix=f"declare the call that gives the layer its memory in the form it attends, with a mask over "
+                      f"the tokens that mask covers: call=lambda layer, x, memory, mask: layer(x, {name}=<memory in "
+                      f"the layer's form>, {mask_name}=mask), with {spell('cross', True, probe.options)}")
+
+
+def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> str | None:
+    """What the layer raises ("RuntimeError: ...", in the audit's own mask convention) given `name` a memory of
+    MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it raises so in every
+    convention (each meaning, each shape: `_masks.MEANINGS`, `_masks.SHAPES`); None where one runs (a mask of
+    another convention is a declaration the audit names later, not a mask that cannot fit)."""
+    s = probe.subject
+    every = torch.ones(query.shape[0], 1, query.shape[1], MEMORY_TOKENS, dtype=torch.bool, device=query.device)
+    conventions = [s.mask_convention] + [c for c in (MaskConvention(m, shape) for m in MEANINGS for shape in MASK_SHAPES)
+                                         if c != s.mask_convention]
+    first: list[str] = []
+    for convention in conventions:
+        mask = convert_mask(every, convention, dtype=query.dtype, num_heads=s.num_heads or 1)
+        if _given(probe, query, name, mask_name, first, mask=mask) is not None:
+            return None
+    return first[0] if first else None
+
+
+def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None, said: list | None = None,
+           mask: torch.Tensor | None = None):
     """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
-    named, a mask of ones over them: every token kept, read as bool, as kept keys or additive alike), or None if it
-    raises."""
+    named, `mask`, by default a (B, Tm) mask of ones over them: every token kept, read as bool, as kept keys or
+    additive alike), or None if it raises (what it raised appended to `said`, where given)."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
-    kept = {} if mask_name is None else {mask_name: torch.ones(query.shape[0], MEMORY_TOKENS, dtype=query.dtype,
-                                                               device=query.device)}  # (B, Tm)
+    if mask is None and mask_name is not None:
+        mask = torch.ones(query.shape[0], MEMORY_TOKENS, dtype=query.dtype, device=query.device)  # (B, Tm)
+    kept = {} if mask_name is None else {mask_name: mask}
     probe.passes += 1
     try:
         with torch.no_grad():
             out = s.layer(**{**s._kwargs(query, query, query, None), name: memory, **kept})
-    except Exception:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
+    except Exception as exc:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
+        if said is not None:
+            said.append(_raised(exc))
         return None
     out = _first_tensor(out)
     return out if isinstance(out, torch.Tensor) and out.shape[:2] == query.shape[:2] else None
