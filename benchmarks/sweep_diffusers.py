@@ -612,7 +612,9 @@ def swap_sdpa(replacement):
 
 def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -> None:
     """The sweep's bugs (`injected`; those in `mask_bugs` only where a mask reached SDPA) through SDPA (`_Routed`),
-    each audit of a fresh build (`build(name)`, diffusers' by default), into row.bugs."""
+    each audit of a fresh build (`build(name)`, diffusers' by default), into row.bugs. Where the reference (SDPA
+    written out, nothing broken) does not pass and every SDPA call stated one scale, the reference and the bugs are
+    audited with that scale declared: the layer's words to SDPA, which the written-out attention cannot state."""
     import diagnostics
 
     name, make = row.model_type, build or diffusers_build
@@ -622,6 +624,13 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -
     if not routed.calls:
         row.why += "; no bug injected: the layer does not call torch's scaled_dot_product_attention"
         return
+    stated = set(routed.scales)
+    if rep.status != "passed" and "scale" not in declared and len(stated) == 1 and None not in stated:
+        # the scale the layer states to SDPA (NaViT's `scale=1` after RMS-normalised q and k) is its own words, which
+        # the explicit reference cannot state: declared, as the user who wrote that attention out would declare it
+        declared = {**declared, "scale": stated.pop()}
+        rep = diagnostics.audit(make(name), progress=False, **declared)
+        row.why += f"; the explicit reference audited with scale={declared['scale']:g}, the scale the layer states to SDPA"
     if rep.status != "passed":
         row.bugs["reference"] = f"reference {rep.status}: {rep.status_reason[:120]}"
         return

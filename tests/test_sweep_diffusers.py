@@ -404,3 +404,37 @@ def test_a_missing_scale_is_injected_only_where_sdpa_is_handed_one_to_drop(scale
     assert row.verdict == "passed", row
     assert row.bugs["missing_scale"] == ("not applicable: the layer scales q and k itself and hands SDPA a scale of 1, "
                                          "nothing to drop" if scales_q else "caught"), row
+
+
+class RmsNormed(torch.nn.Module):
+    """q and k RMS-normalised with a learned gain, and the attention computed by SDPA, its scale stated at that call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d_model, self.num_heads = 32, 4
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+        self.q_gamma, self.k_gamma = (torch.nn.Parameter(torch.ones(4, 1, 8)) for _ in range(2))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+        # NaViT's RMSNorm, "already includes sqrt(dim)": rows of norm sqrt(d) times a learned gain per head
+        q, k = (F.normalize(t, dim=-1) * 8 ** 0.5 * g for t, g in ((q, self.q_gamma), (k, self.k_gamma)))
+        y = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, 32))
+
+
+def test_the_scale_a_layer_states_to_sdpa_is_declared_for_its_written_out_reference():
+    """NaViT's: q and k RMS-normalised and SDPA told `scale=1`, the layer's own words, which the sweep's written-out
+    reference cannot state (its audit read q·k unscaled and failed, so no bug was judged). The reference and the bugs
+    are now audited with that scale declared, as the user who wrote the attention out would declare it: the softmax over
+    the wrong axis is caught under it, and the missing scale has nothing to drop."""
+    import sweep
+
+    row = sd.run(sweep.Row("own normalised"), bugs=True, injected=("missing_scale", "softmax_wrong_dim"), mask_bugs=(),
+                 build=lambda name: RmsNormed())
+    assert row.verdict == "passed" and "reference" not in row.bugs, row
+    assert row.why.endswith("the explicit reference audited with scale=1, the scale the layer states to SDPA"), row
+    assert row.bugs["softmax_wrong_dim"] == "caught", row
+    assert row.bugs["missing_scale"].startswith("not applicable"), row
