@@ -691,7 +691,7 @@ def run(row, *, bugs: bool, injected: tuple, mask_bugs: tuple, build=None):
             inject(row, declared, injected, mask_bugs, make)
     except AuditUsageError as exc:
         row.judged("usage error", str(exc))
-        if "adapters.image(layer)" in str(exc):  # the fix it names, followed as a user would
+        if exc.adapter == "image":  # the fix it names, adapters.image(layer), followed as a user would
             length = diagnostics.adapters.image_seq_len(make(name))
             try:
                 again = diagnostics.audit(diagnostics.adapters.image(make(name)), progress=False,

@@ -22,9 +22,15 @@ class ProbeNotTaken(Exception):
 
 
 class AuditUsageError(TypeError):
-    """The audit cannot be set up: the message says what was expected, what was seen, and the fix."""
+    """The audit cannot be set up: the message says what was expected, what was seen, and the fix. `adapter`: where
+    the fix is to audit the layer through one of `diagnostics.adapters` ("image"), its name, for a program to follow
+    the fix without reading the message."""
+
+    def __init__(self, message: str, *, adapter: str | None = None):
+        super().__init__(message)
+        self.adapter = adapter
 
 
-def expect(condition: bool, expected: str, seen: str, fix: str) -> None:
+def expect(condition: bool, expected: str, seen: str, fix: str, *, adapter: str | None = None) -> None:
     if not condition:
-        raise AuditUsageError(f"expected {expected}; got {seen}. Fix: {fix}")
+        raise AuditUsageError(f"expected {expected}; got {seen}. Fix: {fix}", adapter=adapter)

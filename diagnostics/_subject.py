@@ -1019,7 +1019,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
         expect(False, "a layer over token sequences, (B, T, D)", f"{type(layer).__name__}, whose projections are "
                f"nn.Conv2d over {channels} channels: an attention over an image's pixels, (B, C, H, W)",
                f"audit adapters.image(layer){sized}{cli}: it lays each probe's tokens out as a (B, {channels}, H, W) "
-               f"image and reads the output back as tokens")
+               f"image and reads the output back as tokens", adapter="image")
     expect(d_model is not None, "a module with a d_model-like attribute (" + ", ".join(D_MODEL_NAMES) + ")",
            f"{type(layer).__name__} with none of them", "pass d_model=... to audit()"
            if not options or "d_model" not in options else f"pass {options['d_model']} D")

@@ -49,8 +49,10 @@ def layer(**kw):
 
 
 def test_a_layer_over_pixels_is_a_usage_error_that_names_the_image_adapter():
-    with pytest.raises(AuditUsageError, match=r"nn\.Conv2d over 32 channels.*Fix: audit adapters\.image\(layer\):"):
+    named = r"nn\.Conv2d over 32 channels.*Fix: audit adapters\.image\(layer\):"
+    with pytest.raises(AuditUsageError, match=named) as error:
         audit(layer(), progress=False)
+    assert error.value.adapter == "image"  # the fix named for a program too (the sweep follows it)
     with pytest.raises(AuditUsageError, match=r"adapters\.image\(layer\), seq_len=196 or more \(images of two"):
         audit(layer(reduction=7), progress=False)
 
