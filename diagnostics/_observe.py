@@ -64,6 +64,7 @@ _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
 _MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 _SUMS = frozenset({aten.add, aten.add_, aten.sub, aten.sub_})
+_GATE_OPS = frozenset({aten.sigmoid, aten.log_sigmoid_forward})  # where a probability or a log-probability is made
 
 
 _UNKNOWN_HOPS = 16
@@ -262,6 +263,17 @@ class Sum:
     # of a and of b: (the product it was read from, through moves and constant factors only, and that factor), else
     # None: a term's own factor on its product (`_term_ratios`)
     origins: tuple = (None, None)
+    # of a and of b: where it is a log-probability the layer made (log of a sigmoid, logsigmoid, their running sums:
+    # a gate on the weights), the constant it was multiplied by since, else None (`_term_ratios`)
+    gates: tuple = (None, None)
+
+
+@dataclass(frozen=True)
+class GateLeaf:
+    """A leaf of a term added to q·k (`_added_terms`) that is a log-probability of the layer's own, times `factor`:
+    softmax(s + log p) weighs each key by p (a sparse or forget gate), so its factor is 1 in every such design."""
+
+    factor: float
 
 
 @dataclass
@@ -345,6 +357,8 @@ class Observer(Mode):
         self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
         self._products: set[int] = set()  # the sizes of the products made since the last softmax (see `_summed`)
+        self._probs: set[tuple] = set()  # keys of sigmoid outputs (probabilities), through moves and clamps
+        self._logp: dict[tuple, float] = {}  # key of a log-probability (`Sum.gates`) -> the constant it was multiplied by
 
     def _factor(self, t) -> float:
         """The constant `t`'s values were multiplied by since the last projection (1.0 where unknown)."""
@@ -512,9 +526,46 @@ class Observer(Mode):
         origins = tuple(None if self._origin.get(k) is None or self._known(x) is None else
                         (self._origin[k], self._known(x) * (1.0 if x is a else float(alpha * sign)))
                         for k, x in ((keys[0], a), (keys[1], args[1])))
+        gates = (self._logp.get(keys[0]), None if keys[1] not in self._logp else self._logp[keys[1]] * alpha * sign)
         # in place, `a` is the output now: what it held is the output less b (a copy, which later writes leave alone)
         a = out.detach() - b if a is out else a.detach()
-        self.record.order.append(Sum(a, b, out.detach(), keys, origins))
+        self.record.order.append(Sum(a, b, out.detach(), keys, origins, gates))
+
+    def _gate(self, func, packet, args, outs) -> None:
+        """Follow probabilities (a sigmoid's output, clamped or moved) and the log-probabilities made from them (their
+        log, logsigmoid's output), through moves, a pad with 0 (log 1: a key the gate leaves open), running sums, and
+        sums and differences of two at one factor (a forget gate's cumulative log-sigmoid, c_i - c_j: the log of the
+        product of the gates between key j and query i), and a constant factor, which is kept (`Sum.gates`). Any other
+        op's output is neither."""
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        key = None if first is None else _key(first)
+        prob, logp = packet is aten.sigmoid, None
+        if packet is aten.log_sigmoid_forward:
+            logp = 1.0
+        elif packet in (aten.log, aten.log_) and key in self._probs:
+            logp = 1.0
+        elif key is not None and (func in _CARRY or packet in (aten.clamp, aten.clamp_min, aten.clamp_max)):
+            prob, logp = key in self._probs and packet is not aten.clamp_max, self._logp.get(key)
+        elif packet is aten.constant_pad_nd and key in self._logp and float(args[2] if len(args) > 2 else 0) == 0.0:
+            logp = self._logp[key]
+        elif packet in (aten.cumsum, aten.cumsum_) and key in self._logp:
+            logp = self._logp[key]
+        elif packet in _SUMS and len(args) > 1 and isinstance(args[1], Tensor) and key in self._logp \
+                and _key(args[1]) in self._logp and self._logp[key] == self._logp[_key(args[1])]:
+            logp = self._logp[key]  # two gates at one factor summed: a gate at that factor
+        elif (func in _SCALE_BY or func in _DIVIDE_BY) and len(args) > 1 and key in self._logp:
+            c = _constant(args[1])
+            if c is not None and not _learned(args[1]) and (func in _SCALE_BY or c):
+                logp = self._logp[key] * (c if func in _SCALE_BY else 1.0 / c)
+        for o in outs[:1]:  # logsigmoid's second output is its buffer
+            if not isinstance(o, Tensor):
+                continue
+            (self._probs.add if prob else self._probs.discard)(_key(o))
+            if logp is None:
+                self._logp.pop(_key(o), None)
+            else:
+                self._logp[_key(o)] = logp
+                self._keep.append(o)
 
     def _note_flex(self, args, kwargs):
         try:
@@ -535,6 +586,8 @@ class Observer(Mode):
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same
             self._keep.append(out)
+        if packet in _GATE_OPS or self._probs or self._logp:
+            self._gate(func, packet, args, outs)
         if packet in _SUMS and self._products and len(args) > 1:
             self._summed(func, args, kwargs, out)
         if self._products:  # between a product and the softmax: which product each tensor's values come from
@@ -810,8 +863,10 @@ class ScaleEstimate:
     used_by: Matmul | None = field(default=None, compare=False, repr=False)  # weights @ values, when not the softmax's
     parts: int = 1  # the products the scores sum, q·k and the terms added to it (DeBERTa's c2p and p2c: 3)
     terms: int = 0  # the terms read beside q·k, each with a factor of its own the fit leaves free
-    # each term's products' own factor over q·k's (`_term_ratios`), None for one that is no such product
+    # each term's products' own factor over q·k's (`_term_ratios`), None for one that is no such product; a gate's
+    # (a log-probability of the layer's own) its own factor, whose right value is 1
     term_ratios: tuple = ()
+    term_gates: tuple = ()  # for each of term_ratios: whether it is a gate's
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
@@ -853,9 +908,10 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 if beside is not None:
                     fitted = beside
                     ratios = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
+                    gates = tuple(isinstance(leaf, GateLeaf) for each in leaves for leaf in each)
                     break
             else:
-                added, parts, ratios = [], 1, ()
+                added, parts, ratios, gates = [], 1, (), ()
             heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
             for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
@@ -878,8 +934,9 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                     ", less a term of each key's row and one of its column of the grid (decomposed relative "
                     "positions)" if relative is not None else "") + (
                     f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
-                    f"positions: a bias, whose own factor is not the temperature)" if added else ""),
-                    residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios))
+                    f"positions, a bias or a gate, whose own factor is not the temperature)" if added else ""),
+                    residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios,
+                    term_gates=gates))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
                     used, by = found
@@ -922,7 +979,8 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
     each sum, the operand that the products (and the terms already found) explain carries q·k; the other is a term,
     of as many parts as sums of neither (c2p + p2c) made it. A sum that adds nothing that differs between the batch
     halves (a mask) adds no term. Third, each term's leaves: the (product, factor) its values were read from
-    (`Sum.origins`), one per product a join of terms summed, None for a leaf read from no product."""
+    (`Sum.origins`), one per product a join of terms summed, a `GateLeaf` for a log-probability of the layer's own
+    (`Sum.gates`), None for a leaf read from neither."""
     terms: list[Tensor] = []
     leaves: list[list] = []
     parts = 1
@@ -937,12 +995,12 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
         j = next(((i, e) for i, e in reversed(joins) if i < before and e.keys[2] == key), None)
         return 1 if j is None else made_of(j[1].keys[0], j[0]) + made_of(j[1].keys[1], j[0])
 
-    def read_from(key, origin, before: int) -> list:  # the (product, factor) of each part of that operand
+    def read_from(key, origin, gate, before: int) -> list:  # the (product, factor) or GateLeaf of each part
         j = next(((i, e) for i, e in reversed(joins) if i < before and e.keys[2] == key), None)
         if j is None:
-            return [origin]
+            return [GateLeaf(gate) if gate is not None else origin]
         i, e = j
-        return read_from(e.keys[0], e.origins[0], i) + read_from(e.keys[1], e.origins[1], i)
+        return read_from(e.keys[0], e.origins[0], e.gates[0], i) + read_from(e.keys[1], e.origins[1], e.gates[1], i)
 
     for i, e in enumerate(between):
         if not isinstance(e, Sum) or e.a.numel() != products.numel() or e.a.numel() % 2:
@@ -956,7 +1014,7 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
             terms.append(term)
             side = 1 if a else 0
             parts += made_of(e.keys[side], i)
-            leaves.append(read_from(e.keys[side], e.origins[side], i))
+            leaves.append(read_from(e.keys[side], e.origins[side], e.gates[side], i))
     return terms, parts, leaves
 
 
@@ -965,9 +1023,11 @@ def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves
     scores with, over the factor q·k reaches them with: the fit's coefficient of the term x the constant the product
     was multiplied by on its way to the sum x the product's own (its operands' constants), over the fit's s x q·k's
     own. A term that is such a product of the same width as q·k (Transformer-XL's (q + v)·r, DeBERTa's c2p and p2c)
-    is a dot product like q·k, scaled as q·k is in every such layer: 1. None for a part that is no such product (a
-    bias projected from the tokens by a weight: its factor is learned; a product of another width; values computed
-    on the way, not moved), which leaves the temperature unjudged."""
+    is a dot product like q·k, scaled as q·k is in every such layer: 1. A log-probability of the layer's own (a
+    `GateLeaf`: a sparse gate's log sigmoid, a forget gate's running sum of them) weighs each key by its probability
+    at a factor of 1 in every such design: its factor itself, the fit's coefficient x the constant on its way. None
+    for a part that is neither (a bias projected from the tokens by a weight: its factor is learned; a product of
+    another width; values computed on the way, not moved), which leaves the temperature unjudged."""
     every: list = []
     fitted = _fit_scale(scores, m.out, weights, tuple(terms), every)
     if fitted is None or len(every) != len(terms) or fitted[0] * m.factor == 0.0:
@@ -976,6 +1036,9 @@ def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves
     ratios = []
     for c, parts in zip(every, leaves):
         for leaf in parts:
+            if c is not None and isinstance(leaf, GateLeaf):
+                ratios.append(c * leaf.factor)
+                continue
             judged = c is not None and leaf is not None and _position_product(leaf[0], m)
             ratios.append(c * leaf[1] * leaf[0].factor / qk if judged else None)
     return tuple(ratios)

@@ -196,6 +196,9 @@ TERM_SCALE_FIX = ("if the design scales its position products as q·k (Transform
                   "DeBERTa: c2c, c2p and p2c each divided by sqrt(d_k x the parts summed)), the one shown is off by "
                   "that ratio; if it scales them otherwise on purpose (SAM's decomposed terms are unscaled), nothing "
                   "to declare")
+GATE_SCALE_FIX = ("if the design adds the gate's log-probability as it is (softmax(q·k x scale + log p), a sparse or "
+                  "forget gate), the one shown is scaled by that factor: move the gate out of the product with the "
+                  "scale; if it tempers the gate on purpose, nothing to declare")
 PROJECTIONS_FIX = ("nothing to declare: a softmax over a projection of the tokens (a learned query's, a router's, a "
                    "feature map's logits) has no q·k of two activations whose temperature could be judged; if queries "
                    "and keys are both meant to come from the input, check that neither is a parameter of the layer")
@@ -282,18 +285,27 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         # (`_observe._term_ratios`): one at q·k's factor (Transformer-XL's (q + v)·r, DeBERTa's c2p and p2c) is
         # vouched for; one at another is not measured, never failed
         worst_term = max(ratios, key=lambda r: math.inf if r <= 0 else _off(r))
-        shown = ", ".join(f"{r:.3g}" for r in ratios)
+        gates = getattr(terms.estimate, "term_gates", ()) or (False,) * len(ratios)
+        products = [r for r, gate in zip(ratios, gates) if not gate]
+        logp = [r for r, gate in zip(ratios, gates) if gate]
+        shown = ", ".join(f"{r:.3g}" for r in products)
+        read = "; ".join(
+            ([f"the {len(products)} product{'s' if len(products) > 1 else ''} added to q·k (relative positions) "
+              f"reach the scores at {shown} times q·k's factor"] if products else []) +
+            ([f"the log-probabilit{'ies' if len(logp) > 1 else 'y'} of the layer's own added to q·k (a gate: "
+              f"softmax(s + log p) weighs each key by p) reach{'' if len(logp) > 1 else 'es'} the scores at "
+              f"{', '.join(f'{r:.3g}' for r in logp)} times {'their' if len(logp) > 1 else 'its'} own value"]
+             if logp else []))
         if worst_term <= 0 or _off(worst_term) > math.log(SCALE_RATIO):
             # not a failure: designs differ (SAM's and MViTv2's decomposed terms are unscaled beside a scaled q·k,
-            # Gemma's audio attention scales its keys and not its relative keys), so only a term at q·k's factor is
-            # vouched for
-            return DetectorResult(det, "skip", f"not measured: q·k's own factor matches {_said(probe, terms)}, and a "
-                                               f"relative-position product added to it reaches the scores at {shown} "
-                                               f"times q·k's factor: designs scale such terms differently, so only one "
-                                               f"at q·k's factor is vouched for",
-                                  value=worst_term, threshold=SCALE_RATIO, evidence=evidence, fix=TERM_SCALE_FIX)
-        evidence += (f"; the {len(ratios)} product{'s' if len(ratios) > 1 else ''} added to q·k (relative positions) "
-                     f"reach the scores at {shown} times q·k's factor")
+            # Gemma's audio attention scales its keys and not its relative keys), so only a term at q·k's factor (a
+            # gate at its own value) is vouched for
+            return DetectorResult(det, "skip", f"not measured: q·k's own factor matches {_said(probe, terms)}, and "
+                                               f"{read}: designs scale such terms differently, so only a product at "
+                                               f"q·k's factor, and a gate at 1, is vouched for",
+                                  value=worst_term, threshold=SCALE_RATIO, evidence=evidence,
+                                  fix=TERM_SCALE_FIX if products else GATE_SCALE_FIX)
+        evidence += f"; {read}"
     elif terms is not None:
         # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,
         # reads the same as a right one, so the softmax's temperature as a whole is not vouched for
