@@ -35,6 +35,8 @@ def test_every_attention_class_of_a_package_is_enumerated_and_a_command_line_is_
     # over (B, C, H, W) pixels with convolutions for projections: the usage error names adapters.image, which passes
     ("scalable_vit:ScalableSelfAttention", "usage error", "adapters.image(layer): passed"),
     ("twins_svt:GlobalAttention", "usage error", "adapters.image(layer), seq_len=196: passed"),  # 7 x 7 key convs
+    # the log of a sigmoid gate added to q·k at its own value (tests/test_gated_scores.py): inconclusive before
+    ("simple_vit_with_sparse_gating:Attention", "passed", ""),
 ])
 def test_a_row_of_the_vit_pytorch_sweep(name, verdict, declared):
     pytest.importorskip("vit_pytorch", reason=f"vit-pytorch is not installed (the zoo extra): {ZOO}")
