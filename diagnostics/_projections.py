@@ -107,7 +107,8 @@ class Projections:
 # ---- the reference, step by step ------------------------------------------------------------------------
 STEPS = ("grouped key/value heads repeated in the wrong order (repeat, not repeat_interleave)",
          "heads split as (d, H) instead of (H, d)", "heads merged without moving them next to their width",
-         "output projection skipped", "scale", "the values' stated scale not applied")
+         "output projection skipped", "scale", "the values' stated scale not applied",
+         "the mask the call passed not applied (nor a causal one)")
 """The one-step changes of the reference a mismatch is tested against, to name the step that differs."""
 
 
@@ -145,9 +146,9 @@ def attend(p: Projections, c: CallInputs, *, dtype: torch.dtype, causal: bool, s
             k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # (B, H, Tk, d)
     s = p.scale if step != STEPS[4] else scale
     scores = (q @ k.transpose(-2, -1)) * s  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
-    if c.bias is not None:
+    if c.bias is not None and step != STEPS[6]:
         scores = scores + c.bias.to(dtype)
-    if causal:
+    if causal and step != STEPS[6]:
         i = torch.arange(Tq, device=scores.device).unsqueeze(-1)
         j = torch.arange(Tk, device=scores.device)
         scores = scores.masked_fill(j > i + Tk - Tq, -math.inf)  # -inf: masked keys get exactly zero weight

@@ -107,6 +107,25 @@ def test_the_reference_passes_and_a_catalog_step_is_named(causal):
     assert caught.verdict == "fail" and "heads merged without moving them next to their width" in caught.evidence
 
 
+class MaskIgnored(GroupedQueryAttention):
+    """Takes `attention_mask` and never hands it to SDPA."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        return super().forward(hidden_states, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_the_call_passed_and_the_layer_ignored_is_named_as_the_step(dtype):
+    """The reference recomputed without the call's mask reproduces the output: that step is named, with its fix; the
+    twin that applies the mask passes on the same inputs, and its report names no step."""
+    wrong = own_weights(built(MaskIgnored, dtype), causal=True)  # the audit's calls then pass a causal mask
+    assert wrong.verdict == "fail", wrong.evidence
+    assert "one step changed: the mask the call passed not applied" in wrong.evidence, wrong.evidence
+    assert wrong.fix.startswith("apply the mask the call passes to the scores before the softmax"), wrong.fix
+    right = own_weights(built(GroupedQueryAttention, dtype), causal=True)
+    assert right.verdict == "pass" and "one step changed" not in right.evidence, right.evidence
+
+
 class Sink(GroupedQueryAttention):
     """A parameter the recompute does not know (a learned sink logit per head)."""
 

@@ -236,10 +236,11 @@ def test_a_cross_attention_given_its_memorys_mask_as_attention_mask_is_recompute
     cross-attention, whose memory mask arrives as `attention_mask`, was recomputed unmasked and failed). The memory's
     mask is read from `encoder_attention_mask` only where the call passes one (LightGlue, above); here the layer's
     `attention_mask` is the memory's. Its twin, which takes the mask and applies none, is not passed on the same
-    inputs: its output differs from the recompute, by no one step of the reference (an ignored mask is not among
-    them; mask_honoured is the detector that fails it), so own_weights says it cannot tell."""
+    inputs: its output differs from the recompute, and the recompute without the call's mask reproduces it, the step
+    named with its fix (before that step was among the reference's, own_weights said it could not tell)."""
     right = own_weights(built(BertStyleCross), cross=True, call=memory_padded)
     assert right.verdict == "pass", right.message + " | " + str(right.evidence)
     assert "attention_mask as passed" in right.evidence, right.evidence
     wrong = own_weights(built(lambda: BertStyleCross(reads_mask=False)), cross=True, call=memory_padded)
-    assert wrong.verdict == "skip" and "differs from the attention its weights compute" in wrong.message, wrong.message
+    assert wrong.verdict == "fail", wrong.message
+    assert "one step changed: the mask the call passed not applied" in wrong.evidence, wrong.evidence

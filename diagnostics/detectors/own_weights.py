@@ -54,6 +54,8 @@ FIXES = {  # the fix of each step that reproduced a layer's output, in the user'
     STEPS[4]: "multiply the scores by the layer's own scale (its `scaling` / `scale`, 1/sqrt(head_dim) by default)",
     STEPS[5]: "multiply the values by the number the layer states for them (its `v_scale` / `value_scale`) before "
               "they are attended, or drop the attribute if the layer means none",
+    STEPS[6]: "apply the mask the call passes to the scores before the softmax (scores + the additive mask, or "
+              "scores.masked_fill(~allowed, float('-inf'))), and the causal mask where the layer is causal",
 }
 
 
@@ -202,7 +204,7 @@ def _explained(p: Projections, c, causal: bool, out: Tensor, err: float, allowed
     explained = []
     for step in STEPS:
         if step == STEPS[0] and p.heads == p.kv_heads or step == STEPS[3] and p.o is None or \
-                step == STEPS[5] and p.value_scale == 1.0:
+                step == STEPS[5] and p.value_scale == 1.0 or step == STEPS[6] and c.bias is None and not causal:
             continue
         scales = (1.0, 1.0 / p.head_dim, (p.heads * p.head_dim) ** -0.5, p.scale ** 2, p.head_dim ** 0.5) \
             if step == STEPS[4] else (None,)
