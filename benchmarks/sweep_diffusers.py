@@ -629,7 +629,11 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -
         # the scale the layer states to SDPA (NaViT's `scale=1` after RMS-normalised q and k) is its own words, which
         # the explicit reference cannot state: declared, as the user who wrote that attention out would declare it
         declared = {**declared, "scale": stated.pop()}
-        rep = diagnostics.audit(make(name), progress=False, **declared)
+        with _Routed("reference") as again:
+            rep = diagnostics.audit(make(name), progress=False, **declared)
+        if not again.calls:  # the layer no longer reached SDPA: nothing written out was audited
+            row.why += "; no bug injected: the layer did not call torch's scaled_dot_product_attention again"
+            return
         row.why += f"; the explicit reference audited with scale={declared['scale']:g}, the scale the layer states to SDPA"
     if rep.status != "passed":
         row.bugs["reference"] = f"reference {rep.status}: {rep.status_reason[:120]}"

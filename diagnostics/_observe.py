@@ -65,6 +65,9 @@ _MATMULS = _ops("bmm.default", "mm.default", "matmul.default")
 _SOFTMAX = _ops("_softmax.default", "_safe_softmax.default")
 _SUMS = frozenset({aten.add, aten.add_, aten.sub, aten.sub_})
 _GATE_OPS = frozenset({aten.sigmoid, aten.log_sigmoid_forward})  # where a probability or a log-probability is made
+BLOCKING_FILL = -1e4
+"""A fill at or below this blocks its entry (a mask: -inf, the dtype's minimum, -10000), which keeps a log-probability a
+gate's (`_Observer._gate`); a fill above it, other than 0, is a value of the layer's making."""
 
 
 _UNKNOWN_HOPS = 16
@@ -359,6 +362,7 @@ class Observer(Mode):
         self._products: set[int] = set()  # the sizes of the products made since the last softmax (see `_summed`)
         self._probs: set[tuple] = set()  # keys of sigmoid outputs (probabilities), through moves and clamps
         self._logp: dict[tuple, float] = {}  # key of a log-probability (`Sum.gates`) -> the constant it was multiplied by
+        self._running: dict[tuple, tuple] = {}  # key of a log-probability read from a running sum -> that sum's key
 
     def _factor(self, t) -> float:
         """The constant `t`'s values were multiplied by since the last projection (1.0 where unknown)."""
@@ -531,41 +535,61 @@ class Observer(Mode):
         a = out.detach() - b if a is out else a.detach()
         self.record.order.append(Sum(a, b, out.detach(), keys, origins, gates))
 
-    def _gate(self, func, packet, args, outs) -> None:
-        """Follow probabilities (a sigmoid's output, clamped or moved) and the log-probabilities made from them (their
-        log, logsigmoid's output), through moves, a pad with 0 (log 1: a key the gate leaves open), running sums, and
-        sums and differences of two at one factor (a forget gate's cumulative log-sigmoid, c_i - c_j: the log of the
-        product of the gates between key j and query i), and a constant factor, which is kept (`Sum.gates`). Any other
-        op's output is neither."""
+    def _gate(self, func, packet, args, kwargs, outs) -> None:
+        """Follow probabilities (a sigmoid's output, clamped from below or moved) and the log-probabilities made from
+        them (their log, logsigmoid's output) with the constant each was multiplied by since (`Sum.gates`): through
+        moves, a negation (the factor negated), a pad or a fill with 0 (log 1: a key the gate leaves open) or with a
+        blocking value (<= BLOCKING_FILL), running sums, the sum of two at one factor, the difference of two entries
+        of one running sum (a forget gate's c_i - c_j: the log of the gates between key j and query i, on the entries
+        a causal mask keeps), and a constant factor. Any other op's output is neither (a pad with another value, a
+        difference of two unrelated gates, a sum with alpha)."""
         first = args[0] if args and isinstance(args[0], Tensor) else None
         key = None if first is None else _key(first)
-        prob, logp = packet is aten.sigmoid, None
-        if packet is aten.log_sigmoid_forward:
+        held = self._logp.get(key)
+        prob, logp, running = packet is aten.sigmoid, None, None
+        if packet is aten.log_sigmoid_forward or packet in (aten.log, aten.log_) and key in self._probs:
             logp = 1.0
-        elif packet in (aten.log, aten.log_) and key in self._probs:
-            logp = 1.0
-        elif key is not None and (func in _CARRY or packet in (aten.clamp, aten.clamp_min, aten.clamp_max)):
-            prob, logp = key in self._probs and packet is not aten.clamp_max, self._logp.get(key)
-        elif packet is aten.constant_pad_nd and key in self._logp and float(args[2] if len(args) > 2 else 0) == 0.0:
-            logp = self._logp[key]
-        elif packet in (aten.cumsum, aten.cumsum_) and key in self._logp:
-            logp = self._logp[key]
-        elif packet in _SUMS and len(args) > 1 and isinstance(args[1], Tensor) and key in self._logp \
-                and _key(args[1]) in self._logp and self._logp[key] == self._logp[_key(args[1])]:
-            logp = self._logp[key]  # two gates at one factor summed: a gate at that factor
-        elif (func in _SCALE_BY or func in _DIVIDE_BY) and len(args) > 1 and key in self._logp:
+        elif held is None and packet not in (aten.clamp, aten.clamp_min) and func not in _CARRY:
+            pass  # nothing marked reaches this op, and it makes no probability
+        elif packet is aten.neg:
+            logp = None if held is None else -held
+        elif packet is aten.constant_pad_nd or packet in (aten.masked_fill, aten.masked_fill_):
+            fill = _constant(args[2]) if len(args) > 2 else 0.0
+            logp = held if fill is not None and (fill == 0.0 or fill <= BLOCKING_FILL) else None
+            running = self._running.get(key) if logp is not None else None
+        elif packet in (aten.clamp, aten.clamp_min):
+            prob, logp = key in self._probs, held
+        elif func in _CARRY:
+            prob, logp, running = key in self._probs, held, self._running.get(key)
+        elif packet in (aten.cumsum, aten.cumsum_):
+            logp, running = held, True  # its own output is the running sum (below)
+        elif packet in _SUMS and len(args) > 1 and isinstance(args[1], Tensor):
+            other = _key(args[1])
+            alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+            if alpha == 1 and held is not None and self._logp.get(other) == held:
+                if packet in (aten.add, aten.add_):
+                    logp = held  # two gates at one factor summed: a gate at that factor
+                elif self._running.get(key) is not None and self._running.get(key) == self._running.get(other):
+                    logp = held  # c_i - c_j of one running sum
+        elif (func in _SCALE_BY or func in _DIVIDE_BY) and len(args) > 1:
             c = _constant(args[1])
             if c is not None and not _learned(args[1]) and (func in _SCALE_BY or c):
-                logp = self._logp[key] * (c if func in _SCALE_BY else 1.0 / c)
-        for o in outs[:1]:  # logsigmoid's second output is its buffer
+                logp = held * (c if func in _SCALE_BY else 1.0 / c)
+        marked = outs if func in _CARRY else outs[:1]  # logsigmoid's second output is its buffer
+        for o in outs:
             if not isinstance(o, Tensor):
                 continue
-            (self._probs.add if prob else self._probs.discard)(_key(o))
-            if logp is None:
-                self._logp.pop(_key(o), None)
-            else:
-                self._logp[_key(o)] = logp
-                self._keep.append(o)
+            k = _key(o)
+            mine = any(o is m for m in marked)
+            (self._probs.add if prob and mine else self._probs.discard)(k)
+            if logp is None or not mine:
+                self._logp.pop(k, None)
+                self._running.pop(k, None)
+                continue
+            self._logp[k] = logp
+            root = k if running is True else running
+            (self._running.__setitem__(k, root) if root is not None else self._running.pop(k, None))
+            self._keep.append(o)
 
     def _note_flex(self, args, kwargs):
         try:
@@ -586,10 +610,10 @@ class Observer(Mode):
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same
             self._keep.append(out)
-        if packet in _GATE_OPS or self._probs or self._logp:
-            self._gate(func, packet, args, outs)
         if packet in _SUMS and self._products and len(args) > 1:
             self._summed(func, args, kwargs, out)
+        if packet in _GATE_OPS or self._probs or self._logp:  # after `_summed`, which reads its inputs' marks
+            self._gate(func, packet, args, kwargs, outs)
         if self._products:  # between a product and the softmax: which product each tensor's values come from
             self._inherit(func, args, outs)
         if func in _CARRY and isinstance(args[0], Tensor):
@@ -643,14 +667,15 @@ class Observer(Mode):
             self._from(out, m)
             rec.matmuls.append(m)
             rec.order.append(m)
-        elif func in _SOFTMAX and out.numel():  # a softmax over no key (a stream given no tokens) weighs nothing
+        elif func in _SOFTMAX:
             s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
                             unshifted=self._shifted.get(_key(args[0])))
             self._products.clear()
             self._origin.clear()
             self._fresh(outs)
-            rec.softmaxes.append(s)
-            rec.order.append(s)
+            if out.numel():  # a softmax over no key (a stream given no tokens) weighs nothing: not recorded
+                rec.softmaxes.append(s)
+                rec.order.append(s)
         elif "scaled_dot_product" in name and "backward" not in name:
             mask, is_causal, stated = fused_arguments(name, args, kwargs)
             out = outs[0].detach() if isinstance(outs[0], Tensor) else None

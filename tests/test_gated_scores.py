@@ -37,7 +37,15 @@ class SparseGated(nn.Module):
         q, k, v = (split(t, self.d) for t in self.to_qkv(x).chunk(3, dim=-1))
         q_mask, k_mask = (split(t, self.dim_mask) for t in self.to_mask(x).chunk(2, dim=-1))
         gate = (q_mask @ k_mask[:, :, self.registers:].transpose(-1, -2) * self.dim_mask ** -0.5).sigmoid()
-        log_gate = F.pad(gate.clamp(min=1e-20).log(), (self.registers, 0), value=0.0)  # (B, H, T, T)
+        opened = 5.0 if self.bug == "padded with 5" else 0.0  # a register key's gate: log 1 = 0, open
+        log_gate = F.pad(gate.clamp(min=1e-20).log(), (self.registers, 0), value=opened)  # (B, H, T, T)
+        if self.bug == "negated":
+            log_gate = torch.neg(log_gate)  # weighs each key by 1 / p
+        elif self.bug == "summed with alpha":
+            log_gate = torch.add(log_gate, log_gate, alpha=3)  # 4 log p
+        elif self.bug == "two gates differ":  # log p - log p', of two unrelated gates: no probability
+            other = (k_mask @ q_mask.transpose(-1, -2) * self.dim_mask ** -0.5).sigmoid().log()
+            log_gate = log_gate - other
         scale = 1.0 if self.bug == "unscaled" else self.d ** -0.5
         if self.bug == "gate_scaled":
             sim = (q @ k.transpose(-1, -2) + log_gate) * scale
@@ -100,5 +108,16 @@ def test_a_gate_multiplied_by_the_scale_with_q_k_is_not_vouched_for(cls):
     report = _audit(cls, bug="gate_scaled")
     judged = report.result("softmax_saturation")
     assert report.status == "inconclusive" and judged.verdict == "skip", report
-    assert "times its own value" in judged.message and "a gate at 1, is vouched for" in judged.message, judged.message
+    assert "times its own value" in judged.message and "so only a gate at 1 is vouched for" in judged.message, judged.message
     assert judged.fix.startswith("if the design adds the gate's log-probability as it is"), judged.fix
+
+
+@pytest.mark.parametrize("bug", ["negated", "padded with 5", "summed with alpha", "two gates differ"])
+def test_a_term_that_is_no_gate_at_its_own_value_is_not_vouched_for(bug):
+    """Spellings that keep a log-probability's look but not its meaning (found in review): negated (1 / p), a register
+    key's entry padded with 5 instead of log 1, the gate summed with itself at alpha 3, the difference of two unrelated
+    gates. None is vouched for: the layer does not pass (`softmax_saturation` is a skip), where the twin with the gate
+    as it is passes on the same inputs."""
+    report = _audit(SparseGated, bug=bug)
+    assert report.status == "inconclusive" and report.result("softmax_saturation").verdict == "skip", report
+    assert _audit(SparseGated).status == "passed"

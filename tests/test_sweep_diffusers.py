@@ -432,9 +432,24 @@ def test_the_scale_a_layer_states_to_sdpa_is_declared_for_its_written_out_refere
     the wrong axis is caught under it, and the missing scale has nothing to drop."""
     import sweep
 
-    row = sd.run(sweep.Row("own normalised"), bugs=True, injected=("missing_scale", "softmax_wrong_dim"), mask_bugs=(),
-                 build=lambda name: RmsNormed())
+    routed = []  # every written-out SDPA the sweep made, and how many calls each audit sent through it
+    real = sd._Routed
+
+    class Counted(real):
+        def __exit__(self, *exc):
+            routed.append((self.kind, self.calls))
+            return super().__exit__(*exc)
+
+    sd._Routed = Counted
+    try:
+        row = sd.run(sweep.Row("own normalised"), bugs=True, injected=("missing_scale", "softmax_wrong_dim"),
+                     mask_bugs=(), build=lambda name: RmsNormed())
+    finally:
+        sd._Routed = real
     assert row.verdict == "passed" and "reference" not in row.bugs, row
+    # the reference twice, the second with the scale declared, both through the written-out SDPA; then the bug
+    assert [kind for kind, _ in routed] == ["reference", "reference", "softmax_wrong_dim"], routed
+    assert all(calls > 0 for _, calls in routed), routed
     assert row.why.endswith("the explicit reference audited with scale=1, the scale the layer states to SDPA"), row
     assert row.bugs["softmax_wrong_dim"] == "caught", row
     assert row.bugs["missing_scale"].startswith("not applicable"), row

@@ -448,7 +448,7 @@ def _mask_does_not_fit(probe: Probe, call, name: str, mask_name: str, refused: s
                                   f"({call.describe_error()}); given `{name}` it runs and attends it as a memory "
                                   f"(each output row moved only with its own query), but given `{mask_name}` over "
                                   f"`{name}`'s {MEMORY_TOKENS} tokens too (every one kept, in each mask convention of the "
-                                  f"audit's) it raises ({refused}, in the audit's own): under "
+                                  f"audit's) it raises ({refused}): under "
                                   f"{spell('cross', True, probe.options)} every probe with a mask would raise, and no "
                                   f"declaration of the audit's gives it a mask that fits",
                   evidence=evidence,
@@ -458,8 +458,8 @@ def _mask_does_not_fit(probe: Probe, call, name: str, mask_name: str, refused: s
 
 
 def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> str | None:
-    """What the layer raises ("RuntimeError: ...", in the audit's own mask convention) given `name` a memory of
-    MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it raises so in every
+    """What the layer raises ("RuntimeError: ..., given it as <convention>", the first convention that raised) given
+    `name` a memory of MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it runs in no
     convention (each meaning, each shape: `_masks.MEANINGS`, `_masks.SHAPES`); None where one runs (a mask of
     another convention is a declaration the audit names later, not a mask that cannot fit)."""
     s = probe.subject
@@ -469,8 +469,10 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
     first: list[str] = []
     for convention in conventions:
         mask = convert_mask(every, convention, dtype=query.dtype, num_heads=s.num_heads or 1)
-        if _given(probe, query, name, mask_name, first, mask=mask) is not None:
+        said: list[str] = []
+        if _given(probe, query, name, mask_name, said, mask=mask) is not None:
             return None
+        first += [f"{said[0]}, given it as {convention}"] if said and not first else []
     return first[0] if first else None
 
 

@@ -289,25 +289,27 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
         products = [r for r, gate in zip(ratios, gates) if not gate]
         logp = [r for r, gate in zip(ratios, gates) if gate]
         shown = ", ".join(f"{r:.3g}" for r in products)
-        gated = (f"the log-probabilit{'ies' if len(logp) > 1 else 'y'} of the layer's own added to q·k (a gate: "
+        gated = [f"the log-probabilit{'ies' if len(logp) > 1 else 'y'} of the layer's own added to q·k (a gate: "
                  f"softmax(s + log p) weighs each key by p) reach{'' if len(logp) > 1 else 'es'} the scores at "
-                 f"{', '.join(f'{r:.3g}' for r in logp)} times {'their' if len(logp) > 1 else 'its'} own value")
-        read = "; ".join(([f"a relative-position product added to it reaches the scores at {shown} times q·k's "
-                           f"factor"] if products else []) + ([gated] if logp else []))
-        summed = "; ".join(([f"the {len(products)} product{'s' if len(products) > 1 else ''} added to q·k (relative "
-                             f"positions) reach the scores at {shown} times q·k's factor"] if products else [])
-                           + ([gated] if logp else []))
+                 f"{', '.join(f'{r:.3g}' for r in logp)} times {'their' if len(logp) > 1 else 'its'} own value"] \
+            if logp else []
         if worst_term <= 0 or _off(worst_term) > math.log(SCALE_RATIO):
             # not a failure: designs differ (SAM's and MViTv2's decomposed terms are unscaled beside a scaled q·k,
             # Gemma's audio attention scales its keys and not its relative keys), so only a term at q·k's factor (a
             # gate at its own value) is vouched for
-            vouched = "a product at q·k's factor, and a gate at 1," if logp else "one at q·k's factor"
+            read = "; ".join([f"a relative-position product added to it reaches the scores at {shown} times q·k's "
+                              f"factor"] * bool(products) + gated)
+            vouched = ("a product at q·k's factor and a gate at 1 are" if products else "a gate at 1 is") if logp \
+                else "one at q·k's factor is"
+            off_gate = bool(logp) and (not products or worst_term in logp)
             return DetectorResult(det, "skip", f"not measured: q·k's own factor matches {_said(probe, terms)}, and "
-                                               f"{read}: designs scale such terms differently, so only {vouched} is "
+                                               f"{read}: designs scale such terms differently, so only {vouched} "
                                                f"vouched for",
                                   value=worst_term, threshold=SCALE_RATIO, evidence=evidence,
-                                  fix=TERM_SCALE_FIX if products else GATE_SCALE_FIX)
-        evidence += f"; {summed}"
+                                  fix=GATE_SCALE_FIX if off_gate else TERM_SCALE_FIX)
+        evidence += "; " + "; ".join([f"the {len(products)} product{'s' if len(products) > 1 else ''} added to q·k "
+                                      f"(relative positions) reach the scores at {shown} times q·k's factor"]
+                                     * bool(products) + gated)
     elif terms is not None:
         # each term added to q·k is read with a factor of its own, free: a position term left unscaled, or x100,
         # reads the same as a right one, so the softmax's temperature as a whole is not vouched for
