@@ -90,7 +90,9 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("the causal mask blocks a key the user's mask allows (T > 1)",
                                        lambda s: bool((s.allowed(align=None) & ~s.allowed()).any())),
             expected_detectors=("future_leakage",),
-            also_detected_by=("gradients",),  # the future leaks through the backward pass too
+            # the future leaks through the backward pass too; the layer's own weights recompute its output with the
+            # causal mask left out (own_weights' step "the mask the call passed not applied")
+            also_detected_by=("gradients", "own_weights"),
         ),
         Variant(
             id="swapped_self_cross", title="Self- and cross-attention inputs swapped", cls=c.SwappedSelfCross,
