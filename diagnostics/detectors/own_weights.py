@@ -230,7 +230,8 @@ def _margin(dtype: torch.dtype) -> str:
 @detector(ID, "the output equals the attention recomputed by the reference from the layer's own projections "
               "(where they can be identified)",
           targets=("grouped key/value heads repeated in the wrong order", "heads split or merged in the wrong order",
-                   "a scale other than the layer's own", "output projection skipped"),
+                   "a scale other than the layer's own", "output projection skipped",
+                   "the mask the call passed (or the causal one) not applied"),
           fix="compute the attention from the projections as the reference does: key/value head g serves query "
               "heads g*H/G .. (g+1)*H/G - 1 (repeat_interleave, not repeat), heads split as (B, T, H, d) and merged "
               "back the same way, scores times the layer's own scale, then the output projection",
