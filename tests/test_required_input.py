@@ -323,3 +323,22 @@ def test_diffusers_ip_adapter_processors_name_no_declaration_they_fail_and_pass_
         again = diagnostics.audit(sd.diffusers_build(name), progress=False, cross=True, call=_image_prompt_call,
                                   mask=mask)
     assert again.status == "passed", again.status_reason
+
+
+class KeyPaddedMemory(MaskedMemory):
+    """A memory that its mask covers in another convention: (B, Tm), True = keep, as many text encoders pad."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B = hidden_states.shape[0]
+        keep = None if attention_mask is None else attention_mask.bool().view(B, 1, 1, -1)  # raises on (B, 1, Tq, Tk)
+        return super().forward(hidden_states, encoder_hidden_states, keep)
+
+
+def test_a_memory_whose_mask_fits_in_another_convention_is_declared_cross_and_then_that_convention():
+    """The rule tries every convention of the audit's before it names no declaration: a (B, Tm) mask, which the
+    audit's own (B, 1, Tq, Tk) does not fit, still names `cross=True`, then the convention, and passes with both."""
+    report = diagnostics.audit(_layer(KeyPaddedMemory), progress=False)
+    assert report.declaration == "cross=True", report
+    again = diagnostics.audit(_layer(KeyPaddedMemory), progress=False, cross=True)
+    assert again.declaration == "mask='key_keep'", again
+    assert diagnostics.audit(_layer(KeyPaddedMemory), progress=False, cross=True, mask="key_keep").status == "passed"
