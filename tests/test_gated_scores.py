@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import correct
 import diagnostics
 
 
@@ -81,25 +82,37 @@ class ForgetGated(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(B, T, D))
 
 
-def _audit(cls, bug=None, dtype=torch.float32):
+def _audit(cls, bug=None, dtype=torch.float32, gpt2=False):
     torch.manual_seed(0)
-    layer = cls(bug=bug).to(dtype).eval()
-    return diagnostics.audit(layer, progress=False, causal=cls is ForgetGated, dtype=dtype)
+    layer = cls(bug=bug)
+    if gpt2:  # the scale people train at: std 0.02 weights, zero biases
+        correct.gpt2_init_(layer)
+    return diagnostics.audit(layer.to(dtype).eval(), progress=False, causal=cls is ForgetGated, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+SETTINGS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+SETTING_IDS = ["float32", "bfloat16", "bfloat16-std0.02"]
+
+
+@pytest.mark.parametrize("dtype, gpt2", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("cls", [SparseGated, ForgetGated])
-def test_a_gate_added_at_its_own_value_is_vouched_for_and_the_layer_passes(cls, dtype):
-    report = _audit(cls, dtype=dtype)
+def test_a_gate_added_at_its_own_value_is_vouched_for_and_the_layer_passes(cls, dtype, gpt2):
+    report = _audit(cls, dtype=dtype, gpt2=gpt2)
+    if cls is SparseGated and dtype == torch.bfloat16 and gpt2:
+        # q·k at std 0.02 is ~1e-4 beside a log gate of ~-0.7, under bfloat16's step there (~3e-3): the scores hold
+        # no trace of q·k, so nothing is fitted; inconclusive, never failed (its unscaled twin still fails below)
+        assert report.status == "inconclusive" and report.result("softmax_saturation").verdict == "skip", report
+        return
     assert report.status == "passed", report
     judged = report.result("softmax_saturation")
     assert judged.verdict == "pass", judged
     assert "added to q·k (a gate: softmax(s + log p) weighs each key by p)" in judged.evidence, judged.evidence
 
 
+@pytest.mark.parametrize("dtype, gpt2", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("cls", [SparseGated, ForgetGated])
-def test_q_k_left_unscaled_beside_the_gate_fails(cls):
-    report = _audit(cls, bug="unscaled")
+def test_q_k_left_unscaled_beside_the_gate_fails(cls, dtype, gpt2):
+    report = _audit(cls, bug="unscaled", dtype=dtype, gpt2=gpt2)
     assert report.status == "failed" and report.result("softmax_saturation").verdict == "fail", report
 
 

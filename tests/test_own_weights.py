@@ -114,15 +114,19 @@ class MaskIgnored(GroupedQueryAttention):
         return super().forward(hidden_states, None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_mask_the_call_passed_and_the_layer_ignored_is_named_as_the_step(dtype):
+@pytest.mark.parametrize("dtype, gpt2", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["float32", "bfloat16", "bfloat16-std0.02"])
+def test_a_mask_the_call_passed_and_the_layer_ignored_is_named_as_the_step(dtype, gpt2):
     """The reference recomputed without the call's mask reproduces the output: that step is named, with its fix; the
     twin that applies the mask passes on the same inputs, and its report names no step."""
-    wrong = own_weights(built(MaskIgnored, dtype), causal=True)  # the audit's calls then pass a causal mask
+    def built_at(cls):
+        return correct.gpt2_init_(built(cls, torch.float32)).to(dtype) if gpt2 else built(cls, dtype)
+
+    wrong = own_weights(built_at(MaskIgnored), causal=True)  # the audit's calls then pass a causal mask
     assert wrong.verdict == "fail", wrong.evidence
     assert "one step changed: the mask the call passed not applied" in wrong.evidence, wrong.evidence
     assert wrong.fix.startswith("apply the mask the call passes to the scores before the softmax"), wrong.fix
-    right = own_weights(built(GroupedQueryAttention, dtype), causal=True)
+    right = own_weights(built_at(GroupedQueryAttention), causal=True)
     assert right.verdict == "pass" and "one step changed" not in right.evidence, right.evidence
 
 
