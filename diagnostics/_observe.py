@@ -588,7 +588,10 @@ class Observer(Mode):
                 continue
             self._logp[k] = logp
             root = k if running is True else running
-            (self._running.__setitem__(k, root) if root is not None else self._running.pop(k, None))
+            if root is None:
+                self._running.pop(k, None)
+            else:
+                self._running[k] = root
             self._keep.append(o)
 
     def _note_flex(self, args, kwargs):

@@ -11,8 +11,7 @@ import torch
 
 from .._core import NON_CONTIGUOUS, skip, transposed_layout
 from .._frames import traceback_frames
-from .._masks import MEANINGS, MaskConvention, convert_mask
-from .._masks import SHAPES as MASK_SHAPES
+from .._masks import convert_mask
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -20,7 +19,7 @@ from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_c
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import own_queries_seen, result
-from ._mask_hints import convention_hint, conventions_run, honoured_conventions
+from ._mask_hints import candidates, convention_hint, conventions_run, honoured_conventions
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
@@ -459,15 +458,13 @@ def _mask_does_not_fit(probe: Probe, call, name: str, mask_name: str, refused: s
 
 def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> str | None:
     """What the layer raises ("RuntimeError: ..., given it as <convention>", the first convention that raised) given
-    `name` a memory of MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it runs in no
-    convention (each meaning, each shape: `_masks.MEANINGS`, `_masks.SHAPES`); None where one runs (a mask of
-    another convention is a declaration the audit names later, not a mask that cannot fit)."""
+    `name` a memory of MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it runs
+    in no convention (the audit's own, then `_mask_hints.candidates`: each meaning, each shape); None where one runs
+    (a mask of another convention is a declaration the audit names later, not a mask that cannot fit)."""
     s = probe.subject
     every = torch.ones(query.shape[0], 1, query.shape[1], MEMORY_TOKENS, dtype=torch.bool, device=query.device)
-    conventions = [s.mask_convention] + [c for c in (MaskConvention(m, shape) for m in MEANINGS for shape in MASK_SHAPES)
-                                         if c != s.mask_convention]
     first: list[str] = []
-    for convention in conventions:
+    for convention in [s.mask_convention, *candidates(probe)]:
         mask = convert_mask(every, convention, dtype=query.dtype, num_heads=s.num_heads or 1)
         said: list[str] = []
         if _given(probe, query, name, mask_name, said, mask=mask) is not None:
