@@ -439,6 +439,11 @@ class Signature:
     fixed: dict = field(default_factory=dict)  # parameters given a value on every call (None for required ones)
     rotary: bool = False  # position_embeddings=(cos, sin) must be supplied
     optional_memory: bool = False  # key and value (or the memory) may be left out: self-attention, else a memory
+    # required positional parameters of names the audit does not know (`forward(x, cond)`, Perceiver's `latents`):
+    # left out of every call, so each raises; `runs` then tries what they take (`runs._required_input`)
+    streams: tuple[str, ...] = ()
+    by_name: bool = True  # the query read by its name; False: the first parameter of no known name taken as it
+    first: str = ""  # forward's first parameter, which a declared call passes x to positionally
 
 
 class ModuleSubject(Subject):
@@ -668,8 +673,9 @@ def _first(params, names) -> str | None:
 
 def read_signature(layer: nn.Module, *, library: bool = False, options: dict | None = None) -> Signature:
     """Which of forward's parameters takes what, by name. `library`: a Hugging Face layer, whose
-    `position_embeddings` the audit builds from its model family's rotary class. A required parameter of no
-    known name is misuse; the message suggests declaring the call (`call=`), which passes it."""
+    `position_embeddings` the audit builds from its model family's rotary class. A required positional parameter
+    of no known name is a second stream, left out of every call for `runs` to find what it takes (`streams`); a
+    required keyword-only one is misuse, and the message suggests declaring the call (`call=`), which passes it."""
     params = _forward_parameters(layer)
     query, key, value = _first(params, QUERY_NAMES), _first(params, KEY_NAMES), _first(params, VALUE_NAMES)
     memory = _first(params, MEMORY_NAMES)
@@ -687,6 +693,7 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
             rotary = True
         elif p.default is p.empty:
             unknown.append(p)
+    by_name = query is not None
     if query is None and unknown and unknown[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
         query = unknown.pop(0).name  # one unnamed input stream: the query
@@ -694,36 +701,45 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     expect(query is not None, "forward(query, key, value, mask=None) or forward(x, mask=None)", shown,
            f"declare how to call it, {_call_example(options, 'layer(x, mask=mask)')}, or wrap the layer in a "
            f"function f(q, k, v, mask=None)")
-    if unknown:
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # a second input stream (a memory named `xa`, `y`, `cond`): what it takes is tried on the layer (`runs`)
+    streams = tuple(p.name for p in unknown if p.kind in positional)
+    unknown = [p for p in unknown if p.kind not in positional]
+    if unknown:  # something else the layer needs, by keyword only (`*, rel_pos`)
         name = unknown[0].name
-        # a second input stream (a memory named `xa`, `y`) or something else the layer needs (`rel_pos`)
-        stream = unknown[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        example = stream_calls(name, options) if stream else _call_example(options, f"layer(x, {name}=..., mask=mask)")
         raise AuditUsageError(
             f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
             f"or hidden_states, key and value, a memory, a mask); got `{name}` in {shown}. Fix: declare how to call "
-            f"the layer, {example}; or wrap the layer so that it gets {name}, e.g. a module whose forward(x, "
-            f"mask=None) calls it with {name}")
+            f"the layer, {_call_example(options, f'layer(x, {name}=..., mask=mask)')}; or wrap the layer so that it "
+            f"gets {name}, e.g. a module whose forward(x, mask=None) calls it with {name}")
     optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
     optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
-    return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory)
+    return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory, streams, by_name,
+                     params[0].name if params else "")
 
 
-def stream_calls(name: str, options: dict | None = None) -> str:
+def stream_calls(name: str, options: dict | None = None, *, query: str | None = None, mask_name: str | None = "mask") -> str:
     """How to declare the call of a layer that wants a second stream `name` (`forward(x, y)`, "for self attention,
-    x=y"), self-attention first: the audit cannot tell whether it is the same stream again or a memory."""
+    x=y"), self-attention first: the audit cannot tell whether it is the same stream again or a memory. `query`:
+    the parameter x goes to, where it is not forward's first (None: x passed first); `mask_name`: the layer's
+    mask parameter (None: it takes none)."""
     cross = (options or {}).get("cross", "cross=True")
-    return (f"{_call_example(options, f'layer(x, {name}=x, mask=mask)')} if `{name}` is the same stream again "
-            f"(self-attention), or {_call_example(options, f'layer(x, {name}=memory, mask=mask)', memory=True)} "
+    to = "x" if query is None else f"{query}=x"
+    mask = "" if mask_name is None else f", {mask_name}=mask"
+    return (f"{_call_example(options, f'layer({to}, {name}=x{mask})', mask=mask_name is not None)} if `{name}` is "
+            f"the same stream again (self-attention), or "
+            f"{_call_example(options, f'layer({to}, {name}=memory{mask})', memory=True, mask=mask_name is not None)} "
             f"with {cross} if it is a memory")
 
 
-def stream_call(name: str, given: str, mask_name: str | None, options: dict | None = None) -> str:
+def stream_call(name: str, given: str, mask_name: str | None, options: dict | None = None, *,
+                query: str | None = None) -> str:
     """The declared call that gives the layer's stream `name` the expression `given` of x ("x": the same stream
     again, self-attention; "x[:, :0]": no tokens, under which a joint attention, both streams concatenated along the
-    sequence, is self-attention over x), and the mask, if the layer takes one, under its own name."""
+    sequence, is self-attention over x), and the mask, if the layer takes one, under its own name. `query`: the
+    parameter x goes to, where it is not forward's first (None: x passed first)."""
     params = "layer, x, mask" if mask_name else "layer, x"
-    body = f"layer(x, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
+    body = f"layer({'x' if query is None else f'{query}=x'}, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
     flag = (options or {}).get("call")
     if flag is None:
         return f"call=lambda {params}: {body}"
@@ -731,21 +747,22 @@ def stream_call(name: str, given: str, mask_name: str | None, options: dict | No
 
 
 def left_streams(subject: Subject) -> list[str]:
-    """Parameters of a module's forward that the audit left at their default None though they are not among the names
-    it knows (`forward(x, y=None)`): a second stream the layer may need passed even for self-attention."""
+    """Parameters of a module's forward that the audit leaves out (a required stream of a name it does not know,
+    `forward(x, cond)`) or at their default None though they are not among the names it knows (`forward(x,
+    y=None)`): a second stream the layer may need passed even for self-attention."""
     sig = getattr(subject, "sig", None)
     if sig is None or subject.call is not None or not isinstance(subject.layer, nn.Module):
         return []
     known = {sig.query, sig.key, sig.value, sig.memory, *sig.masks}
     return [p.name for p in _forward_parameters(subject.layer)
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is None and p.name not in known
-            and p.name.lower() not in LEAVE_NAMES]
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in known
+            and (p.name in sig.streams or p.default is None and p.name.lower() not in LEAVE_NAMES)]
 
 
-def _call_example(options: dict | None, body: str, *, memory: bool = False) -> str:
+def _call_example(options: dict | None, body: str, *, memory: bool = False, mask: bool = True) -> str:
     """How the front end declares a call: `call=lambda layer, x, memory, mask: ...` in Python, a function named by
-    `--call MODULE:FUNCTION` on the command line."""
-    params = "layer, x, memory, mask" if memory else "layer, x, mask"
+    `--call MODULE:FUNCTION` on the command line (`mask`: whether the call takes the mask)."""
+    params = ("layer, x, memory" if memory else "layer, x") + (", mask" if mask else "")
     flag = (options or {}).get("call")
     if flag is None:
         return f"e.g. call=lambda {params}: {body}"

@@ -52,7 +52,8 @@ def test_ci_runs_the_readme_set_up_first_exactly_then_the_extras():
     assert extras == [f"pip install {REAL_PAIR}", 'pip install -e ".[test,real]"', "pytest", "pytest -m slow",
                       ZOO_INSTALL,
                       "pytest --slow tests/test_zoo.py tests/test_sweep_diffusers.py tests/test_sweep_packages.py "
-                      "tests/test_required_input.py tests/test_required_stream_and_mask.py"]
+                      "tests/test_required_input.py tests/test_required_stream_and_mask.py "
+                      "tests/test_required_stream_names.py"]
     assert all(command in README for command in extras[:2]), "the extras as the README gives them"
     assert ZOO_INSTALL in README, "the zoo extra as the README gives it"
     runs = [command for command in explore if "pytest" in command]

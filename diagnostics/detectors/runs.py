@@ -372,61 +372,94 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
     left = ([sig.memory] if sig.memory is not None and sig.memory not in sig.fixed else []) + left_streams(s)
     call, mask_name = probe.failed_calls[0], s.mask_names[0] if s.mask_names else None
     for name in left:
-        if _given(probe, call.query, name) is None:
-            if mask_name is not None and _given(probe, call.query, name, mask_name) is not None:
-                return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
-                                              f"`{name}` ({call.describe_error()}), and raises given `{name}` alone; "
-                                              f"given `{name}` and `{mask_name}` over `{name}`'s tokens (every one of "
-                                              f"{MEMORY_TOKENS} kept) it runs: it requires both, and no declaration of "
-                                              f"the audit's passes both",
-                              evidence=evidence,
-                              fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
-                                  f"calls it with {name}=<its tokens> and {mask_name}=<a mask over them>, and audit "
-                                  f"the wrapper")
-            continue
-        moved = _rows_moved(probe, call.query, name)
-        if moved > JOINT:
-            # a mask the layer takes over `name`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
-            # they are none: it runs given a mask over `name`'s tokens, and raises given the audit's with none of
-            # them; then the call passes no mask (a layer that raises on any mask keeps it, and `runs` judges that)
-            refused = None if mask_name is None else _refuses_mask_without(probe, call.query, name)
-            dropped = refused is not None and _given(probe, call.query, name, mask_name) is not None
-            declare = stream_call(name, "x[:, :0]", None if dropped else mask_name, probe.options)
-            how = (f"attends its queries together with `{name}` (another output row moved by {moved:.3g} of the "
-                   f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{name}` tokens given): joint "
-                   f"attention, both streams concatenated along the sequence; given `{name}` with no tokens it is "
-                   f"self-attention over x" + (f"; its `{mask_name}` is over `{name}`'s tokens (given a mask over "
-                                               f"them it runs; given none of them and the audit's mask it raises "
-                                               f"{refused}), so none is passed" if dropped else ""))
-            fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
-                   f"to `{name}`'s tokens are then not measured)")
-        elif name == sig.memory:
-            refused = None if mask_name is None else _raises_given(probe, call.query, name, mask_name)
-            if refused is not None:
-                return _mask_does_not_fit(probe, call, name, mask_name, refused, evidence)
-            declare = spell("cross", True, probe.options)
-            how = f"attends `{name}` as a memory (each output row moved only with its own query)"
-            fix = f"audit with {declare}: the audit then gives `{name}` a memory on every call"
-        else:
-            declare = stream_call(name, "x", mask_name, probe.options)
-            how = f"attends `{name}` apart from its queries (each output row moved only with its own query)"
-            fix = f"declare how to call the layer, {stream_calls(name, probe.options)}"
-        return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
-                                      f"without `{name}`, which it requires ({call.describe_error()}); given it, it "
-                                      f"runs and {how}",
-                      evidence=evidence, fix=fix, declaration=declare)
-    return None
+        # where the query, too, was only forward's first parameter of no known name (Perceiver's forward(image_embeds,
+        # latents)), the stream may be the queries: then the first parameter takes the stream
+        for swap in (False, True) if name in sig.streams and not sig.by_name else (False,):
+            found = _stream_taken(probe, evidence, call, name, mask_name, swap)
+            if found is not None:
+                return found
+    return _stream_unknown(probe, evidence, call, sig.streams[0], mask_name) if sig.streams else None
 
 
-def _refuses_mask_without(probe: Probe, query: torch.Tensor, name: str) -> str | None:
+def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str | None, swap: bool):
+    """`_required_input` for one stream the layer left out: the declaration that gives it, the skip that says the
+    layer needs its mask too, or None where given the stream it does not run. `swap`: x goes to `name`, and the
+    stream to the query's parameter."""
+    s = probe.subject
+    sig = s.sig
+    stream, x_to = (sig.query, name) if swap else (name, sig.query)
+    to = None if sig.first == x_to else x_to  # the parameter x goes to, unless forward's first
+    if _given(probe, call.query, stream, x_to=x_to) is None:
+        if mask_name is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None:
+            return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
+                                          f"`{stream}` ({call.describe_error()}), and raises given `{stream}` alone; "
+                                          f"given `{stream}` and `{mask_name}` over `{stream}`'s tokens (every one of "
+                                          f"{MEMORY_TOKENS} kept) it runs: it requires both, and no declaration of "
+                                          f"the audit's passes both",
+                          evidence=evidence,
+                          fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
+                              f"calls it with {stream}=<its tokens> and {mask_name}=<a mask over them>, and audit "
+                              f"the wrapper")
+        return None
+    moved = _rows_moved(probe, call.query, stream, x_to=x_to)
+    if moved > JOINT:
+        # a mask the layer takes over `stream`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
+        # they are none: it runs given a mask over `stream`'s tokens, and raises given the audit's with none of
+        # them; then the call passes no mask (a layer that raises on any mask keeps it, and `runs` judges that)
+        refused = None if mask_name is None else _refuses_mask_without(probe, call.query, stream, x_to=x_to)
+        dropped = refused is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None
+        declare = stream_call(stream, "x[:, :0]", None if dropped else mask_name, probe.options, query=to)
+        how = (f"attends its queries together with `{stream}` (another output row moved by {moved:.3g} of the "
+               f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{stream}` tokens given): joint "
+               f"attention, both streams concatenated along the sequence; given `{stream}` with no tokens it is "
+               f"self-attention over x" + (f"; its `{mask_name}` is over `{stream}`'s tokens (given a mask over "
+                                           f"them it runs; given none of them and the audit's mask it raises "
+                                           f"{refused}), so none is passed" if dropped else ""))
+        fix = (f"audit with {declare}: self-attention over the joint sequence (parameters the layer applies only "
+               f"to `{stream}`'s tokens are then not measured)")
+    elif stream == sig.memory:
+        refused = None if mask_name is None else _raises_given(probe, call.query, stream, mask_name)
+        if refused is not None:
+            return _mask_does_not_fit(probe, call, stream, mask_name, refused, evidence)
+        declare = spell("cross", True, probe.options)
+        how = f"attends `{stream}` as a memory (each output row moved only with its own query)"
+        fix = f"audit with {declare}: the audit then gives `{stream}` a memory on every call"
+    else:
+        declare = stream_call(stream, "x", mask_name, probe.options, query=to)
+        how = f"attends `{stream}` apart from its queries (each output row moved only with its own query)"
+        fix = f"declare how to call the layer, {stream_calls(stream, probe.options, query=to, mask_name=mask_name)}"
+    given = f"given x as `{name}` (its queries) and `{stream}` tokens of their own" if swap else "given it"
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
+                                  f"without `{name}`, which it requires ({call.describe_error()}); {given}, it "
+                                  f"runs and {how}",
+                  evidence=evidence, fix=fix, declaration=declare)
+
+
+def _stream_unknown(probe: Probe, evidence: str, call, name: str, mask_name: str | None) -> DetectorResult:
+    """`_required_input` where a required parameter of a name the audit does not know (`forward(x, rel_pos)`)
+    took neither a memory nor, for the queries, the stream: what it takes is not the audit's to guess, so `runs`
+    is a skip saying what was tried and naming the call to declare; the audit is inconclusive."""
+    said: list[str] = []
+    _given(probe, call.query, name, said=said)
+    return result("runs", "skip", f"not measured: the layer requires `{name}`, a parameter of a name the audit does "
+                                  f"not know, and raised on every probe, each given without it "
+                                  f"({call.describe_error()}); given it a memory of {MEMORY_TOKENS} tokens it did not "
+                                  f"return the queries' outputs{f' ({said[0]})' if said else ''}",
+                  evidence=evidence,
+                  fix=f"declare how to call the layer, {stream_calls(name, probe.options, mask_name=mask_name)}; or "
+                      f"wrap the layer so that it gets `{name}`, e.g. a module whose forward(x, mask=None) calls it "
+                      f"with {name}=<what it takes>")
+
+
+def _refuses_mask_without(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None) -> str | None:
     """What the layer raises given `name` with no tokens and the audit's mask (every key kept) over the queries
-    ("ValueError: ..."), or None where it runs."""
+    ("ValueError: ..."), or None where it runs (`x_to`: the parameter the queries go to; see `_given`)."""
     s = probe.subject
     allowed = torch.ones(query.shape[0], 1, query.shape[1], query.shape[1], dtype=torch.bool, device=query.device)
     probe.passes += 1
     try:
         with torch.no_grad():
-            s.layer(**{**s._kwargs(query, query, query, allowed), name: query[:, :0]})
+            s.layer(**_streams(s, s._kwargs(query, query, query, allowed), query, name, query[:, :0], x_to))
     except Exception as exc:  # noqa: BLE001 -- said in the declaration's reason
         return _raised(exc)
     return None
@@ -474,10 +507,11 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
 
 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None, said: list | None = None,
-           mask: torch.Tensor | None = None):
+           mask: torch.Tensor | None = None, *, x_to: str | None = None):
     """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
     named, `mask`, by default a (B, Tm) mask of ones over them: every token kept, read as bool, as kept keys or
-    additive alike), or None if it raises (what it raised appended to `said`, where given)."""
+    additive alike), or None if it raises (what it raised appended to `said`, where given) or returns no rows of
+    the queries'. `x_to`: the parameter `query` goes to, where not the query's (`_streams`)."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
@@ -487,7 +521,7 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
     probe.passes += 1
     try:
         with torch.no_grad():
-            out = s.layer(**{**s._kwargs(query, query, query, None), name: memory, **kept})
+            out = s.layer(**{**_streams(s, s._kwargs(query, query, query, None), query, name, memory, x_to), **kept})
     except Exception as exc:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
         if said is not None:
             said.append(_raised(exc))
@@ -496,9 +530,9 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
     return out if isinstance(out, torch.Tensor) and out.shape[:2] == query.shape[:2] else None
 
 
-def _rows_moved(probe: Probe, query: torch.Tensor, name: str) -> float:
+def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None) -> float:
     """How far the other output rows move, as a fraction of the outputs' RMS, when query token T // 2 changes by a
-    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart."""
+    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`: see `_given`)."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
@@ -507,10 +541,17 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str) -> float:
     changed[:, j] += torch.randn(changed[:, j].shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
     probe.passes += 2
     with torch.no_grad():
-        a, b = (_first_tensor(s.layer(**{**s._kwargs(x, x, x, None), name: memory})) for x in (query, changed))
+        a, b = (_first_tensor(s.layer(**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to)))
+                for x in (query, changed))
     others = [i for i in range(query.shape[1]) if i != j]
     rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
     return float(((a - b)[:, others].float().abs().max() / rms).item())
+
+
+def _streams(s, kwargs: dict, query: torch.Tensor, name: str, given: torch.Tensor, x_to: str | None) -> dict:
+    """The audit's keyword arguments `kwargs` with `name` given `given`, and the queries moved to `x_to` where that
+    is not the query's own parameter (a stream that is the queries: Perceiver's `latents`)."""
+    return {**kwargs, name: given, **({} if x_to is None or x_to == s.sig.query else {x_to: query})}
 
 
 def _first_tensor(out):
