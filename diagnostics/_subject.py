@@ -740,6 +740,12 @@ def stream_call(name: str, given: str, mask_name: str | None, options: dict | No
     parameter x goes to, where it is not forward's first (None: x passed first)."""
     params = "layer, x, mask" if mask_name else "layer, x"
     body = f"layer({'x' if query is None else f'{query}=x'}, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
+    return call_declaration(params, body, options)
+
+
+def call_declaration(params: str, body: str, options: dict | None = None) -> str:
+    """A declared call as the front end writes it: `call=lambda PARAMS: BODY` in Python, a function named by `--call
+    MODULE:FUNCTION` on the command line."""
     flag = (options or {}).get("call")
     if flag is None:
         return f"call=lambda {params}: {body}"
@@ -1382,5 +1388,5 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
 __all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
            "probe_context",
-           "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",
+           "call_declaration", "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",
            "stream_calls", "suggested_conventions"]

@@ -1,14 +1,22 @@
 """A layer that requires its second stream and a mask over that stream's tokens together (`runs`'
-`_required_input`): no declaration of the audit's passes both, so the audit is inconclusive and says why, where it
-used to fail `runs`. Twin: the same layer reading the mask over its queries instead raises with both given, and
-still fails.
+`_required_input`, `_stream_and_mask`): the report needs a declaration, the call that gives a mask keeping every
+token wherever the audit gives none, in the per-key convention the layer honours (a memory attended apart), or the
+stream with no tokens and a mask over none (joint attention); with it the correct layer passes and its unscaled
+twin fails. Where the layer honours the mask only in the meaning opposite to the audit's and its words do not say
+so, no declaration is named (an inverted mask is honoured the same way), and under the correct layer's declaration
+that twin fails. The same layer reading the mask over its queries raises with both given, and still fails.
 
 Written in the style of diffusers' Lumina processor (its text mask `attention_mask.bool().view(B, 1, 1, -1)`, read
-with no check for None) and Mochi's (the text mask indexed per sequence), on a module that leaves the attention to
-its processor as diffusers' Attention does; no diffusers needed.
+with no check for None) and Mochi's (the text mask's valid tokens gathered per sequence and attended together with
+the image's), on a module that leaves the attention to its processor as diffusers' Attention does; diffusers' own
+with the zoo extra.
 """
 
 from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,62 +28,121 @@ import diagnostics
 
 class TextMaskedProcessor:
     """Image tokens attend text tokens (`encoder_hidden_states`), the text's padding given as `attention_mask`
-    (B, Tm), 1 = keep; both required. `over_queries`: the bug, the mask read over the image tokens."""
+    (B, Tm), 1 = keep; both required. `over_queries`: the bug, the mask read over the image tokens; `inverted`: the
+    bug, the mask's meaning inverted; `scaled=False`: the bug, q·k unscaled."""
 
-    def __init__(self, over_queries=False):
-        self.over_queries = over_queries
+    def __init__(self, over_queries=False, inverted=False, scaled=True):
+        self.over_queries, self.inverted, self.scaled = over_queries, inverted, scaled
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
         B, T, D = hidden_states.shape  # batch, image tokens, width
         Tm = encoder_hidden_states.shape[1]  # raises on None, as Lumina's to_k(encoder_hidden_states) does
         # raises on None too; Lumina's view: any mask of B x Tm entries
         keep = attention_mask.bool().view(B, 1, T, 1) if self.over_queries else attention_mask.bool().view(B, 1, 1, -1)
+        keep = ~keep if self.inverted else keep
         q = attn.to_q(hidden_states).view(B, T, attn.heads, D // attn.heads).transpose(1, 2)  # (B, H, T, d)
         k, v = (f(encoder_hidden_states).view(B, Tm, attn.heads, D // attn.heads).transpose(1, 2)
                 for f in (attn.to_k, attn.to_v))  # (B, H, Tm, d)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # (B, H, T, d)
-        return attn.to_out(out.transpose(1, 2).reshape(B, T, D))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=None if self.scaled else 1.0)
+        return attn.to_out(out.transpose(1, 2).reshape(B, T, D))  # (B, H, T, d) -> (B, T, D)
+
+
+class JointTextProcessor(TextMaskedProcessor):
+    """Mochi's way: each sequence's kept text tokens (`attention_mask` (B, Tm), 1 = keep, required) concatenated to
+    its image tokens and attended together; the image tokens' outputs returned."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, T, D = hidden_states.shape
+        outs = []
+        for b in range(B):
+            kept = torch.nonzero(attention_mask[b].flatten()).flatten()  # raises on None, as Mochi's does
+            x = torch.cat([hidden_states[b:b + 1], encoder_hidden_states[b:b + 1, kept]], dim=1)  # (1, T + kept, D)
+            q, k, v = (f(x).view(1, x.shape[1], attn.heads, D // attn.heads).transpose(1, 2)
+                       for f in (attn.to_q, attn.to_k, attn.to_v))
+            out = F.scaled_dot_product_attention(q, k, v, scale=None if self.scaled else 1.0)
+            outs.append(out.transpose(1, 2).reshape(1, x.shape[1], D)[:, :T])
+        return attn.to_out(torch.cat(outs))
 
 
 class TextMaskedAttention(nn.Module):
     """diffusers' layout: the module holds the projections, its processor computes the attention."""
 
-    def __init__(self, dim=32, heads=4, over_queries=False):
+    def __init__(self, dim=32, heads=4, processor=None):
         super().__init__()
-        self.heads, self.processor = heads, TextMaskedProcessor(over_queries)
+        self.heads, self.processor = heads, processor or TextMaskedProcessor()
         self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
         return self.processor(self, hidden_states, encoder_hidden_states, attention_mask)
 
 
-def _runs(report):
-    return next(r for r in report.results if r.detector == "runs")
-
-
-def test_a_layer_requiring_its_stream_and_a_mask_over_it_is_inconclusive_saying_so():
+def _layer(processor=None):
     torch.manual_seed(0)
-    report = diagnostics.audit(TextMaskedAttention(), progress=False)
-    assert report.status == "inconclusive", report.status_reason
-    assert _runs(report).verdict == "skip"
-    assert "requires both" in _runs(report).message and "`attention_mask`" in _runs(report).message
-    assert "runs: not measured" in report.status_reason, report.status_reason
+    return TextMaskedAttention(processor=processor)
+
+
+def _declared(report) -> dict:
+    """The report's declaration as keyword arguments for audit(), as a user would paste it."""
+    call = ast.parse(f"f({report.declaration})", mode="eval").body
+    return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {})  # noqa: S307 -- the report's
+            if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
+
+
+MEMORY = ("cross=True, mask='key_keep', call=lambda layer, x, memory, mask: layer(x, encoder_hidden_states=memory, "
+          "attention_mask=memory.new_ones(memory.shape[:2], dtype=bool) if mask is None else mask)")
+JOINT = ("call=lambda layer, x: layer(x, encoder_hidden_states=x[:, :0], attention_mask=x.new_ones(x.shape[0], 0))")
+
+
+@pytest.mark.parametrize("processor, declaration", [(TextMaskedProcessor, MEMORY), (JointTextProcessor, JOINT)],
+                         ids=["memory", "joint"])
+def test_a_layer_requiring_its_stream_and_a_mask_over_it_names_the_call_and_passes_with_it(processor, declaration):
+    report = diagnostics.audit(_layer(processor()), progress=False)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and report.declaration == declaration, report.status_reason
+    assert runs.verdict == "skip" and "raises given `encoder_hidden_states` alone" in runs.message, runs.message
+    again = diagnostics.audit(_layer(processor()), progress=False, **_declared(report))
+    assert again.status == "passed", again.status_reason
+
+
+@pytest.mark.parametrize("processor", [TextMaskedProcessor, JointTextProcessor], ids=["memory", "joint"])
+def test_its_unscaled_twin_names_the_same_call_and_fails_under_it(processor):
+    report = diagnostics.audit(_layer(processor(scaled=False)), progress=False)
+    assert report.declaration == diagnostics.audit(_layer(processor()), progress=False).declaration
+    again = diagnostics.audit(_layer(processor(scaled=False)), progress=False, **_declared(report))
+    assert again.status == "failed" and again.result("softmax_saturation").verdict == "fail", again.status_reason
+
+
+def test_a_mask_honoured_only_inverted_names_no_convention_and_fails_under_the_correct_twins_declaration():
+    """Inverted, the text mask is honoured as key_padding (True = blocked): what a correct layer of that convention
+    does too, but nothing the layer says suggests it, so no declaration is named; under the one its correct twin
+    names, the bug is caught."""
+    report = diagnostics.audit(_layer(TextMaskedProcessor(inverted=True)), progress=False)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "it honours it only as key_padding" in runs.message and "names no convention" in runs.message, runs.message
+    correct = diagnostics.audit(_layer(), progress=False)
+    again = diagnostics.audit(_layer(TextMaskedProcessor(inverted=True)), progress=False, **_declared(correct))
+    assert again.status == "failed", again.status_reason
 
 
 def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
-    torch.manual_seed(0)
-    report = diagnostics.audit(TextMaskedAttention(over_queries=True), progress=False)
-    assert report.status == "failed" and _runs(report).verdict == "fail", report.status_reason
+    report = diagnostics.audit(_layer(TextMaskedProcessor(over_queries=True)), progress=False)
+    assert report.status == "failed" and report.result("runs").verdict == "fail", report.status_reason
 
 
-@pytest.mark.parametrize("name", ["Attention+LuminaAttnProcessor2_0", "attention_processor:MochiAttention"])
-def test_diffusers_layers_requiring_their_text_stream_and_its_mask_are_inconclusive_not_failed(name):
+@pytest.mark.parametrize("name", ["Attention+MochiAttnProcessor2_0", "attention_processor:MochiAttention",
+                                  "Attention+LuminaAttnProcessor2_0"])
+def test_diffusers_layers_requiring_their_text_stream_and_its_mask(name):
+    """Mochi's two pass with the call their report names. Lumina's processor returns each head's output (B, T, H,
+    d), merged and projected with its own `to_out` by the block that calls it: no call names it, inconclusive."""
     pytest.importorskip("diffusers", reason="diffusers is not installed (the zoo extra)")
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import sweep_diffusers as sd
 
     report = diagnostics.audit(sd.diffusers_build(name), progress=False)
-    assert report.status == "inconclusive" and "requires both" in _runs(report).message, report.status_reason
+    assert report.status == "inconclusive", report.status_reason
+    if "Lumina" in name:
+        assert not report.declaration and "its heads are merged (and projected) outside it" in report.status_reason
+        return
+    assert report.declaration == JOINT, report.status_reason
+    assert diagnostics.audit(sd.diffusers_build(name), progress=False, **_declared(report)).status == "passed"

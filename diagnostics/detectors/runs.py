@@ -15,7 +15,8 @@ from .._masks import convert_mask
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
-from .._subject import MEMORY_TOKENS, left_streams, spell, stream_call, stream_calls
+from .._subject import (MEMORY_TOKENS, call_declaration, left_streams, spell, stream_call, stream_calls,
+                        suggested_conventions)
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import own_queries_seen, result
@@ -391,15 +392,7 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
     to = None if sig.first == x_to else x_to  # the parameter x goes to, unless forward's first
     if _given(probe, call.query, stream, x_to=x_to) is None:
         if mask_name is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None:
-            return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
-                                          f"`{stream}` ({call.describe_error()}), and raises given `{stream}` alone; "
-                                          f"given `{stream}` and `{mask_name}` over `{stream}`'s tokens (every one of "
-                                          f"{MEMORY_TOKENS} kept) it runs: it requires both, and no declaration of "
-                                          f"the audit's passes both",
-                          evidence=evidence,
-                          fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
-                              f"calls it with {stream}=<its tokens> and {mask_name}=<a mask over them>, and audit "
-                              f"the wrapper")
+            return _stream_and_mask(probe, evidence, call, stream, mask_name, x_to, to)
         return None
     moved = _rows_moved(probe, call.query, stream, x_to=x_to)
     if moved > JOINT:
@@ -433,6 +426,121 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
                                   f"without `{name}`, which it requires ({call.describe_error()}); {given}, it "
                                   f"runs and {how}",
                   evidence=evidence, fix=fix, declaration=declare)
+
+
+def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: str, x_to: str,
+                     to: str | None) -> DetectorResult:
+    """`_stream_taken` where the layer raises given `stream` alone and runs given `mask_name` over its tokens too
+    (diffusers' Lumina and Mochi processors index a text mask they require). Where it attends the queries together
+    with the stream (Mochi: the prompt's valid tokens concatenated to the image's), the call that gives the stream
+    no tokens and its mask over none of them: self-attention over x. Where it attends a memory apart, the per-key
+    convention in which it honours a mask over the memory (`_key_convention`), and the call that gives a mask keeping
+    every token wherever the audit gives none (Lumina). Each is named only where it ran; else `runs` is a skip that
+    says the layer requires both, naming no declaration (the audit is inconclusive)."""
+    s = probe.subject
+    ones = {mask_name: None}  # `_given`'s default: a (B, Tm) mask of ones
+    out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
+    moved = _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
+    how, declare = "", ""
+    if out.shape != call.query.shape:
+        # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with
+        # the layer's own `to_out` outside it: a call that merged them would leave `to_out` unused, a false FAIL
+        how = (f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}: its heads "
+               f"are merged (and projected) outside it, by its caller")
+    elif moved > JOINT:
+        none = {mask_name: call.query.new_ones(call.query.shape[0], 0)}
+        if _given(probe, call.query[:, :0], stream, x_to=x_to, kept=none, length=call.query.shape[1],
+                  queries=call.query) is not None:
+            to_x = "x" if to is None else f"{to}=x"
+            declare = call_declaration("layer, x", f"layer({to_x}, {stream}=x[:, :0], {mask_name}=x.new_ones("
+                                                   f"x.shape[0], 0))", probe.options)
+            how = (f"attends its queries together with `{stream}` (another output row moved by {moved:.3g} of the "
+                   f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{stream}` tokens given, every one "
+                   f"kept): joint attention; given `{stream}` with no tokens and `{mask_name}` over none it is "
+                   f"self-attention over x (its `{mask_name}` covers `{stream}`'s tokens only, so the audit's masks "
+                   f"are not passed)")
+    elif stream == s.sig.memory:
+        convention, flipped = _key_convention(probe, call.query, stream, mask_name)
+        if flipped is not None:
+            declare_flipped = spell("mask", str(flipped), probe.options)
+            how = (f"; given `{mask_name}` over `{stream}`'s tokens, it honours it only as {flipped} "
+                   f"({flipped.describe()}), which nothing the layer says suggests: a mask whose meaning is inverted "
+                   f"is honoured the same way, so the audit names no convention (declare {declare_flipped} with the "
+                   f"call if that is the one it takes)")
+        if convention is not None:
+            kept = {"allowed": "memory.new_ones(memory.shape[:2], dtype=bool)",
+                    "blocked": "memory.new_zeros(memory.shape[:2], dtype=bool)",
+                    "additive": "memory.new_zeros(memory.shape[:2])"}[convention.meaning]
+            body = f"layer(x, {stream}=memory, {mask_name}={kept} if mask is None else mask)"
+            declare = ", ".join([spell("cross", True, probe.options), spell("mask", str(convention), probe.options),
+                                 call_declaration("layer, x, memory, mask", body, probe.options)])
+            how = (f"attends `{stream}` as a memory (each output row moved only with its own query) and honours "
+                   f"`{mask_name}` over its tokens as {convention} ({convention.describe()}): a memory token it "
+                   f"blocks moves no output, one it keeps does; with no mask the layer raises, so the call gives one "
+                   f"that keeps every token wherever the audit gives none")
+    if declare:
+        return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
+                                      f"without `{stream}` ({call.describe_error()}), and raises given `{stream}` "
+                                      f"alone; given `{mask_name}` over its tokens too, it runs and {how}",
+                      evidence=evidence, fix=f"audit with {declare}", declaration=declare)
+    return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
+                                  f"`{stream}` ({call.describe_error()}), and raises given `{stream}` alone; "
+                                  f"given `{stream}` and `{mask_name}` over `{stream}`'s tokens (every one of "
+                                  f"{MEMORY_TOKENS} kept) it runs: it requires both, and no call the audit could "
+                                  f"measure gives both{how}",
+                  evidence=evidence,
+                  fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
+                      f"calls it with {stream}=<its tokens> and {mask_name}=<a mask over them>, and audit "
+                      f"the wrapper")
+
+
+HONOURED = 1e-6
+"""How far the outputs may move, as a fraction of their RMS, when a memory token the mask blocks changes, for the
+layer to count as honouring that mask (`_key_convention`): a blocked key's weight is exp(-inf) = 0 or, under a finite
+fill, below float32's resolution beside 1, so its change moves nothing (measured: diffusers' Lumina processor, 0); a
+kept token's unit-normal change moves them by ~0.1 to 1 of the RMS."""
+
+
+def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str):
+    """(the first per-key convention (B, Tk) of the audit's own and `_mask_hints.candidates` in which the layer,
+    given `stream` a memory and `mask_name` a mask over it that blocks its first token, runs, moves no output when
+    that token changes, and moves them when the last changes; or None, and the first it honours in the other bool
+    meaning, or None). The other bool meaning (True = blocked where the audit's is True = may attend) is named only
+    where the layer's own words suggest it (`suggested_conventions`: a `*padding*` name): an inverted mask is honoured
+    the same way, so what the layer does cannot tell them apart. An additive convention counts only where a bias of -1
+    on the blocked token moves the outputs too: a layer that reads its mask as bool (`.bool()`, any nonzero entry
+    True) blocks that token as -inf does, and takes an additive mask as an inverted one."""
+    s = probe.subject
+    allowed = torch.ones(query.shape[0], 1, query.shape[1], MEMORY_TOKENS, dtype=torch.bool, device=query.device)
+    allowed[..., 0] = False
+    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
+                         dtype=query.dtype).to(query.device)
+    blocked_changed, kept_changed = memory.clone(), memory.clone()
+    blocked_changed[:, 0] += 1.0
+    kept_changed[:, -1] += 1.0
+    said = {c.meaning for c, _ in suggested_conventions(s)} | {s.mask_convention.meaning, "additive"}
+    flipped = None
+    for convention in [s.mask_convention, *candidates(probe)]:
+        if not convention.per_key or flipped is not None and convention.meaning not in said:
+            continue
+        mask = {mask_name: convert_mask(allowed, convention, dtype=query.dtype, num_heads=s.num_heads or 1)}
+        outs = [_given(probe, query, stream, kept=mask, memory=m) for m in (memory, blocked_changed, kept_changed)]
+        if any(o is None or not torch.isfinite(o).all() for o in outs):
+            continue
+        rms = outs[0].float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+        blocked, kept = ((outs[0] - o).float().abs().max() / rms for o in outs[1:])
+        if convention.meaning == "additive" and blocked <= HONOURED < kept:
+            # added to the scores, a bias of -1 on the first token moves the outputs, less than blocking it; read as
+            # bool (`.bool()`: any nonzero entry True) it blocks or keeps that token as -inf does
+            biased = {mask_name: mask[mask_name].clamp_min(-1.0)}
+            out = _given(probe, query, stream, kept=biased, memory=memory)
+            if out is None or (out - outs[0]).float().abs().max() / rms <= HONOURED:
+                continue
+        if blocked <= HONOURED < kept:
+            if convention.meaning in said:
+                return convention, None
+            flipped = convention
+    return None, flipped
 
 
 def _stream_unknown(probe: Probe, evidence: str, call, name: str, mask_name: str | None) -> DetectorResult:
@@ -507,41 +615,57 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
 
 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None, said: list | None = None,
-           mask: torch.Tensor | None = None, *, x_to: str | None = None):
+           mask: torch.Tensor | None = None, *, x_to: str | None = None, kept: dict | None = None,
+           memory: torch.Tensor | None = None, length: int | None = None, queries: torch.Tensor | None = None):
     """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
     named, `mask`, by default a (B, Tm) mask of ones over them: every token kept, read as bool, as kept keys or
     additive alike), or None if it raises (what it raised appended to `said`, where given) or returns no rows of
-    the queries'. `x_to`: the parameter `query` goes to, where not the query's (`_streams`)."""
+    the queries'. `x_to`: the parameter `query` goes to, where not the query's (`_streams`). `kept`: the masks to
+    pass by name instead (a value None: the default mask); `memory`: the memory instead of a fresh one. `queries`,
+    `length`: the queries to give and the rows to expect, where `query` is what `name` is given (its tokens or none
+    of them) and not the queries."""
     s = probe.subject
-    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
-                         dtype=query.dtype).to(query.device)
+    queries = query if queries is None else queries
+    if memory is None:
+        memory = query if length is not None else torch.randn(
+            query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(), dtype=query.dtype).to(
+            query.device)
     if mask is None and mask_name is not None:
         mask = torch.ones(query.shape[0], MEMORY_TOKENS, dtype=query.dtype, device=query.device)  # (B, Tm)
-    kept = {} if mask_name is None else {mask_name: mask}
+    if kept is None:
+        kept = {} if mask_name is None else {mask_name: mask}
+    kept = {k: torch.ones(memory.shape[0], memory.shape[1], dtype=query.dtype, device=query.device) if v is None
+            else v for k, v in kept.items()}
     probe.passes += 1
     try:
         with torch.no_grad():
-            out = s.layer(**{**_streams(s, s._kwargs(query, query, query, None), query, name, memory, x_to), **kept})
+            out = s.layer(**{**_streams(s, s._kwargs(queries, queries, queries, None), queries, name, memory, x_to),
+                             **kept})
     except Exception as exc:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
         if said is not None:
             said.append(_raised(exc))
         return None
     out = _first_tensor(out)
-    return out if isinstance(out, torch.Tensor) and out.shape[:2] == query.shape[:2] else None
+    rows = queries.shape[:2] if length is None else (queries.shape[0], length)
+    return out if isinstance(out, torch.Tensor) and tuple(out.shape[:2]) == tuple(rows) else None
 
 
-def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None) -> float:
+def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None,
+               kept: dict | None = None) -> float:
     """How far the other output rows move, as a fraction of the outputs' RMS, when query token T // 2 changes by a
-    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`: see `_given`)."""
+    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`, `kept`: see
+    `_given`; a mask of `kept` given as None is one of ones over the memory)."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
+    masks = {k: torch.ones(memory.shape[:2], dtype=query.dtype, device=query.device) if v is None else v
+             for k, v in (kept or {}).items()}
     changed = query.clone()
     j = query.shape[1] // 2
     changed[:, j] += torch.randn(changed[:, j].shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
     probe.passes += 2
     with torch.no_grad():
-        a, b = (_first_tensor(s.layer(**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to)))
+        a, b = (_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to), **masks}))
                 for x in (query, changed))
     others = [i for i in range(query.shape[1]) if i != j]
     rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
