@@ -652,10 +652,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "equals: checked as for check_relative_positions' marks; or a float64 reading against 1e-9)"),
     "detectors/runs.py:_needed_declaration:L*:or->and#2": (
         "if not calls or not s.takes_mask or s.convention_by in (\"user\", \"library\") or", _HONOURED_GUARD),
-    "detectors/runs.py:_required_input:L*:Gt->GtE": (
+    "detectors/runs.py:_stream_taken:L*:Gt->GtE": (
         "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
         "dtype=torch.float32)) == 1e-3, False)"),
+    "detectors/runs.py:_stream_and_mask:L*:Gt->GtE": (
+        "elif moved > JOINT:", _TOLERANCE_EDGE + " (as _stream_taken's: a float32 quotient against the double 1e-3)"),
     "detectors/runs.py:_required_input:L*:or->and": (
         "if sig is None or s.call is not None or s.form != \"self_module\"", "`sig is None` holds only for subjects "
         "that are not a ModuleSubject (a function's, nn.MultiheadAttention's), whose form is never \"self_module\", so "

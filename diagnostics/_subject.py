@@ -604,9 +604,12 @@ def _module_device_dtype(layer: nn.Module, device, dtype):
 
 
 def spell(name: str, value, options: dict | None) -> str:
-    """An option as the user wrote it: `d_model=30` for audit(), `--d-model 30` on the command line."""
+    """An option as the user wrote it: `d_model=30` for audit(), `--d-model 30` on the command line (a flag alone
+    for True: `--cross`)."""
     flag = (options or {}).get(name)
-    return f"{name}={value!r}" if flag is None else f"{flag} {value}"
+    if flag is None:
+        return f"{name}={value!r}"
+    return flag if value is True else f"{flag} {value}"
 
 
 def _check_size(name: str, value, options: dict | None) -> None:

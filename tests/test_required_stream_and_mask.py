@@ -146,3 +146,14 @@ def test_diffusers_layers_requiring_their_text_stream_and_its_mask(name):
         return
     assert report.declaration == JOINT, report.status_reason
     assert diagnostics.audit(sd.diffusers_build(name), progress=False, **_declared(report)).status == "passed"
+
+
+def test_on_the_command_line_the_declaration_is_spelled_with_its_flags():
+    """`--cross` alone (a flag, never `--cross True`), the convention after `--mask`, the call as a function to name."""
+    from diagnostics._cli import OPTIONS
+
+    report = diagnostics.audit(_layer(), progress=False, _options=OPTIONS)
+    assert report.declaration == (
+        "--cross, --mask key_keep, --call mymodule:call with def call(layer, x, memory, mask): return layer(x, "
+        "encoder_hidden_states=memory, attention_mask=memory.new_ones(memory.shape[:2], dtype=bool) if mask is None "
+        "else mask)"), report.declaration

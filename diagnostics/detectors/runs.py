@@ -395,7 +395,12 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
             return _stream_and_mask(probe, evidence, call, stream, mask_name, x_to, to)
         return None
     moved = _rows_moved(probe, call.query, stream, x_to=x_to)
-    if moved > JOINT:
+    unread = not _stream_read(probe, call.query, stream, x_to)
+    if unread:  # `forward(x, rel_pos)` that never reads rel_pos: its rows move together, but not with the stream
+        declare = stream_call(stream, "x", mask_name, probe.options, query=to)
+        how = f"its output does not depend on `{stream}` (a change of every one of its tokens moved no output)"
+        fix = f"declare how to call the layer, {stream_calls(stream, probe.options, query=to, mask_name=mask_name)}"
+    elif moved > JOINT:
         # a mask the layer takes over `stream`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
         # they are none: it runs given a mask over `stream`'s tokens, and raises given the audit's with none of
         # them; then the call passes no mask (a layer that raises on any mask keeps it, and `runs` judges that)
@@ -426,6 +431,19 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
                                   f"without `{name}`, which it requires ({call.describe_error()}); {given}, it "
                                   f"runs and {how}",
                   evidence=evidence, fix=fix, declaration=declare)
+
+
+def _stream_read(probe: Probe, query: torch.Tensor, stream: str, x_to: str) -> bool:
+    """Whether the layer's output moves (by more than HONOURED of its RMS) when every token of the memory given as
+    `stream` changes by a unit-normal vector."""
+    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
+                         dtype=query.dtype).to(query.device)
+    changed = memory + torch.randn(memory.shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
+    a, b = (_given(probe, query, stream, x_to=x_to, memory=m) for m in (memory, changed))
+    if a is None or b is None:
+        return True  # it ran once given the stream: a second raise is no evidence that it ignores it
+    rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    return bool((a - b).float().abs().max() / rms > HONOURED)
 
 
 def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: str, x_to: str,
