@@ -101,7 +101,12 @@ def test_a_gate_added_at_its_own_value_is_vouched_for_and_the_layer_passes(cls, 
     if cls is SparseGated and dtype == torch.bfloat16 and gpt2:
         # q·k at std 0.02 is ~1e-4 beside a log gate of ~-0.7, under bfloat16's step there (~3e-3): the scores hold
         # no trace of q·k, so nothing is fitted; inconclusive, never failed (its unscaled twin still fails below)
-        assert report.status == "inconclusive" and report.result("softmax_saturation").verdict == "skip", report
+        judged = report.result("softmax_saturation")
+        assert report.status == "inconclusive" and judged.verdict == "skip", report
+        # the message names what hid the factor, and the float32 audit it points to measures it
+        assert "no factor fits them" in judged.message and "in bfloat16): less than 10x apart" in judged.message
+        assert "audit in float32 to measure it" in judged.message, judged.message
+        assert _audit(cls, dtype=torch.float32, gpt2=True).status == "passed"
         return
     assert report.status == "passed", report
     judged = report.result("softmax_saturation")
