@@ -460,7 +460,9 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
     moved = _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
     how, declare = "", ""
-    if out.shape != call.query.shape:
+    if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on
+        pass
+    elif out.shape != call.query.shape:
         # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with
         # the layer's own `to_out` outside it: a call that merged them would leave `to_out` unused, a false FAIL
         how = (f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}: its heads "
@@ -516,7 +518,8 @@ HONOURED = 1e-6
 """How far the outputs may move, as a fraction of their RMS, when a memory token the mask blocks changes, for the
 layer to count as honouring that mask (`_key_convention`): a blocked key's weight is exp(-inf) = 0 or, under a finite
 fill, below float32's resolution beside 1, so its change moves nothing (measured: diffusers' Lumina processor, 0); a
-kept token's unit-normal change moves them by ~0.1 to 1 of the RMS."""
+kept token's unit-normal change moves them by ~0.1 to 1 of the RMS. Also how far they must move, when every token
+of a stream changes, for the layer to count as reading it (`_stream_read`)."""
 
 
 def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str):
