@@ -709,19 +709,33 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     streams = tuple(p.name for p in unknown if p.kind in positional)
     unknown = [p for p in unknown if p.kind not in positional]
     if unknown:  # something else the layer needs, by keyword only (`*, rel_pos`)
-        name = unknown[0].name
-        raise AuditUsageError(
-            f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
-            f"or hidden_states, key and value, a memory, a mask); got `{name}` in {shown}. Fix: declare how to call "
-            f"the layer, {_call_example(options, f'layer(x, {name}=..., mask=mask)')}; or wrap the layer so that it "
-            f"gets {name}, e.g. a module whose forward(x, mask=None) calls it with {name}")
+        _unknown_required(layer, unknown[0].name, _call_example(options, f"layer(x, {unknown[0].name}=..., mask=mask)"))
     optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
     optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
     return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory, streams, by_name,
                      params[0].name if params else "")
 
 
-def stream_calls(name: str, options: dict | None = None, *, query: str | None = None, mask_name: str | None = "mask") -> str:
+def _unknown_required(layer: nn.Module, name: str, example: str):
+    """Misuse: a required parameter `name` of forward that the audit neither knows nor tries (one passed by keyword
+    only, or a stream beside a layer's key and value or memory); the message names the call to declare."""
+    raise AuditUsageError(
+        f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
+        f"or hidden_states, key and value, a memory, a mask); got `{name}` in forward{inspect.signature(layer.forward)}"
+        f". Fix: declare how to call the layer, {example}; or wrap the layer so that it gets {name}, e.g. a module "
+        f"whose forward(x, mask=None) calls it with {name}")
+
+
+def _refuse_streams(layer: nn.Module, sig: Signature, form: str, options: dict | None) -> None:
+    """A required stream of a name the audit does not know is tried only where the layer takes one stream of its
+    own (`runs._required_input`); beside key and value, or a memory, it is misuse, said before any probe."""
+    if sig.streams and form != "self_module":
+        name = sig.streams[0]
+        _unknown_required(layer, name, _call_example(options, f"layer(x, {name}=..., mask=mask)"))
+
+
+def stream_calls(name: str, options: dict | None = None, *, query: str | None = None,
+                 mask_name: str | None = "mask") -> str:
     """How to declare the call of a layer that wants a second stream `name` (`forward(x, y)`, "for self attention,
     x=y"), self-attention first: the audit cannot tell whether it is the same stream again or a memory. `query`:
     the parameter x goes to, where it is not forward's first (None: x passed first); `mask_name`: the layer's
@@ -742,7 +756,8 @@ def stream_call(name: str, given: str, mask_name: str | None, options: dict | No
     sequence, is self-attention over x), and the mask, if the layer takes one, under its own name. `query`: the
     parameter x goes to, where it is not forward's first (None: x passed first)."""
     params = "layer, x, mask" if mask_name else "layer, x"
-    body = f"layer({'x' if query is None else f'{query}=x'}, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
+    x = "x" if query is None else f"{query}=x"
+    body = f"layer({x}, {name}={given}" + (f", {mask_name}=mask)" if mask_name else ")")
     return call_declaration(params, body, options)
 
 
@@ -1106,6 +1121,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
                 form = "cross_module"
             else:
                 form = "self_module"
+            _refuse_streams(layer, sig, form, options)
             chosen = _choose_mask(sig.masks, mask, cross=form == "cross_module")
             mask_names = (chosen,) if chosen else ()
         if torch_layer:

@@ -125,6 +125,22 @@ def test_a_mask_honoured_only_inverted_names_no_convention_and_fails_under_the_c
     assert again.status == "failed", again.status_reason
 
 
+class MemoryFirst(TextMaskedAttention):
+    """The same layer, its memory first: `forward(encoder_hidden_states=None, hidden_states=None, ...)`."""
+
+    def forward(self, encoder_hidden_states=None, hidden_states=None, attention_mask=None):
+        return self.processor(self, hidden_states, encoder_hidden_states, attention_mask)
+
+
+def test_the_call_gives_x_by_name_where_the_query_is_not_forwards_first():
+    torch.manual_seed(0)
+    report = diagnostics.audit(MemoryFirst(), progress=False)
+    named = MEMORY.replace("layer(x, encoder", "layer(hidden_states=x, encoder")
+    assert report.declaration == named, report.declaration
+    torch.manual_seed(0)
+    assert diagnostics.audit(MemoryFirst(), progress=False, **_declared(report)).status == "passed"
+
+
 def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
     report = diagnostics.audit(_layer(TextMaskedProcessor(over_queries=True)), progress=False)
     assert report.status == "failed" and report.result("runs").verdict == "fail", report.status_reason
@@ -142,7 +158,8 @@ def test_diffusers_layers_requiring_their_text_stream_and_its_mask(name):
     report = diagnostics.audit(sd.diffusers_build(name), progress=False)
     assert report.status == "inconclusive", report.status_reason
     if "Lumina" in name:
-        assert not report.declaration and "its heads are merged (and projected) outside it" in report.status_reason
+        assert not report.declaration, report.status_reason
+        assert "each head's output, merged (and projected) outside it" in report.status_reason
         return
     assert report.declaration == JOINT, report.status_reason
     assert diagnostics.audit(sd.diffusers_build(name), progress=False, **_declared(report)).status == "passed"

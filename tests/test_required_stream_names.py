@@ -139,6 +139,54 @@ def test_a_required_parameter_that_takes_no_stream_is_inconclusive_naming_the_ca
     assert diagnostics.audit(_layer(RelativeTable), progress=False, call=table).status == "passed"
 
 
+class KeysFromQueries(Attending):
+    """The bug: a cross-attention that takes its keys and values from x, never reading its memory `cond`."""
+
+    def forward(self, x, cond):
+        return self.attend(x, x)
+
+
+class PooledCondition(Attending):
+    """Joint attention gated by its condition's maximum: given no condition tokens it raises."""
+
+    def forward(self, x, cond):
+        gate = cond.amax(dim=1, keepdim=True).sigmoid()  # (B, 1, D)
+        return self.attend(x, torch.cat([cond, x], dim=1)) * gate
+
+
+class ExtraBesideKeys(Attending):
+    def forward(self, query, key, value, rel_bias):
+        return self.attend(query, key)
+
+
+def test_a_stream_the_layer_never_reads_names_no_call_under_which_it_would_pass():
+    """Given `cond` x, KeysFromQueries is self-attention and passes: that call is not named (its output does not
+    depend on `cond`), and the audit is inconclusive, both calls in the fix."""
+    report = diagnostics.audit(_layer(KeysFromQueries), progress=False)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "its output does not depend on `cond`" in runs.message and "layer(x, cond=memory)" in runs.fix
+
+
+def test_a_joint_attention_that_cannot_take_an_empty_stream_names_no_call():
+    report = diagnostics.audit(_layer(PooledCondition), progress=False)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "given `cond` with no tokens it raises (IndexError" in runs.message, runs.message
+
+
+def test_at_one_token_rows_cannot_move_together_so_no_call_is_named():
+    report = diagnostics.audit(_layer(ConditionAttention), progress=False, seq_len=1)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and runs.verdict == "skip" and not report.declaration, runs.message
+    assert "at one token there is no other row to move" in runs.message and "audit at seq_len >= 2" in runs.fix
+
+
+def test_a_required_stream_beside_key_and_value_is_a_usage_error():
+    with pytest.raises(AuditUsageError, match=r"got `rel_bias` in forward\(query, key, value, rel_bias\)\. Fix"):
+        diagnostics.audit(_layer(ExtraBesideKeys), progress=False)
+
+
 def test_a_required_keyword_only_parameter_is_still_a_usage_error():
     with pytest.raises(AuditUsageError, match=r"got `rel_bias` in forward\(x, \*, rel_bias\)\. Fix: declare how"):
         diagnostics.audit(_layer(KeywordTable), progress=False)

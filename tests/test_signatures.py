@@ -163,15 +163,15 @@ class NeedsPositions(Heads):
         return self.attend(x, allowed_bias(mask))
 
 
-def test_an_unknown_required_parameter_is_tried_and_the_report_names_the_call():
-    # `rel_pos` is required and of a name the audit does not know: given a memory there the layer runs (it never
-    # reads it) and each row moves only with its own query, so the same stream again (self-attention) is named
-    # first and a memory second; a function's unknown parameter stays misuse
+def test_an_unknown_required_parameter_the_layer_never_reads_names_no_call():
+    # `rel_pos` is required and of a name the audit does not know: given a memory there the layer runs, and its
+    # output does not depend on it. The same stream again would pass this layer, and a cross-attention whose keys and
+    # values come from x too, so no call is named: both are in the fix. A function's unknown parameter stays misuse.
     report = audit(NeedsPositions())
     runs = report.result("runs")
-    assert report.status == "inconclusive" and report.declaration == \
-        "call=lambda layer, x, mask: layer(x, rel_pos=x, mask=mask)", report.status_reason
-    assert "each given without `rel_pos`, which it requires" in runs.message, runs.message
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "its output does not depend on `rel_pos`" in runs.message, runs.message
+    assert "call=lambda layer, x, mask: layer(x, rel_pos=x, mask=mask) if `rel_pos` is the same stream" in runs.fix
     assert "call=lambda layer, x, memory, mask: layer(x, rel_pos=memory, mask=mask) with cross=True" in runs.fix
 
     def fn(q, k, v, bias, mask=None):

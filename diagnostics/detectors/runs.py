@@ -4,6 +4,7 @@ exception's traceback."""
 from __future__ import annotations
 
 import ast
+import math
 import re
 from dataclasses import replace
 
@@ -383,9 +384,12 @@ def _required_input(probe: Probe, evidence: str) -> DetectorResult | None:
 
 
 def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str | None, swap: bool):
-    """`_required_input` for one stream the layer left out: the declaration that gives it, the skip that says the
-    layer needs its mask too, or None where given the stream it does not run. `swap`: x goes to `name`, and the
-    stream to the query's parameter."""
+    """`_required_input` for one stream the layer left out: the declaration that gives it, a skip that says why
+    none is named, or None where given the stream it does not run. `swap`: x goes to `name`, and the stream to the
+    query's parameter. A call is named only where what it tells apart was measured: the rows' moving together or
+    apart (not at one token), the stream's being read (a layer that ignores it could be a cross-attention whose keys
+    and values come from x, which the same stream again would pass), and, for joint attention, the stream with no
+    tokens running to finite outputs."""
     s = probe.subject
     sig = s.sig
     stream, x_to = (sig.query, name) if swap else (name, sig.query)
@@ -394,18 +398,42 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
         if mask_name is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None:
             return _stream_and_mask(probe, evidence, call, stream, mask_name, x_to, to)
         return None
+    given = f"given x as `{name}` (its queries) and `{stream}` tokens of their own" if swap else "given it"
+    head = (f"the layer raised on every probe, each given without `{name}`, which it requires "
+            f"({call.describe_error()}); {given}, it runs")
+    calls = stream_calls(stream, probe.options, query=to, mask_name=mask_name)
     moved = _rows_moved(probe, call.query, stream, x_to=x_to)
-    unread = not _stream_read(probe, call.query, stream, x_to)
-    if unread:  # `forward(x, rel_pos)` that never reads rel_pos: its rows move together, but not with the stream
-        declare = stream_call(stream, "x", mask_name, probe.options, query=to)
-        how = f"its output does not depend on `{stream}` (a change of every one of its tokens moved no output)"
-        fix = f"declare how to call the layer, {stream_calls(stream, probe.options, query=to, mask_name=mask_name)}"
-    elif moved > JOINT:
+    if moved is None:
+        return result("runs", "skip", f"not measured: {head}, but whether it attends its queries together with "
+                                      f"`{stream}` or apart could not be read ({_unread_rows(call.query)}), so no "
+                                      f"call is named", evidence=evidence,
+                      fix=f"audit at seq_len >= 2, or declare how to call the layer, {calls}")
+    if not _stream_read(probe, call.query, stream, x_to):
+        return result("runs", "skip", f"not measured: {head}, and its output does not depend on `{stream}` (a change "
+                                      f"of every one of its {MEMORY_TOKENS} tokens moved no output): whether "
+                                      f"`{stream}` is the same stream again, or a memory the layer leaves unread (keys "
+                                      f"and values taken from x, a gate still at 0), cannot be told, so no call is "
+                                      f"named", evidence=evidence,
+                      fix=f"declare how to call the layer, {calls}")
+    if moved > JOINT:
         # a mask the layer takes over `stream`'s tokens only (PRX's text mask, (B, L_txt)) has nothing to cover when
         # they are none: it runs given a mask over `stream`'s tokens, and raises given the audit's with none of
         # them; then the call passes no mask (a layer that raises on any mask keeps it, and `runs` judges that)
         refused = None if mask_name is None else _refuses_mask_without(probe, call.query, stream, x_to=x_to)
         dropped = refused is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None
+        said: list[str] = []
+        empty = _given(probe, call.query[:, :0], stream, said=said, x_to=x_to, length=call.query.shape[1],
+                       queries=call.query)
+        if empty is None or not torch.isfinite(empty).all():
+            what = f"raises ({said[0]})" if said else ("returns no row per query" if empty is None else
+                                                      "returns non-finite outputs")
+            return result("runs", "skip", f"not measured: {head} and attends its queries together with `{stream}` "
+                                          f"(another output row moved by {moved:.3g} of the outputs' RMS when one "
+                                          f"query token changed): joint attention; but given `{stream}` with no "
+                                          f"tokens it {what}, so no call the audit could measure gives it",
+                          evidence=evidence,
+                          fix=f"wrap the layer so that it gets `{stream}` in the form it attends, and audit the "
+                              f"wrapper")
         declare = stream_call(stream, "x[:, :0]", None if dropped else mask_name, probe.options, query=to)
         how = (f"attends its queries together with `{stream}` (another output row moved by {moved:.3g} of the "
                f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{stream}` tokens given): joint "
@@ -425,12 +453,15 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
     else:
         declare = stream_call(stream, "x", mask_name, probe.options, query=to)
         how = f"attends `{stream}` apart from its queries (each output row moved only with its own query)"
-        fix = f"declare how to call the layer, {stream_calls(stream, probe.options, query=to, mask_name=mask_name)}"
-    given = f"given x as `{name}` (its queries) and `{stream}` tokens of their own" if swap else "given it"
-    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
-                                  f"without `{name}`, which it requires ({call.describe_error()}); {given}, it "
-                                  f"runs and {how}",
+        fix = f"declare how to call the layer, {calls}"
+    return result("runs", "skip", f"needs a declaration, {declare}: {head} and {how}",
                   evidence=evidence, fix=fix, declaration=declare)
+
+
+def _unread_rows(query: torch.Tensor) -> str:
+    """Why `_rows_moved` read nothing: one token (no other row to move), or a call that raised or gave NaN."""
+    return ("at one token there is no other row to move" if query.shape[1] < 2 else
+            "a call with one query token changed raised or gave non-finite outputs")
 
 
 def _stream_read(probe: Probe, query: torch.Tensor, stream: str, x_to: str) -> bool:
@@ -458,15 +489,19 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     s = probe.subject
     ones = {mask_name: None}  # `_given`'s default: a (B, Tm) mask of ones
     out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
-    moved = _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
+    moved = None if out is None else _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
     how, declare = "", ""
     if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on
         pass
     elif out.shape != call.query.shape:
         # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with
         # the layer's own `to_out` outside it: a call that merged them would leave `to_out` unused, a false FAIL
-        how = (f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}: its heads "
-               f"are merged (and projected) outside it, by its caller")
+        per_head = out.dim() == 4 and out.shape[-2] * out.shape[-1] == call.query.shape[-1]
+        how = (f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}" +
+               (": each head's output, merged (and projected) outside it, by its caller" if per_head else ""))
+    elif moved is None:
+        how = (f"; whether it attends its queries together with `{stream}` could not be read "
+               f"({_unread_rows(call.query)})")
     elif moved > JOINT:
         none = {mask_name: call.query.new_ones(call.query.shape[0], 0)}
         if _given(probe, call.query[:, :0], stream, x_to=x_to, kept=none, length=call.query.shape[1],
@@ -491,7 +526,8 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
             kept = {"allowed": "memory.new_ones(memory.shape[:2], dtype=bool)",
                     "blocked": "memory.new_zeros(memory.shape[:2], dtype=bool)",
                     "additive": "memory.new_zeros(memory.shape[:2])"}[convention.meaning]
-            body = f"layer(x, {stream}=memory, {mask_name}={kept} if mask is None else mask)"
+            x = "x" if to is None else f"{to}=x"
+            body = f"layer({x}, {stream}=memory, {mask_name}={kept} if mask is None else mask)"
             declare = ", ".join([spell("cross", True, probe.options), spell("mask", str(convention), probe.options),
                                  call_declaration("layer, x, memory, mask", body, probe.options)])
             how = (f"attends `{stream}` as a memory (each output row moved only with its own query) and honours "
@@ -505,8 +541,8 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
                       evidence=evidence, fix=f"audit with {declare}", declaration=declare)
     return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
                                   f"`{stream}` ({call.describe_error()}), and raises given `{stream}` alone; "
-                                  f"given `{stream}` and `{mask_name}` over `{stream}`'s tokens (every one of "
-                                  f"{MEMORY_TOKENS} kept) it runs: it requires both, and no call the audit could "
+                                  f"given `{stream}` and `{mask_name}` a mask of ones over `{stream}`'s "
+                                  f"{MEMORY_TOKENS} tokens it runs: it requires both, and no call the audit could "
                                   f"measure gives both{how}",
                   evidence=evidence,
                   fix=f"wrap the layer so that it gets both, e.g. a module whose forward(x, mask=None) "
@@ -568,6 +604,8 @@ def _stream_unknown(probe: Probe, evidence: str, call, name: str, mask_name: str
     """`_required_input` where a required parameter of a name the audit does not know (`forward(x, rel_pos)`)
     took neither a memory nor, for the queries, the stream: what it takes is not the audit's to guess, so `runs`
     is a skip saying what was tried and naming the call to declare; the audit is inconclusive."""
+    sig = probe.subject.sig
+    to = None if sig.first == sig.query else sig.query
     said: list[str] = []
     _given(probe, call.query, name, said=said)
     return result("runs", "skip", f"not measured: the layer requires `{name}`, a parameter of a name the audit does "
@@ -575,7 +613,8 @@ def _stream_unknown(probe: Probe, evidence: str, call, name: str, mask_name: str
                                   f"({call.describe_error()}); given it a memory of {MEMORY_TOKENS} tokens it did not "
                                   f"return the queries' outputs{f' ({said[0]})' if said else ''}",
                   evidence=evidence,
-                  fix=f"declare how to call the layer, {stream_calls(name, probe.options, mask_name=mask_name)}; or "
+                  fix=f"declare how to call the layer, "
+                      f"{stream_calls(name, probe.options, query=to, mask_name=mask_name)}; or "
                       f"wrap the layer so that it gets `{name}`, e.g. a module whose forward(x, mask=None) calls it "
                       f"with {name}=<what it takes>")
 
@@ -672,10 +711,11 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
 
 
 def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None,
-               kept: dict | None = None) -> float:
+               kept: dict | None = None) -> float | None:
     """How far the other output rows move, as a fraction of the outputs' RMS, when query token T // 2 changes by a
     unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`, `kept`: see
-    `_given`; a mask of `kept` given as None is one of ones over the memory)."""
+    `_given`; a mask of `kept` given as None is one of ones over the memory). None where nothing could be read: one
+    token (no other row), a call that raised, outputs not finite."""
     s = probe.subject
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
@@ -684,13 +724,19 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None =
     changed = query.clone()
     j = query.shape[1] // 2
     changed[:, j] += torch.randn(changed[:, j].shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
-    probe.passes += 2
-    with torch.no_grad():
-        a, b = (_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to), **masks}))
-                for x in (query, changed))
     others = [i for i in range(query.shape[1]) if i != j]
+    if not others:  # one token: no other row to move
+        return None
+    probe.passes += 2
+    try:
+        with torch.no_grad():
+            a, b = (_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to),
+                                              **masks})) for x in (query, changed))
+    except Exception:  # noqa: BLE001 -- it ran a moment ago with another memory: nothing read, said by the caller
+        return None
     rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    return float(((a - b)[:, others].float().abs().max() / rms).item())
+    moved = float(((a - b)[:, others].float().abs().max() / rms).item())
+    return moved if math.isfinite(moved) else None
 
 
 def _streams(s, kwargs: dict, query: torch.Tensor, name: str, given: torch.Tensor, x_to: str | None) -> dict:

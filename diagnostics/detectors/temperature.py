@@ -273,7 +273,7 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     if not estimates:
         said = f" (softmaxes seen: {len(weighted)}, each over a product with a parameter of the layer, a " \
                f"projection's output, not q·k)" if weighted else ""
-        unfitted = _unfitted(base.record) if base.record else ""
+        unfitted = _unfitted(base.record) if base.record and not weighted else ""
         if unfitted:
             return skip(det, unfitted + said)
         return skip(det, "no softmax over q·k and no fused attention call was observed, and no weights to fit" + said)
