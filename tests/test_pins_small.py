@@ -332,7 +332,8 @@ class QueryKeyValueStyled(torch.nn.Module):
     def forward(self, query, key, value, mask=None, style=None):
         if style is None:
             raise ValueError("style is required")
-        return self.mha(query, key, value, need_weights=False)[0] + style.mean(1, keepdim=True)
+        # summed, not averaged: given no style tokens it adds 0 (a mean would be NaN, and no call is then named)
+        return self.mha(query, key, value, need_weights=False)[0] + style.sum(1, keepdim=True)
 
 
 class SelfStyled(QueryKeyValueStyled):
