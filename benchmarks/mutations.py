@@ -656,6 +656,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if moved > JOINT:", _TOLERANCE_EDGE + " (`moved`, from _rows_moved, is a float32 quotient made a Python "
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
         "dtype=torch.float32)) == 1e-3, False)"),
+    "detectors/runs.py:_stream_read:L*:Gt->GtE": (
+        "return bool((a - b).float().abs().max() / rms > HONOURED)", _TOLERANCE_EDGE + " (a float32 quotient against "
+        "the double 1e-6)"),
+    "detectors/runs.py:_key_convention:L*:LtE->Lt": (
+        "<= HONOURED", _TOLERANCE_EDGE + " (float32 quotients against the double 1e-6, on each "
+        "line of `blocked`, `kept` and the biased reading)"),
+    "detectors/runs.py:_key_convention:L*:Lt->LtE": (
+        "HONOURED < kept:", _TOLERANCE_EDGE + " (as `LtE->Lt` there)"),
+    "detectors/temperature.py:_unfitted:L*:Lt->LtE": (
+        "if rms < RESOLVED * step", _TOLERANCE_EDGE + " (two float readings of different tensors, equal only by an "
+        "exact hit; and only a message's clause turns on it)"),
     "detectors/runs.py:_stream_and_mask:L*:Gt->GtE": (
         "elif moved > JOINT:", _TOLERANCE_EDGE + " (as _stream_taken's: a float32 quotient against the double 1e-3)"),
     "detectors/runs.py:_required_input:L*:or->and": (

@@ -141,6 +141,23 @@ def test_the_call_gives_x_by_name_where_the_query_is_not_forwards_first():
     assert diagnostics.audit(MemoryFirst(), progress=False, **_declared(report)).status == "passed"
 
 
+class ZeroOneOnly(TextMaskedProcessor):
+    """Takes its mask as 0/1 and refuses negative entries (an additive mask) with a ValueError."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        if attention_mask is not None and bool((attention_mask < 0).any()):
+            raise ValueError("attention_mask holds 0 and 1, got negative entries")
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+
+def test_a_convention_the_layer_raises_on_is_passed_over_for_the_one_it_honours():
+    """Pin (`_key_convention`: a convention under which a call raises is skipped, not read): the additive one its
+    `attention_mask` name suggests first raises; key_keep is named, and the layer passes with it."""
+    report = diagnostics.audit(_layer(ZeroOneOnly()), progress=False)
+    assert report.declaration == MEMORY, report.status_reason
+    assert diagnostics.audit(_layer(ZeroOneOnly()), progress=False, **_declared(report)).status == "passed"
+
+
 def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
     report = diagnostics.audit(_layer(TextMaskedProcessor(over_queries=True)), progress=False)
     assert report.status == "failed" and report.result("runs").verdict == "fail", report.status_reason

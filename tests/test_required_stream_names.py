@@ -187,6 +187,39 @@ def test_a_required_stream_beside_key_and_value_is_a_usage_error():
         diagnostics.audit(_layer(ExtraBesideKeys), progress=False)
 
 
+class QueriesFromLatents(Attending):
+    """`x` is the audit's name for the queries, but this layer's queries come from `latents`: the name is trusted,
+    so x is never moved to another parameter."""
+
+    def forward(self, x, latents):
+        return self.attend(latents, torch.cat([x, latents], dim=1))
+
+
+class RowGated(LatentAttention):
+    """Joint attention whose first row is gated by its image tokens' mean: given none, that row alone is NaN."""
+
+    def forward(self, image_embeds, latents):
+        out = super().forward(image_embeds, latents)
+        gate = torch.ones_like(out)
+        gate[:, :1] = image_embeds.mean(dim=1, keepdim=True).sigmoid()  # NaN over no token
+        return out * gate
+
+
+def test_queries_named_x_are_never_moved_to_another_parameter():
+    """Pin (`_required_input`: the swap only where the query is forward's first parameter of no known name)."""
+    report = diagnostics.audit(_layer(QueriesFromLatents), progress=False)
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    runs = report.result("runs")
+    assert "the layer requires `latents`, a parameter of a name the audit does not know" in runs.message, runs.message
+
+
+def test_an_empty_stream_giving_one_non_finite_row_names_no_call():
+    """Pin (`_stream_taken`: every output finite under the empty stream, not some)."""
+    report = diagnostics.audit(_layer(RowGated), progress=False)
+    assert report.status == "inconclusive" and not report.declaration, report.status_reason
+    assert "with no tokens it returns non-finite outputs" in report.status_reason
+
+
 def test_a_required_keyword_only_parameter_is_still_a_usage_error():
     with pytest.raises(AuditUsageError, match=r"got `rel_bias` in forward\(x, \*, rel_bias\)\. Fix: declare how"):
         diagnostics.audit(_layer(KeywordTable), progress=False)

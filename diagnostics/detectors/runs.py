@@ -558,6 +558,10 @@ kept token's unit-normal change moves them by ~0.1 to 1 of the RMS. Also how far
 of a stream changes, for the layer to count as reading it (`_stream_read`)."""
 
 
+MOVED = 1.0  # knob: how far `_key_convention` moves a memory token, a unit-normal's size (x10, x0.1: no verdict moves)
+BIAS = -1.0  # knob: the additive bias `_key_convention` tells apart from blocking (x10, x0.1: no verdict moves)
+
+
 def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str):
     """(the first per-key convention (B, Tk) of the audit's own and `_mask_hints.candidates` in which the layer,
     given `stream` a memory and `mask_name` a mask over it that blocks its first token, runs, moves no output when
@@ -573,14 +577,14 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
     memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
                          dtype=query.dtype).to(query.device)
     blocked_changed, kept_changed = memory.clone(), memory.clone()
-    blocked_changed[:, 0] += 1.0
-    kept_changed[:, -1] += 1.0
+    blocked_changed[:, 0] += MOVED
+    kept_changed[:, -1] += MOVED
     said = {c.meaning for c, _ in suggested_conventions(s)} | {s.mask_convention.meaning, "additive"}
     flipped = None
     for convention in [s.mask_convention, *candidates(probe)]:
         if not convention.per_key or flipped is not None and convention.meaning not in said:
             continue
-        mask = {mask_name: convert_mask(allowed, convention, dtype=query.dtype, num_heads=s.num_heads or 1)}
+        mask = {mask_name: convert_mask(allowed, convention, dtype=query.dtype)}  # per key: no head axis
         outs = [_given(probe, query, stream, kept=mask, memory=m) for m in (memory, blocked_changed, kept_changed)]
         if any(o is None or not torch.isfinite(o).all() for o in outs):
             continue
@@ -589,7 +593,7 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
         if convention.meaning == "additive" and blocked <= HONOURED < kept:
             # added to the scores, a bias of -1 on the first token moves the outputs, less than blocking it; read as
             # bool (`.bool()`: any nonzero entry True) it blocks or keeps that token as -inf does
-            biased = {mask_name: mask[mask_name].clamp_min(-1.0)}
+            biased = {mask_name: mask[mask_name].clamp_min(BIAS)}
             out = _given(probe, query, stream, kept=biased, memory=memory)
             if out is None or (out - outs[0]).float().abs().max() / rms <= HONOURED:
                 continue
