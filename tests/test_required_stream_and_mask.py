@@ -141,21 +141,30 @@ def test_the_call_gives_x_by_name_where_the_query_is_not_forwards_first():
     assert diagnostics.audit(MemoryFirst(), progress=False, **_declared(report)).status == "passed"
 
 
-class ZeroOneOnly(TextMaskedProcessor):
-    """Takes its mask as 0/1 and refuses negative entries (an additive mask) with a ValueError."""
+class AdditiveOnly(TextMaskedProcessor):
+    """Takes its text mask as an additive float (B, Tm), 0 keep and a large negative number block, added to the
+    scores; refuses a bool mask with a TypeError."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
-        if attention_mask is not None and bool((attention_mask < 0).any()):
-            raise ValueError("attention_mask holds 0 and 1, got negative entries")
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask)
+        if attention_mask is None or attention_mask.dtype == torch.bool:
+            raise TypeError("attention_mask: a float tensor (B, Tm), 0 keep, a large negative number block")
+        B, T, D = hidden_states.shape  # batch, image tokens, width
+        Tm = encoder_hidden_states.shape[1]
+        q = attn.to_q(hidden_states).view(B, T, attn.heads, D // attn.heads).transpose(1, 2)  # (B, H, T, d)
+        k, v = (f(encoder_hidden_states).view(B, Tm, attn.heads, D // attn.heads).transpose(1, 2)
+                for f in (attn.to_k, attn.to_v))  # (B, H, Tm, d)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.view(B, 1, 1, Tm).to(q.dtype))
+        return attn.to_out(out.transpose(1, 2).reshape(B, T, D))
 
 
-def test_a_convention_the_layer_raises_on_is_passed_over_for_the_one_it_honours():
-    """Pin (`_key_convention`: a convention under which a call raises is skipped, not read): the additive one its
-    `attention_mask` name suggests first raises; key_keep is named, and the layer passes with it."""
-    report = diagnostics.audit(_layer(ZeroOneOnly()), progress=False)
-    assert report.declaration == MEMORY, report.status_reason
-    assert diagnostics.audit(_layer(ZeroOneOnly()), progress=False, **_declared(report)).status == "passed"
+def test_conventions_the_layer_raises_on_are_passed_over_for_the_additive_one_it_honours():
+    """Pin (`_key_convention`: a convention under which a call raises is skipped, not read): the bool ones raise; the
+    additive one is honoured, a bias of -1 moving the outputs less than blocking, and is named with a mask of zeros
+    where the audit gives none. With it the layer passes."""
+    report = diagnostics.audit(_layer(AdditiveOnly()), progress=False)
+    assert report.declaration == MEMORY.replace("key_keep", "additive:B,Tk").replace(
+        "memory.new_ones(memory.shape[:2], dtype=bool)", "memory.new_zeros(memory.shape[:2])"), report.declaration
+    assert diagnostics.audit(_layer(AdditiveOnly()), progress=False, **_declared(report)).status == "passed"
 
 
 def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
