@@ -559,7 +559,7 @@ of a stream changes, for the layer to count as reading it (`_stream_read`)."""
 
 
 MOVED = 1.0  # knob: how far `_key_convention` moves a memory token, a unit-normal's size (x10, x0.1: no verdict moves)
-BIAS = -1.0  # knob: the additive bias `_key_convention` tells apart from blocking (x10, x0.1: no verdict moves)
+BIAS = 1.0  # knob: the additive bias (-BIAS) `_key_convention` tells from blocking (x10, x0.1: no verdict moves)
 
 
 def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str):
@@ -593,7 +593,7 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
         if convention.meaning == "additive" and blocked <= HONOURED < kept:
             # added to the scores, a bias of -1 on the first token moves the outputs, less than blocking it; read as
             # bool (`.bool()`: any nonzero entry True) it blocks or keeps that token as -inf does
-            biased = {mask_name: mask[mask_name].clamp_min(BIAS)}
+            biased = {mask_name: mask[mask_name].clamp_min(-BIAS)}
             out = _given(probe, query, stream, kept=biased, memory=memory)
             if out is None or (out - outs[0]).float().abs().max() / rms <= HONOURED:
                 continue
