@@ -657,8 +657,8 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "float; JOINT is the double 1e-3, which no float32 number equals: checked with float(torch.tensor(1e-3, "
         "dtype=torch.float32)) == 1e-3, False)"),
     "detectors/runs.py:_stream_read:L*:Gt->GtE": (
-        "return bool((a - b).float().abs().max() / rms > HONOURED)", _TOLERANCE_EDGE + " (a float32 quotient against "
-        "the double 1e-6)"),
+        "return _moved(a, b) > HONOURED", _TOLERANCE_EDGE + " (`_moved`: a float32 quotient made a Python float, "
+        "against the double 1e-6)"),
     "detectors/runs.py:_key_convention:L*:LtE->Lt": (
         "<= HONOURED", _TOLERANCE_EDGE + " (float32 quotients against the double 1e-6, on each "
         "line of `blocked`, `kept` and the biased reading)"),

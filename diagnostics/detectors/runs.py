@@ -467,14 +467,12 @@ def _unread_rows(query: torch.Tensor) -> str:
 def _stream_read(probe: Probe, query: torch.Tensor, stream: str, x_to: str) -> bool:
     """Whether the layer's output moves (by more than HONOURED of its RMS) when every token of the memory given as
     `stream` changes by a unit-normal vector."""
-    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
-                         dtype=query.dtype).to(query.device)
+    memory = _fresh_memory(probe, query)
     changed = memory + torch.randn(memory.shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
     a, b = (_given(probe, query, stream, x_to=x_to, memory=m) for m in (memory, changed))
     if a is None or b is None:
         return True  # it ran once given the stream: a second raise is no evidence that it ignores it
-    rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    return bool((a - b).float().abs().max() / rms > HONOURED)
+    return _moved(a, b) > HONOURED
 
 
 def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: str, x_to: str,
@@ -574,8 +572,7 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
     s = probe.subject
     allowed = torch.ones(query.shape[0], 1, query.shape[1], MEMORY_TOKENS, dtype=torch.bool, device=query.device)
     allowed[..., 0] = False
-    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
-                         dtype=query.dtype).to(query.device)
+    memory = _fresh_memory(probe, query)
     blocked_changed, kept_changed = memory.clone(), memory.clone()
     blocked_changed[:, 0] += MOVED
     kept_changed[:, -1] += MOVED
@@ -588,14 +585,13 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
         outs = [_given(probe, query, stream, kept=mask, memory=m) for m in (memory, blocked_changed, kept_changed)]
         if any(o is None or not torch.isfinite(o).all() for o in outs):
             continue
-        rms = outs[0].float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-        blocked, kept = ((outs[0] - o).float().abs().max() / rms for o in outs[1:])
+        blocked, kept = (_moved(outs[0], o) for o in outs[1:])
         if convention.meaning == "additive" and blocked <= HONOURED < kept:
             # added to the scores, a bias of -1 on the first token moves the outputs, less than blocking it; read as
             # bool (`.bool()`: any nonzero entry True) it blocks or keeps that token as -inf does
             biased = {mask_name: mask[mask_name].clamp_min(-BIAS)}
             out = _given(probe, query, stream, kept=biased, memory=memory)
-            if out is None or (out - outs[0]).float().abs().max() / rms <= HONOURED:
+            if out is None or _moved(outs[0], out) <= HONOURED:
                 continue
         if blocked <= HONOURED < kept:
             if convention.meaning in said:
@@ -691,15 +687,10 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
     s = probe.subject
     queries = query if queries is None else queries
     if memory is None:
-        memory = query if length is not None else torch.randn(
-            query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(), dtype=query.dtype).to(
-            query.device)
-    if mask is None and mask_name is not None:
-        mask = torch.ones(query.shape[0], MEMORY_TOKENS, dtype=query.dtype, device=query.device)  # (B, Tm)
+        memory = query if length is not None else _fresh_memory(probe, query)
     if kept is None:
-        kept = {} if mask_name is None else {mask_name: mask}
-    kept = {k: torch.ones(memory.shape[0], memory.shape[1], dtype=query.dtype, device=query.device) if v is None
-            else v for k, v in kept.items()}
+        kept = {} if mask_name is None else {mask_name: mask}  # None: a (B, Tm) mask of ones
+    kept = _over(kept, memory, query.dtype)
     probe.passes += 1
     try:
         with torch.no_grad():
@@ -721,10 +712,8 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None =
     `_given`; a mask of `kept` given as None is one of ones over the memory). None where nothing could be read: one
     token (no other row), a call that raised, outputs not finite."""
     s = probe.subject
-    memory = torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
-                         dtype=query.dtype).to(query.device)
-    masks = {k: torch.ones(memory.shape[:2], dtype=query.dtype, device=query.device) if v is None else v
-             for k, v in (kept or {}).items()}
+    memory = _fresh_memory(probe, query)
+    masks = _over(kept, memory, query.dtype)
     changed = query.clone()
     j = query.shape[1] // 2
     changed[:, j] += torch.randn(changed[:, j].shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
@@ -738,9 +727,28 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None =
                                               **masks})) for x in (query, changed))
     except Exception:  # noqa: BLE001 -- it ran a moment ago with another memory: nothing read, said by the caller
         return None
-    rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    moved = float(((a - b)[:, others].float().abs().max() / rms).item())
+    moved = _moved(a, b, rows=others)
     return moved if math.isfinite(moved) else None
+
+
+def _fresh_memory(probe: Probe, query: torch.Tensor) -> torch.Tensor:
+    """MEMORY_TOKENS standard-normal tokens of the queries' batch, width, dtype and device, from the probe's draws."""
+    return torch.randn(query.shape[0], MEMORY_TOKENS, query.shape[-1], generator=probe.generator(),
+                       dtype=query.dtype).to(query.device)
+
+
+def _over(kept: dict | None, memory: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The masks `kept` names, each None made a (B, Tm) mask of ones over `memory`'s tokens (every one kept, read
+    as bool, as kept keys or additive alike)."""
+    return {k: torch.ones(memory.shape[:2], dtype=dtype, device=memory.device) if v is None else v
+            for k, v in (kept or {}).items()}
+
+
+def _moved(a: torch.Tensor, b: torch.Tensor, rows: list | None = None) -> float:
+    """The largest change from `a` to `b` (over `rows` of the token axis, where given) as a fraction of `a`'s RMS."""
+    diff = (a - b).float() if rows is None else (a - b)[:, rows].float()
+    rms = a.float().pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    return float(diff.abs().max() / rms)
 
 
 def _streams(s, kwargs: dict, query: torch.Tensor, name: str, given: torch.Tensor, x_to: str | None) -> dict:
