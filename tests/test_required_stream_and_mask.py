@@ -200,3 +200,26 @@ def test_on_the_command_line_the_declaration_is_spelled_with_its_flags():
         "--cross, --mask key_keep, --call mymodule:call with def call(layer, x, memory, mask): return layer(x, "
         "encoder_hidden_states=memory, attention_mask=memory.new_ones(memory.shape[:2], dtype=bool) if mask is None "
         "else mask)"), report.declaration
+
+
+@pytest.mark.parametrize("processor, declaration", [(TextMaskedProcessor, MEMORY), (JointTextProcessor, JOINT)],
+                         ids=["memory", "joint"])
+def test_at_std_0_02_in_bfloat16_the_same_call_is_named_and_the_twins_part(processor, declaration):
+    """GPT-2's initialisation (std 0.02 weights, zero biases), in bfloat16: the same call, under which the correct
+    layer passes and the unscaled one fails; the inverted memory mask still names no convention."""
+    import correct
+
+    def made(**kw):
+        layer = _layer(processor(**kw))
+        correct.gpt2_init_(layer)
+        return layer.to(torch.bfloat16)
+
+    report = diagnostics.audit(made(), progress=False, dtype=torch.bfloat16)
+    assert report.declaration == declaration, report.status_reason
+    declared = _declared(report)
+    assert diagnostics.audit(made(), progress=False, dtype=torch.bfloat16, **declared).status == "passed"
+    buggy = diagnostics.audit(made(scaled=False), progress=False, dtype=torch.bfloat16, **declared)
+    assert buggy.status == "failed" and buggy.result("softmax_saturation").verdict == "fail", buggy.status_reason
+    if processor is TextMaskedProcessor:
+        inverted = diagnostics.audit(made(inverted=True), progress=False, dtype=torch.bfloat16)
+        assert inverted.status == "inconclusive" and not inverted.declaration, inverted.status_reason

@@ -248,3 +248,21 @@ def test_diffusers_layers_with_a_required_stream_of_their_own_name_pass_with_the
     assert report.status == "inconclusive" and report.declaration == declaration, report.status_reason
     again = diagnostics.audit(sd.diffusers_build(name), progress=False, **_declared(report))
     assert again.status == "passed", again.status_reason
+
+
+@pytest.mark.parametrize("cls", [c[0] for c in CASES], ids=[c[0].__name__ for c in CASES])
+def test_at_std_0_02_in_bfloat16_the_same_call_is_named_the_layer_passes_and_its_unscaled_twin_fails(cls):
+    """The scale people train at: GPT-2's initialisation (std 0.02 weights, zero biases), in bfloat16."""
+    import correct
+
+    def made(**kw):
+        layer = _layer(cls, **kw)
+        correct.gpt2_init_(layer)
+        return layer.to(torch.bfloat16)
+
+    report = diagnostics.audit(made(), progress=False, dtype=torch.bfloat16)
+    assert report.declaration == next(d for c, d, _, _ in CASES if c is cls), report.status_reason
+    declared = _declared(report)
+    assert diagnostics.audit(made(), progress=False, dtype=torch.bfloat16, **declared).status == "passed"
+    buggy = diagnostics.audit(made(scaled=False), progress=False, dtype=torch.bfloat16, **declared)
+    assert buggy.status == "failed" and buggy.result("softmax_saturation").verdict == "fail", buggy.status_reason
