@@ -78,7 +78,9 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("some query row has both blocked and allowed keys",
                                        lambda s: s.has_partly_masked_row),
             expected_detectors=("weight_row_sums", "mask_honoured"),
-            also_detected_by=("gradients",),  # the normaliser sends gradient to the masked keys
+            # the normaliser sends gradient to the masked keys; the kept weights sum to less than one, unlike the
+            # sequence cut to its length
+            also_detected_by=("gradients", "blocked_keys_absent"),
         ),
         Variant(
             id="missing_causal_mask", title="Causal decoder without its causal mask", cls=c.MissingCausalMask,
@@ -152,7 +154,8 @@ def _entries() -> list[Variant]:
             fix="return x.transpose(1, 2).contiguous().view(B, T, H * d_k)",
             detectable_when=Observable("num_heads > 1 and Tq > 1", lambda s: s.num_heads > 1 and s.t_q > 1),
             expected_detectors=("output_variance", "query_locality", "mask_honoured"),
-            also_detected_by=("own_weights",),  # the step found from the layer's own weights
+            # the step found from the layer's own weights; the padded positions' heads reach the kept rows
+            also_detected_by=("own_weights", "blocked_keys_absent"),
         ),
         Variant(
             id="mask_polarity_inverted", title="Boolean mask polarity inverted", cls=c.MaskPolarityInverted,
@@ -164,7 +167,8 @@ def _entries() -> list[Variant]:
             fix="return scores if mask is None else scores.masked_fill(~mask, fill)",
             detectable_when=Observable("a boolean mask is passed", lambda s: s.mask is not None),
             expected_detectors=("mask_honoured",),
-            also_detected_by=("gradients",),  # the blocked keys are the attended ones, gradient and all
+            # the blocked keys are the attended ones, gradient and all, and the cut sequence's keys all blocked
+            also_detected_by=("gradients", "blocked_keys_absent"),
         ),
         Variant(
             id="causal_mask_misaligned", title="Causal mask aligned top-left when decoding with a cache",
@@ -205,7 +209,8 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("dropout > 0, the layer is in eval mode, and some query may attend a key",
                                        lambda s: s.dropout > 0 and not s.training and s.attends_anything),
             expected_detectors=("weight_row_sums",),  # the 1/(1-p) rescaling, even when nothing is dropped
-            also_detected_by=("output_variance", "query_locality", "mask_honoured", "eval_determinism"),
+            also_detected_by=("output_variance", "query_locality", "mask_honoured", "eval_determinism",
+                              "blocked_keys_absent"),  # two calls, two draws of the dropout
         ),
         Variant(
             id="fully_masked_row_nan", title="Fully masked row gives NaN", cls=c.FullyMaskedRowNaN,
@@ -235,7 +240,8 @@ def _entries() -> list[Variant]:
             expected_detectors=("batch_independence",),
             # rows then carry other positions' and other sequences' outputs: what stacking probes along the
             # batch or moving one position shows, at most sizes
-            also_detected_by=("query_locality", "output_variance", "mask_honoured"),
+            # the padded positions' heads reach the kept rows, as other sequences' do
+            also_detected_by=("query_locality", "output_variance", "mask_honoured", "blocked_keys_absent"),
             # probes stacked along the batch are mixed with each other: any stacked comparison may fire
             detected_at_other_sizes_by=("keys_matter", "future_leakage", "decode_consistency", "causal_alignment",
                                         "eval_determinism", "gradients"),
@@ -279,7 +285,8 @@ def _entries() -> list[Variant]:
             detectable_when=Observable("Tk >= 2, or a query with no key (the second softmax makes its zeros uniform)",
                                        lambda s: s.t_k >= 2 or s.has_fully_masked_row),
             expected_detectors=("softmax_saturation",),
-            also_detected_by=("mask_honoured", "gradients"),  # masked keys get e^0 weight back, and gradient
+            # masked keys get e^0 weight back, and gradient, which the sequence cut to its length does not give them
+            also_detected_by=("mask_honoured", "gradients", "blocked_keys_absent"),
             # in bfloat16, where permuting the keys moves the outputs by rounding above the bar, the shift is measured
             # and its masked padding leaks (a consequence of mask_honoured; an exploring CI seed's draw, 3333); and
             # own_weights where the logits are small (GPT-2's init at d_model 4, seq_len 2: an exploring seed's draw,

@@ -161,9 +161,15 @@ class Probe:
         return None if mask is None else mask.to(self.subject.device)
 
     def padding(self, batch: int, t_q: int, t_k: int) -> Tensor:
-        """(B, Tq, Tk): batch row b keeps its first `lengths[b]` keys, at least one, at most Tk - 1."""
-        lengths = torch.randint(max(1, t_k // 2), max(t_k, 2), (batch,), generator=self.generator())
-        lengths = lengths.clamp(max=max(t_k - 1, 1))
+        """(B, Tq, Tk): batch row b keeps its first `lengths[b]` keys, at least one, at most Tk - 1, from Tk // 2 on;
+        the rows' lengths differ wherever that span holds a length for each (from Tk = 4 at B = 2), so that a layer
+        reading another row's mask (row 0's for every row) is given a mask it does not honour."""
+        low, high = max(1, t_k // 2), max(t_k - 1, 1)
+        span = high - low + 1
+        if span >= batch:
+            lengths = low + torch.randperm(span, generator=self.generator())[:batch]
+        else:
+            lengths = torch.randint(low, high + 1, (batch,), generator=self.generator())
         return (torch.arange(t_k) < lengths.view(batch, 1, 1)).expand(batch, t_q, t_k).clone()
 
     # ---- calls -----------------------------------------------------------------------------------------

@@ -471,7 +471,8 @@ def test_relative_change_against_a_zero_scale_is_none_not_a_division_by_zero():
 # ---- a layer that raises on every call ------------------------------------------------------------------
 
 MEASURED_ON_A_CAUSAL_FUNCTION = ["output_shape", "finite_output", "weight_row_sums", "softmax_saturation",
-                                 "output_variance", "query_locality", "mask_honoured", "fully_masked_rows",
+                                 "output_variance", "query_locality", "mask_honoured", "blocked_keys_absent",
+                                 "fully_masked_rows",
                                  "future_leakage", "causal_alignment", "eval_determinism", "batch_independence",
                                  "keys_matter", "decode_consistency"]
 

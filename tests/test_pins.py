@@ -195,7 +195,8 @@ def test_a_stacks_baseline_is_copy_0_of_the_stacked_call_weights_included():
     call = stacked_baseline(probe, PADDED)
     B = probe.BATCH
     assert call.output.out.shape[0] == B and call.output.weights is not None and call.output.weights.shape[0] == B
-    out, weights = attention(call.query, call.key, call.value, call.allowed)
+    # the call's mask is the audit's (B, Tq, Tk); the layer was given it as (B, 1, Tq, Tk), broadcast over heads
+    out, weights = attention(call.query, call.key, call.value, call.allowed[:, None])
     torch.testing.assert_close(call.output.weights, weights)
     torch.testing.assert_close(call.output.out, out)
 

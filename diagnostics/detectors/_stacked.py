@@ -88,6 +88,12 @@ def stacked_baseline(probe: Probe, of: Stack) -> Call:
                 label=call.label, parts=call.parts)
 
 
+def stacked_inputs(probe: Probe, of: Stack) -> Inputs:
+    """The stack's baseline inputs (copy 0 of the batch), its extra mask included: what `stacked_baseline`'s call was
+    given before the audit's own masks (causal, a declared pattern) were added."""
+    return _made(probe, of).base
+
+
 @dataclass
 class _Made:
     """The one call of a stack: its baseline, the call, every case compared with the baseline (or the skip), where

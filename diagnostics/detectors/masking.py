@@ -10,6 +10,7 @@ outputs, no mask gives others."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,9 +33,10 @@ from .._core import (
 from .._probe import Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
-from ._common import invariance_sites, judge, perturbation_gains, result
+from .._thresholds import ROW_SUM, dtype_name, tolerance
+from ._common import float64_copy_or_skip, float64_output, invariance_sites, judge, perturbation_gains, result
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
-from ._stacked import PADDED, stacked, stacked_cases
+from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
 from .finite import ROW_FILLS, nonfinite_sites
 
 
@@ -66,7 +68,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         # (Whisper's decoder)
         past = (j >= 1) & (j <= cut)  # (Tk,)
         scenarios.append(("past-key", (~past).expand(B, T, T), past.expand(B, T), PAST_KEYS.format(cut=cut)))
-    results, unmeasured, base = [], None, None
+    results, unmeasured, base, blocked = [], None, None, {}
     for name, mask, keys, when in scenarios:
         control = name == "padding"
         if control:  # one call with future_leakage's padded cut (detectors/_stacked.py)
@@ -83,6 +85,7 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             continue
         base = comparison.base
         keys = ~base.extra[:, 0, :] if control else keys  # (B, Tk): the blocked keys
+        blocked[name] = (keys, when)
         rows = _rows(probe, base, keys)
         # per case, the rows whose own token changed (one stream): their moving shows no key reaching another query;
         # none where the layer's queries are its own
@@ -98,6 +101,14 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         return unmeasured
     readings = [(name, *held(c, probe, what="outputs")) for name, c, _, _ in results]
     bad = [name for name, b, _, _, _ in readings if b]
+    overflow = _overflow_only(probe, results, readings, blocked) if bad else ""
+    if overflow:
+        return result(det, "warn", f"keys the mask blocks, pushed {perturbation_gains(probe)[0]:g}x, make the rows "
+                                   f"that may not attend them non-finite, while at the inputs' own scale they change "
+                                   f"nothing: the softmax runs over the blocked keys before they are removed (its "
+                                   f"kept weights underflow when a blocked score dominates)", value=math.inf,
+                      threshold=results[0][1].tol, evidence=overflow, fix=OVERFLOW_FIX,
+                      replay=tuple(c for _, c, *_ in results))
     # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
     # (it may hold every blocked row still, by zeroing the very rows it should keep)
     backwards = [(name, text) for name, _, (moved, text), cross in results if cross and moved is False]
@@ -162,6 +173,40 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
             if words:
                 found = replace(found, message=f"{found.message}; {words}")
     return found
+
+
+def _overflow_only(probe: Probe, results, readings, blocked) -> str:
+    """Where every scenario that moved a held row moved it only to NaN or inf under the hard push: the same
+    scenarios again with their blocked keys (`blocked`: {name: (keys (B, Tk), when)}) redrawn at the inputs' own
+    scale (gain 1). Their evidence where no held row moves there (a mask applied after the softmax and
+    renormalised: right in exact arithmetic, while a blocked key pushed 1000x takes every weight and the kept ones
+    underflow to 0 / 0), else ''. A mask that lets blocked keys in moves held rows at any scale, and stays a FAIL.
+    One call per such scenario."""
+    if not all(math.isinf(worst) for _, bad, worst, *_ in readings if bad):
+        return ""
+    texts = []
+    for (name, comparison, *_), (_, bad, _, pushed, _) in zip(results, readings):
+        if not bad:
+            continue
+        base = comparison.base
+        if not bool(torch.isfinite(comparison.baseline_output()).all()):
+            return ""
+        keys, when = blocked[name]
+        again = compare(probe, base, blocked_key_cases(probe, base, keys, when, control=False,
+                                                       moves=name != "past-key", gains=(1.0,)),
+                        label=f"{name} mask, blocked keys changed at the inputs' own scale")
+        if isinstance(again, DetectorResult):
+            return ""
+        moved, _, text, unresponsive = held(again, probe, what="outputs")
+        if moved or unresponsive:
+            return ""
+        texts.append(f"{name} mask: pushed, {pushed}; at the inputs' own scale, {text}")
+    return "; ".join(texts)
+
+
+OVERFLOW_FIX = ("block the keys in the scores before the softmax (scores.masked_fill(~mask, -inf), or attn_mask= to "
+                "scaled_dot_product_attention) instead of zeroing and renormalising the weights after it: a padded "
+                "token with a large score then cannot take every weight from the kept ones")
 
 
 def mask_sites(probe: Probe, result: DetectorResult) -> list[Site]:
@@ -274,12 +319,13 @@ def _own_query_rows(allowed: Tensor, keys: Tensor, queries: int) -> _Rows:
 
 
 def blocked_key_cases(probe: Probe, base: Inputs, keys: Tensor, when: str, *, control: bool,
-                      moves: bool = True) -> list[Case]:
+                      moves: bool = True, gains: tuple[float, ...] | None = None) -> list[Case]:
     """The keys `keys` (B, Tk) blocks changed, and with `control` (the padding scenario) key 0 changed alone;
-    `moves`: the rows a correct layer moves are named (Case.move), the cases' positive control."""
+    `moves`: the rows a correct layer moves are named (Case.move), the cases' positive control; `gains`: how hard
+    (`perturbation_gains` unless given)."""
     B, T = probe.BATCH, probe.t
     rows = _rows(probe, base, keys)
-    gains = perturbation_gains(probe)
+    gains = perturbation_gains(probe) if gains is None else gains
     none = torch.zeros(B, probe.subject.own_queries or T, dtype=torch.bool)
     cases = [Case(x, hold=rows.hold, move=rows.sees if moves else None, when=f"{when} (x{gain:g})")
              for gain, x in zip(gains, perturbed(probe, base, keys, ("key", "value"), gains=gains))]
@@ -329,6 +375,121 @@ def _listed(names: list[str]) -> str:
 def _with_hint(probe: Probe, fix: str) -> str:
     hint = convention_hint(probe)
     return f"{hint}; {fix}" if hint else fix
+
+
+@detector("blocked_keys_absent", "a sequence under a padding mask gives the rows of the same sequence cut to its "
+          "length: keys the mask blocks take no weight at all, and each batch row reads its own mask",
+          targets=("blocked tokens' features zeroed instead of their scores blocked (they still take weight)",
+                   "another batch row's mask applied (row 0's for every row, the mask broadcast across the batch)",
+                   "mask applied after softmax", "mask polarity inverted"),
+          fix="block keys in the scores before the softmax, each batch row by its own mask: "
+              "scores.masked_fill(~keep[:, None, None, :], -inf) for a (B, Tk) mask, True = keep",
+          needs=(TAKES_MASK, LONG),
+          unlocated="the padded and the cut calls differ in length, so no op's output can be compared position by "
+                    "position; mask_honoured points at the line where blocked keys' contents reach the output")
+def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
+    """mask_honoured's padding probe (`PADDED`: batch row b keeps its first L_b keys, the lengths apart) against
+    the same sequences cut to each L_b, given a mask that blocks nothing: a correct layer gives row b's first L_b
+    rows (its every row, for queries of its own) alike, within the rounding of a recomputation (`ROW_SUM`, as
+    decode_consistency's). mask_honoured changes the blocked keys' contents and cannot see a blocked key that
+    still takes weight with contents the layer fixed (features zeroed), nor a key blocked that the row's own mask
+    allows (another row's mask). The control: the padded inputs with a mask that blocks nothing give other rows,
+    so the padding reaches the kept rows unless the mask blocks it. One call per length, and the control's."""
+    det, s, B, T = "blocked_keys_absent", probe.subject, probe.BATCH, probe.t
+    padded = stacked_baseline(probe, PADDED)
+    if not padded.ok:
+        return not_run(det, padded)
+    base, t, own = stacked_inputs(probe, PADDED), s.time_dim, s.own_queries
+    out = padded.output.out
+    if out.dim() < 3 or out.shape[0] != B or out.shape[t] != (own or T):
+        return skip(det, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
+    lengths = base.extra[:, 0, :].sum(-1).tolist()  # (B,): the keys each row keeps
+    tol = tolerance(ROW_SUM, s.dtype)
+    readings, calls = [], [padded]
+    for length in sorted(set(lengths)):
+        cut = _cut(base, length, t)
+        call = probe.call(cut.query, cut.key, cut.value, probe.allowed(B, length, length, cut.extra),
+                          label=f"the padding probe's sequences cut to {length} of {T} tokens, nothing blocked")
+        if not call.ok:
+            return skip(det, f"the layer raised on the sequences cut to {length} of {T} tokens "
+                             f"({call.describe_error()}), so they cannot be compared with the padded ones")
+        got = call.output.out
+        if got.shape[0] != B or got.dim() != out.dim() or got.shape[t] != (own or length):
+            return skip(det, f"the output {tuple(got.shape)} of the sequences cut to {length} tokens has no row per "
+                             f"query and batch element")
+        rows = [b for b, n in enumerate(lengths) if n == length]
+        kept = own or length
+        change = relative_change(got[rows].narrow(t, 0, kept), out[rows].narrow(t, 0, kept), centred=True,
+                                 scale_of=out)
+        if change is None:
+            return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
+        readings.append((length, rows, float(change.max()), int((change > tol).sum()), change.numel()))
+        calls.append(call)
+    worst = max(r[2] for r in readings)
+    evidence = "; ".join(f"sequence{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} ({n} of {T} keys kept): "
+                         f"{bad} / {total} rows differ from the sequence cut to {n} tokens, by up to {m:.3g}"
+                         for n, rows, m, bad, total in readings) + f" ({allowed_text(tol, s.dtype)})"
+    failed = worst > tol
+    if failed and s.dtype != torch.float64:
+        exact = _float64_worst(probe, padded, calls[1:], lengths)
+        if exact is not None and exact <= tolerance(ROW_SUM, torch.float64):
+            failed = False
+            evidence += (f"; a float64 copy of the layer on the same inputs measured {exact:.2g} (up to "
+                         f"{tolerance(ROW_SUM, torch.float64):.0e}): the {dtype_name(s.dtype)} difference is rounding")
+        elif exact is not None:
+            evidence += f"; a float64 copy of the layer on the same inputs measured {exact:.3g}: not rounding"
+    if failed:
+        return result(det, "fail", "a padded sequence's rows differ from those of the sequence cut to its length: "
+                                   "keys the mask blocks still act on the kept rows", value=worst, threshold=tol,
+                      evidence=evidence, replay=tuple(calls))
+    opened = probe.call(base.query, base.key, base.value, probe.allowed(B, T, T, torch.ones_like(base.extra)),
+                        label="the padding probe's inputs, nothing blocked")
+    reach = relative_change(opened.output.out, out, centred=True) if opened.ok and \
+        opened.output.out.shape == out.shape else None
+    if reach is None or not float(reach.max()) > tol:
+        return skip(det, "the padded keys, given a mask that blocks nothing, moved no kept row either, so the rows' "
+                         "agreement with the cut sequences proves nothing about the mask")
+    return result(det, "pass", "each padded sequence gives the rows of the sequence cut to its length", value=worst,
+                  threshold=tol, evidence=f"{evidence}; with nothing blocked the same inputs moved the rows by up to "
+                                          f"{float(reach.max()):.3g}")
+
+
+def _cut(base: Inputs, length: int, t: int) -> Inputs:
+    """`base`'s first `length` positions along the time axis `t` (one stream stays one tensor), with a mask that
+    blocks nothing."""
+    cut: dict[int, Tensor] = {}
+
+    def first(x: Tensor) -> Tensor:
+        return cut.setdefault(id(x), x.narrow(t, 0, length).clone())
+
+    B = base.query.shape[0]
+    return Inputs(first(base.query), first(base.key), first(base.value),
+                  torch.ones(B, length, length, dtype=torch.bool))
+
+
+def _float64_worst(probe: Probe, padded, cuts, lengths) -> float | None:
+    """blocked_keys_absent's largest change measured again on the float64 copy of the layer, on the padded call's
+    inputs and each cut call's, upcast; None where no copy runs or a call raises."""
+    twin = float64_copy_or_skip(probe, probe.detector)
+    if isinstance(twin, DetectorResult):
+        return None
+    t, own = probe.subject.time_dim, probe.subject.own_queries
+    try:
+        probe.passes += 1 + len(cuts)
+        whole = float64_output(twin, padded)
+        worst = 0.0
+        for call in cuts:
+            length = call.query.shape[t]
+            rows = [b for b, n in enumerate(lengths) if n == length]
+            kept = own or length
+            change = relative_change(float64_output(twin, call)[rows].narrow(t, 0, kept),
+                                     whole[rows].narrow(t, 0, kept), centred=True, scale_of=whole)
+            if change is None:
+                return None
+            worst = max(worst, float(change.max()))
+        return worst
+    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+        return None
 
 
 @detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN), and NaN "
