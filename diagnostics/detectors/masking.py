@@ -440,7 +440,7 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
             evidence += f"; a float64 copy of the layer on the same inputs measured {exact:.3g}: not rounding"
     if failed:
         return result(det, "fail", "a padded sequence's rows differ from those of the sequence cut to its length: "
-                                   "keys the mask blocks still act on the kept rows", value=worst, threshold=tol,
+                                   "the padded tokens still act on the kept rows", value=worst, threshold=tol,
                       evidence=evidence, replay=tuple(calls))
     opened = probe.call(base.query, base.key, base.value, probe.allowed(B, T, T, torch.ones_like(base.extra)),
                         label="the padding probe's inputs, nothing blocked")

@@ -1,0 +1,203 @@
+"""blocked_keys_absent, and mask_honoured's reading of a softmax renormalised after masking: masks that mask_honoured
+alone cannot judge, each bug with its correct twin on the same inputs.
+
+mask_honoured changes the contents of the keys a mask blocks and asks that nothing move. Two bugs keep that
+property and still break the mask, and one correct layer broke it under the audit's push:
+
+- the blocked tokens' features zeroed instead of their scores blocked: their contents no longer matter, yet each
+  still takes softmax weight (its key and value are the projections' biases);
+- another batch row's mask applied to every row (`mask[:1]`, a broadcast over the batch): a row whose own mask keeps
+  more keys loses them, which changes nothing mask_honoured changes;
+- softmax, then the mask, then the weights renormalised: right in exact arithmetic, but a blocked key pushed 1000x
+  takes every weight and the kept ones underflow to 0 / 0. At the inputs' own scale the blocked keys change
+  nothing: a warning, not a FAIL; the same softmax masked without renormalising fails at any scale.
+
+blocked_keys_absent compares each padded sequence with the same sequence cut to its length (the padding probe's
+lengths differ between batch rows, so a row given another's mask sees the difference). The layers are written unlike
+`correct/`: einsum over (B, T, H, d), a memory with a (B, Tk) keep mask, a Hugging Face-style additive mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+from correct import gpt2_init_
+from diagnostics._probe import Probe
+from diagnostics._subject import make_subject
+
+
+class KeepCross(nn.Module):
+    """Cross-attention over a memory with a keep mask (B, Tk), True = a real token, in (B, T, H, d) with einsum.
+    `how` the mask acts: "scores" (blocked before the softmax: correct), "renormalised" (the weights zeroed after
+    it and renormalised: correct), "features" (the blocked tokens' features zeroed: a bug), "row0" (row 0's mask for
+    every row: a bug), "dropped" (the weights zeroed after the softmax, not renormalised: a bug)."""
+
+    def __init__(self, d_model=16, num_heads=2, how="scores"):
+        super().__init__()
+        self.h, self.how = num_heads, how
+        self.to_q, self.to_kv, self.to_out = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model), \
+            nn.Linear(d_model, d_model)
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask=None):
+        keep = encoder_attention_mask
+        memory = encoder_hidden_states
+        if keep is not None and self.how == "features":
+            memory = memory * keep[..., None].to(memory.dtype)  # the bug: features zeroed, scores untouched
+            keep = None
+        if keep is not None and self.how == "row0":
+            keep = keep[:1].expand_as(keep)  # the bug: the first sequence's mask for every sequence
+        B, T, D = hidden_states.shape
+        q = self.to_q(hidden_states).view(B, T, self.h, -1)
+        k, v = self.to_kv(memory).view(B, memory.shape[1], 2, self.h, -1).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        if keep is not None and self.how in ("scores", "row0"):
+            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+        weights = scores.softmax(-1)
+        if keep is not None and self.how in ("renormalised", "dropped"):
+            weights = weights * keep[:, None, None, :]
+            if self.how == "renormalised":
+                weights = weights / weights.sum(-1, keepdim=True)
+        return self.to_out(torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, D))
+
+
+class AdditiveSelf(nn.Module):
+    """Self-attention with a Hugging Face-style additive mask (B, 1, T, T), 0 keep and finfo.min block; `first_row`:
+    the bug, the first sequence's mask added to every sequence's scores (`attention_mask[:1]`)."""
+
+    def __init__(self, d_model=16, num_heads=2, first_row=False):
+        super().__init__()
+        self.h, self.first_row = num_heads, first_row
+        self.qkv, self.o_proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, D = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if attention_mask is not None:
+            scores = scores + (attention_mask[:1] if self.first_row else attention_mask)
+        out = scores.softmax(-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+CROSS = {"cross": True, "mask": "key_keep"}
+
+
+def audit(layer, dtype=torch.float32, init="default", **declared):
+    layer = layer.to(dtype).eval()
+    if init == "gpt2":
+        gpt2_init_(layer)
+    return diagnostics.audit(layer, progress=False, **declared)
+
+
+@pytest.mark.parametrize("bug", ["features", "row0"])
+@pytest.mark.parametrize("dtype,init", [(torch.float32, "default"), (torch.bfloat16, "gpt2")])
+def test_blocked_keys_that_still_count_fail_and_their_twin_passes(bug, dtype, init):
+    """The bugs mask_honoured cannot see, at torch's init in float32 and at std 0.02 in bfloat16: the sequences cut
+    to their lengths give other rows. The twin masks the scores: every detector passes (a query with no key to attend warns: a plain softmax gives it NaN)."""
+    torch.manual_seed(0)
+    broken = audit(KeepCross(how=bug), dtype, init, **CROSS)
+    found = broken.result("blocked_keys_absent")
+    assert broken.status == "failed" and found.verdict == "fail", str(broken)
+    assert "rows differ from the sequence cut to" in found.evidence and "not rounding" in found.evidence \
+        or dtype == torch.float32, found
+    torch.manual_seed(0)
+    twin = audit(KeepCross(how="scores"), dtype, init, **CROSS)
+    assert twin.status == "passed" and set(twin.fired()) <= {"fully_masked_rows"}, str(twin)  # a row of -inf: NaN
+    assert twin.result("blocked_keys_absent").verdict == "pass", twin.result("blocked_keys_absent")
+
+
+def test_zeroed_features_pass_mask_honoured_so_only_the_cut_sequences_show_them():
+    """The blocked tokens' contents cannot move anything once zeroed: mask_honoured passes, and the finding is
+    blocked_keys_absent's alone, with the changed rows counted per sequence."""
+    torch.manual_seed(0)
+    report = audit(KeepCross(how="features"), **CROSS)
+    assert report.result("mask_honoured").verdict == "pass", report.result("mask_honoured")
+    assert report.fired() == {"blocked_keys_absent": "fail"}, str(report)
+    assert report.result("blocked_keys_absent").message.startswith("a padded sequence's rows differ")
+
+
+@pytest.mark.parametrize("dtype,init", [(torch.float32, "default"), (torch.bfloat16, "gpt2")])
+def test_another_rows_additive_mask_fails_and_its_own_passes(dtype, init):
+    """The same finding on a self-attention with an additive (B, 1, T, T) mask that reads the first sequence's
+    rows for every sequence; the twin reads its own."""
+    torch.manual_seed(0)
+    broken = audit(AdditiveSelf(first_row=True), dtype, init, mask="additive")
+    assert broken.status == "failed" and broken.result("blocked_keys_absent").verdict == "fail", str(broken)
+    torch.manual_seed(0)
+    twin = audit(AdditiveSelf(), dtype, init, mask="additive")
+    assert twin.status == "passed" and set(twin.fired()) <= {"fully_masked_rows"}, str(twin)  # a row of -inf: NaN
+
+
+def test_a_softmax_renormalised_after_masking_warns_where_only_the_push_overflows_it():
+    """Right in exact arithmetic: no FAIL. mask_honoured warns, saying that only the 1000x push made the kept rows
+    non-finite and that at the inputs' own scale nothing moved; blocked_keys_absent passes."""
+    torch.manual_seed(0)
+    report = audit(KeepCross(how="renormalised"), **CROSS)
+    honoured = report.result("mask_honoured")
+    assert report.status == "passed" and honoured.verdict == "warn", str(report)
+    assert "at the inputs' own scale they change nothing" in honoured.message
+    assert "at the inputs' own scale, 0 / " in honoured.evidence and "(x1)" in honoured.evidence, honoured
+    assert report.result("blocked_keys_absent").verdict == "pass"
+
+
+def test_the_same_softmax_masked_without_renormalising_fails_at_any_scale():
+    """The twin of the test above on the same inputs: the kept weights sum to less than one, so blocked keys move
+    the kept rows at the inputs' own scale too, and mask_honoured fails; so does blocked_keys_absent."""
+    torch.manual_seed(0)
+    report = audit(KeepCross(how="dropped"), **CROSS)
+    assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
+    assert report.result("blocked_keys_absent").verdict == "fail", report.result("blocked_keys_absent")
+
+
+class FixedLength(nn.Module):
+    """Self-attention with a learned position embedding of exactly `t` positions: it raises at any other length."""
+
+    def __init__(self, d_model=16, t=16):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(t, d_model))
+        self.attn = AdditiveSelf(d_model)
+
+    def forward(self, x, attention_mask=None):
+        return self.attn(x + self.pos, attention_mask)
+
+
+def test_a_layer_that_takes_one_length_only_is_not_measured_never_failed():
+    torch.manual_seed(0)
+    found = audit(FixedLength(), mask="additive", seq_len=16).result("blocked_keys_absent")
+    assert found.verdict == "skip" and "raised on the sequences cut to" in found.message, found
+
+
+class Tokenwise(nn.Module):
+    """Takes a mask and mixes no tokens: nothing the padding could reach."""
+
+    def __init__(self, d_model=16):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, attention_mask=None):
+        return self.proj(x)
+
+
+def test_a_layer_the_padding_cannot_reach_is_not_measured_by_the_cut_sequences():
+    """Its rows equal the cut sequences' trivially: the control (the same inputs with nothing blocked) moves no
+    row, so the agreement proves nothing and the detector says so."""
+    found = audit(Tokenwise(), mask="additive").result("blocked_keys_absent")
+    assert found.verdict == "skip" and "proves nothing about the mask" in found.message, found
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("t", [4, 5, 8, 16, 33])
+def test_the_padding_probes_lengths_differ_between_rows(seed, t):
+    """From Tk = 4 on (two lengths between Tk // 2 and Tk - 1) each batch row keeps its own number of keys, so
+    that a layer reading another row's mask is given one it does not honour; every row keeps key 0."""
+    probe = Probe(make_subject(KeepCross(), **CROSS), causal=False, scale=None, seq_len=t, seed=seed)
+    pad = probe.padding(probe.BATCH, t, t)
+    lengths = pad[:, 0].sum(-1)
+    assert len(set(lengths.tolist())) == probe.BATCH, lengths
+    assert bool(((lengths >= t // 2) & (lengths <= t - 1)).all()) and bool(pad[:, :, 0].all())
+    assert bool((pad == pad[:, :1]).all())  # the same keys for every query of a row
