@@ -167,6 +167,33 @@ def test_conventions_the_layer_raises_on_are_passed_over_for_the_additive_one_it
     assert diagnostics.audit(_layer(AdditiveOnly()), progress=False, **_declared(report)).status == "passed"
 
 
+class CondMasked(TextMaskedAttention):
+    """The same attention, its memory a parameter of a name the audit does not know and its mask required over it:
+    `forward(x, cond, mask=None)`, mask (B, Tm), True = keep; cond: a text encoder's output, say."""
+
+    def forward(self, x, cond, mask=None):
+        return self.processor(self, x, cond, mask)
+
+
+COND = ("cross=True, mask='key_keep', call=lambda layer, x, memory, mask: layer(x, cond=memory, "
+        "mask=memory.new_ones(memory.shape[:2], dtype=bool) if mask is None else mask)")
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["correct", "unscaled"])
+def test_a_memory_of_a_name_the_audit_does_not_know_gets_the_same_call(scaled):
+    """A stream of an unknown name, attended apart from the queries (each output row moved only with its own query),
+    is a memory: the per-key convention it honours is named as for a known one, by its own name. Under that call
+    the correct layer passes and its unscaled twin fails; before, both were inconclusive with no call named."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(CondMasked(processor=TextMaskedProcessor(scaled=scaled)), progress=False)
+    assert report.status == "inconclusive" and report.declaration == COND, report.status_reason
+    assert "attends `cond` as a memory" in report.result("runs").message, report.result("runs").message
+    torch.manual_seed(0)
+    again = diagnostics.audit(CondMasked(processor=TextMaskedProcessor(scaled=scaled)), progress=False,
+                              **_declared(report))
+    assert again.status == ("passed" if scaled else "failed"), str(again)
+
+
 def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
     report = diagnostics.audit(_layer(TextMaskedProcessor(over_queries=True)), progress=False)
     assert report.status == "failed" and report.result("runs").verdict == "fail", report.status_reason

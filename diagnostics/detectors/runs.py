@@ -512,7 +512,7 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
                    f"kept): joint attention; given `{stream}` with no tokens and `{mask_name}` over none it is "
                    f"self-attention over x (its `{mask_name}` covers `{stream}`'s tokens only, so the audit's masks "
                    f"are not passed)")
-    elif stream == s.sig.memory:
+    else:  # attended apart from the queries: a memory, whatever its name
         convention, flipped = _key_convention(probe, call.query, stream, mask_name)
         if flipped is not None:
             declare_flipped = spell("mask", str(flipped), probe.options)
