@@ -20,6 +20,7 @@ lengths differ between batch rows, so a row given another's mask sees the differ
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import diagnostics
 from correct import gpt2_init_
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
+from diagnostics.detectors.masking import _overflow_only
 
 
 class KeepCross(nn.Module):
@@ -201,3 +203,91 @@ def test_the_padding_probes_lengths_differ_between_rows(seed, t):
     assert len(set(lengths.tolist())) == probe.BATCH, lengths
     assert bool(((lengths >= t // 2) & (lengths <= t - 1)).all()) and bool(pad[:, :, 0].all())
     assert bool((pad == pad[:, :1]).all())  # the same keys for every query of a row
+
+
+class RenormalisedPooled(KeepCross):
+    """The renormalised softmax (correct) beside a branch that pools every memory token, the mask never read there:
+    the padding reaches each output at any scale (a bug)."""
+
+    def __init__(self):
+        super().__init__(how="renormalised")
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask=None):
+        pooled = encoder_hidden_states.mean(1, keepdim=True)  # the bug: padded tokens pooled too
+        return super().forward(hidden_states, encoder_hidden_states, encoder_attention_mask) + 0.1 * pooled
+
+
+def test_a_renormalised_softmax_whose_padding_also_leaks_at_the_inputs_own_scale_fails():
+    """The warning's twin (pin: `_overflow_only` reads the held rows at gain 1 and names no warning where they
+    move): pushed, its held rows go non-finite as the correct one's do, but at the inputs' own scale they move too."""
+    torch.manual_seed(0)
+    report = audit(RenormalisedPooled(), **CROSS)
+    assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
+
+
+def test_a_finite_move_under_the_push_is_a_fail_without_a_second_reading():
+    """Pin (`_overflow_only`): only where every scenario that moved a held row moved it to NaN or inf is the gain-1
+    reading made; one finite move (here the second scenario's) returns at once, before any comparison is read."""
+    unreadable = object()  # any use of a result's comparison would raise
+    readings = [("padding", 3, math.inf, "", ""), ("causal", 2, 0.5, "", "")]
+    results = [("padding", unreadable, None, False), ("causal", unreadable, None, False)]
+    assert _overflow_only(None, results, readings, {}, {}) == ""
+
+
+class Pooled(nn.Module):
+    """Attention pooling: one output per sequence, (B, D), the mask over its tokens honoured."""
+
+    def __init__(self, d_model=16):
+        super().__init__()
+        self.inner = AdditiveSelf(d_model)
+
+    def forward(self, x, attention_mask=None):
+        return self.inner(x, attention_mask).mean(1)
+
+
+class ChannelsFirst(AdditiveSelf):
+    """Returns (B, D, T): no row per token along the time axis the audit reads."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        return super().forward(hidden_states, attention_mask).transpose(1, 2)
+
+
+class FixedRows(AdditiveSelf):
+    """Pads its output to 16 rows whatever the length: the cut sequences' outputs have no row per token."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        out = super().forward(hidden_states, attention_mask)
+        return torch.nn.functional.pad(out, (0, 0, 0, 16 - out.shape[1]))
+
+
+class Silent(AdditiveSelf):
+    """Returns zeros of the queries' shape: no change can be measured against it."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        return torch.zeros_like(hidden_states)
+
+
+@pytest.mark.parametrize("layer, says", [
+    (Pooled, "has no row per query and batch element"),
+    (ChannelsFirst, "has no row per query and batch element"),
+    (FixedRows, "of the sequences cut to"),
+    (Silent, "zero or non-finite everywhere"),
+], ids=["pooled", "channels first", "fixed rows", "zeros"])
+def test_outputs_without_rows_to_compare_are_not_measured(layer, says):
+    """Pins (the shape guards of check_blocked_keys_absent): an output with no row per token, of the padded call or
+    of a cut one, or one with nothing to measure against, is a skip that says so, never a comparison of other axes."""
+    torch.manual_seed(0)
+    found = audit(layer(), mask="additive", seq_len=16).result("blocked_keys_absent")
+    assert found.verdict == "skip" and says in found.message, found
+
+
+def test_the_evidence_counts_the_rows_that_differ_per_sequence():
+    """Pin (the counts and the plural of the evidence): the twin's rows differ nowhere, the bug's everywhere, each
+    sequence named with the keys it keeps."""
+    torch.manual_seed(0)
+    twin = audit(KeepCross(), **CROSS).result("blocked_keys_absent")
+    torch.manual_seed(0)
+    bug = audit(KeepCross(how="features"), **CROSS).result("blocked_keys_absent")
+    assert re.findall(r"sequence (\d) \((\d+) of 16 keys kept\): 0 / \2 rows differ", twin.evidence), twin.evidence
+    assert re.findall(r"sequence (\d) \((\d+) of 16 keys kept\): \2 / \2 rows differ", bug.evidence), bug.evidence
+    assert "sequences" not in twin.evidence  # one sequence per length: the lengths differ
