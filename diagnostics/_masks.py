@@ -161,12 +161,13 @@ _TRUE_OF = re.compile(_TRUTH + r"(?:\s+(?:values?|entries|elements|positions?))?
                       r"indicates?\b|marks?\b|where\b|at\b|if\b|denotes?\b|represents?\b|are\b|is\b)", re.I)
 _FALSE_OF = re.compile(_FALSITY + r"(?:\s+(?:values?|entries|elements|positions?))?\s*(?:=|:|->|for\b|means\b|"
                        r"indicates?\b|marks?\b|where\b|at\b|if\b|denotes?\b|represents?\b|are\b|is\b)", re.I)
-_NOT_ATTENDED = re.compile(r"not\s+(?:be\s+)?(?:allowed\s+to\s+)?attend|cannot\s+attend|can't\s+attend|"
+_NOT_ATTENDED = re.compile(r"not\s+(?:be\s+)?(?:allowed\s+to\s+)?attend|not\s+(?:be\s+)?allowed|cannot\s+attend|"
+                           r"can't\s+attend|"
                            r"not\s+(?:be\s+)?attended|\bmasked\b(?!\s+(?:positions?\s+)?(?:are|is)\s+not)|"
                            r"\bmask(?:ed)?\s+out|\bto\s+mask\b|\bignor|\bblock|\bpad|\bexclud|\bprevent|\bdisallow|"
                            r"\bdrop", re.I)
-_ATTENDED = re.compile(r"not\s+(?:be\s+)?masked|\bunmasked|not\s+pad|\battend|\bkeep|\bkept|\bvalid\b|\bvisible|"
-                       r"\ballow|\breal\b|\binclude|\bused\b", re.I)
+_ATTENDED = re.compile(r"not\s+(?:be\s+)?masked|\bunmasked|not\s+pad|\battend(?!ion)|\bkeep|\bkept|\bvalid\b|"
+                       r"\bvisible|\ballow|\breal\b|\binclude|\bused\b", re.I)
 _ADDITIVE = re.compile(r"\badditive\b|added\s+to\s+the\s+(?:attention\s+)?(?:scores|logits|weights)|-\s*inf\b|"
                        r"large\s+negative|-1e\d|-10000\b|finfo", re.I)
 _TUPLE = re.compile(r"[(\[]([^()\[\]]{1,80})[)\]]")
@@ -186,11 +187,12 @@ def _meaning_of(words: str) -> str | None:
         return None
     if re.search(r"not\s+(?:be\s+)?masked|\bunmasked", words, re.I):
         return "allowed"
-    if _NOT_ATTENDED.search(words):
+    # the first word that says either decides: "True = keep (the decoder block's memory)" keeps; a later noun
+    # ("block", "pad") describes something else
+    blocked, allowed = _NOT_ATTENDED.search(words), _ATTENDED.search(words)
+    if blocked and (allowed is None or blocked.start() < allowed.start()):
         return "blocked"
-    if _ATTENDED.search(words):
-        return "allowed"
-    return None
+    return "allowed" if allowed else None
 
 
 def _shape_of(words: str) -> str | None:

@@ -100,7 +100,8 @@ def audit(layer, dtype=torch.float32, init="default", **declared):
 @pytest.mark.parametrize("dtype,init", [(torch.float32, "default"), (torch.bfloat16, "gpt2")])
 def test_blocked_keys_that_still_count_fail_and_their_twin_passes(bug, dtype, init):
     """The bugs mask_honoured cannot see, at torch's init in float32 and at std 0.02 in bfloat16: the sequences cut
-    to their lengths give other rows. The twin masks the scores: every detector passes (a query with no key to attend warns: a plain softmax gives it NaN)."""
+    to their lengths give other rows. The twin masks the scores: every detector passes (a query with no key to attend
+    warns: a plain softmax gives it NaN)."""
     torch.manual_seed(0)
     broken = audit(KeepCross(how=bug), dtype, init, **CROSS)
     found = broken.result("blocked_keys_absent")

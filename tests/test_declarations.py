@@ -246,6 +246,21 @@ def test_the_docstring_reader_reads_what_true_means_and_the_shape():
     assert stated_in_text("mask: True = keep, True = padding", "mask") is None  # contradicts itself
 
 
+@pytest.mark.parametrize("text, meaning", [
+    ("mask: True = keep (the decoder block's memory)", "allowed"),  # "block" a noun, after the word that says
+    ("mask: True for keys that are not allowed", "blocked"),
+    ("mask: True where attention is masked out", "blocked"),  # "attention" is not "attend"
+    ("mask: True for positions that should not attend", "blocked"),
+    ("mask: True means the token is valid and not padding", "allowed"),
+    ("mask: True for padding tokens, which are ignored", "blocked"),
+])
+def test_the_first_word_that_says_what_true_means_decides(text, meaning):
+    """Pins (`_meaning_of`): the earliest word of either kind decides, so a noun later in the clause (a transformer
+    "block", "attention") does not turn a keep-mask into a blocking one; "not allowed" blocks. A keep-mask read as
+    blocking made the audit name no convention for a layer that honours its mask as documented."""
+    assert stated_in_text(text, "mask")[0].meaning == meaning
+
+
 class WrapsMultiheadAttention(nn.Module):
     """A block around nn.MultiheadAttention: its heads and its mask convention are the inner module's."""
 

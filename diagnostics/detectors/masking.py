@@ -180,10 +180,10 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
 def _overflow_only(probe: Probe, results, readings, blocked, moves) -> str:
     """Where every scenario that moved a held row moved it only to NaN or inf under the hard push: the same
     scenarios again with their blocked keys (`blocked`: {name: (keys (B, Tk), when)}) redrawn at the inputs' own
-    scale (gain 1), the rows a correct layer moves named as before (`moves`: {name: bool}) and moved there too. Their evidence where no held row moves there (a mask applied after the softmax and
-    renormalised: right in exact arithmetic, while a blocked key pushed 1000x takes every weight and the kept ones
-    underflow to 0 / 0), else ''. A mask that lets blocked keys in moves held rows at any scale, and stays a FAIL.
-    One call per such scenario."""
+    scale (gain 1), the rows a correct layer moves named as before (`moves`: {name: bool}) and moved there too.
+    Their evidence where no held row moves there (a mask applied after the softmax and renormalised: right in exact
+    arithmetic, while a blocked key pushed 1000x takes every weight and the kept ones underflow to 0 / 0), else ''.
+    A mask that lets blocked keys in moves held rows at any scale, and stays a FAIL. One call per such scenario."""
     if not all(math.isinf(worst) for _, bad, worst, *_ in readings if bad):
         return ""
     texts = []
