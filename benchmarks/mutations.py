@@ -707,6 +707,12 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/masking.py:read_as_flag:L*:Gt->GtE#2": (
         "if float(same.max()) > tol or not float(switched.max()) > tol:", _TOLERANCE_EDGE + " (`switched`, the same "
         "kind of reading)"),
+    # the twelfth session's blocked_keys_absent (2026-12-06), checked by hand: its readings are relative changes
+    # (float32, float64 for float64 layers) against ROW_SUM's and UNCHANGED's tolerances
+    "detectors/masking.py:check_blocked_keys_absent:L*:Gt->GtE": (
+        ("int((change > tol).sum())", "failed = worst > tol", "float(reach.max()) > tol"), _TOLERANCE_EDGE),
+    "detectors/masking.py:check_blocked_keys_absent:L*:LtE->Lt": (
+        "exact <= tolerance(ROW_SUM, torch.float64)", _TOLERANCE_EDGE + " (the float64 copy's reading)"),
     # m37m: _common.py and _core.py (the full runs at ff5444f, issue 37), checked by hand:
     "detectors/_common.py:not_token_attention:L*:or->and": (
         "if not base.ok or base.record is None:", "equivalent in practice: Probe.call sets a call's record only after "

@@ -268,18 +268,26 @@ class Silent(AdditiveSelf):
         return torch.zeros_like(hidden_states)
 
 
-@pytest.mark.parametrize("layer, says", [
-    (Pooled, "has no row per query and batch element"),
-    (ChannelsFirst, "has no row per query and batch element"),
-    (FixedRows, "of the sequences cut to"),
-    (Silent, "zero or non-finite everywhere"),
+@pytest.mark.parametrize("layer, t, says", [
+    (Pooled, 16, "has no row per query and batch element (see output_shape)"),
+    (ChannelsFirst, 12, "has no row per query and batch element (see output_shape)"),  # (B, 16, 12): 16 is no T
+    (FixedRows, 16, "of the sequences cut to"),
+    (Silent, 16, "zero or non-finite everywhere"),
 ], ids=["pooled", "channels first", "fixed rows", "zeros"])
-def test_outputs_without_rows_to_compare_are_not_measured(layer, says):
+def test_outputs_without_rows_to_compare_are_not_measured(layer, t, says):
     """Pins (the shape guards of check_blocked_keys_absent): an output with no row per token, of the padded call or
     of a cut one, or one with nothing to measure against, is a skip that says so, never a comparison of other axes."""
     torch.manual_seed(0)
-    found = audit(layer(), mask="additive", seq_len=16).result("blocked_keys_absent")
+    found = audit(layer(), mask="additive", seq_len=t).result("blocked_keys_absent")
     assert found.verdict == "skip" and says in found.message, found
+
+
+def test_at_two_tokens_both_sequences_keep_one_key_and_are_named_together():
+    """Pin (the evidence's plural): below seq_len 4 the lengths may coincide; at 2 both rows keep key 0 alone, one
+    cut call serves both, and the evidence names them together."""
+    torch.manual_seed(0)
+    found = audit(KeepCross(), seq_len=2, **CROSS).result("blocked_keys_absent")
+    assert found.verdict == "pass" and "sequences 0, 1 (1 of 2 keys kept): 0 / 2 rows differ" in found.evidence, found
 
 
 def test_the_evidence_counts_the_rows_that_differ_per_sequence():
