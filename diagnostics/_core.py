@@ -214,6 +214,11 @@ def compare(probe: Probe, base: Inputs, cases: list[Case], *, label: str, parts:
 
 def stacked_call(probe: Probe, base: Inputs, cases: list[Case], *, label: str, parts: tuple = ()) -> Call:
     """The call of `compare`: baseline and cases stacked along the batch, each with its own extra mask."""
+    return probe.call(*stacked_batch(probe, base, cases), label=label, parts=parts)
+
+
+def stacked_batch(probe: Probe, base: Inputs, cases: list[Case]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(query, key, value, mask) of `stacked_call`: one stream stays one tensor, a value that is the key stays it."""
     s = probe.subject
     B, t_q, t_k = base.query.shape[0], base.query.shape[s.time_dim], base.key.shape[s.time_dim]
     everything = [base] + [c.inputs for c in cases]
@@ -222,7 +227,7 @@ def stacked_call(probe: Probe, base: Inputs, cases: list[Case], *, label: str, p
     K = Q if base.one_stream else torch.cat([x.key for x in everything])
     V = K if base.one_stream or base.value is base.key else torch.cat([x.value for x in everything])
     extra = None if base.extra is None else torch.cat([x.extra for x in everything])
-    return probe.call(Q, K, V, probe.allowed(n * B, t_q, t_k, extra), label=label, parts=parts)
+    return Q, K, V, probe.allowed(n * B, t_q, t_k, extra)
 
 
 def compared(probe: Probe, call: Call, base: Inputs, cases: list[Case]) -> Comparison | DetectorResult:
@@ -285,9 +290,11 @@ def allowed_text(tol: float, dtype) -> str:
     return f"up to {tol:.2g} of the outputs' RMS about their mean allowed for {dtype_name(dtype)}"
 
 
-def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float, str, str]:
+def held(comparison: Comparison, probe: Probe, *, what: str, dtype: torch.dtype | None = None
+         ) -> tuple[int, float, str, str]:
     """The verdict material for 'the held rows must not move': (bad count, worst change, evidence,
-    unresponsive) where `unresponsive` is non-empty when some case's `move` rows did not move at all."""
+    unresponsive) where `unresponsive` is non-empty when some case's `move` rows did not move at all. `dtype`: the
+    one the outputs were computed in, where not the layer's (a float64 copy's reading)."""
     tol = comparison.tol
     total = bad = 0
     worst, worst_at = 0.0, None
@@ -310,7 +317,7 @@ def held(comparison: Comparison, probe: Probe, *, what: str) -> tuple[int, float
     at = f" at {where_text(worst_at[0], worst_at[1])} {worst_at[2]}" if worst_at else ""
     shown = "inf (non-finite)" if math.isinf(worst) else f"{worst:.3g}"
     text = (f"{bad} / {total} {what} changed ({100 * bad / total:.1f}%); greatest change {shown}{at} "
-            f"({allowed_text(tol, probe.subject.dtype)})")
+            f"({allowed_text(tol, dtype or probe.subject.dtype)})")
     unresponsive = ("; ".join(silent) + ": no output moved, not even the rows a correct layer moves") if silent else ""
     return bad, worst, text, unresponsive
 

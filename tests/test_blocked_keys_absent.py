@@ -30,13 +30,12 @@ import diagnostics
 from correct import gpt2_init_
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
-from diagnostics.detectors.masking import _overflow_only
 
 
 class KeepCross(nn.Module):
     """Cross-attention over a memory with a keep mask (B, Tk), True = a real token, in (B, T, H, d) with einsum.
     `how` the mask acts: "scores" (blocked before the softmax: correct), "renormalised" (the weights zeroed after
-    it and renormalised: correct), "features" (the blocked tokens' features zeroed: a bug), "row0" (row 0's mask for
+    it and renormalised: correct; "renormalised+eps" over their sum plus 1e-9), "features" (the blocked tokens' features zeroed: a bug), "row0" (row 0's mask for
     every row: a bug), "dropped" (the weights zeroed after the softmax, not renormalised: a bug)."""
 
     def __init__(self, d_model=16, num_heads=2, how="scores"):
@@ -60,10 +59,12 @@ class KeepCross(nn.Module):
         if keep is not None and self.how in ("scores", "row0"):
             scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
         weights = scores.softmax(-1)
-        if keep is not None and self.how in ("renormalised", "dropped"):
+        if keep is not None and self.how in ("renormalised", "renormalised+eps", "dropped"):
             weights = weights * keep[:, None, None, :]
             if self.how == "renormalised":
                 weights = weights / weights.sum(-1, keepdim=True)
+            elif self.how == "renormalised+eps":
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-9)
         return self.to_out(torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, D))
 
 
@@ -136,23 +137,37 @@ def test_another_rows_additive_mask_fails_and_its_own_passes(dtype, init):
     assert twin.status == "passed" and set(twin.fired()) <= {"fully_masked_rows"}, str(twin)  # a row of -inf: NaN
 
 
-def test_a_softmax_renormalised_after_masking_warns_where_only_the_push_overflows_it():
-    """Right in exact arithmetic: no FAIL. mask_honoured warns, saying that only the 1000x push made the kept rows
-    non-finite and that at the inputs' own scale nothing moved; blocked_keys_absent passes."""
+def test_a_softmax_renormalised_after_masking_warns_where_only_the_push_moves_it():
+    """Right in exact arithmetic: no FAIL. Pushed 1000x, a blocked key takes every weight and the kept ones underflow
+    (0 / 0); mask_honoured reads the same scenarios at the inputs' own scale on the layer's float64 copy, where
+    nothing moves, and warns with both readings. blocked_keys_absent passes."""
     torch.manual_seed(0)
     report = audit(KeepCross(how="renormalised"), **CROSS)
     honoured = report.result("mask_honoured")
     assert report.status == "passed" and honoured.verdict == "warn", str(report)
-    assert "at the inputs' own scale they change nothing" in honoured.message
-    assert "at the inputs' own scale, 0 / " in honoured.evidence and "(x1)" in honoured.evidence, honoured
+    assert "only when pushed 1000x; at the inputs' own scale they change nothing" in honoured.message
+    assert "at the inputs' own scale on a float64 copy, 0 / " in honoured.evidence, honoured
+    assert "(x1)" in honoured.evidence and "allowed for float64" in honoured.evidence, honoured
     assert report.result("blocked_keys_absent").verdict == "pass"
 
 
-def test_the_same_softmax_masked_without_renormalising_fails_at_any_scale():
-    """The twin of the test above on the same inputs: the kept weights sum to less than one, so blocked keys move
-    the kept rows at the inputs' own scale too, and mask_honoured fails; so does blocked_keys_absent."""
+def test_an_epsilon_in_the_renormalisation_leaves_blocked_keys_a_share_and_fails():
+    """`w * m / (w.sum() + 1e-9)`: the blocked keys stay in the normaliser through the epsilon, a 1e-9 share of the
+    output (and of the gradient), which float64 reads: mask_honoured and gradients fail, a finding about a real
+    dependence, not the push's."""
     torch.manual_seed(0)
-    report = audit(KeepCross(how="dropped"), **CROSS)
+    report = audit(KeepCross(how="renormalised+eps"), **CROSS)
+    assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
+    assert report.result("gradients").verdict == "fail", report.result("gradients")
+
+
+@pytest.mark.parametrize("dtype,init", [(torch.float32, "default"), (torch.bfloat16, "gpt2")])
+def test_the_same_softmax_masked_without_renormalising_fails_at_any_scale(dtype, init):
+    """The twin of the test above on the same inputs: the kept weights sum to less than one, so blocked keys move
+    the kept rows at the inputs' own scale too, and mask_honoured fails; so does blocked_keys_absent. At std 0.02 in
+    bfloat16 that move is below the layer's tolerance unless pushed: the second reading is float64's, whose is not."""
+    torch.manual_seed(0)
+    report = audit(KeepCross(how="dropped"), dtype, init, **CROSS)
     assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
     assert report.result("blocked_keys_absent").verdict == "fail", report.result("blocked_keys_absent")
 
@@ -219,20 +234,11 @@ class RenormalisedPooled(KeepCross):
 
 
 def test_a_renormalised_softmax_whose_padding_also_leaks_at_the_inputs_own_scale_fails():
-    """The warning's twin (pin: `_overflow_only` reads the held rows at gain 1 and names no warning where they
-    move): pushed, its held rows go non-finite as the correct one's do, but at the inputs' own scale they move too."""
+    """The warning's twin (pin: `_pushed_only` reads the held rows at gain 1 and names no warning where they move):
+    pushed, its held rows go non-finite as the correct one's do, but at the inputs' own scale they move too."""
     torch.manual_seed(0)
     report = audit(RenormalisedPooled(), **CROSS)
     assert report.result("mask_honoured").verdict == "fail", report.result("mask_honoured")
-
-
-def test_a_finite_move_under_the_push_is_a_fail_without_a_second_reading():
-    """Pin (`_overflow_only`): only where every scenario that moved a held row moved it to NaN or inf is the gain-1
-    reading made; one finite move (here the second scenario's) returns at once, before any comparison is read."""
-    unreadable = object()  # any use of a result's comparison would raise
-    readings = [("padding", 3, math.inf, "", ""), ("causal", 2, 0.5, "", "")]
-    results = [("padding", unreadable, None, False), ("causal", unreadable, None, False)]
-    assert _overflow_only(None, results, readings, {}, {}) == ""
 
 
 class Pooled(nn.Module):

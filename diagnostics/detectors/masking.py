@@ -10,7 +10,6 @@ outputs, no mask gives others."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,19 +20,22 @@ from .._core import (
     Inputs,
     allowed_text,
     compare,
+    compared,
     expand_rows,
     held,
     not_run,
     perturbed,
     relative_change,
     skip,
+    stacked_batch,
     unravel,
     where_text,
 )
-from .._probe import Probe
+from .._probe import Call, Probe
 from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
-from .._thresholds import ROW_SUM, dtype_name, tolerance
+from .._subject import Output
+from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
 from ._common import float64_copy_or_skip, float64_output, invariance_sites, judge, perturbation_gains, result
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
 from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
@@ -103,14 +105,6 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
         return unmeasured
     readings = [(name, *held(c, probe, what="outputs")) for name, c, _, _ in results]
     bad = [name for name, b, _, _, _ in readings if b]
-    overflow = _overflow_only(probe, results, readings, blocked, moves) if bad else ""
-    if overflow:
-        return result(det, "warn", f"keys the mask blocks, pushed {perturbation_gains(probe)[0]:g}x, make the rows "
-                                   f"that may not attend them non-finite, while at the inputs' own scale they change "
-                                   f"nothing: the softmax runs over the blocked keys before they are removed (its "
-                                   f"kept weights underflow when a blocked score dominates)", value=math.inf,
-                      threshold=results[0][1].tol, evidence=overflow, fix=OVERFLOW_FIX,
-                      replay=tuple(c for _, c, *_ in results))
     # keys the mask allows do nothing where the output does respond to others: the mask works the wrong way round
     # (it may hold every blocked row still, by zeroing the very rows it should keep)
     backwards = [(name, text) for name, _, (moved, text), cross in results if cross and moved is False]
@@ -135,6 +129,14 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     if not bad and base.one_stream and not any(cross for *_, cross in results):
         return skip(det, "no changed key moved any other query's output (each output moves with its own token "
                          "only): the layer mixes no tokens, so the mask has nothing to block")
+    pushed = _pushed_only(probe, results, readings, blocked, moves) if bad else ""
+    if pushed:
+        return result(det, "warn", f"keys the mask blocks move the rows that may not attend them only when pushed "
+                                   f"{perturbation_gains(probe)[0]:g}x; at the inputs' own scale they change nothing: "
+                                   f"the mask is removed after the softmax (its kept weights underflow when a blocked "
+                                   f"score dominates), or a finite fill is overcome",
+                      value=max(w for _, _, w, _, _ in readings), threshold=results[0][1].tol, evidence=pushed,
+                      fix=PUSHED_FIX, replay=tuple(c for _, c, *_ in results))
     found = judge(det, bool(bad), f"outputs depend on keys the mask blocks ({', '.join(bad)})",
                     f"keys the mask blocks have no effect ({_listed([name for name, *_ in results])} "
                     f"mask{'s' if len(results) > 1 else ''})",
@@ -177,14 +179,21 @@ def check_mask_honoured(probe: Probe) -> DetectorResult:
     return found
 
 
-def _overflow_only(probe: Probe, results, readings, blocked, moves) -> str:
-    """Where every scenario that moved a held row moved it only to NaN or inf under the hard push: the same
-    scenarios again with their blocked keys (`blocked`: {name: (keys (B, Tk), when)}) redrawn at the inputs' own
-    scale (gain 1), the rows a correct layer moves named as before (`moves`: {name: bool}) and moved there too.
-    Their evidence where no held row moves there (a mask applied after the softmax and renormalised: right in exact
-    arithmetic, while a blocked key pushed 1000x takes every weight and the kept ones underflow to 0 / 0), else ''.
-    A mask that lets blocked keys in moves held rows at any scale, and stays a FAIL. One call per such scenario."""
-    if not all(math.isinf(worst) for _, bad, worst, *_ in readings if bad):
+def _pushed_only(probe: Probe, results, readings, blocked, moves) -> str:
+    """After held rows moved under the hard push: the scenarios that moved them again, their blocked keys
+    (`blocked`: {name: (keys (B, Tk), when)}) redrawn at the inputs' own scale (gain 1), on the layer's float64 copy,
+    the rows a correct layer moves named as before (`moves`: {name: bool}) and moved there too. Their evidence where
+    no held row moves there (beyond float64's "unchanged" tolerance), else ''.
+
+    A mask applied after the softmax and renormalised (`w * m / w.sum()`) is right in exact arithmetic, but a blocked
+    key pushed 1000x takes every weight, and the kept ones underflow to 0 / 0; a finite fill that a pushed score
+    overcomes lets it in only then too. (With an epsilon, `/ (w.sum() + 1e-9)`, the blocked keys keep a 1e-9 share
+    through the normaliser, which float64 reads: a FAIL, as gradients' is.) At the inputs' own scale in float64 nothing
+    moves. A mask that lets blocked keys in moves held rows at any scale: at std-0.02 in bfloat16 a mask applied after
+    the softmax moves them by less than the layer's tolerance unless pushed, which is why the reading is float64's,
+    whose tolerance (1e-10) no such leak stays under. No copy, or a call of it that raises: '' (the FAIL stands)."""
+    twin = float64_copy_or_skip(probe, probe.detector)
+    if isinstance(twin, DetectorResult):
         return ""
     texts = []
     for (name, comparison, *_), (_, bad, _, pushed, _) in zip(results, readings):
@@ -192,21 +201,30 @@ def _overflow_only(probe: Probe, results, readings, blocked, moves) -> str:
             continue
         base = comparison.base
         keys, when = blocked[name]
-        again = compare(probe, base, blocked_key_cases(probe, base, keys, when, control=False, moves=moves[name],
-                                                       gains=(1.0,)),
-                        label=f"{name} mask, blocked keys changed at the inputs' own scale")
+        cases = blocked_key_cases(probe, base, keys, when, control=False, moves=moves[name], gains=(1.0,))
+        query, key, value, allowed = stacked_batch(probe, base, cases)
+        replay = Call(query, key, value, allowed, None, None, label=f"float64 copy: {name} mask, blocked keys "
+                                                                        f"changed at the inputs' own scale")
+        probe.passes += 1
+        try:
+            replay.output = Output(float64_output(twin, replay), None)
+        except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+            return ""
+        again = compared(probe, replay, base, cases)
         if isinstance(again, DetectorResult):
             return ""
-        moved, _, text, unresponsive = held(again, probe, what="outputs")
+        again = replace(again, tol=tolerance(UNCHANGED, torch.float64))
+        moved, _, text, unresponsive = held(again, probe, what="outputs", dtype=torch.float64)
         if moved or unresponsive:
             return ""
-        texts.append(f"{name} mask: pushed, {pushed}; at the inputs' own scale, {text}")
+        texts.append(f"{name} mask: pushed, {pushed}; at the inputs' own scale on a float64 copy, {text}")
     return "; ".join(texts)
 
 
-OVERFLOW_FIX = ("block the keys in the scores before the softmax (scores.masked_fill(~mask, -inf), or attn_mask= to "
-                "scaled_dot_product_attention) instead of zeroing and renormalising the weights after it: a padded "
-                "token with a large score then cannot take every weight from the kept ones")
+PUSHED_FIX = ("block the keys in the scores before the softmax with -inf (scores.masked_fill(~mask, -inf), or attn_mask= "
+              "to scaled_dot_product_attention) instead of zeroing and renormalising the weights after it, or adding a "
+              "finite fill a large score overcomes: a padded token with a large score then cannot take the kept ones' "
+              "weight")
 
 
 def mask_sites(probe: Probe, result: DetectorResult) -> list[Site]:
