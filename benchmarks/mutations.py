@@ -420,7 +420,7 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/variance.py:_bound_check:L*:x10": (
         "(hi - lo).clamp_min(1e-12)", "equivalent in practice: the floor matters only where the values' spread over "
         "the keys is below 1e-11; the probe's values are standard normal draws of 16 keys"),
-    "_core.py:stacked_call:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
+    "_core.py:stacked_batch:L*:or->and": ("base.one_stream or base.value is base.key", _VALUES_ARE_KEYS),
     "detectors/_mask_hints.py:honoured_conventions:L*:or->and": (
         ("base.one_stream or base.value is base.key", "baseline_scale(chunks[0], centred=True) or None"),
         "on either line. `base.one_stream or base.value is base.key`: " + _VALUES_ARE_KEYS + ". `or None` made `and "
