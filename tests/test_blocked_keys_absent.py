@@ -208,6 +208,21 @@ def test_a_layer_the_padding_cannot_reach_is_not_measured_by_the_cut_sequences()
     assert found.verdict == "skip" and "proves nothing about the mask" in found.message, found
 
 
+class TokenwiseZeroed(Tokenwise):
+    """Mixes no tokens, and zeroes its padded queries' outputs under a keep mask (B, T): only those rows differ with
+    a mask that blocks nothing."""
+
+    def forward(self, x, mask=None):
+        return self.proj(x) if mask is None else self.proj(x) * mask[..., None]
+
+
+def test_the_control_reads_the_kept_rows_only():
+    """Pin (the control): the padded queries' own rows move when nothing is blocked (their outputs are no longer
+    zeroed), but no kept row does: the padding cannot reach them, and the detector says so instead of passing."""
+    found = audit(TokenwiseZeroed(), mask="key_keep").result("blocked_keys_absent")
+    assert found.verdict == "skip" and "proves nothing about the mask" in found.message, found
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("t", [4, 5, 8, 16, 33])
 def test_the_padding_probes_lengths_differ_between_rows(seed, t):

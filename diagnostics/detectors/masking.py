@@ -462,8 +462,12 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
                       evidence=evidence, replay=tuple(calls))
     opened = probe.call(base.query, base.key, base.value, probe.allowed(B, T, T, torch.ones_like(base.extra)),
                         label="the padding probe's inputs, nothing blocked")
-    reach = relative_change(opened.output.out, out, centred=True) if opened.ok and \
+    change = relative_change(opened.output.out, out, centred=True) if opened.ok and \
         opened.output.out.shape == out.shape else None
+    # the kept rows only: a layer may zero its padded queries' outputs under a mask (x-transformers does)
+    kept_rows = torch.ones(B, own, dtype=torch.bool) if own else \
+        torch.arange(T) < torch.tensor(lengths).unsqueeze(-1)  # (B, Tq)
+    reach = None if change is None else change[expand_rows(kept_rows, change)]
     if reach is None or not float(reach.max()) > tol:
         return skip(det, "the padded keys, given a mask that blocks nothing, moved no kept row either, so the rows' "
                          "agreement with the cut sequences proves nothing about the mask")
