@@ -464,8 +464,11 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
                         label="the padding probe's inputs, nothing blocked")
     change = relative_change(opened.output.out, out, centred=True) if opened.ok and \
         opened.output.out.shape == out.shape else None
-    # the kept rows only: a layer may zero its padded queries' outputs under a mask (x-transformers does)
-    kept_rows = torch.ones(B, own, dtype=torch.bool) if own else \
+    # the kept rows only, where they may attend the padding: a layer may zero its padded queries' outputs under a
+    # mask (x-transformers does), which moves only those rows. A causal audit's (or a declared pattern's) kept rows
+    # never see the trailing padding, so there any row that moved shows the layer reads the mask
+    hidden = probe.causal or getattr(probe, "pattern", None) is not None
+    kept_rows = torch.ones(B, own or T, dtype=torch.bool) if own or hidden else \
         torch.arange(T) < torch.tensor(lengths).unsqueeze(-1)  # (B, Tq)
     reach = None if change is None else change[expand_rows(kept_rows, change)]
     if reach is None or not float(reach.max()) > tol:
