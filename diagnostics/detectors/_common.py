@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._core import Comparison, expand_rows, held, skip
+from .._core import Comparison, expand_rows, held, relative_change, skip
 from .._observe import Mode, Observer, not_over_tokens
 from .._probe import Call, Probe
 from .._registry import DETECTORS, NOT_APPLICABLE
@@ -220,6 +220,34 @@ def float64_output(twin, call) -> Tensor:
 
     with torch.no_grad():
         return twin(wide(call.query), wide(call.key), wide(call.value), call.allowed).out
+
+
+def float64_worst(probe: Probe, reference: Call, calls, rows) -> float | None:
+    """The largest change between the float64 copy's outputs on `calls` and on `reference` (each on its call's own
+    inputs, upcast), each pair cut to the rows it compares by `rows(call, got, whole) -> (got's rows, whole's rows)`,
+    centred and against the reference output's scale: a reading over a tolerance taken again without the lower
+    precision's rounding (decode_consistency's partial calls, blocked_keys_absent's cut sequences). None where no
+    copy runs or a call raises: the verdict in the layer's own dtype stands."""
+    twin = float64_copy_or_skip(probe, probe.detector)
+    if isinstance(twin, DetectorResult):
+        return None
+
+    def run(c):
+        probe.passes += 1
+        return float64_output(twin, c)
+
+    try:
+        whole = run(reference)
+        worst = 0.0
+        for call in calls:
+            got, want = rows(call, run(call), whole)
+            change = relative_change(got, want, centred=True, scale_of=whole)
+            if change is None:
+                return None
+            worst = max(worst, float(change.max()))
+        return worst
+    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+        return None
 
 
 def float64_twin(probe: Probe):

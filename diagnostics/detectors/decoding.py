@@ -21,7 +21,7 @@ from .._tracing import (
     tensors,
     trace_call,
 )
-from ._common import float64_copy_or_skip, float64_output, judge, logit_gain
+from ._common import float64_worst, judge, logit_gain
 from ._stacked import DECODING, decode_splits, decoding_calls, stacked_cases
 
 
@@ -271,27 +271,9 @@ def check_decode_consistency(probe: Probe) -> DetectorResult:
 def _float64_reading(probe: Probe, full, parts) -> float | None:
     """decode_consistency's largest change measured again on the float64 copy of the layer, on the very inputs of
     the full pass and of each partial call upcast; None where no copy runs or a call raises."""
-    twin = float64_copy_or_skip(probe, probe.detector)
-    if isinstance(twin, DetectorResult):
-        return None
     t, T = probe.subject.time_dim, probe.t
-
-    def run(c):
-        probe.passes += 1
-        return float64_output(twin, c)
-
-    try:
-        whole = run(full)
-        worst = 0.0
-        for n, part in parts:
-            got = run(part)
-            change = relative_change(got, whole.narrow(t, T - n, n), centred=True, scale_of=whole)
-            if change is None:
-                return None
-            worst = max(worst, float(change.max()))
-        return worst
-    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
-        return None
+    return float64_worst(probe, full, [part for _, part in parts],
+                         lambda call, got, whole: (got, whole.narrow(t, T - call.query.shape[t], call.query.shape[t])))
 
 
 @stacked_cases(DECODING, "decode_consistency")

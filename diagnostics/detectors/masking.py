@@ -36,7 +36,15 @@ from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
 from .._subject import Output
 from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
-from ._common import float64_copy_or_skip, float64_output, invariance_sites, judge, perturbation_gains, result
+from ._common import (
+    float64_copy_or_skip,
+    float64_output,
+    float64_worst,
+    invariance_sites,
+    judge,
+    perturbation_gains,
+    result,
+)
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
 from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
 from .finite import ROW_FILLS, nonfinite_sites
@@ -467,7 +475,7 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
     # the kept rows only, where they may attend the padding: a layer may zero its padded queries' outputs under a
     # mask (x-transformers does), which moves only those rows. A causal audit's (or a declared pattern's) kept rows
     # never see the trailing padding, so there any row that moved shows the layer reads the mask
-    hidden = probe.causal or getattr(probe, "pattern", None) is not None
+    hidden = probe.causal or probe.pattern is not None
     kept_rows = torch.ones(B, own or T, dtype=torch.bool) if own or hidden else \
         torch.arange(T) < torch.tensor(lengths).unsqueeze(-1)  # (B, Tq)
     reach = None if change is None else change[expand_rows(kept_rows, change)]
@@ -495,26 +503,14 @@ def _cut(base: Inputs, length: int, t: int) -> Inputs:
 def _float64_worst(probe: Probe, padded, cuts, lengths) -> float | None:
     """blocked_keys_absent's largest change measured again on the float64 copy of the layer, on the padded call's
     inputs and each cut call's, upcast; None where no copy runs or a call raises."""
-    twin = float64_copy_or_skip(probe, probe.detector)
-    if isinstance(twin, DetectorResult):
-        return None
     t, own = probe.subject.time_dim, probe.subject.own_queries
-    try:
-        probe.passes += 1 + len(cuts)
-        whole = float64_output(twin, padded)
-        worst = 0.0
-        for call in cuts:
-            length = call.query.shape[t]
-            rows = [b for b, n in enumerate(lengths) if n == length]
-            kept = own or length
-            change = relative_change(float64_output(twin, call)[rows].narrow(t, 0, kept),
-                                     whole[rows].narrow(t, 0, kept), centred=True, scale_of=whole)
-            if change is None:
-                return None
-            worst = max(worst, float(change.max()))
-        return worst
-    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
-        return None
+
+    def rows(call, got, whole):  # the sequences of the call's length, their kept rows
+        length = call.query.shape[t]
+        kept, at = own or length, [b for b, n in enumerate(lengths) if n == length]
+        return got[at].narrow(t, 0, kept), whole[at].narrow(t, 0, kept)
+
+    return float64_worst(probe, padded, cuts, rows)
 
 
 @detector("fully_masked_rows", "a query whose every key is masked gives a finite output (warns on NaN), and NaN "
