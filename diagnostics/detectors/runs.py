@@ -483,8 +483,8 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     no tokens and its mask over none of them: self-attention over x. Where it attends a memory apart, the per-key
     convention in which it honours a mask over the memory (`_key_convention`), and the call that gives a mask keeping
     every token wherever the audit gives none (Lumina). Each is named only where it ran; else `runs` is a skip that
-    says the layer requires both, naming no declaration (the audit is inconclusive)."""
-    s = probe.subject
+    says the layer requires both, naming no declaration (the audit is inconclusive). A memory of any name: one
+    the audit does not know (`forward(x, cond, mask)`) gets the same call, by its own name."""
     ones = {mask_name: None}  # `_given`'s default: a (B, Tm) mask of ones
     out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
     moved = None if out is None else _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
