@@ -50,6 +50,7 @@ from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
+from ._heads_out import heads_out_seen
 from ._common import (GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, logit_gain, pack,
                       result, zeros_drawn)
 
@@ -485,6 +486,10 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     whole = {name for name, where in unused if where == "everywhere"}
     copies = {name: at for name in whole if (at := kept_copy(name, params, whole))}
     unused = [(name, where) for name, where in unused if name not in copies]
+    heads = heads_out_seen(probe) if any(where == "everywhere" for _, where in unused) else None
+    left = "" if heads is None or heads.projection is None else heads.projection
+    caller = [name for name, where in unused if left and where == "everywhere" and name.startswith(left + ".")]
+    unused = [(name, where) for name, where in unused if name not in caller]
     note = (f"; {', '.join(explained)}: zero gradient, and changing it shifts every row of the scores by a "
             f"constant, which the softmax removes exactly (a key bias is inert by design)" if explained else "")
     kept = "; ".join(f"{name} is a copy of {at}" for name, at in sorted(copies.items()))
@@ -535,6 +540,14 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                                f"would show a use; of {checked}){note}" + (f"; not used either, but kept copies: {kept}"
                                                                             if kept else ""),
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
+    if caller:
+        return result(det, "warn", f"{', '.join(caller)} not measured: the layer never calls `{left}`, and returns each "
+                                   f"head's output apart, for its caller to merge and project (see output_shape)",
+                      value=max(moved_by[n] for n in caller), threshold=FORWARD_MOVES,
+                      evidence=f"{'; '.join(f'{n} {tuple(params[n].shape)}' for n in caller)}: gradient exactly 0 "
+                               f"everywhere, `{left}` never reached by the call, its width the heads' merged width; "
+                               f"every other parameter moves the output ({checked}){note}",
+                      fix=f"audit with the call output_shape names, which applies `{left}` as the caller does")
     if empty:
         them, owners = ("them", "their modules were") if len(empty) > 1 else ("it", "its module was")
         return result(det, "warn", f"{', '.join(empty)} not measured: {owners} given no token on this call (a stream "

@@ -21,6 +21,7 @@ from .._subject import (MEMORY_TOKENS, call_declaration, left_streams, spell, st
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import own_queries_seen, result
+from ._heads_out import heads_seen
 from ._mask_hints import candidates, convention_hint, conventions_run, honoured_conventions
 
 
@@ -489,14 +490,18 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
     moved = None if out is None else _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
     how, declare = "", ""
+    # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with the
+    # layer's own `to_out`: the call named merges them and applies the one projection the layer never calls, as the
+    # block does (a call that merged them alone would leave `to_out` unused, a false FAIL)
+    heads = None if out is None or out.shape == call.query.shape else heads_seen(
+        probe.subject.layer, out, tuple(call.query.shape),
+        lambda t: _given(probe, torch.cat([call.query] * 4, 1)[:, :t], stream, x_to=x_to, kept=ones))
+    apart = "" if heads is None else f"; it returns {heads.describe(tuple(out.shape))}"
+    merge = (lambda body: body) if heads is None else heads.merged
     if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on
         pass
-    elif out.shape != call.query.shape:
-        # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with
-        # the layer's own `to_out` outside it: a call that merged them would leave `to_out` unused, a false FAIL
-        per_head = out.dim() == 4 and out.shape[-2] * out.shape[-1] == call.query.shape[-1]
-        how = (f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}" +
-               (": each head's output, merged (and projected) outside it, by its caller" if per_head else ""))
+    elif out.shape != call.query.shape and (heads is None or heads.left and not heads.projection):
+        how = apart or f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}"
     elif moved is None:
         how = (f"; whether it attends its queries together with `{stream}` could not be read "
                f"({_unread_rows(call.query)})")
@@ -505,8 +510,8 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
         if _given(probe, call.query[:, :0], stream, x_to=x_to, kept=none, length=call.query.shape[1],
                   queries=call.query) is not None:
             to_x = "x" if to is None else f"{to}=x"
-            declare = call_declaration("layer, x", f"layer({to_x}, {stream}=x[:, :0], {mask_name}=x.new_ones("
-                                                   f"x.shape[0], 0))", probe.options)
+            declare = call_declaration("layer, x", merge(f"layer({to_x}, {stream}=x[:, :0], {mask_name}=x.new_ones("
+                                                         f"x.shape[0], 0))"), probe.options)
             how = (f"attends its queries together with `{stream}` (another output row moved by {moved:.3g} of the "
                    f"outputs' RMS when one query token changed, {MEMORY_TOKENS} `{stream}` tokens given, every one "
                    f"kept): joint attention; given `{stream}` with no tokens and `{mask_name}` over none it is "
@@ -525,7 +530,7 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
                     "blocked": "memory.new_zeros(memory.shape[:2], dtype=bool)",
                     "additive": "memory.new_zeros(memory.shape[:2])"}[convention.meaning]
             x = "x" if to is None else f"{to}=x"
-            body = f"layer({x}, {stream}=memory, {mask_name}={kept} if mask is None else mask)"
+            body = merge(f"layer({x}, {stream}=memory, {mask_name}={kept} if mask is None else mask)")
             declare = ", ".join([spell("cross", True, probe.options), spell("mask", str(convention), probe.options),
                                  call_declaration("layer, x, memory, mask", body, probe.options)])
             how = (f"attends `{stream}` as a memory (each output row moved only with its own query) and honours "
@@ -535,7 +540,7 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     if declare:
         return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
                                       f"without `{stream}` ({call.describe_error()}), and raises given `{stream}` "
-                                      f"alone; given `{mask_name}` over its tokens too, it runs and {how}",
+                                      f"alone; given `{mask_name}` over its tokens too, it runs and {how}{apart}",
                       evidence=evidence, fix=f"audit with {declare}", declaration=declare)
     return result("runs", "skip", f"not measured: the layer raised on every probe, each given without "
                                   f"`{stream}` ({call.describe_error()}), and raises given `{stream}` alone; "

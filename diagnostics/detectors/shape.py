@@ -9,6 +9,7 @@ from .._result import DetectorResult, Site
 from .._tracing import stream_sites, trace_call
 from .._subject import spell
 from ._common import own_queries_seen, result
+from ._heads_out import heads_out_seen, merged_call
 from ._stacked import decoding_calls
 
 
@@ -67,6 +68,9 @@ def check_output_shape(probe: Probe) -> DetectorResult:
                           f"{'y' if seen == 1 else 'ies'} of its own (an attention-pooling head, Set Transformer's "
                           f"PMA, Perceiver's latents); a layer meant to return a row per token returns the wrong shape",
                       declaration=declare)
+    heads = heads_out_seen(probe) if wrong and seen is None else None
+    if heads is not None:  # a correct layer of another convention, as above: its caller merges the heads
+        return _heads_apart(probe, heads)
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
         declared = {} if not s.own_queries else {"fix": (
@@ -81,3 +85,26 @@ def check_output_shape(probe: Probe) -> DetectorResult:
     rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
     return result(det, "pass", f"output shape is {rows} " + ", ".join(
         f"{tuple(c.output.out.shape)}" for _, c, _ in checks))
+
+
+def _heads_apart(probe: Probe, heads) -> DetectorResult:
+    """`output_shape` for a module that returns each head's output apart (`_heads_out.heads_out_seen`): it needs a
+    declaration, the call that merges the heads as its caller does (and applies the projection it leaves to it), or,
+    where the audit's call cannot be written as one, a wrapper; never a failure, as the caller may merge them so."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    got = tuple(probe.base().output.out.shape)
+    declare = merged_call(probe, heads)
+    merge = ("out.reshape(B, T, H * d)" if heads.layout == "bthd" else "out.transpose(1, 2).reshape(B, T, H * d)")
+    bug = (f"a layer meant to return one row per token of width {s.expected_out_shape(B, T)[-1]} merges its heads "
+           f"itself, {merge}" + (f", and applies `{heads.projection}` to them" if heads.projection else ""))
+    message = f"the output is {heads.describe(got)}"
+    evidence = (f"the standard probe: output {got}, expected {s.expected_out_shape(B, T)}; each head's output apart "
+                f"again at another length, and attention over the tokens observed")
+    if declare is None:
+        why = ("" if heads.left and not heads.projection else  # which projection: `describe` says it cannot be told
+               "; the audit's call of the layer cannot be written as a declared call that merges them")
+        return result("output_shape", "skip", f"not measured: {message}{why}", evidence=evidence,
+                      fix=f"wrap the layer in a module that merges its heads as its caller does and audit the wrapper; "
+                          f"{bug}")
+    return result("output_shape", "skip", f"needs a declaration, {declare}: {message}", evidence=evidence,
+                  fix=f"audit with {declare} if the layer's caller merges its heads so; {bug}", declaration=declare)

@@ -1,0 +1,142 @@
+"""A module that returns each head's output apart, (B, T, H, d) or (B, H, T, d), for its caller to merge and project
+(`detectors/_heads_out.py`): an attention core, as diffusers' Lumina processor is (its block merges the heads and
+applies the layer's own `to_out`). Another convention, not a defect: the report needs a declaration, the call that
+merges the heads as the caller does and applies the one projection the layer never calls; under it the correct
+layer passes and each twin (q·k unscaled, heads merged without their transpose, a mask ignored) fails. Before,
+`output_shape` and `parameters_used` failed the correct layer, with a fix about swapped streams.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import correct
+import diagnostics
+
+
+class HeadsApart(nn.Module):
+    """Self-attention that returns each head's output apart: (B, T, H, d) (`layout="bthd"`) or (B, H, T, d)
+    ("bhtd"); `to_out`, where built, is its caller's to apply. `bug`: "unscaled" (q·k not divided by sqrt(d)),
+    "no_transpose" ((B, H, T, d) viewed as (B, T, H, d) without the transpose), "mask_ignored"."""
+
+    def __init__(self, dim=32, heads=4, *, layout="bthd", projections=1, bug=None):
+        super().__init__()
+        self.heads, self.layout, self.bug = heads, layout, bug
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        if projections:
+            self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+        if projections > 1:
+            self.extra_out = nn.Linear(dim, dim)
+
+    def attend(self, x, keep=None):
+        B, T, D = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        mask = None if keep is None or self.bug == "mask_ignored" else keep[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 if self.bug == "unscaled" else None)
+        if self.layout == "bhtd":
+            return out
+        return out.reshape(B, T, self.heads, -1) if self.bug == "no_transpose" else out.transpose(1, 2)
+
+    def forward(self, x):
+        return self.attend(x)
+
+
+class HeadsApartMasked(HeadsApart):
+    """The same, with a padding mask over its keys: `key_padding_mask` (B, T), True = padding."""
+
+    def forward(self, x, key_padding_mask=None):
+        return self.attend(x, None if key_padding_mask is None else ~key_padding_mask)
+
+
+def _made(cls=HeadsApart, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    layer = cls(**kw)
+    if dtype != torch.float32:  # training's scale: GPT-2's initialisation, in the low precision
+        correct.gpt2_init_(layer)
+    return layer.to(dtype)
+
+
+def _declared(report) -> dict:
+    """The report's declaration as keyword arguments for audit(), as a user would paste it."""
+    call = ast.parse(f"f({report.declaration})", mode="eval").body
+    return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {})  # noqa: S307 -- the report's
+            if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
+
+
+CALLS = {("bthd", 1): "call=lambda layer, x: layer.to_out[0](layer(x).flatten(2))",
+         ("bhtd", 1): "call=lambda layer, x: layer.to_out[0](layer(x).transpose(1, 2).flatten(2))",
+         ("bthd", 0): "call=lambda layer, x: layer(x).flatten(2)",
+         ("bhtd", 0): "call=lambda layer, x: layer(x).transpose(1, 2).flatten(2)"}
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16-std0.02")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout, projections", list(CALLS), ids=[f"{a}-{'projection' if p else 'none'}"
+                                                                    for a, p in CALLS])
+def test_a_layer_returning_its_heads_apart_needs_the_call_that_merges_them_and_passes_under_it(layout, projections,
+                                                                                               dtype):
+    layer = _made(layout=layout, projections=projections, dtype=dtype)
+    report = diagnostics.audit(layer, progress=False, dtype=dtype)
+    assert report.status == "inconclusive" and report.declaration == CALLS[layout, projections], str(report)
+    assert report.result("output_shape").verdict == "skip" and "heads' output apart" in report.status_reason
+    used = report.result("parameters_used")
+    assert used.verdict == ("warn" if projections else "pass"), used.message
+    assert not any(m._forward_pre_hooks for m in layer.modules()), "the audit left a hook on the layer"
+    again = diagnostics.audit(_made(layout=layout, projections=projections, dtype=dtype), progress=False, dtype=dtype,
+                              **_declared(report))
+    assert again.status == "passed", str(again)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug, caught_by", [("unscaled", "softmax_saturation"), ("no_transpose", None)])
+def test_its_twins_name_the_same_call_and_fail_under_it(bug, caught_by, dtype):
+    """On the same inputs as the correct layer above: the declaration is the correct layer's, and it does not pass
+    the bug (heads merged without their transpose keeps the (B, T, H, d) form, so the hint reads it the same)."""
+    report = diagnostics.audit(_made(bug=bug, dtype=dtype), progress=False, dtype=dtype)
+    assert report.declaration == CALLS["bthd", 1], str(report)
+    again = diagnostics.audit(_made(bug=bug, dtype=dtype), progress=False, dtype=dtype, **_declared(report))
+    assert again.status == "failed", str(again)
+    assert caught_by is None or again.result(caught_by).verdict == "fail", str(again)
+
+
+@pytest.mark.parametrize("bug", [None, "mask_ignored"], ids=["correct", "mask ignored"])
+def test_the_call_keeps_the_mask_in_the_convention_the_layer_states(bug):
+    report = diagnostics.audit(_made(HeadsApartMasked, bug=bug), progress=False)
+    assert report.declaration == ("mask='key_padding', call=lambda layer, x, mask: layer.to_out[0](layer(x, "
+                                  "key_padding_mask=mask).flatten(2))"), str(report)
+    again = diagnostics.audit(_made(HeadsApartMasked, bug=bug), progress=False, **_declared(report))
+    assert again.status == ("passed" if bug is None else "failed"), str(again)
+    assert bug is None or again.result("mask_honoured").verdict == "fail", str(again)
+
+
+def test_two_projections_never_called_name_no_call():
+    """Which of them the caller applies cannot be told: `output_shape` names no call and says why."""
+    report = diagnostics.audit(_made(projections=2), progress=False)
+    shape = report.result("output_shape")
+    assert shape.verdict == "skip" and not shape.declaration, shape.message
+    assert "`to_out.0`, `extra_out`" in shape.message and "cannot be told" in shape.message, shape.message
+
+
+class WrongWidth(HeadsApart):
+    """A shape bug that is no per-head form: half the heads' output returned, (B, T, D / 2)."""
+
+    def forward(self, x):
+        return self.attend(x).flatten(2)[..., : x.shape[-1] // 2]
+
+
+def test_an_output_of_another_shape_still_fails():
+    report = diagnostics.audit(_made(WrongWidth), progress=False)
+    assert report.result("output_shape").verdict == "fail" and not report.declaration, str(report)
+
+
+def test_on_the_command_line_the_call_is_a_function_to_name():
+    from diagnostics._cli import OPTIONS
+
+    report = diagnostics.audit(_made(), progress=False, _options=OPTIONS)
+    assert report.declaration == ("--call mymodule:call with def call(layer, x): return "
+                                  "layer.to_out[0](layer(x).flatten(2))"), report.declaration
