@@ -327,6 +327,35 @@ def through_carries(trace: Trace, op: Op | None) -> Op | None:
     return op
 
 
+ROW_PICKS = {"slice", "select", "index", "narrow"}
+
+
+def batch_picker(trace: Trace, mask_id: int | None, batch: int) -> Op | None:
+    """Back from the mask `mask_id` along its first inputs, the op of the user's that takes some of the `batch` rows
+    of a mask for every sequence: `mask[:1]` or `mask[0]` (fewer rows out than the batch's in), which a broadcast or
+    an expand then hands to each. None where the mask keeps its batch axis all the way back (a mask shared by the
+    batch from the start, a causal buffer of one row, is never picked)."""
+    op, seen = (None if mask_id is None else producer(trace, mask_id)), 0
+    while op is not None and op.in_ids and seen < 32:
+        if op.frames and op.short in ROW_PICKS and _picks_rows(op, batch):
+            return op
+        op, seen = producer(trace, op.in_ids[0]), seen + 1
+    return None
+
+
+def _picks_rows(op: Op, batch: int) -> bool:
+    """Whether `op` (a slice, select, index or narrow) of a tensor of `batch` rows keeps fewer of them, or drops the
+    batch axis (`mask[0]`)."""
+    given = op.args[0] if op.args and isinstance(op.args[0], Tensor) else None
+    out = next((o for o in op.outs if o is not None), None)
+    dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else 0
+    if given is None or out is None or not given.dim() or given.shape[0] != batch or batch < 2:
+        return False
+    if op.short == "select":
+        return dim == 0
+    return (op.short == "index" or dim == 0) and out.dim() > 0 and out.shape[0] < batch
+
+
 def past_zeroing(trace: Trace, op: Op | None) -> Op | None:
     """A fill after a softmax that only zeroes rows the softmax left without weight (NaN rows of a query with
     no key: a safe softmax) is part of that softmax: return the softmax."""
@@ -791,6 +820,17 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
     rows = declared.any(-1, keepdim=True)  # queries with some key to attend
     sites: list[Site] = []
 
+    def row_picker_sites(mask_id, user_of) -> list:
+        """The line that hands every sequence another batch row's mask, where it is not the masking op's."""
+        picker = batch_picker(trace, mask_id, B)
+        if picker is None or picker.frames[:1] == user_of.frames[:1]:
+            return []
+        given, out = tuple(picker.args[0].shape), tuple(next(o for o in picker.outs if o is not None).shape)
+        return [op_site(picker, f"keeps fewer batch rows of the mask than the batch has ({given} in, {out} out): "
+                                f"a sequence is then given another's mask",
+                        fix="index the mask by each sequence's own batch row (mask, or mask[:, ...]), not mask[:1] "
+                            "or mask[0] broadcast over the batch")]
+
     def made_by(mask_id, user_of=None):
         """The user op that built a mask: back through carries and through what the masking op's own line
         did to it (torch's SDPA turns a bool mask into an additive one on the caller's line)."""
@@ -846,6 +886,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
             buffer = buffer_behind(trace, made)
             note += f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
             fix = blocking_fix(f, declared, t_q, t_k)
+            sites += row_picker_sites(made, op)
             sites += buffer_sites(trace, made, f"the mask it holds {note.split(' (', 1)[0]}", fix) if origins else []
             sites += [op_site(maker, "builds the mask used below", fix=fix) if maker is not None and
                       maker.frames[0] != op.frames[0] else None]
@@ -868,6 +909,7 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
                 from_buffer = f"; the mask comes from the layer's `{buffer}`, built before the call" if buffer else ""
                 fix = (blocking_fix(f, declared, t_q, t_k) if bool((f & declared).any())
                        else opening_fix(union, declared, t_q, t_k))
+                sites += row_picker_sites(made, op)
                 sites += buffer_sites(trace, made, f"the mask it holds {what}", fix) if origins else []
                 sites += [op_site(maker, f"builds the mask that {what}", fix=fix) if maker is not None and
                           maker.frames[0] != op.frames[0] else None]
@@ -1438,15 +1480,17 @@ def aligned(a: Trace, b: Trace) -> list[tuple[Op, Op]]:
     return [(a.ops[i + k], b.ops[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
 
 
-def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int | None = None) -> Op | None:
+def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int | None = None,
+                reads_inputs: bool = False) -> Op | None:
     """The first op of `b` (with a user frame) whose output differs from `a`'s where it must not. `P`: held
     positions (B, T) for the position rule; `tail`: b is the last `tail` queries of a (decoding), compared
-    with a's last rows, the ops of the two calls paired by what they ran and where."""
+    with a's last rows, the ops of the two calls paired by what they ran and where. `reads_inputs`: only ops whose
+    output depends on the probe's inputs (not a mask's own conversion, where the two calls differ in their mask)."""
     pairs = aligned(a, b) if tail is not None else zip(a.ops, b.ops)
     for x, y in pairs:
         if x.name != y.name:
             return None  # the two calls took different paths from here on
-        if not y.frames or y.short in UNINITIALISED:
+        if not y.frames or y.short in UNINITIALISED or reads_inputs and not y.sources:
             continue
         for ox, oy in zip(x.outs, y.outs):
             if ox is None or oy is None:

@@ -321,3 +321,30 @@ def test_the_evidence_counts_the_rows_that_differ_per_sequence():
     assert re.findall(r"sequence (\d) \((\d+) of 16 keys kept\): 0 / \2 rows differ", twin.evidence), twin.evidence
     assert re.findall(r"sequence (\d) \((\d+) of 16 keys kept\): \2 / \2 rows differ", bug.evidence), bug.evidence
     assert "sequences" not in twin.evidence  # one sequence per length: the lengths differ
+
+
+def _line_of(text: str) -> int:
+    """The line of this file that holds `text` (KeepCross's code)."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(KeepCross)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("how, first, then", [
+    ("features", "memory = memory * keep", "weights = scores.softmax(-1)"),
+    ("row0", "keep = keep[:1].expand_as(keep)", "scores = scores.masked_fill(~keep"),
+], ids=["features zeroed", "row 0's mask"])
+def test_its_finding_points_at_the_line_that_breaks_the_mask_and_its_twin_has_none(how, first, then):
+    """The line that makes the wrong value first (the features zeroed; the mask's rows cut to the first), then the
+    op that consumes it (the softmax that no mask reaches; the fill with row 0's mask); before, `unlocated`. The
+    correct twin on the same inputs: no finding."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(KeepCross(how=how), progress=False, **CROSS).result("blocked_keys_absent")
+    assert found.verdict == "fail", found
+    lines = [site.line for site in found.where]
+    assert lines[0] == _line_of(first) and _line_of(then) in lines[1:], [site.describe() for site in found.where]
+    assert found.where[0].fix, found.where[0]
+    torch.manual_seed(0)
+    twin = diagnostics.audit(KeepCross(), progress=False, **CROSS).result("blocked_keys_absent")
+    assert twin.verdict == "pass" and not twin.where, twin

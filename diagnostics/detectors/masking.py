@@ -46,6 +46,8 @@ from ._common import (
     result,
 )
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
+from .._tracing import declared_mask, first_moved, op_site, trace_call
+from .._tracing import mask_sites as tracing_mask_sites
 from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
 from .finite import ROW_FILLS, nonfinite_sites
 
@@ -410,9 +412,7 @@ def _with_hint(probe: Probe, fix: str) -> str:
                    "mask applied after softmax", "mask polarity inverted"),
           fix="block keys in the scores before the softmax, each batch row by its own mask: "
               "scores.masked_fill(~keep[:, None, None, :], -inf) for a (B, Tk) mask, True = keep",
-          needs=(TAKES_MASK, LONG),
-          unlocated="the padded and the cut calls differ in length, so no op's output can be compared position by "
-                    "position; mask_honoured points at the line where blocked keys' contents reach the output")
+          needs=(TAKES_MASK, LONG), locate=lambda probe, result: blocked_keys_sites(probe))
 def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
     """mask_honoured's padding probe (`PADDED`: batch row b keeps its first L_b keys, the lengths apart) against
     the same sequences cut to each L_b, given a mask that blocks nothing: a correct layer gives row b's first L_b
@@ -485,6 +485,38 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
     return result(det, "pass", "each padded sequence gives the rows of the sequence cut to its length", value=worst,
                   threshold=tol, evidence=f"{evidence}; with nothing blocked the same inputs moved the rows by up to "
                                           f"{float(reach.max()):.3g}")
+
+
+def blocked_keys_sites(probe: Probe) -> list[Site]:
+    """Where the padding probe's mask goes wrong: the masking ops judged against the audit's mask (`mask_sites`:
+    another row's mask, a mask after the softmax, no masking op before it), led by the first op of the layer's own,
+    reading the inputs, whose output the mask changes where that op is not on the scores (the padded call against
+    the same inputs with a mask that blocks nothing): where the mask acts on the keys' features instead, the bug this
+    check alone catches. The padded and the cut calls differ in length and cannot be compared op by op; these two
+    calls can. Two traced calls, on failure only."""
+    s, B, T = probe.subject, probe.BATCH, probe.t
+    base = stacked_inputs(probe, PADDED)
+    allowed = probe.allowed(B, T, T, base.extra)
+    masked = trace_call(s, base.query, base.key, base.value, allowed, seed=probe.seed)
+    declared = declared_mask(probe, B, T, T, allowed)
+    rows = s.own_queries or T
+    if s.own_queries:  # as invariance_sites reads queries of the layer's own
+        declared = declared.any(1, keepdim=True).expand(B, rows, T)
+    sites = tracing_mask_sites(masked, declared, B, rows, T)
+    opened = trace_call(s, base.query, base.key, base.value, probe.allowed(B, T, T, torch.ones_like(base.extra)),
+                        seed=probe.seed)
+    op = first_moved(opened, masked, torch.ones(B, T, dtype=torch.bool), tolerance(UNCHANGED, s.dtype),
+                     reads_inputs=True)
+    shape = () if op is None else next((tuple(o.shape) for o in op.outs if o is not None), ())
+    # on the scores or weights (over the queries and the keys, read from the queries too where the streams are apart):
+    # mask_sites judges it
+    if op is None or len(shape) >= 2 and shape[-2:] == (rows, T) and ("query" in op.sources or base.one_stream):
+        return sites
+    first = op_site(op, f"the first op the mask changes, on a tensor {shape}, not on the scores over the keys: a key "
+                        f"whose features are zeroed or replaced here still takes softmax weight",
+                    fix="block the keys in the scores before the softmax, scores.masked_fill(~keep[:, None, None, :], "
+                        "-inf), instead of changing their features")
+    return [first, *(x for x in sites if (x.file, x.line) != (first.file, first.line))]
 
 
 def _cut(base: Inputs, length: int, t: int) -> Inputs:
