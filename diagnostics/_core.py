@@ -276,8 +276,11 @@ def unravel(flat, shape) -> tuple[int, ...]:
 
 
 def expand_rows(rows: Tensor, like: Tensor) -> Tensor:
-    """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq)."""
+    """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq); or (B, Tq, H), the rows of an output of each head apart,
+    (B, T, H, d) with its features folded, where only its middle axis is Tq long."""
     rows = rows.to(like.device)
+    if like.dim() == 3 and like.shape[1] == rows.shape[-1] != like.shape[-1]:
+        return rows.unsqueeze(-1).expand_as(like)
     return rows.view(rows.shape[0], *([1] * (like.dim() - 2)), rows.shape[-1]).expand_as(like)
 
 

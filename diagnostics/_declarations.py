@@ -44,6 +44,9 @@ def declarations() -> list[Declaration]:
                     "cross=True", None),
         Declaration("attends with Q learned queries of its own, not one per token (an attention-pooling head: returns "
                     "(B, Q, D), or (B, D) where Q = 1)", "queries", "queries=1", "1"),
+        Declaration("returns each head's output apart, (B, T, H, d), for its caller to merge and project (the report "
+                    "writes the call)", "call", "call=lambda layer, x: layer.to_out(layer(x).flatten(2))",
+                    "mymodule:call"),
         Declaration("promises causality (a decoder)", "causal", "causal=True", None),
         Declaration(f"promises an attention pattern ({', '.join(PATTERN_NAMES)}, combined with & and \\|)", "pattern",
                     "pattern=patterns.sliding_window(4)", '"sliding_window(4)"'),

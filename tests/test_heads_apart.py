@@ -107,6 +107,7 @@ def test_its_twins_name_the_same_call_and_fail_under_it(bug, caught_by, dtype):
 @pytest.mark.parametrize("bug", [None, "mask_ignored"], ids=["correct", "mask ignored"])
 def test_the_call_keeps_the_mask_in_the_convention_the_layer_states(bug):
     report = diagnostics.audit(_made(HeadsApartMasked, bug=bug), progress=False)
+    assert not [r.detector for r in report.results if r.verdict == "error"], str(report)
     assert report.declaration == ("mask='key_padding', call=lambda layer, x, mask: layer.to_out[0](layer(x, "
                                   "key_padding_mask=mask).flatten(2))"), str(report)
     again = diagnostics.audit(_made(HeadsApartMasked, bug=bug), progress=False, **_declared(report))
@@ -140,3 +141,93 @@ def test_on_the_command_line_the_call_is_a_function_to_name():
     report = diagnostics.audit(_made(), progress=False, _options=OPTIONS)
     assert report.declaration == ("--call mymodule:call with def call(layer, x): return "
                                   "layer.to_out[0](layer(x).flatten(2))"), report.declaration
+
+
+# ---- pins: what the reading refuses, and how the call is spelled --------------------------------------------------
+
+@pytest.mark.parametrize("shape, seen", [
+    ((2, 16, 4, 8), ("bthd", 4)), ((2, 4, 16, 8), ("bhtd", 4)), ((2, 16, 1, 32), ("bthd", 1)),
+    ((2, 16, 16, 2), None),  # a head axis as long as the sequence: which axis is which cannot be told
+    ((2, 16, 4, 4), None), ((2, 4, 16, 4), None),  # H x d not the width
+    ((2, 16, 32), None), ((1, 16, 4, 8), None),  # not four axes; another batch
+], ids=str)
+def test_heads_layout_reads_only_a_batch_of_each_heads_rows_of_the_whole_width(shape, seen):
+    from diagnostics.detectors._heads_out import heads_layout
+
+    assert heads_layout(torch.zeros(shape), 2, 16, 32) == seen
+
+
+class NoAttention(HeadsApart):
+    """A tensor of the per-head shape with no attention in it: a projection viewed as (B, T, H, d)."""
+
+    def forward(self, x):
+        return self.to_v(x).view(*x.shape[:2], self.heads, -1)
+
+
+def test_a_per_head_shape_with_no_attention_observed_still_fails():
+    report = diagnostics.audit(_made(NoAttention), progress=False)
+    assert report.result("output_shape").verdict == "fail" and not report.declaration, str(report)
+
+
+def test_under_a_call_of_the_users_the_merge_cannot_be_written_and_the_report_says_so():
+    report = diagnostics.audit(_made(), progress=False, call=lambda layer, x: layer(x))
+    shape = report.result("output_shape")
+    assert shape.verdict == "skip" and not shape.declaration, shape.message
+    assert "cannot be written as a declared call" in shape.message and "merges its heads itself, out.reshape(B, T, " \
+        "H * d)" in shape.fix, shape
+
+
+def test_the_fix_merges_heads_first_outputs_with_their_transpose():
+    shape = diagnostics.audit(_made(layout="bhtd"), progress=False).result("output_shape")
+    assert "out.transpose(1, 2).reshape(B, T, H * d), and applies `to_out.0`" in shape.fix, shape.fix
+
+
+class MaskedCore(HeadsApart):
+    """A plain `mask` (the audit's default convention, bool (B, 1, Tq, Tk), True = may attend)."""
+
+    def forward(self, hidden_states, mask=None):
+        B, T, D = hidden_states.shape
+        q, k, v = (f(hidden_states).view(B, T, self.heads, -1).transpose(1, 2)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+class MemoryCore(HeadsApart):
+    """Cross-attention core, its memory first: `forward(encoder_hidden_states, hidden_states)`."""
+
+    def forward(self, encoder_hidden_states, hidden_states):
+        B, T, D = hidden_states.shape
+        q = self.to_q(hidden_states).view(B, T, self.heads, -1).transpose(1, 2)
+        k, v = (f(encoder_hidden_states).view(B, -1, self.heads, D // self.heads).transpose(1, 2)
+                for f in (self.to_k, self.to_v))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("cls, options, declaration", [
+    (MaskedCore, {}, "call=lambda layer, x, mask: layer.to_out[0](layer(x, mask=mask).flatten(2))"),
+    (MemoryCore, {"cross": True}, "cross=True, call=lambda layer, x, memory: layer.to_out[0](layer(hidden_states=x, "
+                                  "encoder_hidden_states=memory).flatten(2))"),
+], ids=["default mask", "memory first"])
+def test_the_call_passes_x_positionally_only_to_forwards_first_and_names_a_convention_only_where_read(cls, options,
+                                                                                                     declaration):
+    report = diagnostics.audit(_made(cls), progress=False, **options)
+    assert report.declaration == declaration, str(report)
+    # the detectors that compare rows read each head's rows (B, T, H) where nothing is merged yet: none crashed
+    assert not [r.detector for r in report.results if r.verdict in ("error", "fail")], str(report)
+    assert diagnostics.audit(_made(cls), progress=False, **_declared(report)).status == "passed"
+
+
+def test_a_call_is_not_written_where_the_audit_builds_arguments_the_call_cannot_spell():
+    """Position embeddings the audit builds for a Hugging Face layer (`extra`) have no spelling in a declared call."""
+    import types
+
+    from diagnostics._subject import Signature
+    from diagnostics.detectors._heads_out import HeadsOut, merged_call
+
+    subject = types.SimpleNamespace(call=None, extra=lambda query, start: {}, form="self_module", mask_names=(),
+                                    sig=Signature(query="hidden_states", first="hidden_states"))
+    probe = types.SimpleNamespace(subject=subject, options=None)
+    heads = HeadsOut("bthd", 4, left=("o_proj",))
+    assert merged_call(probe, heads) is None
+    subject.extra = None
+    assert merged_call(probe, heads) == "call=lambda layer, x: layer.o_proj(layer(x).flatten(2))"

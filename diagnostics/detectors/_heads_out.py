@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from .._probe import Probe
+from .._masks import SHORTCUTS
 from .._subject import call_declaration, spell
 
 
@@ -79,9 +80,9 @@ def uncalled(layer: nn.Module, width: int):
 
 
 def heads_out_seen(probe: Probe) -> HeadsOut | None:
-    """The per-head output of a module given a stream (or a memory too) and no `call=`, at the standard probe and the
-    same again at another length, with attention over the tokens observed; None otherwise (a layer of the right
-    shape costs nothing; one of another shape, one call more)."""
+    """The per-head output of a module given a stream (or a memory too), at the standard probe, with attention over
+    the tokens observed; None otherwise (a layer of the right shape costs nothing; one of another shape, one call
+    more, which finds the projections it never calls)."""
     if "heads_out_seen" not in probe.memo:
         probe.memo["heads_out_seen"] = _heads_out_seen(probe)
     return probe.memo["heads_out_seen"]
@@ -90,50 +91,48 @@ def heads_out_seen(probe: Probe) -> HeadsOut | None:
 def _heads_out_seen(probe: Probe) -> HeadsOut | None:
     s, B, T = probe.subject, probe.BATCH, probe.t
     base = probe.base()
-    if (not isinstance(s.layer, nn.Module) or s.form not in ("self_module", "cross_module", "qkv_module")
-            or s.own_queries or not base.ok or probe.observed_over(base, T, T) is None):
+    if s.form not in ("self_module", "cross_module", "qkv_module") or not base.ok \
+            or probe.observed_over(base, T, T) is None:  # a tensor of that shape, but no attention over the tokens
         return None
 
-    def again(t: int):
-        call = probe.call(*probe.streams(B, t), probe.allowed(B, t, t),
-                          label=f"length {t} (each head's output apart at another length than {T})")
+    def again():
+        call = probe.call(base.query, base.key, base.value, base.allowed,
+                          label="the standard probe again, the projections it calls recorded")
         return call.output.out if call.ok else None
 
     return heads_seen(s.layer, base.output.out, s.expected_out_shape(B, T), again)
 
 
 def heads_seen(layer: nn.Module, out: Tensor, want: tuple, again) -> HeadsOut | None:
-    """`out`, where `want` = (B, T, D) was expected, read as each head's output apart (`heads_layout`) and confirmed
-    at another length by `again(length)` (the output there, or None), with the nn.Linear modules of `layer` that call
-    left unreached; None where it is not that."""
-    B, T, width = want
-    seen = heads_layout(out, B, T, width)
+    """`out`, where `want` = (B, T, D) was expected, read as each head's output apart (`heads_layout`), with the
+    nn.Linear modules of `layer` that `again()` (the same call once more: its output, or None) leaves unreached;
+    None where it is not that form, or the call again gives another."""
+    seen = heads_layout(out, *want)
     if seen is None:
         return None
-    other = max(2, T // 2) if T > 2 else T + 3
-    with uncalled(layer, width) as left:
-        out = again(other)
-    if out is None or heads_layout(out, B, other, width) != seen:
+    with uncalled(layer, want[-1]) as left:
+        out = again()
+    if out is None or heads_layout(out, *want) != seen:
         return None
     return HeadsOut(*seen, left=tuple(left))
 
 
 def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
     """The declaration under which the audit calls the layer as it does now and merges (and projects) the heads as
-    the caller does: the call, with `cross=True` for a memory and the mask convention the audit read; None where the
-    audit's call cannot be written as one (a call of the user's, fixed or extra arguments, several masks)."""
+    the caller does: the call, with `cross=True` for a memory and the mask convention the audit read, the arguments
+    a library requires given None as the audit gives them; None where the audit's call cannot be written as one (a
+    call of the user's, position embeddings the audit builds) or which projection to apply cannot be told."""
     s = probe.subject
-    if (s.call is not None or s.sig.fixed or s.extra is not None or len(s.mask_names) > 1
-            or heads.left and not heads.projection):
+    if s.call is not None or s.extra is not None or heads.left and not heads.projection:
         return None
     streams = {"self_module": ("x",), "cross_module": ("x", "memory"), "qkv_module": ("query", "key", "value")}[s.form]
     names = {"self_module": (s.sig.query,), "cross_module": (s.sig.query, s.sig.memory),
              "qkv_module": (s.sig.query, s.sig.key, s.sig.value)}[s.form]
     given = [x if n == s.sig.first and i == 0 else f"{n}={x}" for i, (n, x) in enumerate(zip(names, streams))]
-    given += [f"{m}=mask" for m in s.mask_names]
+    given += [f"{m}=mask" for m in s.mask_names] + [f"{n}=None" for n in s.sig.fixed if n not in names]
     params = ", ".join(["layer", *streams, *(["mask"] if s.mask_names else [])])
     declare = [spell("cross", True, probe.options)] if s.form == "cross_module" else []
-    if s.mask_names and s.convention_by != "default":
+    if s.mask_names and str(s.mask_convention) != str(SHORTCUTS["allowed"]):  # under a call, the audit's default
         declare.append(spell("mask", str(s.mask_convention), probe.options))
     return ", ".join([*declare, call_declaration(params, heads.merged(f"layer({', '.join(given)})"), probe.options)])
 

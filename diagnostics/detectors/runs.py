@@ -494,8 +494,8 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     # layer's own `to_out`: the call named merges them and applies the one projection the layer never calls, as the
     # block does (a call that merged them alone would leave `to_out` unused, a false FAIL)
     heads = None if out is None or out.shape == call.query.shape else heads_seen(
-        probe.subject.layer, out, tuple(call.query.shape),
-        lambda t: _given(probe, torch.cat([call.query] * 4, 1)[:, :t], stream, x_to=x_to, kept=ones))
+        probe.subject.layer, out, tuple(call.query.shape), lambda: _given(probe, call.query, stream, x_to=x_to,
+                                                                          kept=ones))
     apart = "" if heads is None else f"; it returns {heads.describe(tuple(out.shape))}"
     merge = (lambda body: body) if heads is None else heads.merged
     if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on

@@ -92,14 +92,16 @@ def _heads_apart(probe: Probe, heads) -> DetectorResult:
     declaration, the call that merges the heads as its caller does (and applies the projection it leaves to it), or,
     where the audit's call cannot be written as one, a wrapper; never a failure, as the caller may merge them so."""
     s, B, T = probe.subject, probe.BATCH, probe.t
-    got = tuple(probe.base().output.out.shape)
+    got, width = tuple(probe.base().output.out.shape), s.expected_out_shape(B, T)[-1]
     declare = merged_call(probe, heads)
     merge = ("out.reshape(B, T, H * d)" if heads.layout == "bthd" else "out.transpose(1, 2).reshape(B, T, H * d)")
-    bug = (f"a layer meant to return one row per token of width {s.expected_out_shape(B, T)[-1]} merges its heads "
+    bug = (f"a layer meant to return one row per token of width {width} merges its heads "
            f"itself, {merge}" + (f", and applies `{heads.projection}` to them" if heads.projection else ""))
     message = f"the output is {heads.describe(got)}"
-    evidence = (f"the standard probe: output {got}, expected {s.expected_out_shape(B, T)}; each head's output apart "
-                f"again at another length, and attention over the tokens observed")
+    linear = f"the layer's nn.Linear modules from width {width} to {width}"
+    evidence = (f"the standard probe: output {got}, expected {s.expected_out_shape(B, T)}, and attention over its {T} "
+                f"tokens observed; " + (f"of {linear}, the call never reaches {', '.join(heads.left)}" if heads.left
+                                        else f"the call reaches each of {linear}, if any"))
     if declare is None:
         why = ("" if heads.left and not heads.projection else  # which projection: `describe` says it cannot be told
                "; the audit's call of the layer cannot be written as a declared call that merges them")
