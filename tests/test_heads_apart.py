@@ -231,3 +231,25 @@ def test_a_call_is_not_written_where_the_audit_builds_arguments_the_call_cannot_
     assert merged_call(probe, heads) is None
     subject.extra = None
     assert merged_call(probe, heads) == "call=lambda layer, x: layer.o_proj(layer(x).flatten(2))"
+
+
+def test_heads_seen_names_nothing_where_the_second_call_raises_or_changes_form():
+    """The second call records which projections the layer leaves unreached: where it raises (None) nothing is read
+    from it, and where its output has another form the first is not trusted."""
+    from diagnostics.detectors._heads_out import heads_seen
+
+    layer, out = _made(), torch.zeros(2, 16, 4, 8)
+    assert heads_seen(layer, out, (2, 16, 32), lambda: None) is None
+    assert heads_seen(layer, out, (2, 16, 32), lambda: out.transpose(1, 2)) is None
+    assert heads_seen(layer, out, (2, 16, 32), lambda: out).left == ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def flash_layout(q, k, v, mask=None):
+    """A function that takes (B, H, T, d) as the audit gives it and returns (B, T, H, d), undeclared."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def test_a_function_of_another_output_layout_still_fails_output_shape():
+    """Functions are called in a layout of their own (`layout=`), never read as a module's per-head output."""
+    report = diagnostics.audit(flash_layout, d_model=32, num_heads=4, progress=False)
+    assert report.result("output_shape").verdict == "fail", str(report)
