@@ -331,15 +331,19 @@ ROW_PICKS = {"slice", "select", "index", "narrow"}
 
 
 def batch_picker(trace: Trace, mask_id: int | None, batch: int) -> Op | None:
-    """Back from the mask `mask_id` along its first inputs, the op of the user's that takes some of the `batch` rows
+    """Back from the mask `mask_id` through its inputs, the op of the user's that takes some of the `batch` rows
     of a mask for every sequence: `mask[:1]` or `mask[0]` (fewer rows out than the batch's in), which a broadcast or
     an expand then hands to each. None where the mask keeps its batch axis all the way back (a mask shared by the
     batch from the start, a causal buffer of one row, is never picked)."""
-    op, seen = (None if mask_id is None else producer(trace, mask_id)), 0
-    while op is not None and op.in_ids and seen < 32:
+    queue, seen = [producer(trace, mask_id)] if mask_id is not None else [], set()
+    while queue and len(seen) < 64:  # back through every input: `buffer & mask[:1]` as well as `mask[:1] & buffer`
+        op = queue.pop(0)
+        if op is None or op.index in seen:
+            continue
+        seen.add(op.index)
         if op.frames and op.short in ROW_PICKS and _picks_rows(op, batch):
             return op
-        op, seen = producer(trace, op.in_ids[0]), seen + 1
+        queue += [producer(trace, i) for i in op.in_ids]
     return None
 
 
@@ -790,14 +794,13 @@ def merge_fix(op: Op | None, num_heads: int | None) -> str:
     return ""
 
 
-def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, origins: bool = True) -> list[Site]:
-    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree. `origins`: a
-    mask computed from a buffer of the layer's alone is shown first where `__init__` made that buffer (False where
-    the mask is taken to be the layer's intent, and only its use is in question)."""
-    declared = declared.cpu()
+def masking_ops(trace: Trace, B: int, t_q: int, t_k: int) -> list[tuple]:
+    """The ops of the user's that mask (Tq, Tk) scores or weights: (op, what it blocks per batch row (B, Tq, Tk),
+    the id of the mask it was given, whether it comes before the first softmax over the keys); a fused attention
+    call with a mask or a causal flag counts as before."""
     soft = first_softmax(trace, t_q, t_k)
     end = soft.index if soft is not None else len(trace.ops)
-    masking = []  # (op, filled (B, Tq, Tk), mask producer index, before the softmax)
+    masking = []
     for op in trace.ops:
         if not op.frames:
             continue
@@ -817,13 +820,28 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
         per = per_batch(got[0], B)
         if per is not None:
             masking.append((op, per, got[1], op.index < end))
+    return masking
+
+
+def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, origins: bool = True) -> list[Site]:
+    """Masking ops judged against `declared`, bool (B, Tq, Tk) True = may attend: [] when they agree. `origins`: a
+    mask computed from a buffer of the layer's alone is shown first where `__init__` made that buffer (False where
+    the mask is taken to be the layer's intent, and only its use is in question)."""
+    declared = declared.cpu()
+    soft = first_softmax(trace, t_q, t_k)
+    end = soft.index if soft is not None else len(trace.ops)
+    masking = masking_ops(trace, B, t_q, t_k)
     rows = declared.any(-1, keepdim=True)  # queries with some key to attend
     sites: list[Site] = []
 
     def row_picker_sites(mask_id, user_of) -> list:
         """The line that hands every sequence another batch row's mask, where it is not the masking op's."""
         picker = batch_picker(trace, mask_id, B)
-        if picker is None or picker.frames[:1] == user_of.frames[:1]:
+        used = next((o for o in user_of.outs if o is not None), None)
+        # a mask of fewer rows broadcast over the whole batch's scores; not a sequence's own row, masking that
+        # sequence's scores alone (a loop over the batch)
+        if picker is None or picker.frames[:1] == user_of.frames[:1] or used is None or not used.dim() \
+                or used.shape[0] != B:
             return []
         given, out = tuple(picker.args[0].shape), tuple(next(o for o in picker.outs if o is not None).shape)
         return [op_site(picker, f"keeps fewer batch rows of the mask than the batch has ({given} in, {out} out): "

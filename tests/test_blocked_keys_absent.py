@@ -19,6 +19,7 @@ lengths differ between batch rows, so a row given another's mask sees the differ
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 
@@ -325,8 +326,6 @@ def test_the_evidence_counts_the_rows_that_differ_per_sequence():
 
 def _line_of(text: str) -> int:
     """The line of this file that holds `text` (KeepCross's code)."""
-    import inspect
-
     lines, start = inspect.getsourcelines(KeepCross)
     return start + next(i for i, line in enumerate(lines) if text in line)
 
@@ -348,3 +347,74 @@ def test_its_finding_points_at_the_line_that_breaks_the_mask_and_its_twin_has_no
     torch.manual_seed(0)
     twin = diagnostics.audit(KeepCross(), progress=False, **CROSS).result("blocked_keys_absent")
     assert twin.verdict == "pass" and not twin.where, twin
+
+
+class PaddedSelf(nn.Module):
+    """Self-attention over (B, T, H, d) with a key padding mask (B, T), True = padding, written four ways:
+    `features`: the padded tokens' features zeroed as well (harmless where the scores block them too; the bug where
+    they do not, `scores=False`); `row0`: the bug, row 0's mask for every sequence, taken as `mask[:1]` before or
+    after a shared mask of ones (`shared_first`); `per_sequence`: each sequence attended apart, by its own row."""
+
+    def __init__(self, d_model=32, num_heads=2, *, features=False, scores=True, row0=False, shared_first=False,
+                 per_sequence=False):
+        super().__init__()
+        self.h, self.features, self.scores, self.row0 = num_heads, features, scores, row0
+        self.shared_first, self.per_sequence = shared_first, per_sequence
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("shared", torch.ones(1, 1, 1, 64, dtype=torch.bool))
+
+    def attend(self, x, keep):
+        B, T, D = x.shape
+        if self.features:
+            x = x * keep[..., None].to(x.dtype)  # the padded tokens' features zeroed
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).unbind(2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // self.h)
+        if self.scores:
+            pad = keep[:1, None, None, :] if self.row0 else keep[:, None, None, :]  # the bug: row 0's for all
+            shared = self.shared[..., :T]
+            s = s.masked_fill(~(shared & pad if self.shared_first else pad & shared), float("-inf"))
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, D))
+
+    def forward(self, hidden_states, key_padding_mask=None):
+        keep = ~key_padding_mask
+        if not self.per_sequence:
+            return self.attend(hidden_states, keep)
+        return torch.cat([self.attend(hidden_states[b:b + 1], keep[b:b + 1]) for b in range(keep.shape[0])])
+
+
+def _sites(**kw) -> tuple[str, list]:
+    torch.manual_seed(0)
+    found = diagnostics.audit(PaddedSelf(**kw), progress=False, detectors=["blocked_keys_absent"]).result(
+        "blocked_keys_absent")
+    lines, start = inspect.getsourcelines(PaddedSelf)
+    return found.verdict, [lines[site.line - start].strip() for site in found.where]
+
+
+@pytest.mark.parametrize("shared_first", [False, True], ids=["mask & shared", "shared & mask"])
+def test_the_row_picker_is_named_first_whichever_operand_it_is(shared_first):
+    verdict, sites = _sites(row0=True, shared_first=shared_first)
+    assert verdict == "fail" and sites[0].startswith("pad = keep[:1, None, None, :]"), sites
+    assert _sites(shared_first=shared_first)[0] == "pass"  # the twin, each row by its own mask
+
+
+def test_features_zeroed_beside_masked_scores_are_not_named_for_another_bug():
+    """The scores are masked, so zeroing the features too is harmless: the row-0 bug's line leads, not theirs."""
+    verdict, sites = _sites(features=True, row0=True)
+    assert verdict == "fail" and sites[0].startswith("pad = keep[:1") and not any(
+        s.startswith("x = x * keep") for s in sites), sites
+    assert _sites(features=True)[0] == "pass"
+
+
+@pytest.mark.parametrize("d_model", [16, 32], ids=["width = seq_len", "width 32"])
+def test_features_zeroed_with_no_mask_on_the_scores_are_named_first_at_any_width(d_model):
+    """(B, T, D) with D = T = 16 is shaped like scores; it is named because no op masks the scores at all."""
+    verdict, sites = _sites(d_model=d_model, features=True, scores=False)
+    assert verdict == "fail" and sites[0].startswith("x = x * keep"), sites
+
+
+def test_a_sequence_masked_by_its_own_row_in_a_loop_is_no_row_picker():
+    """`keep[b:b + 1]` for sequence b alone is that sequence's own mask: with the row-0 bug absent nothing fails, and
+    the loop's slices are never named (the review's layer had them named for an unrelated bug)."""
+    verdict, sites = _sites(per_sequence=True, features=True, scores=False)
+    assert verdict == "fail" and not any("keep[b:b + 1]" in s for s in sites), sites
+    assert _sites(per_sequence=True)[0] == "pass"

@@ -9,6 +9,7 @@ layer passes and each twin (q·k unscaled, heads merged without their transpose,
 from __future__ import annotations
 
 import ast
+import math
 
 import pytest
 import torch
@@ -115,11 +116,12 @@ def test_the_call_keeps_the_mask_in_the_convention_the_layer_states(bug):
     assert bug is None or again.result("mask_honoured").verdict == "fail", str(again)
 
 
-def test_two_projections_never_called_name_no_call():
-    """Which of them the caller applies cannot be told: `output_shape` names no call and says why."""
+def test_two_projections_never_read_name_no_call_and_fail_as_before():
+    """Which of them the caller applies cannot be told: no call is named, and one of them is unused whichever it is,
+    so `output_shape` fails as it did before, saying why."""
     report = diagnostics.audit(_made(projections=2), progress=False)
     shape = report.result("output_shape")
-    assert shape.verdict == "skip" and not shape.declaration, shape.message
+    assert shape.verdict == "fail" and not report.declaration, shape.message
     assert "`to_out.0`, `extra_out`" in shape.message and "cannot be told" in shape.message, shape.message
 
 
@@ -169,11 +171,13 @@ def test_a_per_head_shape_with_no_attention_observed_still_fails():
     assert report.result("output_shape").verdict == "fail" and not report.declaration, str(report)
 
 
-def test_under_a_call_of_the_users_the_merge_cannot_be_written_and_the_report_says_so():
+def test_a_call_of_the_users_that_returns_the_heads_apart_fails():
+    """The user declared how the layer is called, and that call returns each head's output apart: the declaration is
+    what needs the merge. Failed, as before, saying so (a skip would have let the audit pass)."""
     report = diagnostics.audit(_made(), progress=False, call=lambda layer, x: layer(x))
     shape = report.result("output_shape")
-    assert shape.verdict == "skip" and not shape.declaration, shape.message
-    assert "cannot be written as a declared call" in shape.message and "merges its heads itself, out.reshape(B, T, " \
+    assert report.status == "failed" and shape.verdict == "fail" and not report.declaration, str(report)
+    assert "the declared call returns them so" in shape.message and "merges its heads itself, out.reshape(B, T, " \
         "H * d)" in shape.fix, shape
 
 
@@ -227,21 +231,27 @@ def test_a_call_is_not_written_where_the_audit_builds_arguments_the_call_cannot_
     subject = types.SimpleNamespace(call=None, extra=lambda query, start: {}, form="self_module", mask_names=(),
                                     sig=Signature(query="hidden_states", first="hidden_states"))
     probe = types.SimpleNamespace(subject=subject, options=None)
-    heads = HeadsOut("bthd", 4, left=("o_proj",))
+    heads = HeadsOut("bthd", 4, left=(("o_proj", "layer.o_proj"),))
     assert merged_call(probe, heads) is None
     subject.extra = None
     assert merged_call(probe, heads) == "call=lambda layer, x: layer.o_proj(layer(x).flatten(2))"
 
 
-def test_heads_seen_names_nothing_where_the_second_call_raises_or_changes_form():
-    """The second call records which projections the layer leaves unreached: where it raises (None) nothing is read
-    from it, and where its output has another form the first is not trusted."""
+def test_heads_seen_names_nothing_where_the_traced_calls_raise_or_show_another_form():
+    """The traced call (at T + 3, else at T) records which parameters the layer reads: where both raise nothing is
+    read, and where its output has another form the first is not trusted."""
     from diagnostics.detectors._heads_out import heads_seen
 
     layer, out = _made(), torch.zeros(2, 16, 4, 8)
-    assert heads_seen(layer, out, (2, 16, 32), lambda: None) is None
-    assert heads_seen(layer, out, (2, 16, 32), lambda: out.transpose(1, 2)) is None
-    assert heads_seen(layer, out, (2, 16, 32), lambda: out).left == ("to_q", "to_k", "to_v", "to_out.0")
+    from diagnostics.detectors._heads_out import Read
+
+    def at(t, form=lambda t: torch.zeros(2, t, 4, 8)):
+        return Read(form(t), False, frozenset({"to_q.weight", "to_k.weight"}))
+
+    assert heads_seen(layer, out, (2, 16, 32), lambda t: None) is None
+    assert heads_seen(layer, out, (2, 16, 32), lambda t: at(t, lambda t: torch.zeros(2, 4, t, 8))) is None
+    # to_v unread is no caller's projection: named for values, an unused parameter of the layer's own
+    assert heads_seen(layer, out, (2, 16, 32), at).left == (("to_out.0", "layer.to_out[0]"),)
 
 
 def flash_layout(q, k, v, mask=None):
@@ -253,3 +263,122 @@ def test_a_function_of_another_output_layout_still_fails_output_shape():
     """Functions are called in a layout of their own (`layout=`), never read as a module's per-head output."""
     report = diagnostics.audit(flash_layout, d_model=32, num_heads=4, progress=False)
     assert report.result("output_shape").verdict == "fail", str(report)
+
+
+# ---- the review's cases (2026-12-06): each read wrong by the first draft, now with its twin ------------------------
+
+class ValuesFromKeys(HeadsApart):
+    """The bug: values made by the key projection, `to_v` never read; no output projection of its own."""
+
+    def __init__(self, bug=True, **kw):
+        super().__init__(projections=0, **kw)
+        self.values_bug = bug
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k))
+        v = (self.to_k if self.values_bug else self.to_v)(x).view(B, T, self.heads, -1).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "values from keys"])
+def test_an_unread_input_projection_is_never_taken_for_the_callers_output_projection(bug):
+    """`to_v` left unread is an unused parameter, not the projection the caller applies: the call merges only, and
+    under it the bug fails `parameters_used` (the first draft named `layer.to_v(...)`, under which it passed)."""
+    report = diagnostics.audit(_made(ValuesFromKeys, bug=bug), progress=False)
+    assert report.declaration == CALLS["bthd", 0], str(report)
+    again = diagnostics.audit(_made(ValuesFromKeys, bug=bug), progress=False, **_declared(report))
+    assert again.status == ("failed" if bug else "passed"), str(again)
+    assert not bug or again.result("parameters_used").verdict == "fail", str(again)
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+def test_as_many_heads_as_tokens_are_told_apart_at_another_length(layout):
+    """16 heads of width 2 at the default 16 tokens: the axes are told apart at 19 tokens."""
+    report = diagnostics.audit(_made(layout=layout, heads=16), progress=False)
+    assert report.declaration == CALLS[layout, 1], str(report)
+    assert diagnostics.audit(_made(layout=layout, heads=16), progress=False, **_declared(report)).status == "passed"
+
+
+class ReturnsWeights(HeadsApart):
+    """The bug: the weights (B, H, T, T) returned for the output; at 16 tokens and 4 heads, H x T is the width."""
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k))
+        return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+
+
+def test_returned_weights_whose_shape_mimics_heads_apart_still_fail():
+    """At 16 tokens (B, 4, 16, 16) reads as four heads of width 16 = 64 / 4; at 19 its last axis follows the length,
+    which no head's width does."""
+    report = diagnostics.audit(_made(ReturnsWeights, dim=64), progress=False)
+    assert report.result("output_shape").verdict == "fail" and not report.declaration, str(report)
+
+
+class MHACore(nn.Module):
+    """nn.MultiheadAttention (which reads its `out_proj` through F.linear, never calling it) returned split into heads
+    for the caller to merge; `to_out` of its own, where built, is the caller's."""
+
+    def __init__(self, dim=32, heads=4, own_out=False):
+        super().__init__()
+        self.heads = heads
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+        if own_out:
+            self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        return self.mha(x, x, x, need_weights=False)[0].view(B, T, self.heads, D // self.heads)
+
+
+@pytest.mark.parametrize("own_out, declaration", [
+    (False, "call=lambda layer, x: layer(x).flatten(2)"),
+    (True, "call=lambda layer, x: layer.to_out(layer(x).flatten(2))"),
+], ids=["mha alone", "mha and the caller's to_out"])
+def test_projections_read_through_functional_calls_count_as_read(own_out, declaration):
+    """Which projections the layer reads is traced from its ops, not from module calls: `mha.out_proj` is read by
+    F.linear inside nn.MultiheadAttention (the first draft's hooks named it never called, and the call applied it
+    twice)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(MHACore(own_out=own_out), progress=False)
+    assert report.declaration == declaration, str(report)
+    torch.manual_seed(0)
+    assert diagnostics.audit(MHACore(own_out=own_out), progress=False, **_declared(report)).status == "passed"
+
+
+class WithWeights(HeadsApart):
+    """Returns (each head's output apart, the weights)."""
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        return (weights @ v).transpose(1, 2), weights
+
+
+def test_a_tuple_returned_is_indexed_in_the_call():
+    report = diagnostics.audit(_made(WithWeights), progress=False)
+    assert report.declaration == "call=lambda layer, x: layer.to_out[0](layer(x)[0].flatten(2))", str(report)
+    assert diagnostics.audit(_made(WithWeights), progress=False, **_declared(report)).status == "passed"
+
+
+@pytest.mark.parametrize("container, key, spelled", [
+    (nn.ModuleList, "0", "layer.out[0]"), (nn.Sequential, "0", "layer.out[0]"),
+    (nn.ModuleDict, "0", "layer.out['0']"), (nn.ModuleDict, "in", "layer.out['in']"),
+    (None, "out", "layer.out"),
+])
+def test_a_projections_path_is_spelled_as_python_reaches_it(container, key, spelled):
+    from diagnostics.detectors._heads_out import _spelled
+
+    layer = nn.Module()
+    if container is None:
+        layer.out, path = nn.Linear(4, 4), "out"
+    else:
+        layer.out = (container({key: nn.Linear(4, 4)}) if container is nn.ModuleDict else
+                     container([nn.Linear(4, 4)]) if container is nn.ModuleList else container(nn.Linear(4, 4)))
+        path = f"out.{key}"
+    assert _spelled(layer, path) == spelled
+    assert eval(spelled, {"layer": layer}) is layer.get_submodule(path)  # noqa: S307 -- our own spelling
+    layer.add_module("in", nn.Linear(4, 4))  # a keyword: reached through get_submodule
+    assert _spelled(layer, "in") == "layer.get_submodule('in')"

@@ -1,50 +1,60 @@
 """A module whose output is each head's apart, (B, T, H, d) or (B, H, T, d), for its caller to merge and project:
 the form an attention core returns (diffusers' Lumina processor, whose block merges the heads and applies the
 layer's own `to_out`). Another convention, not a defect: `output_shape` names the call that merges the heads as
-the caller does, `parameters_used` leaves the projection the layer never calls to that call, and `runs` writes the
+the caller does, `parameters_used` leaves the projection the layer never reads to that call, and `runs` writes the
 merge into the call it names for a layer that needs a memory and a mask given (`runs._stream_and_mask`)."""
 
 from __future__ import annotations
 
-import contextlib
+import keyword
+import re
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .._probe import Probe
 from .._masks import SHORTCUTS
-from .._subject import call_declaration, spell
+from .._probe import Probe
+from .._subject import Output, call_declaration, spell
+from .._tracing import trace_call
+
+INPUT_ROLE = re.compile(r"(^|_)(w?q|w?k|w?v|qk|kv|qkv|quer(y|ies)|keys?|values?)(_|$)", re.IGNORECASE)
+"""The last name of a projection that makes queries, keys or values (`to_q`, `k_proj`, `wv`, `query`): one the
+layer leaves unread is an unused parameter of its own (values read through the key projection), never the output
+projection its caller applies."""
 
 
 @dataclass(frozen=True)
 class HeadsOut:
-    """What was seen of a per-head output: its `layout` ("bthd" or "bhtd"), its `heads`, and `left`, the paths of
-    the layer's nn.Linear modules from the heads' merged width to the queries' width that the call never reached.
-    One of them is the caller's output projection (`projection`, "to_out.0"); several cannot be told apart."""
+    """What was seen of a per-head output: its `layout` ("bthd" or "bhtd"), its `heads`; `left`, the paths of the
+    layer's nn.Linear modules from the queries' width to it, not named for a query, key or value, whose weights the
+    call never read, each with its spelling in a call (`to_out[0]`): one of them is the caller's output projection
+    (`projection`), several cannot be told apart; `indexed`: the layer returns a tuple, its first the output."""
 
     layout: str
     heads: int
-    left: tuple[str, ...] = ()
+    left: tuple[tuple[str, str], ...] = ()
+    indexed: bool = False
 
     @property
     def projection(self) -> str | None:
-        return self.left[0] if len(self.left) == 1 else None
+        return self.left[0][0] if len(self.left) == 1 else None
 
     def merged(self, body: str) -> str:
         """The expression that merges the heads of `body`'s output as its caller does, and projects them with the
         layer's projection that the layer leaves to its caller."""
+        body += "[0]" if self.indexed else ""
         merged = f"{body}.flatten(2)" if self.layout == "bthd" else f"{body}.transpose(1, 2).flatten(2)"
-        return f"{_attribute('layer', self.projection)}({merged})" if self.projection else merged
+        return f"{self.left[0][1]}({merged})" if self.projection else merged
 
     def describe(self, shape: tuple) -> str:
         """`shape` in words: whose axes they are and what is done with them outside the layer."""
         axes = "(B, T, H, d)" if self.layout == "bthd" else "(B, H, T, d)"
         head = f"{shape}: each of its {self.heads} heads' output apart, {axes}, for its caller to merge"
         if self.projection:
-            return f"{head} and project with `{self.projection}`, which the layer never calls"
+            return f"{head} and project with `{self.projection}`, whose weights the layer never reads"
         if self.left:
-            return (f"{head}; {len(self.left)} projections to the output's width are never called "
-                    f"({', '.join(f'`{p}`' for p in self.left)}), and which one the caller applies cannot be told")
+            return (f"{head}; {len(self.left)} projections to the output's width are never read "
+                    f"({', '.join(f'`{p}`' for p, _ in self.left)}), and which one the caller applies cannot be told")
         return head
 
 
@@ -61,28 +71,31 @@ def heads_layout(out: Tensor, batch: int, length: int, width: int) -> tuple[str,
     return None
 
 
-@contextlib.contextmanager
-def uncalled(layer: nn.Module, width: int):
-    """Yields a list that holds, after the block, the paths of the layer's nn.Linear modules from `width` to
-    `width` features that no call inside the block reached (forward pre-hooks, removed after)."""
-    found = [path for path, m in layer.named_modules()
-             if path and isinstance(m, nn.Linear) and m.in_features == width and m.out_features == width]
-    called: set[str] = set()
-    handles = [layer.get_submodule(path).register_forward_pre_hook(lambda *_, p=path: called.add(p))
-               for path in found]
-    left: list[str] = []
-    try:
-        yield left
-    finally:
-        for h in handles:
-            h.remove()
-    left.extend(path for path in found if path not in called)
+@dataclass(frozen=True)
+class Read:
+    """One traced call: its output (the first tensor of a tuple), whether it was a tuple, and the names of the
+    layer's parameters and buffers an op read."""
+
+    out: Tensor
+    indexed: bool
+    read: frozenset
+
+
+def traced(probe: Probe, run, query: Tensor) -> Read | None:
+    """`run()` (a call of the layer, its raw result) under the tracer; None where it raised or gave no tensor."""
+    t = trace_call(probe.subject, query, query, query, None, seed=probe.seed, call=run)
+    raw = t.output.out if isinstance(t.output, Output) else t.output
+    out = raw[0] if isinstance(raw, (tuple, list)) and raw else raw
+    if t.error is not None or not isinstance(out, Tensor):
+        return None
+    return Read(out, isinstance(raw, (tuple, list)), frozenset(t.buffers[i] for op in t.ops for i in op.in_ids
+                                                                if i in t.buffers))
 
 
 def heads_out_seen(probe: Probe) -> HeadsOut | None:
-    """The per-head output of a module given a stream (or a memory too), at the standard probe, with attention over
-    the tokens observed; None otherwise (a layer of the right shape costs nothing; one of another shape, one call
-    more, which finds the projections it never calls)."""
+    """The per-head output of a module given a stream (or a memory too), with attention over the tokens observed;
+    None otherwise (a layer of the right shape costs nothing; one of another shape, one traced call more, or two
+    where the longer one raises)."""
     if "heads_out_seen" not in probe.memo:
         probe.memo["heads_out_seen"] = _heads_out_seen(probe)
     return probe.memo["heads_out_seen"]
@@ -95,26 +108,38 @@ def _heads_out_seen(probe: Probe) -> HeadsOut | None:
             or probe.observed_over(base, T, T) is None:  # a tensor of that shape, but no attention over the tokens
         return None
 
-    def again():
-        call = probe.call(base.query, base.key, base.value, base.allowed,
-                          label="the standard probe again, the projections it calls recorded")
-        return call.output.out if call.ok else None
+    def at(t: int) -> Read | None:
+        q, k, v = probe.streams(B, t)
+        allowed = probe.allowed(B, t, t)
+        probe.passes += 1
+        return traced(probe, (lambda: s.layer(**s._kwargs(q, k, v, allowed))) if s.call is None else
+                      (lambda: s(q, k, v, allowed)), q)
 
-    return heads_seen(s.layer, base.output.out, s.expected_out_shape(B, T), again)
+    return heads_seen(s.layer, base.output.out, s.expected_out_shape(B, T), at)
 
 
-def heads_seen(layer: nn.Module, out: Tensor, want: tuple, again) -> HeadsOut | None:
-    """`out`, where `want` = (B, T, D) was expected, read as each head's output apart (`heads_layout`), with the
-    nn.Linear modules of `layer` that `again()` (the same call once more: its output, or None) leaves unreached;
-    None where it is not that form, or the call again gives another."""
-    seen = heads_layout(out, *want)
-    if seen is None:
+def heads_seen(layer: nn.Module, out: Tensor, want: tuple, at) -> HeadsOut | None:
+    """`out`, where `want` = (B, T, D) was expected, read as each head's output apart: the form `heads_layout` reads
+    at T + 3 tokens (`at(length)`: a traced call, or None where it raises), which must be `out`'s at T (the head
+    axis told apart where H = T; a width that follows the length, returned weights, is no head's); where the layer
+    raises at T + 3 (one length only), the form `out` has at T. With the nn.Linear modules that call left unread."""
+    B, T, width = want
+    other = T + 3
+    got = at(other)
+    if got is None:
+        other, got = T, at(T)
+    seen = None if got is None else heads_layout(got.out, B, other, width)
+    if seen is None or tuple(out.shape) != _form(seen, B, T, width):
         return None
-    with uncalled(layer, want[-1]) as left:
-        out = again()
-    if out is None or heads_layout(out, *want) != seen:
-        return None
-    return HeadsOut(*seen, left=tuple(left))
+    left = tuple((path, _spelled(layer, path)) for path, m in layer.named_modules()
+                 if path and isinstance(m, nn.Linear) and m.in_features == width == m.out_features
+                 and f"{path}.weight" not in got.read and not INPUT_ROLE.search(path.rsplit(".", 1)[-1]))
+    return HeadsOut(*seen, left=left, indexed=got.indexed)
+
+
+def _form(seen: tuple[str, int], batch: int, length: int, width: int) -> tuple:
+    layout, heads = seen
+    return (batch, length, heads, width // heads) if layout == "bthd" else (batch, heads, length, width // heads)
 
 
 def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
@@ -137,9 +162,18 @@ def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
     return ", ".join([*declare, call_declaration(params, heads.merged(f"layer({', '.join(given)})"), probe.options)])
 
 
-def _attribute(owner: str, path: str) -> str:
-    """`owner.to_out[0]` for the path "to_out.0": attributes, and indices where a container's are digits."""
-    spelled = owner
+def _spelled(layer: nn.Module, path: str) -> str:
+    """How a call reaches the submodule at `path`: `layer.to_out[0]` (attributes; a list's or a sequence's index;
+    a dict's key), else `layer.get_submodule('path')` (a name Python cannot write as an attribute)."""
+    spelled, module = "layer", layer
     for part in path.split("."):
-        spelled += f"[{part}]" if part.isdigit() else f".{part}" if part.isidentifier() else f".get_submodule({part!r})"
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and part.isdigit():
+            spelled += f"[{part}]"
+        elif isinstance(module, nn.ModuleDict):
+            spelled += f"[{part!r}]"
+        elif part.isidentifier() and not keyword.iskeyword(part):
+            spelled += f".{part}"
+        else:
+            return f"layer.get_submodule({path!r})"
+        module = module.get_submodule(part)
     return spelled

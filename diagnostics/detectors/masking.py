@@ -46,7 +46,7 @@ from ._common import (
     result,
 )
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
-from .._tracing import declared_mask, first_moved, op_site, trace_call
+from .._tracing import declared_mask, first_moved, masking_ops, op_site, trace_call
 from .._tracing import mask_sites as tracing_mask_sites
 from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
 from .finite import ROW_FILLS, nonfinite_sites
@@ -489,11 +489,11 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
 
 def blocked_keys_sites(probe: Probe) -> list[Site]:
     """Where the padding probe's mask goes wrong: the masking ops judged against the audit's mask (`mask_sites`:
-    another row's mask, a mask after the softmax, no masking op before it), led by the first op of the layer's own,
-    reading the inputs, whose output the mask changes where that op is not on the scores (the padded call against
-    the same inputs with a mask that blocks nothing): where the mask acts on the keys' features instead, the bug this
-    check alone catches. The padded and the cut calls differ in length and cannot be compared op by op; these two
-    calls can. Two traced calls, on failure only."""
+    another row's mask, a mask after the softmax, no mask before it). Where no op masks the scores before the softmax,
+    led by the first op of the layer's own, reading the inputs, whose output the mask changes (the padded call against
+    the same inputs with a mask that blocks nothing): where the mask acts instead, on the keys' features for the bug
+    this check alone catches. The padded and the cut calls differ in length and cannot be compared op by op; these
+    two calls can. One or two traced calls, on failure only."""
     s, B, T = probe.subject, probe.BATCH, probe.t
     base = stacked_inputs(probe, PADDED)
     allowed = probe.allowed(B, T, T, base.extra)
@@ -503,20 +503,21 @@ def blocked_keys_sites(probe: Probe) -> list[Site]:
     if s.own_queries:  # as invariance_sites reads queries of the layer's own
         declared = declared.any(1, keepdim=True).expand(B, rows, T)
     sites = tracing_mask_sites(masked, declared, B, rows, T)
+    if any(before for *_, before in masking_ops(masked, B, rows, T)):  # the scores are masked: judged above
+        return sites
     opened = trace_call(s, base.query, base.key, base.value, probe.allowed(B, T, T, torch.ones_like(base.extra)),
                         seed=probe.seed)
     op = first_moved(opened, masked, torch.ones(B, T, dtype=torch.bool), tolerance(UNCHANGED, s.dtype),
                      reads_inputs=True)
     shape = () if op is None else next((tuple(o.shape) for o in op.outs if o is not None), ())
-    # on the scores or weights (over the queries and the keys, read from the queries too where the streams are apart):
-    # mask_sites judges it
-    if op is None or len(shape) >= 2 and shape[-2:] == (rows, T) and ("query" in op.sources or base.one_stream):
+    first = None if op is None else op_site(
+        op, f"the first op the mask changes, on a tensor {shape}, and no op masks the scores over the keys before the "
+            f"softmax: a key whose features are zeroed or replaced here still takes softmax weight",
+        fix="block the keys in the scores before the softmax, scores.masked_fill(~keep[:, None, None, :], -inf), "
+            "instead of changing their features")
+    if first is None or any((x.file, x.line) == (first.file, first.line) for x in sites):  # mask_sites says why there
         return sites
-    first = op_site(op, f"the first op the mask changes, on a tensor {shape}, not on the scores over the keys: a key "
-                        f"whose features are zeroed or replaced here still takes softmax weight",
-                    fix="block the keys in the scores before the softmax, scores.masked_fill(~keep[:, None, None, :], "
-                        "-inf), instead of changing their features")
-    return [first, *(x for x in sites if (x.file, x.line) != (first.file, first.line))]
+    return [first, *sites]
 
 
 def _cut(base: Inputs, length: int, t: int) -> Inputs:

@@ -541,11 +541,12 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                                                                             if kept else ""),
                       replay=ParameterReplay(tuple(x.detach() for x in inputs), allowed, tuple(unused)))
     if caller:
-        return result(det, "warn", f"{', '.join(caller)} not measured: the layer never calls `{left}`, and returns each "
+        return result(det, "warn", f"{', '.join(caller)} not measured: the layer never reads `{left}`, and returns each "
                                    f"head's output apart, for its caller to merge and project (see output_shape)",
                       value=max(moved_by[n] for n in caller), threshold=FORWARD_MOVES,
                       evidence=f"{'; '.join(f'{n} {tuple(params[n].shape)}' for n in caller)}: gradient exactly 0 "
-                               f"everywhere, `{left}` never reached by the call, its width the heads' merged width; "
+                               f"everywhere, `{left}`'s weights never read by the call, its width the heads' merged "
+                               f"width; "
                                f"every other parameter moves the output ({checked}){note}",
                       fix=f"audit with the call output_shape names, which applies `{left}` as the caller does")
     if empty:

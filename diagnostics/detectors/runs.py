@@ -21,7 +21,7 @@ from .._subject import (MEMORY_TOKENS, call_declaration, left_streams, spell, st
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
 from ._common import own_queries_seen, result
-from ._heads_out import heads_seen
+from ._heads_out import heads_seen, traced
 from ._mask_hints import candidates, convention_hint, conventions_run, honoured_conventions
 
 
@@ -493,9 +493,12 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with the
     # layer's own `to_out`: the call named merges them and applies the one projection the layer never calls, as the
     # block does (a call that merged them alone would leave `to_out` unused, a false FAIL)
+    def at(t: int):  # traced, the queries repeated to t tokens
+        query = torch.cat([call.query] * (t // call.query.shape[1] + 1), 1)[:, :t]
+        return traced(probe, lambda: _given(probe, query, stream, x_to=x_to, kept=ones, whole=True), query)
+
     heads = None if out is None or out.shape == call.query.shape else heads_seen(
-        probe.subject.layer, out, tuple(call.query.shape), lambda: _given(probe, call.query, stream, x_to=x_to,
-                                                                          kept=ones))
+        probe.subject.layer, out, tuple(call.query.shape), at)
     apart = "" if heads is None else f"; it returns {heads.describe(tuple(out.shape))}"
     merge = (lambda body: body) if heads is None else heads.merged
     if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on
@@ -681,14 +684,15 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None, said: list | None = None,
            mask: torch.Tensor | None = None, *, x_to: str | None = None, kept: dict | None = None,
-           memory: torch.Tensor | None = None, length: int | None = None, queries: torch.Tensor | None = None):
+           memory: torch.Tensor | None = None, length: int | None = None, queries: torch.Tensor | None = None,
+           whole: bool = False):
     """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
     named, `mask`, by default a (B, Tm) mask of ones over them: every token kept, read as bool, as kept keys or
     additive alike), or None if it raises (what it raised appended to `said`, where given) or returns no rows of
     the queries'. `x_to`: the parameter `query` goes to, where not the query's (`_streams`). `kept`: the masks to
     pass by name instead (a value None: the default mask); `memory`: the memory instead of a fresh one. `queries`,
     `length`: the queries to give and the rows to expect, where `query` is what `name` is given (its tokens or none
-    of them) and not the queries."""
+    of them) and not the queries. `whole`: the layer's result as it returned it, whatever its form."""
     s = probe.subject
     queries = query if queries is None else queries
     if memory is None:
@@ -705,6 +709,8 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
         if said is not None:
             said.append(_raised(exc))
         return None
+    if whole:
+        return out
     out = _first_tensor(out)
     rows = queries.shape[:2] if length is None else (queries.shape[0], length)
     return out if isinstance(out, torch.Tensor) and tuple(out.shape[:2]) == tuple(rows) else None

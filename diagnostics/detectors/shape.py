@@ -89,24 +89,27 @@ def check_output_shape(probe: Probe) -> DetectorResult:
 
 def _heads_apart(probe: Probe, heads) -> DetectorResult:
     """`output_shape` for a module that returns each head's output apart (`_heads_out.heads_out_seen`): it needs a
-    declaration, the call that merges the heads as its caller does (and applies the projection it leaves to it), or,
-    where the audit's call cannot be written as one, a wrapper; never a failure, as the caller may merge them so."""
+    declaration, the call that merges the heads as its caller does (and applies the projection it leaves to it).
+    Where no such call can be named (a call of the user's that returns the heads apart, arguments the audit builds,
+    several projections left unread) it fails as before, saying why: no declaration would make it pass."""
     s, B, T = probe.subject, probe.BATCH, probe.t
     got, width = tuple(probe.base().output.out.shape), s.expected_out_shape(B, T)[-1]
     declare = merged_call(probe, heads)
     merge = ("out.reshape(B, T, H * d)" if heads.layout == "bthd" else "out.transpose(1, 2).reshape(B, T, H * d)")
     bug = (f"a layer meant to return one row per token of width {width} merges its heads "
            f"itself, {merge}" + (f", and applies `{heads.projection}` to them" if heads.projection else ""))
-    message = f"the output is {heads.describe(got)}"
-    linear = f"the layer's nn.Linear modules from width {width} to {width}"
+    linear = f"the layer's nn.Linear modules from width {width} to {width} not named for queries, keys or values"
     evidence = (f"the standard probe: output {got}, expected {s.expected_out_shape(B, T)}, and attention over its {T} "
-                f"tokens observed; " + (f"of {linear}, the call never reaches {', '.join(heads.left)}" if heads.left
-                                        else f"the call reaches each of {linear}, if any"))
+                f"tokens observed; " + (f"of {linear}, the call never reads {', '.join(p for p, _ in heads.left)}"
+                                        if heads.left else f"the call reads each of {linear}, if any"))
     if declare is None:
-        why = ("" if heads.left and not heads.projection else  # which projection: `describe` says it cannot be told
-               "; the audit's call of the layer cannot be written as a declared call that merges them")
-        return result("output_shape", "skip", f"not measured: {message}{why}", evidence=evidence,
-                      fix=f"wrap the layer in a module that merges its heads as its caller does and audit the wrapper; "
-                          f"{bug}")
-    return result("output_shape", "skip", f"needs a declaration, {declare}: {message}", evidence=evidence,
-                  fix=f"audit with {declare} if the layer's caller merges its heads so; {bug}", declaration=declare)
+        why = ("the declared call returns them so: merge them in it" if s.call is not None else
+               "which projection the caller applies cannot be told" if heads.left and not heads.projection else
+               "the audit's call of the layer cannot be written as a declared call that merges them")
+        return result("output_shape", "fail", f"the output has the wrong shape: {heads.describe(got)}; {why}",
+                      evidence=evidence,
+                      fix=f"{bug}; if its caller merges them, wrap the layer in a module that does the same and audit "
+                          f"the wrapper")
+    return result("output_shape", "skip", f"needs a declaration, {declare}: the output is {heads.describe(got)}",
+                  evidence=evidence, fix=f"audit with {declare} if the layer's caller merges its heads so; {bug}",
+                  declaration=declare)
