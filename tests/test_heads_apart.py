@@ -123,6 +123,7 @@ def test_two_projections_never_read_name_no_call_and_fail_as_before():
     shape = report.result("output_shape")
     assert shape.verdict == "fail" and not report.declaration, shape.message
     assert "`to_out.0`, `extra_out`" in shape.message and "cannot be told" in shape.message, shape.message
+    assert "no declared call that merges them can be named" in shape.message, shape.message
 
 
 class WrongWidth(HeadsApart):

@@ -86,7 +86,7 @@ def traced(probe: Probe, run, query: Tensor) -> Read | None:
     t = trace_call(probe.subject, query, query, query, None, seed=probe.seed, call=run)
     raw = t.output.out if isinstance(t.output, Output) else t.output
     out = raw[0] if isinstance(raw, (tuple, list)) and raw else raw
-    if t.error is not None or not isinstance(out, Tensor):
+    if not isinstance(out, Tensor):  # raised (no output), or returned no tensor
         return None
     return Read(out, isinstance(raw, (tuple, list)), frozenset(t.buffers[i] for op in t.ops for i in op.in_ids
                                                                 if i in t.buffers))

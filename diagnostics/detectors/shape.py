@@ -103,9 +103,9 @@ def _heads_apart(probe: Probe, heads) -> DetectorResult:
                 f"tokens observed; " + (f"of {linear}, the call never reads {', '.join(p for p, _ in heads.left)}"
                                         if heads.left else f"the call reads each of {linear}, if any"))
     if declare is None:
+        # several projections left unread: `describe` says which one the caller applies cannot be told
         why = ("the declared call returns them so: merge them in it" if s.call is not None else
-               "which projection the caller applies cannot be told" if heads.left and not heads.projection else
-               "the audit's call of the layer cannot be written as a declared call that merges them")
+               "no declared call that merges them can be named for the audit's call of the layer")
         return result("output_shape", "fail", f"the output has the wrong shape: {heads.describe(got)}; {why}",
                       evidence=evidence,
                       fix=f"{bug}; if its caller merges them, wrap the layer in a module that does the same and audit "
