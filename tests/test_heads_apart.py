@@ -271,8 +271,8 @@ def test_a_function_of_another_output_layout_still_fails_output_shape():
 class ValuesFromKeys(HeadsApart):
     """The bug: values made by the key projection, `to_v` never read; no output projection of its own."""
 
-    def __init__(self, bug=True, **kw):
-        super().__init__(projections=0, **kw)
+    def __init__(self, bug=True, projections=0, **kw):
+        super().__init__(projections=projections, **kw)
         self.values_bug = bug
 
     def forward(self, x):
@@ -383,3 +383,14 @@ def test_a_projections_path_is_spelled_as_python_reaches_it(container, key, spel
     assert eval(spelled, {"layer": layer}) is layer.get_submodule(path)  # noqa: S307 -- our own spelling
     layer.add_module("in", nn.Linear(4, 4))  # a keyword: reached through get_submodule
     assert _spelled(layer, "in") == "layer.get_submodule('in')"
+
+
+def test_beside_the_callers_projection_an_unread_input_projection_still_fails_parameters_used():
+    """`to_out` is the caller's (a warning, left to the call), `to_v` unread is the layer's own unused parameter: a
+    failure already zero-config, and under the call the report names."""
+    report = diagnostics.audit(_made(ValuesFromKeys, projections=1), progress=False)
+    used = report.result("parameters_used")
+    assert used.verdict == "fail" and "to_v.weight" in used.message and "to_out" not in used.message, used.message
+    assert report.declaration == CALLS["bthd", 1], str(report)
+    again = diagnostics.audit(_made(ValuesFromKeys, projections=1), progress=False, **_declared(report))
+    assert again.result("parameters_used").verdict == "fail", str(again)

@@ -124,6 +124,8 @@ def heads_seen(layer: nn.Module, out: Tensor, want: tuple, at) -> HeadsOut | Non
     axis told apart where H = T; a width that follows the length, returned weights, is no head's); where the layer
     raises at T + 3 (one length only), the form `out` has at T. With the nn.Linear modules that call left unread."""
     B, T, width = want
+    if out.dim() != 4 or out.shape[0] != B or T not in out.shape[1:3] or out[0].numel() != T * width:
+        return None  # no form of T rows of the width split into heads: no call made
     other = T + 3
     got = at(other)
     if got is None:
