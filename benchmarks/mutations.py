@@ -271,6 +271,12 @@ _OTHER_DTYPE = (
     "dtype outside the table's four; the audit takes any floating dtype, but float8 (the others torch has) stops "
     "before any reading: the probe's `mul` is not implemented for it (m37k checked audit(..., dtype="
     "torch.float8_e4m3fn) on CPU: the detector's error). Equivalent in practice; not checked on a GPU")
+_PER_HEAD_PRECHECK = (
+    "a cost guard only: with any of its `or`s made `and`, an output it would have turned away goes on to one traced "
+    "call and to heads_layout, which reads no per-head form in it either (no form of T rows splits the width into "
+    "heads where the output is not 4-D, of another batch, without a T-long axis, or of another size per sequence: "
+    "`_form(seen, ...)` must equal its shape), so heads_seen returns None as the guard did, one call later (checked "
+    "by hand in detectors/_heads_out.heads_layout and _form)")
 _HONOURED_GUARD = (
     "made `and`, the second `or` lets through a layer that takes no mask (its convention not declared) or one whose "
     "convention the user or its library declared (it takes a mask), where no failed call went without a mask; "
@@ -726,6 +732,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "decides whether autograd frees the saved tensors after the backward, so the same gradients, verdicts and "
         "passes, more memory held (checked by hand in detectors/gradients.check_gradients, the one reader of "
         "GradientProbe.out's graph). The `>=` on the line is pinned: tests/test_pins_all_common_core.py"),
+    "detectors/_heads_out.py:heads_seen:L*:or->and": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
+    "detectors/_heads_out.py:heads_seen:L*:or->and#2": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
+    "detectors/_heads_out.py:heads_seen:L*:or->and#3": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
     "_core.py:compared:L*:or->and": (
         "scale = baseline_scale(chunks[0], centred=True) or None", "`and None` makes the scale always None, and "
         "relative_change then measures it itself, per case, with the same function on the same baseline: "
