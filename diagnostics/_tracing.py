@@ -820,6 +820,27 @@ def masking_ops(trace: Trace, B: int, t_q: int, t_k: int) -> list[tuple]:
         per = per_batch(got[0], B)
         if per is not None:
             masking.append((op, per, got[1], op.index < end))
+    return _per_sequence(masking, B)
+
+
+def _per_sequence(masking: list[tuple], B: int) -> list[tuple]:
+    """A loop over the sequences, each attended apart: B masking ops on one line, each over scores of one batch row,
+    the k-th masking sequence k (not every sequence, as `per_batch` broadcasts a row), each before its own softmax
+    where the first is before the first."""
+    lines: dict = {}
+    for i, (op, _, _, _) in enumerate(masking):
+        out = next((o for o in op.outs if o is not None), None)
+        if B > 1 and out is not None and out.dim() >= 3 and out.shape[0] == 1:
+            lines.setdefault(op.frames[0], []).append(i)
+    for indices in lines.values():
+        if len(indices) != B:
+            continue
+        before = masking[indices[0]][3]
+        for b, i in enumerate(indices):
+            op, per, made, _ = masking[i]
+            own = torch.zeros_like(per)
+            own[b] = per[b]
+            masking[i] = (op, own, made, before)
     return masking
 
 

@@ -350,15 +350,16 @@ def test_its_finding_points_at_the_line_that_breaks_the_mask_and_its_twin_has_no
 
 
 class PaddedSelf(nn.Module):
-    """Self-attention over (B, T, H, d) with a key padding mask (B, T), True = padding, written four ways:
+    """Self-attention over (B, T, H, d) with a key padding mask (B, T), True = padding, written five ways:
     `features`: the padded tokens' features zeroed as well (harmless where the scores block them too; the bug where
     they do not, `scores=False`); `row0`: the bug, row 0's mask for every sequence, taken as `mask[:1]` before or
-    after a shared mask of ones (`shared_first`); `per_sequence`: each sequence attended apart, by its own row."""
+    after a shared mask of ones (`shared_first`); `per_sequence`: each sequence attended apart, by its own row;
+    `mean_values`: the bug, the mean of every value (the padded ones too) added to each."""
 
     def __init__(self, d_model=32, num_heads=2, *, features=False, scores=True, row0=False, shared_first=False,
-                 per_sequence=False):
+                 per_sequence=False, mean_values=False):
         super().__init__()
-        self.h, self.features, self.scores, self.row0 = num_heads, features, scores, row0
+        self.h, self.features, self.scores, self.row0, self.mean_values = num_heads, features, scores, row0, mean_values
         self.shared_first, self.per_sequence = shared_first, per_sequence
         self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.register_buffer("shared", torch.ones(1, 1, 1, 64, dtype=torch.bool))
@@ -368,6 +369,8 @@ class PaddedSelf(nn.Module):
         if self.features:
             x = x * keep[..., None].to(x.dtype)  # the padded tokens' features zeroed
         q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).unbind(2)
+        if self.mean_values:
+            v = v + v.mean(1, keepdim=True)  # the bug: the mean of every value, the padded ones too, in each
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // self.h)
         if self.scores:
             pad = keep[:1, None, None, :] if self.row0 else keep[:, None, None, :]  # the bug: row 0's for all
@@ -418,3 +421,17 @@ def test_a_sequence_masked_by_its_own_row_in_a_loop_is_no_row_picker():
     verdict, sites = _sites(per_sequence=True, features=True, scores=False)
     assert verdict == "fail" and not any("keep[b:b + 1]" in s for s in sites), sites
     assert _sites(per_sequence=True)[0] == "pass"
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["a loop over the sequences", "the batch at once"])
+def test_a_loop_over_the_sequences_is_read_by_row_and_its_masks_are_not_blamed_for_another_bug(per_sequence):
+    """Each fill of the loop masks its own sequence: none is read against another's mask (before, sequence 0's fill
+    was said to block pairs sequence 1 may attend, and later sequences' fills came after "the" softmax). The bug, the
+    padded values' mean in every value, fails either way; no site blames the mask."""
+    verdict, sites = _sites(per_sequence=per_sequence, mean_values=True)
+    assert verdict == "fail", sites
+    torch.manual_seed(0)
+    found = diagnostics.audit(PaddedSelf(per_sequence=per_sequence, mean_values=True), progress=False,
+                              detectors=["blocked_keys_absent", "mask_honoured"])
+    notes = [site.note for r in found.findings for site in r.where]
+    assert not any("may be attended" in n or "after the softmax" in n for n in notes), notes
