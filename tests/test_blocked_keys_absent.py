@@ -435,3 +435,48 @@ def test_a_loop_over_the_sequences_is_read_by_row_and_its_masks_are_not_blamed_f
                               detectors=["blocked_keys_absent", "mask_honoured"])
     notes = [site.note for r in found.findings for site in r.where]
     assert not any("may be attended" in n or "after the softmax" in n for n in notes), notes
+
+
+class CausalPadded(nn.Module):
+    """Causal self-attention, GPT-2's way (a lower-triangular buffer, sliced; `is_causal` says it builds it), with a
+    key padding mask (B, T), 1 = keep, combined with it; `row`: the bug, that batch row's mask for every sequence
+    (`mask[:1]`, `mask[-1:]`)."""
+
+    is_causal = True
+
+    def __init__(self, d_model=16, num_heads=2, row=None):
+        super().__init__()
+        self.h, self.row = num_heads, row
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("bias", torch.tril(torch.ones(64, 64, dtype=torch.bool)).view(1, 1, 64, 64))
+
+    def forward(self, x, attention_mask):
+        B, T, D = x.shape
+        keep = attention_mask.bool()
+        keep = keep if self.row is None else keep[self.row:][:1]  # the bug: one row's mask for all
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).unbind(2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // self.h)
+        s = s.masked_fill(~(self.bias[:, :, :T, :T] & keep[:, None, None, :]), float("-inf"))
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("row", [None, 0, -1], ids=["correct", "row 0's mask", "the last row's mask"])
+def test_in_a_causal_audit_a_row_given_either_end_rows_mask_fails_and_its_twin_passes(row, seed):
+    """A causal row's kept rows never see its trailing keys, so a row given a longer row's mask shows nothing: with
+    two rows, one of `mask[:1]` and `mask[-1:]` hid at every draw of the lengths. The batch reversed gives each row
+    the other's place, and both bugs fail at every seed; the correct twin passes on the same inputs."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(CausalPadded(row=row), progress=False, causal=True, mask="key_keep", seed=seed,
+                              detectors=["blocked_keys_absent"]).result("blocked_keys_absent")
+    assert found.verdict == ("pass" if row is None else "fail"), found
+
+
+@pytest.mark.parametrize("row", [None, 0, -1], ids=["correct", "row 0's mask", "the last row's mask"])
+def test_the_reversed_batch_reads_the_same_at_std_0_02_in_bfloat16(row):
+    torch.manual_seed(0)
+    layer = CausalPadded(row=row)
+    gpt2_init_(layer)
+    found = diagnostics.audit(layer.to(torch.bfloat16), progress=False, causal=True, mask="key_keep",
+                              dtype=torch.bfloat16, detectors=["blocked_keys_absent"]).result("blocked_keys_absent")
+    assert found.verdict == ("pass" if row is None else "fail"), found

@@ -10,6 +10,7 @@ outputs, no mask gives others."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -431,33 +432,54 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
         return skip(det, f"the output {tuple(out.shape)} has no row per query and batch element (see output_shape)")
     lengths = base.extra[:, 0, :].sum(-1).tolist()  # (B,): the keys each row keeps
     tol = tolerance(ROW_SUM, s.dtype)
-    readings, calls = [], [padded]
-    for length in sorted(set(lengths)):
-        cut = _cut(base, length, t)
-        call = probe.call(cut.query, cut.key, cut.value, probe.allowed(B, length, length, cut.extra),
-                          label=f"the padding probe's sequences cut to {length} of {T} tokens, nothing blocked")
-        if not call.ok:
-            return skip(det, f"the layer raised on the sequences cut to {length} of {T} tokens "
-                             f"({call.describe_error()}), so they cannot be compared with the padded ones")
-        got = call.output.out
-        if got.shape[0] != B or got.dim() != out.dim() or got.shape[t] != (own or length):
-            return skip(det, f"the output {tuple(got.shape)} of the sequences cut to {length} tokens has no row per "
-                             f"query and batch element")
-        rows = [b for b, n in enumerate(lengths) if n == length]
-        kept = own or length
-        change = relative_change(got[rows].narrow(t, 0, kept), out[rows].narrow(t, 0, kept), centred=True,
-                                 scale_of=out)
-        if change is None:
-            return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
-        readings.append((length, rows, float(change.max()), int((change > tol).sum()), change.numel()))
-        calls.append(call)
+    hidden = probe.causal or probe.pattern is not None
+    # in a causal audit (or under a declared pattern) a row's kept rows never see the trailing keys, so a row given a
+    # longer row's mask (`mask[:1]`, `mask[-1:]`) shows nothing: the batch reversed gives each row the other's place
+    orders = [(base, padded, lengths, "")]
+    if hidden and B > 1:
+        memo: dict[int, Tensor] = {}  # one stream stays one tensor, a memory both key and value
+
+        def reversed_(x: Tensor) -> Tensor:
+            return memo.setdefault(id(x), x.flip(0))
+
+        flipped = Inputs(*(reversed_(x) for x in (base.query, base.key, base.value)), base.extra.flip(0))
+        again = probe.call(flipped.query, flipped.key, flipped.value, probe.allowed(B, T, T, flipped.extra),
+                           label="the padding probe's batch reversed")
+        if again.ok and again.output.out.shape == out.shape:
+            orders.append((flipped, again, lengths[::-1], ", the batch reversed"))
+    readings, compared = [], []
+    for inputs, whole, rows_kept, how in orders:
+        calls = []
+        for length in sorted(set(rows_kept)):
+            cut = _cut(inputs, length, t)
+            call = probe.call(cut.query, cut.key, cut.value, probe.allowed(B, length, length, cut.extra),
+                              label=f"the padding probe's sequences cut to {length} of {T} tokens, nothing blocked"
+                                    f"{how}")
+            if not call.ok:
+                return skip(det, f"the layer raised on the sequences cut to {length} of {T} tokens "
+                                 f"({call.describe_error()}), so they cannot be compared with the padded ones")
+            got = call.output.out
+            if got.shape[0] != B or got.dim() != out.dim() or got.shape[t] != (own or length):
+                return skip(det, f"the output {tuple(got.shape)} of the sequences cut to {length} tokens has no row "
+                                 f"per query and batch element")
+            rows = [b for b, n in enumerate(rows_kept) if n == length]
+            kept = own or length
+            change = relative_change(got[rows].narrow(t, 0, kept), whole.output.out[rows].narrow(t, 0, kept),
+                                     centred=True, scale_of=whole.output.out)
+            if change is None:
+                return skip(det, "the output is zero or non-finite everywhere, so a difference cannot be measured")
+            readings.append((length, rows, float(change.max()), int((change > tol).sum()), change.numel(), how))
+            calls.append(call)
+        compared.append((whole, calls, rows_kept))
     worst = max(r[2] for r in readings)
-    evidence = "; ".join(f"sequence{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} ({n} of {T} keys kept): "
-                         f"{bad} / {total} rows differ from the sequence cut to {n} tokens, by up to {m:.3g}"
-                         for n, rows, m, bad, total in readings) + f" ({allowed_text(tol, s.dtype)})"
+    evidence = "; ".join(f"sequence{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} ({n} of {T} keys kept"
+                         f"{how}): {bad} / {total} rows differ from the sequence cut to {n} tokens, by up to {m:.3g}"
+                         for n, rows, m, bad, total, how in readings) + f" ({allowed_text(tol, s.dtype)})"
     failed = worst > tol
+    calls = [c for whole, cuts, _ in compared for c in (whole, *cuts)]
     if failed and s.dtype != torch.float64:
-        exact = _float64_worst(probe, padded, calls[1:], lengths)
+        exact = max((_float64_worst(probe, whole, cuts, rows_kept) for whole, cuts, rows_kept in compared),
+                    key=lambda x: math.inf if x is None else x)
         if exact is not None and exact <= tolerance(ROW_SUM, torch.float64):
             failed = False
             evidence += (f"; a float64 copy of the layer on the same inputs measured {exact:.2g} (up to "
