@@ -37,6 +37,8 @@ from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
 from .._subject import Output
 from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
+from .._tracing import declared_mask, first_moved, masking_ops, op_site, trace_call
+from .._tracing import mask_sites as tracing_mask_sites  # this module's `mask_sites` is mask_honoured's locator
 from ._common import (
     float64_copy_or_skip,
     float64_output,
@@ -47,8 +49,6 @@ from ._common import (
     result,
 )
 from ._mask_hints import convention_hint, honoured_as_given, undeclared_convention
-from .._tracing import declared_mask, first_moved, masking_ops, op_site, trace_call
-from .._tracing import mask_sites as tracing_mask_sites
 from ._stacked import PADDED, stacked, stacked_baseline, stacked_cases, stacked_inputs
 from .finite import ROW_FILLS, nonfinite_sites
 
@@ -421,7 +421,9 @@ def check_blocked_keys_absent(probe: Probe) -> DetectorResult:
     decode_consistency's). mask_honoured changes the blocked keys' contents and cannot see a blocked key that
     still takes weight with contents the layer fixed (features zeroed), nor a key blocked that the row's own mask
     allows (another row's mask). The control: the padded inputs with a mask that blocks nothing give other rows,
-    so the padding reaches the kept rows unless the mask blocks it. One call per length, and the control's."""
+    so the padding reaches the kept rows unless the mask blocks it. One call per length, and the control's; in a
+    causal or patterned audit the same again with the batch reversed, whose kept rows never see the trailing keys,
+    so that a row given a longer row's mask is given a shorter one's in one of the two orders."""
     det, s, B, T = "blocked_keys_absent", probe.subject, probe.BATCH, probe.t
     padded = stacked_baseline(probe, PADDED)
     if not padded.ok:

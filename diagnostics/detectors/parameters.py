@@ -50,9 +50,9 @@ from .._probe import Probe
 from .._registry import LONG, Need, detector
 from .._result import DetectorResult, ProbeShape, Site
 from .._tracing import MATMULS, computing, op_site, producer, trace_call
-from ._heads_out import heads_out_seen
 from ._common import (GradientProbe, float64_copy_or_skip, grad_of, gradient_probe, graph_call, logit_gain, pack,
                       result, zeros_drawn)
+from ._heads_out import heads_out_seen
 
 DET = "parameters_used"
 
@@ -546,8 +546,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
                       value=max(moved_by[n] for n in caller), threshold=FORWARD_MOVES,
                       evidence=f"{'; '.join(f'{n} {tuple(params[n].shape)}' for n in caller)}: gradient exactly 0 "
                                f"everywhere, `{left}`'s weights never read by the call, its width the heads' merged "
-                               f"width; "
-                               f"every other parameter moves the output ({checked}){note}",
+                               f"width; every other parameter moves the output ({checked}){note}",
                       fix=f"audit with the call output_shape names, which applies `{left}` as the caller does")
     if empty:
         them, owners = ("them", "their modules were") if len(empty) > 1 else ("it", "its module was")

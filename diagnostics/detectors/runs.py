@@ -491,9 +491,10 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     moved = None if out is None else _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
     how, declare = "", ""
     # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with the
-    # layer's own `to_out`: the call named merges them and applies the one projection the layer never calls, as the
+    # layer's own `to_out`: the call named merges them and applies the one projection the layer never reads, as the
     # block does (a call that merged them alone would leave `to_out` unused, a false FAIL)
-    def at(t: int):  # traced, the queries repeated to t tokens
+
+    def at(t: int):  # the layer traced on the queries repeated to t tokens (`heads_seen` reads it at T + 3)
         query = torch.cat([call.query] * (t // call.query.shape[1] + 1), 1)[:, :t]
         return traced(probe, lambda: _given(probe, query, stream, x_to=x_to, kept=ones, whole=True), query)
 
