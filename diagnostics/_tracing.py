@@ -327,6 +327,11 @@ def through_carries(trace: Trace, op: Op | None) -> Op | None:
     return op
 
 
+def first_out(op: Op) -> Tensor | None:
+    """The op's first output the trace kept (outputs too large to copy are None)."""
+    return next((o for o in op.outs if o is not None), None)
+
+
 ROW_PICKS = {"slice", "select", "index", "narrow"}
 
 
@@ -351,7 +356,7 @@ def _picks_rows(op: Op, batch: int) -> bool:
     """Whether `op` (a slice, select, index or narrow) of a tensor of `batch` rows keeps fewer of them, or drops the
     batch axis (`mask[0]`)."""
     given = op.args[0] if op.args and isinstance(op.args[0], Tensor) else None
-    out = next((o for o in op.outs if o is not None), None)
+    out = first_out(op)
     dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else 0
     if given is None or out is None or not given.dim() or given.shape[0] != batch or batch < 2:
         return False
@@ -829,7 +834,7 @@ def _per_sequence(masking: list[tuple], B: int) -> list[tuple]:
     where the first is before the first."""
     lines: dict = {}
     for i, (op, _, _, _) in enumerate(masking):
-        out = next((o for o in op.outs if o is not None), None)
+        out = first_out(op)
         if B > 1 and out is not None and out.dim() >= 3 and out.shape[0] == 1:
             lines.setdefault(op.frames[0], []).append(i)
     for indices in lines.values():
@@ -858,13 +863,13 @@ def mask_sites(trace: Trace, declared: Tensor, B: int, t_q: int, t_k: int, *, or
     def row_picker_sites(mask_id, user_of) -> list:
         """The line that hands every sequence another batch row's mask, where it is not the masking op's."""
         picker = batch_picker(trace, mask_id, B)
-        used = next((o for o in user_of.outs if o is not None), None)
+        used = first_out(user_of)
         # a mask of fewer rows broadcast over the whole batch's scores; not a sequence's own row, masking that
         # sequence's scores alone (a loop over the batch)
         if picker is None or picker.frames[:1] == user_of.frames[:1] or used is None or not used.dim() \
                 or used.shape[0] != B:
             return []
-        given, out = tuple(picker.args[0].shape), tuple(next(o for o in picker.outs if o is not None).shape)
+        given, out = tuple(picker.args[0].shape), tuple(first_out(picker).shape)
         return [op_site(picker, f"keeps fewer batch rows of the mask than the batch has ({given} in, {out} out): "
                                 f"a sequence is then given another's mask",
                         fix="index the mask by each sequence's own batch row (mask, or mask[:, ...]), not mask[:1] "

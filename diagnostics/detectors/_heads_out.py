@@ -95,10 +95,9 @@ def traced(probe: Probe, run, query: Tensor) -> Read | None:
 def heads_out_seen(probe: Probe) -> HeadsOut | None:
     """The per-head output of a module given a stream (or a memory too), with attention over the tokens observed;
     None otherwise (a layer of the right shape costs nothing; one of another shape, one traced call more, or two
-    where the longer one raises)."""
-    if "heads_out_seen" not in probe.memo:
-        probe.memo["heads_out_seen"] = _heads_out_seen(probe)
-    return probe.memo["heads_out_seen"]
+    where the longer one raises). Made once per audit, its draws seeded from its name whichever detector asks first
+    (`Probe.shared`)."""
+    return probe.shared("heads_out_seen", lambda: _heads_out_seen(probe))
 
 
 def _heads_out_seen(probe: Probe) -> HeadsOut | None:

@@ -37,7 +37,7 @@ from .._registry import LONG, TAKES_MASK, detector
 from .._result import DetectorResult, Site
 from .._subject import Output
 from .._thresholds import ROW_SUM, UNCHANGED, dtype_name, tolerance
-from .._tracing import declared_mask, first_moved, masking_ops, op_site, trace_call
+from .._tracing import declared_mask, first_moved, first_out, masking_ops, op_site, trace_call
 from .._tracing import mask_sites as tracing_mask_sites  # this module's `mask_sites` is mask_honoured's locator
 from ._common import (
     float64_copy_or_skip,
@@ -533,7 +533,7 @@ def blocked_keys_sites(probe: Probe) -> list[Site]:
                         seed=probe.seed)
     op = first_moved(opened, masked, torch.ones(B, T, dtype=torch.bool), tolerance(UNCHANGED, s.dtype),
                      reads_inputs=True)
-    shape = () if op is None else next((tuple(o.shape) for o in op.outs if o is not None), ())
+    shape = () if op is None or first_out(op) is None else tuple(first_out(op).shape)
     first = None if op is None else op_site(
         op, f"the first op the mask changes, on a tensor {shape}, and no op masks the scores over the keys before the "
             f"softmax: a key whose features are zeroed or replaced here still takes softmax weight",
