@@ -480,3 +480,18 @@ def test_the_reversed_batch_reads_the_same_at_std_0_02_in_bfloat16(row):
     found = diagnostics.audit(layer.to(torch.bfloat16), progress=False, causal=True, mask="key_keep",
                               dtype=torch.bfloat16, detectors=["blocked_keys_absent"]).result("blocked_keys_absent")
     assert found.verdict == ("pass" if row is None else "fail"), found
+
+
+def test_the_reversed_batch_gives_each_sequence_the_others_length():
+    """The perturbation changed what it claims: in the reversed reading each batch row holds the other's sequence
+    and length (the evidence lists both orders, the lengths swapped), and only a causal audit reads it."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(CausalPadded(), progress=False, causal=True, mask="key_keep",
+                              detectors=["blocked_keys_absent"]).result("blocked_keys_absent")
+    plain = re.findall(r"sequence (\d) \((\d+) of \d+ keys kept\)", found.evidence)
+    flipped = re.findall(r"sequence (\d) \((\d+) of \d+ keys kept, the batch reversed\)", found.evidence)
+    assert len(plain) == 2 and {(str(1 - int(b)), n) for b, n in plain} == set(flipped), found.evidence
+    assert len({n for _, n in plain}) == 2, found.evidence  # the two lengths differ
+    torch.manual_seed(0)
+    not_causal = diagnostics.audit(KeepCross(), progress=False, **CROSS, detectors=["blocked_keys_absent"])
+    assert "the batch reversed" not in not_causal.result("blocked_keys_absent").evidence
