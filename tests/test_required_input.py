@@ -62,7 +62,12 @@ class RaisesAnyway(MemoryRequired):
 
 def _declared(report) -> dict:
     """The report's declaration as keyword arguments for audit(), as a user would paste it."""
-    call = ast.parse(f"f({report.declaration})", mode="eval").body
+    return _from_text(report.declaration)
+
+
+def _from_text(declaration: str) -> dict:
+    """A declaration's text ("cross=True, call=lambda ...") as keyword arguments, as a user would paste it."""
+    call = ast.parse(f"f({declaration})", mode="eval").body
     return {k.arg: eval(compile(ast.Expression(k.value), "<declaration>", "eval"), {"torch": torch})
             if isinstance(k.value, ast.Lambda) else ast.literal_eval(k.value) for k in call.keywords}
 
@@ -218,42 +223,71 @@ class ImagePromptAttention(nn.Module):
     """A cross-attention in the style of diffusers' IP-Adapter processors: its memory is `(text tokens, [image
     tokens, ...])`, or one tensor whose last `image_tokens` are split off as image tokens (the older form). The
     queries attend the text tokens, under the mask (bool (B, 1, Tq, T_text), True = may attend), and each image
-    prompt's tokens apart, through projections of their own, unmasked; the attentions are summed. `scaled=False`:
-    the bug, q·k of the text attention not scaled."""
+    prompt's tokens apart, through projections of their own, unmasked; the attentions are summed. The bugs:
+    `scaled=False`, q·k of the text attention not scaled; `image_scaled=False`, the image prompts' q·k not scaled;
+    `masked=False`, the text attention's mask ignored."""
 
-    def __init__(self, dim=32, heads=4, image_tokens=4, scaled=True):
+    def __init__(self, dim=32, heads=4, image_tokens=4, scaled=True, image_scaled=True, masked=True):
         super().__init__()
-        self.heads, self.image_tokens, self.scaled = heads, image_tokens, scaled
+        self.heads, self.image_tokens, self.scaled, self.image_scaled = heads, image_tokens, scaled, image_scaled
+        self.masked = masked
         self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
         self.to_k_ip, self.to_v_ip = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
 
-    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+    def split_memory(self, encoder_hidden_states):
         if isinstance(encoder_hidden_states, tuple):
-            text, images = encoder_hidden_states
-        else:  # raises on None
-            end = encoder_hidden_states.shape[1] - self.image_tokens
-            text, images = encoder_hidden_states[:, :end], [encoder_hidden_states[:, end:]]
+            return encoder_hidden_states
+        end = encoder_hidden_states.shape[1] - self.image_tokens  # raises on None
+        return encoder_hidden_states[:, :end], [encoder_hidden_states[:, end:]]
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        text, images = self.split_memory(encoder_hidden_states)
         B, T, D = hidden_states.shape  # batch, queries, width
         split = lambda t: t.view(B, -1, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731  (B, H, n, d)
         q = split(self.to_q(hidden_states))
-        out = F.scaled_dot_product_attention(q, split(self.to_k(text)), split(self.to_v(text)), attn_mask=attention_mask,
+        out = F.scaled_dot_product_attention(q, split(self.to_k(text)), split(self.to_v(text)),
+                                             attn_mask=attention_mask if self.masked else None,
                                              scale=None if self.scaled else 1.0)  # (B, H, T, d)
         for image in images:
-            out = out + F.scaled_dot_product_attention(q, split(self.to_k_ip(image)), split(self.to_v_ip(image)))
+            out = out + F.scaled_dot_product_attention(q, split(self.to_k_ip(image)), split(self.to_v_ip(image)),
+                                                       scale=None if self.image_scaled else 1.0)
         return self.to_out(out.transpose(1, 2).reshape(B, T, D))
 
 
-def _image_prompt_call(layer, x, memory, mask):
-    """The call the fix describes, in ImagePromptAttention's form: the memory as text tokens and one image prompt of no
-    tokens (the text attention audited as a cross-attention, the image projections given nothing)."""
-    return layer(x, encoder_hidden_states=(memory, [memory[:, :0]]), attention_mask=mask)
+class SplitOnlyMemory(ImagePromptAttention):
+    """The older form alone: one tensor, its last `image_tokens` split off; a tuple is refused."""
+
+    def split_memory(self, encoder_hidden_states):
+        if isinstance(encoder_hidden_states, tuple):
+            raise TypeError("encoder_hidden_states must be a tensor")
+        return super().split_memory(encoder_hidden_states)
 
 
-def test_a_memory_whose_mask_fits_no_convention_names_no_declaration_under_which_the_layer_would_raise():
-    """Given a memory it runs; given a mask over that memory's tokens it raises in every convention (the mask covers
-    the text tokens left after the split): `cross=True` would make every masked probe raise, so it is not named.
-    The audit is inconclusive and says why; no declaration is named."""
+IMAGE_PROMPT_CALL = ("cross=True, call=lambda layer, x, memory, mask: layer(x, encoder_hidden_states=(memory, "
+                     "[memory[:, :0]]), attention_mask=mask)")
+IMAGE_BRANCH_CALL = ("cross=True, call=lambda layer, x, memory: layer(x, encoder_hidden_states=(memory[:, :0], "
+                     "[memory]))")
+
+
+def test_a_memory_taken_inside_a_tuple_names_the_call_that_gives_it_so():
+    """Given a memory tensor it runs; given a mask over that memory's tokens it raises in every convention (the mask
+    covers the text tokens left after the split); given the memory alone in a tuple it raises Python's unpacking
+    error, which says it takes two parts. The call named gives the memory first and an image prompt of no tokens,
+    and says that the image prompts are then not measured, naming the call that measures them."""
     report = diagnostics.audit(_layer(ImagePromptAttention), progress=False)
+    assert report.status == "inconclusive" and report.declaration == IMAGE_PROMPT_CALL, report.status_reason
+    runs = report.result("runs")
+    assert "(ValueError: not enough values to unpack (expected 2, got 1)): it takes `encoder_hidden_states` as a " \
+           "tuple of 2; given the memory first and [memory[:, :0]] beside it, it runs, reads the memory and honours " \
+           "`attention_mask` over its tokens as allowed" in runs.message, runs.message
+    assert "so what the layer does with it is not measured; to audit what it does with it, audit again with " \
+           f"{IMAGE_BRANCH_CALL} " in runs.fix, runs.fix
+
+
+def test_a_memory_whose_mask_fits_no_convention_and_no_tuple_names_no_declaration():
+    """The twin of the rule above: a layer that splits its one memory tensor and refuses a tuple names no declaration
+    under which it would raise: the audit is inconclusive and says why."""
+    report = diagnostics.audit(_layer(SplitOnlyMemory), progress=False)
     assert report.status == "inconclusive" and not report.declaration, report
     said = report.result("runs").message
     assert said.startswith("not measured: the layer raised on every probe, each given without "
@@ -264,16 +298,30 @@ def test_a_memory_whose_mask_fits_no_convention_names_no_declaration_under_which
         report.result("runs").fix
 
 
-def test_the_memory_given_in_the_layers_form_passes_and_its_unscaled_twin_fails():
-    """The call the fix describes: the correct layer passes, its image projections a warning (given no token), and
-    the twin without its scale fails on the same call."""
-    report = diagnostics.audit(_layer(ImagePromptAttention), progress=False, cross=True, call=_image_prompt_call)
+@pytest.mark.parametrize("bug, failing", [("scaled", "softmax_saturation"), ("masked", "mask_honoured")])
+def test_the_named_tuple_call_passes_the_layer_and_fails_its_text_attentions_bugs(bug, failing):
+    """The call the report names, pasted as a user would: the correct layer passes, its image projections a warning
+    (given no token); each twin with a bug in the text attention fails on the same call."""
+    report = diagnostics.audit(_layer(ImagePromptAttention), progress=False, **_from_text(IMAGE_PROMPT_CALL))
     assert report.status == "passed", report
     used = report.result("parameters_used")
     assert used.verdict == "warn" and used.message.startswith("to_k_ip.weight, to_v_ip.weight not measured"), used
-    twin = diagnostics.audit(_layer(ImagePromptAttention, scaled=False), progress=False, cross=True,
-                             call=_image_prompt_call)
-    assert twin.status == "failed" and twin.result("softmax_saturation").verdict == "fail", twin
+    twin = diagnostics.audit(_layer(ImagePromptAttention, **{bug: False}), progress=False,
+                             **_from_text(IMAGE_PROMPT_CALL))
+    assert twin.status == "failed" and twin.result(failing).verdict == "fail", twin
+
+
+def test_a_bug_in_the_image_prompts_passes_the_first_call_with_its_warning_and_fails_the_second():
+    """What the first call leaves unmeasured, said and measurable: the image prompts' attention unscaled passes the
+    named call, `to_k_ip`/`to_v_ip` not measured (a warning), and fails under the second call the fix names, which
+    the correct layer passes."""
+    bug = dict(image_scaled=False)
+    first = diagnostics.audit(_layer(ImagePromptAttention, **bug), progress=False, **_from_text(IMAGE_PROMPT_CALL))
+    assert first.status == "passed" and first.result("parameters_used").verdict == "warn", first
+    assert diagnostics.audit(_layer(ImagePromptAttention), progress=False,
+                             **_from_text(IMAGE_BRANCH_CALL)).status == "passed"
+    second = diagnostics.audit(_layer(ImagePromptAttention, **bug), progress=False, **_from_text(IMAGE_BRANCH_CALL))
+    assert second.status == "failed" and second.result("softmax_saturation").verdict == "fail", second
 
 
 class MaskedMemory(nn.Module):
@@ -301,12 +349,12 @@ def test_a_cross_attention_whose_mask_covers_its_memory_is_still_declared_cross(
     assert diagnostics.audit(_layer(MaskedMemory), progress=False, cross=True).status == "passed"
 
 
-@pytest.mark.parametrize("name, mask", [("Attention+IPAdapterAttnProcessor2_0", None),
-                                        ("Attention+IPAdapterAttnProcessor", "additive:B,Tq,Tk")])
-def test_diffusers_ip_adapter_processors_name_no_declaration_they_fail_and_pass_given_their_memory_form(name, mask):
-    """diffusers' own: zero-config inconclusive, naming no declaration (they used to name `cross=True`, under which
-    they failed); through the call in their form (`(text, [image tokens])`, an image prompt of none) they pass, the
-    older processor with the mask convention its report names under that call."""
+@pytest.mark.parametrize("name, mask", [("Attention+IPAdapterAttnProcessor2_0", ""),
+                                        ("Attention+IPAdapterAttnProcessor", "mask='additive:B,Tq,Tk', ")])
+def test_diffusers_ip_adapter_processors_name_their_tuple_call_and_pass_with_it(name, mask):
+    """diffusers' own: zero-config inconclusive, naming the call in their form (`(text, [image tokens])`, an image
+    prompt of none), the older processor with its mask convention in the same declaration; under it they pass, and
+    under the second call the fix names (the image prompts given the memory) they pass too."""
     pytest.importorskip("diffusers", reason="diffusers is not installed (the zoo extra)")
     import sys
     from pathlib import Path
@@ -315,14 +363,13 @@ def test_diffusers_ip_adapter_processors_name_no_declaration_they_fail_and_pass_
     import sweep_diffusers as sd
 
     report = diagnostics.audit(sd.diffusers_build(name), progress=False)
-    assert report.status == "inconclusive" and not report.declaration, report.status_reason
-    assert "no declaration of the audit's gives it a mask that fits" in report.result("runs").message
-    again = diagnostics.audit(sd.diffusers_build(name), progress=False, cross=True, call=_image_prompt_call)
-    assert again.declaration == ("" if mask is None else f"mask={mask!r}"), again.status_reason
-    if mask is not None:
-        again = diagnostics.audit(sd.diffusers_build(name), progress=False, cross=True, call=_image_prompt_call,
-                                  mask=mask)
+    named = IMAGE_PROMPT_CALL.replace("cross=True, ", f"cross=True, {mask}")
+    assert report.status == "inconclusive" and report.declaration == named, report.status_reason
+    again = diagnostics.audit(sd.diffusers_build(name), progress=False, **_from_text(named))
     assert again.status == "passed", again.status_reason
+    assert IMAGE_BRANCH_CALL in report.result("runs").fix
+    image = diagnostics.audit(sd.diffusers_build(name), progress=False, **_from_text(IMAGE_BRANCH_CALL))
+    assert image.status == "passed", image.status_reason
 
 
 class KeyPaddedMemory(MaskedMemory):
@@ -334,11 +381,11 @@ class KeyPaddedMemory(MaskedMemory):
         return super().forward(hidden_states, encoder_hidden_states, keep)
 
 
-def test_a_memory_whose_mask_fits_in_another_convention_is_declared_cross_and_then_that_convention():
+def test_a_memory_whose_mask_fits_in_another_convention_is_declared_cross_with_that_convention_at_once():
     """The rule tries every convention of the audit's before it names no declaration: a (B, Tm) mask, which the
-    audit's own (B, 1, Tq, Tk) does not fit, still names `cross=True`, then the convention, and passes with both."""
+    audit's own (B, 1, Tq, Tk) does not fit, names `cross=True` with the convention it honours, in one declaration
+    (two rounds before), and passes with it."""
     report = diagnostics.audit(_layer(KeyPaddedMemory), progress=False)
-    assert report.declaration == "cross=True", report
-    again = diagnostics.audit(_layer(KeyPaddedMemory), progress=False, cross=True)
-    assert again.declaration == "mask='key_keep'", again
-    assert diagnostics.audit(_layer(KeyPaddedMemory), progress=False, cross=True, mask="key_keep").status == "passed"
+    assert report.declaration == "cross=True, mask='key_keep'", report
+    assert "honours `attention_mask` over its tokens as key_keep" in report.result("runs").message
+    assert diagnostics.audit(_layer(KeyPaddedMemory), progress=False, **_declared(report)).status == "passed"

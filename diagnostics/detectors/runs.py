@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 import math
 import re
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -446,11 +447,10 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
                f"to `{stream}`'s tokens are then not measured)")
     elif stream == sig.memory:
         refused = None if mask_name is None else _raises_given(probe, call.query, stream, mask_name)
-        if refused is not None:
+        form = None if refused is None else _memory_form(probe, call.query, stream, mask_name)
+        if refused is not None and form is None:
             return _mask_does_not_fit(probe, call, stream, mask_name, refused, evidence)
-        declare = spell("cross", True, probe.options)
-        how = f"attends `{stream}` as a memory (each output row moved only with its own query)"
-        fix = f"audit with {declare}: the audit then gives `{stream}` a memory on every call"
+        declare, how, fix = _memory_declared(probe, call.query, stream, mask_name, to, form, refused)
     else:
         declare = stream_call(stream, "x", mask_name, probe.options, query=to)
         how = f"attends `{stream}` apart from its queries (each output row moved only with its own query)"
@@ -459,18 +459,118 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
                   evidence=evidence, fix=fix, declaration=declare)
 
 
+def _memory_declared(probe: Probe, query: torch.Tensor, stream: str, mask_name: str | None, to: str | None,
+                     form: MemoryForm | None, refused: str | None) -> tuple[str, str, str]:
+    """(the declaration, what the layer was seen to do, the fix) for a layer that attends `stream` as a memory:
+    `cross=True`; with the mask convention in which it honours a mask over the memory (`_key_convention`, any shape:
+    the audit passes its own mask), where that is not the audit's and nobody declared one; and with the call that
+    gives the memory in the layer's `form`, where it takes it inside a tuple. One declaration, so that the audit
+    under it measures the layer rather than naming another."""
+    s = probe.subject
+    convention, _ = (None, None) if mask_name is None else _key_convention(
+        probe, query, stream, mask_name, per_key=False, form=None if form is None else form.build)
+    parts = [spell("cross", True, probe.options)]
+    if convention is not None and convention != s.mask_convention and s.convention_by not in ("user", "library"):
+        parts.append(spell("mask", str(convention), probe.options))
+    honoured = "" if convention is None else (f" and honours `{mask_name}` over its tokens as {convention} "
+                                              f"({convention.describe()}: a memory token it blocks moves no output, "
+                                              f"one it keeps does)")
+    if form is None:
+        declare = ", ".join(parts)
+        return (declare, f"attends `{stream}` as a memory (each output row moved only with its own query){honoured}",
+                f"audit with {declare}: the audit then gives `{stream}` a memory on every call")
+    x = "x" if to is None else f"{to}=x"
+    params, mask = ("layer, x, memory, mask", f", {mask_name}=mask") if mask_name else ("layer, x, memory", "")
+    parts.append(call_declaration(params, f"layer({x}, {stream}={form.text}{mask})", probe.options))
+    declare = ", ".join(parts)
+    how = (f"attends `{stream}` as a memory (each output row moved only with its own query); given `{mask_name}` over "
+           f"its tokens too it raises ({refused}), and given one tensor alone in a tuple it raises ({form.said}): it "
+           f"takes `{stream}` as a tuple of {form.parts}; given the memory first and {form.empty} beside it, it runs, "
+           f"reads the memory{honoured}")
+    rest = ""
+    if form.rest is not None:
+        again = ", ".join([spell("cross", True, probe.options),
+                           call_declaration("layer, x, memory", f"layer({x}, {stream}={form.rest})", probe.options)])
+        rest = (f"; to audit what it does with it, audit again with {again} (the memory in its place and none first: "
+                f"the layer runs on it and reads it)")
+    fix = (f"audit with {declare}: the audit then gives the memory first in the tuple, and the tuple's other "
+           f"{'part' if form.parts == 2 else 'parts'} ({form.empty}) nothing, so what the layer does with "
+           f"{'it' if form.parts == 2 else 'them'} is not measured{rest}")
+    return declare, how, fix
+
+
+UNPACKED = re.compile(r"^ValueError: not enough values to unpack \(expected (\d+), got 1\)")
+"""Python's own words where a tuple of one is unpacked into more names: the layer takes its memory as a tuple of
+that many parts (diffusers' IP-Adapter processors: `encoder_hidden_states, ip_hidden_states = encoder_hidden_states`,
+text tokens and a list of image prompts)."""
+
+FILLERS = (("[memory[:, :0]]", lambda m: [m[:, :0]], "[memory]", lambda m: [m]),
+           ("memory[:, :0]", lambda m: m[:, :0], "memory", lambda m: m),
+           ("[]", lambda m: [], "[memory]", lambda m: [m]))
+"""What each other part of a tuple memory is given (`_memory_form`), tried in order, and what gives it the memory
+instead: a list of one item of no tokens (the modules that read it are called on nothing, which `parameters_used`
+says is not measured, where a module never called would read as unused), no tokens, an empty list."""
+
+
+@dataclass(frozen=True)
+class MemoryForm:
+    """How a layer takes its memory inside a tuple (`_memory_form`): `parts` parts, the memory first and each other
+    part given `empty`; `text` the call's expression of it, `build` the same made from a memory; `said` what the
+    layer raised given the memory alone in a tuple; `rest`: the expression that gives the other part (of two) the
+    memory and the first none, where the layer runs on it and reads it (the call that audits that part), or None."""
+    parts: int
+    text: str
+    empty: str
+    build: Callable
+    said: str
+    rest: str | None
+
+
+def _memory_form(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> MemoryForm | None:
+    """Where the layer, given `name` a memory whose mask (every token kept) it refuses in every convention, takes the
+    memory inside a tuple: given the memory alone in one, it raises Python's unpacking error, which says how many parts
+    it takes (`UNPACKED`); given the memory first and each other part a filler (`FILLERS`), it runs with the mask and
+    its output moves with the memory. None otherwise (then `_mask_does_not_fit` names no declaration). A form is only
+    named where it was run: the call it makes is the one the layer ran."""
+    said: list[str] = []
+    if _given(probe, query, name, said=said, form=lambda m: (m,)) is not None or not said:
+        return None
+    unpacked = UNPACKED.match(said[0])
+    if unpacked is None or int(unpacked.group(1)) < 2:
+        return None
+    n = int(unpacked.group(1))
+    for empty, fill, full, give in FILLERS:
+        build = _tupled(fill, n)
+        if _raises_given(probe, query, name, mask_name, form=build) is not None or \
+                not _stream_read(probe, query, name, None, form=build):
+            continue
+        rest = None
+        if n == 2:  # the other part given the memory, and the first none of it: does the layer run on it and read it?
+            other = lambda m, give=give: (m[:, :0], give(m))  # noqa: E731
+            out = _given(probe, query, name, form=other)
+            if out is not None and torch.isfinite(out).all() and _stream_read(probe, query, name, None, form=other):
+                rest = f"(memory[:, :0], {full})"
+        return MemoryForm(n, f"(memory, {', '.join([empty] * (n - 1))})", empty, build, said[0], rest)
+    return None
+
+
+def _tupled(fill, n: int):
+    """The memory first in a tuple of `n`, each other part `fill(memory)`."""
+    return lambda m: (m, *(fill(m) for _ in range(n - 1)))
+
+
 def _unread_rows(query: torch.Tensor) -> str:
     """Why `_rows_moved` read nothing: one token (no other row to move), or a call that raised or gave NaN."""
     return ("at one token there is no other row to move" if query.shape[1] < 2 else
             "a call with one query token changed raised or gave non-finite outputs")
 
 
-def _stream_read(probe: Probe, query: torch.Tensor, stream: str, x_to: str) -> bool:
+def _stream_read(probe: Probe, query: torch.Tensor, stream: str, x_to: str | None, form=None) -> bool:
     """Whether the layer's output moves (by more than HONOURED of its RMS) when every token of the memory given as
-    `stream` changes by a unit-normal vector."""
+    `stream` (in `form`, where given: see `_given`) changes by a unit-normal vector."""
     memory = _fresh_memory(probe, query)
     changed = memory + torch.randn(memory.shape, generator=probe.generator(), dtype=query.dtype).to(query.device)
-    a, b = (_given(probe, query, stream, x_to=x_to, memory=m) for m in (memory, changed))
+    a, b = (_given(probe, query, stream, x_to=x_to, memory=m, form=form) for m in (memory, changed))
     if a is None or b is None:
         return True  # it ran once given the stream: a second raise is no evidence that it ignores it
     return _moved(a, b) > HONOURED
@@ -569,7 +669,8 @@ MOVED = 1.0  # knob: how far `_key_convention` moves a memory token, a unit-norm
 BIAS = 1.0  # knob: the additive bias (-BIAS) `_key_convention` tells from blocking (x10, x0.1: no verdict moves)
 
 
-def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str):
+def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: str, *, per_key: bool = True,
+                    form=None):
     """(the first per-key convention (B, Tk) of the audit's own and `_mask_hints.candidates` in which the layer,
     given `stream` a memory and `mask_name` a mask over it that blocks its first token, runs, moves no output when
     that token changes, and moves them when the last changes; or None, and the first it honours in the other bool
@@ -577,7 +678,9 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
     where the layer's own words suggest it (`suggested_conventions`: a `*padding*` name): an inverted mask is honoured
     the same way, so what the layer does cannot tell them apart. An additive convention counts only where a bias of -1
     on the blocked token moves the outputs too: a layer that reads its mask as bool (`.bool()`, any nonzero entry
-    True) blocks that token as -inf does, and takes an additive mask as an inverted one."""
+    True) blocks that token as -inf does, and takes an additive mask as an inverted one. `per_key=False`: a convention
+    of any shape, for a call that passes the audit's own mask through (`cross=True`), not one made per key where the
+    audit gives none; `form`: the memory's form (see `_given`)."""
     s = probe.subject
     allowed = torch.ones(query.shape[0], 1, query.shape[1], MEMORY_TOKENS, dtype=torch.bool, device=query.device)
     allowed[..., 0] = False
@@ -588,10 +691,11 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
     said = {c.meaning for c, _ in suggested_conventions(s)} | {s.mask_convention.meaning, "additive"}
     flipped = None
     for convention in [s.mask_convention, *candidates(probe)]:
-        if not convention.per_key or flipped is not None and convention.meaning not in said:
+        if per_key and not convention.per_key or flipped is not None and convention.meaning not in said:
             continue
-        mask = {mask_name: convert_mask(allowed, convention, dtype=query.dtype)}  # per key: no head axis
-        outs = [_given(probe, query, stream, kept=mask, memory=m) for m in (memory, blocked_changed, kept_changed)]
+        mask = {mask_name: convert_mask(allowed, convention, dtype=query.dtype, num_heads=s.num_heads or 1)}
+        outs = [_given(probe, query, stream, kept=mask, memory=m, form=form)
+                for m in (memory, blocked_changed, kept_changed)]
         if any(o is None or not torch.isfinite(o).all() for o in outs):
             continue
         blocked, kept = (_moved(outs[0], o) for o in outs[1:])
@@ -599,7 +703,7 @@ def _key_convention(probe: Probe, query: torch.Tensor, stream: str, mask_name: s
             # added to the scores, a bias of -1 on the first token moves the outputs, less than blocking it; read as
             # bool (`.bool()`: any nonzero entry True) it blocks or keeps that token as -inf does
             biased = {mask_name: mask[mask_name].clamp_min(-BIAS)}
-            out = _given(probe, query, stream, kept=biased, memory=memory)
+            out = _given(probe, query, stream, kept=biased, memory=memory, form=form)
             if out is None or _moved(outs[0], out) <= HONOURED:
                 continue
         if blocked <= HONOURED < kept:
@@ -666,7 +770,7 @@ def _mask_does_not_fit(probe: Probe, call, name: str, mask_name: str, refused: s
                       f"the layer's form>, {mask_name}=mask), with {spell('cross', True, probe.options)}")
 
 
-def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> str | None:
+def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str, form=None) -> str | None:
     """What the layer raises ("RuntimeError: ..., given it as <convention>", the first convention that raised) given
     `name` a memory of MEMORY_TOKENS tokens and `mask_name` a mask over them that keeps every token, where it runs
     in no convention (the audit's own, then `_mask_hints.candidates`: each meaning, each shape); None where one runs
@@ -677,7 +781,7 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
     for convention in [s.mask_convention, *candidates(probe)]:
         mask = convert_mask(every, convention, dtype=query.dtype, num_heads=s.num_heads or 1)
         said: list[str] = []
-        if _given(probe, query, name, mask_name, said, mask=mask) is not None:
+        if _given(probe, query, name, mask_name, said, mask=mask, form=form) is not None:
             return None
         first += [f"{said[0]}, given it as {convention}"] if said and not first else []
     return first[0] if first else None
@@ -686,14 +790,15 @@ def _raises_given(probe: Probe, query: torch.Tensor, name: str, mask_name: str) 
 def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None = None, said: list | None = None,
            mask: torch.Tensor | None = None, *, x_to: str | None = None, kept: dict | None = None,
            memory: torch.Tensor | None = None, length: int | None = None, queries: torch.Tensor | None = None,
-           whole: bool = False):
+           whole: bool = False, form=None):
     """The layer's output on `query` with `name` given a memory of MEMORY_TOKENS tokens (and `mask_name`, where
     named, `mask`, by default a (B, Tm) mask of ones over them: every token kept, read as bool, as kept keys or
     additive alike), or None if it raises (what it raised appended to `said`, where given) or returns no rows of
     the queries'. `x_to`: the parameter `query` goes to, where not the query's (`_streams`). `kept`: the masks to
     pass by name instead (a value None: the default mask); `memory`: the memory instead of a fresh one. `queries`,
     `length`: the queries to give and the rows to expect, where `query` is what `name` is given (its tokens or none
-    of them) and not the queries. `whole`: the layer's result as it returned it, whatever its form."""
+    of them) and not the queries. `whole`: the layer's result as it returned it, whatever its form. `form`: what
+    `name` is given, made from the memory (`_memory_form`: the memory inside a tuple), where not the memory itself."""
     s = probe.subject
     queries = query if queries is None else queries
     if memory is None:
@@ -704,7 +809,8 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
     probe.passes += 1
     try:
         with torch.no_grad():
-            out = s.layer(**{**_streams(s, s._kwargs(queries, queries, queries, None), queries, name, memory, x_to),
+            given = memory if form is None else form(memory)
+            out = s.layer(**{**_streams(s, s._kwargs(queries, queries, queries, None), queries, name, given, x_to),
                              **kept})
     except Exception as exc:  # noqa: BLE001 -- a layer that raises with the stream given too: `runs` fails it
         if said is not None:
