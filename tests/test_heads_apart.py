@@ -222,6 +222,39 @@ def test_the_call_passes_x_positionally_only_to_forwards_first_and_names_a_conve
     assert diagnostics.audit(_made(cls), progress=False, **_declared(report)).status == "passed"
 
 
+class AdditiveCore(HeadsApart):
+    """Hugging Face's style: `attention_mask` added to the scores (float, 0 keep, large negative block), which nothing
+    the layer says states, so the audit's default reading (bool, True = may attend) is its first: one it does not
+    honour, where it honours the additive one. `bug` as HeadsApart's, "mask_ignored" never adding it."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, D = hidden_states.shape
+        q, k, v = (f(hidden_states).view(B, T, self.heads, -1).transpose(1, 2)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        scores = q @ k.transpose(-1, -2) / (1.0 if self.bug == "unscaled" else math.sqrt(D // self.heads))
+        if attention_mask is not None and self.bug != "mask_ignored":
+            scores = scores + attention_mask
+        out = scores.softmax(-1) @ v  # (B, H, T, d)
+        return out if self.layout == "bhtd" else out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+@pytest.mark.parametrize("bug, caught_by", [(None, None), ("unscaled", "softmax_saturation"),
+                                            ("mask_ignored", "mask_honoured")], ids=["correct", "unscaled", "ignored"])
+def test_a_mask_convention_read_only_once_the_heads_are_merged_is_named_with_the_call_at_once(layout, bug, caught_by):
+    """The convention `mask_honoured` would name for the merged twin is named in the same declaration as the call (two
+    rounds before: the mask detectors read no rows of a heads-first output), only where the layer honours it and not
+    the default; the mask ignored honours none, so no convention is named under which it would pass, and every twin
+    fails under the declaration its report names."""
+    report = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug), progress=False)
+    call = CALLS[layout, 1].replace("lambda layer, x:", "lambda layer, x, mask:").replace(
+        "layer(x)", "layer(x, attention_mask=mask)")
+    assert report.declaration == (call if bug == "mask_ignored" else f"mask='additive', {call}"), str(report)
+    again = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug), progress=False, **_declared(report))
+    assert again.status == ("passed" if bug is None else "failed"), str(again)
+    assert caught_by is None or again.result(caught_by).verdict == "fail", str(again)
+
+
 def test_a_call_is_not_written_where_the_audit_builds_arguments_the_call_cannot_spell():
     """Position embeddings the audit builds for a Hugging Face layer (`extra`) have no spelling in a declared call."""
     import types

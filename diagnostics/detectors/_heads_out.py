@@ -16,6 +16,7 @@ from .._masks import SHORTCUTS
 from .._probe import Probe
 from .._subject import Output, call_declaration, spell
 from .._tracing import trace_call
+from ._mask_hints import undeclared_convention
 
 INPUT_ROLE = re.compile(r"(^|_)(w?q|w?k|w?v|qk|kv|qkv|quer(y|ies)|keys?|values?)(_|$)", re.IGNORECASE)
 """The last name of a projection that makes queries, keys or values (`to_q`, `k_proj`, `wv`, `query`): one the
@@ -160,6 +161,12 @@ def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
     declare = [spell("cross", True, probe.options)] if s.form == "cross_module" else []
     if s.mask_names and str(s.mask_convention) != str(SHORTCUTS["allowed"]):  # under a call, the audit's default
         declare.append(spell("mask", str(s.mask_convention), probe.options))
+    elif s.mask_names:
+        # the convention mask_honoured would name once the heads are merged (it reads no rows of a per-head output):
+        # honoured in another convention than the audit's default, which the layer is first seen not to honour
+        # (`honoured_conventions`' negative control), so that one declaration measures the layer, not two in turn
+        undeclared = undeclared_convention(probe)
+        declare += [] if undeclared is None else [undeclared[0]]
     return ", ".join([*declare, call_declaration(params, heads.merged(f"layer({', '.join(given)})"), probe.options)])
 
 

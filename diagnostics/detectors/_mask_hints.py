@@ -41,8 +41,11 @@ def candidates(probe: Probe) -> list[MaskConvention]:
 
 
 def _whole(out, s, batch: int, T: int) -> bool:
-    """Whether a call in another convention gave an output of the probe's form: (batch, ..., T on the time axis, ...)."""
-    return out.dim() >= 3 and out.shape[0] == batch and out.shape[s.time_dim] == T
+    """Whether a call in another convention gave an output of the probe's form: (batch, ..., T on the time axis, ...),
+    or a module's per-head (batch, H, T, d), each head's output apart for its caller to merge (`_heads_out`), whose
+    rows the changes below fold over the heads as a function's."""
+    return out.dim() >= 3 and out.shape[0] == batch and (
+        out.shape[s.time_dim] == T or out.dim() == 4 and s.time_dim == 1 and out.shape[2] == T)
 
 
 def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
@@ -94,6 +97,8 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
         changes = [relative_change(c, chunks[0], centred=True, scale=scale) for c in chunks[1:]]
         if any(c is None for c in changes):
             return None
+        if out.dim() == 4 and s.time_dim == 1 and out.shape[1] == T:  # a module's (B, T, H, d): (B, T, H) changes
+            changes = [c.amax(-1) for c in changes]
         held_change, moved_change = (c.reshape(B, -1, T).amax(1).cpu() for c in changes)  # (B, Tq), heads folded
         worst = float(held_change[hold].max()) if bool(hold.any()) else 0.0
         moved = moved_change[sees_first] > tol

@@ -10,6 +10,7 @@ from .._tracing import stream_sites, trace_call
 from .._subject import spell
 from ._common import own_queries_seen, result
 from ._heads_out import heads_out_seen, merged_call
+from ._mask_hints import undeclared_convention
 from ._stacked import decoding_calls
 
 
@@ -110,6 +111,8 @@ def _heads_apart(probe: Probe, heads) -> DetectorResult:
                       evidence=evidence,
                       fix=f"{bug}; if its caller merges them, wrap the layer in a module that does the same and audit "
                           f"the wrapper")
-    return result("output_shape", "skip", f"needs a declaration, {declare}: the output is {heads.describe(got)}",
+    undeclared = undeclared_convention(probe) if s.mask_names and s.convention_by == "default" else None
+    mask = "" if undeclared is None else f"; its mask: {undeclared[1]}"  # the convention in `declare`, both readings
+    return result("output_shape", "skip", f"needs a declaration, {declare}: the output is {heads.describe(got)}{mask}",
                   evidence=evidence, fix=f"audit with {declare} if the layer's caller merges its heads so; {bug}",
                   declaration=declare)
