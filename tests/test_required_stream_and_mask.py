@@ -201,7 +201,10 @@ def test_the_same_layer_reading_that_mask_over_its_queries_still_fails_runs():
 
 class HeadsApartProcessor(TextMaskedProcessor):
     """Lumina's way: the same attention, each head's output returned apart, (B, T, H, d), for the block that calls
-    the layer to merge and project with the layer's own `to_out` (which the processor never calls)."""
+    the layer to merge and project with the layer's own `to_out` (which the processor never calls);
+    `HeadsFirstProcessor`: the same, (B, H, T, d)."""
+
+    heads_first = False
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
         B, T, D = hidden_states.shape
@@ -211,21 +214,29 @@ class HeadsApartProcessor(TextMaskedProcessor):
         k, v = (f(encoder_hidden_states).view(B, Tm, attn.heads, D // attn.heads).transpose(1, 2)
                 for f in (attn.to_k, attn.to_v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=None if self.scaled else 1.0)
-        return out.transpose(1, 2)  # (B, T, H, d)
+        return out if self.heads_first else out.transpose(1, 2)  # (B, H, T, d) or (B, T, H, d)
+
+
+class HeadsFirstProcessor(HeadsApartProcessor):
+    heads_first = True
 
 
 MERGED = MEMORY.replace("layer(x, encoder", "layer.to_out(layer(x, encoder") + ".flatten(2))"
 
 
+@pytest.mark.parametrize("processor", [HeadsApartProcessor, HeadsFirstProcessor], ids=["BTHD", "BHTD"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["correct", "unscaled"])
-def test_a_layer_returning_each_heads_output_gets_the_call_that_merges_and_projects_them(scaled):
+def test_a_layer_returning_each_heads_output_gets_the_call_that_merges_and_projects_them(scaled, processor):
     """The memory's call, its output merged and projected with the `to_out` the processor leaves to its caller, as
     Lumina's block does (before: no call named, inconclusive; a call that merged alone would leave `to_out` unused).
-    Under it the correct layer passes and its unscaled twin fails."""
-    report = diagnostics.audit(_layer(HeadsApartProcessor(scaled=scaled)), progress=False)
-    assert report.status == "inconclusive" and report.declaration == MERGED, report.status_reason
+    Under it the correct layer passes and its unscaled twin fails. Heads first, (B, H, T, d), the rows the memory's
+    trial calls compare are read behind the head axis (before: `runs` failed the correct layer, every trial call
+    read as giving no row per query)."""
+    report = diagnostics.audit(_layer(processor(scaled=scaled)), progress=False)
+    merged = MERGED.replace(".flatten(2)", ".transpose(1, 2).flatten(2)") if processor.heads_first else MERGED
+    assert report.status == "inconclusive" and report.declaration == merged, report.status_reason
     assert "each of its 4 heads' output apart" in report.result("runs").message, report.result("runs").message
-    again = diagnostics.audit(_layer(HeadsApartProcessor(scaled=scaled)), progress=False, **_declared(report))
+    again = diagnostics.audit(_layer(processor(scaled=scaled)), progress=False, **_declared(report))
     assert again.status == ("passed" if scaled else "failed"), str(again)
 
 

@@ -598,14 +598,17 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
         query = torch.cat([call.query] * (t // call.query.shape[1] + 1), 1)[:, :t]
         return traced(probe, lambda: _given(probe, query, stream, x_to=x_to, kept=ones, whole=True), query)
 
-    heads = None if out is None or out.shape == call.query.shape else heads_seen(
-        probe.subject.layer, out, tuple(call.query.shape), at)
-    apart = "" if heads is None else f"; it returns {heads.describe(tuple(out.shape))}"
+    # the output as the layer returned it (`out` holds its rows: a (B, H, T, d) one with its head axis moved behind)
+    raw = None if out is None or out.shape == call.query.shape else _first_tensor(
+        _given(probe, call.query, stream, x_to=x_to, kept=ones, whole=True))
+    heads = None if not isinstance(raw, torch.Tensor) else heads_seen(
+        probe.subject.layer, raw, tuple(call.query.shape), at)
+    apart = "" if heads is None else f"; it returns {heads.describe(tuple(raw.shape))}"
     merge = (lambda body: body) if heads is None else heads.merged
     if out is None:  # it ran given both a moment ago, with another memory: nothing to build a call on
         pass
     elif out.shape != call.query.shape and (heads is None or heads.left and not heads.projection):
-        how = apart or f"; it returns {tuple(out.shape)}, not the queries' form {tuple(call.query.shape)}"
+        how = apart or f"; it returns {tuple(raw.shape)}, not the queries' form {tuple(call.query.shape)}"
     elif moved is None:
         how = (f"; whether it attends its queries together with `{stream}` could not be read "
                f"({_unread_rows(call.query)})")
@@ -818,9 +821,18 @@ def _given(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None =
         return None
     if whole:
         return out
-    out = _first_tensor(out)
-    rows = queries.shape[:2] if length is None else (queries.shape[0], length)
-    return out if isinstance(out, torch.Tensor) and tuple(out.shape[:2]) == tuple(rows) else None
+    return _rows(_first_tensor(out), queries.shape[0], queries.shape[1] if length is None else length)
+
+
+def _rows(out, batch: int, length: int) -> torch.Tensor | None:
+    """The layer's output as rows (batch, length, ...): as it is, or a module's per-head (batch, H, length, d) with
+    its head axis moved behind the rows (each head's output apart, for its caller to merge: `_heads_out`); None where
+    it is neither (no tensor, or no row per query)."""
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != batch:
+        return None
+    if out.shape[1] == length:
+        return out
+    return out.transpose(1, 2) if out.dim() == 4 and out.shape[2] == length else None
 
 
 def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None,
@@ -841,9 +853,11 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None =
     probe.passes += 2
     try:
         with torch.no_grad():
-            a, b = (_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to),
-                                              **masks})) for x in (query, changed))
+            a, b = (_rows(_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to),
+                                                   **masks})), *query.shape[:2]) for x in (query, changed))
     except Exception:  # noqa: BLE001 -- it ran a moment ago with another memory: nothing read, said by the caller
+        return None
+    if a is None or b is None:
         return None
     moved = _moved(a, b, rows=others)
     return moved if math.isfinite(moved) else None
