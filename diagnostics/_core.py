@@ -279,13 +279,22 @@ def expand_rows(rows: Tensor, like: Tensor) -> Tensor:
     """(B, Tq) -> like's shape, (B, Tq) or (B, H, Tq); or (B, Tq, H), the rows of an output of each head apart,
     (B, T, H, d) with its features folded, where only its middle axis is Tq long."""
     rows = rows.to(like.device)
-    if like.dim() == 3 and like.shape[1] == rows.shape[-1] != like.shape[-1]:
+    if heads_last(rows, like):
         return rows.unsqueeze(-1).expand_as(like)
     return rows.view(rows.shape[0], *([1] * (like.dim() - 2)), rows.shape[-1]).expand_as(like)
 
 
-def where_text(index: tuple[int, ...], ndim: int) -> str:
-    names = ("b", "t") if ndim == 2 else ("b", "h", "t") if ndim == 3 else tuple(f"i{k}" for k in range(ndim))
+def heads_last(rows: Tensor, like: Tensor) -> bool:
+    """Whether `like` holds the rows (B, Tq) of `rows` as (B, Tq, H): an output of each head apart, (B, T, H, d), with
+    its features folded (only its middle axis Tq long)."""
+    return like.dim() == 3 and like.shape[1] == rows.shape[-1] != like.shape[-1]
+
+
+def where_text(index: tuple[int, ...], ndim: int, *, heads_after: bool = False) -> str:
+    """An index of a change as the report says it: (b, t), (b, h, t), or (b, t, h) where `heads_after` (a per-head
+    output's rows: see `heads_last`)."""
+    names = (("b", "t") if ndim == 2 else ("b", "t", "h") if ndim == 3 and heads_after else ("b", "h", "t") if ndim == 3
+             else tuple(f"i{k}" for k in range(ndim)))
     return "(" + ", ".join(f"{n}={i}" for n, i in zip(names, index)) + ")"
 
 
@@ -310,14 +319,14 @@ def held(comparison: Comparison, probe: Probe, *, what: str, dtype: torch.dtype 
         if checked.numel() and (worst_at is None or float(checked.max()) > worst):
             masked = torch.where(hold, change, torch.full_like(change, -1.0))
             index = unravel(masked.argmax(), change.shape)
-            worst, worst_at = float(checked.max()), (index, change.dim(), case.when)
+            worst, worst_at = float(checked.max()), (index, change.dim(), case.when, heads_last(case.hold, change))
         if case.move is not None and bool(case.move.any()):
             moved = change[expand_rows(case.move, change)]
             if not bool((moved > tol).any()):
                 silent.append(case.when)
     if total == 0:
         return 0, 0.0, "no output rows to check", ""
-    at = f" at {where_text(worst_at[0], worst_at[1])} {worst_at[2]}" if worst_at else ""
+    at = f" at {where_text(worst_at[0], worst_at[1], heads_after=worst_at[3])} {worst_at[2]}" if worst_at else ""
     shown = "inf (non-finite)" if math.isinf(worst) else f"{worst:.3g}"
     text = (f"{bad} / {total} {what} changed ({100 * bad / total:.1f}%); greatest change {shown}{at} "
             f"({allowed_text(tol, dtype or probe.subject.dtype)})")

@@ -116,6 +116,18 @@ def test_the_call_keeps_the_mask_in_the_convention_the_layer_states(bug):
     assert bug is None or again.result("mask_honoured").verdict == "fail", str(again)
 
 
+def test_a_change_in_a_per_head_output_is_placed_by_token_then_head():
+    """Zero-config, a (B, T, H, d) output's changes are (B, T, H) with the features folded, and where the greatest
+    one lies is said in that order (it was labelled (b, h, t)); a function's (B, H, T, d) keeps (b, h, t)."""
+    import re
+
+    report = diagnostics.audit(_made(HeadsApartMasked, bug="mask_ignored"), progress=False)
+    evidence = report.result("mask_honoured").evidence
+    assert re.search(r"greatest change \S+ at \(b=\d+, t=\d+, h=\d+\)", evidence), evidence
+    from diagnostics._core import where_text
+    assert where_text((0, 1, 2), 3) == "(b=0, h=1, t=2)"
+
+
 def test_two_projections_never_read_name_no_call_and_fail_as_before():
     """Which of them the caller applies cannot be told: no call is named, and one of them is unused whichever it is,
     so `output_shape` fails as it did before, saying why."""
