@@ -267,6 +267,45 @@ def test_a_mask_convention_read_only_once_the_heads_are_merged_is_named_with_the
     assert caught_by is None or again.result(caught_by).verdict == "fail", str(again)
 
 
+def test_as_many_heads_as_tokens_heads_first_the_convention_is_still_named_with_the_call():
+    """16 heads at 16 tokens, (B, H, T, d): the rows the convention is read on are told from the heads by the layout
+    read at T + 3 (by shape alone the heads were taken for tokens, and the correct layer failed `mask_honoured`)."""
+    report = diagnostics.audit(_made(AdditiveCore, layout="bhtd", dim=64, heads=16), progress=False)
+    assert report.declaration == ("mask='additive', call=lambda layer, x, mask: layer.to_out[0](layer(x, "
+                                  "attention_mask=mask).transpose(1, 2).flatten(2))"), str(report)
+    again = diagnostics.audit(_made(AdditiveCore, layout="bhtd", dim=64, heads=16), progress=False,
+                              **_declared(report))
+    assert again.status == "passed", str(again)
+
+
+class PaddingCore(HeadsApart):
+    """A padding mask under `attention_mask`, which nothing the layer says states (its words would be read)."""
+
+    def forward(self, hidden_states, attention_mask=None):
+        B, T, D = hidden_states.shape
+        q, k, v = (f(hidden_states).view(B, T, self.heads, -1).transpose(1, 2)
+                   for f in (self.to_q, self.to_k, self.to_v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D // self.heads)
+        if attention_mask is not None:  # (B, T), True = padding: -inf on the scores
+            blocked = torch.zeros(attention_mask.shape, dtype=scores.dtype).masked_fill(attention_mask, float("-inf"))
+            scores = scores + blocked[:, None, None, :]
+        out = scores.softmax(-1) @ v  # (B, H, T, d)
+        return out if self.layout == "bhtd" else out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+def test_a_per_head_layer_given_its_mask_in_another_convention_needs_a_declaration_never_fails(layout):
+    """Zero-config, the probes that gave its mask in the audit's default convention read it wrong (every key of a row
+    blocked, masked keys with gradient): with the convention named with the call, those findings need the same
+    declaration, as its merged twin's do, and under it the layer passes."""
+    report = diagnostics.audit(_made(PaddingCore, layout=layout), progress=False)
+    assert report.status == "inconclusive", str(report)
+    assert report.declaration.startswith("mask='key_padding', call="), str(report)
+    assert not [r.detector for r in report.results if r.verdict in ("fail", "error")], str(report)
+    assert diagnostics.audit(_made(PaddingCore, layout=layout), progress=False,
+                             **_declared(report)).status == "passed"
+
+
 def test_a_call_is_not_written_where_the_audit_builds_arguments_the_call_cannot_spell():
     """Position embeddings the audit builds for a Hugging Face layer (`extra`) have no spelling in a declared call."""
     import types

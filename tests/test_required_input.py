@@ -349,6 +349,87 @@ def test_a_cross_attention_whose_mask_covers_its_memory_is_still_declared_cross(
     assert diagnostics.audit(_layer(MaskedMemory), progress=False, cross=True).status == "passed"
 
 
+class TupleOnlyMemory(ImagePromptAttention):
+    """The tuple form alone, `text, images = encoder_hidden_states`, as diffusers' IP-Adapter processors will be once
+    their deprecated tensor form is gone: given one tensor it raises (it was `failed: runs`)."""
+
+    def split_memory(self, encoder_hidden_states):
+        text, images = encoder_hidden_states
+        return text, images
+
+
+class SkipsEmptyPrompt(ImagePromptAttention):
+    """An image prompt of no token skipped (`if image.shape[1]:`), so under the named call `to_k_ip`/`to_v_ip` are
+    never called; `keys_from_text=True`, the bug: the image prompts' keys made by the text's `to_k`, `to_k_ip` unused."""
+
+    def __init__(self, keys_from_text=False, **kw):
+        super().__init__(**kw)
+        self.keys_from_text = keys_from_text
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        text, images = self.split_memory(encoder_hidden_states)
+        B, T, D = hidden_states.shape  # batch, queries, width
+        split = lambda t: t.view(B, -1, self.heads, D // self.heads).transpose(1, 2)  # noqa: E731  (B, H, n, d)
+        q = split(self.to_q(hidden_states))
+        out = F.scaled_dot_product_attention(q, split(self.to_k(text)), split(self.to_v(text)), attn_mask=attention_mask)
+        for image in images:
+            if image.shape[1]:
+                keys = (self.to_k if self.keys_from_text else self.to_k_ip)(image)
+                out = out + F.scaled_dot_product_attention(q, split(keys), split(self.to_v_ip(image)))
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+class PaddedImagePrompt(ImagePromptAttention):
+    """Its mask stated by its name, `key_padding_mask`, (B, T_text), True = padding; `inverted=True`, the bug: True
+    read as may attend."""
+
+    def __init__(self, inverted=False, **kw):
+        super().__init__(**kw)
+        self.inverted = inverted
+
+    def forward(self, hidden_states, encoder_hidden_states=None, key_padding_mask=None):
+        keep = None if key_padding_mask is None else (key_padding_mask if self.inverted else ~key_padding_mask)
+        return super().forward(hidden_states, encoder_hidden_states, None if keep is None else keep[:, None, None, :])
+
+
+def test_a_memory_taken_only_as_a_tuple_names_the_same_call_and_its_twin_fails_under_it():
+    report = diagnostics.audit(_layer(TupleOnlyMemory), progress=False)
+    assert report.status == "inconclusive" and report.declaration == IMAGE_PROMPT_CALL, report.status_reason
+    assert "given it as one tensor it raises (" in report.result("runs").message
+    assert diagnostics.audit(_layer(TupleOnlyMemory), progress=False, **_declared(report)).status == "passed"
+    twin = diagnostics.audit(_layer(TupleOnlyMemory, scaled=False), progress=False, **_declared(report))
+    assert twin.status == "failed" and twin.result("softmax_saturation").verdict == "fail", twin
+
+
+def test_projections_a_layer_calls_only_on_a_prompts_tokens_are_not_measured_and_one_never_called_still_fails():
+    """A layer that skips an image prompt of no token never calls its image projections under the named call: given
+    tokens there, it calls them, so they are not measured (a warning), not unused; the twin whose `to_k_ip` is never
+    called, tokens or not, still fails `parameters_used`."""
+    report = diagnostics.audit(_layer(SkipsEmptyPrompt), progress=False)
+    assert report.declaration == IMAGE_PROMPT_CALL, report.status_reason
+    again = diagnostics.audit(_layer(SkipsEmptyPrompt), progress=False, **_declared(report))
+    used = again.result("parameters_used")
+    assert again.status == "passed" and used.verdict == "warn", again
+    assert used.message.startswith("to_k_ip.weight, to_v_ip.weight not measured"), used.message
+    twin = diagnostics.audit(_layer(SkipsEmptyPrompt, keys_from_text=True), progress=False, **_declared(report))
+    used = twin.result("parameters_used")
+    assert twin.status == "failed" and used.verdict == "fail" and "to_k_ip.weight" in used.message, twin
+
+
+@pytest.mark.parametrize("inverted", [False, True], ids=["correct", "inverted"])
+def test_a_tuple_memorys_stated_convention_is_in_the_declaration_its_call_needs(inverted):
+    """Under a call the audit gives its default convention unless one is declared: the convention the layer's
+    parameter name states, and that it honours, is named with the call (it took a second round); its inverted twin
+    honours none, is given the same declaration, and fails under it."""
+    report = diagnostics.audit(_layer(PaddedImagePrompt), progress=False)
+    named = IMAGE_PROMPT_CALL.replace("cross=True, ", "cross=True, mask='key_padding', ").replace(
+        "attention_mask=mask", "key_padding_mask=mask")
+    assert report.declaration == named, report.status_reason
+    again = diagnostics.audit(_layer(PaddedImagePrompt, inverted=inverted), progress=False, **_declared(report))
+    assert again.status == ("failed" if inverted else "passed"), again
+    assert not inverted or again.result("mask_honoured").verdict == "fail", again
+
+
 @pytest.mark.parametrize("name, mask", [("Attention+IPAdapterAttnProcessor2_0", ""),
                                         ("Attention+IPAdapterAttnProcessor", "mask='additive:B,Tq,Tk', ")])
 def test_diffusers_ip_adapter_processors_name_their_tuple_call_and_pass_with_it(name, mask):

@@ -16,7 +16,6 @@ from .._masks import SHORTCUTS
 from .._probe import Probe
 from .._subject import Output, call_declaration, spell
 from .._tracing import trace_call
-from ._mask_hints import undeclared_convention
 
 INPUT_ROLE = re.compile(r"(^|_)(w?q|w?k|w?v|qk|kv|qkv|quer(y|ies)|keys?|values?)(_|$)", re.IGNORECASE)
 """The last name of a projection that makes queries, keys or values (`to_q`, `k_proj`, `wv`, `query`): one the
@@ -144,11 +143,13 @@ def _form(seen: tuple[str, int], batch: int, length: int, width: int) -> tuple:
     return (batch, length, heads, width // heads) if layout == "bthd" else (batch, heads, length, width // heads)
 
 
-def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
+def merged_call(probe: Probe, heads: HeadsOut, undeclared: str | None = None) -> str | None:
     """The declaration under which the audit calls the layer as it does now and merges (and projects) the heads as
-    the caller does: the call, with `cross=True` for a memory and the mask convention the audit read, the arguments
-    a library requires given None as the audit gives them; None where the audit's call cannot be written as one (a
-    call of the user's, position embeddings the audit builds) or which projection to apply cannot be told."""
+    the caller does: the call, with `cross=True` for a memory and the mask convention the audit read (or
+    `undeclared`, the declaration of the one `mask_honoured` would name once the heads are merged, where the audit
+    read none), the arguments a library requires given None as the audit gives them; None where the audit's call
+    cannot be written as one (a call of the user's, position embeddings the audit builds) or which projection to
+    apply cannot be told."""
     s = probe.subject
     if s.call is not None or s.extra is not None or heads.left and not heads.projection:
         return None
@@ -161,12 +162,8 @@ def merged_call(probe: Probe, heads: HeadsOut) -> str | None:
     declare = [spell("cross", True, probe.options)] if s.form == "cross_module" else []
     if s.mask_names and str(s.mask_convention) != str(SHORTCUTS["allowed"]):  # under a call, the audit's default
         declare.append(spell("mask", str(s.mask_convention), probe.options))
-    elif s.mask_names:
-        # the convention mask_honoured would name once the heads are merged (it reads no rows of a per-head output):
-        # honoured in another convention than the audit's default, which the layer is first seen not to honour
-        # (`honoured_conventions`' negative control), so that one declaration measures the layer, not two in turn
-        undeclared = undeclared_convention(probe)
-        declare += [] if undeclared is None else [undeclared[0]]
+    elif s.mask_names and undeclared:  # one declaration measures the layer, not two in turn
+        declare.append(undeclared)
     return ", ".join([*declare, call_declaration(params, heads.merged(f"layer({', '.join(given)})"), probe.options)])
 
 

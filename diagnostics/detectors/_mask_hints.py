@@ -24,6 +24,7 @@ from .._probe import Probe
 from .._subject import mask_convention_hint, spell, stated_bool, suggested_conventions
 from .._thresholds import UNCHANGED, tolerance
 from ._common import perturbation_gains
+from ._heads_out import heads_out_seen
 
 MOVED = 0.5  # of the rows that see a changed allowed key, the share that must move for a convention to count
 
@@ -46,6 +47,15 @@ def _whole(out, s, batch: int, T: int) -> bool:
     rows the changes below fold over the heads as a function's."""
     return out.dim() >= 3 and out.shape[0] == batch and (
         out.shape[s.time_dim] == T or out.dim() == 4 and s.time_dim == 1 and out.shape[2] == T)
+
+
+def _heads_after(probe: Probe, out, T: int) -> bool:
+    """Whether a module's 4-D output holds each head's output apart as (B, T, H, d), not (B, H, T, d): by its shape,
+    and where H = T by the layout `heads_out_seen` reads at T + 3 tokens."""
+    if out.shape[1] != T or out.shape[2] != T:
+        return out.shape[1] == T
+    heads = heads_out_seen(probe)
+    return heads is not None and heads.layout == "bthd"
 
 
 def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
@@ -97,7 +107,7 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
         changes = [relative_change(c, chunks[0], centred=True, scale=scale) for c in chunks[1:]]
         if any(c is None for c in changes):
             return None
-        if out.dim() == 4 and s.time_dim == 1 and out.shape[1] == T:  # a module's (B, T, H, d): (B, T, H) changes
+        if out.dim() == 4 and s.time_dim == 1 and _heads_after(probe, out, T):  # (B, T, H, d): (B, T, H) changes
             changes = [c.amax(-1) for c in changes]
         held_change, moved_change = (c.reshape(B, -1, T).amax(1).cpu() for c in changes)  # (B, Tq), heads folded
         worst = float(held_change[hold].max()) if bool(hold.any()) else 0.0

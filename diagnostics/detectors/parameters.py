@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .._core import skip
 from .._observe import Observer, per_query_head
@@ -348,7 +348,47 @@ def given_nothing(sub, qkv, allowed, names) -> list[str]:
             handle.remove()
     if not any(seen[""]):  # an empty tensor made inside the layer (a slice at a wrong index) is its own doing
         return []
-    return [name for name, path in owners.items() if path and seen.get(path) and all(seen[path])]
+    never = {path for path in set(owners.values()) if path and path in modules and not seen.get(path)}
+    given = _called_given_tokens(sub, qkv, allowed, modules, never) if never else set()
+    return [name for name, path in owners.items() if path and (seen.get(path) and all(seen[path]) or path in given)]
+
+
+FILLED = 4  # knob: how many tokens `_called_given_tokens` gives each empty stream (1, 16: the same modules called)
+
+
+def _called_given_tokens(sub, qkv, allowed, modules: dict, paths: set) -> set:
+    """Of the modules at `paths`, never called on a forward whose call was handed an empty tensor, those called once
+    each empty tensor the layer's call is handed (of no token: (B, 0, ...)) is given FILLED tokens instead: modules
+    the layer calls only on tokens of a stream the call leaves empty (an image prompt's projections, which a layer
+    may skip for a prompt of no token: `if image.shape[1]:`), not measured here rather than unused. A module the
+    layer never calls, given tokens or not, is not among them; nor any where that call raises."""
+    called: set = set()
+    gen = torch.Generator().manual_seed(0)
+
+    def filled(t):
+        if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == 0 and t.shape[0] > 0:
+            shape = (t.shape[0], FILLED, *t.shape[2:])
+            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype=t.dtype, device=t.device) \
+                if t.is_floating_point() else torch.ones(shape, dtype=t.dtype, device=t.device)
+        return t
+
+    def give_tokens(module, args, kwargs):
+        return tree_map(filled, (args, kwargs))
+
+    def mark(path):
+        return lambda module, args: called.add(path)
+
+    handles = [modules[path].register_forward_pre_hook(mark(path)) for path in paths]
+    handles.append(sub.layer.register_forward_pre_hook(give_tokens, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            sub(*qkv, allowed)
+    except Exception:  # noqa: BLE001 -- tokens the layer cannot take there: nothing counts as given nothing
+        return set()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return called
 
 
 _VIEWS = {"transpose", "t", "permute", "expand", "view", "_unsafe_view", "reshape", "clone", "contiguous", "alias"}

@@ -13,7 +13,7 @@ import torch
 
 from .._core import NON_CONTIGUOUS, skip, transposed_layout
 from .._frames import traceback_frames
-from .._masks import convert_mask
+from .._masks import SHORTCUTS, convert_mask
 from .._probe import Probe
 from .._registry import detector
 from .._result import DetectorResult, Site
@@ -399,7 +399,7 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
     if _given(probe, call.query, stream, x_to=x_to) is None:
         if mask_name is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None:
             return _stream_and_mask(probe, evidence, call, stream, mask_name, x_to, to)
-        return None
+        return _tuple_only(probe, evidence, call, stream, mask_name, to) if stream == sig.memory and not swap else None
     given = f"given x as `{name}` (its queries) and `{stream}` tokens of their own" if swap else "given it"
     head = (f"the layer raised on every probe, each given without `{name}`, which it requires "
             f"({call.describe_error()}); {given}, it runs")
@@ -450,7 +450,8 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
         form = None if refused is None else _memory_form(probe, call.query, stream, mask_name)
         if refused is not None and form is None:
             return _mask_does_not_fit(probe, call, stream, mask_name, refused, evidence)
-        declare, how, fix = _memory_declared(probe, call.query, stream, mask_name, to, form, refused)
+        declare, how, fix = _memory_declared(probe, call.query, stream, mask_name, to, form,
+                                             f"given `{mask_name}` over its tokens too it raises ({refused})")
     else:
         declare = stream_call(stream, "x", mask_name, probe.options, query=to)
         how = f"attends `{stream}` apart from its queries (each output row moved only with its own query)"
@@ -460,7 +461,7 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
 
 
 def _memory_declared(probe: Probe, query: torch.Tensor, stream: str, mask_name: str | None, to: str | None,
-                     form: MemoryForm | None, refused: str | None) -> tuple[str, str, str]:
+                     form: MemoryForm | None, refused: str = "") -> tuple[str, str, str]:
     """(the declaration, what the layer was seen to do, the fix) for a layer that attends `stream` as a memory:
     `cross=True`; with the mask convention in which it honours a mask over the memory (`_key_convention`, any shape:
     the audit passes its own mask), where that is not the audit's and nobody declared one; and with the call that
@@ -470,7 +471,12 @@ def _memory_declared(probe: Probe, query: torch.Tensor, stream: str, mask_name: 
     convention, _ = (None, None) if mask_name is None else _key_convention(
         probe, query, stream, mask_name, per_key=False, form=None if form is None else form.build)
     parts = [spell("cross", True, probe.options)]
-    if convention is not None and convention != s.mask_convention and s.convention_by not in ("user", "library"):
+    # under a call the audit gives its default convention unless one is declared (the layer's own, read from its
+    # parameter's name, is the module's, not the call's): there, any other is named; without one, any other than
+    # the one the audit read, unless the user or the layer's library said it
+    named = str(convention) != str(SHORTCUTS["allowed"]) and s.convention_by != "user" if form is not None else \
+        convention != s.mask_convention and s.convention_by not in ("user", "library")
+    if convention is not None and named:
         parts.append(spell("mask", str(convention), probe.options))
     honoured = "" if convention is None else (f" and honours `{mask_name}` over its tokens as {convention} "
                                               f"({convention.describe()}: a memory token it blocks moves no output, "
@@ -483,8 +489,8 @@ def _memory_declared(probe: Probe, query: torch.Tensor, stream: str, mask_name: 
     params, mask = ("layer, x, memory, mask", f", {mask_name}=mask") if mask_name else ("layer, x, memory", "")
     parts.append(call_declaration(params, f"layer({x}, {stream}={form.text}{mask})", probe.options))
     declare = ", ".join(parts)
-    how = (f"attends `{stream}` as a memory (each output row moved only with its own query); given `{mask_name}` over "
-           f"its tokens too it raises ({refused}), and given one tensor alone in a tuple it raises ({form.said}): it "
+    how = (f"attends `{stream}` as a memory (each output row moved only with its own query); {refused}, and given "
+           f"one tensor alone in a tuple it raises ({form.said}): it "
            f"takes `{stream}` as a tuple of {form.parts}; given the memory first and {form.empty} beside it, it runs, "
            f"reads the memory{honoured}")
     rest = ""
@@ -526,12 +532,13 @@ class MemoryForm:
     rest: str | None
 
 
-def _memory_form(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -> MemoryForm | None:
-    """Where the layer, given `name` a memory whose mask (every token kept) it refuses in every convention, takes the
-    memory inside a tuple: given the memory alone in one, it raises Python's unpacking error, which says how many parts
-    it takes (`UNPACKED`); given the memory first and each other part a filler (`FILLERS`), it runs with the mask and
-    its output moves with the memory. None otherwise (then `_mask_does_not_fit` names no declaration). A form is only
-    named where it was run: the call it makes is the one the layer ran."""
+def _memory_form(probe: Probe, query: torch.Tensor, name: str, mask_name: str | None) -> MemoryForm | None:
+    """Where the layer, given `name` a memory whose mask (every token kept) it refuses in every convention, or that it
+    refuses as one tensor (`_tuple_only`), takes the memory inside a tuple: given the memory alone in one, it raises
+    Python's unpacking error, which says how many parts it takes (`UNPACKED`); given the memory first and each other
+    part a filler (`FILLERS`), it runs (with the mask, where it takes one) and its output moves with the memory. None
+    otherwise (then `_mask_does_not_fit` names no declaration). A form is only named where it was run: the call it
+    makes is the one the layer ran."""
     said: list[str] = []
     if _given(probe, query, name, said=said, form=lambda m: (m,)) is not None or not said:
         return None
@@ -541,8 +548,9 @@ def _memory_form(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -
     n = int(unpacked.group(1))
     for empty, fill, full, give in FILLERS:
         build = _tupled(fill, n)
-        if _raises_given(probe, query, name, mask_name, form=build) is not None or \
-                not _stream_read(probe, query, name, None, form=build):
+        runs = (_given(probe, query, name, form=build) is not None if mask_name is None else
+                _raises_given(probe, query, name, mask_name, form=build) is None)
+        if not runs or not _stream_read(probe, query, name, None, form=build):
             continue
         rest = None
         if n == 2:  # the other part given the memory, and the first none of it: does the layer run on it and read it?
@@ -552,6 +560,24 @@ def _memory_form(probe: Probe, query: torch.Tensor, name: str, mask_name: str) -
                 rest = f"(memory[:, :0], {full})"
         return MemoryForm(n, f"(memory, {', '.join([empty] * (n - 1))})", empty, build, said[0], rest)
     return None
+
+
+def _tuple_only(probe: Probe, evidence: str, call, stream: str, mask_name: str | None, to: str | None):
+    """`_stream_taken` where the layer raises given its memory as one tensor (it unpacks it: `text, images =
+    encoder_hidden_states`, diffusers' IP-Adapter once its deprecated tensor form is gone) and takes it inside a
+    tuple (`_memory_form`), attending it apart from its queries: the declaration that gives it so. None where it takes
+    no tuple, or attends its queries together with the memory (no form of the audit's for that)."""
+    said: list[str] = []
+    _given(probe, call.query, stream, said=said)
+    form = _memory_form(probe, call.query, stream, mask_name)
+    moved = None if form is None else _rows_moved(probe, call.query, stream, form=form.build)
+    if moved is None or moved > JOINT:
+        return None
+    declare, how, fix = _memory_declared(probe, call.query, stream, mask_name, to, form,
+                                         f"given it as one tensor it raises ({said[0] if said else 'no row per query'})")
+    return result("runs", "skip", f"needs a declaration, {declare}: the layer raised on every probe, each given "
+                                  f"without `{stream}`, which it requires ({call.describe_error()}); it {how}",
+                  evidence=evidence, fix=fix, declaration=declare)
 
 
 def _tupled(fill, n: int):
@@ -836,13 +862,14 @@ def _rows(out, batch: int, length: int) -> torch.Tensor | None:
 
 
 def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None = None,
-               kept: dict | None = None) -> float | None:
+               kept: dict | None = None, form=None) -> float | None:
     """How far the other output rows move, as a fraction of the outputs' RMS, when query token T // 2 changes by a
-    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`, `kept`: see
+    unit-normal vector, `name` the same memory in both calls: 0 for rows computed apart (`x_to`, `kept`, `form`: see
     `_given`; a mask of `kept` given as None is one of ones over the memory). None where nothing could be read: one
     token (no other row), a call that raised, outputs not finite."""
     s = probe.subject
     memory = _fresh_memory(probe, query)
+    given = memory if form is None else form(memory)
     masks = _over(kept, memory, query.dtype)
     changed = query.clone()
     j = query.shape[1] // 2
@@ -853,7 +880,7 @@ def _rows_moved(probe: Probe, query: torch.Tensor, name: str, x_to: str | None =
     probe.passes += 2
     try:
         with torch.no_grad():
-            a, b = (_rows(_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, memory, x_to),
+            a, b = (_rows(_first_tensor(s.layer(**{**_streams(s, s._kwargs(x, x, x, None), x, name, given, x_to),
                                                    **masks})), *query.shape[:2]) for x in (query, changed))
     except Exception:  # noqa: BLE001 -- it ran a moment ago with another memory: nothing read, said by the caller
         return None

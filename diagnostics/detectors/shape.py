@@ -95,7 +95,11 @@ def _heads_apart(probe: Probe, heads) -> DetectorResult:
     several projections left unread) it fails as before, saying why: no declaration would make it pass."""
     s, B, T = probe.subject, probe.BATCH, probe.t
     got, width = tuple(probe.base().output.out.shape), s.expected_out_shape(B, T)[-1]
-    declare = merged_call(probe, heads)
+    # the convention mask_honoured would name once the heads are merged (it reads no rows of a per-head output):
+    # honoured in another convention than the audit's default, which the layer is first seen not to honour
+    # (`honoured_conventions`' negative control)
+    undeclared = undeclared_convention(probe) if s.mask_names and s.convention_by == "default" else None
+    declare = merged_call(probe, heads, None if undeclared is None else undeclared[0])
     merge = ("out.reshape(B, T, H * d)" if heads.layout == "bthd" else "out.transpose(1, 2).reshape(B, T, H * d)")
     bug = (f"a layer meant to return one row per token of width {width} merges its heads "
            f"itself, {merge}" + (f", and applies `{heads.projection}` to them" if heads.projection else ""))
@@ -111,8 +115,9 @@ def _heads_apart(probe: Probe, heads) -> DetectorResult:
                       evidence=evidence,
                       fix=f"{bug}; if its caller merges them, wrap the layer in a module that does the same and audit "
                           f"the wrapper")
-    undeclared = undeclared_convention(probe) if s.mask_names and s.convention_by == "default" else None
     mask = "" if undeclared is None else f"; its mask: {undeclared[1]}"  # the convention in `declare`, both readings
+    # with a convention in it, a failure whose every probe gave the mask needs the same declaration
+    # (`_audit.under_a_mask_undeclared`), as the merged twin's mask_honoured skip makes it
     return result("output_shape", "skip", f"needs a declaration, {declare}: the output is {heads.describe(got)}{mask}",
                   evidence=evidence, fix=f"audit with {declare} if the layer's caller merges its heads so; {bug}",
-                  declaration=declare)
+                  declaration=declare, extras={} if undeclared is None else {"mask_convention": undeclared[2]})
