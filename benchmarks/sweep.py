@@ -23,8 +23,10 @@ one layer (as for transformers) through torch's SDPA called inside that layer's 
 `diffusers`: its attention layers, the layer audit (`diagnostics.audit`): every processor of attention_processor on
 its Attention and every *Attention class of diffusers.models; bugs through torch's SDPA (benchmarks/sweep_diffusers.py).
 
-`x_transformers`, `vit_pytorch`, `open_clip`, `whisper` (the zoo extra's packages): every *Attention class the package
-defines, built small from its constructor's names, the layer audit, as for diffusers (benchmarks/sweep_packages.py).
+`x_transformers`, `vit_pytorch`, `open_clip`, `whisper` (the zoo extra's packages), or any other installed package by
+its import name (`pip install local-attention`, then `python benchmarks/sweep.py local_attention`): every *Attention
+class the package defines, built small from its constructor's names, the layer audit, as for diffusers
+(benchmarks/sweep_packages.py).
 
 Each model runs in a forked child with a time limit (`--timeout`, 240 s), `--jobs` of them at once (default: the
 number of cores), each on one torch thread; the parent alone writes the results. A model that hangs or takes the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -1045,10 +1048,11 @@ def warm(library: str, *, bugs: bool) -> None:
 
 
 def library_version(library: str) -> str:
-    """The installed version of `library` (a package of sweep_packages by its distribution's metadata)."""
-    from sweep_packages import PACKAGES, package_version
+    """The installed version of `library` (a package of sweep_packages, or any other, by its distribution's metadata)."""
+    from sweep_packages import package_version
 
-    return package_version(library) if library in PACKAGES else __import__(library).__version__
+    return __import__(library).__version__ if library in ("transformers", "timm", "diffusers") else \
+        package_version(library)
 
 
 # ---- the sweep: a forked child per model, a results file to resume from ---------------------------------------
@@ -1198,7 +1202,8 @@ def table(rows: list[Row]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("library", choices=sorted(LIBRARIES))
+    parser.add_argument("library", help=f"{', '.join(sorted(LIBRARIES))}, or any installed package's import name "
+                                        f"(every *Attention class it defines)")
     parser.add_argument("--only", nargs="+", default=None, help="these model types")
     parser.add_argument("--sample", type=int, default=None, help="N model types drawn with --seed")
     parser.add_argument("--seed", type=int, default=0)
@@ -1214,6 +1219,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
                         help="cast the models to this dtype after building them (transformers and timm)")
     args = parser.parse_args(argv)
+    if args.library not in LIBRARIES:
+        if importlib.util.find_spec(args.library) is None:
+            parser.error(f"library {args.library!r} is neither one of {', '.join(sorted(LIBRARIES))} nor an installed "
+                         f"package; install it (pip install ...) and pass its import name, e.g. local_attention")
+        LIBRARIES[args.library] = _package(args.library)  # every *Attention class it defines
     import torch
 
     placement = {}

@@ -15,7 +15,8 @@ is audited once more with it, and the row says what that gave (benchmarks/sweep_
 through torch's SDPA where the layer calls it (most of these layers write their attention out with einsum: then the
 row says no bug was injected).
 
-The packages are those of the `zoo` extra (pyproject.toml pins their versions); the sweep needs it installed.
+The packages are those of the `zoo` extra (pyproject.toml pins their versions); the sweep needs it installed. Any other
+installed package is swept the same way by its import name (`python benchmarks/sweep.py local_attention`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ KNOWN = {
 
 
 def package_version(package: str) -> str:
-    from importlib.metadata import version
+    """The version of the distribution that installs `package` (PACKAGES', or the one the metadata names)."""
+    from importlib.metadata import packages_distributions, version
 
-    return version(PACKAGES[package])
+    return version(PACKAGES.get(package) or packages_distributions().get(package, [package])[0])
 
 
 def package_types(package: str) -> list[str]:

@@ -68,3 +68,11 @@ def test_whispers_known_failure_is_confirmed_by_a_plain_script():
         MultiHeadAttention.use_sdpa = True
     assert torch.equal(sdpa_padding, sdpa_causal)  # the mask's values unread
     assert float((sdpa_padding - explicit_padding).abs().max()) > 0.1  # the path that reads them gives another output
+
+
+def test_any_installed_package_is_swept_by_its_import_name_and_one_not_installed_is_refused():
+    """Beyond the zoo's four: a package's version read from the distribution that installs it (pytest's own here), and
+    a name that is neither a library of the sweep's nor an installed package an error that says what to do."""
+    assert sp.package_version("_pytest") == sp.package_version("pytest")  # `_pytest` is installed by `pytest`
+    with pytest.raises(SystemExit):
+        sweep.main(["no_such_package_here"])
