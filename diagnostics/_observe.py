@@ -57,6 +57,10 @@ _CARRY = _ops(
 # Ops that keep a factor their inputs carry when every tensor input carries the same one: with the products by a
 # tensor (below), a rotary embedding applied after q was scaled (x * cos + rotate_half(x) * sin) keeps q's scale.
 _KEEP_COMMON = _ops("add.Tensor", "add_.Tensor", "sub.Tensor", "sub_.Tensor", "cat.default", "stack.default")
+# Sums and means over some axes, linear in their input: sum(c * x) = c * sum(x), so a factor the input carries is kept
+# (Nyström's landmarks, the scaled queries summed over each segment, then divided by its length: a mean, whose division
+# is no factor of the scores; `_counts`)
+_REDUCE = _ops("sum.dim_IntList", "mean.dim")
 _SCALE_BY = _ops("mul.Tensor", "mul.Scalar", "mul_.Tensor", "mul_.Scalar")
 _DIVIDE_BY = _ops("div.Tensor", "div.Scalar", "div_.Tensor", "div_.Scalar")
 # matmul itself only where it is not decomposed before a dispatch mode sees it: inside flex_attention's eager
@@ -353,6 +357,7 @@ class Observer(Mode):
         # tensors computed from a scaled one by an op that does not keep its scale (a norm, a power): how many such
         # ops away; their factor is unknown, and a product with one of them keeps none (q_scaled / |q_scaled|)
         self._unknown: dict[tuple, int] = {}
+        self._counts: dict[tuple, int] = {}  # key of a sum of a scaled tensor -> how many of its values each one adds
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
         self._origin: dict[tuple, Matmul] = {}  # key -> the product its values were read from (`Sum.origins`)
         self._sampled: set[tuple] = set()  # keys of values read at points (grid_sample) and of what moved them
@@ -628,6 +633,8 @@ class Observer(Mode):
             c_b, c_a = _constant(b), _constant(a) if isinstance(a, Tensor) and a.numel() == 1 else None
             if c_b is not None and isinstance(a, Tensor) and a.numel() > 1:
                 c = c_b if func in _SCALE_BY else (1.0 / c_b if c_b else math.inf)
+                if func in _DIVIDE_BY and c_b == self._counts.get(_key(a)):
+                    c = 1.0  # a sum divided by how many values it adds: their mean, at the factor they carried
                 self._set_factor(out, self._factor(a) * c)
                 self._scaled(func, c, a)
             elif c_a is not None and func in _SCALE_BY and isinstance(b, Tensor):
@@ -647,6 +654,15 @@ class Observer(Mode):
             f = common.pop() if len(common) == 1 and whole else None
             for o in outs:
                 self._set_factor(o, f, (self._hops(ins) or 0) + 1)
+        elif func in _REDUCE and isinstance(args[0], Tensor):
+            f = self._known(args[0])
+            if self._factors or self._unknown:
+                self._set_factor(out, f, self._unknown.get(_key(args[0]), 0))
+            dims = args[1] if len(args) > 1 and args[1] is not None else range(args[0].dim())
+            n = math.prod(args[0].shape[d] for d in ([dims] if isinstance(dims, int) else dims))
+            if f is not None and func.overloadpacket is aten.sum and n > 1:  # scaled or not: /n makes it a mean
+                self._counts[_key(out)] = n
+                self._keep.append(out)
         elif func is aten.copy_.default:
             self._set_factor(args[0], self._known(args[1]), self._unknown.get(_key(args[1]), 0))
         elif func in _MATMULS:
