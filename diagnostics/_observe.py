@@ -1487,7 +1487,7 @@ def pooled_keys(record: Record, t_q: int, t_k: int, batch: int, heads: int) -> t
         if isinstance(sm, SoftmaxCall) and sm.dim in (-1, -2, sm.output.dim() - 1, sm.output.dim() - 2) \
                 and pooled_shape(sm.output.shape, t_q, t_k, batch, heads):  # at least 3-D: pooled_shape asks
             n, m = sm.output.shape[-2:]
-            product, _ = _values_product(record.order[i + 1:], sm.output, n, m, 0)
+            product, _ = _values_product(record.order[i + 1:], sm.output, n, m, 0, held=True)
             if product is not None:
                 return sm.output, n, m, f"observed softmax output (dim={sm.dim})"
     for f in reversed(record.fused):
@@ -1505,17 +1505,29 @@ def pooled_shape(shape, t_q: int, t_k: int, batch: int, heads: int) -> bool:
                                                               and len(shape) == 4))
 
 
-def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int) -> tuple[Matmul | None, int]:
-    """The first later product that sums (Tq, Tk + m) weights, m <= n, with values: (it, the weights' operand)."""
+def _values_product(later: list, weights: Tensor, t_q: int, t_k: int, n: int, *,
+                    held: bool = False) -> tuple[Matmul | None, int]:
+    """The first later product that sums (Tq, Tk + m) weights, m <= n, with values: (it, the weights' operand).
+    `held`: only one whose operand holds the weights' own values (moved or laid out anew, not made anew): a product of
+    the same shape that reads another tensor is not theirs (a linear attention's q feature map times its context,
+    beside k's softmax over the tokens, which `pooled_keys` took for weights over the features)."""
     rows = weights.numel() // weights.shape[-1]  # every (batch, head, query)
     for m in later:
         if not isinstance(m, Matmul):
             continue
         for operand, (x, contracted, query_axis) in enumerate(((m.a, -1, -2), (m.b, -2, -1))):
             if x.dim() >= 2 and x.shape[query_axis] == t_q and t_k <= x.shape[contracted] <= t_k + n \
-                    and x.numel() // x.shape[contracted] == rows:
+                    and x.numel() // x.shape[contracted] == rows and (not held or _same_values(x, weights)):
                 return m, operand
     return None, 0
+
+
+def _same_values(x: Tensor, weights: Tensor) -> bool:
+    """Whether `x` holds the values of `weights`, in any order (a transpose, a reshape, a copy in another dtype)."""
+    if x.numel() != weights.numel():
+        return False
+    a, b = (t.detach().float().reshape(-1).sort().values for t in (x, weights))
+    return bool(torch.allclose(a, b, rtol=1e-2, atol=1e-3 * float(b.abs().max().clamp_min(1e-30))))
 
 
 def per_query_head(x: Tensor, q: Tensor) -> Tensor:

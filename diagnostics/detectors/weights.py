@@ -13,7 +13,7 @@ from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import own_query_mask
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
-from .._tracing import SOFTMAXES, trace_call, weights_origin
+from .._tracing import SOFTMAXES, site, trace_call, weights_origin
 from ._common import result
 from ._stacked import PADDED, stacked_baseline, stacked_cases
 
@@ -33,12 +33,37 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
         allowed = own_query_mask(allowed.cpu(), t_q)
     sites = weights_origin(probe, trace, allowed, t_q, t_k)
     # weights over m < Tk keys the layer pools from its tokens (`pooled_keys`, read unmasked only): made over (n, m),
-    # n the Tq queries or fewer of its own, pooled too
+    # n the Tq queries or fewer of its own, pooled too; only where the weights were read so (a linear attention's
+    # feature maps have that shape too, and are no weights)
     pooled = [tuple(op.outs[0].shape[-2:]) for op in trace.ops if op.short in SOFTMAXES and op.outs
               and op.outs[0] is not None and pooled_shape(op.outs[0].shape, t_q, t_k, probe.BATCH, s.num_heads)]
-    if not sites and pooled and call.allowed is None:
+    if not sites and pooled and call.allowed is None and POOLED in result.message:
         sites = weights_origin(probe, trace, call.allowed, *pooled[-1])
-    return sites
+    return sites or _scaled_after(trace, result)
+
+
+POOLED = "(pooled: a spatial reduction)"
+
+
+def _scaled_after(trace, result: DetectorResult) -> list[Site]:
+    """Where the rows sum to one number c != 1: the first op after a softmax that multiplied a tensor by the constant
+    c, a scale applied after the normalisation (linear-attention-transformer's `q = q * dim ** -0.5` after
+    `q.softmax(dim=-1)`, every row of its kernel then summing to 1/sqrt(d)); [] where none did."""
+    if result.value is None:
+        return []
+    sums, after = (1.0 - result.value, 1.0 + result.value), False
+    for op in trace.ops:
+        after = after or op.short in SOFTMAXES
+        number = op.args[1] if len(op.args) > 1 else None
+        if not after or op.short not in ("mul", "div") or not isinstance(number, (int, float)) or not number:
+            continue
+        factor = float(number) if op.short == "mul" else 1.0 / float(number)
+        if any(math.isclose(factor, c, rel_tol=1e-3, abs_tol=result.threshold or 0.0) for c in sums):  # dtype's
+            found = site(op.frames, op.name, f"multiplies by {factor:.4g} after a softmax: every row of the weights "
+                                             f"sums to {factor:.4g}",
+                         fix="scale before the softmax (the scores, or q), not after it: each row of weights sums to 1")
+            return [found] if found is not None else []
+    return []
 
 
 @detector("weight_row_sums", "weights are non-negative and each row sums to 1 over keys",
@@ -64,7 +89,7 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
         else None
     if pooled is not None:  # keys of the layer's own making, fewer than the tokens: rows over them
         weights, n, m, source = pooled
-        source += f", over the {m} keys the layer makes of its own from the {T} tokens (pooled: a spatial reduction)"
+        source += f", over the {m} keys the layer makes of its own from the {T} tokens {POOLED}"
         if n < T:  # queries pooled too: rows are the layer's n queries, none masked
             source += f", for {n} queries of its own making (pooled from the tokens too)"
     if weights is None:
