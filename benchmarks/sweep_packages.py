@@ -69,6 +69,19 @@ def package_types(package: str) -> list[str]:
     return sorted(names)
 
 
+WINDOW = 4
+"""The size a window, bucket, segment or cluster count takes where the constructor has no default for it: a divisor of
+the sweep's T tokens, so that windowed, bucketed and segmented attentions run on them."""
+PACKAGE_REQUIRED = {**REQUIRED, **dict.fromkeys(("window_size", "bucket_size", "segment_len", "sliding_window_size",
+                                                 "block_size", "chunk_size", "local_window_size",
+                                                 "compress_block_size", "selection_block_size"), WINDOW),
+                    "num_clusters": WINDOW // 2, "num_selected_blocks": 2, "compress_block_sliding_stride": WINDOW // 2,
+                    "local_attn_heads": 0, "depth": 1, "max_seq_len": 4 * T}
+"""REQUIRED (benchmarks/sweep_diffusers.py), and the sizes layers of these packages need with no default: local,
+bucketed (Reformer's, Sinkhorn's), segmented (Titans'), clustered (Routing Transformer's) and block-sparse (native
+sparse attention's) attentions, and a maximum length of 4 T."""
+
+
 def package_build(package: str, name: str):
     """The class `name` names, built small from its constructor's parameter names, in eval mode, after a plain
     forward on (1, T, D) tokens."""
@@ -77,7 +90,7 @@ def package_build(package: str, name: str):
     module, cls_name = name.split(":")
     cls = getattr(importlib.import_module(f"{package}.{module}"), cls_name)
     torch.manual_seed(0)
-    layer = cls(**_filled(cls, TINY, REQUIRED)).eval()
+    layer = cls(**_filled(cls, TINY, PACKAGE_REQUIRED)).eval()
     with torch.no_grad():
         layer(torch.randn(1, T, D))
     return layer

@@ -76,3 +76,16 @@ def test_any_installed_package_is_swept_by_its_import_name_and_one_not_installed
     assert sp.package_version("_pytest") == sp.package_version("pytest")  # `_pytest` is installed by `pytest`
     with pytest.raises(SystemExit):
         sweep.main(["no_such_package_here"])
+
+
+def test_windowed_bucketed_and_segmented_layers_are_built_with_sizes_that_divide_the_tokens():
+    """A size these packages' layers require with no default (a window, a bucket, a segment) is one that divides the
+    sweep's T tokens, so that those attentions are in the population rather than rows "not built"."""
+
+    class Windowed:
+        def __init__(self, dim, heads, window_size, bucket_size, max_seq_len):
+            pass
+
+    filled = sp._filled(Windowed, sp.TINY, sp.PACKAGE_REQUIRED)
+    assert filled["window_size"] == filled["bucket_size"] == sp.WINDOW and sp.T % sp.WINDOW == 0, filled
+    assert filled["max_seq_len"] >= sp.T, filled
