@@ -39,6 +39,24 @@ KNOWN = {
                                 "read: a padding mask gives the causal output, and the same call on the explicit path "
                                 "(`use_sdpa = False`, line 132, which adds the mask) differs. Whisper itself passes "
                                 "only its causal mask, so its own models are right; a caller's other mask is not",
+    # packages beyond the zoo's, swept by name (2026-12-06); each confirmed by tests/test_sweep_packages.py's plain
+    # script where the package is installed
+    "linear_attention_transformer:SelfAttention":
+        "linear-attention-transformer 0.19.1, linear_attention_transformer.py:217: `q = q * dim ** -0.5` after "
+        "`q.softmax(dim=-1)` in `linear_attn`: every row of the kernel sums to 1/sqrt(d_head), not 1 (values all ones "
+        "come out 0.354 at d_head = 8); efficient attention (Shen et al.) normalises both feature maps and no more",
+    "adaptive_attention:AdaptiveAttention":
+        "mmdit 0.3.0, adaptive_attention.py: each head's output projected to the full width by `to_out_weights` "
+        "(heads, dim_head, dim) and the heads then concatenated, `b h n d -> b n (h d)`: the output is heads x dim "
+        "wide, so `x + attn(x)` raises; the heads' projections are to be summed",
+    **dict.fromkeys(("nTransformer:Attention", "nGPTExperimental:Attention"),
+                    "nGPT-pytorch 0.2.16: causal by default, the layer passes `attn_mask` and `is_causal=self.causal` "
+                    "to SDPA together, which refuses both: any mask raises (Explicit attn_mask should not be set when "
+                    "is_causal=True)"),
+    "nystrom_attention:NystromAttention":
+        "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
+        "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "
+        "changes (batch_independence; 0.3% of its largest value at std-1 inputs)",
 }
 
 

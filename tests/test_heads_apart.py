@@ -478,3 +478,31 @@ def test_beside_the_callers_projection_an_unread_input_projection_still_fails_pa
     assert report.declaration == CALLS["bthd", 1], str(report)
     again = diagnostics.audit(_made(ValuesFromKeys, projections=1), progress=False, **_declared(report))
     assert again.result("parameters_used").verdict == "fail", str(again)
+
+
+class PerHeadProjection(nn.Module):
+    """Each head's output projected to the whole width by a (H, d, D) weight, in the style of mmdit's
+    AdaptiveAttention; `concatenated=True`, its bug: the heads then concatenated (H x D wide), not summed."""
+
+    def __init__(self, dim=32, heads=4, concatenated=False):
+        super().__init__()
+        self.heads, self.concatenated = heads, concatenated
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.Parameter(torch.randn(heads, dim // heads, dim) * (dim ** -0.5))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        out = torch.einsum("bhnd,hde->bhne", F.scaled_dot_product_attention(q, k, v), self.to_out)  # (B, H, T, D)
+        return out.transpose(1, 2).reshape(B, T, -1) if self.concatenated else out.sum(1)
+
+
+@pytest.mark.parametrize("concatenated", [False, True], ids=["summed", "concatenated"])
+def test_heads_projected_to_the_width_and_concatenated_fail_with_a_fix_that_says_so(concatenated):
+    """The twin that sums the heads' projections passes; the one that concatenates them fails `output_shape` with a
+    fix that names what it did (it named queries and a memory, the detector's general fix)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(PerHeadProjection(concatenated=concatenated), progress=False)
+    shape = report.result("output_shape")
+    assert shape.verdict == ("fail" if concatenated else "pass"), str(report)
+    assert not concatenated or shape.fix.startswith("sum the heads' outputs after each head's projection"), shape.fix

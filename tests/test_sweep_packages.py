@@ -89,3 +89,28 @@ def test_windowed_bucketed_and_segmented_layers_are_built_with_sizes_that_divide
     filled = sp._filled(Windowed, sp.TINY, sp.PACKAGE_REQUIRED)
     assert filled["window_size"] == filled["bucket_size"] == sp.WINDOW and sp.T % sp.WINDOW == 0, filled
     assert filled["max_seq_len"] >= sp.T, filled
+
+
+def test_the_known_failures_of_packages_beyond_the_zoo_by_plain_scripts():
+    """KNOWN's reasons for packages swept by name (not in any extra: `pip install linear-attention-transformer==0.19.1
+    mmdit==0.3.0 nGPT-pytorch==0.2.16 nystrom-attention==0.0.14` to run this), each outside the audit."""
+    import torch
+
+    pytest.importorskip("linear_attention_transformer", reason="pip install linear-attention-transformer==0.19.1")
+    for name in ("mmdit", "nGPT_pytorch", "nystrom_attention"):
+        pytest.importorskip(name, reason=f"{name} is not installed: pip install it to confirm its KNOWN reason")
+    from linear_attention_transformer.linear_attention_transformer import linear_attn
+
+    torch.manual_seed(0)
+    out = linear_attn(torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8), torch.ones(2, 4, 16, 8))
+    assert torch.allclose(out, torch.full_like(out, 8 ** -0.5), atol=1e-5)  # a distribution over keys gives 1
+    x = torch.randn(2, 16, 32)
+    assert sp.package_build("mmdit", "adaptive_attention:AdaptiveAttention")(x).shape == (2, 16, 128)  # 4 heads x 32
+    for name in ("nTransformer:Attention", "nGPTExperimental:Attention"):
+        with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
+            sp.package_build("nGPT_pytorch", name)(x, mask=torch.ones(2, 16, dtype=torch.bool))
+    layer = sp.package_build("nystrom_attention", "nystrom_attention:NystromAttention")
+    with torch.no_grad():
+        moved = x.clone()
+        moved[1] *= 1000
+        assert not torch.allclose(layer(x)[0], layer(moved)[0], atol=1e-5)  # sequence 0 moved by sequence 1
