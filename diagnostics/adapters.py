@@ -28,6 +28,9 @@ is true of the layer; audited with `pass_mask=True` it gets the causal mask its 
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 from collections.abc import Callable
 
 import torch
@@ -154,8 +157,11 @@ def image(layer: nn.Module, *, channels: int | None = None, height: int | None =
 
 
 def image_channels(layer: nn.Module) -> int | None:
-    """The channels of the images a layer takes, where its first nn.Conv2d states them; None where it has none."""
-    return next((m.in_channels for m in layer.modules() if isinstance(m, nn.Conv2d)), None)
+    """The channels of the images a layer takes, as its nn.Conv2d modules state them: the in_channels most of them
+    take (q's, k's and v's projections; a depthwise convolution of the values over the inner width, registered first in
+    ScalableViT's windowed attention, is one), the first of those where as many take another; None where it has none."""
+    counts = Counter(m.in_channels for m in layer.modules() if isinstance(m, nn.Conv2d))
+    return max(counts, key=counts.__getitem__) if counts else None  # ties: the first seen (Counter keeps order)
 
 
 def image_side(layer: nn.Module) -> int:
@@ -168,9 +174,15 @@ def image_side(layer: nn.Module) -> int:
 def image_seq_len(layer: nn.Module) -> int | None:
     """The length to audit an attention over pixels at, where the default's 4 x 4 image is too small: images of two
     of its largest kernels a side, so that a key convolution of that stride (Twins' GlobalAttention) leaves 2 x 2
-    keys; None where a kernel of 2 or less leaves the default enough (16 tokens)."""
+    keys, the side rounded up to a multiple of each window the layer's modules hold (`window_size`: ScalableViT's
+    windowed attention asserts that its windows divide the map); None where a kernel of 2 or less leaves the default
+    enough (16 tokens)."""
     kernel = max((max(m.kernel_size) for m in layer.modules() if isinstance(m, nn.Conv2d)), default=1)
-    return (2 * kernel) ** 2 if (2 * kernel) ** 2 > 16 else None
+    side = 2 * kernel
+    for window in {w for m in layer.modules() for w in [getattr(m, "window_size", None)]
+                   if isinstance(w, int) and not isinstance(w, bool) and w > 1}:
+        side = math.lcm(side, window) if side % window else side
+    return side * side if side * side > 16 else None
 
 
 class KeyPaddingMHA(nn.Module):

@@ -88,3 +88,22 @@ def test_a_layer_that_raises_on_images_large_enough_for_its_kernels_still_fails_
     report = audit(adapters.image(gpt2_init_(RaisesOnOddWidths())), progress=False)  # 1 x 1 kernels: any image
     assert report.result("runs").verdict == "fail", report.result("runs")
     assert {"image", "image_seq_len", "Image"} <= set(adapters.__all__)
+
+
+def test_the_images_channels_and_side_follow_what_the_layers_modules_take():
+    """ScalableViT's windowed attention registers a depthwise convolution of its values (over the inner width) before
+    its projections, and asserts that its windows divide the map: the channels are those most of its convolutions
+    take (the first one's were read, and every probe raised), the side a multiple of its window (6 x 6 pixels for a
+    3 x 3 kernel raised on a window of 4)."""
+    from diagnostics import adapters
+
+    class Windowed(nn.Module):
+        def __init__(self, dim=32, inner=128, window_size=4):
+            super().__init__()
+            self.window_size = window_size
+            self.values_conv = nn.Conv2d(inner, inner, 3, padding=1, groups=inner)
+            self.to_q, self.to_k, self.to_v = (nn.Conv2d(dim, inner, 1) for _ in range(3))
+
+    assert adapters.image_channels(Windowed()) == 32
+    assert adapters.image_seq_len(Windowed()) == 12 * 12  # two kernels a side, 6, rounded up to a multiple of 4
+    assert adapters.image_seq_len(Windowed(window_size=3)) == 6 * 6  # 3 divides 6 already
