@@ -612,9 +612,12 @@ def swap_sdpa(replacement):
 
 def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -> None:
     """The sweep's bugs (`injected`; those in `mask_bugs` only where a mask reached SDPA) through SDPA (`_Routed`),
-    each audit of a fresh build (`build(name)`, diffusers' by default), into row.bugs. Where the reference (SDPA
-    written out, nothing broken) does not pass and every SDPA call stated one scale, the reference and the bugs are
-    audited with that scale declared: the layer's words to SDPA, which the written-out attention cannot state."""
+    each audit of a fresh build (`build(name)`, diffusers' by default), into row.bugs. Where every SDPA call stated
+    one scale and the reference (SDPA written out, nothing broken) passes with it declared, or fails without, the
+    reference and the bugs are audited with that scale declared: the layer's words to SDPA, which the written-out
+    attention cannot state (before, only where the reference did not pass: a cosine attention's stated 8, dropped,
+    reads as a cosine times 1, a temperature a correct layer may have, so titans' MemoryAttention's missing scale
+    passed)."""
     import diagnostics
 
     name, make = row.model_type, build or diffusers_build
@@ -625,16 +628,20 @@ def inject(row, declared: dict, injected: tuple, mask_bugs: tuple, build=None) -
         row.why += "; no bug injected: the layer does not call torch's scaled_dot_product_attention"
         return
     stated = set(routed.scales)
-    if rep.status != "passed" and "scale" not in declared and len(stated) == 1 and None not in stated:
+    if "scale" not in declared and len(stated) == 1 and None not in stated:
         # the scale the layer states to SDPA (NaViT's `scale=1` after RMS-normalised q and k) is its own words, which
-        # the explicit reference cannot state: declared, as the user who wrote that attention out would declare it
-        declared = {**declared, "scale": stated.pop()}
+        # the explicit reference cannot state: declared, as the user who wrote that attention out would declare it,
+        # where the reference passes with it or fails without it (a layer that scales q itself and hands SDPA 1 states
+        # no whole factor there: it passes undeclared, and fails under 1)
         with _Routed("reference") as again:
-            rep = diagnostics.audit(make(name), progress=False, **declared)
+            stating = diagnostics.audit(make(name), progress=False, **declared, scale=next(iter(stated)))
         if not again.calls:  # the layer no longer reached SDPA: nothing written out was audited
             row.why += "; no bug injected: the layer did not call torch's scaled_dot_product_attention again"
             return
-        row.why += f"; the explicit reference audited with scale={declared['scale']:g}, the scale the layer states to SDPA"
+        if stating.status == "passed" or rep.status != "passed":
+            rep, declared = stating, {**declared, "scale": next(iter(stated))}
+            row.why += (f"; the explicit reference audited with scale={declared['scale']:g}, the scale the layer "
+                        f"states to SDPA")
     if rep.status != "passed":
         row.bugs["reference"] = f"reference {rep.status}: {rep.status_reason[:120]}"
         return

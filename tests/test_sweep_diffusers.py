@@ -454,3 +454,31 @@ def test_the_scale_a_layer_states_to_sdpa_is_declared_for_its_written_out_refere
     assert row.why.endswith("the explicit reference audited with scale=1, the scale the layer states to SDPA"), row
     assert row.bugs["softmax_wrong_dim"] == "caught", row
     assert row.bugs["missing_scale"].startswith("not applicable"), row
+
+
+class CosineStated(torch.nn.Module):
+    """titans-pytorch's MemoryAttention: q and k l2-normalised, SDPA told `scale=8`. Its scale dropped (the sweep's
+    missing_scale) reads as a cosine times 1, a temperature a correct layer may have (Restormer's at init): only the
+    scale the layer states, declared, tells the bug (it passed, "missed", before)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, scale=8.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, 32))
+
+
+def test_a_stated_scale_is_declared_even_where_the_reference_passes_without_it():
+    import sweep
+
+    row = sd.run(sweep.Row("cosine stated"), bugs=True, injected=("missing_scale",), mask_bugs=(),
+                 build=lambda name: CosineStated())
+    assert row.verdict == "passed" and "reference" not in row.bugs, row
+    assert row.why.endswith("the explicit reference audited with scale=8, the scale the layer states to SDPA"), row
+    assert row.bugs["missing_scale"] == "caught", row
