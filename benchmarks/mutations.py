@@ -732,6 +732,16 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "decides whether autograd frees the saved tensors after the backward, so the same gradients, verdicts and "
         "passes, more memory held (checked by hand in detectors/gradients.check_gradients, the one reader of "
         "GradientProbe.out's graph). The `>=` on the line is pinned: tests/test_pins_all_common_core.py"),
+    "detectors/parameters.py:_called_given_tokens:L*:Gt->GtE": (
+        "t.shape[1] == 0 and t.shape[0] > 0", "`t.shape[0] >= 0`: a tensor of batch 0 is never handed to the layer (the "
+        "audit's probes have B >= 1), so no empty stream is filled that the guard left alone"),
+    "detectors/runs.py:_tuple_only:L*:Gt->GtE": (
+        "if moved is None or moved > JOINT:", "an edge: a memory's rows move by exactly 0 with another query and joint "
+        "attention's by 0.5 of the RMS or more (JOINT's measurements), never by JOINT itself"),
+    "detectors/runs.py:_stream_and_mask:L*:or->and": (
+        "raw = None if out is None or out.shape == call.query.shape else _first_tensor(",
+        "a cost guard: with `and`, the layer is called once more for an output of None or of the queries' form, and "
+        "heads_seen reads no per-head form in either (out is None: `if out is None: pass` below; (B, T, D): not 4-D)"),
     "detectors/_heads_out.py:heads_seen:L*:or->and": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
     "detectors/_heads_out.py:heads_seen:L*:or->and#2": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
     "detectors/_heads_out.py:heads_seen:L*:or->and#3": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),

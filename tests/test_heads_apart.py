@@ -506,3 +506,24 @@ def test_heads_projected_to_the_width_and_concatenated_fail_with_a_fix_that_says
     shape = report.result("output_shape")
     assert shape.verdict == ("fail" if concatenated else "pass"), str(report)
     assert not concatenated or shape.fix.startswith("sum the heads' outputs after each head's projection"), shape.fix
+
+
+@pytest.mark.parametrize("cls", [WrongWidth, NoAttention], ids=["half the width", "no attention"])
+def test_an_output_of_another_width_than_heads_times_the_width_is_not_called_heads_side_by_side(cls):
+    """The twin of the concatenated heads above: an output that is not H x the width, or of other rows, keeps the
+    detector's own message."""
+    shape = diagnostics.audit(_made(cls), progress=False).result("output_shape")
+    assert shape.verdict == "fail" and "x the width" not in shape.message, shape
+
+
+class RowsDropped(HeadsApart):
+    """H x the width on a shape whose rows are not the tokens' (the last token dropped): not the heads side by side."""
+
+    def forward(self, x):
+        out = self.attend(x).flatten(2)
+        return torch.cat([out] * self.heads, -1)[:, :-1]
+
+
+def test_an_output_h_times_as_wide_with_rows_missing_keeps_the_general_message():
+    shape = diagnostics.audit(_made(RowsDropped), progress=False).result("output_shape")
+    assert shape.verdict == "fail" and "x the width" not in shape.message, shape

@@ -60,3 +60,32 @@ def test_a_scale_after_the_softmax_fails_at_its_line(dtype):
     where = result.where[0]
     assert where.code.strip() == "q = q * q.shape[-1] ** -0.5", where
     assert "multiplies by 0.3536 after a softmax" in where.note, where
+
+
+class ScaledAfterBy(EfficientAttention):
+    """q's feature map multiplied or divided after its softmax (`how`), and k's scores multiplied before its own by the
+    same number (a decoy: a scale before a softmax is no scale of the weights)."""
+
+    def __init__(self, how, factor):
+        super().__init__()
+        self.how, self.factor = how, factor
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        k = k * self.factor
+        q, k = q.softmax(dim=-1), k.softmax(dim=-2)
+        q = q * self.factor if self.how == "mul" else q / (1 / self.factor)
+        out = q @ (k.transpose(-1, -2) @ v)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("how, factor, line", [("mul", 2.0, "q = q * self.factor if self.how"),
+                                               ("div", 0.25, "q = q * self.factor if self.how")])
+def test_the_op_that_scaled_the_weights_is_named_whichever_way_and_not_the_scale_before_a_softmax(how, factor, line):
+    """Rows summing to 2 (above 1) or to 0.25 (a division by 4): the op after the softmax is named, not the decoy
+    that multiplied k's scores by the same number before k's softmax."""
+    torch.manual_seed(0)
+    result = diagnostics.audit(ScaledAfterBy(how, factor), progress=False).result("weight_row_sums")
+    assert result.verdict == "fail" and f"sums to {factor:g}" in result.evidence, result
+    assert result.where and result.where[0].code.strip().startswith(line), result.where

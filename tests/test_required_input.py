@@ -470,3 +470,132 @@ def test_a_memory_whose_mask_fits_in_another_convention_is_declared_cross_with_t
     assert report.declaration == "cross=True, mask='key_keep'", report
     assert "honours `attention_mask` over its tokens as key_keep" in report.result("runs").message
     assert diagnostics.audit(_layer(KeyPaddedMemory), progress=False, **_declared(report)).status == "passed"
+
+
+class ThreePartMemory(ImagePromptAttention):
+    """A memory of three parts, `(text, [image tokens], [audio tokens])`, the last two attended as the image prompts."""
+
+    def split_memory(self, encoder_hidden_states):
+        text, images, sounds = encoder_hidden_states
+        return text, [*images, *sounds]
+
+
+def test_a_memory_of_three_parts_names_each_other_part_given_nothing():
+    report = diagnostics.audit(_layer(ThreePartMemory), progress=False)
+    assert report.declaration == IMAGE_PROMPT_CALL.replace("[memory[:, :0]])", "[memory[:, :0]], [memory[:, :0]])"), \
+        report.status_reason
+    fix = report.result("runs").fix
+    assert "the tuple's other parts ([memory[:, :0]]) nothing, so what the layer does with them is not measured" in fix
+    assert "audit again" not in fix, fix  # a second call is named for two parts only
+    assert diagnostics.audit(_layer(ThreePartMemory), progress=False, **_declared(report)).status == "passed"
+
+
+class ConditionTuple(ImagePromptAttention):
+    """The tuple memory under a name the audit does not know, `cond`, which the layer requires (left at None, it
+    raises): the same call, under that name."""
+
+    def forward(self, hidden_states, cond=None, attention_mask=None):
+        return super().forward(hidden_states, tuple(cond), attention_mask)
+
+
+def test_a_tuple_memory_of_a_name_the_audit_does_not_know_gets_its_call_under_that_name():
+    report = diagnostics.audit(_layer(ConditionTuple), progress=False)
+    assert report.declaration == IMAGE_PROMPT_CALL.replace("encoder_hidden_states=", "cond="), report.status_reason
+    assert diagnostics.audit(_layer(ConditionTuple), progress=False, **_declared(report)).status == "passed"
+    twin = diagnostics.audit(_layer(ConditionTuple, scaled=False), progress=False, **_declared(report))
+    assert twin.status == "failed", twin
+
+
+class PromptIds(nn.Module):
+    """Image prompts given as token ids, (B, n), embedded only where there are any; the text attention as
+    ImagePromptAttention's. `discarded=True`: embeds the ids whatever their number, and also the text tokens' ids,
+    throwing that away: called on tokens in the very forward, its parameters are unused, a FAIL."""
+
+    def __init__(self, dim=32, heads=4, discarded=False):
+        super().__init__()
+        self.attention = ImagePromptAttention(dim, heads)
+        self.embed = nn.Embedding(10, dim)
+        self.discarded = discarded
+
+    def forward(self, hidden_states, encoder_hidden_states=None, prompt_ids=None, attention_mask=None):
+        text = encoder_hidden_states  # raises below on None
+        images = [self.embed(prompt_ids)] if prompt_ids.shape[1] or self.discarded else []
+        if self.discarded:  # the embedding called on the empty ids and on the text's, its output thrown away
+            self.embed(torch.zeros(text.shape[:2], dtype=torch.long))
+        return self.attention(hidden_states, (text, images), attention_mask)
+
+
+@pytest.mark.parametrize("discarded", [False, True], ids=["skips no ids", "embeds and discards"])
+def test_an_embedding_called_only_on_ids_the_call_leaves_empty_is_not_measured_one_discarded_still_fails(discarded):
+    """2-D ids of no token count as a stream given nothing: given some, the embedding is called, so its weights are
+    not measured (a warning); one whose output is thrown away on a call it does get still fails."""
+    call = lambda layer, x, memory, mask: layer(x, encoder_hidden_states=memory,  # noqa: E731
+                                                prompt_ids=torch.zeros(x.shape[0], 0, dtype=torch.long),
+                                                attention_mask=mask)
+    torch.manual_seed(0)
+    used = diagnostics.audit(PromptIds(discarded=discarded).eval(), progress=False, cross=True, call=call,
+                             detectors=["parameters_used"]).result("parameters_used")
+    assert used.verdict == ("fail" if discarded else "warn"), used
+    assert "embed.weight" in used.message, used
+
+
+class OneRowForATuple(ImagePromptAttention):
+    """Given its memory alone in a tuple, returns one row, no error: no unpacking said, so no tuple form is read (the
+    reading must not assume an error was said)."""
+
+    def split_memory(self, encoder_hidden_states):
+        if isinstance(encoder_hidden_states, tuple) and len(encoder_hidden_states) == 1:
+            return encoder_hidden_states[0][:, :0], []
+        return super().split_memory(encoder_hidden_states)
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        out = super().forward(hidden_states, encoder_hidden_states, attention_mask)
+        return out[:, :1] if isinstance(encoder_hidden_states, tuple) and len(encoder_hidden_states) == 1 else out
+
+
+def test_a_tuple_of_one_that_runs_to_other_rows_reads_no_tuple_form_and_nothing_crashes():
+    report = diagnostics.audit(_layer(OneRowForATuple), progress=False)
+    runs = report.result("runs")
+    assert runs.verdict == "skip" and not report.declaration, runs
+    assert runs.message.endswith("no declaration of the audit's gives it a mask that fits"), runs.message
+
+
+class TensorPrompt(ImagePromptAttention):
+    """The image prompt a tensor, `(text, image tokens)`, read by its shape: given a list there it raises, so the
+    filler it runs with, no tokens, is named."""
+
+    def split_memory(self, encoder_hidden_states):
+        text, image = encoder_hidden_states
+        return text, ([image] if image.shape[1] else [])
+
+
+class NeedsText(ImagePromptAttention):
+    """Refuses a memory of no text tokens: the call that would audit the image prompts (the text given none) does not
+    run, so the fix names none."""
+
+    def split_memory(self, encoder_hidden_states):
+        text, images = super().split_memory(encoder_hidden_states)
+        if not text.shape[1]:
+            raise ValueError("the text must have at least one token")
+        return text, images
+
+
+class HeadsMaskedPrompt(ImagePromptAttention):
+    """Its mask one (Tq, T_text) per head and sequence, (B x H, Tq, T_text), as SDPA takes it: named with the call."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, T, _ = hidden_states.shape
+        mask = None if attention_mask is None else attention_mask.view(B, self.heads, T, -1)  # raises on (B, 1, T, Tm)
+        return super().forward(hidden_states, encoder_hidden_states, mask)
+
+
+@pytest.mark.parametrize("cls, declaration, again", [
+    (TensorPrompt, IMAGE_PROMPT_CALL.replace("[memory[:, :0]])", "memory[:, :0])"), True),
+    (NeedsText, IMAGE_PROMPT_CALL, False),
+    (HeadsMaskedPrompt, IMAGE_PROMPT_CALL.replace("cross=True, ", "cross=True, mask='allowed:B*H,Tq,Tk', "), True),
+], ids=["a tensor prompt", "text required", "a mask per head"])
+def test_the_tuple_form_named_is_the_one_the_layer_ran_with(cls, declaration, again):
+    report = diagnostics.audit(_layer(cls), progress=False)
+    assert report.declaration == declaration, report.status_reason
+    assert ("audit again with" in report.result("runs").fix) is again, report.result("runs").fix
+    assert diagnostics.audit(_layer(cls), progress=False, **_declared(report)).status == "passed"

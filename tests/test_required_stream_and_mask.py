@@ -288,3 +288,40 @@ def test_at_std_0_02_in_bfloat16_the_same_call_is_named_and_the_twins_part(proce
     if processor is TextMaskedProcessor:
         inverted = diagnostics.audit(made(inverted=True), progress=False, dtype=torch.bfloat16)
         assert inverted.status == "inconclusive" and not inverted.declaration, inverted.status_reason
+
+
+class BroadcastMaskProcessor(TextMaskedProcessor):
+    """Takes its text mask (B, Tm) or any mask that broadcasts over the scores, (B, 1, Tq, Tm) too: the per-key
+    convention is the one named, since the call fills a (B, Tm) mask of ones wherever the audit gives none."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        B, T, D = hidden_states.shape
+        keep = attention_mask.bool()  # raises on None
+        keep = keep[:, None, None, :] if keep.dim() == 2 else keep
+        q = attn.to_q(hidden_states).view(B, T, attn.heads, D // attn.heads).transpose(1, 2)
+        k, v = (f(encoder_hidden_states).view(B, -1, attn.heads, D // attn.heads).transpose(1, 2)
+                for f in (attn.to_k, attn.to_v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return attn.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_mask_that_also_broadcasts_per_query_is_still_named_per_key():
+    report = diagnostics.audit(_layer(BroadcastMaskProcessor()), progress=False)
+    assert report.declaration == MEMORY, report.status_reason
+    assert diagnostics.audit(_layer(BroadcastMaskProcessor()), progress=False, **_declared(report)).status == "passed"
+
+
+class HalfWidthProcessor(TextMaskedProcessor):
+    """Requires its text and mask as TextMaskedProcessor does, and returns half the width, (B, T, D / 2): no per-head
+    form, no call named, and the reading says so (it must not stop at the shape)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        out = super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask)
+        return out[..., : out.shape[-1] // 2]
+
+
+def test_a_layer_requiring_both_that_returns_another_width_names_no_call_and_says_its_shape():
+    report = diagnostics.audit(_layer(HalfWidthProcessor()), progress=False)
+    runs = report.result("runs")
+    assert runs.verdict == "skip" and not report.declaration, runs
+    assert "; it returns (2, 16, 16), not the queries' form (2, 16, 32)" in runs.message, runs.message

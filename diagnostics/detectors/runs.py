@@ -399,7 +399,7 @@ def _stream_taken(probe: Probe, evidence: str, call, name: str, mask_name: str |
     if _given(probe, call.query, stream, x_to=x_to) is None:
         if mask_name is not None and _given(probe, call.query, stream, mask_name, x_to=x_to) is not None:
             return _stream_and_mask(probe, evidence, call, stream, mask_name, x_to, to)
-        return _tuple_only(probe, evidence, call, stream, mask_name, to) if stream == sig.memory and not swap else None
+        return None if swap else _tuple_only(probe, evidence, call, stream, mask_name, to)  # a memory of any name
     given = f"given x as `{name}` (its queries) and `{stream}` tokens of their own" if swap else "given it"
     head = (f"the layer raised on every probe, each given without `{name}`, which it requires "
             f"({call.describe_error()}); {given}, it runs")

@@ -43,6 +43,7 @@ def weights_sites(probe, result: DetectorResult) -> list[Site]:
 
 
 POOLED = "(pooled: a spatial reduction)"
+SUM_MATCH = 1e-3  # knob: how close a factor comes to the rows' sum, beside the dtype's tolerance (x10, x0.1: the same)
 
 
 def _scaled_after(trace, result: DetectorResult) -> list[Site]:
@@ -58,7 +59,7 @@ def _scaled_after(trace, result: DetectorResult) -> list[Site]:
         if not after or op.short not in ("mul", "div") or not isinstance(number, (int, float)) or not number:
             continue
         factor = float(number) if op.short == "mul" else 1.0 / float(number)
-        if any(math.isclose(factor, c, rel_tol=1e-3, abs_tol=result.threshold or 0.0) for c in sums):  # dtype's
+        if any(math.isclose(factor, c, rel_tol=SUM_MATCH, abs_tol=result.threshold or 0.0) for c in sums):
             found = site(op.frames, op.name, f"multiplies by {factor:.4g} after a softmax: every row of the weights "
                                              f"sums to {factor:.4g}",
                          fix="scale before the softmax (the scores, or q), not after it: each row of weights sums to 1")
