@@ -742,6 +742,17 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "raw = None if out is None or out.shape == call.query.shape else _first_tensor(",
         "a cost guard: with `and`, the layer is called once more for an output of None or of the queries' form, and "
         "heads_seen reads no per-head form in either (out is None: `if out is None: pass` below; (B, T, D): not 4-D)"),
+    "detectors/shape.py:check_output_shape:L*:Gt->GtE": (
+        "if not s.own_queries and heads > 1 and all(len(got) == len(want) and got[:-1] == want[:-1]",
+        "`heads >= 1`: with one head, an output 1 x the width and of the expected rows is the expected shape, which is "
+        "never among the wrong ones this reads"),
+    "detectors/runs.py:_rows_moved:L*:or->and": (
+        "if a is None or b is None:", "a and b are the same layer's outputs on the same memory, one query token "
+        "changed: `_rows` reads both as rows or neither (their shapes are the same)"),
+    "detectors/shape.py:_heads_apart:L*:and->or": (
+        'undeclared = undeclared_convention(probe) if s.mask_names and s.convention_by == "default" else None',
+        "undeclared_convention itself returns None for a layer that takes no mask or whose convention is not the "
+        "audit's default, the cases the guard leaves out"),
     "detectors/_heads_out.py:heads_seen:L*:or->and": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
     "detectors/_heads_out.py:heads_seen:L*:or->and#2": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),
     "detectors/_heads_out.py:heads_seen:L*:or->and#3": ("out[0].numel() != T * width:", _PER_HEAD_PRECHECK),

@@ -64,7 +64,8 @@ def test_a_scale_after_the_softmax_fails_at_its_line(dtype):
 
 class ScaledAfterBy(EfficientAttention):
     """q's feature map multiplied or divided after its softmax (`how`), and k's scores multiplied before its own by the
-    same number (a decoy: a scale before a softmax is no scale of the weights)."""
+    same number (a decoy: a scale before a softmax is no scale of the weights), q multiplied by a tensor of ones first
+    (no constant at all)."""
 
     def __init__(self, how, factor):
         super().__init__()
@@ -75,6 +76,7 @@ class ScaledAfterBy(EfficientAttention):
         q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
         k = k * self.factor
         q, k = q.softmax(dim=-1), k.softmax(dim=-2)
+        q = q * torch.ones_like(q)  # a product with a tensor after the softmax: no constant, read past
         q = q * self.factor if self.how == "mul" else q / (1 / self.factor)
         out = q @ (k.transpose(-1, -2) @ v)
         return self.to_out(out.transpose(1, 2).reshape(B, T, D))
