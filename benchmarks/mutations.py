@@ -738,10 +738,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/runs.py:_tuple_only:L*:Gt->GtE": (
         "if moved is None or moved > JOINT:", "an edge: a memory's rows move by exactly 0 with another query and joint "
         "attention's by 0.5 of the RMS or more (JOINT's measurements), never by JOINT itself"),
-    "detectors/runs.py:_stream_and_mask:L*:or->and": (
-        "raw = None if out is None or out.shape == call.query.shape else _first_tensor(",
-        "a cost guard: with `and`, the layer is called once more for an output of None or of the queries' form, and "
-        "heads_seen reads no per-head form in either (out is None: `if out is None: pass` below; (B, T, D): not 4-D)"),
     "detectors/shape.py:check_output_shape:L*:Gt->GtE": (
         "if not s.own_queries and heads > 1 and all(len(got) == len(want) and got[:-1] == want[:-1]",
         "`heads >= 1`: with one head, an output 1 x the width and of the expected rows is the expected shape, which is "

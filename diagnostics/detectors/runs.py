@@ -613,7 +613,10 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
     says the layer requires both, naming no declaration (the audit is inconclusive). A memory of any name: one
     the audit does not know (`forward(x, cond, mask)`) gets the same call, by its own name."""
     ones = {mask_name: None}  # `_given`'s default: a (B, Tm) mask of ones
-    out = _given(probe, call.query, stream, x_to=x_to, kept=ones)
+    # the output as the layer returned it, and its rows (a (B, H, T, d) one with its head axis moved behind)
+    returned = _given(probe, call.query, stream, x_to=x_to, kept=ones, whole=True)
+    raw = None if returned is None else _first_tensor(returned)
+    out = None if raw is None else _rows(raw, *call.query.shape[:2])
     moved = None if out is None else _rows_moved(probe, call.query, stream, x_to=x_to, kept=ones)
     how, declare = "", ""
     # Lumina's processor returns each head's output, (B, T, H, d), which its block merges and projects with the
@@ -624,10 +627,7 @@ def _stream_and_mask(probe: Probe, evidence: str, call, stream: str, mask_name: 
         query = torch.cat([call.query] * (t // call.query.shape[1] + 1), 1)[:, :t]
         return traced(probe, lambda: _given(probe, query, stream, x_to=x_to, kept=ones, whole=True), query)
 
-    # the output as the layer returned it (`out` holds its rows: a (B, H, T, d) one with its head axis moved behind)
-    raw = None if out is None or out.shape == call.query.shape else _first_tensor(
-        _given(probe, call.query, stream, x_to=x_to, kept=ones, whole=True))
-    heads = None if not isinstance(raw, torch.Tensor) else heads_seen(
+    heads = None if out is None or out.shape == call.query.shape else heads_seen(
         probe.subject.layer, raw, tuple(call.query.shape), at)
     apart = "" if heads is None else f"; it returns {heads.describe(tuple(raw.shape))}"
     merge = (lambda body: body) if heads is None else heads.merged

@@ -74,13 +74,13 @@ def check_output_shape(probe: Probe) -> DetectorResult:
         return _heads_apart(probe, heads)
     if wrong:
         text = "; ".join(f"{label}: output {got}, expected {want}" for label, got, want in wrong)
+        replay = tuple(c for label, c, want in checks if not fits(tuple(c.output.out.shape), want))
         heads = s.num_heads or 1
         if not s.own_queries and heads > 1 and all(len(got) == len(want) and got[:-1] == want[:-1]
                                                    and got[-1] == heads * want[-1] for _, got, want in wrong):
             # each head projected to the whole width, then the heads concatenated (mmdit's AdaptiveAttention)
             return result(det, "fail", f"the output has the wrong shape: {heads} x the width, one full-width output "
-                                       f"per head side by side", evidence=text,
-                          replay=tuple(c for label, c, want in checks if not fits(tuple(c.output.out.shape), want)),
+                                       f"per head side by side", evidence=text, replay=replay,
                           fix=f"sum the heads' outputs after each head's projection to the width ({heads} heads of "
                               f"width {wrong[0][2][-1]} concatenated now), or merge the heads first, (B, T, H * d), and "
                               f"project that once to the width")
@@ -88,9 +88,7 @@ def check_output_shape(probe: Probe) -> DetectorResult:
             f"return one row per query of the layer's own, (B, {s.own_queries}, width) (or (B, width) for one), as "
             f"{spell('queries', s.own_queries, probe.options)} declares; if the layer returns one row per token, "
             f"leave the declaration out")}
-        return result(det, "fail", "the output has the wrong shape", evidence=text,
-                      replay=tuple(c for label, c, want in checks if not fits(tuple(c.output.out.shape), want)),
-                      **declared)
+        return result(det, "fail", "the output has the wrong shape", evidence=text, replay=replay, **declared)
     if unmeasured:
         return skip(det, unmeasured)
     rows = f"(B, Q, ...), Q = {s.own_queries} queries of its own," if s.own_queries else "(B, Tq, ...)"
