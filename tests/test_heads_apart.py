@@ -250,19 +250,22 @@ class AdditiveCore(HeadsApart):
         return out if self.layout == "bhtd" else out.transpose(1, 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["bthd", "bhtd"])
 @pytest.mark.parametrize("bug, caught_by", [(None, None), ("unscaled", "softmax_saturation"),
                                             ("mask_ignored", "mask_honoured")], ids=["correct", "unscaled", "ignored"])
-def test_a_mask_convention_read_only_once_the_heads_are_merged_is_named_with_the_call_at_once(layout, bug, caught_by):
+def test_a_mask_convention_read_only_once_the_heads_are_merged_is_named_with_the_call_at_once(layout, bug, caught_by,
+                                                                                              dtype):
     """The convention `mask_honoured` would name for the merged twin is named in the same declaration as the call (two
     rounds before: the mask detectors read no rows of a heads-first output), only where the layer honours it and not
     the default; the mask ignored honours none, so no convention is named under which it would pass, and every twin
     fails under the declaration its report names."""
-    report = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug), progress=False)
+    report = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug, dtype=dtype), progress=False, dtype=dtype)
     call = CALLS[layout, 1].replace("lambda layer, x:", "lambda layer, x, mask:").replace(
         "layer(x)", "layer(x, attention_mask=mask)")
     assert report.declaration == (call if bug == "mask_ignored" else f"mask='additive', {call}"), str(report)
-    again = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug), progress=False, **_declared(report))
+    again = diagnostics.audit(_made(AdditiveCore, layout=layout, bug=bug, dtype=dtype), progress=False, dtype=dtype,
+                              **_declared(report))
     assert again.status == ("passed" if bug is None else "failed"), str(again)
     assert caught_by is None or again.result(caught_by).verdict == "fail", str(again)
 

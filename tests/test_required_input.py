@@ -599,3 +599,20 @@ def test_the_tuple_form_named_is_the_one_the_layer_ran_with(cls, declaration, ag
     assert report.declaration == declaration, report.status_reason
     assert ("audit again with" in report.result("runs").fix) is again, report.result("runs").fix
     assert diagnostics.audit(_layer(cls), progress=False, **_declared(report)).status == "passed"
+
+
+def test_at_std_0_02_in_bfloat16_the_tuple_call_is_named_and_the_twins_part():
+    """GPT-2's initialisation (std 0.02 weights, zero biases), in bfloat16: the same tuple call is named, the correct
+    layer passes under it and the unscaled one fails."""
+    import correct
+
+    def made(**kw):
+        layer = _layer(ImagePromptAttention, **kw)
+        correct.gpt2_init_(layer)
+        return layer.to(torch.bfloat16)
+
+    report = diagnostics.audit(made(), progress=False, dtype=torch.bfloat16)
+    assert report.declaration == IMAGE_PROMPT_CALL, report.status_reason
+    assert diagnostics.audit(made(), progress=False, dtype=torch.bfloat16, **_declared(report)).status == "passed"
+    twin = diagnostics.audit(made(scaled=False), progress=False, dtype=torch.bfloat16, **_declared(report))
+    assert twin.status == "failed" and twin.result("softmax_saturation").verdict == "fail", twin
