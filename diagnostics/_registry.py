@@ -38,7 +38,8 @@ class Need:
 
 
 TAKES_MASK = Need("a mask argument", lambda p: p.subject.takes_mask,
-                  "the layer takes no mask argument (a parameter named mask, attn_mask or attention_mask)")
+                  "the layer takes no mask argument (a parameter named mask, attn_mask, attention_mask, input_mask, "
+                  "context_mask or the like)")
 CAUSAL = Need("{causal}", lambda p: p.causal,
               "the layer is not audited as causal (pass {causal} if it promises causality)")
 SEPARATE_QUERY = Need("a separate query input", lambda p: p.subject.separate_kv,

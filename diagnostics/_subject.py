@@ -62,6 +62,13 @@ MEMORY_NAMES = ("key_value_states", "encoder_hidden_states", "memory", "context"
 # in the order one is chosen when a layer has several; `*_key_padding_mask` are masks too
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "src_mask", "tgt_mask", "memory_mask", "encoder_attention_mask",
               "key_padding_mask")
+# a mask named by the stream whose keys it covers, after those: `input_mask` (local-attention's, Sinkhorn's,
+# Reformer's), `context_mask` (x-transformers', conformer's), `kv_mask`, `padding_mask`, `context_padding_mask`.
+# A query's own (`q_mask`, `query_mask`), a head's (`head_mask`) and a pattern's (`block_mask`) are not the keys' mask
+STREAM_MASK = re.compile(r"(input|inputs|pad|padding|key|keys|kv|context|ctx|memory|mem|encoder|src|source)_"
+                         r"(padding_|attn_|attention_)?mask")
+MEMORY_MASK = re.compile(r"(encoder|memory|mem|context|ctx|kv|key|keys)_.*mask")
+"""A mask over a memory's keys, chosen first in a cross-attention: `encoder_attention_mask`, `context_mask`."""
 # left at their defaults (or None where a library makes them required): caches, flags, positions, biases
 LEAVE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "cache", "past", "use_cache",
                "output_attentions", "output_hidden_states", "return_dict", "head_mask", "layer_head_mask",
@@ -356,12 +363,13 @@ def _parameter_names(fn) -> list[str] | None:
 
 def _is_mask_name(name: str) -> bool:
     name = name.lower()  # `Mask`, `attn_Mask`: the names are read in any case, as the streams' are
-    return name in MASK_NAMES or name.endswith("_key_padding_mask")
+    return name in MASK_NAMES or name.endswith("_key_padding_mask") or STREAM_MASK.fullmatch(name) is not None
 
 
 def _choose_mask(names, convention: MaskConvention | None, *, cross: bool = False) -> str | None:
     """The mask parameter to give the audit's mask: a key-padding one where a (B, Tk) convention is declared,
-    the memory's mask in a cross-attention, else the first of MASK_NAMES the layer has."""
+    the memory's mask in a cross-attention (`MEMORY_MASK`), else the first of MASK_NAMES the layer has, else the first
+    named by its stream (`STREAM_MASK`)."""
     masks = [n for n in names if _is_mask_name(n)]
     if not masks:
         return None
@@ -369,8 +377,12 @@ def _choose_mask(names, convention: MaskConvention | None, *, cross: bool = Fals
         padding = [n for n in masks if "key_padding" in n.lower()]
         if padding:
             return padding[0]
-    order = (("encoder_attention_mask", "memory_mask") if cross else ()) + MASK_NAMES
-    return min(masks, key=lambda n: order.index(n.lower()) if n.lower() in order else len(order))
+    def rank(name: str) -> tuple[int, int]:
+        low = name.lower()
+        return (0 if cross and MEMORY_MASK.fullmatch(low) else 1,
+                MASK_NAMES.index(low) if low in MASK_NAMES else len(MASK_NAMES))
+
+    return min(masks, key=rank)
 
 
 class FunctionSubject(Subject):
@@ -879,6 +891,36 @@ def _trial(layer: nn.Module, width: int, device, dtype, call=None):
     return (out, observer.record) if isinstance(out, Tensor) else None
 
 
+CORE_WIDTHS = (8, 16, 32, 64, 128)
+"""The widths a module that owns no parameters and takes q, k and v is tried at, the narrowest first (8: a function's
+head width): local-attention's LocalAttention takes any width, or the one its rotary table (a buffer) was built for."""
+
+
+def _core_width(layer: nn.Module, device, dtype) -> int | None:
+    """The first of CORE_WIDTHS at which a trial call returns the tokens' form, (1, T, width); None if none does."""
+    for width in CORE_WIDTHS:
+        tried = _trial(layer, width, device, dtype)
+        if tried is not None and tuple(tried[0].shape) == (1, TRIAL_TOKENS, width):
+            return width
+    return None
+
+
+def _core_module(layer: nn.Module) -> bool:
+    """Whether the layer is an attention core: a module that owns no parameters and whose forward takes q, k and v
+    (by any of their names), so that the width is its caller's to choose."""
+    return not any(True for _ in layer.parameters()) and takes_qkv(layer)
+
+
+def takes_qkv(layer: nn.Module) -> bool:
+    """Whether the module's forward takes q, k and v, by any of the names the audit reads them by (QUERY_NAMES,
+    KEY_NAMES, VALUE_NAMES)."""
+    try:
+        params = _forward_parameters(layer)
+    except AuditUsageError:
+        return False
+    return all(_first(params, names) is not None for names in (QUERY_NAMES, KEY_NAMES, VALUE_NAMES))
+
+
 def _trial_width(layer: nn.Module, device, dtype, call=None) -> int | None:
     """The width the layer takes and returns, (1, T, D) -> (1, T, D), tried among its parameters' sizes (the most
     common first): for a module that keeps its weights as bare nn.Parameter and names no width."""
@@ -1048,6 +1090,14 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
         d_model = _trial_width(layer, device, dtype, declared_call and call)
         if d_model is not None:
             notes.append(f"d_model={d_model} found by a trial call (the width it takes and returns)")
+    if d_model is None and not hf and not torch_layer and declared_call is None and _core_module(layer):
+        d_model = _core_width(layer, device, dtype)
+        if d_model is not None:
+            found_heads = found_heads or 1
+            notes += [f"d_model={d_model} chosen: the narrowest of {', '.join(map(str, CORE_WIDTHS))} a module that "
+                      f"owns no parameters and takes q, k and v runs at (a buffer may fix its width; "
+                      f"{spell('d_model', 64, options)} chooses another)",
+                      f"num_heads={found_heads}: its inputs (B, T, D) are one head's"]
     # no width found, and convolutions where projections would be: a layer over (B, C, H, W) pixels
     channels = image_channels(layer) if d_model is None and not hf and not torch_layer and not any(
         isinstance(m, nn.Linear) for m in layer.modules()) else None
@@ -1187,6 +1237,9 @@ def stated_convention(layer, fn, mask_name: str) -> tuple[MaskConvention, str] |
         return known, f"documented for {type(layer).__name__}"
     if "key_padding" in mask_name:
         return SHORTCUTS["key_padding"], "its name is torch's for a (B, Tk) mask, True = padding"
+    if mask_name.lower().endswith("padding_mask"):  # `context_padding_mask`, fairseq's `encoder_padding_mask`
+        return SHORTCUTS["key_padding"], (f"its name, `{mask_name}`, says a padding mask: one per key, True = padding, "
+                                          f"as torch's key_padding_mask")
     for doc in (inspect.getdoc(fn), inspect.getdoc(type(layer)) if isinstance(layer, nn.Module) else None):
         stated = stated_in_text(doc, mask_name)
         if stated is not None:
