@@ -376,6 +376,31 @@ class Probe:
                                    + blocks_said(f.q, f.k.shape[-2]))
         return None, ""
 
+    def own_reach(self) -> Tensor | None:
+        """(Tq, Tk) bool, the standard probe's: the keys some query gives a nonzero weight in some batch row and head,
+        for a layer whose weights (`weights`, else `recovered_weights`) hold exact zeros of its own making (a local
+        attention's window: local-attention's buckets with their look-around, each query reaching its own bucket and
+        its neighbours). A query with no key the audit's mask allows within its reach is, for the layer, a query with
+        no key to attend, whatever the audit's mask says: its output is `fully_masked_rows`' to judge, not the mask's.
+        None where no weights were read, where the standard probe was given a mask (zeros of the audit's making), or
+        where every query reaches every key."""
+        if "own_reach" not in self.memo:
+            asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
+            try:
+                base, reach = self.base(), None
+                own = base.ok and base.allowed is None  # zeros the audit's own mask (causal, a pattern) made are not its
+                weights = self.weights(base)[0] if own else None
+                if weights is None and own:
+                    weights = self.recovered_weights()[0]
+            finally:
+                self.detector = asking
+            T = self.t
+            if weights is not None and weights.dim() >= 3 and tuple(weights.shape[-2:]) == (T, T):
+                seen = (weights.detach() != 0).reshape(-1, T, T).any(0).cpu()  # (Tq, Tk)
+                reach = None if bool(seen.all()) else seen
+            self.memo["own_reach"] = reach
+        return self.memo["own_reach"]
+
     def recovered_weights(self) -> tuple[Tensor | None, str]:
         """For a layer given its values apart (a function f(q, k, v), a module given query, key and value) that
         exposes no weights and whose softmax, if any, is not over (Tq, Tk) scores (local attention's buckets,

@@ -226,6 +226,19 @@ def _pattern_moves(probe: Probe, B: int, P: int, T: int) -> bool:
     return not torch.equal(shifted.cpu(), probe.pattern.allowed(B, T, T).cpu())
 
 
+def reach_period(probe: Probe) -> int:
+    """The least shift p under which the keys the layer's queries reach (`Probe.own_reach`) are the same pattern,
+    reach[i + p, j + p] = reach[i, j]: a block-local attention's window (local-attention's buckets of 4 with their
+    look-around: 4), whose bounds sit at absolute positions by design, so that a shift by a multiple of p moves no
+    bound. 1 where the layer reaches every key, or its reach is a band or a triangle (any shift keeps it), or none
+    below half the tokens keeps it."""
+    reach = probe.own_reach()
+    if reach is None:
+        return 1
+    n = reach.shape[0]
+    return next((p for p in range(1, n // 2 + 1) if torch.equal(reach[p:, p:], reach[:-p, :-p])), 1)
+
+
 @detector(DET, "for a layer whose positions are relative (rotary, ALiBi, T5 buckets), shifting every position by the "
           "same offset leaves the real tokens' outputs unchanged, and a linear distance bias penalises distance",
           targets=("rotary pairs rotated in one layout, their cos/sin table laid out in the other",
@@ -244,7 +257,8 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                                            f"{'y' if s.own_queries == 1 else 'ies'} of its own, which have no position "
                                            f"among the tokens: no distance between a query and a key to be relative")
     T = min(probe.t, POSITION_TOKENS)
-    P = SHIFT_TOKENS
+    period = reach_period(probe)
+    P = SHIFT_TOKENS if period == 1 else period * -(-SHIFT_TOKENS // period)
     limit = probe_context(s, T + P)
     if limit is not None and T + P > limit[0]:
         P = max(0, limit[0] - T)
@@ -347,6 +361,9 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
         if call.ok and call.output.out.shape[0] == 2 * B:
             got, record, copies, skipped = call.output.out[:B], call.record, 2, P
         how = f"{P} padding tokens before them, which the mask blocks for every real query"
+        if period > 1:
+            how += (f"; {P}, a multiple of {period}: the layer's own windows repeat every {period} tokens (the keys "
+                    f"its queries reach, `own_reach`), and a shift of {SHIFT_TOKENS} would move their bounds")
     if record is None:  # no shifted call carried the identical tokens (none is possible, or it raised): alone
         alone = probe.call(*same, base_allowed, label=f"{T} identical tokens", observe=True)
         record, copies, skipped = (alone.record if alone.ok else None), 1, 0

@@ -289,7 +289,8 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
     audit "needs a declaration" (inconclusive) instead of failing; None otherwise (a call without a mask that raised is
     the layer's own failure)."""
     s = probe.subject
-    calls = probe.failed_calls
+    refused = _refused_lengths(probe)  # lengths the layer's own check refuses (`_length_constraint`): said, not failed
+    calls = [c for c in probe.failed_calls if not any(c is r for r in refused)]
     if not calls or not s.takes_mask or s.convention_by in ("user", "library") or \
             any(c.allowed is None for c in calls):
         return None
@@ -301,9 +302,12 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
         return None
     convention, how = found[0]
     declare = spell("mask", str(convention), probe.options)
+    lengths = "" if not refused else (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no "
+                                      f"multiple of the {_length_rule(refused[0])} its own check asks for, and those "
+                                      f"probes are skipped ({refused[0].describe_error()})")
     return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
                                   f"mask, as {given}; given its mask as {convention} ({convention.describe()}) it runs "
-                                  f"and honours it",
+                                  f"and honours it{lengths}",
                   evidence=f"{evidence}; as {convention}: {how}",
                   fix=f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning)",
                   declaration=declare, extras={"mask_convention": str(convention)})
@@ -926,6 +930,32 @@ def _first_tensor(out):
 LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)
 
 
+def _length_rule(call) -> int:
+    """The multiple W the error of `call` names (`LENGTH_RULE`), else 0."""
+    stated = LENGTH_RULE.search(str(call.error)) if isinstance(call.error, (AssertionError, ValueError)) else None
+    return int(stated.group(1)) if stated else 0
+
+
+def _refused_lengths(probe: Probe) -> list:
+    """The failed calls the layer's own check refused for their length (`_length_constraint`): an AssertionError or
+    ValueError naming one multiple W >= 2, raised at a length that is no multiple of W while the standard probe, at a
+    multiple of W, ran."""
+    t, base = probe.subject.time_dim, probe.base()
+    rules = [(c, _length_rule(c)) for c in probe.failed_calls]
+    ws = {w for _, w in rules if w}
+    if len(ws) != 1 or not base.ok:
+        return []
+    w = ws.pop()
+    if w < 2 or base.query.shape[t] % w:
+        return []
+    return [c for c, rule in rules if rule == w and (c.query.shape[t] % w or c.key.shape[t] % w)]
+
+
+def _lengths(probe: Probe, calls: list) -> list[int]:
+    t, w = probe.subject.time_dim, _length_rule(calls[0])
+    return sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
+
+
 def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
     """A length the layer states it refuses, which is no defect: every call that raised was refused by the layer's
     own check, an AssertionError or ValueError whose message names the multiple W it needs (local attention's
@@ -933,22 +963,18 @@ def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
     standard probe, at a multiple of W, ran. Then `runs` is a skip saying so, and the audit judges the layer on the
     lengths it takes; None otherwise (a hard-coded length that raises in a reshape, a check that names no multiple,
     a refused length that is a multiple of W: those still fail)."""
-    calls, t = probe.failed_calls, probe.subject.time_dim
-    stated = [LENGTH_RULE.search(str(c.error)) if isinstance(c.error, (AssertionError, ValueError)) else None
-              for c in calls]
-    if not calls or not all(stated) or len({int(m.group(1)) for m in stated}) != 1:
+    calls = probe.failed_calls
+    refused = _refused_lengths(probe)
+    if not calls or len(refused) != len(calls):
         return None
-    w, base = int(stated[0].group(1)), probe.base()
-    if w < 2 or not base.ok or base.query.shape[t] % w or \
-            not all(c.query.shape[t] % w or c.key.shape[t] % w for c in calls):
-        return None
-    refused = sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
+    w = _length_rule(refused[0])
     return result("runs", "skip", f"the layer takes lengths that are multiples of {w} only, as its own check says "
-                                  f"({calls[0].describe_error()}): it refused only T = {', '.join(map(str, refused))}, "
-                                  f"and those probes are skipped, not failed",
+                                  f"({calls[0].describe_error()}): it refused only T = "
+                                  f"{', '.join(map(str, _lengths(probe, refused)))}, and those probes are skipped, not "
+                                  f"failed",
                   evidence=evidence,
                   fix=f"audit at a seq_len that is a multiple of {w}; if the layer should take any length, pad the "
-                      f"input to a multiple of {w} inside it (and mask the padding)")
+                      f"input to a multiple of {w} inside it (and mask the padding)", extras={"length_rule": w})
 
 
 def _mask_hint(probe: Probe) -> str | None:
