@@ -9,7 +9,7 @@ not imported), named
 "<module>:<class>" with the module relative to the package. Each is built small from its constructor's own parameter
 names, as the diffusers sweep builds its classes (`TINY`: 32 wide, 4 heads of 8; `REQUIRED` only where the
 constructor has no default; a required parameter it cannot fill is a row "not built" saying which), must run a plain
-forward on (1, 16, 32) tokens (else "not built" with the error: the population is what runs on the audit's
+forward on (1, 16, 32) tokens (given as q, k and v to a forward that takes them) (else "not built" with the error: the population is what runs on the audit's
 inputs), and is audited zero-config with `diagnostics.audit(layer)`; an inconclusive audit that names a declaration
 is audited once more with it, and the row says what that gave (benchmarks/sweep_diffusers.py's `run`). Bugs go in
 through torch's SDPA where the layer calls it (most of these layers write their attention out with einsum: then the
@@ -53,6 +53,11 @@ KNOWN = {
                     "nGPT-pytorch 0.2.16: causal by default, the layer passes `attn_mask` and `is_causal=self.causal` "
                     "to SDPA together, which refuses both: any mask raises (Explicit attn_mask should not be set when "
                     "is_causal=True)"),
+    "sinkhorn_transformer:SinkhornSelfAttention":
+        "sinkhorn-transformer 0.11.4, sinkhorn_transformer.py:276: the sort net routes each query bucket by the mean "
+        "of every key bucket, `sk = b_k.mean(dim=2)`, padded keys included (the mask, `input_mask`, reaches the "
+        "attention scores only): keys the mask blocks move the kept tokens' outputs (0.18 where the outputs reach "
+        "0.64, the padded tokens x1000), so in no convention is its mask honoured and `runs` names none",
     "nystrom_attention:NystromAttention":
         "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
         "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "
@@ -105,16 +110,13 @@ def package_build(package: str, name: str):
     forward on (1, T, D) tokens."""
     import torch
 
+    from diagnostics._subject import takes_qkv
+
     module, cls_name = name.split(":")
     cls = getattr(importlib.import_module(f"{package}.{module}"), cls_name)
     torch.manual_seed(0)
     layer = cls(**_filled(cls, TINY, PACKAGE_REQUIRED)).eval()
-    with torch.no_grad():
-        layer(torch.randn(1, T, D))
+    x = torch.randn(1, T, D)
+    with torch.no_grad():  # a core that takes q, k and v (local-attention's) is given the tokens as all three
+        layer(*(x,) * (3 if takes_qkv(layer) else 1))
     return layer
-
-
-def run_package(package: str, row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
-    """The sweep's row for `row.model_type` of `package`: the diffusers sweep's audit with this package's build."""
-    return run(row, bugs=bugs, injected=injected, mask_bugs=mask_bugs,
-               build=lambda name: package_build(package, name))

@@ -114,3 +114,20 @@ def test_the_known_failures_of_packages_beyond_the_zoo_by_plain_scripts():
         moved = x.clone()
         moved[1] *= 1000
         assert not torch.allclose(layer(x)[0], layer(moved)[0], atol=1e-5)  # sequence 0 moved by sequence 1
+
+
+def test_sinkhorns_known_failure_is_confirmed_by_a_plain_script():
+    """KNOWN's reason for Sinkhorn's self-attention (`pip install sinkhorn-transformer==0.11.4` to run this): with
+    the last 4 of 16 tokens masked, changing only them moves the kept tokens' outputs, outside the audit."""
+    import torch
+
+    pytest.importorskip("sinkhorn_transformer", reason="pip install sinkhorn-transformer==0.11.4")
+    layer = sp.package_build("sinkhorn_transformer", "sinkhorn_transformer:SinkhornSelfAttention")
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    keep = (torch.arange(16) < 12).expand(2, 16)
+    moved = x.clone()
+    moved[:, 12:] *= 1000
+    with torch.no_grad():
+        kept, changed = layer(x, input_mask=keep)[:, :12], layer(moved, input_mask=keep)[:, :12]
+    assert float((kept - changed).abs().max()) > 0.1 * float(kept.abs().max())
