@@ -120,3 +120,9 @@ def package_build(package: str, name: str):
     with torch.no_grad():  # a core that takes q, k and v (local-attention's) is given the tokens as all three
         layer(*(x,) * (3 if takes_qkv(layer) else 1))
     return layer
+
+
+def run_package(package: str, row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
+    """The sweep's row for `row.model_type` of `package`: the diffusers sweep's audit with this package's build."""
+    return run(row, bugs=bugs, injected=injected, mask_bugs=mask_bugs,
+               build=lambda name: package_build(package, name))
