@@ -1359,15 +1359,27 @@ def _fit_scale_paired(scores: Tensor, products: Tensor, weights: Tensor, terms: 
     if half == 0 or scores.numel() % 2:
         return None
     step = max(1, half // _FIT_SAMPLES)  # a strided sample is plenty for one number, and keeps T=1024 cheap
-    (s0, s1), (p0, p1), (w0, w1), *tt = (_paired(x, rows) for x in (scores, products, weights, *terms))
+    (s0, s1), (p0, p1), (w0, w1), (f0, f1), *tt = (_paired(x, rows) for x in (scores, products, weights,
+                                                                              _filled_rows(scores), *terms))
     ds, dp, *dt = (a[::step].double() - b[::step].double() for a, b in ((s0, s1), (p0, p1), *tt))
-    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0)
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0) & ~f0[::step] & ~f1[::step]
     for d in dt:
         ok &= torch.isfinite(d)
     fitted = _least_squares(ds[ok], [dp[ok]] + [d[ok] for d in dt], every)
     if fitted is None or fitted[1] > 0.05:  # a shift of each row (scores - their max, which the softmax ignores)
         return _fit_scale_rows(scores, products, weights, terms, every, rows=rows)
     return fitted
+
+
+def _filled_rows(scores: Tensor) -> Tensor:
+    """Each entry of a row of `scores` (over its last axis) that is one number throughout, where other rows are not:
+    a query whose every key the layer blocks with a finite fill (local-attention's `-finfo.max` over a window the
+    padding covers wholly), whose softmax then spreads weight evenly over scores that say nothing of the scale; a
+    fit that read them found q·k multiplied by 0. All False where every row is one number (a layer that multiplies
+    q·k by 0: that is the finding)."""
+    x = scores.detach()
+    flat = (x == x.amax(-1, keepdim=True)).all(-1, keepdim=True).expand_as(x)
+    return flat if not bool(flat.all()) else torch.zeros_like(flat)
 
 
 def _least_squares(y: Tensor, xs: list[Tensor], every: list | None = None) -> tuple[float, float] | None:
@@ -1403,10 +1415,11 @@ def _fit_scale_rows(scores: Tensor, products: Tensor, weights: Tensor, terms: tu
     if half == 0 or (scores.numel() // t_k) % 2 or rows and (scores.numel() // rows) % t_k:
         return None
     step = max(1, half * t_k // _FIT_SAMPLES)  # a sample of rows
-    (s0, s1), (p0, p1), (w0, w1), *tt = ((a.reshape(-1, t_k), b.reshape(-1, t_k)) for a, b in
-                                         (_paired(x, rows) for x in (scores, products, weights, *terms)))
+    (s0, s1), (p0, p1), (w0, w1), (f0, f1), *tt = (
+        (a.reshape(-1, t_k), b.reshape(-1, t_k)) for a, b in
+        (_paired(x, rows) for x in (scores, products, weights, _filled_rows(scores), *terms)))
     ds, dp, *dt = (a[::step].double() - b[::step].double() for a, b in ((s0, s1), (p0, p1), *tt))
-    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0)
+    ok = torch.isfinite(ds) & torch.isfinite(dp) & (w0[::step] > 0) & (w1[::step] > 0) & ~f0[::step] & ~f1[::step]
     for d in dt:
         ok &= torch.isfinite(d)
     n = ok.sum(-1, keepdim=True).clamp_min(1)

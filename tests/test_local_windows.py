@@ -71,10 +71,24 @@ def _failed(report) -> set[str]:
     return {r.detector for r in report.results if r.verdict == "fail"}
 
 
-def test_a_core_without_parameters_needs_no_width():
+class RotaryTable(LookAroundAttention):
+    """The same, with a table of one width kept as a buffer (local-attention's rotary `inv_freq`, built for its
+    `dim`): it takes that width only."""
+
+    def __init__(self, width: int = 32, **kw):
+        super().__init__(**kw)
+        self.register_buffer("table", torch.ones(width))
+
+    def forward(self, q, k, v, mask=None):
+        return super().forward(q * self.table, k, v, mask)
+
+
+def test_a_core_without_parameters_is_audited_at_the_narrowest_width_it_runs_at():
     report = _audit()
-    assert "d_model=8 chosen: a module that owns no parameters" in str(report), report
+    assert "d_model=8 chosen: the narrowest of 8, 16, 32, 64, 128" in str(report), report
     assert report.declaration == "mask='key_keep'", report  # its mask's convention: named, not failed
+    fixed = diagnostics.audit(RotaryTable(), progress=False, mask="key_keep")
+    assert "d_model=32 chosen" in str(fixed) and fixed.passed, fixed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,3 +110,14 @@ def test_own_reach_is_the_window():
     reach = probe.own_reach()
     bucket = torch.arange(probe.t) // 4
     assert torch.equal(reach, (bucket[:, None] - bucket[None, :]).abs() <= 1)
+
+
+def test_declared_window_passes_and_the_unscaled_twin_fails():
+    """Declared, the window blocks every key of a query whose neighbourhood the padding covers: the layer fills that
+    row with -finfo.max, one number throughout, and softmax_saturation read q·k multiplied by 0 there (a false
+    "flat"). Such rows are left out of the fit; the unscaled twin still fails on the same inputs."""
+    window = diagnostics.patterns.Pattern(lambda b, h, q, kv: (q // 4 - kv // 4).abs() <= 1, "buckets of 4, look-around 1")
+    correct = _audit(mask="key_keep", pattern=window)
+    assert correct.passed, correct
+    unscaled = _audit("unscaled", mask="key_keep", pattern=window)
+    assert "softmax_saturation" in _failed(unscaled), unscaled
