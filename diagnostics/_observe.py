@@ -771,7 +771,7 @@ def _heads_between(record: Record, i: int, sm: SoftmaxCall) -> tuple[int, int] |
     """(queries, keys) of scores laid out (..., Tq, H, Tk), the heads between the queries and the keys (timm's
     MultiQueryAttentionV2: einsum('bnhk,bmk->bnhm', q, k)), whatever axis the softmax is over: the q·k product that
     made them has Tq x H rows, the two axes before the keys flattened, where the axis just before the keys alone is
-    not its rows. None otherwise."""
+    not its rows, nor as long as the keys while the one before is not. None otherwise."""
     shape = tuple(sm.output.shape)
     scores = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
                    and m.out.numel() == sm.input.numel() and m.out.dim() >= 2), None)
@@ -779,6 +779,10 @@ def _heads_between(record: Record, i: int, sm: SoftmaxCall) -> tuple[int, int] |
         return None
     rows, cols = tuple(scores.out.shape[-2:])
     if cols != shape[-1] or rows == shape[-2] or rows != shape[-3] * shape[-2]:
+        return None
+    if shape[-2] == shape[-1] != shape[-3]:
+        # as many rows as keys just before the keys, not two axes before: (..., H, Tq, Tk) with Tq = Tk (the audit's
+        # probes), its rows flattened the same way (CoCa's einsum('b h i d, b j d -> b h i j', q, k), one key head)
         return None
     return len(shape) - 3, len(shape) - 1
 

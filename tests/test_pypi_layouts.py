@@ -47,6 +47,40 @@ def test_scores_with_the_heads_between_queries_and_keys_are_read_as_weights(axis
     assert result.verdict == verdict, result
 
 
+class OneKeyHeadCross(nn.Module):
+    """Cross-attention with one key and value head for H query heads, written as CoCa writes it (coca-pytorch
+    0.1.0's CrossAttention): einsum('b h i d, b j d -> b h i j', q, k), scores (B, H, Tq, Tk) whose product flattens
+    H x Tq rows, as the (B, Tq, H, Tk) layout above does. `axis` as HeadsBetween's; `scaled=False`: q·k unscaled."""
+
+    def __init__(self, axis: int = -1, scaled: bool = True):
+        super().__init__()
+        self.axis, self.scale = axis, K ** -0.5 if scaled else 1.0
+        self.to_q, self.to_kv, self.to_out = nn.Linear(D, H * K), nn.Linear(D, 2 * K), nn.Linear(H * K, D)
+
+    def forward(self, x, context):
+        B, T, _ = x.shape
+        q = self.to_q(x).view(B, T, H, K).transpose(1, 2) * self.scale  # (B, H, T, K)
+        k, v = self.to_kv(context).chunk(2, dim=-1)  # each (B, Tm, K)
+        attn = torch.einsum("b h i d, b j d -> b h i j", q, k).softmax(dim=self.axis)  # (B, H, Tq, Tm)
+        out = torch.einsum("b h i j, b j d -> b h i d", attn, v)  # (B, H, Tq, K)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, H * K))
+
+
+@pytest.mark.parametrize("axis, scaled, failed", [(-1, True, None), (2, True, "weight_row_sums"),
+                                                  (-1, False, "softmax_saturation")],
+                         ids=["correct", "over queries", "unscaled"])
+def test_scores_of_one_key_head_keep_the_heads_before_the_queries(axis, scaled, failed):
+    """Its scores were taken for the (B, Tq, H, Tk) layout (the rows alone cannot tell them apart), so no weights
+    were found and the correct layer was inconclusive. At the audit's Tq = Tk, the axis just before the keys as long
+    as them is the queries'."""
+    torch.manual_seed(0)
+    report = audit(OneKeyHeadCross(axis, scaled), progress=False)
+    if failed is None:
+        assert report.passed and report.result("weight_row_sums").verdict == "pass", report
+    else:
+        assert report.result(failed).verdict == "fail", report
+
+
 class ImageAttention(nn.Module):
     """Self-attention over the pixels of a (B, C, H, W) image, one head, as diffusion U-Nets write it. `detach_keys`:
     the buggy twin, whose keys are cut from the graph, so autograd disagrees with finite differences."""
