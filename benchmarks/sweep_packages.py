@@ -9,7 +9,7 @@ not imported), named
 "<module>:<class>" with the module relative to the package. Each is built small from its constructor's own parameter
 names, as the diffusers sweep builds its classes (`TINY`: 32 wide, 4 heads of 8; `REQUIRED` only where the
 constructor has no default; a required parameter it cannot fill is a row "not built" saying which), must run a plain
-forward on (1, 16, 32) tokens (given as q, k and v to a forward that takes them) (else "not built" with the error: the population is what runs on the audit's
+forward on (1, 16, 32) tokens (given as every stream the forward requires: q, k and v, a context) (else "not built" with the error: the population is what runs on the audit's
 inputs), and is audited zero-config with `diagnostics.audit(layer)`; an inconclusive audit that names a declaration
 is audited once more with it, and the row says what that gave (benchmarks/sweep_diffusers.py's `run`). Bugs go in
 through torch's SDPA where the layer calls it (most of these layers write their attention out with einsum: then the
@@ -110,16 +110,23 @@ def package_build(package: str, name: str):
     forward on (1, T, D) tokens."""
     import torch
 
-    from diagnostics._subject import takes_qkv
-
     module, cls_name = name.split(":")
     cls = getattr(importlib.import_module(f"{package}.{module}"), cls_name)
     torch.manual_seed(0)
     layer = cls(**_filled(cls, TINY, PACKAGE_REQUIRED)).eval()
     x = torch.randn(1, T, D)
-    with torch.no_grad():  # a core that takes q, k and v (local-attention's) is given the tokens as all three
-        layer(*(x,) * (3 if takes_qkv(layer) else 1))
+    with torch.no_grad():  # every stream it requires the same tokens: q, k and v (local-attention's), a context (CoCa's)
+        layer(*(x,) * max(1, len(required_streams(layer))))
     return layer
+
+
+def required_streams(layer) -> list[str]:
+    """The positional parameters of the layer's forward that have no default: the streams it cannot run without."""
+
+    from diagnostics._subject import _forward_parameters
+
+    return [p.name for p in _forward_parameters(layer)
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def run_package(package: str, row, *, bugs: bool, injected: tuple, mask_bugs: tuple):
