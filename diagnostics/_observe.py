@@ -1487,6 +1487,29 @@ def _last_weighted_sum(record: Record, t_q: int, t_k: int, least: int) -> Learne
     return None
 
 
+def branch_sums(record: Record) -> list[tuple[SoftmaxCall, Matmul, int]]:
+    """Every weighted sum the record shows, over keys of any count and layout: (a softmax over its last axis, the first
+    later product that sums its very numbers over that axis, which operand holds them: 0 (a, contracted over its last
+    axis) or 1 (b, over its second last)). Native sparse attention's three branches (compressed blocks (.., Tq, 9),
+    selected blocks (B*H*Tq, 1, 8), local windows (B*H, W, w, 3w)) are three; a softmax no product reads as it is (a
+    block selection's scores, weights changed after it) is none."""
+    found = []
+    for i, sm in enumerate(record.order):
+        if not isinstance(sm, SoftmaxCall) or sm.dim not in (-1, sm.output.dim() - 1) or sm.output.dim() < 2:
+            continue
+        n = sm.output.shape[-1]
+        for m in record.order[i + 1:]:
+            if not isinstance(m, Matmul):
+                continue
+            held = next((operand for operand, (x, contracted) in enumerate(((m.a, -1), (m.b, -2)))
+                         if x.dim() >= 2 and x.shape[contracted] == n and x.numel() == sm.output.numel()
+                         and _same_values(x if operand == 0 else x.transpose(-2, -1), sm.output)), None)
+            if held is not None:
+                found.append((sm, m, held))
+                break
+    return found
+
+
 def pooled_keys(record: Record, t_q: int, t_k: int, batch: int, heads: int) -> tuple[Tensor, int, int, str] | None:
     """(weights, queries, keys, source) of attention over m < Tk keys the layer makes of its own from the tokens (a
     spatial reduction: PVT's and Twins' keys and values from a strided convolution or a pooling of the map), its

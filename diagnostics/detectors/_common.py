@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 import types
 from dataclasses import dataclass
 
@@ -577,3 +578,13 @@ def gradient_gain(probe: Probe, sub, drawn: tuple, allowed: Tensor | None) -> fl
         return logit_gain(probe)
     gain = _gain_of(probe, Call(q, k, v, allowed, out, None, observer.record))
     return logit_gain(probe) if gain is None else gain
+
+
+LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)
+
+
+def length_rule(error: BaseException | None) -> int:
+    """The multiple W of tokens a layer's own check names where it refuses a length (local attention's AssertionError
+    "sequence length 1 must be divisible by window size 4": 4), else 0."""
+    stated = LENGTH_RULE.search(str(error)) if isinstance(error, (AssertionError, ValueError)) else None
+    return int(stated.group(1)) if stated else 0

@@ -21,7 +21,7 @@ from .._subject import (MEMORY_TOKENS, call_declaration, left_streams, spell, st
                         suggested_conventions)
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
-from ._common import own_queries_seen, result
+from ._common import length_rule, own_queries_seen, result
 from ._heads_out import heads_seen, traced
 from ._mask_hints import candidates, convention_hint, conventions_run, honoured_conventions
 
@@ -927,13 +927,9 @@ def _first_tensor(out):
     return out
 
 
-LENGTH_RULE = re.compile(r"(?:divisible by|multiple of)\D{0,40}?(\d+)", re.I)
-
-
 def _length_rule(call) -> int:
-    """The multiple W the error of `call` names (`LENGTH_RULE`), else 0."""
-    stated = LENGTH_RULE.search(str(call.error)) if isinstance(call.error, (AssertionError, ValueError)) else None
-    return int(stated.group(1)) if stated else 0
+    """The multiple W the error of `call` names (`length_rule`), else 0."""
+    return length_rule(call.error)
 
 
 def _refused_lengths(probe: Probe) -> list:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._core import NON_CONTIGUOUS, not_run, relative_change, skip, transposed_layout, unravel
-from .._observe import LearnedKeys, learned_keys, per_query_head, weighted_sum
+from .._observe import LearnedKeys, branch_sums, learned_keys, per_query_head, weighted_sum
 from .._probe import Call, Probe
 from .._registry import detector
 from .._result import DetectorResult, ProbeShape, Site
@@ -39,7 +39,7 @@ from .._tracing import (
     value_before,
     weights_origin,
 )
-from ._common import float64_copy_or_skip, float64_output, not_token_attention, result
+from ._common import float64_copy_or_skip, float64_output, length_rule, not_token_attention, result
 from ._stacked import SEEDED_CALLS
 from .weights import at_text
 
@@ -231,10 +231,18 @@ def check_output_variance(probe: Probe) -> DetectorResult:
             call = _transposed_call(probe, same, same, same, probe.allowed(B, T, T), "identical tokens")
             _seed(probe)
             reference = probe.call(token, token, token, probe.allowed(B, 1, 1), label="that one token alone")
+            w = length_rule(reference.error)
+            if not reference.ok and 2 <= w < T and T % w == 0:  # one token refused by the layer's own check: W of them
+                _seed(probe)
+                few = token.expand(B, w, s.d_model).contiguous()
+                reference = probe.call(few, few, few, probe.allowed(B, w, w), label=f"{w} of that token alone, the "
+                                       f"fewest the layer takes (its own check: {reference.describe_error()})")
         for c in (call, reference):
             if not c.ok:
                 return not_run(det, c)
         got, ref = call.output.out, reference.output.out
+        if ref.dim() == 3 and 1 < ref.shape[1] < got.shape[1]:  # W copies of the token: every row a correct layer's same
+            ref = ref[:, :1]
         # (B, T, D) and its one token's (B, 1, D); a layer's Q queries of its own: (B, Q, D) over either
         own = s.own_queries and ref.shape == got.shape
         if not own and (got.dim() != 3 or ref.shape != got[:, :1].shape):
@@ -306,6 +314,8 @@ def _float64_reading(probe: Probe, calls: list[Call], row: Tensor | None) -> flo
         except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
             return None
     got, alone = outs[0], row.to(torch.float64) if row is not None else outs[1]
+    if row is None and alone.dim() == 3 and 1 < alone.shape[1] < got.shape[1]:  # W copies of the token (see above)
+        alone = alone[:, :1]
     if got.dim() != alone.dim() or any(a not in (1, g) for a, g in zip(alone.shape, got.shape)):
         return None
     change = relative_change(got, alone.expand_as(got))
@@ -463,6 +473,8 @@ def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> Dete
     found = weighted_sum(trace.record, t_q, t_k)
     event = None if found is None else found.product if found.product is not None else found.fused
     op = None if event is None else event_op(trace, event)
+    if found is None:  # no weighted sum over (Tq, Tk): several over keys of the layer's own making, mixed after
+        return _judged_at_branches(trace, call, tol, s.dtype, t_q)
     if op is None or found.keys:
         return None
     if found.fused is not None:
@@ -493,6 +505,55 @@ def _judged_at_weighted_sum(probe: Probe, trace, call: Call, tol: float) -> Dete
                   f"{short(op)})", value=inside.value, threshold=tol,
                   evidence=f"the layer's output differs between identical tokens, so it was judged inside: "
                            f"{inside.evidence}{after}; no view or reshape after it moves heads into the positions")
+
+
+BRANCHES = 2
+"""The fewest weighted sums `_judged_at_branches` judges a layer on: one alone over keys of the layer's making is a
+pooled attention (`pooled_keys`), whose output a correct layer passes as it is."""
+
+
+def _judged_at_branches(trace, call: Call, tol: float, dtype, t_q: int) -> DetectorResult | None:
+    """A pass where the output differs between identical value rows because it mixes several weighted sums, none over
+    the (Tq, Tk) tokens (native sparse attention: compressed blocks, selected blocks and local windows, each attended
+    apart and summed under sigmoid gates that need not sum to 1): each product of a softmax's own weights with its
+    values (`branch_sums`) must output a convex combination, every output within the range of the value rows it
+    combines (in units of their RMS, as `_judged_with_learned_keys`), and no view or reshape after one may move heads
+    into the positions, nor one before it positions into the heads (`positions_mixed`, `positions_split`). None where
+    fewer than BRANCHES are seen or a product is not found among the traced ops (the output's verdict stands); a fail
+    naming the first that is not convex."""
+    sums = branch_sums(trace.record)
+    if len(sums) < BRANCHES:
+        return None
+    unchanged = tolerance(UNCHANGED, dtype)
+    for _, m, _ in sums:
+        op = event_op(trace, m)
+        if op is None or positions_mixed(trace, op.index, t_q, unchanged) is not None \
+                or positions_split(trace, op, t_q, unchanged) is not None:
+            return None
+    worst, texts = 0.0, []
+    for sm, m, operand in sums:
+        w, v, out = ((m.a, m.b, m.out) if operand == 0 else (x.transpose(-2, -1) for x in (m.b, m.a, m.out)))
+        v, out = v.double(), out.double()  # (N, K, d), (N, rows, d)
+        hi, lo = v.amax(-2, keepdim=True), v.amin(-2, keepdim=True)
+        unit = v.square().mean((-2, -1), keepdim=True).sqrt().clamp_min(1e-30)
+        excess = (torch.maximum(out - hi, lo - out) / unit).clamp_min(0).nan_to_num(nan=math.inf)
+        at = short_frames(m.frames) if m.frames else "a product"
+        texts.append(f"{tuple(sm.output.shape)} weights at {at}: {float(excess.max()):.2g}")
+        worst = max(worst, float(excess.max()))
+        if float(excess.max()) > tol:
+            return result("output_variance", "fail", "a weighted sum of the values inside the layer is not a convex "
+                          "combination of them", value=float(excess.max()), threshold=tol,
+                          evidence=f"the layer's output mixes {len(sums)} weighted sums over keys of its own making; "
+                                   f"the one of {tuple(sm.output.shape)} weights at {at} outputs up to "
+                                   f"{float(excess.max()):.3g} of its values' RMS outside their range (up to {tol:.2g} "
+                                   f"allowed for {dtype_name(dtype)})", replay=VarianceReplay(call))
+    return result("output_variance", "pass", f"each of the {len(sums)} weighted sums of the values inside the layer is "
+                  f"a convex combination of them; the output mixes them afterwards (judged on each weights @ values)",
+                  value=worst, threshold=tol,
+                  evidence=f"the layer's output differs between identical tokens, and no weighted sum over the (Tq, Tk) "
+                           f"tokens was seen, so each softmax's weights times its values were judged: outputs outside "
+                           f"the values' range, in units of their RMS: {'; '.join(texts)} (up to {tol:.2g} allowed for "
+                           f"{dtype_name(dtype)})")
 
 
 def _judged_with_learned_keys(keys: LearnedKeys, t_q: int, t_k: int, tol: float, dtype, call: Call) -> DetectorResult:
