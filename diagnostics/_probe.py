@@ -449,69 +449,88 @@ class Probe:
 
     def _through_value_projection(self) -> tuple[Tensor | None, str]:
         """For a module given one stream (linear attention, whose weights are never formed): the same reading, with
-        the output of its value projection replaced, and what its output projection is given read as the attended
-        values. The value projection is the nn.Linear called before the last one whose output, doubled, doubles
-        what the last one is given (the weights do not depend on the values; on q or k they do); the last nn.Linear
-        called is the output projection where its output is the layer's (else the layer's output is read)."""
+        the output of its value projection (`value_projection`) replaced, and what its output projection is given
+        read as the attended values."""
+        found = self.value_projection()
+        if found is None:
+            return None, ""
+
+        def attended(one_hot: Tensor, label: str) -> Tensor | None:
+            return self.with_values(lambda values: one_hot.to(values.dtype), f"{label} (the output of {found.name})")
+
+        weights = self._one_hot_reading(attended, found.values, found.attended)
+        n = self.base().query.shape[1]
+        return (weights, f"weights read through the values, the output of {found.name}, one key at a time ({n} "
+                         f"calls)") if weights is not None else (None, "")
+
+    def value_projection(self) -> ValueProjection | None:
+        """A module given one stream: its value projection, the nn.Linear called before the last one whose output (or
+        the last part of it, a half or a third: a fused `to_kv` or `to_qkv`, chunked k, v or q, k, v), doubled,
+        doubles what the last one is given (the weights do not depend on the values; on q or k they do); the last
+        nn.Linear called is the output projection where its output is the layer's (else the layer's output is read).
+        None where none is, or the standard probe is longer than ONE_HOT_KEYS_MAX. Read once (cached)."""
+        if "value_projection" not in self.memo:
+            asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
+            try:
+                self.memo["value_projection"] = self._value_projection()
+            finally:
+                self.detector = asking
+        return self.memo["value_projection"]
+
+    def _value_projection(self) -> ValueProjection | None:
         layer, base = getattr(self.subject, "layer", None), self.base()
-        if not isinstance(layer, torch.nn.Module) or not base.ok or base.query.shape[1] > ONE_HOT_KEYS_MAX:
-            return None, ""
-        linears = {m: name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-        if not linears:
-            return None, ""
-        replace_in: dict = {}  # module -> function of its real output, the output it gives instead
-        seen: list = []  # (module, input, output) of each nn.Linear call, in order
+        if not isinstance(layer, torch.nn.Module) or not base.ok or base.query.shape[1] > ONE_HOT_KEYS_MAX or \
+                not any(isinstance(m, torch.nn.Linear) for m in layer.modules()):
+            return None
+        attended_base, calls = self._linear_run({}, "the standard probe, what its output projection is given")
+        if attended_base is None:
+            return None
+        width, names = attended_base.shape[-1], {m: name for name, m in layer.named_modules()}
+        wide = torch.float64 if self.subject.dtype == torch.float64 else torch.float32
+        scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
+        for module, _, output in calls[:-1]:
+            n = output.shape[-1]
+            if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width):
+                continue
+            part = slice(n - width, n)  # the whole output, or its last half or third (v of k, v or q, k, v)
+            doubled, _ = self._linear_run({module: _part_replaced(part, lambda out: 2 * out)},
+                                          f"the standard probe with {names[module]}'s output doubled")
+            if doubled is not None and doubled.shape == attended_base.shape and float(
+                    (doubled.to(wide) - 2 * attended_base.to(wide)).abs().max()) / scale <= tolerance(
+                    ROW_SUM, self.subject.dtype):
+                share = {1: "", 2: " (its last half, the values)", 3: " (its last third, the values)"}[n // width]
+                return ValueProjection(module, part, names[module] + share, output[..., part], attended_base)
+        return None
+
+    def with_values(self, values, label: str) -> Tensor | None:
+        """What the output projection is given (or the layer's output) on the standard probe's inputs with the value
+        projection's output (`value_projection`) replaced by `values(its output)`; None where the call raised."""
+        found = self.value_projection()
+        return self._linear_run({found.module: _part_replaced(found.part, values)}, label)[0]
+
+    def _linear_run(self, replace: dict, label: str) -> tuple[Tensor | None, list]:
+        """The standard probe's inputs called once, forward hooks on the layer's nn.Linear modules, `replace` mapping
+        a module to a function of its output that gives the output it returns instead: (what the last nn.Linear
+        called is given where its output is the layer's, else the layer's output; (module, input, output) of every
+        nn.Linear call, in order), or (None, those calls) where the call raised."""
+        base, seen = self.base(), []
 
         def hook(module, args, output):
             seen.append((module, args[0].detach() if args and isinstance(args[0], Tensor) else None, output.detach()))
-            return replace_in[module](output) if module in replace_in else None
+            return replace[module](output) if module in replace else None
 
-        def run(label: str) -> Tensor | None:
-            seen.clear()
-            call = self.call(base.query, base.key, base.value, base.allowed, label=label)
-            if not call.ok or not seen:
-                return None
-            last, given, out = seen[-1]
-            projected = out.shape == call.output.out.shape and torch.equal(out, call.output.out.detach())
-            return given if projected and given is not None and not replace_in.get(last) else call.output.out.detach()
-
-        handles = [m.register_forward_hook(hook) for m in linears]
+        handles = [m.register_forward_hook(hook) for m in self.subject.layer.modules()
+                   if isinstance(m, torch.nn.Linear)]
         try:
-            attended_base = run("the standard probe, what its output projection is given")
-            calls = list(seen)
-            if attended_base is None:
-                return None, ""
-            value_proj = None
-            for module, _, output in calls[:-1]:
-                if output.shape[:-1] != base.query.shape[:-1] or output.shape[-1] != attended_base.shape[-1]:
-                    continue
-                replace_in.clear()
-                replace_in[module] = lambda out: 2 * out
-                doubled = run(f"the standard probe with {linears[module]}'s output doubled")
-                wide = torch.float64 if self.subject.dtype == torch.float64 else torch.float32
-                scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
-                if doubled is not None and doubled.shape == attended_base.shape and float(
-                        (doubled.to(wide) - 2 * attended_base.to(wide)).abs().max()) / scale <= tolerance(
-                        ROW_SUM, self.subject.dtype):
-                    value_proj, values = module, output
-                    break
-            replace_in.clear()
-            if value_proj is None:
-                return None, ""
-            name = linears[value_proj]
-
-            def attended(one_hot: Tensor, label: str) -> Tensor | None:
-                replace_in[value_proj] = lambda out: one_hot.to(out.dtype)
-                return run(f"{label} (the output of {name})")
-
-            weights = self._one_hot_reading(attended, values, attended_base)
-            replace_in.clear()
+            call = self.call(base.query, base.key, base.value, base.allowed, label=label)
         finally:
             for h in handles:
                 h.remove()
-        n = base.query.shape[1]
-        return (weights, f"weights read through the values, the output of {name}, one key at a time ({n} calls)") \
-            if weights is not None else (None, "")
+        if not call.ok or not seen:
+            return None, seen
+        last, given, out = seen[-1]
+        projected = out.shape == call.output.out.shape and torch.equal(out, call.output.out.detach())
+        return (given if projected and given is not None and last not in replace else call.output.out.detach()), seen
 
     def _one_hot_reading(self, attended, values: Tensor, out: Tensor) -> Tensor | None:
         """(..., H, Tq, Tk) weights from `attended(v, label)`, what the layer makes of values `v` (..., Tk, C) as
@@ -547,6 +566,28 @@ class Probe:
             if float((grouped - grouped[..., :1, :]).abs().max()) <= tol:
                 return grouped[..., 0, :].movedim(-2, -3)  # (..., H, Tq, Tk)
         return None
+
+
+@dataclass(frozen=True)
+class ValueProjection:
+    """A one-stream module's value projection (`Probe.value_projection`): the nn.Linear, the part of its output that
+    is the values (all of it, or the last half or third of a fused one), how the report names it, those values on the
+    standard probe, and what the output projection was given there."""
+
+    module: torch.nn.Module
+    part: slice
+    name: str
+    values: Tensor
+    attended: Tensor
+
+
+def _part_replaced(part: slice, values):
+    """A forward hook's replacement: the output with its `part` (of the last axis) made `values(that part)`."""
+    def replaced(out: Tensor) -> Tensor:
+        out = out.clone()
+        out[..., part] = values(out[..., part])
+        return out
+    return replaced
 
 
 ONE_HOT_KEYS_MAX = 64

@@ -13,11 +13,12 @@ from .._core import (
     relative_change,
     skip,
 )
+from .._thresholds import UNCHANGED, dtype_name, tolerance
 from .._probe import Probe
-from .._registry import LONG, SEPARATE_QUERY, detector
+from .._registry import LONG, NOT_APPLICABLE, SEPARATE_QUERY, detector
 from .._result import DetectorResult, Site
 from .._tracing import stream_sites, trace_call
-from ._common import judge, perturbation_gains
+from ._common import judge, not_token_attention, perturbation_gains
 from ._stacked import SEPARATE_STREAMS, separate_streams, stacked, stacked_cases
 
 
@@ -43,12 +44,69 @@ PACKED_KEYS = 8
 """From this many positions keys_matter changes keys and values in different sequences of one copy."""
 
 
+VALUE_GAIN = 10.0  # knob: how far one token's values move, in units of the values' RMS (x10, x0.1: no verdict moves)
+
+
+def _values_read(probe: Probe) -> DetectorResult:
+    """A module given one stream, whose keys cannot change without its queries: its values can, through the output of
+    its value projection (`Probe.value_projection`). Token 0's values moved alone (VALUE_GAIN x the values' RMS) must
+    move some other token's output that may attend it: an attention whose every output row reads its own token's
+    value only mixes no tokens (perceiver-pytorch 0.11.0's experimental LinearAttention: its context is q^T k, not
+    k^T v, and each output row its own value times that). A skip where no value projection is found."""
+    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
+    other = not_token_attention(probe, det)  # channel attention (XCA's) reads each token's own value by design
+    if other is not None:
+        return other
+    found = probe.value_projection()
+    if found is None:
+        return DetectorResult(det, "skip", NOT_APPLICABLE + "the layer takes one input stream, so a query cannot "
+                              "change without its key, and no value projection was found to change its values alone (an "
+                              "nn.Linear, or the last half or third of one, whose output, doubled, doubles what the "
+                              "output projection is given)")
+    rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
+    moved = probe.with_values(lambda v: torch.cat([v[:, :1] + VALUE_GAIN * rms, v[:, 1:]], 1),
+                              f"the standard probe with token 0's values moved (the output of {found.name})")
+    if moved is None or moved.shape != found.attended.shape or moved.dim() < 2:
+        return skip(det, f"with token 0's values moved (the output of {found.name}) the layer raised or returned "
+                         f"another shape")
+    change = relative_change(moved, found.attended)  # (B, T): each row's most moved feature, of the RMS
+    if change is None:
+        return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be measured")
+    change = change.cpu().reshape(B, -1)  # (B, T), or (B, Q) for queries of the layer's own
+    allowed, own = probe.base().allowed, bool(s.own_queries)
+    may = torch.ones_like(change, dtype=torch.bool) if allowed is None or own else \
+        allowed[..., 0].cpu().reshape(B, -1).clone()
+    if not own:
+        may[:, 0] = False  # token 0's own row, which moves whatever the weights do
+    tol = tolerance(UNCHANGED, s.dtype)
+    rows = change[may]
+    if rows.numel() == 0:
+        return skip(det, "no other query may attend token 0")
+    worst = float(rows.max())
+    others = f"{rows.numel()} {'' if own else 'other '}rows that may attend it"
+    text = (f"token 0's values moved alone ({VALUE_GAIN:g}x their RMS, through the output of {found.name}): the "
+            f"{others} moved by at most {worst:.3g} of the outputs' RMS (up to {tol:.2g} counts as unmoved for "
+            f"{dtype_name(s.dtype)})")
+    if worst <= tol:
+        return DetectorResult(det, "fail", "no query reads another token's value: each output row moves with its own "
+                                           "token's value only", value=worst, threshold=tol, evidence=text,
+                              fix="weight the values by the attention over the keys: out = weights @ v (for linear "
+                                  "attention, q @ (k^T v): its context is k^T v, not q^T k)")
+    return DetectorResult(det, "pass", f"the output depends on the values of other tokens: changing token 0's values "
+                                       f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,
+                          threshold=tol, evidence=text)
+
+
 @detector("keys_matter", "the output depends on the keys and on the values: changing either input alone "
-          "moves it", targets=("q @ v^T instead of q @ k^T", "keys or values projected from the wrong stream"),
+          "moves it", targets=("q @ v^T instead of q @ k^T", "keys or values projected from the wrong stream",
+                               "a context of q^T k instead of k^T v (each row reads its own value only)"),
           fix="scores = q @ k.transpose(-2, -1) with k = W_k(key); out = weights @ v with v = W_v(value)",
-          needs=(SEPARATE_QUERY, LONG), locate=keys_sites)  # with one key per query, the weights are 1 whatever the keys
+          needs=(LONG,), locate=keys_sites)  # with one key per query, the weights are 1 whatever the keys
 def check_keys_matter(probe: Probe) -> DetectorResult:
     det, B, T = "keys_matter", probe.BATCH, probe.t
+    if not probe.subject.separate_kv:  # one stream: its values changed alone, through its value projection
+        return _values_read(probe) if probe.subject.form == "self_module" else \
+            DetectorResult(det, "skip", NOT_APPLICABLE + SEPARATE_QUERY.unmet)
     streams, gains, rows, packed = _plan(probe)
     nothing = torch.zeros(B, T, dtype=torch.bool)
     baselines: list[Inputs] = []  # each draw's baseline: the localiser replays the last

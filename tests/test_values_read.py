@@ -1,0 +1,81 @@
+"""`keys_matter` for a module given one stream: its keys cannot change without its queries, but its values can, through
+the output of its value projection (the last third of a fused `to_qkv`, the last half of a `to_kv`, or an nn.Linear of
+its own). Token 0's values moved alone must move the other tokens' outputs that may attend it.
+
+perceiver-pytorch 0.11.0's experimental LinearAttention computes its context as q^T k and its output as v times that:
+each output row is its own token's value through one matrix, and no token reads another's value. Every detector
+passed or could not measure it (its mask takes a form no convention expresses); it now fails `keys_matter`. Its
+correct twin (context k^T v, output q times it) and a softmax attention pass on the same inputs. The package's own
+class is swept by `python benchmarks/sweep.py perceiver_pytorch` (KNOWN there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+
+D, H = 32, 4  # width, heads
+
+
+class FusedLinearAttention(nn.Module):
+    """Efficient attention (Shen et al.) with one fused projection: q normalised over its features, k over the tokens,
+    out = q @ (k^T v). `swapped`: the bug, context q^T k and out = v @ context (each row its own value only)."""
+
+    def __init__(self, swapped: bool = False):
+        super().__init__()
+        self.swapped = swapped
+        self.to_qkv, self.to_out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))  # (B, H, T, d)
+        q, k = (q * (D // H) ** -0.5).softmax(-1), k.softmax(-2)
+        if self.swapped:
+            out = v @ (q.transpose(-2, -1) @ k)  # (B, H, T, d) @ (d, d)
+        else:
+            out = q @ (k.transpose(-2, -1) @ v)
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+class FusedSoftmaxAttention(nn.Module):
+    """timm's layout: one `qkv` projection, softmax attention (`causal`: the future blocked), `proj` after."""
+
+    def __init__(self, causal: bool = False):
+        super().__init__()
+        self.causal = causal
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        scores = q @ k.transpose(-2, -1) * (D // H) ** -0.5
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        weights = scores.softmax(-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def _audit(layer, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    layer = layer.to(dtype)
+    with torch.no_grad():  # std 0.02, as models are initialised
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    return diagnostics.audit(layer, progress=False, dtype=dtype, **kw).result("keys_matter")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_context_of_q_t_k_fails_and_k_t_v_passes(dtype):
+    correct = _audit(FusedLinearAttention(), dtype)
+    assert correct.verdict == "pass" and "to_qkv (its last third, the values)" in correct.evidence, correct
+    swapped = _audit(FusedLinearAttention(swapped=True), dtype)
+    assert swapped.verdict == "fail" and "no query reads another token's value" in swapped.message, swapped
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_attention_reads_every_token_value(causal):
+    result = _audit(FusedSoftmaxAttention(causal), causal=causal)
+    assert result.verdict == "pass", result
