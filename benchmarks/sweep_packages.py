@@ -9,9 +9,9 @@ not imported), named
 "<module>:<class>" with the module relative to the package. Each is built small from its constructor's own parameter
 names, as the diffusers sweep builds its classes (`TINY`: 32 wide, 4 heads of 8; `REQUIRED` only where the
 constructor has no default; a required parameter it cannot fill is a row "not built" saying which), must run a plain
-forward on (1, 16, 32) tokens (given as every stream the forward requires: q, k and v, a context) (else "not built" with the error: the population is what runs on the audit's
-inputs), and is audited zero-config with `diagnostics.audit(layer)`; an inconclusive audit that names a declaration
-is audited once more with it, and the row says what that gave (benchmarks/sweep_diffusers.py's `run`). Bugs go in
+forward on (1, 16, 32) tokens, given as every stream the forward requires (q, k and v, a context) (else "not built"
+with the error: the population is what runs on the audit's inputs), and is audited zero-config with
+`diagnostics.audit(layer)`; an inconclusive audit that names a declaration is audited once more with it, and the row says what that gave (benchmarks/sweep_diffusers.py's `run`). Bugs go in
 through torch's SDPA where the layer calls it (most of these layers write their attention out with einsum: then the
 row says no bug was injected).
 
@@ -58,6 +58,12 @@ KNOWN = {
         "of every key bucket, `sk = b_k.mean(dim=2)`, padded keys included (the mask, `input_mask`, reaches the "
         "attention scores only): keys the mask blocks move the kept tokens' outputs (0.18 where the outputs reach "
         "0.64, the padded tokens x1000), so in no convention is its mask honoured and `runs` names none",
+    "experimental:LinearAttention":
+        "perceiver-pytorch 0.11.0, perceiver_pytorch/experimental.py:42: `context = einsum('b n d, b n e -> b d e', "
+        "q, k)` then `out = einsum('b d e, b n d -> b n e', context, v)`: the context is q^T k, not k^T v, so each "
+        "output row is its own token's value times one matrix (keys_matter: token 5's values changed move row 5 "
+        "only); its mask, filled into k of shape (B x H, T, d) after k's softmax, takes a form no convention of the "
+        "audit's expresses (runs)",
     "nystrom_attention:NystromAttention":
         "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
         "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "
@@ -115,7 +121,7 @@ def package_build(package: str, name: str):
     torch.manual_seed(0)
     layer = cls(**_filled(cls, TINY, PACKAGE_REQUIRED)).eval()
     x = torch.randn(1, T, D)
-    with torch.no_grad():  # every stream it requires the same tokens: q, k and v (local-attention's), a context (CoCa's)
+    with torch.no_grad():  # every stream it requires the tokens: q, k and v (local-attention's), a context (CoCa's)
         layer(*(x,) * max(1, len(required_streams(layer))))
     return layer
 

@@ -131,3 +131,30 @@ def test_sinkhorns_known_failure_is_confirmed_by_a_plain_script():
     with torch.no_grad():
         kept, changed = layer(x, input_mask=keep)[:, :12], layer(moved, input_mask=keep)[:, :12]
     assert float((kept - changed).abs().max()) > 0.1 * float(kept.abs().max())
+
+
+def test_perceivers_known_failure_is_confirmed_by_a_plain_script():
+    """KNOWN's reason for perceiver-pytorch's experimental LinearAttention (`pip install perceiver-pytorch==0.11.0`
+    to run this): token 5's values changed alone (the last third of `to_qkv`'s output) move output row 5 only."""
+    import torch
+
+    pytest.importorskip("perceiver_pytorch", reason="pip install perceiver-pytorch==0.11.0")
+    layer = sp.package_build("perceiver_pytorch", "experimental:LinearAttention")
+    third = layer.to_qkv.out_features // 3
+
+    def run(moved: bool):
+        def hook(module, args, out):
+            if moved:
+                out = out.clone()
+                out[:, 5, 2 * third:] += 1.0
+            return out
+
+        handle = layer.to_qkv.register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                return layer(torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)))
+        finally:
+            handle.remove()
+
+    rows = ((run(True) - run(False)).abs().amax(-1) > 1e-6).nonzero()[:, 1].unique().tolist()
+    assert rows == [5], rows
