@@ -120,11 +120,14 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             probe.detector = det_id
             measured[det_id] = _run_one(DETECTORS[det_id], probe, _options)
         if measured.get("runs") is not None and (measured["runs"].verdict in ("pass", "fail")
-                                                 or measured["runs"].declaration
-                                                 or "length_rule" in (measured["runs"].extras or {})):
-            # settled last: besides its own probes, it reports every other detector's probe that raised (a mask
-            # refused besides a length: the declaration then comes first)
+                                                 or measured["runs"].declaration):
+            # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
+        elif measured.get("runs") is not None and "length_rule" in measured["runs"].extras:
+            # a length the layer refuses: settled last only where other probes show a mask convention to declare
+            settled = runs_verdict(probe)
+            if settled.declaration:
+                measured["runs"] = replace(settled, probes=measured["runs"].probes)
         measured = under_a_mask_undeclared(consequences(measured))
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()

@@ -55,9 +55,9 @@ from ._masks import (
     stated_in_text,
 )
 
-QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h")
-KEY_NAMES = ("key", "k", "keys")
-VALUE_NAMES = ("value", "v", "values")
+QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h", "xq")
+KEY_NAMES = ("key", "k", "keys", "xk")  # xq, xk, xv: vit-pytorch's dense cross-layer attention, Llama's reference
+VALUE_NAMES = ("value", "v", "values", "xv")
 MEMORY_NAMES = ("key_value_states", "encoder_hidden_states", "memory", "context", "kv")
 # in the order one is chosen when a layer has several; `*_key_padding_mask` are masks too
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "src_mask", "tgt_mask", "memory_mask", "encoder_attention_mask",

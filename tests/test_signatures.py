@@ -492,3 +492,29 @@ def test_the_reports_first_line_says_how_each_size_was_read(how, first_line):
     # declared sizes are said plainly, with no source: the user knows where they came from
     declared = audit(_SizedBy(how), d_model=32, num_heads=4, detectors=["runs", "output_shape"])
     assert "(a module given one stream, d_model=32, num_heads=4)" in str(declared).splitlines()[0], str(declared).splitlines()[0]
+
+
+class PrefixedStreams(nn.Module):
+    """q, k and v each from a stream of its own, named xq, xk, xv (vit-pytorch's dense cross-layer attention, Llama's
+    reference code): `scaled=False` the twin with q·k unscaled."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.scale = (32 // 4) ** -0.5 if scaled else 1.0
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, xq, xk, xv):
+        B, T, _ = xq.shape
+        q, k, v = (f(x).view(B, x.shape[1], 4, 8).transpose(1, 2) for f, x in
+                   ((self.to_q, xq), (self.to_k, xk), (self.to_v, xv)))
+        out = ((q @ k.transpose(-2, -1)) * self.scale).softmax(-1) @ v
+        return self.to_out(out.transpose(1, 2).reshape(B, T, 32))
+
+
+def test_streams_named_xq_xk_xv_are_query_key_and_value():
+    """Before: xk was a stream of no known name, and every probe raised (inconclusive: nothing measured)."""
+    torch.manual_seed(0)
+    correct = audit(PrefixedStreams(), progress=False)
+    assert "a module given query, key and value" in str(correct) and correct.passed, correct
+    torch.manual_seed(0)
+    assert audit(PrefixedStreams(scaled=False), progress=False).result("softmax_saturation").verdict == "fail"
