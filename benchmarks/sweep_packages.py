@@ -64,6 +64,12 @@ KNOWN = {
         "output row is its own token's value times one matrix (keys_matter: token 5's values changed move row 5 "
         "only); its mask, filled into k of shape (B x H, T, d) after k's softmax, takes a form no convention of the "
         "audit's expresses (runs)",
+    "routing_transformer:SelfAttention":
+        "routing-transformer 1.6.1, routing_transformer.py, KmeansAttention.forward: tokens go to clusters by the "
+        "k-means distances of every token, padded ones included (the mask, `input_mask`, reaches the scores within a "
+        "cluster only): padded tokens redrawn move every kept token's output (up to 0.28 where the outputs reach "
+        "0.49), so in no convention is its mask honoured and `runs` names none; and a token no cluster takes gets an "
+        "output of zeros (weight_row_sums, under mask='key_keep')",
     "nystrom_attention:NystromAttention":
         "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
         "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "

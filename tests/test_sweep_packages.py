@@ -158,3 +158,21 @@ def test_perceivers_known_failure_is_confirmed_by_a_plain_script():
 
     rows = ((run(True) - run(False)).abs().amax(-1) > 1e-6).nonzero()[:, 1].unique().tolist()
     assert rows == [5], rows
+
+
+def test_routings_known_failure_is_confirmed_by_a_plain_script():
+    """KNOWN's reason for the Routing Transformer's self-attention (`pip install routing-transformer==1.6.1` to run
+    this): with the last 4 of 16 tokens masked, redrawing only them moves the kept tokens' outputs."""
+    import torch
+
+    pytest.importorskip("routing_transformer", reason="pip install routing-transformer==1.6.1")
+    layer = sp.package_build("routing_transformer", "routing_transformer:SelfAttention")
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    keep = (torch.arange(16) < 12).expand(2, 16)
+    moved = x.clone()
+    moved[:, 12:] = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        kept, changed = (layer(t, input_mask=keep) for t in (x, moved))
+    kept, changed = (t[0] if isinstance(t, tuple) else t for t in (kept, changed))
+    assert float((kept[:, :12] - changed[:, :12]).abs().max()) > 0.1 * float(kept.abs().max())
