@@ -490,8 +490,9 @@ class Probe:
         scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
         for module, _, output in calls[:-1]:
             n = output.shape[-1]
-            if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width):
-                continue
+            if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width) or \
+                    output.shape == attended_base.shape and torch.equal(output, attended_base):
+                continue  # the output itself (an output projection whose stream's partner was left empty) is none
             part = slice(n - width, n)  # the whole output, or its last half or third (v of k, v or q, k, v)
             doubled, _ = self._linear_run({module: _part_replaced(part, lambda out: 2 * out)},
                                           f"the standard probe with {names[module]}'s output doubled")
@@ -511,8 +512,9 @@ class Probe:
     def _linear_run(self, replace: dict, label: str) -> tuple[Tensor | None, list]:
         """The standard probe's inputs called once, forward hooks on the layer's nn.Linear modules, `replace` mapping
         a module to a function of its output that gives the output it returns instead: (what the last nn.Linear
-        called is given where its output is the layer's, else the layer's output; (module, input, output) of every
-        nn.Linear call, in order), or (None, those calls) where the call raised."""
+        whose output is the layer's is given (its output projection: a joint layer projects the image's tokens, then
+        the text's, left empty), else the layer's output; (module, input, output) of every nn.Linear call, in order),
+        or (None, those calls) where the call raised."""
         base, seen = self.base(), []
 
         def hook(module, args, output):
@@ -528,9 +530,11 @@ class Probe:
                 h.remove()
         if not call.ok or not seen:
             return None, seen
-        last, given, out = seen[-1]
-        projected = out.shape == call.output.out.shape and torch.equal(out, call.output.out.detach())
-        return (given if projected and given is not None and last not in replace else call.output.out.detach()), seen
+        for module, given, out in reversed(seen):  # the output projection: the last whose output is the layer's
+            if out.shape == call.output.out.shape and torch.equal(out, call.output.out.detach()) and \
+                    given is not None and module not in replace:
+                return given, seen
+        return call.output.out.detach(), seen
 
     def _one_hot_reading(self, attended, values: Tensor, out: Tensor) -> Tensor | None:
         """(..., H, Tq, Tk) weights from `attended(v, label)`, what the layer makes of values `v` (..., Tk, C) as

@@ -20,9 +20,9 @@ D, H, BLOCK = 32, 4, 4  # width, heads, tokens per block and per window
 
 class GatedBranches(nn.Module):
     """Two branches: every query attends a learned slot and the mean of each block of BLOCK keys (and values), and
-    the keys of its own window of BLOCK tokens; their outputs summed under a sigmoid gate per head and branch. `bug`: None, "merged" (the
-    heads merged by a reshape without their transpose), "unnormalised" (the window branch's weights exp(scores)
-    divided by nothing)."""
+    the keys of its own window of BLOCK tokens; their outputs summed under a sigmoid gate per head and branch. `bug`:
+    None, "merged" (the heads merged by a reshape without their transpose), "unnormalised" (the window branch's
+    weights exp(scores) divided by nothing)."""
 
     def __init__(self, bug: str | None = None):
         super().__init__()

@@ -116,7 +116,8 @@ def test_declared_window_passes_and_the_unscaled_twin_fails():
     """Declared, the window blocks every key of a query whose neighbourhood the padding covers: the layer fills that
     row with -finfo.max, one number throughout, and softmax_saturation read q·k multiplied by 0 there (a false
     "flat"). Such rows are left out of the fit; the unscaled twin still fails on the same inputs."""
-    window = diagnostics.patterns.Pattern(lambda b, h, q, kv: (q // 4 - kv // 4).abs() <= 1, "buckets of 4, look-around 1")
+    window = diagnostics.patterns.Pattern(lambda b, h, q, kv: (q // 4 - kv // 4).abs() <= 1,
+                                          "buckets of 4, look-around 1")
     correct = _audit(mask="key_keep", pattern=window)
     assert correct.passed, correct
     unscaled = _audit("unscaled", mask="key_keep", pattern=window)

@@ -79,3 +79,28 @@ def test_a_context_of_q_t_k_fails_and_k_t_v_passes(dtype):
 def test_softmax_attention_reads_every_token_value(causal):
     result = _audit(FusedSoftmaxAttention(causal), causal=causal)
     assert result.verdict == "pass", result
+
+
+class JointStreams(nn.Module):
+    """diffusers' joint attention (JoyImage's, Flux's): the image's and the text's tokens attended together, each
+    stream with projections of its own, the image's output projected first and the text's after. Audited over the
+    image alone, the text given no token: its output projection, the last nn.Linear called, projects nothing, and the
+    image's was taken for the value projection (the output itself moved with token 0's row only: a false failure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.img_qkv, self.txt_qkv = nn.Linear(D, 3 * D), nn.Linear(D, 3 * D)
+        self.img_out, self.txt_out = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, context):
+        B, T, _ = x.shape
+        qkv = torch.cat([self.img_qkv(x), self.txt_qkv(context)], 1)  # (B, T + Tc, 3D)
+        q, k, v = (t.view(B, -1, H, D // H).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        out = ((q @ k.transpose(-2, -1)) * (D // H) ** -0.5).softmax(-1) @ v
+        out = out.transpose(1, 2).reshape(B, -1, D)
+        return self.img_out(out[:, :T]), self.txt_out(out[:, T:])
+
+
+def test_the_output_projection_is_the_one_that_makes_the_output():
+    result = _audit(JointStreams(), call=lambda layer, x: layer(x, x[:, :0])[0])
+    assert result.verdict == "pass" and "img_qkv (its last third, the values)" in result.evidence, result
