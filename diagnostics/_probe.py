@@ -464,11 +464,13 @@ class Probe:
                          f"calls)") if weights is not None else (None, "")
 
     def value_projection(self) -> ValueProjection | None:
-        """A module given one stream: its value projection, the nn.Linear called before the last one whose output (or
+        """A module given one stream: its value projection, an nn.Linear called before the last one whose output (or
         the last part of it, a half or a third: a fused `to_kv` or `to_qkv`, chunked k, v or q, k, v), doubled,
-        doubles what the last one is given (the weights do not depend on the values; on q or k they do); the last
-        nn.Linear called is the output projection where its output is the layer's (else the layer's output is read).
-        None where none is, or the standard probe is longer than ONE_HOT_KEYS_MAX. Read once (cached)."""
+        doubles what the output projection is given (the weights do not depend on the values; on q or k they do). The
+        output projection (the last nn.Linear whose output has the queries' rows: a joint layer's image projection,
+        its text's left empty; PAG's, called on each chunk) is never taken, nor a call whose output is the layer's or
+        a part of it; what it is given is read where its output is the layer's, else the layer's output. None where
+        none is, or the standard probe is longer than ONE_HOT_KEYS_MAX. Read once (cached)."""
         if "value_projection" not in self.memo:
             asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
             try:
@@ -488,11 +490,15 @@ class Probe:
         width, names = attended_base.shape[-1], {m: name for name, m in layer.named_modules()}
         wide = torch.float64 if self.subject.dtype == torch.float64 else torch.float32
         scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
+        shaped = [m for m, _, out in calls if tuple(out.shape) == tuple(base.query.shape[:-1]) + (width,)]
+        last = shaped[-1] if shaped else calls[-1][0]  # the output projection: the last that makes the queries' rows
         for module, _, output in calls[:-1]:
+            if module is last:
+                continue
             n = output.shape[-1]
             if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width) or \
-                    output.shape == attended_base.shape and torch.equal(output, attended_base):
-                continue  # the output itself (an output projection whose stream's partner was left empty) is none
+                    _slice_of(output, attended_base) or _slice_of(output, base.output.out.detach()):
+                continue  # the output itself, or a part of it (an output projection called on each chunk), is none
             part = slice(n - width, n)  # the whole output, or its last half or third (v of k, v or q, k, v)
             doubled, _ = self._linear_run({module: _part_replaced(part, lambda out: 2 * out)},
                                           f"the standard probe with {names[module]}'s output doubled")
@@ -583,6 +589,20 @@ class ValueProjection:
     name: str
     values: Tensor
     attended: Tensor
+
+
+def _slice_of(part: Tensor, whole: Tensor) -> bool:
+    """Whether `part` is `whole`, or `whole` narrowed along its first or second axis (an output projection called on
+    each of a batch's chunks, PAG's, and the chunks' outputs concatenated)."""
+    if part.dim() != whole.dim() or part.shape[2:] != whole.shape[2:]:
+        return False
+    for dim in (0, 1):
+        if part.shape[1 - dim] != whole.shape[1 - dim]:
+            continue
+        for start in range(whole.shape[dim] - part.shape[dim] + 1):
+            if torch.equal(whole.narrow(dim, start, part.shape[dim]), part.to(whole.dtype)):
+                return True
+    return False
 
 
 def _part_replaced(part: slice, values):

@@ -104,3 +104,28 @@ class JointStreams(nn.Module):
 def test_the_output_projection_is_the_one_that_makes_the_output():
     result = _audit(JointStreams(), call=lambda layer, x: layer(x, x[:, :0])[0])
     assert result.verdict == "pass" and "img_qkv (its last third, the values)" in result.evidence, result
+
+
+class PerturbedGuidance(nn.Module):
+    """Perturbed-attention guidance written into the layer (diffusers' PAG processors): the tokens attended as usual
+    and again with the attention replaced by the identity (each token its own value), the output projection called
+    on each, and the outputs mixed, out + 2 (out - perturbed). Its output projection doubled doubles the output, and it
+    was taken for the value projection: keys_matter failed the layer as reading its own values only."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_qkv, self.to_out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        attended = ((q @ k.transpose(-2, -1)) * (D // H) ** -0.5).softmax(-1) @ v
+        out, perturbed = (self.to_out(t.transpose(1, 2).reshape(B, T, D)) for t in (attended, v))
+        return out + 2.0 * (out - perturbed)
+
+
+def test_an_output_projection_called_on_each_chunk_is_not_the_values():
+    """Not measured now (its biased output projection, called twice, leaves no part of to_qkv whose doubling doubles
+    the mixed output): a skip that says so, never the false failure."""
+    result = _audit(PerturbedGuidance())
+    assert result.verdict == "skip" and "no value projection was found" in result.message, result
