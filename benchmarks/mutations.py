@@ -758,6 +758,40 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "baseline_scale(old, new, centred=True), which is baseline_scale(chunks[0], centred=True) wherever that is "
         "non-zero, and the case output's own scale where it is zero, as `or None` gave (None) there too; the same "
         "numbers, one measurement per case instead of one (checked by hand in _core.relative_change)"),
+    # keys_matter for one stream (2026-12-06, fifteenth session)
+    "detectors/keys.py:_values_read:L*:or->and": (
+        "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "how far token 0's values move (the values' "
+        "RMS, or 1 where it is 0): a row that reads another value moves by any size, one that reads none by exactly 0 "
+        "at every size (VALUE_GAIN x10 and x0.1 move no verdict)"),
+    "detectors/keys.py:_values_read:L*:x10": (
+        "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "the move's size where the values' RMS is 0: "
+        "a value projection is found only where doubling its output doubles a non-zero one, so it is never 0"),
+    "detectors/keys.py:_values_read:L*:x0.1": (
+        "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "as x10: never reached"),
+    "detectors/keys.py:_values_read:L*:guard-never": (
+        "if change is None:", "relative_change is None only where both outputs are zero or non-finite everywhere, "
+        "and a value projection is found only where doubling its output doubles a finite, non-zero one"),
+    "detectors/keys.py:_values_read:L*:LtE->Lt": (
+        "if worst <= tol:", "a row that reads no other value moves by exactly 0, one that reads them by orders above "
+        "the tolerance: worst == tol is met by neither"),
+    "detectors/keys.py:_values_read:L*:Gt->GtE": (
+        'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
+        "(words only)"),
+    "detectors/keys.py:_values_read:L*:Gt->Lt": (
+        'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
+        "(words only)"),
+    "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
+        "if period > 1:", "words the evidence only (the shift itself is chosen above)"),
+    "detectors/positions.py:check_relative_positions:L*:Gt->Lt": (
+        "if period > 1:", "words the evidence only (the shift itself is chosen above)"),
+    "detectors/variance.py:_judged_at_branches:L*:x10": (
+        "unit = v.square().mean((-2, -1), keepdim=True).sqrt().clamp_min(1e-30)", "evidence only: the branches' "
+        "excess is said, not judged (even weights on identical tokens: convex by construction)"),
+    "detectors/variance.py:_judged_at_branches:L*:x0.1": (
+        "unit = v.square().mean((-2, -1), keepdim=True).sqrt().clamp_min(1e-30)", "evidence only, as x10"),
+    "detectors/variance.py:check_output_variance:L*:Lt->LtE": (
+        "if ref.dim() == 3 and 1 < ref.shape[1] < got.shape[1]:", "`1 <= ref.shape[1]`: a one-token reference "
+        "sliced to its first row is itself"),
 }
 
 SWAPS = {  # ast operator -> the mutants made of it

@@ -24,16 +24,16 @@ class GatedBranches(nn.Module):
     None, "merged" (the heads merged by a reshape without their transpose), "unnormalised" (the window branch's
     weights exp(scores) divided by nothing)."""
 
-    def __init__(self, bug: str | None = None):
+    def __init__(self, bug: str | None = None, block: int = BLOCK):
         super().__init__()
-        self.bug = bug
+        self.bug, self.block = bug, block
         self.qkv, self.gate, self.out = nn.Linear(D, 3 * D), nn.Linear(D, 2 * H), nn.Linear(D, D)
         self.slot_k, self.slot_v = (nn.Parameter(torch.zeros(H, 1, D // H)) for _ in range(2))  # a learned block
 
     def forward(self, x):
         B, T, _ = x.shape  # batch, tokens, width
-        assert T % BLOCK == 0, f"sequence length {T} must be divisible by the block size {BLOCK}"
-        d, n = D // H, T // BLOCK  # head width, blocks
+        assert T % self.block == 0, f"sequence length {T} must be divisible by the block size {self.block}"
+        d, n, BLOCK = D // H, T // self.block, self.block  # head width, blocks, tokens in each
         q, k, v = (t.view(B, T, H, d).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, d)
         ck, cv = (torch.cat([slot.expand(B, H, 1, d), t.unflatten(2, (n, BLOCK)).mean(3)], 2)
                   for slot, t in ((self.slot_k, k), (self.slot_v, v)))  # (B, H, 1 + n, d): a slot, a key per block
@@ -48,9 +48,9 @@ class GatedBranches(nn.Module):
         return self.out(merged)
 
 
-def _audit(bug=None, dtype=torch.float32):
+def _audit(bug=None, dtype=torch.float32, block=BLOCK):
     torch.manual_seed(0)
-    layer = GatedBranches(bug).to(dtype)
+    layer = GatedBranches(bug, block).to(dtype)
     with torch.no_grad():  # std 0.02, as models are initialised
         for p in layer.parameters():
             p.normal_(0, 0.02)
@@ -61,8 +61,34 @@ def _audit(bug=None, dtype=torch.float32):
 def test_each_weighted_sum_is_judged_and_the_twins_fail(dtype):
     correct = _audit(dtype=dtype)
     variance = correct.result("output_variance")
-    assert variance.verdict == "pass" and "each of the 2 weighted sums" in variance.message, correct
+    assert variance.verdict == "pass" and "mixes 2 weighted sums" in variance.message, correct
     assert correct.passed, correct
     for bug in ("merged", "unnormalised"):
         twin = _audit(bug, dtype=dtype)
         assert twin.result("output_variance").verdict == "fail", (bug, twin)
+
+
+def test_blocks_of_two_are_compared_with_two_copies_of_the_token():
+    """The fewest tokens its own check takes is the reference's length: 2 here, as 4 above."""
+    correct = _audit(block=2)
+    assert correct.result("output_variance").verdict == "pass", correct
+    assert _audit("merged", block=2).result("output_variance").verdict == "fail"
+
+
+class Plain(nn.Module):
+    """One softmax attention over the tokens, no gate, any length: judged on its output, its one token the reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.out((((q @ k.transpose(-2, -1)) * (D // H) ** -0.5).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_layer_that_takes_one_token_is_judged_on_its_output():
+    torch.manual_seed(0)
+    result = diagnostics.audit(Plain(), progress=False).result("output_variance")
+    assert result.verdict == "pass" and result.message == "identical value rows come out unchanged", result

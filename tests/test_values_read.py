@@ -129,3 +129,37 @@ def test_an_output_projection_called_on_each_chunk_is_not_the_values():
     the mixed output): a skip that says so, never the false failure."""
     result = _audit(PerturbedGuidance())
     assert result.verdict == "skip" and "no value projection was found" in result.message, result
+
+
+class OwnTokenOnly(FusedSoftmaxAttention):
+    """A window of one token, by design: each query attends its own key alone (its weights the identity)."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (D // H) ** -0.5
+        weights = scores.masked_fill(~torch.eye(T, dtype=torch.bool), float("-inf")).softmax(-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+class GuardedValues(FusedSoftmaxAttention):
+    """Its own check refuses values past a bound (an overflow guard): token 0's values moved 10x raise."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        assert self.qkv(x)[..., 2 * D:].abs().max() < 1.0, "values out of range"
+        return super().forward(x)
+
+
+def test_a_window_of_one_token_is_not_read_as_a_bug():
+    """Its own reach (the identity, read from its weights) leaves no other query that may attend token 0: not
+    measured, and the report says why; declared as sliding_window(1) the same."""
+    result = _audit(OwnTokenOnly())
+    assert result.verdict == "skip" and "no other query may attend token 0" in result.message, result
+    declared = _audit(OwnTokenOnly(), pattern=diagnostics.patterns.sliding_window(1), causal=True)
+    assert declared.verdict == "skip", declared
+
+
+def test_values_the_layer_refuses_are_not_a_reading():
+    result = _audit(GuardedValues())
+    assert result.verdict == "skip" and "raised or returned another shape" in result.message, result

@@ -77,6 +77,12 @@ def _values_read(probe: Probe) -> DetectorResult:
     may = torch.ones_like(change, dtype=torch.bool) if allowed is None or own else \
         allowed[..., 0].cpu().reshape(B, -1).clone()
     if not own:
+        # the queries that may attend token 0: under the audit's mask, the declared pattern and the layer's own reach
+        # (a window of one token attends its own key alone, by design)
+        for rule in (probe.pattern.allowed(B, T, T)[..., 0] if probe.pattern is not None else None,
+                     probe.own_reach()[:, 0].expand(B, T) if probe.own_reach() is not None else None):
+            if rule is not None and rule.shape == may.shape:
+                may &= rule.cpu()
         may[:, 0] = False  # token 0's own row, which moves whatever the weights do
     tol = tolerance(UNCHANGED, s.dtype)
     rows = change[may]
