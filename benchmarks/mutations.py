@@ -565,8 +565,9 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "So the calls agree on each `is`, and `any` of two equal booleans is their `all` (checked by hand)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
         ("if limit is not None and T + P > limit[0]:", "if noise is not None and float(noise.max()) > tol:",
-         "if drift is not None and float(drift.max()) > tol:"),
-        "on any of these lines (the third, the second shifted call's drift, added by m37k). `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
+         "if drift is not None and float(drift.max()) > tol:", "if period > 1:"),
+        "on any of these lines (the third, the second shifted call's drift, added by m37k; the fourth, `period > 1`, "
+        "words the evidence only, the shift being chosen above). `T + P >= limit[0]` enters the branch also at T + P == limit, where it sets P = max(0, limit "
         "- T), which is P (5, so `P < 1` below is false): the same sizes (checked by hand; pinned at a context of 17, "
         "T + P exactly, in tests/test_pins_all_positions_pattern.py). `noise.max() >= tol`: " + _TOLERANCE_EDGE +
         " (a relative change against SHIFT_MOVES' tolerance, on the second line and the third: a Python float "
@@ -780,8 +781,6 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
     "detectors/keys.py:_values_read:L*:Gt->Lt": (
         'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
         "(words only)"),
-    "detectors/positions.py:check_relative_positions:L*:Gt->GtE": (
-        "if period > 1:", "words the evidence only (the shift itself is chosen above)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->Lt": (
         "if period > 1:", "words the evidence only (the shift itself is chosen above)"),
     "detectors/variance.py:_judged_at_branches:L*:x10": (
