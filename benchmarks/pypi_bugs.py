@@ -169,7 +169,7 @@ else:
 _LAT_CAUSAL = """
 from linear_attention_transformer.linear_attention_transformer import SelfAttention
 layer = SelfAttention(32, 4, causal=True)  # causal linear attention on every head (no local heads), blindspot 1
-declarations = dict(causal=True)
+declarations = dict(causal=True, mask="key_keep")  # the declaration its report names (`input_mask`, (B, T), keep)
 """
 # xformers 0.0.x: its components import pyre_extensions (pure Python) and numpy; its C++ ops are optional
 _XFORMERS_DEPS = ("pyre-extensions==0.0.23", "typing-inspect==0.9.0", "mypy-extensions==1.0.0", "numpy==2.4.6")
@@ -262,7 +262,8 @@ from diagnostics.patterns import sliding_window
 # window 4, one window back, exact: its code keeps q - 4 <= kv <= q (4 keys back and the query's own; the
 # README's 'at maximum the window size' counts the keys back), so 5 keys: sliding_window(5)
 layer = LocalAttention(window_size=4, causal=True, look_backward=1, exact_windowsize=True, autopad=True)
-declarations = dict(causal=True, pattern=sliding_window(5), d_model=16)  # d_model: the usage error's fix
+# d_model: the usage error's fix; mask: the declaration its report names (`input_mask`, (B, T), True = keep)
+declarations = dict(causal=True, pattern=sliding_window(5), d_model=16, mask="key_keep")
 """),
     Case("local_rel_pos_unset", "crash", "local-attention", "1.0.1", "1.0.2",
          "local_attention/local_attention.py", 80,
@@ -272,7 +273,8 @@ declarations = dict(causal=True, pattern=sliding_window(5), d_model=16)  # d_mod
          """
 from local_attention import LocalAttention
 layer = LocalAttention(window_size=4, causal=True, look_backward=1)
-declarations = dict(causal=True, d_model=16)  # d_model: the usage error's fix
+# d_model: the usage error's fix; mask: the declaration its report names (`input_mask`, (B, T), True = keep)
+declarations = dict(causal=True, d_model=16, mask="key_keep")
 """),
     Case("performer_key_max_over_batch", "batch", "performer-pytorch", "1.1.0", "1.1.1",
          "performer_pytorch/performer_pytorch.py", 109,

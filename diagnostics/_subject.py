@@ -82,7 +82,8 @@ HEAD_NAMES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", 
 CAUSAL_NAMES = ("causal", "is_causal")
 # Attributes of a layer that builds its own attention pattern (a window, chunks, a prefix, documents, a mask_mod):
 # one that is not None says so, as a truthy `causal` does for the causal mask.
-PATTERN_NAMES = ("window", "sliding_window", "chunk", "attention_chunk_size", "prefix", "documents", "mask_mod")
+PATTERN_NAMES = ("window", "window_size", "sliding_window", "chunk", "attention_chunk_size", "prefix", "documents",
+                 "mask_mod")
 # The longest sequence a layer declares it takes (nanoGPT's block_size, Hugging Face's config names).
 CONTEXT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_seq_length",
                  "context_length")
@@ -1142,7 +1143,9 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
                  (("d_model", d_model, width_read), ("num_heads", found_heads, heads_read))
                  if how and how != "declared" and not any(n.startswith(f"{field}=") for n in notes)]
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
-    builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES)
+    # its own flag, or a part's that attends (linear-attention-transformer's SelfAttention keeps `causal` on its
+    # LocalAttention only, and its causal linear attention as a function chosen by it)
+    builtin_causal = any(getattr(m, n, False) is True for m in layer.modules() for n in CAUSAL_NAMES)
     builtin_pattern = declares_pattern(layer)
     carries = mask_carries_causality(layer)
     extra = None

@@ -566,8 +566,9 @@ class MaskedSelfAttention(nn.Module):
     """forward(x, mask=None): `how` = "adds" adds the mask to the scores (a bool mask then shifts allowed logits
     by 1), "bool ignored" ignores bool masks and adds float ones x 100, "blocks" masks with masked_fill; "adds, NaN":
     adds it, and its first output value is NaN whatever the inputs; "adds, float shape": adds it, and given a float
-    mask returns one position fewer. `reach`: key 0 is blocked (by the layer itself) for every query from that
-    position on."""
+    mask returns one position fewer. `reach`: the outputs of the queries from that position on are zeros (the layer
+    drops them after attending), so changing key 0 moves the first `reach` rows only, while every query's weights
+    reach it (`Probe.own_reach` reads the weights: a key the weights block is out of a query's reach, not counted)."""
 
     def __init__(self, how, d_model=16, num_heads=2, reach=None):
         super().__init__()
@@ -586,11 +587,9 @@ class MaskedSelfAttention(nn.Module):
                 scores = scores if mask.dtype == torch.bool else scores + 100 * mask
             else:
                 scores = scores.masked_fill(~mask, float("-inf"))
-        if self.reach is not None:
-            cut = torch.zeros(T, T, dtype=torch.bool)
-            cut[self.reach:, 0] = True  # key 0 blocked for the queries from `reach` on
-            scores = scores.masked_fill(cut, float("-inf"))
         out = self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        if self.reach is not None:
+            out = torch.cat([out[:, :self.reach], torch.zeros_like(out[:, self.reach:])], 1)  # the rest dropped
         if self.how == "adds, NaN":
             out = out.clone()
             out[:, 0, 0] = float("nan")
