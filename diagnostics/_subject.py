@@ -1143,9 +1143,11 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
                  (("d_model", d_model, width_read), ("num_heads", found_heads, heads_read))
                  if how and how != "declared" and not any(n.startswith(f"{field}=") for n in notes)]
     _check_heads(d_model, num_heads, "a head takes d_model / num_heads of the width", options)
-    # its own flag, or a part's that attends (linear-attention-transformer's SelfAttention keeps `causal` on its
-    # LocalAttention only, and its causal linear attention as a function chosen by it)
-    builtin_causal = any(getattr(m, n, False) is True for m in layer.modules() for n in CAUSAL_NAMES)
+    # its own flag, or a part's `causal` (linear-attention-transformer's SelfAttention keeps it on its LocalAttention
+    # only, and its causal linear attention as a function chosen by it); not a part's `is_causal`, which in a Hugging
+    # Face layer a wrapper holds says that its model builds the causal mask
+    builtin_causal = any(getattr(layer, n, False) is True for n in CAUSAL_NAMES) or \
+        any(getattr(m, "causal", False) is True for m in layer.modules())
     builtin_pattern = declares_pattern(layer)
     carries = mask_carries_causality(layer)
     extra = None
