@@ -401,6 +401,14 @@ class Probe:
             self.memo["own_reach"] = reach
         return self.memo["own_reach"]
 
+    def within_reach(self, allowed: Tensor) -> Tensor:
+        """`allowed` (..., Tq, Tk), True = may attend, narrowed to the keys each query reaches (`own_reach`), where the
+        layer's weights show a reach of its own and the shapes agree; else as it is."""
+        reach = self.own_reach()
+        if reach is None or tuple(allowed.shape[-2:]) != tuple(reach.shape):
+            return allowed
+        return allowed & reach.to(allowed.device)
+
     def recovered_weights(self) -> tuple[Tensor | None, str]:
         """For a layer given its values apart (a function f(q, k, v), a module given query, key and value) that
         exposes no weights and whose softmax, if any, is not over (Tq, Tk) scores (local attention's buckets,

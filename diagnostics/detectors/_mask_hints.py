@@ -87,9 +87,7 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
     # the rows held: every row that sees a key, as none sees a changed one (`seen` lies within the padding mask,
     # which blocks them for every query); within the layer's own reach, where its weights show one (a local window the
     # padding covers wholly leaves its queries no key: see `_rows` of masking.py)
-    reach = probe.own_reach()
-    if reach is not None and seen.shape[-2:] == reach.shape:
-        seen = seen & reach
+    seen = probe.within_reach(seen)
     hold = seen.any(-1)
     if base.one_stream:
         hold &= ~blocked

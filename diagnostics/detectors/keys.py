@@ -79,10 +79,11 @@ def _values_read(probe: Probe) -> DetectorResult:
     if not own:
         # the queries that may attend token 0: under the audit's mask, the declared pattern and the layer's own reach
         # (a window of one token attends its own key alone, by design)
-        for rule in (probe.pattern.allowed(B, T, T)[..., 0] if probe.pattern is not None else None,
-                     probe.own_reach()[:, 0].expand(B, T) if probe.own_reach() is not None else None):
-            if rule is not None and rule.shape == may.shape:
-                may &= rule.cpu()
+        everything = torch.ones(B, T, T, dtype=torch.bool)
+        pattern = probe.pattern.allowed(B, T, T).cpu() if probe.pattern is not None else everything
+        rule = probe.within_reach(pattern)[..., 0]
+        if rule.shape == may.shape:
+            may &= rule
         may[:, 0] = False  # token 0's own row, which moves whatever the weights do
     tol = tolerance(UNCHANGED, s.dtype)
     rows = change[may]

@@ -305,10 +305,9 @@ class _Rows:
 
 def _rows(probe: Probe, base: Inputs, keys: Tensor) -> _Rows:
     B, T = probe.BATCH, probe.t
-    allowed = probe.allowed(B, T, T, base.extra).cpu()  # what the layer is given, causal included
-    reach = probe.own_reach()  # a window of the layer's own: a query with no allowed key in it holds nothing
-    if reach is not None and allowed.shape[-2:] == reach.shape:
-        allowed = allowed & reach
+    # what the layer is given, causal included, within a window of its own (a query with no allowed key in it holds
+    # nothing)
+    allowed = probe.within_reach(probe.allowed(B, T, T, base.extra).cpu())
     if probe.subject.own_queries:
         return _own_query_rows(allowed, keys, probe.subject.own_queries)
     # rows that must not move: they may attend some key, and none of the changed ones
