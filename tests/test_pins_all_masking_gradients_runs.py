@@ -369,10 +369,17 @@ class FloatMaskUnread(FloatMaskOnly):
 
 def test_from_two_tokens_running_in_a_convention_is_no_declaration_without_honouring_it():
     """runs' `probe.t < 2` (Lt->LtE): at seq_len 2 padding can tell conventions apart, and the layer that raises on bool
-    masks and ignores the float ones honours none: `runs` fails. At seq_len 1, where nothing can be told, the same layer
-    runs in the additive convention and needs that declaration (the message says seq_len >= 2 measures it)."""
+    masks and ignores the float ones honours none: the mismatch is no FAIL (tests/test_unhonoured_conventions.py), the
+    declaration it runs in is named with the words that it honours none, and declared, mask_honoured fails the mask it
+    ignores. At seq_len 1, where nothing can be told, the same layer needs that declaration with the words that
+    seq_len >= 2 measures it."""
     torch.manual_seed(0)
-    assert diagnostics.audit(FloatMaskUnread(), seq_len=2).result("runs").verdict == "fail"
+    two = diagnostics.audit(FloatMaskUnread(), seq_len=2).result("runs")
+    assert two.verdict == "skip" and two.declaration == "mask='additive'", two
+    assert "In none of the conventions it runs in" in two.message and "seq_len >= 2" not in two.message, two
+    torch.manual_seed(0)
+    declared = diagnostics.audit(FloatMaskUnread(), seq_len=2, mask="additive")
+    assert declared.result("mask_honoured").verdict == "fail", declared
     torch.manual_seed(0)
     one = diagnostics.audit(FloatMaskUnread(), seq_len=1).result("runs")
     assert one.verdict == "skip" and "seq_len >= 2" in one.message, one

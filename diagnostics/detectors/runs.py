@@ -296,15 +296,13 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
         return None
     found = honoured_conventions(probe)
     given = f"{s.mask_convention} ({s.mask_convention.describe()})"
-    if not found and probe.t < 2:
-        return _needed_at_one_token(probe, evidence, given)
-    if not found:
-        return None
-    convention, how = found[0]
-    declare = spell("mask", str(convention), probe.options)
     lengths = "" if not refused else (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no "
                                       f"multiple of the {_length_rule(refused[0])} its own check asks for, and those "
                                       f"probes are skipped ({refused[0].describe_error()})")
+    if not found:
+        return _needed_where_it_runs(probe, evidence, given, lengths, calls)
+    convention, how = found[0]
+    declare = spell("mask", str(convention), probe.options)
     return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
                                   f"mask, as {given}; given its mask as {convention} ({convention.describe()}) it runs "
                                   f"and honours it{lengths}",
@@ -313,11 +311,16 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
                   declaration=declare, extras={"mask_convention": str(convention)})
 
 
-def _needed_at_one_token(probe: Probe, evidence: str, given: str) -> DetectorResult | None:
-    """`_needed_declaration` at one token, where no key can be blocked and honouring is not measured: the layer that
-    raised on every masked call runs given its mask in another convention (`conventions_run`, the first named, those
-    it runs in listed). A skip that names the declaration and says how to measure it; None where it runs in none."""
-    ran = conventions_run(probe)
+def _needed_where_it_runs(probe: Probe, evidence: str, given: str, lengths: str, calls: list) -> DetectorResult | None:
+    """`_needed_declaration` where the layer honours its mask in no convention: every call that raised (`calls`, each
+    given a mask) runs again given its mask in another convention (of `conventions_run`'s: the first such named, the
+    first of each other meaning listed, for the layer's own words to decide). At one token no key can be blocked, so
+    honouring is not measured; at two or more, in no convention it runs in do the keys its padding mask blocks leave
+    the rows it keeps alone (Sinkhorn's sort net and a summary pooled over padded tokens route by them). Either way the
+    mismatch is no defect and what the layer does with its mask is the mask detectors' to judge once it is declared: a
+    skip naming the declaration, under which a mask the layer does not honour fails `mask_honoured`. None where no
+    convention runs every failed call (a raise the mask does not cause: a function's rotation at H = 1)."""
+    ran = [c for c in conventions_run(probe) if _runs_every(probe, c, calls)]
     if not ran:
         return None
     declare = spell("mask", str(ran[0]), probe.options)
@@ -326,13 +329,37 @@ def _needed_at_one_token(probe: Probe, evidence: str, given: str) -> DetectorRes
         if all(c.meaning != o.meaning for o in (ran[0], *others)):
             others.append(c)
     also = f" (it runs in {', '.join(map(str, others))} too)" if others else ""
+    if probe.t < 2:
+        how, measured = ("At one token no key can be blocked, so whether it honours that mask is not measured: "
+                         "audit at seq_len >= 2 to read its convention from what it does"), \
+            "it runs (one token: honouring not measurable)"
+        fix = f"audit with {declare} if that is the convention the layer takes, at seq_len >= 2 to measure it"
+    else:
+        how, measured = ("In none of the conventions it runs in did the keys a padding mask blocks leave the rows it "
+                         "keeps alone, so its convention cannot be read from what it does: declared, the mask "
+                         "detectors judge what it does with its mask"), \
+            "it runs, but the keys the padding mask blocks move the rows it keeps (in every convention it runs in)"
+        fix = (f"audit with {declare} if that is the convention the layer takes (its mask's shape and meaning); "
+               f"mask_honoured then measures where the blocked keys reach the kept rows")
     return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
-                                  f"mask, as {given}; given its mask as {ran[0]} ({ran[0].describe()}) it runs{also}. "
-                                  f"At one token no key can be blocked, so whether it honours that mask is not "
-                                  f"measured: audit at seq_len >= 2 to read its convention from what it does",
-                  evidence=f"{evidence}; as {ran[0]}: it runs (one token: honouring not measurable)",
-                  fix=f"audit with {declare} if that is the convention the layer takes, at seq_len >= 2 to measure it",
+                                  f"mask, as {given}; given its mask as {ran[0]} ({ran[0].describe()}) it runs{also}"
+                                  f"{lengths}. {how}",
+                  evidence=f"{evidence}; as {ran[0]}: {measured}", fix=fix,
                   declaration=declare, extras={"mask_convention": str(ran[0])})
+
+
+def _runs_every(probe: Probe, convention, calls: list) -> bool:
+    """Whether each of `calls` runs again with its mask given in `convention`: the mask, not its shapes, was what the
+    layer refused. One call each, stopping at the first that raises."""
+    subject = probe.subject.with_convention(convention)
+    for c in calls:
+        probe.passes += 1
+        try:
+            with torch.no_grad():
+                subject(c.query, c.key, c.value, c.allowed)
+        except Exception:  # noqa: BLE001 - still refused in this convention: not the mask's doing
+            return False
+    return True
 
 
 def _own_queries_needed(probe: Probe, evidence: str) -> DetectorResult | None:

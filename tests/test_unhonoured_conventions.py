@@ -1,0 +1,118 @@
+"""A layer that takes its mask in another convention and honours it in none: a convention mismatch, never a FAIL.
+
+Sinkhorn's `SinkhornSelfAttention` (sinkhorn-transformer 0.11.4) takes `input_mask` as (B, T), True = keep, and
+raises on the audit's default (B, 1, Tq, Tk) mask. Given its mask as (B, T) it runs, but its sort net routes buckets by
+the padded tokens too, so in no convention do the blocked keys leave the kept rows alone (its own bug, confirmed by a
+plain script in tests/test_sweep_packages.py). Before, `_needed_declaration` named a declaration only for a convention
+the layer honours: such a layer failed `runs` for the mismatch (the audit's reading, not its bug), or, where a length
+rule of its own came first, was inconclusive with "return the weights" as the remedy. Now the report names the
+convention it runs in first, and with that declaration `mask_honoured` fails on the real bug.
+
+The layers here are of our own writing, in that shape: attention over a (B, T) keep mask plus a summary of the sequence
+added to every token, pooled over every token (the bug: padding included) or over the kept ones (correct), with and
+without a length rule of their own. Each bug test has its twin on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+
+
+class PooledSummary(nn.Module):
+    """Self-attention over `input_mask`, plus a linear summary of the unmasked tokens' mean added to every token's
+    output. `bucket`: the layer's own check that T is a multiple of it (Sinkhorn's, local attention's). (No docstring
+    here states the mask's convention: a stated one is read, and the twins would not be audited alike.)"""
+
+    def __init__(self, d_model: int = 32, heads: int = 4, bucket: int | None = None, std: float | None = None):
+        super().__init__()
+        self.heads, self.bucket = heads, bucket
+        self.to_qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.to_out = nn.Linear(d_model, d_model)
+        self.summary = nn.Linear(d_model, d_model)
+        if std is not None:  # the scale people train at
+            for p in self.parameters():
+                nn.init.normal_(p, std=std)
+
+    def pooled(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        w = keep.unsqueeze(-1).to(x.dtype)
+        return (x * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)
+
+    def forward(self, x: torch.Tensor, input_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, D = x.shape
+        if self.bucket:
+            assert T % self.bucket == 0, f"sequence {T} needs to be divisible by bucket size {self.bucket}"
+        keep = torch.ones(B, T, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
+        q, k, v = self.to_qkv(x).chunk(3, -1)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~keep.view(B, 1, 1, T), float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)
+        return self.to_out(out) + self.summary(self.pooled(x, keep))
+
+
+class PooledOverPadding(PooledSummary):
+    """The bug: the summary averages every token, padding included, so padded keys move every kept row."""
+
+    def pooled(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return x.mean(1, keepdim=True)
+
+
+CASES = [pytest.param(bucket, dtype, std, id=f"bucket={bucket}-{str(dtype)[6:]}-std={std}")
+         for bucket, dtype, std in ((None, torch.float32, None), (4, torch.float32, None),
+                                    (None, torch.bfloat16, 0.02), (4, torch.bfloat16, 0.02))]
+
+
+def built(cls, bucket, dtype, std):
+    torch.manual_seed(0)
+    return cls(bucket=bucket, std=std).to(dtype)
+
+
+@pytest.mark.parametrize("bucket, dtype, std", CASES)
+def test_a_mask_honoured_in_no_convention_needs_the_declaration_it_runs_in(bucket, dtype, std):
+    """Zero-config, the buggy layer is no FAIL for the mismatch: runs is a skip naming mask='key_keep' (the first
+    convention it runs in; key_padding, the other meaning, listed beside it), saying that it honours none; with that
+    declaration mask_honoured fails and points at no `runs` failure."""
+    report = diagnostics.audit(built(PooledOverPadding, bucket, dtype, std), progress=False)
+    runs = report.result("runs")
+    assert report.status == "inconclusive" and report.declaration == "mask='key_keep'", report
+    assert runs.verdict == "skip" and "in none of the conventions it runs in" in runs.message.lower(), runs
+    assert "key_padding" in runs.message, runs.message  # the other meaning, for the layer's own words to decide
+    if bucket:  # its length rule is said beside the declaration, not instead of it
+        assert "no multiple of the 4" in runs.message, runs.message
+    declared = diagnostics.audit(built(PooledOverPadding, bucket, dtype, std), progress=False, mask="key_keep")
+    assert declared.status == "failed" and declared.result("mask_honoured").verdict == "fail", declared
+    assert declared.result("runs").verdict in ("pass", "skip"), declared.result("runs")
+
+
+@pytest.mark.parametrize("bucket, dtype, std", CASES)
+def test_its_twin_that_honours_the_mask_needs_the_same_declaration_and_passes_with_it(bucket, dtype, std):
+    """The twin pooling over the kept tokens: the same declaration, read from what it does ("honours it"), and a
+    pass once declared, on the same inputs."""
+    report = diagnostics.audit(built(PooledSummary, bucket, dtype, std), progress=False)
+    assert report.status == "inconclusive" and report.declaration == "mask='key_keep'", report
+    assert "honours it" in report.result("runs").message, report.result("runs")
+    declared = diagnostics.audit(built(PooledSummary, bucket, dtype, std), progress=False, mask="key_keep")
+    assert declared.status == "passed", declared
+
+
+class RaisesOnEveryMask(PooledSummary):
+    """A layer that raises whatever mask it is given: no convention it runs in, so nothing to declare."""
+
+    def forward(self, x, input_mask=None):
+        if input_mask is not None:
+            raise RuntimeError("masks are not supported yet")
+        return super().forward(x)
+
+
+def test_a_layer_that_runs_in_no_convention_still_fails_runs():
+    """The declaration is named only for a convention the layer runs in: one that raises on every mask fails `runs`
+    (its mask parameter is broken), as before."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(RaisesOnEveryMask(), progress=False)
+    assert report.result("runs").verdict == "fail" and not report.declaration, report
