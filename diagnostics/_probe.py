@@ -23,7 +23,7 @@ from ._frames import exception_text
 from ._guard import seed_rng
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
-from ._subject import Output, Subject, not_weights
+from ._subject import KEY_NAMES, VALUE_NAMES, Output, Subject, not_weights
 from ._thresholds import ROW_SUM, tolerance
 from .patterns import Pattern
 
@@ -500,15 +500,19 @@ class Probe:
         scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
         shaped = [m for m, _, out in calls if tuple(out.shape) == tuple(base.query.shape[:-1]) + (width,)]
         last = shaped[-1] if shaped else calls[-1][0]  # the output projection: the last that makes the queries' rows
-        for module, _, output in calls[:-1]:
-            if module is last:
+        # one the layer names its values first (v_proj, value, to_v), then in call order, never one it names its
+        # queries' or keys': where the weights are linear in q and k too (no softmax), doubling q doubles the output
+        # as well, and q's projection, called first, was taken for the values (BERT's and ViT's no-softmax twins
+        # "read their own value only")
+        for module, _, output in sorted(calls[:-1], key=lambda c: _names_role(names[c[0]]) != "values"):
+            if module is last or _names_role(names[module]) == "queries or keys":
                 continue
             n = output.shape[-1]
             if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width) or \
                     _slice_of(output, attended_base) or _slice_of(output, base.output.out.detach()):
                 continue  # the output itself, or a part of it (an output projection called on each chunk), is none
             part = slice(n - width, n)  # the whole output, or its last half or third (v of k, v or q, k, v)
-            doubled, _ = self._linear_run({module: _part_replaced(part, lambda out: 2 * out)},
+            doubled, _ = self._linear_run({module: part_replaced(part, lambda out: 2 * out)},
                                           f"the standard probe with {names[module]}'s output doubled")
             if doubled is not None and doubled.shape == attended_base.shape and float(
                     (doubled.to(wide) - 2 * attended_base.to(wide)).abs().max()) / scale <= tolerance(
@@ -521,7 +525,7 @@ class Probe:
         """What the output projection is given (or the layer's output) on the standard probe's inputs with the value
         projection's output (`value_projection`) replaced by `values(its output)`; None where the call raised."""
         found = self.value_projection()
-        return self._linear_run({found.module: _part_replaced(found.part, values)}, label)[0]
+        return self._linear_run({found.module: part_replaced(found.part, values)}, label)[0]
 
     def _linear_run(self, replace: dict, label: str) -> tuple[Tensor | None, list]:
         """The standard probe's inputs called once, forward hooks on the layer's nn.Linear modules, `replace` mapping
@@ -599,6 +603,16 @@ class ValueProjection:
     attended: Tensor
 
 
+QUERY_KEY_WORDS = frozenset(("q", "query", "queries", "xq", "wq", "wk", *KEY_NAMES))
+
+
+def _names_role(name: str) -> str:
+    """What a module's name says it makes: "values" where a word of its last part is one of VALUE_NAMES (v_proj,
+    value, to_v, w_v), "queries or keys" where one is a query's or key's word (q_proj, query, to_k, wq), else ""."""
+    words = set(name.rsplit(".", 1)[-1].lower().split("_"))
+    return "values" if words & {*VALUE_NAMES, "wv"} else "queries or keys" if words & QUERY_KEY_WORDS else ""
+
+
 def _slice_of(part: Tensor, whole: Tensor) -> bool:
     """Whether `part` is `whole`, or `whole` narrowed along its first or second axis (an output projection called on
     each of a batch's chunks, PAG's, and the chunks' outputs concatenated)."""
@@ -613,7 +627,7 @@ def _slice_of(part: Tensor, whole: Tensor) -> bool:
     return False
 
 
-def _part_replaced(part: slice, values):
+def part_replaced(part: slice, values):
     """A forward hook's replacement: the output with its `part` (of the last axis) made `values(that part)`."""
     def replaced(out: Tensor) -> Tensor:
         out = out.clone()

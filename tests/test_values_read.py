@@ -11,6 +11,8 @@ class is swept by `python benchmarks/sweep.py perceiver_pytorch` (KNOWN there).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +75,10 @@ def test_a_context_of_q_t_k_fails_and_k_t_v_passes(dtype):
     assert correct.verdict == "pass" and "to_qkv (its last third, the values)" in correct.evidence, correct
     swapped = _audit(FusedLinearAttention(swapped=True), dtype)
     assert swapped.verdict == "fail" and "no query reads another token's value" in swapped.message, swapped
+    # the site: the product the moved values reach first, the line the bug is on (v @ (q^T k))
+    source, first = inspect.getsourcelines(FusedLinearAttention.forward)
+    line = first + next(i for i, text in enumerate(source) if "out = v @" in text)
+    assert [site.line for site in swapped.where][:1] == [line], [site.describe() for site in swapped.where]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -163,3 +169,40 @@ def test_a_window_of_one_token_is_not_read_as_a_bug():
 def test_values_the_layer_refuses_are_not_a_reading():
     result = _audit(GuardedValues())
     assert result.verdict == "skip" and "raised or returned another shape" in result.message, result
+
+
+class NamedProjections(nn.Module):
+    """Hugging Face's layout: q_proj, k_proj, v_proj called in that order, o_proj after. `no_softmax`: the bug, the
+    scaled scores used as weights, which makes the output linear in q and k as well as in v."""
+
+    def __init__(self, no_softmax: bool = False, names=("q_proj", "k_proj", "v_proj")):
+        super().__init__()
+        self.no_softmax, self.names = no_softmax, names
+        for name in names:
+            setattr(self, name, nn.Linear(D, D, bias=False))
+        self.o_proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (getattr(self, n)(x).view(B, T, H, D // H).transpose(1, 2) for n in self.names)
+        scores = q @ k.transpose(-2, -1) * (D // H) ** -0.5
+        weights = scores if self.no_softmax else scores.softmax(-1)
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("names", [("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_values_are_the_projection_the_layer_names_so_not_the_queries(names, dtype):
+    """Without a softmax, doubling q's projection doubles the output too, and q's, called first, was taken for the
+    values: moving token 0's "values" (its query) moved its own row only, and keys_matter failed the no-softmax layer
+    with "no query reads another token's value", not its bug (BERT's and ViT's no-softmax twins in
+    docs/auditing-a-model.md). The projection named for the values is tried first and one named for the queries or keys
+    never: keys_matter reads v_proj and leaves the bug to the detectors it belongs to (output_variance fails it), and
+    its correct twin passes on the same inputs."""
+    buggy = _audit(NamedProjections(no_softmax=True, names=names), dtype)
+    assert buggy.verdict == "pass" and f"the output of {names[2]}" in buggy.evidence, buggy
+    torch.manual_seed(0)
+    report = diagnostics.audit(NamedProjections(no_softmax=True, names=names).to(dtype), progress=False, dtype=dtype)
+    assert report.status == "failed" and report.result("output_variance").verdict == "fail", report
+    correct = _audit(NamedProjections(names=names), dtype)
+    assert correct.verdict == "pass" and f"the output of {names[2]}" in correct.evidence, correct

@@ -14,10 +14,10 @@ from .._core import (
     skip,
 )
 from .._thresholds import UNCHANGED, dtype_name, tolerance
-from .._probe import Probe
+from .._probe import Probe, part_replaced
 from .._registry import LONG, NOT_APPLICABLE, SEPARATE_QUERY, detector
 from .._result import DetectorResult, Site
-from .._tracing import stream_sites, trace_call
+from .._tracing import MATMULS, op_site, stream_sites, trace_call
 from ._common import judge, not_token_attention, perturbation_gains
 from ._stacked import SEPARATE_STREAMS, separate_streams, stacked, stacked_cases
 
@@ -27,7 +27,7 @@ def keys_sites(probe, result: DetectorResult) -> list[Site]:
     computed from the wrong input stream."""
     base = result.replay
     if base is None:
-        return []
+        return _values_sites(probe) if "values_moved" in result.extras else []
     s = probe.subject
     B, T = base.query.shape[0], base.query.shape[s.time_dim]
     trace = trace_call(s, base.query, base.key, base.value, probe.allowed(B, T, T), seed=probe.seed)
@@ -44,7 +44,46 @@ PACKED_KEYS = 8
 """From this many positions keys_matter changes keys and values in different sequences of one copy."""
 
 
+KEYS_FIX = ("weight the values by the attention over the keys: out = weights @ v (for linear attention, q @ (k^T v): "
+            "its context is k^T v, not q^T k)")
+
 VALUE_GAIN = 10.0  # knob: how far one token's values move, in units of the values' RMS (x10, x0.1: no verdict moves)
+
+
+def _moving(gain: float, rms: float):
+    """Token 0's values moved by `gain` x `rms`, the others kept: a function of the value projection's output."""
+    return lambda v: torch.cat([v[:, :1] + gain * rms, v[:, 1:]], 1)
+
+
+def _values_sites(probe: Probe) -> list[Site]:
+    """For `_values_read`'s FAIL: the standard probe traced twice, with token 0's values as they were (moved by 0) and
+    moved, through the same ops; the first product whose output the move reaches is where the values are weighted,
+    and there they reached no other row (perceiver's `v @ context`, its context q^T k). [] where the two traces do not
+    line up op for op or no product was reached."""
+    found, base = probe.value_projection(), probe.base()
+    if found is None:
+        return []
+    rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
+    traces = []
+    for gain in (0.0, VALUE_GAIN):
+        handle = found.module.register_forward_hook(lambda m, args, out, g=gain: part_replaced(found.part,
+                                                                                               _moving(g, rms))(out))
+        try:
+            traces.append(trace_call(probe.subject, base.query, base.key, base.value, base.allowed, seed=probe.seed))
+        finally:
+            handle.remove()
+    kept, moved = traces
+    if kept.error is not None or moved.error is not None or len(kept.ops) != len(moved.ops):
+        return []
+    for a, b in zip(kept.ops, moved.ops):
+        if a.short not in MATMULS or a.name != b.name or not a.outs or not b.outs or a.outs[0] is None or \
+                b.outs[0] is None or a.outs[0].shape != b.outs[0].shape or torch.equal(a.outs[0], b.outs[0]):
+            continue
+        site = op_site(a, f"the first product the values reach (token 0's moved in the output of {found.name}); no "
+                          f"other row of the output moved, so this product takes each token's own values instead of "
+                          f"summing them over the keys", fix=KEYS_FIX)
+        return [site] if site is not None else []
+    return []
 
 
 def _values_read(probe: Probe) -> DetectorResult:
@@ -64,7 +103,7 @@ def _values_read(probe: Probe) -> DetectorResult:
                               "nn.Linear, or the last half or third of one, whose output, doubled, doubles what the "
                               "output projection is given)")
     rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
-    moved = probe.with_values(lambda v: torch.cat([v[:, :1] + VALUE_GAIN * rms, v[:, 1:]], 1),
+    moved = probe.with_values(_moving(VALUE_GAIN, rms),
                               f"the standard probe with token 0's values moved (the output of {found.name})")
     if moved is None or moved.shape != found.attended.shape or moved.dim() < 2:
         return skip(det, f"with token 0's values moved (the output of {found.name}) the layer raised or returned "
@@ -97,8 +136,7 @@ def _values_read(probe: Probe) -> DetectorResult:
     if worst <= tol:
         return DetectorResult(det, "fail", "no query reads another token's value: each output row moves with its own "
                                            "token's value only", value=worst, threshold=tol, evidence=text,
-                              fix="weight the values by the attention over the keys: out = weights @ v (for linear "
-                                  "attention, q @ (k^T v): its context is k^T v, not q^T k)")
+                              fix=KEYS_FIX, extras={"values_moved": True})
     return DetectorResult(det, "pass", f"the output depends on the values of other tokens: changing token 0's values "
                                        f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,
                           threshold=tol, evidence=text)
