@@ -23,7 +23,7 @@ from ._subject import check_seq_len, make_subject, spell
 from ._thresholds import dtype_name
 from ._tracing import unique
 from .detectors import DETECTORS
-from .detectors.runs import runs_verdict
+from .detectors.runs import raised_at_probe_length, runs_verdict
 from .patterns import as_pattern
 
 
@@ -124,9 +124,11 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             # settled last: besides its own probes, it reports every other detector's probe that raised
             measured["runs"] = replace(runs_verdict(probe), probes=measured["runs"].probes)
         elif measured.get("runs") is not None and "length_rule" in measured["runs"].extras:
-            # a length the layer refuses: settled last only where other probes show a mask convention to declare
+            # a length the layer refuses: settled last where other probes show a mask convention to declare, or
+            # raised at the probe's own length, which the layer takes (a mask it refuses in every convention); a
+            # raise at another multiple of its rule stays the skip (an image adapter's 3 x 4 map for 12 tokens)
             settled = runs_verdict(probe)
-            if settled.declaration:
+            if settled.declaration or settled.verdict == "fail" and raised_at_probe_length(probe):
                 measured["runs"] = replace(settled, probes=measured["runs"].probes)
         measured = under_a_mask_undeclared(consequences(measured))
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read

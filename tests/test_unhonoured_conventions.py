@@ -116,3 +116,14 @@ def test_a_layer_that_runs_in_no_convention_still_fails_runs():
     torch.manual_seed(0)
     report = diagnostics.audit(RaisesOnEveryMask(), progress=False)
     assert report.result("runs").verdict == "fail" and not report.declaration, report
+
+
+def test_behind_its_length_rule_a_mask_it_refuses_in_every_convention_still_fails_runs():
+    """A length rule of its own (T = 1 refused) no longer hides the mask probes that raised at the probe's own
+    length: runs, settled once every detector has run, fails and quotes them (it was the length skip, and the mask
+    detectors said "see runs"). Its twin that runs given its mask as key_keep needs that declaration (above)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(RaisesOnEveryMask(bucket=4), progress=False)
+    runs = report.result("runs")
+    assert runs.verdict == "fail" and "masks are not supported yet" in runs.evidence, runs
+    assert not report.declaration, report

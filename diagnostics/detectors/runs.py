@@ -974,6 +974,14 @@ def _refused_lengths(probe: Probe) -> list:
     return [c for c, rule in rules if rule == w and (c.query.shape[t] % w or c.key.shape[t] % w)]
 
 
+def raised_at_probe_length(probe: Probe) -> bool:
+    """Whether a call the layer's length rule does not explain (`_refused_lengths`) raised at the probe's own length,
+    queries and keys alike: the length the standard probe ran at, so the raise is the layer's, not its rule's."""
+    t, refused = probe.subject.time_dim, _refused_lengths(probe)
+    return any(c.query.shape[t] == probe.t and c.key.shape[t] == probe.t
+               for c in probe.failed_calls if not any(c is r for r in refused))
+
+
 def _lengths(probe: Probe, calls: list) -> list[int]:
     t, w = probe.subject.time_dim, _length_rule(calls[0])
     return sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
