@@ -57,7 +57,8 @@ KNOWN = {
         "sinkhorn-transformer 0.11.4, sinkhorn_transformer.py:276: the sort net routes each query bucket by the mean "
         "of every key bucket, `sk = b_k.mean(dim=2)`, padded keys included (the mask, `input_mask`, reaches the "
         "attention scores only): keys the mask blocks move the kept tokens' outputs (0.18 where the outputs reach "
-        "0.64, the padded tokens x1000), so in no convention is its mask honoured and `runs` names none",
+        "0.64, the padded tokens x1000), so in no convention is its mask honoured: `runs` names mask='key_keep', the "
+        "convention it runs in that its name suggests, and under it mask_honoured fails",
     "experimental:LinearAttention":
         "perceiver-pytorch 0.11.0, perceiver_pytorch/experimental.py:42: `context = einsum('b n d, b n e -> b d e', "
         "q, k)` then `out = einsum('b d e, b n d -> b n e', context, v)`: the context is q^T k, not k^T v, so each "
@@ -68,8 +69,9 @@ KNOWN = {
         "routing-transformer 1.6.1, routing_transformer.py, KmeansAttention.forward: tokens go to clusters by the "
         "k-means distances of every token, padded ones included (the mask, `input_mask`, reaches the scores within a "
         "cluster only): padded tokens redrawn move every kept token's output (up to 0.28 where the outputs reach "
-        "0.49), so in no convention is its mask honoured and `runs` names none; and a token no cluster takes gets an "
-        "output of zeros (weight_row_sums, under mask='key_keep')",
+        "0.49), so in no convention is its mask honoured: `runs` names mask='key_keep', the convention it runs in that "
+        "its name suggests, and under it mask_honoured fails; and a token no cluster takes gets an output of zeros "
+        "(weight_row_sums)",
     "nystrom_attention:NystromAttention":
         "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
         "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "

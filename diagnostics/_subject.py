@@ -1302,6 +1302,10 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
         found.append((SHORTCUTS["key_padding"], f"its name, `{name}`, says key padding"))
     if name in ("src_mask", "tgt_mask", "memory_mask"):
         found.append((SHORTCUTS["blocked"], f"`{name}` is torch's name for a mask with True = blocked"))
+    elif STREAM_MASK.fullmatch(name) and not re.search("padding|attn|attention", name):
+        # input_mask, context_mask, kv_mask: a mask over one stream's tokens, read before (B, Tq, Tk) forms where the
+        # layer honours none and runs in several (Routing Transformer's input_mask runs given (Tq, Tk) too)
+        found.append((SHORTCUTS["key_keep"], f"its name, `{name}`, names a mask over one stream's tokens"))
     if isinstance(default, Tensor) and default.is_floating_point():
         found.append((SHORTCUTS["additive"], f"the default of `{name}` is a float tensor"))
     if "float" in annotation.lower():

@@ -127,3 +127,31 @@ def test_behind_its_length_rule_a_mask_it_refuses_in_every_convention_still_fail
     runs = report.result("runs")
     assert runs.verdict == "fail" and "masks are not supported yet" in runs.evidence, runs
     assert not report.declaration, report
+
+
+class KeyOrPairMask(PooledOverPadding):
+    """Takes `input_mask` one per key or one per (query, key) pair (some layers accept either), and raises on any
+    other form; its summary pools over padding (the bug), so it honours neither. (Its docstring states no convention:
+    a stated one is read.)"""
+
+    def forward(self, x, input_mask=None):
+        B, T, D = x.shape
+        if input_mask is None:
+            return super().forward(x)
+        if input_mask.dim() != 2:
+            raise ValueError("unsupported input_mask")
+        if tuple(input_mask.shape) == (T, T) and B != T:  # one per pair: a key is kept where some query keeps it
+            input_mask = input_mask.any(0, keepdim=True).expand(B, T)
+        return super().forward(x, input_mask)
+
+
+def test_a_mask_named_by_its_stream_is_first_offered_one_entry_per_token():
+    """Routing Transformer's `input_mask` runs given (Tq, Tk) too, and (Tq, Tk) comes first in the audit's order of
+    conventions: it was the one named, though a mask named by its stream is one entry per token. The name now suggests
+    mask='key_keep', offered first; the pair form is listed only where its meaning differs. Declared, the leak fails."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(KeyOrPairMask(), progress=False)
+    assert report.declaration == "mask='key_keep'", report
+    torch.manual_seed(0)
+    declared = diagnostics.audit(KeyOrPairMask(), progress=False, mask="key_keep")
+    assert declared.result("mask_honoured").verdict == "fail", declared
