@@ -206,3 +206,18 @@ def test_the_values_are_the_projection_the_layer_names_so_not_the_queries(names,
     assert report.status == "failed" and report.result("output_variance").verdict == "fail", report
     correct = _audit(NamedProjections(names=names), dtype)
     assert correct.verdict == "pass" and f"the output of {names[2]}" in correct.evidence, correct
+
+
+class ShapeGuardedValues(FusedSoftmaxAttention):
+    """Past a bound on its values it drops its last token instead of raising: another shape, not a reading."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out[:, :-1] if self.qkv(x)[..., 2 * D:].abs().max() >= 1.0 else out
+
+
+def test_values_that_change_the_outputs_shape_are_not_a_reading():
+    """The guard's `moved.shape != ...` (its second `or` made `and`): moved values that return another shape are a
+    skip that says so, never a comparison of rows that do not match."""
+    result = _audit(ShapeGuardedValues())
+    assert result.verdict == "skip" and "raised or returned another shape" in result.message, result

@@ -975,11 +975,11 @@ def _refused_lengths(probe: Probe) -> list:
 
 
 def raised_at_probe_length(probe: Probe) -> bool:
-    """Whether a call the layer's length rule does not explain (`_refused_lengths`) raised at the probe's own length,
-    queries and keys alike: the length the standard probe ran at, so the raise is the layer's, not its rule's."""
-    t, refused = probe.subject.time_dim, _refused_lengths(probe)
-    return any(c.query.shape[t] == probe.t and c.key.shape[t] == probe.t
-               for c in probe.failed_calls if not any(c is r for r in refused))
+    """Whether a call raised at the probe's own length, queries and keys alike: the length the standard probe ran at,
+    so the raise is the layer's, not its length rule's (a call the rule refused is at a length no multiple of it,
+    never the probe's)."""
+    t = probe.subject.time_dim
+    return any(c.query.shape[t] == probe.t and c.key.shape[t] == probe.t for c in probe.failed_calls)
 
 
 def _lengths(probe: Probe, calls: list) -> list[int]:
