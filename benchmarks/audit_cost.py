@@ -45,6 +45,8 @@ length, each process's paired ratio, calls and work, and the median of the round
 imported through AUDIT_COST_TREE, which also names the tree a plain run measures). Two processes of one tree differ by
 up to 5-6%: four rounds of the same code against itself gave 0.991x (0.967-1.060) at 128, causal, 15 audits a process.
 `--json`: the table's rows as JSON lines (what `--vs` reads).
+`--one-stream`: the reference inside a module given one stream, `forward(x, mask)` (`OneStream`), where keys_matter
+reads the values through the value projection (see docs/performance.md for its figures).
 `--pattern`: audit with a declared pattern (diagnostics.patterns; the layer is given its mask), which adds
 attention_pattern (issue 19): at most 9 copies of the probe batch (its MAX_COPIES) and, for a causal layer, 2 copies
 of the decoding inputs (DECODE_COPIES), whatever the pattern's width; the last two columns are the audit's work and
@@ -188,7 +190,7 @@ def work_of_calls(layer, audit) -> tuple[list, int]:
     calls = []
 
     def hook(module, args, kwargs):
-        query = args[0] if args else kwargs["query"]
+        query = args[0] if args else kwargs["query" if "query" in kwargs else "x"]  # x: `OneStream`'s
         key = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("key", query)
         key = query if key is None else key
         grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (query, key))
@@ -233,7 +235,7 @@ def per_detector(layer, clock=time.perf_counter, **options) -> list[tuple[str, i
                 inside[now["det"]] = inside.get(now["det"], 0.0) + clock() - start
 
     def hook(module, args, kwargs):
-        query = args[0] if args else kwargs["query"]
+        query = args[0] if args else kwargs["query" if "query" in kwargs else "x"]  # x: `OneStream`'s
         key = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("key", query)
         key = query if key is None else key
         grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (query, key))
@@ -287,6 +289,9 @@ def main() -> None:
                         help="this tree's warm figures against another checkout's, in alternating fresh processes")
     parser.add_argument("--rounds", type=int, default=4, help="--vs: processes per tree (A B, B A, ...)")
     parser.add_argument("--json", action="store_true", help="one JSON line per length instead of the table")
+    parser.add_argument("--one-stream", action="store_true", help="the reference inside a module given one stream, "
+                                                                  "forward(x, mask): keys_matter reads its values "
+                                                                  "through its value projection")
     args = parser.parse_args()
     if args.vs is not None:
         versus(args)
@@ -307,11 +312,26 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layer = MultiHeadAttention(512, 8, causal=args.causal).eval()
+    if args.one_stream:
+        layer = OneStream(layer).eval()
     diagnostics.audit(MultiHeadAttention(16, 2))  # warm-up: first use of the observer imports torch internals
     if not args.json:
         header(args, pattern)
     for t in args.lengths:
         measure(args, layer, t, pattern)
+
+
+class OneStream(torch.nn.Module):
+    """`--one-stream`: the reference given one stream, self-attention as most models call it. Its keys cannot change
+    without its queries, so keys_matter moves its values alone through the output of its value projection, found by
+    doubling each candidate nn.Linear's output (`Probe.value_projection`): the cost that layer form adds."""
+
+    def __init__(self, inner: MultiHeadAttention):
+        super().__init__()
+        self.inner, self.d_model = inner, inner.d_model
+
+    def forward(self, x, mask=None):
+        return self.inner(x, mask=mask)
 
 
 def header(args, pattern) -> None:

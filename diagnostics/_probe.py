@@ -460,7 +460,7 @@ class Probe:
         the output of its value projection (`value_projection`) replaced, and what its output projection is given
         read as the attended values."""
         found = self.value_projection()
-        if found is None:
+        if found is None or self.base().query.shape[1] > ONE_HOT_KEYS_MAX:  # one call per key
             return None, ""
 
         def attended(one_hot: Tensor, label: str) -> Tensor | None:
@@ -478,7 +478,8 @@ class Probe:
         output projection (the last nn.Linear whose output has the queries' rows: a joint layer's image projection,
         its text's left empty; PAG's, called on each chunk) is never taken, nor a call whose output is the layer's or
         a part of it; what it is given is read where its output is the layer's, else the layer's output. None where
-        none is, or the standard probe is longer than ONE_HOT_KEYS_MAX. Read once (cached)."""
+        none is. Read once (cached), in one call per candidate, at any length (the weights read one key at a time
+        through it, `_through_value_projection`, stop at ONE_HOT_KEYS_MAX keys; keys_matter's move does not)."""
         if "value_projection" not in self.memo:
             asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
             try:
@@ -489,7 +490,7 @@ class Probe:
 
     def _value_projection(self) -> ValueProjection | None:
         layer, base = getattr(self.subject, "layer", None), self.base()
-        if not isinstance(layer, torch.nn.Module) or not base.ok or base.query.shape[1] > ONE_HOT_KEYS_MAX or \
+        if not isinstance(layer, torch.nn.Module) or not base.ok or \
                 not any(isinstance(m, torch.nn.Linear) for m in layer.modules()):
             return None
         attended_base, calls = self._linear_run({}, "the standard probe, what its output projection is given")

@@ -221,3 +221,13 @@ def test_values_that_change_the_outputs_shape_are_not_a_reading():
     skip that says so, never a comparison of rows that do not match."""
     result = _audit(ShapeGuardedValues())
     assert result.verdict == "skip" and "raised or returned another shape" in result.message, result
+
+
+def test_values_are_read_past_the_one_key_at_a_time_limit():
+    """The value projection was sought only up to ONE_HOT_KEYS_MAX tokens (the limit of the weights read one key at a
+    time through it): at seq_len 128, a context length people audit at, keys_matter was "not applicable" for every
+    one-stream layer, and the q^T k bug passed. Its search and move take one call each at any length."""
+    swapped = _audit(FusedLinearAttention(swapped=True), seq_len=128)
+    assert swapped.verdict == "fail" and "no query reads another token's value" in swapped.message, swapped
+    correct = _audit(FusedLinearAttention(), seq_len=128)
+    assert correct.verdict == "pass" and "to_qkv (its last third, the values)" in correct.evidence, correct
