@@ -1298,11 +1298,12 @@ def suggested_conventions(subject: Subject) -> list[tuple[MaskConvention, str]]:
     annotation = "" if param is None or param.annotation is param.empty else str(param.annotation)
     default = None if param is None else param.default
     found = []
-    if "padding" in name:
+    words = set(name.split("_"))
+    if "padding" in name or "pad" in words:
         found.append((SHORTCUTS["key_padding"], f"its name, `{name}`, says key padding"))
     if name in ("src_mask", "tgt_mask", "memory_mask"):
         found.append((SHORTCUTS["blocked"], f"`{name}` is torch's name for a mask with True = blocked"))
-    elif STREAM_MASK.fullmatch(name) and not re.search("padding|attn|attention", name):
+    elif STREAM_MASK.fullmatch(name) and not re.search("pad|attn|attention", name):
         # input_mask, context_mask, kv_mask: a mask over one stream's tokens, read before (B, Tq, Tk) forms where the
         # layer honours none and runs in several (Routing Transformer's input_mask runs given (Tq, Tk) too)
         found.append((SHORTCUTS["key_keep"], f"its name, `{name}`, names a mask over one stream's tokens"))

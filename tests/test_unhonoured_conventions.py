@@ -15,6 +15,7 @@ without a length rule of their own. Each bug test has its twin on the same input
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -154,4 +155,72 @@ def test_a_mask_named_by_its_stream_is_first_offered_one_entry_per_token():
     assert report.declaration == "mask='key_keep'", report
     torch.manual_seed(0)
     declared = diagnostics.audit(KeyOrPairMask(), progress=False, mask="key_keep")
+    assert declared.result("mask_honoured").verdict == "fail", declared
+
+
+class ViewedTokens(nn.Module):
+    """Takes the audit's own mask (B, 1, Tq, Tk), and (B, Tk) too; its one defect is `x.view(B * T, D)`, which raises
+    on non-contiguous inputs (`flat_view=False`: its twin, `reshape`). `bucket`: a length rule of its own."""
+
+    def __init__(self, flat_view: bool = True, bucket: int | None = None):
+        super().__init__()
+        self.flat_view, self.bucket = flat_view, bucket
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        if self.bucket:
+            assert T % self.bucket == 0, f"sequence {T} needs to be divisible by bucket size {self.bucket}"
+        flat = x.view(B * T, D) if self.flat_view else x.reshape(B * T, D)
+        q, k, v = (t.view(B, T, 4, -1).transpose(1, 2) for t in self.qkv(flat).view(B, T, -1).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~(mask[:, None, None, :] if mask.dim() == 2 else mask), float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_raise_the_mask_does_not_cause_names_no_declaration(causal):
+    """Under a causal audit every call carries a mask, and the non-contiguous call's raise ran again given its mask one
+    batch row at a time (contiguous there): a declaration was named, under which the `view` bug passed. The refused
+    calls must run with no mask at all first; and a layer that honours the audit's own mask has no convention to
+    declare. runs fails at the `view`; its twin passes on the same inputs."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(ViewedTokens(), progress=False, causal=causal)
+    runs = report.result("runs")
+    assert runs.verdict == "fail" and not report.declaration, report
+    source, first = inspect.getsourcelines(ViewedTokens.forward)
+    line = first + next(i for i, text in enumerate(source) if "flat = x.view" in text)
+    assert [site.line for site in runs.where][:1] == [line], [site.describe() for site in runs.where]
+    torch.manual_seed(0)
+    assert diagnostics.audit(ViewedTokens(flat_view=False), progress=False, causal=causal).passed
+
+
+def test_behind_a_length_rule_the_failure_counts_and_points_at_the_layers_own_raise():
+    """Settled past its length rule, runs counted the lengths the rule refused among the failures ("raised on 4 of the
+    audit's probes") and pointed at the rule's `assert`; those are skipped, not failed: one failure, at the `view`."""
+    torch.manual_seed(0)
+    runs = diagnostics.audit(ViewedTokens(bucket=4), progress=False).result("runs")
+    assert runs.verdict == "fail" and runs.message == "the layer raised on 1 of the audit's probes", runs
+    assert "no multiple of the 4 its own check asks for, and those probes are skipped" in runs.evidence, runs
+    source, first = inspect.getsourcelines(ViewedTokens.forward)
+    line = first + next(i for i, text in enumerate(source) if "flat = x.view" in text)
+    assert [site.line for site in runs.where][:1] == [line], [site.describe() for site in runs.where]
+
+
+class PadMaskOverPadding(PooledOverPadding):
+    """PooledOverPadding whose mask is named `pad_mask` and marks padding: True = a padded token."""
+
+    def forward(self, x, pad_mask=None):
+        return super().forward(x, None if pad_mask is None else ~pad_mask)
+
+
+def test_a_pad_mask_suggests_key_padding_not_key_keep():
+    """`pad_mask` matched the stream names' `pad_` and suggested key_keep, the opposite meaning; `pad`, as
+    `padding`, now suggests key_padding first (the other meaning listed). Declared, the leak fails."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(PadMaskOverPadding(), progress=False)
+    assert report.declaration == "mask='key_padding'", report
+    torch.manual_seed(0)
+    declared = diagnostics.audit(PadMaskOverPadding(), progress=False, mask="key_padding")
     assert declared.result("mask_honoured").verdict == "fail", declared

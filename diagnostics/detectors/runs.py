@@ -253,24 +253,25 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     if probe.not_taken:  # probes the layer as held could not be given (`ProbeNotTaken`): skipped, with the reason
         skipped = [shape.label for shapes in probe.shapes.values() for shape in shapes if shape.not_taken]
         self_only += f"; skipped {len(set(skipped))} probes ({', '.join(dict.fromkeys(skipped))}): {probe.not_taken_text()}"
-    failed = unique([(d, shape) for d, shape in probe.raised if d == det]
-                     + [(d, shape) for d, shape in probe.raised if d != det])
+    failed = _failed(probe.raised)
     n_calls = sum(len(v) for v in probe.shapes.values())
     if failed:
-        by_error: dict[str, list[str]] = {}  # one exception raised on many probes is quoted once
-        for d, shape in failed:
-            by_error.setdefault(shape.raised, []).append(f"{shape.label}{'' if d in (det, 'base') else f' ({d})'}")
-        listed = "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
-                           f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
-                           for error, labels in by_error.items())
-        evidence = f"{listed} ({n_calls} calls in all){self_only}"
+        evidence = f"{_listed(failed)} ({n_calls} calls in all){self_only}"
         needed = (_own_queries_needed(probe, evidence) or _needed_declaration(probe, evidence)
                   or _length_constraint(probe, evidence) or _required_input(probe, evidence))
         if needed is not None:
             return needed
+        calls, refused = probe.failed_calls, _refused_lengths(probe)
+        if refused:  # the layer's own length rule refused these: skipped, neither counted nor replayed
+            calls = [c for c in calls if not any(c is r for r in refused)]
+            failed = _failed([raised for raised, c in zip(probe.raised, probe.failed_calls)
+                              if any(c is k for k in calls)])
+            evidence = (f"{_listed(failed)} ({n_calls} calls in all){self_only}; it also refused T = "
+                        f"{', '.join(map(str, _lengths(probe, refused)))}, no multiple of the "
+                        f"{_length_rule(refused[0])} its own check asks for, and those probes are skipped "
+                        f"({refused[0].describe_error()})")
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
-                               value=float(len(failed)), threshold=0.0, evidence=evidence,
-                               replay=tuple(probe.failed_calls))
+                               value=float(len(failed)), threshold=0.0, evidence=evidence, replay=tuple(calls))
         hint = _mask_hint(probe)
         return replace(failed_result, fix=f"{hint}; {failed_result.fix}") if hint else failed_result
     # a shape of runs' list that another detector's probe has (then runs does not call it): named with that probe
@@ -279,6 +280,21 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"ran on its {len(own)} shapes ({', '.join(shape.label for shape in own)}) and on "
                                 f"every other detector's probe ({n_calls} calls in all{borrowed}){self_only}",
                   value=0.0, threshold=0.0)
+
+
+def _failed(raised: list) -> list:
+    """(detector, shape) of each call that raised, runs' own first, each shape once."""
+    return unique([(d, shape) for d, shape in raised if d == "runs"] + [(d, shape) for d, shape in raised if d != "runs"])
+
+
+def _listed(failed: list) -> str:
+    """The calls that raised, one exception raised on many probes quoted once."""
+    by_error: dict[str, list[str]] = {}
+    for d, shape in failed:
+        by_error.setdefault(shape.raised, []).append(f"{shape.label}{'' if d in ('runs', 'base') else f' ({d})'}")
+    return "; ".join(f"{labels[0]}: {error}" if len(labels) == 1 else
+                     f"raised on {len(labels)} probes: {error} (the probes: {', '.join(labels)})"
+                     for error, labels in by_error.items())
 
 
 def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
@@ -299,8 +315,10 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
     lengths = "" if not refused else (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no "
                                       f"multiple of the {_length_rule(refused[0])} its own check asks for, and those "
                                       f"probes are skipped ({refused[0].describe_error()})")
-    if not found:
+    if not found and probe.mask_hints.get("given") is None:  # given: it honours the audit's own convention
         return _needed_where_it_runs(probe, evidence, given, lengths, calls)
+    if not found:
+        return None
     convention, how = found[0]
     declare = spell("mask", str(convention), probe.options)
     return result("runs", "skip", f"needs a declaration, {declare}: the layer raised only where the audit gave it a "
@@ -320,6 +338,8 @@ def _needed_where_it_runs(probe: Probe, evidence: str, given: str, lengths: str,
     mismatch is no defect and what the layer does with its mask is the mask detectors' to judge once it is declared: a
     skip naming the declaration, under which a mask the layer does not honour fails `mask_honoured`. None where no
     convention runs every failed call (a raise the mask does not cause: a function's rotation at H = 1)."""
+    if not _runs_every(probe, None, calls):  # without a mask it raises too: its raise is not the mask's
+        return None
     ran = [c for c in conventions_run(probe) if _runs_every(probe, c, calls)]
     if not ran:
         return None
@@ -349,14 +369,16 @@ def _needed_where_it_runs(probe: Probe, evidence: str, given: str, lengths: str,
 
 
 def _runs_every(probe: Probe, convention, calls: list) -> bool:
-    """Whether each of `calls` runs again with its mask given in `convention`: the mask, not its shapes, was what the
-    layer refused. One call each, stopping at the first that raises."""
-    subject = probe.subject.with_convention(convention)
+    """Whether each of `calls` runs again with its mask given in `convention`, or with no mask at all where
+    `convention` is None: the mask, not the call's inputs, was what the layer refused (a `view` of non-contiguous
+    inputs raises without a mask too, and a convention given one batch row at a time makes them contiguous: its run
+    there says nothing of the mask). One call each, stopping at the first that raises."""
+    subject = probe.subject if convention is None else probe.subject.with_convention(convention)
     for c in calls:
         probe.passes += 1
         try:
             with torch.no_grad():
-                subject(c.query, c.key, c.value, c.allowed)
+                subject(c.query, c.key, c.value, None if convention is None else c.allowed)
         except Exception:  # noqa: BLE001 - still refused in this convention: not the mask's doing
             return False
     return True
