@@ -471,7 +471,7 @@ class Probe:
         return (weights, f"weights read through the values, the output of {found.name}, one key at a time ({n} "
                          f"calls)") if weights is not None else (None, "")
 
-    def value_projection(self) -> ValueProjection | None:
+    def value_projection(self, nth: int = 0) -> ValueProjection | None:
         """A module given one stream: its value projection, an nn.Linear called before the last one whose output (or
         the last part of it, a half or a third: a fused `to_kv` or `to_qkv`, chunked k, v or q, k, v), doubled,
         doubles what the output projection is given (the weights do not depend on the values; on q or k they do). The
@@ -479,34 +479,38 @@ class Probe:
         its text's left empty; PAG's, called on each chunk) is never taken, nor a call whose output is the layer's or
         a part of it; what it is given is read where its output is the layer's, else the layer's output. None where
         none is. Read once (cached), in one call per candidate, at any length (the weights read one key at a time
-        through it, `_through_value_projection`, stop at ONE_HOT_KEYS_MAX keys; keys_matter's move does not)."""
-        if "value_projection" not in self.memo:
-            asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
-            try:
-                self.memo["value_projection"] = self._value_projection()
-            finally:
-                self.detector = asking
-        return self.memo["value_projection"]
+        through it, `_through_value_projection`, stop at ONE_HOT_KEYS_MAX keys; keys_matter's move does not).
+        `nth`: the nth such projection in the order they are tried (keys_matter tries another where the first moved
+        no other row: a linear gate, `out = attn * g(x)`, also doubles the output)."""
+        found = self.memo.setdefault("value_projections", [])
+        search = self.memo.setdefault("value_search", self._value_projections())
+        asking, self.detector = self.detector, "base"  # read for the asking detector, not one of its probes
+        try:
+            while len(found) <= nth and (more := next(search, None)) is not None:
+                found.append(more)
+        finally:
+            self.detector = asking
+        return found[nth] if nth < len(found) else None
 
-    def _value_projection(self) -> ValueProjection | None:
+    def _value_projections(self):
         layer, base = getattr(self.subject, "layer", None), self.base()
         if not isinstance(layer, torch.nn.Module) or not base.ok or \
                 not any(isinstance(m, torch.nn.Linear) for m in layer.modules()):
-            return None
+            return
         attended_base, calls = self._linear_run({}, "the standard probe, what its output projection is given")
         if attended_base is None:
-            return None
+            return
         width, names = attended_base.shape[-1], {m: name for name, m in layer.named_modules()}
         wide = torch.float64 if self.subject.dtype == torch.float64 else torch.float32
         scale = float(attended_base.to(wide).pow(2).mean().sqrt()) or 1.0
         shaped = [m for m, _, out in calls if tuple(out.shape) == tuple(base.query.shape[:-1]) + (width,)]
         last = shaped[-1] if shaped else calls[-1][0]  # the output projection: the last that makes the queries' rows
         # one the layer names its values first (v_proj, value, to_v), then in call order, never one it names its
-        # queries' or keys': where the weights are linear in q and k too (no softmax), doubling q doubles the output
-        # as well, and q's projection, called first, was taken for the values (BERT's and ViT's no-softmax twins
-        # "read their own value only")
+        # queries', keys' or a gate's: where the weights are linear in q and k too (no softmax), doubling q doubles
+        # the output as well, and q's projection, called first, was taken for the values (BERT's and ViT's no-softmax
+        # twins "read their own value only"); so does a linear gate's
         for module, _, output in sorted(calls[:-1], key=lambda c: _names_role(names[c[0]]) != "values"):
-            if module is last or _names_role(names[module]) == "queries or keys":
+            if module is last or _names_role(names[module]) == "not the values":
                 continue
             n = output.shape[-1]
             if output.shape[:-1] != base.query.shape[:-1] or n not in (width, 2 * width, 3 * width) or \
@@ -519,13 +523,13 @@ class Probe:
                     (doubled.to(wide) - 2 * attended_base.to(wide)).abs().max()) / scale <= tolerance(
                     ROW_SUM, self.subject.dtype):
                 share = {1: "", 2: " (its last half, the values)", 3: " (its last third, the values)"}[n // width]
-                return ValueProjection(module, part, names[module] + share, output[..., part], attended_base)
-        return None
+                yield ValueProjection(module, part, names[module] + share, output[..., part], attended_base)
 
-    def with_values(self, values, label: str) -> Tensor | None:
+    def with_values(self, values, label: str, found: ValueProjection | None = None) -> Tensor | None:
         """What the output projection is given (or the layer's output) on the standard probe's inputs with the value
-        projection's output (`value_projection`) replaced by `values(its output)`; None where the call raised."""
-        found = self.value_projection()
+        projection's output (`found`, else `value_projection`'s first) replaced by `values(its output)`; None where
+        the call raised."""
+        found = found or self.value_projection()
         return self._linear_run({found.module: part_replaced(found.part, values)}, label)[0]
 
     def _linear_run(self, replace: dict, label: str) -> tuple[Tensor | None, list]:
@@ -604,14 +608,16 @@ class ValueProjection:
     attended: Tensor
 
 
-QUERY_KEY_WORDS = frozenset(("q", "query", "queries", "xq", "wq", "wk", *KEY_NAMES))
+NOT_VALUE_WORDS = frozenset(("q", "query", "queries", "xq", "wq", "wk", *KEY_NAMES, "g", "gate", "gates", "gating"))
+"""Words of a module's name that say it makes no values: a query's, a key's or a gate's."""
 
 
 def _names_role(name: str) -> str:
-    """What a module's name says it makes: "values" where a word of its last part is one of VALUE_NAMES (v_proj,
-    value, to_v, w_v), "queries or keys" where one is a query's or key's word (q_proj, query, to_k, wq), else ""."""
-    words = set(name.rsplit(".", 1)[-1].lower().split("_"))
-    return "values" if words & {*VALUE_NAMES, "wv"} else "queries or keys" if words & QUERY_KEY_WORDS else ""
+    """What a module's name says it makes: "values" where a word of its name (any part: `q_proj.0`, PEFT's
+    `v_proj.base_layer`) is one of VALUE_NAMES (v_proj, value, to_v, w_v), "not the values" where one is a query's,
+    a key's or a gate's (q_proj, query, to_k, wq, gate, g_proj), else ""."""
+    words = set(name.lower().replace(".", "_").split("_"))
+    return "values" if words & {*VALUE_NAMES, "wv"} else "not the values" if words & NOT_VALUE_WORDS else ""
 
 
 def _slice_of(part: Tensor, whole: Tensor) -> bool:

@@ -231,3 +231,76 @@ def test_values_are_read_past_the_one_key_at_a_time_limit():
     assert swapped.verdict == "fail" and "no query reads another token's value" in swapped.message, swapped
     correct = _audit(FusedLinearAttention(), seq_len=128)
     assert correct.verdict == "pass" and "to_qkv (its last third, the values)" in correct.evidence, correct
+
+
+class LinearGated(nn.Module):
+    """timm's fused qkv, softmax attention, and a linear gate on its output, `proj(attn * w(x))`, the gate called
+    first and named unlike one (`mix`): doubling it doubles the output as the values' does."""
+
+    def __init__(self, gate_name: str = "mix"):
+        super().__init__()
+        self.gate_name = gate_name
+        setattr(self, gate_name, nn.Linear(D, D))
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        g = getattr(self, self.gate_name)(x)
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        w = (q @ k.transpose(-2, -1) * (D // H) ** -0.5).softmax(-1)
+        return self.proj((w @ v).transpose(1, 2).reshape(B, T, D) * g)
+
+
+class WrappedReluLinear(nn.Module):
+    """A linear attention without a softmax or a denominator, relu(q) @ (relu(k)^T v) / T (linear in q), its
+    projections wrapped as LoRA or quantisation wrappers nest them (`q_proj.0`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Sequential(nn.Linear(D, D)) for _ in range(3))
+        self.o_proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, H, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = torch.relu(q) @ (torch.relu(k).transpose(-2, -1) @ v) / T
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("seq_len", [16, 128])
+@pytest.mark.parametrize("make", [lambda: LinearGated("mix"), lambda: LinearGated("gate"), WrappedReluLinear],
+                         ids=["gate named mix", "gate named gate", "wrapped q_proj.0"])
+def test_a_gate_or_a_wrapped_query_projection_is_not_taken_for_the_values(make, seq_len):
+    """A linear gate called before the values' projection, or q's projection in a layer linear in q, doubles the
+    output too; its move reaches only its own row, and keys_matter failed these correct layers ("reads its own value
+    only"), at 16 tokens and, once the search ran at any length, at 128. A name of a gate's or, in any part of the
+    name, a query's is never taken, and a projection whose move reaches no other row gives way to the next."""
+    result = _audit(make(), seq_len=seq_len)
+    assert result.verdict == "pass", result
+
+
+class PremixSwapped(FusedLinearAttention):
+    """The q^T k context of FusedLinearAttention(swapped=True), after a legitimate per-token mix of each head's value
+    features by a weight of the layer's, `v @ v_mix`."""
+
+    def __init__(self):
+        super().__init__(swapped=True)
+        self.v_mix = nn.Parameter(torch.eye(D // H) + 0.1 * torch.randn(D // H, D // H))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        v = v @ self.v_mix  # each token's own value features mixed: no weighting of tokens
+        q, k = (q * (D // H) ** -0.5).softmax(-1), k.softmax(-2)
+        out = v @ (q.transpose(-2, -1) @ k)  # the bug: context q^T k
+        return self.to_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+def test_the_site_is_the_product_with_something_of_the_tokens_not_a_weight():
+    """The values reach `v @ v_mix` first, a projection by a weight of the layer's; the site is the product after it,
+    whose other operand is made of the tokens: the bug's line."""
+    result = _audit(PremixSwapped())
+    source, first = inspect.getsourcelines(PremixSwapped.forward)
+    line = first + next(i for i, text in enumerate(source) if "out = v @" in text)
+    assert result.verdict == "fail" and [site.line for site in result.where][:1] == [line], \
+        [site.describe() for site in result.where]

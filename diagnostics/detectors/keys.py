@@ -27,7 +27,7 @@ def keys_sites(probe, result: DetectorResult) -> list[Site]:
     computed from the wrong input stream."""
     base = result.replay
     if base is None:
-        return _values_sites(probe) if "values_moved" in result.extras else []
+        return _values_sites(probe, result.extras["values_moved"]) if "values_moved" in result.extras else []
     s = probe.subject
     B, T = base.query.shape[0], base.query.shape[s.time_dim]
     trace = trace_call(s, base.query, base.key, base.value, probe.allowed(B, T, T), seed=probe.seed)
@@ -47,6 +47,10 @@ PACKED_KEYS = 8
 KEYS_FIX = ("weight the values by the attention over the keys: out = weights @ v (for linear attention, q @ (k^T v): "
             "its context is k^T v, not q^T k)")
 
+VALUE_TRIES = 3
+"""The most value projections keys_matter tries, in `Probe.value_projection`'s order, before a FAIL (each try: one call
+to find it, one to move its values; only where the one before moved no other row)."""
+
 VALUE_GAIN = 10.0  # knob: how far one token's values move, in units of the values' RMS (x10, x0.1: no verdict moves)
 
 
@@ -55,14 +59,13 @@ def _moving(gain: float, rms: float):
     return lambda v: torch.cat([v[:, :1] + gain * rms, v[:, 1:]], 1)
 
 
-def _values_sites(probe: Probe) -> list[Site]:
+def _values_sites(probe: Probe, found) -> list[Site]:
     """For `_values_read`'s FAIL: the standard probe traced twice, with token 0's values as they were (moved by 0) and
-    moved, through the same ops; the first product whose output the move reaches is where the values are weighted,
-    and there they reached no other row (perceiver's `v @ context`, its context q^T k). [] where the two traces do not
-    line up op for op or no product was reached."""
-    found, base = probe.value_projection(), probe.base()
-    if found is None:
-        return []
+    moved, through the same ops; the first product of the values with something made of the tokens (a product with a
+    weight of the layer's projects them, `v @ W`) whose output the move reaches is where the values are weighted, and
+    there they reached no other row (perceiver's `v @ context`, its context q^T k). [] where the two traces do not
+    line up op for op or no such product was reached."""
+    base = probe.base()
     rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
     traces = []
     for gain in (0.0, VALUE_GAIN):
@@ -79,6 +82,8 @@ def _values_sites(probe: Probe) -> list[Site]:
         if a.short not in MATMULS or a.name != b.name or not a.outs or not b.outs or a.outs[0] is None or \
                 b.outs[0] is None or a.outs[0].shape != b.outs[0].shape or torch.equal(a.outs[0], b.outs[0]):
             continue
+        if any(not kept.sources.get(i) for i in a.in_ids):
+            continue  # a product with a weight of the layer's (a projection of the values), no weighting of tokens
         site = op_site(a, f"the first product the values reach (token 0's moved in the output of {found.name}); no "
                           f"other row of the output moved, so this product takes each token's own values instead of "
                           f"summing them over the keys", fix=KEYS_FIX)
@@ -91,20 +96,38 @@ def _values_read(probe: Probe) -> DetectorResult:
     its value projection (`Probe.value_projection`). Token 0's values moved alone (VALUE_GAIN x the values' RMS) must
     move some other token's output that may attend it: an attention whose every output row reads its own token's
     value only mixes no tokens (perceiver-pytorch 0.11.0's experimental LinearAttention: its context is q^T k, not
-    k^T v, and each output row its own value times that). A skip where no value projection is found."""
-    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
+    k^T v, and each output row its own value times that). A projection whose move reaches no other row may be
+    another's that doubles the output too (a linear gate named unlike one, `out = attn * w(x)`; q's, in a layer
+    without a softmax, named unlike one): up to VALUE_TRIES of them are tried, and the first that reaches another row
+    is the values. A skip where no value projection is found."""
+    det = "keys_matter"
     other = not_token_attention(probe, det)  # channel attention (XCA's) reads each token's own value by design
     if other is not None:
         return other
-    found = probe.value_projection()
-    if found is None:
-        return DetectorResult(det, "skip", NOT_APPLICABLE + "the layer takes one input stream, so a query cannot "
-                              "change without its key, and no value projection was found to change its values alone (an "
-                              "nn.Linear, or the last half or third of one, whose output, doubled, doubles what the "
-                              "output projection is given)")
+    first = None
+    for nth in range(VALUE_TRIES):
+        found = probe.value_projection(nth)
+        if found is None:
+            break
+        read = _read_through(probe, found)
+        if read.verdict == "pass":
+            return read
+        first = first or read
+    if first is not None:
+        return first
+    return DetectorResult(det, "skip", NOT_APPLICABLE + "the layer takes one input stream, so a query cannot change "
+                          "without its key, and no value projection was found to change its values alone (an "
+                          "nn.Linear, or the last half or third of one, whose output, doubled, doubles what the output "
+                          "projection is given)")
+
+
+def _read_through(probe: Probe, found) -> DetectorResult:
+    """`_values_read` through the value projection `found`: token 0's values moved, the other rows that may attend
+    it must move."""
+    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
     rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
     moved = probe.with_values(_moving(VALUE_GAIN, rms),
-                              f"the standard probe with token 0's values moved (the output of {found.name})")
+                              f"the standard probe with token 0's values moved (the output of {found.name})", found)
     if moved is None or moved.shape != found.attended.shape or moved.dim() < 2:
         return skip(det, f"with token 0's values moved (the output of {found.name}) the layer raised or returned "
                          f"another shape")
@@ -136,7 +159,7 @@ def _values_read(probe: Probe) -> DetectorResult:
     if worst <= tol:
         return DetectorResult(det, "fail", "no query reads another token's value: each output row moves with its own "
                                            "token's value only", value=worst, threshold=tol, evidence=text,
-                              fix=KEYS_FIX, extras={"values_moved": True})
+                              fix=KEYS_FIX, extras={"values_moved": found})
     return DetectorResult(det, "pass", f"the output depends on the values of other tokens: changing token 0's values "
                                        f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,
                           threshold=tol, evidence=text)
