@@ -760,25 +760,25 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "non-zero, and the case output's own scale where it is zero, as `or None` gave (None) there too; the same "
         "numbers, one measurement per case instead of one (checked by hand in _core.relative_change)"),
     # keys_matter for one stream (2026-12-06, fifteenth session)
-    "detectors/keys.py:_values_read:L*:or->and": (
+    "detectors/keys.py:_read_through:L*:or->and": (
         "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "how far token 0's values move (the values' "
         "RMS, or 1 where it is 0): a row that reads another value moves by any size, one that reads none by exactly 0 "
         "at every size (VALUE_GAIN x10 and x0.1 move no verdict)"),
-    "detectors/keys.py:_values_read:L*:x10": (
+    "detectors/keys.py:_read_through:L*:x10": (
         "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "the move's size where the values' RMS is 0: "
         "a value projection is found only where doubling its output doubles a non-zero one, so it is never 0"),
-    "detectors/keys.py:_values_read:L*:x0.1": (
+    "detectors/keys.py:_read_through:L*:x0.1": (
         "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "as x10: never reached"),
-    "detectors/keys.py:_values_read:L*:guard-never": (
+    "detectors/keys.py:_read_through:L*:guard-never": (
         "if change is None:", "relative_change is None only where both outputs are zero or non-finite everywhere, "
         "and a value projection is found only where doubling its output doubles a finite, non-zero one"),
-    "detectors/keys.py:_values_read:L*:LtE->Lt": (
+    "detectors/keys.py:_read_through:L*:LtE->Lt": (
         "if worst <= tol:", "a row that reads no other value moves by exactly 0, one that reads them by orders above "
         "the tolerance: worst == tol is met by neither"),
-    "detectors/keys.py:_values_read:L*:Gt->GtE": (
+    "detectors/keys.py:_read_through:L*:Gt->GtE": (
         'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
         "(words only)"),
-    "detectors/keys.py:_values_read:L*:Gt->Lt": (
+    "detectors/keys.py:_read_through:L*:Gt->Lt": (
         'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
         "(words only)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->Lt": (
