@@ -21,6 +21,7 @@ from torch import Tensor
 from ._errors import ProbeNotTaken
 from ._frames import exception_text
 from ._guard import seed_rng
+from ._layout import CHECKED, MAX_TOKENS, TokenLayout, bits, decode, laid_out, moved_rows, numbers, partition
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import KEY_NAMES, VALUE_NAMES, Output, Subject, not_weights
@@ -367,7 +368,8 @@ class Probe:
                 over_keys = sm.dim in (-1, sm.output.dim() - 1)
                 over_queries = sm.dim in (-2, sm.output.dim() - 2)
                 if (over_keys or (over_queries and not fused)) and \
-                        (whole := block_diagonal(sm.output, t_q, t_k)) is not None:
+                        (whole := block_diagonal(sm.output, t_q, t_k)) is not None and \
+                        self._blocks_hold(call, sm, t_q, t_k):
                     said = blocks_said(sm.output, sm.output.shape[-1])
                     return whole, f"observed softmax output (dim={sm.dim}), {said}"
             for f in reversed(call.record.fused):
@@ -375,6 +377,93 @@ class Probe:
                     return whole, ("weights of the observed fused attention call (recomputed from its inputs), "
                                    + blocks_said(f.q, f.k.shape[-2]))
         return None, ""
+
+    def _tagged(self, call: Call, t_q: int, t_k: int) -> tuple[Tensor | None, str]:
+        """Weights over blocks of the layer's own partition of the tokens (`_layout`): each row and column matched to
+        its token by tagging the tokens of `call`'s inputs, one observed call per bit of their numbers and one that
+        checks the reading; the layout read once per input shape and mask."""
+        s, t = self.subject, self.subject.time_dim
+        found = partition(call.record, t_q, t_k)
+        B = call.query.shape[0]
+        if found is None or s.own_queries or call.query.shape[t] != t_q or call.key.shape[t] != t_k or \
+                B * max(t_q, t_k) > MAX_TOKENS:
+            return None, ""
+        key = ("tagged", tuple(call.query.shape), tuple(call.key.shape), None if call.allowed is None
+               else id(call.allowed))
+        if key not in self.memo:
+            self.memo[key] = self._tag(call, t_q, t_k)
+        layout = self.memo[key]
+        if layout is None:
+            return None, ""
+        whole = laid_out(found.softmax.output, layout, B, t_q, t_k, tolerance(ROW_SUM, s.dtype))
+        if whole is None:
+            return None, ""
+        blocks, n, m = found.queries.shape[0], found.queries.shape[1], found.values.shape[1]
+        return whole, (f"observed softmax output (dim={found.softmax.dim}), over {blocks} blocks of {n} queries and {m} "
+                       f"keys the layer makes of its tokens, each weight placed at its query's and its key's token "
+                       f"(read by tagging the tokens: {bits(B, max(t_q, t_k)) + 1} calls)")
+
+    def _tag(self, call: Call, t_q: int, t_k: int) -> TokenLayout | None:
+        B = call.query.shape[0]
+        numbers_q, numbers_k = numbers(B, t_q), numbers(B, t_k)
+        reads = [self._tagged_call(call, (numbers_q >> c) & 1 == 1, (numbers_k >> c) & 1 == 1,
+                                   f"tokens tagged by bit {c} of their numbers", t_q, t_k)
+                 for c in range(bits(B, max(t_q, t_k)))]
+        checked = self._tagged_call(call, CHECKED(numbers_q), CHECKED(numbers_k),
+                                    "tokens tagged by a pattern that checks the reading", t_q, t_k)
+        base = partition(call.record, t_q, t_k)
+        if base is None or checked is None or any(r is None for r in reads):
+            return None
+        every_q, every_k = CHECKED(torch.arange(B * t_q + 1)), CHECKED(torch.arange(B * t_k + 1))
+        every_q[0] = every_k[0] = False  # number 0: no token
+        return decode(base, reads, checked, every_q, every_k, B * t_q, B * t_k)
+
+    def _tagged_call(self, call: Call, chosen_q: Tensor, chosen_k: Tensor, label: str, t_q: int, t_k: int):
+        """`call`'s inputs with the tokens `chosen_q` (B, Tq) and `chosen_k` (B, Tk) moved by about their size (one
+        draw per stream, the same in every tagged call of it), observed: its `partition`, or None."""
+        t, B = self.subject.time_dim, call.query.shape[0]
+        streams: dict = {}
+        for x, chosen in ((call.query, chosen_q), (call.key, chosen_k), (call.value, chosen_k)):
+            if id(x) in streams:
+                continue
+            unit = self.memo.get(("tag noise", tuple(x.shape)))
+            if unit is None:  # one draw per shape: every tagged call of a reading moves a token alike
+                unit = self.memo[("tag noise", tuple(x.shape))] = torch.randn(x.shape, generator=self.generator())
+            noise = (unit * x.detach().float().pow(2).mean().sqrt()).to(dtype=x.dtype, device=x.device)
+            where = chosen.reshape([B] + [x.shape[t] if i == t else 1 for i in range(1, x.dim())]).to(x.device)
+            streams[id(x)] = torch.where(where, x + noise, x)
+        q, k, v = (streams[id(x)] for x in (call.query, call.key, call.value))
+        got = self.call(q, k, v, call.allowed, label=label, observe=True)
+        return partition(got.record, t_q, t_k) if got.ok else None
+
+    def _blocks_hold(self, call: Call, sm, t_q: int, t_k: int) -> bool:
+        """Whether weights over blocks, (..., n_blocks, n, m), are blocks of consecutive tokens as `block_diagonal`
+        reads them (block j's rows the tokens j x n + r, the outermost axis the batch): one observed call with a
+        pattern of tokens moved must move exactly the rows of queries and values that reading predicts. Heads as
+        many as the blocks a probe's tokens make (ScalableViT's windows of 6 on 12 x 12 with 4 heads) were read as
+        blocks. True where the layer's record gives no one weighted sum to check it by (read as before)."""
+        found = partition(call.record, t_q, t_k)
+        n_blocks, n, m = sm.output.shape[-3:]
+        if found is None or found.softmax is not sm or n != m or n_blocks * n != t_q or t_q != t_k:
+            return True  # no one weighted sum to check by, or blocks of pooled queries (Hiera's mask units)
+        key = ("blocks hold", tuple(call.query.shape), tuple(call.key.shape), None if call.allowed is None
+               else id(call.allowed))
+        if key not in self.memo:
+            B = call.query.shape[0]
+            numbers_q, numbers_k = numbers(B, t_q), numbers(B, t_k)
+            checked = self._tagged_call(call, CHECKED(numbers_q), CHECKED(numbers_k),
+                                        "tokens tagged by a pattern that checks the blocks' reading", t_q, t_k)
+            blocks = found.queries.shape[0]
+
+            def predicted(rows: int, length: int) -> Tensor:  # (L, rows): whether each row's token was moved
+                lead = torch.arange(blocks).unsqueeze(1)
+                b, j = lead // n_blocks // max(1, blocks // n_blocks // B), lead % n_blocks
+                return CHECKED(b * length + j * rows + torch.arange(rows).unsqueeze(0) + 1)
+
+            self.memo[key] = checked is not None and blocks % (n_blocks * B) == 0 and \
+                torch.equal(moved_rows(found.queries, checked.queries), predicted(n, t_q)) and \
+                torch.equal(moved_rows(found.values, checked.values), predicted(m, t_k))
+        return self.memo[key]
 
     def own_reach(self) -> Tensor | None:
         """(Tq, Tk) bool, the standard probe's: the keys some query gives a nonzero weight in some batch row and head,
@@ -426,6 +515,11 @@ class Probe:
                     self._recovered = self._through_one_hot_values()
                 if self._recovered[0] is None and form == "self_module":
                     self._recovered = self._through_value_projection()
+                if self._recovered[0] is None:  # weights over the layer's own partition of the tokens
+                    base = self.base()
+                    t = self.subject.time_dim
+                    if base.ok:
+                        self._recovered = self._tagged(base, base.query.shape[t], base.key.shape[t])
             finally:
                 self.detector = asking
         return self._recovered

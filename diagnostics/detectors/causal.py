@@ -272,6 +272,8 @@ def check_undeclared_causality(probe: Probe) -> DetectorResult:
     if not base.ok:
         return not_run(det, base)
     weights, source = probe.weights(base)
+    if weights is None:  # read through the values, or over the layer's own partition by tagging the tokens
+        weights, source = probe.recovered_weights()
     T = probe.t
     if weights is None or tuple(weights.shape[-2:]) != (T, T):
         return skip(det, "no (Tq, Tk) weights were returned or observed, so a mask of the layer's own cannot be seen")
