@@ -25,6 +25,12 @@ from torch import nn
 import diagnostics
 
 
+def _line_of(function, text: str) -> int:
+    """The line of `function`'s source that holds `text`: where a finding's site must point."""
+    source, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(source) if text in line)
+
+
 class PooledSummary(nn.Module):
     """Self-attention over `input_mask`, plus a linear summary of the unmasked tokens' mean added to every token's
     output. `bucket`: the layer's own check that T is a multiple of it (Sinkhorn's, local attention's). (No docstring
@@ -189,8 +195,7 @@ def test_a_raise_the_mask_does_not_cause_names_no_declaration(causal):
     report = diagnostics.audit(ViewedTokens(), progress=False, causal=causal)
     runs = report.result("runs")
     assert runs.verdict == "fail" and not report.declaration, report
-    source, first = inspect.getsourcelines(ViewedTokens.forward)
-    line = first + next(i for i, text in enumerate(source) if "flat = x.view" in text)
+    line = _line_of(ViewedTokens.forward, "flat = x.view")
     assert [site.line for site in runs.where][:1] == [line], [site.describe() for site in runs.where]
     torch.manual_seed(0)
     assert diagnostics.audit(ViewedTokens(flat_view=False), progress=False, causal=causal).passed
@@ -203,8 +208,7 @@ def test_behind_a_length_rule_the_failure_counts_and_points_at_the_layers_own_ra
     runs = diagnostics.audit(ViewedTokens(bucket=4), progress=False).result("runs")
     assert runs.verdict == "fail" and runs.message == "the layer raised on 1 of the audit's probes", runs
     assert "no multiple of the 4 its own check asks for, and those probes are skipped" in runs.evidence, runs
-    source, first = inspect.getsourcelines(ViewedTokens.forward)
-    line = first + next(i for i, text in enumerate(source) if "flat = x.view" in text)
+    line = _line_of(ViewedTokens.forward, "flat = x.view")
     assert [site.line for site in runs.where][:1] == [line], [site.describe() for site in runs.where]
 
 

@@ -22,6 +22,12 @@ import diagnostics
 D, H = 32, 4  # width, heads
 
 
+def _line_of(function, text: str) -> int:
+    """The line of `function`'s source that holds `text`: where a finding's site must point."""
+    source, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(source) if text in line)
+
+
 class FusedLinearAttention(nn.Module):
     """Efficient attention (Shen et al.) with one fused projection: q normalised over its features, k over the tokens,
     out = q @ (k^T v). `swapped`: the bug, context q^T k and out = v @ context (each row its own value only)."""
@@ -76,8 +82,7 @@ def test_a_context_of_q_t_k_fails_and_k_t_v_passes(dtype):
     swapped = _audit(FusedLinearAttention(swapped=True), dtype)
     assert swapped.verdict == "fail" and "no query reads another token's value" in swapped.message, swapped
     # the site: the product the moved values reach first, the line the bug is on (v @ (q^T k))
-    source, first = inspect.getsourcelines(FusedLinearAttention.forward)
-    line = first + next(i for i, text in enumerate(source) if "out = v @" in text)
+    line = _line_of(FusedLinearAttention.forward, "out = v @")
     assert [site.line for site in swapped.where][:1] == [line], [site.describe() for site in swapped.where]
 
 
@@ -300,7 +305,6 @@ def test_the_site_is_the_product_with_something_of_the_tokens_not_a_weight():
     """The values reach `v @ v_mix` first, a projection by a weight of the layer's; the site is the product after it,
     whose other operand is made of the tokens: the bug's line."""
     result = _audit(PremixSwapped())
-    source, first = inspect.getsourcelines(PremixSwapped.forward)
-    line = first + next(i for i, text in enumerate(source) if "out = v @" in text)
+    line = _line_of(PremixSwapped.forward, "out = v @")
     assert result.verdict == "fail" and [site.line for site in result.where][:1] == [line], \
         [site.describe() for site in result.where]

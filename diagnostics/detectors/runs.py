@@ -266,10 +266,7 @@ def runs_verdict(probe: Probe) -> DetectorResult:
             calls = [c for c in calls if not any(c is r for r in refused)]
             failed = _failed([raised for raised, c in zip(probe.raised, probe.failed_calls)
                               if any(c is k for k in calls)])
-            evidence = (f"{_listed(failed)} ({n_calls} calls in all){self_only}; it also refused T = "
-                        f"{', '.join(map(str, _lengths(probe, refused)))}, no multiple of the "
-                        f"{_length_rule(refused[0])} its own check asks for, and those probes are skipped "
-                        f"({refused[0].describe_error()})")
+            evidence = f"{_listed(failed)} ({n_calls} calls in all){self_only}{_refused_said(probe, refused)}"
         failed_result = result(det, "fail", f"the layer raised on {len(failed)} of the audit's probes",
                                value=float(len(failed)), threshold=0.0, evidence=evidence, replay=tuple(calls))
         hint = _mask_hint(probe)
@@ -312,9 +309,7 @@ def _needed_declaration(probe: Probe, evidence: str) -> DetectorResult | None:
         return None
     found = honoured_conventions(probe)
     given = f"{s.mask_convention} ({s.mask_convention.describe()})"
-    lengths = "" if not refused else (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no "
-                                      f"multiple of the {_length_rule(refused[0])} its own check asks for, and those "
-                                      f"probes are skipped ({refused[0].describe_error()})")
+    lengths = _refused_said(probe, refused)
     if not found and probe.mask_hints.get("given") is None:  # given: it honours the audit's own convention
         return _needed_where_it_runs(probe, evidence, given, lengths, calls)
     if not found:
@@ -1002,6 +997,16 @@ def raised_at_probe_length(probe: Probe) -> bool:
     never the probe's)."""
     t = probe.subject.time_dim
     return any(c.query.shape[t] == probe.t and c.key.shape[t] == probe.t for c in probe.failed_calls)
+
+
+def _refused_said(probe: Probe, refused: list) -> str:
+    """The lengths the layer's own rule refused (`_refused_lengths`), said beside another reading: skipped, not
+    failed; "" where there are none."""
+    if not refused:
+        return ""
+    return (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no multiple of the "
+            f"{_length_rule(refused[0])} its own check asks for, and those probes are skipped "
+            f"({refused[0].describe_error()})")
 
 
 def _lengths(probe: Probe, calls: list) -> list[int]:
