@@ -28,7 +28,8 @@ Mutants (stdlib `ast`, applied as edits of the source text, so that line numbers
 - `guard`: `if <test>:` whose body returns a skip (`skip(...)`, `not_run(...)`, `DetectorResult(..., "skip",
   ...)`) -> `if (False):` (the guard never fires);
 - `verdict`: the string "fail" -> "pass" where a check builds a result.
-Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py`,
+Mutated code: every function (and method) of every detector module (`diagnostics/detectors/*.py`), `_core.py` and
+`_change.py` (its measure of a change, moved out of it),
 `_thresholds.py`, `_projections.py` (the recompute from a layer's own weights that own_weights compares its output
 with: a mutant there moves that detector's verdicts) and the model wing's detectors and judgements (every public
 module of `diagnostics/model/`, and every private one that judges a measurement against a tolerance: it imports
@@ -138,7 +139,7 @@ def _files() -> tuple[str, ...]:
     is mutated and sampled without being listed here."""
     model = [n for n in _listed("model") if not n.startswith("_") or judges(f"model/{n}")]
     top = set(_listed(""))  # _projections.py is younger than some revisions a run may be asked to measure
-    return (tuple(n for n in ("_core.py", "_thresholds.py", "_projections.py") if n in top)
+    return (tuple(n for n in ("_core.py", "_change.py", "_thresholds.py", "_projections.py") if n in top)
             + tuple(f"detectors/{n}" for n in _listed("detectors"))
             + tuple(f"model/{n}" for n in model))
 
@@ -184,7 +185,7 @@ _ZERO_BASE = (
     "copy under a convention tried has no finite non-zero value at all (then each change is read against its own "
     "copy's scale, None where that copy is zero too). A layer whose output is zero or non-finite in every row of the "
     "probe's call, on standard-normal tokens and a padding mask that leaves every query at least half its keys, and "
-    "not in the copy where one key changed, was not found: checked by hand on _core.relative_change and "
+    "not in the copy where one key changed, was not found: checked by hand on _change.relative_change and "
     "baseline_scale; a layer built to do it would zero its output until a key passes a size")
 _VALUES_ARE_KEYS = (
     "a one-stream base is Inputs(x, x, x), so `and` gives the same there; where only the base's value is its key, "
@@ -351,7 +352,7 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "if any(c is None for c in changes):", "the guard never fires: relative_change returns None only for a scale "
         "that is not > 0. Given the baseline's scale it is > 0; where that is 0 (`or None`), it is the twin copy's or, "
         "that being 0 too, the case output's, whose scale is the very one compared() found > 0 for that case against "
-        "the zero baseline (else it returned its skip before): never None (checked by hand, _core.relative_change, "
+        "the zero baseline (else it returned its skip before): never None (checked by hand, _change.relative_change, "
         "baseline_scale and compared)"),
     "detectors/keys.py:check_keys_matter:L*:any->all": (
         "if any(c is None for c in changes):", "the guard never fires (see guard-never on this line): no change is "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._change import relative_change
 from ._errors import ProbeNotTaken
 from ._frames import exception_text
 from ._guard import seed_rng
@@ -25,7 +26,7 @@ from ._layout import CHECKED, MAX_TOKENS, TokenLayout, bits, decode, laid_out, m
 from ._observe import Observer, Record, fused_weights
 from ._result import ProbeShape
 from ._subject import KEY_NAMES, VALUE_NAMES, Output, Subject, not_weights
-from ._thresholds import ROW_SUM, tolerance
+from ._thresholds import ROW_SUM, UNCHANGED, tolerance
 from .patterns import Pattern
 
 
@@ -89,6 +90,10 @@ class Probe:
         self.cross = cross or subject.cross_declared
         self.self_only: Call | None = None  # the first cross-length call that raised on such a layer
         self.not_taken: Call | None = None  # the first call the layer as held could not be given (`ProbeNotTaken`)
+        # (batch, exception) where the layer refused a batch the audit stacked its copies in and ran it BATCH rows at
+        # a time (`_in_batches`: a cache of max_batch_size rows), for `runs` to say
+        self.batch_refused: tuple[int, str] | None = None
+        self._rows_agree: bool | None = None  # a row alone comes out as in a batch (`_rows_alone_agree`), once asked
         # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
         # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
         self.pattern = pattern
@@ -201,14 +206,96 @@ class Probe:
                     output = self.subject(query, key, value, allowed)
             call = Call(query, key, value, allowed, output, None, record, label, parts=parts)
         except Exception as error:  # noqa: BLE001 -- a broken layer is a finding, never a crash of the audit
-            call = Call(query, key, value, allowed, None, error, record, label, parts=parts)
-            if isinstance(error, ProbeNotTaken):  # not the layer's failure: a probe its holder cannot give it
-                call.not_taken = True
-                self.not_taken = self.not_taken or call
+            # a layer that refuses the batch the audit stacked its copies in: the call made as the layer takes it,
+            # unobserved (an observer's record of several calls is no record of one)
+            output = self._in_batches(self.subject, error, query, key, value, allowed)
+            if output is not None:
+                call = Call(query, key, value, allowed, output, None, None, label, parts=parts)
             else:
-                call.self_only = self._only_self_attention(call)
+                call = Call(query, key, value, allowed, None, error, record, label, parts=parts)
+                if isinstance(error, ProbeNotTaken):  # not the layer's failure: a probe its holder cannot give it
+                    call.not_taken = True
+                    self.not_taken = self.not_taken or call
+                else:
+                    call.self_only = self._only_self_attention(call)
         self._log(call)
         return call
+
+    def output_of(self, subject: Subject, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Output:
+        """`subject`'s output for the inputs, given `BATCH` rows at a time where the whole batch raised (see
+        `_in_batches`); the whole batch's exception where the rows raise too."""
+        try:
+            return subject(query, key, value, allowed)
+        except ProbeNotTaken:
+            raise
+        except Exception as error:  # noqa: BLE001 -- re-raised below unless the rows run
+            output = self._in_batches(subject, error, query, key, value, allowed)
+            if output is None:
+                raise
+            return output
+
+    def _in_batches(self, subject: Subject, error: BaseException, query: Tensor, key: Tensor, value: Tensor,
+                    allowed: Tensor | None) -> Output | None:
+        """The output of a call that raised at a batch of several copies of the standard probe's (`BATCH` rows, how
+        the audit stacks its perturbations), made `BATCH` rows at a time: a layer that holds a cache of
+        `max_batch_size` rows refuses the audit's stacking, not attention. Each part's output (and weights, where
+        every part gives them) joined along the batch; None where the batch is no such stack or a part raises too
+        (then the layer refuses more than a batch size). The first such refusal is kept (`batch_refused`) for
+        `runs` to say. Only where a row alone comes out as in a part (`_rows_alone_agree`)."""
+        n = query.shape[0]
+        if n <= self.BATCH or n % self.BATCH or any(x.shape[0] != n for x in (key, value)) or (
+                allowed is not None and allowed.shape[0] != n) or isinstance(error, ProbeNotTaken):
+            return None
+        parts = []
+        try:
+            for rows in range(0, n, self.BATCH):
+                part = slice(rows, rows + self.BATCH)
+                cut: dict[int, Tensor] = {}  # one stream stays one tensor (a self-attention module takes one)
+                q, k, v = (cut.setdefault(id(x), x[part]) for x in (query, key, value))
+                self.passes += 1
+                with torch.no_grad():
+                    parts.append(subject(q, k, v, None if allowed is None else allowed[part]))
+        except Exception:  # noqa: BLE001 -- the rows raise too: the whole batch's exception stands
+            return None
+        outs = [p.out for p in parts]
+        if any(o.dim() == 0 or o.shape[0] != self.BATCH or o.shape[1:] != outs[0].shape[1:] for o in outs):
+            return None
+        if not self._rows_alone_agree(subject, query, key, value, allowed, outs[0]):
+            return None
+        weights = [p.weights for p in parts]
+        joined = (torch.cat(weights) if all(w is not None and w.dim() > 0 and w.shape[0] == self.BATCH
+                                            and w.shape[1:] == weights[0].shape[1:] for w in weights) else None)
+        if self.batch_refused is None:
+            self.batch_refused = (n, exception_text(error))
+        return Output(torch.cat(outs), joined)
+
+    def _rows_alone_agree(self, subject: Subject, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None,
+                          part: Tensor) -> bool:
+        """Whether the first row of a part, called alone (a batch of one), comes out as it did in the part: what makes
+        parts stand for the whole batch (a batch size written into the layer as a constant runs at that size only and
+        reshapes any other into nonsense). One call, the first time a stack is made in parts; the answer is kept."""
+        if self._rows_agree is None:
+            self._rows_agree = False
+            cut: dict[int, Tensor] = {}
+            q, k, v = (cut.setdefault(id(x), x[:1]) for x in (query, key, value))
+            self.passes += 1
+            try:
+                with torch.no_grad():
+                    alone = subject(q, k, v, None if allowed is None else allowed[:1]).out
+            except Exception:  # noqa: BLE001 -- a layer that refuses a batch of one: its parts stand for nothing
+                return False
+            if alone.shape == part[:1].shape:
+                change = relative_change(alone, part[:1], centred=True)
+                self._rows_agree = change is not None and float(change.max()) <= tolerance(UNCHANGED, self.subject.dtype)
+        return self._rows_agree
+
+    def batch_refused_text(self) -> str:
+        """The words for a layer that refused the audit's stacked batch and ran it `BATCH` rows at a time."""
+        if self.batch_refused is None:
+            return ""
+        n, error = self.batch_refused
+        return (f"it refused a batch of {n} ({error}), so the probes the audit stacks along the batch were given it "
+                f"{self.BATCH} rows at a time")
 
     def _only_self_attention(self, call: Call) -> bool:
         """A call that raised with Tq != Tk on a layer not declared cross-attention, which runs the standard probe

@@ -52,7 +52,9 @@ def result_of(layer, detector: str, **kw):
     return diagnostics.audit(layer, detectors=[detector], **kw).result(detector)
 
 
-STACKED = lambda n, q, k, v, m: q.shape[0] > 2  # noqa: E731 - compare() stacks baseline and perturbations
+# compare() stacks baseline and perturbations; a batch of one is refused too, else the audit makes a stack the layer
+# refuses in parts of the standard probe's batch (Probe._in_batches: a row alone must come out as in a part)
+STACKED = lambda n, q, k, v, m: q.shape[0] != 2  # noqa: E731
 CROSS = lambda n, q, k, v, m: q.shape[-2] != k.shape[-2]  # noqa: E731
 PADDED = lambda n, q, k, v, m: m is not None and not bool(m.all())  # noqa: E731
 IDENTICAL_VALUES = lambda n, q, k, v, m: bool((v == v[..., :1, :]).all())  # noqa: E731

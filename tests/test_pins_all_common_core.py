@@ -283,10 +283,11 @@ def test_a_row_that_must_move_and_moves_by_exactly_the_tolerance_did_not_respond
 
 def refusing_stacks(error: type[Exception]):
     """Scaled dot-product attention on (B, H, T, d) that raises `error` on a batch of more than 2 (compare()'s
-    stacked call: the baseline and its perturbations)."""
+    stacked call: the baseline and its perturbations) and on a batch of one (else the stack is made in parts of 2,
+    Probe._in_batches, a row alone coming out as in a part)."""
 
     def layer(q, k, v, mask=None):
-        if q.shape[0] > 2:
+        if q.shape[0] != 2:
             raise error("a stacked batch")
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B,H,Tq,d) x (B,H,d,Tk) -> (B,H,Tq,Tk)
         if mask is not None:

@@ -159,11 +159,11 @@ def test_the_map_of_calls_records_what_each_passing_test_enters_and_leaves_out_f
     calls a package function is mapped to it (file, first line), one that calls none to nothing, and a failing one is
     marked so (the benchmark leaves it out: it would "kill" every mutant)."""
     root = Path(bench.__file__).resolve().parents[1]
-    line = next(i for i, text in enumerate((root / "diagnostics" / "_core.py").read_text().splitlines(), 1)
+    line = next(i for i, text in enumerate((root / "diagnostics" / "_change.py").read_text().splitlines(), 1)
                 if text.startswith("def relative_change("))
     pytester.makepyfile(test_inner="""
         import torch
-        from diagnostics._core import relative_change
+        from diagnostics._change import relative_change
 
         def test_calls():
             assert relative_change(torch.ones(2, 3), torch.ones(2, 3)).max() == 0
@@ -183,6 +183,6 @@ def test_the_map_of_calls_records_what_each_passing_test_enters_and_leaves_out_f
     rows = {}
     for part in tmp_path.glob("calls-*.json"):
         rows.update(bench.json.loads(part.read_text()))
-    assert ["_core.py", line] in rows["test_inner.py::test_calls"]["own"], rows["test_inner.py::test_calls"]
+    assert ["_change.py", line] in rows["test_inner.py::test_calls"]["own"], rows["test_inner.py::test_calls"]
     assert rows["test_inner.py::test_calls_nothing"]["own"] == []
     assert [r["passed"] for r in rows.values()] == [True, True, False], rows

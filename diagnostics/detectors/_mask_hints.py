@@ -99,7 +99,7 @@ def honoured_conventions(probe: Probe) -> list[tuple[MaskConvention, str]]:
         probe.passes += 1
         try:
             with torch.no_grad():
-                out = subject(Q, K, V, allowed).out
+                out = probe.output_of(subject, Q, K, V, allowed).out
         except Exception:  # noqa: BLE001 - a convention the layer cannot take at all
             return None
         if not _whole(out, s, 3 * B, T):

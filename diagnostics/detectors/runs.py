@@ -253,6 +253,8 @@ def runs_verdict(probe: Probe) -> DetectorResult:
     if probe.not_taken:  # probes the layer as held could not be given (`ProbeNotTaken`): skipped, with the reason
         skipped = [shape.label for shapes in probe.shapes.values() for shape in shapes if shape.not_taken]
         self_only += f"; skipped {len(set(skipped))} probes ({', '.join(dict.fromkeys(skipped))}): {probe.not_taken_text()}"
+    if probe.batch_refused:  # a cache of max_batch_size rows: the stacked probes were made a standard batch at a time
+        self_only += f"; {probe.batch_refused_text()}"
     failed = _failed(probe.raised)
     n_calls = sum(len(v) for v in probe.shapes.values())
     if failed:
