@@ -16,8 +16,9 @@ finding with a layer names that one. A mask bug (`MASK_BUGS`) is not applicable 
 
 `timm`: every architecture of timm's `list_models()` whose module defines or imports an attention class (an
 nn.Module named *Attention: read from the source, nothing built to filter), each built with pretrained=False at
-the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way;
-one whose built modules hold no timm attention class is a row "no attention", not counted. Bugs are injected into
+the first of `TIMM_TINY` it takes (64 px, 32 wide, 2 deep, 4 heads, else its default size), audited the same way,
+whatever its attention classes are named; one in which the audit finds no attention and whose built modules hold no
+attention class is a row "no attention", not counted (transformers' rule). Bugs are injected into
 one layer (as for transformers) through torch's SDPA called inside that layer's forward (`inject_timm`).
 
 `diffusers`: its attention layers, the layer audit (`diagnostics.audit`): every processor of attention_processor on
@@ -813,8 +814,8 @@ def timm_attention_modules() -> list[str]:
 
 
 def timm_types() -> list[str]:
-    """Every architecture of timm's `list_models()` whose module has an attention class; a model whose built
-    modules turn out to hold none is a row "no attention", not counted as built."""
+    """Every architecture of timm's `list_models()` whose module has an attention class; a model in which the audit
+    finds no attention and whose built modules hold no attention class is a row "no attention", not counted."""
     import timm
 
     return sorted(m for module in timm_attention_modules() for m in timm.list_models(module=module))
@@ -887,8 +888,6 @@ def timm_build(name: str):
 
 
 def run_timm(name: str, *, bugs: bool, device: str = "cpu", dtype: str | None = None) -> Row:
-    from diagnostics.model._find import class_kind
-
     row = Row(name)
     try:
         model = placed(timm_build(name), device=device, dtype=dtype)
@@ -896,9 +895,9 @@ def run_timm(name: str, *, bugs: bool, device: str = "cpu", dtype: str | None = 
         row.verdict, row.why = "not built", str(exc).splitlines()[0][:200] if str(exc) else ""
         return row
     row.cls = type(model).__name__
-    if not any(class_kind(m) == "timm attention class" for m in model.modules()):
-        row.verdict, row.why = "no attention", "no timm attention class among its modules"
-        return row
+    # audited whatever its classes are named: attention inside a block (ViT-XP's ParallelScalingBlock) or in a class
+    # not named *Attention (AttentionRope, the rope-mixed ViTs') is observed running; "no attention" is a model in
+    # which the audit found none and that holds no attention class (`without_attention`, transformers' rule too)
     row.built = True
     try:
         report = audit_row(row, model, bugs=False)
@@ -907,6 +906,7 @@ def run_timm(name: str, *, bugs: bool, device: str = "cpu", dtype: str | None = 
     except Exception as exc:
         row.verdict = "crashed"
         row.why = f"{type(exc).__name__}: {str(exc)[:200]} | " + traceback.format_exc().splitlines()[-3][:200]
+    without_attention(row, model)
     return row
 
 
