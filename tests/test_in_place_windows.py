@@ -415,3 +415,51 @@ def test_a_channels_last_map_on_a_smaller_grid_in_bfloat16_at_gpt2_initialisatio
     assert report.status == status and layer.status == status, report
     if fired:
         assert fired in layer.fired(), layer
+
+
+class WideningAttention(nn.Module):
+    """CoAtNet's attention at a stage's first block, reduced (timm's Attention2d with dim_out = 2 x dim): a map of D
+    channels in, the same grid out at 2D channels, channels first or last. `bug`: "unscaled" leaves q·k unscaled."""
+
+    def __init__(self, bug: str | None = None, channels_first: bool = True):
+        super().__init__()
+        self.bug, self.channels_first = bug, channels_first
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        tokens = x.flatten(2).transpose(1, 2) if self.channels_first else x.flatten(1, 2)  # (B, HW, D)
+        q, k, v = self.qkv(tokens).chunk(3, dim=-1)
+        w = (q @ k.transpose(1, 2) * (1.0 if self.bug == "unscaled" else D ** -0.5)).softmax(-1)  # (B, HW, HW)
+        out = self.proj(w @ v)  # (B, HW, 2D)
+        if self.channels_first:
+            return out.transpose(1, 2).reshape(x.shape[0], 2 * D, *x.shape[2:])
+        return out.reshape(*x.shape[:3], 2 * D)
+
+
+class WideningModel(nn.Module):
+    def __init__(self, bug: str | None = None, channels_first: bool = True):
+        super().__init__()
+        seed_rng(0)
+        self.channels_first = channels_first
+        self.patch, self.attn = nn.Conv2d(3, D, 2, 2), WideningAttention(bug, channels_first)
+        self.head = nn.Linear(2 * D, 4)
+
+    def forward(self, pixels):
+        x = self.patch(pixels)
+        if self.channels_first:
+            return self.head(self.attn(x).mean((2, 3)))
+        return self.head(self.attn(x.permute(0, 2, 3, 1)).mean((1, 2)))
+
+
+@pytest.mark.parametrize("channels_first", [True, False], ids=["channels first", "channels last"])
+@pytest.mark.parametrize("bug, status", [(None, "passed"), ("unscaled", "failed")])
+def test_a_grid_layer_returning_its_map_wider_is_measured_at_the_width_it_returns(bug, status, channels_first):
+    """Before, the output's width was expected to be the input's (output_shape failed CoAtNet's correct first block of
+    each stage, "output (2, 16, 512), expected (2, 16, 256)", once the timm sweep counted models without a class named
+    *Attention). Now the width its model's own call returned is the one expected. Twin: the scores left unscaled."""
+    report = diagnostics.audit_model(WideningModel(bug, channels_first).eval(), example=torch.randn(2, 3, 8, 8))
+    layer = report.layers["attn"]
+    assert layer.result("output_shape").verdict == "pass", layer
+    assert report.status == status and layer.status == status, report
+    if bug:
+        assert "softmax_saturation" in layer.fired(), layer

@@ -228,3 +228,33 @@ def test_a_pad_mask_suggests_key_padding_not_key_keep():
     torch.manual_seed(0)
     declared = diagnostics.audit(PadMaskOverPadding(), progress=False, mask="key_padding")
     assert declared.result("mask_honoured").verdict == "fail", declared
+
+
+class BucketedMemory(nn.Module):
+    """Cross-attention whose memory must come in buckets of 4 tokens (its own check, on the keys only): correct, and
+    it takes no mask. The audit's cross-length probe (16 queries over 19 keys) is refused by that rule."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(d_model, d_model, bias=False)
+        self.to_kv = nn.Linear(d_model, 2 * d_model, bias=False)
+        self.to_out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        (B, T, D), S = x.shape, context.shape[1]
+        assert S % 4 == 0, f"memory length {S} needs to be divisible by bucket size 4"
+        q = self.to_q(x).view(B, T, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in self.to_kv(context).chunk(2, -1))
+        out = ((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)
+        return self.to_out(out)
+
+
+def test_a_length_rule_on_the_keys_alone_refuses_the_cross_length_probe_and_fails_nothing():
+    """A correct cross-attention whose rule is on its memory alone: the lengths it refuses (T = 1) are skipped, the
+    rule named, and the layer passes; no raise at the probe's own length settles `runs` as a FAIL."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(BucketedMemory(), progress=False)
+    runs = report.result("runs")
+    assert runs.verdict == "skip" and "length_rule" in runs.extras, runs
+    assert report.status != "failed", report

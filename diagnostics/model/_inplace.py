@@ -555,6 +555,8 @@ def build_in_place(path: str, module: nn.Module, long_call: CapturedCall, short_
     returned = int(out[-1]) if out is not None and len(out) == 3 and tuple(out[:2]) == tuple(H.shape[:2]) else None
     if own_queries is not None and out is not None and not one_vector:  # its rows are its own queries, any width
         returned = int(out[1] if out_grid is not None and channels_first else out[-1])
+    elif grid is not None and out is not None and len(out) == 4:  # a map returned on its grid, at a width of its own
+        returned = int(out[1] if channels_first else out[-1])  # (CoAtNet's first block of a stage: 256 -> 512)
     built = (module, path, sig, arguments, hidden, same, positional, time_dims, hidden_time_dim, int(T), heads, note,
              folded, shared, centred, returned)
     memory = _memory_stream(arguments, raw, hidden, same, hidden_time_dim)
