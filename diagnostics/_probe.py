@@ -94,6 +94,10 @@ class Probe:
         # a time (`_in_batches`: a cache of max_batch_size rows), for `runs` to say
         self.batch_refused: tuple[int, str] | None = None
         self._rows_agree: bool | None = None  # a row alone comes out as in a batch (`_rows_alone_agree`), once asked
+        self._parts_raised: set[tuple] = set()  # the exceptions whose stacks' parts raised too (`_in_batches`)
+        # puts the layer's parameters and buffers back as they came to the audit (`_guard.untouched`'s), for a locator
+        # that replays the layer's first call; None outside an audit
+        self.as_given = None
         # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
         # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
         self.pattern = pattern
@@ -242,10 +246,17 @@ class Probe:
         every part gives them) joined along the batch; None where the batch is no such stack or a part raises too
         (then the layer refuses more than a batch size). The first such refusal is kept (`batch_refused`) for
         `runs` to say. Only where a row alone comes out as in a part (`_rows_alone_agree`)."""
-        n = query.shape[0]
+        n, said = query.shape[0], exception_text(error)
+        # an exception is the same one only for the layer held the same way: a hint's copy in another convention
+        # raises the batch limit's exception too, where its parts raise for the convention
+        seen = (subject.form, str(subject.mask_convention), subject.convention_by, said)
         if n <= self.BATCH or n % self.BATCH or any(x.shape[0] != n for x in (key, value)) or (
                 allowed is not None and allowed.shape[0] != n) or isinstance(error, ProbeNotTaken):
             return None
+        # no parts where a row alone already came out otherwise, or where this exception's parts raised before (a
+        # layer broken on every call pays one call for the tries, one more for each other exception it raises)
+        if self._rows_agree is False or seen in self._parts_raised or self._base is not None and not self._base.ok:
+            return None  # (a layer that raised on the standard probe's own batch: its parts would raise alike)
         parts = []
         try:
             for rows in range(0, n, self.BATCH):
@@ -256,6 +267,7 @@ class Probe:
                 with torch.no_grad():
                     parts.append(subject(q, k, v, None if allowed is None else allowed[part]))
         except Exception:  # noqa: BLE001 -- the rows raise too: the whole batch's exception stands
+            self._parts_raised.add(seen)
             return None
         outs = [p.out for p in parts]
         if any(o.dim() == 0 or o.shape[0] != self.BATCH or o.shape[1:] != outs[0].shape[1:] for o in outs):
@@ -266,14 +278,16 @@ class Probe:
         joined = (torch.cat(weights) if all(w is not None and w.dim() > 0 and w.shape[0] == self.BATCH
                                             and w.shape[1:] == weights[0].shape[1:] for w in weights) else None)
         if self.batch_refused is None:
-            self.batch_refused = (n, exception_text(error))
+            self.batch_refused = (n, said)
         return Output(torch.cat(outs), joined)
 
     def _rows_alone_agree(self, subject: Subject, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None,
                           part: Tensor) -> bool:
         """Whether the first row of a part, called alone (a batch of one), comes out as it did in the part: what makes
         parts stand for the whole batch (a batch size written into the layer as a constant runs at that size only and
-        reshapes any other into nonsense). One call, the first time a stack is made in parts; the answer is kept."""
+        reshapes any other into nonsense). Equal outputs agree whatever they hold (zeros from a zero-initialised
+        output projection, NaN from a broken softmax, which no change can be measured against); others within the
+        dtype's "unchanged" tolerance. One call, the first time a stack is made in parts; the answer is kept."""
         if self._rows_agree is None:
             self._rows_agree = False
             cut: dict[int, Tensor] = {}
@@ -285,8 +299,11 @@ class Probe:
             except Exception:  # noqa: BLE001 -- a layer that refuses a batch of one: its parts stand for nothing
                 return False
             if alone.shape == part[:1].shape:
-                change = relative_change(alone, part[:1], centred=True)
-                self._rows_agree = change is not None and float(change.max()) <= tolerance(UNCHANGED, self.subject.dtype)
+                row = part[:1]
+                same = torch.equal(alone.isnan(), row.isnan()) and torch.equal(alone.nan_to_num(), row.nan_to_num())
+                change = None if same else relative_change(alone, row, centred=True)
+                self._rows_agree = same or (change is not None
+                                            and float(change.max()) <= tolerance(UNCHANGED, self.subject.dtype))
         return self._rows_agree
 
     def batch_refused_text(self) -> str:
@@ -294,8 +311,8 @@ class Probe:
         if self.batch_refused is None:
             return ""
         n, error = self.batch_refused
-        return (f"it refused a batch of {n} ({error}), so the probes the audit stacks along the batch were given it "
-                f"{self.BATCH} rows at a time")
+        return (f"it refused a call that stacks {n // self.BATCH} copies of the standard probe's batch ({error}), so "
+                f"every such call it refused was made {self.BATCH} rows of the probe at a time")
 
     def _only_self_attention(self, call: Call) -> bool:
         """A call that raised with Tq != Tk on a layer not declared cross-attention, which runs the standard probe

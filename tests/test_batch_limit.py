@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import diagnostics
+import diagnostics._probe
 
 
 class CachedAttention(nn.Module):
@@ -76,7 +77,8 @@ def test_a_correct_layer_with_a_batch_limit_passes_and_runs_says_how_it_was_call
     runs = report.result("runs")
     assert report.status == "passed", report.summary()
     assert runs.verdict == "pass", runs
-    assert "exceeds max_batch_size" in runs.message and f"given it {2} rows at a time" in runs.message, runs.message
+    assert "exceeds max_batch_size" in runs.message, runs.message
+    assert "made 2 rows of the probe at a time" in runs.message, runs.message
     assert report.result("mask_honoured").verdict == "pass"
 
 
@@ -105,10 +107,10 @@ def test_parts_stand_for_the_batch_only_where_a_row_alone_comes_out_the_same():
     report = diagnostics.audit(CachedAttention(max_batch_size=2, fixed_batch=2), seq_len=16)
     runs = report.result("runs")
     assert runs.verdict == "fail", runs
-    assert "exceeds max_batch_size 2" in runs.evidence and "rows at a time" not in runs.message, runs
+    assert "exceeds max_batch_size 2" in runs.evidence and "rows of the probe at a time" not in runs.message, runs
     torch.manual_seed(0)
     twin = diagnostics.audit(CachedAttention(max_batch_size=2), seq_len=16)
-    assert twin.result("runs").verdict == "pass" and "rows at a time" in twin.result("runs").message
+    assert twin.result("runs").verdict == "pass" and "rows of the probe at a time" in twin.result("runs").message
 
 
 def test_a_layer_that_refuses_the_parts_too_fails_runs():
@@ -118,4 +120,44 @@ def test_a_layer_that_refuses_the_parts_too_fails_runs():
     runs = report.result("runs")
     assert runs.verdict == "fail", runs
     assert "exceeds max_batch_size 1" in runs.evidence
-    assert "rows at a time" not in runs.message
+    assert "rows of the probe at a time" not in runs.message
+
+
+class ZeroOutput(CachedAttention):
+    """Its output projection zero-initialised (DiT's adaLN-Zero, ControlNet's zero convolutions): every output is 0."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        nn.init.zeros_(self.o_proj.weight), nn.init.zeros_(self.o_proj.bias)
+
+
+def test_a_zero_output_behind_a_batch_limit_is_measured_as_without_one():
+    """A row alone and the same row in a part are both zeros, against which no change can be measured: equal, they
+    agree (review D1: they were read as disagreeing, and the correct layer failed `runs` on its limit)."""
+    torch.manual_seed(0)
+    limited = diagnostics.audit(ZeroOutput(max_batch_size=2), seq_len=16)
+    torch.manual_seed(0)
+    free = diagnostics.audit(ZeroOutput(max_batch_size=64), seq_len=16)
+    assert limited.status == free.status == "passed", limited
+    assert "rows of the probe at a time" in limited.result("runs").message
+
+
+class RaisesEverywhere(nn.Module):
+    d_model = 32
+
+    def forward(self, x, mask=None):
+        raise RuntimeError("broken on every call")
+
+
+@pytest.mark.parametrize("layer", [lambda: CachedAttention(max_batch_size=64), RaisesEverywhere],
+                         ids=["no batch limit", "broken on every call"])
+def test_the_parts_cost_nothing_where_no_batch_limit_is_hit(layer, monkeypatch):
+    """The same audit with the parts taken away costs as many calls (review D3: a layer that raised on every call paid
+    a call per stacked probe for parts that raised too)."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(layer(), seq_len=16)
+    monkeypatch.setattr(diagnostics._probe.Probe, "_in_batches", lambda *a: None)
+    torch.manual_seed(0)
+    without = diagnostics.audit(layer(), seq_len=16)
+    assert report.forward_passes == without.forward_passes and report.status == without.status, \
+        (report.forward_passes, without.forward_passes)
