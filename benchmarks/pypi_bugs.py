@@ -471,6 +471,71 @@ else:  # 2.0.0 renamed it
 declarations = dict(mask="key_keep", queries=3, call=lambda layer, x, mask=None: layer(
     x, attention_mask=None if mask is None else mask.long())["sentence_embedding"])
 """, ()),
+    # found for stop 65 by a helper reading the packages' histories (commit messages, then the two releases' diff)
+    Case("nystrom_left_pad_rows", "positions", "nystrom-attention", "0.0.9", "0.0.10",
+         "nystrom_attention/nystrom_attention.py", 144,
+         "https://github.com/lucidrains/nystrom-attention/commit/d7eb229",
+         "a sequence whose length is no multiple of the landmarks is padded on the left, and the output is cut to "
+         "its first n rows (`out[:, :n]` for `out[:, -n:]`): the padding's rows and the tokens' shifted",
+         """
+from nystrom_attention import NystromAttention
+layer = NystromAttention(dim=32, dim_head=8, heads=4, num_landmarks=4, pinv_iterations=6, residual=False)
+declarations = dict(mask="key_keep")  # forward(x, mask=None): a (B, T) bool mask, True = keep
+"""),
+    Case("palm_alibi_cached_twice", "positions", "PaLM-pytorch", "0.2.0", "0.2.1",
+         "palm_pytorch/palm_lite.py", 57,
+         "https://github.com/lucidrains/PaLM-pytorch/commit/d78cd03",
+         "ALiBi's cached path returns the scores plus the bias, which its caller adds to the scores again: from the "
+         "second call on the logits are 2 x q.k + bias, twice too sharp",
+         """
+palm_lite = load("palm_pytorch/palm_lite.py")  # palm_pytorch/__init__ imports the full PaLM (triton's kernels)
+layer = palm_lite.ParallelTransformerBlock(dim=32, dim_head=8, heads=4, ff_mult=2)  # attention and FF in parallel
+declarations = dict(causal=True)  # its own causal mask, no mask argument
+"""),
+    Case("sinkhorn_local_unscaled", "scaling", "sinkhorn-transformer", "0.5.8", "0.5.9",
+         "sinkhorn_transformer/sinkhorn_transformer.py", 269,
+         "https://github.com/lucidrains/sinkhorn-transformer/commit/cd3ec38",
+         "LocalAttention's bucketed scores `einsum(bq, bk)` are never scaled by 1/sqrt(d_head): too sharp by "
+         "sqrt(d_head)",
+         """
+import fractions, math
+fractions.gcd = math.gcd  # the 2020 code imports fractions.gcd, which Python 3.9 removed
+from sinkhorn_transformer.sinkhorn_transformer import LocalAttention
+layer = LocalAttention(bucket_size=4, causal=True)  # forward(q, k, v, q_mask=None, kv_mask=None) on (B, H, T, d)
+declarations = dict(causal=True)
+"""),
+    Case("xtr_input_mask_inverted", "masking", "x-transformers", "0.0.28", "0.0.29",
+         "x_transformers/x_transformers.py", 230,
+         "https://github.com/lucidrains/x-transformers/commit/ff7e307",
+         "the (B, T) keep mask is filled with -inf as it is (`masked_fill_(input_mask, ...)` for `~input_mask`): "
+         "each query attends the padding only, and a row with no padding is NaN",
+         """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4)
+declarations = dict(mask="key_keep")  # forward(x, context=None, mask=None): a (B, T) bool mask, True = keep
+""", (EINOPS, ENTMAX)),
+    Case("xtr_rel_pos_bucket_direction", "positions", "x-transformers", "0.6.6", "0.6.7",
+         "x_transformers/x_transformers.py", 118,
+         "https://github.com/lucidrains/x-transformers/commit/6d0c641",
+         "T5's relative position buckets test `if causal:` for `if not causal:`, so a bidirectional layer gets the "
+         "one-sided buckets: every key after its query falls in the bucket of the query itself",
+         """
+from torch import nn
+from x_transformers.x_transformers import Attention, RelativePositionBias
+
+class Block(nn.Module):
+    # x-transformers' attention with the T5 bias its Encoder passes it (rel_pos_bias=True), 8 heads as the bias has
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(32, dim_head=4, heads=8)
+        self.rel_pos = RelativePositionBias(causal=False)
+
+    def forward(self, x):
+        return self.attn(x, rel_pos=self.rel_pos)[0]  # (out, intermediates)
+
+layer = Block()
+declarations = dict()
+""", (EINOPS, ENTMAX)),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",

@@ -113,7 +113,8 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     probe.chosen = tuple(chosen)  # `runs` leaves to output_shape and weight_row_sums the shapes they probe
     started = time.perf_counter()
     measured: dict[str, DetectorResult] = {}
-    with untouched(layer, subject.device), denormals_flushed(), bar or nullcontext():
+    with untouched(layer, subject.device) as as_given, denormals_flushed(), bar or nullcontext():
+        probe.as_given = as_given
         for n, det_id in enumerate(chosen):
             if progress is not None:
                 progress(det_id, n, len(chosen))

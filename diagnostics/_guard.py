@@ -1,7 +1,8 @@
 """The state guard every floor uses: whatever diagnostics does to a layer or a model, it leaves it as it was.
 
 `untouched(layer, device)` runs the body in eval mode and afterwards restores training flags, every parameter
-and buffer (persistent or not, even one the layer replaced), every `.grad` and the global RNG state. The
+and buffer (persistent or not, even one the layer replaced, or made or set on its first call), every `.grad` and the
+global RNG state. The
 layer audit, its trial calls, localisation's replays and the model audit all run inside it; `seed_rng(seed,
 device)` is how they seed the generators the layer draws from, inside it.
 """
@@ -17,29 +18,44 @@ from torch import nn
 @contextlib.contextmanager
 def untouched(layer, device):
     """Eval mode during the body; afterwards training flags, every parameter and buffer (persistent or
-    not, even if the layer replaced it), every .grad and the global RNG state are as they were."""
+    not, even if the layer replaced it, set one registered as None or registered one more: a cache made on its first
+    call), every .grad and the global RNG state are as they were. Yields `as_given()`, which puts the parameters and
+    buffers back as they came, inside the body too (a locator replaying a layer's first call, whose cache the audit's
+    calls have filled)."""
     modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
     modes = [m.training for m in modules]
     # (module, registry, name, the original tensor object, a copy of its values)
     slots = [(m, registry, name, t, t.detach().clone())
              for m in modules for registry in (m._parameters, m._buffers)
              for name, t in registry.items() if t is not None]
+    # every registry's entries as they came, None ones included, and what it holds only as a name (non-persistent)
+    registries = [(registry, dict(registry)) for m in modules for registry in (m._parameters, m._buffers)]
+    transient = [(m, set(m._non_persistent_buffers_set)) for m in modules]
     grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
              if registry is not None and isinstance(t, nn.Parameter)]
     cuda = [device] if torch.device(device).type == "cuda" else []
+
+    def as_given() -> None:
+        with torch.no_grad():
+            for registry, entries in registries:
+                for name in [n for n in registry if n not in entries]:  # registered during the body
+                    del registry[name]
+                registry.update(entries)  # a buffer the layer reassigned (a growing cache), or set from None, goes back
+            for m, names in transient:
+                m._non_persistent_buffers_set.intersection_update(names)
+            for m, registry, name, original, values in slots:
+                if not torch.equal(original.detach(), values):
+                    original.detach().copy_(values)
+
     with torch.random.fork_rng(devices=cuda):
         try:
             if modules:
                 layer.eval()
-            yield
+            yield as_given
         finally:
             for m, mode in zip(modules, modes):
                 m.train(mode)
-            with torch.no_grad():
-                for m, registry, name, original, values in slots:
-                    registry[name] = original  # a buffer the layer reassigned (a growing cache) goes back
-                    if not torch.equal(original.detach(), values):
-                        original.detach().copy_(values)
+            as_given()
             for t, grad in grads:
                 t.grad = grad
 

@@ -1556,6 +1556,29 @@ def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int |
     return None
 
 
+def made_apart(a: Trace, b: Trace, P: Tensor | None, tol: float) -> list[Op]:
+    """Two calls on the same input, the second after the first left the layer a state (a cache it made): the ops of
+    the two paired by what they ran and where (`aligned`), the first of `b`'s with a user frame whose output moved
+    where held (`P`), and before it, where one of its inputs was made by an op only `b` ran (its own path, the cached
+    one: PaLM-lite's ALiBi `return qk_sim + self.bias[...]`), that op: [making op, consuming op], or [consuming op],
+    or []. The value followed back to the line that made it."""
+    pairs = aligned(a, b)
+    paired = {y.index for _, y in pairs}
+    for x, y in pairs:
+        if not y.frames or y.short in UNINITIALISED:
+            continue
+        for ox, oy in zip(x.outs, y.outs):
+            if ox is None or oy is None or ox.shape != oy.shape:
+                continue
+            held = held_elements(tuple(oy.shape), P)
+            if held is None or not bool((moved(oy, ox, tol) & held).any()):
+                continue
+            made = [b.ops[b.producer[i]] for i in y.in_ids if b.producer.get(i) is not None]
+            own = [op for op in made if op.index not in paired and op.frames]
+            return own[:1] + [y]
+    return []
+
+
 def last_rows(full: Tensor, shape: torch.Size, n: int) -> Tensor | None:
     """`full` cut to `shape` by keeping the last `n` entries of the axes where only the length differs."""
     if full.dim() != len(shape):

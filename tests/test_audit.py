@@ -51,6 +51,31 @@ def test_audit_leaves_layer_rng_and_grads_untouched():
     assert torch.equal(torch.get_rng_state(), rng), "the global RNG state moved"
 
 
+class CachedOnFirstCall(MultiHeadAttention):
+    """A correct layer that makes its caches on its first call (PaLM's causal mask and ALiBi bias): one buffer
+    registered as None and set then, one registered only then, non-persistent."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, query, key=None, value=None, mask=None):
+        if self.bias is None:
+            self.register_buffer("bias", torch.zeros(query.shape[1]), persistent=False)
+            self.register_buffer("made_later", torch.ones(()), persistent=False)
+        return super().forward(query, key, value, mask)
+
+
+def test_audit_leaves_a_cache_made_on_the_first_call_unmade():
+    """Before, a buffer registered as None and set by the audit's calls stayed set, and one registered by them stayed
+    registered: the user's first call after the audit took the cached path."""
+    layer = CachedOnFirstCall(16, 2)
+    assert audit(layer).passed
+    assert layer.bias is None and "bias" in layer._buffers, "a buffer the audit's calls set was left set"
+    assert "made_later" not in layer._buffers and not hasattr(layer, "made_later"), "a buffer the calls made stayed"
+    assert "made_later" not in layer._non_persistent_buffers_set
+
+
 def test_audit_restores_eval_mode_too():
     layer = MultiHeadAttention(16, 2).eval()
     audit(layer)

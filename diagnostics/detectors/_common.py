@@ -23,6 +23,7 @@ from .._tracing import (
     Trace,
     declared_mask,
     first_moved,
+    made_apart,
     mask_sites,
     merge_fix,
     op_site,
@@ -181,8 +182,26 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
                 op = first_moved(a, b, P, tol)
                 if op is not None:
                     sites.append(op_site(op, note, fix=merge_fix(op, s.num_heads)))
+                elif same_input and probe.as_given is not None:
+                    sites += _state_sites(probe, base, allowed, P, tol)
             return sites
     return []
+
+
+def _state_sites(probe, base, allowed, P, tol) -> list[Site]:
+    """Two eval-mode calls that differ where two more, traced now, do not: the first call of the audit made a state the
+    later ones read (a cache built on the first call), and every call traced now is a later one. The layer put back as
+    it came (`Probe.as_given`), its first call and its second traced; where the second's output first moves, the line
+    of the second call's own path that made the moved op's input, then that op (`made_apart`)."""
+    s = probe.subject
+    probe.as_given()
+    first = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
+    second = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
+    ops = made_apart(first, second, P, tol)
+    notes = ["made on the second call's own path (the first call took another: a state it left, a cache, is read "
+             "here), the value that moved the output", "the first op whose output differs between the layer's first "
+             "and second call on the same input"]
+    return [site for op, note in zip(ops, notes[-len(ops):] if ops else []) if (site := op_site(op, note)) is not None]
 
 
 def invariance_locator(note: str, **how):

@@ -53,7 +53,8 @@ def check_eval_determinism(probe: Probe) -> DetectorResult:
     comparison = Comparison([Case(Inputs(base.query, base.key, base.value), everywhere,
                                   "between two eval-mode calls on the same input")], [change], tol, again)
     bad, worst, text, _ = held(comparison, probe, what="outputs")
-    return judge(det, bad > 0, "two eval-mode calls on the same input differ (randomness left on)",
+    return judge(det, bad > 0, "two eval-mode calls on the same input differ (randomness left on, or a state one "
+                               "call leaves for the next)",
                   "eval-mode calls are deterministic", value=worst, threshold=comparison.tol, evidence=text,
                   replay=(comparison,))
 

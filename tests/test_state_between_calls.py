@@ -1,0 +1,88 @@
+"""A layer whose first call leaves a state its later calls read: localised at the line of the later calls' own path.
+
+PaLM-pytorch 0.2.0's `palm_lite` caches its ALiBi bias on the first call, and on every later call returns the scores
+plus the cached bias, which its caller adds to the scores again: logits 2 x q.k + bias from the second call on
+(benchmarks/pypi_bugs.py's `palm_alibi_cached_twice`, from the release). `eval_determinism` fails it (two calls on the
+same input differ), but every call the locator traced was a later one, alike, so it pointed nowhere. Now the layer is
+put back as it came to the audit (`Probe.as_given`), its first and second call are traced, and the site is the line of
+the second call's own path that made the value that moved (then the op that consumed it). And the audit leaves the
+cache unmade, as it found it.
+
+The layer here is of our own writing in that shape; its twin caches right, on the same inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import diagnostics
+
+
+class CachedBias(nn.Module):
+    """A distance bias, made on the first call and cached (None until then). `bug`: the cached path returns the
+    scores plus the bias, as PaLM-lite's did."""
+
+    def __init__(self, heads: int, bug: bool):
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, scores):
+        i, j = scores.shape[-2:]
+        if self.bias is not None and self.bias.shape[-1] >= j:
+            if self.bug:
+                return scores + self.bias[..., :i, :j]
+            return self.bias[..., :i, :j]
+        slopes = 2.0 ** -torch.arange(1, self.heads + 1, dtype=scores.dtype, device=scores.device)
+        distance = (torch.arange(j, device=scores.device) - torch.arange(i, device=scores.device)[:, None]).abs()
+        self.register_buffer("bias", -slopes[:, None, None] * distance, persistent=False)
+        return self.bias
+
+
+class BiasedSelfAttention(nn.Module):
+    def __init__(self, d_model: int = 32, heads: int = 4, bug: bool = False):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.bias = CachedBias(heads, bug)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = scores + self.bias(scores)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def _line_of(function, text: str) -> int:
+    source, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(source) if text in line)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_read_wrong_from_the_second_call_is_found_at_the_cached_path(dtype):
+    torch.manual_seed(0)
+    layer = BiasedSelfAttention(bug=True).to(dtype)
+    report = diagnostics.audit(layer, dtype=dtype)
+    found = report.result("eval_determinism")
+    assert found.verdict == "fail", found
+    assert "a state one call leaves for the next" in found.message
+    lines = [site.line for site in found.where]
+    assert lines[:2] == [_line_of(CachedBias.forward, "return scores + self.bias"),
+                         _line_of(BiasedSelfAttention.forward, "scores = scores + self.bias(scores)")], \
+        [site.describe() for site in found.where]
+    assert layer.bias.bias is None, "the audit left the cache its calls made"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_twin_that_caches_the_bias_alone_passes(dtype):
+    torch.manual_seed(0)
+    layer = BiasedSelfAttention(bug=False).to(dtype)
+    report = diagnostics.audit(layer, dtype=dtype)
+    assert report.passed, report
+    assert layer.bias.bias is None
