@@ -69,6 +69,9 @@ class Call:
     self_only: bool = False  # it raised only because Tq != Tk, on a layer not declared cross-attention (see Probe)
     not_taken: bool = False  # the layer as held cannot be given this probe (`ProbeNotTaken`): skipped, with its reason
     parts: tuple = ()  # a stacked probe's readers and their copies of the batch (see ProbeShape.parts)
+    # a reading of the audit's own in a form the layer need not take (values as wide as the keys are many): where it
+    # raised, that reading is not taken, and no probe of the layer failed
+    reading: bool = False
 
     @property
     def ok(self) -> bool:
@@ -184,10 +187,10 @@ class Probe:
 
     # ---- calls -----------------------------------------------------------------------------------------
     def call(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None = None, *,
-             label: str = "", observe: bool = False, parts: tuple = ()) -> Call:
+             label: str = "", observe: bool = False, parts: tuple = (), reading: bool = False) -> Call:
         """Call the layer; exceptions become part of the `Call`, and every call is logged under the
         detector that made it. With `observe`, record its internals (under grad mode, so that torch's
-        fused inference fast paths, which hide them, are not taken)."""
+        fused inference fast paths, which hide them, are not taken). `reading`: see `Call.reading`."""
         self.passes += 1
         record = None
         try:
@@ -222,6 +225,7 @@ class Probe:
                     self.not_taken = self.not_taken or call
                 else:
                     call.self_only = self._only_self_attention(call)
+        call.reading = reading
         self._log(call)
         return call
 
@@ -353,7 +357,7 @@ class Probe:
                            "" if call.ok else call.describe_error(), parts=call.parts, not_taken=call.not_taken)
         if not any(s is shape for s in self.shapes[self.detector]):
             self.shapes[self.detector].append(shape)
-        if not call.ok and not call.self_only and not call.not_taken:
+        if not call.ok and not call.self_only and not call.not_taken and not call.reading:
             self.raised.append((self.detector, shape))
             self.failed_calls.append(call)
 
@@ -632,7 +636,10 @@ class Probe:
         base, B, T = self.base(), self.BATCH, self.t
         eye = torch.eye(T, dtype=self.subject.dtype, device=self.subject.device)  # (Tk, Tk)
         v = eye.expand(B, base.key.shape[1], T, T).contiguous()  # (B, H, Tk, d_v = Tk)
-        call = self.call(base.query, base.key, v, base.allowed, label="the standard probe with identity values")
+        # values as wide as the keys are many: a layer that takes them as wide as q and k raises, no failure of its
+        # (sinkhorn-transformer's LocalAttention reshapes v by q's width); the reading goes on one key at a time
+        call = self.call(base.query, base.key, v, base.allowed, label="the standard probe with identity values",
+                         reading=True)
         ok = call.ok and tuple(call.output.out.shape) == tuple(base.query.shape[:-1]) + (T,)
         return (call.output.out, "weights read through identity values (v = I)") if ok else (None, "")
 
