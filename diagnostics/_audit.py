@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from ._errors import expect
-from ._guard import denormals_flushed, untouched
+from ._guard import denormals_flushed, registries, untouched
 from ._memory import check_memory
 from ._probe import Probe
 from ._progress import default_progress
@@ -132,6 +132,7 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             if settled.declaration or settled.verdict == "fail" and raised_at_probe_length(probe):
                 measured["runs"] = replace(settled, probes=measured["runs"].probes)
         measured = under_a_mask_undeclared(consequences(measured))
+        probe.as_left = registries(layer)  # what the calls left in the layer, for a locator's replay (lazy: after)
         measured = localise(probe, measured, layer, subject.device)  # findings only, found when first read
         base = probe.base()
     results = [_settled(measured[d], d in required, strict, _options) for d in chosen]

@@ -28,21 +28,14 @@ def untouched(layer, device):
     slots = [(m, registry, name, t, t.detach().clone())
              for m in modules for registry in (m._parameters, m._buffers)
              for name, t in registry.items() if t is not None]
-    # every registry's entries as they came, None ones included, and what it holds only as a name (non-persistent)
-    registries = [(registry, dict(registry)) for m in modules for registry in (m._parameters, m._buffers)]
-    transient = [(m, set(m._non_persistent_buffers_set)) for m in modules]
+    entries = registries(layer)  # as they came, None ones included
     grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
              if registry is not None and isinstance(t, nn.Parameter)]
     cuda = [device] if torch.device(device).type == "cuda" else []
 
     def as_given() -> None:
+        entries()  # a buffer the layer reassigned (a growing cache), set from None or registered, goes back
         with torch.no_grad():
-            for registry, entries in registries:
-                for name in [n for n in registry if n not in entries]:  # registered during the body
-                    del registry[name]
-                registry.update(entries)  # a buffer the layer reassigned (a growing cache), or set from None, goes back
-            for m, names in transient:
-                m._non_persistent_buffers_set.intersection_update(names)
             for m, registry, name, original, values in slots:
                 if not torch.equal(original.detach(), values):
                     original.detach().copy_(values)
@@ -58,6 +51,27 @@ def untouched(layer, device):
             as_given()
             for t, grad in grads:
                 t.grad = grad
+
+
+def registries(layer):
+    """A function that puts every parameter and buffer entry of `layer`'s modules back to the tensor (or None) each
+    held when this was called, and unregisters what was registered since: the objects, not their values. The audit
+    keeps one at its end (`Probe.as_left`), so that a locator can replay a failure that depended on what the audit's
+    calls left in the layer (a cache made at one length, read at another) once the layer is back as it came."""
+    modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
+    held = [(registry, dict(registry)) for m in modules for registry in (m._parameters, m._buffers)]
+    transient = [(m, set(m._non_persistent_buffers_set)) for m in modules]
+
+    def put_back() -> None:
+        for registry, entries in held:
+            for name in [n for n in registry if n not in entries]:
+                del registry[name]
+            registry.update(entries)
+        for m, names in transient:
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(names)
+
+    return put_back
 
 
 def seed_rng(seed: int, device="cpu") -> None:

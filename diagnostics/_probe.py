@@ -101,6 +101,9 @@ class Probe:
         # puts the layer's parameters and buffers back as they came to the audit (`_guard.untouched`'s), for a locator
         # that replays the layer's first call; None outside an audit
         self.as_given = None
+        # puts back what the audit's calls left in the layer's registries (a cache made at one length), for a locator
+        # replaying a failure that depended on it once the layer is back as it came (`_guard.registries`); or None
+        self.as_left = None
         # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
         # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
         self.pattern = pattern

@@ -1510,7 +1510,12 @@ def moved(new: Tensor, old: Tensor, tol: float) -> Tensor:
     if not (old.is_floating_point() or old.is_complex()):
         return (new != old).cpu()
     o, n = old.double().cpu(), new.double().cpu()
-    finite = o[torch.isfinite(o)]
+    # the scale of the values, not of a mask's fill: scores filled with -finfo.max (lucidrains' `max_neg_value`) made
+    # it 1e38, and no score moved by less than that
+    kept = torch.isfinite(o)
+    if old.is_floating_point():
+        kept &= o.abs() < torch.finfo(old.dtype).max / 2
+    finite = o[kept]
     scale = float(finite.square().mean().sqrt()) if finite.numel() else 1.0
     same = (n == o) | (torch.isnan(n) & torch.isnan(o))
     return ~same & ~((n - o).abs() <= tol * (scale or 1.0))
@@ -1557,26 +1562,48 @@ def first_moved(a: Trace, b: Trace, P: Tensor | None, tol: float, *, tail: int |
 
 
 def made_apart(a: Trace, b: Trace, P: Tensor | None, tol: float) -> list[Op]:
-    """Two calls on the same input, the second after the first left the layer a state (a cache it made): the ops of
-    the two paired by what they ran and where (`aligned`), the first of `b`'s with a user frame whose output moved
-    where held (`P`), and before it, where one of its inputs was made by an op only `b` ran (its own path, the cached
-    one: PaLM-lite's ALiBi `return qk_sim + self.bias[...]`), that op: [making op, consuming op], or [consuming op],
-    or []. The value followed back to the line that made it."""
+    """Two calls on the same input, the later after the calls before it left the layer a state (a cache it made): the
+    ops of the two paired by what they ran and where (`aligned`), the first of `b`'s with a user frame whose output
+    moved where held (`P`), and before it the op that made the value that moved it, followed back through the ops of
+    both calls whose outputs moved to one only `b` ran (its own path, the cached one: PaLM-lite's ALiBi `return
+    qk_sim + self.bias[...]`): [making op, consuming op], or [consuming op], or []."""
     pairs = aligned(a, b)
-    paired = {y.index for _, y in pairs}
-    for x, y in pairs:
-        if not y.frames or y.short in UNINITIALISED:
-            continue
+    partner = {y.index: x for x, y in pairs}
+
+    def differs(x: Op, y: Op, held: Tensor | None = None) -> bool:
         for ox, oy in zip(x.outs, y.outs):
             if ox is None or oy is None or ox.shape != oy.shape:
                 continue
-            held = held_elements(tuple(oy.shape), P)
-            if held is None or not bool((moved(oy, ox, tol) & held).any()):
+            where = held_elements(tuple(oy.shape), held) if held is not None else True
+            if where is not None and bool((moved(oy, ox, tol) & where).any()):
+                return True
+        return False
+
+    def maker(tensor: int, before: int) -> Op | None:  # the last op before `before` that wrote it (in place too)
+        return next((op for op in reversed(b.ops[:before]) if tensor in op.out_ids), None)
+
+    def origin(y: Op, depth: int = 0) -> Op | None:
+        for tensor in dict.fromkeys(y.in_ids):
+            z = maker(tensor, y.index)
+            if z is None:
                 continue
-            made = [b.ops[b.producer[i]] for i in y.in_ids if b.producer.get(i) is not None]
-            own = [op for op in made if op.index not in paired and op.frames]
-            return own[:1] + [y]
+            if z.index not in partner:
+                if z.frames:
+                    return z
+            elif depth < ORIGIN_DEPTH and differs(partner[z.index], z):
+                found = origin(z, depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    for x, y in pairs:
+        if y.frames and y.short not in UNINITIALISED and differs(x, y, P if P is not None else None):
+            made = origin(y)
+            return ([made] if made is not None else []) + [y]
     return []
+
+
+ORIGIN_DEPTH = 8  # knob: ops followed back from the first that moved (a mask fill, a cast between): no verdict, a site
 
 
 def last_rows(full: Tensor, shape: torch.Size, n: int) -> Tensor | None:

@@ -86,3 +86,78 @@ def test_its_twin_that_caches_the_bias_alone_passes(dtype):
     report = diagnostics.audit(layer, dtype=dtype)
     assert report.passed, report
     assert layer.bias.bias is None
+
+
+class LengthCachedBias(nn.Module):
+    """A per-key distance bias cached at the length of the call that made it. `bug`: "shorter" reuses a cache as
+    long as it is no longer than the keys (x-transformers 0.17.2's `<= j` for `>= j`: a cache made at one token then
+    broadcasts one column over every later call); "once" makes it on the first call alone and slices it on the keys
+    only (0.28.2's: a later call with fewer queries raises)."""
+
+    def __init__(self, heads: int, bug: str | None):
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, scores):
+        i, j = scores.shape[-2:]
+        slopes = 2.0 ** -torch.arange(1, self.heads + 1, dtype=scores.dtype, device=scores.device)
+        if self.bug == "once":
+            if self.bias is None:
+                distance = torch.arange(j, device=scores.device) - torch.arange(i, device=scores.device)[:, None]
+                self.register_buffer("bias", slopes[:, None, None] * distance, persistent=False)
+            return scores + self.bias[..., :j]  # made once
+        reuse = self.bias is not None and (self.bias.shape[-1] <= j if self.bug == "shorter" else self.bias.shape[-1] >= j)
+        if reuse:
+            return scores + self.bias[..., :j]  # reused
+        self.register_buffer("bias", slopes[:, None, None] * torch.arange(j, device=scores.device), persistent=False)
+        return scores + self.bias
+
+
+class CausalLengthCached(nn.Module):
+    """Causal attention, its future filled with -finfo.max (lucidrains' `max_neg_value`), plus the cached bias."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4, bug: str | None = None):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.bias = LengthCachedBias(heads, bug)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = self.bias(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, -torch.finfo(scores.dtype).max)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_cache_rebuilt_at_another_length_is_found_where_it_is_read():
+    """The cache the audit's T = 1 call made, reused by every later call: two calls on the same input differ. The
+    locator traces the first call as the layer came and one as the audit's calls left it; the scores filled with
+    -finfo.max had made every score's scale 1e38, so no op moved (no site); the fill is no scale now."""
+    torch.manual_seed(0)
+    report = diagnostics.audit(CausalLengthCached(bug="shorter"), causal=True)
+    found = report.result("eval_determinism")
+    assert found.verdict == "fail", found
+    assert [site.line for site in found.where][:1] == [_line_of(LengthCachedBias.forward, "# reused")], \
+        [site.describe() for site in found.where]
+
+
+def test_a_cache_made_once_is_replayed_as_the_calls_left_it():
+    """A raise that depends on the cache an earlier call made (a bias of 16 queries added to one query's scores, which
+    it broadcasts to 16 rows): replayed on the layer as it came, as the audit now leaves it, the call makes its own
+    cache and runs, so `runs` pointed nowhere; replayed as the audit's calls left it, it raises where it did."""
+    torch.manual_seed(0)
+    layer = CausalLengthCached(bug="once")
+    runs = diagnostics.audit(layer, causal=True).result("runs")
+    assert runs.verdict == "fail", runs
+    assert _line_of(CausalLengthCached.forward, ".reshape(B, T, D)") in [site.line for site in runs.where], \
+        [site.describe() for site in runs.where]
+    assert layer.bias.bias is None, "the replay left the cache set"
+
+
+def test_their_twin_that_caches_by_length_passes():
+    torch.manual_seed(0)
+    report = diagnostics.audit(CausalLengthCached(bug=None), causal=True)
+    assert report.passed, report

@@ -189,16 +189,19 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
 
 
 def _state_sites(probe, base, allowed, P, tol) -> list[Site]:
-    """Two eval-mode calls that differ where two more, traced now, do not: the first call of the audit made a state the
-    later ones read (a cache built on the first call), and every call traced now is a later one. The layer put back as
-    it came (`Probe.as_given`), its first call and its second traced; where the second's output first moves, the line
-    of the second call's own path that made the moved op's input, then that op (`made_apart`)."""
+    """Two eval-mode calls that differ where two more, traced now, do not: a call of the audit left a state the later
+    ones read (a cache built on the first call, or rebuilt at another length). The layer's first call traced as it
+    came (`Probe.as_given`), then a call as the audit's calls left it (`Probe.as_left`, or the second call where
+    there is none); where the later's output first moves, the line of its own path that made the value that moved,
+    then that op (`made_apart`)."""
     s = probe.subject
     probe.as_given()
     first = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
+    if probe.as_left is not None:
+        probe.as_left()
     second = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
     ops = made_apart(first, second, P, tol)
-    notes = ["made on the second call's own path (the first call took another: a state it left, a cache, is read "
+    notes = ["made on the later call's own path (the first call took another: a state the calls left, a cache, is read "
              "here), the value that moved the output", "the first op whose output differs between the layer's first "
              "and second call on the same input"]
     return [site for op, note in zip(ops, notes[-len(ops):] if ops else []) if (site := op_site(op, note)) is not None]

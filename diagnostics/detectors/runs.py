@@ -27,10 +27,16 @@ from ._mask_hints import candidates, convention_hint, conventions_run, honoured_
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
-    """The user's line in the traceback of the first failed call, replayed on its very inputs."""
+    """The user's line in the traceback of the first failed call, replayed on its very inputs: on the layer as it came,
+    and where it runs so, as the audit's calls left it (a cache made at one length that a call of another refuses:
+    x-transformers 0.28.2's ALiBi bias)."""
     for call in result.replay or ():
         try:
             with torch.no_grad():
+                probe.subject(call.query, call.key, call.value, call.allowed)
+                if probe.as_left is None:
+                    continue
+                probe.as_left()
                 probe.subject(call.query, call.key, call.value, call.allowed)
         except Exception as error:
             frames = traceback_frames(error.__traceback__)
