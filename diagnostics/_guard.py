@@ -1,8 +1,8 @@
 """The state guard every floor uses: whatever diagnostics does to a layer or a model, it leaves it as it was.
 
 `untouched(layer, device)` runs the body in eval mode and afterwards restores training flags, every parameter
-and buffer (persistent or not, even one the layer replaced, or made or set on its first call), every `.grad` and the
-global RNG state. The
+and buffer (persistent or not, even one the layer replaced, or made or set on its first call, with the plain
+attributes that record it), every `.grad` and the global RNG state. The
 layer audit, its trial calls, localisation's replays and the model audit all run inside it; `seed_rng(seed,
 device)` is how they seed the generators the layer draws from, inside it.
 """
@@ -19,7 +19,8 @@ from torch import nn
 def untouched(layer, device):
     """Eval mode during the body; afterwards training flags, every parameter and buffer (persistent or
     not, even if the layer replaced it, set one registered as None or registered one more: a cache made on its first
-    call), every .grad and the global RNG state are as they were. Yields `as_given()`, which puts the parameters and
+    call), the plain attributes that record such state (its length, a flag that it was built: `registries`), every
+    .grad and the global RNG state are as they were. Yields `as_given()`, which puts the parameters and
     buffers back as they came, inside the body too (a locator replaying a layer's first call, whose cache the audit's
     calls have filled)."""
     modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
@@ -34,7 +35,8 @@ def untouched(layer, device):
     cuda = [device] if torch.device(device).type == "cuda" else []
 
     def as_given() -> None:
-        entries()  # a buffer the layer reassigned (a growing cache), set from None or registered, goes back
+        entries()  # a buffer the layer reassigned (a growing cache), set from None or registered, goes back, and what
+        # records it (a cache's length, a `built` flag) with it
         with torch.no_grad():
             for m, registry, name, original, values in slots:
                 if not torch.equal(original.detach(), values):
@@ -53,14 +55,22 @@ def untouched(layer, device):
                 t.grad = grad
 
 
+PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, tuple)
+"""The plain attributes a module's state is kept in beside its registries (a cache's length, a flag that it was built,
+a tensor held as an attribute): restored with them, so that a cache and what records it agree."""
+
+
 def registries(layer):
-    """A function that puts every parameter and buffer entry of `layer`'s modules back to the tensor (or None) each
-    held when this was called, and unregisters what was registered since: the objects, not their values. The audit
-    keeps one at its end (`Probe.as_left`), so that a locator can replay a failure that depended on what the audit's
-    calls left in the layer (a cache made at one length, read at another) once the layer is back as it came."""
+    """A function that puts `layer`'s modules' state back as it was when this was called: every parameter and buffer
+    entry to the tensor (or None) it held, unregistering what was registered since (the objects, not their values),
+    and every plain attribute (`PLAIN`: a rotary cache's `max_seq_len_cached`, a `built` flag) to its value, deleting
+    those set since; `training` is left to the caller. The audit keeps one at its end (`Probe.as_left`), so that a
+    locator can replay a failure that depended on what the audit's calls left in the layer (a cache made at one
+    length, read at another) once the layer is back as it came."""
     modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
     held = [(registry, dict(registry)) for m in modules for registry in (m._parameters, m._buffers)]
     transient = [(m, set(m._non_persistent_buffers_set)) for m in modules]
+    plain = [(m, {k: v for k, v in vars(m).items() if _plain(k, v)}) for m in modules]
 
     def put_back() -> None:
         for registry, entries in held:
@@ -70,8 +80,17 @@ def registries(layer):
         for m, names in transient:
             m._non_persistent_buffers_set.clear()
             m._non_persistent_buffers_set.update(names)
+        for m, attributes in plain:
+            now = vars(m)
+            for name in [k for k, v in now.items() if k not in attributes and _plain(k, v)]:
+                del now[name]
+            now.update(attributes)
 
     return put_back
+
+
+def _plain(name: str, value) -> bool:
+    return not name.startswith("_") and name != "training" and isinstance(value, PLAIN)
 
 
 def seed_rng(seed: int, device="cpu") -> None:

@@ -76,6 +76,34 @@ def test_audit_leaves_a_cache_made_on_the_first_call_unmade():
     assert "made_later" not in layer._non_persistent_buffers_set
 
 
+class TableBuiltOnce(MultiHeadAttention):
+    """A correct layer that builds a position table on its first call and records it in plain attributes (a `built`
+    flag and the table's length, as Hugging Face's rotary caches keep `max_seq_len_cached`): `registered` says whether
+    the table is a None buffer from __init__ or registered on that call."""
+
+    def __init__(self, *a, registered: bool = False, **kw):
+        super().__init__(*a, **kw)
+        self.built, self.length = False, 0
+        if not registered:
+            self.register_buffer("table", None, persistent=False)
+
+    def forward(self, query, key=None, value=None, mask=None):
+        if not self.built:
+            self.register_buffer("table", torch.zeros(64, query.shape[-1]), persistent=False)
+            self.built, self.length = True, 64
+        return super().forward(query + self.table[: query.shape[1]], key, value, mask)
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["None buffer", "registered on the first call"])
+def test_audit_leaves_a_cache_and_what_records_it_as_they_came(registered):
+    """A review of the cache guard: unsetting the table but not its `built` flag made every later call of the audit
+    raise (a false `runs` failure) and left the layer unusable. The plain attributes go back with the buffers."""
+    layer = TableBuiltOnce(16, 2, registered=registered)
+    assert audit(layer).passed
+    assert (layer.built, layer.length, getattr(layer, "table", None)) == (False, 0, None)
+    layer(torch.randn(2, 5, 16))  # the layer works after the audit, building its table as on a first call
+
+
 def test_audit_restores_eval_mode_too():
     layer = MultiHeadAttention(16, 2).eval()
     audit(layer)

@@ -161,3 +161,41 @@ def test_their_twin_that_caches_by_length_passes():
     torch.manual_seed(0)
     report = diagnostics.audit(CausalLengthCached(bug=None), causal=True)
     assert report.passed, report
+
+
+class RebuiltAtEachLength(nn.Module):
+    """A distance bias cached at the length it was made at and rebuilt whenever the length changes; the bug's cached
+    path adds it twice. In self-attention that takes a (B, 1, Tq, Tk) mask."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.register_buffer("bias", None, persistent=False)
+
+    def biased(self, scores):
+        T = scores.shape[-1]
+        if self.bias is None or self.bias.shape[-1] != T:
+            slopes = 2.0 ** -torch.arange(1, self.heads + 1, dtype=scores.dtype)
+            position = torch.arange(T)
+            self.bias = (-slopes[:, None, None] * (position[None] - position[:, None]).abs()).to(scores.dtype)
+            return scores + self.bias
+        return scores + self.bias + self.bias  # the cached path: the bias twice
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = self.biased(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_cache_the_audit_left_at_another_length_is_read_on_the_state_the_first_call_leaves():
+    """The audit's last calls left the cache at another length, so a call as they left it rebuilds it and agrees with
+    the first: the locator traces the second call on the state the first left before it turns to what the audit
+    left (a review found no site here)."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(RebuiltAtEachLength()).result("eval_determinism")
+    assert found.verdict == "fail", found
+    assert [site.line for site in found.where][:1] == [_line_of(RebuiltAtEachLength.biased, "+ self.bias + self.bias")]

@@ -191,16 +191,17 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
 def _state_sites(probe, base, allowed, P, tol) -> list[Site]:
     """Two eval-mode calls that differ where two more, traced now, do not: a call of the audit left a state the later
     ones read (a cache built on the first call, or rebuilt at another length). The layer's first call traced as it
-    came (`Probe.as_given`), then a call as the audit's calls left it (`Probe.as_left`, or the second call where
-    there is none); where the later's output first moves, the line of its own path that made the value that moved,
-    then that op (`made_apart`)."""
+    came (`Probe.as_given`), then its second; where those agree, a call as the audit's calls left it (`Probe.as_left`);
+    where the later's output first moves, the line of its own path that made the value that moved, then that op
+    (`made_apart`)."""
     s = probe.subject
     probe.as_given()
     first = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
-    if probe.as_left is not None:
-        probe.as_left()
-    second = trace_call(s, base.query, base.key, base.value, allowed, seed=None)
+    second = trace_call(s, base.query, base.key, base.value, allowed, seed=None)  # on the state the first left
     ops = made_apart(first, second, P, tol)
+    if not ops and probe.as_left is not None:  # a state made at another length by a later call of the audit's
+        probe.as_left()
+        ops = made_apart(first, trace_call(s, base.query, base.key, base.value, allowed, seed=None), P, tol)
     notes = ["made on the later call's own path (the first call took another: a state the calls left, a cache, is read "
              "here), the value that moved the output", "the first op whose output differs between the layer's first "
              "and second call on the same input"]

@@ -27,9 +27,9 @@ from ._mask_hints import candidates, convention_hint, conventions_run, honoured_
 
 
 def runs_sites(probe, result: DetectorResult) -> list[Site]:
-    """The user's line in the traceback of the first failed call, replayed on its very inputs: on the layer as it came,
-    and where it runs so, as the audit's calls left it (a cache made at one length that a call of another refuses:
-    x-transformers 0.28.2's ALiBi bias)."""
+    """The user's line in the traceback of the first failed call, replayed on its very inputs: on the layer as the
+    report's reader finds it (as it came, after the audit), and where it runs so, as the audit's calls left it (a cache
+    made at one length that a call of another refuses: x-transformers 0.28.2's ALiBi bias)."""
     for call in result.replay or ():
         try:
             with torch.no_grad():
