@@ -20,8 +20,8 @@ def untouched(layer, device):
     """Eval mode during the body; afterwards training flags, every parameter and buffer (persistent or
     not, even if the layer replaced it, set one registered as None or registered one more: a cache made on its first
     call), the plain attributes that record such state (its length, a flag that it was built: `registries`), every
-    .grad and the global RNG state are as they were. Yields `as_given()`, which puts the parameters and
-    buffers back as they came, inside the body too (a locator replaying a layer's first call, whose cache the audit's
+    .grad and the global RNG state are as they were. Yields `as_given()`, which puts all that state back
+    as it came (values, entries and attributes), inside the body too (a locator replaying a layer's first call, whose cache the audit's
     calls have filled)."""
     modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
     modes = [m.training for m in modules]

@@ -81,6 +81,14 @@ class Call:
         return exception_text(self.error)
 
 
+def _rows_of(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None, rows: slice) -> tuple:
+    """(query, key, value, allowed) cut to the batch rows `rows`, one stream staying one tensor (a self-attention
+    module takes one)."""
+    cut: dict[int, Tensor] = {}
+    q, k, v = (cut.setdefault(id(x), x[rows]) for x in (query, key, value))
+    return q, k, v, None if allowed is None else allowed[rows]
+
+
 class Probe:
     BATCH = 2
 
@@ -98,11 +106,11 @@ class Probe:
         self.batch_refused: tuple[int, str] | None = None
         self._rows_agree: bool | None = None  # a row alone comes out as in a batch (`_rows_alone_agree`), once asked
         self._parts_raised: set[tuple] = set()  # the exceptions whose stacks' parts raised too (`_in_batches`)
-        # puts the layer's parameters and buffers back as they came to the audit (`_guard.untouched`'s), for a locator
-        # that replays the layer's first call; None outside an audit
+        # puts the layer's state back as it came to the audit (`_guard.untouched`'s), for a locator that replays the
+        # layer's first call; None outside an audit
         self.as_given = None
-        # puts back what the audit's calls left in the layer's registries (a cache made at one length), for a locator
-        # replaying a failure that depended on it once the layer is back as it came (`_guard.registries`); or None
+        # puts back what the audit's calls left in the layer (a cache made at one length, what records it), for a
+        # locator replaying a failure that depended on it once the layer is back as it came (`_guard.registries`)
         self.as_left = None
         # the declared attention pattern (diagnostics.patterns): passed as a mask to a layer that takes one and
         # does not declare that it builds its own (a `window`, `chunk`, ... attribute), else the layer's own promise
@@ -267,12 +275,9 @@ class Probe:
         parts = []
         try:
             for rows in range(0, n, self.BATCH):
-                part = slice(rows, rows + self.BATCH)
-                cut: dict[int, Tensor] = {}  # one stream stays one tensor (a self-attention module takes one)
-                q, k, v = (cut.setdefault(id(x), x[part]) for x in (query, key, value))
                 self.passes += 1
                 with torch.no_grad():
-                    parts.append(subject(q, k, v, None if allowed is None else allowed[part]))
+                    parts.append(subject(*_rows_of(query, key, value, allowed, slice(rows, rows + self.BATCH))))
         except Exception:  # noqa: BLE001 -- the rows raise too: the whole batch's exception stands
             self._parts_raised.add(seen)
             return None
@@ -297,12 +302,10 @@ class Probe:
         dtype's "unchanged" tolerance. One call, the first time a stack is made in parts; the answer is kept."""
         if self._rows_agree is None:
             self._rows_agree = False
-            cut: dict[int, Tensor] = {}
-            q, k, v = (cut.setdefault(id(x), x[:1]) for x in (query, key, value))
             self.passes += 1
             try:
                 with torch.no_grad():
-                    alone = subject(q, k, v, None if allowed is None else allowed[:1]).out
+                    alone = subject(*_rows_of(query, key, value, allowed, slice(0, 1))).out
             except Exception:  # noqa: BLE001 -- a layer that refuses a batch of one: its parts stand for nothing
                 return False
             if alone.shape == part[:1].shape:

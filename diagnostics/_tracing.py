@@ -1597,7 +1597,7 @@ def made_apart(a: Trace, b: Trace, P: Tensor | None, tol: float) -> list[Op]:
         return None
 
     for x, y in pairs:
-        if y.frames and y.short not in UNINITIALISED and differs(x, y, P if P is not None else None):
+        if y.frames and y.short not in UNINITIALISED and differs(x, y, P):
             made = origin(y)
             return ([made] if made is not None else []) + [y]
     return []

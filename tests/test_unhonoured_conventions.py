@@ -232,7 +232,7 @@ def test_a_pad_mask_suggests_key_padding_not_key_keep():
 
 class BucketedMemory(nn.Module):
     """Cross-attention whose memory must come in buckets of 4 tokens (its own check, on the keys only): correct, and
-    it takes no mask. The audit's cross-length probe (16 queries over 19 keys) is refused by that rule."""
+    it takes no mask. The audit's one-token probe is refused by that rule."""
 
     def __init__(self, d_model: int = 32, heads: int = 4):
         super().__init__()
