@@ -147,13 +147,13 @@ def held_positions(probe, base, case) -> Tensor:
 
 
 def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: bool = False, streams: bool = False,
-                     same_input: bool = False) -> list[Site]:
+                     same_input: bool = False, state_fix: str = "") -> list[Site]:
     """Where a 'held rows must not move' check failed, from the comparisons its verdict was computed on
     (`result.replay`): the first case in which a held row moved, replayed on its very inputs: the masks of the
     baseline call (`use_masks`), or its input streams (`streams`: query locality of a cross-attention), else
     baseline and case traced side by side and the first op whose output moves where it must not (`note` says
     so). `same_input`: the case is the baseline again (eval determinism): the layer's RNG is left unseeded and
-    every row is held."""
+    every row is held; `state_fix`: the fix of a site in a state one call left for the next (`_state_sites`)."""
     for comparison in result.replay or ():
         tol = comparison.tol
         for case, change in zip(comparison.cases, comparison.changes):
@@ -183,12 +183,12 @@ def invariance_sites(probe, result: DetectorResult, *, note: str, use_masks: boo
                 if op is not None:
                     sites.append(op_site(op, note, fix=merge_fix(op, s.num_heads)))
                 elif same_input and probe.as_given is not None:
-                    sites += _state_sites(probe, base, allowed, P, tol)
+                    sites += _state_sites(probe, base, allowed, P, tol, state_fix)
             return sites
     return []
 
 
-def _state_sites(probe, base, allowed, P, tol) -> list[Site]:
+def _state_sites(probe, base, allowed, P, tol, fix: str) -> list[Site]:
     """Two eval-mode calls that differ where two more, traced now, do not: a call of the audit left a state the later
     ones read (a cache built on the first call, or rebuilt at another length). The layer's first call traced as it
     came (`Probe.as_given`), then its second; where those agree, a call as the audit's calls left it (`Probe.as_left`);
@@ -205,7 +205,8 @@ def _state_sites(probe, base, allowed, P, tol) -> list[Site]:
     notes = ["made on the later call's own path (the first call took another: a state the calls left, a cache, is read "
              "here), the value that moved the output", "the first op whose output differs between the layer's first "
              "and second call on the same input"]
-    return [site for op, note in zip(ops, notes[-len(ops):] if ops else []) if (site := op_site(op, note)) is not None]
+    return [site for op, note in zip(ops, notes[-len(ops):] if ops else [])
+            if (site := op_site(op, note, fix=fix)) is not None]
 
 
 def invariance_locator(note: str, **how):

@@ -13,9 +13,14 @@ from ._common import invariance_locator, judge, no_rows, result
 from ._stacked import other_sequence_changed
 
 
+STATE_FIX = ("a state kept between calls (a cache made on the first) must give what the first call computed: the "
+             "cached path returns the cached value as the path that made it returns it, never added to again")
+
+
 @detector("eval_determinism", "two eval-mode calls on the same input give the same output",
           targets=("dropout left on in eval mode",), fix="F.dropout(weights, p, training=self.training)",
-          locate=invariance_locator("the first op whose output differs between two eval-mode calls on the same input", same_input=True))
+          locate=invariance_locator("the first op whose output differs between two eval-mode calls on the same input",
+                                    same_input=True, state_fix=STATE_FIX))
 def check_eval_determinism(probe: Probe) -> DetectorResult:
     """First on batch_independence's call (the standard probe's batch with sequence 1 changed, seeded apart from
     the standard probe): sequence 0, the same input in a second call, came out the same, and no call more is made.
