@@ -30,6 +30,8 @@ Time runs along dimension `time_dim` of inputs and outputs: 2 for functions, 1 f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import importlib
 import inspect
@@ -331,6 +333,26 @@ def _observed_weights(record, t_q: int, t_k: int) -> Tensor | None:
     return None
 
 
+_GRAPH_KEPT = contextvars.ContextVar("graph_kept", default=False)
+
+
+@contextlib.contextmanager
+def graph_kept():
+    """Inside, the subject's outputs keep their autograd graph (the gradient checks' float64 copy, `graph_call`):
+    elsewhere they are detached. The output is the subject's, laid out and cut as every probe reads it: a mask
+    given in parts (`_per_query`'s row of each copy, `_per_batch`'s rows) included."""
+    token = _GRAPH_KEPT.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_KEPT.reset(token)
+
+
+def _out_of(out: Tensor) -> Tensor:
+    """The output as the subject returns it: detached, or with its graph inside `graph_kept`."""
+    return out if _GRAPH_KEPT.get() else out.detach()
+
+
 def _unpack(result, query: Tensor, key: Tensor, time_dim: int, t_q: int | None = None) -> Output:
     """`out` or `(out, weights, ...)`; anything else is a finding. Of the other returned tensors, the
     weights are the one shaped like them, (B, [H,] Tq, Tk): a returned (k, v) cache or a bias is not (`t_q`: the
@@ -346,7 +368,7 @@ def _unpack(result, query: Tensor, key: Tensor, time_dim: int, t_q: int | None =
     batch, t_q, t_k = query.shape[0], t_q or query.shape[time_dim], key.shape[time_dim]
     weights = next((w for w in rest if isinstance(w, Tensor) and w.is_floating_point() and w.dim() in (3, 4)
                     and w.shape[0] == batch and tuple(w.shape[-2:]) == (t_q, t_k)), None)
-    return Output(out.detach(), None if weights is None else weights.detach())
+    return Output(_out_of(out), None if weights is None else weights.detach())
 
 
 def _parameter_names(fn) -> list[str] | None:
@@ -563,7 +585,7 @@ class TorchMHASubject(Subject):
                            average_attn_weights=False)
         if not mha.batch_first:
             out = out.transpose(0, 1)  # (B, Tq, D)
-        return Output(out.detach(), None if weights is None else weights.detach())
+        return Output(_out_of(out), None if weights is None else weights.detach())
 
 
 def _widen(x: Tensor, width: int) -> Tensor:

@@ -18,7 +18,7 @@ from .._observe import Mode, Observer, not_over_tokens
 from .._probe import Call, Probe
 from .._registry import DETECTORS, NOT_APPLICABLE
 from .._result import DetectorResult, ProbeShape, Site
-from .._subject import make_subject, spell
+from .._subject import graph_kept, make_subject, spell
 from .._tracing import (
     Trace,
     declared_mask,
@@ -475,42 +475,12 @@ def grad_of(loss: Tensor, tensors, *, retain_graph: bool = False) -> tuple:
 
 
 def graph_call(sub, q, k, v, allowed) -> Tensor:
-    """Call `sub` and return its raw output with the autograd graph (Subject outputs are detached), laid out
-    like the subject's output: what a declared call returns (it may lay the layer's output out anew, as one that
-    passes a sequence as an image does), else what the layer's forward returns."""
-    captured = []
-    if getattr(sub, "call", None) is None and isinstance(sub.layer, torch.nn.Module):
-        handle = sub.layer.register_forward_hook(lambda m, a, out: captured.append(out))
-        try:
-            shown = sub(q, k, v, allowed).out
-        finally:
-            handle.remove()
-    else:  # a declared call (what it returns is the output, with its graph) or a function: called through a recorder
-        name = "call" if getattr(sub, "call", None) is not None else "layer"
-        fn = getattr(sub, name)
-        setattr(sub, name, lambda *a, **kw: captured.append(fn(*a, **kw)) or captured[-1])
-        try:
-            shown = sub(q, k, v, allowed).out
-        finally:
-            setattr(sub, name, fn)
-    raw = captured[-1] if captured else None
-    raw = raw[0] if isinstance(raw, (tuple, list)) else raw
-    def same(x):
-        if x.shape != shown.shape:
-            return False
-        if x.data_ptr() == shown.data_ptr() and x.stride() == shown.stride() and x.dtype == shown.dtype:
-            return True  # the returned tensor itself (detached)
-        return torch.equal(x.detach().nan_to_num(), shown.nan_to_num())
-
-    if isinstance(raw, Tensor) and raw.dim() == 2 and sub.own_queries == 1 and shown.dim() == 3:
-        raw = raw.unsqueeze(1)  # a pooling head's (B, D), read as its one query's row (`Subject.__call__`)
-    if isinstance(raw, Tensor) and not same(raw) and raw.dim() >= 2 and same(raw.transpose(0, 1)):
-        raw = raw.transpose(0, 1)  # nn.MultiheadAttention without batch_first: (T, B, D)
-    elif isinstance(raw, Tensor) and not same(raw) and raw.dim() == 4 and same(raw.transpose(1, 2)):
-        raw = raw.transpose(1, 2)  # a function in layout "bthd": (B, T, H, d), read back as (B, H, T, d)
-    if not isinstance(raw, Tensor) or not same(raw):
-        raise ValueError(f"could not find the layer's output in what its forward returned ({type(raw).__name__})")
-    return raw
+    """Call `sub` and return its output with the autograd graph (Subject outputs are otherwise detached), laid out
+    and cut as every probe reads it: a mask its convention cannot hold at once reaches the layer in parts (a causal
+    mask to a layer that takes a (B, Tk) key mask: one copy of each row per query), and the output is the rows of
+    those parts, with their graph."""
+    with graph_kept():
+        return sub(q, k, v, allowed).out
 
 
 # ---- tokens scaled to a softmax that is neither uniform nor one-hot (the decoding and gradient checks) ----
