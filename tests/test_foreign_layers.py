@@ -130,6 +130,33 @@ def test_the_patched_copy_leaves_the_users_layer_alone():
     assert layer.forward.__closure__[0].cell_contents.__self__ is layer  # the patch still calls the user's layer
 
 
+def _swap_halves(t: Tensor) -> Tensor:
+    return torch.cat(t.chunk(2, -1)[::-1], -1)
+
+
+class StaticHelper(SelfAttention):
+    """A helper kept on the instance as a `staticmethod` object (rotary-embedding-torch 0.8's
+    `self.apply_rotary_emb = staticmethod(apply_rotary_emb)`), which deepcopy cannot copy; `unused`: the twin's
+    bug, a gate built and never called."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        self.mix = staticmethod(_swap_halves)
+        self.gate = nn.Linear(D, D) if unused else None
+
+    def attention(self, x, mask=None):
+        q, k, v = (split(t, self.n_heads) for t in self.qkv(x).chunk(3, -1))
+        return self.proj(merge(attend(q, k, self.mix.__func__(v), mask)))  # the value features swapped: a linear map
+
+
+def test_a_staticmethod_kept_on_the_instance_is_shared_with_the_float64_copy():
+    """Before, "no float64 copy of the layer could be made (TypeError: cannot pickle 'staticmethod' object)": both
+    gradient checks not measured. The twin's unused gate is caught on the same seed."""
+    assert_clean(audited(StaticHelper), measured=CORE + ("gradients", "parameters_used"))
+    unused = audited(lambda: StaticHelper(unused=True)).result("parameters_used")
+    assert unused.verdict == "fail" and "gate.weight" in unused.evidence, unused
+
+
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
 

@@ -318,8 +318,14 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
     floating-point parameter is converted once, straight into the copy (deepcopy's memo hands it out wherever the
     layer holds that parameter, so tied weights stay tied); whatever else (buffers, parameter subclasses with a
     deepcopy of their own) is deep-copied as before and converted by `.to`. A 512-wide layer's million weights were
-    copied twice, the float32 copy thrown away (MultiHeadAttention(512, 8): 0.8 ms, now 0.6)."""
+    copied twice, the float32 copy thrown away (MultiHeadAttention(512, 8): 0.8 ms, now 0.6). A `staticmethod` or
+    `classmethod` object kept on an instance is shared with the copy, as deepcopy shares the function it wraps
+    (deepcopy cannot copy one: every gradient check was "not measured" on such a layer)."""
     memo = {}
+    for module in layer.modules():  # deepcopy hands functions out as they are, but raises on these wrappers of one
+        for value in vars(module).values():  # (`self.apply_rotary_emb = staticmethod(...)`: rotary-embedding-torch)
+            if isinstance(value, (staticmethod, classmethod)):
+                memo[id(value)] = value
     for p in layer.parameters():
         if type(p).__deepcopy__ is torch.nn.Parameter.__deepcopy__ and p.is_floating_point():
             # copy=True: a float64 layer's own tensor would come back, and the checks change the copy in place
