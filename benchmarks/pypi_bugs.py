@@ -89,6 +89,35 @@ layer = Block()
 declarations = dict(causal=True)
 """
 
+_ROTARY_BLOCK = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from rotary_embedding_torch import RotaryEmbedding, apply_rotary_emb
+
+class Block(nn.Module):
+    # a user's causal self-attention, q and k turned by rotary-embedding-torch; a (B, T) mask, True = keep
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.rot = {make}
+
+    def forward(self, x, mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (b, heads, t, 8) each
+        {rotate}
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if mask is not None:
+            allowed = allowed & mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1))
+
+layer = Block()
+declarations = dict(causal=True, mask="key_keep")
+"""
+
+
 def padded_keys_move_outputs(dtype: str = "float32", gain: float = 1000.0, least: float = 1e-3) -> str:
     """A plain check of a padding mask, no diagnostics (exec'd with BUILD, the case's build): changing only the
     padded tokens (to `gain` x a fresh draw) moves the unpadded outputs of the layer in `dtype` by more than `least`
@@ -584,6 +613,21 @@ class Block(nn.Module):
 layer = Block()
 declarations = dict()
 """, (EINOPS, ENTMAX)),
+    Case("rotary_rotate_half_pairs", "positions", "rotary-embedding-torch", "0.0.11", "0.0.12",
+         "rotary_embedding_torch/rotary_embedding_torch.py", 37,
+         "https://github.com/lucidrains/rotary-embedding-torch/commit/204cb02",
+         "`rotate_half` takes the interleaved pairs (2m, 2m+1) apart and joins them again as halves, "
+         "`torch.cat((-x2, x1))`, while the cos/sin table is interleaved: q and k are not rotated, and q·k depends "
+         "on absolute positions",
+         _ROTARY_BLOCK.format(make="RotaryEmbedding(8)", rotate="""freqs = self.rot(torch.arange(t), cache_key=t)
+        q, k = apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k)""")),
+    Case("rotary_xpos_scale_halves", "positions", "rotary-embedding-torch", "0.7.0", "0.8.0",
+         "rotary_embedding_torch/rotary_embedding_torch.py", 240,
+         "https://github.com/lucidrains/rotary-embedding-torch/commit/4ae4ca0",
+         "xPos's decay is laid out in halves, `torch.cat((scale, scale))`, while the cos/sin table is interleaved: "
+         "the two features of a pair are scaled apart, and q·k depends on absolute positions",
+         _ROTARY_BLOCK.format(make="RotaryEmbedding(8, use_xpos=True)",
+                              rotate="q, k = self.rot.rotate_queries_and_keys(q, k)")),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .._core import baseline_scale, not_run, relative_change, skip, unravel, where_text
+from .._masks import expressible
 from .._observe import Observer
 from .._probe import Probe
 from .._registry import NOT_APPLICABLE, Need, detector
@@ -65,6 +66,7 @@ from .._tracing import (
     user,
 )
 from ._common import float64_copy_or_skip, logit_gain, result
+from ._rotary import rotary_pair_sites
 
 DET = "relative_positions"
 
@@ -608,6 +610,19 @@ def _score_like(op: Op, n: int) -> bool:
     return any(o is not None and o.dim() >= 2 and tuple(o.shape[-2:]) == (n, n) for o in op.outs)
 
 
+def _at_once(s, allowed: Tensor | None) -> Tensor | None:
+    """`allowed` (B, Tq, Tk) as one call of the layer takes it, for tracing the shift. A layer that takes a (B, Tk)
+    key mask is given a causal mask a copy per query (`_subject._per_query`): (B x T) copies at one length, (B x
+    (P + T)) at the other, whose ops no cut of the last T rows lines up, so no site was found (a user's causal block
+    with rotary-embedding-torch 0.0.11's mispaired rotation). The keys some query may attend (the padding) reach it
+    at once instead: the real tokens' outputs of a layer whose positions are relative do not move with the shift under
+    that mask either, and the two traces are traced alike."""
+    if allowed is None or not getattr(s, "takes_mask", False) or not s.mask_convention.per_key or \
+            expressible(allowed, s.mask_convention):
+        return allowed
+    return allowed.any(dim=1, keepdim=True).expand_as(allowed)
+
+
 def shift_sites(probe, result: DetectorResult) -> list[Site]:
     """The shifted and the unshifted call (`result.replay`) traced side by side: the first op over (query, key)
     pairs (scores, a bias added to them, the weights) or the first fused attention whose rows for the real tokens
@@ -623,14 +638,15 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
         return []
     s = probe.subject
     T, P = r.query.shape[s.time_dim], r.shift
-    a = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    a = trace_call(s, r.query, r.key, r.value, _at_once(s, r.allowed), seed=probe.seed)
     n = P + T
-    b = trace_call(s, *r.shifted, r.shifted_allowed, seed=probe.seed)
+    b = trace_call(s, *r.shifted, _at_once(s, r.shifted_allowed), seed=probe.seed)
     if a.output is None or b.output is None:
         return []
     online = unrescaled_accumulators(b)  # keys summed block by block, a running value not rescaled: order matters
     if online:
         return online
+    paired = rotary_pair_sites(b)  # a rotation whose partner or factor pairs other features than its table
     fused = {id(op) for op in fused_ops(b)}
     first = None
     for x, y in zip(a.ops, b.ops):  # the same program on other lengths: ops in the same order
@@ -648,7 +664,7 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
         if first is not None:
             break
     if first is None:
-        return _value_sites(a, b, fused, T, r.tol, P)
+        return paired or _value_sites(a, b, fused, T, r.tol, P)
     note = (f"the first op over (query, key) pairs whose values for the real tokens change when every position is "
             f"shifted by {P}: the scores depend on absolute positions")
     product = first if first.short in PRODUCTS or id(first) in fused else next(
@@ -665,7 +681,7 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
             sites.append(op_site(made, f"makes an operand of the (query, key) product that changes with the shift "
                                        f"({made.short}): {why}", fix=ROTATION_FIX if rotary else EMBEDDING_FIX))
     sites.append(op_site(first, note, fix="" if product is not None else BIAS_FIX))
-    return [site for site in sites if site is not None]
+    return paired + [site for site in sites if site is not None]
 
 
 VALUE_POSITIONS_FIX = ("let the values carry relative positions only: a rotation applied to the values by their "
