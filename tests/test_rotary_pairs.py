@@ -135,3 +135,30 @@ def test_the_pairs_are_read_from_the_table_and_the_partner_from_the_values():
     assert _signed_permutation(x, partner(x, "interleaved")) == [1, 0, 3, 2, 5, 4, 7, 6]
     assert _signed_permutation(x, partner(x, "halves")) == [4, 5, 6, 7, 0, 1, 2, 3]
     assert _signed_permutation(x, 2 * x) is None  # a scaled copy is no permutation
+
+
+class AbsoluteInside(RotaryBlock):
+    """The same block with a sinusoid added to q and k by absolute position (a learned-embedding habit carried into
+    a layer meant to be relative): no rotation to pair, so the site is the add, found by lining up the shifted call's
+    ops with the plain one's. The causal masks reach this layer a copy per query; the shift is traced with the keys
+    at once (before, its copies lined up no op, and the failure had no site)."""
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        pos = table(T, D // self.h, "halves").sin().to(x.dtype)
+        q, k = q + pos, k + pos  # ABSOLUTE
+        allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if mask is not None:
+            allowed = allowed & mask[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.out(o.transpose(1, 2).reshape(B, T, D))
+
+
+def test_absolute_positions_inside_a_key_mask_layer_are_found_at_the_add():
+    torch.manual_seed(0)
+    found = diagnostics.audit(AbsoluteInside(), progress=False, causal=True, mask="key_keep",
+                              detectors=["relative_positions"]).result("relative_positions")
+    assert found.verdict == "fail", found
+    assert found.where and found.where[0].line == line_of(AbsoluteInside.forward, "# ABSOLUTE"), found.where
+    assert _audit({}).verdict == "pass"  # the twin: the same block turning q and k instead, on the same seed
