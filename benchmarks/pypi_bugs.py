@@ -628,6 +628,42 @@ declarations = dict()
          "the two features of a pair are scaled apart, and q·k depends on absolute positions",
          _ROTARY_BLOCK.format(make="RotaryEmbedding(8, use_xpos=True)",
                               rotate="q, k = self.rot.rotate_queries_and_keys(q, k)")),
+    Case("rotary_cache_key_offset", "positions", "rotary-embedding-torch", "0.2.6", "0.2.7",
+         "rotary_embedding_torch/rotary_embedding_torch.py", 118,
+         "https://github.com/lucidrains/rotary-embedding-torch/issues/11",
+         "`rotate_queries_or_keys(t, offset=...)` caches the frequencies under the length alone (`freqs:{seq_len}`): a "
+         "second call of the same length at another offset (a decoding step through a KV cache) gets the first "
+         "offset's positions",
+         """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from rotary_embedding_torch import RotaryEmbedding
+
+class Block(nn.Module):
+    # a user's causal self-attention with a KV cache, q and k turned at their positions by rotary-embedding-torch
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.rot = RotaryEmbedding(8)
+
+    def forward(self, x, mask=None, cache=None):  # mask: (B, 1, Tq, Tk) bool, True = may attend; cache: (k, v)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        past = 0 if cache is None else cache[0].shape[-2]
+        q = self.rot.rotate_queries_or_keys(q, offset=past)
+        k = self.rot.rotate_queries_or_keys(k, offset=past)
+        if cache is not None:
+            k, v = torch.cat((cache[0], k), -2), torch.cat((cache[1], v), -2)
+        if mask is None:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+layer = Block()
+declarations = dict(causal=True)
+"""),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",

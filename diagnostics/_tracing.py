@@ -116,6 +116,7 @@ class Returned:
     caller: object  # the code object of the innermost user frame that called it (None: none)
     caller_line: int
     value: object
+    tensor: int = 0  # id of the tensor it returned (0: none), kept alive by the trace: a cached value read back
 
 
 @dataclass
@@ -211,6 +212,8 @@ class Tracer(Observer):
         elif event == "return":
             if frame_kind(frame.f_code) == 0:
                 self.trace.returns.append(_returned(frame, arg))
+                if isinstance(arg, Tensor):
+                    self.trace.alive.append(arg)  # its id names it until the trace is read
             ids, called = self._params.pop(id(frame), (None, 0))
             if ids and isinstance(arg, Tensor) and id(arg) in ids:
                 self.trace.unchanged.append(Unchanged(len(self.trace.ops), user_frames(frame), frame.f_code.co_name,
@@ -226,6 +229,36 @@ class Tracer(Observer):
     def __exit__(self, *exc):
         sys.setprofile(self._old_profiles.pop())
         return super().__exit__(*exc)
+
+
+def made_before(trace: Trace, op: Op | None) -> Site | None:
+    """Where `op` reads a tensor that no op of this call made (through views and casts), that is no input and no
+    buffer or parameter of the layer, and that a function of the user's code returned: a value made by an earlier
+    call and read back from a cache (a dict keyed by what it was made for). The line that returned it, its caller
+    (the line that asked for it, with the key) after; None where there is none."""
+    if op is None:
+        return None
+    for tensor_id in op.in_ids:
+        for _ in range(64):  # back through views and casts to the tensor itself
+            p = producer(trace, tensor_id)
+            if p is None or p.short not in CARRIES or not p.in_ids:
+                break
+            tensor_id = p.in_ids[-1] if p.short == "copy_" else p.in_ids[0]
+        if producer(trace, tensor_id) is not None or tensor_id in trace.inputs or tensor_id in trace.buffers:
+            continue
+        r = next((r for r in reversed(trace.returns) if r.tensor == tensor_id), None)
+        if r is None:
+            continue
+        frames = ((r.code, r.line),) + (((r.caller, r.caller_line),) if r.caller is not None else ())
+        return site(frames, "returns it", f"returns a tensor no op of this call made, which {op.short} reads below: a "
+                                          f"value an earlier call made, kept and read back (a cache): what it is "
+                                          f"looked up by must hold everything it was made from (the length and the "
+                                          f"offset of the positions, the dtype)", CACHE_KEY_FIX)
+    return None
+
+
+CACHE_KEY_FIX = ("key a cached value by everything it is made from (f'freqs:{seq_len}|offset:{offset}'), or make it "
+                 "anew on each call")
 
 
 def _never_raises(function):
@@ -273,7 +306,8 @@ def _returned(frame, value) -> Returned:
     if value is None and not text(frame.f_code.co_filename, line).startswith("return"):
         value = ...
     return Returned(frame.f_code, line, None if caller is None else caller.f_code,
-                    0 if caller is None else caller.f_lineno, value if _number(value) else ...)
+                    0 if caller is None else caller.f_lineno, value if _number(value) else ...,
+                    id(value) if isinstance(value, Tensor) else 0)
 
 
 def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, call=None) -> Trace:

@@ -15,6 +15,7 @@ from .._tracing import (
     Trace,
     declared_mask,
     first_moved,
+    made_before,
     mask_sites,
     op_site,
     producer,
@@ -175,9 +176,12 @@ def cache_sites(probe, result: DetectorResult) -> list[Site]:
         if change is not None and bool((change > tol).any()):
             sites = mask_sites(step, _declared(probe, B, n, start + n, allowed), B, n, start + n)
             op = None if sites else first_moved(full, step, None, tol, tail=n)
-            return sites or ([op_site(op, f"the first op whose output for the {n} new tokens differs from the "
-                                           f"same rows of the full pass over {start + n} tokens",
-                                      fix=POSITIONS_FIX)] if op else [])
+            # a value it reads that an earlier call made and a cache handed back (rotary-embedding-torch 0.2.6's
+            # frequencies keyed by the length alone): the line that returned it first, the op after
+            cached = made_before(step, op)
+            moved = op_site(op, f"the first op whose output for the {n} new tokens differs from the same rows of "
+                                f"the full pass over {start + n} tokens", fix=POSITIONS_FIX)
+            return sites or [found for found in (cached, moved) if found is not None]
         cache = cache if filled else returned
         if cache is None:
             return []
