@@ -1,0 +1,235 @@
+"""Every release of a package, one user's layer built on each: the audit's verdict against a plain check.
+
+    python benchmarks/pypi_releases.py [--population NAME ...] [--releases V ...] [--jobs N] [--cache DIR] [--offline]
+
+benchmarks/pypi_bugs.py audits the releases on either side of a bug someone found; this audits a population nobody
+chose, every release a package ever published, with the same layer a user would write on it, and asks on each
+release whether the audit's verdict agrees with a plain script (no diagnostics) that checks the property directly.
+A release where they disagree is a false FAIL or a false PASS to study; the rate of agreement is the figure.
+
+Populations (`POPULATIONS`):
+- `rotary`: a causal block (a (B, T) key mask, True = keep) whose q and k rotary-embedding-torch turns, through the
+  API each release has (`apply_rotary_emb` on the first, `rotate_queries_or_keys` after); the plain check: q·k of the
+  turned q and k does not move when every position is shifted by 5 (a rotation depends on j - i only);
+- `xpos`: the same block with xPos (`use_xpos=True`, `rotate_queries_and_keys`), on the releases that have it; the
+  same plain check (xPos scales q and k by inverse decays, so q·k still depends on j - i only).
+
+Each release is downloaded with `pip download --no-deps` into the cache pypi_bugs.py uses, audited in its own
+subprocess (pypi_bugs.audit_release), and the plain check runs in that process after the audit. A release that does
+not build here, or has no such API, is not run (said why), never counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import subprocess
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pypi_bugs  # noqa: E402 -- its sibling: the download, the unpacking and the audit in a subprocess
+
+_ROTARY = """
+import inspect
+import torch
+import torch.nn.functional as F
+from torch import nn
+import rotary_embedding_torch as R
+
+XPOS = {xpos}
+if XPOS and "use_xpos" not in inspect.signature(R.RotaryEmbedding).parameters:
+    raise LookupError("no xPos in this release (RotaryEmbedding takes no use_xpos)")
+rot = R.RotaryEmbedding(8, **({{"use_xpos": True}} if XPOS else {{}}))
+
+def rotate(q, k):  # q and k (B, H, T, 8) turned at positions 0 .. T-1, through the API the release has
+    if XPOS:
+        return rot.rotate_queries_and_keys(q, k)
+    if hasattr(rot, "rotate_queries_or_keys"):
+        return rot.rotate_queries_or_keys(q), rot.rotate_queries_or_keys(k)
+    n = q.shape[-2]  # the first releases: the frequencies of the positions, then apply_rotary_emb
+    freqs = rot(torch.arange(n), cache_key=n)
+    return R.apply_rotary_emb(freqs, q), R.apply_rotary_emb(freqs, k)
+
+class Block(nn.Module):
+    # a user's causal self-attention, q and k turned by rotary-embedding-torch; a (B, T) mask, True = keep
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.rot = rot
+
+    def forward(self, x, mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, k)
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if mask is not None:
+            allowed = allowed & mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1))
+
+layer = Block()
+declarations = dict(causal=True, mask="key_keep")
+"""
+
+SHIFT = 5
+"""The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""
+
+RELATIVE = f"""
+import torch
+scope = {{}}
+exec(BUILD, scope)
+rotate = scope["rotate"]
+q, k, pad_q, pad_k = (torch.randn(1, 1, n, 8) for n in (12, 12, {SHIFT}, {SHIFT}))
+plain = torch.einsum("bhid,bhjd->bhij", *rotate(q, k))
+qs, ks = rotate(torch.cat((pad_q, q), -2), torch.cat((pad_k, k), -2))
+shifted = torch.einsum("bhid,bhjd->bhij", qs[..., {SHIFT}:, :], ks[..., {SHIFT}:, :])
+moved = ((plain - shifted).abs().max() / plain.abs().max()).item()
+assert moved < 1e-4, f"q·k moved by {{moved:.2e}} of its largest when every position shifted by {SHIFT}"
+"""
+"""The plain check: asserts that q·k of the turned q and k depends on j - i only (no diagnostics)."""
+
+
+@dataclass(frozen=True)
+class Population:
+    name: str
+    package: str
+    build: str  # defines `layer`, `declarations` and what `check` reads; raises LookupError where it does not apply
+    check: str  # a plain script that asserts the property holds (exec'd with BUILD)
+    holds: str  # what the check asserts, for the table
+    deps: tuple[str, ...] = (pypi_bugs.EINOPS,)
+
+
+POPULATIONS = {p.name: p for p in (
+    Population("rotary", "rotary-embedding-torch", _ROTARY.format(xpos=False), RELATIVE,
+               "q·k depends on j - i only"),
+    Population("xpos", "rotary-embedding-torch", _ROTARY.format(xpos=True), RELATIVE,
+               "q·k depends on j - i only"),
+)}
+
+
+@dataclass
+class Row:
+    version: str
+    result: dict = field(default_factory=dict)
+    error: str = ""  # the release could not be fetched or unpacked
+
+    @property
+    def run(self) -> bool:
+        return not self.error and self.result.get("status") in ("passed", "failed", "inconclusive")
+
+    @property
+    def holds(self) -> bool:
+        return self.result.get("confirmed") == "yes"
+
+    @property
+    def agrees(self) -> bool:
+        """The audit passed where the property holds, failed where it does not (inconclusive agrees with neither)."""
+        return self.result.get("status") == ("passed" if self.holds else "failed")
+
+
+def version_key(version: str) -> tuple:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def versions(package: str, cache: Path, offline: bool) -> list[str]:
+    """Every release of `package` on the index (`pip index versions`), oldest first; offline, those in the cache."""
+    if offline:
+        found = [p.name[len(package) + 1:] for p in cache.glob(f"{package}-*") if (p / "UNPACKED").exists()]
+    else:
+        done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package,
+                               "--disable-pip-version-check"], capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("Available versions:")), "")
+        if not line:
+            raise RuntimeError(f"pip index versions {package} listed none: {(done.stderr or done.stdout)[-300:]}")
+        found = [v.strip() for v in line.split(":", 1)[1].split(",")]
+    return sorted((v for v in found if re.fullmatch(r"\d+(\.\d+)*", v)), key=version_key)
+
+
+def run_release(population: Population, version: str, cache: Path, offline: bool, deps: list[Path]) -> Row:
+    row = Row(version)
+    try:
+        root = pypi_bugs.release_dir(f"{population.package}=={version}", cache, offline)
+    except (OSError, RuntimeError, ValueError) as error:
+        row.error = str(error)[:200]
+        return row
+    case = pypi_bugs.Case(f"{population.name}-{version}", population.name, population.package, version, version,
+                          "", 0, "", "", population.build, population.deps)
+    row.result = pypi_bugs.audit_release(case, root, deps, confirm=population.check)
+    return row
+
+
+def _failed(result: dict) -> str:
+    failed = [d for d, v in result.get("fired", {}).items() if v == "fail"]
+    return f" ({', '.join(failed)})" if failed else ""
+
+
+def table(population: Population, rows: list[Row]) -> str:
+    out = [f"| {population.package} | plain check: {population.holds} | audit | agree | first site |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        if not r.run:
+            why = r.error or r.result.get("error") or r.result.get("status", "-")
+            out.append(f"| {r.version} | not run: {why[:160]} | - | - | - |")
+            continue
+        plain = "yes" if r.holds else f"no: {r.result.get('confirmed', '-')[3:].strip(' ()')[:120]}"
+        sites = r.result.get("sites") or []
+        first = f"{sites[0][0]}@{Path(sites[0][1]).name}:{sites[0][2]}" if sites else "-"
+        out.append(f"| {r.version} | {plain} | {r.result['status']}{_failed(r.result)} | "
+                   f"{'yes' if r.agrees else '**no**'} | {first} |")
+    return "\n".join(out)
+
+
+def totals(population: Population, rows: list[Row]) -> str:
+    run = [r for r in rows if r.run]
+    broken = [r for r in run if not r.holds]
+    caught = [r for r in broken if r.result.get("status") == "failed"]
+    fine = [r for r in run if r.holds]
+    passed = [r for r in fine if r.result.get("status") == "passed"]
+    return (f"- {population.name}: {len(run)} of {len(rows)} releases run; the audit agrees with the plain check on "
+            f"{sum(r.agrees for r in run)} of {len(run)}: {len(passed)} of the {len(fine)} where it holds passed, "
+            f"{len(caught)} of the {len(broken)} where it does not failed")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--population", nargs="+", choices=sorted(POPULATIONS), default=sorted(POPULATIONS))
+    parser.add_argument("--releases", nargs="+", metavar="V", help="these releases only")
+    parser.add_argument("--jobs", type=int, default=1, help="releases audited at once (one subprocess each)")
+    parser.add_argument("--cache", type=Path, default=pypi_bugs.CACHE)
+    parser.add_argument("--offline", action="store_true", help="use the cache only; download nothing")
+    args = parser.parse_args(argv)
+    start, counted = time.perf_counter(), 0
+    for name in args.population:
+        population = POPULATIONS[name]
+        found = args.releases or versions(population.package, args.cache, args.offline)
+        deps = [pypi_bugs.release_dir(d, args.cache, args.offline) for d in population.deps]
+        for v in found:  # fetched one by one first: pip download is not run twice at once into one cache
+            try:
+                pypi_bugs.release_dir(f"{population.package}=={v}", args.cache, args.offline)
+            except (OSError, RuntimeError, ValueError):
+                pass  # said in the row
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            rows = list(pool.map(lambda v: run_release(population, v, args.cache, args.offline, deps), found))
+        counted += sum(r.run for r in rows)
+        print(table(population, rows))
+        print()
+        print(totals(population, rows))
+        print()
+    took = time.perf_counter() - start
+    warnings.filterwarnings("ignore", message=".*Failed to initialize NumPy.*")
+    import torch  # noqa: PLC0415 (only for the versions line; the audits ran in subprocesses)
+
+    command = " ".join(["python benchmarks/pypi_releases.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"`{command}`: {counted} releases audited in {took:.1f} s on {datetime.date.today().isoformat()} "
+          f"(torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread per audit, one subprocess each)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""benchmarks/pypi_releases.py (every release of a package, a user's layer on each, the audit against a plain
+check): its plain check, its table and its totals here, without the network."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _benchmark():
+    name = "pypi_releases_benchmark"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "pypi_releases.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+bench = _benchmark()
+
+_TURN = """
+import torch
+def table(n):
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    return (torch.arange(n).float()[:, None] * inv).repeat_interleave(2, -1)
+def turn(x, partner):
+    a = table(x.shape[-2])
+    return x * a.cos() + partner(x) * a.sin()
+def interleaved(x):
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((-x2, x1), -1).flatten(-2)
+def halves(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+def rotate(q, k):
+    return turn(q, {partner}), turn(k, {partner})
+"""
+
+
+@pytest.mark.parametrize("partner, holds", [("interleaved", True), ("halves", False)])
+def test_the_plain_check_passes_a_rotation_and_fails_a_mispaired_one(partner, holds):
+    """The check is earned both ways: a rotation paired as its table is holds; the same table turned with the halves'
+    partner (rotary-embedding-torch 0.0.11's mistake) does not, by far more than the check's bound."""
+    torch.manual_seed(0)
+    scope = {"BUILD": _TURN.format(partner=partner)}
+    if holds:
+        exec(bench.RELATIVE, scope)
+    else:
+        with pytest.raises(AssertionError, match="q·k moved by"):
+            exec(bench.RELATIVE, scope)
+
+
+def test_populations_build_what_the_check_and_the_audit_read():
+    for population in bench.POPULATIONS.values():
+        code = compile(population.build, population.name, "exec")
+        assert {"layer", "declarations", "rotate"} <= set(code.co_names), population.name
+        compile(population.check, population.name, "exec")
+        assert population.deps and population.holds
+
+
+def test_versions_are_ordered_by_number_and_read_from_the_cache_offline(tmp_path):
+    for v in ("0.10.0", "0.2.1", "0.9.1", "0.2.10"):
+        (tmp_path / f"pkg-{v}").mkdir()
+        (tmp_path / f"pkg-{v}" / "UNPACKED").write_text("x")
+    (tmp_path / "pkg-0.3.0").mkdir()  # downloaded, never unpacked: not a release of the cache
+    assert bench.versions("pkg", tmp_path, offline=True) == ["0.2.1", "0.2.10", "0.9.1", "0.10.0"]
+
+
+def test_agreement_table_and_totals():
+    """A pass where the property holds and a fail where it does not agree; a pass where it does not (a false PASS)
+    and an inconclusive do not; a release that did not build is not run and not counted."""
+    population = bench.POPULATIONS["rotary"]
+    rows = [bench.Row("1.0", {"status": "passed", "confirmed": "yes"}),
+            bench.Row("1.1", {"status": "failed", "fired": {"relative_positions": "fail"},
+                              "confirmed": "no (AssertionError: q·k moved by 7.6e-01)",
+                              "sites": [["relative_positions", "/x/rotary.py", 37, []]]}),
+            bench.Row("1.2", {"status": "passed", "confirmed": "no (AssertionError: q·k moved by 1e-02)"}),
+            bench.Row("1.3", {"status": "inconclusive", "confirmed": "yes"}),
+            bench.Row("1.4", {"status": "did not build", "error": "LookupError: no xPos"})]
+    assert [r.agrees for r in rows[:4]] == [True, True, False, False] and not rows[4].run
+    text = bench.table(population, rows)
+    assert "| 1.1 | no: AssertionError: q·k moved by 7.6e-01 | failed (relative_positions) | yes | " \
+           "relative_positions@rotary.py:37 |" in text
+    assert "| 1.2 |" in text and "**no**" in text and "not run: LookupError: no xPos" in text
+    assert bench.totals(population, rows) == ("- rotary: 4 of 5 releases run; the audit agrees with the plain check "
+                                              "on 2 of 4: 1 of the 2 where it holds passed, 1 of the 2 where it "
+                                              "does not failed")
