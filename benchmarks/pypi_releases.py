@@ -12,7 +12,10 @@ Populations (`POPULATIONS`):
   API each release has (`apply_rotary_emb` on the first, `rotate_queries_or_keys` after); the plain check: q·k of the
   turned q and k does not move when every position is shifted by 5 (a rotation depends on j - i only);
 - `xpos`: the same block with xPos (`use_xpos=True`, `rotate_queries_and_keys`), on the releases that have it; the
-  same plain check (xPos scales q and k by inverse decays, so q·k still depends on j - i only).
+  same plain check (xPos scales q and k by inverse decays, so q·k still depends on j - i only);
+- `rotary_cache`: a causal block with a KV cache that turns q and k at their offset
+  (`rotate_queries_or_keys(t, offset=...)`), on the releases whose API takes one; the plain check: a token turned
+  at offsets 8, 9, 10 one after another is turned as a fresh embedding turns it alone.
 
 Each release is downloaded with `pip download --no-deps` into the cache pypi_bugs.py uses, audited in its own
 subprocess (pypi_bugs.audit_release), and the plain check runs in that process after the audit. A release that does
@@ -78,6 +81,59 @@ layer = Block()
 declarations = dict(causal=True, mask="key_keep")
 """
 
+_ROTARY_CACHE = """
+import inspect
+import torch
+import torch.nn.functional as F
+from torch import nn
+import rotary_embedding_torch as R
+
+if "offset" not in inspect.signature(R.RotaryEmbedding.rotate_queries_or_keys if hasattr(R.RotaryEmbedding,
+        "rotate_queries_or_keys") else (lambda t: t)).parameters:
+    raise LookupError("no offset in this release (rotate_queries_or_keys takes none)")
+
+def made():
+    rot = R.RotaryEmbedding(8)
+    return lambda t, offset: rot.rotate_queries_or_keys(t, offset=offset)
+
+class Block(nn.Module):
+    # a user's causal self-attention with a KV cache, q and k turned at their positions by rotary-embedding-torch
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.rotate_at = made()
+
+    def forward(self, x, mask=None, cache=None):  # mask: (B, 1, Tq, Tk) bool, True = may attend; cache: (k, v)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        past = 0 if cache is None else cache[0].shape[-2]
+        q, k = self.rotate_at(q, past), self.rotate_at(k, past)
+        if cache is not None:
+            k, v = torch.cat((cache[0], k), -2), torch.cat((cache[1], v), -2)
+        if mask is None:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+layer = Block()
+declarations = dict(causal=True)
+"""
+
+AT_ANY_OFFSET = """
+import torch
+scope = {}
+exec(BUILD, scope)
+rotate_at = scope["made"]()
+x = torch.randn(1, 1, 1, 8)
+for offset in (8, 9, 10):  # one token at a time, as decoding through a cache turns it
+    again, fresh = rotate_at(x, offset), scope["made"]()(x, offset)
+    moved = ((again - fresh).abs().max() / fresh.abs().max()).item()
+    assert moved < 1e-5, f"a token at position {offset} turned after others differs from one turned alone by {moved:.2e}"
+"""
+"""The plain check of the cache population: a token turned at an offset, after tokens turned at other offsets, is
+turned as a fresh rotary embedding turns it (no diagnostics)."""
+
 SHIFT = 5
 """The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""
 
@@ -111,6 +167,8 @@ POPULATIONS = {p.name: p for p in (
                "q·k depends on j - i only"),
     Population("xpos", "rotary-embedding-torch", _ROTARY.format(xpos=True), RELATIVE,
                "q·k depends on j - i only"),
+    Population("rotary_cache", "rotary-embedding-torch", _ROTARY_CACHE, AT_ANY_OFFSET,
+               "a token turned at any offset as alone"),
 )}
 
 

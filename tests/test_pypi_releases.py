@@ -59,7 +59,7 @@ def test_the_plain_check_passes_a_rotation_and_fails_a_mispaired_one(partner, ho
 def test_populations_build_what_the_check_and_the_audit_read():
     for population in bench.POPULATIONS.values():
         code = compile(population.build, population.name, "exec")
-        assert {"layer", "declarations", "rotate"} <= set(code.co_names), population.name
+        assert {"layer", "declarations"} <= set(code.co_names), population.name
         compile(population.check, population.name, "exec")
         assert population.deps and population.holds
 
@@ -91,3 +91,29 @@ def test_agreement_table_and_totals():
     assert bench.totals(population, rows) == ("- rotary: 4 of 5 releases run; the audit agrees with the plain check "
                                               "on 2 of 4: 1 of the 2 where it holds passed, 1 of the 2 where it "
                                               "does not failed")
+
+
+_MADE = """
+import torch
+def made():
+    cache, inv = dict(), 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    def rotate_at(x, offset):
+        key = {key}
+        if key not in cache:
+            cache[key] = ((torch.arange(x.shape[-2]) + offset).float()[:, None] * inv).repeat_interleave(2, -1)
+        a = cache[key]
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        return x * a.cos() + torch.stack((-x2, x1), -1).flatten(-2) * a.sin()
+    return rotate_at
+"""
+
+
+@pytest.mark.parametrize("key, holds", [("(x.shape[-2], offset)", True), ("x.shape[-2]", False)])
+def test_the_cache_check_passes_a_table_keyed_by_offset_and_fails_one_keyed_by_length(key, holds):
+    torch.manual_seed(0)
+    scope = {"BUILD": _MADE.format(key=key)}
+    if holds:
+        exec(bench.AT_ANY_OFFSET, scope)
+    else:
+        with pytest.raises(AssertionError, match="turned after others differs"):
+            exec(bench.AT_ANY_OFFSET, scope)
