@@ -39,14 +39,21 @@ def pairs_of(table: Tensor) -> list[int] | None:
     d = table.shape[-1]
     if d < 2 or d % 2:
         return None
-    cols = table.reshape(-1, d).float()
-    partner = []
-    for i in range(d):
-        same = [j for j in range(d) if j != i and torch.equal(cols[:, i], cols[:, j])]
-        if len(same) != 1:
-            return None
-        partner.append(same[0])
-    return partner
+    return _one_each(_equal_columns(table.reshape(-1, d), table.reshape(-1, d)), exclude_self=True)
+
+
+def _equal_columns(a: Tensor, b: Tensor) -> Tensor:
+    """(d, d) bool: column i of `a` equals column j of `b` at every row."""
+    return (a.double()[:, :, None] == b.double()[:, None, :]).all(0)
+
+
+def _one_each(equal: Tensor, exclude_self: bool = False) -> list[int] | None:
+    """For each row of a (d, d) bool, the one column it is True at; None where a row has none or several."""
+    if exclude_self:
+        equal = equal & ~torch.eye(equal.shape[0], dtype=torch.bool, device=equal.device)
+    if not bool((equal.sum(1) == 1).all()):
+        return None
+    return equal.float().argmax(1).tolist()
 
 
 def _made(trace: Trace, tensor_id: int) -> Op | None:
@@ -107,16 +114,10 @@ def _signed_permutation(x: Tensor, y: Tensor) -> list[int] | None:
     if x.shape != y.shape or x.shape[-1] < 2:
         return None
     d = x.shape[-1]
-    xs, ys = x.reshape(-1, d).double(), y.reshape(-1, d).double()
-    if xs.shape[0] < 2 or not bool(xs.abs().sum() > 0):
+    xs, ys = x.reshape(-1, d).abs(), y.reshape(-1, d).abs()
+    if xs.shape[0] < 2 or not bool(xs.sum() > 0):
         return None
-    pi = []
-    for i in range(d):
-        hit = [j for j in range(d) if torch.equal(ys[:, i].abs(), xs[:, j].abs())]
-        if len(hit) != 1:
-            return None
-        pi.append(hit[0])
-    return pi
+    return _one_each(_equal_columns(ys, xs))
 
 
 def _describe(pairs: list[int], limit: int = 3) -> str:
