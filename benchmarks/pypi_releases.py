@@ -1,6 +1,7 @@
 """Every release of a package, one user's layer built on each: the audit's verdict against a plain check.
 
-    python benchmarks/pypi_releases.py [--population NAME ...] [--releases V ...] [--jobs N] [--cache DIR] [--offline]
+    python benchmarks/pypi_releases.py [--population NAME ...] [--releases V ...] [--sample N --seed S] [--jobs N]
+                                       [--cache DIR] [--offline]
 
 benchmarks/pypi_bugs.py audits the releases on either side of a bug someone found; this audits a population nobody
 chose, every release a package ever published, with the same layer a user would write on it, and asks on each
@@ -15,7 +16,12 @@ Populations (`POPULATIONS`):
   same plain check (xPos scales q and k by inverse decays, so q·k still depends on j - i only);
 - `rotary_cache`: a causal block with a KV cache that turns q and k at their offset
   (`rotate_queries_or_keys(t, offset=...)`), on the releases whose API takes one; the plain check: a token turned
-  at offsets 8, 9, 10 one after another is turned as a fresh embedding turns it alone.
+  at offsets 8, 9, 10 one after another is turned as a fresh embedding turns it alone;
+- `x_transformers`: x-transformers' `Attention(32, dim_head=8, heads=4, causal=True)` with its (B, T) keep mask, as
+  each release makes it (744 releases: `--sample N --seed S` draws N of them); the plain check: no output moves when
+  only later tokens change, and no kept output moves (each finite) when only the padding changes. The audit checks
+  more than that (the temperature, the weights, the gradients): where it fails a release the check passes, the
+  finding is read on the release by hand and said in the docs, true or false.
 
 Each release is downloaded with `pip download --no-deps` into the cache pypi_bugs.py uses, audited in its own
 subprocess (pypi_bugs.audit_release), and the plain check runs in that process after the audit. A release that does
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import random
 import re
 import subprocess
 import sys
@@ -55,9 +62,9 @@ def rotate(q, k):  # q and k (B, H, T, 8) turned at positions 0 .. T-1, through 
         return rot.rotate_queries_and_keys(q, k)
     if hasattr(rot, "rotate_queries_or_keys"):
         return rot.rotate_queries_or_keys(q), rot.rotate_queries_or_keys(k)
-    n = q.shape[-2]  # the first releases: the frequencies of the positions, then apply_rotary_emb
+    n = q.shape[-2]  # the first releases: the frequencies of the positions, then apply_rotary_emb on (B, T, d)
     freqs = rot(torch.arange(n), cache_key=n)
-    return R.apply_rotary_emb(freqs, q), R.apply_rotary_emb(freqs, k)
+    return tuple(R.apply_rotary_emb(freqs, t.flatten(0, 1)).view_as(t) for t in (q, k))
 
 class Block(nn.Module):
     # a user's causal self-attention, q and k turned by rotary-embedding-torch; a (B, T) mask, True = keep
@@ -134,6 +141,44 @@ for offset in (8, 9, 10):  # one token at a time, as decoding through a cache tu
 """The plain check of the cache population: a token turned at an offset, after tokens turned at other offsets, is
 turned as a fresh rotary embedding turns it (no diagnostics)."""
 
+_XTR_DEPS = (pypi_bugs.EINOPS, pypi_bugs.ENTMAX, "einx==0.4.3", "frozendict==2.5.1", "loguru==0.7.3", "packaging==24.2",
+             "torch-einops-utils==0.2.0", "numpy==2.4.6")  # what its releases import, early and late
+
+_XTR = """
+from x_transformers.x_transformers import Attention
+layer = Attention(32, dim_head=8, heads=4, causal=True)  # forward(x, context=None, mask=None, ...): (B, T) keep mask
+declarations = dict(causal=True, mask="key_keep")
+"""
+
+CAUSAL_AND_PADDING = """
+import torch
+scope = {}
+exec(BUILD, scope)
+layer = scope["layer"].eval()
+
+def out(x, mask=None):
+    with torch.no_grad():
+        got = layer(x) if mask is None else layer(x, mask=mask)
+    return got[0] if isinstance(got, tuple) else got
+
+x = torch.randn(2, 12, 32)
+later = x.clone()
+later[:, 8:] = torch.randn(2, 4, 32)  # only tokens 8.. change
+base = out(x)
+moved = ((base[:, :8] - out(later)[:, :8]).abs().max() / base.abs().max()).item()
+assert moved < 1e-5, f"outputs before token 8 moved by {moved:.2e} when only later tokens changed"
+keep = torch.ones(2, 12, dtype=torch.bool)
+keep[:, 10:] = False  # the last two tokens are padding
+padded = x.clone()
+padded[:, 10:] = torch.randn(2, 2, 32)  # only the padding changes
+kept = out(x, keep)
+assert bool(torch.isfinite(kept[:, :10]).all()), "the kept tokens' outputs are not finite"
+moved = ((kept[:, :10] - out(padded, keep)[:, :10]).abs().max() / kept[:, :10].abs().max()).item()
+assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
+"""
+"""The plain check of the x-transformers population: causal (no output moves when only later tokens change) and its
+key mask honoured (no kept output moves when only the padding changes, and each is finite)."""
+
 SHIFT = 5
 """The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""
 
@@ -159,7 +204,7 @@ class Population:
     build: str  # defines `layer`, `declarations` and what `check` reads; raises LookupError where it does not apply
     check: str  # a plain script that asserts the property holds (exec'd with BUILD)
     holds: str  # what the check asserts, for the table
-    deps: tuple[str, ...] = (pypi_bugs.EINOPS,)
+    deps: tuple[str, ...] = (pypi_bugs.EINOPS, "beartype==0.16.4")  # what rotary-embedding-torch's releases import
 
 
 POPULATIONS = {p.name: p for p in (
@@ -169,6 +214,8 @@ POPULATIONS = {p.name: p for p in (
                "q·k depends on j - i only"),
     Population("rotary_cache", "rotary-embedding-torch", _ROTARY_CACHE, AT_ANY_OFFSET,
                "a token turned at any offset as alone"),
+    Population("x_transformers", "x-transformers", _XTR, CAUSAL_AND_PADDING,
+               "causal, and its key mask honoured", _XTR_DEPS),
 )}
 
 
@@ -180,7 +227,10 @@ class Row:
 
     @property
     def run(self) -> bool:
-        return not self.error and self.result.get("status") in ("passed", "failed", "inconclusive")
+        """Audited, and the plain check answered: it held, or its assertion failed (a check that raised anything
+        else, an API the build does not fit, answered nothing)."""
+        return not self.error and self.result.get("status") in ("passed", "failed", "inconclusive") and \
+            (self.holds or self.result.get("confirmed", "").startswith("no (AssertionError"))
 
     @property
     def holds(self) -> bool:
@@ -233,7 +283,9 @@ def table(population: Population, rows: list[Row]) -> str:
            "|---|---|---|---|---|"]
     for r in rows:
         if not r.run:
-            why = r.error or r.result.get("error") or r.result.get("status", "-")
+            why = r.error or r.result.get("error") or (f"the plain check raised: {r.result['confirmed'][4:]}" if
+                                                       r.result.get("status") in ("passed", "failed", "inconclusive")
+                                                       else r.result.get("status", "-"))
             out.append(f"| {r.version} | not run: {why[:160]} | - | - | - |")
             continue
         plain = "yes" if r.holds else f"no: {r.result.get('confirmed', '-')[3:].strip(' ()')[:120]}"
@@ -259,6 +311,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--population", nargs="+", choices=sorted(POPULATIONS), default=sorted(POPULATIONS))
     parser.add_argument("--releases", nargs="+", metavar="V", help="these releases only")
+    parser.add_argument("--sample", type=int, metavar="N", help="N releases drawn at random (with --seed)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="releases audited at once (one subprocess each)")
     parser.add_argument("--cache", type=Path, default=pypi_bugs.CACHE)
     parser.add_argument("--offline", action="store_true", help="use the cache only; download nothing")
@@ -267,6 +321,8 @@ def main(argv=None) -> None:
     for name in args.population:
         population = POPULATIONS[name]
         found = args.releases or versions(population.package, args.cache, args.offline)
+        if args.sample and args.sample < len(found):
+            found = sorted(random.Random(args.seed).sample(found, args.sample), key=version_key)
         deps = [pypi_bugs.release_dir(d, args.cache, args.offline) for d in population.deps]
         for v in found:  # fetched one by one first: pip download is not run twice at once into one cache
             try:

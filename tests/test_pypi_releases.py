@@ -82,13 +82,16 @@ def test_agreement_table_and_totals():
                               "sites": [["relative_positions", "/x/rotary.py", 37, []]]}),
             bench.Row("1.2", {"status": "passed", "confirmed": "no (AssertionError: q·k moved by 1e-02)"}),
             bench.Row("1.3", {"status": "inconclusive", "confirmed": "yes"}),
-            bench.Row("1.4", {"status": "did not build", "error": "LookupError: no xPos"})]
+            bench.Row("1.4", {"status": "did not build", "error": "LookupError: no xPos"}),
+            bench.Row("1.5", {"status": "failed", "confirmed": "no (EinopsError: pattern b n (d r))"})]
     assert [r.agrees for r in rows[:4]] == [True, True, False, False] and not rows[4].run
+    assert not rows[5].run  # the plain check raised, not asserted: the build does not fit that release's API
     text = bench.table(population, rows)
     assert "| 1.1 | no: AssertionError: q·k moved by 7.6e-01 | failed (relative_positions) | yes | " \
            "relative_positions@rotary.py:37 |" in text
     assert "| 1.2 |" in text and "**no**" in text and "not run: LookupError: no xPos" in text
-    assert bench.totals(population, rows) == ("- rotary: 4 of 5 releases run; the audit agrees with the plain check "
+    assert "| 1.5 | not run: the plain check raised: EinopsError" in text
+    assert bench.totals(population, rows) == ("- rotary: 4 of 6 releases run; the audit agrees with the plain check "
                                               "on 2 of 4: 1 of the 2 where it holds passed, 1 of the 2 where it "
                                               "does not failed")
 
