@@ -116,7 +116,7 @@ class Returned:
     caller: object  # the code object of the innermost user frame that called it (None: none)
     caller_line: int
     value: object
-    tensor: int = 0  # id of the tensor it returned (0: none), kept alive by the trace: a cached value read back
+    tensors: tuple = ()  # ids of the tensors it returned (alone, or in a tuple or list), kept alive by the trace
 
 
 @dataclass
@@ -212,8 +212,7 @@ class Tracer(Observer):
         elif event == "return":
             if frame_kind(frame.f_code) == 0:
                 self.trace.returns.append(_returned(frame, arg))
-                if isinstance(arg, Tensor):
-                    self.trace.alive.append(arg)  # its id names it until the trace is read
+                self.trace.alive.extend(_returned_tensors(arg))  # their ids name them until the trace is read
             ids, called = self._params.pop(id(frame), (None, 0))
             if ids and isinstance(arg, Tensor) and id(arg) in ids:
                 self.trace.unchanged.append(Unchanged(len(self.trace.ops), user_frames(frame), frame.f_code.co_name,
@@ -231,22 +230,26 @@ class Tracer(Observer):
         return super().__exit__(*exc)
 
 
-def made_before(trace: Trace, op: Op | None) -> Site | None:
+def made_before(trace: Trace, op: Op | None, other: Trace | None = None) -> Site | None:
     """Where `op` reads a tensor that no op of this call made (through views and casts), that is no input and no
-    buffer or parameter of the layer, and that a function of the user's code returned: a value made by an earlier
-    call and read back from a cache (a dict keyed by what it was made for). The line that returned it, its caller
-    (the line that asked for it, with the key) after; None where there is none."""
-    if op is None:
+    buffer or parameter of the layer, that `other` (the call `op`'s output is compared with) never reads, and that a
+    function of the user's code returned: a value made by an earlier call and read back from a cache (a dict keyed by
+    what it was made for). The line that returned it, its caller (the line that asked for it, with the key) after;
+    None where there is none. A table both calls read (made once, in __init__) is no stale value, and an `op` that is
+    itself a view of it (a slice that ignores the offset) is the site, not where the table came from."""
+    if op is None or op.short in CARRIES:
         return None
+    read_there = {i for o in other.ops for i in o.in_ids} if other is not None else set()
     for tensor_id in op.in_ids:
         for _ in range(64):  # back through views and casts to the tensor itself
             p = producer(trace, tensor_id)
             if p is None or p.short not in CARRIES or not p.in_ids:
                 break
             tensor_id = p.in_ids[-1] if p.short == "copy_" else p.in_ids[0]
-        if producer(trace, tensor_id) is not None or tensor_id in trace.inputs or tensor_id in trace.buffers:
+        if producer(trace, tensor_id) is not None or tensor_id in trace.inputs or tensor_id in trace.buffers or \
+                tensor_id in read_there:
             continue
-        r = next((r for r in reversed(trace.returns) if r.tensor == tensor_id), None)
+        r = next((r for r in reversed(trace.returns) if tensor_id in r.tensors), None)
         if r is None:
             continue
         frames = ((r.code, r.line),) + (((r.caller, r.caller_line),) if r.caller is not None else ())
@@ -307,7 +310,16 @@ def _returned(frame, value) -> Returned:
         value = ...
     return Returned(frame.f_code, line, None if caller is None else caller.f_code,
                     0 if caller is None else caller.f_lineno, value if _number(value) else ...,
-                    id(value) if isinstance(value, Tensor) else 0)
+                    tuple(id(t) for t in _returned_tensors(value)))
+
+
+def _returned_tensors(value) -> list:
+    """The tensors a function returned: the tensor, or those of a tuple or list (a cache's (cos, sin))."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and len(value) <= 8:
+        return [t for t in value if isinstance(t, Tensor)]
+    return []
 
 
 def trace_call(subject, query, key, value, allowed, *, seed: int | None = 0, call=None) -> Trace:

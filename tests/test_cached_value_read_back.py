@@ -89,3 +89,62 @@ def test_a_cached_value_under_too_short_a_key_is_found_where_it_is_handed_back(d
     assert any(line == line_of(Rotary.turn, "# ASKED FOR") for _, line, _ in first.callers), first.callers
     assert "cache" in first.note and "offset" in first.fix, first
     assert found.where[1].op == "aten.cos", found.where  # then the op that read it
+
+
+class TableOnce(Rotary):
+    """The table made once in __init__ for 64 positions, kept as a plain attribute and handed out by a getter;
+    `offset_ignored`: the bug, the rows sliced from 0 whatever the offset."""
+
+    def __init__(self, dim=8, offset_ignored=False):
+        super().__init__(dim)
+        self.offset_ignored = offset_ignored
+        t = torch.arange(64).float()
+        self._table = torch.cat([t[:, None] * self.inv] * 2, -1)
+
+    def angles(self, n, offset):
+        start = 0 if self.offset_ignored else offset
+        return self.table()[start:start + n]  # SLICED
+
+    def table(self):
+        return self._table
+
+
+class PairCache(Rotary):
+    """(cos, sin) cached together, a tuple handed back by a getter, under the length alone."""
+
+    def pair(self, n, offset):
+        if n not in self.cache:
+            a = torch.cat([(torch.arange(offset, offset + n).float())[:, None] * self.inv] * 2, -1)
+            self.cache[n] = (a.cos(), a.sin())
+        return self.cache[n]  # THE PAIR HANDED BACK
+
+    def turn(self, x, offset):
+        cos, sin = self.pair(x.shape[-2], offset)
+        x1, x2 = x.chunk(2, -1)
+        return x * cos.to(x.dtype) + torch.cat((-x2, x1), -1) * sin.to(x.dtype)
+
+
+def _with(rotary) -> CachedBlock:
+    torch.manual_seed(0)
+    layer = CachedBlock()
+    layer.rot = rotary
+    return layer
+
+
+def test_a_table_both_calls_read_is_no_stale_value_and_its_wrong_slice_is_the_site():
+    """A table made once, that the full pass reads too, is not a cache's stale value: the slice that ignores the
+    offset is the first site (before the review's fix, the getter's `return` was, with a cache key's fix)."""
+    found = diagnostics.audit(_with(TableOnce(offset_ignored=True)), progress=False, causal=True,
+                              detectors=["cache_decoding"]).result("cache_decoding")
+    assert found.verdict == "fail", found
+    assert found.where[0].line == line_of(TableOnce.angles, "# SLICED"), found.where
+    assert not any("key a cached value" in site.fix for site in found.where), found.where
+    twin = diagnostics.audit(_with(TableOnce()), progress=False, causal=True, detectors=["cache_decoding"])
+    assert twin.result("cache_decoding").verdict == "pass"
+
+
+def test_a_cached_pair_is_followed_to_where_it_is_handed_back():
+    found = diagnostics.audit(_with(PairCache()), progress=False, causal=True,
+                              detectors=["cache_decoding"]).result("cache_decoding")
+    assert found.verdict == "fail", found
+    assert found.where[0].line == line_of(PairCache.pair, "# THE PAIR HANDED BACK"), found.where

@@ -8,6 +8,7 @@ bug, audited the same way on the same seed, still fails on the detector its bug 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -155,6 +156,26 @@ def test_a_staticmethod_kept_on_the_instance_is_shared_with_the_float64_copy():
     assert_clean(audited(StaticHelper), measured=CORE + ("gradients", "parameters_used"))
     unused = audited(lambda: StaticHelper(unused=True)).result("parameters_used")
     assert unused.verdict == "fail" and "gate.weight" in unused.evidence, unused
+
+
+class StaticOverSelf(SelfAttention):
+    """A staticmethod kept on the instance that closes over the layer's own parameter (`staticmethod(lambda y: y *
+    self.gain)`) or holds it in a partial: on the float64 copy it must read the copy's parameter, or `gain` gets no
+    gradient there and `parameters_used` calls it unused (a false FAIL a first fix made, sharing the wrapper)."""
+
+    def __init__(self, how="closure"):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((D,), 1.5))
+        self.post = staticmethod(lambda y: y * self.gain) if how == "closure" else \
+            staticmethod(functools.partial(torch.mul, other=self.gain))
+
+    def forward(self, x, mask=None):
+        return self.post(self.attention(x, mask))
+
+
+@pytest.mark.parametrize("how", ["closure", "partial"])
+def test_a_staticmethod_over_the_layers_own_parameter_reads_the_copys(how):
+    assert_clean(audited(lambda: StaticOverSelf(how)), measured=CORE + ("gradients", "parameters_used"))
 
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")

@@ -132,9 +132,10 @@ def test_the_pairs_are_read_from_the_table_and_the_partner_from_the_values():
     assert pairs_of(table(6, 8, "halves").cos()) == [4, 5, 6, 7, 0, 1, 2, 3]
     assert pairs_of(torch.ones(6, 8)) is None  # a constant pairs nothing one to one
     x = torch.randn(3, 6, 8)
-    assert _signed_permutation(x, partner(x, "interleaved")) == [1, 0, 3, 2, 5, 4, 7, 6]
-    assert _signed_permutation(x, partner(x, "halves")) == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert _signed_permutation(x, partner(x, "interleaved")) == ([1, 0, 3, 2, 5, 4, 7, 6], [-1, 1] * 4)
+    assert _signed_permutation(x, partner(x, "halves")) == ([4, 5, 6, 7, 0, 1, 2, 3], [-1] * 4 + [1] * 4)
     assert _signed_permutation(x, 2 * x) is None  # a scaled copy is no permutation
+    assert pairs_of(torch.tensor(1.0)) is None and _signed_permutation(torch.tensor(1.0), torch.tensor(1.0)) is None
 
 
 class AbsoluteInside(RotaryBlock):
@@ -162,3 +163,104 @@ def test_absolute_positions_inside_a_key_mask_layer_are_found_at_the_add():
     assert found.verdict == "fail", found
     assert found.where and found.where[0].line == line_of(AbsoluteInside.forward, "# ABSOLUTE"), found.where
     assert _audit({}).verdict == "pass"  # the twin: the same block turning q and k instead, on the same seed
+
+
+# ---- styles the first version of the localiser misread (a review's layers, written again here) -----------------
+
+
+class Styled(nn.Module):
+    """Causal self-attention with a full (B, 1, T, T) mask, q and k made by `turn(q, k, T)`; `absolute`: a sinusoid
+    added to q and k by position after turning them (a bug no rotation explains)."""
+
+    def __init__(self, d_model=32, heads=4, absolute=False):
+        super().__init__()
+        self.h, self.absolute = heads, absolute
+        self.qkv, self.out = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.w = nn.Parameter(torch.randn(d_model // heads) * 0.5)  # a QK-norm's weight, one value per feature
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        q, k = self.turn(q, k, T)
+        if self.absolute:
+            pos = table(T, D // self.h, "halves").sin()
+            q, k = q + pos, k + pos  # ABSOLUTE
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.out(o.transpose(1, 2).reshape(B, T, D))
+
+
+class NormedFirst(Styled):
+    """Gemma's QK-norm (RMS, then `* (1 + w)`) before a correct half-split rotation: (1 + w) differs inside the
+    pairs and is multiplied in before the rotation, never one of its factors."""
+
+    def turn(self, q, k, T):
+        a = table(T, q.shape[-1], "halves")
+        normed = [t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.w) for t in (q, k)]
+        return tuple(t * a.cos() + partner(t, "halves") * a.sin() for t in normed)
+
+
+class NormedMispaired(NormedFirst):
+    """The same norm (Qwen's `* w`), then a partner in halves beside an interleaved table."""
+
+    def turn(self, q, k, T):
+        a = table(T, q.shape[-1], "interleaved")
+        normed = [t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w for t in (q, k)]
+        return tuple(t * a.cos() + partner(t, "halves") * a.sin() for t in normed)
+
+
+class Unsigned(Styled):
+    """The interleaved pairs swapped without the minus sign: (x2, x1), no turn."""
+
+    def turn(self, q, k, T):
+        a = table(T, q.shape[-1], "interleaved")
+
+        def swap(x):
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            return torch.stack((x2, x1), -1).flatten(-2)  # NO MINUS
+        return tuple(t * a.cos() + swap(t) * a.sin() for t in (q, k))
+
+
+class HalfWidthTable(Styled):
+    """GPT-J's way: cos and sin made at half width, repeated after (`repeat_interleave(2)`), the partner in halves."""
+
+    def turn(self, q, k, T):
+        half = table(T, q.shape[-1], "interleaved")[:, ::2]
+        cos, sin = half.cos().repeat_interleave(2, -1), half.sin().repeat_interleave(2, -1)
+        return tuple(t * cos + partner(t, "halves") * sin for t in (q, k))
+
+
+class ScalarBlend(Styled):
+    """No rotation: q and k blended with a learned 0-dim angle (`q * phi.cos() + k * phi.sin()`), the absolute bug
+    beside it: the localiser reads a 0-dim cos as no table."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.phi = nn.Parameter(torch.tensor(0.3))
+
+    def turn(self, q, k, T):
+        return q * self.phi.cos() + k * self.phi.sin(), k
+
+
+@pytest.mark.parametrize("layer, first", [
+    (lambda: NormedFirst(absolute=True), (lambda: Styled.forward, "# ABSOLUTE")),
+    (lambda: NormedMispaired(), (lambda: partner, "PARTNER halves")),
+    (lambda: Unsigned(), (lambda: Unsigned.turn, "# NO MINUS")),
+    (lambda: HalfWidthTable(), (lambda: partner, "PARTNER halves")),
+    (lambda: ScalarBlend(absolute=True), (lambda: Styled.forward, "# ABSOLUTE")),
+], ids=["a norm's weight before the rotation is no factor of it", "a mispaired partner after a norm",
+        "a partner without the minus sign", "a table made at half width", "a 0-dim angle costs no site"])
+def test_the_first_site_is_the_line_that_broke_the_rotation(layer, first):
+    torch.manual_seed(0)
+    found = diagnostics.audit(layer(), progress=False, causal=True,
+                              detectors=["relative_positions"]).result("relative_positions")
+    assert found.verdict == "fail", found
+    fn, marker = first
+    assert found.where and found.where[0].line == line_of(fn(), marker), found.where
+    assert not any("factor of the rotated features" in site.note for site in found.where), found.where
+
+
+def test_their_correct_twins_pass():
+    torch.manual_seed(0)
+    for layer in (NormedFirst(), HalfWidthTable.__base__()):
+        found = diagnostics.audit(layer, progress=False, causal=True, detectors=["relative_positions"])
+        assert found.result("relative_positions").verdict in ("pass", "skip"), found

@@ -319,13 +319,14 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
     layer holds that parameter, so tied weights stay tied); whatever else (buffers, parameter subclasses with a
     deepcopy of their own) is deep-copied as before and converted by `.to`. A 512-wide layer's million weights were
     copied twice, the float32 copy thrown away (MultiHeadAttention(512, 8): 0.8 ms, now 0.6). A `staticmethod` or
-    `classmethod` object kept on an instance is shared with the copy, as deepcopy shares the function it wraps
-    (deepcopy cannot copy one: every gradient check was "not measured" on such a layer)."""
-    memo = {}
+    `classmethod` object kept on an instance, which deepcopy cannot copy (every gradient check was "not measured" on
+    such a layer), is let through and made again on the copy (`_rewrapped`)."""
+    memo, wrapped = {}, set()
     for module in layer.modules():  # deepcopy hands functions out as they are, but raises on these wrappers of one
         for value in vars(module).values():  # (`self.apply_rotary_emb = staticmethod(...)`: rotary-embedding-torch)
             if isinstance(value, (staticmethod, classmethod)):
-                memo[id(value)] = value
+                memo[id(value)] = value  # let deepcopy through; made again on the copy below
+                wrapped.add(id(value))
     for p in layer.parameters():
         if type(p).__deepcopy__ is torch.nn.Parameter.__deepcopy__ and p.is_floating_point():
             # copy=True: a float64 layer's own tensor would come back, and the checks change the copy in place
@@ -335,7 +336,19 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
         for name, value in list(vars(module).items()):
             if isinstance(value, types.FunctionType) and value.__closure__:
                 module.__dict__[name] = _rebound(value, memo)
+            elif id(value) in wrapped:
+                module.__dict__[name] = _rewrapped(value, memo)
     return twin.to(torch.float64)
+
+
+def _rewrapped(value, memo: dict):
+    """A staticmethod or classmethod the layer keeps on its instance, for the copy: a plain function shared, as
+    deepcopy shares functions; a closure re-made around the copy (`staticmethod(lambda y: y * self.scale)` reads the
+    copy's scale); anything else (a functools.partial over a parameter) deep-copied with the copy's memo."""
+    fn = value.__func__
+    if isinstance(fn, types.FunctionType):
+        return type(value)(_rebound(fn, memo)) if fn.__closure__ else value
+    return type(value)(copy.deepcopy(fn, memo))
 
 
 def _rebound(fn: types.FunctionType, memo: dict) -> types.FunctionType:

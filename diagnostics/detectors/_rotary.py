@@ -36,24 +36,28 @@ FACTOR_FIX = ("lay out a factor applied to the rotated features (xPos's scale) a
 def pairs_of(table: Tensor) -> list[int] | None:
     """For a cos table (..., d) whose entries come in pairs equal at every position: partner[i], the other feature of
     i's pair; None where the features do not pair up one to one (a frequency used more than twice, a constant)."""
-    d = table.shape[-1]
-    if d < 2 or d % 2:
+    if table.dim() < 1 or table.shape[-1] < 2 or table.shape[-1] % 2:
         return None
-    return _one_each(_equal_columns(table.reshape(-1, d), table.reshape(-1, d)), exclude_self=True)
+    cols = table.reshape(-1, table.shape[-1])
+    return _match_columns(cols, cols, exclude_self=True)
 
 
-def _equal_columns(a: Tensor, b: Tensor) -> Tensor:
-    """(d, d) bool: column i of `a` equals column j of `b` at every row."""
-    return (a.double()[:, :, None] == b.double()[:, None, :]).all(0)
-
-
-def _one_each(equal: Tensor, exclude_self: bool = False) -> list[int] | None:
-    """For each row of a (d, d) bool, the one column it is True at; None where a row has none or several."""
-    if exclude_self:
-        equal = equal & ~torch.eye(equal.shape[0], dtype=torch.bool, device=equal.device)
-    if not bool((equal.sum(1) == 1).all()):
+def _match_columns(a: Tensor, b: Tensor, exclude_self: bool = False) -> list[int] | None:
+    """For each column i of `a` (N, d), the one column j of `b` (N, d) equal to it at every row (j != i where
+    `exclude_self`); None where a column has none or several. Candidates by a fingerprint (each column's product with
+    one random vector: N x d work, never N x d x d), each confirmed exactly."""
+    if a.shape != b.shape or a.dim() != 2 or a.shape[0] < 2:
         return None
-    return equal.float().argmax(1).tolist()
+    g = torch.randn(a.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(a.device)
+    fa, fb = g @ a.double(), g @ b.double()
+    found = []
+    for i in range(a.shape[1]):
+        near = torch.nonzero(torch.isclose(fb, fa[i], rtol=1e-9, atol=1e-300)).flatten().tolist()
+        hits = [j for j in near if not (exclude_self and j == i) and torch.equal(a[:, i], b[:, j])]
+        if len(hits) != 1:
+            return None
+        found.append(hits[0])
+    return found
 
 
 def _made(trace: Trace, tensor_id: int) -> Op | None:
@@ -75,14 +79,15 @@ def _reaches(trace: Trace, tensor_id: int, name: str, depth: int = 12) -> Op | N
     return None
 
 
-def _factors(trace: Trace, tensor_id: int, depth: int = 6):
-    """A product of a sourced tensor (q or k on their way) by tensors of no input (tables, scales), unwound:
-    (the sourced tensor's id, [the ids of the factors]); None where it is no such product."""
-    factors = []
+def _chain(trace: Trace, tensor_id: int, depth: int = 8) -> list[tuple[int, list[int]]]:
+    """A product of a sourced tensor (q or k on their way) by tensors of no input (tables, scales), unwound one
+    factor at a time: [(a sourced tensor's id, [the ids of the factors multiplied in above it])], outermost first."""
+    chain, factors = [(tensor_id, [])], []
     for _ in range(depth):
         op = _made(trace, tensor_id)
         if op is not None and op.short == "mul" and len(op.in_ids) == 1:  # by a number (`* 1`, `* scale`)
             tensor_id = op.in_ids[0]
+            chain.append((tensor_id, list(factors)))
             continue
         if op is None or op.short != "mul" or len(op.in_ids) != 2:
             break
@@ -95,7 +100,17 @@ def _factors(trace: Trace, tensor_id: int, depth: int = 6):
         else:
             break
         factors.append(factor)
-    return (tensor_id, factors) if factors else None
+        chain.append((tensor_id, list(factors)))
+    return chain
+
+
+def _branch(trace: Trace, chain: list, name: str):
+    """(the factor of `chain` made by a `name` op, [the entries of the chain below it]); None where none is."""
+    for depth, (_, factors) in enumerate(chain):
+        hit = next((f for f in factors if _reaches(trace, f, name) is not None), None)
+        if hit is not None:
+            return hit, chain[depth:]
+    return None
 
 
 def _tensor(trace: Trace, tensor_id: int) -> Tensor | None:
@@ -109,15 +124,19 @@ def _tensor(trace: Trace, tensor_id: int) -> Tensor | None:
     return None
 
 
-def _signed_permutation(x: Tensor, y: Tensor) -> list[int] | None:
-    """pi with y[..., i] = +-x[..., pi[i]] everywhere (each feature of y one of x's, signed), else None."""
-    if x.shape != y.shape or x.shape[-1] < 2:
+def _signed_permutation(x: Tensor, y: Tensor) -> tuple[list[int], list[float]] | None:
+    """(pi, signs) with y[..., i] = signs[i] * x[..., pi[i]] everywhere (each feature of y one of x's, signed),
+    else None."""
+    if x.shape != y.shape or x.dim() < 1 or x.shape[-1] < 2:
         return None
     d = x.shape[-1]
-    xs, ys = x.reshape(-1, d).abs(), y.reshape(-1, d).abs()
-    if xs.shape[0] < 2 or not bool(xs.sum() > 0):
+    xs, ys = x.reshape(-1, d), y.reshape(-1, d)
+    if not bool(xs.abs().sum() > 0):
         return None
-    return _one_each(_equal_columns(ys, xs))
+    pi = _match_columns(ys.abs(), xs.abs())
+    if pi is None:
+        return None
+    return pi, (ys * xs[:, pi]).double().sum(0).sign().tolist()
 
 
 def _describe(pairs: list[int], limit: int = 3) -> str:
@@ -126,45 +145,52 @@ def _describe(pairs: list[int], limit: int = 3) -> str:
 
 
 def rotary_pair_sites(trace: Trace) -> list[Site]:
-    """The op that made a rotation partner pairing other features than the cos/sin table, or a factor on the rotated
-    features that differs inside a pair; [] where every rotation found agrees with its table (or none is found)."""
+    """The op that made a rotation partner pairing other features than the cos/sin table (or turning a pair without
+    the minus sign), or a factor both halves of the rotation share that differs inside a pair; [] where every
+    rotation found agrees with its table (or none is found)."""
     sites, seen = [], set()
     for op in trace.ops:
         if op.short not in ("add", "sub") or len(op.in_ids) != 2:
             continue
-        parts = [_factors(trace, i) for i in op.in_ids]
-        if None in parts:
+        chains = [_chain(trace, i) for i in op.in_ids]
+        found = None
+        for a, b in (chains, chains[::-1]):  # x * cos + partner(x) * sin, in that order or the other
+            cos, sin = _branch(trace, a, "cos"), _branch(trace, b, "sin")
+            if cos is not None and sin is not None:
+                found = cos, sin
+                break
+        if found is None:
             continue
-        (xa, fa), (xb, fb) = parts
-        cos_a = next((c for c in (_reaches(trace, f, "cos") for f in fa) if c is not None), None)
-        sin_b = next((s for s in (_reaches(trace, f, "sin") for f in fb) if s is not None), None)
-        if cos_a is None or sin_b is None:  # x * cos + partner(x) * sin, in that order or the other
-            cos_a, sin_b = (next((c for c in (_reaches(trace, f, "cos") for f in fb) if c is not None), None),
-                            next((s for s in (_reaches(trace, f, "sin") for f in fa) if s is not None), None))
-            (xa, fa), (xb, fb) = (xb, fb), (xa, fa)
-        if cos_a is None or sin_b is None or not cos_a.outs or not isinstance(cos_a.outs[0], Tensor):
+        (cos_factor, below_cos), (sin_factor, below_sin) = found
+        table = _tensor(trace, cos_factor)  # the table as it is multiplied in: T rows, laid out as used
+        pairs = pairs_of(table) if table is not None else None
+        if pairs is None:
             continue
-        pairs = pairs_of(cos_a.outs[0])
-        x, y = _tensor(trace, xa), _tensor(trace, xb)
-        if pairs is None or x is None or y is None or x.shape[-1] != len(pairs):
+        # x: the tensor below the cos factor that the sin branch's tensor is a signed permutation of (QK-norm's
+        # weight multiplied in before the rotation is below it, never one of its factors)
+        match = next(((x_id, y_id, xf, yf, got) for x_id, xf in below_cos for y_id, yf in below_sin
+                      if (x := _tensor(trace, x_id)) is not None and (y := _tensor(trace, y_id)) is not None
+                      and x.shape[-1] == len(pairs) and (got := _signed_permutation(x, y)) is not None), None)
+        if match is None:
             continue
-        pi = _signed_permutation(x, y)
-        made = _made(trace, xb)
-        if pi is not None and pi != pairs and made is not None and id(made) not in seen:
-            seen.add(id(made))
+        x_id, y_id, x_factors, y_factors, (pi, signs) = match
+        made = _made(trace, y_id)
+        if made is not None and id(made) not in seen:
             wrong = {i: j for i, j in enumerate(pi) if j != pairs[i]}
-            sites.append(op_site(made, f"makes the rotation's partner features ({made.short}): feature i is turned "
-                                       f"with feature {_pi_text(pi, wrong)}, while the cos/sin table pairs "
-                                       f"{_describe(pairs)}: not a rotation, so q·k depends on absolute positions",
-                                 fix=PAIR_FIX))
-        for f in fa + fb:
-            if _reaches(trace, f, "cos") is not None or _reaches(trace, f, "sin") is not None:
-                continue
+            unsigned = not wrong and any(signs[i] == signs[pairs[i]] for i in range(len(pairs)))
+            if wrong or unsigned:
+                seen.add(id(made))
+                what = (f"feature i is turned with feature {_pi_text(pi, wrong)}, while the cos/sin table pairs "
+                        f"{_describe(pairs)}" if wrong else
+                        f"both features of a pair of the cos/sin table ({_describe(pairs)}) are taken with the same "
+                        f"sign, so the pair is not turned (partner(x) needs one of them negated)")
+                sites.append(op_site(made, f"makes the rotation's partner features ({made.short}): {what}: not a "
+                                           f"rotation, so q·k depends on absolute positions", fix=PAIR_FIX))
+        shared = [f for f in x_factors if f in y_factors and f not in (cos_factor, sin_factor)]
+        for f in shared:  # a factor both halves take (xPos's decay) must be the same for both features of a pair
             value, made = _tensor(trace, f), _made(trace, f)
-            if value is None or made is None or id(made) in seen or value.dim() == 0 or \
-                    value.shape[-1] != len(pairs):
-                continue
-            if not _unpaired(value, pairs):
+            if value is None or made is None or value.dim() == 0 or value.shape[-1] != len(pairs) or \
+                    not _unpaired(value, pairs):
                 continue
             made = _earliest_unpaired(trace, made, pairs)  # `scale ** -1` for k: back to the op that laid it out
             if id(made) not in seen:

@@ -178,7 +178,7 @@ def cache_sites(probe, result: DetectorResult) -> list[Site]:
             op = None if sites else first_moved(full, step, None, tol, tail=n)
             # a value it reads that an earlier call made and a cache handed back (rotary-embedding-torch 0.2.6's
             # frequencies keyed by the length alone): the line that returned it first, the op after
-            cached = made_before(step, op)
+            cached = made_before(step, op, full)
             moved = op_site(op, f"the first op whose output for the {n} new tokens differs from the same rows of "
                                 f"the full pass over {start + n} tokens", fix=POSITIONS_FIX)
             return sites or [found for found in (cached, moved) if found is not None]

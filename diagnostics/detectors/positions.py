@@ -646,7 +646,10 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     online = unrescaled_accumulators(b)  # keys summed block by block, a running value not rescaled: order matters
     if online:
         return online
-    paired = rotary_pair_sites(b)  # a rotation whose partner or factor pairs other features than its table
+    try:  # a rotation whose partner or factor pairs other features than its table
+        paired = rotary_pair_sites(b)
+    except Exception:  # noqa: BLE001 -- reading the rotation must never cost the shift its other sites
+        paired = []
     fused = {id(op) for op in fused_ops(b)}
     first = None
     for x, y in zip(a.ops, b.ops):  # the same program on other lengths: ops in the same order
