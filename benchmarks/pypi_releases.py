@@ -311,7 +311,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--population", nargs="+", choices=sorted(POPULATIONS), default=sorted(POPULATIONS))
     parser.add_argument("--releases", nargs="+", metavar="V", help="these releases only")
-    parser.add_argument("--sample", type=int, metavar="N", help="N releases drawn at random (with --seed)")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="N releases drawn at random (with --seed) from the index's list; with --offline from the "
+                             "cached releases, which is another draw")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="releases audited at once (one subprocess each)")
     parser.add_argument("--cache", type=Path, default=pypi_bugs.CACHE)
