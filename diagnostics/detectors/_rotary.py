@@ -2,18 +2,21 @@
 
 A rotary embedding turns q and k as `x * cos + partner(x) * sin`, where `partner` takes each feature i to the feature
 its cos/sin table pairs it with (the table repeats each frequency twice: interleaved, (2m, 2m + 1), or in halves,
-(m, m + d/2)) with the sign that makes the pair turn. It is a rotation, and q·k depends on j - i only, where both agree
-with the table's pairs, and any factor multiplied in besides (xPos's decay) is the same for both features of a pair.
-Two released bugs break exactly that, and the shift's first moving op (the product of q and k, the `cat` that
-assembles the rotated features) is lines away from the line that made the wrong value:
+(m, m + d/2)) with the sign that makes the pair turn (one of the two negated). It is a rotation, and q·k depends on
+j - i only, where both agree with the table's pairs, and any factor both halves multiply in besides (xPos's decay) is
+the same for both features of a pair. Two released bugs break exactly that, and the shift's first moving op (the
+product of q and k, the `cat` that assembles the rotated features) is lines away from the line that made the wrong
+value:
 
 - `partner` pairs other features than the table (rotary-embedding-torch 0.0.11: the interleaved pairs taken apart
-  and joined again as halves, `torch.cat((-x2, x1))`): the op that made `partner(x)` is the site;
+  and joined again as halves, `torch.cat((-x2, x1))`), or takes a pair with one sign: the op that made `partner(x)`
+  is the site;
 - a factor differs inside a pair (rotary-embedding-torch 0.7.0: xPos's scale laid out in halves,
   `torch.cat((scale, scale))`, while the table is interleaved): the op that made the factor is the site.
 
-Read from the traced values alone: the table's pairs from the entries of a cos output equal at every position, the
-partner as a signed permutation of x's features found in the values, no names read.
+Read from the traced values alone, no names: the table's pairs from the columns of the cos table as multiplied in
+that are equal at every position, x as the tensor below the cos factor that the sin branch's tensor is a signed
+permutation of, columns matched by a fingerprint (N x d work) and confirmed exactly.
 """
 
 from __future__ import annotations
