@@ -19,7 +19,8 @@ Populations (`POPULATIONS`):
   at offsets 8, 9, 10 one after another is turned as a fresh embedding turns it alone;
 - `x_transformers`: x-transformers' `Attention(32, dim_head=8, heads=4, causal=True)` with its (B, T) keep mask, as
   each release makes it (744 releases: `--sample N --seed S` draws N of them); the plain check: no output moves when
-  only later tokens change, and no kept output moves (each finite) when only the padding changes. The audit checks
+  only later tokens change, no kept output moves when only the padding changes, and every output is finite (a padded
+  query still has the kept keys). The audit checks
   more than that (the temperature, the weights, the gradients): where it fails a release the check passes, the
   finding is read on the release by hand and said in the docs, true or false.
 
@@ -173,11 +174,15 @@ padded = x.clone()
 padded[:, 10:] = torch.randn(2, 2, 32)  # only the padding changes
 kept = out(x, keep)
 assert bool(torch.isfinite(kept[:, :10]).all()), "the kept tokens' outputs are not finite"
+# a padded query still has the kept keys to attend: its row is finite too (NaN there reaches the kept tokens of the
+# next layer, through its values)
+assert bool(torch.isfinite(kept).all()), "the padded tokens' outputs are not finite"
 moved = ((kept[:, :10] - out(padded, keep)[:, :10]).abs().max() / kept[:, :10].abs().max()).item()
 assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
 """
 """The plain check of the x-transformers population: causal (no output moves when only later tokens change) and its
-key mask honoured (no kept output moves when only the padding changes, and each is finite)."""
+key mask honoured (no kept output moves when only the padding changes), every output finite (a padded query still has
+the kept keys)."""
 
 SHIFT = 5
 """The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""
