@@ -120,3 +120,40 @@ def test_the_cache_check_passes_a_table_keyed_by_offset_and_fails_one_keyed_by_l
     else:
         with pytest.raises(AssertionError, match="turned after others differs"):
             exec(bench.AT_ANY_OFFSET, scope)
+
+
+_ATTENTION = """
+import torch
+from torch import nn
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        s = q @ k.transpose(1, 2) / 32 ** 0.5
+        t = x.shape[1]
+        allowed = torch.ones(t, t, dtype=torch.bool).tril({diagonal})
+        if mask is not None:
+            allowed = allowed & mask[:, None, :]{queries_too}
+        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+layer = Attention()
+"""
+
+
+@pytest.mark.parametrize("diagonal, queries_too, fails", [
+    (0, "", None),
+    (1, "", "only later tokens changed"),
+    (0, " & mask[:, :, None]", "padded tokens' outputs are not finite"),
+], ids=["correct", "sees the next token", "padded queries masked too (x-transformers 0.0.29)"])
+def test_the_causal_and_padding_check_is_earned_both_ways(diagonal, queries_too, fails):
+    torch.manual_seed(0)
+    scope = {"BUILD": _ATTENTION.format(diagonal=diagonal, queries_too=queries_too)}
+    if fails is None:
+        exec(bench.CAUSAL_AND_PADDING, scope)
+    else:
+        with pytest.raises(AssertionError, match=fails):
+            exec(bench.CAUSAL_AND_PADDING, scope)
