@@ -22,7 +22,10 @@ Populations (`POPULATIONS`):
   only later tokens change, no kept output moves when only the padding changes, and every output is finite (a padded
   query still has the kept keys). The audit checks
   more than that (the temperature, the weights, the gradients): where it fails a release the check passes, the
-  finding is read on the release by hand and said in the docs, true or false.
+  finding is read on the release by hand and said in the docs, true or false;
+- `local_attention`: local-attention's bucketed `LocalAttention(window_size=4, causal=True, look_backward=1)` as a
+  function of (B, H, T, d) tensors with its keep mask; the same check on 16 tokens (its lengths are multiples of the
+  window unless it pads itself).
 
 Each release is downloaded with `pip download --no-deps` into the cache pypi_bugs.py uses, audited in its own
 subprocess (pypi_bugs.audit_release), and the plain check runs in that process after the audit. A release that does
@@ -184,6 +187,44 @@ assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the paddi
 key mask honoured (no kept output moves when only the padding changes), every output finite (a padded query still has
 the kept keys)."""
 
+_LOCAL = """
+from local_attention import LocalAttention
+layer = LocalAttention(window_size=4, causal=True, look_backward=1)  # forward(q, k, v, mask / input_mask=None)
+declarations = dict(causal=True, d_model=16, mask="key_keep")  # its (B, T) keep mask; d_model: the usage error's fix
+"""
+
+LOCAL_CAUSAL_AND_PADDING = """
+import inspect
+import torch
+scope = {}
+exec(BUILD, scope)
+layer = scope["layer"].eval()
+names = inspect.signature(layer.forward).parameters
+mask_name = next((n for n in ("mask", "input_mask") if n in names), None)
+
+def out(x, keep=None):
+    with torch.no_grad():
+        return layer(x, x, x, **({} if keep is None else {mask_name: keep}))
+
+x = torch.randn(2, 2, 16, 8)  # (B, H, T, d), T a multiple of the window
+later = x.clone()
+later[:, :, 8:] = torch.randn(2, 2, 8, 8)  # only tokens 8.. change
+base = out(x)
+moved = ((base[:, :, :8] - out(later)[:, :, :8]).abs().max() / base.abs().max()).item()
+assert moved < 1e-5, f"outputs before token 8 moved by {moved:.2e} when only later tokens changed"
+if mask_name is not None:
+    keep = torch.ones(2, 16, dtype=torch.bool)
+    keep[:, 14:] = False  # the last two tokens are padding
+    padded = x.clone()
+    padded[:, :, 14:] = torch.randn(2, 2, 2, 8)
+    kept = out(x, keep)
+    assert bool(torch.isfinite(kept[:, :, :14]).all()), "the kept tokens' outputs are not finite"
+    moved = ((kept[:, :, :14] - out(padded, keep)[:, :, :14]).abs().max() / kept[:, :, :14].abs().max()).item()
+    assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
+"""
+"""The plain check of the local-attention population: causal, and its key mask (where its forward takes one)
+honoured, on 16 tokens (a multiple of its window of 4)."""
+
 SHIFT = 5
 """The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""
 
@@ -221,6 +262,8 @@ POPULATIONS = {p.name: p for p in (
                "a token turned at any offset as alone"),
     Population("x_transformers", "x-transformers", _XTR, CAUSAL_AND_PADDING,
                "causal, and its key mask honoured", _XTR_DEPS),
+    Population("local_attention", "local-attention", _LOCAL, LOCAL_CAUSAL_AND_PADDING,
+               "causal, and its key mask honoured", (pypi_bugs.EINOPS,)),
 )}
 
 
