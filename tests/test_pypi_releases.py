@@ -157,3 +157,36 @@ def test_the_causal_and_padding_check_is_earned_both_ways(diagonal, queries_too,
     else:
         with pytest.raises(AssertionError, match=fails):
             exec(bench.CAUSAL_AND_PADDING, scope)
+
+
+_LOCAL_LIKE = """
+import torch
+from torch import nn
+
+class Local(nn.Module):
+    def forward(self, q, k, v, {mask_name}=None):
+        t = q.shape[-2]
+        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        allowed = torch.ones(t, t, dtype=torch.bool).tril({diagonal})
+        if {mask_name} is not None and {honoured}:
+            allowed = allowed & {mask_name}[:, None, None, :]
+        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+layer = Local()
+"""
+
+
+@pytest.mark.parametrize("mask_name, diagonal, honoured, fails", [
+    ("mask", 0, True, None),
+    ("input_mask", 0, True, None),
+    ("mask", 1, True, "only later tokens changed"),
+    ("input_mask", 0, False, "only the padding changed"),
+], ids=["correct", "correct, its mask named input_mask", "sees the next token", "its mask ignored"])
+def test_the_local_attention_check_is_earned_both_ways(mask_name, diagonal, honoured, fails):
+    torch.manual_seed(0)
+    scope = {"BUILD": _LOCAL_LIKE.format(mask_name=mask_name, diagonal=diagonal, honoured=honoured)}
+    if fails is None:
+        exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
+    else:
+        with pytest.raises(AssertionError, match=fails):
+            exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
