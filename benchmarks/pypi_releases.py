@@ -171,21 +171,25 @@ later[:, 8:] = torch.randn(2, 4, 32)  # only tokens 8.. change
 base = out(x)
 moved = ((base[:, :8] - out(later)[:, :8]).abs().max() / base.abs().max()).item()
 assert moved < 1e-5, f"outputs before token 8 moved by {moved:.2e} when only later tokens changed"
-keep = torch.ones(2, 12, dtype=torch.bool)
-keep[:, 10:] = False  # the last two tokens are padding
-padded = x.clone()
-padded[:, 10:] = torch.randn(2, 2, 32)  # only the padding changes
-kept = out(x, keep)
+right = torch.ones(2, 12, dtype=torch.bool)
+right[:, 10:] = False  # the last two tokens are padding
+kept = out(x, right)
 assert bool(torch.isfinite(kept[:, :10]).all()), "the kept tokens' outputs are not finite"
-# a padded query still has the kept keys to attend: its row is finite too (NaN there reaches the kept tokens of the
-# next layer, through its values)
+# a padded query after the kept tokens still has them to attend: its row is finite too (NaN there reaches the kept
+# tokens of the next layer, through its values)
 assert bool(torch.isfinite(kept).all()), "the padded tokens' outputs are not finite"
-moved = ((kept[:, :10] - out(padded, keep)[:, :10]).abs().max() / kept[:, :10].abs().max()).item()
+left = torch.ones(2, 12, dtype=torch.bool)
+left[:, :2] = False  # the first two tokens are padding, which every later query would see were it not masked
+padded = x.clone()
+padded[:, :2] = torch.randn(2, 2, 32)  # only the padding changes
+kept = out(x, left)
+moved = ((kept[:, 2:] - out(padded, left)[:, 2:]).abs().max() / kept[:, 2:].abs().max()).item()
 assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
 """
-"""The plain check of the x-transformers population: causal (no output moves when only later tokens change) and its
-key mask honoured (no kept output moves when only the padding changes), every output finite (a padded query still has
-the kept keys)."""
+"""The plain check of the x-transformers population: causal (no output moves when only later tokens change), its key
+mask honoured (no kept output moves when only the padding before them changes: padding after them, which a causal
+layer never sees, would prove nothing) and every output finite with the padding after the kept tokens (a padded query
+there still has the kept keys)."""
 
 _LOCAL = """
 from local_attention import LocalAttention
@@ -213,13 +217,15 @@ base = out(x)
 moved = ((base[:, :, :8] - out(later)[:, :, :8]).abs().max() / base.abs().max()).item()
 assert moved < 1e-5, f"outputs before token 8 moved by {moved:.2e} when only later tokens changed"
 if mask_name is not None:
-    keep = torch.ones(2, 16, dtype=torch.bool)
-    keep[:, 14:] = False  # the last two tokens are padding
+    right = torch.ones(2, 16, dtype=torch.bool)
+    right[:, 14:] = False  # the last two tokens are padding
+    assert bool(torch.isfinite(out(x, right)[:, :, :14]).all()), "the kept tokens' outputs are not finite"
+    left = torch.ones(2, 16, dtype=torch.bool)
+    left[:, :2] = False  # the first two are padding, which the next queries would see were it not masked
     padded = x.clone()
-    padded[:, :, 14:] = torch.randn(2, 2, 2, 8)
-    kept = out(x, keep)
-    assert bool(torch.isfinite(kept[:, :, :14]).all()), "the kept tokens' outputs are not finite"
-    moved = ((kept[:, :, :14] - out(padded, keep)[:, :, :14]).abs().max() / kept[:, :, :14].abs().max()).item()
+    padded[:, :, :2] = torch.randn(2, 2, 2, 8)
+    kept = out(x, left)
+    moved = ((kept[:, :, 2:] - out(padded, left)[:, :, 2:]).abs().max() / kept[:, :, 2:].abs().max()).item()
     assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
 """
 """The plain check of the local-attention population: causal, and its key mask (where its forward takes one)
