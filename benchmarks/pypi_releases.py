@@ -23,9 +23,9 @@ Populations (`POPULATIONS`):
   query still has the kept keys). The audit checks
   more than that (the temperature, the weights, the gradients): where it fails a release the check passes, the
   finding is read on the release by hand and said in the docs, true or false;
-- `local_attention`: local-attention's bucketed `LocalAttention(window_size=4, causal=True, look_backward=1)` as a
-  function of (B, H, T, d) tensors with its keep mask; the same check on 16 tokens (its lengths are multiples of the
-  window unless it pads itself).
+- `local_attention`: local-attention's bucketed `LocalAttention(window_size=4, causal=True, look_backward=1)` called
+  on (B, H, T, d) tensors, as its own LocalTransformer calls it, with its keep mask; the check: the output shaped as
+  the input, 9 tokens run or refused by a check that names the multiple, then causal and the padding honoured on 16.
 
 Each release is downloaded with `pip download --no-deps` into the cache pypi_bugs.py uses, audited in its own
 subprocess (pypi_bugs.audit_release), and the plain check runs in that process after the audit. A release that does
@@ -192,25 +192,35 @@ layer never sees, would prove nothing) and every output finite with the padding 
 there still has the kept keys)."""
 
 _LOCAL = """
+import inspect
 from local_attention import LocalAttention
-layer = LocalAttention(window_size=4, causal=True, look_backward=1)  # forward(q, k, v, mask / input_mask=None)
-declarations = dict(causal=True, d_model=16, mask="key_keep")  # its (B, T) keep mask; d_model: the usage error's fix
+local = LocalAttention(window_size=4, causal=True, look_backward=1)  # forward(q, k, v, mask / input_mask=None)
+MASK = next((n for n in ("mask", "input_mask") if n in inspect.signature(local.forward).parameters), None)
+
+def layer(q, k, v, mask=None):  # on (B, H, T, d), as its own LocalTransformer calls it; a (B, T) keep mask
+    return local(q, k, v, **({} if mask is None else {MASK: mask}))
+
+declarations = dict(causal=True, mask="key_keep")
 """
 
 LOCAL_CAUSAL_AND_PADDING = """
-import inspect
 import torch
 scope = {}
 exec(BUILD, scope)
-layer = scope["layer"].eval()
-names = inspect.signature(layer.forward).parameters
-mask_name = next((n for n in ("mask", "input_mask") if n in names), None)
+layer, mask_name = scope["layer"], scope["MASK"]
 
 def out(x, keep=None):
     with torch.no_grad():
-        return layer(x, x, x, **({} if keep is None else {mask_name: keep}))
+        return layer(x, x, x, keep)
 
 x = torch.randn(2, 2, 16, 8)  # (B, H, T, d), T a multiple of the window
+assert out(x).shape == x.shape, f"(B, H, T, d) {tuple(x.shape)} came back as {tuple(out(x).shape)}"
+try:  # a length it does not take: it runs, or says what it needs (its own check naming the multiple)
+    out(x[:, :, :9])
+except (AssertionError, ValueError) as error:
+    assert "divisible" in str(error) or "multiple" in str(error), f"9 tokens refused without a rule: {error!r}"
+except Exception as error:
+    raise AssertionError(f"9 tokens raised {type(error).__name__}: {error}")
 later = x.clone()
 later[:, :, 8:] = torch.randn(2, 2, 8, 8)  # only tokens 8.. change
 base = out(x)
@@ -228,8 +238,9 @@ if mask_name is not None:
     moved = ((kept[:, :, 2:] - out(padded, left)[:, :, 2:]).abs().max() / kept[:, :, 2:].abs().max()).item()
     assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
 """
-"""The plain check of the local-attention population: causal, and its key mask (where its forward takes one)
-honoured, on 16 tokens (a multiple of its window of 4)."""
+"""The plain check of the local-attention population: its output shaped as its (B, H, T, d) input; at 9 tokens (no
+multiple of its window of 4) it runs or says the multiple it needs; causal and its key mask (where its forward takes
+one) honoured on 16 tokens."""
 
 SHIFT = 5
 """The plain check's shift: every position moved by 5 (5 tokens before the 12 compared)."""

@@ -164,18 +164,15 @@ def test_the_causal_and_padding_check_is_earned_both_ways(diagonal, queries_too,
 
 _LOCAL_LIKE = """
 import torch
-from torch import nn
+MASK = "{mask_name}"
 
-class Local(nn.Module):
-    def forward(self, q, k, v, {mask_name}=None):
-        t = q.shape[-2]
-        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        allowed = torch.ones(t, t, dtype=torch.bool).tril({diagonal})
-        if {mask_name} is not None and {honoured}:
-            allowed = allowed & {mask_name}[:, None, None, :]
-        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
-
-layer = Local()
+def layer(q, k, v, mask=None):
+    t = q.shape[-2]
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    allowed = torch.ones(t, t, dtype=torch.bool).tril({diagonal})
+    if mask is not None and {honoured}:
+        allowed = allowed & mask[:, None, None, :]
+    return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 """
 
 
@@ -188,6 +185,39 @@ layer = Local()
 def test_the_local_attention_check_is_earned_both_ways(mask_name, diagonal, honoured, fails):
     torch.manual_seed(0)
     scope = {"BUILD": _LOCAL_LIKE.format(mask_name=mask_name, diagonal=diagonal, honoured=honoured)}
+    if fails is None:
+        exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
+    else:
+        with pytest.raises(AssertionError, match=fails):
+            exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
+
+
+_LENGTHS = """
+import torch
+MASK = "mask"
+
+def layer(q, k, v, mask=None):
+    if q.shape[-2] % 4:
+        {refusal}
+    allowed = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    w = (q @ k.transpose(-1, -2)).masked_fill(~allowed, -1e9)
+    return (w.softmax(-1) @ v){reshape}
+"""
+
+
+@pytest.mark.parametrize("refusal, reshape, fails", [
+    ("assert False, 'sequence length must be divisible by window size 4'", "", None),
+    ("raise ValueError('a multiple of 4 is needed')", "", None),
+    ("return undefined_name", "", "9 tokens raised NameError"),
+    ("assert False", "", "refused without a rule"),
+    ("pass", ".flatten(0, 1)", "came back as"),
+], ids=["refused by its own check", "refused by a ValueError naming the multiple", "a NameError (local-attention 1.5.2)",
+        "an assertion naming nothing", "(B x H, T, d) returned (local-attention 1.1.0)"])
+def test_the_local_attention_check_reads_lengths_and_shapes(refusal, reshape, fails):
+    torch.manual_seed(0)
+    scope = {"BUILD": _LENGTHS.format(refusal=refusal, reshape=reshape)}
     if fails is None:
         exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
     else:
