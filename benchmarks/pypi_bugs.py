@@ -89,7 +89,7 @@ layer = Block()
 declarations = dict(causal=True)
 """
 
-_ROTARY_BLOCK = """
+ROTARY_BLOCK = """
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,6 +116,41 @@ class Block(nn.Module):
 layer = Block()
 declarations = dict(causal=True, mask="key_keep")
 """
+
+
+ROTARY_CACHE_BLOCK = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from rotary_embedding_torch import RotaryEmbedding
+
+class Block(nn.Module):
+    # a user's causal self-attention with a KV cache, q and k turned at their positions by rotary-embedding-torch
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.rot = RotaryEmbedding(8)
+
+    def forward(self, x, mask=None, cache=None):  # mask: (B, 1, Tq, Tk) bool, True = may attend; cache: (k, v)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        past = 0 if cache is None else cache[0].shape[-2]
+        q = self.rot.rotate_queries_or_keys(q, offset=past)
+        k = self.rot.rotate_queries_or_keys(k, offset=past)
+        if cache is not None:
+            k, v = torch.cat((cache[0], k), -2), torch.cat((cache[1], v), -2)
+        if mask is None:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+layer = Block()
+declarations = dict(causal=True)
+"""
+"""A user's causal block with a KV cache, q and k turned at their offset by rotary-embedding-torch (its
+`rotate_queries_or_keys(t, offset=...)`): the `rotary_cache_key_offset` case, and benchmarks/pypi_releases.py's
+`rotary_cache` population on every release that takes an offset."""
 
 
 def padded_keys_move_outputs(dtype: str = "float32", gain: float = 1000.0, least: float = 1e-3) -> str:
@@ -619,14 +654,14 @@ declarations = dict()
          "`rotate_half` takes the interleaved pairs (2m, 2m+1) apart and joins them again as halves, "
          "`torch.cat((-x2, x1))`, while the cos/sin table is interleaved: q and k are not rotated, and q·k depends "
          "on absolute positions",
-         _ROTARY_BLOCK.format(make="RotaryEmbedding(8)", rotate="""freqs = self.rot(torch.arange(t), cache_key=t)
+         ROTARY_BLOCK.format(make="RotaryEmbedding(8)", rotate="""freqs = self.rot(torch.arange(t), cache_key=t)
         q, k = apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k)""")),
     Case("rotary_xpos_scale_halves", "positions", "rotary-embedding-torch", "0.7.0", "0.8.0",
          "rotary_embedding_torch/rotary_embedding_torch.py", 240,
          "https://github.com/lucidrains/rotary-embedding-torch/commit/4ae4ca0",
          "xPos's decay is laid out in halves, `torch.cat((scale, scale))`, while the cos/sin table is interleaved: "
          "the two features of a pair are scaled apart, and q·k depends on absolute positions",
-         _ROTARY_BLOCK.format(make="RotaryEmbedding(8, use_xpos=True)",
+         ROTARY_BLOCK.format(make="RotaryEmbedding(8, use_xpos=True)",
                               rotate="q, k = self.rot.rotate_queries_and_keys(q, k)")),
     Case("rotary_cache_key_offset", "positions", "rotary-embedding-torch", "0.2.6", "0.2.7",
          "rotary_embedding_torch/rotary_embedding_torch.py", 118,
@@ -634,36 +669,7 @@ declarations = dict()
          "`rotate_queries_or_keys(t, offset=...)` caches the frequencies under the length alone (`freqs:{seq_len}`): a "
          "second call of the same length at another offset (a decoding step through a KV cache) gets the first "
          "offset's positions",
-         """
-import torch
-import torch.nn.functional as F
-from torch import nn
-from rotary_embedding_torch import RotaryEmbedding
-
-class Block(nn.Module):
-    # a user's causal self-attention with a KV cache, q and k turned at their positions by rotary-embedding-torch
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
-        self.rot = RotaryEmbedding(8)
-
-    def forward(self, x, mask=None, cache=None):  # mask: (B, 1, Tq, Tk) bool, True = may attend; cache: (k, v)
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        past = 0 if cache is None else cache[0].shape[-2]
-        q = self.rot.rotate_queries_or_keys(q, offset=past)
-        k = self.rot.rotate_queries_or_keys(k, offset=past)
-        if cache is not None:
-            k, v = torch.cat((cache[0], k), -2), torch.cat((cache[1], v), -2)
-        if mask is None:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
-
-layer = Block()
-declarations = dict(causal=True)
-"""),
+         ROTARY_CACHE_BLOCK),
     Case("xformers_causal_without_mask", "masking", "xformers", "0.0.3", "0.0.4",
          "xformers/components/attention/scaled_dot_product.py", 108,
          "https://github.com/facebookresearch/xformers/issues/103",

@@ -52,8 +52,6 @@ import pypi_bugs  # noqa: E402 -- its sibling: the download, the unpacking and t
 _ROTARY = """
 import inspect
 import torch
-import torch.nn.functional as F
-from torch import nn
 import rotary_embedding_torch as R
 
 XPOS = {xpos}
@@ -69,67 +67,23 @@ def rotate(q, k):  # q and k (B, H, T, 8) turned at positions 0 .. T-1, through 
     n = q.shape[-2]  # the first releases: the frequencies of the positions, then apply_rotary_emb on (B, T, d)
     freqs = rot(torch.arange(n), cache_key=n)
     return tuple(R.apply_rotary_emb(freqs, t.flatten(0, 1)).view_as(t) for t in (q, k))
-
-class Block(nn.Module):
-    # a user's causal self-attention, q and k turned by rotary-embedding-torch; a (B, T) mask, True = keep
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
-        self.rot = rot
-
-    def forward(self, x, mask=None):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = rotate(q, k)
-        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        if mask is not None:
-            allowed = allowed & mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        return self.out(out.transpose(1, 2).reshape(b, t, -1))
-
-layer = Block()
-declarations = dict(causal=True, mask="key_keep")
-"""
+""" + pypi_bugs.ROTARY_BLOCK.format(make="rot", rotate="q, k = rotate(q, k)").replace("{", "{{").replace("}", "}}")
+"""The rotary and xpos populations' layer: pypi_bugs.py's rotary block (the one its rotary cases build), turning q
+and k through whichever API the release has."""
 
 _ROTARY_CACHE = """
 import inspect
-import torch
-import torch.nn.functional as F
-from torch import nn
 import rotary_embedding_torch as R
 
 if "offset" not in inspect.signature(R.RotaryEmbedding.rotate_queries_or_keys if hasattr(R.RotaryEmbedding,
         "rotate_queries_or_keys") else (lambda t: t)).parameters:
     raise LookupError("no offset in this release (rotate_queries_or_keys takes none)")
 
-def made():
+def made():  # for the plain check: a fresh embedding's turn at an offset
     rot = R.RotaryEmbedding(8)
     return lambda t, offset: rot.rotate_queries_or_keys(t, offset=offset)
-
-class Block(nn.Module):
-    # a user's causal self-attention with a KV cache, q and k turned at their positions by rotary-embedding-torch
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
-        self.rotate_at = made()
-
-    def forward(self, x, mask=None, cache=None):  # mask: (B, 1, Tq, Tk) bool, True = may attend; cache: (k, v)
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        past = 0 if cache is None else cache[0].shape[-2]
-        q, k = self.rotate_at(q, past), self.rotate_at(k, past)
-        if cache is not None:
-            k, v = torch.cat((cache[0], k), -2), torch.cat((cache[1], v), -2)
-        if mask is None:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
-
-layer = Block()
-declarations = dict(causal=True)
-"""
+""" + pypi_bugs.ROTARY_CACHE_BLOCK
+"""The rotary_cache population's layer: pypi_bugs.py's KV-cache block, on the releases whose API takes an offset."""
 
 AT_ANY_OFFSET = """
 import torch
@@ -140,7 +94,8 @@ x = torch.randn(1, 1, 1, 8)
 for offset in (8, 9, 10):  # one token at a time, as decoding through a cache turns it
     again, fresh = rotate_at(x, offset), scope["made"]()(x, offset)
     moved = ((again - fresh).abs().max() / fresh.abs().max()).item()
-    assert moved < 1e-5, f"a token at position {offset} turned after others differs from one turned alone by {moved:.2e}"
+    assert moved < 1e-5, (f"a token at position {offset} turned after others differs from one turned alone by "
+                          f"{moved:.2e}")
 """
 """The plain check of the cache population: a token turned at an offset, after tokens turned at other offsets, is
 turned as a fresh rotary embedding turns it (no diagnostics)."""

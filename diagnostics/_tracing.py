@@ -245,7 +245,7 @@ def made_before(trace: Trace, op: Op | None, other: Trace | None = None) -> Site
             p = producer(trace, tensor_id)
             if p is None or p.short not in CARRIES or not p.in_ids:
                 break
-            tensor_id = p.in_ids[-1] if p.short == "copy_" else p.in_ids[0]
+            tensor_id = carried_from(p)
         if producer(trace, tensor_id) is not None or tensor_id in trace.inputs or tensor_id in trace.buffers or \
                 tensor_id in read_there:
             continue
@@ -359,11 +359,16 @@ def producer(trace: Trace, tensor_id: int) -> Op | None:
     return None if i is None else trace.ops[i]
 
 
+def carried_from(op: Op) -> int:
+    """The id of the tensor a view, copy or cast `op` carries the values of (`copy_` writes its last input)."""
+    return op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+
+
 def through_carries(trace: Trace, op: Op | None) -> Op | None:
     """Back from `op` through views, copies and casts to the op that computed the values."""
     seen = 0
     while op is not None and op.short in CARRIES and op.in_ids and seen < 64:
-        src = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+        src = carried_from(op)
         if src in trace.inputs:
             return op
         prev = producer(trace, src)
@@ -544,7 +549,7 @@ def _carried(trace: Trace, op: Op) -> tuple[Op, bool] | None:
                      for j in prev.in_ids]
         elif (prev.short in CARRIES or _line(prev) == _line(op)) and prev.in_ids:  # a view; or the line's own
             # step on the previous value (`torch.maximum(m, s.amax(-1)).clamp_min(-1e30)`)
-            todo.append((prev.in_ids[-1] if prev.short == "copy_" else prev.in_ids[0], scaled, depth + 1, prev.index))
+            todo.append((carried_from(prev), scaled, depth + 1, prev.index))
     return None
 
 
@@ -647,7 +652,7 @@ def carries_input(trace: Trace, tensor_id: int, name: str) -> bool:
         op = producer(trace, tensor_id)
         if op is None or op.short not in CARRIES or not op.in_ids:
             return False
-        tensor_id = op.in_ids[-1] if op.short == "copy_" else op.in_ids[0]
+        tensor_id = carried_from(op)
     return False
 
 

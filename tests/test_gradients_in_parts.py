@@ -9,7 +9,8 @@ rotary-embedding-torch 0.0.12 and a padding mask, found auditing real releases).
 reads back with its graph (`_subject.graph_kept`).
 
 Layers of our own writing in that shape: the correct one passes both checks; a twin whose values are its keys
-(`v_proj` never read) fails `parameters_used`, and one that detaches its keys fails `gradients`, on the same inputs, in float32 and in bfloat16 at std 0.02.
+(`v_proj` never read) fails `parameters_used`, and one that detaches its keys fails `gradients`, on the same inputs,
+in float32 and in bfloat16 at std 0.02.
 """
 
 from __future__ import annotations

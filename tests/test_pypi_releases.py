@@ -24,6 +24,17 @@ def _benchmark():
 
 bench = _benchmark()
 
+
+def checked(check: str, build: str, fails: str | None) -> None:
+    """Run a population's plain `check` on a `build`: it passes where `fails` is None, else its assertion matches
+    `fails` (every plain check is earned both ways)."""
+    scope = {"BUILD": build}
+    if fails is None:
+        exec(check, scope)
+    else:
+        with pytest.raises(AssertionError, match=fails):
+            exec(check, scope)
+
 _TURN = """
 import torch
 def table(n):
@@ -48,12 +59,7 @@ def test_the_plain_check_passes_a_rotation_and_fails_a_mispaired_one(partner, ho
     """The check is earned both ways: a rotation paired as its table is holds; the same table turned with the halves'
     partner (rotary-embedding-torch 0.0.11's mistake) does not, by far more than the check's bound."""
     torch.manual_seed(0)
-    scope = {"BUILD": _TURN.format(partner=partner)}
-    if holds:
-        exec(bench.RELATIVE, scope)
-    else:
-        with pytest.raises(AssertionError, match="q·k moved by"):
-            exec(bench.RELATIVE, scope)
+    checked(bench.RELATIVE, _TURN.format(partner=partner), None if holds else "q·k moved by")
 
 
 def test_populations_build_what_the_check_and_the_audit_read():
@@ -114,12 +120,7 @@ def made():
 @pytest.mark.parametrize("key, holds", [("(x.shape[-2], offset)", True), ("x.shape[-2]", False)])
 def test_the_cache_check_passes_a_table_keyed_by_offset_and_fails_one_keyed_by_length(key, holds):
     torch.manual_seed(0)
-    scope = {"BUILD": _MADE.format(key=key)}
-    if holds:
-        exec(bench.AT_ANY_OFFSET, scope)
-    else:
-        with pytest.raises(AssertionError, match="turned after others differs"):
-            exec(bench.AT_ANY_OFFSET, scope)
+    checked(bench.AT_ANY_OFFSET, _MADE.format(key=key), None if holds else "turned after others differs")
 
 
 _ATTENTION = """
@@ -154,12 +155,8 @@ def test_the_causal_and_padding_check_is_earned_both_ways(diagonal, queries_too,
     """Its mask ignored moves the kept outputs only where the padding comes before them (a causal layer never sees
     padding after them: that half of the check could not fail)."""
     torch.manual_seed(0)
-    scope = {"BUILD": _ATTENTION.format(diagonal=diagonal, queries_too=queries_too, honoured=honoured)}
-    if fails is None:
-        exec(bench.CAUSAL_AND_PADDING, scope)
-    else:
-        with pytest.raises(AssertionError, match=fails):
-            exec(bench.CAUSAL_AND_PADDING, scope)
+    build = _ATTENTION.format(diagonal=diagonal, queries_too=queries_too, honoured=honoured)
+    checked(bench.CAUSAL_AND_PADDING, build, fails)
 
 
 _LOCAL_LIKE = """
@@ -184,12 +181,8 @@ def layer(q, k, v, mask=None):
 ], ids=["correct", "correct, its mask named input_mask", "sees the next token", "its mask ignored"])
 def test_the_local_attention_check_is_earned_both_ways(mask_name, diagonal, honoured, fails):
     torch.manual_seed(0)
-    scope = {"BUILD": _LOCAL_LIKE.format(mask_name=mask_name, diagonal=diagonal, honoured=honoured)}
-    if fails is None:
-        exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
-    else:
-        with pytest.raises(AssertionError, match=fails):
-            exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
+    build = _LOCAL_LIKE.format(mask_name=mask_name, diagonal=diagonal, honoured=honoured)
+    checked(bench.LOCAL_CAUSAL_AND_PADDING, build, fails)
 
 
 _LENGTHS = """
@@ -213,13 +206,9 @@ def layer(q, k, v, mask=None):
     ("return undefined_name", "", "9 tokens raised NameError"),
     ("assert False", "", "refused without a rule"),
     ("pass", ".flatten(0, 1)", "came back as"),
-], ids=["refused by its own check", "refused by a ValueError naming the multiple", "a NameError (local-attention 1.5.2)",
-        "an assertion naming nothing", "(B x H, T, d) returned (local-attention 1.1.0)"])
+], ids=["refused by its own check", "refused by a ValueError naming the multiple",
+        "a NameError (local-attention 1.5.2)", "an assertion naming nothing",
+        "(B x H, T, d) returned (local-attention 1.1.0)"])
 def test_the_local_attention_check_reads_lengths_and_shapes(refusal, reshape, fails):
     torch.manual_seed(0)
-    scope = {"BUILD": _LENGTHS.format(refusal=refusal, reshape=reshape)}
-    if fails is None:
-        exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
-    else:
-        with pytest.raises(AssertionError, match=fails):
-            exec(bench.LOCAL_CAUSAL_AND_PADDING, scope)
+    checked(bench.LOCAL_CAUSAL_AND_PADDING, _LENGTHS.format(refusal=refusal, reshape=reshape), fails)

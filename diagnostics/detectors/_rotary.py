@@ -176,7 +176,7 @@ def rotary_pair_sites(trace: Trace) -> list[Site]:
                       and x.shape[-1] == len(pairs) and (got := _signed_permutation(x, y)) is not None), None)
         if match is None:
             continue
-        x_id, y_id, x_factors, y_factors, (pi, signs) = match
+        _, y_id, x_factors, y_factors, (pi, signs) = match
         made = _made(trace, y_id)
         if made is not None and id(made) not in seen:
             wrong = {i: j for i, j in enumerate(pi) if j != pairs[i]}
