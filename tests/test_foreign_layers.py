@@ -178,6 +178,22 @@ def test_a_staticmethod_over_the_layers_own_parameter_reads_the_copys(how):
     assert_clean(audited(lambda: StaticOverSelf(how)), measured=CORE + ("gradients", "parameters_used"))
 
 
+@pytest.mark.parametrize("make", [StaticHelper, lambda: StaticOverSelf("closure")], ids=["plain", "over its own"])
+def test_the_staticmethod_copies_measure_and_catch_in_bfloat16_at_std_0_02(make, std_002):
+    """The same in bfloat16 at GPT-2's initialisation: both gradient checks measure the correct layer and pass it, and
+    the unused gate of the plain one's twin is caught."""
+    def built(layer):
+        return audit(std_002(layer).to(torch.bfloat16), dtype=torch.bfloat16, progress=False)
+
+    torch.manual_seed(0)
+    found = built(make())
+    assert {d: found.result(d).verdict for d in ("gradients", "parameters_used")} == \
+        {"gradients": "pass", "parameters_used": "pass"}, str(found)
+    torch.manual_seed(0)
+    unused = built(StaticHelper(unused=True)).result("parameters_used")
+    assert unused.verdict == "fail" and "gate.weight" in unused.evidence, unused
+
+
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
 
