@@ -1281,6 +1281,29 @@ def _statement(function, line: int):
     return found
 
 
+def branch_of(op: Op | None, note: str, fix: str = "") -> Site | None:
+    """The `if` whose branch the op's line sits in, in the op's own function: the condition that chose what the op
+    computes (x-transformers 0.6.6's `if causal:` chose the one-sided buckets for a bidirectional layer), a site at
+    the condition's line whose note says which branch ran; None where the line is in no branch or its source is not
+    read."""
+    if op is None or not op.frames:
+        return None
+    code, line = op.frames[0]
+    found = _function_of(code)
+    if found is None:
+        return None
+    function, start = found
+    rel = line - start + 1
+    branches = [node for node in ast.walk(function) if isinstance(node, ast.If)
+                and node.lineno < rel <= (node.end_lineno or 0)]
+    if not branches:
+        return None
+    inner = max(branches, key=lambda node: node.lineno)
+    taken = "else" if any(n.lineno <= rel <= (n.end_lineno or n.lineno) for n in inner.orelse) else "if"
+    return site(((code, start + inner.lineno - 1),) + tuple(op.frames[1:]), "if",
+                f"{note} (line {line}, {op.short}, ran in its {taken} branch)", fix)
+
+
 def _names(target) -> set[str]:
     return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 

@@ -406,16 +406,42 @@ class BlockwiseAttention(nn.Module):
 
 
 class BlockwiseReshaped(BlockwiseAttention):
-    """Its twin that states nothing: the blocks are a reshape that fails at other lengths with torch's message."""
+    """Its twin that states nothing: the blocks are a reshape that fails at other lengths with torch's message (as
+    sinkhorn-transformer's LocalAttention does, whose library pads the input first)."""
 
     def check(self, T: int) -> None:
         torch.zeros(T).view(T // self.window, self.window)  # (T / W, W): raises unless W divides T
 
 
-def test_a_length_the_layer_states_it_refuses_is_skipped_not_failed():
+class SqueezedAtOne(BlockwiseAttention):
+    """A real bug that raises at one length only: `squeeze()` takes the token axis too when T = 1."""
+
+    def check(self, T: int) -> None:
+        x = torch.zeros(2, T, 3).squeeze()  # (2, T, 3), and (2, 3) at T = 1
+        torch.cat([x, torch.zeros(2, T, 3)], dim=-1)  # RuntimeError at T = 1: not as many dimensions
+
+
+class HardCodedLength(BlockwiseAttention):
+    """A length hard-coded in a reshape: it runs at the audit's 16 tokens and at no other length."""
+
+    def check(self, T: int) -> None:
+        torch.zeros(T).view(4, 4)
+
+
+class NameErrorOffBlocks(BlockwiseAttention):
+    """local-attention 1.5.2's fault: at a length no multiple of its window, the padding branch reads a name it never
+    set (a NameError, a fault of the code at those lengths, not a rule)."""
+
+    def check(self, T: int) -> None:
+        if T % self.window:
+            return padded  # noqa: F821 -- the fault itself
+
+
+def test_a_length_the_layer_refuses_by_its_rule_is_skipped_not_failed():
     """local-attention 1.0.2 (benchmarks/pypi_bugs.py, local_rel_pos_unset's fixed release) asserts that T is a
     multiple of its window: `runs` failed it for the T = 1 probes. The stated rule makes those probes a skip that
-    names it; the twin that refuses the same lengths by a failing reshape, stating nothing, still fails."""
+    names it; the twin that refuses the same lengths by a failing reshape, stating nothing (sinkhorn_local_unscaled's
+    fixed release), is measured: it runs at every multiple of 4 up to 2T and raises at others, a skip that says so."""
     torch.manual_seed(0)
     stated = audit(BlockwiseAttention(), causal=True)
     runs = stated.result("runs")
@@ -423,7 +449,19 @@ def test_a_length_the_layer_states_it_refuses_is_skipped_not_failed():
     assert stated.status == "passed", str(stated)
     torch.manual_seed(0)
     unstated = audit(BlockwiseReshaped(), causal=True)
-    assert unstated.result("runs").verdict == "fail" and unstated.status == "failed"
+    runs = unstated.result("runs")
+    assert runs.verdict == "skip" and "multiples of 4 only, as measured" in runs.message, runs
+    assert "T = 4, 8, 12, 16, 20, 24, 28, 32" in runs.message and "refused only T = 1 " in runs.message, runs
+    assert unstated.status == "passed", str(unstated)
+
+
+@pytest.mark.parametrize("layer", [SqueezedAtOne, HardCodedLength, NameErrorOffBlocks])
+def test_a_raise_no_length_rule_explains_still_fails(layer):
+    """Twins of the measured rule on the same audit: a layer raising at T = 1 alone runs at every length above it
+    (no W holds), a hard-coded length refuses 2T, and a NameError is no routine refusal: `runs` fails each."""
+    torch.manual_seed(0)
+    found = audit(layer(), causal=True)
+    assert found.result("runs").verdict == "fail" and found.status == "failed", str(found)
 
 
 # ---- cause 9: the line that left a value unmade, before the line that read it ------------------------------

@@ -86,7 +86,12 @@ class PositionalAttention(nn.Module):
             sign = -1 if self.bug == "alibi sign" else 1  # BUG alibi sign: far keys rewarded
             scores = scores - sign * slopes.view(-1, 1, 1).to(scores.dtype) * (i - j).abs().to(scores.dtype)
         if self.kind == "t5":
-            bucket = j.clamp(max=15) + 15 if self.bug == "key position" else (j - i).clamp(-15, 15) + 15  # BUG key position
+            if self.bug == "key position":  # BUG key position: the key's own position, not the distance
+                bucket = j.clamp(max=15) + 15
+            elif self.bug == "one-sided":  # BUG one-sided: every key after the query in the query's own bucket
+                bucket = (j - i).clamp(-15, 0) + 15
+            else:
+                bucket = (j - i).clamp(-15, 15) + 15
             scores = scores + self.buckets(bucket.expand(T, T)).permute(2, 0, 1)  # (H, T, T)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -188,6 +193,68 @@ def test_a_bias_by_absolute_key_position_fails_and_by_distance_passes(bug):
     if bug:
         site = result.where[0]  # the line that adds the bias to the scores, with the bias's own fix
         assert site.file == __file__ and "self.buckets" in site.code and "j - i" in result.remedy[0], site.describe()
+
+
+@pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
+@pytest.mark.parametrize("bug", [None, "one-sided"], ids=["two-sided", "one-sided"])
+def test_one_sided_buckets_in_a_bidirectional_layer_fail_and_two_sided_pass(bug, dtype, init):
+    """x-transformers 0.6.6's T5 buckets (benchmarks/pypi_bugs.py, xtr_rel_pos_bucket_direction) in our own code: a
+    bidirectional layer given the causal form, every key after its query in the query's own bucket. Its bias is still
+    a function of j - i, so no shift moves it; on identical tokens its later keys all score as the query itself while
+    the earlier ones differ. The same class, seed and inputs with two-sided buckets pass."""
+    result = diagnostics.audit(build(dtype, init, kind="t5", bug=bug), detectors=[DET]).result(DET)
+    assert result.verdict == ("fail" if bug else "pass"), str(result)
+    if bug:
+        assert "not those after it" in result.message and result.value == 0.0, result.message
+        branch, site = result.where[:2]  # the branch the one-sided buckets were made in, then their clamp
+        assert branch.code.startswith('elif self.bug == "one-sided":'), branch.describe()
+        assert site.file == __file__ and "clamp(-15, 0)" in site.code, site.describe()
+
+
+def test_one_sided_buckets_audited_as_causal_pass():
+    """Where the one-sided form is right, a causal layer (its later keys are blocked), the same layer passes."""
+    result = diagnostics.audit(build(kind="t5", bug="one-sided"), causal=True, detectors=[DET]).result(DET)
+    assert result.verdict == "pass", str(result)
+
+
+class BucketsByFlag(PositionalAttention):
+    """T5 buckets chosen by a flag, as x-transformers builds them: the causal form where `causal`, the bidirectional
+    one otherwise; `swapped` tests the flag the wrong way round (x-transformers 0.6.6's `if causal:` for `if not
+    causal:`), so this bidirectional layer gets the causal form."""
+
+    def __init__(self, swapped: bool):
+        super().__init__(kind=None)
+        self.causal, self.swapped = False, swapped
+        self.buckets = nn.Embedding(2 * 15 + 1, self.num_heads)
+
+    def bias(self, T):
+        distance = torch.arange(T) - torch.arange(T).unsqueeze(-1)  # (T, T): j - i
+        if self.causal != self.swapped:
+            bucket = distance.clamp(-15, 0) + 15  # the causal form: every later key in the query's bucket
+        else:
+            bucket = distance.clamp(-15, 15) + 15
+        return self.buckets(bucket).permute(2, 0, 1)  # (H, T, T)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads) + self.bias(T)  # (B, H, T, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_the_flag_that_chose_the_one_sided_form_is_the_first_site(swapped):
+    """The site of a one-sided bias is the `if` that chose it (`_tracing.branch_of`), then the clamp; its twin with
+    the flag tested the right way passes."""
+    seed_rng(0)
+    result = diagnostics.audit(BucketsByFlag(swapped), detectors=[DET]).result(DET)
+    assert result.verdict == ("fail" if swapped else "pass"), str(result)
+    if swapped:
+        first, second = result.where[:2]
+        assert first.code == "if self.causal != self.swapped:" and "else branch" not in first.note, first.describe()
+        assert "clamp(-15, 0)" in second.code, second.describe()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -346,7 +413,54 @@ def test_the_measured_margins_hold():
         assert good <= 1.5 * MEASURED[dtype][0] and bad >= MEASURED[dtype][1] / 1.5, (dtype, good, bad, MEASURED[dtype])
 
 
+ONE_SIDED_MEASURED = {  # dtype: (smallest flat-side ratio of a correct layer, largest of the one-sided twin)
+    torch.float32: (0.344, 0.0),
+    torch.bfloat16: (0.339, 0.0),
+    torch.float16: (0.344, 0.0),
+}
+
+
+def measure_one_sided(seeds=range(5), dtypes=(torch.float32, torch.bfloat16, torch.float16), lengths=(5, 12)):
+    """{dtype: (smallest correct ratio, largest one-sided ratio)}: `positions.one_sided`'s reading (the flat side's
+    spread over the other's, on identical tokens) of the correct layers and the one-sided T5 twin, read from the
+    observed scores with no bound, over seeds, both inits and two lengths."""
+    from diagnostics._observe import Observer
+
+    out = {}
+    for dtype in dtypes:
+        good, bad = math.inf, 0.0
+        for seed in seeds:
+            for init in ("default", "gpt2"):
+                for name, kw in [*CORRECT.items(), ("one-sided", {"kind": "t5", "bug": "one-sided"})]:
+                    layer = build(dtype, init, seed, **kw)
+                    for T in lengths:
+                        token = torch.randn(2, 1, layer.d_model, generator=torch.Generator().manual_seed(seed))
+                        with torch.enable_grad(), Observer() as observer:
+                            layer(token.expand(2, T, layer.d_model).to(dtype))
+                        read = positions._flat_side(positions._scores_seen(observer.record, 1, 2, T)[0], math.inf)
+                        if name == "one-sided":
+                            bad = max(bad, read[0] if read else math.inf)
+                        else:
+                            good = min(good, read[0] if read else 0.0)
+        out[dtype] = (good, bad)
+    return out
+
+
+def test_the_one_sided_margins_hold():
+    if not thorough():
+        pytest.skip("the one-sided reading's margins (5 seeds x 2 inits x 3 dtypes x 5 layers x 2 lengths): under "
+                    "--hypothesis-profile=thorough or ATTENTION_TESTS_EVERY_SITE=1")
+    for dtype, (good, bad) in measure_one_sided().items():
+        bound = positions.one_sided_bound(dtype)
+        assert bad <= bound < good, (dtype, bad, bound, good)
+        assert good >= ONE_SIDED_MEASURED[dtype][0] / 1.5, (dtype, good, ONE_SIDED_MEASURED[dtype])
+
+
 if __name__ == "__main__":
+    for dtype, (good, bad) in measure_one_sided().items():
+        bound = positions.one_sided_bound(dtype)
+        print(f"one-sided, {dtype}: correct at least {good:.3g} ({good / bound:.3g}x the bound {bound:.2g}), "
+              f"the one-sided twin at most {bad:.3g}")
     for dtype, (good, bad) in measure_margins().items():
         tol = positions.shift_tolerance(dtype)
         print(f"{dtype}: correct at most {good:.3g} (margin {tol / good if good else math.inf:.3g}x), "

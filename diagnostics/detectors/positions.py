@@ -56,6 +56,7 @@ from .._tracing import (
     Op,
     ancestors,
     fused_ops,
+    branch_of,
     last_rows,
     moved,
     op_site,
@@ -378,6 +379,13 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
                       value=rewarded[0], threshold=0.0, evidence=f"{rewarded[1]}; {seen}",
                       fix=f"make the bias penalise distance: {BIAS_SIGN_FIX}",
                       replay=DistanceReplay(*same, base_allowed))
+    flat = one_sided(record, copies, B, T, s.dtype, skip=skipped) if not probe.causal and probe.pattern is None \
+        else None
+    if flat:
+        return result(DET, "fail", f"positions tell apart the keys {flat[1]} a query but not those {flat[2]} it: on "
+                                   f"identical tokens a query scores every key {flat[2]} it as itself",
+                      value=flat[0], threshold=one_sided_bound(s.dtype), evidence=f"{flat[3]}; {seen}",
+                      fix=ONE_SIDED_FIX, replay=OneSidedReplay(*same, base_allowed))
     if call is not None and not call.ok:
         return not_run(DET, call)
     if call is None:
@@ -543,6 +551,103 @@ def distance_reward(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> 
     return None
 
 
+ONE_SIDED = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,
+    torch.float16: 2e-2,
+    torch.bfloat16: 5e-2,
+}
+"""How flat one side of a query's scores on identical tokens must be, as a fraction of the other side's spread, for
+positions to be read as one-sided (`one_sided`): a bidirectional layer's keys after its query all scored as the query
+itself. Measured on tests/test_relative_positions.py's layers (rotary in both pairings, ALiBi, T5 buckets: the correct
+ones and the one-sided T5 twin), 5 seeds x default and std-0.02 initialisation x 5 and 12 tokens, at float32, bfloat16
+and float16: a correct layer's flat side is at least 0.34 of the other's (340x the float32 bound, 6.8x bfloat16's),
+the one-sided twin's exactly 0 (its later keys' scores are one computation); the bounds leave room for a kernel's
+rounding of scores far larger than the bias's spread."""
+
+
+def one_sided_bound(dtype) -> float:
+    return ONE_SIDED.get(dtype, 1e-4)
+
+
+ONE_SIDED_FIX = ("let positions reach the scores on both sides of the query in a bidirectional layer: bucket or bias "
+                 "the signed distance j - i, keys after the query in buckets of their own (T5's bidirectional buckets: "
+                 "num_buckets // 2 per side, `ret += (n < 0) * num_buckets`), not the causal form that clamps every "
+                 "later key to the query's own bucket (`n = max(n, 0)`); if the layer is causal, audit it so "
+                 "(causal=True)")
+
+
+def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict] | None:
+    """(the flat side's spread over the other's, the side that varies, the flat side, the rows read, the spreads)
+    where, over the rows of these (.., T, T) scores whose query sees 3 keys or more on each side (itself included),
+    one side is flat to `bound` of the other's spread; None otherwise."""
+    T = scores.shape[-1]
+    i, j = torch.arange(T, device=scores.device).unsqueeze(-1), torch.arange(T, device=scores.device)
+    seen = torch.isfinite(scores)
+    sides = {"before": seen & (j <= i), "after": seen & (j >= i)}
+    rows = (sides["before"].sum(-1) >= 3) & (sides["after"].sum(-1) >= 3)
+    if not bool(rows.any()):
+        return None
+    spread = {}
+    for name, side in sides.items():
+        hi = torch.where(side, scores, -torch.inf).amax(-1)
+        lo = torch.where(side, scores, torch.inf).amin(-1)
+        spread[name] = float(torch.where(rows, hi - lo, torch.zeros_like(hi)).max())
+    varies, flat = ("before", "after") if spread["before"] >= spread["after"] else ("after", "before")
+    if not spread[varies] > 0 or spread[flat] > bound * spread[varies]:
+        return None
+    return spread[flat] / spread[varies], varies, flat, int(rows.sum()), spread
+
+
+def one_sided(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[float, str, str, str] | None:
+    """For a layer audited as not causal, with no pattern declared: (the flat side's spread over the other side's,
+    the side that varies, the flat side, evidence) where, on identical tokens, every query's scores over the keys on
+    one side of it (itself included) are equal while its scores over the keys on the other side differ: positions
+    tell apart the keys before a query and not those after it, or the reverse. T5's bucketed bias built one-sided
+    in a bidirectional layer (x-transformers 0.6.6 tests `if causal:` for `if not causal:`: every key after its query
+    falls in the query's own bucket) scores so; rotary, ALiBi's |i - j| and T5's two-sided buckets vary on both sides,
+    and a layer without positions on neither. Rows are read where the query sees 3 keys or more on each side (a
+    window that shows no later key is not read); `_per_copy`'s orders, the first that shows one side flat decides."""
+    bound = one_sided_bound(dtype)
+    for scores in _scores_seen(record, n, B, T, skip):
+        found = _flat_side(scores, bound)
+        if found is None:
+            continue
+        ratio, varies, flat, rows, spread = found
+        return ratio, varies, flat, (f"on {T} identical tokens, the {rows} (row, head) pairs whose query sees 3 keys "
+                                     f"or more on each side: scores over the keys {varies} the query spread by up to "
+                                     f"{spread[varies]:.3g}, over the keys {flat} it (itself included) by "
+                                     f"{spread[flat]:.3g} ({ratio:.2g} of that; up to {bound:.2g} is read as flat in "
+                                     f"{dtype_name(dtype)})")
+    return None
+
+
+@dataclass(frozen=True)
+class OneSidedReplay(DistanceReplay):
+    """The identical tokens on which one side of each query's scores was flat, and their mask."""
+
+
+def one_sided_sites(probe, r: OneSidedReplay) -> list[Site]:
+    """On the identical tokens the verdict read: the first op of the user's code that makes a (.., Tq, Tk) tensor from
+    positions alone (no probe input reaches it) that is flat on one side of the query and varies on the other (the
+    clamp that puts every later key in the query's own bucket), after the `if` whose branch it ran in, where it is in
+    one (`branch_of`: the condition that chose the one-sided form)."""
+    s = probe.subject
+    T = r.query.shape[s.time_dim]
+    trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    first = next((op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
+                  and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)
+                  and _flat_side(op.outs[0].double(), 1e-9) is not None), None)
+    if first is None:
+        return []
+    note = ("makes the positions' (query, key) term from positions alone, flat on one side of each query: every key "
+            "on that side is given the query's own value")
+    sites = [branch_of(first, "the branch the one-sided term was made in: where its condition chose the form meant "
+                              "for causal layers (one-sided buckets), the fix is there", fix=ONE_SIDED_FIX),
+             op_site(first, note, fix=ONE_SIDED_FIX)]
+    return [site for site in sites if site is not None]
+
+
 def _rewarded_in_float64(probe: Probe, r: DistanceReplay, reading: tuple[float, str]) -> tuple[float, str] | None:
     """A low-precision reading of a distance-rewarding line, read again on the float64 copy of the layer (the gradient
     checks' copy, `float64_copy_or_skip`) on the same identical tokens upcast: the reading with both readings in its
@@ -628,6 +733,8 @@ def shift_sites(probe, result: DetectorResult) -> list[Site]:
     pairs (scores, a bias added to them, the weights) or the first fused attention whose rows for the real tokens
     differ; then, for a product, the op that made each operand (the rotation of q or k, most likely the mistake)."""
     r = result.replay
+    if isinstance(r, OneSidedReplay):
+        return one_sided_sites(probe, r)
     if isinstance(r, DistanceReplay):
         return distance_sites(probe, r)
     if isinstance(r, LostReplay):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._core import NON_CONTIGUOUS, skip, transposed_layout
+from ..adapters import Image
 from .._frames import traceback_frames
 from .._masks import SHORTCUTS, convert_mask
 from .._probe import Probe
@@ -984,19 +985,104 @@ def _length_rule(call) -> int:
     return length_rule(call.error)
 
 
+@dataclass(frozen=True)
+class LengthRule:
+    """The lengths a layer takes: multiples of `w`, as its own check says (`stated`: the message of its raise names
+    the multiple), or as measured (`measured_rule`): the multiples of `w` it `ran` at, the other lengths it `raised`
+    at, and the first of those raises."""
+
+    w: int
+    stated: bool
+    ran: tuple[int, ...] = ()
+    raised: tuple[int, ...] = ()
+    error: str = ""
+
+    def said(self, call) -> str:
+        """How the rule is known, after "multiples of W only, ..."."""
+        if self.stated:
+            return f"as its own check says ({call.describe_error()})"
+        return (f"as measured: it ran at every multiple of {self.w} tried (T = {', '.join(map(str, self.ran))}) and "
+                f"raised at T = {', '.join(map(str, self.raised))} ({self.error})")
+
+
+def _routine(error: BaseException | None) -> bool:
+    """An exception a length the layer cannot split into its blocks raises (torch's shape errors, einops', a
+    check's), not a fault of its code (NameError, AttributeError, TypeError, NotImplementedError, ...)."""
+    return isinstance(error, (RuntimeError, ValueError, AssertionError)) and not isinstance(error, NotImplementedError)
+
+
+def _off_length(probe: Probe) -> list:
+    """The failed calls at another length than the standard probe's, queries or keys, with a routine raise."""
+    t = probe.subject.time_dim
+    return [c for c in probe.failed_calls
+            if (c.query.shape[t] != probe.t or c.key.shape[t] != probe.t) and _routine(c.error)]
+
+
+def measured_rule(probe: Probe) -> LengthRule | None:
+    """The lengths a layer takes that states no rule, measured (sinkhorn-transformer's LocalAttention splits T into
+    buckets of 4 with a reshape and raises at T = 1; its library pads the input first). For each W >= 2 dividing the
+    standard length T, smallest first: the layer runs at every multiple of W up to 2T (the first 8 and 2T), raises
+    (routinely: `_routine`) at some other length from W + 1 to min(2T, 4W), and a failed call of the audit is at a
+    length no multiple of W. A layer that raises at T = 1 only (a `squeeze()` that takes the token axis too) runs at
+    every length above W: no rule, the raise fails; so does a length hard-coded in a reshape, which refuses 2T. The
+    calls are logged under `runs` (readings: their raises count for nothing); None where no W holds, and for an
+    image adapter's layer, whose lengths are images of other shapes (a rule there is on their sides, not tokens)."""
+    off = _off_length(probe)
+    if not off or isinstance(getattr(probe.subject, "layer", None), Image) or not probe.base().ok:
+        return None  # an image adapter lays each length out as its own squarest image: a rule there is on sides
+    if "measured length rule" in probe.memo:
+        return probe.memo["measured length rule"]
+    T, B, tried = probe.t, probe.BATCH, {}
+    (asking, probe.detector), (stream, probe._stream) = (probe.detector, "runs"), (probe._stream, "length rule")
+
+    def ran(n: int) -> bool:
+        if n not in tried:
+            q, k, v = probe.streams(B, n)
+            tried[n] = probe.call(q, k, v, probe.allowed(B, n, n), label=f"T={n}, for the lengths the layer takes",
+                                  reading=True)
+        return tried[n].ok
+
+    rule = None
+    try:
+        for w in (w for w in range(2, T + 1) if T % w == 0):
+            multiples = [w * m for m in range(1, 2 * T // w + 1)]
+            multiples = multiples[:8] + multiples[-1:] if len(multiples) > 9 else multiples
+            if not all(ran(n) for n in multiples):
+                continue
+            raised = [n for n in range(w + 1, min(2 * T, 4 * w) + 1) if n % w and not ran(n)]
+            t = probe.subject.time_dim
+            if not raised or not all(_routine(tried[n].error) for n in raised) or \
+                    not any(c.query.shape[t] % w or c.key.shape[t] % w for c in off):
+                continue
+            said = tried[raised[0]].describe_error()
+            raised = sorted(set(raised) | set(_lengths(probe, off, w)))
+            rule = LengthRule(w, False, tuple(multiples), tuple(raised), said)
+            break
+    finally:
+        probe.detector, probe._stream = asking, stream
+    probe.memo["measured length rule"] = rule
+    return rule
+
+
+def _rule(probe: Probe) -> LengthRule | None:
+    """The layer's length rule: the one multiple its failed calls' checks name, else the one measured."""
+    stated = {_length_rule(c) for c in probe.failed_calls} - {0}
+    if stated:
+        return LengthRule(stated.pop(), True) if len(stated) == 1 else None
+    return measured_rule(probe)
+
+
 def _refused_lengths(probe: Probe) -> list:
-    """The failed calls the layer's own check refused for their length (`_length_constraint`): an AssertionError or
-    ValueError naming one multiple W >= 2, raised at a length that is no multiple of W while the standard probe, at a
-    multiple of W, ran."""
+    """The failed calls the layer's length rule refused (`_length_constraint`): at a length that is no multiple of
+    its W >= 2 while the standard probe, at a multiple of W, ran; a stated rule's by a raise naming it (an
+    AssertionError or ValueError), a measured one's by a routine raise (`_routine`)."""
     t, base = probe.subject.time_dim, probe.base()
-    rules = [(c, _length_rule(c)) for c in probe.failed_calls]
-    ws = {w for _, w in rules if w}
-    if len(ws) != 1 or not base.ok:
+    rule = _rule(probe)
+    if rule is None or not base.ok or rule.w < 2 or base.query.shape[t] % rule.w:
         return []
-    w = ws.pop()
-    if w < 2 or base.query.shape[t] % w:
-        return []
-    return [c for c, rule in rules if rule == w and (c.query.shape[t] % w or c.key.shape[t] % w)]
+    w = rule.w
+    return [c for c in probe.failed_calls if (_length_rule(c) == w if rule.stated else _routine(c.error))
+            and (c.query.shape[t] % w or c.key.shape[t] % w)]
 
 
 def raised_at_probe_length(probe: Probe) -> bool:
@@ -1008,39 +1094,42 @@ def raised_at_probe_length(probe: Probe) -> bool:
 
 
 def _refused_said(probe: Probe, refused: list) -> str:
-    """The lengths the layer's own rule refused (`_refused_lengths`), said beside another reading: skipped, not
-    failed; "" where there are none."""
+    """The lengths the layer's rule refused (`_refused_lengths`), said beside another reading: skipped, not failed;
+    "" where there are none."""
     if not refused:
         return ""
-    return (f"; it also refused T = {', '.join(map(str, _lengths(probe, refused)))}, no multiple of the "
-            f"{_length_rule(refused[0])} its own check asks for, and those probes are skipped "
-            f"({refused[0].describe_error()})")
+    rule = _rule(probe)
+    asks = (f"its own check asks for, and those probes are skipped ({refused[0].describe_error()})" if rule.stated
+            else f"it takes (measured), and those probes are skipped ({refused[0].describe_error()})")
+    return f"; it also refused T = {', '.join(map(str, _lengths(probe, refused, rule.w)))}, no multiple of the {rule.w} {asks}"
 
 
-def _lengths(probe: Probe, calls: list) -> list[int]:
-    t, w = probe.subject.time_dim, _length_rule(calls[0])
+def _lengths(probe: Probe, calls: list, w: int) -> list[int]:
+    t = probe.subject.time_dim
     return sorted({n for c in calls for n in (c.query.shape[t], c.key.shape[t]) if n % w})
 
 
 def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
-    """A length the layer states it refuses, which is no defect: every call that raised was refused by the layer's
-    own check, an AssertionError or ValueError whose message names the multiple W it needs (local attention's
-    "sequence length 1 must be divisible by window size 4"), at a length that is no multiple of W, while the
-    standard probe, at a multiple of W, ran. Then `runs` is a skip saying so, and the audit judges the layer on the
-    lengths it takes; None otherwise (a hard-coded length that raises in a reshape, a check that names no multiple,
-    a refused length that is a multiple of W: those still fail)."""
+    """A length the layer refuses by its rule, which is no defect: every call that raised was refused by it
+    (`_refused_lengths`: local attention's AssertionError "sequence length 1 must be divisible by window size 4", or
+    sinkhorn's bucketing reshape where the layer runs at every multiple of 4: `measured_rule`), while the standard
+    probe, at a multiple of W, ran. Then `runs` is a skip saying so, and the audit judges the layer on the lengths it
+    takes; None otherwise (a length hard-coded in a reshape, a raise at T = 1 alone, a NameError at other lengths, a
+    refused length that is a multiple of W: those still fail)."""
     calls = probe.failed_calls
     refused = _refused_lengths(probe)
     if not calls or len(refused) != len(calls):
         return None
-    w = _length_rule(refused[0])
-    return result("runs", "skip", f"the layer takes lengths that are multiples of {w} only, as its own check says "
-                                  f"({calls[0].describe_error()}): it refused only T = "
-                                  f"{', '.join(map(str, _lengths(probe, refused)))}, and those probes are skipped, not "
-                                  f"failed",
+    rule = _rule(probe)
+    w = rule.w
+    return result("runs", "skip", f"the layer takes lengths that are multiples of {w} only, {rule.said(calls[0])}: "
+                                  f"it refused only T = {', '.join(map(str, _lengths(probe, refused, w)))} of the "
+                                  f"audit's probes, and those probes are skipped, not failed",
                   evidence=evidence,
                   fix=f"audit at a seq_len that is a multiple of {w}; if the layer should take any length, pad the "
-                      f"input to a multiple of {w} inside it (and mask the padding)", extras={"length_rule": w})
+                      f"input to a multiple of {w} inside it (and mask the padding)"
+                      + ("" if rule.stated else f", or check the length with an error that names the multiple of {w}"),
+                  extras={"length_rule": w})
 
 
 def _mask_hint(probe: Probe) -> str | None:
