@@ -23,6 +23,10 @@ Populations (`POPULATIONS`):
   query still has the kept keys). The audit checks
   more than that (the temperature, the weights, the gradients): where it fails a release the check passes, the
   finding is read on the release by hand and said in the docs, true or false;
+- `x_transformers_t5`: x-transformers' `Attention(32, dim_head=4, heads=8)`, not causal, given the T5 bias its Encoder
+  makes (`RelativePositionBias(causal=False)`), with its (B, T) keep mask, on the releases that have both; the plain
+  check: the bias of (i, j) a function of j - i, spread on both sides of a query (not every later key in the query's
+  own bucket: x-transformers 0.6.6), no kept output moved by the padding, every output finite;
 - `local_attention`: local-attention's bucketed `LocalAttention(window_size=4, causal=True, look_backward=1)` called
   on (B, H, T, d) tensors, as its own LocalTransformer calls it, with its keep mask; the check: the output shaped as
   the input, 9 tokens run or refused by a check that names the multiple, then causal and the padding honoured on 16.
@@ -146,6 +150,63 @@ mask honoured (no kept output moves when only the padding before them changes: p
 layer never sees, would prove nothing) and every output finite with the padding after the kept tokens (a padded query
 there still has the kept keys)."""
 
+_XTR_T5 = """
+import inspect
+from torch import nn
+import x_transformers.x_transformers as X
+if not hasattr(X, "RelativePositionBias") or "rel_pos" not in inspect.signature(X.Attention.forward).parameters:
+    raise LookupError("no T5 bias in this release that Attention takes (RelativePositionBias, forward's rel_pos)")
+
+class Block(nn.Module):
+    # bidirectional attention with the T5 bias x-transformers' Encoder makes for it (rel_pos_bias=True): 8 heads
+    def __init__(self):
+        super().__init__()
+        self.attn = X.Attention(32, dim_head=4, heads=8)
+        scale = {"scale": 4 ** 0.5} if "scale" in inspect.signature(X.RelativePositionBias).parameters else {}
+        self.rel_pos = X.RelativePositionBias(causal=False, heads=8, **scale)  # as the Encoder passes dim_head ** 0.5
+
+    def forward(self, x, mask=None):  # mask: (B, T) bool, True = keep
+        out = self.attn(x, mask=mask, rel_pos=self.rel_pos)
+        return out[0] if isinstance(out, tuple) else out  # (out, intermediates) in some releases
+
+layer = Block()
+declarations = dict(mask="key_keep")
+"""
+"""The x_transformers_t5 population's layer: x-transformers' Attention, not causal, with the T5 bias its Encoder
+passes it, on the releases that have both (pypi_bugs.py's xtr_rel_pos_bucket_direction, with a mask)."""
+TWO_SIDED_AND_PADDING = """
+import inspect
+import torch
+scope = {}
+exec(BUILD, scope)
+layer = scope["layer"].eval()
+T = 12
+with torch.no_grad():  # the bias itself, through the API the release has: (.., T, T) per head
+    rel = layer.rel_pos
+    bias = rel(torch.zeros(1, 8, T, T)) if "qk_dots" in inspect.signature(rel.forward).parameters else rel(T, T)
+bias = bias.reshape(-1, T, T).double()  # (H, T, T)
+assert torch.allclose(bias[:, 1:, 1:], bias[:, :-1, :-1]), "the bias of (i, j) is no function of j - i alone"
+i = T // 2
+spread = lambda b: (b.amax(-1) - b.amin(-1)).max().item()
+before, after = spread(bias[:, i, : i + 1]), spread(bias[:, i, i:])
+assert after > 1e-3 * before and before > 1e-3 * after, (f"query {i}'s bias spreads by {before:.3g} over the keys "
+                                                        f"before it and by {after:.3g} over those after it: one side "
+                                                        f"all in the query's own bucket")
+def out(x, mask=None):
+    with torch.no_grad():
+        return layer(x, mask=mask)
+x = torch.randn(2, T, 32)
+keep = torch.ones(2, T, dtype=torch.bool)
+keep[:, -2:] = False  # the last two tokens are padding, which every query would see were it not masked
+padded = x.clone()
+padded[:, -2:] = torch.randn(2, 2, 32)  # only the padding changes
+kept = out(x, keep)
+assert bool(torch.isfinite(kept).all()), "an output is not finite with two tokens of padding"
+moved = ((kept[:, :-2] - out(padded, keep)[:, :-2]).abs().max() / kept[:, :-2].abs().max()).item()
+assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the padding changed"
+"""
+"""The plain check of the x_transformers_t5 population: the T5 bias a function of j - i, spread on both sides of a
+query (a bidirectional layer tells apart the keys after it too), its key mask honoured and every output finite."""
 _LOCAL = """
 import inspect
 from local_attention import LocalAttention
@@ -234,6 +295,8 @@ POPULATIONS = {p.name: p for p in (
                "a token turned at any offset as alone"),
     Population("x_transformers", "x-transformers", _XTR, CAUSAL_AND_PADDING,
                "causal, and its key mask honoured", _XTR_DEPS),
+    Population("x_transformers_t5", "x-transformers", _XTR_T5, TWO_SIDED_AND_PADDING,
+               "T5 bias of j - i on both sides, key mask honoured", _XTR_DEPS),
     Population("local_attention", "local-attention", _LOCAL, LOCAL_CAUSAL_AND_PADDING,
                "causal, and its key mask honoured", (pypi_bugs.EINOPS,)),
 )}

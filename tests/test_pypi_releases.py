@@ -212,3 +212,46 @@ def layer(q, k, v, mask=None):
 def test_the_local_attention_check_reads_lengths_and_shapes(refusal, reshape, fails):
     torch.manual_seed(0)
     checked(bench.LOCAL_CAUSAL_AND_PADDING, _LENGTHS.format(refusal=refusal, reshape=reshape), fails)
+
+
+_BIASED = """
+import torch
+from torch import nn
+
+class Bias(nn.Module):  # a T5-style bias per head, by bucket of j - i, through the later API: forward(i, j)
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(31, 8)
+
+    def forward(self, i, j):
+        d = torch.arange(j) - torch.arange(i)[:, None]  # (i, j): j - i
+        return self.table({bucket} + 15).permute(2, 0, 1)  # (H, i, j)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.rel_pos = nn.Linear(32, 96), Bias()
+
+    def forward(self, x, mask=None):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, 8, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))  # (B, 8, T, 4)
+        s = q @ k.transpose(-2, -1) / 2 + self.rel_pos(T, T)
+        if mask is not None and {honoured}:
+            s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, 32)
+
+layer = Block()
+"""
+
+
+@pytest.mark.parametrize("bucket, honoured, fails", [
+    ("d.clamp(-15, 15)", True, None),
+    ("d.clamp(-15, 0)", True, "one side all in the query's own bucket"),
+    ("(torch.arange(j) + 0 * d).clamp(max=15)", True, "no function of j - i"),
+    ("d.clamp(-15, 15)", False, "only the padding changed"),
+], ids=["correct", "one-sided (x-transformers 0.6.6)", "by the key's own position", "its mask ignored"])
+def test_the_two_sided_check_is_earned_both_ways(bucket, honoured, fails):
+    """The x_transformers_t5 population's plain check, on a T5-style block of our own: two-sided buckets hold; the
+    causal form in a bidirectional layer, a bias of the key's position and a mask ignored each fail it."""
+    torch.manual_seed(0)
+    checked(bench.TWO_SIDED_AND_PADDING, _BIASED.format(bucket=bucket, honoured=honoured), fails)

@@ -243,11 +243,14 @@ def reach_period(probe: Probe) -> int:
 
 
 @detector(DET, "for a layer whose positions are relative (rotary, ALiBi, T5 buckets), shifting every position by the "
-          "same offset leaves the real tokens' outputs unchanged, and a linear distance bias penalises distance",
+          "same offset leaves the real tokens' outputs unchanged, a linear distance bias penalises distance, and a "
+          "bidirectional layer's positions tell apart the keys on both sides of its query",
           targets=("rotary pairs rotated in one layout, their cos/sin table laid out in the other",
                    "rotary applied over the head axis of a (B, T, H, d) tensor",
                    "a position bias of absolute, not relative, positions",
-                   "ALiBi slopes with the wrong sign (far keys rewarded)"),
+                   "ALiBi slopes with the wrong sign (far keys rewarded)",
+                   "a bidirectional layer given the causal form of its position buckets (every later key in the "
+                   "query's own)"),
           fix="let positions reach the scores only through j - i: rotate q and k with the same pairing as the cos/sin "
               "table (interleaved pairs (2m, 2m+1) with freqs.repeat_interleave(2), half-split pairs (m, m + d/2) with "
               "torch.cat([freqs, freqs])), along the time axis; if the layer's positions are absolute by design "
