@@ -380,6 +380,10 @@ declarations = dict(causal=True, d_model=16, mask="key_keep")
          "the key features' stabiliser subtracts torch.max over the whole tensor (every sequence of the batch), "
          "so one sequence's output depends on the others (through the kernel's eps)",
          """
+import torch
+def qr(a, some=True):  # the 2021 code calls torch.qr(block, some=True), which torch 2.x removed: the same decomposition
+    return torch.linalg.qr(a, "reduced" if some else "complete")
+torch.qr = qr
 from performer_pytorch import SelfAttention
 layer = SelfAttention(32, causal=False, heads=4, dim_head=8)
 # forward(*args, context=None, **kwargs): the usage error's fix, a call; the mask is a (B, T) bool, True = keep
