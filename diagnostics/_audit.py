@@ -129,7 +129,10 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
             # raised at the probe's own length, which the layer takes (a mask it refuses in every convention); a
             # raise at another multiple of its rule stays the skip (an image adapter's 3 x 4 map for 12 tokens)
             settled = runs_verdict(probe)
-            if settled.declaration or settled.verdict == "fail" and raised_at_probe_length(probe):
+            # a measured rule is settled on every call: a later raise at a multiple of it, or in another line, is no
+            # refusal of the rule, and the lengths it refused are said as they are at the end
+            if settled.declaration or settled.verdict == "fail" and raised_at_probe_length(probe) or \
+                    measured["runs"].extras.get("measured"):
                 measured["runs"] = replace(settled, probes=measured["runs"].probes)
         measured = under_a_mask_undeclared(consequences(measured))
         probe.as_left = registries(layer)  # what the calls left in the layer, for a locator's replay (lazy: after)

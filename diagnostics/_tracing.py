@@ -1282,10 +1282,11 @@ def _statement(function, line: int):
 
 
 def branch_of(op: Op | None, note: str, fix: str = "") -> Site | None:
-    """The `if` whose branch the op's line sits in, in the op's own function: the condition that chose what the op
-    computes (x-transformers 0.6.6's `if causal:` chose the one-sided buckets for a bidirectional layer), a site at
-    the condition's line whose note says which branch ran; None where the line is in no branch or its source is not
-    read."""
+    """The `if` that chose between two ways of making what the op made: the innermost `if` of the op's own function
+    whose branch holds the op's line, where its other branch assigns a name the op's branch assigns too (x-transformers
+    0.6.6's `if causal: ... n = ... else: n = torch.max(n, ...)` made the causal buckets for a bidirectional layer under
+    the wrong test). A site at the condition's line saying which branch ran; None where the line is in no such branch
+    (an `if` without an alternative: a cache check, a shape check) or its source is not read."""
     if op is None or not op.frames:
         return None
     code, line = op.frames[0]
@@ -1294,14 +1295,31 @@ def branch_of(op: Op | None, note: str, fix: str = "") -> Site | None:
         return None
     function, start = found
     rel = line - start + 1
-    branches = [node for node in ast.walk(function) if isinstance(node, ast.If)
-                and node.lineno < rel <= (node.end_lineno or 0)]
-    if not branches:
+    within = lambda nodes: any(n.lineno <= rel <= (n.end_lineno or n.lineno) for n in nodes)
+    chosen = [node for node in ast.walk(function) if isinstance(node, ast.If) and (within(node.body) or
+                                                                                  within(node.orelse))
+              and _assigned_names(node.body) & _assigned_names(node.orelse)]
+    if not chosen:
         return None
-    inner = max(branches, key=lambda node: node.lineno)
-    taken = "else" if any(n.lineno <= rel <= (n.end_lineno or n.lineno) for n in inner.orelse) else "if"
+    inner = max(chosen, key=lambda node: node.lineno)
+    taken = "if" if within(inner.body) else "else"
+    both = ", ".join(sorted(_assigned_names(inner.body) & _assigned_names(inner.orelse)))
     return site(((code, start + inner.lineno - 1),) + tuple(op.frames[1:]), "if",
-                f"{note} (line {line}, {op.short}, ran in its {taken} branch)", fix)
+                f"{note}: line {line} ({op.short}) ran in its {taken} branch, and its other branch makes {both} "
+                f"another way", fix)
+
+
+def _assigned_names(statements) -> set[str]:
+    """The local names the statements assign, at any depth."""
+    names: set[str] = set()
+    for statement in statements:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    names |= _names(target)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                names |= _names(node.target)
+    return names
 
 
 def _names(target) -> set[str]:

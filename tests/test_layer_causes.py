@@ -451,16 +451,48 @@ def test_a_length_the_layer_refuses_by_its_rule_is_skipped_not_failed():
     unstated = audit(BlockwiseReshaped(), causal=True)
     runs = unstated.result("runs")
     assert runs.verdict == "skip" and "multiples of 4 only, as measured" in runs.message, runs
-    assert "T = 4, 8, 12, 16, 20, 24, 28, 32" in runs.message and "refused only T = 1 " in runs.message, runs
+    assert "T = 4, 8, 16, 20, 32) and raised at T = 1, 17, 18, 19, every time in line" in runs.message, runs
+    assert "refused only T = 1 " in runs.message, runs
     assert unstated.status == "passed", str(unstated)
 
 
-@pytest.mark.parametrize("layer", [SqueezedAtOne, HardCodedLength, NameErrorOffBlocks])
-def test_a_raise_no_length_rule_explains_still_fails(layer):
-    """Twins of the measured rule on the same audit: a layer raising at T = 1 alone runs at every length above it
-    (no W holds), a hard-coded length refuses 2T, and a NameError is no routine refusal: `runs` fails each."""
+class SpectralMixOddLengths(BlockwiseAttention):
+    """A real bug at odd lengths: a spectral mix whose inverse FFT is not told the length (`irfft(rfft(x))` without
+    n = T gives T - 1 values back at odd T), raising a broadcast mismatch there and nothing else at even T."""
+
+    def check(self, T: int) -> None:
+        x = torch.zeros(1, T, 2)
+        x + torch.fft.irfft(torch.fft.rfft(x, dim=1), dim=1)
+
+
+class KeysSplitByQueries(nn.Module):
+    """Cross-attention in blocks of 4 whose keys are split by the query length (`Tq // 4` where `Tk // 4` is meant):
+    it runs wherever Tq = Tk is a multiple of 4 and at no Tq != Tk, multiples or not."""
+
+    def __init__(self, d_model: int = D, heads: int = H):
+        super().__init__()
+        self.d_model, self.heads = d_model, heads
+        self.q, self.kv, self.out = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, memory):
+        Tq = x.shape[1]
+        memory.reshape(memory.shape[0], Tq // 4, 4, -1, memory.shape[-1]).flatten(1, 3)  # BUG: Tq for Tk
+        q = split(self.q(x), self.heads)
+        k, v = (split(t, self.heads) for t in self.kv(memory).chunk(2, dim=-1))
+        return self.out(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+@pytest.mark.parametrize("layer, kw", [(SqueezedAtOne, {"causal": True}), (HardCodedLength, {"causal": True}),
+                                       (NameErrorOffBlocks, {"causal": True}), (SpectralMixOddLengths, {"causal": True}),
+                                       (KeysSplitByQueries, {"cross": True})],
+                         ids=["squeeze at T = 1", "a hard-coded length", "a NameError", "a broadcast mismatch",
+                              "cross-attention's keys split by Tq"])
+def test_a_raise_no_length_rule_explains_still_fails(layer, kw):
+    """Twins of the measured rule on the same audit: a layer raising at T = 1 alone runs at T + 1 (no W holds), a
+    hard-coded length refuses T + W, a NameError and a broadcast mismatch are no split of the length, and a
+    cross-attention that runs only at Tq = Tk refuses Tq = T, Tk = T + W: `runs` fails each."""
     torch.manual_seed(0)
-    found = audit(layer(), causal=True)
+    found = audit(layer(), **kw)
     assert found.result("runs").verdict == "fail" and found.status == "failed", str(found)
 
 

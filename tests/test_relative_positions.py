@@ -90,6 +90,8 @@ class PositionalAttention(nn.Module):
                 bucket = j.clamp(max=15) + 15
             elif self.bug == "one-sided":  # BUG one-sided: every key after the query in the query's own bucket
                 bucket = (j - i).clamp(-15, 0) + 15
+            elif self.bug == "one past self":  # BUG one past self: every key after the query in one bucket
+                bucket = (j - i).clamp(-15, 1) + 15
             else:
                 bucket = (j - i).clamp(-15, 15) + 15
             scores = scores + self.buckets(bucket.expand(T, T)).permute(2, 0, 1)  # (H, T, T)
@@ -209,6 +211,64 @@ def test_one_sided_buckets_in_a_bidirectional_layer_fail_and_two_sided_pass(bug,
         branch, site = result.where[:2]  # the branch the one-sided buckets were made in, then their clamp
         assert branch.code.startswith('elif self.bug == "one-sided":'), branch.describe()
         assert site.file == __file__ and "clamp(-15, 0)" in site.code, site.describe()
+
+
+def test_later_keys_sharing_a_bucket_of_their_own_fail_too():
+    """The query is left out of both sides: later keys all in bucket +1 (not the query's 0) are one-sided as well."""
+    result = diagnostics.audit(build(kind="t5", bug="one past self"), detectors=[DET]).result(DET)
+    assert result.verdict == "fail" and "not those after it" in result.message, str(result)
+
+
+class LookAhead(PositionalAttention):
+    """Bidirectional ALiBi with slopes of its own for the keys ahead, learned, initialised at `ahead` (0: one-sided
+    at its initialisation only, by design; it learns the other side)."""
+
+    def __init__(self, ahead: float):
+        super().__init__(kind=None)
+        self.ahead = nn.Parameter(torch.full((self.num_heads,), ahead))
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)  # (B, H, T, T)
+        distance = (torch.arange(T) - torch.arange(T).unsqueeze(-1)).to(scores.dtype)  # (T, T): j - i
+        back = 2.0 ** -torch.arange(1, self.num_heads + 1, dtype=scores.dtype)  # (H,)
+        scores = scores - back.view(-1, 1, 1) * (-distance).clamp(min=0) - self.ahead.view(-1, 1, 1) * distance.clamp(min=0)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("ahead", [0.0, 1 / 64])
+def test_a_look_ahead_at_zero_or_small_is_no_one_sided_finding(ahead, dtype):
+    """A learned look-ahead slope at 0 is one-sided at initialisation only (the float64 copy reads it again with its
+    all-zero parameters drawn); one at 1/64 of the look-back slope reads flat in bfloat16's rounding alone (read again
+    in float64): neither fails. The one-sided reading is what reads them (its float64 pass counted)."""
+    seed_rng(0)
+    result = diagnostics.audit(LookAhead(ahead).to(dtype), detectors=[DET]).result(DET)
+    assert result.verdict == "pass", str(result)
+
+
+class TokenShift(PositionalAttention):
+    """No mask argument, and half of each key's features from the token before it (an RWKV-style token shift, zero
+    before the first): on identical tokens only key 0 differs, an edge of the sequence, no position of j - i."""
+
+    def __init__(self):
+        super().__init__(kind=None, takes_mask=False)
+
+    def forward_without_mask(self, x):
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        half = x.shape[-1] // 2
+        return PositionalAttention.forward(self, torch.cat([x[..., :half], shifted[..., half:]], -1))
+
+
+def test_an_edge_of_the_sequence_is_no_one_sided_position():
+    """The varying side must be a function of j - i (`RELATIVE_ONLY`): a token shift's zero before the first token
+    varies with the row, and the layer without a mask stays the skip that says no shift is possible."""
+    seed_rng(0)
+    result = diagnostics.audit(TokenShift(), detectors=[DET]).result(DET)
+    assert result.verdict == "skip" and "no shift of its positions is possible" in result.message, str(result)
 
 
 def test_one_sided_buckets_audited_as_causal_pass():
@@ -420,7 +480,7 @@ ONE_SIDED_MEASURED = {  # dtype: (smallest flat-side ratio of a correct layer, l
 }
 
 
-def measure_one_sided(seeds=range(5), dtypes=(torch.float32, torch.bfloat16, torch.float16), lengths=(5, 12)):
+def measure_one_sided(seeds=range(5), dtypes=(torch.float32, torch.bfloat16, torch.float16), lengths=(8, 12)):
     """{dtype: (smallest correct ratio, largest one-sided ratio)}: `positions.one_sided`'s reading (the flat side's
     spread over the other's, on identical tokens) of the correct layers and the one-sided T5 twin, read from the
     observed scores with no bound, over seeds, both inits and two lengths."""

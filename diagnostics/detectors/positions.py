@@ -57,6 +57,7 @@ from .._tracing import (
     ancestors,
     fused_ops,
     branch_of,
+    first_softmax,
     last_rows,
     moved,
     op_site,
@@ -66,7 +67,7 @@ from .._tracing import (
     unrescaled_accumulators,
     user,
 )
-from ._common import float64_copy_or_skip, logit_gain, result
+from ._common import float64_copy_or_skip, logit_gain, result, zeros_drawn
 from ._rotary import rotary_pair_sites
 
 DET = "relative_positions"
@@ -385,8 +386,10 @@ def check_relative_positions(probe: Probe) -> DetectorResult:
     flat = one_sided(record, copies, B, T, s.dtype, skip=skipped) if not probe.causal and probe.pattern is None \
         else None
     if flat:
+        flat = _one_sided_in_float64(probe, OneSidedReplay(*same, base_allowed), flat)
+    if flat:
         return result(DET, "fail", f"positions tell apart the keys {flat[1]} a query but not those {flat[2]} it: on "
-                                   f"identical tokens a query scores every key {flat[2]} it as itself",
+                                   f"identical tokens a query scores every key {flat[2]} it alike",
                       value=flat[0], threshold=one_sided_bound(s.dtype), evidence=f"{flat[3]}; {seen}",
                       fix=ONE_SIDED_FIX, replay=OneSidedReplay(*same, base_allowed))
     if call is not None and not call.ok:
@@ -563,10 +566,11 @@ ONE_SIDED = {
 """How flat one side of a query's scores on identical tokens must be, as a fraction of the other side's spread, for
 positions to be read as one-sided (`one_sided`): a bidirectional layer's keys after its query all scored as the query
 itself. Measured on tests/test_relative_positions.py's layers (rotary in both pairings, ALiBi, T5 buckets: the correct
-ones and the one-sided T5 twin), 5 seeds x default and std-0.02 initialisation x 5 and 12 tokens, at float32, bfloat16
-and float16: a correct layer's flat side is at least 0.34 of the other's (340x the float32 bound, 6.8x bfloat16's),
-the one-sided twin's exactly 0 (its later keys' scores are one computation); the bounds leave room for a kernel's
-rounding of scores far larger than the bias's spread."""
+ones and the one-sided T5 twin), 5 seeds x default and std-0.02 initialisation x 8 and 12 tokens, at float32, bfloat16
+and float16, the query itself left out of both sides: a correct layer's flat side is at least 0.37 of the other's
+(366x the float32 bound, 7.4x bfloat16's), the one-sided twin's exactly 0 (its later keys' scores are one
+computation); the bounds leave room for a kernel's rounding of scores far larger than the bias's spread. A reading in
+a lower precision is taken again on the float64 copy (`_one_sided_in_float64`)."""
 
 
 def one_sided_bound(dtype) -> float:
@@ -580,15 +584,25 @@ ONE_SIDED_FIX = ("let positions reach the scores on both sides of the query in a
                  "(causal=True)")
 
 
+RELATIVE_ONLY = 0.25
+"""How far the varying side of a one-sided reading may stray from a function of j - i (the most two scores at one
+offset differ, over the rows read, as a fraction of that side's spread): positions that make it (a bucket, a bias, a
+rotation of j - i) keep it to rounding, at most 4e-7 in float32, 2.9e-3 in float16 and 0.016 in bfloat16 over
+tests/test_relative_positions.py's correct layers and one-sided twin (5 seeds x 2 inits x 8 and 12 tokens; 16x under
+the bound); an edge made by zero padding (a causal convolution of the keys, a token shift, a layer without a mask read
+from position 0) varies with the row by about its whole spread, and is no one-sided position."""
+
+
 def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict] | None:
     """(the flat side's spread over the other's, the side that varies, the flat side, the rows read, the spreads)
-    where, over the rows of these (.., T, T) scores whose query sees 3 keys or more on each side (itself included),
-    one side is flat to `bound` of the other's spread; None otherwise."""
+    where, over the rows of these (.., T, T) scores whose query sees 3 keys or more on each side of it (itself left
+    out of both), one side is flat to `bound` of the other's spread, and the other side's scores are a function of
+    j - i (`RELATIVE_ONLY`); None otherwise."""
     T = scores.shape[-1]
     i, j = torch.arange(T, device=scores.device).unsqueeze(-1), torch.arange(T, device=scores.device)
     seen = torch.isfinite(scores)
-    sides = {"before": seen & (j <= i), "after": seen & (j >= i)}
-    rows = (sides["before"].sum(-1) >= 3) & (sides["after"].sum(-1) >= 3)
+    sides = {"before": seen & (j < i), "after": seen & (j > i)}
+    rows = (sides["before"].sum(-1) >= 3) & (sides["after"].sum(-1) >= 3)  # (.., T)
     if not bool(rows.any()):
         return None
     spread = {}
@@ -599,13 +613,24 @@ def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict
     varies, flat = ("before", "after") if spread["before"] >= spread["after"] else ("after", "before")
     if not spread[varies] > 0 or spread[flat] > bound * spread[varies]:
         return None
+    stray = 0.0  # the varying side, offset by offset: the same score in every row read, where positions make it
+    for offset in (range(-1, -T, -1) if varies == "before" else range(1, T)):
+        diagonal = scores.diagonal(offset, -2, -1)  # (.., T - |offset|): row i's score of key i + offset
+        read = rows[..., max(0, -offset):T - max(0, offset)] & torch.isfinite(diagonal)
+        if int(read.sum(-1).max()) < 2:
+            continue
+        hi = torch.where(read, diagonal, -torch.inf).amax(-1)
+        lo = torch.where(read, diagonal, torch.inf).amin(-1)
+        stray = max(stray, float(torch.where(read.sum(-1) >= 2, hi - lo, torch.zeros_like(hi)).max()))
+    if stray > RELATIVE_ONLY * spread[varies]:
+        return None
     return spread[flat] / spread[varies], varies, flat, int(rows.sum()), spread
 
 
 def one_sided(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[float, str, str, str] | None:
     """For a layer audited as not causal, with no pattern declared: (the flat side's spread over the other side's,
     the side that varies, the flat side, evidence) where, on identical tokens, every query's scores over the keys on
-    one side of it (itself included) are equal while its scores over the keys on the other side differ: positions
+    one side of it are equal while its scores over the keys on the other side differ by j - i: positions
     tell apart the keys before a query and not those after it, or the reverse. T5's bucketed bias built one-sided
     in a bidirectional layer (x-transformers 0.6.6 tests `if causal:` for `if not causal:`: every key after its query
     falls in the query's own bucket) scores so; rotary, ALiBi's |i - j| and T5's two-sided buckets vary on both sides,
@@ -619,10 +644,48 @@ def one_sided(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[
         ratio, varies, flat, rows, spread = found
         return ratio, varies, flat, (f"on {T} identical tokens, the {rows} (row, head) pairs whose query sees 3 keys "
                                      f"or more on each side: scores over the keys {varies} the query spread by up to "
-                                     f"{spread[varies]:.3g}, over the keys {flat} it (itself included) by "
+                                     f"{spread[varies]:.3g}, each a function of j - i, over the keys {flat} it by "
                                      f"{spread[flat]:.3g} ({ratio:.2g} of that; up to {bound:.2g} is read as flat in "
                                      f"{dtype_name(dtype)})")
     return None
+
+
+def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tuple | None:
+    """A one-sided reading (`one_sided`) taken again on the float64 copy of the layer (the gradient checks' copy) on
+    the same identical tokens upcast, its all-zero trainable parameters drawn where it has any (a look-ahead slope or
+    bias initialised at 0 makes a bidirectional layer one-sided at its initialisation only, by design): the reading
+    with both in its evidence where the copy reads one-sided too, at float64's bound; None where it does not (a
+    lower precision's rounding: ALiBi whose look-ahead slope is 1/32 of its look-back one read flat in bfloat16; or a
+    zero parameter that moves); the reading as it was where no copy can be made or its call raises."""
+    twin = float64_copy_or_skip(probe, probe.detector)
+    if isinstance(twin, DetectorResult):
+        return reading
+    s = probe.subject
+    B, T = r.query.shape[0], r.query.shape[s.time_dim]
+    up: dict[int, Tensor] = {}  # one stream stays one tensor
+
+    def wide(x):
+        return up.setdefault(id(x), x.to(torch.float64))
+
+    layer = getattr(twin, "layer", None)
+    params = dict(layer.named_parameters()) if isinstance(layer, torch.nn.Module) else {}
+    zeros = [name for name, p in params.items() if p.requires_grad and p.is_floating_point() and p.numel()
+             and not bool(p.detach().any())]
+    probe.passes += 1
+    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy: {T} identical tokens"
+                                                   + (f", {', '.join(zeros)} drawn" if zeros else ""), B, T, T,
+                                                   None if r.allowed is None else r.allowed.cpu(), r.query is r.key))
+    observer = Observer()
+    try:
+        with zeros_drawn(params, zeros, probe.generator()), torch.enable_grad(), observer:
+            twin(wide(r.query), wide(r.key), wide(r.value), r.allowed)
+    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+        return reading
+    again = one_sided(observer.record, 1, B, T, torch.float64)
+    if again is None:
+        return None
+    drawn = f", with {', '.join(zeros)} (all zero) drawn at random" if zeros else ""
+    return reading[0], reading[1], reading[2], f"{reading[3]}; on the float64 copy of the layer{drawn}: {again[3]}"
 
 
 @dataclass(frozen=True)
@@ -638,15 +701,17 @@ def one_sided_sites(probe, r: OneSidedReplay) -> list[Site]:
     s = probe.subject
     T = r.query.shape[s.time_dim]
     trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
+    scores = first_softmax(trace, T, T) or next(iter(fused_ops(trace)), None)
+    reach = ancestors(trace, scores) if scores is not None else None  # what the weights are made of
     first = next((op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
+                  and (reach is None or op.index in reach) and op.outs[0].dtype != torch.bool
                   and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)
                   and _flat_side(op.outs[0].double(), 1e-9) is not None), None)
     if first is None:
         return []
     note = ("makes the positions' (query, key) term from positions alone, flat on one side of each query: every key "
-            "on that side is given the query's own value")
-    sites = [branch_of(first, "the branch the one-sided term was made in: where its condition chose the form meant "
-                              "for causal layers (one-sided buckets), the fix is there", fix=ONE_SIDED_FIX),
+            "on that side is given one value")
+    sites = [branch_of(first, "the condition the one-sided term was made under", fix=ONE_SIDED_FIX),
              op_site(first, note, fix=ONE_SIDED_FIX)]
     return [site for site in sites if site is not None]
 

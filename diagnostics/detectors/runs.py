@@ -989,26 +989,42 @@ def _length_rule(call) -> int:
 class LengthRule:
     """The lengths a layer takes: multiples of `w`, as its own check says (`stated`: the message of its raise names
     the multiple), or as measured (`measured_rule`): the multiples of `w` it `ran` at, the other lengths it `raised`
-    at, and the first of those raises."""
+    at, the first of those raises, and the user's line every refusal was raised from (`line`)."""
 
     w: int
     stated: bool
     ran: tuple[int, ...] = ()
     raised: tuple[int, ...] = ()
     error: str = ""
+    line: tuple | None = None
 
     def said(self, call) -> str:
         """How the rule is known, after "multiples of W only, ..."."""
         if self.stated:
             return f"as its own check says ({call.describe_error()})"
         return (f"as measured: it ran at every multiple of {self.w} tried (T = {', '.join(map(str, self.ran))}) and "
-                f"raised at T = {', '.join(map(str, self.raised))} ({self.error})")
+                f"raised at T = {', '.join(map(str, self.raised))}, every time in line {self.line[1]} of "
+                f"{self.line[0].rsplit('/', 1)[-1]} ({self.error})")
+
+
+SPLITS = re.compile(r"is invalid for input of size|can't divide axis|don't multiply up to|not divisible|divisible by|"
+                    r"multiple of", re.I)
+"""What a length the layer cannot split into its blocks raises: torch's reshape and view ("shape '[1, 2, -1]' is
+invalid for input of size 9"), unflatten's, einops' ("can't divide axis of length 9 in chunks of 4"), a check's. A
+broadcast mismatch, a padding too large for its input, an index out of range are faults at some lengths, not a rule."""
 
 
 def _routine(error: BaseException | None) -> bool:
-    """An exception a length the layer cannot split into its blocks raises (torch's shape errors, einops', a
-    check's), not a fault of its code (NameError, AttributeError, TypeError, NotImplementedError, ...)."""
-    return isinstance(error, (RuntimeError, ValueError, AssertionError)) and not isinstance(error, NotImplementedError)
+    """A refusal of a length the layer cannot split into its blocks (`SPLITS`, raised as a RuntimeError, ValueError
+    or AssertionError), not a fault of its code (NameError, a broadcast mismatch, out of memory, ...)."""
+    return (isinstance(error, (RuntimeError, ValueError, AssertionError)) and not isinstance(error, NotImplementedError)
+            and bool(SPLITS.search(str(error))))
+
+
+def _raised_at(error: BaseException | None) -> tuple | None:
+    """The user's line an exception was raised from (its innermost user frame), None where none is found."""
+    frames = traceback_frames(error.__traceback__) if error is not None and error.__traceback__ is not None else ()
+    return (frames[0][0].co_filename, frames[0][1]) if frames else None
 
 
 def _off_length(probe: Probe) -> list:
@@ -1020,44 +1036,46 @@ def _off_length(probe: Probe) -> list:
 
 def measured_rule(probe: Probe) -> LengthRule | None:
     """The lengths a layer takes that states no rule, measured (sinkhorn-transformer's LocalAttention splits T into
-    buckets of 4 with a reshape and raises at T = 1; its library pads the input first). For each W >= 2 dividing the
-    standard length T, smallest first: the layer runs at every multiple of W up to 2T (the first 8 and 2T), raises
-    (routinely: `_routine`) at some other length from W + 1 to min(2T, 4W), and a failed call of the audit is at a
-    length no multiple of W. A layer that raises at T = 1 only (a `squeeze()` that takes the token axis too) runs at
-    every length above W: no rule, the raise fails; so does a length hard-coded in a reshape, which refuses 2T. The
-    calls are logged under `runs` (readings: their raises count for nothing); None where no W holds, and for an
-    image adapter's layer, whose lengths are images of other shapes (a rule there is on their sides, not tokens)."""
+    buckets of 4 with a reshape and raises at T = 1; its library pads the input first). With T the standard length:
+    the layer must refuse T + 1 (no multiple of any W dividing T: one call where there is no rule); W is then the
+    smallest d >= 2 dividing T at which T + d runs, and the layer must run at W, 2W, T + W and 2T (and at Tq = T,
+    Tk = T + W where it is audited as cross-attention: `Probe.cross`) and refuse T + 1 .. T + W - 1; every refusal, the audit's
+    failed calls' included, a split (`_routine`) raised from one line, and each failed call at a length no multiple
+    of W. A layer that raises at T = 1 alone (a `squeeze()` that takes the token axis) runs at T + 1: no rule, the
+    raise fails; so do a length hard-coded in a reshape, a NameError and a broadcast mismatch. The calls are logged
+    under `runs` (readings: their raises count for nothing); None where no W holds, and for an image adapter's
+    layer, whose lengths are images of other shapes (a rule there is on their sides, not tokens)."""
     off = _off_length(probe)
     if not off or isinstance(getattr(probe.subject, "layer", None), Image) or not probe.base().ok:
         return None  # an image adapter lays each length out as its own squarest image: a rule there is on sides
     if "measured length rule" in probe.memo:
         return probe.memo["measured length rule"]
-    T, B, tried = probe.t, probe.BATCH, {}
+    s, T, B, tried = probe.subject, probe.t, probe.BATCH, {}
     (asking, probe.detector), (stream, probe._stream) = (probe.detector, "runs"), (probe._stream, "length rule")
 
-    def ran(n: int) -> bool:
-        if n not in tried:
-            q, k, v = probe.streams(B, n)
-            tried[n] = probe.call(q, k, v, probe.allowed(B, n, n), label=f"T={n}, for the lengths the layer takes",
-                                  reading=True)
-        return tried[n].ok
+    def ran(n: int, n_k: int | None = None) -> bool:
+        if (n, n_k) not in tried:
+            q, k, v = probe.streams(B, n, n_k, **({"cross": True} if n_k is not None else {}))
+            said = f"T={n}" if n_k is None else f"Tq={n}, Tk={n_k}"
+            tried[n, n_k] = probe.call(q, k, v, probe.allowed(B, n, n if n_k is None else n_k),
+                                       label=f"{said}, for the lengths the layer takes", reading=True)
+        return tried[n, n_k].ok
 
     rule = None
     try:
-        for w in (w for w in range(2, T + 1) if T % w == 0):
-            multiples = [w * m for m in range(1, 2 * T // w + 1)]
-            multiples = multiples[:8] + multiples[-1:] if len(multiples) > 9 else multiples
-            if not all(ran(n) for n in multiples):
-                continue
-            raised = [n for n in range(w + 1, min(2 * T, 4 * w) + 1) if n % w and not ran(n)]
-            t = probe.subject.time_dim
-            if not raised or not all(_routine(tried[n].error) for n in raised) or \
-                    not any(c.query.shape[t] % w or c.key.shape[t] % w for c in off):
-                continue
-            said = tried[raised[0]].describe_error()
-            raised = sorted(set(raised) | set(_lengths(probe, off, w)))
-            rule = LengthRule(w, False, tuple(multiples), tuple(raised), said)
-            break
+        w = next((d for d in range(1, T + 1) if T % d == 0 and ran(T + d)), 0) if not ran(T + 1) else 0
+        multiples = sorted({w, 2 * w, T, T + w, 2 * T}) if w >= 2 else []
+        others = list(range(T + 1, T + w))
+        if multiples and all(ran(n) for n in multiples) and not any(ran(n) for n in others) and \
+                (not probe.cross or ran(T, T + w)):
+            t = s.time_dim
+            refusals = [tried[n, None].error for n in others] + [c.error for c in off]
+            lines = {_raised_at(e) for e in refusals}
+            if all(_routine(e) for e in refusals) and len(lines) == 1 and None not in lines and \
+                    all(c.query.shape[t] % w or c.key.shape[t] % w for c in off):
+                raised = sorted(set(others) | set(_lengths(probe, off, w)))
+                rule = LengthRule(w, False, tuple(multiples), tuple(raised), tried[others[0], None].describe_error(),
+                                  lines.pop())
     finally:
         probe.detector, probe._stream = asking, stream
     probe.memo["measured length rule"] = rule
@@ -1081,7 +1099,8 @@ def _refused_lengths(probe: Probe) -> list:
     if rule is None or not base.ok or rule.w < 2 or base.query.shape[t] % rule.w:
         return []
     w = rule.w
-    return [c for c in probe.failed_calls if (_length_rule(c) == w if rule.stated else _routine(c.error))
+    return [c for c in probe.failed_calls if (_length_rule(c) == w if rule.stated else
+                                              _routine(c.error) and _raised_at(c.error) == rule.line)
             and (c.query.shape[t] % w or c.key.shape[t] % w)]
 
 
@@ -1129,7 +1148,7 @@ def _length_constraint(probe: Probe, evidence: str) -> DetectorResult | None:
                   fix=f"audit at a seq_len that is a multiple of {w}; if the layer should take any length, pad the "
                       f"input to a multiple of {w} inside it (and mask the padding)"
                       + ("" if rule.stated else f", or check the length with an error that names the multiple of {w}"),
-                  extras={"length_rule": w})
+                  extras={"length_rule": w, "measured": not rule.stated})
 
 
 def _mask_hint(probe: Probe) -> str | None:
