@@ -317,6 +317,28 @@ def test_the_flag_that_chose_the_one_sided_form_is_the_first_site(swapped):
         assert "clamp(-15, 0)" in second.code, second.describe()
 
 
+class KeyMaskBuckets(BucketsByFlag):
+    """BucketsByFlag as x-transformers 0.6.6's Attention writes it: a (B, T) key mask, True = keep, filled into the
+    scores in place (`dots.masked_fill_`), after which the scores' producer is the fill, not the sum with the bias."""
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        dots = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads) + self.bias(T)  # (B, H, T, T)
+        if mask is not None:
+            dots.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        return self.out((dots.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_key_mask_layers_one_sided_buckets_are_sited_at_the_flag():
+    """The site is read from what reaches the scores forward (`positions._reaches_scores`): walked back from the
+    softmax, an in-place fill hid the bias behind it, and the finding had no site."""
+    seed_rng(0)
+    result = diagnostics.audit(KeyMaskBuckets(swapped=True), mask="key_keep", detectors=[DET]).result(DET)
+    assert result.verdict == "fail", str(result)
+    assert result.where and result.where[0].code == "if self.causal != self.swapped:", result.where
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("dtype, init", SETTINGS, ids=ids)
 @pytest.mark.parametrize("bug", [None, "alibi sign"], ids=["correct", "sign flipped"])

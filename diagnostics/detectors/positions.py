@@ -57,7 +57,6 @@ from .._tracing import (
     ancestors,
     fused_ops,
     branch_of,
-    first_softmax,
     last_rows,
     moved,
     op_site,
@@ -693,18 +692,37 @@ class OneSidedReplay(DistanceReplay):
     """The identical tokens on which one side of each query's scores was flat, and their mask."""
 
 
+def _reaches_scores(trace, op: Op, limit: int = 4096) -> bool:
+    """Whether what `op` made reaches an op that the probe's inputs reach too (the scores it is added to, the weights):
+    a term of the attention, not a mask built and left unused, nor a side computation."""
+    consumers: dict[int, list[Op]] = {}
+    for later in trace.ops[op.index + 1:]:
+        for tensor_id in later.in_ids:
+            consumers.setdefault(tensor_id, []).append(later)
+    todo, seen = list(op.out_ids), set()
+    while todo and len(seen) < limit:
+        tensor_id = todo.pop()
+        if tensor_id in seen:
+            continue
+        seen.add(tensor_id)
+        for later in consumers.get(tensor_id, ()):
+            if later.sources:
+                return True
+            todo.extend(i for i in later.out_ids if i != tensor_id)
+    return False
+
+
 def one_sided_sites(probe, r: OneSidedReplay) -> list[Site]:
     """On the identical tokens the verdict read: the first op of the user's code that makes a (.., Tq, Tk) tensor from
     positions alone (no probe input reaches it) that is flat on one side of the query and varies on the other (the
-    clamp that puts every later key in the query's own bucket), after the `if` whose branch it ran in, where it is in
-    one (`branch_of`: the condition that chose the one-sided form)."""
+    clamp that puts every later key in the query's own bucket) and reaches the scores (`_reaches_scores`: not a mask
+    made and left unused), after the `if` whose other branch makes the same name another way (`branch_of`: the
+    condition that chose the one-sided form). Traced with the mask as one call of the layer takes it (`_at_once`)."""
     s = probe.subject
     T = r.query.shape[s.time_dim]
-    trace = trace_call(s, r.query, r.key, r.value, r.allowed, seed=probe.seed)
-    scores = first_softmax(trace, T, T) or next(iter(fused_ops(trace)), None)
-    reach = ancestors(trace, scores) if scores is not None else None  # what the weights are made of
+    trace = trace_call(s, r.query, r.key, r.value, _at_once(s, r.allowed), seed=probe.seed)
     first = next((op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
-                  and (reach is None or op.index in reach) and op.outs[0].dtype != torch.bool
+                  and op.outs[0].dtype != torch.bool and _reaches_scores(trace, op)
                   and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)
                   and _flat_side(op.outs[0].double(), 1e-9) is not None), None)
     if first is None:
