@@ -27,6 +27,10 @@ Populations (`POPULATIONS`):
   makes (`RelativePositionBias(causal=False)`), with its (B, T) keep mask, on the releases that have both; the plain
   check: the bias of (i, j) a function of j - i, spread on both sides of a query (not every later key in the query's
   own bucket: x-transformers 0.6.6), no kept output moved by the padding, every output finite;
+- `x_transformers_alibi`: x-transformers' `Attention(32, dim_head=8, heads=4, causal=True)` given the ALiBi bias its
+  layers make (`AlibiPositionalBias`), with its keep mask; the plain check: the bias at 12, 16 and 12 tokens again
+  equal to a fresh bias's (a cache made at one length and read at another), of i - j over the past keys and not
+  rewarding distance; then the layer runs, and `CAUSAL_AND_PADDING`;
 - `local_attention`: local-attention's bucketed `LocalAttention(window_size=4, causal=True, look_backward=1)` called
   on (B, H, T, d) tensors, as its own LocalTransformer calls it, with its keep mask; the check: the output shaped as
   the input, 9 tokens run or refused by a check that names the multiple, then causal and the padding honoured on 16.
@@ -207,6 +211,72 @@ assert moved < 1e-5, f"the kept outputs moved by {moved:.2e} when only the paddi
 """
 """The plain check of the x_transformers_t5 population: the T5 bias a function of j - i, spread on both sides of a
 query (a bidirectional layer tells apart the keys after it too), its key mask honoured and every output finite."""
+_XTR_ALIBI = """
+import inspect
+from torch import nn
+import x_transformers.x_transformers as X
+if not hasattr(X, "AlibiPositionalBias") or "rel_pos" not in inspect.signature(X.Attention.forward).parameters:
+    raise LookupError("no ALiBi in this release that Attention takes (AlibiPositionalBias, forward's rel_pos)")
+
+def alibi():  # as x-transformers' AttentionLayers makes it for alibi_pos_bias=True, every head biased
+    takes = inspect.signature(X.AlibiPositionalBias).parameters
+    return X.AlibiPositionalBias(heads=4, **({"total_heads": 4} if "total_heads" in takes else {}))
+
+class Block(nn.Module):
+    # causal attention with ALiBi, the bias passed to Attention as the layers pass it
+    def __init__(self):
+        super().__init__()
+        self.attn = X.Attention(32, dim_head=8, heads=4, causal=True)
+        self.rel_pos = alibi()
+
+    def forward(self, x, mask=None):  # mask: (B, T) bool, True = keep
+        out = self.attn(x, mask=mask, rel_pos=self.rel_pos)
+        return out[0] if isinstance(out, tuple) else out  # (out, intermediates) in some releases
+
+layer = Block()
+declarations = dict(causal=True, mask="key_keep")
+"""
+"""The x_transformers_alibi population's layer: x-transformers' causal Attention with the ALiBi bias its layers pass
+it, on the releases that have both (the three ALiBi cases of pypi_bugs.py are releases of it)."""
+_RUNS = """
+try:
+    layer(torch.randn(2, 12, 32))
+except Exception as error:
+    raise AssertionError(f"the layer raised: {type(error).__name__}: {error}")
+"""
+ALIBI_AND_PADDING = """
+import inspect
+import torch
+scope = {}
+exec(BUILD, scope)
+
+def bias_of(rel, n):  # (H, n, n) through the API the release has, less each row's own value at its query: a
+    # constant per row changes no softmax (ALiBi's own code adds -slope x j, the key's position alone, for that reason)
+    with torch.no_grad():
+        got = (rel(torch.zeros(1, 4, n, n)) if "qk_dots" in inspect.signature(rel.forward).parameters else rel(n, n))
+    got = got.reshape(-1, n, n).double()
+    return got - got.diagonal(0, -2, -1).unsqueeze(-1)
+
+try:
+    rel = scope["layer"].rel_pos
+    first, longer, again = bias_of(rel, 12), bias_of(rel, 16), bias_of(rel, 12)
+except Exception as error:
+    raise AssertionError(f"the ALiBi bias raised: {type(error).__name__}: {error}")
+fresh = {n: bias_of(scope["alibi"](), n) for n in (12, 16)}
+for n, got in ((12, first), (16, longer), (12, again)):
+    past = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.allclose(got[:, past], fresh[n][:, past]), (f"the bias at {n} tokens, after a call at another length, "
+                                                             f"differs from a fresh one's (its cache)")
+past = torch.ones(12, 12, dtype=torch.bool).tril()
+lower = first.masked_fill(~past, 0)
+assert torch.allclose(lower[:, 1:, 1:], lower[:, :-1, :-1]), "the bias over past keys is no function of i - j alone"
+row = first[:, 11, :12]  # the newest query over every key: nearer keys not penalised more than farther ones
+assert bool((row[:, 1:] >= row[:, :-1] - 1e-9).all()), "the bias rewards distance over the past keys"
+""" + CAUSAL_AND_PADDING.replace('layer = scope["layer"].eval()\n', 'layer = scope["layer"].eval()\n' + _RUNS, 1)
+"""The plain check of the x_transformers_alibi population: the ALiBi bias (less a constant per row, which no softmax
+sees) at 12, 16 and 12 tokens again as a fresh bias at each (a cache made at one length read at another), a function
+of i - j over the past keys that does not reward distance; then the layer runs, and is causal, its key mask honoured
+and every output finite."""
 _LOCAL = """
 import inspect
 from local_attention import LocalAttention
@@ -297,6 +367,8 @@ POPULATIONS = {p.name: p for p in (
                "causal, and its key mask honoured", _XTR_DEPS),
     Population("x_transformers_t5", "x-transformers", _XTR_T5, TWO_SIDED_AND_PADDING,
                "T5 bias of j - i on both sides, key mask honoured", _XTR_DEPS),
+    Population("x_transformers_alibi", "x-transformers", _XTR_ALIBI, ALIBI_AND_PADDING,
+               "ALiBi as fresh at any length, causal, key mask honoured", _XTR_DEPS),
     Population("local_attention", "local-attention", _LOCAL, LOCAL_CAUSAL_AND_PADDING,
                "causal, and its key mask honoured", (pypi_bugs.EINOPS,)),
 )}

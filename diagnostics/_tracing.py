@@ -1310,15 +1310,25 @@ def branch_of(op: Op | None, note: str, fix: str = "") -> Site | None:
 
 
 def _assigned_names(statements) -> set[str]:
-    """The local names the statements assign, at any depth."""
+    """The local names the statements assign, at any depth: plain names and tuples of them, not an attribute or an
+    item (`self.x = ...` and `stats["a"] = ...` assign no name `self` or `stats`)."""
+    def plain(target) -> set[str]:
+        if isinstance(target, ast.Name):
+            return {target.id}
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return set().union(*(plain(t) for t in target.elts))
+        if isinstance(target, ast.Starred):
+            return plain(target.value)
+        return set()
+
     names: set[str] = set()
     for statement in statements:
         for node in ast.walk(statement):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
-                    names |= _names(target)
+                    names |= plain(target)
             elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                names |= _names(node.target)
+                names |= plain(node.target)
     return names
 
 

@@ -451,7 +451,7 @@ def test_a_length_the_layer_refuses_by_its_rule_is_skipped_not_failed():
     unstated = audit(BlockwiseReshaped(), causal=True)
     runs = unstated.result("runs")
     assert runs.verdict == "skip" and "multiples of 4 only, as measured" in runs.message, runs
-    assert "T = 4, 8, 16, 20, 32) and raised at T = 1, 17, 18, 19, every time in line" in runs.message, runs
+    assert "T = 4, 8, 16, 20, 32) and raised at T = 1, 17, 18, 19, in line" in runs.message, runs
     assert "refused only T = 1 " in runs.message, runs
     assert unstated.status == "passed", str(unstated)
 
@@ -480,6 +480,28 @@ class KeysSplitByQueries(nn.Module):
         q = split(self.q(x), self.heads)
         k, v = (split(t, self.heads) for t in self.kv(memory).chunk(2, dim=-1))
         return self.out(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+class BlocksOnTwoLines(KeysSplitByQueries):
+    """Its correct twin: queries and keys each split into blocks of 4 by their own length, on lines of their own, so a
+    length of the queries and one of the keys are refused in two lines."""
+
+    def forward(self, x, memory):
+        x.reshape(x.shape[0], x.shape[1] // 4, 4, x.shape[-1])  # the queries in blocks of 4
+        memory.reshape(memory.shape[0], memory.shape[1] // 4, 4, memory.shape[-1])  # the keys in blocks of 4
+        q = split(self.q(x), self.heads)
+        k, v = (split(t, self.heads) for t in self.kv(memory).chunk(2, dim=-1))
+        return self.out(merge(F.scaled_dot_product_attention(q, k, v)))
+
+
+def test_a_cross_attention_splitting_queries_and_keys_on_lines_of_their_own_has_its_rule_measured():
+    """The refusals of the keys' length alone come from the keys' line, those of both lengths from the queries': one
+    line for each kind of call, and the audit's Tk = T + 3 probe is skipped with T = 1, not failed."""
+    torch.manual_seed(0)
+    found = audit(BlocksOnTwoLines(), cross=True)
+    runs = found.result("runs")
+    assert runs.verdict == "skip" and "multiples of 4 only, as measured" in runs.message, runs
+    assert found.status == "passed", str(found)
 
 
 @pytest.mark.parametrize("layer, kw", [(SqueezedAtOne, {"causal": True}), (HardCodedLength, {"causal": True}),

@@ -255,3 +255,55 @@ def test_the_two_sided_check_is_earned_both_ways(bucket, honoured, fails):
     causal form in a bidirectional layer, a bias of the key's position and a mask ignored each fail it."""
     torch.manual_seed(0)
     checked(bench.TWO_SIDED_AND_PADDING, _BIASED.format(bucket=bucket, honoured=honoured), fails)
+
+
+_ALIBI = """
+import torch
+from torch import nn
+
+class Alibi(nn.Module):  # ALiBi through the earlier API, forward(qk_dots), with a cache as x-transformers keeps one
+    def __init__(self, heads=4):
+        super().__init__()
+        self.slopes = 2.0 ** -torch.arange(1, heads + 1).float().view(-1, 1, 1)  # (H, 1, 1)
+        self.cached = None
+
+    def forward(self, qk_dots):
+        n = qk_dots.shape[-1]
+        if self.cached is None or {stale}:
+            distance = torch.arange(n) - torch.arange(n)[:, None]  # (n, n): j - i, <= 0 over the past keys
+            self.cached = {sign} * self.slopes * distance
+        return qk_dots + self.cached
+
+def alibi():
+    return Alibi()
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.rel_pos = nn.Linear(32, 96), alibi()
+
+    def forward(self, x, mask=None):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))  # (B, 4, T, 8)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril()
+        if mask is not None and {honoured}:
+            allowed = allowed & mask[:, None, None, :]
+        s = self.rel_pos(q @ k.transpose(-2, -1) / 8 ** 0.5).masked_fill(~allowed, float("-inf"))
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, 32)
+
+layer = Block()
+"""
+
+
+@pytest.mark.parametrize("stale, sign, honoured, fails", [
+    ("self.cached.shape[-1] != n", 1, True, None),
+    ("self.cached.shape[-1] != n", -1, True, "rewards distance"),
+    ("False", 1, True, "the ALiBi bias raised"),
+    ("self.cached.shape[-1] != n", 1, False, "only the padding changed"),
+], ids=["correct", "sign flipped", "a cache made at the first length", "its mask ignored"])
+def test_the_alibi_check_is_earned_both_ways(stale, sign, honoured, fails):
+    """The x_transformers_alibi population's plain check, on an ALiBi block of our own: the bias made again at each
+    length holds; its sign flipped, a cache kept from the first length (x-transformers 0.17.2 and 0.28.2 raise so) and
+    a mask ignored each fail it."""
+    torch.manual_seed(0)
+    checked(bench.ALIBI_AND_PADDING, _ALIBI.format(stale=stale, sign=sign, honoured=honoured), fails)

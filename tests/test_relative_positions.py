@@ -317,6 +317,29 @@ def test_the_flag_that_chose_the_one_sided_form_is_the_first_site(swapped):
         assert "clamp(-15, 0)" in second.code, second.describe()
 
 
+class LoggedBuckets(BucketsByFlag):
+    """One-sided buckets made in the `if` branch of a debugging flag, whose other branch sets another attribute: no
+    branch chose between two ways of making the buckets (`_tracing.branch_of` counts plain names only)."""
+
+    def __init__(self):
+        super().__init__(swapped=False)
+        self.debug = True
+
+    def bias(self, T):
+        if self.debug:
+            bucket = (torch.arange(T) - torch.arange(T).unsqueeze(-1)).clamp(-15, 0) + 15  # BUG: the causal form
+            self.last_buckets = bucket  # kept for plotting
+        else:
+            self.skipped = 1
+        return self.buckets(self.last_buckets).permute(2, 0, 1)
+
+
+def test_an_if_that_chose_nothing_is_no_site():
+    seed_rng(0)
+    result = diagnostics.audit(LoggedBuckets(), detectors=[DET]).result(DET)
+    assert result.verdict == "fail" and "clamp(-15, 0)" in result.where[0].code, result.where
+
+
 class KeyMaskBuckets(BucketsByFlag):
     """BucketsByFlag as x-transformers 0.6.6's Attention writes it: a (B, T) key mask, True = keep, filled into the
     scores in place (`dots.masked_fill_`), after which the scores' producer is the fill, not the sum with the bias."""

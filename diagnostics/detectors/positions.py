@@ -596,7 +596,8 @@ def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict
     """(the flat side's spread over the other's, the side that varies, the flat side, the rows read, the spreads)
     where, over the rows of these (.., T, T) scores whose query sees 3 keys or more on each side of it (itself left
     out of both), one side is flat to `bound` of the other's spread, and the other side's scores are a function of
-    j - i (`RELATIVE_ONLY`); None otherwise."""
+    j - i (`RELATIVE_ONLY`) taking 3 values or more (DeBERTa with `max_relative_positions=2` tells apart 2 distances
+    on a side, by its table's size, no buckets' direction); None otherwise."""
     T = scores.shape[-1]
     i, j = torch.arange(T, device=scores.device).unsqueeze(-1), torch.arange(T, device=scores.device)
     seen = torch.isfinite(scores)
@@ -612,16 +613,20 @@ def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict
     varies, flat = ("before", "after") if spread["before"] >= spread["after"] else ("after", "before")
     if not spread[varies] > 0 or spread[flat] > bound * spread[varies]:
         return None
-    stray = 0.0  # the varying side, offset by offset: the same score in every row read, where positions make it
+    stray, levels = 0.0, []  # the varying side, offset by offset: one score in every row read, where positions make it
     for offset in (range(-1, -T, -1) if varies == "before" else range(1, T)):
         diagonal = scores.diagonal(offset, -2, -1)  # (.., T - |offset|): row i's score of key i + offset
         read = rows[..., max(0, -offset):T - max(0, offset)] & torch.isfinite(diagonal)
-        if int(read.sum(-1).max()) < 2:
+        if not bool(read.any()):
             continue
         hi = torch.where(read, diagonal, -torch.inf).amax(-1)
         lo = torch.where(read, diagonal, torch.inf).amin(-1)
-        stray = max(stray, float(torch.where(read.sum(-1) >= 2, hi - lo, torch.zeros_like(hi)).max()))
-    if stray > RELATIVE_ONLY * spread[varies]:
+        seen = read.any(-1)
+        stray = max(stray, float(torch.where(seen, hi - lo, torch.zeros_like(hi)).max()))
+        level = torch.where(seen, hi, torch.zeros_like(hi))  # this offset's score, per (batch, head)
+        if all(float((level - other).abs().max()) > 1e-3 * spread[varies] for other in levels):
+            levels.append(level)
+    if stray > RELATIVE_ONLY * spread[varies] or len(levels) < 3:
         return None
     return spread[flat] / spread[varies], varies, flat, int(rows.sum()), spread
 
@@ -658,7 +663,8 @@ def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tu
     zero parameter that moves); the reading as it was where no copy can be made or its call raises."""
     twin = float64_copy_or_skip(probe, probe.detector)
     if isinstance(twin, DetectorResult):
-        return reading
+        return (*reading[:3], f"{reading[3]}; not read again on a float64 copy ({twin.message}): a lower precision's "
+                              f"rounding or a parameter at zero is not ruled out")
     s = probe.subject
     B, T = r.query.shape[0], r.query.shape[s.time_dim]
     up: dict[int, Tensor] = {}  # one stream stays one tensor
@@ -678,8 +684,10 @@ def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tu
     try:
         with zeros_drawn(params, zeros, probe.generator()), torch.enable_grad(), observer:
             twin(wide(r.query), wide(r.key), wide(r.value), r.allowed)
-    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
-        return reading
+    except Exception as error:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
+        return (*reading[:3], f"{reading[3]}; not read again on the float64 copy, whose call raised "
+                              f"({type(error).__name__}): a lower precision's rounding or a parameter at zero is not "
+                              f"ruled out")
     again = one_sided(observer.record, 1, B, T, torch.float64)
     if again is None:
         return None
@@ -692,13 +700,18 @@ class OneSidedReplay(DistanceReplay):
     """The identical tokens on which one side of each query's scores was flat, and their mask."""
 
 
-def _reaches_scores(trace, op: Op, limit: int = 4096) -> bool:
+def _consumers(trace) -> dict[int, list[Op]]:
+    """tensor id -> the ops that read it, in order: made once per trace for `_reaches_scores`."""
+    consumers: dict[int, list[Op]] = {}
+    for op in trace.ops:
+        for tensor_id in op.in_ids:
+            consumers.setdefault(tensor_id, []).append(op)
+    return consumers
+
+
+def _reaches_scores(consumers: dict, op: Op, limit: int = 4096) -> bool:
     """Whether what `op` made reaches an op that the probe's inputs reach too (the scores it is added to, the weights):
     a term of the attention, not a mask built and left unused, nor a side computation."""
-    consumers: dict[int, list[Op]] = {}
-    for later in trace.ops[op.index + 1:]:
-        for tensor_id in later.in_ids:
-            consumers.setdefault(tensor_id, []).append(later)
     todo, seen = list(op.out_ids), set()
     while todo and len(seen) < limit:
         tensor_id = todo.pop()
@@ -706,6 +719,8 @@ def _reaches_scores(trace, op: Op, limit: int = 4096) -> bool:
             continue
         seen.add(tensor_id)
         for later in consumers.get(tensor_id, ()):
+            if later.index <= op.index:
+                continue
             if later.sources:
                 return True
             todo.extend(i for i in later.out_ids if i != tensor_id)
@@ -721,10 +736,11 @@ def one_sided_sites(probe, r: OneSidedReplay) -> list[Site]:
     s = probe.subject
     T = r.query.shape[s.time_dim]
     trace = trace_call(s, r.query, r.key, r.value, _at_once(s, r.allowed), seed=probe.seed)
+    consumers = _consumers(trace)
     first = next((op for op in trace.ops if op.frames and not op.sources and op.outs and op.outs[0] is not None
-                  and op.outs[0].dtype != torch.bool and _reaches_scores(trace, op)
-                  and op.outs[0].dim() >= 2 and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)
-                  and _flat_side(op.outs[0].double(), 1e-9) is not None), None)
+                  and op.outs[0].dtype != torch.bool and op.outs[0].dim() >= 2
+                  and tuple(op.outs[0].shape[-2:]) == (T, T) and not _constant(trace, op)
+                  and _flat_side(op.outs[0].double(), 1e-9) is not None and _reaches_scores(consumers, op)), None)
     if first is None:
         return []
     note = ("makes the positions' (query, key) term from positions alone, flat on one side of each query: every key "

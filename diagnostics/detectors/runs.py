@@ -989,22 +989,23 @@ def _length_rule(call) -> int:
 class LengthRule:
     """The lengths a layer takes: multiples of `w`, as its own check says (`stated`: the message of its raise names
     the multiple), or as measured (`measured_rule`): the multiples of `w` it `ran` at, the other lengths it `raised`
-    at, the first of those raises, and the user's line every refusal was raised from (`line`)."""
+    at, the first of those raises, and the user's lines the refusals were raised from (`lines`: one for the lengths of
+    queries and keys alike, one more for those of the queries alone or the keys alone)."""
 
     w: int
     stated: bool
     ran: tuple[int, ...] = ()
     raised: tuple[int, ...] = ()
     error: str = ""
-    line: tuple | None = None
+    lines: tuple = ()  # ((which lengths were off: "both", "queries" or "keys"), (file, line)), one per kind
 
     def said(self, call) -> str:
         """How the rule is known, after "multiples of W only, ..."."""
         if self.stated:
             return f"as its own check says ({call.describe_error()})"
+        where = " and ".join(sorted({f"line {line} of {file.rsplit('/', 1)[-1]}" for _, (file, line) in self.lines}))
         return (f"as measured: it ran at every multiple of {self.w} tried (T = {', '.join(map(str, self.ran))}) and "
-                f"raised at T = {', '.join(map(str, self.raised))}, every time in line {self.line[1]} of "
-                f"{self.line[0].rsplit('/', 1)[-1]} ({self.error})")
+                f"raised at T = {', '.join(map(str, self.raised))}, in {where} ({self.error})")
 
 
 SPLITS = re.compile(r"is invalid for input of size|can't divide axis|don't multiply up to|not divisible|divisible by|"
@@ -1021,10 +1022,24 @@ def _routine(error: BaseException | None) -> bool:
             and bool(SPLITS.search(str(error))))
 
 
+SPLITTERS = ("/einops/", "/einx/")
+"""Helper libraries a layer splits its tokens with: a refusal raised inside one is the layer's line that called it."""
+
+
 def _raised_at(error: BaseException | None) -> tuple | None:
-    """The user's line an exception was raised from (its innermost user frame), None where none is found."""
+    """The user's line an exception was raised from: its innermost user frame outside a splitting helper (einops'
+    `rearrange` raises in einops.py for every layer: the line that called it is the layer's); None where none is."""
     frames = traceback_frames(error.__traceback__) if error is not None and error.__traceback__ is not None else ()
+    frames = [f for f in frames if not any(part in f[0].co_filename for part in SPLITTERS)] or list(frames)
     return (frames[0][0].co_filename, frames[0][1]) if frames else None
+
+
+def _off_which(probe: Probe, call) -> str:
+    """Which lengths of a call are not the standard probe's: "both", or the "queries" or the "keys" alone."""
+    t, T = probe.subject.time_dim, probe.t
+    if call.query.shape[t] != T and call.key.shape[t] != T:
+        return "both"
+    return "queries" if call.query.shape[t] != T else "keys"
 
 
 def _off_length(probe: Probe) -> list:
@@ -1039,9 +1054,10 @@ def measured_rule(probe: Probe) -> LengthRule | None:
     buckets of 4 with a reshape and raises at T = 1; its library pads the input first). With T the standard length:
     the layer must refuse T + 1 (no multiple of any W dividing T: one call where there is no rule); W is then the
     smallest d >= 2 dividing T at which T + d runs, and the layer must run at W, 2W, T + W and 2T (and at Tq = T,
-    Tk = T + W where it is audited as cross-attention: `Probe.cross`) and refuse T + 1 .. T + W - 1; every refusal, the audit's
-    failed calls' included, a split (`_routine`) raised from one line, and each failed call at a length no multiple
-    of W. A layer that raises at T = 1 alone (a `squeeze()` that takes the token axis) runs at T + 1: no rule, the
+    Tk = T + W where it is audited as cross-attention: `Probe.cross`) and refuse T + 1, T + W - 1 and three lengths
+    between; every refusal, the audit's failed calls' included, a split (`_routine`) raised from one line (one for
+    the lengths of queries and keys alike, one for those of the queries or the keys alone: a layer that splits q and
+    k on lines of their own), and each failed call at a length no multiple of W. A layer that raises at T = 1 alone (a `squeeze()` that takes the token axis) runs at T + 1: no rule, the
     raise fails; so do a length hard-coded in a reshape, a NameError and a broadcast mismatch. The calls are logged
     under `runs` (readings: their raises count for nothing); None where no W holds, and for an image adapter's
     layer, whose lengths are images of other shapes (a rule there is on their sides, not tokens)."""
@@ -1065,17 +1081,21 @@ def measured_rule(probe: Probe) -> LengthRule | None:
     try:
         w = next((d for d in range(1, T + 1) if T % d == 0 and ran(T + d)), 0) if not ran(T + 1) else 0
         multiples = sorted({w, 2 * w, T, T + w, 2 * T}) if w >= 2 else []
-        others = list(range(T + 1, T + w))
+        others = sorted({n for n in (T + 1, T + w - 1, *(T + w * k // 5 for k in range(1, 5))) if n % w}) \
+            if w >= 2 else []
         if multiples and all(ran(n) for n in multiples) and not any(ran(n) for n in others) and \
                 (not probe.cross or ran(T, T + w)):
             t = s.time_dim
-            refusals = [tried[n, None].error for n in others] + [c.error for c in off]
-            lines = {_raised_at(e) for e in refusals}
-            if all(_routine(e) for e in refusals) and len(lines) == 1 and None not in lines and \
-                    all(c.query.shape[t] % w or c.key.shape[t] % w for c in off):
+            refusals = [("both", tried[n, None].error) for n in others] + [(_off_which(probe, c), c.error) for c in off]
+            groups: dict[str, set] = {}
+            for which, error in refusals:
+                groups.setdefault(which, set()).add(_raised_at(error))
+            lines = {line for group in groups.values() for line in group}
+            if all(_routine(e) for _, e in refusals) and all(len(g) == 1 for g in groups.values()) and \
+                    None not in lines and all(c.query.shape[t] % w or c.key.shape[t] % w for c in off):
                 raised = sorted(set(others) | set(_lengths(probe, off, w)))
                 rule = LengthRule(w, False, tuple(multiples), tuple(raised), tried[others[0], None].describe_error(),
-                                  lines.pop())
+                                  tuple((which, group.pop()) for which, group in sorted(groups.items())))
     finally:
         probe.detector, probe._stream = asking, stream
     probe.memo["measured length rule"] = rule
@@ -1099,9 +1119,14 @@ def _refused_lengths(probe: Probe) -> list:
     if rule is None or not base.ok or rule.w < 2 or base.query.shape[t] % rule.w:
         return []
     w = rule.w
-    return [c for c in probe.failed_calls if (_length_rule(c) == w if rule.stated else
-                                              _routine(c.error) and _raised_at(c.error) == rule.line)
-            and (c.query.shape[t] % w or c.key.shape[t] % w)]
+    if rule.stated:
+        return [c for c in probe.failed_calls if _length_rule(c) == w and (c.query.shape[t] % w or c.key.shape[t] % w)]
+    known, refused = dict(rule.lines), []  # a kind of call the rule has no line for yet takes its first call's
+    for c in probe.failed_calls:
+        if (c.query.shape[t] % w or c.key.shape[t] % w) and _routine(c.error) and \
+                known.setdefault(_off_which(probe, c), _raised_at(c.error)) == _raised_at(c.error):
+            refused.append(c)
+    return refused
 
 
 def raised_at_probe_length(probe: Probe) -> bool:
