@@ -233,7 +233,8 @@ class LookAhead(PositionalAttention):
         scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads)  # (B, H, T, T)
         distance = (torch.arange(T) - torch.arange(T).unsqueeze(-1)).to(scores.dtype)  # (T, T): j - i
         back = 2.0 ** -torch.arange(1, self.num_heads + 1, dtype=scores.dtype)  # (H,)
-        scores = scores - back.view(-1, 1, 1) * (-distance).clamp(min=0) - self.ahead.view(-1, 1, 1) * distance.clamp(min=0)
+        behind, ahead = (-distance).clamp(min=0), distance.clamp(min=0)  # (T, T): how far back, how far ahead
+        scores = scores - back.view(-1, 1, 1) * behind - self.ahead.view(-1, 1, 1) * ahead
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
@@ -244,10 +245,16 @@ class LookAhead(PositionalAttention):
 def test_a_look_ahead_at_zero_or_small_is_no_one_sided_finding(ahead, dtype):
     """A learned look-ahead slope at 0 is one-sided at initialisation only (the float64 copy reads it again with its
     all-zero parameters drawn); one at 1/64 of the look-back slope reads flat in bfloat16's rounding alone (read again
-    in float64): neither fails. The one-sided reading is what reads them (its float64 pass counted)."""
+    in float64): neither fails. The float64 reading is made, with the zero slope drawn where it is zero (its probe
+    says so); in float32 a slope of 1/64 is no one-sided reading at all, and no float64 pass is made."""
     seed_rng(0)
     result = diagnostics.audit(LookAhead(ahead).to(dtype), detectors=[DET]).result(DET)
     assert result.verdict == "pass", str(result)
+    read_again = [p.label for p in result.probes if p.label.startswith("float64 copy")]
+    if ahead == 0.0:
+        assert read_again == ["float64 copy: 12 identical tokens, ahead drawn"], read_again
+    else:
+        assert read_again == (["float64 copy: 12 identical tokens"] if dtype == torch.bfloat16 else []), read_again
 
 
 class TokenShift(PositionalAttention):

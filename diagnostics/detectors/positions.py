@@ -55,8 +55,8 @@ from .._tracing import (
     UNRESCALED_FIX,
     Op,
     ancestors,
-    fused_ops,
     branch_of,
+    fused_ops,
     last_rows,
     moved,
     op_site,
@@ -621,9 +621,9 @@ def _flat_side(scores: Tensor, bound: float) -> tuple[float, str, str, int, dict
             continue
         hi = torch.where(read, diagonal, -torch.inf).amax(-1)
         lo = torch.where(read, diagonal, torch.inf).amin(-1)
-        seen = read.any(-1)
-        stray = max(stray, float(torch.where(seen, hi - lo, torch.zeros_like(hi)).max()))
-        level = torch.where(seen, hi, torch.zeros_like(hi))  # this offset's score, per (batch, head)
+        any_read = read.any(-1)
+        stray = max(stray, float(torch.where(any_read, hi - lo, torch.zeros_like(hi)).max()))
+        level = torch.where(any_read, hi, torch.zeros_like(hi))  # this offset's score, per (batch, head)
         if all(float((level - other).abs().max()) > 1e-3 * spread[varies] for other in levels):
             levels.append(level)
     if stray > RELATIVE_ONLY * spread[varies] or len(levels) < 3:
@@ -654,17 +654,13 @@ def one_sided(record, n: int, B: int, T: int, dtype, *, skip: int = 0) -> tuple[
     return None
 
 
-def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tuple | None:
-    """A one-sided reading (`one_sided`) taken again on the float64 copy of the layer (the gradient checks' copy) on
-    the same identical tokens upcast, its all-zero trainable parameters drawn where it has any (a look-ahead slope or
-    bias initialised at 0 makes a bidirectional layer one-sided at its initialisation only, by design): the reading
-    with both in its evidence where the copy reads one-sided too, at float64's bound; None where it does not (a
-    lower precision's rounding: ALiBi whose look-ahead slope is 1/32 of its look-back one read flat in bfloat16; or a
-    zero parameter that moves); the reading as it was where no copy can be made or its call raises."""
+def _float64_record(probe: Probe, r: DistanceReplay, *, draw_zeros: bool = False) -> tuple:
+    """The float64 copy of the layer (the gradient checks' copy, `float64_copy_or_skip`) called on `r`'s identical
+    tokens upcast, observed; with `draw_zeros`, its all-zero trainable parameters drawn at random for the call
+    (`zeros_drawn`, put back after). (its record, the names drawn, "") or (None, [], why no reading was made)."""
     twin = float64_copy_or_skip(probe, probe.detector)
     if isinstance(twin, DetectorResult):
-        return (*reading[:3], f"{reading[3]}; not read again on a float64 copy ({twin.message}): a lower precision's "
-                              f"rounding or a parameter at zero is not ruled out")
+        return None, [], f"not read again on a float64 copy ({twin.message})"
     s = probe.subject
     B, T = r.query.shape[0], r.query.shape[s.time_dim]
     up: dict[int, Tensor] = {}  # one stream stays one tensor
@@ -673,7 +669,7 @@ def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tu
         return up.setdefault(id(x), x.to(torch.float64))
 
     layer = getattr(twin, "layer", None)
-    params = dict(layer.named_parameters()) if isinstance(layer, torch.nn.Module) else {}
+    params = dict(layer.named_parameters()) if draw_zeros and isinstance(layer, torch.nn.Module) else {}
     zeros = [name for name, p in params.items() if p.requires_grad and p.is_floating_point() and p.numel()
              and not bool(p.detach().any())]
     probe.passes += 1
@@ -685,10 +681,22 @@ def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tu
         with zeros_drawn(params, zeros, probe.generator()), torch.enable_grad(), observer:
             twin(wide(r.query), wide(r.key), wide(r.value), r.allowed)
     except Exception as error:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
-        return (*reading[:3], f"{reading[3]}; not read again on the float64 copy, whose call raised "
-                              f"({type(error).__name__}): a lower precision's rounding or a parameter at zero is not "
+        return None, [], f"not read again on the float64 copy, whose call raised ({type(error).__name__})"
+    return observer.record, zeros, ""
+
+
+def _one_sided_in_float64(probe: Probe, r: DistanceReplay, reading: tuple) -> tuple | None:
+    """A one-sided reading (`one_sided`) taken again on the float64 copy of the layer on the same identical tokens,
+    its all-zero trainable parameters drawn where it has any (a look-ahead slope or bias initialised at 0 makes a
+    bidirectional layer one-sided at its initialisation only, by design): the reading with both in its evidence where
+    the copy reads one-sided too, at float64's bound; None where it does not (a lower precision's rounding: ALiBi
+    whose look-ahead slope is 1/32 of its look-back one read flat in bfloat16; or a zero parameter that moves); the
+    reading, saying it was not confirmed, where no copy can be made or its call raises."""
+    record, zeros, why = _float64_record(probe, r, draw_zeros=True)
+    if record is None:
+        return (*reading[:3], f"{reading[3]}; {why}: a lower precision's rounding or a parameter at zero is not "
                               f"ruled out")
-    again = one_sided(observer.record, 1, B, T, torch.float64)
+    again = one_sided(record, 1, r.query.shape[0], r.query.shape[probe.subject.time_dim], torch.float64)
     if again is None:
         return None
     drawn = f", with {', '.join(zeros)} (all zero) drawn at random" if zeros else ""
@@ -761,26 +769,10 @@ def _rewarded_in_float64(probe: Probe, r: DistanceReplay, reading: tuple[float, 
     three tokens, bfloat16 (an exploring CI seed's draw, SHIFTED_COSINE_DRAW in the tests): residual 0.29, slope
     +2.56 in bfloat16; on the float64 copy the same scores are no line. A bias that is linear in the distance stays
     one in float64 (ALiBi added in float64: residual ~1e-16; added in float32 by the layer: <= 1.3e-7)."""
-    twin = float64_copy_or_skip(probe, probe.detector)
-    if isinstance(twin, DetectorResult):
+    record, _, _ = _float64_record(probe, r)
+    if record is None:
         return reading
-    s = probe.subject
-    B, T = r.query.shape[0], r.query.shape[s.time_dim]
-    up: dict[int, Tensor] = {}  # one stream stays one tensor
-
-    def wide(x):
-        return up.setdefault(id(x), x.to(torch.float64))
-
-    probe.passes += 1
-    probe.shapes[probe.detector].append(ProbeShape(f"float64 copy: {T} identical tokens", B, T, T,
-                                                   None if r.allowed is None else r.allowed.cpu(), r.query is r.key))
-    observer = Observer()
-    try:
-        with torch.enable_grad(), observer:
-            twin(wide(r.query), wide(r.key), wide(r.value), r.allowed)
-    except Exception:  # noqa: BLE001 -- no reading, then: the verdict in the layer's own dtype stands
-        return reading
-    again = distance_reward(observer.record, 1, B, T, torch.float64)
+    again = distance_reward(record, 1, r.query.shape[0], r.query.shape[probe.subject.time_dim], torch.float64)
     if again is None:
         return None
     return reading[0], f"{reading[1]}; on the float64 copy of the layer: {again[1]}"

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._core import NON_CONTIGUOUS, skip, transposed_layout
-from ..adapters import Image
 from .._frames import traceback_frames
 from .._masks import SHORTCUTS, convert_mask
 from .._probe import Probe
@@ -22,6 +21,7 @@ from .._subject import (MEMORY_TOKENS, call_declaration, left_streams, spell, st
                         suggested_conventions)
 from .._tracing import (CARRIES, buffer_alone, buffer_behind, init_sources, made_at, op_site, producer, site, text,
                         through_carries, trace_call, user)
+from ..adapters import Image
 from ._common import length_rule, own_queries_seen, result
 from ._heads_out import heads_seen, traced
 from ._mask_hints import candidates, convention_hint, conventions_run, honoured_conventions
@@ -1057,8 +1057,9 @@ def measured_rule(probe: Probe) -> LengthRule | None:
     Tk = T + W where it is audited as cross-attention: `Probe.cross`) and refuse T + 1, T + W - 1 and three lengths
     between; every refusal, the audit's failed calls' included, a split (`_routine`) raised from one line (one for
     the lengths of queries and keys alike, one for those of the queries or the keys alone: a layer that splits q and
-    k on lines of their own), and each failed call at a length no multiple of W. A layer that raises at T = 1 alone (a `squeeze()` that takes the token axis) runs at T + 1: no rule, the
-    raise fails; so do a length hard-coded in a reshape, a NameError and a broadcast mismatch. The calls are logged
+    k on lines of their own), and each failed call at a length no multiple of W. A layer that raises at T = 1 alone
+    (a `squeeze()` that takes the token axis) runs at T + 1: no rule, the raise fails; so do a length hard-coded in a
+    reshape, a NameError and a broadcast mismatch. The calls are logged
     under `runs` (readings: their raises count for nothing); None where no W holds, and for an image adapter's
     layer, whose lengths are images of other shapes (a rule there is on their sides, not tokens)."""
     off = _off_length(probe)
@@ -1123,9 +1124,10 @@ def _refused_lengths(probe: Probe) -> list:
         return [c for c in probe.failed_calls if _length_rule(c) == w and (c.query.shape[t] % w or c.key.shape[t] % w)]
     known, refused = dict(rule.lines), []  # a kind of call the rule has no line for yet takes its first call's
     for c in probe.failed_calls:
-        if (c.query.shape[t] % w or c.key.shape[t] % w) and _routine(c.error) and \
-                known.setdefault(_off_which(probe, c), _raised_at(c.error)) == _raised_at(c.error):
-            refused.append(c)
+        if (c.query.shape[t] % w or c.key.shape[t] % w) and _routine(c.error):
+            line = _raised_at(c.error)
+            if known.setdefault(_off_which(probe, c), line) == line:
+                refused.append(c)
     return refused
 
 
@@ -1145,7 +1147,8 @@ def _refused_said(probe: Probe, refused: list) -> str:
     rule = _rule(probe)
     asks = (f"its own check asks for, and those probes are skipped ({refused[0].describe_error()})" if rule.stated
             else f"it takes (measured), and those probes are skipped ({refused[0].describe_error()})")
-    return f"; it also refused T = {', '.join(map(str, _lengths(probe, refused, rule.w)))}, no multiple of the {rule.w} {asks}"
+    lengths = ", ".join(map(str, _lengths(probe, refused, rule.w)))
+    return f"; it also refused T = {lengths}, no multiple of the {rule.w} {asks}"
 
 
 def _lengths(probe: Probe, calls: list, w: int) -> list[int]:
