@@ -1104,11 +1104,26 @@ def _position_product(p: Matmul, m: Matmul) -> bool:
     for mixed in (False, True):
         for side, other in ((p.a, p.b), (p.b.transpose(-1, -2), p.a.transpose(-1, -2))):
             # positions: a table over distances (more than one column), not one vector per head (a key bias, k·w)
-            if other.dim() < 2 or other.shape[-1] < 2 or not _same_halves(other, mixed):
+            if other.dim() < 2 or other.shape[-1] < 2:
                 continue
-            if any(side.shape == x.shape and _reads(side, x, mixed) for x in (m.a, m.b.transpose(-1, -2))):
+            if _same_halves(other, mixed) and any(side.shape == x.shape and _reads(side, x, mixed)
+                                                   for x in (m.a, m.b.transpose(-1, -2))):
+                return True
+            if _per_query_table(side, other, m, mixed):
                 return True
     return False
+
+
+def _per_query_table(side: Tensor, other: Tensor, m: Matmul, mixed: bool) -> bool:
+    """Whether `side` is q·k's queries (or keys) with their batch and token axes swapped, (T, B*H, d), against a table
+    of each token's own, (T, d, R): Shaw's relative positions gathered per query (conformer's einsum("b h n d, n r
+    d -> b h n r", q, rel_pos_emb[dist]) runs as such a bmm, the tokens its batch). The table multiplies every row
+    of `side`, every sample's, so no one sample's tokens made it; q·k's operand read twice (a typo that reads k for
+    the table) has a batch axis the table's first axis is not."""
+    if side.dim() != 3 or other.dim() != 3 or other.shape[0] != side.shape[0]:
+        return False
+    back = side.transpose(0, 1)
+    return any(back.shape == x.shape and _reads(back, x, mixed) for x in (m.a, m.b.transpose(-1, -2)))
 
 
 def _halves(x: Tensor, mixed: bool = False) -> tuple[Tensor, Tensor]:

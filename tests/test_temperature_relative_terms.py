@@ -117,6 +117,30 @@ class DisentangledAttention(nn.Module):
         return self.out(out.view(B, HEADS, T, d_k).transpose(1, 2).reshape(B, T, D))
 
 
+class ShawAttention(nn.Module):
+    """Shaw's relative positions as the Conformer writes them: a learned table of 2 SPAN + 1 distances, clipped, read
+    per query and key (table[i - j], (T, T, d_k)) and multiplied by the query in one einsum, which torch runs as a bmm
+    with the tokens as its batch ((T, B*H, d_k) against (T, d_k, T)), added to q·k, both scaled. `bug`: "unscaled",
+    "scaled twice" (both terms), "term unscaled" (the position term alone left unscaled)."""
+
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.bug = bug
+        self.q, self.kv, self.out = nn.Linear(D, D, bias=False), nn.Linear(D, 2 * D, bias=False), nn.Linear(D, D)
+        self.table = nn.Embedding(2 * SPAN + 1, d_k)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, HEADS, d_k).transpose(1, 2)  # (B, H, T, d_k)
+        k, v = self.kv(x).view(B, T, 2, HEADS, d_k).permute(2, 0, 3, 1, 4)  # (B, H, T, d_k) each
+        scale = {"unscaled": 1.0, "scaled twice": 1 / d_k}.get(self.bug, 1 / math.sqrt(d_k))
+        apart = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(-SPAN, SPAN) + SPAN  # (T, T): i - j
+        positions = torch.einsum("bhid,ijd->bhij", q, self.table(apart).to(q.dtype))  # (B, H, T, T)
+        scores = q @ k.transpose(-2, -1) * scale + positions * (1.0 if self.bug == "term unscaled" else scale)
+        out = scores.softmax(-1) @ v  # (B, H, T, d_k)
+        return self.out(out.transpose(1, 2).reshape(B, T, D))
+
+
 class TokenBiasedKernel(nn.Module):
     """Not attention over q·k: a dynamic convolution's taps over a window of TAPS tokens, softmax(x W + a term
     computed from the tokens): a projection's output plus a term, as the fit now reads q·k plus a term."""
@@ -137,7 +161,7 @@ def _audit(layer, dtype, std_002, init):
     torch.manual_seed(0)
     if init == "std 0.02":
         std_002(layer)
-        for p in (getattr(layer, "rel", None),):
+        for p in (getattr(layer, "rel", None), getattr(getattr(layer, "table", None), "weight", None)):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
     return diagnostics.audit(layer.to(dtype))
@@ -146,7 +170,8 @@ def _audit(layer, dtype, std_002, init):
 LAYERS = {"Transformer-XL": lambda bug: RelativeShiftAttention(bug),
           "Transformer-XL, each term scaled": lambda bug: RelativeShiftAttention(bug, each=True),
           "DeBERTa": DisentangledAttention,
-          "DeBERTa, summed in place": lambda bug: DisentangledAttention(bug, in_place=True)}
+          "DeBERTa, summed in place": lambda bug: DisentangledAttention(bug, in_place=True),
+          "Shaw, a table per query": ShawAttention}
 
 
 @pytest.mark.parametrize("init", ["default", "std 0.02"])
@@ -180,6 +205,19 @@ def test_deberta_reads_its_three_products_and_transformer_xl_its_own_scale():
     xl = diagnostics.audit(RelativeShiftAttention()).result("softmax_saturation")
     assert xl.verdict == "pass" and "matches 1/sqrt(d_k)" in xl.message, xl
     assert "products the scores sum" not in xl.evidence and "reach the scores at 1 times q·k's factor" in xl.evidence, xl
+
+
+@pytest.mark.parametrize("init", ["default", "std 0.02"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shaw_s_term_read_per_query_is_judged_against_q_k_s_factor_and_unscaled_is_not_passed(dtype, init, std_002):
+    """Shaw's table gathered per query runs as a bmm whose batch is the tokens, its queries laid out (T, B*H, d_k):
+    read as q·k's queries against a table of each token's own, the term's factor is judged (was: not measured, so the
+    Conformer's correct attention stayed inconclusive). The twin with the term left unscaled, on the same inputs, is
+    not passed: its factor is 2.83 times q·k's, which a design may mean (SAM's terms are unscaled), so not measured."""
+    right = _audit(ShawAttention(), dtype, std_002, init).result("softmax_saturation")
+    assert right.verdict == "pass" and "reach the scores at 1 times q·k's factor" in right.evidence, right
+    wrong = _audit(ShawAttention("term unscaled"), dtype, std_002, init).result("softmax_saturation")
+    assert wrong.verdict == "skip" and "2.83 times q·k's factor" in wrong.message, wrong
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
