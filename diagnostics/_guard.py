@@ -31,7 +31,7 @@ def untouched(layer, device):
              for name, t in registry.items() if t is not None]
     entries = registries(layer)  # as they came, None ones included
     grads = [(t, None if t.grad is None else t.grad.clone()) for _, registry, _, t, _ in slots
-             if registry is not None and isinstance(t, nn.Parameter)]
+             if isinstance(t, nn.Parameter) or t.requires_grad]  # a TorchScript module's are plain tensors
     cuda = [device] if torch.device(device).type == "cuda" else []
 
     def as_given() -> None:
@@ -55,6 +55,16 @@ def untouched(layer, device):
                 t.grad = grad
 
 
+def cut_from(copied: nn.Module, original: nn.Module) -> nn.Module:
+    """`copied` (a deepcopy of `original`, before any conversion) with every parameter a leaf of its own: a TorchScript
+    module's deepcopy clones its parameters with autograd history, so the copy's backward would reach the user's
+    parameters (a .grad written there) and leave the copy's own .grad unset (the float64 copy's gradients all read 0)."""
+    for mine, theirs in zip(copied.parameters(), original.parameters()):
+        if not mine.is_leaf:
+            mine.detach_().requires_grad_(theirs.requires_grad)
+    return copied
+
+
 PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, tuple)
 """The plain attributes a module's state is kept in beside its registries (a cache's length, a flag that it was built,
 a tensor held as an attribute): restored with them, so that a cache and what records it agree."""
@@ -67,7 +77,10 @@ def registries(layer):
     those set since; `training` is left to the caller. The audit keeps one at its end (`Probe.as_left`), so that a
     locator can replay a failure that depended on what the audit's calls left in the layer (a cache made at one
     length, read at another) once the layer is back as it came."""
-    modules = list(layer.modules()) if isinstance(layer, nn.Module) else []
+    # a TorchScript module's registries are fixed when it is compiled (none can be added, removed or reassigned), and
+    # its attributes live in the compiled object: only its values change, which `untouched` puts back
+    modules = [m for m in layer.modules() if not isinstance(m, torch.jit.ScriptModule)] \
+        if isinstance(layer, nn.Module) else []
     held = [(registry, dict(registry)) for m in modules for registry in (m._parameters, m._buffers)]
     transient = [(m, set(m._non_persistent_buffers_set)) for m in modules]
     plain = [(m, {k: v for k, v in vars(m).items() if _plain(k, v)}) for m in modules]

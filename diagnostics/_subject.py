@@ -695,13 +695,27 @@ def _linear_widths(layer: nn.Module) -> list[int]:
 
 
 def _forward_parameters(layer: nn.Module) -> list[inspect.Parameter]:
-    try:
-        params = inspect.signature(layer.forward).parameters.values()
-    except (TypeError, ValueError):
+    sig = forward_signature(layer)
+    if sig is None:
         raise AuditUsageError(f"expected a module whose forward has a readable signature; got "
                               f"{type(layer).__name__}.forward. Fix: wrap the layer in a function "
-                              f"f(q, k, v, mask=None) or a module forward(x, mask=None)") from None
-    return [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                              f"f(q, k, v, mask=None) or a module forward(x, mask=None)")
+    return [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def forward_signature(layer: nn.Module) -> inspect.Signature | None:
+    """The signature of `layer.forward`: Python's, else, for a TorchScript module that keeps none (a scripted module's
+    deepcopy, the audit's float64 copy of it; one from torch.jit.load), the one its compiled schema gives (names and
+    defaults, `self` left out); None where neither can be read."""
+    try:
+        return inspect.signature(layer.forward)
+    except (TypeError, ValueError):
+        schema = getattr(layer.forward, "schema", None)
+    if schema is None:
+        return None
+    return inspect.Signature([inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                default=a.default_value if a.has_default_value() else
+                                                inspect.Parameter.empty) for a in schema.arguments[1:]])
 
 
 def _first(params, names) -> str | None:
@@ -735,7 +749,7 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     if query is None and unknown and unknown[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
         query = unknown.pop(0).name  # one unnamed input stream: the query
-    shown = f"forward{inspect.signature(layer.forward)}"
+    shown = f"forward{forward_signature(layer)}"
     expect(query is not None, "forward(query, key, value, mask=None) or forward(x, mask=None)", shown,
            f"declare how to call it, {_call_example(options, 'layer(x, mask=mask)')}, or wrap the layer in a "
            f"function f(q, k, v, mask=None)")
@@ -756,7 +770,7 @@ def _unknown_required(layer: nn.Module, name: str, example: str):
     only, or a stream beside a layer's key and value or memory); the message names the call to declare."""
     raise AuditUsageError(
         f"expected forward's parameters without a default to be inputs the audit knows (a query such as x "
-        f"or hidden_states, key and value, a memory, a mask); got `{name}` in forward{inspect.signature(layer.forward)}"
+        f"or hidden_states, key and value, a memory, a mask); got `{name}` in forward{forward_signature(layer)}"
         f". Fix: declare how to call the layer, {example}; or wrap the layer so that it gets {name}, e.g. a module "
         f"whose forward(x, mask=None) calls it with {name}")
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._core import Comparison, expand_rows, held, relative_change, skip
+from .._guard import cut_from
 from .._observe import Mode, Observer, not_over_tokens
 from .._probe import Call, Probe
 from .._registry import DETECTORS, NOT_APPLICABLE
@@ -320,7 +321,8 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
     deepcopy of their own) is deep-copied as before and converted by `.to`. A 512-wide layer's million weights were
     copied twice, the float32 copy thrown away (MultiHeadAttention(512, 8): 0.8 ms, now 0.6). A `staticmethod` or
     `classmethod` object kept on an instance, which deepcopy cannot copy (every gradient check was "not measured" on
-    such a layer), is let through and made again on the copy (`_rewrapped`)."""
+    such a layer), is let through and made again on the copy (`_rewrapped`). A TorchScript module's parameters come
+    out of its deepcopy as clones still in the graph of the user's: cut from it (`cut_from`)."""
     memo, wrapped = {}, set()
     for module in layer.modules():  # deepcopy hands functions out as they are, but raises on these wrappers of one
         for value in vars(module).values():  # (`self.apply_rotary_emb = staticmethod(...)`: rotary-embedding-torch)
@@ -338,7 +340,7 @@ def float64_copy(layer: torch.nn.Module) -> torch.nn.Module:
                 module.__dict__[name] = _rebound(value, memo)
             elif id(value) in wrapped:
                 module.__dict__[name] = _rewrapped(value, memo)
-    return twin.to(torch.float64)
+    return cut_from(twin, layer).to(torch.float64)
 
 
 def _rewrapped(value, memo: dict):

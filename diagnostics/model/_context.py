@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .._guard import cut_from
 from .._registry import Need
 from ._runner import Runner
 
@@ -91,7 +92,7 @@ def model_copy(model: nn.Module, *, dtype: torch.dtype | None = None) -> nn.Modu
             memo[id(p)] = p
         elif p.is_floating_point() and type(p).__deepcopy__ is nn.Parameter.__deepcopy__:
             memo[id(p)] = type(p)(p.detach().to(dtype), p.requires_grad)  # what Parameter.__deepcopy__ builds
-    twin = copy.deepcopy(model, memo)
+    twin = cut_from(copy.deepcopy(model, memo), model)
     return twin if dtype is None else twin.to(dtype)
 
 

@@ -1,0 +1,127 @@
+"""TorchScript modules audited as they are (issue 34 "Code nobody here wrote"; standards: an audit never crashes).
+
+A scripted layer (`torch.jit.script`, or one `torch.jit.load` gives back) holds its parameters in the compiled object:
+its registries cannot take an entry or lose one, and it has no Python attributes of its own. The audit crashed on every
+such layer at its end (the state guard iterated a TorchScript registry, which reads its keys as integers: TypeError),
+and on every model holding one. A scripted layer's deepcopy (the float64 copy the gradient checks run on) keeps no
+Python signature, only its compiled schema, and its parameters come out as clones still in the graph of the user's, so
+the copy's own `.grad` stayed unset: `gradients` read every parameter's gradient as 0 and failed a correct layer
+inside a wrapper. Now the guard leaves a TorchScript module's registries alone and puts its values back, the copy's
+parameters are leaves of their own, and the signature is read from the schema where Python has none. Twins on the
+same inputs: the scripted layer without its 1/sqrt(d_k), or with its mask ignored, fails.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import diagnostics
+
+D, HEADS = 32, 4
+
+
+class ScriptableAttention(nn.Module):
+    """Multi-head self-attention written to compile with torch.jit.script: a bool mask (B, Tq, Tk), True = may attend.
+    `bug`: "unscaled" (no 1/sqrt(d_k)) or "mask ignored"."""
+
+    def __init__(self, bug: str = ""):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = D, HEADS, bug
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        B, T, width = x.shape
+        d_k = width // self.num_heads
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, d_k).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d_k)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = q @ k.transpose(-2, -1)  # (B, H, T, T)
+        if self.bug != "unscaled":
+            scores = scores / math.sqrt(d_k)
+        if mask is not None and self.bug != "mask ignored":
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        out = scores.softmax(-1) @ v  # (B, H, T, d_k)
+        return self.out(out.transpose(1, 2).reshape(B, T, width))
+
+
+class Holder(nn.Module):
+    """A Python module that holds a compiled layer and calls it: how a scripted block usually sits in a model."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.d_model, self.num_heads = inner, D, HEADS
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return self.inner(x, mask)
+
+
+def scripted(bug: str = "") -> torch.jit.ScriptModule:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice, where this torch gives one
+        return torch.jit.script(ScriptableAttention(bug))
+
+
+def loaded(bug: str = "") -> torch.jit.ScriptModule:
+    """The scripted layer saved and loaded back: no Python signature at all, only the compiled schema."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.save's and load's deprecation notices
+        torch.jit.save(scripted(bug), buffer)
+        buffer.seek(0)
+        return torch.jit.load(buffer)
+
+
+MASK = "allowed:B,Tq,Tk"  # the layer's own convention, which its report names (the audit's default is (B, 1, Tq, Tk))
+FORMS = {"scripted": scripted, "loaded": loaded, "scripted, held by a module": lambda bug="": Holder(scripted(bug))}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_torchscript_layer_is_audited_and_its_bugs_fail_on_the_same_inputs(form):
+    right = diagnostics.audit(FORMS[form](), d_model=D, num_heads=HEADS, mask=MASK)
+    assert right.status == "passed", str(right)
+    for name in ("softmax_saturation", "mask_honoured", "gradients", "parameters_used"):
+        assert right.result(name).verdict == "pass", right.result(name)
+    unscaled = diagnostics.audit(FORMS[form]("unscaled"), d_model=D, num_heads=HEADS, mask=MASK)
+    assert unscaled.result("softmax_saturation").verdict == "fail", unscaled.result("softmax_saturation")
+    ignored = diagnostics.audit(FORMS[form]("mask ignored"), d_model=D, num_heads=HEADS, mask=MASK)
+    assert ignored.result("mask_honoured").verdict == "fail", ignored.result("mask_honoured")
+
+
+def test_the_audit_leaves_a_torchscript_layer_as_it_came():
+    """Values, gradients (none), training flag and the RNG as they were: the copy's backward no longer reaches the
+    user's parameters through the clones its deepcopy made."""
+    layer = scripted()
+    layer.train()
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    rng = torch.random.get_rng_state()
+    diagnostics.audit(Holder(layer), mask=MASK)
+    assert layer.training
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+        assert p.grad is None, name
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Embedding(50, D), scripted(), nn.Linear(D, 50)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.head(self.attn(self.embed(input_ids)))
+
+
+def test_a_model_holding_a_torchscript_layer_is_audited_without_a_crash():
+    """TorchScript modules take no hooks, so the model audit finds the layer by class alone (none here): it says so
+    and does not crash; the model-level checks still run."""
+    torch.manual_seed(0)
+    report = diagnostics.audit_model(Model(), example=torch.randint(0, 50, (2, 8)))
+    assert report.result("model_runs").verdict == "pass", str(report)
+    assert "not supported on ScriptModules" in str(report), str(report)
