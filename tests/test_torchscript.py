@@ -110,18 +110,49 @@ def test_the_audit_leaves_a_torchscript_layer_as_it_came():
 
 
 class Model(nn.Module):
-    def __init__(self):
+    """Tokens, an attention layer (Python, or compiled) with a residual, a feed-forward block (compiled, or Python),
+    a head."""
+
+    def __init__(self, attention: nn.Module, feed_forward: nn.Module):
         super().__init__()
-        self.embed, self.attn, self.head = nn.Embedding(50, D), scripted(), nn.Linear(D, 50)
+        self.embed, self.attn, self.ff, self.head = nn.Embedding(50, D), attention, feed_forward, nn.Linear(D, 50)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.head(self.attn(self.embed(input_ids)))
+        x = self.embed(input_ids)
+        x = x + self.attn(x)
+        return self.head(x + self.ff(x))
 
 
-def test_a_model_holding_a_torchscript_layer_is_audited_without_a_crash():
-    """TorchScript modules take no hooks, so the model audit finds the layer by class alone (none here): it says so
-    and does not crash; the model-level checks still run."""
+def feed_forward() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(), nn.Linear(2 * D, D))
+
+
+def test_a_model_audit_finds_and_judges_its_python_attention_beside_a_compiled_block():
+    """A compiled feed-forward block took no hooks, and the first refusal ended the model audit's observation (its
+    attention then found by class only: none, inconclusive) and left the hooks already made on the user's model. Now
+    compiled modules are left out of the observation and named in a note; the Python attention is found and judged:
+    the correct one passes, its twin without 1/sqrt(d_k) fails, on the same example."""
+    example = torch.randint(0, 50, (2, 8))
+    reports = {}
+    for bug in ("", "unscaled"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = Model(ScriptableAttention(bug), torch.jit.script(feed_forward()))
+        reports[bug] = diagnostics.audit_model(model, example=example)
+        assert [f.path for f in reports[bug].found] == ["attn"] and list(reports[bug].layers) == ["attn"], str(reports[bug])
+        assert "ff: compiled (TorchScript)" in str(reports[bug]), str(reports[bug])
+        assert not [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
+    assert reports[""].status == "passed", str(reports[""])
+    assert reports["unscaled"].status == "failed", str(reports["unscaled"])
+    assert reports["unscaled"].layers["attn"].result("softmax_saturation").verdict == "fail", str(reports["unscaled"])
+
+
+def test_a_compiled_attention_inside_a_model_is_named_for_a_layer_audit():
+    """Its ops count for the model around it (no hooks), which is no reason to call the whole model one attention
+    layer: inconclusive, the note naming the layer audit to run; the model-level checks still run."""
     torch.manual_seed(0)
-    report = diagnostics.audit_model(Model(), example=torch.randint(0, 50, (2, 8)))
+    report = diagnostics.audit_model(Model(scripted(), feed_forward()), example=torch.randint(0, 50, (2, 8)))
+    assert report.status == "inconclusive", str(report)
     assert report.result("model_runs").verdict == "pass", str(report)
-    assert "not supported on ScriptModules" in str(report), str(report)
+    assert "diagnostics.audit(model.attn)" in str(report), str(report)

@@ -33,7 +33,7 @@ from .._thresholds import dtype_name
 from . import causality, gradients, runs, window  # registered (with the others) by the package's MODULES
 from ._causal import declared_causal, infer_causal
 from ._context import ModelContext
-from ._find import class_kind, find_attention, observe_attention
+from ._find import class_kind, compiled_paths, find_attention, observe_attention
 from ._inplace import BOTH as BOTH_READINGS
 from ._inplace import build_in_place, capture_calls, declared_scale
 from ._report import ModelReport
@@ -250,7 +250,12 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
         found = find_attention(model, observed.found, observed.weighs if observed.error is None else None,
                                not_tokens=observed.not_tokens, deformable=observed.deformable)
         notes += [f"{p} not audited as attention: {why}" for p, why in observed.not_tokens.items()]
-        expect(found or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
+        compiled = compiled_paths(model)
+        if compiled:
+            notes.append(f"{', '.join(compiled[:4])}{', ...' if len(compiled) > 4 else ''}: compiled (TorchScript), "
+                         f"which takes no hooks, so what runs inside counts for the module around it and is not found "
+                         f"as attention here; audit each as a layer: diagnostics.audit(model.{compiled[0]})")
+        expect(found or compiled or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
                "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
                "its own forward runs a softmax over (Tq, Tk) scores or fused attention") + ")",
                "audit it as one layer: diagnostics.audit(layer), attention-audit MODULE:OBJECT (without --model) or "

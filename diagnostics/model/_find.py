@@ -386,9 +386,17 @@ class ModuleWatch:
                 for p, (scores, weight) in self.sampled.items() if not any(self.mixes.get(p, ()))}
 
     def __enter__(self):
-        for m in self.named.values():
-            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        try:
+            for m in self.named.values():
+                if isinstance(m, torch.jit.ScriptModule):  # compiled: takes no hooks (its ops count for the module
+                    continue  # around it; the model audit says so, `compiled_paths`)
+                self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        except BaseException:  # none left on the user's model
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            raise
         self.follow.__enter__()  # outside the observer, entered after this
         return self
 
@@ -438,6 +446,13 @@ def _summed_and_scores(record, call) -> tuple:
     product = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
                     and m.out.numel() == call.input.numel() and m.a.dim() >= 2), None)
     return (None if product is None else int(product.a.shape[-1])), tuple(call.output.shape)
+
+
+def compiled_paths(model: nn.Module) -> list[str]:
+    """The paths of the model's outermost TorchScript submodules: compiled, they take no hooks, so `ModuleWatch`
+    leaves them out and their ops count for the module around them."""
+    paths = [p for p, m in model.named_modules() if p and isinstance(m, torch.jit.ScriptModule)]
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
 def observe_attention(runner: Runner) -> Observation:
