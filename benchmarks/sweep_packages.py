@@ -25,7 +25,7 @@ import importlib
 import inspect
 import pkgutil
 
-from sweep_diffusers import D, REQUIRED, TINY, T, _filled, run
+from sweep_diffusers import D, REQUIRED, TINY, WIDTH, T, _filled, run
 
 PACKAGES = {"x_transformers": "x-transformers", "vit_pytorch": "vit-pytorch", "open_clip": "open-clip-torch",
             "whisper": "openai-whisper"}  # import name -> distribution (its version names the results file)
@@ -107,16 +107,19 @@ def package_types(package: str) -> list[str]:
 
 
 WINDOW = 4
+LORA_RANK = 4  # a low-rank adapter's rank (labml-nn's LoRA GPT-2 attention takes it with no default)
 """The size a window, bucket, segment or cluster count takes where the constructor has no default for it: a divisor of
 the sweep's T tokens, so that windowed, bucketed and segmented attentions run on them."""
 PACKAGE_REQUIRED = {**REQUIRED, **dict.fromkeys(("window_size", "bucket_size", "segment_len", "sliding_window_size",
                                                  "block_size", "chunk_size", "local_window_size",
                                                  "compress_block_size", "selection_block_size"), WINDOW),
                     "num_clusters": WINDOW // 2, "num_selected_blocks": 2, "compress_block_sliding_stride": WINDOW // 2,
-                    "local_attn_heads": 0, "depth": 1, "max_seq_len": 4 * T}
+                    "local_attn_heads": 0, "depth": 1, "max_seq_len": 4 * T,
+                    "dropout_prob": 0.0, "d_k": WIDTH, "d_cond": D, "r": LORA_RANK}
 """REQUIRED (benchmarks/sweep_diffusers.py), and the sizes layers of these packages need with no default: local,
 bucketed (Reformer's, Sinkhorn's), segmented (Titans'), clustered (Routing Transformer's) and block-sparse (native
-sparse attention's) attentions, and a maximum length of 4 T."""
+sparse attention's) attentions, a maximum length of 4 T; labml-nn's dropout, head width, conditioning width and LoRA
+rank."""
 
 
 def package_build(package: str, name: str):
@@ -129,18 +132,22 @@ def package_build(package: str, name: str):
     torch.manual_seed(0)
     layer = cls(**_filled(cls, TINY, PACKAGE_REQUIRED)).eval()
     x = torch.randn(1, T, D)
-    with torch.no_grad():  # every stream it requires the tokens: q, k and v (local-attention's), a context (CoCa's)
-        layer(*(x,) * max(1, len(required_streams(layer))))
+    with torch.no_grad():  # every stream it requires the tokens: q, k and v (local-attention's), a context (CoCa's),
+        # by keyword where forward takes them so (labml-nn's forward(*, query, key, value))
+        layer(*(x,) * max(0 if required_streams(layer, keyword=True) else 1, len(required_streams(layer))),
+              **dict.fromkeys(required_streams(layer, keyword=True), x))
     return layer
 
 
-def required_streams(layer) -> list[str]:
-    """The positional parameters of the layer's forward that have no default: the streams it cannot run without."""
+def required_streams(layer, *, keyword: bool = False) -> list[str]:
+    """The parameters of the layer's forward that have no default, positional (or, `keyword`, keyword-only): the
+    streams it cannot run without."""
 
     from diagnostics._subject import _forward_parameters
 
-    return [p.name for p in _forward_parameters(layer)
-            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kinds = (inspect.Parameter.KEYWORD_ONLY,) if keyword else (inspect.Parameter.POSITIONAL_ONLY,
+                                                                inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in _forward_parameters(layer) if p.default is p.empty and p.kind in kinds]
 
 
 def run_package(package: str, row, *, bugs: bool, injected: tuple, mask_bugs: tuple):

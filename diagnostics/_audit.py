@@ -53,7 +53,9 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     negative block), "key_padding" ((B, Tk) bool, True = padding), "key_keep" ((B, Tk), True = keep), or
     MEANING:SHAPE such as "additive:B,Tq,Tk", "blocked:B*H,Tq,Tk", "allowed:Tq,Tk"; library layers' own
     conventions are known, and so is one the layer states (a `key_padding_mask` parameter, its docstring).
-    `layout`: a function's tensors, "bhtd" (default) or "bthd". `call`: how to call a layer whose inputs have
+    `layout`: a function's tensors, "bhtd" (default) or "bthd"; a module's tokens, "btd" (default) or "tbd"
+    (sequence first, (T, B, D), read from the layer where it says so: a docstring's (T, B, D), `batch_first` False;
+    its output is read back as (B, T, D)). `call`: how to call a layer whose inputs have
     names the audit cannot know, `call(layer, x[, mask])` (self-attention), `call(layer, query, memory[, mask])`
     (cross-attention) or `call(layer, query, key, value[, mask])`, e.g. `call=lambda layer, x, memory, mask:
     layer(x, xa=memory, mask=mask)`; for a function, `call(f, q, k, v[, mask])`. `cross=True`: the layer is

@@ -1,7 +1,7 @@
 """`attention-audit pkg.module:obj` (and `python -m diagnostics`): audit a layer or a whole model from the command line.
 
     attention-audit mymodule:layer [other:layer ...] [--causal] [--seq-len N] [--require DET]... [--strict] [--json]
-                    [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd] [--pattern PATTERN]
+                    [--html PATH] [--junit-xml PATH] [--mask CONVENTION] [--layout bhtd|bthd|btd|tbd] [--pattern PATTERN]
                     [--call MODULE:FUNCTION] [--cross] [--positions relative|absolute] [--queries Q] [--dtype DTYPE]
                     [--device DEVICE] [--seed N]
                     [--detectors DET[,DET...]]
@@ -121,8 +121,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--queries", type=int, metavar="Q",
                    help="the layer attends with Q queries of its own (an attention-pooling head's learned query, "
                         "Perceiver's latents), not one per token: its output is (B, Q, D), or (B, D) where Q = 1")
-    p.add_argument("--layout", choices=("bhtd", "bthd"),
-                   help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's)")
+    p.add_argument("--layout", choices=("bhtd", "bthd", "btd", "tbd"),
+                   help="a function's tensors: bhtd (B, H, T, d; the default) or bthd (B, T, H, d, flash-attn's); a "
+                        "module's tokens: btd (B, T, D; the default) or tbd (T, B, D, sequence first)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON instead of a table (with \"status\" and \"status_reason\")")
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report to PATH (one target)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ._cli import OPTIONS
 from ._load import PATTERN_NAMES
 from ._masks import SHAPES, SHORTCUTS
-from ._subject import LAYOUTS
+from ._subject import LAYOUTS, MODULE_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ def declarations() -> list[Declaration]:
                     "mask", 'mask="additive:B,Tq,Tk"', '"additive:B,Tq,Tk"'),
         Declaration("is a function on (B, T, H, d) tensors (flash-attn's layout)", "layout",
                     f'layout="{LAYOUTS[1]}"', LAYOUTS[1]),
+        Declaration("is a module on sequence-first (T, B, D) tokens (and says so nowhere: a docstring's (T, B, D) "
+                    "or `batch_first = False` is read)", "layout", f'layout="{MODULE_LAYOUTS[1]}"', MODULE_LAYOUTS[1]),
         Declaration("names its inputs otherwise (a memory `xa`), or needs its second stream even for self-attention",
                     "call", "call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)", "mymodule:call"),
         Declaration("is cross-attention (its memory may be longer or shorter than the query)", "cross",

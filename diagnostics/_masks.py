@@ -11,6 +11,7 @@ in a *convention*: a meaning and a shape, the two independent.
               B*H,Tq,Tk   one per batch row and head, heads folded into the batch (nn.MultiheadAttention)
               Tq,Tk       one for the whole batch (a causal buffer): rows that differ reach the layer one at a time
               B,Tk        one per key (padding): masks that differ between queries reach it one query at a time
+              Tq,Tk,B     a sequence-first layer's (layout="tbd"): queries, keys, then the batch (labml-nn's)
 
 `MaskConvention(meaning, shape)` is the public spelling; so is a string: a shortcut (`allowed`, `blocked`,
 `additive`, `key_padding` = blocked:B,Tk, `key_keep` = allowed:B,Tk, `mha_blocked` = blocked:B*H,Tq,Tk) or
@@ -41,6 +42,7 @@ SHAPES = {
     "B*H,Tq,Tk": "(B*H, Tq, Tk), heads folded into the batch",
     "Tq,Tk": "(Tq, Tk), one for the whole batch",
     "B,Tk": "(B, Tk), one per key",
+    "Tq,Tk,B": "(Tq, Tk, B), the batch last (a sequence-first layer's)",
 }
 DEFAULT_SHAPE = "B,1,Tq,Tk"
 
@@ -145,7 +147,8 @@ def convert_mask(allowed: Tensor, convention, *, dtype: torch.dtype = torch.floa
               "B,Tq,Tk": lambda m: m,
               "B*H,Tq,Tk": lambda m: m.repeat_interleave(num_heads, dim=0),  # (B*H, Tq, Tk)
               "Tq,Tk": lambda m: m[0],  # (Tq, Tk)
-              "B,Tk": lambda m: m[:, 0, :]}[convention.shape](allowed)  # (B, Tk)
+              "B,Tk": lambda m: m[:, 0, :],  # (B, Tk)
+              "Tq,Tk,B": lambda m: m.permute(1, 2, 0)}[convention.shape](allowed)  # (Tq, Tk, B)
     if convention.meaning == "allowed":
         return shaped
     if convention.meaning == "blocked":
@@ -205,6 +208,8 @@ def _shape_of(words: str) -> str | None:
         if len(dims) == 4:
             return "B,1,Tq,Tk"
         if len(dims) == 3:
+            if _BATCH_NAME.match(dims[2]) and not _BATCH_NAME.match(dims[0]):  # [seq_len, seq_len, batch_size]
+                return "Tq,Tk,B"
             return "B*H,Tq,Tk" if "*" in dims[0] or "head" in dims[0].lower() else "B,Tq,Tk"
         if len(dims) == 2:
             return "B,Tk" if _BATCH_NAME.match(dims[0]) else "Tq,Tk"
@@ -251,6 +256,33 @@ def stated_in_text(text: str | None, name: str) -> tuple[MaskConvention, str] | 
     return MaskConvention(meaning, shape or DEFAULT_SHAPE), f"its docstring says {quote!r}"
 
 
+_TIME_NAME = re.compile(r"^(?:t|l|s|seq|seqlen|seq_?len(?:gth)?|sequence(?:_?length)?|len(?:gth)?|(?:tgt|src|q|k|kv|"
+                        r"query|key)_?len(?:gth)?|time(?:steps?)?|steps?|n_?tokens|num_tokens|tokens?|n_ctx)$", re.I)
+_TIMES = re.compile(r"\b(\w+)\s+[x×]\s+(\w+)\s+[x×]\s+(\w+)\b")  # fairseq's "Time x Batch x Channel"
+
+
+def stated_layout_in_text(text: str | None, name: str) -> tuple[str, str] | None:
+    """("tbd", the words) where a docstring states that the input `name` is sequence-first, (T, B, D): the paragraph
+    that names it (labml-nn's "They have shape `[seq_len, batch_size, d_model]`", torch's "(L, N, E)") or, where none
+    does, the docstring's first shape of three named axes, written as a tuple or as "Time x Batch x Channel" (fairseq's),
+    read as a time axis first and a batch axis second. None where it states none, or states batch first."""
+    if not text:
+        return None
+    # a mask's shape says nothing of the tokens': its lines left out
+    paragraphs = ["\n".join(line for line in p.split("\n") if "mask" not in line.lower())
+                  for p in re.split(r"\n\s*\n", text)]
+    named = [p for p in paragraphs if re.search(rf"(?<![\w.]){re.escape(name)}\b", p)]
+    for paragraph in named or paragraphs:
+        for found in [*_TUPLE.finditer(paragraph), *_TIMES.finditer(paragraph)]:
+            dims = [d.strip(" `*") for d in (found.group(1).split(",") if found.re is _TUPLE else found.groups())]
+            if len(dims) != 3 or not all(re.fullmatch(r"[A-Za-z_]\w{0,29}", d) for d in dims):
+                continue
+            if _TIME_NAME.match(dims[0]) and _BATCH_NAME.match(dims[1]) and not _BATCH_NAME.match(dims[0]):
+                return "tbd", f"its docstring says {found.group(0).strip()!r}"
+            return None  # the first shape of the inputs decides: batch first, or axes of other names
+    return None
+
+
 KNOWN_LAYERS: dict[tuple[str, str, str], MaskConvention] = {}
 """{(module prefix, class name, mask parameter): convention} for library classes whose mask convention is documented
 but not stated in a form the docstring reader takes. torch's own layers and Hugging Face's are known by their own
@@ -264,4 +296,5 @@ def known_convention(layer, name: str) -> MaskConvention | None:
 
 
 __all__ = ["ACCEPTED", "DECLARABLE", "DEFAULT_SHAPE", "KNOWN_LAYERS", "MEANINGS", "SHAPES", "SHORTCUTS",
-           "MaskConvention", "convert_mask", "expressible", "known_convention", "mask_convention", "stated_in_text"]
+           "MaskConvention", "convert_mask", "expressible", "known_convention", "mask_convention", "stated_in_text",
+           "stated_layout_in_text"]

@@ -55,6 +55,7 @@ from ._masks import (
     known_convention,
     mask_convention,
     stated_in_text,
+    stated_layout_in_text,
 )
 
 QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h", "xq")
@@ -78,7 +79,8 @@ LEAVE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "c
                "query_length", "position_bias", "alibi", "layer_idx", "sliding_window")
 # a cache of past keys and values, in the order one is chosen (see ModuleSubject.cache_name)
 CACHE_NAMES = ("past_key_value", "past_key_values", "layer_past", "kv_cache", "cache", "past")
-LAYOUTS = ("bhtd", "bthd")
+LAYOUTS = ("bhtd", "bthd")  # a function's per-head tensors: (B, H, T, d) or flash-attn's (B, T, H, d)
+MODULE_LAYOUTS = ("btd", "tbd")  # a module's tokens: batch first (B, T, D), or sequence first (T, B, D)
 D_MODEL_NAMES = ("d_model", "embed_dim", "hidden_size", "n_embd", "dim", "model_dim")
 HEAD_NAMES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
 CAUSAL_NAMES = ("causal", "is_causal")
@@ -454,6 +456,14 @@ def _swap_time_heads(x: Tensor) -> Tensor:
     return y.contiguous() if x.is_contiguous() else y
 
 
+def _swap_batch_time(x: Tensor) -> Tensor:
+    """(B, T, D) <-> (T, B, D), contiguous where the input was (the `runs` probe of non-contiguous inputs stays so)."""
+    if x.dim() < 3:
+        return x
+    y = x.transpose(0, 1)
+    return y.contiguous() if x.is_contiguous() else y
+
+
 def _swap_result(result):
     if isinstance(result, Tensor):
         return _swap_time_heads(result) if result.dim() == 4 else result
@@ -489,9 +499,10 @@ class ModuleSubject(Subject):
 
     def __init__(self, layer, *, sig: Signature, form: str, mask_names: tuple[str, ...], convention: MaskConvention,
                  by: str, why: str = "", builtin_causal: bool, builtin_pattern: bool = False, extra=None, call=None,
-                 notes: tuple[str, ...] = (), **kw):
+                 notes: tuple[str, ...] = (), layout: str = "btd", **kw):
         super().__init__(layer, **kw)
         self.sig, self.form, self.mask_names, self.call = sig, form, mask_names, call
+        self.layout = layout  # "tbd": the layer takes (and returns) its tokens sequence-first
         self.separate_kv = form != "self_module"
         self.separate_value = form == "qkv_module"
         self.takes_mask = bool(mask_names)
@@ -506,8 +517,26 @@ class ModuleSubject(Subject):
         if self.call is not None:  # the declared call: its streams by form, the mask under the call's own name
             streams = {"self_module": (query,), "cross_module": (query, key)}.get(self.form, (query, key, value))
             mask = {self.mask_names[0]: None if allowed is None else self._mask(allowed)} if self.takes_mask else {}
-            return self.call(self.layer, *streams, **mask)
-        return self.layer(**self._kwargs(query, key, value, allowed))
+            return self._tokens_back(self.call(self.layer, *self._tokens_in(*streams), **mask))
+        return self._tokens_back(self.layer(**self._kwargs(query, key, value, allowed)))
+
+    def _tokens_in(self, *streams: Tensor) -> tuple:
+        """The streams as the layer takes them: sequence-first (T, B, D) under layout "tbd", one tensor given as
+        several streams still one tensor (a layer may test `query is key`), contiguous where it was."""
+        if self.layout != "tbd":
+            return streams
+        moved: dict = {}
+        return tuple(moved.setdefault(id(x), _swap_batch_time(x)) for x in streams)
+
+    def _tokens_back(self, result):
+        """The layer's result with its output batch first again (its first tensor, or its first element's)."""
+        if self.layout != "tbd":
+            return result
+        if isinstance(result, Tensor):
+            return _swap_batch_time(result)
+        if isinstance(result, (tuple, list)) and result and isinstance(result[0], Tensor):
+            return (_swap_batch_time(result[0]), *result[1:])
+        return result
 
     @property
     def cache_name(self) -> str | None:
@@ -536,12 +565,13 @@ class ModuleSubject(Subject):
         kwargs[self.cache_name] = cache
         if "use_cache" in (_parameter_names(self.layer.forward) or []):
             kwargs["use_cache"] = True
-        return self.layer(**kwargs)
+        return self._tokens_back(self.layer(**kwargs))
 
     def _kwargs(self, query, key, value, allowed, *, start: int = 0) -> dict:
         kwargs = dict(self.sig.fixed)
         if self.extra is not None:
             kwargs.update(self.extra(query, start))
+        query, key, value = self._tokens_in(query, key, value)
         kwargs[self.sig.query] = query
         if self.form == "qkv_module":
             kwargs[self.sig.key], kwargs[self.sig.value] = key, value
@@ -1044,8 +1074,9 @@ def _recognised(layer, *, d_model=None, num_heads=None, device=None, dtype=None,
     mask = None if mask is None else mask_convention(mask, spelled=(options or {}).get("mask", "mask="))
     expect(call is None or callable(call), "call a function call(layer, x, mask) (see audit's docstring)",
            spell("call", call, options), "pass e.g. call=lambda layer, x, memory, mask: layer(x, xa=memory, mask=mask)")
-    expect(layout is None or layout in LAYOUTS, f"layout one of {', '.join(LAYOUTS)}", spell("layout", layout, options),
-           'pass "bhtd" for (B, H, T, d) tensors or "bthd" for (B, T, H, d) (flash-attn\'s)')
+    expect(layout is None or layout in LAYOUTS + MODULE_LAYOUTS, f"layout one of {', '.join(LAYOUTS + MODULE_LAYOUTS)}",
+           spell("layout", layout, options), 'pass "bhtd" or "bthd" for a function on (B, H, T, d) or (B, T, H, d) '
+           'tensors (flash-attn\'s), "btd" or "tbd" for a module on (B, T, D) or sequence-first (T, B, D) tokens')
     device = _check_device(device, options)
     if isinstance(layer, nn.MultiheadAttention):
         expect(mask in (None, SHORTCUTS["mha_blocked"]), "no mask convention for nn.MultiheadAttention (its own is "
@@ -1062,6 +1093,9 @@ def _recognised(layer, *, d_model=None, num_heads=None, device=None, dtype=None,
     if isinstance(layer, nn.Module):
         return _module_subject(layer, d_model=d_model, num_heads=num_heads, device=device, dtype=dtype, mask=mask,
                                layout=layout, call=call, cross=cross, options=options)
+    expect(layout not in MODULE_LAYOUTS, f"for a function, layout one of {', '.join(LAYOUTS)}",
+           spell("layout", layout, options), 'pass "bhtd" for (B, H, T, d) tensors or "bthd" for (B, T, H, d); "btd" '
+           'and "tbd" describe a module\'s tokens')
     try:
         params = [p for p in inspect.signature(layer).parameters.values()
                   if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -1099,8 +1133,9 @@ def _recognised(layer, *, d_model=None, num_heads=None, device=None, dtype=None,
 
 def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask: MaskConvention | None, layout,
                     call, cross: bool = False, options) -> Subject:
-    expect(layout is None, "no layout for a module (its inputs are (B, T, D))", spell("layout", layout, options),
-           "leave layout out; it describes functions on per-head tensors")
+    expect(layout is None or layout in MODULE_LAYOUTS, f"for a module, layout one of {', '.join(MODULE_LAYOUTS)}",
+           spell("layout", layout, options), 'pass "tbd" for a module that takes sequence-first (T, B, D) tokens, or '
+           'leave layout out ("bhtd" and "bthd" describe functions on per-head tensors)')
     device, dtype = _module_device_dtype(layer, device, dtype)
     notes: list[str] = []
     hf = _is_huggingface(layer)
@@ -1232,8 +1267,16 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
             notes.append(f"position_embeddings from {type(rotary).__name__}")
     if mask_names and not torch_layer and (by != "default"):
         notes.append(convention_note(mask_names[0], convention, by, why))
+    if layout is None and not (hf or torch_layer):
+        stated = stated_layout(layer, sig.query)
+        if stated is not None:
+            layout = stated[0]
+            notes.append(f"layout={layout}: sequence-first (T, B, D) tokens, as {stated[1]}")
+    elif layout == "tbd":
+        notes.append("layout=tbd: sequence-first (T, B, D) tokens")
     subject = ModuleSubject(layer, sig=sig, form=form, mask_names=mask_names, convention=convention, by=by, why=why,
                             builtin_causal=builtin_causal, builtin_pattern=builtin_pattern, extra=extra, call=call,
+                            layout=layout or "btd",
                             notes=tuple(n for n in notes if n), d_model=d_model, num_heads=num_heads,
                             head_dim=max(d_model // num_heads, 1), device=device, dtype=dtype)
     subject.mask_carries_causality = carries and builtin_causal and subject.takes_mask
@@ -1283,6 +1326,20 @@ def stated_convention(layer, fn, mask_name: str) -> tuple[MaskConvention, str] |
                                           f"as torch's key_padding_mask")
     for doc in (inspect.getdoc(fn), inspect.getdoc(type(layer)) if isinstance(layer, nn.Module) else None):
         stated = stated_in_text(doc, mask_name)
+        if stated is not None:
+            return stated
+    return None
+
+
+def stated_layout(layer: nn.Module, query: str) -> tuple[str, str] | None:
+    """("tbd", where it says so) where the layer states that it takes sequence-first (T, B, D) tokens: its own
+    `batch_first` set to False (torch's name), or its docstring (forward's, else the class's) giving its query input
+    as (time, batch, width) (`_masks.stated_layout_in_text`). Never what the layer does with its tokens: a layer
+    that attends across the batch by mistake does what a sequence-first one does given batch-first tokens."""
+    if getattr(layer, "batch_first", None) is False:
+        return "tbd", "its `batch_first` is False"
+    for doc in (inspect.getdoc(layer.forward), inspect.getdoc(type(layer))):
+        stated = stated_layout_in_text(doc, query)
         if stated is not None:
             return stated
     return None
@@ -1503,7 +1560,7 @@ def check_seq_len(subject: Subject, seq_len, *, options: dict | None = None) -> 
     return length
 
 
-__all__ = ["LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
+__all__ = ["LAYOUTS", "MODULE_LAYOUTS", "NOT_A_DISTRIBUTION", "AuditUsageError", "LayerReturnedNothingUsable", "Output",
            "Signature", "Subject", "call_form", "check_seq_len", "context_length", "convention_note", "make_subject",
            "probe_context",
            "call_declaration", "left_streams", "mask_convention_hint", "stated_bool", "not_weights", "read_signature", "stated_convention", "stream_call",

@@ -2,7 +2,7 @@
 
     pytest --attention-audit=mymodule:layer [--attention-causal] [--attention-seq-len=N]
            [--attention-require=DET]... [--attention-strict] [--attention-mask-convention=CONVENTION]
-           [--attention-layout=bhtd|bthd] [--attention-pattern=PATTERN] [--attention-call=MODULE:FUNCTION]
+           [--attention-layout=bhtd|bthd|btd|tbd] [--attention-pattern=PATTERN] [--attention-call=MODULE:FUNCTION]
            [--attention-cross] [--attention-positions=relative|absolute] [--attention-queries=Q]
     pytest --attention-audit-model=mymodule:make_model   (a whole model: see diagnostics/model/_plugin.py)
 
@@ -116,8 +116,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attention-queries", default=None, type=int, metavar="Q",
                     help="the audited layers attend with Q queries of their own (an attention-pooling head's learned "
                          "query), not one per token: their output is (B, Q, D), or (B, D) where Q = 1")
-    group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd"),
-                    help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's)")
+    group.addoption("--attention-layout", default=None, metavar="LAYOUT", choices=("bhtd", "bthd", "btd", "tbd"),
+                    help="an audited function's tensors: bhtd (B, H, T, d; the default) or bthd (flash-attn's); a "
+                         "module's tokens: btd (B, T, D; the default) or tbd (T, B, D, sequence first)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
