@@ -194,6 +194,47 @@ def test_a_lookup_table_the_probe_reaches_in_part_is_no_finding():
     assert report.result("parameters_used").verdict == "pass", str(report)
 
 
+class SlicedTable(SeparateProjections):
+    """Transformer-XL's per-distance bias as labml-nn writes it: an nn.Parameter of 2P rows sliced to the lengths,
+    `table[P - Tk:P + Tq]`, then read per (query, key) distance: a short probe reads a few rows around P, a longer
+    one more. `clipped`: the distances clipped to +-3 first, so rows past P +- 3 are read at no length."""
+
+    P = 64
+
+    def __init__(self, clipped: bool = False):
+        super().__init__()
+        self.clipped = clipped
+        self.table = nn.Parameter(torch.randn(2 * self.P, self.num_heads) * 0.1)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        split = lambda t: t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2)
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        apart = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j, from -(T - 1) to T - 1
+        if self.clipped:
+            bias = self.table[self.P - 3:self.P + 4][apart.clamp(-3, 3) + 3]  # (T, T, H): 7 rows at any length
+        else:
+            bias = self.table[self.P - T:self.P + T][apart + T]  # (T, T, H): the rows the lengths reach
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads) + bias.permute(2, 0, 1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+
+def test_a_position_table_sliced_to_the_length_is_used_and_one_read_at_fixed_rows_is_not():
+    """The rows a table read by distance reaches grow with the tokens (11 of 128 at the short probe, 31 at 16 tokens):
+    used, as an nn.Embedding's buckets are (labml-nn's Transformer-XL attention failed here, its `key_pos_bias` of
+    8192 rows read on 11). Its twin, the distances clipped to +-3, reads the same 7 rows at every length: the other
+    121 are unused at any length, and the finding stands."""
+    torch.manual_seed(0)
+    sliced = diagnostics.audit(SlicedTable()).result("parameters_used")
+    assert sliced.verdict == "pass" and "the rows it reads grow with the tokens" in sliced.evidence, sliced
+    torch.manual_seed(0)
+    clipped = diagnostics.audit(SlicedTable(clipped=True)).result("parameters_used")
+    assert clipped.verdict == "fail" and "table (on rows 0-60, 68-127 of 128)" in clipped.message, clipped
+    assert parameters._rows_grow(torch.ones(4, 2), torch.ones(4, 2)) == ""  # no growth: nothing to excuse
+
+
 class WithEmptyParameter(SeparateProjections):
     """A correct layer that owns a parameter with no element (a slot table sized by a config that asks for none,
     as `num_mem_kv=0` would give): nothing in it can be unused."""

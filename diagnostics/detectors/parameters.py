@@ -127,6 +127,23 @@ def structural_zeros(grad: Tensor | None, *, table: bool = False) -> str:
     return ""
 
 
+def _rows_grow(short: Tensor | None, long: Tensor | None) -> str:
+    """Where the rows a parameter's gradient reaches are one block of consecutive rows at both probe lengths, and the
+    longer probe's block holds the shorter's and more: '11 of 8192 rows at the short probe, 31 at the long', else ''.
+    A table of positions read by distance (Transformer-XL's biases sliced to the length, labml-nn's `key_pos_bias[P -
+    T_k:P + T_q]`) reads more rows as the sequence grows; a projection's dead output features stay dead at any
+    length, and a slice of fixed size (`table[:5]`) does not grow."""
+    if short is None or long is None or short.dim() < 1 or short.shape != long.shape:
+        return ""
+    used = [g.reshape(g.shape[0], -1).ne(0).any(1).nonzero().flatten() for g in (short, long)]
+    if any(len(u) == 0 or int(u[-1] - u[0]) + 1 != len(u) for u in used):
+        return ""  # not one block of consecutive rows
+    (a, b), (c, d) = (int(used[0][0]), int(used[0][-1])), (int(used[1][0]), int(used[1][-1]))
+    if not (c <= a and b <= d and d - c > b - a):
+        return ""
+    return f"{b - a + 1} of {short.shape[0]} rows at the short probe, {d - c + 1} at the audit's length"
+
+
 def _zero_part(grad: Tensor | None, param: Tensor) -> Tensor:
     """The entries of `param` whose gradient is exactly zero."""
     return torch.ones_like(param, dtype=torch.bool) if grad is None else grad.eq(0)
@@ -509,7 +526,7 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
         else:
             unused.append((name, where))
     sized = size_removed(sub, inputs, allowed, params, grad_by_name, out, set(zero), probe.seed, gen)
-    T, longer = inputs[0].shape[sub.time_dim], []
+    T, longer, positional = inputs[0].shape[sub.time_dim], [], {}
     if unused and T < probe.t:
         # a layer that pools its keys (NextViT's and PVT's spatial reduction, 4 tokens to a key) sees one key on the
         # short probe, and the softmax of one key ignores q and k: the same question again at the audit's length
@@ -518,7 +535,9 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
         if again.grads is not None:
             at = dict(zip(params, again.grads[len(inputs):]))
             longer = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
-            unused = [(name, where) for name, where in unused if name not in longer]
+            positional = {name: grown for name, where in unused if where.startswith("on rows")
+                          and (grown := _rows_grow(grad_by_name[name], at[name]))}
+            unused = [(name, where) for name, where in unused if name not in longer and name not in positional]
     gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
     unused = [(name, where) for name, where in unused if name not in gated]
     empty = given_nothing(sub, pack(inputs), allowed, [name for name, where in unused if where == "everywhere"])
@@ -536,6 +555,10 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
     if longer:
         note += (f"; {', '.join(longer)}: zero gradient at {T} tokens but not at {probe.t}, so used (a layer that "
                  f"pools its keys, spatial reduction, sees too few of them on a short probe)")
+    if positional:
+        note += "".join(f"; {name}: the rows it reads grow with the tokens ({grown}): a table read by position (a "
+                        f"relative bias sliced to the length), whose rows past a probe's reach no shorter sequence "
+                        f"reads" for name, grown in positional.items())
     if flat:
         note += (f"; {', '.join(flat)}: zero gradient because the output is zero everywhere on this probe (the "
                  f"loss, (out ** 2).sum(), is flat there), and changing {'them' if len(flat) > 1 else 'it'} moves the "
