@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import diagnostics
+from diagnostics._masks import MEANINGS, SHAPES
 from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
@@ -68,13 +69,14 @@ def src_masked(q, k, v, src_mask=None):
 
 def test_the_conventions_tried_are_every_other_one_once_the_suggested_first():
     """candidates' `c != s.mask_convention and c not in out` (L38): a mask named `src_mask` suggests blocked (True =
-    blocked), tried first; then the 15 meanings x shapes less the layer's own (allowed, (B, 1, Tq, Tk)) and less the
-    suggestion already listed: 14, each once (with `or`, its own convention is tried too and the suggestion twice).
+    blocked), tried first; then the 18 meanings x shapes less the layer's own (allowed, (B, 1, Tq, Tk)) and less the
+    suggestion already listed: 17, each once (with `or`, its own convention is tried too and the suggestion twice).
     Its twin, the same layer declared blocked: allowed is tried, blocked is not."""
+    every = len(MEANINGS) * len(SHAPES) - 1  # less its own: 3 x 6 - 1 (the sequence-first shape Tq,Tk,B among them)
     tried = [str(c) for c in candidates(probe_of(src_masked))]
-    assert tried[0] == "blocked" and len(tried) == len(set(tried)) == 14 and "allowed" not in tried, tried
+    assert tried[0] == "blocked" and len(tried) == len(set(tried)) == every == 17 and "allowed" not in tried, tried
     declared = [str(c) for c in candidates(probe_of(src_masked, mask="blocked"))]
-    assert "allowed" in declared and "blocked" not in declared and len(declared) == 14, declared
+    assert "allowed" in declared and "blocked" not in declared and len(declared) == every, declared
 
 
 def test_a_function_whose_outputs_are_four_dimensional_is_hinted_its_convention():

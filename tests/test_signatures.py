@@ -349,9 +349,9 @@ def test_a_bthd_function_passes_once_its_layout_is_declared():
 
 
 def test_layout_and_mask_are_checked():
-    with pytest.raises(AuditUsageError, match="expected layout one of bhtd, bthd; got layout='btdh'"):
+    with pytest.raises(AuditUsageError, match="expected layout one of bhtd, bthd, btd, tbd; got layout='btdh'"):
         audit(flash_layout, layout="btdh")
-    with pytest.raises(AuditUsageError, match="no layout for a module"):
+    with pytest.raises(AuditUsageError, match="for a module, layout one of btd, tbd"):
         audit(KVCache(), layout="bthd")
 
 
