@@ -152,6 +152,32 @@ def test_perceivers_known_failure_is_confirmed_by_a_plain_script():
     assert rows == [5], rows
 
 
+def test_primers_known_failure_is_confirmed_by_a_plain_script():
+    """KNOWN's reason for labml-nn's Primer EZ attention (`pip install labml-nn==0.5.1 labml==0.4.168` to run this):
+    sequence-first tokens, the first 2 of 16 keys blocked for every query; changing only those 2 tokens moves the
+    outputs of the queries right after them (the convolution over the keys carries them on), and no query's output
+    moves with a mask that blocks nothing but keys after every query's own (causal)."""
+    import torch
+
+    pytest.importorskip("labml_nn", reason="pip install labml-nn==0.5.1 labml==0.4.168")
+    layer = sp.package_build("labml_nn", "transformers.primer_ez:MultiDConvHeadAttention")
+    T, B = 16, 2
+    x = torch.randn(T, B, 32, generator=torch.Generator().manual_seed(0))
+    moved = x.clone()
+    moved[:2] *= 1000
+    first_blocked = torch.ones(T, T, B, dtype=torch.bool)
+    first_blocked[:, :2] = False
+    causal = torch.ones(T, T).tril().bool()[..., None].expand(T, T, B)
+    with torch.no_grad():
+        def out(tokens, mask):
+            return layer(query=tokens, key=tokens, value=tokens, mask=mask)
+        leak = (out(moved, first_blocked) - out(x, first_blocked))[2:].abs().amax()
+        later = x.clone()
+        later[10:] *= 1000
+        kept = (out(later, causal) - out(x, causal))[:10].abs().amax()
+    assert leak > 1e-3 and kept < 1e-5, (leak, kept)
+
+
 def test_routings_known_failure_is_confirmed_by_a_plain_script():
     """KNOWN's reason for the Routing Transformer's self-attention (`pip install routing-transformer==1.6.1` to run
     this): with the last 4 of 16 tokens masked, redrawing only them moves the kept tokens' outputs."""

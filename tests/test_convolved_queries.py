@@ -1,0 +1,72 @@
+"""Queries convolved along the sequence by design (issue 34 "Code nobody here wrote", cause 1).
+
+Primer's multi-DConv-head attention (So et al. 2021; labml-nn's `MultiDConvHeadAttention`) runs a depthwise
+convolution of kernel 3 along the sequence over each head's queries, keys and values after their projections, so
+output row i reads queries i - 2 .. i. `query_locality` ("each output row depends only on its own query") failed the
+correct layer: the rows the convolution mixes a query into moved. It now reads the convolutions on the queries' path
+from the standard call's trace (one along the T tokens, kernel K > 1: reach (K - 1) x dilation, summed) and holds every
+row beyond that reach. Twins on the same inputs: the same layer with its heads merged without their transpose (rows
+far from the changed query move) fails; so does it without the convolution.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diagnostics
+
+D, HEADS, KERNEL = 32, 4, 3
+
+
+class ConvolvedHeads(nn.Module):
+    """q, k and v each projected, split into heads and convolved along the sequence per channel (causal: padded on
+    the left), then attention. `bug`: "no transpose" (heads merged by a reshape of (B, H, T, d) straight to (B, T, D)).
+    `conv`: False leaves the convolution out."""
+
+    def __init__(self, bug: str = "", conv: bool = True):
+        super().__init__()
+        self.bug, self.conv, self.d_model, self.num_heads = bug, conv, D, HEADS
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
+        d_k = D // HEADS
+        self.taps = nn.ModuleList(nn.Conv1d(d_k, d_k, KERNEL, groups=d_k) for _ in range(3))
+
+    def heads(self, x, i):  # (B, T, D) -> (B, H, T, d_k), convolved along T
+        B, T, _ = x.shape
+        x = x.view(B, T, HEADS, -1).permute(0, 2, 3, 1).reshape(B * HEADS, -1, T)  # (B*H, d_k, T)
+        if self.conv:
+            x = self.taps[i](F.pad(x, (KERNEL - 1, 0)))  # causal: token t reads t - 2 .. t
+        return x.view(B, HEADS, -1, T).transpose(-2, -1)
+
+    def forward(self, query, key, value, mask=None):
+        B, T, _ = query.shape
+        q, k, v = self.heads(self.q_proj(query), 0), self.heads(self.k_proj(key), 1), self.heads(self.v_proj(value), 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1) @ v  # (B, H, T, d_k)
+        merged = out.reshape(B, T, D) if self.bug == "no transpose" else out.transpose(1, 2).reshape(B, T, D)
+        return self.o_proj(merged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_queries_convolved_along_the_sequence_are_held_beyond_its_reach(dtype):
+    torch.manual_seed(0)
+    right = diagnostics.audit(ConvolvedHeads().to(dtype)).result("query_locality")
+    assert right.verdict == "pass" and "the 2 either side" in right.message, right
+    assert "convolved along the sequence" in right.evidence, right
+    torch.manual_seed(0)
+    merged = diagnostics.audit(ConvolvedHeads("no transpose").to(dtype)).result("query_locality")
+    assert merged.verdict == "fail" and "beyond the reach (2)" in merged.message, merged
+
+
+def test_without_the_convolution_nothing_is_excused():
+    torch.manual_seed(0)
+    assert diagnostics.audit(ConvolvedHeads(conv=False)).result("query_locality").verdict == "pass"
+    torch.manual_seed(0)
+    plain = diagnostics.audit(ConvolvedHeads("no transpose", conv=False)).result("query_locality")
+    assert plain.verdict == "fail" and plain.message == "an output row depends on other queries than its own", plain
