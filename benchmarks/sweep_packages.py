@@ -125,11 +125,12 @@ PACKAGE_REQUIRED = {**REQUIRED, **dict.fromkeys(("window_size", "bucket_size", "
                                                  "compress_block_size", "selection_block_size"), WINDOW),
                     "num_clusters": WINDOW // 2, "num_selected_blocks": 2, "compress_block_sliding_stride": WINDOW // 2,
                     "local_attn_heads": 0, "depth": 1, "max_seq_len": 4 * T,
-                    "dropout_prob": 0.0, "d_k": WIDTH, "d_cond": D, "r": LORA_RANK}
+                    "dropout_prob": 0.0, "d_k": WIDTH, "d_head": WIDTH, "d_cond": D, "r": LORA_RANK,
+                    "is_causal": False}
 """REQUIRED (benchmarks/sweep_diffusers.py), and the sizes layers of these packages need with no default: local,
 bucketed (Reformer's, Sinkhorn's), segmented (Titans'), clustered (Routing Transformer's) and block-sparse (native
 sparse attention's) attentions, a maximum length of 4 T; labml-nn's dropout, head width, conditioning width and LoRA
-rank."""
+rank, and a causal flag it asks for with no default (False: the sweep audits zero-config, bidirectionally)."""
 
 
 def package_build(package: str, name: str):
