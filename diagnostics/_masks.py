@@ -175,6 +175,10 @@ _ADDITIVE = re.compile(r"\badditive\b|added\s+to\s+the\s+(?:attention\s+)?(?:sco
                        r"large\s+negative|-1e\d|-10000\b|finfo", re.I)
 _TUPLE = re.compile(r"[(\[]([^()\[\]]{1,80})[)\]]")
 _BATCH_NAME = re.compile(r"^(?:b|n|bs|bsz|batch(?:[_ ]?size)?|num_batches)$", re.I)
+_LAST_BATCH = re.compile(r"^(?:b|bs|bsz|batch(?:[_ ]?size)?|num_batches)$", re.I)  # not n: (1, n, n) is tokens
+_TIME_NAME = re.compile(r"^(?:t|l|s|seq|seqlen|seq_?len(?:gth)?|sequence(?:_?length)?|len(?:gth)?|(?:tgt|src|q|k|kv|"
+                        r"query|key)_?len(?:gth)?|time(?:steps?)?|steps?|n_?tokens|num_tokens|tokens?|n_ctx)$", re.I)
+_TIMES = re.compile(r"\b(\w+)\s+[x×]\s+(\w+)\s+[x×]\s+(\w+)\b")  # fairseq's "Time x Batch x Channel"
 
 
 def _clause(text: str, start: int) -> str:
@@ -208,8 +212,8 @@ def _shape_of(words: str) -> str | None:
         if len(dims) == 4:
             return "B,1,Tq,Tk"
         if len(dims) == 3:
-            if _BATCH_NAME.match(dims[2]) and not _BATCH_NAME.match(dims[0]):  # [seq_len, seq_len, batch_size]
-                return "Tq,Tk,B"
+            if _TIME_NAME.match(dims[0]) and _TIME_NAME.match(dims[1]) and _LAST_BATCH.match(dims[2]):
+                return "Tq,Tk,B"  # [seq_len, seq_len, batch_size]: a sequence-first layer's
             return "B*H,Tq,Tk" if "*" in dims[0] or "head" in dims[0].lower() else "B,Tq,Tk"
         if len(dims) == 2:
             return "B,Tk" if _BATCH_NAME.match(dims[0]) else "Tq,Tk"
@@ -256,30 +260,65 @@ def stated_in_text(text: str | None, name: str) -> tuple[MaskConvention, str] | 
     return MaskConvention(meaning, shape or DEFAULT_SHAPE), f"its docstring says {quote!r}"
 
 
-_TIME_NAME = re.compile(r"^(?:t|l|s|seq|seqlen|seq_?len(?:gth)?|sequence(?:_?length)?|len(?:gth)?|(?:tgt|src|q|k|kv|"
-                        r"query|key)_?len(?:gth)?|time(?:steps?)?|steps?|n_?tokens|num_tokens|tokens?|n_ctx)$", re.I)
-_TIMES = re.compile(r"\b(\w+)\s+[x×]\s+(\w+)\s+[x×]\s+(\w+)\b")  # fairseq's "Time x Batch x Channel"
+
+_OTHER_TENSOR = re.compile(r"\b(?:cache|table|weights?|bias|mask|outputs?|returns?|buffer|memory|embeddings? table)\b",
+                           re.I)
+
+
+def _own_sentences(entry: str, name: str) -> str:
+    """The sentences of an entry about its own input: from the first, up to one that names another tensor (a name in
+    backticks the first did not name, or a cache, table, weights, bias, mask, output: "The table `pos` is kept as
+    (seq_len, batch, d_model)")."""
+    sentences = re.split(r"(?<=[.;])\s+", entry.strip())
+    own = set(re.findall(r"`(\w+)`", sentences[0])) | {name}
+    kept = [sentences[0]]
+    for sentence in sentences[1:]:
+        named = set(re.findall(r"`([A-Za-z_]\w*)`", sentence))
+        if named - own or _OTHER_TENSOR.search(sentence):
+            break
+        kept.append(sentence)
+    return " ".join(kept)
 
 
 def stated_layout_in_text(text: str | None, name: str) -> tuple[str, str] | None:
-    """("tbd", the words) where a docstring states that the input `name` is sequence-first, (T, B, D): the paragraph
-    that names it (labml-nn's "They have shape `[seq_len, batch_size, d_model]`", torch's "(L, N, E)") or, where none
-    does, the docstring's first shape of three named axes, written as a tuple or as "Time x Batch x Channel" (fairseq's),
-    read as a time axis first and a batch axis second. None where it states none, or states batch first."""
+    """("tbd" or "btd", the words) where a docstring gives the input `name` a shape of three named axes in its own
+    entry: an entry that starts with the name (an Args list's `name: ...`, `:param name: ...`, labml-nn's "`query`, `key`
+    and `value` are the tensors ... They have shape `[seq_len, batch_size, d_model]`") or with "Input shape:"
+    (fairseq's, about every input), up to the next entry, a blank
+    line or a Returns section. "tbd" for a time axis first and a batch axis second (torch's "(L, N, E)", fairseq's
+    "Time x Batch x Channel"), "btd" for the batch first; None where the entry gives neither, both (torch's "(L, N, E)
+    when batch_first=False or (N, L, E) when batch_first=True"), or there is no entry: a shape written for another
+    tensor (a returned weight, a cache, a table) says nothing of the input's."""
     if not text:
         return None
-    # a mask's shape says nothing of the tokens': its lines left out
-    paragraphs = ["\n".join(line for line in p.split("\n") if "mask" not in line.lower())
-                  for p in re.split(r"\n\s*\n", text)]
-    named = [p for p in paragraphs if re.search(rf"(?<![\w.]){re.escape(name)}\b", p)]
-    for paragraph in named or paragraphs:
-        for found in [*_TUPLE.finditer(paragraph), *_TIMES.finditer(paragraph)]:
+    starts = re.compile(rf"^\s*(?:[-*]\s*)?(?::param\s+(?:\w+\s+)?)?[`*]*{re.escape(name)}[`*]*\s*"
+                        rf"(?:[:(,]|\s(?:is|are|has|have|and)\b)|^\s*inputs?(?:\s+shapes?)?\s*:", re.I)
+    other = re.compile(r"^\s*(?:[-*]\s*)?(?::\w+\s+(?:\w+\s+)?)?[`*]*\w+[`*]*\s*(?:\([^)]*\))?\s*:(?!\S)|"
+                       r"^\s*(?:Returns?|Yields?|Outputs?|Raises|Examples?)\s*:?\s*$|^\s*:(?:returns?|rtype)\b", re.I)
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if not starts.match(line):
+            continue
+        entry = [line]
+        for following in lines[i + 1:]:
+            if not following.strip() or other.match(following):
+                break
+            entry.append(following)
+        words = _own_sentences("\n".join(entry), name)
+        read = {}
+        for found in [*_TUPLE.finditer(words), *_TIMES.finditer(words)]:
             dims = [d.strip(" `*") for d in (found.group(1).split(",") if found.re is _TUPLE else found.groups())]
             if len(dims) != 3 or not all(re.fullmatch(r"[A-Za-z_]\w{0,29}", d) for d in dims):
                 continue
             if _TIME_NAME.match(dims[0]) and _BATCH_NAME.match(dims[1]) and not _BATCH_NAME.match(dims[0]):
-                return "tbd", f"its docstring says {found.group(0).strip()!r}"
-            return None  # the first shape of the inputs decides: batch first, or axes of other names
+                read.setdefault("tbd", found.group(0).strip())
+            elif _BATCH_NAME.match(dims[0]) and _TIME_NAME.match(dims[1]) or _BATCH_NAME.match(dims[0]) and \
+                    dims[1].lower() == "n":
+                read.setdefault("btd", found.group(0).strip())
+        if len(read) == 1:
+            (layout, quote), = read.items()
+            return layout, f"its docstring says {quote!r}"
+        return None  # the entry gives no shape of the input, or gives both layouts
     return None
 
 

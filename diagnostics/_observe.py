@@ -915,6 +915,9 @@ class ScaleEstimate:
     # (a log-probability of the layer's own) its own factor, whose right value is 1
     term_ratios: tuple = ()
     term_gates: tuple = ()  # for each of term_ratios: whether it is a gate's
+    # the products read as a query's (or key's) against a table of each token's own (`_per_query_table`): vouched for
+    # only where the caller's trace shows that table made from no probe input (`softmax_saturation`)
+    term_tables: tuple = field(default=(), compare=False, repr=False)
 
 
 def applied_scales(record: Record) -> list[ScaleEstimate]:
@@ -955,11 +958,11 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                 beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
                 if beside is not None:
                     fitted = beside
-                    ratios = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
+                    ratios, tables = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
                     gates = tuple(isinstance(leaf, GateLeaf) for each in leaves for leaf in each)
                     break
             else:
-                added, parts, ratios, gates = [], 1, (), ()
+                added, parts, ratios, gates, tables = [], 1, (), (), ()
             heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
             for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
                 estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
@@ -984,6 +987,7 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
                     f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
                     f"positions, a bias or a gate, whose own factor is not the temperature)" if added else ""),
                     residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios,
+                    term_tables=tables,
                     term_gates=gates))
                 found = _weights_used(record.order[i + 1:], event.output)
                 if found is not None:  # something happened to the weights between the softmax and the values
@@ -1066,7 +1070,7 @@ def _added_terms(products: Tensor, between: list, weights: Tensor) -> tuple[list
     return terms, parts, leaves
 
 
-def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves: list) -> tuple:
+def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves: list) -> tuple[tuple, tuple]:
     """For each product a term added to q·k was read from (`_added_terms`' leaves), the factor that product reaches the
     scores with, over the factor q·k reaches them with: the fit's coefficient of the term x the constant the product
     was multiplied by on its way to the sum x the product's own (its operands' constants), over the fit's s x q·k's
@@ -1075,24 +1079,28 @@ def _term_ratios(scores: Tensor, m: Matmul, weights: Tensor, terms: list, leaves
     `GateLeaf`: a sparse gate's log sigmoid, a forget gate's running sum of them) weighs each key by its probability
     at a factor of 1 in every such design: its factor itself, the fit's coefficient x the constant on its way. None
     for a part that is neither (a bias projected from the tokens by a weight: its factor is learned; a product of
-    another width; values computed on the way, not moved), which leaves the temperature unjudged."""
+    another width; values computed on the way, not moved), which leaves the temperature unjudged. Second, the products
+    read as a query's against a table of each token's own (`_position_product`'s "table"), for the caller to confirm
+    that no probe input made the table."""
     every: list = []
     fitted = _fit_scale(scores, m.out, weights, tuple(terms), every)
     if fitted is None or len(every) != len(terms) or fitted[0] * m.factor == 0.0:
-        return tuple(None for parts in leaves for _ in parts)
+        return tuple(None for parts in leaves for _ in parts), ()
     qk = fitted[0] * m.factor
-    ratios = []
+    ratios, tables = [], []
     for c, parts in zip(every, leaves):
         for leaf in parts:
             if c is not None and isinstance(leaf, GateLeaf):
                 ratios.append(c * leaf.factor)
                 continue
             judged = c is not None and leaf is not None and _position_product(leaf[0], m)
+            if judged == "table":
+                tables.append(leaf[0])
             ratios.append(c * leaf[1] * leaf[0].factor / qk if judged else None)
-    return tuple(ratios)
+    return tuple(ratios), tuple(tables)
 
 
-def _position_product(p: Matmul, m: Matmul) -> bool:
+def _position_product(p: Matmul, m: Matmul) -> bool | str:
     """Whether the product `p` is one of q·k's queries (or keys) with positions: one operand q·k's left one (or its
     right one's rows), up to a factor and a term the same in both batch halves ((q + v) against q·k's (q + u)), the
     other the same in both batch halves (made from the positions alone, no token). Transformer-XL's (q + v)·r,
@@ -1110,16 +1118,16 @@ def _position_product(p: Matmul, m: Matmul) -> bool:
                                                    for x in (m.a, m.b.transpose(-1, -2))):
                 return True
             if _per_query_table(side, other, m, mixed):
-                return True
+                return "table"  # made without the tokens? the record cannot tell: the caller's trace confirms
     return False
 
 
 def _per_query_table(side: Tensor, other: Tensor, m: Matmul, mixed: bool) -> bool:
     """Whether `side` is q·k's queries (or keys) with their batch and token axes swapped, (T, B*H, d), against a table
     of each token's own, (T, d, R): Shaw's relative positions gathered per query (conformer's einsum("b h n d, n r
-    d -> b h n r", q, rel_pos_emb[dist]) runs as such a bmm, the tokens its batch). The table multiplies every row
-    of `side`, every sample's, so no one sample's tokens made it; q·k's operand read twice (a typo that reads k for
-    the table) has a batch axis the table's first axis is not."""
+    d -> b h n r", q, rel_pos_emb[dist]) runs as such a bmm, the tokens its batch). The table has no batch axis, but
+    that alone does not make it token-free (one sample's keys expanded, a batch mean): `applied_scales`' caller vouches
+    for such a term only where its trace shows the table made from no probe input (`ScaleEstimate.term_tables`)."""
     if side.dim() != 3 or other.dim() != 3 or other.shape[0] != side.shape[0]:
         return False
     back = side.transpose(0, 1)

@@ -1333,15 +1333,17 @@ def stated_convention(layer, fn, mask_name: str) -> tuple[MaskConvention, str] |
 
 def stated_layout(layer: nn.Module, query: str) -> tuple[str, str] | None:
     """("tbd", where it says so) where the layer states that it takes sequence-first (T, B, D) tokens: its own
-    `batch_first` set to False (torch's name), or its docstring (forward's, else the class's) giving its query input
-    as (time, batch, width) (`_masks.stated_layout_in_text`). Never what the layer does with its tokens: a layer
-    that attends across the batch by mistake does what a sequence-first one does given batch-first tokens."""
-    if getattr(layer, "batch_first", None) is False:
-        return "tbd", "its `batch_first` is False"
+    `batch_first` set to False (torch's name; True decides the other way), or its docstring (forward's, else the
+    class's) giving its query input, in the query's own entry, as (time, batch, width) (`_masks.stated_layout_in_text`;
+    one that gives it batch first decides too). Never what the layer does with its tokens: a layer that attends across
+    the batch by mistake does what a sequence-first one does given batch-first tokens."""
+    flag = getattr(layer, "batch_first", None)
+    if isinstance(flag, bool):  # torch's name decides, either way
+        return ("tbd", "its `batch_first` is False") if flag is False else None
     for doc in (inspect.getdoc(layer.forward), inspect.getdoc(type(layer))):
         stated = stated_layout_in_text(doc, query)
-        if stated is not None:
-            return stated
+        if stated is not None:  # the first docstring that gives the query's shape decides, batch first too
+            return stated if stated[0] == "tbd" else None
     return None
 
 

@@ -25,26 +25,31 @@ D, HEADS, KERNEL = 32, 4, 3
 
 class ConvolvedHeads(nn.Module):
     """q, k and v each projected, split into heads and convolved along the sequence per channel (causal: padded on
-    the left), then attention. `bug`: "no transpose" (heads merged by a reshape of (B, H, T, d) straight to (B, T, D)).
-    `conv`: False leaves the convolution out."""
+    the left; `same`: padded on both sides by the convolution itself), then attention. `bug`: "no transpose" (heads
+    merged by a reshape of (B, H, T, d) straight to (B, T, D)), "shifted" (each row given the previous token's
+    query, an off-by-one). `conv`: False leaves the convolution out; `kernel`: its size."""
 
-    def __init__(self, bug: str = "", conv: bool = True):
+    def __init__(self, bug: str = "", conv: bool = True, same: bool = False, kernel: int = KERNEL):
         super().__init__()
-        self.bug, self.conv, self.d_model, self.num_heads = bug, conv, D, HEADS
+        self.bug, self.conv, self.same, self.kernel, self.d_model, self.num_heads = bug, conv, same, kernel, D, HEADS
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
         d_k = D // HEADS
-        self.taps = nn.ModuleList(nn.Conv1d(d_k, d_k, KERNEL, groups=d_k) for _ in range(3))
+        self.taps = nn.ModuleList(nn.Conv1d(d_k, d_k, kernel, groups=d_k, padding=(kernel - 1) // 2 if same else 0)
+                                  for _ in range(3))
 
     def heads(self, x, i):  # (B, T, D) -> (B, H, T, d_k), convolved along T
         B, T, _ = x.shape
         x = x.view(B, T, HEADS, -1).permute(0, 2, 3, 1).reshape(B * HEADS, -1, T)  # (B*H, d_k, T)
-        if self.conv:
-            x = self.taps[i](F.pad(x, (KERNEL - 1, 0)))  # causal: token t reads t - 2 .. t
+        if self.conv:  # causal: token t reads t - 2 .. t; same: t - 1 .. t + 1
+            x = self.taps[i](x if self.same else F.pad(x, (self.kernel - 1, 0)))
         return x.view(B, HEADS, -1, T).transpose(-2, -1)
 
     def forward(self, query, key, value, mask=None):
         B, T, _ = query.shape
-        q, k, v = self.heads(self.q_proj(query), 0), self.heads(self.k_proj(key), 1), self.heads(self.v_proj(value), 2)
+        q = self.heads(self.q_proj(query), 0)
+        if self.bug == "shifted":
+            q = F.pad(q, (0, 0, 1, 0))[:, :, :T]  # row t gets the query of token t - 1
+        k, v = self.heads(self.k_proj(key), 1), self.heads(self.v_proj(value), 2)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -57,11 +62,11 @@ class ConvolvedHeads(nn.Module):
 def test_queries_convolved_along_the_sequence_are_held_beyond_its_reach(dtype):
     torch.manual_seed(0)
     right = diagnostics.audit(ConvolvedHeads().to(dtype)).result("query_locality")
-    assert right.verdict == "pass" and "the 2 either side" in right.message, right
+    assert right.verdict == "pass" and "(rows +0 to +2 of the query)" in right.message, right
     assert "convolved along the sequence" in right.evidence, right
     torch.manual_seed(0)
     merged = diagnostics.audit(ConvolvedHeads("no transpose").to(dtype)).result("query_locality")
-    assert merged.verdict == "fail" and "beyond the reach (2)" in merged.message, merged
+    assert merged.verdict == "fail" and "(outside rows +0 to +2 of the query)" in merged.message, merged
 
 
 def test_without_the_convolution_nothing_is_excused():
@@ -70,3 +75,18 @@ def test_without_the_convolution_nothing_is_excused():
     torch.manual_seed(0)
     plain = diagnostics.audit(ConvolvedHeads("no transpose", conv=False)).result("query_locality")
     assert plain.verdict == "fail" and plain.message == "an output row depends on other queries than its own", plain
+
+
+def test_the_rows_excused_are_the_convolutions_own_and_none_past_them():
+    """A convolution padded on both sides carries a query one row either side; the same layer with its queries
+    shifted by one row (an off-by-one that stays within a symmetric reach of 2) fails: the rows excused are read from
+    the padding, not a radius. A kernel as long as the probe leaves no row to hold: not measured, never passed."""
+    torch.manual_seed(0)
+    same = diagnostics.audit(ConvolvedHeads(same=True)).result("query_locality")
+    assert same.verdict == "pass" and "(rows -1 to +1 of the query)" in same.message, same
+    torch.manual_seed(0)
+    shifted = diagnostics.audit(ConvolvedHeads("shifted", same=True)).result("query_locality")
+    assert shifted.verdict == "fail" and "(outside rows -1 to +1 of the query)" in shifted.message, shifted
+    torch.manual_seed(0)
+    whole = diagnostics.audit(ConvolvedHeads("no transpose", same=True, kernel=17)).result("query_locality")
+    assert whole.verdict == "skip" and "leaves no row of 16 to hold" in whole.message, whole

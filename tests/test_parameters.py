@@ -197,13 +197,15 @@ def test_a_lookup_table_the_probe_reaches_in_part_is_no_finding():
 class SlicedTable(SeparateProjections):
     """Transformer-XL's per-distance bias as labml-nn writes it: an nn.Parameter of 2P rows sliced to the lengths,
     `table[P - Tk:P + Tq]`, then read per (query, key) distance: a short probe reads a few rows around P, a longer
-    one more. `clipped`: the distances clipped to +-3 first, so rows past P +- 3 are read at no length."""
+    one more. `clip`: the distances clipped to +-clip first, so rows past P +- clip are read at no length; `sliced_out`:
+    no table, the output projection's weight sliced to the length instead, `F.linear(h, W_O[:T])` zero-padded back to
+    the width (output features past T dropped)."""
 
     P = 64
 
-    def __init__(self, clipped: bool = False):
+    def __init__(self, clip: int | None = None, sliced_out: bool = False):
         super().__init__()
-        self.clipped = clipped
+        self.clip, self.sliced_out = clip, sliced_out
         self.table = nn.Parameter(torch.randn(2 * self.P, self.num_heads) * 0.1)
 
     def forward(self, x, mask=None):
@@ -211,14 +213,17 @@ class SlicedTable(SeparateProjections):
         split = lambda t: t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2)
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         apart = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j, from -(T - 1) to T - 1
-        if self.clipped:
-            bias = self.table[self.P - 3:self.P + 4][apart.clamp(-3, 3) + 3]  # (T, T, H): 7 rows at any length
+        if self.clip is not None:  # (T, T, H): 2 clip + 1 rows at any length past the clip
+            bias = self.table[self.P - self.clip:self.P + self.clip + 1][apart.clamp(-self.clip, self.clip) + self.clip]
         else:
             bias = self.table[self.P - T:self.P + T][apart + T]  # (T, T, H): the rows the lengths reach
         scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.num_heads) + bias.permute(2, 0, 1)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+        h = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)
+        if self.sliced_out:  # the output features past T dropped: rows of W_O read as the tokens grow
+            return F.pad(F.linear(h, self.o_proj.weight[:T], self.o_proj.bias[:T]), (0, D - T))
+        return self.o_proj(h)
 
 
 def test_a_position_table_sliced_to_the_length_is_used_and_one_read_at_fixed_rows_is_not():
@@ -230,9 +235,19 @@ def test_a_position_table_sliced_to_the_length_is_used_and_one_read_at_fixed_row
     sliced = diagnostics.audit(SlicedTable()).result("parameters_used")
     assert sliced.verdict == "pass" and "the rows it reads grow with the tokens" in sliced.evidence, sliced
     torch.manual_seed(0)
-    clipped = diagnostics.audit(SlicedTable(clipped=True)).result("parameters_used")
+    clipped = diagnostics.audit(SlicedTable(clip=3)).result("parameters_used")
     assert clipped.verdict == "fail" and "table (on rows 0-60, 68-127 of 128)" in clipped.message, clipped
-    assert parameters._rows_grow(torch.ones(4, 2), torch.ones(4, 2)) == ""  # no growth: nothing to excuse
+    # clipped at +-8, between the short probe's reach (+-5) and the audit's (+-15): it grows, 11 rows then 17, but not
+    # as the tokens do (by 10 or 20): the clip, not the length, bounds it
+    torch.manual_seed(0)
+    clipped = diagnostics.audit(SlicedTable(clip=8)).result("parameters_used")
+    assert clipped.verdict == "fail" and "table (on rows 0-58, 70-127 of 128)" in clipped.message, clipped
+    # the output projection sliced to the length: its rows grow with the tokens, but they are output features (at
+    # 12 tokens, fewer than the layer's 16 features: at 16 every row would be read)
+    torch.manual_seed(0)
+    dropped = diagnostics.audit(SlicedTable(sliced_out=True), seq_len=12).result("parameters_used")
+    assert dropped.verdict == "fail" and "o_proj.weight (on rows" in dropped.message, dropped
+    assert parameters._rows_grow(torch.ones(4, 2), torch.ones(4, 2), 6, 16) == ""  # no growth: nothing to excuse
 
 
 class WithEmptyParameter(SeparateProjections):

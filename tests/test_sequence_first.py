@@ -105,7 +105,8 @@ def test_a_sequence_first_layer_that_says_nothing_fails_and_its_fix_names_both_r
     mask's convention, the layer passes and its twin fails."""
     plain = _audit(Unstated())
     assert plain.status == "failed" and plain.result("batch_independence").verdict == "fail", str(plain)
-    assert 'layout="tbd"' in plain.result("batch_independence").fix
+    assert "sequence-first (T, B, D)" in plain.result("batch_independence").fix
+    assert "layout=" not in plain.result("batch_independence").fix  # no declaration under which the bug passes
     declared = dict(layout="tbd", mask="allowed:Tq,Tk,B")
     assert _audit(Unstated(), **declared).status == "passed"
     assert _audit(Unstated("unscaled"), **declared).result("softmax_saturation").verdict == "fail"
@@ -125,14 +126,54 @@ def test_batch_first_false_states_the_layout_and_the_mask_convention_is_then_nam
      "`mask` has shape `[seq_len, seq_len, batch_size]`", "query", "tbd"),  # labml-nn's
     ("query: (L, N, E) where L is the target sequence length, N is the batch size", "query", "tbd"),  # torch's
     ("Input shape: Time x Batch x Channel", "query", "tbd"),  # fairseq's
-    ("x: (B, T, D) tokens", "x", None),
-    ("x (b, n, d)", "x", None),  # einops' n is the tokens: batch first
+    (":param x: is the tensor of shape `[batch_size, seq_len, d_model]`", "x", "btd"),
+    ("x: (B, T, D) tokens", "x", "btd"),
+    ("x (b, n, d)", "x", "btd"),  # einops' n is the tokens: batch first
+    ("Args:\n  x: (batch, seq_len, d_model)\n  cache: (seq_len, batch, d_model)", "x", "btd"),  # the cache's own entry
     ("mask: (seq_len, batch, 1)", "x", None),  # a mask's shape says nothing of the tokens'
+    ("Args:\n  x: the tokens\nReturns:\n  weights of shape (tgt_len, bsz, src_len)", "x", None),  # a returned tensor's
+    ("A position table of shape (seq_len, batch, d_model).", "x", None),  # no entry of the input's own
+    ("x: the tokens. The table `pos` is kept as (seq_len, batch, d_model).", "x", None),  # another tensor's sentence
+    ("query: (L, N, E) when batch_first=False or (N, L, E) when batch_first=True", "query", None),  # both: the flag
     ("x: the tokens", "x", None),
 ])
-def test_the_docstring_reader_takes_a_time_axis_first_and_a_batch_axis_second(text, name, expected):
+def test_the_docstring_reader_takes_the_inputs_own_entry_time_first_or_batch_first(text, name, expected):
     stated = stated_layout_in_text(text, name)
     assert (stated[0] if stated else None) == expected, stated
+
+
+class SaysBatchFirst(nn.Module):
+    """A batch-first layer whose class docstring describes its cache as (seq_len, batch, d_model)."""
+
+    def __init__(self, mixes_the_batch: bool = False):
+        super().__init__()
+        self.d_model, self.num_heads, self.mixes = D, HEADS, mixes_the_batch
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+
+    def forward(self, x, mask=None):
+        """x: (batch, seq_len, d_model) tokens."""
+        if self.mixes:  # a real bug: attends across the batch
+            return self.attn(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))[0].transpose(0, 1)
+        return self.attn(x, x, x, attn_mask=None if mask is None else ~mask.repeat_interleave(HEADS, 0)[:, 0])[0]
+
+
+class TorchWords(SaysBatchFirst):
+    """query: (L, N, E) when batch_first=False or (N, L, E) when batch_first=True."""
+
+    batch_first = True
+
+    def forward(self, x, mask=None):
+        return super().forward(x, mask)
+
+
+def test_a_shape_written_for_another_tensor_or_both_ways_leaves_a_batch_first_layer_so():
+    """Forward's own entry says batch first: the class docstring's cache shape is not read (the layer passes, and its
+    twin that attends across the batch fails); torch's wording of both layouts is decided by `batch_first` = True."""
+    for layer in (SaysBatchFirst(), TorchWords()):
+        report = _audit(layer)
+        assert "layout=tbd" not in report.layer and report.status == "passed", str(report)
+    mixed = _audit(SaysBatchFirst(mixes_the_batch=True))
+    assert mixed.result("batch_independence").verdict == "fail", str(mixed)
 
 
 def test_a_layout_of_the_other_form_is_refused_with_what_to_pass():

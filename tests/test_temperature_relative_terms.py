@@ -121,7 +121,8 @@ class ShawAttention(nn.Module):
     """Shaw's relative positions as the Conformer writes them: a learned table of 2 SPAN + 1 distances, clipped, read
     per query and key (table[i - j], (T, T, d_k)) and multiplied by the query in one einsum, which torch runs as a bmm
     with the tokens as its batch ((T, B*H, d_k) against (T, d_k, T)), added to q·k, both scaled. `bug`: "unscaled",
-    "scaled twice" (both terms), "term unscaled" (the position term alone left unscaled)."""
+    "scaled twice" (both terms), "term unscaled" (the position term alone left unscaled), "sample 0's keys" (the table
+    replaced by the first sample's keys, read per query: every sample scored against sample 0's tokens)."""
 
     def __init__(self, bug: str | None = None):
         super().__init__()
@@ -135,7 +136,10 @@ class ShawAttention(nn.Module):
         k, v = self.kv(x).view(B, T, 2, HEADS, d_k).permute(2, 0, 3, 1, 4)  # (B, H, T, d_k) each
         scale = {"unscaled": 1.0, "scaled twice": 1 / d_k}.get(self.bug, 1 / math.sqrt(d_k))
         apart = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(-SPAN, SPAN) + SPAN  # (T, T): i - j
-        positions = torch.einsum("bhid,ijd->bhij", q, self.table(apart).to(q.dtype))  # (B, H, T, T)
+        table = self.table(apart).to(q.dtype)  # (T, T, d_k): each (query, key) pair's distance embedding
+        if self.bug == "sample 0's keys":  # a "table" of one sample's keys: no batch axis, yet made from the tokens
+            table = k[0, 0][None].expand(T, T, -1)
+        positions = torch.einsum("bhid,ijd->bhij", q, table)  # (B, H, T, T)
         scores = q @ k.transpose(-2, -1) * scale + positions * (1.0 if self.bug == "term unscaled" else scale)
         out = scores.softmax(-1) @ v  # (B, H, T, d_k)
         return self.out(out.transpose(1, 2).reshape(B, T, D))
@@ -218,6 +222,10 @@ def test_shaw_s_term_read_per_query_is_judged_against_q_k_s_factor_and_unscaled_
     assert right.verdict == "pass" and "reach the scores at 1 times q·k's factor" in right.evidence, right
     wrong = _audit(ShawAttention("term unscaled"), dtype, std_002, init).result("softmax_saturation")
     assert wrong.verdict == "skip" and "2.83 times q·k's factor" in wrong.message, wrong
+    # a table with no batch axis made from the tokens is no position table: its term is not vouched for (the trace
+    # shows the keys made it), so the temperature stays not measured, never passed
+    keys = _audit(ShawAttention("sample 0's keys"), dtype, std_002, init).result("softmax_saturation")
+    assert keys.verdict == "skip" and "reach the scores at" not in keys.evidence, keys
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

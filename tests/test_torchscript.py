@@ -94,19 +94,61 @@ def test_a_torchscript_layer_is_audited_and_its_bugs_fail_on_the_same_inputs(for
     assert ignored.result("mask_honoured").verdict == "fail", ignored.result("mask_honoured")
 
 
-def test_the_audit_leaves_a_torchscript_layer_as_it_came():
-    """Values, gradients (none), training flag and the RNG as they were: the copy's backward no longer reaches the
-    user's parameters through the clones its deepcopy made."""
+@pytest.mark.parametrize("held", [False, True], ids=["alone", "held"])
+def test_the_audit_leaves_a_torchscript_layer_as_it_came(held):
+    """Values, gradients (none, or the one set before), training flag and the RNG as they were: the copy's backward no
+    longer reaches the user's parameters through the clones its deepcopy made."""
     layer = scripted()
     layer.train()
+    first = next(layer.parameters())
+    first.grad = torch.full_like(first, 7.0)  # a gradient the user had: kept as it was
     before = {name: p.detach().clone() for name, p in layer.named_parameters()}
     rng = torch.random.get_rng_state()
-    diagnostics.audit(Holder(layer), mask=MASK)
+    diagnostics.audit(Holder(layer) if held else layer, d_model=D, num_heads=HEADS, mask=MASK)
     assert layer.training
     assert torch.equal(torch.random.get_rng_state(), rng)
     for name, p in layer.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
-        assert p.grad is None, name
+        assert (p.grad is None) == (p is not first), name
+    assert torch.equal(first.grad, torch.full_like(first, 7.0))
+
+
+class Traceable(nn.Module):
+    """A causal self-attention as torch.jit.trace records it: its causal mask sliced from a buffer, and a buffer that
+    counts its calls. `bug`: "no causal mask"."""
+
+    def __init__(self, bug: str = ""):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = D, HEADS, bug
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.register_buffer("lower", torch.ones(64, 64, dtype=torch.bool).tril())
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        B, T, width = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, width // HEADS).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(width // HEADS)
+        if self.bug != "no causal mask":
+            scores = scores.masked_fill(~self.lower[:T, :T], float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, width))
+
+
+def test_a_traced_layer_is_audited_on_its_first_calls_and_its_leaking_twin_fails():
+    """TorchScript's profiling executor runs a traced graph's first calls through a profiling graph that raised under
+    the audit's observers (aten::equal given an int): the correct layer failed `runs` on the very shape it was traced
+    at. The audit runs compiled layers with the simple executor (`_guard.script_executor`); its buffers are put back."""
+    reports = {}
+    for bug in ("", "no causal mask"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(Traceable(bug), (torch.randn(2, 16, D),))
+        calls = int(traced.calls)
+        reports[bug] = diagnostics.audit(traced, d_model=D, num_heads=HEADS, causal=True)
+        assert int(traced.calls) == calls  # the call counter as it came
+    assert reports[""].status == "passed", str(reports[""])
+    assert reports["no causal mask"].result("future_leakage").verdict == "fail", str(reports["no causal mask"])
 
 
 class Model(nn.Module):
@@ -151,8 +193,9 @@ def test_a_model_audit_finds_and_judges_its_python_attention_beside_a_compiled_b
 def test_a_compiled_attention_inside_a_model_is_named_for_a_layer_audit():
     """Its ops count for the model around it (no hooks), which is no reason to call the whole model one attention
     layer: inconclusive, the note naming the layer audit to run; the model-level checks still run."""
-    torch.manual_seed(0)
-    report = diagnostics.audit_model(Model(scripted(), feed_forward()), example=torch.randint(0, 50, (2, 8)))
-    assert report.status == "inconclusive", str(report)
-    assert report.result("model_runs").verdict == "pass", str(report)
-    assert "diagnostics.audit(model.attn)" in str(report), str(report)
+    for bug in ("", "unscaled"):  # the bug unjudged too: inconclusive, never passed
+        torch.manual_seed(0)
+        report = diagnostics.audit_model(Model(scripted(bug), feed_forward()), example=torch.randint(0, 50, (2, 8)))
+        assert report.status == "inconclusive", str(report)
+        assert report.result("model_runs").verdict == "pass", str(report)
+        assert "diagnostics.audit(model.attn)" in str(report), str(report)

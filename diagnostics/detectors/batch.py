@@ -18,9 +18,8 @@ from ._stacked import other_sequence_changed, seeded_call
           targets=("batch and sequence axes mixed (permute or transpose over dim 0)", "normalisation over the batch",
                    "a mask or cache broadcast across sequences"),
           fix="keep the batch axis apart: merge heads with x.transpose(1, 2).reshape(B, T, D), reduce over "
-              "dim=-1, never over dim 0; or, if the layer takes sequence-first (T, B, D) tokens (given (B, T, D) it "
-              "attends across the batch, which reads the same), say so in its docstring, (seq_len, batch, d_model), "
-              "or audit it with layout=\"tbd\"",
+              "dim=-1, never over dim 0 (a layer written for sequence-first (T, B, D) tokens attends across the "
+              "batch when given (B, T, D), exactly as this bug does: see docs/auditing-a-layer.md on layouts)",
           locate=invariance_locator("the first op whose output for one sequence moves when only another changes"))
 def check_batch_independence(probe: Probe) -> DetectorResult:
     """Two separate calls, so that a layer that mixes the batch is not compared with itself mixed the same way

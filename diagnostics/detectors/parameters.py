@@ -127,19 +127,22 @@ def structural_zeros(grad: Tensor | None, *, table: bool = False) -> str:
     return ""
 
 
-def _rows_grow(short: Tensor | None, long: Tensor | None) -> str:
-    """Where the rows a parameter's gradient reaches are one block of consecutive rows at both probe lengths, and the
-    longer probe's block holds the shorter's and more: '11 of 8192 rows at the short probe, 31 at the long', else ''.
-    A table of positions read by distance (Transformer-XL's biases sliced to the length, labml-nn's `key_pos_bias[P -
-    T_k:P + T_q]`) reads more rows as the sequence grows; a projection's dead output features stay dead at any
-    length, and a slice of fixed size (`table[:5]`) does not grow."""
+def _rows_grow(short: Tensor | None, long: Tensor | None, t_short: int, t_long: int) -> str:
+    """Where the rows a parameter's gradient reaches are one block of consecutive rows at both probe lengths, the
+    longer probe's block holds the shorter's, and it grew by as many rows as the tokens did, or twice as many (a table
+    read by position, or by distance i - j: T or 2T - 1 rows): '11 of 8192 rows at the short probe, 31 at the audit's
+    length', else ''. Transformer-XL's biases sliced to the length (labml-nn's `key_pos_bias[P - T_k:P + T_q]`) read
+    2T - 1 rows at every length; a table whose distances are clipped grows until the clip and no further, which is no
+    such growth; a projection's weight (an nn.Linear's, a convolution's) is never asked: its rows are output features
+    (`F.linear(h, W[:T])` drops the rest)."""
     if short is None or long is None or short.dim() < 1 or short.shape != long.shape:
         return ""
     used = [g.reshape(g.shape[0], -1).ne(0).any(1).nonzero().flatten() for g in (short, long)]
     if any(len(u) == 0 or int(u[-1] - u[0]) + 1 != len(u) for u in used):
         return ""  # not one block of consecutive rows
     (a, b), (c, d) = (int(used[0][0]), int(used[0][-1])), (int(used[1][0]), int(used[1][-1]))
-    if not (c <= a and b <= d and d - c > b - a):
+    grew = (d - c) - (b - a)
+    if not (c <= a and b <= d and grew in (t_long - t_short, 2 * (t_long - t_short)) and grew > 0):
         return ""
     return f"{b - a + 1} of {short.shape[0]} rows at the short probe, {d - c + 1} at the audit's length"
 
@@ -535,8 +538,10 @@ def check_parameters_used(probe: Probe) -> DetectorResult:
         if again.grads is not None:
             at = dict(zip(params, again.grads[len(inputs):]))
             longer = [name for name, _ in unused if not structural_zeros(at[name], table=name in tables)]
-            positional = {name: grown for name, where in unused if where.startswith("on rows")
-                          and (grown := _rows_grow(grad_by_name[name], at[name]))}
+            features = {f"{owner}.{n}" if owner else n for owner, m in sub.layer.named_modules()
+                        if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) for n, _ in m.named_parameters(recurse=False)}
+            positional = {name: grown for name, where in unused if where.startswith("on rows") and name not in features
+                          and (grown := _rows_grow(grad_by_name[name], at[name], T, probe.t))}
             unused = [(name, where) for name, where in unused if name not in longer and name not in positional]
     gated, zeros = _gated_by_zeros(probe, sub, inputs, params, unused, tables, gen)
     unused = [(name, where) for name, where in unused if name not in gated]

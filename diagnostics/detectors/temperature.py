@@ -308,6 +308,8 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
                                                      "its design states another) to have its temperature judged")
     terms = next((r for r in rows if getattr(r.estimate, "terms", 0)), None)
     ratios = getattr(terms.estimate, "term_ratios", ()) if terms is not None else ()
+    if ratios and getattr(terms.estimate, "term_tables", ()) and not _tables_token_free(probe):
+        ratios = ()  # a table of each token's own, made from the tokens (one sample's keys, a batch mean): unread
     if ratios and all(r is not None for r in ratios):
         # each term a product of q·k's queries (or keys) with positions, read through moves and constant factors
         # (`_observe._term_ratios`): one at q·k's factor (Transformer-XL's (q + v)·r, DeBERTa's c2p and p2c) is
@@ -352,6 +354,24 @@ def check_softmax_saturation(probe: Probe) -> DetectorResult:
     return result(det, "pass", f"softmax temperature matches {declared} (ratio {ratio:.4f})", value=ratio,
                    threshold=SCALE_RATIO, evidence=evidence,
                    margin=f"correct layers measured |ratio - 1| <= {MEASURED_SCALE_ERROR:.1e}")
+
+
+def _tables_token_free(probe: Probe) -> bool:
+    """Whether every table a term beside q·k was read against per query (`ScaleEstimate.term_tables`: Shaw's
+    relative embeddings gathered per (query, key), an operand with no batch axis) is made from no probe input, by the
+    standard call's trace: one of each such product's operands depends on none of the query, key and value. A table
+    of one sample's keys expanded, or of the batch's mean, depends on them; so is not a position table, and the term
+    stays unjudged."""
+    trace = base_trace(probe)
+    traced = [e for e in applied_scales(trace.record) if getattr(e, "term_tables", ())]
+    products = [m for e in traced for m in e.term_tables]
+    if not products:
+        return False  # read on the standard call, not on its trace: unconfirmed
+    for m in products:
+        op = event_op(trace, m)
+        if op is None or all(trace.sources.get(i) for i in op.in_ids[:2]):
+            return False
+    return True
 
 
 def _zero_scores_judged(det: str, probe: Probe, base) -> DetectorResult:

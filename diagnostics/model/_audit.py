@@ -24,7 +24,7 @@ from torch import nn
 from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
 from .._audit import audit
 from .._errors import AuditUsageError, expect
-from .._guard import seed_rng, untouched
+from .._guard import script_executor, seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._report import NEEDS_DECLARATION
 from .._result import DetectorResult, Sites
@@ -199,6 +199,14 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     False not to check it, None to check where transformers builds the model's packed-sequence mask
     (`packed_documents`). `_options`: for front
     ends, how the user spells each option ({"causal": "--causal"}), used in the messages."""
+    with script_executor(model):  # a compiled block's first runs under the observers (see _guard.script_executor)
+        return _audit_model(**locals())
+
+
+def _audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
+                detectors: list[str] | None = None, progress=None, packed: bool | None = None,
+                _options: dict | None = None) -> ModelReport:
+    """`audit_model` itself, its arguments as given."""
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
@@ -251,10 +259,15 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
                                not_tokens=observed.not_tokens, deformable=observed.deformable)
         notes += [f"{p} not audited as attention: {why}" for p, why in observed.not_tokens.items()]
         compiled = compiled_paths(model)
-        if compiled:
+        if compiled == [""]:
+            notes.append("the model is compiled (TorchScript), which takes no hooks: its modules are found by class "
+                         "only; audit the model before compiling it, or its attention layers one by one "
+                         "(diagnostics.audit(layer))")
+        elif compiled:
             notes.append(f"{', '.join(compiled[:4])}{', ...' if len(compiled) > 4 else ''}: compiled (TorchScript), "
                          f"which takes no hooks, so what runs inside counts for the module around it and is not found "
-                         f"as attention here; audit each as a layer: diagnostics.audit(model.{compiled[0]})")
+                         f"as attention here; audit the attention among them as a layer (diagnostics.audit(model."
+                         f"{compiled[0]}) if that one is)")
         expect(found or compiled or not (observed.model_attends or class_kind(model)), "a whole model with attention layers in "
                "it", f"{type(model).__name__}, which is one attention layer itself (" + (class_kind(model) or
                "its own forward runs a softmax over (Tq, Tk) scores or fused attention") + ")",

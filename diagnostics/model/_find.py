@@ -449,8 +449,10 @@ def _summed_and_scores(record, call) -> tuple:
 
 
 def compiled_paths(model: nn.Module) -> list[str]:
-    """The paths of the model's outermost TorchScript submodules: compiled, they take no hooks, so `ModuleWatch`
-    leaves them out and their ops count for the module around them."""
+    """The paths of the model's outermost TorchScript submodules ([""] where the model itself is one): compiled, they
+    take no hooks, so `ModuleWatch` leaves them out and their ops count for the module around them."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return [""]  # the model itself
     paths = [p for p, m in model.named_modules() if p and isinstance(m, torch.jit.ScriptModule)]
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
