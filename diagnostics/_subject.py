@@ -1267,7 +1267,7 @@ def _module_subject(layer: nn.Module, *, d_model, num_heads, device, dtype, mask
             notes.append(f"position_embeddings from {type(rotary).__name__}")
     if mask_names and not torch_layer and (by != "default"):
         notes.append(convention_note(mask_names[0], convention, by, why))
-    if layout is None and not (hf or torch_layer):
+    if layout is None and not (hf or torch_layer) and declared_call is None:  # a declared call lays the tokens out
         stated = stated_layout(layer, sig.query)
         if stated is not None:
             layout = stated[0]

@@ -112,6 +112,17 @@ def test_a_sequence_first_layer_that_says_nothing_fails_and_its_fix_names_both_r
     assert _audit(Unstated("unscaled"), **declared).result("softmax_saturation").verdict == "fail"
 
 
+def test_a_declared_call_lays_the_tokens_out_itself_and_the_stated_layout_is_not_applied_on_top():
+    """A call that transposes the tokens itself (as labml-nn's RoPER case in benchmarks/pypi_bugs.py declares it): the
+    layer's stated layout is the call's business, not applied twice (which failed that case's both releases)."""
+    call = lambda layer, x, mask=None: layer(  # noqa: E731
+        query=x.transpose(0, 1), key=x.transpose(0, 1), value=x.transpose(0, 1),
+        mask=None if mask is None else mask.permute(1, 2, 0)).transpose(0, 1)
+    report = _audit(SequenceFirst(), call=call, mask="allowed:B,Tq,Tk")
+    assert report.status == "passed" and "layout=tbd" not in report.layer, str(report)
+    assert _audit(SequenceFirst("unscaled"), call=call, mask="allowed:B,Tq,Tk").status == "failed"
+
+
 def test_batch_first_false_states_the_layout_and_the_mask_convention_is_then_named():
     """torch's flag states it; the mask's convention, stated nowhere, is found by the probes and named."""
     report = _audit(Flagged())
