@@ -218,6 +218,17 @@ def _other_sequence_changed(probe: Probe) -> tuple[Inputs, Call]:
     return changed, seeded_call(probe, changed, standard.allowed, "the standard probe, sequence 1 changed")
 
 
+def first_sequence_changed(probe: Probe) -> tuple[Inputs, Call]:
+    """batch_independence's call the other way: the standard probe's batch with sequence 0 changed alone (every
+    position of every stream, pushed as hard), in a call of its own."""
+    standard = probe.base()
+    base = Inputs(standard.query, standard.key, standard.value)
+    first = torch.zeros(probe.BATCH, probe.t, dtype=torch.bool)
+    first[0] = True
+    [changed] = perturbed(probe, base, first, ("query", "key", "value"), gains=perturbation_gains(probe))
+    return changed, seeded_call(probe, changed, standard.allowed, "the standard probe, sequence 0 changed")
+
+
 def seeded_call(probe: Probe, x: Inputs, allowed, label: str) -> Call:
     """A plain call with the layer's randomness seeded from the audit's own seed for these calls, one draw for every
     call so seeded (the audit restores the RNG). Not `Probe.seed`: a user who seeded torch with it just before the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .._core import Case, Comparison, Inputs, expand_rows, not_run, relative_change, skip
@@ -10,7 +12,7 @@ from .._registry import detector
 from .._result import DetectorResult
 from .._thresholds import UNCHANGED, tolerance
 from ._common import invariance_locator, judge_held, no_rows, perturbation_gains
-from ._stacked import other_sequence_changed, seeded_call
+from ._stacked import first_sequence_changed, other_sequence_changed, seeded_call
 
 
 @detector("batch_independence", "each sequence's output depends on that sequence only: changing another "
@@ -74,6 +76,38 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
                                      "attributed to the other sequence (see eval_determinism)")
     comparison = Comparison([Case(changed, hold=first, move=~first, when=f"when only sequence 1 changed "
                                   f"(x{perturbation_gains(probe)[0]:g}, a separate call)")], [change], tol, changed_call, base)
-    return judge_held(det, comparison, probe, what="outputs of sequence 0",
-                       fail_message="a sequence's output depends on another sequence of the batch",
-                       pass_message="each sequence's output depends on that sequence only")
+    verdict = judge_held(det, comparison, probe, what="outputs of sequence 0",
+                         fail_message="a sequence's output depends on another sequence of the batch",
+                         pass_message="each sequence's output depends on that sequence only")
+    if verdict.verdict != "pass":
+        return verdict
+    # the other way too: sequence 0 changed, the others held (a layer that reads the first sample's keys for every
+    # sample, or broadcasts row 0 of a batch-wide tensor, leaves sequence 0 alone and moves the rest)
+    moved_first, first_call = first_sequence_changed(probe)
+    if not first_call.ok:
+        return not_run(det, first_call)
+    probe.passes += 1
+    again = relative_change(first_call.output.out, old, centred=True)
+    if again is None or first_call.output.out.shape != old.shape:
+        return verdict
+    def the_other_way(change_back):
+        back = Comparison([Case(moved_first, hold=~first, move=first, when=f"when only sequence 0 changed "
+                                f"(x{perturbation_gains(probe)[0]:g}, a separate call)")], [change_back], tol,
+                          first_call, base)
+        return judge_held(det, back, probe, what="outputs of the other sequences",
+                          fail_message="a sequence's output depends on another sequence of the batch (on the first)",
+                          pass_message="each sequence's output depends on that sequence only (either way)")
+
+    other_way = the_other_way(again)
+    if other_way.verdict == "fail":  # judged against the standard probe seeded and called as this call was (a path
+        # that rounds otherwise under observation, nn.MultiheadAttention's fast path, moves nothing then)
+        twin = call(base, "the standard probe again, seeded")
+        if not twin.ok:
+            return not_run(det, twin)
+        again = relative_change(first_call.output.out, twin.output.out, centred=True)
+        if again is None:
+            return verdict
+        other_way = the_other_way(again)
+    return other_way if other_way.verdict == "fail" else replace(
+        verdict, message="each sequence's output depends on that sequence only (either way)",
+        evidence=f"{verdict.evidence}; {other_way.evidence}")
