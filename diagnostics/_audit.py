@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from ._errors import expect
-from ._guard import denormals_flushed, registries, script_executor, untouched
+from ._guard import compiled_simply, denormals_flushed, registries, untouched
 from ._memory import check_memory
 from ._probe import Probe
 from ._progress import default_progress
@@ -27,6 +27,7 @@ from .detectors.runs import raised_at_probe_length, runs_verdict
 from .patterns import as_pattern
 
 
+@compiled_simply
 def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
           scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
           need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
@@ -71,17 +72,6 @@ def audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads:
     seeds, Perceiver's latent array), not one per token: its output is (B, Q, D), or (B, D) where Q = 1; the weights
     are read over (Q, Tk) and masks reach it per key (padding), as no query is a token's.
     """
-    with script_executor(layer):  # a compiled layer's first runs under the observers (see _guard.script_executor)
-        return _audit(**locals())
-
-
-def _audit(layer, *, causal: bool = False, d_model: int | None = None, num_heads: int | None = None,
-          scale: float | None = None, seq_len: int | None = None, device=None, dtype=None, seed: int = 0,
-          need_weights: bool = True, detectors: list[str] | None = None, require: list[str] | None = None,
-          strict: bool = False, progress=None, mask=None, layout: str | None = None,
-          pattern=None, call=None, cross: bool = False, positions: str | None = None, queries: int | None = None,
-          _options: dict | None = None) -> AuditReport:
-    """`audit` itself, its arguments as given."""
     expect(isinstance(causal, bool), "causal=True or causal=False", f"causal={causal!r}",
            "pass a bool: causal=True if the layer promises causality")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1),

@@ -10,6 +10,7 @@ device)` is how they seed the generators the layer draws from, inside it.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -53,6 +54,17 @@ def untouched(layer, device):
             as_given()
             for t, grad in grads:
                 t.grad = grad
+
+
+def compiled_simply(audit_fn):
+    """`audit_fn(layer, ...)` run under `script_executor(layer)`, its signature and docstring kept (`functools.wraps`:
+    the pytest plugin and the command line read the audit's parameters from its signature)."""
+    @functools.wraps(audit_fn)
+    def run(layer, *args, **kwargs):
+        with script_executor(layer):
+            return audit_fn(layer, *args, **kwargs)
+
+    return run
 
 
 def script_executor(layer):

@@ -86,10 +86,10 @@ def check_batch_independence(probe: Probe) -> DetectorResult:
     moved_first, first_call = first_sequence_changed(probe)
     if not first_call.ok:
         return not_run(det, first_call)
-    probe.passes += 1
     again = relative_change(first_call.output.out, old, centred=True)
     if again is None or first_call.output.out.shape != old.shape:
         return verdict
+
     def the_other_way(change_back):
         back = Comparison([Case(moved_first, hold=~first, move=first, when=f"when only sequence 0 changed "
                                 f"(x{perturbation_gains(probe)[0]:g}, a separate call)")], [change_back], tol,

@@ -35,7 +35,7 @@ def check_query_locality(probe: Probe) -> DetectorResult:
     # the queries convolved along the sequence by design (Primer's multi-DConv-head attention, a convolutional query
     # projection): the rows the convolution carries query p into, read from its padding and crop, may move; every
     # other row must not
-    B, T, p = probe.BATCH, probe.t, probe.t // 2
+    B, T, p = probe.BATCH, probe.t, changed_query(probe.t)
     lo, hi = window
     near = rows(B, T, ((torch.arange(T) - p) >= lo) & ((torch.arange(T) - p) <= hi))
     if bool(near.all()):
@@ -99,11 +99,16 @@ def convolved_queries(probe: Probe) -> tuple[tuple[int, int] | None, str]:
     return ((lo, hi), where) if found else (None, "")
 
 
+def changed_query(t: int) -> int:
+    """The query `query_cases` changes alone, and the one the convolutions' rows are counted from."""
+    return t // 2
+
+
 @stacked_cases(SEPARATE_STREAMS, "query_locality")
 def query_cases(probe: Probe, base: Inputs) -> tuple[list[Case], str]:
     """Query T // 2 changed alone, in every sequence; every other row held."""
     B, T = probe.BATCH, probe.t
-    p = T // 2
+    p = changed_query(T)
     moved = torch.arange(T) == p
     # gain 1000 (100 in float16): the other rows' weights do not depend on query p in a correct layer, however hard
     # it is pushed; in a layer that mixes queries, a large change shows even where logits are tiny

@@ -24,7 +24,7 @@ from torch import nn
 from .. import detectors  # noqa: F401  (fills the layer registry, DETECTORS)
 from .._audit import audit
 from .._errors import AuditUsageError, expect
-from .._guard import script_executor, seed_rng, untouched
+from .._guard import compiled_simply, seed_rng, untouched
 from .._registry import DETECTORS, MODEL_DETECTORS, run
 from .._report import NEEDS_DECLARATION
 from .._result import DetectorResult, Sites
@@ -182,6 +182,7 @@ def _undecided(rep, said: str) -> None:
         rep.status_reason = f"inconclusive, {NEEDS_DECLARATION}: audit with {declare} (softmax_saturation: {said})"
 
 
+@compiled_simply
 def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
                 detectors: list[str] | None = None, progress=None, packed: bool | None = None,
                 _options: dict | None = None) -> ModelReport:
@@ -199,14 +200,6 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     False not to check it, None to check where transformers builds the model's packed-sequence mask
     (`packed_documents`). `_options`: for front
     ends, how the user spells each option ({"causal": "--causal"}), used in the messages."""
-    with script_executor(model):  # a compiled block's first runs under the observers (see _guard.script_executor)
-        return _audit_model(**locals())
-
-
-def _audit_model(model, example=None, *, causal: bool | None = None, seq_len: int | None = None, seed: int = 0,
-                detectors: list[str] | None = None, progress=None, packed: bool | None = None,
-                _options: dict | None = None) -> ModelReport:
-    """`audit_model` itself, its arguments as given."""
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
