@@ -58,14 +58,18 @@ class ConvolvedHeads(nn.Module):
         return self.o_proj(merged)
 
 
+@pytest.mark.parametrize("init", ["default", "std 0.02"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_queries_convolved_along_the_sequence_are_held_beyond_its_reach(dtype):
-    torch.manual_seed(0)
-    right = diagnostics.audit(ConvolvedHeads().to(dtype)).result("query_locality")
+def test_queries_convolved_along_the_sequence_are_held_beyond_its_reach(dtype, init, std_002):
+    def built(bug=""):
+        torch.manual_seed(0)
+        layer = ConvolvedHeads(bug)
+        return (std_002(layer) if init == "std 0.02" else layer).to(dtype)
+
+    right = diagnostics.audit(built()).result("query_locality")
     assert right.verdict == "pass" and "(rows +0 to +2 of the query)" in right.message, right
     assert "convolved along the sequence" in right.evidence, right
-    torch.manual_seed(0)
-    merged = diagnostics.audit(ConvolvedHeads("no transpose").to(dtype)).result("query_locality")
+    merged = diagnostics.audit(built("no transpose")).result("query_locality")
     assert merged.verdict == "fail" and "(outside rows +0 to +2 of the query)" in merged.message, merged
 
 

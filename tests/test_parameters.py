@@ -250,6 +250,16 @@ def test_a_position_table_sliced_to_the_length_is_used_and_one_read_at_fixed_row
     assert parameters._rows_grow(torch.ones(4, 2), torch.ones(4, 2), 6, 16) == ""  # no growth: nothing to excuse
 
 
+def test_the_sliced_table_reads_the_same_in_bfloat16_at_std_002(std_002):
+    """The verdict is read on the float64 copy's gradients, so the layer's own dtype and initialisation do not move
+    it: the sliced table is used, the one clipped at +-8 is not."""
+    for clip, verdict in ((None, "pass"), (8, "fail")):
+        torch.manual_seed(0)
+        layer = std_002(SlicedTable(clip=clip)).to(torch.bfloat16)
+        result = diagnostics.audit(layer).result("parameters_used")
+        assert result.verdict == verdict, result
+
+
 class WithEmptyParameter(SeparateProjections):
     """A correct layer that owns a parameter with no element (a slot table sized by a config that asks for none,
     as `num_mem_kv=0` would give): nothing in it can be unused."""
