@@ -72,17 +72,17 @@ KNOWN = {
         "0.49), so in no convention is its mask honoured: `runs` names mask='key_keep', the convention it runs in that "
         "its name suggests, and under it mask_honoured fails; and a token no cluster takes gets an output of zeros "
         "(weight_row_sums)",
-    # (primer_ez.efficient's convolution, written as shifted slices, is not read by query_locality: it fails zero-config
-    # for the audit's own reading, so it is not listed here)
     **dict.fromkeys(("transformers.primer_ez:MultiDConvHeadAttention",
                      "transformers.primer_ez.variations:MultiDPHConvHeadAttention",
-                     "transformers.primer_ez.variations:MultiDSharedConvHeadAttention"),
+                     "transformers.primer_ez.variations:MultiDSharedConvHeadAttention",
+                     "transformers.primer_ez.efficient:MultiDConvHeadAttention"),
                     "labml-nn 0.5.1, labml_nn/transformers/primer_ez/__init__.py:96 (SpatialDepthWiseConvolution, a "
-                    "depthwise convolution of kernel 3 along the sequence) runs over the keys and values before the mask "
-                    "reaches the scores (transformers/mha.py:187): a key the mask blocks is carried into the next two, "
-                    "so left padding (or any mask that blocks a key before an allowed one) moves the kept tokens' "
-                    "outputs (mask_honoured, and relative_positions as its consequence); a causal mask and padding at "
-                    "the end, Primer's own uses, are honoured"),
+                    "depthwise convolution of kernel 3 along the sequence; efficient.py:37 writes it as shifted "
+                    "slices) runs over the keys and values before the mask reaches the scores "
+                    "(transformers/mha.py:187): a key the mask blocks is carried into the next two, so left padding (or "
+                    "any mask that blocks a key before an allowed one) moves the kept tokens' outputs (mask_honoured, "
+                    "and relative_positions as its consequence); a causal mask and padding at the end, Primer's own "
+                    "uses, are honoured"),
     "nystrom_attention:NystromAttention":
         "nystrom-attention 0.0.14, nystrom_attention.py:19: the pseudo-inverse's start, `x.T / (torch.max(col) * "
         "torch.max(row))`, takes the maxima over the whole batch, so one sequence's output moves when only another "

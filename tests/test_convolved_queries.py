@@ -27,11 +27,14 @@ class ConvolvedHeads(nn.Module):
     """q, k and v each projected, split into heads and convolved along the sequence per channel (causal: padded on
     the left; `same`: padded on both sides by the convolution itself), then attention. `bug`: "no transpose" (heads
     merged by a reshape of (B, H, T, d) straight to (B, T, D)), "shifted" (each row given the previous token's
-    query, an off-by-one). `conv`: False leaves the convolution out; `kernel`: its size."""
+    query, an off-by-one). `conv`: False leaves the convolution out; `kernel`: its size; `sliced`: the causal
+    convolution written by hand as a sum of shifted slices, as labml-nn's Primer `efficient` writes it."""
 
-    def __init__(self, bug: str = "", conv: bool = True, same: bool = False, kernel: int = KERNEL):
+    def __init__(self, bug: str = "", conv: bool = True, same: bool = False, kernel: int = KERNEL,
+                 sliced: bool = False):
         super().__init__()
         self.bug, self.conv, self.same, self.kernel, self.d_model, self.num_heads = bug, conv, same, kernel, D, HEADS
+        self.sliced = sliced
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
         d_k = D // HEADS
         self.taps = nn.ModuleList(nn.Conv1d(d_k, d_k, kernel, groups=d_k, padding=(kernel - 1) // 2 if same else 0)
@@ -39,6 +42,13 @@ class ConvolvedHeads(nn.Module):
 
     def heads(self, x, i):  # (B, T, D) -> (B, H, T, d_k), convolved along T
         B, T, _ = x.shape
+        if self.sliced:  # the same causal convolution written by hand: row t gets w[j] x token t - j, j < kernel
+            x = x.view(B, T, HEADS, -1).transpose(1, 2)  # (B, H, T, d_k)
+            w = self.taps[i].weight[:, 0].flip(-1).T.reshape(self.kernel, 1, 1, -1)  # (kernel, 1, 1, d_k): w[j] x t - j
+            out = x * w[0]
+            for j in range(1, self.kernel):
+                out[:, :, j:] += x[:, :, :-j] * w[j]
+            return out
         x = x.view(B, T, HEADS, -1).permute(0, 2, 3, 1).reshape(B * HEADS, -1, T)  # (B*H, d_k, T)
         if self.conv:  # causal: token t reads t - 2 .. t; same: t - 1 .. t + 1
             x = self.taps[i](x if self.same else F.pad(x, (self.kernel - 1, 0)))
@@ -94,3 +104,55 @@ def test_the_rows_excused_are_the_convolutions_own_and_none_past_them():
     torch.manual_seed(0)
     whole = diagnostics.audit(ConvolvedHeads("no transpose", same=True, kernel=17)).result("query_locality")
     assert whole.verdict == "skip" and "leaves no row of 16 to hold" in whole.message, whole
+
+
+@pytest.mark.parametrize("init", ["default", "std 0.02"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_convolution_written_as_shifted_slices_is_read_as_one(dtype, init, std_002):
+    """labml-nn's Primer `efficient` writes its convolution as `res = x * w[0]`, then `res[i:] += x[:-i] * w[i]`: the
+    same reach, +0 to +2, read from the slices the sums add. Its twins on the same inputs fail: heads merged without
+    their transpose, and the queries shifted by one row on top of the convolution (rows +3 move)."""
+    def built(bug=""):
+        torch.manual_seed(0)
+        layer = ConvolvedHeads(bug, sliced=True)
+        return (std_002(layer) if init == "std 0.02" else layer).to(dtype)
+
+    right = diagnostics.audit(built()).result("query_locality")
+    assert right.verdict == "pass" and "(rows +0 to +2 of the query)" in right.message, right
+    assert "convolved along the sequence" in right.evidence, right
+    for bug in ("no transpose", "shifted"):
+        twin = diagnostics.audit(built(bug)).result("query_locality")
+        assert twin.verdict == "fail" and "(outside rows +0 to +2 of the query)" in twin.message, (bug, twin)
+
+
+class ShiftedQueries(ConvolvedHeads):
+    """Each head's queries replaced by the previous token's, as a shift by slices, `q[:, :, 1:] = q[:, :, :-1]` on a
+    copy (no sum with the unshifted queries: an off-by-one, not a convolution); or, `summed`, the previous token's
+    query added to each row's own (a convolution of kernel 2, written by hand)."""
+
+    def __init__(self, summed: bool = False):
+        super().__init__(conv=False)
+        self.summed = summed
+
+    def heads(self, x, i):
+        x = super().heads(x, i)
+        if i:
+            return x
+        out = x.clone()
+        if self.summed:
+            out[:, :, 1:] += x[:, :, :-1]
+        else:
+            out[:, :, 1:] = x[:, :, :-1]
+        return out
+
+
+def test_a_shift_alone_is_no_convolution():
+    """The queries moved one row on by slices fail query_locality as before (nothing excused: no sum with the query's
+    own row); the same slices added to the queries are a convolution, excused over rows +0 to +1 only."""
+    torch.manual_seed(0)
+    shifted = diagnostics.audit(ShiftedQueries()).result("query_locality")
+    assert shifted.verdict == "fail" and shifted.message == "an output row depends on other queries than its own", \
+        shifted
+    torch.manual_seed(0)
+    summed = diagnostics.audit(ShiftedQueries(summed=True)).result("query_locality")
+    assert summed.verdict == "pass" and "(rows +0 to +1 of the query)" in summed.message, summed

@@ -152,8 +152,15 @@ def test_perceivers_known_failure_is_confirmed_by_a_plain_script():
     assert rows == [5], rows
 
 
-def test_primers_known_failure_is_confirmed_by_a_plain_script():
-    """KNOWN's reason for labml-nn's Primer EZ attention (`pip install labml-nn==0.5.1 labml==0.4.168` to run this):
+PRIMERS = ("transformers.primer_ez:MultiDConvHeadAttention", "transformers.primer_ez.variations:MultiDPHConvHeadAttention",
+           "transformers.primer_ez.variations:MultiDSharedConvHeadAttention",
+           "transformers.primer_ez.efficient:MultiDConvHeadAttention")
+
+
+@pytest.mark.parametrize("name", PRIMERS)
+def test_primers_known_failure_is_confirmed_by_a_plain_script(name):
+    """KNOWN's reason for labml-nn's Primer EZ attention (`pip install labml-nn==0.5.1 labml==0.4.168` to run this),
+    each of its four variants (the last writes its convolution by hand, as shifted slices):
     sequence-first tokens, the queries left as they are and only the keys and values of tokens 0 and 1 changed, which
     the mask blocks for every query: the outputs move (the convolution over the keys carries them into keys 2 and 3).
     Padding at the end (the last 2 keys blocked for every query, changed) and a causal mask (the tokens after 10
@@ -161,7 +168,8 @@ def test_primers_known_failure_is_confirmed_by_a_plain_script():
     import torch
 
     pytest.importorskip("labml_nn", reason="pip install labml-nn==0.5.1 labml==0.4.168")
-    layer = sp.package_build("labml_nn", "transformers.primer_ez:MultiDConvHeadAttention")
+    assert name in sp.KNOWN
+    layer = sp.package_build("labml_nn", name)
     T, B = 16, 2
     x = torch.randn(T, B, 32, generator=torch.Generator().manual_seed(0))
 

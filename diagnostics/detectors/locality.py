@@ -11,7 +11,7 @@ from .._core import Case, Inputs, perturbed
 from .._probe import Probe
 from .._registry import LONG, SEPARATE_QUERY, detector
 from .._result import DetectorResult
-from .._tracing import producer, short
+from .._tracing import producer, short, tensors
 from ._common import base_trace, invariance_locator, judge_held, perturbation_gains, rows
 from ._stacked import SEPARATE_STREAMS, stacked, stacked_cases
 
@@ -96,7 +96,86 @@ def convolved_queries(probe: Probe) -> tuple[tuple[int, int] | None, str]:
         lo += left - start - (K - 1) * dil
         hi += left - start
         where, found = where or short(op), True
+    for (shift_lo, shift_hi), at in shifted_sums(trace, T):
+        lo, hi = lo + shift_lo, hi + shift_hi
+        where, found = where or at, True
     return ((lo, hi), where) if found else (None, "")
+
+
+ELEMENTWISE = ("mul", "mul_", "div", "div_", "neg", "clone", "_to_copy", "to")
+SUMS = ("add", "add_", "sub", "sub_")
+
+
+def shifted_sums(trace, T: int) -> list[tuple[tuple[int, int], str]]:
+    """The convolutions along the sequence written by hand as sums of shifted slices (labml-nn's Primer `efficient`:
+    `res = x * w[0]`, then `res[i:] += x[:-i] * w[i]`), each as the rows it carries a query into, relative to it, and
+    its line. A sum counts where one operand is rows s_r.. of a tensor R that carries the queries X unshifted (X
+    itself, or X scaled) and the other is rows s_x.. of X (scaled), both sliced along X's token axis (its one axis of
+    length T): token t of X lands on row t + s_r - s_x of R. The shifts summed into one R are one convolution (its
+    reach: 0 and every shift); convolutions one after another add up. A shift alone (a slice or a pad with no sum
+    with the unshifted queries) is no convolution and is not read: it moves a query off its own row."""
+    made = {}  # tensor id -> the op that made it (a write in place keeps the id: its maker is still the view's)
+    for op in trace.ops:
+        for out in op.out_ids:
+            made.setdefault(out, op)
+    reach: dict[int, list] = {}  # id of R -> [lo, hi, where]
+    for op in trace.ops:
+        if op.short not in SUMS or "query" not in op.sources or len(op.in_ids) != 2:
+            continue
+        a, b = (_token_slice(trace, made, i, T) for i in op.in_ids)
+        for dest, src in ((a, b), (b, a)):
+            if dest is None or src is None or (dest[1], dest[3]) != (src[1], src[3]):
+                continue
+            (r, axis, s_r, _), (x, _, s_x, _) = dest, src
+            if _scaled_to(trace, made, r, x):
+                span = reach.setdefault(r, [0, 0, short(op)])
+                span[0], span[1] = min(span[0], s_r - s_x), max(span[1], s_r - s_x)
+                break
+    return [((lo, hi), at) for lo, hi, at in reach.values() if (lo, hi) != (0, 0)]
+
+
+def _token_slice(trace, made: dict, tensor_id: int, T: int):
+    """(id of the sliced tensor, axis, start, length) where `tensor_id` is a slice along the one axis of length T of
+    a tensor of the queries, or such a slice scaled; else None."""
+    op = made.get(tensor_id)
+    for _ in range(4):
+        if op is None:
+            return None
+        if op.short == "slice" and len(op.args) >= 3 and isinstance(op.args[0], Tensor) and op.outs \
+                and op.outs[0] is not None:
+            whole, axis = op.args[0], int(op.args[1]) % op.args[0].dim()
+            if list(whole.shape).count(T) != 1 or whole.shape[axis] != T:
+                return None
+            start = int(op.args[2] or 0)
+            return op.in_ids[0], axis, start + T if start < 0 else start, int(op.outs[0].shape[axis])
+        carried = _scaled(trace, op)
+        if carried is None:
+            return None
+        op = made.get(carried)
+    return None
+
+
+def _scaled_to(trace, made: dict, r: int, x: int) -> bool:
+    """Whether tensor `r` is `x`, or `x` scaled or copied (row t of r from row t of x alone)."""
+    for _ in range(5):
+        if r == x:
+            return True
+        op = made.get(r)
+        r = _scaled(trace, op) if op is not None else None
+        if r is None:
+            return False
+    return False
+
+
+def _scaled(trace, op) -> int | None:
+    """The one input of an elementwise op (`ELEMENTWISE`) that its output is, scaled: of its shape and of the queries,
+    every other input not of the queries; else None."""
+    if op.short not in ELEMENTWISE or not op.outs or op.outs[0] is None:
+        return None
+    ins = list(zip(op.in_ids, (x for a in op.args for x in tensors(a))))
+    of_queries = [i for i, _ in ins if "query" in trace.sources.get(i, ())]
+    same = [i for i, x in ins if x.shape == op.outs[0].shape]
+    return of_queries[0] if len(of_queries) == 1 and same == of_queries else None
 
 
 def changed_query(t: int) -> int:
