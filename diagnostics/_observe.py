@@ -687,7 +687,12 @@ class Observer(Mode):
             rec.matmuls.append(m)
             rec.order.append(m)
         elif func in _SOFTMAX:
-            s = SoftmaxCall(args[0].detach(), out.detach(), int(args[1]), self._frames(),
+            scores = args[0].detach()
+            if scores.untyped_storage().nbytes() > scores.numel() * scores.element_size():
+                # a slice of a larger tensor, which the layer may then overwrite with these weights (labml-nn's
+                # `attn[half:] = attn[half:].softmax(-1)`): kept as it was
+                scores = scores.clone()
+            s = SoftmaxCall(scores, out.detach(), int(args[1]), self._frames(),
                             unshifted=self._shifted.get(_key(args[0])))
             self._products.clear()
             self._origin.clear()
@@ -929,76 +934,134 @@ def applied_scales(record: Record) -> list[ScaleEstimate]:
     for i, event in enumerate(record.order):
         if not isinstance(event, SoftmaxCall):
             continue
-        if record.fused and event.dim not in (-1, event.output.dim() - 1):
-            # beside a fused attention call, a softmax over another axis than the keys is not the attention's: it
-            # pools (GLM-5-Next's indexer averages each pool's keys by a softmax over the pool's tokens, of a
-            # projection that its fit read as q·k multiplied by 1); the fused call is judged
-            continue
-        if _zero_scores(record, i) is not None:  # q·k is 0 everywhere: no factor can be read, and an older product
-            continue  # of the same size (a projection x @ W_q where T = d_k) is not the softmax's
-        earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
-        # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
-        beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]
-        scores = event.input if event.unshifted is None else event.unshifted
-        for m in earlier[::-1] + beside[::-1]:
-            same = m.out.numel() == event.input.numel()
-            fitted = (_fit_scale if same else _fit_beside)(scores, m.out, event.output)
-            if fitted is None and event.laid_out:  # the product's elements in the order the layer laid out the scores
-                fitted = _fit_scale(event.as_computed(scores), m.out, event.as_computed(event.output))
-            relative, added, parts = None, [], 1
-            if fitted is None and same:  # scores plus terms of each key row and column of a grid (q·R_h, q·R_w)
-                at = next(j for j, e in enumerate(record.order) if e is m)
-                relative = _fit_decomposed(scores, m.out, record.order[at + 1:i])
-                fitted = relative
-            at = where.get(id(m), i)
-            for cut in _columns(scores, m.out) if relative is None and any(at < j < i for j in sums) else []:
-                # scores plus terms added to q·k on the way (Transformer-XL's, DeBERTa's), sinks beside them or not;
-                # read beside q·k even where q·k alone fits (terms small at std 0.02): the products summed count
-                added, parts, leaves = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
-                beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
-                if beside is not None:
-                    fitted = beside
-                    ratios, tables = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
-                    gates = tuple(isinstance(leaf, GateLeaf) for each in leaves for leaf in each)
-                    break
-            else:
-                added, parts, ratios, gates, tables = [], 1, (), (), ()
-            heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
-            for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
-                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
-                                               f"head {h} of {len(heads)}", residual, matmul=m, softmax=event))
-            if heads:
-                break
-            at = next(j for j, e in enumerate(record.order) if e is m)
-            mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if _mixes_heads(e)]
-            # a (H, H) operand between q·k and the softmax, as einsum("bhij,hk->bkij") runs it: (1, H, H)
-            mixed = _fit_mixed_heads(scores, m.out, event.output, mix[0]) if fitted is None and same and mix else None
-            if mixed is not None:  # talking heads: each head's scores a mix of every head's q·k by the layer's matrix
-                s, residual = mixed
-                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs the heads' q·k "
-                                               "mixed across heads by the layer's own matrix (talking heads)",
-                                               residual, matmul=m, softmax=event))
-                break
-            if fitted is not None:
-                s, residual = fitted
-                estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul" + (
-                    ", less a term of each key's row and one of its column of the grid (decomposed relative "
-                    "positions)" if relative is not None else "") + (
-                    f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
-                    f"positions, a bias or a gate, whose own factor is not the temperature)" if added else ""),
-                    residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios,
-                    term_tables=tables,
-                    term_gates=gates))
-                found = _weights_used(record.order[i + 1:], event.output)
-                if found is not None:  # something happened to the weights between the softmax and the values
-                    used, by = found
-                    again = _fit_log_weights(used, m.out)
-                    if again is not None and _log_weights_read(event.output, m.out, s):
-                        estimates.append(ScaleEstimate(again[0] * m.factor, int(m.a.shape[-1]),
-                                                       "log of the weights that multiply the values vs q·k",
-                                                       again[1], matmul=m, softmax=event, used_by=by))
-                break
+        found = len(estimates)
+        read = _scale_of(record, i, event, estimates, sums, where)
+        part = _part_of_product(record, i, event) if read and len(estimates) == found else None
+        if part is not None:  # a softmax over one part of the batch's scores at a time (labml-nn's in-place halves)
+            m, c, n, (s, residual) = part
+            estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs part {c + 1} of {n} "
+                                           f"of the q·k matmul (the scores normalised a part of the batch at a time)",
+                                           residual, matmul=m, softmax=event))
     return estimates
+
+
+SCORE_PARTS = 8
+"""The most parts a layer's softmaxes may split one product's scores into (`_part_of_product`)."""
+
+
+def _part_of_product(record: Record, i: int, event: SoftmaxCall):
+    """(the product, which part, of how many, the fit) where the softmax's scores are one of n equal consecutive parts
+    (n <= `SCORE_PARTS`) of an earlier q·k product's elements, multiplied by one factor: a layer that normalises its
+    scores a slice of the batch at a time, in place (labml-nn's Stable Diffusion `attn[half:] =
+    attn[half:].softmax(-1)`, then the first half), which no whole product's size matches. None where none fits."""
+    size = event.input.numel()
+    scores = event.input if event.unshifted is None else event.unshifted
+    for m in [e for e in record.order[:i] if isinstance(e, Matmul)][::-1]:
+        n = m.out.numel() // max(size, 1)
+        if not 2 <= n <= SCORE_PARTS or m.out.numel() != n * size or m.out.shape[-1] != scores.shape[-1]:
+            continue
+        for c, part in enumerate(m.out.reshape(n, -1)):
+            fitted = _fit_scale(scores, part.reshape(scores.shape), event.output)
+            if fitted is not None and fitted[1] <= 0.05:
+                return m, c, n, fitted
+    return None
+
+
+def weights_in_parts(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int] | None:
+    """(the weights the values meet, which part `sm` wrote, of how many) where `sm`'s output is one of n equal
+    consecutive parts (2 <= n <= `SCORE_PARTS`) of a later product's operand: the layer normalised its scores a part
+    of the batch at a time into one tensor (labml-nn's in-place halves), whose whole, shaped as n of `sm`'s outputs
+    along their first axis, is what multiplies the values. Every part counts as that tensor holds it, also one no
+    softmax wrote (a half the layer forgot to normalise). None where no later product holds it so."""
+    out, at = sm.output, next((j for j, e in enumerate(record.order) if e is sm), None)
+    if at is None or out.dim() < 3 or not out.numel():
+        return None
+    for m in record.order[at + 1:]:
+        if not isinstance(m, Matmul):
+            continue
+        for operand in (m.a, m.b):
+            n = operand.numel() // out.numel()
+            if 2 <= n <= SCORE_PARTS and operand.numel() == n * out.numel() and operand.dtype == out.dtype:
+                parts = operand.reshape(n, -1)
+                for c in range(n):
+                    if torch.equal(parts[c], out.reshape(-1)):
+                        return operand.reshape(n * out.shape[0], *out.shape[1:]), c, n
+    return None
+
+
+def _scale_of(record: Record, i: int, event: SoftmaxCall, estimates: list, sums: list, where: dict) -> bool:
+    """`applied_scales`' estimates for the softmax `event` (the i-th event), appended to `estimates`; False where
+    the softmax is not read at all (a pooling softmax beside a fused call; q·k zero everywhere)."""
+    if record.fused and event.dim not in (-1, event.output.dim() - 1):
+        # beside a fused attention call, a softmax over another axis than the keys is not the attention's: it
+        # pools (GLM-5-Next's indexer averages each pool's keys by a softmax over the pool's tokens, of a
+        # projection that its fit read as q·k multiplied by 1); the fused call is judged
+        return False
+    if _zero_scores(record, i) is not None:  # q·k is 0 everywhere: no factor can be read, and an older product
+        return False  # of the same size (a projection x @ W_q where T = d_k) is not the softmax's
+    earlier = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() == event.input.numel()]
+    # or q·k with fewer columns than the softmax: the layer's own logits (sinks) beside the products
+    beside = [m for m in record.order[:i] if isinstance(m, Matmul) and m.out.numel() < event.input.numel()]
+    scores = event.input if event.unshifted is None else event.unshifted
+    for m in earlier[::-1] + beside[::-1]:
+        same = m.out.numel() == event.input.numel()
+        fitted = (_fit_scale if same else _fit_beside)(scores, m.out, event.output)
+        if fitted is None and event.laid_out:  # the product's elements in the order the layer laid out the scores
+            fitted = _fit_scale(event.as_computed(scores), m.out, event.as_computed(event.output))
+        relative, added, parts = None, [], 1
+        if fitted is None and same:  # scores plus terms of each key row and column of a grid (q·R_h, q·R_w)
+            at = next(j for j, e in enumerate(record.order) if e is m)
+            relative = _fit_decomposed(scores, m.out, record.order[at + 1:i])
+            fitted = relative
+        at = where.get(id(m), i)
+        for cut in _columns(scores, m.out) if relative is None and any(at < j < i for j in sums) else []:
+            # scores plus terms added to q·k on the way (Transformer-XL's, DeBERTa's), sinks beside them or not;
+            # read beside q·k even where q·k alone fits (terms small at std 0.02): the products summed count
+            added, parts, leaves = _added_terms(m.out, record.order[at + 1:i], event.output[..., cut])
+            beside = _fit_scale(scores[..., cut], m.out, event.output[..., cut], tuple(added)) if added else None
+            if beside is not None:
+                fitted = beside
+                ratios, tables = _term_ratios(scores[..., cut], m, event.output[..., cut], added, leaves)
+                gates = tuple(isinstance(leaf, GateLeaf) for each in leaves for leaf in each)
+                break
+        else:
+            added, parts, ratios, gates, tables = [], 1, (), (), ()
+        heads = _fit_per_head(scores, m.out, event.output) if fitted is None and same else []
+        for h, (s, residual) in enumerate(heads):  # a temperature of each head's own (a learned one per head)
+            estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), f"softmax input vs q·k matmul, "
+                                           f"head {h} of {len(heads)}", residual, matmul=m, softmax=event))
+        if heads:
+            break
+        at = next(j for j, e in enumerate(record.order) if e is m)
+        mix = [e.b.reshape(e.b.shape[-2:]) for e in record.order[at + 1:i] if _mixes_heads(e)]
+        # a (H, H) operand between q·k and the softmax, as einsum("bhij,hk->bkij") runs it: (1, H, H)
+        mixed = _fit_mixed_heads(scores, m.out, event.output, mix[0]) if fitted is None and same and mix else None
+        if mixed is not None:  # talking heads: each head's scores a mix of every head's q·k by the layer's matrix
+            s, residual = mixed
+            estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs the heads' q·k "
+                                           "mixed across heads by the layer's own matrix (talking heads)",
+                                           residual, matmul=m, softmax=event))
+            break
+        if fitted is not None:
+            s, residual = fitted
+            estimates.append(ScaleEstimate(s * m.factor, int(m.a.shape[-1]), "softmax input vs q·k matmul" + (
+                ", less a term of each key's row and one of its column of the grid (decomposed relative "
+                "positions)" if relative is not None else "") + (
+                f", beside {len(added)} term{'s' if len(added) > 1 else ''} added to q·k on its way (relative "
+                f"positions, a bias or a gate, whose own factor is not the temperature)" if added else ""),
+                residual, matmul=m, softmax=event, parts=parts, terms=len(added), term_ratios=ratios,
+                term_tables=tables,
+                term_gates=gates))
+            found = _weights_used(record.order[i + 1:], event.output)
+            if found is not None:  # something happened to the weights between the softmax and the values
+                used, by = found
+                again = _fit_log_weights(used, m.out)
+                if again is not None and _log_weights_read(event.output, m.out, s):
+                    estimates.append(ScaleEstimate(again[0] * m.factor, int(m.a.shape[-1]),
+                                                   "log of the weights that multiply the values vs q·k",
+                                                   again[1], matmul=m, softmax=event, used_by=by))
+            break
+    return True
 
 
 def zero_products(record: Record) -> list[Matmul]:

@@ -23,7 +23,7 @@ from ._errors import ProbeNotTaken
 from ._frames import exception_text
 from ._guard import seed_rng
 from ._layout import CHECKED, MAX_TOKENS, TokenLayout, bits, decode, laid_out, moved_rows, numbers, partition
-from ._observe import Observer, Record, fused_weights
+from ._observe import Observer, Record, fused_weights, weights_in_parts
 from ._result import ProbeShape
 from ._subject import KEY_NAMES, VALUE_NAMES, Output, Subject, not_weights
 from ._thresholds import ROW_SUM, UNCHANGED, tolerance
@@ -474,6 +474,11 @@ class Probe:
                 # is the fused call. Without a fused call it is read (a softmax over the wrong axis of the scores)
                 over_keys = sm.dim in (-1, sm.output.dim() - 1)
                 if tuple(sm.output.shape[-2:]) == (t_q, t_k) and (over_keys or not fused):
+                    parts = weights_in_parts(call.record, sm)
+                    if parts is not None:  # normalised a part of the batch at a time: the whole the values meet
+                        whole, c, n = parts
+                        return whole, (f"observed softmax output (dim={sm.dim}), part {c + 1} of {n} of the weights "
+                                       f"the values meet, read whole")
                     return sm.output, f"observed softmax output (dim={sm.dim})"
             for f in reversed(call.record.fused):
                 if f.q.shape[-2] == t_q and f.k.shape[-2] == t_k:
