@@ -61,6 +61,9 @@ from ._masks import (
 QUERY_NAMES = ("x", "hidden_states", "query", "q", "tgt", "src", "inputs", "input", "hidden", "h", "xq")
 KEY_NAMES = ("key", "k", "keys", "xk")  # xq, xk, xv: vit-pytorch's dense cross-layer attention, Llama's reference
 VALUE_NAMES = ("value", "v", "values", "xv")
+# queries that are the keys too (Reformer's shared-QK attention, `forward(qk, v)`): the query's stream, the keys made
+# from it inside the layer, so the audit gives it one stream (self-attention) and no key of its own
+QK_NAMES = ("qk", "shared_qk")
 MEMORY_NAMES = ("key_value_states", "encoder_hidden_states", "memory", "context", "kv")
 # in the order one is chosen when a layer has several; `*_key_padding_mask` are masks too
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "src_mask", "tgt_mask", "memory_mask", "encoder_attention_mask",
@@ -489,6 +492,9 @@ class Signature:
     streams: tuple[str, ...] = ()
     by_name: bool = True  # the query read by its name; False: the first parameter of no known name taken as it
     first: str = ""  # forward's first parameter, which a declared call passes x to positionally
+    # key and value parameters without a default: given the query's stream where the layer is audited as
+    # self-attention (`forward(qk, v)`: its keys are its queries, its values the same tokens)
+    required_kv: tuple[str, ...] = ()
 
 
 class ModuleSubject(Subject):
@@ -573,6 +579,8 @@ class ModuleSubject(Subject):
             kwargs.update(self.extra(query, start))
         query, key, value = self._tokens_in(query, key, value)
         kwargs[self.sig.query] = query
+        if self.form == "self_module":  # a key or value it requires (`forward(qk, v)`): the same stream again
+            kwargs.update(dict.fromkeys(self.sig.required_kv, query))
         if self.form == "qkv_module":
             kwargs[self.sig.key], kwargs[self.sig.value] = key, value
         elif self.form == "cross_module":
@@ -759,7 +767,7 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     of no known name is a second stream, left out of every call for `runs` to find what it takes (`streams`); a
     required keyword-only one is misuse, and the message suggests declaring the call (`call=`), which passes it."""
     params = _forward_parameters(layer)
-    query, key, value = _first(params, QUERY_NAMES), _first(params, KEY_NAMES), _first(params, VALUE_NAMES)
+    query, key, value = _first(params, QUERY_NAMES + QK_NAMES), _first(params, KEY_NAMES), _first(params, VALUE_NAMES)
     memory = _first(params, MEMORY_NAMES)
     masks = tuple(p.name for p in params if _is_mask_name(p.name))
     fixed, unknown, rotary = {}, [], False
@@ -791,8 +799,9 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
         _unknown_required(layer, unknown[0].name, _call_example(options, f"layer(x, {unknown[0].name}=..., mask=mask)"))
     optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
     optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
+    required_kv = tuple(p.name for p in params if p.name in (key, value) and p.default is p.empty)
     return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory, streams, by_name,
-                     params[0].name if params else "")
+                     params[0].name if params else "", required_kv)
 
 
 def _unknown_required(layer: nn.Module, name: str, example: str):
@@ -978,13 +987,23 @@ def _core_module(layer: nn.Module) -> bool:
     return not any(True for _ in layer.parameters()) and takes_qkv(layer)
 
 
+def queries_are_keys(subject) -> bool:
+    """Whether the layer takes its queries as its keys too, by its parameter's name (QK_NAMES: `forward(qk, v)`,
+    Reformer's shared-QK attention, which by design keeps each token from attending itself where another key is
+    allowed)."""
+    sig = getattr(subject, "sig", None)
+    return sig is not None and getattr(subject, "call", None) is None and sig.query.lower() in QK_NAMES
+
+
 def takes_qkv(layer: nn.Module) -> bool:
     """Whether the module's forward takes q, k and v, by any of the names the audit reads them by (QUERY_NAMES,
-    KEY_NAMES, VALUE_NAMES)."""
+    KEY_NAMES, VALUE_NAMES), or queries that are its keys too and values (QK_NAMES: `forward(qk, v)`)."""
     try:
         params = _forward_parameters(layer)
     except AuditUsageError:
         return False
+    if _first(params, QK_NAMES) is not None and _first(params, VALUE_NAMES) is not None:
+        return True
     return all(_first(params, names) is not None for names in (QUERY_NAMES, KEY_NAMES, VALUE_NAMES))
 
 

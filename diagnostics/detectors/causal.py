@@ -10,6 +10,7 @@ from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unrav
 from .._probe import Probe
 from .._registry import CAUSAL, LONG, NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, Site
+from .._subject import queries_are_keys
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
 from ._common import invariance_locator, judge, perturbation_gains, result
@@ -167,6 +168,16 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
                              f"position is dropped wherever its score is not among them ({int((diag <= 0).sum())} / "
                              f"{diag.numel()} queries here, {source}); with one input stream a key cannot move "
                              f"without its query, so the alignment is not measured")
+        alone = alone_on_itself(weights, base.allowed)
+        if queries_are_keys(s) and alone is not None and bool((diag[alone] > ALONE_ON_ITSELF).all()):
+            return result(det, "pass", f"every query attends its own position where it has no other key, and only "
+                          f"there ({source}): its queries are its keys (`{s.sig.query}`), and shared-QK attention "
+                          f"keeps a token from attending itself wherever another key is allowed (Reformer), by "
+                          f"design", value=float(diag[alone].min()), threshold=ALONE_ON_ITSELF,
+                          evidence=f"{int(alone.sum())} / {diag.numel()} queries have no key but their own and give "
+                                   f"it weight {float(diag[alone].min()):.3g} or more (more than {ALONE_ON_ITSELF} "
+                                   f"required: all of it, but for rounding); {int((diag <= 0).sum())} give it 0 beside "
+                                   f"other keys")
         idx = unravel(diag.argmin(), diag.shape)
         return result(det, "fail", "a query gives zero weight to its own position", value=float(diag.min()),
                        threshold=0.0, evidence=f"{int((diag <= 0).sum())} / {diag.numel()} queries give their own "
@@ -174,6 +185,29 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
                        replay=Inputs(base.query, base.key, base.value))
     return result(det, "pass", f"every query attends its own position ({source})", value=float(diag.min()),
                    threshold=0.0)
+
+
+ALONE_ON_ITSELF = 0.99
+"""The weight a query with no allowed key but its own must give it for causal_alignment to read a shared-QK layer's
+self-exclusion as by design: all of it, less rounding (bfloat16's eps 0.0078; a mask that blocks the first query's own
+key too spreads its weight over every key, 1/T each)."""
+
+
+def alone_on_itself(weights: Tensor, allowed: Tensor | None) -> Tensor | None:
+    """Where each query of these (B, [H,] T, T) causal weights has no allowed key but its own (the first, and any
+    whose earlier keys the mask blocks), as a bool of the diagonal's shape; None where no query is so (nothing to
+    tell a design that excludes the diagonal from a mask that blocks it) or any other query's own weight is not 0."""
+    T = weights.shape[-1]
+    room = torch.ones(T, T, dtype=torch.bool, device=weights.device).tril()
+    if allowed is not None:
+        mask = allowed.to(weights.device)
+        room = room & (mask.unsqueeze(1) if weights.dim() == 4 and mask.dim() == 3 else mask)
+    alone = (room.sum(-1) == 1) & room.diagonal(dim1=-2, dim2=-1)
+    alone = alone.expand(weights.shape[:-1])
+    diag = weights.diagonal(dim1=-2, dim2=-1)
+    if not bool(alone.any()) or bool((diag[~alone] != 0).any()):
+        return None
+    return alone
 
 
 def top_k(weights: Tensor, allowed: Tensor | None) -> int | None:
