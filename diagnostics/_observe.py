@@ -873,6 +873,13 @@ def _summed_with_values(later: list, weights: Tensor) -> int | None:
     return None
 
 
+def values_axis(record: Record, sm: SoftmaxCall) -> int | None:
+    """The axis of the softmax's output (as recorded) that the first later product reading it sums its values over,
+    or None where none reads it as it is (`_summed_with_values`)."""
+    i = next((j for j, e in enumerate(record.order) if e is sm), None)
+    return None if i is None else _summed_with_values(record.order[i + 1:], sm.output)
+
+
 _SAME_SUMS = 1e-4
 """The largest relative difference between the sorted sums of the weights along an axis and those of a product's
 operand over its contracted axis for them to be the same numbers. Measured (tests/test_observed_conventions.py's
@@ -972,7 +979,8 @@ def weights_in_parts(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int]
     consecutive parts (2 <= n <= `SCORE_PARTS`) of a later product's operand: the layer normalised its scores a part
     of the batch at a time into one tensor (labml-nn's in-place halves), whose whole, shaped as n of `sm`'s outputs
     along their first axis, is what multiplies the values. Every part counts as that tensor holds it, also one no
-    softmax wrote (a half the layer forgot to normalise). None where no later product holds it so."""
+    softmax wrote (a half the layer forgot to normalise). None where no later product holds it so, or where every
+    part is the same (one map broadcast over the batch and heads: the softmax's own output is the weights)."""
     out, at = sm.output, next((j for j, e in enumerate(record.order) if e is sm), None)
     if at is None or out.dim() < 3 or not out.numel():
         return None
@@ -982,10 +990,10 @@ def weights_in_parts(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int]
         for operand in (m.a, m.b):
             n = operand.numel() // out.numel()
             if 2 <= n <= SCORE_PARTS and operand.numel() == n * out.numel() and operand.dtype == out.dtype:
-                parts = operand.reshape(n, -1)
-                for c in range(n):
-                    if torch.equal(parts[c], out.reshape(-1)):
-                        return operand.reshape(n * out.shape[0], *out.shape[1:]), c, n
+                parts, flat = operand.reshape(n, -1), out.reshape(-1)
+                same = [torch.equal(part, flat) for part in parts]
+                if any(same) and not all(same):  # every part the same: one map broadcast to the batch, no parts
+                    return operand.reshape(n * out.shape[0], *out.shape[1:]), same.index(True), n
     return None
 
 
@@ -1680,7 +1688,20 @@ def fused_weights(f) -> Tensor:
     return scores.softmax(-1).nan_to_num(0.0)  # a row with no key: zeros, as torch's kernels give
 
 
-def not_over_tokens(record: Record, t_q: int, t_k: int) -> str:
+def summed_and_scores(record: Record, call) -> tuple:
+    """(the size its q·k product summed over, or None where no product is found; its scores' shape) of an observed
+    softmax (the last product before it with as many numbers as its scores) or fused call (its q's last axis)."""
+    if isinstance(call, FusedAttention):
+        return int(call.q.shape[-1]), tuple(call.q.shape[:-1]) + (int(call.k.shape[-2]),)
+    i = next((j for j, o in enumerate(record.order) if o is call), None)
+    if not isinstance(call, SoftmaxCall) or i is None:
+        return None, ()
+    product = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
+                    and m.out.numel() == call.input.numel() and m.a.dim() >= 2), None)
+    return (None if product is None else int(product.a.shape[-1])), tuple(call.output.shape)
+
+
+def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False) -> str:
     """Why the attention the record shows is not over the tokens ('' where it is, or where nothing was seen): every
     softmax's scores have neither the queries' nor the keys' count in their last two axes (its (.., Tq, Tk), as
     `orient` lays them out), and every fused call's q and k none as their token axis (-2). DaViT's channel attention,
@@ -1688,13 +1709,16 @@ def not_over_tokens(record: Record, t_q: int, t_k: int) -> str:
     attention (identical tokens out unchanged, the recompute from the projections) do not describe. Only those axes:
     DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was
     judged as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those
-    axes: judged."""
+    axes: judged. `summed`: only where every q·k product before them sums over the tokens too (q^T k, (d, T) x (T, d):
+    channel attention's own form, as the model audit reads it), which no product of a token attention's does."""
     if not (record.softmaxes or record.fused) or record.flex:
         return ""
     tokens = {t_q, t_k}
     shapes = [tuple(sm.output.shape) for sm in record.softmaxes] + [tuple(f.q.shape[-2:-1]) + tuple(f.k.shape[-2:-1])
                                                                     for f in record.fused]
     if any(tokens & set(shape[-2:]) for shape in shapes):
+        return ""
+    if summed and any(summed_and_scores(record, c)[0] != t_k for c in (*record.softmaxes, *record.fused)):
         return ""
     seen = ", ".join(sorted({str(s) for s in shapes})[:3])
     return (f"the layer's softmax runs over scores of shape {seen}, none of whose axes past the batch is the {t_q} "

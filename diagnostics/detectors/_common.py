@@ -40,14 +40,15 @@ def result(det: str, verdict: str, message: str, **kw) -> DetectorResult:
                           **kw)
 
 
-def not_token_attention(probe: Probe, det: str) -> DetectorResult | None:
+def not_token_attention(probe: Probe, det: str, *, summed: bool = False) -> DetectorResult | None:
     """A skip saying why, where the standard probe's softmax is over something else than the tokens (channel
-    attention: `_observe.not_over_tokens`); None where it is over them, or where nothing was observed."""
+    attention: `_observe.not_over_tokens`, with its `summed`); None where it is over them, or where nothing was
+    observed."""
     base = probe.base()
     if not base.ok or base.record is None:
         return None
     t = probe.subject.time_dim
-    why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t])
+    why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t], summed=summed)
     return DetectorResult(det, "skip", NOT_APPLICABLE + why) if why else None
 
 

@@ -7,14 +7,14 @@ import math
 import torch
 
 from .._core import not_run, skip, unravel
-from .._observe import fused_weights, learned_keys, pooled_keys, pooled_shape
+from .._observe import fused_weights, learned_keys, pooled_keys, pooled_shape, values_axis
 from .._probe import Probe
-from .._registry import detector
+from .._registry import NOT_APPLICABLE, detector
 from .._result import DetectorResult, Site
 from .._subject import own_query_mask
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
 from .._tracing import SOFTMAXES, site, trace_call, weights_origin
-from ._common import result
+from ._common import not_token_attention, result
 from ._stacked import PADDED, stacked_baseline, stacked_cases
 
 
@@ -85,6 +85,8 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                            (fused_weights(keys.fused), "weights of the observed fused attention call (recomputed "
                                                        "from its inputs)"))
         source += f", over the {T} keys and {keys.describe()}"
+    if weights is None and (channels := _channel_weights(probe, det)) is not None:
+        return channels  # channel attention (XCA's, DaViT's): its weights are between a head's channels, not over keys
     unmasked = call.allowed is None or bool(call.allowed.all())
     pooled = pooled_keys(call.record, T, T, B, s.num_heads) if weights is None and unmasked and call.record is not None \
         else None
@@ -151,6 +153,32 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
                                 f"softmax over any axis nearly uniform)")
     return result(det, "pass", f"all {total} weight rows sum to 1 and no weight is negative ({source})",
                    value=worst, threshold=tol, margin=_row_sum_margin(s.dtype))
+
+
+def _channel_weights(probe: Probe, det: str) -> DetectorResult | None:
+    """For a channel attention (`_observe.not_over_tokens` with `summed`: every softmax over (.., d, d) scores of q^T k,
+    a product over the tokens; XCA's, DaViT's), whether each softmax normalises the axis its values are then summed
+    over, read from the axes themselves (a softmax over the other axis of near-uniform weights sums to 1 within
+    rounding either way); None where the layer is no channel attention."""
+    other = not_token_attention(probe, det, summed=True)
+    if other is None:
+        return None
+    record = probe.base().record
+    read = [(sm, values_axis(record, sm)) for sm in record.softmaxes]
+    said = other.message.removeprefix(NOT_APPLICABLE)
+    if not read or any(axis is None for _, axis in read):
+        return skip(det, f"not measured: no product was seen to read the channel weights as they are ({said})")
+    wrong = [(sm, axis) for sm, axis in read if axis % sm.output.dim() != sm.dim % sm.output.dim()]
+    if wrong:
+        sm, axis = wrong[0]
+        return result(det, "fail", "channel attention weights are not a distribution over the channels its values "
+                      "are summed over", value=1.0, threshold=0.0,
+                      evidence=f"a softmax over scores of shape {tuple(sm.output.shape)} normalises axis {sm.dim}, and "
+                               f"the product that reads its weights sums the values over axis {axis}; {said}")
+    shapes = ", ".join(sorted({str(tuple(sm.output.shape)) for sm, _ in read}))
+    return result(det, "pass", f"each softmax normalises the axis its values are summed over (channel attention: "
+                               f"weights between a head's channels, {shapes}; none over the tokens)",
+                  value=0.0, threshold=0.0, evidence=said)
 
 
 def _exact_row_sums(record, weights, rows, batch: int, t_q: int, t_k: int) -> tuple[float, int] | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .._observe import Affine, FusedAttention, Matmul, Mode, Observer, SoftmaxCall
+from .._observe import Affine, FusedAttention, Matmul, Mode, Observer, SoftmaxCall, summed_and_scores
 from ._runner import Runner
 
 TORCH_ATTENTION = (nn.MultiheadAttention,)
@@ -241,7 +241,7 @@ class ModuleWatch:
         tokens = None if x is None else int(x.shape[1]) if x.dim() == 3 else int(x.shape[2] * x.shape[3])
         for c in calls:
             if id(c) not in self._axes:
-                self._axes[id(c)] = _summed_and_scores(self.observer.record, c)
+                self._axes[id(c)] = summed_and_scores(self.observer.record, c)
         if x is not None and all(_per_token(self._axes[id(c)][1], self._projected(c), x) for c in calls):
             entry = self.own.setdefault(path, [0, self._axes[id(calls[0])][1]])
             entry[0] += 1
@@ -433,19 +433,6 @@ def _per_token(scores: tuple, projected: bool, x: Tensor) -> bool:
     counts = {int(x.shape[1]), int(x.shape[2] * x.shape[3]), int(x.shape[1] * x.shape[2])}
     return tuple(scores[:2]) == tuple(x.shape[:2]) and scores[-2] == scores[-1] == int(x.shape[2]) \
         and scores[-1] not in counts
-
-
-def _summed_and_scores(record, call) -> tuple:
-    """(the size its q·k product summed over, or None where no product is found; its scores' shape) of an observed
-    softmax (the last product before it with as many numbers as its scores) or fused call (its q's last axis)."""
-    if isinstance(call, FusedAttention):
-        return int(call.q.shape[-1]), tuple(call.q.shape[:-1]) + (int(call.k.shape[-2]),)
-    i = next((j for j, o in enumerate(record.order) if o is call), None)
-    if not isinstance(call, SoftmaxCall) or i is None:
-        return None, ()
-    product = next((m for m in reversed(record.order[:i]) if isinstance(m, Matmul)
-                    and m.out.numel() == call.input.numel() and m.a.dim() >= 2), None)
-    return (None if product is None else int(product.a.shape[-1])), tuple(call.output.shape)
 
 
 def compiled_paths(model: nn.Module) -> list[str]:
