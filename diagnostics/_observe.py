@@ -1709,8 +1709,10 @@ def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False)
     attention (identical tokens out unchanged, the recompute from the projections) do not describe. Only those axes:
     DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was
     judged as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those
-    axes: judged. `summed`: only where every q·k product before them sums over the tokens too (q^T k, (d, T) x (T, d):
-    channel attention's own form, as the model audit reads it), which no product of a token attention's does."""
+    axes: judged. `summed`: only where every q·k product before them sums over an axis of the tokens' count too and
+    its scores are square (q^T k, (d, T) x (T, d): a head's channels by its channels, channel attention's own form),
+    which no token attention's are (a bucketed one's (buckets, look-around) scores over a head of the tokens' width
+    are not square)."""
     if not (record.softmaxes or record.fused) or record.flex:
         return ""
     tokens = {t_q, t_k}
@@ -1718,7 +1720,8 @@ def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False)
                                                                     for f in record.fused]
     if any(tokens & set(shape[-2:]) for shape in shapes):
         return ""
-    if summed and any(summed_and_scores(record, c)[0] != t_k for c in (*record.softmaxes, *record.fused)):
+    if summed and any(summed_and_scores(record, c)[0] != t_k or len(set(shape[-2:])) != 1
+                      for c, shape in zip((*record.softmaxes, *record.fused), shapes)):
         return ""
     seen = ", ".join(sorted({str(s) for s in shapes})[:3])
     return (f"the layer's softmax runs over scores of shape {seen}, none of whose axes past the batch is the {t_q} "

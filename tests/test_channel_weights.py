@@ -6,8 +6,10 @@ tokens. The layer audit was inconclusive on it ("the attention itself was not me
 tokens), the checks of token attention being not applicable; a layer that names its heads passed, its weights read as
 over 8 keys "the layer makes of its own from the 16 tokens (pooled: a spatial reduction)", which they are not.
 `weight_row_sums` now measures what such weights must be: each softmax normalises the axis its values are then summed over, read from the axes themselves. Only where every
-softmax's q·k product sums over the tokens (channel attention's own form, as the model audit reads it). Twins on the
-same inputs: the softmax over the other axis fails; a token attention is judged as before.
+softmax's q·k product sums over the tokens and its scores are square (channel attention's own form), and again so in
+one more call at twice the length (a head as wide as the probe is long reads the same at one length: windows of 4
+tokens over heads of 16 at T = 16, tests/test_tagged_layout.py and tests/test_layer_causes.py, stay token attention).
+Twins on the same inputs: the softmax over the other axis fails; a token attention is judged as before.
 """
 
 from __future__ import annotations
