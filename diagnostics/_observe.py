@@ -1710,8 +1710,8 @@ def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False)
     DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was
     judged as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those
     axes: judged. `summed`: only where every q·k product before them sums over an axis of the tokens' count too and
-    its scores are square (q^T k, (d, T) x (T, d): a head's channels by its channels, channel attention's own form),
-    which no token attention's are (a bucketed one's (buckets, look-around) scores over a head of the tokens' width
+    its scores are square past a batch axis (q^T k, (d, T) x (T, d): a head's channels by its channels, channel
+    attention's own form; (B, B) scores of (B, T) rows attend across the batch), which no token attention's are (a bucketed one's (buckets, look-around) scores over a head of the tokens' width
     are not square)."""
     if not (record.softmaxes or record.fused) or record.flex:
         return ""
@@ -1720,7 +1720,7 @@ def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False)
                                                                     for f in record.fused]
     if any(tokens & set(shape[-2:]) for shape in shapes):
         return ""
-    if summed and any(summed_and_scores(record, c)[0] != t_k or len(set(shape[-2:])) != 1
+    if summed and any(summed_and_scores(record, c)[0] != t_k or len(set(shape[-2:])) != 1 or len(shape) < 3
                       for c, shape in zip((*record.softmaxes, *record.fused), shapes)):
         return ""
     seen = ", ".join(sorted({str(s) for s in shapes})[:3])

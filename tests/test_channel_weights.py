@@ -77,3 +77,25 @@ def test_a_token_attention_is_judged_as_before():
     torch.manual_seed(0)
     rows = diagnostics.audit(Tokens()).result("weight_row_sums")
     assert rows.verdict == "pass" and "sum to 1" in rows.message and "channel" not in rows.message, rows
+
+
+class AcrossTheBatch(nn.Module):
+    """Scalar q, k and v per position, (B, T) each, multiplied as matrices: q @ k^T is (B, B), attention across the
+    batch (timm 1.0.31's CSATv2 SpatialTransformerBlock writes its attention so, csatv2.py:413). Square scores of a
+    product over the tokens, but no channels: never read as channel attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.d_model, self.num_heads = 1, 1
+        self.qkv = nn.Linear(1, 3, bias=False)
+
+    def forward(self, x):  # (B, T, 1)
+        q, k, v = self.qkv(x).unbind(-1)  # (B, T) each
+        return ((q @ k.transpose(-1, -2)).softmax(-1) @ v).unsqueeze(-1)
+
+
+def test_attention_across_the_batch_is_not_channel_attention():
+    torch.manual_seed(0)
+    report = diagnostics.audit(AcrossTheBatch())
+    assert "channel" not in report.result("weight_row_sums").message, report.result("weight_row_sums")
+    assert report.result("batch_independence").verdict == "fail", report.result("batch_independence")

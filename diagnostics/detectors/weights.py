@@ -167,7 +167,7 @@ def _channel_weights(probe: Probe, det: str) -> DetectorResult | None:
     read = [(sm, values_axis(record, sm)) for sm in record.softmaxes]
     said = other.message.removeprefix(NOT_APPLICABLE)
     if not read or any(axis is None for _, axis in read):
-        return skip(det, f"not measured: no product was seen to read the channel weights as they are ({said})")
+        return skip(det, f"no product was seen to read the channel weights as they are ({said})")
     wrong = [(sm, axis) for sm, axis in read if axis % sm.output.dim() != sm.dim % sm.output.dim()]
     if wrong:
         sm, axis = wrong[0]
