@@ -295,10 +295,14 @@ class Record:
     # products of a softmax's weights with values read at points (grid_sample): deformable attention weighs the memory
     # it sampled so (`Observer._lineage`)
     weighed_samples: int = 0
+    # how many products of softmax weights with values gathered by unfold (im2col: each location's k x k
+    # neighbourhood) the forward made: VOLO's outlook attention (`Observer._lineage`)
+    weighed_unfolds: int = 0
 
 
 _SAMPLERS = frozenset(getattr(aten, n) for n in ("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
                       if hasattr(aten, n))  # overload packets
+_GATHERS = frozenset(getattr(aten, n) for n in ("im2col",) if hasattr(aten, n))  # unfold: neighbourhoods gathered
 _FLEX: tuple = ()
 
 
@@ -361,6 +365,7 @@ class Observer(Mode):
         self._keep: list[Tensor] = []  # keeps storages alive so that their addresses are not reused
         self._origin: dict[tuple, Matmul] = {}  # key -> the product its values were read from (`Sum.origins`)
         self._sampled: set[tuple] = set()  # keys of values read at points (grid_sample) and of what moved them
+        self._unfolded: set[tuple] = set()  # keys of values gathered by unfold (im2col) and of what moved them
         self._normalised: set[tuple] = set()  # keys of softmax weights and of what moved them
         self._shifted: dict[tuple, Tensor] = {}  # a row-shifted tensor (s - s.amax(-1)) -> s
         self._flex_compile: list = []  # the eager flex_attention's switches as each entry found them
@@ -504,17 +509,21 @@ class Observer(Mode):
                 self._origin.pop(_key(o), None)
 
     def _lineage(self, func, packet, args, outs) -> None:
-        """Follow values read at points (a grid_sample's output) and softmax weights through the ops that only move
-        them (`_CARRY`, stack, cat), and count a product of the two (`Record.weighed_samples`): deformable attention
-        weighs each sampled point by its weight. A grid_sample whose output no softmax's weights multiply (a table
+        """Follow values read at points (a grid_sample's output), values gathered by unfold (im2col) and softmax
+        weights through the ops that only move them (`_CARRY`, stack, cat), and count a product of weights with either
+        (`Record.weighed_samples`, `Record.weighed_unfolds`): deformable attention weighs each sampled point by its
+        weight, outlook attention each location's neighbours. A grid_sample whose output no softmax's weights multiply (a table
         resized, a position read) is none."""
         ins = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
         keys = {_key(x) for x in ins}
-        if packet in (aten.mul, aten.mul_, aten.bmm, aten.matmul, aten.mm) and len(ins) == 2 \
-                and keys & self._sampled and keys & self._normalised:
-            self.record.weighed_samples += 1
+        if packet in (aten.mul, aten.mul_, aten.bmm, aten.matmul, aten.mm) and len(ins) == 2 and keys & self._normalised:
+            if keys & self._sampled:
+                self.record.weighed_samples += 1
+            if keys & self._unfolded:
+                self.record.weighed_unfolds += 1
         moved = {_key(ins[0])} if func in _CARRY and ins else keys if packet in (aten.cat, aten.stack) else set()
-        for held, made in ((self._sampled, packet in _SAMPLERS), (self._normalised, func in _SOFTMAX)):
+        for held, made in ((self._sampled, packet in _SAMPLERS), (self._unfolded, packet in _GATHERS),
+                           (self._normalised, func in _SOFTMAX)):
             follows = made or bool(moved & held)
             for o in outs:  # an output at an address another tensor had is that tensor no more (held: no copy kept)
                 if isinstance(o, Tensor):
@@ -613,7 +622,8 @@ class Observer(Mode):
     def _note(self, func, name, packet, args, kwargs, out):
         rec = self.record
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if packet in _SAMPLERS or func in _SOFTMAX or self._sampled or self._normalised:
+        if packet in _SAMPLERS or packet in _GATHERS or func in _SOFTMAX or self._sampled or self._unfolded \
+                or self._normalised:
             self._lineage(func, packet, args, outs)
         if packet is aten.sub and len(args) > 1 and isinstance(args[1], Tensor) and _row_constant(args[0], args[1]):
             self._shifted[_key(out)] = args[0].detach()  # scores less each row's max: the softmax reads the same

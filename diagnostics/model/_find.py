@@ -178,7 +178,7 @@ class ModuleWatch:
         self.shapes: dict = {}  # {path: the shapes of the scores of a call that mixed channels}
         self._axes: dict = {}  # {id(softmax or fused call): (the size its q·k product sums over, its scores' shape)}
         self.routes: dict = {}  # {path: (calls whose every softmax runs over a weight's outputs, (scores, weight))}
-        self.sampled: dict = {}  # {path: (scores, weight)} of deformable attention (see `deformable`)
+        self.sampled: dict = {}  # {path: (scores, weight, how read)} of deformable and outlook attention (`deformable`)
         self.own: dict = {}  # {path: [calls whose every softmax weighs each token's own items (`_per_token`), scores]}
         self._weights: set | None = None  # the storages of the model's parameters (`_over_weight`), read once
         self._over: dict = {}  # {id(softmax or fused call): `_over_weight`'s answer}
@@ -190,12 +190,13 @@ class ModuleWatch:
 
     def _pre(self, m, args, kwargs):
         record = self.observer.record
-        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex), record.weighed_samples))
+        self.stack.append((m, len(record.softmaxes), len(record.fused), len(record.flex), record.weighed_samples,
+                           record.weighed_unfolds))
 
     def _post(self, m, args, kwargs, out):
         if not (self.stack and self.stack[-1][0] is m):
             return
-        _, s0, f0, x0, g0 = self.stack.pop()
+        _, s0, f0, x0, g0, u0 = self.stack.pop()
         record = self.observer.record
         soft = [s for s in record.softmaxes[s0:] if s.output.dim() >= 3 and s.output.shape[-1] >= 2
                 and (s.dim in (-1, s.output.dim() - 1) or self._over_queries(s))]
@@ -214,9 +215,10 @@ class ModuleWatch:
         # its bug, is still a softmax the layer meant as its attention); a (T, T) product tells nothing: a chunked
         # delta rule makes one of its decays and keys, as a softmax written with an exponential of its own does
         self.flex[path] = self.flex.get(path, 0) + len(record.flex[x0:]) + len(record.softmaxes[s0:])
-        split = [self._over_weight(c, split=True) for c in soft] if record.weighed_samples > g0 and not fused else []
-        if split and all(split):  # weights over sampling points weighing values read there: see `deformable`
-            self.sampled[path] = split[0]
+        gathered = "unfold" if record.weighed_unfolds > u0 else "grid_sample" if record.weighed_samples > g0 else ""
+        split = [self._over_weight(c, split=True) for c in soft] if gathered and not fused else []
+        if split and all(split):  # weights over sampling points or neighbours weighing values read there: `deformable`
+            self.sampled[path] = (*split[0], gathered)
         elif soft or fused:
             self._mixes(path, args, kwargs, soft + fused)
         if self.on_return is not None:
@@ -378,12 +380,17 @@ class ModuleWatch:
         q·k): a mixer of another kind (`find_attention`), whose parameters the model-level checks still judge
         (gradient_flow: sampling offsets that move nothing fail there). One whose softmax runs over a weight's outputs
         and that weighs nothing it sampled (a grid_sample beside it, a softmax over every output at once) stays
-        audited: its keys may be lost, a finding."""
+        audited: its keys may be lost, a finding. Outlook attention (VOLO's) likewise: its weights over each location's
+        k x k neighbours, made from the location alone, weigh values gathered by unfold (`Record.weighed_unfolds`)."""
         return {p: f"its softmax runs over scores of shape {scores}, each head's part of a product with a {weight[0]} x "
-                   f"{weight[1]} weight of the model made from each query alone, and weighs values it read at points "
-                   f"(grid_sample): deformable attention, whose weights are over its sampling points, not over keys; "
-                   f"not audited in place as softmax attention (no (Tq, Tk) weights), the model-level checks watch it"
-                for p, (scores, weight) in self.sampled.items() if not any(self.mixes.get(p, ()))}
+                   f"{weight[1]} weight of the model made from each query alone, and weighs " + (
+                       "values it read at points (grid_sample): deformable attention, whose weights are over its "
+                       "sampling points" if how == "grid_sample" else
+                       "values it gathered from each location's neighbourhood (unfold): outlook attention (VOLO's), "
+                       "whose weights are over those neighbours") +
+                   ", not over keys; not audited in place as softmax attention (no (Tq, Tk) weights), the model-level "
+                   "checks watch it"
+                for p, (scores, weight, how) in self.sampled.items() if not any(self.mixes.get(p, ()))}
 
     def __enter__(self):
         try:
