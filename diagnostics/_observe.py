@@ -883,6 +883,32 @@ def _summed_with_values(later: list, weights: Tensor) -> int | None:
     return None
 
 
+KEYS_PARALLEL = 0.99
+"""The least cosine between each token's key and its query for `keys_are_queries` to read a product's keys as its
+queries (scaled, as Reformer's l2-normalised ones): bfloat16's rounding of both leaves them within 1e-3 of parallel;
+keys of their own projection, at any initialisation, are nowhere near (|cos| about 1/sqrt(d))."""
+
+
+def keys_are_queries(record: Record | None) -> bool:
+    """Whether the q·k product before every softmax over (T, T) scores takes each token's key parallel to its query
+    (shared-QK attention, Reformer's: the keys are the queries l2-normalised), read from the product's operands; False
+    where there is no such softmax or product."""
+    found = False
+    for i, sm in enumerate(record.order if record is not None else ()):
+        if not isinstance(sm, SoftmaxCall) or sm.input.dim() < 2 or sm.input.shape[-1] != sm.input.shape[-2]:
+            continue
+        m = next((e for e in reversed(record.order[:i]) if isinstance(e, Matmul)
+                  and e.out.numel() == sm.input.numel()), None)
+        if m is None or m.a.dim() < 2 or m.a.shape[-2] != m.b.shape[-1] or m.a.shape[-1] != m.b.shape[-2]:
+            return False
+        q, k = m.a.double(), m.b.double().transpose(-2, -1)
+        cosine = (q * k).sum(-1) / (q.norm(dim=-1) * k.norm(dim=-1)).clamp_min(1e-300)
+        if not bool((cosine > KEYS_PARALLEL).all()):
+            return False
+        found = True
+    return found
+
+
 def values_axis(record: Record, sm: SoftmaxCall) -> int | None:
     """The axis of the softmax's output (as recorded) that the first later product reading it sums its values over,
     or None where none reads it as it is (`_summed_with_values`)."""

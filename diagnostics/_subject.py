@@ -492,8 +492,8 @@ class Signature:
     streams: tuple[str, ...] = ()
     by_name: bool = True  # the query read by its name; False: the first parameter of no known name taken as it
     first: str = ""  # forward's first parameter, which a declared call passes x to positionally
-    # key and value parameters without a default: given the query's stream where the layer is audited as
-    # self-attention (`forward(qk, v)`: its keys are its queries, its values the same tokens)
+    # key and value parameters without a default of a shared-QK layer (`forward(qk, v)`: its keys are its queries):
+    # given the query's stream, as self-attention; a lone key or value of another layer is a stream `runs` tries
     required_kv: tuple[str, ...] = ()
 
 
@@ -800,6 +800,11 @@ def read_signature(layer: nn.Module, *, library: bool = False, options: dict | N
     optional = [p for p in params if p.name in (key, value, memory) and p.name is not None]
     optional_memory = bool(optional) and all(p.default is not p.empty for p in optional)
     required_kv = tuple(p.name for p in params if p.name in (key, value) and p.default is p.empty)
+    if required_kv and query.lower() not in QK_NAMES and not (key and value):
+        # a key or a value required alone (`forward(q, k)`, `forward(x, v)`): the same stream again, or a memory its
+        # keys and values are both made from? Its name does not say; a second stream that `runs` tries, as any other
+        streams, required_kv = streams + required_kv, ()
+        key, value = (None if n in streams else n for n in (key, value))
     return Signature(query, key, value, memory, masks, fixed, rotary, optional_memory, streams, by_name,
                      params[0].name if params else "", required_kv)
 
@@ -985,14 +990,6 @@ def _core_module(layer: nn.Module) -> bool:
     """Whether the layer is an attention core: a module that owns no parameters and whose forward takes q, k and v
     (by any of their names), so that the width is its caller's to choose."""
     return not any(True for _ in layer.parameters()) and takes_qkv(layer)
-
-
-def queries_are_keys(subject) -> bool:
-    """Whether the layer takes its queries as its keys too, by its parameter's name (QK_NAMES: `forward(qk, v)`,
-    Reformer's shared-QK attention, which by design keeps each token from attending itself where another key is
-    allowed)."""
-    sig = getattr(subject, "sig", None)
-    return sig is not None and getattr(subject, "call", None) is None and sig.query.lower() in QK_NAMES
 
 
 def takes_qkv(layer: nn.Module) -> bool:

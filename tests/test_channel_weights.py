@@ -9,7 +9,10 @@ over 8 keys "the layer makes of its own from the 16 tokens (pooled: a spatial re
 softmax's q·k product sums over the tokens and its scores are square (channel attention's own form), and again so in
 one more call at twice the length (a head as wide as the probe is long reads the same at one length: windows of 4
 tokens over heads of 16 at T = 16, tests/test_tagged_layout.py and tests/test_layer_causes.py, stay token attention).
-Twins on the same inputs: the softmax over the other axis fails; a token attention is judged as before.
+`keys_matter` asks what such a layer's rows must do: each reads its own token's value only (token 0's value moved
+alone through the value projection moves no other row); heads merged without moving the tokens first scramble them,
+and passed (it was inconclusive). Twins on the same inputs: the softmax over the other axis fails, the heads merged
+wrongly fail; a token attention is judged as before.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ D, HEADS = 32, 4
 class CrossCovariance(nn.Module):
     """XCA on (B, T, D) tokens: per head, q and k (B, H, d, T) l2-normalised over the tokens, a learned temperature
     per head, softmax over the channels of k, then the values' channels mixed. `bug`: "other axis" (the softmax over
-    the channels of q). `named`: False leaves the heads unnamed (BS-RoFormer's layer names none: one head assumed)."""
+    the channels of q), "merged wrongly" (out (B, H, d, T) reshaped to (B, T, D) without its permute). `named`: False leaves the heads unnamed (BS-RoFormer's layer names none: one head assumed)."""
 
     def __init__(self, bug: str = "", named: bool = True):
         super().__init__()
@@ -45,6 +48,8 @@ class CrossCovariance(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * self.temperature  # (B, H, d, d): channels of q by channels of k
         weights = scores.softmax(dim=-2 if self.bug == "other axis" else -1)
         out = weights @ v  # (B, H, d, T)
+        if self.bug == "merged wrongly":  # the heads merged without moving the tokens first: tokens scrambled
+            return self.proj(out.reshape(B, T, D))
         return self.proj(out.permute(0, 3, 1, 2).reshape(B, T, D))
 
 
@@ -63,6 +68,9 @@ def test_channel_weights_are_measured_and_the_other_axis_fails(dtype, init, name
     assert rows.verdict == "pass" and "channel attention" in rows.message, rows
     other = audit_("other axis").result("weight_row_sums")
     assert other.verdict == "fail" and "normalises axis -2" in other.evidence, other
+    assert right.result("keys_matter").verdict == "pass", right.result("keys_matter")
+    merged = audit_("merged wrongly").result("keys_matter")
+    assert merged.verdict == "fail" and "reads other tokens' values" in merged.message, merged
 
 
 def test_a_token_attention_is_judged_as_before():

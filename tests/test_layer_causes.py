@@ -291,8 +291,13 @@ def test_top_k_attention_is_not_failed_for_dropping_its_own_position():
 
 
 def test_pin_top_k_reads_the_form_of_every_row():
-    """`top_k` on (B, H, T, T) causal weights: each branch just inside and just outside."""
-    from diagnostics.detectors.causal import top_k
+    """`top_k` on (B, H, T, T) causal weights and the keys each query may attend (`causal_room`): each branch just
+    inside and just outside."""
+    from diagnostics.detectors.causal import causal_room
+    from diagnostics.detectors.causal import top_k as top_k_in
+
+    def top_k(w, allowed):
+        return top_k_in(w, causal_room(w, allowed))
 
     T = 6
     causal = torch.ones(T, T, dtype=torch.bool).tril()

@@ -6,10 +6,11 @@ like its own key). The audit did not know the parameter `qk`: the layer needed `
 and no trial call gave it its `v`), and then every probe raised for the missing `v`. A parameter named `qk` is now
 the query's stream, the keys made from it inside the layer; a key or value the layer requires is given the same
 stream (self-attention, one stream), and such a core's width is found as other cores' are. `causal_alignment`
-passes the self-exclusion only for a layer that says its queries are its keys, and only where each query attends
-itself exactly when no other key is allowed. Twins on the same inputs: a causal mask that blocks the diagonal
-(no key left for the first token) fails; the same self-exclusion in a layer whose queries are not named its keys
-fails; a missing 1/sqrt(d) fails.
+passes the self-exclusion only where the product before the softmax takes each token's key parallel to its query,
+and only where each query attends itself exactly when no other key is allowed (under the mask and a declared
+pattern). Twins on the same inputs: a causal mask that blocks the diagonal (no key left for the first token) fails;
+the same self-exclusion with keys of their own projection fails, under the name `qk` too; a missing 1/sqrt(d)
+fails; a lone required key (`forward(q, k)`) is a second stream to declare, never the same one silently.
 """
 
 from __future__ import annotations
@@ -55,10 +56,52 @@ class SharedQK(nn.Module):
 
 
 class SelfExcluding(SharedQK):
-    """The same self-exclusion in a layer that takes one stream `x`: its queries are not said to be its keys."""
+    """The same attention in a module that takes one stream `x` (as Reformer's wrapper around its core does): its keys
+    are still its queries, which the product before the softmax shows."""
 
     def forward(self, x, input_mask=None):
         return shared_qk_attention(x, x, input_mask, causal=self.causal, bug=self.bug)
+
+
+class OwnKeys(nn.Module):
+    """A causal attention with keys of their own projection that excludes each token's own key the same way (its
+    diagonal blocked, the first query left its own): not shared-QK, whatever its parameter is named."""
+
+    def __init__(self, named_qk: bool = True):
+        super().__init__()
+        self.w_k, self.named_qk = nn.Linear(8, 8, bias=False), named_qk
+
+    def forward(self, qk, v, input_mask=None):
+        T = qk.shape[1]
+        scores = qk @ self.w_k(qk).transpose(-2, -1) * qk.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.eye(T, dtype=torch.bool), SELF)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        return scores.masked_fill(future, torch.finfo(scores.dtype).min).softmax(-1) @ v
+
+
+class Chunked(SharedQK):
+    """Causal within chunks of 4 tokens, a pattern the layer builds itself: the first token of each chunk has no key
+    but its own."""
+
+    def forward(self, qk, v, input_mask=None):
+        T = qk.shape[1]
+        keys = F.normalize(qk, dim=-1)
+        scores = (qk @ keys.transpose(-2, -1) * qk.shape[-1] ** -0.5).masked_fill(torch.eye(T, dtype=torch.bool),
+                                                                                   SELF)
+        i = torch.arange(T)
+        blocked = (i[None, :] > i[:, None]) | (i[None, :] // 4 != i[:, None] // 4)
+        return scores.masked_fill(blocked, torch.finfo(scores.dtype).min).softmax(-1) @ v
+
+
+class Folded(SharedQK):
+    """Two heads folded into the batch before the core, (B x H, T, d), as Reformer's wrapper hands its core."""
+
+    def forward(self, qk, v, input_mask=None):
+        B, T, D = qk.shape
+        fold = lambda t: t.view(B, T, 2, D // 2).transpose(1, 2).reshape(B * 2, T, D // 2)
+        mask = None if input_mask is None else input_mask.repeat_interleave(2, dim=0)
+        out = shared_qk_attention(fold(qk), fold(v), mask, causal=self.causal, bug=self.bug)
+        return out.view(B, 2, T, D // 2).transpose(1, 2).reshape(B, T, D)
 
 
 def test_the_core_is_audited_zero_config():
@@ -74,7 +117,7 @@ def test_causal_self_exclusion_passes_and_the_twins_fail(dtype):
     right = diagnostics.audit(SharedQK(causal=True), mask="key_keep", causal=True, dtype=dtype)
     assert right.status == "passed", right
     alignment = right.result("causal_alignment")
-    assert "its queries are its keys (`qk`)" in alignment.message, alignment
+    assert "its keys are its queries" in alignment.message, alignment
     blocked = diagnostics.audit(SharedQK(causal=True, bug="diagonal blocked"), mask="key_keep", causal=True,
                                 dtype=dtype)
     assert blocked.status == "failed", blocked
@@ -83,8 +126,55 @@ def test_causal_self_exclusion_passes_and_the_twins_fail(dtype):
     assert unscaled.result("softmax_saturation").verdict == "fail", unscaled.result("softmax_saturation")
 
 
-def test_self_exclusion_is_excused_only_where_the_layer_says_its_queries_are_its_keys():
+def test_self_exclusion_is_excused_only_where_the_keys_are_the_queries():
+    """Read from the product before the softmax, not from a name: the same attention given one stream `x` passes; keys
+    of their own projection excluded the same way fail, under the name `qk` too."""
     one_stream = diagnostics.audit(SelfExcluding(causal=True), mask="key_keep", causal=True, d_model=8, num_heads=1)
-    alignment = one_stream.result("causal_alignment")
-    assert alignment.verdict == "fail" and alignment.message == "a query gives zero weight to its own position", \
-        alignment
+    assert one_stream.result("causal_alignment").verdict == "pass", one_stream.result("causal_alignment")
+    torch.manual_seed(0)
+    own = diagnostics.audit(OwnKeys(), mask="key_keep", causal=True).result("causal_alignment")
+    assert own.verdict == "fail" and own.message == "a query gives zero weight to its own position", own
+
+
+def test_a_pattern_of_its_own_and_heads_folded_into_the_batch():
+    """The first token of each chunk attends itself alone: the declared pattern counts in where each query has no
+    other key. Heads folded into the batch, (B x H, T, T) weights under a (B, T, T) mask, are read per sequence (the
+    check crashed on them)."""
+    chunks = diagnostics.patterns.Pattern(lambda b, h, q, kv: (kv <= q) & (kv // 4 == q // 4), "causal chunks of 4")
+    chunked = diagnostics.audit(Chunked(), mask="key_keep", causal=True, pattern=chunks)
+    assert chunked.result("causal_alignment").verdict == "pass", chunked.result("causal_alignment")
+    folded = diagnostics.audit(Folded(causal=True), mask="key_keep", causal=True)
+    assert folded.status == "passed", folded
+    blocked = diagnostics.audit(Folded(causal=True, bug="diagonal blocked"), mask="key_keep", causal=True)
+    assert blocked.result("causal_alignment").verdict == "fail", blocked.result("causal_alignment")
+
+
+class CrossK(nn.Module):
+    """Cross-attention whose memory is named `k`, its keys and values both made from it: forward(q, k). `bug`: the
+    values projected from the queries' stream."""
+
+    def __init__(self, bug=""):
+        super().__init__()
+        self.d_model, self.num_heads, self.bug = 16, 2, bug
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, q, k):
+        B, Tq, D = q.shape
+        split = lambda t: t.view(B, t.shape[1], 2, D // 2).transpose(1, 2)
+        Q, K, V = split(self.wq(q)), split(self.wk(k)), split(self.wv(q if self.bug else k))
+        w = (Q @ K.transpose(-2, -1) * (D // 2) ** -0.5).softmax(-1)
+        return self.wo((w @ V).transpose(1, 2).reshape(B, Tq, D))
+
+
+def test_a_lone_key_required_is_a_second_stream_never_the_same_one_silently():
+    """Only a shared-QK layer's required value gets the query's stream. `forward(q, k)` says nothing of what `k` is:
+    the report names the call to declare (it was audited as self-attention, and its values taken from the queries
+    passed), and under the cross-attention call the bug fails."""
+    torch.manual_seed(0)
+    right = diagnostics.audit(CrossK())
+    assert right.status == "inconclusive" and "layer(x, k=" in right.declaration, right
+    torch.manual_seed(0)
+    bug = CrossK(bug="values from q")
+    assert diagnostics.audit(bug).status != "passed"
+    declared = diagnostics.audit(bug, cross=True, call=lambda layer, x, memory: layer(x, k=memory))
+    assert declared.status == "failed", declared

@@ -52,6 +52,30 @@ def not_token_attention(probe: Probe, det: str, *, summed: bool = False) -> Dete
     return DetectorResult(det, "skip", NOT_APPLICABLE + why) if why else None
 
 
+def channel_attention(probe: Probe) -> str:
+    """Why the layer is channel attention (`_observe.not_over_tokens` with `summed`: every softmax over scores square
+    past a batch axis, (.., d, d), of q^T k, a product over the tokens; XCA's, DaViT's), read at the standard probe
+    and again at twice its length (a token attention whose head is as wide as the probe is long, windows of 4 tokens
+    over heads of 16 at T = 16, keeps both its (4, 4) scores and its product over 16; a channel attention's product
+    follows the tokens); "" where it is not. Once per audit (one observed call more where the first reading holds)."""
+    return probe.shared("channel attention", lambda: _channel_attention(probe))
+
+
+def _channel_attention(probe: Probe) -> str:
+    base = probe.base()
+    if not base.ok or base.record is None:
+        return ""
+    t = probe.subject.time_dim
+    why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t], summed=True)
+    if not why:
+        return ""
+    T = 2 * probe.t
+    call = probe.call(*probe.streams(probe.BATCH, T), probe.allowed(probe.BATCH, T, T),
+                      label=f"the standard probe at T={T} (is it channel attention?)", observe=True)
+    again = call.ok and call.record is not None and bool(not_over_tokens(call.record, T, T, summed=True))
+    return why if again else ""
+
+
 def own_queries_seen(probe: Probe) -> int | None:
     """Q, where the layer looks like one that attends with Q queries of its own (an attention-pooling head's learned
     query, Set Transformer's PMA, Perceiver's latents) and `queries=Q` was not declared: a module given one stream

@@ -7,10 +7,10 @@ import torch
 from torch import Tensor
 
 from .._core import Case, Inputs, compare, held, not_run, perturbed, skip, unravel
+from .._observe import keys_are_queries
 from .._probe import Probe
 from .._registry import CAUSAL, LONG, NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, Site
-from .._subject import queries_are_keys
 from .._thresholds import dtype_name
 from .._tracing import declared_mask, mask_sites, trace_call
 from ._common import invariance_locator, judge, perturbation_gains, result
@@ -159,21 +159,26 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
     weights, source = probe.weights(base)
     if weights is None:
         return skip(det, "one input stream and no weights: a key cannot change without its query")
+    B = base.query.shape[0]
+    if weights.dim() == 3 and weights.shape[0] != B and weights.shape[0] % B == 0:
+        weights = weights.reshape(B, -1, *weights.shape[-2:])  # heads folded into the batch, (B x H, T, T)
+    room = causal_room(weights, base.allowed, probe.pattern)
     diag = weights.double().diagonal(dim1=-2, dim2=-1)  # (..., T): each query's weight on its own position
     if bool((diag <= 0).any()):
-        k = top_k(weights, base.allowed)
+        k = top_k(weights, room)
         if k is not None:  # sparse by design: which keys a query keeps depends on the scores, not the positions
             return skip(det, f"not applicable: the layer keeps only the {k} largest weights of each query (every row "
                              f"keeps min({k}, its allowed keys) and no more: top-k attention), so a query's own "
                              f"position is dropped wherever its score is not among them ({int((diag <= 0).sum())} / "
                              f"{diag.numel()} queries here, {source}); with one input stream a key cannot move "
                              f"without its query, so the alignment is not measured")
-        alone = alone_on_itself(weights, base.allowed)
-        if queries_are_keys(s) and alone is not None and bool((diag[alone] > ALONE_ON_ITSELF).all()):
+        alone = alone_on_itself(weights, room)
+        if alone is not None and bool((diag[alone] > ALONE_ON_ITSELF).all()) and keys_are_queries(base.record):
             return result(det, "pass", f"every query attends its own position where it has no other key, and only "
-                          f"there ({source}): its queries are its keys (`{s.sig.query}`), and shared-QK attention "
-                          f"keeps a token from attending itself wherever another key is allowed (Reformer), by "
-                          f"design", value=float(diag[alone].min()), threshold=ALONE_ON_ITSELF,
+                          f"there ({source}): its keys are its queries (each key parallel to its token's query in the "
+                          f"product before the softmax), and shared-QK attention keeps a token from attending itself "
+                          f"wherever another key is allowed (Reformer), by design", value=float(diag[alone].min()),
+                          threshold=ALONE_ON_ITSELF,
                           evidence=f"{int(alone.sum())} / {diag.numel()} queries have no key but their own and give "
                                    f"it weight {float(diag[alone].min()):.3g} or more (more than {ALONE_ON_ITSELF} "
                                    f"required: all of it, but for rounding); {int((diag <= 0).sum())} give it 0 beside "
@@ -193,15 +198,24 @@ self-exclusion as by design: all of it, less rounding (bfloat16's eps 0.0078; a 
 key too spreads its weight over every key, 1/T each)."""
 
 
-def alone_on_itself(weights: Tensor, allowed: Tensor | None) -> Tensor | None:
-    """Where each query of these (B, [H,] T, T) causal weights has no allowed key but its own (the first, and any
-    whose earlier keys the mask blocks), as a bool of the diagonal's shape; None where no query is so (nothing to
-    tell a design that excludes the diagonal from a mask that blocks it) or any other query's own weight is not 0."""
+def causal_room(weights: Tensor, allowed: Tensor | None, pattern=None) -> Tensor:
+    """The keys each query of these (B, [H,] T, T) causal weights may attend: the causal ones, under the audit's mask
+    (B, T, T) and a declared pattern (a window or chunks the layer builds itself, which reach no mask)."""
     T = weights.shape[-1]
-    room = torch.ones(T, T, dtype=torch.bool, device=weights.device).tril()
-    if allowed is not None:
-        mask = allowed.to(weights.device)
-        room = room & (mask.unsqueeze(1) if weights.dim() == 4 and mask.dim() == 3 else mask)
+    room = torch.ones(T, T, dtype=torch.bool, device=weights.device).tril()  # (Tq, Tk): the causal keys
+    B = weights.shape[0]
+    for mask in (allowed, pattern.allowed(B, T, T) if pattern is not None else None):
+        if mask is not None:
+            mask = mask.to(weights.device)
+            room = room & (mask.unsqueeze(1) if weights.dim() == 4 and mask.dim() == 3 else mask)
+    return room
+
+
+def alone_on_itself(weights: Tensor, room: Tensor) -> Tensor | None:
+    """Where each query of these (B, [H,] T, T) causal weights has no key in its `room` (`causal_room`) but its own
+    (the first, and any whose earlier keys the mask or the pattern blocks), as a bool of the diagonal's shape; None
+    where no query is so (nothing to tell a design that excludes the diagonal from a mask that blocks it) or any
+    other query's own weight is not 0."""
     alone = (room.sum(-1) == 1) & room.diagonal(dim1=-2, dim2=-1)
     alone = alone.expand(weights.shape[:-1])
     diag = weights.diagonal(dim1=-2, dim2=-1)
@@ -210,15 +224,10 @@ def alone_on_itself(weights: Tensor, allowed: Tensor | None) -> Tensor | None:
     return alone
 
 
-def top_k(weights: Tensor, allowed: Tensor | None) -> int | None:
-    """k where every query of these (B, [H,] T, T) causal weights keeps exactly min(k, its allowed keys) non-zero
-    weights and some query keeps fewer than it is allowed: top-k attention. None otherwise (a mask that blocks the
-    diagonal keeps one key fewer than allowed in every row, the first row none: no k fits)."""
-    T = weights.shape[-1]
-    room = torch.ones(T, T, dtype=torch.bool, device=weights.device).tril()  # (Tq, Tk): the causal keys
-    if allowed is not None:
-        mask = allowed.to(weights.device)
-        room = room & (mask.unsqueeze(1) if weights.dim() == 4 and mask.dim() == 3 else mask)
+def top_k(weights: Tensor, room: Tensor) -> int | None:
+    """k where every query of these (B, [H,] T, T) causal weights keeps exactly min(k, the keys in its `room`,
+    `causal_room`) non-zero weights and some query keeps fewer than it is allowed: top-k attention. None otherwise (a
+    mask that blocks the diagonal keeps one key fewer than allowed in every row, the first row none: no k fits)."""
     kept = (weights > 0).sum(-1)  # (B, [H,] Tq)
     room = room.sum(-1).expand_as(kept)
     k = int(kept.max()) if kept.numel() else 0

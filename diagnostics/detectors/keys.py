@@ -18,7 +18,7 @@ from .._probe import Probe, part_replaced
 from .._registry import LONG, NOT_APPLICABLE, SEPARATE_QUERY, detector
 from .._result import DetectorResult, Site
 from .._tracing import MATMULS, op_site, stream_sites, trace_call
-from ._common import judge, not_token_attention, perturbation_gains
+from ._common import channel_attention, judge, not_token_attention, perturbation_gains
 from ._stacked import SEPARATE_STREAMS, separate_streams, stacked, stacked_cases
 
 
@@ -102,28 +102,36 @@ def _values_read(probe: Probe) -> DetectorResult:
     is the values. A skip where no value projection is found."""
     det = "keys_matter"
     other = not_token_attention(probe, det)  # channel attention (XCA's) reads each token's own value by design
-    if other is not None:
+    channels = channel_attention(probe) if other is not None else ""
+    if other is not None and not channels:
         return other
     first = None
     for nth in range(VALUE_TRIES):
         found = probe.value_projection(nth)
         if found is None:
             break
-        read = _read_through(probe, found)
+        read = _read_through(probe, found, channels=channels)
         if read.verdict == "pass":
             return read
         first = first or read
     if first is not None:
         return first
+    if channels:
+        return other
     return DetectorResult(det, "skip", NOT_APPLICABLE + "the layer takes one input stream, so a query cannot change "
                           "without its key, and no value projection was found to change its values alone (an "
                           "nn.Linear, or the last half or third of one, whose output, doubled, doubles what the output "
                           "projection is given)")
 
 
-def _read_through(probe: Probe, found) -> DetectorResult:
+CHANNELS_FIX = ("merge the heads back with the channels before the tokens: out (B, H, d, T) -> out.permute(0, 3, 1, "
+                "2).reshape(B, T, H x d), not out.reshape(B, T, H x d)")
+
+
+def _read_through(probe: Probe, found, *, channels: str = "") -> DetectorResult:
     """`_values_read` through the value projection `found`: token 0's values moved, the other rows that may attend
-    it must move."""
+    it must move; in a channel attention (`channels`: why it is one), where every row is its own token's value
+    times weights between channels, none of them may."""
     det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
     rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
     moved = probe.with_values(_moving(VALUE_GAIN, rms),
@@ -156,6 +164,14 @@ def _read_through(probe: Probe, found) -> DetectorResult:
     text = (f"token 0's values moved alone ({VALUE_GAIN:g}x their RMS, through the output of {found.name}): the "
             f"{others} moved by at most {worst:.3g} of the outputs' RMS (up to {tol:.2g} counts as unmoved for "
             f"{dtype_name(s.dtype)})")
+    if channels:  # each output row is its own token's value times the weights between channels
+        if worst <= tol:
+            return DetectorResult(det, "pass", "each output row reads its own token's value only, through weights "
+                                               "between channels (channel attention)", value=worst, threshold=tol,
+                                  evidence=f"{text}; {channels}")
+        return DetectorResult(det, "fail", "an output row reads other tokens' values, in a channel attention whose "
+                                           "rows each read their own token's", value=worst, threshold=tol,
+                              evidence=f"{text}; {channels}", fix=CHANNELS_FIX)
     if worst <= tol:
         return DetectorResult(det, "fail", "no query reads another token's value: each output row moves with its own "
                                            "token's value only", value=worst, threshold=tol, evidence=text,

@@ -7,14 +7,14 @@ import math
 import torch
 
 from .._core import not_run, skip, unravel
-from .._observe import fused_weights, learned_keys, not_over_tokens, pooled_keys, pooled_shape, values_axis
+from .._observe import fused_weights, learned_keys, pooled_keys, pooled_shape, values_axis
 from .._probe import Probe
-from .._registry import NOT_APPLICABLE, detector
+from .._registry import detector
 from .._result import DetectorResult, Site
 from .._subject import own_query_mask
 from .._thresholds import MEASURED_ROW_SUM, ROW_SUM, dtype_name, tolerance
 from .._tracing import SOFTMAXES, site, trace_call, weights_origin
-from ._common import not_token_attention, result
+from ._common import channel_attention, result
 from ._stacked import PADDED, stacked_baseline, stacked_cases
 
 
@@ -156,16 +156,14 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
 
 
 def _channel_weights(probe: Probe, det: str) -> DetectorResult | None:
-    """For a channel attention (`_observe.not_over_tokens` with `summed`: every softmax over (.., d, d) scores of q^T k,
-    a product over the tokens; XCA's, DaViT's), whether each softmax normalises the axis its values are then summed
-    over, read from the axes themselves (a softmax over the other axis of near-uniform weights sums to 1 within
+    """For a channel attention (`_common.channel_attention`: XCA's, DaViT's), whether each softmax normalises the axis
+    its values are then summed over, read from the axes themselves (a softmax over the other axis of near-uniform weights sums to 1 within
     rounding either way); None where the layer is no channel attention."""
-    other = not_token_attention(probe, det, summed=True)
-    if other is None or not _channels_at(probe, 2 * probe.t):
+    said = channel_attention(probe)
+    if not said:
         return None
     record = probe.base().record
     read = [(sm, values_axis(record, sm)) for sm in record.softmaxes]
-    said = other.message.removeprefix(NOT_APPLICABLE)
     if not read or any(axis is None for _, axis in read):
         return skip(det, f"no product was seen to read the channel weights as they are ({said})")
     wrong = [(sm, axis) for sm, axis in read if axis % sm.output.dim() != sm.dim % sm.output.dim()]
@@ -179,16 +177,6 @@ def _channel_weights(probe: Probe, det: str) -> DetectorResult | None:
     return result(det, "pass", f"each softmax normalises the axis its values are summed over (channel attention: "
                                f"weights between a head's channels, {shapes}; none over the tokens)",
                   value=0.0, threshold=0.0, evidence=said)
-
-
-def _channels_at(probe: Probe, t: int) -> bool:
-    """Whether the layer reads as channel attention again at `t` tokens: a channel attention's scores keep their
-    (d, d) while its product's sum over the tokens follows them; a token attention whose head is as wide as the
-    probe is long (windows of 4 tokens over heads of 16 at T = 16: its (4, 4) scores of a product over 16) keeps
-    both. One observed call; False where it raises."""
-    call = probe.call(*probe.streams(probe.BATCH, t), probe.allowed(probe.BATCH, t, t),
-                      label=f"the standard probe at T={t} (is it channel attention?)", observe=True)
-    return call.ok and call.record is not None and bool(not_over_tokens(call.record, t, t, summed=True))
 
 
 def _exact_row_sums(record, weights, rows, batch: int, t_q: int, t_k: int) -> tuple[float, int] | None:
