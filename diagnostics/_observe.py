@@ -1011,12 +1011,24 @@ def _part_of_product(record: Record, i: int, event: SoftmaxCall):
 
 
 def weights_in_parts(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int] | None:
-    """(the weights the values meet, which part `sm` wrote, of how many) where `sm`'s output is one of n equal
-    consecutive parts (2 <= n <= `SCORE_PARTS`) of a later product's operand: the layer normalised its scores a part
-    of the batch at a time into one tensor (labml-nn's in-place halves), whose whole, shaped as n of `sm`'s outputs
-    along their first axis, is what multiplies the values. Every part counts as that tensor holds it, also one no
-    softmax wrote (a half the layer forgot to normalise). None where no later product holds it so, or where every
-    part is the same (one map broadcast over the batch and heads: the softmax's own output is the weights)."""
+    """(the weights the values meet, which part `sm` or a softmax of its shape wrote, of how many) where the output of
+    `sm`, or of another softmax of the same shape (the part it wrote may have been changed since: a mask after the
+    softmax in the last part normalised), is one of n equal consecutive parts (2 <= n <= `SCORE_PARTS`) of a later
+    product's operand: the layer normalised its scores a part of the batch at a time into one tensor (labml-nn's
+    in-place halves), whose whole, shaped as n of `sm`'s outputs along their first axis, is what multiplies the
+    values. Every part counts as that tensor holds it, also one no softmax wrote (a half the layer forgot to
+    normalise). None where no later product holds one so, or where every part is the same (one map broadcast over
+    the batch and heads: the softmax's own output is the weights)."""
+    shape = sm.output.shape
+    siblings = [e for e in record.order if isinstance(e, SoftmaxCall) and e.output.shape == shape and e is not sm]
+    for candidate in (sm, *siblings[::-1]):
+        found = _part_of_operand(record, candidate)
+        if found is not None:
+            return found
+    return None
+
+
+def _part_of_operand(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int] | None:
     out, at = sm.output, next((j for j, e in enumerate(record.order) if e is sm), None)
     if at is None or out.dim() < 3 or not out.numel():
         return None

@@ -967,7 +967,9 @@ class OwnPositionBlocked(nn.Module):
         heads = x.view(B, T, 2, 8).transpose(1, 2)  # (B, H, T, d)
         keep = torch.ones(T, T, dtype=torch.bool).tril(-1 if self.blocked else 0)
         keep[0, 0] = True
-        out, weights = attention(heads, heads, heads, allowed=lambda t_q, t_k: keep)
+        # keys of their own (the channels rolled): keys parallel to the queries would be shared-QK attention, whose
+        # self-exclusion (the first query left its own key) is by design
+        out, weights = attention(heads, heads.roll(1, dims=-1), heads, allowed=lambda t_q, t_k: keep)
         return out.transpose(1, 2).reshape(B, T, 16), weights
 
 

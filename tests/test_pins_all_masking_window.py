@@ -20,7 +20,13 @@ from diagnostics._probe import Probe
 from diagnostics._subject import make_subject
 from diagnostics.detectors._mask_hints import adds_bool_mask, candidates, honoured_conventions
 from diagnostics.detectors._stacked import DECODING, _made
-from diagnostics.detectors.causal import top_k
+from diagnostics.detectors.causal import causal_room
+from diagnostics.detectors.causal import top_k as top_k_in
+
+
+def top_k(weights, allowed):
+    """`top_k` over the keys `causal_room` gives each query under `allowed`."""
+    return top_k_in(weights, causal_room(weights, allowed))
 from diagnostics.model.window import declared_pattern
 
 

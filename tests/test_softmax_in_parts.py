@@ -25,7 +25,9 @@ D, HEADS = 32, 4
 class HalvesAttention(nn.Module):
     """Self- or cross-attention on (B, T, D) tokens whose softmax runs in place over each half of the batch, as
     labml-nn's Stable Diffusion U-Net writes it. `bug`: "unscaled" (no 1/sqrt(d_k)), "queries axis" (the first half
-    normalised over the queries), "one half" (the second half's softmax left out)."""
+    normalised over the queries), "one half" (the second half's softmax left out), "zeroed after" (the half normalised
+    last has its future keys zeroed after its softmax: that part no longer equals the softmax's output, the other
+    part's does)."""
 
     def __init__(self, bug: str = ""):
         super().__init__()
@@ -44,6 +46,9 @@ class HalvesAttention(nn.Module):
         attn[half:] = attn[half:].softmax(dim=-2 if self.bug == "queries axis" else -1)
         if self.bug != "one half":
             attn[:half] = attn[:half].softmax(dim=-1)
+        if self.bug == "zeroed after":  # the half normalised last, its future keys zeroed after the softmax
+            T = attn.shape[-1]
+            attn[:half] = attn[:half].masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), 0.0)
         out = torch.einsum("bhij,bjhd->bihd", attn, v)
         return self.to_out(out.reshape(*out.shape[:2], -1))
 
@@ -66,7 +71,7 @@ def test_scores_normalised_half_a_batch_at_a_time_are_read(dtype, init, std_002)
     assert unscaled.verdict == "fail", unscaled
 
 
-@pytest.mark.parametrize("bug", ["queries axis", "one half"])
+@pytest.mark.parametrize("bug", ["queries axis", "one half", "zeroed after"])
 def test_a_half_normalised_wrong_fails(bug):
     failed = [r.detector for r in _audit(bug).results if r.verdict == "fail"]
     assert "weight_row_sums" in failed, failed

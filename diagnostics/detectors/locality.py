@@ -11,7 +11,7 @@ from .._core import Case, Inputs, perturbed
 from .._probe import Probe
 from .._registry import LONG, SEPARATE_QUERY, detector
 from .._result import DetectorResult
-from .._tracing import producer, short, tensors
+from .._tracing import SOFTMAXES, qk_matmul, short, tensors, trace_call
 from ._common import base_trace, invariance_locator, judge_held, perturbation_gains, rows
 from ._stacked import SEPARATE_STREAMS, stacked, stacked_cases
 
@@ -55,83 +55,137 @@ def check_query_locality(probe: Probe) -> DetectorResult:
 
 
 def convolved_queries(probe: Probe) -> tuple[tuple[int, int] | None, str]:
-    """The rows, relative to a query, that the 1-D convolutions along the sequence on the queries' path carry it into
-    ((lo, hi), summed over those convolutions), and where the first is (file:line), from the standard call's trace;
-    (None, "") where there is none, or one whose geometry is not read. Each convolution's input depends on the queries
-    and holds the T tokens, padded (by its own `padding` and a constant pad just before it) on the left by P_l; its
-    output is T long, or cropped to T by a slice just after it from s: output row r reads tokens r + s - P_l + j x
-    dilation (j < K), so query p reaches rows p - s + P_l - (K - 1) x dilation .. p - s + P_l (a causal convolution:
-    p .. p + K - 1; a "same" one: p - (K - 1) / 2 .. p + (K - 1) / 2)."""
-    trace, T = base_trace(probe), probe.t
+    """The rows, relative to a query, that the convolutions along the sequence the queries pass through on their way
+    to the q·k product carry it into ((lo, hi)), and where the first is (file:line); (None, "") where there is none,
+    or one not read. Read from the standard call's trace (`queries_reach`) and read again, the same, from a call at
+    twice the length: an axis that happens to be as long as the probe (a head of 16 channels at T = 16) is no token
+    axis at the other length."""
+    window, where = queries_reach(base_trace(probe), probe.t)
+    if window is None:
+        return None, ""
+    T = 2 * probe.t
+    q, k, v = probe.streams(probe.BATCH, T)
+    again = trace_call(probe.subject, q, k, v, probe.allowed(probe.BATCH, T, T), seed=probe.seed)
+    return (window, where) if queries_reach(again, T)[0] == window else (None, "")
+
+
+LAYOUT = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "clone",
+                    "contiguous", "expand", "unsqueeze", "squeeze", "alias", "detach", "_to_copy"})
+"""Ops that move a tensor's numbers without combining them with others: the queries keep their rows through them."""
+
+
+def queries_reach(trace, T: int) -> tuple[tuple[int, int] | None, str]:
+    """Walk back from the query operand of the first q·k product (the matmul before the first softmax, or a fused
+    attention call's q) through ops that only lay its numbers out (`LAYOUT`): each convolution along the T tokens met
+    there (`_conv_reach`), or sum of shifted slices written into a tensor of the queries (`shifted_sums`), adds the
+    rows it carries a query into, and the walk goes on from its input. It stops at anything else: a convolution beside
+    the queries (a gate's, one head group's of several, concatenated) or after some other op excuses nothing, nor
+    does a shift alone (a pad, a cat)."""
+    first = next((i for i, op in enumerate(trace.ops) if op.short in SOFTMAXES or "scaled_dot_product" in op.name),
+                 None)
+    if first is None:
+        return None, ""
+    op = trace.ops[first]
+    product = op if "scaled_dot_product" in op.name else qk_matmul(trace, first)
+    if product is None or not product.in_ids or "query" not in product.sources:
+        return None, ""
+    made: dict = {}  # tensor id -> the op that made it (a write in place keeps the id: its maker is the first)
+    for o in trace.ops:
+        for out in o.out_ids:
+            made.setdefault(out, o)
+    sums = shifted_sums(trace, made, T)
     lo = hi = 0
-    where, found = "", False
-    for op in trace.ops:
-        if op.short != "convolution" or "query" not in op.sources or len(op.args) < 9:
+    where, found, at = "", False, product.in_ids[0]
+    for _ in range(64):
+        maker = made.get(at)
+        if maker is None:
+            break
+        read = sums.get(at) or (_conv_reach(trace, made, maker, T) if maker.short in ("convolution", "slice") else None)
+        if read is None and maker.short in LAYOUT and maker.in_ids:
+            at = maker.in_ids[0]  # a copy written into in place is a sum's R, read above first
             continue
-        x, w, stride, padding, dilation, transposed = op.args[0], op.args[1], op.args[3], op.args[4], op.args[5], \
-            op.args[6]
-        if not isinstance(x, Tensor) or not isinstance(w, Tensor) or x.dim() != 3 or w.shape[-1] < 2:
-            continue  # a 1x1 convolution (a projection) mixes no tokens
-        if transposed or int(stride[-1]) != 1:
-            return None, ""
-        K, dil, pad = int(w.shape[-1]), int(dilation[-1]), int(padding[-1])
-        left, length = pad, x.shape[-1]
-        made = producer(trace, op.in_ids[0])
-        if made is not None and made.short == "constant_pad_nd" and length != T:
-            sides = list(made.args[1])
-            left, length = left + int(sides[0]), length - int(sides[0]) - int(sides[1])
-        if length != T:
-            return None, ""  # not the tokens, or padded in a way not read
-        out = x.shape[-1] + 2 * pad - (K - 1) * dil  # its output's length (stride 1)
-        start = 0
-        if out != T:
-            cut = next((o for o in trace.ops if o.short == "slice" and op.out_ids and op.out_ids[0] in o.in_ids), None)
-            if cut is None or len(cut.args) < 3 or int(cut.args[1]) not in (-1, 2):
-                return None, ""
-            start = int(cut.args[2] or 0)
-            end = cut.args[3] if len(cut.args) > 3 and cut.args[3] is not None else out
-            end = int(end) if int(end) >= 0 else out + int(end)
-            if min(end, out) - start != T:
-                return None, ""
-        lo += left - start - (K - 1) * dil
-        hi += left - start
-        where, found = where or short(op), True
-    for (shift_lo, shift_hi), at in shifted_sums(trace, T):
-        lo, hi = lo + shift_lo, hi + shift_hi
-        where, found = where or at, True
+        if read is None:
+            break
+        (a, b), line, at = read
+        lo, hi, where, found = lo + a, hi + b, where or line, True
     return ((lo, hi), where) if found else (None, "")
 
 
+def _conv_reach(trace, made: dict, op, T: int):
+    """((lo, hi), its line, its input's id) of a 1-D convolution along the T tokens (`op`, or a slice that crops one):
+    its input holds the T tokens, padded (by its own `padding` and a constant pad just before it) on the left by P_l;
+    its output is T long, or cropped to T by the slice from s: output row r reads tokens r + s - P_l + j x dilation
+    (j < K), so query p reaches rows p - s + P_l - (K - 1) x dilation .. p - s + P_l (a causal convolution: p .. p + K
+    - 1; a "same" one: p - (K - 1) / 2 .. p + (K - 1) / 2). None for anything else (a stride, a 2-D map, a 1x1
+    projection, a crop not read)."""
+    start, cut = 0, None
+    if op.short == "slice":
+        cut, op = op, made.get(op.in_ids[0]) if op.in_ids else None
+        if op is None or op.short != "convolution":
+            return None
+    if "query" not in op.sources or len(op.args) < 9:
+        return None
+    x, w, stride, padding, dilation, transposed = op.args[0], op.args[1], op.args[3], op.args[4], op.args[5], \
+        op.args[6]
+    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or x.dim() != 3 or w.shape[-1] < 2:
+        return None
+    if transposed or int(stride[-1]) != 1:
+        return None
+    K, dil, pad = int(w.shape[-1]), int(dilation[-1]), int(padding[-1])
+    left, length, source = pad, x.shape[-1], op.in_ids[0]
+    padded = made.get(op.in_ids[0])
+    if padded is not None and padded.short == "constant_pad_nd" and length != T:
+        sides = list(padded.args[1])
+        left, length, source = left + int(sides[0]), length - int(sides[0]) - int(sides[1]), padded.in_ids[0]
+    if length != T:
+        return None  # not the tokens, or padded in a way not read
+    out = x.shape[-1] + 2 * pad - (K - 1) * dil  # its output's length (stride 1)
+    if out != T:
+        if cut is None or len(cut.args) < 3 or int(cut.args[1]) not in (-1, 2):
+            return None
+        start = int(cut.args[2] or 0)
+        end = cut.args[3] if len(cut.args) > 3 and cut.args[3] is not None else out
+        end = int(end) if int(end) >= 0 else out + int(end)
+        if min(end, out) - start != T:
+            return None
+    elif cut is not None:
+        return None  # a slice of a convolution already T long: a shift, not read
+    return (left - start - (K - 1) * dil, left - start), short(op), source
+
+
 ELEMENTWISE = ("mul", "mul_", "div", "div_", "neg", "clone", "_to_copy", "to")
-SUMS = ("add", "add_", "sub", "sub_")
+SUMS = ("add_", "sub_")
 
 
-def shifted_sums(trace, T: int) -> list[tuple[tuple[int, int], str]]:
-    """The convolutions along the sequence written by hand as sums of shifted slices (labml-nn's Primer `efficient`:
-    `res = x * w[0]`, then `res[i:] += x[:-i] * w[i]`), each as the rows it carries a query into, relative to it, and
-    its line. A sum counts where one operand is rows s_r.. of a tensor R that carries the queries X unshifted (X
-    itself, or X scaled) and the other is rows s_x.. of X (scaled), both sliced along X's token axis (its one axis of
-    length T): token t of X lands on row t + s_r - s_x of R. The shifts summed into one R are one convolution (its
-    reach: 0 and every shift); convolutions one after another add up. A shift alone (a slice or a pad with no sum
-    with the unshifted queries) is no convolution and is not read: it moves a query off its own row."""
-    made = {}  # tensor id -> the op that made it (a write in place keeps the id: its maker is still the view's)
-    for op in trace.ops:
-        for out in op.out_ids:
-            made.setdefault(out, op)
-    reach: dict[int, list] = {}  # id of R -> [lo, hi, where]
+def shifted_sums(trace, made: dict, T: int) -> dict:
+    """{id of R: ((lo, hi), line, id of X)} for the convolutions along the sequence written by hand as sums of shifted
+    slices into a tensor R of the queries X (labml-nn's Primer `efficient`: `res = x * w[0]`, then `res[i:] += x[:-i]
+    * w[i]`). A sum counts where it is written in place into rows s_r.. of R, which carries X unshifted (X itself, or X
+    scaled or copied: a clone per tap too), and adds rows s_x.. of X (scaled), both sliced along X's token axis (its
+    one axis of length T): token t of X lands on row t + s_r - s_x of R. The shifts summed into R and into the copies
+    it was made from are one convolution (its reach: 0 and every shift). A sum out of place is not read (where its
+    result lands is the caller's), nor is a shift alone (a slice or a pad with no sum with the query's own row)."""
+    shifts: dict[int, list] = {}  # id of R -> [its X, the shifts written into it, the first line]
     for op in trace.ops:
         if op.short not in SUMS or "query" not in op.sources or len(op.in_ids) != 2:
             continue
-        a, b = (_token_slice(trace, made, i, T) for i in op.in_ids)
-        for dest, src in ((a, b), (b, a)):
-            if dest is None or src is None or (dest[1], dest[3]) != (src[1], src[3]):
-                continue
-            (r, axis, s_r, _), (x, _, s_x, _) = dest, src
-            if _scaled_to(trace, made, r, x):
-                span = reach.setdefault(r, [0, 0, short(op)])
-                span[0], span[1] = min(span[0], s_r - s_x), max(span[1], s_r - s_x)
+        dest, src = (_token_slice(trace, made, i, T) for i in op.in_ids)
+        if dest is None or src is None or (dest[1], dest[3]) != (src[1], src[3]):
+            continue
+        (r, _, s_r, _), (x, _, s_x, _) = dest, src
+        if _scaled_to(trace, made, r, x):
+            shifts.setdefault(r, [x, [], short(op)])[1].append(s_r - s_x)
+    found = {}
+    for r, (x, own, line) in shifts.items():
+        every, at = [0, *own], r
+        for _ in range(8):  # the copies R was made from (a clone per tap): their shifts are this convolution's too
+            op = made.get(at)
+            at = _scaled(trace, op) if op is not None else None
+            if at is None or at == x:
                 break
-    return [((lo, hi), at) for lo, hi, at in reach.values() if (lo, hi) != (0, 0)]
+            every += shifts.get(at, [None, []])[1]
+        found[r] = ((min(every), max(every)), line, x)
+    return found
 
 
 def _token_slice(trace, made: dict, tensor_id: int, T: int):
@@ -157,7 +211,7 @@ def _token_slice(trace, made: dict, tensor_id: int, T: int):
 
 def _scaled_to(trace, made: dict, r: int, x: int) -> bool:
     """Whether tensor `r` is `x`, or `x` scaled or copied (row t of r from row t of x alone)."""
-    for _ in range(5):
+    for _ in range(8):
         if r == x:
             return True
         op = made.get(r)
