@@ -159,3 +159,75 @@ def test_a_shift_alone_is_no_convolution():
     torch.manual_seed(0)
     summed = diagnostics.audit(ShiftedQueries(summed=True)).result("query_locality")
     assert summed.verdict == "pass" and "(rows +0 to +1 of the query)" in summed.message, summed
+
+
+class Transformed(nn.Module):
+    """Attention whose queries, (B, H, T, d), pass through `transform` before q·k (keys and values as they are)."""
+
+    def __init__(self, transform, d_model: int = D):
+        super().__init__()
+        self.transform, self.d_model, self.num_heads = transform, d_model, HEADS
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, query, key, value, mask=None):
+        B, T, W = query.shape
+        split = lambda t: t.view(B, T, HEADS, -1).transpose(1, 2)
+        q, k, v = self.transform(split(self.q_proj(query))), split(self.k_proj(key)), split(self.v_proj(value))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, W))
+
+
+def shifted(q, by=1):  # row t gets the query of token t - by (an off-by-one)
+    return F.pad(q, (0, 0, by, 0))[:, :, :q.shape[2]]
+
+
+def summed(q, kernel=3):  # a causal convolution of `kernel` taps as a sum of shifted slices, written in place
+    out = q * 0.5
+    for j in range(1, kernel):
+        out[:, :, j:] += q[:, :, :-j] * 0.25
+    return out
+
+
+def clone_per_tap(q, kernel=3):  # the same, a copy per tap (a way around autograd's in-place errors)
+    out = q * 0.5
+    for j in range(1, kernel):
+        out = out.clone()
+        out[:, :, j:] += q[:, :, :-j] * 0.25
+    return out
+
+
+def channels_smoothed(q):  # each token's channels smoothed by shifted sums along its 16 channels: no token mixed
+    flat = q.reshape(-1, q.shape[-1])
+    out = flat * 0.5
+    out[:, 1:] += flat[:, :-1] * 0.25
+    return out.view(q.shape)
+
+
+CASES = {  # name -> (transform, the model width, whether the correct layer's rows +0 to +2 are excused)
+    "clone per tap": (clone_per_tap, D, True),
+    "clone per tap, shifted": (lambda q: shifted(clone_per_tap(q)), D, False),
+    "one head group convolved, the other shifted": (lambda q: torch.cat([summed(q[:, :2]), shifted(q[:, 2:])], 1), D,
+                                                    False),
+    "two head groups, one shifted by two": (lambda q: torch.cat([summed(q[:, :2]), shifted(summed(q[:, 2:]), 2)], 1),
+                                            D, False),
+    "shifted, gated by a convolution": (lambda q: shifted(q) * torch.sigmoid(summed(q)), D, False),
+    "channels smoothed, one head shifted": (lambda q: torch.cat([channels_smoothed(q)[:, :1],
+                                                                 shifted(channels_smoothed(q)[:, 1:])], 1), 64, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_only_a_convolution_the_queries_pass_through_whole_is_read(case):
+    """The reach is read walking back from q·k's queries through ops that only lay them out: a convolution (or a sum
+    of shifted slices) on that path counts, and a clone per tap is one convolution; one beside the queries (a head
+    group of several, a gate) or a shift after it stops the reading, and an axis as long as the probe (heads of 16
+    channels at T = 16) is read again at twice the length. Each of these bugs passed (review A, 2026-12-07)."""
+    transform, width, excused = CASES[case]
+    torch.manual_seed(0)
+    found = diagnostics.audit(Transformed(transform, width)).result("query_locality")
+    if excused:
+        assert found.verdict == "pass" and "(rows +0 to +2 of the query)" in found.message, found
+    else:
+        assert found.verdict == "fail", found
