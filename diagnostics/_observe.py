@@ -509,14 +509,15 @@ class Observer(Mode):
                 self._origin.pop(_key(o), None)
 
     def _lineage(self, func, packet, args, outs) -> None:
-        """Follow values read at points (a grid_sample's output), values gathered by unfold (im2col) and softmax
-        weights through the ops that only move them (`_CARRY`, stack, cat), and count a product of weights with either
+        """Follow values read at points (a grid_sample's output), values gathered by unfold (im2col) and softmax weights
+        through the ops that only move them (`_CARRY`, stack, cat), and count a product of weights with either
         (`Record.weighed_samples`, `Record.weighed_unfolds`): deformable attention weighs each sampled point by its
-        weight, outlook attention each location's neighbours. A grid_sample whose output no softmax's weights multiply (a table
-        resized, a position read) is none."""
+        weight, outlook attention each location's neighbours. A grid_sample whose output no softmax's weights multiply
+        (a table resized, a position read) is none."""
         ins = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(x, Tensor)]
         keys = {_key(x) for x in ins}
-        if packet in (aten.mul, aten.mul_, aten.bmm, aten.matmul, aten.mm) and len(ins) == 2 and keys & self._normalised:
+        if packet in (aten.mul, aten.mul_, aten.bmm, aten.matmul, aten.mm) and len(ins) == 2 \
+                and keys & self._normalised:
             if keys & self._sampled:
                 self.record.weighed_samples += 1
             if keys & self._unfolded:
@@ -1012,16 +1013,26 @@ def _part_of_product(record: Record, i: int, event: SoftmaxCall):
 
 def weights_in_parts(record: Record, sm: SoftmaxCall) -> tuple[Tensor, int, int] | None:
     """(the weights the values meet, which part `sm` or a softmax of its shape wrote, of how many) where the output of
-    `sm`, or of another softmax of the same shape (the part it wrote may have been changed since: a mask after the
-    softmax in the last part normalised), is one of n equal consecutive parts (2 <= n <= `SCORE_PARTS`) of a later
+    `sm`, or of another softmax of the same shape beside it with no product between them (the part `sm` wrote may have
+    been changed since: a mask after the softmax in the last part normalised; another attention's softmax, before
+    its own product, is no part of this one), is one of n equal consecutive parts (2 <= n <= `SCORE_PARTS`) of a later
     product's operand: the layer normalised its scores a part of the batch at a time into one tensor (labml-nn's
     in-place halves), whose whole, shaped as n of `sm`'s outputs along their first axis, is what multiplies the
     values. Every part counts as that tensor holds it, also one no softmax wrote (a half the layer forgot to
     normalise). None where no later product holds one so, or where every part is the same (one map broadcast over
     the batch and heads: the softmax's own output is the weights)."""
-    shape = sm.output.shape
-    siblings = [e for e in record.order if isinstance(e, SoftmaxCall) and e.output.shape == shape and e is not sm]
-    for candidate in (sm, *siblings[::-1]):
+    at = next((j for j, e in enumerate(record.order) if e is sm), None)
+    if at is None:
+        return None
+    run = [at]  # the softmaxes of sm's shape next to it, no product between: the other parts of one normalisation
+    for step in (-1, 1):
+        j = at + step
+        while 0 <= j < len(record.order) and not isinstance(record.order[j], Matmul):
+            e = record.order[j]
+            if isinstance(e, SoftmaxCall) and e.output.shape == sm.output.shape:
+                run.append(j)
+            j += step
+    for candidate in (record.order[j] for j in run):
         found = _part_of_operand(record, candidate)
         if found is not None:
             return found
@@ -1751,16 +1762,16 @@ def summed_and_scores(record: Record, call) -> tuple:
 
 def not_over_tokens(record: Record, t_q: int, t_k: int, *, summed: bool = False) -> str:
     """Why the attention the record shows is not over the tokens ('' where it is, or where nothing was seen): every
-    softmax's scores have neither the queries' nor the keys' count in their last two axes (its (.., Tq, Tk), as
-    `orient` lays them out), and every fused call's q and k none as their token axis (-2). DaViT's channel attention,
+    softmax's scores have neither the queries' nor the keys' count in their last two axes (its (.., Tq, Tk), as `orient`
+    lays them out), and every fused call's q and k none as their token axis (-2). DaViT's channel attention,
     softmax((q^T k) / sqrt(N)) over (B, H, d, d), attends between the channels of a head, which the checks of a token
     attention (identical tokens out unchanged, the recompute from the projections) do not describe. Only those axes:
-    DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was
-    judged as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those
-    axes: judged. `summed`: only where every q·k product before them sums over an axis of the tokens' count too and
-    its scores are square past a batch axis (q^T k, (d, T) x (T, d): a head's channels by its channels, channel
-    attention's own form; (B, B) scores of (B, T) rows attend across the batch), which no token attention's are (a bucketed one's (buckets, look-around) scores over a head of the tokens' width
-    are not square)."""
+    DaViT's third stage at 64 px has as many heads as tokens (16), and read over every axis past the batch it was judged
+    as token attention and failed. A softmax over a wrong axis of (Tq, Tk) scores (queries, heads) keeps those axes:
+    judged. `summed`: only where every q·k product before them sums over an axis of the tokens' count too and its scores
+    are square past a batch axis (q^T k, (d, T) x (T, d): a head's channels by its channels, channel attention's own
+    form; (B, B) scores of (B, T) rows attend across the batch), which no token attention's are (a bucketed one's
+    (buckets, look-around) scores over a head of the tokens' width are not square)."""
     if not (record.softmaxes or record.fused) or record.flex:
         return ""
     tokens = {t_q, t_k}

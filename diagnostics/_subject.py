@@ -518,7 +518,7 @@ class ModuleSubject(Subject):
         self.fixed_memory = isinstance(layer, nn.TransformerDecoderLayer)  # an encoder's output, not the queries
 
     def _call(self, query, key, value, allowed):
-        if self.form == "self_module" and not (query is key and key is value):
+        if self.form == "self_module" and not (query is key and (key is value or self.sig.required_kv)):
             raise AuditUsageError("internal: a self-attention module takes one input stream")
         if self.call is not None:  # the declared call: its streams by form, the mask under the call's own name
             streams = {"self_module": (query,), "cross_module": (query, key)}.get(self.form, (query, key, value))
@@ -579,8 +579,8 @@ class ModuleSubject(Subject):
             kwargs.update(self.extra(query, start))
         query, key, value = self._tokens_in(query, key, value)
         kwargs[self.sig.query] = query
-        if self.form == "self_module":  # a key or value it requires (`forward(qk, v)`): the same stream again
-            kwargs.update(dict.fromkeys(self.sig.required_kv, query))
+        if self.form == "self_module":  # the value a shared-QK core requires (`forward(qk, v)`): the same stream,
+            kwargs.update(dict.fromkeys(self.sig.required_kv, value))  # or its values changed alone (keys_matter)
         if self.form == "qkv_module":
             kwargs[self.sig.key], kwargs[self.sig.value] = key, value
         elif self.form == "cross_module":

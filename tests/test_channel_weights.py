@@ -7,7 +7,7 @@ tokens), the checks of token attention being not applicable; a layer that names 
 over 8 keys "the layer makes of its own from the 16 tokens (pooled: a spatial reduction)", which they are not.
 `weight_row_sums` now measures what such weights must be: each softmax normalises the axis its values are then summed over, read from the axes themselves. Only where every
 softmax's q·k product sums over the tokens and its scores are square (channel attention's own form), and again so in
-one more call at twice the length (a head as wide as the probe is long reads the same at one length: windows of 4
+one more call at four times the length (a head as wide as the probe is long reads the same at one length: windows of 4
 tokens over heads of 16 at T = 16, tests/test_tagged_layout.py and tests/test_layer_causes.py, stay token attention).
 `keys_matter` asks what such a layer's rows must do: each reads its own token's value only (token 0's value moved
 alone through the value projection moves no other row); heads merged without moving the tokens first scramble them,

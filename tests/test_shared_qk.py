@@ -178,3 +178,19 @@ def test_a_lone_key_required_is_a_second_stream_never_the_same_one_silently():
     assert diagnostics.audit(bug).status != "passed"
     declared = diagnostics.audit(bug, cross=True, call=lambda layer, x, memory: layer(x, k=memory))
     assert declared.status == "failed", declared
+
+
+class ValuesFromQK(SharedQK):
+    """The core with its values read from `qk` instead of `v` (a typo its one-stream probes cannot see)."""
+
+    def forward(self, qk, v, input_mask=None):
+        return shared_qk_attention(qk, qk, input_mask, causal=self.causal, bug=self.bug)
+
+
+def test_its_values_are_changed_apart_from_its_queries():
+    """Given one stream, `v` is the same tokens as `qk`, and a core that read its values from `qk` passed (review C):
+    `keys_matter` moves token 0's values alone through `v`, and the other rows must move."""
+    right = diagnostics.audit(SharedQK()).result("keys_matter")
+    assert right.verdict == "pass" and "its `v`" in right.evidence, right
+    wrong = diagnostics.audit(ValuesFromQK()).result("keys_matter")
+    assert wrong.verdict == "fail", wrong

@@ -55,7 +55,9 @@ def not_token_attention(probe: Probe, det: str, *, summed: bool = False) -> Dete
 def channel_attention(probe: Probe) -> str:
     """Why the layer is channel attention (`_observe.not_over_tokens` with `summed`: every softmax over scores square
     past a batch axis, (.., d, d), of q^T k, a product over the tokens; XCA's, DaViT's), read at the standard probe
-    and again at twice its length (a token attention whose head is as wide as the probe is long, windows of 4 tokens
+    and again at four times its length (a square grid's tokens at twice the side; a reading of the audit's own, whose
+    raise is no failure of the layer's: a layer of a fixed length is then no channel attention to the audit; a token
+    attention whose head is as wide as the probe is long, windows of 4 tokens
     over heads of 16 at T = 16, keeps both its (4, 4) scores and its product over 16; a channel attention's product
     follows the tokens); "" where it is not. Once per audit (one observed call more where the first reading holds)."""
     return probe.shared("channel attention", lambda: _channel_attention(probe))
@@ -69,9 +71,9 @@ def _channel_attention(probe: Probe) -> str:
     why = not_over_tokens(base.record, base.query.shape[t], base.key.shape[t], summed=True)
     if not why:
         return ""
-    T = 2 * probe.t
+    T = 4 * probe.t  # a square grid's tokens again (twice the side): an image layer takes it
     call = probe.call(*probe.streams(probe.BATCH, T), probe.allowed(probe.BATCH, T, T),
-                      label=f"the standard probe at T={T} (is it channel attention?)", observe=True)
+                      label=f"the standard probe at T={T} (is it channel attention?)", observe=True, reading=True)
     again = call.ok and call.record is not None and bool(not_over_tokens(call.record, T, T, summed=True))
     return why if again else ""
 

@@ -3,6 +3,8 @@ newest key (bottom-right alignment)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -12,8 +14,8 @@ from .._probe import Probe
 from .._registry import CAUSAL, LONG, NOT_APPLICABLE, Need, detector
 from .._result import DetectorResult, Site
 from .._thresholds import dtype_name
-from .._tracing import declared_mask, mask_sites, trace_call
-from ._common import invariance_locator, judge, perturbation_gains, result
+from .._tracing import SOFTMAXES, ancestors, declared_mask, mask_sites, qk_matmul, trace_call
+from ._common import base_trace, invariance_locator, judge, perturbation_gains, result
 from ._stacked import DECODING, PADDED, other_sequence_changed, stacked, stacked_cases
 
 
@@ -173,11 +175,13 @@ def check_causal_alignment(probe: Probe) -> DetectorResult:
                              f"{diag.numel()} queries here, {source}); with one input stream a key cannot move "
                              f"without its query, so the alignment is not measured")
         alone = alone_on_itself(weights, room)
-        if alone is not None and bool((diag[alone] > ALONE_ON_ITSELF).all()) and keys_are_queries(base.record):
+        if alone is not None and bool((diag[alone] > ALONE_ON_ITSELF).all()) and keys_are_queries(base.record) \
+                and keys_made_from_queries(base_trace(probe)):
             return result(det, "pass", f"every query attends its own position where it has no other key, and only "
                           f"there ({source}): its keys are its queries (each key parallel to its token's query in the "
-                          f"product before the softmax), and shared-QK attention keeps a token from attending itself "
-                          f"wherever another key is allowed (Reformer), by design", value=float(diag[alone].min()),
+                          f"product before the softmax, made from them by no projection of their own), and shared-QK "
+                          f"attention keeps a token from attending itself wherever another key is allowed (Reformer), "
+                          f"by design", value=float(diag[alone].min()),
                           threshold=ALONE_ON_ITSELF,
                           evidence=f"{int(alone.sum())} / {diag.numel()} queries have no key but their own and give "
                                    f"it weight {float(diag[alone].min()):.3g} or more (more than {ALONE_ON_ITSELF} "
@@ -196,6 +200,22 @@ ALONE_ON_ITSELF = 0.99
 """The weight a query with no allowed key but its own must give it for causal_alignment to read a shared-QK layer's
 self-exclusion as by design: all of it, less rounding (bfloat16's eps 0.0078; a mask that blocks the first query's own
 key too spreads its weight over every key, 1/T each)."""
+
+
+PROJECTIONS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "einsum"})
+
+
+def keys_made_from_queries(trace) -> bool:
+    """Whether the keys of the q·k product before the first softmax come from the queries by no product of their own:
+    every projection (a matmul, a linear, a convolution) the key operand depends on, the query operand depends on too
+    (Reformer's keys are its queries l2-normalised). A key projection of its own, even with weights equal to the
+    query projection's (a copy, a typo calling W_q twice), is one: its self-exclusion is not shared-QK's."""
+    first = next((i for i, op in enumerate(trace.ops) if op.short in SOFTMAXES), None)
+    product = qk_matmul(trace, first) if first is not None else None
+    if product is None or len(product.in_ids) < 2:
+        return False
+    query, key = (ancestors(trace, SimpleNamespace(in_ids=(i,), index=product.index)) for i in product.in_ids[:2])
+    return not any(trace.ops[i].short in PROJECTIONS for i in key - query)
 
 
 def causal_room(weights: Tensor, allowed: Tensor | None, pattern=None) -> Tensor:

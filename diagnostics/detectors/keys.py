@@ -9,6 +9,7 @@ from .._core import (
     Inputs,
     baseline_scale,
     compare,
+    not_run,
     perturbed,
     relative_change,
     skip,
@@ -105,6 +106,9 @@ def _values_read(probe: Probe) -> DetectorResult:
     channels = channel_attention(probe) if other is not None else ""
     if other is not None and not channels:
         return other
+    sig = getattr(probe.subject, "sig", None)
+    if sig is not None and sig.required_kv and getattr(probe.subject, "call", None) is None:
+        return _values_apart(probe, sig.required_kv[0])  # a shared-QK core: its values are an input of their own
     first = None
     for nth in range(VALUE_TRIES):
         found = probe.value_projection(nth)
@@ -128,18 +132,38 @@ CHANNELS_FIX = ("merge the heads back with the channels before the tokens: out (
                 "2).reshape(B, T, H x d), not out.reshape(B, T, H x d)")
 
 
+def _values_apart(probe: Probe, name: str) -> DetectorResult:
+    """A shared-QK core (`forward(qk, v)`): its values are an input of their own, `name`, given the query's stream on
+    every other probe; here token 0's values moved alone through it (its keys are its queries, held)."""
+    base = probe.base()
+    if not base.ok:
+        return not_run("keys_matter", base)
+    rms = float(base.value.float().pow(2).mean().sqrt()) or 1.0
+    call = probe.call(base.query, base.key, _moving(VALUE_GAIN, rms)(base.value), base.allowed,
+                      label=f"the standard probe with token 0's values moved (its `{name}`)")
+    moved = call.output.out if call.ok else None
+    return _judge_values(probe, moved, base.output.out, f"its `{name}`")
+
+
 def _read_through(probe: Probe, found, *, channels: str = "") -> DetectorResult:
     """`_values_read` through the value projection `found`: token 0's values moved, the other rows that may attend
     it must move; in a channel attention (`channels`: why it is one), where every row is its own token's value
     times weights between channels, none of them may."""
-    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
     rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0
     moved = probe.with_values(_moving(VALUE_GAIN, rms),
                               f"the standard probe with token 0's values moved (the output of {found.name})", found)
-    if moved is None or moved.shape != found.attended.shape or moved.dim() < 2:
-        return skip(det, f"with token 0's values moved (the output of {found.name}) the layer raised or returned "
-                         f"another shape")
-    change = relative_change(moved, found.attended)  # (B, T): each row's most moved feature, of the RMS
+    return _judge_values(probe, moved, found.attended, f"the output of {found.name}", channels=channels,
+                         extras={"values_moved": found})
+
+
+def _judge_values(probe: Probe, moved, attended, through: str, *, channels: str = "",
+                  extras: dict | None = None) -> DetectorResult:
+    """Token 0's values moved alone (`through`): `moved` against `attended`, what the output projection is given (or
+    the layer's output) before and after."""
+    det, s, B, T = "keys_matter", probe.subject, probe.BATCH, probe.t
+    if moved is None or moved.shape != attended.shape or moved.dim() < 2:
+        return skip(det, f"with token 0's values moved ({through}) the layer raised or returned another shape")
+    change = relative_change(moved, attended)  # (B, T): each row's most moved feature, of the RMS
     if change is None:
         return skip(det, "the output is zero or non-finite everywhere on this probe, so a change cannot be measured")
     change = change.cpu().reshape(B, -1)  # (B, T), or (B, Q) for queries of the layer's own
@@ -161,9 +185,8 @@ def _read_through(probe: Probe, found, *, channels: str = "") -> DetectorResult:
         return skip(det, "no other query may attend token 0")
     worst = float(rows.max())
     others = f"{rows.numel()} {'' if own else 'other '}rows that may attend it"
-    text = (f"token 0's values moved alone ({VALUE_GAIN:g}x their RMS, through the output of {found.name}): the "
-            f"{others} moved by at most {worst:.3g} of the outputs' RMS (up to {tol:.2g} counts as unmoved for "
-            f"{dtype_name(s.dtype)})")
+    text = (f"token 0's values moved alone ({VALUE_GAIN:g}x their RMS, through {through}): the {others} moved by at "
+            f"most {worst:.3g} of the outputs' RMS (up to {tol:.2g} counts as unmoved for {dtype_name(s.dtype)})")
     if channels:  # each output row is its own token's value times the weights between channels
         if worst <= tol:
             return DetectorResult(det, "pass", "each output row reads its own token's value only, through weights "
@@ -175,7 +198,7 @@ def _read_through(probe: Probe, found, *, channels: str = "") -> DetectorResult:
     if worst <= tol:
         return DetectorResult(det, "fail", "no query reads another token's value: each output row moves with its own "
                                            "token's value only", value=worst, threshold=tol, evidence=text,
-                              fix=KEYS_FIX, extras={"values_moved": found})
+                              fix=KEYS_FIX, extras=extras or {})
     return DetectorResult(det, "pass", f"the output depends on the values of other tokens: changing token 0's values "
                                        f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,
                           threshold=tol, evidence=text)

@@ -57,67 +57,104 @@ def check_query_locality(probe: Probe) -> DetectorResult:
 def convolved_queries(probe: Probe) -> tuple[tuple[int, int] | None, str]:
     """The rows, relative to a query, that the convolutions along the sequence the queries pass through on their way
     to the q·k product carry it into ((lo, hi)), and where the first is (file:line); (None, "") where there is none,
-    or one not read. Read from the standard call's trace (`queries_reach`) and read again, the same, from a call at
-    twice the length: an axis that happens to be as long as the probe (a head of 16 channels at T = 16) is no token
-    axis at the other length."""
-    window, where = queries_reach(base_trace(probe), probe.t)
+    or one not read. Read from the standard call's trace (`queries_reach`); each convolution's axis is then checked to
+    be the tokens' in a second traced call with query `changed_query` changed alone: its input must change at that
+    token's index along the axis and nowhere else along it (an axis that is as long as the probe but holds features,
+    or a view that lays the tokens out otherwise, does not)."""
+    base = probe.base()
+    trace, T = base_trace(probe), probe.t
+    window, where, read = queries_reach(trace, T)
     if window is None:
         return None, ""
-    T = 2 * probe.t
-    q, k, v = probe.streams(probe.BATCH, T)
-    again = trace_call(probe.subject, q, k, v, probe.allowed(probe.BATCH, T, T), seed=probe.seed)
-    return (window, where) if queries_reach(again, T)[0] == window else (None, "")
+    p = changed_query(T)
+    moved = base.query.clone()
+    moved[:, p] = -2.0 * moved[:, p] + 1.0
+    other = trace_call(probe.subject, moved, base.key, base.value, base.allowed, seed=probe.seed)
+    for index, position, axis in read:
+        if index >= len(other.ops) or other.ops[index].name != trace.ops[index].name:
+            return None, ""
+        a, b = trace.ops[index].outs, other.ops[index].outs
+        a, b = (x[position] if position < len(x) else None for x in (a, b))
+        if a is None or b is None or a.shape != b.shape or a.dim() <= axis:
+            return None, ""
+        changed = (a != b).movedim(axis, 0).reshape(a.shape[axis], -1).any(-1)
+        if changed.nonzero().flatten().tolist() != [p]:
+            return None, ""
+    return window, where
 
 
 LAYOUT = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "clone",
                     "contiguous", "expand", "unsqueeze", "squeeze", "alias", "detach", "_to_copy"})
 """Ops that move a tensor's numbers without combining them with others: the queries keep their rows through them."""
+PARTS = frozenset({"split", "split_with_sizes", "unbind", "select", "slice"})
+"""Ops that take a part of a tensor: the queries' part of a fused q, k and v, along an axis that is not the tokens'."""
 
 
-def queries_reach(trace, T: int) -> tuple[tuple[int, int] | None, str]:
-    """Walk back from the query operand of the first q·k product (the matmul before the first softmax, or a fused
-    attention call's q) through ops that only lay its numbers out (`LAYOUT`): each convolution along the T tokens met
-    there (`_conv_reach`), or sum of shifted slices written into a tensor of the queries (`shifted_sums`), adds the
-    rows it carries a query into, and the walk goes on from its input. It stops at anything else: a convolution beside
-    the queries (a gate's, one head group's of several, concatenated) or after some other op excuses nothing, nor
-    does a shift alone (a pad, a cat)."""
-    first = next((i for i, op in enumerate(trace.ops) if op.short in SOFTMAXES or "scaled_dot_product" in op.name),
-                 None)
+def queries_reach(trace, T: int) -> tuple[tuple[int, int] | None, str, list]:
+    """Walk back from the query operand of the q·k product (the matmul before the first softmax over scores with the T
+    queries and T keys among their axes, not a kernel's or a gate's; or a fused attention call's q) through ops that
+    only lay its numbers out (`LAYOUT`), take a part of them along another axis than one of T (`PARTS`: q out of a fused
+    q, k, v) or scale them by numbers not of the queries (a scale, a bias): each convolution along the T tokens met
+    there (`_conv_reach`), or sum of shifted slices written into a tensor of the queries (`shifted_sums`), adds the rows
+    it carries a query into, and the walk goes on from its input. It stops at anything else: a convolution beside the
+    queries (a gate's, one head group's of several, concatenated) or before some other op (a rotation, a norm) excuses
+    nothing, nor does a shift alone (a pad, a cat). Returns ((lo, hi), the first one's line, [(the op index that made
+    each one's input, its output position, the axis read as the tokens')]) or (None, "", [])."""
+    first = next((i for i, op in enumerate(trace.ops) if "scaled_dot_product" in op.name or (
+        op.short in SOFTMAXES and op.outs and op.outs[0] is not None and list(op.outs[0].shape).count(T) >= 2)),
+        None)
     if first is None:
-        return None, ""
+        return None, "", []
     op = trace.ops[first]
     product = op if "scaled_dot_product" in op.name else qk_matmul(trace, first)
     if product is None or not product.in_ids or "query" not in product.sources:
-        return None, ""
+        return None, "", []
     made: dict = {}  # tensor id -> the op that made it (a write in place keeps the id: its maker is the first)
     for o in trace.ops:
         for out in o.out_ids:
             made.setdefault(out, o)
     sums = shifted_sums(trace, made, T)
     lo = hi = 0
-    where, found, at = "", False, product.in_ids[0]
+    where, read, at = "", [], product.in_ids[0]
     for _ in range(64):
         maker = made.get(at)
         if maker is None:
             break
-        read = sums.get(at) or (_conv_reach(trace, made, maker, T) if maker.short in ("convolution", "slice") else None)
-        if read is None and maker.short in LAYOUT and maker.in_ids:
-            at = maker.in_ids[0]  # a copy written into in place is a sum's R, read above first
+        found = sums.get(at) or (_conv_reach(trace, made, maker, T) if maker.short in ("convolution", "slice")
+                                 else None)
+        if found is not None:
+            (a, b), line, at, axis = found
+            source = made.get(at)
+            if source is None:
+                break
+            lo, hi, where = lo + a, hi + b, where or line
+            read.append((source.index, source.out_ids.index(at), axis))
             continue
-        if read is None:
+        nxt = _passed_through(trace, maker, T)
+        if nxt is None:
             break
-        (a, b), line, at = read
-        lo, hi, where, found = lo + a, hi + b, where or line, True
-    return ((lo, hi), where) if found else (None, "")
+        at = nxt
+    return ((lo, hi), where, read) if read else (None, "", [])
+
+
+def _passed_through(trace, op, T: int) -> int | None:
+    """The input of `op` whose rows its output keeps (`queries_reach`'s walk), or None where it keeps none."""
+    if op.short in LAYOUT and op.in_ids:
+        return op.in_ids[0]  # a copy written into in place is a sum's R, read before this
+    if op.short in PARTS and op.in_ids and isinstance(op.args[0], Tensor):
+        at = 2 if op.short in ("split", "split_with_sizes") else 1  # the axis argument: split(x, n, dim), slice(x, dim)
+        axis = int(op.args[at]) if len(op.args) > at else 0
+        return op.in_ids[0] if op.args[0].shape[axis % op.args[0].dim()] != T else None  # never a part of the tokens
+    return _scaled(trace, op) if op.short in ELEMENTWISE + ("add", "sub") else None
 
 
 def _conv_reach(trace, made: dict, op, T: int):
-    """((lo, hi), its line, its input's id) of a 1-D convolution along the T tokens (`op`, or a slice that crops one):
-    its input holds the T tokens, padded (by its own `padding` and a constant pad just before it) on the left by P_l;
-    its output is T long, or cropped to T by the slice from s: output row r reads tokens r + s - P_l + j x dilation
-    (j < K), so query p reaches rows p - s + P_l - (K - 1) x dilation .. p - s + P_l (a causal convolution: p .. p + K
-    - 1; a "same" one: p - (K - 1) / 2 .. p + (K - 1) / 2). None for anything else (a stride, a 2-D map, a 1x1
-    projection, a crop not read)."""
+    """((lo, hi), its line, its input's id, 2: the axis of the tokens in it) of a 1-D convolution along the T tokens
+    (`op`, or a slice that crops one): its input holds the T tokens, padded (by its own `padding` and a constant pad
+    just before it) on the left by P_l; its output is T long, or cropped to T by the slice from s: output row r reads
+    tokens r + s - P_l + j x dilation (j < K), so query p reaches rows p - s + P_l - (K - 1) x dilation .. p - s + P_l
+    (a causal convolution: p .. p + K - 1; a "same" one: p - (K - 1) / 2 .. p + (K - 1) / 2). None for anything else (a
+    stride, a 2-D map, a 1x1 projection, a crop not read)."""
     start, cut = 0, None
     if op.short == "slice":
         cut, op = op, made.get(op.in_ids[0]) if op.in_ids else None
@@ -150,7 +187,7 @@ def _conv_reach(trace, made: dict, op, T: int):
             return None
     elif cut is not None:
         return None  # a slice of a convolution already T long: a shift, not read
-    return (left - start - (K - 1) * dil, left - start), short(op), source
+    return (left - start - (K - 1) * dil, left - start), short(op), source, 2
 
 
 ELEMENTWISE = ("mul", "mul_", "div", "div_", "neg", "clone", "_to_copy", "to")
@@ -158,13 +195,14 @@ SUMS = ("add_", "sub_")
 
 
 def shifted_sums(trace, made: dict, T: int) -> dict:
-    """{id of R: ((lo, hi), line, id of X)} for the convolutions along the sequence written by hand as sums of shifted
-    slices into a tensor R of the queries X (labml-nn's Primer `efficient`: `res = x * w[0]`, then `res[i:] += x[:-i]
-    * w[i]`). A sum counts where it is written in place into rows s_r.. of R, which carries X unshifted (X itself, or X
-    scaled or copied: a clone per tap too), and adds rows s_x.. of X (scaled), both sliced along X's token axis (its
-    one axis of length T): token t of X lands on row t + s_r - s_x of R. The shifts summed into R and into the copies
-    it was made from are one convolution (its reach: 0 and every shift). A sum out of place is not read (where its
-    result lands is the caller's), nor is a shift alone (a slice or a pad with no sum with the query's own row)."""
+    """{id of R: ((lo, hi), line, id of X, the axis of X read as the tokens')} for the convolutions along the sequence
+    written by hand as sums of shifted slices into a tensor R of the queries X (labml-nn's Primer `efficient`: `res = x
+    * w[0]`, then `res[i:] += x[:-i] * w[i]`). A sum counts where it is written in place into rows s_r.. of R, which
+    carries X unshifted (X itself, or X scaled or copied: a clone per tap too), and adds rows s_x.. of X (scaled), both
+    sliced along X's token axis (its one axis of length T): token t of X lands on row t + s_r - s_x of R. The shifts
+    summed into R and into the copies it was made from are one convolution (its reach: 0 and every shift). A sum out of
+    place is not read (where its result lands is the caller's), nor is a shift alone (a slice or a pad with no sum with
+    the query's own row)."""
     shifts: dict[int, list] = {}  # id of R -> [its X, the shifts written into it, the first line]
     for op in trace.ops:
         if op.short not in SUMS or "query" not in op.sources or len(op.in_ids) != 2:
@@ -172,11 +210,11 @@ def shifted_sums(trace, made: dict, T: int) -> dict:
         dest, src = (_token_slice(trace, made, i, T) for i in op.in_ids)
         if dest is None or src is None or (dest[1], dest[3]) != (src[1], src[3]):
             continue
-        (r, _, s_r, _), (x, _, s_x, _) = dest, src
+        (r, axis, s_r, _), (x, _, s_x, _) = dest, src
         if _scaled_to(trace, made, r, x):
-            shifts.setdefault(r, [x, [], short(op)])[1].append(s_r - s_x)
+            shifts.setdefault(r, [x, [], short(op), axis])[1].append(s_r - s_x)
     found = {}
-    for r, (x, own, line) in shifts.items():
+    for r, (x, own, line, axis) in shifts.items():
         every, at = [0, *own], r
         for _ in range(8):  # the copies R was made from (a clone per tap): their shifts are this convolution's too
             op = made.get(at)
@@ -184,7 +222,7 @@ def shifted_sums(trace, made: dict, T: int) -> dict:
             if at is None or at == x:
                 break
             every += shifts.get(at, [None, []])[1]
-        found[r] = ((min(every), max(every)), line, x)
+        found[r] = ((min(every), max(every)), line, x, axis)
     return found
 
 

@@ -157,8 +157,8 @@ def check_weight_row_sums(probe: Probe) -> DetectorResult:
 
 def _channel_weights(probe: Probe, det: str) -> DetectorResult | None:
     """For a channel attention (`_common.channel_attention`: XCA's, DaViT's), whether each softmax normalises the axis
-    its values are then summed over, read from the axes themselves (a softmax over the other axis of near-uniform weights sums to 1 within
-    rounding either way); None where the layer is no channel attention."""
+    its values are then summed over, read from the axes themselves (a softmax over the other axis of near-uniform
+    weights sums to 1 within rounding either way); None where the layer is no channel attention."""
     said = channel_attention(probe)
     if not said:
         return None
