@@ -770,16 +770,16 @@ EQUIVALENT: dict[str, tuple[str | tuple[str, ...], str]] = {
         "a value projection is found only where doubling its output doubles a non-zero one, so it is never 0"),
     "detectors/keys.py:_read_through:L*:x0.1": (
         "rms = float(found.values.float().pow(2).mean().sqrt()) or 1.0", "as x10: never reached"),
-    "detectors/keys.py:_read_through:L*:guard-never": (
+    "detectors/keys.py:_judge_values:L*:guard-never": (
         "if change is None:", "relative_change is None only where both outputs are zero or non-finite everywhere, "
         "and a value projection is found only where doubling its output doubles a finite, non-zero one"),
-    "detectors/keys.py:_read_through:L*:LtE->Lt": (
+    "detectors/keys.py:_judge_values:L*:LtE->Lt": (
         "if worst <= tol:", "a row that reads no other value moves by exactly 0, one that reads them by orders above "
         "the tolerance: worst == tol is met by neither"),
-    "detectors/keys.py:_read_through:L*:Gt->GtE": (
+    "detectors/keys.py:_judge_values:L*:Gt->GtE": (
         'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
         "(words only)"),
-    "detectors/keys.py:_read_through:L*:Gt->Lt": (
+    "detectors/keys.py:_judge_values:L*:Gt->Lt": (
         'f"alone moved {int((rows > tol).sum())} of the {others}", value=worst,', "the count the message gives "
         "(words only)"),
     "detectors/positions.py:check_relative_positions:L*:Gt->Lt": (

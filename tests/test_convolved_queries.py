@@ -205,7 +205,15 @@ def channels_smoothed(q):  # each token's channels smoothed by shifted sums alon
     return out.view(q.shape)
 
 
+def viewed_summed(q):  # (B, H, T, d) laid out as (B, H, d, T) by a view, not a transpose: shifted sums over channels
+    B, H, T, d = q.shape
+    return summed(q.reshape(B, H, d, T)).reshape(B, H, T, d)
+
+
 CASES = {  # name -> (transform, the model width, whether the correct layer's rows +0 to +2 are excused)
+    "scaled after the convolution": (lambda q: summed(q) * 0.5 + 0.1, D, True),
+    "a view for a transpose, one head shifted": (lambda q: torch.cat([viewed_summed(q)[:, :1],
+                                                                      shifted(viewed_summed(q)[:, 1:])], 1), D, False),
     "clone per tap": (clone_per_tap, D, True),
     "clone per tap, shifted": (lambda q: shifted(clone_per_tap(q)), D, False),
     "one head group convolved, the other shifted": (lambda q: torch.cat([summed(q[:, :2]), shifted(q[:, 2:])], 1), D,
@@ -222,8 +230,9 @@ CASES = {  # name -> (transform, the model width, whether the correct layer's ro
 def test_only_a_convolution_the_queries_pass_through_whole_is_read(case):
     """The reach is read walking back from q·k's queries through ops that only lay them out: a convolution (or a sum
     of shifted slices) on that path counts, and a clone per tap is one convolution; one beside the queries (a head
-    group of several, a gate) or a shift after it stops the reading, and an axis as long as the probe (heads of 16
-    channels at T = 16) is read again at twice the length. Each of these bugs passed (review A, 2026-12-07)."""
+    group of several, a gate) or a shift after it stops the reading, and an axis that is no token axis (heads of 16
+    channels at T = 16, a view laying channels out as T) is found so by changing one query alone. Each of these bugs
+    passed in a version of this reading (reviews A and C, 2026-12-07)."""
     transform, width, excused = CASES[case]
     torch.manual_seed(0)
     found = diagnostics.audit(Transformed(transform, width)).result("query_locality")

@@ -67,13 +67,15 @@ class OwnKeys(nn.Module):
     """A causal attention with keys of their own projection that excludes each token's own key the same way (its
     diagonal blocked, the first query left its own): not shared-QK, whatever its parameter is named."""
 
-    def __init__(self, named_qk: bool = True):
+    def __init__(self, copied: bool = False):
         super().__init__()
-        self.w_k, self.named_qk = nn.Linear(8, 8, bias=False), named_qk
+        self.w_q, self.w_k = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        if copied:  # keys parallel to the queries at this initialisation, from a projection of their own
+            self.w_k.load_state_dict(self.w_q.state_dict())
 
     def forward(self, qk, v, input_mask=None):
         T = qk.shape[1]
-        scores = qk @ self.w_k(qk).transpose(-2, -1) * qk.shape[-1] ** -0.5
+        scores = self.w_q(qk) @ self.w_k(qk).transpose(-2, -1) * qk.shape[-1] ** -0.5
         scores = scores.masked_fill(torch.eye(T, dtype=torch.bool), SELF)
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
         return scores.masked_fill(future, torch.finfo(scores.dtype).min).softmax(-1) @ v
@@ -128,12 +130,14 @@ def test_causal_self_exclusion_passes_and_the_twins_fail(dtype):
 
 def test_self_exclusion_is_excused_only_where_the_keys_are_the_queries():
     """Read from the product before the softmax, not from a name: the same attention given one stream `x` passes; keys
-    of their own projection excluded the same way fail, under the name `qk` too."""
+    of their own projection excluded the same way fail, under the name `qk` too, also where that projection is a copy
+    of the queries' (parallel keys, made apart: review C)."""
     one_stream = diagnostics.audit(SelfExcluding(causal=True), mask="key_keep", causal=True, d_model=8, num_heads=1)
     assert one_stream.result("causal_alignment").verdict == "pass", one_stream.result("causal_alignment")
-    torch.manual_seed(0)
-    own = diagnostics.audit(OwnKeys(), mask="key_keep", causal=True).result("causal_alignment")
-    assert own.verdict == "fail" and own.message == "a query gives zero weight to its own position", own
+    for copied in (False, True):
+        torch.manual_seed(0)
+        own = diagnostics.audit(OwnKeys(copied), mask="key_keep", causal=True).result("causal_alignment")
+        assert own.verdict == "fail" and own.message == "a query gives zero weight to its own position", (copied, own)
 
 
 def test_a_pattern_of_its_own_and_heads_folded_into_the_batch():

@@ -75,3 +75,28 @@ def test_scores_normalised_half_a_batch_at_a_time_are_read(dtype, init, std_002)
 def test_a_half_normalised_wrong_fails(bug):
     failed = [r.detector for r in _audit(bug).results if r.verdict == "fail"]
     assert "weight_row_sums" in failed, failed
+
+
+class TwoStages(nn.Module):
+    """Two attentions one after the other: the first runs two branches in one product, `cat([wa, wb]) @ cat([va, vb])`
+    (weights of the second's shape, two of them in one operand), the second normalises its scores over `dim`."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim, self.d_model, self.num_heads = dim, D, 1
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        wa = (q @ k.transpose(-2, -1) * D ** -0.5).softmax(-1)
+        wb = (k @ q.transpose(-2, -1) * D ** -0.5).softmax(-1)
+        x = x + (torch.cat([wa, wb]) @ torch.cat([v, v]))[: x.shape[0]]
+        return (q @ x.transpose(-2, -1) * D ** -0.5).softmax(self.dim) @ x
+
+
+def test_another_attentions_softmax_is_no_part():
+    """The second attention's softmax over the queries is read as itself, never as a part of the first's product,
+    whose operand holds a softmax of its shape (review C: the wrong axis passed `weight_row_sums` so)."""
+    torch.manual_seed(0)
+    found = diagnostics.audit(TwoStages(dim=-2)).result("weight_row_sums")
+    assert found.verdict == "fail", found

@@ -145,7 +145,7 @@ def _passed_through(trace, op, T: int) -> int | None:
         at = 2 if op.short in ("split", "split_with_sizes") else 1  # the axis argument: split(x, n, dim), slice(x, dim)
         axis = int(op.args[at]) if len(op.args) > at else 0
         return op.in_ids[0] if op.args[0].shape[axis % op.args[0].dim()] != T else None  # never a part of the tokens
-    return _scaled(trace, op) if op.short in ELEMENTWISE + ("add", "sub") else None
+    return _scaled(trace, op, ELEMENTWISE + ("add", "sub"))  # a scale, a bias
 
 
 def _conv_reach(trace, made: dict, op, T: int):
@@ -259,10 +259,10 @@ def _scaled_to(trace, made: dict, r: int, x: int) -> bool:
     return False
 
 
-def _scaled(trace, op) -> int | None:
-    """The one input of an elementwise op (`ELEMENTWISE`) that its output is, scaled: of its shape and of the queries,
+def _scaled(trace, op, ops: tuple = ELEMENTWISE) -> int | None:
+    """The one input of an elementwise op (one of `ops`) that its output is, scaled: of its shape and of the queries,
     every other input not of the queries; else None."""
-    if op.short not in ELEMENTWISE or not op.outs or op.outs[0] is None:
+    if op.short not in ops or not op.outs or op.outs[0] is None:
         return None
     ins = list(zip(op.in_ids, (x for a in op.args for x in tensors(a))))
     of_queries = [i for i, _ in ins if "query" in trace.sources.get(i, ())]
