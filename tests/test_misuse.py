@@ -141,3 +141,25 @@ def test_a_bias_buffer_that_is_no_mask_does_not_bound_seq_len():
     one = nn.Module()
     one.register_buffer("bias", torch.zeros(1, 4, 1, 1))  # a cache built on a one-token call: no context of 1
     assert context_length(one) is None
+
+
+class TinyLM(nn.Module):
+    """Token ids -> one attention layer -> logits: the smallest model `audit_model` takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.attn, self.head = nn.Embedding(20, 16), MultiHeadAttention(16, 2), nn.Linear(16, 20)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids)
+        return self.head(x + self.attn(x)[0])
+
+
+def test_audit_model_takes_progress_as_audit_does():
+    """`progress=False` (nothing drawn), as `audit` takes it, crashed the model audit ("'bool' object is not
+    callable"); anything else than a callable, None or False is a usage error saying so."""
+    example = torch.randint(0, 20, (1, 8), generator=torch.Generator().manual_seed(0))
+    report = diagnostics.audit_model(TinyLM(), example=example, detectors=["model_runs"], progress=False)
+    assert report.result("model_runs").verdict == "pass", report
+    with pytest.raises(AuditUsageError, match=r"expected progress a callable\(stage, index, total\), None or False"):
+        diagnostics.audit_model(TinyLM(), example=example, progress=5)

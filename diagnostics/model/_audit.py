@@ -200,6 +200,11 @@ def audit_model(model, example=None, *, causal: bool | None = None, seq_len: int
     False not to check it, None to check where transformers builds the model's packed-sequence mask
     (`packed_documents`). `_options`: for front
     ends, how the user spells each option ({"causal": "--causal"}), used in the messages."""
+    expect(progress is None or progress is False or callable(progress),
+           "progress a callable(stage, index, total), None or False (nothing drawn)",
+           f"progress={progress!r} ({type(progress).__name__})",
+           'pass a function, e.g. progress=lambda stage, i, n: print(f"{i}/{n} {stage}"), or leave progress out')
+    progress = None if progress is False else progress  # as audit() takes it: False draws nothing
     expect(isinstance(model, nn.Module), "an nn.Module (the whole model)", type(model).__name__,
            "pass the model instance; to audit one layer, use diagnostics.audit(layer)")
     expect(seq_len is None or (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 2),
