@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .._observe import Affine, FusedAttention, Matmul, Mode, Observer, SoftmaxCall, summed_and_scores
+from .._observe import Affine, Matmul, Mode, Observer, SoftmaxCall, summed_and_scores
 from ._runner import Runner
 
 TORCH_ATTENTION = (nn.MultiheadAttention,)
