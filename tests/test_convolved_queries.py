@@ -214,8 +214,9 @@ CASES = {  # name -> (transform, the model width, whether the correct layer's ro
 }
 
 
+@pytest.mark.parametrize("setting", ["float32", "bfloat16 at std 0.02"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_only_a_convolution_the_queries_pass_through_whole_is_read(case):
+def test_only_a_convolution_the_queries_pass_through_whole_is_read(case, setting, std_002):
     """The reach is read walking back from q·k's queries through ops that only lay them out: a convolution (or a sum
     of shifted slices) on that path counts, and a clone per tap is one convolution; one beside the queries (a head
     group of several, a gate) or a shift after it stops the reading, and an axis that is no token axis (heads of 16
@@ -223,7 +224,10 @@ def test_only_a_convolution_the_queries_pass_through_whole_is_read(case):
     passed in a version of this reading (reviews A and C, 2026-12-07)."""
     transform, width, excused = CASES[case]
     torch.manual_seed(0)
-    found = diagnostics.audit(Transformed(transform, width)).result("query_locality")
+    layer = Transformed(transform, width)
+    if setting != "float32":  # the scales people train at
+        layer = std_002(layer).to(torch.bfloat16)
+    found = diagnostics.audit(layer).result("query_locality")
     if excused:
         assert found.verdict == "pass" and "(rows +0 to +2 of the query)" in found.message, found
     else:
